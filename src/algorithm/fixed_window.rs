@@ -1,0 +1,68 @@
+//! Fixed window: one counter per window, windows aligned to the clock's origin.
+//!
+//! A client can spend the whole limit at the end of one window and again at the start of
+//! the next: up to twice the limit inside one window's length. That is the price of one
+//! counter; the tests show it.
+
+use super::{Snapshot, Verdict};
+
+/// Parameters: `limit` units per `window` nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FixedWindow {
+    /// Units per window.
+    pub limit: u64,
+    /// Window length in nanoseconds (at least 1).
+    pub window: u64,
+}
+
+/// The counter of the current window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WindowState {
+    /// `now / window` of the window counted in.
+    pub index: u64,
+    /// Units admitted in that window.
+    pub count: u64,
+}
+
+impl FixedWindow {
+    fn window_end(&self, now: u64) -> u64 {
+        (now - now % self.window).saturating_add(self.window)
+    }
+
+    /// Moves the state to the window `now` falls in.
+    pub fn refresh(&self, state: &mut WindowState, now: u64) {
+        let index = now / self.window;
+        if state.index != index {
+            *state = WindowState { index, count: 0 };
+        }
+    }
+
+    /// Would `cost` units fit now? The state must be refreshed to `now`.
+    pub fn check(&self, state: &WindowState, now: u64, cost: u64) -> Verdict {
+        if cost > self.limit {
+            return Verdict::Never;
+        }
+        if state.count.saturating_add(cost) <= self.limit {
+            Verdict::Admit { delay: 0 }
+        } else {
+            Verdict::Deny {
+                retry_after: self.window_end(now) - now,
+            }
+        }
+    }
+
+    /// Debits `cost` units.
+    pub fn commit(&self, state: &mut WindowState, _now: u64, cost: u64) {
+        state.count = state.count.saturating_add(cost);
+    }
+
+    /// What a client sees now.
+    pub fn snapshot(&self, state: &WindowState, now: u64) -> Snapshot {
+        let end = self.window_end(now);
+        Snapshot {
+            remaining: self.limit.saturating_sub(state.count),
+            reset: end - now,
+            fresh_at: if state.count == 0 { 0 } else { end },
+        }
+    }
+}

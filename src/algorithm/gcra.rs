@@ -1,0 +1,79 @@
+//! GCRA, the generic cell rate algorithm: one number per key, the theoretical arrival
+//! time (TAT) of the next request.
+//!
+//! Time is scaled by `amount` so the emission interval `period / amount` is the whole
+//! number `period`: no rounding, no drift. A request of `cost` units is admitted when
+//! `max(tat, now) + cost * T - tau <= now`, where `tau = burst * T`.
+
+use super::token_bucket::nanos;
+use super::{Snapshot, Verdict, div_ceil};
+
+/// Parameters: `amount` units per `period` nanoseconds, bursts of `burst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gcra {
+    /// How many units may arrive back to back.
+    pub burst: u64,
+    /// Units per period.
+    pub amount: u64,
+    /// The period in nanoseconds.
+    pub period: u64,
+}
+
+/// The theoretical arrival time, in nanoseconds times `amount`. Zero is fresh.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcraState {
+    /// Scaled TAT.
+    pub tat: u128,
+}
+
+impl Gcra {
+    fn scaled(&self, now: u64) -> u128 {
+        u128::from(now) * u128::from(self.amount)
+    }
+
+    fn tolerance(&self) -> u128 {
+        u128::from(self.burst) * u128::from(self.period)
+    }
+
+    /// GCRA needs no refresh: the TAT means the same thing at every `now`.
+    pub fn refresh(&self, _state: &mut GcraState, _now: u64) {}
+
+    /// Would `cost` units conform now?
+    pub fn check(&self, state: &GcraState, now: u64, cost: u64) -> Verdict {
+        if cost > self.burst {
+            return Verdict::Never;
+        }
+        let now = self.scaled(now);
+        let tat = state.tat.max(now) + u128::from(cost) * u128::from(self.period);
+        let allow_at = tat.saturating_sub(self.tolerance());
+        if allow_at <= now {
+            Verdict::Admit { delay: 0 }
+        } else {
+            Verdict::Deny {
+                retry_after: nanos(div_ceil(allow_at - now, u128::from(self.amount))),
+            }
+        }
+    }
+
+    /// Moves the TAT by `cost` emission intervals.
+    pub fn commit(&self, state: &mut GcraState, now: u64, cost: u64) {
+        state.tat = state.tat.max(self.scaled(now)) + u128::from(cost) * u128::from(self.period);
+    }
+
+    /// What a client sees now.
+    pub fn snapshot(&self, state: &GcraState, now: u64) -> Snapshot {
+        let scaled_now = self.scaled(now);
+        let tat = state.tat.max(scaled_now);
+        let reset = nanos(div_ceil(tat - scaled_now, u128::from(self.amount)));
+        Snapshot {
+            remaining: ((scaled_now + self.tolerance()).saturating_sub(tat)
+                / u128::from(self.period)) as u64,
+            reset,
+            fresh_at: if reset == 0 {
+                0
+            } else {
+                now.saturating_add(reset)
+            },
+        }
+    }
+}

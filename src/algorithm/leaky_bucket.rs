@@ -1,0 +1,78 @@
+//! Leaky bucket, as a meter (police) or as a queue (shape).
+//!
+//! Both keep the bucket's level and leak it at `amount` per `period`. Policing is the
+//! token bucket seen from the other side (level = tokens missing), so it reuses that math.
+//! Shaping admits a request whose wait for the units ahead of it to leak out is at most
+//! `max_delay`, and tells the caller to hold it back for that wait.
+
+use super::token_bucket::{BucketState, TokenBucket, nanos};
+use super::{Snapshot, Verdict, div_ceil};
+
+/// Parameters of a shaping leaky bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeakyShape {
+    /// Units leaked per period.
+    pub amount: u64,
+    /// The period in nanoseconds.
+    pub period: u64,
+    /// The longest wait, in nanoseconds.
+    pub max_delay: u64,
+}
+
+/// A policing leaky bucket: the token bucket's math on the bucket's level.
+pub type LeakyPolice = TokenBucket;
+
+impl LeakyShape {
+    /// The most a request may find in the bucket and still be admitted (scaled).
+    fn threshold(&self) -> u128 {
+        u128::from(self.max_delay) * u128::from(self.amount)
+    }
+
+    /// The number of unit requests an empty bucket admits back to back.
+    pub fn capacity(&self) -> u64 {
+        nanos(self.threshold() / u128::from(self.period)).saturating_add(1)
+    }
+
+    fn as_bucket(&self) -> TokenBucket {
+        TokenBucket {
+            capacity: self.capacity(),
+            amount: self.amount,
+            period: self.period,
+        }
+    }
+
+    /// Leaks the bucket for the time since the last update.
+    pub fn refresh(&self, state: &mut BucketState, now: u64) {
+        self.as_bucket().refresh(state, now);
+    }
+
+    /// Admit with the wait for what is ahead, or deny when that wait is too long.
+    pub fn check(&self, state: &BucketState, _now: u64, _cost: u64) -> Verdict {
+        let amount = u128::from(self.amount);
+        if state.level <= self.threshold() {
+            Verdict::Admit {
+                delay: nanos(div_ceil(state.level, amount)),
+            }
+        } else {
+            Verdict::Deny {
+                retry_after: nanos(div_ceil(state.level - self.threshold(), amount)),
+            }
+        }
+    }
+
+    /// Queues `cost` units.
+    pub fn commit(&self, state: &mut BucketState, now: u64, cost: u64) {
+        self.as_bucket().commit(state, now, cost);
+    }
+
+    /// What a client sees now: unit requests that may still queue, time until empty.
+    pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
+        let mut snapshot = self.as_bucket().snapshot(state, now);
+        snapshot.remaining = if state.level <= self.threshold() {
+            nanos((self.threshold() - state.level) / u128::from(self.period)).saturating_add(1)
+        } else {
+            0
+        };
+        snapshot
+    }
+}

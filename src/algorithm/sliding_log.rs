@@ -1,0 +1,89 @@
+//! Sliding log: remember every admitted request for one window. Exact, O(limit) memory.
+
+use std::collections::VecDeque;
+
+use super::{Snapshot, Verdict};
+
+/// Parameters: at most `limit` units in any `window` nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlidingLog {
+    /// Units admitted in any window.
+    pub limit: u64,
+    /// Window length in nanoseconds.
+    pub window: u64,
+}
+
+/// Admitted requests of the last window, oldest first, as `(time, units)`.
+///
+/// Requests admitted at the same instant share one entry, so the log never holds more
+/// entries than units, nor more than one entry per distinct instant.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LogState {
+    /// `(admitted at, units)`, oldest first.
+    pub entries: VecDeque<(u64, u64)>,
+    /// The sum of the units in `entries`.
+    pub total: u64,
+}
+
+impl SlidingLog {
+    /// Forgets entries that have left the window `(now - window, now]`.
+    pub fn refresh(&self, state: &mut LogState, now: u64) {
+        while let Some(&(at, units)) = state.entries.front() {
+            if at.saturating_add(self.window) > now {
+                break;
+            }
+            state.total -= units;
+            state.entries.pop_front();
+        }
+    }
+
+    /// Would `cost` units fit now? The state must be refreshed to `now`.
+    pub fn check(&self, state: &LogState, now: u64, cost: u64) -> Verdict {
+        if cost > self.limit {
+            return Verdict::Never;
+        }
+        if state.total + cost <= self.limit {
+            return Verdict::Admit { delay: 0 };
+        }
+        // Wait until enough of the oldest entries have expired.
+        let needed = state.total + cost - self.limit;
+        let mut freed = 0;
+        for &(at, units) in &state.entries {
+            freed += units;
+            if freed >= needed {
+                return Verdict::Deny {
+                    retry_after: at.saturating_add(self.window) - now,
+                };
+            }
+        }
+        // cost <= limit means the whole log frees enough; kept total for safety.
+        Verdict::Deny {
+            retry_after: self.window,
+        }
+    }
+
+    /// Records `cost` units at `now`.
+    pub fn commit(&self, state: &mut LogState, now: u64, cost: u64) {
+        if cost == 0 {
+            return;
+        }
+        match state.entries.back_mut() {
+            Some((at, units)) if *at == now => *units += cost,
+            _ => state.entries.push_back((now, cost)),
+        }
+        state.total += cost;
+    }
+
+    /// What a client sees now.
+    pub fn snapshot(&self, state: &LogState, now: u64) -> Snapshot {
+        let fresh_at = state
+            .entries
+            .back()
+            .map_or(0, |&(at, _)| at.saturating_add(self.window));
+        Snapshot {
+            remaining: self.limit.saturating_sub(state.total),
+            reset: fresh_at.saturating_sub(now),
+            fresh_at,
+        }
+    }
+}

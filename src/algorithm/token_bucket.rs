@@ -1,0 +1,81 @@
+//! Token bucket: a burst of `capacity`, refilled at `amount` per `period`.
+//!
+//! The state is the bucket's deficit (tokens missing from full) scaled by the period, so
+//! that refilling `elapsed` nanoseconds adds exactly `elapsed * amount` with no fractions
+//! and no drift. A default state is a full bucket.
+
+use super::{Snapshot, Verdict, div_ceil};
+
+/// Parameters: `capacity` tokens, `amount` tokens added every `period` nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenBucket {
+    /// The burst size in tokens.
+    pub capacity: u64,
+    /// Tokens added per period.
+    pub amount: u64,
+    /// The period in nanoseconds.
+    pub period: u64,
+}
+
+/// How far the bucket is from full, as `tokens * period`, at `last`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BucketState {
+    /// Missing tokens times the period (the leaky bucket's level).
+    pub level: u128,
+    /// When `level` was last brought up to date, in nanoseconds.
+    pub last: u64,
+}
+
+impl TokenBucket {
+    fn full(&self) -> u128 {
+        u128::from(self.capacity) * u128::from(self.period)
+    }
+
+    /// Refills the bucket for the time since the last update.
+    pub fn refresh(&self, state: &mut BucketState, now: u64) {
+        let elapsed = now.saturating_sub(state.last);
+        state.level = state
+            .level
+            .saturating_sub(u128::from(elapsed) * u128::from(self.amount));
+        state.last = state.last.max(now);
+    }
+
+    /// Would `cost` tokens be there now? The state must be refreshed to `now`.
+    pub fn check(&self, state: &BucketState, _now: u64, cost: u64) -> Verdict {
+        if cost > self.capacity {
+            return Verdict::Never;
+        }
+        let needed = state.level + u128::from(cost) * u128::from(self.period);
+        if needed <= self.full() {
+            Verdict::Admit { delay: 0 }
+        } else {
+            Verdict::Deny {
+                retry_after: nanos(div_ceil(needed - self.full(), u128::from(self.amount))),
+            }
+        }
+    }
+
+    /// Takes `cost` tokens.
+    pub fn commit(&self, state: &mut BucketState, _now: u64, cost: u64) {
+        state.level += u128::from(cost) * u128::from(self.period);
+    }
+
+    /// What a client sees now: whole tokens left, and the time until the bucket is full.
+    pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
+        let reset = nanos(div_ceil(state.level, u128::from(self.amount)));
+        Snapshot {
+            remaining: (self.full().saturating_sub(state.level) / u128::from(self.period)) as u64,
+            reset,
+            fresh_at: if reset == 0 {
+                0
+            } else {
+                now.saturating_add(reset)
+            },
+        }
+    }
+}
+
+/// Clamps a scaled duration to u64 nanoseconds.
+pub(crate) fn nanos(value: u128) -> u64 {
+    value.min(u128::from(u64::MAX)) as u64
+}

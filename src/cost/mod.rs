@@ -1,0 +1,168 @@
+//! Costs: how many units a request spends ("one bucket, different debit").
+//!
+//! A cost is computed from the request head. Ready costs: a constant (`u64`), a table per
+//! route ([`PerRoute`]), a closure ([`from_fn`]), and a cost set by earlier middleware
+//! ([`FromExtension`], which is how body-based costers such as GraphQL hand over theirs).
+//! Every cost debits the same policies, so `/search` at 5 and `/` at 1 share one budget.
+
+use std::fmt;
+
+use http::Method;
+use http::request::Parts;
+
+/// Computes what a request spends.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::cost::Cost;
+///
+/// let (parts, _) = Request::get("/").body(()).unwrap().into_parts();
+/// assert_eq!(3u64.cost(&parts), 3);
+/// ```
+pub trait Cost: Send + Sync + 'static {
+    /// Units this request spends (0 spends nothing and is always admitted).
+    fn cost(&self, parts: &Parts) -> u64;
+}
+
+/// A constant cost.
+impl Cost for u64 {
+    fn cost(&self, _parts: &Parts) -> u64 {
+        *self
+    }
+}
+
+/// A cost per route, with a default for routes not listed.
+///
+/// Routes are matched on axum's `MatchedPath` (the route template, `/users/{id}`) when
+/// there is one, else on the request path.
+///
+/// ```
+/// use http::{Method, Request};
+/// use tollgate::cost::{Cost, PerRoute};
+///
+/// let cost = PerRoute::new(1).route("/search", 5).route_method(Method::POST, "/upload", 20);
+/// let parts = |method: Method, path: &str| {
+///     Request::builder().method(method).uri(path).body(()).unwrap().into_parts().0
+/// };
+/// assert_eq!(cost.cost(&parts(Method::GET, "/search")), 5);
+/// assert_eq!(cost.cost(&parts(Method::POST, "/upload")), 20);
+/// assert_eq!(cost.cost(&parts(Method::GET, "/upload")), 1);
+/// ```
+#[derive(Debug, Clone)]
+pub struct PerRoute {
+    default: u64,
+    routes: Vec<(Option<Method>, Box<str>, u64)>,
+}
+
+impl PerRoute {
+    /// Routes not listed cost `default`.
+    pub fn new(default: u64) -> Self {
+        Self {
+            default,
+            routes: Vec::new(),
+        }
+    }
+
+    /// `path` costs `cost` for every method.
+    pub fn route(mut self, path: &str, cost: u64) -> Self {
+        self.routes.push((None, path.into(), cost));
+        self
+    }
+
+    /// `method path` costs `cost`; takes precedence over [`route`](Self::route).
+    pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
+        self.routes.insert(0, (Some(method), path.into(), cost));
+        self
+    }
+}
+
+impl Cost for PerRoute {
+    fn cost(&self, parts: &Parts) -> u64 {
+        let path = crate::key::route_path(parts);
+        self.routes
+            .iter()
+            .find(|(method, route, _)| {
+                &**route == path && method.as_ref().is_none_or(|m| *m == parts.method)
+            })
+            .map_or(self.default, |(_, _, cost)| *cost)
+    }
+}
+
+/// A cost that earlier middleware computed and stored in the request's extensions.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::cost::{Cost, FromExtension, RequestCost};
+///
+/// let cost = FromExtension::or(1);
+/// let mut request = Request::post("/graphql").body(()).unwrap();
+/// request.extensions_mut().insert(RequestCost(42));
+/// assert_eq!(cost.cost(&request.into_parts().0), 42);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct FromExtension {
+    default: u64,
+}
+
+impl FromExtension {
+    /// Reads [`RequestCost`]; requests without one cost `default`.
+    pub fn or(default: u64) -> Self {
+        Self { default }
+    }
+}
+
+/// A request's cost, set as an extension by middleware that runs before the limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestCost(pub u64);
+
+impl Cost for FromExtension {
+    fn cost(&self, parts: &Parts) -> u64 {
+        parts
+            .extensions
+            .get::<RequestCost>()
+            .map_or(self.default, |cost| cost.0)
+    }
+}
+
+/// A cost from a closure; see [`from_fn`].
+#[derive(Clone)]
+pub struct FromFn<F> {
+    f: F,
+}
+
+impl<F> fmt::Debug for FromFn<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("FromFn")
+    }
+}
+
+/// A cost from a closure over the request head.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::cost::{self, Cost};
+///
+/// // Charge by the declared upload size, one unit per started KiB.
+/// let by_size = cost::from_fn(|parts| {
+///     parts.headers.get("content-length")
+///         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+///         .map_or(1, |bytes| bytes.div_ceil(1024).max(1))
+/// });
+/// let (parts, _) = Request::post("/").header("content-length", "5000").body(()).unwrap().into_parts();
+/// assert_eq!(by_size.cost(&parts), 5);
+/// ```
+pub fn from_fn<F>(f: F) -> FromFn<F>
+where
+    F: Fn(&Parts) -> u64 + Send + Sync + 'static,
+{
+    FromFn { f }
+}
+
+impl<F> Cost for FromFn<F>
+where
+    F: Fn(&Parts) -> u64 + Send + Sync + 'static,
+{
+    fn cost(&self, parts: &Parts) -> u64 {
+        (self.f)(parts)
+    }
+}

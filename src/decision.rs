@@ -1,0 +1,96 @@
+//! What a store answers: admitted or not, and what every policy looks like afterwards.
+
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+/// What happened to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every policy admitted it and it was debited. `delay` is non-zero only under a
+    /// shaping leaky bucket: the request must be held back that long before it is served.
+    Allowed {
+        /// How long to hold the request back.
+        delay: Duration,
+    },
+    /// At least one policy denied it; nothing was debited.
+    Denied {
+        /// Index, in the policy set, of the policy that keeps the client waiting longest.
+        policy: usize,
+        /// How long until the same request would be admitted, if nothing else is spent.
+        retry_after: Duration,
+    },
+    /// The request costs more than a policy can ever admit: waiting will not help.
+    CostExceedsLimit {
+        /// Index of the policy.
+        policy: usize,
+        /// The request's cost.
+        cost: u64,
+        /// The most that policy admits at once.
+        limit: u64,
+    },
+}
+
+/// One policy as the client sees it after the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicyStatus {
+    /// The quota: the most units admitted at once.
+    pub limit: u64,
+    /// Units left now.
+    pub remaining: u64,
+    /// Time until the quota is whole again (or the window resets).
+    pub reset: Duration,
+}
+
+/// A store's answer to one request under a set of policies.
+///
+/// ```
+/// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+///
+/// let store = MemoryStore::new();
+/// let policies = PolicySet::from(Policy::gcra("api", Rate::per_second(1), 2)?);
+/// assert!(store.check("user-7", &policies, 1).is_allowed());
+/// let second = store.check("user-7", &policies, 1);
+/// assert!(second.is_allowed());
+/// assert_eq!(second.statuses()[0].remaining, 0);
+/// let third = store.check("user-7", &policies, 1);
+/// assert!(!third.is_allowed());
+/// assert!(third.retry_after().is_some());
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    outcome: Outcome,
+    statuses: SmallVec<[PolicyStatus; 2]>,
+}
+
+impl Decision {
+    /// A decision with one status per policy, in the policy set's order.
+    pub fn new(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
+        Self { outcome, statuses }
+    }
+
+    /// What happened.
+    pub fn outcome(&self) -> Outcome {
+        self.outcome
+    }
+
+    /// True when the request was admitted (possibly with a shaping delay).
+    pub fn is_allowed(&self) -> bool {
+        matches!(self.outcome, Outcome::Allowed { .. })
+    }
+
+    /// How long a denied request should wait; `None` when admitted or when waiting
+    /// cannot help.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self.outcome {
+            Outcome::Denied { retry_after, .. } => Some(retry_after),
+            _ => None,
+        }
+    }
+
+    /// One status per policy, in the policy set's order.
+    pub fn statuses(&self) -> &[PolicyStatus] {
+        &self.statuses
+    }
+}

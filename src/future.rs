@@ -1,0 +1,161 @@
+//! [`ResponseFuture`]: decides (when the store is remote), waits (when shaping), calls the
+//! inner service and writes the headers on its response.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+use tower_service::Service;
+
+use crate::body::RateLimitBody;
+use crate::headers::HeaderBlock;
+use crate::policy::PolicySet;
+use crate::service::{Plan, Responder};
+use crate::store::DecideFuture;
+
+/// A request waiting for a decision from a store that does I/O.
+pub(crate) struct Pending<S, B> {
+    pub(crate) inner: S,
+    pub(crate) request: Request<B>,
+    pub(crate) policies: PolicySet,
+    pub(crate) responder: Arc<Responder>,
+}
+
+pin_project! {
+    /// The response future of [`RateLimit`](crate::RateLimit).
+    pub struct ResponseFuture<F, S, B> {
+        #[pin]
+        state: State<F, S, B>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, S, B> {
+        Calling { #[pin] future: F, headers: HeaderBlock },
+        Deciding { decide: DecideFuture, pending: Option<Pending<S, B>> },
+        Delaying { sleep: Pin<Box<Sleep>>, call: Option<(S, Request<B>)>, headers: HeaderBlock },
+        Respond { response: Option<Response<Bytes>> },
+    }
+}
+
+impl<F, S, B> ResponseFuture<F, S, B> {
+    pub(crate) fn calling(future: F, headers: HeaderBlock) -> Self {
+        Self {
+            state: State::Calling { future, headers },
+        }
+    }
+
+    pub(crate) fn deciding(decide: DecideFuture, pending: Pending<S, B>) -> Self {
+        Self {
+            state: State::Deciding {
+                decide,
+                pending: Some(pending),
+            },
+        }
+    }
+
+    pub(crate) fn delaying(
+        delay: Duration,
+        inner: S,
+        request: Request<B>,
+        headers: HeaderBlock,
+    ) -> Self {
+        Self {
+            state: State::Delaying {
+                sleep: Box::pin(tokio::time::sleep(delay)),
+                call: Some((inner, request)),
+                headers,
+            },
+        }
+    }
+
+    pub(crate) fn respond(response: Response<Bytes>) -> Self {
+        Self {
+            state: State::Respond {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, S, B> std::fmt::Debug for ResponseFuture<F, S, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+const POLLED_AFTER_READY: &str = "ResponseFuture polled after it completed";
+
+impl<F, S, B, ResBody, E> Future for ResponseFuture<F, S, B>
+where
+    F: Future<Output = Result<Response<ResBody>, E>>,
+    S: Service<Request<B>, Response = Response<ResBody>, Error = E, Future = F>,
+    ResBody: Body,
+    ResBody::Data: From<Bytes>,
+{
+    type Output = Result<Response<RateLimitBody<ResBody>>, E>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project().state.project() {
+                StateProj::Calling { future, headers } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    std::mem::take(headers).apply(response.headers_mut());
+                    return Poll::Ready(Ok(response.map(RateLimitBody::inner)));
+                }
+                StateProj::Respond { response } => {
+                    let response = response.take().expect(POLLED_AFTER_READY);
+                    return Poll::Ready(Ok(response.map(RateLimitBody::full)));
+                }
+                StateProj::Deciding { decide, pending } => {
+                    let result = ready!(Pin::new(decide).poll(cx));
+                    let Pending {
+                        mut inner,
+                        request,
+                        policies,
+                        responder,
+                    } = pending.take().expect(POLLED_AFTER_READY);
+                    match responder.plan(&policies, result, request) {
+                        Plan::Call { request, headers } => State::Calling {
+                            future: inner.call(request),
+                            headers,
+                        },
+                        Plan::Delay {
+                            delay,
+                            request,
+                            headers,
+                        } => State::Delaying {
+                            sleep: Box::pin(tokio::time::sleep(delay)),
+                            call: Some((inner, request)),
+                            headers,
+                        },
+                        Plan::Respond(response) => State::Respond {
+                            response: Some(response),
+                        },
+                    }
+                }
+                StateProj::Delaying {
+                    sleep,
+                    call,
+                    headers,
+                } => {
+                    ready!(sleep.as_mut().poll(cx));
+                    let (mut inner, request) = call.take().expect(POLLED_AFTER_READY);
+                    State::Calling {
+                        future: inner.call(request),
+                        headers: std::mem::take(headers),
+                    }
+                }
+            };
+            self.as_mut().project().state.set(next);
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! A value that earlier middleware put in the request's extensions (a user id).
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use http::request::Parts;
+
+use super::{Key, KeyError, KeyExtractor};
+
+/// Keys requests by a value that earlier middleware (authentication) stored in the
+/// request's extensions: `user:42`.
+///
+/// If the extension is missing the server is set up wrong (the auth layer must run
+/// before the limiter), unless anonymous requests are expected: then chain a fallback with
+/// [`or`](super::KeyExtractorExt::or).
+///
+/// ```
+/// use http::Request;
+/// use tollgate::key::{ExtensionKey, KeyExtractor};
+///
+/// #[derive(Clone)]
+/// struct User { id: u64 }
+///
+/// let user = ExtensionKey::new("user", |user: &User| user.id.to_string());
+/// let mut request = Request::get("/").body(()).unwrap();
+/// request.extensions_mut().insert(User { id: 42 });
+/// let (parts, _) = request.into_parts();
+/// assert_eq!(user.extract(&parts).unwrap().as_str(), "user:42");
+/// ```
+pub struct ExtensionKey<T, F> {
+    namespace: &'static str,
+    to_id: F,
+    _marker: PhantomData<fn(&T)>,
+}
+
+impl<T, F: Clone> Clone for ExtensionKey<T, F> {
+    fn clone(&self) -> Self {
+        Self {
+            namespace: self.namespace,
+            to_id: self.to_id.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T, F> fmt::Debug for ExtensionKey<T, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtensionKey")
+            .field("namespace", &self.namespace)
+            .field("type", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+impl<T, F> ExtensionKey<T, F>
+where
+    T: Send + Sync + 'static,
+    F: Fn(&T) -> String + Send + Sync + 'static,
+{
+    /// Reads the `T` extension and names the identity `namespace:to_id(value)`.
+    pub fn new(namespace: &'static str, to_id: F) -> Self {
+        Self {
+            namespace,
+            to_id,
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<T, F> KeyExtractor for ExtensionKey<T, F>
+where
+    T: Send + Sync + 'static,
+    F: Fn(&T) -> String + Send + Sync + 'static,
+{
+    fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
+        let value = parts.extensions.get::<T>().ok_or_else(|| {
+            KeyError::server(format!(
+                "no {} in the request extensions: the middleware that sets it must run before the rate limiter",
+                std::any::type_name::<T>()
+            ))
+        })?;
+        let id = (self.to_id)(value);
+        Ok(Key::new(format!("{}:{id}", self.namespace)))
+    }
+}

@@ -1,0 +1,479 @@
+//! The client's IP address: the socket peer, or the address a trusted proxy vouches for.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+
+use http::HeaderMap;
+use http::request::Parts;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+
+use super::{Key, KeyError, KeyExtractor};
+
+/// Which forwarding header the trusted proxies write. Only one is read: trusting both
+/// would let a client pick the one it forged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2`.
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=client, for="[2001:db8::1]:4711"`.
+    Forwarded,
+}
+
+/// A trusted-proxy entry that is neither an IP address nor a CIDR block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidProxy {
+    entry: String,
+}
+
+impl fmt::Display for InvalidProxy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "trusted proxy {:?} is not an IP address or a CIDR block such as 10.0.0.0/8",
+            self.entry
+        )
+    }
+}
+
+impl std::error::Error for InvalidProxy {}
+
+/// The most forwarding hops walked from the right before giving up.
+const MAX_HOPS: usize = 32;
+
+/// Keys requests by the client's IP address (`ip:203.0.113.7`, `ip:2001:db8:1:2::/64`).
+///
+/// By default the address is the socket peer, from axum's `ConnectInfo<SocketAddr>` or a
+/// `SocketAddr` request extension. A forwarding header is read only when the peer is a
+/// trusted proxy, and then walked right to left: each address a trusted proxy wrote is
+/// believed, the first address that is not itself a trusted proxy is the client. The
+/// leftmost entry, which the client writes, is never believed unless every proxy to its
+/// right is trusted. A malformed or obfuscated entry stops the walk at the last address
+/// known to be good.
+///
+/// IPv6 clients usually hold a whole /64, so IPv6 addresses are grouped by a prefix
+/// (default /64); IPv4 by /32 (the address). IPv4-mapped IPv6 addresses count as IPv4.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use http::Request;
+/// use tollgate::key::{ClientIp, KeyExtractor};
+///
+/// let ip = ClientIp::behind_proxies(["10.0.0.0/8"])?;
+/// let mut request = Request::get("/")
+///     .header("x-forwarded-for", "6.6.6.6, 203.0.113.7, 10.0.0.3")
+///     .body(())
+///     .unwrap();
+/// request.extensions_mut().insert(SocketAddr::from(([10, 0, 0, 2], 443)));
+/// let (parts, _) = request.into_parts();
+/// // 10.0.0.2 and 10.0.0.3 are trusted; 203.0.113.7 is what they vouch for.
+/// assert_eq!(ip.extract(&parts).unwrap().as_str(), "ip:203.0.113.7");
+/// # Ok::<(), tollgate::key::InvalidProxy>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClientIp {
+    trusted: Vec<IpNet>,
+    header: ForwardedHeader,
+    ipv4_prefix: u8,
+    ipv6_prefix: u8,
+}
+
+impl Default for ClientIp {
+    fn default() -> Self {
+        Self::peer()
+    }
+}
+
+impl ClientIp {
+    /// The socket peer's address; forwarding headers are ignored.
+    pub fn peer() -> Self {
+        Self {
+            trusted: Vec::new(),
+            header: ForwardedHeader::XForwardedFor,
+            ipv4_prefix: 32,
+            ipv6_prefix: 64,
+        }
+    }
+
+    /// Believes `X-Forwarded-For` as far as it was written by these proxies: IP
+    /// addresses or CIDR blocks (`"10.0.0.0/8"`, `"2001:db8::/32"`, `"127.0.0.1"`).
+    pub fn behind_proxies<I, S>(proxies: I) -> Result<Self, InvalidProxy>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let trusted = proxies
+            .into_iter()
+            .map(|entry| {
+                let entry = entry.as_ref().trim();
+                entry
+                    .parse::<IpNet>()
+                    .or_else(|_| entry.parse::<IpAddr>().map(IpNet::from))
+                    .map(|net| net.trunc())
+                    .map_err(|_| InvalidProxy {
+                        entry: entry.to_owned(),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            trusted,
+            ..Self::peer()
+        })
+    }
+
+    /// Reads this forwarding header instead of `X-Forwarded-For`.
+    pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
+        self.header = header;
+        self
+    }
+
+    /// Groups IPv6 addresses by this prefix length (0 to 128, default 64).
+    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        self.ipv6_prefix = bits.min(128);
+        self
+    }
+
+    /// Groups IPv4 addresses by this prefix length (0 to 32, default 32).
+    pub fn ipv4_prefix(mut self, bits: u8) -> Self {
+        self.ipv4_prefix = bits.min(32);
+        self
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        self.trusted.iter().any(|net| net.contains(&ip))
+    }
+
+    /// The client's address, before prefix grouping.
+    pub fn client_addr(&self, parts: &Parts) -> Result<IpAddr, KeyError> {
+        let peer = peer_addr(parts).ok_or_else(|| {
+            KeyError::server(
+                "no peer address: serve with into_make_service_with_connect_info::<SocketAddr>() \
+                 or insert a SocketAddr extension",
+            )
+        })?;
+        let mut client = peer.to_canonical();
+        if !self.is_trusted(client) {
+            return Ok(client);
+        }
+        let mut hops = ForwardedHops::new(&parts.headers, self.header);
+        for _ in 0..MAX_HOPS {
+            match hops.next() {
+                Some(Some(ip)) => {
+                    client = ip.to_canonical();
+                    if !self.is_trusted(client) {
+                        return Ok(client);
+                    }
+                }
+                // Malformed, obfuscated or "unknown": the last good address stands.
+                Some(None) | None => return Ok(client),
+            }
+        }
+        Ok(client)
+    }
+
+    fn group(&self, ip: IpAddr) -> Key {
+        let text = match ip {
+            IpAddr::V4(v4) if self.ipv4_prefix == 32 => v4.to_string(),
+            IpAddr::V6(v6) if self.ipv6_prefix == 128 => v6.to_string(),
+            IpAddr::V4(v4) => Ipv4Net::new(v4, self.ipv4_prefix)
+                .map(|net| net.trunc().to_string())
+                .unwrap_or_else(|_| v4.to_string()),
+            IpAddr::V6(v6) => Ipv6Net::new(v6, self.ipv6_prefix)
+                .map(|net| net.trunc().to_string())
+                .unwrap_or_else(|_| v6.to_string()),
+        };
+        Key::new(format!("ip:{text}"))
+    }
+}
+
+impl KeyExtractor for ClientIp {
+    fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
+        self.client_addr(parts).map(|ip| self.group(ip))
+    }
+}
+
+fn peer_addr(parts: &Parts) -> Option<IpAddr> {
+    #[cfg(feature = "axum")]
+    if let Some(info) = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+    {
+        return Some(info.0.ip());
+    }
+    parts
+        .extensions
+        .get::<SocketAddr>()
+        .map(SocketAddr::ip)
+        .or_else(|| parts.extensions.get::<IpAddr>().copied())
+}
+
+/// The entries of a forwarding header, right to left, across all its lines: `Some(ip)`
+/// for an address, `None` for anything else.
+struct ForwardedHops<'a> {
+    lines: std::iter::Rev<http::header::ValueIter<'a, http::HeaderValue>>,
+    current: Option<std::iter::Rev<std::str::Split<'a, char>>>,
+    header: ForwardedHeader,
+    /// Set once a line is not valid text: everything left of it is unreadable.
+    broken: bool,
+}
+
+impl<'a> ForwardedHops<'a> {
+    fn new(headers: &'a HeaderMap, header: ForwardedHeader) -> Self {
+        let name = match header {
+            ForwardedHeader::XForwardedFor => "x-forwarded-for",
+            ForwardedHeader::Forwarded => "forwarded",
+        };
+        Self {
+            lines: headers.get_all(name).iter().rev(),
+            current: None,
+            header,
+            broken: false,
+        }
+    }
+}
+
+impl Iterator for ForwardedHops<'_> {
+    type Item = Option<IpAddr>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.broken {
+            return None;
+        }
+        loop {
+            if let Some(entries) = &mut self.current {
+                if let Some(entry) = entries.next() {
+                    let entry = entry.trim();
+                    if entry.is_empty() {
+                        // "a,,b" or a trailing comma: skip empty list members.
+                        continue;
+                    }
+                    return Some(match self.header {
+                        ForwardedHeader::XForwardedFor => parse_node(entry),
+                        ForwardedHeader::Forwarded => parse_forwarded_element(entry),
+                    });
+                }
+            }
+            let line = self.lines.next()?;
+            match line.to_str() {
+                Ok(text) => self.current = Some(text.split(',').rev()),
+                Err(_) => {
+                    self.broken = true;
+                    return Some(None);
+                }
+            }
+        }
+    }
+}
+
+/// `for=` of one RFC 7239 element (`for=192.0.2.60;proto=http;by=203.0.113.43`).
+fn parse_forwarded_element(element: &str) -> Option<IpAddr> {
+    let value = element.split(';').find_map(|pair| {
+        let (name, value) = pair.split_once('=')?;
+        name.trim()
+            .eq_ignore_ascii_case("for")
+            .then_some(value.trim())
+    })?;
+    let value = value
+        .strip_prefix('"')
+        .and_then(|v| v.strip_suffix('"'))
+        .unwrap_or(value);
+    parse_node(value)
+}
+
+/// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`, `2001:db8::1`,
+/// `[2001:db8::1]`, `[2001:db8::1]:80`. `unknown` and `_obfuscated` are not addresses.
+fn parse_node(node: &str) -> Option<IpAddr> {
+    if let Ok(ip) = node.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Ok(addr) = node.parse::<SocketAddr>() {
+        return Some(addr.ip());
+    }
+    node.strip_prefix('[')
+        .and_then(|rest| rest.strip_suffix(']'))
+        .and_then(|inner| inner.parse::<std::net::Ipv6Addr>().ok())
+        .map(IpAddr::V6)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Request;
+
+    use super::*;
+
+    fn parts(peer: &str, headers: &[(&str, &[u8])]) -> Parts {
+        let mut builder = Request::get("/");
+        for (name, value) in headers {
+            builder = builder.header(*name, http::HeaderValue::from_bytes(value).unwrap());
+        }
+        let mut request = builder.body(()).unwrap();
+        request
+            .extensions_mut()
+            .insert(peer.parse::<SocketAddr>().unwrap());
+        request.into_parts().0
+    }
+
+    fn client(ip: &ClientIp, peer: &str, headers: &[(&str, &[u8])]) -> String {
+        ip.extract(&parts(peer, headers)).unwrap().to_string()
+    }
+
+    #[test]
+    fn spoofing_matrix() {
+        let xff = ClientIp::behind_proxies(["10.0.0.0/8", "2001:db8:ffff::/48"]).unwrap();
+        let fwd = xff.clone().forwarded_header(ForwardedHeader::Forwarded);
+        let peer = ClientIp::peer();
+        let cases: &[(&ClientIp, &str, &[(&str, &[u8])], &str)] = &[
+            // An untrusted peer's headers are ignored.
+            (
+                &xff,
+                "203.0.113.9:1",
+                &[("x-forwarded-for", b"1.1.1.1")],
+                "ip:203.0.113.9",
+            ),
+            (
+                &peer,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"1.1.1.1")],
+                "ip:10.0.0.1",
+            ),
+            // The spoofed leftmost entry is skipped; the hop the proxy wrote is the client.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"6.6.6.6, 198.51.100.4")],
+                "ip:198.51.100.4",
+            ),
+            // Several lines are one list, in order.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[
+                    ("x-forwarded-for", b"6.6.6.6"),
+                    ("x-forwarded-for", b"198.51.100.4, 10.1.1.1"),
+                ],
+                "ip:198.51.100.4",
+            ),
+            // Malformed entries stop the walk at the last good address.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"6.6.6.6, garbage")],
+                "ip:10.0.0.1",
+            ),
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"6.6.6.6, garbage, 10.0.0.7")],
+                "ip:10.0.0.7",
+            ),
+            // A line that is not text cannot be read at all.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"\xff\xfe, 6.6.6.6")],
+                "ip:10.0.0.1",
+            ),
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"6.6.6.6, \xff")],
+                "ip:10.0.0.1",
+            ),
+            // Empty members and ports.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"198.51.100.4:5555,,")],
+                "ip:198.51.100.4",
+            ),
+            // All hops trusted: the leftmost trusted one.
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"10.9.9.9, 10.0.0.2")],
+                "ip:10.9.9.9",
+            ),
+            // RFC 7239 with quoted IPv6 and a port, grouped by /64.
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[(
+                    "forwarded",
+                    b"for=6.6.6.6, for=\"[2001:db8:cafe::17]:4711\";proto=https",
+                )],
+                "ip:2001:db8:cafe::/64",
+            ),
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=6.6.6.6, for=unknown")],
+                "ip:10.0.0.1",
+            ),
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=6.6.6.6, For=_hidden")],
+                "ip:10.0.0.1",
+            ),
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"by=1.2.3.4")],
+                "ip:10.0.0.1",
+            ),
+            // The other header is not read.
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"6.6.6.6")],
+                "ip:10.0.0.1",
+            ),
+            // IPv4-mapped IPv6 peers count as IPv4.
+            (&peer, "[::ffff:192.0.2.5]:1", &[], "ip:192.0.2.5"),
+            // IPv6 trusted proxy.
+            (
+                &xff,
+                "[2001:db8:ffff::1]:1",
+                &[("x-forwarded-for", b"2001:db8:1:2:3:4:5:6")],
+                "ip:2001:db8:1:2::/64",
+            ),
+        ];
+        for (extractor, peer, headers, expected) in cases {
+            assert_eq!(
+                &client(extractor, peer, headers),
+                expected,
+                "peer {peer} headers {headers:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ipv6_prefix_groups_a_subnet() {
+        let ip = ClientIp::peer();
+        let a = client(&ip, "[2001:db8:1:2::1]:1", &[]);
+        let b = client(&ip, "[2001:db8:1:2:ffff:ffff:ffff:ffff]:1", &[]);
+        let c = client(&ip, "[2001:db8:1:3::1]:1", &[]);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let exact = ClientIp::peer().ipv6_prefix(128);
+        assert_ne!(
+            client(&exact, "[2001:db8:1:2::1]:1", &[]),
+            client(&exact, "[2001:db8:1:2::2]:1", &[])
+        );
+        let v4 = ClientIp::peer().ipv4_prefix(24);
+        assert_eq!(client(&v4, "192.0.2.77:1", &[]), "ip:192.0.2.0/24");
+    }
+
+    #[test]
+    fn invalid_proxies_are_rejected() {
+        let err = ClientIp::behind_proxies(["10.0.0.0/8", "ten dot zero"]).unwrap_err();
+        assert!(err.to_string().contains("\"ten dot zero\""));
+    }
+
+    #[test]
+    fn a_missing_peer_is_a_server_error() {
+        let (parts, _) = Request::get("/").body(()).unwrap().into_parts();
+        let err = ClientIp::peer().extract(&parts).unwrap_err();
+        assert_eq!(err.kind(), super::super::KeyErrorKind::Server);
+    }
+}

@@ -1,0 +1,244 @@
+//! [`RateLimitLayer`]: the builder and the `tower::Layer`.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::Response;
+use tower_layer::Layer;
+
+use crate::cost::Cost;
+use crate::headers::HeaderStyle;
+use crate::key::{ClientIp, KeyExtractor};
+use crate::policy::{Policy, PolicyResolver, PolicySet};
+use crate::response::Rejection;
+use crate::service::{Config, RateLimit, Responder};
+use crate::store::Store;
+
+/// What to do with a request no key can be extracted from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingKey {
+    /// Answer it: `400` when the client left something out, `500` when the server is set
+    /// up wrong (the default: a missing key is never a silent bypass).
+    #[default]
+    Reject,
+    /// Let it through unlimited and without rate-limit headers. Only for extractors
+    /// whose miss is expected and harmless.
+    Allow,
+}
+
+/// What to do when the store fails (it is unreachable, it timed out). A store failure is
+/// never answered as a rate decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailureMode {
+    /// Answer `503 Service Unavailable` with `Retry-After: 1` (for money paths).
+    #[default]
+    FailClosed,
+    /// Let the request through without rate-limit headers.
+    FailOpen,
+}
+
+pub(crate) type DenyHook = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+
+/// Rate limiting for any Tower service of `http::Request`s.
+///
+/// Per request it extracts a [`Key`](crate::Key) (default: the socket peer's IP),
+/// computes a cost (default: 1), resolves the policies and asks the store, which decides
+/// against every policy at once. Admitted requests go to the inner service and their
+/// responses get rate-limit headers; denied ones get `429 Too Many Requests`,
+/// `Retry-After` and an `application/problem+json` body, with the same headers.
+///
+/// Clones of the layer and of its services share one store, so one limit holds across
+/// every route and connection. The service does not depend on `poll_ready` back-pressure.
+///
+/// ```no_run
+/// use axum::{Router, routing::get};
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};
+/// use tollgate::cost::PerRoute;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let limiter = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?)
+///     .cost(PerRoute::new(1).route("/search", 5));
+/// let app = Router::new()
+///     .route("/", get(|| async { "hello" }))
+///     .route("/search", get(|| async { "results" }))
+///     .layer(limiter);
+/// let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+/// axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>()).await?;
+/// # Ok(()) }
+/// ```
+pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
+    store: St,
+    key: K,
+    cost: C,
+    resolver: R,
+    header_style: HeaderStyle,
+    on_deny: Option<DenyHook>,
+    missing_key: MissingKey,
+    failure_mode: FailureMode,
+}
+
+impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            key: self.key.clone(),
+            cost: self.cost.clone(),
+            resolver: self.resolver.clone(),
+            header_style: self.header_style,
+            on_deny: self.on_deny.clone(),
+            missing_key: self.missing_key,
+            failure_mode: self.failure_mode,
+        }
+    }
+}
+
+impl<St, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLayer<St, K, C, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("key", &self.key)
+            .field("cost", &self.cost)
+            .field("policies", &self.resolver)
+            .field("header_style", &self.header_style)
+            .field("missing_key", &self.missing_key)
+            .field("failure_mode", &self.failure_mode)
+            .finish()
+    }
+}
+
+impl<St: Store> RateLimitLayer<St> {
+    /// A layer over `store`, keyed by the socket peer's IP, every request costing 1.
+    /// Add at least one policy with [`policy`](Self::policy).
+    pub fn new(store: St) -> Self {
+        Self {
+            store,
+            key: ClientIp::peer(),
+            cost: 1,
+            resolver: PolicySet::unlimited(),
+            header_style: HeaderStyle::default(),
+            on_deny: None,
+            missing_key: MissingKey::default(),
+            failure_mode: FailureMode::default(),
+        }
+    }
+}
+
+impl<St, K, C> RateLimitLayer<St, K, C, PolicySet> {
+    /// Adds a policy every request must pass (replacing one of the same name).
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.resolver = self.resolver.with(policy);
+        self
+    }
+}
+
+impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
+    /// The same layer with another key, cost or resolver.
+    fn rebuild<K2, C2, R2>(
+        self,
+        change: impl FnOnce(K, C, R) -> (K2, C2, R2),
+    ) -> RateLimitLayer<St, K2, C2, R2> {
+        let (key, cost, resolver) = change(self.key, self.cost, self.resolver);
+        RateLimitLayer {
+            store: self.store,
+            key,
+            cost,
+            resolver,
+            header_style: self.header_style,
+            on_deny: self.on_deny,
+            missing_key: self.missing_key,
+            failure_mode: self.failure_mode,
+        }
+    }
+
+    /// Every request must pass all of `policies` (replacing the policies set so far).
+    pub fn policies(self, policies: PolicySet) -> RateLimitLayer<St, K, C, PolicySet> {
+        self.rebuild(|key, cost, _| (key, cost, policies))
+    }
+
+    /// Picks the policies per request (per plan, per tenant); see
+    /// [`resolve_with`](crate::policy::resolve_with).
+    pub fn resolver<R2: PolicyResolver>(self, resolver: R2) -> RateLimitLayer<St, K, C, R2> {
+        self.rebuild(|key, cost, _| (key, cost, resolver))
+    }
+
+    /// Identifies requests with `key` (default: [`ClientIp::peer`]).
+    pub fn key<K2: KeyExtractor>(self, key: K2) -> RateLimitLayer<St, K2, C, R> {
+        self.rebuild(|_, cost, resolver| (key, cost, resolver))
+    }
+
+    /// Charges requests `cost` (default: 1 each).
+    pub fn cost<C2: Cost>(self, cost: C2) -> RateLimitLayer<St, K, C2, R> {
+        self.rebuild(|key, _, resolver| (key, cost, resolver))
+    }
+
+    /// Which rate-limit header fields to send (default: draft-11).
+    pub fn headers(mut self, style: HeaderStyle) -> Self {
+        self.header_style = style;
+        self
+    }
+
+    /// Builds the deny response with `hook` instead of the default problem+json. The
+    /// layer still adds the rate-limit headers, and `Retry-After` unless the hook set one.
+    pub fn on_deny<F>(mut self, hook: F) -> Self
+    where
+        F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.on_deny = Some(Arc::new(hook));
+        self
+    }
+
+    /// What to do with a request that yields no key (default: [`MissingKey::Reject`]).
+    pub fn on_missing_key(mut self, missing_key: MissingKey) -> Self {
+        self.missing_key = missing_key;
+        self
+    }
+
+    /// What to do when the store fails (default: [`FailureMode::FailClosed`]).
+    pub fn on_store_error(mut self, failure_mode: FailureMode) -> Self {
+        self.failure_mode = failure_mode;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &St {
+        &self.store
+    }
+}
+
+impl<S, St, K, C, R> Layer<S> for RateLimitLayer<St, K, C, R>
+where
+    St: Store,
+    K: KeyExtractor + Clone,
+    C: Cost + Clone,
+    R: PolicyResolver + Clone,
+{
+    type Service = RateLimit<S, St, K, C, R>;
+
+    /// Wraps `inner`.
+    ///
+    /// # Panics
+    ///
+    /// When the layer has a fixed policy set and it is empty: a limiter that limits
+    /// nothing is a set-up mistake, reported when the app is built.
+    fn layer(&self, inner: S) -> Self::Service {
+        if let Err(message) = self.resolver.check_configured() {
+            panic!("{message}");
+        }
+        RateLimit::new(
+            inner,
+            self.store.clone(),
+            Arc::new(Config {
+                key: self.key.clone(),
+                cost: self.cost.clone(),
+                resolver: self.resolver.clone(),
+                missing_key: self.missing_key,
+                responder: Arc::new(Responder {
+                    header_style: self.header_style,
+                    on_deny: self.on_deny.clone(),
+                    failure_mode: self.failure_mode,
+                }),
+            }),
+        )
+    }
+}

@@ -1,0 +1,79 @@
+//! # tollgate
+//!
+//! Rate limiting for [Tower](https://docs.rs/tower) and [Axum](https://docs.rs/axum)
+//! services: six algorithms, exact under concurrency, standard `RateLimit` headers on
+//! every response, `429` with `Retry-After` and an RFC 9457 problem body on denial.
+//!
+//! ```
+//! use std::net::SocketAddr;
+//! use axum::{Router, routing::get, body::Body};
+//! use http::{Request, StatusCode};
+//! use tower::ServiceExt;
+//! use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};
+//! use tollgate::cost::PerRoute;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let limiter = RateLimitLayer::new(MemoryStore::new())
+//!     .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?)
+//!     .cost(PerRoute::new(1).route("/search", 5));
+//! let app = Router::new()
+//!     .route("/", get(|| async { "hello" }))
+//!     .route("/search", get(|| async { "results" }))
+//!     .layer(limiter);
+//!
+//! // One client spends its 10 tokens on two searches...
+//! let client = SocketAddr::from(([203, 0, 113, 7], 40000));
+//! let request = |path: &str| {
+//!     let mut request = Request::get(path).body(Body::empty()).unwrap();
+//!     request.extensions_mut().insert(client);
+//!     request
+//! };
+//! for _ in 0..2 {
+//!     let response = app.clone().oneshot(request("/search")).await?;
+//!     assert_eq!(response.status(), StatusCode::OK);
+//! }
+//! // ...and is told how long to wait.
+//! let denied = app.clone().oneshot(request("/")).await?;
+//! assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(denied.headers()["retry-after"], "1");
+//! assert_eq!(denied.headers()["ratelimit-policy"], "\"api\";q=10;w=2");
+//! assert_eq!(denied.headers()["ratelimit"], "\"api\";r=0;t=2");
+//! # Ok(()) }
+//! ```
+//!
+//! The parts, one per stage of a request:
+//!
+//! - [`key`]: who is this ([`key::ClientIp`], [`key::HeaderKey`], [`key::ExtensionKey`], compound, first-of, closures);
+//! - [`cost`]: what does it spend (constant, [`cost::PerRoute`], closures, set by earlier middleware);
+//! - [`policy`]: which limits apply ([`Policy`], [`PolicySet`], [`policy::resolve_with`] per plan);
+//! - [`store`]: who decides ([`MemoryStore`] in process);
+//! - [`RateLimitLayer`]: the Tower layer that ties them together, with [`HeaderStyle`].
+
+#![deny(missing_docs)]
+#![warn(rust_2018_idioms, unreachable_pub)]
+
+pub mod algorithm;
+mod body;
+pub mod clock;
+pub mod cost;
+mod decision;
+mod future;
+mod headers;
+pub mod key;
+mod layer;
+pub mod policy;
+mod response;
+mod service;
+pub mod store;
+
+pub use body::RateLimitBody;
+pub use decision::{Decision, Outcome, PolicyStatus};
+pub use future::ResponseFuture;
+pub use headers::HeaderStyle;
+pub use key::Key;
+pub use layer::{FailureMode, MissingKey, RateLimitLayer};
+pub use policy::{Algorithm, LeakMode, Policy, PolicyError, PolicySet, Rate};
+pub use response::{COST_EXCEEDS_LIMIT, Rejection};
+pub use service::RateLimit;
+pub use store::{DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};

@@ -1,0 +1,202 @@
+//! The responses the limiter writes itself: `429` for a rate decision, `400` for a cost
+//! that can never fit or a missing client key, `500` for a server-side set-up mistake,
+//! `503` for a store failure under fail-closed. Bodies are RFC 9457 `application/problem+json`.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::decision::Decision;
+use crate::headers::seconds_ceil;
+use crate::key::{KeyError, KeyErrorKind};
+use crate::policy::Policy;
+
+/// What a deny hook is told about a denied request.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::{Response, StatusCode};
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate, Rejection};
+///
+/// let layer = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+///     .on_deny(|rejection: &Rejection<'_>| {
+///         Response::builder()
+///             .status(StatusCode::TOO_MANY_REQUESTS)
+///             .header("content-type", "text/plain")
+///             .body(Bytes::from(format!("slow down, try again in {}s", rejection.retry_after_secs())))
+///             .unwrap()
+///     });
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug)]
+pub struct Rejection<'a> {
+    /// The policy that keeps the client waiting longest.
+    pub policy: &'a Policy,
+    /// How long until the request would be admitted.
+    pub retry_after: Duration,
+    /// The whole decision, with every policy's status.
+    pub decision: &'a Decision,
+}
+
+impl Rejection<'_> {
+    /// `retry_after` in whole seconds, rounded up, at least 1: the `Retry-After` value.
+    pub fn retry_after_secs(&self) -> u64 {
+        seconds_ceil(self.retry_after).max(1)
+    }
+}
+
+/// A JSON string literal.
+fn json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+enum Member<'a> {
+    Text(&'a str),
+    Number(u64),
+}
+
+fn problem(
+    status: StatusCode,
+    kind: &str,
+    title: &str,
+    detail: &str,
+    members: &[(&str, Member<'_>)],
+) -> Response<Bytes> {
+    let mut body = String::with_capacity(160);
+    body.push_str("{\"type\":");
+    json_string(&mut body, kind);
+    body.push_str(",\"title\":");
+    json_string(&mut body, title);
+    let _ = write!(body, ",\"status\":{}", status.as_u16());
+    body.push_str(",\"detail\":");
+    json_string(&mut body, detail);
+    for (name, value) in members {
+        body.push(',');
+        json_string(&mut body, name);
+        body.push(':');
+        match value {
+            Member::Text(text) => json_string(&mut body, text),
+            Member::Number(number) => {
+                let _ = write!(body, "{number}");
+            }
+        }
+    }
+    body.push('}');
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+/// `429 Too Many Requests` with `Retry-After` and a problem body.
+pub(crate) fn too_many_requests(rejection: &Rejection<'_>) -> Response<Bytes> {
+    let seconds = rejection.retry_after_secs();
+    let detail = format!(
+        "rate limit \"{}\" exceeded; retry in {seconds} s",
+        rejection.policy.name()
+    );
+    let mut response = problem(
+        StatusCode::TOO_MANY_REQUESTS,
+        "about:blank",
+        "Too Many Requests",
+        &detail,
+        &[
+            ("policy", Member::Text(rejection.policy.name())),
+            ("retry_after", Member::Number(seconds)),
+        ],
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
+/// The type URI of the "cost exceeds limit" problem.
+pub const COST_EXCEEDS_LIMIT: &str = "urn:tollgate:problem:cost-exceeds-limit";
+
+/// `400`: the request costs more than the policy ever admits; retrying cannot help, so
+/// there is no `Retry-After`.
+pub(crate) fn cost_exceeds_limit(policy: &Policy, cost: u64, limit: u64) -> Response<Bytes> {
+    let detail = format!(
+        "this request costs {cost} but policy \"{}\" admits at most {limit} at once",
+        policy.name()
+    );
+    problem(
+        StatusCode::BAD_REQUEST,
+        COST_EXCEEDS_LIMIT,
+        "Request cost exceeds the rate limit",
+        &detail,
+        &[
+            ("policy", Member::Text(policy.name())),
+            ("cost", Member::Number(cost)),
+            ("limit", Member::Number(limit)),
+        ],
+    )
+}
+
+/// `400` when the client left out what identifies it, `500` when the server is set up
+/// wrong.
+pub(crate) fn key_error(error: &KeyError) -> Response<Bytes> {
+    let (status, title) = match error.kind() {
+        KeyErrorKind::Client => (StatusCode::BAD_REQUEST, "Bad Request"),
+        KeyErrorKind::Server => (StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"),
+    };
+    let detail = format!("the rate limiter could not identify the client: {error}");
+    problem(status, "about:blank", title, &detail, &[])
+}
+
+/// `503` for a store failure under fail-closed: not a rate decision, so no rate headers.
+pub(crate) fn store_unavailable() -> Response<Bytes> {
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "about:blank",
+        "Service Unavailable",
+        "the rate-limit store is unavailable",
+        &[("retry_after", Member::Number(1))],
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_strings_are_escaped() {
+        let mut out = String::new();
+        json_string(&mut out, "a\"b\\c\n\u{1}é");
+        assert_eq!(out, "\"a\\\"b\\\\c\\u000a\\u0001é\"");
+    }
+
+    #[test]
+    fn key_errors_map_to_client_and_server_statuses() {
+        assert_eq!(
+            key_error(&KeyError::client("x")).status(),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            key_error(&KeyError::server("x")).status(),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+}

@@ -1,0 +1,231 @@
+//! [`RateLimit`]: the service that decides each request.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, header};
+use http_body::Body;
+use tower_service::Service;
+
+use crate::body::RateLimitBody;
+use crate::cost::Cost;
+use crate::decision::{Decision, Outcome};
+use crate::future::{Pending, ResponseFuture};
+use crate::headers::{HeaderBlock, HeaderStyle, rate_limit_headers};
+use crate::key::KeyExtractor;
+use crate::layer::{DenyHook, FailureMode, MissingKey};
+use crate::policy::{PolicyResolver, PolicySet};
+use crate::response::{self, Rejection};
+use crate::store::{Store, StoreError};
+
+pub(crate) struct Config<K, C, R> {
+    pub(crate) key: K,
+    pub(crate) cost: C,
+    pub(crate) resolver: R,
+    pub(crate) missing_key: MissingKey,
+    pub(crate) responder: Arc<Responder>,
+}
+
+/// What turns a decision into a response; shared with futures that decide later.
+pub(crate) struct Responder {
+    pub(crate) header_style: HeaderStyle,
+    pub(crate) on_deny: Option<DenyHook>,
+    pub(crate) failure_mode: FailureMode,
+}
+
+/// What to do with a request once its decision is known.
+pub(crate) enum Plan<B> {
+    /// Call the inner service, then add the headers.
+    Call {
+        request: Request<B>,
+        headers: HeaderBlock,
+    },
+    /// Hold the request back (shaping), then call.
+    Delay {
+        delay: Duration,
+        request: Request<B>,
+        headers: HeaderBlock,
+    },
+    /// Answer without calling the inner service.
+    Respond(Response<Bytes>),
+}
+
+impl Responder {
+    pub(crate) fn plan<B>(
+        &self,
+        policies: &PolicySet,
+        result: Result<Decision, StoreError>,
+        request: Request<B>,
+    ) -> Plan<B> {
+        let decision = match result {
+            Ok(decision) => decision,
+            Err(_error) => {
+                return match self.failure_mode {
+                    FailureMode::FailOpen => Plan::Call {
+                        request,
+                        headers: HeaderBlock::default(),
+                    },
+                    FailureMode::FailClosed => Plan::Respond(response::store_unavailable()),
+                };
+            }
+        };
+        let headers = rate_limit_headers(self.header_style, policies, &decision);
+        match decision.outcome() {
+            Outcome::Allowed { delay } if delay.is_zero() => Plan::Call { request, headers },
+            Outcome::Allowed { delay } => Plan::Delay {
+                delay,
+                request,
+                headers,
+            },
+            Outcome::Denied {
+                policy,
+                retry_after,
+            } => {
+                let rejection = Rejection {
+                    policy: &policies[policy],
+                    retry_after,
+                    decision: &decision,
+                };
+                let mut response = match &self.on_deny {
+                    Some(hook) => hook(&rejection),
+                    None => response::too_many_requests(&rejection),
+                };
+                response
+                    .headers_mut()
+                    .entry(header::RETRY_AFTER)
+                    .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
+                headers.apply(response.headers_mut());
+                Plan::Respond(response)
+            }
+            Outcome::CostExceedsLimit {
+                policy,
+                cost,
+                limit,
+            } => {
+                let mut response = response::cost_exceeds_limit(&policies[policy], cost, limit);
+                headers.apply(response.headers_mut());
+                Plan::Respond(response)
+            }
+        }
+    }
+}
+
+/// The rate-limiting service; built by [`RateLimitLayer`](crate::RateLimitLayer).
+pub struct RateLimit<S, St, K, C, R> {
+    inner: S,
+    store: St,
+    config: Arc<Config<K, C, R>>,
+}
+
+impl<S, St, K, C, R> RateLimit<S, St, K, C, R> {
+    pub(crate) fn new(inner: S, store: St, config: Arc<Config<K, C, R>>) -> Self {
+        Self {
+            inner,
+            store,
+            config,
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone, St: Clone, K, C, R> Clone for RateLimit<S, St, K, C, R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            store: self.store.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St, K, C, R> fmt::Debug for RateLimit<S, St, K, C, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The ready inner service, leaving a clone in its place (the service is called later,
+/// from the response future).
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
+impl<S, St, K, C, R, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, St, K, C, R>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    St: Store,
+    K: KeyExtractor,
+    C: Cost,
+    R: PolicyResolver,
+    ResBody: Body,
+    ResBody::Data: From<Bytes>,
+{
+    type Response = Response<RateLimitBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let config = &*self.config;
+        let (parts, body) = request.into_parts();
+        let key = match config.key.extract(&parts) {
+            Ok(key) => key,
+            Err(error) => {
+                return match config.missing_key {
+                    MissingKey::Allow => ResponseFuture::calling(
+                        self.inner.call(Request::from_parts(parts, body)),
+                        HeaderBlock::default(),
+                    ),
+                    MissingKey::Reject => ResponseFuture::respond(response::key_error(&error)),
+                };
+            }
+        };
+        let policies = config.resolver.resolve(&parts, &key);
+        if policies.is_empty() {
+            return ResponseFuture::calling(
+                self.inner.call(Request::from_parts(parts, body)),
+                HeaderBlock::default(),
+            );
+        }
+        let cost = config.cost.cost(&parts);
+        let request = Request::from_parts(parts, body);
+        let mut decide = self.store.decide(&key, &policies, cost);
+        let Some(result) = decide.try_take() else {
+            return ResponseFuture::deciding(
+                decide,
+                Pending {
+                    inner: take_ready(&mut self.inner),
+                    request,
+                    policies: policies.into_owned(),
+                    responder: Arc::clone(&config.responder),
+                },
+            );
+        };
+        // The in-process store answers at once: no allocation, no clone of the inner
+        // service, which was made ready by poll_ready and is called right here.
+        match config.responder.plan(&policies, result, request) {
+            Plan::Call { request, headers } => {
+                ResponseFuture::calling(self.inner.call(request), headers)
+            }
+            Plan::Delay {
+                delay,
+                request,
+                headers,
+            } => ResponseFuture::delaying(delay, take_ready(&mut self.inner), request, headers),
+            Plan::Respond(response) => ResponseFuture::respond(response),
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Stores decide: they keep the state of every identity and apply the algorithms to it.
+//!
+//! A store knows nothing of HTTP. It gets an identity ([`Key`]), the policies to apply
+//! and the request's cost, and answers with a [`Decision`] or a [`StoreError`]. A store
+//! error is never a denial: the layer applies its failure mode to it.
+
+mod memory;
+
+use std::error::Error;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
+
+use crate::decision::Decision;
+use crate::key::Key;
+use crate::policy::PolicySet;
+
+/// Keeps rate-limit state and decides requests against it.
+///
+/// Clones share the same state. Implementations must decide each request atomically:
+/// two concurrent requests must never both see the same remaining quota.
+///
+/// ```
+/// use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, Store};
+///
+/// # tokio_test();
+/// # fn tokio_test() {
+/// let store = MemoryStore::new();
+/// let policies = PolicySet::from(Policy::token_bucket("api", 2, Rate::per_second(1)).unwrap());
+/// let decision = futures_lite(store.decide(&Key::new("user:7"), &policies, 1)).unwrap();
+/// assert!(decision.is_allowed());
+/// # }
+/// # fn futures_lite<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+/// # }
+/// ```
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Decides `cost` units for `key` under every policy of `policies`, all-or-nothing.
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture;
+}
+
+type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+
+/// The future of one decision: already complete for the in-process store (no allocation),
+/// boxed for stores that do I/O.
+#[must_use = "futures do nothing unless polled"]
+pub struct DecideFuture {
+    inner: DecideInner,
+}
+
+enum DecideInner {
+    Ready(Option<Result<Decision, StoreError>>),
+    Pending(BoxedDecision),
+}
+
+impl DecideFuture {
+    /// A decision that is already known.
+    pub fn ready(result: Result<Decision, StoreError>) -> Self {
+        Self {
+            inner: DecideInner::Ready(Some(result)),
+        }
+    }
+
+    /// A decision still to be made by `future`.
+    pub fn new(
+        future: impl Future<Output = Result<Decision, StoreError>> + Send + 'static,
+    ) -> Self {
+        Self {
+            inner: DecideInner::Pending(Box::pin(future)),
+        }
+    }
+
+    /// The result without polling, if it is already known.
+    pub(crate) fn try_take(&mut self) -> Option<Result<Decision, StoreError>> {
+        match &mut self.inner {
+            DecideInner::Ready(result) => result.take(),
+            DecideInner::Pending(_) => None,
+        }
+    }
+}
+
+impl fmt::Debug for DecideFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.inner {
+            DecideInner::Ready(_) => "ready",
+            DecideInner::Pending(_) => "pending",
+        };
+        f.debug_tuple("DecideFuture").field(&state).finish()
+    }
+}
+
+impl Future for DecideFuture {
+    type Output = Result<Decision, StoreError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().inner {
+            DecideInner::Ready(result) => Poll::Ready(
+                result
+                    .take()
+                    .expect("DecideFuture polled after it completed"),
+            ),
+            DecideInner::Pending(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
+/// What kind of failure a store had.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The backend could not be reached.
+    Unavailable,
+    /// The backend did not answer in time.
+    Timeout,
+    /// The backend answered something that could not be understood.
+    Protocol,
+    /// Anything else.
+    Other,
+}
+
+/// A store could not decide. This is not a denial: the layer's failure mode decides what
+/// the request gets.
+///
+/// ```
+/// use tollgate::{StoreError, StoreErrorKind};
+///
+/// let err = StoreError::new(StoreErrorKind::Timeout, "no answer within 50ms");
+/// assert_eq!(err.to_string(), "rate-limit store timeout: no answer within 50ms");
+/// ```
+#[derive(Debug)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    source: Option<Box<dyn Error + Send + Sync>>,
+}
+
+impl StoreError {
+    /// An error of `kind` described by `message`.
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    pub fn with_source(mut self, source: impl Error + Send + Sync + 'static) -> Self {
+        self.source = Some(Box::new(source));
+        self
+    }
+
+    /// The kind of failure.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self.kind {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::Protocol => "protocol error",
+            StoreErrorKind::Other => "error",
+        };
+        write!(f, "rate-limit store {kind}: {}", self.message)
+    }
+}
+
+impl Error for StoreError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn Error + 'static))
+    }
+}
