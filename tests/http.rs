@@ -1,0 +1,573 @@
+//! The layer over real HTTP: an axum server on a loopback port and a hyper client.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::net::TcpListener;
+use tollgate::cost::PerRoute;
+use tollgate::key::{ClientIp, ExtensionKey, HeaderKey, KeyExtractorExt};
+use tollgate::policy::resolve_with;
+use tollgate::{
+    DecideFuture, FailureMode, HeaderStyle, Key, MemoryStore, MissingKey, Policy, PolicySet, Rate,
+    RateLimitLayer, Rejection, Store, StoreError, StoreErrorKind,
+};
+use tower::ServiceExt;
+
+struct Server {
+    addr: SocketAddr,
+    client: Client<HttpConnector, Body>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Server {
+    async fn start(app: Router) -> Self {
+        Self::start_with(app, true).await
+    }
+
+    async fn start_with(app: Router, connect_info: bool) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            if connect_info {
+                axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .await
+                .unwrap();
+            } else {
+                axum::serve(listener, app).await.unwrap();
+            }
+        });
+        let client = Client::builder(TokioExecutor::new()).build_http();
+        Self { addr, client, task }
+    }
+
+    async fn send(&self, request: http::request::Builder) -> Reply {
+        let request = request.body(Body::empty()).unwrap();
+        let (mut parts, body) = request.into_parts();
+        parts.uri = format!("http://{}{}", self.addr, parts.uri)
+            .parse()
+            .unwrap();
+        let response = self
+            .client
+            .request(Request::from_parts(parts, body))
+            .await
+            .unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Reply {
+            status,
+            headers,
+            body: String::from_utf8(body.to_vec()).unwrap(),
+        }
+    }
+
+    async fn get(&self, path: &str) -> Reply {
+        self.send(Request::get(path)).await
+    }
+}
+
+fn api_bucket() -> Policy {
+    Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap()
+}
+
+fn hello_app() -> Router {
+    Router::new()
+        .route("/", get(|| async { "hello" }))
+        .route("/search", get(|| async { "results" }))
+}
+
+#[tokio::test]
+async fn headers_on_every_response_and_a_problem_on_429() {
+    let limiter = RateLimitLayer::new(MemoryStore::new()).policy(api_bucket());
+    let server = Server::start(hello_app().layer(limiter)).await;
+
+    let first = server.get("/").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.body, "hello");
+    assert_eq!(first.headers["ratelimit-policy"], "\"api\";q=10;w=2");
+    assert_eq!(first.headers["ratelimit"], "\"api\";r=9;t=1");
+    assert!(first.headers.get("retry-after").is_none());
+
+    // Within the same second nothing refills more than a couple of tokens; keep asking
+    // until denied (at most capacity + what refills meanwhile).
+    let mut denied = None;
+    for _ in 0..100 {
+        let reply = server.get("/").await;
+        if reply.status == StatusCode::TOO_MANY_REQUESTS {
+            denied = Some(reply);
+            break;
+        }
+        assert!(reply.headers.contains_key("ratelimit"));
+    }
+    let denied = denied.expect("the bucket never ran out");
+    let retry_after: u64 = denied.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(retry_after, 1, "one token takes 200 ms, rounded up to 1 s");
+    assert_eq!(denied.headers["content-type"], "application/problem+json");
+    assert_eq!(denied.headers["ratelimit-policy"], "\"api\";q=10;w=2");
+    assert!(
+        denied.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=0;t=")
+    );
+    assert_eq!(
+        denied.body,
+        "{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
+         \"detail\":\"rate limit \\\"api\\\" exceeded; retry in 1 s\",\"policy\":\"api\",\"retry_after\":1}"
+    );
+}
+
+#[tokio::test]
+async fn a_spoofed_leftmost_forwarded_for_is_ignored() {
+    let key = ClientIp::behind_proxies(["127.0.0.1"]).unwrap();
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 3, Duration::from_secs(3600)).unwrap())
+        .key(key);
+    let server = Server::start(hello_app().layer(limiter)).await;
+
+    // The proxy (us, on 127.0.0.1) vouches for 198.51.100.7; the client made up the rest.
+    let mut statuses = Vec::new();
+    for i in 0..5 {
+        let reply = server
+            .send(Request::get("/").header("x-forwarded-for", format!("10.{i}.0.1, 198.51.100.7")))
+            .await;
+        statuses.push(reply.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    // Another client behind the same proxy has its own budget.
+    let other = server
+        .send(Request::get("/").header("x-forwarded-for", "198.51.100.8"))
+        .await;
+    assert_eq!(other.status, StatusCode::OK);
+    // Without the header the walk ends on the trusted peer itself, a bucket of its own.
+    let direct = server.get("/").await;
+    assert_eq!(direct.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn several_policies_are_all_or_nothing_over_http() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("burst", 3, Rate::per_hour(1)).unwrap())
+        .policy(Policy::fixed_window("daily", 5, Duration::from_secs(86_400)).unwrap());
+    let server = Server::start(hello_app().layer(limiter)).await;
+    for expected_burst in [2, 1, 0] {
+        let reply = server.get("/").await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let expected = format!("\"burst\";r={expected_burst};");
+        assert!(
+            reply.headers["ratelimit"]
+                .to_str()
+                .unwrap()
+                .starts_with(&expected)
+        );
+    }
+    for _ in 0..3 {
+        let reply = server.get("/").await;
+        assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            reply.headers["ratelimit-policy"],
+            "\"burst\";q=3;w=10800, \"daily\";q=5;w=86400"
+        );
+        // The daily budget was not touched by the denials.
+        assert!(
+            reply.headers["ratelimit"]
+                .to_str()
+                .unwrap()
+                .contains("\"daily\";r=2;")
+        );
+    }
+}
+
+#[tokio::test]
+async fn per_route_costs_debit_one_bucket() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap())
+        .cost(PerRoute::new(1).route("/search", 5));
+    let server = Server::start(hello_app().layer(limiter)).await;
+    let search = server.get("/search").await;
+    assert_eq!(search.status, StatusCode::OK);
+    assert_eq!(search.body, "results");
+    assert!(
+        search.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=5;")
+    );
+    let root = server.get("/").await;
+    assert!(
+        root.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=4;")
+    );
+    // 4 left: a search (5) is denied, four plain requests still fit.
+    assert_eq!(
+        server.get("/search").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    for _ in 0..4 {
+        assert_eq!(server.get("/").await.status, StatusCode::OK);
+    }
+    assert_eq!(server.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn route_layers_share_one_bucket_without_double_charging() {
+    // Each route carries its own cost; the store and the policy are shared.
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap());
+    let app = Router::new()
+        .route(
+            "/search",
+            get(|| async { "results" }).route_layer(limiter.clone().cost(5)),
+        )
+        .route("/", get(|| async { "hello" }).route_layer(limiter.clone()));
+    let server = Server::start(app).await;
+    let search = server.get("/search").await;
+    assert!(
+        search.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=5;")
+    );
+    let root = server.get("/").await;
+    assert!(
+        root.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=4;")
+    );
+    // Unknown routes are not limited (and not charged) by a route layer.
+    let missing = server.get("/nope").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert!(!missing.headers.contains_key("ratelimit"));
+}
+
+#[tokio::test]
+async fn a_cost_that_never_fits_is_a_400_without_retry_after() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(api_bucket())
+        .cost(PerRoute::new(1).route("/search", 50));
+    let server = Server::start(hello_app().layer(limiter)).await;
+    let reply = server.get("/search").await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert!(reply.headers.get("retry-after").is_none());
+    assert!(reply.body.contains("\"cost\":50"), "{}", reply.body);
+    assert!(reply.body.contains("\"limit\":10"));
+    assert!(reply.body.contains(tollgate::COST_EXCEEDS_LIMIT));
+    // Nothing was spent.
+    assert!(
+        server.get("/").await.headers["ratelimit"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"api\";r=9;")
+    );
+}
+
+#[tokio::test]
+async fn a_missing_peer_address_is_a_loud_500() {
+    let limiter = RateLimitLayer::new(MemoryStore::new()).policy(api_bucket());
+    let server = Server::start_with(hello_app().layer(limiter), false).await;
+    let reply = server.get("/").await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(reply.body.contains("no peer address"), "{}", reply.body);
+}
+
+#[tokio::test]
+async fn api_keys_with_fallback_and_missing_key_modes() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap());
+    let server = Server::start(
+        hello_app()
+            .route_layer(limiter.clone().key(HeaderKey::new("x-api-key")))
+            .route(
+                "/open",
+                get(|| async { "open" }).route_layer(
+                    limiter
+                        .clone()
+                        .key(HeaderKey::new("x-api-key"))
+                        .on_missing_key(MissingKey::Allow),
+                ),
+            )
+            .route(
+                "/either",
+                get(|| async { "either" }).route_layer(
+                    limiter
+                        .clone()
+                        .key(HeaderKey::new("x-api-key").or(ClientIp::peer())),
+                ),
+            ),
+    )
+    .await;
+    // No key: a client error, not a bypass.
+    let reply = server.get("/").await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert!(reply.body.contains("missing header x-api-key"));
+    // Each key has its own budget.
+    for key in ["alpha", "alpha", "beta"] {
+        assert_eq!(
+            server
+                .send(Request::get("/").header("x-api-key", key))
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        server
+            .send(Request::get("/").header("x-api-key", "alpha"))
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Allowed without a key: no limit, no headers.
+    let open = server.get("/open").await;
+    assert_eq!(open.status, StatusCode::OK);
+    assert!(!open.headers.contains_key("ratelimit"));
+    // Falls back to the IP.
+    let either = server.get("/either").await;
+    assert_eq!(either.status, StatusCode::OK);
+    assert!(either.headers.contains_key("ratelimit"));
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    Free,
+    Pro,
+}
+
+#[derive(Clone)]
+struct User {
+    id: u32,
+    plan: Plan,
+}
+
+#[tokio::test]
+async fn plans_pick_policies_from_what_auth_middleware_set() {
+    let free = PolicySet::from(Policy::token_bucket("api", 2, Rate::per_hour(1)).unwrap());
+    let pro = PolicySet::from(Policy::token_bucket("api", 5, Rate::per_hour(1)).unwrap());
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .key(ExtensionKey::new("user", |user: &User| user.id.to_string()))
+        .resolver(resolve_with(move |parts, _key| {
+            match parts.extensions.get::<User>().map(|user| user.plan) {
+                Some(Plan::Pro) => pro.clone(),
+                _ => free.clone(),
+            }
+        }));
+    // A stand-in for authentication: the user id and plan come from a header.
+    let auth = axum::middleware::from_fn(
+        |mut request: axum::extract::Request, next: axum::middleware::Next| async move {
+            let id: u32 = request.headers()["x-user"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
+            let plan = if id >= 100 { Plan::Pro } else { Plan::Free };
+            request.extensions_mut().insert(User { id, plan });
+            next.run(request).await
+        },
+    );
+    let app = hello_app().layer(limiter).layer(auth);
+    let server = Server::start(app).await;
+    let count = |user: &'static str| {
+        let server = &server;
+        async move {
+            let mut admitted = 0;
+            for _ in 0..10 {
+                if server
+                    .send(Request::get("/").header("x-user", user))
+                    .await
+                    .status
+                    == StatusCode::OK
+                {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }
+    };
+    assert_eq!(count("7").await, 2);
+    assert_eq!(count("8").await, 2);
+    assert_eq!(count("100").await, 5);
+}
+
+#[tokio::test]
+async fn draft_6_and_legacy_styles_and_a_custom_deny_response() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+        .headers(HeaderStyle::Draft6)
+        .on_deny(|rejection: &Rejection<'_>| {
+            Response::builder()
+                .status(StatusCode::TOO_MANY_REQUESTS)
+                .body(Bytes::from(format!(
+                    "wait {}s",
+                    rejection.retry_after_secs()
+                )))
+                .unwrap()
+        });
+    let legacy = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+        .headers(HeaderStyle::Legacy);
+    let app = Router::new()
+        .route("/", get(|| async { "hello" }).route_layer(limiter))
+        .route("/legacy", get(|| async { "old" }).route_layer(legacy));
+    let server = Server::start(app).await;
+    let ok = server.get("/").await;
+    assert_eq!(ok.headers["ratelimit-limit"], "1");
+    assert_eq!(ok.headers["ratelimit-remaining"], "0");
+    assert!(!ok.headers.contains_key("ratelimit"));
+    let denied = server.get("/").await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(denied.body.starts_with("wait "));
+    assert!(denied.headers.contains_key("retry-after"));
+    assert_eq!(denied.headers["ratelimit-remaining"], "0");
+    let old = server.get("/legacy").await;
+    assert_eq!(old.headers["x-ratelimit-limit"], "1");
+    assert!(old.headers.contains_key("x-ratelimit-reset"));
+}
+
+/// A store that answers later (as a networked store does), or fails.
+#[derive(Clone)]
+struct SlowStore {
+    inner: MemoryStore,
+    fail: bool,
+}
+
+impl Store for SlowStore {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let (inner, key, policies, fail) =
+            (self.inner.clone(), key.clone(), policies.clone(), self.fail);
+        DecideFuture::new(async move {
+            tokio::task::yield_now().await;
+            if fail {
+                Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "connection refused",
+                ))
+            } else {
+                Ok(inner.check(key.as_str(), &policies, cost))
+            }
+        })
+    }
+}
+
+#[tokio::test]
+async fn asynchronous_stores_and_failure_modes() {
+    let store = |fail| SlowStore {
+        inner: MemoryStore::new(),
+        fail,
+    };
+    let policy = Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { "hello" })
+                .route_layer(RateLimitLayer::new(store(false)).policy(policy.clone())),
+        )
+        .route(
+            "/closed",
+            get(|| async { "closed" })
+                .route_layer(RateLimitLayer::new(store(true)).policy(policy.clone())),
+        )
+        .route(
+            "/open",
+            get(|| async { "open" }).route_layer(
+                RateLimitLayer::new(store(true))
+                    .policy(policy)
+                    .on_store_error(FailureMode::FailOpen),
+            ),
+        );
+    let server = Server::start(app).await;
+    let ok = server.get("/").await;
+    assert_eq!(ok.status, StatusCode::OK);
+    assert!(ok.headers.contains_key("ratelimit"));
+    assert_eq!(server.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+    // A store failure is never a 429.
+    let closed = server.get("/closed").await;
+    assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!closed.headers.contains_key("ratelimit"));
+    let open = server.get("/open").await;
+    assert_eq!(open.status, StatusCode::OK);
+    assert_eq!(open.body, "open");
+}
+
+#[tokio::test(start_paused = true)]
+async fn shaping_holds_requests_back_for_their_delay() {
+    let policy =
+        Policy::leaky_bucket_shaping("partner", Rate::per_second(2), Duration::from_secs(1))
+            .unwrap();
+    let app = Router::new().route("/", post(|| async { "sent" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(policy)
+            .key(tollgate::key::Global),
+    );
+    let start = tokio::time::Instant::now();
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        let app = app.clone();
+        handles.push(tokio::spawn(async move {
+            let response = app
+                .oneshot(Request::post("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            (response.status(), tokio::time::Instant::now() - start)
+        }));
+    }
+    let mut results = Vec::new();
+    for handle in handles {
+        results.push(handle.await.unwrap());
+    }
+    let ok: Vec<Duration> = results
+        .iter()
+        .filter(|(status, _)| *status == StatusCode::OK)
+        .map(|(_, elapsed)| *elapsed)
+        .collect();
+    // One every 500 ms, at most 1 s of waiting: three go through (0, 0.5, 1 s), one is denied.
+    assert_eq!(ok.len(), 3, "{results:?}");
+    let mut ok = ok;
+    ok.sort();
+    // The store reads the real monotonic clock, which moves a little between the four
+    // decisions; the sleeps run on tokio's paused clock.
+    for (elapsed, expected) in ok.iter().zip([0u64, 500, 1000]) {
+        let expected = Duration::from_millis(expected);
+        assert!(
+            *elapsed <= expected && expected - *elapsed < Duration::from_millis(50),
+            "{elapsed:?} vs {expected:?}"
+        );
+    }
+    assert_eq!(
+        results
+            .iter()
+            .filter(|(status, _)| *status == StatusCode::TOO_MANY_REQUESTS)
+            .count(),
+        1
+    );
+}
