@@ -1,1 +1,78 @@
-fn main() {}
+//! Nanoseconds per decision: every tollgate algorithm on the in-process store, side by
+//! side with governor's keyed GCRA (`check_key`) in the same run, over 10k and 1M string
+//! keys visited round-robin.
+//!
+//! `cargo bench --bench decisions`
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use governor::{Quota, RateLimiter};
+use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+
+/// Limits high enough that almost every decision admits, as on a healthy service.
+const LIMIT: u64 = 1_000;
+
+fn keys(count: usize) -> Vec<String> {
+    (0..count).map(|i| format!("user:{i:08}")).collect()
+}
+
+fn policies() -> Vec<Policy> {
+    let window = Duration::from_secs(1);
+    vec![
+        Policy::token_bucket("token_bucket", LIMIT, Rate::per_second(LIMIT)).unwrap(),
+        Policy::gcra("gcra", Rate::per_second(LIMIT), LIMIT).unwrap(),
+        Policy::fixed_window("fixed_window", LIMIT, window).unwrap(),
+        Policy::sliding_window("sliding_window", LIMIT, window).unwrap(),
+        // The log keeps one entry per admitted instant: a smaller limit keeps 1M keys in
+        // memory on a small machine.
+        Policy::sliding_log("sliding_log", 100, window).unwrap(),
+        Policy::leaky_bucket("leaky_bucket", LIMIT, Rate::per_second(LIMIT)).unwrap(),
+    ]
+}
+
+fn decisions(c: &mut Criterion) {
+    for key_count in [10_000usize, 1_000_000] {
+        let keys = keys(key_count);
+        let mut group = c.benchmark_group(format!("decide/{key_count}_keys"));
+        group.throughput(Throughput::Elements(1));
+
+        let quota = Quota::per_second(NonZeroU32::new(LIMIT as u32).unwrap())
+            .allow_burst(NonZeroU32::new(LIMIT as u32).unwrap());
+        let governor = RateLimiter::<String, _, _>::keyed(quota);
+        let mut i = 0;
+        group.bench_function(BenchmarkId::new("governor", "gcra"), |b| {
+            b.iter(|| {
+                i = (i + 1) % key_count;
+                black_box(governor.check_key(&keys[i]).is_ok())
+            })
+        });
+        drop(governor);
+
+        for policy in policies() {
+            let name = policy.name().to_owned();
+            let store = MemoryStore::builder().max_keys(2 * key_count).build();
+            let set = PolicySet::from(policy);
+            let mut i = 0;
+            group.bench_function(BenchmarkId::new("tollgate", &name), |b| {
+                b.iter(|| {
+                    i = (i + 1) % key_count;
+                    black_box(store.check(&keys[i], &set, 1).is_allowed())
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(30);
+    targets = decisions
+}
+criterion_main!(benches);

@@ -66,22 +66,26 @@ pub struct Decision {
 
 impl Decision {
     /// A decision with one status per policy, in the policy set's order.
+    #[inline]
     pub fn new(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
         Self { outcome, statuses }
     }
 
     /// What happened.
+    #[inline]
     pub fn outcome(&self) -> Outcome {
         self.outcome
     }
 
     /// True when the request was admitted (possibly with a shaping delay).
+    #[inline]
     pub fn is_allowed(&self) -> bool {
         matches!(self.outcome, Outcome::Allowed { .. })
     }
 
     /// How long a denied request should wait; `None` when admitted or when waiting
     /// cannot help.
+    #[inline]
     pub fn retry_after(&self) -> Option<Duration> {
         match self.outcome {
             Outcome::Denied { retry_after, .. } => Some(retry_after),
@@ -90,6 +94,7 @@ impl Decision {
     }
 
     /// One status per policy, in the policy set's order.
+    #[inline]
     pub fn statuses(&self) -> &[PolicyStatus] {
         &self.statuses
     }

@@ -18,9 +18,9 @@
 //! # Ok::<(), tollgate::PolicyError>(())
 //! ```
 
+use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use http::HeaderValue;
@@ -251,7 +251,22 @@ struct PolicyInner {
     name: Box<str>,
     algorithm: Algorithm,
     params: Params,
-    id: u64,
+    id: u32,
+}
+
+/// The id that tells one policy's state from another's in the in-process store: the
+/// same for equal name and parameters, different otherwise, so a changed limit starts
+/// from fresh state instead of reading state written under other units. Handed out in
+/// order from one process-wide table (policies are few and built at start-up), so two
+/// policies never share an id by accident, as hashes could.
+fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
+    static IDS: OnceLock<Mutex<HashMap<(Box<str>, Algorithm), u32>>> = OnceLock::new();
+    let mut ids = IDS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let next = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+    *ids.entry((name.into(), algorithm)).or_insert(next)
 }
 
 impl fmt::Debug for Policy {
@@ -397,19 +412,12 @@ impl Policy {
                 }
             }
         };
-        // The id tells one policy's state from another's in a store. It covers the
-        // parameters as well as the name, so a changed limit starts from fresh state
-        // instead of reading state written under other units.
-        let mut hasher =
-            foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).build_hasher();
-        name.hash(&mut hasher);
-        algorithm.hash(&mut hasher);
         Ok(Policy {
             inner: Arc::new(PolicyInner {
                 name: name.into(),
                 algorithm,
                 params,
-                id: hasher.finish(),
+                id: policy_id(name, algorithm),
             }),
         })
     }
@@ -499,6 +507,7 @@ impl Policy {
     }
 
     /// The quota a client sees: the most units this policy admits at once.
+    #[inline]
     pub fn limit(&self) -> u64 {
         self.inner.params.limit()
     }
@@ -509,12 +518,14 @@ impl Policy {
         Duration::from_nanos(self.inner.params.window_nanos())
     }
 
+    #[inline]
     pub(crate) fn params(&self) -> &Params {
         &self.inner.params
     }
 
     /// A fingerprint of the name and parameters; stores keep state per id.
-    pub(crate) fn id(&self) -> u64 {
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
         self.inner.id
     }
 }
@@ -554,6 +565,7 @@ impl fmt::Debug for PolicySet {
 
 impl PolicySet {
     /// A set of policies with distinct names.
+    #[inline]
     pub fn new(policies: impl IntoIterator<Item = Policy>) -> Result<Self, PolicyError> {
         let policies: Vec<Policy> = policies.into_iter().collect();
         for (i, policy) in policies.iter().enumerate() {

@@ -25,19 +25,22 @@ pub struct WindowState {
 }
 
 impl FixedWindow {
+    #[inline]
     fn window_end(&self, now: u64) -> u64 {
         (now - now % self.window).saturating_add(self.window)
     }
 
-    /// Moves the state to the window `now` falls in.
+    /// Moves the state to the window `now` falls in (never back to an earlier one).
+    #[inline]
     pub fn refresh(&self, state: &mut WindowState, now: u64) {
         let index = now / self.window;
-        if state.index != index {
+        if index > state.index {
             *state = WindowState { index, count: 0 };
         }
     }
 
     /// Would `cost` units fit now? The state must be refreshed to `now`.
+    #[inline]
     pub fn check(&self, state: &WindowState, now: u64, cost: u64) -> Verdict {
         if cost > self.limit {
             return Verdict::Never;
@@ -52,11 +55,13 @@ impl FixedWindow {
     }
 
     /// Debits `cost` units.
+    #[inline]
     pub fn commit(&self, state: &mut WindowState, _now: u64, cost: u64) {
         state.count = state.count.saturating_add(cost);
     }
 
     /// What a client sees now.
+    #[inline]
     pub fn snapshot(&self, state: &WindowState, now: u64) -> Snapshot {
         let end = self.window_end(now);
         Snapshot {

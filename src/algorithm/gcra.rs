@@ -6,7 +6,7 @@
 //! `max(tat, now) + cost * T - tau <= now`, where `tau = burst * T`.
 
 use super::token_bucket::nanos;
-use super::{Snapshot, Verdict, div_ceil};
+use super::{Snapshot, Verdict, Wide, div, div_ceil};
 
 /// Parameters: `amount` units per `period` nanoseconds, bursts of `burst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,28 +23,32 @@ pub struct Gcra {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GcraState {
     /// Scaled TAT.
-    pub tat: u128,
+    pub tat: Wide,
 }
 
 impl Gcra {
+    #[inline]
     fn scaled(&self, now: u64) -> u128 {
         u128::from(now) * u128::from(self.amount)
     }
 
+    #[inline]
     fn tolerance(&self) -> u128 {
         u128::from(self.burst) * u128::from(self.period)
     }
 
     /// GCRA needs no refresh: the TAT means the same thing at every `now`.
+    #[inline]
     pub fn refresh(&self, _state: &mut GcraState, _now: u64) {}
 
     /// Would `cost` units conform now?
+    #[inline]
     pub fn check(&self, state: &GcraState, now: u64, cost: u64) -> Verdict {
         if cost > self.burst {
             return Verdict::Never;
         }
         let now = self.scaled(now);
-        let tat = state.tat.max(now) + u128::from(cost) * u128::from(self.period);
+        let tat = state.tat.get().max(now) + u128::from(cost) * u128::from(self.period);
         let allow_at = tat.saturating_sub(self.tolerance());
         if allow_at <= now {
             Verdict::Admit { delay: 0 }
@@ -56,18 +60,25 @@ impl Gcra {
     }
 
     /// Moves the TAT by `cost` emission intervals.
+    #[inline]
     pub fn commit(&self, state: &mut GcraState, now: u64, cost: u64) {
-        state.tat = state.tat.max(self.scaled(now)) + u128::from(cost) * u128::from(self.period);
+        let base = state.tat.get().max(self.scaled(now));
+        state
+            .tat
+            .set(base + u128::from(cost) * u128::from(self.period));
     }
 
     /// What a client sees now.
+    #[inline]
     pub fn snapshot(&self, state: &GcraState, now: u64) -> Snapshot {
         let scaled_now = self.scaled(now);
-        let tat = state.tat.max(scaled_now);
+        let tat = state.tat.get().max(scaled_now);
         let reset = nanos(div_ceil(tat - scaled_now, u128::from(self.amount)));
         Snapshot {
-            remaining: ((scaled_now + self.tolerance()).saturating_sub(tat)
-                / u128::from(self.period)) as u64,
+            remaining: div(
+                (scaled_now + self.tolerance()).saturating_sub(tat),
+                u128::from(self.period),
+            ) as u64,
             reset,
             fresh_at: if reset == 0 {
                 0

@@ -6,7 +6,7 @@
 //! `max_delay`, and tells the caller to hold it back for that wait.
 
 use super::token_bucket::{BucketState, TokenBucket, nanos};
-use super::{Snapshot, Verdict, div_ceil};
+use super::{Snapshot, Verdict, div, div_ceil};
 
 /// Parameters of a shaping leaky bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,15 +24,18 @@ pub type LeakyPolice = TokenBucket;
 
 impl LeakyShape {
     /// The most a request may find in the bucket and still be admitted (scaled).
+    #[inline]
     fn threshold(&self) -> u128 {
         u128::from(self.max_delay) * u128::from(self.amount)
     }
 
     /// The number of unit requests an empty bucket admits back to back.
+    #[inline]
     pub fn capacity(&self) -> u64 {
-        nanos(self.threshold() / u128::from(self.period)).saturating_add(1)
+        nanos(div(self.threshold(), u128::from(self.period))).saturating_add(1)
     }
 
+    #[inline]
     fn as_bucket(&self) -> TokenBucket {
         TokenBucket {
             capacity: self.capacity(),
@@ -42,34 +45,42 @@ impl LeakyShape {
     }
 
     /// Leaks the bucket for the time since the last update.
+    #[inline]
     pub fn refresh(&self, state: &mut BucketState, now: u64) {
         self.as_bucket().refresh(state, now);
     }
 
     /// Admit with the wait for what is ahead, or deny when that wait is too long.
+    #[inline]
     pub fn check(&self, state: &BucketState, _now: u64, _cost: u64) -> Verdict {
         let amount = u128::from(self.amount);
-        if state.level <= self.threshold() {
+        if state.level.get() <= self.threshold() {
             Verdict::Admit {
-                delay: nanos(div_ceil(state.level, amount)),
+                delay: nanos(div_ceil(state.level.get(), amount)),
             }
         } else {
             Verdict::Deny {
-                retry_after: nanos(div_ceil(state.level - self.threshold(), amount)),
+                retry_after: nanos(div_ceil(state.level.get() - self.threshold(), amount)),
             }
         }
     }
 
     /// Queues `cost` units.
+    #[inline]
     pub fn commit(&self, state: &mut BucketState, now: u64, cost: u64) {
         self.as_bucket().commit(state, now, cost);
     }
 
     /// What a client sees now: unit requests that may still queue, time until empty.
+    #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
         let mut snapshot = self.as_bucket().snapshot(state, now);
-        snapshot.remaining = if state.level <= self.threshold() {
-            nanos((self.threshold() - state.level) / u128::from(self.period)).saturating_add(1)
+        snapshot.remaining = if state.level.get() <= self.threshold() {
+            nanos(div(
+                self.threshold() - state.level.get(),
+                u128::from(self.period),
+            ))
+            .saturating_add(1)
         } else {
             0
         };

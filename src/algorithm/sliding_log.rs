@@ -27,6 +27,7 @@ pub struct LogState {
 
 impl SlidingLog {
     /// Forgets entries that have left the window `(now - window, now]`.
+    #[inline]
     pub fn refresh(&self, state: &mut LogState, now: u64) {
         while let Some(&(at, units)) = state.entries.front() {
             if at.saturating_add(self.window) > now {
@@ -38,6 +39,7 @@ impl SlidingLog {
     }
 
     /// Would `cost` units fit now? The state must be refreshed to `now`.
+    #[inline]
     pub fn check(&self, state: &LogState, now: u64, cost: u64) -> Verdict {
         if cost > self.limit {
             return Verdict::Never;
@@ -63,18 +65,21 @@ impl SlidingLog {
     }
 
     /// Records `cost` units at `now`.
+    #[inline]
     pub fn commit(&self, state: &mut LogState, now: u64, cost: u64) {
         if cost == 0 {
             return;
         }
         match state.entries.back_mut() {
-            Some((at, units)) if *at == now => *units += cost,
+            // Time that stepped back joins the newest entry, keeping the log in order.
+            Some((at, units)) if *at >= now => *units += cost,
             _ => state.entries.push_back((now, cost)),
         }
         state.total += cost;
     }
 
     /// What a client sees now.
+    #[inline]
     pub fn snapshot(&self, state: &LogState, now: u64) -> Snapshot {
         let fresh_at = state
             .entries

@@ -28,10 +28,11 @@ pub struct CounterState {
 }
 
 impl SlidingWindow {
-    /// Rolls the counters to the window `now` falls in.
+    /// Rolls the counters to the window `now` falls in (never back to an earlier one).
+    #[inline]
     pub fn refresh(&self, state: &mut CounterState, now: u64) {
         let index = now / self.window;
-        if index == state.index {
+        if index <= state.index {
             return;
         }
         state.previous = if index == state.index + 1 {
@@ -43,9 +44,20 @@ impl SlidingWindow {
         state.index = index;
     }
 
+    /// Time into the state's current window; 0 if `now` stepped back before it.
+    #[inline]
+    fn elapsed(&self, state: &CounterState, now: u64) -> u64 {
+        if now / self.window == state.index {
+            now % self.window
+        } else {
+            0
+        }
+    }
+
     /// `ceil(previous * (window - elapsed) / window) + current`.
+    #[inline]
     pub fn estimate(&self, state: &CounterState, now: u64) -> u64 {
-        let elapsed = now % self.window;
+        let elapsed = self.elapsed(state, now);
         let weighted = div_ceil(
             u128::from(state.previous) * u128::from(self.window - elapsed),
             u128::from(self.window),
@@ -54,6 +66,7 @@ impl SlidingWindow {
     }
 
     /// Would `cost` units fit now? The state must be refreshed to `now`.
+    #[inline]
     pub fn check(&self, state: &CounterState, now: u64, cost: u64) -> Verdict {
         if cost > self.limit {
             return Verdict::Never;
@@ -62,18 +75,16 @@ impl SlidingWindow {
             return Verdict::Admit { delay: 0 };
         }
         let window = u128::from(self.window);
-        let elapsed = u128::from(now % self.window);
+        let elapsed = u128::from(self.elapsed(state, now));
         let room = u128::from(self.limit - cost);
         let current = u128::from(state.current);
         // The smallest elapsed time e' in a window with `weighted` requests behind and
         // `fixed` in it at which ceil(weighted * (w - e') / w) + fixed <= limit - cost.
         let first_fit = |weighted: u128, fixed: u128| -> u128 {
             let spare = room - fixed;
-            if weighted == 0 {
-                0
-            } else {
-                window - (spare * window / weighted).min(window)
-            }
+            (spare * window)
+                .checked_div(weighted)
+                .map_or(0, |left| window - left.min(window))
         };
         let retry_after = if current <= room {
             first_fit(u128::from(state.previous), current).saturating_sub(elapsed)
@@ -87,13 +98,15 @@ impl SlidingWindow {
     }
 
     /// Debits `cost` units.
+    #[inline]
     pub fn commit(&self, state: &mut CounterState, _now: u64, cost: u64) {
         state.current = state.current.saturating_add(cost);
     }
 
     /// What a client sees now.
+    #[inline]
     pub fn snapshot(&self, state: &CounterState, now: u64) -> Snapshot {
-        let to_next = self.window - now % self.window;
+        let to_next = self.window - self.elapsed(state, now);
         let reset = if state.current > 0 {
             to_next.saturating_add(self.window)
         } else if state.previous > 0 {

@@ -4,7 +4,7 @@
 //! that refilling `elapsed` nanoseconds adds exactly `elapsed * amount` with no fractions
 //! and no drift. A default state is a full bucket.
 
-use super::{Snapshot, Verdict, div_ceil};
+use super::{Snapshot, Verdict, Wide, div, div_ceil};
 
 /// Parameters: `capacity` tokens, `amount` tokens added every `period` nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,31 +21,37 @@ pub struct TokenBucket {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BucketState {
     /// Missing tokens times the period (the leaky bucket's level).
-    pub level: u128,
+    pub level: Wide,
     /// When `level` was last brought up to date, in nanoseconds.
     pub last: u64,
 }
 
 impl TokenBucket {
+    #[inline]
     fn full(&self) -> u128 {
         u128::from(self.capacity) * u128::from(self.period)
     }
 
     /// Refills the bucket for the time since the last update.
+    #[inline]
     pub fn refresh(&self, state: &mut BucketState, now: u64) {
         let elapsed = now.saturating_sub(state.last);
-        state.level = state
-            .level
-            .saturating_sub(u128::from(elapsed) * u128::from(self.amount));
+        state.level.set(
+            state
+                .level
+                .get()
+                .saturating_sub(u128::from(elapsed) * u128::from(self.amount)),
+        );
         state.last = state.last.max(now);
     }
 
     /// Would `cost` tokens be there now? The state must be refreshed to `now`.
+    #[inline]
     pub fn check(&self, state: &BucketState, _now: u64, cost: u64) -> Verdict {
         if cost > self.capacity {
             return Verdict::Never;
         }
-        let needed = state.level + u128::from(cost) * u128::from(self.period);
+        let needed = state.level.get() + u128::from(cost) * u128::from(self.period);
         if needed <= self.full() {
             Verdict::Admit { delay: 0 }
         } else {
@@ -56,15 +62,22 @@ impl TokenBucket {
     }
 
     /// Takes `cost` tokens.
+    #[inline]
     pub fn commit(&self, state: &mut BucketState, _now: u64, cost: u64) {
-        state.level += u128::from(cost) * u128::from(self.period);
+        state
+            .level
+            .set(state.level.get() + u128::from(cost) * u128::from(self.period));
     }
 
     /// What a client sees now: whole tokens left, and the time until the bucket is full.
+    #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
-        let reset = nanos(div_ceil(state.level, u128::from(self.amount)));
+        let reset = nanos(div_ceil(state.level.get(), u128::from(self.amount)));
         Snapshot {
-            remaining: (self.full().saturating_sub(state.level) / u128::from(self.period)) as u64,
+            remaining: div(
+                self.full().saturating_sub(state.level.get()),
+                u128::from(self.period),
+            ) as u64,
             reset,
             fresh_at: if reset == 0 {
                 0
@@ -76,6 +89,7 @@ impl TokenBucket {
 }
 
 /// Clamps a scaled duration to u64 nanoseconds.
+#[inline]
 pub(crate) fn nanos(value: u128) -> u64 {
     value.min(u128::from(u64::MAX)) as u64
 }

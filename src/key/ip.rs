@@ -3,6 +3,7 @@
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
+use compact_str::format_compact;
 use http::HeaderMap;
 use http::request::Parts;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
@@ -172,17 +173,19 @@ impl ClientIp {
     }
 
     fn group(&self, ip: IpAddr) -> Key {
-        let text = match ip {
-            IpAddr::V4(v4) if self.ipv4_prefix == 32 => v4.to_string(),
-            IpAddr::V6(v6) if self.ipv6_prefix == 128 => v6.to_string(),
-            IpAddr::V4(v4) => Ipv4Net::new(v4, self.ipv4_prefix)
-                .map(|net| net.trunc().to_string())
-                .unwrap_or_else(|_| v4.to_string()),
-            IpAddr::V6(v6) => Ipv6Net::new(v6, self.ipv6_prefix)
-                .map(|net| net.trunc().to_string())
-                .unwrap_or_else(|_| v6.to_string()),
-        };
-        Key::new(format!("ip:{text}"))
+        // Formatted in place: an IPv4 key fits inline, no allocation per request.
+        Key::new(match ip {
+            IpAddr::V4(v4) if self.ipv4_prefix == 32 => format_compact!("ip:{v4}"),
+            IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
+            IpAddr::V4(v4) => match Ipv4Net::new(v4, self.ipv4_prefix) {
+                Ok(net) => format_compact!("ip:{}", net.trunc()),
+                Err(_) => format_compact!("ip:{v4}"),
+            },
+            IpAddr::V6(v6) => match Ipv6Net::new(v6, self.ipv6_prefix) {
+                Ok(net) => format_compact!("ip:{}", net.trunc()),
+                Err(_) => format_compact!("ip:{v6}"),
+            },
+        })
     }
 }
 
@@ -322,7 +325,8 @@ mod tests {
         let xff = ClientIp::behind_proxies(["10.0.0.0/8", "2001:db8:ffff::/48"]).unwrap();
         let fwd = xff.clone().forwarded_header(ForwardedHeader::Forwarded);
         let peer = ClientIp::peer();
-        let cases: &[(&ClientIp, &str, &[(&str, &[u8])], &str)] = &[
+        type Case<'a> = (&'a ClientIp, &'a str, &'a [(&'a str, &'a [u8])], &'a str);
+        let cases: &[Case<'_>] = &[
             // An untrusted peer's headers are ignored.
             (
                 &xff,

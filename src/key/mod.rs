@@ -21,6 +21,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
+use compact_str::CompactString;
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
@@ -43,16 +44,16 @@ pub const MAX_KEY_LEN: usize = 256;
 /// assert!(!secret.as_str().contains("sk_live"));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(Box<str>);
+pub struct Key(CompactString);
 
 impl Key {
     /// A key from a string; strings longer than [`MAX_KEY_LEN`] bytes are hashed.
-    pub fn new(value: impl Into<String>) -> Self {
+    pub fn new(value: impl Into<CompactString>) -> Self {
         let value = value.into();
         if value.len() > MAX_KEY_LEN {
             return Self::hashed("long", value.as_bytes());
         }
-        Key(value.into_boxed_str())
+        Key(value)
     }
 
     /// `namespace:` followed by a SHA-256 digest of `secret` (128 bits, hex): for API keys
@@ -66,14 +67,14 @@ impl Key {
         hasher.update(salt);
         hasher.update(secret);
         let digest = hasher.finalize();
-        let mut out = String::with_capacity(namespace.len() + 33);
+        let mut out = CompactString::with_capacity(namespace.len() + 33);
         out.push_str(namespace);
         out.push(':');
         for byte in &digest[..16] {
             out.push(char::from(HEX[usize::from(byte >> 4)]));
             out.push(char::from(HEX[usize::from(byte & 0xf)]));
         }
-        Key(out.into_boxed_str())
+        Key(out)
     }
 
     /// The identity as a string.
@@ -246,7 +247,7 @@ pub struct Global;
 
 impl KeyExtractor for Global {
     fn extract(&self, _parts: &Parts) -> Result<Key, KeyError> {
-        Ok(Key(Box::from("global")))
+        Ok(Key(CompactString::const_new("global")))
     }
 }
 
@@ -262,7 +263,7 @@ pub struct Route;
 impl KeyExtractor for Route {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let path = route_path(parts);
-        let mut key = String::with_capacity(7 + parts.method.as_str().len() + path.len());
+        let mut key = CompactString::with_capacity(7 + parts.method.as_str().len() + path.len());
         key.push_str("route:");
         key.push_str(parts.method.as_str());
         key.push(' ');
@@ -325,7 +326,7 @@ where
 /// Joins parts so that no two different tuples give the same key: each part is written
 /// as `length#part`.
 fn compound(parts: &[Key]) -> Key {
-    let mut out = String::new();
+    let mut out = CompactString::default();
     for part in parts {
         out.push_str(itoa::Buffer::new().format(part.len()));
         out.push('#');
@@ -376,7 +377,7 @@ mod tests {
     fn tuples_need_every_part() {
         let (parts, _) = Request::get("/a").body(()).unwrap().into_parts();
         let key = (Route, Global).extract(&parts).unwrap();
-        assert_eq!(key.as_str(), "13#route:GET /a6#global");
+        assert_eq!(key.as_str(), "12#route:GET /a6#global");
         assert!(
             (Route, HeaderKey::new("x-api-key"))
                 .extract(&parts)

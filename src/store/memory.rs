@@ -4,8 +4,8 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use compact_str::CompactString;
 use hashbrown::HashTable;
-use smallvec::SmallVec;
 
 use super::{DecideFuture, Store};
 use crate::algorithm::{self, Slot};
@@ -87,12 +87,68 @@ struct Shard {
     table: Mutex<HashTable<Entry>>,
 }
 
+/// One identity: 64 bytes, aligned so every lookup touches one cache line.
+#[repr(align(64))]
 struct Entry {
-    key: Box<str>,
-    hash: u64,
+    /// Short keys (up to 24 bytes) are stored inline: one pointer chase less per lookup.
+    key: CompactString,
     /// When every slot is fresh again; from then on the entry can be forgotten.
     fresh_at: u64,
-    slots: SmallVec<[Slot; 1]>,
+    slots: Slots,
+}
+
+/// An identity's policy states: one inline (the common case; the whole entry is then one
+/// cache line), several on the heap.
+enum Slots {
+    One(Slot),
+    Many(Vec<Slot>),
+}
+
+impl Slots {
+    fn new(policies: &PolicySet) -> Self {
+        match &**policies {
+            [policy] => Slots::One(policy.params().new_slot(policy.id())),
+            _ => Slots::Many(Vec::with_capacity(policies.len())),
+        }
+    }
+
+    /// The slots of `policies`, in their order, adding fresh ones where missing.
+    #[inline]
+    fn arrange(&mut self, policies: &PolicySet) -> &mut [Slot] {
+        let single = matches!(
+            (&*self, &**policies),
+            (Slots::One(slot), [policy]) if slot.id() == policy.id()
+        );
+        if single {
+            let Slots::One(slot) = self else {
+                unreachable!("checked above")
+            };
+            return std::slice::from_mut(slot);
+        }
+        if let Slots::One(_) = self {
+            let Slots::One(slot) = std::mem::replace(self, Slots::Many(Vec::with_capacity(2)))
+            else {
+                unreachable!("checked above")
+            };
+            if let Slots::Many(slots) = self {
+                slots.push(slot);
+            }
+        }
+        let Slots::Many(slots) = self else {
+            unreachable!("converted above")
+        };
+        for (index, policy) in policies.iter().enumerate() {
+            match slots[index..]
+                .iter()
+                .position(|slot| slot.id() == policy.id())
+            {
+                Some(0) => {}
+                Some(offset) => slots.swap(index, index + offset),
+                None => slots.insert(index, policy.params().new_slot(policy.id())),
+            }
+        }
+        &mut slots[..policies.len()]
+    }
 }
 
 /// Builds a [`MemoryStore`] with a clock, a size bound and a shard count.
@@ -105,6 +161,7 @@ pub struct MemoryStoreBuilder<C = MonotonicClock> {
 
 impl MemoryStore {
     /// A store with the monotonic clock and the default bound.
+    #[inline]
     pub fn new() -> Self {
         Self::builder().build()
     }
@@ -172,6 +229,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     }
 }
 
+#[inline]
 fn lock(shard: &Shard) -> MutexGuard<'_, HashTable<Entry>> {
     // The table is consistent after any panic inside the lock (no step leaves it half
     // changed), so a poisoned lock is still usable.
@@ -179,12 +237,14 @@ fn lock(shard: &Shard) -> MutexGuard<'_, HashTable<Entry>> {
 }
 
 impl<C: Clock> MemoryStore<C> {
+    #[inline]
     fn shard(&self, hash: u64) -> &Shard {
         // Bits 32.. pick the shard; hashbrown uses the low bits and the top seven.
         &self.shared.shards[(hash >> 32) as usize & self.shared.shard_mask]
     }
 
     /// Decides `cost` units for `key` now, synchronously.
+    #[inline]
     pub fn check(&self, key: &str, policies: &PolicySet, cost: u64) -> Decision {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
@@ -193,10 +253,9 @@ impl<C: Clock> MemoryStore<C> {
             return decide_entry(entry, policies, now, cost);
         }
         let mut entry = Entry {
-            key: key.into(),
-            hash,
+            key: CompactString::from(key),
             fresh_at: 0,
-            slots: SmallVec::new(),
+            slots: Slots::new(policies),
         };
         let decision = decide_entry(&mut entry, policies, now, cost);
         // An identity whose state is still fresh (denied at once, cost 0) is not stored.
@@ -204,7 +263,8 @@ impl<C: Clock> MemoryStore<C> {
             if table.len() >= self.shared.shard_capacity {
                 self.make_room(&mut table, now);
             }
-            table.insert_unique(hash, entry, |entry| entry.hash);
+            let hasher = &self.shared.hasher;
+            table.insert_unique(hash, entry, |entry| hasher.hash_one(entry.key.as_str()));
         }
         decision
     }
@@ -251,6 +311,7 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// The most identities held at once.
+    #[inline]
     pub fn capacity(&self) -> usize {
         self.shared.shard_capacity * self.shared.shards.len()
     }
@@ -280,31 +341,17 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
-/// Lines the entry's slots up with `policies` (adding fresh ones) and decides.
+/// Decides against the entry's slots for `policies` (adding fresh ones).
+#[inline]
 fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) -> Decision {
-    for (index, policy) in policies.iter().enumerate() {
-        match entry.slots[index..]
-            .iter()
-            .position(|slot| slot.id == policy.id())
-        {
-            Some(0) => {}
-            Some(offset) => entry.slots.swap(index, index + offset),
-            None => entry.slots.insert(
-                index,
-                Slot {
-                    id: policy.id(),
-                    state: policy.params().new_state(),
-                },
-            ),
-        }
-    }
-    let (decision, fresh_at) =
-        algorithm::decide(policies, &mut entry.slots[..policies.len()], now, cost);
+    let slots = entry.slots.arrange(policies);
+    let (decision, fresh_at) = algorithm::decide(policies, slots, now, cost);
     entry.fresh_at = entry.fresh_at.max(fresh_at);
     decision
 }
 
 impl<C: Clock> Store for MemoryStore<C> {
+    #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         DecideFuture::ready(Ok(self.check(key.as_str(), policies, cost)))
     }
@@ -373,5 +420,16 @@ mod tests {
         assert!(decision.is_allowed());
         assert_eq!(decision.statuses()[0].remaining, 0);
         assert_eq!(decision.statuses()[1].remaining, 0);
+    }
+}
+
+#[cfg(test)]
+mod size {
+    /// Entry size is most of the store's memory and of its cache misses; keep it in check.
+    #[test]
+    fn an_entry_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<crate::algorithm::Slot>(), 32);
+        assert_eq!(std::mem::size_of::<super::Slots>(), 32);
+        assert_eq!(std::mem::size_of::<super::Entry>(), 64);
     }
 }
