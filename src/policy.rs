@@ -260,7 +260,8 @@ struct PolicyInner {
 /// order from one process-wide table (policies are few and built at start-up), so two
 /// policies never share an id by accident, as hashes could.
 fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
-    static IDS: OnceLock<Mutex<HashMap<(Box<str>, Algorithm), u32>>> = OnceLock::new();
+    type Ids = HashMap<(Box<str>, Algorithm), u32>;
+    static IDS: OnceLock<Mutex<Ids>> = OnceLock::new();
     let mut ids = IDS
         .get_or_init(Default::default)
         .lock()
