@@ -18,7 +18,7 @@ use crate::body::RateLimitBody;
 use crate::headers::HeaderBlock;
 use crate::policy::PolicySet;
 use crate::service::{Plan, Responder};
-use crate::store::DecideFuture;
+use crate::store::BoxedDecision;
 
 /// A request waiting for a decision from a store that does I/O.
 pub(crate) struct Pending<S, B> {
@@ -39,10 +39,12 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<F, S, B> {
+        // The hot state: the inner service's future and the headers for its response.
         Calling { #[pin] future: F, headers: HeaderBlock },
-        Deciding { decide: DecideFuture, pending: Option<Pending<S, B>> },
-        Delaying { sleep: Pin<Box<Sleep>>, call: Option<(S, Request<B>)>, headers: HeaderBlock },
-        Respond { response: Option<Response<Bytes>> },
+        // Rare or slow states are boxed, so the future every request carries stays small.
+        Deciding { decide: BoxedDecision, pending: Option<Box<Pending<S, B>>> },
+        Delaying { sleep: Pin<Box<Sleep>>, call: Option<Box<(S, Request<B>)>>, headers: HeaderBlock },
+        Respond { response: Option<Box<Response<Bytes>>> },
     }
 }
 
@@ -53,11 +55,11 @@ impl<F, S, B> ResponseFuture<F, S, B> {
         }
     }
 
-    pub(crate) fn deciding(decide: DecideFuture, pending: Pending<S, B>) -> Self {
+    pub(crate) fn deciding(decide: BoxedDecision, pending: Pending<S, B>) -> Self {
         Self {
             state: State::Deciding {
                 decide,
-                pending: Some(pending),
+                pending: Some(Box::new(pending)),
             },
         }
     }
@@ -71,7 +73,7 @@ impl<F, S, B> ResponseFuture<F, S, B> {
         Self {
             state: State::Delaying {
                 sleep: Box::pin(tokio::time::sleep(delay)),
-                call: Some((inner, request)),
+                call: Some(Box::new((inner, request))),
                 headers,
             },
         }
@@ -80,7 +82,7 @@ impl<F, S, B> ResponseFuture<F, S, B> {
     pub(crate) fn respond(response: Response<Bytes>) -> Self {
         Self {
             state: State::Respond {
-                response: Some(response),
+                response: Some(Box::new(response)),
             },
         }
     }
@@ -112,33 +114,29 @@ where
                     return Poll::Ready(Ok(response.map(RateLimitBody::inner)));
                 }
                 StateProj::Respond { response } => {
-                    let response = response.take().expect(POLLED_AFTER_READY);
+                    let response = *response.take().expect(POLLED_AFTER_READY);
                     return Poll::Ready(Ok(response.map(RateLimitBody::full)));
                 }
                 StateProj::Deciding { decide, pending } => {
-                    let result = ready!(Pin::new(decide).poll(cx));
+                    let result = ready!(decide.as_mut().poll(cx));
                     let Pending {
                         mut inner,
                         request,
                         policies,
                         responder,
-                    } = pending.take().expect(POLLED_AFTER_READY);
-                    match responder.plan(&policies, result, request) {
-                        Plan::Call { request, headers } => State::Calling {
+                    } = *pending.take().expect(POLLED_AFTER_READY);
+                    match responder.plan(&policies, result) {
+                        Plan::Call(headers) => State::Calling {
                             future: inner.call(request),
                             headers,
                         },
-                        Plan::Delay {
-                            delay,
-                            request,
-                            headers,
-                        } => State::Delaying {
+                        Plan::Delay(delay, headers) => State::Delaying {
                             sleep: Box::pin(tokio::time::sleep(delay)),
-                            call: Some((inner, request)),
+                            call: Some(Box::new((inner, request))),
                             headers,
                         },
                         Plan::Respond(response) => State::Respond {
-                            response: Some(response),
+                            response: Some(Box::new(response)),
                         },
                     }
                 }
@@ -148,7 +146,7 @@ where
                     headers,
                 } => {
                     ready!(sleep.as_mut().poll(cx));
-                    let (mut inner, request) = call.take().expect(POLLED_AFTER_READY);
+                    let (mut inner, request) = *call.take().expect(POLLED_AFTER_READY);
                     State::Calling {
                         future: inner.call(request),
                         headers: std::mem::take(headers),

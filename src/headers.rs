@@ -3,9 +3,10 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
+use std::cell::RefCell;
+
+use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
-use smallvec::SmallVec;
 
 use crate::decision::{Decision, Outcome};
 use crate::policy::{Policy, PolicySet};
@@ -44,12 +45,33 @@ pub(crate) fn seconds_ceil(duration: Duration) -> u64 {
         .min(u128::from(u64::MAX)) as u64
 }
 
-fn push_number(out: &mut Vec<u8>, value: u64) {
+fn push_number(out: &mut BytesMut, value: u64) {
     out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
 }
 
-fn value(bytes: Vec<u8>) -> Option<HeaderValue> {
-    HeaderValue::from_maybe_shared(Bytes::from(bytes)).ok()
+thread_local! {
+    /// Header values are cut from a per-thread buffer instead of one allocation each:
+    /// every response carries one or three of them. A chunk is freed when the last value
+    /// cut from it is dropped.
+    static ARENA: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+}
+
+const ARENA_CHUNK: usize = 8 * 1024;
+
+/// A header value written by `write` into the thread's buffer.
+fn value(write: impl FnOnce(&mut BytesMut)) -> Option<HeaderValue> {
+    ARENA.with(|arena| {
+        let mut arena = arena.borrow_mut();
+        if arena.capacity() < 512 {
+            arena.reserve(ARENA_CHUNK);
+        }
+        write(&mut arena);
+        HeaderValue::from_maybe_shared(arena.split().freeze()).ok()
+    })
+}
+
+fn number_value(number: u64) -> HeaderValue {
+    value(|out| push_number(out, number)).unwrap_or_else(|| HeaderValue::from(number))
 }
 
 /// `"api";q=10;w=2, "daily";q=10000;w=86400`. Names are validated to be plain tokens, so
@@ -58,40 +80,72 @@ pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
     if policies.is_empty() {
         return None;
     }
-    let mut out = Vec::with_capacity(32 * policies.len());
+    let mut out = BytesMut::with_capacity(32 * policies.len());
     for (index, policy) in policies.iter().enumerate() {
         if index > 0 {
             out.extend_from_slice(b", ");
         }
-        out.push(b'"');
+        out.extend_from_slice(b"\"");
         out.extend_from_slice(policy.name().as_bytes());
         out.extend_from_slice(b"\";q=");
         push_number(&mut out, policy.limit());
         out.extend_from_slice(b";w=");
         push_number(&mut out, seconds_ceil(policy.window()).max(1));
     }
-    value(out)
+    HeaderValue::from_maybe_shared(out.freeze()).ok()
 }
 
-/// Header fields computed for one response, applied when the response exists.
+/// Header fields computed for one response, applied when the response exists. Kept
+/// small (it lives in every response future): numbers are turned into header values only
+/// when applied.
 #[derive(Debug, Default)]
-pub(crate) struct HeaderBlock {
-    entries: SmallVec<[(HeaderName, HeaderValue); 3]>,
-    /// List-valued fields are appended, so a limiter further in keeps its members.
-    append: bool,
+pub(crate) enum HeaderBlock {
+    /// No rate-limit fields.
+    #[default]
+    Empty,
+    /// `RateLimit-Policy` and `RateLimit`: list-valued, appended so that a limiter further
+    /// in keeps its members.
+    Draft11 {
+        policy: Option<HeaderValue>,
+        rate: HeaderValue,
+    },
+    /// `RateLimit-Limit/-Remaining/-Reset` or `X-RateLimit-*`.
+    Single {
+        legacy: bool,
+        limit: u64,
+        remaining: u64,
+        reset: u64,
+    },
 }
 
 impl HeaderBlock {
-    pub(crate) fn push(&mut self, name: HeaderName, value: HeaderValue) {
-        self.entries.push((name, value));
-    }
-
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
-        for (name, value) in self.entries {
-            if self.append {
-                headers.append(name, value);
-            } else {
-                headers.insert(name, value);
+        match self {
+            HeaderBlock::Empty => {}
+            HeaderBlock::Draft11 { policy, rate } => {
+                if let Some(policy) = policy {
+                    headers.append(RATELIMIT_POLICY.clone(), policy);
+                }
+                headers.append(RATELIMIT.clone(), rate);
+            }
+            HeaderBlock::Single {
+                legacy,
+                limit,
+                remaining,
+                reset,
+            } => {
+                let (limit_name, remaining_name, reset_name) = if legacy {
+                    (
+                        &X_RATELIMIT_LIMIT,
+                        &X_RATELIMIT_REMAINING,
+                        &X_RATELIMIT_RESET,
+                    )
+                } else {
+                    (&RATELIMIT_LIMIT, &RATELIMIT_REMAINING, &RATELIMIT_RESET)
+                };
+                headers.insert(limit_name.clone(), number_value(limit));
+                headers.insert(remaining_name.clone(), number_value(remaining));
+                headers.insert(reset_name.clone(), number_value(reset));
             }
         }
     }
@@ -126,36 +180,37 @@ pub(crate) fn rate_limit_headers(
     policies: &PolicySet,
     decision: &Decision,
 ) -> HeaderBlock {
-    let mut block = HeaderBlock::default();
     let statuses = decision.statuses();
     match style {
-        HeaderStyle::None => {}
+        HeaderStyle::None => HeaderBlock::Empty,
         HeaderStyle::Draft11 => {
-            block.append = true;
-            if let Some(policy_header) = policies.policy_header() {
-                block.push(RATELIMIT_POLICY.clone(), policy_header.clone());
-            }
-            let mut out = Vec::with_capacity(24 * statuses.len());
-            for (index, (policy, status)) in policies.iter().zip(statuses).enumerate() {
-                if index > 0 {
-                    out.extend_from_slice(b", ");
+            let rate = value(|out| {
+                for (index, (policy, status)) in policies.iter().zip(statuses).enumerate() {
+                    if index > 0 {
+                        out.extend_from_slice(b", ");
+                    }
+                    out.extend_from_slice(b"\"");
+                    out.extend_from_slice(policy.name().as_bytes());
+                    out.extend_from_slice(b"\";r=");
+                    push_number(out, status.remaining);
+                    out.extend_from_slice(b";t=");
+                    push_number(out, seconds_ceil(status.reset));
                 }
-                out.push(b'"');
-                out.extend_from_slice(policy.name().as_bytes());
-                out.extend_from_slice(b"\";r=");
-                push_number(&mut out, status.remaining);
-                out.extend_from_slice(b";t=");
-                push_number(&mut out, seconds_ceil(status.reset));
-            }
-            if let Some(value) = value(out) {
-                block.push(RATELIMIT.clone(), value);
+            });
+            match rate {
+                Some(rate) => HeaderBlock::Draft11 {
+                    policy: policies.policy_header().cloned(),
+                    rate,
+                },
+                None => HeaderBlock::Empty,
             }
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
             let Some(status) = statuses.get(most_restrictive(decision)) else {
-                return block;
+                return HeaderBlock::Empty;
             };
-            let reset = if style == HeaderStyle::Legacy {
+            let legacy = style == HeaderStyle::Legacy;
+            let reset = if legacy {
                 let now = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
                     .unwrap_or_default();
@@ -163,21 +218,14 @@ pub(crate) fn rate_limit_headers(
             } else {
                 seconds_ceil(status.reset)
             };
-            let (limit, remaining, reset_name) = if style == HeaderStyle::Legacy {
-                (
-                    &X_RATELIMIT_LIMIT,
-                    &X_RATELIMIT_REMAINING,
-                    &X_RATELIMIT_RESET,
-                )
-            } else {
-                (&RATELIMIT_LIMIT, &RATELIMIT_REMAINING, &RATELIMIT_RESET)
-            };
-            block.push(limit.clone(), HeaderValue::from(status.limit));
-            block.push(remaining.clone(), HeaderValue::from(status.remaining));
-            block.push(reset_name.clone(), HeaderValue::from(reset));
+            HeaderBlock::Single {
+                legacy,
+                limit: status.limit,
+                remaining: status.remaining,
+                reset,
+            }
         }
     }
-    block
 }
 
 #[cfg(test)]

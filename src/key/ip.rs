@@ -175,7 +175,7 @@ impl ClientIp {
     fn group(&self, ip: IpAddr) -> Key {
         // Formatted in place: an IPv4 key fits inline, no allocation per request.
         Key::new(match ip {
-            IpAddr::V4(v4) if self.ipv4_prefix == 32 => format_compact!("ip:{v4}"),
+            IpAddr::V4(v4) if self.ipv4_prefix == 32 => ipv4_key(v4),
             IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
             IpAddr::V4(v4) => match Ipv4Net::new(v4, self.ipv4_prefix) {
                 Ok(net) => format_compact!("ip:{}", net.trunc()),
@@ -193,6 +193,33 @@ impl KeyExtractor for ClientIp {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         self.client_addr(parts).map(|ip| self.group(ip))
     }
+}
+
+/// `ip:a.b.c.d`, written into a stack buffer without the formatting machinery: this
+/// runs on every request.
+fn ipv4_key(ip: std::net::Ipv4Addr) -> compact_str::CompactString {
+    let mut buffer = [0u8; 18];
+    buffer[..3].copy_from_slice(b"ip:");
+    let mut len = 3;
+    for (index, octet) in ip.octets().into_iter().enumerate() {
+        if index > 0 {
+            buffer[len] = b'.';
+            len += 1;
+        }
+        if octet >= 100 {
+            buffer[len] = b'0' + octet / 100;
+            len += 1;
+        }
+        if octet >= 10 {
+            buffer[len] = b'0' + octet / 10 % 10;
+            len += 1;
+        }
+        buffer[len] = b'0' + octet % 10;
+        len += 1;
+    }
+    // Only ASCII digits, dots and "ip:" were written.
+    let text = std::str::from_utf8(&buffer[..len]).unwrap_or("ip:?");
+    compact_str::CompactString::new(text)
 }
 
 fn peer_addr(parts: &Parts) -> Option<IpAddr> {
@@ -448,6 +475,13 @@ mod tests {
                 expected,
                 "peer {peer} headers {headers:?}"
             );
+        }
+    }
+
+    #[test]
+    fn ipv4_keys_are_written_digit_by_digit() {
+        for ip in ["0.0.0.0", "255.255.255.255", "10.0.9.100", "1.22.103.4"] {
+            assert_eq!(ipv4_key(ip.parse().unwrap()), format!("ip:{ip}"));
         }
     }
 

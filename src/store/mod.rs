@@ -42,7 +42,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture;
 }
 
-type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+pub(crate) type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
 
 /// The future of one decision: already complete for the in-process store (no allocation),
 /// boxed for stores that do I/O.
@@ -73,11 +73,16 @@ impl DecideFuture {
         }
     }
 
-    /// The result without polling, if it is already known.
-    pub(crate) fn try_take(&mut self) -> Option<Result<Decision, StoreError>> {
-        match &mut self.inner {
-            DecideInner::Ready(result) => result.take(),
-            DecideInner::Pending(_) => None,
+    /// The result if it is already known, else the future that will produce it.
+    pub(crate) fn into_ready(self) -> Result<Result<Decision, StoreError>, BoxedDecision> {
+        match self.inner {
+            DecideInner::Ready(Some(result)) => Ok(result),
+            // Only a polled-out future is empty; hand out one that says so if polled.
+            DecideInner::Ready(None) => Err(Box::pin(std::future::ready(Err(StoreError::new(
+                StoreErrorKind::Other,
+                "decision future used after completion",
+            ))))),
+            DecideInner::Pending(future) => Err(future),
         }
     }
 }

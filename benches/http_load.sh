@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# HTTP overhead of the limiter: requests per second of an axum hello-world with no
+# limiter, with tower_governor and with tollgate (in-process store, peer-IP key, headers
+# on every response), under the same wrk load on loopback. Variants are interleaved over
+# several rounds (shared machines drift); each round's figure is divided by the same
+# round's no-limiter figure, and the medians of those ratios are reported.
+#
+#   benches/http_load.sh                 # 3 rounds x 5 s per variant
+#   ROUNDS=5 DURATION=10 benches/http_load.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-7}
+DURATION=${DURATION:-3}
+CONNECTIONS=${CONNECTIONS:-32}
+PORT=${PORT:-3190}
+VARIANTS=${VARIANTS:-"none governor tollgate"}
+
+if ! command -v wrk >/dev/null; then
+  echo "installing wrk" >&2
+  apt-get install -y wrk >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y wrk >/dev/null; }
+fi
+command -v curl >/dev/null || { echo "curl is needed" >&2; exit 1; }
+
+cargo build --release --example bench_server >&2
+server=target/release/examples/bench_server
+results=$(mktemp)
+trap 'rm -f "$results"; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null || true' EXIT
+
+read -r -a order <<< "$VARIANTS"
+for round in $(seq "$ROUNDS"); do
+  # Rotate the order every round, so no variant always runs first or last.
+  shift_by=$(( round % ${#order[@]} ))
+  rotated=("${order[@]:shift_by}" "${order[@]:0:shift_by}")
+  for variant in "${rotated[@]}"; do
+    # Server on one core, load generator on the other: no fighting over a core.
+    taskset -c 0 "$server" "$variant" "$PORT" >/dev/null &
+    pid=$!
+    for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$PORT/" && break; sleep 0.05; done
+    rps=$(taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}')
+    non2xx=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
+    kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
+    echo "round $round $variant $rps (status after load: $non2xx)" >&2
+    echo "$round $variant $rps" >> "$results"
+  done
+done
+
+median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+echo
+echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) |"
+echo "|---|---|---|"
+for variant in $VARIANTS; do
+  rps=$(awk -v v="$variant" '$2 == v {print $3}' "$results" | median)
+  ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v {rps[$1] = $3}
+    END {for (r in rps) if (base[r] > 0) printf "%.4f\n", rps[r] / base[r]}' "$results" | median)
+  printf "| %s | %.0f | %.3f |\n" "$variant" "$rps" "$ratio"
+done

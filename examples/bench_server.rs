@@ -1,0 +1,72 @@
+//! The server of the HTTP overhead benchmark (`benches/http_load.sh`): an axum
+//! hello-world with no limiter, with tower_governor, or with tollgate.
+//!
+//! ```text
+//! cargo run --release --example bench_server -- <none|governor|tollgate> [port]
+//! ```
+//!
+//! Both limiters key by peer IP and are configured so the load generator is never denied:
+//! the benchmark measures what admitting a request costs. Both write rate-limit headers on
+//! every response (tower_governor with `use_headers`). One runtime worker, so the load
+//! generator has the other core.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let variant = args.next().unwrap_or_else(|| "tollgate".to_owned());
+    let port: u16 = args.next().map_or(Ok(3100), |p| p.parse())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    runtime.block_on(serve(variant, port))
+}
+
+async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Error>> {
+    let app = Router::new().route("/", get(|| async { "hello" }));
+    let app = match variant.as_str() {
+        "none" => app,
+        "tollgate" => app.layer(RateLimitLayer::new(MemoryStore::new()).policy(
+            Policy::token_bucket("api", 1_000_000_000, Rate::per_second(1_000_000_000))?,
+        )),
+        // The same limiter without rate-limit headers: what the decision alone costs.
+        "tollgate-bare" => app.layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket(
+                    "api",
+                    1_000_000_000,
+                    Rate::per_second(1_000_000_000),
+                )?)
+                .headers(tollgate::HeaderStyle::None),
+        ),
+        "governor" => {
+            let config = GovernorConfigBuilder::default()
+                .period(Duration::from_nanos(1))
+                .burst_size(1_000_000_000)
+                .use_headers()
+                .finish()
+                .ok_or("invalid tower_governor config")?;
+            app.layer(GovernorLayer::new(Arc::new(config)))
+        }
+        other => {
+            return Err(format!("unknown variant {other:?}: none, governor or tollgate").into());
+        }
+    };
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!("{variant} listening on {}", listener.local_addr()?);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await?;
+    Ok(())
+}
