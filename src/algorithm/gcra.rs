@@ -74,17 +74,10 @@ impl Gcra {
         let scaled_now = self.scaled(now);
         let tat = state.tat.get().max(scaled_now);
         let reset = nanos(div_ceil(tat - scaled_now, u128::from(self.amount)));
-        Snapshot {
-            remaining: div(
-                (scaled_now + self.tolerance()).saturating_sub(tat),
-                u128::from(self.period),
-            ) as u64,
-            reset,
-            fresh_at: if reset == 0 {
-                0
-            } else {
-                now.saturating_add(reset)
-            },
-        }
+        let remaining = div(
+            (scaled_now + self.tolerance()).saturating_sub(tat),
+            u128::from(self.period),
+        ) as u64;
+        Snapshot::resetting_in(now, remaining, reset)
     }
 }

@@ -112,6 +112,22 @@ pub struct Snapshot {
     pub fresh_at: u64,
 }
 
+impl Snapshot {
+    /// A snapshot whose state is whole again `reset` nanoseconds after `now`.
+    #[inline]
+    pub(crate) fn resetting_in(now: u64, remaining: u64, reset: u64) -> Self {
+        Snapshot {
+            remaining,
+            reset,
+            fresh_at: if reset == 0 {
+                0
+            } else {
+                now.saturating_add(reset)
+            },
+        }
+    }
+}
+
 /// Validated parameters in nanoseconds, one variant per algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Params {

@@ -114,14 +114,10 @@ impl SlidingWindow {
         } else {
             0
         };
-        Snapshot {
-            remaining: self.limit.saturating_sub(self.estimate(state, now)),
+        Snapshot::resetting_in(
+            now,
+            self.limit.saturating_sub(self.estimate(state, now)),
             reset,
-            fresh_at: if reset == 0 {
-                0
-            } else {
-                now.saturating_add(reset)
-            },
-        }
+        )
     }
 }

@@ -73,18 +73,11 @@ impl TokenBucket {
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
         let reset = nanos(div_ceil(state.level.get(), u128::from(self.amount)));
-        Snapshot {
-            remaining: div(
-                self.full().saturating_sub(state.level.get()),
-                u128::from(self.period),
-            ) as u64,
-            reset,
-            fresh_at: if reset == 0 {
-                0
-            } else {
-                now.saturating_add(reset)
-            },
-        }
+        let remaining = div(
+            self.full().saturating_sub(state.level.get()),
+            u128::from(self.period),
+        ) as u64;
+        Snapshot::resetting_in(now, remaining, reset)
     }
 }
 

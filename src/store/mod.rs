@@ -26,16 +26,14 @@ use crate::policy::PolicySet;
 /// ```
 /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, Store};
 ///
-/// # tokio_test();
-/// # fn tokio_test() {
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = MemoryStore::new();
-/// let policies = PolicySet::from(Policy::token_bucket("api", 2, Rate::per_second(1)).unwrap());
-/// let decision = futures_lite(store.decide(&Key::new("user:7"), &policies, 1)).unwrap();
+/// let policies = PolicySet::from(Policy::token_bucket("api", 2, Rate::per_second(1))?);
+/// let decision = store.decide(&Key::new("user:7"), &policies, 1).await?;
 /// assert!(decision.is_allowed());
-/// # }
-/// # fn futures_lite<F: std::future::Future>(f: F) -> F::Output {
-/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
-/// # }
+/// assert_eq!(decision.statuses()[0].remaining, 1);
+/// # Ok(()) }
 /// ```
 pub trait Store: Clone + Send + Sync + 'static {
     /// Decides `cost` units for `key` under every policy of `policies`, all-or-nothing.
