@@ -5,6 +5,8 @@
 //! error is never a denial: the layer applies its failure mode to it.
 
 mod memory;
+#[cfg(feature = "redis")]
+mod redis;
 
 use std::error::Error;
 use std::fmt;
@@ -13,6 +15,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "redis")]
+pub use redis::{DECIDE_SCRIPT, DEFAULT_PREFIX, RedisKeys, RedisStore};
 
 use crate::decision::Decision;
 use crate::key::Key;

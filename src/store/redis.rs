@@ -1,0 +1,469 @@
+//! The Redis store: one atomic Lua script per decision, on standalone Redis or a Cluster.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script};
+use smallvec::SmallVec;
+
+use super::{DecideFuture, Store, StoreError, StoreErrorKind};
+use crate::algorithm::Params;
+use crate::decision::{Decision, Outcome, PolicyStatus};
+use crate::key::Key;
+use crate::policy::{Policy, PolicySet};
+
+/// The decision script (`lua/decide.lua`), mirrored from `src/algorithm/`.
+pub const DECIDE_SCRIPT: &str = include_str!("../../lua/decide.lua");
+
+/// The default prefix of every key the store writes.
+pub const DEFAULT_PREFIX: &str = "tollgate";
+
+/// Lua keeps numbers as doubles: integers are exact below this.
+const EXACT: u128 = 1 << 53;
+
+/// A store shared by every replica: state lives in Redis (standalone or Cluster) and each
+/// decision is one `EVALSHA` of one script that reads, decides and writes atomically.
+///
+/// - **Time** is Redis `TIME`, read inside the script: application servers' clocks are
+///   never trusted for shared state.
+/// - **Several policies** of one identity are decided in the same script, all-or-nothing.
+/// - **Keys** come from one builder, [`RedisKeys`]: `tollgate:{identity}:policy:params`,
+///   with the identity inside a Cluster hash tag so every key of one identity lands in one
+///   slot, escaped so no identity can leave its tag or collide with another. Every key
+///   expires when its state is back to fresh.
+///
+/// Connections: [`RedisStore::connect`] (a URL; one multiplexed, self-reconnecting
+/// connection that pipelines concurrent decisions), [`RedisStore::from_pool`] (your
+/// `deadpool_redis::Pool`), [`RedisStore::connect_cluster`] and
+/// [`RedisStore::from_cluster_pool`] for Redis Cluster.
+///
+/// ```no_run
+/// use tollgate::{Policy, Rate, RateLimitLayer};
+/// use tollgate::store::RedisStore;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// let limiter = RateLimitLayer::new(store)
+///     .policy(Policy::token_bucket("api", 100, Rate::per_second(50))?);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    backend: Backend,
+    keys: RedisKeys,
+    script: Arc<Script>,
+    #[cfg(feature = "test-clock")]
+    clock: Option<Arc<dyn crate::clock::Clock>>,
+}
+
+#[derive(Clone)]
+enum Backend {
+    Manager(ConnectionManager),
+    Pool(deadpool_redis::Pool),
+    Cluster(ClusterConnection),
+    ClusterPool(deadpool_redis::cluster::Pool),
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let backend = match self.backend {
+            Backend::Manager(_) => "multiplexed connection",
+            Backend::Pool(_) => "pool",
+            Backend::Cluster(_) => "cluster connection",
+            Backend::ClusterPool(_) => "cluster pool",
+        };
+        f.debug_struct("RedisStore")
+            .field("backend", &backend)
+            .field("prefix", &self.keys.prefix)
+            .finish()
+    }
+}
+
+fn store_error(error: RedisError) -> StoreError {
+    let kind = if error.is_timeout() {
+        StoreErrorKind::Timeout
+    } else if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+    {
+        StoreErrorKind::Unavailable
+    } else {
+        StoreErrorKind::Other
+    };
+    StoreError::new(kind, error.to_string()).with_source(error)
+}
+
+impl RedisStore {
+    fn with_backend(backend: Backend) -> Self {
+        Self {
+            backend,
+            keys: RedisKeys::default(),
+            script: Arc::new(Script::new(DECIDE_SCRIPT)),
+            #[cfg(feature = "test-clock")]
+            clock: None,
+        }
+    }
+
+    /// Connects to one Redis server (`redis://host:port/db`) with one multiplexed
+    /// connection that pipelines concurrent decisions and reconnects by itself.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(store_error)?;
+        let manager = ConnectionManager::new(client).await.map_err(store_error)?;
+        Ok(Self::with_backend(Backend::Manager(manager)))
+    }
+
+    /// Uses a `deadpool_redis` pool you already run.
+    pub fn from_pool(pool: deadpool_redis::Pool) -> Self {
+        Self::with_backend(Backend::Pool(pool))
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes (`redis://host:port`).
+    pub async fn connect_cluster<S: AsRef<str>>(nodes: &[S]) -> Result<Self, StoreError> {
+        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
+        let client = redis::cluster::ClusterClient::new(nodes).map_err(store_error)?;
+        let connection = client.get_async_connection().await.map_err(store_error)?;
+        Ok(Self::with_backend(Backend::Cluster(connection)))
+    }
+
+    /// Uses a `deadpool_redis` cluster pool you already run.
+    pub fn from_cluster_pool(pool: deadpool_redis::cluster::Pool) -> Self {
+        Self::with_backend(Backend::ClusterPool(pool))
+    }
+
+    /// Writes keys under another prefix than `tollgate` (several apps, one Redis).
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        self.keys = RedisKeys::new(prefix);
+        self
+    }
+
+    /// The key builder this store uses.
+    pub fn keys(&self) -> &RedisKeys {
+        &self.keys
+    }
+
+    /// Makes the script use `clock` instead of Redis `TIME`, so tests can move time by
+    /// hand. Only with the `test-clock` feature: production builds cannot set the time.
+    #[cfg(feature = "test-clock")]
+    pub fn with_clock(mut self, clock: impl crate::clock::Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    fn now_argument(&self) -> String {
+        #[cfg(feature = "test-clock")]
+        if let Some(clock) = &self.clock {
+            return (clock.now() / 1_000).to_string();
+        }
+        String::new()
+    }
+
+    /// Checks that every policy of `policies` can be decided exactly by the script (its
+    /// numbers stay below 2^53 in microseconds). Call it at start-up; `decide` reports
+    /// the same problem as a store error.
+    pub fn check_policies(policies: &PolicySet) -> Result<(), StoreError> {
+        policies
+            .iter()
+            .try_for_each(|policy| script_args(policy).map(drop))
+    }
+}
+
+impl Store for RedisStore {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let mut keys = Vec::with_capacity(2 * policies.len());
+        let mut args: Vec<String> = Vec::with_capacity(3 + 4 * policies.len());
+        args.push(self.now_argument());
+        args.push(cost.to_string());
+        args.push(policies.len().to_string());
+        for policy in policies.iter() {
+            let (kind, p1, p2, p3) = match script_args(policy) {
+                Ok(args) => args,
+                Err(error) => return DecideFuture::ready(Err(error)),
+            };
+            let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
+            keys.push(state);
+            keys.push(aux);
+            args.push(kind.to_owned());
+            args.push(p1.to_string());
+            args.push(p2.to_string());
+            args.push(p3.to_string());
+        }
+        let (backend, script, count) = (
+            self.backend.clone(),
+            Arc::clone(&self.script),
+            policies.len(),
+        );
+        DecideFuture::new(async move {
+            let mut invocation = script.prepare_invoke();
+            for key in &keys {
+                invocation.key(key);
+            }
+            for arg in &args {
+                invocation.arg(arg);
+            }
+            let reply: Vec<i64> = match backend {
+                Backend::Manager(mut connection) => invocation.invoke_async(&mut connection).await,
+                Backend::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
+                Backend::Pool(pool) => {
+                    let mut connection = pool.get().await.map_err(|error| {
+                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+                    })?;
+                    invocation.invoke_async(&mut connection).await
+                }
+                Backend::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(|error| {
+                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+                    })?;
+                    invocation.invoke_async(&mut connection).await
+                }
+            }
+            .map_err(store_error)?;
+            parse_reply(&reply, count, cost)
+        })
+    }
+}
+
+fn micros(value: i64) -> Duration {
+    Duration::from_micros(u64::try_from(value).unwrap_or(0))
+}
+
+fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, StoreError> {
+    if reply.len() != 4 + 3 * count {
+        return Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "the decision script answered {} numbers, expected {}",
+                reply.len(),
+                4 + 3 * count
+            ),
+        ));
+    }
+    let policy = usize::try_from(reply[1])
+        .unwrap_or(1)
+        .saturating_sub(1)
+        .min(count.saturating_sub(1));
+    let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..]
+        .chunks_exact(3)
+        .map(|status| PolicyStatus {
+            limit: u64::try_from(status[0]).unwrap_or(0),
+            remaining: u64::try_from(status[1]).unwrap_or(0),
+            reset: micros(status[2]),
+        })
+        .collect();
+    let outcome = match reply[0] {
+        0 => Outcome::Allowed {
+            delay: micros(reply[3]),
+        },
+        1 => Outcome::Denied {
+            policy,
+            retry_after: micros(reply[2]),
+        },
+        2 => Outcome::CostExceedsLimit {
+            policy,
+            cost,
+            limit: statuses.get(policy).map_or(0, |status| status.limit),
+        },
+        other => {
+            return Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("the decision script answered outcome {other}"),
+            ));
+        }
+    };
+    Ok(Decision::new(outcome, statuses))
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// Nanoseconds to whole microseconds (policies are validated to at least 1 ms).
+fn to_micros(nanos: u64) -> u64 {
+    nanos.div_ceil(1_000)
+}
+
+/// The script's arguments for one policy: kind and three numbers, with the rate reduced
+/// to lowest terms so the scaled numbers stay small.
+fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreError> {
+    let rate = |amount: u64, period: u64| {
+        let period = to_micros(period);
+        let divisor = gcd(amount, period).max(1);
+        (amount / divisor, period / divisor)
+    };
+    let args = match *policy.params() {
+        Params::FixedWindow { limit, window } => ("fw", limit, to_micros(window), 0),
+        Params::SlidingWindow { limit, window } => ("sw", limit, to_micros(window), 0),
+        Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 0),
+        Params::TokenBucket {
+            capacity,
+            amount,
+            period,
+        }
+        | Params::LeakyPolice {
+            capacity,
+            amount,
+            period,
+        } => {
+            let (amount, period) = rate(amount, period);
+            ("tb", capacity, amount, period)
+        }
+        Params::LeakyShape {
+            amount,
+            period,
+            max_delay,
+        } => {
+            let (amount, period) = rate(amount, period);
+            ("ls", to_micros(max_delay), amount, period)
+        }
+        Params::Gcra {
+            burst,
+            amount,
+            period,
+        } => {
+            let (amount, period) = rate(amount, period);
+            ("gc", burst, amount, period)
+        }
+    };
+    // The largest product the script forms: capacity * period, or limit * window.
+    let (_, p1, p2, p3) = args;
+    let largest = u128::from(p1) * u128::from(p2.max(p3)) + u128::from(p2) * u128::from(p3);
+    if largest >= EXACT {
+        return Err(StoreError::new(
+            StoreErrorKind::Other,
+            format!(
+                "policy \"{}\" has numbers too large for exact arithmetic in Redis \
+                 (limit times window or period must stay below 2^53 microseconds)",
+                policy.name()
+            ),
+        ));
+    }
+    Ok(args)
+}
+
+/// Builds every Redis key name tollgate writes: one place, so the layout is one decision.
+///
+/// A policy's state lives at `prefix:{identity}:name:params` (plus `…:n` for the sliding
+/// log's counters). The identity sits inside a Cluster hash tag, so all keys of one
+/// identity share a slot and one script can touch them all. Identity bytes other than
+/// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded: `{` and `}` cannot end or open the
+/// tag early, and no two identities encode alike. Secret identities (API keys) reach the
+/// builder already hashed by their key extractor. `params` spells the policy's parameters,
+/// so a changed limit starts on fresh keys and the old ones expire.
+///
+/// ```
+/// use tollgate::store::RedisKeys;
+/// use tollgate::{Policy, Rate};
+///
+/// let keys = RedisKeys::new("app");
+/// let policy = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+/// let (state, _) = keys.policy_keys("ip:203.0.113.7", &policy);
+/// assert_eq!(state, "app:{ip:203.0.113.7}:api:tb-10-1-200000");
+/// let (hostile, _) = keys.policy_keys("x}{y", &policy);
+/// assert_eq!(hostile, "app:{x%7D%7By}:api:tb-10-1-200000");
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RedisKeys {
+    prefix: String,
+}
+
+impl Default for RedisKeys {
+    fn default() -> Self {
+        Self::new(DEFAULT_PREFIX)
+    }
+}
+
+impl RedisKeys {
+    /// Keys under `prefix` (escaped like identities).
+    pub fn new(prefix: &str) -> Self {
+        let mut escaped = String::with_capacity(prefix.len());
+        escape_into(&mut escaped, prefix);
+        Self { prefix: escaped }
+    }
+
+    /// The hash tag of `identity`, braces included: `{ip:203.0.113.7}`.
+    pub fn tag(&self, identity: &str) -> String {
+        let mut tag = String::with_capacity(identity.len() + 2);
+        tag.push('{');
+        escape_into(&mut tag, identity);
+        tag.push('}');
+        tag
+    }
+
+    /// The state key and the auxiliary key of `policy` for `identity`.
+    pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
+        let (kind, p1, p2, p3) = match script_args(policy) {
+            Ok(args) => args,
+            // Too large for the script: the keys are never written; name them anyway.
+            Err(_) => ("xx", policy.limit(), 0, 0),
+        };
+        let state = format!(
+            "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
+            self.prefix,
+            self.tag(identity),
+            policy.name()
+        );
+        let aux = format!("{state}:n");
+        (state, aux)
+    }
+}
+
+fn escape_into(out: &mut String, text: &str) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b"._-:/@+=".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0xf)]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Rate;
+
+    #[test]
+    fn rates_are_reduced_and_oversized_policies_refused() {
+        let policy = Policy::token_bucket("t", 1_000_000, Rate::per_day(1_000_000)).unwrap();
+        assert_eq!(script_args(&policy).unwrap(), ("tb", 1_000_000, 1, 86_400));
+        let huge = Policy::fixed_window("f", (1 << 52) - 1, Duration::from_secs(86_400)).unwrap();
+        let error = script_args(&huge).unwrap_err().to_string();
+        assert!(
+            error.contains("policy \"f\" has numbers too large"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn hostile_identities_stay_inside_their_tag() {
+        let keys = RedisKeys::default();
+        let policy = Policy::gcra("g", Rate::per_second(1), 1).unwrap();
+        let identities = [
+            "a}b",
+            "a{b",
+            "a:b",
+            "a\0b",
+            "a%7Db",
+            "{}",
+            "ü",
+            &"x".repeat(300),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for identity in identities {
+            let (state, aux) = keys.policy_keys(identity, &policy);
+            // Exactly one tag, at the identity, in both keys.
+            let tag = keys.tag(identity);
+            assert_eq!(state.matches('{').count(), 1, "{state}");
+            assert_eq!(state.matches('}').count(), 1, "{state}");
+            assert!(state.contains(&tag) && aux.contains(&tag));
+            assert!(seen.insert(tag), "{identity:?} collides");
+        }
+    }
+}

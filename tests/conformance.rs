@@ -1,0 +1,412 @@
+//! One conformance suite, every store: the in-process store, a standalone Redis and a
+//! three-master Redis Cluster get the same arrival traces and must give the same
+//! decisions. Counts (limit, remaining) must be equal; durations (retry-after, reset,
+//! shaping delay) may differ by at most 1 ms, because Redis works in microseconds and
+//! rounds a GCRA emission interval up to a whole microsecond.
+//!
+//! Time: the in-process store reads a `ManualClock`; the Redis stores are built with
+//! `RedisStore::with_clock` (feature `test-clock`), which passes the clock's time to the
+//! script instead of letting it read Redis `TIME`. That argument exists only in test
+//! builds, so production decisions always use Redis time.
+
+#![cfg(all(feature = "redis", feature = "test-clock"))]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use support::{RedisCluster, RedisServer, keys_with_ttl};
+use tollgate::clock::ManualClock;
+use tollgate::store::RedisStore;
+use tollgate::{Decision, Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+#[derive(Clone)]
+enum AnyStore {
+    Memory(MemoryStore<ManualClock>),
+    Redis(RedisStore),
+}
+
+struct Subject {
+    name: &'static str,
+    clock: ManualClock,
+    store: AnyStore,
+}
+
+impl Subject {
+    async fn check(&self, key: &str, policies: &PolicySet, cost: u64) -> Decision {
+        match &self.store {
+            AnyStore::Memory(store) => store.check(key, policies, cost),
+            AnyStore::Redis(store) => store
+                .decide(&Key::new(key), policies, cost)
+                .await
+                .unwrap_or_else(|error| panic!("{}: {error}", self.name)),
+        }
+    }
+}
+
+struct Backends {
+    standalone: RedisServer,
+    cluster: RedisCluster,
+    standalone_store: RedisStore,
+    cluster_store: RedisStore,
+}
+
+impl Backends {
+    async fn start() -> Self {
+        let standalone = RedisServer::start();
+        let cluster = RedisCluster::start(3);
+        let standalone_store = RedisStore::connect(&standalone.url()).await.unwrap();
+        let cluster_store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+        Self {
+            standalone,
+            cluster,
+            standalone_store,
+            cluster_store,
+        }
+    }
+
+    /// Fresh subjects, each with its own clock at zero and its own key prefix.
+    fn subjects(&self, prefix: &str) -> Vec<Subject> {
+        let redis = |name, store: &RedisStore| {
+            let clock = ManualClock::new();
+            Subject {
+                name,
+                store: AnyStore::Redis(store.clone().prefix(prefix).with_clock(clock.clone())),
+                clock,
+            }
+        };
+        let clock = ManualClock::new();
+        vec![
+            Subject {
+                name: "memory",
+                store: AnyStore::Memory(MemoryStore::builder().clock(clock.clone()).build()),
+                clock,
+            },
+            redis("redis", &self.standalone_store),
+            redis("cluster", &self.cluster_store),
+        ]
+    }
+}
+
+/// A deterministic arrival trace: (milliseconds since the last arrival, cost).
+fn trace(seed: u64, steps: usize, max_gap_ms: u64) -> Vec<(u64, u64)> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        state >> 33
+    };
+    (0..steps)
+        .map(|_| (next() % max_gap_ms, 1 + next() % 3))
+        .collect()
+}
+
+fn close(a: Duration, b: Duration) -> bool {
+    a.abs_diff(b) <= Duration::from_millis(1)
+}
+
+fn same(a: &Decision, b: &Decision) -> bool {
+    let outcome = match (a.outcome(), b.outcome()) {
+        (Outcome::Allowed { delay: x }, Outcome::Allowed { delay: y }) => close(x, y),
+        (
+            Outcome::Denied {
+                policy: p,
+                retry_after: x,
+            },
+            Outcome::Denied {
+                policy: q,
+                retry_after: y,
+            },
+        ) => p == q && close(x, y),
+        (x @ Outcome::CostExceedsLimit { .. }, y) => x == y,
+        _ => false,
+    };
+    outcome
+        && a.statuses().len() == b.statuses().len()
+        && a.statuses().iter().zip(b.statuses()).all(|(x, y)| {
+            x.limit == y.limit && x.remaining == y.remaining && close(x.reset, y.reset)
+        })
+}
+
+/// Replays `arrivals` on every subject and checks that all decide alike.
+async fn replay(
+    backends: &Backends,
+    prefix: &str,
+    key: &str,
+    policies: &PolicySet,
+    arrivals: &[(u64, u64)],
+) {
+    let subjects = backends.subjects(prefix);
+    let mut now = Duration::ZERO;
+    let mut admitted = 0;
+    for (step, &(gap, cost)) in arrivals.iter().enumerate() {
+        now += Duration::from_millis(gap);
+        let mut decisions = Vec::new();
+        for subject in &subjects {
+            subject.clock.set(now);
+            decisions.push(subject.check(key, policies, cost).await);
+        }
+        for (subject, decision) in subjects.iter().zip(&decisions).skip(1) {
+            assert!(
+                same(&decisions[0], decision),
+                "{prefix} step {step} at {now:?} cost {cost}: memory {:?} vs {} {:?}",
+                decisions[0],
+                subject.name,
+                decision
+            );
+        }
+        admitted += u64::from(decisions[0].is_allowed());
+    }
+    // The trace must exercise both answers, or it proves little.
+    assert!(
+        admitted > 0 && admitted < arrivals.len() as u64,
+        "{prefix}: {admitted} of {} admitted",
+        arrivals.len()
+    );
+}
+
+fn every_algorithm() -> Vec<Policy> {
+    vec![
+        Policy::fixed_window("fw", 10, MINUTE).unwrap(),
+        Policy::sliding_log("sl", 10, MINUTE).unwrap(),
+        Policy::sliding_window("sw", 10, MINUTE).unwrap(),
+        Policy::token_bucket("tb", 10, Rate::new(10, MINUTE)).unwrap(),
+        Policy::leaky_bucket("lb", 10, Rate::new(10, MINUTE)).unwrap(),
+        Policy::leaky_bucket_shaping("ls", Rate::new(10, MINUTE), Duration::from_secs(30)).unwrap(),
+        Policy::gcra("gc", Rate::new(10, MINUTE), 10).unwrap(),
+        // A rate that does not divide evenly: 3 per 10 s.
+        Policy::gcra("gc3", Rate::new(3, Duration::from_secs(10)), 4).unwrap(),
+        Policy::token_bucket("tb3", 4, Rate::new(3, Duration::from_secs(10))).unwrap(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_decides_alike() {
+    let backends = Backends::start().await;
+
+    for policy in every_algorithm() {
+        let name = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        replay(
+            &backends,
+            &format!("single-{name}"),
+            "client-1",
+            &set,
+            &trace(7, 120, 4_000),
+        )
+        .await;
+        // Bursts: many arrivals at the same instant.
+        replay(
+            &backends,
+            &format!("burst-{name}"),
+            "client-2",
+            &set,
+            &trace(11, 60, 2),
+        )
+        .await;
+    }
+
+    let multi = PolicySet::new([
+        Policy::token_bucket("burst", 5, Rate::new(5, Duration::from_secs(10))).unwrap(),
+        Policy::fixed_window("hourly", 20, Duration::from_secs(3600)).unwrap(),
+        Policy::sliding_log("log", 12, MINUTE).unwrap(),
+    ])
+    .unwrap();
+    replay(
+        &backends,
+        "multi",
+        "client-3",
+        &multi,
+        &trace(3, 150, 3_000),
+    )
+    .await;
+
+    // A cost that can never fit is answered at once, and spends nothing.
+    for subject in backends.subjects("never") {
+        let set = PolicySet::from(Policy::token_bucket("tb", 10, Rate::per_second(1)).unwrap());
+        let decision = subject.check("k", &set, 11).await;
+        assert_eq!(
+            decision.outcome(),
+            Outcome::CostExceedsLimit {
+                policy: 0,
+                cost: 11,
+                limit: 10
+            },
+            "{}",
+            subject.name
+        );
+        assert_eq!(
+            subject.check("k", &set, 10).await.statuses()[0].remaining,
+            0,
+            "{}",
+            subject.name
+        );
+    }
+
+    // Every key the scenarios wrote expires when its state is fresh again: none lives
+    // forever, none outlives its longest window (an hour here) by more than a second.
+    let keys: Vec<(String, i64)> = keys_with_ttl(&backends.standalone)
+        .into_iter()
+        .chain(backends.cluster.keys_with_ttl())
+        .collect();
+    assert!(keys.len() > 20, "the scenarios wrote {} keys", keys.len());
+    for (key, ttl) in &keys {
+        assert!(*ttl > 0 && *ttl <= 3_601_000, "{key} has TTL {ttl} ms");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_identities_stay_in_one_slot_on_a_cluster() {
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+    // Several policies per identity: the script touches all their keys at once, which a
+    // Cluster refuses (CROSSSLOT) unless they share a slot.
+    let set = PolicySet::new([
+        Policy::sliding_log("a", 2, MINUTE).unwrap(),
+        Policy::token_bucket("b", 2, Rate::per_minute(1)).unwrap(),
+    ])
+    .unwrap();
+    let long = "z".repeat(10_000);
+    let identities = [
+        "}{",
+        "{x}",
+        "a:b:c",
+        "nul\0byte",
+        "100%",
+        "ü-ñ",
+        long.as_str(),
+        "plain",
+    ];
+    for identity in identities {
+        let key = Key::new(identity);
+        for expected in [true, true, false] {
+            let decision = store
+                .decide(&key, &set, 1)
+                .await
+                .unwrap_or_else(|e| panic!("{identity:?}: {e}"));
+            assert_eq!(decision.is_allowed(), expected, "{identity:?}");
+        }
+    }
+    // Each identity kept its own budget, in one slot: 4 keys (log, its counters, bucket)
+    // minus nothing shared, per identity.
+    let keys = cluster.keys_with_ttl();
+    assert_eq!(keys.len(), 3 * identities.len(), "{keys:?}");
+    for (key, _) in &keys {
+        let tag_start = key.find('{').unwrap();
+        let tag_end = key[tag_start..].find('}').unwrap() + tag_start;
+        let slot_of = |k: &str| cluster.nodes[0].cli(&["CLUSTER", "KEYSLOT", k]);
+        assert_eq!(slot_of(key), slot_of(&key[tag_start..=tag_end]), "{key}");
+    }
+}
+
+async fn hammer(stores: &[RedisStore], policies: &PolicySet) -> u64 {
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..64 {
+        let store = stores[task % stores.len()].clone();
+        let (policies, admitted) = (policies.clone(), Arc::clone(&admitted));
+        tasks.push(tokio::spawn(async move {
+            let key = Key::new("hot");
+            for _ in 0..5 {
+                if store.decide(&key, &policies, 1).await.unwrap().is_allowed() {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    admitted.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_admit_exactly_the_limit() {
+    const LIMIT: u64 = 100;
+    let standalone = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    for (name, url) in [("redis", Some(standalone.url())), ("cluster", None)] {
+        // Three stores with their own connections: three replicas of one service. The
+        // clock stands still, so nothing refills while 64 tasks send 320 requests.
+        let clock = ManualClock::new();
+        clock.set(Duration::from_secs(1_000));
+        let mut stores = Vec::new();
+        for _ in 0..3 {
+            let store = match &url {
+                Some(url) => RedisStore::connect(url).await.unwrap(),
+                None => RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
+            };
+            stores.push(store.with_clock(clock.clone()));
+        }
+        for policy in [
+            Policy::fixed_window("fw", LIMIT, MINUTE).unwrap(),
+            Policy::sliding_log("sl", LIMIT, MINUTE).unwrap(),
+            Policy::sliding_window("sw", LIMIT, MINUTE).unwrap(),
+            Policy::token_bucket("tb", LIMIT, Rate::per_hour(1)).unwrap(),
+            Policy::leaky_bucket("lb", LIMIT, Rate::per_hour(1)).unwrap(),
+            Policy::gcra("gc", Rate::per_hour(1), LIMIT).unwrap(),
+        ] {
+            let label = policy.name().to_owned();
+            let admitted = hammer(&stores, &PolicySet::from(policy)).await;
+            assert_eq!(admitted, LIMIT, "{name} {label}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn sliding_counter_error_against_the_exact_log() {
+    // The same bursty trace through the exact sliding log and the O(1) counter; the
+    // counter's worst window and its total are reported next to the log's.
+    let limit = 20;
+    let window = Duration::from_secs(10);
+    let arrivals = trace(42, 2_000, 1_500);
+    let mut results = Vec::new();
+    for policy in [
+        Policy::sliding_log("log", limit, window).unwrap(),
+        Policy::sliding_window("counter", limit, window).unwrap(),
+    ] {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let set = PolicySet::from(policy);
+        let (mut now, mut admitted) = (0u64, Vec::new());
+        for &(gap, cost) in &arrivals {
+            now += gap;
+            clock.set(Duration::from_millis(now));
+            if store.check("k", &set, cost).is_allowed() {
+                admitted.push((now, cost));
+            }
+        }
+        let total: u64 = admitted.iter().map(|(_, c)| c).sum();
+        let worst = admitted
+            .iter()
+            .map(|&(start, _)| {
+                admitted
+                    .iter()
+                    .filter(|(t, _)| *t >= start && *t < start + window.as_millis() as u64)
+                    .map(|(_, c)| c)
+                    .sum::<u64>()
+            })
+            .max()
+            .unwrap_or(0);
+        results.push((total, worst));
+    }
+    let ((log_total, log_worst), (counter_total, counter_worst)) = (results[0], results[1]);
+    println!(
+        "sliding counter vs log on {} arrivals, limit {limit} per {window:?}: admitted {counter_total} vs {log_total} units ({:+.1}%), worst window {counter_worst} vs {log_worst}",
+        arrivals.len(),
+        (counter_total as f64 - log_total as f64) * 100.0 / log_total as f64
+    );
+    assert!(log_worst <= limit);
+    // The counter assumes the previous window was spread evenly: it can overshoot, but
+    // never beyond twice the limit, and it stays within 10% of the exact total here.
+    assert!(counter_worst <= 2 * limit, "worst window {counter_worst}");
+    assert!(
+        counter_total.abs_diff(log_total) * 10 <= log_total,
+        "{counter_total} vs {log_total}"
+    );
+}
