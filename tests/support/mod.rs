@@ -153,10 +153,7 @@ impl RedisCluster {
 
     /// Every key on every node, with its TTL in milliseconds.
     pub fn keys_with_ttl(&self) -> Vec<(String, i64)> {
-        self.nodes
-            .iter()
-            .flat_map(keys_with_ttl)
-            .collect()
+        self.nodes.iter().flat_map(keys_with_ttl).collect()
     }
 }
 
