@@ -7,6 +7,7 @@
 #
 #   benches/http_load.sh                 # 3 rounds x 5 s per variant
 #   ROUNDS=5 DURATION=10 benches/http_load.sh
+#   VARIANTS="none tollgate tollgate-redis" benches/http_load.sh   # adds a redis-server
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,10 +23,21 @@ if ! command -v wrk >/dev/null; then
 fi
 command -v curl >/dev/null || { echo "curl is needed" >&2; exit 1; }
 
-cargo build --release --example bench_server >&2
-server=target/release/examples/bench_server
 results=$(mktemp)
-trap 'rm -f "$results"; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null || true' EXIT
+trap 'rm -f "$results"; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null; [ -n "${redis_pid:-}" ] && kill "$redis_pid" 2>/dev/null || true' EXIT
+features=()
+if [[ " $VARIANTS " == *" tollgate-redis "* ]]; then
+  features=(--features redis)
+  command -v redis-server >/dev/null || { echo "redis-server is needed for tollgate-redis" >&2; exit 1; }
+  REDIS_PORT=${REDIS_PORT:-6391}
+  # Redis shares the server's core: one machine running app and Redis.
+  taskset -c 0 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
+  redis_pid=$!
+  export REDIS_URL="redis://127.0.0.1:$REDIS_PORT"
+  sleep 0.5
+fi
+cargo build --release "${features[@]}" --example bench_server >&2
+server=target/release/examples/bench_server
 
 read -r -a order <<< "$VARIANTS"
 for round in $(seq "$ROUNDS"); do

@@ -2,7 +2,8 @@
 //! hello-world with no limiter, with tower_governor, or with tollgate.
 //!
 //! ```text
-//! cargo run --release --example bench_server -- <none|governor|tollgate> [port]
+//! cargo run --release --example bench_server -- <none|governor|tollgate|tollgate-bare> [port]
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --features redis --example bench_server -- tollgate-redis
 //! ```
 //!
 //! Both limiters key by peer IP and are configured so the load generator is never denied:
@@ -48,6 +49,15 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
                 )?)
                 .headers(tollgate::HeaderStyle::None),
         ),
+        #[cfg(feature = "redis")]
+        "tollgate-redis" => {
+            let url = std::env::var("REDIS_URL").map_err(|_| "tollgate-redis needs REDIS_URL")?;
+            app.layer(
+                RateLimitLayer::new(tollgate::store::RedisStore::connect(&url).await?).policy(
+                    Policy::token_bucket("api", 1_000_000_000, Rate::per_second(1_000_000_000))?,
+                ),
+            )
+        }
         "governor" => {
             let config = GovernorConfigBuilder::default()
                 .period(Duration::from_nanos(1))

@@ -4,6 +4,9 @@
 //! cargo run --example quickstart          # serves on 127.0.0.1:3000 ($PORT to change)
 //! curl -i http://127.0.0.1:3000/          # costs 1 token
 //! curl -i http://127.0.0.1:3000/search    # costs 5 tokens from the same bucket
+//!
+//! # The same app sharing its limits through Redis (every replica sees one budget):
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example quickstart --features redis
 //! ```
 //!
 //! Every client IP gets a token bucket named `api`: 10 tokens, refilled at 5 per second.
@@ -14,7 +17,22 @@ use axum::Router;
 use axum::routing::get;
 use tollgate::cost::PerRoute;
 use tollgate::key::ClientIp;
-use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer, Store};
+
+/// The app, over whichever store decides.
+fn app<S: Store>(store: S) -> Result<Router, PolicyError> {
+    let limiter = RateLimitLayer::new(store)
+        .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?)
+        .key(ClientIp::peer())
+        .cost(PerRoute::new(1).route("/search", 5));
+    Ok(Router::new()
+        .route("/", get(|| async { "hello from behind tollgate\n" }))
+        .route(
+            "/search",
+            get(|| async { "search results (this cost 5 tokens)\n" }),
+        )
+        .layer(limiter))
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -25,22 +43,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => 3000,
     };
 
-    let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?)
-        .key(ClientIp::peer())
-        .cost(PerRoute::new(1).route("/search", 5));
-
-    let app = Router::new()
-        .route("/", get(|| async { "hello from behind tollgate\n" }))
-        .route(
-            "/search",
-            get(|| async { "search results (this cost 5 tokens)\n" }),
-        )
-        .layer(limiter);
+    let (app, store) = match std::env::var("REDIS_URL") {
+        Ok(url) => redis_app(&url).await?,
+        Err(_) => (app(MemoryStore::new())?, "in-process store".to_owned()),
+    };
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;
-    println!("tollgate quickstart listening on http://{addr}");
+    println!("tollgate quickstart listening on http://{addr} ({store})");
     println!(
         "policy: token bucket \"api\", 10 tokens, refilled at 5/s, per client IP; /search costs 5"
     );
@@ -51,4 +61,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )
     .await?;
     Ok(())
+}
+
+#[cfg(feature = "redis")]
+async fn redis_app(url: &str) -> Result<(Router, String), Box<dyn std::error::Error>> {
+    let store = tollgate::store::RedisStore::connect(url).await?;
+    Ok((app(store)?, format!("Redis store at {url}")))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_app(_url: &str) -> Result<(Router, String), Box<dyn std::error::Error>> {
+    Err("REDIS_URL is set but this build has no Redis support: run with --features redis".into())
 }

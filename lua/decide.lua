@@ -44,206 +44,33 @@ local function num(value, default)
   return tonumber(value)
 end
 
--- Every algorithm is a table of four functions over a state table `s` (read by load):
---   check(s)  -> 'admit', delay | 'deny', retry_after | 'never'
---   commit(s) -> debits cost, then save(s) writes it back with a TTL
---   snapshot(s) -> limit, remaining, reset (microseconds until whole again)
-local algorithms = {}
+-- Each algorithm has four steps, dispatched on its kind below (plain functions rather
+-- than a table of closures per algorithm: the script body runs on every call, and
+-- building those closures cost more than the decision itself):
+--   load(kind, p, key, aux) -> state s, brought up to now without changing its meaning
+--   check(kind, p, s)       -> 'admit', delay | 'deny', retry_after | 'never'
+--   commit(kind, p, s)      -> debits cost and writes the state back with a TTL
+--   snapshot(kind, p, s)    -> limit, remaining, reset (microseconds until whole again)
+--
+-- fw  fixed window            p1 = limit,     p2 = window
+-- sw  sliding window counter  p1 = limit,     p2 = window
+-- sl  sliding log             p1 = limit,     p2 = window
+-- tb  token bucket, police    p1 = capacity,  p2 = amount, p3 = period
+-- ls  leaky bucket, shape     p1 = max delay, p2 = amount, p3 = period
+-- gc  GCRA                    p1 = burst,     p2 = amount, p3 = period
 
--- Fixed window: p1 = limit, p2 = window. Windows are aligned to the Unix epoch.
-algorithms.fw = {
-  load = function(p, key)
-    local w = p[2]
-    local index = (now - math.fmod(now, w)) / w
-    local stored = redis.call('HMGET', key, 'i', 'c')
-    local s = { key = key, index = index, count = 0 }
-    local stored_index = num(stored[1], -1)
-    -- Time that steps back never rolls a window back.
-    if stored_index >= index then
-      s.index = stored_index
-      s.count = num(stored[2], 0)
-    end
-    s.finish = (s.index + 1) * w
-    return s
-  end,
-  check = function(p, s)
-    if cost > p[1] then return 'never' end
-    if s.count + cost <= p[1] then return 'admit', 0 end
-    return 'deny', s.finish - now
-  end,
-  commit = function(p, s)
-    s.count = s.count + cost
-    redis.call('HSET', s.key, 'i', s.index, 'c', s.count)
-    redis.call('PEXPIRE', s.key, cdiv(s.finish - now, 1000) + 1)
-  end,
-  snapshot = function(p, s)
-    return p[1], math.max(p[1] - s.count, 0), math.max(s.finish - now, 0)
-  end,
-}
-
--- Sliding window counter: p1 = limit, p2 = window.
--- estimate = ceil(previous * (window - elapsed) / window) + current
-algorithms.sw = {
-  load = function(p, key)
-    local w = p[2]
-    local index = (now - math.fmod(now, w)) / w
-    local stored = redis.call('HMGET', key, 'i', 'p', 'c')
-    local s = { key = key, index = num(stored[1], 0), previous = num(stored[2], 0), current = num(stored[3], 0) }
-    if index > s.index then
-      if index == s.index + 1 then s.previous = s.current else s.previous = 0 end
-      s.current = 0
-      s.index = index
-    end
-    if index == s.index then s.elapsed = math.fmod(now, w) else s.elapsed = 0 end
-    s.estimate = cdiv(s.previous * (w - s.elapsed), w) + s.current
-    return s
-  end,
-  check = function(p, s)
-    local limit, w = p[1], p[2]
-    if cost > limit then return 'never' end
-    if s.estimate + cost <= limit then return 'admit', 0 end
-    local room = limit - cost
-    local function first_fit(weighted, fixed)
-      if weighted == 0 then return 0 end
-      return w - math.min(idiv((room - fixed) * w, weighted), w)
-    end
-    local retry
-    if s.current <= room then
-      retry = math.max(first_fit(s.previous, s.current) - s.elapsed, 0)
-    else
-      retry = (w - s.elapsed) + first_fit(s.current, 0)
-    end
-    return 'deny', math.max(retry, 1)
-  end,
-  commit = function(p, s)
-    s.current = s.current + cost
-    s.estimate = s.estimate + cost
-    redis.call('HSET', s.key, 'i', s.index, 'p', s.previous, 'c', s.current)
-    -- The current count matters until the end of the next window.
-    local ttl = (p[2] - s.elapsed) + p[2]
-    redis.call('PEXPIRE', s.key, cdiv(ttl, 1000) + 1)
-  end,
-  snapshot = function(p, s)
-    local w = p[2]
-    local reset = 0
-    if s.current > 0 then reset = (w - s.elapsed) + w elseif s.previous > 0 then reset = w - s.elapsed end
-    return p[1], math.max(p[1] - s.estimate, 0), reset
-  end,
-}
-
--- Sliding log: p1 = limit, p2 = window. KEYS[2i-1] is a sorted set of admitted requests
--- (score: time; member: "sequence:units", unique even within one microsecond), KEYS[2i]
--- a hash with the units in the log (t) and the sequence (s).
-algorithms.sl = {
-  load = function(p, key, aux)
-    local s = { key = key, aux = aux, total = num(redis.call('HGET', aux, 't'), 0) }
-    local horizon = now - p[2]
-    local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
-    if #expired > 0 then
-      for _, member in ipairs(expired) do
-        s.total = s.total - tonumber(string.match(member, ':(%d+)$'))
-      end
-      redis.call('ZREMRANGEBYSCORE', key, '-inf', horizon)
-      if s.total < 0 then s.total = 0 end
-      redis.call('HSET', aux, 't', s.total)
-    end
-    return s
-  end,
-  check = function(p, s)
-    local limit, w = p[1], p[2]
-    if cost > limit then return 'never' end
-    if s.total + cost <= limit then return 'admit', 0 end
-    -- Wait until enough of the oldest entries have left the window.
-    local needed = s.total + cost - limit
-    local freed = 0
-    local entries = redis.call('ZRANGE', s.key, 0, -1, 'WITHSCORES')
-    for i = 1, #entries, 2 do
-      freed = freed + tonumber(string.match(entries[i], ':(%d+)$'))
-      if freed >= needed then
-        return 'deny', tonumber(entries[i + 1]) + w - now
-      end
-    end
-    return 'deny', w
-  end,
-  commit = function(p, s)
-    if cost == 0 then return end
-    local sequence = redis.call('HINCRBY', s.aux, 's', 1)
-    redis.call('ZADD', s.key, now, sequence .. ':' .. cost)
-    s.total = s.total + cost
-    s.newest = now
-    redis.call('HSET', s.aux, 't', s.total)
-    local ttl = cdiv(p[2], 1000) + 1
-    redis.call('PEXPIRE', s.key, ttl)
-    redis.call('PEXPIRE', s.aux, ttl)
-  end,
-  snapshot = function(p, s)
-    local newest = s.newest
-    if newest == nil then
-      local last = redis.call('ZRANGE', s.key, -1, -1, 'WITHSCORES')
-      if #last > 0 then newest = tonumber(last[2]) end
-    end
-    local reset = 0
-    if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
-    return p[1], math.max(p[1] - s.total, 0), reset
-  end,
-}
-
--- Buckets keep the level (units missing from full, or queued, times the period) and the
--- time it was last brought up to date: p2 units leak or refill every p3 microseconds.
-local function load_bucket(p, key)
-  local stored = redis.call('HMGET', key, 'l', 't')
-  local s = { key = key, level = num(stored[1], 0), last = num(stored[2], now) }
-  local elapsed = math.max(now - s.last, 0)
-  s.level = math.max(s.level - elapsed * p[2], 0)
-  s.last = math.max(s.last, now)
-  return s
-end
-local function commit_bucket(p, s)
-  s.level = s.level + cost * p[3]
-  redis.call('HSET', s.key, 'l', s.level, 't', s.last)
-  redis.call('PEXPIRE', s.key, cdiv(cdiv(s.level, p[2]), 1000) + 1)
-end
-
--- Token bucket and policing leaky bucket: p1 = capacity, p2 = amount, p3 = period.
-algorithms.tb = {
-  load = load_bucket,
-  check = function(p, s)
-    if cost > p[1] then return 'never' end
-    local needed = s.level + cost * p[3]
-    local full = p[1] * p[3]
-    if needed <= full then return 'admit', 0 end
-    return 'deny', cdiv(needed - full, p[2])
-  end,
-  commit = commit_bucket,
-  snapshot = function(p, s)
-    return p[1], idiv(math.max(p[1] * p[3] - s.level, 0), p[3]), cdiv(s.level, p[2])
-  end,
-}
-
--- Shaping leaky bucket: p1 = max delay, p2 = amount, p3 = period. A request waits for
--- the units ahead of it to leak out, at most p1.
-algorithms.ls = {
-  load = load_bucket,
-  check = function(p, s)
-    local threshold = p[1] * p[2]
-    if s.level <= threshold then return 'admit', cdiv(s.level, p[2]) end
-    return 'deny', cdiv(s.level - threshold, p[2])
-  end,
-  commit = commit_bucket,
-  snapshot = function(p, s)
-    local threshold = p[1] * p[2]
-    local limit = idiv(threshold, p[3]) + 1
-    local remaining = 0
-    if s.level <= threshold then remaining = idiv(threshold - s.level, p[3]) + 1 end
-    return limit, remaining, cdiv(s.level, p[2])
-  end,
-}
-
--- GCRA: p1 = burst, p2 = amount, p3 = period. One value: the theoretical arrival time,
--- stored exactly as "whole:fraction", TAT = whole + fraction / amount microseconds, so an
--- emission interval that is not a whole number of microseconds never drifts.
-algorithms.gc = {
-  load = function(p, key)
+local function load(kind, p, key, aux)
+  if kind == 'tb' or kind == 'ls' then
+    -- Buckets keep the level (units missing from full, or queued, times the period) and
+    -- the time it was last brought up to date; p2 units leak or refill every p3.
+    local stored = redis.call('HMGET', key, 'l', 't')
+    local last = num(stored[2], now)
+    local level = math.max(num(stored[1], 0) - math.max(now - last, 0) * p[2], 0)
+    return { key = key, level = level, last = math.max(last, now) }
+  elseif kind == 'gc' then
+    -- GCRA keeps one value, the theoretical arrival time, stored exactly as
+    -- "whole:fraction" (TAT = whole + fraction / amount microseconds), so an emission
+    -- interval that is not a whole number of microseconds never drifts.
     local s = { key = key, whole = now, fraction = 0 }
     local stored = redis.call('GET', key)
     if stored then
@@ -256,24 +83,163 @@ algorithms.gc = {
     -- How far the TAT is ahead of now, scaled by the amount: an exact integer.
     s.ahead = (s.whole - now) * p[2] + s.fraction
     return s
-  end,
-  check = function(p, s)
-    if cost > p[1] then return 'never' end
+  elseif kind == 'fw' then
+    local w = p[2]
+    local index = (now - math.fmod(now, w)) / w
+    local stored = redis.call('HMGET', key, 'i', 'c')
+    local s = { key = key, index = index, count = 0 }
+    local stored_index = num(stored[1], -1)
+    -- Time that steps back never rolls a window back.
+    if stored_index >= index then
+      s.index = stored_index
+      s.count = num(stored[2], 0)
+    end
+    s.finish = (s.index + 1) * w
+    return s
+  elseif kind == 'sw' then
+    local w = p[2]
+    local index = (now - math.fmod(now, w)) / w
+    local stored = redis.call('HMGET', key, 'i', 'p', 'c')
+    local s = { key = key, index = num(stored[1], 0), previous = num(stored[2], 0), current = num(stored[3], 0) }
+    if index > s.index then
+      if index == s.index + 1 then s.previous = s.current else s.previous = 0 end
+      s.current = 0
+      s.index = index
+    end
+    if index == s.index then s.elapsed = math.fmod(now, w) else s.elapsed = 0 end
+    -- estimate = ceil(previous * (window - elapsed) / window) + current
+    s.estimate = cdiv(s.previous * (w - s.elapsed), w) + s.current
+    return s
+  elseif kind == 'sl' then
+    -- A sorted set of admitted requests (score: time; member: "sequence:units", unique
+    -- even within one microsecond) and a hash with the units in it (t) and the sequence (s).
+    local s = { key = key, aux = aux, total = num(redis.call('HGET', aux, 't'), 0) }
+    local horizon = now - p[2]
+    local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
+    if #expired > 0 then
+      for _, member in ipairs(expired) do
+        s.total = s.total - tonumber(string.match(member, ':(%d+)$'))
+      end
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', horizon)
+      if s.total < 0 then s.total = 0 end
+      redis.call('HSET', aux, 't', s.total)
+    end
+    return s
+  end
+  return nil
+end
+
+local function check(kind, p, s)
+  if kind == 'ls' then
+    local threshold = p[1] * p[2]
+    if s.level <= threshold then return 'admit', cdiv(s.level, p[2]) end
+    return 'deny', cdiv(s.level - threshold, p[2])
+  end
+  if cost > p[1] then return 'never' end
+  if kind == 'tb' then
+    local needed = s.level + cost * p[3]
+    local full = p[1] * p[3]
+    if needed <= full then return 'admit', 0 end
+    return 'deny', cdiv(needed - full, p[2])
+  elseif kind == 'gc' then
     local ahead = s.ahead + cost * p[3]
     local tolerance = p[1] * p[3]
     if ahead <= tolerance then return 'admit', 0 end
     return 'deny', cdiv(ahead - tolerance, p[2])
-  end,
-  commit = function(p, s)
+  elseif kind == 'fw' then
+    if s.count + cost <= p[1] then return 'admit', 0 end
+    return 'deny', s.finish - now
+  elseif kind == 'sw' then
+    local limit, w = p[1], p[2]
+    if s.estimate + cost <= limit then return 'admit', 0 end
+    -- The smallest elapsed time at which the estimate leaves room for cost, in this
+    -- window, or else in the next one (where this window's count becomes the previous).
+    local room = limit - cost
+    local retry
+    if s.current <= room then
+      local first = 0
+      if s.previous > 0 then first = w - math.min(idiv((room - s.current) * w, s.previous), w) end
+      retry = math.max(first - s.elapsed, 0)
+    else
+      retry = (w - s.elapsed) + w - math.min(idiv(room * w, s.current), w)
+    end
+    return 'deny', math.max(retry, 1)
+  else -- sl
+    if s.total + cost <= p[1] then return 'admit', 0 end
+    -- Wait until enough of the oldest entries have left the window.
+    local needed = s.total + cost - p[1]
+    local freed = 0
+    local entries = redis.call('ZRANGE', s.key, 0, -1, 'WITHSCORES')
+    for i = 1, #entries, 2 do
+      freed = freed + tonumber(string.match(entries[i], ':(%d+)$'))
+      if freed >= needed then
+        return 'deny', tonumber(entries[i + 1]) + p[2] - now
+      end
+    end
+    return 'deny', p[2]
+  end
+end
+
+local function commit(kind, p, s)
+  if kind == 'tb' or kind == 'ls' then
+    s.level = s.level + cost * p[3]
+    redis.call('HSET', s.key, 'l', s.level, 't', s.last)
+    redis.call('PEXPIRE', s.key, cdiv(cdiv(s.level, p[2]), 1000) + 1)
+  elseif kind == 'gc' then
     s.ahead = s.ahead + cost * p[3]
     local whole = now + idiv(s.ahead, p[2])
     local fraction = math.fmod(s.ahead, p[2])
     redis.call('SET', s.key, string.format('%d:%d', whole, fraction), 'PX', cdiv(cdiv(s.ahead, p[2]), 1000) + 1)
-  end,
-  snapshot = function(p, s)
+  elseif kind == 'fw' then
+    s.count = s.count + cost
+    redis.call('HSET', s.key, 'i', s.index, 'c', s.count)
+    redis.call('PEXPIRE', s.key, cdiv(s.finish - now, 1000) + 1)
+  elseif kind == 'sw' then
+    s.current = s.current + cost
+    s.estimate = s.estimate + cost
+    redis.call('HSET', s.key, 'i', s.index, 'p', s.previous, 'c', s.current)
+    -- The current count matters until the end of the next window.
+    redis.call('PEXPIRE', s.key, cdiv((p[2] - s.elapsed) + p[2], 1000) + 1)
+  else -- sl
+    local sequence = redis.call('HINCRBY', s.aux, 's', 1)
+    redis.call('ZADD', s.key, now, sequence .. ':' .. cost)
+    s.total = s.total + cost
+    s.newest = now
+    redis.call('HSET', s.aux, 't', s.total)
+    local ttl = cdiv(p[2], 1000) + 1
+    redis.call('PEXPIRE', s.key, ttl)
+    redis.call('PEXPIRE', s.aux, ttl)
+  end
+end
+
+local function snapshot(kind, p, s)
+  if kind == 'tb' then
+    return p[1], idiv(math.max(p[1] * p[3] - s.level, 0), p[3]), cdiv(s.level, p[2])
+  elseif kind == 'ls' then
+    local threshold = p[1] * p[2]
+    local remaining = 0
+    if s.level <= threshold then remaining = idiv(threshold - s.level, p[3]) + 1 end
+    return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2])
+  elseif kind == 'gc' then
     return p[1], idiv(math.max(p[1] * p[3] - s.ahead, 0), p[3]), cdiv(s.ahead, p[2])
-  end,
-}
+  elseif kind == 'fw' then
+    return p[1], math.max(p[1] - s.count, 0), math.max(s.finish - now, 0)
+  elseif kind == 'sw' then
+    local w = p[2]
+    local reset = 0
+    if s.current > 0 then reset = (w - s.elapsed) + w elseif s.previous > 0 then reset = w - s.elapsed end
+    return p[1], math.max(p[1] - s.estimate, 0), reset
+  else -- sl
+    local newest = s.newest
+    if newest == nil then
+      local last = redis.call('ZRANGE', s.key, -1, -1, 'WITHSCORES')
+      if #last > 0 then newest = tonumber(last[2]) end
+    end
+    local reset = 0
+    if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
+    return p[1], math.max(p[1] - s.total, 0), reset
+  end
+end
 
 local policies = {}
 local outcome, denying, longest, delay = 0, 0, 0, 0
@@ -281,12 +247,11 @@ for i = 1, count do
   local base = 3 + (i - 1) * 4
   local kind = ARGV[base + 1]
   local p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) }
-  local algorithm = algorithms[kind]
-  if algorithm == nil then
+  local s = load(kind, p, KEYS[2 * i - 1], KEYS[2 * i])
+  if s == nil then
     return redis.error_reply('tollgate: unknown algorithm ' .. tostring(kind))
   end
-  local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
-  local verdict, value = algorithm.check(p, s)
+  local verdict, value = check(kind, p, s)
   if verdict == 'never' then
     if outcome ~= 2 then outcome, denying = 2, i end
   elseif verdict == 'deny' then
@@ -296,20 +261,20 @@ for i = 1, count do
   elseif value > delay then
     delay = value
   end
-  policies[i] = { algorithm = algorithm, p = p, s = s }
+  policies[i] = { kind = kind, p = p, s = s }
 end
 
 if outcome == 0 and cost > 0 then
   for i = 1, count do
     local policy = policies[i]
-    policy.algorithm.commit(policy.p, policy.s)
+    commit(policy.kind, policy.p, policy.s)
   end
 end
 
 local reply = { outcome, denying, longest, delay }
 for i = 1, count do
   local policy = policies[i]
-  local limit, remaining, reset = policy.algorithm.snapshot(policy.p, policy.s)
+  local limit, remaining, reset = snapshot(policy.kind, policy.p, policy.s)
   reply[#reply + 1] = limit
   reply[#reply + 1] = remaining
   reply[#reply + 1] = reset

@@ -1,0 +1,63 @@
+//! A fleet set-up: every replica of this app shares its limits through Redis (one server,
+//! or a Redis Cluster), so N replicas enforce one limit, not N.
+//!
+//! ```text
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example redis --features redis
+//! REDIS_CLUSTER=redis://127.0.0.1:7000,redis://127.0.0.1:7001 cargo run --example redis --features redis
+//! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/
+//! ```
+//!
+//! Clients are keyed by their API key (hashed before it reaches Redis), or by IP when they
+//! send none. Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
+//! are decided in one round trip, all-or-nothing.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
+use tollgate::store::RedisStore;
+use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let store = match (std::env::var("REDIS_CLUSTER"), std::env::var("REDIS_URL")) {
+        (Ok(nodes), _) => {
+            let nodes: Vec<&str> = nodes.split(',').map(str::trim).collect();
+            RedisStore::connect_cluster(&nodes).await?
+        }
+        (_, Ok(url)) => RedisStore::connect(&url).await?,
+        _ => {
+            return Err(
+                "set REDIS_URL (redis://host:port) or REDIS_CLUSTER (comma-separated nodes)".into(),
+            );
+        }
+    };
+    let policies = PolicySet::new([
+        Policy::token_bucket("burst", 20, Rate::per_second(10))?,
+        Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?,
+    ])?;
+    // Fail at start-up, not on the first request, if a policy is too large for Redis.
+    RedisStore::check_policies(&policies)?;
+
+    let limiter = RateLimitLayer::new(store)
+        .policies(policies)
+        .key(HeaderKey::new("x-api-key").or(ClientIp::peer()));
+    let app = Router::new()
+        .route("/", get(|| async { "hello from the fleet\n" }))
+        .layer(limiter);
+
+    let port: u16 = std::env::var("PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(3000);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!("listening on http://{}", listener.local_addr()?);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await?;
+    Ok(())
+}
