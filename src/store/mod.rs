@@ -16,7 +16,11 @@ use std::task::{Context, Poll};
 
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
-pub use redis::{DECIDE_SCRIPT, DEFAULT_PREFIX, RedisKeys, RedisStore};
+pub use redis::{
+    DEFAULT_PREFIX, FIXED_WINDOW_SCRIPT, GCRA_SCRIPT, LEAKY_SHAPE_SCRIPT, MULTI_POLICY_SCRIPT,
+    RedisKeys, RedisStore, SLIDING_LOG_SCRIPT, SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT,
+    decision_script,
+};
 
 use crate::decision::Decision;
 use crate::key::Key;

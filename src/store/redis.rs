@@ -15,8 +15,89 @@ use crate::decision::{Decision, Outcome, PolicyStatus};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
 
-/// The decision script (`lua/decide.lua`), mirrored from `src/algorithm/`.
-pub const DECIDE_SCRIPT: &str = include_str!("../../lua/decide.lua");
+/// A decision script: the prelude, the algorithms it knows, and the decision loop.
+macro_rules! script {
+    ($(($kind:literal, $file:literal)),+) => {
+        concat!(
+            include_str!("../../lua/prelude.lua"),
+            "local algorithms = {}\n",
+            $(
+                "algorithms.", $kind, " = (function()\n",
+                include_str!(concat!("../../lua/", $file)),
+                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot }\nend)()\n",
+            )+
+            include_str!("../../lua/main.lua")
+        )
+    };
+}
+
+/// The script of requests under one fixed-window policy.
+pub const FIXED_WINDOW_SCRIPT: &str = script!(("fw", "fixed_window.lua"));
+/// The script of requests under one sliding-window-counter policy.
+pub const SLIDING_WINDOW_SCRIPT: &str = script!(("sw", "sliding_window.lua"));
+/// The script of requests under one sliding-log policy.
+pub const SLIDING_LOG_SCRIPT: &str = script!(("sl", "sliding_log.lua"));
+/// The script of requests under one token-bucket or policing leaky-bucket policy.
+pub const TOKEN_BUCKET_SCRIPT: &str = script!(("tb", "token_bucket.lua"));
+/// The script of requests under one shaping leaky-bucket policy.
+pub const LEAKY_SHAPE_SCRIPT: &str = script!(("ls", "leaky_shape.lua"));
+/// The script of requests under one GCRA policy.
+pub const GCRA_SCRIPT: &str = script!(("gc", "gcra.lua"));
+/// The script of requests under several policies: every algorithm, all-or-nothing.
+pub const MULTI_POLICY_SCRIPT: &str = script!(
+    ("fw", "fixed_window.lua"),
+    ("sw", "sliding_window.lua"),
+    ("sl", "sliding_log.lua"),
+    ("tb", "token_bucket.lua"),
+    ("ls", "leaky_shape.lua"),
+    ("gc", "gcra.lua")
+);
+
+/// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
+/// policies.
+struct Scripts {
+    single: [Script; 6],
+    multi: Script,
+}
+
+/// The algorithm kinds the scripts know, and each one's own script, in the same order.
+const KINDS: [&str; 6] = ["fw", "sw", "sl", "tb", "ls", "gc"];
+const SINGLE_SCRIPTS: [&str; 6] = [
+    FIXED_WINDOW_SCRIPT,
+    SLIDING_WINDOW_SCRIPT,
+    SLIDING_LOG_SCRIPT,
+    TOKEN_BUCKET_SCRIPT,
+    LEAKY_SHAPE_SCRIPT,
+    GCRA_SCRIPT,
+];
+
+fn kind_index(kind: &str) -> Option<usize> {
+    KINDS.iter().position(|k| *k == kind)
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            single: SINGLE_SCRIPTS.map(Script::new),
+            multi: Script::new(MULTI_POLICY_SCRIPT),
+        }
+    }
+
+    fn for_kind(&self, kind: &str) -> Option<&Script> {
+        kind_index(kind).map(|index| &self.single[index])
+    }
+}
+
+/// The source of the script that decides requests under `policies`.
+pub fn decision_script(policies: &PolicySet) -> Result<&'static str, StoreError> {
+    if let [policy] = &**policies {
+        let (kind, ..) = script_args(policy)?;
+        if let Some(index) = kind_index(kind) {
+            return Ok(SINGLE_SCRIPTS[index]);
+        }
+    }
+    Ok(MULTI_POLICY_SCRIPT)
+}
 
 /// The default prefix of every key the store writes.
 pub const DEFAULT_PREFIX: &str = "tollgate";
@@ -54,7 +135,7 @@ const EXACT: u128 = 1 << 53;
 pub struct RedisStore {
     backend: Backend,
     keys: RedisKeys,
-    script: Arc<Script>,
+    scripts: Arc<Scripts>,
     #[cfg(feature = "test-clock")]
     clock: Option<Arc<dyn crate::clock::Clock>>,
 }
@@ -99,7 +180,7 @@ impl RedisStore {
         Self {
             backend,
             keys: RedisKeys::default(),
-            script: Arc::new(Script::new(DECIDE_SCRIPT)),
+            scripts: Arc::new(Scripts::new()),
             #[cfg(feature = "test-clock")]
             clock: None,
         }
@@ -175,11 +256,13 @@ impl Store for RedisStore {
         args.push(self.now_argument());
         args.push(cost.to_string());
         args.push(policies.len().to_string());
+        let mut single_kind = None;
         for policy in policies.iter() {
             let (kind, p1, p2, p3) = match script_args(policy) {
                 Ok(args) => args,
                 Err(error) => return DecideFuture::ready(Err(error)),
             };
+            single_kind = Some(kind);
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
             keys.push(aux);
@@ -188,12 +271,17 @@ impl Store for RedisStore {
             args.push(p2.to_string());
             args.push(p3.to_string());
         }
-        let (backend, script, count) = (
+        let (backend, scripts, count) = (
             self.backend.clone(),
-            Arc::clone(&self.script),
+            Arc::clone(&self.scripts),
             policies.len(),
         );
         DecideFuture::new(async move {
+            // One policy: that algorithm's own, smaller script; several: the full one.
+            let script = match single_kind {
+                Some(kind) if count == 1 => scripts.for_kind(kind).unwrap_or(&scripts.multi),
+                _ => &scripts.multi,
+            };
             let mut invocation = script.prepare_invoke();
             for key in &keys {
                 invocation.key(key);

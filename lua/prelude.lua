@@ -1,0 +1,47 @@
+-- tollgate: the prelude of every decision script.
+--
+-- src/store/redis.rs assembles the scripts from the files in lua/: this prelude, one
+-- algorithm file (or all six, for requests under several policies) and main.lua. Each
+-- algorithm file mirrors its twin in src/algorithm/; the conformance suite checks that
+-- both give the same decisions. A script runs as one EVALSHA, so no other client sees or
+-- changes the state between the check and the debit, and several policies are
+-- all-or-nothing: every policy is checked first, and debited only if all admit.
+--
+-- Time is Redis TIME in microseconds, never an application server's clock. Numbers are
+-- integers kept below 2^53, where Lua's doubles are exact; every division goes through
+-- idiv/cdiv, which are exact for such integers.
+--
+-- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (the sliding log's counters;
+--       unused by the other algorithms). Every key of one identity shares one hash tag,
+--       so one Cluster slot.
+-- ARGV: [1] now in microseconds, or "" to read TIME (only test builds pass a time),
+--       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
+-- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,
+--          reset_us}; outcome 0 = allowed, 1 = denied, 2 = the cost can never fit.
+
+local now
+if ARGV[1] ~= '' then
+  now = tonumber(ARGV[1])
+else
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+end
+local cost = tonumber(ARGV[2])
+local count = tonumber(ARGV[3])
+
+-- floor(a / b) and ceil(a / b) for integers 0 <= a < 2^53, b > 0: fmod is exact, and so
+-- is the division of an exact multiple.
+local function idiv(a, b)
+  return (a - math.fmod(a, b)) / b
+end
+local function cdiv(a, b)
+  local r = math.fmod(a, b)
+  local q = (a - r) / b
+  if r > 0 then q = q + 1 end
+  return q
+end
+local function num(value, default)
+  if value == false or value == nil then return default end
+  return tonumber(value)
+end
+
