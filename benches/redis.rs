@@ -135,11 +135,10 @@ fn main() {
     // The same call redis-benchmark makes: keys of identity `user:__rand_int__`.
     let keys = tollgate::store::RedisKeys::default();
     let (key, aux) = keys.policy_keys("user:__rand_int__", &policy);
-    let script = redis::Script::new(tollgate::store::DECIDE_SCRIPT);
-    let sha = server
-        .cli(&["SCRIPT", "LOAD", tollgate::store::DECIDE_SCRIPT])
-        .trim()
-        .to_owned();
+    // The script the store runs for this policy set.
+    let source = tollgate::store::decision_script(&policies).unwrap();
+    let script = redis::Script::new(source);
+    let sha = server.cli(&["SCRIPT", "LOAD", source]).trim().to_owned();
     assert_eq!(sha, script.get_hash(), "SCRIPT LOAD returned {sha}");
     let (kind, p1, p2, p3) = ("tb", 1_000_000u64, 1u64, 1u64);
     let args: Vec<String> = ["", "1", "1", kind]
