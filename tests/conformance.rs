@@ -410,3 +410,54 @@ async fn sliding_counter_error_against_the_exact_log() {
         "{counter_total} vs {log_total}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_constructor_shares_one_budget_and_survives_a_script_flush() {
+    let standalone = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 4, Duration::from_secs(3600)).unwrap());
+
+    let pool = deadpool_redis::Config::from_url(standalone.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let cluster_pool = deadpool_redis::cluster::Config::from_urls(cluster.urls())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let pairs = [
+        (
+            "standalone",
+            RedisStore::connect(&standalone.url()).await.unwrap(),
+            RedisStore::from_pool(pool),
+        ),
+        (
+            "cluster",
+            RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
+            RedisStore::from_cluster_pool(cluster_pool),
+        ),
+    ];
+    for (name, connected, pooled) in pairs {
+        let key = Key::new("shared");
+        let mut admitted = 0;
+        for round in 0..3 {
+            for store in [&connected, &pooled] {
+                if store.decide(&key, &policies, 1).await.unwrap().is_allowed() {
+                    admitted += 1;
+                }
+            }
+            if round == 0 {
+                // Scripts vanish (a restart, a failover, SCRIPT FLUSH): EVALSHA answers
+                // NOSCRIPT and the store loads the script again by itself.
+                let nodes: Vec<&RedisServer> = match name {
+                    "standalone" => vec![&standalone],
+                    _ => cluster.nodes.iter().collect(),
+                };
+                for node in nodes {
+                    assert_eq!(node.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+                }
+            }
+        }
+        // Two ways in, one budget.
+        assert_eq!(admitted, 4, "{name}");
+    }
+}
