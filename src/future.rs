@@ -16,8 +16,9 @@ use tower_service::Service;
 
 use crate::body::RateLimitBody;
 use crate::headers::HeaderBlock;
+use crate::key::Key;
 use crate::policy::PolicySet;
-use crate::service::{Plan, Responder};
+use crate::service::{Plan, Responder, StoreAnswer};
 use crate::store::BoxedDecision;
 
 /// A request waiting for a decision from a store that does I/O.
@@ -25,6 +26,8 @@ pub(crate) struct Pending<S, B> {
     pub(crate) inner: S,
     pub(crate) request: Request<B>,
     pub(crate) policies: PolicySet,
+    pub(crate) key: Key,
+    pub(crate) cost: u64,
     pub(crate) responder: Arc<Responder>,
 }
 
@@ -80,9 +83,13 @@ impl<F, S, B> ResponseFuture<F, S, B> {
     }
 
     pub(crate) fn respond(response: Response<Bytes>) -> Self {
+        Self::respond_boxed(Box::new(response))
+    }
+
+    pub(crate) fn respond_boxed(response: Box<Response<Bytes>>) -> Self {
         Self {
             state: State::Respond {
-                response: Some(Box::new(response)),
+                response: Some(response),
             },
         }
     }
@@ -123,9 +130,15 @@ where
                         mut inner,
                         request,
                         policies,
+                        key,
+                        cost,
                         responder,
                     } = *pending.take().expect(POLLED_AFTER_READY);
-                    match responder.plan(&policies, result) {
+                    let answer = match result {
+                        Ok(decision) => StoreAnswer::Decided(decision),
+                        Err(error) => StoreAnswer::Failed(error),
+                    };
+                    match responder.plan(&policies, &key, cost, answer) {
                         Plan::Call(headers) => State::Calling {
                             future: inner.call(request),
                             headers,
@@ -136,7 +149,7 @@ where
                             headers,
                         },
                         Plan::Respond(response) => State::Respond {
-                            response: Some(Box::new(response)),
+                            response: Some(response),
                         },
                     }
                 }

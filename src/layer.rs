@@ -7,7 +7,10 @@ use bytes::Bytes;
 use http::Response;
 use tower_layer::Layer;
 
+use std::time::Duration;
+
 use crate::cost::Cost;
+use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::headers::HeaderStyle;
 use crate::key::{ClientIp, KeyExtractor};
 use crate::policy::{Policy, PolicyResolver, PolicySet};
@@ -25,17 +28,6 @@ pub enum MissingKey {
     /// Let it through unlimited and without rate-limit headers. Only for extractors
     /// whose miss is expected and harmless.
     Allow,
-}
-
-/// What to do when the store fails (it is unreachable, it timed out). A store failure is
-/// never answered as a rate decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FailureMode {
-    /// Answer `503 Service Unavailable` with `Retry-After: 1` (for money paths).
-    #[default]
-    FailClosed,
-    /// Let the request through without rate-limit headers.
-    FailOpen,
 }
 
 pub(crate) type DenyHook = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
@@ -77,7 +69,13 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     on_deny: Option<DenyHook>,
     missing_key: MissingKey,
     failure_mode: FailureMode,
+    store_timeout: Duration,
+    /// Shared by every service this layer makes (axum may call `layer` more than once).
+    breaker: Arc<Breaker>,
 }
+
+/// How long a decision may take before the store counts as failed.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_millis(50);
 
 impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C, R> {
     fn clone(&self) -> Self {
@@ -89,7 +87,9 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             header_style: self.header_style,
             on_deny: self.on_deny.clone(),
             missing_key: self.missing_key,
-            failure_mode: self.failure_mode,
+            failure_mode: self.failure_mode.clone(),
+            store_timeout: self.store_timeout,
+            breaker: Arc::clone(&self.breaker),
         }
     }
 }
@@ -120,6 +120,8 @@ impl<St: Store> RateLimitLayer<St> {
             on_deny: None,
             missing_key: MissingKey::default(),
             failure_mode: FailureMode::default(),
+            store_timeout: DEFAULT_STORE_TIMEOUT,
+            breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
         }
     }
 }
@@ -148,6 +150,8 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             on_deny: self.on_deny,
             missing_key: self.missing_key,
             failure_mode: self.failure_mode,
+            store_timeout: self.store_timeout,
+            breaker: self.breaker,
         }
     }
 
@@ -194,9 +198,24 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
         self
     }
 
-    /// What to do when the store fails (default: [`FailureMode::FailClosed`]).
+    /// What to do when the store fails (default: [`FailureMode::Fallback`] to a local
+    /// in-process limiter with the same policies).
     pub fn on_store_error(mut self, failure_mode: FailureMode) -> Self {
         self.failure_mode = failure_mode;
+        self
+    }
+
+    /// How long a store may take to decide before it counts as failed (default 50 ms).
+    /// Only stores that do I/O are timed.
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
+        self
+    }
+
+    /// When to stop calling a failing store and when to probe it again (default: open
+    /// after 5 failures in a row, probe every second).
+    pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
+        self.breaker = Arc::new(Breaker::new(breaker));
         self
     }
 
@@ -236,7 +255,9 @@ where
                 responder: Arc::new(Responder {
                     header_style: self.header_style,
                     on_deny: self.on_deny.clone(),
-                    failure_mode: self.failure_mode,
+                    failure_mode: self.failure_mode.clone(),
+                    breaker: Arc::clone(&self.breaker),
+                    timeout: self.store_timeout,
                 }),
             }),
         )

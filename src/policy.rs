@@ -497,6 +497,75 @@ impl Policy {
         Self::build(name, Algorithm::Gcra { rate, burst })
     }
 
+    /// This policy with `share` (in (0, 1]) of its quota and rate: quotas rounded up
+    /// (at least 1), rates slowed by stretching their period. Windows and delay bounds
+    /// stay. Used for the local fallback of one replica among several.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// let third = Policy::token_bucket("api", 30, Rate::per_second(30))?.scaled(1.0 / 3.0);
+    /// assert_eq!(third.limit(), 10);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn scaled(&self, share: f64) -> Policy {
+        if !(share > 0.0 && share < 1.0) {
+            return self.clone();
+        }
+        let count = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, n);
+        let rate = |rate: Rate| {
+            let period = rate.period.as_secs_f64() / share;
+            Rate::new(
+                rate.amount,
+                Duration::from_secs_f64(period.min(MAX_PERIOD.as_secs_f64())),
+            )
+        };
+        let algorithm = match self.algorithm() {
+            Algorithm::FixedWindow { limit, window } => Algorithm::FixedWindow {
+                limit: count(limit),
+                window,
+            },
+            Algorithm::SlidingLog { limit, window } => Algorithm::SlidingLog {
+                limit: count(limit),
+                window,
+            },
+            Algorithm::SlidingWindow { limit, window } => Algorithm::SlidingWindow {
+                limit: count(limit),
+                window,
+            },
+            Algorithm::TokenBucket { capacity, refill } => Algorithm::TokenBucket {
+                capacity: count(capacity),
+                refill: rate(refill),
+            },
+            Algorithm::LeakyBucket {
+                capacity,
+                leak,
+                mode: LeakMode::Police,
+            } => Algorithm::LeakyBucket {
+                capacity: count(capacity),
+                leak: rate(leak),
+                mode: LeakMode::Police,
+            },
+            Algorithm::LeakyBucket {
+                leak,
+                mode: LeakMode::Shape { max_delay },
+                ..
+            } => {
+                let leak = rate(leak);
+                Algorithm::LeakyBucket {
+                    capacity: Params::shaping_capacity(leak.amount, leak.period, max_delay),
+                    leak,
+                    mode: LeakMode::Shape { max_delay },
+                }
+            }
+            Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
+                rate: rate(r),
+                burst: count(burst),
+            },
+        };
+        Self::build(self.name(), algorithm).unwrap_or_else(|_| self.clone())
+    }
+
     /// The policy's name, as sent in the `RateLimit` headers.
     pub fn name(&self) -> &str {
         &self.inner.name
@@ -605,6 +674,16 @@ impl PolicySet {
             .collect();
         policies.push(policy);
         Self::from_vec(policies)
+    }
+
+    /// Every policy [`scaled`](Policy::scaled) to `share`.
+    pub fn scaled(&self, share: f64) -> PolicySet {
+        Self::from_vec(self.iter().map(|policy| policy.scaled(share)).collect())
+    }
+
+    /// True when both are clones of one set.
+    pub(crate) fn same_as(&self, other: &PolicySet) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// The policies, in order.

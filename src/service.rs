@@ -13,13 +13,15 @@ use tower_service::Service;
 use crate::body::RateLimitBody;
 use crate::cost::Cost;
 use crate::decision::{Decision, Outcome};
+use crate::failure::{Breaker, FailureMode};
 use crate::future::{Pending, ResponseFuture};
 use crate::headers::{HeaderBlock, HeaderStyle, rate_limit_headers};
+use crate::key::Key;
 use crate::key::KeyExtractor;
-use crate::layer::{DenyHook, FailureMode, MissingKey};
+use crate::layer::{DenyHook, MissingKey};
 use crate::policy::{PolicyResolver, PolicySet};
 use crate::response::{self, Rejection};
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, StoreErrorKind};
 
 pub(crate) struct Config<K, C, R> {
     pub(crate) key: K,
@@ -34,6 +36,15 @@ pub(crate) struct Responder {
     pub(crate) header_style: HeaderStyle,
     pub(crate) on_deny: Option<DenyHook>,
     pub(crate) failure_mode: FailureMode,
+    pub(crate) breaker: Arc<Breaker>,
+    pub(crate) timeout: Duration,
+}
+
+/// What the store said, or that it was not asked (the circuit breaker is open).
+pub(crate) enum StoreAnswer {
+    Decided(Decision),
+    Failed(StoreError),
+    Skipped,
 }
 
 /// What to do with a request once its decision is known. The request itself stays where
@@ -44,19 +55,33 @@ pub(crate) enum Plan {
     /// Hold the request back (shaping), then call.
     Delay(Duration, HeaderBlock),
     /// Answer without calling the inner service.
-    Respond(Response<Bytes>),
+    Respond(Box<Response<Bytes>>),
 }
 
 impl Responder {
-    pub(crate) fn plan(&self, policies: &PolicySet, result: Result<Decision, StoreError>) -> Plan {
-        let decision = match result {
-            Ok(decision) => decision,
-            Err(_error) => {
-                return match self.failure_mode {
-                    FailureMode::FailOpen => Plan::Call(HeaderBlock::default()),
-                    FailureMode::FailClosed => Plan::Respond(response::store_unavailable()),
-                };
+    pub(crate) fn plan(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+        answer: StoreAnswer,
+    ) -> Plan {
+        let decision = match answer {
+            StoreAnswer::Decided(decision) => {
+                self.breaker.on_success();
+                decision
             }
+            StoreAnswer::Failed(error) => {
+                self.breaker.on_failure(&error);
+                match self.on_failure(policies, key, cost) {
+                    Ok(decision) => decision,
+                    Err(plan) => return plan,
+                }
+            }
+            StoreAnswer::Skipped => match self.on_failure(policies, key, cost) {
+                Ok(decision) => decision,
+                Err(plan) => return plan,
+            },
         };
         let headers = rate_limit_headers(self.header_style, policies, &decision);
         match decision.outcome() {
@@ -80,7 +105,7 @@ impl Responder {
                     .entry(header::RETRY_AFTER)
                     .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
                 headers.apply(response.headers_mut());
-                Plan::Respond(response)
+                Plan::Respond(Box::new(response))
             }
             Outcome::CostExceedsLimit {
                 policy,
@@ -89,8 +114,19 @@ impl Responder {
             } => {
                 let mut response = response::cost_exceeds_limit(&policies[policy], cost, limit);
                 headers.apply(response.headers_mut());
-                Plan::Respond(response)
+                Plan::Respond(Box::new(response))
             }
+        }
+    }
+}
+
+impl Responder {
+    /// The failure mode: a local decision, or a plan without one.
+    fn on_failure(&self, policies: &PolicySet, key: &Key, cost: u64) -> Result<Decision, Plan> {
+        match &self.failure_mode {
+            FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
+            FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default())),
+            FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
         }
     }
 }
@@ -184,28 +220,47 @@ where
         }
         let cost = config.cost.cost(&parts);
         let request = Request::from_parts(parts, body);
-        let result = match self.store.decide(&key, &policies, cost).into_ready() {
-            Ok(result) => result,
-            Err(pending) => {
-                return ResponseFuture::deciding(
-                    pending,
-                    Pending {
-                        inner: take_ready(&mut self.inner),
-                        request,
-                        policies: policies.into_owned(),
-                        responder: Arc::clone(&config.responder),
-                    },
-                );
+        let responder = &config.responder;
+        let answer = if !responder.breaker.should_call() {
+            StoreAnswer::Skipped
+        } else {
+            match self.store.decide(&key, &policies, cost).into_ready() {
+                Ok(Ok(decision)) => StoreAnswer::Decided(decision),
+                Ok(Err(error)) => StoreAnswer::Failed(error),
+                Err(pending) => {
+                    // A store doing I/O: bounded by the timeout, decided in the future.
+                    let timeout = responder.timeout;
+                    let timed = Box::pin(async move {
+                        match tokio::time::timeout(timeout, pending).await {
+                            Ok(result) => result,
+                            Err(_) => Err(StoreError::new(
+                                StoreErrorKind::Timeout,
+                                format!("no decision within {timeout:?}"),
+                            )),
+                        }
+                    });
+                    return ResponseFuture::deciding(
+                        timed,
+                        Pending {
+                            inner: take_ready(&mut self.inner),
+                            request,
+                            policies: policies.into_owned(),
+                            key,
+                            cost,
+                            responder: Arc::clone(responder),
+                        },
+                    );
+                }
             }
         };
         // The in-process store answers at once: no allocation, no clone of the inner
         // service, which was made ready by poll_ready and is called right here.
-        match config.responder.plan(&policies, result) {
+        match responder.plan(&policies, &key, cost, answer) {
             Plan::Call(headers) => ResponseFuture::calling(self.inner.call(request), headers),
             Plan::Delay(delay, headers) => {
                 ResponseFuture::delaying(delay, take_ready(&mut self.inner), request, headers)
             }
-            Plan::Respond(response) => ResponseFuture::respond(response),
+            Plan::Respond(response) => ResponseFuture::respond_boxed(response),
         }
     }
 }

@@ -458,37 +458,88 @@ async fn asynchronous_stores_and_failure_modes() {
         fail,
     };
     let policy = Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap();
+    let limited = |fail, mode: Option<FailureMode>| {
+        let layer = RateLimitLayer::new(store(fail)).policy(policy.clone());
+        match mode {
+            Some(mode) => layer.on_store_error(mode),
+            None => layer,
+        }
+    };
     let app = Router::new()
         .route(
             "/",
-            get(|| async { "hello" })
-                .route_layer(RateLimitLayer::new(store(false)).policy(policy.clone())),
+            get(|| async { "hello" }).route_layer(limited(false, None)),
+        )
+        .route(
+            "/fallback",
+            get(|| async { "fallback" }).route_layer(limited(true, None)),
         )
         .route(
             "/closed",
-            get(|| async { "closed" })
-                .route_layer(RateLimitLayer::new(store(true)).policy(policy.clone())),
+            get(|| async { "closed" }).route_layer(limited(true, Some(FailureMode::FailClosed))),
         )
         .route(
             "/open",
-            get(|| async { "open" }).route_layer(
-                RateLimitLayer::new(store(true))
-                    .policy(policy)
-                    .on_store_error(FailureMode::FailOpen),
-            ),
+            get(|| async { "open" }).route_layer(limited(true, Some(FailureMode::FailOpen))),
         );
     let server = Server::start(app).await;
     let ok = server.get("/").await;
     assert_eq!(ok.status, StatusCode::OK);
     assert!(ok.headers.contains_key("ratelimit"));
     assert_eq!(server.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
-    // A store failure is never a 429.
+    // The default: a local limiter with the same policies decides, headers and all.
+    let local = server.get("/fallback").await;
+    assert_eq!(local.status, StatusCode::OK);
+    assert!(local.rate().starts_with("\"api\";r=0;"));
+    assert_eq!(
+        server.get("/fallback").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Fail closed: a store failure is a 503, never a 429.
     let closed = server.get("/closed").await;
     assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(!closed.headers.contains_key("ratelimit"));
     let open = server.get("/open").await;
     assert_eq!(open.status, StatusCode::OK);
     assert_eq!(open.body, "open");
+}
+
+/// A store that never answers.
+#[derive(Clone)]
+struct StuckStore;
+
+impl Store for StuckStore {
+    fn decide(&self, _key: &Key, _policies: &PolicySet, _cost: u64) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stuck_store_times_out_and_the_breaker_stops_calling_it() {
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(
+        RateLimitLayer::new(StuckStore)
+            .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::Global)
+            .store_timeout(Duration::from_millis(20))
+            .circuit_breaker(tollgate::CircuitBreaker::new(2, Duration::from_secs(60))),
+    );
+    let start = tokio::time::Instant::now();
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let response = app
+            .clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        statuses.push(response.status().as_u16());
+    }
+    // Fallback limit of 2, then 429: every request answered.
+    assert_eq!(statuses, [200, 200, 429, 429]);
+    // Two timeouts opened the breaker; the next requests did not wait at all.
+    assert_eq!(
+        tokio::time::Instant::now() - start,
+        Duration::from_millis(40)
+    );
 }
 
 #[tokio::test(start_paused = true)]

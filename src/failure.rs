@@ -1,0 +1,270 @@
+//! When the store fails: failure modes, the local fallback and the circuit breaker.
+//!
+//! A store failure (unreachable, timed out, answering garbage) is never a rate decision.
+//! The layer answers it with its [`FailureMode`]: a local in-process limiter with the same
+//! policies (the default: still limited, still answering), `503` (fail closed: money
+//! paths), or letting requests through (fail open). A [`CircuitBreaker`] stops calling a
+//! store that keeps failing, probes it after a cool-down and returns to it by itself.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::clock::{Clock, MonotonicClock};
+use crate::decision::Decision;
+use crate::key::Key;
+use crate::policy::PolicySet;
+use crate::store::{MemoryStore, StoreError};
+
+/// What the layer does with a request whose store failed.
+///
+/// ```
+/// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate, RateLimitLayer};
+///
+/// // Three replicas: when Redis is down, each enforces a third of the limit locally.
+/// let mode = FailureMode::Fallback(LocalFallback::new().share(1.0 / 3.0));
+/// let layer = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::gcra("api", Rate::per_second(30), 30)?)
+///     .on_store_error(mode);
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub enum FailureMode {
+    /// Decide with a local in-process limiter under the same policies (the default). It
+    /// keeps every replica protected while the shared store is away; N replicas then
+    /// admit up to N times the limit, unless [`LocalFallback::share`] scales it down.
+    Fallback(LocalFallback),
+    /// Answer `503 Service Unavailable` with `Retry-After: 1`: for paths where admitting
+    /// unmetered traffic costs more than refusing it.
+    FailClosed,
+    /// Let the request through, without rate-limit headers.
+    FailOpen,
+}
+
+impl Default for FailureMode {
+    fn default() -> Self {
+        FailureMode::Fallback(LocalFallback::new())
+    }
+}
+
+/// The local limiter a layer falls back to while its store fails.
+#[derive(Debug, Clone)]
+pub struct LocalFallback {
+    store: MemoryStore,
+    share: f64,
+    scaled: Arc<Mutex<Vec<(PolicySet, PolicySet)>>>,
+}
+
+/// Scaled policy sets kept per fallback; resolvers build few distinct sets.
+const SCALED_CACHE: usize = 64;
+
+impl Default for LocalFallback {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LocalFallback {
+    /// A fallback with its own in-process store and the full limits.
+    pub fn new() -> Self {
+        Self::with_store(MemoryStore::new())
+    }
+
+    /// A fallback deciding in `store`.
+    pub fn with_store(store: MemoryStore) -> Self {
+        Self {
+            store,
+            share: 1.0,
+            scaled: Arc::default(),
+        }
+    }
+
+    /// Enforces `share` of every limit and rate (for example `1.0 / replicas`), so the
+    /// fleet as a whole stays near the limit while it decides locally. Clamped to
+    /// (0, 1]; quotas are rounded up, so each replica admits at least one.
+    pub fn share(mut self, share: f64) -> Self {
+        self.share = if share.is_finite() && share > 0.0 {
+            share.min(1.0)
+        } else {
+            1.0
+        };
+        self
+    }
+
+    /// The in-process store the fallback decides in.
+    pub fn store(&self) -> &MemoryStore {
+        &self.store
+    }
+
+    pub(crate) fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> Decision {
+        if self.share >= 1.0 {
+            return self.store.check(key.as_str(), policies, cost);
+        }
+        let scaled = {
+            let mut cache = self.scaled.lock().unwrap_or_else(PoisonError::into_inner);
+            match cache
+                .iter()
+                .find(|(original, _)| original.same_as(policies))
+            {
+                Some((_, scaled)) => scaled.clone(),
+                None => {
+                    let scaled = policies.scaled(self.share);
+                    if cache.len() >= SCALED_CACHE {
+                        cache.remove(0);
+                    }
+                    cache.push((policies.clone(), scaled.clone()));
+                    scaled
+                }
+            }
+        };
+        self.store.check(key.as_str(), &scaled, cost)
+    }
+}
+
+/// When to stop calling a failing store, and when to try it again.
+///
+/// After `failures` failures in a row the breaker opens: requests skip the store and get
+/// the failure mode at once, without waiting for a timeout. After `cool_down` one request
+/// probes the store; success closes the breaker, failure opens it again.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::CircuitBreaker;
+///
+/// let breaker = CircuitBreaker::new(3, Duration::from_millis(500));
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct CircuitBreaker {
+    failures: u32,
+    cool_down: Duration,
+}
+
+impl Default for CircuitBreaker {
+    /// Opens after 5 failures in a row, probes every second.
+    fn default() -> Self {
+        Self::new(5, Duration::from_secs(1))
+    }
+}
+
+impl CircuitBreaker {
+    /// Opens after `failures` failures in a row (at least 1), probes after `cool_down`.
+    pub fn new(failures: u32, cool_down: Duration) -> Self {
+        Self {
+            failures: failures.max(1),
+            cool_down,
+        }
+    }
+}
+
+/// The breaker's shared state, and the once-per-transition warnings.
+#[derive(Debug)]
+pub(crate) struct Breaker {
+    config: CircuitBreaker,
+    clock: MonotonicClock,
+    failures: AtomicU32,
+    /// 0: closed. Otherwise the instant (clock nanoseconds + 1) from which to probe.
+    open_until: AtomicU64,
+    probing: AtomicBool,
+    degraded: AtomicBool,
+}
+
+impl Breaker {
+    pub(crate) fn new(config: CircuitBreaker) -> Self {
+        Self {
+            config,
+            clock: MonotonicClock::new(),
+            failures: AtomicU32::new(0),
+            open_until: AtomicU64::new(0),
+            probing: AtomicBool::new(false),
+            degraded: AtomicBool::new(false),
+        }
+    }
+
+    /// Should this request call the store? Closed: yes. Open: no, but one request per
+    /// cool-down probes it.
+    #[inline]
+    pub(crate) fn should_call(&self) -> bool {
+        let until = self.open_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return true;
+        }
+        self.clock.now() + 1 >= until
+            && self
+                .probing
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// The store answered.
+    #[inline]
+    pub(crate) fn on_success(&self) {
+        if self.failures.load(Ordering::Relaxed) == 0
+            && self.open_until.load(Ordering::Relaxed) == 0
+        {
+            return;
+        }
+        self.failures.store(0, Ordering::Relaxed);
+        self.open_until.store(0, Ordering::Relaxed);
+        self.probing.store(false, Ordering::Release);
+        if self.degraded.swap(false, Ordering::AcqRel) {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
+        }
+    }
+
+    /// The store failed (or timed out).
+    pub(crate) fn on_failure(&self, error: &StoreError) {
+        let failures = self
+            .failures
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        if !self.degraded.swap(true, Ordering::AcqRel) {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(target: "tollgate", %error, "rate-limit store failed; applying the failure mode until it answers again");
+        }
+        #[cfg(not(feature = "tracing"))]
+        let _ = error;
+        let was_probe = self.probing.swap(false, Ordering::AcqRel);
+        if failures >= self.config.failures || was_probe {
+            let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
+            self.open_until.store(
+                self.clock.now().saturating_add(cool_down).saturating_add(1),
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// True while the store is failing or skipped.
+    #[cfg(test)]
+    pub(crate) fn is_degraded(&self) -> bool {
+        self.degraded.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::StoreErrorKind;
+
+    #[test]
+    fn opens_after_failures_probes_once_and_closes_on_success() {
+        let breaker = Breaker::new(CircuitBreaker::new(2, Duration::from_millis(30)));
+        let error = StoreError::new(StoreErrorKind::Unavailable, "down");
+        assert!(breaker.should_call());
+        breaker.on_failure(&error);
+        assert!(breaker.should_call(), "one failure does not open it");
+        breaker.on_failure(&error);
+        assert!(!breaker.should_call(), "two do");
+        assert!(breaker.is_degraded());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(breaker.should_call(), "the probe");
+        assert!(!breaker.should_call(), "only one probe at a time");
+        breaker.on_failure(&error);
+        assert!(!breaker.should_call(), "a failed probe opens it again");
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(breaker.should_call());
+        breaker.on_success();
+        assert!(breaker.should_call() && breaker.should_call());
+        assert!(!breaker.is_degraded());
+    }
+}
