@@ -96,9 +96,18 @@ impl LocalFallback {
         &self.store
     }
 
-    pub(crate) fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> Decision {
+    /// Decides locally; returns the decision and the policies it applied.
+    pub(crate) fn decide(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        cost: u64,
+    ) -> (Decision, PolicySet) {
         if self.share >= 1.0 {
-            return self.store.check(key.as_str(), policies, cost);
+            return (
+                self.store.check(key.as_str(), policies, cost),
+                policies.clone(),
+            );
         }
         let scaled = {
             let mut cache = self.scaled.lock().unwrap_or_else(PoisonError::into_inner);
@@ -117,7 +126,7 @@ impl LocalFallback {
                 }
             }
         };
-        self.store.check(key.as_str(), &scaled, cost)
+        (self.store.check(key.as_str(), &scaled, cost), scaled)
     }
 }
 

@@ -66,22 +66,25 @@ impl Responder {
         cost: u64,
         answer: StoreAnswer,
     ) -> Plan {
-        let decision = match answer {
+        let fallback;
+        let (decision, policies) = match answer {
             StoreAnswer::Decided(decision) => {
                 self.breaker.on_success();
-                decision
+                (decision, policies)
             }
-            StoreAnswer::Failed(error) => {
-                self.breaker.on_failure(&error);
+            StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
+                if let StoreAnswer::Failed(error) = &answer {
+                    self.breaker.on_failure(error);
+                }
                 match self.on_failure(policies, key, cost) {
-                    Ok(decision) => decision,
+                    // The headers describe the policies that decided (scaled or not).
+                    Ok((decision, applied)) => {
+                        fallback = applied;
+                        (decision, &fallback)
+                    }
                     Err(plan) => return plan,
                 }
             }
-            StoreAnswer::Skipped => match self.on_failure(policies, key, cost) {
-                Ok(decision) => decision,
-                Err(plan) => return plan,
-            },
         };
         let headers = rate_limit_headers(self.header_style, policies, &decision);
         match decision.outcome() {
@@ -122,7 +125,12 @@ impl Responder {
 
 impl Responder {
     /// The failure mode: a local decision, or a plan without one.
-    fn on_failure(&self, policies: &PolicySet, key: &Key, cost: u64) -> Result<Decision, Plan> {
+    fn on_failure(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+    ) -> Result<(Decision, PolicySet), Plan> {
         match &self.failure_mode {
             FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default())),

@@ -55,7 +55,11 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
-        let port = free_port();
+        Self::start_on(free_port(), extra)
+    }
+
+    /// A server on `port`: to bring one back where its clients expect it.
+    pub fn start_on(port: u16, extra: &[&str]) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{port}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -86,6 +90,12 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(20));
         }
         server
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     pub fn url(&self) -> String {
