@@ -625,6 +625,8 @@ struct PolicySetInner {
     policies: Box<[Policy]>,
     /// `RateLimit-Policy` (draft-11) for this set, built once.
     policy_header: Option<HeaderValue>,
+    /// Tells sets of different policies apart (the ids, in order).
+    fingerprint: u64,
 }
 
 impl fmt::Debug for PolicySet {
@@ -655,10 +657,16 @@ impl PolicySet {
 
     fn from_vec(policies: Vec<Policy>) -> Self {
         let policy_header = crate::headers::policy_header(&policies);
+        let fingerprint = policies
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
+                (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
+            });
         PolicySet {
             inner: Arc::new(PolicySetInner {
                 policies: policies.into_boxed_slice(),
                 policy_header,
+                fingerprint,
             }),
         }
     }
@@ -679,6 +687,11 @@ impl PolicySet {
     /// Every policy [`scaled`](Policy::scaled) to `share`.
     pub fn scaled(&self, share: f64) -> PolicySet {
         Self::from_vec(self.iter().map(|policy| policy.scaled(share)).collect())
+    }
+
+    /// Equal for sets of the same policies in the same order.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
     }
 
     /// True when both are clones of one set.

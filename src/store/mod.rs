@@ -4,6 +4,7 @@
 //! and the request's cost, and answers with a [`Decision`] or a [`StoreError`]. A store
 //! error is never a denial: the layer applies its failure mode to it.
 
+mod deny_cache;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
@@ -14,6 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+pub use deny_cache::DenyCache;
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{

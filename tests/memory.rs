@@ -1,0 +1,105 @@
+//! Bounded memory: ten million distinct identities (rotating IPv4 addresses, then IPv6
+//! /128s) pass through the in-process store, which never holds more than its bound; and
+//! IPv6 prefix grouping collapses a whole /64 into one key.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Duration;
+
+use http::Request;
+use tollgate::clock::ManualClock;
+use tollgate::key::{ClientIp, KeyExtractor};
+use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+
+const IDENTITIES: u32 = 10_000_000;
+const MAX_KEYS: usize = 100_000;
+
+fn resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The key `extractor` gives a request from `ip`, reusing one request head.
+fn key_of(parts: &mut http::request::Parts, extractor: &ClientIp, ip: IpAddr) -> tollgate::Key {
+    parts.extensions.insert(SocketAddr::new(ip, 443));
+    extractor.extract(parts).unwrap()
+}
+
+fn head() -> http::request::Parts {
+    Request::get("/").body(()).unwrap().into_parts().0
+}
+
+#[test]
+fn ten_million_identities_stay_within_the_bound() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(MAX_KEYS)
+        .build();
+    // A long-lived state per identity (a day), so nothing is fresh on its own: the
+    // bound alone must hold the line.
+    let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_day(10)).unwrap());
+    let before = resident_kib();
+    let ipv4 = ClientIp::peer();
+    let ipv6 = ClientIp::peer().ipv6_prefix(128);
+    let mut parts = head();
+    for i in 0..IDENTITIES {
+        // Half the flood rotates IPv4 addresses, half IPv6 /128s.
+        let key = if i % 2 == 0 {
+            key_of(
+                &mut parts,
+                &ipv4,
+                IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
+            )
+        } else {
+            key_of(
+                &mut parts,
+                &ipv6,
+                IpAddr::V6(Ipv6Addr::from((0x2001_0db8_u128 << 96) | u128::from(i))),
+            )
+        };
+        assert!(store.check(key.as_str(), &policies, 1).is_allowed());
+        if i % 1_000_000 == 0 {
+            assert!(store.len() <= MAX_KEYS, "{} identities held", store.len());
+            clock.advance(Duration::from_millis(1));
+        }
+    }
+    let held = store.len();
+    assert!(
+        held <= MAX_KEYS && held > MAX_KEYS / 2,
+        "{held} identities held"
+    );
+    let grown = resident_kib()
+        .zip(before)
+        .map(|(after, before)| after.saturating_sub(before));
+    println!(
+        "{IDENTITIES} identities through a store bounded at {MAX_KEYS}: {held} held, {} evicted before fresh, resident memory grew by {grown:?} KiB",
+        store.evicted_live()
+    );
+}
+
+#[test]
+fn an_ipv6_64_is_one_identity() {
+    let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(60)).unwrap());
+    let extractor = ClientIp::peer();
+    let mut parts = head();
+    let mut admitted = 0;
+    for host in 0..10_000u128 {
+        // Every address an attacker holds in 2001:db8:1:2::/64.
+        let ip = IpAddr::V6(Ipv6Addr::from(
+            (0x2001_0db8_0001_0002_u128 << 64) | (host * 7_919),
+        ));
+        if store
+            .check(key_of(&mut parts, &extractor, ip).as_str(), &policies, 1)
+            .is_allowed()
+        {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 5);
+    assert_eq!(store.len(), 1);
+}
