@@ -216,6 +216,7 @@ impl Breaker {
         self.open_until.store(0, Ordering::Relaxed);
         self.probing.store(false, Ordering::Release);
         if self.degraded.swap(false, Ordering::AcqRel) {
+            crate::telemetry::fallback_active(false);
             #[cfg(feature = "tracing")]
             tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
         }
@@ -228,6 +229,7 @@ impl Breaker {
             .fetch_add(1, Ordering::Relaxed)
             .saturating_add(1);
         if !self.degraded.swap(true, Ordering::AcqRel) {
+            crate::telemetry::fallback_active(true);
             #[cfg(feature = "tracing")]
             tracing::warn!(target: "tollgate", %error, "rate-limit store failed; applying the failure mode until it answers again");
         }

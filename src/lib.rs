@@ -67,6 +67,7 @@ pub mod policy;
 mod response;
 mod service;
 pub mod store;
+mod telemetry;
 
 pub use body::RateLimitBody;
 pub use decision::{Decision, Outcome, PolicyStatus};

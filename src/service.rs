@@ -22,6 +22,7 @@ use crate::layer::{DenyHook, MissingKey};
 use crate::policy::{PolicyResolver, PolicySet};
 use crate::response::{self, Rejection};
 use crate::store::{Store, StoreError, StoreErrorKind};
+use crate::telemetry::{self, Stopwatch};
 
 pub(crate) struct Config<K, C, R> {
     pub(crate) key: K,
@@ -74,7 +75,10 @@ impl Responder {
             }
             StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
                 if let StoreAnswer::Failed(error) = &answer {
+                    telemetry::store_error(error);
                     self.breaker.on_failure(error);
+                } else {
+                    telemetry::store_skipped();
                 }
                 match self.on_failure(policies, key, cost) {
                     // The headers describe the policies that decided (scaled or not).
@@ -86,6 +90,7 @@ impl Responder {
                 }
             }
         };
+        telemetry::decision(policies, &decision, key);
         let headers = rate_limit_headers(self.header_style, policies, &decision);
         match decision.outcome() {
             Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
@@ -232,20 +237,28 @@ where
         let answer = if !responder.breaker.should_call() {
             StoreAnswer::Skipped
         } else {
+            let stopwatch = Stopwatch::start();
             match self.store.decide(&key, &policies, cost).into_ready() {
-                Ok(Ok(decision)) => StoreAnswer::Decided(decision),
-                Ok(Err(error)) => StoreAnswer::Failed(error),
+                Ok(result) => {
+                    stopwatch.stop();
+                    match result {
+                        Ok(decision) => StoreAnswer::Decided(decision),
+                        Err(error) => StoreAnswer::Failed(error),
+                    }
+                }
                 Err(pending) => {
                     // A store doing I/O: bounded by the timeout, decided in the future.
                     let timeout = responder.timeout;
                     let timed = Box::pin(async move {
-                        match tokio::time::timeout(timeout, pending).await {
+                        let result = match tokio::time::timeout(timeout, pending).await {
                             Ok(result) => result,
                             Err(_) => Err(StoreError::new(
                                 StoreErrorKind::Timeout,
                                 format!("no decision within {timeout:?}"),
                             )),
-                        }
+                        };
+                        stopwatch.stop();
+                        result
                     });
                     return ResponseFuture::deciding(
                         timed,

@@ -1,0 +1,121 @@
+//! What the limiter reports: `tracing` events (feature `tracing`) and `metrics` counters,
+//! gauges and histograms (feature `metrics`). Without the features these are no-ops.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit` |
+//! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `other` |
+//! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
+//! | `tollgate_fallback_active` | gauge | 1 while the store fails and the failure mode applies |
+//! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
+//!
+//! Identities never appear in metrics (unbounded label values); denials are `tracing`
+//! events at debug level with the key, which is hashed when it is a secret.
+
+use crate::decision::Decision;
+#[cfg(any(feature = "tracing", feature = "metrics"))]
+use crate::decision::Outcome;
+use crate::key::Key;
+use crate::policy::PolicySet;
+use crate::store::{StoreError, StoreErrorKind};
+
+#[cfg(feature = "metrics")]
+fn kind_label(kind: StoreErrorKind) -> &'static str {
+    match kind {
+        StoreErrorKind::Unavailable => "unavailable",
+        StoreErrorKind::Timeout => "timeout",
+        StoreErrorKind::Protocol => "protocol",
+        _ => "other",
+    }
+}
+
+/// One decision under `policies`.
+#[inline]
+pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
+    #[cfg(feature = "metrics")]
+    for (index, policy) in policies.iter().enumerate() {
+        let outcome = match decision.outcome() {
+            Outcome::Allowed { .. } => "allowed",
+            Outcome::Denied { policy, .. } if policy == index => "denied",
+            Outcome::CostExceedsLimit { policy, .. } if policy == index => "cost_exceeds_limit",
+            _ => "passed",
+        };
+        metrics::counter!("tollgate_decisions_total", "policy" => policy.name().to_owned(), "outcome" => outcome)
+            .increment(1);
+    }
+    #[cfg(feature = "tracing")]
+    if let Outcome::Denied {
+        policy,
+        retry_after,
+    } = decision.outcome()
+    {
+        tracing::debug!(
+            target: "tollgate",
+            key = %key,
+            policy = policies[policy].name(),
+            retry_after_ms = retry_after.as_millis() as u64,
+            "rate limited"
+        );
+    }
+    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+    let _ = (policies, decision);
+    let _ = key;
+}
+
+/// The store failed.
+#[inline]
+pub(crate) fn store_error(error: &StoreError) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_store_errors_total", "kind" => kind_label(error.kind()))
+        .increment(1);
+    #[cfg(feature = "tracing")]
+    tracing::debug!(target: "tollgate", %error, "rate-limit store error");
+    let _ = error;
+    let _ = StoreErrorKind::Other;
+}
+
+/// The circuit breaker kept a request from the store.
+#[inline]
+pub(crate) fn store_skipped() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_store_skipped_total").increment(1);
+}
+
+/// The failure mode started (`true`) or stopped applying.
+#[inline]
+pub(crate) fn fallback_active(active: bool) {
+    #[cfg(feature = "metrics")]
+    metrics::gauge!("tollgate_fallback_active").set(if active { 1.0 } else { 0.0 });
+    let _ = active;
+}
+
+/// The store took `elapsed` to decide (or fail).
+#[cfg(feature = "metrics")]
+#[inline]
+fn store_latency(elapsed: std::time::Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("tollgate_store_latency_seconds").record(elapsed.as_secs_f64());
+}
+
+/// Times a store call when metrics are on; nothing otherwise.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stopwatch {
+    #[cfg(feature = "metrics")]
+    started: std::time::Instant,
+}
+
+impl Stopwatch {
+    #[inline]
+    pub(crate) fn start() -> Self {
+        Self {
+            #[cfg(feature = "metrics")]
+            started: std::time::Instant::now(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn stop(self) {
+        #[cfg(feature = "metrics")]
+        store_latency(self.started.elapsed());
+    }
+}

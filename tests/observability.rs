@@ -1,0 +1,151 @@
+//! The metrics the layer reports, read back from a recording `metrics` recorder.
+
+#![cfg(feature = "metrics")]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use http::{Request, StatusCode};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tollgate::key::Global;
+use tollgate::{
+    DecideFuture, Key, MemoryStore, Policy, PolicySet, RateLimitLayer, Store, StoreError,
+    StoreErrorKind,
+};
+use tower::ServiceExt;
+
+/// A store that fails while `down` is set.
+#[derive(Clone)]
+struct Flaky {
+    inner: MemoryStore,
+    down: Arc<AtomicBool>,
+}
+
+impl Store for Flaky {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if self.down.load(Ordering::SeqCst) {
+            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
+        self.inner.decide(key, policies, cost)
+    }
+}
+
+type Snapshot = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    DebugValue,
+)>;
+
+/// Everything recorded since the last snapshot (counters restart from zero after each).
+fn snapshot(snapshotter: &Snapshotter) -> Snapshot {
+    snapshotter.snapshot().into_vec()
+}
+
+fn value<'a>(
+    snapshot: &'a Snapshot,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<&'a DebugValue> {
+    snapshot.iter().find_map(|(key, _, _, value)| {
+        let key = key.key();
+        let matches = key.name() == name
+            && labels.iter().all(|(k, v)| {
+                key.labels()
+                    .any(|label| label.key() == *k && label.value() == *v)
+            });
+        matches.then_some(value)
+    })
+}
+
+fn counter(snapshot: &Snapshot, name: &str, labels: &[(&str, &str)]) -> u64 {
+    match value(snapshot, name, labels) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{name} {labels:?}: {other:?}"),
+    }
+}
+
+#[test]
+fn decisions_errors_fallback_and_latency_are_reported() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let down = Arc::new(AtomicBool::new(false));
+    let store = Flaky {
+        inner: MemoryStore::new(),
+        down: Arc::clone(&down),
+    };
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+                .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let send = || async {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap()
+                    .status()
+            };
+            assert_eq!(send().await, StatusCode::OK);
+            assert_eq!(send().await, StatusCode::OK);
+            assert_eq!(send().await, StatusCode::TOO_MANY_REQUESTS);
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", "api"), ("outcome", "allowed")]
+                ),
+                2
+            );
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", "api"), ("outcome", "denied")]
+                ),
+                1
+            );
+            match value(&seen, "tollgate_store_latency_seconds", &[]) {
+                Some(DebugValue::Histogram(samples)) => assert_eq!(samples.len(), 3),
+                other => panic!("latency: {other:?}"),
+            }
+
+            // The store fails: errors are counted, the fallback is active.
+            down.store(true, Ordering::SeqCst);
+            assert_eq!(send().await, StatusCode::OK, "the local fallback decides");
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_store_errors_total",
+                    &[("kind", "unavailable")]
+                ),
+                1
+            );
+            assert!(matches!(
+                value(&seen, "tollgate_fallback_active", &[]),
+                Some(DebugValue::Gauge(v)) if v.into_inner() == 1.0
+            ));
+            // It answers again: the fallback is over.
+            down.store(false, Ordering::SeqCst);
+            send().await;
+            assert!(matches!(
+                value(&snapshot(&snapshotter), "tollgate_fallback_active", &[]),
+                Some(DebugValue::Gauge(v)) if v.into_inner() == 0.0
+            ));
+        })
+    });
+}
