@@ -594,3 +594,58 @@ async fn shaping_holds_requests_back_for_their_delay() {
         1
     );
 }
+
+/// Counts the decisions that reach it.
+#[derive(Clone)]
+struct Counted {
+    inner: MemoryStore,
+    calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Store for Counted {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.decide(key, policies, cost)
+    }
+}
+
+#[tokio::test]
+async fn a_local_pre_limit_in_front_of_a_shared_store() {
+    // The shared limit (as it would be on Redis), and in front of it a local limit on
+    // micro-bursts: a second layer over the in-process store. Both write their policy
+    // into the same RateLimit fields.
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let shared = RateLimitLayer::new(Counted {
+        inner: MemoryStore::new(),
+        calls: std::sync::Arc::clone(&calls),
+    })
+    .policy(Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap());
+    let burst = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::gcra("burst", Rate::per_hour(5), 5).unwrap());
+    let server = Server::start(hello_app().layer(shared).layer(burst)).await;
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let reply = server.get("/").await;
+        if reply.status == StatusCode::OK {
+            let policies: Vec<&str> = reply
+                .headers
+                .get_all("ratelimit-policy")
+                .iter()
+                .map(|value| value.to_str().unwrap())
+                .collect();
+            assert_eq!(policies, ["\"api\";q=100;w=60", "\"burst\";q=5;w=3600"]);
+        }
+        statuses.push(reply.status);
+    }
+    let admitted = statuses
+        .iter()
+        .filter(|status| **status == StatusCode::OK)
+        .count();
+    // Five pass the burst limit; only those reach the shared store.
+    assert_eq!(admitted, 5, "{statuses:?}");
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::Relaxed),
+        admitted as u64
+    );
+}
