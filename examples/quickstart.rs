@@ -66,7 +66,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 #[cfg(feature = "redis")]
 async fn redis_app(url: &str) -> Result<(Router, String), Box<dyn std::error::Error>> {
     let store = tollgate::store::RedisStore::connect(url).await?;
-    Ok((app(store)?, format!("Redis store at {url}")))
+    Ok((
+        app(store)?,
+        format!("Redis store at {url}; if Redis goes away, a local limiter takes over"),
+    ))
 }
 
 #[cfg(not(feature = "redis"))]
