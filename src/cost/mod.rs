@@ -5,6 +5,9 @@
 //! ([`FromExtension`], which is how body-based costers such as GraphQL hand over theirs).
 //! Every cost debits the same policies, so `/search` at 5 and `/` at 1 share one budget.
 
+#[cfg(feature = "graphql")]
+pub mod graphql;
+
 use std::fmt;
 
 use http::Method;

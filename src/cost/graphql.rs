@@ -1,0 +1,413 @@
+//! The static cost of a GraphQL request, the way GitHub and Shopify charge points: a query
+//! is charged what it could cost to answer, before it runs (feature `graphql`).
+//!
+//! Model (no schema): an object field (one with a selection set) costs 1, a scalar field 0;
+//! a field with a slicing argument (`first`, `last`, `limit`) multiplies its children by
+//! that argument; a mutation costs a base (10) on top; every alias counts; fragments and
+//! inline fragments are expanded; the chosen `operationName` is costed; batched operations
+//! are summed, and their number capped. Arithmetic saturates, so no document overflows.
+//!
+//! Hostile documents are bounded: the parser stops at a recursion and a token limit, a
+//! fragment's cost is computed once however often it is spread (no exponential blow-up),
+//! fragment cycles are refused, and slicing values outside 1..=100 (configurable) are
+//! refused or capped.
+//!
+//! ```
+//! use tollgate::cost::graphql::GraphqlCost;
+//!
+//! let coster = GraphqlCost::new();
+//! let query = "{ viewer { repositories(first: 50) { nodes { name issues(first: 10) { totalCount } } } } }";
+//! // viewer 1 + repositories (1 + 50 x (nodes 1 + issues (1 + 10 x 0)))
+//! assert_eq!(coster.query_cost(query, None, None)?, 1 + 1 + 50 * (1 + 1));
+//! # Ok::<(), tollgate::cost::graphql::CostError>(())
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+
+use apollo_compiler::ast::{self, Definition, OperationType, Selection, Value};
+use serde_json::{Map, Value as Json};
+
+/// What to do with a slicing value outside the allowed range (or missing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OutOfRange {
+    /// Refuse the request with a clear error (GitHub's behaviour).
+    #[default]
+    Reject,
+    /// Charge as if the nearest allowed value (or the maximum, when missing) was given.
+    Cap,
+}
+
+/// Why a request could not be costed. Malformed requests are the client's fault: the layer
+/// answers them with `400` and the message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CostError {
+    /// The body is not a GraphQL request (bad JSON, no `query`).
+    Request(String),
+    /// The document does not parse (or hits the parser's recursion or token limit).
+    Parse(String),
+    /// No operation to run: none named so, or several and no `operationName`.
+    Operation(String),
+    /// A fragment spreads itself, directly or through others.
+    FragmentCycle(String),
+    /// A fragment is spread but not defined.
+    UnknownFragment(String),
+    /// A slicing argument is missing or out of range.
+    Slicing {
+        /// The field.
+        field: String,
+        /// The argument.
+        argument: String,
+        /// The value given (`None`: missing).
+        value: Option<i64>,
+        /// The allowed range.
+        min: u64,
+        /// The allowed range.
+        max: u64,
+    },
+    /// More operations in one batch than allowed.
+    Batch {
+        /// Operations sent.
+        count: usize,
+        /// The most allowed.
+        max: usize,
+    },
+    /// Nesting deeper than allowed.
+    TooDeep {
+        /// The most allowed.
+        max: usize,
+    },
+}
+
+impl fmt::Display for CostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CostError::Request(why) => write!(f, "not a GraphQL request: {why}"),
+            CostError::Parse(why) => write!(f, "the GraphQL document does not parse: {why}"),
+            CostError::Operation(why) => f.write_str(why),
+            CostError::FragmentCycle(name) => write!(f, "fragment {name} spreads itself"),
+            CostError::UnknownFragment(name) => write!(f, "fragment {name} is not defined"),
+            CostError::Slicing {
+                field,
+                argument,
+                value: Some(value),
+                min,
+                max,
+            } => write!(
+                f,
+                "{field}({argument}: {value}) is out of range: {argument} must be between {min} and {max}"
+            ),
+            CostError::Slicing {
+                field,
+                argument,
+                min,
+                max,
+                ..
+            } => write!(f, "{field} needs {argument} between {min} and {max}"),
+            CostError::Batch { count, max } => {
+                write!(f, "{count} operations in one batch, at most {max} allowed")
+            }
+            CostError::TooDeep { max } => write!(f, "the document nests deeper than {max} levels"),
+        }
+    }
+}
+
+impl std::error::Error for CostError {}
+
+/// The cost model and its limits.
+#[derive(Debug, Clone)]
+pub struct GraphqlCost {
+    slicing_arguments: Vec<String>,
+    mutation_base: u64,
+    min_slice: u64,
+    max_slice: u64,
+    out_of_range: OutOfRange,
+    max_batch: usize,
+    max_depth: usize,
+    token_limit: usize,
+}
+
+impl Default for GraphqlCost {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl GraphqlCost {
+    /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), mutations
+    /// 10, batches of at most 10, nesting of at most 64 levels, documents of at most
+    /// 20,000 tokens.
+    pub fn new() -> Self {
+        Self {
+            slicing_arguments: ["first", "last", "limit"].map(String::from).to_vec(),
+            mutation_base: 10,
+            min_slice: 1,
+            max_slice: 100,
+            out_of_range: OutOfRange::Reject,
+            max_batch: 10,
+            max_depth: 64,
+            token_limit: 20_000,
+        }
+    }
+
+    /// The argument names that size a list (default `first`, `last`, `limit`).
+    pub fn slicing_arguments<I: IntoIterator<Item = S>, S: Into<String>>(
+        mut self,
+        names: I,
+    ) -> Self {
+        self.slicing_arguments = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The base cost of a mutation (default 10).
+    pub fn mutation_base(mut self, cost: u64) -> Self {
+        self.mutation_base = cost;
+        self
+    }
+
+    /// The allowed slicing values (default 1..=100) and what to do outside them.
+    pub fn slice_range(mut self, min: u64, max: u64, out_of_range: OutOfRange) -> Self {
+        self.min_slice = min.min(max);
+        self.max_slice = max.max(min);
+        self.out_of_range = out_of_range;
+        self
+    }
+
+    /// The most operations in one batched request (default 10).
+    pub fn max_batch(mut self, max: usize) -> Self {
+        self.max_batch = max;
+        self
+    }
+
+    /// The deepest nesting accepted (default 64).
+    pub fn max_depth(mut self, max: usize) -> Self {
+        self.max_depth = max.max(1);
+        self
+    }
+
+    /// The cost of one operation: `query`, the operation to run, and its variables.
+    pub fn query_cost(
+        &self,
+        query: &str,
+        operation_name: Option<&str>,
+        variables: Option<&Map<String, Json>>,
+    ) -> Result<u64, CostError> {
+        let document = apollo_compiler::parser::Parser::new()
+            .recursion_limit(self.max_depth.saturating_mul(2))
+            .token_limit(self.token_limit)
+            .parse_ast(query, "request.graphql")
+            .map_err(|invalid| {
+                let errors = invalid.errors.to_string();
+                CostError::Parse(
+                    errors
+                        .lines()
+                        .next()
+                        .unwrap_or("invalid document")
+                        .to_owned(),
+                )
+            })?;
+        let mut operations = Vec::new();
+        let mut fragments = HashMap::new();
+        for definition in &document.definitions {
+            match definition {
+                Definition::OperationDefinition(operation) => operations.push(operation),
+                Definition::FragmentDefinition(fragment) => {
+                    fragments.insert(fragment.name.as_str(), fragment);
+                }
+                _ => {}
+            }
+        }
+        let operation = match operation_name {
+            Some(name) => operations
+                .iter()
+                .find(|operation| operation.name.as_deref() == Some(name))
+                .ok_or_else(|| CostError::Operation(format!("no operation named {name}")))?,
+            None => match operations.as_slice() {
+                [only] => only,
+                [] => return Err(CostError::Operation("the document has no operation".into())),
+                _ => {
+                    return Err(CostError::Operation(
+                        "several operations and no operationName".into(),
+                    ));
+                }
+            },
+        };
+        let mut walk = Walk {
+            model: self,
+            fragments,
+            done: HashMap::new(),
+            visiting: Vec::new(),
+            operation,
+            variables,
+        };
+        let cost = walk.selections(&operation.selection_set, 0)?;
+        Ok(match operation.operation_type {
+            OperationType::Mutation => cost.saturating_add(self.mutation_base),
+            OperationType::Query | OperationType::Subscription => cost,
+        })
+    }
+
+    /// The cost of a JSON request body: one request object, or an array of them (a
+    /// batch: summed).
+    pub fn json_cost(&self, body: &[u8]) -> Result<u64, CostError> {
+        let json: Json =
+            serde_json::from_slice(body).map_err(|error| CostError::Request(error.to_string()))?;
+        match json {
+            Json::Array(batch) => {
+                if batch.len() > self.max_batch {
+                    return Err(CostError::Batch {
+                        count: batch.len(),
+                        max: self.max_batch,
+                    });
+                }
+                batch.iter().try_fold(0u64, |total, request| {
+                    Ok(total.saturating_add(self.request_cost(request)?))
+                })
+            }
+            request => self.request_cost(&request),
+        }
+    }
+
+    fn request_cost(&self, request: &Json) -> Result<u64, CostError> {
+        let object = request
+            .as_object()
+            .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
+        let query = object
+            .get("query")
+            .and_then(Json::as_str)
+            .ok_or_else(|| CostError::Request("no query string".into()))?;
+        let operation_name = match object.get("operationName") {
+            None | Some(Json::Null) => None,
+            Some(Json::String(name)) => Some(name.as_str()),
+            Some(_) => return Err(CostError::Request("operationName must be a string".into())),
+        };
+        let variables = match object.get("variables") {
+            None | Some(Json::Null) => None,
+            Some(Json::Object(variables)) => Some(variables),
+            Some(_) => return Err(CostError::Request("variables must be an object".into())),
+        };
+        self.query_cost(query, operation_name, variables)
+    }
+}
+
+/// One costing pass over one operation.
+struct Walk<'a> {
+    model: &'a GraphqlCost,
+    fragments: HashMap<&'a str, &'a apollo_compiler::Node<ast::FragmentDefinition>>,
+    /// Fragments already costed: each is costed once, however often it is spread.
+    done: HashMap<&'a str, u64>,
+    visiting: Vec<&'a str>,
+    operation: &'a ast::OperationDefinition,
+    variables: Option<&'a Map<String, Json>>,
+}
+
+impl<'a> Walk<'a> {
+    fn selections(&mut self, selections: &'a [Selection], depth: usize) -> Result<u64, CostError> {
+        if depth > self.model.max_depth {
+            return Err(CostError::TooDeep {
+                max: self.model.max_depth,
+            });
+        }
+        let mut total = 0u64;
+        for selection in selections {
+            let cost = match selection {
+                Selection::Field(field) => {
+                    if field.selection_set.is_empty() {
+                        0
+                    } else {
+                        let children = self.selections(&field.selection_set, depth + 1)?;
+                        let size = self.slice(field)?;
+                        1u64.saturating_add(size.saturating_mul(children))
+                    }
+                }
+                Selection::InlineFragment(fragment) => {
+                    self.selections(&fragment.selection_set, depth + 1)?
+                }
+                Selection::FragmentSpread(spread) => {
+                    self.fragment(spread.fragment_name.as_str(), depth)?
+                }
+            };
+            total = total.saturating_add(cost);
+        }
+        Ok(total)
+    }
+
+    fn fragment(&mut self, name: &'a str, depth: usize) -> Result<u64, CostError> {
+        if let Some(cost) = self.done.get(name) {
+            return Ok(*cost);
+        }
+        if self.visiting.contains(&name) {
+            return Err(CostError::FragmentCycle(name.to_owned()));
+        }
+        let fragment = *self
+            .fragments
+            .get(name)
+            .ok_or_else(|| CostError::UnknownFragment(name.to_owned()))?;
+        self.visiting.push(name);
+        let cost = self.selections(&fragment.selection_set, depth + 1);
+        self.visiting.pop();
+        let cost = cost?;
+        self.done.insert(name, cost);
+        Ok(cost)
+    }
+
+    /// The list size a field's slicing argument asks for (1 when it has none).
+    fn slice(&self, field: &ast::Field) -> Result<u64, CostError> {
+        let model = self.model;
+        let Some(argument) = field.arguments.iter().find(|argument| {
+            model
+                .slicing_arguments
+                .iter()
+                .any(|name| name == argument.name.as_str())
+        }) else {
+            return Ok(1);
+        };
+        let value = self.int(&argument.value);
+        let in_range =
+            value.filter(|v| *v >= model.min_slice as i64 && *v <= model.max_slice as i64);
+        match (in_range, model.out_of_range) {
+            (Some(value), _) => Ok(value as u64),
+            (None, OutOfRange::Cap) => Ok(match value {
+                Some(value) if value < model.min_slice as i64 => model.min_slice,
+                _ => model.max_slice,
+            }),
+            (None, OutOfRange::Reject) => Err(CostError::Slicing {
+                field: field.name.to_string(),
+                argument: argument.name.to_string(),
+                value,
+                min: model.min_slice,
+                max: model.max_slice,
+            }),
+        }
+    }
+
+    /// An integer argument: a literal, or a variable from the request, else its default.
+    fn int(&self, value: &Value) -> Option<i64> {
+        match value {
+            Value::Int(int) => int.as_str().parse().ok(),
+            Value::Variable(name) => {
+                let given = self
+                    .variables
+                    .and_then(|variables| variables.get(name.as_str()));
+                match given {
+                    // Huge or fractional numbers saturate: they are out of range anyway.
+                    Some(Json::Number(number)) => number
+                        .as_i64()
+                        .or_else(|| number.as_f64().map(|float| float as i64)),
+                    Some(_) => None,
+                    None => self
+                        .operation
+                        .variables
+                        .iter()
+                        .find(|definition| definition.name == *name)
+                        .and_then(|definition| definition.default_value.as_ref())
+                        .and_then(|default| match &**default {
+                            Value::Int(int) => int.as_str().parse().ok(),
+                            _ => None,
+                        }),
+                }
+            }
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! The GraphQL coster: hand-computed costs, and an attack corpus that must end in a
+//! bounded cost or a clear error, never a panic or a stack overflow.
+
+#![cfg(feature = "graphql")]
+// The expected costs are written out as the model computes them (1 + 10 * 1), on purpose.
+#![allow(clippy::identity_op, clippy::erasing_op)]
+
+use serde_json::json;
+use tollgate::cost::graphql::{CostError, GraphqlCost, OutOfRange};
+
+fn cost(query: &str) -> Result<u64, CostError> {
+    GraphqlCost::new().query_cost(query, None, None)
+}
+
+#[test]
+fn cost_table() {
+    let table: &[(&str, u64)] = &[
+        // Scalars are free; an object field costs 1.
+        ("{ hello }", 0),
+        ("{ viewer { login } }", 1),
+        // Nested connections multiply: 1 + 10 * (1 + 5 * 0 ... ) etc.
+        ("{ repos(first: 10) { nodes { name } } }", 1 + 10 * 1),
+        (
+            "{ repos(first: 10) { nodes { issues(last: 5) { nodes { title } } } } }",
+            1 + 10 * (1 + (1 + 5 * 1)),
+        ),
+        // Every alias counts.
+        (
+            "{ a: viewer { login } b: viewer { login } c: viewer { login } }",
+            3,
+        ),
+        // Fragments and inline fragments are expanded.
+        (
+            "query { viewer { ...F } } fragment F on User { friends(first: 3) { name } }",
+            1 + (1 + 3 * 0),
+        ),
+        (
+            "{ node { ... on User { friends(limit: 4) { profile { url } } } } }",
+            1 + (1 + 4 * 1),
+        ),
+        // Mutations pay a base of 10.
+        (
+            "mutation { addStar(id: 1) { starrable { id } } }",
+            10 + 1 + 1,
+        ),
+    ];
+    for (query, expected) in table {
+        assert_eq!(cost(query).unwrap(), *expected, "{query}");
+    }
+}
+
+#[test]
+fn operation_name_variables_and_batches() {
+    let coster = GraphqlCost::new();
+    let document = "query Small { viewer { id } } query Big($n: Int = 20) { repos(first: $n) { nodes { id } } }";
+    assert_eq!(coster.query_cost(document, Some("Small"), None).unwrap(), 1);
+    // The default value of the variable, then the variable the request sends.
+    assert_eq!(
+        coster.query_cost(document, Some("Big"), None).unwrap(),
+        1 + 20
+    );
+    let variables = json!({ "n": 50 });
+    assert_eq!(
+        coster
+            .query_cost(document, Some("Big"), variables.as_object())
+            .unwrap(),
+        1 + 50
+    );
+    assert!(matches!(
+        coster.query_cost(document, None, None),
+        Err(CostError::Operation(_))
+    ));
+    assert!(matches!(
+        coster.query_cost(document, Some("Nope"), None),
+        Err(CostError::Operation(_))
+    ));
+
+    let batch = json!([
+        { "query": "{ viewer { id } }" },
+        { "query": document, "operationName": "Big", "variables": { "n": 2 } },
+    ]);
+    assert_eq!(
+        coster.json_cost(batch.to_string().as_bytes()).unwrap(),
+        1 + (1 + 2)
+    );
+    let single = json!({ "query": "{ a { b { c } } }", "operationName": null, "variables": null });
+    assert_eq!(coster.json_cost(single.to_string().as_bytes()).unwrap(), 2);
+}
+
+#[test]
+fn slicing_limits_reject_or_cap() {
+    let reject = GraphqlCost::new();
+    let error = reject
+        .query_cost("{ repos(first: 2147483647) { id } }", None, None)
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "repos(first: 2147483647) is out of range: first must be between 1 and 100"
+    );
+    let huge = json!({ "n": 1e300 });
+    assert!(
+        reject
+            .query_cost(
+                "query($n: Int) { repos(first: $n) { id } }",
+                None,
+                huge.as_object()
+            )
+            .is_err()
+    );
+    assert!(
+        reject
+            .query_cost("query($n: Int) { repos(first: $n) { id } }", None, None)
+            .is_err()
+    );
+    let cap = GraphqlCost::new().slice_range(1, 100, OutOfRange::Cap);
+    let query =
+        |first: &str| format!("query($n: Int) {{ repos(first: {first}) {{ nodes {{ id }} }} }}");
+    assert_eq!(
+        cap.query_cost(&query("2147483647"), None, None).unwrap(),
+        1 + 100
+    );
+    assert_eq!(cap.query_cost(&query("-5"), None, None).unwrap(), 1 + 1);
+    assert_eq!(
+        cap.query_cost(&query("$n"), None, huge.as_object())
+            .unwrap(),
+        1 + 100
+    );
+    assert_eq!(
+        cap.query_cost(&query("$n"), None, None).unwrap(),
+        1 + 100,
+        "missing: the maximum"
+    );
+}
+
+#[test]
+fn attack_corpus() {
+    let coster = GraphqlCost::new();
+    // 10,000 levels of nesting: refused by the parser's recursion limit, no overflow.
+    let deep = "{ a ".repeat(10_000) + &"}".repeat(10_000);
+    assert!(matches!(
+        coster.query_cost(&deep, None, None),
+        Err(CostError::Parse(_) | CostError::TooDeep { .. })
+    ));
+    // Fragment cycles.
+    let cycle = "{ ...A } fragment A on Q { b { ...B } } fragment B on Q { a { ...A } }";
+    assert!(matches!(
+        coster.query_cost(cycle, None, None),
+        Err(CostError::FragmentCycle(_))
+    ));
+    assert!(matches!(
+        coster.query_cost("{ ...Missing }", None, None),
+        Err(CostError::UnknownFragment(_))
+    ));
+    // Fragment fan-out: each level spreads the next ten times (10^30 expansions if
+    // expanded naively). Each fragment is costed once; the total saturates.
+    let mut fanout = String::from("{ ...F0 }");
+    for level in 0..30 {
+        let spreads: String = (0..10)
+            .map(|i| format!(" a{i}: x {{ ...F{} }}", level + 1))
+            .collect();
+        fanout.push_str(&format!(" fragment F{level} on Q {{{spreads} }}"));
+    }
+    fanout.push_str(" fragment F30 on Q { leaf { id } }");
+    assert_eq!(coster.query_cost(&fanout, None, None).unwrap(), u64::MAX);
+    // Aliases: every one counts; 10,000 of them exceed the token limit (a clear error).
+    let aliases = |n| {
+        (0..n)
+            .map(|i| format!(" a{i}: viewer {{ id }}"))
+            .collect::<String>()
+    };
+    assert_eq!(
+        coster
+            .query_cost(&format!("{{{} }}", aliases(1_000)), None, None)
+            .unwrap(),
+        1_000
+    );
+    let error = coster
+        .query_cost(&format!("{{{} }}", aliases(10_000)), None, None)
+        .unwrap_err();
+    assert!(error.to_string().contains("token limit"), "{error}");
+    // Token limit: a 10 MB document is refused without being walked.
+    let big = format!("{{ {} }}", "f ".repeat(5_000_000));
+    assert!(matches!(
+        coster.query_cost(&big, None, None),
+        Err(CostError::Parse(_))
+    ));
+    // A batch of 10,000 operations.
+    let batch = format!("[{}]", vec![r#"{"query":"{ a }"}"#; 10_000].join(","));
+    assert_eq!(
+        coster.json_cost(batch.as_bytes()).unwrap_err(),
+        CostError::Batch {
+            count: 10_000,
+            max: 10
+        }
+    );
+    // Invalid UTF-8 and not-JSON bodies.
+    assert!(matches!(
+        coster.json_cost(b"\xff\xfe{"),
+        Err(CostError::Request(_))
+    ));
+    assert!(matches!(
+        coster.json_cost(b"{\"query\": 5}"),
+        Err(CostError::Request(_))
+    ));
+    assert!(matches!(
+        coster.query_cost("{ unclosed", None, None),
+        Err(CostError::Parse(_))
+    ));
+}
