@@ -162,6 +162,31 @@ pub(crate) fn key_error(error: &KeyError) -> Response<Bytes> {
     problem(status, "about:blank", title, &detail, &[])
 }
 
+/// `413`: a body larger than the cap a body-reading coster accepts.
+#[cfg(feature = "graphql")]
+pub(crate) fn payload_too_large(limit: usize) -> Response<Bytes> {
+    let detail = format!("the request body is larger than {limit} bytes");
+    problem(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "about:blank",
+        "Content Too Large",
+        &detail,
+        &[("limit", Member::Number(limit as u64))],
+    )
+}
+
+/// `400`: a request whose cost cannot be computed (a malformed GraphQL document).
+#[cfg(feature = "graphql")]
+pub(crate) fn invalid_request(detail: &str) -> Response<Bytes> {
+    problem(
+        StatusCode::BAD_REQUEST,
+        "about:blank",
+        "Bad Request",
+        detail,
+        &[],
+    )
+}
+
 /// `503` for a store failure under fail-closed: not a rate decision, so no rate headers.
 pub(crate) fn store_unavailable() -> Response<Bytes> {
     let mut response = problem(

@@ -207,3 +207,126 @@ fn attack_corpus() {
         Err(CostError::Parse(_))
     ));
 }
+
+mod http {
+    use axum::Router;
+    use axum::body::Body;
+    use axum::routing::post;
+    use http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tollgate::cost::FromExtension;
+    use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer, Invalid};
+    use tollgate::key::HeaderKey;
+    use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    use tower::ServiceExt;
+
+    fn app(coster: GraphqlCostLayer) -> Router {
+        let limiter = RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("points", 100, Rate::per_hour(1)).unwrap())
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1));
+        Router::new()
+            .route(
+                "/graphql",
+                post(|body: String| async move { body }).get(|| async { "{\"data\":{}}" }),
+            )
+            .layer(limiter)
+            .layer(coster)
+            .with_state(())
+    }
+
+    async fn send(app: &Router, key: &str, body: &str) -> (StatusCode, Option<String>, String) {
+        let request = Request::post("/graphql")
+            .header("x-api-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let cost = response
+            .headers()
+            .get("graphql-cost")
+            .map(|value| value.to_str().unwrap().to_owned());
+        let body = String::from_utf8(
+            response
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .to_vec(),
+        )
+        .unwrap();
+        (status, cost, body)
+    }
+
+    #[tokio::test]
+    async fn one_expensive_query_spends_what_many_cheap_ones_do() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        // 1 + 99 * 1 = 100 points at once.
+        let expensive = r#"{"query":"{ repos(first: 99) { nodes { id } } }"}"#;
+        let (status, cost, echoed) = send(&app, "alpha", expensive).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("100")));
+        assert_eq!(echoed, expensive, "the server got the same bytes");
+        assert_eq!(
+            send(&app, "alpha", r#"{"query":"{ viewer { id } }"}"#)
+                .await
+                .0,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        // The same budget in a hundred cheap queries.
+        for _ in 0..100 {
+            assert_eq!(
+                send(&app, "beta", r#"{"query":"{ viewer { id } }"}"#)
+                    .await
+                    .0,
+                StatusCode::OK
+            );
+        }
+        assert_eq!(
+            send(&app, "beta", r#"{"query":"{ viewer { id } }"}"#)
+                .await
+                .0,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        // A query that can never fit the budget: told so, not told to retry.
+        let (status, _, body) = send(
+            &app,
+            "gamma",
+            r#"{"query":"{ a(first: 100) { b { id } } b: a(first: 100) { c { id } } }"}"#,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(
+            body.contains("cost-exceeds-limit") && body.contains("\"cost\":202"),
+            "{body}"
+        );
+    }
+
+    #[tokio::test]
+    async fn malformed_large_and_get_requests() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()).max_body(1024));
+        let (status, _, body) = send(&app, "k", r#"{"query":"{ unclosed "}"#).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(body.contains("does not parse"), "{body}");
+        let (status, _, _) =
+            send(&app, "k", &format!(r#"{{"query":"{}"}}"#, "x".repeat(2048))).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        // GET ?query= is costed too.
+        let request = Request::get("/graphql?query=%7B%20viewer%20%7B%20id%20%7D%20%7D")
+            .header("x-api-key", "k")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["graphql-cost"], "1");
+        // Charging a minimum instead: the GraphQL server gets to answer.
+        let lenient = app_with_minimum();
+        let (status, cost, _) = send(&lenient, "k", r#"{"query":"{ unclosed "}"#).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
+    }
+
+    fn app_with_minimum() -> Router {
+        app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
+    }
+}

@@ -22,6 +22,10 @@
 //! # Ok::<(), tollgate::cost::graphql::CostError>(())
 //! ```
 
+mod layer;
+
+pub use layer::{GRAPHQL_COST, GraphqlCostLayer, GraphqlCostService, Invalid};
+
 use std::collections::HashMap;
 use std::fmt;
 

@@ -1,0 +1,240 @@
+//! [`GraphqlCostLayer`]: reads a GraphQL request, charges its cost to the rate limiter
+//! behind it, and hands the inner service the same bytes.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Method, Request, Response, header};
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::{CostError, GraphqlCost};
+use crate::body::RateLimitBody;
+use crate::cost::RequestCost;
+use crate::response;
+
+/// The response header that reports a request's computed cost.
+pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
+
+/// What to do with a request whose cost cannot be computed (malformed document, bad JSON,
+/// slicing out of range).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Invalid {
+    /// Answer `400` with the reason at once; nothing is charged (the default).
+    #[default]
+    Reject,
+    /// Charge this much and pass the request on, for the GraphQL server to report the
+    /// error in its own format.
+    Charge(u64),
+}
+
+/// Computes each GraphQL request's cost and stores it as a [`RequestCost`] extension for
+/// a [`RateLimitLayer`](crate::RateLimitLayer) with [`FromExtension`](crate::cost::FromExtension)
+/// further in, so one expensive query spends as much of a budget as many cheap ones.
+///
+/// It reads `POST` bodies of type `application/json` (one request or a batch) and
+/// `application/graphql`, and `GET ?query=`. Bodies are buffered up to a cap (default
+/// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
+/// `GraphQL-Cost`.
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tollgate::cost::FromExtension;
+/// use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};
+///
+/// let limiter = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::token_bucket("points", 1_000, Rate::per_minute(1_000))?)
+///     .key(HeaderKey::new("x-api-key"))
+///     .cost(FromExtension::or(1));
+/// let app: Router = Router::new()
+///     .route("/graphql", post(|| async { "{}" }))
+///     .layer(limiter)
+///     .layer(GraphqlCostLayer::new(GraphqlCost::new())); // runs first
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct GraphqlCostLayer {
+    config: Arc<Config>,
+}
+
+#[derive(Debug, Clone)]
+struct Config {
+    coster: GraphqlCost,
+    max_body: usize,
+    invalid: Invalid,
+}
+
+impl GraphqlCostLayer {
+    /// Costs requests with `coster`.
+    pub fn new(coster: GraphqlCost) -> Self {
+        Self {
+            config: Arc::new(Config {
+                coster,
+                max_body: 1024 * 1024,
+                invalid: Invalid::default(),
+            }),
+        }
+    }
+
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::make_mut(&mut self.config)
+    }
+
+    /// The largest body read (default 1 MiB); larger bodies get `413`.
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.config_mut().max_body = bytes;
+        self
+    }
+
+    /// What to do with a request that cannot be costed (default: `400`).
+    pub fn on_invalid(mut self, invalid: Invalid) -> Self {
+        self.config_mut().invalid = invalid;
+        self
+    }
+}
+
+impl<S> Layer<S> for GraphqlCostLayer {
+    type Service = GraphqlCostService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GraphqlCostService {
+            inner,
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+/// The service of [`GraphqlCostLayer`].
+#[derive(Debug, Clone)]
+pub struct GraphqlCostService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+enum Read {
+    Cost(Result<u64, CostError>, Bytes),
+    TooLarge,
+    Unreadable(String),
+}
+
+fn media_type(request: &http::request::Parts) -> String {
+    request
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .map(|value| value.trim().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+impl Config {
+    fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, CostError> {
+        let query_string = parts.uri.query().unwrap_or("");
+        let mut query = None;
+        let mut operation_name = None;
+        let mut variables = None;
+        for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
+            match &*name {
+                "query" => query = Some(value.into_owned()),
+                "operationName" => operation_name = Some(value.into_owned()),
+                "variables" => variables = Some(value.into_owned()),
+                _ => {}
+            }
+        }
+        let query = query.ok_or_else(|| CostError::Request("no query parameter".into()))?;
+        let variables = match variables {
+            Some(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(serde_json::Value::Object(map)) => Some(map),
+                Ok(serde_json::Value::Null) => None,
+                _ => return Err(CostError::Request("variables must be a JSON object".into())),
+            },
+            None => None,
+        };
+        self.coster
+            .query_cost(&query, operation_name.as_deref(), variables.as_ref())
+    }
+}
+
+impl<S, B, ResBody> Service<Request<B>> for GraphqlCostService<S>
+where
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Send,
+    B: Body + From<Bytes> + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: Body,
+    ResBody::Data: From<Bytes>,
+{
+    type Response = Response<RateLimitBody<ResBody>>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Self::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        Box::pin(async move {
+            let (mut parts, body) = request.into_parts();
+            let read = if parts.method == Method::GET {
+                Read::Cost(config.get_cost(&parts), Bytes::new())
+            } else {
+                match Limited::new(body, config.max_body).collect().await {
+                    Ok(collected) => {
+                        let bytes = collected.to_bytes();
+                        let cost = match media_type(&parts).as_str() {
+                            "application/graphql" => match std::str::from_utf8(&bytes) {
+                                Ok(query) => config.coster.query_cost(query, None, None),
+                                Err(_) => Err(CostError::Request("the body is not UTF-8".into())),
+                            },
+                            _ => config.coster.json_cost(&bytes),
+                        };
+                        Read::Cost(cost, bytes)
+                    }
+                    Err(error) if error.is::<http_body_util::LengthLimitError>() => Read::TooLarge,
+                    Err(error) => Read::Unreadable(error.to_string()),
+                }
+            };
+            let (cost, bytes) = match read {
+                Read::TooLarge => {
+                    let response = response::payload_too_large(config.max_body);
+                    return Ok(response.map(RateLimitBody::full));
+                }
+                Read::Unreadable(why) => {
+                    let response =
+                        response::invalid_request(&format!("the body could not be read: {why}"));
+                    return Ok(response.map(RateLimitBody::full));
+                }
+                Read::Cost(Ok(cost), bytes) => (cost, bytes),
+                Read::Cost(Err(error), bytes) => match config.invalid {
+                    Invalid::Reject => {
+                        let response = response::invalid_request(&error.to_string());
+                        return Ok(response.map(RateLimitBody::full));
+                    }
+                    Invalid::Charge(cost) => (cost, bytes),
+                },
+            };
+            parts.extensions.insert(RequestCost(cost));
+            let mut response = inner
+                .call(Request::from_parts(parts, B::from(bytes)))
+                .await?;
+            response
+                .headers_mut()
+                .insert(GRAPHQL_COST.clone(), HeaderValue::from(cost));
+            Ok(response.map(RateLimitBody::inner))
+        })
+    }
+}
