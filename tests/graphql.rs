@@ -330,3 +330,80 @@ mod http {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
     }
 }
+
+const SDL: &str = r#"
+    directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION | SCALAR | ENUM | ARGUMENT_DEFINITION
+    directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+
+    type Query {
+      viewer: User
+      search(first: Int, last: Int): SearchConnection @listSize(slicingArguments: ["first", "last"], sizedFields: ["nodes"])
+      feed: [Post] @listSize(assumedSize: 25, requireOneSlicingArgument: false)
+      node(id: ID!): Node
+      tags(limit: Int = 30): [String]
+    }
+    interface Node { id: ID! }
+    type User implements Node { id: ID! login: String avatar: Image @cost(weight: 3) }
+    type Post implements Node { id: ID! title: String author: User }
+    type Image @cost(weight: 2) { url: String }
+    union SearchResult = User | Post
+    type SearchConnection { totalCount: Int nodes: [SearchResult] }
+    type Mutation { like(id: ID!): Post @cost(weight: 7) }
+"#;
+
+#[test]
+fn schema_cost_table() {
+    let coster = GraphqlCost::new().with_schema(SDL).unwrap();
+    let table: &[(&str, u64)] = &[
+        // An object field 1, leaves 0, @cost on a field replaces its weight (3, not 2).
+        ("{ viewer { login avatar { url } } }", 1 + 3),
+        // @cost on a type: every Image costs 2 where nothing overrides it.
+        ("{ feed { author { avatar { url } } } }", 1 + 25 * (1 + 3)),
+        // sizedFields: the size multiplies nodes, not totalCount; a union costs its most
+        // expensive member (User: 1 + avatar 3 = 4; Post: 1 + author 1 = 2).
+        (
+            "{ search(first: 10) { totalCount nodes { ... on User { avatar { url } } ... on Post { author { id } } } } }",
+            1 + 10 * (1 + 3),
+        ),
+        // An interface: the most expensive implementation of the fragments spread.
+        (
+            "{ node(id: 1) { id ... on User { avatar { url } } } }",
+            1 + 3,
+        ),
+        (
+            "query { node(id: 1) { ...P } } fragment P on Post { author { login } }",
+            1 + 1,
+        ),
+        // A mutation: the base, plus the field's own weight.
+        ("mutation { like(id: 1) { title } }", 10 + 7),
+        // Leaves with a slicing default of 30 stay free.
+        ("{ tags }", 0),
+    ];
+    for (query, expected) in table {
+        assert_eq!(
+            coster.query_cost(query, None, None).unwrap(),
+            *expected,
+            "{query}"
+        );
+    }
+    // requireOneSlicingArgument: a connection queried without first or last is refused.
+    let error = coster
+        .query_cost("{ search { totalCount } }", None, None)
+        .unwrap_err();
+    assert!(
+        matches!(error, CostError::Slicing { value: None, .. }),
+        "{error}"
+    );
+    // The slicing value from the request's variables.
+    let variables = json!({ "n": 4 });
+    assert_eq!(
+        coster
+            .query_cost(
+                "query($n: Int) { search(last: $n) { nodes { ... on Post { title } } } }",
+                None,
+                variables.as_object()
+            )
+            .unwrap(),
+        1 + 4 * 1
+    );
+}

@@ -23,6 +23,7 @@
 //! ```
 
 mod layer;
+mod schema;
 
 pub use layer::{GRAPHQL_COST, GraphqlCostLayer, GraphqlCostService, Invalid};
 
@@ -129,6 +130,7 @@ pub struct GraphqlCost {
     max_batch: usize,
     max_depth: usize,
     token_limit: usize,
+    schema: Option<std::sync::Arc<schema::Schema>>,
 }
 
 impl Default for GraphqlCost {
@@ -151,7 +153,32 @@ impl GraphqlCost {
             max_batch: 10,
             max_depth: 64,
             token_limit: 20_000,
+            schema: None,
         }
+    }
+
+    /// Costs with a schema (SDL): field types decide what is an object (weight 1) and
+    /// what a leaf (0); `@cost(weight:)` on types and fields and `@listSize(assumedSize:,
+    /// slicingArguments:, sizedFields:, requireOneSlicingArgument:)` on fields are
+    /// honoured; a selection on an interface or union costs its most expensive member.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// let sdl = r#"
+    ///   type Query { repos(first: Int): RepoConnection @listSize(slicingArguments: ["first"], sizedFields: ["nodes"]) }
+    ///   type RepoConnection { nodes: [Repo] totalCount: Int }
+    ///   type Repo { name: String owner: User @cost(weight: 5) }
+    ///   type User { login: String }
+    /// "#;
+    /// let coster = GraphqlCost::new().with_schema(sdl)?;
+    /// // repos 1 + 10 x (nodes: repo 1 + owner 5)
+    /// assert_eq!(coster.query_cost("{ repos(first: 10) { totalCount nodes { name owner { login } } } }", None, None)?, 1 + 10 * (1 + 5));
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
+    pub fn with_schema(mut self, sdl: &str) -> Result<Self, CostError> {
+        self.schema = Some(std::sync::Arc::new(schema::Schema::parse(sdl)?));
+        Ok(self)
     }
 
     /// The argument names that size a list (default `first`, `last`, `limit`).
@@ -236,15 +263,25 @@ impl GraphqlCost {
                 }
             },
         };
+        let schema = self.schema.as_deref();
+        let root = schema.and_then(|schema| {
+            let slot = match operation.operation_type {
+                OperationType::Query => "query",
+                OperationType::Mutation => "mutation",
+                OperationType::Subscription => "subscription",
+            };
+            schema.roots.get(slot).map(String::as_str)
+        });
         let mut walk = Walk {
             model: self,
+            schema,
             fragments,
             done: HashMap::new(),
             visiting: Vec::new(),
             operation,
             variables,
         };
-        let cost = walk.selections(&operation.selection_set, 0)?;
+        let cost = walk.selections(&operation.selection_set, root, 0)?;
         Ok(match operation.operation_type {
             OperationType::Mutation => cost.saturating_add(self.mutation_base),
             OperationType::Query | OperationType::Subscription => cost,
@@ -297,16 +334,52 @@ impl GraphqlCost {
 /// One costing pass over one operation.
 struct Walk<'a> {
     model: &'a GraphqlCost,
+    schema: Option<&'a schema::Schema>,
     fragments: HashMap<&'a str, &'a apollo_compiler::Node<ast::FragmentDefinition>>,
-    /// Fragments already costed: each is costed once, however often it is spread.
-    done: HashMap<&'a str, u64>,
+    /// Fragments already costed (per concrete type): each is costed once, however often
+    /// it is spread, so fragment fan-out cannot explode.
+    done: HashMap<(&'a str, Option<String>), u64>,
     visiting: Vec<&'a str>,
     operation: &'a ast::OperationDefinition,
     variables: Option<&'a Map<String, Json>>,
 }
 
+/// A list size that applies only to some child fields (`@listSize(sizedFields:)`).
+struct Sized<'s> {
+    fields: &'s [String],
+    size: u64,
+}
+
 impl<'a> Walk<'a> {
-    fn selections(&mut self, selections: &'a [Selection], depth: usize) -> Result<u64, CostError> {
+    /// The cost of `selections` on a value of type `parent`: with a schema and an abstract
+    /// parent, the most expensive of its possible types.
+    fn selections(
+        &mut self,
+        selections: &'a [Selection],
+        parent: Option<&str>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
+        match (self.schema, parent) {
+            (Some(schema), Some(parent)) => {
+                let mut most = 0;
+                for concrete in schema.possible(parent) {
+                    most =
+                        most.max(self.selections_on(selections, Some(&concrete), None, depth)?);
+                }
+                Ok(most)
+            }
+            _ => self.selections_on(selections, None, None, depth),
+        }
+    }
+
+    /// The cost of `selections` on an object of type `concrete` (unknown without schema).
+    fn selections_on(
+        &mut self,
+        selections: &'a [Selection],
+        concrete: Option<&str>,
+        sized: Option<&Sized<'_>>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
         if depth > self.model.max_depth {
             return Err(CostError::TooDeep {
                 max: self.model.max_depth,
@@ -316,19 +389,31 @@ impl<'a> Walk<'a> {
         for selection in selections {
             let cost = match selection {
                 Selection::Field(field) => {
-                    if field.selection_set.is_empty() {
-                        0
-                    } else {
-                        let children = self.selections(&field.selection_set, depth + 1)?;
-                        let size = self.slice(field)?;
-                        1u64.saturating_add(size.saturating_mul(children))
+                    let cost = self.field(field, concrete, depth)?;
+                    match sized {
+                        Some(sized)
+                            if sized.fields.iter().any(|name| name == field.name.as_str()) =>
+                        {
+                            cost.saturating_mul(sized.size)
+                        }
+                        _ => cost,
                     }
                 }
                 Selection::InlineFragment(fragment) => {
-                    self.selections(&fragment.selection_set, depth + 1)?
+                    let applies = match (self.schema, concrete, &fragment.type_condition) {
+                        (Some(schema), Some(concrete), Some(condition)) => {
+                            schema.matches(concrete, condition)
+                        }
+                        _ => true,
+                    };
+                    if applies {
+                        self.selections_on(&fragment.selection_set, concrete, sized, depth + 1)?
+                    } else {
+                        0
+                    }
                 }
                 Selection::FragmentSpread(spread) => {
-                    self.fragment(spread.fragment_name.as_str(), depth)?
+                    self.fragment(spread.fragment_name.as_str(), concrete, depth)?
                 }
             };
             total = total.saturating_add(cost);
@@ -336,8 +421,95 @@ impl<'a> Walk<'a> {
         Ok(total)
     }
 
-    fn fragment(&mut self, name: &'a str, depth: usize) -> Result<u64, CostError> {
-        if let Some(cost) = self.done.get(name) {
+    fn field(
+        &mut self,
+        field: &'a ast::Field,
+        concrete: Option<&str>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
+        if field.name == "__typename" {
+            return Ok(0);
+        }
+        let info = match (self.schema, concrete) {
+            (Some(schema), Some(concrete)) => schema.field(concrete, field.name.as_str()),
+            _ => None,
+        };
+        let Some((schema, info)) = self.schema.zip(info) else {
+            // No schema (or an unknown field): objects 1, leaves 0, slicing multiplies.
+            if field.selection_set.is_empty() {
+                return Ok(0);
+            }
+            let children = self.selections(&field.selection_set, None, depth + 1)?;
+            let size = self
+                .slice(field, &self.model.slicing_arguments, None, false)?
+                .unwrap_or(1);
+            return Ok(1u64.saturating_add(size.saturating_mul(children)));
+        };
+        let composite = schema.kind(&info.ty) == schema::Kind::Composite;
+        let type_weight = schema
+            .types
+            .get(&info.ty)
+            .and_then(|ty| ty.weight)
+            .unwrap_or(u64::from(composite));
+        let weight = info.weight.unwrap_or(type_weight);
+        if field.selection_set.is_empty() {
+            return Ok(weight);
+        }
+        let size = match &info.list_size {
+            Some(list) => self
+                .slice(
+                    field,
+                    &list.slicing_arguments,
+                    Some(&info.defaults),
+                    list.require_one,
+                )?
+                .or(list.assumed_size)
+                .unwrap_or(1),
+            None => self
+                .slice(
+                    field,
+                    &self.model.slicing_arguments,
+                    Some(&info.defaults),
+                    false,
+                )?
+                .unwrap_or(1),
+        };
+        let ty = info.ty.clone();
+        let sized_fields = info
+            .list_size
+            .as_ref()
+            .map(|list| list.sized_fields.clone())
+            .unwrap_or_default();
+        if sized_fields.is_empty() {
+            let children = self.selections(&field.selection_set, Some(&ty), depth + 1)?;
+            Ok(weight.saturating_add(size.saturating_mul(children)))
+        } else {
+            // A connection: the size applies to its sized fields (`nodes`, `edges`).
+            let sized = Sized {
+                fields: &sized_fields,
+                size,
+            };
+            let mut most = 0;
+            for concrete in schema.possible(&ty) {
+                most = most.max(self.selections_on(
+                    &field.selection_set,
+                    Some(&concrete),
+                    Some(&sized),
+                    depth + 1,
+                )?);
+            }
+            Ok(weight.saturating_add(most))
+        }
+    }
+
+    fn fragment(
+        &mut self,
+        name: &'a str,
+        concrete: Option<&str>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
+        let memo = (name, concrete.map(str::to_owned));
+        if let Some(cost) = self.done.get(&memo) {
             return Ok(*cost);
         }
         if self.visiting.contains(&name) {
@@ -347,37 +519,60 @@ impl<'a> Walk<'a> {
             .fragments
             .get(name)
             .ok_or_else(|| CostError::UnknownFragment(name.to_owned()))?;
+        if let (Some(schema), Some(concrete)) = (self.schema, concrete) {
+            if !schema.matches(concrete, fragment.type_condition.as_str()) {
+                return Ok(0);
+            }
+        }
         self.visiting.push(name);
-        let cost = self.selections(&fragment.selection_set, depth + 1);
+        let cost = self.selections_on(&fragment.selection_set, concrete, None, depth + 1);
         self.visiting.pop();
         let cost = cost?;
-        self.done.insert(name, cost);
+        self.done.insert(memo, cost);
         Ok(cost)
     }
 
-    /// The list size a field's slicing argument asks for (1 when it has none).
-    fn slice(&self, field: &ast::Field) -> Result<u64, CostError> {
+    /// The list size a field's slicing argument asks for: `None` when it has none (and
+    /// none is required).
+    fn slice(
+        &self,
+        field: &ast::Field,
+        names: &[String],
+        defaults: Option<&HashMap<String, i64>>,
+        required: bool,
+    ) -> Result<Option<u64>, CostError> {
         let model = self.model;
-        let Some(argument) = field.arguments.iter().find(|argument| {
-            model
-                .slicing_arguments
-                .iter()
-                .any(|name| name == argument.name.as_str())
-        }) else {
-            return Ok(1);
+        let given = field
+            .arguments
+            .iter()
+            .find(|argument| names.iter().any(|name| name == argument.name.as_str()))
+            .map(|argument| (argument.name.to_string(), self.int(&argument.value)));
+        let (argument, value) = match given {
+            Some((name, value)) => (name, value),
+            None => {
+                let default = defaults.and_then(|defaults| {
+                    names.iter().find_map(|name| {
+                        defaults.get(name).map(|value| (name.clone(), Some(*value)))
+                    })
+                });
+                match default {
+                    Some(found) => found,
+                    None if required => (names.first().cloned().unwrap_or_default(), None),
+                    None => return Ok(None),
+                }
+            }
         };
-        let value = self.int(&argument.value);
         let in_range =
             value.filter(|v| *v >= model.min_slice as i64 && *v <= model.max_slice as i64);
         match (in_range, model.out_of_range) {
-            (Some(value), _) => Ok(value as u64),
-            (None, OutOfRange::Cap) => Ok(match value {
+            (Some(value), _) => Ok(Some(value as u64)),
+            (None, OutOfRange::Cap) => Ok(Some(match value {
                 Some(value) if value < model.min_slice as i64 => model.min_slice,
                 _ => model.max_slice,
-            }),
+            })),
             (None, OutOfRange::Reject) => Err(CostError::Slicing {
                 field: field.name.to_string(),
-                argument: argument.name.to_string(),
+                argument,
                 value,
                 min: model.min_slice,
                 max: model.max_slice,

@@ -1,0 +1,254 @@
+//! What the coster takes from a schema (SDL): field types, and the IBM GraphQL cost
+//! directives `@cost(weight:)` and `@listSize(assumedSize:, slicingArguments:,
+//! sizedFields:, requireOneSlicingArgument:)`.
+
+use std::collections::HashMap;
+
+use apollo_compiler::ast::{self, Definition, DirectiveList, OperationType, Value};
+
+use super::CostError;
+
+/// The kind of a named type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// Objects, interfaces and unions: selecting one costs.
+    Composite,
+    /// Scalars, enums (and unknown types): leaves.
+    Leaf,
+}
+
+/// `@listSize` on a field.
+#[derive(Debug, Clone, Default)]
+pub(super) struct ListSize {
+    pub(super) assumed_size: Option<u64>,
+    pub(super) slicing_arguments: Vec<String>,
+    pub(super) sized_fields: Vec<String>,
+    pub(super) require_one: bool,
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct FieldInfo {
+    /// The named type the field returns.
+    pub(super) ty: String,
+    /// `@cost(weight:)` on the field.
+    pub(super) weight: Option<u64>,
+    pub(super) list_size: Option<ListSize>,
+    /// Argument defaults (integers only: that is all slicing needs).
+    pub(super) defaults: HashMap<String, i64>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(super) struct TypeInfo {
+    pub(super) composite: bool,
+    /// `@cost(weight:)` on the type: added for every object of it.
+    pub(super) weight: Option<u64>,
+    pub(super) fields: HashMap<String, FieldInfo>,
+    /// Concrete types (for interfaces and unions), itself for objects.
+    pub(super) possible: Vec<String>,
+    pub(super) interfaces: Vec<String>,
+}
+
+/// The parts of a schema the coster needs.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Schema {
+    pub(super) types: HashMap<String, TypeInfo>,
+    pub(super) roots: HashMap<&'static str, String>,
+}
+
+fn directive_int(directives: &DirectiveList, directive: &str, argument: &str) -> Option<i64> {
+    directives
+        .get(directive)?
+        .specified_argument_by_name(argument)
+        .and_then(|value| match &**value {
+            Value::Int(int) => int.as_str().parse().ok(),
+            Value::String(text) => text.parse().ok(),
+            _ => None,
+        })
+}
+
+fn directive_strings(directives: &DirectiveList, directive: &str, argument: &str) -> Vec<String> {
+    let Some(value) = directives
+        .get(directive)
+        .and_then(|directive| directive.specified_argument_by_name(argument))
+    else {
+        return Vec::new();
+    };
+    match &**value {
+        Value::List(items) => items
+            .iter()
+            .filter_map(|item| match &**item {
+                Value::String(text) => Some(text.clone()),
+                _ => None,
+            })
+            .collect(),
+        Value::String(text) => vec![text.clone()],
+        _ => Vec::new(),
+    }
+}
+
+fn weight(directives: &DirectiveList) -> Option<u64> {
+    directive_int(directives, "cost", "weight").map(|weight| weight.max(0) as u64)
+}
+
+fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
+    let directives = &field.directives;
+    let list_size = directives.get("listSize").map(|directive| {
+        let slicing_arguments = directive_strings(directives, "listSize", "slicingArguments");
+        let require_one = directive
+            .specified_argument_by_name("requireOneSlicingArgument")
+            .map_or(!slicing_arguments.is_empty(), |value| {
+                matches!(&**value, Value::Boolean(true))
+            });
+        ListSize {
+            assumed_size: directive_int(directives, "listSize", "assumedSize")
+                .map(|size| size.max(0) as u64),
+            slicing_arguments,
+            sized_fields: directive_strings(directives, "listSize", "sizedFields"),
+            require_one,
+        }
+    });
+    FieldInfo {
+        ty: field.ty.inner_named_type().to_string(),
+        weight: weight(directives),
+        list_size,
+        defaults: field
+            .arguments
+            .iter()
+            .filter_map(|argument| {
+                let default = argument.default_value.as_ref()?;
+                match &**default {
+                    Value::Int(int) => {
+                        Some((argument.name.to_string(), int.as_str().parse().ok()?))
+                    }
+                    _ => None,
+                }
+            })
+            .collect(),
+    }
+}
+
+impl Schema {
+    pub(super) fn parse(sdl: &str) -> Result<Self, CostError> {
+        let document = apollo_compiler::parser::Parser::new()
+            .parse_ast(sdl, "schema.graphql")
+            .map_err(|invalid| {
+                let errors = invalid.errors.to_string();
+                CostError::Parse(errors.lines().next().unwrap_or("invalid schema").to_owned())
+            })?;
+        let mut schema = Schema::default();
+        let mut unions: Vec<(String, Vec<String>)> = Vec::new();
+        for definition in &document.definitions {
+            match definition {
+                Definition::ObjectTypeDefinition(object) => {
+                    let info = schema.types.entry(object.name.to_string()).or_default();
+                    info.composite = true;
+                    info.weight = weight(&object.directives);
+                    info.possible = vec![object.name.to_string()];
+                    info.interfaces = object
+                        .implements_interfaces
+                        .iter()
+                        .map(|name| name.to_string())
+                        .collect();
+                    for field in &object.fields {
+                        info.fields
+                            .insert(field.name.to_string(), field_info(field));
+                    }
+                }
+                Definition::InterfaceTypeDefinition(interface) => {
+                    let info = schema.types.entry(interface.name.to_string()).or_default();
+                    info.composite = true;
+                    info.weight = weight(&interface.directives);
+                    for field in &interface.fields {
+                        info.fields
+                            .insert(field.name.to_string(), field_info(field));
+                    }
+                }
+                Definition::UnionTypeDefinition(union) => {
+                    let info = schema.types.entry(union.name.to_string()).or_default();
+                    info.composite = true;
+                    info.weight = weight(&union.directives);
+                    unions.push((
+                        union.name.to_string(),
+                        union.members.iter().map(|m| m.to_string()).collect(),
+                    ));
+                }
+                Definition::SchemaDefinition(definition) => {
+                    for root in &definition.root_operations {
+                        let (operation, name) = &**root;
+                        let slot = match operation {
+                            OperationType::Query => "query",
+                            OperationType::Mutation => "mutation",
+                            OperationType::Subscription => "subscription",
+                        };
+                        schema.roots.insert(slot, name.to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Interfaces: every object that implements one is a possible type of it.
+        let implementers: Vec<(String, Vec<String>)> = schema
+            .types
+            .iter()
+            .filter(|(_, info)| !info.interfaces.is_empty())
+            .map(|(name, info)| (name.clone(), info.interfaces.clone()))
+            .collect();
+        for (object, interfaces) in implementers {
+            for interface in interfaces {
+                if let Some(info) = schema.types.get_mut(&interface) {
+                    info.possible.push(object.clone());
+                }
+            }
+        }
+        for (union, members) in unions {
+            if let Some(info) = schema.types.get_mut(&union) {
+                info.possible = members;
+            }
+        }
+        for (slot, default) in [
+            ("query", "Query"),
+            ("mutation", "Mutation"),
+            ("subscription", "Subscription"),
+        ] {
+            schema
+                .roots
+                .entry(slot)
+                .or_insert_with(|| default.to_owned());
+        }
+        Ok(schema)
+    }
+
+    pub(super) fn kind(&self, ty: &str) -> Kind {
+        match self.types.get(ty) {
+            Some(info) if info.composite => Kind::Composite,
+            _ => Kind::Leaf,
+        }
+    }
+
+    /// A field of `ty`, looked up on the type and then on its interfaces.
+    pub(super) fn field(&self, ty: &str, name: &str) -> Option<&FieldInfo> {
+        let info = self.types.get(ty)?;
+        info.fields.get(name).or_else(|| {
+            info.interfaces
+                .iter()
+                .find_map(|interface| self.types.get(interface)?.fields.get(name))
+        })
+    }
+
+    /// Whether an object of type `concrete` matches a fragment on `condition`.
+    pub(super) fn matches(&self, concrete: &str, condition: &str) -> bool {
+        concrete == condition
+            || self
+                .types
+                .get(condition)
+                .is_some_and(|info| info.possible.iter().any(|possible| possible == concrete))
+    }
+
+    /// The concrete types a selection on `ty` may meet (itself for objects).
+    pub(super) fn possible(&self, ty: &str) -> Vec<String> {
+        match self.types.get(ty) {
+            Some(info) if !info.possible.is_empty() => info.possible.clone(),
+            _ => vec![ty.to_owned()],
+        }
+    }
+}
