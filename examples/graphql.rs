@@ -1,0 +1,120 @@
+//! A real GraphQL server (async-graphql) behind tollgate: every API key has a budget of
+//! 1,000 points a minute, and each query is charged its static cost, so one query asking
+//! for 100 repositories with 10 issues each spends what a thousand small ones do.
+//!
+//! ```text
+//! cargo run --example graphql --features graphql      # 127.0.0.1:3000 ($PORT to change)
+//! curl -i http://127.0.0.1:3000/graphql -H 'x-api-key: demo' -H 'content-type: application/json' \
+//!   -d '{"query":"{ repositories(first: 10) { totalCount nodes { name issues(first: 5) { nodes { title } } } } }"}'
+//! ```
+//!
+//! That query costs 71 points: `repositories` 1 + 10 x (`nodes` 1 + `issues` (1 + 5 x `nodes`
+//! 1)). The response says `GraphQL-Cost: 71`, and `RateLimit: "points";r=929;t=5` shows what
+//! is left. A query that could never fit (say `first: 100`
+//! twice over) is refused with `400` and its cost, not told to retry.
+
+use std::net::SocketAddr;
+
+use async_graphql::{EmptyMutation, EmptySubscription, Object, Schema, SimpleObject};
+use async_graphql_axum::GraphQL;
+use axum::Router;
+use axum::routing::post_service;
+use tollgate::cost::FromExtension;
+use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer};
+use tollgate::key::HeaderKey;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+
+#[derive(SimpleObject)]
+struct Issue {
+    title: String,
+}
+
+#[derive(SimpleObject)]
+struct IssueConnection {
+    total_count: i32,
+    nodes: Vec<Issue>,
+}
+
+struct Repository {
+    name: String,
+}
+
+#[Object]
+impl Repository {
+    async fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A connection nested in another: its size multiplies with its parent's.
+    async fn issues(&self, first: i32) -> IssueConnection {
+        let count = first.clamp(0, 100);
+        IssueConnection {
+            total_count: 1_000,
+            nodes: (0..count)
+                .map(|i| Issue {
+                    title: format!("{} issue {i}", self.name),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(SimpleObject)]
+struct RepositoryConnection {
+    total_count: i32,
+    nodes: Vec<Repository>,
+}
+
+struct Query;
+
+#[Object]
+impl Query {
+    async fn repositories(&self, first: i32) -> RepositoryConnection {
+        RepositoryConnection {
+            total_count: 10_000,
+            nodes: (0..first.clamp(0, 100))
+                .map(|i| Repository {
+                    name: format!("repo-{i}"),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let port: u16 = std::env::var("PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(3000);
+    let schema = Schema::build(Query, EmptyMutation, EmptySubscription).finish();
+
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket(
+            "points",
+            1_000,
+            Rate::per_minute(1_000),
+        )?)
+        .key(HeaderKey::new("x-api-key"))
+        .cost(FromExtension::or(1));
+    let app = Router::new()
+        .route("/graphql", post_service(GraphQL::new(schema)))
+        .layer(limiter)
+        // Runs first: reads the query, computes its cost, hands on the same bytes.
+        .layer(GraphqlCostLayer::new(GraphqlCost::new()));
+
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let addr = listener.local_addr()?;
+    println!("GraphQL behind tollgate on http://{addr}/graphql");
+    println!("budget: 1,000 points a minute per x-api-key; each query costs its static complexity");
+    println!(
+        "try:    curl -i http://{addr}/graphql -H 'x-api-key: demo' -H 'content-type: application/json' \
+         -d '{{\"query\":\"{{ repositories(first: 10) {{ totalCount nodes {{ name issues(first: 5) {{ nodes {{ title }} }} }} }} }}\"}}'"
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await?;
+    Ok(())
+}
