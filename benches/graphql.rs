@@ -39,7 +39,9 @@ fn documents() -> Vec<(&'static str, String)> {
     let large = format!(
         "{{ {} }}",
         (0..200)
-            .map(|i| format!("r{i}: repositories(first: 5) {{ nodes {{ name owner {{ login }} }} }} "))
+            .map(|i| format!(
+                "r{i}: repositories(first: 5) {{ nodes {{ name owner {{ login }} }} }} "
+            ))
             .collect::<String>()
     );
     vec![("small", small), ("medium", medium), ("large", large)]
@@ -51,12 +53,16 @@ fn cost(c: &mut Criterion) {
     let mut group = c.benchmark_group("graphql_cost");
     for (size, document) in documents() {
         assert!(plain.query_cost(&document, None, None).is_ok(), "{size}");
-        group.bench_with_input(BenchmarkId::new("no_schema", size), &document, |b, document| {
-            b.iter(|| black_box(plain.query_cost(document, None, None).unwrap()))
-        });
-        group.bench_with_input(BenchmarkId::new("schema", size), &document, |b, document| {
-            b.iter(|| black_box(schema.query_cost(document, None, None).unwrap()))
-        });
+        group.bench_with_input(
+            BenchmarkId::new("no_schema", size),
+            &document,
+            |b, document| b.iter(|| black_box(plain.query_cost(document, None, None).unwrap())),
+        );
+        group.bench_with_input(
+            BenchmarkId::new("schema", size),
+            &document,
+            |b, document| b.iter(|| black_box(schema.query_cost(document, None, None).unwrap())),
+        );
     }
     group.finish();
 }

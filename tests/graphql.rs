@@ -312,6 +312,20 @@ mod http {
         let (status, _, _) =
             send(&app, "k", &format!(r#"{{"query":"{}"}}"#, "x".repeat(2048))).await;
         assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        // A 10 MB body is cut off at the cap, without being read whole.
+        let (status, _, body) = send(&app, "k", &"x".repeat(10 * 1024 * 1024)).await;
+        assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(body.contains("\"limit\":1024"), "{body}");
+        // Invalid UTF-8 as application/graphql.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "k")
+            .header("content-type", "application/graphql")
+            .body(Body::from(vec![0xff, 0xfe, b'{']))
+            .unwrap();
+        assert_eq!(
+            app.clone().oneshot(request).await.unwrap().status(),
+            StatusCode::BAD_REQUEST
+        );
         // GET ?query= is costed too.
         let request = Request::get("/graphql?query=%7B%20viewer%20%7B%20id%20%7D%20%7D")
             .header("x-api-key", "k")
