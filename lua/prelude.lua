@@ -45,3 +45,19 @@ local function num(value, default)
   return tonumber(value)
 end
 
+
+-- Buckets (token bucket, both leaky buckets) keep the level (units missing from full, or
+-- queued, times the period) and the time it was last brought up to date; p[2] units leak
+-- or refill every p[3] microseconds. Refilling `elapsed` takes exactly `elapsed * p[2]`.
+local function load_bucket(p, key)
+  local stored = redis.call('HMGET', key, 'l', 't')
+  local last = num(stored[2], now)
+  local level = math.max(num(stored[1], 0) - math.max(now - last, 0) * p[2], 0)
+  return { key = key, level = level, last = math.max(last, now) }
+end
+
+local function commit_bucket(p, s)
+  s.level = s.level + cost * p[3]
+  redis.call('HSET', s.key, 'l', s.level, 't', s.last)
+  redis.call('PEXPIRE', s.key, cdiv(cdiv(s.level, p[2]), 1000) + 1)
+end

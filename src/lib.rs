@@ -47,8 +47,14 @@
 //! - [`key`]: who is this ([`key::ClientIp`], [`key::HeaderKey`], [`key::ExtensionKey`], compound, first-of, closures);
 //! - [`cost`]: what does it spend (constant, [`cost::PerRoute`], closures, set by earlier middleware);
 //! - [`policy`]: which limits apply ([`Policy`], [`PolicySet`], [`policy::resolve_with`] per plan);
-//! - [`store`]: who decides ([`MemoryStore`] in process);
+//! - [`store`]: who decides ([`MemoryStore`] in process; `RedisStore` for a fleet, feature
+//!   `redis`; `DenyCache` in front of either);
+//! - [`FailureMode`]: what a store failure gets (a local fallback by default; never a 429);
 //! - [`RateLimitLayer`]: the Tower layer that ties them together, with [`HeaderStyle`].
+//!
+//! Features: `axum` (default), `redis`, `graphql` (the GraphQL complexity coster in
+//! `cost::graphql`), `tracing`, `metrics`, `test-clock` (tests only: lets a test set the
+//! time a `RedisStore` decides at).
 
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms, unreachable_pub)]
