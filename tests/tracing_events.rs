@@ -1,0 +1,139 @@
+//! The `tracing` events: a denial, a store error, and one warning when the failure mode
+//! starts and one when the store answers again (not one per request).
+
+#![cfg(feature = "tracing")]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use http::Request;
+use tollgate::key::Global;
+use tollgate::{
+    DecideFuture, Key, MemoryStore, Policy, PolicySet, RateLimitLayer, Store, StoreError,
+    StoreErrorKind,
+};
+use tower::ServiceExt;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Metadata, Subscriber};
+
+/// Records every event as "LEVEL message".
+#[derive(Clone, Default)]
+struct Recorder {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+struct Message(String);
+
+impl Visit for Message {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl Subscriber for Recorder {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &Attributes<'_>) -> Id {
+        Id::from_u64(1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        let level = *event.metadata().level();
+        self.events
+            .lock()
+            .unwrap()
+            .push(format!("{level} {}", message.0));
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+#[derive(Clone)]
+struct Flaky {
+    inner: MemoryStore,
+    down: Arc<AtomicBool>,
+}
+
+impl Store for Flaky {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if self.down.load(Ordering::SeqCst) {
+            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
+        self.inner.decide(key, policies, cost)
+    }
+}
+
+#[test]
+fn denials_errors_and_one_warning_per_transition() {
+    let recorder = Recorder::default();
+    let down = Arc::new(AtomicBool::new(false));
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(Flaky {
+                inner: MemoryStore::new(),
+                down: Arc::clone(&down),
+            })
+            .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+            .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let send = || async {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap()
+            };
+            send().await;
+            send().await; // denied
+            down.store(true, Ordering::SeqCst);
+            for _ in 0..3 {
+                send().await;
+            }
+            down.store(false, Ordering::SeqCst);
+            send().await;
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let count = |prefix: &str| {
+        events
+            .iter()
+            .filter(|event| event.starts_with(prefix))
+            .count()
+    };
+    assert!(
+        count(&format!("{} rate limited", Level::DEBUG)) >= 1,
+        "{events:?}"
+    );
+    assert_eq!(
+        count(&format!("{} rate-limit store error", Level::DEBUG)),
+        3,
+        "{events:?}"
+    );
+    assert_eq!(
+        count(&format!("{} rate-limit store failed", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+    assert_eq!(
+        count(&format!("{} rate-limit store answers again", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+}
