@@ -3,6 +3,8 @@
 #![cfg(feature = "metrics")]
 
 use std::sync::Arc;
+mod support;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -11,28 +13,10 @@ use axum::body::Body;
 use axum::routing::get;
 use http::{Request, StatusCode};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use support::Flaky;
 use tollgate::key::Global;
-use tollgate::{
-    DecideFuture, Key, MemoryStore, Policy, PolicySet, RateLimitLayer, Store, StoreError,
-    StoreErrorKind,
-};
+use tollgate::{MemoryStore, Policy, RateLimitLayer};
 use tower::ServiceExt;
-
-/// A store that fails while `down` is set.
-#[derive(Clone)]
-struct Flaky {
-    inner: MemoryStore,
-    down: Arc<AtomicBool>,
-}
-
-impl Store for Flaky {
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        if self.down.load(Ordering::SeqCst) {
-            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
-        }
-        self.inner.decide(key, policies, cost)
-    }
-}
 
 type Snapshot = Vec<(
     metrics_util::CompositeKey,

@@ -3,6 +3,8 @@
 
 #![cfg(feature = "tracing")]
 
+mod support;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,11 +13,9 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use http::Request;
+use support::Flaky;
 use tollgate::key::Global;
-use tollgate::{
-    DecideFuture, Key, MemoryStore, Policy, PolicySet, RateLimitLayer, Store, StoreError,
-    StoreErrorKind,
-};
+use tollgate::{MemoryStore, Policy, RateLimitLayer};
 use tower::ServiceExt;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -57,21 +57,6 @@ impl Subscriber for Recorder {
     }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
-}
-
-#[derive(Clone)]
-struct Flaky {
-    inner: MemoryStore,
-    down: Arc<AtomicBool>,
-}
-
-impl Store for Flaky {
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        if self.down.load(Ordering::SeqCst) {
-            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
-        }
-        self.inner.decide(key, policies, cost)
-    }
 }
 
 #[test]

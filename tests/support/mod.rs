@@ -179,3 +179,28 @@ pub fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {
         })
         .collect()
 }
+
+/// A store that fails while `down` is set, and otherwise decides in memory: for the
+/// failure-mode, metrics and tracing tests.
+#[derive(Clone)]
+pub struct Flaky {
+    pub inner: tollgate::MemoryStore,
+    pub down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl tollgate::Store for Flaky {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+                tollgate::StoreErrorKind::Unavailable,
+                "down",
+            )));
+        }
+        self.inner.decide(key, policies, cost)
+    }
+}
