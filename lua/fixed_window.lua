@@ -1,5 +1,6 @@
 -- Fixed window (kind "fw"): p1 = limit, p2 = window, in microseconds. Windows are aligned
--- to the Unix epoch. Mirrors src/algorithm/fixed_window.rs.
+-- to the Unix epoch (as in every store). No number here is a product of the limit and the
+-- window. Mirrors src/algorithm/fixed_window.rs.
 
 local function load(p, key)
   local w = p[2]
@@ -29,5 +30,6 @@ local function commit(p, s)
 end
 
 local function snapshot(p, s)
-  return p[1], math.max(p[1] - s.count, 0), math.max(s.finish - now, 0)
+  local reset = math.max(s.finish - now, 0)
+  return p[1], math.max(p[1] - s.count, 0), reset, reset
 end

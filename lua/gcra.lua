@@ -34,5 +34,7 @@ local function commit(p, s)
 end
 
 local function snapshot(p, s)
-  return p[1], idiv(math.max(p[1] * p[3] - s.ahead, 0), p[3]), cdiv(s.ahead, p[2])
+  local spare = math.max(p[1] * p[3] - s.ahead, 0)
+  -- Effective window: until the next emission interval has passed.
+  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
 end

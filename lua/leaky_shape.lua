@@ -6,6 +6,8 @@ local load = load_bucket
 
 local function check(p, s)
   local threshold = p[1] * p[2]
+  -- A cost larger than an empty bucket admits back to back never fits.
+  if cost > idiv(threshold, p[3]) + 1 then return 'never' end
   if s.level <= threshold then return 'admit', cdiv(s.level, p[2]) end
   return 'deny', cdiv(s.level - threshold, p[2])
 end
@@ -16,5 +18,7 @@ local function snapshot(p, s)
   local threshold = p[1] * p[2]
   local remaining = 0
   if s.level <= threshold then remaining = idiv(threshold - s.level, p[3]) + 1 end
-  return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2])
+  -- Effective window: until one more unit could queue after `remaining` did.
+  local effective = cdiv(s.level + remaining * p[3] - threshold, p[2])
+  return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective
 end

@@ -33,9 +33,10 @@ end
 
 local reply = { outcome, denying, longest, delay }
 for i = 1, count do
-  local limit, remaining, reset = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
+  local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
   reply[#reply + 1] = limit
   reply[#reply + 1] = remaining
   reply[#reply + 1] = reset
+  reply[#reply + 1] = effective
 end
 return reply

@@ -17,7 +17,10 @@
 -- ARGV: [1] now in microseconds, or "" to read TIME (only test builds pass a time),
 --       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
 -- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,
---          reset_us}; outcome 0 = allowed, 1 = denied, 2 = the cost can never fit.
+--          reset_us, effective_window_us}; outcome 0 = allowed, 1 = denied, 2 = the cost
+--          can never fit. The effective window is draft-11's `t`: how long the client can
+--          use no more than `remaining` (the time until one more unit would fit after
+--          spending `remaining` now).
 
 local now
 if ARGV[1] ~= '' then
@@ -39,6 +42,33 @@ local function cdiv(a, b)
   local q = (a - r) / b
   if r > 0 then q = q + 1 end
   return q
+end
+-- floor(a * b / c) and its remainder, for integers 0 <= a, b < 2^50 and 0 < c < 2^50,
+-- exact even where a * b passes 2^53 (a daily window in microseconds times a large
+-- limit): b is taken one bit at a time, so no intermediate passes 2^52. The quotient
+-- saturates at 2^52, far above any limit or window the callers compare it with.
+local function muldiv(a, b, c)
+  local product = a * b
+  if product < 9007199254740992 then
+    local r = math.fmod(product, c)
+    return (product - r) / c, r
+  end
+  local pow = 1
+  while pow * 2 <= b do pow = pow * 2 end
+  local q, r = 0, 0
+  while pow >= 1 do
+    q, r = q * 2, r * 2
+    if b >= pow then
+      b = b - pow
+      r = r + a
+    end
+    local carry = math.fmod(r, c)
+    q = q + (r - carry) / c
+    r = carry
+    if q >= 4503599627370496 then return 4503599627370496, 0 end
+    pow = pow / 2
+  end
+  return q, r
 end
 local function num(value, default)
   if value == false or value == nil then return default end

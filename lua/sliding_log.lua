@@ -54,5 +54,9 @@ local function snapshot(p, s)
   end
   local reset = 0
   if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
-  return p[1], math.max(p[1] - s.total, 0), reset
+  -- Effective window: until the oldest counted entry leaves (a whole window when empty).
+  local effective = p[2]
+  local oldest = redis.call('ZRANGE', s.key, 0, 0, 'WITHSCORES')
+  if #oldest > 0 then effective = math.max(tonumber(oldest[2]) + p[2] - now, 1) end
+  return p[1], math.max(p[1] - s.total, 0), reset, effective
 end

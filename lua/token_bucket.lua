@@ -16,5 +16,7 @@ end
 local commit = commit_bucket
 
 local function snapshot(p, s)
-  return p[1], idiv(math.max(p[1] * p[3] - s.level, 0), p[3]), cdiv(s.level, p[2])
+  local spare = math.max(p[1] * p[3] - s.level, 0)
+  -- Effective window: until the token being refilled now is whole.
+  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
 end

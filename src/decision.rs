@@ -38,8 +38,15 @@ pub struct PolicyStatus {
     pub limit: u64,
     /// Units left now.
     pub remaining: u64,
-    /// Time until the quota is whole again (or the window resets).
+    /// Time until the quota is whole again (or the window resets): the draft-6
+    /// `RateLimit-Reset`.
     pub reset: Duration,
+    /// The draft-11 *effective window* (`t`): the time within which the client can use no
+    /// more than `remaining` units. For a bucket or GCRA the time until the next unit
+    /// arrives, for a fixed window its end, for a sliding log the moment the oldest
+    /// counted entry leaves, for the sliding counter the moment its estimate admits one
+    /// more unit.
+    pub effective_window: Duration,
 }
 
 /// A store's answer to one request under a set of policies.
@@ -62,13 +69,32 @@ pub struct PolicyStatus {
 pub struct Decision {
     outcome: Outcome,
     statuses: SmallVec<[PolicyStatus; 2]>,
+    cached: bool,
 }
 
 impl Decision {
     /// A decision with one status per policy, in the policy set's order.
     #[inline]
     pub fn new(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
-        Self { outcome, statuses }
+        Self {
+            outcome,
+            statuses,
+            cached: false,
+        }
+    }
+
+    /// This decision, marked as answered from a local cache rather than by the store
+    /// itself (see [`DenyCache`](crate::store::DenyCache)). A cached answer never counts
+    /// as the store being healthy: it does not close a circuit breaker.
+    pub fn from_cache(mut self) -> Self {
+        self.cached = true;
+        self
+    }
+
+    /// True when a cache answered instead of the store.
+    #[inline]
+    pub fn is_cached(&self) -> bool {
+        self.cached
     }
 
     /// What happened.
@@ -93,7 +119,9 @@ impl Decision {
         }
     }
 
-    /// One status per policy, in the policy set's order.
+    /// One status per policy, in the policy set's order; empty when the answer came from
+    /// a cache that cannot know the statuses now (the layer then sends `RateLimit-Policy`
+    /// and `Retry-After` but no `RateLimit` field rather than stale numbers).
     #[inline]
     pub fn statuses(&self) -> &[PolicyStatus] {
         &self.statuses

@@ -142,10 +142,20 @@ impl LocalFallback {
 ///
 /// let breaker = CircuitBreaker::new(3, Duration::from_millis(500));
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct CircuitBreaker {
     failures: u32,
     cool_down: Duration,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl std::fmt::Debug for CircuitBreaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CircuitBreaker")
+            .field("failures", &self.failures)
+            .field("cool_down", &self.cool_down)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for CircuitBreaker {
@@ -161,7 +171,47 @@ impl CircuitBreaker {
         Self {
             failures: failures.max(1),
             cool_down,
+            clock: None,
         }
+    }
+
+    /// Measures the cool-down on `clock` instead of the monotonic clock (for tests, a
+    /// [`ManualClock`](crate::clock::ManualClock)).
+    pub fn with_clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+}
+
+/// What the breaker says about one request.
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// Closed: call the store.
+    Call,
+    /// Open, cool-down over: this request probes the store. The guard releases the probe
+    /// however the request ends, so a probe whose request is dropped (client gone, an
+    /// outer timeout) never leaves the breaker open for good.
+    Probe(ProbeGuard),
+    /// Open: do not call the store.
+    Skip,
+}
+
+/// Holds the breaker's single probe; releases it when dropped.
+#[derive(Debug)]
+pub(crate) struct ProbeGuard {
+    breaker: Arc<Breaker>,
+    ticket: u64,
+}
+
+impl Drop for ProbeGuard {
+    fn drop(&mut self) {
+        // Only this probe's own ticket is cleared: a newer probe keeps its flag.
+        let _ = self.breaker.probing.compare_exchange(
+            self.ticket,
+            0,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
     }
 }
 
@@ -169,22 +219,35 @@ impl CircuitBreaker {
 #[derive(Debug)]
 pub(crate) struct Breaker {
     config: CircuitBreaker,
-    clock: MonotonicClock,
+    clock: Arc<dyn Clock>,
     failures: AtomicU32,
     /// 0: closed. Otherwise the instant (clock nanoseconds + 1) from which to probe.
     open_until: AtomicU64,
-    probing: AtomicBool,
+    /// The ticket of the probe in flight; 0 when there is none.
+    probing: AtomicU64,
+    tickets: AtomicU64,
     degraded: AtomicBool,
+}
+
+impl std::fmt::Debug for dyn Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clock")
+    }
 }
 
 impl Breaker {
     pub(crate) fn new(config: CircuitBreaker) -> Self {
+        let clock = config
+            .clock
+            .clone()
+            .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
         Self {
             config,
-            clock: MonotonicClock::new(),
+            clock,
             failures: AtomicU32::new(0),
             open_until: AtomicU64::new(0),
-            probing: AtomicBool::new(false),
+            probing: AtomicU64::new(0),
+            tickets: AtomicU64::new(1),
             degraded: AtomicBool::new(false),
         }
     }
@@ -192,16 +255,39 @@ impl Breaker {
     /// Should this request call the store? Closed: yes. Open: no, but one request per
     /// cool-down probes it.
     #[inline]
-    pub(crate) fn should_call(&self) -> bool {
+    pub(crate) fn admit(self: &Arc<Self>) -> Admission {
         let until = self.open_until.load(Ordering::Relaxed);
         if until == 0 {
-            return true;
+            return Admission::Call;
         }
-        self.clock.now() + 1 >= until
-            && self
-                .probing
-                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
+        if self.clock.now().saturating_add(1) < until {
+            return Admission::Skip;
+        }
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
+        match self
+            .probing
+            .compare_exchange(0, ticket, Ordering::AcqRel, Ordering::Relaxed)
+        {
+            Ok(_) => Admission::Probe(ProbeGuard {
+                breaker: Arc::clone(self),
+                ticket,
+            }),
+            Err(_) => Admission::Skip,
+        }
+    }
+
+    /// True when this request may call the store (tests of the breaker alone).
+    #[cfg(test)]
+    pub(crate) fn should_call(self: &Arc<Self>) -> bool {
+        match self.admit() {
+            Admission::Call => true,
+            // The probe stays taken until an answer, as it would while its store call runs.
+            Admission::Probe(guard) => {
+                std::mem::forget(guard);
+                true
+            }
+            Admission::Skip => false,
+        }
     }
 
     /// The store answered.
@@ -214,7 +300,7 @@ impl Breaker {
         }
         self.failures.store(0, Ordering::Relaxed);
         self.open_until.store(0, Ordering::Relaxed);
-        self.probing.store(false, Ordering::Release);
+        self.probing.store(0, Ordering::Release);
         if self.degraded.swap(false, Ordering::AcqRel) {
             crate::telemetry::fallback_active(false);
             #[cfg(feature = "tracing")]
@@ -235,7 +321,7 @@ impl Breaker {
         }
         #[cfg(not(feature = "tracing"))]
         let _ = error;
-        let was_probe = self.probing.swap(false, Ordering::AcqRel);
+        let was_probe = self.probing.swap(0, Ordering::AcqRel) != 0;
         if failures >= self.config.failures || was_probe {
             let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
             self.open_until.store(
@@ -259,7 +345,10 @@ mod tests {
 
     #[test]
     fn opens_after_failures_probes_once_and_closes_on_success() {
-        let breaker = Breaker::new(CircuitBreaker::new(2, Duration::from_millis(30)));
+        let clock = crate::clock::ManualClock::new();
+        let breaker = Arc::new(Breaker::new(
+            CircuitBreaker::new(2, Duration::from_millis(30)).with_clock(clock.clone()),
+        ));
         let error = StoreError::new(StoreErrorKind::Unavailable, "down");
         assert!(breaker.should_call());
         breaker.on_failure(&error);
@@ -267,15 +356,39 @@ mod tests {
         breaker.on_failure(&error);
         assert!(!breaker.should_call(), "two do");
         assert!(breaker.is_degraded());
-        std::thread::sleep(Duration::from_millis(40));
+        clock.advance(Duration::from_millis(29));
+        assert!(!breaker.should_call(), "still cooling down");
+        clock.advance(Duration::from_millis(1));
         assert!(breaker.should_call(), "the probe");
         assert!(!breaker.should_call(), "only one probe at a time");
         breaker.on_failure(&error);
         assert!(!breaker.should_call(), "a failed probe opens it again");
-        std::thread::sleep(Duration::from_millis(40));
+        clock.advance(Duration::from_millis(30));
         assert!(breaker.should_call());
         breaker.on_success();
         assert!(breaker.should_call() && breaker.should_call());
         assert!(!breaker.is_degraded());
+    }
+
+    #[test]
+    fn a_dropped_probe_is_released() {
+        let clock = crate::clock::ManualClock::new();
+        let breaker = Arc::new(Breaker::new(
+            CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(clock.clone()),
+        ));
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"));
+        clock.advance(Duration::from_secs(1));
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("the cool-down is over: a probe")
+        };
+        assert!(
+            matches!(breaker.admit(), Admission::Skip),
+            "one probe at a time"
+        );
+        drop(probe);
+        assert!(
+            matches!(breaker.admit(), Admission::Probe(_)),
+            "the dropped probe's request never answered: another request probes"
+        );
     }
 }

@@ -15,6 +15,7 @@ use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::RateLimitBody;
+use crate::failure::ProbeGuard;
 use crate::headers::HeaderBlock;
 use crate::key::Key;
 use crate::policy::PolicySet;
@@ -29,6 +30,9 @@ pub(crate) struct Pending<S, B> {
     pub(crate) key: Key,
     pub(crate) cost: u64,
     pub(crate) responder: Arc<Responder>,
+    /// The breaker's probe, when this request carries it: released when the request ends,
+    /// however it ends (dropped mid-decision included).
+    pub(crate) probe: Option<ProbeGuard>,
 }
 
 pin_project! {
@@ -133,12 +137,15 @@ where
                         key,
                         cost,
                         responder,
+                        probe,
                     } = *pending.take().expect(POLLED_AFTER_READY);
                     let answer = match result {
                         Ok(decision) => StoreAnswer::Decided(decision),
                         Err(error) => StoreAnswer::Failed(error),
                     };
-                    match responder.plan(&policies, &key, cost, answer) {
+                    let plan = responder.plan(&policies, &key, cost, answer);
+                    drop(probe);
+                    match plan {
                         Plan::Call(headers) => State::Calling {
                             future: inner.call(request),
                             headers,

@@ -9,7 +9,7 @@ use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::decision::{Decision, Outcome};
-use crate::policy::{Policy, PolicySet};
+use crate::policy::{Policy, PolicySet, QuotaUnit};
 
 /// Which rate-limit header fields responses carry. Every response gets them, admitted or
 /// denied; denied ones also get `Retry-After`.
@@ -23,7 +23,12 @@ use crate::policy::{Policy, PolicySet};
 ///
 /// `q` and `Limit` are the quota (the most units admitted at once); `w` is the window in
 /// seconds (for buckets: the time to refill from empty); `r` and `Remaining` are the units
-/// left; `t` and `Reset` are the seconds until the quota is whole again, rounded up.
+/// left. `t` is draft-11's *effective window*: the seconds within which the client can use
+/// no more than `r` (for a bucket or GCRA, until the next unit arrives; for a fixed window,
+/// until it ends; for a sliding log, until its oldest entry leaves; for the sliding
+/// counter, until its estimate admits one more unit). `Reset` (draft-6, legacy) is the
+/// time until the quota is whole again. Seconds are rounded up; every integer is an
+/// RFC 9651 integer (at most 15 digits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HeaderStyle {
     /// `draft-ietf-httpapi-ratelimit-headers-11`: `RateLimit-Policy` and `RateLimit`.
@@ -45,8 +50,71 @@ pub(crate) fn seconds_ceil(duration: Duration) -> u64 {
         .min(u128::from(u64::MAX)) as u64
 }
 
+/// The largest RFC 9651 integer (section 3.3.1: at most 15 digits). Policies cannot
+/// exceed it; durations are capped at it.
+pub(crate) const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
+
 fn push_number(out: &mut BytesMut, value: u64) {
-    out.extend_from_slice(itoa::Buffer::new().format(value).as_bytes());
+    out.extend_from_slice(
+        itoa::Buffer::new()
+            .format(value.min(MAX_SF_INTEGER))
+            .as_bytes(),
+    );
+}
+
+/// Options of the header fields beyond their style.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HeaderOptions {
+    pub(crate) style: HeaderStyle,
+    /// Send `pk` (a hash of the identity) in `RateLimit`.
+    pub(crate) partition_key: bool,
+    /// Add up to this much, at random, to `t` and `Retry-After` of windows at least
+    /// [`JITTER_FROM`] long.
+    pub(crate) jitter: Duration,
+}
+
+/// Effective windows shorter than this get no jitter: a herd that comes back after a
+/// second is no herd.
+pub(crate) const JITTER_FROM: Duration = Duration::from_secs(60);
+
+/// A random extra delay in `[0, jitter]`, whole seconds.
+pub(crate) fn jitter_secs(jitter: Duration) -> u64 {
+    use std::cell::Cell;
+    use std::hash::BuildHasher;
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new(
+            foldhash::fast::RandomState::default().hash_one(std::thread::current().id()) | 1,
+        );
+    }
+    let max = jitter.as_secs();
+    if max == 0 {
+        return 0;
+    }
+    let random = STATE.with(|state| {
+        // xorshift64*: plenty for spreading clients, not for secrets.
+        let mut x = state.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        state.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    });
+    random % (max + 1)
+}
+
+/// `pk`: an RFC 9651 byte sequence of the first 12 bytes of SHA-256 of the identity. It
+/// lets a client tell its partitions apart without ever seeing an identity.
+fn push_partition_key(out: &mut BytesMut, key: &str) {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(key.as_bytes());
+    out.extend_from_slice(b";pk=:");
+    out.extend_from_slice(
+        base64::engine::general_purpose::STANDARD
+            .encode(&digest[..12])
+            .as_bytes(),
+    );
+    out.extend_from_slice(b":");
 }
 
 thread_local! {
@@ -91,6 +159,13 @@ pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
         push_number(&mut out, policy.limit());
         out.extend_from_slice(b";w=");
         push_number(&mut out, seconds_ceil(policy.window()).max(1));
+        match policy.unit() {
+            QuotaUnit::Requests => {}
+            QuotaUnit::ContentBytes => out.extend_from_slice(b";qu=\"content-bytes\""),
+            QuotaUnit::GraphqlPoints => {
+                out.extend_from_slice(b";tollgate-qu=\"graphql-points\"");
+            }
+        }
     }
     HeaderValue::from_maybe_shared(out.freeze()).ok()
 }
@@ -107,7 +182,8 @@ pub(crate) enum HeaderBlock {
     /// in keeps its members.
     Draft11 {
         policy: Option<HeaderValue>,
-        rate: HeaderValue,
+        /// `None` when the statuses are unknown (a cached denial).
+        rate: Option<HeaderValue>,
     },
     /// `RateLimit-Limit/-Remaining/-Reset` or `X-RateLimit-*`.
     Single {
@@ -126,7 +202,9 @@ impl HeaderBlock {
                 if let Some(policy) = policy {
                     headers.append(RATELIMIT_POLICY.clone(), policy);
                 }
-                headers.append(RATELIMIT.clone(), rate);
+                if let Some(rate) = rate {
+                    headers.append(RATELIMIT.clone(), rate);
+                }
             }
             HeaderBlock::Single {
                 legacy,
@@ -174,15 +252,33 @@ fn most_restrictive(decision: &Decision) -> usize {
     }
 }
 
-/// The header fields for `decision` under `policies` in `style`.
+/// The `t` of one status, in whole seconds (rounded up), with `extra` jitter seconds on
+/// long windows.
+pub(crate) fn effective_secs(effective_window: Duration, extra: u64) -> u64 {
+    let seconds = seconds_ceil(effective_window);
+    if extra > 0 && effective_window >= JITTER_FROM {
+        seconds.saturating_add(extra)
+    } else {
+        seconds
+    }
+}
+
+/// The header fields for `decision` under `policies` for `key`. `extra` is the jitter
+/// (whole seconds) drawn for this response, added to long effective windows.
 pub(crate) fn rate_limit_headers(
-    style: HeaderStyle,
+    options: &HeaderOptions,
     policies: &PolicySet,
     decision: &Decision,
+    key: &str,
+    extra: u64,
 ) -> HeaderBlock {
     let statuses = decision.statuses();
-    match style {
+    match options.style {
         HeaderStyle::None => HeaderBlock::Empty,
+        HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
+            policy: policies.policy_header().cloned(),
+            rate: None,
+        },
         HeaderStyle::Draft11 => {
             let rate = value(|out| {
                 for (index, (policy, status)) in policies.iter().zip(statuses).enumerate() {
@@ -194,13 +290,16 @@ pub(crate) fn rate_limit_headers(
                     out.extend_from_slice(b"\";r=");
                     push_number(out, status.remaining);
                     out.extend_from_slice(b";t=");
-                    push_number(out, seconds_ceil(status.reset));
+                    push_number(out, effective_secs(status.effective_window, extra));
+                    if options.partition_key {
+                        push_partition_key(out, key);
+                    }
                 }
             });
             match rate {
                 Some(rate) => HeaderBlock::Draft11 {
                     policy: policies.policy_header().cloned(),
-                    rate,
+                    rate: Some(rate),
                 },
                 None => HeaderBlock::Empty,
             }
@@ -209,7 +308,7 @@ pub(crate) fn rate_limit_headers(
             let Some(status) = statuses.get(most_restrictive(decision)) else {
                 return HeaderBlock::Empty;
             };
-            let legacy = style == HeaderStyle::Legacy;
+            let legacy = options.style == HeaderStyle::Legacy;
             let reset = if legacy {
                 let now = SystemTime::now()
                     .duration_since(UNIX_EPOCH)
@@ -251,12 +350,14 @@ mod tests {
                 PolicyStatus {
                     limit: 20,
                     remaining: 17,
-                    reset: Duration::from_millis(300)
+                    reset: Duration::from_millis(300),
+                    effective_window: Duration::from_millis(100),
                 },
                 PolicyStatus {
                     limit: 1000,
                     remaining: 990,
-                    reset: Duration::from_secs(3600)
+                    reset: Duration::from_secs(3600),
+                    effective_window: Duration::from_secs(3600),
                 },
             ],
         )
@@ -264,7 +365,11 @@ mod tests {
 
     fn render(style: HeaderStyle, outcome: Outcome) -> HeaderMap {
         let mut headers = HeaderMap::new();
-        rate_limit_headers(style, &set(), &decision(outcome)).apply(&mut headers);
+        let options = HeaderOptions {
+            style,
+            ..HeaderOptions::default()
+        };
+        rate_limit_headers(&options, &set(), &decision(outcome), "ip:1", 0).apply(&mut headers);
         headers
     }
 

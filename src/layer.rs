@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use crate::cost::Cost;
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
-use crate::headers::HeaderStyle;
+use crate::headers::{HeaderOptions, HeaderStyle};
 use crate::key::{ClientIp, KeyExtractor};
 use crate::policy::{Policy, PolicyResolver, PolicySet};
 use crate::response::Rejection;
@@ -65,7 +65,7 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     key: K,
     cost: C,
     resolver: R,
-    header_style: HeaderStyle,
+    headers: HeaderOptions,
     on_deny: Option<DenyHook>,
     missing_key: MissingKey,
     failure_mode: FailureMode,
@@ -84,7 +84,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             key: self.key.clone(),
             cost: self.cost.clone(),
             resolver: self.resolver.clone(),
-            header_style: self.header_style,
+            headers: self.headers,
             on_deny: self.on_deny.clone(),
             missing_key: self.missing_key,
             failure_mode: self.failure_mode.clone(),
@@ -100,7 +100,7 @@ impl<St, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLa
             .field("key", &self.key)
             .field("cost", &self.cost)
             .field("policies", &self.resolver)
-            .field("header_style", &self.header_style)
+            .field("headers", &self.headers)
             .field("missing_key", &self.missing_key)
             .field("failure_mode", &self.failure_mode)
             .finish()
@@ -116,7 +116,7 @@ impl<St: Store> RateLimitLayer<St> {
             key: ClientIp::peer(),
             cost: 1,
             resolver: PolicySet::unlimited(),
-            header_style: HeaderStyle::default(),
+            headers: HeaderOptions::default(),
             on_deny: None,
             missing_key: MissingKey::default(),
             failure_mode: FailureMode::default(),
@@ -146,7 +146,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             key,
             cost,
             resolver,
-            header_style: self.header_style,
+            headers: self.headers,
             on_deny: self.on_deny,
             missing_key: self.missing_key,
             failure_mode: self.failure_mode,
@@ -178,7 +178,43 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Which rate-limit header fields to send (default: draft-11).
     pub fn headers(mut self, style: HeaderStyle) -> Self {
-        self.header_style = style;
+        self.headers.style = style;
+        self
+    }
+
+    /// Adds `pk`, the partition key, to every `RateLimit` member (draft-11): an RFC 9651
+    /// byte sequence of a hash of the identity (never the identity), so a client with
+    /// several identities can tell which budget a response speaks of. Off by default.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+    ///     .partition_key(true);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn partition_key(mut self, enabled: bool) -> Self {
+        self.headers.partition_key = enabled;
+        self
+    }
+
+    /// Adds a random delay of up to `jitter` (whole seconds) to `t` and `Retry-After`
+    /// when they are a minute or longer, so clients told to come back when a long window
+    /// ends do not all come back at once (draft-11, section 8.5). `Retry-After` stays no
+    /// earlier than the `t` of the denying policy. Off by default.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?)
+    ///     .header_jitter(Duration::from_secs(30));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn header_jitter(mut self, jitter: Duration) -> Self {
+        self.headers.jitter = jitter;
         self
     }
 
@@ -225,6 +261,32 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 }
 
+impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
+    /// Checks the set-up without building a service: at least one policy, and every
+    /// policy set known ahead is one the store can decide exactly
+    /// ([`Store::validate`]). [`layer`](Layer::layer) runs the same check and panics on a
+    /// failure; call this first to handle it yourself.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?);
+    /// assert!(layer.validate().is_ok());
+    /// assert!(RateLimitLayer::new(MemoryStore::new()).validate().is_err());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn validate(&self) -> Result<(), String> {
+        self.resolver.check_configured().map_err(str::to_owned)?;
+        for set in self.resolver.known_sets() {
+            self.store.validate(&set).map_err(|error| {
+                format!("RateLimitLayer: the store cannot decide these policies: {error}")
+            })?;
+        }
+        Ok(())
+    }
+}
+
 impl<S, St, K, C, R> Layer<S> for RateLimitLayer<St, K, C, R>
 where
     St: Store,
@@ -238,10 +300,12 @@ where
     ///
     /// # Panics
     ///
-    /// When the layer has a fixed policy set and it is empty: a limiter that limits
-    /// nothing is a set-up mistake, reported when the app is built.
+    /// When the layer has a fixed policy set and it is empty (a limiter that limits
+    /// nothing is a set-up mistake), or when the store cannot decide one of its policies
+    /// exactly (see [`validate`](RateLimitLayer::validate)): reported when the app is
+    /// built, never on the first request.
     fn layer(&self, inner: S) -> Self::Service {
-        if let Err(message) = self.resolver.check_configured() {
+        if let Err(message) = self.validate() {
             panic!("{message}");
         }
         RateLimit::new(
@@ -253,7 +317,7 @@ where
                 resolver: self.resolver.clone(),
                 missing_key: self.missing_key,
                 responder: Arc::new(Responder {
-                    header_style: self.header_style,
+                    headers: self.headers,
                     on_deny: self.on_deny.clone(),
                     failure_mode: self.failure_mode.clone(),
                     breaker: Arc::clone(&self.breaker),

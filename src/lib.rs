@@ -38,7 +38,8 @@
 //! assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
 //! assert_eq!(denied.headers()["retry-after"], "1");
 //! assert_eq!(denied.headers()["ratelimit-policy"], "\"api\";q=10;w=2");
-//! assert_eq!(denied.headers()["ratelimit"], "\"api\";r=0;t=2");
+//! // t: within 1 s (the next token, 0.2 s away, rounded up) no more than r=0 units.
+//! assert_eq!(denied.headers()["ratelimit"], "\"api\";r=0;t=1");
 //! # Ok(()) }
 //! ```
 //!
@@ -83,6 +84,6 @@ pub use headers::HeaderStyle;
 pub use key::Key;
 pub use layer::{DEFAULT_STORE_TIMEOUT, MissingKey, RateLimitLayer};
 pub use policy::{Algorithm, LeakMode, Policy, PolicyError, PolicySet, Rate};
-pub use response::{COST_EXCEEDS_LIMIT, Rejection};
+pub use response::{COST_EXCEEDS_LIMIT, QUOTA_EXCEEDED, Rejection, TEMPORARY_REDUCED_CAPACITY};
 pub use service::RateLimit;
 pub use store::{DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};

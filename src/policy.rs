@@ -27,11 +27,40 @@ use http::HeaderValue;
 
 use crate::algorithm::Params;
 
-/// The largest limit, capacity or burst a policy accepts: 2^53 - 1.
+/// The largest limit, capacity, burst or rate amount a policy accepts: 10^15 - 1.
 ///
-/// Every store counts exactly up to this value, including stores that keep numbers as
-/// IEEE doubles (Redis Lua).
-pub const MAX_LIMIT: u64 = (1 << 53) - 1;
+/// It is the largest integer an RFC 9651 structured field can carry (15 digits, section
+/// 3.3.1), so every `q` and `r` a client parses is the true number; and every store counts
+/// exactly up to it, including stores that keep numbers as IEEE doubles (Redis Lua).
+pub const MAX_LIMIT: u64 = 999_999_999_999_999;
+
+/// What a policy's quota counts, sent as `qu` (or a vendor parameter) in
+/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-11, the "Quota Unit
+/// Parameter" of the `RateLimit-Policy` field).
+///
+/// ```
+/// use tollgate::policy::QuotaUnit;
+/// use tollgate::{Policy, Rate};
+///
+/// let upload = Policy::token_bucket("upload", 10_000_000, Rate::per_second(1_000_000))?
+///     .with_unit(QuotaUnit::ContentBytes);
+/// assert_eq!(upload.unit(), QuotaUnit::ContentBytes);
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum QuotaUnit {
+    /// Requests (the draft's default unit; no parameter is sent).
+    #[default]
+    Requests,
+    /// Bytes of content: `qu="content-bytes"`, for a body-size coster such as
+    /// [`cost::ContentLength`](crate::cost::ContentLength).
+    ContentBytes,
+    /// GraphQL complexity points. Not a unit the draft registers, so it is sent as the
+    /// vendor-prefixed parameter `tollgate-qu="graphql-points"`, as the draft asks of
+    /// implementation-specific parameters.
+    GraphqlPoints,
+}
 
 /// The shortest window or period a policy accepts.
 pub const MIN_PERIOD: Duration = Duration::from_millis(1);
@@ -252,6 +281,7 @@ struct PolicyInner {
     algorithm: Algorithm,
     params: Params,
     id: u32,
+    unit: QuotaUnit,
 }
 
 /// The id that tells one policy's state from another's in the in-process store: the
@@ -419,8 +449,27 @@ impl Policy {
                 algorithm,
                 params,
                 id: policy_id(name, algorithm),
+                unit: QuotaUnit::Requests,
             }),
         })
+    }
+
+    /// This policy, advertised as counting `unit` (it changes no decision).
+    pub fn with_unit(&self, unit: QuotaUnit) -> Policy {
+        Policy {
+            inner: Arc::new(PolicyInner {
+                name: self.inner.name.clone(),
+                algorithm: self.inner.algorithm,
+                params: self.inner.params,
+                id: self.inner.id,
+                unit,
+            }),
+        }
+    }
+
+    /// What the quota counts (default: requests).
+    pub fn unit(&self) -> QuotaUnit {
+        self.inner.unit
     }
 
     /// A fixed window: `limit` units per `window`, counted from the window's start.
@@ -563,7 +612,9 @@ impl Policy {
                 burst: count(burst),
             },
         };
-        Self::build(self.name(), algorithm).unwrap_or_else(|_| self.clone())
+        Self::build(self.name(), algorithm)
+            .map(|scaled| scaled.with_unit(self.unit()))
+            .unwrap_or_else(|_| self.clone())
     }
 
     /// The policy's name, as sent in the `RateLimit` headers.
@@ -818,6 +869,13 @@ pub trait PolicyResolver: Send + Sync + 'static {
     fn check_configured(&self) -> Result<(), &'static str> {
         Ok(())
     }
+
+    /// The policy sets this resolver can answer, when they are known ahead: the layer asks
+    /// its store to [validate](crate::Store::validate) each one when it is built. The
+    /// default (for closures) knows none; their sets are checked per request instead.
+    fn known_sets(&self) -> Vec<PolicySet> {
+        Vec::new()
+    }
 }
 
 impl PolicyResolver for PolicySet {
@@ -827,6 +885,10 @@ impl PolicyResolver for PolicySet {
         _key: &crate::Key,
     ) -> std::borrow::Cow<'a, PolicySet> {
         std::borrow::Cow::Borrowed(self)
+    }
+
+    fn known_sets(&self) -> Vec<PolicySet> {
+        vec![self.clone()]
     }
 
     fn check_configured(&self) -> Result<(), &'static str> {

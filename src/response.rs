@@ -11,7 +11,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use crate::decision::Decision;
 use crate::headers::seconds_ceil;
 use crate::key::{KeyError, KeyErrorKind};
-use crate::policy::Policy;
+use crate::policy::{Algorithm, LeakMode, Policy, PolicySet};
 
 /// What a deny hook is told about a denied request.
 ///
@@ -39,6 +39,10 @@ pub struct Rejection<'a> {
     pub retry_after: Duration,
     /// The whole decision, with every policy's status.
     pub decision: &'a Decision,
+    /// Every policy the request was decided under, in the decision's order.
+    pub policies: &'a PolicySet,
+    /// The request's cost.
+    pub cost: u64,
 }
 
 impl Rejection<'_> {
@@ -46,7 +50,41 @@ impl Rejection<'_> {
     pub fn retry_after_secs(&self) -> u64 {
         seconds_ceil(self.retry_after).max(1)
     }
+
+    /// The names of the policies this request exceeded (the draft's `violated-policies`):
+    /// every policy with fewer units left than the request costs (for a shaping bucket:
+    /// with no room left), the one that keeps the client waiting longest first.
+    pub fn violated_policies(&self) -> Vec<&str> {
+        let mut names = vec![self.policy.name()];
+        for (policy, status) in self.policies.iter().zip(self.decision.statuses()) {
+            let shaping = matches!(
+                policy.algorithm(),
+                Algorithm::LeakyBucket {
+                    mode: LeakMode::Shape { .. },
+                    ..
+                }
+            );
+            let exceeded = if shaping {
+                status.remaining == 0
+            } else {
+                status.remaining < self.cost
+            };
+            if exceeded && policy.name() != self.policy.name() {
+                names.push(policy.name());
+            }
+        }
+        names
+    }
 }
+
+/// The problem type of a denial: the "Quota Exceeded" problem type of
+/// draft-ietf-httpapi-ratelimit-headers-11 (section "Problem Types").
+pub const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+/// The problem type of a `503` under fail-closed: the "Temporary Reduced Capacity"
+/// problem type of draft-ietf-httpapi-ratelimit-headers-11 (section "Problem Types").
+pub const TEMPORARY_REDUCED_CAPACITY: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
 /// A JSON string literal.
 fn json_string(out: &mut String, text: &str) {
@@ -67,6 +105,7 @@ fn json_string(out: &mut String, text: &str) {
 enum Member<'a> {
     Text(&'a str),
     Number(u64),
+    Texts(Vec<&'a str>),
 }
 
 fn problem(
@@ -93,6 +132,16 @@ fn problem(
             Member::Number(number) => {
                 let _ = write!(body, "{number}");
             }
+            Member::Texts(texts) => {
+                body.push('[');
+                for (index, text) in texts.iter().enumerate() {
+                    if index > 0 {
+                        body.push(',');
+                    }
+                    json_string(&mut body, text);
+                }
+                body.push(']');
+            }
         }
     }
     body.push('}');
@@ -114,10 +163,14 @@ pub(crate) fn too_many_requests(rejection: &Rejection<'_>) -> Response<Bytes> {
     );
     let mut response = problem(
         StatusCode::TOO_MANY_REQUESTS,
-        "about:blank",
-        "Too Many Requests",
+        QUOTA_EXCEEDED,
+        "Request cannot be satisfied as assigned quota has been exceeded",
         &detail,
         &[
+            (
+                "violated-policies",
+                Member::Texts(rejection.violated_policies()),
+            ),
             ("policy", Member::Text(rejection.policy.name())),
             ("retry_after", Member::Number(seconds)),
         ],
@@ -191,8 +244,8 @@ pub(crate) fn invalid_request(detail: &str) -> Response<Bytes> {
 pub(crate) fn store_unavailable() -> Response<Bytes> {
     let mut response = problem(
         StatusCode::SERVICE_UNAVAILABLE,
-        "about:blank",
-        "Service Unavailable",
+        TEMPORARY_REDUCED_CAPACITY,
+        "Temporary reduced capacity",
         "the rate-limit store is unavailable",
         &[("retry_after", Member::Number(1))],
     );

@@ -13,9 +13,9 @@ use tower_service::Service;
 use crate::body::RateLimitBody;
 use crate::cost::Cost;
 use crate::decision::{Decision, Outcome};
-use crate::failure::{Breaker, FailureMode};
+use crate::failure::{Admission, Breaker, FailureMode};
 use crate::future::{Pending, ResponseFuture};
-use crate::headers::{HeaderBlock, HeaderStyle, rate_limit_headers};
+use crate::headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
 use crate::key::Key;
 use crate::key::KeyExtractor;
 use crate::layer::{DenyHook, MissingKey};
@@ -34,7 +34,7 @@ pub(crate) struct Config<K, C, R> {
 
 /// What turns a decision into a response; shared with futures that decide later.
 pub(crate) struct Responder {
-    pub(crate) header_style: HeaderStyle,
+    pub(crate) headers: HeaderOptions,
     pub(crate) on_deny: Option<DenyHook>,
     pub(crate) failure_mode: FailureMode,
     pub(crate) breaker: Arc<Breaker>,
@@ -70,7 +70,12 @@ impl Responder {
         let fallback;
         let (decision, policies) = match answer {
             StoreAnswer::Decided(decision) => {
-                self.breaker.on_success();
+                // An answer a store gave from a local cache says nothing of the store
+                // behind it: it neither closes the breaker nor counts as a probe's success
+                // (the probe is released when its guard drops).
+                if !decision.is_cached() {
+                    self.breaker.on_success();
+                }
                 (decision, policies)
             }
             StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
@@ -91,7 +96,8 @@ impl Responder {
             }
         };
         telemetry::decision(policies, &decision, key);
-        let headers = rate_limit_headers(self.header_style, policies, &decision);
+        let extra = jitter_secs(self.headers.jitter);
+        let headers = rate_limit_headers(&self.headers, policies, &decision, key, extra);
         match decision.outcome() {
             Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
             Outcome::Allowed { delay } => Plan::Delay(delay, headers),
@@ -99,10 +105,23 @@ impl Responder {
                 policy,
                 retry_after,
             } => {
+                // Never earlier than the end of the denying policy's effective window as
+                // the `RateLimit` field states it (same rounding, same jitter).
+                let stated = decision
+                    .statuses()
+                    .get(policy)
+                    .map_or(0, |status| effective_secs(status.effective_window, extra));
+                let jittered = if retry_after >= crate::headers::JITTER_FROM {
+                    retry_after.saturating_add(Duration::from_secs(extra))
+                } else {
+                    retry_after
+                };
                 let rejection = Rejection {
                     policy: &policies[policy],
-                    retry_after,
+                    retry_after: jittered.max(Duration::from_secs(stated)),
                     decision: &decision,
+                    policies,
+                    cost,
                 };
                 let mut response = match &self.on_deny {
                     Some(hook) => hook(&rejection),
@@ -234,9 +253,22 @@ where
         let cost = config.cost.cost(&parts);
         let request = Request::from_parts(parts, body);
         let responder = &config.responder;
-        let answer = if !responder.breaker.should_call() {
-            StoreAnswer::Skipped
-        } else {
+        let probe = match responder.breaker.admit() {
+            Admission::Call => None,
+            Admission::Probe(guard) => Some(guard),
+            Admission::Skip => {
+                return finish(
+                    &mut self.inner,
+                    responder,
+                    request,
+                    &policies,
+                    &key,
+                    cost,
+                    StoreAnswer::Skipped,
+                );
+            }
+        };
+        let answer = {
             let stopwatch = Stopwatch::start();
             match self.store.decide(&key, &policies, cost).into_ready() {
                 Ok(result) => {
@@ -269,19 +301,46 @@ where
                             key,
                             cost,
                             responder: Arc::clone(responder),
+                            probe,
                         },
                     );
                 }
             }
         };
-        // The in-process store answers at once: no allocation, no clone of the inner
-        // service, which was made ready by poll_ready and is called right here.
-        match responder.plan(&policies, &key, cost, answer) {
-            Plan::Call(headers) => ResponseFuture::calling(self.inner.call(request), headers),
-            Plan::Delay(delay, headers) => {
-                ResponseFuture::delaying(delay, take_ready(&mut self.inner), request, headers)
-            }
-            Plan::Respond(response) => ResponseFuture::respond_boxed(response),
+        let response = finish(
+            &mut self.inner,
+            responder,
+            request,
+            &policies,
+            &key,
+            cost,
+            answer,
+        );
+        drop(probe);
+        response
+    }
+}
+
+/// Answers a request whose decision is known now. The in-process store answers at once:
+/// no allocation, no clone of the inner service, which was made ready by poll_ready and is
+/// called right here.
+fn finish<S, ReqBody, ResBody>(
+    inner: &mut S,
+    responder: &Responder,
+    request: Request<ReqBody>,
+    policies: &PolicySet,
+    key: &Key,
+    cost: u64,
+    answer: StoreAnswer,
+) -> ResponseFuture<S::Future, S, ReqBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    match responder.plan(policies, key, cost, answer) {
+        Plan::Call(headers) => ResponseFuture::calling(inner.call(request), headers),
+        Plan::Delay(delay, headers) => {
+            ResponseFuture::delaying(delay, take_ready(inner), request, headers)
         }
+        Plan::Respond(response) => ResponseFuture::respond_boxed(response),
     }
 }

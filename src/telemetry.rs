@@ -4,7 +4,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit` |
-//! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `other` |
+//! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_fallback_active` | gauge | 1 while the store fails and the failure mode applies |
 //! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
@@ -18,16 +18,6 @@ use crate::decision::Outcome;
 use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::store::{StoreError, StoreErrorKind};
-
-#[cfg(feature = "metrics")]
-fn kind_label(kind: StoreErrorKind) -> &'static str {
-    match kind {
-        StoreErrorKind::Unavailable => "unavailable",
-        StoreErrorKind::Timeout => "timeout",
-        StoreErrorKind::Protocol => "protocol",
-        _ => "other",
-    }
-}
 
 /// One decision under `policies`.
 #[inline]
@@ -62,16 +52,45 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     let _ = key;
 }
 
-/// The store failed.
+/// The store failed. I/O failures are debug events (the failure-mode warning already
+/// says the store is away); any other failure is a bug or a misconfiguration, logged at
+/// error level the first time each kind and code is seen, and counted every time.
 #[inline]
 pub(crate) fn store_error(error: &StoreError) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("tollgate_store_errors_total", "kind" => kind_label(error.kind()))
-        .increment(1);
-    #[cfg(feature = "tracing")]
-    tracing::debug!(target: "tollgate", %error, "rate-limit store error");
-    let _ = error;
-    let _ = StoreErrorKind::Other;
+    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
+    if error.kind().is_io() {
+        #[cfg(feature = "tracing")]
+        tracing::debug!(target: "tollgate", %error, "rate-limit store error");
+    } else if first_of_its_kind(error.kind(), error.code()) {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            kind = error.kind().as_str(),
+            code = error.code().unwrap_or(""),
+            "rate-limit store refused to decide: this is a bug or a misconfiguration, not an \
+             outage; the failure mode answers meanwhile (logged once per kind, counted in \
+             tollgate_store_errors_total)"
+        );
+    }
+}
+
+/// True the first time this process sees `kind` with `code` (a small, bounded set: the
+/// codes a store can answer).
+fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+    static SEEN: OnceLock<Mutex<HashSet<(StoreErrorKind, Box<str>)>>> = OnceLock::new();
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    // Bounded: a store answering ever new codes cannot grow this without limit.
+    if seen.len() >= 64 {
+        return false;
+    }
+    seen.insert((kind, code.unwrap_or("").into()))
 }
 
 /// The circuit breaker kept a request from the store.

@@ -130,6 +130,7 @@ fn same(a: &Decision, b: &Decision) -> bool {
         && a.statuses().len() == b.statuses().len()
         && a.statuses().iter().zip(b.statuses()).all(|(x, y)| {
             x.limit == y.limit && x.remaining == y.remaining && close(x.reset, y.reset)
+                close(x.reset, y.reset)close(x.reset, y.reset) close(x.effective_window, y.effective_window)
         })
 }
 

@@ -50,9 +50,14 @@ impl LeakyShape {
         self.as_bucket().refresh(state, now);
     }
 
-    /// Admit with the wait for what is ahead, or deny when that wait is too long.
+    /// Admit with the wait for what is ahead, or deny when that wait is too long. A cost
+    /// larger than the unit requests an empty bucket admits back to back never fits: it
+    /// would hold the key for longer than the delay bound allows.
     #[inline]
-    pub fn check(&self, state: &BucketState, _now: u64, _cost: u64) -> Verdict {
+    pub fn check(&self, state: &BucketState, _now: u64, cost: u64) -> Verdict {
+        if cost > self.capacity() {
+            return Verdict::Never;
+        }
         let amount = u128::from(self.amount);
         if state.level.get() <= self.threshold() {
             Verdict::Admit {

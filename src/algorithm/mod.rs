@@ -331,6 +331,36 @@ impl Params {
         dispatch!(self, state, commit(now, cost), ())
     }
 
+    /// The draft-11 *effective window* in nanoseconds: how long, from `now`, the client can
+    /// use no more than `remaining` units. It is the time until one more unit would fit
+    /// after `remaining` were spent now: for a bucket or GCRA the next unit's arrival (not
+    /// the time until full), for a fixed window its end, for a sliding log the moment its
+    /// oldest entry leaves, for the counter the moment its estimate lets one more in.
+    #[inline]
+    pub(crate) fn effective_window(&self, state: &Slot, now: u64, remaining: u64) -> u64 {
+        match (self, state) {
+            (Params::FixedWindow { window, .. }, Slot::Window { .. }) => {
+                (now - now % window).saturating_add(*window) - now
+            }
+            (Params::SlidingLog { window, .. }, Slot::Log { state, .. }) => {
+                state.entries.front().map_or(*window, |&(at, _)| {
+                    at.saturating_add(*window).saturating_sub(now).max(1)
+                })
+            }
+            (_, Slot::Log { .. }) => 0,
+            _ => {
+                // Every other state is a few plain words: spend `remaining` on a copy and
+                // ask when one more unit fits.
+                let mut spent = state.clone();
+                self.commit(&mut spent, now, remaining);
+                match self.check(&spent, now, 1) {
+                    Verdict::Deny { retry_after } => retry_after,
+                    Verdict::Admit { .. } | Verdict::Never => 0,
+                }
+            }
+        }
+    }
+
     #[inline]
     pub(crate) fn snapshot(&self, state: &Slot, now: u64) -> Snapshot {
         dispatch!(
@@ -408,6 +438,11 @@ pub(crate) fn decide(
             limit: params.limit(),
             remaining: snapshot.remaining,
             reset: Duration::from_nanos(snapshot.reset),
+            effective_window: Duration::from_nanos(params.effective_window(
+                slot,
+                now,
+                snapshot.remaining,
+            )),
         });
     }
     (Decision::new(outcome, statuses), fresh_at)

@@ -169,3 +169,50 @@ where
         (self.f)(parts)
     }
 }
+
+/// Charges the request's declared body size, its `Content-Length`, in bytes: for upload
+/// and bandwidth quotas. Advertise such a policy with
+/// [`QuotaUnit::ContentBytes`](crate::policy::QuotaUnit::ContentBytes) so clients see
+/// `qu="content-bytes"`.
+///
+/// A request without a valid `Content-Length` (a chunked upload, or a malformed or
+/// repeated header) costs `unknown`: pick it so that an upload that does not declare its
+/// size cannot pass for free (for example the policy's whole capacity). A size larger than
+/// the policy can ever admit is the usual `400`.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::cost::{ContentLength, Cost};
+///
+/// let cost = ContentLength::or(1_000_000);
+/// let upload = Request::post("/upload").header("content-length", "2048").body(()).unwrap();
+/// assert_eq!(cost.cost(&upload.into_parts().0), 2048);
+/// let chunked = Request::post("/upload").body(()).unwrap();
+/// assert_eq!(cost.cost(&chunked.into_parts().0), 1_000_000);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ContentLength {
+    unknown: u64,
+}
+
+impl ContentLength {
+    /// Charges `Content-Length`; a request without a valid one costs `unknown`.
+    pub fn or(unknown: u64) -> Self {
+        Self { unknown }
+    }
+}
+
+impl Cost for ContentLength {
+    fn cost(&self, parts: &Parts) -> u64 {
+        let mut values = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) => value
+                .to_str()
+                .ok()
+                .filter(|text| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()))
+                // All digits but too large for u64: more than any policy admits.
+                .map_or(self.unknown, |text| text.parse().unwrap_or(u64::MAX)),
+            _ => self.unknown,
+        }
+    }
+}

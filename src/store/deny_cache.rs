@@ -6,21 +6,28 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{DecideFuture, Store};
+use super::{DecideFuture, Store, StoreError};
 use crate::clock::{Clock, MonotonicClock};
-use crate::decision::{Decision, Outcome, PolicyStatus};
+use crate::decision::{Decision, Outcome};
 use crate::key::Key;
 use crate::policy::PolicySet;
 
 /// Remembers denials: once the store says an identity is denied for `retry_after`,
-/// requests of that identity costing at least as much are denied in-process until then,
+/// requests of that identity with the same cost are denied in-process until then,
 /// without a round trip.
 ///
 /// This is exact for every algorithm: a denial's `retry_after` is the earliest time the
 /// same request could be admitted if nothing else were spent, and spending by others only
-/// pushes it later. Two limits: the local deadline starts when the answer arrives, so it
-/// can run up to one round trip longer than the store's; and a *cheaper* request may fit
-/// sooner, so it is always sent to the store.
+/// pushes it later, so "after waiting `Retry-After` the same request is admitted" holds
+/// for every cached answer. The local deadline starts when the answer arrives, so it can
+/// run up to one round trip longer than the store's. A request of another cost goes to
+/// the store: a cheaper one may fit sooner, a costlier one needs longer than the cached
+/// wait.
+///
+/// A cached answer cannot know the policies' state now (others spend, buckets refill),
+/// so it carries no statuses: the layer sends `Retry-After` and `RateLimit-Policy`, and
+/// no `RateLimit` field rather than stale numbers. It is marked
+/// [`from_cache`](crate::Decision::from_cache), so it never closes a circuit breaker.
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
 /// instead of every request. Memory is bounded by `capacity` identities.
@@ -38,17 +45,20 @@ pub struct DenyCache<S> {
     shared: Arc<Shared>,
 }
 
+/// Key, policy set fingerprint, cost.
+type CacheKey = (Key, u64, u64);
+
 struct Shared {
-    denials: quick_cache::sync::Cache<(Key, u64), Denial>,
-    clock: MonotonicClock,
+    denials: quick_cache::sync::Cache<CacheKey, Denial>,
+    clock: Arc<dyn Clock>,
 }
 
 #[derive(Clone)]
 struct Denial {
-    /// Local clock nanoseconds until which the identity is denied.
+    /// Local clock nanoseconds until which the request is denied.
     until: u64,
-    cost: u64,
-    decision: Decision,
+    /// The index of the policy that denied it.
+    policy: usize,
 }
 
 impl<S> std::fmt::Debug for DenyCache<S> {
@@ -62,11 +72,17 @@ impl<S> std::fmt::Debug for DenyCache<S> {
 impl<S: Store> DenyCache<S> {
     /// Caches the denials of `inner` for up to `capacity` identities.
     pub fn new(inner: S, capacity: usize) -> Self {
+        Self::with_clock(inner, capacity, MonotonicClock::new())
+    }
+
+    /// [`new`](Self::new), measuring the cached waits on `clock` (for tests, a
+    /// [`ManualClock`](crate::clock::ManualClock)).
+    pub fn with_clock(inner: S, capacity: usize, clock: impl Clock) -> Self {
         Self {
             inner,
             shared: Arc::new(Shared {
                 denials: quick_cache::sync::Cache::new(capacity.max(1)),
-                clock: MonotonicClock::new(),
+                clock: Arc::new(clock),
             }),
         }
     }
@@ -78,14 +94,16 @@ impl<S: Store> DenyCache<S> {
 }
 
 impl Shared {
-    fn record(&self, cache_key: (Key, u64), cost: u64, decision: &Decision) {
+    fn record(&self, cache_key: CacheKey, decision: &Decision) {
         match decision.outcome() {
-            Outcome::Denied { retry_after, .. } => {
+            Outcome::Denied {
+                retry_after,
+                policy,
+            } => {
                 let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
                 let denial = Denial {
                     until: self.clock.now().saturating_add(wait),
-                    cost,
-                    decision: decision.clone(),
+                    policy,
                 };
                 self.denials.insert(cache_key, denial);
             }
@@ -97,45 +115,29 @@ impl Shared {
     }
 }
 
-/// The cached denial as it looks `elapsed` after it was made.
-fn aged(decision: &Decision, elapsed: Duration, retry_after: Duration) -> Decision {
-    let statuses: SmallVec<[PolicyStatus; 2]> = decision
-        .statuses()
-        .iter()
-        .map(|status| PolicyStatus {
-            reset: status.reset.saturating_sub(elapsed),
-            ..*status
-        })
-        .collect();
-    let outcome = match decision.outcome() {
-        Outcome::Denied { policy, .. } => Outcome::Denied {
-            policy,
-            retry_after,
-        },
-        other => other,
-    };
-    Decision::new(outcome, statuses)
-}
-
 impl<S: Store> Store for DenyCache<S> {
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        self.inner.validate(policies)
+    }
+
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        let cache_key = (key.clone(), policies.fingerprint());
+        let cache_key = (key.clone(), policies.fingerprint(), cost);
         if let Some(denial) = self.shared.denials.get(&cache_key) {
             let now = self.shared.clock.now();
-            if now < denial.until && cost >= denial.cost {
-                let retry_after = Duration::from_nanos(denial.until - now);
-                let made = denial
-                    .decision
-                    .retry_after()
-                    .unwrap_or_default()
-                    .saturating_sub(retry_after);
-                return DecideFuture::ready(Ok(aged(&denial.decision, made, retry_after)));
+            if now < denial.until {
+                let outcome = Outcome::Denied {
+                    policy: denial.policy,
+                    retry_after: Duration::from_nanos(denial.until - now),
+                };
+                return DecideFuture::ready(Ok(
+                    Decision::new(outcome, SmallVec::new()).from_cache()
+                ));
             }
         }
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
                 if let Ok(decision) = &result {
-                    self.shared.record(cache_key, cost, decision);
+                    self.shared.record(cache_key, decision);
                 }
                 DecideFuture::ready(result)
             }
@@ -144,7 +146,7 @@ impl<S: Store> Store for DenyCache<S> {
                 DecideFuture::new(async move {
                     let result = pending.await;
                     if let Ok(decision) = &result {
-                        shared.record(cache_key, cost, decision);
+                        shared.record(cache_key, decision);
                     }
                     result
                 })

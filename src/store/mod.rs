@@ -48,6 +48,17 @@ use crate::policy::PolicySet;
 pub trait Store: Clone + Send + Sync + 'static {
     /// Decides `cost` units for `key` under every policy of `policies`, all-or-nothing.
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture;
+
+    /// Can this store decide every policy of `policies` exactly? [`RateLimitLayer`]
+    /// calls it when it wraps a service, so a policy the store cannot hold fails at
+    /// start-up with a message naming it, never as a store error on every request. The
+    /// default accepts everything (the in-process store decides every valid policy).
+    ///
+    /// [`RateLimitLayer`]: crate::RateLimitLayer
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        let _ = policies;
+        Ok(())
+    }
 }
 
 pub(crate) type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
@@ -121,7 +132,12 @@ impl Future for DecideFuture {
 }
 
 /// What kind of failure a store had.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Only [`Unavailable`](Self::Unavailable) and [`Timeout`](Self::Timeout) are I/O: the
+/// store may answer again by itself. The others mean a bug or a misconfiguration; the
+/// layer still applies its failure mode to the request, but logs them at error level
+/// (once per kind and code) and counts them, so they are never hidden behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
     /// The backend could not be reached.
@@ -130,8 +146,35 @@ pub enum StoreErrorKind {
     Timeout,
     /// The backend answered something that could not be understood.
     Protocol,
+    /// The backend refused the command: no permission (`NOPERM`), a read-only replica
+    /// (`READONLY`), a key of the wrong type (`WRONGTYPE`), a script error, out of memory.
+    Refused,
+    /// The store cannot decide this policy exactly (caught by [`Store::validate`] when
+    /// the layer is built; seen at request time only with per-request policies).
+    Unsupported,
     /// Anything else.
     Other,
+}
+
+impl StoreErrorKind {
+    /// True for failures of the connection (unreachable, timed out), which pass by
+    /// themselves; false for those that mean a bug or a misconfiguration.
+    pub fn is_io(self) -> bool {
+        matches!(self, StoreErrorKind::Unavailable | StoreErrorKind::Timeout)
+    }
+
+    /// A short label: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`,
+    /// `other` (the `kind` label of `tollgate_store_errors_total`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::Timeout => "timeout",
+            StoreErrorKind::Protocol => "protocol",
+            StoreErrorKind::Refused => "refused",
+            StoreErrorKind::Unsupported => "unsupported",
+            StoreErrorKind::Other => "other",
+        }
+    }
 }
 
 /// A store could not decide. This is not a denial: the layer's failure mode decides what
@@ -146,6 +189,7 @@ pub enum StoreErrorKind {
 #[derive(Debug)]
 pub struct StoreError {
     kind: StoreErrorKind,
+    code: Option<Box<str>>,
     message: String,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
@@ -155,9 +199,21 @@ impl StoreError {
     pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
         Self {
             kind,
+            code: None,
             message: message.into(),
             source: None,
         }
+    }
+
+    /// Attaches the backend's own error code (`NOPERM`, `READONLY`, `WRONGTYPE`).
+    pub fn with_code(mut self, code: impl Into<Box<str>>) -> Self {
+        self.code = Some(code.into());
+        self
+    }
+
+    /// The backend's error code, when it gave one.
+    pub fn code(&self) -> Option<&str> {
+        self.code.as_deref()
     }
 
     /// Attaches the underlying error.
@@ -175,10 +231,9 @@ impl StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match self.kind {
-            StoreErrorKind::Unavailable => "unavailable",
-            StoreErrorKind::Timeout => "timeout",
             StoreErrorKind::Protocol => "protocol error",
             StoreErrorKind::Other => "error",
+            other => other.as_str(),
         };
         write!(f, "rate-limit store {kind}: {}", self.message)
     }

@@ -163,16 +163,47 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+/// Sorts a Redis error: connection trouble passes by itself (`Unavailable`, `Timeout`);
+/// an error the server answered (`NOPERM`, `READONLY`, `WRONGTYPE`, a script error) is
+/// `Refused`, which the layer logs loudly instead of hiding it behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
+    use redis::{ErrorKind, ServerErrorKind};
     let kind = if error.is_timeout() {
         StoreErrorKind::Timeout
-    } else if error.is_io_error() || error.is_connection_dropped() || error.is_connection_refusal()
+    } else if error.is_io_error()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+        || matches!(
+            error.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::BusyLoading
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::ClusterDown
+                        | ServerErrorKind::MasterDown
+                )
+        )
     {
         StoreErrorKind::Unavailable
+    } else if matches!(
+        error.kind(),
+        ErrorKind::Server(_) | ErrorKind::Extension | ErrorKind::AuthenticationFailed
+    ) {
+        StoreErrorKind::Refused
+    } else if matches!(
+        error.kind(),
+        ErrorKind::Parse | ErrorKind::UnexpectedReturnType
+    ) {
+        StoreErrorKind::Protocol
     } else {
         StoreErrorKind::Other
     };
-    StoreError::new(kind, error.to_string()).with_source(error)
+    let code = error.code().map(str::to_owned);
+    let mut store_error = StoreError::new(kind, error.to_string());
+    if let Some(code) = code {
+        store_error = store_error.with_code(code);
+    }
+    store_error.with_source(error)
 }
 
 impl RedisStore {
@@ -188,26 +219,51 @@ impl RedisStore {
 
     /// Connects to one Redis server (`redis://host:port/db`) with one multiplexed
     /// connection that pipelines concurrent decisions and reconnects by itself.
+    ///
+    /// It then [verifies](Self::verify) that the server runs every script under the
+    /// default key prefix; with another prefix (and an ACL limited to it) use
+    /// [`connect_with_prefix`](Self::connect_with_prefix).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(store_error)?;
-        let manager = ConnectionManager::new(client).await.map_err(store_error)?;
-        Ok(Self::with_backend(Backend::Manager(manager)))
+        Self::connect_with_prefix(url, DEFAULT_PREFIX).await
     }
 
-    /// Uses a `deadpool_redis` pool you already run.
+    /// [`connect`](Self::connect), with keys under `prefix`; the start-up check writes
+    /// under that prefix too.
+    pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(store_error)?;
+        let manager = ConnectionManager::new(client).await.map_err(store_error)?;
+        let store = Self::with_backend(Backend::Manager(manager)).prefix(prefix);
+        store.verify().await?;
+        Ok(store)
+    }
+
+    /// Uses a `deadpool_redis` pool you already run. Call [`verify`](Self::verify) once
+    /// at start-up to check the server runs the scripts.
     pub fn from_pool(pool: deadpool_redis::Pool) -> Self {
         Self::with_backend(Backend::Pool(pool))
     }
 
-    /// Connects to a Redis Cluster through any of its nodes (`redis://host:port`).
+    /// Connects to a Redis Cluster through any of its nodes (`redis://host:port`), then
+    /// [verifies](Self::verify) the scripts run there.
     pub async fn connect_cluster<S: AsRef<str>>(nodes: &[S]) -> Result<Self, StoreError> {
+        Self::connect_cluster_with_prefix(nodes, DEFAULT_PREFIX).await
+    }
+
+    /// [`connect_cluster`](Self::connect_cluster), with keys under `prefix`.
+    pub async fn connect_cluster_with_prefix<S: AsRef<str>>(
+        nodes: &[S],
+        prefix: &str,
+    ) -> Result<Self, StoreError> {
         let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
         let client = redis::cluster::ClusterClient::new(nodes).map_err(store_error)?;
         let connection = client.get_async_connection().await.map_err(store_error)?;
-        Ok(Self::with_backend(Backend::Cluster(connection)))
+        let store = Self::with_backend(Backend::Cluster(connection)).prefix(prefix);
+        store.verify().await?;
+        Ok(store)
     }
 
-    /// Uses a `deadpool_redis` cluster pool you already run.
+    /// Uses a `deadpool_redis` cluster pool you already run. Call
+    /// [`verify`](Self::verify) once at start-up.
     pub fn from_cluster_pool(pool: deadpool_redis::cluster::Pool) -> Self {
         Self::with_backend(Backend::ClusterPool(pool))
     }
@@ -240,21 +296,76 @@ impl RedisStore {
     }
 
     /// Checks that every policy of `policies` can be decided exactly by the script (its
-    /// numbers stay below 2^53 in microseconds). Call it at start-up; `decide` reports
-    /// the same problem as a store error.
+    /// numbers stay below 2^53). [`RateLimitLayer`](crate::RateLimitLayer) does this when
+    /// it is built (through [`Store::validate`]); `decide` reports the same problem as a
+    /// store error of kind [`Unsupported`](StoreErrorKind::Unsupported).
     pub fn check_policies(policies: &PolicySet) -> Result<(), StoreError> {
         policies
             .iter()
             .try_for_each(|policy| script_args(policy).map(drop))
     }
+
+    /// Loads every script and runs each algorithm once on a throw-away key (its windows
+    /// are 1 ms, so nothing lingers): a server that refuses a command the scripts need
+    /// (an ACL without `EVALSHA`, `TIME` or a key pattern for the prefix; a replica that
+    /// is read-only; a Redis too old for `TIME` in scripts) fails here, at start-up, with
+    /// the server's own words, instead of on every request.
+    pub async fn verify(&self) -> Result<(), StoreError> {
+        let probe = PolicySet::new(
+            [
+                Policy::fixed_window("probe-fw", 1, Duration::from_millis(1)),
+                Policy::sliding_window("probe-sw", 1, Duration::from_millis(1)),
+                Policy::sliding_log("probe-sl", 1, Duration::from_millis(1)),
+                Policy::token_bucket("probe-tb", 1, crate::Rate::per_second(1000)),
+                Policy::leaky_bucket_shaping(
+                    "probe-ls",
+                    crate::Rate::per_second(1000),
+                    Duration::ZERO,
+                ),
+                Policy::gcra("probe-gc", crate::Rate::per_second(1000), 1),
+            ]
+            .into_iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?,
+        )
+        .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?;
+        let key = Key::new("tollgate-start-up-check");
+        // Every algorithm in the multi-policy script, then each one's own script.
+        self.decide(&key, &probe, 1)
+            .await
+            .map_err(|error| refused_at_start(&error))?;
+        for policy in probe.iter() {
+            self.decide(&key, &PolicySet::from(policy.clone()), 1)
+                .await
+                .map_err(|error| refused_at_start(&error))?;
+        }
+        Ok(())
+    }
+}
+
+fn refused_at_start(error: &StoreError) -> StoreError {
+    let mut checked = StoreError::new(
+        error.kind(),
+        format!("the start-up check of the Redis store's scripts failed: {error}"),
+    );
+    if let Some(code) = error.code() {
+        checked = checked.with_code(code);
+    }
+    checked
 }
 
 impl Store for RedisStore {
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        Self::check_policies(policies)
+    }
+
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         let mut keys = Vec::with_capacity(2 * policies.len());
         let mut args: Vec<String> = Vec::with_capacity(3 + 4 * policies.len());
         args.push(self.now_argument());
-        args.push(cost.to_string());
+        // A cost above every limit is "never fits" whatever its size: send one the script's
+        // doubles hold exactly.
+        args.push(cost.min(crate::policy::MAX_LIMIT + 1).to_string());
         args.push(policies.len().to_string());
         let mut single_kind = None;
         for policy in policies.iter() {
@@ -316,13 +427,13 @@ fn micros(value: i64) -> Duration {
 }
 
 fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, StoreError> {
-    if reply.len() != 4 + 3 * count {
+    if reply.len() != 4 + 4 * count {
         return Err(StoreError::new(
             StoreErrorKind::Protocol,
             format!(
                 "the decision script answered {} numbers, expected {}",
                 reply.len(),
-                4 + 3 * count
+                4 + 4 * count
             ),
         ));
     }
@@ -331,11 +442,12 @@ fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, Store
         .saturating_sub(1)
         .min(count.saturating_sub(1));
     let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..]
-        .chunks_exact(3)
+        .chunks_exact(4)
         .map(|status| PolicyStatus {
             limit: u64::try_from(status[0]).unwrap_or(0),
             remaining: u64::try_from(status[1]).unwrap_or(0),
             reset: micros(status[2]),
+            effective_window: micros(status[3]),
         })
         .collect();
     let outcome = match reply[0] {
@@ -415,16 +527,26 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
             ("gc", burst, amount, period)
         }
     };
-    // The largest product the script forms: capacity * period, or limit * window.
-    let (_, p1, p2, p3) = args;
-    let largest = u128::from(p1) * u128::from(p2.max(p3)) + u128::from(p2) * u128::from(p3);
+    // The largest number each script forms must stay below 2^53, where Lua's doubles are
+    // exact. Windows never multiply the limit by the window (the counter's weighting goes
+    // through the script's exact `muldiv`); buckets and GCRA keep a level of units times
+    // the period, bounded by twice the capacity (a cost that fits is at most the capacity).
+    let (kind, p1, p2, p3) = args;
+    let largest = match kind {
+        "fw" | "sl" | "sw" => 0,
+        "ls" => 2 * u128::from(p1) * u128::from(p2) + 2 * u128::from(p3),
+        _ => 2 * u128::from(p1) * u128::from(p3) + u128::from(p2),
+    };
     if largest >= EXACT {
         return Err(StoreError::new(
-            StoreErrorKind::Other,
+            StoreErrorKind::Unsupported,
             format!(
-                "policy \"{}\" has numbers too large for exact arithmetic in Redis \
-                 (limit times window or period must stay below 2^53 microseconds)",
-                policy.name()
+                "policy \"{}\" cannot be decided exactly in Redis: its capacity times the \
+                 period of one unit ({} x {} microseconds, in lowest terms) passes 2^52; \
+                 use a smaller capacity or a faster rate, or a window algorithm",
+                policy.name(),
+                p1,
+                if kind == "ls" { p2 } else { p3 },
             ),
         ));
     }
@@ -516,15 +638,32 @@ fn escape_into(out: &mut String, text: &str) {
 mod tests {
     use super::*;
     use crate::Rate;
+    use crate::policy::{MAX_LIMIT, MAX_PERIOD};
 
     #[test]
     fn rates_are_reduced_and_oversized_policies_refused() {
         let policy = Policy::token_bucket("t", 1_000_000, Rate::per_day(1_000_000)).unwrap();
         assert_eq!(script_args(&policy).unwrap(), ("tb", 1_000_000, 1, 86_400));
-        let huge = Policy::fixed_window("f", (1 << 52) - 1, Duration::from_secs(86_400)).unwrap();
-        let error = script_args(&huge).unwrap_err().to_string();
+        // Windows never multiply the limit by the window: everyday quotas fit.
+        let day = Duration::from_secs(86_400);
+        for window in [
+            Policy::fixed_window("daily", 200_000, day).unwrap(),
+            Policy::fixed_window("monthly", 5_000, 30 * day).unwrap(),
+            Policy::sliding_window("daily", 150_000, day).unwrap(),
+            Policy::sliding_log("daily", 150_000, day).unwrap(),
+            Policy::fixed_window("max", MAX_LIMIT, MAX_PERIOD).unwrap(),
+            Policy::sliding_window("max", MAX_LIMIT, MAX_PERIOD).unwrap(),
+        ] {
+            assert!(script_args(&window).is_ok(), "{window:?}");
+        }
+        // A bucket whose level (capacity times one unit's period) passes 2^52 is refused.
+        let huge = Policy::token_bucket("huge", 1_000_000_000, Rate::per_day(1)).unwrap();
+        let error = script_args(&huge).unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Unsupported);
         assert!(
-            error.contains("policy \"f\" has numbers too large"),
+            error
+                .to_string()
+                .contains("policy \"huge\" cannot be decided exactly"),
             "{error}"
         );
     }
