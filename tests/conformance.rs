@@ -129,8 +129,10 @@ fn same(a: &Decision, b: &Decision) -> bool {
     outcome
         && a.statuses().len() == b.statuses().len()
         && a.statuses().iter().zip(b.statuses()).all(|(x, y)| {
-            x.limit == y.limit && x.remaining == y.remaining && close(x.reset, y.reset)
-                close(x.reset, y.reset)close(x.reset, y.reset) close(x.effective_window, y.effective_window)
+            x.limit == y.limit
+                && x.remaining == y.remaining
+                && close(x.reset, y.reset)
+                && close(x.effective_window, y.effective_window)
         })
 }
 
