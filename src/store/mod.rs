@@ -190,7 +190,7 @@ impl StoreErrorKind {
 pub struct StoreError {
     kind: StoreErrorKind,
     code: Option<Box<str>>,
-    message: String,
+    pub(crate) message: String,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
 

@@ -346,7 +346,10 @@ impl RedisStore {
 fn refused_at_start(error: &StoreError) -> StoreError {
     let mut checked = StoreError::new(
         error.kind(),
-        format!("the start-up check of the Redis store's scripts failed: {error}"),
+        format!(
+            "the start-up check of the Redis store's scripts failed: {}",
+            error.message
+        ),
     );
     if let Some(code) = error.code() {
         checked = checked.with_code(code);

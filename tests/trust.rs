@@ -1,0 +1,626 @@
+//! Issue 8, "Trust": one test per defect a careful review found. Each of these failed on
+//! the main branch before the fix (the closing note of the issue lists them).
+//!
+//! Standards checked here: draft-ietf-httpapi-ratelimit-headers-11 (the `RateLimit` and
+//! `RateLimit-Policy` fields, the effective window `t`, the "Quota Exceeded" and
+//! "Temporary Reduced Capacity" problem types), RFC 9457 (problem details) and RFC 9651
+//! (structured field values: integers of at most 15 digits, section 3.3.1).
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use http::{Request, Response, StatusCode};
+use tower::{Layer, ServiceExt};
+
+use tollgate::store::DenyCache;
+use tollgate::{
+    CircuitBreaker, DecideFuture, FailureMode, HeaderStyle, Key, MemoryStore, Outcome,
+    Policy, PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind,
+};
+
+const PEER: ([u8; 4], u16) = ([203, 0, 113, 7], 40000);
+
+fn request(path: &str, cost: u64) -> Request<Body> {
+    let mut request = Request::get(path)
+        .header("x-cost", cost.to_string())
+        .body(Body::empty())
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(std::net::SocketAddr::from(PEER));
+    request
+}
+
+fn cost_header() -> impl tollgate::cost::Cost + Clone {
+    tollgate::cost::from_fn(|parts| {
+        parts
+            .headers
+            .get("x-cost")
+            .and_then(|value| value.to_str().ok()?.parse().ok())
+            .unwrap_or(1)
+    })
+}
+
+fn hello() -> Router {
+    Router::new().route("/", get(|| async { "hello" }))
+}
+
+async fn body_text(response: Response<impl http_body::Body<Error: std::fmt::Debug>>) -> String {
+    use http_body_util::BodyExt;
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    String::from_utf8(bytes.to_vec()).unwrap()
+}
+
+fn header<B>(response: &Response<B>, name: &str) -> Option<String> {
+    response
+        .headers()
+        .get(name)
+        .map(|value| value.to_str().unwrap().to_owned())
+}
+
+/// A store whose health the test sets: up (an in-process store decides), down (an error
+/// at once) or hung (no answer ever). Counts the calls that reach it.
+#[derive(Clone)]
+struct Switch {
+    inner: MemoryStore,
+    mode: Arc<AtomicU8>,
+    calls: Arc<AtomicU64>,
+}
+
+const UP: u8 = 0;
+const DOWN: u8 = 1;
+const HUNG: u8 = 2;
+
+impl Switch {
+    fn new() -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            mode: Arc::new(AtomicU8::new(UP)),
+            calls: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn set(&self, mode: u8) {
+        self.mode.store(mode, Ordering::SeqCst);
+    }
+
+    fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+impl Store for Switch {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        match self.mode.load(Ordering::SeqCst) {
+            DOWN => DecideFuture::new(async {
+                Err(StoreError::new(StoreErrorKind::Unavailable, "switched off"))
+            }),
+            HUNG => DecideFuture::new(std::future::pending()),
+            _ => {
+                let decision = self.inner.check(key.as_str(), policies, cost);
+                DecideFuture::new(async move { Ok(decision) })
+            }
+        }
+    }
+}
+
+// Item 1: a probe whose request is dropped mid-flight must not keep the breaker open.
+#[tokio::test]
+async fn a_dropped_probe_does_not_keep_the_breaker_open() {
+    let store = Switch::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(CircuitBreaker::new(1, Duration::from_millis(20))),
+    );
+    store.set(DOWN);
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(store.calls(), 1);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The probe hangs; its client gives up (an outer timeout drops the future).
+    store.set(HUNG);
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request("/", 1)))
+            .await;
+    assert!(dropped.is_err(), "the probe's request was dropped mid-flight");
+    assert_eq!(store.calls(), 2, "it was the probe");
+    // The store is healthy again: the layer must come back to it by itself.
+    store.set(UP);
+    let mut back = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        if response.headers().contains_key("ratelimit") {
+            back = true;
+            break;
+        }
+    }
+    assert!(back, "the breaker stayed open: the layer never returned to the store");
+    assert!(store.calls() >= 3);
+}
+
+// Item 10: an answer from the deny cache is not the store answering.
+#[tokio::test]
+async fn a_cached_denial_never_closes_the_breaker() {
+    let store = Switch::new();
+    let cache = DenyCache::new(store.clone(), 1_000);
+    let app = hello().layer(
+        RateLimitLayer::new(cache)
+            .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::from_fn(|parts| {
+                Ok(Key::new(
+                    parts.headers["x-who"].to_str().unwrap_or("?").to_owned(),
+                ))
+            }))
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(CircuitBreaker::new(3, Duration::from_millis(20))),
+    );
+    let who = |name: &str| {
+        Request::get("/")
+            .header("x-who", name)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // "hot" spends its hour and is denied by the store: the denial is cached.
+    assert_eq!(app.clone().oneshot(who("hot")).await.unwrap().status(), 200);
+    assert_eq!(app.clone().oneshot(who("hot")).await.unwrap().status(), 429);
+    // The store goes down; three failures open the breaker.
+    store.set(DOWN);
+    for _ in 0..3 {
+        app.clone().oneshot(who("cold")).await.unwrap();
+    }
+    let calls = store.calls();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The probe happens to be a request the cache answers: the store said nothing.
+    assert_eq!(app.clone().oneshot(who("hot")).await.unwrap().status(), 429);
+    // So the breaker is still open: of the next requests, at most one probes the store.
+    for _ in 0..3 {
+        app.clone().oneshot(who("cold")).await.unwrap();
+    }
+    assert!(
+        store.calls() - calls <= 1,
+        "{} calls reached a store that is down: the cached answer closed the breaker",
+        store.calls() - calls
+    );
+}
+
+// Item 9: a costlier request never gets a cheaper one's Retry-After from the cache.
+#[tokio::test]
+async fn a_cached_denial_is_only_reused_for_the_same_cost() {
+    let cache = DenyCache::new(MemoryStore::new(), 1_000);
+    let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(1)).unwrap());
+    let key = Key::new("k");
+    assert!(cache.decide(&key, &policies, 10).await.unwrap().is_allowed());
+    let cheap = cache.decide(&key, &policies, 2).await.unwrap();
+    let cheap_wait = cheap.retry_after().unwrap();
+    assert!(cheap_wait > Duration::from_millis(1_900) && cheap_wait <= Duration::from_secs(2));
+    let costly = cache.decide(&key, &policies, 8).await.unwrap();
+    assert!(
+        costly.retry_after().unwrap() > Duration::from_millis(7_900),
+        "a cost of 8 needs 8 s at 1/s, not {:?}",
+        costly.retry_after()
+    );
+}
+
+// Item 8: a cached denial never repeats the numbers seen when it was cached.
+#[tokio::test]
+async fn a_cached_denial_never_sends_stale_numbers() {
+    let app = hello().layer(
+        RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+            .policy(Policy::token_bucket("api", 10, Rate::per_second(2)).unwrap())
+            .cost(cost_header()),
+    );
+    assert_eq!(app.clone().oneshot(request("/", 10)).await.unwrap().status(), 200);
+    let first = app.clone().oneshot(request("/", 5)).await.unwrap();
+    assert_eq!(first.status(), 429);
+    assert_eq!(header(&first, "ratelimit").unwrap(), "\"api\";r=0;t=1");
+    // 1.1 s later two tokens are back; the cached denial (5 needs 2.5 s) still stands.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let second = app.clone().oneshot(request("/", 5)).await.unwrap();
+    assert_eq!(second.status(), 429);
+    if let Some(rate) = header(&second, "ratelimit") {
+        assert_eq!(rate, "\"api\";r=2;t=1", "the numbers must be true when sent");
+    }
+    assert!(header(&second, "ratelimit-policy").is_some());
+    let retry: u64 = header(&second, "retry-after").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&retry), "{retry}");
+}
+
+// Item 7: the shaping bucket answers a cost that can never fit like the others do.
+#[tokio::test]
+async fn shaping_refuses_a_cost_that_can_never_fit() {
+    let store = MemoryStore::new();
+    let shaping = PolicySet::from(
+        Policy::leaky_bucket_shaping("partner", Rate::per_second(2), Duration::from_secs(2))
+            .unwrap(),
+    );
+    let limit = shaping[0].limit();
+    let decision = store.check("k", &shaping, 1_000_000);
+    assert_eq!(
+        decision.outcome(),
+        Outcome::CostExceedsLimit {
+            policy: 0,
+            cost: 1_000_000,
+            limit
+        }
+    );
+    // ... and the bucket is untouched: a request that fits is served at once.
+    assert_eq!(
+        store.check("k", &shaping, 1).outcome(),
+        Outcome::Allowed {
+            delay: Duration::ZERO
+        }
+    );
+    // Through the layer: 400, never a long hold.
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(shaping)
+            .cost(cost_header()),
+    );
+    let response = app.oneshot(request("/", u64::MAX)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+}
+
+/// Every algorithm, at ordinary sizes.
+fn every_algorithm() -> Vec<Policy> {
+    vec![
+        Policy::fixed_window("fw", 10, Duration::from_secs(60)).unwrap(),
+        Policy::sliding_log("sl", 10, Duration::from_secs(60)).unwrap(),
+        Policy::sliding_window("sw", 10, Duration::from_secs(60)).unwrap(),
+        Policy::token_bucket("tb", 10, Rate::per_second(5)).unwrap(),
+        Policy::leaky_bucket("lb", 10, Rate::per_second(5)).unwrap(),
+        Policy::leaky_bucket_shaping("ls", Rate::per_second(5), Duration::from_secs(1)).unwrap(),
+        Policy::gcra("gc", Rate::per_second(5), 10).unwrap(),
+    ]
+}
+
+// The effective window: the quickstart drained to r=0 says t=1 (the next token, 0.2 s
+// away, rounded up), and Retry-After is never earlier than the denying policy's t.
+// (Paused tokio time: the shaping bucket's holds pass at once.)
+#[tokio::test(start_paused = true)]
+async fn t_is_the_effective_window_and_retry_after_is_never_before_it() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap())
+            .cost(cost_header()),
+    );
+    let drained = app.clone().oneshot(request("/", 10)).await.unwrap();
+    assert_eq!(header(&drained, "ratelimit").unwrap(), "\"api\";r=0;t=1");
+    let denied = app.clone().oneshot(request("/", 5)).await.unwrap();
+    assert_eq!(denied.status(), 429);
+    assert_eq!(header(&denied, "ratelimit").unwrap(), "\"api\";r=0;t=1");
+    assert_eq!(header(&denied, "retry-after").unwrap(), "1");
+
+    for policy in every_algorithm() {
+        let name = policy.name().to_owned();
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(policy)
+                .cost(cost_header()),
+        );
+        let mut denials = 0;
+        for cost in [1, 3, 1, 4, 2, 1, 5, 1, 1, 2, 3, 1, 1] {
+            let response = app.clone().oneshot(request("/", cost)).await.unwrap();
+            if response.status() != StatusCode::TOO_MANY_REQUESTS {
+                continue;
+            }
+            denials += 1;
+            let rate = header(&response, "ratelimit").unwrap();
+            let t: u64 = rate.rsplit("t=").next().unwrap().parse().unwrap();
+            let retry: u64 = header(&response, "retry-after").unwrap().parse().unwrap();
+            assert!(
+                retry >= t.max(1),
+                "{name}: Retry-After {retry} points before the effective window t={t}"
+            );
+        }
+        assert!(denials > 0, "{name} never denied");
+    }
+}
+
+// The 429 body: the draft's problem type, with violated-policies (RFC 9457 extension
+// member); the 503 of fail-closed: temporary-reduced-capacity.
+#[tokio::test]
+async fn problem_bodies_use_the_drafts_problem_types() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("burst", 2, Rate::per_second(1)).unwrap())
+            .policy(Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap())
+            .cost(cost_header()),
+    );
+    assert_eq!(app.clone().oneshot(request("/", 2)).await.unwrap().status(), 200);
+    let denied = app.clone().oneshot(request("/", 2)).await.unwrap();
+    assert_eq!(denied.status(), 429);
+    let body: serde_json::Value = serde_json::from_str(&body_text(denied).await).unwrap();
+    assert_eq!(
+        body["type"],
+        "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    );
+    assert_eq!(body["status"], 429);
+    // Both are exceeded: 0 of 2 burst tokens, 1 of 3 daily units left for a cost of 2.
+    assert_eq!(body["violated-policies"], serde_json::json!(["daily", "burst"]));
+    assert!(body["retry_after"].as_u64().unwrap() >= 1);
+
+    let store = Switch::new();
+    store.set(DOWN);
+    let app = hello().layer(
+        RateLimitLayer::new(store)
+            .policy(Policy::gcra("api", Rate::per_second(1), 1).unwrap())
+            .on_store_error(FailureMode::FailClosed),
+    );
+    let unavailable = app.oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(unavailable.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: serde_json::Value = serde_json::from_str(&body_text(unavailable).await).unwrap();
+    assert_eq!(
+        body["type"],
+        "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+    );
+}
+
+/// The members of an RFC 9651 list of items: (string value, parameters).
+fn parse_list(value: &str) -> Vec<(String, Vec<(String, sfv::BareItem)>)> {
+    let list: sfv::List = sfv::Parser::new(value)
+        .parse()
+        .unwrap_or_else(|error| panic!("{value:?} is not an RFC 9651 list: {error}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => (
+                item.bare_item
+                    .as_string()
+                    .expect("a policy name is a string")
+                    .as_str()
+                    .to_owned(),
+                item.params
+                    .into_iter()
+                    .map(|(key, value)| (key.as_str().to_owned(), value))
+                    .collect(),
+            ),
+            sfv::ListEntry::InnerList(_) => panic!("{value:?}: an inner list"),
+        })
+        .collect()
+}
+
+fn integer(params: &[(String, sfv::BareItem)], name: &str) -> i64 {
+    let (_, value) = params
+        .iter()
+        .find(|(key, _)| key == name)
+        .unwrap_or_else(|| panic!("no {name} in {params:?}"));
+    i64::from(value.as_integer().expect("an integer"))
+}
+
+// Item 11: every header the layer emits parses with an independent RFC 9651 parser, for
+// every algorithm and every style, including the largest limits a policy accepts.
+#[tokio::test]
+async fn every_emitted_header_is_rfc_9651() {
+    let huge = [
+        tollgate::policy::MAX_LIMIT,
+        (1 << 53) - 1,
+        999_999_999_999_999,
+    ];
+    let mut policies = every_algorithm();
+    for limit in huge {
+        let candidates = [
+            Policy::token_bucket("big-tb", limit, Rate::per_second(1)),
+            Policy::fixed_window("big-fw", limit, Duration::from_secs(1)),
+            Policy::gcra("big-gc", Rate::per_second(limit), limit),
+        ];
+        policies.extend(candidates.into_iter().filter_map(Result::ok));
+    }
+    for policy in policies {
+        for style in [HeaderStyle::Draft11, HeaderStyle::Draft6, HeaderStyle::Legacy] {
+            let name = policy.name().to_owned();
+            let app = hello().layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .policy(policy.clone())
+                    .headers(style)
+                    .cost(cost_header()),
+            );
+            for cost in [1, 7, 1, 1_000_000_000_000_000, 3] {
+                let response = app.clone().oneshot(request("/", cost)).await.unwrap();
+                for (field, value) in response.headers() {
+                    let value = value.to_str().unwrap();
+                    match field.as_str() {
+                        "ratelimit-policy" => {
+                            for (member, params) in parse_list(value) {
+                                assert_eq!(member, name);
+                                assert_eq!(integer(&params, "q") as u64, policy.limit());
+                                assert!(integer(&params, "w") >= 1);
+                            }
+                        }
+                        "ratelimit" => {
+                            for (member, params) in parse_list(value) {
+                                assert_eq!(member, name);
+                                assert!(integer(&params, "r") as u64 <= policy.limit());
+                                assert!(integer(&params, "t") >= 0);
+                            }
+                        }
+                        "ratelimit-limit" | "ratelimit-remaining" | "ratelimit-reset"
+                        | "x-ratelimit-limit" | "x-ratelimit-remaining" | "x-ratelimit-reset"
+                        | "retry-after" => {
+                            let item: sfv::Item =
+                                sfv::Parser::new(value).parse().unwrap_or_else(|error| {
+                                    panic!("{name} {field}: {value:?} is not RFC 9651: {error}")
+                                });
+                            assert!(item.bare_item.as_integer().is_some(), "{field}: {value}");
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Item 2: everyday quotas are decided on Redis, exactly; a policy Redis cannot decide is
+// refused when the layer is built, never on every request.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn everyday_quotas_are_decided_on_redis() {
+    let server = support::RedisServer::start();
+    let store = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    let day = Duration::from_secs(86_400);
+    let policies = PolicySet::new([
+        Policy::fixed_window("daily", 200_000, day).unwrap(),
+        Policy::fixed_window("monthly", 5_000, 30 * day).unwrap(),
+        Policy::sliding_window("rolling", 150_000, day).unwrap(),
+        Policy::sliding_log("log", 150_000, day).unwrap(),
+        Policy::token_bucket("burst", 10, Rate::per_second(5)).unwrap(),
+    ])
+    .unwrap();
+    let key = Key::new("user:1");
+    for spent in 1..=3u64 {
+        let decision = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(decision.is_allowed());
+        let remaining: Vec<u64> = decision.statuses().iter().map(|s| s.remaining).collect();
+        assert_eq!(
+            remaining,
+            [200_000 - spent, 5_000 - spent, 150_000 - spent, 150_000 - spent, 10 - spent]
+        );
+    }
+    // A weighted request in big windows: exact, not a double's guess.
+    let windows = PolicySet::new(policies.iter().take(4).cloned()).unwrap();
+    let decision = store
+        .decide(&Key::new("user:2"), &windows, 4_999)
+        .await
+        .unwrap();
+    let remaining: Vec<u64> = decision.statuses().iter().map(|s| s.remaining).collect();
+    assert_eq!(remaining, [195_001, 1, 145_001, 145_001]);
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_policy_redis_cannot_decide_is_refused_when_the_layer_is_built() {
+    let server = support::RedisServer::start();
+    let store = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    // A billion tokens refilled once a day: the level passes what Lua counts exactly.
+    let layer = RateLimitLayer::new(store)
+        .policy(Policy::token_bucket("huge", 1_000_000_000, Rate::per_day(1)).unwrap())
+        .policy(Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap());
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| layer.layer(hello())));
+    let message = *built
+        .expect_err("the layer must refuse the policy when it is built")
+        .downcast::<String>()
+        .unwrap();
+    assert!(message.contains("\"huge\""), "{message}");
+}
+
+// Item 6: fixed windows start at the same instants in every store (the Unix epoch), on
+// real time: a day-long quota resets at the same moment in process and on Redis.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn windows_align_to_the_epoch_in_every_store() {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let server = support::RedisServer::start();
+    let redis = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    let memory = MemoryStore::new();
+    let fallback = tollgate::LocalFallback::new();
+    for window in [Duration::from_secs(3_600), Duration::from_secs(86_400)] {
+        let policies = PolicySet::from(Policy::fixed_window("w", 10, window).unwrap());
+        let key = Key::new("aligned");
+        let on_redis = redis.decide(&key, &policies, 1).await.unwrap().statuses()[0].reset;
+        let in_memory = memory.decide(&key, &policies, 1).await.unwrap().statuses()[0].reset;
+        let in_fallback = fallback.store().check("aligned", &policies, 1).statuses()[0].reset;
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let expected = window - Duration::from_nanos((now.as_nanos() % window.as_nanos()) as u64);
+        for (store, reset) in [("redis", on_redis), ("memory", in_memory), ("fallback", in_fallback)] {
+            assert!(
+                reset.abs_diff(expected) < Duration::from_secs(2),
+                "{store}: the {window:?} window ends in {reset:?}, the epoch-aligned one in {expected:?}"
+            );
+        }
+    }
+}
+
+// Item 7: hostile costs on Redis never fail the script and never leave a key without a
+// TTL; a cost that can never fit is answered as such by every algorithm.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn hostile_costs_on_redis_leave_every_key_with_a_ttl() {
+    let server = support::RedisServer::start();
+    let store = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    let costs = [0, 1, 2, 5, 10, 11, 1 << 40, (1 << 53) - 1, 1 << 53, u64::MAX - 1, u64::MAX];
+    for policy in every_algorithm() {
+        let limit = policy.limit();
+        let single = PolicySet::from(policy.clone());
+        let several = PolicySet::new([
+            policy.clone(),
+            Policy::token_bucket("other", 1_000, Rate::per_second(1)).unwrap(),
+        ])
+        .unwrap();
+        for set in [single, several] {
+            for cost in costs {
+                let decision = store
+                    .decide(&Key::new("hostile"), &set, cost)
+                    .await
+                    .unwrap_or_else(|error| panic!("{policy:?} cost {cost}: {error}"));
+                if cost > limit {
+                    assert!(
+                        matches!(decision.outcome(), Outcome::CostExceedsLimit { .. }),
+                        "{policy:?} cost {cost}: {:?}",
+                        decision.outcome()
+                    );
+                }
+            }
+        }
+    }
+    let keys = support::keys_with_ttl(&server);
+    assert!(!keys.is_empty());
+    for (key, ttl) in keys {
+        assert!(ttl > 0, "{key} has no TTL ({ttl})");
+    }
+}
+
+// Item 2, third part: a server that refuses the scripts fails at start, naming what was
+// refused; the least-privilege ACL line of the README is enough.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
+    let server = support::RedisServer::start();
+    let port = server.port;
+    // The README's least-privilege line, for the default prefix.
+    let granted = server.cli(&[
+        "ACL", "SETUSER", "limiter", "on", ">s3cret", "resetkeys", "~tollgate:*", "resetchannels",
+        "-@all", "+evalsha", "+eval", "+script|load", "+time", "+get", "+set", "+hget", "+hmget",
+        "+hset", "+hincrby", "+pexpire", "+zadd", "+zrange", "+zrangebyscore",
+        "+zremrangebyscore",
+    ]);
+    assert!(granted.contains("OK"), "{granted}");
+    let url = format!("redis://limiter:s3cret@127.0.0.1:{port}");
+    let store = tollgate::store::RedisStore::connect(&url)
+        .await
+        .expect("the least-privilege user runs every script");
+    let set = PolicySet::new(every_algorithm()).unwrap();
+    assert!(store.decide(&Key::new("u"), &set, 1).await.unwrap().is_allowed());
+
+    // A user that may run scripts but not touch the store's keys.
+    let denied = server.cli(&[
+        "ACL", "SETUSER", "stranger", "on", ">s3cret", "resetkeys", "~other:*", "-@all",
+        "+evalsha", "+eval", "+script|load", "+time", "+hmget", "+hset", "+pexpire",
+    ]);
+    assert!(denied.contains("OK"), "{denied}");
+    let url = format!("redis://stranger:s3cret@127.0.0.1:{port}");
+    let error = tollgate::store::RedisStore::connect(&url)
+        .await
+        .expect_err("a user that may not touch the keys fails at start");
+    assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+    let text = error.to_string().to_lowercase();
+    assert!(text.contains("noperm") && text.contains("no permissions"), "{error}");
+    assert!(!error.to_string().contains("s3cret"), "the password leaked: {error}");
+}
