@@ -139,11 +139,14 @@ async fn headers_on_every_response_and_a_problem_on_429() {
     assert_eq!(retry_after, 1, "one token takes 200 ms, rounded up to 1 s");
     assert_eq!(denied.headers["content-type"], "application/problem+json");
     assert_eq!(denied.headers["ratelimit-policy"], "\"api\";q=10;w=2");
-    assert!(denied.rate().starts_with("\"api\";r=0;t="));
+    // draft-11: t is the effective window, the next token 0.2 s away, rounded up.
+    assert_eq!(denied.rate(), "\"api\";r=0;t=1");
     assert_eq!(
         denied.body,
-        "{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
-         \"detail\":\"rate limit \\\"api\\\" exceeded; retry in 1 s\",\"policy\":\"api\",\"retry_after\":1}"
+        "{\"type\":\"https://iana.org/assignments/http-problem-types#quota-exceeded\",\
+         \"title\":\"Request cannot be satisfied as assigned quota has been exceeded\",\
+         \"status\":429,\"detail\":\"rate limit \\\"api\\\" exceeded; retry in 1 s\",\
+         \"violated-policies\":[\"api\"],\"policy\":\"api\",\"retry_after\":1}"
     );
 }
 

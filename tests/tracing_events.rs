@@ -122,3 +122,60 @@ fn denials_errors_and_one_warning_per_transition() {
         "{events:?}"
     );
 }
+
+/// A store that refuses every decision the way a misconfigured Redis does.
+#[derive(Clone)]
+struct Refusing;
+
+impl tollgate::Store for Refusing {
+    fn decide(
+        &self,
+        _key: &tollgate::Key,
+        _policies: &tollgate::PolicySet,
+        _cost: u64,
+    ) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Refused,
+            "NOPERM this user has no permissions to run the 'evalsha' command",
+        )
+        .with_code("NOPERM")))
+    }
+}
+
+// A store error that is not I/O is a bug or a misconfiguration: logged at error level,
+// once per kind and code, never only at debug level behind the fallback.
+#[test]
+fn a_refusing_store_is_logged_at_error_level_once() {
+    let recorder = Recorder::default();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(Refusing)
+                .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+                .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..4 {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                // The default failure mode still answers (a local limiter), never a 429.
+                assert_eq!(response.status(), 200);
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let errors: Vec<&String> = events
+        .iter()
+        .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
+        .collect();
+    assert_eq!(errors.len(), 1, "{events:?}");
+    assert!(errors[0].contains("refused to decide"), "{errors:?}");
+}

@@ -20,8 +20,8 @@ use tower::{Layer, ServiceExt};
 
 use tollgate::store::DenyCache;
 use tollgate::{
-    CircuitBreaker, DecideFuture, FailureMode, HeaderStyle, Key, MemoryStore, Outcome,
-    Policy, PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind,
+    CircuitBreaker, DecideFuture, FailureMode, HeaderStyle, Key, MemoryStore, Outcome, Policy,
+    PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind,
 };
 
 const PEER: ([u8; 4], u16) = ([203, 0, 113, 7], 40000);
@@ -128,10 +128,15 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
     tokio::time::sleep(Duration::from_millis(30)).await;
     // The probe hangs; its client gives up (an outer timeout drops the future).
     store.set(HUNG);
-    let dropped =
-        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request("/", 1)))
-            .await;
-    assert!(dropped.is_err(), "the probe's request was dropped mid-flight");
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(50),
+        app.clone().oneshot(request("/", 1)),
+    )
+    .await;
+    assert!(
+        dropped.is_err(),
+        "the probe's request was dropped mid-flight"
+    );
     assert_eq!(store.calls(), 2, "it was the probe");
     // The store is healthy again: the layer must come back to it by itself.
     store.set(UP);
@@ -144,7 +149,10 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
             break;
         }
     }
-    assert!(back, "the breaker stayed open: the layer never returned to the store");
+    assert!(
+        back,
+        "the breaker stayed open: the layer never returned to the store"
+    );
     assert!(store.calls() >= 3);
 }
 
@@ -200,7 +208,13 @@ async fn a_cached_denial_is_only_reused_for_the_same_cost() {
     let cache = DenyCache::new(MemoryStore::new(), 1_000);
     let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(1)).unwrap());
     let key = Key::new("k");
-    assert!(cache.decide(&key, &policies, 10).await.unwrap().is_allowed());
+    assert!(
+        cache
+            .decide(&key, &policies, 10)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
     let cheap = cache.decide(&key, &policies, 2).await.unwrap();
     let cheap_wait = cheap.retry_after().unwrap();
     assert!(cheap_wait > Duration::from_millis(1_900) && cheap_wait <= Duration::from_secs(2));
@@ -220,7 +234,14 @@ async fn a_cached_denial_never_sends_stale_numbers() {
             .policy(Policy::token_bucket("api", 10, Rate::per_second(2)).unwrap())
             .cost(cost_header()),
     );
-    assert_eq!(app.clone().oneshot(request("/", 10)).await.unwrap().status(), 200);
+    assert_eq!(
+        app.clone()
+            .oneshot(request("/", 10))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
     let first = app.clone().oneshot(request("/", 5)).await.unwrap();
     assert_eq!(first.status(), 429);
     assert_eq!(header(&first, "ratelimit").unwrap(), "\"api\";r=0;t=1");
@@ -229,7 +250,10 @@ async fn a_cached_denial_never_sends_stale_numbers() {
     let second = app.clone().oneshot(request("/", 5)).await.unwrap();
     assert_eq!(second.status(), 429);
     if let Some(rate) = header(&second, "ratelimit") {
-        assert_eq!(rate, "\"api\";r=2;t=1", "the numbers must be true when sent");
+        assert_eq!(
+            rate, "\"api\";r=2;t=1",
+            "the numbers must be true when sent"
+        );
     }
     assert!(header(&second, "ratelimit-policy").is_some());
     let retry: u64 = header(&second, "retry-after").unwrap().parse().unwrap();
@@ -337,7 +361,10 @@ async fn problem_bodies_use_the_drafts_problem_types() {
             .policy(Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap())
             .cost(cost_header()),
     );
-    assert_eq!(app.clone().oneshot(request("/", 2)).await.unwrap().status(), 200);
+    assert_eq!(
+        app.clone().oneshot(request("/", 2)).await.unwrap().status(),
+        200
+    );
     let denied = app.clone().oneshot(request("/", 2)).await.unwrap();
     assert_eq!(denied.status(), 429);
     let body: serde_json::Value = serde_json::from_str(&body_text(denied).await).unwrap();
@@ -347,7 +374,10 @@ async fn problem_bodies_use_the_drafts_problem_types() {
     );
     assert_eq!(body["status"], 429);
     // Both are exceeded: 0 of 2 burst tokens, 1 of 3 daily units left for a cost of 2.
-    assert_eq!(body["violated-policies"], serde_json::json!(["daily", "burst"]));
+    assert_eq!(
+        body["violated-policies"],
+        serde_json::json!(["daily", "burst"])
+    );
     assert!(body["retry_after"].as_u64().unwrap() >= 1);
 
     let store = Switch::new();
@@ -416,7 +446,11 @@ async fn every_emitted_header_is_rfc_9651() {
         policies.extend(candidates.into_iter().filter_map(Result::ok));
     }
     for policy in policies {
-        for style in [HeaderStyle::Draft11, HeaderStyle::Draft6, HeaderStyle::Legacy] {
+        for style in [
+            HeaderStyle::Draft11,
+            HeaderStyle::Draft6,
+            HeaderStyle::Legacy,
+        ] {
             let name = policy.name().to_owned();
             let app = hello().layer(
                 RateLimitLayer::new(MemoryStore::new())
@@ -443,8 +477,12 @@ async fn every_emitted_header_is_rfc_9651() {
                                 assert!(integer(&params, "t") >= 0);
                             }
                         }
-                        "ratelimit-limit" | "ratelimit-remaining" | "ratelimit-reset"
-                        | "x-ratelimit-limit" | "x-ratelimit-remaining" | "x-ratelimit-reset"
+                        "ratelimit-limit"
+                        | "ratelimit-remaining"
+                        | "ratelimit-reset"
+                        | "x-ratelimit-limit"
+                        | "x-ratelimit-remaining"
+                        | "x-ratelimit-reset"
                         | "retry-after" => {
                             let item: sfv::Item =
                                 sfv::Parser::new(value).parse().unwrap_or_else(|error| {
@@ -485,7 +523,13 @@ async fn everyday_quotas_are_decided_on_redis() {
         let remaining: Vec<u64> = decision.statuses().iter().map(|s| s.remaining).collect();
         assert_eq!(
             remaining,
-            [200_000 - spent, 5_000 - spent, 150_000 - spent, 150_000 - spent, 10 - spent]
+            [
+                200_000 - spent,
+                5_000 - spent,
+                150_000 - spent,
+                150_000 - spent,
+                10 - spent
+            ]
         );
     }
     // A weighted request in big windows: exact, not a double's guess.
@@ -537,7 +581,11 @@ async fn windows_align_to_the_epoch_in_every_store() {
         let in_fallback = fallback.store().check("aligned", &policies, 1).statuses()[0].reset;
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
         let expected = window - Duration::from_nanos((now.as_nanos() % window.as_nanos()) as u64);
-        for (store, reset) in [("redis", on_redis), ("memory", in_memory), ("fallback", in_fallback)] {
+        for (store, reset) in [
+            ("redis", on_redis),
+            ("memory", in_memory),
+            ("fallback", in_fallback),
+        ] {
             assert!(
                 reset.abs_diff(expected) < Duration::from_secs(2),
                 "{store}: the {window:?} window ends in {reset:?}, the epoch-aligned one in {expected:?}"
@@ -555,7 +603,19 @@ async fn hostile_costs_on_redis_leave_every_key_with_a_ttl() {
     let store = tollgate::store::RedisStore::connect(&server.url())
         .await
         .unwrap();
-    let costs = [0, 1, 2, 5, 10, 11, 1 << 40, (1 << 53) - 1, 1 << 53, u64::MAX - 1, u64::MAX];
+    let costs = [
+        0,
+        1,
+        2,
+        5,
+        10,
+        11,
+        1 << 40,
+        (1 << 53) - 1,
+        1 << 53,
+        u64::MAX - 1,
+        u64::MAX,
+    ];
     for policy in every_algorithm() {
         let limit = policy.limit();
         let single = PolicySet::from(policy.clone());
@@ -596,9 +656,29 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
     let port = server.port;
     // The README's least-privilege line, for the default prefix.
     let granted = server.cli(&[
-        "ACL", "SETUSER", "limiter", "on", ">s3cret", "resetkeys", "~tollgate:*", "resetchannels",
-        "-@all", "+evalsha", "+eval", "+script|load", "+time", "+get", "+set", "+hget", "+hmget",
-        "+hset", "+hincrby", "+pexpire", "+zadd", "+zrange", "+zrangebyscore",
+        "ACL",
+        "SETUSER",
+        "limiter",
+        "on",
+        ">s3cret",
+        "resetkeys",
+        "~tollgate:*",
+        "resetchannels",
+        "-@all",
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "+time",
+        "+get",
+        "+set",
+        "+hget",
+        "+hmget",
+        "+hset",
+        "+hincrby",
+        "+pexpire",
+        "+zadd",
+        "+zrange",
+        "+zrangebyscore",
         "+zremrangebyscore",
     ]);
     assert!(granted.contains("OK"), "{granted}");
@@ -607,12 +687,31 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         .await
         .expect("the least-privilege user runs every script");
     let set = PolicySet::new(every_algorithm()).unwrap();
-    assert!(store.decide(&Key::new("u"), &set, 1).await.unwrap().is_allowed());
+    assert!(
+        store
+            .decide(&Key::new("u"), &set, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
 
     // A user that may run scripts but not touch the store's keys.
     let denied = server.cli(&[
-        "ACL", "SETUSER", "stranger", "on", ">s3cret", "resetkeys", "~other:*", "-@all",
-        "+evalsha", "+eval", "+script|load", "+time", "+hmget", "+hset", "+pexpire",
+        "ACL",
+        "SETUSER",
+        "stranger",
+        "on",
+        ">s3cret",
+        "resetkeys",
+        "~other:*",
+        "-@all",
+        "+evalsha",
+        "+eval",
+        "+script|load",
+        "+time",
+        "+hmget",
+        "+hset",
+        "+pexpire",
     ]);
     assert!(denied.contains("OK"), "{denied}");
     let url = format!("redis://stranger:s3cret@127.0.0.1:{port}");
@@ -621,6 +720,162 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         .expect_err("a user that may not touch the keys fails at start");
     assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
     let text = error.to_string().to_lowercase();
-    assert!(text.contains("noperm") && text.contains("no permissions"), "{error}");
-    assert!(!error.to_string().contains("s3cret"), "the password leaked: {error}");
+    assert!(
+        text.contains("noperm") && text.contains("no permissions"),
+        "{error}"
+    );
+    assert!(
+        !error.to_string().contains("s3cret"),
+        "the password leaked: {error}"
+    );
+}
+
+// The effective window of each algorithm, on a manual clock (the table in the README).
+#[test]
+fn the_effective_window_of_each_algorithm() {
+    use tollgate::clock::ManualClock;
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let t = |policy: Policy, spend: &[(u64, u64)], at: u64| {
+        let key = format!("{policy:?}");
+        let set = PolicySet::from(policy);
+        for &(when, cost) in spend {
+            clock.set(Duration::from_millis(when));
+            assert!(store.check(&key, &set, cost).is_allowed());
+        }
+        clock.set(Duration::from_millis(at));
+        store.check(&key, &set, 0).statuses()[0].effective_window
+    };
+    let minute = Duration::from_secs(60);
+    // Fixed window: until it ends.
+    assert_eq!(
+        t(
+            Policy::fixed_window("fw", 10, minute).unwrap(),
+            &[(1_000, 3)],
+            15_000
+        ),
+        Duration::from_secs(45)
+    );
+    // Sliding log: until the oldest counted entry leaves.
+    assert_eq!(
+        t(
+            Policy::sliding_log("sl", 10, minute).unwrap(),
+            &[(61_000, 2), (71_000, 1)],
+            81_000
+        ),
+        Duration::from_secs(40)
+    );
+    // Token bucket and GCRA: until the next unit, not until full.
+    let bucket = t(
+        Policy::token_bucket("tb", 10, Rate::per_second(5)).unwrap(),
+        &[(200_000, 10)],
+        200_000,
+    );
+    assert_eq!(bucket, Duration::from_millis(200));
+    let gcra = t(
+        Policy::gcra("gc", Rate::per_second(5), 10).unwrap(),
+        &[(300_000, 10)],
+        300_050,
+    );
+    assert_eq!(gcra, Duration::from_millis(150));
+    // Shaping: until one more unit could queue after the remaining ones did.
+    let shaping = t(
+        Policy::leaky_bucket_shaping("ls", Rate::per_second(5), Duration::from_secs(1)).unwrap(),
+        &[(400_000, 1)],
+        400_000,
+    );
+    assert_eq!(shaping, Duration::from_millis(200));
+    // Sliding counter: 10 spent in the previous minute; 30 s in, the estimate is 5 and
+    // one more unit frees up 6 s later (when ceil(10 * (60 - e) / 60) drops to 9... of the
+    // 5 remaining spent now).
+    let counter = t(
+        Policy::sliding_window("sw", 10, minute).unwrap(),
+        &[(540_000, 10)],
+        630_000,
+    );
+    assert!(
+        counter > Duration::ZERO && counter <= Duration::from_secs(30),
+        "{counter:?}"
+    );
+}
+
+// qu for quotas that are not requests; pk only as a hash; jitter only on long windows.
+#[tokio::test]
+async fn quota_units_partition_keys_and_jitter() {
+    use tollgate::policy::QuotaUnit;
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(
+                Policy::token_bucket("upload", 1_000_000, Rate::per_second(100_000))
+                    .unwrap()
+                    .with_unit(QuotaUnit::ContentBytes),
+            )
+            .policy(
+                Policy::token_bucket("points", 1_000, Rate::per_minute(1_000))
+                    .unwrap()
+                    .with_unit(QuotaUnit::GraphqlPoints),
+            )
+            .partition_key(true),
+    );
+    let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+    let policy = parse_list(&header(&response, "ratelimit-policy").unwrap());
+    let param = |params: &[(String, sfv::BareItem)], name: &str| {
+        params
+            .iter()
+            .find(|(key, _)| key == name)
+            .and_then(|(_, value)| value.as_string().map(|s| s.as_str().to_owned()))
+    };
+    assert_eq!(param(&policy[0].1, "qu").as_deref(), Some("content-bytes"));
+    assert_eq!(
+        param(&policy[1].1, "tollgate-qu").as_deref(),
+        Some("graphql-points")
+    );
+    let rate = parse_list(&header(&response, "ratelimit").unwrap());
+    let pk = |members: &[(String, Vec<(String, sfv::BareItem)>)]| {
+        members[0]
+            .1
+            .iter()
+            .find(|(key, _)| key == "pk")
+            .and_then(|(_, value)| value.as_byte_sequence().map(<[u8]>::to_vec))
+            .expect("a pk byte sequence")
+    };
+    let mine = pk(&rate);
+    assert_eq!(mine.len(), 12);
+    assert!(
+        !header(&response, "ratelimit")
+            .unwrap()
+            .contains("203.0.113.7")
+    );
+    let mut other = request("/", 1);
+    other
+        .extensions_mut()
+        .insert(std::net::SocketAddr::from(([198, 51, 100, 1], 1)));
+    let theirs = pk(&parse_list(
+        &header(&app.clone().oneshot(other).await.unwrap(), "ratelimit").unwrap(),
+    ));
+    assert_ne!(mine, theirs, "two identities, two partition keys");
+
+    // Jitter: a daily quota's t and Retry-After spread over up to 30 s more, never less.
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("daily", 1, Duration::from_secs(86_400)).unwrap())
+            .header_jitter(Duration::from_secs(30)),
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        let rate = parse_list(&header(&response, "ratelimit").unwrap());
+        let t = integer(&rate[0].1, "t") as u64;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let end = 86_400 - now % 86_400;
+        assert!(t + 1 >= end && t <= end + 31, "t={t}, window ends in {end}");
+        if let Some(retry) = header(&response, "retry-after") {
+            assert!(retry.parse::<u64>().unwrap() >= t);
+        }
+        seen.insert(t);
+    }
+    assert!(seen.len() > 1, "jitter never varied: {seen:?}");
 }
