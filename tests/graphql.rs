@@ -613,17 +613,18 @@ mod forms {
         for definition in &mut document.definitions {
             match definition {
                 Definition::OperationDefinition(operation) => {
-                    let root = match (schema, operation.operation_type) {
-                        (Some(schema), ty) => {
-                            schema.root_operation(ty).map(|name| name.to_string())
-                        }
-                        (None, OperationType::Query) => Some("Query".to_owned()),
-                        (None, OperationType::Mutation) => Some("Mutation".to_owned()),
-                        (None, OperationType::Subscription) => Some("Subscription".to_owned()),
-                    };
+                    // The schema's root type, else the conventional name (as the coster).
+                    let root = schema
+                        .and_then(|schema| schema.root_operation(operation.operation_type))
+                        .map(|name| name.to_string())
+                        .unwrap_or_else(|| match operation.operation_type {
+                            OperationType::Query => "Query".to_owned(),
+                            OperationType::Mutation => "Mutation".to_owned(),
+                            OperationType::Subscription => "Subscription".to_owned(),
+                        });
                     let mut rewritten = (**operation).clone();
                     rewritten.selection_set =
-                        rewriter.selections(&operation.selection_set, root.as_deref())?;
+                        rewriter.selections(&operation.selection_set, Some(&root))?;
                     *operation = Node::new(rewritten);
                 }
                 Definition::FragmentDefinition(fragment) => {
