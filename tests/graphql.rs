@@ -12,39 +12,41 @@ fn cost(query: &str) -> Result<u64, CostError> {
     GraphqlCost::new().query_cost(query, None, None)
 }
 
+/// Queries and their cost without a schema.
+const COST_TABLE: &[(&str, u64)] = &[
+    // Scalars are free; an object field costs 1.
+    ("{ hello }", 0),
+    ("{ viewer { login } }", 1),
+    // Nested connections multiply: 1 + 10 * (1 + 5 * 0 ... ) etc.
+    ("{ repos(first: 10) { nodes { name } } }", 1 + 10 * 1),
+    (
+        "{ repos(first: 10) { nodes { issues(last: 5) { nodes { title } } } } }",
+        1 + 10 * (1 + (1 + 5 * 1)),
+    ),
+    // Every alias counts.
+    (
+        "{ a: viewer { login } b: viewer { login } c: viewer { login } }",
+        3,
+    ),
+    // Fragments and inline fragments are expanded.
+    (
+        "query { viewer { ...F } } fragment F on User { friends(first: 3) { name } }",
+        1 + (1 + 3 * 0),
+    ),
+    (
+        "{ node { ... on User { friends(limit: 4) { profile { url } } } } }",
+        1 + (1 + 4 * 1),
+    ),
+    // Mutations pay a base of 10.
+    (
+        "mutation { addStar(id: 1) { starrable { id } } }",
+        10 + 1 + 1,
+    ),
+];
+
 #[test]
 fn cost_table() {
-    let table: &[(&str, u64)] = &[
-        // Scalars are free; an object field costs 1.
-        ("{ hello }", 0),
-        ("{ viewer { login } }", 1),
-        // Nested connections multiply: 1 + 10 * (1 + 5 * 0 ... ) etc.
-        ("{ repos(first: 10) { nodes { name } } }", 1 + 10 * 1),
-        (
-            "{ repos(first: 10) { nodes { issues(last: 5) { nodes { title } } } } }",
-            1 + 10 * (1 + (1 + 5 * 1)),
-        ),
-        // Every alias counts.
-        (
-            "{ a: viewer { login } b: viewer { login } c: viewer { login } }",
-            3,
-        ),
-        // Fragments and inline fragments are expanded.
-        (
-            "query { viewer { ...F } } fragment F on User { friends(first: 3) { name } }",
-            1 + (1 + 3 * 0),
-        ),
-        (
-            "{ node { ... on User { friends(limit: 4) { profile { url } } } } }",
-            1 + (1 + 4 * 1),
-        ),
-        // Mutations pay a base of 10.
-        (
-            "mutation { addStar(id: 1) { starrable { id } } }",
-            10 + 1 + 1,
-        ),
-    ];
-    for (query, expected) in table {
+    for (query, expected) in COST_TABLE {
         assert_eq!(cost(query).unwrap(), *expected, "{query}");
     }
 }
@@ -132,27 +134,17 @@ fn slicing_limits_reject_or_cap() {
     );
 }
 
-#[test]
-fn attack_corpus() {
-    let coster = GraphqlCost::new();
-    // 10,000 levels of nesting: refused by the parser's recursion limit, no overflow.
-    let deep = "{ a ".repeat(10_000) + &"}".repeat(10_000);
-    assert!(matches!(
-        coster.query_cost(&deep, None, None),
-        Err(CostError::Parse(_) | CostError::TooDeep { .. })
-    ));
-    // Fragment cycles.
-    let cycle = "{ ...A } fragment A on Q { b { ...B } } fragment B on Q { a { ...A } }";
-    assert!(matches!(
-        coster.query_cost(cycle, None, None),
-        Err(CostError::FragmentCycle(_))
-    ));
-    assert!(matches!(
-        coster.query_cost("{ ...Missing }", None, None),
-        Err(CostError::UnknownFragment(_))
-    ));
-    // Fragment fan-out: each level spreads the next ten times (10^30 expansions if
-    // expanded naively). Each fragment is costed once; the total saturates.
+/// A fragment cycle: A spreads B, which spreads A.
+const CYCLE: &str = "{ ...A } fragment A on Q { b { ...B } } fragment B on Q { a { ...A } }";
+
+/// `levels` fields, each nested in the previous one.
+fn deep(levels: usize) -> String {
+    "{ a ".repeat(levels) + &"}".repeat(levels)
+}
+
+/// Fragment fan-out: each of 30 levels spreads the next ten times (10^30 expansions if
+/// expanded naively).
+fn fanout() -> String {
     let mut fanout = String::from("{ ...F0 }");
     for level in 0..30 {
         let spreads: String = (0..10)
@@ -161,25 +153,49 @@ fn attack_corpus() {
         fanout.push_str(&format!(" fragment F{level} on Q {{{spreads} }}"));
     }
     fanout.push_str(" fragment F30 on Q { leaf { id } }");
-    assert_eq!(coster.query_cost(&fanout, None, None).unwrap(), u64::MAX);
+    fanout
+}
+
+/// `n` aliases of one object field.
+fn aliases(n: usize) -> String {
+    let aliases: String = (0..n).map(|i| format!(" a{i}: viewer {{ id }}")).collect();
+    format!("{{{aliases} }}")
+}
+
+/// `fields` scalar fields in one selection set, the shape of a 10 MB document.
+fn huge(fields: usize) -> String {
+    format!("{{ {} }}", "f ".repeat(fields))
+}
+
+#[test]
+fn attack_corpus() {
+    let coster = GraphqlCost::new();
+    // 10,000 levels of nesting: refused by the parser's recursion limit, no overflow.
+    let deep = deep(10_000);
+    assert!(matches!(
+        coster.query_cost(&deep, None, None),
+        Err(CostError::Parse(_) | CostError::TooDeep { .. })
+    ));
+    // Fragment cycles.
+    assert!(matches!(
+        coster.query_cost(CYCLE, None, None),
+        Err(CostError::FragmentCycle(_))
+    ));
+    assert!(matches!(
+        coster.query_cost("{ ...Missing }", None, None),
+        Err(CostError::UnknownFragment(_))
+    ));
+    // Fragment fan-out: each fragment is costed once; the total saturates.
+    assert_eq!(coster.query_cost(&fanout(), None, None).unwrap(), u64::MAX);
     // Aliases: every one counts; 10,000 of them exceed the token limit (a clear error).
-    let aliases = |n| {
-        (0..n)
-            .map(|i| format!(" a{i}: viewer {{ id }}"))
-            .collect::<String>()
-    };
     assert_eq!(
-        coster
-            .query_cost(&format!("{{{} }}", aliases(1_000)), None, None)
-            .unwrap(),
+        coster.query_cost(&aliases(1_000), None, None).unwrap(),
         1_000
     );
-    let error = coster
-        .query_cost(&format!("{{{} }}", aliases(10_000)), None, None)
-        .unwrap_err();
+    let error = coster.query_cost(&aliases(10_000), None, None).unwrap_err();
     assert!(error.to_string().contains("token limit"), "{error}");
     // Token limit: a 10 MB document is refused without being walked.
-    let big = format!("{{ {} }}", "f ".repeat(5_000_000));
+    let big = huge(5_000_000);
     assert!(matches!(
         coster.query_cost(&big, None, None),
         Err(CostError::Parse(_))
@@ -365,35 +381,37 @@ const SDL: &str = r#"
     type Mutation { like(id: ID!): Post @cost(weight: 7) }
 "#;
 
+/// Queries and their cost with [`SDL`].
+const SCHEMA_COST_TABLE: &[(&str, u64)] = &[
+    // An object field 1, leaves 0, @cost on a field replaces its weight (3, not 2).
+    ("{ viewer { login avatar { url } } }", 1 + 3),
+    // @cost on a type: every Image costs 2 where nothing overrides it.
+    ("{ feed { author { avatar { url } } } }", 1 + 25 * (1 + 3)),
+    // sizedFields: the size multiplies nodes, not totalCount; a union costs its most
+    // expensive member (User: 1 + avatar 3 = 4; Post: 1 + author 1 = 2).
+    (
+        "{ search(first: 10) { totalCount nodes { ... on User { avatar { url } } ... on Post { author { id } } } } }",
+        1 + 10 * (1 + 3),
+    ),
+    // An interface: the most expensive implementation of the fragments spread.
+    (
+        "{ node(id: 1) { id ... on User { avatar { url } } } }",
+        1 + 3,
+    ),
+    (
+        "query { node(id: 1) { ...P } } fragment P on Post { author { login } }",
+        1 + 1,
+    ),
+    // A mutation: the base, plus the field's own weight.
+    ("mutation { like(id: 1) { title } }", 10 + 7),
+    // Leaves with a slicing default of 30 stay free.
+    ("{ tags }", 0),
+];
+
 #[test]
 fn schema_cost_table() {
     let coster = GraphqlCost::new().with_schema(SDL).unwrap();
-    let table: &[(&str, u64)] = &[
-        // An object field 1, leaves 0, @cost on a field replaces its weight (3, not 2).
-        ("{ viewer { login avatar { url } } }", 1 + 3),
-        // @cost on a type: every Image costs 2 where nothing overrides it.
-        ("{ feed { author { avatar { url } } } }", 1 + 25 * (1 + 3)),
-        // sizedFields: the size multiplies nodes, not totalCount; a union costs its most
-        // expensive member (User: 1 + avatar 3 = 4; Post: 1 + author 1 = 2).
-        (
-            "{ search(first: 10) { totalCount nodes { ... on User { avatar { url } } ... on Post { author { id } } } } }",
-            1 + 10 * (1 + 3),
-        ),
-        // An interface: the most expensive implementation of the fragments spread.
-        (
-            "{ node(id: 1) { id ... on User { avatar { url } } } }",
-            1 + 3,
-        ),
-        (
-            "query { node(id: 1) { ...P } } fragment P on Post { author { login } }",
-            1 + 1,
-        ),
-        // A mutation: the base, plus the field's own weight.
-        ("mutation { like(id: 1) { title } }", 10 + 7),
-        // Leaves with a slicing default of 30 stay free.
-        ("{ tags }", 0),
-    ];
-    for (query, expected) in table {
+    for (query, expected) in SCHEMA_COST_TABLE {
         assert_eq!(
             coster.query_cost(query, None, None).unwrap(),
             *expected,
@@ -420,4 +438,518 @@ fn schema_cost_table() {
             .unwrap(),
         1 + 4 * 1
     );
+}
+
+/// Connections sized by `@listSize(sizedFields:)`, the schema of the named-fragment defect.
+const REPO_SDL: &str = r#"
+    directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION
+    directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+
+    type Query {
+      repos(first: Int): RepoConnection @listSize(slicingArguments: ["first"], sizedFields: ["nodes"])
+      pinned: RepoConnection
+      orgs(first: Int): OrgConnection @listSize(slicingArguments: ["first"], sizedFields: ["nodes", "edges"])
+      paged(first: Int): Paged @listSize(slicingArguments: ["first"], sizedFields: ["nodes"])
+      search(first: Int): SearchConnection @listSize(slicingArguments: ["first"], sizedFields: ["nodes"])
+    }
+    interface Paged { nodes: [Repo] totalCount: Int }
+    type RepoConnection implements Paged { nodes: [Repo] totalCount: Int }
+    type ForkConnection implements Paged { nodes: [Repo] totalCount: Int }
+    type Repo { name: String owner: User @cost(weight: 5) }
+    type User { login: String }
+    type OrgConnection { nodes: [Org] edges: [OrgEdge] }
+    type OrgEdge { node: Org }
+    type Org { name: String repos(first: Int): RepoConnection @listSize(slicingArguments: ["first"], sizedFields: ["nodes"]) }
+    union SearchResult = Repo | User | Org
+    type SearchConnection { nodes: [SearchResult] totalCount: Int }
+"#;
+
+/// A `Repo` with its owner: 1 + 5.
+const REPO: u64 = 1 + 5;
+
+/// Queries and their cost with [`REPO_SDL`]: list sizes reaching through named fragments.
+const REPO_COST_TABLE: &[(&str, u64)] = &[
+    // The defect: the same selection written inline and through a named fragment.
+    (
+        "{ repos(first: 100) { nodes { owner { login } } } }",
+        1 + 100 * REPO,
+    ),
+    (
+        "{ repos(first: 100) { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
+        1 + 100 * REPO,
+    ),
+    // One fragment under two list sizes and under none, in both orders: the cost kept for
+    // its first use must not be reused for the others.
+    (
+        "{ a: repos(first: 2) { ...C } b: repos(first: 100) { ...C } c: pinned { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
+        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + REPO),
+    ),
+    (
+        "{ c: pinned { ...C } b: repos(first: 100) { ...C } a: repos(first: 2) { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
+        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + REPO),
+    ),
+    // A fragment spread inside a sliced connection inside another: orgs 1 + 5 x (org 1 +
+    // repos (1 + 10 x repo)), once through nodes and once through edges.
+    (
+        "{ orgs(first: 5) { ...O } } fragment O on OrgConnection { nodes { repos(first: 10) { ...R } } } fragment R on RepoConnection { nodes { owner { login } } }",
+        1 + 5 * (1 + (1 + 10 * REPO)),
+    ),
+    (
+        "{ orgs(first: 5) { ...E } } fragment E on OrgConnection { edges { node { ...O } } } fragment O on Org { repos(first: 10) { ...R } } fragment R on RepoConnection { nodes { owner { login } } }",
+        1 + 5 * (1 + (1 + (1 + 10 * REPO))),
+    ),
+    // The inner fragment under another size at the outer level as well.
+    (
+        "{ repos(first: 100) { ...R } orgs(first: 5) { nodes { repos(first: 10) { ...R } } } } fragment R on RepoConnection { nodes { owner { login } } }",
+        (1 + 100 * REPO) + (1 + 5 * (1 + (1 + 10 * REPO))),
+    ),
+    // Fragments spreading fragments, through an inline fragment too.
+    (
+        "{ repos(first: 100) { ...A } } fragment A on RepoConnection { totalCount ... on RepoConnection { ...B } } fragment B on RepoConnection { nodes { ...N } } fragment N on Repo { owner { login } }",
+        1 + 100 * REPO,
+    ),
+    // A fragment on an interface, spread under a field of that interface and under one of
+    // an implementation.
+    (
+        "{ paged(first: 10) { ...P } repos(first: 3) { ...P } } fragment P on Paged { nodes { owner { login } } }",
+        (1 + 10 * REPO) + (1 + 3 * REPO),
+    ),
+    // A fragment on a union inside a sized connection: its most expensive member (an org
+    // with three repos: 1 + (1 + 3 x repo)).
+    (
+        "{ search(first: 10) { ...S } } fragment S on SearchConnection { totalCount nodes { ...U } } fragment U on SearchResult { ... on Repo { owner { login } } ... on Org { repos(first: 3) { ...R } } ... on User { login } } fragment R on RepoConnection { nodes { owner { login } } }",
+        1 + 10 * (1 + (1 + 3 * REPO)),
+    ),
+];
+
+#[test]
+fn repo_cost_table() {
+    let coster = GraphqlCost::new().with_schema(REPO_SDL).unwrap();
+    for (query, expected) in REPO_COST_TABLE {
+        assert_eq!(
+            coster.query_cost(query, None, None).unwrap(),
+            *expected,
+            "{query}"
+        );
+    }
+}
+
+#[test]
+fn named_fragment_costs_what_the_inline_selection_costs() {
+    let coster = GraphqlCost::new().with_schema(REPO_SDL).unwrap();
+    let cost = |query| coster.query_cost(query, None, None).unwrap();
+    let plain = cost("{ repos(first: 100) { nodes { owner { login } } } }");
+    let inline =
+        cost("{ repos(first: 100) { ... on RepoConnection { nodes { owner { login } } } } }");
+    let named = cost(
+        "{ repos(first: 100) { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
+    );
+    assert_eq!((plain, inline, named), (601, 601, 601));
+}
+
+/// Mechanical rewrites of a document into forms that must cost what it costs as written.
+mod forms {
+    use std::collections::HashMap;
+
+    use apollo_compiler::ast::{
+        Definition, DirectiveList, Document, FragmentDefinition, FragmentSpread, InlineFragment,
+        OperationType, Selection,
+    };
+    use apollo_compiler::{Name, Node, Schema};
+
+    /// One way of writing the same selections.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Form {
+        /// Every named fragment spread replaced by an inline fragment holding its body.
+        Expanded,
+        /// Every selection set wrapped in `... on Type { }`.
+        Inline,
+        /// Every selection set moved into a named fragment of its own.
+        Named,
+        /// Like `Named`, but equal selections on one type share one fragment, spread under
+        /// whatever list sizes they appear under.
+        Shared,
+        /// Every selection set in a fragment that spreads, through an inline fragment, a
+        /// second fragment holding it.
+        Chained,
+    }
+
+    /// Every form.
+    pub const ALL: [Form; 5] = [
+        Form::Expanded,
+        Form::Inline,
+        Form::Named,
+        Form::Shared,
+        Form::Chained,
+    ];
+
+    /// The type condition written where the rewrite does not know the type (no schema, or
+    /// a field the schema does not have): the coster then knows no type either.
+    const UNKNOWN: &str = "Unknown";
+
+    /// `query` rewritten in `form`, the types taken from `schema`: `None` when it does not
+    /// parse, or when expanding its fragments would take more than 100,000 selections.
+    pub fn rewrite(query: &str, schema: Option<&Schema>, form: Form) -> Option<String> {
+        let mut document = Document::parse(query, "query.graphql").ok()?;
+        let fragments = document
+            .definitions
+            .iter()
+            .filter_map(|definition| match definition {
+                Definition::FragmentDefinition(fragment) => {
+                    Some((fragment.name.clone(), fragment.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut rewriter = Rewriter {
+            form,
+            schema,
+            fragments,
+            expanding: Vec::new(),
+            budget: 100_000,
+            added: Vec::new(),
+            shared: HashMap::new(),
+        };
+        for definition in &mut document.definitions {
+            match definition {
+                Definition::OperationDefinition(operation) => {
+                    // The schema's root type, else the conventional name (as the coster).
+                    let root = schema
+                        .and_then(|schema| schema.root_operation(operation.operation_type))
+                        .map(|name| name.to_string())
+                        .unwrap_or_else(|| match operation.operation_type {
+                            OperationType::Query => "Query".to_owned(),
+                            OperationType::Mutation => "Mutation".to_owned(),
+                            OperationType::Subscription => "Subscription".to_owned(),
+                        });
+                    let mut rewritten = (**operation).clone();
+                    rewritten.selection_set =
+                        rewriter.selections(&operation.selection_set, Some(&root))?;
+                    *operation = Node::new(rewritten);
+                }
+                Definition::FragmentDefinition(fragment) => {
+                    let mut rewritten = (**fragment).clone();
+                    rewritten.selection_set = rewriter.selections(
+                        &fragment.selection_set,
+                        Some(fragment.type_condition.as_str()),
+                    )?;
+                    *fragment = Node::new(rewritten);
+                }
+                _ => {}
+            }
+        }
+        document.definitions.append(&mut rewriter.added);
+        Some(document.to_string())
+    }
+
+    struct Rewriter<'s> {
+        form: Form,
+        schema: Option<&'s Schema>,
+        fragments: HashMap<Name, Node<FragmentDefinition>>,
+        expanding: Vec<Name>,
+        budget: usize,
+        added: Vec<Definition>,
+        shared: HashMap<String, Name>,
+    }
+
+    fn name(text: &str) -> Name {
+        Name::new(text).expect("a GraphQL name")
+    }
+
+    fn spread(fragment: &Name) -> Selection {
+        Selection::FragmentSpread(Node::new(FragmentSpread {
+            fragment_name: fragment.clone(),
+            directives: DirectiveList::new(),
+        }))
+    }
+
+    impl Rewriter<'_> {
+        /// The named type of `parent.field`, if the schema knows it.
+        fn field_type(&self, parent: Option<&str>, field: &str) -> Option<String> {
+            let field = self.schema?.type_field(parent?, field).ok()?;
+            Some(field.ty.inner_named_type().to_string())
+        }
+
+        /// `selections` on a value of type `ty`, rewritten at every level.
+        fn selections(
+            &mut self,
+            selections: &[Selection],
+            ty: Option<&str>,
+        ) -> Option<Vec<Selection>> {
+            let mut rewritten = Vec::with_capacity(selections.len());
+            for selection in selections {
+                self.budget = self.budget.checked_sub(1)?;
+                rewritten.push(match selection {
+                    Selection::Field(field) if field.selection_set.is_empty() => selection.clone(),
+                    Selection::Field(field) => {
+                        let child = self.field_type(ty, &field.name);
+                        let mut field = (**field).clone();
+                        field.selection_set =
+                            self.selections(&field.selection_set, child.as_deref())?;
+                        Selection::Field(Node::new(field))
+                    }
+                    Selection::InlineFragment(inline) => {
+                        let condition = inline
+                            .type_condition
+                            .as_ref()
+                            .map(|condition| condition.to_string())
+                            .or(ty.map(str::to_owned));
+                        let mut inline = (**inline).clone();
+                        inline.selection_set =
+                            self.selections(&inline.selection_set, condition.as_deref())?;
+                        Selection::InlineFragment(Node::new(inline))
+                    }
+                    Selection::FragmentSpread(spread) if self.form == Form::Expanded => {
+                        let fragment = self.fragments.get(&spread.fragment_name).cloned();
+                        match fragment {
+                            // Cycles and unknown fragments stay spreads: the coster refuses them.
+                            Some(fragment) if !self.expanding.contains(&fragment.name) => {
+                                self.expanding.push(fragment.name.clone());
+                                let body = self.selections(
+                                    &fragment.selection_set,
+                                    Some(fragment.type_condition.as_str()),
+                                );
+                                self.expanding.pop();
+                                Selection::InlineFragment(Node::new(InlineFragment {
+                                    type_condition: Some(fragment.type_condition.clone()),
+                                    directives: spread.directives.clone(),
+                                    selection_set: body?,
+                                }))
+                            }
+                            _ => selection.clone(),
+                        }
+                    }
+                    Selection::FragmentSpread(_) => selection.clone(),
+                });
+            }
+            Some(self.wrap(rewritten, ty))
+        }
+
+        fn fragment(&mut self, ty: &str, selection_set: Vec<Selection>) -> Name {
+            let fragment = name(&format!("Form{}", self.added.len()));
+            self.added.push(Definition::FragmentDefinition(Node::new(
+                FragmentDefinition {
+                    name: fragment.clone(),
+                    type_condition: name(ty),
+                    directives: DirectiveList::new(),
+                    selection_set,
+                },
+            )));
+            fragment
+        }
+
+        /// A rewritten selection set, written in the form.
+        fn wrap(&mut self, selections: Vec<Selection>, ty: Option<&str>) -> Vec<Selection> {
+            let condition = ty.unwrap_or(UNKNOWN);
+            match self.form {
+                Form::Expanded => selections,
+                Form::Inline => vec![Selection::InlineFragment(Node::new(InlineFragment {
+                    type_condition: ty.map(name),
+                    directives: DirectiveList::new(),
+                    selection_set: selections,
+                }))],
+                Form::Named => vec![spread(&self.fragment(condition, selections))],
+                Form::Shared => {
+                    let printed: Vec<String> = selections.iter().map(ToString::to_string).collect();
+                    let key = format!("{condition} {}", printed.join(" "));
+                    let fragment = match self.shared.get(&key) {
+                        Some(fragment) => fragment.clone(),
+                        None => {
+                            let fragment = self.fragment(condition, selections);
+                            self.shared.insert(key, fragment.clone());
+                            fragment
+                        }
+                    };
+                    vec![spread(&fragment)]
+                }
+                Form::Chained => {
+                    let inner = self.fragment(condition, selections);
+                    let through = Selection::InlineFragment(Node::new(InlineFragment {
+                        type_condition: ty.map(name),
+                        directives: DirectiveList::new(),
+                        selection_set: vec![spread(&inner)],
+                    }));
+                    vec![spread(&self.fragment(condition, vec![through]))]
+                }
+            }
+        }
+    }
+}
+
+/// Two outcomes agree: the same cost, or refusals for the same reason (a document too
+/// deep or too long is refused by the parser or by the walker, depending on its form).
+fn same_outcome(a: &Result<u64, CostError>, b: &Result<u64, CostError>) -> bool {
+    fn reason(error: &CostError) -> u8 {
+        match error {
+            CostError::Parse(_) | CostError::TooDeep { .. } => 0,
+            CostError::Request(_) => 1,
+            CostError::Operation(_) => 2,
+            CostError::FragmentCycle(_) => 3,
+            CostError::UnknownFragment(_) => 4,
+            CostError::Slicing { .. } => 5,
+            CostError::Batch { .. } => 6,
+        }
+    }
+    match (a, b) {
+        (Ok(a), Ok(b)) => a == b,
+        (Err(a), Err(b)) => reason(a) == reason(b),
+        _ => false,
+    }
+}
+
+#[test]
+fn every_form_costs_the_same() {
+    use forms::{ALL, Form, rewrite};
+
+    // Every query of the cost tables and the attack corpus, and the documents of the other
+    // tests: (query, operationName, variables).
+    let mut corpus: Vec<(String, Option<&str>, Option<serde_json::Value>)> = Vec::new();
+    for (query, _) in COST_TABLE
+        .iter()
+        .chain(SCHEMA_COST_TABLE)
+        .chain(REPO_COST_TABLE)
+    {
+        corpus.push((query.to_string(), None, None));
+    }
+    let document = "query Small { viewer { id } } query Big($n: Int = 20) { repos(first: $n) { nodes { id } } }";
+    corpus.push((document.into(), Some("Small"), None));
+    corpus.push((document.into(), Some("Big"), None));
+    corpus.push((document.into(), Some("Big"), Some(json!({ "n": 50 }))));
+    corpus.push((document.into(), None, None));
+    corpus.push(("{ search { totalCount } }".into(), None, None));
+    corpus.push((
+        "query($n: Int) { search(last: $n) { nodes { ... on Post { title } } } }".into(),
+        None,
+        Some(json!({ "n": 4 })),
+    ));
+    corpus.push((
+        "query($n: Int) { repos(first: $n) { nodes { owner { login } } } }".into(),
+        None,
+        Some(json!({ "n": 1e300 })),
+    ));
+    for query in [
+        deep(100),
+        CYCLE.to_owned(),
+        "{ ...Missing }".to_owned(),
+        fanout(),
+        aliases(1_000),
+        aliases(10_000),
+        "{ a }".to_owned(),
+    ] {
+        corpus.push((query, None, None));
+    }
+
+    // Wrapping adds nesting, which the depth limit counts (an inline fragment or a spread
+    // is a level, so that fragment chains are bounded too): the fan-out, 62 levels as
+    // written, would be refused as too deep in a wrapped form. The limit is raised here so
+    // that the costs are compared; the default is the attack corpus's business.
+    let roomy = || GraphqlCost::new().max_depth(1_000);
+    // Rewriting also lengthens a document: one that outgrows the token limit (20,000, the
+    // coster's) is refused for its size, and its cost is not compared.
+    let fits = |document: &str| {
+        apollo_compiler::parser::Parser::new()
+            .token_limit(20_000)
+            .parse_ast(document, "form.graphql")
+            .is_ok()
+    };
+    let schemas = [None, Some(SDL), Some(REPO_SDL)];
+    let (mut compared, mut too_long) = (0, Vec::new());
+    let mut failures = Vec::new();
+    for sdl in schemas {
+        let coster = match sdl {
+            Some(sdl) => roomy().with_schema(sdl).unwrap(),
+            None => roomy(),
+        };
+        let schema = sdl.map(|sdl| apollo_compiler::Schema::parse(sdl, "schema.graphql").unwrap());
+        for (query, operation, variables) in &corpus {
+            let variables = variables
+                .as_ref()
+                .and_then(|variables| variables.as_object());
+            let written = coster.query_cost(query, *operation, variables);
+            for form in ALL {
+                let Some(rewritten) = rewrite(query, schema.as_ref(), form) else {
+                    // Only the fan-out is too big to expand.
+                    assert!(form == Form::Expanded && query.contains("F30"), "{query}");
+                    continue;
+                };
+                let cost = coster.query_cost(&rewritten, *operation, variables);
+                if fits(query) && !fits(&rewritten) {
+                    assert!(matches!(cost, Err(CostError::Parse(_))), "{cost:?}");
+                    too_long.push(query.len());
+                    continue;
+                }
+                compared += 1;
+                if !same_outcome(&written, &cost) {
+                    let schema = if sdl == Some(SDL) {
+                        "SDL"
+                    } else if sdl.is_some() {
+                        "REPO_SDL"
+                    } else {
+                        "no schema"
+                    };
+                    let shown = |text: &str| text.chars().take(300).collect::<String>();
+                    failures.push(format!(
+                        "{schema}, {form:?}: {written:?} as written, {cost:?} as\n  {}\nfor\n  {}",
+                        shown(&rewritten),
+                        shown(query)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} forms cost differently:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    // Only the thousand aliases outgrow the token limit, and not in every form.
+    assert!(
+        too_long
+            .iter()
+            .all(|&length| length == aliases(1_000).len())
+            && too_long.len() < 10,
+        "{too_long:?}"
+    );
+    assert!(compared > 500, "{compared} forms compared");
+}
+
+/// The attack documents too large to rewrite through a parser, written by hand in each
+/// form: refused in every one.
+#[test]
+fn deep_and_huge_documents_are_refused_in_every_form() {
+    let coster = GraphqlCost::new();
+    let levels = 10_000;
+    let inline = "{ a { ... on Q ".repeat(levels) + &"} }".repeat(levels);
+    let mut named = String::from("{ ...D0 }");
+    for level in 0..levels {
+        named.push_str(&format!(
+            " fragment D{level} on Q {{ a {{ ...D{} }} }}",
+            level + 1
+        ));
+    }
+    named.push_str(&format!(" fragment D{levels} on Q {{ a }}"));
+    for document in [deep(levels), inline, named] {
+        assert!(
+            matches!(
+                coster.query_cost(&document, None, None),
+                Err(CostError::Parse(_) | CostError::TooDeep { .. })
+            ),
+            "{}",
+            &document[..60]
+        );
+    }
+    // The 10 MB document is in the attack corpus; past the token limit, the size does not
+    // matter, only the time it takes to refuse (in proportion to its length).
+    let fields = "f ".repeat(100_000);
+    for document in [
+        huge(100_000),
+        format!("{{ ... on Query {{ {fields} }} }}"),
+        format!("{{ ...B }} fragment B on Query {{ {fields} }}"),
+    ] {
+        assert!(matches!(
+            coster.query_cost(&document, None, None),
+            Err(CostError::Parse(_))
+        ));
+    }
 }

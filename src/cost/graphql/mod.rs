@@ -6,11 +6,13 @@
 //! that argument; a mutation costs a base (10) on top; every alias counts; fragments and
 //! inline fragments are expanded; the chosen `operationName` is costed; batched operations
 //! are summed, and their number capped. Arithmetic saturates, so no document overflows.
+//! A selection costs the same written inline, in an inline fragment or in a named one: a
+//! list size reaches the fields it sizes through fragments of every kind.
 //!
 //! Hostile documents are bounded: the parser stops at a recursion and a token limit, a
-//! fragment's cost is computed once however often it is spread (no exponential blow-up),
-//! fragment cycles are refused, and slicing values outside 1..=100 (configurable) are
-//! refused or capped.
+//! fragment's cost is computed once for each type and list size it is spread under,
+//! however often it is spread (no exponential blow-up), fragment cycles are refused, and
+//! slicing values outside 1..=100 (configurable) are refused or capped.
 //!
 //! ```
 //! use tollgate::cost::graphql::GraphqlCost;
@@ -336,16 +338,20 @@ struct Walk<'a> {
     model: &'a GraphqlCost,
     schema: Option<&'a schema::Schema>,
     fragments: HashMap<&'a str, &'a apollo_compiler::Node<ast::FragmentDefinition>>,
-    /// Fragments already costed (per concrete type): each is costed once, however often
-    /// it is spread, so fragment fan-out cannot explode.
-    done: HashMap<(&'a str, Option<String>), u64>,
+    /// Fragments already costed, per concrete type and list size (the same fragment spread
+    /// in a connection of 2 and in one of 100 costs differently): each is costed once per
+    /// such context, however often it is spread, so fragment fan-out cannot explode.
+    done: HashMap<(&'a str, Option<String>, Option<Sizing<'a>>), u64>,
     visiting: Vec<&'a str>,
     operation: &'a ast::OperationDefinition,
     variables: Option<&'a Map<String, Json>>,
 }
 
-/// A list size that applies only to some child fields (`@listSize(sizedFields:)`).
-struct Sized<'s> {
+/// A list size that applies only to some child fields (`@listSize(sizedFields:)`): the
+/// context a connection's selection set is costed in, and the fragments spread in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Sizing<'s> {
+    /// The fields the size multiplies (`nodes`, `edges`), from the schema.
     fields: &'s [String],
     size: u64,
 }
@@ -377,7 +383,7 @@ impl<'a> Walk<'a> {
         &mut self,
         selections: &'a [Selection],
         concrete: Option<&str>,
-        sized: Option<&Sized<'_>>,
+        sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
         if depth > self.model.max_depth {
@@ -413,7 +419,7 @@ impl<'a> Walk<'a> {
                     }
                 }
                 Selection::FragmentSpread(spread) => {
-                    self.fragment(spread.fragment_name.as_str(), concrete, depth)?
+                    self.fragment(spread.fragment_name.as_str(), concrete, sized, depth)?
                 }
             };
             total = total.saturating_add(cost);
@@ -474,27 +480,27 @@ impl<'a> Walk<'a> {
                 )?
                 .unwrap_or(1),
         };
-        let ty = info.ty.clone();
+        let ty = info.ty.as_str();
         let sized_fields = info
             .list_size
             .as_ref()
-            .map(|list| list.sized_fields.clone())
-            .unwrap_or_default();
+            .map_or(&[][..], |list| list.sized_fields.as_slice());
         if sized_fields.is_empty() {
-            let children = self.selections(&field.selection_set, Some(&ty), depth + 1)?;
+            let children = self.selections(&field.selection_set, Some(ty), depth + 1)?;
             Ok(weight.saturating_add(size.saturating_mul(children)))
         } else {
-            // A connection: the size applies to its sized fields (`nodes`, `edges`).
-            let sized = Sized {
-                fields: &sized_fields,
+            // A connection: the size applies to its sized fields (`nodes`, `edges`),
+            // wherever they are selected: directly, or in a fragment of either kind.
+            let sized = Sizing {
+                fields: sized_fields,
                 size,
             };
             let mut most = 0;
-            for concrete in schema.possible(&ty) {
+            for concrete in schema.possible(ty) {
                 most = most.max(self.selections_on(
                     &field.selection_set,
                     Some(&concrete),
-                    Some(&sized),
+                    Some(sized),
                     depth + 1,
                 )?);
             }
@@ -502,13 +508,16 @@ impl<'a> Walk<'a> {
         }
     }
 
+    /// The cost of a fragment spread on an object of type `concrete`, in the list-size
+    /// context of the selection set it is spread in: memoised per (fragment, type, size).
     fn fragment(
         &mut self,
         name: &'a str,
         concrete: Option<&str>,
+        sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
-        let memo = (name, concrete.map(str::to_owned));
+        let memo = (name, concrete.map(str::to_owned), sized);
         if let Some(cost) = self.done.get(&memo) {
             return Ok(*cost);
         }
@@ -525,7 +534,7 @@ impl<'a> Walk<'a> {
             }
         }
         self.visiting.push(name);
-        let cost = self.selections_on(&fragment.selection_set, concrete, None, depth + 1);
+        let cost = self.selections_on(&fragment.selection_set, concrete, sized, depth + 1);
         self.visiting.pop();
         let cost = cost?;
         self.done.insert(memo, cost);
