@@ -9,7 +9,7 @@
 //! ```
 //!
 //! That query costs 71 points: `repositories` 1 + 10 x (`nodes` 1 + `issues` (1 + 5 x `nodes`
-//! 1)). The response says `GraphQL-Cost: 71`, and `RateLimit: "points";r=929;t=5` shows what
+//! 1)). The response says `GraphQL-Cost: 71`, and `RateLimit: "points";r=929;t=1` shows what
 //! is left. A query that could never fit (say `first: 100`
 //! twice over) is refused with `400` and its cost, not told to retry.
 
