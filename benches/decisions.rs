@@ -67,12 +67,44 @@ fn decisions(c: &mut Criterion) {
     }
 }
 
+/// The clock's share of a decision: the default OS monotonic clock against the opt-in
+/// TSC clock, alone and inside a token-bucket decision over 10k keys.
+fn clocks(c: &mut Criterion) {
+    use tollgate::clock::{Clock, MonotonicClock, TscClock};
+    let mut group = c.benchmark_group("clock");
+    group.throughput(Throughput::Elements(1));
+    let monotonic = MonotonicClock::new();
+    let tsc = TscClock::new();
+    group.bench_function("now/monotonic (default)", |b| b.iter(|| black_box(monotonic.now())));
+    group.bench_function("now/tsc (opt-in)", |b| b.iter(|| black_box(tsc.now())));
+    let keys = keys(10_000);
+    let set = PolicySet::from(
+        Policy::token_bucket("token_bucket", LIMIT, Rate::per_second(LIMIT)).unwrap(),
+    );
+    let with_monotonic = MemoryStore::builder().clock(monotonic).build();
+    let with_tsc = MemoryStore::builder().clock(tsc).build();
+    let mut i = 0;
+    group.bench_function("decide/monotonic (default)", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            black_box(with_monotonic.check(&keys[i], &set, 1).is_allowed())
+        })
+    });
+    group.bench_function("decide/tsc (opt-in)", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            black_box(with_tsc.check(&keys[i], &set, 1).is_allowed())
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .sample_size(30);
-    targets = decisions
+    targets = decisions, clocks
 }
 criterion_main!(benches);
