@@ -3,14 +3,16 @@
 use http::HeaderName;
 use http::request::Parts;
 
-use super::{Key, KeyError, KeyExtractor};
+use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 
 /// Keys requests by a header's value, hashed (`apikey:3f2a…`): API keys and tokens never
 /// reach a store, a log line or a metric label in clear.
 ///
-/// A missing or empty header is a client error (400 unless the layer lets it through, or
-/// a fallback follows with [`or`](super::KeyExtractorExt::or)). Several lines of the same
-/// header are refused too: an auth layer might read another line than the limiter.
+/// A missing header is an absent key: a client error (400) unless a fallback follows with
+/// [`or`](super::KeyExtractorExt::or) or the layer lets such requests through. A header
+/// that is present but unusable is an invalid key, a 400 that no fallback hides: several
+/// lines of it (an auth layer might read another line than the limiter), an empty or
+/// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 ///
 /// ```
 /// use http::Request;
@@ -54,18 +56,29 @@ impl HeaderKey {
 impl KeyExtractor for HeaderKey {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let mut values = parts.headers.get_all(&self.name).iter();
-        let value = values
-            .next()
-            .filter(|value| !value.as_bytes().trim_ascii().is_empty())
-            .ok_or_else(|| KeyError::client(format!("missing header {}", self.name)))?;
+        let Some(value) = values.next() else {
+            return Err(KeyError::missing(
+                KeyErrorKind::Client,
+                format!("missing header {}", self.name),
+            ));
+        };
         if values.next().is_some() {
             return Err(KeyError::client(format!("several {} headers", self.name)));
         }
-        Ok(Key::hashed_with_salt(
-            self.name.as_str(),
-            &self.salt,
-            value.as_bytes().trim_ascii(),
-        ))
+        let value = value.as_bytes().trim_ascii();
+        if value.is_empty() {
+            return Err(KeyError::client(format!("empty header {}", self.name)));
+        }
+        if !value
+            .iter()
+            .all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte))
+        {
+            return Err(KeyError::client(format!(
+                "header {} is not visible ASCII",
+                self.name
+            )));
+        }
+        Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
     }
 }
 
@@ -94,10 +107,24 @@ mod tests {
             a,
             extract(&key.clone().salt("pepper"), &[b"alpha"]).unwrap()
         );
-        // Non-UTF-8 bytes are hashed like any others.
-        assert!(extract(&key, &[b"\xff\xfe"]).is_ok());
-        for bad in [&[][..], &[b"" as &[u8]][..], &[b"a" as &[u8], b"b"][..]] {
-            assert_eq!(extract(&key, bad).unwrap_err().kind(), KeyErrorKind::Client);
+        // Only an absent header is a missing key; the rest are invalid.
+        let absent = extract(&key, &[]).unwrap_err();
+        assert_eq!(absent.kind(), KeyErrorKind::Client);
+        assert!(absent.is_missing());
+        let invalid: [&[&[u8]]; 6] = [
+            &[b""],
+            &[b" \t "],
+            &[b"a", b"b"],
+            &[b"a", b"a"],
+            &[b"\xff\xfe"],
+            &[b"sk_\x80live"],
+        ];
+        for bad in invalid {
+            let error = extract(&key, bad).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{bad:?}");
+            assert!(!error.is_missing(), "{bad:?}");
         }
+        // Spaces and tabs inside a value are part of it ("Bearer abc").
+        assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
     }
 }
