@@ -1,6 +1,7 @@
 //! A header that names the client, such as an API key: hashed, never kept in clear.
 
 use http::HeaderName;
+use http::header::InvalidHeaderName;
 use http::request::Parts;
 
 use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
@@ -31,10 +32,43 @@ pub struct HeaderKey {
 }
 
 impl HeaderKey {
-    /// The header `name`. Panics if `name` is not a valid header name, which is a
-    /// programming error caught at start-up.
-    pub fn new(name: &'static str) -> Self {
-        Self::from_name(HeaderName::from_static(name))
+    /// The header `name`, in any case: header names are case-insensitive, so
+    /// `"X-Api-Key"` and `"x-api-key"` are the same header and give the same keys.
+    ///
+    /// # Panics
+    ///
+    /// If `name` is not a valid header name at all (empty, or with a space, a colon or
+    /// another character outside the HTTP token set), which is a programming error caught
+    /// at start-up. [`try_new`](Self::try_new) returns the error instead, for names read
+    /// from configuration.
+    ///
+    /// ```
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// let key = HeaderKey::new("X-Api-Key");
+    /// assert_eq!(key.header_name(), "x-api-key");
+    /// ```
+    pub fn new(name: &str) -> Self {
+        match Self::try_new(name) {
+            Ok(key) => key,
+            Err(_) => panic!(
+                "HeaderKey::new: {name:?} is not a valid header name (letters, digits and \
+                 !#$%&'*+-.^_`|~ only)"
+            ),
+        }
+    }
+
+    /// The header `name`, in any case, or an error if it is not a valid header name.
+    ///
+    /// ```
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// assert_eq!(HeaderKey::try_new("X-Tenant")?.header_name(), "x-tenant");
+    /// assert!(HeaderKey::try_new("x tenant").is_err());
+    /// # Ok::<(), http::header::InvalidHeaderName>(())
+    /// ```
+    pub fn try_new(name: &str) -> Result<Self, InvalidHeaderName> {
+        HeaderName::from_bytes(name.as_bytes()).map(Self::from_name)
     }
 
     /// The header `name`.
@@ -43,6 +77,11 @@ impl HeaderKey {
             name,
             salt: Vec::new(),
         }
+    }
+
+    /// The header read, lowercase: also the namespace of the keys (`x-api-key:3f2a…`).
+    pub fn header_name(&self) -> &HeaderName {
+        &self.name
     }
 
     /// Mixes a server-side secret into the hash, so a leaked store dump cannot be checked
@@ -95,6 +134,21 @@ mod tests {
             builder = builder.header("x-api-key", http::HeaderValue::from_bytes(value).unwrap());
         }
         key.extract(&builder.body(()).unwrap().into_parts().0)
+    }
+
+    #[test]
+    fn header_names_are_case_insensitive() {
+        let lower = extract(&HeaderKey::new("x-api-key"), &[b"alpha"]).unwrap();
+        for name in ["X-Api-Key", "X-API-KEY", "x-Api-key"] {
+            assert_eq!(extract(&HeaderKey::new(name), &[b"alpha"]).unwrap(), lower);
+        }
+        assert!(lower.as_str().starts_with("x-api-key:"));
+    }
+
+    #[test]
+    #[should_panic(expected = "is not a valid header name")]
+    fn a_name_that_is_no_header_name_panics_clearly() {
+        let _ = HeaderKey::new("x api key");
     }
 
     #[test]
