@@ -6,8 +6,8 @@ use http::request::Parts;
 
 use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 
-/// Keys requests by a header's value, hashed (`apikey:3f2a…`): API keys and tokens never
-/// reach a store, a log line or a metric label in clear.
+/// Keys requests by a header's value, hashed (`x-api-key:3f2a…`): API keys and tokens
+/// never reach a store, a log line or a metric label in clear.
 ///
 /// A missing header is an absent key: a client error (400) unless a fallback follows with
 /// [`or`](super::KeyExtractorExt::or) or the layer lets such requests through. A header
@@ -24,6 +24,80 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// let key = api_key.extract(&parts).unwrap();
 /// assert!(key.as_str().starts_with("x-api-key:"));
 /// assert!(!key.as_str().contains("sk_live_123"));
+/// ```
+///
+/// # Before authentication, a key is whatever the client says
+///
+/// A limiter that runs before the API key is checked gives every distinct value its own
+/// bucket, so a client that invents a new key for each request is never limited: the
+/// keys need not be valid to be counted. `HeaderKey` fits where the header is checked
+/// before the limiter or where every value is trusted (an internal caller's name).
+///
+/// For API keys, limit by the identity the auth layer verified instead, with
+/// [`ExtensionKey`](super::ExtensionKey) on the value it stores in the request, falling
+/// back to the client's IP for requests it verified nothing for: invented keys then all
+/// spend the one IP bucket. The limiter must run after the auth layer (with axum, the
+/// auth layer is added last). If the auth layer answers unknown keys `401` itself, the
+/// limiter behind it never sees them: put a [`ClientIp`](super::ClientIp) limiter in front
+/// of it as well, so guessing keys is limited too.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use std::time::Duration;
+/// use axum::{Router, body::Body, extract::Request, middleware::{self, Next}, routing::get};
+/// use http::StatusCode;
+/// use tower::ServiceExt;
+/// use tollgate::key::{ClientIp, ExtensionKey, HeaderKey, KeyExtractorExt};
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+///
+/// /// What the auth layer stores once it has checked an API key.
+/// #[derive(Clone)]
+/// struct Account { id: u64 }
+///
+/// // A stand-in for authentication: one known key. Unknown keys go on without an account
+/// // (a real handler would then refuse what needs one).
+/// async fn auth(mut request: Request, next: Next) -> axum::response::Response {
+///     if request.headers().get("x-api-key").is_some_and(|key| key == "sk_live_alpha") {
+///         request.extensions_mut().insert(Account { id: 42 });
+///     }
+///     next.run(request).await
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let policy = Policy::fixed_window("api", 3, Duration::from_secs(60))?;
+/// let routes = || Router::new().route("/", get(|| async { "hello" }));
+/// let by_verified_account = routes()
+///     .layer(
+///         RateLimitLayer::new(MemoryStore::new())
+///             .policy(policy.clone())
+///             .key(ExtensionKey::new("account", |account: &Account| account.id.to_string())
+///                 .or(ClientIp::peer())),
+///     )
+///     .layer(middleware::from_fn(auth)); // runs first
+/// let by_header = routes()
+///     .layer(RateLimitLayer::new(MemoryStore::new()).policy(policy).key(HeaderKey::new("x-api-key")))
+///     .layer(middleware::from_fn(auth));
+///
+/// let request = |key: &str| {
+///     let mut request = Request::get("/").header("x-api-key", key).body(Body::empty()).unwrap();
+///     request.extensions_mut().insert(SocketAddr::from(([203, 0, 113, 7], 40000)));
+///     request
+/// };
+/// let mut statuses = (Vec::new(), Vec::new());
+/// for guess in 0..5 {
+///     let key = format!("sk_made_up_{guess}");
+///     statuses.0.push(by_verified_account.clone().oneshot(request(&key)).await?.status());
+///     statuses.1.push(by_header.clone().oneshot(request(&key)).await?.status());
+/// }
+/// // Invented keys share the client's IP bucket...
+/// assert_eq!(statuses.0.iter().filter(|s| **s == StatusCode::OK).count(), 3);
+/// // ...but each gets a fresh bucket when keyed by the header before authentication.
+/// assert!(statuses.1.iter().all(|s| *s == StatusCode::OK));
+/// // The verified account has its own bucket, whatever the IP has spent.
+/// let verified = by_verified_account.oneshot(request("sk_live_alpha")).await?;
+/// assert_eq!(verified.status(), StatusCode::OK);
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
