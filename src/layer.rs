@@ -25,8 +25,10 @@ pub enum MissingKey {
     /// up wrong (the default: a missing key is never a silent bypass).
     #[default]
     Reject,
-    /// Let it through unlimited and without rate-limit headers. Only for extractors
-    /// whose miss is expected and harmless.
+    /// Let a request whose key is absent ([`KeyError::is_missing`](crate::key::KeyError::is_missing))
+    /// through unlimited and without rate-limit headers. Only for extractors whose miss is
+    /// expected and harmless. A key that is present but invalid is still answered `400`,
+    /// and a server set up wrong `500`.
     Allow,
 }
 

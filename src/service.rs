@@ -235,11 +235,13 @@ where
             Ok(key) => key,
             Err(error) => {
                 return match config.missing_key {
-                    MissingKey::Allow => ResponseFuture::calling(
+                    MissingKey::Allow if error.is_missing() => ResponseFuture::calling(
                         self.inner.call(Request::from_parts(parts, body)),
                         HeaderBlock::default(),
                     ),
-                    MissingKey::Reject => ResponseFuture::respond(response::key_error(&error)),
+                    MissingKey::Allow | MissingKey::Reject => {
+                        ResponseFuture::respond(response::key_error(&error))
+                    }
                 };
             }
         };

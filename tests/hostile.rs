@@ -2,9 +2,16 @@
 //! whole layer (property tests with many cases: `PROPTEST_CASES` raises or lowers them),
 //! and arithmetic at the edges of every parameter. Nothing may panic, bypass the limit or
 //! grow without bound.
+//!
+//! Every test here also checks that the limit holds: each key the hostile input yields is
+//! spent twice against a limit of one (the second must be denied), the layer test shares
+//! one app across its cases and requires the request after the limit to be a 429, and the
+//! arithmetic test bounds what one instant admits. A limiter that never denied would fail
+//! each of them.
 
+use std::cell::Cell;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use axum::Router;
@@ -12,14 +19,14 @@ use axum::body::Body;
 use axum::routing::get;
 use http::{HeaderValue, Request, StatusCode};
 use proptest::prelude::*;
+use proptest::test_runner::TestRunner;
 use tollgate::clock::ManualClock;
 use tollgate::cost;
-use tollgate::key::{ClientIp, ForwardedHeader, HeaderKey, KeyExtractor, KeyExtractorExt};
-use tollgate::{MemoryStore, Policy, PolicySet, Rate, RateLimitLayer};
+use tollgate::key::{
+    ClientIp, ForwardedHeader, HeaderKey, KeyErrorKind, KeyExtractor, KeyExtractorExt,
+};
+use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, RateLimitLayer};
 use tower::ServiceExt;
-
-/// How many inputs the property tests below ran, reported at the end of each.
-static INPUTS: AtomicU64 = AtomicU64::new(0);
 
 fn cases(default: u32) -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
@@ -27,6 +34,20 @@ fn cases(default: u32) -> ProptestConfig {
         .and_then(|cases| cases.parse().ok())
         .unwrap_or(default);
     ProptestConfig::with_cases(cases)
+}
+
+/// Spends `key` twice against one shared store with a limit of one per key and a clock
+/// that never moves: true when the second spend is denied, as it must be whatever the
+/// key (and whether or not an earlier case already spent it).
+fn second_spend_is_denied(key: &Key) -> bool {
+    static STORE: OnceLock<(MemoryStore<ManualClock>, PolicySet)> = OnceLock::new();
+    let (store, policies) = STORE.get_or_init(|| {
+        let store = MemoryStore::builder().clock(ManualClock::new()).build();
+        let once = Policy::fixed_window("once", 1, Duration::from_secs(3600)).unwrap();
+        (store, PolicySet::from(once))
+    });
+    store.check(key, policies, 1);
+    !store.check(key, policies, 1).is_allowed()
 }
 
 /// Header-ish bytes: mostly address-like text, sometimes anything a header may carry.
@@ -66,18 +87,31 @@ fn addresses_in(lines: &[Vec<u8>]) -> Vec<IpAddr> {
         .collect()
 }
 
+/// What `HeaderKey` accepts: one line, not blank, visible ASCII (spaces and tabs inside).
+fn usable_api_key(lines: &[&HeaderValue]) -> bool {
+    match lines {
+        [value] => {
+            let value = value.as_bytes().trim_ascii();
+            !value.is_empty()
+                && value
+                    .iter()
+                    .all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte))
+        }
+        _ => false,
+    }
+}
+
 proptest! {
     #![proptest_config(cases(5_000))]
 
     /// Whatever the headers say, the client address is the peer or an address written in
-    /// them; an untrusted peer is never overruled.
+    /// them; an untrusted peer is never overruled; and the key limits.
     #[test]
     fn forwarded_headers_never_panic_or_overrule_an_untrusted_peer(
         peer in peer(),
         lines in prop::collection::vec(header_bytes(), 0..5),
         forwarded in any::<bool>(),
     ) {
-        INPUTS.fetch_add(1, Ordering::Relaxed);
         let which = if forwarded { ForwardedHeader::Forwarded } else { ForwardedHeader::XForwardedFor };
         let name = if forwarded { "forwarded" } else { "x-forwarded-for" };
         let extractor = ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap().forwarded_header(which);
@@ -99,14 +133,23 @@ proptest! {
             let written = addresses_in(&lines);
             prop_assert!(written.contains(&client), "{client} not in {written:?}");
         }
-        // And the key is short, whatever came in.
-        prop_assert!(extractor.extract(&parts).unwrap().len() <= 64);
+        // The key is short, whatever came in, and the same every time: it limits.
+        let key = extractor.extract(&parts).unwrap();
+        prop_assert!(key.len() <= 64);
+        prop_assert_eq!(&extractor.extract(&parts).unwrap(), &key);
+        prop_assert!(second_spend_is_denied(&key), "{key} was not limited");
     }
 
-    /// API keys of any bytes: never stored in clear, never a panic, always short.
+    /// API keys of any bytes: never stored in clear, never a panic, always short, and
+    /// limited.
     #[test]
-    fn api_keys_of_any_bytes_are_hashed(value in prop::collection::vec(any::<u8>(), 0..12_000)) {
-        INPUTS.fetch_add(1, Ordering::Relaxed);
+    fn api_keys_of_any_bytes_are_hashed(
+        value in prop_oneof![
+            1 => prop::collection::vec(any::<u8>(), 0..12_000),
+            // Visible ASCII and spaces: mostly usable keys, so most cases reach the store.
+            2 => prop::collection::vec(0x20u8..0x7f, 0..12_000),
+        ],
+    ) {
         let Ok(header) = HeaderValue::from_bytes(&value) else { return Ok(()) };
         let mut request = Request::get("/").body(()).unwrap();
         request.headers_mut().insert("x-api-key", header);
@@ -118,78 +161,177 @@ proptest! {
                 if trimmed.len() >= 8 {
                     prop_assert!(!key.as_bytes().windows(trimmed.len()).any(|w| w == trimmed));
                 }
+                prop_assert!(second_spend_is_denied(&key), "{key} was not limited");
             }
-            Err(error) => prop_assert!(value.trim_ascii().is_empty(), "{error}"),
+            Err(error) => {
+                // Present, so invalid rather than absent: empty, or not visible ASCII.
+                prop_assert!(!error.is_missing());
+                let trimmed = value.trim_ascii();
+                prop_assert!(
+                    trimmed.is_empty() || trimmed.iter().any(|&b| b != b'\t' && !(b' '..=b'~').contains(&b)),
+                    "{error}"
+                );
+            }
+        }
+    }
+
+    /// `.or()` falls back to the IP only when there is no API key at all: a repeated,
+    /// blank or non-ASCII key is the client's error, never a second budget.
+    #[test]
+    fn or_falls_back_only_without_an_api_key(
+        lines in prop::collection::vec(
+            prop_oneof![
+                2 => "[ -~]{0,24}".prop_map(String::into_bytes),
+                1 => prop::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff, Just(b'\t')], 0..24),
+            ],
+            0..4,
+        ),
+    ) {
+        let extractor = HeaderKey::new("x-api-key").or(ClientIp::peer());
+        let mut request = Request::get("/").body(()).unwrap();
+        for line in &lines {
+            if let Ok(value) = HeaderValue::from_bytes(line) {
+                request.headers_mut().append("x-api-key", value);
+            }
+        }
+        request.extensions_mut().insert(SocketAddr::from(([203, 0, 113, 7], 1)));
+        let (parts, _) = request.into_parts();
+        let sent: Vec<&HeaderValue> = parts.headers.get_all("x-api-key").iter().collect();
+        match extractor.extract(&parts) {
+            Ok(key) if sent.is_empty() => {
+                prop_assert_eq!(key.as_str(), "ip:203.0.113.7");
+                prop_assert!(second_spend_is_denied(&key));
+            }
+            Ok(key) => {
+                prop_assert!(usable_api_key(&sent), "{sent:?} gave {key}");
+                prop_assert!(key.starts_with("x-api-key:"), "{sent:?} gave {key}");
+                prop_assert!(second_spend_is_denied(&key));
+            }
+            Err(error) => {
+                prop_assert!(!sent.is_empty() && !usable_api_key(&sent), "{sent:?}: {error}");
+                prop_assert_eq!(error.kind(), KeyErrorKind::Client);
+                prop_assert!(!error.is_missing());
+            }
         }
     }
 }
 
+/// The most a key may spend in the layer test: small, so every case can exhaust it.
+const LAYER_LIMIT: u64 = 5;
+
+/// One app for every case of the layer test: a clock that never moves, so a bucket that
+/// one case emptied stays empty for the next.
 fn hostile_app() -> Router {
-    let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::token_bucket("api", 5, Rate::per_hour(1)).unwrap())
+    let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    let limiter = RateLimitLayer::new(store)
+        .policy(Policy::token_bucket("api", LAYER_LIMIT, Rate::per_hour(1)).unwrap())
         .key(HeaderKey::new("x-api-key").or(ClientIp::behind_proxies(["127.0.0.0/8"]).unwrap()))
-        .cost(cost::from_fn(|parts| {
-            // A client-chosen cost, parsed defensively: any number, even u64::MAX.
-            parts
-                .headers
-                .get("x-cost")
-                .and_then(|value| value.to_str().ok()?.trim().parse().ok())
-                .unwrap_or(1)
-        }));
+        .cost(cost::from_fn(cost_of));
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(limiter)
         .with_state(())
 }
 
-proptest! {
-    #![proptest_config(cases(2_000))]
-
-    /// The whole layer under arbitrary headers: an answer every time, and only answers a
-    /// rate limiter may give.
-    #[test]
-    fn the_layer_answers_every_hostile_request(
-        headers in prop::collection::vec((0usize..4, header_bytes()), 0..6),
-        cost in prop_oneof![Just(None), any::<u64>().prop_map(Some), (0u64..10).prop_map(Some)],
-    ) {
-        INPUTS.fetch_add(1, Ordering::Relaxed);
-        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-        let mut request = Request::get("/").body(Body::empty()).unwrap();
-        for (name, value) in &headers {
-            let name = ["x-forwarded-for", "forwarded", "x-api-key", "x-cost"][*name];
-            if let Ok(value) = HeaderValue::from_bytes(value) {
-                request.headers_mut().append(name, value);
-            }
-        }
-        if let Some(cost) = cost {
-            request.headers_mut().insert("x-cost", HeaderValue::from(cost));
-        }
-        request.extensions_mut().insert(SocketAddr::from(([127, 0, 0, 1], 9)));
-        let response = runtime.block_on(hostile_app().oneshot(request)).unwrap();
-        let status = response.status();
-        prop_assert!(
-            [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS, StatusCode::BAD_REQUEST].contains(&status),
-            "{status}"
-        );
-        if status == StatusCode::BAD_REQUEST {
-            // A cost that can never fit, or an ambiguous key: never a Retry-After.
-            prop_assert!(response.headers().get("retry-after").is_none());
-        }
-    }
+/// A client-chosen cost, parsed defensively: any number, even u64::MAX.
+fn cost_of(parts: &http::request::Parts) -> u64 {
+    parts
+        .headers
+        .get("x-cost")
+        .and_then(|value| value.to_str().ok()?.trim().parse().ok())
+        .unwrap_or(1)
 }
 
+/// The whole layer under arbitrary headers, one app and store for every case. Each case
+/// sends the same hostile request `LAYER_LIMIT + 1` times: only answers a rate limiter may
+/// give, a 400 exactly when the key or the cost is unusable (and no `Retry-After` then),
+/// and otherwise the request after the limit is a 429, whatever the headers said.
 #[test]
-fn the_property_tests_ran_many_inputs() {
-    // Printed for the record of how much was fuzzed; the count is only complete when the
-    // property tests ran first, so it is not asserted.
-    println!(
-        "hostile inputs so far in this process: {}",
-        INPUTS.load(Ordering::Relaxed)
+fn the_layer_answers_every_hostile_request() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let app = hostile_app();
+    let strategy = (
+        prop::collection::vec((0usize..4, header_bytes()), 0..6),
+        prop_oneof![
+            2 => Just(None),
+            1 => any::<u64>().prop_map(Some),
+            2 => (0u64..10).prop_map(Some)
+        ],
     );
+    let (admitted, denied, refused) = (Cell::new(0u64), Cell::new(0u64), Cell::new(0u64));
+    let mut runner = TestRunner::new(cases(2_000));
+    runner
+        .run(&strategy, |(headers, cost)| {
+            let request = || {
+                let mut request = Request::get("/").body(Body::empty()).unwrap();
+                for (name, value) in &headers {
+                    let name = ["x-forwarded-for", "forwarded", "x-api-key", "x-cost"][*name];
+                    if let Ok(value) = HeaderValue::from_bytes(value) {
+                        request.headers_mut().append(name, value);
+                    }
+                }
+                if let Some(cost) = cost {
+                    request
+                        .headers_mut()
+                        .insert("x-cost", HeaderValue::from(cost));
+                }
+                request
+                    .extensions_mut()
+                    .insert(SocketAddr::from(([127, 0, 0, 1], 9)));
+                request
+            };
+            let (parts, _) = request().into_parts();
+            let cost = cost_of(&parts);
+            let api_keys: Vec<&HeaderValue> = parts.headers.get_all("x-api-key").iter().collect();
+            let unusable =
+                (!api_keys.is_empty() && !usable_api_key(&api_keys)) || cost > LAYER_LIMIT;
+            let mut last = StatusCode::OK;
+            for attempt in 0..=LAYER_LIMIT {
+                let response = runtime.block_on(app.clone().oneshot(request())).unwrap();
+                let status = response.status();
+                match status {
+                    StatusCode::OK => admitted.set(admitted.get() + 1),
+                    StatusCode::TOO_MANY_REQUESTS => denied.set(denied.get() + 1),
+                    StatusCode::BAD_REQUEST => refused.set(refused.get() + 1),
+                    _ => prop_assert!(false, "attempt {attempt}: {status}"),
+                }
+                prop_assert_eq!(
+                    status == StatusCode::BAD_REQUEST,
+                    unusable,
+                    "attempt {}: {} for cost {} and keys {:?}",
+                    attempt,
+                    status,
+                    cost,
+                    api_keys
+                );
+                if status == StatusCode::BAD_REQUEST {
+                    // A cost that can never fit, or an unusable key: never a Retry-After.
+                    prop_assert!(response.headers().get("retry-after").is_none());
+                }
+                if status == StatusCode::TOO_MANY_REQUESTS {
+                    prop_assert!(response.headers().get("retry-after").is_some());
+                }
+                last = status;
+            }
+            if !unusable && cost > 0 {
+                // LAYER_LIMIT + 1 requests of at least one unit each cannot all fit.
+                prop_assert_eq!(last, StatusCode::TOO_MANY_REQUESTS, "cost {}", cost);
+            }
+            Ok(())
+        })
+        .unwrap();
+    let (admitted, denied, refused) = (admitted.get(), denied.get(), refused.get());
+    println!(
+        "hostile requests: {admitted} admitted, {denied} denied (429), {refused} refused (400)"
+    );
+    assert!(denied > 0 && admitted > 0 && refused > 0);
 }
 
 /// Every algorithm at the edges of its parameters and of time: no panic, no admission
-/// beyond the limit, no retry-after of zero.
+/// beyond the limit (not for one request, nor summed over one instant), no retry-after
+/// of zero.
 #[test]
 fn arithmetic_at_the_edges() {
     let max = tollgate::policy::MAX_LIMIT;
@@ -232,9 +374,14 @@ fn arithmetic_at_the_edges() {
         let set = PolicySet::from(policy);
         for &at in &times {
             clock.set(Duration::from_nanos(at));
+            // What this instant admitted: a full bucket or window holds `limit`, no more.
+            let mut admitted = 0u64;
             for cost in [0, 1, 2, limit, limit.saturating_add(1), u64::MAX] {
                 for _ in 0..3 {
                     let decision = store.check("edge", &set, cost);
+                    if decision.is_allowed() {
+                        admitted = admitted.saturating_add(cost);
+                    }
                     let status = decision.statuses()[0];
                     assert!(
                         status.remaining <= status.limit,
@@ -254,6 +401,10 @@ fn arithmetic_at_the_edges() {
                     }
                 }
             }
+            assert!(
+                admitted <= limit,
+                "{name} at {at}: {admitted} units admitted at one instant, limit {limit}"
+            );
         }
     }
 }

@@ -333,6 +333,71 @@ async fn api_keys_with_fallback_and_missing_key_modes() {
     assert!(either.headers.contains_key("ratelimit"));
 }
 
+#[tokio::test]
+async fn a_bad_api_key_is_a_400_not_a_fall_back_to_the_ip_bucket() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+        .key(HeaderKey::new("x-api-key").or(ClientIp::peer()));
+    let server = Server::start(hello_app().layer(limiter)).await;
+    let bad: [&[&[u8]]; 4] = [
+        &[b"sk_live_alpha", b"sk_live_beta"],
+        &[b""],
+        &[b"   "],
+        &[b"sk_live_\xff\xfe"],
+    ];
+    for _ in 0..3 {
+        for values in bad {
+            let mut request = Request::get("/");
+            for value in values {
+                request =
+                    request.header("x-api-key", http::HeaderValue::from_bytes(value).unwrap());
+            }
+            let reply = server.send(request).await;
+            assert_eq!(
+                reply.status,
+                StatusCode::BAD_REQUEST,
+                "{values:?}: {}",
+                reply.body
+            );
+            assert!(!reply.headers.contains_key("ratelimit"), "{values:?}");
+            assert!(reply.body.contains("x-api-key"), "{}", reply.body);
+        }
+    }
+    // The 400s spent nothing: the IP bucket, reached without a key, is whole.
+    let first = server.get("/").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(first.rate().starts_with("\"api\";r=1;"), "{}", first.rate());
+}
+
+#[tokio::test]
+async fn missing_key_allow_lets_an_absent_key_through_but_not_an_invalid_one() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+        .key(HeaderKey::new("x-api-key"))
+        .on_missing_key(MissingKey::Allow);
+    let server = Server::start(hello_app().layer(limiter)).await;
+    let open = server.get("/").await;
+    assert_eq!(open.status, StatusCode::OK);
+    assert!(!open.headers.contains_key("ratelimit"));
+    let reply = server
+        .send(
+            Request::get("/")
+                .header("x-api-key", "sk_live_alpha")
+                .header("x-api-key", "sk_live_beta"),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.body);
+    // Nor does it hide a server set up wrong.
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(api_bucket())
+        .on_missing_key(MissingKey::Allow);
+    let server = Server::start_with(hello_app().layer(limiter), false).await;
+    assert_eq!(
+        server.get("/").await.status,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Plan {
     Free,

@@ -5,14 +5,15 @@ use std::marker::PhantomData;
 
 use http::request::Parts;
 
-use super::{Key, KeyError, KeyExtractor};
+use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 
 /// Keys requests by a value that earlier middleware (authentication) stored in the
 /// request's extensions: `user:42`.
 ///
-/// If the extension is missing the server is set up wrong (the auth layer must run
-/// before the limiter), unless anonymous requests are expected: then chain a fallback with
-/// [`or`](super::KeyExtractorExt::or).
+/// If the extension is missing the key is absent: without a fallback that is a server
+/// error (500: the auth layer must run before the limiter). When anonymous requests are
+/// expected, chain a fallback with [`or`](super::KeyExtractorExt::or), which is tried
+/// exactly when the auth layer set no identity: `ExtensionKey::new(..).or(ClientIp::peer())`.
 ///
 /// ```
 /// use http::Request;
@@ -73,12 +74,14 @@ where
     F: Fn(&T) -> String + Send + Sync + 'static,
 {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
-        let value = parts.extensions.get::<T>().ok_or_else(|| {
-            KeyError::server(format!(
-                "no {} in the request extensions: the middleware that sets it must run before the rate limiter",
+        let Some(value) = parts.extensions.get::<T>() else {
+            let reason = format!(
+                "no {} in the request extensions: the middleware that sets it must run before \
+                 the rate limiter",
                 std::any::type_name::<T>()
-            ))
-        })?;
+            );
+            return Err(KeyError::missing(KeyErrorKind::Server, reason));
+        };
         let id = (self.to_id)(value);
         Ok(Key::new(format!("{}:{id}", self.namespace)))
     }

@@ -1,16 +1,19 @@
 //! A header that names the client, such as an API key: hashed, never kept in clear.
 
 use http::HeaderName;
+use http::header::InvalidHeaderName;
 use http::request::Parts;
 
-use super::{Key, KeyError, KeyExtractor};
+use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 
-/// Keys requests by a header's value, hashed (`apikey:3f2a…`): API keys and tokens never
-/// reach a store, a log line or a metric label in clear.
+/// Keys requests by a header's value, hashed (`x-api-key:3f2a…`): API keys and tokens
+/// never reach a store, a log line or a metric label in clear.
 ///
-/// A missing or empty header is a client error (400 unless the layer lets it through, or
-/// a fallback follows with [`or`](super::KeyExtractorExt::or)). Several lines of the same
-/// header are refused too: an auth layer might read another line than the limiter.
+/// A missing header is an absent key: a client error (400) unless a fallback follows with
+/// [`or`](super::KeyExtractorExt::or) or the layer lets such requests through. A header
+/// that is present but unusable is an invalid key, a 400 that no fallback hides: several
+/// lines of it (an auth layer might read another line than the limiter), an empty or
+/// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 ///
 /// ```
 /// use http::Request;
@@ -22,6 +25,80 @@ use super::{Key, KeyError, KeyExtractor};
 /// assert!(key.as_str().starts_with("x-api-key:"));
 /// assert!(!key.as_str().contains("sk_live_123"));
 /// ```
+///
+/// # Before authentication, a key is whatever the client says
+///
+/// A limiter that runs before the API key is checked gives every distinct value its own
+/// bucket, so a client that invents a new key for each request is never limited: the
+/// keys need not be valid to be counted. `HeaderKey` fits where the header is checked
+/// before the limiter or where every value is trusted (an internal caller's name).
+///
+/// For API keys, limit by the identity the auth layer verified instead, with
+/// [`ExtensionKey`](super::ExtensionKey) on the value it stores in the request, falling
+/// back to the client's IP for requests it verified nothing for: invented keys then all
+/// spend the one IP bucket. The limiter must run after the auth layer (with axum, the
+/// auth layer is added last). If the auth layer answers unknown keys `401` itself, the
+/// limiter behind it never sees them: put a [`ClientIp`](super::ClientIp) limiter in front
+/// of it as well, so guessing keys is limited too.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use std::time::Duration;
+/// use axum::{Router, body::Body, extract::Request, middleware::{self, Next}, routing::get};
+/// use http::StatusCode;
+/// use tower::ServiceExt;
+/// use tollgate::key::{ClientIp, ExtensionKey, HeaderKey, KeyExtractorExt};
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+///
+/// /// What the auth layer stores once it has checked an API key.
+/// #[derive(Clone)]
+/// struct Account { id: u64 }
+///
+/// // A stand-in for authentication: one known key. Unknown keys go on without an account
+/// // (a real handler would then refuse what needs one).
+/// async fn auth(mut request: Request, next: Next) -> axum::response::Response {
+///     if request.headers().get("x-api-key").is_some_and(|key| key == "sk_live_alpha") {
+///         request.extensions_mut().insert(Account { id: 42 });
+///     }
+///     next.run(request).await
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let policy = Policy::fixed_window("api", 3, Duration::from_secs(60))?;
+/// let routes = || Router::new().route("/", get(|| async { "hello" }));
+/// let by_verified_account = routes()
+///     .layer(
+///         RateLimitLayer::new(MemoryStore::new())
+///             .policy(policy.clone())
+///             .key(ExtensionKey::new("account", |account: &Account| account.id.to_string())
+///                 .or(ClientIp::peer())),
+///     )
+///     .layer(middleware::from_fn(auth)); // runs first
+/// let by_header = routes()
+///     .layer(RateLimitLayer::new(MemoryStore::new()).policy(policy).key(HeaderKey::new("x-api-key")))
+///     .layer(middleware::from_fn(auth));
+///
+/// let request = |key: &str| {
+///     let mut request = Request::get("/").header("x-api-key", key).body(Body::empty()).unwrap();
+///     request.extensions_mut().insert(SocketAddr::from(([203, 0, 113, 7], 40000)));
+///     request
+/// };
+/// let mut statuses = (Vec::new(), Vec::new());
+/// for guess in 0..5 {
+///     let key = format!("sk_made_up_{guess}");
+///     statuses.0.push(by_verified_account.clone().oneshot(request(&key)).await?.status());
+///     statuses.1.push(by_header.clone().oneshot(request(&key)).await?.status());
+/// }
+/// // Invented keys share the client's IP bucket...
+/// assert_eq!(statuses.0.iter().filter(|s| **s == StatusCode::OK).count(), 3);
+/// // ...but each gets a fresh bucket when keyed by the header before authentication.
+/// assert!(statuses.1.iter().all(|s| *s == StatusCode::OK));
+/// // The verified account has its own bucket, whatever the IP has spent.
+/// let verified = by_verified_account.oneshot(request("sk_live_alpha")).await?;
+/// assert_eq!(verified.status(), StatusCode::OK);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct HeaderKey {
     name: HeaderName,
@@ -29,10 +106,43 @@ pub struct HeaderKey {
 }
 
 impl HeaderKey {
-    /// The header `name`. Panics if `name` is not a valid header name, which is a
-    /// programming error caught at start-up.
-    pub fn new(name: &'static str) -> Self {
-        Self::from_name(HeaderName::from_static(name))
+    /// The header `name`, in any case: header names are case-insensitive, so
+    /// `"X-Api-Key"` and `"x-api-key"` are the same header and give the same keys.
+    ///
+    /// # Panics
+    ///
+    /// If `name` is not a valid header name at all (empty, or with a space, a colon or
+    /// another character outside the HTTP token set), which is a programming error caught
+    /// at start-up. [`try_new`](Self::try_new) returns the error instead, for names read
+    /// from configuration.
+    ///
+    /// ```
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// let key = HeaderKey::new("X-Api-Key");
+    /// assert_eq!(key.header_name(), "x-api-key");
+    /// ```
+    pub fn new(name: &str) -> Self {
+        match Self::try_new(name) {
+            Ok(key) => key,
+            Err(_) => panic!(
+                "HeaderKey::new: {name:?} is not a valid header name (letters, digits and \
+                 !#$%&'*+-.^_`|~ only)"
+            ),
+        }
+    }
+
+    /// The header `name`, in any case, or an error if it is not a valid header name.
+    ///
+    /// ```
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// assert_eq!(HeaderKey::try_new("X-Tenant")?.header_name(), "x-tenant");
+    /// assert!(HeaderKey::try_new("x tenant").is_err());
+    /// # Ok::<(), http::header::InvalidHeaderName>(())
+    /// ```
+    pub fn try_new(name: &str) -> Result<Self, InvalidHeaderName> {
+        HeaderName::from_bytes(name.as_bytes()).map(Self::from_name)
     }
 
     /// The header `name`.
@@ -41,6 +151,11 @@ impl HeaderKey {
             name,
             salt: Vec::new(),
         }
+    }
+
+    /// The header read, lowercase: also the namespace of the keys (`x-api-key:3f2a…`).
+    pub fn header_name(&self) -> &HeaderName {
+        &self.name
     }
 
     /// Mixes a server-side secret into the hash, so a leaked store dump cannot be checked
@@ -54,18 +169,29 @@ impl HeaderKey {
 impl KeyExtractor for HeaderKey {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let mut values = parts.headers.get_all(&self.name).iter();
-        let value = values
-            .next()
-            .filter(|value| !value.as_bytes().trim_ascii().is_empty())
-            .ok_or_else(|| KeyError::client(format!("missing header {}", self.name)))?;
+        let Some(value) = values.next() else {
+            return Err(KeyError::missing(
+                KeyErrorKind::Client,
+                format!("missing header {}", self.name),
+            ));
+        };
         if values.next().is_some() {
             return Err(KeyError::client(format!("several {} headers", self.name)));
         }
-        Ok(Key::hashed_with_salt(
-            self.name.as_str(),
-            &self.salt,
-            value.as_bytes().trim_ascii(),
-        ))
+        let value = value.as_bytes().trim_ascii();
+        if value.is_empty() {
+            return Err(KeyError::client(format!("empty header {}", self.name)));
+        }
+        if !value
+            .iter()
+            .all(|&byte| byte == b'\t' || (b' '..=b'~').contains(&byte))
+        {
+            return Err(KeyError::client(format!(
+                "header {} is not visible ASCII",
+                self.name
+            )));
+        }
+        Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
     }
 }
 
@@ -85,6 +211,21 @@ mod tests {
     }
 
     #[test]
+    fn header_names_are_case_insensitive() {
+        let lower = extract(&HeaderKey::new("x-api-key"), &[b"alpha"]).unwrap();
+        for name in ["X-Api-Key", "X-API-KEY", "x-Api-key"] {
+            assert_eq!(extract(&HeaderKey::new(name), &[b"alpha"]).unwrap(), lower);
+        }
+        assert!(lower.as_str().starts_with("x-api-key:"));
+    }
+
+    #[test]
+    #[should_panic(expected = "is not a valid header name")]
+    fn a_name_that_is_no_header_name_panics_clearly() {
+        let _ = HeaderKey::new("x api key");
+    }
+
+    #[test]
     fn hashes_and_refuses_ambiguity() {
         let key = HeaderKey::new("x-api-key");
         let a = extract(&key, &[b"alpha"]).unwrap();
@@ -94,10 +235,24 @@ mod tests {
             a,
             extract(&key.clone().salt("pepper"), &[b"alpha"]).unwrap()
         );
-        // Non-UTF-8 bytes are hashed like any others.
-        assert!(extract(&key, &[b"\xff\xfe"]).is_ok());
-        for bad in [&[][..], &[b"" as &[u8]][..], &[b"a" as &[u8], b"b"][..]] {
-            assert_eq!(extract(&key, bad).unwrap_err().kind(), KeyErrorKind::Client);
+        // Only an absent header is a missing key; the rest are invalid.
+        let absent = extract(&key, &[]).unwrap_err();
+        assert_eq!(absent.kind(), KeyErrorKind::Client);
+        assert!(absent.is_missing());
+        let invalid: [&[&[u8]]; 6] = [
+            &[b""],
+            &[b" \t "],
+            &[b"a", b"b"],
+            &[b"a", b"a"],
+            &[b"\xff\xfe"],
+            &[b"sk_\x80live"],
+        ];
+        for bad in invalid {
+            let error = extract(&key, bad).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{bad:?}");
+            assert!(!error.is_missing(), "{bad:?}");
         }
+        // Spaces and tabs inside a value are part of it ("Bearer abc").
+        assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
     }
 }

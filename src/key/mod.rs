@@ -10,8 +10,15 @@
 //! know nothing of stores.
 //!
 //! When no key can be extracted the extractor says why with a [`KeyError`], and the layer
-//! answers it (400 when the client left something out, 500 when the server is set up
-//! wrong) unless told to let such requests through: a missing key is never a silent bypass.
+//! answers it (400 when the client left something out or sent something unusable, 500
+//! when the server is set up wrong) unless told to let requests without a key through: a
+//! missing key is never a silent bypass.
+//!
+//! A key is either *absent* ([`KeyError::is_missing`]: no such header, no identity set by
+//! the auth layer) or *invalid* (present but unusable: a repeated or empty header, bytes
+//! that are not visible ASCII, a server set up wrong). Only an absent key lets
+//! [`KeyExtractorExt::or`] try its fallback; an invalid one is answered as it is, so a
+//! client cannot trade a budget it has for another by sending a malformed key.
 
 mod extension;
 mod header;
@@ -120,41 +127,69 @@ impl std::ops::Deref for Key {
 /// Who is at fault when no key could be extracted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyErrorKind {
-    /// The request lacks what the extractor needs (a header): answered 400.
+    /// The request lacks what the extractor needs (a header), or carries it in a form the
+    /// extractor refuses: answered 400.
     Client,
     /// The server is set up wrong (no peer address, no extension from the auth
     /// middleware): answered 500.
     Server,
 }
 
-/// Why no key could be extracted from a request.
+/// Why no key could be extracted from a request: whose fault it is ([`kind`](Self::kind))
+/// and whether the key was absent or invalid ([`is_missing`](Self::is_missing)).
+///
+/// Only an absent key lets [`or`](KeyExtractorExt::or) try its fallback (and
+/// [`MissingKey::Allow`](crate::MissingKey::Allow) let the request through); an invalid
+/// key, or a server set up wrong, is answered as it is.
 ///
 /// ```
 /// use tollgate::key::{KeyError, KeyErrorKind};
 ///
-/// let err = KeyError::client("missing header x-api-key");
-/// assert_eq!(err.kind(), KeyErrorKind::Client);
-/// assert_eq!(err.to_string(), "missing header x-api-key");
+/// let absent = KeyError::missing(KeyErrorKind::Client, "missing header x-api-key");
+/// assert_eq!(absent.kind(), KeyErrorKind::Client);
+/// assert!(absent.is_missing());
+/// assert_eq!(absent.to_string(), "missing header x-api-key");
+///
+/// let invalid = KeyError::client("several x-api-key headers");
+/// assert_eq!(invalid.kind(), KeyErrorKind::Client);
+/// assert!(!invalid.is_missing());
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyError {
     kind: KeyErrorKind,
+    missing: bool,
     reason: Cow<'static, str>,
 }
 
 impl KeyError {
-    /// The client left something out.
+    /// The client sent a key the extractor refuses (repeated, empty, malformed): answered
+    /// 400, and no fallback is tried.
     pub fn client(reason: impl Into<Cow<'static, str>>) -> Self {
         Self {
             kind: KeyErrorKind::Client,
+            missing: false,
             reason: reason.into(),
         }
     }
 
-    /// The server is misconfigured.
+    /// The server is misconfigured: answered 500, and no fallback is tried.
     pub fn server(reason: impl Into<Cow<'static, str>>) -> Self {
         Self {
             kind: KeyErrorKind::Server,
+            missing: false,
+            reason: reason.into(),
+        }
+    }
+
+    /// The request carries no key at all (no such header, no identity from the auth
+    /// layer): a fallback chained with [`or`](KeyExtractorExt::or) is tried. Without one
+    /// it is answered by `kind`: [`KeyErrorKind::Client`] for something the client should
+    /// have sent (400), [`KeyErrorKind::Server`] for something the server should have set
+    /// (500).
+    pub fn missing(kind: KeyErrorKind, reason: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            kind,
+            missing: true,
             reason: reason.into(),
         }
     }
@@ -162,6 +197,12 @@ impl KeyError {
     /// Whose fault it is.
     pub fn kind(&self) -> KeyErrorKind {
         self.kind
+    }
+
+    /// Whether the key was absent (see [`missing`](Self::missing)), rather than present
+    /// but invalid or impossible to find because the server is set up wrong.
+    pub fn is_missing(&self) -> bool {
+        self.missing
     }
 
     /// The reason, for logs and the problem body.
@@ -206,15 +247,31 @@ impl<T: KeyExtractor + ?Sized> KeyExtractor for Box<T> {
 
 /// Combinators for every [`KeyExtractor`].
 pub trait KeyExtractorExt: KeyExtractor + Sized {
-    /// This extractor, or `fallback` when this one finds no key: `user.or(api_key).or(ip)`.
+    /// This extractor, or `fallback` when this one's key is absent:
+    /// `user.or(api_key).or(ip)`.
+    ///
+    /// Only an absent key ([`KeyError::is_missing`]) falls through. A key that is present
+    /// but invalid (two `x-api-key` headers, an empty one, one that is not visible ASCII)
+    /// is the client's error and is returned as it is, as is a server misconfiguration:
+    /// otherwise a client could leave its own budget for the fallback's by sending a
+    /// malformed key.
     ///
     /// ```
     /// use http::Request;
-    /// use tollgate::key::{HeaderKey, KeyExtractor, KeyExtractorExt, Global};
+    /// use tollgate::key::{HeaderKey, KeyErrorKind, KeyExtractor, KeyExtractorExt, Global};
     ///
     /// let key = HeaderKey::new("x-api-key").or(Global);
     /// let (parts, _) = Request::get("/").body(()).unwrap().into_parts();
     /// assert_eq!(key.extract(&parts).unwrap().as_str(), "global");
+    ///
+    /// let (parts, _) = Request::get("/")
+    ///     .header("x-api-key", "sk_live_alpha")
+    ///     .header("x-api-key", "sk_live_beta")
+    ///     .body(())
+    ///     .unwrap()
+    ///     .into_parts();
+    /// let error = key.extract(&parts).unwrap_err();
+    /// assert_eq!(error.kind(), KeyErrorKind::Client); // a 400, not the global bucket
     /// ```
     fn or<B: KeyExtractor>(self, fallback: B) -> FirstOf<Self, B> {
         FirstOf {
@@ -226,7 +283,8 @@ pub trait KeyExtractorExt: KeyExtractor + Sized {
 
 impl<T: KeyExtractor> KeyExtractorExt for T {}
 
-/// The first of two extractors that finds a key; see [`KeyExtractorExt::or`].
+/// The first extractor's key, or the fallback's when the first one's is absent; see
+/// [`KeyExtractorExt::or`].
 #[derive(Debug, Clone)]
 pub struct FirstOf<A, B> {
     first: A,
@@ -235,9 +293,10 @@ pub struct FirstOf<A, B> {
 
 impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for FirstOf<A, B> {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
-        self.first
-            .extract(parts)
-            .or_else(|_| self.fallback.extract(parts))
+        match self.first.extract(parts) {
+            Err(error) if error.is_missing() => self.fallback.extract(parts),
+            found_or_invalid => found_or_invalid,
+        }
     }
 }
 
@@ -297,12 +356,12 @@ impl<F> fmt::Debug for FromFn<F> {
 ///
 /// ```
 /// use http::Request;
-/// use tollgate::key::{self, KeyError, KeyExtractor};
+/// use tollgate::key::{self, KeyError, KeyErrorKind, KeyExtractor};
 /// use tollgate::Key;
 ///
 /// let tenant = key::from_fn(|parts| {
 ///     parts.uri.host().map(|host| Key::new(format!("tenant:{host}")))
-///         .ok_or_else(|| KeyError::client("no host in the request URI"))
+///         .ok_or_else(|| KeyError::missing(KeyErrorKind::Client, "no host in the request URI"))
 /// });
 /// let (parts, _) = Request::get("http://acme.example/").body(()).unwrap().into_parts();
 /// assert_eq!(tenant.extract(&parts).unwrap().as_str(), "tenant:acme.example");
@@ -325,7 +384,7 @@ where
 
 /// Joins parts so that no two different tuples give the same key: each part is written
 /// as `length#part`.
-fn compound(parts: &[Key]) -> Key {
+fn compound<'a>(parts: impl IntoIterator<Item = &'a Key>) -> Key {
     let mut out = CompactString::default();
     for part in parts {
         out.push_str(itoa::Buffer::new().format(part.len()));
@@ -337,12 +396,27 @@ fn compound(parts: &[Key]) -> Key {
 
 macro_rules! tuple_extractor {
     ($($name:ident),+) => {
-        /// A compound key: every extractor must find its part.
+        /// A compound key: every extractor must find its part. The key is absent (and a
+        /// fallback may be tried) only when no part is invalid and some part is absent.
         impl<$($name: KeyExtractor),+> KeyExtractor for ($($name,)+) {
             #[allow(non_snake_case)]
             fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
                 let ($($name,)+) = self;
-                Ok(compound(&[$($name.extract(parts)?),+]))
+                let mut absent: Option<KeyError> = None;
+                let found = [$(
+                    match $name.extract(parts) {
+                        Ok(key) => Some(key),
+                        Err(error) if error.is_missing() => {
+                            absent.get_or_insert(error);
+                            None
+                        }
+                        Err(error) => return Err(error),
+                    }
+                ),+];
+                match absent {
+                    Some(error) => Err(error),
+                    None => Ok(compound(found.iter().flatten())),
+                }
             }
         }
     };
@@ -371,6 +445,77 @@ mod tests {
         assert!(key.len() < 64);
         assert!(key.starts_with("long:"));
         assert_eq!(Key::new("x".repeat(10_000)), key);
+    }
+
+    /// A request from 203.0.113.7 with these header lines.
+    fn request(headers: &[(&str, &[u8])]) -> Parts {
+        let mut builder = Request::get("/");
+        for (name, value) in headers {
+            builder = builder.header(*name, http::HeaderValue::from_bytes(value).unwrap());
+        }
+        let mut request = builder.body(()).unwrap();
+        request
+            .extensions_mut()
+            .insert(std::net::SocketAddr::from(([203, 0, 113, 7], 1)));
+        request.into_parts().0
+    }
+
+    #[test]
+    fn or_falls_through_on_an_absent_key_only() {
+        let key = HeaderKey::new("x-api-key").or(ClientIp::peer());
+        assert_eq!(
+            key.extract(&request(&[])).unwrap().as_str(),
+            "ip:203.0.113.7"
+        );
+        let bad: [&[(&str, &[u8])]; 5] = [
+            &[("x-api-key", b"alpha"), ("x-api-key", b"beta")],
+            &[("x-api-key", b"alpha"), ("x-api-key", b"alpha")],
+            &[("x-api-key", b"")],
+            &[("x-api-key", b" \t ")],
+            &[("x-api-key", b"sk_\xffalpha")],
+        ];
+        for headers in bad {
+            let error = key.extract(&request(headers)).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{headers:?}");
+        }
+    }
+
+    #[test]
+    fn or_does_not_hide_a_server_misconfiguration() {
+        let (parts, _) = Request::get("/").body(()).unwrap().into_parts();
+        let error = ClientIp::peer().or(Global).extract(&parts).unwrap_err();
+        assert_eq!(error.kind(), KeyErrorKind::Server);
+    }
+
+    #[test]
+    fn or_passes_on_an_extension_the_auth_layer_did_not_set() {
+        #[derive(Clone)]
+        struct User(u32);
+        let key = ExtensionKey::new("user", |user: &User| user.0.to_string()).or(ClientIp::peer());
+        let mut parts = request(&[]);
+        assert_eq!(key.extract(&parts).unwrap().as_str(), "ip:203.0.113.7");
+        parts.extensions.insert(User(42));
+        assert_eq!(key.extract(&parts).unwrap().as_str(), "user:42");
+    }
+
+    #[test]
+    fn or_returns_a_custom_client_error_as_is() {
+        let refuse = from_fn(|_| Err(KeyError::client("a tenant header that names no tenant")));
+        let error = refuse.or(Global).extract(&request(&[])).unwrap_err();
+        assert_eq!(error.reason(), "a tenant header that names no tenant");
+    }
+
+    #[test]
+    fn a_tuple_with_an_invalid_part_is_invalid_even_if_another_is_absent() {
+        let pair = (HeaderKey::new("x-tenant"), HeaderKey::new("x-api-key"));
+        assert!(pair.extract(&request(&[])).unwrap_err().is_missing());
+        let key = pair.or(Global);
+        assert_eq!(key.extract(&request(&[])).unwrap().as_str(), "global");
+        let error = key
+            .extract(&request(&[("x-api-key", b"a"), ("x-api-key", b"b")]))
+            .unwrap_err();
+        assert_eq!(error.kind(), KeyErrorKind::Client);
+        assert!(error.reason().contains("several"), "{error}");
     }
 
     #[test]
