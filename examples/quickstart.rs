@@ -10,6 +10,11 @@
 //! ```
 //!
 //! Every client IP gets a token bucket named `api`: 10 tokens, refilled at 5 per second.
+//! tollgate's warnings (the store went away, the store answers again) go to stderr;
+//! `RUST_LOG=tollgate=debug` shows every denial too.
+
+#[path = "support/logging.rs"]
+mod logging;
 
 use std::net::SocketAddr;
 
@@ -36,6 +41,7 @@ fn app<S: Store>(store: S) -> Result<Router, PolicyError> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
     let port: u16 = match std::env::var("PORT") {
         Ok(port) => port
             .parse()

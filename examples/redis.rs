@@ -9,7 +9,11 @@
 //!
 //! Clients are keyed by their API key (hashed before it reaches Redis), or by IP when they
 //! send none. Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
-//! are decided in one round trip, all-or-nothing.
+//! are decided in one round trip, all-or-nothing. tollgate's warnings (Redis went away,
+//! Redis answers again) go to stderr; `RUST_LOG=tollgate=debug` shows every denial too.
+
+#[path = "support/logging.rs"]
+mod logging;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -22,6 +26,7 @@ use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
     let store = match (std::env::var("REDIS_CLUSTER"), std::env::var("REDIS_URL")) {
         (Ok(nodes), _) => {
             let nodes: Vec<&str> = nodes.split(',').map(str::trim).collect();
