@@ -11,6 +11,9 @@
 //! every response (tower_governor with `use_headers`). One runtime worker, so the load
 //! generator has the other core.
 
+#[path = "support/logging.rs"]
+mod logging;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +25,7 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
     let mut args = std::env::args().skip(1);
     let variant = args.next().unwrap_or_else(|| "tollgate".to_owned());
     let port: u16 = args.next().map_or(Ok(3100), |p| p.parse())?;

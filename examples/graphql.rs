@@ -13,6 +13,9 @@
 //! is left. A query that could never fit (say `first: 100`
 //! twice over) is refused with `400` and its cost, not told to retry.
 
+#[path = "support/logging.rs"]
+mod logging;
+
 use std::net::SocketAddr;
 
 use async_graphql::{EmptyMutation, EmptySubscription, Object, Schema, SimpleObject};
@@ -83,6 +86,7 @@ impl Query {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
     let port: u16 = std::env::var("PORT")
         .ok()
         .and_then(|p| p.parse().ok())

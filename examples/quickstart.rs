@@ -10,6 +10,13 @@
 //! ```
 //!
 //! Every client IP gets a token bucket named `api`: 10 tokens, refilled at 5 per second.
+//! tollgate's warnings (the store went away, the store answers again) go to stderr;
+//! `RUST_LOG=tollgate=debug` shows every denial too.
+
+#[path = "support/logging.rs"]
+mod logging;
+#[path = "support/redact.rs"]
+mod redact;
 
 use std::net::SocketAddr;
 
@@ -36,6 +43,7 @@ fn app<S: Store>(store: S) -> Result<Router, PolicyError> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
     let port: u16 = match std::env::var("PORT") {
         Ok(port) => port
             .parse()
@@ -44,7 +52,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
 
     let (app, store) = match std::env::var("REDIS_URL") {
-        Ok(url) => redis_app(&url).await?,
+        Ok(url) => {
+            // Never print the password a REDIS_URL may carry.
+            let shown = redact::redact_url(&url);
+            let app = redis_app(&url)
+                .await
+                .map_err(|error| format!("Redis at {shown}: {error}"))?;
+            let store =
+                format!("Redis store at {shown}; if Redis goes away, a local limiter takes over");
+            (app, store)
+        }
         Err(_) => (app(MemoryStore::new())?, "in-process store".to_owned()),
     };
 
@@ -64,15 +81,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 #[cfg(feature = "redis")]
-async fn redis_app(url: &str) -> Result<(Router, String), Box<dyn std::error::Error>> {
-    let store = tollgate::store::RedisStore::connect(url).await?;
-    Ok((
-        app(store)?,
-        format!("Redis store at {url}; if Redis goes away, a local limiter takes over"),
-    ))
+async fn redis_app(url: &str) -> Result<Router, Box<dyn std::error::Error>> {
+    Ok(app(tollgate::store::RedisStore::connect(url).await?)?)
 }
 
 #[cfg(not(feature = "redis"))]
-async fn redis_app(_url: &str) -> Result<(Router, String), Box<dyn std::error::Error>> {
-    Err("REDIS_URL is set but this build has no Redis support: run with --features redis".into())
+async fn redis_app(_url: &str) -> Result<Router, Box<dyn std::error::Error>> {
+    Err("this build has no Redis support: run with --features redis".into())
 }

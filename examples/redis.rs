@@ -9,7 +9,13 @@
 //!
 //! Clients are keyed by their API key (hashed before it reaches Redis), or by IP when they
 //! send none. Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
-//! are decided in one round trip, all-or-nothing.
+//! are decided in one round trip, all-or-nothing. tollgate's warnings (Redis went away,
+//! Redis answers again) go to stderr; `RUST_LOG=tollgate=debug` shows every denial too.
+
+#[path = "support/logging.rs"]
+mod logging;
+#[path = "support/redact.rs"]
+mod redact;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -22,12 +28,25 @@ use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let store = match (std::env::var("REDIS_CLUSTER"), std::env::var("REDIS_URL")) {
+    logging::init();
+    // URLs are printed through redact_url: never the password they may carry.
+    let (store, shown) = match (std::env::var("REDIS_CLUSTER"), std::env::var("REDIS_URL")) {
         (Ok(nodes), _) => {
             let nodes: Vec<&str> = nodes.split(',').map(str::trim).collect();
-            RedisStore::connect_cluster(&nodes).await?
+            let shown: Vec<String> = nodes.iter().map(|node| redact::redact_url(node)).collect();
+            let shown = format!("the Redis Cluster at {}", shown.join(", "));
+            let store = RedisStore::connect_cluster(&nodes)
+                .await
+                .map_err(|error| format!("{shown}: {error}"))?;
+            (store, shown)
         }
-        (_, Ok(url)) => RedisStore::connect(&url).await?,
+        (_, Ok(url)) => {
+            let shown = format!("Redis at {}", redact::redact_url(&url));
+            let store = RedisStore::connect(&url)
+                .await
+                .map_err(|error| format!("{shown}: {error}"))?;
+            (store, shown)
+        }
         _ => {
             return Err(
                 "set REDIS_URL (redis://host:port) or REDIS_CLUSTER (comma-separated nodes)".into(),
@@ -53,7 +72,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .and_then(|p| p.parse().ok())
         .unwrap_or(3000);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!("listening on http://{}", listener.local_addr()?);
+    println!(
+        "listening on http://{}, limits shared through {shown}",
+        listener.local_addr()?
+    );
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

@@ -53,9 +53,10 @@
 //! - [`FailureMode`]: what a store failure gets (a local fallback by default; never a 429);
 //! - [`RateLimitLayer`]: the Tower layer that ties them together, with [`HeaderStyle`].
 //!
-//! Features: `axum` (default), `redis`, `graphql` (the GraphQL complexity coster in
-//! `cost::graphql`), `tracing`, `metrics`, `test-clock` (tests only: lets a test set the
-//! time a `RedisStore` decides at).
+//! Features: `axum` (default), `tracing` (default: denials and store errors as debug
+//! events, a warning when the failure mode starts and when the store answers again),
+//! `redis`, `graphql` (the GraphQL complexity coster in `cost::graphql`), `metrics`,
+//! `test-clock` (tests only: lets a test set the time a `RedisStore` decides at).
 
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms, unreachable_pub)]

@@ -33,11 +33,14 @@ use crate::policy::PolicySet;
 /// instead of every request. Memory is bounded by `capacity` identities.
 ///
 /// ```no_run
+/// # #[cfg(feature = "redis")] // the example needs RedisStore; it compiles to nothing without
+/// # mod example {
 /// use tollgate::store::{DenyCache, RedisStore};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = DenyCache::new(RedisStore::connect("redis://127.0.0.1:6379").await?, 100_000);
 /// # Ok(()) }
+/// # }
 /// ```
 #[derive(Clone)]
 pub struct DenyCache<S> {

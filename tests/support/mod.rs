@@ -17,7 +17,7 @@ fn binary(name: &str) -> String {
         .unwrap_or(false);
     assert!(
         found,
-        "{name} is not installed: the Redis tests need it (apt-get install redis-server redis-tools; .ci/run does this)"
+        "{name} is not installed: the Redis tests need it (bash scripts/test.sh installs it with apt-get)"
     );
     name.to_owned()
 }
