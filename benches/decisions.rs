@@ -75,7 +75,9 @@ fn clocks(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     let monotonic = MonotonicClock::new();
     let tsc = TscClock::new();
-    group.bench_function("now/monotonic (default)", |b| b.iter(|| black_box(monotonic.now())));
+    group.bench_function("now/monotonic (default)", |b| {
+        b.iter(|| black_box(monotonic.now()))
+    });
     group.bench_function("now/tsc (opt-in)", |b| b.iter(|| black_box(tsc.now())));
     let keys = keys(10_000);
     let set = PolicySet::from(

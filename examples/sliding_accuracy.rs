@@ -64,10 +64,7 @@ fn main() {
     }
 
     // Worst case: limit 10; the previous window's 10 arrive in its last nanoseconds.
-    let small = SlidingWindow {
-        limit: 10,
-        window,
-    };
+    let small = SlidingWindow { limit: 10, window };
     let mut state = CounterState::default();
     let seam = 10 * window;
     let mut admitted_in_window = 0;

@@ -37,7 +37,8 @@ end
 
 local function commit(p, s)
   local sequence = redis.call('HINCRBY', s.aux, 's', 1)
-  redis.call('ZADD', s.key, now, sequence .. ':' .. cost)
+  -- %d: a concatenated number would print as 1e+14 past 14 digits.
+  redis.call('ZADD', s.key, now, string.format('%d:%d', sequence, cost))
   s.total = s.total + cost
   s.newest = now
   redis.call('HSET', s.aux, 't', s.total)

@@ -159,10 +159,13 @@ impl ManualClock {
 
     /// Moves the clock forward.
     pub fn advance(&self, by: Duration) {
-        self.nanos.fetch_add(
-            u64::try_from(by.as_nanos()).unwrap_or(u64::MAX),
-            Ordering::SeqCst,
-        );
+        let by = u64::try_from(by.as_nanos()).unwrap_or(u64::MAX);
+        // Saturating: time never wraps around to the past.
+        let _ = self
+            .nanos
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add(by))
+            });
     }
 
     /// Sets the clock; it may not go backwards, so an earlier time is ignored.

@@ -204,7 +204,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// Adds a random delay of up to `jitter` (whole seconds) to `t` and `Retry-After`
     /// when they are a minute or longer, so clients told to come back when a long window
     /// ends do not all come back at once (draft-11, section 8.5). `Retry-After` stays no
-    /// earlier than the `t` of the denying policy. Off by default.
+    /// earlier than the `t` of the denying policy. Capped at a day. Off by default.
     ///
     /// ```
     /// use std::time::Duration;
@@ -216,7 +216,8 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn header_jitter(mut self, jitter: Duration) -> Self {
-        self.headers.jitter = jitter;
+        // More than a day of jitter spreads nothing further; it only delays clients.
+        self.headers.jitter = jitter.min(Duration::from_secs(86_400));
         self
     }
 

@@ -425,6 +425,15 @@ impl Policy {
                             Duration::ZERO,
                             MAX_SHAPING_DELAY,
                         )?;
+                        // The burst it admits is a quota like any other: bounded alike.
+                        check.count(
+                            "burst (max_delay times the leak rate)",
+                            Params::shaping_capacity(
+                                amount,
+                                Duration::from_nanos(period),
+                                Duration::from_nanos(max_delay),
+                            ),
+                        )?;
                         Params::LeakyShape {
                             amount,
                             period,

@@ -81,7 +81,14 @@ impl Responder {
             StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
                 if let StoreAnswer::Failed(error) = &answer {
                     telemetry::store_error(error);
-                    self.breaker.on_failure(error);
+                    if error.kind().is_io() {
+                        self.breaker.on_failure(error);
+                    } else {
+                        // The store answered, with a refusal that only this request's
+                        // policies or data may cause: the failure mode answers this
+                        // request, but it does not open the breaker for everyone.
+                        self.breaker.on_success();
+                    }
                 } else {
                     telemetry::store_skipped();
                 }

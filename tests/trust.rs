@@ -76,6 +76,7 @@ struct Switch {
 const UP: u8 = 0;
 const DOWN: u8 = 1;
 const HUNG: u8 = 2;
+const REFUSING: u8 = 3;
 
 impl Switch {
     fn new() -> Self {
@@ -103,6 +104,9 @@ impl Store for Switch {
                 Err(StoreError::new(StoreErrorKind::Unavailable, "switched off"))
             }),
             HUNG => DecideFuture::new(std::future::pending()),
+            REFUSING => DecideFuture::new(async {
+                Err(StoreError::new(StoreErrorKind::Refused, "WRONGTYPE").with_code("WRONGTYPE"))
+            }),
             _ => {
                 let decision = self.inner.check(key.as_str(), policies, cost);
                 DecideFuture::new(async move { Ok(decision) })
@@ -878,4 +882,63 @@ async fn quota_units_partition_keys_and_jitter() {
         seen.insert(t);
     }
     assert!(seen.len() > 1, "jitter never varied: {seen:?}");
+}
+
+// A refusal (not I/O) that one request's data causes must not open the breaker for every
+// identity: each such request gets the failure mode, the store keeps being asked.
+#[tokio::test]
+async fn refusals_do_not_open_the_breaker() {
+    let store = Switch::new();
+    store.set(REFUSING);
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .circuit_breaker(CircuitBreaker::new(2, Duration::from_secs(3600))),
+    );
+    for _ in 0..10 {
+        assert_eq!(
+            app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+            200
+        );
+    }
+    assert_eq!(store.calls(), 10, "every request still asked the store");
+}
+
+// A shaping bucket whose burst passes MAX_LIMIT is refused like any other quota.
+#[test]
+fn a_shaping_burst_beyond_the_limit_is_refused() {
+    let error = Policy::leaky_bucket_shaping(
+        "ls",
+        Rate::new(1_000_000_000, Duration::from_millis(1)),
+        Duration::from_secs(3600),
+    )
+    .unwrap_err();
+    assert!(error.to_string().contains("burst"), "{error}");
+}
+
+// Sliding-log entries of 15-digit costs keep their cost (Lua prints numbers past 14
+// digits as 1e+14 unless told otherwise).
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_sliding_log_keeps_fifteen_digit_costs() {
+    let server = support::RedisServer::start();
+    let store = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    let set = PolicySet::from(
+        Policy::sliding_log("upload", 500_000_000_000_000, Duration::from_secs(86_400)).unwrap(),
+    );
+    let key = Key::new("big");
+    for _ in 0..5 {
+        assert!(
+            store
+                .decide(&key, &set, 100_000_000_000_000)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    let denied = store.decide(&key, &set, 1).await.unwrap();
+    assert!(!denied.is_allowed());
+    assert_eq!(denied.statuses()[0].remaining, 0);
 }

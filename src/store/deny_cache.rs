@@ -22,7 +22,8 @@ use crate::policy::PolicySet;
 /// for every cached answer. The local deadline starts when the answer arrives, so it can
 /// run up to one round trip longer than the store's. A request of another cost goes to
 /// the store: a cheaper one may fit sooner, a costlier one needs longer than the cached
-/// wait.
+/// wait. Each identity keeps one entry with up to four costs, so a client that varies
+/// its cost cannot push other identities out (but each new cost of it reaches the store).
 ///
 /// A cached answer cannot know the policies' state now (others spend, buckets refill),
 /// so it carries no statuses: the layer sends `Retry-After` and `RateLimit-Policy`, and
@@ -48,20 +49,23 @@ pub struct DenyCache<S> {
     shared: Arc<Shared>,
 }
 
-/// Key, policy set fingerprint, cost.
-type CacheKey = (Key, u64, u64);
+/// Key and policy set fingerprint: one entry per identity, however many costs it sends,
+/// so one client cannot push other identities out of the cache by varying its cost.
+type CacheKey = (Key, u64);
+
+/// Costs remembered per identity.
+const COSTS_PER_IDENTITY: usize = 4;
 
 struct Shared {
-    denials: quick_cache::sync::Cache<CacheKey, Denial>,
+    denials: quick_cache::sync::Cache<CacheKey, Denials>,
     clock: Arc<dyn Clock>,
 }
 
-#[derive(Clone)]
-struct Denial {
-    /// Local clock nanoseconds until which the request is denied.
-    until: u64,
-    /// The index of the policy that denied it.
-    policy: usize,
+/// An identity's denials, one per cost (at most [`COSTS_PER_IDENTITY`]).
+#[derive(Clone, Default)]
+struct Denials {
+    /// `(cost, local clock nanoseconds until which it is denied, denying policy)`.
+    entries: SmallVec<[(u64, u64, usize); COSTS_PER_IDENTITY]>,
 }
 
 impl<S> std::fmt::Debug for DenyCache<S> {
@@ -97,23 +101,36 @@ impl<S: Store> DenyCache<S> {
 }
 
 impl Shared {
-    fn record(&self, cache_key: CacheKey, decision: &Decision) {
+    fn record(&self, cache_key: CacheKey, cost: u64, decision: &Decision) {
+        let now = self.clock.now();
+        let mut denials = self.denials.get(&cache_key).unwrap_or_default();
+        denials
+            .entries
+            .retain(|entry| entry.0 != cost && entry.1 > now);
         match decision.outcome() {
             Outcome::Denied {
                 retry_after,
                 policy,
             } => {
                 let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
-                let denial = Denial {
-                    until: self.clock.now().saturating_add(wait),
-                    policy,
-                };
-                self.denials.insert(cache_key, denial);
+                if denials.entries.len() == COSTS_PER_IDENTITY {
+                    // Full: the denial that ends first makes room.
+                    if let Some(soonest) =
+                        (0..denials.entries.len()).min_by_key(|&index| denials.entries[index].1)
+                    {
+                        denials.entries.remove(soonest);
+                    }
+                }
+                denials
+                    .entries
+                    .push((cost, now.saturating_add(wait), policy));
             }
-            Outcome::Allowed { .. } => {
-                self.denials.remove(&cache_key);
-            }
-            Outcome::CostExceedsLimit { .. } => {}
+            Outcome::Allowed { .. } | Outcome::CostExceedsLimit { .. } => {}
+        }
+        if denials.entries.is_empty() {
+            self.denials.remove(&cache_key);
+        } else {
+            self.denials.insert(cache_key, denials);
         }
     }
 }
@@ -124,13 +141,20 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        let cache_key = (key.clone(), policies.fingerprint(), cost);
-        if let Some(denial) = self.shared.denials.get(&cache_key) {
-            let now = self.shared.clock.now();
-            if now < denial.until {
+        let cache_key = (key.clone(), policies.fingerprint());
+        let now = self.shared.clock.now();
+        let cached = self.shared.denials.get(&cache_key).and_then(|denials| {
+            denials
+                .entries
+                .iter()
+                .find(|&&(denied, until, _)| denied == cost && now < until)
+                .copied()
+        });
+        if let Some((_, until, policy)) = cached {
+            {
                 let outcome = Outcome::Denied {
-                    policy: denial.policy,
-                    retry_after: Duration::from_nanos(denial.until - now),
+                    policy,
+                    retry_after: Duration::from_nanos(until - now),
                 };
                 return DecideFuture::ready(Ok(
                     Decision::new(outcome, SmallVec::new()).from_cache()
@@ -140,7 +164,7 @@ impl<S: Store> Store for DenyCache<S> {
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
                 if let Ok(decision) = &result {
-                    self.shared.record(cache_key, decision);
+                    self.shared.record(cache_key, cost, decision);
                 }
                 DecideFuture::ready(result)
             }
@@ -149,7 +173,7 @@ impl<S: Store> Store for DenyCache<S> {
                 DecideFuture::new(async move {
                     let result = pending.await;
                     if let Ok(decision) = &result {
-                        shared.record(cache_key, decision);
+                        shared.record(cache_key, cost, decision);
                     }
                     result
                 })

@@ -168,9 +168,14 @@ impl fmt::Debug for RedisStore {
 /// `Refused`, which the layer logs loudly instead of hiding it behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
+    let transient_code = matches!(error.code(), Some("BUSY" | "OOM" | "LOADING"))
+        || error
+            .detail()
+            .is_some_and(|detail| detail.contains("max number of clients"));
     let kind = if error.is_timeout() {
         StoreErrorKind::Timeout
-    } else if error.is_io_error()
+    } else if transient_code
+        || error.is_io_error()
         || error.is_connection_dropped()
         || error.is_connection_refusal()
         || matches!(
@@ -268,7 +273,9 @@ impl RedisStore {
         Self::with_backend(Backend::ClusterPool(pool))
     }
 
-    /// Writes keys under another prefix than `tollgate` (several apps, one Redis).
+    /// Writes keys under another prefix than `tollgate` (several apps, one Redis). The
+    /// start-up check of [`connect`](Self::connect) wrote under the default prefix; with
+    /// an ACL limited to your prefix use [`connect_with_prefix`](Self::connect_with_prefix).
     pub fn prefix(mut self, prefix: &str) -> Self {
         self.keys = RedisKeys::new(prefix);
         self
@@ -331,13 +338,27 @@ impl RedisStore {
         .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?;
         let key = Key::new("tollgate-start-up-check");
         // Every algorithm in the multi-policy script, then each one's own script.
-        self.decide(&key, &probe, 1)
-            .await
-            .map_err(|error| refused_at_start(&error))?;
-        for policy in probe.iter() {
-            self.decide(&key, &PolicySet::from(policy.clone()), 1)
-                .await
-                .map_err(|error| refused_at_start(&error))?;
+        let mut sets = vec![probe.clone()];
+        sets.extend(probe.iter().map(|policy| PolicySet::from(policy.clone())));
+        for set in sets {
+            match self.decide(&key, &set, 1).await {
+                Ok(_) => {}
+                // A server that is away, loading or busy may answer in a moment: the
+                // failure mode covers that, as it does later. Only a refusal is fatal.
+                Err(error) if error.kind().is_io() => {
+                    #[cfg(feature = "tracing")]
+                    tracing::warn!(
+                        target: "tollgate",
+                        %error,
+                        "the Redis store's start-up check could not reach the server; \
+                         continuing: the failure mode answers until it does"
+                    );
+                    #[cfg(not(feature = "tracing"))]
+                    let _ = error;
+                    return Ok(());
+                }
+                Err(error) => return Err(refused_at_start(&error)),
+            }
         }
         Ok(())
     }
