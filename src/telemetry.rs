@@ -81,7 +81,8 @@ pub(crate) fn store_error(error: &StoreError) {
 fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock, PoisonError};
-    static SEEN: OnceLock<Mutex<HashSet<(StoreErrorKind, Box<str>)>>> = OnceLock::new();
+    type Seen = Mutex<HashSet<(StoreErrorKind, Box<str>)>>;
+    static SEEN: OnceLock<Seen> = OnceLock::new();
     let mut seen = SEEN
         .get_or_init(Default::default)
         .lock()

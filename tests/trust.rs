@@ -16,7 +16,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use http::{Request, Response, StatusCode};
-use tower::{Layer, ServiceExt};
+use tower::ServiceExt;
 
 use tollgate::store::DenyCache;
 use tollgate::{
@@ -557,7 +557,9 @@ async fn a_policy_redis_cannot_decide_is_refused_when_the_layer_is_built() {
     let layer = RateLimitLayer::new(store)
         .policy(Policy::token_bucket("huge", 1_000_000_000, Rate::per_day(1)).unwrap())
         .policy(Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap());
-    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| layer.layer(hello())));
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tower::Layer::layer(&layer, hello())
+    }));
     let message = *built
         .expect_err("the layer must refuse the policy when it is built")
         .downcast::<String>()
