@@ -167,14 +167,19 @@ impl RedisCluster {
     }
 }
 
-/// Every key on `server`, with its TTL in milliseconds (-1: none).
+/// Every key on `server`, with its TTL in milliseconds (-1: none; -2: gone since the scan).
+/// A reply that is not a number fails the test.
 pub fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {
     server
         .cli(&["--scan"])
         .lines()
         .filter(|key| !key.is_empty())
         .map(|key| {
-            let ttl = server.cli(&["PTTL", key]).trim().parse().unwrap_or(-3);
+            let reply = server.cli(&["PTTL", key]);
+            let ttl = reply
+                .trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("PTTL {key}: expected a number, got {reply:?}"));
             (key.to_owned(), ttl)
         })
         .collect()
