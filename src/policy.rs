@@ -395,11 +395,15 @@ impl Policy {
                             Duration::ZERO,
                             MAX_SHAPING_DELAY,
                         )?;
-                        Params::LeakyShape {
+                        let params = Params::LeakyShape {
                             amount,
                             period,
                             max_delay,
-                        }
+                        };
+                        // The burst is derived from the rate and the delay, and bounded
+                        // like any capacity, so every store counts it exactly.
+                        check.count("burst (max_delay * leak rate + 1)", params.limit())?;
+                        params
                     }
                 }
             }
@@ -465,7 +469,8 @@ impl Policy {
     /// ahead of it have left; one that would wait longer than `max_delay` is denied.
     ///
     /// The layer sleeps for the delay before it calls the inner service. The bucket admits
-    /// a burst of `max_delay * leak + 1` unit requests, each one later than the last.
+    /// a burst of `max_delay * leak + 1` unit requests, each one later than the last; a rate
+    /// and delay whose burst would exceed [`MAX_LIMIT`] are refused.
     ///
     /// ```
     /// use std::time::Duration;
@@ -769,6 +774,23 @@ mod tests {
             (
                 Policy::leaky_bucket_shaping("l", Rate::per_second(1), Duration::from_secs(7200)),
                 "policy \"l\": max_delay is 7200s",
+            ),
+            // The burst a shaping bucket admits is derived, and bounded like a capacity.
+            (
+                Policy::leaky_bucket_shaping(
+                    "l",
+                    Rate::new(MAX_LIMIT, MIN_PERIOD),
+                    MAX_SHAPING_DELAY,
+                ),
+                "policy \"l\": burst (max_delay * leak rate + 1) is 18446744073709551615, more than the maximum",
+            ),
+            (
+                Policy::leaky_bucket_shaping(
+                    "l",
+                    Rate::per_second(MAX_LIMIT),
+                    Duration::from_secs(1),
+                ),
+                "policy \"l\": burst (max_delay * leak rate + 1) is 9007199254740992, more than the maximum",
             ),
         ];
         for (result, expected) in cases {
