@@ -7,7 +7,8 @@
 //! spent twice against a limit of one (the second must be denied), the layer test shares
 //! one app across its cases and requires the request after the limit to be a 429, and the
 //! arithmetic test bounds what one instant admits. A limiter that never denied would fail
-//! each of them.
+//! each of them. The soak (`cargo run --release --all-features --example soak`, not in CI)
+//! drives millions more generated inputs through the same code.
 
 use std::cell::Cell;
 use std::net::{IpAddr, SocketAddr};
