@@ -230,14 +230,12 @@ impl GraphqlCost {
             .token_limit(self.token_limit)
             .parse_ast(query, "request.graphql")
             .map_err(|invalid| {
-                let errors = invalid.errors.to_string();
-                CostError::Parse(
-                    errors
-                        .lines()
-                        .next()
-                        .unwrap_or("invalid document")
-                        .to_owned(),
-                )
+                // The first error's message only: rendering every error with its source
+                // costs time quadratic in a hostile document full of errors.
+                CostError::Parse(match invalid.errors.iter().next() {
+                    Some(first) => format!("Error: {}", first.error),
+                    None => "invalid document".to_owned(),
+                })
             })?;
         let mut operations = Vec::new();
         let mut fragments = HashMap::new();
