@@ -84,7 +84,7 @@ impl Decision {
     }
 
     /// This decision, marked as answered from a local cache rather than by the store
-    /// itself (see [`DenyCache`](crate::store::DenyCache)). A cached answer never counts
+    /// itself (see the store's `DenyCache`). A cached answer never counts
     /// as the store being healthy: it does not close a circuit breaker.
     pub fn from_cache(mut self) -> Self {
         self.cached = true;

@@ -54,7 +54,7 @@ pub enum QuotaUnit {
     #[default]
     Requests,
     /// Bytes of content: `qu="content-bytes"`, for a body-size coster such as
-    /// [`cost::ContentLength`](crate::cost::ContentLength).
+    /// `cost::ContentLength`.
     ContentBytes,
     /// GraphQL complexity points. Not a unit the draft registers, so it is sent as the
     /// vendor-prefixed parameter `tollgate-qu="graphql-points"`, as the draft asks of

@@ -262,22 +262,14 @@ where
         let cost = config.cost.cost(&parts);
         let request = Request::from_parts(parts, body);
         let responder = &config.responder;
-        let probe = match responder.breaker.admit() {
-            Admission::Call => None,
-            Admission::Probe(guard) => Some(guard),
-            Admission::Skip => {
-                return finish(
-                    &mut self.inner,
-                    responder,
-                    request,
-                    &policies,
-                    &key,
-                    cost,
-                    StoreAnswer::Skipped,
-                );
-            }
+        let (probe, skipped) = match responder.breaker.admit() {
+            Admission::Call => (None, false),
+            Admission::Probe(guard) => (Some(guard), false),
+            Admission::Skip => (None, true),
         };
-        let answer = {
+        let answer = if skipped {
+            StoreAnswer::Skipped
+        } else {
             let stopwatch = Stopwatch::start();
             match self.store.decide(&key, &policies, cost).into_ready() {
                 Ok(result) => {
