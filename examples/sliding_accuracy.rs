@@ -4,13 +4,18 @@
 //! cargo run --release --example sliding_accuracy
 //! ```
 //!
-//! Poisson arrivals (unit cost) at several multiples of the limit are decided by both
-//! algorithms side by side, each on its own state; a "wrong decision" is one where the
-//! counter and the log disagree. Then the worst case: the previous window's requests all
-//! arrive at its very end, and the counter is asked how many it admits in the next
-//! window's length.
+//! Poisson arrivals (unit cost) at several multiples of the limit are decided by the log
+//! and by counters of 1, 4 and 10 sub-windows side by side, each on its own state; a
+//! "wrong decision" is one where a counter and the log disagree. Because two limiters that
+//! once disagree go on from different histories, each counter's own admissions are also
+//! replayed into an exact log: "over" is a request the counter admitted that the exact
+//! rule would have denied on the counter's own history, "under" the reverse. Then the worst case: the
+//! limit's worth of requests arrives at the very end of a sub-window, and each counter is
+//! asked how many it admits within one window of the first.
 
 use tollgate::algorithm::{CounterState, LogState, SlidingLog, SlidingWindow, Verdict};
+
+type Ring = CounterState<Box<[u64]>>;
 
 const SECOND: u64 = 1_000_000_000;
 
@@ -29,65 +34,94 @@ impl Random {
 fn main() {
     let limit = 100;
     let window = 60 * SECOND;
-    let counter = SlidingWindow { limit, window };
+    let splits = [1u64, 4, 10];
+    let counters = splits.map(|sub_windows| SlidingWindow {
+        limit,
+        window,
+        sub_windows,
+    });
     let log = SlidingLog { limit, window };
     println!("limit {limit} per minute, Poisson arrivals, 1,000 windows per load");
-    println!("| load (x limit) | arrivals | wrong decisions | counter admitted | log admitted |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| load (x limit) | arrivals | log admitted | k = 1: differs from the log / over / under \
+         | k = 4 | k = 10 |"
+    );
+    println!("|---|---|---|---|---|---|");
     for load in [0.5, 0.9, 1.0, 1.2, 2.0] {
         let mut random = Random(0x9e37_79b9_7f4a_7c15);
         let rate = load * limit as f64 / window as f64; // arrivals per nanosecond
-        let (mut counter_state, mut log_state) = (CounterState::default(), LogState::default());
-        let (mut now, mut arrivals, mut wrong, mut by_counter, mut by_log) = (0u64, 0, 0, 0, 0);
+        let mut states: Vec<Ring> = counters.iter().map(Ring::for_algorithm).collect();
+        let mut log_state = LogState::default();
+        let (mut now, mut arrivals, mut by_log) = (0u64, 0u64, 0u64);
+        let mut wrong = [0u64; 3];
+        // Each counter's own admitted history, kept in an exact log: where the counter's
+        // answer differs from the exact rule on the very history it made.
+        let mut shadows: Vec<LogState> = counters.iter().map(|_| LogState::default()).collect();
+        let (mut over, mut under) = ([0u64; 3], [0u64; 3]);
         let end = 1_000 * window;
         while now < end {
             now += (-(1.0 - random.next_f64()).ln() / rate) as u64 + 1;
             arrivals += 1;
-            counter.refresh(&mut counter_state, now);
             log.refresh(&mut log_state, now);
-            let a = matches!(counter.check(&counter_state, now, 1), Verdict::Admit { .. });
-            let b = matches!(log.check(&log_state, now, 1), Verdict::Admit { .. });
-            if a {
-                counter.commit(&mut counter_state, now, 1);
-                by_counter += 1;
-            }
-            if b {
+            let exact = matches!(log.check(&log_state, now, 1), Verdict::Admit { .. });
+            if exact {
                 log.commit(&mut log_state, now, 1);
                 by_log += 1;
             }
-            wrong += u64::from(a != b);
+            for (i, counter) in counters.iter().enumerate() {
+                let (state, shadow) = (&mut states[i], &mut shadows[i]);
+                counter.refresh(state, now);
+                log.refresh(shadow, now);
+                let admitted = matches!(counter.check(state, now, 1), Verdict::Admit { .. });
+                let rule = matches!(log.check(shadow, now, 1), Verdict::Admit { .. });
+                if admitted {
+                    counter.commit(state, now, 1);
+                    log.commit(shadow, now, 1);
+                }
+                wrong[i] += u64::from(admitted != exact);
+                over[i] += u64::from(admitted && !rule);
+                under[i] += u64::from(!admitted && rule);
+            }
         }
+        let percent = |n: u64| format!("{:.1}%", 100.0 * n as f64 / arrivals as f64);
+        let cell = |i: usize| {
+            format!(
+                "{} / {} / {}",
+                percent(wrong[i]),
+                percent(over[i]),
+                percent(under[i])
+            )
+        };
         println!(
-            "| {load} | {arrivals} | {:.1}% | {by_counter} | {by_log} |",
-            100.0 * wrong as f64 / arrivals as f64
+            "| {load} | {arrivals} | {by_log} | {} | {} | {} |",
+            cell(0),
+            cell(1),
+            cell(2)
         );
     }
 
-    // Worst case: limit 10; the previous window's 10 arrive in its last nanoseconds.
-    let small = SlidingWindow { limit: 10, window };
-    let mut state = CounterState::default();
-    let seam = 10 * window;
-    let mut admitted_in_window = 0;
-    for i in 0..10 {
-        let at = seam - 10 + i;
-        small.refresh(&mut state, at);
-        if matches!(small.check(&state, at, 1), Verdict::Admit { .. }) {
-            small.commit(&mut state, at, 1);
-            admitted_in_window += 1;
+    // Worst case: the limit's worth arrives in the last nanoseconds of a sub-window, then
+    // one arrival per millisecond; count what is admitted within one window of the first.
+    for counter in counters {
+        let span = window / counter.sub_windows;
+        let mut state = Ring::for_algorithm(&counter);
+        let seam = 10 * window + span;
+        let first = seam - limit;
+        let mut admitted = 0;
+        let mut at = first;
+        while at < first + window {
+            counter.refresh(&mut state, at);
+            if matches!(counter.check(&state, at, 1), Verdict::Admit { .. }) {
+                counter.commit(&mut state, at, 1);
+                admitted += 1;
+            }
+            at += if at < seam { 1 } else { SECOND / 1_000 };
         }
+        println!(
+            "worst case, k = {}: {admitted} admitted within one window for a limit of {limit} \
+             (bound: {})",
+            counter.sub_windows,
+            limit + limit / counter.sub_windows,
+        );
     }
-    // Then one arrival per millisecond for the next window's length, counting those
-    // admitted within one window of the first.
-    let mut at = seam;
-    while at < seam - 10 + window {
-        small.refresh(&mut state, at);
-        if matches!(small.check(&state, at, 1), Verdict::Admit { .. }) {
-            small.commit(&mut state, at, 1);
-            admitted_in_window += 1;
-        }
-        at += SECOND / 1_000;
-    }
-    println!(
-        "worst case, limit 10: {admitted_in_window} admitted within one window (the exact log admits 10)"
-    );
 }

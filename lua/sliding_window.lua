@@ -1,67 +1,105 @@
--- Sliding window counter (kind "sw"): p1 = limit, p2 = window, in microseconds.
--- estimate = ceil(previous * (window - elapsed) / window) + current, with the product taken
--- by muldiv (exact past 2^53). Mirrors src/algorithm/sliding_window.rs.
+-- Sliding window counter (kind "sw"): p1 = limit, p2 = window in microseconds, p3 = the
+-- number of sub-windows k (0 is read as 1). The hash holds 'i' (the current sub-window's
+-- index) and the k + 1 newest sub-window counts, oldest first: 'p', 'c' for k = 1, else
+-- 'c0' .. 'ck'. The estimate counts the k newer sub-windows whole and the oldest by the
+-- share of it still inside the window (ceil, through the exact muldiv), never forgiving
+-- more than floor(limit / k) of it. Mirrors src/algorithm/sliding_window.rs.
 
--- ceil(count * left / w), exact.
-local function weighted(count, left, w)
-  local q, r = muldiv(count, left, w)
+local ONE = { 'p', 'c' }
+
+local function names_for(k)
+  if k == 1 then return ONE end
+  local names = {}
+  for m = 0, k do names[m + 1] = 'c' .. m end
+  return names
+end
+
+-- The units of the oldest sub-window still counted, `left` microseconds before it leaves.
+local function counted(s, oldest, left)
+  local q, r = muldiv(oldest, left, s.span)
   if r > 0 then q = q + 1 end
-  return q
+  return math.max(q, oldest - s.forgiven)
 end
 
 local function load(p, key)
-  local w = p[2]
-  local index = (now - math.fmod(now, w)) / w
-  local stored = redis.call('HMGET', key, 'i', 'p', 'c')
-  local s = { key = key, index = num(stored[1], 0), previous = num(stored[2], 0), current = num(stored[3], 0) }
+  local k = math.max(p[3], 1)
+  local span = p[2] / k -- exact: the policy was validated to split into whole microseconds
+  local index = (now - math.fmod(now, span)) / span
+  local names = names_for(k)
+  local stored = redis.call('HMGET', key, 'i', unpack(names))
+  local s = {
+    key = key, k = k, span = span, names = names, counts = {},
+    forgiven = (p[1] - math.fmod(p[1], k)) / k,
+    index = num(stored[1], 0),
+  }
+  for m = 1, k + 1 do s.counts[m] = num(stored[m + 1], 0) end
   if index > s.index then
-    if index == s.index + 1 then s.previous = s.current else s.previous = 0 end
-    s.current = 0
+    local shift = index - s.index
+    for m = 1, k + 1 do
+      if m + shift <= k + 1 then s.counts[m] = s.counts[m + shift] else s.counts[m] = 0 end
+    end
     s.index = index
   end
-  if index == s.index then s.elapsed = math.fmod(now, w) else s.elapsed = 0 end
-  s.estimate = weighted(s.previous, w - s.elapsed, w) + s.current
+  if index == s.index then s.elapsed = math.fmod(now, span) else s.elapsed = 0 end
+  local estimate = counted(s, s.counts[1], span - s.elapsed)
+  for m = 2, k + 1 do estimate = estimate + s.counts[m] end
+  s.estimate = estimate
   return s
 end
 
--- How long until `units` more fit, with `current` counted in this window.
-local function wait_for(p, s, current, units)
-  local limit, w = p[1], p[2]
-  local room = limit - units
-  local retry
-  if current <= room then
-    local first = 0
-    if s.previous > 0 then first = w - math.min(muldiv(room - current, w, s.previous), w) end
-    retry = math.max(first - s.elapsed, 0)
-  else
-    retry = (w - s.elapsed) + w - math.min(muldiv(room, w, current), w)
+-- Microseconds until `units` more fit, with `extra` units spent in the current sub-window
+-- first: the sub-window `step` from now has position `step` as its oldest.
+local function wait_for(p, s, units, extra)
+  local room = p[1] - units
+  local last = s.k + 1
+  local newer_sum = 0
+  for m = 2, last do newer_sum = newer_sum + s.counts[m] end
+  for step = 1, last do
+    if step > 1 then newer_sum = newer_sum - s.counts[step] end
+    local oldest, newer = s.counts[step], newer_sum + extra
+    if step == last then oldest, newer = oldest + extra, 0 end
+    if newer <= room and oldest - s.forgiven <= room - newer then
+      local first = 0
+      if oldest > 0 then first = s.span - math.min(muldiv(room - newer, s.span, oldest), s.span) end
+      local at = first
+      if step == 1 then at = math.max(at, s.elapsed) end
+      if at < s.span then return math.max((step - 1) * s.span + at - s.elapsed, 1) end
+    end
   end
-  return math.max(retry, 1)
+  return math.max(last * s.span - s.elapsed, 1)
 end
 
 local function check(p, s)
   local limit = p[1]
   if cost > limit then return 'never' end
   if s.estimate + cost <= limit then return 'admit', 0 end
-  -- The smallest elapsed time at which the estimate leaves room for cost: in this window,
-  -- or else in the next one, where this window's count becomes the previous.
-  return 'deny', wait_for(p, s, s.current, cost)
+  return 'deny', wait_for(p, s, cost, 0)
 end
 
 local function commit(p, s)
-  s.current = s.current + cost
+  local last = s.k + 1
+  s.counts[last] = s.counts[last] + cost
   s.estimate = s.estimate + cost
-  redis.call('HSET', s.key, 'i', s.index, 'p', s.previous, 'c', s.current)
-  -- The current count matters until the end of the next window.
-  redis.call('PEXPIRE', s.key, cdiv((p[2] - s.elapsed) + p[2], 1000) + 1)
+  local fields = { 'i', s.index }
+  for m = 1, last do
+    fields[#fields + 1] = s.names[m]
+    fields[#fields + 1] = s.counts[m]
+  end
+  redis.call('HSET', s.key, unpack(fields))
+  -- The current count matters until it is a whole window old.
+  redis.call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed, 1000) + 1)
 end
 
 local function snapshot(p, s)
-  local w = p[2]
   local reset = 0
-  if s.current > 0 then reset = (w - s.elapsed) + w elseif s.previous > 0 then reset = w - s.elapsed end
+  for m = s.k + 1, 1, -1 do
+    if s.counts[m] > 0 then
+      reset = m * s.span - s.elapsed
+      break
+    end
+  end
   local remaining = math.max(p[1] - s.estimate, 0)
   local effective = 0
-  if s.estimate + remaining + 1 > p[1] then effective = wait_for(p, s, s.current + remaining, 1) end
+  if s.estimate + remaining + 1 > p[1] then effective = wait_for(p, s, 1, remaining) end
   return p[1], remaining, reset, effective
 end

@@ -83,25 +83,23 @@ fn sliding_counter_estimate_matches_the_formula() {
     let algo = SlidingWindow {
         limit: 100,
         window: w,
+        sub_windows: 1,
     };
     // previous = 40, current = 10, 25% into the window: 40 * 0.75 + 10 = 40.
     let state = CounterState {
         index: 5,
-        previous: 40,
-        current: 10,
+        counts: [40, 10],
     };
     assert_eq!(algo.estimate(&state, 5 * w + w / 4), 40);
     // 30 * 0.5 + 7 = 22; 33 * (1 - 0.3) = 23.1, rounded up to 24, + 0.
     let state = CounterState {
         index: 2,
-        previous: 30,
-        current: 7,
+        counts: [30, 7],
     };
     assert_eq!(algo.estimate(&state, 2 * w + w / 2), 22);
     let state = CounterState {
         index: 2,
-        previous: 33,
-        current: 0,
+        counts: [33, 0],
     };
     assert_eq!(algo.estimate(&state, 2 * w + 3 * w / 10), 24);
 
@@ -126,6 +124,121 @@ fn sliding_counter_retry_after_is_when_the_estimate_makes_room() {
     assert!(!h.check(1).is_allowed());
     h.at(Duration::from_millis(1100));
     assert!(h.check(1).is_allowed());
+}
+
+#[test]
+fn split_counter_counts_the_oldest_sub_window_by_its_share_and_forgives_at_most_limit_over_k() {
+    // 100 per second in 4 sub-windows of 250 ms.
+    let ms = 1_000_000u64;
+    let algo = SlidingWindow {
+        limit: 100,
+        window: 1_000 * ms,
+        sub_windows: 4,
+    };
+    let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
+    // Sub-window 4 (1000..1250 ms); counts of sub-windows 0..=4, oldest first.
+    state.index = 4;
+    state.counts.copy_from_slice(&[8, 10, 20, 30, 5]);
+    // 40% into sub-window 4: the oldest counts 8 * 0.6 = 4.8 -> 5; it may forgive at most
+    // 100 / 4 = 25 of 8, so 5 stands: 5 + 10 + 20 + 30 + 5 = 70.
+    assert_eq!(algo.estimate(&state, 1_100 * ms), 70);
+    // An oldest sub-window of 60 at 40%: 60 * 0.6 = 36 (forgives 24, within 25).
+    state.counts.copy_from_slice(&[60, 0, 0, 10, 5]);
+    assert_eq!(algo.estimate(&state, 1_100 * ms), 36 + 15);
+    // At 90%: 60 * 0.1 = 6 would forgive 54, but at most 25 may be: 35.
+    assert_eq!(algo.estimate(&state, 1_225 * ms), 35 + 15);
+    // Rolling two sub-windows on shifts the counts, oldest first, and zeroes the new ones.
+    algo.refresh(&mut state, 1_500 * ms);
+    assert_eq!((state.index, &*state.counts), (6, &[0, 10, 5, 0, 0][..]));
+    // With one sub-window it is the classic two counters, whatever the storage.
+    let classic = SlidingWindow {
+        sub_windows: 1,
+        ..algo
+    };
+    let mut ring = CounterState::<Box<[u64]>>::for_algorithm(&classic);
+    let mut inline: CounterState = CounterState::default();
+    for (at, cost) in [(100, 30), (900, 50), (1_300, 10), (1_700, 40), (2_050, 5)] {
+        let now = at * ms;
+        classic.refresh(&mut ring, now);
+        classic.refresh(&mut inline, now);
+        assert_eq!(
+            classic.check(&ring, now, cost),
+            classic.check(&inline, now, cost)
+        );
+        assert_eq!(classic.snapshot(&ring, now), classic.snapshot(&inline, now));
+        classic.commit(&mut ring, now, cost);
+        classic.commit(&mut inline, now, cost);
+    }
+}
+
+#[test]
+fn split_counter_effective_window_is_when_one_more_unit_fits_after_spending_the_rest() {
+    let ms = 1_000_000u64;
+    for sub_windows in [1, 2, 4, 10] {
+        let algo = SlidingWindow {
+            limit: 20,
+            window: 1_000 * ms,
+            sub_windows,
+        };
+        let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
+        let mut now = 0;
+        for step in 0..200u64 {
+            now += (step * 7_919 % 97) * ms;
+            algo.refresh(&mut state, now);
+            if matches!(
+                algo.check(&state, now, 1),
+                tollgate::algorithm::Verdict::Admit { .. }
+            ) {
+                algo.commit(&mut state, now, 1 + step % 3 % 2);
+            }
+            let remaining = algo.snapshot(&state, now).remaining;
+            let effective = algo.effective_window(&state, now, remaining);
+            // Spend the rest on a copy, then ask when one unit fits.
+            let mut spent = state.clone();
+            algo.commit(&mut spent, now, remaining);
+            let expected = match algo.check(&spent, now, 1) {
+                tollgate::algorithm::Verdict::Deny { retry_after } => retry_after,
+                _ => 0,
+            };
+            assert_eq!(effective, expected, "k = {sub_windows}, step {step}");
+            assert!(
+                effective > 0,
+                "k = {sub_windows}: the rest is spent, so one more waits"
+            );
+        }
+    }
+}
+
+#[test]
+fn split_counter_parameters_are_checked_when_built() {
+    let minute = Duration::from_secs(60);
+    assert!(Policy::sliding_window_split("a", 100, minute, 1).is_ok());
+    assert!(Policy::sliding_window_split("a", 100, minute, 64).is_ok());
+    for (k, window) in [
+        (0, minute),
+        (65, minute),
+        // 1 s in 7 sub-windows is not whole microseconds.
+        (7, SECOND),
+        // 1 ms in 3: 333.3 microseconds.
+        (3, Duration::from_millis(1)),
+    ] {
+        let error = Policy::sliding_window_split("a", 100, window, k).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("sub-windows") && message.contains(&k.to_string()),
+            "{message}"
+        );
+    }
+    // The sub-windows survive scaling for a replica's share.
+    let split = Policy::sliding_window_split("a", 90, minute, 6).unwrap();
+    assert!(matches!(
+        split.scaled(1.0 / 3.0).algorithm(),
+        tollgate::Algorithm::SlidingWindow {
+            limit: 30,
+            sub_windows: 6,
+            ..
+        }
+    ));
 }
 
 #[test]

@@ -178,6 +178,9 @@ fn every_algorithm() -> Vec<Policy> {
         Policy::fixed_window("fw", 10, MINUTE).unwrap(),
         Policy::sliding_log("sl", 10, MINUTE).unwrap(),
         Policy::sliding_window("sw", 10, MINUTE).unwrap(),
+        // Sub-windows of 15 s and 6 s; 10 / 4 forgives 2 units of the oldest.
+        Policy::sliding_window_split("sw4", 10, MINUTE, 4).unwrap(),
+        Policy::sliding_window_split("sw10", 10, MINUTE, 10).unwrap(),
         Policy::token_bucket("tb", 10, Rate::new(10, MINUTE)).unwrap(),
         Policy::leaky_bucket("lb", 10, Rate::new(10, MINUTE)).unwrap(),
         Policy::leaky_bucket_shaping("ls", Rate::new(10, MINUTE), Duration::from_secs(30)).unwrap(),
@@ -218,6 +221,7 @@ async fn every_store_decides_alike() {
         Policy::token_bucket("burst", 5, Rate::new(5, Duration::from_secs(10))).unwrap(),
         Policy::fixed_window("hourly", 20, Duration::from_secs(3600)).unwrap(),
         Policy::sliding_log("log", 12, MINUTE).unwrap(),
+        Policy::sliding_window_split("split", 15, MINUTE, 3).unwrap(),
     ])
     .unwrap();
     replay(
@@ -350,6 +354,7 @@ async fn three_replicas_admit_exactly_the_limit() {
             Policy::fixed_window("fw", LIMIT, MINUTE).unwrap(),
             Policy::sliding_log("sl", LIMIT, MINUTE).unwrap(),
             Policy::sliding_window("sw", LIMIT, MINUTE).unwrap(),
+            Policy::sliding_window_split("sw6", LIMIT, MINUTE, 6).unwrap(),
             Policy::token_bucket("tb", LIMIT, Rate::per_hour(1)).unwrap(),
             Policy::leaky_bucket("lb", LIMIT, Rate::per_hour(1)).unwrap(),
             Policy::gcra("gc", Rate::per_hour(1), LIMIT).unwrap(),

@@ -343,6 +343,9 @@ fn arithmetic_at_the_edges() {
         Policy::sliding_log("sl-tiny", 1, tiny).unwrap(),
         Policy::sliding_window("sw-huge", max, long).unwrap(),
         Policy::sliding_window("sw-tiny", 1, tiny).unwrap(),
+        Policy::sliding_window_split("sw64-huge", max, long, tollgate::policy::MAX_SUB_WINDOWS)
+            .unwrap(),
+        Policy::sliding_window_split("sw8-tiny", 1, tiny, 8).unwrap(),
         Policy::token_bucket("tb-huge", max, Rate::new(max, tiny)).unwrap(),
         Policy::token_bucket("tb-slow", max, Rate::new(1, long)).unwrap(),
         Policy::token_bucket("tb-tiny", 1, Rate::new(1, tiny)).unwrap(),

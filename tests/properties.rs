@@ -46,6 +46,26 @@ proptest! {
         }
     }
 
+    /// `Policy::sliding_window_split` promises that no window of its length ever holds more
+    /// than `limit + limit / k` admitted units, whatever the traffic.
+    #[test]
+    fn split_sliding_window_never_exceeds_its_bound(
+        arrivals in arrivals(),
+        limit in 1u64..40,
+        k in prop::sample::select(vec![1u32, 2, 4, 5, 8, 10]),
+    ) {
+        let policy = Policy::sliding_window_split("s", limit, Duration::from_millis(WINDOW_MS), k).unwrap();
+        let admitted = replay(policy, &arrivals);
+        let bound = limit + limit / u64::from(k);
+        for &(start, _) in &admitted {
+            let in_window: u64 = admitted.iter()
+                .filter(|(t, _)| *t >= start && *t < start + WINDOW_MS)
+                .map(|(_, c)| c)
+                .sum();
+            prop_assert!(in_window <= bound, "k = {k}: {in_window} > {bound} from {start}");
+        }
+    }
+
     #[test]
     fn fixed_window_never_exceeds_the_limit_in_one_window(arrivals in arrivals(), limit in 1u64..20) {
         let admitted = replay(Policy::fixed_window("f", limit, Duration::from_millis(WINDOW_MS)).unwrap(), &arrivals);
@@ -82,6 +102,8 @@ proptest! {
             Policy::fixed_window("f", limit, window).unwrap(),
             Policy::sliding_log("l", limit, window).unwrap(),
             Policy::sliding_window("s", limit, window).unwrap(),
+            Policy::sliding_window_split("s4", limit, window, 4).unwrap(),
+            Policy::sliding_window_split("s10", limit, window, 10).unwrap(),
             Policy::token_bucket("t", limit, Rate::per_second(limit)).unwrap(),
             Policy::gcra("g", Rate::per_second(limit), limit).unwrap(),
         ] {

@@ -305,6 +305,7 @@ fn every_algorithm() -> Vec<Policy> {
         Policy::fixed_window("fw", 10, Duration::from_secs(60)).unwrap(),
         Policy::sliding_log("sl", 10, Duration::from_secs(60)).unwrap(),
         Policy::sliding_window("sw", 10, Duration::from_secs(60)).unwrap(),
+        Policy::sliding_window_split("sw4", 10, Duration::from_secs(60), 4).unwrap(),
         Policy::token_bucket("tb", 10, Rate::per_second(5)).unwrap(),
         Policy::leaky_bucket("lb", 10, Rate::per_second(5)).unwrap(),
         Policy::leaky_bucket_shaping("ls", Rate::per_second(5), Duration::from_secs(1)).unwrap(),

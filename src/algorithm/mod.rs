@@ -142,6 +142,7 @@ pub(crate) enum Params {
     SlidingWindow {
         limit: u64,
         window: u64,
+        sub_windows: u64,
     },
     TokenBucket {
         capacity: u64,
@@ -175,8 +176,13 @@ pub(crate) enum Slot {
     Window { id: u32, state: WindowState },
     /// Sliding log (boxed: the other states are a few words, the log is a queue).
     Log { id: u32, state: Box<LogState> },
-    /// Sliding window counter.
+    /// Sliding window counter of one sub-window (the previous and the current window).
     Counter { id: u32, state: CounterState },
+    /// Sliding window counter of several sub-windows (`k + 1` counts on the heap).
+    Ring {
+        id: u32,
+        state: CounterState<Box<[u64]>>,
+    },
     /// Token bucket and both leaky buckets.
     Bucket { id: u32, state: BucketState },
     /// GCRA.
@@ -191,6 +197,7 @@ impl Slot {
             Slot::Window { id, .. }
             | Slot::Log { id, .. }
             | Slot::Counter { id, .. }
+            | Slot::Ring { id, .. }
             | Slot::Bucket { id, .. }
             | Slot::Gcra { id, .. } => *id,
         }
@@ -204,8 +211,12 @@ macro_rules! dispatch {
                 FixedWindow { limit: *limit, window: *window }.$method(s, $($arg),*),
             (Params::SlidingLog { limit, window }, Slot::Log { state: s, .. }) =>
                 SlidingLog { limit: *limit, window: *window }.$method(s, $($arg),*),
-            (Params::SlidingWindow { limit, window }, Slot::Counter { state: s, .. }) =>
-                SlidingWindow { limit: *limit, window: *window }.$method(s, $($arg),*),
+            (Params::SlidingWindow { limit, window, sub_windows }, Slot::Counter { state: s, .. }) =>
+                SlidingWindow { limit: *limit, window: *window, sub_windows: *sub_windows }
+                    .$method(s, $($arg),*),
+            (Params::SlidingWindow { limit, window, sub_windows }, Slot::Ring { state: s, .. }) =>
+                SlidingWindow { limit: *limit, window: *window, sub_windows: *sub_windows }
+                    .$method(s, $($arg),*),
             (Params::TokenBucket { capacity, amount, period }, Slot::Bucket { state: s, .. })
             | (Params::LeakyPolice { capacity, amount, period }, Slot::Bucket { state: s, .. }) =>
                 TokenBucket { capacity: *capacity, amount: *amount, period: *period }
@@ -241,6 +252,18 @@ impl Params {
             Params::SlidingLog { .. } => Slot::Log {
                 id,
                 state: Box::default(),
+            },
+            Params::SlidingWindow {
+                limit,
+                window,
+                sub_windows,
+            } if *sub_windows > 1 => Slot::Ring {
+                id,
+                state: CounterState::for_algorithm(&SlidingWindow {
+                    limit: *limit,
+                    window: *window,
+                    sub_windows: *sub_windows,
+                }),
             },
             Params::SlidingWindow { .. } => Slot::Counter {
                 id,
@@ -306,7 +329,13 @@ impl Params {
             (self, &*state),
             (Params::FixedWindow { .. }, Slot::Window { .. })
                 | (Params::SlidingLog { .. }, Slot::Log { .. })
-                | (Params::SlidingWindow { .. }, Slot::Counter { .. })
+                | (
+                    Params::SlidingWindow {
+                        sub_windows: 0 | 1,
+                        ..
+                    },
+                    Slot::Counter { .. }
+                )
                 | (
                     Params::TokenBucket { .. }
                         | Params::LeakyPolice { .. }
@@ -315,6 +344,12 @@ impl Params {
                 )
                 | (Params::Gcra { .. }, Slot::Gcra { .. })
         );
+        let kind_matches = kind_matches
+            || matches!(
+                (self, &*state),
+                (Params::SlidingWindow { sub_windows, .. }, Slot::Ring { state: ring, .. })
+                    if *sub_windows > 1 && ring.counts.len() as u64 == *sub_windows + 1
+            );
         if !kind_matches {
             *state = self.new_slot(state.id());
         }
@@ -348,6 +383,33 @@ impl Params {
                 })
             }
             (_, Slot::Log { .. }) => 0,
+            (
+                Params::SlidingWindow {
+                    limit,
+                    window,
+                    sub_windows,
+                },
+                Slot::Counter { state, .. },
+            ) => SlidingWindow {
+                limit: *limit,
+                window: *window,
+                sub_windows: *sub_windows,
+            }
+            .effective_window(state, now, remaining),
+            (
+                Params::SlidingWindow {
+                    limit,
+                    window,
+                    sub_windows,
+                },
+                Slot::Ring { state, .. },
+            ) => SlidingWindow {
+                limit: *limit,
+                window: *window,
+                sub_windows: *sub_windows,
+            }
+            .effective_window(state, now, remaining),
+            (_, Slot::Ring { .. }) => 0,
             _ => {
                 // Every other state is a few plain words: spend `remaining` on a copy and
                 // ask when one more unit fits.

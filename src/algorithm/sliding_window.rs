@@ -1,119 +1,234 @@
-//! Sliding window counter: two counters and a weighted estimate.
+//! Sliding window counter: per-sub-window counts and a weighted estimate.
 //!
-//! The estimate is `previous * (window - elapsed) / window + current`, with the weighted
-//! part rounded up so the estimate never falls below the formula. O(1) state; it assumes
-//! the previous window's requests were spread evenly, so it can be off either way against
-//! an exact log.
+//! The window of `w` is cut into `k` sub-windows of `w / k` (aligned to the time line's
+//! zero). The state keeps the counts of the `k + 1` most recent sub-windows, oldest
+//! first. The sliding window `(now - w, now]` covers the `k` newest sub-windows (the
+//! current one in part) and the tail of the oldest, so the estimate is
+//!
+//! ```text
+//! counted(oldest) + sum(the k newer counts)
+//! counted(oldest) = max(ceil(oldest * (span - elapsed) / span), oldest - floor(limit / k))
+//! ```
+//!
+//! where `span = w / k` and `elapsed` is the time into the current sub-window. The first
+//! term assumes the oldest sub-window's requests were spread evenly over it; the second
+//! never lets that assumption forgive more than `limit / k` units, so whatever the
+//! traffic, no window of length `w` holds more than `limit + limit / k` admitted units.
+//! With `k = 1` it is the classic two-counter estimate
+//! `previous * (window - elapsed) / window + current` (the bound is then twice the limit).
+//!
+//! Memory is `k + 1` counters; `k = 1` keeps them inline.
 
-use super::{Snapshot, Verdict, div_ceil};
+use super::{Snapshot, Verdict, div, div_ceil};
 
-/// Parameters: `limit` units per (estimated) `window` nanoseconds.
+/// Parameters: `limit` units per (estimated) `window` nanoseconds, counted in
+/// `sub_windows` equal sub-windows (1 for the classic two-counter estimate).
+///
+/// `window` must be a multiple of `sub_windows`; policies are validated so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingWindow {
     /// Units per window.
     pub limit: u64,
     /// Window length in nanoseconds.
     pub window: u64,
+    /// How many sub-windows the window is cut into (`k`); 0 is read as 1.
+    pub sub_windows: u64,
 }
 
-/// The counts of the current and the previous window.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CounterState {
-    /// `now / window` of the current window.
+/// The counts of the `k + 1` most recent sub-windows, oldest first; the last is the
+/// current one. `C` is `[u64; 2]` for one sub-window (the previous and the current
+/// window) and a boxed slice of `k + 1` counts otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CounterState<C = [u64; 2]> {
+    /// `now / (window / k)` of the current sub-window.
     pub index: u64,
-    /// Units admitted in the previous window.
-    pub previous: u64,
-    /// Units admitted in the current window.
-    pub current: u64,
+    /// Units admitted per sub-window, oldest first.
+    pub counts: C,
 }
+
+impl CounterState<Box<[u64]>> {
+    /// An empty state for `algorithm`'s `k + 1` counts.
+    pub fn for_algorithm(algorithm: &SlidingWindow) -> Self {
+        CounterState {
+            index: 0,
+            counts: vec![0; algorithm.k() as usize + 1].into_boxed_slice(),
+        }
+    }
+}
+
+type Counts = [u64];
 
 impl SlidingWindow {
-    /// Rolls the counters to the window `now` falls in (never back to an earlier one).
+    /// The number of sub-windows, `k`.
     #[inline]
-    pub fn refresh(&self, state: &mut CounterState, now: u64) {
-        let index = now / self.window;
+    fn k(&self) -> u64 {
+        self.sub_windows.max(1)
+    }
+
+    /// The length of one sub-window.
+    #[inline]
+    fn span(&self) -> u64 {
+        (self.window / self.k()).max(1)
+    }
+
+    /// The most units of the oldest sub-window the estimate may leave out.
+    #[inline]
+    fn forgiven(&self) -> u64 {
+        self.limit / self.k()
+    }
+
+    /// Rolls the counts to the sub-window `now` falls in (never back to an earlier one).
+    #[inline]
+    pub fn refresh<C: AsMut<Counts>>(&self, state: &mut CounterState<C>, now: u64) {
+        let index = now / self.span();
         if index <= state.index {
             return;
         }
-        state.previous = if index == state.index + 1 {
-            state.current
-        } else {
-            0
-        };
-        state.current = 0;
+        let counts = state.counts.as_mut();
+        let shift = index - state.index;
+        match usize::try_from(shift) {
+            Ok(shift) if shift < counts.len() => {
+                counts.copy_within(shift.., 0);
+                let len = counts.len();
+                counts[len - shift..].fill(0);
+            }
+            _ => counts.fill(0),
+        }
         state.index = index;
     }
 
-    /// Time into the state's current window; 0 if `now` stepped back before it.
+    /// Time into the state's current sub-window; 0 if `now` stepped back before it.
     #[inline]
-    fn elapsed(&self, state: &CounterState, now: u64) -> u64 {
-        if now / self.window == state.index {
-            now % self.window
+    fn elapsed<C>(&self, state: &CounterState<C>, now: u64) -> u64 {
+        let span = self.span();
+        if now / span == state.index {
+            now % span
         } else {
             0
         }
     }
 
-    /// `ceil(previous * (window - elapsed) / window) + current`.
+    /// The units of the oldest sub-window still counted, `left` nanoseconds before it
+    /// leaves the window entirely.
     #[inline]
-    pub fn estimate(&self, state: &CounterState, now: u64) -> u64 {
-        let elapsed = self.elapsed(state, now);
+    fn counted(&self, oldest: u64, left: u64) -> u64 {
         let weighted = div_ceil(
-            u128::from(state.previous) * u128::from(self.window - elapsed),
-            u128::from(self.window),
+            u128::from(oldest) * u128::from(left),
+            u128::from(self.span()),
         ) as u64;
-        weighted.saturating_add(state.current)
+        weighted.max(oldest.saturating_sub(self.forgiven()))
+    }
+
+    /// The estimated units in the window ending at `now`.
+    #[inline]
+    pub fn estimate<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64) -> u64 {
+        let Some((&oldest, newer)) = state.counts.as_ref().split_first() else {
+            return 0;
+        };
+        let left = self.span() - self.elapsed(state, now);
+        newer
+            .iter()
+            .fold(self.counted(oldest, left), |sum, &n| sum.saturating_add(n))
+    }
+
+    /// Nanoseconds from now until `units` more fit, with `extra` units spent in the
+    /// current sub-window first and nothing else debited meanwhile. `units <= limit`.
+    fn wait(&self, counts: &Counts, elapsed: u64, units: u64, extra: u64) -> u64 {
+        let room = self.limit - units;
+        let span = self.span();
+        let last = counts.len() - 1;
+        // The counts newer than position `step` (no allocation: this runs on every decision).
+        let mut newer_sum = counts
+            .iter()
+            .skip(1)
+            .fold(0u64, |sum, &n| sum.saturating_add(n));
+        // In the sub-window `step` from now, position `step` is the oldest; everything
+        // older has left the window.
+        for (step, &count) in counts.iter().enumerate() {
+            if step > 0 {
+                newer_sum = newer_sum.saturating_sub(count);
+            }
+            let (oldest, newer) = if step == last {
+                (count.saturating_add(extra), 0)
+            } else {
+                (count, newer_sum.saturating_add(extra))
+            };
+            let start = if step == 0 { elapsed } else { 0 };
+            if newer > room || oldest.saturating_sub(self.forgiven()) > room - newer {
+                continue;
+            }
+            // The first elapsed time e with ceil(oldest * (span - e) / span) <= room - newer.
+            let first = if oldest == 0 {
+                0
+            } else {
+                let left = div(
+                    u128::from(room - newer) * u128::from(span),
+                    u128::from(oldest),
+                );
+                span - left.min(u128::from(span)) as u64
+            };
+            let at = first.max(start);
+            if at < span {
+                return (step as u64 * span + at) - elapsed;
+            }
+        }
+        // Once every counted sub-window has left, the whole limit fits.
+        (counts.len() as u64 * span).saturating_sub(elapsed)
     }
 
     /// Would `cost` units fit now? The state must be refreshed to `now`.
     #[inline]
-    pub fn check(&self, state: &CounterState, now: u64, cost: u64) -> Verdict {
+    pub fn check<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64, cost: u64) -> Verdict {
         if cost > self.limit {
             return Verdict::Never;
         }
         if self.estimate(state, now).saturating_add(cost) <= self.limit {
             return Verdict::Admit { delay: 0 };
         }
-        let window = u128::from(self.window);
-        let elapsed = u128::from(self.elapsed(state, now));
-        let room = u128::from(self.limit - cost);
-        let current = u128::from(state.current);
-        // The smallest elapsed time e' in a window with `weighted` requests behind and
-        // `fixed` in it at which ceil(weighted * (w - e') / w) + fixed <= limit - cost.
-        let first_fit = |weighted: u128, fixed: u128| -> u128 {
-            let spare = room - fixed;
-            (spare * window)
-                .checked_div(weighted)
-                .map_or(0, |left| window - left.min(window))
-        };
-        let retry_after = if current <= room {
-            first_fit(u128::from(state.previous), current).saturating_sub(elapsed)
-        } else {
-            // Not before the next window, where this window's count becomes the previous.
-            (window - elapsed) + first_fit(current, 0)
-        };
+        let elapsed = self.elapsed(state, now);
         Verdict::Deny {
-            retry_after: (retry_after.max(1)).min(u128::from(u64::MAX)) as u64,
+            retry_after: self.wait(state.counts.as_ref(), elapsed, cost, 0).max(1),
         }
     }
 
-    /// Debits `cost` units.
+    /// Debits `cost` units from the current sub-window.
     #[inline]
-    pub fn commit(&self, state: &mut CounterState, _now: u64, cost: u64) {
-        state.current = state.current.saturating_add(cost);
+    pub fn commit<C: AsMut<Counts>>(&self, state: &mut CounterState<C>, _now: u64, cost: u64) {
+        if let Some(current) = state.counts.as_mut().last_mut() {
+            *current = current.saturating_add(cost);
+        }
+    }
+
+    /// The draft-11 effective window: nanoseconds until one more unit fits after the
+    /// `remaining` units were spent now (0 if one more fits even then).
+    #[inline]
+    pub fn effective_window<C: AsRef<Counts>>(
+        &self,
+        state: &CounterState<C>,
+        now: u64,
+        remaining: u64,
+    ) -> u64 {
+        let estimate = self.estimate(state, now).saturating_add(remaining);
+        if estimate.saturating_add(1) <= self.limit {
+            return 0;
+        }
+        let elapsed = self.elapsed(state, now);
+        self.wait(state.counts.as_ref(), elapsed, 1, remaining)
+            .max(1)
     }
 
     /// What a client sees now.
     #[inline]
-    pub fn snapshot(&self, state: &CounterState, now: u64) -> Snapshot {
-        let to_next = self.window - self.elapsed(state, now);
-        let reset = if state.current > 0 {
-            to_next.saturating_add(self.window)
-        } else if state.previous > 0 {
-            to_next
-        } else {
-            0
-        };
+    pub fn snapshot<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64) -> Snapshot {
+        let counts = state.counts.as_ref();
+        let elapsed = self.elapsed(state, now);
+        // A sub-window stops counting once it is a whole window old.
+        let reset = counts
+            .iter()
+            .rposition(|&count| count > 0)
+            .map_or(0, |newest| {
+                (newest as u64 + 1).saturating_mul(self.span()) - elapsed
+            });
         Snapshot::resetting_in(
             now,
             self.limit.saturating_sub(self.estimate(state, now)),

@@ -519,7 +519,15 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
     };
     let args = match *policy.params() {
         Params::FixedWindow { limit, window } => ("fw", limit, to_micros(window), 0),
-        Params::SlidingWindow { limit, window } => ("sw", limit, to_micros(window), 0),
+        Params::SlidingWindow {
+            limit,
+            window,
+            sub_windows,
+        } => {
+            // One sub-window is sent as 0, so its keys are the ones it always had.
+            let k = if sub_windows > 1 { sub_windows } else { 0 };
+            ("sw", limit, to_micros(window), k)
+        }
         Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 0),
         Params::TokenBucket {
             capacity,
@@ -677,6 +685,7 @@ mod tests {
             Policy::sliding_log("daily", 150_000, day).unwrap(),
             Policy::fixed_window("max", MAX_LIMIT, MAX_PERIOD).unwrap(),
             Policy::sliding_window("max", MAX_LIMIT, MAX_PERIOD).unwrap(),
+            Policy::sliding_window_split("max", MAX_LIMIT, MAX_PERIOD, 64).unwrap(),
         ] {
             assert!(script_args(&window).is_ok(), "{window:?}");
         }
