@@ -26,6 +26,7 @@ fn policies() -> Vec<Policy> {
         Policy::gcra("gcra", Rate::per_second(LIMIT), LIMIT).unwrap(),
         Policy::fixed_window("fixed_window", LIMIT, window).unwrap(),
         Policy::sliding_window("sliding_window", LIMIT, window).unwrap(),
+        Policy::sliding_window_split("sliding_window_k10", LIMIT, window, 10).unwrap(),
         // The log keeps one entry per admitted instant: a smaller limit keeps 1M keys in
         // memory on a small machine.
         Policy::sliding_log("sliding_log", 100, window).unwrap(),

@@ -41,6 +41,8 @@ local function load(p, key)
     s.index = index
   end
   if index == s.index then s.elapsed = math.fmod(now, span) else s.elapsed = 0 end
+  -- Time that stepped back before the stored sub-window: waits count from its start.
+  s.behind = math.max(s.index * span - now, 0)
   local estimate = counted(s, s.counts[1], span - s.elapsed)
   for m = 2, k + 1 do estimate = estimate + s.counts[m] end
   s.estimate = estimate
@@ -63,10 +65,10 @@ local function wait_for(p, s, units, extra)
       if oldest > 0 then first = s.span - math.min(muldiv(room - newer, s.span, oldest), s.span) end
       local at = first
       if step == 1 then at = math.max(at, s.elapsed) end
-      if at < s.span then return math.max((step - 1) * s.span + at - s.elapsed, 1) end
+      if at < s.span then return math.max((step - 1) * s.span + at - s.elapsed + s.behind, 1) end
     end
   end
-  return math.max(last * s.span - s.elapsed, 1)
+  return math.max(last * s.span - s.elapsed + s.behind, 1)
 end
 
 local function check(p, s)
@@ -87,14 +89,14 @@ local function commit(p, s)
   end
   redis.call('HSET', s.key, unpack(fields))
   -- The current count matters until it is a whole window old.
-  redis.call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed, 1000) + 1)
+  redis.call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed + s.behind, 1000) + 1)
 end
 
 local function snapshot(p, s)
   local reset = 0
   for m = s.k + 1, 1, -1 do
     if s.counts[m] > 0 then
-      reset = m * s.span - s.elapsed
+      reset = m * s.span - s.elapsed + s.behind
       break
     end
   end

@@ -431,9 +431,12 @@ impl Policy {
                 let limit = check.count("limit", limit)?;
                 let window = check.duration("window", duration, MIN_PERIOD, MAX_PERIOD)?;
                 // Each sub-window a whole number of microseconds, so the in-process store
-                // (nanoseconds) and Redis (microseconds) cut the time line alike.
+                // (nanoseconds) and Redis (microseconds) cut the time line alike. (One
+                // sub-window keeps the rule of the other windows: any length.)
                 let k = u64::from(sub_windows);
-                if !(1..=MAX_SUB_WINDOWS).contains(&sub_windows) || window % (k * 1_000) != 0 {
+                if !(1..=MAX_SUB_WINDOWS).contains(&sub_windows)
+                    || (k > 1 && window % (k * 1_000) != 0)
+                {
                     return Err(PolicyError::SubWindows {
                         policy: name.to_owned(),
                         sub_windows,
@@ -565,7 +568,10 @@ impl Policy {
     /// as `k` grows. State: `k + 1` counters per key (Redis: one hash of `k + 2` fields).
     ///
     /// `sub_windows` must be between 1 and [`MAX_SUB_WINDOWS`] and divide the window into
-    /// equal whole microseconds.
+    /// equal whole microseconds. With a limit below `k` nothing of the oldest sub-window
+    /// is ever forgiven: a unit then counts until its sub-window is a whole window old
+    /// (up to `window + window / k`), stricter than the sliding log, never looser. A
+    /// replica's scaled-down share ([`Policy::scaled`]) can land there.
     ///
     /// ```
     /// use std::time::Duration;

@@ -210,6 +210,88 @@ fn split_counter_effective_window_is_when_one_more_unit_fits_after_spending_the_
 }
 
 #[test]
+fn bucket_and_gcra_effective_windows_match_spending_the_rest_then_asking_for_one() {
+    use tollgate::algorithm::{BucketState, Gcra, GcraState, TokenBucket, Verdict};
+    let ms = 1_000_000u64;
+    let wait = |verdict| match verdict {
+        Verdict::Deny { retry_after } => retry_after,
+        _ => 0,
+    };
+    for (capacity, amount, period) in [(10, 5, 1_000 * ms), (4, 3, 10_000 * ms), (1, 1, ms)] {
+        let bucket = TokenBucket {
+            capacity,
+            amount,
+            period,
+        };
+        let gcra = Gcra {
+            burst: capacity,
+            amount,
+            period,
+        };
+        let (mut b, mut g) = (BucketState::default(), GcraState::default());
+        let mut now = 0;
+        for step in 0..300u64 {
+            now += (step * 7_919 % 211) * ms;
+            bucket.refresh(&mut b, now);
+            if matches!(bucket.check(&b, now, 1), Verdict::Admit { .. }) {
+                bucket.commit(&mut b, now, 1);
+            }
+            if matches!(gcra.check(&g, now, 1), Verdict::Admit { .. }) {
+                gcra.commit(&mut g, now, 1);
+            }
+            let remaining = bucket.snapshot(&b, now).remaining;
+            let mut spent = b;
+            bucket.commit(&mut spent, now, remaining);
+            assert_eq!(
+                bucket.effective_window(&b, now, remaining),
+                wait(bucket.check(&spent, now, 1)),
+                "bucket {capacity}/{amount}, step {step}"
+            );
+            let remaining = gcra.snapshot(&g, now).remaining;
+            let mut spent = g;
+            gcra.commit(&mut spent, now, remaining);
+            assert_eq!(
+                gcra.effective_window(&g, now, remaining),
+                wait(gcra.check(&spent, now, 1)),
+                "gcra {capacity}/{amount}, step {step}"
+            );
+        }
+    }
+}
+
+#[test]
+fn split_counter_waits_stay_exact_when_time_steps_back() {
+    use tollgate::algorithm::Verdict;
+    let ms = 1_000_000u64;
+    // Sub-windows of 10 ms; the state is at sub-window 5 (50..60 ms) with 10 in it.
+    let algo = SlidingWindow {
+        limit: 10,
+        window: 20 * ms,
+        sub_windows: 2,
+    };
+    let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
+    state.index = 5;
+    state.counts.copy_from_slice(&[0, 0, 10]);
+    // At 30 ms (behind the state): the 10 are the oldest in 70..80 ms, where at most
+    // 10 / 2 = 5 may be forgiven and the share drops below 10 after 71 ms.
+    let Verdict::Deny { retry_after } = algo.check(&state, 30 * ms, 1) else {
+        panic!("the state is full");
+    };
+    assert_eq!(retry_after, 41 * ms);
+    for (at, admitted) in [(71 * ms - 1, false), (71 * ms, true)] {
+        let mut later = state.clone();
+        algo.refresh(&mut later, at);
+        assert_eq!(
+            matches!(algo.check(&later, at, 1), Verdict::Admit { .. }),
+            admitted,
+            "at {at} ns"
+        );
+    }
+    // The state stays fresh-until its last count stops counting: 80 ms.
+    assert_eq!(algo.snapshot(&state, 30 * ms).fresh_at, 80 * ms);
+}
+
+#[test]
 fn split_counter_parameters_are_checked_when_built() {
     let minute = Duration::from_secs(60);
     assert!(Policy::sliding_window_split("a", 100, minute, 1).is_ok());

@@ -68,6 +68,22 @@ impl Gcra {
             .set(base + u128::from(cost) * u128::from(self.period));
     }
 
+    /// The draft-11 effective window: nanoseconds until one more unit conforms after the
+    /// `remaining` were spent now (what `commit(remaining)` then `check(1)` would say,
+    /// without a copy of the state).
+    #[inline]
+    pub fn effective_window(&self, state: &GcraState, now: u64, remaining: u64) -> u64 {
+        let scaled_now = self.scaled(now);
+        let tat = state.tat.get().max(scaled_now)
+            + u128::from(remaining.saturating_add(1)) * u128::from(self.period);
+        let allow_at = tat.saturating_sub(self.tolerance());
+        if allow_at <= scaled_now {
+            0
+        } else {
+            nanos(div_ceil(allow_at - scaled_now, u128::from(self.amount)))
+        }
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &GcraState, now: u64) -> Snapshot {

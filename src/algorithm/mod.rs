@@ -410,6 +410,37 @@ impl Params {
             }
             .effective_window(state, now, remaining),
             (_, Slot::Ring { .. }) => 0,
+            (
+                Params::TokenBucket {
+                    capacity,
+                    amount,
+                    period,
+                }
+                | Params::LeakyPolice {
+                    capacity,
+                    amount,
+                    period,
+                },
+                Slot::Bucket { state, .. },
+            ) => TokenBucket {
+                capacity: *capacity,
+                amount: *amount,
+                period: *period,
+            }
+            .effective_window(state, now, remaining),
+            (
+                Params::Gcra {
+                    burst,
+                    amount,
+                    period,
+                },
+                Slot::Gcra { state, .. },
+            ) => Gcra {
+                burst: *burst,
+                amount: *amount,
+                period: *period,
+            }
+            .effective_window(state, now, remaining),
             _ => {
                 // Every other state is a few plain words: spend `remaining` on a copy and
                 // ask when one more unit fits.

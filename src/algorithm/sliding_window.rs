@@ -24,7 +24,9 @@ use super::{Snapshot, Verdict, div, div_ceil};
 /// Parameters: `limit` units per (estimated) `window` nanoseconds, counted in
 /// `sub_windows` equal sub-windows (1 for the classic two-counter estimate).
 ///
-/// `window` must be a multiple of `sub_windows`; policies are validated so.
+/// `window` must be a multiple of `sub_windows`, and a state must hold `sub_windows + 1`
+/// counts ([`CounterState::for_algorithm`]); policies and the stores make sure of both.
+/// Other combinations give meaningless answers, never a panic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingWindow {
     /// Units per window.
@@ -108,6 +110,13 @@ impl SlidingWindow {
         }
     }
 
+    /// How far `now` stepped back before the state's current sub-window (0 normally): the
+    /// state's times are counted from that sub-window's start, so waits grow by it.
+    #[inline]
+    fn behind<C>(&self, state: &CounterState<C>, now: u64) -> u64 {
+        state.index.saturating_mul(self.span()).saturating_sub(now)
+    }
+
     /// The units of the oldest sub-window still counted, `left` nanoseconds before it
     /// leaves the window entirely.
     #[inline]
@@ -134,9 +143,11 @@ impl SlidingWindow {
     /// Nanoseconds from now until `units` more fit, with `extra` units spent in the
     /// current sub-window first and nothing else debited meanwhile. `units <= limit`.
     fn wait(&self, counts: &Counts, elapsed: u64, units: u64, extra: u64) -> u64 {
-        let room = self.limit - units;
+        let room = self.limit.saturating_sub(units);
         let span = self.span();
-        let last = counts.len() - 1;
+        let Some(last) = counts.len().checked_sub(1) else {
+            return span.saturating_sub(elapsed);
+        };
         // The counts newer than position `step` (no allocation: this runs on every decision).
         let mut newer_sum = counts
             .iter()
@@ -186,8 +197,9 @@ impl SlidingWindow {
             return Verdict::Admit { delay: 0 };
         }
         let elapsed = self.elapsed(state, now);
+        let wait = self.wait(state.counts.as_ref(), elapsed, cost, 0);
         Verdict::Deny {
-            retry_after: self.wait(state.counts.as_ref(), elapsed, cost, 0).max(1),
+            retry_after: wait.saturating_add(self.behind(state, now)).max(1),
         }
     }
 
@@ -214,6 +226,7 @@ impl SlidingWindow {
         }
         let elapsed = self.elapsed(state, now);
         self.wait(state.counts.as_ref(), elapsed, 1, remaining)
+            .saturating_add(self.behind(state, now))
             .max(1)
     }
 
@@ -227,7 +240,8 @@ impl SlidingWindow {
             .iter()
             .rposition(|&count| count > 0)
             .map_or(0, |newest| {
-                (newest as u64 + 1).saturating_mul(self.span()) - elapsed
+                ((newest as u64 + 1).saturating_mul(self.span()) - elapsed)
+                    .saturating_add(self.behind(state, now))
             });
         Snapshot::resetting_in(
             now,

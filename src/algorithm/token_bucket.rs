@@ -69,6 +69,19 @@ impl TokenBucket {
             .set(state.level.get() + u128::from(cost) * u128::from(self.period));
     }
 
+    /// The draft-11 effective window: nanoseconds until one more token is there after the
+    /// `remaining` were taken now (what `commit(remaining)` then `check(1)` would say,
+    /// without a copy of the state).
+    #[inline]
+    pub fn effective_window(&self, state: &BucketState, _now: u64, remaining: u64) -> u64 {
+        let needed =
+            state.level.get() + u128::from(remaining.saturating_add(1)) * u128::from(self.period);
+        match needed.checked_sub(self.full()) {
+            Some(over) if over > 0 => nanos(div_ceil(over, u128::from(self.amount))),
+            _ => 0,
+        }
+    }
+
     /// What a client sees now: whole tokens left, and the time until the bucket is full.
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
