@@ -308,8 +308,10 @@ impl Breaker {
         }
     }
 
-    /// The store failed (or timed out).
-    pub(crate) fn on_failure(&self, error: &StoreError) {
+    /// The store failed (or timed out). `probe` is the guard when this request carried the
+    /// breaker's probe: only the probe's own failure releases it, so a late failure of a
+    /// request sent before the breaker opened never lets a second probe overlap.
+    pub(crate) fn on_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
         let failures = self
             .failures
             .fetch_add(1, Ordering::Relaxed)
@@ -321,7 +323,11 @@ impl Breaker {
         }
         #[cfg(not(feature = "tracing"))]
         let _ = error;
-        let was_probe = self.probing.swap(0, Ordering::AcqRel) != 0;
+        let was_probe = probe.is_some_and(|guard| {
+            self.probing
+                .compare_exchange(guard.ticket, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        });
         if failures >= self.config.failures || was_probe {
             let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
             self.open_until.store(
@@ -351,17 +357,20 @@ mod tests {
         ));
         let error = StoreError::new(StoreErrorKind::Unavailable, "down");
         assert!(breaker.should_call());
-        breaker.on_failure(&error);
+        breaker.on_failure(&error, None);
         assert!(breaker.should_call(), "one failure does not open it");
-        breaker.on_failure(&error);
+        breaker.on_failure(&error, None);
         assert!(!breaker.should_call(), "two do");
         assert!(breaker.is_degraded());
         clock.advance(Duration::from_millis(29));
         assert!(!breaker.should_call(), "still cooling down");
         clock.advance(Duration::from_millis(1));
-        assert!(breaker.should_call(), "the probe");
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("the probe")
+        };
         assert!(!breaker.should_call(), "only one probe at a time");
-        breaker.on_failure(&error);
+        breaker.on_failure(&error, Some(&probe));
+        drop(probe);
         assert!(!breaker.should_call(), "a failed probe opens it again");
         clock.advance(Duration::from_millis(30));
         assert!(breaker.should_call());
@@ -376,7 +385,7 @@ mod tests {
         let breaker = Arc::new(Breaker::new(
             CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(clock.clone()),
         ));
-        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"));
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
         clock.advance(Duration::from_secs(1));
         let Admission::Probe(probe) = breaker.admit() else {
             panic!("the cool-down is over: a probe")
@@ -390,5 +399,35 @@ mod tests {
             matches!(breaker.admit(), Admission::Probe(_)),
             "the dropped probe's request never answered: another request probes"
         );
+    }
+
+    // A request that called the store before the breaker opened can fail after a probe
+    // started (its store timeout is longer than the cool-down). Its failure is not the
+    // probe's: it must not release the probe's flag and let a second probe overlap.
+    #[test]
+    fn a_late_failure_of_another_request_does_not_release_the_probe() {
+        let clock = crate::clock::ManualClock::new();
+        let breaker = Arc::new(Breaker::new(
+            CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(clock.clone()),
+        ));
+        let error = StoreError::new(StoreErrorKind::Timeout, "slow");
+        breaker.on_failure(&error, None);
+        clock.advance(Duration::from_secs(1));
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("the cool-down is over: a probe")
+        };
+        // The slow request of before answers now, with a timeout.
+        breaker.on_failure(&error, None);
+        clock.advance(Duration::from_secs(1));
+        assert!(
+            matches!(breaker.admit(), Admission::Skip),
+            "the probe is still in flight: no second one"
+        );
+        // The probe's own failure releases it and opens the breaker again.
+        breaker.on_failure(&error, Some(&probe));
+        drop(probe);
+        assert!(matches!(breaker.admit(), Admission::Skip), "open again");
+        clock.advance(Duration::from_secs(1));
+        assert!(matches!(breaker.admit(), Admission::Probe(_)));
     }
 }

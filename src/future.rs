@@ -143,7 +143,7 @@ where
                         Ok(decision) => StoreAnswer::Decided(decision),
                         Err(error) => StoreAnswer::Failed(error),
                     };
-                    let plan = responder.plan(&policies, &key, cost, answer);
+                    let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
                     drop(probe);
                     match plan {
                         Plan::Call(headers) => State::Calling {

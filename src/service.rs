@@ -13,7 +13,7 @@ use tower_service::Service;
 use crate::body::RateLimitBody;
 use crate::cost::Cost;
 use crate::decision::{Decision, Outcome};
-use crate::failure::{Admission, Breaker, FailureMode};
+use crate::failure::{Admission, Breaker, FailureMode, ProbeGuard};
 use crate::future::{Pending, ResponseFuture};
 use crate::headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
 use crate::key::Key;
@@ -66,6 +66,7 @@ impl Responder {
         key: &Key,
         cost: u64,
         answer: StoreAnswer,
+        probe: Option<&ProbeGuard>,
     ) -> Plan {
         let fallback;
         let (decision, policies) = match answer {
@@ -82,7 +83,7 @@ impl Responder {
                 if let StoreAnswer::Failed(error) = &answer {
                     telemetry::store_error(error);
                     if error.kind().is_io() {
-                        self.breaker.on_failure(error);
+                        self.breaker.on_failure(error, probe);
                     } else {
                         // The store answered, with a refusal that only this request's
                         // policies or data may cause: the failure mode answers this
@@ -316,8 +317,8 @@ where
             &key,
             cost,
             answer,
+            probe,
         );
-        drop(probe);
         response
     }
 }
@@ -333,11 +334,14 @@ fn finish<S, ReqBody, ResBody>(
     key: &Key,
     cost: u64,
     answer: StoreAnswer,
+    probe: Option<ProbeGuard>,
 ) -> ResponseFuture<S::Future, S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
 {
-    match responder.plan(policies, key, cost, answer) {
+    let plan = responder.plan(policies, key, cost, answer, probe.as_ref());
+    drop(probe);
+    match plan {
         Plan::Call(headers) => ResponseFuture::calling(inner.call(request), headers),
         Plan::Delay(delay, headers) => {
             ResponseFuture::delaying(delay, take_ready(inner), request, headers)
