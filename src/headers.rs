@@ -62,12 +62,59 @@ fn push_number(out: &mut BytesMut, value: u64) {
     );
 }
 
+/// The keyed hash behind `pk`: HMAC-SHA-256 of the identity under a secret, so that a
+/// `pk` cannot be turned back into an identity from a small space (an IP address, a user
+/// number) by hashing guesses. The secret is never printed.
+#[derive(Clone)]
+pub(crate) struct PartitionKeyer(hmac::Hmac<sha2::Sha256>);
+
+impl PartitionKeyer {
+    /// Keyed by `secret` (any length; a fleet shares one for a stable `pk`).
+    pub(crate) fn new(secret: &[u8]) -> Self {
+        use hmac::Mac;
+        // HMAC takes keys of any length; this cannot fail.
+        Self(hmac::Hmac::new_from_slice(secret).expect("HMAC accepts any key length"))
+    }
+
+    /// Keyed by 32 random bytes of this process.
+    pub(crate) fn random() -> Self {
+        let mut secret = [0u8; 32];
+        if getrandom::fill(&mut secret).is_err() {
+            // No OS randomness: fall back on std's randomly keyed hasher, still unknown to
+            // clients.
+            use std::hash::BuildHasher;
+            for (i, chunk) in secret.chunks_mut(8).enumerate() {
+                let word = std::collections::hash_map::RandomState::new().hash_one(i);
+                chunk.copy_from_slice(&word.to_le_bytes());
+            }
+        }
+        Self::new(&secret)
+    }
+
+    /// The first 12 bytes of the MAC of `identity`.
+    fn digest(&self, identity: &str) -> [u8; 12] {
+        use hmac::Mac;
+        let mut mac = self.0.clone();
+        mac.update(identity.as_bytes());
+        let tag = mac.finalize().into_bytes();
+        let mut out = [0u8; 12];
+        out.copy_from_slice(&tag[..12]);
+        out
+    }
+}
+
+impl std::fmt::Debug for PartitionKeyer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PartitionKeyer(secret redacted)")
+    }
+}
+
 /// Options of the header fields beyond their style.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct HeaderOptions {
     pub(crate) style: HeaderStyle,
-    /// Send `pk` (a hash of the identity) in `RateLimit`.
-    pub(crate) partition_key: bool,
+    /// Send `pk` (a keyed hash of the identity) in `RateLimit`.
+    pub(crate) partition_key: Option<std::sync::Arc<PartitionKeyer>>,
     /// Add up to this much, at random, to `t` and `Retry-After` of windows at least
     /// [`JITTER_FROM`] long.
     pub(crate) jitter: Duration,
@@ -102,16 +149,15 @@ pub(crate) fn jitter_secs(jitter: Duration) -> u64 {
     random % (max + 1)
 }
 
-/// `pk`: an RFC 9651 byte sequence of the first 12 bytes of SHA-256 of the identity. It
-/// lets a client tell its partitions apart without ever seeing an identity.
-fn push_partition_key(out: &mut BytesMut, key: &str) {
+/// `pk`: an RFC 9651 byte sequence (section 3.3.5) of the first 12 bytes of the keyed
+/// hash of the identity. It lets a client tell its partitions apart without ever seeing
+/// an identity.
+fn push_partition_key(out: &mut BytesMut, keyer: &PartitionKeyer, key: &str) {
     use base64::Engine;
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::digest(key.as_bytes());
     out.extend_from_slice(b";pk=:");
     out.extend_from_slice(
         base64::engine::general_purpose::STANDARD
-            .encode(&digest[..12])
+            .encode(keyer.digest(key))
             .as_bytes(),
     );
     out.extend_from_slice(b":");
@@ -291,8 +337,8 @@ pub(crate) fn rate_limit_headers(
                     push_number(out, status.remaining);
                     out.extend_from_slice(b";t=");
                     push_number(out, effective_secs(status.effective_window, extra));
-                    if options.partition_key {
-                        push_partition_key(out, key);
+                    if let Some(keyer) = &options.partition_key {
+                        push_partition_key(out, keyer, key);
                     }
                 }
             });

@@ -86,7 +86,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             key: self.key.clone(),
             cost: self.cost.clone(),
             resolver: self.resolver.clone(),
-            headers: self.headers,
+            headers: self.headers.clone(),
             on_deny: self.on_deny.clone(),
             missing_key: self.missing_key,
             failure_mode: self.failure_mode.clone(),
@@ -148,7 +148,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             key,
             cost,
             resolver,
-            headers: self.headers,
+            headers: self.headers.clone(),
             on_deny: self.on_deny,
             missing_key: self.missing_key,
             failure_mode: self.failure_mode,
@@ -185,8 +185,14 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// Adds `pk`, the partition key, to every `RateLimit` member (draft-11): an RFC 9651
-    /// byte sequence of a hash of the identity (never the identity), so a client with
-    /// several identities can tell which budget a response speaks of. Off by default.
+    /// byte sequence of a keyed hash (HMAC-SHA-256) of the identity, never the identity,
+    /// so a client with several identities can tell which budget a response speaks of.
+    /// Off by default.
+    ///
+    /// The key is 32 random bytes of this process: no one can recover an identity from a
+    /// small space (an IP address, a user number) by hashing guesses, but each process
+    /// gives the same identity a different `pk`. Behind a load balancer, give every
+    /// replica one secret with [`partition_key_secret`](Self::partition_key_secret).
     ///
     /// ```
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
@@ -197,7 +203,28 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn partition_key(mut self, enabled: bool) -> Self {
-        self.headers.partition_key = enabled;
+        self.headers.partition_key =
+            enabled.then(|| std::sync::Arc::new(crate::headers::PartitionKeyer::random()));
+        self
+    }
+
+    /// Adds `pk` (see [`partition_key`](Self::partition_key)) keyed by `secret`, so every
+    /// replica that shares the secret sends the same `pk` for an identity. Keep the secret
+    /// like any other (at least 16 random bytes); it is never logged or printed.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// let secret = std::env::var("TOLLGATE_PK_SECRET").unwrap_or_else(|_| "dev only".into());
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+    ///     .partition_key_secret(secret.as_bytes());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn partition_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
+        self.headers.partition_key = Some(std::sync::Arc::new(
+            crate::headers::PartitionKeyer::new(secret.as_ref()),
+        ));
         self
     }
 
@@ -320,7 +347,7 @@ where
                 resolver: self.resolver.clone(),
                 missing_key: self.missing_key,
                 responder: Arc::new(Responder {
-                    headers: self.headers,
+                    headers: self.headers.clone(),
                     on_deny: self.on_deny.clone(),
                     failure_mode: self.failure_mode.clone(),
                     breaker: Arc::clone(&self.breaker),

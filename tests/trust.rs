@@ -861,6 +861,42 @@ async fn quota_units_partition_keys_and_jitter() {
         &header(&app.clone().oneshot(other).await.unwrap(), "ratelimit").unwrap(),
     ));
     assert_ne!(mine, theirs, "two identities, two partition keys");
+    // A keyed hash: not the plain SHA-256 of the identity, which anyone could reverse for
+    // an IPv4 address by hashing all 2^32 of them.
+    {
+        use sha2::{Digest, Sha256};
+        for plain in ["ip:203.0.113.7", "203.0.113.7"] {
+            assert_ne!(
+                mine,
+                Sha256::digest(plain.as_bytes())[..12].to_vec(),
+                "{plain}"
+            );
+        }
+    }
+    // Stable for one identity; the same across replicas that share a secret, different
+    // under another secret.
+    let again = pk(&parse_list(
+        &header(
+            &app.clone().oneshot(request("/", 1)).await.unwrap(),
+            "ratelimit",
+        )
+        .unwrap(),
+    ));
+    assert_eq!(mine, again);
+    let replica = |secret: &'static str| {
+        hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
+                .partition_key_secret(secret),
+        )
+    };
+    let mut keys = Vec::new();
+    for secret in ["fleet secret 1", "fleet secret 1", "fleet secret 2"] {
+        let response = replica(secret).oneshot(request("/", 1)).await.unwrap();
+        keys.push(pk(&parse_list(&header(&response, "ratelimit").unwrap())));
+    }
+    assert_eq!(keys[0], keys[1], "one secret, one pk");
+    assert_ne!(keys[0], keys[2], "another secret, another pk");
 
     // Jitter: a daily quota's t and Retry-After spread over up to 30 s more, never less.
     let app = hello().layer(
