@@ -309,17 +309,9 @@ where
                 }
             }
         };
-        let response = finish(
-            &mut self.inner,
-            responder,
-            request,
-            &policies,
-            &key,
-            cost,
-            answer,
-            probe,
-        );
-        response
+        let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
+        drop(probe);
+        finish(&mut self.inner, request, plan)
     }
 }
 
@@ -328,19 +320,12 @@ where
 /// called right here.
 fn finish<S, ReqBody, ResBody>(
     inner: &mut S,
-    responder: &Responder,
     request: Request<ReqBody>,
-    policies: &PolicySet,
-    key: &Key,
-    cost: u64,
-    answer: StoreAnswer,
-    probe: Option<ProbeGuard>,
+    plan: Plan,
 ) -> ResponseFuture<S::Future, S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
 {
-    let plan = responder.plan(policies, key, cost, answer, probe.as_ref());
-    drop(probe);
     match plan {
         Plan::Call(headers) => ResponseFuture::calling(inner.call(request), headers),
         Plan::Delay(delay, headers) => {
