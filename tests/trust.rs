@@ -737,6 +737,55 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
     );
 }
 
+// On a Cluster every primary loads its own scripts and may have its own ACL: the start-up
+// check must reach all of them, not only the one that owns its probe key's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_cluster_checks_every_primary() {
+    let cluster = support::RedisCluster::start(3);
+    // The primary that the old single probe key hashes to stays open; another refuses
+    // scripts to the default user.
+    let slot: u16 = cluster.nodes[0]
+        .cli(&["CLUSTER", "KEYSLOT", "{tollgate-start-up-check}"])
+        .trim()
+        .parse()
+        .unwrap();
+    // CLUSTER NODES: the slot ranges of a node are its fields from the ninth on.
+    let owns = |node: &support::RedisServer| {
+        node.cli(&["CLUSTER", "NODES"])
+            .lines()
+            .find(|line| line.contains("myself"))
+            .is_some_and(|line| {
+                line.split_whitespace().skip(8).any(|range| {
+                    let mut ends = range.split('-');
+                    let first: u16 = ends.next().and_then(|v| v.parse().ok()).unwrap_or(1);
+                    let last: u16 = ends.next().and_then(|v| v.parse().ok()).unwrap_or(first);
+                    (first..=last).contains(&slot)
+                })
+            })
+    };
+    let strict = cluster
+        .nodes
+        .iter()
+        .find(|node| !owns(node))
+        .expect("three primaries: two do not own that slot");
+    let refused = strict.cli(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
+    assert!(refused.contains("OK"), "{refused}");
+    let error = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .expect_err("one primary refuses the scripts: the store must not start");
+    assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+    assert!(
+        error.to_string().to_lowercase().contains("noperm"),
+        "{error}"
+    );
+    // With every primary open again it starts.
+    let reopened = strict.cli(&["ACL", "SETUSER", "default", "+@all"]);
+    assert!(reopened.contains("OK"), "{reopened}");
+    tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .expect("every primary runs the scripts");
+}
+
 // The effective window of each algorithm, on a manual clock (the table in the README).
 #[test]
 fn the_effective_window_of_each_algorithm() {

@@ -336,12 +336,16 @@ impl RedisStore {
             .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?,
         )
         .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?;
-        let key = Key::new("tollgate-start-up-check");
-        // Every algorithm in the multi-policy script, then each one's own script.
+        // Every algorithm in the multi-policy script, then each one's own script; on a
+        // Cluster on every primary (each loads its own scripts, and may have its own ACL).
         let mut sets = vec![probe.clone()];
         sets.extend(probe.iter().map(|policy| PolicySet::from(policy.clone())));
-        for set in sets {
-            match self.decide(&key, &set, 1).await {
+        let keys = self.start_up_identities().await;
+        for (key, set) in keys
+            .iter()
+            .flat_map(|key| sets.iter().map(move |set| (key, set)))
+        {
+            match self.decide(key, set, 1).await {
                 Ok(_) => {}
                 // A server that is away, loading or busy may answer in a moment: the
                 // failure mode covers that, as it does later. Only a refusal is fatal.
@@ -362,6 +366,76 @@ impl RedisStore {
         }
         Ok(())
     }
+}
+
+impl RedisStore {
+    /// One throw-away identity per slot range of the Cluster (so every primary runs the
+    /// check), or a single one on a standalone server or when the topology cannot be read.
+    async fn start_up_identities(&self) -> Vec<Key> {
+        const NAME: &str = "tollgate-start-up-check";
+        let ranges = match &self.backend {
+            Backend::Manager(_) | Backend::Pool(_) => Vec::new(),
+            Backend::Cluster(connection) => {
+                let mut connection = connection.clone();
+                cluster_slot_ranges(&mut connection).await
+            }
+            Backend::ClusterPool(pool) => match pool.get().await {
+                Ok(mut connection) => cluster_slot_ranges(&mut connection).await,
+                Err(_) => Vec::new(),
+            },
+        };
+        if ranges.is_empty() {
+            return vec![Key::new(NAME)];
+        }
+        ranges
+            .iter()
+            .filter_map(|&(first, last)| {
+                // Expected tries: 16384 / the range's size; bounded for a range of one slot.
+                (0..1_000_000u32).find_map(|n| {
+                    let identity = format!("{NAME}-{n}");
+                    let tag = self.keys.tag(&identity);
+                    let slot =
+                        crc16::State::<crc16::XMODEM>::calculate(tag[1..tag.len() - 1].as_bytes())
+                            % 16_384;
+                    (first..=last).contains(&slot).then(|| Key::new(&identity))
+                })
+            })
+            .collect()
+    }
+}
+
+/// The slot ranges of a Cluster's primaries (`CLUSTER SLOTS`); empty when it cannot be
+/// read (the check then runs on one slot, and says so).
+async fn cluster_slot_ranges<C: redis::aio::ConnectionLike>(connection: &mut C) -> Vec<(u16, u16)> {
+    let reply: Result<Vec<redis::Value>, _> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(connection)
+        .await;
+    let ranges: Vec<(u16, u16)> = match reply {
+        Ok(entries) => entries
+            .iter()
+            .filter_map(|entry| match entry {
+                redis::Value::Array(fields) => match (fields.first(), fields.get(1)) {
+                    (Some(redis::Value::Int(first)), Some(redis::Value::Int(last))) => {
+                        Some((u16::try_from(*first).ok()?, u16::try_from(*last).ok()?))
+                    }
+                    _ => None,
+                },
+                _ => None,
+            })
+            .take(1_024)
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    #[cfg(feature = "tracing")]
+    if ranges.is_empty() {
+        tracing::warn!(
+            target: "tollgate",
+            "could not read the Cluster's slots (CLUSTER SLOTS); the start-up check of the \
+             scripts ran on one primary only"
+        );
+    }
+    ranges
 }
 
 fn refused_at_start(error: &StoreError) -> StoreError {
