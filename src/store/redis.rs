@@ -395,7 +395,7 @@ impl RedisStore {
                     let identity = format!("{NAME}-{n}");
                     let tag = self.keys.tag(&identity);
                     let slot =
-                        crc16::State::<crc16::XMODEM>::calculate(tag[1..tag.len() - 1].as_bytes())
+                        crc16::State::<crc16::XMODEM>::calculate(&tag.as_bytes()[1..tag.len() - 1])
                             % 16_384;
                     (first..=last).contains(&slot).then(|| Key::new(&identity))
                 })
