@@ -110,7 +110,7 @@ impl ClientIp {
                 entry
                     .parse::<IpNet>()
                     .or_else(|_| entry.parse::<IpAddr>().map(IpNet::from))
-                    .map(|net| net.trunc())
+                    .map(|net| canonical_net(net.trunc()))
                     .map_err(|_| InvalidProxy {
                         entry: entry.to_owned(),
                     })
@@ -241,10 +241,17 @@ fn peer_addr(parts: &Parts) -> Option<IpAddr> {
 /// for an address, `None` for anything else.
 struct ForwardedHops<'a> {
     lines: std::iter::Rev<http::header::ValueIter<'a, http::HeaderValue>>,
-    current: Option<std::iter::Rev<std::str::Split<'a, char>>>,
+    /// The members of the current line, split as bytes: a member that is not text spoils
+    /// only itself, not the hops a proxy appended to its right.
+    current: Option<Members<'a>>,
     header: ForwardedHeader,
-    /// Set once a line is not valid text: everything left of it is unreadable.
-    broken: bool,
+}
+
+/// The members of one header line, right to left.
+type Members<'a> = std::iter::Rev<std::slice::Split<'a, u8, fn(&u8) -> bool>>;
+
+fn is_comma(byte: &u8) -> bool {
+    *byte == b','
 }
 
 impl<'a> ForwardedHops<'a> {
@@ -257,7 +264,6 @@ impl<'a> ForwardedHops<'a> {
             lines: headers.get_all(name).iter().rev(),
             current: None,
             header,
-            broken: false,
         }
     }
 }
@@ -266,12 +272,13 @@ impl Iterator for ForwardedHops<'_> {
     type Item = Option<IpAddr>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.broken {
-            return None;
-        }
         loop {
             if let Some(entries) = &mut self.current {
                 if let Some(entry) = entries.next() {
+                    let Ok(entry) = std::str::from_utf8(entry) else {
+                        // Not text: not an address.
+                        return Some(None);
+                    };
                     let entry = entry.trim();
                     if entry.is_empty() {
                         // "a,,b" or a trailing comma: skip empty list members.
@@ -284,14 +291,21 @@ impl Iterator for ForwardedHops<'_> {
                 }
             }
             let line = self.lines.next()?;
-            match line.to_str() {
-                Ok(text) => self.current = Some(text.split(',').rev()),
-                Err(_) => {
-                    self.broken = true;
-                    return Some(None);
-                }
-            }
+            let split: fn(&u8) -> bool = is_comma;
+            self.current = Some(line.as_bytes().split(split).rev());
         }
+    }
+}
+
+/// An IPv4-mapped IPv6 block (`::ffff:10.0.0.0/104`) as the IPv4 block it stands for:
+/// peers are compared in canonical form, where a mapped address is IPv4.
+fn canonical_net(net: IpNet) -> IpNet {
+    match net {
+        IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
+            Some(v4) => Ipv4Net::new(v4, v6.prefix_len() - 96).map_or(net, IpNet::V4),
+            None => net,
+        },
+        other => other,
     }
 }
 
@@ -397,12 +411,20 @@ mod tests {
                 &[("x-forwarded-for", b"6.6.6.6, garbage, 10.0.0.7")],
                 "ip:10.0.0.7",
             ),
-            // A line that is not text cannot be read at all.
+            // Bytes that are not text spoil only their own entry: the hop the proxy
+            // appended to a client's garbage is still read (not the proxy's address,
+            // which every such client would share).
             (
                 &xff,
                 "10.0.0.1:1",
                 &[("x-forwarded-for", b"\xff\xfe, 6.6.6.6")],
-                "ip:10.0.0.1",
+                "ip:6.6.6.6",
+            ),
+            (
+                &xff,
+                "10.0.0.1:1",
+                &[("x-forwarded-for", b"1.1.1.1, \xff, 10.0.0.9, 6.6.6.6")],
+                "ip:6.6.6.6",
             ),
             (
                 &xff,
@@ -513,5 +535,21 @@ mod tests {
         let (parts, _) = Request::get("/").body(()).unwrap().into_parts();
         let err = ClientIp::peer().extract(&parts).unwrap_err();
         assert_eq!(err.kind(), super::super::KeyErrorKind::Server);
+    }
+
+    // A trusted proxy written as an IPv4-mapped IPv6 address or block matches the IPv4
+    // peer it stands for (peers are compared in canonical form).
+    #[test]
+    fn ipv4_mapped_trusted_proxies_match() {
+        for entry in ["::ffff:10.0.0.0/104", "::ffff:10.0.0.1", "::ffff:a00:1"] {
+            let ip = ClientIp::behind_proxies([entry]).unwrap();
+            for peer in ["10.0.0.1:1", "[::ffff:10.0.0.1]:1"] {
+                assert_eq!(
+                    client(&ip, peer, &[("x-forwarded-for", b"198.51.100.4")]),
+                    "ip:198.51.100.4",
+                    "{entry} trusts {peer}"
+                );
+            }
+        }
     }
 }
