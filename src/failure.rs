@@ -197,14 +197,34 @@ pub(crate) enum Admission {
 }
 
 /// Holds the breaker's single probe; releases it when dropped.
+///
+/// A probe whose request ends before the store answered (a client gone, an outer timeout)
+/// says nothing of the store, which may well be hanging: its drop starts a new cool-down
+/// before it lets the next request probe, so a store that never answers is not probed by
+/// one request after another.
 #[derive(Debug)]
 pub(crate) struct ProbeGuard {
     breaker: Arc<Breaker>,
     ticket: u64,
+    /// Set once the probe's outcome was reported (an answer, a failure, or an answer
+    /// that did not come from the store and so tested nothing).
+    reported: AtomicBool,
+}
+
+impl ProbeGuard {
+    /// The probe's request got an outcome; its drop only releases the flag.
+    pub(crate) fn report(&self) {
+        self.reported.store(true, Ordering::Relaxed);
+    }
 }
 
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
+        if !self.reported.load(Ordering::Relaxed)
+            && self.breaker.probing.load(Ordering::Acquire) == self.ticket
+        {
+            self.breaker.start_cool_down();
+        }
         // Only this probe's own ticket is cleared: a newer probe keeps its flag.
         let _ = self.breaker.probing.compare_exchange(
             self.ticket,
@@ -263,6 +283,10 @@ impl Breaker {
         if self.clock.now().saturating_add(1) < until {
             return Admission::Skip;
         }
+        if self.probing.load(Ordering::Relaxed) != 0 {
+            // A probe is in flight: no need to contend for a ticket.
+            return Admission::Skip;
+        }
         let ticket = self.tickets.fetch_add(1, Ordering::Relaxed);
         match self
             .probing
@@ -271,6 +295,7 @@ impl Breaker {
             Ok(_) => Admission::Probe(ProbeGuard {
                 breaker: Arc::clone(self),
                 ticket,
+                reported: AtomicBool::new(false),
             }),
             Err(_) => Admission::Skip,
         }
@@ -323,18 +348,28 @@ impl Breaker {
         }
         #[cfg(not(feature = "tracing"))]
         let _ = error;
-        let was_probe = probe.is_some_and(|guard| {
-            self.probing
-                .compare_exchange(guard.ticket, 0, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        });
-        if failures >= self.config.failures || was_probe {
-            let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
-            self.open_until.store(
-                self.clock.now().saturating_add(cool_down).saturating_add(1),
-                Ordering::Relaxed,
-            );
+        let is_probe =
+            probe.is_some_and(|guard| self.probing.load(Ordering::Acquire) == guard.ticket);
+        if failures >= self.config.failures || is_probe {
+            self.start_cool_down();
         }
+        // Released only after the new cool-down is in place, so no request can read the
+        // old one and probe at once.
+        if let Some(guard) = probe {
+            guard.report();
+            let _ =
+                self.probing
+                    .compare_exchange(guard.ticket, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+
+    /// Opens the breaker (again) for one cool-down from now.
+    fn start_cool_down(&self) {
+        let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
+        self.open_until.store(
+            self.clock.now().saturating_add(cool_down).saturating_add(1),
+            Ordering::Release,
+        );
     }
 
     /// True while the store is failing or skipped.
@@ -395,10 +430,26 @@ mod tests {
             "one probe at a time"
         );
         drop(probe);
+        // The dropped probe's request never heard from the store, which may be hanging:
+        // a new cool-down, then another request probes.
+        assert!(
+            matches!(breaker.admit(), Admission::Skip),
+            "a probe dropped before the store answered starts a new cool-down"
+        );
+        clock.advance(Duration::from_secs(1));
         assert!(
             matches!(breaker.admit(), Admission::Probe(_)),
-            "the dropped probe's request never answered: another request probes"
+            "after it, another request probes"
         );
+        // A probe whose request had its outcome (here a cached answer) releases the
+        // flag without a cool-down.
+        clock.advance(Duration::from_secs(1));
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("a probe")
+        };
+        probe.report();
+        drop(probe);
+        assert!(matches!(breaker.admit(), Admission::Probe(_)));
     }
 
     // A request that called the store before the breaker opened can fail after a probe

@@ -66,17 +66,31 @@ fn push_number(out: &mut BytesMut, value: u64) {
 /// `pk` cannot be turned back into an identity from a small space (an IP address, a user
 /// number) by hashing guesses. The secret is never printed.
 #[derive(Clone)]
-pub(crate) struct PartitionKeyer(hmac::Hmac<sha2::Sha256>);
+pub(crate) struct PartitionKeyer {
+    mac: hmac::Hmac<sha2::Sha256>,
+    secret_len: usize,
+}
+
+/// The shortest partition-key secret the layer accepts.
+pub(crate) const MIN_PARTITION_SECRET: usize = 16;
 
 impl PartitionKeyer {
-    /// Keyed by `secret` (any length; a fleet shares one for a stable `pk`).
+    /// Keyed by `secret` (a fleet shares one for a stable `pk`).
     pub(crate) fn new(secret: &[u8]) -> Self {
         use hmac::Mac;
-        // HMAC takes keys of any length; this cannot fail.
-        Self(hmac::Hmac::new_from_slice(secret).expect("HMAC accepts any key length"))
+        Self {
+            // HMAC takes keys of any length; this cannot fail.
+            mac: hmac::Hmac::new_from_slice(secret).expect("HMAC accepts any key length"),
+            secret_len: secret.len(),
+        }
     }
 
-    /// Keyed by 32 random bytes of this process.
+    /// The secret's length in bytes (the secret itself is never shown).
+    pub(crate) fn secret_len(&self) -> usize {
+        self.secret_len
+    }
+
+    /// Keyed by 32 random bytes (drawn once per layer).
     pub(crate) fn random() -> Self {
         let mut secret = [0u8; 32];
         if getrandom::fill(&mut secret).is_err() {
@@ -94,7 +108,7 @@ impl PartitionKeyer {
     /// The first 12 bytes of the MAC of `identity`.
     fn digest(&self, identity: &str) -> [u8; 12] {
         use hmac::Mac;
-        let mut mac = self.0.clone();
+        let mut mac = self.mac.clone();
         mac.update(identity.as_bytes());
         let tag = mac.finalize().into_bytes();
         let mut out = [0u8; 12];

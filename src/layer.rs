@@ -189,7 +189,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// so a client with several identities can tell which budget a response speaks of.
     /// Off by default.
     ///
-    /// The key is 32 random bytes of this process: no one can recover an identity from a
+    /// The key is 32 random bytes drawn when this is called: no one can recover an identity from a
     /// small space (an IP address, a user number) by hashing guesses, but each process
     /// gives the same identity a different `pk`. Behind a load balancer, give every
     /// replica one secret with [`partition_key_secret`](Self::partition_key_secret).
@@ -203,22 +203,30 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn partition_key(mut self, enabled: bool) -> Self {
-        self.headers.partition_key =
-            enabled.then(|| std::sync::Arc::new(crate::headers::PartitionKeyer::random()));
+        if !enabled {
+            self.headers.partition_key = None;
+        } else if self.headers.partition_key.is_none() {
+            // A secret given with `partition_key_secret` stays.
+            self.headers.partition_key =
+                Some(std::sync::Arc::new(crate::headers::PartitionKeyer::random()));
+        }
         self
     }
 
     /// Adds `pk` (see [`partition_key`](Self::partition_key)) keyed by `secret`, so every
     /// replica that shares the secret sends the same `pk` for an identity. Keep the secret
-    /// like any other (at least 16 random bytes); it is never logged or printed.
+    /// like any other: at least 16 random bytes ([`validate`](Self::validate) refuses a
+    /// shorter one, and building the layer panics on it); it is never logged or printed.
     ///
     /// ```
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
     ///
-    /// let secret = std::env::var("TOLLGATE_PK_SECRET").unwrap_or_else(|_| "dev only".into());
+    /// # let secret = vec![7u8; 32];
+    /// // `secret`: 32 random bytes from your secret store, the same on every replica.
     /// let layer = RateLimitLayer::new(MemoryStore::new())
     ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
-    ///     .partition_key_secret(secret.as_bytes());
+    ///     .partition_key_secret(&secret);
+    /// assert!(layer.validate().is_ok());
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn partition_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
@@ -308,6 +316,16 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// ```
     pub fn validate(&self) -> Result<(), String> {
         self.resolver.check_configured().map_err(str::to_owned)?;
+        if let Some(keyer) = &self.headers.partition_key {
+            if keyer.secret_len() < crate::headers::MIN_PARTITION_SECRET {
+                return Err(format!(
+                    "RateLimitLayer: the partition key secret is {} bytes; use at least {} \
+                     random bytes, or a guessable pk is as good as the identity",
+                    keyer.secret_len(),
+                    crate::headers::MIN_PARTITION_SECRET
+                ));
+            }
+        }
         for set in self.resolver.known_sets() {
             self.store.validate(&set).map_err(|error| {
                 format!("RateLimitLayer: the store cannot decide these policies: {error}")

@@ -77,6 +77,11 @@ impl Responder {
                 if !decision.is_cached() {
                     self.breaker.on_success();
                 }
+                // Either way the probe's request has its outcome: releasing it starts no
+                // new cool-down.
+                if let Some(probe) = probe {
+                    probe.report();
+                }
                 (decision, policies)
             }
             StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
@@ -89,6 +94,9 @@ impl Responder {
                         // policies or data may cause: the failure mode answers this
                         // request, but it does not open the breaker for everyone.
                         self.breaker.on_success();
+                        if let Some(probe) = probe {
+                            probe.report();
+                        }
                     }
                 } else {
                     telemetry::store_skipped();

@@ -739,6 +739,7 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
 
 // On a Cluster every primary loads its own scripts and may have its own ACL: the start-up
 // check must reach all of them, not only the one that owns its probe key's slot.
+#[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_cluster_checks_every_primary() {
     let cluster = support::RedisCluster::start(3);
@@ -936,16 +937,31 @@ async fn quota_units_partition_keys_and_jitter() {
         hello().layer(
             RateLimitLayer::new(MemoryStore::new())
                 .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
-                .partition_key_secret(secret),
+                .partition_key_secret(secret)
+                // Turning pk on again keeps the fleet's secret.
+                .partition_key(true),
         )
     };
     let mut keys = Vec::new();
-    for secret in ["fleet secret 1", "fleet secret 1", "fleet secret 2"] {
+    for secret in [
+        "fleet secret, first",
+        "fleet secret, first",
+        "fleet secret, other",
+    ] {
         let response = replica(secret).oneshot(request("/", 1)).await.unwrap();
         keys.push(pk(&parse_list(&header(&response, "ratelimit").unwrap())));
     }
     assert_eq!(keys[0], keys[1], "one secret, one pk");
     assert_ne!(keys[0], keys[2], "another secret, another pk");
+    let short = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
+        .partition_key_secret("dev");
+    let refused = short.validate().unwrap_err();
+    assert!(refused.contains("at least 16"), "{refused}");
+    assert!(
+        !refused.contains("dev"),
+        "the secret is never shown: {refused}"
+    );
 
     // Jitter: a daily quota's t and Retry-After spread over up to 30 s more, never less.
     let app = hello().layer(

@@ -98,6 +98,11 @@ impl ClientIp {
 
     /// Believes `X-Forwarded-For` as far as it was written by these proxies: IP
     /// addresses or CIDR blocks (`"10.0.0.0/8"`, `"2001:db8::/32"`, `"127.0.0.1"`).
+    ///
+    /// Peers are compared in canonical form (an IPv4-mapped IPv6 peer is its IPv4
+    /// address), so an IPv4-mapped block stands for the IPv4 block inside it:
+    /// `"::ffff:10.0.0.0/104"` is `10.0.0.0/8`, and `"::ffff:0:0/96"` trusts every IPv4
+    /// peer. A wider IPv6 block (`"::/0"`) covers IPv6 peers only.
     pub fn behind_proxies<I, S>(proxies: I) -> Result<Self, InvalidProxy>
     where
         I: IntoIterator<Item = S>,

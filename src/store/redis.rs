@@ -341,27 +341,27 @@ impl RedisStore {
         let mut sets = vec![probe.clone()];
         sets.extend(probe.iter().map(|policy| PolicySet::from(policy.clone())));
         let keys = self.start_up_identities().await;
-        for (key, set) in keys
-            .iter()
-            .flat_map(|key| sets.iter().map(move |set| (key, set)))
-        {
-            match self.decide(key, set, 1).await {
-                Ok(_) => {}
-                // A server that is away, loading or busy may answer in a moment: the
-                // failure mode covers that, as it does later. Only a refusal is fatal.
-                Err(error) if error.kind().is_io() => {
-                    #[cfg(feature = "tracing")]
-                    tracing::warn!(
-                        target: "tollgate",
-                        %error,
-                        "the Redis store's start-up check could not reach the server; \
-                         continuing: the failure mode answers until it does"
-                    );
-                    #[cfg(not(feature = "tracing"))]
-                    let _ = error;
-                    return Ok(());
+        'primaries: for key in &keys {
+            for set in &sets {
+                match self.decide(key, set, 1).await {
+                    Ok(_) => {}
+                    // A server that is away, loading or busy may answer in a moment: the
+                    // failure mode covers that, as it does later. Only a refusal is fatal.
+                    Err(error) if error.kind().is_io() => {
+                        #[cfg(feature = "tracing")]
+                        tracing::warn!(
+                            target: "tollgate",
+                            %error,
+                            "the Redis store's start-up check could not reach the server; \
+                             continuing: the failure mode answers until it does"
+                        );
+                        #[cfg(not(feature = "tracing"))]
+                        let _ = error;
+                        // The other primaries are still checked.
+                        continue 'primaries;
+                    }
+                    Err(error) => return Err(refused_at_start(&error)),
                 }
-                Err(error) => return Err(refused_at_start(&error)),
             }
         }
         Ok(())
@@ -369,8 +369,8 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// One throw-away identity per slot range of the Cluster (so every primary runs the
-    /// check), or a single one on a standalone server or when the topology cannot be read.
+    /// One throw-away identity per Cluster primary (so every primary runs the check), or a
+    /// single one on a standalone server or when the topology cannot be read.
     async fn start_up_identities(&self) -> Vec<Key> {
         const NAME: &str = "tollgate-start-up-check";
         let ranges = match &self.backend {
@@ -384,46 +384,84 @@ impl RedisStore {
                 Err(_) => Vec::new(),
             },
         };
-        if ranges.is_empty() {
+        let primaries = ranges
+            .iter()
+            .map(|(_, _, node)| node)
+            .collect::<std::collections::HashSet<_>>()
+            .len();
+        if primaries == 0 {
             return vec![Key::new(NAME)];
         }
-        ranges
-            .iter()
-            .filter_map(|&(first, last)| {
-                // Expected tries: 16384 / the range's size; bounded for a range of one slot.
-                (0..1_000_000u32).find_map(|n| {
-                    let identity = format!("{NAME}-{n}");
-                    let tag = self.keys.tag(&identity);
-                    let slot =
-                        crc16::State::<crc16::XMODEM>::calculate(&tag.as_bytes()[1..tag.len() - 1])
-                            % 16_384;
-                    (first..=last).contains(&slot).then(|| Key::new(&identity))
-                })
-            })
-            .collect()
+        // One pass over candidate identities until each primary owns one of them: about
+        // 16384 / (the smallest primary's share of the slots) tries, bounded.
+        let mut found: Vec<(&[u8], Key)> = Vec::with_capacity(primaries);
+        for n in 0..1_000_000u32 {
+            let identity = format!("{NAME}-{n}");
+            let tag = self.keys.tag(&identity);
+            let slot = crc16::State::<crc16::XMODEM>::calculate(&tag.as_bytes()[1..tag.len() - 1])
+                % 16_384;
+            let Some((_, _, node)) = ranges
+                .iter()
+                .find(|(first, last, _)| (*first..=*last).contains(&slot))
+            else {
+                continue;
+            };
+            if !found.iter().any(|(owner, _)| owner == &node.as_slice()) {
+                found.push((node.as_slice(), Key::new(&identity)));
+                if found.len() == primaries {
+                    break;
+                }
+            }
+        }
+        found.into_iter().map(|(_, key)| key).collect()
     }
 }
 
-/// The slot ranges of a Cluster's primaries (`CLUSTER SLOTS`); empty when it cannot be
-/// read (the check then runs on one slot, and says so).
-async fn cluster_slot_ranges<C: redis::aio::ConnectionLike>(connection: &mut C) -> Vec<(u16, u16)> {
-    let reply: Result<Vec<redis::Value>, _> = redis::cmd("CLUSTER")
+/// The slot ranges of a Cluster's primaries (`CLUSTER SLOTS`), each with the primary's
+/// node id (or address); empty when it cannot be read (the check then runs on one slot,
+/// and says so).
+async fn cluster_slot_ranges<C: redis::aio::ConnectionLike>(
+    connection: &mut C,
+) -> Vec<(u16, u16, Vec<u8>)> {
+    use redis::Value;
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => Some(bytes.clone()),
+        Value::SimpleString(text) => Some(text.clone().into_bytes()),
+        Value::Int(n) => Some(n.to_string().into_bytes()),
+        _ => None,
+    };
+    let reply: Result<Vec<Value>, _> = redis::cmd("CLUSTER")
         .arg("SLOTS")
         .query_async(connection)
         .await;
-    let ranges: Vec<(u16, u16)> = match reply {
+    let ranges: Vec<(u16, u16, Vec<u8>)> = match reply {
         Ok(entries) => entries
             .iter()
-            .filter_map(|entry| match entry {
-                redis::Value::Array(fields) => match (fields.first(), fields.get(1)) {
-                    (Some(redis::Value::Int(first)), Some(redis::Value::Int(last))) => {
-                        Some((u16::try_from(*first).ok()?, u16::try_from(*last).ok()?))
-                    }
-                    _ => None,
-                },
-                _ => None,
+            .filter_map(|entry| {
+                let Value::Array(fields) = entry else {
+                    return None;
+                };
+                let (Some(Value::Int(first)), Some(Value::Int(last))) =
+                    (fields.first(), fields.get(1))
+                else {
+                    return None;
+                };
+                // The primary: [ip, port, node id, ...]; older servers send no id.
+                let Some(Value::Array(primary)) = fields.get(2) else {
+                    return None;
+                };
+                let node = primary.get(2).and_then(text).or_else(|| {
+                    let mut address = primary.first().and_then(text)?;
+                    address.push(b':');
+                    address.extend(primary.get(1).and_then(text)?);
+                    Some(address)
+                })?;
+                Some((
+                    u16::try_from(*first).ok()?,
+                    u16::try_from(*last).ok()?,
+                    node,
+                ))
             })
-            .take(1_024)
             .collect(),
         Err(_) => Vec::new(),
     };
@@ -704,7 +742,13 @@ impl RedisKeys {
     pub fn tag(&self, identity: &str) -> String {
         let mut tag = String::with_capacity(identity.len() + 2);
         tag.push('{');
-        escape_into(&mut tag, identity);
+        if identity.is_empty() {
+            // `{}` is no hash tag: Redis would hash whole keys, and one identity's keys
+            // would land in different slots. A lone `%` is what no escaped identity is.
+            tag.push('%');
+        } else {
+            escape_into(&mut tag, identity);
+        }
         tag.push('}');
         tag
     }
@@ -745,6 +789,14 @@ mod tests {
     use super::*;
     use crate::Rate;
     use crate::policy::{MAX_LIMIT, MAX_PERIOD};
+
+    #[test]
+    fn an_empty_identity_still_has_a_hash_tag() {
+        let keys = RedisKeys::new("app");
+        assert_eq!(keys.tag(""), "{%}");
+        // No escaped identity is a lone `%`: a literal one is `%25`.
+        assert_eq!(keys.tag("%"), "{%25}");
+    }
 
     #[test]
     fn rates_are_reduced_and_oversized_policies_refused() {
