@@ -13,7 +13,9 @@ use std::time::Duration;
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::Decision;
 use crate::key::Key;
-use crate::policy::PolicySet;
+
+use crate::algorithm::Params;
+use crate::policy::{Algorithm, LeakMode, MAX_PERIOD, Policy, PolicySet, Rate};
 use crate::store::{MemoryStore, StoreError};
 
 /// What the layer does with a request whose store failed.
@@ -91,6 +93,26 @@ impl LocalFallback {
         self
     }
 
+    /// The policies this fallback decides `set` with: `set` itself, or every policy
+    /// scaled to the [`share`](Self::share) (quotas rounded up, at least 1; rates slowed
+    /// by stretching their period; windows and delay bounds unchanged).
+    ///
+    /// ```
+    /// use tollgate::{LocalFallback, Policy, PolicySet, Rate};
+    ///
+    /// let set = PolicySet::from(Policy::token_bucket("api", 30, Rate::per_second(30))?);
+    /// let third = LocalFallback::new().share(1.0 / 3.0).policies_for(&set);
+    /// assert_eq!(third[0].limit(), 10);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn policies_for(&self, set: &PolicySet) -> PolicySet {
+        if self.share >= 1.0 {
+            set.clone()
+        } else {
+            scale_set(set, self.share)
+        }
+    }
+
     /// The in-process store the fallback decides in.
     pub fn store(&self) -> &MemoryStore {
         &self.store
@@ -117,7 +139,7 @@ impl LocalFallback {
             {
                 Some((_, scaled)) => scaled.clone(),
                 None => {
-                    let scaled = policies.scaled(self.share);
+                    let scaled = scale_set(policies, self.share);
                     if cache.len() >= SCALED_CACHE {
                         cache.remove(0);
                     }
@@ -128,6 +150,83 @@ impl LocalFallback {
         };
         (self.store.check(key.as_str(), &scaled, cost), scaled)
     }
+}
+
+/// `policy` with `share` (in (0, 1)) of its quota and rate: quotas rounded up (at least
+/// 1), rates slowed by stretching their period; windows and delay bounds stay. What one
+/// replica among several enforces on its own while the shared store is away.
+fn scale_policy(policy: &Policy, share: f64) -> Policy {
+    if !(share > 0.0 && share < 1.0) {
+        return policy.clone();
+    }
+    let count = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, n);
+    let rate = |rate: Rate| {
+        let period = rate.period().as_secs_f64() / share;
+        Rate::new(
+            rate.amount(),
+            Duration::from_secs_f64(period.min(MAX_PERIOD.as_secs_f64())),
+        )
+    };
+    let algorithm = match policy.algorithm() {
+        Algorithm::FixedWindow { limit, window } => Algorithm::FixedWindow {
+            limit: count(limit),
+            window,
+        },
+        Algorithm::SlidingLog { limit, window } => Algorithm::SlidingLog {
+            limit: count(limit),
+            window,
+        },
+        Algorithm::SlidingWindow {
+            limit,
+            window,
+            sub_windows,
+        } => Algorithm::SlidingWindow {
+            limit: count(limit),
+            window,
+            sub_windows,
+        },
+        Algorithm::TokenBucket { capacity, refill } => Algorithm::TokenBucket {
+            capacity: count(capacity),
+            refill: rate(refill),
+        },
+        Algorithm::LeakyBucket {
+            capacity,
+            leak,
+            mode: LeakMode::Police,
+        } => Algorithm::LeakyBucket {
+            capacity: count(capacity),
+            leak: rate(leak),
+            mode: LeakMode::Police,
+        },
+        Algorithm::LeakyBucket {
+            leak,
+            mode: LeakMode::Shape { max_delay },
+            ..
+        } => {
+            let leak = rate(leak);
+            Algorithm::LeakyBucket {
+                capacity: Params::shaping_capacity(leak.amount(), leak.period(), max_delay),
+                leak,
+                mode: LeakMode::Shape { max_delay },
+            }
+        }
+        Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
+            rate: rate(r),
+            burst: count(burst),
+        },
+    };
+    Policy::build(policy.name(), algorithm)
+        .map(|scaled| scaled.with_unit(policy.unit()))
+        .unwrap_or_else(|_| policy.clone())
+}
+
+/// Every policy of `set` scaled to `share`.
+fn scale_set(set: &PolicySet, share: f64) -> PolicySet {
+    PolicySet::from_vec(
+        set.iter()
+            .map(|policy| scale_policy(policy, share))
+            .collect(),
+    )
 }
 
 /// When to stop calling a failing store, and when to try it again.

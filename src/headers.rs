@@ -204,6 +204,12 @@ fn number_value(number: u64) -> HeaderValue {
 
 /// `"api";q=10;w=2, "daily";q=10000;w=86400`. Names are validated to be plain tokens, so
 /// they need no escaping inside the quoted strings.
+/// The set's `RateLimit-Policy` field, built on its first response and kept with the set.
+fn policy_field(set: &PolicySet) -> Option<HeaderValue> {
+    set.derived(|set| policy_header(set))
+        .and_then(Option::clone)
+}
+
 pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
     if policies.is_empty() {
         return None;
@@ -336,7 +342,7 @@ pub(crate) fn rate_limit_headers(
     match options.style {
         HeaderStyle::None => HeaderBlock::Empty,
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
-            policy: policies.policy_header().cloned(),
+            policy: policy_field(policies),
             rate: None,
         },
         HeaderStyle::Draft11 => {
@@ -358,7 +364,7 @@ pub(crate) fn rate_limit_headers(
             });
             match rate {
                 Some(rate) => HeaderBlock::Draft11 {
-                    policy: policies.policy_header().cloned(),
+                    policy: policy_field(policies),
                     rate: Some(rate),
                 },
                 None => HeaderBlock::Empty,

@@ -13,7 +13,8 @@ use crate::cost::Cost;
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::headers::{HeaderOptions, HeaderStyle};
 use crate::key::{ClientIp, KeyExtractor};
-use crate::policy::{Policy, PolicyResolver, PolicySet};
+use crate::policy::{Policy, PolicySet};
+use crate::resolve::PolicyResolver;
 use crate::response::Rejection;
 use crate::service::{Config, RateLimit, Responder};
 use crate::store::Store;
@@ -163,7 +164,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// Picks the policies per request (per plan, per tenant); see
-    /// [`resolve_with`](crate::policy::resolve_with).
+    /// [`resolve_with`](crate::resolve::resolve_with).
     pub fn resolver<R2: PolicyResolver>(self, resolver: R2) -> RateLimitLayer<St, K, C, R2> {
         self.rebuild(|key, cost, _| (key, cost, resolver))
     }

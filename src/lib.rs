@@ -47,7 +47,7 @@
 //!
 //! - [`key`]: who is this ([`key::ClientIp`], [`key::HeaderKey`], [`key::ExtensionKey`], compound, first-of, closures);
 //! - [`cost`]: what does it spend (constant, [`cost::PerRoute`], closures, set by earlier middleware);
-//! - [`policy`]: which limits apply ([`Policy`], [`PolicySet`], [`policy::resolve_with`] per plan);
+//! - [`policy`]: which limits apply ([`Policy`], [`PolicySet`], [`resolve::resolve_with`] per plan);
 //! - [`store`]: who decides ([`MemoryStore`] in process; `RedisStore` for a fleet, feature
 //!   `redis`; `DenyCache` in front of either);
 //! - [`FailureMode`]: what a store failure gets (a local fallback by default; never a 429);
@@ -72,6 +72,7 @@ mod headers;
 pub mod key;
 mod layer;
 pub mod policy;
+pub mod resolve;
 mod response;
 mod service;
 pub mod store;
@@ -85,6 +86,7 @@ pub use headers::HeaderStyle;
 pub use key::Key;
 pub use layer::{DEFAULT_STORE_TIMEOUT, MissingKey, RateLimitLayer};
 pub use policy::{Algorithm, LeakMode, Policy, PolicyError, PolicySet, Rate};
+pub use resolve::{PolicyResolver, resolve_with};
 pub use response::{COST_EXCEEDS_LIMIT, QUOTA_EXCEEDED, Rejection, TEMPORARY_REDUCED_CAPACITY};
 pub use service::RateLimit;
 pub use store::{DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};

@@ -19,7 +19,8 @@ use crate::headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, ra
 use crate::key::Key;
 use crate::key::KeyExtractor;
 use crate::layer::{DenyHook, MissingKey};
-use crate::policy::{PolicyResolver, PolicySet};
+use crate::policy::PolicySet;
+use crate::resolve::PolicyResolver;
 use crate::response::{self, Rejection};
 use crate::store::{Store, StoreError, StoreErrorKind};
 use crate::telemetry::{self, Stopwatch};

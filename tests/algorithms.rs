@@ -314,7 +314,10 @@ fn split_counter_parameters_are_checked_when_built() {
     // The sub-windows survive scaling for a replica's share.
     let split = Policy::sliding_window_split("a", 90, minute, 6).unwrap();
     assert!(matches!(
-        split.scaled(1.0 / 3.0).algorithm(),
+        tollgate::LocalFallback::new()
+            .share(1.0 / 3.0)
+            .policies_for(&PolicySet::from(split))[0]
+            .algorithm(),
         tollgate::Algorithm::SlidingWindow {
             limit: 30,
             sub_windows: 6,

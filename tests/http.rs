@@ -15,7 +15,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
 use tollgate::cost::PerRoute;
 use tollgate::key::{ClientIp, ExtensionKey, HeaderKey, KeyExtractorExt};
-use tollgate::policy::resolve_with;
+use tollgate::resolve_with;
 use tollgate::{
     DecideFuture, FailureMode, HeaderStyle, Key, MemoryStore, MissingKey, Policy, PolicySet, Rate,
     RateLimitLayer, Rejection, Store, StoreError, StoreErrorKind,

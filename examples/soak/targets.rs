@@ -933,7 +933,10 @@ fn policy(rng: &mut Rng, bench: &mut Bench) {
                     f64::INFINITY,
                     f64::MIN_POSITIVE,
                 ]);
-                let scaled = policy.scaled(share);
+                let scaled = tollgate::LocalFallback::new()
+                    .share(share)
+                    .policies_for(&PolicySet::from(policy.clone()))[0]
+                    .clone();
                 assert!(
                     scaled.limit() >= 1 && scaled.limit() <= policy.limit(),
                     "{scaled:?} from {policy:?}"
@@ -957,7 +960,9 @@ fn policy(rng: &mut Rng, bench: &mut Bench) {
                 set.with(p.clone())
             }),
     };
-    let _ = set.scaled(0.25);
+    let _ = tollgate::LocalFallback::new()
+        .share(0.25)
+        .policies_for(&set);
     let key = format!("k{}", rng.below(64));
     for _ in 0..=rng.below(4) {
         match rng.below(4) {

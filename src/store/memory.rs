@@ -8,7 +8,7 @@ use compact_str::CompactString;
 use hashbrown::HashTable;
 
 use super::{DecideFuture, Store};
-use crate::algorithm::{self, Slot};
+use crate::algorithm::Slot;
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::Decision;
 use crate::key::Key;
@@ -345,7 +345,7 @@ impl<C: Clock> MemoryStore<C> {
 #[inline]
 fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) -> Decision {
     let slots = entry.slots.arrange(policies);
-    let (decision, fresh_at) = algorithm::decide(policies, slots, now, cost);
+    let (decision, fresh_at) = super::decide::decide(policies, slots, now, cost);
     entry.fresh_at = entry.fresh_at.max(fresh_at);
     decision
 }

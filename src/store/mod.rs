@@ -4,6 +4,7 @@
 //! and the request's cost, and answers with a [`Decision`] or a [`StoreError`]. A store
 //! error is never a denial: the layer applies its failure mode to it.
 
+mod decide;
 mod deny_cache;
 mod memory;
 #[cfg(feature = "redis")]

@@ -1,0 +1,41 @@
+//! The ids that stores key a policy's state by.
+//!
+//! The in-process store keeps a key's states tagged with their policy's id: the same for
+//! equal name and parameters, different otherwise, so a changed limit starts from fresh
+//! state instead of reading state written under other units, and two sets that share a
+//! policy share its state. Ids come in order from one process-wide table, so two policies
+//! never share an id by accident as hashes could; the table is bounded, and past
+//! [`MAX_REGISTERED`] distinct policies (a resolver that invents policies per request)
+//! ids are hashes with the top bit set, which never meet a table id.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use super::Algorithm;
+
+/// Distinct policies given ids from the table; later ones get hashed ids.
+pub(crate) const MAX_REGISTERED: usize = 1 << 16;
+
+/// The id of the policy `name` with `algorithm`.
+pub(super) fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
+    type Ids = HashMap<(Box<str>, Algorithm), u32>;
+    static IDS: OnceLock<Mutex<Ids>> = OnceLock::new();
+    let mut ids = IDS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(&id) = ids.get(&(name.into(), algorithm)) {
+        return id;
+    }
+    if ids.len() < MAX_REGISTERED {
+        let next = ids.len() as u32;
+        ids.insert((name.into(), algorithm), next);
+        return next;
+    }
+    drop(ids);
+    // A fixed-key hash: the same policy gets the same id in every call.
+    let hash =
+        foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one((name, algorithm));
+    0x8000_0000 | (hash as u32 & 0x7fff_ffff)
+}

@@ -1,0 +1,500 @@
+//! Policies: what a limit is, validated when it is built.
+//!
+//! A [`Policy`] names one limit ("api", "daily") and the [`Algorithm`] that enforces it.
+//! Every constructor checks its parameters and returns a [`PolicyError`] that says what is
+//! wrong, so a bad limit fails at start-up instead of misbehaving under load.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Policy, Rate};
+//!
+//! let burst = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+//! let daily = Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?;
+//! assert_eq!(burst.name(), "api");
+//! assert_eq!(daily.limit(), 10_000);
+//!
+//! let err = Policy::token_bucket("api", 0, Rate::per_second(5)).unwrap_err();
+//! assert_eq!(err.to_string(), "policy \"api\": capacity must be at least 1");
+//! # Ok::<(), tollgate::PolicyError>(())
+//! ```
+//!
+//! The module's rooms: [`Rate`] (`rate.rs`), [`Algorithm`] and [`LeakMode`] as the user
+//! gave them (`spec.rs`), [`PolicyError`] and the checks (`error.rs`), the policy ids
+//! that stores key state by (`id.rs`), and [`PolicySet`] (`set.rs`). Policies know no
+//! HTTP: the headers that describe them are built in the layer, and the per-request
+//! choice of policies is the `resolve` module, which builds on this one.
+
+mod error;
+mod id;
+mod rate;
+mod set;
+mod spec;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use error::PolicyError;
+pub use rate::Rate;
+pub use set::PolicySet;
+pub use spec::{Algorithm, LeakMode};
+
+use crate::algorithm::Params;
+use error::{Check, check_name};
+use id::policy_id;
+
+/// The largest limit, capacity, burst or rate amount a policy accepts: 10^15 - 1.
+///
+/// It is the largest integer an RFC 9651 structured field can carry (15 digits, section
+/// 3.3.1), so every `q` and `r` a client parses is the true number; and every store counts
+/// exactly up to it, including stores that keep numbers as IEEE doubles (Redis Lua).
+pub const MAX_LIMIT: u64 = 999_999_999_999_999;
+
+/// What a policy's quota counts, sent as `qu` (or a vendor parameter) in
+/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-11, the "Quota Unit
+/// Parameter" of the `RateLimit-Policy` field).
+///
+/// ```
+/// use tollgate::policy::QuotaUnit;
+/// use tollgate::{Policy, Rate};
+///
+/// let upload = Policy::token_bucket("upload", 10_000_000, Rate::per_second(1_000_000))?
+///     .with_unit(QuotaUnit::ContentBytes);
+/// assert_eq!(upload.unit(), QuotaUnit::ContentBytes);
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum QuotaUnit {
+    /// Requests (the draft's default unit; no parameter is sent).
+    #[default]
+    Requests,
+    /// Bytes of content: `qu="content-bytes"`, for a body-size coster such as
+    /// `cost::ContentLength`.
+    ContentBytes,
+    /// GraphQL complexity points. Not a unit the draft registers, so it is sent as the
+    /// vendor-prefixed parameter `tollgate-qu="graphql-points"`, as the draft asks of
+    /// implementation-specific parameters.
+    GraphqlPoints,
+}
+
+/// The shortest window or period a policy accepts.
+pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+
+/// The longest window or period a policy accepts (about ten years).
+pub const MAX_PERIOD: Duration = Duration::from_secs(10 * 366 * 24 * 60 * 60);
+
+/// The most sub-windows a sliding window counter may be cut into
+/// ([`Policy::sliding_window_split`]); its state holds one counter more than that.
+pub const MAX_SUB_WINDOWS: u32 = 64;
+
+/// The longest a shaping leaky bucket may hold a request back.
+pub const MAX_SHAPING_DELAY: Duration = Duration::from_secs(60 * 60);
+
+/// One named limit and the algorithm that enforces it. Cheap to clone.
+#[derive(Clone)]
+pub struct Policy {
+    inner: Arc<PolicyInner>,
+}
+
+struct PolicyInner {
+    name: Box<str>,
+    algorithm: Algorithm,
+    params: Params,
+    id: u32,
+    unit: QuotaUnit,
+}
+
+impl fmt::Debug for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Policy")
+            .field("name", &self.name())
+            .field("algorithm", &self.inner.algorithm)
+            .finish()
+    }
+}
+
+impl PartialEq for Policy {
+    fn eq(&self, other: &Self) -> bool {
+        self.name() == other.name() && self.algorithm() == other.algorithm()
+    }
+}
+
+impl Eq for Policy {}
+
+impl Policy {
+    /// A policy from its algorithm as a user would give it (the constructors' common path).
+    pub(crate) fn build(name: &str, algorithm: Algorithm) -> Result<Self, PolicyError> {
+        check_name(name)?;
+        let check = Check { policy: name };
+        let params = match algorithm {
+            Algorithm::FixedWindow { limit, window } | Algorithm::SlidingLog { limit, window } => {
+                let limit = check.count("limit", limit)?;
+                let window = check.duration("window", window, MIN_PERIOD, MAX_PERIOD)?;
+                match algorithm {
+                    Algorithm::FixedWindow { .. } => Params::FixedWindow { limit, window },
+                    _ => Params::SlidingLog { limit, window },
+                }
+            }
+            Algorithm::SlidingWindow {
+                limit,
+                window: duration,
+                sub_windows,
+            } => {
+                let limit = check.count("limit", limit)?;
+                let window = check.duration("window", duration, MIN_PERIOD, MAX_PERIOD)?;
+                // Each sub-window a whole number of microseconds, so the in-process store
+                // (nanoseconds) and Redis (microseconds) cut the time line alike. (One
+                // sub-window keeps the rule of the other windows: any length.)
+                let k = u64::from(sub_windows);
+                if !(1..=MAX_SUB_WINDOWS).contains(&sub_windows)
+                    || (k > 1 && window % (k * 1_000) != 0)
+                {
+                    return Err(PolicyError::SubWindows {
+                        policy: name.to_owned(),
+                        sub_windows,
+                        window: duration,
+                    });
+                }
+                Params::SlidingWindow {
+                    limit,
+                    window,
+                    sub_windows: k,
+                }
+            }
+            Algorithm::TokenBucket { capacity, refill } => {
+                let capacity = check.count("capacity", capacity)?;
+                let (amount, period) = check.rate("refill amount", refill)?;
+                Params::TokenBucket {
+                    capacity,
+                    amount,
+                    period,
+                }
+            }
+            Algorithm::LeakyBucket {
+                capacity,
+                leak,
+                mode,
+            } => {
+                let (amount, period) = check.rate("leak amount", leak)?;
+                match mode {
+                    LeakMode::Police => Params::LeakyPolice {
+                        capacity: check.count("capacity", capacity)?,
+                        amount,
+                        period,
+                    },
+                    LeakMode::Shape { max_delay } => {
+                        let max_delay = check.duration(
+                            "max_delay",
+                            max_delay,
+                            Duration::ZERO,
+                            MAX_SHAPING_DELAY,
+                        )?;
+                        // The burst it admits is a quota like any other: bounded alike.
+                        check.count(
+                            "burst (max_delay times the leak rate)",
+                            Params::shaping_capacity(
+                                amount,
+                                Duration::from_nanos(period),
+                                Duration::from_nanos(max_delay),
+                            ),
+                        )?;
+                        Params::LeakyShape {
+                            amount,
+                            period,
+                            max_delay,
+                        }
+                    }
+                }
+            }
+            Algorithm::Gcra { rate, burst } => {
+                let burst = check.count("burst", burst)?;
+                let (amount, period) = check.rate("rate amount", rate)?;
+                Params::Gcra {
+                    burst,
+                    amount,
+                    period,
+                }
+            }
+        };
+        Ok(Policy {
+            inner: Arc::new(PolicyInner {
+                name: name.into(),
+                algorithm,
+                params,
+                id: policy_id(name, algorithm),
+                unit: QuotaUnit::Requests,
+            }),
+        })
+    }
+
+    /// This policy, advertised as counting `unit` (it changes no decision).
+    pub fn with_unit(&self, unit: QuotaUnit) -> Policy {
+        Policy {
+            inner: Arc::new(PolicyInner {
+                name: self.inner.name.clone(),
+                algorithm: self.inner.algorithm,
+                params: self.inner.params,
+                id: self.inner.id,
+                unit,
+            }),
+        }
+    }
+
+    /// What the quota counts (default: requests).
+    pub fn unit(&self) -> QuotaUnit {
+        self.inner.unit
+    }
+
+    /// A fixed window: `limit` units per `window`, counted from the window's start.
+    ///
+    /// Cheap (one counter) but it admits up to `2 * limit` around a window seam; use it for
+    /// coarse quotas (per day) under a finer limiter.
+    pub fn fixed_window(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
+        Self::build(name, Algorithm::FixedWindow { limit, window })
+    }
+
+    /// A sliding log: at most `limit` units in any `window`. Exact; keeps one entry per
+    /// admitted request for one window, so memory grows with the limit.
+    pub fn sliding_log(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
+        Self::build(name, Algorithm::SlidingLog { limit, window })
+    }
+
+    /// A sliding window counter: O(1) state, approximates a sliding window with the
+    /// estimate `previous * (1 - elapsed / window) + current` (rounded up).
+    ///
+    /// It assumes the previous window's requests were spread evenly. Measured against the
+    /// exact [`sliding_log`](Self::sliding_log) on Poisson traffic, a few percent of
+    /// decisions differ near the limit; when the previous window's requests all came at
+    /// its very end, up to twice the limit can be admitted within one window. For a
+    /// tighter bound at a few more counters, see
+    /// [`sliding_window_split`](Self::sliding_window_split).
+    pub fn sliding_window(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
+        Self::sliding_window_split(name, limit, window, 1)
+    }
+
+    /// A sliding window counter over `sub_windows` equal sub-windows (`k`): the counts of
+    /// the `k` newest sub-windows, plus the share of the oldest one still inside the
+    /// window, never forgiving more than `limit / k` of it. No window of length `window`
+    /// ever holds more than `limit + limit / k` admitted units, whatever the traffic
+    /// (twice the limit for `k = 1`), and decisions come closer to the exact sliding log
+    /// as `k` grows. State: `k + 1` counters per key (Redis: one hash of `k + 2` fields).
+    ///
+    /// `sub_windows` must be between 1 and [`MAX_SUB_WINDOWS`] and divide the window into
+    /// equal whole microseconds. With a limit below `k` nothing of the oldest sub-window
+    /// is ever forgiven: a unit then counts until its sub-window is a whole window old
+    /// (up to `window + window / k`), stricter than the sliding log, never looser. A
+    /// replica's scaled-down share ([`LocalFallback::policies_for`](crate::LocalFallback::policies_for)) can land there.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::Policy;
+    ///
+    /// // 100 per minute, counted in 10 sub-windows of 6 s: at most 110 in any minute.
+    /// let api = Policy::sliding_window_split("api", 100, Duration::from_secs(60), 10)?;
+    /// assert_eq!(api.limit(), 100);
+    /// assert!(Policy::sliding_window_split("api", 100, Duration::from_secs(1), 7).is_err());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn sliding_window_split(
+        name: &str,
+        limit: u64,
+        window: Duration,
+        sub_windows: u32,
+    ) -> Result<Self, PolicyError> {
+        Self::build(
+            name,
+            Algorithm::SlidingWindow {
+                limit,
+                window,
+                sub_windows,
+            },
+        )
+    }
+
+    /// A token bucket: bursts of up to `capacity` units, refilled at `refill`.
+    pub fn token_bucket(name: &str, capacity: u64, refill: Rate) -> Result<Self, PolicyError> {
+        Self::build(name, Algorithm::TokenBucket { capacity, refill })
+    }
+
+    /// A policing leaky bucket: holds up to `capacity` units and leaks at `leak`; what
+    /// does not fit is denied.
+    pub fn leaky_bucket(name: &str, capacity: u64, leak: Rate) -> Result<Self, PolicyError> {
+        Self::build(
+            name,
+            Algorithm::LeakyBucket {
+                capacity,
+                leak,
+                mode: LeakMode::Police,
+            },
+        )
+    }
+
+    /// A shaping leaky bucket: requests leave at `leak`, each one held back until those
+    /// ahead of it have left; one that would wait longer than `max_delay` is denied.
+    ///
+    /// The layer sleeps for the delay before it calls the inner service. The bucket admits
+    /// a burst of `max_delay * leak + 1` unit requests, each one later than the last.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// let partner = Policy::leaky_bucket_shaping("partner", Rate::per_second(2), Duration::from_secs(2))?;
+    /// assert_eq!(partner.limit(), 5);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn leaky_bucket_shaping(
+        name: &str,
+        leak: Rate,
+        max_delay: Duration,
+    ) -> Result<Self, PolicyError> {
+        // The capacity a shaping bucket reports is derived; the field only matters to police.
+        let capacity = Params::shaping_capacity(leak.amount(), leak.period(), max_delay);
+        Self::build(
+            name,
+            Algorithm::LeakyBucket {
+                capacity,
+                leak,
+                mode: LeakMode::Shape { max_delay },
+            },
+        )
+    }
+
+    /// GCRA: a sustained `rate` with bursts of up to `burst` units back to back.
+    pub fn gcra(name: &str, rate: Rate, burst: u64) -> Result<Self, PolicyError> {
+        Self::build(name, Algorithm::Gcra { rate, burst })
+    }
+
+    /// The policy's name, as sent in the `RateLimit` headers.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The algorithm and its parameters.
+    pub fn algorithm(&self) -> Algorithm {
+        self.inner.algorithm
+    }
+
+    /// The quota a client sees: the most units this policy admits at once.
+    #[inline]
+    pub fn limit(&self) -> u64 {
+        self.inner.params.limit()
+    }
+
+    /// The window the quota is measured over, as advertised in `RateLimit-Policy` (`w`):
+    /// the window of a window algorithm, or the time a bucket takes to refill from empty.
+    pub fn window(&self) -> Duration {
+        Duration::from_nanos(self.inner.params.window_nanos())
+    }
+
+    #[inline]
+    pub(crate) fn params(&self) -> &Params {
+        &self.inner.params
+    }
+
+    /// A fingerprint of the name and parameters; stores keep state per id.
+    #[inline]
+    pub(crate) fn id(&self) -> u32 {
+        self.inner.id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_bad_parameters_with_clear_messages() {
+        let cases: Vec<(Result<Policy, PolicyError>, &str)> = vec![
+            (
+                Policy::fixed_window("", 1, Duration::from_secs(1)),
+                "policy name \"\" is invalid",
+            ),
+            (
+                Policy::fixed_window("a b", 1, Duration::from_secs(1)),
+                "policy name \"a b\" is invalid",
+            ),
+            (
+                Policy::fixed_window("w", 0, Duration::from_secs(1)),
+                "policy \"w\": limit must be at least 1",
+            ),
+            (
+                Policy::sliding_log("w", 5, Duration::ZERO),
+                "policy \"w\": window is 0ns, it must be between 1ms and",
+            ),
+            (
+                Policy::sliding_window("w", 5, Duration::from_secs(400 * 86_400 * 365)),
+                "policy \"w\": window is",
+            ),
+            (
+                Policy::token_bucket("t", 10, Rate::per_second(0)),
+                "policy \"t\": refill amount must be at least 1",
+            ),
+            (
+                Policy::token_bucket("t", u64::MAX, Rate::per_second(1)),
+                "policy \"t\": capacity is 18446744073709551615, more than the maximum",
+            ),
+            (
+                Policy::gcra("g", Rate::new(1, Duration::ZERO), 1),
+                "policy \"g\": the rate's period is 0ns",
+            ),
+            (
+                Policy::gcra("g", Rate::per_second(1), 0),
+                "policy \"g\": burst must be at least 1",
+            ),
+            (
+                Policy::leaky_bucket_shaping("l", Rate::per_second(1), Duration::from_secs(7200)),
+                "policy \"l\": max_delay is 7200s",
+            ),
+        ];
+        for (result, expected) in cases {
+            let message = result.unwrap_err().to_string();
+            assert!(
+                message.starts_with(expected),
+                "{message:?} should start with {expected:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ids_differ_by_name_and_parameters() {
+        let a = Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap();
+        let b = Policy::token_bucket("api", 20, Rate::per_second(5)).unwrap();
+        let c = Policy::token_bucket("web", 10, Rate::per_second(5)).unwrap();
+        let a2 = Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap();
+        assert_ne!(a.id(), b.id());
+        assert_ne!(a.id(), c.id());
+        assert_eq!(a.id(), a2.id());
+        assert_eq!(a, a2);
+    }
+
+    #[test]
+    fn the_id_table_is_bounded_and_ids_stay_stable_past_it() {
+        // More distinct policies than the table keeps (a resolver inventing them).
+        let make = |i: usize| Policy::gcra(&format!("tenant-{i}"), Rate::per_second(1), 1).unwrap();
+        let ids: Vec<u32> = (0..id::MAX_REGISTERED + 100)
+            .map(|i| make(i).id())
+            .collect();
+        let hashed = ids.iter().filter(|&&id| id & 0x8000_0000 != 0).count();
+        assert!(hashed >= 100, "past the bound ids are hashed: {hashed}");
+        // The same policy keeps its id, in the table or not.
+        let last = id::MAX_REGISTERED + 99;
+        assert_eq!(make(last).id(), ids[last]);
+        assert_eq!(make(0).id(), ids[0]);
+        // Table ids never meet hashed ones.
+        assert!(
+            ids.iter()
+                .filter(|&&id| id & 0x8000_0000 == 0)
+                .all(|&id| (id as usize) < id::MAX_REGISTERED)
+        );
+    }
+
+    #[test]
+    fn with_replaces_a_policy_of_the_same_name() {
+        let set = PolicySet::from(Policy::gcra("api", Rate::per_second(1), 1).unwrap());
+        let set = set.with(Policy::gcra("api", Rate::per_second(2), 4).unwrap());
+        assert_eq!(set.len(), 1);
+        assert_eq!(set[0].limit(), 4);
+    }
+}

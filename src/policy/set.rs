@@ -1,0 +1,133 @@
+//! The policies one request must all pass.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use super::{Policy, PolicyError};
+
+/// The policies a request must all pass, in order. Cheap to clone.
+///
+/// A request is admitted only when every policy admits it; a denied request debits none.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Policy, PolicySet, Rate};
+///
+/// let set = PolicySet::new([
+///     Policy::token_bucket("burst", 10, Rate::per_second(10))?,
+///     Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?,
+/// ])?;
+/// assert_eq!(set.len(), 2);
+/// assert!(PolicySet::new([set[0].clone(), set[0].clone()]).is_err());
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+#[derive(Clone)]
+pub struct PolicySet {
+    inner: Arc<PolicySetInner>,
+}
+
+struct PolicySetInner {
+    policies: Box<[Policy]>,
+    /// Tells sets of different policies apart (the ids, in order).
+    fingerprint: u64,
+    /// One value derived from the set, computed once by whoever needs it (the layer keeps
+    /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
+    derived: OnceLock<Box<dyn Any + Send + Sync>>,
+}
+
+impl fmt::Debug for PolicySet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.inner.policies.iter()).finish()
+    }
+}
+
+impl PolicySet {
+    /// A set of policies with distinct names.
+    #[inline]
+    pub fn new(policies: impl IntoIterator<Item = Policy>) -> Result<Self, PolicyError> {
+        let policies: Vec<Policy> = policies.into_iter().collect();
+        for (i, policy) in policies.iter().enumerate() {
+            if policies[..i].iter().any(|p| p.name() == policy.name()) {
+                return Err(PolicyError::DuplicateName {
+                    name: policy.name().to_owned(),
+                });
+            }
+        }
+        Ok(Self::from_vec(policies))
+    }
+
+    /// The empty set: requests it is resolved for are not limited and get no headers.
+    pub fn unlimited() -> Self {
+        Self::from_vec(Vec::new())
+    }
+
+    pub(crate) fn from_vec(policies: Vec<Policy>) -> Self {
+        let fingerprint = policies
+            .iter()
+            .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
+                (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
+            });
+        PolicySet {
+            inner: Arc::new(PolicySetInner {
+                policies: policies.into_boxed_slice(),
+                fingerprint,
+                derived: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// This set with `policy` added, replacing a policy of the same name.
+    pub fn with(&self, policy: Policy) -> Self {
+        let mut policies: Vec<Policy> = self
+            .inner
+            .policies
+            .iter()
+            .filter(|p| p.name() != policy.name())
+            .cloned()
+            .collect();
+        policies.push(policy);
+        Self::from_vec(policies)
+    }
+
+    /// Equal for sets of the same policies in the same order.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint
+    }
+
+    /// True when both are clones of one set.
+    pub(crate) fn same_as(&self, other: &PolicySet) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// The policies, in order.
+    pub fn policies(&self) -> &[Policy] {
+        &self.inner.policies
+    }
+
+    /// The value derived from this set by `derive`, computed on the first call and kept
+    /// with the set. One type per set: a call for another type gets `None`.
+    pub(crate) fn derived<T: Any + Send + Sync>(
+        &self,
+        derive: impl FnOnce(&PolicySet) -> T,
+    ) -> Option<&T> {
+        self.inner
+            .derived
+            .get_or_init(|| Box::new(derive(self)))
+            .downcast_ref()
+    }
+}
+
+impl std::ops::Deref for PolicySet {
+    type Target = [Policy];
+
+    fn deref(&self) -> &[Policy] {
+        &self.inner.policies
+    }
+}
+
+impl From<Policy> for PolicySet {
+    fn from(policy: Policy) -> Self {
+        Self::from_vec(vec![policy])
+    }
+}

@@ -1,0 +1,113 @@
+//! Policy resolution: which policies one request must pass (a fixed set, or per plan,
+//! tenant or route). It sits beside `key` and `cost`: the three per-request stages the
+//! layer runs before it asks the store.
+
+use std::fmt;
+
+use crate::policy::PolicySet;
+
+/// Picks the policies for a request: a fixed set, or per plan, tenant or route.
+///
+/// A [`PolicySet`] is itself a resolver that always answers itself. An empty set means
+/// "not limited" (no headers either), which lets a resolver exempt some requests on
+/// purpose.
+pub trait PolicyResolver: Send + Sync + 'static {
+    /// The policies `parts` (identified as `key`) must pass.
+    fn resolve<'a>(
+        &'a self,
+        parts: &http::request::Parts,
+        key: &crate::Key,
+    ) -> std::borrow::Cow<'a, PolicySet>;
+
+    /// Checked when the layer is built: a static resolver with no policy is a mistake.
+    fn check_configured(&self) -> Result<(), &'static str> {
+        Ok(())
+    }
+
+    /// The policy sets this resolver can answer, when they are known ahead: the layer asks
+    /// its store to [validate](crate::Store::validate) each one when it is built. The
+    /// default (for closures) knows none; their sets are checked per request instead.
+    fn known_sets(&self) -> Vec<PolicySet> {
+        Vec::new()
+    }
+}
+
+impl PolicyResolver for PolicySet {
+    fn resolve<'a>(
+        &'a self,
+        _parts: &http::request::Parts,
+        _key: &crate::Key,
+    ) -> std::borrow::Cow<'a, PolicySet> {
+        std::borrow::Cow::Borrowed(self)
+    }
+
+    fn known_sets(&self) -> Vec<PolicySet> {
+        vec![self.clone()]
+    }
+
+    fn check_configured(&self) -> Result<(), &'static str> {
+        if self.is_empty() {
+            Err("RateLimitLayer has no policy: add one with .policy(...) or .policies(...)")
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A resolver from a closure; see [`resolve_with`].
+#[derive(Clone)]
+pub struct ResolveFn<F> {
+    f: F,
+}
+
+impl<F> fmt::Debug for ResolveFn<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ResolveFn")
+    }
+}
+
+/// A resolver from a closure that returns a set (a clone of one it owns is cheap: sets
+/// are reference-counted), for example by the plan that authentication middleware stored
+/// in the request.
+///
+/// ```
+/// use http::Request;
+/// use tollgate::resolve::{resolve_with, PolicyResolver};
+/// use tollgate::{Key, Policy, PolicySet, Rate};
+///
+/// #[derive(Clone, Copy)]
+/// enum Plan { Free, Pro }
+///
+/// let free = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(10))?);
+/// let pro = PolicySet::from(Policy::token_bucket("api", 100, Rate::per_second(100))?);
+/// let by_plan = resolve_with(move |parts, _key| {
+///     match parts.extensions.get::<Plan>() {
+///         Some(Plan::Pro) => pro.clone(),
+///         _ => free.clone(),
+///     }
+/// });
+/// let mut request = Request::get("/").body(()).unwrap();
+/// request.extensions_mut().insert(Plan::Pro);
+/// let (parts, _) = request.into_parts();
+/// assert_eq!(by_plan.resolve(&parts, &Key::new("user:1"))[0].limit(), 100);
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+pub fn resolve_with<F>(f: F) -> ResolveFn<F>
+where
+    F: Fn(&http::request::Parts, &crate::Key) -> PolicySet + Send + Sync + 'static,
+{
+    ResolveFn { f }
+}
+
+impl<F> PolicyResolver for ResolveFn<F>
+where
+    F: Fn(&http::request::Parts, &crate::Key) -> PolicySet + Send + Sync + 'static,
+{
+    fn resolve<'a>(
+        &'a self,
+        parts: &http::request::Parts,
+        key: &crate::Key,
+    ) -> std::borrow::Cow<'a, PolicySet> {
+        std::borrow::Cow::Owned((self.f)(parts, key))
+    }
+}
