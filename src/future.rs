@@ -16,10 +16,10 @@ use tower_service::Service;
 
 use crate::body::RateLimitBody;
 use crate::failure::ProbeGuard;
-use crate::headers::HeaderBlock;
 use crate::key::Key;
 use crate::policy::PolicySet;
-use crate::service::{Plan, Responder, StoreAnswer};
+use crate::respond::headers::HeaderBlock;
+use crate::respond::{Plan, Responder, StoreAnswer};
 use crate::store::BoxedDecision;
 
 /// A request waiting for a decision from a store that does I/O.

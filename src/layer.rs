@@ -11,29 +11,14 @@ use std::time::Duration;
 
 use crate::cost::Cost;
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
-use crate::headers::{HeaderOptions, HeaderStyle};
 use crate::key::{ClientIp, KeyExtractor};
 use crate::policy::{Policy, PolicySet};
 use crate::resolve::PolicyResolver;
-use crate::response::Rejection;
-use crate::service::{Config, RateLimit, Responder};
+use crate::respond::headers::{HeaderOptions, HeaderStyle};
+use crate::respond::problem::Rejection;
+use crate::respond::{DenyHook, MissingKey, Responder};
+use crate::service::{Config, RateLimit};
 use crate::store::Store;
-
-/// What to do with a request no key can be extracted from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum MissingKey {
-    /// Answer it: `400` when the client left something out, `500` when the server is set
-    /// up wrong (the default: a missing key is never a silent bypass).
-    #[default]
-    Reject,
-    /// Let a request whose key is absent ([`KeyError::is_missing`](crate::key::KeyError::is_missing))
-    /// through unlimited and without rate-limit headers. Only for extractors whose miss is
-    /// expected and harmless. A key that is present but invalid is still answered `400`,
-    /// and a server set up wrong `500`.
-    Allow,
-}
-
-pub(crate) type DenyHook = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
 
 /// Rate limiting for any Tower service of `http::Request`s.
 ///
@@ -208,8 +193,9 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             self.headers.partition_key = None;
         } else if self.headers.partition_key.is_none() {
             // A secret given with `partition_key_secret` stays.
-            self.headers.partition_key =
-                Some(std::sync::Arc::new(crate::headers::PartitionKeyer::random()));
+            self.headers.partition_key = Some(std::sync::Arc::new(
+                crate::respond::headers::PartitionKeyer::random(),
+            ));
         }
         self
     }
@@ -232,7 +218,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// ```
     pub fn partition_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
         self.headers.partition_key = Some(std::sync::Arc::new(
-            crate::headers::PartitionKeyer::new(secret.as_ref()),
+            crate::respond::headers::PartitionKeyer::new(secret.as_ref()),
         ));
         self
     }
@@ -318,12 +304,12 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     pub fn validate(&self) -> Result<(), String> {
         self.resolver.check_configured().map_err(str::to_owned)?;
         if let Some(keyer) = &self.headers.partition_key {
-            if keyer.secret_len() < crate::headers::MIN_PARTITION_SECRET {
+            if keyer.secret_len() < crate::respond::headers::MIN_PARTITION_SECRET {
                 return Err(format!(
                     "RateLimitLayer: the partition key secret is {} bytes; use at least {} \
                      random bytes, or a guessable pk is as good as the identity",
                     keyer.secret_len(),
-                    crate::headers::MIN_PARTITION_SECRET
+                    crate::respond::headers::MIN_PARTITION_SECRET
                 ));
             }
         }

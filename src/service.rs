@@ -3,27 +3,23 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, header};
+use http::{Request, Response};
 use http_body::Body;
 use tower_service::Service;
 
 use crate::body::RateLimitBody;
 use crate::cost::Cost;
-use crate::decision::{Decision, Outcome};
-use crate::failure::{Admission, Breaker, FailureMode, ProbeGuard};
+use crate::failure::Admission;
 use crate::future::{Pending, ResponseFuture};
-use crate::headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
-use crate::key::Key;
 use crate::key::KeyExtractor;
-use crate::layer::{DenyHook, MissingKey};
-use crate::policy::PolicySet;
 use crate::resolve::PolicyResolver;
-use crate::response::{self, Rejection};
+use crate::respond::headers::HeaderBlock;
+use crate::respond::problem as response;
+use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
 use crate::store::{Store, StoreError, StoreErrorKind};
-use crate::telemetry::{self, Stopwatch};
+use crate::telemetry::Stopwatch;
 
 pub(crate) struct Config<K, C, R> {
     pub(crate) key: K,
@@ -31,153 +27,6 @@ pub(crate) struct Config<K, C, R> {
     pub(crate) resolver: R,
     pub(crate) missing_key: MissingKey,
     pub(crate) responder: Arc<Responder>,
-}
-
-/// What turns a decision into a response; shared with futures that decide later.
-pub(crate) struct Responder {
-    pub(crate) headers: HeaderOptions,
-    pub(crate) on_deny: Option<DenyHook>,
-    pub(crate) failure_mode: FailureMode,
-    pub(crate) breaker: Arc<Breaker>,
-    pub(crate) timeout: Duration,
-}
-
-/// What the store said, or that it was not asked (the circuit breaker is open).
-pub(crate) enum StoreAnswer {
-    Decided(Decision),
-    Failed(StoreError),
-    Skipped,
-}
-
-/// What to do with a request once its decision is known. The request itself stays where
-/// it is: moving it through here cost a measurable share of the layer's overhead.
-pub(crate) enum Plan {
-    /// Call the inner service, then add the headers.
-    Call(HeaderBlock),
-    /// Hold the request back (shaping), then call.
-    Delay(Duration, HeaderBlock),
-    /// Answer without calling the inner service.
-    Respond(Box<Response<Bytes>>),
-}
-
-impl Responder {
-    pub(crate) fn plan(
-        &self,
-        policies: &PolicySet,
-        key: &Key,
-        cost: u64,
-        answer: StoreAnswer,
-        probe: Option<&ProbeGuard>,
-    ) -> Plan {
-        let fallback;
-        let (decision, policies) = match answer {
-            StoreAnswer::Decided(decision) => {
-                // An answer a store gave from a local cache says nothing of the store
-                // behind it: it neither closes the breaker nor counts as a probe's success
-                // (the probe is released when its guard drops).
-                if !decision.is_cached() {
-                    self.breaker.on_success();
-                }
-                // Either way the probe's request has its outcome: releasing it starts no
-                // new cool-down.
-                if let Some(probe) = probe {
-                    probe.report();
-                }
-                (decision, policies)
-            }
-            StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
-                if let StoreAnswer::Failed(error) = &answer {
-                    telemetry::store_error(error);
-                    if error.kind().is_io() {
-                        self.breaker.on_failure(error, probe);
-                    } else {
-                        // The store answered, with a refusal that only this request's
-                        // policies or data may cause: the failure mode answers this
-                        // request, but it does not open the breaker for everyone.
-                        self.breaker.on_success();
-                        if let Some(probe) = probe {
-                            probe.report();
-                        }
-                    }
-                } else {
-                    telemetry::store_skipped();
-                }
-                match self.on_failure(policies, key, cost) {
-                    // The headers describe the policies that decided (scaled or not).
-                    Ok((decision, applied)) => {
-                        fallback = applied;
-                        (decision, &fallback)
-                    }
-                    Err(plan) => return plan,
-                }
-            }
-        };
-        telemetry::decision(policies, &decision, key);
-        let extra = jitter_secs(self.headers.jitter);
-        let headers = rate_limit_headers(&self.headers, policies, &decision, key, extra);
-        match decision.outcome() {
-            Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
-            Outcome::Allowed { delay } => Plan::Delay(delay, headers),
-            Outcome::Denied {
-                policy,
-                retry_after,
-            } => {
-                // Never earlier than the end of the denying policy's effective window as
-                // the `RateLimit` field states it (same rounding, same jitter).
-                let stated = decision
-                    .statuses()
-                    .get(policy)
-                    .map_or(0, |status| effective_secs(status.effective_window, extra));
-                let jittered = if retry_after >= crate::headers::JITTER_FROM {
-                    retry_after.saturating_add(Duration::from_secs(extra))
-                } else {
-                    retry_after
-                };
-                let rejection = Rejection {
-                    policy: &policies[policy],
-                    retry_after: jittered.max(Duration::from_secs(stated)),
-                    decision: &decision,
-                    policies,
-                    cost,
-                };
-                let mut response = match &self.on_deny {
-                    Some(hook) => hook(&rejection),
-                    None => response::too_many_requests(&rejection),
-                };
-                response
-                    .headers_mut()
-                    .entry(header::RETRY_AFTER)
-                    .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
-                headers.apply(response.headers_mut());
-                Plan::Respond(Box::new(response))
-            }
-            Outcome::CostExceedsLimit {
-                policy,
-                cost,
-                limit,
-            } => {
-                let mut response = response::cost_exceeds_limit(&policies[policy], cost, limit);
-                headers.apply(response.headers_mut());
-                Plan::Respond(Box::new(response))
-            }
-        }
-    }
-}
-
-impl Responder {
-    /// The failure mode: a local decision, or a plan without one.
-    fn on_failure(
-        &self,
-        policies: &PolicySet,
-        key: &Key,
-        cost: u64,
-    ) -> Result<(Decision, PolicySet), Plan> {
-        match &self.failure_mode {
-            FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
-            FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default())),
-            FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
-        }
-    }
 }
 
 /// The rate-limiting service; built by [`RateLimitLayer`](crate::RateLimitLayer).

@@ -28,7 +28,6 @@ pub use sliding_log::{LogState, SlidingLog};
 pub use sliding_window::{CounterState, SlidingWindow};
 pub use token_bucket::{BucketState, TokenBucket};
 
-
 /// `ceil(a / b)` for `b > 0`. Values almost always fit in 64 bits, where division is
 /// several times cheaper than the 128-bit library call.
 #[inline]

@@ -19,8 +19,8 @@ pub enum LeakMode {
 
 /// The algorithm of a policy and its parameters, as the user gave them.
 ///
-/// Build policies with the [`Policy`] constructors; this type is what
-/// [`Policy::algorithm`] reports back.
+/// Build policies with the [`Policy`](super::Policy) constructors; this type is what
+/// [`Policy::algorithm`](super::Policy::algorithm) reports back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// `limit` units per window aligned to the store's clock. Cheap; admits up to twice
@@ -39,7 +39,7 @@ pub enum Algorithm {
         window: Duration,
     },
     /// Counts per sub-window and a weighted estimate: the oldest sub-window counted by the
-    /// share of it still inside the window (see [`Policy::sliding_window_split`]). With
+    /// share of it still inside the window (see [`Policy::sliding_window_split`](super::Policy::sliding_window_split)). With
     /// one sub-window, `previous * (1 - elapsed / window) + current`.
     SlidingWindow {
         /// Units admitted per (estimated) window.

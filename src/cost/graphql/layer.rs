@@ -16,7 +16,7 @@ use tower_service::Service;
 use super::{CostError, GraphqlCost};
 use crate::body::RateLimitBody;
 use crate::cost::RequestCost;
-use crate::response;
+use crate::respond::problem as response;
 
 /// The response header that reports a request's computed cost.
 pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");

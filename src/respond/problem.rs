@@ -9,9 +9,9 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::decision::Decision;
-use crate::headers::seconds_ceil;
 use crate::key::{KeyError, KeyErrorKind};
 use crate::policy::{Algorithm, LeakMode, Policy, PolicySet};
+use crate::respond::headers::seconds_ceil;
 
 /// What a deny hook is told about a denied request.
 ///

@@ -1,0 +1,188 @@
+//! What the layer answers, once a request's decision is known (or its store failed):
+//! the failure mode, then the response — the inner service's with rate-limit headers, or
+//! one of ours (`429`, `400`, `503` as problem+json). The last stage of a request's path:
+//! key, cost, policies, store, failure mode, response.
+//!
+//! Rooms: `headers.rs` writes the rate-limit fields, `problem.rs` the problem+json bodies.
+
+pub(crate) mod headers;
+pub(crate) mod problem;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, header};
+
+use crate::decision::{Decision, Outcome};
+use crate::failure::{Breaker, FailureMode, ProbeGuard};
+use crate::key::Key;
+use crate::policy::PolicySet;
+use crate::store::StoreError;
+use crate::telemetry;
+use headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
+use problem::{self as response, Rejection};
+
+/// What to do with a request no key can be extracted from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingKey {
+    /// Answer it: `400` when the client left something out, `500` when the server is set
+    /// up wrong (the default: a missing key is never a silent bypass).
+    #[default]
+    Reject,
+    /// Let a request whose key is absent ([`KeyError::is_missing`](crate::key::KeyError::is_missing))
+    /// through unlimited and without rate-limit headers. Only for extractors whose miss is
+    /// expected and harmless. A key that is present but invalid is still answered `400`,
+    /// and a server set up wrong `500`.
+    Allow,
+}
+
+/// A custom answer to a denied request (see `RateLimitLayer::on_deny`).
+pub(crate) type DenyHook = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync>;
+
+/// What turns a decision into a response; shared with futures that decide later.
+pub(crate) struct Responder {
+    pub(crate) headers: HeaderOptions,
+    pub(crate) on_deny: Option<DenyHook>,
+    pub(crate) failure_mode: FailureMode,
+    pub(crate) breaker: Arc<Breaker>,
+    pub(crate) timeout: Duration,
+}
+
+/// What the store said, or that it was not asked (the circuit breaker is open).
+pub(crate) enum StoreAnswer {
+    Decided(Decision),
+    Failed(StoreError),
+    Skipped,
+}
+
+/// What to do with a request once its decision is known. The request itself stays where
+/// it is: moving it through here cost a measurable share of the layer's overhead.
+pub(crate) enum Plan {
+    /// Call the inner service, then add the headers.
+    Call(HeaderBlock),
+    /// Hold the request back (shaping), then call.
+    Delay(Duration, HeaderBlock),
+    /// Answer without calling the inner service.
+    Respond(Box<Response<Bytes>>),
+}
+
+impl Responder {
+    pub(crate) fn plan(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+        answer: StoreAnswer,
+        probe: Option<&ProbeGuard>,
+    ) -> Plan {
+        let fallback;
+        let (decision, policies) = match answer {
+            StoreAnswer::Decided(decision) => {
+                // An answer a store gave from a local cache says nothing of the store
+                // behind it: it neither closes the breaker nor counts as a probe's success
+                // (the probe is released when its guard drops).
+                if !decision.is_cached() {
+                    self.breaker.on_success();
+                }
+                // Either way the probe's request has its outcome: releasing it starts no
+                // new cool-down.
+                if let Some(probe) = probe {
+                    probe.report();
+                }
+                (decision, policies)
+            }
+            StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
+                if let StoreAnswer::Failed(error) = &answer {
+                    telemetry::store_error(error);
+                    if error.kind().is_io() {
+                        self.breaker.on_failure(error, probe);
+                    } else {
+                        // The store answered, with a refusal that only this request's
+                        // policies or data may cause: the failure mode answers this
+                        // request, but it does not open the breaker for everyone.
+                        self.breaker.on_success();
+                        if let Some(probe) = probe {
+                            probe.report();
+                        }
+                    }
+                } else {
+                    telemetry::store_skipped();
+                }
+                match self.on_failure(policies, key, cost) {
+                    // The headers describe the policies that decided (scaled or not).
+                    Ok((decision, applied)) => {
+                        fallback = applied;
+                        (decision, &fallback)
+                    }
+                    Err(plan) => return plan,
+                }
+            }
+        };
+        telemetry::decision(policies, &decision, key);
+        let extra = jitter_secs(self.headers.jitter);
+        let headers = rate_limit_headers(&self.headers, policies, &decision, key, extra);
+        match decision.outcome() {
+            Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
+            Outcome::Allowed { delay } => Plan::Delay(delay, headers),
+            Outcome::Denied {
+                policy,
+                retry_after,
+            } => {
+                // Never earlier than the end of the denying policy's effective window as
+                // the `RateLimit` field states it (same rounding, same jitter).
+                let stated = decision
+                    .statuses()
+                    .get(policy)
+                    .map_or(0, |status| effective_secs(status.effective_window, extra));
+                let jittered = if retry_after >= crate::respond::headers::JITTER_FROM {
+                    retry_after.saturating_add(Duration::from_secs(extra))
+                } else {
+                    retry_after
+                };
+                let rejection = Rejection {
+                    policy: &policies[policy],
+                    retry_after: jittered.max(Duration::from_secs(stated)),
+                    decision: &decision,
+                    policies,
+                    cost,
+                };
+                let mut response = match &self.on_deny {
+                    Some(hook) => hook(&rejection),
+                    None => response::too_many_requests(&rejection),
+                };
+                response
+                    .headers_mut()
+                    .entry(header::RETRY_AFTER)
+                    .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
+                headers.apply(response.headers_mut());
+                Plan::Respond(Box::new(response))
+            }
+            Outcome::CostExceedsLimit {
+                policy,
+                cost,
+                limit,
+            } => {
+                let mut response = response::cost_exceeds_limit(&policies[policy], cost, limit);
+                headers.apply(response.headers_mut());
+                Plan::Respond(Box::new(response))
+            }
+        }
+    }
+}
+
+impl Responder {
+    /// The failure mode: a local decision, or a plan without one.
+    fn on_failure(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+    ) -> Result<(Decision, PolicySet), Plan> {
+        match &self.failure_mode {
+            FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
+            FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default())),
+            FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
+        }
+    }
+}
