@@ -1,6 +1,6 @@
 -- Shaping leaky bucket (kind "ls"): p1 = max delay, p2 = amount, p3 = period, in
 -- microseconds. The level is what is queued ahead (units times the period); a request
--- waits for it to leak out, at most p1, or is denied. Mirrors src/algorithm/leaky_bucket.rs.
+-- waits for it to leak out, at most p1, or is denied. Mirrors src/algorithm/leaky_shape.rs.
 
 local load = load_bucket
 

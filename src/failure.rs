@@ -14,8 +14,7 @@ use crate::clock::{Clock, MonotonicClock};
 use crate::decision::Decision;
 use crate::key::Key;
 
-use crate::algorithm::Params;
-use crate::policy::{Algorithm, LeakMode, MAX_PERIOD, Policy, PolicySet, Rate};
+use crate::policy::{Algorithm, MAX_PERIOD, Policy, PolicySet, Rate};
 use crate::store::{MemoryStore, StoreError};
 
 /// What the layer does with a request whose store failed.
@@ -189,27 +188,14 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
             capacity: count(capacity),
             refill: rate(refill),
         },
-        Algorithm::LeakyBucket {
-            capacity,
-            leak,
-            mode: LeakMode::Police,
-        } => Algorithm::LeakyBucket {
+        Algorithm::LeakyBucket { capacity, leak } => Algorithm::LeakyBucket {
             capacity: count(capacity),
             leak: rate(leak),
-            mode: LeakMode::Police,
         },
-        Algorithm::LeakyBucket {
-            leak,
-            mode: LeakMode::Shape { max_delay },
-            ..
-        } => {
-            let leak = rate(leak);
-            Algorithm::LeakyBucket {
-                capacity: Params::shaping_capacity(leak.amount(), leak.period(), max_delay),
-                leak,
-                mode: LeakMode::Shape { max_delay },
-            }
-        }
+        Algorithm::LeakyShaping { leak, max_delay } => Algorithm::LeakyShaping {
+            leak: rate(leak),
+            max_delay,
+        },
         Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
             rate: rate(r),
             burst: count(burst),

@@ -26,8 +26,8 @@ use tollgate::key::{
 };
 use tollgate::policy::{MAX_LIMIT, MAX_PERIOD, MAX_SHAPING_DELAY, MIN_PERIOD};
 use tollgate::{
-    Algorithm, HeaderStyle, LeakMode, MemoryStore, MissingKey, Policy, PolicyError, PolicySet,
-    Rate, RateLimitLayer,
+    Algorithm, HeaderStyle, MemoryStore, MissingKey, Policy, PolicyError, PolicySet, Rate,
+    RateLimitLayer,
 };
 use tower::ServiceExt;
 use tower::util::BoxCloneService;
@@ -991,15 +991,7 @@ fn policy(rng: &mut Rng, bench: &mut Bench) {
         if let Some(wait) = decision.retry_after() {
             assert!(wait > Duration::ZERO, "{set:?} cost {cost}: retry-after 0");
         }
-        let shaping = |p: &Policy| {
-            matches!(
-                p.algorithm(),
-                Algorithm::LeakyBucket {
-                    mode: LeakMode::Shape { .. },
-                    ..
-                }
-            )
-        };
+        let shaping = |p: &Policy| matches!(p.algorithm(), Algorithm::LeakyShaping { .. });
         if set.iter().any(|p| !shaping(p) && cost > p.limit()) {
             assert!(!decision.is_allowed(), "{set:?}: cost {cost} admitted");
         }

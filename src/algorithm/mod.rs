@@ -14,7 +14,7 @@
 
 mod fixed_window;
 mod gcra;
-mod leaky_bucket;
+mod leaky_shape;
 mod sliding_log;
 mod sliding_window;
 mod token_bucket;
@@ -23,10 +23,10 @@ use std::time::Duration;
 
 pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
-pub use leaky_bucket::{LeakyPolice, LeakyShape};
+pub use leaky_shape::LeakyShape;
 pub use sliding_log::{LogState, SlidingLog};
 pub use sliding_window::{CounterState, SlidingWindow};
-pub use token_bucket::{BucketState, TokenBucket};
+pub use token_bucket::{BucketState, LeakyPolice, TokenBucket};
 
 /// `ceil(a / b)` for `b > 0`. Values almost always fit in 64 bits, where division is
 /// several times cheaper than the 128-bit library call.

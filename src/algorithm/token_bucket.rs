@@ -17,6 +17,10 @@ pub struct TokenBucket {
     pub period: u64,
 }
 
+/// A policing leaky bucket: the token bucket's math, its level read as the tokens missing
+/// from full. (The shaping bucket is `LeakyShape`.)
+pub type LeakyPolice = TokenBucket;
+
 /// How far the bucket is from full, as `tokens * period`, at `last`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BucketState {

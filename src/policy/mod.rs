@@ -18,7 +18,7 @@
 //! # Ok::<(), tollgate::PolicyError>(())
 //! ```
 //!
-//! The module's rooms: [`Rate`] (`rate.rs`), [`Algorithm`] and [`LeakMode`] as the user
+//! The module's rooms: [`Rate`] (`rate.rs`), [`Algorithm`] as the user
 //! gave them (`spec.rs`), [`PolicyError`] and the checks (`error.rs`), the policy ids
 //! that stores key state by (`id.rs`), and [`PolicySet`] (`set.rs`). Policies know no
 //! HTTP: the headers that describe them are built in the layer, and the per-request
@@ -37,7 +37,7 @@ use std::time::Duration;
 pub use error::PolicyError;
 pub use rate::Rate;
 pub use set::PolicySet;
-pub use spec::{Algorithm, LeakMode};
+pub use spec::Algorithm;
 
 use crate::algorithm::Params;
 use error::{Check, check_name};
@@ -171,40 +171,31 @@ impl Policy {
                     period,
                 }
             }
-            Algorithm::LeakyBucket {
-                capacity,
-                leak,
-                mode,
-            } => {
+            Algorithm::LeakyBucket { capacity, leak } => {
                 let (amount, period) = check.rate("leak amount", leak)?;
-                match mode {
-                    LeakMode::Police => Params::LeakyPolice {
-                        capacity: check.count("capacity", capacity)?,
+                Params::LeakyPolice {
+                    capacity: check.count("capacity", capacity)?,
+                    amount,
+                    period,
+                }
+            }
+            Algorithm::LeakyShaping { leak, max_delay } => {
+                let (amount, period) = check.rate("leak amount", leak)?;
+                let max_delay =
+                    check.duration("max_delay", max_delay, Duration::ZERO, MAX_SHAPING_DELAY)?;
+                // The burst it admits is a quota like any other: bounded alike.
+                check.count(
+                    "burst (max_delay times the leak rate)",
+                    Params::shaping_capacity(
                         amount,
-                        period,
-                    },
-                    LeakMode::Shape { max_delay } => {
-                        let max_delay = check.duration(
-                            "max_delay",
-                            max_delay,
-                            Duration::ZERO,
-                            MAX_SHAPING_DELAY,
-                        )?;
-                        // The burst it admits is a quota like any other: bounded alike.
-                        check.count(
-                            "burst (max_delay times the leak rate)",
-                            Params::shaping_capacity(
-                                amount,
-                                Duration::from_nanos(period),
-                                Duration::from_nanos(max_delay),
-                            ),
-                        )?;
-                        Params::LeakyShape {
-                            amount,
-                            period,
-                            max_delay,
-                        }
-                    }
+                        Duration::from_nanos(period),
+                        Duration::from_nanos(max_delay),
+                    ),
+                )?;
+                Params::LeakyShape {
+                    amount,
+                    period,
+                    max_delay,
                 }
             }
             Algorithm::Gcra { rate, burst } => {
@@ -320,14 +311,7 @@ impl Policy {
     /// A policing leaky bucket: holds up to `capacity` units and leaks at `leak`; what
     /// does not fit is denied.
     pub fn leaky_bucket(name: &str, capacity: u64, leak: Rate) -> Result<Self, PolicyError> {
-        Self::build(
-            name,
-            Algorithm::LeakyBucket {
-                capacity,
-                leak,
-                mode: LeakMode::Police,
-            },
-        )
+        Self::build(name, Algorithm::LeakyBucket { capacity, leak })
     }
 
     /// A shaping leaky bucket: requests leave at `leak`, each one held back until those
@@ -349,16 +333,7 @@ impl Policy {
         leak: Rate,
         max_delay: Duration,
     ) -> Result<Self, PolicyError> {
-        // The capacity a shaping bucket reports is derived; the field only matters to police.
-        let capacity = Params::shaping_capacity(leak.amount(), leak.period(), max_delay);
-        Self::build(
-            name,
-            Algorithm::LeakyBucket {
-                capacity,
-                leak,
-                mode: LeakMode::Shape { max_delay },
-            },
-        )
+        Self::build(name, Algorithm::LeakyShaping { leak, max_delay })
     }
 
     /// GCRA: a sustained `rate` with bursts of up to `burst` units back to back.

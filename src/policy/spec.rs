@@ -4,24 +4,12 @@ use std::time::Duration;
 
 use super::Rate;
 
-/// How a leaky bucket treats a request that arrives while the bucket is busy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LeakMode {
-    /// Drop (deny) what does not fit in the bucket: a meter, the twin of a token bucket.
-    Police,
-    /// Delay each request until the requests ahead of it have leaked out, so the service
-    /// behind sees a steady rate; a request that would wait longer than `max_delay` is denied.
-    Shape {
-        /// The longest a request may be held back.
-        max_delay: Duration,
-    },
-}
-
 /// The algorithm of a policy and its parameters, as the user gave them.
 ///
 /// Build policies with the [`Policy`](super::Policy) constructors; this type is what
 /// [`Policy::algorithm`](super::Policy::algorithm) reports back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Algorithm {
     /// `limit` units per window aligned to the store's clock. Cheap; admits up to twice
     /// the limit across a window seam.
@@ -57,14 +45,23 @@ pub enum Algorithm {
         /// The sustained rate.
         refill: Rate,
     },
-    /// A bucket that leaks at `leak`; see [`LeakMode`].
+    /// A leaky bucket as a meter (police): it holds up to `capacity` units and leaks at
+    /// `leak`; what does not fit is denied. The token bucket seen from the other side.
     LeakyBucket {
-        /// How much the bucket holds (police mode); derived from the delay bound when shaping.
+        /// How much the bucket holds.
         capacity: u64,
         /// The leak (output) rate.
         leak: Rate,
-        /// Drop or delay.
-        mode: LeakMode,
+    },
+    /// A leaky bucket as a queue (shape): requests leave at `leak`, each held back until
+    /// those ahead of it have left; one that would wait longer than `max_delay` is denied.
+    /// Its burst, `max_delay * leak + 1` unit requests, is what
+    /// [`Policy::limit`](super::Policy::limit) reports.
+    LeakyShaping {
+        /// The leak (output) rate.
+        leak: Rate,
+        /// The longest a request may be held back.
+        max_delay: Duration,
     },
     /// Generic cell rate algorithm: one timestamp per key, the token bucket in one number.
     Gcra {

@@ -10,7 +10,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 
 use crate::decision::Decision;
 use crate::key::{KeyError, KeyErrorKind};
-use crate::policy::{Algorithm, LeakMode, Policy, PolicySet};
+use crate::policy::{Algorithm, Policy, PolicySet};
 use crate::respond::headers::seconds_ceil;
 
 /// What a deny hook is told about a denied request.
@@ -57,13 +57,7 @@ impl Rejection<'_> {
     pub fn violated_policies(&self) -> Vec<&str> {
         let mut names = vec![self.policy.name()];
         for (policy, status) in self.policies.iter().zip(self.decision.statuses()) {
-            let shaping = matches!(
-                policy.algorithm(),
-                Algorithm::LeakyBucket {
-                    mode: LeakMode::Shape { .. },
-                    ..
-                }
-            );
+            let shaping = matches!(policy.algorithm(), Algorithm::LeakyShaping { .. });
             let exceeded = if shaping {
                 status.remaining == 0
             } else {

@@ -1,7 +1,7 @@
-//! Leaky bucket, as a meter (police) or as a queue (shape).
+//! Shaping leaky bucket: a queue that leaks at `amount` per `period`.
 //!
-//! Both keep the bucket's level and leak it at `amount` per `period`. Policing is the
-//! token bucket seen from the other side (level = tokens missing), so it reuses that math.
+//! It keeps the bucket's level (what is queued ahead) and reuses the token bucket's math
+//! for it; the policing leaky bucket is the token bucket itself (`token_bucket.rs`).
 //! Shaping admits a request whose wait for the units ahead of it to leak out is at most
 //! `max_delay`, and tells the caller to hold it back for that wait.
 
@@ -18,9 +18,6 @@ pub struct LeakyShape {
     /// The longest wait, in nanoseconds.
     pub max_delay: u64,
 }
-
-/// A policing leaky bucket: the token bucket's math on the bucket's level.
-pub type LeakyPolice = TokenBucket;
 
 impl LeakyShape {
     /// The most a request may find in the bucket and still be admitted (scaled).
