@@ -19,6 +19,7 @@ mod logging;
 mod redact;
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::get;
@@ -26,8 +27,8 @@ use tollgate::cost::PerRoute;
 use tollgate::key::ClientIp;
 use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer, Store};
 
-/// The app, over whichever store decides.
-fn app<S: Store>(store: S) -> Result<Router, PolicyError> {
+/// The app, over whichever store decides (picked at run time: no generic needed).
+fn app(store: Arc<dyn Store>) -> Result<Router, PolicyError> {
     let limiter = RateLimitLayer::new(store)
         .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?)
         .key(ClientIp::peer())
@@ -51,23 +52,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => 3000,
     };
 
-    let (app, store) = match std::env::var("REDIS_URL") {
+    let (store, described): (Arc<dyn Store>, String) = match std::env::var("REDIS_URL") {
         Ok(url) => {
             // Never print the password a REDIS_URL may carry.
             let shown = redact::redact_url(&url);
-            let app = redis_app(&url)
+            let store = redis_store(&url)
                 .await
                 .map_err(|error| format!("Redis at {shown}: {error}"))?;
-            let store =
+            let described =
                 format!("Redis store at {shown}; if Redis goes away, a local limiter takes over");
-            (app, store)
+            (store, described)
         }
-        Err(_) => (app(MemoryStore::new())?, "in-process store".to_owned()),
+        Err(_) => (Arc::new(MemoryStore::new()), "in-process store".to_owned()),
     };
+    let app = app(store)?;
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;
-    println!("tollgate quickstart listening on http://{addr} ({store})");
+    println!("tollgate quickstart listening on http://{addr} ({described})");
     println!(
         "policy: token bucket \"api\", 10 tokens, refilled at 5/s, per client IP; /search costs 5"
     );
@@ -81,11 +83,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 #[cfg(feature = "redis")]
-async fn redis_app(url: &str) -> Result<Router, Box<dyn std::error::Error>> {
-    Ok(app(tollgate::store::RedisStore::connect(url).await?)?)
+async fn redis_store(url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
+    Ok(Arc::new(tollgate::store::RedisStore::connect(url).await?))
 }
 
 #[cfg(not(feature = "redis"))]
-async fn redis_app(_url: &str) -> Result<Router, Box<dyn std::error::Error>> {
+async fn redis_store(_url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
     Err("this build has no Redis support: run with --features redis".into())
 }

@@ -324,7 +324,7 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
 
 impl<S, St, K, C, R> Layer<S> for RateLimitLayer<St, K, C, R>
 where
-    St: Store,
+    St: Store + Clone,
     K: KeyExtractor + Clone,
     C: Cost + Clone,
     R: PolicyResolver + Clone,

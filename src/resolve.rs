@@ -32,6 +32,31 @@ pub trait PolicyResolver: Send + Sync + 'static {
     }
 }
 
+macro_rules! forward_resolver {
+    ($($pointer:ident),*) => {$(
+        impl<T: PolicyResolver + ?Sized> PolicyResolver for $pointer<T> {
+            fn resolve<'a>(
+                &'a self,
+                parts: &http::request::Parts,
+                key: &crate::Key,
+            ) -> std::borrow::Cow<'a, PolicySet> {
+                (**self).resolve(parts, key)
+            }
+
+            fn check_configured(&self) -> Result<(), &'static str> {
+                (**self).check_configured()
+            }
+
+            fn known_sets(&self) -> Vec<PolicySet> {
+                (**self).known_sets()
+            }
+        }
+    )*};
+}
+
+use std::sync::Arc;
+forward_resolver!(Arc, Box);
+
 impl PolicyResolver for PolicySet {
     fn resolve<'a>(
         &'a self,

@@ -20,7 +20,7 @@ use tower::ServiceExt;
 
 const REQUESTS: u64 = 20_000;
 
-fn app<S: Store>(store: S) -> Router {
+fn app<S: Store + Clone>(store: S) -> Router {
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(

@@ -717,3 +717,52 @@ async fn a_local_pre_limit_in_front_of_a_shared_store() {
         admitted as u64
     );
 }
+
+// A store, a cost and a resolver picked at run time: one concrete layer type, no generic
+// router (Arc<dyn Store>, Arc<dyn Cost>, Arc<dyn PolicyResolver>).
+#[tokio::test]
+async fn a_store_cost_and_resolver_picked_at_run_time_fit_one_type() {
+    use std::sync::Arc;
+    use tollgate::PolicyResolver;
+    use tollgate::cost::Cost;
+    fn app(
+        store: Arc<dyn Store>,
+        cost: Arc<dyn Cost>,
+        resolver: Arc<dyn PolicyResolver>,
+    ) -> Router {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(store)
+                .resolver(resolver)
+                .cost(cost)
+                .key(tollgate::key::Global),
+        )
+    }
+    for boxed in [false, true] {
+        let store: Arc<dyn Store> = if boxed {
+            Arc::new(Box::new(MemoryStore::new()) as Box<dyn Store>)
+        } else {
+            Arc::new(MemoryStore::new())
+        };
+        let set = PolicySet::from(Policy::token_bucket("api", 4, Rate::per_minute(1)).unwrap());
+        let app = app(store, Arc::new(2u64), Arc::new(set));
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let response = app
+                .clone()
+                .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            statuses.push(response.status());
+        }
+        // Cost 2 from 4: two admitted, the third denied.
+        assert_eq!(
+            statuses,
+            [
+                StatusCode::OK,
+                StatusCode::OK,
+                StatusCode::TOO_MANY_REQUESTS
+            ],
+            "boxed: {boxed}"
+        );
+    }
+}

@@ -27,6 +27,18 @@ pub trait Cost: Send + Sync + 'static {
     fn cost(&self, parts: &Parts) -> u64;
 }
 
+impl<T: Cost + ?Sized> Cost for std::sync::Arc<T> {
+    fn cost(&self, parts: &Parts) -> u64 {
+        (**self).cost(parts)
+    }
+}
+
+impl<T: Cost + ?Sized> Cost for Box<T> {
+    fn cost(&self, parts: &Parts) -> u64 {
+        (**self).cost(parts)
+    }
+}
+
 /// A constant cost.
 impl Cost for u64 {
     fn cost(&self, _parts: &Parts) -> u64 {

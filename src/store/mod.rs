@@ -31,7 +31,20 @@ use crate::policy::PolicySet;
 
 /// Keeps rate-limit state and decides requests against it.
 ///
-/// Clones share the same state. Implementations must decide each request atomically:
+/// The layer clones its store into every service it builds, so a store used as-is must be
+/// `Clone` (the stores here are handles: clones share the same state). A store chosen at
+/// run time fits one type as `Arc<dyn Store>`:
+///
+/// ```
+/// use std::sync::Arc;
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Store};
+///
+/// let store: Arc<dyn Store> = Arc::new(MemoryStore::new()); // or a RedisStore
+/// let layer = RateLimitLayer::new(store).policy(Policy::gcra("api", Rate::per_second(5), 5)?);
+/// # let _ = layer;
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
+/// Implementations must decide each request atomically:
 /// two concurrent requests must never both see the same remaining quota.
 ///
 /// ```
@@ -46,7 +59,7 @@ use crate::policy::PolicySet;
 /// assert_eq!(decision.statuses()[0].remaining, 1);
 /// # Ok(()) }
 /// ```
-pub trait Store: Clone + Send + Sync + 'static {
+pub trait Store: Send + Sync + 'static {
     /// Decides `cost` units for `key` under every policy of `policies`, all-or-nothing.
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture;
 
@@ -59,6 +72,30 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
         let _ = policies;
         Ok(())
+    }
+}
+
+/// A shared store: `Arc<dyn Store>` picks Redis or memory at run time behind one type,
+/// and an `Arc` of any store is a store.
+impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
+    #[inline]
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        (**self).decide(key, policies, cost)
+    }
+
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        (**self).validate(policies)
+    }
+}
+
+impl<S: Store + ?Sized> Store for Box<S> {
+    #[inline]
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        (**self).decide(key, policies, cost)
+    }
+
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        (**self).validate(policies)
     }
 }
 
