@@ -6,6 +6,7 @@ use smallvec::SmallVec;
 
 /// What happened to the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// Every policy admitted it and it was debited. `delay` is non-zero only under a
     /// shaping leaky bucket: the request must be held back that long before it is served.
@@ -75,7 +76,13 @@ pub struct Decision {
 impl Decision {
     /// A decision with one status per policy, in the policy set's order.
     #[inline]
-    pub fn new(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
+    pub fn new(outcome: Outcome, statuses: impl IntoIterator<Item = PolicyStatus>) -> Self {
+        Self::with_statuses(outcome, statuses.into_iter().collect())
+    }
+
+    /// The stores' own path: the statuses already gathered inline.
+    #[inline]
+    pub(crate) fn with_statuses(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
         Self {
             outcome,
             statuses,

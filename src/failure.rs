@@ -30,6 +30,7 @@ use crate::store::{MemoryStore, StoreError};
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub enum FailureMode {
     /// Decide with a local in-process limiter under the same policies (the default). It
     /// keeps every replica protected while the shared store is away; N replicas then

@@ -58,6 +58,7 @@
 //! `redis`, `graphql` (the GraphQL complexity coster in `cost::graphql`), `metrics`,
 //! `test-clock` (tests only: lets a test set the time a `RedisStore` decides at).
 
+#![forbid(unsafe_code)]
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms, unreachable_pub)]
 

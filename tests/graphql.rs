@@ -806,6 +806,7 @@ fn same_outcome(a: &Result<u64, CostError>, b: &Result<u64, CostError>) -> bool 
             CostError::UnknownFragment(_) => 4,
             CostError::Slicing { .. } => 5,
             CostError::Batch { .. } => 6,
+            _ => 7,
         }
     }
     match (a, b) {

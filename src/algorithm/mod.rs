@@ -80,6 +80,7 @@ impl From<u128> for Wide {
 
 /// The answer of one policy to one request, before anything is debited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verdict {
     /// Fits; the request should be held back `delay` nanoseconds (shaping only).
     Admit {

@@ -13,6 +13,7 @@ use super::{Key, KeyError, KeyExtractor};
 /// Which forwarding header the trusted proxies write. Only one is read: trusting both
 /// would let a client pick the one it forged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2`.
     #[default]
@@ -179,7 +180,7 @@ impl ClientIp {
 
     fn group(&self, ip: IpAddr) -> Key {
         // Formatted in place: an IPv4 key fits inline, no allocation per request.
-        Key::new(match ip {
+        Key::from_compact(match ip {
             IpAddr::V4(v4) if self.ipv4_prefix == 32 => ipv4_key(v4),
             IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
             IpAddr::V4(v4) => match Ipv4Net::new(v4, self.ipv4_prefix) {

@@ -55,8 +55,16 @@ pub struct Key(CompactString);
 
 impl Key {
     /// A key from a string; strings longer than [`MAX_KEY_LEN`] bytes are hashed.
-    pub fn new(value: impl Into<CompactString>) -> Self {
-        let value = value.into();
+    pub fn new(value: impl AsRef<str>) -> Self {
+        let value = value.as_ref();
+        if value.len() > MAX_KEY_LEN {
+            return Self::hashed("long", value.as_bytes());
+        }
+        Key(CompactString::new(value))
+    }
+
+    /// A key from a string already in the crate's inline form (no copy).
+    pub(crate) fn from_compact(value: CompactString) -> Self {
         if value.len() > MAX_KEY_LEN {
             return Self::hashed("long", value.as_bytes());
         }
@@ -126,6 +134,7 @@ impl std::ops::Deref for Key {
 
 /// Who is at fault when no key could be extracted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyErrorKind {
     /// The request lacks what the extractor needs (a header), or carries it in a form the
     /// extractor refuses: answered 400.

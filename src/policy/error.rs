@@ -7,6 +7,7 @@ use super::{MAX_LIMIT, MAX_PERIOD, MAX_SUB_WINDOWS, MIN_PERIOD, Rate};
 
 /// Why a policy or a policy set could not be built.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// The name is empty, too long, or has a character outside `A-Z a-z 0-9 - _ .`.
     InvalidName {

@@ -30,6 +30,7 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// time until the quota is whole again. Seconds are rounded up; every integer is an
 /// RFC 9651 integer (at most 15 digits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum HeaderStyle {
     /// `draft-ietf-httpapi-ratelimit-headers-11`: `RateLimit-Policy` and `RateLimit`.
     #[default]
@@ -395,7 +396,6 @@ pub(crate) fn rate_limit_headers(
 
 #[cfg(test)]
 mod tests {
-    use smallvec::smallvec;
 
     use super::*;
     use crate::decision::PolicyStatus;
@@ -412,7 +412,7 @@ mod tests {
     fn decision(outcome: Outcome) -> Decision {
         Decision::new(
             outcome,
-            smallvec![
+            vec![
                 PolicyStatus {
                     limit: 20,
                     remaining: 17,

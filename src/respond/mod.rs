@@ -25,6 +25,7 @@ use problem::{self as response, Rejection};
 
 /// What to do with a request no key can be extracted from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum MissingKey {
     /// Answer it: `400` when the client left something out, `500` when the server is set
     /// up wrong (the default: a missing key is never a silent bypass).

@@ -79,5 +79,5 @@ pub(crate) fn decide(
             )),
         });
     }
-    (Decision::new(outcome, statuses), fresh_at)
+    (Decision::with_statuses(outcome, statuses), fresh_at)
 }

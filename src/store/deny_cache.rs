@@ -157,7 +157,7 @@ impl<S: Store> Store for DenyCache<S> {
                     retry_after: Duration::from_nanos(until - now),
                 };
                 return DecideFuture::ready(Ok(
-                    Decision::new(outcome, SmallVec::new()).from_cache()
+                    Decision::with_statuses(outcome, SmallVec::new()).from_cache()
                 ));
             }
         }

@@ -606,7 +606,7 @@ fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, Store
             ));
         }
     };
-    Ok(Decision::new(outcome, statuses))
+    Ok(Decision::with_statuses(outcome, statuses))
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {

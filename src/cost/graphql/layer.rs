@@ -24,6 +24,7 @@ pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 /// What to do with a request whose cost cannot be computed (malformed document, bad JSON,
 /// slicing out of range).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Invalid {
     /// Answer `400` with the reason at once; nothing is charged (the default).
     #[default]

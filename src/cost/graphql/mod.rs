@@ -37,6 +37,7 @@ use serde_json::{Map, Value as Json};
 
 /// What to do with a slicing value outside the allowed range (or missing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum OutOfRange {
     /// Refuse the request with a clear error (GitHub's behaviour).
     #[default]
@@ -48,6 +49,7 @@ pub enum OutOfRange {
 /// Why a request could not be costed. Malformed requests are the client's fault: the layer
 /// answers them with `400` and the message.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CostError {
     /// The body is not a GraphQL request (bad JSON, no `query`).
     Request(String),
