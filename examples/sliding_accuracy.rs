@@ -35,12 +35,9 @@ fn main() {
     let limit = 100;
     let window = 60 * SECOND;
     let splits = [1u64, 4, 10];
-    let counters = splits.map(|sub_windows| SlidingWindow {
-        limit,
-        window,
-        sub_windows,
-    });
-    let log = SlidingLog { limit, window };
+    let counters =
+        splits.map(|k| SlidingWindow::new(limit, window, k).expect("k divides a minute"));
+    let log = SlidingLog::new(limit, window).expect("a minute is a window");
     println!("limit {limit} per minute, Poisson arrivals, 1,000 windows per load");
     println!(
         "| load (x limit) | arrivals | log admitted | k = 1: differs from the log / over / under \
@@ -103,7 +100,7 @@ fn main() {
     // Worst case: the limit's worth arrives in the last nanoseconds of a sub-window, then
     // one arrival per millisecond; count what is admitted within one window of the first.
     for counter in counters {
-        let span = window / counter.sub_windows;
+        let span = window / counter.sub_windows();
         let mut state = Ring::for_algorithm(&counter);
         let seam = 10 * window + span;
         let first = seam - limit;
@@ -120,8 +117,8 @@ fn main() {
         println!(
             "worst case, k = {}: {admitted} admitted within one window for a limit of {limit} \
              (bound: {})",
-            counter.sub_windows,
-            limit + limit / counter.sub_windows,
+            counter.sub_windows(),
+            limit + limit / counter.sub_windows(),
         );
     }
 }

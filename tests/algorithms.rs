@@ -77,30 +77,33 @@ fn exact_algorithms_do_not_admit_twice_the_limit_across_a_seam() {
     }
 }
 
+/// A counter state at sub-window `index` holding `counts` (oldest first), built the only
+/// way a state can be: by admitting units at times in each of its sub-windows.
+fn counter_with(algo: &SlidingWindow, index: u64, counts: &[u64]) -> CounterState<Box<[u64]>> {
+    let k = algo.sub_windows();
+    assert_eq!(counts.len() as u64, k + 1);
+    let span = algo.window() / k;
+    let mut state = CounterState::<Box<[u64]>>::for_algorithm(algo);
+    for (m, &count) in counts.iter().enumerate() {
+        let at = (index - k + m as u64) * span;
+        algo.refresh(&mut state, at);
+        algo.commit(&mut state, at, count);
+    }
+    assert_eq!((state.index(), state.counts()), (index, counts));
+    state
+}
+
 #[test]
 fn sliding_counter_estimate_matches_the_formula() {
     let w = 1_000_000_000u64;
-    let algo = SlidingWindow {
-        limit: 100,
-        window: w,
-        sub_windows: 1,
-    };
+    let algo = SlidingWindow::new(100, w, 1).unwrap();
     // previous = 40, current = 10, 25% into the window: 40 * 0.75 + 10 = 40.
-    let state = CounterState {
-        index: 5,
-        counts: [40, 10],
-    };
+    let state = counter_with(&algo, 5, &[40, 10]);
     assert_eq!(algo.estimate(&state, 5 * w + w / 4), 40);
     // 30 * 0.5 + 7 = 22; 33 * (1 - 0.3) = 23.1, rounded up to 24, + 0.
-    let state = CounterState {
-        index: 2,
-        counts: [30, 7],
-    };
+    let state = counter_with(&algo, 2, &[30, 7]);
     assert_eq!(algo.estimate(&state, 2 * w + w / 2), 22);
-    let state = CounterState {
-        index: 2,
-        counts: [33, 0],
-    };
+    let state = counter_with(&algo, 2, &[33, 0]);
     assert_eq!(algo.estimate(&state, 2 * w + 3 * w / 10), 24);
 
     // Through the store: 8 in window 0, then 2 in window 1 at 50%: 8 * 0.5 + 2 = 6.
@@ -130,44 +133,41 @@ fn sliding_counter_retry_after_is_when_the_estimate_makes_room() {
 fn split_counter_counts_the_oldest_sub_window_by_its_share_and_forgives_at_most_limit_over_k() {
     // 100 per second in 4 sub-windows of 250 ms.
     let ms = 1_000_000u64;
-    let algo = SlidingWindow {
-        limit: 100,
-        window: 1_000 * ms,
-        sub_windows: 4,
-    };
-    let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
+    let algo = SlidingWindow::new(100, 1_000 * ms, 4).unwrap();
     // Sub-window 4 (1000..1250 ms); counts of sub-windows 0..=4, oldest first.
-    state.index = 4;
-    state.counts.copy_from_slice(&[8, 10, 20, 30, 5]);
+    let state = counter_with(&algo, 4, &[8, 10, 20, 30, 5]);
     // 40% into sub-window 4: the oldest counts 8 * 0.6 = 4.8 -> 5; it may forgive at most
     // 100 / 4 = 25 of 8, so 5 stands: 5 + 10 + 20 + 30 + 5 = 70.
     assert_eq!(algo.estimate(&state, 1_100 * ms), 70);
     // An oldest sub-window of 60 at 40%: 60 * 0.6 = 36 (forgives 24, within 25).
-    state.counts.copy_from_slice(&[60, 0, 0, 10, 5]);
+    let mut state = counter_with(&algo, 4, &[60, 0, 0, 10, 5]);
     assert_eq!(algo.estimate(&state, 1_100 * ms), 36 + 15);
     // At 90%: 60 * 0.1 = 6 would forgive 54, but at most 25 may be: 35.
     assert_eq!(algo.estimate(&state, 1_225 * ms), 35 + 15);
     // Rolling two sub-windows on shifts the counts, oldest first, and zeroes the new ones.
     algo.refresh(&mut state, 1_500 * ms);
-    assert_eq!((state.index, &*state.counts), (6, &[0, 10, 5, 0, 0][..]));
-    // With one sub-window it is the classic two counters, whatever the storage.
-    let classic = SlidingWindow {
-        sub_windows: 1,
-        ..algo
-    };
+    assert_eq!((state.index(), state.counts()), (6, &[0, 10, 5, 0, 0][..]));
+    // With one sub-window it is the classic two counters: the store (which keeps them
+    // inline) decides as the boxed state does.
+    let classic = SlidingWindow::new(100, 1_000 * ms, 1).unwrap();
+    let h = Harness::new(Policy::sliding_window("classic", 100, SECOND).unwrap());
     let mut ring = CounterState::<Box<[u64]>>::for_algorithm(&classic);
-    let mut inline: CounterState = CounterState::default();
     for (at, cost) in [(100, 30), (900, 50), (1_300, 10), (1_700, 40), (2_050, 5)] {
         let now = at * ms;
         classic.refresh(&mut ring, now);
-        classic.refresh(&mut inline, now);
-        assert_eq!(
+        let admitted = matches!(
             classic.check(&ring, now, cost),
-            classic.check(&inline, now, cost)
+            tollgate::algorithm::Verdict::Admit { .. }
         );
-        assert_eq!(classic.snapshot(&ring, now), classic.snapshot(&inline, now));
-        classic.commit(&mut ring, now, cost);
-        classic.commit(&mut inline, now, cost);
+        let decision = h.at(Duration::from_nanos(now)).check(cost);
+        assert_eq!(admitted, decision.is_allowed(), "at {at} ms");
+        if admitted {
+            classic.commit(&mut ring, now, cost);
+        }
+        assert_eq!(
+            classic.snapshot(&ring, now).remaining,
+            decision.statuses()[0].remaining
+        );
     }
 }
 
@@ -175,11 +175,7 @@ fn split_counter_counts_the_oldest_sub_window_by_its_share_and_forgives_at_most_
 fn split_counter_effective_window_is_when_one_more_unit_fits_after_spending_the_rest() {
     let ms = 1_000_000u64;
     for sub_windows in [1, 2, 4, 10] {
-        let algo = SlidingWindow {
-            limit: 20,
-            window: 1_000 * ms,
-            sub_windows,
-        };
+        let algo = SlidingWindow::new(20, 1_000 * ms, sub_windows).unwrap();
         let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
         let mut now = 0;
         for step in 0..200u64 {
@@ -218,16 +214,8 @@ fn bucket_and_gcra_effective_windows_match_spending_the_rest_then_asking_for_one
         _ => 0,
     };
     for (capacity, amount, period) in [(10, 5, 1_000 * ms), (4, 3, 10_000 * ms), (1, 1, ms)] {
-        let bucket = TokenBucket {
-            capacity,
-            amount,
-            period,
-        };
-        let gcra = Gcra {
-            burst: capacity,
-            amount,
-            period,
-        };
+        let bucket = TokenBucket::new(capacity, amount, period).unwrap();
+        let gcra = Gcra::new(capacity, amount, period).unwrap();
         let (mut b, mut g) = (BucketState::default(), GcraState::default());
         let mut now = 0;
         for step in 0..300u64 {
@@ -264,14 +252,8 @@ fn split_counter_waits_stay_exact_when_time_steps_back() {
     use tollgate::algorithm::Verdict;
     let ms = 1_000_000u64;
     // Sub-windows of 10 ms; the state is at sub-window 5 (50..60 ms) with 10 in it.
-    let algo = SlidingWindow {
-        limit: 10,
-        window: 20 * ms,
-        sub_windows: 2,
-    };
-    let mut state = CounterState::<Box<[u64]>>::for_algorithm(&algo);
-    state.index = 5;
-    state.counts.copy_from_slice(&[0, 0, 10]);
+    let algo = SlidingWindow::new(10, 20 * ms, 2).unwrap();
+    let state = counter_with(&algo, 5, &[0, 0, 10]);
     // At 30 ms (behind the state): the 10 are the oldest in 70..80 ms, where at most
     // 10 / 2 = 5 may be forgiven and the share drops below 10 after 71 ms.
     let Verdict::Deny { retry_after } = algo.check(&state, 30 * ms, 1) else {

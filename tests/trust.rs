@@ -169,9 +169,7 @@ async fn a_cached_denial_never_closes_the_breaker() {
         RateLimitLayer::new(cache)
             .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
             .key(tollgate::key::from_fn(|parts| {
-                Ok(Key::new(
-                    parts.headers["x-who"].to_str().unwrap_or("?"),
-                ))
+                Ok(Key::new(parts.headers["x-who"].to_str().unwrap_or("?")))
             }))
             .on_store_error(FailureMode::FailOpen)
             .store_timeout(Duration::from_secs(30))

@@ -10,18 +10,35 @@ use super::{Snapshot, Verdict};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FixedWindow {
     /// Units per window.
-    pub limit: u64,
+    pub(super) limit: u64,
     /// Window length in nanoseconds (at least 1).
-    pub window: u64,
+    pub(super) window: u64,
 }
 
 /// The counter of the current window.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WindowState {
     /// `now / window` of the window counted in.
-    pub index: u64,
+    pub(super) index: u64,
     /// Units admitted in that window.
-    pub count: u64,
+    pub(super) count: u64,
+}
+
+impl FixedWindow {
+    /// `limit` units per `window` nanoseconds; `None` for a zero window.
+    pub fn new(limit: u64, window: u64) -> Option<Self> {
+        (window > 0).then_some(Self { limit, window })
+    }
+
+    /// Units per window.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window in nanoseconds.
+    pub fn window(&self) -> u64 {
+        self.window
+    }
 }
 
 impl FixedWindow {

@@ -12,18 +12,30 @@ use super::{Snapshot, Verdict, Wide, div, div_ceil};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Gcra {
     /// How many units may arrive back to back.
-    pub burst: u64,
+    pub(super) burst: u64,
     /// Units per period.
-    pub amount: u64,
+    pub(super) amount: u64,
     /// The period in nanoseconds.
-    pub period: u64,
+    pub(super) period: u64,
 }
 
 /// The theoretical arrival time, in nanoseconds times `amount`. Zero is fresh.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GcraState {
     /// Scaled TAT.
-    pub tat: Wide,
+    pub(super) tat: Wide,
+}
+
+impl Gcra {
+    /// `burst` units back to back, `amount` every `period` nanoseconds; `None` when
+    /// `amount` or `period` is zero.
+    pub fn new(burst: u64, amount: u64, period: u64) -> Option<Self> {
+        (amount > 0 && period > 0).then_some(Self {
+            burst,
+            amount,
+            period,
+        })
+    }
 }
 
 impl Gcra {

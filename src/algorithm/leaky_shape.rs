@@ -12,11 +12,23 @@ use super::{Snapshot, Verdict, div, div_ceil};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeakyShape {
     /// Units leaked per period.
-    pub amount: u64,
+    pub(super) amount: u64,
     /// The period in nanoseconds.
-    pub period: u64,
+    pub(super) period: u64,
     /// The longest wait, in nanoseconds.
-    pub max_delay: u64,
+    pub(super) max_delay: u64,
+}
+
+impl LeakyShape {
+    /// Leaks `amount` units every `period` nanoseconds and holds a request back at most
+    /// `max_delay` nanoseconds; `None` when `amount` or `period` is zero.
+    pub fn new(amount: u64, period: u64, max_delay: u64) -> Option<Self> {
+        (amount > 0 && period > 0).then_some(Self {
+            amount,
+            period,
+            max_delay,
+        })
+    }
 }
 
 impl LeakyShape {

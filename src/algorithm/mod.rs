@@ -263,7 +263,7 @@ impl Params {
             },
             Params::SlidingWindow { .. } => Slot::Counter {
                 id,
-                state: CounterState::default(),
+                state: CounterState::pair(),
             },
             Params::TokenBucket { .. } | Params::LeakyPolice { .. } | Params::LeakyShape { .. } => {
                 Slot::Bucket {

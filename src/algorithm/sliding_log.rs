@@ -8,9 +8,9 @@ use super::{Snapshot, Verdict};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingLog {
     /// Units admitted in any window.
-    pub limit: u64,
+    pub(super) limit: u64,
     /// Window length in nanoseconds.
-    pub window: u64,
+    pub(super) window: u64,
 }
 
 /// Admitted requests of the last window, oldest first, as `(time, units)`.
@@ -20,9 +20,38 @@ pub struct SlidingLog {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LogState {
     /// `(admitted at, units)`, oldest first.
-    pub entries: VecDeque<(u64, u64)>,
+    pub(super) entries: VecDeque<(u64, u64)>,
     /// The sum of the units in `entries`.
-    pub total: u64,
+    pub(super) total: u64,
+}
+
+impl SlidingLog {
+    /// At most `limit` units in any `window` nanoseconds; `None` for a zero window.
+    pub fn new(limit: u64, window: u64) -> Option<Self> {
+        (window > 0).then_some(Self { limit, window })
+    }
+
+    /// Units admitted in any window.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window in nanoseconds.
+    pub fn window(&self) -> u64 {
+        self.window
+    }
+}
+
+impl LogState {
+    /// The units the log holds (admitted within the last window, as of its last refresh).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// `(admitted at, units)` entries, oldest first.
+    pub fn entries(&self) -> impl ExactSizeIterator<Item = (u64, u64)> + '_ {
+        self.entries.iter().copied()
+    }
 }
 
 impl SlidingLog {

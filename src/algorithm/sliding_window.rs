@@ -30,26 +30,49 @@ use super::{Snapshot, Verdict, div, div_ceil};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingWindow {
     /// Units per window.
-    pub limit: u64,
+    pub(super) limit: u64,
     /// Window length in nanoseconds.
-    pub window: u64,
+    pub(super) window: u64,
     /// How many sub-windows the window is cut into (`k`); 0 is read as 1.
-    pub sub_windows: u64,
+    pub(super) sub_windows: u64,
 }
 
 /// The counts of the `k + 1` most recent sub-windows, oldest first; the last is the
 /// current one. `C` is `[u64; 2]` for one sub-window (the previous and the current
 /// window) and a boxed slice of `k + 1` counts otherwise.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CounterState<C = [u64; 2]> {
     /// `now / (window / k)` of the current sub-window.
-    pub index: u64,
+    pub(super) index: u64,
     /// Units admitted per sub-window, oldest first.
-    pub counts: C,
+    pub(super) counts: C,
+}
+
+impl<C: AsRef<Counts>> CounterState<C> {
+    /// The current sub-window's index (`now / (window / k)`).
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// Units admitted per sub-window, oldest first (the last is the current one).
+    pub fn counts(&self) -> &[u64] {
+        self.counts.as_ref()
+    }
+}
+
+impl CounterState {
+    /// An empty state of one sub-window (the previous and the current count, inline).
+    pub(super) fn pair() -> Self {
+        CounterState {
+            index: 0,
+            counts: [0; 2],
+        }
+    }
 }
 
 impl CounterState<Box<[u64]>> {
-    /// An empty state for `algorithm`'s `k + 1` counts.
+    /// An empty state for `algorithm`'s `k + 1` counts (the only way to build one from
+    /// outside the crate, so a state always has the counts its algorithm reads).
     pub fn for_algorithm(algorithm: &SlidingWindow) -> Self {
         CounterState {
             index: 0,
@@ -59,6 +82,33 @@ impl CounterState<Box<[u64]>> {
 }
 
 type Counts = [u64];
+
+impl SlidingWindow {
+    /// `limit` units per `window` nanoseconds, counted in `sub_windows` equal sub-windows;
+    /// `None` unless `sub_windows` is at least 1 and divides `window`.
+    pub fn new(limit: u64, window: u64, sub_windows: u64) -> Option<Self> {
+        (sub_windows > 0 && window > 0 && window % sub_windows == 0).then_some(Self {
+            limit,
+            window,
+            sub_windows,
+        })
+    }
+
+    /// The number of sub-windows.
+    pub fn sub_windows(&self) -> u64 {
+        self.sub_windows
+    }
+
+    /// Units per window.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window in nanoseconds.
+    pub fn window(&self) -> u64 {
+        self.window
+    }
+}
 
 impl SlidingWindow {
     /// The number of sub-windows, `k`.

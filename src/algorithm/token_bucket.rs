@@ -10,11 +10,11 @@ use super::{Snapshot, Verdict, Wide, div, div_ceil};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenBucket {
     /// The burst size in tokens.
-    pub capacity: u64,
+    pub(super) capacity: u64,
     /// Tokens added per period.
-    pub amount: u64,
+    pub(super) amount: u64,
     /// The period in nanoseconds.
-    pub period: u64,
+    pub(super) period: u64,
 }
 
 /// A policing leaky bucket: the token bucket's math, its level read as the tokens missing
@@ -25,9 +25,26 @@ pub type LeakyPolice = TokenBucket;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BucketState {
     /// Missing tokens times the period (the leaky bucket's level).
-    pub level: Wide,
+    pub(super) level: Wide,
     /// When `level` was last brought up to date, in nanoseconds.
-    pub last: u64,
+    pub(super) last: u64,
+}
+
+impl TokenBucket {
+    /// `capacity` tokens, `amount` added every `period` nanoseconds; `None` when `amount`
+    /// or `period` is zero (a bucket that never refills).
+    pub fn new(capacity: u64, amount: u64, period: u64) -> Option<Self> {
+        (amount > 0 && period > 0).then_some(Self {
+            capacity,
+            amount,
+            period,
+        })
+    }
+
+    /// The burst size in tokens.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
 }
 
 impl TokenBucket {
