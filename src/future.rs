@@ -1,5 +1,5 @@
-//! [`ResponseFuture`]: decides (when the store is remote), waits (when shaping), calls the
-//! inner service and writes the headers on its response.
+//! [`ResponseFuture`]: calls the inner service and writes the headers on its response; the
+//! rare paths (a store that does I/O, a shaping delay) run boxed.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,7 +11,6 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
 use tower_service::Service;
 
 use crate::body::RateLimitBody;
@@ -35,53 +34,95 @@ pub(crate) struct Pending<S, B> {
     pub(crate) probe: Option<ProbeGuard>,
 }
 
+/// What a slow path ends in: the inner service's answer and the headers for it, or an
+/// answer of ours.
+enum Slow<O> {
+    Inner(O, HeaderBlock),
+    Respond(Box<Response<Bytes>>),
+}
+
+type BoxedSlow<O> = Pin<Box<dyn Future<Output = Slow<O>> + Send>>;
+
 pin_project! {
-    /// The response future of [`RateLimit`](crate::RateLimit).
-    pub struct ResponseFuture<F, S, B> {
+    /// The response future of [`RateLimit`](crate::RateLimit): `F` is the inner service's
+    /// future.
+    pub struct ResponseFuture<F: Future> {
         #[pin]
-        state: State<F, S, B>,
+        state: State<F>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, S, B> {
+    enum State<F: Future> {
         // The hot state: the inner service's future and the headers for its response.
         Calling { #[pin] future: F, headers: HeaderBlock },
-        // Rare or slow states are boxed, so the future every request carries stays small.
-        Deciding { decide: BoxedDecision, pending: Option<Box<Pending<S, B>>> },
-        Delaying { sleep: Pin<Box<Sleep>>, call: Option<Box<(S, Request<B>)>>, headers: HeaderBlock },
+        // Rare or slow paths (a remote store's decision, a shaping delay), boxed so the
+        // future every request carries stays small and names only `F`.
+        Slow { future: BoxedSlow<F::Output> },
         Respond { response: Option<Box<Response<Bytes>>> },
     }
 }
 
-impl<F, S, B> ResponseFuture<F, S, B> {
+impl<F: Future> ResponseFuture<F> {
     pub(crate) fn calling(future: F, headers: HeaderBlock) -> Self {
         Self {
             state: State::Calling { future, headers },
         }
     }
 
-    pub(crate) fn deciding(decide: BoxedDecision, pending: Pending<S, B>) -> Self {
+    /// Decides through `decide`, then answers as the plan says.
+    pub(crate) fn deciding<S, B>(decide: BoxedDecision, pending: Pending<S, B>) -> Self
+    where
+        S: Service<Request<B>, Future = F> + Send + 'static,
+        F: Send + 'static,
+        B: Send + 'static,
+    {
+        let future = async move {
+            let result = decide.await;
+            let Pending {
+                inner,
+                request,
+                policies,
+                key,
+                cost,
+                responder,
+                probe,
+            } = pending;
+            let answer = match result {
+                Ok(decision) => StoreAnswer::Decided(decision),
+                Err(error) => StoreAnswer::Failed(error),
+            };
+            let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
+            drop(probe);
+            match plan {
+                Plan::Call(headers) => call(inner, request, Duration::ZERO, headers).await,
+                Plan::Delay(delay, headers) => call(inner, request, delay, headers).await,
+                Plan::Respond(response) => Slow::Respond(response),
+            }
+        };
         Self {
-            state: State::Deciding {
-                decide,
-                pending: Some(Box::new(pending)),
+            state: State::Slow {
+                future: Box::pin(future),
             },
         }
     }
 
-    pub(crate) fn delaying(
+    /// Holds the request back `delay` (shaping), then calls `inner`.
+    pub(crate) fn delaying<S, B>(
         delay: Duration,
         inner: S,
         request: Request<B>,
         headers: HeaderBlock,
-    ) -> Self {
+    ) -> Self
+    where
+        S: Service<Request<B>, Future = F> + Send + 'static,
+        F: Send + 'static,
+        B: Send + 'static,
+    {
         Self {
-            state: State::Delaying {
-                sleep: Box::pin(tokio::time::sleep(delay)),
-                call: Some(Box::new((inner, request))),
-                headers,
+            state: State::Slow {
+                future: Box::pin(call(inner, request, delay, headers)),
             },
         }
     }
@@ -99,7 +140,24 @@ impl<F, S, B> ResponseFuture<F, S, B> {
     }
 }
 
-impl<F, S, B> std::fmt::Debug for ResponseFuture<F, S, B> {
+/// Waits `delay`, then calls the (ready) inner service.
+async fn call<S, B, F>(
+    mut inner: S,
+    request: Request<B>,
+    delay: Duration,
+    headers: HeaderBlock,
+) -> Slow<F::Output>
+where
+    S: Service<Request<B>, Future = F>,
+    F: Future,
+{
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    Slow::Inner(inner.call(request).await, headers)
+}
+
+impl<F: Future> std::fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
@@ -107,73 +165,33 @@ impl<F, S, B> std::fmt::Debug for ResponseFuture<F, S, B> {
 
 const POLLED_AFTER_READY: &str = "ResponseFuture polled after it completed";
 
-impl<F, S, B, ResBody, E> Future for ResponseFuture<F, S, B>
+impl<F, ResBody, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResBody>, E>>,
-    S: Service<Request<B>, Response = Response<ResBody>, Error = E, Future = F>,
     ResBody: Body,
     ResBody::Data: From<Bytes>,
 {
     type Output = Result<Response<RateLimitBody<ResBody>>, E>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        loop {
-            let next = match self.as_mut().project().state.project() {
-                StateProj::Calling { future, headers } => {
-                    let mut response = ready!(future.poll(cx))?;
-                    std::mem::take(headers).apply(response.headers_mut());
-                    return Poll::Ready(Ok(response.map(RateLimitBody::inner)));
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Calling { future, headers } => {
+                let mut response = ready!(future.poll(cx))?;
+                std::mem::take(headers).apply(response.headers_mut());
+                Poll::Ready(Ok(response.map(RateLimitBody::inner)))
+            }
+            StateProj::Slow { future } => match ready!(future.as_mut().poll(cx)) {
+                Slow::Inner(result, headers) => {
+                    let mut response = result?;
+                    headers.apply(response.headers_mut());
+                    Poll::Ready(Ok(response.map(RateLimitBody::inner)))
                 }
-                StateProj::Respond { response } => {
-                    let response = *response.take().expect(POLLED_AFTER_READY);
-                    return Poll::Ready(Ok(response.map(RateLimitBody::full)));
-                }
-                StateProj::Deciding { decide, pending } => {
-                    let result = ready!(decide.as_mut().poll(cx));
-                    let Pending {
-                        mut inner,
-                        request,
-                        policies,
-                        key,
-                        cost,
-                        responder,
-                        probe,
-                    } = *pending.take().expect(POLLED_AFTER_READY);
-                    let answer = match result {
-                        Ok(decision) => StoreAnswer::Decided(decision),
-                        Err(error) => StoreAnswer::Failed(error),
-                    };
-                    let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
-                    drop(probe);
-                    match plan {
-                        Plan::Call(headers) => State::Calling {
-                            future: inner.call(request),
-                            headers,
-                        },
-                        Plan::Delay(delay, headers) => State::Delaying {
-                            sleep: Box::pin(tokio::time::sleep(delay)),
-                            call: Some(Box::new((inner, request))),
-                            headers,
-                        },
-                        Plan::Respond(response) => State::Respond {
-                            response: Some(response),
-                        },
-                    }
-                }
-                StateProj::Delaying {
-                    sleep,
-                    call,
-                    headers,
-                } => {
-                    ready!(sleep.as_mut().poll(cx));
-                    let (mut inner, request) = *call.take().expect(POLLED_AFTER_READY);
-                    State::Calling {
-                        future: inner.call(request),
-                        headers: std::mem::take(headers),
-                    }
-                }
-            };
-            self.as_mut().project().state.set(next);
+                Slow::Respond(response) => Poll::Ready(Ok(response.map(RateLimitBody::full))),
+            },
+            StateProj::Respond { response } => {
+                let response = *response.take().expect(POLLED_AFTER_READY);
+                Poll::Ready(Ok(response.map(RateLimitBody::full)))
+            }
         }
     }
 }

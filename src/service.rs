@@ -78,7 +78,9 @@ fn take_ready<S: Clone>(inner: &mut S) -> S {
 
 impl<S, St, K, C, R, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, St, K, C, R>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
     St: Store,
     K: KeyExtractor,
     C: Cost,
@@ -88,7 +90,7 @@ where
 {
     type Response = Response<RateLimitBody<ResBody>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, S, ReqBody>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -180,9 +182,11 @@ fn finish<S, ReqBody, ResBody>(
     inner: &mut S,
     request: Request<ReqBody>,
     plan: Plan,
-) -> ResponseFuture<S::Future, S, ReqBody>
+) -> ResponseFuture<S::Future>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
 {
     match plan {
         Plan::Call(headers) => ResponseFuture::calling(inner.call(request), headers),
