@@ -62,6 +62,23 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     breaker: Arc<Breaker>,
 }
 
+/// The policies of a layer that has none yet. A layer can only wrap a service once it has
+/// a policy ([`policy`](RateLimitLayer::policy), [`policies`](RateLimitLayer::policies) or
+/// a [`resolver`](RateLimitLayer::resolver)): this type is no [`PolicyResolver`], so a
+/// layer without one is a compile error, not a limiter that limits nothing.
+///
+/// ```compile_fail
+/// use axum::{Router, routing::get};
+/// use tollgate::{MemoryStore, RateLimitLayer};
+///
+/// // No policy: does not compile.
+/// let app: Router = Router::new()
+///     .route("/", get(|| async { "hello" }))
+///     .layer(RateLimitLayer::new(MemoryStore::new()));
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoPolicy;
+
 /// How long a decision may take before the store counts as failed.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -95,15 +112,15 @@ impl<St, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLa
     }
 }
 
-impl<St: Store> RateLimitLayer<St> {
+impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
     /// A layer over `store`, keyed by the socket peer's IP, every request costing 1.
-    /// Add at least one policy with [`policy`](Self::policy).
+    /// Add at least one policy with [`policy`](Self::policy) before it can wrap a service.
     pub fn new(store: St) -> Self {
         Self {
             store,
             key: ClientIp::peer(),
             cost: 1,
-            resolver: PolicySet::unlimited(),
+            resolver: NoPolicy,
             headers: HeaderOptions::default(),
             on_deny: None,
             missing_key: MissingKey::default(),
@@ -111,6 +128,13 @@ impl<St: Store> RateLimitLayer<St> {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
         }
+    }
+}
+
+impl<St, K, C> RateLimitLayer<St, K, C, NoPolicy> {
+    /// The first policy every request must pass.
+    pub fn policy(self, policy: Policy) -> RateLimitLayer<St, K, C, PolicySet> {
+        self.rebuild(|key, cost, _| (key, cost, PolicySet::from(policy)))
     }
 }
 
@@ -293,12 +317,14 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// failure; call this first to handle it yourself.
     ///
     /// ```
-    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate, RateLimitLayer};
     ///
     /// let layer = RateLimitLayer::new(MemoryStore::new())
     ///     .policy(Policy::token_bucket("api", 10, Rate::per_second(5))?);
     /// assert!(layer.validate().is_ok());
-    /// assert!(RateLimitLayer::new(MemoryStore::new()).validate().is_err());
+    /// // An empty set passes the types, but not the check.
+    /// let empty = RateLimitLayer::new(MemoryStore::new()).policies(PolicySet::unlimited());
+    /// assert!(empty.validate().is_err());
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn validate(&self) -> Result<(), String> {

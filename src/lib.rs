@@ -83,7 +83,7 @@ pub use decision::{Decision, Outcome, PolicyStatus};
 pub use failure::{CircuitBreaker, FailureMode, LocalFallback};
 pub use future::ResponseFuture;
 pub use key::Key;
-pub use layer::{DEFAULT_STORE_TIMEOUT, RateLimitLayer};
+pub use layer::{DEFAULT_STORE_TIMEOUT, NoPolicy, RateLimitLayer};
 pub use policy::{Algorithm, Policy, PolicyError, PolicySet, Rate};
 pub use resolve::{PolicyResolver, resolve_with};
 pub use respond::MissingKey;
