@@ -50,13 +50,16 @@
 //! - [`policy`]: which limits apply ([`Policy`], [`PolicySet`], [`resolve::resolve_with`] per plan);
 //! - [`store`]: who decides ([`MemoryStore`] in process; `RedisStore` for a fleet, feature
 //!   `redis`; `DenyCache` in front of either);
-//! - [`FailureMode`]: what a store failure gets (a local fallback by default; never a 429);
+//! - [`FailureMode`]: what a store failure gets (by default a local limiter, which denies
+//!   with `429` like any limiter once its local budget is spent; `FailClosed` answers `503`,
+//!   `FailOpen` lets requests through);
 //! - [`RateLimitLayer`]: the Tower layer that ties them together, with [`HeaderStyle`].
 //!
 //! Features: `axum` (default), `tracing` (default: denials and store errors as debug
 //! events, a warning when the failure mode starts and when the store answers again),
 //! `redis`, `graphql` (the GraphQL complexity coster in `cost::graphql`), `metrics`,
-//! `test-clock` (tests only: lets a test set the time a `RedisStore` decides at).
+//! `__test-clock` (private, for tests only: lets a test set the time a `RedisStore` decides
+//! at; never enable it in a build that serves traffic, since Cargo unifies features).
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

@@ -5,11 +5,11 @@
 //! rounds a GCRA emission interval up to a whole microsecond.
 //!
 //! Time: the in-process store reads a `ManualClock`; the Redis stores are built with
-//! `RedisStore::with_clock` (feature `test-clock`), which passes the clock's time to the
+//! `RedisStore::with_clock` (feature `__test-clock`), which passes the clock's time to the
 //! script instead of letting it read Redis `TIME`. That argument exists only in test
 //! builds, so production decisions always use Redis time.
 
-#![cfg(all(feature = "redis", feature = "test-clock"))]
+#![cfg(all(feature = "redis", feature = "__test-clock"))]
 
 mod support;
 

@@ -46,8 +46,8 @@ pub const MAX_KEY_LEN: usize = 256;
 /// use tollgate::Key;
 ///
 /// assert_eq!(Key::new("user:42").as_str(), "user:42");
-/// let secret = Key::hashed("apikey", b"sk_live_abc");
-/// assert!(secret.as_str().starts_with("apikey:"));
+/// let secret = Key::hashed("x-api-key", b"sk_live_abc");
+/// assert!(secret.as_str().starts_with("x-api-key:"));
 /// assert!(!secret.as_str().contains("sk_live"));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

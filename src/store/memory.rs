@@ -24,8 +24,10 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// is decided under one short lock (that is what makes it exact under concurrency). Every
 /// identity's policies live in one entry, so several policies are decided together.
 ///
-/// Memory is bounded: at most `max_keys` identities (default 1,000,000; an identity under
-/// one token-bucket policy takes about 150 bytes plus its key). When a shard is full it
+/// Memory is bounded: at most `max_keys` identities (default 1,000,000). An identity under
+/// one policy is one 64-byte table entry, its key inline up to 24 bytes; the table's
+/// spare capacity comes on top (the README's benchmark gives the resident memory measured
+/// per identity). When a shard is full it
 /// first forgets every identity whose state is back to fresh (forgetting those changes no
 /// decision); if that frees too little it forgets the identities closest to fresh, and
 /// counts them in [`MemoryStore::evicted_live`]. An attacker rotating identities therefore

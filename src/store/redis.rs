@@ -136,7 +136,7 @@ pub struct RedisStore {
     backend: Backend,
     keys: RedisKeys,
     scripts: Arc<Scripts>,
-    #[cfg(feature = "test-clock")]
+    #[cfg(feature = "__test-clock")]
     clock: Option<Arc<dyn crate::clock::Clock>>,
 }
 
@@ -217,7 +217,7 @@ impl RedisStore {
             backend,
             keys: RedisKeys::default(),
             scripts: Arc::new(Scripts::new()),
-            #[cfg(feature = "test-clock")]
+            #[cfg(feature = "__test-clock")]
             clock: None,
         }
     }
@@ -287,15 +287,17 @@ impl RedisStore {
     }
 
     /// Makes the script use `clock` instead of Redis `TIME`, so tests can move time by
-    /// hand. Only with the `test-clock` feature: production builds cannot set the time.
-    #[cfg(feature = "test-clock")]
+    /// hand. Only with the private `__test-clock` feature, for tests: without it the method does not
+    /// exist. Cargo unifies features, so any crate in a build that enables it makes it
+    /// available there: never enable it outside tests.
+    #[cfg(feature = "__test-clock")]
     pub fn with_clock(mut self, clock: impl crate::clock::Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         self
     }
 
     fn now_argument(&self) -> String {
-        #[cfg(feature = "test-clock")]
+        #[cfg(feature = "__test-clock")]
         if let Some(clock) = &self.clock {
             return (clock.now() / 1_000).to_string();
         }
