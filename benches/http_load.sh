@@ -5,7 +5,11 @@
 # several rounds (shared machines drift); each round's figure is divided by the same
 # round's no-limiter figure, and the medians of those ratios are reported.
 #
-#   benches/http_load.sh                 # 3 rounds x 5 s per variant
+# By default the server runs tokio's default multi-thread runtime and shares the machine's
+# cores with `wrk -t1 -c32`, as on a small host; PIN=1 pins the server (one worker) to core
+# 0 and wrk to core 1 instead.
+#
+#   benches/http_load.sh                 # 7 rounds x 3 s per variant
 #   ROUNDS=5 DURATION=10 benches/http_load.sh
 #   VARIANTS="none tollgate tollgate-redis" benches/http_load.sh   # adds a redis-server
 set -euo pipefail
@@ -46,10 +50,15 @@ for round in $(seq "$ROUNDS"); do
   rotated=("${order[@]:shift_by}" "${order[@]:0:shift_by}")
   for variant in "${rotated[@]}"; do
     # Server on one core, load generator on the other: no fighting over a core.
-    taskset -c 0 "$server" "$variant" "$PORT" >/dev/null &
+    if [ "${PIN:-0}" = 1 ]; then
+      WORKERS=1 taskset -c 0 "$server" "$variant" "$PORT" >/dev/null &
+    else
+      "$server" "$variant" "$PORT" >/dev/null &
+    fi
     pid=$!
     for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$PORT/" && break; sleep 0.05; done
-    rps=$(taskset -c 1 wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}')
+    if [ "${PIN:-0}" = 1 ]; then wrk=(taskset -c 1 wrk); else wrk=(wrk); fi
+    rps=$("${wrk[@]}" -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}')
     non2xx=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
     echo "round $round $variant $rps (status after load: $non2xx)" >&2

@@ -8,8 +8,8 @@
 //!
 //! Both limiters key by peer IP and are configured so the load generator is never denied:
 //! the benchmark measures what admitting a request costs. Both write rate-limit headers on
-//! every response (tower_governor with `use_headers`). One runtime worker, so the load
-//! generator has the other core.
+//! every response (tower_governor with `use_headers`). Tokio's default multi-thread
+//! runtime (one worker per core), as an app would run; `WORKERS=1` gives it one worker.
 
 #[path = "support/logging.rs"]
 mod logging;
@@ -29,10 +29,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let variant = args.next().unwrap_or_else(|| "tollgate".to_owned());
     let port: u16 = args.next().map_or(Ok(3100), |p| p.parse())?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = std::env::var("WORKERS").ok().and_then(|w| w.parse().ok()) {
+        builder.worker_threads(workers);
+    }
+    let runtime = builder.enable_all().build()?;
     runtime.block_on(serve(variant, port))
 }
 

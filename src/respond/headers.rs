@@ -203,14 +203,14 @@ fn number_value(number: u64) -> HeaderValue {
     value(|out| push_number(out, number)).unwrap_or_else(|| HeaderValue::from(number))
 }
 
-/// `"api";q=10;w=2, "daily";q=10000;w=86400`. Names are validated to be plain tokens, so
-/// they need no escaping inside the quoted strings.
 /// The set's `RateLimit-Policy` field, built on its first response and kept with the set.
 fn policy_field(set: &PolicySet) -> Option<HeaderValue> {
     set.derived(|set| policy_header(set))
         .and_then(Option::clone)
 }
 
+/// `"api";q=10;w=2, "daily";q=10000;w=86400`. Names are validated to be plain tokens, so
+/// they need no escaping inside the quoted strings.
 pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
     if policies.is_empty() {
         return None;
