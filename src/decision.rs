@@ -32,8 +32,10 @@ pub enum Outcome {
     },
 }
 
-/// One policy as the client sees it after the decision.
+/// One policy as the client sees it after the decision. Build one with
+/// [`PolicyStatus::new`] (a custom store does, for [`Decision::new`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PolicyStatus {
     /// The quota: the most units admitted at once.
     pub limit: u64,
@@ -48,6 +50,33 @@ pub struct PolicyStatus {
     /// counted entry leaves, for the sliding counter the moment its estimate admits one
     /// more unit.
     pub effective_window: Duration,
+}
+
+impl PolicyStatus {
+    /// A policy's status: its quota, the units left, the time until the quota is whole
+    /// again, and the draft-11 effective window.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Decision, Outcome, PolicyStatus};
+    ///
+    /// let status = PolicyStatus::new(10, 9, Duration::from_millis(200), Duration::ZERO);
+    /// let decision = Decision::new(Outcome::Allowed { delay: Duration::ZERO }, [status]);
+    /// assert_eq!(decision.statuses()[0].remaining, 9);
+    /// ```
+    pub const fn new(
+        limit: u64,
+        remaining: u64,
+        reset: Duration,
+        effective_window: Duration,
+    ) -> Self {
+        Self {
+            limit,
+            remaining,
+            reset,
+            effective_window,
+        }
+    }
 }
 
 /// A store's answer to one request under a set of policies.

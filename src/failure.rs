@@ -90,6 +90,8 @@ impl LocalFallback {
         } else {
             1.0
         };
+        // Sets scaled for another share (a clone's cache) must not be reused.
+        self.scaled = Arc::default();
         self
     }
 

@@ -140,21 +140,25 @@ impl<F: Future> ResponseFuture<F> {
     }
 }
 
-/// Waits `delay`, then calls the (ready) inner service.
-async fn call<S, B, F>(
+/// Waits `delay` from now (the moment of the decision, not the first poll), then calls
+/// the (ready) inner service.
+fn call<S, B, F>(
     mut inner: S,
     request: Request<B>,
     delay: Duration,
     headers: HeaderBlock,
-) -> Slow<F::Output>
+) -> impl Future<Output = Slow<F::Output>>
 where
     S: Service<Request<B>, Future = F>,
     F: Future,
 {
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
+    let deadline = tokio::time::Instant::now() + delay;
+    async move {
+        if !delay.is_zero() {
+            tokio::time::sleep_until(deadline).await;
+        }
+        Slow::Inner(inner.call(request).await, headers)
     }
-    Slow::Inner(inner.call(request).await, headers)
 }
 
 impl<F: Future> std::fmt::Debug for ResponseFuture<F> {

@@ -68,13 +68,23 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
 /// layer without one is a compile error, not a limiter that limits nothing.
 ///
 /// ```compile_fail
-/// use axum::{Router, routing::get};
 /// use tollgate::{MemoryStore, RateLimitLayer};
+/// use tower_layer::Layer;
 ///
-/// // No policy: does not compile.
-/// let app: Router = Router::new()
-///     .route("/", get(|| async { "hello" }))
-///     .layer(RateLimitLayer::new(MemoryStore::new()));
+/// // No policy: the layer cannot wrap a service.
+/// let service = RateLimitLayer::new(MemoryStore::new()).layer(());
+/// ```
+///
+/// The same with a policy compiles:
+///
+/// ```
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+/// use tower_layer::Layer;
+///
+/// let service = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+///     .layer(());
+/// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoPolicy;

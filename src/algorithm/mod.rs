@@ -25,7 +25,7 @@ pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
 pub use leaky_shape::LeakyShape;
 pub use sliding_log::{LogState, SlidingLog};
-pub use sliding_window::{CounterState, SlidingWindow};
+pub use sliding_window::{CounterState, MAX_SUB_WINDOWS, SlidingWindow};
 pub use token_bucket::{BucketState, LeakyPolice, TokenBucket};
 
 /// `ceil(a / b)` for `b > 0`. Values almost always fit in 64 bits, where division is
@@ -98,6 +98,7 @@ pub enum Verdict {
 
 /// What one policy's state looks like to a client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Units that could be spent now.
     pub remaining: u64,

@@ -83,15 +83,22 @@ impl CounterState<Box<[u64]>> {
 
 type Counts = [u64];
 
+/// The most sub-windows a counter may have (its state is one counter more).
+pub const MAX_SUB_WINDOWS: u64 = 64;
+
 impl SlidingWindow {
     /// `limit` units per `window` nanoseconds, counted in `sub_windows` equal sub-windows;
-    /// `None` unless `sub_windows` is at least 1 and divides `window`.
+    /// `None` unless `sub_windows` is 1 to [`MAX_SUB_WINDOWS`] and divides `window`.
     pub fn new(limit: u64, window: u64, sub_windows: u64) -> Option<Self> {
-        (sub_windows > 0 && window > 0 && window % sub_windows == 0).then_some(Self {
-            limit,
-            window,
-            sub_windows,
-        })
+        (sub_windows > 0
+            && sub_windows <= MAX_SUB_WINDOWS
+            && window > 0
+            && window % sub_windows == 0)
+            .then_some(Self {
+                limit,
+                window,
+                sub_windows,
+            })
     }
 
     /// The number of sub-windows.

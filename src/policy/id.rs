@@ -3,10 +3,12 @@
 //! The in-process store keeps a key's states tagged with their policy's id: the same for
 //! equal name and parameters, different otherwise, so a changed limit starts from fresh
 //! state instead of reading state written under other units, and two sets that share a
-//! policy share its state. Ids come in order from one process-wide table, so two policies
-//! never share an id by accident as hashes could; the table is bounded, and past
-//! [`MAX_REGISTERED`] distinct policies (a resolver that invents policies per request)
-//! ids are hashes with the top bit set, which never meet a table id.
+//! policy share its state. Ids come in order from one process-wide table, so the first
+//! [`MAX_REGISTERED`] distinct policies never share an id by accident, as hashes could.
+//! The table is bounded: past it (a resolver that invents policies per request) ids are
+//! 31-bit hashes with the top bit set, which never meet a table id but may meet each
+//! other (about one pair in 2^31); two such policies then share state only where one
+//! identity meets both, and a cached denial of one could answer the other.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;

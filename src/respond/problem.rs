@@ -32,6 +32,7 @@ use crate::respond::headers::seconds_ceil;
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Rejection<'a> {
     /// The policy that keeps the client waiting longest.
     pub policy: &'a Policy,
