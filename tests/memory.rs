@@ -13,8 +13,9 @@ use tollgate::{MemoryStore, Policy, PolicySet, Rate};
 const IDENTITIES: u32 = 10_000_000;
 const MAX_KEYS: usize = 100_000;
 /// How much resident memory the flood may add. 100,000 identities of 64 bytes are about
-/// 6 MB; about 17 MB is measured (table slack, allocator). Growth with the number of
-/// identities sent (10 million) would be hundreds of MB.
+/// 6 MB; about 7.5 MB is measured (the index's slack, a partly filled slab chunk per
+/// shard, the allocator). Growth with the number of identities sent (10 million) would be
+/// hundreds of MB.
 const MAX_GROWTH_KIB: u64 = 64 * 1024;
 
 /// This process's resident memory (`VmRSS` in /proc/self/status), where there is a /proc.

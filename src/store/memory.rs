@@ -25,14 +25,15 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// identity's policies live in one entry, so several policies are decided together.
 ///
 /// Memory is bounded: at most `max_keys` identities (default 1,000,000). An identity under
-/// one policy is one 64-byte table entry, its key inline up to 24 bytes; the table's
-/// spare capacity comes on top (the README's benchmark gives the resident memory measured
-/// per identity). When a shard is full it
-/// first forgets every identity whose state is back to fresh (forgetting those changes no
-/// decision); if that frees too little it forgets the identities closest to fresh, and
-/// counts them in [`MemoryStore::evicted_live`]. An attacker rotating identities therefore
-/// cannot grow the store, and at worst resets the state of the identities that were about
-/// to be fresh anyway.
+/// one policy is one 64-byte entry, its key inline up to 24 bytes, kept densely in a slab;
+/// the hash table that finds it holds only its 4-byte position, so the table's spare
+/// capacity costs 5 bytes a bucket, not 65 (the README's benchmark gives the resident
+/// memory measured per identity). When a shard is full it first forgets every identity
+/// whose state is back to fresh (forgetting those changes no decision); if that frees too
+/// little it forgets the identities closest to fresh, and counts them in
+/// [`MemoryStore::evicted_live`]. An attacker rotating identities therefore cannot grow
+/// the store, and at worst resets the state of the identities that were about to be fresh
+/// anyway. [`MemoryStore::purge_fresh`] gives memory back.
 ///
 /// Local only: N replicas each with a `MemoryStore` admit N times the limit. Use a shared
 /// store for a fleet.
@@ -86,7 +87,188 @@ struct Shared<C> {
 /// fight over one line.
 #[repr(align(128))]
 struct Shard {
-    table: Mutex<HashTable<Entry>>,
+    table: Mutex<Table>,
+}
+
+/// A shard's identities: the entries packed densely in a slab, and a hash table that holds
+/// only each entry's 4-byte position in it.
+///
+/// Hash tables double, so just after a doubling half their buckets are empty. Keeping the
+/// 64-byte entries out of the buckets leaves that slack at 5 bytes a bucket (the index and
+/// hashbrown's control byte) instead of 65; the slab grows by whole chunks, not by
+/// doubling. Entries leave only in bulk: [`Table::retain`] keeps the slab dense (the last
+/// entry moves into each hole), then [`Table::reindex`] or [`Table::shrink`] rebuilds the
+/// index.
+struct Table {
+    index: HashTable<u32>,
+    slab: Slab,
+}
+
+/// Entries per slab chunk (64 KiB of 64-byte entries): the most a shard allocates ahead.
+const CHUNK_BITS: u32 = 10;
+const CHUNK: usize = 1 << CHUNK_BITS;
+
+/// Entries `0..len` in chunks of [`CHUNK`]: every chunk before the one holding entry
+/// `len - 1` is full, and the chunks after it are empty (kept for reuse until
+/// [`Slab::release_spare`]). Chunks never reallocate once full, so the slab has no
+/// doubling slack, and the first chunk grows in steps, so a small shard stays small.
+#[derive(Default)]
+struct Slab {
+    chunks: Vec<Vec<Entry>>,
+    len: usize,
+}
+
+impl Slab {
+    #[inline]
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn get(&self, index: u32) -> &Entry {
+        let index = index as usize;
+        &self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]
+    }
+
+    #[inline]
+    fn get_mut(&mut self, index: u32) -> &mut Entry {
+        let index = index as usize;
+        &mut self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]
+    }
+
+    /// Appends `entry`; returns its index.
+    fn push(&mut self, entry: Entry) -> u32 {
+        let chunk = self.len >> CHUNK_BITS;
+        if chunk == self.chunks.len() {
+            // The first chunk grows as a vector does, up to CHUNK; later ones are
+            // allocated whole (their pages are touched only as entries arrive).
+            let capacity = if chunk == 0 { 0 } else { CHUNK };
+            self.chunks.push(Vec::with_capacity(capacity));
+        }
+        self.chunks[chunk].push(entry);
+        // At most the shard's capacity, which is at most u32::MAX (see `build`).
+        let index = self.len as u32;
+        self.len += 1;
+        index
+    }
+
+    /// Removes entry `index`, moving the last entry into its place.
+    fn swap_remove(&mut self, index: usize) -> Entry {
+        let last = self.len - 1;
+        let tail = self.chunks[last >> CHUNK_BITS]
+            .pop()
+            .expect("the chunk of entry len - 1 holds it");
+        self.len = last;
+        if index == last {
+            tail
+        } else {
+            std::mem::replace(
+                &mut self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)],
+                tail,
+            )
+        }
+    }
+
+    /// Keeps the entries for which `keep` is true (in some order).
+    fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
+        let mut index = 0;
+        while index < self.len {
+            if keep(&self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]) {
+                index += 1;
+            } else {
+                // The entry moved into `index` is looked at next.
+                self.swap_remove(index);
+            }
+        }
+    }
+
+    /// Gives the empty chunks back to the allocator.
+    fn release_spare(&mut self) {
+        self.chunks.truncate(self.len.div_ceil(CHUNK));
+        self.chunks.shrink_to_fit();
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Entry> {
+        self.chunks.iter().flatten()
+    }
+}
+
+impl Table {
+    fn new() -> Self {
+        Self {
+            index: HashTable::new(),
+            slab: Slab::default(),
+        }
+    }
+
+    #[inline]
+    fn len(&self) -> usize {
+        self.slab.len()
+    }
+
+    #[inline]
+    fn find_mut(&mut self, hash: u64, key: &str) -> Option<&mut Entry> {
+        let slab = &self.slab;
+        let index = *self
+            .index
+            .find(hash, |&index| &*slab.get(index).key == key)?;
+        Some(self.slab.get_mut(index))
+    }
+
+    /// Adds an entry whose key is not held yet.
+    fn insert(&mut self, hash: u64, entry: Entry, hasher: &foldhash::fast::RandomState) {
+        if self.index.len() == self.index.capacity() {
+            // Grow the index by rebuilding it in slab order (sequential reads), rather
+            // than letting hashbrown rehash in bucket order (a random slab read each).
+            self.index = HashTable::with_capacity(self.len() + 1);
+            self.index_all(hasher);
+        }
+        let index = self.slab.push(entry);
+        let slab = &self.slab;
+        self.index.insert_unique(hash, index, |&index| {
+            hasher.hash_one(slab.get(index).key.as_str())
+        });
+    }
+
+    /// Keeps the entries for which `keep` is true; returns how many were removed. The
+    /// index is stale after a removal until [`Table::reindex`].
+    fn retain(&mut self, keep: impl FnMut(&Entry) -> bool) -> usize {
+        let before = self.len();
+        self.slab.retain(keep);
+        before - self.len()
+    }
+
+    /// Rebuilds the index after removals, in the memory it has.
+    fn reindex(&mut self, hasher: &foldhash::fast::RandomState) {
+        self.index.clear();
+        self.index_all(hasher);
+    }
+
+    /// Gives back the memory that the entries held do not need (the slab's empty chunks,
+    /// the index's spare buckets), and rebuilds the index if it is `stale`.
+    fn shrink(&mut self, stale: bool, hasher: &foldhash::fast::RandomState) {
+        self.slab.release_spare();
+        let fitted = HashTable::with_capacity(self.len());
+        if fitted.capacity() < self.index.capacity() {
+            self.index = fitted;
+            self.index_all(hasher);
+        } else if stale {
+            self.reindex(hasher);
+        }
+    }
+
+    /// Indexes every slab entry into `self.index`, which is empty and large enough.
+    fn index_all(&mut self, hasher: &foldhash::fast::RandomState) {
+        debug_assert!(self.index.is_empty());
+        let slab = &self.slab;
+        for (index, entry) in slab.iter().enumerate() {
+            let hash = hasher.hash_one(entry.key.as_str());
+            // `index` < len <= the shard's capacity <= u32::MAX.
+            self.index.insert_unique(hash, index as u32, |&index| {
+                hasher.hash_one(slab.get(index).key.as_str())
+            });
+        }
+    }
 }
 
 /// One identity: 64 bytes, aligned so every lookup touches one cache line.
@@ -218,11 +400,12 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             shared: Arc::new(Shared {
                 shards: (0..shards)
                     .map(|_| Shard {
-                        table: Mutex::new(HashTable::new()),
+                        table: Mutex::new(Table::new()),
                     })
                     .collect(),
                 shard_mask: shards - 1,
-                shard_capacity: self.max_keys / shards,
+                // A shard's entries are indexed by u32.
+                shard_capacity: (self.max_keys / shards).min(u32::MAX as usize),
                 hasher: foldhash::fast::RandomState::default(),
                 clock: self.clock,
                 evicted_live: AtomicU64::new(0),
@@ -232,7 +415,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 }
 
 #[inline]
-fn lock(shard: &Shard) -> MutexGuard<'_, HashTable<Entry>> {
+fn lock(shard: &Shard) -> MutexGuard<'_, Table> {
     // The table is consistent after any panic inside the lock (no step leaves it half
     // changed), so a poisoned lock is still usable.
     shard.table.lock().unwrap_or_else(PoisonError::into_inner)
@@ -251,7 +434,7 @@ impl<C: Clock> MemoryStore<C> {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
-        if let Some(entry) = table.find_mut(hash, |entry| &*entry.key == key) {
+        if let Some(entry) = table.find_mut(hash, key) {
             return decide_entry(entry, policies, now, cost);
         }
         let mut entry = Entry {
@@ -265,37 +448,39 @@ impl<C: Clock> MemoryStore<C> {
             if table.len() >= self.shared.shard_capacity {
                 self.make_room(&mut table, now);
             }
-            let hasher = &self.shared.hasher;
-            table.insert_unique(hash, entry, |entry| hasher.hash_one(entry.key.as_str()));
+            table.insert(hash, entry, &self.shared.hasher);
         }
         decision
     }
 
-    fn make_room(&self, table: &mut HashTable<Entry>, now: u64) {
-        table.retain(|entry| entry.fresh_at > now);
+    fn make_room(&self, table: &mut Table, now: u64) {
+        let mut removed = table.retain(|entry| entry.fresh_at > now);
         // Free a sixteenth of the shard at once, so a flood of new identities pays for one
         // scan per capacity/16 inserts, not one per insert.
         let capacity = self.shared.shard_capacity;
         let target = capacity.saturating_sub((capacity / 16).max(1));
-        if table.len() <= target {
-            return;
+        if table.len() > target {
+            let excess = table.len() - target;
+            let mut fresh_times: Vec<u64> = table.slab.iter().map(|entry| entry.fresh_at).collect();
+            let (_, threshold, _) = fresh_times.select_nth_unstable(excess - 1);
+            let threshold = *threshold;
+            let mut left = excess;
+            removed += table.retain(|entry| {
+                if left > 0 && entry.fresh_at <= threshold {
+                    left -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+            self.shared
+                .evicted_live
+                .fetch_add((excess - left) as u64, Ordering::Relaxed);
         }
-        let excess = table.len() - target;
-        let mut fresh_times: Vec<u64> = table.iter().map(|entry| entry.fresh_at).collect();
-        let (_, threshold, _) = fresh_times.select_nth_unstable(excess - 1);
-        let threshold = *threshold;
-        let mut left = excess;
-        table.retain(|entry| {
-            if left > 0 && entry.fresh_at <= threshold {
-                left -= 1;
-                false
-            } else {
-                true
-            }
-        });
-        self.shared
-            .evicted_live
-            .fetch_add((excess - left) as u64, Ordering::Relaxed);
+        if removed > 0 {
+            // Keep the index's and the slab's memory: the shard is about to fill again.
+            table.reindex(&self.shared.hasher);
+        }
     }
 
     /// The number of identities held now.
@@ -330,14 +515,15 @@ impl<C: Clock> MemoryStore<C> {
     /// back after a burst of identities.
     pub fn purge_fresh(&self) -> usize {
         let now = self.shared.clock.now();
+        let hasher = &self.shared.hasher;
         self.shared
             .shards
             .iter()
             .map(|shard| {
                 let mut table = lock(shard);
-                let before = table.len();
-                table.retain(|entry| entry.fresh_at > now);
-                before - table.len()
+                let removed = table.retain(|entry| entry.fresh_at > now);
+                table.shrink(removed > 0, hasher);
+                removed
             })
             .sum()
     }
@@ -406,6 +592,60 @@ mod tests {
         clock.advance(Duration::from_secs(2));
         assert_eq!(store.purge_fresh(), held);
         assert!(store.is_empty());
+    }
+
+    #[test]
+    fn purging_and_evicting_keep_the_others_state() {
+        // One shard, so several slab chunks fill and the index is rebuilt after removals.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(4 * CHUNK)
+            .shards(1)
+            .build();
+        let policies =
+            PolicySet::from(Policy::token_bucket("tb", 10, Rate::per_second(1)).unwrap());
+        let count = 3 * CHUNK + 5;
+        // Even identities take 1 token (full again after 1 s), odd ones 5 (after 5 s).
+        let cost = |i: usize| if i % 2 == 0 { 1 } else { 5 };
+        for i in 0..count {
+            assert!(
+                store
+                    .check(&format!("id-{i}"), &policies, cost(i))
+                    .is_allowed()
+            );
+        }
+        assert_eq!(store.len(), count);
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(store.purge_fresh(), count.div_ceil(2));
+        assert_eq!(store.len(), count / 2);
+        // Purging gave the emptied chunks back.
+        let chunks = lock(&store.shared.shards[0]).slab.chunks.len();
+        assert_eq!(chunks, (count / 2).div_ceil(CHUNK));
+        for i in 0..count {
+            let decision = store.check(&format!("id-{i}"), &policies, 1);
+            // Odd ones kept their state: 10 - 5 + 2 refilled - 1.
+            let expected = if i % 2 == 0 { 9 } else { 6 };
+            assert_eq!(decision.statuses()[0].remaining, expected, "id-{i}");
+        }
+        assert_eq!(store.len(), count);
+        // A flood of new identities evicts, and every identity held is still found.
+        for i in count..count + 2 * CHUNK {
+            store.check(&format!("id-{i}"), &policies, 1);
+        }
+        assert!(store.len() <= store.capacity());
+        let held = (0..count + 2 * CHUNK)
+            .filter(|i| {
+                let key = format!("id-{i}");
+                let shard = lock(&store.shared.shards[0]);
+                let hash = store.shared.hasher.hash_one(key.as_str());
+                shard
+                    .index
+                    .find(hash, |&index| *shard.slab.get(index).key == key)
+                    .is_some()
+            })
+            .count();
+        assert_eq!(held, store.len());
     }
 
     #[test]
