@@ -2,7 +2,7 @@
 //! hello-world with no limiter, with tower_governor, or with tollgate.
 //!
 //! ```text
-//! cargo run --release --example bench_server -- <none|governor|tollgate|tollgate-bare> [port]
+//! cargo run --release --example bench_server -- <none|rewrap|governor|tollgate|tollgate-bare> [port]
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --features redis --example bench_server -- tollgate-redis
 //! ```
 //!
