@@ -2,6 +2,12 @@
 //! machine: both run in alternating slices of the same process, and the median
 //! nanoseconds per decision of each, and their ratio, are printed.
 //!
+//! Keys are visited round robin, in insertion order and, at 1M keys, also in a shuffled
+//! order. Memory laid out in insertion order (tollgate's slab of entries, governor's heap
+//! copies of the keys, the benchmark's own key strings) is walked sequentially in the
+//! first, which the hardware prefetcher rewards; real traffic does not arrive in
+//! insertion order, so at 1M keys the shuffled rows are the ones to read.
+//!
 //! `cargo bench --bench compare`
 
 use std::hint::black_box;
@@ -33,26 +39,55 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// A fixed shuffle of `0..n` (Fisher-Yates with xorshift64*), the same every run.
+fn shuffled(n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    for i in (1..n).rev() {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let j = (state.wrapping_mul(0x2545_f491_4f6c_dd1d) % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
 /// Times tollgate on `store` against a fresh governor keyed GCRA over `keys`, in
-/// alternating slices, and prints one row.
-fn compare<C: Clock>(label: &str, store: MemoryStore<C>, set: &PolicySet, keys: &[String]) {
+/// alternating slices, and prints one row. Both are filled in the order of `keys` first,
+/// then visit them in the order of `order` (`None`: the same order).
+fn compare<C: Clock>(
+    label: &str,
+    store: MemoryStore<C>,
+    set: &PolicySet,
+    keys: &[String],
+    order: Option<&[usize]>,
+) {
     let key_count = keys.len();
     let quota = Quota::per_second(NonZeroU32::new(1000).unwrap())
         .allow_burst(NonZeroU32::new(1000).unwrap());
     let governor = RateLimiter::<String, _, _>::keyed(quota);
+    for key in keys {
+        black_box(store.check(key, set, 1).is_allowed());
+        black_box(governor.check_key(key).is_ok());
+    }
+    let visit: Vec<&String> = match order {
+        Some(order) => order.iter().map(|&i| &keys[i]).collect(),
+        None => keys.iter().collect(),
+    };
     let (mut ours, mut theirs, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     let (mut i, mut j) = (0, 0);
     for round in 0..ROUNDS {
         let mut run_ours = || {
             slice(|| {
                 i = (i + 1) % key_count;
-                black_box(store.check(&keys[i], set, 1).is_allowed());
+                black_box(store.check(visit[i], set, 1).is_allowed());
             })
         };
         let mut run_theirs = || {
             slice(|| {
                 j = (j + 1) % key_count;
-                black_box(governor.check_key(&keys[j]).is_ok());
+                black_box(governor.check_key(visit[j]).is_ok());
             })
         };
         // Alternate which goes first, so neither always runs on a warmer cache.
@@ -63,15 +98,20 @@ fn compare<C: Clock>(label: &str, store: MemoryStore<C>, set: &PolicySet, keys: 
             let b = run_theirs();
             (run_ours(), b)
         };
-        // The first round of each fills the tables; it is not counted.
+        // The first round warms the caches; it is not counted.
         if round > 0 {
             ours.push(a);
             theirs.push(b);
             ratios.push(a / b);
         }
     }
+    let order = if order.is_some() {
+        "shuffled"
+    } else {
+        "inserted"
+    };
     println!(
-        "| {key_count} | {label} | {:.1} | {:.1} | {:.2} |",
+        "| {key_count} | {order} | {label} | {:.1} | {:.1} | {:.2} |",
         median(&mut ours),
         median(&mut theirs),
         median(&mut ratios)
@@ -81,32 +121,42 @@ fn compare<C: Clock>(label: &str, store: MemoryStore<C>, set: &PolicySet, keys: 
 fn main() {
     // `cargo bench` passes `--bench`; any other argument filters nothing here.
     println!(
-        "| keys | tollgate algorithm, clock | tollgate ns | governor ns | tollgate / governor |"
+        "| keys | order | tollgate algorithm, clock | tollgate ns | governor ns | tollgate / governor |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for key_count in [10_000usize, 1_000_000] {
         let keys: Vec<String> = (0..key_count).map(|i| format!("user:{i:08}")).collect();
-        for policy in [
-            Policy::token_bucket("token_bucket", 1000, Rate::per_second(1000)).unwrap(),
-            Policy::gcra("gcra", Rate::per_second(1000), 1000).unwrap(),
-        ] {
-            let name = policy.name().to_owned();
-            let set = PolicySet::from(policy);
-            let builder = || MemoryStore::builder().max_keys(2 * key_count);
-            // The default clock (the OS monotonic clock), then the opt-in TSC clock, which
-            // is what governor reads (quanta).
-            compare(
-                &format!("{name}, monotonic (default)"),
-                builder().build(),
-                &set,
-                &keys,
-            );
-            compare(
-                &format!("{name}, TSC (opt-in)"),
-                builder().clock(TscClock::new()).build(),
-                &set,
-                &keys,
-            );
+        let shuffle = shuffled(key_count);
+        let orders = if key_count >= 1_000_000 {
+            vec![None, Some(shuffle.as_slice())]
+        } else {
+            vec![None]
+        };
+        for order in orders {
+            for policy in [
+                Policy::token_bucket("token_bucket", 1000, Rate::per_second(1000)).unwrap(),
+                Policy::gcra("gcra", Rate::per_second(1000), 1000).unwrap(),
+            ] {
+                let name = policy.name().to_owned();
+                let set = PolicySet::from(policy);
+                let builder = || MemoryStore::builder().max_keys(2 * key_count);
+                // The default clock (the OS monotonic clock), then the opt-in TSC clock,
+                // which is what governor reads (quanta).
+                compare(
+                    &format!("{name}, monotonic (default)"),
+                    builder().build(),
+                    &set,
+                    &keys,
+                    order,
+                );
+                compare(
+                    &format!("{name}, TSC (opt-in)"),
+                    builder().clock(TscClock::new()).build(),
+                    &set,
+                    &keys,
+                    order,
+                );
+            }
         }
     }
 }

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use compact_str::CompactString;
-use hashbrown::HashTable;
 
 use super::{DecideFuture, Store};
 use crate::algorithm::Slot;
@@ -26,9 +25,9 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 ///
 /// Memory is bounded: at most `max_keys` identities (default 1,000,000). An identity under
 /// one policy is one 64-byte entry, its key inline up to 24 bytes, kept densely in a slab;
-/// the hash table that finds it holds only its 4-byte position, so the table's spare
-/// capacity costs 5 bytes a bucket, not 65 (the README's benchmark gives the resident
-/// memory measured per identity). When a shard is full it first forgets every identity
+/// the hash table that finds it holds only its position, so the table's spare capacity
+/// costs 4 bytes a bucket, not 65 (the README's benchmark gives the resident memory
+/// measured per identity). When a shard is full it first forgets every identity
 /// whose state is back to fresh (forgetting those changes no decision); if that frees too
 /// little it forgets the identities closest to fresh, and counts them in
 /// [`MemoryStore::evicted_live`]. An attacker rotating identities therefore cannot grow
@@ -91,17 +90,129 @@ struct Shard {
 }
 
 /// A shard's identities: the entries packed densely in a slab, and a hash table that holds
-/// only each entry's 4-byte position in it.
+/// only each entry's position in it.
 ///
 /// Hash tables double, so just after a doubling half their buckets are empty. Keeping the
-/// 64-byte entries out of the buckets leaves that slack at 5 bytes a bucket (the index and
-/// hashbrown's control byte) instead of 65; the slab grows by whole chunks, not by
-/// doubling. Entries leave only in bulk: [`Table::retain`] keeps the slab dense (the last
-/// entry moves into each hole), then [`Table::reindex`] or [`Table::shrink`] rebuilds the
-/// index.
+/// 64-byte entries out of the buckets leaves that slack at 4 bytes a bucket instead of 65
+/// (in a hashbrown table of entries: the entry and a control byte); the slab grows by
+/// whole chunks, not by doubling. Entries leave only in bulk: [`Table::retain`] keeps the slab
+/// dense (the last entry moves into each hole), then [`Table::reindex`] or
+/// [`Table::shrink`] rebuilds the index.
 struct Table {
-    index: HashTable<u32>,
+    index: Index,
     slab: Slab,
+}
+
+/// The hash table of a shard: open addressing over 4-byte buckets. A bucket holds an
+/// entry's slab position plus one in its low bits (0: empty), and a tag in the bits the
+/// positions leave free: the top bits of the identity's hash (16 of them when a shard
+/// holds at most 65,535 entries, as with the default bound on 16 shards).
+///
+/// A lookup usually reads one line of buckets and then the one entry whose tag matches:
+/// two cache misses, as with a table of whole entries. (A hashbrown table of positions
+/// would add a third, dependent one: its control bytes and its buckets are on different
+/// lines.) Probes step 1, 2, 3, ... buckets on from the hash's bucket, which visits every
+/// bucket of a power-of-two table and keeps the first steps within a line or two; the
+/// table is at most seven eighths full, as hashbrown's are, so a probe always ends.
+/// Nothing is deleted: after removals the index is rebuilt.
+struct Index {
+    /// A power of two long, at least [`MIN_BUCKETS`].
+    buckets: Vec<u32>,
+    /// The bits of a bucket that hold a position plus one: the rest is the tag.
+    position_mask: u32,
+}
+
+const MIN_BUCKETS: usize = 16;
+
+impl Index {
+    /// An empty index with room for `len` identities, for a shard of at most `capacity`.
+    fn new(len: usize, capacity: usize) -> Self {
+        // Positions plus one go up to `capacity`, which is below u32::MAX (see `build`).
+        let bits = usize::BITS - capacity.leading_zeros();
+        Self {
+            buckets: vec![0; Self::buckets_for(len)],
+            position_mask: u32::try_from((1u64 << bits) - 1).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// An empty index with room for `len` identities, for the same shard.
+    fn resized(&self, len: usize) -> Self {
+        Self {
+            buckets: vec![0; Self::buckets_for(len)],
+            position_mask: self.position_mask,
+        }
+    }
+
+    /// The fewest buckets that hold `len` identities at most seven eighths full.
+    fn buckets_for(len: usize) -> usize {
+        len.saturating_mul(8)
+            .div_ceil(7)
+            .max(MIN_BUCKETS)
+            .next_power_of_two()
+    }
+
+    #[inline]
+    fn has_room_for(&self, len: usize) -> bool {
+        len.saturating_mul(8) <= self.buckets.len() * 7
+    }
+
+    /// The tag of `hash`: its top bits, where a bucket has no position bits.
+    #[inline]
+    fn tag(&self, hash: u64) -> u32 {
+        (hash >> 32) as u32 & !self.position_mask
+    }
+
+    /// The position of the identity of `hash` for which `eq` is true; if there is none,
+    /// the empty bucket where the probe ended, where it would be inserted.
+    #[inline]
+    fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Result<u32, usize> {
+        let mask = self.buckets.len() - 1;
+        let tag = self.tag(hash);
+        let mut bucket = hash as usize & mask;
+        let mut step = 0;
+        loop {
+            let slot = self.buckets[bucket];
+            if slot == 0 {
+                return Err(bucket);
+            }
+            if slot & !self.position_mask == tag {
+                // The position bits are never 0 in a full bucket.
+                let index = (slot & self.position_mask) - 1;
+                if eq(index) {
+                    return Ok(index);
+                }
+            }
+            step += 1;
+            bucket = (bucket + step) & mask;
+        }
+    }
+
+    /// The empty bucket where the identity of `hash` goes.
+    #[inline]
+    fn vacant(&self, hash: u64) -> usize {
+        let mask = self.buckets.len() - 1;
+        let mut bucket = hash as usize & mask;
+        let mut step = 0;
+        while self.buckets[bucket] != 0 {
+            step += 1;
+            bucket = (bucket + step) & mask;
+        }
+        bucket
+    }
+
+    /// Puts the identity of `hash` at slab position `index` into `bucket`, which
+    /// [`Index::find`] or [`Index::vacant`] found for `hash` (the caller checked for room,
+    /// and nothing was inserted since).
+    #[inline]
+    fn fill(&mut self, bucket: usize, hash: u64, index: u32) {
+        debug_assert_eq!(self.buckets[bucket], 0);
+        debug_assert!(index < self.position_mask);
+        self.buckets[bucket] = self.tag(hash) | (index + 1);
+    }
+
+    fn clear(&mut self) {
+        self.buckets.fill(0);
+    }
 }
 
 /// Entries per slab chunk (64 KiB of 64-byte entries): the most a shard allocates ahead.
@@ -110,12 +221,14 @@ const CHUNK: usize = 1 << CHUNK_BITS;
 
 /// Entries `0..len` in chunks of [`CHUNK`]: every chunk before the one holding entry
 /// `len - 1` is full, and the chunks after it are empty (kept for reuse until
-/// [`Slab::release_spare`]). Chunks never reallocate once full, so the slab has no
-/// doubling slack, and the first chunk grows in steps, so a small shard stays small.
-#[derive(Default)]
+/// [`Slab::release_spare`]). Chunks are allocated whole and never reallocate, so the slab
+/// has no doubling slack and leaves no freed copies behind; the pages of a chunk are
+/// touched only as entries arrive.
 struct Slab {
     chunks: Vec<Vec<Entry>>,
     len: usize,
+    /// Entries per chunk: [`CHUNK`], or fewer for a shard that holds fewer.
+    chunk_capacity: usize,
 }
 
 impl Slab {
@@ -136,17 +249,23 @@ impl Slab {
         &mut self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]
     }
 
+    /// An empty slab for a shard of at most `capacity` entries.
+    fn new(capacity: usize) -> Self {
+        Self {
+            chunks: Vec::new(),
+            len: 0,
+            chunk_capacity: capacity.min(CHUNK),
+        }
+    }
+
     /// Appends `entry`; returns its index.
     fn push(&mut self, entry: Entry) -> u32 {
         let chunk = self.len >> CHUNK_BITS;
         if chunk == self.chunks.len() {
-            // The first chunk grows as a vector does, up to CHUNK; later ones are
-            // allocated whole (their pages are touched only as entries arrive).
-            let capacity = if chunk == 0 { 0 } else { CHUNK };
-            self.chunks.push(Vec::with_capacity(capacity));
+            self.chunks.push(Vec::with_capacity(self.chunk_capacity));
         }
         self.chunks[chunk].push(entry);
-        // At most the shard's capacity, which is at most u32::MAX (see `build`).
+        // Below the shard's capacity, which is below u32::MAX (see `build`).
         let index = self.len as u32;
         self.len += 1;
         index
@@ -194,10 +313,11 @@ impl Slab {
 }
 
 impl Table {
-    fn new() -> Self {
+    /// An empty table for a shard of at most `capacity` entries.
+    fn new(capacity: usize) -> Self {
         Self {
-            index: HashTable::new(),
-            slab: Slab::default(),
+            index: Index::new(0, capacity),
+            slab: Slab::new(capacity),
         }
     }
 
@@ -206,28 +326,32 @@ impl Table {
         self.slab.len()
     }
 
+    /// The position of `key`'s entry, or the bucket where it would be inserted.
     #[inline]
-    fn find_mut(&mut self, hash: u64, key: &str) -> Option<&mut Entry> {
+    fn find(&self, hash: u64, key: &str) -> Result<u32, usize> {
         let slab = &self.slab;
-        let index = *self
-            .index
-            .find(hash, |&index| &*slab.get(index).key == key)?;
-        Some(self.slab.get_mut(index))
+        self.index.find(hash, |index| &*slab.get(index).key == key)
     }
 
-    /// Adds an entry whose key is not held yet.
-    fn insert(&mut self, hash: u64, entry: Entry, hasher: &foldhash::fast::RandomState) {
-        if self.index.len() == self.index.capacity() {
-            // Grow the index by rebuilding it in slab order (sequential reads), rather
-            // than letting hashbrown rehash in bucket order (a random slab read each).
-            self.index = HashTable::with_capacity(self.len() + 1);
+    /// Adds an entry whose key is not held yet. `vacant`: the bucket [`Table::find`]
+    /// returned for it, if the table has not changed since.
+    fn insert(
+        &mut self,
+        hash: u64,
+        entry: Entry,
+        mut vacant: Option<usize>,
+        hasher: &foldhash::fast::RandomState,
+    ) {
+        let len = self.len() + 1;
+        if !self.index.has_room_for(len) {
+            // Grow: twice the buckets, filled in slab order (sequential reads).
+            self.index = self.index.resized(len);
             self.index_all(hasher);
+            vacant = None;
         }
         let index = self.slab.push(entry);
-        let slab = &self.slab;
-        self.index.insert_unique(hash, index, |&index| {
-            hasher.hash_one(slab.get(index).key.as_str())
-        });
+        let bucket = vacant.unwrap_or_else(|| self.index.vacant(hash));
+        self.index.fill(bucket, hash, index);
     }
 
     /// Keeps the entries for which `keep` is true; returns how many were removed. The
@@ -248,9 +372,8 @@ impl Table {
     /// the index's spare buckets), and rebuilds the index if it is `stale`.
     fn shrink(&mut self, stale: bool, hasher: &foldhash::fast::RandomState) {
         self.slab.release_spare();
-        let fitted = HashTable::with_capacity(self.len());
-        if fitted.capacity() < self.index.capacity() {
-            self.index = fitted;
+        if Index::buckets_for(self.len()) < self.index.buckets.len() {
+            self.index = self.index.resized(self.len());
             self.index_all(hasher);
         } else if stale {
             self.reindex(hasher);
@@ -259,14 +382,10 @@ impl Table {
 
     /// Indexes every slab entry into `self.index`, which is empty and large enough.
     fn index_all(&mut self, hasher: &foldhash::fast::RandomState) {
-        debug_assert!(self.index.is_empty());
-        let slab = &self.slab;
-        for (index, entry) in slab.iter().enumerate() {
+        for (index, entry) in self.slab.iter().enumerate() {
             let hash = hasher.hash_one(entry.key.as_str());
-            // `index` < len <= the shard's capacity <= u32::MAX.
-            self.index.insert_unique(hash, index as u32, |&index| {
-                hasher.hash_one(slab.get(index).key.as_str())
-            });
+            // `index` < len <= the shard's capacity < u32::MAX.
+            self.index.fill(self.index.vacant(hash), hash, index as u32);
         }
     }
 }
@@ -396,16 +515,17 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         while shards > 1 && shards > self.max_keys {
             shards /= 2;
         }
+        // A shard's index holds positions plus one in 32 bits.
+        let shard_capacity = (self.max_keys / shards).min(u32::MAX as usize - 1);
         MemoryStore {
             shared: Arc::new(Shared {
                 shards: (0..shards)
                     .map(|_| Shard {
-                        table: Mutex::new(Table::new()),
+                        table: Mutex::new(Table::new(shard_capacity)),
                     })
                     .collect(),
                 shard_mask: shards - 1,
-                // A shard's entries are indexed by u32.
-                shard_capacity: (self.max_keys / shards).min(u32::MAX as usize),
+                shard_capacity,
                 hasher: foldhash::fast::RandomState::default(),
                 clock: self.clock,
                 evicted_live: AtomicU64::new(0),
@@ -424,7 +544,8 @@ fn lock(shard: &Shard) -> MutexGuard<'_, Table> {
 impl<C: Clock> MemoryStore<C> {
     #[inline]
     fn shard(&self, hash: u64) -> &Shard {
-        // Bits 32.. pick the shard; hashbrown uses the low bits and the top seven.
+        // Bits 32.. pick the shard; its index uses the low bits (the bucket) and the top
+        // ones (the tag).
         &self.shared.shards[(hash >> 32) as usize & self.shared.shard_mask]
     }
 
@@ -434,9 +555,10 @@ impl<C: Clock> MemoryStore<C> {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
-        if let Some(entry) = table.find_mut(hash, key) {
-            return decide_entry(entry, policies, now, cost);
-        }
+        let vacant = match table.find(hash, key) {
+            Ok(index) => return decide_entry(table.slab.get_mut(index), policies, now, cost),
+            Err(vacant) => vacant,
+        };
         let mut entry = Entry {
             key: CompactString::from(key),
             fresh_at: 0,
@@ -445,10 +567,12 @@ impl<C: Clock> MemoryStore<C> {
         let decision = decide_entry(&mut entry, policies, now, cost);
         // An identity whose state is still fresh (denied at once, cost 0) is not stored.
         if entry.fresh_at > now {
+            let mut vacant = Some(vacant);
             if table.len() >= self.shared.shard_capacity {
                 self.make_room(&mut table, now);
+                vacant = None;
             }
-            table.insert(hash, entry, &self.shared.hasher);
+            table.insert(hash, entry, vacant, &self.shared.hasher);
         }
         decision
     }
@@ -637,12 +761,8 @@ mod tests {
         let held = (0..count + 2 * CHUNK)
             .filter(|i| {
                 let key = format!("id-{i}");
-                let shard = lock(&store.shared.shards[0]);
                 let hash = store.shared.hasher.hash_one(key.as_str());
-                shard
-                    .index
-                    .find(hash, |&index| *shard.slab.get(index).key == key)
-                    .is_some()
+                lock(&store.shared.shards[0]).find(hash, &key).is_ok()
             })
             .count();
         assert_eq!(held, store.len());
