@@ -77,6 +77,12 @@ impl FixedWindow {
         state.count = state.count.saturating_add(cost);
     }
 
+    /// The draft-11 effective window: nanoseconds until this window ends.
+    #[inline]
+    pub fn effective_window(&self, _state: &WindowState, now: u64, _remaining: u64) -> u64 {
+        (now - now % self.window).saturating_add(self.window) - now
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &WindowState, now: u64) -> Snapshot {

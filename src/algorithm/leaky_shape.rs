@@ -85,6 +85,18 @@ impl LeakyShape {
         self.as_bucket().commit(state, now, cost);
     }
 
+    /// The draft-11 effective window: nanoseconds until one more unit could queue after
+    /// `remaining` were queued now.
+    #[inline]
+    pub fn effective_window(&self, state: &BucketState, now: u64, remaining: u64) -> u64 {
+        let mut spent = *state;
+        self.commit(&mut spent, now, remaining);
+        match self.check(&spent, now, 1) {
+            Verdict::Deny { retry_after } => retry_after,
+            Verdict::Admit { .. } | Verdict::Never => 0,
+        }
+    }
+
     /// What a client sees now: unit requests that may still queue, time until empty.
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {

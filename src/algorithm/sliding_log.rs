@@ -107,6 +107,15 @@ impl SlidingLog {
         state.total += cost;
     }
 
+    /// The draft-11 effective window: nanoseconds until the oldest counted entry leaves
+    /// (a whole window when the log is empty).
+    #[inline]
+    pub fn effective_window(&self, state: &LogState, now: u64, _remaining: u64) -> u64 {
+        state.entries.front().map_or(self.window, |&(at, _)| {
+            at.saturating_add(self.window).saturating_sub(now).max(1)
+        })
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &LogState, now: u64) -> Snapshot {
