@@ -1,15 +1,157 @@
-//! The response body: the inner service's body, or one the limiter wrote (429 and such).
+//! Response bodies: the limiter hands the inner service's body back unchanged, and writes
+//! its own answers (`429`, `400`, `503`) in the same body type.
+//!
+//! A response that went through [`RateLimit`](crate::RateLimit) has the inner service's
+//! body type, so a router needs no re-boxing and a stack of layers no new type per layer.
+//! That needs a body type the limiter can build from bytes: [`ResponseBody`], implemented
+//! for axum's `Body`, `http_body_util::Full<Bytes>`, its boxed bodies, `String` and
+//! [`RateLimitBody`]. Any other body type works through [`WrapBodyLayer`], which wraps
+//! the inner service's body in a [`RateLimitBody`]:
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Empty;
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
+//! use tollgate::body::WrapBodyLayer;
+//! use tollgate::key::HeaderKey;
+//! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // `Empty` cannot hold a 429's problem body: wrap it.
+//! let service = ServiceBuilder::new()
+//!     .layer(
+//!         RateLimitLayer::new(MemoryStore::new())
+//!             .key(HeaderKey::new("x-api-key"))
+//!             .policy(Policy::fixed_window("api", 1, std::time::Duration::from_secs(60))?),
+//!     )
+//!     .layer(WrapBodyLayer::new())
+//!     .service(service_fn(|_: Request<()>| async {
+//!         Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+//!     }));
+//! let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+//! assert_eq!(service.clone().oneshot(request()).await?.status(), 200);
+//! assert_eq!(service.clone().oneshot(request()).await?.status(), 429);
+//! # Ok(()) }
+//! ```
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
+use http::Response;
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// A response body type the limiter can write its own answers in (a `429`'s problem
+/// body, a `400`, a `503`): the inner service's responses pass through with their body
+/// untouched, and the limiter's own are built with [`from_bytes`](Self::from_bytes).
+///
+/// Implemented for axum's `Body` (feature `axum`), `http_body_util::Full<Bytes>`,
+/// `BoxBody<Bytes, E>` and `UnsyncBoxBody<Bytes, E>`, `String` and [`RateLimitBody`].
+/// Any other body type works through [`WrapBodyLayer`].
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::{BodyExt, Full};
+/// use tollgate::body::ResponseBody;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let body = <Full<Bytes> as ResponseBody>::from_bytes(Bytes::from_static(b"{}"));
+/// assert_eq!(body.collect().await.unwrap().to_bytes(), "{}");
+/// # }
+/// ```
+///
+/// A body type that is not one is a compile error that names [`WrapBodyLayer`]:
+///
+/// ```compile_fail
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Empty;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+///     }));
+/// service.oneshot(Request::new(())).await?;
+/// # Ok(()) }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "tollgate cannot write its own responses (429, 400, 503) in a `{Self}` body",
+    note = "add `tollgate::body::WrapBodyLayer` between the rate limiter and the service: it takes any body type"
+)]
+pub trait ResponseBody: Body + Sized {
+    /// A body whose content is `bytes`.
+    fn from_bytes(bytes: Bytes) -> Self;
+}
+
+#[cfg(feature = "axum")]
+impl ResponseBody for axum::body::Body {
+    fn from_bytes(bytes: Bytes) -> Self {
+        axum::body::Body::from(bytes)
+    }
+}
+
+impl ResponseBody for http_body_util::Full<Bytes> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        http_body_util::Full::new(bytes)
+    }
+}
+
+impl<E: 'static> ResponseBody for http_body_util::combinators::BoxBody<Bytes, E> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        http_body_util::Full::new(bytes)
+            .map_err(|never: Infallible| match never {})
+            .boxed()
+    }
+}
+
+impl<E: 'static> ResponseBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
+    fn from_bytes(bytes: Bytes) -> Self {
+        http_body_util::Full::new(bytes)
+            .map_err(|never: Infallible| match never {})
+            .boxed_unsync()
+    }
+}
+
+/// The limiter's own bodies are UTF-8 (JSON and plain text); the bytes of a custom
+/// [`on_deny`](crate::RateLimitLayer::on_deny) answer that are not are replaced with
+/// U+FFFD in a `String` body.
+impl ResponseBody for String {
+    fn from_bytes(bytes: Bytes) -> Self {
+        match String::from_utf8(Vec::from(bytes)) {
+            Ok(text) => text,
+            Err(error) => String::from_utf8_lossy(error.as_bytes()).into_owned(),
+        }
+    }
+}
+
+impl<B> ResponseBody for RateLimitBody<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    fn from_bytes(bytes: Bytes) -> Self {
+        Self::full(bytes)
+    }
+}
 
 pin_project! {
-    /// The body of a response that went through the limiter: the inner service's body,
-    /// or a short body the limiter wrote itself.
+    /// Any body, or a short body of bytes: what [`WrapBodyLayer`] turns an inner service's
+    /// body into, so that the limiter can answer in the same type.
     pub struct RateLimitBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -25,7 +167,8 @@ pin_project! {
 }
 
 impl<B> RateLimitBody<B> {
-    pub(crate) fn inner(body: B) -> Self {
+    /// `body`, unchanged.
+    pub fn new(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
         }
@@ -84,5 +227,74 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
+    }
+}
+
+/// Wraps the response body of the service it wraps in a [`RateLimitBody`], so that a
+/// rate limiter in front of it can answer in that type: for body types that are no
+/// [`ResponseBody`]. See the [module docs](self) for an example.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WrapBodyLayer {
+    _private: (),
+}
+
+impl WrapBodyLayer {
+    /// The layer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl<S> Layer<S> for WrapBodyLayer {
+    type Service = WrapBody<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        WrapBody { inner }
+    }
+}
+
+/// The service of [`WrapBodyLayer`].
+#[derive(Debug, Clone)]
+pub struct WrapBody<S> {
+    inner: S,
+}
+
+impl<S, Request, B> Service<Request> for WrapBody<S>
+where
+    S: Service<Request, Response = Response<B>>,
+{
+    type Response = Response<RateLimitBody<B>>;
+    type Error = S::Error;
+    type Future = WrapBodyFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        WrapBodyFuture {
+            future: self.inner.call(request),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`WrapBody`].
+    #[derive(Debug)]
+    pub struct WrapBodyFuture<F> {
+        #[pin]
+        future: F,
+    }
+}
+
+impl<F, B, E> Future for WrapBodyFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<RateLimitBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let response = ready!(self.project().future.poll(cx))?;
+        Poll::Ready(Ok(response.map(RateLimitBody::new)))
     }
 }

@@ -9,11 +9,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body::Body;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::body::RateLimitBody;
+use crate::body::ResponseBody;
 use crate::failure::ProbeGuard;
 use crate::key::Key;
 use crate::policy::PolicySet;
@@ -89,7 +88,7 @@ impl<F: Future> ResponseFuture<F> {
                 responder,
                 probe,
             } = pending;
-            let answer = match result {
+            let answer = match &result {
                 Ok(decision) => StoreAnswer::Decided(decision),
                 Err(error) => StoreAnswer::Failed(error),
             };
@@ -172,29 +171,28 @@ const POLLED_AFTER_READY: &str = "ResponseFuture polled after it completed";
 impl<F, ResBody, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResBody>, E>>,
-    ResBody: Body,
-    ResBody::Data: From<Bytes>,
+    ResBody: ResponseBody,
 {
-    type Output = Result<Response<RateLimitBody<ResBody>>, E>;
+    type Output = Result<Response<ResBody>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
             StateProj::Calling { future, headers } => {
                 let mut response = ready!(future.poll(cx))?;
                 std::mem::take(headers).apply(response.headers_mut());
-                Poll::Ready(Ok(response.map(RateLimitBody::inner)))
+                Poll::Ready(Ok(response))
             }
             StateProj::Slow { future } => match ready!(future.as_mut().poll(cx)) {
                 Slow::Inner(result, headers) => {
                     let mut response = result?;
                     headers.apply(response.headers_mut());
-                    Poll::Ready(Ok(response.map(RateLimitBody::inner)))
+                    Poll::Ready(Ok(response))
                 }
-                Slow::Respond(response) => Poll::Ready(Ok(response.map(RateLimitBody::full))),
+                Slow::Respond(response) => Poll::Ready(Ok(response.map(ResBody::from_bytes))),
             },
             StateProj::Respond { response } => {
                 let response = *response.take().expect(POLLED_AFTER_READY);
-                Poll::Ready(Ok(response.map(RateLimitBody::full)))
+                Poll::Ready(Ok(response.map(ResBody::from_bytes)))
             }
         }
     }

@@ -381,8 +381,8 @@ where
         }
         RateLimit::new(
             inner,
-            self.store.clone(),
             Arc::new(Config {
+                store: self.store.clone(),
                 key: self.key.clone(),
                 cost: self.cost.clone(),
                 resolver: self.resolver.clone(),

@@ -66,7 +66,7 @@
 #![warn(rust_2018_idioms, unreachable_pub)]
 
 pub mod algorithm;
-mod body;
+pub mod body;
 pub mod clock;
 pub mod cost;
 mod decision;
@@ -81,7 +81,7 @@ mod service;
 pub mod store;
 mod telemetry;
 
-pub use body::RateLimitBody;
+pub use body::{RateLimitBody, ResponseBody};
 pub use decision::{Decision, Outcome, PolicyStatus};
 pub use failure::{CircuitBreaker, FailureMode, LocalFallback};
 pub use future::ResponseFuture;

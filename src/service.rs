@@ -4,12 +4,10 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
-use http_body::Body;
 use tower_service::Service;
 
-use crate::body::RateLimitBody;
+use crate::body::ResponseBody;
 use crate::cost::Cost;
 use crate::failure::Admission;
 use crate::future::{Pending, ResponseFuture};
@@ -21,7 +19,11 @@ use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
 use crate::store::{Store, StoreError, StoreErrorKind};
 use crate::telemetry::Stopwatch;
 
-pub(crate) struct Config<K, C, R> {
+/// Everything a service shares with its clones, behind one `Arc`: axum clones the
+/// service for every request, and each reference counted there is a counter every worker
+/// thread writes.
+pub(crate) struct Config<St, K, C, R> {
+    pub(crate) store: St,
     pub(crate) key: K,
     pub(crate) cost: C,
     pub(crate) resolver: R,
@@ -32,17 +34,12 @@ pub(crate) struct Config<K, C, R> {
 /// The rate-limiting service; built by [`RateLimitLayer`](crate::RateLimitLayer).
 pub struct RateLimit<S, St, K, C, R> {
     inner: S,
-    store: St,
-    config: Arc<Config<K, C, R>>,
+    config: Arc<Config<St, K, C, R>>,
 }
 
 impl<S, St, K, C, R> RateLimit<S, St, K, C, R> {
-    pub(crate) fn new(inner: S, store: St, config: Arc<Config<K, C, R>>) -> Self {
-        Self {
-            inner,
-            store,
-            config,
-        }
+    pub(crate) fn new(inner: S, config: Arc<Config<St, K, C, R>>) -> Self {
+        Self { inner, config }
     }
 
     /// The wrapped service.
@@ -51,11 +48,10 @@ impl<S, St, K, C, R> RateLimit<S, St, K, C, R> {
     }
 }
 
-impl<S: Clone, St: Clone, K, C, R> Clone for RateLimit<S, St, K, C, R> {
+impl<S: Clone, St, K, C, R> Clone for RateLimit<S, St, K, C, R> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            store: self.store.clone(),
             config: Arc::clone(&self.config),
         }
     }
@@ -85,10 +81,9 @@ where
     K: KeyExtractor,
     C: Cost,
     R: PolicyResolver,
-    ResBody: Body,
-    ResBody::Data: From<Bytes>,
+    ResBody: ResponseBody,
 {
-    type Response = Response<RateLimitBody<ResBody>>;
+    type Response = Response<ResBody>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future>;
 
@@ -121,63 +116,63 @@ where
             );
         }
         let cost = config.cost.cost(&parts);
-        let request = Request::from_parts(parts, body);
         let responder = &config.responder;
         let (probe, skipped) = match responder.breaker.admit() {
             Admission::Call => (None, false),
             Admission::Probe(guard) => (Some(guard), false),
             Admission::Skip => (None, true),
         };
-        let answer = if skipped {
-            StoreAnswer::Skipped
-        } else {
-            let stopwatch = Stopwatch::start();
-            match self.store.decide(&key, &policies, cost).into_ready() {
-                Ok(result) => {
-                    stopwatch.stop();
-                    match result {
-                        Ok(decision) => StoreAnswer::Decided(decision),
-                        Err(error) => StoreAnswer::Failed(error),
-                    }
-                }
-                Err(pending) => {
-                    // A store doing I/O: bounded by the timeout, decided in the future.
-                    let timeout = responder.timeout;
-                    let timed = Box::pin(async move {
-                        let result = match tokio::time::timeout(timeout, pending).await {
-                            Ok(result) => result,
-                            Err(_) => Err(StoreError::new(
-                                StoreErrorKind::Timeout,
-                                format!("no decision within {timeout:?}"),
-                            )),
-                        };
-                        stopwatch.stop();
-                        result
-                    });
-                    return ResponseFuture::deciding(
-                        timed,
-                        Pending {
-                            inner: take_ready(&mut self.inner),
-                            request,
-                            policies: policies.into_owned(),
-                            key,
-                            cost,
-                            responder: Arc::clone(responder),
-                            probe,
-                        },
-                    );
-                }
-            }
+        if skipped {
+            let plan = responder.plan(&policies, &key, cost, StoreAnswer::Skipped, None);
+            return finish(&mut self.inner, Request::from_parts(parts, body), plan);
+        }
+        let stopwatch = Stopwatch::start();
+        let decided = config.store.decide(&key, &policies, cost);
+        if decided.is_pending() {
+            // A store doing I/O: bounded by the timeout, decided in the future.
+            let pending = decided.into_pending();
+            let timeout = responder.timeout;
+            let timed = Box::pin(async move {
+                let result = match tokio::time::timeout(timeout, pending).await {
+                    Ok(result) => result,
+                    Err(_) => Err(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        format!("no decision within {timeout:?}"),
+                    )),
+                };
+                stopwatch.stop();
+                result
+            });
+            return ResponseFuture::deciding(
+                timed,
+                Pending {
+                    inner: take_ready(&mut self.inner),
+                    request: Request::from_parts(parts, body),
+                    policies: policies.into_owned(),
+                    key,
+                    cost,
+                    responder: Arc::clone(responder),
+                    probe,
+                },
+            );
+        }
+        stopwatch.stop();
+        // The decision is read where the store left it: it is not moved on its way to
+        // the response.
+        let answer = match decided.result() {
+            Ok(decision) => StoreAnswer::Decided(decision),
+            Err(error) => StoreAnswer::Failed(error),
         };
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);
-        finish(&mut self.inner, request, plan)
+        finish(&mut self.inner, Request::from_parts(parts, body), plan)
     }
 }
 
 /// Answers a request whose decision is known now. The in-process store answers at once:
 /// no allocation, no clone of the inner service, which was made ready by poll_ready and is
 /// called right here.
+#[inline(always)]
 fn finish<S, ReqBody, ResBody>(
     inner: &mut S,
     request: Request<ReqBody>,

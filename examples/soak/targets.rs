@@ -212,11 +212,7 @@ struct Bench {
     stack: Option<(Stack, u64)>,
 }
 
-type Stack = BoxCloneService<
-    Request<Body>,
-    Response<tollgate::RateLimitBody<tollgate::RateLimitBody<Body>>>,
-    Infallible,
->;
+type Stack = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
 
 impl Bench {
     fn new() -> Self {

@@ -43,12 +43,13 @@ pub enum HeaderStyle {
     None,
 }
 
-/// Whole seconds, rounded up: a client told `t=0` would come back too early.
+/// Whole seconds, rounded up: a client told `t=0` would come back too early. (Seconds and
+/// the sub-second part, not a 128-bit division of the nanoseconds: this runs for every
+/// response.)
 pub(crate) fn seconds_ceil(duration: Duration) -> u64 {
     duration
-        .as_nanos()
-        .div_ceil(1_000_000_000)
-        .min(u128::from(u64::MAX)) as u64
+        .as_secs()
+        .saturating_add(u64::from(duration.subsec_nanos() > 0))
 }
 
 /// The largest RFC 9651 integer (section 3.3.1: at most 15 digits). Policies cannot
@@ -400,6 +401,16 @@ mod tests {
     use super::*;
     use crate::decision::PolicyStatus;
     use crate::{Policy, Rate};
+
+    #[test]
+    fn seconds_round_up_without_overflow() {
+        assert_eq!(seconds_ceil(Duration::ZERO), 0);
+        assert_eq!(seconds_ceil(Duration::from_nanos(1)), 1);
+        assert_eq!(seconds_ceil(Duration::from_secs(1)), 1);
+        assert_eq!(seconds_ceil(Duration::new(1, 1)), 2);
+        assert_eq!(seconds_ceil(Duration::new(59, 999_999_999)), 60);
+        assert_eq!(seconds_ceil(Duration::MAX), u64::MAX);
+    }
 
     fn set() -> PolicySet {
         PolicySet::new([

@@ -50,10 +50,11 @@ pub(crate) struct Responder {
     pub(crate) timeout: Duration,
 }
 
-/// What the store said, or that it was not asked (the circuit breaker is open).
-pub(crate) enum StoreAnswer {
-    Decided(Decision),
-    Failed(StoreError),
+/// What the store said, or that it was not asked (the circuit breaker is open). Borrowed:
+/// the decision stays where the store wrote it.
+pub(crate) enum StoreAnswer<'a> {
+    Decided(&'a Decision),
+    Failed(&'a StoreError),
     Skipped,
 }
 
@@ -74,10 +75,10 @@ impl Responder {
         policies: &PolicySet,
         key: &Key,
         cost: u64,
-        answer: StoreAnswer,
+        answer: StoreAnswer<'_>,
         probe: Option<&ProbeGuard>,
     ) -> Plan {
-        let fallback;
+        let (fallback_decision, fallback_policies);
         let (decision, policies) = match answer {
             StoreAnswer::Decided(decision) => {
                 // An answer a store gave from a local cache says nothing of the store
@@ -94,7 +95,7 @@ impl Responder {
                 (decision, policies)
             }
             StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
-                if let StoreAnswer::Failed(error) = &answer {
+                if let StoreAnswer::Failed(error) = answer {
                     telemetry::store_error(error);
                     if error.kind().is_io() {
                         self.breaker.on_failure(error, probe);
@@ -113,16 +114,17 @@ impl Responder {
                 match self.on_failure(policies, key, cost) {
                     // The headers describe the policies that decided (scaled or not).
                     Ok((decision, applied)) => {
-                        fallback = applied;
-                        (decision, &fallback)
+                        fallback_decision = decision;
+                        fallback_policies = applied;
+                        (&fallback_decision, &fallback_policies)
                     }
                     Err(plan) => return plan,
                 }
             }
         };
-        telemetry::decision(policies, &decision, key);
+        telemetry::decision(policies, decision, key);
         let extra = jitter_secs(self.headers.jitter);
-        let headers = rate_limit_headers(&self.headers, policies, &decision, key, extra);
+        let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
         match decision.outcome() {
             Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
             Outcome::Allowed { delay } => Plan::Delay(delay, headers),
@@ -144,7 +146,7 @@ impl Responder {
                 let rejection = Rejection {
                     policy: &policies[policy],
                     retry_after: jittered.max(Duration::from_secs(stated)),
-                    decision: &decision,
+                    decision,
                     policies,
                     cost,
                 };

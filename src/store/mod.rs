@@ -142,6 +142,42 @@ impl DecideFuture {
             DecideInner::Pending(future) => Err(future),
         }
     }
+
+    /// Whether the decision is still to be made (a store doing I/O).
+    pub(crate) fn is_pending(&self) -> bool {
+        matches!(self.inner, DecideInner::Pending(_))
+    }
+
+    /// The decision, when it is known ([`is_pending`](Self::is_pending) is false); read in
+    /// place, not moved out.
+    pub(crate) fn result(&self) -> &Result<Decision, StoreError> {
+        static USED: std::sync::OnceLock<Result<Decision, StoreError>> = std::sync::OnceLock::new();
+        match &self.inner {
+            DecideInner::Ready(Some(result)) => result,
+            // A polled-out or pending future: a store error, never a decision.
+            DecideInner::Ready(None) | DecideInner::Pending(_) => USED.get_or_init(|| {
+                Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "decision future used after completion",
+                ))
+            }),
+        }
+    }
+
+    /// The future that will produce the decision (the known one, as a ready future).
+    pub(crate) fn into_pending(self) -> BoxedDecision {
+        match self.inner {
+            DecideInner::Pending(future) => future,
+            DecideInner::Ready(result) => {
+                Box::pin(std::future::ready(result.unwrap_or_else(|| {
+                    Err(StoreError::new(
+                        StoreErrorKind::Other,
+                        "decision future used after completion",
+                    ))
+                })))
+            }
+        }
+    }
 }
 
 impl fmt::Debug for DecideFuture {

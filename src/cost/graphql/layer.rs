@@ -14,7 +14,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::{CostError, GraphqlCost};
-use crate::body::RateLimitBody;
+use crate::body::ResponseBody;
 use crate::cost::RequestCost;
 use crate::respond::problem as response;
 
@@ -173,10 +173,9 @@ where
     B: Body + From<Bytes> + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: Body,
-    ResBody::Data: From<Bytes>,
+    ResBody: ResponseBody,
 {
-    type Response = Response<RateLimitBody<ResBody>>;
+    type Response = Response<ResBody>;
     type Error = S::Error;
     type Future = BoxFuture<Result<Self::Response, S::Error>>;
 
@@ -212,18 +211,18 @@ where
             let (cost, bytes) = match read {
                 Read::TooLarge => {
                     let response = response::payload_too_large(config.max_body);
-                    return Ok(response.map(RateLimitBody::full));
+                    return Ok(response.map(ResBody::from_bytes));
                 }
                 Read::Unreadable(why) => {
                     let response =
                         response::invalid_request(&format!("the body could not be read: {why}"));
-                    return Ok(response.map(RateLimitBody::full));
+                    return Ok(response.map(ResBody::from_bytes));
                 }
                 Read::Cost(Ok(cost), bytes) => (cost, bytes),
                 Read::Cost(Err(error), bytes) => match config.invalid {
                     Invalid::Reject => {
                         let response = response::invalid_request(&error.to_string());
-                        return Ok(response.map(RateLimitBody::full));
+                        return Ok(response.map(ResBody::from_bytes));
                     }
                     Invalid::Charge(cost) => (cost, bytes),
                 },
@@ -235,7 +234,7 @@ where
             response
                 .headers_mut()
                 .insert(GRAPHQL_COST.clone(), HeaderValue::from(cost));
-            Ok(response.map(RateLimitBody::inner))
+            Ok(response)
         })
     }
 }

@@ -1,0 +1,129 @@
+//! The limiter answers in the inner service's own body type (no re-boxing), and any other
+//! body type works through `WrapBodyLayer`.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::combinators::{BoxBody, UnsyncBoxBody};
+use http_body_util::{BodyExt, Empty, Full};
+use tollgate::body::{RateLimitBody, WrapBodyLayer};
+use tollgate::key::HeaderKey;
+use tollgate::{MemoryStore, Policy, RateLimitLayer};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+fn limiter() -> RateLimitLayer<MemoryStore, HeaderKey> {
+    RateLimitLayer::new(MemoryStore::new())
+        .key(HeaderKey::new("x-api-key"))
+        .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
+}
+
+fn request() -> Request<()> {
+    Request::get("/")
+        .header("x-api-key", "k1")
+        .body(())
+        .unwrap()
+}
+
+/// Sends two requests through `service`: the first is admitted, the second denied.
+/// Returns the admitted body and the denied response's body, read to the end.
+async fn admitted_then_denied<S, B>(mut service: S) -> (Bytes, Bytes)
+where
+    S: Service<Request<()>, Response = Response<B>, Error = Infallible>,
+    B: http_body::Body<Error: std::fmt::Debug>,
+{
+    let ok = service
+        .ready()
+        .await
+        .unwrap()
+        .call(request())
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    assert!(ok.headers().contains_key("ratelimit"));
+    let ok = ok.into_body().collect().await.unwrap().to_bytes();
+    let denied = service
+        .ready()
+        .await
+        .unwrap()
+        .call(request())
+        .await
+        .unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(denied.headers()["content-type"], "application/problem+json");
+    let denied = denied.into_body().collect().await.unwrap().to_bytes();
+    (ok, denied)
+}
+
+fn assert_problem(body: &[u8]) {
+    let json: serde_json::Value = serde_json::from_slice(body).expect("a JSON problem body");
+    assert_eq!(json["status"], 429);
+    assert_eq!(json["policy"], "api", "{json}");
+}
+
+#[tokio::test]
+async fn full_bodies_stay_full() {
+    let inner = service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello"))))
+    });
+    // The response type is the inner one (`admitted_then_denied` names it).
+    let service = limiter().layer(inner);
+    let (ok, denied) = admitted_then_denied::<_, Full<Bytes>>(service).await;
+    assert_eq!(ok, "hello");
+    assert_problem(&denied);
+}
+
+#[tokio::test]
+async fn string_and_boxed_bodies() {
+    let strings = limiter().layer(service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(String::from("hello")))
+    }));
+    let (ok, denied) = admitted_then_denied::<_, String>(strings).await;
+    assert_eq!(ok, "hello");
+    assert_problem(&denied);
+
+    let boxed = limiter().layer(service_fn(|_: Request<()>| async {
+        let body = Full::new(Bytes::from_static(b"hello"))
+            .map_err(|never: Infallible| match never {})
+            .boxed();
+        Ok::<_, Infallible>(Response::new(body))
+    }));
+    let (ok, denied) = admitted_then_denied::<_, BoxBody<Bytes, Infallible>>(boxed).await;
+    assert_eq!(ok, "hello");
+    assert_problem(&denied);
+
+    let unsync = limiter().layer(service_fn(|_: Request<()>| async {
+        let body = Full::new(Bytes::from_static(b"hello"))
+            .map_err(|never: Infallible| match never {})
+            .boxed_unsync();
+        Ok::<_, Infallible>(Response::new(body))
+    }));
+    let (ok, denied) = admitted_then_denied::<_, UnsyncBoxBody<Bytes, Infallible>>(unsync).await;
+    assert_eq!(ok, "hello");
+    assert_problem(&denied);
+}
+
+#[tokio::test]
+async fn any_other_body_goes_through_the_wrap_layer() {
+    // `Empty` cannot hold a problem body; wrapped, it can.
+    let inner = service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    });
+    let service = limiter().layer(WrapBodyLayer::new().layer(inner));
+    let (ok, denied) = admitted_then_denied::<_, RateLimitBody<Empty<Bytes>>>(service).await;
+    assert!(ok.is_empty());
+    assert_problem(&denied);
+}
+
+#[tokio::test]
+async fn axum_bodies_are_not_reboxed() {
+    use axum::body::Body;
+    let inner = service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Body::from("hello")))
+    });
+    let service = limiter().layer(inner);
+    let (ok, denied) = admitted_then_denied::<_, Body>(service).await;
+    assert_eq!(ok, "hello");
+    assert_problem(&denied);
+}
