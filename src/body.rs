@@ -4,7 +4,7 @@
 //! A response that went through [`RateLimit`](crate::RateLimit) has the inner service's
 //! body type, so a router needs no re-boxing and a stack of layers no new type per layer.
 //! That needs a body type the limiter can build from bytes: [`ResponseBody`], implemented
-//! for axum's `Body`, `http_body_util::Full<Bytes>`, its boxed bodies, `String` and
+//! for axum's `Body`, `http_body_util::Full<Bytes>`, its boxed bodies and
 //! [`RateLimitBody`]. Any other body type works through [`WrapBodyLayer`], which wraps
 //! the inner service's body in a [`RateLimitBody`]:
 //!
@@ -16,7 +16,7 @@
 //! use tower::{ServiceBuilder, ServiceExt, service_fn};
 //! use tollgate::body::WrapBodyLayer;
 //! use tollgate::key::HeaderKey;
-//! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+//! use tollgate::{MemoryStore, Policy, RateLimitLayer};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,12 +51,12 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 /// A response body type the limiter can write its own answers in (a `429`'s problem
-/// body, a `400`, a `503`): the inner service's responses pass through with their body
+/// body, a `400`, a `500`, a `503`): the inner service's responses pass through with their body
 /// untouched, and the limiter's own are built with [`from_bytes`](Self::from_bytes).
 ///
-/// Implemented for axum's `Body` (feature `axum`), `http_body_util::Full<Bytes>`,
-/// `BoxBody<Bytes, E>` and `UnsyncBoxBody<Bytes, E>`, `String` and [`RateLimitBody`].
-/// Any other body type works through [`WrapBodyLayer`].
+/// Implemented for axum's `Body`, `http_body_util::Full<Bytes>`, `BoxBody<Bytes, E>` and
+/// `UnsyncBoxBody<Bytes, E>`, and [`RateLimitBody`]. Any other body type (`String`,
+/// `Empty`, a body of your own) works through [`WrapBodyLayer`].
 ///
 /// ```
 /// use bytes::Bytes;
@@ -72,7 +72,7 @@ use tower_service::Service;
 ///
 /// A body type that is not one is a compile error that names [`WrapBodyLayer`]:
 ///
-/// ```compile_fail
+/// ```compile_fail,E0277
 /// use std::convert::Infallible;
 /// use bytes::Bytes;
 /// use http::{Request, Response};
@@ -90,7 +90,7 @@ use tower_service::Service;
 /// # Ok(()) }
 /// ```
 #[diagnostic::on_unimplemented(
-    message = "tollgate cannot write its own responses (429, 400, 503) in a `{Self}` body",
+    message = "tollgate cannot write its own responses (429, 400, 500, 503) in a `{Self}` body",
     note = "add `tollgate::body::WrapBodyLayer` between the rate limiter and the service: it takes any body type"
 )]
 pub trait ResponseBody: Body + Sized {
@@ -98,10 +98,10 @@ pub trait ResponseBody: Body + Sized {
     fn from_bytes(bytes: Bytes) -> Self;
 }
 
-#[cfg(feature = "axum")]
-impl ResponseBody for axum::body::Body {
+/// axum's `Body` (`axum::body::Body` is this type), with or without the `axum` feature.
+impl ResponseBody for axum_core::body::Body {
     fn from_bytes(bytes: Bytes) -> Self {
-        axum::body::Body::from(bytes)
+        axum_core::body::Body::from(bytes)
     }
 }
 
@@ -124,18 +124,6 @@ impl<E: 'static> ResponseBody for http_body_util::combinators::UnsyncBoxBody<Byt
         http_body_util::Full::new(bytes)
             .map_err(|never: Infallible| match never {})
             .boxed_unsync()
-    }
-}
-
-/// The limiter's own bodies are UTF-8 (JSON and plain text); the bytes of a custom
-/// [`on_deny`](crate::RateLimitLayer::on_deny) answer that are not are replaced with
-/// U+FFFD in a `String` body.
-impl ResponseBody for String {
-    fn from_bytes(bytes: Bytes) -> Self {
-        match String::from_utf8(Vec::from(bytes)) {
-            Ok(text) => text,
-            Err(error) => String::from_utf8_lossy(error.as_bytes()).into_owned(),
-        }
     }
 }
 

@@ -160,8 +160,10 @@ where
         // The decision is read where the store left it: it is not moved on its way to
         // the response.
         let answer = match decided.result() {
-            Ok(decision) => StoreAnswer::Decided(decision),
-            Err(error) => StoreAnswer::Failed(error),
+            Some(Ok(decision)) => StoreAnswer::Decided(decision),
+            Some(Err(error)) => StoreAnswer::Failed(error),
+            // Not reached: a pending future took the branch above.
+            None => StoreAnswer::Skipped,
         };
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);

@@ -75,11 +75,14 @@ async fn full_bodies_stay_full() {
 }
 
 #[tokio::test]
-async fn string_and_boxed_bodies() {
-    let strings = limiter().layer(service_fn(|_: Request<()>| async {
-        Ok::<_, Infallible>(Response::new(String::from("hello")))
-    }));
-    let (ok, denied) = admitted_then_denied::<_, String>(strings).await;
+async fn boxed_bodies_and_wrapped_strings() {
+    // `String` cannot hold arbitrary bytes (a custom 429 may not be UTF-8): wrapped.
+    let strings = limiter().layer(
+        WrapBodyLayer::new().layer(service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(String::from("hello")))
+        })),
+    );
+    let (ok, denied) = admitted_then_denied::<_, RateLimitBody<String>>(strings).await;
     assert_eq!(ok, "hello");
     assert_problem(&denied);
 

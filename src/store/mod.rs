@@ -143,24 +143,18 @@ impl DecideFuture {
         }
     }
 
-    /// Whether the decision is still to be made (a store doing I/O).
+    /// Whether the decision is still to be made (a store doing I/O). A future already
+    /// polled out counts as pending: polled again, it answers with a store error.
     pub(crate) fn is_pending(&self) -> bool {
-        matches!(self.inner, DecideInner::Pending(_))
+        !matches!(self.inner, DecideInner::Ready(Some(_)))
     }
 
-    /// The decision, when it is known ([`is_pending`](Self::is_pending) is false); read in
-    /// place, not moved out.
-    pub(crate) fn result(&self) -> &Result<Decision, StoreError> {
-        static USED: std::sync::OnceLock<Result<Decision, StoreError>> = std::sync::OnceLock::new();
+    /// The decision, read in place (not moved out). `None` when
+    /// [`is_pending`](Self::is_pending).
+    pub(crate) fn result(&self) -> Option<&Result<Decision, StoreError>> {
         match &self.inner {
-            DecideInner::Ready(Some(result)) => result,
-            // A polled-out or pending future: a store error, never a decision.
-            DecideInner::Ready(None) | DecideInner::Pending(_) => USED.get_or_init(|| {
-                Err(StoreError::new(
-                    StoreErrorKind::Other,
-                    "decision future used after completion",
-                ))
-            }),
+            DecideInner::Ready(Some(result)) => Some(result),
+            DecideInner::Ready(None) | DecideInner::Pending(_) => None,
         }
     }
 
