@@ -128,43 +128,41 @@ where
         }
         let stopwatch = Stopwatch::start();
         let decided = config.store.decide(&key, &policies, cost);
-        if decided.is_pending() {
-            // A store doing I/O: bounded by the timeout, decided in the future.
-            let pending = decided.into_pending();
-            let timeout = responder.timeout;
-            let timed = Box::pin(async move {
-                let result = match tokio::time::timeout(timeout, pending).await {
-                    Ok(result) => result,
-                    Err(_) => Err(StoreError::new(
-                        StoreErrorKind::Timeout,
-                        format!("no decision within {timeout:?}"),
-                    )),
-                };
-                stopwatch.stop();
-                result
-            });
-            return ResponseFuture::deciding(
-                timed,
-                Pending {
-                    inner: take_ready(&mut self.inner),
-                    request: Request::from_parts(parts, body),
-                    policies: policies.into_owned(),
-                    key,
-                    cost,
-                    responder: Arc::clone(responder),
-                    probe,
-                },
-            );
-        }
-        stopwatch.stop();
         // The decision is read where the store left it: it is not moved on its way to
         // the response.
         let answer = match decided.result() {
             Some(Ok(decision)) => StoreAnswer::Decided(decision),
             Some(Err(error)) => StoreAnswer::Failed(error),
-            // Not reached: a pending future took the branch above.
-            None => StoreAnswer::Skipped,
+            None => {
+                // A store doing I/O: bounded by the timeout, decided in the future.
+                let pending = decided.into_pending();
+                let timeout = responder.timeout;
+                let timed = Box::pin(async move {
+                    let result = match tokio::time::timeout(timeout, pending).await {
+                        Ok(result) => result,
+                        Err(_) => Err(StoreError::new(
+                            StoreErrorKind::Timeout,
+                            format!("no decision within {timeout:?}"),
+                        )),
+                    };
+                    stopwatch.stop();
+                    result
+                });
+                return ResponseFuture::deciding(
+                    timed,
+                    Pending {
+                        inner: take_ready(&mut self.inner),
+                        request: Request::from_parts(parts, body),
+                        policies: policies.into_owned(),
+                        key,
+                        cost,
+                        responder: Arc::clone(responder),
+                        probe,
+                    },
+                );
+            }
         };
+        stopwatch.stop();
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);
         finish(&mut self.inner, Request::from_parts(parts, body), plan)

@@ -56,6 +56,11 @@ where
     (ok, denied)
 }
 
+/// `hello` in a body whose error type is `Infallible`, ready to be boxed.
+fn hello() -> impl http_body::Body<Data = Bytes, Error = Infallible> + Send + Sync + 'static {
+    Full::new(Bytes::from_static(b"hello")).map_err(|never: Infallible| match never {})
+}
+
 fn assert_problem(body: &[u8]) {
     let json: serde_json::Value = serde_json::from_slice(body).expect("a JSON problem body");
     assert_eq!(json["status"], 429);
@@ -87,20 +92,14 @@ async fn boxed_bodies_and_wrapped_strings() {
     assert_problem(&denied);
 
     let boxed = limiter().layer(service_fn(|_: Request<()>| async {
-        let body = Full::new(Bytes::from_static(b"hello"))
-            .map_err(|never: Infallible| match never {})
-            .boxed();
-        Ok::<_, Infallible>(Response::new(body))
+        Ok::<_, Infallible>(Response::new(hello().boxed()))
     }));
     let (ok, denied) = admitted_then_denied::<_, BoxBody<Bytes, Infallible>>(boxed).await;
     assert_eq!(ok, "hello");
     assert_problem(&denied);
 
     let unsync = limiter().layer(service_fn(|_: Request<()>| async {
-        let body = Full::new(Bytes::from_static(b"hello"))
-            .map_err(|never: Infallible| match never {})
-            .boxed_unsync();
-        Ok::<_, Infallible>(Response::new(body))
+        Ok::<_, Infallible>(Response::new(hello().boxed_unsync()))
     }));
     let (ok, denied) = admitted_then_denied::<_, UnsyncBoxBody<Bytes, Infallible>>(unsync).await;
     assert_eq!(ok, "hello");

@@ -134,23 +134,12 @@ impl DecideFuture {
     pub(crate) fn into_ready(self) -> Result<Result<Decision, StoreError>, BoxedDecision> {
         match self.inner {
             DecideInner::Ready(Some(result)) => Ok(result),
-            // Only a polled-out future is empty; hand out one that says so if polled.
-            DecideInner::Ready(None) => Err(Box::pin(std::future::ready(Err(StoreError::new(
-                StoreErrorKind::Other,
-                "decision future used after completion",
-            ))))),
-            DecideInner::Pending(future) => Err(future),
+            _ => Err(self.into_pending()),
         }
     }
 
-    /// Whether the decision is still to be made (a store doing I/O). A future already
-    /// polled out counts as pending: polled again, it answers with a store error.
-    pub(crate) fn is_pending(&self) -> bool {
-        !matches!(self.inner, DecideInner::Ready(Some(_)))
-    }
-
-    /// The decision, read in place (not moved out). `None` when
-    /// [`is_pending`](Self::is_pending).
+    /// The decision, read in place (not moved out); `None` while it is still to be made
+    /// (a store doing I/O, or a future already polled out).
     pub(crate) fn result(&self) -> Option<&Result<Decision, StoreError>> {
         match &self.inner {
             DecideInner::Ready(Some(result)) => Some(result),
@@ -158,7 +147,8 @@ impl DecideFuture {
         }
     }
 
-    /// The future that will produce the decision (the known one, as a ready future).
+    /// The future that will produce the decision. A future already polled out answers,
+    /// when polled again, with a store error.
     pub(crate) fn into_pending(self) -> BoxedDecision {
         match self.inner {
             DecideInner::Pending(future) => future,
