@@ -2,6 +2,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::{Policy, PolicyError};
@@ -31,6 +32,8 @@ struct PolicySetInner {
     policies: Box<[Policy]>,
     /// Tells sets of different policies apart (the ids, in order).
     fingerprint: u64,
+    /// This set's own number, never reused in the process (per-thread caches key by it).
+    serial: u64,
     /// One value derived from the set, computed once by whoever needs it (the layer keeps
     /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -68,10 +71,12 @@ impl PolicySet {
             .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
                 (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
             });
+        static SERIALS: AtomicU64 = AtomicU64::new(1);
         PolicySet {
             inner: Arc::new(PolicySetInner {
                 policies: policies.into_boxed_slice(),
                 fingerprint,
+                serial: SERIALS.fetch_add(1, Ordering::Relaxed),
                 derived: OnceLock::new(),
             }),
         }
@@ -93,6 +98,11 @@ impl PolicySet {
     /// Equal for sets of the same policies in the same order.
     pub(crate) fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
+    }
+
+    /// A number no other set in this process has (never 0): clones share it.
+    pub(crate) fn serial(&self) -> u64 {
+        self.inner.serial
     }
 
     /// True when both are clones of one set.

@@ -204,10 +204,35 @@ fn number_value(number: u64) -> HeaderValue {
     value(|out| push_number(out, number)).unwrap_or_else(|| HeaderValue::from(number))
 }
 
-/// The set's `RateLimit-Policy` field, built on its first response and kept with the set.
+thread_local! {
+    /// Each thread's own copies of the `RateLimit-Policy` fields it sent last, by set
+    /// serial. A header value shares its bytes by reference count: cloning the one copy
+    /// kept with the set on every response would make all cores write one cache line.
+    static POLICY_FIELDS: RefCell<[(u64, Option<HeaderValue>); POLICY_FIELD_SLOTS]> =
+        const { RefCell::new([const { (0, None) }; POLICY_FIELD_SLOTS]) };
+}
+
+const POLICY_FIELD_SLOTS: usize = 4;
+
+/// The set's `RateLimit-Policy` field: built on its first response and kept with the set,
+/// copied once into each thread that sends it.
 fn policy_field(set: &PolicySet) -> Option<HeaderValue> {
-    set.derived(|set| policy_header(set))
-        .and_then(Option::clone)
+    let serial = set.serial();
+    POLICY_FIELDS.with(|fields| {
+        let mut fields = fields.borrow_mut();
+        if let Some((_, field)) = fields.iter().find(|(s, _)| *s == serial) {
+            return field.clone();
+        }
+        let shared = set
+            .derived(|set| policy_header(set))
+            .and_then(Option::as_ref);
+        // A copy of the bytes, not a clone: this thread's copy counts its own references.
+        let local = shared.and_then(|field| HeaderValue::from_bytes(field.as_bytes()).ok());
+        // Most recent first; the oldest goes.
+        fields.rotate_right(1);
+        fields[0] = (serial, local.clone());
+        local
+    })
 }
 
 /// `"api";q=10;w=2, "daily";q=10000;w=86400`. Names are validated to be plain tokens, so
@@ -448,6 +473,30 @@ mod tests {
         };
         rate_limit_headers(&options, &set(), &decision(outcome), "ip:1", 0).apply(&mut headers);
         headers
+    }
+
+    #[test]
+    fn each_set_gets_its_own_policy_field_past_the_per_thread_cache() {
+        // More sets than the per-thread cache holds, in rotation and back: a field copied
+        // for one set is never sent for another, including an equal-looking set built
+        // later (its own serial).
+        let sets: Vec<PolicySet> = (1..=POLICY_FIELD_SLOTS as u64 + 2)
+            .map(|limit| {
+                PolicySet::from(Policy::token_bucket("api", limit, Rate::per_second(1)).unwrap())
+            })
+            .collect();
+        for _ in 0..3 {
+            for (index, set) in sets.iter().enumerate() {
+                let field = policy_field(set).unwrap();
+                assert_eq!(
+                    field,
+                    format!("\"api\";q={};w={}", index + 1, index + 1).as_str()
+                );
+            }
+        }
+        let rebuilt =
+            PolicySet::from(Policy::token_bucket("api", 99, Rate::per_second(1)).unwrap());
+        assert_eq!(policy_field(&rebuilt).unwrap(), "\"api\";q=99;w=99");
     }
 
     #[test]
