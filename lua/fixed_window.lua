@@ -23,10 +23,21 @@ local function check(p, s)
   return 'deny', s.finish - now
 end
 
-local function commit(p, s)
-  s.count = s.count + cost
+local function store(s)
   redis.call('HSET', s.key, 'i', s.index, 'c', s.count)
   redis.call('PEXPIRE', s.key, cdiv(s.finish - now, 1000) + 1)
+end
+
+local function commit(p, s)
+  s.count = s.count + cost
+  store(s)
+end
+
+-- Gives back `units` debited at `at`, if that was in the window counted now.
+local function refund(p, s, units, at)
+  if (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
+  s.count = math.max(s.count - units, 0)
+  store(s)
 end
 
 local function snapshot(p, s)

@@ -26,11 +26,21 @@ local function check(p, s)
   return 'deny', cdiv(ahead - tolerance, p[2])
 end
 
-local function commit(p, s)
-  s.ahead = s.ahead + cost * p[3]
+local function store(p, s)
   local whole = now + idiv(s.ahead, p[2])
   local fraction = math.fmod(s.ahead, p[2])
   redis.call('SET', s.key, string.format('%d:%d', whole, fraction), 'PX', cdiv(cdiv(s.ahead, p[2]), 1000) + 1)
+end
+
+local function commit(p, s)
+  s.ahead = s.ahead + cost * p[3]
+  store(p, s)
+end
+
+-- Gives `units` back: the TAT moves back as many emission intervals, never before now.
+local function refund(p, s, units, at)
+  s.ahead = math.max(s.ahead - units * p[3], 0)
+  store(p, s)
 end
 
 local function snapshot(p, s)

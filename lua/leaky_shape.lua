@@ -13,6 +13,7 @@ local function check(p, s)
 end
 
 local commit = commit_bucket
+local refund = refund_bucket
 
 local function snapshot(p, s)
   local threshold = p[1] * p[2]

@@ -1,5 +1,6 @@
 -- The decision, after the prelude and the algorithms (each registered in `algorithms`
--- under its kind): check every policy, debit all of them only if all admit, report.
+-- under its kind): check every policy, debit all of them only if all admit, report (and
+-- the time of the decision, last).
 
 local policies = {}
 local outcome, denying, longest, delay = 0, 0, 0, 0
@@ -39,4 +40,6 @@ for i = 1, count do
   reply[#reply + 1] = reset
   reply[#reply + 1] = effective
 end
+-- The time of the decision: the receipt a later adjustment refers to.
+reply[#reply + 1] = now
 return reply

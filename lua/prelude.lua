@@ -17,8 +17,8 @@
 -- ARGV: [1] now in microseconds, or "" to read TIME (only test builds pass a time),
 --       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
 -- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,
---          reset_us, effective_window_us}; outcome 0 = allowed, 1 = denied, 2 = the cost
---          can never fit. The effective window is draft-11's `t`: how long the client can
+--          reset_us, effective_window_us, then now_us}; outcome 0 = allowed, 1 = denied,
+--          2 = the cost can never fit. The effective window is draft-11's `t`: how long the client can
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
 
@@ -86,8 +86,18 @@ local function load_bucket(p, key)
   return { key = key, level = level, last = math.max(last, now) }
 end
 
-local function commit_bucket(p, s)
-  s.level = s.level + cost * p[3]
+local function store_bucket(p, s)
   redis.call('HSET', s.key, 'l', s.level, 't', s.last)
   redis.call('PEXPIRE', s.key, cdiv(cdiv(s.level, p[2]), 1000) + 1)
+end
+
+local function commit_bucket(p, s)
+  s.level = s.level + cost * p[3]
+  store_bucket(p, s)
+end
+
+-- Gives `units` back: the level drops by as many periods, never below empty.
+local function refund_bucket(p, s, units, at)
+  s.level = math.max(s.level - units * p[3], 0)
+  store_bucket(p, s)
 end

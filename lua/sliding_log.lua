@@ -47,6 +47,24 @@ local function commit(p, s)
   redis.call('PEXPIRE', s.aux, ttl)
 end
 
+-- Gives back up to `units` recorded at `at` (what has left the window is gone).
+local function refund(p, s, units, at)
+  local members = redis.call('ZRANGEBYSCORE', s.key, at, at)
+  for i = #members, 1, -1 do
+    if units <= 0 then break end
+    local sequence, held = string.match(members[i], '^(%d+):(%d+)$')
+    held = tonumber(held)
+    local taken = math.min(units, held)
+    redis.call('ZREM', s.key, members[i])
+    if held > taken then
+      redis.call('ZADD', s.key, at, string.format('%s:%d', sequence, held - taken))
+    end
+    units = units - taken
+    s.total = s.total - taken
+  end
+  redis.call('HSET', s.aux, 't', s.total)
+end
+
 local function snapshot(p, s)
   local newest = s.newest
   if newest == nil then

@@ -78,10 +78,8 @@ local function check(p, s)
   return 'deny', wait_for(p, s, cost, 0)
 end
 
-local function commit(p, s)
+local function store(s)
   local last = s.k + 1
-  s.counts[last] = s.counts[last] + cost
-  s.estimate = s.estimate + cost
   local fields = { 'i', s.index }
   for m = 1, last do
     fields[#fields + 1] = s.names[m]
@@ -90,6 +88,26 @@ local function commit(p, s)
   redis.call('HSET', s.key, unpack(fields))
   -- The current count matters until it is a whole window old.
   redis.call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed + s.behind, 1000) + 1)
+end
+
+local function commit(p, s)
+  local last = s.k + 1
+  s.counts[last] = s.counts[last] + cost
+  s.estimate = s.estimate + cost
+  store(s)
+end
+
+-- Gives back `units` debited at `at` from the sub-window they were counted in, while it
+-- is still counted.
+local function refund(p, s, units, at)
+  local age = s.index - (at - math.fmod(at, s.span)) / s.span
+  if age < 0 or age > s.k then return end
+  local m = s.k + 1 - age
+  s.counts[m] = math.max(s.counts[m] - units, 0)
+  local estimate = counted(s, s.counts[1], s.span - s.elapsed)
+  for j = 2, s.k + 1 do estimate = estimate + s.counts[j] end
+  s.estimate = estimate
+  store(s)
 end
 
 local function snapshot(p, s)

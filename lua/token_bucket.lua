@@ -14,6 +14,7 @@ local function check(p, s)
 end
 
 local commit = commit_bucket
+local refund = refund_bucket
 
 local function snapshot(p, s)
   local spare = math.max(p[1] * p[3] - s.level, 0)

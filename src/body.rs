@@ -96,12 +96,83 @@ use tower_service::Service;
 pub trait ResponseBody: Body + Sized {
     /// A body whose content is `bytes`.
     fn from_bytes(bytes: Bytes) -> Self;
+
+    /// This body, keeping `guard` until it has sent its last frame or is dropped: the
+    /// limiter frees a request's in-flight slots
+    /// ([`Policy::concurrency`](crate::Policy::concurrency)) when its guard drops. The
+    /// default drops the guard at once, when the response head leaves the limiter: right
+    /// for a body that is whole from the start, such as `Full`. axum's `Body`, the boxed
+    /// bodies and [`RateLimitBody`] keep it to the end.
+    fn keep_until_end(self, guard: BodyGuard) -> Self {
+        drop(guard);
+        self
+    }
+}
+
+/// What a response body keeps until it ends (see [`ResponseBody::keep_until_end`]).
+pub struct BodyGuard {
+    _held: Box<dyn Send + Sync>,
+}
+
+impl BodyGuard {
+    pub(crate) fn new(held: impl Send + Sync + 'static) -> Self {
+        Self {
+            _held: Box::new(held),
+        }
+    }
+}
+
+impl std::fmt::Debug for BodyGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyGuard").finish_non_exhaustive()
+    }
+}
+
+pin_project! {
+    /// A body that keeps a guard until its last frame or until it is dropped.
+    struct Guarded<B> {
+        #[pin]
+        body: B,
+        guard: Option<BodyGuard>,
+    }
+}
+
+impl<B: Body> Body for Guarded<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let frame = ready!(this.body.poll_frame(cx));
+        if frame.is_none() {
+            this.guard.take();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// axum's `Body` (`axum::body::Body` is this type), with or without the `axum` feature.
 impl ResponseBody for axum_core::body::Body {
     fn from_bytes(bytes: Bytes) -> Self {
         axum_core::body::Body::from(bytes)
+    }
+
+    fn keep_until_end(self, guard: BodyGuard) -> Self {
+        axum_core::body::Body::new(Guarded {
+            body: self,
+            guard: Some(guard),
+        })
     }
 }
 
@@ -117,6 +188,14 @@ impl<E: 'static> ResponseBody for http_body_util::combinators::BoxBody<Bytes, E>
             .map_err(|never: Infallible| match never {})
             .boxed()
     }
+
+    fn keep_until_end(self, guard: BodyGuard) -> Self {
+        Guarded {
+            body: self,
+            guard: Some(guard),
+        }
+        .boxed()
+    }
 }
 
 impl<E: 'static> ResponseBody for http_body_util::combinators::UnsyncBoxBody<Bytes, E> {
@@ -124,6 +203,14 @@ impl<E: 'static> ResponseBody for http_body_util::combinators::UnsyncBoxBody<Byt
         http_body_util::Full::new(bytes)
             .map_err(|never: Infallible| match never {})
             .boxed_unsync()
+    }
+
+    fn keep_until_end(self, guard: BodyGuard) -> Self {
+        Guarded {
+            body: self,
+            guard: Some(guard),
+        }
+        .boxed_unsync()
     }
 }
 
@@ -135,6 +222,11 @@ where
     fn from_bytes(bytes: Bytes) -> Self {
         Self::full(bytes)
     }
+
+    fn keep_until_end(mut self, guard: BodyGuard) -> Self {
+        self.guard = Some(guard);
+        self
+    }
 }
 
 pin_project! {
@@ -143,6 +235,7 @@ pin_project! {
     pub struct RateLimitBody<B> {
         #[pin]
         kind: Kind<B>,
+        guard: Option<BodyGuard>,
     }
 }
 
@@ -159,6 +252,7 @@ impl<B> RateLimitBody<B> {
     pub fn new(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            guard: None,
         }
     }
 
@@ -167,6 +261,7 @@ impl<B> RateLimitBody<B> {
             kind: Kind::Full {
                 data: (!data.is_empty()).then_some(data),
             },
+            guard: None,
         }
     }
 }
@@ -193,12 +288,15 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
-            KindProj::Full { data } => {
-                Poll::Ready(data.take().map(|data| Ok(Frame::data(data.into()))))
-            }
+        let this = self.project();
+        let frame = match this.kind.project() {
+            KindProj::Inner { body } => ready!(body.poll_frame(cx)),
+            KindProj::Full { data } => data.take().map(|data| Ok(Frame::data(data.into()))),
+        };
+        if frame.is_none() {
+            this.guard.take();
         }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {

@@ -100,6 +100,42 @@ pub struct Decision {
     outcome: Outcome,
     statuses: SmallVec<[PolicyStatus; 2]>,
     cached: bool,
+    receipt: Receipt,
+}
+
+/// What a store notes about an admitted request's debit, so that it can be adjusted once
+/// the response is known ([`Store::adjust`](crate::store::Store::adjust)): when it was
+/// made, on the store's own time line, and the lease of the in-flight slots it took.
+///
+/// ```
+/// use tollgate::Receipt;
+///
+/// let receipt = Receipt::new(1_700_000_000_000_000_000, 42);
+/// assert_eq!(receipt.at(), 1_700_000_000_000_000_000);
+/// assert_eq!(receipt.lease(), 42);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Receipt {
+    at: u64,
+    lease: u64,
+}
+
+impl Receipt {
+    /// A debit made at `at` (nanoseconds on the store's time line) that took the
+    /// in-flight slots named `lease` (0: none, or a store that needs no name).
+    pub const fn new(at: u64, lease: u64) -> Self {
+        Self { at, lease }
+    }
+
+    /// When the debit was made, in nanoseconds on the store's time line.
+    pub const fn at(&self) -> u64 {
+        self.at
+    }
+
+    /// The name of the in-flight slots the request took.
+    pub const fn lease(&self) -> u64 {
+        self.lease
+    }
 }
 
 impl Decision {
@@ -116,7 +152,21 @@ impl Decision {
             outcome,
             statuses,
             cached: false,
+            receipt: Receipt::default(),
         }
+    }
+
+    /// This decision with the store's note of its debit, for a later
+    /// [`Store::adjust`](crate::store::Store::adjust).
+    pub fn with_receipt(mut self, receipt: Receipt) -> Self {
+        self.receipt = receipt;
+        self
+    }
+
+    /// The store's note of the debit (all zero when the store keeps none).
+    #[inline]
+    pub fn receipt(&self) -> Receipt {
+        self.receipt
     }
 
     /// This decision, marked as answered from a local cache rather than by the store

@@ -120,6 +120,17 @@ impl LocalFallback {
         &self.store
     }
 
+    /// Adjusts a debit this fallback made, under the policies it applied (see
+    /// `Store::adjust`).
+    pub(crate) fn adjust(
+        &self,
+        key: &Key,
+        applied: &PolicySet,
+        adjustment: &crate::store::Adjustment,
+    ) -> Decision {
+        self.store.adjust_now(key.as_str(), applied, adjustment)
+    }
+
     /// Decides locally; returns the decision and the policies it applied.
     pub(crate) fn decide(
         &self,
@@ -202,6 +213,10 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
         Algorithm::Gcra { rate: r, burst } => Algorithm::Gcra {
             rate: rate(r),
             burst: count(burst),
+        },
+        Algorithm::Concurrency { limit, lease } => Algorithm::Concurrency {
+            limit: count(limit),
+            lease,
         },
     };
     Policy::build(policy.name(), algorithm)

@@ -12,12 +12,14 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::body::ResponseBody;
+use crate::body::{BodyGuard, ResponseBody};
 use crate::failure::ProbeGuard;
 use crate::key::Key;
 use crate::policy::PolicySet;
+use crate::reservation::{Adjuster, Reservation, Settled};
 use crate::respond::headers::HeaderBlock;
 use crate::respond::{Plan, Responder, StoreAnswer};
+use crate::settle::ResponseHead;
 use crate::store::BoxedDecision;
 
 /// A request waiting for a decision from a store that does I/O.
@@ -28,6 +30,8 @@ pub(crate) struct Pending<S, B> {
     pub(crate) key: Key,
     pub(crate) cost: u64,
     pub(crate) responder: Arc<Responder>,
+    /// The layer's store, to settle or free the debit after the response.
+    pub(crate) adjuster: Arc<dyn Adjuster>,
     /// The breaker's probe, when this request carries it: released when the request ends,
     /// however it ends (dropped mid-decision included).
     pub(crate) probe: Option<ProbeGuard>,
@@ -36,7 +40,7 @@ pub(crate) struct Pending<S, B> {
 /// What a slow path ends in: the inner service's answer and the headers for it, or an
 /// answer of ours.
 enum Slow<O> {
-    Inner(O, HeaderBlock),
+    Inner(O, HeaderBlock, Option<Box<Reservation>>),
     Respond(Box<Response<Bytes>>),
 }
 
@@ -56,6 +60,16 @@ pin_project! {
     enum State<F: Future> {
         // The hot state: the inner service's future and the headers for its response.
         Calling { #[pin] future: F, headers: HeaderBlock },
+        // The inner call of a request whose debit is kept until its response (to settle
+        // it, or to free in-flight slots).
+        Reserved { #[pin] future: F, headers: HeaderBlock, reservation: Option<Box<Reservation>> },
+        // The response is there; a store doing I/O settles its debit.
+        Settling {
+            output: Option<F::Output>,
+            settle: BoxedDecision,
+            headers: HeaderBlock,
+            reservation: Option<Box<Reservation>>,
+        },
         // Rare or slow paths (a remote store's decision, a shaping delay), boxed so the
         // future every request carries stays small and names only `F`.
         Slow { future: BoxedSlow<F::Output> },
@@ -67,6 +81,16 @@ impl<F: Future> ResponseFuture<F> {
     pub(crate) fn calling(future: F, headers: HeaderBlock) -> Self {
         Self {
             state: State::Calling { future, headers },
+        }
+    }
+
+    pub(crate) fn reserved(future: F, headers: HeaderBlock, reservation: Reservation) -> Self {
+        Self {
+            state: State::Reserved {
+                future,
+                headers,
+                reservation: Some(Box::new(reservation)),
+            },
         }
     }
 
@@ -86,6 +110,7 @@ impl<F: Future> ResponseFuture<F> {
                 key,
                 cost,
                 responder,
+                adjuster,
                 probe,
             } = pending;
             let answer = match &result {
@@ -94,11 +119,14 @@ impl<F: Future> ResponseFuture<F> {
             };
             let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
             drop(probe);
-            match plan {
-                Plan::Call(headers) => call(inner, request, Duration::ZERO, headers).await,
-                Plan::Delay(delay, headers) => call(inner, request, delay, headers).await,
-                Plan::Respond(response) => Slow::Respond(response),
-            }
+            let (delay, headers, debit) = match plan {
+                Plan::Call(headers, debit) => (Duration::ZERO, headers, debit),
+                Plan::Delay(delay, headers, debit) => (delay, headers, debit),
+                Plan::Respond(response) => return Slow::Respond(response),
+            };
+            let reservation =
+                debit.map(|debit| Reservation::new(adjuster, key, policies, cost, debit));
+            call(inner, request, delay, headers, reservation).await
         };
         Self {
             state: State::Slow {
@@ -113,6 +141,7 @@ impl<F: Future> ResponseFuture<F> {
         inner: S,
         request: Request<B>,
         headers: HeaderBlock,
+        reservation: Option<Reservation>,
     ) -> Self
     where
         S: Service<Request<B>, Future = F> + Send + 'static,
@@ -121,7 +150,7 @@ impl<F: Future> ResponseFuture<F> {
     {
         Self {
             state: State::Slow {
-                future: Box::pin(call(inner, request, delay, headers)),
+                future: Box::pin(call(inner, request, delay, headers, reservation)),
             },
         }
     }
@@ -146,6 +175,7 @@ fn call<S, B, F>(
     request: Request<B>,
     delay: Duration,
     headers: HeaderBlock,
+    reservation: Option<Reservation>,
 ) -> impl Future<Output = Slow<F::Output>>
 where
     S: Service<Request<B>, Future = F>,
@@ -156,7 +186,8 @@ where
         if !delay.is_zero() {
             tokio::time::sleep_until(deadline).await;
         }
-        Slow::Inner(inner.call(request).await, headers)
+        let reservation = reservation.map(Box::new);
+        Slow::Inner(inner.call(request).await, headers, reservation)
     }
 }
 
@@ -176,24 +207,84 @@ where
     type Output = Result<Response<ResBody>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
+        let mut state = self.project().state;
+        // A response whose debit is kept until now: settled here (perhaps in a store doing
+        // I/O: the Settling state), then sent with its reservation in the body.
+        let (output, headers, reservation) = match state.as_mut().project() {
             StateProj::Calling { future, headers } => {
                 let mut response = ready!(future.poll(cx))?;
                 std::mem::take(headers).apply(response.headers_mut());
-                Poll::Ready(Ok(response))
+                return Poll::Ready(Ok(response));
+            }
+            StateProj::Reserved {
+                future,
+                headers,
+                reservation,
+            } => {
+                let output = ready!(future.poll(cx));
+                (output, std::mem::take(headers), reservation.take())
             }
             StateProj::Slow { future } => match ready!(future.as_mut().poll(cx)) {
-                Slow::Inner(result, headers) => {
-                    let mut response = result?;
-                    headers.apply(response.headers_mut());
-                    Poll::Ready(Ok(response))
+                Slow::Inner(output, headers, reservation) => (output, headers, reservation),
+                Slow::Respond(response) => {
+                    return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
-                Slow::Respond(response) => Poll::Ready(Ok(response.map(ResBody::from_bytes))),
             },
+            StateProj::Settling {
+                output,
+                settle,
+                headers,
+                reservation,
+            } => {
+                let result = ready!(settle.as_mut().poll(cx));
+                let reservation = reservation.take().expect(POLLED_AFTER_READY);
+                let headers = reservation
+                    .headers(result)
+                    .unwrap_or_else(|| std::mem::take(headers));
+                let response = output.take().expect(POLLED_AFTER_READY)?;
+                return Poll::Ready(Ok(send(response, headers, reservation)));
+            }
             StateProj::Respond { response } => {
                 let response = *response.take().expect(POLLED_AFTER_READY);
-                Poll::Ready(Ok(response.map(ResBody::from_bytes)))
+                return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
+            }
+        };
+        // An inner error drops the reservation: its slots are freed, its charge stands.
+        let response = output?;
+        let Some(reservation) = reservation else {
+            let mut response = response;
+            headers.apply(response.headers_mut());
+            return Poll::Ready(Ok(response));
+        };
+        let head = ResponseHead::new(response.status(), response.headers(), response.extensions());
+        match reservation.settle(&head) {
+            Settled::Unchanged => Poll::Ready(Ok(send(response, headers, reservation))),
+            Settled::Headers(settled) => Poll::Ready(Ok(send(response, settled, reservation))),
+            Settled::Pending(settle) => {
+                state.set(State::Settling {
+                    output: Some(Ok(response)),
+                    settle,
+                    headers,
+                    reservation: Some(reservation),
+                });
+                cx.waker().wake_by_ref();
+                Poll::Pending
             }
         }
+    }
+}
+
+/// The response with its headers, its body keeping the reservation when it holds
+/// in-flight slots (freed when the body ends or is dropped).
+fn send<B: ResponseBody>(
+    mut response: Response<B>,
+    headers: HeaderBlock,
+    reservation: Box<Reservation>,
+) -> Response<B> {
+    headers.apply(response.headers_mut());
+    if reservation.holds_slots() {
+        response.map(|body| body.keep_until_end(BodyGuard::new(reservation)))
+    } else {
+        response
     }
 }

@@ -18,6 +18,7 @@ use crate::respond::headers::{HeaderOptions, HeaderStyle};
 use crate::respond::problem::Rejection;
 use crate::respond::{DenyHook, MissingKey, Responder};
 use crate::service::{Config, RateLimit};
+use crate::settle::Settle;
 use crate::store::Store;
 
 /// Rate limiting for any Tower service of `http::Request`s.
@@ -60,6 +61,7 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     store_timeout: Duration,
     /// Shared by every service this layer makes (axum may call `layer` more than once).
     breaker: Arc<Breaker>,
+    settle: Option<Settle>,
 }
 
 /// The policies of a layer that has none yet. A layer can only wrap a service once it has
@@ -105,6 +107,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             failure_mode: self.failure_mode.clone(),
             store_timeout: self.store_timeout,
             breaker: Arc::clone(&self.breaker),
+            settle: self.settle.clone(),
         }
     }
 }
@@ -137,6 +140,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             failure_mode: FailureMode::default(),
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
+            settle: None,
         }
     }
 }
@@ -174,6 +178,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             failure_mode: self.failure_mode,
             store_timeout: self.store_timeout,
             breaker: self.breaker,
+            settle: self.settle,
         }
     }
 
@@ -314,6 +319,28 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
         self
     }
 
+    /// Settles each admitted request's cost once its response head is known: the cost
+    /// debited on admission is a reservation, and the store gives back or charges the
+    /// difference to the actual cost `settle` reads from the response, atomically. The
+    /// response's rate-limit headers show the settled state. See [`crate::settle`].
+    ///
+    /// ```
+    /// use tollgate::cost::FromExtension;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::token_bucket("rows", 10_000, Rate::per_minute(10_000))?)
+    ///     .cost(FromExtension::or(100))
+    ///     .settle(Settle::from_extension().refund_if(|status| status.is_server_error()));
+    /// # let _ = layer;
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn settle(mut self, settle: Settle) -> Self {
+        self.settle = Some(settle);
+        self
+    }
+
     /// The store.
     pub fn store(&self) -> &St {
         &self.store
@@ -389,6 +416,7 @@ where
                 missing_key: self.missing_key,
                 responder: Arc::new(Responder {
                     headers: self.headers.clone(),
+                    settle: self.settle.clone(),
                     on_deny: self.on_deny.clone(),
                     failure_mode: self.failure_mode.clone(),
                     breaker: Arc::clone(&self.breaker),

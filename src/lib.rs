@@ -75,14 +75,16 @@ mod future;
 pub mod key;
 mod layer;
 pub mod policy;
+mod reservation;
 pub mod resolve;
 mod respond;
 mod service;
+pub mod settle;
 pub mod store;
 mod telemetry;
 
 pub use body::{RateLimitBody, ResponseBody};
-pub use decision::{Decision, Outcome, PolicyStatus};
+pub use decision::{Decision, Outcome, PolicyStatus, Receipt};
 pub use failure::{CircuitBreaker, FailureMode, LocalFallback};
 pub use future::ResponseFuture;
 pub use key::Key;
@@ -95,4 +97,4 @@ pub use respond::problem::{
     COST_EXCEEDS_LIMIT, QUOTA_EXCEEDED, Rejection, TEMPORARY_REDUCED_CAPACITY,
 };
 pub use service::RateLimit;
-pub use store::{DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};
+pub use store::{Adjustment, DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};

@@ -11,12 +11,15 @@ use crate::body::ResponseBody;
 use crate::cost::Cost;
 use crate::failure::Admission;
 use crate::future::{Pending, ResponseFuture};
+use crate::key::Key;
 use crate::key::KeyExtractor;
+use crate::policy::PolicySet;
+use crate::reservation::{Adjuster, Reservation};
 use crate::resolve::PolicyResolver;
 use crate::respond::headers::HeaderBlock;
 use crate::respond::problem as response;
 use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
-use crate::store::{Store, StoreError, StoreErrorKind};
+use crate::store::{Adjustment, DecideFuture, Store, StoreError, StoreErrorKind};
 use crate::telemetry::Stopwatch;
 
 /// Everything a service shares with its clones, behind one `Arc`: axum clones the
@@ -29,6 +32,22 @@ pub(crate) struct Config<St, K, C, R> {
     pub(crate) resolver: R,
     pub(crate) missing_key: MissingKey,
     pub(crate) responder: Arc<Responder>,
+}
+
+impl<St, K, C, R> Adjuster for Config<St, K, C, R>
+where
+    St: Store,
+    K: Send + Sync + 'static,
+    C: Send + Sync + 'static,
+    R: Send + Sync + 'static,
+{
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        self.store.adjust(key, policies, adjustment)
+    }
+
+    fn responder(&self) -> &Arc<Responder> {
+        &self.responder
+    }
 }
 
 /// The rate-limiting service; built by [`RateLimitLayer`](crate::RateLimitLayer).
@@ -157,6 +176,7 @@ where
                         key,
                         cost,
                         responder: Arc::clone(responder),
+                        adjuster: Arc::clone(&self.config) as Arc<dyn Adjuster>,
                         probe,
                     },
                 );
@@ -165,7 +185,24 @@ where
         stopwatch.stop();
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);
-        finish(&mut self.inner, Request::from_parts(parts, body), plan)
+        let request = Request::from_parts(parts, body);
+        match plan {
+            // The debit is kept until the response: a reservation to settle, or slots.
+            Plan::Call(headers, Some(debit)) => {
+                let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
+                let reservation =
+                    Reservation::new(adjuster, key, policies.into_owned(), cost, debit);
+                ResponseFuture::reserved(self.inner.call(request), headers, reservation)
+            }
+            Plan::Delay(delay, headers, Some(debit)) => {
+                let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
+                let reservation =
+                    Reservation::new(adjuster, key, policies.into_owned(), cost, debit);
+                let inner = take_ready(&mut self.inner);
+                ResponseFuture::delaying(delay, inner, request, headers, Some(reservation))
+            }
+            plan => finish(&mut self.inner, request, plan),
+        }
     }
 }
 
@@ -184,9 +221,9 @@ where
     ReqBody: Send + 'static,
 {
     match plan {
-        Plan::Call(headers) => ResponseFuture::calling(inner.call(request), headers),
-        Plan::Delay(delay, headers) => {
-            ResponseFuture::delaying(delay, take_ready(inner), request, headers)
+        Plan::Call(headers, _) => ResponseFuture::calling(inner.call(request), headers),
+        Plan::Delay(delay, headers, _) => {
+            ResponseFuture::delaying(delay, take_ready(inner), request, headers, None)
         }
         Plan::Respond(response) => ResponseFuture::respond_boxed(response),
     }

@@ -77,6 +77,15 @@ impl FixedWindow {
         state.count = state.count.saturating_add(cost);
     }
 
+    /// Gives back `units` debited at `at`, if `at` falls in the window counted now (a
+    /// window that has ended is not reopened: its units cannot be spent any more).
+    #[inline]
+    pub fn refund(&self, state: &mut WindowState, _now: u64, units: u64, at: u64) {
+        if at / self.window == state.index {
+            state.count = state.count.saturating_sub(units);
+        }
+    }
+
     /// The draft-11 effective window: nanoseconds until this window ends.
     #[inline]
     pub fn effective_window(&self, _state: &WindowState, now: u64, _remaining: u64) -> u64 {

@@ -80,6 +80,17 @@ impl Gcra {
             .set(base + u128::from(cost) * u128::from(self.period));
     }
 
+    /// Gives back `units`: the TAT moves back by as many emission intervals, never
+    /// before `now` (a fresh state).
+    #[inline]
+    pub fn refund(&self, state: &mut GcraState, now: u64, units: u64, _at: u64) {
+        let back = state
+            .tat
+            .get()
+            .saturating_sub(u128::from(units) * u128::from(self.period));
+        state.tat.set(back.max(self.scaled(now)));
+    }
+
     /// The draft-11 effective window: nanoseconds until one more unit conforms after the
     /// `remaining` were spent now (what `commit(remaining)` then `check(1)` would say,
     /// without a copy of the state).

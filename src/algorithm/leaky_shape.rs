@@ -85,6 +85,12 @@ impl LeakyShape {
         self.as_bucket().commit(state, now, cost);
     }
 
+    /// Takes `units` out of the queue, never below empty.
+    #[inline]
+    pub fn refund(&self, state: &mut BucketState, now: u64, units: u64, at: u64) {
+        self.as_bucket().refund(state, now, units, at);
+    }
+
     /// The draft-11 effective window: nanoseconds until one more unit could queue after
     /// `remaining` were queued now.
     #[inline]

@@ -14,6 +14,7 @@
 
 mod fixed_window;
 mod gcra;
+mod in_flight;
 mod leaky_shape;
 mod sliding_log;
 mod sliding_window;
@@ -23,6 +24,7 @@ use std::time::Duration;
 
 pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
+pub use in_flight::{IN_FLIGHT_RETRY, InFlight, InFlightState};
 pub use leaky_shape::LeakyShape;
 pub use sliding_log::{LogState, SlidingLog};
 pub use sliding_window::{CounterState, MAX_SUB_WINDOWS, SlidingWindow};
@@ -161,6 +163,12 @@ pub(crate) enum Params {
         amount: u64,
         period: u64,
     },
+    /// Requests in flight; `lease` (nanoseconds) bounds how long a store that can lose
+    /// its holders (Redis) keeps a slot.
+    InFlight {
+        limit: u64,
+        lease: u64,
+    },
 }
 
 /// One policy's state as a store keeps it, tagged with the policy's id.
@@ -170,20 +178,39 @@ pub(crate) enum Params {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Slot {
     /// Fixed window.
-    Window { id: u32, state: WindowState },
+    Window {
+        id: u32,
+        state: WindowState,
+    },
     /// Sliding log (boxed: the other states are a few words, the log is a queue).
-    Log { id: u32, state: Box<LogState> },
+    Log {
+        id: u32,
+        state: Box<LogState>,
+    },
     /// Sliding window counter of one sub-window (the previous and the current window).
-    Counter { id: u32, state: CounterState },
+    Counter {
+        id: u32,
+        state: CounterState,
+    },
     /// Sliding window counter of several sub-windows (`k + 1` counts on the heap).
     Ring {
         id: u32,
         state: CounterState<Box<[u64]>>,
     },
     /// Token bucket and both leaky buckets.
-    Bucket { id: u32, state: BucketState },
+    Bucket {
+        id: u32,
+        state: BucketState,
+    },
     /// GCRA.
-    Gcra { id: u32, state: GcraState },
+    Gcra {
+        id: u32,
+        state: GcraState,
+    },
+    InFlight {
+        id: u32,
+        state: InFlightState,
+    },
 }
 
 impl Slot {
@@ -196,7 +223,8 @@ impl Slot {
             | Slot::Counter { id, .. }
             | Slot::Ring { id, .. }
             | Slot::Bucket { id, .. }
-            | Slot::Gcra { id, .. } => *id,
+            | Slot::Gcra { id, .. }
+            | Slot::InFlight { id, .. } => *id,
         }
     }
 }
@@ -223,6 +251,8 @@ macro_rules! dispatch {
                     .$method(s, $($arg),*),
             (Params::Gcra { burst, amount, period }, Slot::Gcra { state: s, .. }) =>
                 Gcra { burst: *burst, amount: *amount, period: *period }.$method(s, $($arg),*),
+            (Params::InFlight { limit, .. }, Slot::InFlight { state: s, .. }) =>
+                InFlight { limit: *limit }.$method(s, $($arg),*),
             _ => $mismatch,
         }
     };
@@ -276,6 +306,10 @@ impl Params {
                 id,
                 state: GcraState::default(),
             },
+            Params::InFlight { .. } => Slot::InFlight {
+                id,
+                state: InFlightState::default(),
+            },
         }
     }
 
@@ -288,6 +322,7 @@ impl Params {
             | Params::SlidingWindow { limit, .. } => limit,
             Params::TokenBucket { capacity, .. } | Params::LeakyPolice { capacity, .. } => capacity,
             Params::Gcra { burst, .. } => burst,
+            Params::InFlight { limit, .. } => limit,
             Params::LeakyShape {
                 amount,
                 period,
@@ -309,6 +344,7 @@ impl Params {
             Params::FixedWindow { window, .. }
             | Params::SlidingLog { window, .. }
             | Params::SlidingWindow { window, .. } => window,
+            Params::InFlight { lease, .. } => lease,
             Params::TokenBucket { amount, period, .. }
             | Params::LeakyPolice { amount, period, .. }
             | Params::LeakyShape { amount, period, .. }
@@ -340,6 +376,7 @@ impl Params {
                     Slot::Bucket { .. }
                 )
                 | (Params::Gcra { .. }, Slot::Gcra { .. })
+                | (Params::InFlight { .. }, Slot::InFlight { .. })
         );
         let kind_matches = kind_matches
             || matches!(
@@ -361,6 +398,20 @@ impl Params {
     #[inline]
     pub(crate) fn commit(&self, state: &mut Slot, now: u64, cost: u64) {
         dispatch!(self, state, commit(now, cost), ())
+    }
+
+    /// Gives back `units` debited at `at` (the store's time of the debit), as far as the
+    /// state still holds them: a window that has ended is not reopened, a bucket is never
+    /// filled above full. For an in-flight limit, frees `units` slots.
+    #[inline]
+    pub(crate) fn refund(&self, state: &mut Slot, now: u64, units: u64, at: u64) {
+        dispatch!(self, state, refund(now, units, at), ())
+    }
+
+    /// True for an in-flight limit: its slots are given back when the request ends.
+    #[inline]
+    pub(crate) fn is_in_flight(&self) -> bool {
+        matches!(self, Params::InFlight { .. })
     }
 
     /// The draft-11 *effective window* in nanoseconds: how long, from `now`, the client can

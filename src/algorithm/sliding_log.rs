@@ -107,6 +107,28 @@ impl SlidingLog {
         state.total += cost;
     }
 
+    /// Gives back up to `units` recorded at `at` (entries that have left the window are
+    /// gone, and so is what they held).
+    #[inline]
+    pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64) {
+        let mut left = units;
+        let mut index = state.entries.len();
+        while left > 0 && index > 0 {
+            index -= 1;
+            let (time, held) = &mut state.entries[index];
+            if *time < at {
+                break;
+            }
+            if *time == at {
+                let taken = left.min(*held);
+                *held -= taken;
+                left -= taken;
+                state.total -= taken;
+            }
+        }
+        state.entries.retain(|&(_, held)| held > 0);
+    }
+
     /// The draft-11 effective window: nanoseconds until the oldest counted entry leaves
     /// (a whole window when the log is empty).
     #[inline]

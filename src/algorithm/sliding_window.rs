@@ -268,6 +268,27 @@ impl SlidingWindow {
         }
     }
 
+    /// Gives back `units` debited at `at` from the sub-window they were counted in, while
+    /// it is still counted.
+    #[inline]
+    pub fn refund<C: AsMut<Counts>>(
+        &self,
+        state: &mut CounterState<C>,
+        _now: u64,
+        units: u64,
+        at: u64,
+    ) {
+        let at_index = at / self.span();
+        let counts = state.counts.as_mut();
+        let Some(age) = state.index.checked_sub(at_index) else {
+            return;
+        };
+        if let Some(position) = (counts.len() as u64 - 1).checked_sub(age) {
+            let count = &mut counts[position as usize];
+            *count = count.saturating_sub(units);
+        }
+    }
+
     /// The draft-11 effective window: nanoseconds until one more unit fits after the
     /// `remaining` units were spent now (0 if one more fits even then).
     #[inline]

@@ -90,6 +90,17 @@ impl TokenBucket {
             .set(state.level.get() + u128::from(cost) * u128::from(self.period));
     }
 
+    /// Puts `units` back in the bucket, never above full.
+    #[inline]
+    pub fn refund(&self, state: &mut BucketState, _now: u64, units: u64, _at: u64) {
+        state.level.set(
+            state
+                .level
+                .get()
+                .saturating_sub(u128::from(units) * u128::from(self.period)),
+        );
+    }
+
     /// The draft-11 effective window: nanoseconds until one more token is there after the
     /// `remaining` were taken now (what `commit(remaining)` then `check(1)` would say,
     /// without a copy of the state).

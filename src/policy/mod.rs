@@ -76,6 +76,9 @@ pub enum QuotaUnit {
     /// vendor-prefixed parameter `tollgate-qu="graphql-points"`, as the draft asks of
     /// implementation-specific parameters.
     GraphqlPoints,
+    /// Requests in progress at once: `qu="concurrent-requests"`. Every
+    /// [`Policy::concurrency`] policy counts this unit.
+    ConcurrentRequests,
 }
 
 /// The shortest window or period a policy accepts.
@@ -87,6 +90,10 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(10 * 366 * 24 * 60 * 60);
 /// The most sub-windows a sliding window counter may be cut into
 /// ([`Policy::sliding_window_split`]); its state holds one counter more than that.
 pub const MAX_SUB_WINDOWS: u32 = 64;
+
+/// How long a shared store keeps an in-flight slot whose holder never gave it back, unless
+/// [`Policy::concurrency_with_lease`] says otherwise.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 
 /// The longest a shaping leaky bucket may hold a request back.
 pub const MAX_SHAPING_DELAY: Duration = Duration::from_secs(60 * 60);
@@ -198,6 +205,10 @@ impl Policy {
                     max_delay,
                 }
             }
+            Algorithm::Concurrency { limit, lease } => Params::InFlight {
+                limit: check.count("limit", limit)?,
+                lease: check.duration("lease", lease, MIN_PERIOD, MAX_PERIOD)?,
+            },
             Algorithm::Gcra { rate, burst } => {
                 let burst = check.count("burst", burst)?;
                 let (amount, period) = check.rate("rate amount", rate)?;
@@ -214,7 +225,10 @@ impl Policy {
                 algorithm,
                 params,
                 id: policy_id(name, algorithm),
-                unit: QuotaUnit::Requests,
+                unit: match algorithm {
+                    Algorithm::Concurrency { .. } => QuotaUnit::ConcurrentRequests,
+                    _ => QuotaUnit::Requests,
+                },
             }),
         })
     }
@@ -334,6 +348,39 @@ impl Policy {
         max_delay: Duration,
     ) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::LeakyShaping { leak, max_delay })
+    }
+
+    /// An in-flight (concurrency) limit: at most `limit` requests of a key in progress at
+    /// once, as GitHub's 100 concurrent requests per user. A request takes a slot when it
+    /// is admitted and gives it back when its response body has been sent or dropped
+    /// (client gone, handler panicked, timed out). On Redis a slot whose holder died
+    /// expires after [`DEFAULT_LEASE`]; see [`Policy::concurrency_with_lease`].
+    ///
+    /// Advertised as `qu="concurrent-requests"`, with no window. A denied request is told
+    /// to retry after one second: when a slot frees depends on other requests.
+    ///
+    /// ```
+    /// use tollgate::policy::QuotaUnit;
+    /// use tollgate::Policy;
+    ///
+    /// let inflight = Policy::concurrency("inflight", 2)?;
+    /// assert_eq!(inflight.limit(), 2);
+    /// assert_eq!(inflight.unit(), QuotaUnit::ConcurrentRequests);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn concurrency(name: &str, limit: u64) -> Result<Self, PolicyError> {
+        Self::concurrency_with_lease(name, limit, DEFAULT_LEASE)
+    }
+
+    /// An in-flight limit whose slots a shared store keeps at most `lease` when their
+    /// holder never gives them back. Choose it longer than your longest request: a
+    /// request still running when its lease ends no longer holds its slot.
+    pub fn concurrency_with_lease(
+        name: &str,
+        limit: u64,
+        lease: Duration,
+    ) -> Result<Self, PolicyError> {
+        Self::build(name, Algorithm::Concurrency { limit, lease })
     }
 
     /// GCRA: a sustained `rate` with bursts of up to `burst` units back to back.

@@ -34,6 +34,8 @@ struct PolicySetInner {
     fingerprint: u64,
     /// This set's own number, never reused in the process (per-thread caches key by it).
     serial: u64,
+    /// True when a policy is an in-flight limit.
+    in_flight: bool,
     /// One value derived from the set, computed once by whoever needs it (the layer keeps
     /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -72,11 +74,13 @@ impl PolicySet {
                 (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
             });
         static SERIALS: AtomicU64 = AtomicU64::new(1);
+        let in_flight = policies.iter().any(|policy| policy.params().is_in_flight());
         PolicySet {
             inner: Arc::new(PolicySetInner {
                 policies: policies.into_boxed_slice(),
                 fingerprint,
                 serial: SERIALS.fetch_add(1, Ordering::Relaxed),
+                in_flight,
                 derived: OnceLock::new(),
             }),
         }
@@ -103,6 +107,13 @@ impl PolicySet {
     /// A number no other set in this process has (never 0): clones share it.
     pub(crate) fn serial(&self) -> u64 {
         self.inner.serial
+    }
+
+    /// True when a policy of the set is an in-flight limit (its requests hold a slot until
+    /// they end).
+    #[inline]
+    pub(crate) fn has_in_flight(&self) -> bool {
+        self.inner.in_flight
     }
 
     /// True when both are clones of one set.

@@ -70,4 +70,16 @@ pub enum Algorithm {
         /// How many units may arrive back to back.
         burst: u64,
     },
+    /// In-flight (concurrency) limit: at most `limit` requests of a key in progress at
+    /// once. A slot is taken when a request is admitted and given back when its response
+    /// body ends or is dropped, however the request ends.
+    Concurrency {
+        /// Requests in progress at once.
+        limit: u64,
+        /// How long a shared store (Redis) keeps a slot whose holder never gave it back
+        /// (a replica that died): the slot expires by itself after this. A request that
+        /// runs longer than its lease loses the slot then. The in-process store has no
+        /// such holders and ignores it.
+        lease: Duration,
+    },
 }

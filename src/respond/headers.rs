@@ -250,10 +250,16 @@ pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
         out.extend_from_slice(policy.name().as_bytes());
         out.extend_from_slice(b"\";q=");
         push_number(&mut out, policy.limit());
-        out.extend_from_slice(b";w=");
-        push_number(&mut out, seconds_ceil(policy.window()).max(1));
+        // An in-flight quota has no time window: `w` is optional (draft-11, section 3.1).
+        if policy.unit() != QuotaUnit::ConcurrentRequests {
+            out.extend_from_slice(b";w=");
+            push_number(&mut out, seconds_ceil(policy.window()).max(1));
+        }
         match policy.unit() {
             QuotaUnit::Requests => {}
+            QuotaUnit::ConcurrentRequests => {
+                out.extend_from_slice(b";qu=\"concurrent-requests\"");
+            }
             QuotaUnit::ContentBytes => out.extend_from_slice(b";qu=\"content-bytes\""),
             QuotaUnit::GraphqlPoints => {
                 out.extend_from_slice(b";tollgate-qu=\"graphql-points\"");
@@ -382,8 +388,11 @@ pub(crate) fn rate_limit_headers(
                     out.extend_from_slice(policy.name().as_bytes());
                     out.extend_from_slice(b"\";r=");
                     push_number(out, status.remaining);
-                    out.extend_from_slice(b";t=");
-                    push_number(out, effective_secs(status.effective_window, extra));
+                    // `t` is optional (draft-11, section 4.1); an in-flight quota has none.
+                    if policy.unit() != QuotaUnit::ConcurrentRequests {
+                        out.extend_from_slice(b";t=");
+                        push_number(out, effective_secs(status.effective_window, extra));
+                    }
                     if let Some(keyer) = &options.partition_key {
                         push_partition_key(out, keyer, key);
                     }

@@ -18,6 +18,7 @@ use crate::decision::{Decision, Outcome};
 use crate::failure::{Breaker, FailureMode, ProbeGuard};
 use crate::key::Key;
 use crate::policy::PolicySet;
+use crate::settle::{Debit, Settle};
 use crate::store::StoreError;
 use crate::telemetry;
 use headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
@@ -44,6 +45,8 @@ pub(crate) type DenyHook = Arc<dyn Fn(&Rejection<'_>) -> Response<Bytes> + Send 
 /// What turns a decision into a response; shared with futures that decide later.
 pub(crate) struct Responder {
     pub(crate) headers: HeaderOptions,
+    /// How admitted requests' costs are settled once their response is known.
+    pub(crate) settle: Option<Settle>,
     pub(crate) on_deny: Option<DenyHook>,
     pub(crate) failure_mode: FailureMode,
     pub(crate) breaker: Arc<Breaker>,
@@ -61,10 +64,11 @@ pub(crate) enum StoreAnswer<'a> {
 /// What to do with a request once its decision is known. The request itself stays where
 /// it is: moving it through here cost a measurable share of the layer's overhead.
 pub(crate) enum Plan {
-    /// Call the inner service, then add the headers.
-    Call(HeaderBlock),
+    /// Call the inner service, then add the headers. The debit comes along when it must
+    /// be kept until the response (to settle it, or to free in-flight slots).
+    Call(HeaderBlock, Option<Debit>),
     /// Hold the request back (shaping), then call.
-    Delay(Duration, HeaderBlock),
+    Delay(Duration, HeaderBlock, Option<Debit>),
     /// Answer without calling the inner service.
     Respond(Box<Response<Bytes>>),
 }
@@ -79,6 +83,7 @@ impl Responder {
         probe: Option<&ProbeGuard>,
     ) -> Plan {
         let (fallback_decision, fallback_policies);
+        let mut from_fallback = false;
         let (decision, policies) = match answer {
             StoreAnswer::Decided(decision) => {
                 // An answer a store gave from a local cache says nothing of the store
@@ -114,6 +119,7 @@ impl Responder {
                 match self.on_failure(policies, key, cost) {
                     // The headers describe the policies that decided (scaled or not).
                     Ok((decision, applied)) => {
+                        from_fallback = true;
                         fallback_decision = decision;
                         fallback_policies = applied;
                         (&fallback_decision, &fallback_policies)
@@ -125,9 +131,15 @@ impl Responder {
         telemetry::decision(policies, decision, key);
         let extra = jitter_secs(self.headers.jitter);
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
+        let debit = || {
+            (self.settle.is_some() || policies.has_in_flight()).then(|| Debit {
+                receipt: decision.receipt(),
+                fallback: from_fallback.then(|| policies.clone()),
+            })
+        };
         match decision.outcome() {
-            Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers),
-            Outcome::Allowed { delay } => Plan::Delay(delay, headers),
+            Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers, debit()),
+            Outcome::Allowed { delay } => Plan::Delay(delay, headers, debit()),
             Outcome::Denied {
                 policy,
                 retry_after,
@@ -184,7 +196,7 @@ impl Responder {
     ) -> Result<(Decision, PolicySet), Plan> {
         match &self.failure_mode {
             FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
-            FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default())),
+            FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
             FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
         }
     }

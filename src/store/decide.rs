@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 use crate::algorithm::{Slot, Verdict};
 use crate::decision::{Decision, Outcome, PolicyStatus};
 use crate::policy::Policy;
+use crate::store::Adjustment;
 
 /// Decides `cost` units against every policy, all-or-nothing.
 ///
@@ -59,13 +60,68 @@ pub(crate) fn decide(
         }
     };
     let admitted = matches!(outcome, Outcome::Allowed { .. });
+    if admitted {
+        for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
+            policy.params().commit(slot, now, cost);
+        }
+    }
+    let (statuses, fresh_at) = statuses(policies, slots, now);
+    (Decision::with_statuses(outcome, statuses), fresh_at)
+}
+
+/// Adjusts an admitted request's debit (see `Store::adjust`): settles the rate policies
+/// from the reserved to the actual units, or frees the in-flight slots. Every policy's
+/// status afterwards, and the time the key's state is fresh again.
+pub(crate) fn adjust(
+    policies: &[Policy],
+    slots: &mut [Slot],
+    now: u64,
+    adjustment: &Adjustment,
+) -> (Decision, u64) {
+    debug_assert_eq!(policies.len(), slots.len());
+    let (reserved, actual) = (adjustment.reserved(), adjustment.actual());
+    let at = adjustment.receipt().at();
+    for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
+        let params = policy.params();
+        params.refresh(slot, now);
+        if params.is_in_flight() {
+            if adjustment.is_release() && reserved > 0 {
+                params.refund(slot, now, 1, at);
+            }
+        } else if adjustment.is_release() {
+            // A release settles nothing.
+        } else if actual < reserved {
+            params.refund(slot, now, reserved - actual, at);
+        } else if actual > reserved {
+            // Charged as far as the policy has room: never below empty.
+            let room = params.snapshot(slot, now).remaining;
+            let extra = (actual - reserved).min(room);
+            if extra > 0 {
+                params.commit(slot, now, extra);
+            }
+        }
+    }
+    let (statuses, fresh_at) = statuses(policies, slots, now);
+    let decision = Decision::with_statuses(
+        Outcome::Allowed {
+            delay: Duration::ZERO,
+        },
+        statuses,
+    );
+    (decision, fresh_at)
+}
+
+/// Every policy's status now, and the time the key's state is fresh again.
+#[inline]
+fn statuses(
+    policies: &[Policy],
+    slots: &mut [Slot],
+    now: u64,
+) -> (SmallVec<[PolicyStatus; 2]>, u64) {
     let mut fresh_at = 0;
     let mut statuses = SmallVec::new();
     for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
         let params = policy.params();
-        if admitted {
-            params.commit(slot, now, cost);
-        }
         let snapshot = params.snapshot(slot, now);
         fresh_at = fresh_at.max(snapshot.fresh_at);
         statuses.push(PolicyStatus {
@@ -79,5 +135,5 @@ pub(crate) fn decide(
             )),
         });
     }
-    (Decision::with_statuses(outcome, statuses), fresh_at)
+    (statuses, fresh_at)
 }

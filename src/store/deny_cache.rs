@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{DecideFuture, Store, StoreError};
+use super::{Adjustment, DecideFuture, Store, StoreError};
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
@@ -161,9 +161,12 @@ impl<S: Store> Store for DenyCache<S> {
                 ));
             }
         }
+        // An in-flight limit's denial ends when some request ends, not at its retry
+        // time: it is never cached.
+        let cacheable = !policies.iter().any(|policy| policy.params().is_in_flight());
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
-                if let Ok(decision) = &result {
+                if let (Ok(decision), true) = (&result, cacheable) {
                     self.shared.record(cache_key, cost, decision);
                 }
                 DecideFuture::ready(result)
@@ -172,13 +175,21 @@ impl<S: Store> Store for DenyCache<S> {
                 let shared = Arc::clone(&self.shared);
                 DecideFuture::new(async move {
                     let result = pending.await;
-                    if let Ok(decision) = &result {
+                    if let (Ok(decision), true) = (&result, cacheable) {
                         shared.record(cache_key, cost, decision);
                     }
                     result
                 })
             }
         }
+    }
+
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        // Units given back may admit what was denied: cached denials of the key go.
+        self.shared
+            .denials
+            .remove(&(key.clone(), policies.fingerprint()));
+        self.inner.adjust(key, policies, adjustment)
     }
 }
 

@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use compact_str::CompactString;
 
-use super::{DecideFuture, Store};
+use super::{Adjustment, DecideFuture, Store};
 use crate::algorithm::Slot;
 use crate::clock::{Clock, MonotonicClock};
-use crate::decision::Decision;
+use crate::decision::{Decision, Receipt};
 use crate::key::Key;
 use crate::policy::PolicySet;
 
@@ -556,7 +556,10 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         let vacant = match table.find(hash, key) {
-            Ok(index) => return decide_entry(table.slab.get_mut(index), policies, now, cost),
+            Ok(index) => {
+                return decide_entry(table.slab.get_mut(index), policies, now, cost)
+                    .with_receipt(Receipt::new(now, 0));
+            }
             Err(vacant) => vacant,
         };
         let mut entry = Entry {
@@ -574,7 +577,52 @@ impl<C: Clock> MemoryStore<C> {
             }
             table.insert(hash, entry, vacant, &self.shared.hasher);
         }
-        decision
+        decision.with_receipt(Receipt::new(now, 0))
+    }
+
+    /// Adjusts an admitted request's debit now, synchronously (see [`Store::adjust`]).
+    /// A key the store no longer holds has nothing to give back: its statuses are those
+    /// of fresh state, and nothing is stored.
+    ///
+    /// ```
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
+    ///
+    /// let store = MemoryStore::new();
+    /// let inflight = PolicySet::from(Policy::concurrency("inflight", 2)?);
+    /// let first = store.check("team-a", &inflight, 1);
+    /// assert!(store.check("team-a", &inflight, 1).is_allowed());
+    /// assert!(!store.check("team-a", &inflight, 1).is_allowed());
+    /// // The first request ends: its slot is free again.
+    /// store.adjust_now("team-a", &inflight, &Adjustment::release(1, first.receipt()));
+    /// assert!(store.check("team-a", &inflight, 1).is_allowed());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn adjust_now(&self, key: &str, policies: &PolicySet, adjustment: &Adjustment) -> Decision {
+        let now = self.shared.clock.now();
+        let hash = self.shared.hasher.hash_one(key);
+        let mut table = lock(self.shard(hash));
+        match table.find(hash, key) {
+            Ok(index) => {
+                let entry = table.slab.get_mut(index);
+                let slots = entry.slots.arrange(policies);
+                let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
+                // A key holding in-flight slots is never fresh; once they are freed its
+                // freshness is its rate policies' again (of this set: a key under
+                // several sets may then be forgotten a little early).
+                entry.fresh_at = if entry.fresh_at == u64::MAX {
+                    fresh_at
+                } else {
+                    entry.fresh_at.max(fresh_at)
+                };
+                decision
+            }
+            Err(_) => {
+                drop(table);
+                let mut slots = Slots::new(policies);
+                let settle = Adjustment::settle(0, 0, adjustment.receipt());
+                super::decide::adjust(policies, slots.arrange(policies), now, &settle).0
+            }
+        }
     }
 
     fn make_room(&self, table: &mut Table, now: u64) {
@@ -666,6 +714,10 @@ impl<C: Clock> Store for MemoryStore<C> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         DecideFuture::ready(Ok(self.check(key.as_str(), policies, cost)))
+    }
+
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        DecideFuture::ready(Ok(self.adjust_now(key.as_str(), policies, adjustment)))
     }
 }
 

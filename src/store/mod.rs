@@ -20,12 +20,12 @@ pub use deny_cache::DenyCache;
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{
-    DEFAULT_PREFIX, FIXED_WINDOW_SCRIPT, GCRA_SCRIPT, LEAKY_SHAPE_SCRIPT, MULTI_POLICY_SCRIPT,
-    RedisKeys, RedisStore, SLIDING_LOG_SCRIPT, SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT,
-    decision_script,
+    ADJUST_SCRIPT, DEFAULT_PREFIX, FIXED_WINDOW_SCRIPT, GCRA_SCRIPT, IN_FLIGHT_SCRIPT,
+    LEAKY_SHAPE_SCRIPT, MULTI_POLICY_SCRIPT, RedisKeys, RedisStore, SLIDING_LOG_SCRIPT,
+    SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT, decision_script,
 };
 
-use crate::decision::Decision;
+use crate::decision::{Decision, Receipt};
 use crate::key::Key;
 use crate::policy::PolicySet;
 
@@ -73,6 +73,97 @@ pub trait Store: Send + Sync + 'static {
         let _ = policies;
         Ok(())
     }
+
+    /// Adjusts an admitted request's debit once its response is known, atomically, and
+    /// answers every policy's status afterwards (the outcome is `Allowed`):
+    ///
+    /// - settles the rate policies from `reserved` to `actual` units: the difference is
+    ///   given back (as far as the state still holds it: a window that has ended is not
+    ///   reopened, a bucket is never filled above full) or charged (as far as the policy
+    ///   has room: a settle never takes a quota below empty);
+    /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
+    ///
+    /// The default refuses with [`StoreErrorKind::Unsupported`]: the layer then logs the
+    /// error and the debit stays as it was.
+    ///
+    /// ```
+    /// use tollgate::{Adjustment, Key, MemoryStore, Policy, PolicySet, Rate, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let tokens = PolicySet::from(Policy::token_bucket("tokens", 1000, Rate::per_minute(1000))?);
+    /// let key = Key::new("team-a");
+    /// // Reserve 500, then settle to the 120 the response actually used.
+    /// let reserved = store.decide(&key, &tokens, 500).await?;
+    /// assert_eq!(reserved.statuses()[0].remaining, 500);
+    /// let settled = store
+    ///     .adjust(&key, &tokens, &Adjustment::settle(500, 120, reserved.receipt()))
+    ///     .await?;
+    /// assert_eq!(settled.statuses()[0].remaining, 880);
+    /// # Ok(()) }
+    /// ```
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        let _ = (key, policies, adjustment);
+        DecideFuture::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot settle costs or free in-flight slots",
+        )))
+    }
+}
+
+/// A change to an admitted request's debit, made once its response is known (see
+/// [`Store::adjust`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Adjustment {
+    reserved: u64,
+    actual: u64,
+    receipt: Receipt,
+    release: bool,
+}
+
+impl Adjustment {
+    /// Settles a request that reserved `reserved` units to the `actual` units it used;
+    /// `receipt` is the one its decision carried.
+    pub const fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
+        Self {
+            reserved,
+            actual,
+            receipt,
+            release: false,
+        }
+    }
+
+    /// Frees the in-flight slots of a request of `cost` (it took one per in-flight policy
+    /// when `cost` was not 0); its rate policies are left as they are.
+    pub const fn release(cost: u64, receipt: Receipt) -> Self {
+        Self {
+            reserved: cost,
+            actual: cost,
+            receipt,
+            release: true,
+        }
+    }
+
+    /// The units debited when the request was admitted.
+    pub const fn reserved(&self) -> u64 {
+        self.reserved
+    }
+
+    /// The units the request used.
+    pub const fn actual(&self) -> u64 {
+        self.actual
+    }
+
+    /// The decision's receipt.
+    pub const fn receipt(&self) -> Receipt {
+        self.receipt
+    }
+
+    /// True when this frees in-flight slots (and settles nothing).
+    pub const fn is_release(&self) -> bool {
+        self.release
+    }
 }
 
 /// A shared store: `Arc<dyn Store>` picks Redis or memory at run time behind one type,
@@ -81,6 +172,10 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         (**self).decide(key, policies, cost)
+    }
+
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        (**self).adjust(key, policies, adjustment)
     }
 
     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
@@ -92,6 +187,10 @@ impl<S: Store + ?Sized> Store for Box<S> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         (**self).decide(key, policies, cost)
+    }
+
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        (**self).adjust(key, policies, adjustment)
     }
 
     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {

@@ -9,24 +9,27 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use smallvec::SmallVec;
 
-use super::{DecideFuture, Store, StoreError, StoreErrorKind};
+use super::{Adjustment, DecideFuture, Store, StoreError, StoreErrorKind};
 use crate::algorithm::Params;
-use crate::decision::{Decision, Outcome, PolicyStatus};
+use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
 
 /// A decision script: the prelude, the algorithms it knows, and the decision loop.
 macro_rules! script {
     ($(($kind:literal, $file:literal)),+) => {
+        script!(main: "main.lua", $(($kind, $file)),+)
+    };
+    (main: $main:literal, $(($kind:literal, $file:literal)),+) => {
         concat!(
             include_str!("../../lua/prelude.lua"),
             "local algorithms = {}\n",
             $(
                 "algorithms.", $kind, " = (function()\n",
                 include_str!(concat!("../../lua/", $file)),
-                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot }\nend)()\n",
+                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund }\nend)()\n",
             )+
-            include_str!("../../lua/main.lua")
+            include_str!(concat!("../../lua/", $main))
         )
     };
 }
@@ -43,6 +46,20 @@ pub const TOKEN_BUCKET_SCRIPT: &str = script!(("tb", "token_bucket.lua"));
 pub const LEAKY_SHAPE_SCRIPT: &str = script!(("ls", "leaky_shape.lua"));
 /// The script of requests under one GCRA policy.
 pub const GCRA_SCRIPT: &str = script!(("gc", "gcra.lua"));
+/// The script of requests under one in-flight (concurrency) policy.
+pub const IN_FLIGHT_SCRIPT: &str = script!(("cc", "in_flight.lua"));
+/// The script that adjusts an admitted request's debit once its response is known
+/// (settles a reserved cost, frees in-flight slots): every algorithm.
+pub const ADJUST_SCRIPT: &str = script!(
+    main: "adjust.lua",
+    ("fw", "fixed_window.lua"),
+    ("sw", "sliding_window.lua"),
+    ("sl", "sliding_log.lua"),
+    ("tb", "token_bucket.lua"),
+    ("ls", "leaky_shape.lua"),
+    ("gc", "gcra.lua"),
+    ("cc", "in_flight.lua")
+);
 /// The script of requests under several policies: every algorithm, all-or-nothing.
 pub const MULTI_POLICY_SCRIPT: &str = script!(
     ("fw", "fixed_window.lua"),
@@ -50,25 +67,28 @@ pub const MULTI_POLICY_SCRIPT: &str = script!(
     ("sl", "sliding_log.lua"),
     ("tb", "token_bucket.lua"),
     ("ls", "leaky_shape.lua"),
-    ("gc", "gcra.lua")
+    ("gc", "gcra.lua"),
+    ("cc", "in_flight.lua")
 );
 
 /// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
 /// policies.
 struct Scripts {
-    single: [Script; 6],
+    single: [Script; 7],
     multi: Script,
+    adjust: Script,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
-const KINDS: [&str; 6] = ["fw", "sw", "sl", "tb", "ls", "gc"];
-const SINGLE_SCRIPTS: [&str; 6] = [
+const KINDS: [&str; 7] = ["fw", "sw", "sl", "tb", "ls", "gc", "cc"];
+const SINGLE_SCRIPTS: [&str; 7] = [
     FIXED_WINDOW_SCRIPT,
     SLIDING_WINDOW_SCRIPT,
     SLIDING_LOG_SCRIPT,
     TOKEN_BUCKET_SCRIPT,
     LEAKY_SHAPE_SCRIPT,
     GCRA_SCRIPT,
+    IN_FLIGHT_SCRIPT,
 ];
 
 fn kind_index(kind: &str) -> Option<usize> {
@@ -80,6 +100,7 @@ impl Scripts {
         Self {
             single: SINGLE_SCRIPTS.map(Script::new),
             multi: Script::new(MULTI_POLICY_SCRIPT),
+            adjust: Script::new(ADJUST_SCRIPT),
         }
     }
 
@@ -498,8 +519,75 @@ impl Store for RedisStore {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let lease = if policies.iter().any(|policy| policy.params().is_in_flight()) {
+            lease_id()
+        } else {
+            0
+        };
+        let invocation = match self.invocation(key, policies, cost, lease) {
+            Ok(invocation) => invocation,
+            Err(error) => return DecideFuture::ready(Err(error)),
+        };
+        let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
+        DecideFuture::new(async move {
+            // One policy: that algorithm's own, smaller script; several: the full one.
+            let script = match invocation.single_kind {
+                Some(kind) if invocation.count == 1 => {
+                    scripts.for_kind(kind).unwrap_or(&scripts.multi)
+                }
+                _ => &scripts.multi,
+            };
+            let reply = invoke(&backend, script, &invocation).await?;
+            parse_reply(&reply, invocation.count, cost, lease)
+        })
+    }
+
+    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        let receipt = adjustment.receipt();
+        let mut invocation =
+            match self.invocation(key, policies, adjustment.reserved(), receipt.lease()) {
+                Ok(invocation) => invocation,
+                Err(error) => return DecideFuture::ready(Err(error)),
+            };
+        invocation.args.push(
+            adjustment
+                .actual()
+                .min(crate::policy::MAX_LIMIT + 1)
+                .to_string(),
+        );
+        invocation.args.push((receipt.at() / 1_000).to_string());
+        invocation
+            .args
+            .push(if adjustment.is_release() { "1" } else { "0" }.to_owned());
+        let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
+        DecideFuture::new(async move {
+            let reply = invoke(&backend, &scripts.adjust, &invocation).await?;
+            parse_reply(&reply, invocation.count, 0, receipt.lease())
+        })
+    }
+}
+
+/// One script call's keys and arguments.
+struct Invocation {
+    keys: Vec<String>,
+    args: Vec<String>,
+    count: usize,
+    /// The algorithm of the last policy (the script of a one-policy set).
+    single_kind: Option<&'static str>,
+}
+
+impl RedisStore {
+    /// The keys and arguments of a decision of `cost` for `key` under `policies`;
+    /// in-flight policies name their slot `lease`.
+    fn invocation(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        cost: u64,
+        lease: u64,
+    ) -> Result<Invocation, StoreError> {
         let mut keys = Vec::with_capacity(2 * policies.len());
-        let mut args: Vec<String> = Vec::with_capacity(3 + 4 * policies.len());
+        let mut args: Vec<String> = Vec::with_capacity(6 + 4 * policies.len());
         args.push(self.now_argument());
         // A cost above every limit is "never fits" whatever its size: send one the script's
         // doubles hold exactly.
@@ -507,10 +595,8 @@ impl Store for RedisStore {
         args.push(policies.len().to_string());
         let mut single_kind = None;
         for policy in policies.iter() {
-            let (kind, p1, p2, p3) = match script_args(policy) {
-                Ok(args) => args,
-                Err(error) => return DecideFuture::ready(Err(error)),
-            };
+            let (kind, p1, p2, p3) = script_args(policy)?;
+            let p3 = if kind == "cc" { lease } else { p3 };
             single_kind = Some(kind);
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
@@ -520,66 +606,85 @@ impl Store for RedisStore {
             args.push(p2.to_string());
             args.push(p3.to_string());
         }
-        let (backend, scripts, count) = (
-            self.backend.clone(),
-            Arc::clone(&self.scripts),
-            policies.len(),
-        );
-        DecideFuture::new(async move {
-            // One policy: that algorithm's own, smaller script; several: the full one.
-            let script = match single_kind {
-                Some(kind) if count == 1 => scripts.for_kind(kind).unwrap_or(&scripts.multi),
-                _ => &scripts.multi,
-            };
-            let mut invocation = script.prepare_invoke();
-            for key in &keys {
-                invocation.key(key);
-            }
-            for arg in &args {
-                invocation.arg(arg);
-            }
-            let reply: Vec<i64> = match backend {
-                Backend::Manager(mut connection) => invocation.invoke_async(&mut connection).await,
-                Backend::Cluster(mut connection) => invocation.invoke_async(&mut connection).await,
-                Backend::Pool(pool) => {
-                    let mut connection = pool.get().await.map_err(|error| {
-                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
-                    })?;
-                    invocation.invoke_async(&mut connection).await
-                }
-                Backend::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(|error| {
-                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
-                    })?;
-                    invocation.invoke_async(&mut connection).await
-                }
-            }
-            .map_err(store_error)?;
-            parse_reply(&reply, count, cost)
+        Ok(Invocation {
+            keys,
+            args,
+            count: policies.len(),
+            single_kind,
         })
     }
+}
+
+/// A fresh name for one request's in-flight slots: random, below 2^52 so the scripts'
+/// doubles hold it exactly.
+fn lease_id() -> u64 {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+    // A per-process random seed, and a sequence that never repeats within the process.
+    let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+    let random = foldhash::fast::RandomState::default().hash_one(sequence);
+    (random & ((1 << 52) - 1)).max(1)
+}
+
+/// Runs `script` with the invocation's keys and arguments on `backend`.
+async fn invoke(
+    backend: &Backend,
+    script: &Script,
+    invocation: &Invocation,
+) -> Result<Vec<i64>, StoreError> {
+    let mut call = script.prepare_invoke();
+    for key in &invocation.keys {
+        call.key(key);
+    }
+    for arg in &invocation.args {
+        call.arg(arg);
+    }
+    match backend.clone() {
+        Backend::Manager(mut connection) => call.invoke_async(&mut connection).await,
+        Backend::Cluster(mut connection) => call.invoke_async(&mut connection).await,
+        Backend::Pool(pool) => {
+            let mut connection = pool
+                .get()
+                .await
+                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            call.invoke_async(&mut connection).await
+        }
+        Backend::ClusterPool(pool) => {
+            let mut connection = pool
+                .get()
+                .await
+                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            call.invoke_async(&mut connection).await
+        }
+    }
+    .map_err(store_error)
 }
 
 fn micros(value: i64) -> Duration {
     Duration::from_micros(u64::try_from(value).unwrap_or(0))
 }
 
-fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, StoreError> {
-    if reply.len() != 4 + 4 * count {
+fn parse_reply(reply: &[i64], count: usize, cost: u64, lease: u64) -> Result<Decision, StoreError> {
+    if reply.len() != 5 + 4 * count {
         return Err(StoreError::new(
             StoreErrorKind::Protocol,
             format!(
                 "the decision script answered {} numbers, expected {}",
                 reply.len(),
-                4 + 4 * count
+                5 + 4 * count
             ),
         ));
     }
+    // The script's time, last: the receipt of the debit, on the nanosecond time line.
+    let at = u64::try_from(reply[4 + 4 * count])
+        .unwrap_or(0)
+        .saturating_mul(1_000);
     let policy = usize::try_from(reply[1])
         .unwrap_or(1)
         .saturating_sub(1)
         .min(count.saturating_sub(1));
-    let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..]
+    let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..4 + 4 * count]
         .chunks_exact(4)
         .map(|status| PolicyStatus {
             limit: u64::try_from(status[0]).unwrap_or(0),
@@ -608,7 +713,7 @@ fn parse_reply(reply: &[i64], count: usize, cost: u64) -> Result<Decision, Store
             ));
         }
     };
-    Ok(Decision::with_statuses(outcome, statuses))
+    Ok(Decision::with_statuses(outcome, statuses).with_receipt(Receipt::new(at, lease)))
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -672,6 +777,8 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
             let (amount, period) = rate(amount, period);
             ("gc", burst, amount, period)
         }
+        // p3 is each request's lease id, set where the request's arguments are built.
+        Params::InFlight { limit, lease } => ("cc", limit, to_micros(lease), 0),
     };
     // The largest number each script forms must stay below 2^53, where Lua's doubles are
     // exact. Windows never multiply the limit by the window (the counter's weighting goes
@@ -679,7 +786,7 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
     // the period, bounded by twice the capacity (a cost that fits is at most the capacity).
     let (kind, p1, p2, p3) = args;
     let largest = match kind {
-        "fw" | "sl" | "sw" => 0,
+        "fw" | "sl" | "sw" | "cc" => 0,
         "ls" => 2 * u128::from(p1) * u128::from(p2) + 2 * u128::from(p3),
         _ => 2 * u128::from(p1) * u128::from(p3) + u128::from(p2),
     };

@@ -1,0 +1,204 @@
+//! An LLM gateway behind tollgate: tokens reserved up front and settled to what the answer
+//! used, failed requests refunded, and a limit on streams in flight.
+//!
+//! ```text
+//! cargo run --example llm_gateway          # serves on 127.0.0.1:3000 ($PORT to change)
+//!
+//! # Reserves max_tokens (100), then settles to the 4 words of the prompt: RateLimit shows r=996.
+//! curl -i -H 'x-api-key: team-a' -H 'content-type: application/json' \
+//!      -d '{"prompt": "tell me a joke", "max_tokens": 100}' http://127.0.0.1:3000/v1/completions
+//! # The prompt "fail" is a 500, refunded in full.
+//! curl -i -H 'x-api-key: team-a' -H 'content-type: application/json' \
+//!      -d '{"prompt": "fail", "max_tokens": 100}' http://127.0.0.1:3000/v1/completions
+//! # max_tokens above the bucket's 1,000 can never fit: 400.
+//! curl -i -H 'x-api-key: team-a' -H 'content-type: application/json' \
+//!      -d '{"prompt": "hi", "max_tokens": 5000}' http://127.0.0.1:3000/v1/completions
+//! # A stream holds its response for 1 second; a third one at once is a 429.
+//! curl -i -H 'x-api-key: team-a' http://127.0.0.1:3000/v1/stream
+//! ```
+//!
+//! - `POST /v1/completions`, JSON `{"prompt": string, "max_tokens": int}`, keyed by
+//!   `x-api-key`: policy `tokens`, a token bucket of 1,000 refilled 1,000 per minute.
+//!   `max_tokens` is reserved when the request is admitted; the handler answers
+//!   `x-tokens-used: N` (the words of the prompt, at most `max_tokens`) and the charge is
+//!   settled to N before the response leaves, so its own `RateLimit` field shows it. A
+//!   prompt of exactly `fail` is a 500, and 5xx answers are refunded in full.
+//! - `GET /v1/stream`: policy `inflight`, at most 2 requests in flight per `x-api-key`;
+//!   each response streams for 1 second.
+
+#[path = "support/logging.rs"]
+mod logging;
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Value, json};
+use tollgate::cost::{FromExtension, RequestCost};
+use tollgate::key::HeaderKey;
+use tollgate::settle::Settle;
+use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer};
+
+/// The largest request body the gateway reads.
+const MAX_BODY: usize = 64 * 1024;
+
+/// The gateway over one in-process store.
+fn app(store: MemoryStore) -> Result<Router, PolicyError> {
+    let tokens = RateLimitLayer::new(store.clone())
+        .policy(Policy::token_bucket(
+            "tokens",
+            1_000,
+            Rate::per_minute(1_000),
+        )?)
+        .key(HeaderKey::new("x-api-key"))
+        .cost(FromExtension::or(1))
+        .settle(Settle::from_header("x-tokens-used").refund_if(|status| status.is_server_error()));
+    let inflight = RateLimitLayer::new(store)
+        .policy(Policy::concurrency("inflight", 2)?)
+        .key(HeaderKey::new("x-api-key"));
+    let completions = Router::new()
+        .route("/v1/completions", post(completions))
+        .layer(tokens)
+        // Outermost: reads max_tokens before the limiter reserves it.
+        .layer(middleware::from_fn(reserve_max_tokens));
+    let stream = Router::new()
+        .route("/v1/stream", get(stream))
+        .layer(inflight);
+    Ok(completions.merge(stream))
+}
+
+#[derive(serde::Deserialize)]
+struct Completion {
+    prompt: String,
+    max_tokens: u64,
+}
+
+/// Reads the request's `max_tokens` and hands it to the limiter as the request's cost.
+async fn reserve_max_tokens(request: Request, next: Next) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let bytes = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(bytes) => bytes,
+        Err(_) => {
+            return problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "the request body is too large",
+            );
+        }
+    };
+    let completion: Completion = match serde_json::from_slice(&bytes) {
+        Ok(completion) => completion,
+        Err(error) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                &format!(
+                    "expected JSON {{\"prompt\": string, \"max_tokens\": non-negative integer}}: {error}"
+                ),
+            );
+        }
+    };
+    parts.extensions.insert(RequestCost(completion.max_tokens));
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
+}
+
+/// The "model": answers with as many tokens as the prompt has words, at most max_tokens.
+async fn completions(Json(completion): Json<Completion>) -> Response {
+    if completion.prompt == "fail" {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "the model failed");
+    }
+    let used = (completion.prompt.split_whitespace().count() as u64).min(completion.max_tokens);
+    let text: Vec<&str> = completion
+        .prompt
+        .split_whitespace()
+        .take(used as usize)
+        .collect();
+    let mut response = Json(json!({
+        "text": text.join(" "),
+        "tokens_used": used,
+    }))
+    .into_response();
+    response
+        .headers_mut()
+        .insert("x-tokens-used", HeaderValue::from(used));
+    response
+}
+
+/// A stream of five chunks, one every 200 ms: the response lasts one second.
+async fn stream() -> Response {
+    Body::new(Ticks {
+        sent: 0,
+        sleep: Box::pin(tokio::time::sleep(TICK)),
+    })
+    .into_response()
+}
+
+const TICK: Duration = Duration::from_millis(200);
+
+struct Ticks {
+    sent: u8,
+    sleep: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl http_body::Body for Ticks {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.sent == 5 {
+            return Poll::Ready(None);
+        }
+        std::task::ready!(self.sleep.as_mut().poll(cx));
+        self.sent += 1;
+        let next = tokio::time::Instant::now() + TICK;
+        self.sleep.as_mut().reset(next);
+        let chunk = format!("chunk {}\n", self.sent);
+        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from(chunk)))))
+    }
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response {
+    let body: Value = json!({
+        "type": "about:blank",
+        "title": status.canonical_reason().unwrap_or("error"),
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = (status, Json(body)).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
+    let port: u16 = match std::env::var("PORT") {
+        Ok(port) => port
+            .parse()
+            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
+        Err(_) => 3000,
+    };
+    let app = app(MemoryStore::new())?;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let addr = listener.local_addr()?;
+    println!("tollgate LLM gateway listening on http://{addr}");
+    println!(
+        "POST /v1/completions: policy \"tokens\", 1000 tokens refilled 1000/min per x-api-key; \
+         max_tokens reserved, settled to x-tokens-used, 5xx refunded"
+    );
+    println!("GET  /v1/stream:      policy \"inflight\", 2 in flight per x-api-key");
+    axum::serve(listener, app).await?;
+    Ok(())
+}

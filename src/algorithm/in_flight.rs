@@ -1,0 +1,78 @@
+//! In-flight concurrency limit: at most `limit` requests of a key in progress at once.
+//! A request takes one slot when it is admitted and gives it back when it ends
+//! ([`InFlight::refund`]); time plays no part in the in-process state.
+
+use super::{Snapshot, Verdict};
+
+/// At most `limit` requests in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InFlight {
+    pub(super) limit: u64,
+}
+
+/// The slots taken now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InFlightState {
+    pub(super) count: u64,
+}
+
+/// What a denied request is told to wait: a slot frees when some request ends, which no
+/// state here can foresee.
+pub const IN_FLIGHT_RETRY: u64 = 1_000_000_000;
+
+impl InFlight {
+    /// At most `limit` requests in flight.
+    pub fn new(limit: u64) -> Option<Self> {
+        Some(Self { limit })
+    }
+
+    /// The slots a request of `cost` takes: one, or none for a request that spends nothing.
+    #[inline]
+    fn slots(cost: u64) -> u64 {
+        cost.min(1)
+    }
+
+    /// Nothing ages: slots come back only when requests end.
+    #[inline]
+    pub fn refresh(&self, _state: &mut InFlightState, _now: u64) {}
+
+    /// Is a slot free?
+    #[inline]
+    pub fn check(&self, state: &InFlightState, _now: u64, cost: u64) -> Verdict {
+        if state.count.saturating_add(Self::slots(cost)) <= self.limit {
+            Verdict::Admit { delay: 0 }
+        } else {
+            Verdict::Deny {
+                retry_after: IN_FLIGHT_RETRY,
+            }
+        }
+    }
+
+    /// Takes a slot.
+    #[inline]
+    pub fn commit(&self, state: &mut InFlightState, _now: u64, cost: u64) {
+        state.count = state.count.saturating_add(Self::slots(cost));
+    }
+
+    /// Gives `units` slots back.
+    #[inline]
+    pub fn refund(&self, state: &mut InFlightState, _now: u64, units: u64, _at: u64) {
+        state.count = state.count.saturating_sub(units);
+    }
+
+    /// No time window: the draft-11 `t` is not sent for this quota.
+    #[inline]
+    pub fn effective_window(&self, _state: &InFlightState, _now: u64, _remaining: u64) -> u64 {
+        0
+    }
+
+    /// The free slots; a key holding slots is never fresh (its state must be kept).
+    #[inline]
+    pub fn snapshot(&self, state: &InFlightState, _now: u64) -> Snapshot {
+        Snapshot {
+            remaining: self.limit.saturating_sub(state.count),
+            reset: 0,
+            fresh_at: if state.count > 0 { u64::MAX } else { 0 },
+        }
+    }
+}

@@ -1,0 +1,546 @@
+//! Reserve, then settle: costs known only after the response, refunds by outcome, and
+//! in-flight limits released however a request ends. In-process store, manual clock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::routing::get;
+use http::{HeaderValue, StatusCode};
+use http_body_util::BodyExt;
+use tollgate::clock::ManualClock;
+use tollgate::cost::{FromExtension, RequestCost};
+use tollgate::key::HeaderKey;
+use tollgate::settle::{ActualCost, Settle};
+use tollgate::{
+    Adjustment, FailureMode, Key, LocalFallback, MemoryStore, Policy, PolicySet, Rate,
+    RateLimitLayer, Store,
+};
+use tower::ServiceExt;
+
+fn store() -> (MemoryStore<ManualClock>, ManualClock) {
+    let clock = ManualClock::new();
+    (MemoryStore::builder().clock(clock.clone()).build(), clock)
+}
+
+/// A request for `key` whose reservation is `reserve` and whose handler reports `used`.
+fn request(key: &str, reserve: u64, used: Option<u64>, status: u16) -> Request {
+    let mut request = Request::get("/")
+        .header("x-api-key", key)
+        .header("x-used", used.map_or("none".to_owned(), |u| u.to_string()))
+        .header("x-status", status.to_string())
+        .body(Body::empty())
+        .unwrap();
+    request.extensions_mut().insert(RequestCost(reserve));
+    request
+}
+
+/// Answers with the status in `x-status` and the cost in `x-used` echoed as
+/// `x-tokens-used` (absent when it is "none").
+async fn echo(request: Request) -> http::Response<Body> {
+    let status: u16 = request.headers()["x-status"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut response = http::Response::new(Body::from("done"));
+    *response.status_mut() = StatusCode::from_u16(status).unwrap();
+    let used = request.headers()["x-used"].clone();
+    if used != "none" {
+        response.headers_mut().insert("x-tokens-used", used);
+    }
+    response
+}
+
+fn tokens() -> Policy {
+    // Refills one token a minute: a test's few manual seconds refill nothing.
+    Policy::token_bucket("tokens", 1_000, Rate::per_minute(1)).unwrap()
+}
+
+fn app<St: Store + Clone>(store: St, policy: Policy, settle: Settle) -> Router {
+    Router::new().route("/", get(echo)).layer(
+        RateLimitLayer::new(store)
+            .policy(policy)
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .settle(settle),
+    )
+}
+
+fn remaining(response: &http::Response<Body>) -> u64 {
+    let field = response.headers()["ratelimit"].to_str().unwrap();
+    let r = field.split(";r=").nth(1).unwrap();
+    r.split(';').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn the_response_headers_show_the_settled_charge() {
+    let (store, _clock) = store();
+    let app = app(
+        store.clone(),
+        tokens(),
+        Settle::from_header("X-Tokens-Used"),
+    );
+    // Reserve 100, use 4: the response already says 996 (draft-11 section 4.1, `r`).
+    let response = app
+        .clone()
+        .oneshot(request("a", 100, Some(4), 200))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-tokens-used"], "4");
+    assert_eq!(remaining(&response), 996);
+    let policies = PolicySet::from(tokens());
+    assert_eq!(
+        store.check("x-api-key:missing", &policies, 0).statuses()[0].remaining,
+        1000
+    );
+    // No actual cost named: the reservation stands.
+    let response = app
+        .clone()
+        .oneshot(request("a", 50, None, 200))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 946);
+    // An actual cost above the reservation is charged as far as there is room.
+    let response = app
+        .clone()
+        .oneshot(request("a", 10, Some(30), 200))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 916);
+    let response = app
+        .clone()
+        .oneshot(request("a", 900, Some(5_000), 200))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 0, "never below empty");
+}
+
+#[tokio::test]
+async fn server_errors_are_refunded_in_full() {
+    let (store, _clock) = store();
+    let settle = Settle::from_header("x-tokens-used").refund_if(|status| status.is_server_error());
+    let app = app(store, tokens(), settle);
+    let response = app
+        .clone()
+        .oneshot(request("a", 100, Some(40), 500))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(remaining(&response), 1000);
+    // A 4xx is not refunded: it is settled like any answer.
+    let response = app
+        .clone()
+        .oneshot(request("a", 100, Some(40), 404))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 960);
+    // Only refunds, no settling: reservations stand unless refunded.
+    let (store, _clock) = self::store();
+    let app = self::app(
+        store,
+        tokens(),
+        Settle::reserved().refund_if(|status| status == StatusCode::SERVICE_UNAVAILABLE),
+    );
+    let response = app
+        .clone()
+        .oneshot(request("b", 70, Some(1), 200))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 930);
+    let response = app
+        .clone()
+        .oneshot(request("b", 70, Some(1), 503))
+        .await
+        .unwrap();
+    assert_eq!(remaining(&response), 930);
+}
+
+#[tokio::test]
+async fn actual_costs_from_an_extension_or_a_closure() {
+    let (store, _clock) = store();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async { (axum::Extension(ActualCost(7)), "rows").into_response_parts_ok() }),
+        )
+        .layer(
+            RateLimitLayer::new(store.clone())
+                .policy(tokens())
+                .key(HeaderKey::new("x-api-key"))
+                .cost(FromExtension::or(1))
+                .settle(Settle::from_extension()),
+        );
+    let response = app.oneshot(request("a", 20, None, 200)).await.unwrap();
+    assert_eq!(remaining(&response), 993);
+
+    let calls = Arc::new(AtomicU64::new(0));
+    let seen = Arc::clone(&calls);
+    let settle = Settle::from_fn(move |head| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        let used: u64 = head
+            .headers()
+            .get("x-tokens-used")?
+            .to_str()
+            .ok()?
+            .parse()
+            .ok()?;
+        Some(used * 2)
+    });
+    let app = self::app(store, tokens(), settle);
+    let response = app.oneshot(request("b", 20, Some(3), 200)).await.unwrap();
+    assert_eq!(remaining(&response), 994);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// `(extension, body)` as a response, without the handler signature gymnastics.
+trait OkResponse {
+    fn into_response_parts_ok(self) -> axum::response::Response;
+}
+
+impl<T: axum::response::IntoResponse> OkResponse for T {
+    fn into_response_parts_ok(self) -> axum::response::Response {
+        self.into_response()
+    }
+}
+
+#[tokio::test]
+async fn a_malformed_actual_cost_keeps_the_reservation() {
+    let (store, _clock) = store();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                let mut response = http::Response::new(Body::from("x"));
+                response
+                    .headers_mut()
+                    .insert("x-tokens-used", HeaderValue::from_static("-5"));
+                response
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(tokens())
+                .key(HeaderKey::new("x-api-key"))
+                .cost(FromExtension::or(1))
+                .settle(Settle::from_header("x-tokens-used")),
+        );
+    let response = app.oneshot(request("a", 30, None, 200)).await.unwrap();
+    assert_eq!(remaining(&response), 970);
+}
+
+#[test]
+fn settles_give_back_only_what_the_state_still_holds() {
+    let (store, clock) = store();
+    let second = Duration::from_secs(1);
+    let cases = [
+        Policy::fixed_window("fw", 10, Duration::from_secs(10)).unwrap(),
+        Policy::sliding_log("sl", 10, Duration::from_secs(10)).unwrap(),
+        Policy::sliding_window("sw", 10, Duration::from_secs(10)).unwrap(),
+        Policy::sliding_window_split("sw5", 10, Duration::from_secs(10), 5).unwrap(),
+        Policy::token_bucket("tb", 10, Rate::new(1, Duration::from_secs(3600))).unwrap(),
+        Policy::leaky_bucket("lb", 10, Rate::new(1, Duration::from_secs(3600))).unwrap(),
+        Policy::gcra("gc", Rate::new(1, Duration::from_secs(3600)), 10).unwrap(),
+    ];
+    for policy in cases {
+        let name = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        let key = format!("key-{name}");
+        // Reserve 8, settle to 3 a second later: 5 come back.
+        let reserved = store.check(&key, &set, 8);
+        assert_eq!(reserved.statuses()[0].remaining, 2, "{name}");
+        clock.advance(second);
+        let settled = store.adjust_now(&key, &set, &Adjustment::settle(8, 3, reserved.receipt()));
+        assert_eq!(settled.statuses()[0].remaining, 7, "{name}");
+        // A second settle of the same receipt cannot give back more than is held.
+        let again = store.adjust_now(&key, &set, &Adjustment::settle(7, 0, reserved.receipt()));
+        assert!(again.statuses()[0].remaining <= 10, "{name}");
+    }
+    // A fixed window that has ended is not reopened: the refund is void.
+    let set = PolicySet::from(Policy::fixed_window("fw2", 10, Duration::from_secs(10)).unwrap());
+    clock.set(Duration::from_secs(100));
+    let reserved = store.check("late", &set, 6);
+    clock.set(Duration::from_secs(111));
+    store.check("late", &set, 9);
+    let settled = store.adjust_now("late", &set, &Adjustment::settle(6, 0, reserved.receipt()));
+    assert_eq!(
+        settled.statuses()[0].remaining,
+        1,
+        "the new window keeps its 9"
+    );
+    // A sliding log entry that has left the window gives nothing back.
+    let set = PolicySet::from(Policy::sliding_log("sl2", 10, Duration::from_secs(10)).unwrap());
+    clock.set(Duration::from_secs(200));
+    let reserved = store.check("gone", &set, 6);
+    clock.set(Duration::from_secs(211));
+    store.check("gone", &set, 4);
+    let settled = store.adjust_now("gone", &set, &Adjustment::settle(6, 0, reserved.receipt()));
+    assert_eq!(settled.statuses()[0].remaining, 6);
+    // A bucket is never filled above full.
+    let set = PolicySet::from(Policy::token_bucket("tb2", 10, Rate::per_second(1)).unwrap());
+    let reserved = store.check("full", &set, 5);
+    clock.advance(Duration::from_secs(60));
+    let settled = store.adjust_now("full", &set, &Adjustment::settle(5, 0, reserved.receipt()));
+    assert_eq!(settled.statuses()[0].remaining, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_settles_charge_exactly_the_actual_costs() {
+    // 64 tasks reserve and settle at once against one key. With no refill during the
+    // test, what the bucket lost must be exactly the sum of the settled (actual) costs
+    // of the admitted requests: never more, never less, never below empty.
+    let store = MemoryStore::new();
+    let policy =
+        Policy::token_bucket("tokens", 50_000, Rate::new(1, tollgate::policy::MAX_PERIOD)).unwrap();
+    let app = app(
+        store.clone(),
+        policy.clone(),
+        Settle::from_header("x-tokens-used").refund_if(|status| status.is_server_error()),
+    );
+    let charged = Arc::new(AtomicU64::new(0));
+    let admitted = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for task in 0..64u64 {
+        let (app, charged, admitted) = (app.clone(), Arc::clone(&charged), Arc::clone(&admitted));
+        tasks.push(tokio::spawn(async move {
+            let mut seed = task.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            for _ in 0..40 {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let reserve = 1 + seed % 60;
+                let used = seed / 61 % (reserve + 1);
+                let status = if seed % 7 == 0 { 500 } else { 200 };
+                let response = app
+                    .clone()
+                    .oneshot(request("shared", reserve, Some(used), status))
+                    .await
+                    .unwrap();
+                if response.status() == StatusCode::TOO_MANY_REQUESTS {
+                    continue;
+                }
+                admitted.fetch_add(1, Ordering::SeqCst);
+                if status == 200 {
+                    charged.fetch_add(used, Ordering::SeqCst);
+                }
+                response.into_body().collect().await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let left = store
+        .check("x-api-key:unused", &PolicySet::from(policy.clone()), 0)
+        .statuses()[0]
+        .remaining;
+    assert_eq!(left, 50_000, "an untouched key is full");
+    let key = HeaderKey::new("x-api-key");
+    let mut probe = http::Request::get("/")
+        .header("x-api-key", "shared")
+        .body(())
+        .unwrap();
+    let shared = tollgate::key::KeyExtractor::extract(&key, &probe.clone().into_parts().0).unwrap();
+    let _ = &mut probe;
+    let state = store.check(shared.as_str(), &PolicySet::from(policy), 0);
+    assert!(admitted.load(Ordering::SeqCst) > 2_000);
+    assert_eq!(
+        50_000 - state.statuses()[0].remaining,
+        charged.load(Ordering::SeqCst)
+    );
+}
+
+fn inflight_app(store: MemoryStore, gate: Arc<tokio::sync::Semaphore>) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(move |request: Request| {
+                let gate = Arc::clone(&gate);
+                async move {
+                    match request.headers().get("x-mode").map(|v| v.to_str().unwrap()) {
+                        Some("panic") => panic!("the handler failed"),
+                        Some("wait") => {
+                            let _permit = gate.acquire().await.unwrap();
+                            "waited".into_response_parts_ok()
+                        }
+                        _ => "quick".into_response_parts_ok(),
+                    }
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(Policy::concurrency("inflight", 2).unwrap())
+                .key(HeaderKey::new("x-api-key")),
+        )
+}
+
+fn inflight_request(mode: &str) -> Request {
+    Request::get("/")
+        .header("x-api-key", "team")
+        .header("x-mode", mode)
+        .body(Body::empty())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn in_flight_slots_are_released_however_a_request_ends() {
+    let store = MemoryStore::new();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let app = inflight_app(store.clone(), Arc::clone(&gate));
+
+    // Two responses whose bodies are not read yet hold both slots.
+    let first = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    let second = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // draft-11: the quota unit is sent as qu="concurrent-requests", with no window.
+    assert_eq!(
+        first.headers()["ratelimit-policy"],
+        "\"inflight\";q=2;qu=\"concurrent-requests\""
+    );
+    assert_eq!(first.headers()["ratelimit"], "\"inflight\";r=1");
+    assert_eq!(second.headers()["ratelimit"], "\"inflight\";r=0");
+    let third = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(third.headers()["retry-after"], "1");
+
+    // A body read to its end frees its slot.
+    first.into_body().collect().await.unwrap();
+    let fourth = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    assert_eq!(fourth.status(), StatusCode::OK);
+    // A body dropped unread (the client went away mid-stream) frees its slot.
+    drop(second);
+    drop(fourth);
+
+    // A handler that panics frees its slot.
+    let panicking = tokio::spawn(app.clone().oneshot(inflight_request("panic")));
+    assert!(panicking.await.unwrap_err().is_panic());
+    // A request dropped before its response (a timeout, a client gone) frees its slot.
+    let slow = app.clone().oneshot(inflight_request("wait"));
+    let timed_out = tokio::time::timeout(Duration::from_millis(20), slow).await;
+    assert!(timed_out.is_err());
+
+    // All slots are free again: two at once, then a third is refused.
+    let a = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    let b = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    let c = app
+        .clone()
+        .oneshot(inflight_request("quick"))
+        .await
+        .unwrap();
+    assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
+    drop((a, b));
+    // Nothing leaked: once everything ended, the key's state is fresh again and purged.
+    assert_eq!(store.purge_fresh(), 1);
+    assert!(store.is_empty());
+}
+
+#[test]
+fn in_flight_policies_count_requests_not_costs() {
+    let (store, _clock) = store();
+    let set = PolicySet::new([
+        Policy::concurrency("inflight", 2).unwrap(),
+        Policy::token_bucket("tokens", 100, Rate::per_minute(1)).unwrap(),
+    ])
+    .unwrap();
+    let a = store.check("k", &set, 40);
+    let b = store.check("k", &set, 40);
+    assert!(a.is_allowed() && b.is_allowed());
+    assert_eq!(a.statuses()[0].remaining, 1);
+    assert_eq!(b.statuses()[1].remaining, 20);
+    // The third is refused by the in-flight limit, and debits nothing (all-or-nothing).
+    let c = store.check("k", &set, 10);
+    assert!(!c.is_allowed());
+    assert_eq!(c.statuses()[1].remaining, 20);
+    // Releasing frees the slot and leaves the tokens alone.
+    let released = store.adjust_now("k", &set, &Adjustment::release(40, a.receipt()));
+    assert_eq!(released.statuses()[0].remaining, 1);
+    assert_eq!(released.statuses()[1].remaining, 20);
+    // A request of cost 0 takes no slot.
+    assert_eq!(store.check("k", &set, 0).statuses()[0].remaining, 1);
+}
+
+#[tokio::test]
+async fn a_fallback_decision_is_settled_and_released_in_the_fallback() {
+    // The store refuses everything; the local fallback decides, and the settle and the
+    // release go to the fallback's own state.
+    let fallback = LocalFallback::new();
+    let app = Router::new().route("/", get(echo)).layer(
+        RateLimitLayer::new(Refusing)
+            .policies(
+                PolicySet::new([tokens(), Policy::concurrency("inflight", 1).unwrap()]).unwrap(),
+            )
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .on_store_error(FailureMode::Fallback(fallback.clone()))
+            .settle(Settle::from_header("x-tokens-used")),
+    );
+    let response = app
+        .clone()
+        .oneshot(request("a", 100, Some(10), 200))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .contains("r=990")
+    );
+    response.into_body().collect().await.unwrap();
+    // The slot came back, in the fallback.
+    let response = app
+        .clone()
+        .oneshot(request("a", 100, Some(10), 200))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        response.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .contains("r=980")
+    );
+}
+
+/// A store that is always away.
+#[derive(Clone)]
+struct Refusing;
+
+impl Store for Refusing {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
+}
