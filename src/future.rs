@@ -125,7 +125,7 @@ impl<F: Future> ResponseFuture<F> {
                 Plan::Respond(response) => return Slow::Respond(response),
             };
             let reservation =
-                debit.map(|debit| Reservation::new(adjuster, key, policies, cost, debit));
+                debit.map(|debit| Reservation::new(adjuster, key, policies, cost, *debit));
             call(inner, request, delay, headers, reservation).await
         };
         Self {

@@ -191,13 +191,13 @@ where
             Plan::Call(headers, Some(debit)) => {
                 let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
                 let reservation =
-                    Reservation::new(adjuster, key, policies.into_owned(), cost, debit);
+                    Reservation::new(adjuster, key, policies.into_owned(), cost, *debit);
                 ResponseFuture::reserved(self.inner.call(request), headers, reservation)
             }
             Plan::Delay(delay, headers, Some(debit)) => {
                 let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
                 let reservation =
-                    Reservation::new(adjuster, key, policies.into_owned(), cost, debit);
+                    Reservation::new(adjuster, key, policies.into_owned(), cost, *debit);
                 let inner = take_ready(&mut self.inner);
                 ResponseFuture::delaying(delay, inner, request, headers, Some(reservation))
             }

@@ -55,12 +55,15 @@ pub struct Settle {
     refund_if: Option<Arc<dyn Fn(StatusCode) -> bool + Send + Sync>>,
 }
 
+/// A closure that reads the actual cost from a response head.
+type ActualFn = dyn Fn(&ResponseHead<'_>) -> Option<u64> + Send + Sync;
+
 #[derive(Clone)]
 enum Source {
     Reserved,
     Header(HeaderName),
     Extension,
-    Fn(Arc<dyn Fn(&ResponseHead<'_>) -> Option<u64> + Send + Sync>),
+    Fn(Arc<ActualFn>),
 }
 
 impl fmt::Debug for Settle {

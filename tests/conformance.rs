@@ -20,7 +20,7 @@ use std::time::Duration;
 use support::{RedisCluster, RedisServer, keys_with_ttl};
 use tollgate::clock::ManualClock;
 use tollgate::store::RedisStore;
-use tollgate::{Decision, Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store};
+use tollgate::{Adjustment, Decision, Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store};
 
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -467,5 +467,251 @@ async fn every_constructor_shares_one_budget_and_survives_a_script_flush() {
         }
         // Two ways in, one budget.
         assert_eq!(admitted, 4, "{name}");
+    }
+}
+
+impl Subject {
+    async fn adjust(&self, key: &str, policies: &PolicySet, adjustment: &Adjustment) -> Decision {
+        match &self.store {
+            AnyStore::Memory(store) => store.adjust_now(key, policies, adjustment),
+            AnyStore::Redis(store) => store
+                .adjust(&Key::new(key), policies, adjustment)
+                .await
+                .unwrap_or_else(|error| panic!("{}: {error}", self.name)),
+        }
+    }
+}
+
+/// A trace of reservations settled later: (ms since the last arrival, units reserved,
+/// units used, ms from the decision to its settlement).
+fn settle_trace(seed: u64, steps: usize, max_gap_ms: u64) -> Vec<(u64, u64, u64, u64)> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        state >> 33
+    };
+    (0..steps)
+        .map(|_| {
+            let reserved = 1 + next() % 4;
+            // Mostly below the reservation, sometimes above it.
+            let used = next() % (reserved + 2);
+            (next() % max_gap_ms, reserved, used, next() % 8_000)
+        })
+        .collect()
+}
+
+/// Replays reservations and their settlements on every subject: decisions and
+/// settlements must agree. A settlement comes `settle_after` after its decision, in time
+/// order with the arrivals (so other requests may come between, in a new window).
+async fn replay_settled(
+    backends: &Backends,
+    prefix: &str,
+    policies: &PolicySet,
+    arrivals: &[(u64, u64, u64, u64)],
+) {
+    let subjects = backends.subjects(prefix);
+    // (due, reserved, used, each subject's receipt), in the order they were admitted.
+    let mut pending: Vec<(Duration, u64, u64, Vec<tollgate::Receipt>)> = Vec::new();
+    let mut now = Duration::ZERO;
+    let (mut admitted, mut refunded) = (0, 0);
+    for (step, &(gap, reserved, used, settle_after)) in arrivals.iter().enumerate() {
+        now += Duration::from_millis(gap);
+        pending.sort_by_key(|entry| entry.0);
+        while pending.first().is_some_and(|entry| entry.0 <= now) {
+            let (due, reserved, used, receipts) = pending.remove(0);
+            let mut settled = Vec::new();
+            for (subject, receipt) in subjects.iter().zip(receipts) {
+                subject.clock.set(due);
+                let adjustment = Adjustment::settle(reserved, used, receipt);
+                settled.push(subject.adjust("client", policies, &adjustment).await);
+            }
+            for (subject, decision) in subjects.iter().zip(&settled).skip(1) {
+                assert!(
+                    same(&settled[0], decision),
+                    "{prefix} settle before step {step} at {due:?} ({reserved} -> {used}): memory {:?} vs {} {:?}",
+                    settled[0],
+                    subject.name,
+                    decision
+                );
+            }
+        }
+        let mut decisions = Vec::new();
+        for subject in &subjects {
+            subject.clock.set(now);
+            decisions.push(subject.check("client", policies, reserved).await);
+        }
+        for (subject, decision) in subjects.iter().zip(&decisions).skip(1) {
+            assert!(
+                same(&decisions[0], decision),
+                "{prefix} step {step} at {now:?}: memory {:?} vs {} {:?}",
+                decisions[0],
+                subject.name,
+                decision
+            );
+        }
+        if decisions[0].is_allowed() {
+            admitted += 1;
+            refunded += u64::from(used < reserved);
+            let receipts = decisions.iter().map(Decision::receipt).collect();
+            pending.push((
+                now + Duration::from_millis(settle_after),
+                reserved,
+                used,
+                receipts,
+            ));
+        }
+    }
+    assert!(
+        admitted > 5 && refunded > 2,
+        "{prefix}: {admitted} admitted, {refunded} refunded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_settles_alike() {
+    let backends = Backends::start().await;
+    // Short windows too, so that settlements often arrive after their window moved on
+    // (and must not reopen it).
+    let short = Duration::from_secs(5);
+    let mut policies = every_algorithm();
+    policies.extend([
+        Policy::fixed_window("fw5", 6, short).unwrap(),
+        Policy::sliding_log("sl5", 6, short).unwrap(),
+        Policy::sliding_window_split("sw5", 6, short, 5).unwrap(),
+    ]);
+    for policy in policies {
+        let name = policy.name().to_owned();
+        replay_settled(
+            &backends,
+            &format!("settle-{name}"),
+            &PolicySet::from(policy),
+            &settle_trace(5, 80, 5_000),
+        )
+        .await;
+    }
+    let multi = PolicySet::new([
+        Policy::token_bucket("burst", 6, Rate::new(6, Duration::from_secs(10))).unwrap(),
+        Policy::fixed_window("hourly", 40, Duration::from_secs(3600)).unwrap(),
+        Policy::sliding_log("log", 15, MINUTE).unwrap(),
+        Policy::sliding_window_split("split", 15, MINUTE, 3).unwrap(),
+        Policy::gcra("gc", Rate::new(10, MINUTE), 8).unwrap(),
+    ])
+    .unwrap();
+    replay_settled(
+        &backends,
+        "settle-multi",
+        &multi,
+        &settle_trace(9, 120, 3_000),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_counts_requests_in_flight_alike() {
+    let backends = Backends::start().await;
+    let lease = Duration::from_secs(3600);
+    let sets = [
+        PolicySet::from(Policy::concurrency_with_lease("cc", 3, lease).unwrap()),
+        PolicySet::new([
+            Policy::concurrency_with_lease("cc", 2, lease).unwrap(),
+            Policy::token_bucket("tb", 6, Rate::new(1, Duration::from_secs(2))).unwrap(),
+        ])
+        .unwrap(),
+    ];
+    for (index, set) in sets.iter().enumerate() {
+        let subjects = backends.subjects(&format!("inflight-{index}"));
+        // Per subject, the receipts of the requests it holds, oldest first.
+        let mut held: Vec<Vec<tollgate::Receipt>> = vec![Vec::new(); subjects.len()];
+        let mut state = 17u64 + index as u64;
+        let (mut now, mut denied, mut released) = (Duration::ZERO, 0, 0);
+        for step in 0..150 {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            now += Duration::from_millis((state >> 33) % 700);
+            let release = (state >> 40) % 5 < 2 && !held[0].is_empty();
+            let mut decisions = Vec::new();
+            for (i, subject) in subjects.iter().enumerate() {
+                subject.clock.set(now);
+                let decision = if release {
+                    let receipt = held[i].remove(0);
+                    subject
+                        .adjust("client", set, &Adjustment::release(1, receipt))
+                        .await
+                } else {
+                    let decision = subject.check("client", set, 1).await;
+                    if decision.is_allowed() {
+                        held[i].push(decision.receipt());
+                    }
+                    decision
+                };
+                decisions.push(decision);
+            }
+            for (subject, decision) in subjects.iter().zip(&decisions).skip(1) {
+                assert!(
+                    same(&decisions[0], decision),
+                    "set {index} step {step} ({}): memory {:?} vs {} {:?}",
+                    if release { "release" } else { "acquire" },
+                    decisions[0],
+                    subject.name,
+                    decision
+                );
+            }
+            released += u64::from(release);
+            denied += u64::from(!release && !decisions[0].is_allowed());
+        }
+        assert!(
+            denied > 5 && released > 5,
+            "set {index}: {denied} denied, {released} released"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slots_of_a_replica_that_died_expire_with_their_lease() {
+    let standalone = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    let lease = Duration::from_secs(30);
+    let set = PolicySet::from(Policy::concurrency_with_lease("inflight", 2, lease).unwrap());
+    for (name, url) in [("redis", Some(standalone.url())), ("cluster", None)] {
+        let connect = || async {
+            match &url {
+                Some(url) => RedisStore::connect(url).await.unwrap(),
+                None => RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
+            }
+        };
+        let clock = ManualClock::new();
+        clock.set(Duration::from_secs(10_000));
+        let key = Key::new("team");
+        // A replica takes both slots and dies without giving them back.
+        let doomed = connect().await.with_clock(clock.clone());
+        for _ in 0..2 {
+            assert!(
+                doomed.decide(&key, &set, 1).await.unwrap().is_allowed(),
+                "{name}"
+            );
+        }
+        drop(doomed);
+        let survivor = connect().await.with_clock(clock.clone());
+        assert!(
+            !survivor.decide(&key, &set, 1).await.unwrap().is_allowed(),
+            "{name}"
+        );
+        clock.advance(lease - Duration::from_millis(1));
+        assert!(
+            !survivor.decide(&key, &set, 1).await.unwrap().is_allowed(),
+            "{name}"
+        );
+        // One lease after they were taken, the slots are back.
+        clock.advance(Duration::from_millis(2));
+        let decision = survivor.decide(&key, &set, 1).await.unwrap();
+        assert!(decision.is_allowed(), "{name}");
+        assert_eq!(decision.statuses()[0].remaining, 1, "{name}");
+    }
+    // The slots' key expires by itself too.
+    for (key, ttl) in keys_with_ttl(&standalone) {
+        assert!(ttl > 0 && ttl <= 30_001, "{key} has TTL {ttl} ms");
     }
 }

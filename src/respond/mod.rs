@@ -66,9 +66,9 @@ pub(crate) enum StoreAnswer<'a> {
 pub(crate) enum Plan {
     /// Call the inner service, then add the headers. The debit comes along when it must
     /// be kept until the response (to settle it, or to free in-flight slots).
-    Call(HeaderBlock, Option<Debit>),
+    Call(HeaderBlock, Option<Box<Debit>>),
     /// Hold the request back (shaping), then call.
-    Delay(Duration, HeaderBlock, Option<Debit>),
+    Delay(Duration, HeaderBlock, Option<Box<Debit>>),
     /// Answer without calling the inner service.
     Respond(Box<Response<Bytes>>),
 }
@@ -132,9 +132,11 @@ impl Responder {
         let extra = jitter_secs(self.headers.jitter);
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
         let debit = || {
-            (self.settle.is_some() || policies.has_in_flight()).then(|| Debit {
-                receipt: decision.receipt(),
-                fallback: from_fallback.then(|| policies.clone()),
+            (self.settle.is_some() || policies.has_in_flight()).then(|| {
+                Box::new(Debit {
+                    receipt: decision.receipt(),
+                    fallback: from_fallback.then(|| policies.clone()),
+                })
             })
         };
         match decision.outcome() {

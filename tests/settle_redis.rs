@@ -1,0 +1,188 @@
+//! Reserve, settle and in-flight limits through the layer on a real Redis (standalone and
+//! Cluster): the settlement is one more script call on the response's path, the release
+//! one after the body ends.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::routing::get;
+use http::StatusCode;
+use http_body_util::BodyExt;
+use support::{RedisCluster, RedisServer};
+use tollgate::cost::{FromExtension, RequestCost};
+use tollgate::key::HeaderKey;
+use tollgate::settle::Settle;
+use tollgate::store::RedisStore;
+use tollgate::{FailureMode, Policy, Rate, RateLimitLayer};
+use tower::ServiceExt;
+
+fn tokens_app(store: RedisStore) -> Router {
+    Router::new()
+        .route(
+            "/",
+            get(|request: Request| async move {
+                let used = request.headers()["x-used"].clone();
+                let status: u16 = request.headers()["x-status"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                let mut response = http::Response::new(Body::from("done"));
+                *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                response.headers_mut().insert("x-tokens-used", used);
+                response
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(Policy::token_bucket("tokens", 1_000, Rate::per_hour(1)).unwrap())
+                .key(HeaderKey::new("x-api-key"))
+                .cost(FromExtension::or(1))
+                .settle(Settle::from_header("x-tokens-used").refund_if(|s| s.is_server_error()))
+                // A Redis store error must fail the test, not hide behind a fallback.
+                .on_store_error(FailureMode::FailClosed)
+                .store_timeout(Duration::from_secs(5)),
+        )
+}
+
+fn request(key: &str, reserve: u64, used: u64, status: u16) -> Request {
+    let mut request = Request::get("/")
+        .header("x-api-key", key)
+        .header("x-used", used.to_string())
+        .header("x-status", status.to_string())
+        .body(Body::empty())
+        .unwrap();
+    request.extensions_mut().insert(RequestCost(reserve));
+    request
+}
+
+fn remaining(response: &http::Response<Body>) -> u64 {
+    let field = response.headers()["ratelimit"].to_str().unwrap();
+    field
+        .split(";r=")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+async fn stores() -> (RedisServer, RedisCluster, Vec<(&'static str, RedisStore)>) {
+    let standalone = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    let stores = vec![
+        (
+            "redis",
+            RedisStore::connect(&standalone.url()).await.unwrap(),
+        ),
+        (
+            "cluster",
+            RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
+        ),
+    ];
+    (standalone, cluster, stores)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_settles_before_the_response_leaves() {
+    let (_standalone, _cluster, stores) = stores().await;
+    for (name, store) in stores {
+        let app = tokens_app(store);
+        let response = app
+            .clone()
+            .oneshot(request("a", 100, 4, 200))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "{name}");
+        assert_eq!(remaining(&response), 996, "{name}");
+        let response = app
+            .clone()
+            .oneshot(request("a", 100, 40, 500))
+            .await
+            .unwrap();
+        assert_eq!(
+            remaining(&response),
+            996,
+            "{name}: a 5xx is refunded in full"
+        );
+        let response = app
+            .clone()
+            .oneshot(request("a", 10, 25, 200))
+            .await
+            .unwrap();
+        assert_eq!(
+            remaining(&response),
+            971,
+            "{name}: charged above the reservation"
+        );
+        let response = app
+            .clone()
+            .oneshot(request("a", 1_001, 1, 200))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frees_in_flight_slots_when_bodies_end() {
+    let (_standalone, _cluster, stores) = stores().await;
+    for (name, store) in stores {
+        let app = Router::new()
+            .route("/", get(|| async { "streamed" }))
+            .layer(
+                RateLimitLayer::new(store)
+                    .policy(Policy::concurrency("inflight", 2).unwrap())
+                    .key(HeaderKey::new("x-api-key"))
+                    .on_store_error(FailureMode::FailClosed)
+                    .store_timeout(Duration::from_secs(5)),
+            );
+        let call = || {
+            app.clone().oneshot(
+                Request::get("/")
+                    .header("x-api-key", "team")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+        };
+        let first = call().await.unwrap();
+        let second = call().await.unwrap();
+        assert_eq!(
+            (first.status(), second.status()),
+            (StatusCode::OK, StatusCode::OK)
+        );
+        let third = call().await.unwrap();
+        assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS, "{name}");
+        // The bodies end (one read, one dropped): the slots are freed by a script call
+        // on the runtime, which the next requests wait for.
+        first.into_body().collect().await.unwrap();
+        drop(second);
+        let mut admitted = 0;
+        for _ in 0..500 {
+            let response = call().await.unwrap();
+            if response.status() == StatusCode::OK {
+                admitted += 1;
+                std::mem::forget(response.into_body());
+                if admitted == 2 {
+                    break;
+                }
+            } else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        assert_eq!(admitted, 2, "{name}: both slots came back");
+        assert_eq!(
+            call().await.unwrap().status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{name}"
+        );
+    }
+}
