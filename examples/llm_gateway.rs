@@ -202,3 +202,130 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     axum::serve(listener, app).await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn completion(key: &str, body: &str) -> Request {
+        Request::post("/v1/completions")
+            .header("x-api-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    }
+
+    fn rate(response: &Response) -> &str {
+        response.headers()["ratelimit"].to_str().unwrap()
+    }
+
+    #[tokio::test]
+    async fn tokens_are_reserved_then_settled_and_failures_refunded() {
+        let app = app(MemoryStore::new()).unwrap();
+        let send = |body: &str| app.clone().oneshot(completion("team-a", body));
+        // 100 reserved, 4 used: the response's own RateLimit shows the settled 996.
+        let response = send(r#"{"prompt": "tell me a joke", "max_tokens": 100}"#)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["x-tokens-used"], "4");
+        assert_eq!(rate(&response), "\"tokens\";r=996;t=1");
+        // Words beyond max_tokens are not used.
+        let response = send(r#"{"prompt": "a b c d e", "max_tokens": 2}"#)
+            .await
+            .unwrap();
+        assert_eq!(response.headers()["x-tokens-used"], "2");
+        assert_eq!(rate(&response), "\"tokens\";r=994;t=1");
+        // "fail" is a 500, refunded in full.
+        let response = send(r#"{"prompt": "fail", "max_tokens": 300}"#)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(rate(&response), "\"tokens\";r=994;t=1");
+        // More than the bucket ever holds: 400, nothing spent.
+        let response = send(r#"{"prompt": "hi", "max_tokens": 1001}"#)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&body).contains("cost-exceeds-limit"));
+        // A reservation that does not fit now is a 429: 994 left, 995 asked.
+        let response = send(r#"{"prompt": "hi", "max_tokens": 995}"#)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(response.headers().contains_key("retry-after"));
+        // Another key has its own bucket.
+        let response = app
+            .clone()
+            .oneshot(completion(
+                "team-b",
+                r#"{"prompt": "hi", "max_tokens": 1000}"#,
+            ))
+            .await
+            .unwrap();
+        assert_eq!(rate(&response), "\"tokens\";r=999;t=1");
+    }
+
+    #[tokio::test]
+    async fn bad_requests_are_refused_before_anything_is_spent() {
+        let app = app(MemoryStore::new()).unwrap();
+        for body in [
+            "not json",
+            r#"{"prompt": "hi"}"#,
+            r#"{"prompt": "hi", "max_tokens": -1}"#,
+        ] {
+            let response = app
+                .clone()
+                .oneshot(completion("team-a", body))
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+        }
+        let mut request = completion("team-a", r#"{"prompt": "hi", "max_tokens": 1}"#);
+        request.headers_mut().remove("x-api-key");
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let response = app
+            .clone()
+            .oneshot(completion("team-a", r#"{"prompt": "hi", "max_tokens": 1}"#))
+            .await
+            .unwrap();
+        assert_eq!(rate(&response), "\"tokens\";r=999;t=1");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_most_two_streams_in_flight_per_key() {
+        let app = app(MemoryStore::new()).unwrap();
+        let stream = |key: &str| {
+            app.clone().oneshot(
+                Request::get("/v1/stream")
+                    .header("x-api-key", key)
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+        };
+        let first = stream("team-a").await.unwrap();
+        let second = stream("team-a").await.unwrap();
+        assert_eq!(
+            (first.status(), second.status()),
+            (StatusCode::OK, StatusCode::OK)
+        );
+        assert_eq!(
+            first.headers()["ratelimit-policy"],
+            "\"inflight\";q=2;qu=\"concurrent-requests\""
+        );
+        let third = stream("team-a").await.unwrap();
+        assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(stream("team-b").await.unwrap().status(), StatusCode::OK);
+        // The first stream runs its second to the end; then its slot is free.
+        let started = tokio::time::Instant::now();
+        let body = first.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        assert_eq!(body, "chunk 1\nchunk 2\nchunk 3\nchunk 4\nchunk 5\n");
+        assert_eq!(stream("team-a").await.unwrap().status(), StatusCode::OK);
+    }
+}
