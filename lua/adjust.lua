@@ -1,16 +1,30 @@
--- Adjusting an admitted request's debit once its response is known, after the prelude
--- and every algorithm: the twin of `adjust` in src/store/decide.rs. ARGV as for a
--- decision (ARGV[2] is the units reserved), then the actual units, the time of the debit
--- in microseconds, and 1 to free the in-flight slots instead of settling. Rate policies
--- give back what they still hold of the difference, or charge the extra as far as they
--- have room; in-flight policies free this request's slot. Returns what a decision returns,
--- outcome 0.
+-- Adjusting a key's state, after the prelude and every algorithm: the twin of `adjust` in
+-- src/store/decide.rs. ARGV as for a decision (ARGV[2] is the units reserved, or the
+-- request's cost for a release), then an amount, the time of the debit in microseconds
+-- (-1: any time, newest debits first) and the mode:
+--   0 settle: rate policies give back `reserved - amount` or charge the excess as far as
+--     they have room;
+--   1 release: in-flight policies free this request's slot;
+--   2 grant: rate policies give back `amount` units;
+--   3 set: rate policies are set to `amount` units left (at most their quota).
+-- Returns what a decision returns, outcome 0.
 
 local tail = 3 + count * 4
-local actual = tonumber(ARGV[tail + 1])
+local amount = tonumber(ARGV[tail + 1])
 local at = tonumber(ARGV[tail + 2])
-local release = ARGV[tail + 3] == '1'
+local mode = ARGV[tail + 3]
 local reserved = cost
+
+-- Takes `units` more as far as the policy has room now: never below empty.
+local function charge(algorithm, p, s, units)
+  local _, remaining = algorithm.snapshot(p, s)
+  local extra = math.min(units, remaining)
+  if extra > 0 then
+    cost = extra
+    algorithm.commit(p, s)
+    cost = reserved
+  end
+end
 
 local policies = {}
 for i = 1, count do
@@ -22,19 +36,25 @@ for i = 1, count do
   end
   local p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) }
   local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
-  if kind == 'cc' then
-    if release and reserved > 0 then algorithm.refund(p, s, 1, at) end
-  elseif not release then
-    if actual < reserved then
-      algorithm.refund(p, s, reserved - actual, at)
-    elseif actual > reserved then
-      local _, remaining = algorithm.snapshot(p, s)
-      local extra = math.min(actual - reserved, remaining)
-      if extra > 0 then
-        cost = extra
-        algorithm.commit(p, s)
-        cost = reserved
-      end
+  if mode == '1' then
+    if kind == 'cc' and reserved > 0 then algorithm.refund(p, s, 1, at) end
+  elseif kind == 'cc' then
+    -- Slots are taken and freed by requests only.
+  elseif mode == '0' then
+    if amount < reserved then
+      algorithm.refund(p, s, reserved - amount, at)
+    elseif amount > reserved then
+      charge(algorithm, p, s, amount - reserved)
+    end
+  elseif mode == '2' then
+    algorithm.refund(p, s, amount, -1)
+  elseif mode == '3' then
+    local limit, remaining = algorithm.snapshot(p, s)
+    local target = math.min(amount, limit)
+    if target > remaining then
+      algorithm.refund(p, s, target - remaining, -1)
+    elseif remaining > target then
+      charge(algorithm, p, s, remaining - target)
     end
   end
   policies[i] = { algorithm = algorithm, p = p, s = s }

@@ -33,9 +33,9 @@ local function commit(p, s)
   store(s)
 end
 
--- Gives back `units` debited at `at`, if that was in the window counted now.
+-- Gives back `units` debited at `at`, if that was in the window counted now (at -1: any).
 local function refund(p, s, units, at)
-  if (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
+  if at >= 0 and (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
   s.count = math.max(s.count - units, 0)
   store(s)
 end

@@ -47,17 +47,23 @@ local function commit(p, s)
   redis.call('PEXPIRE', s.aux, ttl)
 end
 
--- Gives back up to `units` recorded at `at` (what has left the window is gone).
+-- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
+-- any, the newest entries first.
 local function refund(p, s, units, at)
-  local members = redis.call('ZRANGEBYSCORE', s.key, at, at)
-  for i = #members, 1, -1 do
+  local members
+  if at >= 0 then
+    members = redis.call('ZRANGEBYSCORE', s.key, at, at, 'WITHSCORES')
+  else
+    members = redis.call('ZRANGE', s.key, 0, -1, 'WITHSCORES')
+  end
+  for i = #members - 1, 1, -2 do
     if units <= 0 then break end
     local sequence, held = string.match(members[i], '^(%d+):(%d+)$')
     held = tonumber(held)
     local taken = math.min(units, held)
     redis.call('ZREM', s.key, members[i])
     if held > taken then
-      redis.call('ZADD', s.key, at, string.format('%s:%d', sequence, held - taken))
+      redis.call('ZADD', s.key, members[i + 1], string.format('%s:%d', sequence, held - taken))
     end
     units = units - taken
     s.total = s.total - taken

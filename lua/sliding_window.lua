@@ -98,12 +98,20 @@ local function commit(p, s)
 end
 
 -- Gives back `units` debited at `at` from the sub-window they were counted in, while it
--- is still counted.
+-- is still counted; at -1: from the newest sub-windows first.
 local function refund(p, s, units, at)
-  local age = s.index - (at - math.fmod(at, s.span)) / s.span
-  if age < 0 or age > s.k then return end
-  local m = s.k + 1 - age
-  s.counts[m] = math.max(s.counts[m] - units, 0)
+  if at < 0 then
+    for m = s.k + 1, 1, -1 do
+      local taken = math.min(units, s.counts[m])
+      s.counts[m] = s.counts[m] - taken
+      units = units - taken
+    end
+  else
+    local age = s.index - (at - math.fmod(at, s.span)) / s.span
+    if age < 0 or age > s.k then return end
+    local m = s.k + 1 - age
+    s.counts[m] = math.max(s.counts[m] - units, 0)
+  end
   local estimate = counted(s, s.counts[1], s.span - s.elapsed)
   for j = 2, s.k + 1 do estimate = estimate + s.counts[j] end
   s.estimate = estimate

@@ -97,4 +97,4 @@ pub use respond::problem::{
     COST_EXCEEDS_LIMIT, QUOTA_EXCEEDED, Rejection, TEMPORARY_REDUCED_CAPACITY,
 };
 pub use service::RateLimit;
-pub use store::{Adjustment, DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};
+pub use store::{Adjustment, Change, DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};

@@ -78,10 +78,11 @@ impl FixedWindow {
     }
 
     /// Gives back `units` debited at `at`, if `at` falls in the window counted now (a
-    /// window that has ended is not reopened: its units cannot be spent any more).
+    /// window that has ended is not reopened: its units cannot be spent any more); with
+    /// `at` = `u64::MAX`, from the window counted now.
     #[inline]
     pub fn refund(&self, state: &mut WindowState, _now: u64, units: u64, at: u64) {
-        if at / self.window == state.index {
+        if at == super::ANY_TIME || at / self.window == state.index {
             state.count = state.count.saturating_sub(units);
         }
     }

@@ -49,6 +49,10 @@ pub(crate) fn div(a: u128, b: u128) -> u128 {
     }
 }
 
+/// The `at` of a refund that may take back any counted units, newest first (a grant),
+/// rather than those debited at one time.
+pub(crate) const ANY_TIME: u64 = u64::MAX;
+
 /// A 128-bit number stored as two 64-bit halves, so that states holding one stay 8-byte
 /// aligned: with `u128`'s 16-byte alignment every store entry grew by a third.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

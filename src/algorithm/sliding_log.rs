@@ -108,18 +108,19 @@ impl SlidingLog {
     }
 
     /// Gives back up to `units` recorded at `at` (entries that have left the window are
-    /// gone, and so is what they held).
+    /// gone, and so is what they held); with `at` = `u64::MAX`, the newest entries first.
     #[inline]
     pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64) {
+        let any = at == super::ANY_TIME;
         let mut left = units;
         let mut index = state.entries.len();
         while left > 0 && index > 0 {
             index -= 1;
             let (time, held) = &mut state.entries[index];
-            if *time < at {
+            if !any && *time < at {
                 break;
             }
-            if *time == at {
+            if any || *time == at {
                 let taken = left.min(*held);
                 *held -= taken;
                 left -= taken;

@@ -269,7 +269,7 @@ impl SlidingWindow {
     }
 
     /// Gives back `units` debited at `at` from the sub-window they were counted in, while
-    /// it is still counted.
+    /// it is still counted; with `at` = `u64::MAX`, from the newest sub-windows first.
     #[inline]
     pub fn refund<C: AsMut<Counts>>(
         &self,
@@ -278,8 +278,18 @@ impl SlidingWindow {
         units: u64,
         at: u64,
     ) {
-        let at_index = at / self.span();
         let counts = state.counts.as_mut();
+        if at == super::ANY_TIME {
+            // Newest sub-windows first.
+            let mut left = units;
+            for count in counts.iter_mut().rev() {
+                let taken = left.min(*count);
+                *count -= taken;
+                left -= taken;
+            }
+            return;
+        }
+        let at_index = at / self.span();
         let Some(age) = state.index.checked_sub(at_index) else {
             return;
         };

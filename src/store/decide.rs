@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::algorithm::{Slot, Verdict};
+use crate::algorithm::{ANY_TIME, Params, Slot, Verdict};
 use crate::decision::{Decision, Outcome, PolicyStatus};
 use crate::policy::Policy;
-use crate::store::Adjustment;
+use crate::store::{Adjustment, Change};
 
 /// Decides `cost` units against every policy, all-or-nothing.
 ///
@@ -79,25 +79,34 @@ pub(crate) fn adjust(
     adjustment: &Adjustment,
 ) -> (Decision, u64) {
     debug_assert_eq!(policies.len(), slots.len());
-    let (reserved, actual) = (adjustment.reserved(), adjustment.actual());
     let at = adjustment.receipt().at();
     for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
         let params = policy.params();
         params.refresh(slot, now);
-        if params.is_in_flight() {
-            if adjustment.is_release() && reserved > 0 {
-                params.refund(slot, now, 1, at);
+        match adjustment.change() {
+            Change::Release { cost } => {
+                if params.is_in_flight() && cost > 0 {
+                    params.refund(slot, now, 1, at);
+                }
             }
-        } else if adjustment.is_release() {
-            // A release settles nothing.
-        } else if actual < reserved {
-            params.refund(slot, now, reserved - actual, at);
-        } else if actual > reserved {
-            // Charged as far as the policy has room: never below empty.
-            let room = params.snapshot(slot, now).remaining;
-            let extra = (actual - reserved).min(room);
-            if extra > 0 {
-                params.commit(slot, now, extra);
+            // The other changes are about rates: slots are taken and freed by requests.
+            _ if params.is_in_flight() => {}
+            Change::Settle { reserved, actual } => {
+                if actual < reserved {
+                    params.refund(slot, now, reserved - actual, at);
+                } else {
+                    charge(params, slot, now, actual - reserved);
+                }
+            }
+            Change::Grant { units } => params.refund(slot, now, units, ANY_TIME),
+            Change::SetRemaining { remaining } => {
+                let target = remaining.min(params.limit());
+                let left = params.snapshot(slot, now).remaining;
+                if target > left {
+                    params.refund(slot, now, target - left, ANY_TIME);
+                } else {
+                    charge(params, slot, now, left - target);
+                }
             }
         }
     }
@@ -109,6 +118,14 @@ pub(crate) fn adjust(
         statuses,
     );
     (decision, fresh_at)
+}
+
+/// Debits `units` as far as the policy has room now: never below empty.
+fn charge(params: &Params, slot: &mut Slot, now: u64, units: u64) {
+    let extra = units.min(params.snapshot(slot, now).remaining);
+    if extra > 0 {
+        params.commit(slot, now, extra);
+    }
 }
 
 /// Every policy's status now, and the time the key's state is fresh again.

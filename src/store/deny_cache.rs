@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{Adjustment, DecideFuture, Store, StoreError};
+use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError};
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
@@ -190,6 +190,17 @@ impl<S: Store> Store for DenyCache<S> {
             .denials
             .remove(&(key.clone(), policies.fingerprint()));
         self.inner.adjust(key, policies, adjustment)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        self.inner.peek(key, policies)
+    }
+
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        self.shared
+            .denials
+            .remove(&(key.clone(), policies.fingerprint()));
+        self.inner.reset(key, policies)
     }
 }
 

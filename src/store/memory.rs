@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use compact_str::CompactString;
 
-use super::{Adjustment, DecideFuture, Store};
+use super::{Adjustment, DecideFuture, ResetFuture, Store};
 use crate::algorithm::Slot;
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Receipt};
@@ -580,6 +580,33 @@ impl<C: Clock> MemoryStore<C> {
         decision.with_receipt(Receipt::new(now, 0))
     }
 
+    /// Forgets `key`'s state under `policies` now (see [`Store::reset`]): its next request
+    /// starts fresh. Its state under other policies stays.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let api = PolicySet::from(Policy::fixed_window("api", 2, std::time::Duration::from_secs(60))?);
+    /// store.check("user-7", &api, 2);
+    /// assert!(!store.check("user-7", &api, 1).is_allowed());
+    /// store.reset_now("user-7", &api);
+    /// assert!(store.check("user-7", &api, 1).is_allowed());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn reset_now(&self, key: &str, policies: &PolicySet) {
+        let hash = self.shared.hasher.hash_one(key);
+        let mut table = lock(self.shard(hash));
+        if let Ok(index) = table.find(hash, key) {
+            let entry = table.slab.get_mut(index);
+            for (policy, slot) in policies.iter().zip(entry.slots.arrange(policies)) {
+                *slot = policy.params().new_slot(policy.id());
+            }
+            // Freshness is recomputed from what is left on the next decision; until then
+            // the entry may be kept a little longer than needed, never forgotten early.
+        }
+    }
+
     /// Adjusts an admitted request's debit now, synchronously (see [`Store::adjust`]).
     /// A key the store no longer holds has nothing to give back: its statuses are those
     /// of fresh state, and nothing is stored.
@@ -718,6 +745,11 @@ impl<C: Clock> Store for MemoryStore<C> {
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         DecideFuture::ready(Ok(self.adjust_now(key.as_str(), policies, adjustment)))
+    }
+
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        self.reset_now(key.as_str(), policies);
+        Box::pin(std::future::ready(Ok(())))
     }
 }
 

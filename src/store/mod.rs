@@ -110,16 +110,78 @@ pub trait Store: Send + Sync + 'static {
             "this store cannot settle costs or free in-flight slots",
         )))
     }
+
+    /// Every policy's state for `key` now, without spending anything: the decision of a
+    /// request that costs nothing (its statuses are the point; all read at once, so
+    /// several policies are consistent with one another).
+    ///
+    /// ```
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let api = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_hour(10))?);
+    /// let key = Key::new("user-7");
+    /// store.decide(&key, &api, 3).await?;
+    /// assert_eq!(store.peek(&key, &api).await?.statuses()[0].remaining, 7);
+    /// assert_eq!(store.peek(&key, &api).await?.statuses()[0].remaining, 7);
+    /// # Ok(()) }
+    /// ```
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        self.decide(key, policies, 0)
+    }
+
+    /// Forgets `key`'s state under `policies` (a customer upgraded their plan): its next
+    /// request starts on fresh state. In-flight slots it held are forgotten too. The
+    /// default refuses with [`StoreErrorKind::Unsupported`].
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        let _ = (key, policies);
+        Box::pin(std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot reset a key",
+        ))))
+    }
 }
 
-/// A change to an admitted request's debit, made once its response is known (see
-/// [`Store::adjust`]).
+/// A change to a key's state, made atomically by [`Store::adjust`]: settling or freeing an
+/// admitted request's debit once its response is known, or an administrator's grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Adjustment {
-    reserved: u64,
-    actual: u64,
+    change: Change,
     receipt: Receipt,
-    release: bool,
+}
+
+/// What an [`Adjustment`] changes. Every change leaves a quota between empty and full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Change {
+    /// A request that reserved `reserved` units used `actual`: the rate policies give back
+    /// the difference, or charge it as far as they have room.
+    Settle {
+        /// Units debited on admission.
+        reserved: u64,
+        /// Units used.
+        actual: u64,
+    },
+    /// A request of `cost` ended: its in-flight slots are freed (it took one per in-flight
+    /// policy when `cost` was not 0). Rate policies are left as they are.
+    Release {
+        /// The request's cost.
+        cost: u64,
+    },
+    /// Gives the key `units` back under every rate policy, newest debits first, up to a
+    /// full quota.
+    Grant {
+        /// Units to give back.
+        units: u64,
+    },
+    /// Sets every rate policy of the key to `remaining` units left now (at most its
+    /// quota), giving back or charging the difference.
+    SetRemaining {
+        /// Units left after the change.
+        remaining: u64,
+    },
 }
 
 impl Adjustment {
@@ -127,44 +189,61 @@ impl Adjustment {
     /// `receipt` is the one its decision carried.
     pub const fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
         Self {
-            reserved,
-            actual,
+            change: Change::Settle { reserved, actual },
             receipt,
-            release: false,
         }
     }
 
-    /// Frees the in-flight slots of a request of `cost` (it took one per in-flight policy
-    /// when `cost` was not 0); its rate policies are left as they are.
+    /// Frees the in-flight slots of a request of `cost`; `receipt` is the one its decision
+    /// carried (on Redis it names the slots).
     pub const fn release(cost: u64, receipt: Receipt) -> Self {
         Self {
-            reserved: cost,
-            actual: cost,
+            change: Change::Release { cost },
             receipt,
-            release: true,
         }
     }
 
-    /// The units debited when the request was admitted.
-    pub const fn reserved(&self) -> u64 {
-        self.reserved
+    /// Gives a key `units` more under each rate policy, newest debits first and never
+    /// above a full quota (a customer upgraded their plan; an operator forgives).
+    ///
+    /// ```
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let api = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_hour(10))?);
+    /// store.check("user-7", &api, 10);
+    /// let after = store.adjust_now("user-7", &api, &Adjustment::grant(4));
+    /// assert_eq!(after.statuses()[0].remaining, 4);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub const fn grant(units: u64) -> Self {
+        Self {
+            change: Change::Grant { units },
+            receipt: Receipt::new(0, 0),
+        }
     }
 
-    /// The units the request used.
-    pub const fn actual(&self) -> u64 {
-        self.actual
+    /// Sets each rate policy of a key to `remaining` units left now (at most its quota).
+    pub const fn set_remaining(remaining: u64) -> Self {
+        Self {
+            change: Change::SetRemaining { remaining },
+            receipt: Receipt::new(0, 0),
+        }
     }
 
-    /// The decision's receipt.
+    /// What changes.
+    pub const fn change(&self) -> Change {
+        self.change
+    }
+
+    /// The receipt of the decision this adjusts (all zero for a grant or a set).
     pub const fn receipt(&self) -> Receipt {
         self.receipt
     }
-
-    /// True when this frees in-flight slots (and settles nothing).
-    pub const fn is_release(&self) -> bool {
-        self.release
-    }
 }
+
+/// The future of [`Store::reset`].
+pub type ResetFuture = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
 
 /// A shared store: `Arc<dyn Store>` picks Redis or memory at run time behind one type,
 /// and an `Arc` of any store is a store.
@@ -172,6 +251,14 @@ impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         (**self).decide(key, policies, cost)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        (**self).peek(key, policies)
+    }
+
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        (**self).reset(key, policies)
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
@@ -187,6 +274,14 @@ impl<S: Store + ?Sized> Store for Box<S> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
         (**self).decide(key, policies, cost)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        (**self).peek(key, policies)
+    }
+
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        (**self).reset(key, policies)
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {

@@ -9,7 +9,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use smallvec::SmallVec;
 
-use super::{Adjustment, DecideFuture, Store, StoreError, StoreErrorKind};
+use super::{Adjustment, Change, DecideFuture, ResetFuture, Store, StoreError, StoreErrorKind};
 use crate::algorithm::Params;
 use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
@@ -544,25 +544,64 @@ impl Store for RedisStore {
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         let receipt = adjustment.receipt();
-        let mut invocation =
-            match self.invocation(key, policies, adjustment.reserved(), receipt.lease()) {
-                Ok(invocation) => invocation,
-                Err(error) => return DecideFuture::ready(Err(error)),
-            };
-        invocation.args.push(
-            adjustment
-                .actual()
-                .min(crate::policy::MAX_LIMIT + 1)
-                .to_string(),
-        );
-        invocation.args.push((receipt.at() / 1_000).to_string());
+        // ARGV[2] (the script's cost), then the amount, the time of the debit ("-1": any
+        // time, newest first) and the mode.
+        let (cost, amount, at, mode) = match adjustment.change() {
+            Change::Settle { reserved, actual } => {
+                (reserved, actual, (receipt.at() / 1_000).to_string(), "0")
+            }
+            Change::Release { cost } => (cost, 0, (receipt.at() / 1_000).to_string(), "1"),
+            Change::Grant { units } => (0, units, "-1".to_owned(), "2"),
+            Change::SetRemaining { remaining } => (0, remaining, "-1".to_owned(), "3"),
+        };
+        let mut invocation = match self.invocation(key, policies, cost, receipt.lease()) {
+            Ok(invocation) => invocation,
+            Err(error) => return DecideFuture::ready(Err(error)),
+        };
         invocation
             .args
-            .push(if adjustment.is_release() { "1" } else { "0" }.to_owned());
+            .push(amount.min(crate::policy::MAX_LIMIT + 1).to_string());
+        invocation.args.push(at);
+        invocation.args.push(mode.to_owned());
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts.adjust, &invocation).await?;
             parse_reply(&reply, invocation.count, 0, receipt.lease())
+        })
+    }
+
+    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+        let mut keys = Vec::with_capacity(2 * policies.len());
+        for policy in policies.iter() {
+            let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
+            keys.push(state);
+            keys.push(aux);
+        }
+        let backend = self.backend.clone();
+        Box::pin(async move {
+            // One command: every key of one identity shares a hash tag, so a Cluster
+            // takes them in one slot.
+            let mut command = redis::cmd("DEL");
+            for key in &keys {
+                command.arg(key);
+            }
+            let result: Result<i64, RedisError> = match backend {
+                Backend::Manager(mut connection) => command.query_async(&mut connection).await,
+                Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+                Backend::Pool(pool) => {
+                    let mut connection = pool.get().await.map_err(|error| {
+                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+                    })?;
+                    command.query_async(&mut connection).await
+                }
+                Backend::ClusterPool(pool) => {
+                    let mut connection = pool.get().await.map_err(|error| {
+                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+                    })?;
+                    command.query_async(&mut connection).await
+                }
+            };
+            result.map(drop).map_err(store_error)
         })
     }
 }
