@@ -9,6 +9,7 @@ use tower_layer::Layer;
 
 use std::time::Duration;
 
+use crate::bypass::Bypass;
 use crate::cost::Cost;
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::key::{ClientIp, KeyExtractor};
@@ -62,6 +63,7 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     /// Shared by every service this layer makes (axum may call `layer` more than once).
     breaker: Arc<Breaker>,
     settle: Option<Settle>,
+    bypass: Option<Bypass>,
 }
 
 /// The policies of a layer that has none yet. A layer can only wrap a service once it has
@@ -108,6 +110,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             store_timeout: self.store_timeout,
             breaker: Arc::clone(&self.breaker),
             settle: self.settle.clone(),
+            bypass: self.bypass.clone(),
         }
     }
 }
@@ -141,6 +144,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
             settle: None,
+            bypass: None,
         }
     }
 }
@@ -179,6 +183,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             store_timeout: self.store_timeout,
             breaker: self.breaker,
             settle: self.settle,
+            bypass: self.bypass,
         }
     }
 
@@ -341,6 +346,13 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
         self
     }
 
+    /// Lets the requests `bypass` allows skip limiting: not decided, nothing spent, no
+    /// rate-limit headers; counted in `tollgate_bypassed_total`. See [`crate::bypass`].
+    pub fn bypass(mut self, bypass: Bypass) -> Self {
+        self.bypass = Some(bypass);
+        self
+    }
+
     /// The store.
     pub fn store(&self) -> &St {
         &self.store
@@ -414,6 +426,7 @@ where
                 cost: self.cost.clone(),
                 resolver: self.resolver.clone(),
                 missing_key: self.missing_key,
+                bypass: self.bypass.clone(),
                 responder: Arc::new(Responder {
                     headers: self.headers.clone(),
                     settle: self.settle.clone(),

@@ -67,6 +67,7 @@
 
 pub mod algorithm;
 pub mod body;
+pub mod bypass;
 pub mod clock;
 pub mod cost;
 mod decision;

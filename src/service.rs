@@ -8,6 +8,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
+use crate::bypass::{Bypass, BypassReason};
 use crate::cost::Cost;
 use crate::failure::Admission;
 use crate::future::{Pending, ResponseFuture};
@@ -20,7 +21,7 @@ use crate::respond::headers::HeaderBlock;
 use crate::respond::problem as response;
 use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
 use crate::store::{Adjustment, DecideFuture, Store, StoreError, StoreErrorKind};
-use crate::telemetry::Stopwatch;
+use crate::telemetry::{self, Stopwatch};
 
 /// Everything a service shares with its clones, behind one `Arc`: axum clones the
 /// service for every request, and each reference counted there is a counter every worker
@@ -31,6 +32,7 @@ pub(crate) struct Config<St, K, C, R> {
     pub(crate) cost: C,
     pub(crate) resolver: R,
     pub(crate) missing_key: MissingKey,
+    pub(crate) bypass: Option<Bypass>,
     pub(crate) responder: Arc<Responder>,
 }
 
@@ -113,6 +115,9 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let config = &*self.config;
         let (parts, body) = request.into_parts();
+        if let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts)) {
+            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+        }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,
             Err(error) => {
@@ -127,6 +132,9 @@ where
                 };
             }
         };
+        if let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key)) {
+            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+        }
         let policies = config.resolver.resolve(&parts, &key);
         if policies.is_empty() {
             return ResponseFuture::calling(
@@ -204,6 +212,19 @@ where
             plan => finish(&mut self.inner, request, plan),
         }
     }
+}
+
+/// Calls the inner service for a request that skips limiting: no headers.
+fn bypassed<S, ReqBody, ResBody>(
+    inner: &mut S,
+    request: Request<ReqBody>,
+    reason: BypassReason,
+) -> ResponseFuture<S::Future>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    telemetry::bypassed(reason);
+    ResponseFuture::calling(inner.call(request), HeaderBlock::default())
 }
 
 /// Answers a request whose decision is known now. The in-process store answers at once:

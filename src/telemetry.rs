@@ -6,6 +6,7 @@
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit` |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
+//! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
 //! | `tollgate_fallback_active` | gauge | 1 while the store fails and the failure mode applies |
 //! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
 //!
@@ -96,6 +97,13 @@ fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
 
 /// The circuit breaker kept a request from the store.
 #[inline]
+pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_bypassed_total", "reason" => reason.as_str()).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = reason;
+}
+
 pub(crate) fn store_skipped() {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_skipped_total").increment(1);

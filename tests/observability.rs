@@ -133,3 +133,42 @@ fn decisions_errors_fallback_and_latency_are_reported() {
         })
     });
 }
+
+#[test]
+fn bypassed_requests_are_counted_by_reason() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/healthz", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+                .key(Global)
+                .bypass(
+                    tollgate::bypass::Bypass::new().when(|parts| parts.uri.path() == "/healthz"),
+                ),
+        );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/healthz").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+            }
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(&seen, "tollgate_bypassed_total", &[("reason", "predicate")]),
+                3
+            );
+            // Never counted as a decision.
+            assert!(value(&seen, "tollgate_decisions_total", &[]).is_none());
+        })
+    });
+}

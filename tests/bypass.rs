@@ -1,0 +1,135 @@
+//! Bypass: allowlisted networks, keys and requests skip limiting, spend nothing and get
+//! no rate-limit headers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::routing::get;
+use http::{Request, StatusCode};
+use tollgate::bypass::Bypass;
+use tollgate::key::{ClientIp, HeaderKey};
+use tollgate::{Key, MemoryStore, Policy, RateLimitLayer};
+use tower::ServiceExt;
+
+fn request(peer: &str, path: &str, api_key: Option<&str>) -> Request<Body> {
+    let mut builder = Request::get(path);
+    if let Some(key) = api_key {
+        builder = builder.header("x-api-key", key);
+    }
+    let mut request = builder.body(Body::empty()).unwrap();
+    let peer: SocketAddr = peer.parse().unwrap();
+    request.extensions_mut().insert(ConnectInfo(peer));
+    request
+}
+
+fn one_per_hour() -> Policy {
+    Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap()
+}
+
+#[tokio::test]
+async fn allowed_networks_skip_and_spend_nothing() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::peer())
+            .bypass(Bypass::new().network("10.0.0.0/8").network("2001:db8::1")),
+    );
+    for peer in [
+        "10.1.2.3:5000",
+        "[2001:db8::1]:5000",
+        "[::ffff:10.9.9.9]:5000",
+    ] {
+        for _ in 0..3 {
+            let response = app.clone().oneshot(request(peer, "/", None)).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{peer}");
+            // Not limited, so no numbers: no RateLimit fields at all.
+            assert!(!response.headers().contains_key("ratelimit"), "{peer}");
+            assert!(
+                !response.headers().contains_key("ratelimit-policy"),
+                "{peer}"
+            );
+        }
+    }
+    // Others are limited as usual.
+    let first = app
+        .clone()
+        .oneshot(request("192.0.2.1:1", "/", None))
+        .await
+        .unwrap();
+    // Windows are aligned to the epoch: `t` is what is left of this hour.
+    let rate = first.headers()["ratelimit"].to_str().unwrap();
+    assert!(rate.starts_with("\"api\";r=0;t="), "{rate}");
+    let second = app
+        .clone()
+        .oneshot(request("192.0.2.1:1", "/", None))
+        .await
+        .unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let neighbour = app
+        .clone()
+        .oneshot(request("11.0.0.1:1", "/", None))
+        .await
+        .unwrap();
+    assert_eq!(neighbour.status(), StatusCode::OK);
+    assert!(neighbour.headers().contains_key("ratelimit"));
+}
+
+#[tokio::test]
+async fn allowed_keys_and_requests_skip() {
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/healthz", get(|| async { "healthy" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(one_per_hour())
+                .key(HeaderKey::new("x-api-key"))
+                .bypass(
+                    Bypass::new()
+                        .key(Key::hashed("x-api-key", b"monitoring"))
+                        .when(|parts| parts.uri.path() == "/healthz"),
+                ),
+        );
+    for _ in 0..3 {
+        let response = app
+            .clone()
+            .oneshot(request("192.0.2.1:1", "/", Some("monitoring")))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(!response.headers().contains_key("ratelimit"));
+        // The predicate comes before the key: a health check needs none.
+        let health = app
+            .clone()
+            .oneshot(request("192.0.2.1:1", "/healthz", None))
+            .await
+            .unwrap();
+        assert_eq!(health.status(), StatusCode::OK);
+    }
+    let customer = || {
+        app.clone()
+            .oneshot(request("192.0.2.1:1", "/", Some("customer")))
+    };
+    assert_eq!(customer().await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        customer().await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Without a key, and not allowed otherwise: refused as before.
+    let keyless = app
+        .clone()
+        .oneshot(request("192.0.2.1:1", "/", None))
+        .await
+        .unwrap();
+    assert_eq!(keyless.status(), StatusCode::BAD_REQUEST);
+}
+
+#[test]
+fn bad_networks_are_refused_with_a_message() {
+    let error = Bypass::new().try_network("10.0.0.0/40").unwrap_err();
+    assert!(error.contains("10.0.0.0/40"), "{error}");
+    assert!(Bypass::new().try_network("not an address").is_err());
+    assert!(Bypass::new().try_network(" 192.0.2.7 ").is_ok());
+}
