@@ -13,6 +13,10 @@ local tail = 3 + count * 4
 local amount = tonumber(ARGV[tail + 1])
 local at = tonumber(ARGV[tail + 2])
 local mode = ARGV[tail + 3]
+-- The indices of the policies the request did not debit (shadow policies that would have
+-- denied), comma-separated: a settle or a release leaves them alone.
+local undebited = {}
+for index in string.gmatch(ARGV[tail + 4] or '', '%d+') do undebited[tonumber(index) + 1] = true end
 local reserved = cost
 
 -- Takes `units` more as far as the policy has room now: never below empty.
@@ -30,13 +34,16 @@ local policies = {}
 for i = 1, count do
   local base = 3 + (i - 1) * 4
   local kind = ARGV[base + 1]
+  if string.sub(kind, -1) == '~' then kind = string.sub(kind, 1, -2) end
   local algorithm = algorithms[kind]
   if algorithm == nil then
     return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))
   end
   local p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) }
   local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
-  if mode == '1' then
+  if undebited[i] and (mode == '0' or mode == '1') then
+    -- Nothing was taken: nothing to give back.
+  elseif mode == '1' then
     if kind == 'cc' and reserved > 0 then algorithm.refund(p, s, 1, at) end
   elseif kind == 'cc' then
     -- Slots are taken and freed by requests only.

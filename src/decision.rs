@@ -101,6 +101,8 @@ pub struct Decision {
     statuses: SmallVec<[PolicyStatus; 2]>,
     cached: bool,
     receipt: Receipt,
+    /// Bit `i`: the shadow policy at index `i` would have denied (and was not debited).
+    shadow_denied: u64,
 }
 
 /// What a store notes about an admitted request's debit, so that it can be adjusted once
@@ -118,13 +120,30 @@ pub struct Decision {
 pub struct Receipt {
     at: u64,
     lease: u64,
+    undebited: u64,
 }
 
 impl Receipt {
     /// A debit made at `at` (nanoseconds on the store's time line) that took the
     /// in-flight slots named `lease` (0: none, or a store that needs no name).
     pub const fn new(at: u64, lease: u64) -> Self {
-        Self { at, lease }
+        Self {
+            at,
+            lease,
+            undebited: 0,
+        }
+    }
+
+    /// This receipt, noting that the policies whose bits are set in `mask` (bit `i`:
+    /// the policy at index `i`) were not debited: shadow policies that would have denied.
+    pub const fn with_undebited(mut self, mask: u64) -> Self {
+        self.undebited = mask;
+        self
+    }
+
+    /// The policies not debited, as a bit mask by index.
+    pub const fn undebited(&self) -> u64 {
+        self.undebited
     }
 
     /// When the debit was made, in nanoseconds on the store's time line.
@@ -153,13 +172,43 @@ impl Decision {
             statuses,
             cached: false,
             receipt: Receipt::default(),
+            shadow_denied: 0,
         }
+    }
+
+    /// This decision, noting that the shadow policies at `indices` would have denied
+    /// (a custom store that supports [`Policy::shadow`](crate::Policy::shadow)). Indices
+    /// past 63 are ignored.
+    pub fn with_shadow_denied(mut self, indices: impl IntoIterator<Item = usize>) -> Self {
+        for index in indices {
+            if index < 64 {
+                self.shadow_denied |= 1 << index;
+            }
+        }
+        self
+    }
+
+    /// The indices, in the policy set, of the shadow policies that would have denied this
+    /// request (they did not deny it, and were not debited).
+    pub fn shadow_denied(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..64).filter(|index| self.shadow_denied & (1 << index) != 0)
+    }
+
+    /// True when the shadow policy at `index` would have denied.
+    #[inline]
+    pub(crate) fn is_shadow_denied(&self, index: usize) -> bool {
+        index < 64 && self.shadow_denied & (1 << index) != 0
+    }
+
+    #[inline]
+    pub(crate) fn shadow_mask(&self) -> u64 {
+        self.shadow_denied
     }
 
     /// This decision with the store's note of its debit, for a later
     /// [`Store::adjust`](crate::store::Store::adjust).
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
-        self.receipt = receipt;
+        self.receipt = receipt.with_undebited(receipt.undebited() | self.shadow_denied);
         self
     }
 

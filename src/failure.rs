@@ -221,6 +221,13 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
     };
     Policy::build(policy.name(), algorithm)
         .map(|scaled| scaled.with_unit(policy.unit()))
+        .map(|scaled| {
+            if policy.is_shadow() {
+                scaled.shadow()
+            } else {
+                scaled
+            }
+        })
         .unwrap_or_else(|_| policy.clone())
 }
 

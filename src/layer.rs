@@ -64,6 +64,7 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     breaker: Arc<Breaker>,
     settle: Option<Settle>,
     bypass: Option<Bypass>,
+    shadow: bool,
 }
 
 /// The policies of a layer that has none yet. A layer can only wrap a service once it has
@@ -111,6 +112,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             breaker: Arc::clone(&self.breaker),
             settle: self.settle.clone(),
             bypass: self.bypass.clone(),
+            shadow: self.shadow,
         }
     }
 }
@@ -145,6 +147,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
             settle: None,
             bypass: None,
+            shadow: false,
         }
     }
 }
@@ -184,6 +187,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             breaker: self.breaker,
             settle: self.settle,
             bypass: self.bypass,
+            shadow: self.shadow,
         }
     }
 
@@ -353,6 +357,35 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
         self
     }
 
+    /// Runs the whole layer in shadow (dry-run) mode: every request is decided and
+    /// debited as usual, none is denied, and what would have been denied is reported (the
+    /// metric outcome `shadow_denied`, a `tracing` event). No rate-limit headers are sent
+    /// unless [`shadow_headers`](Self::shadow_headers) asks for them. The layer's policies
+    /// keep their usual state (use [`Policy::shadow`] for a policy with state of its own
+    /// beside real ones).
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// // What would a limit of 100 per minute do to today's traffic?
+    /// let trial = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::sliding_window("trial", 100, std::time::Duration::from_secs(60))?)
+    ///     .shadow(true);
+    /// # let _ = trial;
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn shadow(mut self, shadow: bool) -> Self {
+        self.shadow = shadow;
+        self
+    }
+
+    /// Lists shadow policies ([`Policy::shadow`]) in the rate-limit headers too, and lets a
+    /// shadow layer send headers (default: off; a limit not enforced is not advertised).
+    pub fn shadow_headers(mut self, shown: bool) -> Self {
+        self.headers.shadow = shown;
+        self
+    }
+
     /// The store.
     pub fn store(&self) -> &St {
         &self.store
@@ -430,6 +463,7 @@ where
                 responder: Arc::new(Responder {
                     headers: self.headers.clone(),
                     settle: self.settle.clone(),
+                    shadow: self.shadow,
                     on_deny: self.on_deny.clone(),
                     failure_mode: self.failure_mode.clone(),
                     breaker: Arc::clone(&self.breaker),

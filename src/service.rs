@@ -122,6 +122,11 @@ where
             Ok(key) => key,
             Err(error) => {
                 return match config.missing_key {
+                    // A shadow layer never refuses a request.
+                    _ if config.responder.shadow => ResponseFuture::calling(
+                        self.inner.call(Request::from_parts(parts, body)),
+                        HeaderBlock::default(),
+                    ),
                     MissingKey::Allow if error.is_missing() => ResponseFuture::calling(
                         self.inner.call(Request::from_parts(parts, body)),
                         HeaderBlock::default(),

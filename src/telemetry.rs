@@ -3,7 +3,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit` |
+//! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit`, `shadow_denied` (a shadow policy, or a policy of a shadow layer, would have denied) |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
@@ -14,7 +14,6 @@
 //! events at debug level with the key, which is hashed when it is a secret.
 
 use crate::decision::Decision;
-#[cfg(any(feature = "tracing", feature = "metrics"))]
 use crate::decision::Outcome;
 use crate::key::Key;
 use crate::policy::PolicySet;
@@ -26,6 +25,7 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     #[cfg(feature = "metrics")]
     for (index, policy) in policies.iter().enumerate() {
         let outcome = match decision.outcome() {
+            _ if decision.is_shadow_denied(index) => "shadow_denied",
             Outcome::Allowed { .. } => "allowed",
             Outcome::Denied { policy, .. } if policy == index => "denied",
             Outcome::CostExceedsLimit { policy, .. } if policy == index => "cost_exceeds_limit",
@@ -48,9 +48,49 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
             "rate limited"
         );
     }
+    #[cfg(feature = "tracing")]
+    if decision.shadow_mask() != 0 {
+        for index in decision.shadow_denied() {
+            if let Some(policy) = policies.get(index) {
+                tracing::info!(
+                    target: "tollgate",
+                    key = %key,
+                    policy = policy.name(),
+                    "shadow policy would have denied"
+                );
+            }
+        }
+    }
     #[cfg(not(any(feature = "metrics", feature = "tracing")))]
     let _ = (policies, decision);
     let _ = key;
+}
+
+/// A shadow layer would have denied: the policy that would have, and the key.
+pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key: &Key) {
+    let denying = match decision.outcome() {
+        Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. } => policy,
+        _ => return,
+    };
+    #[cfg(feature = "metrics")]
+    for (index, policy) in policies.iter().enumerate() {
+        let outcome = if index == denying {
+            "shadow_denied"
+        } else {
+            "passed"
+        };
+        metrics::counter!("tollgate_decisions_total", "policy" => policy.name().to_owned(), "outcome" => outcome)
+            .increment(1);
+    }
+    #[cfg(feature = "tracing")]
+    tracing::info!(
+        target: "tollgate",
+        key = %key,
+        policy = policies.get(denying).map_or("", |policy| policy.name()),
+        "shadow layer would have denied"
+    );
+    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+    let _ = (policies, denying, key);
 }
 
 /// The store failed. I/O failures are debug events (the failure-mode warning already

@@ -127,6 +127,7 @@ fn same(a: &Decision, b: &Decision) -> bool {
         _ => false,
     };
     outcome
+        && a.shadow_denied().eq(b.shadow_denied())
         && a.statuses().len() == b.statuses().len()
         && a.statuses().iter().zip(b.statuses()).all(|(x, y)| {
             x.limit == y.limit
@@ -230,6 +231,25 @@ async fn every_store_decides_alike() {
         "client-3",
         &multi,
         &trace(3, 150, 3_000),
+    )
+    .await;
+
+    // Shadow policies: decided in state of their own, never denying, reported alike.
+    let shadowed = PolicySet::new([
+        Policy::token_bucket("burst", 5, Rate::new(5, Duration::from_secs(10))).unwrap(),
+        Policy::fixed_window("strict", 3, MINUTE).unwrap().shadow(),
+        Policy::sliding_log("log", 4, MINUTE).unwrap().shadow(),
+        Policy::gcra("gc", Rate::new(2, Duration::from_secs(10)), 2)
+            .unwrap()
+            .shadow(),
+    ])
+    .unwrap();
+    replay(
+        &backends,
+        "shadow",
+        "client-4",
+        &shadowed,
+        &trace(13, 150, 3_000),
     )
     .await;
 
@@ -604,6 +624,19 @@ async fn every_store_settles_alike() {
         "settle-multi",
         &multi,
         &settle_trace(9, 120, 3_000),
+    )
+    .await;
+    // A shadow policy that would have denied was not debited: settling gives it nothing.
+    let shadowed = PolicySet::new([
+        Policy::token_bucket("burst", 8, Rate::new(8, Duration::from_secs(10))).unwrap(),
+        Policy::fixed_window("strict", 4, MINUTE).unwrap().shadow(),
+    ])
+    .unwrap();
+    replay_settled(
+        &backends,
+        "settle-shadow",
+        &shadowed,
+        &settle_trace(21, 120, 2_000),
     )
     .await;
 }

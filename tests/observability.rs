@@ -172,3 +172,57 @@ fn bypassed_requests_are_counted_by_reason() {
         })
     });
 }
+
+#[test]
+fn shadow_denials_are_counted_as_such() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let set = tollgate::PolicySet::new([
+        Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
+        Policy::fixed_window("trial", 1, Duration::from_secs(3600))
+            .unwrap()
+            .shadow(),
+    ])
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(set)
+            .key(Global),
+    );
+    let shadow_layer = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("whole", 1, Duration::from_secs(3600)).unwrap())
+            .key(Global)
+            .shadow(true),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                for app in [&app, &shadow_layer] {
+                    let response = app
+                        .clone()
+                        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                        .await
+                        .unwrap();
+                    assert_eq!(response.status(), StatusCode::OK);
+                }
+            }
+            let seen = snapshot(&snapshotter);
+            let count = |policy, outcome| {
+                counter(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", policy), ("outcome", outcome)],
+                )
+            };
+            assert_eq!(count("trial", "allowed"), 1);
+            assert_eq!(count("trial", "shadow_denied"), 2);
+            assert_eq!(count("api", "allowed"), 3);
+            assert_eq!(count("whole", "allowed"), 1);
+            assert_eq!(count("whole", "shadow_denied"), 2);
+        })
+    });
+}

@@ -179,3 +179,40 @@ fn a_refusing_store_is_logged_at_error_level_once() {
     assert_eq!(errors.len(), 1, "{events:?}");
     assert!(errors[0].contains("refused to decide"), "{errors:?}");
 }
+
+#[test]
+fn a_shadow_policy_that_would_deny_is_an_info_event() {
+    let recorder = Recorder::default();
+    let set = tollgate::PolicySet::new([
+        Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
+        Policy::fixed_window("trial", 1, Duration::from_secs(3600))
+            .unwrap()
+            .shadow(),
+    ])
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(set)
+            .key(Global),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let shadow = format!("{} shadow policy would have denied", Level::INFO);
+    assert_eq!(
+        events.iter().filter(|e| **e == shadow).count(),
+        2,
+        "{events:?}"
+    );
+}

@@ -58,6 +58,12 @@ pub enum PolicyError {
         /// The name.
         name: String,
     },
+    /// A shadow policy sits past the 52nd place of its set, beyond what a decision
+    /// reports of shadow policies.
+    ShadowTooFar {
+        /// The name.
+        name: String,
+    },
 }
 
 impl fmt::Display for PolicyError {
@@ -101,6 +107,11 @@ impl fmt::Display for PolicyError {
             PolicyError::DuplicateName { name } => {
                 write!(f, "two policies in one set are named \"{name}\"")
             }
+            PolicyError::ShadowTooFar { name } => write!(
+                f,
+                "shadow policy \"{name}\" is past the 52nd policy of its set: put shadow \
+                 policies among the first {MAX_SHADOW_INDEX}"
+            ),
         }
     }
 }
@@ -155,6 +166,10 @@ impl Check<'_> {
         Ok((amount, period))
     }
 }
+
+/// Shadow policies sit among the first this many policies of a set (the reports of what
+/// they would have denied are bit masks, exact in Redis scripts' doubles).
+pub const MAX_SHADOW_INDEX: usize = 52;
 
 pub(super) fn check_name(name: &str) -> Result<(), PolicyError> {
     let valid = !name.is_empty()

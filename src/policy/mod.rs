@@ -34,7 +34,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use error::PolicyError;
+pub use error::{MAX_SHADOW_INDEX, PolicyError};
 pub use rate::Rate;
 pub use set::PolicySet;
 pub use spec::Algorithm;
@@ -110,6 +110,7 @@ struct PolicyInner {
     params: Params,
     id: u32,
     unit: QuotaUnit,
+    shadow: bool,
 }
 
 impl fmt::Debug for Policy {
@@ -123,7 +124,9 @@ impl fmt::Debug for Policy {
 
 impl PartialEq for Policy {
     fn eq(&self, other: &Self) -> bool {
-        self.name() == other.name() && self.algorithm() == other.algorithm()
+        self.name() == other.name()
+            && self.algorithm() == other.algorithm()
+            && self.is_shadow() == other.is_shadow()
     }
 }
 
@@ -229,6 +232,7 @@ impl Policy {
                     Algorithm::Concurrency { .. } => QuotaUnit::ConcurrentRequests,
                     _ => QuotaUnit::Requests,
                 },
+                shadow: false,
             }),
         })
     }
@@ -242,7 +246,63 @@ impl Policy {
                 params: self.inner.params,
                 id: self.inner.id,
                 unit,
+                shadow: self.inner.shadow,
             }),
+        }
+    }
+
+    /// This policy in shadow (dry-run) mode: decided and debited like a real one, in
+    /// state of its own (a real policy of the same name and parameters is not touched),
+    /// but it never denies. What it would have denied is reported: the metric outcome
+    /// `shadow_denied` and a `tracing` event. It is left out of the rate-limit headers
+    /// unless the layer asks for it ([`RateLimitLayer::shadow_headers`]). Roll a new limit
+    /// out in shadow, watch what it would do, then drop the `.shadow()`.
+    ///
+    /// A shadow policy that would deny is not debited (as a real one would not be); one
+    /// that admits is, when the request is admitted by the real policies.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let strict = Policy::fixed_window("strict", 1, std::time::Duration::from_secs(60))?.shadow();
+    /// let set = PolicySet::from(strict);
+    /// let store = MemoryStore::new();
+    /// assert!(store.check("k", &set, 1).is_allowed());
+    /// let second = store.check("k", &set, 1);
+    /// assert!(second.is_allowed(), "a shadow policy never denies");
+    /// assert_eq!(second.shadow_denied().collect::<Vec<_>>(), [0]);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    ///
+    /// [`RateLimitLayer::shadow_headers`]: crate::RateLimitLayer::shadow_headers
+    pub fn shadow(&self) -> Policy {
+        let name = &self.inner.name;
+        Policy {
+            inner: Arc::new(PolicyInner {
+                name: name.clone(),
+                algorithm: self.inner.algorithm,
+                params: self.inner.params,
+                // Its own state: `~` never appears in a policy name.
+                id: policy_id(&format!("{name}~shadow"), self.inner.algorithm),
+                unit: self.inner.unit,
+                shadow: true,
+            }),
+        }
+    }
+
+    /// True for a shadow policy ([`shadow`](Self::shadow)).
+    #[inline]
+    pub fn is_shadow(&self) -> bool {
+        self.inner.shadow
+    }
+
+    /// The name a store keys this policy's state by: the name, or `name~shadow` for a
+    /// shadow policy.
+    pub(crate) fn state_name(&self) -> std::borrow::Cow<'_, str> {
+        if self.inner.shadow {
+            std::borrow::Cow::Owned(format!("{}~shadow", self.inner.name))
+        } else {
+            std::borrow::Cow::Borrowed(&self.inner.name)
         }
     }
 

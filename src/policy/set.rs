@@ -58,6 +58,11 @@ impl PolicySet {
                     name: policy.name().to_owned(),
                 });
             }
+            if policy.is_shadow() && i >= super::error::MAX_SHADOW_INDEX {
+                return Err(PolicyError::ShadowTooFar {
+                    name: policy.name().to_owned(),
+                });
+            }
         }
         Ok(Self::from_vec(policies))
     }

@@ -134,6 +134,8 @@ pub(crate) struct HeaderOptions {
     /// Add up to this much, at random, to `t` and `Retry-After` of windows at least
     /// [`JITTER_FROM`] long.
     pub(crate) jitter: Duration,
+    /// List shadow policies in the fields too (off by default: they are not enforced).
+    pub(crate) shadow: bool,
 }
 
 /// Effective windows shorter than this get no jitter: a herd that comes back after a
@@ -214,18 +216,22 @@ thread_local! {
 
 const POLICY_FIELD_SLOTS: usize = 4;
 
-/// The set's `RateLimit-Policy` field: built on its first response and kept with the set,
-/// copied once into each thread that sends it.
-fn policy_field(set: &PolicySet) -> Option<HeaderValue> {
-    let serial = set.serial();
+/// The set's `RateLimit-Policy` field (with its shadow policies or without): built on its
+/// first response and kept with the set, copied once into each thread that sends it.
+fn policy_field(set: &PolicySet, shadow: bool) -> Option<HeaderValue> {
+    // Serials are below 2^63: the low bit tells the two fields of a set apart.
+    let serial = (set.serial() << 1) | u64::from(shadow);
     POLICY_FIELDS.with(|fields| {
         let mut fields = fields.borrow_mut();
         if let Some((_, field)) = fields.iter().find(|(s, _)| *s == serial) {
             return field.clone();
         }
         let shared = set
-            .derived(|set| policy_header(set))
-            .and_then(Option::as_ref);
+            .derived(|set| {
+                let visible: Vec<Policy> = set.iter().filter(|p| !p.is_shadow()).cloned().collect();
+                [policy_header(&visible), policy_header(set)]
+            })
+            .and_then(|[visible, all]| if shadow { all } else { visible }.as_ref());
         // A copy of the bytes, not a clone: this thread's copy counts its own references.
         let local = shared.and_then(|field| HeaderValue::from_bytes(field.as_bytes()).ok());
         // Most recent first; the oldest goes.
@@ -339,15 +345,16 @@ static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-rese
 
 /// The policy a single-valued style reports: the one that denied, else the one with the
 /// fewest units left (the longest reset on a tie).
-fn most_restrictive(decision: &Decision) -> usize {
+fn most_restrictive(decision: &Decision, shown: impl Fn(usize) -> bool) -> Option<usize> {
     match decision.outcome() {
-        Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. } => policy,
-        Outcome::Allowed { .. } => decision
+        Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. } => Some(policy),
+        _ => decision
             .statuses()
             .iter()
             .enumerate()
+            .filter(|(index, _)| shown(*index))
             .min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset.cmp(&a.reset)))
-            .map_or(0, |(index, _)| index),
+            .map(|(index, _)| index),
     }
 }
 
@@ -372,18 +379,24 @@ pub(crate) fn rate_limit_headers(
     extra: u64,
 ) -> HeaderBlock {
     let statuses = decision.statuses();
+    let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
     match options.style {
         HeaderStyle::None => HeaderBlock::Empty,
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
-            policy: policy_field(policies),
+            policy: policy_field(policies, options.shadow),
             rate: None,
         },
         HeaderStyle::Draft11 => {
+            let mut listed = 0;
             let rate = value(|out| {
-                for (index, (policy, status)) in policies.iter().zip(statuses).enumerate() {
-                    if index > 0 {
+                for (policy, status) in policies.iter().zip(statuses) {
+                    if !shown(policy) {
+                        continue;
+                    }
+                    if listed > 0 {
                         out.extend_from_slice(b", ");
                     }
+                    listed += 1;
                     out.extend_from_slice(b"\"");
                     out.extend_from_slice(policy.name().as_bytes());
                     out.extend_from_slice(b"\";r=");
@@ -399,15 +412,17 @@ pub(crate) fn rate_limit_headers(
                 }
             });
             match rate {
-                Some(rate) => HeaderBlock::Draft11 {
-                    policy: policy_field(policies),
+                Some(rate) if listed > 0 => HeaderBlock::Draft11 {
+                    policy: policy_field(policies, options.shadow),
                     rate: Some(rate),
                 },
-                None => HeaderBlock::Empty,
+                _ => HeaderBlock::Empty,
             }
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
-            let Some(status) = statuses.get(most_restrictive(decision)) else {
+            let Some(status) = most_restrictive(decision, |index| shown(&policies[index]))
+                .and_then(|index| statuses.get(index))
+            else {
                 return HeaderBlock::Empty;
             };
             let legacy = options.style == HeaderStyle::Legacy;
@@ -496,7 +511,7 @@ mod tests {
             .collect();
         for _ in 0..3 {
             for (index, set) in sets.iter().enumerate() {
-                let field = policy_field(set).unwrap();
+                let field = policy_field(set, false).unwrap();
                 assert_eq!(
                     field,
                     format!("\"api\";q={};w={}", index + 1, index + 1).as_str()
@@ -505,7 +520,7 @@ mod tests {
         }
         let rebuilt =
             PolicySet::from(Policy::token_bucket("api", 99, Rate::per_second(1)).unwrap());
-        assert_eq!(policy_field(&rebuilt).unwrap(), "\"api\";q=99;w=99");
+        assert_eq!(policy_field(&rebuilt, false).unwrap(), "\"api\";q=99;w=99");
     }
 
     #[test]

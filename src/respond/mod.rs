@@ -47,6 +47,9 @@ pub(crate) struct Responder {
     pub(crate) headers: HeaderOptions,
     /// How admitted requests' costs are settled once their response is known.
     pub(crate) settle: Option<Settle>,
+    /// A shadow layer: decides and debits, never denies, writes no headers unless
+    /// `headers.shadow` asks for them.
+    pub(crate) shadow: bool,
     pub(crate) on_deny: Option<DenyHook>,
     pub(crate) failure_mode: FailureMode,
     pub(crate) breaker: Arc<Breaker>,
@@ -128,8 +131,30 @@ impl Responder {
                 }
             }
         };
-        telemetry::decision(policies, decision, key);
         let extra = jitter_secs(self.headers.jitter);
+        if self.shadow {
+            // Never denies: what it would have done is reported, nothing else.
+            if decision.is_allowed() {
+                telemetry::decision(policies, decision, key);
+            } else {
+                telemetry::shadow_layer_denied(policies, decision, key);
+            }
+            let headers = if self.headers.shadow {
+                rate_limit_headers(&self.headers, policies, decision, key, extra)
+            } else {
+                HeaderBlock::default()
+            };
+            let debit = (decision.is_allowed()
+                && (self.settle.is_some() || policies.has_in_flight()))
+            .then(|| {
+                Box::new(Debit {
+                    receipt: decision.receipt(),
+                    fallback: from_fallback.then(|| policies.clone()),
+                })
+            });
+            return Plan::Call(headers, debit);
+        }
+        telemetry::decision(policies, decision, key);
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
         let debit = || {
             (self.settle.is_some() || policies.has_in_flight()).then(|| {
@@ -199,6 +224,8 @@ impl Responder {
         match &self.failure_mode {
             FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
+            // A shadow layer never refuses a request.
+            FailureMode::FailClosed if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
             FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
         }
     }

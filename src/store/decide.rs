@@ -27,10 +27,20 @@ pub(crate) fn decide(
     let mut delay = 0;
     let mut denied: Option<(usize, u64)> = None;
     let mut never: Option<usize> = None;
+    let mut shadow_denied = 0u64;
     for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = policy.params();
         params.refresh(slot, now);
-        match params.check(slot, now, cost) {
+        let verdict = params.check(slot, now, cost);
+        if policy.is_shadow() {
+            // Decided like any policy, but it never denies: what it would have done is
+            // reported, and it is not debited when it would have denied.
+            if !matches!(verdict, Verdict::Admit { .. }) && index < 64 {
+                shadow_denied |= 1 << index;
+            }
+            continue;
+        }
+        match verdict {
             Verdict::Admit { delay: wait } => delay = delay.max(wait),
             Verdict::Deny { retry_after } => {
                 // Report the policy that keeps the client waiting longest.
@@ -61,12 +71,20 @@ pub(crate) fn decide(
     };
     let admitted = matches!(outcome, Outcome::Allowed { .. });
     if admitted {
-        for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
-            policy.params().commit(slot, now, cost);
+        for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
+            if index >= 64 || shadow_denied & (1 << index) == 0 {
+                policy.params().commit(slot, now, cost);
+            }
         }
     }
     let (statuses, fresh_at) = statuses(policies, slots, now);
-    (Decision::with_statuses(outcome, statuses), fresh_at)
+    let decision = Decision::with_statuses(outcome, statuses);
+    let decision = if shadow_denied == 0 {
+        decision
+    } else {
+        decision.with_shadow_denied((0..64).filter(|i| shadow_denied & (1 << i) != 0))
+    };
+    (decision, fresh_at)
 }
 
 /// Adjusts an admitted request's debit (see `Store::adjust`): settles the rate policies
@@ -80,9 +98,14 @@ pub(crate) fn adjust(
 ) -> (Decision, u64) {
     debug_assert_eq!(policies.len(), slots.len());
     let at = adjustment.receipt().at();
-    for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
+    let undebited = adjustment.receipt().undebited();
+    for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = policy.params();
         params.refresh(slot, now);
+        if index < 64 && undebited & (1 << index) != 0 {
+            // A shadow policy that would have denied was not debited: nothing to settle.
+            continue;
+        }
         match adjustment.change() {
             Change::Release { cost } => {
                 if params.is_in_flight() && cost > 0 {

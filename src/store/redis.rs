@@ -563,6 +563,12 @@ impl Store for RedisStore {
             .push(amount.min(crate::policy::MAX_LIMIT + 1).to_string());
         invocation.args.push(at);
         invocation.args.push(mode.to_owned());
+        let undebited = receipt.undebited();
+        let indices: Vec<String> = (0..64)
+            .filter(|index| undebited & (1 << index) != 0)
+            .map(|index| index.to_string())
+            .collect();
+        invocation.args.push(indices.join(","));
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts.adjust, &invocation).await?;
@@ -640,7 +646,12 @@ impl RedisStore {
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
             keys.push(aux);
-            args.push(kind.to_owned());
+            // A shadow policy: the same algorithm, marked for the decision loop.
+            args.push(if policy.is_shadow() {
+                format!("{kind}~")
+            } else {
+                kind.to_owned()
+            });
             args.push(p1.to_string());
             args.push(p2.to_string());
             args.push(p3.to_string());
@@ -705,13 +716,15 @@ fn micros(value: i64) -> Duration {
 }
 
 fn parse_reply(reply: &[i64], count: usize, cost: u64, lease: u64) -> Result<Decision, StoreError> {
-    if reply.len() != 5 + 4 * count {
+    // The statuses, the time, then the indices of shadow policies that would have denied.
+    if reply.len() < 5 + 4 * count || reply.len() > 5 + 5 * count {
         return Err(StoreError::new(
             StoreErrorKind::Protocol,
             format!(
-                "the decision script answered {} numbers, expected {}",
+                "the decision script answered {} numbers, expected {} to {}",
                 reply.len(),
-                5 + 4 * count
+                5 + 4 * count,
+                5 + 5 * count
             ),
         ));
     }
@@ -752,7 +765,12 @@ fn parse_reply(reply: &[i64], count: usize, cost: u64, lease: u64) -> Result<Dec
             ));
         }
     };
-    Ok(Decision::with_statuses(outcome, statuses).with_receipt(Receipt::new(at, lease)))
+    let shadow_denied = reply[5 + 4 * count..]
+        .iter()
+        .filter_map(|&index| usize::try_from(index).ok());
+    Ok(Decision::with_statuses(outcome, statuses)
+        .with_shadow_denied(shadow_denied)
+        .with_receipt(Receipt::new(at, lease)))
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
@@ -912,7 +930,7 @@ impl RedisKeys {
             "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
             self.prefix,
             self.tag(identity),
-            policy.name()
+            policy.state_name()
         );
         let aux = format!("{state}:n");
         (state, aux)
