@@ -196,6 +196,7 @@ impl Decision {
 
     /// True when the shadow policy at `index` would have denied.
     #[inline]
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) fn is_shadow_denied(&self, index: usize) -> bool {
         index < 64 && self.shadow_denied & (1 << index) != 0
     }

@@ -228,6 +228,10 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
                 scaled
             }
         })
+        .and_then(|scaled| match policy.penalty() {
+            Some(penalty) => scaled.with_penalty(penalty),
+            None => Ok(scaled),
+        })
         .unwrap_or_else(|_| policy.clone())
 }
 

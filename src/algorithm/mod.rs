@@ -16,6 +16,7 @@ mod fixed_window;
 mod gcra;
 mod in_flight;
 mod leaky_shape;
+mod penalty;
 mod sliding_log;
 mod sliding_window;
 mod token_bucket;
@@ -26,6 +27,7 @@ pub use fixed_window::{FixedWindow, WindowState};
 pub use gcra::{Gcra, GcraState};
 pub use in_flight::{IN_FLIGHT_RETRY, InFlight, InFlightState};
 pub use leaky_shape::LeakyShape;
+pub use penalty::{PenaltyBox, PenaltyState};
 pub use sliding_log::{LogState, SlidingLog};
 pub use sliding_window::{CounterState, MAX_SUB_WINDOWS, SlidingWindow};
 pub use token_bucket::{BucketState, LeakyPolice, TokenBucket};
@@ -182,39 +184,25 @@ pub(crate) enum Params {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Slot {
     /// Fixed window.
-    Window {
-        id: u32,
-        state: WindowState,
-    },
+    Window { id: u32, state: WindowState },
     /// Sliding log (boxed: the other states are a few words, the log is a queue).
-    Log {
-        id: u32,
-        state: Box<LogState>,
-    },
+    Log { id: u32, state: Box<LogState> },
     /// Sliding window counter of one sub-window (the previous and the current window).
-    Counter {
-        id: u32,
-        state: CounterState,
-    },
+    Counter { id: u32, state: CounterState },
     /// Sliding window counter of several sub-windows (`k + 1` counts on the heap).
     Ring {
         id: u32,
         state: CounterState<Box<[u64]>>,
     },
     /// Token bucket and both leaky buckets.
-    Bucket {
-        id: u32,
-        state: BucketState,
-    },
+    Bucket { id: u32, state: BucketState },
     /// GCRA.
-    Gcra {
-        id: u32,
-        state: GcraState,
-    },
-    InFlight {
-        id: u32,
-        state: InFlightState,
-    },
+    Gcra { id: u32, state: GcraState },
+    /// In-flight limit.
+    InFlight { id: u32, state: InFlightState },
+    /// A policy's penalty, beside its own slot under an id of its own (boxed: it is rare,
+    /// and larger than the others).
+    Penalty { id: u32, state: Box<PenaltyState> },
 }
 
 impl Slot {
@@ -228,7 +216,8 @@ impl Slot {
             | Slot::Ring { id, .. }
             | Slot::Bucket { id, .. }
             | Slot::Gcra { id, .. }
-            | Slot::InFlight { id, .. } => *id,
+            | Slot::InFlight { id, .. }
+            | Slot::Penalty { id, .. } => *id,
         }
     }
 }

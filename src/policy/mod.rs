@@ -26,6 +26,7 @@
 
 mod error;
 mod id;
+mod penalty;
 mod rate;
 mod set;
 mod spec;
@@ -35,11 +36,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{MAX_SHADOW_INDEX, PolicyError};
+pub use penalty::Penalty;
 pub use rate::Rate;
 pub use set::PolicySet;
 pub use spec::Algorithm;
 
-use crate::algorithm::Params;
+use crate::algorithm::{Params, PenaltyBox};
 use error::{Check, check_name};
 use id::policy_id;
 
@@ -111,6 +113,8 @@ struct PolicyInner {
     id: u32,
     unit: QuotaUnit,
     shadow: bool,
+    /// The penalty, validated, and the id its state is kept under.
+    penalty: Option<(Penalty, PenaltyBox, u32)>,
 }
 
 impl fmt::Debug for Policy {
@@ -127,6 +131,7 @@ impl PartialEq for Policy {
         self.name() == other.name()
             && self.algorithm() == other.algorithm()
             && self.is_shadow() == other.is_shadow()
+            && self.penalty() == other.penalty()
     }
 }
 
@@ -233,6 +238,7 @@ impl Policy {
                     _ => QuotaUnit::Requests,
                 },
                 shadow: false,
+                penalty: None,
             }),
         })
     }
@@ -247,6 +253,7 @@ impl Policy {
                 id: self.inner.id,
                 unit,
                 shadow: self.inner.shadow,
+                penalty: self.inner.penalty,
             }),
         }
     }
@@ -286,7 +293,59 @@ impl Policy {
                 id: policy_id(&format!("{name}~shadow"), self.inner.algorithm),
                 unit: self.inner.unit,
                 shadow: true,
+                penalty: self.inner.penalty,
             }),
+        }
+    }
+
+    /// This policy with a penalty: a key it denies `penalty.denials()` times within
+    /// `penalty.within()` is blocked (see [`Penalty`]). A blocked key's requests are
+    /// answered from the block, 429 with `Retry-After` and `RateLimit` showing the time
+    /// left, without touching its other state. A shadow policy's penalty is not applied.
+    pub fn with_penalty(&self, penalty: Penalty) -> Result<Policy, PolicyError> {
+        let check = Check {
+            policy: self.name(),
+        };
+        let denials = check.count("penalty denials", penalty.denials)?;
+        let within = check.duration("penalty window", penalty.within, MIN_PERIOD, MAX_PERIOD)?;
+        let block = check.duration("penalty block", penalty.block, MIN_PERIOD, MAX_PERIOD)?;
+        let max_block = check.duration(
+            "penalty max_block (at least the block)",
+            penalty.max_block(),
+            penalty.block,
+            MAX_PERIOD,
+        )?;
+        let boxed = PenaltyBox::new(denials, within, block, max_block)
+            .expect("checked above: all positive, max_block >= block");
+        let id = policy_id(
+            &format!("{}~penalty", self.inner.name),
+            self.inner.algorithm,
+        );
+        Ok(Policy {
+            inner: Arc::new(PolicyInner {
+                name: self.inner.name.clone(),
+                algorithm: self.inner.algorithm,
+                params: self.inner.params,
+                id: self.inner.id,
+                unit: self.inner.unit,
+                shadow: self.inner.shadow,
+                penalty: Some((penalty, boxed, id)),
+            }),
+        })
+    }
+
+    /// The policy's penalty, if it has one.
+    pub fn penalty(&self) -> Option<Penalty> {
+        self.inner.penalty.map(|(penalty, ..)| penalty)
+    }
+
+    /// The penalty's parameters and the id its state is kept under; none for a shadow
+    /// policy (its penalty is not applied).
+    #[inline]
+    pub(crate) fn penalty_box(&self) -> Option<(PenaltyBox, u32)> {
+        match self.inner.penalty {
+            Some((_, boxed, id)) if !self.inner.shadow => Some((boxed, id)),
+            _ => None,
         }
     }
 
@@ -298,6 +357,7 @@ impl Policy {
 
     /// The name a store keys this policy's state by: the name, or `name~shadow` for a
     /// shadow policy.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn state_name(&self) -> std::borrow::Cow<'_, str> {
         if self.inner.shadow {
             std::borrow::Cow::Owned(format!("{}~shadow", self.inner.name))

@@ -36,6 +36,8 @@ struct PolicySetInner {
     serial: u64,
     /// True when a policy is an in-flight limit.
     in_flight: bool,
+    /// True when a policy has a penalty that applies.
+    penalties: bool,
     /// One value derived from the set, computed once by whoever needs it (the layer keeps
     /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
@@ -80,12 +82,14 @@ impl PolicySet {
             });
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         let in_flight = policies.iter().any(|policy| policy.params().is_in_flight());
+        let penalties = policies.iter().any(|policy| policy.penalty_box().is_some());
         PolicySet {
             inner: Arc::new(PolicySetInner {
                 policies: policies.into_boxed_slice(),
                 fingerprint,
                 serial: SERIALS.fetch_add(1, Ordering::Relaxed),
                 in_flight,
+                penalties,
                 derived: OnceLock::new(),
             }),
         }
@@ -119,6 +123,12 @@ impl PolicySet {
     #[inline]
     pub(crate) fn has_in_flight(&self) -> bool {
         self.inner.in_flight
+    }
+
+    /// True when a policy of the set has a penalty (its state keeps a slot more).
+    #[inline]
+    pub(crate) fn has_penalties(&self) -> bool {
+        self.inner.penalties
     }
 
     /// True when both are clones of one set.

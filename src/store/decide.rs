@@ -13,9 +13,11 @@ use crate::store::{Adjustment, Change};
 
 /// Decides `cost` units against every policy, all-or-nothing.
 ///
-/// `slots[i]` holds the state of `policies[i]`. Every policy is checked before any is
-/// debited; the request is debited from all of them only when all admit it. Returns the
-/// decision and the instant from which every slot is fresh again.
+/// `slots[i]` holds the state of `policies[i]`, then come the penalty slots of the
+/// policies that have one, in order. A key a penalty blocks is answered from the block,
+/// its other state untouched. Otherwise every policy is checked before any is debited;
+/// the request is debited from all of them only when all admit it. Returns the decision
+/// and the instant from which every slot is fresh again.
 #[inline]
 pub(crate) fn decide(
     policies: &[Policy],
@@ -23,8 +25,15 @@ pub(crate) fn decide(
     now: u64,
     cost: u64,
 ) -> (Decision, u64) {
-    debug_assert_eq!(policies.len(), slots.len());
+    debug_assert!(slots.len() >= policies.len());
+    let (slots, penalties) = slots.split_at_mut(policies.len());
+    if !penalties.is_empty() {
+        if let Some(blocked) = blocked(policies, slots, penalties, now) {
+            return blocked;
+        }
+    }
     let mut delay = 0;
+    let mut denied_mask = 0u64;
     let mut denied: Option<(usize, u64)> = None;
     let mut never: Option<usize> = None;
     let mut shadow_denied = 0u64;
@@ -43,6 +52,9 @@ pub(crate) fn decide(
         match verdict {
             Verdict::Admit { delay: wait } => delay = delay.max(wait),
             Verdict::Deny { retry_after } => {
+                if index < 64 {
+                    denied_mask |= 1 << index;
+                }
                 // Report the policy that keeps the client waiting longest.
                 if denied.is_none_or(|(_, longest)| retry_after > longest) {
                     denied = Some((index, retry_after));
@@ -77,7 +89,25 @@ pub(crate) fn decide(
             }
         }
     }
+    if !penalties.is_empty() && denied_mask != 0 {
+        // Each denial counts towards its policy's penalty; one may start a block, which
+        // this answer already shows.
+        let penalized = policies.iter().enumerate().filter_map(|(index, policy)| {
+            policy.penalty_box().map(|(penalty, _)| (index, penalty))
+        });
+        for ((index, penalty), slot) in penalized.zip(penalties.iter_mut()) {
+            if let (true, Slot::Penalty { state, .. }) =
+                (index < 64 && denied_mask & (1 << index) != 0, slot)
+            {
+                penalty.strike(state, now);
+            }
+        }
+        if let Some(blocked) = blocked(policies, slots, penalties, now) {
+            return blocked;
+        }
+    }
     let (statuses, fresh_at) = statuses(policies, slots, now);
+    let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
     let decision = Decision::with_statuses(outcome, statuses);
     let decision = if shadow_denied == 0 {
         decision
@@ -96,7 +126,8 @@ pub(crate) fn adjust(
     now: u64,
     adjustment: &Adjustment,
 ) -> (Decision, u64) {
-    debug_assert_eq!(policies.len(), slots.len());
+    debug_assert!(slots.len() >= policies.len());
+    let (slots, penalties) = slots.split_at_mut(policies.len());
     let at = adjustment.receipt().at();
     let undebited = adjustment.receipt().undebited();
     for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
@@ -134,6 +165,7 @@ pub(crate) fn adjust(
         }
     }
     let (statuses, fresh_at) = statuses(policies, slots, now);
+    let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
     let decision = Decision::with_statuses(
         Outcome::Allowed {
             delay: Duration::ZERO,
@@ -141,6 +173,80 @@ pub(crate) fn adjust(
         statuses,
     );
     (decision, fresh_at)
+}
+
+/// The answer to a key a penalty blocks: denied by the policy blocking longest, until its
+/// block ends; the other states are read, not changed.
+fn blocked(
+    policies: &[Policy],
+    slots: &[Slot],
+    penalties: &[Slot],
+    now: u64,
+) -> Option<(Decision, u64)> {
+    let penalized = policies
+        .iter()
+        .enumerate()
+        .filter_map(|(index, policy)| policy.penalty_box().map(|(penalty, _)| (index, penalty)));
+    let mut blocks: SmallVec<[(usize, u64); 2]> = SmallVec::new();
+    for ((index, penalty), slot) in penalized.zip(penalties) {
+        if let Slot::Penalty { state, .. } = slot {
+            if let Some(left) = penalty.blocked(state, now) {
+                blocks.push((index, left));
+            }
+        }
+    }
+    let &(policy, retry_after) = blocks.iter().max_by_key(|(_, left)| *left)?;
+    let mut fresh_at = penalties_fresh_at(policies, penalties);
+    let mut statuses = SmallVec::new();
+    for (index, (policy, slot)) in policies.iter().zip(slots).enumerate() {
+        let params = policy.params();
+        let status = match blocks.iter().find(|(blocked, _)| *blocked == index) {
+            Some(&(_, left)) => PolicyStatus {
+                limit: params.limit(),
+                remaining: 0,
+                reset: Duration::from_nanos(left),
+                effective_window: Duration::from_nanos(left),
+            },
+            None => {
+                // Read as of now on a copy: the state itself stays as it was.
+                let mut copy = slot.clone();
+                params.refresh(&mut copy, now);
+                let snapshot = params.snapshot(&copy, now);
+                fresh_at = fresh_at.max(snapshot.fresh_at);
+                PolicyStatus {
+                    limit: params.limit(),
+                    remaining: snapshot.remaining,
+                    reset: Duration::from_nanos(snapshot.reset),
+                    effective_window: Duration::from_nanos(params.effective_window(
+                        &copy,
+                        now,
+                        snapshot.remaining,
+                    )),
+                }
+            }
+        };
+        statuses.push(status);
+    }
+    let outcome = Outcome::Denied {
+        policy,
+        retry_after: Duration::from_nanos(retry_after),
+    };
+    Some((Decision::with_statuses(outcome, statuses), fresh_at))
+}
+
+/// When every penalty state is fresh again.
+fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
+    let penalized = policies
+        .iter()
+        .filter_map(|policy| policy.penalty_box().map(|(penalty, _)| penalty));
+    penalized
+        .zip(penalties)
+        .map(|(penalty, slot)| match slot {
+            Slot::Penalty { state, .. } => penalty.fresh_at(state),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Debits `units` as far as the policy has room now: never below empty.

@@ -410,18 +410,22 @@ enum Slots {
 impl Slots {
     fn new(policies: &PolicySet) -> Self {
         match &**policies {
-            [policy] => Slots::One(policy.params().new_slot(policy.id())),
+            [policy] if !policies.has_penalties() => {
+                Slots::One(policy.params().new_slot(policy.id()))
+            }
             _ => Slots::Many(Vec::with_capacity(policies.len())),
         }
     }
 
-    /// The slots of `policies`, in their order, adding fresh ones where missing.
+    /// The slots of `policies`, in their order, adding fresh ones where missing; then the
+    /// penalty slots of the policies that have one, in the same order.
     #[inline]
     fn arrange(&mut self, policies: &PolicySet) -> &mut [Slot] {
-        let single = matches!(
-            (&*self, &**policies),
-            (Slots::One(slot), [policy]) if slot.id() == policy.id()
-        );
+        let single = !policies.has_penalties()
+            && matches!(
+                (&*self, &**policies),
+                (Slots::One(slot), [policy]) if slot.id() == policy.id()
+            );
         if single {
             let Slots::One(slot) = self else {
                 unreachable!("checked above")
@@ -440,17 +444,34 @@ impl Slots {
         let Slots::Many(slots) = self else {
             unreachable!("converted above")
         };
-        for (index, policy) in policies.iter().enumerate() {
-            match slots[index..]
-                .iter()
-                .position(|slot| slot.id() == policy.id())
-            {
-                Some(0) => {}
-                Some(offset) => slots.swap(index, index + offset),
-                None => slots.insert(index, policy.params().new_slot(policy.id())),
+        let mut index = 0;
+        for policy in policies.iter() {
+            place(slots, index, policy.id(), || {
+                policy.params().new_slot(policy.id())
+            });
+            index += 1;
+        }
+        if policies.has_penalties() {
+            for (_, id) in policies.iter().filter_map(|policy| policy.penalty_box()) {
+                place(slots, index, id, || Slot::Penalty {
+                    id,
+                    state: Box::default(),
+                });
+                index += 1;
             }
         }
-        &mut slots[..policies.len()]
+        &mut slots[..index]
+    }
+}
+
+/// Puts the slot `id` at `index` (moving it from further on, or making it), keeping the
+/// slots before `index` where they are.
+#[inline]
+fn place(slots: &mut Vec<Slot>, index: usize, id: u32, make: impl FnOnce() -> Slot) {
+    match slots[index..].iter().position(|slot| slot.id() == id) {
+        Some(0) => {}
+        Some(offset) => slots.swap(index, index + offset),
+        None => slots.insert(index, make()),
     }
 }
 
@@ -599,8 +620,16 @@ impl<C: Clock> MemoryStore<C> {
         let mut table = lock(self.shard(hash));
         if let Ok(index) = table.find(hash, key) {
             let entry = table.slab.get_mut(index);
-            for (policy, slot) in policies.iter().zip(entry.slots.arrange(policies)) {
+            let slots = entry.slots.arrange(policies);
+            let (slots, penalties) = slots.split_at_mut(policies.len());
+            for (policy, slot) in policies.iter().zip(slots) {
                 *slot = policy.params().new_slot(policy.id());
+            }
+            // A reset forgives: blocks and strikes go too.
+            for slot in penalties {
+                if let Slot::Penalty { state, .. } = slot {
+                    **state = Default::default();
+                }
             }
             // Freshness is recomputed from what is left on the next decision; until then
             // the entry may be kept a little longer than needed, never forgotten early.

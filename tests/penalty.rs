@@ -1,0 +1,141 @@
+//! Penalties: a key denied N times within a period is blocked, answered from the block
+//! without touching its other state; repeats double the block up to a cap.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use http::{Request, StatusCode};
+use tollgate::clock::ManualClock;
+use tollgate::key::Global;
+use tollgate::policy::Penalty;
+use tollgate::{MemoryStore, Outcome, Policy, PolicySet, Rate, RateLimitLayer};
+use tower::ServiceExt;
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn penalized() -> Policy {
+    // 2 per second; 3 denials within 10 s block for 60 s, doubling up to 200 s.
+    Policy::token_bucket("api", 2, Rate::per_second(2))
+        .unwrap()
+        .with_penalty(Penalty::new(3, 10 * SECOND, 60 * SECOND).doubling_up_to(200 * SECOND))
+        .unwrap()
+}
+
+fn retry(decision: &tollgate::Decision) -> Option<Duration> {
+    match decision.outcome() {
+        Outcome::Denied { retry_after, .. } => Some(retry_after),
+        _ => None,
+    }
+}
+
+#[test]
+fn repeated_denials_block_and_repeats_double_up_to_the_cap() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let set = PolicySet::new([
+        penalized(),
+        Policy::fixed_window("daily", 1_000, Duration::from_secs(86_400)).unwrap(),
+    ])
+    .unwrap();
+    clock.set(Duration::from_secs(1_000));
+    assert!(store.check("k", &set, 1).is_allowed());
+    assert!(store.check("k", &set, 1).is_allowed());
+    // Two denials: plain ones.
+    assert_eq!(
+        retry(&store.check("k", &set, 1)),
+        Some(Duration::from_millis(500))
+    );
+    assert_eq!(
+        retry(&store.check("k", &set, 1)),
+        Some(Duration::from_millis(500))
+    );
+    // The third starts the block, and already says so.
+    let blocked = store.check("k", &set, 1);
+    assert_eq!(retry(&blocked), Some(60 * SECOND));
+    assert_eq!(blocked.statuses()[0].remaining, 0);
+    assert_eq!(blocked.statuses()[0].effective_window, 60 * SECOND);
+    assert_eq!(
+        blocked.statuses()[1].remaining,
+        998,
+        "the daily quota is shown as is"
+    );
+    // While blocked, nothing else is touched: the daily count stays at 2 however many
+    // requests come, and the bucket refills underneath.
+    clock.advance(30 * SECOND);
+    for _ in 0..5 {
+        let decision = store.check("k", &set, 1);
+        assert_eq!(retry(&decision), Some(30 * SECOND));
+        assert_eq!(decision.statuses()[1].remaining, 998);
+    }
+    clock.advance(30 * SECOND);
+    let after = store.check("k", &set, 1);
+    assert!(after.is_allowed());
+    assert_eq!(after.statuses()[1].remaining, 997);
+    // The second offence soon after: 120 s, then 200 s (the cap).
+    let offend = |expected: Duration| {
+        for _ in 0..3 {
+            store.check("k", &set, 1);
+        }
+        let mut last = store.check("k", &set, 1);
+        while last.is_allowed() || retry(&last) == Some(Duration::from_millis(500)) {
+            last = store.check("k", &set, 1);
+        }
+        assert_eq!(retry(&last), Some(expected));
+    };
+    offend(120 * SECOND);
+    clock.advance(120 * SECOND);
+    offend(200 * SECOND);
+    // Out of trouble for the block plus one longest block: the first block again.
+    clock.advance(200 * SECOND + 200 * SECOND);
+    offend(60 * SECOND);
+    // A reset forgives the block.
+    store.reset_now("k", &set);
+    assert!(store.check("k", &set, 1).is_allowed());
+}
+
+#[tokio::test]
+async fn a_block_is_visible_in_retry_after_and_the_headers() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(
+                Policy::fixed_window("login", 1, Duration::from_secs(3600))
+                    .unwrap()
+                    .with_penalty(Penalty::new(
+                        2,
+                        Duration::from_secs(60),
+                        Duration::from_secs(7_200),
+                    ))
+                    .unwrap(),
+            )
+            .key(Global),
+    );
+    let send = || {
+        app.clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+    };
+    assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+    let denied = send().await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    let blocked = send().await.unwrap();
+    assert_eq!(blocked.status(), StatusCode::TOO_MANY_REQUESTS);
+    // Two hours of block, longer than what is left of the hour's window.
+    assert_eq!(blocked.headers()["retry-after"], "7200");
+    assert_eq!(blocked.headers()["ratelimit"], "\"login\";r=0;t=7200");
+}
+
+#[test]
+fn bad_penalties_are_refused_with_a_message() {
+    let policy = Policy::gcra("g", Rate::per_second(1), 1).unwrap();
+    let zero = policy
+        .with_penalty(Penalty::new(0, SECOND, SECOND))
+        .unwrap_err()
+        .to_string();
+    assert!(zero.contains("penalty denials"), "{zero}");
+    let cap = policy
+        .with_penalty(Penalty::new(3, SECOND, 60 * SECOND).doubling_up_to(SECOND))
+        .unwrap_err()
+        .to_string();
+    assert!(cap.contains("max_block"), "{cap}");
+}
