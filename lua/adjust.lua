@@ -33,8 +33,7 @@ end
 local policies = {}
 for i = 1, count do
   local base = 3 + (i - 1) * 4
-  local kind = ARGV[base + 1]
-  if string.sub(kind, -1) == '~' then kind = string.sub(kind, 1, -2) end
+  local kind = parse_kind(ARGV[base + 1])
   local algorithm = algorithms[kind]
   if algorithm == nil then
     return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))

@@ -1,24 +1,71 @@
 -- The decision, after the prelude and the algorithms (each registered in `algorithms`
 -- under its kind): check every policy, debit all of them only if all admit, report (then
 -- the time of the decision, then the indices of the shadow policies that would have
--- denied). A kind ending in `~` is a shadow policy: decided, never denying, debited only
--- if it would have admitted.
+-- denied). A shadow policy (kind `xx~`) is decided, never denies, and is debited only if
+-- it would have admitted. A policy with a penalty (kind `xx!...`) blocks a key it keeps
+-- denying: a blocked key is answered from the block, its other state untouched.
+
+-- The policies' parameters and penalties, read once.
+local specs = {}
+for i = 1, count do
+  local base = 3 + (i - 1) * 4
+  local kind, shadow, penalty = parse_kind(ARGV[base + 1])
+  local algorithm = algorithms[kind]
+  if algorithm == nil then
+    return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))
+  end
+  specs[i] = {
+    algorithm = algorithm, shadow = shadow, penalty = penalty,
+    p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) },
+  }
+  if penalty ~= nil then specs[i].penalty_state = load_penalty(KEYS[2 * i]) end
+end
+
+-- The answer to a blocked key, or nil: denied by the policy blocking longest, the other
+-- policies as they are now.
+local function blocked_reply()
+  local longest_block, blocker = 0, 0
+  for i = 1, count do
+    local st = specs[i].penalty_state
+    if st ~= nil and now < st.blocked_until and st.blocked_until - now > longest_block then
+      longest_block, blocker = st.blocked_until - now, i
+    end
+  end
+  if blocker == 0 then return nil end
+  local reply = { 1, blocker, longest_block, 0 }
+  for i = 1, count do
+    local spec = specs[i]
+    local s = spec.algorithm.load(spec.p, KEYS[2 * i - 1], KEYS[2 * i])
+    local limit, remaining, reset, effective = spec.algorithm.snapshot(spec.p, s)
+    local st = spec.penalty_state
+    if st ~= nil and now < st.blocked_until then
+      remaining, reset, effective = 0, st.blocked_until - now, st.blocked_until - now
+    end
+    reply[#reply + 1] = limit
+    reply[#reply + 1] = remaining
+    reply[#reply + 1] = reset
+    reply[#reply + 1] = effective
+  end
+  reply[#reply + 1] = now
+  return reply
+end
+
+local blocked = blocked_reply()
+if blocked ~= nil then return blocked end
 
 local policies = {}
 local outcome, denying, longest, delay = 0, 0, 0, 0
 local shadow_denied = {}
 for i = 1, count do
-  local base = 3 + (i - 1) * 4
-  local kind = ARGV[base + 1]
-  local shadow = string.sub(kind, -1) == '~'
-  if shadow then kind = string.sub(kind, 1, -2) end
-  local algorithm = algorithms[kind]
+  local shadow = specs[i].shadow
+  local algorithm = specs[i].algorithm
   if algorithm == nil then
     return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))
   end
-  local p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) }
+  local p = specs[i].p
   local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
   local verdict, value = algorithm.check(p, s)
+  specs[i].verdict = verdict
   local debit = true
   if shadow then
     if verdict ~= 'admit' then
@@ -43,6 +90,21 @@ if outcome == 0 and cost > 0 then
       policies[i].algorithm.commit(policies[i].p, policies[i].s)
     end
   end
+end
+
+-- Each denial counts towards its policy's penalty; one may start a block, which this
+-- answer already shows.
+local struck = false
+for i = 1, count do
+  local spec = specs[i]
+  if spec.penalty_state ~= nil and not spec.shadow and spec.verdict == 'deny' then
+    strike(spec.penalty, spec.penalty_state)
+    struck = true
+  end
+end
+if struck then
+  blocked = blocked_reply()
+  if blocked ~= nil then return blocked end
 end
 
 local reply = { outcome, denying, longest, delay }

@@ -101,3 +101,64 @@ local function refund_bucket(p, s, units, at)
   s.level = math.max(s.level - units * p[3], 0)
   store_bucket(p, s)
 end
+
+-- Sets `key` to expire in `ms` milliseconds, unless it already lives longer (a key that
+-- holds several things keeps the longest need).
+local function extend_ttl(key, ms)
+  local ttl = redis.call('PTTL', key)
+  if ttl < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+-- A policy's kind argument: the algorithm's two letters, then `~` for a shadow policy,
+-- then `!denials:within:block:max_block` (microseconds) for a penalty.
+local function parse_kind(raw)
+  local kind, rest = string.match(raw, '^(%a%a)(.*)$')
+  if kind == nil then return raw, false, nil end
+  local shadow = false
+  if string.sub(rest, 1, 1) == '~' then
+    shadow = true
+    rest = string.sub(rest, 2)
+  end
+  local penalty = nil
+  local n, w, b, m = string.match(rest, '^!(%d+):(%d+):(%d+):(%d+)$')
+  if n ~= nil then penalty = { tonumber(n), tonumber(w), tonumber(b), tonumber(m) } end
+  return kind, shadow, penalty
+end
+
+-- Penalties (the twin of src/algorithm/penalty.rs): the state lives in the policy's
+-- auxiliary hash: denials in the window (pc), its end (pw), blocked until (pb), blocks so
+-- far (ps) and when they are forgotten (pm).
+local function load_penalty(aux)
+  local v = redis.call('HMGET', aux, 'pc', 'pw', 'pb', 'ps', 'pm')
+  return {
+    aux = aux, count = num(v[1], 0), window_end = num(v[2], 0),
+    blocked_until = num(v[3], 0), strikes = num(v[4], 0), strikes_until = num(v[5], 0),
+  }
+end
+
+local function strike(pen, st)
+  if now >= st.window_end then
+    st.count = 0
+    st.window_end = now + pen[2]
+  end
+  st.count = st.count + 1
+  if st.count >= pen[1] then
+    if now >= st.strikes_until then st.strikes = 0 end
+    local block = pen[3]
+    for _ = 1, st.strikes do
+      block = math.min(block * 2, pen[4])
+      if block == pen[4] then break end
+    end
+    st.blocked_until = now + block
+    st.strikes = math.min(st.strikes + 1, 64)
+    st.strikes_until = st.blocked_until + pen[4]
+    st.count = 0
+    st.window_end = now
+  end
+  redis.call('HSET', st.aux, 'pc', st.count, 'pw', st.window_end, 'pb', st.blocked_until,
+    'ps', st.strikes, 'pm', st.strikes_until)
+  local fresh = st.blocked_until
+  if st.strikes > 0 then fresh = math.max(fresh, st.strikes_until) end
+  if st.count > 0 then fresh = math.max(fresh, st.window_end) end
+  extend_ttl(st.aux, cdiv(math.max(fresh - now, 0), 1000) + 1)
+end

@@ -44,7 +44,8 @@ local function commit(p, s)
   redis.call('HSET', s.aux, 't', s.total)
   local ttl = cdiv(p[2], 1000) + 1
   redis.call('PEXPIRE', s.key, ttl)
-  redis.call('PEXPIRE', s.aux, ttl)
+  -- The hash may hold a penalty that must outlive the log.
+  extend_ttl(s.aux, ttl)
 end
 
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:

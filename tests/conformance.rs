@@ -253,6 +253,31 @@ async fn every_store_decides_alike() {
     )
     .await;
 
+    // Penalties: blocks, doubling, and a blocked key answered from the block.
+    let penalty =
+        tollgate::policy::Penalty::new(3, Duration::from_secs(20), Duration::from_secs(15))
+            .doubling_up_to(Duration::from_secs(60));
+    let penalized = PolicySet::new([
+        Policy::token_bucket("burst", 3, Rate::new(3, Duration::from_secs(10)))
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+        Policy::sliding_log("log", 20, MINUTE)
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+        Policy::fixed_window("hourly", 60, Duration::from_secs(3600)).unwrap(),
+    ])
+    .unwrap();
+    replay(
+        &backends,
+        "penalty",
+        "client-5",
+        &penalized,
+        &trace(17, 300, 2_500),
+    )
+    .await;
+
     // A cost that can never fit is answered at once, and spends nothing.
     for subject in backends.subjects("never") {
         let set = PolicySet::from(Policy::token_bucket("tb", 10, Rate::per_second(1)).unwrap());

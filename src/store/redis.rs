@@ -646,12 +646,24 @@ impl RedisStore {
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
             keys.push(aux);
-            // A shadow policy: the same algorithm, marked for the decision loop.
-            args.push(if policy.is_shadow() {
-                format!("{kind}~")
-            } else {
-                kind.to_owned()
-            });
+            // A shadow policy: the same algorithm, marked for the decision loop; a penalty:
+            // its numbers, in microseconds.
+            let mut spelled = kind.to_owned();
+            if policy.is_shadow() {
+                spelled.push('~');
+            }
+            if let Some((penalty, _)) = policy.penalty_box() {
+                use std::fmt::Write;
+                let _ = write!(
+                    spelled,
+                    "!{}:{}:{}:{}",
+                    penalty.denials,
+                    to_micros(penalty.within),
+                    to_micros(penalty.block),
+                    to_micros(penalty.max_block)
+                );
+            }
+            args.push(spelled);
             args.push(p1.to_string());
             args.push(p2.to_string());
             args.push(p3.to_string());
