@@ -202,6 +202,7 @@ impl Decision {
     }
 
     #[inline]
+    #[cfg_attr(not(feature = "tracing"), allow(dead_code))]
     pub(crate) fn shadow_mask(&self) -> u64 {
         self.shadow_denied
     }

@@ -448,28 +448,46 @@ where
     /// exactly (see [`validate`](RateLimitLayer::validate)): reported when the app is
     /// built, never on the first request.
     fn layer(&self, inner: S) -> Self::Service {
-        if let Err(message) = self.validate() {
-            panic!("{message}");
+        match self.service_config() {
+            Ok(config) => RateLimit::new(inner, config),
+            Err(message) => panic!("{message}"),
         }
-        RateLimit::new(
-            inner,
-            Arc::new(Config {
-                store: self.store.clone(),
-                key: self.key.clone(),
-                cost: self.cost.clone(),
-                resolver: self.resolver.clone(),
-                missing_key: self.missing_key,
-                bypass: self.bypass.clone(),
-                responder: Arc::new(Responder {
-                    headers: self.headers.clone(),
-                    settle: self.settle.clone(),
-                    shadow: self.shadow,
-                    on_deny: self.on_deny.clone(),
-                    failure_mode: self.failure_mode.clone(),
-                    breaker: Arc::clone(&self.breaker),
-                    timeout: self.store_timeout,
-                }),
+    }
+}
+
+impl<St, K, C, R> RateLimitLayer<St, K, C, R>
+where
+    St: Store + Clone,
+    K: KeyExtractor + Clone,
+    C: Cost + Clone,
+    R: PolicyResolver + Clone,
+{
+    /// The checked configuration every service of this layer shares.
+    pub(crate) fn service_config(&self) -> Result<Arc<Config<St, K, C, R>>, String> {
+        self.validate()?;
+        Ok(Arc::new(Config {
+            store: self.store.clone(),
+            key: self.key.clone(),
+            cost: self.cost.clone(),
+            resolver: self.resolver.clone(),
+            missing_key: self.missing_key,
+            bypass: self.bypass.clone(),
+            responder: Arc::new(Responder {
+                headers: self.headers.clone(),
+                settle: self.settle.clone(),
+                shadow: self.shadow,
+                on_deny: self.on_deny.clone(),
+                failure_mode: self.failure_mode.clone(),
+                breaker: Arc::clone(&self.breaker),
+                timeout: self.store_timeout,
             }),
-        )
+        }))
+    }
+
+    /// This layer sharing `breaker` (a reloaded configuration keeps the breaker's state).
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    pub(crate) fn with_breaker(mut self, breaker: Arc<Breaker>) -> Self {
+        self.breaker = breaker;
+        self
     }
 }

@@ -69,6 +69,8 @@ pub mod algorithm;
 pub mod body;
 pub mod bypass;
 pub mod clock;
+#[cfg(feature = "config")]
+pub mod config;
 pub mod cost;
 mod decision;
 mod failure;

@@ -89,8 +89,10 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
         policy = policies.get(denying).map_or("", |policy| policy.name()),
         "shadow layer would have denied"
     );
+    #[cfg(not(feature = "tracing"))]
+    let _ = key;
     #[cfg(not(any(feature = "metrics", feature = "tracing")))]
-    let _ = (policies, denying, key);
+    let _ = (policies, denying);
 }
 
 /// The store failed. I/O failures are debug events (the failure-mode warning already

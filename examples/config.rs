@@ -1,0 +1,113 @@
+//! Policies from a configuration file, reloaded while running.
+//!
+//! ```text
+//! cargo run --example config --features config     # serves on 127.0.0.1:3000 ($PORT)
+//! TOLLGATE_CONFIG=my.toml cargo run --example config --features config
+//!
+//! curl -i http://127.0.0.1:3000/                   # plan "default": api, daily
+//! curl -i -H 'x-plan: pro' http://127.0.0.1:3000/  # plan "pro": api-pro
+//! # edit examples/tollgate.toml, then (or just save it: file changes are picked up too)
+//! kill -HUP <pid>
+//! ```
+//!
+//! The file is `examples/tollgate.toml` (or `$TOLLGATE_CONFIG`). A reload that fails (an
+//! invalid file) is reported with the entry at fault and changes nothing.
+
+#[path = "support/logging.rs"]
+mod logging;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use axum::Router;
+use axum::routing::get;
+use tollgate::MemoryStore;
+use tollgate::config::{LimiterConfig, LiveLayer};
+
+fn load(path: &Path) -> Result<LimiterConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let config: LimiterConfig =
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    config
+        .check()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(config)
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// Reloads `layer` from `path`, saying what happened.
+fn reload(layer: &LiveLayer, path: &Path, why: &str) {
+    match load(path).and_then(|config| layer.reload(&config).map_err(|e| e.to_string())) {
+        Ok(()) => println!("reloaded {} ({why})", path.display()),
+        Err(error) => eprintln!("kept the running configuration: {error}"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    logging::init();
+    let port: u16 = match std::env::var("PORT") {
+        Ok(port) => port
+            .parse()
+            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
+        Err(_) => 3000,
+    };
+    let path = std::env::var_os("TOLLGATE_CONFIG")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/examples/tollgate.toml"
+            ))
+        });
+    let layer = LiveLayer::new(MemoryStore::new(), &load(&path)?)?;
+
+    // SIGHUP reloads.
+    #[cfg(unix)]
+    {
+        let (layer, path) = (layer.clone(), path.clone());
+        let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+        tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                reload(&layer, &path, "SIGHUP");
+            }
+        });
+    }
+    // So does saving the file.
+    {
+        let (layer, path) = (layer.clone(), path.clone());
+        tokio::spawn(async move {
+            let mut seen = modified(&path);
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let now = modified(&path);
+                if now != seen {
+                    seen = now;
+                    reload(&layer, &path, "the file changed");
+                }
+            }
+        });
+    }
+
+    let app = Router::new()
+        .route("/", get(|| async { "hello from behind tollgate\n" }))
+        .route("/search", get(|| async { "search results\n" }))
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    let addr = listener.local_addr()?;
+    println!(
+        "tollgate config example listening on http://{addr}, serving {} (pid {}: kill -HUP to reload)",
+        path.display(),
+        std::process::id()
+    );
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,725 @@
+//! Policies from configuration, changed while running (feature `config`).
+//!
+//! [`LimiterConfig`] is a serde structure: read it from TOML, YAML or JSON, whichever
+//! your app uses. It describes the policies, the plans (named policy sets chosen per
+//! request), the costs per route, the key extractor chain, the failure mode and shadow
+//! flags. [`LimiterConfig::check`] (and every load) refuses an invalid configuration with
+//! an error that names the entry and the reason.
+//!
+//! [`LiveLayer`] serves a configuration and swaps to a new one atomically
+//! ([`LiveLayer::reload`]): a request reads the configuration once, when it arrives, and
+//! finishes under it, so no request mixes two configurations, and requests in flight
+//! during a reload finish under the one they started with. State lives in the store,
+//! keyed by each policy's name and parameters: a policy that a reload leaves unchanged
+//! keeps its state; a policy whose parameters change starts on fresh state (its old state
+//! expires on its own).
+//!
+//! ```
+//! use tollgate::config::{LimiterConfig, LiveLayer};
+//! use tollgate::MemoryStore;
+//!
+//! let toml = r#"
+//!     key = ["header:x-api-key", "ip"]
+//!     plan_header = "x-plan"
+//!
+//!     [[policies]]
+//!     name = "api"
+//!     algorithm = "token-bucket"
+//!     capacity = 100
+//!     rate = "10/s"
+//!
+//!     [[policies]]
+//!     name = "api-pro"
+//!     algorithm = "token-bucket"
+//!     capacity = 1000
+//!     rate = "100/s"
+//!
+//!     [plans]
+//!     default = ["api"]
+//!     pro = ["api-pro"]
+//!
+//!     [costs]
+//!     default = 1
+//!     routes = { "/search" = 5, "POST /upload" = 20 }
+//! "#;
+//! let config: LimiterConfig = toml::from_str(toml)?;
+//! let layer = LiveLayer::new(MemoryStore::new(), &config)?;
+//! // Later, from a file watcher or a SIGHUP handler:
+//! layer.reload(&config)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A reload that fails keeps the running configuration and returns the error.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{HeaderName, Method, Request, Response};
+use serde::Deserialize;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::body::ResponseBody;
+use crate::cost::{Cost, PerRoute};
+use crate::failure::{Breaker, CircuitBreaker, FailureMode, LocalFallback};
+use crate::future::ResponseFuture;
+use crate::key::{ClientIp, Global, HeaderKey, Key, KeyExtractor, KeyExtractorExt};
+use crate::layer::RateLimitLayer;
+use crate::policy::{Penalty, Policy, PolicySet, Rate};
+use crate::resolve::PolicyResolver;
+use crate::respond::headers::HeaderStyle;
+use crate::service::{Config, RateLimit};
+use crate::store::Store;
+
+/// A whole limiter's configuration. Every field but `policies` has a default.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LimiterConfig {
+    /// The key extractor chain: the first that finds a key names the client. Entries:
+    /// `"ip"` (the client address, behind `trusted_proxies`), `"header:NAME"` (a header,
+    /// hashed: API keys and tokens), `"global"` (one budget for everyone). Default:
+    /// `["ip"]`.
+    #[serde(default)]
+    pub key: Vec<String>,
+    /// Proxies whose `X-Forwarded-For` is believed by `"ip"` (addresses or networks).
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
+    /// The policies.
+    pub policies: Vec<PolicySpec>,
+    /// Named policy sets; a request gets the plan its `plan_header` names, else
+    /// `default`. Without plans, every request must pass every policy.
+    #[serde(default)]
+    pub plans: BTreeMap<String, Vec<String>>,
+    /// The request header naming a request's plan (set by your authentication in front:
+    /// never one a client can choose for itself).
+    #[serde(default)]
+    pub plan_header: Option<String>,
+    /// What requests cost.
+    #[serde(default)]
+    pub costs: CostSpec,
+    /// `"fallback"` (default: a local limiter decides while the store is away),
+    /// `"fail-open"` or `"fail-closed"`.
+    #[serde(default)]
+    pub failure_mode: Option<String>,
+    /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).
+    #[serde(default)]
+    pub shadow: bool,
+    /// Lists shadow policies in the headers ([`RateLimitLayer::shadow_headers`]).
+    #[serde(default)]
+    pub shadow_headers: bool,
+    /// `"draft-11"` (default), `"draft-6"`, `"legacy"` or `"none"`.
+    #[serde(default)]
+    pub headers: Option<String>,
+}
+
+/// One policy. `algorithm` picks which of the other fields it needs:
+///
+/// | algorithm | fields |
+/// |---|---|
+/// | `fixed-window`, `sliding-log` | `limit`, `window` |
+/// | `sliding-window` | `limit`, `window`, optional `sub_windows` |
+/// | `token-bucket`, `leaky-bucket` | `capacity`, `rate` |
+/// | `leaky-shaping` | `rate`, `max_delay` |
+/// | `gcra` | `rate`, `burst` |
+/// | `concurrency` | `limit`, optional `lease` |
+///
+/// Durations are written `250ms`, `10s`, `5m`, `2h` or `1d`; rates `10/s`, `3/10s` or
+/// `1000/1h`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySpec {
+    /// The name (letters, digits, `-`, `_`, `.`).
+    pub name: String,
+    /// The algorithm.
+    pub algorithm: String,
+    /// Units per window, or requests in flight.
+    pub limit: Option<u64>,
+    /// The window.
+    pub window: Option<String>,
+    /// Sub-windows of a sliding window counter.
+    pub sub_windows: Option<u32>,
+    /// A bucket's capacity.
+    pub capacity: Option<u64>,
+    /// Refill, leak or emission rate.
+    pub rate: Option<String>,
+    /// GCRA burst.
+    pub burst: Option<u64>,
+    /// The longest a shaping bucket holds a request.
+    pub max_delay: Option<String>,
+    /// An in-flight slot's lease.
+    pub lease: Option<String>,
+    /// A shadow policy ([`Policy::shadow`]).
+    #[serde(default)]
+    pub shadow: bool,
+    /// A penalty ([`Policy::with_penalty`]).
+    pub penalty: Option<PenaltySpec>,
+}
+
+/// A policy's penalty.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PenaltySpec {
+    /// Denials that start a block.
+    pub denials: u64,
+    /// The window they are counted in.
+    pub within: String,
+    /// The first block.
+    pub block: String,
+    /// The longest block; each repeat doubles the block up to it.
+    pub max_block: Option<String>,
+}
+
+/// What requests cost.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CostSpec {
+    /// The cost of a request no route names (default 1).
+    #[serde(default = "one")]
+    pub default: u64,
+    /// Per route: `"/search" = 5` or `"POST /upload" = 20` (the route as the router
+    /// matched it, or the path).
+    #[serde(default)]
+    pub routes: BTreeMap<String, u64>,
+}
+
+fn one() -> u64 {
+    1
+}
+
+impl Default for CostSpec {
+    fn default() -> Self {
+        Self {
+            default: 1,
+            routes: BTreeMap::new(),
+        }
+    }
+}
+
+/// An invalid configuration: the entry and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    entry: String,
+    reason: String,
+}
+
+impl ConfigError {
+    fn new(entry: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            entry: entry.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The entry: `policies[2] "api"`, `plans.pro`, `costs.routes."/search"`, `key[1]`.
+    pub fn entry(&self) -> &str {
+        &self.entry
+    }
+
+    /// What is wrong with it.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.entry, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// `250ms`, `10s`, `5m`, `2h`, `1d`.
+fn duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration (write 250ms, 10s, 5m, 2h or 1d)"))?;
+    let unit = match unit.trim() {
+        "ms" => Duration::from_millis(1),
+        "s" => Duration::from_secs(1),
+        "m" => Duration::from_secs(60),
+        "h" => Duration::from_secs(3600),
+        "d" => Duration::from_secs(86_400),
+        _ => {
+            return Err(format!(
+                "{text:?} is not a duration (write 250ms, 10s, 5m, 2h or 1d)"
+            ));
+        }
+    };
+    unit.checked_mul(u32::try_from(number).map_err(|_| format!("{text:?} is too long"))?)
+        .ok_or_else(|| format!("{text:?} is too long"))
+}
+
+/// `10/s`, `3/10s`, `1000/1h`.
+fn rate(text: &str) -> Result<Rate, String> {
+    let (amount, per) = text
+        .split_once('/')
+        .ok_or_else(|| format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)"))?;
+    let amount: u64 = amount
+        .trim()
+        .parse()
+        .map_err(|_| format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)"))?;
+    let per = per.trim();
+    let starts_with_digit = per.starts_with(|c: char| c.is_ascii_digit());
+    let period = duration(&if starts_with_digit {
+        per.to_owned()
+    } else {
+        format!("1{per}")
+    })?;
+    Ok(Rate::new(amount, period))
+}
+
+impl PolicySpec {
+    fn build(&self) -> Result<Policy, String> {
+        let need = |field: &str, value: Option<u64>| {
+            value.ok_or_else(|| format!("{} needs `{field}`", self.algorithm))
+        };
+        let need_text = |field: &str, value: &Option<String>| {
+            value
+                .clone()
+                .ok_or_else(|| format!("{} needs `{field}`", self.algorithm))
+        };
+        let name = self.name.as_str();
+        let error = |e: crate::PolicyError| e.to_string();
+        let policy = match self.algorithm.as_str() {
+            "fixed-window" => Policy::fixed_window(
+                name,
+                need("limit", self.limit)?,
+                duration(&need_text("window", &self.window)?)?,
+            )
+            .map_err(error)?,
+            "sliding-log" => Policy::sliding_log(
+                name,
+                need("limit", self.limit)?,
+                duration(&need_text("window", &self.window)?)?,
+            )
+            .map_err(error)?,
+            "sliding-window" => Policy::sliding_window_split(
+                name,
+                need("limit", self.limit)?,
+                duration(&need_text("window", &self.window)?)?,
+                self.sub_windows.unwrap_or(1),
+            )
+            .map_err(error)?,
+            "token-bucket" => Policy::token_bucket(
+                name,
+                need("capacity", self.capacity)?,
+                rate(&need_text("rate", &self.rate)?)?,
+            )
+            .map_err(error)?,
+            "leaky-bucket" => Policy::leaky_bucket(
+                name,
+                need("capacity", self.capacity)?,
+                rate(&need_text("rate", &self.rate)?)?,
+            )
+            .map_err(error)?,
+            "leaky-shaping" => Policy::leaky_bucket_shaping(
+                name,
+                rate(&need_text("rate", &self.rate)?)?,
+                duration(&need_text("max_delay", &self.max_delay)?)?,
+            )
+            .map_err(error)?,
+            "gcra" => Policy::gcra(
+                name,
+                rate(&need_text("rate", &self.rate)?)?,
+                need("burst", self.burst)?,
+            )
+            .map_err(error)?,
+            "concurrency" => match &self.lease {
+                Some(lease) => Policy::concurrency_with_lease(
+                    name,
+                    need("limit", self.limit)?,
+                    duration(lease)?,
+                ),
+                None => Policy::concurrency(name, need("limit", self.limit)?),
+            }
+            .map_err(error)?,
+            other => {
+                return Err(format!(
+                    "unknown algorithm {other:?} (fixed-window, sliding-log, sliding-window, \
+                     token-bucket, leaky-bucket, leaky-shaping, gcra, concurrency)"
+                ));
+            }
+        };
+        let policy = match &self.penalty {
+            Some(spec) => {
+                let mut penalty = Penalty::new(
+                    spec.denials,
+                    duration(&spec.within)?,
+                    duration(&spec.block)?,
+                );
+                if let Some(max) = &spec.max_block {
+                    penalty = penalty.doubling_up_to(duration(max)?);
+                }
+                policy.with_penalty(penalty).map_err(error)?
+            }
+            None => policy,
+        };
+        Ok(if self.shadow { policy.shadow() } else { policy })
+    }
+}
+
+/// A configuration turned into the layer's parts.
+struct Compiled {
+    key: Arc<dyn KeyExtractor>,
+    cost: Arc<dyn Cost>,
+    resolver: Arc<dyn PolicyResolver>,
+    failure_mode: Option<&'static str>,
+    shadow: bool,
+    shadow_headers: bool,
+    headers: HeaderStyle,
+}
+
+impl LimiterConfig {
+    /// Checks the configuration: every entry valid, every name known. The error names the
+    /// first entry at fault and why.
+    ///
+    /// ```
+    /// use tollgate::config::LimiterConfig;
+    ///
+    /// let config: LimiterConfig = toml::from_str(r#"
+    ///     [[policies]]
+    ///     name = "api"
+    ///     algorithm = "fixed-window"
+    ///     limit = 10
+    ///     window = "10 parsecs"
+    /// "#)?;
+    /// let error = config.check().unwrap_err();
+    /// assert_eq!(error.entry(), "policies[0] \"api\"");
+    /// assert!(error.reason().contains("not a duration"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn check(&self) -> Result<(), ConfigError> {
+        self.compile().map(drop)
+    }
+
+    fn compile(&self) -> Result<Compiled, ConfigError> {
+        if self.policies.is_empty() {
+            return Err(ConfigError::new("policies", "no policy: add at least one"));
+        }
+        let mut policies: HashMap<&str, Policy> = HashMap::new();
+        for (index, spec) in self.policies.iter().enumerate() {
+            let entry = format!("policies[{index}] {:?}", spec.name);
+            let policy = spec
+                .build()
+                .map_err(|reason| ConfigError::new(&entry, reason))?;
+            if policies.insert(spec.name.as_str(), policy).is_some() {
+                return Err(ConfigError::new(
+                    entry,
+                    "a policy of this name comes earlier",
+                ));
+            }
+        }
+        let plan_header = match &self.plan_header {
+            Some(name) => Some(HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+                ConfigError::new("plan_header", format!("{name:?} is not a header name"))
+            })?),
+            None => None,
+        };
+        let resolver: Arc<dyn PolicyResolver> = if self.plans.is_empty() {
+            if plan_header.is_some() {
+                return Err(ConfigError::new(
+                    "plan_header",
+                    "there are no plans to choose from",
+                ));
+            }
+            let all = self
+                .policies
+                .iter()
+                .map(|spec| policies[spec.name.as_str()].clone());
+            Arc::new(PolicySet::new(all).map_err(|e| ConfigError::new("policies", e.to_string()))?)
+        } else {
+            let mut sets = HashMap::new();
+            for (plan, names) in &self.plans {
+                let entry = format!("plans.{plan}");
+                let mut set = Vec::new();
+                for name in names {
+                    let policy = policies.get(name.as_str()).ok_or_else(|| {
+                        ConfigError::new(&entry, format!("no policy is named {name:?}"))
+                    })?;
+                    set.push(policy.clone());
+                }
+                let set =
+                    PolicySet::new(set).map_err(|e| ConfigError::new(&entry, e.to_string()))?;
+                sets.insert(plan.clone(), set);
+            }
+            let default = sets.get("default").cloned().ok_or_else(|| {
+                ConfigError::new(
+                    "plans",
+                    "no plan is named \"default\" (the plan of requests that name none)",
+                )
+            })?;
+            Arc::new(Plans {
+                sets,
+                default,
+                header: plan_header,
+            })
+        };
+        let mut cost = PerRoute::new(self.costs.default);
+        for (route, units) in &self.costs.routes {
+            let entry = format!("costs.routes.{route:?}");
+            cost = match route.trim().split_once(' ') {
+                Some((method, path)) => {
+                    let method = Method::from_bytes(method.as_bytes()).map_err(|_| {
+                        ConfigError::new(&entry, format!("{method:?} is not a method"))
+                    })?;
+                    cost.route_method(method, path.trim(), *units)
+                }
+                None if route.starts_with('/') => cost.route(route.trim(), *units),
+                None => {
+                    return Err(ConfigError::new(
+                        entry,
+                        "a route is \"/path\" or \"METHOD /path\"",
+                    ));
+                }
+            };
+        }
+        let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
+            .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;
+        let mut chain: Option<Arc<dyn KeyExtractor>> = None;
+        let specs: Vec<&str> = if self.key.is_empty() {
+            vec!["ip"]
+        } else {
+            self.key.iter().map(String::as_str).collect()
+        };
+        for (index, spec) in specs.iter().enumerate() {
+            let entry = format!("key[{index}]");
+            let extractor: Arc<dyn KeyExtractor> = match *spec {
+                "ip" => Arc::new(client_ip.clone()),
+                "global" => Arc::new(Global),
+                other => match other.strip_prefix("header:") {
+                    Some(name) => Arc::new(HeaderKey::try_new(name).map_err(|_| {
+                        ConfigError::new(&entry, format!("{name:?} is not a header name"))
+                    })?),
+                    None => {
+                        return Err(ConfigError::new(
+                            entry,
+                            format!("unknown key {other:?} (\"ip\", \"header:NAME\", \"global\")"),
+                        ));
+                    }
+                },
+            };
+            chain = Some(match chain {
+                None => extractor,
+                Some(first) => Arc::new(first.or(extractor)),
+            });
+        }
+        let failure_mode = match self.failure_mode.as_deref() {
+            None | Some("fallback") => None,
+            Some("fail-open") => Some("fail-open"),
+            Some("fail-closed") => Some("fail-closed"),
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "failure_mode",
+                    format!("{other:?} is not a failure mode (fallback, fail-open, fail-closed)"),
+                ));
+            }
+        };
+        let headers = match self.headers.as_deref() {
+            None | Some("draft-11") => HeaderStyle::Draft11,
+            Some("draft-6") => HeaderStyle::Draft6,
+            Some("legacy") => HeaderStyle::Legacy,
+            Some("none") => HeaderStyle::None,
+            Some(other) => {
+                return Err(ConfigError::new(
+                    "headers",
+                    format!("{other:?} is not a header style (draft-11, draft-6, legacy, none)"),
+                ));
+            }
+        };
+        Ok(Compiled {
+            key: chain.unwrap_or_else(|| Arc::new(client_ip)),
+            cost: Arc::new(cost),
+            resolver,
+            failure_mode,
+            shadow: self.shadow,
+            shadow_headers: self.shadow_headers,
+            headers,
+        })
+    }
+}
+
+/// Plans: the set a request's plan header names, else the default one.
+struct Plans {
+    sets: HashMap<String, PolicySet>,
+    default: PolicySet,
+    header: Option<HeaderName>,
+}
+
+impl PolicyResolver for Plans {
+    fn resolve<'a>(
+        &'a self,
+        parts: &http::request::Parts,
+        _key: &Key,
+    ) -> std::borrow::Cow<'a, PolicySet> {
+        let named = self
+            .header
+            .as_ref()
+            .and_then(|header| parts.headers.get(header))
+            .and_then(|value| value.to_str().ok())
+            .and_then(|plan| self.sets.get(plan.trim()));
+        std::borrow::Cow::Borrowed(named.unwrap_or(&self.default))
+    }
+
+    fn known_sets(&self) -> Vec<PolicySet> {
+        self.sets.values().cloned().collect()
+    }
+}
+
+type LiveConfig =
+    Config<Arc<dyn Store>, Arc<dyn KeyExtractor>, Arc<dyn Cost>, Arc<dyn PolicyResolver>>;
+
+/// A rate-limit layer served from a [`LimiterConfig`] and reloaded while running. See the
+/// [module docs](self). Clones share the configuration: keep one to call
+/// [`reload`](Self::reload) from a signal handler or a file watcher.
+#[derive(Clone)]
+pub struct LiveLayer {
+    shared: Arc<LiveShared>,
+}
+
+struct LiveShared {
+    store: Arc<dyn Store>,
+    current: ArcSwap<LiveConfig>,
+    breaker: Arc<Breaker>,
+    fallback: LocalFallback,
+    /// Reloads one at a time.
+    reloading: std::sync::Mutex<()>,
+}
+
+impl fmt::Debug for LiveLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LiveLayer").finish_non_exhaustive()
+    }
+}
+
+impl LiveLayer {
+    /// A layer over `store` serving `config`.
+    pub fn new(store: impl Store, config: &LimiterConfig) -> Result<Self, ConfigError> {
+        let store: Arc<dyn Store> = Arc::new(store);
+        let breaker = Arc::new(Breaker::new(CircuitBreaker::default()));
+        let fallback = LocalFallback::new();
+        let current = build(&store, &breaker, &fallback, config)?;
+        Ok(Self {
+            shared: Arc::new(LiveShared {
+                store,
+                current: ArcSwap::from(current),
+                breaker,
+                fallback,
+                reloading: std::sync::Mutex::new(()),
+            }),
+        })
+    }
+
+    /// Swaps to `config`, atomically: requests that arrive after this returns are served
+    /// under it; requests in flight finish under the configuration they started with. An
+    /// invalid `config` is refused and the running one stays.
+    pub fn reload(&self, config: &LimiterConfig) -> Result<(), ConfigError> {
+        let _one_at_a_time = self
+            .shared
+            .reloading
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let next = build(
+            &self.shared.store,
+            &self.shared.breaker,
+            &self.shared.fallback,
+            config,
+        )?;
+        self.shared.current.store(next);
+        #[cfg(feature = "tracing")]
+        tracing::info!(target: "tollgate", policies = config.policies.len(), "rate-limit configuration reloaded");
+        Ok(())
+    }
+}
+
+fn build(
+    store: &Arc<dyn Store>,
+    breaker: &Arc<Breaker>,
+    fallback: &LocalFallback,
+    config: &LimiterConfig,
+) -> Result<Arc<LiveConfig>, ConfigError> {
+    let compiled = config.compile()?;
+    let failure_mode = match compiled.failure_mode {
+        Some("fail-open") => FailureMode::FailOpen,
+        Some("fail-closed") => FailureMode::FailClosed,
+        _ => FailureMode::Fallback(fallback.clone()),
+    };
+    RateLimitLayer::new(Arc::clone(store))
+        .resolver(compiled.resolver)
+        .key(compiled.key)
+        .cost(compiled.cost)
+        .on_store_error(failure_mode)
+        .shadow(compiled.shadow)
+        .shadow_headers(compiled.shadow_headers)
+        .headers(compiled.headers)
+        .with_breaker(Arc::clone(breaker))
+        .service_config()
+        .map_err(|reason| ConfigError::new("policies", reason))
+}
+
+impl<S> Layer<S> for LiveLayer {
+    type Service = LiveRateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LiveRateLimit {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// The service of a [`LiveLayer`].
+pub struct LiveRateLimit<S> {
+    inner: S,
+    shared: Arc<LiveShared>,
+}
+
+impl<S: Clone> Clone for LiveRateLimit<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for LiveRateLimit<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LiveRateLimit")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for LiveRateLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: ResponseBody,
+{
+    type Response = Response<ResBody>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The configuration is read once, here: the whole request runs under it.
+        let config = self.shared.current.load_full();
+        let ready = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, ready);
+        RateLimit::new(ready, config).call(request)
+    }
+}

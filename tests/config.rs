@@ -1,0 +1,423 @@
+//! Policies from configuration: checked with errors that name the entry, served, and
+//! reloaded while running without losing a request or mixing two configurations.
+
+#![cfg(feature = "config")]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::routing::{get, post};
+use http::{Request, StatusCode};
+use tollgate::MemoryStore;
+use tollgate::config::{LimiterConfig, LiveLayer};
+use tower::ServiceExt;
+
+fn parse(text: &str) -> LimiterConfig {
+    toml::from_str(text).unwrap()
+}
+
+const FULL: &str = r#"
+    key = ["header:x-api-key", "ip"]
+    plan_header = "x-plan"
+    headers = "draft-11"
+
+    [[policies]]
+    name = "free"
+    algorithm = "fixed-window"
+    limit = 3
+    window = "1h"
+
+    [[policies]]
+    name = "pro"
+    algorithm = "token-bucket"
+    capacity = 100
+    rate = "10/s"
+
+    [[policies]]
+    name = "trial"
+    algorithm = "sliding-window"
+    limit = 1
+    window = "1h"
+    shadow = true
+
+    [plans]
+    default = ["free", "trial"]
+    pro = ["pro"]
+
+    [costs]
+    default = 1
+    routes = { "/search" = 2, "POST /upload" = 3 }
+"#;
+
+fn request(method: &str, path: &str, key: Option<&str>, plan: Option<&str>) -> Request<Body> {
+    let mut builder = Request::builder().method(method).uri(path);
+    if let Some(key) = key {
+        builder = builder.header("x-api-key", key);
+    }
+    if let Some(plan) = plan {
+        builder = builder.header("x-plan", plan);
+    }
+    let mut request = builder.body(Body::empty()).unwrap();
+    let peer: SocketAddr = "192.0.2.9:1000".parse().unwrap();
+    request.extensions_mut().insert(ConnectInfo(peer));
+    request
+}
+
+fn app(layer: &LiveLayer) -> Router {
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/search", get(|| async { "found" }))
+        .route("/upload", post(|| async { "stored" }))
+        .layer(layer.clone())
+}
+
+fn rate(response: &http::Response<Body>) -> String {
+    response.headers()["ratelimit"].to_str().unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn a_configuration_gives_plans_costs_keys_and_shadows() {
+    let layer = LiveLayer::new(MemoryStore::new(), &parse(FULL)).unwrap();
+    let app = app(&layer);
+    // The default plan: "free" (3 an hour), "trial" in shadow and out of the headers.
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", Some("a"), None))
+        .await
+        .unwrap();
+    assert!(
+        rate(&response).starts_with("\"free\";r=2;"),
+        "{}",
+        rate(&response)
+    );
+    assert!(!rate(&response).contains("trial"));
+    // /search costs 2: the free plan is spent.
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/search", Some("a"), None))
+        .await
+        .unwrap();
+    assert!(rate(&response).starts_with("\"free\";r=0;"));
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", Some("a"), None))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    // The pro plan, named by the header: its own bucket; POST /upload costs 3.
+    let response = app
+        .clone()
+        .oneshot(request("POST", "/upload", Some("a"), Some("pro")))
+        .await
+        .unwrap();
+    assert_eq!(rate(&response), "\"pro\";r=97;t=1");
+    // An unknown plan is the default one.
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", Some("b"), Some("platinum")))
+        .await
+        .unwrap();
+    assert!(rate(&response).starts_with("\"free\";r=2;"));
+    // No API key: the chain falls back to the client address.
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert!(rate(&response).starts_with("\"free\";r=2;"));
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert!(rate(&response).starts_with("\"free\";r=1;"));
+}
+
+#[test]
+fn invalid_configurations_name_the_entry_and_the_reason() {
+    let policy = |body: &str| format!("[[policies]]\nname = \"api\"\n{body}\n");
+    let cases: Vec<(String, &str, &str)> = vec![
+        (String::new(), "policies", "no policy"),
+        (
+            policy("algorithm = \"fixed-widow\"\nlimit = 1\nwindow = \"1s\""),
+            "policies[0] \"api\"",
+            "unknown algorithm \"fixed-widow\"",
+        ),
+        (
+            policy("algorithm = \"token-bucket\"\ncapacity = 10"),
+            "policies[0] \"api\"",
+            "token-bucket needs `rate`",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 0\nwindow = \"1s\""),
+            "policies[0] \"api\"",
+            "limit must be at least 1",
+        ),
+        (
+            policy("algorithm = \"gcra\"\nrate = \"ten per second\"\nburst = 1"),
+            "policies[0] \"api\"",
+            "is not a rate",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[plans]\npro = [\"api\"]\n",
+            "plans",
+            "no plan is named \"default\"",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"apj\"]\n",
+            "plans.default",
+            "no policy is named \"apj\"",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"search\" = 2 }\n",
+            "costs.routes.\"search\"",
+            "a route is",
+        ),
+        (
+            "key = [\"cookie:session\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key[0]",
+            "unknown key \"cookie:session\"",
+        ),
+        (
+            "failure_mode = \"panic\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "failure_mode",
+            "not a failure mode",
+        ),
+        (
+            policy(
+                "algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"\n\
+                 penalty = { denials = 3, within = \"1m\", block = \"1h\", max_block = \"1m\" }",
+            ),
+            "policies[0] \"api\"",
+            "max_block",
+        ),
+    ];
+    for (text, entry, reason) in cases {
+        let config: LimiterConfig = match toml::from_str(&text) {
+            Ok(config) => config,
+            Err(error) if entry == "policies" => {
+                // No [[policies]] at all: serde says the field is missing.
+                assert!(error.to_string().contains("policies"), "{error}");
+                continue;
+            }
+            Err(error) => panic!("{text}: {error}"),
+        };
+        let error = config.check().unwrap_err();
+        assert_eq!(error.entry(), entry, "{text}");
+        assert!(error.reason().contains(reason), "{text}: {error}");
+        // Loading refuses it the same way.
+        assert_eq!(
+            LiveLayer::new(MemoryStore::new(), &config).unwrap_err(),
+            error
+        );
+    }
+    // A misspelt field is refused by the parser, naming it.
+    let error = toml::from_str::<LimiterConfig>(
+        "[[policies]]\nname = \"a\"\nalgorithm = \"gcra\"\nrate = \"1/s\"\nburts = 3\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("burts"), "{error}");
+}
+
+#[tokio::test]
+async fn a_reload_keeps_unchanged_policies_and_starts_changed_ones_afresh() {
+    let before = parse(
+        r#"
+        key = ["global"]
+        [[policies]]
+        name = "steady"
+        algorithm = "fixed-window"
+        limit = 5
+        window = "1h"
+        [[policies]]
+        name = "tuned"
+        algorithm = "fixed-window"
+        limit = 5
+        window = "1h"
+    "#,
+    );
+    let layer = LiveLayer::new(MemoryStore::new(), &before).unwrap();
+    let app = app(&layer);
+    for _ in 0..2 {
+        app.clone()
+            .oneshot(request("GET", "/", None, None))
+            .await
+            .unwrap();
+    }
+    let mut after = before.clone();
+    after.policies[1].limit = Some(8);
+    layer.reload(&after).unwrap();
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    let field = rate(&response);
+    assert!(
+        field.starts_with("\"steady\";r=2;"),
+        "unchanged: state kept: {field}"
+    );
+    assert!(
+        field.contains("\"tuned\";r=7;"),
+        "changed: fresh state: {field}"
+    );
+    // A bad reload is refused and the running configuration stays.
+    let mut broken = after.clone();
+    broken.policies[0].window = Some("soon".into());
+    let error = layer.reload(&broken).unwrap_err();
+    assert_eq!(error.entry(), "policies[0] \"steady\"");
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert!(rate(&response).starts_with("\"steady\";r=1;"));
+}
+
+/// Two configurations that cannot be mixed up: each names its own pair of policies.
+fn generation(name: &str) -> LimiterConfig {
+    parse(&format!(
+        r#"
+        key = ["global"]
+        [[policies]]
+        name = "{name}-a"
+        algorithm = "token-bucket"
+        capacity = 1000000
+        rate = "1000000/s"
+        [[policies]]
+        name = "{name}-b"
+        algorithm = "fixed-window"
+        limit = 1000000
+        window = "1h"
+    "#
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reloading_under_load_loses_no_request_and_mixes_no_configurations() {
+    let layer = LiveLayer::new(MemoryStore::new(), &generation("blue")).unwrap();
+    // The handler waits a little, so many requests are in flight across each reload.
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                "ok"
+            }),
+        )
+        .layer(layer.clone());
+    let done = Arc::new(AtomicBool::new(false));
+    let reloads = Arc::new(AtomicU64::new(0));
+    let reloader = {
+        let (layer, done, reloads) = (layer.clone(), Arc::clone(&done), Arc::clone(&reloads));
+        tokio::spawn(async move {
+            let colours = [generation("blue"), generation("green")];
+            let mut turn = 0;
+            while !done.load(Ordering::SeqCst) {
+                turn += 1;
+                layer.reload(&colours[turn % 2]).unwrap();
+                reloads.fetch_add(1, Ordering::SeqCst);
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let mut clients = Vec::new();
+    let seen = Arc::new(AtomicU64::new(0));
+    for _ in 0..16 {
+        let (app, seen) = (app.clone(), Arc::clone(&seen));
+        clients.push(tokio::spawn(async move {
+            for _ in 0..150 {
+                let response = app
+                    .clone()
+                    .oneshot(request("GET", "/", None, None))
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+                let policy = response.headers()["ratelimit-policy"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned();
+                let rate = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+                // One configuration per request: both fields name one generation only.
+                let blue = policy.starts_with("\"blue-a\"") && policy.contains("\"blue-b\"");
+                let green = policy.starts_with("\"green-a\"") && policy.contains("\"green-b\"");
+                assert!(blue ^ green, "{policy}");
+                let colour = if blue { "blue" } else { "green" };
+                let other = if blue { "green" } else { "blue" };
+                assert!(
+                    rate.contains(colour) && !rate.contains(other),
+                    "{policy} / {rate}"
+                );
+                seen.fetch_add(1, Ordering::SeqCst);
+            }
+        }));
+    }
+    for client in clients {
+        client.await.unwrap();
+    }
+    done.store(true, Ordering::SeqCst);
+    reloader.await.unwrap();
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        16 * 150,
+        "every request answered"
+    );
+    assert!(
+        reloads.load(Ordering::SeqCst) > 10,
+        "the configuration changed under load"
+    );
+}
+
+#[tokio::test]
+async fn a_request_in_flight_finishes_under_the_configuration_it_started_with() {
+    let layer = LiveLayer::new(MemoryStore::new(), &generation("blue")).unwrap();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let waiting = Arc::clone(&gate);
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let waiting = Arc::clone(&waiting);
+                async move {
+                    waiting.notified().await;
+                    "ok"
+                }
+            }),
+        )
+        .layer(layer.clone());
+    let in_flight = tokio::spawn(app.clone().oneshot(request("GET", "/", None, None)));
+    tokio::task::yield_now().await;
+    layer.reload(&generation("green")).unwrap();
+    gate.notify_one();
+    let response = in_flight.await.unwrap().unwrap();
+    assert!(
+        response.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"blue-a\"")
+    );
+    gate.notify_one();
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert!(
+        response.headers()["ratelimit-policy"]
+            .to_str()
+            .unwrap()
+            .starts_with("\"green-a\"")
+    );
+}
