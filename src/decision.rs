@@ -106,7 +106,7 @@ pub struct Decision {
 }
 
 /// What a store notes about an admitted request's debit, so that it can be adjusted once
-/// the response is known ([`Store::adjust`](crate::store::Store::adjust)): when it was
+/// the response is known ([`Store::adjust`](crate::Store::adjust)): when it was
 /// made, on the store's own time line, and the lease of the in-flight slots it took.
 ///
 /// ```
@@ -208,7 +208,7 @@ impl Decision {
     }
 
     /// This decision with the store's note of its debit, for a later
-    /// [`Store::adjust`](crate::store::Store::adjust).
+    /// [`Store::adjust`](crate::Store::adjust).
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
         self.receipt = receipt.with_undebited(receipt.undebited() | self.shadow_denied);
         self
