@@ -4,8 +4,8 @@
 //! cargo run --example config --features config     # serves on 127.0.0.1:3000 ($PORT)
 //! TOLLGATE_CONFIG=my.toml cargo run --example config --features config
 //!
-//! curl -i http://127.0.0.1:3000/                   # plan "default": api, daily
-//! curl -i -H 'x-plan: pro' http://127.0.0.1:3000/  # plan "pro": api-pro
+//! curl -i http://127.0.0.1:3000/                          # plan "default": api, daily
+//! curl -i -H 'x-api-key: pro-acme' http://127.0.0.1:3000/  # plan "pro": api-pro
 //! # edit examples/tollgate.toml, then (or just save it: file changes are picked up too)
 //! kill -HUP <pid>
 //! ```
@@ -33,6 +33,23 @@ fn load(path: &Path) -> Result<LimiterConfig, String> {
         .check()
         .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(config)
+}
+
+/// The plan header, set from the API key (here: keys that start with `pro-` are on the
+/// pro plan; an app looks the key up). A plan header the client sent is dropped.
+async fn plan_of_key(mut request: axum::extract::Request) -> axum::extract::Request {
+    let pro = request
+        .headers()
+        .get("x-api-key")
+        .and_then(|key| key.to_str().ok())
+        .is_some_and(|key| key.starts_with("pro-"));
+    request.headers_mut().remove("x-plan");
+    if pro {
+        request
+            .headers_mut()
+            .insert("x-plan", axum::http::HeaderValue::from_static("pro"));
+    }
+    request
 }
 
 fn modified(path: &Path) -> Option<SystemTime> {
@@ -96,7 +113,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new()
         .route("/", get(|| async { "hello from behind tollgate\n" }))
         .route("/search", get(|| async { "search results\n" }))
-        .layer(layer);
+        .layer(layer)
+        // Outermost: the plan comes from who the client is, never from what it says.
+        .layer(axum::middleware::map_request(plan_of_key));
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;
     println!(

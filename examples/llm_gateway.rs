@@ -63,14 +63,16 @@ fn app(store: MemoryStore) -> Result<Router, PolicyError> {
     let inflight = RateLimitLayer::new(store)
         .policy(Policy::concurrency("inflight", 2)?)
         .key(HeaderKey::new("x-api-key"));
-    let completions = Router::new()
-        .route("/v1/completions", post(completions))
-        .layer(tokens)
-        // Outermost: reads max_tokens before the limiter reserves it.
-        .layer(middleware::from_fn(reserve_max_tokens));
-    let stream = Router::new()
-        .route("/v1/stream", get(stream))
-        .layer(inflight);
+    // Layers on the method routers: they run for the handler only (another method is a
+    // plain 405, read and charged by nobody).
+    let completions = Router::new().route(
+        "/v1/completions",
+        post(completions)
+            .route_layer(tokens)
+            // Outermost: reads max_tokens before the limiter reserves it.
+            .route_layer(middleware::from_fn(reserve_max_tokens)),
+    );
+    let stream = Router::new().route("/v1/stream", get(stream).route_layer(inflight));
     Ok(completions.merge(stream))
 }
 
@@ -103,13 +105,22 @@ async fn reserve_max_tokens(request: Request, next: Next) -> Response {
             );
         }
     };
-    parts.extensions.insert(RequestCost(completion.max_tokens));
+    // At least one unit: a request that reserves nothing would be served even from an
+    // empty bucket. It is settled to what it used (possibly 0) all the same.
+    parts
+        .extensions
+        .insert(RequestCost(completion.max_tokens.max(1)));
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
 }
 
 /// The "model": answers with as many tokens as the prompt has words, at most max_tokens.
-async fn completions(Json(completion): Json<Completion>) -> Response {
+/// It reads the body the middleware already checked (whatever its content type).
+async fn completions(body: Bytes) -> Response {
+    let completion: Completion = match serde_json::from_slice(&body) {
+        Ok(completion) => completion,
+        Err(error) => return problem(StatusCode::BAD_REQUEST, &error.to_string()),
+    };
     if completion.prompt == "fail" {
         return problem(StatusCode::INTERNAL_SERVER_ERROR, "the model failed");
     }
@@ -268,6 +279,34 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(rate(&response), "\"tokens\";r=999;t=1");
+    }
+
+    #[tokio::test]
+    async fn no_content_type_zero_tokens_and_other_methods() {
+        let app = app(MemoryStore::new()).unwrap();
+        // Without a content type the JSON is read all the same, and settled.
+        let request = Request::post("/v1/completions")
+            .header("x-api-key", "team-a")
+            .body(Body::from(r#"{"prompt": "one two", "max_tokens": 50}"#))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(rate(&response), "\"tokens\";r=998;t=1");
+        // max_tokens 0 reserves one unit (an empty bucket refuses it) and settles to 0.
+        let response = app
+            .clone()
+            .oneshot(completion("team-a", r#"{"prompt": "hi", "max_tokens": 0}"#))
+            .await
+            .unwrap();
+        assert_eq!(response.headers()["x-tokens-used"], "0");
+        assert_eq!(rate(&response), "\"tokens\";r=998;t=1");
+        // Another method is a 405, before any body is read.
+        let request = Request::get("/v1/completions")
+            .header("x-api-key", "team-a")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
     }
 
     #[tokio::test]

@@ -37,9 +37,10 @@ local function commit(p, s)
   store(p, s)
 end
 
--- Gives `units` back: the TAT moves back as many emission intervals, never before now.
+-- Gives `units` back, less the intervals passed since `at`: the TAT moves back, never
+-- before now.
 local function refund(p, s, units, at)
-  s.ahead = math.max(s.ahead - units * p[3], 0)
+  s.ahead = math.max(s.ahead - refund_level(p, units, at), 0)
   store(p, s)
 end
 

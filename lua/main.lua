@@ -97,7 +97,8 @@ end
 local struck = false
 for i = 1, count do
   local spec = specs[i]
-  if spec.penalty_state ~= nil and not spec.shadow and spec.verdict == 'deny' then
+  -- A request that costs nothing (a peek) is no offence.
+  if spec.penalty_state ~= nil and not spec.shadow and spec.verdict == 'deny' and cost > 0 then
     strike(spec.penalty, spec.penalty_state)
     struck = true
   end

@@ -96,9 +96,19 @@ local function commit_bucket(p, s)
   store_bucket(p, s)
 end
 
--- Gives `units` back: the level drops by as many periods, never below empty.
+-- What is left to give back of `units` debited at `at` (-1: any time), in level units:
+-- less what has refilled (or leaked) since, as an exact replay would hold no more.
+local function refund_level(p, units, at)
+  local back = units * p[3]
+  if at < 0 then return back end
+  local elapsed = math.max(now - at, 0)
+  if elapsed >= cdiv(back, p[2]) then return 0 end
+  return back - elapsed * p[2]
+end
+
+-- Gives `units` back: the level drops, never below empty.
 local function refund_bucket(p, s, units, at)
-  s.level = math.max(s.level - units * p[3], 0)
+  s.level = math.max(s.level - refund_level(p, units, at), 0)
   store_bucket(p, s)
 end
 

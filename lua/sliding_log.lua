@@ -6,6 +6,11 @@
 
 local function load(p, key, aux)
   local s = { key = key, aux = aux, total = num(redis.call('HGET', aux, 't'), 0) }
+  -- The log expired as a whole (its hash may outlive it, holding a penalty): it is empty.
+  if s.total > 0 and redis.call('EXISTS', key) == 0 then
+    s.total = 0
+    redis.call('HSET', aux, 't', 0)
+  end
   local horizon = now - p[2]
   local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
   if #expired > 0 then

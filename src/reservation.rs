@@ -126,6 +126,10 @@ impl Reservation {
         match result {
             Ok(decision) => {
                 let responder = self.adjuster.responder();
+                if responder.shadow && !responder.headers.shadow {
+                    // A shadow layer sends no headers, settled or not.
+                    return Some(HeaderBlock::default());
+                }
                 let extra = jitter_secs(responder.headers.jitter);
                 Some(rate_limit_headers(
                     &responder.headers,

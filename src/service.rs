@@ -156,7 +156,8 @@ where
         };
         if skipped {
             let plan = responder.plan(&policies, &key, cost, StoreAnswer::Skipped, None);
-            return finish(&mut self.inner, Request::from_parts(parts, body), plan);
+            let request = Request::from_parts(parts, body);
+            return self.answer(request, plan, key, policies.into_owned(), cost);
         }
         let stopwatch = Stopwatch::start();
         let decided = config.store.decide(&key, &policies, cost);
@@ -198,19 +199,51 @@ where
         stopwatch.stop();
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);
-        let request = Request::from_parts(parts, body);
         match plan {
             // The debit is kept until the response: a reservation to settle, or slots.
+            Plan::Call(_, Some(_)) | Plan::Delay(_, _, Some(_)) => {
+                let request = Request::from_parts(parts, body);
+                self.answer(request, plan, key, policies.into_owned(), cost)
+            }
+            plan => finish(&mut self.inner, Request::from_parts(parts, body), plan),
+        }
+    }
+}
+
+impl<S, St, K, C, R> RateLimit<S, St, K, C, R>
+where
+    St: Store,
+    K: KeyExtractor,
+    C: Cost,
+    R: PolicyResolver,
+{
+    /// Answers as `plan` says, keeping the debit until the response when the plan carries
+    /// it (to settle it, or to free in-flight slots), whoever decided: the store or the
+    /// local fallback (the breaker open or the store failing).
+    fn answer<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+        plan: Plan,
+        key: Key,
+        policies: PolicySet,
+        cost: u64,
+    ) -> ResponseFuture<S::Future>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        ReqBody: Send + 'static,
+    {
+        let reservation = |debit: Box<crate::settle::Debit>| {
+            let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
+            Reservation::new(adjuster, key, policies, cost, *debit)
+        };
+        match plan {
             Plan::Call(headers, Some(debit)) => {
-                let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
-                let reservation =
-                    Reservation::new(adjuster, key, policies.into_owned(), cost, *debit);
+                let reservation = reservation(debit);
                 ResponseFuture::reserved(self.inner.call(request), headers, reservation)
             }
             Plan::Delay(delay, headers, Some(debit)) => {
-                let adjuster = Arc::clone(&self.config) as Arc<dyn Adjuster>;
-                let reservation =
-                    Reservation::new(adjuster, key, policies.into_owned(), cost, *debit);
+                let reservation = reservation(debit);
                 let inner = take_ready(&mut self.inner);
                 ResponseFuture::delaying(delay, inner, request, headers, Some(reservation))
             }

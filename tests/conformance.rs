@@ -878,3 +878,37 @@ async fn every_store_inspects_grants_sets_and_resets_alike() {
         assert_eq!(left(8), set[0].limit(), "{label}: reset to a full quota");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_log_that_expired_under_a_penalty_starts_empty() {
+    // The log's sorted set expires after its window, while its hash lives on to keep a
+    // penalty: the count the hash holds must not outlive the log.
+    let standalone = RedisServer::start();
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let store = RedisStore::connect(&standalone.url())
+        .await
+        .unwrap()
+        .with_clock(clock.clone());
+    let set = PolicySet::from(
+        Policy::sliding_log("log", 2, Duration::from_secs(10))
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(
+                5,
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+            ))
+            .unwrap(),
+    );
+    let key = Key::new("k");
+    for _ in 0..3 {
+        store.decide(&key, &set, 1).await.unwrap();
+    }
+    // As Redis does when the log's TTL runs out (the test clock does not move Redis's).
+    let (log_key, _) = store.keys().policy_keys("k", &set[0]);
+    assert_eq!(standalone.cli(&["DEL", &log_key]).trim(), "1");
+    clock.advance(Duration::from_secs(11));
+    let decision = store.decide(&key, &set, 1).await.unwrap();
+    assert!(decision.is_allowed());
+    assert_eq!(decision.statuses()[0].remaining, 1);
+}

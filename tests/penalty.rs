@@ -139,3 +139,59 @@ fn bad_penalties_are_refused_with_a_message() {
         .to_string();
     assert!(cap.contains("max_block"), "{cap}");
 }
+
+#[test]
+fn a_deny_cache_in_front_does_not_hide_denials_from_a_penalty() {
+    let clock = ManualClock::new();
+    let store =
+        tollgate::store::DenyCache::new(MemoryStore::builder().clock(clock.clone()).build(), 100);
+    let set = PolicySet::from(
+        Policy::fixed_window("api", 1, Duration::from_secs(60))
+            .unwrap()
+            .with_penalty(Penalty::new(
+                3,
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+            ))
+            .unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let key = tollgate::Key::new("k");
+    let decide = || {
+        runtime
+            .block_on(tollgate::Store::decide(&store, &key, &set, 1))
+            .unwrap()
+    };
+    assert!(decide().is_allowed());
+    decide();
+    decide();
+    // The third denial starts the block: ten minutes, not the window's minute.
+    assert_eq!(retry(&decide()), Some(Duration::from_secs(600)));
+}
+
+#[test]
+fn a_peek_is_no_offence() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let set = PolicySet::from(
+        Policy::leaky_bucket_shaping("shaped", Rate::per_second(1), Duration::ZERO)
+            .unwrap()
+            .with_penalty(Penalty::new(
+                1,
+                Duration::from_secs(60),
+                Duration::from_secs(600),
+            ))
+            .unwrap(),
+    );
+    assert!(store.check("k", &set, 1).is_allowed());
+    for _ in 0..5 {
+        store.check("k", &set, 0);
+    }
+    clock.advance(Duration::from_secs(1));
+    assert!(
+        store.check("k", &set, 1).is_allowed(),
+        "no block from peeks"
+    );
+}

@@ -354,7 +354,7 @@ async fn concurrent_settles_charge_exactly_the_actual_costs() {
     );
 }
 
-fn inflight_app(store: MemoryStore, gate: Arc<tokio::sync::Semaphore>) -> Router {
+fn inflight_app(store: MemoryStore<ManualClock>, gate: Arc<tokio::sync::Semaphore>) -> Router {
     Router::new()
         .route(
             "/",
@@ -389,7 +389,7 @@ fn inflight_request(mode: &str) -> Request {
 
 #[tokio::test]
 async fn in_flight_slots_are_released_however_a_request_ends() {
-    let store = MemoryStore::new();
+    let (store, clock) = store();
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let app = inflight_app(store.clone(), Arc::clone(&gate));
 
@@ -459,7 +459,9 @@ async fn in_flight_slots_are_released_however_a_request_ends() {
     assert_eq!((a.status(), b.status()), (StatusCode::OK, StatusCode::OK));
     assert_eq!(c.status(), StatusCode::TOO_MANY_REQUESTS);
     drop((a, b));
-    // Nothing leaked: once everything ended, the key's state is fresh again and purged.
+    // Nothing leaked: once everything ended and a lease has passed, the key's state is
+    // fresh again and purged.
+    clock.advance(Duration::from_secs(61));
     assert_eq!(store.purge_fresh(), 1);
     assert!(store.is_empty());
 }
@@ -543,4 +545,131 @@ impl Store for Refusing {
             "connection refused",
         )))
     }
+}
+
+#[tokio::test]
+async fn slots_taken_in_the_fallback_while_the_breaker_is_open_are_freed() {
+    // The store refuses everything; the breaker opens after the first failure, so later
+    // requests skip the store and the fallback decides (and holds the slots).
+    let fallback = LocalFallback::new();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(Refusing)
+            .policy(Policy::concurrency("inflight", 1).unwrap())
+            .key(HeaderKey::new("x-api-key"))
+            .on_store_error(FailureMode::Fallback(fallback.clone()))
+            .circuit_breaker(tollgate::CircuitBreaker::new(1, Duration::from_secs(3600))),
+    );
+    let call = || {
+        app.clone().oneshot(
+            Request::get("/")
+                .header("x-api-key", "a")
+                .body(Body::empty())
+                .unwrap(),
+        )
+    };
+    for round in 0..5 {
+        let response = call().await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::OK,
+            "round {round}: the slot came back"
+        );
+        // While it is held, a second request is refused...
+        assert_eq!(
+            call().await.unwrap().status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        // ...and once its body is done, the slot is free.
+        response.into_body().collect().await.unwrap();
+    }
+}
+
+#[test]
+fn a_bucket_gives_back_no_more_than_it_could_have_held() {
+    // Reserve the whole bucket, let half of it refill, spend that, then settle the first
+    // request to nothing: what refilled meanwhile was not kept by a full bucket, so only
+    // the rest comes back (an exact replay with the actual cost would hold no more).
+    let (store, clock) = store();
+    for policy in [
+        Policy::token_bucket("tb", 10, Rate::per_second(1)).unwrap(),
+        Policy::gcra("gc", Rate::per_second(1), 10).unwrap(),
+    ] {
+        let set = PolicySet::from(policy);
+        let key = set[0].name().to_owned();
+        let reserved = store.check(&key, &set, 10);
+        assert!(reserved.is_allowed());
+        clock.advance(Duration::from_secs(5));
+        assert!(store.check(&key, &set, 5).is_allowed());
+        let settled = store.adjust_now(&key, &set, &Adjustment::settle(10, 0, reserved.receipt()));
+        assert_eq!(settled.statuses()[0].remaining, 5, "{key}");
+    }
+}
+
+#[tokio::test]
+async fn a_shadow_layer_that_settles_still_sends_no_headers() {
+    let (store, _clock) = store();
+    let app = Router::new().route("/", get(echo)).layer(
+        RateLimitLayer::new(store)
+            .policy(tokens())
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .settle(Settle::from_header("x-tokens-used"))
+            .shadow(true),
+    );
+    let response = app.oneshot(request("a", 100, Some(4), 200)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(!response.headers().contains_key("ratelimit"));
+    assert!(!response.headers().contains_key("ratelimit-policy"));
+}
+
+#[test]
+fn in_flight_and_rate_state_of_one_key_keep_each_other() {
+    // One key under two sets (the gateway's tokens and its streams): freeing a slot must
+    // not let the drained bucket be forgotten, nor a settle the slots.
+    let (store, clock) = store();
+    let tokens_set = PolicySet::from(tokens());
+    let streams = PolicySet::from(Policy::concurrency("inflight", 1).unwrap());
+    let stream = store.check("k", &streams, 1);
+    let spent = store.check("k", &tokens_set, 1_000);
+    assert!(stream.is_allowed() && spent.is_allowed());
+    store.adjust_now(
+        "k",
+        &tokens_set,
+        &Adjustment::settle(1_000, 999, spent.receipt()),
+    );
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(
+        store.purge_fresh(),
+        0,
+        "the slot and the bucket are both live"
+    );
+    assert!(
+        !store.check("k", &streams, 1).is_allowed(),
+        "the slot is still held"
+    );
+    store.adjust_now("k", &streams, &Adjustment::release(1, stream.receipt()));
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(store.purge_fresh(), 0, "the bucket is still drained");
+    assert!(!store.check("k", &tokens_set, 100).is_allowed());
+}
+
+#[test]
+fn a_reset_keeps_the_slots_of_requests_still_running() {
+    let (store, _clock) = store();
+    let set = PolicySet::from(Policy::concurrency("inflight", 2).unwrap());
+    let a = store.check("k", &set, 1);
+    let b = store.check("k", &set, 1);
+    store.reset_now("k", &set);
+    assert!(
+        !store.check("k", &set, 1).is_allowed(),
+        "both slots still held"
+    );
+    store.adjust_now("k", &set, &Adjustment::release(1, a.receipt()));
+    store.adjust_now("k", &set, &Adjustment::release(1, b.receipt()));
+    assert!(store.check("k", &set, 1).is_allowed());
+    assert!(store.check("k", &set, 1).is_allowed());
+    assert!(
+        !store.check("k", &set, 1).is_allowed(),
+        "never more than 2 in flight"
+    );
 }

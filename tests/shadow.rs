@@ -135,3 +135,26 @@ fn shadow_policies_sit_among_the_first_52() {
         "{error}"
     );
 }
+
+#[tokio::test]
+async fn a_shadow_policy_is_never_listed_as_violated() {
+    let set = PolicySet::new([
+        Policy::fixed_window("api", 1, HOUR).unwrap(),
+        Policy::fixed_window("trial", 1, HOUR).unwrap().shadow(),
+    ])
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(set)
+            .key(Global),
+    );
+    app.clone().oneshot(get_root()).await.unwrap();
+    let denied = app.clone().oneshot(get_root()).await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = http_body_util::BodyExt::collect(denied.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains("\"violated-policies\":[\"api\"]"), "{body}");
+}

@@ -80,15 +80,19 @@ impl Gcra {
             .set(base + u128::from(cost) * u128::from(self.period));
     }
 
-    /// Gives back `units`: the TAT moves back by as many emission intervals, never
-    /// before `now` (a fresh state).
+    /// Gives back `units` debited at `at`, less the emission intervals passed since (as
+    /// the token bucket does), never before `now` (a fresh state). `at` = `u64::MAX`: all
+    /// of them.
     #[inline]
-    pub fn refund(&self, state: &mut GcraState, now: u64, units: u64, _at: u64) {
-        let back = state
-            .tat
-            .get()
-            .saturating_sub(u128::from(units) * u128::from(self.period));
-        state.tat.set(back.max(self.scaled(now)));
+    pub fn refund(&self, state: &mut GcraState, now: u64, units: u64, at: u64) {
+        let back = u128::from(units) * u128::from(self.period);
+        let passed = if at == super::ANY_TIME {
+            0
+        } else {
+            u128::from(now.saturating_sub(at)) * u128::from(self.amount)
+        };
+        let tat = state.tat.get().saturating_sub(back.saturating_sub(passed));
+        state.tat.set(tat.max(self.scaled(now)));
     }
 
     /// The draft-11 effective window: nanoseconds until one more unit conforms after the

@@ -8,6 +8,8 @@ use super::{Snapshot, Verdict};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InFlight {
     pub(super) limit: u64,
+    /// How long a slot is kept without news of its request, in nanoseconds.
+    pub(super) lease: u64,
 }
 
 /// The slots taken now.
@@ -21,9 +23,10 @@ pub struct InFlightState {
 pub const IN_FLIGHT_RETRY: u64 = 1_000_000_000;
 
 impl InFlight {
-    /// At most `limit` requests in flight.
-    pub fn new(limit: u64) -> Option<Self> {
-        Some(Self { limit })
+    /// At most `limit` requests in flight; a slot is kept at least `lease` nanoseconds
+    /// after the key was last decided or adjusted. `None` for a zero lease.
+    pub fn new(limit: u64, lease: u64) -> Option<Self> {
+        (lease > 0).then_some(Self { limit, lease })
     }
 
     /// The slots a request of `cost` takes: one, or none for a request that spends nothing.
@@ -66,13 +69,19 @@ impl InFlight {
         0
     }
 
-    /// The free slots; a key holding slots is never fresh (its state must be kept).
+    /// The free slots. A key holding slots is kept one lease past now (as Redis keeps a
+    /// slot): a request that outlives its lease with no news of its key may lose its slot
+    /// when the store must make room.
     #[inline]
-    pub fn snapshot(&self, state: &InFlightState, _now: u64) -> Snapshot {
+    pub fn snapshot(&self, state: &InFlightState, now: u64) -> Snapshot {
         Snapshot {
             remaining: self.limit.saturating_sub(state.count),
             reset: 0,
-            fresh_at: if state.count > 0 { u64::MAX } else { 0 },
+            fresh_at: if state.count > 0 {
+                now.saturating_add(self.lease)
+            } else {
+                0
+            },
         }
     }
 }

@@ -244,8 +244,8 @@ macro_rules! dispatch {
                     .$method(s, $($arg),*),
             (Params::Gcra { burst, amount, period }, Slot::Gcra { state: s, .. }) =>
                 Gcra { burst: *burst, amount: *amount, period: *period }.$method(s, $($arg),*),
-            (Params::InFlight { limit, .. }, Slot::InFlight { state: s, .. }) =>
-                InFlight { limit: *limit }.$method(s, $($arg),*),
+            (Params::InFlight { limit, lease }, Slot::InFlight { state: s, .. }) =>
+                InFlight { limit: *limit, lease: *lease }.$method(s, $($arg),*),
             _ => $mismatch,
         }
     };

@@ -90,14 +90,22 @@ impl TokenBucket {
             .set(state.level.get() + u128::from(cost) * u128::from(self.period));
     }
 
-    /// Puts `units` back in the bucket, never above full.
+    /// Puts back `units` debited at `at`, less what has refilled since (the bucket may
+    /// have been full meanwhile, and what it could not hold then is gone: never more than
+    /// an exact replay would hold), never above full. `at` = `u64::MAX`: all of them.
     #[inline]
-    pub fn refund(&self, state: &mut BucketState, _now: u64, units: u64, _at: u64) {
+    pub fn refund(&self, state: &mut BucketState, now: u64, units: u64, at: u64) {
+        let back = u128::from(units) * u128::from(self.period);
+        let refilled = if at == super::ANY_TIME {
+            0
+        } else {
+            u128::from(now.saturating_sub(at)) * u128::from(self.amount)
+        };
         state.level.set(
             state
                 .level
                 .get()
-                .saturating_sub(u128::from(units) * u128::from(self.period)),
+                .saturating_sub(back.saturating_sub(refilled)),
         );
     }
 

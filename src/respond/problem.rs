@@ -64,7 +64,8 @@ impl Rejection<'_> {
             } else {
                 status.remaining < self.cost
             };
-            if exceeded && policy.name() != self.policy.name() {
+            // A shadow policy never denies: it is no violated policy.
+            if exceeded && !policy.is_shadow() && policy.name() != self.policy.name() {
                 names.push(policy.name());
             }
         }

@@ -89,7 +89,8 @@ pub(crate) fn decide(
             }
         }
     }
-    if !penalties.is_empty() && denied_mask != 0 {
+    // A request that costs nothing (a peek) is no offence.
+    if !penalties.is_empty() && denied_mask != 0 && cost > 0 {
         // Each denial counts towards its policy's penalty; one may start a block, which
         // this answer already shows.
         let penalized = policies.iter().enumerate().filter_map(|(index, policy)| {

@@ -141,6 +141,11 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        // An in-flight limit's denial ends when some request ends, not at its retry time,
+        // and a penalty must see every denial to count it: such sets are never cached.
+        if policies.has_in_flight() || policies.has_penalties() {
+            return self.inner.decide(key, policies, cost);
+        }
         let cache_key = (key.clone(), policies.fingerprint());
         let now = self.shared.clock.now();
         let cached = self.shared.denials.get(&cache_key).and_then(|denials| {
@@ -161,12 +166,9 @@ impl<S: Store> Store for DenyCache<S> {
                 ));
             }
         }
-        // An in-flight limit's denial ends when some request ends, not at its retry
-        // time: it is never cached.
-        let cacheable = !policies.iter().any(|policy| policy.params().is_in_flight());
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
-                if let (Ok(decision), true) = (&result, cacheable) {
+                if let Ok(decision) = &result {
                     self.shared.record(cache_key, cost, decision);
                 }
                 DecideFuture::ready(result)
@@ -175,7 +177,7 @@ impl<S: Store> Store for DenyCache<S> {
                 let shared = Arc::clone(&self.shared);
                 DecideFuture::new(async move {
                     let result = pending.await;
-                    if let (Ok(decision), true) = (&result, cacheable) {
+                    if let Ok(decision) = &result {
                         shared.record(cache_key, cost, decision);
                     }
                     result

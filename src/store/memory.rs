@@ -623,7 +623,11 @@ impl<C: Clock> MemoryStore<C> {
             let slots = entry.slots.arrange(policies);
             let (slots, penalties) = slots.split_at_mut(policies.len());
             for (policy, slot) in policies.iter().zip(slots) {
-                *slot = policy.params().new_slot(policy.id());
+                // In-flight slots are freed by their requests only: forgetting them
+                // would let those requests' releases free slots others took since.
+                if !policy.params().is_in_flight() {
+                    *slot = policy.params().new_slot(policy.id());
+                }
             }
             // A reset forgives: blocks and strikes go too.
             for slot in penalties {
@@ -662,14 +666,7 @@ impl<C: Clock> MemoryStore<C> {
                 let entry = table.slab.get_mut(index);
                 let slots = entry.slots.arrange(policies);
                 let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
-                // A key holding in-flight slots is never fresh; once they are freed its
-                // freshness is its rate policies' again (of this set: a key under
-                // several sets may then be forgotten a little early).
-                entry.fresh_at = if entry.fresh_at == u64::MAX {
-                    fresh_at
-                } else {
-                    entry.fresh_at.max(fresh_at)
-                };
+                entry.fresh_at = entry.fresh_at.max(fresh_at);
                 decision
             }
             Err(_) => {

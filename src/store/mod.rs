@@ -133,8 +133,9 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Forgets `key`'s state under `policies` (a customer upgraded their plan): its next
-    /// request starts on fresh state. In-flight slots it held are forgotten too. The
-    /// default refuses with [`StoreErrorKind::Unsupported`].
+    /// request starts on fresh state, and a penalty's block is lifted. In-flight slots are
+    /// kept: they are freed by the requests that hold them. The default refuses with
+    /// [`StoreErrorKind::Unsupported`].
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         let _ = (key, policies);
         Box::pin(std::future::ready(Err(StoreError::new(

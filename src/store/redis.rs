@@ -529,6 +529,18 @@ impl Store for RedisStore {
             Err(error) => return DecideFuture::ready(Err(error)),
         };
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
+        // A decision dropped before its answer (a timeout, a client gone) may still have
+        // taken slots: they are given back rather than held for a whole lease.
+        let mut guard = (lease != 0).then(|| LeaseGuard {
+            backend: backend.clone(),
+            keys: policies
+                .iter()
+                .zip(invocation.keys.chunks(2))
+                .filter(|(policy, _)| policy.params().is_in_flight())
+                .map(|(_, keys)| keys[0].clone())
+                .collect(),
+            lease,
+        });
         DecideFuture::new(async move {
             // One policy: that algorithm's own, smaller script; several: the full one.
             let script = match invocation.single_kind {
@@ -538,6 +550,10 @@ impl Store for RedisStore {
                 _ => &scripts.multi,
             };
             let reply = invoke(&backend, script, &invocation).await?;
+            // Answered: from here the layer frees the slots it was given.
+            if let Some(guard) = &mut guard {
+                guard.keys.clear();
+            }
             parse_reply(&reply, invocation.count, cost, lease)
         })
     }
@@ -578,13 +594,17 @@ impl Store for RedisStore {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         let mut keys = Vec::with_capacity(2 * policies.len());
-        for policy in policies.iter() {
+        // In-flight slots are freed by their requests only (as in process).
+        for policy in policies.iter().filter(|p| !p.params().is_in_flight()) {
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
             keys.push(aux);
         }
         let backend = self.backend.clone();
         Box::pin(async move {
+            if keys.is_empty() {
+                return Ok(());
+            }
             // One command: every key of one identity shares a hash tag, so a Cluster
             // takes them in one slot.
             let mut command = redis::cmd("DEL");
@@ -674,6 +694,52 @@ impl RedisStore {
             count: policies.len(),
             single_kind,
         })
+    }
+}
+
+/// The in-flight slots a decision may have taken, given back if the decision is dropped
+/// (or fails) before its answer arrives. Removing a slot that was never taken is harmless.
+struct LeaseGuard {
+    backend: Backend,
+    keys: Vec<String>,
+    lease: u64,
+}
+
+impl Drop for LeaseGuard {
+    fn drop(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: the slots expire with their lease
+        };
+        let (backend, keys, member) = (
+            self.backend.clone(),
+            std::mem::take(&mut self.keys),
+            self.lease.to_string(),
+        );
+        runtime.spawn(async move {
+            for key in keys {
+                let mut command = redis::cmd("ZREM");
+                command.arg(&key).arg(&member);
+                let result: Result<i64, RedisError> = match backend.clone() {
+                    Backend::Manager(mut connection) => command.query_async(&mut connection).await,
+                    Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+                    Backend::Pool(pool) => match pool.get().await {
+                        Ok(mut connection) => command.query_async(&mut connection).await,
+                        Err(_) => return,
+                    },
+                    Backend::ClusterPool(pool) => match pool.get().await {
+                        Ok(mut connection) => command.query_async(&mut connection).await,
+                        Err(_) => return,
+                    },
+                };
+                if let Err(error) = result {
+                    crate::telemetry::store_error(&store_error(error));
+                    return;
+                }
+            }
+        });
     }
 }
 
