@@ -17,6 +17,10 @@ local mode = ARGV[tail + 3]
 -- denied), comma-separated: a settle or a release leaves them alone.
 local undebited = {}
 for index in string.gmatch(ARGV[tail + 4] or '', '%d+') do undebited[tonumber(index) + 1] = true end
+-- What the debit left of each policy, in order (empty: unknown): a bucket or GCRA gives
+-- back what a replay with the actual cost would hold.
+local left = {}
+for units in string.gmatch(ARGV[tail + 5] or '', '%d+') do left[#left + 1] = tonumber(units) end
 local reserved = cost
 
 -- Takes `units` more as far as the policy has room now: never below empty.
@@ -48,7 +52,7 @@ for i = 1, count do
     -- Slots are taken and freed by requests only.
   elseif mode == '0' then
     if amount < reserved then
-      algorithm.refund(p, s, reserved - amount, at)
+      algorithm.refund(p, s, reserved - amount, at, left[i])
     elseif amount > reserved then
       charge(algorithm, p, s, amount - reserved)
     end

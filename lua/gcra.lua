@@ -39,8 +39,8 @@ end
 
 -- Gives `units` back, less the intervals passed since `at`: the TAT moves back, never
 -- before now.
-local function refund(p, s, units, at)
-  s.ahead = math.max(s.ahead - refund_level(p, units, at), 0)
+local function refund(p, s, units, at, left)
+  s.ahead = math.max(s.ahead - refund_level(p, units, at, p[1], left), 0)
   store(p, s)
 end
 

@@ -13,7 +13,11 @@ local function check(p, s)
 end
 
 local commit = commit_bucket
-local refund = refund_bucket
+-- The burst it admits (its quota) is the shaping capacity, not p1 (the delay).
+local function refund(p, s, units, at, left)
+  s.level = math.max(s.level - refund_level(p, units, at, idiv(p[1] * p[2], p[3]) + 1, left), 0)
+  store_bucket(p, s)
+end
 
 local function snapshot(p, s)
   local threshold = p[1] * p[2]

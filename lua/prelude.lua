@@ -96,19 +96,24 @@ local function commit_bucket(p, s)
   store_bucket(p, s)
 end
 
--- What is left to give back of `units` debited at `at` (-1: any time), in level units:
--- less what has refilled (or leaked) since, as an exact replay would hold no more.
-local function refund_level(p, units, at)
+-- What to give back of `units` debited at `at` (-1: any time), in level units: no more
+-- than a replay with the smaller debit would hold now. The replay's deficit was the one
+-- the debit left (from `left` of a quota of `limit`) less `units`: what refilled beyond
+-- it found the replay full and is lost. Unknown `left`: all the refill is lost.
+local function refund_level(p, units, at, limit, left)
   local back = units * p[3]
   if at < 0 then return back end
+  -- The replay kept `room` until full: the deficit the debit left (at least `back`).
+  local room = back
+  if left ~= nil then room = math.max(math.max(limit - left, 0) * p[3], back) end
   local elapsed = math.max(now - at, 0)
-  if elapsed >= cdiv(back, p[2]) then return 0 end
-  return back - elapsed * p[2]
+  if elapsed >= cdiv(room, p[2]) then return 0 end
+  return math.min(back, room - elapsed * p[2])
 end
 
 -- Gives `units` back: the level drops, never below empty.
-local function refund_bucket(p, s, units, at)
-  s.level = math.max(s.level - refund_level(p, units, at), 0)
+local function refund_bucket(p, s, units, at, left)
+  s.level = math.max(s.level - refund_level(p, units, at, p[1], left), 0)
   store_bucket(p, s)
 end
 

@@ -32,6 +32,8 @@ pub(crate) struct Reservation {
     fallback: bool,
     cost: u64,
     receipt: Receipt,
+    /// What the debit left of each policy.
+    left: smallvec::SmallVec<[u64; 2]>,
     holds_slots: bool,
 }
 
@@ -65,6 +67,7 @@ impl Reservation {
             fallback,
             cost,
             receipt: debit.receipt,
+            left: debit.left,
             holds_slots,
         }
     }
@@ -99,7 +102,8 @@ impl Reservation {
         if actual == self.cost {
             return Settled::Unchanged;
         }
-        let adjustment = Adjustment::settle(self.cost, actual, self.receipt);
+        let adjustment = Adjustment::settle(self.cost, actual, self.receipt)
+            .with_left(self.left.iter().copied());
         match self.adjust(&adjustment).into_ready() {
             Ok(result) => self
                 .headers(result)

@@ -265,4 +265,6 @@ impl Settle {
 pub(crate) struct Debit {
     pub(crate) receipt: Receipt,
     pub(crate) fallback: Option<PolicySet>,
+    /// What the debit left of each policy (for an exact settle of buckets and GCRA).
+    pub(crate) left: smallvec::SmallVec<[u64; 2]>,
 }

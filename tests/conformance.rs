@@ -557,19 +557,27 @@ async fn replay_settled(
     arrivals: &[(u64, u64, u64, u64)],
 ) {
     let subjects = backends.subjects(prefix);
-    // (due, reserved, used, each subject's receipt), in the order they were admitted.
-    let mut pending: Vec<(Duration, u64, u64, Vec<tollgate::Receipt>)> = Vec::new();
+    // (due, reserved, used, each subject's decision), in the order they were admitted.
+    let mut pending: Vec<(Duration, u64, u64, Vec<Decision>)> = Vec::new();
     let mut now = Duration::ZERO;
     let (mut admitted, mut refunded) = (0, 0);
     for (step, &(gap, reserved, used, settle_after)) in arrivals.iter().enumerate() {
         now += Duration::from_millis(gap);
         pending.sort_by_key(|entry| entry.0);
         while pending.first().is_some_and(|entry| entry.0 <= now) {
-            let (due, reserved, used, receipts) = pending.remove(0);
+            let (due, reserved, used, decisions) = pending.remove(0);
             let mut settled = Vec::new();
-            for (subject, receipt) in subjects.iter().zip(receipts) {
+            for (subject, decision) in subjects.iter().zip(decisions) {
                 subject.clock.set(due);
-                let adjustment = Adjustment::settle(reserved, used, receipt);
+                // Every other settlement knows what its debit left (exact for buckets
+                // and GCRA); the others count all refill since as lost.
+                let left = decision.statuses().iter().map(|status| status.remaining);
+                let adjustment = Adjustment::settle(reserved, used, decision.receipt());
+                let adjustment = if due.as_millis() % 2 == 0 {
+                    adjustment.with_left(left)
+                } else {
+                    adjustment
+                };
                 settled.push(subject.adjust("client", policies, &adjustment).await);
             }
             for (subject, decision) in subjects.iter().zip(&settled).skip(1) {
@@ -599,12 +607,11 @@ async fn replay_settled(
         if decisions[0].is_allowed() {
             admitted += 1;
             refunded += u64::from(used < reserved);
-            let receipts = decisions.iter().map(Decision::receipt).collect();
             pending.push((
                 now + Duration::from_millis(settle_after),
                 reserved,
                 used,
-                receipts,
+                decisions,
             ));
         }
     }

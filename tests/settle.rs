@@ -603,6 +603,28 @@ fn a_bucket_gives_back_no_more_than_it_could_have_held() {
         let settled = store.adjust_now(&key, &set, &Adjustment::settle(10, 0, reserved.receipt()));
         assert_eq!(settled.statuses()[0].remaining, 5, "{key}");
     }
+    // Knowing what the debit left, a settle is exact: spend 4, reserve 3, two seconds
+    // refill 2, settle the 3 to nothing: 8 left, as if only the 4 had been spent.
+    for (index, policy) in [
+        Policy::token_bucket("tb-exact", 10, Rate::per_second(1)).unwrap(),
+        Policy::gcra("gc-exact", Rate::per_second(1), 10).unwrap(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let set = PolicySet::from(policy);
+        let key = format!("exact-{index}");
+        assert!(store.check(&key, &set, 4).is_allowed());
+        let reserved = store.check(&key, &set, 3);
+        clock.advance(Duration::from_secs(2));
+        let left = reserved.statuses().iter().map(|status| status.remaining);
+        let exact = Adjustment::settle(3, 0, reserved.receipt()).with_left(left);
+        assert_eq!(
+            store.adjust_now(&key, &set, &exact).statuses()[0].remaining,
+            8,
+            "{key}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -186,3 +186,92 @@ async fn redis_frees_in_flight_slots_when_bodies_end() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_settles_on_redis_charge_exactly_the_actual_costs() {
+    // 64 tasks reserve and settle at once against one key, through the layer, on a
+    // standalone Redis and a Cluster. Nothing refills during the test: what the bucket
+    // lost is exactly the sum of the actual costs of the admitted, successful requests
+    // (one unit an hour refills nothing a test can see).
+    let (_standalone, _cluster, stores) = stores().await;
+    for (name, store) in stores {
+        let policy = Policy::token_bucket("tokens", 10_000, Rate::per_hour(1)).unwrap();
+        let app = Router::new()
+            .route(
+                "/",
+                get(|request: Request| async move {
+                    let used = request.headers()["x-used"].clone();
+                    let status: u16 = request.headers()["x-status"]
+                        .to_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    let mut response = http::Response::new(Body::from("done"));
+                    *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                    response.headers_mut().insert("x-tokens-used", used);
+                    response
+                }),
+            )
+            .layer(
+                RateLimitLayer::new(store.clone())
+                    .policy(policy.clone())
+                    .key(HeaderKey::new("x-api-key"))
+                    .cost(FromExtension::or(1))
+                    .settle(Settle::from_header("x-tokens-used").refund_if(|s| s.is_server_error()))
+                    .on_store_error(FailureMode::FailClosed)
+                    .store_timeout(Duration::from_secs(10)),
+            );
+        let charged = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut tasks = Vec::new();
+        for task in 0..64u64 {
+            let (app, charged) = (app.clone(), std::sync::Arc::clone(&charged));
+            tasks.push(tokio::spawn(async move {
+                let mut seed = task.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                for _ in 0..10 {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let reserve = 1 + seed % 60;
+                    let used = seed / 61 % (reserve + 1);
+                    let status = if seed % 7 == 0 { 500 } else { 200 };
+                    let response = app
+                        .clone()
+                        .oneshot(request("shared", reserve, used, status))
+                        .await
+                        .unwrap();
+                    match response.status() {
+                        StatusCode::TOO_MANY_REQUESTS => {}
+                        StatusCode::OK => {
+                            charged.fetch_add(used, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        StatusCode::INTERNAL_SERVER_ERROR => {}
+                        other => panic!("{name}: unexpected {other}"),
+                    }
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let key = tollgate::key::KeyExtractor::extract(
+            &HeaderKey::new("x-api-key"),
+            &Request::get("/")
+                .header("x-api-key", "shared")
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0,
+        )
+        .unwrap();
+        let left = tollgate::Store::peek(&store, &key, &tollgate::PolicySet::from(policy))
+            .await
+            .unwrap()
+            .statuses()[0]
+            .remaining;
+        assert_eq!(
+            10_000 - left,
+            charged.load(std::sync::atomic::Ordering::SeqCst),
+            "{name}"
+        );
+    }
+}

@@ -685,6 +685,11 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         "+zrange",
         "+zrangebyscore",
         "+zremrangebyscore",
+        "+pttl",
+        "+exists",
+        "+zcard",
+        "+zrem",
+        "+del",
     ]);
     assert!(granted.contains("OK"), "{granted}");
     let url = format!("redis://limiter:s3cret@127.0.0.1:{port}");

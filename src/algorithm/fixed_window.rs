@@ -81,7 +81,14 @@ impl FixedWindow {
     /// window that has ended is not reopened: its units cannot be spent any more); with
     /// `at` = `u64::MAX`, from the window counted now.
     #[inline]
-    pub fn refund(&self, state: &mut WindowState, _now: u64, units: u64, at: u64) {
+    pub fn refund(
+        &self,
+        state: &mut WindowState,
+        _now: u64,
+        units: u64,
+        at: u64,
+        _left: Option<u64>,
+    ) {
         if at == super::ANY_TIME || at / self.window == state.index {
             state.count = state.count.saturating_sub(units);
         }

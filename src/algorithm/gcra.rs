@@ -80,18 +80,22 @@ impl Gcra {
             .set(base + u128::from(cost) * u128::from(self.period));
     }
 
-    /// Gives back `units` debited at `at`, less the emission intervals passed since (as
-    /// the token bucket does), never before `now` (a fresh state). `at` = `u64::MAX`: all
-    /// of them.
+    /// Gives back `units` debited at `at`, never before `now` (a fresh state), and never
+    /// more than a replay with the smaller debit would hold (as the token bucket does;
+    /// `left` is what the debit left). `at` = `u64::MAX`: all of them.
     #[inline]
-    pub fn refund(&self, state: &mut GcraState, now: u64, units: u64, at: u64) {
+    pub fn refund(&self, state: &mut GcraState, now: u64, units: u64, at: u64, left: Option<u64>) {
         let back = u128::from(units) * u128::from(self.period);
-        let passed = if at == super::ANY_TIME {
-            0
+        let given = if at == super::ANY_TIME {
+            back
         } else {
-            u128::from(now.saturating_sub(at)) * u128::from(self.amount)
+            let room = left.map_or(back, |left| {
+                (u128::from(self.burst.saturating_sub(left)) * u128::from(self.period)).max(back)
+            });
+            let passed = u128::from(now.saturating_sub(at)) * u128::from(self.amount);
+            back.min(room.saturating_sub(passed))
         };
-        let tat = state.tat.get().saturating_sub(back.saturating_sub(passed));
+        let tat = state.tat.get().saturating_sub(given);
         state.tat.set(tat.max(self.scaled(now)));
     }
 

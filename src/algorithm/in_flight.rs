@@ -59,7 +59,14 @@ impl InFlight {
 
     /// Gives `units` slots back.
     #[inline]
-    pub fn refund(&self, state: &mut InFlightState, _now: u64, units: u64, _at: u64) {
+    pub fn refund(
+        &self,
+        state: &mut InFlightState,
+        _now: u64,
+        units: u64,
+        _at: u64,
+        _left: Option<u64>,
+    ) {
         state.count = state.count.saturating_sub(units);
     }
 

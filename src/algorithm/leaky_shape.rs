@@ -87,8 +87,15 @@ impl LeakyShape {
 
     /// Takes `units` out of the queue, never below empty.
     #[inline]
-    pub fn refund(&self, state: &mut BucketState, now: u64, units: u64, at: u64) {
-        self.as_bucket().refund(state, now, units, at);
+    pub fn refund(
+        &self,
+        state: &mut BucketState,
+        now: u64,
+        units: u64,
+        at: u64,
+        left: Option<u64>,
+    ) {
+        self.as_bucket().refund(state, now, units, at, left);
     }
 
     /// The draft-11 effective window: nanoseconds until one more unit could queue after

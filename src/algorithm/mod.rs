@@ -397,8 +397,15 @@ impl Params {
     /// state still holds them: a window that has ended is not reopened, a bucket is never
     /// filled above full. For an in-flight limit, frees `units` slots.
     #[inline]
-    pub(crate) fn refund(&self, state: &mut Slot, now: u64, units: u64, at: u64) {
-        dispatch!(self, state, refund(now, units, at), ())
+    pub(crate) fn refund(
+        &self,
+        state: &mut Slot,
+        now: u64,
+        units: u64,
+        at: u64,
+        left: Option<u64>,
+    ) {
+        dispatch!(self, state, refund(now, units, at, left), ())
     }
 
     /// True for an in-flight limit: its slots are given back when the request ends.

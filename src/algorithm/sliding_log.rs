@@ -110,7 +110,7 @@ impl SlidingLog {
     /// Gives back up to `units` recorded at `at` (entries that have left the window are
     /// gone, and so is what they held); with `at` = `u64::MAX`, the newest entries first.
     #[inline]
-    pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64) {
+    pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64, _left: Option<u64>) {
         let any = at == super::ANY_TIME;
         let mut left = units;
         let mut index = state.entries.len();

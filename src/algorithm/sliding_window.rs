@@ -277,6 +277,7 @@ impl SlidingWindow {
         _now: u64,
         units: u64,
         at: u64,
+        _left: Option<u64>,
     ) {
         let counts = state.counts.as_mut();
         if at == super::ANY_TIME {

@@ -90,23 +90,33 @@ impl TokenBucket {
             .set(state.level.get() + u128::from(cost) * u128::from(self.period));
     }
 
-    /// Puts back `units` debited at `at`, less what has refilled since (the bucket may
-    /// have been full meanwhile, and what it could not hold then is gone: never more than
-    /// an exact replay would hold), never above full. `at` = `u64::MAX`: all of them.
+    /// Puts back `units` debited at `at`, never above full, and never more than a replay
+    /// with the smaller debit would hold now: had the bucket held those units all along,
+    /// it might have been full for a while, and what it could not take then is gone.
+    /// `left` is what the debit left (units); without it, all the refill since `at` is
+    /// counted as lost. `at` = `u64::MAX`: all of `units`.
     #[inline]
-    pub fn refund(&self, state: &mut BucketState, now: u64, units: u64, at: u64) {
+    pub fn refund(
+        &self,
+        state: &mut BucketState,
+        now: u64,
+        units: u64,
+        at: u64,
+        left: Option<u64>,
+    ) {
         let back = u128::from(units) * u128::from(self.period);
-        let refilled = if at == super::ANY_TIME {
-            0
+        let given = if at == super::ANY_TIME {
+            back
         } else {
-            u128::from(now.saturating_sub(at)) * u128::from(self.amount)
+            // The replay (debited `back` less) was full once the deficit the debit left,
+            // less `back`, had refilled: what refilled beyond that is lost.
+            let room = left.map_or(back, |left| {
+                (u128::from(self.capacity.saturating_sub(left)) * u128::from(self.period)).max(back)
+            });
+            let refilled = u128::from(now.saturating_sub(at)) * u128::from(self.amount);
+            back.min(room.saturating_sub(refilled))
         };
-        state.level.set(
-            state
-                .level
-                .get()
-                .saturating_sub(back.saturating_sub(refilled)),
-        );
+        state.level.set(state.level.get().saturating_sub(given));
     }
 
     /// The draft-11 effective window: nanoseconds until one more token is there after the

@@ -150,6 +150,7 @@ impl Responder {
                 Box::new(Debit {
                     receipt: decision.receipt(),
                     fallback: from_fallback.then(|| policies.clone()),
+                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
                 })
             });
             return Plan::Call(headers, debit);
@@ -161,6 +162,7 @@ impl Responder {
                 Box::new(Debit {
                     receipt: decision.receipt(),
                     fallback: from_fallback.then(|| policies.clone()),
+                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
                 })
             })
         };

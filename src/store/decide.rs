@@ -138,27 +138,28 @@ pub(crate) fn adjust(
             // A shadow policy that would have denied was not debited: nothing to settle.
             continue;
         }
+        let debit_left = adjustment.left_after_debit().get(index).copied();
         match adjustment.change() {
             Change::Release { cost } => {
                 if params.is_in_flight() && cost > 0 {
-                    params.refund(slot, now, 1, at);
+                    params.refund(slot, now, 1, at, None);
                 }
             }
             // The other changes are about rates: slots are taken and freed by requests.
             _ if params.is_in_flight() => {}
             Change::Settle { reserved, actual } => {
                 if actual < reserved {
-                    params.refund(slot, now, reserved - actual, at);
+                    params.refund(slot, now, reserved - actual, at, debit_left);
                 } else {
                     charge(params, slot, now, actual - reserved);
                 }
             }
-            Change::Grant { units } => params.refund(slot, now, units, ANY_TIME),
+            Change::Grant { units } => params.refund(slot, now, units, ANY_TIME, None),
             Change::SetRemaining { remaining } => {
                 let target = remaining.min(params.limit());
                 let left = params.snapshot(slot, now).remaining;
                 if target > left {
-                    params.refund(slot, now, target - left, ANY_TIME);
+                    params.refund(slot, now, target - left, ANY_TIME, None);
                 } else {
                     charge(params, slot, now, left - target);
                 }

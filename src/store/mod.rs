@@ -25,6 +25,8 @@ pub use redis::{
     SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT, decision_script,
 };
 
+use smallvec::SmallVec;
+
 use crate::decision::{Decision, Receipt};
 use crate::key::Key;
 use crate::policy::PolicySet;
@@ -147,10 +149,12 @@ pub trait Store: Send + Sync + 'static {
 
 /// A change to a key's state, made atomically by [`Store::adjust`]: settling or freeing an
 /// admitted request's debit once its response is known, or an administrator's grant.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Adjustment {
     change: Change,
     receipt: Receipt,
+    /// Units each policy had left right after the debit (empty: unknown).
+    left: SmallVec<[u64; 2]>,
 }
 
 /// What an [`Adjustment`] changes. Every change leaves a quota between empty and full.
@@ -188,19 +192,21 @@ pub enum Change {
 impl Adjustment {
     /// Settles a request that reserved `reserved` units to the `actual` units it used;
     /// `receipt` is the one its decision carried.
-    pub const fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
+    pub fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
         Self {
             change: Change::Settle { reserved, actual },
             receipt,
+            left: SmallVec::new(),
         }
     }
 
     /// Frees the in-flight slots of a request of `cost`; `receipt` is the one its decision
     /// carried (on Redis it names the slots).
-    pub const fn release(cost: u64, receipt: Receipt) -> Self {
+    pub fn release(cost: u64, receipt: Receipt) -> Self {
         Self {
             change: Change::Release { cost },
             receipt,
+            left: SmallVec::new(),
         }
     }
 
@@ -217,19 +223,47 @@ impl Adjustment {
     /// assert_eq!(after.statuses()[0].remaining, 4);
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
-    pub const fn grant(units: u64) -> Self {
+    pub fn grant(units: u64) -> Self {
         Self {
             change: Change::Grant { units },
             receipt: Receipt::new(0, 0),
+            left: SmallVec::new(),
         }
     }
 
     /// Sets each rate policy of a key to `remaining` units left now (at most its quota).
-    pub const fn set_remaining(remaining: u64) -> Self {
+    pub fn set_remaining(remaining: u64) -> Self {
         Self {
             change: Change::SetRemaining { remaining },
             receipt: Receipt::new(0, 0),
+            left: SmallVec::new(),
         }
+    }
+
+    /// This settlement, knowing what the debit left of each policy (the decision's
+    /// `statuses()[i].remaining`, in the set's order). A bucket or GCRA then gives back
+    /// exactly what a replay with the actual cost would hold, where without it every unit
+    /// refilled since the debit is counted as lost (safe, but short of the actual cost).
+    ///
+    /// ```
+    /// use tollgate::{Adjustment, Key, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::from(Policy::token_bucket("tokens", 100, Rate::per_minute(100))?);
+    /// let reserved = store.check("k", &set, 40);
+    /// let left = reserved.statuses().iter().map(|status| status.remaining);
+    /// let adjustment = Adjustment::settle(40, 10, reserved.receipt()).with_left(left);
+    /// assert_eq!(store.adjust_now("k", &set, &adjustment).statuses()[0].remaining, 90);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn with_left(mut self, left: impl IntoIterator<Item = u64>) -> Self {
+        self.left = left.into_iter().collect();
+        self
+    }
+
+    /// What the debit left of each policy, in the set's order (empty: unknown).
+    pub fn left_after_debit(&self) -> &[u64] {
+        &self.left
     }
 
     /// What changes.

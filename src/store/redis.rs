@@ -335,8 +335,9 @@ impl RedisStore {
             .try_for_each(|policy| script_args(policy).map(drop))
     }
 
-    /// Loads every script and runs each algorithm once on a throw-away key (its windows
-    /// are 1 ms, so nothing lingers): a server that refuses a command the scripts need
+    /// Loads every script and runs each algorithm once on a throw-away key, decision and
+    /// adjustment (its windows and leases are 1 ms, so nothing lingers): a server that
+    /// refuses a command the scripts need
     /// (an ACL without `EVALSHA`, `TIME` or a key pattern for the prefix; a replica that
     /// is read-only; a Redis too old for `TIME` in scripts) fails here, at start-up, with
     /// the server's own words, instead of on every request.
@@ -353,6 +354,7 @@ impl RedisStore {
                     Duration::ZERO,
                 ),
                 Policy::gcra("probe-gc", crate::Rate::per_second(1000), 1),
+                Policy::concurrency_with_lease("probe-cc", 1, Duration::from_millis(1)),
             ]
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
@@ -366,7 +368,25 @@ impl RedisStore {
         let keys = self.start_up_identities().await;
         'primaries: for key in &keys {
             for set in &sets {
-                match self.decide(key, set, 1).await {
+                // The decision, then the adjustment script (a settle and a release), as a
+                // request under settling and in-flight limits runs them.
+                let checked = match self.decide(key, set, 1).await {
+                    Ok(decision) => {
+                        let receipt = decision.receipt();
+                        match self
+                            .adjust(key, set, &Adjustment::settle(1, 0, receipt))
+                            .await
+                        {
+                            Ok(_) => {
+                                self.adjust(key, set, &Adjustment::release(1, receipt))
+                                    .await
+                            }
+                            Err(error) => Err(error),
+                        }
+                    }
+                    Err(error) => Err(error),
+                };
+                match checked {
                     Ok(_) => {}
                     // A server that is away, loading or busy may answer in a moment: the
                     // failure mode covers that, as it does later. Only a refusal is fatal.
@@ -585,6 +605,12 @@ impl Store for RedisStore {
             .map(|index| index.to_string())
             .collect();
         invocation.args.push(indices.join(","));
+        let left: Vec<String> = adjustment
+            .left_after_debit()
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        invocation.args.push(left.join(","));
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts.adjust, &invocation).await?;
