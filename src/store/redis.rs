@@ -761,7 +761,20 @@ impl Drop for LeaseGuard {
                     },
                 };
                 if let Err(error) = result {
-                    crate::telemetry::store_error(&store_error(error));
+                    // Counted and logged as any store error (the store knows no telemetry
+                    // module: it sits below it); the slots expire with their lease.
+                    let error = store_error(error);
+                    #[cfg(feature = "metrics")]
+                    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
+                        .increment(1);
+                    #[cfg(feature = "tracing")]
+                    tracing::warn!(
+                        target: "tollgate",
+                        %error,
+                        "could not give back the in-flight slots of a dropped decision; they expire with their lease"
+                    );
+                    #[cfg(not(feature = "tracing"))]
+                    let _ = error;
                     return;
                 }
             }
