@@ -207,6 +207,24 @@ impl Decision {
         self.shadow_denied
     }
 
+    /// An in-process store's decision: its statuses, the receipt of a debit at `at`, and
+    /// the shadow policies (by bit) that would have denied.
+    #[inline]
+    pub(crate) fn decided(
+        outcome: Outcome,
+        statuses: SmallVec<[PolicyStatus; 2]>,
+        at: u64,
+        shadow_denied: u64,
+    ) -> Self {
+        Self {
+            outcome,
+            statuses,
+            cached: false,
+            receipt: Receipt::new(at, 0).with_undebited(shadow_denied),
+            shadow_denied,
+        }
+    }
+
     /// This decision with the store's note of its debit, for a later
     /// [`Store::adjust`](crate::Store::adjust).
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {

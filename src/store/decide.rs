@@ -109,12 +109,9 @@ pub(crate) fn decide(
     }
     let (statuses, fresh_at) = statuses(policies, slots, now);
     let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
-    let decision = Decision::with_statuses(outcome, statuses);
-    let decision = if shadow_denied == 0 {
-        decision
-    } else {
-        decision.with_shadow_denied((0..64).filter(|i| shadow_denied & (1 << i) != 0))
-    };
+    // The receipt of the debit: its time on the store's line (the shadow policies not
+    // debited are noted in it too).
+    let decision = Decision::decided(outcome, statuses, now, shadow_denied);
     (decision, fresh_at)
 }
 
@@ -237,7 +234,11 @@ fn blocked(
 }
 
 /// When every penalty state is fresh again.
+#[inline]
 fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
+    if penalties.is_empty() {
+        return 0;
+    }
     let penalized = policies
         .iter()
         .filter_map(|policy| policy.penalty_box().map(|(penalty, _)| penalty));

@@ -9,7 +9,7 @@ use compact_str::CompactString;
 use super::{Adjustment, DecideFuture, ResetFuture, Store};
 use crate::algorithm::Slot;
 use crate::clock::{Clock, MonotonicClock};
-use crate::decision::{Decision, Receipt};
+use crate::decision::Decision;
 use crate::key::Key;
 use crate::policy::PolicySet;
 
@@ -578,8 +578,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut table = lock(self.shard(hash));
         let vacant = match table.find(hash, key) {
             Ok(index) => {
-                return decide_entry(table.slab.get_mut(index), policies, now, cost)
-                    .with_receipt(Receipt::new(now, 0));
+                return decide_entry(table.slab.get_mut(index), policies, now, cost);
             }
             Err(vacant) => vacant,
         };
@@ -598,7 +597,7 @@ impl<C: Clock> MemoryStore<C> {
             }
             table.insert(hash, entry, vacant, &self.shared.hasher);
         }
-        decision.with_receipt(Receipt::new(now, 0))
+        decision
     }
 
     /// Forgets `key`'s state under `policies` now (see [`Store::reset`]): its next request
