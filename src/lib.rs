@@ -68,6 +68,8 @@
 pub mod algorithm;
 pub mod body;
 pub mod bypass;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod clock;
 #[cfg(feature = "config")]
 pub mod config;

@@ -1,0 +1,435 @@
+//! The client side (feature `client`): a Tower layer for **outgoing** requests that reads
+//! what a rate-limited server says and waits instead of sending a request the server
+//! would refuse.
+//!
+//! [`PacingLayer`] wraps any client service of `http` requests (hyper-util's `Client`,
+//! or anything built on Tower). Per upstream host (and per partition, when you say how
+//! to tell your partitions apart), it reads:
+//!
+//! - the draft-11 `RateLimit` field (an RFC 9651 list: a member with `r=0` means wait `t`
+//!   seconds);
+//! - draft-6 `RateLimit-Remaining` / `RateLimit-Reset` and `X-RateLimit-Remaining` /
+//!   `X-RateLimit-Reset` (seconds, or a Unix time);
+//! - `Retry-After` (seconds or an HTTP date).
+//!
+//! A request to a host that said "nothing left" waits until it said so; a 429 is waited
+//! out and retried when the method is idempotent (2 retries by default; never for `POST`
+//! or `PATCH` unless [`retry_non_idempotent`](PacingLayer::retry_non_idempotent)).
+//! Absurd values (negative, malformed, years away) are ignored or capped at
+//! [`max_wait`](PacingLayer::max_wait) (60 s by default), as the draft asks of clients
+//! (section 8.5). Optionally the layer also paces proactively with any tollgate policy
+//! ([`pace`](PacingLayer::pace)), shared across clones.
+//!
+//! ```
+//! use std::time::Duration;
+//! use bytes::Bytes;
+//! use http_body_util::Empty;
+//! use tollgate::client::PacingLayer;
+//! use tollgate::{Policy, Rate};
+//! use tower::ServiceBuilder;
+//!
+//! # fn build() -> Result<(), tollgate::PolicyError> {
+//! let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+//!     .build_http::<Empty<Bytes>>();
+//! let paced = ServiceBuilder::new()
+//!     .layer(
+//!         PacingLayer::new()
+//!             .max_wait(Duration::from_secs(30))
+//!             // GitHub's documented limit, before the first answer says anything.
+//!             .pace(Policy::token_bucket("github", 5_000, Rate::per_hour(5_000))?),
+//!     )
+//!     .service(client);
+//! # let _ = paced;
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use tokio::time::Instant;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::policy::{Policy, PolicySet};
+use crate::store::MemoryStore;
+
+/// The longest the layer waits on a server's word, unless told otherwise.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
+
+type Partition = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
+
+/// Paces outgoing requests by what the servers say. See the [module docs](self).
+#[derive(Clone)]
+pub struct PacingLayer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// When each host (and partition) may be sent to again.
+    hosts: Mutex<HashMap<String, Instant>>,
+    max_wait: Duration,
+    retries: u32,
+    retry_all: bool,
+    partition: Option<Arc<Partition>>,
+    pacer: Option<(MemoryStore<RuntimeClock>, PolicySet)>,
+}
+
+/// The runtime's clock (tokio's `Instant`, which a paused test runtime moves), on a line
+/// aligned to the Unix epoch: the pacer sleeps on that clock, so it reads the same one.
+#[derive(Debug, Clone, Copy)]
+struct RuntimeClock {
+    base: Instant,
+    epoch: u64,
+}
+
+impl RuntimeClock {
+    fn new() -> Self {
+        let epoch = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        Self {
+            base: Instant::now(),
+            epoch: u64::try_from(epoch).unwrap_or(u64::MAX / 2),
+        }
+    }
+}
+
+impl crate::clock::Clock for RuntimeClock {
+    fn now(&self) -> u64 {
+        let elapsed = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX / 2);
+        self.epoch.saturating_add(elapsed)
+    }
+}
+
+impl fmt::Debug for PacingLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PacingLayer")
+            .field("max_wait", &self.shared.max_wait)
+            .field("retries", &self.shared.retries)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for PacingLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PacingLayer {
+    /// Waits at most [`DEFAULT_MAX_WAIT`] on a server's word; retries an idempotent
+    /// request twice after a 429.
+    pub fn new() -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                hosts: Mutex::new(HashMap::new()),
+                max_wait: DEFAULT_MAX_WAIT,
+                retries: 2,
+                retry_all: false,
+                partition: None,
+                pacer: None,
+            }),
+        }
+    }
+
+    fn with(self, change: impl FnOnce(&mut Shared)) -> Self {
+        let mut shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
+            hosts: Mutex::new(
+                shared
+                    .hosts
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .clone(),
+            ),
+            max_wait: shared.max_wait,
+            retries: shared.retries,
+            retry_all: shared.retry_all,
+            partition: shared.partition.clone(),
+            pacer: shared.pacer.clone(),
+        });
+        change(&mut shared);
+        Self {
+            shared: Arc::new(shared),
+        }
+    }
+
+    /// The longest one wait may last, whatever a server says (a value above it is read
+    /// as this; malformed and negative values are ignored).
+    pub fn max_wait(self, max_wait: Duration) -> Self {
+        self.with(|shared| shared.max_wait = max_wait)
+    }
+
+    /// How many times an idempotent request is retried after a 429 (default 2).
+    pub fn retries(self, retries: u32) -> Self {
+        self.with(|shared| shared.retries = retries)
+    }
+
+    /// Retries `POST` and `PATCH` after a 429 too (off by default: the server may have
+    /// acted on the first one).
+    pub fn retry_non_idempotent(self, retry: bool) -> Self {
+        self.with(|shared| shared.retry_all = retry)
+    }
+
+    /// Tells apart requests to one host that the server limits separately (each API
+    /// key its own budget): `partition` names a request's partition.
+    pub fn partition<F>(self, partition: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.with(|shared| shared.partition = Some(Arc::new(partition)))
+    }
+
+    /// Paces proactively with `policy` per host (and partition), before any answer says
+    /// anything: a request waits until the policy admits it. Clones share the budget.
+    pub fn pace(self, policy: Policy) -> Self {
+        let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
+        self.with(|shared| shared.pacer = Some((store, PolicySet::from(policy))))
+    }
+
+    /// How long a request to `host` (and `partition`) would wait now, if sent.
+    pub fn wait_for(&self, host: &str, partition: Option<&str>) -> Duration {
+        self.shared.wait(&state_key(host, partition))
+    }
+}
+
+impl<S> Layer<S> for PacingLayer {
+    type Service = Paced<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Paced {
+            inner,
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+/// The service of a [`PacingLayer`].
+#[derive(Clone)]
+pub struct Paced<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for Paced<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Paced")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+fn state_key(host: &str, partition: Option<&str>) -> String {
+    match partition {
+        Some(partition) => format!("{host}#{partition}"),
+        None => host.to_owned(),
+    }
+}
+
+impl Shared {
+    fn wait(&self, key: &str) -> Duration {
+        let hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+        hosts
+            .get(key)
+            .map_or(Duration::ZERO, |until| {
+                until.saturating_duration_since(Instant::now())
+            })
+            .min(self.max_wait)
+    }
+
+    /// Notes what `headers` (of a response with `status`) say about when to send again.
+    fn learn(&self, key: &str, status: StatusCode, headers: &HeaderMap) {
+        let Some(wait) = server_wait(status, headers) else {
+            return;
+        };
+        let until = Instant::now() + wait.min(self.max_wait);
+        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = hosts.entry(key.to_owned()).or_insert(until);
+        *entry = (*entry).max(until);
+        // Hosts whose word has expired are forgotten, so the map stays small.
+        if hosts.len() > 1024 {
+            let now = Instant::now();
+            hosts.retain(|_, until| *until > now);
+        }
+    }
+}
+
+/// How long the server asks the client to wait before its next request, from the
+/// response's rate-limit fields; `None` when it asks for nothing.
+pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
+    let mut wait: Option<Duration> = None;
+    let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
+    // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date.
+    if let Some(value) = headers
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+    {
+        if let Some(after) = retry_after(value) {
+            longer(after);
+        }
+    }
+    // draft-11 RateLimit: a member with r=0 says "nothing for t seconds".
+    for value in headers.get_all("ratelimit") {
+        let Ok(text) = value.to_str() else { continue };
+        let Ok(list) = sfv::Parser::new(text).parse::<sfv::List>() else {
+            continue;
+        };
+        for member in list {
+            let sfv::ListEntry::Item(item) = member else {
+                continue;
+            };
+            let number = |name: &str| {
+                item.params
+                    .iter()
+                    .find(|(key, _)| key.as_str() == name)
+                    .and_then(|(_, value)| value.as_integer())
+                    .map(i64::from)
+            };
+            if number("r").is_some_and(|r| r <= 0) {
+                // No `t`: the server gave no time; a second is a polite guess.
+                let t = number("t").unwrap_or(1);
+                if t >= 0 {
+                    longer(Duration::from_secs(t as u64));
+                }
+            }
+        }
+    }
+    // draft-6 and the X- fields: remaining 0 until reset.
+    for (remaining, reset) in [
+        ("ratelimit-remaining", "ratelimit-reset"),
+        ("x-ratelimit-remaining", "x-ratelimit-reset"),
+    ] {
+        let number =
+            |name: &str| -> Option<i64> { headers.get(name)?.to_str().ok()?.trim().parse().ok() };
+        if number(remaining) == Some(0) {
+            if let Some(reset) = number(reset).filter(|reset| *reset >= 0) {
+                longer(reset_delay(reset as u64));
+            }
+        }
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS && wait.is_none() {
+        // Refused, with no word on when: a second before trying again.
+        wait = Some(Duration::from_secs(1));
+    }
+    wait
+}
+
+/// A reset value: seconds from now, or (past a billion) a Unix time.
+fn reset_delay(reset: u64) -> Duration {
+    if reset > 1_000_000_000 {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        Duration::from_secs(reset).saturating_sub(now)
+    } else {
+        Duration::from_secs(reset)
+    }
+}
+
+fn retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+}
+
+fn idempotent(method: &Method) -> bool {
+    matches!(
+        *method,
+        Method::GET | Method::HEAD | Method::PUT | Method::DELETE | Method::OPTIONS | Method::TRACE
+    )
+}
+
+/// A copy of a request for a retry (extensions are not copied).
+fn copy<B: Clone>(request: &Request<B>) -> Request<B> {
+    let mut copy = Request::new(request.body().clone());
+    *copy.method_mut() = request.method().clone();
+    *copy.uri_mut() = request.uri().clone();
+    *copy.version_mut() = request.version();
+    *copy.headers_mut() = request.headers().clone();
+    copy
+}
+
+impl<S, B, RB> Service<Request<B>> for Paced<S>
+where
+    S: Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Clone + Send + 'static,
+    RB: Send + 'static,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<RB>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let shared = Arc::clone(&self.shared);
+        // The ready service goes with this request; later attempts wait for readiness.
+        let ready = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, ready);
+        Box::pin(async move {
+            let host = request
+                .uri()
+                .authority()
+                .map(|authority| authority.as_str().to_owned())
+                .or_else(|| {
+                    let host = request.headers().get(http::header::HOST)?;
+                    host.to_str().ok().map(str::to_owned)
+                })
+                .unwrap_or_default();
+            let partition = shared.partition.as_ref().and_then(|partition| {
+                let (parts, body) = copy(&request).into_parts();
+                drop(body);
+                partition(&parts)
+            });
+            let key = state_key(&host, partition.as_deref());
+            let retries = if shared.retry_all || idempotent(request.method()) {
+                shared.retries
+            } else {
+                0
+            };
+            let mut attempt = 0;
+            let mut first = Some(request);
+            loop {
+                let wait = shared.wait(&key);
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+                if let Some((store, policies)) = &shared.pacer {
+                    // Admitted (or a cost that can never fit: sent, the server decides).
+                    while let Some(after) = store.check(&key, policies, 1).retry_after() {
+                        tokio::time::sleep(after.min(shared.max_wait)).await;
+                    }
+                }
+                let request = match (&first, attempt < retries) {
+                    (Some(request), true) => copy(request),
+                    _ => first
+                        .take()
+                        .expect("the request is sent at most once without copy"),
+                };
+                if attempt > 0 {
+                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                }
+                let response = inner.call(request).await?;
+                shared.learn(&key, response.status(), response.headers());
+                if response.status() == StatusCode::TOO_MANY_REQUESTS && attempt < retries {
+                    attempt += 1;
+                    continue;
+                }
+                return Ok(response);
+            }
+        })
+    }
+}

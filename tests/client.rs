@@ -1,0 +1,265 @@
+//! The client side: reading what servers say (draft-11, draft-6, X-RateLimit-*,
+//! Retry-After), waiting instead of being refused, retries, and caps on absurd values.
+
+#![cfg(feature = "client")]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use tollgate::client::{PacingLayer, server_wait};
+use tollgate::key::ClientIp;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in pairs {
+        map.append(*name, HeaderValue::from_str(value).unwrap());
+    }
+    map
+}
+
+#[test]
+fn what_a_server_says_is_read() {
+    let ok = StatusCode::OK;
+    let secs = Duration::from_secs;
+    // draft-11 (section 4): a member with r=0 asks for t seconds.
+    assert_eq!(
+        server_wait(ok, &headers(&[("ratelimit", "\"api\";r=0;t=5")])),
+        Some(secs(5))
+    );
+    assert_eq!(
+        server_wait(ok, &headers(&[("ratelimit", "\"api\";r=3;t=5")])),
+        None
+    );
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[("ratelimit", "\"a\";r=2;t=1, \"b\";r=0;t=30")])
+        ),
+        Some(secs(30))
+    );
+    // Malformed and negative values are ignored.
+    assert_eq!(
+        server_wait(ok, &headers(&[("ratelimit", "\"api\";r=0;t=-5")])),
+        None
+    );
+    assert_eq!(server_wait(ok, &headers(&[("ratelimit", "r=0;;t=")])), None);
+    // draft-6 and X-RateLimit-*: remaining 0 until reset (seconds, or a Unix time).
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[("ratelimit-remaining", "0"), ("ratelimit-reset", "7")])
+        ),
+        Some(secs(7))
+    );
+    let unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 100;
+    let wait = server_wait(
+        ok,
+        &headers(&[
+            ("x-ratelimit-remaining", "0"),
+            ("x-ratelimit-reset", &unix.to_string()),
+        ]),
+    )
+    .unwrap();
+    assert!(wait > secs(95) && wait <= secs(100), "{wait:?}");
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[("x-ratelimit-remaining", "-1"), ("x-ratelimit-reset", "9")])
+        ),
+        None
+    );
+    // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date.
+    let refused = StatusCode::TOO_MANY_REQUESTS;
+    assert_eq!(
+        server_wait(refused, &headers(&[("retry-after", "3")])),
+        Some(secs(3))
+    );
+    let date = httpdate::fmt_http_date(std::time::SystemTime::now() + secs(60));
+    let wait = server_wait(refused, &headers(&[("retry-after", &date)])).unwrap();
+    assert!(wait > secs(55) && wait <= secs(60), "{wait:?}");
+    // A 429 that says nothing: a second.
+    assert_eq!(server_wait(refused, &HeaderMap::new()), Some(secs(1)));
+    assert_eq!(
+        server_wait(refused, &headers(&[("retry-after", "soon")])),
+        Some(secs(1))
+    );
+}
+
+/// A fake upstream: answers each request with the next of `script` (status, headers).
+fn upstream(
+    script: Vec<(u16, Vec<(&'static str, String)>)>,
+    seen: Arc<AtomicU64>,
+) -> impl Service<
+    Request<Empty<Bytes>>,
+    Response = Response<Empty<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    let script = Arc::new(script);
+    service_fn(move |_request: Request<Empty<Bytes>>| {
+        let (script, seen) = (Arc::clone(&script), Arc::clone(&seen));
+        async move {
+            let n = seen.fetch_add(1, Ordering::SeqCst) as usize;
+            let (status, pairs) = &script[n.min(script.len() - 1)];
+            let mut response = Response::new(Empty::new());
+            *response.status_mut() = StatusCode::from_u16(*status).unwrap();
+            for (name, value) in pairs {
+                response
+                    .headers_mut()
+                    .insert(*name, HeaderValue::from_str(value).unwrap());
+            }
+            Ok::<_, Infallible>(response)
+        }
+    })
+}
+
+fn get(uri: &str) -> Request<Empty<Bytes>> {
+    Request::get(uri).body(Empty::new()).unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_get_is_waited_out_and_retried_a_post_is_not() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(429, vec![("retry-after", "2".to_owned())]), (200, vec![])];
+    let mut client = PacingLayer::new().layer(upstream(script.clone(), Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    let response = client
+        .ready()
+        .await
+        .unwrap()
+        .call(get("http://api.test/"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+
+    let seen = Arc::new(AtomicU64::new(0));
+    let mut client = PacingLayer::new().layer(upstream(script, Arc::clone(&seen)));
+    let mut post = get("http://api.test/");
+    *post.method_mut() = Method::POST;
+    let response = client.ready().await.unwrap().call(post).await.unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "never retried unless told"
+    );
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn absurd_values_are_capped_and_hosts_kept_apart() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(
+        200,
+        vec![("ratelimit", "\"api\";r=0;t=999999999".to_owned())],
+    )];
+    let layer = PacingLayer::new().max_wait(Duration::from_secs(5));
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
+    client
+        .ready()
+        .await
+        .unwrap()
+        .call(get("http://a.test/"))
+        .await
+        .unwrap();
+    assert_eq!(layer.wait_for("a.test", None), Duration::from_secs(5));
+    assert_eq!(
+        layer.wait_for("b.test", None),
+        Duration::ZERO,
+        "another host: no wait"
+    );
+    let started = tokio::time::Instant::now();
+    client
+        .ready()
+        .await
+        .unwrap()
+        .call(get("http://a.test/"))
+        .await
+        .unwrap();
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(5),
+        "capped, not 31 years"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_policy_paces_before_any_answer() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let layer =
+        PacingLayer::new().pace(Policy::token_bucket("upstream", 2, Rate::per_second(1)).unwrap());
+    let mut client = layer.layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    for _ in 0..4 {
+        client
+            .ready()
+            .await
+            .unwrap()
+            .call(get("http://a.test/"))
+            .await
+            .unwrap();
+    }
+    // Two at once, then one a second.
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn against_the_quickstart_policy_a_paced_client_is_never_refused() {
+    // The quickstart's limiter on a loopback port: 10 tokens, 5 per second, per client IP.
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "hello" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap())
+                .key(ClientIp::peer()),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<Bytes>>();
+    let mut paced = PacingLayer::new().layer(client);
+    let started = std::time::Instant::now();
+    let mut refused = 0;
+    for _ in 0..40 {
+        let response = paced
+            .ready()
+            .await
+            .unwrap()
+            .call(get(&format!("http://{addr}/")))
+            .await
+            .unwrap();
+        refused += u32::from(response.status() == StatusCode::TOO_MANY_REQUESTS);
+        response.into_body().collect().await.unwrap();
+    }
+    server.abort();
+    assert_eq!(refused, 0);
+    // The server admits 10 at once and 5 a second: 40 cannot take less than 6 s.
+    assert!(
+        started.elapsed() >= Duration::from_secs(6),
+        "{:?}",
+        started.elapsed()
+    );
+}
