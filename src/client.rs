@@ -56,6 +56,7 @@ use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::clock::RuntimeClock;
 use crate::policy::{Policy, PolicySet};
 use crate::store::MemoryStore;
 
@@ -78,34 +79,6 @@ struct Shared {
     retry_all: bool,
     partition: Option<Arc<Partition>>,
     pacer: Option<(MemoryStore<RuntimeClock>, PolicySet)>,
-}
-
-/// The runtime's clock (tokio's `Instant`, which a paused test runtime moves), on a line
-/// aligned to the Unix epoch: the pacer sleeps on that clock, so it reads the same one.
-#[derive(Debug, Clone, Copy)]
-struct RuntimeClock {
-    base: Instant,
-    epoch: u64,
-}
-
-impl RuntimeClock {
-    fn new() -> Self {
-        let epoch = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos();
-        Self {
-            base: Instant::now(),
-            epoch: u64::try_from(epoch).unwrap_or(u64::MAX / 2),
-        }
-    }
-}
-
-impl crate::clock::Clock for RuntimeClock {
-    fn now(&self) -> u64 {
-        let elapsed = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX / 2);
-        self.epoch.saturating_add(elapsed)
-    }
 }
 
 impl fmt::Debug for PacingLayer {

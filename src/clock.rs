@@ -201,3 +201,49 @@ mod tests {
         assert!(tsc.now().abs_diff(a.now()) < 1_000_000_000);
     }
 }
+
+/// The async runtime's clock (tokio's `Instant`) on a line aligned to the Unix epoch. In
+/// production it is the monotonic clock; in a test runtime with paused time it moves as
+/// the runtime does, so a store on this clock agrees with `tokio::time::sleep`. The
+/// client-side pacer uses it; so can a [`Limiter`](crate::limiter::Limiter) tested with
+/// paused time.
+///
+/// ```
+/// use tollgate::MemoryStore;
+/// use tollgate::clock::RuntimeClock;
+///
+/// let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
+/// # let _ = store;
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct RuntimeClock {
+    base: tokio::time::Instant,
+    epoch: u64,
+}
+
+impl RuntimeClock {
+    /// The runtime's clock, anchored now.
+    pub fn new() -> Self {
+        let epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        Self {
+            base: tokio::time::Instant::now(),
+            epoch: u64::try_from(epoch).unwrap_or(u64::MAX / 2),
+        }
+    }
+}
+
+impl Default for RuntimeClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for RuntimeClock {
+    fn now(&self) -> u64 {
+        let elapsed = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX / 2);
+        self.epoch.saturating_add(elapsed)
+    }
+}

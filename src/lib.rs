@@ -79,6 +79,7 @@ mod failure;
 mod future;
 pub mod key;
 mod layer;
+pub mod limiter;
 pub mod policy;
 mod reservation;
 pub mod resolve;

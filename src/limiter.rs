@@ -1,0 +1,279 @@
+//! Limits outside HTTP: jobs, outgoing calls, WebSocket messages, per-message costs on a
+//! stream, with the same policies, stores and failure modes as the layer.
+//!
+//! [`Limiter::check`] decides and spends at once; [`Limiter::until_ready`] waits until
+//! the cost fits, at most a given time (governor's `until_ready`). Waiters for one key
+//! are served in the order they came, one at a time: the first waits for the store's
+//! retry time while the others queue behind it, so a crowd never wakes at once to race
+//! for the same units (no thundering herd), and every decision is the store's, atomic, so
+//! nothing is over-admitted.
+//!
+//! In-flight (concurrency) policies belong to requests, which the layer frees when they
+//! end; a limiter's caller would have to free them itself (`Store::adjust` with
+//! `Adjustment::release`): for jobs, a semaphore says it better.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::limiter::Limiter;
+//! use tollgate::{Key, MemoryStore, Policy, Rate};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // At most 10 e-mails a second to the mail provider, bursts of 20.
+//! let mail = Limiter::new(MemoryStore::new(), Policy::token_bucket("mail", 20, Rate::per_second(10))?);
+//! let provider = Key::new("smtp.example.com");
+//! for _ in 0..25 {
+//!     mail.until_ready(&provider, 1, Duration::from_secs(5)).await?;
+//!     // send one e-mail
+//! }
+//! assert!(!mail.check(&provider, 5).await?.is_allowed());
+//! # Ok(()) }
+//! ```
+//!
+//! A WebSocket whose messages cost their length, per connection (axum's `ws` feature):
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+//! use axum::response::Response;
+//! use tollgate::limiter::Limiter;
+//! use tollgate::{Key, MemoryStore, Policy, Rate};
+//!
+//! async fn socket(upgrade: WebSocketUpgrade) -> Response {
+//!     upgrade.on_upgrade(|mut socket: WebSocket| async move {
+//!         // 64 KiB a second per connection, bursts of 256 KiB.
+//!         let policy = Policy::token_bucket("ws-bytes", 256 * 1024, Rate::per_second(64 * 1024))
+//!             .expect("a valid policy");
+//!         let limiter = Limiter::new(MemoryStore::new(), policy);
+//!         let me = Key::new("this-connection");
+//!         while let Some(Ok(message)) = socket.recv().await {
+//!             let cost = match &message {
+//!                 Message::Text(text) => text.len() as u64,
+//!                 Message::Binary(bytes) => bytes.len() as u64,
+//!                 _ => 0,
+//!             };
+//!             // Slow the sender down; close on one that cannot fit at all.
+//!             if limiter.until_ready(&me, cost, Duration::from_secs(10)).await.is_err() {
+//!                 let _ = socket.send(Message::Close(None)).await;
+//!                 break;
+//!             }
+//!             // handle the message
+//!         }
+//!     })
+//! }
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::decision::{Decision, Outcome};
+use crate::failure::FailureMode;
+use crate::key::Key;
+use crate::policy::PolicySet;
+use crate::store::{Store, StoreError};
+
+/// Limits anything, by key. Cheap to clone: clones share the store and the queues.
+pub struct Limiter<St> {
+    shared: Arc<Shared<St>>,
+}
+
+struct Shared<St> {
+    store: St,
+    policies: PolicySet,
+    failure_mode: FailureMode,
+    /// One queue per key with waiters: a fair (first come, first served) async lock.
+    queues: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl<St> Clone for Limiter<St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St> fmt::Debug for Limiter<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limiter")
+            .field("policies", &self.shared.policies)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why [`Limiter::until_ready`] gave up.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// The cost would not fit within the maximum wait (the decision says when it would).
+    TooLong(Decision),
+    /// The cost is more than a policy ever admits: waiting cannot help.
+    Never(Decision),
+    /// The store failed and the failure mode refuses (fail-closed).
+    Store(StoreError),
+}
+
+impl fmt::Display for WaitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WaitError::TooLong(decision) => write!(
+                f,
+                "the cost would not fit within the maximum wait (retry in {:?})",
+                decision.retry_after().unwrap_or_default()
+            ),
+            WaitError::Never(_) => write!(f, "the cost is more than a policy ever admits"),
+            WaitError::Store(error) => write!(f, "the rate-limit store failed: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for WaitError {}
+
+impl<St: Store> Limiter<St> {
+    /// A limiter of `policies` (one policy, or a [`PolicySet`]) in `store`. When the
+    /// store fails, a local in-process limiter with the same policies decides
+    /// ([`FailureMode::Fallback`], as the layer does by default).
+    pub fn new(store: St, policies: impl Into<PolicySet>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                store,
+                policies: policies.into(),
+                failure_mode: FailureMode::default(),
+                queues: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// What to do when the store fails (as [`RateLimitLayer::on_store_error`]). Set it
+    /// before the limiter is shared: a clone made earlier keeps the old mode.
+    ///
+    /// [`RateLimitLayer::on_store_error`]: crate::RateLimitLayer::on_store_error
+    pub fn on_store_error(self, failure_mode: FailureMode) -> Self
+    where
+        St: Clone,
+    {
+        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
+            store: shared.store.clone(),
+            policies: shared.policies.clone(),
+            failure_mode: shared.failure_mode.clone(),
+            queues: Mutex::new(HashMap::new()),
+        });
+        Self {
+            shared: Arc::new(Shared {
+                failure_mode,
+                ..shared
+            }),
+        }
+    }
+
+    /// Decides `cost` units for `key` now, and spends them if admitted.
+    pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
+        let shared = &self.shared;
+        match shared.store.decide(key, &shared.policies, cost).await {
+            Ok(decision) => Ok(decision),
+            Err(error) => match &shared.failure_mode {
+                FailureMode::Fallback(fallback) => {
+                    Ok(fallback.decide(key, &shared.policies, cost).0)
+                }
+                FailureMode::FailOpen => Ok(Decision::new(
+                    Outcome::Allowed {
+                        delay: Duration::ZERO,
+                    },
+                    [],
+                )),
+                _ => Err(error),
+            },
+        }
+    }
+
+    /// Waits until `cost` units for `key` fit, then spends them; gives up at once when
+    /// they would not fit within `max_wait`, or never. Waiters for one key are served in
+    /// the order they came. A shaping policy's delay is waited too.
+    pub async fn until_ready(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Decision, WaitError> {
+        let deadline = Instant::now() + max_wait;
+        let queue = self.queue(key);
+        let turn = match tokio::time::timeout_at(deadline, Arc::clone(&queue).lock_owned()).await {
+            Ok(turn) => turn,
+            Err(_) => {
+                // Those ahead took the whole wait: say when this one would fit.
+                drop(queue);
+                self.forget(key);
+                let decision = self.peek(key).await;
+                return Err(WaitError::TooLong(decision));
+            }
+        };
+        let result = loop {
+            let decision = match self.check(key, cost).await {
+                Ok(decision) => decision,
+                Err(error) => break Err(WaitError::Store(error)),
+            };
+            match decision.outcome() {
+                Outcome::Allowed { delay } => {
+                    if !delay.is_zero() {
+                        tokio::time::sleep(delay).await;
+                    }
+                    break Ok(decision);
+                }
+                Outcome::Denied { retry_after, .. } => {
+                    if Instant::now() + retry_after > deadline {
+                        break Err(WaitError::TooLong(decision));
+                    }
+                    tokio::time::sleep(retry_after).await;
+                }
+                _ => break Err(WaitError::Never(decision)),
+            }
+        };
+        drop(turn);
+        drop(queue);
+        self.forget(key);
+        result
+    }
+
+    async fn peek(&self, key: &Key) -> Decision {
+        self.shared
+            .store
+            .peek(key, &self.shared.policies)
+            .await
+            .unwrap_or_else(|_| {
+                Decision::new(
+                    Outcome::Allowed {
+                        delay: Duration::ZERO,
+                    },
+                    [],
+                )
+            })
+    }
+
+    fn queue(&self, key: &Key) -> Arc<tokio::sync::Mutex<()>> {
+        let mut queues = self
+            .shared
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(queues.entry(key.clone()).or_default())
+    }
+
+    /// Drops the key's queue when nobody waits in it any more.
+    fn forget(&self, key: &Key) {
+        let mut queues = self
+            .shared
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if queues
+            .get(key)
+            .is_some_and(|queue| Arc::strong_count(queue) == 1)
+        {
+            queues.remove(key);
+        }
+    }
+}

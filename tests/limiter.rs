@@ -1,0 +1,150 @@
+//! Limits outside HTTP: check-and-spend, and waiting until allowed, fair and exact under
+//! contention, with every store and failure mode.
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tollgate::limiter::{Limiter, WaitError};
+use tollgate::{
+    DecideFuture, FailureMode, Key, MemoryStore, Policy, PolicySet, Rate, Store, StoreError,
+    StoreErrorKind,
+};
+
+/// A store on the runtime's clock, which paused time moves.
+fn runtime_store() -> MemoryStore<tollgate::clock::RuntimeClock> {
+    MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build()
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_are_served_in_order_and_exactly() {
+    // 50 jobs want one unit each from a bucket of 5 refilled 50 a second: 5 go at once,
+    // then one every 20 ms, in the order they came, none twice, none lost.
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::token_bucket("jobs", 5, Rate::per_second(50)).unwrap(),
+    );
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let started = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    for job in 0..50 {
+        let (limiter, served) = (limiter.clone(), Arc::clone(&served));
+        tasks.push(tokio::spawn(async move {
+            let decision = limiter
+                .until_ready(&Key::new("queue"), 1, Duration::from_secs(10))
+                .await
+                .unwrap();
+            assert!(decision.is_allowed());
+            served.lock().unwrap().push(job);
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(*served.lock().unwrap(), (0..50).collect::<Vec<_>>());
+    assert_eq!(started.elapsed(), Duration::from_millis(900));
+    // The bucket is empty now: a check-and-spend is refused.
+    assert!(
+        !limiter
+            .check(&Key::new("queue"), 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_that_would_be_too_long_or_never_ends_at_once() {
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::token_bucket("calls", 2, Rate::per_second(1)).unwrap(),
+    );
+    let key = Key::new("upstream");
+    limiter.check(&key, 2).await.unwrap();
+    let started = tokio::time::Instant::now();
+    match limiter
+        .until_ready(&key, 2, Duration::from_millis(500))
+        .await
+    {
+        Err(WaitError::TooLong(decision)) => {
+            assert_eq!(decision.retry_after(), Some(Duration::from_secs(2)));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::ZERO, "it gave up at once");
+    assert!(matches!(
+        limiter.until_ready(&key, 3, Duration::from_secs(60)).await,
+        Err(WaitError::Never(_))
+    ));
+    // Within the wait: it waits exactly what the store said.
+    let decision = limiter
+        .until_ready(&key, 2, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(decision.is_allowed());
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+}
+
+/// A store that is always away.
+#[derive(Clone)]
+struct Away;
+
+impl Store for Away {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "refused")))
+    }
+}
+
+#[tokio::test]
+async fn the_failure_modes_apply_as_in_the_layer() {
+    let policy = Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap();
+    let key = Key::new("k");
+    // Default: a local limiter with the same policy decides.
+    let fallback = Limiter::new(Away, policy.clone());
+    assert!(fallback.check(&key, 1).await.unwrap().is_allowed());
+    assert!(fallback.check(&key, 1).await.unwrap().is_allowed());
+    assert!(!fallback.check(&key, 1).await.unwrap().is_allowed());
+    let open = Limiter::new(Away, policy.clone()).on_store_error(FailureMode::FailOpen);
+    for _ in 0..5 {
+        assert!(open.check(&key, 1).await.unwrap().is_allowed());
+    }
+    let closed = Limiter::new(Away, policy).on_store_error(FailureMode::FailClosed);
+    assert!(closed.check(&key, 1).await.is_err());
+    assert!(matches!(
+        closed.until_ready(&key, 1, Duration::from_secs(1)).await,
+        Err(WaitError::Store(_))
+    ));
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_sharing_redis_spend_exactly_the_limit() {
+    let server = support::RedisServer::start();
+    let policy = Policy::fixed_window("batch", 25, Duration::from_secs(3600)).unwrap();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        let store = tollgate::store::RedisStore::connect(&server.url())
+            .await
+            .unwrap();
+        replicas.push(Limiter::new(store, policy.clone()).on_store_error(FailureMode::FailClosed));
+    }
+    let mut tasks = Vec::new();
+    for task in 0..60 {
+        let limiter = replicas[task % 3].clone();
+        tasks.push(tokio::spawn(async move {
+            limiter
+                .check(&Key::new("nightly"), 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        }));
+    }
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += u32::from(task.await.unwrap());
+    }
+    assert_eq!(admitted, 25);
+}
