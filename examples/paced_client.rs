@@ -28,7 +28,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let count: u64 = args.next().ok_or(usage)?.parse()?;
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-    let mut paced = PacingLayer::new().layer(client);
+    // No retries: every refusal the server sends is counted, none is hidden by a retry.
+    let mut paced = PacingLayer::new().retries(0).layer(client);
 
     let (mut ok, mut refused) = (0u64, 0u64);
     let started = Instant::now();

@@ -160,15 +160,42 @@ impl PacingLayer {
     }
 
     /// Paces proactively with `policy` per host (and partition), before any answer says
-    /// anything: a request waits until the policy admits it. Clones share the budget.
+    /// anything: a request waits until the policy admits it (at most `max_wait`; then it
+    /// goes, and the server decides). Clones share the budget.
+    ///
+    /// # Panics
+    ///
+    /// With an in-flight policy ([`Policy::concurrency`]): the layer cannot know when a
+    /// response's body ends, so its slots would never come back. A start-up mistake.
     pub fn pace(self, policy: Policy) -> Self {
+        assert!(
+            !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. }),
+            "PacingLayer::pace: in-flight policy \"{}\" cannot pace requests (its slots \
+             would never be freed); use a rate policy",
+            policy.name()
+        );
         let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
         self.with(|shared| shared.pacer = Some((store, PolicySet::from(policy))))
     }
 
-    /// How long a request to `host` (and `partition`) would wait now, if sent.
+    /// How long a request to `host` (`name` or `name:port`, any case; without a port,
+    /// the longer of ports 80 and 443) and `partition` would wait now, if sent.
     pub fn wait_for(&self, host: &str, partition: Option<&str>) -> Duration {
-        self.shared.wait(&state_key(host, partition))
+        let host = host.to_ascii_lowercase();
+        let has_port = host
+            .rsplit_once(':')
+            .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+            && !host.ends_with(']');
+        if has_port {
+            return self.shared.wait(&state_key(&host, partition));
+        }
+        let http = self
+            .shared
+            .wait(&state_key(&format!("{host}:80"), partition));
+        let https = self
+            .shared
+            .wait(&state_key(&format!("{host}:443"), partition));
+        http.max(https)
     }
 }
 
@@ -198,6 +225,43 @@ impl<S: fmt::Debug> fmt::Debug for Paced<S> {
     }
 }
 
+/// `now + wait`, or a time far enough when that overflows.
+fn later(now: Instant, wait: Duration) -> Instant {
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// The host a request goes to, as one budget: lower case, no user info, the scheme's
+/// default port made explicit (`A.test`, `a.test:80` and `user@a.test` are one host).
+fn host_of<B>(request: &Request<B>) -> String {
+    let authority = request
+        .uri()
+        .authority()
+        .map(|authority| authority.as_str().to_owned())
+        .or_else(|| {
+            let host = request.headers().get(http::header::HOST)?;
+            host.to_str().ok().map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority.as_str(), |(_, host)| host)
+        .to_ascii_lowercase();
+    let has_port = host
+        .rsplit_once(':')
+        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+        && !host.ends_with(']');
+    if has_port || host.is_empty() {
+        host
+    } else {
+        let port = match request.uri().scheme_str() {
+            Some("https") => 443,
+            _ => 80,
+        };
+        format!("{host}:{port}")
+    }
+}
+
 fn state_key(host: &str, partition: Option<&str>) -> String {
     match partition {
         Some(partition) => format!("{host}#{partition}"),
@@ -216,20 +280,28 @@ impl Shared {
             .min(self.max_wait)
     }
 
-    /// Notes what `headers` (of a response with `status`) say about when to send again.
-    fn learn(&self, key: &str, status: StatusCode, headers: &HeaderMap) {
-        let Some(wait) = server_wait(status, headers) else {
-            return;
+    /// Notes what `headers` (of a response with `status`) say about when to send again;
+    /// true when the server asked for more than `max_wait` (a retry would be refused).
+    fn learn(&self, key: &str, status: StatusCode, headers: &HeaderMap) -> bool {
+        let Some(mut wait) = server_wait(status, headers) else {
+            return false;
         };
-        let until = Instant::now() + wait.min(self.max_wait);
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            // Refused: never straight back (a date in the past, a clock skewed, a zero).
+            wait = wait.max(Duration::from_secs(1));
+        }
+        let capped = wait > self.max_wait;
+        let until = later(Instant::now(), wait.min(self.max_wait));
         let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = hosts.entry(key.to_owned()).or_insert(until);
-        *entry = (*entry).max(until);
-        // Hosts whose word has expired are forgotten, so the map stays small.
-        if hosts.len() > 1024 {
+        // Hosts whose word has expired are forgotten, so the map stays small: swept when
+        // it doubles past the last sweep, so a sweep's cost is spread over the inserts.
+        if hosts.len() >= 1024 && hosts.len().is_power_of_two() && !hosts.contains_key(key) {
             let now = Instant::now();
             hosts.retain(|_, until| *until > now);
         }
+        let entry = hosts.entry(key.to_owned()).or_insert(until);
+        *entry = (*entry).max(until);
+        capped
     }
 }
 
@@ -321,13 +393,14 @@ fn idempotent(method: &Method) -> bool {
     )
 }
 
-/// A copy of a request for a retry (extensions are not copied).
+/// A copy of a request for a retry, extensions included.
 fn copy<B: Clone>(request: &Request<B>) -> Request<B> {
     let mut copy = Request::new(request.body().clone());
     *copy.method_mut() = request.method().clone();
     *copy.uri_mut() = request.uri().clone();
     *copy.version_mut() = request.version();
     *copy.headers_mut() = request.headers().clone();
+    *copy.extensions_mut() = request.extensions().clone();
     copy
 }
 
@@ -353,15 +426,7 @@ where
         let ready = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, ready);
         Box::pin(async move {
-            let host = request
-                .uri()
-                .authority()
-                .map(|authority| authority.as_str().to_owned())
-                .or_else(|| {
-                    let host = request.headers().get(http::header::HOST)?;
-                    host.to_str().ok().map(str::to_owned)
-                })
-                .unwrap_or_default();
+            let host = host_of(&request);
             let partition = shared.partition.as_ref().and_then(|partition| {
                 let (parts, body) = copy(&request).into_parts();
                 drop(body);
@@ -376,14 +441,34 @@ where
             let mut attempt = 0;
             let mut first = Some(request);
             loop {
-                let wait = shared.wait(&key);
-                if !wait.is_zero() {
-                    tokio::time::sleep(wait).await;
+                // Wait as long as the host asks (a response that arrives meanwhile may ask
+                // for longer), but no longer than `max_wait` in all.
+                let deadline = later(Instant::now(), shared.max_wait);
+                loop {
+                    let wait = shared.wait(&key);
+                    if wait.is_zero() || Instant::now() >= deadline {
+                        break;
+                    }
+                    tokio::time::sleep_until(deadline.min(later(Instant::now(), wait))).await;
                 }
                 if let Some((store, policies)) = &shared.pacer {
-                    // Admitted (or a cost that can never fit: sent, the server decides).
-                    while let Some(after) = store.check(&key, policies, 1).retry_after() {
-                        tokio::time::sleep(after.min(shared.max_wait)).await;
+                    // Until the policy admits (a shaping delay is waited too), within
+                    // `max_wait`; past it, or for a cost that never fits, the request goes
+                    // and the server decides.
+                    loop {
+                        let decision = store.check(&key, policies, 1);
+                        let pause = match decision.outcome() {
+                            crate::Outcome::Allowed { delay } => {
+                                tokio::time::sleep(delay.min(shared.max_wait)).await;
+                                break;
+                            }
+                            crate::Outcome::Denied { retry_after, .. } => retry_after,
+                            _ => break,
+                        };
+                        if later(Instant::now(), pause) > deadline {
+                            break;
+                        }
+                        tokio::time::sleep(pause).await;
                     }
                 }
                 let request = match (&first, attempt < retries) {
@@ -396,8 +481,13 @@ where
                     std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
                 }
                 let response = inner.call(request).await?;
-                shared.learn(&key, response.status(), response.headers());
-                if response.status() == StatusCode::TOO_MANY_REQUESTS && attempt < retries {
+                let capped = shared.learn(&key, response.status(), response.headers());
+                // A retry within `max_wait` of a server that asked for longer would only be
+                // refused again: the 429 is returned as it is.
+                if response.status() == StatusCode::TOO_MANY_REQUESTS
+                    && attempt < retries
+                    && !capped
+                {
                     attempt += 1;
                     continue;
                 }

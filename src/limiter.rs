@@ -2,11 +2,15 @@
 //! stream, with the same policies, stores and failure modes as the layer.
 //!
 //! [`Limiter::check`] decides and spends at once; [`Limiter::until_ready`] waits until
-//! the cost fits, at most a given time (governor's `until_ready`). Waiters for one key
-//! are served in the order they came, one at a time: the first waits for the store's
-//! retry time while the others queue behind it, so a crowd never wakes at once to race
-//! for the same units (no thundering herd), and every decision is the store's, atomic, so
-//! nothing is over-admitted.
+//! the cost fits, at most a given time (governor's `until_ready`). A limiter's waiters for
+//! one key are served in the order they came, one at a time: the first waits for the
+//! store's retry time while the others queue behind it, so a crowd never wakes at once to
+//! race for the same units (no thundering herd). The queue is the limiter's (its clones
+//! share it); `check` and other processes do not queue in it, but every decision is the
+//! store's, atomic, so nothing is over-admitted, in process or across replicas. A waiter
+//! queued behind others gives up when its own maximum wait has passed. Store calls are
+//! bounded by a timeout (50 ms by default) and answered by the failure mode past it; there
+//! is no circuit breaker.
 //!
 //! In-flight (concurrency) policies belong to requests, which the layer frees when they
 //! end; a limiter's caller would have to free them itself (`Store::adjust` with
@@ -76,6 +80,22 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::store::{Store, StoreError};
 
+type Queue = Arc<tokio::sync::Mutex<()>>;
+
+/// A waiter's place in its key's queue: when the last one goes, so does the queue.
+struct Place<'a, St: Store> {
+    limiter: &'a Limiter<St>,
+    key: &'a Key,
+    queue: Option<Queue>,
+}
+
+impl<St: Store> Drop for Place<'_, St> {
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        self.limiter.forget(self.key);
+    }
+}
+
 /// Limits anything, by key. Cheap to clone: clones share the store and the queues.
 pub struct Limiter<St> {
     shared: Arc<Shared<St>>,
@@ -85,6 +105,7 @@ struct Shared<St> {
     store: St,
     policies: PolicySet,
     failure_mode: FailureMode,
+    timeout: Duration,
     /// One queue per key with waiters: a fair (first come, first served) async lock.
     queues: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -143,6 +164,7 @@ impl<St: Store> Limiter<St> {
                 store,
                 policies: policies.into(),
                 failure_mode: FailureMode::default(),
+                timeout: crate::DEFAULT_STORE_TIMEOUT,
                 queues: Mutex::new(HashMap::new()),
             }),
         }
@@ -160,6 +182,7 @@ impl<St: Store> Limiter<St> {
             store: shared.store.clone(),
             policies: shared.policies.clone(),
             failure_mode: shared.failure_mode.clone(),
+            timeout: shared.timeout,
             queues: Mutex::new(HashMap::new()),
         });
         Self {
@@ -170,10 +193,40 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// Decides `cost` units for `key` now, and spends them if admitted.
+    /// How long the store may take to decide before it counts as failed (default 50 ms,
+    /// as the layer's): a store that hangs is answered by the failure mode.
+    pub fn store_timeout(self, timeout: Duration) -> Self
+    where
+        St: Clone,
+    {
+        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
+            store: shared.store.clone(),
+            policies: shared.policies.clone(),
+            failure_mode: shared.failure_mode.clone(),
+            timeout: shared.timeout,
+            queues: Mutex::new(HashMap::new()),
+        });
+        Self {
+            shared: Arc::new(Shared { timeout, ..shared }),
+        }
+    }
+
+    /// Decides `cost` units for `key` now, and spends them if admitted. It does not wait
+    /// its turn behind [`until_ready`](Self::until_ready)'s waiters.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
         let shared = &self.shared;
-        match shared.store.decide(key, &shared.policies, cost).await {
+        let decided = tokio::time::timeout(
+            shared.timeout,
+            shared.store.decide(key, &shared.policies, cost),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                crate::store::StoreErrorKind::Timeout,
+                format!("no decision within {:?}", shared.timeout),
+            ))
+        });
+        match decided {
             Ok(decision) => Ok(decision),
             Err(error) => match &shared.failure_mode {
                 FailureMode::Fallback(fallback) => {
@@ -199,43 +252,46 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, WaitError> {
-        let deadline = Instant::now() + max_wait;
-        let queue = self.queue(key);
-        let turn = match tokio::time::timeout_at(deadline, Arc::clone(&queue).lock_owned()).await {
-            Ok(turn) => turn,
-            Err(_) => {
-                // Those ahead took the whole wait: say when this one would fit.
-                drop(queue);
-                self.forget(key);
-                let decision = self.peek(key).await;
-                return Err(WaitError::TooLong(decision));
-            }
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(max_wait)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400));
+        // This waiter's place in the key's queue; the queue goes when its last waiter
+        // does, however that waiter ends (dropped mid-wait included).
+        let place = Place {
+            limiter: self,
+            key,
+            queue: Some(self.queue(key)),
         };
-        let result = loop {
-            let decision = match self.check(key, cost).await {
-                Ok(decision) => decision,
-                Err(error) => break Err(WaitError::Store(error)),
-            };
+        let queue = Arc::clone(place.queue.as_ref().expect("set above"));
+        let locked = tokio::time::timeout_at(deadline, queue.lock_owned()).await;
+        let Ok(_turn) = locked else {
+            // Those ahead took the whole wait: say when this one would fit.
+            drop(place);
+            return Err(WaitError::TooLong(self.peek(key).await));
+        };
+        loop {
+            let decision = self.check(key, cost).await.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
+                    // A shaping delay is part of the wait (the units are spent already).
                     if !delay.is_zero() {
                         tokio::time::sleep(delay).await;
                     }
-                    break Ok(decision);
+                    return Ok(decision);
                 }
                 Outcome::Denied { retry_after, .. } => {
-                    if Instant::now() + retry_after > deadline {
-                        break Err(WaitError::TooLong(decision));
+                    if Instant::now()
+                        .checked_add(retry_after)
+                        .is_none_or(|ready| ready > deadline)
+                    {
+                        return Err(WaitError::TooLong(decision));
                     }
                     tokio::time::sleep(retry_after).await;
                 }
-                _ => break Err(WaitError::Never(decision)),
+                _ => return Err(WaitError::Never(decision)),
             }
-        };
-        drop(turn);
-        drop(queue);
-        self.forget(key);
-        result
+        }
     }
 
     async fn peek(&self, key: &Key) -> Decision {
@@ -253,7 +309,7 @@ impl<St: Store> Limiter<St> {
             })
     }
 
-    fn queue(&self, key: &Key) -> Arc<tokio::sync::Mutex<()>> {
+    fn queue(&self, key: &Key) -> Queue {
         let mut queues = self
             .shared
             .queues

@@ -240,7 +240,8 @@ async fn against_the_quickstart_policy_a_paced_client_is_never_refused() {
     });
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Empty<Bytes>>();
-    let mut paced = PacingLayer::new().layer(client);
+    // No retries: a refusal the headers should have prevented would show.
+    let mut paced = PacingLayer::new().retries(0).layer(client);
     let started = std::time::Instant::now();
     let mut refused = 0;
     for _ in 0..40 {
@@ -262,4 +263,75 @@ async fn against_the_quickstart_policy_a_paced_client_is_never_refused() {
         "{:?}",
         started.elapsed()
     );
+}
+
+#[derive(Clone, Debug, PartialEq)]
+struct Trace(&'static str);
+
+#[tokio::test(start_paused = true)]
+async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
+    // The upstream checks that every attempt carries the caller's extension.
+    let seen = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&seen);
+    let upstream = service_fn(move |request: Request<Empty<Bytes>>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            assert_eq!(request.extensions().get::<Trace>(), Some(&Trace("abc")));
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            let mut response = Response::new(Empty::<Bytes>::new());
+            if n == 0 {
+                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                response
+                    .headers_mut()
+                    .insert("retry-after", HeaderValue::from_static("0"));
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let mut client = PacingLayer::new().layer(upstream);
+    let mut request = get("http://A.test/");
+    request.extensions_mut().insert(Trace("abc"));
+    let started = tokio::time::Instant::now();
+    let response = client.ready().await.unwrap().call(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // Retry-After: 0 on a 429 is still a second, never straight back.
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+
+    // A server asking for more than max_wait: the 429 is returned, not retried in vain.
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(429, vec![("retry-after", "3600".to_owned())])];
+    let layer = PacingLayer::new().max_wait(Duration::from_secs(10));
+    let mut client = layer.clone().layer(upstream_of(script, Arc::clone(&seen)));
+    let response = client
+        .ready()
+        .await
+        .unwrap()
+        .call(get("http://a.test/"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    // One host, however it is spelt.
+    assert_eq!(layer.wait_for("a.test:80", None), Duration::from_secs(10));
+}
+
+fn upstream_of(
+    script: Vec<(u16, Vec<(&'static str, String)>)>,
+    seen: Arc<AtomicU64>,
+) -> impl Service<
+    Request<Empty<Bytes>>,
+    Response = Response<Empty<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    upstream(script, seen)
+}
+
+#[test]
+#[should_panic(expected = "in-flight policy")]
+fn an_in_flight_policy_cannot_pace() {
+    let _ = PacingLayer::new().pace(Policy::concurrency("slots", 2).unwrap());
 }

@@ -57,6 +57,32 @@ async fn waiters_are_served_in_order_and_exactly() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_waiter_that_gives_up_does_not_hold_the_others_back() {
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::token_bucket("calls", 1, Rate::per_second(1)).unwrap(),
+    );
+    let key = Key::new("k");
+    limiter.check(&key, 1).await.unwrap();
+    // The first waiter is dropped while it waits its turn's second.
+    let first = {
+        let limiter = limiter.clone();
+        let key = key.clone();
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::MAX).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    first.abort();
+    let started = tokio::time::Instant::now();
+    let decision = limiter
+        .until_ready(&key, 1, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(decision.is_allowed());
+    // The next waiter is served when the unit is back: 0.9 s later, not after the first.
+    assert_eq!(started.elapsed(), Duration::from_millis(900));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_wait_that_would_be_too_long_or_never_ends_at_once() {
     let limiter = Limiter::new(
         runtime_store(),
