@@ -176,6 +176,21 @@ impl ResponseBody for axum_core::body::Body {
     }
 }
 
+/// tonic's body (feature `tonic`): a tonic server's services answer in it.
+#[cfg(feature = "tonic")]
+impl ResponseBody for tonic::body::Body {
+    fn from_bytes(bytes: Bytes) -> Self {
+        tonic::body::Body::new(http_body_util::Full::new(bytes))
+    }
+
+    fn keep_until_end(self, guard: BodyGuard) -> Self {
+        tonic::body::Body::new(Guarded {
+            body: self,
+            guard: Some(guard),
+        })
+    }
+}
+
 impl ResponseBody for http_body_util::Full<Bytes> {
     fn from_bytes(bytes: Bytes) -> Self {
         http_body_util::Full::new(bytes)

@@ -122,7 +122,9 @@ impl<F: Future> ResponseFuture<F> {
             let (delay, headers, debit) = match plan {
                 Plan::Call(headers, debit) => (Duration::ZERO, headers, debit),
                 Plan::Delay(delay, headers, debit) => (delay, headers, debit),
-                Plan::Respond(response) => return Slow::Respond(response),
+                Plan::Respond(response) => {
+                    return Slow::Respond(crate::respond::grpc::fit(request.headers(), response));
+                }
             };
             let reservation =
                 debit.map(|debit| Reservation::new(adjuster, key, policies, cost, *debit));
@@ -153,10 +155,6 @@ impl<F: Future> ResponseFuture<F> {
                 future: Box::pin(call(inner, request, delay, headers, reservation)),
             },
         }
-    }
-
-    pub(crate) fn respond(response: Response<Bytes>) -> Self {
-        Self::respond_boxed(Box::new(response))
     }
 
     pub(crate) fn respond_boxed(response: Box<Response<Bytes>>) -> Self {

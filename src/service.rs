@@ -17,6 +17,7 @@ use crate::key::KeyExtractor;
 use crate::policy::PolicySet;
 use crate::reservation::{Adjuster, Reservation};
 use crate::resolve::PolicyResolver;
+use crate::respond::grpc;
 use crate::respond::headers::HeaderBlock;
 use crate::respond::problem as response;
 use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
@@ -132,7 +133,8 @@ where
                         HeaderBlock::default(),
                     ),
                     MissingKey::Allow | MissingKey::Reject => {
-                        ResponseFuture::respond(response::key_error(&error))
+                        let answer = Box::new(response::key_error(&error));
+                        ResponseFuture::respond_boxed(grpc::fit(&parts.headers, answer))
                     }
                 };
             }
@@ -284,6 +286,8 @@ where
         Plan::Delay(delay, headers, _) => {
             ResponseFuture::delaying(delay, take_ready(inner), request, headers, None)
         }
-        Plan::Respond(response) => ResponseFuture::respond_boxed(response),
+        Plan::Respond(response) => {
+            ResponseFuture::respond_boxed(grpc::fit(request.headers(), response))
+        }
     }
 }

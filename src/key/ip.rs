@@ -236,6 +236,15 @@ fn peer_addr(parts: &Parts) -> Option<IpAddr> {
     {
         return Some(info.0.ip());
     }
+    // tonic's server records each connection's peer so (feature `tonic`).
+    #[cfg(feature = "tonic")]
+    if let Some(address) = parts
+        .extensions
+        .get::<tonic::transport::server::TcpConnectInfo>()
+        .and_then(tonic::transport::server::TcpConnectInfo::remote_addr)
+    {
+        return Some(address.ip());
+    }
     parts
         .extensions
         .get::<SocketAddr>()

@@ -5,6 +5,7 @@
 //!
 //! Rooms: `headers.rs` writes the rate-limit fields, `problem.rs` the problem+json bodies.
 
+pub(crate) mod grpc;
 pub(crate) mod headers;
 pub(crate) mod problem;
 

@@ -1,0 +1,184 @@
+//! The limiter's own answers to gRPC calls: a gRPC status, not an HTTP error page.
+//!
+//! A call is gRPC when its `content-type` is `application/grpc` (or `application/grpc+…`).
+//! Its refusal is a trailers-only response (HTTP 200, the status in the headers, no
+//! body): `grpc-status` 8 (RESOURCE_EXHAUSTED) for a denial, with `retry-after`, the
+//! `ratelimit` and `ratelimit-policy` entries as metadata, and a `google.rpc.Status` in
+//! `grpc-status-details-bin` whose detail is a `google.rpc.RetryInfo` (the richer error
+//! model gRPC clients read); 3 (INVALID_ARGUMENT) for a request the limiter cannot take
+//! (a missing key, a cost above any limit); 14 (UNAVAILABLE) when the store failed under
+//! fail-closed; 13 (INTERNAL) for a server misconfiguration.
+
+use base64::Engine;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+
+/// True for a gRPC call.
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value == "application/grpc" || value.starts_with("application/grpc+"))
+}
+
+/// The limiter's own answer to a request with `headers`: as it is, or as a gRPC status
+/// for a gRPC call.
+pub(crate) fn fit(headers: &HeaderMap, response: Box<Response<Bytes>>) -> Box<Response<Bytes>> {
+    if is_grpc(headers) {
+        Box::new(answer(*response))
+    } else {
+        response
+    }
+}
+
+/// The limiter's HTTP answer `response` as a gRPC trailers-only response.
+pub(crate) fn answer(response: Response<Bytes>) -> Response<Bytes> {
+    let (mut parts, body) = response.into_parts();
+    let code: u32 = match parts.status {
+        StatusCode::TOO_MANY_REQUESTS => 8,
+        StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => 3,
+        StatusCode::SERVICE_UNAVAILABLE => 14,
+        _ => 13,
+    };
+    let message = detail(&body).unwrap_or_else(|| {
+        parts
+            .status
+            .canonical_reason()
+            .unwrap_or("rate limited")
+            .to_owned()
+    });
+    let retry_after = parts
+        .headers
+        .get(header::RETRY_AFTER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    parts.status = StatusCode::OK;
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    parts.headers.insert("grpc-status", HeaderValue::from(code));
+    if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
+        parts.headers.insert("grpc-message", value);
+    }
+    let details = status_details(code, &message, retry_after.filter(|_| code == 8));
+    let details = base64::engine::general_purpose::STANDARD_NO_PAD.encode(details);
+    if let Ok(value) = HeaderValue::from_str(&details) {
+        parts.headers.insert("grpc-status-details-bin", value);
+    }
+    Response::from_parts(parts, Bytes::new())
+}
+
+/// The `detail` member of the limiter's own problem body (RFC 9457), unescaped.
+fn detail(body: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(body).ok()?;
+    let start = text.find("\"detail\":\"")? + "\"detail\":\"".len();
+    let mut out = String::new();
+    let mut chars = text[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => out.push(chars.next()?),
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// gRPC's percent-encoding of `grpc-message`: printable ASCII but `%` as is.
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for byte in message.bytes() {
+        if (b' '..=b'~').contains(&byte) && byte != b'%' {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// A protobuf varint.
+fn varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8 & 0x7f) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// A length-delimited protobuf field.
+fn bytes_field(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
+    varint(out, (field << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+/// `google.rpc.Status { code, message, details: [Any(google.rpc.RetryInfo)] }`.
+pub(crate) fn status_details(code: u32, message: &str, retry_after: Option<u64>) -> Vec<u8> {
+    let mut status = Vec::new();
+    varint(&mut status, 1 << 3);
+    varint(&mut status, u64::from(code));
+    bytes_field(&mut status, 2, message.as_bytes());
+    if let Some(seconds) = retry_after {
+        // google.protobuf.Duration { seconds }
+        let mut duration = Vec::new();
+        varint(&mut duration, 1 << 3);
+        varint(&mut duration, seconds);
+        // google.rpc.RetryInfo { retry_delay }
+        let mut retry_info = Vec::new();
+        bytes_field(&mut retry_info, 1, &duration);
+        // google.protobuf.Any { type_url, value }
+        let mut any = Vec::new();
+        bytes_field(&mut any, 1, b"type.googleapis.com/google.rpc.RetryInfo");
+        bytes_field(&mut any, 2, &retry_info);
+        bytes_field(&mut status, 3, &any);
+    }
+    status
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_denial_becomes_resource_exhausted_with_retry_info() {
+        let mut response = Response::new(Bytes::from_static(
+            br#"{"status":429,"detail":"rate limit \"api\" exceeded; retry in 3 s"}"#,
+        ));
+        *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("3"));
+        let answer = answer(response);
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert_eq!(answer.headers()["grpc-status"], "8");
+        assert_eq!(
+            answer.headers()["grpc-message"],
+            "rate limit \"api\" exceeded; retry in 3 s"
+        );
+        assert_eq!(answer.headers()["retry-after"], "3");
+        assert!(answer.body().is_empty());
+        // Status{code 8, message, details[Any{RetryInfo{Duration{3 s}}}]}
+        let details = status_details(8, "m", Some(3));
+        assert_eq!(&details[..5], &[0x08, 8, 0x12, 1, b'm']);
+        assert!(details.ends_with(&[0x0a, 2, 0x08, 3]));
+    }
+
+    #[test]
+    fn grpc_calls_are_told_apart() {
+        let mut headers = HeaderMap::new();
+        assert!(!is_grpc(&headers));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc+proto"),
+        );
+        assert!(is_grpc(&headers));
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpcx"),
+        );
+        assert!(!is_grpc(&headers));
+    }
+}
