@@ -46,6 +46,10 @@ pub struct HelloReply {
 /// The path of `SayHello`.
 pub const SAY_HELLO: &str = "/helloworld.Greeter/SayHello";
 
+/// The path of `SayHelloStream`: three replies to one request (a server stream). One
+/// streaming call costs what one call costs, when it starts.
+pub const SAY_HELLO_STREAM: &str = "/helloworld.Greeter/SayHelloStream";
+
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 /// The Greeter service, as tonic's generated server code would route it.
@@ -72,6 +76,30 @@ impl UnaryService<HelloRequest> for SayHello {
     }
 }
 
+struct SayHelloStream;
+
+type Replies = futures_util::stream::Iter<std::vec::IntoIter<Result<HelloReply, tonic::Status>>>;
+
+impl tonic::server::ServerStreamingService<HelloRequest> for SayHelloStream {
+    type Response = HelloReply;
+    type ResponseStream = Replies;
+    type Future = BoxFuture<Result<tonic::Response<Replies>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<HelloRequest>) -> Self::Future {
+        let name = request.into_inner().name;
+        Box::pin(async move {
+            let replies: Vec<_> = (1..=3)
+                .map(|n| {
+                    Ok(HelloReply {
+                        message: format!("Hello {name}, {n} of 3!"),
+                    })
+                })
+                .collect();
+            Ok(tonic::Response::new(futures_util::stream::iter(replies)))
+        })
+    }
+}
+
 impl tower::Service<http::Request<Body>> for Greeter {
     type Response = http::Response<Body>;
     type Error = Infallible;
@@ -87,6 +115,12 @@ impl tower::Service<http::Request<Body>> for Greeter {
                 let codec = tonic_prost::ProstCodec::<HelloReply, HelloRequest>::default();
                 let mut grpc = tonic::server::Grpc::new(codec);
                 Ok(grpc.unary(SayHello, request).await)
+            })
+        } else if request.uri().path() == SAY_HELLO_STREAM {
+            Box::pin(async move {
+                let codec = tonic_prost::ProstCodec::<HelloReply, HelloRequest>::default();
+                let mut grpc = tonic::server::Grpc::new(codec);
+                Ok(grpc.server_streaming(SayHelloStream, request).await)
             })
         } else {
             Box::pin(async { Ok(tonic::Status::unimplemented("no such method").into_http()) })
@@ -202,6 +236,56 @@ mod tests {
                 "connection refused",
             )))
         }
+    }
+
+    #[tokio::test]
+    async fn a_streaming_call_costs_one_call_when_it_starts() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { serve(listener).await.unwrap() });
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = tonic::client::Grpc::new(channel);
+        for call in 0..2 {
+            client.ready().await.unwrap();
+            let mut request = tonic::Request::new(HelloRequest {
+                name: "Ferris".into(),
+            });
+            request
+                .metadata_mut()
+                .insert("x-api-key", "streamer".parse().unwrap());
+            let codec = tonic_prost::ProstCodec::<HelloRequest, HelloReply>::default();
+            let response = client
+                .server_streaming(
+                    request,
+                    http::uri::PathAndQuery::from_static(SAY_HELLO_STREAM),
+                    codec,
+                )
+                .await
+                .unwrap();
+            // Three messages, one unit: the bucket of 5 has 4, then 3, left.
+            let rate = response
+                .metadata()
+                .get("ratelimit")
+                .unwrap()
+                .to_str()
+                .unwrap();
+            assert!(
+                rate.starts_with(&format!("\"api\";r={};", 4 - call)),
+                "{rate}"
+            );
+            let mut stream = response.into_inner();
+            let mut replies = 0;
+            while let Some(reply) = stream.message().await.unwrap() {
+                assert!(reply.message.starts_with("Hello Ferris"));
+                replies += 1;
+            }
+            assert_eq!(replies, 3);
+        }
+        server.abort();
     }
 
     #[tokio::test]
