@@ -166,17 +166,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 mod tests {
     use super::*;
 
-    async fn call(
-        addr: std::net::SocketAddr,
-        name: &str,
-        key: Option<&str>,
-    ) -> Result<tonic::Response<HelloReply>, tonic::Status> {
+    /// A real tonic client connected to `addr`.
+    async fn client(addr: std::net::SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
         let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
             .unwrap()
             .connect()
             .await
             .unwrap();
-        let mut client = tonic::client::Grpc::new(channel);
+        tonic::client::Grpc::new(channel)
+    }
+
+    async fn call(
+        addr: std::net::SocketAddr,
+        name: &str,
+        key: Option<&str>,
+    ) -> Result<tonic::Response<HelloReply>, tonic::Status> {
+        let mut client = client(addr).await;
         client.ready().await.unwrap();
         let mut request = tonic::Request::new(HelloRequest { name: name.into() });
         if let Some(key) = key {
@@ -243,12 +248,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move { serve(listener).await.unwrap() });
-        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap();
-        let mut client = tonic::client::Grpc::new(channel);
+        let mut client = client(addr).await;
         for call in 0..2 {
             client.ready().await.unwrap();
             let mut request = tonic::Request::new(HelloRequest {
