@@ -1,7 +1,8 @@
 //! A tonic gRPC server behind tollgate: the classic `helloworld.Greeter/SayHello`.
 //!
 //! ```text
-//! cargo run --example grpc --features tonic       # serves on 127.0.0.1:3000 ($PORT)
+//! cargo run --example grpc                        # serves on 127.0.0.1:3000 ($PORT)
+//! cargo run --example grpc --features tonic       # the same, the limiter reading tonic itself
 //! ```
 //!
 //! Every client gets a token bucket of 5 refilled 1 per second: the `x-api-key` metadata
@@ -136,7 +137,10 @@ pub fn limiter()
         .key(HeaderKey::new("x-api-key").or(ClientIp::peer())))
 }
 
-/// Serves the Greeter behind the limiter on `listener` until the process ends.
+/// Serves the Greeter behind the limiter on `listener` until the process ends. With
+/// tollgate's `tonic` feature the limiter reads tonic's connection info and answers in
+/// tonic's body type itself.
+#[cfg(feature = "tonic")]
 pub async fn serve(listener: tokio::net::TcpListener) -> Result<(), Box<dyn std::error::Error>> {
     tonic::transport::Server::builder()
         .layer(limiter()?)
@@ -144,6 +148,35 @@ pub async fn serve(listener: tokio::net::TcpListener) -> Result<(), Box<dyn std:
         .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
         .await?;
     Ok(())
+}
+
+/// Serves the Greeter behind the limiter on `listener` until the process ends. Without
+/// tollgate's `tonic` feature, two small layers do what it would: the peer address as a
+/// `SocketAddr` extension (which `ClientIp` reads), and tonic's body wrapped so the
+/// limiter can answer in it.
+#[cfg(not(feature = "tonic"))]
+pub async fn serve(listener: tokio::net::TcpListener) -> Result<(), Box<dyn std::error::Error>> {
+    tonic::transport::Server::builder()
+        .layer(tower::util::MapRequestLayer::new(peer_as_extension))
+        .layer(limiter()?)
+        .layer(tollgate::body::WrapBodyLayer::new())
+        .add_service(Greeter)
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+        .await?;
+    Ok(())
+}
+
+/// The peer address tonic records, as the `SocketAddr` extension `ClientIp` reads.
+#[cfg(not(feature = "tonic"))]
+fn peer_as_extension(mut request: http::Request<Body>) -> http::Request<Body> {
+    let peer = request
+        .extensions()
+        .get::<tonic::transport::server::TcpConnectInfo>()
+        .and_then(tonic::transport::server::TcpConnectInfo::remote_addr);
+    if let Some(peer) = peer {
+        request.extensions_mut().insert(peer);
+    }
+    request
 }
 
 #[tokio::main]
@@ -225,10 +258,36 @@ mod tests {
         server.abort();
     }
 
+    #[cfg(feature = "tonic")]
+    #[tokio::test]
+    async fn with_the_feature_the_limiter_reads_tonic_itself() {
+        // No adapter layers: the limiter alone, keyed by the peer tonic records.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .layer(
+                    RateLimitLayer::new(MemoryStore::new())
+                        .policy(Policy::token_bucket("api", 1, Rate::per_hour(1)).unwrap())
+                        .key(ClientIp::peer()),
+                )
+                .add_service(Greeter)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await
+                .unwrap();
+        });
+        assert!(call(addr, "a", None).await.is_ok());
+        let status = call(addr, "a", None).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        server.abort();
+    }
+
     /// A store that is always away.
+    #[cfg(feature = "tonic")]
     #[derive(Clone)]
     struct Away;
 
+    #[cfg(feature = "tonic")]
     impl tollgate::Store for Away {
         fn decide(
             &self,
@@ -288,6 +347,7 @@ mod tests {
         server.abort();
     }
 
+    #[cfg(feature = "tonic")]
     #[tokio::test]
     async fn a_store_failure_under_fail_closed_is_unavailable() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

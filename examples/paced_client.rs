@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --example quickstart &                                   # 10 tokens, 5 per second
-//! cargo run --example paced_client --features client -- http://127.0.0.1:3000/ 40
+//! cargo run --example paced_client -- http://127.0.0.1:3000/ 40
 //! ```
 //!
 //! Sends N sequential GETs to URL through `tollgate::client::PacingLayer` over hyper-util's
