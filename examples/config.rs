@@ -1,8 +1,8 @@
 //! Policies from a configuration file, reloaded while running.
 //!
 //! ```text
-//! cargo run --example config --features config     # serves on 127.0.0.1:3000 ($PORT)
-//! TOLLGATE_CONFIG=my.toml cargo run --example config --features config
+//! cargo run --example config                       # serves on 127.0.0.1:3000 ($PORT)
+//! TOLLGATE_CONFIG=my.toml cargo run --example config
 //!
 //! curl -i http://127.0.0.1:3000/                          # plan "default": api, daily
 //! curl -i -H 'x-api-key: pro-acme' http://127.0.0.1:3000/  # plan "pro": api-pro
