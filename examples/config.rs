@@ -15,6 +15,8 @@
 
 #[path = "support/logging.rs"]
 mod logging;
+#[path = "support/port.rs"]
+mod port;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -67,12 +69,7 @@ fn reload(layer: &LiveLayer, path: &Path, why: &str) {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port
-            .parse()
-            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
-        Err(_) => 3000,
-    };
+    let port = port::from_env()?;
     let path = std::env::var_os("TOLLGATE_CONFIG")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

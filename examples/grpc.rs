@@ -20,6 +20,9 @@
 //! message HelloReply { string message = 1; }
 //! ```
 
+#[path = "support/port.rs"]
+mod port;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -181,12 +184,7 @@ fn peer_as_extension(mut request: http::Request<Body>) -> http::Request<Body> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port
-            .parse()
-            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
-        Err(_) => 3000,
-    };
+    let port = port::from_env()?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!(
         "tollgate gRPC example: helloworld.Greeter on {} (5 calls, 1 a second, per x-api-key or peer)",

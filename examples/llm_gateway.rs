@@ -28,6 +28,8 @@
 
 #[path = "support/logging.rs"]
 mod logging;
+#[path = "support/port.rs"]
+mod port;
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -195,12 +197,7 @@ fn problem(status: StatusCode, detail: &str) -> Response {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port
-            .parse()
-            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
-        Err(_) => 3000,
-    };
+    let port = port::from_env()?;
     let app = app(MemoryStore::new())?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;

@@ -15,6 +15,8 @@
 
 #[path = "support/logging.rs"]
 mod logging;
+#[path = "support/port.rs"]
+mod port;
 #[path = "support/redact.rs"]
 mod redact;
 
@@ -45,12 +47,7 @@ fn app(store: Arc<dyn Store>) -> Result<Router, PolicyError> {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
-    let port: u16 = match std::env::var("PORT") {
-        Ok(port) => port
-            .parse()
-            .map_err(|_| format!("PORT must be a port number, got {port:?}"))?,
-        Err(_) => 3000,
-    };
+    let port = port::from_env()?;
 
     let (store, described): (Arc<dyn Store>, String) = match std::env::var("REDIS_URL") {
         Ok(url) => {

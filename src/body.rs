@@ -137,6 +137,15 @@ pin_project! {
     }
 }
 
+impl<B> Guarded<B> {
+    fn new(body: B, guard: BodyGuard) -> Self {
+        Self {
+            body,
+            guard: Some(guard),
+        }
+    }
+}
+
 impl<B: Body> Body for Guarded<B> {
     type Data = B::Data;
     type Error = B::Error;
@@ -169,10 +178,7 @@ impl ResponseBody for axum_core::body::Body {
     }
 
     fn keep_until_end(self, guard: BodyGuard) -> Self {
-        axum_core::body::Body::new(Guarded {
-            body: self,
-            guard: Some(guard),
-        })
+        axum_core::body::Body::new(Guarded::new(self, guard))
     }
 }
 
@@ -184,10 +190,7 @@ impl ResponseBody for tonic::body::Body {
     }
 
     fn keep_until_end(self, guard: BodyGuard) -> Self {
-        tonic::body::Body::new(Guarded {
-            body: self,
-            guard: Some(guard),
-        })
+        tonic::body::Body::new(Guarded::new(self, guard))
     }
 }
 
@@ -205,11 +208,7 @@ impl<E: 'static> ResponseBody for http_body_util::combinators::BoxBody<Bytes, E>
     }
 
     fn keep_until_end(self, guard: BodyGuard) -> Self {
-        Guarded {
-            body: self,
-            guard: Some(guard),
-        }
-        .boxed()
+        Guarded::new(self, guard).boxed()
     }
 }
 
@@ -221,11 +220,7 @@ impl<E: 'static> ResponseBody for http_body_util::combinators::UnsyncBoxBody<Byt
     }
 
     fn keep_until_end(self, guard: BodyGuard) -> Self {
-        Guarded {
-            body: self,
-            guard: Some(guard),
-        }
-        .boxed_unsync()
+        Guarded::new(self, guard).boxed_unsync()
     }
 }
 

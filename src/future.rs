@@ -206,67 +206,69 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
-        // A response whose debit is kept until now: settled here (perhaps in a store doing
-        // I/O: the Settling state), then sent with its reservation in the body.
-        let (output, headers, reservation) = match state.as_mut().project() {
-            StateProj::Calling { future, headers } => {
-                let mut response = ready!(future.poll(cx))?;
-                std::mem::take(headers).apply(response.headers_mut());
-                return Poll::Ready(Ok(response));
-            }
-            StateProj::Reserved {
-                future,
-                headers,
-                reservation,
-            } => {
-                let output = ready!(future.poll(cx));
-                (output, std::mem::take(headers), reservation.take())
-            }
-            StateProj::Slow { future } => match ready!(future.as_mut().poll(cx)) {
-                Slow::Inner(output, headers, reservation) => (output, headers, reservation),
-                Slow::Respond(response) => {
+        loop {
+            // A response whose debit is kept until now: settled here (perhaps in a store doing
+            // I/O: the Settling state), then sent with its reservation in the body.
+            let (output, headers, reservation) = match state.as_mut().project() {
+                StateProj::Calling { future, headers } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    std::mem::take(headers).apply(response.headers_mut());
+                    return Poll::Ready(Ok(response));
+                }
+                StateProj::Reserved {
+                    future,
+                    headers,
+                    reservation,
+                } => {
+                    let output = ready!(future.poll(cx));
+                    (output, std::mem::take(headers), reservation.take())
+                }
+                StateProj::Slow { future } => match ready!(future.as_mut().poll(cx)) {
+                    Slow::Inner(output, headers, reservation) => (output, headers, reservation),
+                    Slow::Respond(response) => {
+                        return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
+                    }
+                },
+                StateProj::Settling {
+                    output,
+                    settle,
+                    headers,
+                    reservation,
+                } => {
+                    let result = ready!(settle.as_mut().poll(cx));
+                    let reservation = reservation.take().expect(POLLED_AFTER_READY);
+                    let headers = reservation
+                        .headers(result)
+                        .unwrap_or_else(|| std::mem::take(headers));
+                    let response = output.take().expect(POLLED_AFTER_READY)?;
+                    return Poll::Ready(Ok(send(response, headers, reservation)));
+                }
+                StateProj::Respond { response } => {
+                    let response = *response.take().expect(POLLED_AFTER_READY);
                     return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
-            },
-            StateProj::Settling {
-                output,
-                settle,
-                headers,
-                reservation,
-            } => {
-                let result = ready!(settle.as_mut().poll(cx));
-                let reservation = reservation.take().expect(POLLED_AFTER_READY);
-                let headers = reservation
-                    .headers(result)
-                    .unwrap_or_else(|| std::mem::take(headers));
-                let response = output.take().expect(POLLED_AFTER_READY)?;
-                return Poll::Ready(Ok(send(response, headers, reservation)));
-            }
-            StateProj::Respond { response } => {
-                let response = *response.take().expect(POLLED_AFTER_READY);
-                return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
-            }
-        };
-        // An inner error drops the reservation: its slots are freed, its charge stands.
-        let response = output?;
-        let Some(reservation) = reservation else {
-            let mut response = response;
-            headers.apply(response.headers_mut());
-            return Poll::Ready(Ok(response));
-        };
-        let head = ResponseHead::new(response.status(), response.headers(), response.extensions());
-        match reservation.settle(&head) {
-            Settled::Unchanged => Poll::Ready(Ok(send(response, headers, reservation))),
-            Settled::Headers(settled) => Poll::Ready(Ok(send(response, settled, reservation))),
-            Settled::Pending(settle) => {
-                state.set(State::Settling {
+            };
+            // An inner error drops the reservation: its slots are freed, its charge stands.
+            let response = output?;
+            let Some(reservation) = reservation else {
+                let mut response = response;
+                headers.apply(response.headers_mut());
+                return Poll::Ready(Ok(response));
+            };
+            let head =
+                ResponseHead::new(response.status(), response.headers(), response.extensions());
+            match reservation.settle(&head) {
+                Settled::Unchanged => return Poll::Ready(Ok(send(response, headers, reservation))),
+                Settled::Headers(settled) => {
+                    return Poll::Ready(Ok(send(response, settled, reservation)));
+                }
+                // A store doing I/O settles: its future is polled at once, in the new state.
+                Settled::Pending(settle) => state.set(State::Settling {
                     output: Some(Ok(response)),
                     settle,
                     headers,
                     reservation: Some(reservation),
-                });
-                cx.waker().wake_by_ref();
-                Poll::Pending
+                }),
             }
         }
     }

@@ -178,19 +178,7 @@ impl<St: Store> Limiter<St> {
     where
         St: Clone,
     {
-        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
-            store: shared.store.clone(),
-            policies: shared.policies.clone(),
-            failure_mode: shared.failure_mode.clone(),
-            timeout: shared.timeout,
-            queues: Mutex::new(HashMap::new()),
-        });
-        Self {
-            shared: Arc::new(Shared {
-                failure_mode,
-                ..shared
-            }),
-        }
+        self.rebuilt(|shared| shared.failure_mode = failure_mode)
     }
 
     /// How long the store may take to decide before it counts as failed (default 50 ms,
@@ -199,15 +187,25 @@ impl<St: Store> Limiter<St> {
     where
         St: Clone,
     {
-        let shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
+        self.rebuilt(|shared| shared.timeout = timeout)
+    }
+
+    /// This limiter with `change` made to its settings: in place when it is not shared
+    /// yet, else on a copy (the clones made before keep theirs, and their queues).
+    fn rebuilt(self, change: impl FnOnce(&mut Shared<St>)) -> Self
+    where
+        St: Clone,
+    {
+        let mut shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
             store: shared.store.clone(),
             policies: shared.policies.clone(),
             failure_mode: shared.failure_mode.clone(),
             timeout: shared.timeout,
             queues: Mutex::new(HashMap::new()),
         });
+        change(&mut shared);
         Self {
-            shared: Arc::new(Shared { timeout, ..shared }),
+            shared: Arc::new(shared),
         }
     }
 

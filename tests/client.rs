@@ -273,7 +273,7 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     // The upstream checks that every attempt carries the caller's extension.
     let seen = Arc::new(AtomicU64::new(0));
     let counter = Arc::clone(&seen);
-    let upstream = service_fn(move |request: Request<Empty<Bytes>>| {
+    let checking = service_fn(move |request: Request<Empty<Bytes>>| {
         let counter = Arc::clone(&counter);
         async move {
             assert_eq!(request.extensions().get::<Trace>(), Some(&Trace("abc")));
@@ -288,7 +288,7 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
             Ok::<_, Infallible>(response)
         }
     });
-    let mut client = PacingLayer::new().layer(upstream);
+    let mut client = PacingLayer::new().layer(checking);
     let mut request = get("http://A.test/");
     request.extensions_mut().insert(Trace("abc"));
     let started = tokio::time::Instant::now();
@@ -302,7 +302,7 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     let seen = Arc::new(AtomicU64::new(0));
     let script = vec![(429, vec![("retry-after", "3600".to_owned())])];
     let layer = PacingLayer::new().max_wait(Duration::from_secs(10));
-    let mut client = layer.clone().layer(upstream_of(script, Arc::clone(&seen)));
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
     let response = client
         .ready()
         .await
@@ -314,20 +314,6 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     assert_eq!(seen.load(Ordering::SeqCst), 1);
     // One host, however it is spelt.
     assert_eq!(layer.wait_for("a.test:80", None), Duration::from_secs(10));
-}
-
-fn upstream_of(
-    script: Vec<(u16, Vec<(&'static str, String)>)>,
-    seen: Arc<AtomicU64>,
-) -> impl Service<
-    Request<Empty<Bytes>>,
-    Response = Response<Empty<Bytes>>,
-    Error = Infallible,
-    Future = impl Send,
-> + Clone
-+ Send
-+ 'static {
-    upstream(script, seen)
 }
 
 #[test]

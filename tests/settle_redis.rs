@@ -22,7 +22,8 @@ use tollgate::store::RedisStore;
 use tollgate::{FailureMode, Policy, Rate, RateLimitLayer};
 use tower::ServiceExt;
 
-fn tokens_app(store: RedisStore) -> Router {
+/// The tokens app: `policy`, settled to `x-tokens-used`, 5xx refunded, on `store`.
+fn tokens_app(store: RedisStore, policy: Policy) -> Router {
     Router::new()
         .route(
             "/",
@@ -41,13 +42,13 @@ fn tokens_app(store: RedisStore) -> Router {
         )
         .layer(
             RateLimitLayer::new(store)
-                .policy(Policy::token_bucket("tokens", 1_000, Rate::per_hour(1)).unwrap())
+                .policy(policy)
                 .key(HeaderKey::new("x-api-key"))
                 .cost(FromExtension::or(1))
                 .settle(Settle::from_header("x-tokens-used").refund_if(|s| s.is_server_error()))
                 // A Redis store error must fail the test, not hide behind a fallback.
                 .on_store_error(FailureMode::FailClosed)
-                .store_timeout(Duration::from_secs(5)),
+                .store_timeout(Duration::from_secs(10)),
         )
 }
 
@@ -95,7 +96,10 @@ async fn stores() -> (RedisServer, RedisCluster, Vec<(&'static str, RedisStore)>
 async fn redis_settles_before_the_response_leaves() {
     let (_standalone, _cluster, stores) = stores().await;
     for (name, store) in stores {
-        let app = tokens_app(store);
+        let app = tokens_app(
+            store,
+            Policy::token_bucket("tokens", 1_000, Rate::per_hour(1)).unwrap(),
+        );
         let response = app
             .clone()
             .oneshot(request("a", 100, 4, 200))
@@ -196,31 +200,7 @@ async fn concurrent_settles_on_redis_charge_exactly_the_actual_costs() {
     let (_standalone, _cluster, stores) = stores().await;
     for (name, store) in stores {
         let policy = Policy::token_bucket("tokens", 10_000, Rate::per_hour(1)).unwrap();
-        let app = Router::new()
-            .route(
-                "/",
-                get(|request: Request| async move {
-                    let used = request.headers()["x-used"].clone();
-                    let status: u16 = request.headers()["x-status"]
-                        .to_str()
-                        .unwrap()
-                        .parse()
-                        .unwrap();
-                    let mut response = http::Response::new(Body::from("done"));
-                    *response.status_mut() = StatusCode::from_u16(status).unwrap();
-                    response.headers_mut().insert("x-tokens-used", used);
-                    response
-                }),
-            )
-            .layer(
-                RateLimitLayer::new(store.clone())
-                    .policy(policy.clone())
-                    .key(HeaderKey::new("x-api-key"))
-                    .cost(FromExtension::or(1))
-                    .settle(Settle::from_header("x-tokens-used").refund_if(|s| s.is_server_error()))
-                    .on_store_error(FailureMode::FailClosed)
-                    .store_timeout(Duration::from_secs(10)),
-            );
+        let app = tokens_app(store.clone(), policy.clone());
         let charged = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut tasks = Vec::new();
         for task in 0..64u64 {

@@ -133,6 +133,16 @@ impl Responder {
             }
         };
         let extra = jitter_secs(self.headers.jitter);
+        // The debit, kept until the response when it must be settled or holds slots.
+        let debit = || {
+            (self.settle.is_some() || policies.has_in_flight()).then(|| {
+                Box::new(Debit {
+                    receipt: decision.receipt(),
+                    fallback: from_fallback.then(|| policies.clone()),
+                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
+                })
+            })
+        };
         if self.shadow {
             // Never denies: what it would have done is reported, nothing else.
             if decision.is_allowed() {
@@ -145,28 +155,11 @@ impl Responder {
             } else {
                 HeaderBlock::default()
             };
-            let debit = (decision.is_allowed()
-                && (self.settle.is_some() || policies.has_in_flight()))
-            .then(|| {
-                Box::new(Debit {
-                    receipt: decision.receipt(),
-                    fallback: from_fallback.then(|| policies.clone()),
-                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
-                })
-            });
-            return Plan::Call(headers, debit);
+            // A shadow layer's denial debited nothing: there is nothing to keep.
+            return Plan::Call(headers, decision.is_allowed().then(debit).flatten());
         }
         telemetry::decision(policies, decision, key);
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
-        let debit = || {
-            (self.settle.is_some() || policies.has_in_flight()).then(|| {
-                Box::new(Debit {
-                    receipt: decision.receipt(),
-                    fallback: from_fallback.then(|| policies.clone()),
-                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
-                })
-            })
-        };
         match decision.outcome() {
             Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers, debit()),
             Outcome::Allowed { delay } => Plan::Delay(delay, headers, debit()),

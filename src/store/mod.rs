@@ -281,52 +281,40 @@ impl Adjustment {
 pub type ResetFuture = Pin<Box<dyn Future<Output = Result<(), StoreError>> + Send>>;
 
 /// A shared store: `Arc<dyn Store>` picks Redis or memory at run time behind one type,
-/// and an `Arc` of any store is a store.
-impl<S: Store + ?Sized> Store for std::sync::Arc<S> {
-    #[inline]
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        (**self).decide(key, policies, cost)
-    }
+/// and an `Arc` (or a `Box`) of any store is a store.
+macro_rules! forward_store {
+    ($($pointer:ty),*) => {$(
+        impl<S: Store + ?Sized> Store for $pointer {
+            #[inline]
+            fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+                (**self).decide(key, policies, cost)
+            }
 
-    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
-        (**self).peek(key, policies)
-    }
+            fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+                (**self).peek(key, policies)
+            }
 
-    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        (**self).reset(key, policies)
-    }
+            fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+                (**self).reset(key, policies)
+            }
 
-    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        (**self).adjust(key, policies, adjustment)
-    }
+            fn adjust(
+                &self,
+                key: &Key,
+                policies: &PolicySet,
+                adjustment: &Adjustment,
+            ) -> DecideFuture {
+                (**self).adjust(key, policies, adjustment)
+            }
 
-    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
-        (**self).validate(policies)
-    }
+            fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+                (**self).validate(policies)
+            }
+        }
+    )*};
 }
 
-impl<S: Store + ?Sized> Store for Box<S> {
-    #[inline]
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        (**self).decide(key, policies, cost)
-    }
-
-    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
-        (**self).peek(key, policies)
-    }
-
-    fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        (**self).reset(key, policies)
-    }
-
-    fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        (**self).adjust(key, policies, adjustment)
-    }
-
-    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
-        (**self).validate(policies)
-    }
-}
+forward_store!(std::sync::Arc<S>, Box<S>);
 
 pub(crate) type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
 

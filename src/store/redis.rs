@@ -539,7 +539,7 @@ impl Store for RedisStore {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        let lease = if policies.iter().any(|policy| policy.params().is_in_flight()) {
+        let lease = if policies.has_in_flight() {
             lease_id()
         } else {
             0
@@ -637,23 +637,7 @@ impl Store for RedisStore {
             for key in &keys {
                 command.arg(key);
             }
-            let result: Result<i64, RedisError> = match backend {
-                Backend::Manager(mut connection) => command.query_async(&mut connection).await,
-                Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
-                Backend::Pool(pool) => {
-                    let mut connection = pool.get().await.map_err(|error| {
-                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
-                    })?;
-                    command.query_async(&mut connection).await
-                }
-                Backend::ClusterPool(pool) => {
-                    let mut connection = pool.get().await.map_err(|error| {
-                        StoreError::new(StoreErrorKind::Unavailable, error.to_string())
-                    })?;
-                    command.query_async(&mut connection).await
-                }
-            };
-            result.map(drop).map_err(store_error)
+            query::<i64>(&backend, &command).await.map(drop)
         })
     }
 }
@@ -748,22 +732,9 @@ impl Drop for LeaseGuard {
             for key in keys {
                 let mut command = redis::cmd("ZREM");
                 command.arg(&key).arg(&member);
-                let result: Result<i64, RedisError> = match backend.clone() {
-                    Backend::Manager(mut connection) => command.query_async(&mut connection).await,
-                    Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
-                    Backend::Pool(pool) => match pool.get().await {
-                        Ok(mut connection) => command.query_async(&mut connection).await,
-                        Err(_) => return,
-                    },
-                    Backend::ClusterPool(pool) => match pool.get().await {
-                        Ok(mut connection) => command.query_async(&mut connection).await,
-                        Err(_) => return,
-                    },
-                };
-                if let Err(error) = result {
+                if let Err(error) = query::<i64>(&backend, &command).await {
                     // Counted and logged as any store error (the store knows no telemetry
                     // module: it sits below it); the slots expire with their lease.
-                    let error = store_error(error);
                     #[cfg(feature = "metrics")]
                     metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
                         .increment(1);
@@ -792,6 +763,32 @@ fn lease_id() -> u64 {
     let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
     let random = foldhash::fast::RandomState::default().hash_one(sequence);
     (random & ((1 << 52) - 1)).max(1)
+}
+
+/// Runs one command on `backend`.
+async fn query<T: redis::FromRedisValue>(
+    backend: &Backend,
+    command: &redis::Cmd,
+) -> Result<T, StoreError> {
+    match backend.clone() {
+        Backend::Manager(mut connection) => command.query_async(&mut connection).await,
+        Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+        Backend::Pool(pool) => {
+            let mut connection = pool
+                .get()
+                .await
+                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            command.query_async(&mut connection).await
+        }
+        Backend::ClusterPool(pool) => {
+            let mut connection = pool
+                .get()
+                .await
+                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            command.query_async(&mut connection).await
+        }
+    }
+    .map_err(store_error)
 }
 
 /// Runs `script` with the invocation's keys and arguments on `backend`.
