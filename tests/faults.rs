@@ -1,4 +1,5 @@
-//! Fault tests against a real redis-server: killed under load, restarted, paused. Every
+//! Fault tests against a real redis-server: killed under load, restarted, paused; a
+//! Sentinel-managed primary killed and switched over; a Cluster primary killed. Every
 //! request must get an answer, the failure mode must apply, the circuit breaker must keep
 //! requests from the dead store, tollgate must go back to Redis once it answers, and no key
 //! may be left without a TTL or with a negative level.
@@ -22,7 +23,7 @@ use axum::routing::get;
 use http::{Request, StatusCode};
 use support::{RedisServer, keys_with_ttl};
 use tollgate::key::Global;
-use tollgate::store::RedisStore;
+use tollgate::store::{RedisConfig, RedisStore};
 use tollgate::{
     CircuitBreaker, DecideFuture, FailureMode, Key, LocalFallback, Policy, PolicySet, Rate,
     RateLimitLayer, Store,
@@ -306,4 +307,273 @@ async fn fail_closed_answers_503_while_redis_is_down() {
         assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(response.headers()["retry-after"], "1");
     }
+}
+
+/// Sends requests from `tasks` tasks at once until `stop` is set, each answer checked as
+/// [`Phase::all_answered`] does: the load a failover happens under.
+fn background_load(
+    app: &Router,
+    tasks: usize,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<(usize, usize)>> {
+    (0..tasks)
+        .map(|_| {
+            let (app, stop) = (app.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut answered, mut unanswered) = (0, 0);
+                while !stop.load(Ordering::SeqCst) && answered + unanswered < MAX_REQUESTS {
+                    let (status, by) = request(&app).await;
+                    if status == StatusCode::OK && by != DecidedBy::Nobody {
+                        answered += 1;
+                    } else {
+                        unanswered += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                (answered, unanswered)
+            })
+        })
+        .collect()
+}
+
+/// What a failover under load looked like from the app: requests until Redis decided
+/// again, and for how long the fallback answered.
+struct Failover {
+    phase: Phase,
+    gap: Duration,
+}
+
+/// Runs `fail` under background load, then sends requests until Redis has decided 50
+/// after it; every request, in the foreground and the background, must be answered.
+async fn failover_under_load(app: &Router, fail: impl FnOnce()) -> Failover {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let background = background_load(app, 6, &stop);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let failed_at = Instant::now();
+    fail();
+    // The first answers after the failure come from the fallback; then Redis again.
+    let mut seen_fallback = false;
+    let mut back_at = None;
+    let mut from_redis = 0;
+    let phase = load(app, |by| {
+        seen_fallback |= by == DecidedBy::Fallback;
+        if seen_fallback && by == DecidedBy::Redis {
+            back_at.get_or_insert_with(Instant::now);
+            from_redis += 1;
+        }
+        from_redis >= 50
+    })
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for task in background {
+        let (answered, unanswered) = task.await.unwrap();
+        assert!(answered > 0, "a background task got no answer");
+        assert_eq!(
+            unanswered, 0,
+            "{unanswered} background requests were not answered"
+        );
+    }
+    assert!(
+        phase.done,
+        "Redis decided {from_redis} of {} requests in {:?} after the failure",
+        phase.answers.len(),
+        phase.elapsed
+    );
+    assert!(phase.all_answered(), "{:?}", phase.answers);
+    let gap = back_at.expect("Redis decided again") - failed_at;
+    Failover { phase, gap }
+}
+
+/// After a failover the store is exact again: 10 of 40 concurrent decisions under a
+/// window of 10, none failing.
+async fn assert_exact(store: &impl Store, identity: &str) {
+    let policies =
+        PolicySet::from(Policy::fixed_window("exact", 10, Duration::from_secs(60)).unwrap());
+    let key = Key::new(identity);
+    let decisions =
+        futures_util::future::join_all((0..40).map(|_| store.decide(&key, &policies, 1))).await;
+    let allowed = decisions
+        .into_iter()
+        .map(|decision| decision.expect("the store decides after the failover"))
+        .filter(|decision| decision.is_allowed())
+        .count();
+    assert_eq!(allowed, 10, "not exact after the failover");
+}
+
+/// Waits (bounded) until `check` holds, polling every 50 ms.
+fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A primary, its replica and three sentinels (quorum 2) that know both and each other.
+fn sentinel_set() -> (RedisServer, RedisServer, Vec<RedisServer>) {
+    let primary = RedisServer::start();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    wait_for("the replica to sync", || {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    });
+    let sentinels: Vec<RedisServer> = (0..3)
+        .map(|_| RedisServer::sentinel(primary.port, "mymaster", 2))
+        .collect();
+    for sentinel in &sentinels {
+        wait_for("the sentinels to find the replica and each other", || {
+            let master = sentinel.cli(&["SENTINEL", "master", "mymaster"]);
+            let replicas = sentinel.cli(&["SENTINEL", "replicas", "mymaster"]);
+            replicas.contains(&replica.port.to_string())
+                && master
+                    .lines()
+                    .skip_while(|line| *line != "num-other-sentinels")
+                    .nth(1)
+                    == Some("2")
+        });
+    }
+    (primary, replica, sentinels)
+}
+
+/// The port of the primary that `sentinel` names.
+fn named_primary(sentinel: &RedisServer) -> u16 {
+    let reply = sentinel.cli(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
+    number(reply.lines().nth(1).unwrap_or(""), "the primary's port")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_after_the_primary_is_killed() {
+    let (mut primary, replica, sentinels) = sentinel_set();
+    let store = Counted {
+        inner: RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+            .connect()
+            .await
+            .unwrap(),
+        calls: Arc::default(),
+    };
+    let app = app(store.clone());
+    let healthy = until_decided_by(&app, DecidedBy::Redis, 50).await;
+    assert!(
+        healthy.done && healthy.all_answered(),
+        "{:?}",
+        healthy.answers
+    );
+    assert!(
+        !keys_with_ttl(&primary).is_empty(),
+        "nothing was written to the primary"
+    );
+
+    let failover = failover_under_load(&app, || primary.kill()).await;
+    println!(
+        "Sentinel: the primary was killed; Redis decided again after {:?}; the fallback answered \
+         {} of {} foreground requests",
+        failover.gap,
+        failover.phase.count(DecidedBy::Fallback),
+        failover.phase.answers.len()
+    );
+    assert!(failover.phase.count(DecidedBy::Fallback) > 0);
+    // The replica was promoted, and the store writes there.
+    assert_eq!(named_primary(&sentinels[0]), replica.port);
+    assert!(
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("role:master")
+    );
+    assert_clean(&replica);
+    assert_exact(&store.inner, "after-kill").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_switchover_never_writes_to_the_demoted_primary() {
+    let (primary, replica, sentinels) = sentinel_set();
+    let store = RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+        .prefix("switch")
+        .connect()
+        .await
+        .unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new("switch");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+
+    // A planned failover: the old primary stays up, as a replica.
+    assert_eq!(
+        sentinels[0]
+            .cli(&["SENTINEL", "FAILOVER", "mymaster"])
+            .trim(),
+        "OK"
+    );
+    let deadline = Instant::now() + DEADLINE;
+    let mut failures = Vec::new();
+    let mut decided_after = 0;
+    // Deciding all along, until the sentinels have demoted the old primary and 50
+    // decisions have been made since.
+    let demoted = || primary.cli(&["INFO", "replication"]).contains("role:slave");
+    while decided_after < 50 {
+        assert!(
+            Instant::now() < deadline,
+            "not back on a primary: {failures:?}"
+        );
+        match store.decide(&key, &policies, 1).await {
+            Ok(_) if named_primary(&sentinels[0]) == replica.port && demoted() => {
+                decided_after += 1;
+            }
+            Ok(_) => {}
+            Err(error) => failures.push((error.kind(), error.code().map(str::to_owned))),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A demoted primary's READONLY is a failover in progress, never a refusal (which the
+    // layer would log as a misconfiguration).
+    assert!(
+        failures.iter().all(|(kind, _)| kind.is_io()),
+        "failures during the switchover: {failures:?}"
+    );
+    println!("Sentinel switchover: {} decisions failed", failures.len());
+    // The decisions since the demotion went to the new primary: its copy of the bucket is
+    // the newest (the demoted one replicates it).
+    assert!(
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("role:master")
+    );
+    assert_exact(&store, "after-switchover").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_after_a_primary_is_killed() {
+    let mut cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
+    let store = Counted {
+        inner: RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
+        calls: Arc::default(),
+    };
+    let app = app(store.clone());
+    let healthy = until_decided_by(&app, DecidedBy::Redis, 50).await;
+    assert!(
+        healthy.done && healthy.all_answered(),
+        "{:?}",
+        healthy.answers
+    );
+    // The primary that holds the app's key (and its replica, which has a copy).
+    let owner = cluster
+        .nodes
+        .iter()
+        .position(|node| {
+            node.cli(&["INFO", "replication"]).contains("role:master")
+                && node
+                    .cli(&["--scan", "--pattern", "tollgate:{global}*"])
+                    .contains("tollgate")
+        })
+        .expect("a primary holds the key");
+    let failover = failover_under_load(&app, || cluster.nodes[owner].kill()).await;
+    println!(
+        "Cluster: a primary was killed; Redis decided again after {:?}; the fallback answered \
+         {} of {} foreground requests",
+        failover.gap,
+        failover.phase.count(DecidedBy::Fallback),
+        failover.phase.answers.len()
+    );
+    assert!(failover.phase.count(DecidedBy::Fallback) > 0);
+    assert_exact(&store.inner, "after-cluster-failover").await;
 }

@@ -21,8 +21,8 @@ pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{
     ADJUST_SCRIPT, DEFAULT_PREFIX, FIXED_WINDOW_SCRIPT, GCRA_SCRIPT, IN_FLIGHT_SCRIPT,
-    LEAKY_SHAPE_SCRIPT, MULTI_POLICY_SCRIPT, RedisKeys, RedisStore, SLIDING_LOG_SCRIPT,
-    SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT, decision_script,
+    LEAKY_SHAPE_SCRIPT, MULTI_POLICY_SCRIPT, RedisConfig, RedisKeys, RedisStore,
+    SLIDING_LOG_SCRIPT, SLIDING_WINDOW_SCRIPT, TOKEN_BUCKET_SCRIPT, decision_script,
 };
 
 use smallvec::SmallVec;

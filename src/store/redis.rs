@@ -15,6 +15,11 @@ use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
 
+mod connect;
+
+pub use connect::RedisConfig;
+use connect::SentinelBackend;
+
 /// A decision script: the prelude, the algorithms it knows, and the decision loop.
 macro_rules! script {
     ($(($kind:literal, $file:literal)),+) => {
@@ -167,6 +172,7 @@ enum Backend {
     Pool(deadpool_redis::Pool),
     Cluster(ClusterConnection),
     ClusterPool(deadpool_redis::cluster::Pool),
+    Sentinel(Arc<SentinelBackend>),
 }
 
 impl fmt::Debug for RedisStore {
@@ -176,6 +182,7 @@ impl fmt::Debug for RedisStore {
             Backend::Pool(_) => "pool",
             Backend::Cluster(_) => "cluster connection",
             Backend::ClusterPool(_) => "cluster pool",
+            Backend::Sentinel(_) => "sentinel primary",
         };
         f.debug_struct("RedisStore")
             .field("backend", &backend)
@@ -256,11 +263,7 @@ impl RedisStore {
     /// [`connect`](Self::connect), with keys under `prefix`; the start-up check writes
     /// under that prefix too.
     pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(store_error)?;
-        let manager = ConnectionManager::new(client).await.map_err(store_error)?;
-        let store = Self::with_backend(Backend::Manager(manager)).prefix(prefix);
-        store.verify().await?;
-        Ok(store)
+        RedisConfig::server(url).prefix(prefix).connect().await
     }
 
     /// Uses a `deadpool_redis` pool you already run. Call [`verify`](Self::verify) once
@@ -280,12 +283,10 @@ impl RedisStore {
         nodes: &[S],
         prefix: &str,
     ) -> Result<Self, StoreError> {
-        let nodes: Vec<&str> = nodes.iter().map(AsRef::as_ref).collect();
-        let client = redis::cluster::ClusterClient::new(nodes).map_err(store_error)?;
-        let connection = client.get_async_connection().await.map_err(store_error)?;
-        let store = Self::with_backend(Backend::Cluster(connection)).prefix(prefix);
-        store.verify().await?;
-        Ok(store)
+        RedisConfig::cluster(nodes.iter().map(|node| node.as_ref().to_owned()))
+            .prefix(prefix)
+            .connect()
+            .await
     }
 
     /// Uses a `deadpool_redis` cluster pool you already run. Call
@@ -417,7 +418,7 @@ impl RedisStore {
     async fn start_up_identities(&self) -> Vec<Key> {
         const NAME: &str = "tollgate-start-up-check";
         let ranges = match &self.backend {
-            Backend::Manager(_) | Backend::Pool(_) => Vec::new(),
+            Backend::Manager(_) | Backend::Pool(_) | Backend::Sentinel(_) => Vec::new(),
             Backend::Cluster(connection) => {
                 let mut connection = connection.clone();
                 cluster_slot_ranges(&mut connection).await
@@ -787,6 +788,13 @@ async fn query<T: redis::FromRedisValue>(
                 .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
             command.query_async(&mut connection).await
         }
+        Backend::Sentinel(sentinel) => {
+            let (generation, mut connection) = sentinel.connection().await?;
+            return command
+                .query_async(&mut connection)
+                .await
+                .map_err(|error| sentinel.outcome(generation, store_error(error)));
+        }
     }
     .map_err(store_error)
 }
@@ -820,6 +828,13 @@ async fn invoke(
                 .await
                 .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
             call.invoke_async(&mut connection).await
+        }
+        Backend::Sentinel(sentinel) => {
+            let (generation, mut connection) = sentinel.connection().await?;
+            return call
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| sentinel.outcome(generation, store_error(error)));
         }
     }
     .map_err(store_error)

@@ -23,7 +23,7 @@ fn binary(name: &str) -> String {
 }
 
 /// A port that is free, and whose cluster bus port (+10000) is free too.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     loop {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -92,6 +92,46 @@ impl RedisServer {
         server
     }
 
+    /// A Redis Sentinel (`redis-sentinel`) watching the primary on `primary_port` under
+    /// the name `master`: it calls the primary down after 1 s without an answer, and
+    /// `quorum` sentinels must agree.
+    pub fn sentinel(primary_port: u16, master: &str, quorum: u8) -> Self {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-sentinel-{port}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Sentinel rewrites its configuration file as it learns: it must be its own.
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n\
+                 sentinel down-after-milliseconds {master} 1000\n\
+                 sentinel failover-timeout {master} 4000\n\
+                 sentinel parallel-syncs {master} 1\n",
+                dir = dir.display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(binary("redis-sentinel"))
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-sentinel starts");
+        let server = Self { port, child, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cli(port, &["PING"]).trim() != "PONG" {
+            assert!(
+                Instant::now() < deadline,
+                "redis-sentinel on port {port} did not answer PING"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
     /// Kills the process at once (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -122,13 +162,20 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start(masters: usize) -> Self {
-        let nodes: Vec<RedisServer> = (0..masters)
+        Self::start_with_replicas(masters, 0, 5000)
+    }
+
+    /// `masters` primaries with `replicas` replicas each; a node is called failed after
+    /// `node_timeout_ms` without an answer.
+    pub fn start_with_replicas(masters: usize, replicas: usize, node_timeout_ms: u32) -> Self {
+        let timeout = node_timeout_ms.to_string();
+        let nodes: Vec<RedisServer> = (0..masters * (1 + replicas))
             .map(|_| {
                 RedisServer::start_with(&[
                     "--cluster-enabled",
                     "yes",
                     "--cluster-node-timeout",
-                    "5000",
+                    &timeout,
                 ])
             })
             .collect();
@@ -139,7 +186,7 @@ impl RedisCluster {
         let out = Command::new(binary("redis-cli"))
             .args(["--cluster", "create"])
             .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create runs");
         assert!(
@@ -151,6 +198,19 @@ impl RedisCluster {
         for node in &nodes {
             while !node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
                 assert!(Instant::now() < deadline, "cluster did not reach state ok");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        // Every replica has its copy: a failover has something to promote.
+        for node in &nodes {
+            loop {
+                let replication = node.cli(&["INFO", "replication"]);
+                if replication.contains("role:master")
+                    || replication.contains("master_link_status:up")
+                {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "a replica did not sync");
                 std::thread::sleep(Duration::from_millis(50));
             }
         }

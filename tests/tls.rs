@@ -1,0 +1,167 @@
+//! The Redis store over TLS (`rediss://`) against a real `redis-server` started with a
+//! TLS port and a certificate signed by a CA this test makes, logged in as a
+//! least-privilege ACL user limited to its own key prefix (the README's ACL line).
+
+#![cfg(all(feature = "redis", feature = "tls"))]
+
+mod support;
+
+use std::time::Duration;
+
+use support::{RedisServer, free_port, keys_with_ttl};
+use tollgate::store::RedisConfig;
+use tollgate::{Key, Policy, PolicySet, Store};
+
+/// A CA, and a certificate for 127.0.0.1 and localhost that it signed: (CA PEM,
+/// certificate PEM, key PEM).
+fn certificates() -> (String, String, String) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "tollgate test CA");
+    let ca_key = KeyPair::generate().unwrap();
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let server =
+        CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+    let server_key = KeyPair::generate().unwrap();
+    let server_cert = server
+        .signed_by(&server_key, &Issuer::from_params(&ca, &ca_key))
+        .unwrap();
+    (ca_cert.pem(), server_cert.pem(), server_key.serialize_pem())
+}
+
+/// A redis-server with a plain port (for redis-cli) and a TLS port; an ACL user `limiter`
+/// that may touch only `shop:*` with the commands the scripts call.
+struct TlsRedis {
+    server: RedisServer,
+    tls_port: u16,
+    ca: String,
+    _dir: std::path::PathBuf,
+}
+
+fn start() -> TlsRedis {
+    let (ca, cert, key) = certificates();
+    let tls_port = free_port();
+    let dir = std::env::temp_dir().join(format!("tollgate-tls-{tls_port}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |name: &str, pem: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let (ca_file, cert_file, key_file) = (
+        path("ca.pem", &ca),
+        path("cert.pem", &cert),
+        path("key.pem", &key),
+    );
+    let server = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &cert_file,
+        "--tls-key-file",
+        &key_file,
+        "--tls-ca-cert-file",
+        &ca_file,
+        "--tls-auth-clients",
+        "no",
+    ]);
+    // The README's least-privilege line, with this app's prefix.
+    let acl = "ACL SETUSER limiter on >s3cret resetkeys ~shop:* resetchannels -@all +evalsha \
+               +eval +script|load +time +get +set +hget +hmget +hset +hincrby +pexpire +pttl \
+               +exists +zadd +zrange +zrangebyscore +zremrangebyscore +zcard +zrem +del";
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    assert_eq!(server.cli(&args).trim(), "OK");
+    TlsRedis {
+        server,
+        tls_port,
+        ca,
+        _dir: dir,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca_and_a_least_privilege_user() {
+    let redis = start();
+    let url = format!("rediss://limiter:s3cret@127.0.0.1:{}", redis.tls_port);
+    let config = RedisConfig::server(url.as_str())
+        .root_certificate_pem(redis.ca.as_bytes())
+        .prefix("shop");
+    // The password never shows where the store describes itself.
+    assert!(
+        !config.describe().contains("s3cret"),
+        "{}",
+        config.describe()
+    );
+    assert!(!format!("{config:?}").contains("s3cret"));
+    let store = config
+        .connect()
+        .await
+        .expect("rediss:// connects and the scripts run");
+
+    // Exact over TLS: 5 of 8 concurrent requests under a window of 5.
+    let policies =
+        PolicySet::from(Policy::fixed_window("tls", 5, Duration::from_secs(60)).unwrap());
+    let key = Key::new("user:7");
+    let decisions =
+        futures_util::future::join_all((0..8).map(|_| store.decide(&key, &policies, 1))).await;
+    let allowed = decisions
+        .into_iter()
+        .map(|decision| decision.expect("a decision over TLS"))
+        .filter(|decision| decision.is_allowed())
+        .count();
+    assert_eq!(allowed, 5);
+
+    // Every key is under the user's prefix, with a TTL.
+    let keys = keys_with_ttl(&redis.server);
+    assert!(
+        keys.iter().any(|(key, _)| key.contains("{user:7}")),
+        "{keys:?}"
+    );
+    for (key, ttl) in &keys {
+        assert!(key.starts_with("shop:"), "{key} is outside the prefix");
+        assert!(*ttl > 0, "{key} has no TTL");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_refuses_an_unknown_ca_and_plain_text() {
+    let redis = start();
+    // The system's roots do not know the test's CA: the handshake fails, at start-up.
+    let unknown = RedisConfig::server(format!(
+        "rediss://limiter:s3cret@127.0.0.1:{}",
+        redis.tls_port
+    ))
+    .prefix("shop")
+    .connect()
+    .await
+    .expect_err("a certificate from an unknown CA is refused");
+    assert!(!unknown.to_string().contains("s3cret"), "{unknown}");
+
+    // Plain text to the TLS port gets no Redis answer.
+    let plain = tokio::time::timeout(
+        Duration::from_secs(30),
+        RedisConfig::server(format!(
+            "redis://limiter:s3cret@127.0.0.1:{}",
+            redis.tls_port
+        ))
+        .prefix("shop")
+        .connect(),
+    )
+    .await
+    .expect("a plain connection to a TLS port fails in time");
+    assert!(plain.is_err(), "plain text reached a TLS port");
+
+    // A wrong password is refused, and says so without the password.
+    let wrong = RedisConfig::server(format!(
+        "rediss://limiter:nope@127.0.0.1:{}",
+        redis.tls_port
+    ))
+    .root_certificate_pem(redis.ca.as_bytes())
+    .prefix("shop")
+    .connect()
+    .await
+    .expect_err("a wrong password is refused");
+    assert!(!wrong.to_string().contains("nope"), "{wrong}");
+}
