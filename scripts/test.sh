@@ -2,19 +2,21 @@
 # The README's test command: installs what the test suite needs when it is missing, then
 # runs `cargo test --all-features` (extra arguments are passed on to it).
 #
-# The Redis tests start their own redis-server processes (a standalone server and a
-# three-master Cluster) on free loopback ports, so they need the redis-server and
-# redis-cli binaries; without them they fail, they never skip. On a machine with apt-get
-# this script installs them (as root, or through sudo); elsewhere it says what to install.
+# The Redis tests start their own redis-server processes (standalone servers, one with
+# TLS; Clusters, one with replicas; a primary with a replica and three sentinels) on free
+# loopback ports, so they need the redis-server, redis-cli and redis-sentinel binaries;
+# without them they fail, they never skip. On a machine with apt-get this script installs
+# them (as root, or through sudo); elsewhere it says what to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 have_redis() {
-  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1
+  command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 \
+    && command -v redis-sentinel >/dev/null 2>&1
 }
 
 if ! have_redis; then
-  missing="redis-server and redis-cli (Debian/Ubuntu packages: redis-server redis-tools)"
+  missing="redis-server, redis-cli and redis-sentinel (Debian/Ubuntu packages: redis-server redis-tools redis-sentinel)"
   if ! command -v apt-get >/dev/null 2>&1; then
     echo "scripts/test.sh: the Redis tests need $missing; there is no apt-get here:" >&2
     echo "install them with your package manager, then run this again." >&2
@@ -26,15 +28,15 @@ if ! have_redis; then
     as_root() { sudo "$@"; }
   else
     echo "scripts/test.sh: the Redis tests need $missing; installing them needs root" >&2
-    echo "and there is no sudo: run 'apt-get install redis-server redis-tools' as root." >&2
+    echo "and there is no sudo: run 'apt-get install redis-server redis-tools redis-sentinel' as root." >&2
     exit 1
   fi
-  echo "scripts/test.sh: installing redis-server and redis-tools (apt-get)" >&2
+  echo "scripts/test.sh: installing redis-server, redis-tools and redis-sentinel (apt-get)" >&2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+    apt-get install -y -qq --no-install-recommends redis-server redis-tools redis-sentinel >/dev/null
   if ! have_redis; then
-    echo "scripts/test.sh: apt-get ran, but redis-server or redis-cli is still not on PATH" >&2
+    echo "scripts/test.sh: apt-get ran, but redis-server, redis-cli or redis-sentinel is still not on PATH" >&2
     exit 1
   fi
 fi
