@@ -7,6 +7,11 @@
 //!
 //! # The same app sharing its limits through Redis (every replica sees one budget):
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example quickstart --features redis
+//! # over TLS, with the system's root certificates:
+//! REDIS_URL=rediss://user:password@redis.example:6380 cargo run --example quickstart --features tls
+//! # the primary that Redis Sentinel names, followed across failovers:
+//! REDIS_SENTINEL_URLS=redis://127.0.0.1:26379,redis://127.0.0.1:26380 \
+//!   REDIS_SENTINEL_MASTER=mymaster cargo run --example quickstart --features redis
 //! ```
 //!
 //! Every client IP gets a token bucket named `api`: 10 tokens, refilled at 5 per second.
@@ -17,8 +22,6 @@
 mod logging;
 #[path = "support/port.rs"]
 mod port;
-#[path = "support/redact.rs"]
-mod redact;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -49,18 +52,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
     let port = port::from_env()?;
 
-    let (store, described): (Arc<dyn Store>, String) = match std::env::var("REDIS_URL") {
-        Ok(url) => {
-            // Never print the password a REDIS_URL may carry.
-            let shown = redact::redact_url(&url);
-            let store = redis_store(&url)
-                .await
-                .map_err(|error| format!("Redis at {shown}: {error}"))?;
-            let described =
-                format!("Redis store at {shown}; if Redis goes away, a local limiter takes over");
-            (store, described)
-        }
-        Err(_) => (Arc::new(MemoryStore::new()), "in-process store".to_owned()),
+    // REDIS_URL, or REDIS_SENTINEL_URLS with REDIS_SENTINEL_MASTER (or REDIS_CLUSTER):
+    // shared limits; none of them: in-process.
+    let (store, described) = match redis_store().await? {
+        Some(found) => found,
+        None => (
+            Arc::new(MemoryStore::new()) as Arc<dyn Store>,
+            "in-process store".to_owned(),
+        ),
     };
     let app = app(store)?;
 
@@ -79,12 +78,75 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// The Redis store the environment names, and how to describe it (never with a password).
 #[cfg(feature = "redis")]
-async fn redis_store(url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
-    Ok(Arc::new(tollgate::store::RedisStore::connect(url).await?))
+async fn redis_store() -> Result<Option<(Arc<dyn Store>, String)>, Box<dyn std::error::Error>> {
+    let Some(config) = tollgate::store::RedisConfig::from_env()? else {
+        return Ok(None);
+    };
+    let shown = config.describe();
+    let store = config
+        .connect()
+        .await
+        .map_err(|error| format!("Redis at {shown}: {error}"))?;
+    let described =
+        format!("Redis store at {shown}; if Redis goes away, a local limiter takes over");
+    Ok(Some((Arc::new(store), described)))
 }
 
 #[cfg(not(feature = "redis"))]
-async fn redis_store(_url: &str) -> Result<Arc<dyn Store>, Box<dyn std::error::Error>> {
-    Err("this build has no Redis support: run with --features redis".into())
+async fn redis_store() -> Result<Option<(Arc<dyn Store>, String)>, Box<dyn std::error::Error>> {
+    let named = [
+        "REDIS_URL",
+        "REDIS_SENTINEL_URLS",
+        "REDIS_SENTINEL_MASTER",
+        "REDIS_CLUSTER",
+    ]
+    .into_iter()
+    .any(|name| std::env::var_os(name).is_some());
+    if named {
+        return Err("this build has no Redis support: run with --features redis".into());
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::extract::ConnectInfo;
+    use http::{Request, StatusCode};
+    use tower::ServiceExt;
+
+    fn from(ip: [u8; 4], path: &str) -> Request<Body> {
+        let mut request = Request::get(path).body(Body::empty()).unwrap();
+        request
+            .extensions_mut()
+            .insert(ConnectInfo(SocketAddr::from((ip, 4000))));
+        request
+    }
+
+    /// What the docs promise: 10 tokens per client IP, /search costs 5.
+    #[tokio::test]
+    async fn two_searches_empty_a_clients_bucket() {
+        let app = app(Arc::new(MemoryStore::new())).unwrap();
+        for _ in 0..2 {
+            let ok = app
+                .clone()
+                .oneshot(from([192, 0, 2, 1], "/search"))
+                .await
+                .unwrap();
+            assert_eq!(ok.status(), StatusCode::OK);
+        }
+        let denied = app
+            .clone()
+            .oneshot(from([192, 0, 2, 1], "/"))
+            .await
+            .unwrap();
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(denied.headers().contains_key("retry-after"));
+        // Another client has its own bucket.
+        let other = app.oneshot(from([192, 0, 2, 2], "/search")).await.unwrap();
+        assert_eq!(other.status(), StatusCode::OK);
+    }
 }

@@ -1,8 +1,11 @@
 //! A fleet set-up: every replica of this app shares its limits through Redis (one server,
-//! or a Redis Cluster), so N replicas enforce one limit, not N.
+//! a Sentinel-managed primary, or a Redis Cluster), so N replicas enforce one limit, not N.
 //!
 //! ```text
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example redis --features redis
+//! REDIS_URL=rediss://user:password@redis.example:6380 cargo run --example redis --features tls
+//! REDIS_SENTINEL_URLS=redis://127.0.0.1:26379,redis://127.0.0.1:26380 REDIS_SENTINEL_MASTER=mymaster \
+//!   cargo run --example redis --features redis
 //! REDIS_CLUSTER=redis://127.0.0.1:7000,redis://127.0.0.1:7001 cargo run --example redis --features redis
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/
 //! ```
@@ -14,8 +17,6 @@
 
 #[path = "support/logging.rs"]
 mod logging;
-#[path = "support/redact.rs"]
-mod redact;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -23,36 +24,25 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
-use tollgate::store::RedisStore;
+use tollgate::store::{RedisConfig, RedisStore};
 use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
-    // URLs are printed through redact_url: never the password they may carry.
-    let (store, shown) = match (std::env::var("REDIS_CLUSTER"), std::env::var("REDIS_URL")) {
-        (Ok(nodes), _) => {
-            let nodes: Vec<&str> = nodes.split(',').map(str::trim).collect();
-            let shown: Vec<String> = nodes.iter().map(|node| redact::redact_url(node)).collect();
-            let shown = format!("the Redis Cluster at {}", shown.join(", "));
-            let store = RedisStore::connect_cluster(&nodes)
-                .await
-                .map_err(|error| format!("{shown}: {error}"))?;
-            (store, shown)
-        }
-        (_, Ok(url)) => {
-            let shown = format!("Redis at {}", redact::redact_url(&url));
-            let store = RedisStore::connect(&url)
-                .await
-                .map_err(|error| format!("{shown}: {error}"))?;
-            (store, shown)
-        }
-        _ => {
-            return Err(
-                "set REDIS_URL (redis://host:port) or REDIS_CLUSTER (comma-separated nodes)".into(),
-            );
-        }
+    // Where Redis is, from the environment; shown with passwords hidden.
+    let Some(config) = RedisConfig::from_env()? else {
+        return Err(
+            "set REDIS_URL (redis:// or rediss://), REDIS_SENTINEL_URLS with \
+                    REDIS_SENTINEL_MASTER, or REDIS_CLUSTER (comma-separated nodes)"
+                .into(),
+        );
     };
+    let shown = config.describe();
+    let store = config
+        .connect()
+        .await
+        .map_err(|error| format!("Redis at {shown}: {error}"))?;
     let policies = PolicySet::new([
         Policy::token_bucket("burst", 20, Rate::per_second(10))?,
         Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?,

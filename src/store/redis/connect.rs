@@ -396,23 +396,32 @@ fn connect_error(config: &RedisConfig, error: RedisError) -> StoreError {
     )
 }
 
-/// `url` with the password (whatever follows `user:` before `@`) replaced by `***`.
+/// Query parameters that carry a password (redis-rs reads `pass` in `redis+unix:` URLs).
+const SECRET_PARAMETERS: [&str; 2] = ["pass", "password"];
+
+/// `url` with the password of its user info, and any `pass`/`password` query parameter,
+/// replaced by `***`. A string that does not parse as a URL is not shown at all: where its
+/// password is cannot be known.
 pub(super) fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
+    const UNPARSABLE: &str = "<a URL that does not parse; not shown>";
+    let Ok(mut parsed) = url::Url::parse(url.trim()) else {
+        return UNPARSABLE.to_owned();
     };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &rest[..at];
-    let shown = match userinfo.find(':') {
-        Some(colon) => format!("{}:***", &userinfo[..colon]),
-        // A lone name before `@` is a password to redis-rs (`redis://secret@host`).
-        None => "***".to_owned(),
-    };
-    format!("{}{}{}", &url[..scheme_end], shown, &rest[at..])
+    if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
+        return UNPARSABLE.to_owned();
+    }
+    let secret = |name: &str| SECRET_PARAMETERS.contains(&name.to_ascii_lowercase().as_str());
+    if parsed.query_pairs().any(|(name, _)| secret(&name)) {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(name, value)| {
+                let value = if secret(&name) { "***".into() } else { value };
+                (name.into_owned(), value.into_owned())
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.to_string()
 }
 
 /// The primary that the sentinels name, behind one multiplexed connection: looked up
@@ -548,14 +557,51 @@ mod tests {
     use super::redact;
 
     #[test]
-    fn passwords_are_hidden() {
-        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+    fn user_and_password() {
+        assert_eq!(redact("redis://user:pass@h:1/0"), "redis://user:***@h:1/0");
+        assert_eq!(redact("redis://:pass@h"), "redis://:***@h");
+    }
+
+    #[test]
+    fn no_password_is_unchanged() {
+        assert_eq!(redact("rediss://h:1"), "rediss://h:1");
+        assert_eq!(redact("redis://user@h:1"), "redis://user@h:1");
+    }
+
+    #[test]
+    fn password_with_an_at_sign_and_percent_encoding() {
         assert_eq!(
-            redact("rediss://app:p@ss:w@host:6380/0"),
-            "rediss://app:***@host:6380/0"
+            redact("redis://u:p%40ss@word@h:6379"),
+            "redis://u:***@h:6379"
         );
-        assert_eq!(redact("redis://secret@host"), "redis://***@host");
-        assert_eq!(redact("redis://host/db?x=a@b"), "redis://host/db?x=a@b");
-        assert_eq!(redact("not a url"), "not a url");
+    }
+
+    #[test]
+    fn password_in_the_query() {
+        assert_eq!(
+            redact("redis+unix:///run/redis.sock?db=1&pass=hunter2"),
+            "redis+unix:///run/redis.sock?db=1&pass=***"
+        );
+    }
+
+    #[test]
+    fn malformed_urls_are_not_shown() {
+        for malformed in [
+            "redis://:secret@h:99999",
+            "redis://:secret@[::1",
+            "secret",
+            ":secret@h:1",
+            "",
+        ] {
+            let shown = redact(malformed);
+            assert!(
+                !shown.contains("secret"),
+                "{malformed:?} shown as {shown:?}"
+            );
+            assert_eq!(
+                shown, "<a URL that does not parse; not shown>",
+                "{malformed:?}"
+            );
+        }
     }
 }
