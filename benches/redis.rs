@@ -5,6 +5,11 @@
 //! concurrent calls (`RedisStore::connect`) and a deadpool pool of 32 connections
 //! (`RedisStore::from_pool`).
 //!
+//! Then a hot key: 256 callers deciding for one identity, with coalescing (the default:
+//! concurrent decisions for one identity go to Redis as one batch) and without, in
+//! alternating rounds: decisions per second, script calls per decision and Redis CPU per
+//! decision (`INFO commandstats`).
+//!
 //! `cargo bench --bench redis --features redis` (starts its own redis-server on a free
 //! loopback port; the server is pinned to CPU 0 and redis-benchmark to CPU 1 when
 //! `taskset` exists).
@@ -24,6 +29,11 @@ const KEYS: u64 = 10_000;
 const RUN: Duration = Duration::from_secs(3);
 
 async fn measure(store: RedisStore, policies: PolicySet, callers: usize) -> f64 {
+    measure_keys(store, policies, callers, KEYS).await
+}
+
+/// Decisions per second of `callers` callers over `keys` identities.
+async fn measure_keys(store: RedisStore, policies: PolicySet, callers: usize, keys: u64) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
@@ -34,7 +44,7 @@ async fn measure(store: RedisStore, policies: PolicySet, callers: usize) -> f64 
         tasks.push(tokio::spawn(async move {
             let mut i = caller as u64 * 7919;
             while !stop.load(Ordering::Relaxed) {
-                i = (i + 1) % KEYS;
+                i = (i + 1) % keys;
                 match store
                     .decide(&Key::new(format!("user:{i}")), &policies, 1)
                     .await
@@ -111,6 +121,78 @@ fn redis_benchmark(
         .unwrap_or_else(|| panic!("cannot read redis-benchmark output: {text}"))
 }
 
+/// `calls` and `usec` of every script command in `INFO commandstats`.
+fn script_stats(server: &support::RedisServer) -> (u64, u64) {
+    let stats = server.cli(&["INFO", "commandstats"]);
+    let field = |line: &str, name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|field| field.strip_prefix(name)?.parse().ok())
+            .unwrap_or(0)
+    };
+    stats
+        .lines()
+        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
+        .fold((0, 0), |(calls, usec), line| {
+            (calls + field(line, "calls="), usec + field(line, "usec="))
+        })
+}
+
+/// One identity, 256 callers: coalesced and not, alternating rounds; medians.
+fn hot_key(runtime: &tokio::runtime::Runtime, server: &support::RedisServer, policies: &PolicySet) {
+    const ROUNDS: usize = 5;
+    let mut results: [Vec<(f64, f64, f64)>; 2] = [Vec::new(), Vec::new()];
+    for round in 0..ROUNDS {
+        for step in 0..2 {
+            // Rotate which goes first.
+            let coalescing = (round + step) % 2 == 0;
+            let store = runtime.block_on(async {
+                RedisStore::connect(&server.url())
+                    .await
+                    .unwrap()
+                    .coalescing(coalescing)
+            });
+            assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+            let start = Instant::now();
+            let rate = runtime.block_on(measure_keys(store, policies.clone(), 256, 1));
+            let decisions = rate * start.elapsed().as_secs_f64();
+            let (calls, usec) = script_stats(server);
+            results[usize::from(coalescing)].push((
+                rate,
+                calls as f64 / decisions,
+                usec as f64 / decisions,
+            ));
+        }
+    }
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    println!();
+    println!(
+        "hot key: 1 identity, 256 callers, one multiplexed connection ({ROUNDS} rounds, medians)"
+    );
+    println!("| coalescing | decisions/s | script calls per decision | Redis CPU per decision |");
+    println!("|---|---|---|---|");
+    let mut rates = [0.0; 2];
+    for (index, label) in [(0, "off"), (1, "on (default)")] {
+        let runs = &results[index];
+        let mut rate: Vec<f64> = runs.iter().map(|r| r.0).collect();
+        let mut calls: Vec<f64> = runs.iter().map(|r| r.1).collect();
+        let mut usec: Vec<f64> = runs.iter().map(|r| r.2).collect();
+        rates[index] = median(&mut rate);
+        println!(
+            "| {label} | {:.0}/s | {:.3} | {:.2} µs |",
+            rates[index],
+            median(&mut calls),
+            median(&mut usec)
+        );
+    }
+    println!(
+        "coalesced / not: {:.2}x decisions per second",
+        rates[1] / rates[0]
+    );
+}
+
 fn main() {
     let server = support::RedisServer::start();
     if Command::new("taskset").arg("-V").output().is_ok() {
@@ -172,6 +254,8 @@ fn main() {
             multiplexed / pipelined
         );
     }
+    hot_key(&runtime, &server, &policies);
+
     // redis-benchmark counts error replies as requests too: make sure no EVALSHA failed.
     // (Clients' CLIENT SETINFO fails on Redis before 7.2; that is not ours to count.)
     let stats = server.cli(&["INFO", "commandstats"]);

@@ -919,3 +919,178 @@ async fn a_sliding_log_that_expired_under_a_penalty_starts_empty() {
     assert!(decision.is_allowed());
     assert_eq!(decision.statuses()[0].remaining, 1);
 }
+
+/// Replays `arrivals` in bursts: every `burst` arrivals share one instant and reach the
+/// Redis stores at once (so they coalesce into batches), and the in-process store one by
+/// one in the same order. Each decision must match its twin.
+async fn replay_bursts(
+    backends: &Backends,
+    prefix: &str,
+    policies: &PolicySet,
+    arrivals: &[(u64, u64)],
+    burst: usize,
+) -> u64 {
+    let subjects = backends.subjects(prefix);
+    let mut now = Duration::ZERO;
+    let mut admitted = 0;
+    for (index, chunk) in arrivals.chunks(burst).enumerate() {
+        now += Duration::from_millis(chunk[0].0 * 10);
+        for subject in &subjects {
+            subject.clock.set(now);
+        }
+        let expected: Vec<Decision> = {
+            let mut one_by_one = Vec::new();
+            for &(_, cost) in chunk {
+                one_by_one.push(subjects[0].check("burst", policies, cost).await);
+            }
+            one_by_one
+        };
+        for subject in &subjects[1..] {
+            let AnyStore::Redis(store) = &subject.store else {
+                unreachable!()
+            };
+            let key = Key::new("burst");
+            let at_once = futures_util::future::join_all(
+                chunk
+                    .iter()
+                    .map(|&(_, cost)| store.decide(&key, policies, cost)),
+            )
+            .await;
+            for (step, (want, got)) in expected.iter().zip(at_once).enumerate() {
+                let got = got.unwrap_or_else(|error| panic!("{}: {error}", subject.name));
+                assert!(
+                    same(want, &got),
+                    "{prefix} burst {index} step {step}: memory {want:?} vs {} {got:?}",
+                    subject.name
+                );
+            }
+        }
+        admitted += expected.iter().filter(|d| d.is_allowed()).count() as u64;
+    }
+    admitted
+}
+
+/// Concurrent decisions for one identity go to Redis as batches; each batch must decide
+/// exactly as the same requests one by one: every algorithm, several policies, shadows
+/// and penalties.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_decisions_match_one_by_one() {
+    let backends = Backends::start().await;
+    let penalty =
+        tollgate::policy::Penalty::new(3, Duration::from_secs(20), Duration::from_secs(15));
+    let mut sets: Vec<(String, PolicySet)> = every_algorithm()
+        .into_iter()
+        .map(|policy| (policy.name().to_owned(), PolicySet::from(policy)))
+        .collect();
+    sets.push((
+        "multi".to_owned(),
+        PolicySet::new([
+            Policy::token_bucket("burst", 8, Rate::new(4, Duration::from_secs(10))).unwrap(),
+            Policy::fixed_window("strict", 20, MINUTE).unwrap().shadow(),
+            Policy::sliding_log("log", 12, MINUTE)
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        ])
+        .unwrap(),
+    ));
+    for (name, policies) in sets {
+        let arrivals = trace(29, 120, 400);
+        let admitted = replay_bursts(
+            &backends,
+            &format!("coalesce-{name}"),
+            &policies,
+            &arrivals,
+            24,
+        )
+        .await;
+        assert!(
+            admitted > 0 && admitted < arrivals.len() as u64,
+            "{name}: {admitted} of {} admitted",
+            arrivals.len()
+        );
+    }
+}
+
+/// Decisions made together cost few script calls: 256 at once for one identity are one
+/// call and two batches (of at most 128), admitted in arrival order; without coalescing,
+/// 256 calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
+    let server = RedisServer::start();
+    let calls = || -> u64 {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+            })
+            .filter_map(|line| {
+                line.split("calls=")
+                    .nth(1)?
+                    .split(',')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .sum()
+    };
+    let policies = PolicySet::from(Policy::fixed_window("hot", 100, MINUTE).unwrap());
+    for coalescing in [true, false] {
+        let store = RedisStore::connect(&server.url())
+            .await
+            .unwrap()
+            .prefix(if coalescing { "on" } else { "off" })
+            .coalescing(coalescing);
+        assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+        let key = Key::new("hot");
+        let decisions =
+            futures_util::future::join_all((0..256).map(|_| store.decide(&key, &policies, 1)))
+                .await;
+        let allowed: Vec<bool> = decisions
+            .into_iter()
+            .map(|decision| decision.unwrap().is_allowed())
+            .collect();
+        // Exactly the limit; coalesced, the first 100 to arrive (separate calls reach
+        // Redis in whatever order the connection sends them).
+        assert_eq!(allowed.iter().filter(|&&a| a).count(), 100);
+        if coalescing {
+            assert!(allowed[..100].iter().all(|&a| a));
+        }
+        let made = calls();
+        println!("coalescing {coalescing}: 256 decisions in {made} script calls");
+        if coalescing {
+            assert_eq!(made, 3);
+        } else {
+            assert_eq!(made, 256);
+        }
+    }
+}
+
+/// A coalesced decision whose request went away before its batch left is not decided
+/// (nor debited); the others are, even when the leading request went away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_requests_in_a_batch() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let policies = PolicySet::from(Policy::fixed_window("drop", 10, MINUTE).unwrap());
+    let key = Key::new("drop");
+    // The leader never runs: the five behind it still get their answers.
+    let leader = store.decide(&key, &policies, 1);
+    let followers: Vec<_> = (0..5).map(|_| store.decide(&key, &policies, 1)).collect();
+    let (dropped, kept): (Vec<_>, Vec<_>) = followers
+        .into_iter()
+        .enumerate()
+        .partition(|(index, _)| index % 2 == 0);
+    drop(dropped);
+    drop(leader);
+    let answers = futures_util::future::join_all(kept.into_iter().map(|(_, f)| f)).await;
+    let remaining: Vec<u64> = answers
+        .into_iter()
+        .map(|answer| answer.unwrap().statuses()[0].remaining)
+        .collect();
+    // Only the two kept followers were debited.
+    assert_eq!(remaining, vec![9, 8]);
+    let peek = store.decide(&key, &policies, 0).await.unwrap();
+    assert_eq!(peek.statuses()[0].remaining, 8);
+}

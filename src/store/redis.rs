@@ -15,6 +15,7 @@ use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
 
+mod coalesce;
 mod connect;
 
 pub use connect::RedisConfig;
@@ -27,6 +28,22 @@ macro_rules! script {
     };
     (main: $main:literal, $(($kind:literal, $file:literal)),+) => {
         concat!(
+            script!(algorithms: $(($kind, $file)),+),
+            include_str!(concat!("../../lua/", $main))
+        )
+    };
+    // The decision loop as the function `decide`, run once per coalesced decision.
+    (batch: $(($kind:literal, $file:literal)),+) => {
+        concat!(
+            script!(algorithms: $(($kind, $file)),+),
+            "local function decide()\n",
+            include_str!("../../lua/main.lua"),
+            "\nend\n",
+            include_str!("../../lua/batch.lua")
+        )
+    };
+    (algorithms: $(($kind:literal, $file:literal)),+) => {
+        concat!(
             include_str!("../../lua/prelude.lua"),
             "local algorithms = {}\n",
             $(
@@ -34,7 +51,6 @@ macro_rules! script {
                 include_str!(concat!("../../lua/", $file)),
                 "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund }\nend)()\n",
             )+
-            include_str!(concat!("../../lua/", $main))
         )
     };
 }
@@ -76,11 +92,33 @@ pub const MULTI_POLICY_SCRIPT: &str = script!(
     ("cc", "in_flight.lua")
 );
 
+/// The script of coalesced decisions under one policy of each algorithm, in [`KINDS`]'
+/// order, and under several policies (the last).
+const BATCH_SCRIPTS: [&str; 8] = [
+    script!(batch: ("fw", "fixed_window.lua")),
+    script!(batch: ("sw", "sliding_window.lua")),
+    script!(batch: ("sl", "sliding_log.lua")),
+    script!(batch: ("tb", "token_bucket.lua")),
+    script!(batch: ("ls", "leaky_shape.lua")),
+    script!(batch: ("gc", "gcra.lua")),
+    script!(batch: ("cc", "in_flight.lua")),
+    script!(
+        batch: ("fw", "fixed_window.lua"),
+        ("sw", "sliding_window.lua"),
+        ("sl", "sliding_log.lua"),
+        ("tb", "token_bucket.lua"),
+        ("ls", "leaky_shape.lua"),
+        ("gc", "gcra.lua"),
+        ("cc", "in_flight.lua")
+    ),
+];
+
 /// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
-/// policies.
+/// policies; their coalesced twins; the adjustment.
 struct Scripts {
     single: [Script; 7],
     multi: Script,
+    batch: [Script; 8],
     adjust: Script,
 }
 
@@ -105,12 +143,26 @@ impl Scripts {
         Self {
             single: SINGLE_SCRIPTS.map(Script::new),
             multi: Script::new(MULTI_POLICY_SCRIPT),
+            batch: BATCH_SCRIPTS.map(Script::new),
             adjust: Script::new(ADJUST_SCRIPT),
         }
     }
 
-    fn for_kind(&self, kind: &str) -> Option<&Script> {
-        kind_index(kind).map(|index| &self.single[index])
+    /// The script that decides `invocation`: one policy, that algorithm's own, smaller
+    /// script; several, the full one.
+    fn for_invocation(&self, invocation: &Invocation) -> &Script {
+        match invocation.single_kind.and_then(kind_index) {
+            Some(index) if invocation.count == 1 => &self.single[index],
+            _ => &self.multi,
+        }
+    }
+
+    /// [`for_invocation`](Self::for_invocation)'s coalesced twin.
+    fn batch_for(&self, invocation: &Invocation) -> &Script {
+        match invocation.single_kind.and_then(kind_index) {
+            Some(index) if invocation.count == 1 => &self.batch[index],
+            _ => &self.batch[7],
+        }
     }
 }
 
@@ -162,6 +214,8 @@ pub struct RedisStore {
     backend: Backend,
     keys: RedisKeys,
     scripts: Arc<Scripts>,
+    /// Decisions for an identity with a call in flight wait for it and go as one batch.
+    coalescer: Option<Arc<coalesce::Coalescer>>,
     #[cfg(feature = "__test-clock")]
     clock: Option<Arc<dyn crate::clock::Clock>>,
 }
@@ -245,6 +299,7 @@ impl RedisStore {
             backend,
             keys: RedisKeys::default(),
             scripts: Arc::new(Scripts::new()),
+            coalescer: Some(Arc::new(coalesce::Coalescer::new())),
             #[cfg(feature = "__test-clock")]
             clock: None,
         }
@@ -300,6 +355,26 @@ impl RedisStore {
     /// an ACL limited to your prefix use [`connect_with_prefix`](Self::connect_with_prefix).
     pub fn prefix(mut self, prefix: &str) -> Self {
         self.keys = RedisKeys::new(prefix);
+        self
+    }
+
+    /// Coalesces concurrent decisions for one identity (on by default): while one is on
+    /// its way to Redis, the others for the same identity and policy set wait for it and
+    /// then go together, as one script call that decides them one after another in
+    /// arrival order. Decisions stay exact; a hot key costs Redis one call per round trip
+    /// instead of one per request. A decision that waits behind another takes up to one
+    /// round trip longer. In-flight limits are never coalesced. `false` sends every
+    /// decision on its own.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), tollgate::StoreError> {
+    /// let store = tollgate::store::RedisStore::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .coalescing(false);
+    /// # Ok(()) }
+    /// ```
+    pub fn coalescing(mut self, on: bool) -> Self {
+        self.coalescer = on.then(|| Arc::new(coalesce::Coalescer::new()));
         self
     }
 
@@ -371,7 +446,11 @@ impl RedisStore {
             for set in &sets {
                 // The decision, then the adjustment script (a settle and a release), as a
                 // request under settling and in-flight limits runs them.
-                let checked = match self.decide(key, set, 1).await {
+                // Two decisions at once: the second, queued behind the first, goes as a
+                // coalesced batch, so the batch script is loaded and checked too.
+                let (first, second) =
+                    futures_join(self.decide(key, set, 1), self.decide(key, set, 1)).await;
+                let checked = match first.and_then(|first| second.map(|_| first)) {
                     Ok(decision) => {
                         let receipt = decision.receipt();
                         match self
@@ -545,6 +624,25 @@ impl Store for RedisStore {
         } else {
             0
         };
+        // Behind a call in flight for the same identity and set: wait, and go with the
+        // next batch. (In-flight limits name each request's slot: never coalesced.)
+        let mut lead = None;
+        if let (Some(coalescer), 0) = (&self.coalescer, lease) {
+            match coalescer.join(key, policies.serial(), cost) {
+                coalesce::Joined::Leader(leader) => lead = Some(leader),
+                coalesce::Joined::Alone => {}
+                coalesce::Joined::Follower(answer) => {
+                    return DecideFuture::new(async move {
+                        answer.await.unwrap_or_else(|_| {
+                            Err(StoreError::new(
+                                StoreErrorKind::Other,
+                                "the batch that carried this decision was dropped",
+                            ))
+                        })
+                    });
+                }
+            }
+        }
         let invocation = match self.invocation(key, policies, cost, lease) {
             Ok(invocation) => invocation,
             Err(error) => return DecideFuture::ready(Err(error)),
@@ -562,15 +660,20 @@ impl Store for RedisStore {
                 .collect(),
             lease,
         });
+        if let Some(lead) = &mut lead {
+            lead.prepare(coalesce::Batch {
+                backend: backend.clone(),
+                scripts: Arc::clone(&scripts),
+                invocation: invocation.clone(),
+                #[cfg(feature = "__test-clock")]
+                clock: self.clock.clone(),
+            });
+        }
         DecideFuture::new(async move {
-            // One policy: that algorithm's own, smaller script; several: the full one.
-            let script = match invocation.single_kind {
-                Some(kind) if invocation.count == 1 => {
-                    scripts.for_kind(kind).unwrap_or(&scripts.multi)
-                }
-                _ => &scripts.multi,
-            };
-            let reply = invoke(&backend, script, &invocation).await?;
+            let reply = invoke(&backend, scripts.for_invocation(&invocation), &invocation).await;
+            // Back (or failed): what queued behind this call goes now, as one batch.
+            drop(lead);
+            let reply = reply?;
             // Answered: from here the layer frees the slots it was given.
             if let Some(guard) = &mut guard {
                 guard.keys.clear();
@@ -644,6 +747,7 @@ impl Store for RedisStore {
 }
 
 /// One script call's keys and arguments.
+#[derive(Clone)]
 struct Invocation {
     keys: Vec<String>,
     args: Vec<String>,
@@ -838,6 +942,37 @@ async fn invoke(
         }
     }
     .map_err(store_error)
+}
+
+/// Both futures, polled together (the store's own small `join`).
+async fn futures_join<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    let (mut out_a, mut out_b) = (None, None);
+    std::future::poll_fn(|cx| {
+        if out_a.is_none() {
+            if let std::task::Poll::Ready(value) = a.as_mut().poll(cx) {
+                out_a = Some(value);
+            }
+        }
+        if out_b.is_none() {
+            if let std::task::Poll::Ready(value) = b.as_mut().poll(cx) {
+                out_b = Some(value);
+            }
+        }
+        if out_a.is_some() && out_b.is_some() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    (
+        out_a.expect("polled to the end"),
+        out_b.expect("polled to the end"),
+    )
 }
 
 fn micros(value: i64) -> Duration {

@@ -1,0 +1,234 @@
+//! Coalescing: while one decision for an identity (under one policy set) is on its way to
+//! Redis, the decisions that arrive for the same identity wait, and go together as one
+//! script call when it is back. The script decides them one after another in arrival
+//! order, exactly as separate calls would have, and answers each. A hot key then costs
+//! Redis one call per round trip instead of one per request (Bucket4j calls this
+//! batching).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::oneshot;
+
+use super::{Backend, Invocation, Scripts, invoke, parse_reply};
+use crate::decision::Decision;
+use crate::key::Key;
+use crate::store::{StoreError, StoreErrorKind};
+
+/// The most decisions one batch carries; more wait for the next.
+const MAX_BATCH: usize = 128;
+
+/// The most decisions that wait behind one identity's call; beyond it (a Redis that hangs
+/// under a flood) a decision goes on its own.
+const MAX_QUEUE: usize = 4 * MAX_BATCH;
+
+/// Shards of the table of identities with a call in flight.
+const SHARDS: usize = 16;
+
+type Id = (Key, u64);
+type Answer = Result<Decision, StoreError>;
+/// One shard: the identities with a call in flight, each with what queues behind it.
+type Shard = Mutex<HashMap<Id, Vec<Waiter>>>;
+
+struct Waiter {
+    cost: u64,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// The identities with a call in flight, each with the decisions queued behind it.
+pub(super) struct Coalescer {
+    shards: Box<[Shard]>,
+}
+
+/// What [`Coalescer::join`] made of a decision.
+pub(super) enum Joined {
+    /// No call in flight for the identity: this decision goes now, and hands what queues
+    /// behind it to a batch when it is back (or dropped).
+    Leader(Lead),
+    /// Queued behind the call in flight: the answer comes through here.
+    Follower(oneshot::Receiver<Answer>),
+    /// The queue is full: this decision goes on its own.
+    Alone,
+}
+
+impl Coalescer {
+    pub(super) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+
+    fn shard(&self, id: &Id) -> std::sync::MutexGuard<'_, HashMap<Id, Vec<Waiter>>> {
+        use std::hash::BuildHasher;
+        let hash = foldhash::fast::FixedState::default().hash_one(id);
+        let shard = &self.shards[(hash as usize) % SHARDS];
+        shard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Leads a call for `key` under the set numbered `set`, or queues behind the one in
+    /// flight.
+    pub(super) fn join(self: &Arc<Self>, key: &Key, set: u64, cost: u64) -> Joined {
+        let id = (key.clone(), set);
+        let mut shard = self.shard(&id);
+        if let Some(queue) = shard.get_mut(&id) {
+            if queue.len() >= MAX_QUEUE {
+                // Requests that timed out while they waited leave room.
+                queue.retain(|waiter| !waiter.answer.is_closed());
+                if queue.len() >= MAX_QUEUE {
+                    return Joined::Alone;
+                }
+            }
+            let (answer, receiver) = oneshot::channel();
+            queue.push(Waiter { cost, answer });
+            return Joined::Follower(receiver);
+        }
+        shard.insert(id.clone(), Vec::new());
+        drop(shard);
+        Joined::Leader(Lead {
+            coalescer: Arc::clone(self),
+            id: Some(id),
+            batch: None,
+        })
+    }
+
+    /// The next batch for `id`, or `None` (and `id` has no call in flight any more) when
+    /// nothing queued.
+    fn next_batch(&self, id: &Id) -> Option<Vec<Waiter>> {
+        let mut shard = self.shard(id);
+        let queue = shard.get_mut(id)?;
+        // Waiters whose request is gone are not decided (nor debited).
+        queue.retain(|waiter| !waiter.answer.is_closed());
+        if queue.is_empty() {
+            shard.remove(id);
+            return None;
+        }
+        let take = queue.len().min(MAX_BATCH);
+        Some(queue.drain(..take).collect())
+    }
+}
+
+/// What a batch call needs: where to send it, and the leader's keys and policy arguments.
+pub(super) struct Batch {
+    pub(super) backend: Backend,
+    pub(super) scripts: Arc<Scripts>,
+    pub(super) invocation: Invocation,
+    /// The test clock the store was given: a batch reads it when it leaves, as a
+    /// decision of its own would (Redis `TIME` otherwise).
+    #[cfg(feature = "__test-clock")]
+    pub(super) clock: Option<Arc<dyn crate::clock::Clock>>,
+}
+
+/// The leader's duty: when its call is back (or it is dropped), what queued behind it goes
+/// to Redis as batches, in a task of its own, until nothing is queued.
+pub(super) struct Lead {
+    coalescer: Arc<Coalescer>,
+    id: Option<Id>,
+    batch: Option<Batch>,
+}
+
+impl Lead {
+    /// Sets what the batches need (the leader's own invocation, less its cost).
+    pub(super) fn prepare(&mut self, batch: Batch) {
+        self.batch = Some(batch);
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        let Some(id) = self.id.take() else { return };
+        let coalescer = Arc::clone(&self.coalescer);
+        let Some(batch) = self.batch.take() else {
+            // Nothing to send with: the queued decisions fail (a store error, which the
+            // failure mode answers), and the identity is free again.
+            fail_all(
+                &coalescer,
+                &id,
+                "the decision leading a batch could not be sent",
+            );
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                // Nothing queued: done here, no task.
+                let Some(first) = coalescer.next_batch(&id) else {
+                    return;
+                };
+                runtime.spawn(drain(coalescer, id, batch, first));
+            }
+            Err(_) => fail_all(&coalescer, &id, "no Tokio runtime to send a batch on"),
+        }
+    }
+}
+
+fn fail_all(coalescer: &Coalescer, id: &Id, message: &str) {
+    while let Some(waiters) = coalescer.next_batch(id) {
+        for waiter in waiters {
+            let _ = waiter
+                .answer
+                .send(Err(StoreError::new(StoreErrorKind::Other, message)));
+        }
+    }
+}
+
+/// Sends batches for `id` until nothing is queued behind them.
+async fn drain(coalescer: Arc<Coalescer>, id: Id, batch: Batch, first: Vec<Waiter>) {
+    let mut waiters = Some(first);
+    while let Some(current) = waiters.take().or_else(|| coalescer.next_batch(&id)) {
+        send(&batch, current).await;
+    }
+}
+
+/// One script call for `waiters`, in their order; each gets its own answer.
+async fn send(batch: &Batch, waiters: Vec<Waiter>) {
+    let invocation = &batch.invocation;
+    let mut args = invocation.args.clone();
+    #[cfg(feature = "__test-clock")]
+    if let Some(clock) = &batch.clock {
+        args[0] = (clock.now() / 1_000).to_string();
+    }
+    args.push(waiters.len().to_string());
+    args.extend(
+        waiters
+            .iter()
+            .map(|waiter| waiter.cost.min(crate::policy::MAX_LIMIT + 1).to_string()),
+    );
+    let call = Invocation {
+        keys: invocation.keys.clone(),
+        args,
+        count: invocation.count,
+        single_kind: invocation.single_kind,
+    };
+    let script = batch.scripts.batch_for(&call);
+    match invoke(&batch.backend, script, &call).await {
+        Ok(reply) => {
+            let mut rest = reply.as_slice();
+            for waiter in waiters {
+                let answer = match rest.split_first() {
+                    Some((&len, tail))
+                        if usize::try_from(len).is_ok_and(|len| len <= tail.len()) =>
+                    {
+                        let (own, tail) = tail.split_at(len as usize);
+                        rest = tail;
+                        parse_reply(own, call.count, waiter.cost, 0)
+                    }
+                    _ => Err(StoreError::new(
+                        StoreErrorKind::Protocol,
+                        "the batch script answered fewer decisions than it was sent",
+                    )),
+                };
+                let _ = waiter.answer.send(answer);
+            }
+        }
+        Err(error) => {
+            for waiter in waiters {
+                let mut copy = StoreError::new(error.kind(), error.message.clone());
+                if let Some(code) = error.code() {
+                    copy = copy.with_code(code.to_owned());
+                }
+                let _ = waiter.answer.send(Err(copy));
+            }
+        }
+    }
+}
