@@ -6,6 +6,7 @@
 
 mod decide;
 mod deny_cache;
+mod lease;
 mod memory;
 #[cfg(feature = "redis")]
 mod redis;
@@ -17,6 +18,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 pub use deny_cache::DenyCache;
+pub use lease::Leased;
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{

@@ -1,0 +1,151 @@
+//! Leases against a real redis-server: three replicas, each taking blocks of units from
+//! one shared quota and spending them locally.
+
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::RedisServer;
+use tollgate::store::{Leased, RedisStore};
+use tollgate::{Key, Policy, PolicySet, Store};
+
+const LIMIT: u64 = 300;
+const LEASE: u64 = 10;
+const REPLICAS: u64 = 3;
+
+async fn replicas(server: &RedisServer, ttl: Duration) -> Vec<Leased<RedisStore>> {
+    let mut stores = Vec::new();
+    for _ in 0..REPLICAS {
+        let redis = RedisStore::connect(&server.url()).await.unwrap();
+        stores.push(Leased::new(redis, LEASE, ttl).unwrap());
+    }
+    stores
+}
+
+/// Requests over three replicas for one quota of 300 in a window that does not end during
+/// the test: below the quota, about one Redis decision per lease; past it, never more
+/// than the limit (a lease is debited before it is spent), and at least the limit less
+/// what the replicas can hold (one lease each). When the leases end, what they held goes
+/// back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_stay_within_the_bound_and_give_back() {
+    let server = RedisServer::start();
+    let ttl = Duration::from_millis(500);
+    let stores = replicas(&server, ttl).await;
+    let policies =
+        PolicySet::from(Policy::fixed_window("leased", LIMIT, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("tenant:1");
+    // 30 concurrent callers, 10 on each replica, `each` requests per caller.
+    let run = |each: u64| {
+        let tasks: Vec<_> = (0..30u64)
+            .map(|task| {
+                let store = stores[(task % REPLICAS) as usize].clone();
+                let (policies, key) = (policies.clone(), key.clone());
+                tokio::spawn(async move {
+                    let mut admitted = 0u64;
+                    for _ in 0..each {
+                        let decision = store.decide(&key, &policies, 1).await.unwrap();
+                        admitted += u64::from(decision.is_allowed());
+                    }
+                    admitted
+                })
+            })
+            .collect();
+        async move {
+            let mut admitted = 0;
+            for task in tasks {
+                admitted += task.await.unwrap();
+            }
+            admitted
+        }
+    };
+    let calls = || stores.iter().map(Leased::shared_calls).sum::<u64>();
+    // Below the limit less what the replicas can hold: everything is admitted, in about
+    // one Redis decision per lease.
+    let first = run(8).await;
+    let first_calls = calls();
+    println!(
+        "leases of {LEASE} on {REPLICAS} replicas: 240 requests under a quota of {LIMIT}: \
+         {first} admitted, {first_calls} Redis decisions ({:.3} per request)",
+        first_calls as f64 / 240.0
+    );
+    assert_eq!(first, 240);
+    assert!(
+        first_calls <= 240 / 2,
+        "{first_calls} Redis decisions for 240 requests"
+    );
+    // Far past the limit: never more than it, and at least the limit less one lease per
+    // replica.
+    let admitted = first + run(22).await;
+    println!(
+        "then 660 more: {admitted} of 900 admitted in all ({} Redis decisions)",
+        calls()
+    );
+    assert!(admitted <= LIMIT, "admitted {admitted} > {LIMIT}");
+    assert!(
+        admitted >= LIMIT - REPLICAS * LEASE,
+        "admitted {admitted} < {LIMIT} - {REPLICAS} x {LEASE}"
+    );
+
+    // The leases end; what they held goes back to the shared quota.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let remaining = stores[0]
+            .inner()
+            .peek(&key, &policies)
+            .await
+            .unwrap()
+            .statuses()[0]
+            .remaining;
+        if remaining == LIMIT - admitted {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Redis has {remaining} left, {} were not spent",
+            LIMIT - admitted
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A lease is taken in one call and spent locally; the headers count what this replica
+/// holds; a lease that no longer fits leaves the last units to exact decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_call_per_lease_and_the_last_units_are_not_lost() {
+    let server = RedisServer::start();
+    let store = Leased::new(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        LEASE,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("leased", 25, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("k");
+    let mut remaining = Vec::new();
+    for _ in 0..30 {
+        let decision = store.decide(&key, &policies, 1).await.unwrap();
+        remaining.push(
+            decision
+                .is_allowed()
+                .then(|| decision.statuses()[0].remaining),
+        );
+    }
+    // 25 admitted, counting down as one client would see them; then denials.
+    let expected: Vec<Option<u64>> = (0..25).rev().map(Some).chain([None; 5]).collect();
+    assert_eq!(remaining, expected);
+    // Two leases of 10; a third refused (5 left), so the 21st request is decided on its
+    // own, and so are the 9 after it while the refusal lasts.
+    assert_eq!(store.shared_calls(), 2 + 1 + 1 + 4 + 5);
+}
+
+#[test]
+fn bad_lease_parameters_are_refused() {
+    let error = Leased::new(tollgate::MemoryStore::new(), 0, Duration::from_secs(1)).unwrap_err();
+    assert!(error.to_string().contains("at least 1 unit"), "{error}");
+    let error = Leased::new(tollgate::MemoryStore::new(), 5, Duration::ZERO).unwrap_err();
+    assert!(error.to_string().contains("at least 1 ms"), "{error}");
+}
