@@ -2,24 +2,41 @@
 -- sorted set of admitted requests (score: time; member: "sequence:units", unique even
 -- within one microsecond); the auxiliary key a hash with the units in the log (t) and the
 -- sequence (s). At most `limit` members, since every member holds at least one unit.
--- Mirrors src/algorithm/sliding_log.rs.
+-- The state read once per call: both counters (one HMGET) and the oldest entry, which says
+-- whether any entry left the window (else no ZRANGEBYSCORE) and, kept up to date by a
+-- commit, gives the snapshot its effective window. Mirrors src/algorithm/sliding_log.rs.
+
+-- The oldest entry's time (nil: the log is empty), as ZRANGE answers it.
+local function oldest_of(key)
+  local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if #oldest > 0 then return tonumber(oldest[2]) end
+  return nil
+end
 
 local function load(p, key, aux)
-  local s = { key = key, aux = aux, total = num(redis.call('HGET', aux, 't'), 0) }
+  -- 'pb': a penalty's field (prelude.lua), present only in a hash that holds a penalty.
+  local stored = redis.call('HMGET', aux, 't', 's', 'pb')
+  local s = {
+    key = key, aux = aux, total = num(stored[1], 0), sequence = num(stored[2], 0),
+    penalized = stored[3] ~= false,
+  }
+  -- The oldest entry: whether any left the window, and the snapshot's effective window.
+  s.oldest = oldest_of(key)
   -- The log expired as a whole (its hash may outlive it, holding a penalty): it is empty.
-  if s.total > 0 and redis.call('EXISTS', key) == 0 then
+  if s.total > 0 and s.oldest == nil then
     s.total = 0
     redis.call('HSET', aux, 't', 0)
   end
   local horizon = now - p[2]
-  local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
-  if #expired > 0 then
+  if s.oldest ~= nil and s.oldest <= horizon then
+    local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
     for _, member in ipairs(expired) do
       s.total = s.total - tonumber(string.match(member, ':(%d+)$'))
     end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', horizon)
     if s.total < 0 then s.total = 0 end
     redis.call('HSET', aux, 't', s.total)
+    s.oldest = oldest_of(key)
   end
   return s
 end
@@ -41,16 +58,18 @@ local function check(p, s)
 end
 
 local function commit(p, s)
-  local sequence = redis.call('HINCRBY', s.aux, 's', 1)
+  s.sequence = s.sequence + 1
   -- %d: a concatenated number would print as 1e+14 past 14 digits.
-  redis.call('ZADD', s.key, now, string.format('%d:%d', sequence, cost))
+  redis.call('ZADD', s.key, now, string.format('%d:%d', s.sequence, cost))
   s.total = s.total + cost
   s.newest = now
-  redis.call('HSET', s.aux, 't', s.total)
+  if s.oldest == nil or now < s.oldest then s.oldest = now end
+  redis.call('HSET', s.aux, 't', s.total, 's', s.sequence)
   local ttl = cdiv(p[2], 1000) + 1
   redis.call('PEXPIRE', s.key, ttl)
-  -- The hash may hold a penalty that must outlive the log.
-  extend_ttl(s.aux, ttl)
+  -- A hash that holds a penalty may have to outlive the log; one that holds only the
+  -- counters was set to expire with it, never later than this.
+  if s.penalized then extend_ttl(s.aux, ttl) else redis.call('PEXPIRE', s.aux, ttl) end
 end
 
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
@@ -75,6 +94,7 @@ local function refund(p, s, units, at)
     s.total = s.total - taken
   end
   redis.call('HSET', s.aux, 't', s.total)
+  s.oldest = oldest_of(s.key)
 end
 
 local function snapshot(p, s)
@@ -87,7 +107,6 @@ local function snapshot(p, s)
   if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
   -- Effective window: until the oldest counted entry leaves (a whole window when empty).
   local effective = p[2]
-  local oldest = redis.call('ZRANGE', s.key, 0, 0, 'WITHSCORES')
-  if #oldest > 0 then effective = math.max(tonumber(oldest[2]) + p[2] - now, 1) end
+  if s.oldest ~= nil then effective = math.max(s.oldest + p[2] - now, 1) end
   return p[1], math.max(p[1] - s.total, 0), reset, effective
 end
