@@ -4,7 +4,15 @@
 //! ```text
 //! cargo run --release --example bench_server -- <none|rewrap|governor|tollgate|tollgate-bare> [port]
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --features redis --example bench_server -- tollgate-redis
+//! LIMIT=20000 LEASE=0 REDIS_URL=... cargo run --release --features redis --example bench_server -- tollgate-fleet
 //! ```
+//!
+//! `tollgate-fleet` is one replica of the fleet benchmark (`benches/fleet.sh`): one quota
+//! shared by every replica through Redis (`REDIS_URL`, `REDIS_CLUSTER` or Sentinel, as
+//! `RedisConfig::from_env` reads them), a bucket of `LIMIT` that does not refill during
+//! the run, so exactly `LIMIT` requests are admitted fleet-wide (`LIMIT=0`: a quota that
+//! never runs out); `LEASE` > 0 takes leases
+//! of that many units (`store::Leased`) instead of one decision per request.
 //!
 //! Both limiters key by peer IP and are configured so the load generator is never denied:
 //! the benchmark measures what admitting a request costs. Both write rate-limit headers on
@@ -61,6 +69,36 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
                 RateLimitLayer::new(tollgate::store::RedisStore::connect(&url).await?).policy(
                     Policy::token_bucket("api", 1_000_000_000, Rate::per_second(1_000_000_000))?,
                 ),
+            )
+        }
+        #[cfg(feature = "redis")]
+        "tollgate-fleet" => {
+            let number = |name: &str, default: u64| -> Result<u64, Box<dyn std::error::Error>> {
+                std::env::var(name).map_or(Ok(default), |value| Ok(value.parse()?))
+            };
+            let (limit, lease) = (number("LIMIT", 20_000)?, number("LEASE", 0)?);
+            let config = tollgate::store::RedisConfig::from_env()?
+                .ok_or("tollgate-fleet needs REDIS_URL, REDIS_CLUSTER or REDIS_SENTINEL_URLS")?;
+            let redis = config.connect().await?;
+            // LIMIT=0: a quota that never runs out (what admitting costs).
+            let policy = if limit == 0 {
+                Policy::token_bucket("fleet", 1_000_000_000, Rate::per_second(1_000_000_000))?
+            } else {
+                Policy::token_bucket("fleet", limit, Rate::per_day(1))?
+            };
+            let store: Arc<dyn tollgate::Store> = if lease > 0 {
+                Arc::new(tollgate::store::Leased::new(
+                    redis,
+                    lease,
+                    Duration::from_secs(1),
+                )?)
+            } else {
+                Arc::new(redis)
+            };
+            app.layer(
+                RateLimitLayer::new(store)
+                    .policy(policy)
+                    .key(tollgate::key::Global),
             )
         }
         // A layer that only wraps the response body in another type (as any middleware
