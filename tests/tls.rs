@@ -69,8 +69,8 @@ fn start() -> TlsRedis {
     ]);
     // The README's least-privilege line, with this app's prefix.
     let acl = "ACL SETUSER limiter on >s3cret resetkeys ~shop:* resetchannels -@all +evalsha \
-               +eval +script|load +time +get +set +hget +hmget +hset +hincrby +pexpire +pttl \
-               +exists +zadd +zrange +zrangebyscore +zremrangebyscore +zcard +zrem +del";
+               +eval +script|load +time +get +set +hmget +hset +pexpire +pttl +zadd +zrange \
+               +zrangebyscore +zremrangebyscore +zcard +zrem +del";
     let args: Vec<&str> = acl.split_whitespace().collect();
     assert_eq!(server.cli(&args).trim(), "OK");
     TlsRedis {
