@@ -1094,3 +1094,25 @@ async fn dropped_requests_in_a_batch() {
     let peek = store.decide(&key, &policies, 0).await.unwrap();
     assert_eq!(peek.statuses()[0].remaining, 8);
 }
+
+/// Two stores over one server with other prefixes, deciding at once for the same identity
+/// under one policy set: each debits its own keys (their calls never share a batch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_with_other_prefixes_never_share_a_batch() {
+    let server = RedisServer::start();
+    let base = RedisStore::connect(&server.url()).await.unwrap();
+    let (api, admin) = (base.clone().prefix("api"), base.clone().prefix("admin"));
+    let policies = PolicySet::from(Policy::fixed_window("shared", 10, MINUTE).unwrap());
+    let key = Key::new("203.0.113.9");
+    let decisions = futures_util::future::join_all(
+        (0..6).map(|i| if i % 2 == 0 { &api } else { &admin }.decide(&key, &policies, 1)),
+    )
+    .await;
+    for decision in decisions {
+        assert!(decision.unwrap().is_allowed());
+    }
+    for store in [&api, &admin] {
+        let peek = store.peek(&key, &policies).await.unwrap();
+        assert_eq!(peek.statuses()[0].remaining, 7);
+    }
+}

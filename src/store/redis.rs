@@ -362,9 +362,10 @@ impl RedisStore {
     /// its way to Redis, the others for the same identity and policy set wait for it and
     /// then go together, as one script call that decides them one after another in
     /// arrival order. Decisions stay exact; a hot key costs Redis one call per round trip
-    /// instead of one per request. A decision that waits behind another takes up to one
-    /// round trip longer. In-flight limits are never coalesced. `false` sends every
-    /// decision on its own.
+    /// instead of one per request. A decision that waits takes longer: the call in flight
+    /// and the batches queued before it (batches of up to 128; at most 256 decisions
+    /// wait, later ones go on their own, so they may overtake those waiting). In-flight
+    /// limits are never coalesced. `false` sends every decision on its own.
     ///
     /// ```no_run
     /// # async fn run() -> Result<(), tollgate::StoreError> {
@@ -390,6 +391,10 @@ impl RedisStore {
     #[cfg(feature = "__test-clock")]
     pub fn with_clock(mut self, clock: impl crate::clock::Clock) -> Self {
         self.clock = Some(Arc::new(clock));
+        // A batch reads its leader's clock: stores on other clocks never share one.
+        if self.coalescer.is_some() {
+            self.coalescer = Some(Arc::new(coalesce::Coalescer::new()));
+        }
         self
     }
 
@@ -624,11 +629,15 @@ impl Store for RedisStore {
         } else {
             0
         };
-        // Behind a call in flight for the same identity and set: wait, and go with the
+        let invocation = match self.invocation(key, policies, cost, lease) {
+            Ok(invocation) => invocation,
+            Err(error) => return DecideFuture::ready(Err(error)),
+        };
+        // Behind a call in flight with the same keys and policies: wait, and go with the
         // next batch. (In-flight limits name each request's slot: never coalesced.)
         let mut lead = None;
         if let (Some(coalescer), 0) = (&self.coalescer, lease) {
-            match coalescer.join(key, policies.serial(), cost) {
+            match coalescer.join(invocation.call_id(), cost) {
                 coalesce::Joined::Leader(leader) => lead = Some(leader),
                 coalesce::Joined::Alone => {}
                 coalesce::Joined::Follower(answer) => {
@@ -643,10 +652,6 @@ impl Store for RedisStore {
                 }
             }
         }
-        let invocation = match self.invocation(key, policies, cost, lease) {
-            Ok(invocation) => invocation,
-            Err(error) => return DecideFuture::ready(Err(error)),
-        };
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         // A decision dropped before its answer (a timeout, a client gone) may still have
         // taken slots: they are given back rather than held for a whole lease.
@@ -754,6 +759,20 @@ struct Invocation {
     count: usize,
     /// The algorithm of the last policy (the script of a one-policy set).
     single_kind: Option<&'static str>,
+}
+
+impl Invocation {
+    /// What makes two decisions the same call but for their cost: the keys and the
+    /// policies' arguments (not the time, not the cost). Two stores with other prefixes,
+    /// or two sets that spell other policies, never share a batch.
+    fn call_id(&self) -> String {
+        let mut id = String::with_capacity(64 * self.keys.len());
+        for part in self.keys.iter().chain(self.args.iter().skip(3)) {
+            id.push_str(part);
+            id.push('\n');
+        }
+        id
+    }
 }
 
 impl RedisStore {

@@ -12,7 +12,6 @@ use tokio::sync::oneshot;
 
 use super::{Backend, Invocation, Scripts, invoke, parse_reply};
 use crate::decision::Decision;
-use crate::key::Key;
 use crate::store::{StoreError, StoreErrorKind};
 
 /// The most decisions one batch carries; more wait for the next.
@@ -20,12 +19,13 @@ const MAX_BATCH: usize = 128;
 
 /// The most decisions that wait behind one identity's call; beyond it (a Redis that hangs
 /// under a flood) a decision goes on its own.
-const MAX_QUEUE: usize = 4 * MAX_BATCH;
+const MAX_QUEUE: usize = 2 * MAX_BATCH;
 
 /// Shards of the table of identities with a call in flight.
 const SHARDS: usize = 16;
 
-type Id = (Key, u64);
+/// A call's keys and policy arguments ([`Invocation::call_id`]).
+type Id = String;
 type Answer = Result<Decision, StoreError>;
 /// One shard: the identities with a call in flight, each with what queues behind it.
 type Shard = Mutex<HashMap<Id, Vec<Waiter>>>;
@@ -67,10 +67,8 @@ impl Coalescer {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Leads a call for `key` under the set numbered `set`, or queues behind the one in
-    /// flight.
-    pub(super) fn join(self: &Arc<Self>, key: &Key, set: u64, cost: u64) -> Joined {
-        let id = (key.clone(), set);
+    /// Leads the call `id`, or queues behind the one in flight.
+    pub(super) fn join(self: &Arc<Self>, id: String, cost: u64) -> Joined {
         let mut shard = self.shard(&id);
         if let Some(queue) = shard.get_mut(&id) {
             if queue.len() >= MAX_QUEUE {
