@@ -25,14 +25,23 @@ const SHARDS: usize = 16;
 ///   nothing is admitted beyond the limit; only units leased just before a window ends and
 ///   spent after it count in the old window. The lease's `ttl` bounds how long that can
 ///   last.
-/// - **Under-admission**: units one replica holds are not there for the others until they
-///   are spent or go back (when the lease ends, through [`Store::adjust`], exactly as far
-///   as the shared state still holds them). When a whole lease no longer fits, the request
-///   is decided on its own, exactly, so the last units of a quota are not lost to leases.
-/// - Headers show the shared state plus what this replica still holds.
+/// - **Under-admission**: units one replica holds (one lease per identity at a time, and
+///   for a moment the one that just ended) are not there for the others until they are
+///   spent or go back when the lease ends (through [`Store::adjust`], as far as the shared
+///   state still holds them). When a lease no longer fits, requests are decided one by
+///   one, exactly, for a `ttl`, so the last units of a quota are not lost to leases.
+/// - A lease is taken by a task of its own: once the shared store has debited it, it is
+///   recorded and given back in time even if the request that asked for it went away.
+///   Requests for the identity wait for it (one round trip), then spend from it.
+/// - A lease is never larger than the smallest quota of the set.
+/// - Headers show the shared state when the lease was taken plus what this replica still
+///   holds: other replicas' spending since then is not in them.
+/// - Every identity seen costs one lease decision (and a give-back if it is not spent):
+///   leases pay off for identities that come back, not for one-off ones.
 ///
-/// Sets with an in-flight limit, a shadow policy or a penalty are never leased: they go to
-/// `S` request by request. So do requests that cost 0 (a peek) and adjustments.
+/// Sets with an in-flight limit, a shaping leaky bucket (a lease would drop its delays), a
+/// shadow policy or a penalty are never leased: they go to `S` request by request. So do
+/// requests that cost 0 (a peek) and adjustments.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -178,10 +187,49 @@ impl<S: Store> Leased<S> {
         }
     }
 
+    /// Starts taking a lease for `id` (this request's turn, marked by [`Leases::step`]):
+    /// a task of its own takes it, so once Redis has debited it, it is recorded (and
+    /// given back in time) whatever happens to this request, which waits for it like any
+    /// other.
+    fn begin_take(&self, id: &Id, policies: &PolicySet, cost: u64) -> Step {
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let woken = self.leases.wait(id);
+                runtime.spawn(take(
+                    Arc::clone(&self.inner),
+                    Arc::clone(&self.leases),
+                    id.clone(),
+                    policies.clone(),
+                    self.lease_units(policies, cost),
+                    self.ttl,
+                ));
+                Step::Wait(woken)
+            }
+            Err(_) => {
+                self.leases.abandon(id);
+                Step::Alone
+            }
+        }
+    }
+
     fn leasable(policies: &PolicySet) -> bool {
         !policies.has_in_flight()
             && !policies.has_penalties()
-            && !policies.iter().any(|policy| policy.is_shadow())
+            && !policies.iter().any(|policy| {
+                policy.is_shadow()
+                    || matches!(policy.params(), crate::algorithm::Params::LeakyShape { .. })
+            })
+    }
+
+    /// The lease for a request of `cost` under `policies`: `units`, but never more than
+    /// the smallest quota of the set (a lease above it could never be granted).
+    fn lease_units(&self, policies: &PolicySet, cost: u64) -> u64 {
+        let smallest = policies
+            .iter()
+            .map(|policy| policy.limit())
+            .min()
+            .unwrap_or(u64::MAX);
+        self.units.min(smallest).max(cost)
     }
 }
 
@@ -232,36 +280,43 @@ impl Leases {
     }
 }
 
-/// Ends a request's turn at taking a lease, however it ends (an answer, an error, the
-/// request dropped): records the lease (or the refusal), and wakes the requests waiting
-/// for it.
-struct Taking<'a> {
-    leases: &'a Leases,
-    id: &'a Id,
-    lease: Option<Lease>,
-    refused_until: Option<Instant>,
-}
+/// How long requests are decided one by one after taking a lease failed (the store did
+/// not answer): the failure mode answers them, each on its own, rather than all waiting.
+const AFTER_AN_ERROR: Duration = Duration::from_millis(100);
 
-impl Drop for Taking<'_> {
-    fn drop(&mut self) {
-        let mut shard = self.leases.shard(self.id);
-        let Some(open) = shard.get_mut(self.id) else {
+impl Leases {
+    /// A wake-up for when the lease being taken for `id` is there (or was refused).
+    fn wait(&self, id: &Id) -> oneshot::Receiver<()> {
+        let (wake, woken) = oneshot::channel();
+        if let Some(open) = self.shard(id).get_mut(id) {
+            open.waiting.push(wake);
+        }
+        woken
+    }
+
+    /// Ends a turn at taking a lease for `id`: records the lease (or that none is to be
+    /// taken until `alone_until`), and wakes the requests waiting for it.
+    fn finish(&self, id: &Id, lease: Option<Lease>, alone_until: Option<Instant>) {
+        let mut shard = self.shard(id);
+        let Some(open) = shard.get_mut(id) else {
             return;
         };
         open.taking = false;
-        if let Some(lease) = self.lease.take() {
+        if let Some(lease) = lease {
             open.leases.push(lease);
         }
-        if self.refused_until.is_some() {
-            open.refused_until = self.refused_until;
+        if alone_until.is_some() {
+            open.refused_until = alone_until;
         }
         for wake in open.waiting.drain(..) {
             let _ = wake.send(());
         }
-        // Nothing held or remembered: no entry left behind.
-        if open.leases.is_empty() && open.refused_until.is_none() {
-            shard.remove(self.id);
-        }
+        forget_if_idle(&mut shard, id);
+    }
+
+    /// No lease will be taken after all (no runtime to take it on).
+    fn abandon(&self, id: &Id) {
+        self.finish(id, None, None);
     }
 }
 
@@ -279,79 +334,90 @@ fn forget_if_idle(shard: &mut HashMap<Id, Open>, id: &Id) {
     }
 }
 
-/// Takes a lease of `units` for `id` and spends `cost` of it; decides `cost` on its own
-/// when the lease is refused.
+/// Ends a turn at taking a lease however the task ends (an answer, an error, a panic, the
+/// runtime shutting down): the waiting requests are always woken.
+struct Turn {
+    leases: Arc<Leases>,
+    id: Id,
+    lease: Option<Lease>,
+    alone_until: Option<Instant>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        // Ended without a word (a panic, a shutdown): decide one by one for a moment.
+        let alone_until = match (&self.lease, self.alone_until) {
+            (None, None) => Some(Instant::now() + AFTER_AN_ERROR),
+            (_, until) => until,
+        };
+        self.leases.finish(&self.id, self.lease.take(), alone_until);
+    }
+}
+
+/// Takes a lease of `units` for `id` (a task of its own), records it, and gives back what
+/// is left of it when it ends.
 async fn take<S: Store>(
-    inner: &Arc<S>,
-    leases: &Arc<Leases>,
+    inner: Arc<S>,
+    leases: Arc<Leases>,
     id: Id,
     policies: PolicySet,
-    cost: u64,
     units: u64,
     ttl: Duration,
-) -> Result<Decision, StoreError> {
-    let mut taking = Taking {
-        leases,
-        id: &id,
+) {
+    let mut turn = Turn {
+        leases: Arc::clone(&leases),
+        id: id.clone(),
         lease: None,
-        refused_until: None,
+        alone_until: None,
     };
     leases.calls.fetch_add(1, Ordering::Relaxed);
-    let taken = inner.decide(&id.0, &policies, units).await?;
-    if !taken.is_allowed() {
-        // For a while, requests are decided one by one: the last units of a quota are
-        // not lost to leases that no longer fit.
-        taking.refused_until = Some(Instant::now() + ttl);
-        drop(taking);
-        // The refusal is forgotten when it ends, with the entry if nothing else is in it.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (leases, id) = (Arc::clone(leases), id.clone());
-            runtime.spawn(async move {
-                tokio::time::sleep(ttl).await;
-                forget_if_idle(&mut leases.shard(&id), &id);
-            });
+    let taken = match inner.decide(&id.0, &policies, units).await {
+        Ok(taken) if taken.is_allowed() => taken,
+        Ok(_) => {
+            // Refused: for a while, requests are decided one by one, so the last units
+            // of a quota are not lost to leases that no longer fit.
+            turn.alone_until = Some(Instant::now() + ttl);
+            drop(turn);
+            // The refusal is forgotten when it ends, with the entry if nothing else is
+            // in it.
+            tokio::time::sleep(ttl).await;
+            forget_if_idle(&mut leases.shard(&id), &id);
+            return;
         }
-        if units == cost {
-            return Ok(taken);
+        Err(_) => {
+            // The store failed: each request meets the failure on its own for a moment.
+            turn.alone_until = Some(Instant::now() + AFTER_AN_ERROR);
+            return;
         }
-        leases.calls.fetch_add(1, Ordering::Relaxed);
-        return inner.decide(&id.0, &policies, cost).await;
-    }
+    };
     let lease_id = leases.next_id.fetch_add(1, Ordering::Relaxed);
-    let left = units - cost;
-    taking.lease = Some(Lease {
+    turn.lease = Some(Lease {
         id: lease_id,
-        left,
+        left: units,
         taken: units,
         receipt: taken.receipt(),
         ends: Instant::now() + ttl,
         statuses: taken.statuses().iter().copied().collect(),
         policies,
     });
-    drop(taking);
+    drop(turn);
     // When the lease ends, what is left of it goes back.
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        let (inner, leases) = (Arc::clone(inner), Arc::clone(leases));
-        runtime.spawn(async move {
-            tokio::time::sleep(ttl).await;
-            let ended = {
-                let mut shard = leases.shard(&id);
-                let ended = shard.get_mut(&id).and_then(|open| {
-                    let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
-                    Some(open.leases.swap_remove(index))
-                });
-                forget_if_idle(&mut shard, &id);
-                ended
-            };
-            if let Some(future) = ended
-                .as_ref()
-                .and_then(|lease| give_back(&*inner, &id.0, lease))
-            {
-                let _ = future.await;
-            }
+    tokio::time::sleep(ttl).await;
+    let ended = {
+        let mut shard = leases.shard(&id);
+        let ended = shard.get_mut(&id).and_then(|open| {
+            let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
+            Some(open.leases.swap_remove(index))
         });
+        forget_if_idle(&mut shard, &id);
+        ended
+    };
+    if let Some(future) = ended
+        .as_ref()
+        .and_then(|lease| give_back(&*inner, &id.0, lease))
+    {
+        let _ = future.await;
     }
-    Ok(local_decision(taken.statuses(), left, taken.receipt()))
 }
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
@@ -395,8 +461,11 @@ impl<S: Store> Store for Leased<S> {
             return self.inner.decide(key, policies, cost);
         }
         let id = (key.clone(), policies.serial());
-        let first = self.leases.step(&id, cost);
-        match first {
+        let mut step = self.leases.step(&id, cost);
+        if let Step::Take = step {
+            step = self.begin_take(&id, policies, cost);
+        }
+        match step {
             Step::Served(decision) => return DecideFuture::ready(Ok(decision)),
             Step::Alone => {
                 self.leases.calls.fetch_add(1, Ordering::Relaxed);
@@ -404,29 +473,21 @@ impl<S: Store> Store for Leased<S> {
             }
             Step::Wait(_) | Step::Take => {}
         }
-        let (inner, leases, policies) = (
-            Arc::clone(&self.inner),
-            Arc::clone(&self.leases),
-            policies.clone(),
-        );
-        let (units, ttl) = (self.units.max(cost), self.ttl);
+        let (store, policies) = (self.clone(), policies.clone());
         DecideFuture::new(async move {
-            let mut step = first;
             loop {
                 match step {
                     Step::Served(decision) => return Ok(decision),
                     Step::Alone => {
-                        leases.calls.fetch_add(1, Ordering::Relaxed);
-                        return inner.decide(&id.0, &policies, cost).await;
+                        store.leases.calls.fetch_add(1, Ordering::Relaxed);
+                        return store.inner.decide(&id.0, &policies, cost).await;
                     }
                     Step::Wait(woken) => {
                         // Woken when the lease being taken is there (or was refused).
                         let _ = woken.await;
-                        step = leases.step(&id, cost);
+                        step = store.leases.step(&id, cost);
                     }
-                    Step::Take => {
-                        return take(&inner, &leases, id, policies, cost, units, ttl).await;
-                    }
+                    Step::Take => step = store.begin_take(&id, &policies, cost),
                 }
             }
         })
