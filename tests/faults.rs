@@ -575,5 +575,67 @@ async fn cluster_failover_after_a_primary_is_killed() {
         failover.phase.answers.len()
     );
     assert!(failover.phase.count(DecidedBy::Fallback) > 0);
-    assert_exact(&store.inner, "after-cluster-failover").await;
+    // The identity whose slot the killed primary held.
+    assert_exact(&store.inner, "global").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_store_leaves_a_primary_that_stops_answering() {
+    let (primary, replica, sentinels) = sentinel_set();
+    let store = Counted {
+        inner: RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+            .connect()
+            .await
+            .unwrap(),
+        calls: Arc::default(),
+    };
+    let app = app(store.clone());
+    let healthy = until_decided_by(&app, DecidedBy::Redis, 50).await;
+    assert!(
+        healthy.done && healthy.all_answered(),
+        "{:?}",
+        healthy.answers
+    );
+
+    // Frozen, not dead: no connection is reset, requests just get no answer (the layer's
+    // timeout drops them). The store must still leave it for the promoted replica.
+    let failover = failover_under_load(&app, || primary.signal("STOP")).await;
+    println!(
+        "Sentinel: the primary froze; Redis decided again after {:?}; the fallback answered \
+         {} of {} foreground requests",
+        failover.gap,
+        failover.phase.count(DecidedBy::Fallback),
+        failover.phase.answers.len()
+    );
+    assert_eq!(named_primary(&sentinels[0]), replica.port);
+    primary.signal("CONT");
+    assert_exact(&store.inner, "after-freeze").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_misconfigurations_fail_at_start_and_say_why() {
+    let (_primary, _replica, sentinels) = sentinel_set();
+    let urls: Vec<String> = sentinels.iter().map(RedisServer::url).collect();
+    // A name no sentinel monitors: a configuration error, not "unavailable".
+    let unknown = RedisConfig::sentinel(urls.iter().cloned(), "nosuchmaster")
+        .connect()
+        .await
+        .expect_err("an unknown primary name is refused");
+    assert!(!unknown.kind().is_io(), "{unknown}");
+    assert!(unknown.to_string().contains("nosuchmaster"), "{unknown}");
+    // No sentinel reachable: unavailable, and it says so.
+    let port = support::free_port();
+    let nobody = RedisConfig::sentinel([format!("redis://127.0.0.1:{port}")], "mymaster")
+        .connect()
+        .await
+        .expect_err("no sentinel answers");
+    assert!(nobody.kind().is_io(), "{nobody}");
+    // A wrong password for the primary: refused, loudly, without the password.
+    let refused = RedisConfig::sentinel(urls.iter().cloned(), "mymaster")
+        .master_auth(Some("nobody"), "wrong-secret")
+        .connect()
+        .await
+        .expect_err("a wrong password is refused");
+    assert!(!refused.kind().is_io(), "{refused}");
+    assert!(!refused.to_string().contains("wrong-secret"), "{refused}");
 }

@@ -17,9 +17,10 @@ use crate::policy::{Policy, PolicySet};
 
 mod coalesce;
 mod connect;
+mod sentinel;
 
 pub use connect::RedisConfig;
-use connect::SentinelBackend;
+use sentinel::SentinelBackend;
 
 /// A decision script: the prelude, the algorithms it knows, and the decision loop.
 macro_rules! script {

@@ -132,6 +132,16 @@ impl RedisServer {
         server
     }
 
+    /// Sends the process `signal` (`STOP` freezes it: its connections stay open and its
+    /// kernel still accepts new ones, but nothing answers; `CONT` wakes it).
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
     /// Kills the process at once (SIGKILL), as a crash would.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -2,24 +2,19 @@
 //! Sentinel names (followed across failovers); plain or TLS; from code or from the
 //! environment.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisError};
+use redis::RedisError;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
+use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
 use super::{Backend, DEFAULT_PREFIX, RedisStore, store_error};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// How long one attempt to open a connection (to a server, a primary or a sentinel) may
 /// take before it counts as a failure.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// After a failed look-up of the primary, the Sentinel store answers "unavailable" at once
-/// for this long instead of asking the sentinels again for every request.
-const RESOLVE_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Where and how a [`RedisStore`] connects: one server, a Cluster, or the primary that
 /// Redis Sentinel names.
@@ -124,8 +119,8 @@ impl RedisConfig {
     /// - else `REDIS_CLUSTER` (comma-separated node URLs);
     /// - else `REDIS_URL` (`redis://` or `rediss://`).
     ///
-    /// `Ok(None)` when none is set; an error when the Sentinel variables come without each
-    /// other or a list is empty.
+    /// `Ok(None)` when none is set; an error when one is set but empty, when the Sentinel
+    /// variables come without each other, or when a list is empty.
     ///
     /// ```
     /// use tollgate::store::RedisConfig;
@@ -149,6 +144,8 @@ impl RedisConfig {
     ///     "primary \"mymaster\" through sentinels redis://127.0.0.1:26379, redis://127.0.0.1:26380"
     /// );
     /// assert!(from(&[("REDIS_SENTINEL_URLS", "redis://127.0.0.1:26379")]).is_err());
+    /// // Set to nothing is an error, not "no Redis".
+    /// assert!(from(&[("REDIS_URL", "")]).is_err());
     /// ```
     pub fn from_env() -> Result<Option<Self>, StoreError> {
         Self::from_lookup(|name| std::env::var(name).ok())
@@ -159,7 +156,17 @@ impl RedisConfig {
     pub fn from_lookup(
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<Option<Self>, StoreError> {
-        let set = |name: &str| lookup(name).filter(|value| !value.trim().is_empty());
+        // A variable set to nothing is a mistake (`REDIS_URL=${UNSET}` in a deployment),
+        // never "no Redis": replicas that each fell back to their own in-process store
+        // would admit N times the limit.
+        let set = |name: &str| -> Result<Option<String>, StoreError> {
+            match lookup(name) {
+                Some(value) if value.trim().is_empty() => Err(config_error(format!(
+                    "{name} is set but empty: unset it, or give it a value"
+                ))),
+                other => Ok(other),
+            }
+        };
         let list = |name: &str, value: String| -> Result<Vec<String>, StoreError> {
             let items: Vec<String> = value
                 .split(',')
@@ -172,11 +179,22 @@ impl RedisConfig {
             }
             Ok(items)
         };
-        match (set("REDIS_SENTINEL_URLS"), set("REDIS_SENTINEL_MASTER")) {
+        match (set("REDIS_SENTINEL_URLS")?, set("REDIS_SENTINEL_MASTER")?) {
             (Some(urls), Some(master)) => {
                 let mut config = Self::sentinel(list("REDIS_SENTINEL_URLS", urls)?, master.trim());
-                if let Some(password) = set("REDIS_SENTINEL_MASTER_PASSWORD") {
-                    config = config.master_auth(set("REDIS_SENTINEL_MASTER_USERNAME"), password);
+                match (
+                    set("REDIS_SENTINEL_MASTER_USERNAME")?,
+                    set("REDIS_SENTINEL_MASTER_PASSWORD")?,
+                ) {
+                    (username, Some(password)) => {
+                        config = config.master_auth(username, password);
+                    }
+                    (Some(_), None) => {
+                        return Err(config_error(
+                            "REDIS_SENTINEL_MASTER_USERNAME is set but REDIS_SENTINEL_MASTER_PASSWORD is not",
+                        ));
+                    }
+                    (None, None) => {}
                 }
                 return Ok(Some(config));
             }
@@ -192,10 +210,10 @@ impl RedisConfig {
             }
             (None, None) => {}
         }
-        if let Some(nodes) = set("REDIS_CLUSTER") {
+        if let Some(nodes) = set("REDIS_CLUSTER")? {
             return Ok(Some(Self::cluster(list("REDIS_CLUSTER", nodes)?)));
         }
-        Ok(set("REDIS_URL").map(|url| Self::server(url.trim())))
+        Ok(set("REDIS_URL")?.map(|url| Self::server(url.trim())))
     }
 
     /// Keys under `prefix` instead of `tollgate` (several apps, one Redis; an ACL user
@@ -251,6 +269,10 @@ impl RedisConfig {
     /// Connects, then [verifies](RedisStore::verify) that the server runs every script
     /// under the prefix.
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        // rustls needs one process-wide crypto provider; with both ring and aws-lc-rs in a
+        // build it cannot pick, so tollgate names ring (another one installed first wins).
+        #[cfg(feature = "tls")]
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let backend = match &self.target {
             Target::Server(url) => {
                 let client = self.client(url)?;
@@ -280,8 +302,7 @@ impl RedisConfig {
                 Backend::Cluster(connection)
             }
             Target::Sentinel { sentinels, master } => {
-                let client = self.sentinel_client(sentinels, master)?;
-                let sentinel = SentinelBackend::new(client);
+                let sentinel = self.sentinel_backend(sentinels, master)?;
                 // The first look-up: a wrong name or no reachable sentinel fails here.
                 sentinel.connection().await.map_err(|error| {
                     StoreError::new(
@@ -289,7 +310,7 @@ impl RedisConfig {
                         format!("{}: {}", self.describe(), error.message),
                     )
                 })?;
-                Backend::Sentinel(std::sync::Arc::new(sentinel))
+                Backend::Sentinel(sentinel)
             }
         };
         let store = RedisStore::with_backend(backend).prefix(&self.prefix);
@@ -297,72 +318,52 @@ impl RedisConfig {
         Ok(store)
     }
 
-    fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
-        check_scheme(url)?;
+    fn root_certificate(&self) -> Option<&[u8]> {
         #[cfg(feature = "tls")]
-        if let Some(pem) = &self.root_certificate {
-            return redis::Client::build_with_tls(url, certificates(pem)).map_err(store_error);
-        }
-        redis::Client::open(url).map_err(store_error)
+        return self.root_certificate.as_deref();
+        #[cfg(not(feature = "tls"))]
+        None
     }
 
-    fn sentinel_client(
+    fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
+        check_scheme(url)?;
+        open_client(url, self.root_certificate())
+    }
+
+    fn sentinel_backend(
         &self,
         sentinels: &[String],
         master: &str,
-    ) -> Result<SentinelClient, StoreError> {
+    ) -> Result<Arc<SentinelBackend>, StoreError> {
         if sentinels.is_empty() {
             return Err(config_error("no sentinel URL given"));
         }
-        let mut addresses = Vec::with_capacity(sentinels.len());
-        let mut sentinel_auth = None;
-        let mut tls = false;
-        for url in sentinels {
-            check_scheme(url)?;
-            let info = url.as_str().into_connection_info().map_err(store_error)?;
-            tls |= matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
-            if sentinel_auth.is_none() {
-                if let Some(password) = info.redis_settings().password() {
-                    sentinel_auth = Some((
-                        info.redis_settings().username().map(str::to_owned),
-                        password.to_owned(),
-                    ));
-                }
-            }
-            addresses.push(info.addr().clone());
+        if master.trim().is_empty() {
+            return Err(config_error("the primary's name is empty"));
         }
-        let mut builder = SentinelClientBuilder::new(addresses, master, SentinelServerType::Master)
-            .map_err(store_error)?
-            .set_client_to_redis_tcp_settings(tcp_settings())
-            .set_client_to_sentinel_tcp_settings(tcp_settings());
-        if let Some((username, password)) = sentinel_auth {
-            if let Some(username) = username {
-                builder = builder.set_client_to_sentinel_username(username);
-            }
-            builder = builder.set_client_to_sentinel_password(password);
-        }
-        if let Some((username, password)) = &self.master_auth {
-            if let Some(username) = username {
-                builder = builder.set_client_to_redis_username(username);
-            }
-            builder = builder.set_client_to_redis_password(password);
-        }
-        if tls {
-            // The primary is reached the way the sentinels are.
-            builder = builder.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
-            #[cfg(feature = "tls")]
-            if let Some(pem) = &self.root_certificate {
-                builder = builder
-                    .set_client_to_redis_certificates(certificates(pem))
-                    .set_client_to_sentinel_certificates(certificates(pem));
-            }
-        }
-        builder.build().map_err(store_error)
+        let clients = sentinels
+            .iter()
+            .map(|url| self.client(url))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The primary is reached the way the sentinels are: TLS when they use it.
+        let tls = sentinels
+            .iter()
+            .any(|url| url.trim_start().to_ascii_lowercase().starts_with("rediss:"));
+        let (username, password) = match &self.master_auth {
+            Some((username, password)) => (username.clone(), Some(password.clone())),
+            None => (None, None),
+        };
+        Ok(SentinelBackend::new(
+            clients,
+            master.trim().to_owned(),
+            PrimaryAccess {
+                tls,
+                username,
+                password,
+                root_certificate: self.root_certificate().map(<[u8]>::to_vec),
+            },
+        ))
     }
-}
-
-fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
 #[cfg(feature = "tls")]
@@ -422,134 +423,6 @@ pub(super) fn redact(url: &str) -> String {
         parsed.query_pairs_mut().clear().extend_pairs(pairs);
     }
     parsed.to_string()
-}
-
-/// The primary that the sentinels name, behind one multiplexed connection: looked up
-/// again after the connection breaks or the server says it is a replica.
-pub(super) struct SentinelBackend {
-    resolver: tokio::sync::Mutex<SentinelClient>,
-    current: Mutex<Current>,
-    generation: AtomicU64,
-}
-
-struct Current {
-    connection: Option<(u64, MultiplexedConnection)>,
-    /// A failed look-up: no new one before this instant.
-    retry_at: Option<Instant>,
-    last_error: Option<(StoreErrorKind, String)>,
-}
-
-impl SentinelBackend {
-    fn new(client: SentinelClient) -> Self {
-        Self {
-            resolver: tokio::sync::Mutex::new(client),
-            current: Mutex::new(Current {
-                connection: None,
-                retry_at: None,
-                last_error: None,
-            }),
-            generation: AtomicU64::new(0),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Current> {
-        self.current
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The connection to the current primary, looked up when there is none.
-    pub(super) async fn connection(&self) -> Result<(u64, MultiplexedConnection), StoreError> {
-        if let Some(found) = self.cached()? {
-            return Ok(found);
-        }
-        // One look-up at a time; the others wait for it and take its answer.
-        let mut resolver = self.resolver.lock().await;
-        if let Some(found) = self.cached()? {
-            return Ok(found);
-        }
-        let config = AsyncConnectionConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT));
-        let looked_up = tokio::time::timeout(
-            4 * CONNECT_TIMEOUT,
-            resolver.get_async_connection_with_config(&config),
-        )
-        .await;
-        let mut current = self.lock();
-        match looked_up {
-            Ok(Ok(connection)) => {
-                let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
-                current.connection = Some((generation, connection.clone()));
-                current.retry_at = None;
-                current.last_error = None;
-                Ok((generation, connection))
-            }
-            Ok(Err(error)) => {
-                let error = store_error(error);
-                // No reachable primary yet is the gap a failover leaves: unavailable.
-                let kind = if error.kind().is_io()
-                    || matches!(error.code(), Some("READONLY" | "MASTERDOWN"))
-                    || error.message.contains("No valid masters")
-                    || error.message.contains("sentinel")
-                {
-                    StoreErrorKind::Unavailable
-                } else {
-                    error.kind()
-                };
-                let message = format!("no primary from the sentinels: {}", error.message);
-                current.retry_at = Some(Instant::now() + RESOLVE_BACKOFF);
-                current.last_error = Some((kind, message.clone()));
-                Err(StoreError::new(kind, message))
-            }
-            Err(_) => {
-                let message = "the sentinels did not name a reachable primary in time".to_owned();
-                current.retry_at = Some(Instant::now() + RESOLVE_BACKOFF);
-                current.last_error = Some((StoreErrorKind::Timeout, message.clone()));
-                Err(StoreError::new(StoreErrorKind::Timeout, message))
-            }
-        }
-    }
-
-    /// The cached connection; the last look-up's error while its back-off lasts.
-    fn cached(&self) -> Result<Option<(u64, MultiplexedConnection)>, StoreError> {
-        let current = self.lock();
-        if let Some(found) = &current.connection {
-            return Ok(Some(found.clone()));
-        }
-        if let (Some(retry_at), Some((kind, message))) = (current.retry_at, &current.last_error) {
-            if Instant::now() < retry_at {
-                return Err(StoreError::new(*kind, message.clone()));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Reads what a command on connection `generation` ended with: a broken connection
-    /// or a demoted primary (`READONLY`) drops it, so the next decision looks the primary
-    /// up again; `READONLY` then counts as unavailable (a failover, not a refusal).
-    pub(super) fn outcome(&self, generation: u64, error: StoreError) -> StoreError {
-        let demoted = matches!(error.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
-        if error.kind().is_io() || demoted {
-            let mut current = self.lock();
-            if current
-                .connection
-                .as_ref()
-                .is_some_and(|(current, _)| *current == generation)
-            {
-                current.connection = None;
-            }
-        }
-        if demoted {
-            let mut unavailable = StoreError::new(
-                StoreErrorKind::Unavailable,
-                format!("the primary was demoted (a failover): {}", error.message),
-            );
-            if let Some(code) = error.code() {
-                unavailable = unavailable.with_code(code.to_owned());
-            }
-            return unavailable;
-        }
-        error
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,390 @@
+//! The primary that Redis Sentinel names, behind one multiplexed connection.
+//!
+//! - **Look-ups** run in a task of their own, one at a time: a request that times out
+//!   while it waits does not cancel one, and whoever asks next takes its answer. A failed
+//!   look-up is remembered for [`RESOLVE_BACKOFF`], so a dead topology is not asked again
+//!   for every request.
+//! - **A watch** asks the server every [`WATCH_EVERY`] what it is (`ROLE`, with a
+//!   deadline) and the sentinels whom they name: a primary that stops answering without
+//!   closing its connections, that was demoted, or that the sentinels no longer name (a
+//!   failover it did not see: a partition) is left, and looked up again.
+//! - **A command** that meets a broken connection or `READONLY` drops the connection at
+//!   once.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use redis::AsyncConnectionConfig;
+use redis::aio::MultiplexedConnection;
+
+use super::store_error;
+use crate::store::{StoreError, StoreErrorKind};
+
+/// How long one attempt to open a connection (to a sentinel or the primary) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a look-up may take in all (asking the sentinels, then the primary).
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// After a failed look-up, decisions fail at once as unavailable for this long instead of
+/// asking the sentinels again for every request.
+const RESOLVE_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How often the watch checks the primary and asks the sentinels.
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// How long the primary may take to answer the watch's `ROLE`.
+const WATCH_DEADLINE: Duration = Duration::from_millis(1000);
+
+/// How to reach the primary once the sentinels name it.
+#[derive(Clone)]
+pub(super) struct PrimaryAccess {
+    pub(super) tls: bool,
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
+    pub(super) root_certificate: Option<Vec<u8>>,
+}
+
+impl PrimaryAccess {
+    fn client(&self, host: &str, port: u16) -> Result<redis::Client, StoreError> {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let mut url = url::Url::parse(&format!("{scheme}://{host}:{port}"))
+            .or_else(|_| url::Url::parse(&format!("{scheme}://[{host}]:{port}")))
+            .map_err(|error| {
+                StoreError::new(
+                    StoreErrorKind::Protocol,
+                    format!("the sentinels named an address that does not parse ({host}:{port}): {error}"),
+                )
+            })?;
+        if let Some(password) = &self.password {
+            let _ = url.set_username(self.username.as_deref().unwrap_or(""));
+            let _ = url.set_password(Some(password));
+        }
+        open_client(url.as_str(), self.root_certificate.as_deref())
+    }
+}
+
+/// A client for `url`, trusting `root_certificate` (PEM) when given.
+pub(super) fn open_client(
+    url: &str,
+    root_certificate: Option<&[u8]>,
+) -> Result<redis::Client, StoreError> {
+    #[cfg(feature = "tls")]
+    if let Some(pem) = root_certificate {
+        return redis::Client::build_with_tls(
+            url,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(pem.to_vec()),
+            },
+        )
+        .map_err(store_error);
+    }
+    let _ = root_certificate;
+    redis::Client::open(url).map_err(store_error)
+}
+
+fn connection_config() -> AsyncConnectionConfig {
+    AsyncConnectionConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT))
+}
+
+/// The primary the sentinels name, followed across failovers.
+pub(super) struct SentinelBackend {
+    sentinels: Vec<redis::Client>,
+    master: String,
+    access: PrimaryAccess,
+    state: Mutex<State>,
+    /// Bumped after every look-up, so requests waiting for one wake up.
+    looked_up: tokio::sync::watch::Sender<u64>,
+    generation: AtomicU64,
+}
+
+struct State {
+    /// The connection, its generation and the primary's address.
+    current: Option<(u64, (String, u16), MultiplexedConnection)>,
+    resolving: bool,
+    /// The last look-up's failure, and until when it is the answer.
+    failed: Option<(Instant, StoreErrorKind, String)>,
+}
+
+impl SentinelBackend {
+    pub(super) fn new(
+        sentinels: Vec<redis::Client>,
+        master: String,
+        access: PrimaryAccess,
+    ) -> Arc<Self> {
+        let backend = Arc::new(Self {
+            sentinels,
+            master,
+            access,
+            state: Mutex::new(State {
+                current: None,
+                resolving: false,
+                failed: None,
+            }),
+            looked_up: tokio::sync::watch::Sender::new(0),
+            generation: AtomicU64::new(0),
+        });
+        // The watch holds the backend weakly: it ends with the last store.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(watch(Arc::downgrade(&backend)));
+        }
+        backend
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The connection to the current primary; a look-up (started here, or already under
+    /// way) when there is none.
+    pub(super) async fn connection(
+        self: &Arc<Self>,
+    ) -> Result<(u64, MultiplexedConnection), StoreError> {
+        loop {
+            // Subscribed before the state is read: a look-up that ends in between still
+            // wakes this request.
+            let mut looked_up = self.looked_up.subscribe();
+            {
+                let mut state = self.lock();
+                if let Some((generation, _, connection)) = &state.current {
+                    return Ok((*generation, connection.clone()));
+                }
+                if let Some((until, kind, message)) = &state.failed {
+                    if Instant::now() < *until {
+                        return Err(StoreError::new(*kind, message.clone()));
+                    }
+                }
+                if !state.resolving {
+                    state.resolving = true;
+                    match tokio::runtime::Handle::try_current() {
+                        Ok(runtime) => {
+                            runtime.spawn(resolve(Arc::clone(self)));
+                        }
+                        Err(_) => {
+                            state.resolving = false;
+                            return Err(StoreError::new(
+                                StoreErrorKind::Other,
+                                "no Tokio runtime to look the primary up on",
+                            ));
+                        }
+                    }
+                }
+            }
+            if looked_up.changed().await.is_err() {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "the Sentinel store was dropped",
+                ));
+            }
+        }
+    }
+
+    /// Asks the sentinels for the primary's address: the first that knows the name
+    /// answers. `Ok(None)`: every sentinel that answered does not know it.
+    async fn named_primary(&self) -> Result<Option<(String, u16)>, StoreError> {
+        let mut last_error = None;
+        let mut unknown = false;
+        for sentinel in &self.sentinels {
+            let asked = tokio::time::timeout(CONNECT_TIMEOUT * 2, async {
+                let mut connection = sentinel
+                    .get_multiplexed_async_connection_with_config(&connection_config())
+                    .await?;
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg(&self.master)
+                    .query_async::<Option<(String, u16)>>(&mut connection)
+                    .await
+            })
+            .await;
+            match asked {
+                Ok(Ok(Some(address))) => return Ok(Some(address)),
+                Ok(Ok(None)) => unknown = true,
+                Ok(Err(error)) => last_error = Some(store_error(error)),
+                Err(_) => {
+                    last_error = Some(StoreError::new(
+                        StoreErrorKind::Timeout,
+                        "a sentinel did not answer in time",
+                    ));
+                }
+            }
+        }
+        match last_error {
+            _ if unknown => Ok(None),
+            // A sentinel that refuses us (a wrong password) is a misconfiguration.
+            Some(error) if error.kind() == StoreErrorKind::Refused => Err(StoreError::new(
+                StoreErrorKind::Refused,
+                format!("a sentinel refused: {}", error.message),
+            )),
+            Some(error) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!("no sentinel answered: {}", error.message),
+            )),
+            None => Ok(None),
+        }
+    }
+
+    /// Looks the primary up: its address from the sentinels, a connection, and its own
+    /// word (`ROLE`) that it is a primary.
+    async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
+        let Some((host, port)) = self.named_primary().await? else {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "no sentinel knows a primary named \"{}\" (check the name)",
+                    self.master
+                ),
+            ));
+        };
+        let client = self.access.client(&host, port)?;
+        let mut connection = client
+            .get_multiplexed_async_connection_with_config(&connection_config())
+            .await
+            .map_err(store_error)?;
+        if !is_primary(&mut connection).await? {
+            return Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!(
+                    "{host}:{port}, which the sentinels name, is not a primary yet (a failover in progress)"
+                ),
+            ));
+        }
+        Ok(((host, port), connection))
+    }
+
+    /// Drops the connection of `generation` (if it is still the current one), so the
+    /// next decision looks the primary up again.
+    fn leave(&self, generation: u64) {
+        let mut state = self.lock();
+        if state
+            .current
+            .as_ref()
+            .is_some_and(|(current, _, _)| *current == generation)
+        {
+            state.current = None;
+        }
+    }
+
+    /// Reads what a command on connection `generation` ended with: a broken connection
+    /// or a demoted primary (`READONLY`) drops it, so the next decision looks the primary
+    /// up again; `READONLY` then counts as unavailable (a failover, not a refusal).
+    pub(super) fn outcome(&self, generation: u64, error: StoreError) -> StoreError {
+        let demoted = matches!(error.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
+        if error.kind().is_io() || demoted {
+            self.leave(generation);
+        }
+        if demoted {
+            let mut unavailable = StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!("the primary was demoted (a failover): {}", error.message),
+            );
+            if let Some(code) = error.code() {
+                unavailable = unavailable.with_code(code.to_owned());
+            }
+            return unavailable;
+        }
+        error
+    }
+}
+
+/// `ROLE` says `master`.
+async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, StoreError> {
+    let role: redis::Value = redis::cmd("ROLE")
+        .query_async(connection)
+        .await
+        .map_err(store_error)?;
+    Ok(match role {
+        redis::Value::Array(items) => {
+            matches!(
+                items.first(),
+                Some(redis::Value::BulkString(word)) if word.as_slice() == b"master"
+            ) || matches!(
+                items.first(),
+                Some(redis::Value::SimpleString(word)) if word == "master"
+            )
+        }
+        _ => false,
+    })
+}
+
+/// One look-up, recorded whoever is waiting for it.
+async fn resolve(backend: Arc<SentinelBackend>) {
+    let found = tokio::time::timeout(RESOLVE_TIMEOUT, backend.look_up()).await;
+    {
+        let mut state = backend.lock();
+        state.resolving = false;
+        match found {
+            Ok(Ok((address, connection))) => {
+                let generation = backend.generation.fetch_add(1, Ordering::Relaxed) + 1;
+                state.current = Some((generation, address, connection));
+                state.failed = None;
+            }
+            Ok(Err(error)) => {
+                state.failed = Some((
+                    Instant::now() + RESOLVE_BACKOFF,
+                    error.kind(),
+                    format!("no primary from the sentinels: {}", error.message),
+                ));
+            }
+            Err(_) => {
+                state.failed = Some((
+                    Instant::now() + RESOLVE_BACKOFF,
+                    StoreErrorKind::Timeout,
+                    format!(
+                        "the sentinels did not name a reachable primary within {RESOLVE_TIMEOUT:?}"
+                    ),
+                ));
+            }
+        }
+    }
+    backend.looked_up.send_modify(|count| *count += 1);
+}
+
+/// Every [`WATCH_EVERY`]: is the server still a primary that answers, and still the one
+/// the sentinels name? If not, it is left.
+async fn watch(backend: Weak<SentinelBackend>) {
+    loop {
+        tokio::time::sleep(WATCH_EVERY).await;
+        let Some(backend) = backend.upgrade() else {
+            return;
+        };
+        let current = backend
+            .lock()
+            .current
+            .as_ref()
+            .map(|(generation, address, connection)| {
+                (*generation, address.clone(), connection.clone())
+            });
+        let Some((generation, address, mut connection)) = current else {
+            continue;
+        };
+        let answered = tokio::time::timeout(WATCH_DEADLINE, is_primary(&mut connection)).await;
+        let reason = match answered {
+            Ok(Ok(true)) => match backend.named_primary().await {
+                Ok(Some(named)) if named != address => Some(format!(
+                    "the sentinels now name {}:{} as the primary",
+                    named.0, named.1
+                )),
+                _ => None,
+            },
+            Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
+            Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
+            Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
+        };
+        if let Some(reason) = reason {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                primary = %format!("{}:{}", address.0, address.1),
+                reason = %reason,
+                "leaving the Redis primary; asking the sentinels again"
+            );
+            #[cfg(not(feature = "tracing"))]
+            let _ = reason;
+            backend.leave(generation);
+        }
+    }
+}
