@@ -639,3 +639,23 @@ async fn sentinel_misconfigurations_fail_at_start_and_say_why() {
     assert!(!refused.kind().is_io(), "{refused}");
     assert!(!refused.to_string().contains("wrong-secret"), "{refused}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_works_with_the_least_privilege_user() {
+    let (primary, replica, sentinels) = sentinel_set();
+    // The README's line and `+role` (the store asks the primary what it is), on both
+    // servers: ACLs are not replicated.
+    let acl = "ACL SETUSER limiter on >s3cret resetkeys ~tollgate:* resetchannels -@all \
+               +evalsha +eval +script|load +time +get +set +hmget +hset +pexpire +pttl +zadd \
+               +zrange +zrangebyscore +zremrangebyscore +zcard +zrem +del +role";
+    let args: Vec<&str> = acl.split_whitespace().collect();
+    for server in [&primary, &replica] {
+        assert_eq!(server.cli(&args).trim(), "OK");
+    }
+    let store = RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+        .master_auth(Some("limiter"), "s3cret")
+        .connect()
+        .await
+        .expect("the least-privilege user runs every script through Sentinel");
+    assert_exact(&store, "least-privilege").await;
+}

@@ -447,6 +447,17 @@ impl RedisStore {
         // Cluster on every primary (each loads its own scripts, and may have its own ACL).
         let mut sets = vec![probe.clone()];
         sets.extend(probe.iter().map(|policy| PolicySet::from(policy.clone())));
+        // Several policies without an in-flight limit: coalesced, so the multi-policy
+        // batch script is checked too.
+        sets.push(
+            PolicySet::new(
+                probe
+                    .iter()
+                    .filter(|policy| !policy.params().is_in_flight())
+                    .cloned(),
+            )
+            .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?,
+        );
         let keys = self.start_up_identities().await;
         'primaries: for key in &keys {
             for set in &sets {
