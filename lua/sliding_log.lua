@@ -93,6 +93,9 @@ local function refund(p, s, units, at)
     units = units - taken
     s.total = s.total - taken
   end
+  -- Nothing given back: nothing to write (the log may have expired, and a write would
+  -- bring its hash back without a TTL).
+  if #members == 0 then return end
   redis.call('HSET', s.aux, 't', s.total)
   s.oldest = oldest_of(s.key)
 end
