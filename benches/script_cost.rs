@@ -1,6 +1,8 @@
-//! Redis CPU per decision: each single-policy script next to a minimal script of the same
-//! algorithm family, measured by Redis itself (`INFO commandstats`, `cmdstat_evalsha`:
-//! `usec / calls`) on the same server in the same run.
+//! Redis CPU per decision: each single-policy decision next to a minimal script of the
+//! same algorithm family, measured by Redis itself (`INFO commandstats`: `usec / calls`)
+//! on the same server in the same run. tollgate's decision is measured both ways it runs:
+//! as a call of its Functions library (`FCALL`, what a store runs where the server has
+//! Functions) and as its `EVALSHA` script (the fallback).
 //!
 //! `cargo bench --all-features --bench script_cost` (starts its own redis-server on a free
 //! loopback port, pinned to CPU 0 when `taskset` exists, and stops it at the end, also on
@@ -301,7 +303,34 @@ fn load(connection: &mut redis::Connection, source: &str) -> String {
 #[derive(Clone, Copy, PartialEq)]
 enum Variant {
     Tollgate,
+    Functions,
     Minimal,
+}
+
+/// The name of the library's decision function, once a store has loaded the library.
+fn decide_function(connection: &mut redis::Connection) -> String {
+    fn find(value: &redis::Value) -> Option<String> {
+        match value {
+            redis::Value::BulkString(bytes) => {
+                let text = String::from_utf8_lossy(bytes);
+                text.starts_with("tollgate_decide_")
+                    .then(|| text.into_owned())
+            }
+            redis::Value::SimpleString(text) => {
+                text.starts_with("tollgate_decide_").then(|| text.clone())
+            }
+            redis::Value::Array(items) => items.iter().find_map(find),
+            redis::Value::Map(pairs) => pairs
+                .iter()
+                .find_map(|(key, value)| find(key).or_else(|| find(value))),
+            _ => None,
+        }
+    }
+    let list: redis::Value = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query(connection)
+        .expect("FUNCTION LIST");
+    find(&list).expect("the store loaded its Functions library")
 }
 
 /// Redis's own µs of EVALSHA per call over `CALLS` calls of one script.
@@ -324,9 +353,13 @@ fn measure(
             // The key names the store would use for this identity and policy.
             let identity = call % IDENTITIES;
             let key = format!("tollgate:{{user:{identity}}}:api:{}", case.kind);
-            let command = pipe.cmd("EVALSHA").arg(sha);
+            let command = if variant == Variant::Functions {
+                pipe.cmd("FCALL").arg(sha)
+            } else {
+                pipe.cmd("EVALSHA").arg(sha)
+            };
             match variant {
-                Variant::Tollgate => {
+                Variant::Tollgate | Variant::Functions => {
                     let p3 = if case.kind == "cc" {
                         *serial
                     } else {
@@ -363,15 +396,15 @@ fn measure(
             panic!(
                 "{} ({variant_name}): {error}",
                 case.name,
-                variant_name = if variant == Variant::Tollgate {
-                    "tollgate"
-                } else {
-                    "minimal"
+                variant_name = match variant {
+                    Variant::Tollgate => "tollgate EVALSHA",
+                    Variant::Functions => "tollgate FCALL",
+                    Variant::Minimal => "minimal",
                 }
             )
         });
         // Every call admitted: outcome 0 for tollgate, allowed 1 for the minimal scripts.
-        let admitted = if variant == Variant::Tollgate { 0 } else { 1 };
+        let admitted = if variant == Variant::Minimal { 1 } else { 0 };
         assert!(
             replies.iter().all(|reply| reply.first() == Some(&admitted)),
             "{}: a call was not admitted: {:?}",
@@ -386,10 +419,15 @@ fn measure(
         .query(connection)
         .expect("INFO commandstats");
     // "cmdstat_evalsha:calls=20000,usec=261234,usec_per_call=13.06,..."
+    let command = if variant == Variant::Functions {
+        "cmdstat_fcall:"
+    } else {
+        "cmdstat_evalsha:"
+    };
     let line = stats
         .lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:"))
-        .unwrap_or_else(|| panic!("no EVALSHA stats in {stats}"));
+        .find_map(|line| line.strip_prefix(command))
+        .unwrap_or_else(|| panic!("no {command} stats in {stats}"));
     let field = |name: &str| -> f64 {
         line.trim()
             .split(',')
@@ -428,25 +466,47 @@ fn main() {
         })
         .collect();
 
-    // Per case: tollgate's and the minimal script's µs per call, and their ratio, per round.
+    // A store loads its Functions library, as at any start-up.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    runtime.block_on(async {
+        tollgate::store::RedisStore::connect(&format!("redis://127.0.0.1:{}", server.port))
+            .await
+            .expect("the store starts and loads its library")
+    });
+    let function = decide_function(&mut connection);
+
+    // Per case: tollgate's (script and function) and the minimal script's µs per call,
+    // per round.
     let mut tollgate = vec![Vec::new(); cases.len()];
+    let mut functions = vec![Vec::new(); cases.len()];
     let mut minimal = vec![Vec::new(); cases.len()];
     let mut serial = 0;
     let runs: Vec<(usize, Variant)> = (0..cases.len())
-        .flat_map(|index| [(index, Variant::Tollgate), (index, Variant::Minimal)])
+        .flat_map(|index| {
+            [
+                (index, Variant::Functions),
+                (index, Variant::Minimal),
+                (index, Variant::Tollgate),
+            ]
+        })
         .collect();
     for round in 0..ROUNDS {
         // Each round starts elsewhere in the list, and pairs alternate which goes first.
         let shift = round * runs.len() / ROUNDS;
         for step in 0..runs.len() {
             let (index, variant) = runs[(step + shift) % runs.len()];
-            let variant = match (round % 2, variant) {
-                (0, variant) => variant,
-                (_, Variant::Tollgate) => Variant::Minimal,
-                (_, Variant::Minimal) => Variant::Tollgate,
-            };
             let (case, (tollgate_sha, minimal_sha)) = (&cases[index], &shas[index]);
             match variant {
+                Variant::Functions => functions[index].push(measure(
+                    &mut connection,
+                    case,
+                    variant,
+                    &function,
+                    &mut serial,
+                )),
                 Variant::Tollgate => tollgate[index].push(measure(
                     &mut connection,
                     case,
@@ -466,25 +526,33 @@ fn main() {
     }
 
     println!(
-        "Redis CPU per EVALSHA (INFO commandstats usec/calls), {CALLS} calls x {ROUNDS} rounds, \
+        "Redis CPU per call (INFO commandstats usec/calls), {CALLS} calls x {ROUNDS} rounds, \
          {IDENTITIES} identities, medians"
     );
     println!();
-    println!("| algorithm | tollgate µs/call | minimal script | minimal µs/call | ratio |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | FCALL / minimal | EVALSHA / minimal |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for (index, case) in cases.iter().enumerate() {
-        let mut ratios: Vec<f64> = tollgate[index]
-            .iter()
-            .zip(&minimal[index])
-            .map(|(ours, floor)| ours / floor)
-            .collect();
+        let ratios = |ours: &[f64]| {
+            let mut ratios: Vec<f64> = ours
+                .iter()
+                .zip(&minimal[index])
+                .map(|(ours, floor)| ours / floor)
+                .collect();
+            median(&mut ratios)
+        };
+        let (by_function, by_script) = (ratios(&functions[index]), ratios(&tollgate[index]));
         println!(
-            "| {} | {:.2} | {} | {:.2} | {:.2}x |",
+            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2}x | {:.2}x |",
             case.name,
+            median(&mut functions[index]),
             median(&mut tollgate[index]),
             case.minimal_name,
             median(&mut minimal[index]),
-            median(&mut ratios)
+            by_function,
+            by_script
         );
     }
     println!();

@@ -1,7 +1,9 @@
 -- tollgate: the prelude of every decision script.
 --
--- src/store/redis.rs assembles the scripts from the files in lua/: this prelude, one
--- algorithm file (or all six, for requests under several policies) and main.lua. Each
+-- src/store/redis.rs assembles the scripts from the files in lua/: begin.lua, this
+-- prelude, one algorithm file (or all of them, for requests under several policies) and
+-- main.lua; and the Redis Functions library of every one of them (src/store/redis.rs,
+-- `library`), where begin.lua runs at the start of each call. Each
 -- algorithm file mirrors its twin in src/algorithm/; the conformance suite checks that
 -- both give the same decisions. A script runs as one EVALSHA, so no other client sees or
 -- changes the state between the check and the debit, and several policies are
@@ -22,15 +24,8 @@
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
 
-local now
-if ARGV[1] ~= '' then
-  now = tonumber(ARGV[1])
-else
-  local time = redis.call('TIME')
-  now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-end
-local cost = tonumber(ARGV[2])
-local count = tonumber(ARGV[3])
+-- `now`, `cost` and `count` are set by begin.lua at the start of every call (they are
+-- declared before this prelude: the locals of a script, or of the Functions library).
 
 -- floor(a / b) and ceil(a / b) for integers 0 <= a < 2^53, b > 0: fmod is exact, and so
 -- is the division of an exact multiple.

@@ -1023,7 +1023,9 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
         stats
             .lines()
             .filter(|line| {
-                line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:")
+                ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
+                    .iter()
+                    .any(|name| line.starts_with(name))
             })
             .filter_map(|line| {
                 line.split("calls=")
@@ -1115,4 +1117,34 @@ async fn stores_with_other_prefixes_never_share_a_batch() {
         let peek = store.peek(&key, &policies).await.unwrap();
         assert_eq!(peek.statuses()[0].remaining, 7);
     }
+}
+
+/// A settle that comes after the sliding log it refers to has expired (a long response)
+/// gives nothing back and writes nothing: no key is brought back without a TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .prefix("late");
+    let policies =
+        PolicySet::from(Policy::sliding_log("log", 5, Duration::from_millis(5)).unwrap());
+    let key = Key::new("late");
+    let decision = store.decide(&key, &policies, 3).await.unwrap();
+    // Well past the log's 5 ms (its keys expire with it).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store
+        .adjust(
+            &key,
+            &policies,
+            &Adjustment::settle(3, 1, decision.receipt()),
+        )
+        .await
+        .unwrap();
+    let left: Vec<_> = keys_with_ttl(&server)
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("late:"))
+        .collect();
+    assert!(left.is_empty(), "keys left behind: {left:?}");
 }

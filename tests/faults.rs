@@ -646,7 +646,7 @@ async fn sentinel_works_with_the_least_privilege_user() {
     // The README's line and `+role` (the store asks the primary what it is), on both
     // servers: ACLs are not replicated.
     let acl = "ACL SETUSER limiter on >s3cret resetkeys ~tollgate:* resetchannels -@all \
-               +evalsha +eval +script|load +time +get +set +hmget +hset +pexpire +pttl +zadd \
+               +fcall +function|load +evalsha +eval +script|load +time +get +set +hmget +hset +pexpire +pttl +zadd \
                +zrange +zrangebyscore +zremrangebyscore +zcard +zrem +del +role";
     let args: Vec<&str> = acl.split_whitespace().collect();
     for server in [&primary, &replica] {

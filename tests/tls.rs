@@ -67,7 +67,8 @@ fn start() -> TlsRedis {
         "--tls-auth-clients",
         "no",
     ]);
-    // The README's least-privilege line, with this app's prefix.
+    // The README's least-privilege line, with this app's prefix, less the Functions
+    // commands: the store falls back to EVALSHA scripts (checked below).
     let acl = "ACL SETUSER limiter on >s3cret resetkeys ~shop:* resetchannels -@all +evalsha \
                +eval +script|load +time +get +set +hmget +hset +pexpire +pttl +zadd +zrange \
                +zrangebyscore +zremrangebyscore +zcard +zrem +del";
@@ -112,6 +113,10 @@ async fn rediss_with_a_private_ca_and_a_least_privilege_user() {
         .filter(|decision| decision.is_allowed())
         .count();
     assert_eq!(allowed, 5);
+
+    // Without FUNCTION LOAD and FCALL in the ACL, the decisions ran as scripts.
+    assert!(support::command_calls(&redis.server, "evalsha") > 0);
+    assert_eq!(support::command_calls(&redis.server, "fcall"), 0);
 
     // Every key is under the user's prefix, with a TTL.
     let keys = keys_with_ttl(&redis.server);

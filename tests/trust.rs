@@ -670,6 +670,8 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         "~tollgate:*",
         "resetchannels",
         "-@all",
+        "+fcall",
+        "+function|load",
         "+evalsha",
         "+eval",
         "+script|load",
@@ -701,6 +703,8 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
             .unwrap()
             .is_allowed()
     );
+    // With FUNCTION LOAD and FCALL granted, decisions are Functions calls.
+    assert!(support::command_calls(&server, "fcall") > 0);
 
     // A user that may run scripts but not touch the store's keys.
     let denied = server.cli(&[
@@ -769,7 +773,7 @@ async fn connect_cluster_checks_every_primary() {
         .iter()
         .find(|node| !owns(node))
         .expect("three primaries: two do not own that slot");
-    let refused = strict.cli(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
+    let refused = strict.cli(&["ACL", "SETUSER", "default", "-evalsha", "-eval", "-fcall"]);
     assert!(refused.contains("OK"), "{refused}");
     let error = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
         .await

@@ -45,7 +45,14 @@ macro_rules! script {
     };
     (algorithms: $(($kind:literal, $file:literal)),+) => {
         concat!(
+            "local now, cost, count\n",
+            include_str!("../../lua/begin.lua"),
             include_str!("../../lua/prelude.lua"),
+            script!(wrappers: $(($kind, $file)),+)
+        )
+    };
+    (wrappers: $(($kind:literal, $file:literal)),+) => {
+        concat!(
             "local algorithms = {}\n",
             $(
                 "algorithms.", $kind, " = (function()\n",
@@ -54,6 +61,84 @@ macro_rules! script {
             )+
         )
     };
+}
+
+/// Every algorithm, registered by kind: the heart of the Functions library.
+const ALL_ALGORITHMS: &str = script!(
+    wrappers: ("fw", "fixed_window.lua"),
+    ("sw", "sliding_window.lua"),
+    ("sl", "sliding_log.lua"),
+    ("tb", "token_bucket.lua"),
+    ("ls", "leaky_shape.lua"),
+    ("gc", "gcra.lua"),
+    ("cc", "in_flight.lua")
+);
+
+/// The Redis Functions library of this build: the prelude and every algorithm defined
+/// once when the library loads, and three functions (decide, a coalesced batch, adjust)
+/// that each call runs without defining anything. Its name carries a hash of its text,
+/// so replicas of two versions never replace each other's functions.
+struct Library {
+    source: String,
+    decide: String,
+    batch: String,
+    adjust: String,
+}
+
+impl Library {
+    fn new() -> Self {
+        let version = Script::new(&format!(
+            "{MULTI_POLICY_SCRIPT}{ADJUST_SCRIPT}{}",
+            BATCH_SCRIPTS[7]
+        ))
+        .get_hash()[..16]
+            .to_owned();
+        let name = |function: &str| format!("tollgate_{function}_{version}");
+        let (decide, batch, adjust) = (name("decide"), name("batch"), name("adjust"));
+        let source = [
+            &format!("#!lua name=tollgate_{version}\n"),
+            "local KEYS, ARGV, now, cost, count\n",
+            "local function begin()\n",
+            include_str!("../../lua/begin.lua"),
+            "end\n",
+            include_str!("../../lua/prelude.lua"),
+            ALL_ALGORITHMS,
+            "local function decide()\n",
+            include_str!("../../lua/main.lua"),
+            "\nend\n",
+            "local function adjust()\n",
+            include_str!("../../lua/adjust.lua"),
+            "\nend\n",
+            "local function batch()\n",
+            include_str!("../../lua/batch.lua"),
+            "\nend\n",
+            "local function entry(body)\n",
+            "  return function(keys, args)\n",
+            "    KEYS, ARGV = keys, args\n",
+            "    begin()\n",
+            "    return body()\n",
+            "  end\n",
+            "end\n",
+            &format!("redis.register_function('{decide}', entry(decide))\n"),
+            &format!("redis.register_function('{batch}', entry(batch))\n"),
+            &format!("redis.register_function('{adjust}', entry(adjust))\n"),
+        ]
+        .concat();
+        Self {
+            source,
+            decide,
+            batch,
+            adjust,
+        }
+    }
+}
+
+/// Which of a call's scripts (or library functions) to run.
+#[derive(Clone, Copy)]
+enum Call {
+    Decide,
+    Batch,
+    Adjust,
 }
 
 /// The script of requests under one fixed-window policy.
@@ -121,6 +206,11 @@ struct Scripts {
     multi: Script,
     batch: [Script; 8],
     adjust: Script,
+    library: Library,
+    /// The library is loaded on the server: calls are `FCALL`s. Until the start-up check
+    /// loads it (or where the server has no Functions, or the ACL refuses them), scripts
+    /// run as `EVALSHA`.
+    functions: std::sync::atomic::AtomicBool,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
@@ -146,6 +236,26 @@ impl Scripts {
             multi: Script::new(MULTI_POLICY_SCRIPT),
             batch: BATCH_SCRIPTS.map(Script::new),
             adjust: Script::new(ADJUST_SCRIPT),
+            library: Library::new(),
+            functions: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The script of `call` for `invocation`.
+    fn script(&self, call: Call, invocation: &Invocation) -> &Script {
+        match call {
+            Call::Decide => self.for_invocation(invocation),
+            Call::Batch => self.batch_for(invocation),
+            Call::Adjust => &self.adjust,
+        }
+    }
+
+    /// The library function of `call`.
+    fn function(&self, call: Call) -> &str {
+        match call {
+            Call::Decide => &self.library.decide,
+            Call::Batch => &self.library.batch,
+            Call::Adjust => &self.library.adjust,
         }
     }
 
@@ -424,6 +534,7 @@ impl RedisStore {
     /// is read-only; a Redis too old for `TIME` in scripts) fails here, at start-up, with
     /// the server's own words, instead of on every request.
     pub async fn verify(&self) -> Result<(), StoreError> {
+        self.load_functions().await;
         let probe = PolicySet::new(
             [
                 Policy::fixed_window("probe-fw", 1, Duration::from_millis(1)),
@@ -509,6 +620,47 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// Loads the Functions library, so decisions are `FCALL`s (the prelude and the
+    /// algorithms defined once, not on every call). Where the server has no Functions
+    /// (before Redis 7) or the ACL refuses `FUNCTION LOAD` or `FCALL`, decisions stay
+    /// `EVALSHA` scripts, as exact, and an info event says so.
+    async fn load_functions(&self) {
+        use std::sync::atomic::Ordering;
+        let loaded = load_library(&self.backend, &self.scripts).await;
+        // A first call proves FCALL is allowed too (an ACL may grant one, not the other).
+        let callable = match loaded {
+            Ok(()) => {
+                let mut probe = redis::cmd("FCALL");
+                probe
+                    .arg(&self.scripts.library.decide)
+                    .arg(0)
+                    .arg("")
+                    .arg(0)
+                    .arg(0);
+                match query::<redis::Value>(&self.backend, &probe).await {
+                    Ok(_) => Ok(()),
+                    Err(error) => Err(error),
+                }
+            }
+            Err(error) => Err(error),
+        };
+        match callable {
+            Ok(()) => self.scripts.functions.store(true, Ordering::Relaxed),
+            Err(error) => {
+                self.scripts.functions.store(false, Ordering::Relaxed);
+                #[cfg(feature = "tracing")]
+                tracing::info!(
+                    target: "tollgate",
+                    %error,
+                    "Redis Functions are not available here; decisions run as EVALSHA scripts \
+                     (as exact; a little more Redis CPU each)"
+                );
+                #[cfg(not(feature = "tracing"))]
+                let _ = error;
+            }
+        }
+    }
+
     /// One throw-away identity per Cluster primary (so every primary runs the check), or a
     /// single one on a standalone server or when the topology cannot be read.
     async fn start_up_identities(&self) -> Vec<Key> {
@@ -687,7 +839,7 @@ impl Store for RedisStore {
             });
         }
         DecideFuture::new(async move {
-            let reply = invoke(&backend, scripts.for_invocation(&invocation), &invocation).await;
+            let reply = invoke(&backend, &scripts, Call::Decide, &invocation).await;
             // Back (or failed): what queued behind this call goes now, as one batch.
             drop(lead);
             let reply = reply?;
@@ -734,7 +886,7 @@ impl Store for RedisStore {
         invocation.args.push(left.join(","));
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
-            let reply = invoke(&backend, &scripts.adjust, &invocation).await?;
+            let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
             parse_reply(&reply, invocation.count, 0, receipt.lease())
         })
     }
@@ -934,8 +1086,47 @@ async fn query<T: redis::FromRedisValue>(
     .map_err(store_error)
 }
 
-/// Runs `script` with the invocation's keys and arguments on `backend`.
+/// Runs `call` with the invocation's keys and arguments on `backend`: the library's
+/// function when the library is loaded (loaded again and retried once if the server lost
+/// it: a flush, a node that joined), else the script.
 async fn invoke(
+    backend: &Backend,
+    scripts: &Scripts,
+    call: Call,
+    invocation: &Invocation,
+) -> Result<Vec<i64>, StoreError> {
+    use std::sync::atomic::Ordering;
+    if scripts.functions.load(Ordering::Relaxed) {
+        let mut command = redis::cmd("FCALL");
+        command
+            .arg(scripts.function(call))
+            .arg(invocation.keys.len())
+            .arg(&invocation.keys)
+            .arg(&invocation.args);
+        match query::<Vec<i64>>(backend, &command).await {
+            Err(error) if error.message.contains("Function not found") => {
+                load_library(backend, scripts).await?;
+                return query::<Vec<i64>>(backend, &command).await;
+            }
+            other => return other,
+        }
+    }
+    run_script(backend, scripts.script(call, invocation), invocation).await
+}
+
+/// Loads the Functions library (`FUNCTION LOAD REPLACE`: the same text under the same
+/// name, so replicas loading at once agree; on a Cluster, every primary).
+async fn load_library(backend: &Backend, scripts: &Scripts) -> Result<(), StoreError> {
+    let mut command = redis::cmd("FUNCTION");
+    command
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(&scripts.library.source);
+    query::<redis::Value>(backend, &command).await.map(drop)
+}
+
+/// Runs `script` with the invocation's keys and arguments on `backend`.
+async fn run_script(
     backend: &Backend,
     script: &Script,
     invocation: &Invocation,

@@ -237,6 +237,24 @@ impl RedisCluster {
     }
 }
 
+/// How many times `server` ran `command` (lower case) and it succeeded, from `INFO
+/// commandstats` (0 when it never ran).
+pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
+    let stats = server.cli(&["INFO", "commandstats"]);
+    let Some(line) = stats
+        .lines()
+        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
+    else {
+        return 0;
+    };
+    let field = |name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|field| field.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    field("calls=").saturating_sub(field("failed_calls="))
+}
+
 /// Every key on `server`, with its TTL in milliseconds (-1: none; -2: gone since the scan).
 /// A reply that is not a number fails the test.
 pub fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {

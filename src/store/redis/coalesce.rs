@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
 
-use super::{Backend, Invocation, Scripts, invoke, parse_reply};
+use super::{Backend, Call, Invocation, Scripts, invoke, parse_reply};
 use crate::decision::Decision;
 use crate::store::{StoreError, StoreErrorKind};
 
@@ -198,8 +198,7 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
         count: invocation.count,
         single_kind: invocation.single_kind,
     };
-    let script = batch.scripts.batch_for(&call);
-    match invoke(&batch.backend, script, &call).await {
+    match invoke(&batch.backend, &batch.scripts, Call::Batch, &call).await {
         Ok(reply) => {
             let mut rest = reply.as_slice();
             for waiter in waiters {
