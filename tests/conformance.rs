@@ -499,14 +499,16 @@ async fn every_constructor_shares_one_budget_and_survives_a_script_flush() {
                 }
             }
             if round == 0 {
-                // Scripts vanish (a restart, a failover, SCRIPT FLUSH): EVALSHA answers
-                // NOSCRIPT and the store loads the script again by itself.
+                // Scripts and functions vanish (a restart, a failover, SCRIPT FLUSH,
+                // FUNCTION FLUSH): EVALSHA answers NOSCRIPT, FCALL "Function not found",
+                // and the store loads them again by itself.
                 let nodes: Vec<&RedisServer> = match name {
                     "standalone" => vec![&standalone],
                     _ => cluster.nodes.iter().collect(),
                 };
                 for node in nodes {
                     assert_eq!(node.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+                    assert_eq!(node.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
                 }
             }
         }
