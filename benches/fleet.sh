@@ -67,7 +67,7 @@ script_stat() { # name ports...
   local total=0 port value
   for port in "$@"; do
     value=$(redis-cli -p "$port" info commandstats | tr -d '\r' |
-      awk -F'[:,=]' -v want="$name" '/^cmdstat_(evalsha|eval):/ {
+      awk -F'[:,=]' -v want="$name" '/^cmdstat_(evalsha|eval|fcall):/ {
         for (i = 2; i < NF; i += 2) if ($i == want) sum += $(i + 1)
       } END { print sum + 0 }')
     total=$((total + value))

@@ -131,7 +131,11 @@ fn script_stats(server: &support::RedisServer) -> (u64, u64) {
     };
     stats
         .lines()
-        .filter(|line| line.starts_with("cmdstat_evalsha:") || line.starts_with("cmdstat_eval:"))
+        .filter(|line| {
+            ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
+                .iter()
+                .any(|name| line.starts_with(name))
+        })
         .fold((0, 0), |(calls, usec), line| {
             (calls + field(line, "calls="), usec + field(line, "usec="))
         })
