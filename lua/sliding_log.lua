@@ -86,10 +86,12 @@ local function refund(p, s, units, at)
     local sequence, held = string.match(members[i], '^(%d+):(%d+)$')
     held = tonumber(held)
     local taken = math.min(units, held)
-    redis.call('ZREM', s.key, members[i])
+    -- The smaller entry goes in before the old one goes: removing a log's only entry
+    -- first would delete the key, and the ZADD would make it again without a TTL.
     if held > taken then
       redis.call('ZADD', s.key, members[i + 1], string.format('%s:%d', sequence, held - taken))
     end
+    redis.call('ZREM', s.key, members[i])
     units = units - taken
     s.total = s.total - taken
   end

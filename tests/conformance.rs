@@ -1149,4 +1149,21 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
         .filter(|(name, _)| name.starts_with("late:"))
         .collect();
     assert!(left.is_empty(), "keys left behind: {left:?}");
+
+    // A settle that gives back part of a log's only entry keeps the log's TTL.
+    let policies = PolicySet::from(Policy::sliding_log("log", 5, Duration::from_secs(60)).unwrap());
+    let key = Key::new("partial");
+    let decision = store.decide(&key, &policies, 3).await.unwrap();
+    let settled = store
+        .adjust(
+            &key,
+            &policies,
+            &Adjustment::settle(3, 1, decision.receipt()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(settled.statuses()[0].remaining, 4);
+    for (name, ttl) in keys_with_ttl(&server) {
+        assert!(ttl > 0, "{name} has TTL {ttl}");
+    }
 }
