@@ -87,16 +87,11 @@ struct Library {
 
 impl Library {
     fn new() -> Self {
-        let version = Script::new(&format!(
-            "{MULTI_POLICY_SCRIPT}{ADJUST_SCRIPT}{}",
-            BATCH_SCRIPTS[7]
-        ))
-        .get_hash()[..16]
-            .to_owned();
-        let name = |function: &str| format!("tollgate_{function}_{version}");
+        const VERSION: &str = "@VERSION@";
+        let name = |function: &str| format!("tollgate_{function}_{VERSION}");
         let (decide, batch, adjust) = (name("decide"), name("batch"), name("adjust"));
-        let source = [
-            &format!("#!lua name=tollgate_{version}\n"),
+        let template = [
+            &format!("#!lua name=tollgate_{VERSION}\n"),
             "local KEYS, ARGV, now, cost, count\n",
             "local function begin()\n",
             include_str!("../../lua/begin.lua"),
@@ -124,6 +119,15 @@ impl Library {
             &format!("redis.register_function('{adjust}', entry(adjust))\n"),
         ]
         .concat();
+        // The name carries a hash of the whole text: two builds share a name only when
+        // they run the same code.
+        let version = Script::new(&template).get_hash()[..16].to_owned();
+        let source = template.replace(VERSION, &version);
+        let (decide, batch, adjust) = (
+            decide.replace(VERSION, &version),
+            batch.replace(VERSION, &version),
+            adjust.replace(VERSION, &version),
+        );
         Self {
             source,
             decide,
@@ -207,10 +211,14 @@ struct Scripts {
     batch: [Script; 8],
     adjust: Script,
     library: Library,
-    /// The library is loaded on the server: calls are `FCALL`s. Until the start-up check
-    /// loads it (or where the server has no Functions, or the ACL refuses them), scripts
-    /// run as `EVALSHA`.
+    /// Calls are `FCALL`s of the library (loaded when a server answers that it does not
+    /// have it); off for good once a server has no Functions or refuses them: then calls
+    /// run as `EVALSHA` scripts.
     functions: std::sync::atomic::AtomicBool,
+    /// One library load at a time; `loads` counts them: requests that all found the
+    /// library missing (a server restarted) load it once, not once each.
+    reload: tokio::sync::Mutex<()>,
+    loads: std::sync::atomic::AtomicU64,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
@@ -237,7 +245,9 @@ impl Scripts {
             batch: BATCH_SCRIPTS.map(Script::new),
             adjust: Script::new(ADJUST_SCRIPT),
             library: Library::new(),
-            functions: std::sync::atomic::AtomicBool::new(false),
+            functions: std::sync::atomic::AtomicBool::new(true),
+            reload: tokio::sync::Mutex::new(()),
+            loads: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -534,7 +544,6 @@ impl RedisStore {
     /// is read-only; a Redis too old for `TIME` in scripts) fails here, at start-up, with
     /// the server's own words, instead of on every request.
     pub async fn verify(&self) -> Result<(), StoreError> {
-        self.load_functions().await;
         let probe = PolicySet::new(
             [
                 Policy::fixed_window("probe-fw", 1, Duration::from_millis(1)),
@@ -620,47 +629,6 @@ impl RedisStore {
 }
 
 impl RedisStore {
-    /// Loads the Functions library, so decisions are `FCALL`s (the prelude and the
-    /// algorithms defined once, not on every call). Where the server has no Functions
-    /// (before Redis 7) or the ACL refuses `FUNCTION LOAD` or `FCALL`, decisions stay
-    /// `EVALSHA` scripts, as exact, and an info event says so.
-    async fn load_functions(&self) {
-        use std::sync::atomic::Ordering;
-        let loaded = load_library(&self.backend, &self.scripts).await;
-        // A first call proves FCALL is allowed too (an ACL may grant one, not the other).
-        let callable = match loaded {
-            Ok(()) => {
-                let mut probe = redis::cmd("FCALL");
-                probe
-                    .arg(&self.scripts.library.decide)
-                    .arg(0)
-                    .arg("")
-                    .arg(0)
-                    .arg(0);
-                match query::<redis::Value>(&self.backend, &probe).await {
-                    Ok(_) => Ok(()),
-                    Err(error) => Err(error),
-                }
-            }
-            Err(error) => Err(error),
-        };
-        match callable {
-            Ok(()) => self.scripts.functions.store(true, Ordering::Relaxed),
-            Err(error) => {
-                self.scripts.functions.store(false, Ordering::Relaxed);
-                #[cfg(feature = "tracing")]
-                tracing::info!(
-                    target: "tollgate",
-                    %error,
-                    "Redis Functions are not available here; decisions run as EVALSHA scripts \
-                     (as exact; a little more Redis CPU each)"
-                );
-                #[cfg(not(feature = "tracing"))]
-                let _ = error;
-            }
-        }
-    }
-
     /// One throw-away identity per Cluster primary (so every primary runs the check), or a
     /// single one on a standalone server or when the topology cannot be read.
     async fn start_up_identities(&self) -> Vec<Key> {
@@ -1087,8 +1055,8 @@ async fn query<T: redis::FromRedisValue>(
 }
 
 /// Runs `call` with the invocation's keys and arguments on `backend`: the library's
-/// function when the library is loaded (loaded again and retried once if the server lost
-/// it: a flush, a node that joined), else the script.
+/// function (loaded, once, when the server does not have it: a restart, a flush, a node
+/// that joined), or the script where Functions are missing or refused.
 async fn invoke(
     backend: &Backend,
     scripts: &Scripts,
@@ -1097,32 +1065,78 @@ async fn invoke(
 ) -> Result<Vec<i64>, StoreError> {
     use std::sync::atomic::Ordering;
     if scripts.functions.load(Ordering::Relaxed) {
+        let loads = scripts.loads.load(Ordering::Acquire);
         let mut command = redis::cmd("FCALL");
         command
             .arg(scripts.function(call))
             .arg(invocation.keys.len())
             .arg(&invocation.keys)
             .arg(&invocation.args);
-        match query::<Vec<i64>>(backend, &command).await {
+        let refused = match query::<Vec<i64>>(backend, &command).await {
+            Ok(reply) => return Ok(reply),
             Err(error) if error.message.contains("Function not found") => {
-                load_library(backend, scripts).await?;
-                return query::<Vec<i64>>(backend, &command).await;
+                match load_library(backend, scripts, loads).await {
+                    Ok(()) => match query::<Vec<i64>>(backend, &command).await {
+                        Err(error) if functions_refused(&error) => error,
+                        answered => return answered,
+                    },
+                    Err(error) if error.kind().is_io() => return Err(error),
+                    // Loading is refused (an ACL without `FUNCTION LOAD`): scripts.
+                    Err(error) => error,
+                }
             }
-            other => return other,
-        }
+            Err(error) if functions_refused(&error) => error,
+            Err(error) => return Err(error),
+        };
+        fall_back_to_scripts(scripts, &refused);
     }
     run_script(backend, scripts.script(call, invocation), invocation).await
 }
 
+/// The server cannot or may not run the library's functions: no Functions (before Redis
+/// 7), or an ACL without `FCALL`. (A refusal of a key is not this: scripts would meet it
+/// too.)
+fn functions_refused(error: &StoreError) -> bool {
+    let message = error.message.to_ascii_lowercase();
+    message.contains("unknown command")
+        || (error.code() == Some("NOPERM")
+            && (message.contains("'fcall'") || message.contains("'function")))
+}
+
+/// From now on this store's calls are `EVALSHA` scripts (as exact). Said once.
+fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
+    use std::sync::atomic::Ordering;
+    if scripts.functions.swap(false, Ordering::Relaxed) {
+        #[cfg(feature = "tracing")]
+        tracing::info!(
+            target: "tollgate",
+            %error,
+            "Redis Functions are not available to this store; decisions run as EVALSHA \
+             scripts (as exact; a little more Redis CPU each)"
+        );
+    }
+    #[cfg(not(feature = "tracing"))]
+    let _ = error;
+}
+
 /// Loads the Functions library (`FUNCTION LOAD REPLACE`: the same text under the same
-/// name, so replicas loading at once agree; on a Cluster, every primary).
-async fn load_library(backend: &Backend, scripts: &Scripts) -> Result<(), StoreError> {
+/// name, so replicas loading at once agree; on a Cluster, every primary), unless another
+/// request of this store has loaded it since this one saw it missing (`seen`: the count
+/// of loads before its call).
+async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result<(), StoreError> {
+    use std::sync::atomic::Ordering;
+    let _one_at_a_time = scripts.reload.lock().await;
+    if scripts.loads.load(Ordering::Acquire) != seen {
+        return Ok(());
+    }
     let mut command = redis::cmd("FUNCTION");
     command
         .arg("LOAD")
         .arg("REPLACE")
         .arg(&scripts.library.source);
-    query::<redis::Value>(backend, &command).await.map(drop)
+    query::<redis::Value>(backend, &command).await?;
+    scripts.loads.fetch_add(1, Ordering::Release);
+    Ok(())
 }
 
 /// Runs `script` with the invocation's keys and arguments on `backend`.
