@@ -44,11 +44,12 @@ const SHARDS: usize = 16;
 /// requests that cost 0 (a peek) and adjustments.
 ///
 /// ```no_run
+/// # #[cfg(feature = "redis")]
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
 /// use tollgate::store::{Leased, RedisStore};
-/// use tollgate::{Policy, Rate, RateLimitLayer};
+/// use tollgate::{Policy, RateLimitLayer};
 ///
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let redis = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// // Blocks of 20 units, given back after 1 s at most: with 3 replicas, at most 60 units
 /// // beyond the limit around a window's end.
@@ -195,10 +196,17 @@ impl<S: Store> Leased<S> {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let woken = self.leases.wait(id);
+                // The turn ends (and wakes the waiting) however the task ends, even if it
+                // never runs.
+                let turn = Turn {
+                    leases: Arc::clone(&self.leases),
+                    id: id.clone(),
+                    lease: None,
+                    alone_until: None,
+                };
                 runtime.spawn(take(
                     Arc::clone(&self.inner),
-                    Arc::clone(&self.leases),
-                    id.clone(),
+                    turn,
                     policies.clone(),
                     self.lease_units(policies, cost),
                     self.ttl,
@@ -284,6 +292,9 @@ impl Leases {
 /// not answer): the failure mode answers them, each on its own, rather than all waiting.
 const AFTER_AN_ERROR: Duration = Duration::from_millis(100);
 
+/// The longest taking a lease may wait for the shared store.
+const TAKE_DEADLINE: Duration = Duration::from_secs(2);
+
 impl Leases {
     /// A wake-up for when the lease being taken for `id` is there (or was refused).
     fn wait(&self, id: &Id) -> oneshot::Receiver<()> {
@@ -358,20 +369,24 @@ impl Drop for Turn {
 /// is left of it when it ends.
 async fn take<S: Store>(
     inner: Arc<S>,
-    leases: Arc<Leases>,
-    id: Id,
+    mut turn: Turn,
     policies: PolicySet,
     units: u64,
     ttl: Duration,
 ) {
-    let mut turn = Turn {
-        leases: Arc::clone(&leases),
-        id: id.clone(),
-        lease: None,
-        alone_until: None,
-    };
+    let (leases, id) = (Arc::clone(&turn.leases), turn.id.clone());
     leases.calls.fetch_add(1, Ordering::Relaxed);
-    let taken = match inner.decide(&id.0, &policies, units).await {
+    // Detached from any request, so bounded here: a store that never answers must not
+    // keep the identity waiting.
+    let decided = tokio::time::timeout(TAKE_DEADLINE, inner.decide(&id.0, &policies, units))
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("no lease within {TAKE_DEADLINE:?}"),
+            ))
+        });
+    let taken = match decided {
         Ok(taken) if taken.is_allowed() => taken,
         Ok(_) => {
             // Refused: for a while, requests are decided one by one, so the last units
@@ -385,8 +400,12 @@ async fn take<S: Store>(
             return;
         }
         Err(_) => {
-            // The store failed: each request meets the failure on its own for a moment.
+            // The store failed: each request meets the failure on its own for a moment,
+            // and the entry goes when that moment ends.
             turn.alone_until = Some(Instant::now() + AFTER_AN_ERROR);
+            drop(turn);
+            tokio::time::sleep(AFTER_AN_ERROR).await;
+            forget_if_idle(&mut leases.shard(&id), &id);
             return;
         }
     };
@@ -503,10 +522,16 @@ impl<S: Store> Store for Leased<S> {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         // The leases of a reset key are forgotten: their units are in the state the reset
-        // clears.
-        self.leases
-            .shard(&(key.clone(), policies.serial()))
-            .remove(&(key.clone(), policies.serial()));
+        // clears. A lease being taken keeps its turn (one at a time still holds).
+        let id = (key.clone(), policies.serial());
+        {
+            let mut shard = self.leases.shard(&id);
+            if let Some(open) = shard.get_mut(&id) {
+                open.leases.clear();
+                open.refused_until = None;
+            }
+            forget_if_idle(&mut shard, &id);
+        }
         self.inner.reset(key, policies)
     }
 }

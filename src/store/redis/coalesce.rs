@@ -153,7 +153,11 @@ impl Drop for Lead {
                 let Some(first) = coalescer.next_batch(&id) else {
                     return;
                 };
-                runtime.spawn(drain(coalescer, id, batch, first));
+                let draining = Draining {
+                    coalescer: Arc::clone(&coalescer),
+                    id: id.clone(),
+                };
+                runtime.spawn(drain(draining, batch, first));
             }
             Err(_) => fail_all(&coalescer, &id, "no Tokio runtime to send a batch on"),
         }
@@ -170,10 +174,36 @@ fn fail_all(coalescer: &Coalescer, id: &Id, message: &str) {
     }
 }
 
-/// Sends batches for `id` until nothing is queued behind them.
-async fn drain(coalescer: Arc<Coalescer>, id: Id, batch: Batch, first: Vec<Waiter>) {
+/// The longest a batch may wait for Redis: the requests that queued for it are gone by
+/// then (the layer's timeout), but the identity's queue must not wait on a call that never
+/// answers (a frozen node) for later requests.
+const DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A drain's hold on its identity: however the task ends (done, dropped before it ran,
+/// a panic, the runtime shutting down), what is still queued fails and the identity is
+/// free again.
+struct Draining {
+    coalescer: Arc<Coalescer>,
+    id: Id,
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        fail_all(
+            &self.coalescer,
+            &self.id,
+            "the batch for this decision was not sent",
+        );
+    }
+}
+
+/// Sends batches for an identity until nothing is queued behind them.
+async fn drain(draining: Draining, batch: Batch, first: Vec<Waiter>) {
     let mut waiters = Some(first);
-    while let Some(current) = waiters.take().or_else(|| coalescer.next_batch(&id)) {
+    while let Some(current) = waiters
+        .take()
+        .or_else(|| draining.coalescer.next_batch(&draining.id))
+    {
         send(&batch, current).await;
     }
 }
@@ -198,7 +228,18 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
         count: invocation.count,
         single_kind: invocation.single_kind,
     };
-    match invoke(&batch.backend, &batch.scripts, Call::Batch, &call).await {
+    let answered = tokio::time::timeout(
+        DEADLINE,
+        invoke(&batch.backend, &batch.scripts, Call::Batch, &call),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            format!("the batch got no answer within {DEADLINE:?}"),
+        ))
+    });
+    match answered {
         Ok(reply) => {
             let mut rest = reply.as_slice();
             for waiter in waiters {
