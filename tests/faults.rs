@@ -577,6 +577,15 @@ async fn cluster_failover_after_a_primary_is_killed() {
     assert!(failover.phase.count(DecidedBy::Fallback) > 0);
     // The identity whose slot the killed primary held.
     assert_exact(&store.inner, "global").await;
+    // Decided by the library's functions on the Cluster (the promoted replica had them).
+    let fcalls: u64 = cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(index, _)| *index != owner)
+        .map(|(_, node)| support::command_calls(node, "fcall"))
+        .sum();
+    assert!(fcalls > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -658,4 +667,6 @@ async fn sentinel_works_with_the_least_privilege_user() {
         .await
         .expect("the least-privilege user runs every script through Sentinel");
     assert_exact(&store, "least-privilege").await;
+    // Through the library's functions, not the scripts.
+    assert!(support::command_calls(&primary, "fcall") > 0);
 }

@@ -93,7 +93,7 @@ impl RedisServer {
     }
 
     /// A Redis Sentinel (`redis-sentinel`) watching the primary on `primary_port` under
-    /// the name `master`: it calls the primary down after 1 s without an answer, and
+    /// the name `master`: it calls the primary down after 2 s without an answer, and
     /// `quorum` sentinels must agree.
     pub fn sentinel(primary_port: u16, master: &str, quorum: u8) -> Self {
         let port = free_port();
@@ -107,7 +107,7 @@ impl RedisServer {
             format!(
                 "port {port}\nbind 127.0.0.1\ndir {dir}\n\
                  sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n\
-                 sentinel down-after-milliseconds {master} 1000\n\
+                 sentinel down-after-milliseconds {master} 2000\n\
                  sentinel failover-timeout {master} 4000\n\
                  sentinel parallel-syncs {master} 1\n",
                 dir = dir.display()

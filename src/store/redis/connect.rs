@@ -16,6 +16,9 @@ use crate::store::{StoreError, StoreErrorKind};
 /// take before it counts as a failure.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long a Cluster node may take to answer one call.
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Where and how a [`RedisStore`] connects: one server, a Cluster, or the primary that
 /// Redis Sentinel names.
 ///
@@ -289,7 +292,9 @@ impl RedisConfig {
                 }
                 #[allow(unused_mut)]
                 let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
-                    .connection_timeout(CONNECT_TIMEOUT);
+                    .connection_timeout(CONNECT_TIMEOUT)
+                    // A node that stops answering fails its calls instead of holding them.
+                    .response_timeout(RESPONSE_TIMEOUT);
                 #[cfg(feature = "tls")]
                 if let Some(pem) = &self.root_certificate {
                     builder = builder.certs(certificates(pem));

@@ -5,7 +5,7 @@
 //!   look-up is remembered for [`RESOLVE_BACKOFF`], so a dead topology is not asked again
 //!   for every request.
 //! - **A watch** asks the server every [`WATCH_EVERY`] what it is (`ROLE`, with a
-//!   deadline) and the sentinels whom they name: a primary that stops answering without
+//!   deadline), and every fourth time the sentinels whom they name: a primary that stops answering without
 //!   closing its connections, that was demoted, or that the sentinels no longer name (a
 //!   failover it did not see: a partition) is left, and looked up again.
 //! - **A command** that meets a broken connection or `READONLY` drops the connection at
@@ -162,7 +162,9 @@ impl SentinelBackend {
                     state.resolving = true;
                     match tokio::runtime::Handle::try_current() {
                         Ok(runtime) => {
-                            runtime.spawn(resolve(Arc::clone(self)));
+                            // The look-up ends (and wakes the waiting) however the task
+                            // ends, even if it never runs.
+                            runtime.spawn(resolve(Resolving(Some(Arc::clone(self)))));
                         }
                         Err(_) => {
                             state.resolving = false;
@@ -187,72 +189,69 @@ impl SentinelBackend {
     /// answers. `Ok(None)`: every sentinel that answered does not know it.
     async fn named_primary(&self) -> Result<Option<(String, u16)>, StoreError> {
         let mut last_error = None;
-        let mut unknown = false;
         for sentinel in &self.sentinels {
-            let asked = tokio::time::timeout(CONNECT_TIMEOUT * 2, async {
-                let mut connection = sentinel
-                    .get_multiplexed_async_connection_with_config(&connection_config())
-                    .await?;
-                redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg(&self.master)
-                    .query_async::<Option<(String, u16)>>(&mut connection)
-                    .await
-            })
-            .await;
-            match asked {
-                Ok(Ok(Some(address))) => return Ok(Some(address)),
-                Ok(Ok(None)) => unknown = true,
-                Ok(Err(error)) => last_error = Some(store_error(error)),
-                Err(_) => {
-                    last_error = Some(StoreError::new(
-                        StoreErrorKind::Timeout,
-                        "a sentinel did not answer in time",
-                    ));
-                }
+            match ask(sentinel, &self.master).await {
+                Ok(answer) => return Ok(answer),
+                Err(error) => last_error = Some(error),
             }
         }
-        match last_error {
-            _ if unknown => Ok(None),
-            // A sentinel that refuses us (a wrong password) is a misconfiguration.
-            Some(error) if error.kind() == StoreErrorKind::Refused => Err(StoreError::new(
-                StoreErrorKind::Refused,
-                format!("a sentinel refused: {}", error.message),
-            )),
-            Some(error) => Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                format!("no sentinel answered: {}", error.message),
-            )),
-            None => Ok(None),
-        }
+        Err(last_error
+            .unwrap_or_else(|| StoreError::new(StoreErrorKind::Unavailable, "no sentinel")))
     }
 
-    /// Looks the primary up: its address from the sentinels, a connection, and its own
-    /// word (`ROLE`) that it is a primary.
+    /// Looks the primary up: its address from a sentinel, a connection, and its own word
+    /// (`ROLE`) that it is a primary. A sentinel whose answer is not a primary (stale,
+    /// or a failover under way) does not stop the others from being asked.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
-        let Some((host, port)) = self.named_primary().await? else {
-            return Err(StoreError::new(
+        let mut last_error = None;
+        let mut unknown = false;
+        for sentinel in &self.sentinels {
+            let (host, port) = match ask(sentinel, &self.master).await {
+                Ok(Some(address)) => address,
+                Ok(None) => {
+                    unknown = true;
+                    continue;
+                }
+                Err(error) => {
+                    last_error = Some(error);
+                    continue;
+                }
+            };
+            let tried = async {
+                let client = self.access.client(&host, port)?;
+                let mut connection = client
+                    .get_multiplexed_async_connection_with_config(&connection_config())
+                    .await
+                    .map_err(store_error)?;
+                if is_primary(&mut connection).await? {
+                    Ok(connection)
+                } else {
+                    Err(StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        format!(
+                            "{host}:{port}, which a sentinel names, is not a primary (a failover in progress)"
+                        ),
+                    ))
+                }
+            };
+            match tried.await {
+                Ok(connection) => return Ok(((host, port), connection)),
+                // A refusal (a wrong password) is the same on every server: say so now.
+                Err(error) if error.kind() == StoreErrorKind::Refused => return Err(error),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(match last_error {
+            Some(error) => error,
+            None if unknown => StoreError::new(
                 StoreErrorKind::Other,
                 format!(
                     "no sentinel knows a primary named \"{}\" (check the name)",
                     self.master
                 ),
-            ));
-        };
-        let client = self.access.client(&host, port)?;
-        let mut connection = client
-            .get_multiplexed_async_connection_with_config(&connection_config())
-            .await
-            .map_err(store_error)?;
-        if !is_primary(&mut connection).await? {
-            return Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                format!(
-                    "{host}:{port}, which the sentinels name, is not a primary yet (a failover in progress)"
-                ),
-            ));
-        }
-        Ok(((host, port), connection))
+            ),
+            None => StoreError::new(StoreErrorKind::Unavailable, "no sentinel answered"),
+        })
     }
 
     /// Drops the connection of `generation` (if it is still the current one), so the
@@ -290,6 +289,41 @@ impl SentinelBackend {
     }
 }
 
+/// Asks one sentinel for the primary named `master`: `Ok(None)` when it does not know
+/// the name.
+async fn ask(sentinel: &redis::Client, master: &str) -> Result<Option<(String, u16)>, StoreError> {
+    let asked = tokio::time::timeout(CONNECT_TIMEOUT * 2, async {
+        let mut connection = sentinel
+            .get_multiplexed_async_connection_with_config(&connection_config())
+            .await?;
+        redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(master)
+            .query_async::<Option<(String, u16)>>(&mut connection)
+            .await
+    })
+    .await;
+    match asked {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(error)) => {
+            let error = store_error(error);
+            let kind = if error.kind() == StoreErrorKind::Refused {
+                StoreErrorKind::Refused
+            } else {
+                StoreErrorKind::Unavailable
+            };
+            Err(StoreError::new(
+                kind,
+                format!("a sentinel: {}", error.message),
+            ))
+        }
+        Err(_) => Err(StoreError::new(
+            StoreErrorKind::Timeout,
+            "a sentinel did not answer in time",
+        )),
+    }
+}
+
 /// `ROLE` says `master`.
 async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, StoreError> {
     let role: redis::Value = redis::cmd("ROLE")
@@ -310,9 +344,28 @@ async fn is_primary(connection: &mut MultiplexedConnection) -> Result<bool, Stor
     })
 }
 
+/// A look-up's turn: if its task ends without recording an answer (dropped before it
+/// ran, a panic, the runtime shutting down), the next request may start another.
+struct Resolving(Option<Arc<SentinelBackend>>);
+
+impl Drop for Resolving {
+    fn drop(&mut self) {
+        if let Some(backend) = self.0.take() {
+            backend.lock().resolving = false;
+            backend.looked_up.send_modify(|count| *count += 1);
+        }
+    }
+}
+
 /// One look-up, recorded whoever is waiting for it.
-async fn resolve(backend: Arc<SentinelBackend>) {
+async fn resolve(mut turn: Resolving) {
+    let Some(backend) = turn.0.take() else {
+        return;
+    };
+    // Until the answer is recorded, the turn is handed back to the guard on a panic.
+    turn.0 = Some(Arc::clone(&backend));
     let found = tokio::time::timeout(RESOLVE_TIMEOUT, backend.look_up()).await;
+    turn.0 = None;
     {
         let mut state = backend.lock();
         state.resolving = false;
@@ -346,8 +399,10 @@ async fn resolve(backend: Arc<SentinelBackend>) {
 /// Every [`WATCH_EVERY`]: is the server still a primary that answers, and still the one
 /// the sentinels name? If not, it is left.
 async fn watch(backend: Weak<SentinelBackend>) {
+    let mut tick: u64 = 0;
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
+        tick += 1;
         let Some(backend) = backend.upgrade() else {
             return;
         };
@@ -363,6 +418,8 @@ async fn watch(backend: Weak<SentinelBackend>) {
         };
         let answered = tokio::time::timeout(WATCH_DEADLINE, is_primary(&mut connection)).await;
         let reason = match answered {
+            // The sentinels every fourth tick (each question opens a connection).
+            Ok(Ok(true)) if tick % 4 != 0 => None,
             Ok(Ok(true)) => match backend.named_primary().await {
                 Ok(Some(named)) if named != address => Some(format!(
                     "the sentinels now name {}:{} as the primary",
