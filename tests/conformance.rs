@@ -1130,20 +1130,23 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
         .await
         .unwrap()
         .prefix("late");
-    let policies =
-        PolicySet::from(Policy::sliding_log("log", 5, Duration::from_millis(5)).unwrap());
-    let key = Key::new("late");
-    let decision = store.decide(&key, &policies, 3).await.unwrap();
+    // Reserves 3 on a log of 5 over `window`, waits `wait`, settles to 1.
+    let reserve_then_settle = async |identity: &str, window: Duration, wait: Duration| {
+        let policies = PolicySet::from(Policy::sliding_log("log", 5, window).unwrap());
+        let key = Key::new(identity);
+        let decision = store.decide(&key, &policies, 3).await.unwrap();
+        tokio::time::sleep(wait).await;
+        store
+            .adjust(
+                &key,
+                &policies,
+                &Adjustment::settle(3, 1, decision.receipt()),
+            )
+            .await
+            .unwrap()
+    };
     // Well past the log's 5 ms (its keys expire with it).
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    store
-        .adjust(
-            &key,
-            &policies,
-            &Adjustment::settle(3, 1, decision.receipt()),
-        )
-        .await
-        .unwrap();
+    reserve_then_settle("late", Duration::from_millis(5), Duration::from_millis(100)).await;
     let left: Vec<_> = keys_with_ttl(&server)
         .into_iter()
         .filter(|(name, _)| name.starts_with("late:"))
@@ -1151,17 +1154,7 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
     assert!(left.is_empty(), "keys left behind: {left:?}");
 
     // A settle that gives back part of a log's only entry keeps the log's TTL.
-    let policies = PolicySet::from(Policy::sliding_log("log", 5, Duration::from_secs(60)).unwrap());
-    let key = Key::new("partial");
-    let decision = store.decide(&key, &policies, 3).await.unwrap();
-    let settled = store
-        .adjust(
-            &key,
-            &policies,
-            &Adjustment::settle(3, 1, decision.receipt()),
-        )
-        .await
-        .unwrap();
+    let settled = reserve_then_settle("partial", Duration::from_secs(60), Duration::ZERO).await;
     assert_eq!(settled.statuses()[0].remaining, 4);
     for (name, ttl) in keys_with_ttl(&server) {
         assert!(ttl > 0, "{name} has TTL {ttl}");

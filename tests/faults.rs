@@ -436,20 +436,10 @@ fn sentinel_set() -> (RedisServer, RedisServer, Vec<RedisServer>) {
     (primary, replica, sentinels)
 }
 
-/// The port of the primary that `sentinel` names.
-fn named_primary(sentinel: &RedisServer) -> u16 {
-    let reply = sentinel.cli(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
-    number(reply.lines().nth(1).unwrap_or(""), "the primary's port")
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sentinel_failover_after_the_primary_is_killed() {
-    let (mut primary, replica, sentinels) = sentinel_set();
+/// The app over `redis`, once Redis has decided 50 requests (all answered).
+async fn healthy_app(redis: RedisStore) -> (Counted, Router) {
     let store = Counted {
-        inner: RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
-            .connect()
-            .await
-            .unwrap(),
+        inner: redis,
         calls: Arc::default(),
     };
     let app = app(store.clone());
@@ -459,6 +449,25 @@ async fn sentinel_failover_after_the_primary_is_killed() {
         "{:?}",
         healthy.answers
     );
+    (store, app)
+}
+
+/// The port of the primary that `sentinel` names.
+fn named_primary(sentinel: &RedisServer) -> u16 {
+    let reply = sentinel.cli(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
+    number(reply.lines().nth(1).unwrap_or(""), "the primary's port")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_after_the_primary_is_killed() {
+    let (mut primary, replica, sentinels) = sentinel_set();
+    let (store, app) = healthy_app(
+        RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+            .connect()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert!(
         !keys_with_ttl(&primary).is_empty(),
         "nothing was written to the primary"
@@ -544,17 +553,8 @@ async fn sentinel_switchover_never_writes_to_the_demoted_primary() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_failover_after_a_primary_is_killed() {
     let mut cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
-    let store = Counted {
-        inner: RedisStore::connect_cluster(&cluster.urls()).await.unwrap(),
-        calls: Arc::default(),
-    };
-    let app = app(store.clone());
-    let healthy = until_decided_by(&app, DecidedBy::Redis, 50).await;
-    assert!(
-        healthy.done && healthy.all_answered(),
-        "{:?}",
-        healthy.answers
-    );
+    let (store, app) =
+        healthy_app(RedisStore::connect_cluster(&cluster.urls()).await.unwrap()).await;
     // The primary that holds the app's key (and its replica, which has a copy).
     let owner = cluster
         .nodes
@@ -591,20 +591,13 @@ async fn cluster_failover_after_a_primary_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_store_leaves_a_primary_that_stops_answering() {
     let (primary, replica, sentinels) = sentinel_set();
-    let store = Counted {
-        inner: RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+    let (store, app) = healthy_app(
+        RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
             .connect()
             .await
             .unwrap(),
-        calls: Arc::default(),
-    };
-    let app = app(store.clone());
-    let healthy = until_decided_by(&app, DecidedBy::Redis, 50).await;
-    assert!(
-        healthy.done && healthy.all_answered(),
-        "{:?}",
-        healthy.answers
-    );
+    )
+    .await;
 
     // Frozen, not dead: no connection is reset, requests just get no answer (the layer's
     // timeout drops them). The store must still leave it for the promoted replica.

@@ -63,16 +63,24 @@ macro_rules! script {
     };
 }
 
+/// `script!(ARGS... every algorithm)`: the one list of every algorithm's kind and file.
+macro_rules! every_algorithm {
+    ($($args:tt)*) => {
+        script!(
+            $($args)*
+            ("fw", "fixed_window.lua"),
+            ("sw", "sliding_window.lua"),
+            ("sl", "sliding_log.lua"),
+            ("tb", "token_bucket.lua"),
+            ("ls", "leaky_shape.lua"),
+            ("gc", "gcra.lua"),
+            ("cc", "in_flight.lua")
+        )
+    };
+}
+
 /// Every algorithm, registered by kind: the heart of the Functions library.
-const ALL_ALGORITHMS: &str = script!(
-    wrappers: ("fw", "fixed_window.lua"),
-    ("sw", "sliding_window.lua"),
-    ("sl", "sliding_log.lua"),
-    ("tb", "token_bucket.lua"),
-    ("ls", "leaky_shape.lua"),
-    ("gc", "gcra.lua"),
-    ("cc", "in_flight.lua")
-);
+const ALL_ALGORITHMS: &str = every_algorithm!(wrappers:);
 
 /// The Redis Functions library of this build: the prelude and every algorithm defined
 /// once when the library loads, and three functions (decide, a coalesced batch, adjust)
@@ -161,26 +169,9 @@ pub const GCRA_SCRIPT: &str = script!(("gc", "gcra.lua"));
 pub const IN_FLIGHT_SCRIPT: &str = script!(("cc", "in_flight.lua"));
 /// The script that adjusts an admitted request's debit once its response is known
 /// (settles a reserved cost, frees in-flight slots): every algorithm.
-pub const ADJUST_SCRIPT: &str = script!(
-    main: "adjust.lua",
-    ("fw", "fixed_window.lua"),
-    ("sw", "sliding_window.lua"),
-    ("sl", "sliding_log.lua"),
-    ("tb", "token_bucket.lua"),
-    ("ls", "leaky_shape.lua"),
-    ("gc", "gcra.lua"),
-    ("cc", "in_flight.lua")
-);
+pub const ADJUST_SCRIPT: &str = every_algorithm!(main: "adjust.lua",);
 /// The script of requests under several policies: every algorithm, all-or-nothing.
-pub const MULTI_POLICY_SCRIPT: &str = script!(
-    ("fw", "fixed_window.lua"),
-    ("sw", "sliding_window.lua"),
-    ("sl", "sliding_log.lua"),
-    ("tb", "token_bucket.lua"),
-    ("ls", "leaky_shape.lua"),
-    ("gc", "gcra.lua"),
-    ("cc", "in_flight.lua")
-);
+pub const MULTI_POLICY_SCRIPT: &str = every_algorithm!();
 
 /// The script of coalesced decisions under one policy of each algorithm, in [`KINDS`]'
 /// order, and under several policies (the last).
@@ -192,15 +183,7 @@ const BATCH_SCRIPTS: [&str; 8] = [
     script!(batch: ("ls", "leaky_shape.lua")),
     script!(batch: ("gc", "gcra.lua")),
     script!(batch: ("cc", "in_flight.lua")),
-    script!(
-        batch: ("fw", "fixed_window.lua"),
-        ("sw", "sliding_window.lua"),
-        ("sl", "sliding_log.lua"),
-        ("tb", "token_bucket.lua"),
-        ("ls", "leaky_shape.lua"),
-        ("gc", "gcra.lua"),
-        ("cc", "in_flight.lua")
-    ),
+    every_algorithm!(batch:),
 ];
 
 /// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
