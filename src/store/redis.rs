@@ -186,6 +186,10 @@ const BATCH_SCRIPTS: [&str; 8] = [
     every_algorithm!(batch:),
 ];
 
+/// How long calls stay scripts after Functions were missing or refused, before they are
+/// tried again.
+const RETRY_FUNCTIONS: Duration = Duration::from_secs(60);
+
 /// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
 /// policies; their coalesced twins; the adjustment.
 struct Scripts {
@@ -202,6 +206,12 @@ struct Scripts {
     /// library missing (a server restarted) load it once, not once each.
     reload: tokio::sync::Mutex<()>,
     loads: std::sync::atomic::AtomicU64,
+    /// When calls last fell back to scripts (milliseconds after `born`, plus one; 0:
+    /// never): a minute later Functions are tried again (an ACL fixed, a node upgraded).
+    fell_back: std::sync::atomic::AtomicU64,
+    born: std::time::Instant,
+    /// The fallback has been said (an info event), once.
+    said: std::sync::atomic::AtomicBool,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
@@ -231,6 +241,27 @@ impl Scripts {
             functions: std::sync::atomic::AtomicBool::new(true),
             reload: tokio::sync::Mutex::new(()),
             loads: std::sync::atomic::AtomicU64::new(0),
+            fell_back: std::sync::atomic::AtomicU64::new(0),
+            born: std::time::Instant::now(),
+            said: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Functions again, a minute after the last fallback (one call finds out whether they
+    /// work now; if not, it runs as a script and the minute starts over).
+    fn try_functions_again(&self) {
+        use std::sync::atomic::Ordering;
+        let fell_back = self.fell_back.load(Ordering::Relaxed);
+        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        let due = u64::try_from(RETRY_FUNCTIONS.as_millis()).unwrap_or(u64::MAX);
+        if fell_back != 0
+            && now.saturating_sub(fell_back) >= due
+            && self
+                .fell_back
+                .compare_exchange(fell_back, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.functions.store(true, Ordering::Relaxed);
         }
     }
 
@@ -1047,6 +1078,9 @@ async fn invoke(
     invocation: &Invocation,
 ) -> Result<Vec<i64>, StoreError> {
     use std::sync::atomic::Ordering;
+    if !scripts.functions.load(Ordering::Relaxed) {
+        scripts.try_functions_again();
+    }
     if scripts.functions.load(Ordering::Relaxed) {
         let loads = scripts.loads.load(Ordering::Acquire);
         let mut command = redis::cmd("FCALL");
@@ -1089,7 +1123,10 @@ fn functions_refused(error: &StoreError) -> bool {
 /// From now on this store's calls are `EVALSHA` scripts (as exact). Said once.
 fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
     use std::sync::atomic::Ordering;
-    if scripts.functions.swap(false, Ordering::Relaxed) {
+    scripts.functions.store(false, Ordering::Relaxed);
+    let now = u64::try_from(scripts.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+    scripts.fell_back.store(now, Ordering::Relaxed);
+    if !scripts.said.swap(true, Ordering::Relaxed) {
         #[cfg(feature = "tracing")]
         tracing::info!(
             target: "tollgate",
