@@ -121,26 +121,6 @@ fn redis_benchmark(
         .unwrap_or_else(|| panic!("cannot read redis-benchmark output: {text}"))
 }
 
-/// `calls` and `usec` of every script command in `INFO commandstats`.
-fn script_stats(server: &support::RedisServer) -> (u64, u64) {
-    let stats = server.cli(&["INFO", "commandstats"]);
-    let field = |line: &str, name: &str| -> u64 {
-        line.split([':', ','])
-            .find_map(|field| field.strip_prefix(name)?.parse().ok())
-            .unwrap_or(0)
-    };
-    stats
-        .lines()
-        .filter(|line| {
-            ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
-                .iter()
-                .any(|name| line.starts_with(name))
-        })
-        .fold((0, 0), |(calls, usec), line| {
-            (calls + field(line, "calls="), usec + field(line, "usec="))
-        })
-}
-
 /// One identity, 256 callers: coalesced and not, alternating rounds; medians.
 fn hot_key(runtime: &tokio::runtime::Runtime, server: &support::RedisServer, policies: &PolicySet) {
     const ROUNDS: usize = 5;
@@ -159,7 +139,7 @@ fn hot_key(runtime: &tokio::runtime::Runtime, server: &support::RedisServer, pol
             let start = Instant::now();
             let rate = runtime.block_on(measure_keys(store, policies.clone(), 256, 1));
             let decisions = rate * start.elapsed().as_secs_f64();
-            let (calls, usec) = script_stats(server);
+            let (calls, usec) = support::script_stats(server);
             results[usize::from(coalescing)].push((
                 rate,
                 calls as f64 / decisions,

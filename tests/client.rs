@@ -127,6 +127,15 @@ fn upstream(
     })
 }
 
+/// One request through `client`, which must answer.
+async fn send<S, B>(client: &mut S, request: Request<B>) -> S::Response
+where
+    S: Service<Request<B>>,
+    S::Error: std::fmt::Debug,
+{
+    client.ready().await.unwrap().call(request).await.unwrap()
+}
+
 fn get(uri: &str) -> Request<Empty<Bytes>> {
     Request::get(uri).body(Empty::new()).unwrap()
 }
@@ -137,13 +146,7 @@ async fn a_refused_get_is_waited_out_and_retried_a_post_is_not() {
     let script = vec![(429, vec![("retry-after", "2".to_owned())]), (200, vec![])];
     let mut client = PacingLayer::new().layer(upstream(script.clone(), Arc::clone(&seen)));
     let started = tokio::time::Instant::now();
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(get("http://api.test/"))
-        .await
-        .unwrap();
+    let response = send(&mut client, get("http://api.test/")).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(seen.load(Ordering::SeqCst), 2);
     assert_eq!(started.elapsed(), Duration::from_secs(2));
@@ -152,7 +155,7 @@ async fn a_refused_get_is_waited_out_and_retried_a_post_is_not() {
     let mut client = PacingLayer::new().layer(upstream(script, Arc::clone(&seen)));
     let mut post = get("http://api.test/");
     *post.method_mut() = Method::POST;
-    let response = client.ready().await.unwrap().call(post).await.unwrap();
+    let response = send(&mut client, post).await;
     assert_eq!(
         response.status(),
         StatusCode::TOO_MANY_REQUESTS,
@@ -170,13 +173,7 @@ async fn absurd_values_are_capped_and_hosts_kept_apart() {
     )];
     let layer = PacingLayer::new().max_wait(Duration::from_secs(5));
     let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
-    client
-        .ready()
-        .await
-        .unwrap()
-        .call(get("http://a.test/"))
-        .await
-        .unwrap();
+    send(&mut client, get("http://a.test/")).await;
     assert_eq!(layer.wait_for("a.test", None), Duration::from_secs(5));
     assert_eq!(
         layer.wait_for("b.test", None),
@@ -184,13 +181,7 @@ async fn absurd_values_are_capped_and_hosts_kept_apart() {
         "another host: no wait"
     );
     let started = tokio::time::Instant::now();
-    client
-        .ready()
-        .await
-        .unwrap()
-        .call(get("http://a.test/"))
-        .await
-        .unwrap();
+    send(&mut client, get("http://a.test/")).await;
     assert_eq!(
         started.elapsed(),
         Duration::from_secs(5),
@@ -206,13 +197,7 @@ async fn a_policy_paces_before_any_answer() {
     let mut client = layer.layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
     let started = tokio::time::Instant::now();
     for _ in 0..4 {
-        client
-            .ready()
-            .await
-            .unwrap()
-            .call(get("http://a.test/"))
-            .await
-            .unwrap();
+        send(&mut client, get("http://a.test/")).await;
     }
     // Two at once, then one a second.
     assert_eq!(started.elapsed(), Duration::from_secs(2));
@@ -245,13 +230,7 @@ async fn against_the_quickstart_policy_a_paced_client_is_never_refused() {
     let started = std::time::Instant::now();
     let mut refused = 0;
     for _ in 0..40 {
-        let response = paced
-            .ready()
-            .await
-            .unwrap()
-            .call(get(&format!("http://{addr}/")))
-            .await
-            .unwrap();
+        let response = send(&mut paced, get(&format!("http://{addr}/"))).await;
         refused += u32::from(response.status() == StatusCode::TOO_MANY_REQUESTS);
         response.into_body().collect().await.unwrap();
     }
@@ -292,7 +271,7 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     let mut request = get("http://A.test/");
     request.extensions_mut().insert(Trace("abc"));
     let started = tokio::time::Instant::now();
-    let response = client.ready().await.unwrap().call(request).await.unwrap();
+    let response = send(&mut client, request).await;
     assert_eq!(response.status(), StatusCode::OK);
     // Retry-After: 0 on a 429 is still a second, never straight back.
     assert_eq!(started.elapsed(), Duration::from_secs(1));
@@ -303,13 +282,7 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     let script = vec![(429, vec![("retry-after", "3600".to_owned())])];
     let layer = PacingLayer::new().max_wait(Duration::from_secs(10));
     let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
-    let response = client
-        .ready()
-        .await
-        .unwrap()
-        .call(get("http://a.test/"))
-        .await
-        .unwrap();
+    let response = send(&mut client, get("http://a.test/")).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(seen.load(Ordering::SeqCst), 1);
     // One host, however it is spelt.

@@ -1020,25 +1020,7 @@ async fn coalesced_decisions_match_one_by_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     let server = RedisServer::start();
-    let calls = || -> u64 {
-        let stats = server.cli(&["INFO", "commandstats"]);
-        stats
-            .lines()
-            .filter(|line| {
-                ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
-                    .iter()
-                    .any(|name| line.starts_with(name))
-            })
-            .filter_map(|line| {
-                line.split("calls=")
-                    .nth(1)?
-                    .split(',')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .sum()
-    };
+    let calls = || support::script_stats(&server).0;
     let policies = PolicySet::from(Policy::fixed_window("hot", 100, MINUTE).unwrap());
     for coalescing in [true, false] {
         let store = RedisStore::connect(&server.url())

@@ -190,17 +190,32 @@ const BATCH_SCRIPTS: [&str; 8] = [
 /// tried again.
 const RETRY_FUNCTIONS: Duration = Duration::from_secs(60);
 
-/// The loaded scripts: one per algorithm (smaller, so faster to run) and one for several
+/// One script: its text, and the SHA1 that `EVALSHA` names it by.
+struct Lua {
+    hash: String,
+    source: &'static str,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Self {
+        Self {
+            hash: Script::new(source).get_hash().to_owned(),
+            source,
+        }
+    }
+}
+
+/// The scripts: one per algorithm (smaller, so faster to run) and one for several
 /// policies; their coalesced twins; the adjustment.
 struct Scripts {
-    single: [Script; 7],
-    multi: Script,
-    batch: [Script; 8],
-    adjust: Script,
+    single: [Lua; 7],
+    multi: Lua,
+    batch: [Lua; 8],
+    adjust: Lua,
     library: Library,
     /// Calls are `FCALL`s of the library (loaded when a server answers that it does not
-    /// have it); off for good once a server has no Functions or refuses them: then calls
-    /// run as `EVALSHA` scripts.
+    /// have it); off while a server has no Functions or refuses them: then calls run as
+    /// `EVALSHA` scripts.
     functions: std::sync::atomic::AtomicBool,
     /// One library load at a time; `loads` counts them: requests that all found the
     /// library missing (a server restarted) load it once, not once each.
@@ -233,10 +248,10 @@ fn kind_index(kind: &str) -> Option<usize> {
 impl Scripts {
     fn new() -> Self {
         Self {
-            single: SINGLE_SCRIPTS.map(Script::new),
-            multi: Script::new(MULTI_POLICY_SCRIPT),
-            batch: BATCH_SCRIPTS.map(Script::new),
-            adjust: Script::new(ADJUST_SCRIPT),
+            single: SINGLE_SCRIPTS.map(Lua::new),
+            multi: Lua::new(MULTI_POLICY_SCRIPT),
+            batch: BATCH_SCRIPTS.map(Lua::new),
+            adjust: Lua::new(ADJUST_SCRIPT),
             library: Library::new(),
             functions: std::sync::atomic::AtomicBool::new(true),
             reload: tokio::sync::Mutex::new(()),
@@ -266,7 +281,7 @@ impl Scripts {
     }
 
     /// The script of `call` for `invocation`.
-    fn script(&self, call: Call, invocation: &Invocation) -> &Script {
+    fn script(&self, call: Call, invocation: &Invocation) -> &Lua {
         match call {
             Call::Decide => self.for_invocation(invocation),
             Call::Batch => self.batch_for(invocation),
@@ -285,7 +300,7 @@ impl Scripts {
 
     /// The script that decides `invocation`: one policy, that algorithm's own, smaller
     /// script; several, the full one.
-    fn for_invocation(&self, invocation: &Invocation) -> &Script {
+    fn for_invocation(&self, invocation: &Invocation) -> &Lua {
         match invocation.single_kind.and_then(kind_index) {
             Some(index) if invocation.count == 1 => &self.single[index],
             _ => &self.multi,
@@ -293,7 +308,7 @@ impl Scripts {
     }
 
     /// [`for_invocation`](Self::for_invocation)'s coalesced twin.
-    fn batch_for(&self, invocation: &Invocation) -> &Script {
+    fn batch_for(&self, invocation: &Invocation) -> &Lua {
         match invocation.single_kind.and_then(kind_index) {
             Some(index) if invocation.count == 1 => &self.batch[index],
             _ => &self.batch[7],
@@ -600,7 +615,7 @@ impl RedisStore {
                 // Two decisions at once: the second, queued behind the first, goes as a
                 // coalesced batch, so the batch script is loaded and checked too.
                 let (first, second) =
-                    futures_join(self.decide(key, set, 1), self.decide(key, set, 1)).await;
+                    tokio::join!(self.decide(key, set, 1), self.decide(key, set, 1));
                 let checked = match first.and_then(|first| second.map(|_| first)) {
                     Ok(decision) => {
                         let receipt = decision.receipt();
@@ -775,8 +790,9 @@ impl Store for RedisStore {
         } else {
             0
         };
+        // Shared with a batch that may follow this call (not copied for each decision).
         let invocation = match self.invocation(key, policies, cost, lease) {
-            Ok(invocation) => invocation,
+            Ok(invocation) => Arc::new(invocation),
             Err(error) => return DecideFuture::ready(Err(error)),
         };
         // Behind a call in flight with the same keys and policies: wait, and go with the
@@ -815,7 +831,7 @@ impl Store for RedisStore {
             lead.prepare(coalesce::Batch {
                 backend: backend.clone(),
                 scripts: Arc::clone(&scripts),
-                invocation: invocation.clone(),
+                invocation: Arc::clone(&invocation),
                 #[cfg(feature = "__test-clock")]
                 clock: self.clock.clone(),
             });
@@ -898,7 +914,6 @@ impl Store for RedisStore {
 }
 
 /// One script call's keys and arguments.
-#[derive(Clone)]
 struct Invocation {
     keys: Vec<String>,
     args: Vec<String>,
@@ -908,6 +923,18 @@ struct Invocation {
 }
 
 impl Invocation {
+    /// `COMMAND first numkeys keys... args...`: an `FCALL` (first: the function), an
+    /// `EVALSHA` (the SHA1) or an `EVAL` (the text).
+    fn command(&self, command: &str, first: &str) -> redis::Cmd {
+        let mut built = redis::cmd(command);
+        built
+            .arg(first)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
+        built
+    }
+
     /// What makes two decisions the same call but for their cost: the keys and the
     /// policies' arguments (not the time, not the cost). Two stores with other prefixes,
     /// or two sets that spell other policies, never share a batch.
@@ -1083,12 +1110,7 @@ async fn invoke(
     }
     if scripts.functions.load(Ordering::Relaxed) {
         let loads = scripts.loads.load(Ordering::Acquire);
-        let mut command = redis::cmd("FCALL");
-        command
-            .arg(scripts.function(call))
-            .arg(invocation.keys.len())
-            .arg(&invocation.keys)
-            .arg(&invocation.args);
+        let command = invocation.command("FCALL", scripts.function(call));
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             Err(error) if error.message.contains("Function not found") => {
@@ -1159,76 +1181,20 @@ async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result
     Ok(())
 }
 
-/// Runs `script` with the invocation's keys and arguments on `backend`.
+/// Runs `script` with the invocation's keys and arguments on `backend`: by its SHA1, or
+/// by its text when the server lost its script cache (a restart, a failover, `SCRIPT
+/// FLUSH`); `EVAL` caches it again.
 async fn run_script(
     backend: &Backend,
-    script: &Script,
+    script: &Lua,
     invocation: &Invocation,
 ) -> Result<Vec<i64>, StoreError> {
-    let mut call = script.prepare_invoke();
-    for key in &invocation.keys {
-        call.key(key);
+    match query(backend, &invocation.command("EVALSHA", &script.hash)).await {
+        Err(error) if error.code() == Some("NOSCRIPT") => {
+            query(backend, &invocation.command("EVAL", script.source)).await
+        }
+        answered => answered,
     }
-    for arg in &invocation.args {
-        call.arg(arg);
-    }
-    match backend.clone() {
-        Backend::Manager(mut connection) => call.invoke_async(&mut connection).await,
-        Backend::Cluster(mut connection) => call.invoke_async(&mut connection).await,
-        Backend::Pool(pool) => {
-            let mut connection = pool
-                .get()
-                .await
-                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
-            call.invoke_async(&mut connection).await
-        }
-        Backend::ClusterPool(pool) => {
-            let mut connection = pool
-                .get()
-                .await
-                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
-            call.invoke_async(&mut connection).await
-        }
-        Backend::Sentinel(sentinel) => {
-            let (generation, mut connection) = sentinel.connection().await?;
-            return call
-                .invoke_async(&mut connection)
-                .await
-                .map_err(|error| sentinel.outcome(generation, store_error(error)));
-        }
-    }
-    .map_err(store_error)
-}
-
-/// Both futures, polled together (the store's own small `join`).
-async fn futures_join<A: std::future::Future, B: std::future::Future>(
-    a: A,
-    b: B,
-) -> (A::Output, B::Output) {
-    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
-    let (mut out_a, mut out_b) = (None, None);
-    std::future::poll_fn(|cx| {
-        if out_a.is_none() {
-            if let std::task::Poll::Ready(value) = a.as_mut().poll(cx) {
-                out_a = Some(value);
-            }
-        }
-        if out_b.is_none() {
-            if let std::task::Poll::Ready(value) = b.as_mut().poll(cx) {
-                out_b = Some(value);
-            }
-        }
-        if out_a.is_some() && out_b.is_some() {
-            std::task::Poll::Ready(())
-        } else {
-            std::task::Poll::Pending
-        }
-    })
-    .await;
-    (
-        out_a.expect("polled to the end"),
-        out_b.expect("polled to the end"),
-    )
 }
 
 fn micros(value: i64) -> Duration {

@@ -80,16 +80,7 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server starts");
-        let server = Self { port, child, dir };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while cli(port, &["PING"]).trim() != "PONG" {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on port {port} did not answer PING"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
+        Self { port, child, dir }.answering("redis-server")
     }
 
     /// A Redis Sentinel (`redis-sentinel`) watching the primary on `primary_port` under
@@ -120,16 +111,21 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-sentinel starts");
-        let server = Self { port, child, dir };
+        Self { port, child, dir }.answering("redis-sentinel")
+    }
+
+    /// This process, once it answers PING (within 10 s, or the test fails).
+    fn answering(self, what: &str) -> Self {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while cli(port, &["PING"]).trim() != "PONG" {
+        while cli(self.port, &["PING"]).trim() != "PONG" {
             assert!(
                 Instant::now() < deadline,
-                "redis-sentinel on port {port} did not answer PING"
+                "{what} on port {} did not answer PING",
+                self.port
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        server
+        self
     }
 
     /// Sends the process `signal` (`STOP` freezes it: its connections stay open and its
@@ -237,22 +233,39 @@ impl RedisCluster {
     }
 }
 
+/// The number after `name` (`calls=`, `usec=`...) in one line of `INFO commandstats`.
+fn stat(line: &str, name: &str) -> u64 {
+    line.split([':', ','])
+        .find_map(|field| field.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// How many times `server` ran `command` (lower case) and it succeeded, from `INFO
 /// commandstats` (0 when it never ran).
 pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
     let stats = server.cli(&["INFO", "commandstats"]);
-    let Some(line) = stats
+    stats
         .lines()
         .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
-    else {
-        return 0;
-    };
-    let field = |name: &str| -> u64 {
-        line.split([':', ','])
-            .find_map(|field| field.strip_prefix(name)?.trim().parse().ok())
-            .unwrap_or(0)
-    };
-    field("calls=").saturating_sub(field("failed_calls="))
+        .map_or(0, |line| {
+            stat(line, "calls=").saturating_sub(stat(line, "failed_calls="))
+        })
+}
+
+/// `calls` and `usec` of every script command (`EVALSHA`, `EVAL`, `FCALL`) in `INFO
+/// commandstats`.
+pub fn script_stats(server: &RedisServer) -> (u64, u64) {
+    let stats = server.cli(&["INFO", "commandstats"]);
+    stats
+        .lines()
+        .filter(|line| {
+            ["cmdstat_evalsha:", "cmdstat_eval:", "cmdstat_fcall:"]
+                .iter()
+                .any(|name| line.starts_with(name))
+        })
+        .fold((0, 0), |(calls, usec), line| {
+            (calls + stat(line, "calls="), usec + stat(line, "usec="))
+        })
 }
 
 /// Every key on `server`, with its TTL in milliseconds (-1: none; -2: gone since the scan).

@@ -111,7 +111,7 @@ impl Coalescer {
 pub(super) struct Batch {
     pub(super) backend: Backend,
     pub(super) scripts: Arc<Scripts>,
-    pub(super) invocation: Invocation,
+    pub(super) invocation: Arc<Invocation>,
     /// The test clock the store was given: a batch reads it when it leaves, as a
     /// decision of its own would (Redis `TIME` otherwise).
     #[cfg(feature = "__test-clock")]

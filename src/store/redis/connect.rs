@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::RedisError;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
@@ -283,7 +282,7 @@ impl RedisConfig {
                     ConnectionManagerConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT));
                 let manager = ConnectionManager::new_with_config(client, config)
                     .await
-                    .map_err(|error| connect_error(&self, error))?;
+                    .map_err(|error| self.in_context(store_error(error)))?;
                 Backend::Manager(manager)
             }
             Target::Cluster(nodes) => {
@@ -303,24 +302,30 @@ impl RedisConfig {
                 let connection = client
                     .get_async_connection()
                     .await
-                    .map_err(|error| connect_error(&self, error))?;
+                    .map_err(|error| self.in_context(store_error(error)))?;
                 Backend::Cluster(connection)
             }
             Target::Sentinel { sentinels, master } => {
                 let sentinel = self.sentinel_backend(sentinels, master)?;
                 // The first look-up: a wrong name or no reachable sentinel fails here.
-                sentinel.connection().await.map_err(|error| {
-                    StoreError::new(
-                        error.kind(),
-                        format!("{}: {}", self.describe(), error.message),
-                    )
-                })?;
+                sentinel
+                    .connection()
+                    .await
+                    .map_err(|error| self.in_context(error))?;
                 Backend::Sentinel(sentinel)
             }
         };
         let store = RedisStore::with_backend(backend).prefix(&self.prefix);
         store.verify().await?;
         Ok(store)
+    }
+
+    /// `error`, saying where it happened (passwords hidden).
+    fn in_context(&self, error: StoreError) -> StoreError {
+        StoreError::new(
+            error.kind(),
+            format!("{}: {}", self.describe(), error.message),
+        )
     }
 
     fn root_certificate(&self) -> Option<&[u8]> {
@@ -392,14 +397,6 @@ fn check_scheme(url: &str) -> Result<(), StoreError> {
         )));
     }
     Ok(())
-}
-
-fn connect_error(config: &RedisConfig, error: RedisError) -> StoreError {
-    let error = store_error(error);
-    StoreError::new(
-        error.kind(),
-        format!("{}: {}", config.describe(), error.message),
-    )
 }
 
 /// Query parameters that carry a password (redis-rs reads `pass` in `redis+unix:` URLs).

@@ -144,6 +144,10 @@ impl SentinelBackend {
     pub(super) async fn connection(
         self: &Arc<Self>,
     ) -> Result<(u64, MultiplexedConnection), StoreError> {
+        // The common case, without subscribing to look-ups.
+        if let Some((generation, _, connection)) = &self.lock().current {
+            return Ok((*generation, connection.clone()));
+        }
         loop {
             // Subscribed before the state is read: a look-up that ends in between still
             // wakes this request.
