@@ -336,16 +336,10 @@ fn background_load(
         .collect()
 }
 
-/// What a failover under load looked like from the app: requests until Redis decided
-/// again, and for how long the fallback answered.
-struct Failover {
-    phase: Phase,
-    gap: Duration,
-}
-
 /// Runs `fail` under background load, then sends requests until Redis has decided 50
 /// after it; every request, in the foreground and the background, must be answered.
-async fn failover_under_load(app: &Router, fail: impl FnOnce()) -> Failover {
+/// Prints what happened, as `what`.
+async fn failover_under_load(app: &Router, what: &str, fail: impl FnOnce()) -> Phase {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let background = background_load(app, 6, &stop);
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -381,7 +375,13 @@ async fn failover_under_load(app: &Router, fail: impl FnOnce()) -> Failover {
     );
     assert!(phase.all_answered(), "{:?}", phase.answers);
     let gap = back_at.expect("Redis decided again") - failed_at;
-    Failover { phase, gap }
+    println!(
+        "{what}; Redis decided again after {gap:?}; the fallback answered {} of {} foreground \
+         requests",
+        phase.count(DecidedBy::Fallback),
+        phase.answers.len()
+    );
+    phase
 }
 
 /// After a failover the store is exact again: 10 of 40 concurrent decisions under a
@@ -473,15 +473,9 @@ async fn sentinel_failover_after_the_primary_is_killed() {
         "nothing was written to the primary"
     );
 
-    let failover = failover_under_load(&app, || primary.kill()).await;
-    println!(
-        "Sentinel: the primary was killed; Redis decided again after {:?}; the fallback answered \
-         {} of {} foreground requests",
-        failover.gap,
-        failover.phase.count(DecidedBy::Fallback),
-        failover.phase.answers.len()
-    );
-    assert!(failover.phase.count(DecidedBy::Fallback) > 0);
+    let failover =
+        failover_under_load(&app, "Sentinel: the primary was killed", || primary.kill()).await;
+    assert!(failover.count(DecidedBy::Fallback) > 0);
     // The replica was promoted, and the store writes there.
     assert_eq!(named_primary(&sentinels[0]), replica.port);
     assert!(
@@ -566,15 +560,11 @@ async fn cluster_failover_after_a_primary_is_killed() {
                     .contains("tollgate")
         })
         .expect("a primary holds the key");
-    let failover = failover_under_load(&app, || cluster.nodes[owner].kill()).await;
-    println!(
-        "Cluster: a primary was killed; Redis decided again after {:?}; the fallback answered \
-         {} of {} foreground requests",
-        failover.gap,
-        failover.phase.count(DecidedBy::Fallback),
-        failover.phase.answers.len()
-    );
-    assert!(failover.phase.count(DecidedBy::Fallback) > 0);
+    let failover = failover_under_load(&app, "Cluster: a primary was killed", || {
+        cluster.nodes[owner].kill()
+    })
+    .await;
+    assert!(failover.count(DecidedBy::Fallback) > 0);
     // The identity whose slot the killed primary held.
     assert_exact(&store.inner, "global").await;
     // Decided by the library's functions on the Cluster (the promoted replica had them).
@@ -601,14 +591,10 @@ async fn sentinel_store_leaves_a_primary_that_stops_answering() {
 
     // Frozen, not dead: no connection is reset, requests just get no answer (the layer's
     // timeout drops them). The store must still leave it for the promoted replica.
-    let failover = failover_under_load(&app, || primary.signal("STOP")).await;
-    println!(
-        "Sentinel: the primary froze; Redis decided again after {:?}; the fallback answered \
-         {} of {} foreground requests",
-        failover.gap,
-        failover.phase.count(DecidedBy::Fallback),
-        failover.phase.answers.len()
-    );
+    failover_under_load(&app, "Sentinel: the primary froze", || {
+        primary.signal("STOP")
+    })
+    .await;
     assert_eq!(named_primary(&sentinels[0]), replica.port);
     primary.signal("CONT");
     assert_exact(&store.inner, "after-freeze").await;
