@@ -2,45 +2,78 @@
 -- to the Unix epoch (as in every store). No number here is a product of the limit and the
 -- window. Mirrors src/algorithm/fixed_window.rs.
 
-local function load(p, key)
-  local w = p[2]
+-- The window counted at `key` (of p2 µs): its index, its count, when it ends, and whether
+-- the key already holds this very window (then it expires when the window ends, and a
+-- write changes only the count). Time that steps back never rolls a window back.
+local function window_of(key, w)
   local index = (now - math.fmod(now, w)) / w
   local stored = redis.call('HMGET', key, 'i', 'c')
-  local s = { key = key, index = index, count = 0 }
+  local count = 0
   local stored_index = num(stored[1], -1)
-  -- Time that steps back never rolls a window back.
-  if stored_index >= index then
-    s.index = stored_index
-    s.count = num(stored[2], 0)
-  end
-  s.finish = (s.index + 1) * w
-  return s
+  local kept = stored_index == index
+  if stored_index >= index then index, count = stored_index, num(stored[2], 0) end
+  return index, count, (index + 1) * w, kept
+end
+
+local function load(p, key)
+  local index, count, finish, kept = window_of(key, p[2])
+  return { key = key, index = index, count = count, finish = finish, kept = kept }
+end
+
+-- Whether `cost` fits `count` of a limit of p1: 'admit', 'deny' (and the wait until the
+-- window ends) or 'never'.
+local function fits(p1, count, finish)
+  if cost > p1 then return 'never', 0 end
+  if count + cost <= p1 then return 'admit', 0 end
+  return 'deny', finish - now
 end
 
 local function check(p, s)
-  if cost > p[1] then return 'never' end
-  if s.count + cost <= p[1] then return 'admit', 0 end
-  return 'deny', s.finish - now
+  return fits(p[1], s.count, s.finish)
 end
 
-local function store(s)
-  redis.call('HSET', s.key, 'i', s.index, 'c', s.count)
-  redis.call('PEXPIRE', s.key, cdiv(s.finish - now, 1000) + 1)
+-- Writes the count; a window new to the key also its index and its expiry (a key that held
+-- this window since its first write expires with it already).
+local function write(key, index, count, finish, kept)
+  if kept then
+    redis.call('HSET', key, 'c', count)
+    return
+  end
+  redis.call('HSET', key, 'i', index, 'c', count)
+  redis.call('PEXPIRE', key, cdiv(finish - now, 1000) + 1)
 end
 
 local function commit(p, s)
   s.count = s.count + cost
-  store(s)
+  write(s.key, s.index, s.count, s.finish, s.kept)
 end
 
 -- Gives back `units` debited at `at`, if that was in the window counted now (at -1: any).
 local function refund(p, s, units, at)
   if at >= 0 and (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
   s.count = math.max(s.count - units, 0)
-  store(s)
+  write(s.key, s.index, s.count, s.finish, s.kept)
 end
 
 local function snapshot(p, s)
   local reset = math.max(s.finish - now, 0)
   return p[1], math.max(p[1] - s.count, 0), reset, reset
+end
+
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,
+-- wait, count, end of the window, now}.
+local function one(key, p1, p2)
+  p1, p2 = tonumber(p1), tonumber(p2)
+  local index, count, finish, kept = window_of(key, p2)
+  local verdict, value = fits(p1, count, finish)
+  if verdict == 'admit' then
+    if cost > 0 then
+      count = count + cost
+      write(key, index, count, finish, kept)
+    end
+    return { 0, 0, count, finish, now }
+  elseif verdict == 'deny' then
+    return { 1, value, count, finish, now }
+  end
+  return { 2, 0, count, finish, now }
 end

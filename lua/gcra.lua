@@ -3,49 +3,78 @@
 -- amount microseconds), so an emission interval that is not a whole number of
 -- microseconds never drifts. Mirrors src/algorithm/gcra.rs.
 
-local function load(p, key)
-  local s = { key = key, whole = now, fraction = 0 }
+-- How far the TAT stored at `key` is ahead of now, scaled by the amount (p2): an exact
+-- integer, 0 when it is not ahead.
+local function ahead_of(key, p2)
   local stored = redis.call('GET', key)
   if stored then
     local whole, fraction = string.match(stored, '^(%d+):(%d+)$')
     whole, fraction = tonumber(whole), tonumber(fraction)
     if whole ~= nil and (whole > now or (whole == now and fraction > 0)) then
-      s.whole, s.fraction = whole, fraction
+      return (whole - now) * p2 + fraction
     end
   end
-  -- How far the TAT is ahead of now, scaled by the amount: an exact integer.
-  s.ahead = (s.whole - now) * p[2] + s.fraction
-  return s
+  return 0
+end
+
+local function load(p, key)
+  return { key = key, ahead = ahead_of(key, p[2]) }
+end
+
+-- Whether `cost` fits `ahead`: 'admit' (and how far ahead the debit leaves the TAT),
+-- 'deny' (and the wait) or 'never'.
+local function fits(p1, p2, p3, ahead)
+  if cost > p1 then return 'never', 0 end
+  local after = ahead + cost * p3
+  local tolerance = p1 * p3
+  if after <= tolerance then return 'admit', after end
+  return 'deny', cdiv(after - tolerance, p2)
 end
 
 local function check(p, s)
-  if cost > p[1] then return 'never' end
-  local ahead = s.ahead + cost * p[3]
-  local tolerance = p[1] * p[3]
-  if ahead <= tolerance then return 'admit', 0 end
-  return 'deny', cdiv(ahead - tolerance, p[2])
+  local verdict, value = fits(p[1], p[2], p[3], s.ahead)
+  if verdict == 'admit' then return 'admit', 0 end
+  return verdict, value
 end
 
-local function store(p, s)
-  local whole = now + idiv(s.ahead, p[2])
-  local fraction = math.fmod(s.ahead, p[2])
-  redis.call('SET', s.key, string.format('%d:%d', whole, fraction), 'PX', cdiv(cdiv(s.ahead, p[2]), 1000) + 1)
+local function write(key, p2, ahead)
+  local whole = now + idiv(ahead, p2)
+  local fraction = math.fmod(ahead, p2)
+  redis.call('SET', key, string.format('%d:%d', whole, fraction), 'PX', cdiv(cdiv(ahead, p2), 1000) + 1)
 end
 
 local function commit(p, s)
   s.ahead = s.ahead + cost * p[3]
-  store(p, s)
+  write(s.key, p[2], s.ahead)
 end
 
 -- Gives `units` back, less the intervals passed since `at`: the TAT moves back, never
 -- before now.
 local function refund(p, s, units, at, left)
   s.ahead = math.max(s.ahead - refund_level(p, units, at, p[1], left), 0)
-  store(p, s)
+  write(s.key, p[2], s.ahead)
 end
 
 local function snapshot(p, s)
   local spare = math.max(p[1] * p[3] - s.ahead, 0)
   -- Effective window: until the next emission interval has passed.
   return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
+end
+
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,
+-- wait, how far ahead, now}.
+local function one(key, p1, p2, p3)
+  p1, p2, p3 = tonumber(p1), tonumber(p2), tonumber(p3)
+  local ahead = ahead_of(key, p2)
+  local verdict, value = fits(p1, p2, p3, ahead)
+  if verdict == 'admit' then
+    if cost > 0 then
+      ahead = value
+      write(key, p2, ahead)
+    end
+    return { 0, 0, ahead, now }
+  elseif verdict == 'deny' then
+    return { 1, value, ahead, now }
+  end
+  return { 2, 0, ahead, now }
 end

@@ -4,23 +4,38 @@
 -- cannot keep them). A request of cost 0 takes no slot. Mirrors src/algorithm/in_flight.rs
 -- (which needs no lease: in one process every slot is given back).
 
-local function load(p, key)
+-- The slots taken at `key`, once the expired ones are gone.
+local function taken(key)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  return { key = key, count = redis.call('ZCARD', key) }
+  return redis.call('ZCARD', key)
+end
+
+local function load(p, key)
+  return { key = key, count = taken(key) }
+end
+
+-- Whether a slot is free: 'admit' or 'deny' (and a wait: a slot frees when some request
+-- ends, and nothing here can say when).
+local function fits(p1, count)
+  if count + math.min(cost, 1) <= p1 then return 'admit', 0 end
+  return 'deny', 1000000
 end
 
 local function check(p, s)
-  if s.count + math.min(cost, 1) <= p[1] then return 'admit', 0 end
-  -- A slot frees when some request ends: nothing here can say when.
-  return 'deny', 1000000
+  return fits(p[1], s.count)
+end
+
+-- Takes the slot `member` (the lease id, spelled as `%d` spells it) for a lease of p2.
+local function take(key, p2, member)
+  redis.call('ZADD', key, now + p2, member)
+  -- Every slot expires within one lease from now: so does the key.
+  redis.call('PEXPIRE', key, cdiv(p2, 1000) + 1)
 end
 
 local function commit(p, s)
   if cost == 0 then return end
-  redis.call('ZADD', s.key, now + p[2], string.format('%d', p[3]))
+  take(s.key, p[2], string.format('%d', p[3]))
   s.count = s.count + 1
-  -- Every slot expires within one lease from now: so does the key.
-  redis.call('PEXPIRE', s.key, cdiv(p[2], 1000) + 1)
 end
 
 local function refund(p, s, units, at)
@@ -29,4 +44,19 @@ end
 
 local function snapshot(p, s)
   return p[1], math.max(p[1] - s.count, 0), 0, 0
+end
+
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,
+-- wait, slots taken, now}. The lease id arrives in decimal digits, as `%d` writes it.
+local function one(key, p1, p2, id)
+  local count = taken(key)
+  local verdict, value = fits(tonumber(p1), count)
+  if verdict == 'admit' then
+    if cost > 0 then
+      take(key, tonumber(p2), id)
+      count = count + 1
+    end
+    return { 0, 0, count, now }
+  end
+  return { 1, value, count, now }
 end

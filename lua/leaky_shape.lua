@@ -4,12 +4,18 @@
 
 local load = load_bucket
 
-local function check(p, s)
-  local threshold = p[1] * p[2]
+-- Whether `cost` fits at `level`: 'admit' (and how long to wait), 'deny' (and the wait
+-- until it would fit) or 'never'.
+local function fits(p1, p2, p3, level)
+  local threshold = p1 * p2
   -- A cost larger than an empty bucket admits back to back never fits.
-  if cost > idiv(threshold, p[3]) + 1 then return 'never' end
-  if s.level <= threshold then return 'admit', cdiv(s.level, p[2]) end
-  return 'deny', cdiv(s.level - threshold, p[2])
+  if cost > idiv(threshold, p3) + 1 then return 'never', 0 end
+  if level <= threshold then return 'admit', cdiv(level, p2) end
+  return 'deny', cdiv(level - threshold, p2)
+end
+
+local function check(p, s)
+  return fits(p[1], p[2], p[3], s.level)
 end
 
 local commit = commit_bucket
@@ -26,4 +32,10 @@ local function snapshot(p, s)
   -- Effective window: until one more unit could queue after `remaining` did.
   local effective = cdiv(s.level + remaining * p[3] - threshold, p[2])
   return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective
+end
+
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): the
+-- decision and the raw level.
+local function one(key, p1, p2, p3)
+  return one_bucket(fits, key, tonumber(p1), tonumber(p2), tonumber(p3))
 end

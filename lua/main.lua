@@ -9,6 +9,11 @@
 -- same decision as the loop below (a lone policy denies alone, and nothing can block it),
 -- without the loop's tables and closures.
 local single = count == 1 and algorithms[ARGV[4]]
+-- An algorithm with a path of its own for one policy answers its raw state (see its
+-- `one`): src/store/redis.rs reports the status from it, which costs Redis nothing.
+if single and single.one then
+  return single.one(KEYS[1], ARGV[5], ARGV[6], ARGV[7])
+end
 if single then
   local p = { tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]) }
   local s = single.load(p, KEYS[1], KEYS[2])

@@ -23,6 +23,11 @@
 --          2 = the cost can never fit. The effective window is draft-11's `t`: how long the client can
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
+--          One plain policy of an algorithm with a `one` of its own (every algorithm but
+--          the sliding log and the sliding window counter) is sent one key, and returns
+--          {outcome, retry_after_us or delay_us, its raw state, now_us}: the store
+--          computes the status from the state as `snapshot` would (src/store/redis.rs,
+--          `Raw`), which costs Redis nothing.
 
 -- `now`, `cost` and `count` are set by begin.lua at the start of every call (they are
 -- declared before this prelude: the locals of a script, or of the Functions library).
@@ -74,21 +79,51 @@ end
 -- Buckets (token bucket, both leaky buckets) keep the level (units missing from full, or
 -- queued, times the period) and the time it was last brought up to date; p[2] units leak
 -- or refill every p[3] microseconds. Refilling `elapsed` takes exactly `elapsed * p[2]`.
-local function load_bucket(p, key)
+-- The level of the bucket at `key` brought up to now (p2 units every p3 µs), and the time
+-- it is up to date (never before a time already stored: time that steps back refills
+-- nothing). Tables-free: the one-policy path (`one`) calls it too.
+local function bucket_level(key, p2)
   local stored = redis.call('HMGET', key, 'l', 't')
   local last = num(stored[2], now)
-  local level = math.max(num(stored[1], 0) - math.max(now - last, 0) * p[2], 0)
-  return { key = key, level = level, last = math.max(last, now) }
+  return math.max(num(stored[1], 0) - math.max(now - last, 0) * p2, 0), math.max(last, now)
+end
+
+local function write_bucket(key, p2, level, last)
+  redis.call('HSET', key, 'l', level, 't', last)
+  redis.call('PEXPIRE', key, cdiv(cdiv(level, p2), 1000) + 1)
+end
+
+local function load_bucket(p, key)
+  local level, last = bucket_level(key, p[2])
+  return { key = key, level = level, last = last }
 end
 
 local function store_bucket(p, s)
-  redis.call('HSET', s.key, 'l', s.level, 't', s.last)
-  redis.call('PEXPIRE', s.key, cdiv(cdiv(s.level, p[2]), 1000) + 1)
+  write_bucket(s.key, p[2], s.level, s.last)
 end
 
 local function commit_bucket(p, s)
   s.level = s.level + cost * p[3]
   store_bucket(p, s)
+end
+
+-- The one-policy path of a bucket (`one` in token_bucket.lua and leaky_shape.lua):
+-- `fits(p1, p2, p3, level)` answers 'admit' (and the delay), 'deny' (and the wait) or
+-- 'never'. Replies {outcome, delay or wait, level, now}; src/store/redis.rs reports the
+-- status from the level, as the algorithm's `snapshot` would.
+local function one_bucket(fits, key, p1, p2, p3)
+  local level, last = bucket_level(key, p2)
+  local verdict, value = fits(p1, p2, p3, level)
+  if verdict == 'admit' then
+    if cost > 0 then
+      level = level + cost * p3
+      write_bucket(key, p2, level, last)
+    end
+    return { 0, value, level, now }
+  elseif verdict == 'deny' then
+    return { 1, value, level, now }
+  end
+  return { 2, 0, level, now }
 end
 
 -- What to give back of `units` debited at `at` (-1: any time), in level units: no more

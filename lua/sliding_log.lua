@@ -115,3 +115,7 @@ local function snapshot(p, s)
   if s.oldest ~= nil then effective = math.max(s.oldest + p[2] - now, 1) end
   return p[1], math.max(p[1] - s.total, 0), reset, effective
 end
+
+-- No one-policy path of its own: main.lua decides one policy through the functions above
+-- and reports the full status (its effective window needs the whole state).
+local one = nil

@@ -131,3 +131,7 @@ local function snapshot(p, s)
   if s.estimate + remaining + 1 > p[1] then effective = wait_for(p, s, 1, remaining) end
   return p[1], remaining, reset, effective
 end
+
+-- No one-policy path of its own: main.lua decides one policy through the functions above
+-- and reports the full status (its effective window needs the whole state).
+local one = nil

@@ -5,12 +5,17 @@
 
 local load = load_bucket
 
-local function check(p, s)
-  if cost > p[1] then return 'never' end
-  local needed = s.level + cost * p[3]
-  local full = p[1] * p[3]
+-- Whether `cost` fits at `level`: 'admit' (no delay), 'deny' (and the wait) or 'never'.
+local function fits(p1, p2, p3, level)
+  if cost > p1 then return 'never', 0 end
+  local needed = level + cost * p3
+  local full = p1 * p3
   if needed <= full then return 'admit', 0 end
-  return 'deny', cdiv(needed - full, p[2])
+  return 'deny', cdiv(needed - full, p2)
+end
+
+local function check(p, s)
+  return fits(p[1], p[2], p[3], s.level)
 end
 
 local commit = commit_bucket
@@ -20,4 +25,10 @@ local function snapshot(p, s)
   local spare = math.max(p[1] * p[3] - s.level, 0)
   -- Effective window: until the token being refilled now is whole.
   return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
+end
+
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): the
+-- decision and the raw level.
+local function one(key, p1, p2, p3)
+  return one_bucket(fits, key, tonumber(p1), tonumber(p2), tonumber(p3))
 end

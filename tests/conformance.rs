@@ -192,6 +192,50 @@ fn every_algorithm() -> Vec<Policy> {
     ]
 }
 
+/// A lone plain policy of most algorithms answers its raw state, and the store computes the
+/// status from it (`Raw` in src/store/redis.rs); beside another policy, the script's own
+/// `snapshot` reports it. On the same state at the same instant both must agree exactly,
+/// to the microsecond (the memory comparison allows a millisecond: it counts nanoseconds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_policy_reports_exactly_what_its_script_reports() {
+    let backends = Backends::start().await;
+    // Never binds, so the other policy decides alone; its presence takes the full path.
+    let bystander =
+        Policy::fixed_window("bystander", 1_000_000, Duration::from_secs(3600)).unwrap();
+    let mut policies = every_algorithm();
+    policies.push(Policy::concurrency("cc", 4).unwrap());
+    for policy in policies {
+        let name = policy.name().to_owned();
+        let alone = PolicySet::from(policy.clone());
+        let beside = PolicySet::new([policy, bystander.clone()]).unwrap();
+        // The memory subject is not compared here: both paths are Redis's.
+        for subject in backends.subjects(&format!("raw-{name}")).iter().skip(1) {
+            let (mut now, mut admitted, mut denied) = (Duration::ZERO, 0, 0);
+            for (step, &(gap, cost)) in trace(17, 80, 3_000).iter().enumerate() {
+                now += Duration::from_millis(gap);
+                subject.clock.set(now);
+                let decided = subject.check("client", &alone, cost).await;
+                if decided.is_allowed() {
+                    admitted += 1;
+                } else {
+                    denied += 1;
+                }
+                // Cost 0: a look at the state the decision left, through both paths.
+                let raw = subject.check("client", &alone, 0).await;
+                let scripted = subject.check("client", &beside, 0).await;
+                let context = format!("{name} on {} step {step} at {now:?}", subject.name);
+                assert_eq!(raw.statuses()[0], scripted.statuses()[0], "{context}");
+                assert_eq!(decided.statuses()[0], raw.statuses()[0], "{context}");
+                assert_eq!(raw.outcome(), scripted.outcome(), "{context}");
+            }
+            assert!(
+                admitted > 0 && denied > 0,
+                "{name}: {admitted} admitted, {denied} denied"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_decides_alike() {
     let backends = Backends::start().await;

@@ -57,7 +57,7 @@ macro_rules! script {
             $(
                 "algorithms.", $kind, " = (function()\n",
                 include_str!(concat!("../../lua/", $file)),
-                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund }\nend)()\n",
+                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund, one = one }\nend)()\n",
             )+
         )
     };
@@ -792,7 +792,14 @@ impl Store for RedisStore {
         };
         // Shared with a batch that may follow this call (not copied for each decision).
         let invocation = match self.invocation(key, policies, cost, lease) {
-            Ok(invocation) => Arc::new(invocation),
+            Ok(mut invocation) => {
+                // A lone policy's own path reads its state key only: Redis is sent one
+                // key name fewer.
+                if matches!(invocation.shape, Shape::Raw(_)) {
+                    invocation.keys.truncate(1);
+                }
+                Arc::new(invocation)
+            }
             Err(error) => return DecideFuture::ready(Err(error)),
         };
         // Behind a call in flight with the same keys and policies: wait, and go with the
@@ -845,7 +852,7 @@ impl Store for RedisStore {
             if let Some(guard) = &mut guard {
                 guard.keys.clear();
             }
-            parse_reply(&reply, invocation.count, cost, lease)
+            parse_reply(&reply, invocation.shape, invocation.count, cost, lease)
         })
     }
 
@@ -885,7 +892,8 @@ impl Store for RedisStore {
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
-            parse_reply(&reply, invocation.count, 0, receipt.lease())
+            // An adjustment answers full statuses, whatever the set.
+            parse_reply(&reply, Shape::Full, invocation.count, 0, receipt.lease())
         })
     }
 
@@ -920,6 +928,9 @@ struct Invocation {
     count: usize,
     /// The algorithm of the last policy (the script of a one-policy set).
     single_kind: Option<&'static str>,
+    /// How its decisions answer: one plain policy of an algorithm with a path of its own
+    /// answers its raw state.
+    shape: Shape,
 }
 
 impl Invocation {
@@ -966,10 +977,14 @@ impl RedisStore {
         args.push(cost.min(crate::policy::MAX_LIMIT + 1).to_string());
         args.push(policies.len().to_string());
         let mut single_kind = None;
+        let mut shape = Shape::Full;
         for policy in policies.iter() {
             let (kind, p1, p2, p3) = script_args(policy)?;
             let p3 = if kind == "cc" { lease } else { p3 };
             single_kind = Some(kind);
+            if policies.len() == 1 && !policy.is_shadow() && policy.penalty_box().is_none() {
+                shape = Shape::raw(kind, [p1, p2, p3]);
+            }
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
             keys.push(state);
             keys.push(aux);
@@ -1000,6 +1015,7 @@ impl RedisStore {
             args,
             count: policies.len(),
             single_kind,
+            shape,
         })
     }
 }
@@ -1201,7 +1217,127 @@ fn micros(value: i64) -> Duration {
     Duration::from_micros(u64::try_from(value).unwrap_or(0))
 }
 
-fn parse_reply(reply: &[i64], count: usize, cost: u64, lease: u64) -> Result<Decision, StoreError> {
+/// How a decision script lays out its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// `{outcome, policy, wait, delay, then per policy: limit, remaining, reset, effective
+    /// window, then the time, then the shadow policies that would have denied}`.
+    Full,
+    /// One plain policy of an algorithm with a path of its own (`one` in its Lua file):
+    /// `{outcome, wait or delay, its raw state, the time}`. The status is computed here
+    /// from the state, exactly as the algorithm's `snapshot` computes it in Lua: the
+    /// arithmetic costs Redis nothing.
+    Raw(Raw),
+}
+
+/// The algorithms that answer their raw state for one plain policy, with the policy's
+/// three script arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Raw {
+    /// Token bucket, policing leaky bucket: `{level}`.
+    Bucket([u64; 3]),
+    /// Shaping leaky bucket: `{level}`.
+    Shape([u64; 3]),
+    /// GCRA: `{how far the TAT is ahead, scaled by the amount}`.
+    Gcra([u64; 3]),
+    /// Fixed window: `{count, end of the window}`.
+    Window([u64; 3]),
+    /// In flight: `{slots taken}`.
+    InFlight([u64; 3]),
+}
+
+impl Shape {
+    fn raw(kind: &str, p: [u64; 3]) -> Self {
+        match kind {
+            "tb" => Shape::Raw(Raw::Bucket(p)),
+            "ls" => Shape::Raw(Raw::Shape(p)),
+            "gc" => Shape::Raw(Raw::Gcra(p)),
+            "fw" => Shape::Raw(Raw::Window(p)),
+            "cc" => Shape::Raw(Raw::InFlight(p)),
+            _ => Shape::Full,
+        }
+    }
+}
+
+impl Raw {
+    /// How many numbers of state the answer carries.
+    fn state_len(self) -> usize {
+        match self {
+            Raw::Window(_) => 2,
+            _ => 1,
+        }
+    }
+
+    /// The status of the policy whose state is `state` at `now` (microseconds): the twin
+    /// of `snapshot` in the algorithm's Lua file.
+    fn status(self, state: &[u64], now: u64) -> PolicyStatus {
+        let ceil = |a: u128, b: u128| a.div_ceil(b.max(1));
+        let (limit, remaining, reset, effective) = match self {
+            // lua/token_bucket.lua, lua/gcra.lua: `level` is what is missing from full (or
+            // how far ahead the TAT is), times the period.
+            Raw::Bucket([capacity, amount, period]) | Raw::Gcra([capacity, amount, period]) => {
+                let (level, period) = (u128::from(state[0]), u128::from(period.max(1)));
+                let spare = (u128::from(capacity) * period).saturating_sub(level);
+                (
+                    u128::from(capacity),
+                    spare / period,
+                    ceil(level, u128::from(amount)),
+                    ceil(period - spare % period, u128::from(amount)),
+                )
+            }
+            // lua/leaky_shape.lua: `level` is what is queued ahead, times the period.
+            Raw::Shape([max_delay, amount, period]) => {
+                let (level, period) = (u128::from(state[0]), u128::from(period.max(1)));
+                let threshold = u128::from(max_delay) * u128::from(amount);
+                let remaining = if level <= threshold {
+                    (threshold - level) / period + 1
+                } else {
+                    0
+                };
+                (
+                    threshold / period + 1,
+                    remaining,
+                    ceil(level, u128::from(amount)),
+                    ceil(
+                        (level + remaining * period).saturating_sub(threshold),
+                        u128::from(amount),
+                    ),
+                )
+            }
+            // lua/fixed_window.lua.
+            Raw::Window([limit, ..]) => {
+                let reset = u128::from(state[1].saturating_sub(now));
+                let remaining = u128::from(limit.saturating_sub(state[0]));
+                (u128::from(limit), remaining, reset, reset)
+            }
+            // lua/in_flight.lua.
+            Raw::InFlight([limit, ..]) => (
+                u128::from(limit),
+                u128::from(limit.saturating_sub(state[0])),
+                0,
+                0,
+            ),
+        };
+        let whole = |value: u128| u64::try_from(value).unwrap_or(u64::MAX);
+        PolicyStatus {
+            limit: whole(limit),
+            remaining: whole(remaining),
+            reset: Duration::from_micros(whole(reset)),
+            effective_window: Duration::from_micros(whole(effective)),
+        }
+    }
+}
+
+fn parse_reply(
+    reply: &[i64],
+    shape: Shape,
+    count: usize,
+    cost: u64,
+    lease: u64,
+) -> Result<Decision, StoreError> {
+    if let Shape::Raw(raw) = shape {
+        return parse_raw(reply, raw, cost, lease);
+    }
     // The statuses, the time, then the indices of shadow policies that would have denied.
     if reply.len() < 5 + 4 * count || reply.len() > 5 + 5 * count {
         return Err(StoreError::new(
@@ -1257,6 +1393,52 @@ fn parse_reply(reply: &[i64], count: usize, cost: u64, lease: u64) -> Result<Dec
     Ok(Decision::with_statuses(outcome, statuses)
         .with_shadow_denied(shadow_denied)
         .with_receipt(Receipt::new(at, lease)))
+}
+
+/// The answer of one plain policy's own path: `{outcome, wait or delay, state..., time}`.
+fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision, StoreError> {
+    let expected = 3 + raw.state_len();
+    if reply.len() != expected {
+        return Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "the decision script answered {} numbers, expected {expected}",
+                reply.len()
+            ),
+        ));
+    }
+    let number = |value: i64| u64::try_from(value).unwrap_or(0);
+    let now = number(reply[expected - 1]);
+    let mut state = [0u64; 2];
+    for (slot, &value) in state.iter_mut().zip(&reply[2..expected - 1]) {
+        *slot = number(value);
+    }
+    let status = raw.status(&state, now);
+    let outcome = match reply[0] {
+        0 => Outcome::Allowed {
+            delay: micros(reply[1]),
+        },
+        1 => Outcome::Denied {
+            policy: 0,
+            retry_after: micros(reply[1]),
+        },
+        2 => Outcome::CostExceedsLimit {
+            policy: 0,
+            cost,
+            limit: status.limit,
+        },
+        other => {
+            return Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!("the decision script answered outcome {other}"),
+            ));
+        }
+    };
+    let mut statuses = SmallVec::new();
+    statuses.push(status);
+    // The script's time: the receipt of the debit, on the nanosecond time line.
+    Ok(Decision::with_statuses(outcome, statuses)
+        .with_receipt(Receipt::new(now.saturating_mul(1_000), lease)))
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {

@@ -227,6 +227,7 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
         args,
         count: invocation.count,
         single_kind: invocation.single_kind,
+        shape: invocation.shape,
     };
     let answered = tokio::time::timeout(
         DEADLINE,
@@ -249,7 +250,7 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
                     {
                         let (own, tail) = tail.split_at(len as usize);
                         rest = tail;
-                        parse_reply(own, call.count, waiter.cost, 0)
+                        parse_reply(own, call.shape, call.count, waiter.cost, 0)
                     }
                     _ => Err(StoreError::new(
                         StoreErrorKind::Protocol,
