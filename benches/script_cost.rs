@@ -366,9 +366,8 @@ fn measure(
                         case.params[2]
                     };
                     // As the store sends it: a lone policy whose algorithm has a path of
-                    // its own (every one but the logs and counters) gets its state key
-                    // only.
-                    if matches!(case.kind, "sw" | "sl") {
+                    // its own (every one but the log) gets its state key only.
+                    if case.kind == "sl" {
                         command.arg(2).arg(&key).arg(format!("{key}:n"));
                     } else {
                         command.arg(1).arg(&key);

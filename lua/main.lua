@@ -12,7 +12,8 @@ local single = count == 1 and algorithms[ARGV[4]]
 -- An algorithm with a path of its own for one policy answers its raw state (see its
 -- `one`): src/store/redis.rs reports the status from it, which costs Redis nothing.
 if single and single.one then
-  return single.one(KEYS[1], ARGV[5], ARGV[6], ARGV[7])
+  local reply = single.one(KEYS[1], ARGV[5], ARGV[6], ARGV[7])
+  if reply then return reply end
 end
 if single then
   local p = { tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]) }

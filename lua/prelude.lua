@@ -24,7 +24,8 @@
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
 --          One plain policy of an algorithm with a `one` of its own (every algorithm but
---          the sliding log and the sliding window counter) is sent one key, and returns
+--          the sliding log, and the sliding window counter of several sub-windows) is
+--          sent one key, and returns
 --          {outcome, retry_after_us or delay_us, its raw state, now_us}: the store
 --          computes the status from the state as `snapshot` would (src/store/redis.rs,
 --          `Raw`), which costs Redis nothing.

@@ -132,6 +132,40 @@ local function snapshot(p, s)
   return p[1], remaining, reset, effective
 end
 
--- No one-policy path of its own: main.lua decides one policy through the functions above
--- and reports the full status (its effective window needs the whole state).
-local one = nil
+-- One plain policy of one sub-window (main.lua's fast path, with the policy's arguments as
+-- sent; nil for several sub-windows, which take the tables' path): {outcome, wait, the
+-- stored window's index, the previous and the current count, now}. The same steps as
+-- load, check and commit above for k = 1, where nothing of the oldest count is forgiven
+-- beyond the limit.
+local function one(key, p1, p2, p3)
+  if p3 ~= '0' then return nil end
+  p1, p2 = tonumber(p1), tonumber(p2)
+  local index = (now - math.fmod(now, p2)) / p2
+  local stored = redis.call('HMGET', key, 'i', 'p', 'c')
+  local at, previous, current = num(stored[1], 0), num(stored[2], 0), num(stored[3], 0)
+  if index > at then
+    if index - at == 1 then previous = current else previous = 0 end
+    current, at = 0, index
+  end
+  local elapsed = 0
+  if index == at then elapsed = math.fmod(now, p2) end
+  local behind = math.max(at * p2 - now, 0)
+  local q, r = muldiv(previous, p2 - elapsed, p2)
+  if r > 0 then q = q + 1 end
+  local estimate = math.max(q, previous - p1) + current
+  if cost > p1 then return { 2, 0, at, previous, current, now } end
+  if estimate + cost <= p1 then
+    if cost > 0 then
+      current = current + cost
+      redis.call('HSET', key, 'i', at, 'p', previous, 'c', current)
+      redis.call('PEXPIRE', key, cdiv(2 * p2 - elapsed + behind, 1000) + 1)
+    end
+    return { 0, 0, at, previous, current, now }
+  end
+  -- Denied (rarer): the wait, through the tables' path.
+  local s = {
+    k = 1, span = p2, counts = { previous, current }, forgiven = p1,
+    elapsed = elapsed, behind = behind,
+  }
+  return { 1, wait_for({ p1, p2, 0 }, s, cost, 0), at, previous, current, now }
+end

@@ -1242,6 +1242,9 @@ enum Raw {
     Gcra([u64; 3]),
     /// Fixed window: `{count, end of the window}`.
     Window([u64; 3]),
+    /// Sliding window counter of one sub-window: `{the window's index, the previous count,
+    /// the current count}`.
+    Counter([u64; 3]),
     /// In flight: `{slots taken}`.
     InFlight([u64; 3]),
 }
@@ -1253,6 +1256,8 @@ impl Shape {
             "ls" => Shape::Raw(Raw::Shape(p)),
             "gc" => Shape::Raw(Raw::Gcra(p)),
             "fw" => Shape::Raw(Raw::Window(p)),
+            // One sub-window only (sent as 0): several take the tables' path.
+            "sw" if p[2] == 0 => Shape::Raw(Raw::Counter(p)),
             "cc" => Shape::Raw(Raw::InFlight(p)),
             _ => Shape::Full,
         }
@@ -1263,6 +1268,7 @@ impl Raw {
     /// How many numbers of state the answer carries.
     fn state_len(self) -> usize {
         match self {
+            Raw::Counter(_) => 3,
             Raw::Window(_) => 2,
             _ => 1,
         }
@@ -1310,6 +1316,7 @@ impl Raw {
                 let remaining = u128::from(limit.saturating_sub(state[0]));
                 (u128::from(limit), remaining, reset, reset)
             }
+            Raw::Counter([limit, window, _]) => counter_status(limit, window, state, now),
             // lua/in_flight.lua.
             Raw::InFlight([limit, ..]) => (
                 u128::from(limit),
@@ -1395,6 +1402,62 @@ fn parse_reply(
         .with_receipt(Receipt::new(at, lease)))
 }
 
+/// lua/sliding_window.lua's `snapshot` of one sub-window of `span` µs (`k = 1`), from the
+/// state its `one` answers: limit, remaining, reset and effective window, in µs.
+fn counter_status(limit: u64, span: u64, state: &[u64], now: u64) -> (u128, u128, u128, u128) {
+    let wide = |value: u64| i128::from(value);
+    let (limit, span, now) = (wide(limit), wide(span.max(1)), wide(now));
+    let (at, previous, current) = (wide(state[0]), wide(state[1]), wide(state[2]));
+    // Into the stored window (0 when time stepped back before it), and how far back.
+    let elapsed = if now / span == at { now % span } else { 0 };
+    let behind = (at * span - now).max(0);
+    // The previous window counts by the share still inside the sliding window (rounded
+    // up), never forgiving more than the limit of it.
+    let share = (previous * (span - elapsed) + span - 1) / span;
+    let estimate = share.max(previous - limit) + current;
+    let reset = if current > 0 {
+        2 * span - elapsed + behind
+    } else if previous > 0 {
+        span - elapsed + behind
+    } else {
+        0
+    };
+    let remaining = (limit - estimate).max(0);
+    // `wait_for(p, s, 1, remaining)`: until one more unit fits after `remaining` more
+    // were spent now.
+    let effective = {
+        let (room, extra, counts) = (limit - 1, remaining, [previous, current]);
+        let mut found = None;
+        for step in 0..2 {
+            let (oldest, newer) = if step == 0 {
+                (counts[0], counts[1] + extra)
+            } else {
+                (counts[1] + extra, 0)
+            };
+            if newer <= room && oldest - limit <= room - newer {
+                let first = if oldest > 0 {
+                    span - ((room - newer) * span / oldest).min(span)
+                } else {
+                    0
+                };
+                let at = if step == 0 { first.max(elapsed) } else { first };
+                if at < span {
+                    found = Some((step * span + at - elapsed + behind).max(1));
+                    break;
+                }
+            }
+        }
+        found.unwrap_or_else(|| (2 * span - elapsed + behind).max(1))
+    };
+    let whole = |value: i128| u128::try_from(value).unwrap_or(0);
+    (
+        whole(limit),
+        whole(remaining),
+        whole(reset),
+        whole(effective),
+    )
+}
+
 /// The answer of one plain policy's own path: `{outcome, wait or delay, state..., time}`.
 fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision, StoreError> {
     let expected = 3 + raw.state_len();
@@ -1409,7 +1472,7 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
     }
     let number = |value: i64| u64::try_from(value).unwrap_or(0);
     let now = number(reply[expected - 1]);
-    let mut state = [0u64; 2];
+    let mut state = [0u64; 3];
     for (slot, &value) in state.iter_mut().zip(&reply[2..expected - 1]) {
         *slot = number(value);
     }
