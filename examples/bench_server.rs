@@ -106,6 +106,21 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
         "rewrap" => app.layer(tower::util::MapResponseLayer::new(
             |response: axum::response::Response| response.map(Rewrapped),
         )),
+        // Two fixed headers of tollgate's sizes, built once, written by a bare map: what
+        // the wire bytes of rate-limit headers cost alone, whatever computes them.
+        "static-headers" => {
+            use axum::http::{HeaderName, HeaderValue};
+            let policy = HeaderValue::from_static("\"api\";q=1000000000;w=1");
+            let rate = HeaderValue::from_static("\"api\";r=999999999;t=1");
+            app.layer(tower::util::MapResponseLayer::new(
+                move |mut response: axum::response::Response| {
+                    let headers = response.headers_mut();
+                    headers.append(HeaderName::from_static("ratelimit-policy"), policy.clone());
+                    headers.append(HeaderName::from_static("ratelimit"), rate.clone());
+                    response
+                },
+            ))
+        }
         "governor" => {
             let config = GovernorConfigBuilder::default()
                 .period(Duration::from_nanos(1))
