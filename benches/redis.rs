@@ -76,7 +76,6 @@ fn redis_benchmark(
     pipeline: usize,
     sha: &str,
     key: &str,
-    aux: &str,
     args: &[String],
 ) -> f64 {
     let mut command = if Command::new("taskset").arg("-V").output().is_ok() {
@@ -103,11 +102,11 @@ fn redis_benchmark(
             "-r",
             &KEYS.to_string(),
             "-q",
+            // One key, as the store sends a lone plain policy's decision.
             "EVALSHA",
             sha,
-            "2",
+            "1",
             key,
-            aux,
         ])
         .args(args)
         .output()
@@ -200,7 +199,7 @@ fn main() {
 
     // The same call redis-benchmark makes: keys of identity `user:__rand_int__`.
     let keys = tollgate::store::RedisKeys::default();
-    let (key, aux) = keys.policy_keys("user:__rand_int__", &policy);
+    let (key, _) = keys.policy_keys("user:__rand_int__", &policy);
     // The script the store runs for this policy set.
     let source = tollgate::store::decision_script(&policies).unwrap();
     let script = redis::Script::new(source);
@@ -230,8 +229,8 @@ fn main() {
                 .unwrap();
             measure(RedisStore::from_pool(pool), policies.clone(), callers).await
         });
-        let plain = redis_benchmark(server.port, callers, 1, &sha, &key, &aux, &args);
-        let pipelined = redis_benchmark(server.port, callers, 16, &sha, &key, &aux, &args);
+        let plain = redis_benchmark(server.port, callers, 1, &sha, &key, &args);
+        let pipelined = redis_benchmark(server.port, callers, 16, &sha, &key, &args);
         println!(
             "| {callers} | {multiplexed:.0}/s | {pooled:.0}/s | {plain:.0}/s | {:.2} | {pipelined:.0}/s | {:.2} |",
             multiplexed / plain,

@@ -32,27 +32,35 @@ local function check(p, s)
   return fits(p[1], s.count, s.finish)
 end
 
+-- A key outlives its window by a window, up to a second (ms): writes within the window
+-- leave its expiry alone, so the expiry has to hold even where a node's clock runs behind
+-- the one that set it (a slot migrated, a replica promoted). Living longer is harmless:
+-- the stored index tells an old window from the current one.
+local function grace(w)
+  return math.min(cdiv(w, 1000), 1000)
+end
+
 -- Writes the count; a window new to the key also its index and its expiry (a key that held
--- this window since its first write expires with it already).
-local function write(key, index, count, finish, kept)
+-- this window since its first write expires after it already).
+local function write(key, index, count, finish, kept, w)
   if kept then
     redis.call('HSET', key, 'c', count)
     return
   end
   redis.call('HSET', key, 'i', index, 'c', count)
-  redis.call('PEXPIRE', key, cdiv(finish - now, 1000) + 1)
+  redis.call('PEXPIRE', key, cdiv(finish - now, 1000) + grace(w))
 end
 
 local function commit(p, s)
   s.count = s.count + cost
-  write(s.key, s.index, s.count, s.finish, s.kept)
+  write(s.key, s.index, s.count, s.finish, s.kept, p[2])
 end
 
 -- Gives back `units` debited at `at`, if that was in the window counted now (at -1: any).
 local function refund(p, s, units, at)
   if at >= 0 and (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
   s.count = math.max(s.count - units, 0)
-  write(s.key, s.index, s.count, s.finish, s.kept)
+  write(s.key, s.index, s.count, s.finish, s.kept, p[2])
 end
 
 local function snapshot(p, s)
@@ -69,7 +77,7 @@ local function one(key, p1, p2)
   if verdict == 'admit' then
     if cost > 0 then
       count = count + cost
-      write(key, index, count, finish, kept)
+      write(key, index, count, finish, kept, p2)
     end
     return { 0, 0, count, finish, now }
   elseif verdict == 'deny' then

@@ -116,6 +116,5 @@ local function snapshot(p, s)
   return p[1], math.max(p[1] - s.total, 0), reset, effective
 end
 
--- No one-policy path of its own: main.lua decides one policy through the functions above
--- and reports the full status (its effective window needs the whole state).
-local one = nil
+-- No `one` (a path of its own for one policy): main.lua decides a lone log through the
+-- functions above and reports the full status.

@@ -195,7 +195,10 @@ fn every_algorithm() -> Vec<Policy> {
 /// A lone plain policy of most algorithms answers its raw state, and the store computes the
 /// status from it (`Raw` in src/store/redis.rs); beside another policy, the script's own
 /// `snapshot` reports it. On the same state at the same instant both must agree exactly,
-/// to the microsecond (the memory comparison allows a millisecond: it counts nanoseconds).
+/// to the microsecond (the memory comparison allows a millisecond: it counts nanoseconds):
+/// statuses, and the outcome of every request that changes nothing (a denial, a cost that
+/// never fits, a look at cost 0). Time starts at a real epoch's magnitude and sometimes
+/// steps back; every key keeps a TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_policy_reports_exactly_what_its_script_reports() {
     let backends = Backends::start().await;
@@ -204,26 +207,43 @@ async fn a_lone_policy_reports_exactly_what_its_script_reports() {
         Policy::fixed_window("bystander", 1_000_000, Duration::from_secs(3600)).unwrap();
     let mut policies = every_algorithm();
     policies.push(Policy::concurrency("cc", 4).unwrap());
+    // About November 2023, in microseconds since the epoch.
+    let epoch = Duration::from_micros(1_700_000_000_000_000);
     for policy in policies {
         let name = policy.name().to_owned();
+        let too_much = policy.limit() + 1;
         let alone = PolicySet::from(policy.clone());
         let beside = PolicySet::new([policy, bystander.clone()]).unwrap();
         // The memory subject is not compared here: both paths are Redis's.
         for subject in backends.subjects(&format!("raw-{name}")).iter().skip(1) {
-            let (mut now, mut admitted, mut denied) = (Duration::ZERO, 0, 0);
+            let (mut now, mut admitted, mut denied) = (epoch, 0, 0);
             for (step, &(gap, cost)) in trace(17, 80, 3_000).iter().enumerate() {
                 now += Duration::from_millis(gap);
+                // Every ninth step, the clock steps back a little (another replica's
+                // clock, a correction): nothing may be refilled or rolled back by it.
+                if step % 9 == 8 {
+                    now -= Duration::from_millis(1_500);
+                }
+                let cost = if step == 40 { too_much } else { cost };
                 subject.clock.set(now);
                 let decided = subject.check("client", &alone, cost).await;
+                let context = format!(
+                    "{name} on {} step {step} at {now:?} cost {cost}",
+                    subject.name
+                );
                 if decided.is_allowed() {
                     admitted += 1;
                 } else {
                     denied += 1;
+                    // A refusal writes nothing: the full path, asked the same, refuses
+                    // alike, with the same wait.
+                    let scripted = subject.check("client", &beside, cost).await;
+                    assert_eq!(decided.outcome(), scripted.outcome(), "{context}");
+                    assert_eq!(decided.statuses()[0], scripted.statuses()[0], "{context}");
                 }
                 // Cost 0: a look at the state the decision left, through both paths.
                 let raw = subject.check("client", &alone, 0).await;
                 let scripted = subject.check("client", &beside, 0).await;
-                let context = format!("{name} on {} step {step} at {now:?}", subject.name);
                 assert_eq!(raw.statuses()[0], scripted.statuses()[0], "{context}");
                 assert_eq!(decided.statuses()[0], raw.statuses()[0], "{context}");
                 assert_eq!(raw.outcome(), scripted.outcome(), "{context}");
@@ -233,6 +253,14 @@ async fn a_lone_policy_reports_exactly_what_its_script_reports() {
                 "{name}: {admitted} admitted, {denied} denied"
             );
         }
+    }
+    let keys: Vec<(String, i64)> = keys_with_ttl(&backends.standalone)
+        .into_iter()
+        .chain(backends.cluster.keys_with_ttl())
+        .collect();
+    assert!(keys.len() > 20, "the test wrote {} keys", keys.len());
+    for (key, ttl) in &keys {
+        assert!(*ttl > 0, "{key} has TTL {ttl} ms");
     }
 }
 

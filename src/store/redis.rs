@@ -55,7 +55,8 @@ macro_rules! script {
         concat!(
             "local algorithms = {}\n",
             $(
-                "algorithms.", $kind, " = (function()\n",
+                // `one` is nil unless the file defines a path of its own for one policy.
+                "algorithms.", $kind, " = (function()\nlocal one\n",
                 include_str!(concat!("../../lua/", $file)),
                 "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund, one = one }\nend)()\n",
             )+
@@ -153,24 +154,40 @@ enum Call {
     Adjust,
 }
 
-/// The script of requests under one fixed-window policy.
+// The decision scripts take the keys and arguments `lua/prelude.lua` describes. For one
+// plain policy (no shadow, no penalty) of every algorithm but the sliding log (and the
+// sliding window counter of several sub-windows) they read KEYS[1] only and answer
+// `{outcome, wait or delay, raw state, time}` rather than the policy's status.
+
+/// The script of requests under one fixed-window policy. Under one plain policy it reads
+/// `KEYS[1]` only and answers `{outcome, wait, count, end of the window, time}` (see
+/// `lua/prelude.lua`).
 pub const FIXED_WINDOW_SCRIPT: &str = script!(("fw", "fixed_window.lua"));
-/// The script of requests under one sliding-window-counter policy.
+/// The script of requests under one sliding-window-counter policy. Under one plain policy
+/// of one sub-window it reads `KEYS[1]` only and answers `{outcome, wait, window index,
+/// previous count, current count, time}`.
 pub const SLIDING_WINDOW_SCRIPT: &str = script!(("sw", "sliding_window.lua"));
 /// The script of requests under one sliding-log policy.
 pub const SLIDING_LOG_SCRIPT: &str = script!(("sl", "sliding_log.lua"));
-/// The script of requests under one token-bucket or policing leaky-bucket policy.
+/// The script of requests under one token-bucket or policing leaky-bucket policy. Under
+/// one plain policy it reads `KEYS[1]` only and answers `{outcome, wait, level, time}`.
 pub const TOKEN_BUCKET_SCRIPT: &str = script!(("tb", "token_bucket.lua"));
-/// The script of requests under one shaping leaky-bucket policy.
+/// The script of requests under one shaping leaky-bucket policy. Under one plain policy it
+/// reads `KEYS[1]` only and answers `{outcome, delay or wait, level, time}`.
 pub const LEAKY_SHAPE_SCRIPT: &str = script!(("ls", "leaky_shape.lua"));
-/// The script of requests under one GCRA policy.
+/// The script of requests under one GCRA policy. Under one plain policy it reads `KEYS[1]`
+/// only and answers `{outcome, wait, how far the TAT is ahead, time}`.
 pub const GCRA_SCRIPT: &str = script!(("gc", "gcra.lua"));
-/// The script of requests under one in-flight (concurrency) policy.
+/// The script of requests under one in-flight (concurrency) policy. Under one plain policy
+/// it reads `KEYS[1]` only and answers `{outcome, wait, slots taken, time}`; the lease id
+/// (the third number) must be spelled in plain decimal digits, as the store sends it, or
+/// releasing the slot will not find it.
 pub const IN_FLIGHT_SCRIPT: &str = script!(("cc", "in_flight.lua"));
 /// The script that adjusts an admitted request's debit once its response is known
 /// (settles a reserved cost, frees in-flight slots): every algorithm.
 pub const ADJUST_SCRIPT: &str = every_algorithm!(main: "adjust.lua",);
-/// The script of requests under several policies: every algorithm, all-or-nothing.
+/// The script of requests under several policies: every algorithm, all-or-nothing. (Given
+/// one plain policy, it answers as that algorithm's own script does.)
 pub const MULTI_POLICY_SCRIPT: &str = every_algorithm!();
 
 /// The script of coalesced decisions under one policy of each algorithm, in [`KINDS`]'
@@ -316,7 +333,10 @@ impl Scripts {
     }
 }
 
-/// The source of the script that decides requests under `policies`.
+/// The source of the script that decides requests under `policies`. Its keys, arguments
+/// and answer are described at the top of `lua/prelude.lua`: a set of one plain policy
+/// (no shadow, no penalty) of every algorithm but the sliding log is sent its state key
+/// only and answers its raw state, not its status.
 pub fn decision_script(policies: &PolicySet) -> Result<&'static str, StoreError> {
     if let [policy] = &**policies {
         let (kind, ..) = script_args(policy)?;
