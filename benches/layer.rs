@@ -107,8 +107,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .ok_or("invalid tower_governor config")?;
     // `with_state` turns the handlers into routes once, as `axum::serve` does; a bare
     // `Router` would rebuild them (and re-apply the layers) on every request.
+    // Two fixed rate-limit fields of tollgate's sizes, built once.
+    let fixed_fields = |mut response: axum::response::Response| {
+        use axum::http::{HeaderName, HeaderValue};
+        let headers = response.headers_mut();
+        headers.append(
+            HeaderName::from_static("ratelimit-policy"),
+            HeaderValue::from_static("\"api\";q=1000000000;w=1"),
+        );
+        headers.append(
+            HeaderName::from_static("ratelimit"),
+            HeaderValue::from_static("\"api\";r=999999999;t=1"),
+        );
+        response
+    };
     let variants: Vec<(&str, Router)> = vec![
         ("none", hello()),
+        // The floors under any limiter layered onto a router: a layer that does nothing
+        // (axum boxes the wrapped route's future and clones its service per request), and
+        // one that only writes two fixed header fields.
+        (
+            "identity layer",
+            hello().layer(tower::util::MapResponseLayer::new(
+                |response: axum::response::Response| response,
+            )),
+        ),
+        (
+            "fixed header fields",
+            hello().layer(tower::util::MapResponseLayer::new(fixed_fields)),
+        ),
         (
             "governor",
             hello().layer(GovernorLayer::new(Arc::new(governor))),

@@ -23,7 +23,7 @@ count() {
 echo "| router | instructions per request | over no limiter |"
 echo "|---|---|---|"
 base=
-for variant in "none" "governor" "tollgate" "tollgate, no headers"; do
+for variant in "none" "identity layer" "fixed header fields" "governor" "tollgate" "tollgate, no headers"; do
   a=$(count "$variant" "$N")
   b=$(count "$variant" $((2 * N)))
   per=$(( (b - a) / N ))

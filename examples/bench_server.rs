@@ -106,6 +106,11 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
         "rewrap" => app.layer(tower::util::MapResponseLayer::new(
             |response: axum::response::Response| response.map(Rewrapped),
         )),
+        // A layer that does nothing: what axum's layering costs any middleware (the wrapped
+        // route's future boxed, its service cloned, per request).
+        "identity-layer" => app.layer(tower::util::MapResponseLayer::new(
+            |response: axum::response::Response| response,
+        )),
         // Two fixed headers of tollgate's sizes, built once, written by a bare map: what
         // the wire bytes of rate-limit headers cost alone, whatever computes them.
         "static-headers" => {
@@ -131,7 +136,7 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
             app.layer(GovernorLayer::new(Arc::new(config)))
         }
         other => {
-            return Err(format!("unknown variant {other:?}: none, governor or tollgate").into());
+            return Err(format!("unknown variant {other:?}: none, identity-layer, static-headers, governor, tollgate, tollgate-bare, rewrap (tollgate-redis, tollgate-fleet with the redis feature)").into());
         }
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
