@@ -175,7 +175,7 @@ fn cases() -> Vec<Case> {
             name: "sliding log",
             script: SLIDING_LOG_SCRIPT,
             kind: "sl",
-            params: [1_000, MINUTE_US, 0],
+            params: [1_000, MINUTE_US, 2],
             minimal_name: "sliding log",
             minimal: MINIMAL_SLIDING_LOG,
             minimal_args: [1_000, MINUTE_US, 0],
@@ -365,14 +365,10 @@ fn measure(
                     } else {
                         case.params[2]
                     };
-                    // As the store sends it: a lone policy whose algorithm has a path of
-                    // its own (every one but the log) gets its state key only.
-                    if case.kind == "sl" {
-                        command.arg(2).arg(&key).arg(format!("{key}:n"));
-                    } else {
-                        command.arg(1).arg(&key);
-                    }
+                    // As the store sends it: a lone plain policy gets its state key only.
                     command
+                        .arg(1)
+                        .arg(&key)
                         .arg("")
                         .arg(1)
                         .arg(1)

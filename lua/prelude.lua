@@ -13,9 +13,9 @@
 -- integers kept below 2^53, where Lua's doubles are exact; every division goes through
 -- idiv/cdiv, which are exact for such integers.
 --
--- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (the sliding log's counters;
---       unused by the other algorithms). Every key of one identity shares one hash tag,
---       so one Cluster slot.
+-- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; unused
+--       without one). Every key of one identity shares one hash tag, so one Cluster
+--       slot.
 -- ARGV: [1] now in microseconds, or "" to read TIME (only test builds pass a time),
 --       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
 -- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,
@@ -23,9 +23,9 @@
 --          2 = the cost can never fit. The effective window is draft-11's `t`: how long the client can
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
---          One plain policy of an algorithm with a `one` of its own (every algorithm but
---          the sliding log, and the sliding window counter of several sub-windows) is
---          sent one key, and returns
+--          One plain policy (no shadow, no penalty) of an algorithm with a `one` of its
+--          own (every algorithm; the sliding window counter with one sub-window) is sent
+--          one key, and returns
 --          {outcome, retry_after_us or delay_us, its raw state, now_us}: the store
 --          computes the status from the state as `snapshot` would (src/store/redis.rs,
 --          `Raw`), which costs Redis nothing.

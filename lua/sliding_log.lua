@@ -1,75 +1,102 @@
--- Sliding log (kind "sl"): p1 = limit, p2 = window, in microseconds. The state key is a
--- sorted set of admitted requests (score: time; member: "sequence:units", unique even
--- within one microsecond); the auxiliary key a hash with the units in the log (t) and the
--- sequence (s). At most `limit` members, since every member holds at least one unit.
--- The state read once per call: both counters (one HMGET) and the oldest entry, which says
--- whether any entry left the window (else no ZRANGEBYSCORE) and, kept up to date by a
--- commit, gives the snapshot its effective window. Mirrors src/algorithm/sliding_log.rs.
+-- Sliding log (kind "sl"): p1 = limit, p2 = window, in microseconds; p3 = 2, the layout
+-- of its state (part of the key's name, so a key of another layout is never read). The
+-- state key is one sorted set: the admitted requests (score: their time, never negative;
+-- member: "sequence:units", unique even within one microsecond) and two counters kept as
+-- negative scores, member 't' (-1 - the units in the log) and member 's' (-1 - the last
+-- sequence). The three lowest scores are both counters and the oldest entry: one ZRANGE
+-- reads them. At most `limit` entries, since every entry holds at least one unit; the
+-- log's auxiliary key holds only a penalty's state. Mirrors src/algorithm/sliding_log.rs.
 
--- The oldest entry's time (nil: the log is empty), as ZRANGE answers it.
+-- The units of an entry's member.
+local function units_of(member)
+  return tonumber(string.match(member, ':(%d+)$'))
+end
+
+-- The oldest entry's time (nil: no entry).
 local function oldest_of(key)
-  local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  if #oldest > 0 then return tonumber(oldest[2]) end
+  local first = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if #first > 0 then return tonumber(first[2]) end
   return nil
 end
 
-local function load(p, key, aux)
-  -- 'pb': a penalty's field (prelude.lua), present only in a hash that holds a penalty.
-  local stored = redis.call('HMGET', aux, 't', 's', 'pb')
-  local s = {
-    key = key, aux = aux, total = num(stored[1], 0), sequence = num(stored[2], 0),
-    penalized = stored[3] ~= false,
-  }
-  -- The oldest entry: whether any left the window, and the snapshot's effective window.
-  s.oldest = oldest_of(key)
-  -- The log expired as a whole (its hash may outlive it, holding a penalty): it is empty.
-  if s.total > 0 and s.oldest == nil then
-    s.total = 0
-    redis.call('HSET', aux, 't', 0)
-  end
-  local horizon = now - p[2]
-  if s.oldest ~= nil and s.oldest <= horizon then
-    local expired = redis.call('ZRANGEBYSCORE', key, '-inf', horizon)
-    for _, member in ipairs(expired) do
-      s.total = s.total - tonumber(string.match(member, ':(%d+)$'))
+-- The newest entry's time (nil: no entry; the highest score is then a counter's).
+local function newest_of(key)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if #last > 0 and tonumber(last[2]) >= 0 then return tonumber(last[2]) end
+  return nil
+end
+
+-- The log at `key` brought up to now (the entries older than the window removed): the
+-- units it holds, its last sequence and its oldest entry's time (nil: empty).
+local function read_log(key, window)
+  local total, sequence, oldest = 0, 0, nil
+  local low = redis.call('ZRANGE', key, 0, 2, 'WITHSCORES')
+  for i = 1, #low, 2 do
+    local member, score = low[i], tonumber(low[i + 1])
+    if member == 't' then
+      total = -1 - score
+    elseif member == 's' then
+      sequence = -1 - score
+    elseif oldest == nil then
+      oldest = score
     end
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', horizon)
-    if s.total < 0 then s.total = 0 end
-    redis.call('HSET', aux, 't', s.total)
-    s.oldest = oldest_of(key)
   end
-  return s
+  if oldest == nil then return 0, sequence, nil end
+  local horizon = now - window
+  if oldest <= horizon then
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, 0, horizon)) do
+      total = total - units_of(member)
+    end
+    redis.call('ZREMRANGEBYSCORE', key, 0, horizon)
+    total = math.max(total, 0)
+    redis.call('ZADD', key, -1 - total, 't')
+    oldest = oldest_of(key)
+    if oldest == nil then total = 0 end
+  end
+  return total, sequence, oldest
+end
+
+-- Whether `cost` fits a log holding `total` of a limit of p1: 'admit', 'deny' (and the wait
+-- until enough of the oldest entries have left the window) or 'never'.
+local function fits(key, p1, p2, total)
+  if cost > p1 then return 'never', 0 end
+  if total + cost <= p1 then return 'admit', 0 end
+  local needed = total + cost - p1
+  local freed = 0
+  local entries = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES')
+  for i = 1, #entries, 2 do
+    freed = freed + units_of(entries[i])
+    if freed >= needed then
+      return 'deny', tonumber(entries[i + 1]) + p2 - now
+    end
+  end
+  return 'deny', p2
+end
+
+-- Records `cost` units at now as entry `sequence`, with the counters, in one ZADD; the log
+-- expires a window after its newest entry.
+local function write_log(key, p2, total, sequence)
+  -- %d: a concatenated number would print as 1e+14 past 14 digits.
+  redis.call('ZADD', key, now, string.format('%d:%d', sequence, cost), -1 - total, 't',
+    -1 - sequence, 's')
+  redis.call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+end
+
+local function load(p, key)
+  local total, sequence, oldest = read_log(key, p[2])
+  return { key = key, total = total, sequence = sequence, oldest = oldest }
 end
 
 local function check(p, s)
-  if cost > p[1] then return 'never' end
-  if s.total + cost <= p[1] then return 'admit', 0 end
-  -- Wait until enough of the oldest entries have left the window.
-  local needed = s.total + cost - p[1]
-  local freed = 0
-  local entries = redis.call('ZRANGE', s.key, 0, -1, 'WITHSCORES')
-  for i = 1, #entries, 2 do
-    freed = freed + tonumber(string.match(entries[i], ':(%d+)$'))
-    if freed >= needed then
-      return 'deny', tonumber(entries[i + 1]) + p[2] - now
-    end
-  end
-  return 'deny', p[2]
+  return fits(s.key, p[1], p[2], s.total)
 end
 
 local function commit(p, s)
   s.sequence = s.sequence + 1
-  -- %d: a concatenated number would print as 1e+14 past 14 digits.
-  redis.call('ZADD', s.key, now, string.format('%d:%d', s.sequence, cost))
   s.total = s.total + cost
+  write_log(s.key, p[2], s.total, s.sequence)
   s.newest = now
   if s.oldest == nil or now < s.oldest then s.oldest = now end
-  redis.call('HSET', s.aux, 't', s.total, 's', s.sequence)
-  local ttl = cdiv(p[2], 1000) + 1
-  redis.call('PEXPIRE', s.key, ttl)
-  -- A hash that holds a penalty may have to outlive the log; one that holds only the
-  -- counters was set to expire with it, never later than this.
-  if s.penalized then extend_ttl(s.aux, ttl) else redis.call('PEXPIRE', s.aux, ttl) end
 end
 
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
@@ -79,15 +106,16 @@ local function refund(p, s, units, at)
   if at >= 0 then
     members = redis.call('ZRANGEBYSCORE', s.key, at, at, 'WITHSCORES')
   else
-    members = redis.call('ZRANGE', s.key, 0, -1, 'WITHSCORES')
+    members = redis.call('ZRANGEBYSCORE', s.key, 0, '+inf', 'WITHSCORES')
   end
+  -- Nothing to give back: nothing to write (the log may have expired, and a write would
+  -- bring it back without a TTL).
+  if #members == 0 then return end
   for i = #members - 1, 1, -2 do
     if units <= 0 then break end
     local sequence, held = string.match(members[i], '^(%d+):(%d+)$')
     held = tonumber(held)
     local taken = math.min(units, held)
-    -- The smaller entry goes in before the old one goes: removing a log's only entry
-    -- first would delete the key, and the ZADD would make it again without a TTL.
     if held > taken then
       redis.call('ZADD', s.key, members[i + 1], string.format('%s:%d', sequence, held - taken))
     end
@@ -95,19 +123,14 @@ local function refund(p, s, units, at)
     units = units - taken
     s.total = s.total - taken
   end
-  -- Nothing given back: nothing to write (the log may have expired, and a write would
-  -- bring its hash back without a TTL).
-  if #members == 0 then return end
-  redis.call('HSET', s.aux, 't', s.total)
+  -- The counters keep the key alive (and its TTL) even when no entry is left.
+  redis.call('ZADD', s.key, -1 - s.total, 't')
   s.oldest = oldest_of(s.key)
 end
 
 local function snapshot(p, s)
   local newest = s.newest
-  if newest == nil then
-    local last = redis.call('ZRANGE', s.key, -1, -1, 'WITHSCORES')
-    if #last > 0 then newest = tonumber(last[2]) end
-  end
+  if newest == nil then newest = newest_of(s.key) end
   local reset = 0
   if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
   -- Effective window: until the oldest counted entry leaves (a whole window when empty).
@@ -116,5 +139,18 @@ local function snapshot(p, s)
   return p[1], math.max(p[1] - s.total, 0), reset, effective
 end
 
--- No `one` (a path of its own for one policy): main.lua decides a lone log through the
--- functions above and reports the full status.
+-- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,
+-- wait, units in the log, oldest entry, newest entry, now}, a missing entry as -1.
+local function one(key, p1, p2)
+  p1, p2 = tonumber(p1), tonumber(p2)
+  local total, sequence, oldest = read_log(key, p2)
+  local verdict, value = fits(key, p1, p2, total)
+  if verdict == 'admit' and cost > 0 then
+    total = total + cost
+    write_log(key, p2, total, sequence + 1)
+    return { 0, 0, total, oldest or now, now, now }
+  end
+  local outcome = 0
+  if verdict == 'deny' then outcome = 1 elseif verdict == 'never' then outcome = 2 end
+  return { outcome, value, total, oldest or -1, newest_of(key) or -1, now }
+end

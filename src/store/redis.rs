@@ -155,8 +155,8 @@ enum Call {
 }
 
 // The decision scripts take the keys and arguments `lua/prelude.lua` describes. For one
-// plain policy (no shadow, no penalty) of every algorithm but the sliding log (and the
-// sliding window counter of several sub-windows) they read KEYS[1] only and answer
+// plain policy (no shadow, no penalty) of every algorithm (the sliding window counter with
+// one sub-window) they read KEYS[1] only and answer
 // `{outcome, wait or delay, raw state, time}` rather than the policy's status.
 
 /// The script of requests under one fixed-window policy. Under one plain policy it reads
@@ -167,7 +167,9 @@ pub const FIXED_WINDOW_SCRIPT: &str = script!(("fw", "fixed_window.lua"));
 /// of one sub-window it reads `KEYS[1]` only and answers `{outcome, wait, window index,
 /// previous count, current count, time}`.
 pub const SLIDING_WINDOW_SCRIPT: &str = script!(("sw", "sliding_window.lua"));
-/// The script of requests under one sliding-log policy.
+/// The script of requests under one sliding-log policy. Under one plain policy it reads
+/// `KEYS[1]` only and answers `{outcome, wait, units in the log, oldest entry, newest
+/// entry, time}` (a missing entry as -1).
 pub const SLIDING_LOG_SCRIPT: &str = script!(("sl", "sliding_log.lua"));
 /// The script of requests under one token-bucket or policing leaky-bucket policy. Under
 /// one plain policy it reads `KEYS[1]` only and answers `{outcome, wait, level, time}`.
@@ -335,8 +337,8 @@ impl Scripts {
 
 /// The source of the script that decides requests under `policies`. Its keys, arguments
 /// and answer are described at the top of `lua/prelude.lua`: a set of one plain policy
-/// (no shadow, no penalty) of every algorithm but the sliding log is sent its state key
-/// only and answers its raw state, not its status.
+/// (no shadow, no penalty; the sliding window counter with one sub-window) is sent its
+/// state key only and answers its raw state, not its status.
 pub fn decision_script(policies: &PolicySet) -> Result<&'static str, StoreError> {
     if let [policy] = &**policies {
         let (kind, ..) = script_args(policy)?;
@@ -1265,6 +1267,9 @@ enum Raw {
     /// Sliding window counter of one sub-window: `{the window's index, the previous count,
     /// the current count}`.
     Counter([u64; 3]),
+    /// Sliding log: `{the units in the log, its oldest entry's time, its newest entry's
+    /// time}`, a missing entry as -1.
+    Log([u64; 3]),
     /// In flight: `{slots taken}`.
     InFlight([u64; 3]),
 }
@@ -1276,6 +1281,7 @@ impl Shape {
             "ls" => Shape::Raw(Raw::Shape(p)),
             "gc" => Shape::Raw(Raw::Gcra(p)),
             "fw" => Shape::Raw(Raw::Window(p)),
+            "sl" => Shape::Raw(Raw::Log(p)),
             // One sub-window only (sent as 0): several take the tables' path.
             "sw" if p[2] == 0 => Shape::Raw(Raw::Counter(p)),
             "cc" => Shape::Raw(Raw::InFlight(p)),
@@ -1288,7 +1294,7 @@ impl Raw {
     /// How many numbers of state the answer carries.
     fn state_len(self) -> usize {
         match self {
-            Raw::Counter(_) => 3,
+            Raw::Counter(_) | Raw::Log(_) => 3,
             Raw::Window(_) => 2,
             _ => 1,
         }
@@ -1296,7 +1302,8 @@ impl Raw {
 
     /// The status of the policy whose state is `state` at `now` (microseconds): the twin
     /// of `snapshot` in the algorithm's Lua file.
-    fn status(self, state: &[u64], now: u64) -> PolicyStatus {
+    fn status(self, raw: &[i64; 3], now: u64) -> PolicyStatus {
+        let state = raw.map(|value| u64::try_from(value).unwrap_or(0));
         let ceil = |a: u128, b: u128| a.div_ceil(b.max(1));
         let (limit, remaining, reset, effective) = match self {
             // lua/token_bucket.lua, lua/gcra.lua: `level` is what is missing from full (or
@@ -1336,7 +1343,25 @@ impl Raw {
                 let remaining = u128::from(limit.saturating_sub(state[0]));
                 (u128::from(limit), remaining, reset, reset)
             }
-            Raw::Counter([limit, window, _]) => counter_status(limit, window, state, now),
+            Raw::Counter([limit, window, _]) => counter_status(limit, window, &state, now),
+            // lua/sliding_log.lua (a missing entry arrives as -1).
+            Raw::Log([limit, window, _]) => {
+                let entry = |value: i64| u64::try_from(value).ok();
+                let (limit, window, now) = (u128::from(limit), u128::from(window), u128::from(now));
+                let reset = entry(raw[2]).map_or(0, |newest| {
+                    (u128::from(newest) + window).saturating_sub(now)
+                });
+                // Until the oldest counted entry leaves (a whole window when empty).
+                let effective = entry(raw[1]).map_or(window, |oldest| {
+                    (u128::from(oldest) + window).saturating_sub(now).max(1)
+                });
+                (
+                    limit,
+                    limit.saturating_sub(u128::from(state[0])),
+                    reset,
+                    effective,
+                )
+            }
             // lua/in_flight.lua.
             Raw::InFlight([limit, ..]) => (
                 u128::from(limit),
@@ -1492,9 +1517,9 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
     }
     let number = |value: i64| u64::try_from(value).unwrap_or(0);
     let now = number(reply[expected - 1]);
-    let mut state = [0u64; 3];
+    let mut state = [0i64; 3];
     for (slot, &value) in state.iter_mut().zip(&reply[2..expected - 1]) {
-        *slot = number(value);
+        *slot = value;
     }
     let status = raw.status(&state, now);
     let outcome = match reply[0] {
@@ -1555,7 +1580,9 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
             let k = if sub_windows > 1 { sub_windows } else { 0 };
             ("sw", limit, to_micros(window), k)
         }
-        Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 0),
+        // p3: the layout of the log's state (2: its counters in the sorted set), part of
+        // the key's name, so a log kept in another layout is never read as this one.
+        Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 2),
         Params::TokenBucket {
             capacity,
             amount,
@@ -1616,8 +1643,8 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 
 /// Builds every Redis key name tollgate writes: one place, so the layout is one decision.
 ///
-/// A policy's state lives at `prefix:{identity}:name:params` (plus `…:n` for the sliding
-/// log's counters). The identity sits inside a Cluster hash tag, so all keys of one
+/// A policy's state lives at `prefix:{identity}:name:params` (plus `…:n` for a penalty's
+/// state). The identity sits inside a Cluster hash tag, so all keys of one
 /// identity share a slot and one script can touch them all. Identity bytes other than
 /// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded: `{` and `}` cannot end or open the
 /// tag early, and no two identities encode alike. Secret identities (API keys) reach the
