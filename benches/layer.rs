@@ -105,8 +105,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .use_headers()
         .finish()
         .ok_or("invalid tower_governor config")?;
-    // `with_state` turns the handlers into routes once, as `axum::serve` does; a bare
-    // `Router` would rebuild them (and re-apply the layers) on every request.
     // Two fixed rate-limit fields of tollgate's sizes, built once.
     let fixed_fields = |mut response: axum::response::Response| {
         use axum::http::{HeaderName, HeaderValue};
@@ -121,6 +119,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
         response
     };
+    // `with_state` turns the handlers into routes once, as `axum::serve` does; a bare
+    // `Router` would rebuild them (and re-apply the layers) on every request.
     let variants: Vec<(&str, Router)> = vec![
         ("none", hello()),
         // The floors under any limiter layered onto a router: a layer that does nothing

@@ -12,11 +12,11 @@ local function units_of(member)
   return tonumber(string.match(member, ':(%d+)$'))
 end
 
--- The oldest entry's time (nil: no entry).
+-- The oldest entry's time and units (nil: no entry).
 local function oldest_of(key)
   local first = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if #first > 0 then return tonumber(first[2]) end
-  return nil
+  if #first > 0 then return tonumber(first[2]), units_of(first[1]) end
+  return nil, 0
 end
 
 -- The newest entry's time (nil: no entry; the highest score is then a counter's).
@@ -27,9 +27,9 @@ local function newest_of(key)
 end
 
 -- The log at `key` brought up to now (the entries older than the window removed): the
--- units it holds, its last sequence and its oldest entry's time (nil: empty).
+-- units it holds, its last sequence, and its oldest entry's time (nil: empty) and units.
 local function read_log(key, window)
-  local total, sequence, oldest = 0, 0, nil
+  local total, sequence, oldest, first = 0, 0, nil, 0
   local low = redis.call('ZRANGE', key, 0, 2, 'WITHSCORES')
   for i = 1, #low, 2 do
     local member, score = low[i], tonumber(low[i + 1])
@@ -38,30 +38,35 @@ local function read_log(key, window)
     elseif member == 's' then
       sequence = -1 - score
     elseif oldest == nil then
-      oldest = score
+      oldest, first = score, units_of(member)
     end
   end
-  if oldest == nil then return 0, sequence, nil end
+  if oldest == nil then return 0, sequence, nil, 0 end
   local horizon = now - window
   if oldest <= horizon then
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, 0, horizon)) do
       total = total - units_of(member)
     end
-    redis.call('ZREMRANGEBYSCORE', key, 0, horizon)
     total = math.max(total, 0)
+    -- The counter first: the key keeps a member (and its TTL) whatever the removal leaves.
     redis.call('ZADD', key, -1 - total, 't')
-    oldest = oldest_of(key)
+    redis.call('ZREMRANGEBYSCORE', key, 0, horizon)
+    oldest, first = oldest_of(key)
     if oldest == nil then total = 0 end
   end
-  return total, sequence, oldest
+  return total, sequence, oldest, first
 end
 
--- Whether `cost` fits a log holding `total` of a limit of p1: 'admit', 'deny' (and the wait
--- until enough of the oldest entries have left the window) or 'never'.
-local function fits(key, p1, p2, total)
+-- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
+-- `oldest`) holds `first` units: 'admit', 'deny' (and the wait until enough of the oldest
+-- entries have left the window) or 'never'.
+local function fits(key, p1, p2, total, oldest, first)
   if cost > p1 then return 'never', 0 end
   if total + cost <= p1 then return 'admit', 0 end
   local needed = total + cost - p1
+  -- The oldest entry frees enough (every denial of a full log of single units): no need
+  -- to read the log, which an attacker's denied requests would otherwise do each time.
+  if oldest ~= nil and needed <= first then return 'deny', oldest + p2 - now end
   local freed = 0
   local entries = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES')
   for i = 1, #entries, 2 do
@@ -83,12 +88,12 @@ local function write_log(key, p2, total, sequence)
 end
 
 local function load(p, key)
-  local total, sequence, oldest = read_log(key, p[2])
-  return { key = key, total = total, sequence = sequence, oldest = oldest }
+  local total, sequence, oldest, first = read_log(key, p[2])
+  return { key = key, total = total, sequence = sequence, oldest = oldest, first = first }
 end
 
 local function check(p, s)
-  return fits(s.key, p[1], p[2], s.total)
+  return fits(s.key, p[1], p[2], s.total, s.oldest, s.first)
 end
 
 local function commit(p, s)
@@ -96,7 +101,7 @@ local function commit(p, s)
   s.total = s.total + cost
   write_log(s.key, p[2], s.total, s.sequence)
   s.newest = now
-  if s.oldest == nil or now < s.oldest then s.oldest = now end
+  if s.oldest == nil or now < s.oldest then s.oldest, s.first = now, cost end
 end
 
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
@@ -125,7 +130,7 @@ local function refund(p, s, units, at)
   end
   -- The counters keep the key alive (and its TTL) even when no entry is left.
   redis.call('ZADD', s.key, -1 - s.total, 't')
-  s.oldest = oldest_of(s.key)
+  s.oldest, s.first = oldest_of(s.key)
 end
 
 local function snapshot(p, s)
@@ -143,12 +148,14 @@ end
 -- wait, units in the log, oldest entry, newest entry, now}, a missing entry as -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local total, sequence, oldest = read_log(key, p2)
-  local verdict, value = fits(key, p1, p2, total)
+  local total, sequence, oldest, first = read_log(key, p2)
+  local verdict, value = fits(key, p1, p2, total, oldest, first)
   if verdict == 'admit' and cost > 0 then
     total = total + cost
     write_log(key, p2, total, sequence + 1)
-    return { 0, 0, total, oldest or now, now, now }
+    -- The new entry is the oldest when every other one is later (time stepped back).
+    if oldest == nil or now < oldest then oldest = now end
+    return { 0, 0, total, oldest, now, now }
   end
   local outcome = 0
   if verdict == 'deny' then outcome = 1 elseif verdict == 'never' then outcome = 2 end
