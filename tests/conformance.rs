@@ -69,6 +69,14 @@ impl Backends {
         }
     }
 
+    /// Every key on the standalone server and the Cluster, with its TTL in ms.
+    fn keys_with_ttl(&self) -> Vec<(String, i64)> {
+        keys_with_ttl(&self.standalone)
+            .into_iter()
+            .chain(self.cluster.keys_with_ttl())
+            .collect()
+    }
+
     /// Fresh subjects, each with its own clock at zero and its own key prefix.
     fn subjects(&self, prefix: &str) -> Vec<Subject> {
         let redis = |name, store: &RedisStore| {
@@ -310,10 +318,7 @@ async fn a_lone_policy_reports_exactly_what_its_script_reports() {
             }
         }
     }
-    let keys: Vec<(String, i64)> = keys_with_ttl(&backends.standalone)
-        .into_iter()
-        .chain(backends.cluster.keys_with_ttl())
-        .collect();
+    let keys = backends.keys_with_ttl();
     assert!(keys.len() > 20, "the test wrote {} keys", keys.len());
     for (key, ttl) in &keys {
         assert!(*ttl > 0, "{key} has TTL {ttl} ms");
@@ -430,10 +435,7 @@ async fn every_store_decides_alike() {
 
     // Every key the scenarios wrote expires when its state is fresh again: none lives
     // forever, none outlives its longest window (an hour here) by more than a second.
-    let keys: Vec<(String, i64)> = keys_with_ttl(&backends.standalone)
-        .into_iter()
-        .chain(backends.cluster.keys_with_ttl())
-        .collect();
+    let keys = backends.keys_with_ttl();
     assert!(keys.len() > 20, "the scenarios wrote {} keys", keys.len());
     for (key, ttl) in &keys {
         assert!(*ttl > 0 && *ttl <= 3_601_000, "{key} has TTL {ttl} ms");
