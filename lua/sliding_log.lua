@@ -12,11 +12,11 @@ local function units_of(member)
   return tonumber(string.match(member, ':(%d+)$'))
 end
 
--- The oldest entry's time and units (nil: no entry).
+-- The oldest entry's time and member (nil: no entry).
 local function oldest_of(key)
   local first = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if #first > 0 then return tonumber(first[2]), units_of(first[1]) end
-  return nil, 0
+  if #first > 0 then return tonumber(first[2]), first[1] end
+  return nil, nil
 end
 
 -- The newest entry's time (nil: no entry; the highest score is then a counter's).
@@ -27,9 +27,9 @@ local function newest_of(key)
 end
 
 -- The log at `key` brought up to now (the entries older than the window removed): the
--- units it holds, its last sequence, and its oldest entry's time (nil: empty) and units.
+-- units it holds, its last sequence, and its oldest entry's time (nil: empty) and member.
 local function read_log(key, window)
-  local total, sequence, oldest, first = 0, 0, nil, 0
+  local total, sequence, oldest, first = 0, 0, nil, nil
   local low = redis.call('ZRANGE', key, 0, 2, 'WITHSCORES')
   for i = 1, #low, 2 do
     local member, score = low[i], tonumber(low[i + 1])
@@ -38,10 +38,10 @@ local function read_log(key, window)
     elseif member == 's' then
       sequence = -1 - score
     elseif oldest == nil then
-      oldest, first = score, units_of(member)
+      oldest, first = score, member
     end
   end
-  if oldest == nil then return 0, sequence, nil, 0 end
+  if oldest == nil then return 0, sequence, nil, nil end
   local horizon = now - window
   if oldest <= horizon then
     for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, 0, horizon)) do
@@ -58,15 +58,15 @@ local function read_log(key, window)
 end
 
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
--- `oldest`) holds `first` units: 'admit', 'deny' (and the wait until enough of the oldest
--- entries have left the window) or 'never'.
+-- `oldest`) is the member `first`: 'admit', 'deny' (and the wait until enough of the
+-- oldest entries have left the window) or 'never'.
 local function fits(key, p1, p2, total, oldest, first)
   if cost > p1 then return 'never', 0 end
   if total + cost <= p1 then return 'admit', 0 end
   local needed = total + cost - p1
-  -- The oldest entry frees enough (every denial of a full log of single units): no need
-  -- to read the log, which an attacker's denied requests would otherwise do each time.
-  if oldest ~= nil and needed <= first then return 'deny', oldest + p2 - now end
+  -- The oldest entry frees enough (a one-unit request to a full log: what a client
+  -- hammering its limit sends): no need to read the whole log for it.
+  if oldest ~= nil and needed <= units_of(first) then return 'deny', oldest + p2 - now end
   local freed = 0
   local entries = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES')
   for i = 1, #entries, 2 do
@@ -101,7 +101,9 @@ local function commit(p, s)
   s.total = s.total + cost
   write_log(s.key, p[2], s.total, s.sequence)
   s.newest = now
-  if s.oldest == nil or now < s.oldest then s.oldest, s.first = now, cost end
+  if s.oldest == nil or now < s.oldest then
+    s.oldest, s.first = now, string.format('%d:%d', s.sequence, cost)
+  end
 end
 
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
