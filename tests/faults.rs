@@ -452,6 +452,11 @@ async fn healthy_app(redis: RedisStore) -> (Counted, Router) {
     (store, app)
 }
 
+/// Where the store finds the primary: the set's sentinels, which name it `mymaster`.
+fn sentinel_config(sentinels: &[RedisServer]) -> RedisConfig {
+    RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+}
+
 /// The port of the primary that `sentinel` names.
 fn named_primary(sentinel: &RedisServer) -> u16 {
     let reply = sentinel.cli(&["SENTINEL", "get-master-addr-by-name", "mymaster"]);
@@ -461,13 +466,7 @@ fn named_primary(sentinel: &RedisServer) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failover_after_the_primary_is_killed() {
     let (mut primary, replica, sentinels) = sentinel_set();
-    let (store, app) = healthy_app(
-        RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
-            .connect()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let (store, app) = healthy_app(sentinel_config(&sentinels).connect().await.unwrap()).await;
     assert!(
         !keys_with_ttl(&primary).is_empty(),
         "nothing was written to the primary"
@@ -490,7 +489,7 @@ async fn sentinel_failover_after_the_primary_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_switchover_never_writes_to_the_demoted_primary() {
     let (primary, replica, sentinels) = sentinel_set();
-    let store = RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+    let store = sentinel_config(&sentinels)
         .prefix("switch")
         .connect()
         .await
@@ -581,13 +580,7 @@ async fn cluster_failover_after_a_primary_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_store_leaves_a_primary_that_stops_answering() {
     let (primary, replica, sentinels) = sentinel_set();
-    let (store, app) = healthy_app(
-        RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
-            .connect()
-            .await
-            .unwrap(),
-    )
-    .await;
+    let (store, app) = healthy_app(sentinel_config(&sentinels).connect().await.unwrap()).await;
 
     // Frozen, not dead: no connection is reset, requests just get no answer (the layer's
     // timeout drops them). The store must still leave it for the promoted replica.
@@ -640,7 +633,7 @@ async fn sentinel_works_with_the_least_privilege_user() {
     for server in [&primary, &replica] {
         assert_eq!(server.cli(&args).trim(), "OK");
     }
-    let store = RedisConfig::sentinel(sentinels.iter().map(RedisServer::url), "mymaster")
+    let store = sentinel_config(&sentinels)
         .master_auth(Some("limiter"), "s3cret")
         .connect()
         .await

@@ -386,25 +386,21 @@ async fn take<S: Store>(
                 format!("no lease within {TAKE_DEADLINE:?}"),
             ))
         });
-    let taken = match decided {
-        Ok(taken) if taken.is_allowed() => taken,
-        Ok(_) => {
-            // Refused: for a while, requests are decided one by one, so the last units
-            // of a quota are not lost to leases that no longer fit.
-            turn.alone_until = Some(Instant::now() + ttl);
+    let alone_for = match decided {
+        Ok(taken) if taken.is_allowed() => Ok(taken),
+        // Refused: for a while, requests are decided one by one, so the last units of a
+        // quota are not lost to leases that no longer fit.
+        Ok(_) => Err(ttl),
+        // The store failed: each request meets the failure on its own for a moment.
+        Err(_) => Err(AFTER_AN_ERROR),
+    };
+    let taken = match alone_for {
+        Ok(taken) => taken,
+        Err(pause) => {
+            turn.alone_until = Some(Instant::now() + pause);
             drop(turn);
-            // The refusal is forgotten when it ends, with the entry if nothing else is
-            // in it.
-            tokio::time::sleep(ttl).await;
-            forget_if_idle(&mut leases.shard(&id), &id);
-            return;
-        }
-        Err(_) => {
-            // The store failed: each request meets the failure on its own for a moment,
-            // and the entry goes when that moment ends.
-            turn.alone_until = Some(Instant::now() + AFTER_AN_ERROR);
-            drop(turn);
-            tokio::time::sleep(AFTER_AN_ERROR).await;
+            // Forgotten when the pause ends, with the entry if nothing else is in it.
+            tokio::time::sleep(pause).await;
             forget_if_idle(&mut leases.shard(&id), &id);
             return;
         }

@@ -813,15 +813,8 @@ impl Store for RedisStore {
             0
         };
         // Shared with a batch that may follow this call (not copied for each decision).
-        let invocation = match self.invocation(key, policies, cost, lease) {
-            Ok(mut invocation) => {
-                // A lone policy's own path reads its state key only: Redis is sent one
-                // key name fewer.
-                if matches!(invocation.shape, Shape::Raw(_)) {
-                    invocation.keys.truncate(1);
-                }
-                Arc::new(invocation)
-            }
+        let invocation = match self.invocation(Call::Decide, key, policies, cost, lease) {
+            Ok(invocation) => Arc::new(invocation),
             Err(error) => return DecideFuture::ready(Err(error)),
         };
         // Behind a call in flight with the same keys and policies: wait, and go with the
@@ -890,10 +883,11 @@ impl Store for RedisStore {
             Change::Grant { units } => (0, units, "-1".to_owned(), "2"),
             Change::SetRemaining { remaining } => (0, remaining, "-1".to_owned(), "3"),
         };
-        let mut invocation = match self.invocation(key, policies, cost, receipt.lease()) {
-            Ok(invocation) => invocation,
-            Err(error) => return DecideFuture::ready(Err(error)),
-        };
+        let mut invocation =
+            match self.invocation(Call::Adjust, key, policies, cost, receipt.lease()) {
+                Ok(invocation) => invocation,
+                Err(error) => return DecideFuture::ready(Err(error)),
+            };
         invocation
             .args
             .push(amount.min(crate::policy::MAX_LIMIT + 1).to_string());
@@ -914,8 +908,13 @@ impl Store for RedisStore {
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
-            // An adjustment answers full statuses, whatever the set.
-            parse_reply(&reply, Shape::Full, invocation.count, 0, receipt.lease())
+            parse_reply(
+                &reply,
+                invocation.shape,
+                invocation.count,
+                0,
+                receipt.lease(),
+            )
         })
     }
 
@@ -982,10 +981,11 @@ impl Invocation {
 }
 
 impl RedisStore {
-    /// The keys and arguments of a decision of `cost` for `key` under `policies`;
-    /// in-flight policies name their slot `lease`.
+    /// The keys and arguments of `call` (a decision, or an adjustment) of `cost` for `key`
+    /// under `policies`; in-flight policies name their slot `lease`.
     fn invocation(
         &self,
+        call: Call,
         key: &Key,
         policies: &PolicySet,
         cost: u64,
@@ -1004,12 +1004,19 @@ impl RedisStore {
             let (kind, p1, p2, p3) = script_args(policy)?;
             let p3 = if kind == "cc" { lease } else { p3 };
             single_kind = Some(kind);
-            if policies.len() == 1 && !policy.is_shadow() && policy.penalty_box().is_none() {
+            // A lone plain policy's decision takes its algorithm's own path, which answers
+            // the raw state and reads the state key only; an adjustment answers in full.
+            if matches!(call, Call::Decide)
+                && policies.len() == 1
+                && !policy.is_shadow()
+                && policy.penalty_box().is_none()
+            {
                 shape = Shape::raw(kind, [p1, p2, p3]);
             }
-            let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
+            let state = self.keys.state_key(key.as_str(), policy);
+            let aux = (!matches!(shape, Shape::Raw(_))).then(|| format!("{state}:n"));
             keys.push(state);
-            keys.push(aux);
+            keys.extend(aux);
             // A shadow policy: the same algorithm, marked for the decision loop; a penalty:
             // its numbers, in microseconds.
             let mut spelled = kind.to_owned();
@@ -1518,9 +1525,7 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
     let number = |value: i64| u64::try_from(value).unwrap_or(0);
     let now = number(reply[expected - 1]);
     let mut state = [0i64; 3];
-    for (slot, &value) in state.iter_mut().zip(&reply[2..expected - 1]) {
-        *slot = value;
-    }
+    state[..raw.state_len()].copy_from_slice(&reply[2..expected - 1]);
     let status = raw.status(&state, now);
     let outcome = match reply[0] {
         0 => Outcome::Allowed {
@@ -1699,19 +1704,24 @@ impl RedisKeys {
 
     /// The state key and the auxiliary key of `policy` for `identity`.
     pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
+        let state = self.state_key(identity, policy);
+        let aux = format!("{state}:n");
+        (state, aux)
+    }
+
+    /// The state key of `policy` for `identity` (the auxiliary key is it with `:n`).
+    fn state_key(&self, identity: &str, policy: &Policy) -> String {
         let (kind, p1, p2, p3) = match script_args(policy) {
             Ok(args) => args,
             // Too large for the script: the keys are never written; name them anyway.
             Err(_) => ("xx", policy.limit(), 0, 0),
         };
-        let state = format!(
+        format!(
             "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
             self.prefix,
             self.tag(identity),
             policy.state_name()
-        );
-        let aux = format!("{state}:n");
-        (state, aux)
+        )
     }
 }
 
