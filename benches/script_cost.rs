@@ -2,11 +2,13 @@
 //! same algorithm family, measured by Redis itself (`INFO commandstats`: `usec / calls`)
 //! on the same server in the same run. tollgate's decision is measured both ways it runs:
 //! as a call of its Functions library (`FCALL`, what a store runs where the server has
-//! Functions) and as its `EVALSHA` script (the fallback).
+//! Functions) and as its `EVALSHA` script (the fallback); the minimal script both as a
+//! script (`EVALSHA`, the floor the ratios in the README are taken against) and as the one
+//! function of a library of its own (`FCALL`: the like-for-like floor of tollgate's call).
 //!
 //! `cargo bench --all-features --bench script_cost` (starts its own redis-server on a free
 //! loopback port, pinned to CPU 0 when `taskset` exists, and stops it at the end, also on
-//! a panic). Every measurement is `CALLS` EVALSHA calls, pipelined in batches of `BATCH`,
+//! a panic). Every measurement is `CALLS` calls of one variant, pipelined in batches of `BATCH`,
 //! over `IDENTITIES` identities (a fresh database each time: `FLUSHALL`, then `CONFIG
 //! RESETSTAT`); `ROUNDS` rounds, each in a rotated order; the table shows the medians.
 //! Every call is admitted (the limits are far above what one identity receives), so both
@@ -305,24 +307,41 @@ enum Variant {
     Tollgate,
     Functions,
     Minimal,
+    /// The minimal script as a function of a Functions library of its own (`FCALL`): the
+    /// like-for-like floor of tollgate's `FCALL`.
+    MinimalFunction,
 }
 
-/// The name of the library's decision function, once a store has loaded the library.
-fn decide_function(connection: &mut redis::Connection) -> String {
-    fn find(value: &redis::Value) -> Option<String> {
+/// Loads `source` (a minimal script) as the one function of a library of its own, named
+/// `minimal_<index>`, and returns the function's name.
+fn load_function(connection: &mut redis::Connection, index: usize, source: &str) -> String {
+    let name = format!("minimal_{index}");
+    let library = format!(
+        "#!lua name={name}\nredis.register_function('{name}', function(KEYS, ARGV)\n{source}\nend)\n"
+    );
+    let _: String = redis::cmd("FUNCTION")
+        .arg("LOAD")
+        .arg("REPLACE")
+        .arg(library)
+        .query(connection)
+        .expect("FUNCTION LOAD of a minimal script");
+    name
+}
+
+/// The name of the library function for a lone plain policy of `kind` (`tollgate_one_
+/// <kind>_<version>`), once a store has loaded the library.
+fn one_function(connection: &mut redis::Connection, kind: &str) -> String {
+    fn find(value: &redis::Value, prefix: &str) -> Option<String> {
         match value {
             redis::Value::BulkString(bytes) => {
                 let text = String::from_utf8_lossy(bytes);
-                text.starts_with("tollgate_decide_")
-                    .then(|| text.into_owned())
+                text.starts_with(prefix).then(|| text.into_owned())
             }
-            redis::Value::SimpleString(text) => {
-                text.starts_with("tollgate_decide_").then(|| text.clone())
-            }
-            redis::Value::Array(items) => items.iter().find_map(find),
+            redis::Value::SimpleString(text) => text.starts_with(prefix).then(|| text.clone()),
+            redis::Value::Array(items) => items.iter().find_map(|item| find(item, prefix)),
             redis::Value::Map(pairs) => pairs
                 .iter()
-                .find_map(|(key, value)| find(key).or_else(|| find(value))),
+                .find_map(|(key, value)| find(key, prefix).or_else(|| find(value, prefix))),
             _ => None,
         }
     }
@@ -330,7 +349,7 @@ fn decide_function(connection: &mut redis::Connection) -> String {
         .arg("LIST")
         .query(connection)
         .expect("FUNCTION LIST");
-    find(&list).expect("the store loaded its Functions library")
+    find(&list, &format!("tollgate_one_{kind}_")).expect("the store loaded its Functions library")
 }
 
 /// Redis's own µs of EVALSHA per call over `CALLS` calls of one script.
@@ -353,19 +372,31 @@ fn measure(
             // The key names the store would use for this identity and policy.
             let identity = call % IDENTITIES;
             let key = format!("tollgate:{{user:{identity}}}:api:{}", case.kind);
-            let command = if variant == Variant::Functions {
+            let p3 = if case.kind == "cc" {
+                *serial
+            } else {
+                case.params[2]
+            };
+            let command = if matches!(variant, Variant::Functions | Variant::MinimalFunction) {
                 pipe.cmd("FCALL").arg(sha)
             } else {
                 pipe.cmd("EVALSHA").arg(sha)
             };
             match variant {
-                Variant::Tollgate | Variant::Functions => {
-                    let p3 = if case.kind == "cc" {
-                        *serial
-                    } else {
-                        case.params[2]
-                    };
-                    // As the store sends it: a lone plain policy gets its state key only.
+                // As the store sends it: a lone plain policy's decision calls its
+                // algorithm's own function with its state key, the cost and p1 to p3.
+                Variant::Functions => {
+                    command
+                        .arg(1)
+                        .arg(&key)
+                        .arg(1)
+                        .arg(case.params[0])
+                        .arg(case.params[1])
+                        .arg(p3);
+                }
+                // The script gets the same key, the time ("": Redis TIME), the number of
+                // policies and the kind besides.
+                Variant::Tollgate => {
                     command
                         .arg(1)
                         .arg(&key)
@@ -377,7 +408,7 @@ fn measure(
                         .arg(case.params[1])
                         .arg(p3);
                 }
-                Variant::Minimal => {
+                Variant::Minimal | Variant::MinimalFunction => {
                     let last = if case.unique {
                         *serial
                     } else {
@@ -400,11 +431,16 @@ fn measure(
                     Variant::Tollgate => "tollgate EVALSHA",
                     Variant::Functions => "tollgate FCALL",
                     Variant::Minimal => "minimal",
+                    Variant::MinimalFunction => "minimal as a function",
                 }
             )
         });
         // Every call admitted: outcome 0 for tollgate, allowed 1 for the minimal scripts.
-        let admitted = if variant == Variant::Minimal { 1 } else { 0 };
+        let admitted = if matches!(variant, Variant::Minimal | Variant::MinimalFunction) {
+            1
+        } else {
+            0
+        };
         assert!(
             replies.iter().all(|reply| reply.first() == Some(&admitted)),
             "{}: a call was not admitted: {:?}",
@@ -419,7 +455,7 @@ fn measure(
         .query(connection)
         .expect("INFO commandstats");
     // "cmdstat_evalsha:calls=20000,usec=261234,usec_per_call=13.06,..."
-    let command = if variant == Variant::Functions {
+    let command = if matches!(variant, Variant::Functions | Variant::MinimalFunction) {
         "cmdstat_fcall:"
     } else {
         "cmdstat_evalsha:"
@@ -476,13 +512,22 @@ fn main() {
             .await
             .expect("the store starts and loads its library")
     });
-    let function = decide_function(&mut connection);
+    let functions_of: Vec<String> = cases
+        .iter()
+        .map(|case| one_function(&mut connection, case.kind))
+        .collect();
+    let minimal_functions: Vec<String> = cases
+        .iter()
+        .enumerate()
+        .map(|(index, case)| load_function(&mut connection, index, case.minimal))
+        .collect();
 
     // Per case: tollgate's (script and function) and the minimal script's µs per call,
     // per round.
     let mut tollgate = vec![Vec::new(); cases.len()];
     let mut functions = vec![Vec::new(); cases.len()];
     let mut minimal = vec![Vec::new(); cases.len()];
+    let mut minimal_as_function = vec![Vec::new(); cases.len()];
     let mut serial = 0;
     let runs: Vec<(usize, Variant)> = (0..cases.len())
         .flat_map(|index| {
@@ -490,6 +535,7 @@ fn main() {
                 (index, Variant::Functions),
                 (index, Variant::Minimal),
                 (index, Variant::Tollgate),
+                (index, Variant::MinimalFunction),
             ]
         })
         .collect();
@@ -504,7 +550,7 @@ fn main() {
                     &mut connection,
                     case,
                     variant,
-                    &function,
+                    &functions_of[index],
                     &mut serial,
                 )),
                 Variant::Tollgate => tollgate[index].push(measure(
@@ -521,6 +567,13 @@ fn main() {
                     minimal_sha,
                     &mut serial,
                 )),
+                Variant::MinimalFunction => minimal_as_function[index].push(measure(
+                    &mut connection,
+                    case,
+                    variant,
+                    &minimal_functions[index],
+                    &mut serial,
+                )),
             }
         }
     }
@@ -531,28 +584,28 @@ fn main() {
     );
     println!();
     println!(
-        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | FCALL / minimal | EVALSHA / minimal |"
+        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | minimal as FCALL µs | FCALL / minimal | EVALSHA / minimal | FCALL / minimal as FCALL |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (index, case) in cases.iter().enumerate() {
-        let ratios = |ours: &[f64]| {
-            let mut ratios: Vec<f64> = ours
-                .iter()
-                .zip(&minimal[index])
-                .map(|(ours, floor)| ours / floor)
-                .collect();
+        let ratios = |ours: &[f64], floor: &[f64]| {
+            let mut ratios: Vec<f64> = ours.iter().zip(floor).map(|(a, b)| a / b).collect();
             median(&mut ratios)
         };
-        let (by_function, by_script) = (ratios(&functions[index]), ratios(&tollgate[index]));
+        let by_function = ratios(&functions[index], &minimal[index]);
+        let by_script = ratios(&tollgate[index], &minimal[index]);
+        let like_for_like = ratios(&functions[index], &minimal_as_function[index]);
         println!(
-            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2}x | {:.2}x |",
+            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x |",
             case.name,
             median(&mut functions[index]),
             median(&mut tollgate[index]),
             case.minimal_name,
             median(&mut minimal[index]),
+            median(&mut minimal_as_function[index]),
             by_function,
-            by_script
+            by_script,
+            like_for_like
         );
     }
     println!();

@@ -26,7 +26,7 @@ local reserved = cost
 -- Takes `units` more as far as the policy has room now: never below empty.
 local function charge(algorithm, p, s, units)
   local _, remaining = algorithm.snapshot(p, s)
-  local extra = math.min(units, remaining)
+  local extra = min(units, remaining)
   if extra > 0 then
     cost = extra
     algorithm.commit(p, s)
@@ -60,7 +60,7 @@ for i = 1, count do
     algorithm.refund(p, s, amount, -1)
   elseif mode == '3' then
     local limit, remaining = algorithm.snapshot(p, s)
-    local target = math.min(amount, limit)
+    local target = min(amount, limit)
     if target > remaining then
       algorithm.refund(p, s, target - remaining, -1)
     elseif remaining > target then

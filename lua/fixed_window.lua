@@ -6,12 +6,12 @@
 -- the key already holds this very window (then it expires when the window ends, and a
 -- write changes only the count). Time that steps back never rolls a window back.
 local function window_of(key, w)
-  local index = (now - math.fmod(now, w)) / w
-  local stored = redis.call('HMGET', key, 'i', 'c')
+  local index = (now - fmod(now, w)) / w
+  local stored = call('HMGET', key, 'i', 'c')
   local count = 0
-  local stored_index = num(stored[1], -1)
+  local stored_index = tonumber(stored[1] or -1)
   local kept = stored_index == index
-  if stored_index >= index then index, count = stored_index, num(stored[2], 0) end
+  if stored_index >= index then index, count = stored_index, tonumber(stored[2] or 0) end
   return index, count, (index + 1) * w, kept
 end
 
@@ -37,18 +37,18 @@ end
 -- the one that set it (a slot migrated, a replica promoted). Living longer is harmless:
 -- the stored index tells an old window from the current one.
 local function grace(w)
-  return math.min(cdiv(w, 1000), 1000)
+  return min(cdiv(w, 1000), 1000)
 end
 
 -- Writes the count; a window new to the key also its index and its expiry (a key that held
 -- this window since its first write expires after it already).
 local function write(key, index, count, finish, kept, w)
   if kept then
-    redis.call('HSET', key, 'c', count)
+    call('HSET', key, 'c', count)
     return
   end
-  redis.call('HSET', key, 'i', index, 'c', count)
-  redis.call('PEXPIRE', key, cdiv(finish - now, 1000) + grace(w))
+  call('HSET', key, 'i', index, 'c', count)
+  call('PEXPIRE', key, cdiv(finish - now, 1000) + grace(w))
 end
 
 local function commit(p, s)
@@ -58,14 +58,14 @@ end
 
 -- Gives back `units` debited at `at`, if that was in the window counted now (at -1: any).
 local function refund(p, s, units, at)
-  if at >= 0 and (at - math.fmod(at, p[2])) / p[2] ~= s.index then return end
-  s.count = math.max(s.count - units, 0)
+  if at >= 0 and (at - fmod(at, p[2])) / p[2] ~= s.index then return end
+  s.count = max(s.count - units, 0)
   write(s.key, s.index, s.count, s.finish, s.kept, p[2])
 end
 
 local function snapshot(p, s)
-  local reset = math.max(s.finish - now, 0)
-  return p[1], math.max(p[1] - s.count, 0), reset, reset
+  local reset = max(s.finish - now, 0)
+  return p[1], max(p[1] - s.count, 0), reset, reset
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

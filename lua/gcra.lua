@@ -6,9 +6,9 @@
 -- How far the TAT stored at `key` is ahead of now, scaled by the amount (p2): an exact
 -- integer, 0 when it is not ahead.
 local function ahead_of(key, p2)
-  local stored = redis.call('GET', key)
+  local stored = call('GET', key)
   if stored then
-    local whole, fraction = string.match(stored, '^(%d+):(%d+)$')
+    local whole, fraction = match(stored, '^(%d+):(%d+)$')
     whole, fraction = tonumber(whole), tonumber(fraction)
     if whole ~= nil and (whole > now or (whole == now and fraction > 0)) then
       return (whole - now) * p2 + fraction
@@ -37,10 +37,13 @@ local function check(p, s)
   return verdict, value
 end
 
+-- The TAT `ahead` (scaled by p2) of now, as "whole:fraction"; the key lives until the TAT
+-- has passed (ceil of a ceil is one ceil; the millisecond added covers a product past
+-- 2^53, rounded).
 local function write(key, p2, ahead)
-  local whole = now + idiv(ahead, p2)
-  local fraction = math.fmod(ahead, p2)
-  redis.call('SET', key, string.format('%d:%d', whole, fraction), 'PX', cdiv(cdiv(ahead, p2), 1000) + 1)
+  local fraction = fmod(ahead, p2)
+  call('SET', key, format('%d:%d', now + (ahead - fraction) / p2, fraction), 'PX',
+    cdiv(ahead, p2 * 1000) + 1)
 end
 
 local function commit(p, s)
@@ -51,14 +54,14 @@ end
 -- Gives `units` back, less the intervals passed since `at`: the TAT moves back, never
 -- before now.
 local function refund(p, s, units, at, left)
-  s.ahead = math.max(s.ahead - refund_level(p, units, at, p[1], left), 0)
+  s.ahead = max(s.ahead - refund_level(p, units, at, p[1], left), 0)
   write(s.key, p[2], s.ahead)
 end
 
 local function snapshot(p, s)
-  local spare = math.max(p[1] * p[3] - s.ahead, 0)
+  local spare = max(p[1] * p[3] - s.ahead, 0)
   -- Effective window: until the next emission interval has passed.
-  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
+  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), cdiv(p[3] - fmod(spare, p[3]), p[2])
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

@@ -6,8 +6,8 @@
 
 -- The slots taken at `key`, once the expired ones are gone.
 local function taken(key)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  return redis.call('ZCARD', key)
+  call('ZREMRANGEBYSCORE', key, '-inf', now)
+  return call('ZCARD', key)
 end
 
 local function load(p, key)
@@ -17,7 +17,7 @@ end
 -- Whether a slot is free: 'admit' or 'deny' (and a wait: a slot frees when some request
 -- ends, and nothing here can say when).
 local function fits(p1, count)
-  if count + math.min(cost, 1) <= p1 then return 'admit', 0 end
+  if count + min(cost, 1) <= p1 then return 'admit', 0 end
   return 'deny', 1000000
 end
 
@@ -27,23 +27,23 @@ end
 
 -- Takes the slot `member` (the lease id, spelled as `%d` spells it) for a lease of p2.
 local function take(key, p2, member)
-  redis.call('ZADD', key, now + p2, member)
+  call('ZADD', key, now + p2, member)
   -- Every slot expires within one lease from now: so does the key.
-  redis.call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+  call('PEXPIRE', key, cdiv(p2, 1000) + 1)
 end
 
 local function commit(p, s)
   if cost == 0 then return end
-  take(s.key, p[2], string.format('%d', p[3]))
+  take(s.key, p[2], format('%d', p[3]))
   s.count = s.count + 1
 end
 
 local function refund(p, s, units, at)
-  s.count = s.count - redis.call('ZREM', s.key, string.format('%d', p[3]))
+  s.count = s.count - call('ZREM', s.key, format('%d', p[3]))
 end
 
 local function snapshot(p, s)
-  return p[1], math.max(p[1] - s.count, 0), 0, 0
+  return p[1], max(p[1] - s.count, 0), 0, 0
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

@@ -21,7 +21,7 @@ end
 local commit = commit_bucket
 -- The burst it admits (its quota) is the shaping capacity, not p1 (the delay).
 local function refund(p, s, units, at, left)
-  s.level = math.max(s.level - refund_level(p, units, at, idiv(p[1] * p[2], p[3]) + 1, left), 0)
+  s.level = max(s.level - refund_level(p, units, at, idiv(p[1] * p[2], p[3]) + 1, left), 0)
   store_bucket(p, s)
 end
 
@@ -34,8 +34,6 @@ local function snapshot(p, s)
   return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective
 end
 
--- One plain policy (main.lua's fast path, with the policy's arguments as sent): the
--- decision and the raw level.
-local function one(key, p1, p2, p3)
-  return one_bucket(fits, key, tonumber(p1), tonumber(p2), tonumber(p3))
-end
+-- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):
+-- the decision and the raw level.
+one = bucket_one(fits)

@@ -1,9 +1,11 @@
 -- tollgate: the prelude of every decision script.
 --
--- src/store/redis.rs assembles the scripts from the files in lua/: begin.lua, this
--- prelude, one algorithm file (or all of them, for requests under several policies) and
--- main.lua; and the Redis Functions library of every one of them (src/store/redis.rs,
--- `library`), where begin.lua runs at the start of each call. Each
+-- src/store/redis.rs assembles the scripts from the files in lua/: bind.lua, begin.lua,
+-- this prelude, one algorithm file (or all of them, for requests under several policies)
+-- and main.lua; and the Redis Functions library of every one of them (src/store/redis.rs,
+-- `Library`), where begin.lua runs at the start of each call, and one.lua gives each
+-- algorithm a function of its own for one plain policy (ARGV: cost, p1, p2, p3, and
+-- a test build's time). Each
 -- algorithm file mirrors its twin in src/algorithm/; the conformance suite checks that
 -- both give the same decisions. A script runs as one EVALSHA, so no other client sees or
 -- changes the state between the check and the debit, and several policies are
@@ -30,16 +32,17 @@
 --          computes the status from the state as `snapshot` would (src/store/redis.rs,
 --          `Raw`), which costs Redis nothing.
 
--- `now`, `cost` and `count` are set by begin.lua at the start of every call (they are
--- declared before this prelude: the locals of a script, or of the Functions library).
+-- `now`, `cost` and `count` are set by begin.lua (or one.lua) at the start of every call;
+-- `max`, `min`, `fmod`, `call`, `format` and `match` are bound by bind.lua (all declared
+-- before this prelude: the locals of a script, or of the Functions library).
 
 -- floor(a / b) and ceil(a / b) for integers 0 <= a < 2^53, b > 0: fmod is exact, and so
 -- is the division of an exact multiple.
 local function idiv(a, b)
-  return (a - math.fmod(a, b)) / b
+  return (a - fmod(a, b)) / b
 end
 local function cdiv(a, b)
-  local r = math.fmod(a, b)
+  local r = fmod(a, b)
   local q = (a - r) / b
   if r > 0 then q = q + 1 end
   return q
@@ -51,7 +54,7 @@ end
 local function muldiv(a, b, c)
   local product = a * b
   if product < 9007199254740992 then
-    local r = math.fmod(product, c)
+    local r = fmod(product, c)
     return (product - r) / c, r
   end
   local pow = 1
@@ -63,7 +66,7 @@ local function muldiv(a, b, c)
       b = b - pow
       r = r + a
     end
-    local carry = math.fmod(r, c)
+    local carry = fmod(r, c)
     q = q + (r - carry) / c
     r = carry
     if q >= 4503599627370496 then return 4503599627370496, 0 end
@@ -71,10 +74,9 @@ local function muldiv(a, b, c)
   end
   return q, r
 end
-local function num(value, default)
-  if value == false or value == nil then return default end
-  return tonumber(value)
-end
+-- A field a read did not find comes back as false: `tonumber(field or default)` reads a
+-- stored number or the default, and a stored value that is not a number still fails the
+-- script (loudly, through the store's failure mode) instead of reading as empty.
 
 
 -- Buckets (token bucket, both leaky buckets) keep the level (units missing from full, or
@@ -84,14 +86,16 @@ end
 -- it is up to date (never before a time already stored: time that steps back refills
 -- nothing). Tables-free: the one-policy path (`one`) calls it too.
 local function bucket_level(key, p2)
-  local stored = redis.call('HMGET', key, 'l', 't')
-  local last = num(stored[2], now)
-  return math.max(num(stored[1], 0) - math.max(now - last, 0) * p2, 0), math.max(last, now)
+  local stored = call('HMGET', key, 'l', 't')
+  local last = tonumber(stored[2] or now)
+  return max(tonumber(stored[1] or 0) - max(now - last, 0) * p2, 0), max(last, now)
 end
 
 local function write_bucket(key, p2, level, last)
-  redis.call('HSET', key, 'l', level, 't', last)
-  redis.call('PEXPIRE', key, cdiv(cdiv(level, p2), 1000) + 1)
+  call('HSET', key, 'l', level, 't', last)
+  -- Empty in ceil(level / p2) µs, ceil(level / (p2 * 1000)) ms (ceil of a ceil is one
+  -- ceil); the millisecond added covers a product past 2^53, rounded.
+  call('PEXPIRE', key, cdiv(level, p2 * 1000) + 1)
 end
 
 local function load_bucket(p, key)
@@ -108,23 +112,27 @@ local function commit_bucket(p, s)
   store_bucket(p, s)
 end
 
--- The one-policy path of a bucket (`one` in token_bucket.lua and leaky_shape.lua):
--- `fits(p1, p2, p3, level)` answers 'admit' (and the delay), 'deny' (and the wait) or
--- 'never'. Replies {outcome, delay or wait, level, now}; src/store/redis.rs reports the
--- status from the level, as the algorithm's `snapshot` would.
-local function one_bucket(fits, key, p1, p2, p3)
-  local level, last = bucket_level(key, p2)
-  local verdict, value = fits(p1, p2, p3, level)
-  if verdict == 'admit' then
-    if cost > 0 then
-      level = level + cost * p3
-      write_bucket(key, p2, level, last)
+-- The one-policy path of a bucket (`one` in token_bucket.lua and leaky_shape.lua), given
+-- its `fits(p1, p2, p3, level)`, which answers 'admit' (and the delay), 'deny' (and the
+-- wait) or 'never'. Takes the policy's arguments as sent (strings) and replies {outcome,
+-- delay or wait, level, now}; src/store/redis.rs reports the status from the level, as
+-- the algorithm's `snapshot` would.
+local function bucket_one(fits)
+  return function(key, p1, p2, p3)
+    p1, p2, p3 = tonumber(p1), tonumber(p2), tonumber(p3)
+    local level, last = bucket_level(key, p2)
+    local verdict, value = fits(p1, p2, p3, level)
+    if verdict == 'admit' then
+      if cost > 0 then
+        level = level + cost * p3
+        write_bucket(key, p2, level, last)
+      end
+      return { 0, value, level, now }
+    elseif verdict == 'deny' then
+      return { 1, value, level, now }
     end
-    return { 0, value, level, now }
-  elseif verdict == 'deny' then
-    return { 1, value, level, now }
+    return { 2, 0, level, now }
   end
-  return { 2, 0, level, now }
 end
 
 -- What to give back of `units` debited at `at` (-1: any time), in level units: no more
@@ -136,29 +144,29 @@ local function refund_level(p, units, at, limit, left)
   if at < 0 then return back end
   -- The replay kept `room` until full: the deficit the debit left (at least `back`).
   local room = back
-  if left ~= nil then room = math.max(math.max(limit - left, 0) * p[3], back) end
-  local elapsed = math.max(now - at, 0)
+  if left ~= nil then room = max(max(limit - left, 0) * p[3], back) end
+  local elapsed = max(now - at, 0)
   if elapsed >= cdiv(room, p[2]) then return 0 end
-  return math.min(back, room - elapsed * p[2])
+  return min(back, room - elapsed * p[2])
 end
 
 -- Gives `units` back: the level drops, never below empty.
 local function refund_bucket(p, s, units, at, left)
-  s.level = math.max(s.level - refund_level(p, units, at, p[1], left), 0)
+  s.level = max(s.level - refund_level(p, units, at, p[1], left), 0)
   store_bucket(p, s)
 end
 
 -- Sets `key` to expire in `ms` milliseconds, unless it already lives longer (a key that
 -- holds several things keeps the longest need).
 local function extend_ttl(key, ms)
-  local ttl = redis.call('PTTL', key)
-  if ttl < ms then redis.call('PEXPIRE', key, ms) end
+  local ttl = call('PTTL', key)
+  if ttl < ms then call('PEXPIRE', key, ms) end
 end
 
 -- A policy's kind argument: the algorithm's two letters, then `~` for a shadow policy,
 -- then `!denials:within:block:max_block` (microseconds) for a penalty.
 local function parse_kind(raw)
-  local kind, rest = string.match(raw, '^(%a%a)(.*)$')
+  local kind, rest = match(raw, '^(%a%a)(.*)$')
   if kind == nil then return raw, false, nil end
   local shadow = false
   if string.sub(rest, 1, 1) == '~' then
@@ -166,7 +174,7 @@ local function parse_kind(raw)
     rest = string.sub(rest, 2)
   end
   local penalty = nil
-  local n, w, b, m = string.match(rest, '^!(%d+):(%d+):(%d+):(%d+)$')
+  local n, w, b, m = match(rest, '^!(%d+):(%d+):(%d+):(%d+)$')
   if n ~= nil then penalty = { tonumber(n), tonumber(w), tonumber(b), tonumber(m) } end
   return kind, shadow, penalty
 end
@@ -175,10 +183,11 @@ end
 -- auxiliary hash: denials in the window (pc), its end (pw), blocked until (pb), blocks so
 -- far (ps) and when they are forgotten (pm).
 local function load_penalty(aux)
-  local v = redis.call('HMGET', aux, 'pc', 'pw', 'pb', 'ps', 'pm')
+  local v = call('HMGET', aux, 'pc', 'pw', 'pb', 'ps', 'pm')
   return {
-    aux = aux, count = num(v[1], 0), window_end = num(v[2], 0),
-    blocked_until = num(v[3], 0), strikes = num(v[4], 0), strikes_until = num(v[5], 0),
+    aux = aux, count = tonumber(v[1] or 0), window_end = tonumber(v[2] or 0),
+    blocked_until = tonumber(v[3] or 0), strikes = tonumber(v[4] or 0),
+    strikes_until = tonumber(v[5] or 0),
   }
 end
 
@@ -192,19 +201,19 @@ local function strike(pen, st)
     if now >= st.strikes_until then st.strikes = 0 end
     local block = pen[3]
     for _ = 1, st.strikes do
-      block = math.min(block * 2, pen[4])
+      block = min(block * 2, pen[4])
       if block == pen[4] then break end
     end
     st.blocked_until = now + block
-    st.strikes = math.min(st.strikes + 1, 64)
+    st.strikes = min(st.strikes + 1, 64)
     st.strikes_until = st.blocked_until + pen[4]
     st.count = 0
     st.window_end = now
   end
-  redis.call('HSET', st.aux, 'pc', st.count, 'pw', st.window_end, 'pb', st.blocked_until,
+  call('HSET', st.aux, 'pc', st.count, 'pw', st.window_end, 'pb', st.blocked_until,
     'ps', st.strikes, 'pm', st.strikes_until)
   local fresh = st.blocked_until
-  if st.strikes > 0 then fresh = math.max(fresh, st.strikes_until) end
-  if st.count > 0 then fresh = math.max(fresh, st.window_end) end
-  extend_ttl(st.aux, cdiv(math.max(fresh - now, 0), 1000) + 1)
+  if st.strikes > 0 then fresh = max(fresh, st.strikes_until) end
+  if st.count > 0 then fresh = max(fresh, st.window_end) end
+  extend_ttl(st.aux, cdiv(max(fresh - now, 0), 1000) + 1)
 end

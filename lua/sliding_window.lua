@@ -18,21 +18,21 @@ end
 local function counted(s, oldest, left)
   local q, r = muldiv(oldest, left, s.span)
   if r > 0 then q = q + 1 end
-  return math.max(q, oldest - s.forgiven)
+  return max(q, oldest - s.forgiven)
 end
 
 local function load(p, key)
-  local k = math.max(p[3], 1)
+  local k = max(p[3], 1)
   local span = p[2] / k -- exact: the policy was validated to split into whole microseconds
-  local index = (now - math.fmod(now, span)) / span
+  local index = (now - fmod(now, span)) / span
   local names = names_for(k)
-  local stored = redis.call('HMGET', key, 'i', unpack(names))
+  local stored = call('HMGET', key, 'i', unpack(names))
   local s = {
     key = key, k = k, span = span, names = names, counts = {},
-    forgiven = (p[1] - math.fmod(p[1], k)) / k,
-    index = num(stored[1], 0),
+    forgiven = (p[1] - fmod(p[1], k)) / k,
+    index = tonumber(stored[1] or 0),
   }
-  for m = 1, k + 1 do s.counts[m] = num(stored[m + 1], 0) end
+  for m = 1, k + 1 do s.counts[m] = tonumber(stored[m + 1] or 0) end
   if index > s.index then
     local shift = index - s.index
     for m = 1, k + 1 do
@@ -40,9 +40,9 @@ local function load(p, key)
     end
     s.index = index
   end
-  if index == s.index then s.elapsed = math.fmod(now, span) else s.elapsed = 0 end
+  if index == s.index then s.elapsed = fmod(now, span) else s.elapsed = 0 end
   -- Time that stepped back before the stored sub-window: waits count from its start.
-  s.behind = math.max(s.index * span - now, 0)
+  s.behind = max(s.index * span - now, 0)
   local estimate = counted(s, s.counts[1], span - s.elapsed)
   for m = 2, k + 1 do estimate = estimate + s.counts[m] end
   s.estimate = estimate
@@ -62,13 +62,13 @@ local function wait_for(p, s, units, extra)
     if step == last then oldest, newer = oldest + extra, 0 end
     if newer <= room and oldest - s.forgiven <= room - newer then
       local first = 0
-      if oldest > 0 then first = s.span - math.min(muldiv(room - newer, s.span, oldest), s.span) end
+      if oldest > 0 then first = s.span - min(muldiv(room - newer, s.span, oldest), s.span) end
       local at = first
-      if step == 1 then at = math.max(at, s.elapsed) end
-      if at < s.span then return math.max((step - 1) * s.span + at - s.elapsed + s.behind, 1) end
+      if step == 1 then at = max(at, s.elapsed) end
+      if at < s.span then return max((step - 1) * s.span + at - s.elapsed + s.behind, 1) end
     end
   end
-  return math.max(last * s.span - s.elapsed + s.behind, 1)
+  return max(last * s.span - s.elapsed + s.behind, 1)
 end
 
 local function check(p, s)
@@ -85,9 +85,9 @@ local function store(s)
     fields[#fields + 1] = s.names[m]
     fields[#fields + 1] = s.counts[m]
   end
-  redis.call('HSET', s.key, unpack(fields))
+  call('HSET', s.key, unpack(fields))
   -- The current count matters until it is a whole window old.
-  redis.call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed + s.behind, 1000) + 1)
+  call('PEXPIRE', s.key, cdiv(last * s.span - s.elapsed + s.behind, 1000) + 1)
 end
 
 local function commit(p, s)
@@ -102,15 +102,15 @@ end
 local function refund(p, s, units, at)
   if at < 0 then
     for m = s.k + 1, 1, -1 do
-      local taken = math.min(units, s.counts[m])
+      local taken = min(units, s.counts[m])
       s.counts[m] = s.counts[m] - taken
       units = units - taken
     end
   else
-    local age = s.index - (at - math.fmod(at, s.span)) / s.span
+    local age = s.index - (at - fmod(at, s.span)) / s.span
     if age < 0 or age > s.k then return end
     local m = s.k + 1 - age
-    s.counts[m] = math.max(s.counts[m] - units, 0)
+    s.counts[m] = max(s.counts[m] - units, 0)
   end
   local estimate = counted(s, s.counts[1], s.span - s.elapsed)
   for j = 2, s.k + 1 do estimate = estimate + s.counts[j] end
@@ -126,7 +126,7 @@ local function snapshot(p, s)
       break
     end
   end
-  local remaining = math.max(p[1] - s.estimate, 0)
+  local remaining = max(p[1] - s.estimate, 0)
   local effective = 0
   if s.estimate + remaining + 1 > p[1] then effective = wait_for(p, s, 1, remaining) end
   return p[1], remaining, reset, effective
@@ -140,25 +140,26 @@ end
 local function one(key, p1, p2, p3)
   if p3 ~= '0' then return nil end
   p1, p2 = tonumber(p1), tonumber(p2)
-  local index = (now - math.fmod(now, p2)) / p2
-  local stored = redis.call('HMGET', key, 'i', 'p', 'c')
-  local at, previous, current = num(stored[1], 0), num(stored[2], 0), num(stored[3], 0)
+  local index = (now - fmod(now, p2)) / p2
+  local stored = call('HMGET', key, 'i', 'p', 'c')
+  local at = tonumber(stored[1] or 0)
+  local previous, current = tonumber(stored[2] or 0), tonumber(stored[3] or 0)
   if index > at then
     if index - at == 1 then previous = current else previous = 0 end
     current, at = 0, index
   end
   local elapsed = 0
-  if index == at then elapsed = math.fmod(now, p2) end
-  local behind = math.max(at * p2 - now, 0)
+  if index == at then elapsed = fmod(now, p2) end
+  local behind = max(at * p2 - now, 0)
   local q, r = muldiv(previous, p2 - elapsed, p2)
   if r > 0 then q = q + 1 end
-  local estimate = math.max(q, previous - p1) + current
+  local estimate = max(q, previous - p1) + current
   if cost > p1 then return { 2, 0, at, previous, current, now } end
   if estimate + cost <= p1 then
     if cost > 0 then
       current = current + cost
-      redis.call('HSET', key, 'i', at, 'p', previous, 'c', current)
-      redis.call('PEXPIRE', key, cdiv(2 * p2 - elapsed + behind, 1000) + 1)
+      call('HSET', key, 'i', at, 'p', previous, 'c', current)
+      call('PEXPIRE', key, cdiv(2 * p2 - elapsed + behind, 1000) + 1)
     end
     return { 0, 0, at, previous, current, now }
   end

@@ -22,13 +22,11 @@ local commit = commit_bucket
 local refund = refund_bucket
 
 local function snapshot(p, s)
-  local spare = math.max(p[1] * p[3] - s.level, 0)
+  local spare = max(p[1] * p[3] - s.level, 0)
   -- Effective window: until the token being refilled now is whole.
-  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), cdiv(p[3] - math.fmod(spare, p[3]), p[2])
+  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), cdiv(p[3] - fmod(spare, p[3]), p[2])
 end
 
--- One plain policy (main.lua's fast path, with the policy's arguments as sent): the
--- decision and the raw level.
-local function one(key, p1, p2, p3)
-  return one_bucket(fits, key, tonumber(p1), tonumber(p2), tonumber(p3))
-end
+-- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):
+-- the decision and the raw level.
+one = bucket_one(fits)

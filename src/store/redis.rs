@@ -45,7 +45,8 @@ macro_rules! script {
     };
     (algorithms: $(($kind:literal, $file:literal)),+) => {
         concat!(
-            "local now, cost, count\n",
+            "local now, cost, count, max, min, fmod, call, format, match\n",
+            include_str!("../../lua/bind.lua"),
             include_str!("../../lua/begin.lua"),
             include_str!("../../lua/prelude.lua"),
             script!(wrappers: $(($kind, $file)),+)
@@ -84,14 +85,17 @@ macro_rules! every_algorithm {
 const ALL_ALGORITHMS: &str = every_algorithm!(wrappers:);
 
 /// The Redis Functions library of this build: the prelude and every algorithm defined
-/// once when the library loads, and three functions (decide, a coalesced batch, adjust)
-/// that each call runs without defining anything. Its name carries a hash of its text,
+/// once when the library loads, and the functions each call runs without defining
+/// anything: decide, a coalesced batch, adjust, and per algorithm the decision of a lone
+/// plain policy. Its name carries a hash of its text,
 /// so replicas of two versions never replace each other's functions.
 struct Library {
     source: String,
     decide: String,
     batch: String,
     adjust: String,
+    /// Per algorithm (in [`KINDS`]' order): a lone plain policy's decision (lua/one.lua).
+    one: [String; 7],
 }
 
 impl Library {
@@ -99,9 +103,11 @@ impl Library {
         const VERSION: &str = "@VERSION@";
         let name = |function: &str| format!("tollgate_{function}_{VERSION}");
         let (decide, batch, adjust) = (name("decide"), name("batch"), name("adjust"));
+        let one = KINDS.map(|kind| name(&format!("one_{kind}")));
         let template = [
             &format!("#!lua name=tollgate_{VERSION}\n"),
-            "local KEYS, ARGV, now, cost, count\n",
+            "local KEYS, ARGV, now, cost, count, max, min, fmod, call, format, match\n",
+            include_str!("../../lua/bind.lua"),
             "local function begin()\n",
             include_str!("../../lua/begin.lua"),
             "end\n",
@@ -116,6 +122,7 @@ impl Library {
             "local function batch()\n",
             include_str!("../../lua/batch.lua"),
             "\nend\n",
+            include_str!("../../lua/one.lua"),
             "local function entry(body)\n",
             "  return function(keys, args)\n",
             "    KEYS, ARGV = keys, args\n",
@@ -126,6 +133,13 @@ impl Library {
             &format!("redis.register_function('{decide}', entry(decide))\n"),
             &format!("redis.register_function('{batch}', entry(batch))\n"),
             &format!("redis.register_function('{adjust}', entry(adjust))\n"),
+            &KINDS
+                .iter()
+                .zip(&one)
+                .map(|(kind, name)| {
+                    format!("redis.register_function('{name}', one_entry('{kind}'))\n")
+                })
+                .collect::<String>(),
         ]
         .concat();
         // The name carries a hash of the whole text: two builds share a name only when
@@ -142,6 +156,7 @@ impl Library {
             decide,
             batch,
             adjust,
+            one: one.map(|name| name.replace(VERSION, &version)),
         }
     }
 }
@@ -308,13 +323,21 @@ impl Scripts {
         }
     }
 
-    /// The library function of `call`.
-    fn function(&self, call: Call) -> &str {
-        match call {
+    /// The `FCALL` of `call` for `invocation`: a lone plain policy's decision calls its
+    /// algorithm's own function (lua/one.lua), with the cost and the policy's numbers
+    /// only; any other call, the function of its kind with the whole invocation.
+    fn function_command(&self, call: Call, invocation: &Invocation) -> redis::Cmd {
+        if let (Call::Decide, Shape::Raw(_)) = (call, invocation.shape)
+            && let Some(index) = invocation.single_kind.and_then(kind_index)
+        {
+            return invocation.one_command(&self.library.one[index]);
+        }
+        let function = match call {
             Call::Decide => &self.library.decide,
             Call::Batch => &self.library.batch,
             Call::Adjust => &self.library.adjust,
-        }
+        };
+        invocation.command("FCALL", function)
     }
 
     /// The script that decides `invocation`: one policy, that algorithm's own, smaller
@@ -967,6 +990,25 @@ impl Invocation {
         built
     }
 
+    /// `FCALL function 1 key cost p1 p2 p3 [now]`: a lone plain policy's decision by its
+    /// algorithm's own function (lua/one.lua). The arguments are the invocation's (now,
+    /// cost, count, kind, p1, p2, p3) without the count and the kind, which the function
+    /// names; the time comes last, and only from a test clock.
+    fn one_command(&self, function: &str) -> redis::Cmd {
+        debug_assert!(self.count == 1 && self.keys.len() == 1 && self.args.len() == 7);
+        let mut built = redis::cmd("FCALL");
+        built
+            .arg(function)
+            .arg(1)
+            .arg(&self.keys)
+            .arg(&self.args[1])
+            .arg(&self.args[4..7]);
+        if !self.args[0].is_empty() {
+            built.arg(&self.args[0]);
+        }
+        built
+    }
+
     /// What makes two decisions the same call but for their cost: the keys and the
     /// policies' arguments (not the time, not the cost). Two stores with other prefixes,
     /// or two sets that spell other policies, never share a batch.
@@ -1155,7 +1197,7 @@ async fn invoke(
     }
     if scripts.functions.load(Ordering::Relaxed) {
         let loads = scripts.loads.load(Ordering::Acquire);
-        let command = invocation.command("FCALL", scripts.function(call));
+        let command = scripts.function_command(call, invocation);
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             Err(error) if error.message.contains("Function not found") => {
