@@ -177,7 +177,7 @@ fn cases() -> Vec<Case> {
             name: "sliding log",
             script: SLIDING_LOG_SCRIPT,
             kind: "sl",
-            params: [1_000, MINUTE_US, 2],
+            params: [1_000, MINUTE_US, 3],
             minimal_name: "sliding log",
             minimal: MINIMAL_SLIDING_LOG,
             minimal_args: [1_000, MINUTE_US, 0],

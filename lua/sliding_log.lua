@@ -1,60 +1,105 @@
--- Sliding log (kind "sl"): p1 = limit, p2 = window, in microseconds; p3 = 2, the layout
+-- Sliding log (kind "sl"): p1 = limit, p2 = window, in microseconds; p3 = 3, the layout
 -- of its state (part of the key's name, so a key of another layout is never read). The
--- state key is one sorted set: the admitted requests (score: their time, never negative;
--- member: "sequence:units", unique even within one microsecond) and two counters kept as
--- negative scores, member 't' (-1 - the units in the log) and member 's' (-1 - the last
--- sequence). The three lowest scores are both counters and the oldest entry: one ZRANGE
--- reads them. At most `limit` entries, since every entry holds at least one unit; the
--- log's auxiliary key holds only a penalty's state. Mirrors src/algorithm/sliding_log.rs.
+-- state key is one sorted set of the admitted requests (score: their time, never
+-- negative), so a request of one unit, the common case, writes one member and nothing
+-- else. A member is unique and starts with its entry's time: the time alone for one unit
+-- ("<time>"), else "<time>:<units>:<n>", n telling apart entries of one microsecond
+-- (several decisions of one call, a clock that stepped back). The units beyond one per
+-- entry are the counter member 'x', scored minus their sum, so below every entry; it is
+-- there only while some entry holds more than one unit, and the log holds its entries'
+-- count plus them. The lowest member is the oldest entry, or the counter: one ZRANGE of
+-- one member (no score to format) reads a log of one-unit entries. At most `limit`
+-- entries, since every entry holds at least one unit; the log's auxiliary key holds only
+-- a penalty's state. Mirrors src/algorithm/sliding_log.rs.
 
--- The units of an entry's member.
+-- An entry's time, from its member (or, for a member tollgate did not write, its score).
+local function time_of(key, member)
+  return tonumber(member) or tonumber(match(member, '^(%d+):'))
+    or tonumber(call('ZSCORE', key, member))
+end
+-- An entry's units, from its member.
 local function units_of(member)
-  return tonumber(string.match(member, ':(%d+)$'))
+  local units = match(member, '^%d+:(%d+)')
+  if units then return tonumber(units) end
+  return 1
+end
+
+-- The last time an entry was added, and how many entries this library or script has
+-- added at it since: the next entry of that microsecond tries the next `n` (ZADD NX
+-- still checks: an entry of an earlier call may hold it).
+local stamp, stamped = -1, 0
+
+-- Adds an entry of `units` at `at`, under a member no other entry holds.
+local function add_entry(key, at, units)
+  if at == stamp then stamped = stamped + 1 else stamp, stamped = at, 0 end
+  -- A number argument reaches Redis in decimal digits, as every number the scripts
+  -- write does (`%.17g` before Redis 7.2, an integer's digits since; every time here is
+  -- an integer below 2^53).
+  local member = at
+  if units > 1 or stamped > 0 then member = format('%d:%d:%d', at, units, stamped) end
+  while call('ZADD', key, 'NX', at, member) == 0 do
+    stamped = stamped + 1
+    member = format('%d:%d:%d', at, units, stamped)
+  end
+end
+
+-- Sets the units beyond one per entry (none: no counter member).
+local function write_extra(key, extra)
+  if extra > 0 then
+    call('ZADD', key, -extra, 'x')
+  else
+    call('ZREM', key, 'x')
+  end
 end
 
 -- The oldest entry's time and member (nil: no entry).
 local function oldest_of(key)
-  local first = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-  if #first > 0 then return tonumber(first[2]), first[1] end
+  local first = call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, 1)[1]
+  if first then return time_of(key, first), first end
   return nil, nil
 end
 
--- The newest entry's time (nil: no entry; the highest score is then a counter's).
+-- The newest entry's time (nil: no entry; the highest member is then the counter).
 local function newest_of(key)
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if #last > 0 and tonumber(last[2]) >= 0 then return tonumber(last[2]) end
+  local last = call('ZRANGE', key, -1, -1)[1]
+  if last and last ~= 'x' then return time_of(key, last) end
   return nil
 end
 
 -- The log at `key` brought up to now (the entries older than the window removed): the
--- units it holds, its last sequence, and its oldest entry's time (nil: empty) and member.
+-- units it holds, the units beyond one per entry, and its oldest entry's time (nil:
+-- empty) and member.
 local function read_log(key, window)
-  local total, sequence, oldest, first = 0, 0, nil, nil
-  local low = redis.call('ZRANGE', key, 0, 2, 'WITHSCORES')
-  for i = 1, #low, 2 do
-    local member, score = low[i], tonumber(low[i + 1])
-    if member == 't' then
-      total = -1 - score
-    elseif member == 's' then
-      sequence = -1 - score
-    elseif oldest == nil then
-      oldest, first = score, member
-    end
+  -- The lowest member: the oldest entry, or the counter (then the entry comes next).
+  local first, extra = call('ZRANGE', key, 0, 0)[1], 0
+  if first == 'x' then
+    local low = call('ZRANGE', key, 0, 1, 'WITHSCORES')
+    extra, first = -tonumber(low[2]), low[3]
   end
-  if oldest == nil then return 0, sequence, nil, nil end
+  local oldest = first and time_of(key, first)
   local horizon = now - window
-  if oldest <= horizon then
-    for _, member in ipairs(redis.call('ZRANGEBYSCORE', key, 0, horizon)) do
-      total = total - units_of(member)
+  if oldest and oldest <= horizon then
+    local left = extra
+    if extra > 0 then
+      for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, horizon)) do
+        left = left - units_of(member) + 1
+      end
     end
-    total = math.max(total, 0)
-    -- The counter first: the key keeps a member (and its TTL) whatever the removal leaves.
-    redis.call('ZADD', key, -1 - total, 't')
-    redis.call('ZREMRANGEBYSCORE', key, 0, horizon)
+    call('ZREMRANGEBYSCORE', key, 0, horizon)
+    if left ~= extra then
+      extra = max(left, 0)
+      write_extra(key, extra)
+    end
     oldest, first = oldest_of(key)
-    if oldest == nil then total = 0 end
   end
-  return total, sequence, oldest, first
+  if oldest == nil then
+    -- No entry holds extra units: a counter left alone would count them still.
+    if extra > 0 then call('ZREM', key, 'x') end
+    return 0, 0, nil, nil
+  end
+  local entries = call('ZCARD', key)
+  if extra > 0 then entries = entries - 1 end
+  return entries + extra, extra, oldest, first
 end
 
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
@@ -67,29 +112,30 @@ local function fits(key, p1, p2, total, oldest, first)
   -- The oldest entry frees enough (a one-unit request to a full log: what a client
   -- hammering its limit sends): no need to read the whole log for it.
   if oldest ~= nil and needed <= units_of(first) then return 'deny', oldest + p2 - now end
+  -- Every entry holds a unit at least: the oldest `needed` entries free enough.
   local freed = 0
-  local entries = redis.call('ZRANGEBYSCORE', key, 0, '+inf', 'WITHSCORES')
-  for i = 1, #entries, 2 do
-    freed = freed + units_of(entries[i])
-    if freed >= needed then
-      return 'deny', tonumber(entries[i + 1]) + p2 - now
-    end
+  for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, needed)) do
+    freed = freed + units_of(member)
+    if freed >= needed then return 'deny', time_of(key, member) + p2 - now end
   end
   return 'deny', p2
 end
 
--- Records `cost` units at now as entry `sequence`, with the counters, in one ZADD; the log
--- expires a window after its newest entry.
-local function write_log(key, p2, total, sequence)
-  -- %d: a concatenated number would print as 1e+14 past 14 digits.
-  redis.call('ZADD', key, now, string.format('%d:%d', sequence, cost), -1 - total, 't',
-    -1 - sequence, 's')
-  redis.call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+-- Records `cost` units at now (and, for more than one, the counter); the log expires a
+-- window after its newest entry. Returns the units beyond one per entry.
+local function write_log(key, p2, extra)
+  add_entry(key, now, cost)
+  if cost > 1 then
+    extra = extra + cost - 1
+    call('ZINCRBY', key, 1 - cost, 'x')
+  end
+  call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+  return extra
 end
 
 local function load(p, key)
-  local total, sequence, oldest, first = read_log(key, p[2])
-  return { key = key, total = total, sequence = sequence, oldest = oldest, first = first }
+  local total, extra, oldest, first = read_log(key, p[2])
+  return { key = key, total = total, extra = extra, oldest = oldest, first = first }
 end
 
 local function check(p, s)
@@ -97,12 +143,11 @@ local function check(p, s)
 end
 
 local function commit(p, s)
-  s.sequence = s.sequence + 1
+  s.extra = write_log(s.key, p[2], s.extra)
   s.total = s.total + cost
-  write_log(s.key, p[2], s.total, s.sequence)
   s.newest = now
   if s.oldest == nil or now < s.oldest then
-    s.oldest, s.first = now, string.format('%d:%d', s.sequence, cost)
+    s.oldest, s.first = now, format('%d:%d:0', now, cost)
   end
 end
 
@@ -111,27 +156,32 @@ end
 local function refund(p, s, units, at)
   local members
   if at >= 0 then
-    members = redis.call('ZRANGEBYSCORE', s.key, at, at, 'WITHSCORES')
+    members = call('ZRANGEBYSCORE', s.key, at, at)
   else
-    members = redis.call('ZRANGEBYSCORE', s.key, 0, '+inf', 'WITHSCORES')
+    members = call('ZRANGEBYSCORE', s.key, 0, '+inf')
   end
   -- Nothing to give back: nothing to write (the log may have expired, and a write would
   -- bring it back without a TTL).
   if #members == 0 then return end
-  for i = #members - 1, 1, -2 do
+  local extra = s.extra
+  for i = #members, 1, -1 do
     if units <= 0 then break end
-    local sequence, held = string.match(members[i], '^(%d+):(%d+)$')
-    held = tonumber(held)
-    local taken = math.min(units, held)
+    local member = members[i]
+    local held = units_of(member)
+    local taken = min(units, held)
+    call('ZREM', s.key, member)
+    extra = extra - (held - 1)
     if held > taken then
-      redis.call('ZADD', s.key, members[i + 1], string.format('%s:%d', sequence, held - taken))
+      add_entry(s.key, time_of(s.key, member), held - taken)
+      extra = extra + held - taken - 1
     end
-    redis.call('ZREM', s.key, members[i])
     units = units - taken
     s.total = s.total - taken
   end
-  -- The counters keep the key alive (and its TTL) even when no entry is left.
-  redis.call('ZADD', s.key, -1 - s.total, 't')
+  if extra ~= s.extra then
+    s.extra = extra
+    write_extra(s.key, extra)
+  end
   s.oldest, s.first = oldest_of(s.key)
 end
 
@@ -139,25 +189,25 @@ local function snapshot(p, s)
   local newest = s.newest
   if newest == nil then newest = newest_of(s.key) end
   local reset = 0
-  if newest ~= nil then reset = math.max(newest + p[2] - now, 0) end
+  if newest ~= nil then reset = max(newest + p[2] - now, 0) end
   -- Effective window: until the oldest counted entry leaves (a whole window when empty).
   local effective = p[2]
-  if s.oldest ~= nil then effective = math.max(s.oldest + p[2] - now, 1) end
-  return p[1], math.max(p[1] - s.total, 0), reset, effective
+  if s.oldest ~= nil then effective = max(s.oldest + p[2] - now, 1) end
+  return p[1], max(p[1] - s.total, 0), reset, effective
 end
 
--- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,
--- wait, units in the log, oldest entry, newest entry, now}, a missing entry as -1.
+-- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):
+-- {outcome, wait, units in the log, oldest entry, newest entry, now}, a missing entry as
+-- -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local total, sequence, oldest, first = read_log(key, p2)
+  local total, extra, oldest, first = read_log(key, p2)
   local verdict, value = fits(key, p1, p2, total, oldest, first)
   if verdict == 'admit' and cost > 0 then
-    total = total + cost
-    write_log(key, p2, total, sequence + 1)
+    write_log(key, p2, extra)
     -- The new entry is the oldest when every other one is later (time stepped back).
     if oldest == nil or now < oldest then oldest = now end
-    return { 0, 0, total, oldest, now, now }
+    return { 0, 0, total + cost, oldest, now, now }
   end
   local outcome = 0
   if verdict == 'deny' then outcome = 1 elseif verdict == 'never' then outcome = 2 end

@@ -200,6 +200,209 @@ fn every_algorithm() -> Vec<Policy> {
     ]
 }
 
+/// A sliding log keeps one sorted-set member per entry, named by its time
+/// (lua/sliding_log.lua): entries of one microsecond (a time seen again after the clock
+/// stepped back, or decisions of one script run) each count, in the library's calls and in
+/// a bare script's, whatever the cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_counts_every_entry_of_one_microsecond() {
+    let backends = Backends::start().await;
+    let window = Duration::from_secs(60);
+    let log = PolicySet::from(Policy::sliding_log("log", 20, window).unwrap());
+    let epoch = Duration::from_micros(1_700_000_000_000_000);
+    let second = Duration::from_secs(1);
+    for subject in backends.subjects("one-microsecond").iter().skip(1) {
+        let AnyStore::Redis(store) = &subject.store else {
+            unreachable!("only Redis subjects here")
+        };
+        let (ahead, behind) = (ManualClock::new(), ManualClock::new());
+        let (store, late) = (
+            store.clone().with_clock(ahead.clone()),
+            store.clone().with_clock(behind.clone()),
+        );
+        behind.set(epoch);
+        // (late clock, time, cost, remaining after it)
+        let steps = [
+            (false, epoch, 1, 19),
+            (false, epoch, 1, 18),
+            (false, epoch + second, 2, 16),
+            // Back to the very microsecond of the first two, after a later one.
+            (true, epoch, 1, 15),
+            (true, epoch, 3, 12),
+            (true, epoch, 1, 11),
+            (false, epoch + second, 1, 10),
+        ];
+        for (step, &(back, at, cost, remaining)) in steps.iter().enumerate() {
+            let decision = if back {
+                late.decide(&Key::new("client"), &log, cost).await
+            } else {
+                ahead.set(at);
+                store.decide(&Key::new("client"), &log, cost).await
+            }
+            .unwrap_or_else(|error| panic!("{}: {error}", subject.name));
+            assert!(decision.is_allowed(), "{} step {step}", subject.name);
+            assert_eq!(
+                decision.statuses()[0].remaining,
+                remaining,
+                "{} step {step}",
+                subject.name
+            );
+        }
+        // Once the first microsecond has left the window, its 7 units have too.
+        ahead.set(epoch + window + Duration::from_millis(1));
+        let look = store.decide(&Key::new("client"), &log, 0).await.unwrap();
+        assert_eq!(look.statuses()[0].remaining, 20 - 3, "{}", subject.name);
+    }
+
+    // A bare script run (the fallback where Functions are missing) starts with no memory of
+    // earlier runs: two runs at one microsecond still keep two entries.
+    let script = tollgate::store::decision_script(&log).unwrap();
+    let client = redis::Client::open(backends.standalone.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let mut replies = Vec::new();
+    for cost in [1, 1, 2, 1] {
+        let reply: Vec<i64> = redis::cmd("EVAL")
+            .arg(script)
+            .arg(1)
+            .arg("bare-log")
+            .arg(epoch.as_micros().to_string())
+            .arg(cost)
+            .arg(1)
+            .arg("sl")
+            .arg(20)
+            .arg(window.as_micros().to_string())
+            .arg(3)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        // {outcome, wait, units in the log, oldest, newest, now}
+        replies.push((reply[0], reply[2]));
+    }
+    assert_eq!(replies, [(0, 1), (0, 2), (0, 4), (0, 5)]);
+    let entries: u64 = redis::cmd("ZCARD")
+        .arg("bare-log")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    // Four entries and the counter of the units beyond one per entry.
+    assert_eq!(entries, 5);
+}
+
+/// The sliding log's layout keeps its invariants through a random history of decisions
+/// (costs 1 to 4, some over the limit), settles (to less and to more), grants and sets,
+/// with time that steps back now and then: every member is an entry whose name starts
+/// with its time (its score) and says its units, or the one counter `x`, scored minus the
+/// units beyond one per entry and present only while there are some; the log holds the
+/// remaining the store reports; and the key always has a TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_log_keeps_its_layout_through_any_history() {
+    let backends = Backends::start().await;
+    let limit = 12;
+    let window = Duration::from_secs(20);
+    let log = PolicySet::from(Policy::sliding_log("log", limit, window).unwrap());
+    let epoch = Duration::from_micros(1_700_000_000_000_000);
+    let subjects = backends.subjects("layout");
+    let AnyStore::Redis(redis) = &subjects[1].store else {
+        unreachable!("the second subject is the standalone server")
+    };
+    let (ahead, behind) = (ManualClock::new(), ManualClock::new());
+    let (store, late) = (
+        redis.clone().with_clock(ahead.clone()),
+        redis.clone().with_clock(behind.clone()),
+    );
+    let key = redis.keys().policy_keys("layout-client", &log[0]).0;
+    let mut now = epoch;
+    let (mut settled, mut granted, mut back, mut weighted) = (0, 0, 0, 0);
+    for (step, &(gap, cost)) in trace(23, 400, 2_500).iter().enumerate() {
+        now += Duration::from_millis(gap);
+        ahead.set(now);
+        behind.set(now - Duration::from_millis(700));
+        let stepped_back = step % 11 == 10;
+        let target = if stepped_back { &late } else { &store };
+        let id = Key::new("layout-client");
+        let cost = if step % 37 == 36 {
+            limit + 1
+        } else {
+            cost + u64::from(step % 5 == 0)
+        };
+        let decision = match step % 13 {
+            7 => {
+                granted += 1;
+                target
+                    .adjust(&id, &log, &Adjustment::grant(2))
+                    .await
+                    .unwrap()
+            }
+            12 => {
+                granted += 1;
+                let level = Adjustment::set_remaining(step as u64 % (limit + 1));
+                target.adjust(&id, &log, &level).await.unwrap()
+            }
+            _ => {
+                let decision = target.decide(&id, &log, cost).await.unwrap();
+                if decision.is_allowed() && step % 3 == 0 {
+                    settled += 1;
+                    let actual = (cost + step as u64) % 5;
+                    let settle = Adjustment::settle(cost, actual, decision.receipt());
+                    target.adjust(&id, &log, &settle).await.unwrap()
+                } else {
+                    decision
+                }
+            }
+        };
+        back += u64::from(stepped_back);
+        let context = format!("step {step} cost {cost}: {decision:?}");
+        let members = backends
+            .standalone
+            .cli(&["ZRANGE", &key, "0", "-1", "WITHSCORES"]);
+        let lines: Vec<&str> = members.lines().filter(|line| !line.is_empty()).collect();
+        let (mut entries, mut extra, mut counter) = (0u64, 0u64, None);
+        for pair in lines.chunks(2) {
+            let (member, score) = (pair[0], pair[1].parse::<f64>().unwrap());
+            if member == "x" {
+                assert!(counter.is_none(), "{context}: two counters in {members}");
+                counter = Some(-score as u64);
+                continue;
+            }
+            let mut parts = member.split(':');
+            let time: u64 = parts.next().unwrap().parse().unwrap();
+            let units: u64 = parts.next().map_or(1, |units| units.parse().unwrap());
+            assert_eq!(time as f64, score, "{context}: {member} scored {score}");
+            assert!(units >= 1, "{context}: {member}");
+            entries += 1;
+            extra += units - 1;
+        }
+        assert_eq!(counter.unwrap_or(0), extra, "{context}: {members}");
+        assert!(
+            counter != Some(0),
+            "{context}: an empty counter in {members}"
+        );
+        let held = entries + extra;
+        let status = &decision.statuses()[0];
+        // The store reports the log as it is now (a request in the past counts what the
+        // key holds, later entries included).
+        assert_eq!(
+            status.remaining,
+            limit.saturating_sub(held),
+            "{context}: {members}"
+        );
+        if entries > 0 {
+            let ttl: i64 = backends
+                .standalone
+                .cli(&["PTTL", &key])
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(ttl > 0, "{context}: the log has no expiry ({ttl})");
+        }
+        weighted += u64::from(extra > 0);
+    }
+    assert!(
+        settled > 20 && granted > 20 && back > 20 && weighted > 20,
+        "{settled} settled, {granted} granted or set, {back} in the past, {weighted} weighted"
+    );
+}
+
 /// A lone plain policy of most algorithms answers its raw state, and the store computes the
 /// status from it (`Raw` in src/store/redis.rs); beside another policy, the script's own
 /// `snapshot` reports it. On the same state at the same instant both must agree exactly,

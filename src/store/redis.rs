@@ -1627,9 +1627,10 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
             let k = if sub_windows > 1 { sub_windows } else { 0 };
             ("sw", limit, to_micros(window), k)
         }
-        // p3: the layout of the log's state (2: its counters in the sorted set), part of
-        // the key's name, so a log kept in another layout is never read as this one.
-        Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 2),
+        // p3: the layout of the log's state (3: one member per entry, the units beyond
+        // one per entry in a counter member), part of the key's name, so a log kept in
+        // another layout is never read as this one.
+        Params::SlidingLog { limit, window } => ("sl", limit, to_micros(window), 3),
         Params::TokenBucket {
             capacity,
             amount,
