@@ -286,6 +286,27 @@ async fn a_log_counts_every_entry_of_one_microsecond() {
         .unwrap();
     // Four entries and the counter of the units beyond one per entry.
     assert_eq!(entries, 5);
+
+    // A member tollgate did not write (another client's, in its keys) counts as one unit at
+    // its score, and leaves the window with it: it never switches the limit off.
+    let clock = ManualClock::new();
+    let store = backends.standalone_store.clone().with_clock(clock.clone());
+    let key = store.keys().policy_keys("stray", &log[0]).0;
+    let _: () = redis::cmd("ZADD")
+        .arg(&key)
+        .arg(epoch.as_micros().to_string())
+        .arg("not-an-entry")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    clock.set(epoch + second);
+    let first = store.decide(&Key::new("stray"), &log, 1).await.unwrap();
+    assert_eq!(first.statuses()[0].remaining, 18);
+    // Its time is its score: it leaves the window before the request a second later.
+    clock.set(epoch + window + Duration::from_millis(1));
+    let look = store.decide(&Key::new("stray"), &log, 0).await.unwrap();
+    assert_eq!(look.statuses()[0].remaining, 19);
+    assert_eq!(look.statuses()[0].effective_window, second - Duration::from_millis(1));
 }
 
 /// The sliding log's layout keeps its invariants through a random history of decisions
