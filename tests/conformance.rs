@@ -306,7 +306,10 @@ async fn a_log_counts_every_entry_of_one_microsecond() {
     clock.set(epoch + window + Duration::from_millis(1));
     let look = store.decide(&Key::new("stray"), &log, 0).await.unwrap();
     assert_eq!(look.statuses()[0].remaining, 19);
-    assert_eq!(look.statuses()[0].effective_window, second - Duration::from_millis(1));
+    assert_eq!(
+        look.statuses()[0].effective_window,
+        second - Duration::from_millis(1)
+    );
 }
 
 /// The sliding log's layout keeps its invariants through a random history of decisions
