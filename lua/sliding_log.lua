@@ -3,30 +3,40 @@
 -- state key is one sorted set of the admitted requests (score: their time, never
 -- negative), so a request of one unit, the common case, writes one member and nothing
 -- else. A member is unique and starts with its entry's time: the time alone for one unit
--- ("<time>"), else "<time>:<units>:<n>", n telling apart entries of one microsecond
--- (several decisions of one call, a clock that stepped back). The units beyond one per
--- entry are the counter member 'x', scored minus their sum, so below every entry; it is
--- there only while some entry holds more than one unit, and the log holds its entries'
--- count plus them. The lowest member is the oldest entry, or the counter: one ZRANGE of
--- one member (no score to format) reads a log of one-unit entries. At most `limit`
--- entries, since every entry holds at least one unit; the log's auxiliary key holds only
--- a penalty's state. Mirrors src/algorithm/sliding_log.rs.
+-- ("<time>"), else "<time>:<units>:<n>" (also what a partial refund leaves of an entry),
+-- n telling entries of one microsecond apart. The units beyond one per entry are the
+-- counter member 'x', scored minus their sum, so below every entry; it is there only
+-- while some entry holds more than one unit, and the log holds its entries' count plus
+-- them. The lowest member is the oldest entry, or the counter: one ZRANGE of one member
+-- (no score to format) reads a log of one-unit entries. At most `limit` entries, since
+-- every entry holds at least one unit; the log's auxiliary key holds only a penalty's
+-- state. Mirrors src/algorithm/sliding_log.rs.
 
--- An entry's time, from its member (or, for a member tollgate did not write, its score).
-local function time_of(key, member)
-  return tonumber(member) or tonumber(match(member, '^(%d+):'))
-    or tonumber(call('ZSCORE', key, member))
+-- An entry's time and units, from its member: "<time>" (one unit) or
+-- "<time>:<units>:<n>". A member of any other form is not tollgate's (another client
+-- wrote into its keys): the script fails, loudly, through the store's failure mode,
+-- rather than count a log it cannot read.
+local function entry_of(member)
+  local time = match(member, '^%d+$')
+  if time then return tonumber(time), 1 end
+  local units
+  time, units = match(member, '^(%d+):(%d+):%d+$')
+  if time then return tonumber(time), tonumber(units) end
+  error('tollgate: a sliding log holds a member tollgate did not write')
 end
--- An entry's units, from its member.
+local function time_of(member)
+  local time = entry_of(member)
+  return time
+end
 local function units_of(member)
-  local units = match(member, '^%d+:(%d+)')
-  if units then return tonumber(units) end
-  return 1
+  local _, units = entry_of(member)
+  return units
 end
 
--- The last time an entry was added, and how many entries this library or script has
--- added at it since: the next entry of that microsecond tries the next `n` (ZADD NX
--- still checks: an entry of an earlier call may hold it).
+-- The last time an entry was added (to any log) by this library, or this run of a
+-- script, and how many entries were added at it since: the next entry of that
+-- microsecond tries the next `n` first, so a batch of one microsecond never retries.
+-- ZADD NX still decides: an entry of an earlier call may hold a name.
 local stamp, stamped = -1, 0
 
 -- Adds an entry of `units` at `at`, under a member no other entry holds.
@@ -55,14 +65,14 @@ end
 -- The oldest entry's time and member (nil: no entry).
 local function oldest_of(key)
   local first = call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, 1)[1]
-  if first then return time_of(key, first), first end
+  if first then return time_of(first), first end
   return nil, nil
 end
 
 -- The newest entry's time (nil: no entry; the highest member is then the counter).
 local function newest_of(key)
   local last = call('ZRANGE', key, -1, -1)[1]
-  if last and last ~= 'x' then return time_of(key, last) end
+  if last and last ~= 'x' then return time_of(last) end
   return nil
 end
 
@@ -75,8 +85,15 @@ local function read_log(key, window)
   if first == 'x' then
     local low = call('ZRANGE', key, 0, 1, 'WITHSCORES')
     extra, first = -tonumber(low[2]), low[3]
+    -- The counter is scored below every entry; one at 0 or above is not tollgate's.
+    if not (extra > 0) then
+      error('tollgate: a sliding log holds a counter tollgate did not write')
+    end
   end
-  local oldest = first and time_of(key, first)
+  -- A one-unit entry's member is its time, in digits (anything else that reads as a
+  -- whole number is checked below, when its time says it has left the window).
+  local oldest = first and tonumber(first)
+  if first and not (oldest and oldest >= 0 and oldest % 1 == 0) then oldest = time_of(first) end
   local horizon = now - window
   if oldest and oldest <= horizon then
     local left = extra
@@ -85,7 +102,10 @@ local function read_log(key, window)
         left = left - units_of(member) + 1
       end
     end
-    call('ZREMRANGEBYSCORE', key, 0, horizon)
+    -- The oldest entry's time is its score: it goes, or the member only looks like ours.
+    if call('ZREMRANGEBYSCORE', key, 0, horizon) == 0 then
+      error('tollgate: a sliding log holds a member tollgate did not write')
+    end
     if left ~= extra then
       extra = max(left, 0)
       write_extra(key, extra)
@@ -116,7 +136,7 @@ local function fits(key, p1, p2, total, oldest, first)
   local freed = 0
   for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, needed)) do
     freed = freed + units_of(member)
-    if freed >= needed then return 'deny', time_of(key, member) + p2 - now end
+    if freed >= needed then return 'deny', time_of(member) + p2 - now end
   end
   return 'deny', p2
 end
@@ -127,7 +147,7 @@ local function write_log(key, p2, extra)
   add_entry(key, now, cost)
   if cost > 1 then
     extra = extra + cost - 1
-    call('ZINCRBY', key, 1 - cost, 'x')
+    call('ZADD', key, 'INCR', 1 - cost, 'x')
   end
   call('PEXPIRE', key, cdiv(p2, 1000) + 1)
   return extra
@@ -167,12 +187,12 @@ local function refund(p, s, units, at)
   for i = #members, 1, -1 do
     if units <= 0 then break end
     local member = members[i]
-    local held = units_of(member)
+    local time, held = entry_of(member)
     local taken = min(units, held)
     call('ZREM', s.key, member)
     extra = extra - (held - 1)
     if held > taken then
-      add_entry(s.key, time_of(s.key, member), held - taken)
+      add_entry(s.key, time, held - taken)
       extra = extra + held - taken - 1
     end
     units = units - taken

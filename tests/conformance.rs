@@ -287,29 +287,40 @@ async fn a_log_counts_every_entry_of_one_microsecond() {
     // Four entries and the counter of the units beyond one per entry.
     assert_eq!(entries, 5);
 
-    // A member tollgate did not write (another client's, in its keys) counts as one unit at
-    // its score, and leaves the window with it: it never switches the limit off.
-    let clock = ManualClock::new();
-    let store = backends.standalone_store.clone().with_clock(clock.clone());
-    let key = store.keys().policy_keys("stray", &log[0]).0;
-    let _: () = redis::cmd("ZADD")
-        .arg(&key)
-        .arg(epoch.as_micros().to_string())
-        .arg("not-an-entry")
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    clock.set(epoch + second);
-    let first = store.decide(&Key::new("stray"), &log, 1).await.unwrap();
-    assert_eq!(first.statuses()[0].remaining, 18);
-    // Its time is its score: it leaves the window before the request a second later.
-    clock.set(epoch + window + Duration::from_millis(1));
-    let look = store.decide(&Key::new("stray"), &log, 0).await.unwrap();
-    assert_eq!(look.statuses()[0].remaining, 19);
-    assert_eq!(
-        look.statuses()[0].effective_window,
-        second - Duration::from_millis(1)
-    );
+    // Members tollgate did not write (another client's, in its keys): a name of another
+    // form, a counter at 0 or above, a member scored below the counter. The log cannot be
+    // counted, so the decision fails, loudly (a refusal, not I/O: logged and counted, the
+    // breaker stays closed), and never admits as if the log were empty.
+    let foreign: [(&str, &str); 4] = [
+        ("1700000000000000", "not-an-entry"),
+        ("1700000000000000", "x"),
+        ("0", "x"),
+        ("-100", "7"),
+    ];
+    for (index, (score, member)) in foreign.iter().enumerate() {
+        let identity = format!("foreign-{index}");
+        let store = backends.standalone_store.clone();
+        let key = store.keys().policy_keys(&identity, &log[0]).0;
+        let _: () = redis::cmd("ZADD")
+            .arg(&key)
+            .arg(*score)
+            .arg(*member)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        for cost in [1, 3] {
+            let error = store
+                .decide(&Key::new(&identity), &log, cost)
+                .await
+                .expect_err(&format!("{member} at {score}, cost {cost}"));
+            assert_eq!(
+                error.kind(),
+                tollgate::store::StoreErrorKind::Refused,
+                "{error}"
+            );
+            assert!(error.to_string().contains("did not write"), "{error}");
+        }
+    }
 }
 
 /// The sliding log's layout keeps its invariants through a random history of decisions
@@ -702,8 +713,8 @@ async fn hostile_identities_stay_in_one_slot_on_a_cluster() {
             assert_eq!(decision.is_allowed(), expected, "{identity:?}");
         }
     }
-    // Each identity kept its own budget, in one slot: 2 keys (the log, which keeps its
-    // counters in its own sorted set, and the bucket), nothing shared.
+    // Each identity kept its own budget, in one slot: 2 keys (the log, one sorted set, and
+    // the bucket), nothing shared.
     let keys = cluster.keys_with_ttl();
     assert_eq!(keys.len(), 2 * identities.len(), "{keys:?}");
     for (key, _) in &keys {
