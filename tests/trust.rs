@@ -703,6 +703,19 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
             .unwrap()
             .is_allowed()
     );
+    // Each algorithm alone (its own function), at one unit and at several (a sliding log
+    // of several units keeps a counter), then a settle and a grant: every command any of
+    // them runs is in the line.
+    for policy in every_algorithm() {
+        let alone = PolicySet::from(policy);
+        for cost in [1, 3] {
+            let decision = store.decide(&Key::new("v"), &alone, cost).await.unwrap();
+            let settle = tollgate::Adjustment::settle(cost, 1, decision.receipt());
+            store.adjust(&Key::new("v"), &alone, &settle).await.unwrap();
+        }
+        let grant = tollgate::Adjustment::grant(2);
+        store.adjust(&Key::new("v"), &alone, &grant).await.unwrap();
+    }
     // With FUNCTION LOAD and FCALL granted, decisions are Functions calls.
     assert!(support::command_calls(&server, "fcall") > 0);
 
