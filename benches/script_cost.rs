@@ -146,6 +146,8 @@ struct Case {
     minimal: &'static str,
     minimal_args: [u64; 3],
     unique: bool,
+    /// The cost tollgate's calls carry (the minimal scripts take none).
+    cost: u64,
 }
 
 const MINUTE_US: u64 = 60_000_000;
@@ -162,6 +164,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_FIXED_WINDOW,
             minimal_args: [1_000, MINUTE_US, 1],
             unique: false,
+            cost: 1,
         },
         Case {
             name: "sliding window",
@@ -172,6 +175,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_SLIDING_WINDOW,
             minimal_args: [1_000, MINUTE_US, 1],
             unique: false,
+            cost: 1,
         },
         Case {
             name: "sliding log",
@@ -182,6 +186,21 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_SLIDING_LOG,
             minimal_args: [1_000, MINUTE_US, 0],
             unique: true,
+            cost: 1,
+        },
+        // Requests of several units: the log also keeps its counter of the units beyond
+        // one per entry. The minimal log cannot weigh requests (one member each): the
+        // ratio is what weights cost over it.
+        Case {
+            name: "sliding log, 3 units a request",
+            script: SLIDING_LOG_SCRIPT,
+            kind: "sl",
+            params: [1_000, MINUTE_US, 3],
+            minimal_name: "sliding log (one unit each)",
+            minimal: MINIMAL_SLIDING_LOG,
+            minimal_args: [1_000, MINUTE_US, 0],
+            unique: true,
+            cost: 3,
         },
         Case {
             name: "token bucket",
@@ -192,6 +211,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_TOKEN_BUCKET,
             minimal_args: [1_000, 1_000, 1],
             unique: false,
+            cost: 1,
         },
         Case {
             name: "leaky bucket (shaping)",
@@ -202,6 +222,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_TOKEN_BUCKET,
             minimal_args: [1_000, 1_000, 1],
             unique: false,
+            cost: 1,
         },
         Case {
             name: "GCRA",
@@ -212,6 +233,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_GCRA,
             minimal_args: [1_000, 1_000_000, 1],
             unique: false,
+            cost: 1,
         },
         Case {
             name: "in-flight",
@@ -222,6 +244,7 @@ fn cases() -> Vec<Case> {
             minimal: MINIMAL_IN_FLIGHT,
             minimal_args: [1_000, 30_000_000, 0],
             unique: true,
+            cost: 1,
         },
     ]
 }
@@ -352,7 +375,8 @@ fn one_function(connection: &mut redis::Connection, kind: &str) -> String {
     find(&list, &format!("tollgate_one_{kind}_")).expect("the store loaded its Functions library")
 }
 
-/// Redis's own µs of EVALSHA per call over `CALLS` calls of one script.
+/// Redis's own µs per call (of `EVALSHA` or `FCALL`, as the variant runs) over `CALLS`
+/// calls of one variant.
 fn measure(
     connection: &mut redis::Connection,
     case: &Case,
@@ -389,7 +413,7 @@ fn measure(
                     command
                         .arg(1)
                         .arg(&key)
-                        .arg(1)
+                        .arg(case.cost)
                         .arg(case.params[0])
                         .arg(case.params[1])
                         .arg(p3);
@@ -401,7 +425,7 @@ fn measure(
                         .arg(1)
                         .arg(&key)
                         .arg("")
-                        .arg(1)
+                        .arg(case.cost)
                         .arg(1)
                         .arg(case.kind)
                         .arg(case.params[0])
