@@ -137,6 +137,7 @@ return { 1, 0 }
 /// One algorithm: tollgate's single-policy script and its arguments (kind, p1, p2, p3),
 /// and the minimal script and its arguments (the last one, when `unique`, replaced by a
 /// number unique to each call).
+#[derive(Clone, Copy)]
 struct Case {
     name: &'static str,
     script: &'static str,
@@ -154,6 +155,17 @@ const MINUTE_US: u64 = 60_000_000;
 
 fn cases() -> Vec<Case> {
     // Limits far above the calls one identity receives; rates of 1 unit per ms.
+    let sliding_log = Case {
+        name: "sliding log",
+        script: SLIDING_LOG_SCRIPT,
+        kind: "sl",
+        params: [1_000, MINUTE_US, 3],
+        minimal_name: "sliding log",
+        minimal: MINIMAL_SLIDING_LOG,
+        minimal_args: [1_000, MINUTE_US, 0],
+        unique: true,
+        cost: 1,
+    };
     vec![
         Case {
             name: "fixed window",
@@ -177,30 +189,15 @@ fn cases() -> Vec<Case> {
             unique: false,
             cost: 1,
         },
-        Case {
-            name: "sliding log",
-            script: SLIDING_LOG_SCRIPT,
-            kind: "sl",
-            params: [1_000, MINUTE_US, 3],
-            minimal_name: "sliding log",
-            minimal: MINIMAL_SLIDING_LOG,
-            minimal_args: [1_000, MINUTE_US, 0],
-            unique: true,
-            cost: 1,
-        },
+        sliding_log,
         // Requests of several units: the log also keeps its counter of the units beyond
         // one per entry. The minimal log cannot weigh requests (one member each): the
         // ratio is what weights cost over it.
         Case {
             name: "sliding log, 3 units a request",
-            script: SLIDING_LOG_SCRIPT,
-            kind: "sl",
-            params: [1_000, MINUTE_US, 3],
             minimal_name: "sliding log (one unit each)",
-            minimal: MINIMAL_SLIDING_LOG,
-            minimal_args: [1_000, MINUTE_US, 0],
-            unique: true,
             cost: 3,
+            ..sliding_log
         },
         Case {
             name: "token bucket",

@@ -135,8 +135,9 @@ local function fits(key, p1, p2, total, oldest, first)
   -- Every entry holds a unit at least: the oldest `needed` entries free enough.
   local freed = 0
   for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, needed)) do
-    freed = freed + units_of(member)
-    if freed >= needed then return 'deny', time_of(member) + p2 - now end
+    local time, units = entry_of(member)
+    freed = freed + units
+    if freed >= needed then return 'deny', time + p2 - now end
   end
   return 'deny', p2
 end

@@ -1055,10 +1055,12 @@ impl RedisStore {
             {
                 shape = Shape::raw(kind, [p1, p2, p3]);
             }
-            let state = self.keys.state_key(key.as_str(), policy);
-            let aux = (!matches!(shape, Shape::Raw(_))).then(|| format!("{state}:n"));
-            keys.push(state);
-            keys.extend(aux);
+            if matches!(shape, Shape::Raw(_)) {
+                keys.push(self.keys.state_key(key.as_str(), policy));
+            } else {
+                let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
+                keys.extend([state, aux]);
+            }
             // A shadow policy: the same algorithm, marked for the decision loop; a penalty:
             // its numbers, in microseconds.
             let mut spelled = kind.to_owned();
