@@ -6,7 +6,7 @@
 
 -- The slots taken at `key`, once the expired ones are gone.
 local function taken(key)
-  call('ZREMRANGEBYSCORE', key, '-inf', now)
+  call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now))
   return call('ZCARD', key)
 end
 
@@ -27,7 +27,7 @@ end
 
 -- Takes the slot `member` (the lease id, spelled as `%d` spells it) for a lease of p2.
 local function take(key, p2, member)
-  call('ZADD', key, now + p2, member)
+  call('ZADD', key, format('%d', now + p2), member)
   -- Every slot expires within one lease from now: so does the key.
   call('PEXPIRE', key, cdiv(p2, 1000) + 1)
 end

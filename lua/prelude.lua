@@ -13,7 +13,10 @@
 --
 -- Time is Redis TIME in microseconds, never an application server's clock. Numbers are
 -- integers kept below 2^53, where Lua's doubles are exact; every division goes through
--- idiv/cdiv, which are exact for such integers.
+-- idiv/cdiv, which are exact for such integers. A time goes to a Redis command as its
+-- digits, `format('%d', t)`: Redis spells a number argument itself, with `%.17g` before
+-- 7.2, and for a number of 16 digits that costs more than the command that takes it.
+-- Small numbers (counts, TTLs) go as numbers.
 --
 -- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; unused
 --       without one). Every key of one identity shares one hash tag, so one Cluster
@@ -92,7 +95,7 @@ local function bucket_level(key, p2)
 end
 
 local function write_bucket(key, p2, level, last)
-  call('HSET', key, 'l', level, 't', last)
+  call('HSET', key, 'l', level, 't', format('%d', last))
   -- Empty in ceil(level / p2) µs, ceil(level / (p2 * 1000)) ms (ceil of a ceil is one
   -- ceil); the millisecond added covers a product past 2^53, rounded.
   call('PEXPIRE', key, cdiv(level, p2 * 1000) + 1)

@@ -42,12 +42,12 @@ local stamp, stamped = -1, 0
 -- Adds an entry of `units` at `at`, under a member no other entry holds.
 local function add_entry(key, at, units)
   if at == stamp then stamped = stamped + 1 else stamp, stamped = at, 0 end
-  -- A number argument reaches Redis in decimal digits, as every number the scripts
-  -- write does (`%.17g` before Redis 7.2, an integer's digits since; every time here is
-  -- an integer below 2^53).
-  local member = at
+  -- The time's digits (an integer below 2^53) are the score, and a one-unit entry's
+  -- member: what `%.17g` would spell, at a fraction of its cost (prelude.lua).
+  local score = format('%d', at)
+  local member = score
   if units > 1 or stamped > 0 then member = format('%d:%d:%d', at, units, stamped) end
-  while call('ZADD', key, 'NX', at, member) == 0 do
+  while call('ZADD', key, 'NX', score, member) == 0 do
     stamped = stamped + 1
     member = format('%d:%d:%d', at, units, stamped)
   end
@@ -64,14 +64,14 @@ end
 
 -- The oldest entry's time and member (nil: no entry).
 local function oldest_of(key)
-  local first = call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, 1)[1]
+  local first = call('ZRANGEBYSCORE', key, '0', '+inf', 'LIMIT', '0', '1')[1]
   if first then return time_of(first), first end
   return nil, nil
 end
 
 -- The newest entry's time (nil: no entry; the highest member is then the counter).
 local function newest_of(key)
-  local last = call('ZRANGE', key, -1, -1)[1]
+  local last = call('ZRANGE', key, '-1', '-1')[1]
   if last and last ~= 'x' then return time_of(last) end
   return nil
 end
@@ -81,9 +81,9 @@ end
 -- empty) and member.
 local function read_log(key, window)
   -- The lowest member: the oldest entry, or the counter (then the entry comes next).
-  local first, extra = call('ZRANGE', key, 0, 0)[1], 0
+  local first, extra = call('ZRANGE', key, '0', '0')[1], 0
   if first == 'x' then
-    local low = call('ZRANGE', key, 0, 1, 'WITHSCORES')
+    local low = call('ZRANGE', key, '0', '1', 'WITHSCORES')
     extra, first = -tonumber(low[2]), low[3]
     -- The counter is scored below every entry; one at 0 or above is not tollgate's.
     if not (extra > 0) then
@@ -96,14 +96,15 @@ local function read_log(key, window)
   if first and not (oldest and oldest >= 0 and oldest % 1 == 0) then oldest = time_of(first) end
   local horizon = now - window
   if oldest and oldest <= horizon then
+    horizon = format('%d', horizon)
     local left = extra
     if extra > 0 then
-      for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, horizon)) do
+      for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', horizon)) do
         left = left - units_of(member) + 1
       end
     end
     -- The oldest entry's time is its score: it goes, or the member only looks like ours.
-    if call('ZREMRANGEBYSCORE', key, 0, horizon) == 0 then
+    if call('ZREMRANGEBYSCORE', key, '0', horizon) == 0 then
       error('tollgate: a sliding log holds a member tollgate did not write')
     end
     if left ~= extra then
@@ -134,7 +135,7 @@ local function fits(key, p1, p2, total, oldest, first)
   if oldest ~= nil and needed <= units_of(first) then return 'deny', oldest + p2 - now end
   -- Every entry holds a unit at least: the oldest `needed` entries free enough.
   local freed = 0
-  for _, member in ipairs(call('ZRANGEBYSCORE', key, 0, '+inf', 'LIMIT', 0, needed)) do
+  for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', '+inf', 'LIMIT', '0', needed)) do
     local time, units = entry_of(member)
     freed = freed + units
     if freed >= needed then return 'deny', time + p2 - now end
@@ -177,9 +178,10 @@ end
 local function refund(p, s, units, at)
   local members
   if at >= 0 then
+    at = format('%d', at)
     members = call('ZRANGEBYSCORE', s.key, at, at)
   else
-    members = call('ZRANGEBYSCORE', s.key, 0, '+inf')
+    members = call('ZRANGEBYSCORE', s.key, '0', '+inf')
   end
   -- Nothing to give back: nothing to write (the log may have expired, and a write would
   -- bring it back without a TTL).
