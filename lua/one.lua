@@ -12,7 +12,7 @@
 local function one_entry(kind)
   local one = algorithms[kind].one
   return function(keys, args)
-    if call == nil then bind() end
+    if call == nil then check_integers() bind() end
     -- No `one` reads them; a previous call's must not be there to read.
     KEYS, ARGV = nil, nil
     local at = args[5]

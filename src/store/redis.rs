@@ -126,6 +126,7 @@ impl Library {
             "local function entry(body)\n",
             "  return function(keys, args)\n",
             "    KEYS, ARGV = keys, args\n",
+            "    if call == nil then check_integers() end\n",
             "    begin()\n",
             "    return body()\n",
             "  end\n",
