@@ -14,9 +14,11 @@
 -- Time is Redis TIME in microseconds, never an application server's clock. Numbers are
 -- integers kept below 2^53, where Lua's doubles are exact; every division goes through
 -- idiv/cdiv, which are exact for such integers. A time goes to a Redis command as its
--- digits, `format('%d', t)`: Redis spells a number argument itself, with `%.17g` before
--- 7.2, and for a number of 16 digits that costs more than the command that takes it.
--- Small numbers (counts, TTLs) go as numbers.
+-- digits, `format('%d', t)` (Redis 7.0 and older spell a number argument with `%.17g`),
+-- and a constant argument as a string ('0', not 0): with both, the sliding log costs
+-- Redis 1.05-1.09x a minimal script instead of 1.17x (benches/script_cost.rs). Other
+-- numbers (counts, TTLs, levels) go as numbers: spelling them in Lua measured no
+-- cheaper. The digits are what `%.17g` writes, so what is stored is the same either way.
 --
 -- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; unused
 --       without one). Every key of one identity shares one hash tag, so one Cluster
@@ -213,8 +215,9 @@ local function strike(pen, st)
     st.count = 0
     st.window_end = now
   end
-  call('HSET', st.aux, 'pc', st.count, 'pw', st.window_end, 'pb', st.blocked_until,
-    'ps', st.strikes, 'pm', st.strikes_until)
+  call('HSET', st.aux, 'pc', st.count, 'pw', format('%d', st.window_end),
+    'pb', format('%d', st.blocked_until), 'ps', st.strikes,
+    'pm', format('%d', st.strikes_until))
   local fresh = st.blocked_until
   if st.strikes > 0 then fresh = max(fresh, st.strikes_until) end
   if st.count > 0 then fresh = max(fresh, st.window_end) end

@@ -79,9 +79,8 @@ end
 -- The log at `key` brought up to now (the entries older than the window removed): the
 -- units it holds, the units beyond one per entry, and its oldest entry's time (nil:
 -- empty) and member.
-local function read_log(key, window)
-  -- The lowest member: the oldest entry, or the counter (then the entry comes next).
-  local first, extra = call('ZRANGE', key, '0', '0')[1], 0
+local function read_from(key, window, first)
+  local extra = 0
   if first == 'x' then
     local low = call('ZRANGE', key, '0', '1', 'WITHSCORES')
     extra, first = -tonumber(low[2]), low[3]
@@ -96,15 +95,15 @@ local function read_log(key, window)
   if first and not (oldest and oldest >= 0 and oldest % 1 == 0) then oldest = time_of(first) end
   local horizon = now - window
   if oldest and oldest <= horizon then
-    horizon = format('%d', horizon)
+    local upto = format('%d', horizon)
     local left = extra
     if extra > 0 then
-      for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', horizon)) do
+      for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', upto)) do
         left = left - units_of(member) + 1
       end
     end
     -- The oldest entry's time is its score: it goes, or the member only looks like ours.
-    if call('ZREMRANGEBYSCORE', key, '0', horizon) == 0 then
+    if call('ZREMRANGEBYSCORE', key, '0', upto) == 0 then
       error('tollgate: a sliding log holds a member tollgate did not write')
     end
     if left ~= extra then
@@ -121,6 +120,15 @@ local function read_log(key, window)
   local entries = call('ZCARD', key)
   if extra > 0 then entries = entries - 1 end
   return entries + extra, extra, oldest, first
+end
+
+-- The lowest member: the oldest entry, or the counter (then the entry comes next).
+local function lowest(key)
+  return call('ZRANGE', key, '0', '0')[1]
+end
+
+local function read_log(key, window)
+  return read_from(key, window, lowest(key))
 end
 
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
@@ -178,8 +186,8 @@ end
 local function refund(p, s, units, at)
   local members
   if at >= 0 then
-    at = format('%d', at)
-    members = call('ZRANGEBYSCORE', s.key, at, at)
+    local time = format('%d', at)
+    members = call('ZRANGEBYSCORE', s.key, time, time)
   else
     members = call('ZRANGEBYSCORE', s.key, '0', '+inf')
   end
@@ -224,7 +232,27 @@ end
 -- -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local total, extra, oldest, first = read_log(key, p2)
+  local first = lowest(key)
+  local oldest = first and tonumber(first)
+  local total, extra
+  -- What read_from answers, without its calls, for the two common logs: an empty one,
+  -- and one whose oldest entry is a one-unit entry (its member its time, in digits) still
+  -- in the window, and so without a counter.
+  if first == nil then
+    total, extra = 0, 0
+  elseif oldest and oldest > now - p2 and oldest >= 0 and oldest % 1 == 0 then
+    total, extra = call('ZCARD', key), 0
+  else
+    total, extra, oldest, first = read_from(key, p2, first)
+  end
+  -- What fits and write_log do, without their calls, for a one-unit request that fits
+  -- (total < p1: the log holds a unit less than the limit at most).
+  if cost == 1 and total < p1 then
+    add_entry(key, now, 1)
+    call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+    if oldest == nil or now < oldest then oldest = now end
+    return { 0, 0, total + 1, oldest, now, now }
+  end
   local verdict, value = fits(key, p1, p2, total, oldest, first)
   if verdict == 'admit' and cost > 0 then
     write_log(key, p2, extra)
