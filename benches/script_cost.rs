@@ -4,7 +4,12 @@
 //! as a call of its Functions library (`FCALL`, what a store runs where the server has
 //! Functions) and as its `EVALSHA` script (the fallback); the minimal script both as a
 //! script (`EVALSHA`, the floor the ratios in the README are taken against) and as the one
-//! function of a library of its own (`FCALL`: the like-for-like floor of tollgate's call).
+//! function of a library of its own (`FCALL`: the like-for-like floor of tollgate's call);
+//! and the minimal script with its times written as digits, as tollgate writes them (a
+//! time passed as a Lua number is spelled by Redis with `%.17g` before Redis 7.2, which
+//! costs about as much as a command): the floor of a minimal script written with that care.
+//! A minimal script is a template: `$(expr)` is an integer argument, `expr` as written,
+//! `string.format('%d', expr)` with digits.
 //!
 //! `cargo bench --all-features --bench script_cost` (starts its own redis-server on a free
 //! loopback port, pinned to CPU 0 when `taskset` exists, and stops it at the end, also on
@@ -46,7 +51,7 @@ if level + cost * period <= capacity * period then
   level = level + cost * period
   allowed = 1
 end
-redis.call('HSET', KEYS[1], 'l', level, 't', now)
+redis.call('HSET', KEYS[1], 'l', $(level), 't', $(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(level / 1000) + 1)
 return { allowed, math.floor((capacity * period - level) / period) }
 ";
@@ -85,7 +90,7 @@ local elapsed = now - index * window
 local estimate = math.ceil(previous * (window - elapsed) / window) + current
 if estimate + cost > limit then return { 0, 0 } end
 current = current + cost
-redis.call('HSET', KEYS[1], 'i', index, 'p', previous, 'c', current)
+redis.call('HSET', KEYS[1], 'i', $(index), 'p', previous, 'c', current)
 redis.call('PEXPIRE', KEYS[1], math.ceil((2 * window - elapsed) / 1000))
 return { 1, limit - estimate - cost }
 ";
@@ -97,10 +102,10 @@ const MINIMAL_SLIDING_LOG: &str = r"
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 local limit, window = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', $(now - window))
 local count = redis.call('ZCARD', KEYS[1])
 if count + 1 > limit then return { 0, 0 } end
-redis.call('ZADD', KEYS[1], now, ARGV[3])
+redis.call('ZADD', KEYS[1], $(now), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], math.ceil(window / 1000))
 return { 1, limit - count - 1 }
 ";
@@ -112,10 +117,10 @@ const MINIMAL_IN_FLIGHT: &str = r"
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 local limit, lease = tonumber(ARGV[1]), tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', $(now))
 local count = redis.call('ZCARD', KEYS[1])
 if count + 1 > limit then return { 0, 0 } end
-redis.call('ZADD', KEYS[1], now + lease, ARGV[3])
+redis.call('ZADD', KEYS[1], $(now + lease), ARGV[3])
 redis.call('PEXPIRE', KEYS[1], math.ceil(lease / 1000) + 1)
 return { 1, limit - count - 1 }
 ";
@@ -130,7 +135,7 @@ local interval, tolerance, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or 0), now)
 local new = tat + cost * interval
 if new - now > tolerance then return { 0, new - now - tolerance } end
-redis.call('SET', KEYS[1], new, 'PX', math.ceil((new - now) / 1000) + 1)
+redis.call('SET', KEYS[1], $(new), 'PX', math.ceil((new - now) / 1000) + 1)
 return { 1, 0 }
 ";
 
@@ -313,6 +318,39 @@ impl Drop for Server {
     }
 }
 
+/// A minimal script's text from its template: each `$(expr)` as `expr`, or with `digits`
+/// as `string.format('%d', expr)`.
+fn render(template: &str, digits: bool) -> String {
+    let mut text = String::with_capacity(template.len() + 64);
+    let mut rest = template;
+    while let Some(start) = rest.find("$(") {
+        text.push_str(&rest[..start]);
+        let inner = &rest[start + 2..];
+        // The matching parenthesis (the expression may hold parentheses of its own).
+        let mut depth = 1;
+        let end = inner
+            .char_indices()
+            .find_map(|(at, c)| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                (depth == 0).then_some(at)
+            })
+            .expect("a closed $(...) in a minimal script");
+        let expr = &inner[..end];
+        if digits {
+            text.push_str(&format!("string.format('%d', {expr})"));
+        } else {
+            text.push_str(expr);
+        }
+        rest = &inner[end + 1..];
+    }
+    text.push_str(rest);
+    text
+}
+
 fn load(connection: &mut redis::Connection, source: &str) -> String {
     redis::cmd("SCRIPT")
         .arg("LOAD")
@@ -330,6 +368,8 @@ enum Variant {
     /// The minimal script as a function of a Functions library of its own (`FCALL`): the
     /// like-for-like floor of tollgate's `FCALL`.
     MinimalFunction,
+    /// The minimal script with its times written as digits (`EVALSHA`).
+    MinimalDigits,
 }
 
 /// Loads `source` (a minimal script) as the one function of a library of its own, named
@@ -429,7 +469,7 @@ fn measure(
                         .arg(case.params[1])
                         .arg(p3);
                 }
-                Variant::Minimal | Variant::MinimalFunction => {
+                Variant::Minimal | Variant::MinimalFunction | Variant::MinimalDigits => {
                     let last = if case.unique {
                         *serial
                     } else {
@@ -453,11 +493,15 @@ fn measure(
                     Variant::Functions => "tollgate FCALL",
                     Variant::Minimal => "minimal",
                     Variant::MinimalFunction => "minimal as a function",
+                    Variant::MinimalDigits => "minimal with digits",
                 }
             )
         });
         // Every call admitted: outcome 0 for tollgate, allowed 1 for the minimal scripts.
-        let admitted = if matches!(variant, Variant::Minimal | Variant::MinimalFunction) {
+        let admitted = if matches!(
+            variant,
+            Variant::Minimal | Variant::MinimalFunction | Variant::MinimalDigits
+        ) {
             1
         } else {
             0
@@ -513,12 +557,13 @@ fn main() {
     let mut connection = server.connect();
     server.pin();
     let cases = cases();
-    let shas: Vec<(String, String)> = cases
+    let shas: Vec<(String, String, String)> = cases
         .iter()
         .map(|case| {
             (
                 load(&mut connection, case.script),
-                load(&mut connection, case.minimal),
+                load(&mut connection, &render(case.minimal, false)),
+                load(&mut connection, &render(case.minimal, true)),
             )
         })
         .collect();
@@ -540,7 +585,7 @@ fn main() {
     let minimal_functions: Vec<String> = cases
         .iter()
         .enumerate()
-        .map(|(index, case)| load_function(&mut connection, index, case.minimal))
+        .map(|(index, case)| load_function(&mut connection, index, &render(case.minimal, false)))
         .collect();
 
     // Per case: tollgate's (script and function) and the minimal script's µs per call,
@@ -549,6 +594,7 @@ fn main() {
     let mut functions = vec![Vec::new(); cases.len()];
     let mut minimal = vec![Vec::new(); cases.len()];
     let mut minimal_as_function = vec![Vec::new(); cases.len()];
+    let mut minimal_digits = vec![Vec::new(); cases.len()];
     let mut serial = 0;
     let runs: Vec<(usize, Variant)> = (0..cases.len())
         .flat_map(|index| {
@@ -557,6 +603,7 @@ fn main() {
                 (index, Variant::Minimal),
                 (index, Variant::Tollgate),
                 (index, Variant::MinimalFunction),
+                (index, Variant::MinimalDigits),
             ]
         })
         .collect();
@@ -565,7 +612,7 @@ fn main() {
         let shift = round * runs.len() / ROUNDS;
         for step in 0..runs.len() {
             let (index, variant) = runs[(step + shift) % runs.len()];
-            let (case, (tollgate_sha, minimal_sha)) = (&cases[index], &shas[index]);
+            let (case, (tollgate_sha, minimal_sha, digits_sha)) = (&cases[index], &shas[index]);
             match variant {
                 Variant::Functions => functions[index].push(measure(
                     &mut connection,
@@ -595,6 +642,13 @@ fn main() {
                     &minimal_functions[index],
                     &mut serial,
                 )),
+                Variant::MinimalDigits => minimal_digits[index].push(measure(
+                    &mut connection,
+                    case,
+                    variant,
+                    digits_sha,
+                    &mut serial,
+                )),
             }
         }
     }
@@ -605,9 +659,9 @@ fn main() {
     );
     println!();
     println!(
-        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | minimal as FCALL µs | FCALL / minimal | EVALSHA / minimal | FCALL / minimal as FCALL |"
+        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | minimal as FCALL µs | minimal, times as digits µs | FCALL / minimal | EVALSHA / minimal | FCALL / minimal as FCALL | FCALL / minimal, times as digits |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (index, case) in cases.iter().enumerate() {
         let ratios = |ours: &[f64], floor: &[f64]| {
             let mut ratios: Vec<f64> = ours.iter().zip(floor).map(|(a, b)| a / b).collect();
@@ -616,17 +670,20 @@ fn main() {
         let by_function = ratios(&functions[index], &minimal[index]);
         let by_script = ratios(&tollgate[index], &minimal[index]);
         let like_for_like = ratios(&functions[index], &minimal_as_function[index]);
+        let by_digits = ratios(&functions[index], &minimal_digits[index]);
         println!(
-            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x |",
+            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.2}x |",
             case.name,
             median(&mut functions[index]),
             median(&mut tollgate[index]),
             case.minimal_name,
             median(&mut minimal[index]),
             median(&mut minimal_as_function[index]),
+            median(&mut minimal_digits[index]),
             by_function,
             by_script,
-            like_for_like
+            like_for_like,
+            by_digits
         );
     }
     println!();
