@@ -617,8 +617,11 @@ impl RedisStore {
     /// refuses a command the scripts need
     /// (an ACL without `EVALSHA`, `TIME` or a key pattern for the prefix; a replica that
     /// is read-only; a Redis too old for `TIME` in scripts) fails here, at start-up, with
-    /// the server's own words, instead of on every request.
+    /// the server's own words, instead of on every request. It first checks that the
+    /// server's Lua writes integers in 64 bits (the scripts write times with
+    /// `string.format('%d')`; a 32-bit or a Windows build of Redis gets them wrong).
     pub async fn verify(&self) -> Result<(), StoreError> {
+        self.check_integer_format().await?;
         let probe = PolicySet::new(
             [
                 Policy::fixed_window("probe-fw", 1, Duration::from_millis(1)),
@@ -704,6 +707,43 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// The scripts write times with Lua's `string.format('%d')`, which goes through a C
+    /// `long`: on a build where it has 32 bits (a 32-bit or a Windows build) every time
+    /// would be written wrong, and the limits would not hold. The Functions library checks
+    /// at its first call (lua/bind.lua); the scripts do not (a check on every run would
+    /// cost the fallback about 5%), so it is checked here, once. A server that refuses
+    /// `EVAL` (an ACL for Functions only) is left to the library's own check, and one
+    /// that cannot be reached to the probe decisions that follow.
+    async fn check_integer_format(&self) -> Result<(), StoreError> {
+        const TWO_TO_THE_53: &str = "9007199254740992";
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(format!("return string.format('%d', {TWO_TO_THE_53})"))
+            .arg(0);
+        match query::<String>(&self.backend, &command).await {
+            Ok(spelled) if spelled == TWO_TO_THE_53 => Ok(()),
+            Ok(spelled) => Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                format!(
+                    "this Redis's Lua formats 2^53 as {spelled:?}: its C long has 32 bits \
+                     (a 32-bit or a Windows build), and tollgate's scripts need a 64-bit one"
+                ),
+            )),
+            Err(error) => {
+                #[cfg(feature = "tracing")]
+                tracing::debug!(
+                    target: "tollgate",
+                    %error,
+                    "the Redis store could not run its integer-format check with EVAL; \
+                     the Functions library checks by itself"
+                );
+                #[cfg(not(feature = "tracing"))]
+                let _ = error;
+                Ok(())
+            }
+        }
+    }
+
     /// One throw-away identity per Cluster primary (so every primary runs the check), or a
     /// single one on a standalone server or when the topology cannot be read.
     async fn start_up_identities(&self) -> Vec<Key> {
