@@ -15,10 +15,10 @@
 -- integers kept below 2^53, where Lua's doubles are exact; every division goes through
 -- idiv/cdiv, which are exact for such integers. A time goes to a Redis command as its
 -- digits, `format('%d', t)` (Redis 7.0 and older spell a number argument with `%.17g`),
--- and a constant argument as a string ('0', not 0): with both, the sliding log costs
--- Redis 1.05-1.09x a minimal script instead of 1.17x (benches/script_cost.rs). Other
--- numbers (counts, TTLs, levels) go as numbers: spelling them in Lua measured no
--- cheaper. The digits are what `%.17g` writes, so what is stored is the same either way.
+-- and a constant argument as a string ('0', not 0): that took the sliding log from 1.17x
+-- a minimal script under 1.1x (README, "Script cost"). Other numbers (counts, TTLs,
+-- levels) go as numbers: spelling them in Lua measured no cheaper. The digits are what
+-- `%.17g` writes, so what is stored is the same either way.
 --
 -- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; unused
 --       without one). Every key of one identity shares one hash tag, so one Cluster

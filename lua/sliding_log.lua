@@ -89,8 +89,10 @@ local function read_from(key, window, first)
       error('tollgate: a sliding log holds a counter tollgate did not write')
     end
   end
-  -- A one-unit entry's member is its time, in digits (anything else that reads as a
-  -- whole number is checked below, when its time says it has left the window).
+  -- A one-unit entry's member is its time, in digits. Anything else that reads as a
+  -- whole number ('1e5', '0x10') is taken for its time too: checked below, when that time
+  -- says it has left the window, and never if it is far ahead (only a client writing
+  -- into tollgate's keys can put such a member there).
   local oldest = first and tonumber(first)
   if first and not (oldest and oldest >= 0 and oldest % 1 == 0) then oldest = time_of(first) end
   local horizon = now - window
@@ -232,7 +234,7 @@ end
 -- -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local first = lowest(key)
+  local first = call('ZRANGE', key, '0', '0')[1] -- lowest(key), without the call
   local oldest = first and tonumber(first)
   local total, extra
   -- What read_from answers, without its calls, for the two common logs: an empty one,
