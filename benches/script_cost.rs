@@ -5,11 +5,12 @@
 //! Functions) and as its `EVALSHA` script (the fallback); the minimal script both as a
 //! script (`EVALSHA`, the floor the ratios in the README are taken against) and as the one
 //! function of a library of its own (`FCALL`: the like-for-like floor of tollgate's call);
-//! and the minimal script with its times written as digits, as tollgate writes them (a
-//! time passed as a Lua number is spelled by Redis with `%.17g` before Redis 7.2, which
-//! costs about as much as a command): the floor of a minimal script written with that care.
+//! and, as a function too, the minimal script with its times written as digits, as
+//! tollgate writes them (a time passed as a Lua number is spelled by Redis, with `%.17g`
+//! before Redis 7.2): the strictest floor, a minimal script written with tollgate's care.
 //! A minimal script is a template: `$(expr)` is an integer argument, `expr` as written,
-//! `string.format('%d', expr)` with digits.
+//! `format('%d', expr)` with digits (`format` a local, as in tollgate's Lua). A template
+//! without times (the fixed window's) has no digits variant.
 //!
 //! `cargo bench --all-features --bench script_cost` (starts its own redis-server on a free
 //! loopback port, pinned to CPU 0 when `taskset` exists, and stops it at the end, also on
@@ -319,9 +320,12 @@ impl Drop for Server {
 }
 
 /// A minimal script's text from its template: each `$(expr)` as `expr`, or with `digits`
-/// as `string.format('%d', expr)`.
+/// as `format('%d', expr)` (`format` bound to a local first).
 fn render(template: &str, digits: bool) -> String {
     let mut text = String::with_capacity(template.len() + 64);
+    if digits {
+        text.push_str("local format = string.format\n");
+    }
     let mut rest = template;
     while let Some(start) = rest.find("$(") {
         text.push_str(&rest[..start]);
@@ -341,7 +345,7 @@ fn render(template: &str, digits: bool) -> String {
             .expect("a closed $(...) in a minimal script");
         let expr = &inner[..end];
         if digits {
-            text.push_str(&format!("string.format('%d', {expr})"));
+            text.push_str(&format!("format('%d', {expr})"));
         } else {
             text.push_str(expr);
         }
@@ -368,7 +372,8 @@ enum Variant {
     /// The minimal script as a function of a Functions library of its own (`FCALL`): the
     /// like-for-like floor of tollgate's `FCALL`.
     MinimalFunction,
-    /// The minimal script with its times written as digits (`EVALSHA`).
+    /// The minimal script with its times written as digits, as the function of a library
+    /// of its own (`FCALL`).
     MinimalDigits,
 }
 
@@ -438,7 +443,10 @@ fn measure(
             } else {
                 case.params[2]
             };
-            let command = if matches!(variant, Variant::Functions | Variant::MinimalFunction) {
+            let command = if matches!(
+                variant,
+                Variant::Functions | Variant::MinimalFunction | Variant::MinimalDigits
+            ) {
                 pipe.cmd("FCALL").arg(sha)
             } else {
                 pipe.cmd("EVALSHA").arg(sha)
@@ -520,7 +528,10 @@ fn measure(
         .query(connection)
         .expect("INFO commandstats");
     // "cmdstat_evalsha:calls=20000,usec=261234,usec_per_call=13.06,..."
-    let command = if matches!(variant, Variant::Functions | Variant::MinimalFunction) {
+    let command = if matches!(
+        variant,
+        Variant::Functions | Variant::MinimalFunction | Variant::MinimalDigits
+    ) {
         "cmdstat_fcall:"
     } else {
         "cmdstat_evalsha:"
@@ -557,13 +568,12 @@ fn main() {
     let mut connection = server.connect();
     server.pin();
     let cases = cases();
-    let shas: Vec<(String, String, String)> = cases
+    let shas: Vec<(String, String)> = cases
         .iter()
         .map(|case| {
             (
                 load(&mut connection, case.script),
                 load(&mut connection, &render(case.minimal, false)),
-                load(&mut connection, &render(case.minimal, true)),
             )
         })
         .collect();
@@ -587,6 +597,23 @@ fn main() {
         .enumerate()
         .map(|(index, case)| load_function(&mut connection, index, &render(case.minimal, false)))
         .collect();
+    // A template without times has no digits variant (it would be the same script).
+    let has_times = |case: &Case| case.minimal.contains("$(");
+    let digits_functions: Vec<String> = cases
+        .iter()
+        .enumerate()
+        .map(|(index, case)| {
+            if has_times(case) {
+                load_function(
+                    &mut connection,
+                    cases.len() + index,
+                    &render(case.minimal, true),
+                )
+            } else {
+                String::new()
+            }
+        })
+        .collect();
 
     // Per case: tollgate's (script and function) and the minimal script's µs per call,
     // per round.
@@ -596,23 +623,32 @@ fn main() {
     let mut minimal_as_function = vec![Vec::new(); cases.len()];
     let mut minimal_digits = vec![Vec::new(); cases.len()];
     let mut serial = 0;
-    let runs: Vec<(usize, Variant)> = (0..cases.len())
-        .flat_map(|index| {
+    let runs: Vec<(usize, Variant)> = cases
+        .iter()
+        .enumerate()
+        .flat_map(|(index, case)| {
             [
-                (index, Variant::Functions),
-                (index, Variant::Minimal),
-                (index, Variant::Tollgate),
-                (index, Variant::MinimalFunction),
-                (index, Variant::MinimalDigits),
+                Some((index, Variant::Functions)),
+                Some((index, Variant::Minimal)),
+                Some((index, Variant::Tollgate)),
+                Some((index, Variant::MinimalFunction)),
+                has_times(case).then_some((index, Variant::MinimalDigits)),
             ]
         })
+        .flatten()
         .collect();
     for round in 0..ROUNDS {
-        // Each round starts elsewhere in the list, and pairs alternate which goes first.
+        // Each round starts elsewhere in the list, and every other round runs it backwards,
+        // so no variant keeps its place next to the same neighbours.
         let shift = round * runs.len() / ROUNDS;
         for step in 0..runs.len() {
+            let step = if round % 2 == 1 {
+                runs.len() - 1 - step
+            } else {
+                step
+            };
             let (index, variant) = runs[(step + shift) % runs.len()];
-            let (case, (tollgate_sha, minimal_sha, digits_sha)) = (&cases[index], &shas[index]);
+            let (case, (tollgate_sha, minimal_sha)) = (&cases[index], &shas[index]);
             match variant {
                 Variant::Functions => functions[index].push(measure(
                     &mut connection,
@@ -646,7 +682,7 @@ fn main() {
                     &mut connection,
                     case,
                     variant,
-                    digits_sha,
+                    &digits_functions[index],
                     &mut serial,
                 )),
             }
@@ -659,7 +695,7 @@ fn main() {
     );
     println!();
     println!(
-        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | minimal as FCALL µs | minimal, times as digits µs | FCALL / minimal | EVALSHA / minimal | FCALL / minimal as FCALL | FCALL / minimal, times as digits |"
+        "| algorithm | tollgate FCALL µs | tollgate EVALSHA µs | minimal script | minimal µs | minimal as FCALL µs | minimal as FCALL, times as digits µs | FCALL / minimal | EVALSHA / minimal | FCALL / minimal as FCALL | FCALL / minimal as FCALL, times as digits |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (index, case) in cases.iter().enumerate() {
@@ -670,16 +706,26 @@ fn main() {
         let by_function = ratios(&functions[index], &minimal[index]);
         let by_script = ratios(&tollgate[index], &minimal[index]);
         let like_for_like = ratios(&functions[index], &minimal_as_function[index]);
-        let by_digits = ratios(&functions[index], &minimal_digits[index]);
+        // "n/a" where the template has no times (no digits variant ran).
+        let (digits_us, by_digits) = if minimal_digits[index].is_empty() {
+            ("n/a".to_owned(), "n/a".to_owned())
+        } else {
+            // The ratio first: the median sorts the samples, which pairs them by round.
+            let ratio = ratios(&functions[index], &minimal_digits[index]);
+            (
+                format!("{:.2}", median(&mut minimal_digits[index])),
+                format!("{ratio:.2}x"),
+            )
+        };
         println!(
-            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.2}x | {:.2}x |",
+            "| {} | {:.2} | {:.2} | {} | {:.2} | {:.2} | {} | {:.2}x | {:.2}x | {:.2}x | {} |",
             case.name,
             median(&mut functions[index]),
             median(&mut tollgate[index]),
             case.minimal_name,
             median(&mut minimal[index]),
             median(&mut minimal_as_function[index]),
-            median(&mut minimal_digits[index]),
+            digits_us,
             by_function,
             by_script,
             like_for_like,
