@@ -16,7 +16,8 @@
 //! loopback port, pinned to CPU 0 when `taskset` exists, and stops it at the end, also on
 //! a panic). Every measurement is `CALLS` calls of one variant, pipelined in batches of `BATCH`,
 //! over `IDENTITIES` identities (a fresh database each time: `FLUSHALL`, then `CONFIG
-//! RESETSTAT`); `ROUNDS` rounds, each in a rotated order; the table shows the medians.
+//! RESETSTAT`); `ROUNDS` rounds, each in a rotated order and every other one backwards;
+//! the table shows the medians of the µs and of the per-round ratios.
 //! Every call is admitted (the limits are far above what one identity receives), so both
 //! scripts take their full read, decide and write path.
 
@@ -320,11 +321,13 @@ impl Drop for Server {
 }
 
 /// A minimal script's text from its template: each `$(expr)` as `expr`, or with `digits`
-/// as `format('%d', expr)` (`format` bound to a local first).
+/// as `format('%d', expr)` (`format` a local of the function's library).
 fn render(template: &str, digits: bool) -> String {
     let mut text = String::with_capacity(template.len() + 64);
     if digits {
-        text.push_str("local format = string.format\n");
+        // `format` is a local of the library (see `load_function`), bound at the first
+        // call, as tollgate's Lua binds it: a library cannot read globals while it loads.
+        text.push_str("if format == nil then format = string.format end\n");
     }
     let mut rest = template;
     while let Some(start) = rest.find("$(") {
@@ -382,7 +385,7 @@ enum Variant {
 fn load_function(connection: &mut redis::Connection, index: usize, source: &str) -> String {
     let name = format!("minimal_{index}");
     let library = format!(
-        "#!lua name={name}\nredis.register_function('{name}', function(KEYS, ARGV)\n{source}\nend)\n"
+        "#!lua name={name}\nlocal format\nredis.register_function('{name}', function(KEYS, ARGV)\n{source}\nend)\n"
     );
     let _: String = redis::cmd("FUNCTION")
         .arg("LOAD")
@@ -553,6 +556,9 @@ fn measure(
 }
 
 fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
     values.sort_by(f64::total_cmp);
     let middle = values.len() / 2;
     if values.len() % 2 == 1 {
@@ -639,7 +645,8 @@ fn main() {
         .collect();
     for round in 0..ROUNDS {
         // Each round starts elsewhere in the list, and every other round runs it backwards,
-        // so no variant keeps its place next to the same neighbours.
+        // so a variant runs after one neighbour in one round and after the other in the
+        // next.
         let shift = round * runs.len() / ROUNDS;
         for step in 0..runs.len() {
             let step = if round % 2 == 1 {

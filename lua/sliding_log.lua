@@ -90,9 +90,10 @@ local function read_from(key, window, first)
     end
   end
   -- A one-unit entry's member is its time, in digits. Anything else that reads as a
-  -- whole number ('1e5', '0x10') is taken for its time too: checked below, when that time
-  -- says it has left the window, and never if it is far ahead (only a client writing
-  -- into tollgate's keys can put such a member there).
+  -- whole number ('1e5', '0x10') is taken for its time too, and is only checked once
+  -- that time says it has left the window: its score must then agree (a member whose
+  -- score is old too goes with the rest). Only a client writing into tollgate's keys can
+  -- put such a member there.
   local oldest = first and tonumber(first)
   if first and not (oldest and oldest >= 0 and oldest % 1 == 0) then oldest = time_of(first) end
   local horizon = now - window
@@ -234,7 +235,7 @@ end
 -- -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local first = call('ZRANGE', key, '0', '0')[1] -- lowest(key), without the call
+  local first = call('ZRANGE', key, '0', '0')[1] -- lowest(key) inlined: a Lua call fewer
   local oldest = first and tonumber(first)
   local total, extra
   -- What read_from answers, without its calls, for the two common logs: an empty one,

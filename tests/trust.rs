@@ -718,6 +718,10 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
     }
     // With FUNCTION LOAD and FCALL granted, decisions are Functions calls.
     assert!(support::command_calls(&server, "fcall") > 0);
+    // The start-up check asked the server how its Lua formats 2^53 (the scripts write
+    // times with `%d`, which a 32-bit build gets wrong): the only EVAL of a store whose
+    // decisions are Functions calls.
+    assert_eq!(support::command_calls(&server, "eval"), 1);
 
     // A user that may run scripts but not touch the store's keys.
     let denied = server.cli(&[
@@ -752,6 +756,59 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         !error.to_string().contains("s3cret"),
         "the password leaked: {error}"
     );
+}
+
+// An ACL for Functions only (no EVAL, EVALSHA or SCRIPT LOAD): the start-up check of the
+// integer format cannot run its EVAL, and leaves it to the library's own check; the store
+// starts and decides.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_functions_only_user_starts_without_the_eval_check() {
+    let server = support::RedisServer::start();
+    let granted = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "functions",
+        "on",
+        ">s3cret",
+        "resetkeys",
+        "~tollgate:*",
+        "resetchannels",
+        "-@all",
+        "+fcall",
+        "+function|load",
+        "+time",
+        "+get",
+        "+set",
+        "+hmget",
+        "+hset",
+        "+pexpire",
+        "+zadd",
+        "+zrange",
+        "+zrangebyscore",
+        "+zremrangebyscore",
+        "+pttl",
+        "+zcard",
+        "+zrem",
+        "+del",
+    ]);
+    assert!(granted.contains("OK"), "{granted}");
+    let url = format!("redis://functions:s3cret@127.0.0.1:{}", server.port);
+    let store = tollgate::store::RedisStore::connect(&url)
+        .await
+        .expect("a user with Functions only starts");
+    for policy in every_algorithm() {
+        let alone = PolicySet::from(policy);
+        assert!(
+            store
+                .decide(&Key::new("w"), &alone, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    assert_eq!(support::command_calls(&server, "eval"), 0);
+    assert!(support::command_calls(&server, "fcall") > 0);
 }
 
 // On a Cluster every primary loads its own scripts and may have its own ACL: the start-up

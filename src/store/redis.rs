@@ -621,7 +621,6 @@ impl RedisStore {
     /// server's Lua writes integers in 64 bits (the scripts write times with
     /// `string.format('%d')`; a 32-bit or a Windows build of Redis gets them wrong).
     pub async fn verify(&self) -> Result<(), StoreError> {
-        self.check_integer_format().await?;
         let probe = PolicySet::new(
             [
                 Policy::fixed_window("probe-fw", 1, Duration::from_millis(1)),
@@ -657,6 +656,13 @@ impl RedisStore {
             .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?,
         );
         let keys = self.start_up_identities().await;
+        // On every primary (a key of the probe's routes each check to its node).
+        if let Some(policy) = probe.iter().next() {
+            for key in &keys {
+                let (state, _) = self.keys.policy_keys(key.as_str(), policy);
+                self.check_integer_format(&state).await?;
+            }
+        }
         'primaries: for key in &keys {
             for set in &sets {
                 // The decision, then the adjustment script (a settle and a release), as a
@@ -711,15 +717,18 @@ impl RedisStore {
     /// `long`: on a build where it has 32 bits (a 32-bit or a Windows build) every time
     /// would be written wrong, and the limits would not hold. The Functions library checks
     /// at its first call (lua/bind.lua); the scripts do not (a check on every run would
-    /// cost the fallback about 5%), so it is checked here, once. A server that refuses
-    /// `EVAL` (an ACL for Functions only) is left to the library's own check, and one
-    /// that cannot be reached to the probe decisions that follow.
-    async fn check_integer_format(&self) -> Result<(), StoreError> {
+    /// cost the fallback about 5%), so it is checked here, once, on the node of `key`
+    /// (a key of the start-up check, which the script does not touch: it routes the call,
+    /// and the ACL allows it). Where the server cannot be reached, or refuses `EVAL` (an
+    /// ACL for Functions only, whose library checks itself), nothing is checked here;
+    /// any other error is logged as a warning.
+    async fn check_integer_format(&self, key: &str) -> Result<(), StoreError> {
         const TWO_TO_THE_53: &str = "9007199254740992";
         let mut command = redis::cmd("EVAL");
         command
             .arg(format!("return string.format('%d', {TWO_TO_THE_53})"))
-            .arg(0);
+            .arg(1)
+            .arg(key);
         match query::<String>(&self.backend, &command).await {
             Ok(spelled) if spelled == TWO_TO_THE_53 => Ok(()),
             Ok(spelled) => Err(StoreError::new(
@@ -729,13 +738,25 @@ impl RedisStore {
                      (a 32-bit or a Windows build), and tollgate's scripts need a 64-bit one"
                 ),
             )),
-            Err(error) => {
+            Err(error) if error.kind().is_io() || error.code() == Some("NOPERM") => {
                 #[cfg(feature = "tracing")]
                 tracing::debug!(
                     target: "tollgate",
                     %error,
                     "the Redis store could not run its integer-format check with EVAL; \
                      the Functions library checks by itself"
+                );
+                #[cfg(not(feature = "tracing"))]
+                let _ = error;
+                Ok(())
+            }
+            Err(error) => {
+                #[cfg(feature = "tracing")]
+                tracing::warn!(
+                    target: "tollgate",
+                    %error,
+                    "the Redis store's integer-format check failed; the scripts need a \
+                     64-bit Redis, and only the Functions library checks it by itself"
                 );
                 #[cfg(not(feature = "tracing"))]
                 let _ = error;
