@@ -652,29 +652,12 @@ async fn hostile_costs_on_redis_leave_every_key_with_a_ttl() {
     }
 }
 
-// Item 2, third part: a server that refuses the scripts fails at start, naming what was
-// refused; the least-privilege ACL line of the README is enough.
+/// Creates the ACL user `name` (password `s3cret`) limited to the default prefix, with
+/// `calls` (how it may run the Lua) and the data commands the scripts call: the README's
+/// least-privilege line when `calls` holds all five. Returns the server's answer.
 #[cfg(feature = "redis")]
-#[tokio::test]
-async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
-    let server = support::RedisServer::start();
-    let port = server.port;
-    // The README's least-privilege line, for the default prefix.
-    let granted = server.cli(&[
-        "ACL",
-        "SETUSER",
-        "limiter",
-        "on",
-        ">s3cret",
-        "resetkeys",
-        "~tollgate:*",
-        "resetchannels",
-        "-@all",
-        "+fcall",
-        "+function|load",
-        "+evalsha",
-        "+eval",
-        "+script|load",
+fn acl_user(server: &support::RedisServer, name: &str, calls: &[&str]) -> String {
+    const DATA: [&str; 14] = [
         "+time",
         "+get",
         "+set",
@@ -689,7 +672,42 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
         "+zcard",
         "+zrem",
         "+del",
-    ]);
+    ];
+    let mut args = vec![
+        "ACL",
+        "SETUSER",
+        name,
+        "on",
+        ">s3cret",
+        "resetkeys",
+        "~tollgate:*",
+        "resetchannels",
+        "-@all",
+    ];
+    args.extend_from_slice(calls);
+    args.extend_from_slice(&DATA);
+    server.cli(&args)
+}
+
+// Item 2, third part: a server that refuses the scripts fails at start, naming what was
+// refused; the least-privilege ACL line of the README is enough.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
+    let server = support::RedisServer::start();
+    let port = server.port;
+    // The README's least-privilege line, for the default prefix.
+    let granted = acl_user(
+        &server,
+        "limiter",
+        &[
+            "+fcall",
+            "+function|load",
+            "+evalsha",
+            "+eval",
+            "+script|load",
+        ],
+    );
     assert!(granted.contains("OK"), "{granted}");
     let url = format!("redis://limiter:s3cret@127.0.0.1:{port}");
     let store = tollgate::store::RedisStore::connect(&url)
@@ -765,33 +783,7 @@ async fn connect_checks_the_scripts_run_and_names_what_was_refused() {
 #[tokio::test]
 async fn a_functions_only_user_starts_without_the_eval_check() {
     let server = support::RedisServer::start();
-    let granted = server.cli(&[
-        "ACL",
-        "SETUSER",
-        "functions",
-        "on",
-        ">s3cret",
-        "resetkeys",
-        "~tollgate:*",
-        "resetchannels",
-        "-@all",
-        "+fcall",
-        "+function|load",
-        "+time",
-        "+get",
-        "+set",
-        "+hmget",
-        "+hset",
-        "+pexpire",
-        "+zadd",
-        "+zrange",
-        "+zrangebyscore",
-        "+zremrangebyscore",
-        "+pttl",
-        "+zcard",
-        "+zrem",
-        "+del",
-    ]);
+    let granted = acl_user(&server, "functions", &["+fcall", "+function|load"]);
     assert!(granted.contains("OK"), "{granted}");
     let url = format!("redis://functions:s3cret@127.0.0.1:{}", server.port);
     let store = tollgate::store::RedisStore::connect(&url)
