@@ -108,6 +108,7 @@ impl Library {
             &format!("#!lua name=tollgate_{VERSION}\n"),
             "local KEYS, ARGV, now, cost, count, max, min, fmod, call, format, match\n",
             include_str!("../../lua/bind.lua"),
+            include_str!("../../lua/check.lua"),
             "local function begin()\n",
             include_str!("../../lua/begin.lua"),
             "end\n",
