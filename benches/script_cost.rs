@@ -9,7 +9,8 @@
 //! tollgate writes them (a time passed as a Lua number is spelled by Redis, with `%.17g`
 //! before Redis 7.2): the strictest floor, a minimal script written with tollgate's care.
 //! A minimal script is a template: `$(expr)` is an integer argument, `expr` as written,
-//! `format('%d', expr)` with digits (`format` a local, as in tollgate's Lua). A template
+//! `format('%d', expr)` with digits (`format` a local, as in tollgate's Lua); `expr`
+//! holds no parentheses. A template
 //! without times (the fixed window's) has no digits variant.
 //!
 //! `cargo bench --all-features --bench script_cost` (starts its own redis-server on a free
@@ -333,20 +334,12 @@ fn render(template: &str, digits: bool) -> String {
     while let Some(start) = rest.find("$(") {
         text.push_str(&rest[..start]);
         let inner = &rest[start + 2..];
-        // The matching parenthesis (the expression may hold parentheses of its own).
-        let mut depth = 1;
+        // The templates' expressions hold no parentheses: the first ')' closes one.
         let end = inner
-            .char_indices()
-            .find_map(|(at, c)| {
-                match c {
-                    '(' => depth += 1,
-                    ')' => depth -= 1,
-                    _ => {}
-                }
-                (depth == 0).then_some(at)
-            })
+            .find(')')
             .expect("a closed $(...) in a minimal script");
         let expr = &inner[..end];
+        assert!(!expr.contains('('), "a $(...) with parentheses: {expr}");
         if digits {
             text.push_str(&format!("format('%d', {expr})"));
         } else {

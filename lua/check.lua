@@ -5,8 +5,12 @@
 -- (so it fails every call, loudly, rather than once); a script does not (a check on every
 -- run would cost the fallback about 5%): the store's start-up check (`verify`) does,
 -- where the server allows EVAL.
+-- The predicate is also what the store's `verify` runs (src/store/redis.rs).
+local function integers_ok()
+  return string.format('%d', 9007199254740992) == '9007199254740992'
+end
 local function check_integers()
-  if string.format('%d', 9007199254740992) ~= '9007199254740992' then
+  if not integers_ok() then
     error('tollgate: this Redis formats integers in 32 bits; tollgate needs a 64-bit Redis')
   end
 end

@@ -125,13 +125,10 @@ local function read_from(key, window, first)
   return entries + extra, extra, oldest, first
 end
 
--- The lowest member: the oldest entry, or the counter (then the entry comes next).
-local function lowest(key)
-  return call('ZRANGE', key, '0', '0')[1]
-end
-
+-- The log read from its lowest member: the oldest entry, or the counter (then the entry
+-- comes next).
 local function read_log(key, window)
-  return read_from(key, window, lowest(key))
+  return read_from(key, window, call('ZRANGE', key, '0', '0')[1])
 end
 
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
@@ -235,7 +232,7 @@ end
 -- -1.
 local function one(key, p1, p2)
   p1, p2 = tonumber(p1), tonumber(p2)
-  local first = call('ZRANGE', key, '0', '0')[1] -- lowest(key) inlined: a Lua call fewer
+  local first = call('ZRANGE', key, '0', '0')[1] -- as read_log reads it
   local oldest = first and tonumber(first)
   local total, extra
   -- What read_from answers, without its calls, for the two common logs: an empty one,

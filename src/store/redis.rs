@@ -724,20 +724,19 @@ impl RedisStore {
     /// ACL for Functions only, whose library checks itself), nothing is checked here;
     /// any other error is logged as a warning.
     async fn check_integer_format(&self, key: &str) -> Result<(), StoreError> {
-        const TWO_TO_THE_53: &str = "9007199254740992";
+        // The library's own predicate (lua/check.lua), answered as 1 or 0.
+        const CHECK: &str = concat!(
+            include_str!("../../lua/check.lua"),
+            "return integers_ok() and 1 or 0\n"
+        );
         let mut command = redis::cmd("EVAL");
-        command
-            .arg(format!("return string.format('%d', {TWO_TO_THE_53})"))
-            .arg(1)
-            .arg(key);
-        match query::<String>(&self.backend, &command).await {
-            Ok(spelled) if spelled == TWO_TO_THE_53 => Ok(()),
-            Ok(spelled) => Err(StoreError::new(
+        command.arg(CHECK).arg(1).arg(key);
+        match query::<i64>(&self.backend, &command).await {
+            Ok(1) => Ok(()),
+            Ok(_) => Err(StoreError::new(
                 StoreErrorKind::Unsupported,
-                format!(
-                    "this Redis's Lua formats 2^53 as {spelled:?}: its C long has 32 bits \
-                     (a 32-bit or a Windows build), and tollgate's scripts need a 64-bit one"
-                ),
+                "this Redis's Lua formats 2^53 wrong: its C long has 32 bits (a 32-bit or a \
+                 Windows build), and tollgate's scripts need a 64-bit one",
             )),
             Err(error) if error.kind().is_io() || error.code() == Some("NOPERM") => {
                 #[cfg(feature = "tracing")]
