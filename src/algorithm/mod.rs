@@ -222,6 +222,51 @@ impl Slot {
     }
 }
 
+/// An algorithm's steps over its own state, for code written once for every algorithm
+/// (the stores' one-policy path). Each algorithm's inherent methods are the steps.
+pub(crate) trait Steps<S: ?Sized> {
+    fn refresh(&self, state: &mut S, now: u64);
+    fn check(&self, state: &S, now: u64, cost: u64) -> Verdict;
+    fn commit(&self, state: &mut S, now: u64, cost: u64);
+    fn snapshot(&self, state: &S, now: u64) -> Snapshot;
+    fn effective_window(&self, state: &S, now: u64, remaining: u64) -> u64;
+}
+
+macro_rules! steps {
+    ($algorithm:ty, $state:ty $(, $generic:ident : $($bound:path),+)?) => {
+        impl$(<$generic: $($bound +)+>)? Steps<$state> for $algorithm {
+            #[inline]
+            fn refresh(&self, state: &mut $state, now: u64) {
+                <$algorithm>::refresh(self, state, now)
+            }
+            #[inline]
+            fn check(&self, state: &$state, now: u64, cost: u64) -> Verdict {
+                <$algorithm>::check(self, state, now, cost)
+            }
+            #[inline]
+            fn commit(&self, state: &mut $state, now: u64, cost: u64) {
+                <$algorithm>::commit(self, state, now, cost)
+            }
+            #[inline]
+            fn snapshot(&self, state: &$state, now: u64) -> Snapshot {
+                <$algorithm>::snapshot(self, state, now)
+            }
+            #[inline]
+            fn effective_window(&self, state: &$state, now: u64, remaining: u64) -> u64 {
+                <$algorithm>::effective_window(self, state, now, remaining)
+            }
+        }
+    };
+}
+
+steps!(FixedWindow, WindowState);
+steps!(SlidingLog, LogState);
+steps!(SlidingWindow, CounterState<C>, C: AsRef<[u64]>, AsMut<[u64]>);
+steps!(TokenBucket, BucketState);
+steps!(LeakyShape, BucketState);
+steps!(Gcra, GcraState);
+steps!(InFlight, InFlightState);
+
 macro_rules! dispatch {
     ($params:expr, $state:expr, $method:ident ( $($arg:expr),* ), $mismatch:expr) => {
         match ($params, $state) {
@@ -249,6 +294,35 @@ macro_rules! dispatch {
             _ => $mismatch,
         }
     };
+}
+
+/// What one policy decided on its own: its verdict (already debited when it admits) and
+/// its state afterwards, as a client sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Alone {
+    pub(crate) verdict: Verdict,
+    pub(crate) snapshot: Snapshot,
+    /// The effective window for `snapshot.remaining`, in nanoseconds.
+    pub(crate) effective_window: u64,
+}
+
+/// Every step of one policy deciding alone, in one function per algorithm: the common
+/// request's path is a few hundred bytes of code, not a walk through every algorithm's
+/// arm of five dispatches (which an HTTP server, its instruction cache full of its own
+/// code, pays for in misses).
+#[inline(never)]
+fn alone<S: ?Sized, A: Steps<S>>(algorithm: A, state: &mut S, now: u64, cost: u64) -> Alone {
+    algorithm.refresh(state, now);
+    let verdict = algorithm.check(state, now, cost);
+    if let Verdict::Admit { .. } = verdict {
+        algorithm.commit(state, now, cost);
+    }
+    let snapshot = algorithm.snapshot(state, now);
+    Alone {
+        verdict,
+        snapshot,
+        effective_window: algorithm.effective_window(state, now, snapshot.remaining),
+    }
 }
 
 impl Params {
@@ -381,6 +455,134 @@ impl Params {
             *state = self.new_slot(state.id());
         }
         dispatch!(self, state, refresh(now), ())
+    }
+
+    /// Refreshes, checks and (when it admits) commits `cost` units as the only policy of
+    /// a request, then snapshots: what `refresh`, `check`, `commit`, `snapshot` and
+    /// `effective_window` give one after another. `None`, touching nothing, when `state`
+    /// is not of this algorithm's kind (`refresh` replaces such a state first).
+    #[inline]
+    pub(crate) fn decide_alone(&self, state: &mut Slot, now: u64, cost: u64) -> Option<Alone> {
+        Some(match (self, state) {
+            (Params::FixedWindow { limit, window }, Slot::Window { state, .. }) => alone(
+                FixedWindow {
+                    limit: *limit,
+                    window: *window,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (Params::SlidingLog { limit, window }, Slot::Log { state, .. }) => alone(
+                SlidingLog {
+                    limit: *limit,
+                    window: *window,
+                },
+                &mut **state,
+                now,
+                cost,
+            ),
+            (
+                Params::SlidingWindow {
+                    limit,
+                    window,
+                    sub_windows: sub_windows @ (0 | 1),
+                },
+                Slot::Counter { state, .. },
+            ) => alone(
+                SlidingWindow {
+                    limit: *limit,
+                    window: *window,
+                    sub_windows: *sub_windows,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (
+                Params::SlidingWindow {
+                    limit,
+                    window,
+                    sub_windows,
+                },
+                Slot::Ring { state, .. },
+            ) if *sub_windows > 1 && state.counts.len() as u64 == *sub_windows + 1 => alone(
+                SlidingWindow {
+                    limit: *limit,
+                    window: *window,
+                    sub_windows: *sub_windows,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (
+                Params::TokenBucket {
+                    capacity,
+                    amount,
+                    period,
+                }
+                | Params::LeakyPolice {
+                    capacity,
+                    amount,
+                    period,
+                },
+                Slot::Bucket { state, .. },
+            ) => alone(
+                TokenBucket {
+                    capacity: *capacity,
+                    amount: *amount,
+                    period: *period,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (
+                Params::LeakyShape {
+                    amount,
+                    period,
+                    max_delay,
+                },
+                Slot::Bucket { state, .. },
+            ) => alone(
+                LeakyShape {
+                    amount: *amount,
+                    period: *period,
+                    max_delay: *max_delay,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (
+                Params::Gcra {
+                    burst,
+                    amount,
+                    period,
+                },
+                Slot::Gcra { state, .. },
+            ) => alone(
+                Gcra {
+                    burst: *burst,
+                    amount: *amount,
+                    period: *period,
+                },
+                state,
+                now,
+                cost,
+            ),
+            (Params::InFlight { limit, lease }, Slot::InFlight { state, .. }) => alone(
+                InFlight {
+                    limit: *limit,
+                    lease: *lease,
+                },
+                state,
+                now,
+                cost,
+            ),
+            _ => return None,
+        })
     }
 
     #[inline]

@@ -25,6 +25,60 @@ pub(crate) fn decide(
     now: u64,
     cost: u64,
 ) -> (Decision, u64) {
+    if let ([policy], [slot]) = (policies, &mut *slots) {
+        // A penalty has a slot of its own, so one slot means none; checked anyway.
+        if !policy.is_shadow() && policy.penalty_box().is_none() {
+            if let Some(decided) = decide_alone(policy, slot, now, cost) {
+                return decided;
+            }
+        }
+    }
+    decide_all(policies, slots, now, cost)
+}
+
+/// One enforced policy without a penalty, its state of its kind: the common request,
+/// answered as [`decide_all`] answers it, by code that visits only its own algorithm.
+#[inline]
+fn decide_alone(policy: &Policy, slot: &mut Slot, now: u64, cost: u64) -> Option<(Decision, u64)> {
+    let params = policy.params();
+    let alone = params.decide_alone(slot, now, cost)?;
+    let limit = params.limit();
+    let outcome = match alone.verdict {
+        Verdict::Admit { delay } => Outcome::Allowed {
+            delay: Duration::from_nanos(delay),
+        },
+        Verdict::Deny { retry_after } => Outcome::Denied {
+            policy: 0,
+            retry_after: Duration::from_nanos(retry_after),
+        },
+        Verdict::Never => Outcome::CostExceedsLimit {
+            policy: 0,
+            cost,
+            limit,
+        },
+    };
+    let status = PolicyStatus {
+        limit,
+        remaining: alone.snapshot.remaining,
+        reset: Duration::from_nanos(alone.snapshot.reset),
+        effective_window: Duration::from_nanos(alone.effective_window),
+    };
+    let mut statuses = SmallVec::new();
+    statuses.push(status);
+    Some((
+        Decision::decided(outcome, statuses, now, 0),
+        alone.snapshot.fresh_at,
+    ))
+}
+
+/// [`decide`] for any set: several policies, shadow policies, penalties.
+#[inline(never)]
+pub(crate) fn decide_all(
+    policies: &[Policy],
+    slots: &mut [Slot],
+    now: u64,
+    cost: u64,
+) -> (Decision, u64) {
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
     if !penalties.is_empty() {
@@ -285,4 +339,78 @@ fn statuses(
         });
     }
     (statuses, fresh_at)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::Rate;
+
+    /// One policy of every algorithm (both sliding-window state kinds, both leaky buckets).
+    fn every_algorithm() -> Vec<Policy> {
+        let second = Duration::from_secs(1);
+        vec![
+            Policy::fixed_window("fw", 5, second).unwrap(),
+            Policy::sliding_log("sl", 5, second).unwrap(),
+            Policy::sliding_window("sw", 5, second).unwrap(),
+            Policy::sliding_window_split("ring", 5, second, 4).unwrap(),
+            Policy::token_bucket("tb", 5, Rate::per_second(3)).unwrap(),
+            Policy::leaky_bucket("lp", 5, Rate::per_second(3)).unwrap(),
+            Policy::leaky_bucket_shaping("ls", Rate::per_second(3), second).unwrap(),
+            Policy::gcra("gc", Rate::per_second(3), 5).unwrap(),
+            Policy::concurrency("if", 3).unwrap(),
+        ]
+    }
+
+    proptest! {
+        /// The one-policy path answers as the general one does, and leaves the same state:
+        /// every algorithm, through any run of requests (costs 0 to 7, some never fitting),
+        /// each step the same decision, statuses, receipt and freshness.
+        #[test]
+        fn one_policy_path_is_the_general_path(
+            steps in proptest::collection::vec((0u64..400_000_000, 0u64..8), 1..60),
+        ) {
+            for policy in every_algorithm() {
+                let mut fast = [policy.params().new_slot(policy.id())];
+                let mut general = fast.clone();
+                let set = [policy.clone()];
+                let mut now = 1_000_000_000;
+                for &(gap, cost) in &steps {
+                    now += gap;
+                    let quick = decide(&set, &mut fast, now, cost);
+                    let slow = decide_all(&set, &mut general, now, cost);
+                    prop_assert_eq!(&quick, &slow, "{} at {} cost {}", policy.name(), now, cost);
+                    prop_assert_eq!(&fast, &general, "{}", policy.name());
+                }
+            }
+        }
+    }
+
+    /// A state of another kind (the policy changed algorithm under the same id) is left to
+    /// the general path, which replaces it; a shadow policy and a penalty take it too.
+    #[test]
+    fn the_one_policy_path_leaves_what_it_does_not_cover() {
+        let bucket = Policy::token_bucket("x", 5, Rate::per_second(1)).unwrap();
+        let window = Policy::fixed_window("x", 5, Duration::from_secs(1)).unwrap();
+        let mut slot = window.params().new_slot(bucket.id());
+        assert_eq!(bucket.params().decide_alone(&mut slot, 1, 1), None);
+        assert_eq!(slot, window.params().new_slot(bucket.id()), "untouched");
+        let (decision, _) = decide(
+            std::slice::from_ref(&bucket),
+            std::slice::from_mut(&mut slot),
+            1,
+            1,
+        );
+        assert!(decision.is_allowed());
+        assert!(matches!(slot, Slot::Bucket { .. }), "replaced: {slot:?}");
+
+        let shadow = bucket.shadow();
+        let mut slots = [shadow.params().new_slot(shadow.id())];
+        let (decision, _) = decide(std::slice::from_ref(&shadow), &mut slots, 1, 6);
+        assert!(decision.is_allowed(), "a shadow policy never denies");
+    }
 }
