@@ -10,10 +10,10 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::bypass::{Bypass, BypassReason};
 use crate::cost::Cost;
-use crate::failure::Admission;
+use crate::failure::{Admission, ProbeGuard};
 use crate::future::{Pending, ResponseFuture};
 use crate::key::Key;
-use crate::key::KeyExtractor;
+use crate::key::{KeyError, KeyExtractor};
 use crate::policy::PolicySet;
 use crate::reservation::{Adjuster, Reservation};
 use crate::resolve::PolicyResolver;
@@ -114,33 +114,25 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The common request's path, in the order it flows. Every rarer turn (a bypass, a
+        // missing key, an open breaker, a store doing I/O, a debit kept until the
+        // response) is a call out of line: an HTTP server's instruction cache is full of
+        // its own code, and a path that touches fewer lines of ours costs it less.
         let config = &*self.config;
         let (parts, body) = request.into_parts();
-        if let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts)) {
-            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+        if config.bypass.is_some() {
+            if let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts)) {
+                return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+            }
         }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,
-            Err(error) => {
-                return match config.missing_key {
-                    // A shadow layer never refuses a request.
-                    _ if config.responder.shadow => ResponseFuture::calling(
-                        self.inner.call(Request::from_parts(parts, body)),
-                        HeaderBlock::default(),
-                    ),
-                    MissingKey::Allow if error.is_missing() => ResponseFuture::calling(
-                        self.inner.call(Request::from_parts(parts, body)),
-                        HeaderBlock::default(),
-                    ),
-                    MissingKey::Allow | MissingKey::Reject => {
-                        let answer = Box::new(response::key_error(&error));
-                        ResponseFuture::respond_boxed(grpc::fit(&parts.headers, answer))
-                    }
-                };
-            }
+            Err(error) => return self.without_key(Request::from_parts(parts, body), &error),
         };
-        if let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key)) {
-            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+        if config.bypass.is_some() {
+            if let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key)) {
+                return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+            }
         }
         let policies = config.resolver.resolve(&parts, &key);
         if policies.is_empty() {
@@ -151,16 +143,14 @@ where
         }
         let cost = config.cost.cost(&parts);
         let responder = &config.responder;
-        let (probe, skipped) = match responder.breaker.admit() {
-            Admission::Call => (None, false),
-            Admission::Probe(guard) => (Some(guard), false),
-            Admission::Skip => (None, true),
+        let probe = match responder.breaker.admit() {
+            Admission::Call => None,
+            Admission::Probe(guard) => Some(guard),
+            Admission::Skip => {
+                let request = Request::from_parts(parts, body);
+                return self.skipping_store(request, key, policies.into_owned(), cost);
+            }
         };
-        if skipped {
-            let plan = responder.plan(&policies, &key, cost, StoreAnswer::Skipped, None);
-            let request = Request::from_parts(parts, body);
-            return self.answer(request, plan, key, policies.into_owned(), cost);
-        }
         let stopwatch = Stopwatch::start();
         let decided = config.store.decide(&key, &policies, cost);
         // The decision is read where the store left it: it is not moved on its way to
@@ -169,33 +159,9 @@ where
             Some(Ok(decision)) => StoreAnswer::Decided(decision),
             Some(Err(error)) => StoreAnswer::Failed(error),
             None => {
-                // A store doing I/O: bounded by the timeout, decided in the future.
-                let pending = decided.into_pending();
-                let timeout = responder.timeout;
-                let timed = Box::pin(async move {
-                    let result = match tokio::time::timeout(timeout, pending).await {
-                        Ok(result) => result,
-                        Err(_) => Err(StoreError::new(
-                            StoreErrorKind::Timeout,
-                            format!("no decision within {timeout:?}"),
-                        )),
-                    };
-                    stopwatch.stop();
-                    result
-                });
-                return ResponseFuture::deciding(
-                    timed,
-                    Pending {
-                        inner: take_ready(&mut self.inner),
-                        request: Request::from_parts(parts, body),
-                        policies: policies.into_owned(),
-                        key,
-                        cost,
-                        responder: Arc::clone(responder),
-                        adjuster: Arc::clone(&self.config) as Arc<dyn Adjuster>,
-                        probe,
-                    },
-                );
+                let request = Request::from_parts(parts, body);
+                let policies = policies.into_owned();
+                return self.waiting(decided, stopwatch, request, key, policies, cost, probe);
             }
         };
         stopwatch.stop();
@@ -209,6 +175,111 @@ where
             }
             plan => finish(&mut self.inner, Request::from_parts(parts, body), plan),
         }
+    }
+}
+
+impl<S, St, K, C, R> RateLimit<S, St, K, C, R>
+where
+    St: Store,
+    K: KeyExtractor,
+    C: Cost,
+    R: PolicyResolver,
+{
+    /// A request no key was extracted from: let through (a shadow layer, or
+    /// `MissingKey::Allow` for a key that is absent) or answered with the key's error.
+    #[cold]
+    #[inline(never)]
+    fn without_key<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+        error: &KeyError,
+    ) -> ResponseFuture<S::Future>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    {
+        match self.config.missing_key {
+            // A shadow layer never refuses a request.
+            _ if self.config.responder.shadow => {
+                ResponseFuture::calling(self.inner.call(request), HeaderBlock::default())
+            }
+            MissingKey::Allow if error.is_missing() => {
+                ResponseFuture::calling(self.inner.call(request), HeaderBlock::default())
+            }
+            MissingKey::Allow | MissingKey::Reject => {
+                let answer = Box::new(response::key_error(error));
+                ResponseFuture::respond_boxed(grpc::fit(request.headers(), answer))
+            }
+        }
+    }
+
+    /// The circuit breaker is open: the failure mode answers without asking the store.
+    #[cold]
+    #[inline(never)]
+    fn skipping_store<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+        key: Key,
+        policies: PolicySet,
+        cost: u64,
+    ) -> ResponseFuture<S::Future>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        ReqBody: Send + 'static,
+    {
+        let plan = self
+            .config
+            .responder
+            .plan(&policies, &key, cost, StoreAnswer::Skipped, None);
+        self.answer(request, plan, key, policies, cost)
+    }
+
+    /// A store doing I/O: the decision comes in the response future, bounded by the
+    /// layer's timeout.
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn waiting<ReqBody, ResBody>(
+        &mut self,
+        decided: DecideFuture,
+        stopwatch: Stopwatch,
+        request: Request<ReqBody>,
+        key: Key,
+        policies: PolicySet,
+        cost: u64,
+        probe: Option<ProbeGuard>,
+    ) -> ResponseFuture<S::Future>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        ReqBody: Send + 'static,
+    {
+        let pending = decided.into_pending();
+        let responder = &self.config.responder;
+        let timeout = responder.timeout;
+        let timed = Box::pin(async move {
+            let result = match tokio::time::timeout(timeout, pending).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!("no decision within {timeout:?}"),
+                )),
+            };
+            stopwatch.stop();
+            result
+        });
+        ResponseFuture::deciding(
+            timed,
+            Pending {
+                inner: take_ready(&mut self.inner),
+                request,
+                policies,
+                key,
+                cost,
+                responder: Arc::clone(responder),
+                adjuster: Arc::clone(&self.config) as Arc<dyn Adjuster>,
+                probe,
+            },
+        )
     }
 }
 
@@ -255,6 +326,8 @@ where
 }
 
 /// Calls the inner service for a request that skips limiting: no headers.
+#[cold]
+#[inline(never)]
 fn bypassed<S, ReqBody, ResBody>(
     inner: &mut S,
     request: Request<ReqBody>,

@@ -86,77 +86,76 @@ impl Responder {
         answer: StoreAnswer<'_>,
         probe: Option<&ProbeGuard>,
     ) -> Plan {
-        let (fallback_decision, fallback_policies);
-        let mut from_fallback = false;
-        let (decision, policies) = match answer {
-            StoreAnswer::Decided(decision) => {
-                // An answer a store gave from a local cache says nothing of the store
-                // behind it: it neither closes the breaker nor counts as a probe's success
-                // (the probe is released when its guard drops).
-                if !decision.is_cached() {
-                    self.breaker.on_success();
-                }
-                // Either way the probe's request has its outcome: releasing it starts no
-                // new cool-down.
+        let StoreAnswer::Decided(decision) = answer else {
+            return self.plan_without_store(policies, key, cost, answer, probe);
+        };
+        // An answer a store gave from a local cache says nothing of the store behind it:
+        // it neither closes the breaker nor counts as a probe's success (the probe is
+        // released when its guard drops).
+        if !decision.is_cached() {
+            self.breaker.on_success();
+        }
+        // Either way the probe's request has its outcome: releasing it starts no new
+        // cool-down.
+        if let Some(probe) = probe {
+            probe.report();
+        }
+        self.plan_decided(policies, key, cost, decision, false)
+    }
+
+    /// The store failed, or was not asked (the breaker is open): the failure mode
+    /// decides, or answers without a decision.
+    #[cold]
+    #[inline(never)]
+    fn plan_without_store(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+        answer: StoreAnswer<'_>,
+        probe: Option<&ProbeGuard>,
+    ) -> Plan {
+        if let StoreAnswer::Failed(error) = answer {
+            telemetry::store_error(error);
+            if error.kind().is_io() {
+                self.breaker.on_failure(error, probe);
+            } else {
+                // The store answered, with a refusal that only this request's policies or
+                // data may cause: the failure mode answers this request, but it does not
+                // open the breaker for everyone.
+                self.breaker.on_success();
                 if let Some(probe) = probe {
                     probe.report();
                 }
-                (decision, policies)
             }
-            StoreAnswer::Failed(_) | StoreAnswer::Skipped => {
-                if let StoreAnswer::Failed(error) = answer {
-                    telemetry::store_error(error);
-                    if error.kind().is_io() {
-                        self.breaker.on_failure(error, probe);
-                    } else {
-                        // The store answered, with a refusal that only this request's
-                        // policies or data may cause: the failure mode answers this
-                        // request, but it does not open the breaker for everyone.
-                        self.breaker.on_success();
-                        if let Some(probe) = probe {
-                            probe.report();
-                        }
-                    }
-                } else {
-                    telemetry::store_skipped();
-                }
-                match self.on_failure(policies, key, cost) {
-                    // The headers describe the policies that decided (scaled or not).
-                    Ok((decision, applied)) => {
-                        from_fallback = true;
-                        fallback_decision = decision;
-                        fallback_policies = applied;
-                        (&fallback_decision, &fallback_policies)
-                    }
-                    Err(plan) => return plan,
-                }
-            }
-        };
+        } else {
+            telemetry::store_skipped();
+        }
+        match self.on_failure(policies, key, cost) {
+            // The headers describe the policies that decided (scaled or not).
+            Ok((decision, applied)) => self.plan_decided(&applied, key, cost, &decision, true),
+            Err(plan) => plan,
+        }
+    }
+
+    /// The plan for `decision` (the store's, or the fallback's when `from_fallback`).
+    #[inline]
+    fn plan_decided(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        cost: u64,
+        decision: &Decision,
+        from_fallback: bool,
+    ) -> Plan {
         let extra = jitter_secs(self.headers.jitter);
         // The debit, kept until the response when it must be settled or holds slots.
         let debit = || {
-            (self.settle.is_some() || policies.has_in_flight()).then(|| {
-                Box::new(Debit {
-                    receipt: decision.receipt(),
-                    fallback: from_fallback.then(|| policies.clone()),
-                    left: decision.statuses().iter().map(|s| s.remaining).collect(),
-                })
-            })
+            (self.settle.is_some() || policies.has_in_flight())
+                .then(|| debit(decision, policies, from_fallback))
         };
         if self.shadow {
-            // Never denies: what it would have done is reported, nothing else.
-            if decision.is_allowed() {
-                telemetry::decision(policies, decision, key);
-            } else {
-                telemetry::shadow_layer_denied(policies, decision, key);
-            }
-            let headers = if self.headers.shadow {
-                rate_limit_headers(&self.headers, policies, decision, key, extra)
-            } else {
-                HeaderBlock::default()
-            };
-            // A shadow layer's denial debited nothing: there is nothing to keep.
-            return Plan::Call(headers, decision.is_allowed().then(debit).flatten());
+            return self.plan_shadow(policies, key, decision, extra, debit);
         }
         telemetry::decision(policies, decision, key);
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
@@ -166,36 +165,15 @@ impl Responder {
             Outcome::Denied {
                 policy,
                 retry_after,
-            } => {
-                // Never earlier than the end of the denying policy's effective window as
-                // the `RateLimit` field states it (same rounding, same jitter).
-                let stated = decision
-                    .statuses()
-                    .get(policy)
-                    .map_or(0, |status| effective_secs(status.effective_window, extra));
-                let jittered = if retry_after >= crate::respond::headers::JITTER_FROM {
-                    retry_after.saturating_add(Duration::from_secs(extra))
-                } else {
-                    retry_after
-                };
-                let rejection = Rejection {
-                    policy: &policies[policy],
-                    retry_after: jittered.max(Duration::from_secs(stated)),
-                    decision,
-                    policies,
-                    cost,
-                };
-                let mut response = match &self.on_deny {
-                    Some(hook) => hook(&rejection),
-                    None => response::too_many_requests(&rejection),
-                };
-                response
-                    .headers_mut()
-                    .entry(header::RETRY_AFTER)
-                    .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
-                headers.apply(response.headers_mut());
-                Plan::Respond(Box::new(response))
-            }
+            } => self.deny(
+                policies,
+                policy,
+                retry_after,
+                cost,
+                decision,
+                headers,
+                extra,
+            ),
             Outcome::CostExceedsLimit {
                 policy,
                 cost,
@@ -207,6 +185,86 @@ impl Responder {
             }
         }
     }
+
+    /// A shadow layer's plan: never denies; what it would have done is reported, nothing
+    /// else.
+    #[cold]
+    #[inline(never)]
+    fn plan_shadow(
+        &self,
+        policies: &PolicySet,
+        key: &Key,
+        decision: &Decision,
+        extra: u64,
+        debit: impl FnOnce() -> Option<Box<Debit>>,
+    ) -> Plan {
+        if decision.is_allowed() {
+            telemetry::decision(policies, decision, key);
+        } else {
+            telemetry::shadow_layer_denied(policies, decision, key);
+        }
+        let headers = if self.headers.shadow {
+            rate_limit_headers(&self.headers, policies, decision, key, extra)
+        } else {
+            HeaderBlock::default()
+        };
+        // A shadow layer's denial debited nothing: there is nothing to keep.
+        Plan::Call(headers, decision.is_allowed().then(debit).flatten())
+    }
+
+    /// The answer to a denied request: `429` (or the `on_deny` hook's) with the
+    /// rate-limit fields and `Retry-After`.
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn deny(
+        &self,
+        policies: &PolicySet,
+        policy: usize,
+        retry_after: Duration,
+        cost: u64,
+        decision: &Decision,
+        headers: HeaderBlock,
+        extra: u64,
+    ) -> Plan {
+        // Never earlier than the end of the denying policy's effective window as the
+        // `RateLimit` field states it (same rounding, same jitter).
+        let stated = decision
+            .statuses()
+            .get(policy)
+            .map_or(0, |status| effective_secs(status.effective_window, extra));
+        let jittered = if retry_after >= crate::respond::headers::JITTER_FROM {
+            retry_after.saturating_add(Duration::from_secs(extra))
+        } else {
+            retry_after
+        };
+        let rejection = Rejection {
+            policy: &policies[policy],
+            retry_after: jittered.max(Duration::from_secs(stated)),
+            decision,
+            policies,
+            cost,
+        };
+        let mut response = match &self.on_deny {
+            Some(hook) => hook(&rejection),
+            None => response::too_many_requests(&rejection),
+        };
+        response
+            .headers_mut()
+            .entry(header::RETRY_AFTER)
+            .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
+        headers.apply(response.headers_mut());
+        Plan::Respond(Box::new(response))
+    }
+}
+
+/// The debit of an admitted request, kept until its response.
+#[inline(never)]
+fn debit(decision: &Decision, policies: &PolicySet, from_fallback: bool) -> Box<Debit> {
+    Box::new(Debit {
+        receipt: decision.receipt(),
+        fallback: from_fallback.then(|| policies.clone()),
+        left: decision.statuses().iter().map(|s| s.remaining).collect(),
+    })
 }
 
 impl Responder {
