@@ -151,16 +151,25 @@ impl ClientIp {
     }
 
     /// The client's address, before prefix grouping.
+    #[inline]
     pub fn client_addr(&self, parts: &Parts) -> Result<IpAddr, KeyError> {
-        let peer = peer_addr(parts).ok_or_else(|| {
-            KeyError::server(
-                "no peer address: serve with into_make_service_with_connect_info::<SocketAddr>() \
-                 or insert a SocketAddr extension",
-            )
-        })?;
-        let mut client = peer.to_canonical();
-        if !self.is_trusted(client) {
+        let Some(peer) = peer_addr(parts) else {
+            return Err(no_peer());
+        };
+        let client = peer.to_canonical();
+        if self.trusted.is_empty() {
             return Ok(client);
+        }
+        Ok(self.vouched_for(parts, client))
+    }
+
+    /// The client a trusted `peer` vouches for in the forwarding header (the peer itself
+    /// when it is not trusted).
+    #[inline(never)]
+    fn vouched_for(&self, parts: &Parts, peer: IpAddr) -> IpAddr {
+        let mut client = peer;
+        if !self.is_trusted(client) {
+            return client;
         }
         let mut hops = ForwardedHops::new(&parts.headers, self.header);
         for _ in 0..MAX_HOPS {
@@ -168,18 +177,27 @@ impl ClientIp {
                 Some(Some(ip)) => {
                     client = ip.to_canonical();
                     if !self.is_trusted(client) {
-                        return Ok(client);
+                        return client;
                     }
                 }
                 // Malformed, obfuscated or "unknown": the last good address stands.
-                Some(None) | None => return Ok(client),
+                Some(None) | None => return client,
             }
         }
-        Ok(client)
+        client
     }
 
+    #[inline]
     fn group(&self, ip: IpAddr) -> Key {
-        // Formatted in place: an IPv4 key fits inline, no allocation per request.
+        match ip {
+            // Formatted in place: an IPv4 key fits inline, no allocation per request.
+            IpAddr::V4(v4) if self.ipv4_prefix == 32 => Key::from_compact(ipv4_key(v4)),
+            ip => self.group_by_prefix(ip),
+        }
+    }
+
+    #[inline(never)]
+    fn group_by_prefix(&self, ip: IpAddr) -> Key {
         Key::from_compact(match ip {
             IpAddr::V4(v4) if self.ipv4_prefix == 32 => ipv4_key(v4),
             IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
@@ -195,36 +213,65 @@ impl ClientIp {
     }
 }
 
+/// The error of a request that carries no peer address: the server is set up wrong.
+#[cold]
+#[inline(never)]
+fn no_peer() -> KeyError {
+    KeyError::server(
+        "no peer address: serve with into_make_service_with_connect_info::<SocketAddr>() \
+         or insert a SocketAddr extension",
+    )
+}
+
 impl KeyExtractor for ClientIp {
+    #[inline]
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         self.client_addr(parts).map(|ip| self.group(ip))
     }
 }
 
-/// `ip:a.b.c.d`, written into a stack buffer without the formatting machinery: this
-/// runs on every request.
+/// Each octet's decimal digits, left-aligned in three bytes, and how many there are.
+static OCTETS: [([u8; 3], u8); 256] = {
+    let mut table = [([0u8; 3], 0u8); 256];
+    let mut index = 0;
+    while index < 256 {
+        let octet = index as u8;
+        table[index] = if octet >= 100 {
+            (
+                [
+                    b'0' + octet / 100,
+                    b'0' + octet / 10 % 10,
+                    b'0' + octet % 10,
+                ],
+                3,
+            )
+        } else if octet >= 10 {
+            ([b'0' + octet / 10, b'0' + octet % 10, 0], 2)
+        } else {
+            ([b'0' + octet, 0, 0], 1)
+        };
+        index += 1;
+    }
+    table
+};
+
+/// `ip:a.b.c.d`, written into a stack buffer from a table of the octets' digits: no
+/// formatting machinery, no branch per digit. This runs on every request.
+#[inline]
 fn ipv4_key(ip: std::net::Ipv4Addr) -> compact_str::CompactString {
-    let mut buffer = [0u8; 18];
+    // "ip:" and four octets of up to three digits, each followed by a dot.
+    let mut buffer = [0u8; 3 + 4 * 4];
     buffer[..3].copy_from_slice(b"ip:");
     let mut len = 3;
-    for (index, octet) in ip.octets().into_iter().enumerate() {
-        if index > 0 {
-            buffer[len] = b'.';
-            len += 1;
-        }
-        if octet >= 100 {
-            buffer[len] = b'0' + octet / 100;
-            len += 1;
-        }
-        if octet >= 10 {
-            buffer[len] = b'0' + octet / 10 % 10;
-            len += 1;
-        }
-        buffer[len] = b'0' + octet % 10;
+    for octet in ip.octets() {
+        let (digits, count) = &OCTETS[usize::from(octet)];
+        buffer[len..len + 3].copy_from_slice(digits);
+        len += usize::from(*count);
+        buffer[len] = b'.';
         len += 1;
     }
-    // Only ASCII digits, dots and "ip:" were written.
-    let text = std::str::from_utf8(&buffer[..len]).unwrap_or("ip:?");
+    // Only ASCII digits, dots and "ip:" were written; the last dot is not the key's.
+    let text = std::str::from_utf8(&buffer[..len - 1]).unwrap_or("ip:?");
     compact_str::CompactString::new(text)
 }
 
@@ -519,6 +566,15 @@ mod tests {
     fn ipv4_keys_are_written_digit_by_digit() {
         for ip in ["0.0.0.0", "255.255.255.255", "10.0.9.100", "1.22.103.4"] {
             assert_eq!(ipv4_key(ip.parse().unwrap()), format!("ip:{ip}"));
+        }
+        // Every octet value in every position, as the standard formatting writes it.
+        for octet in 0..=255u8 {
+            for position in 0..4 {
+                let mut octets = [7, 80, 199, 3];
+                octets[position] = octet;
+                let ip = std::net::Ipv4Addr::from(octets);
+                assert_eq!(ipv4_key(ip), format!("ip:{ip}"));
+            }
         }
     }
 
