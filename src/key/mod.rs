@@ -64,6 +64,7 @@ impl Key {
     }
 
     /// A key from a string already in the crate's inline form (no copy).
+    #[inline]
     pub(crate) fn from_compact(value: CompactString) -> Self {
         if value.len() > MAX_KEY_LEN {
             return Self::hashed("long", value.as_bytes());

@@ -63,8 +63,8 @@ fn decide_alone(policy: &Policy, slot: &mut Slot, now: u64, cost: u64) -> Option
         reset: Duration::from_nanos(alone.snapshot.reset),
         effective_window: Duration::from_nanos(alone.effective_window),
     };
-    let mut statuses = SmallVec::new();
-    statuses.push(status);
+    // Built in place: a push would bring its growth path along.
+    let statuses = SmallVec::from_buf_and_len([status; 2], 1);
     Some((
         Decision::decided(outcome, statuses, now, 0),
         alone.snapshot.fresh_at,

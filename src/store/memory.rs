@@ -576,12 +576,26 @@ impl<C: Clock> MemoryStore<C> {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
-        let vacant = match table.find(hash, key) {
-            Ok(index) => {
-                return decide_entry(table.slab.get_mut(index), policies, now, cost);
-            }
-            Err(vacant) => vacant,
-        };
+        match table.find(hash, key) {
+            Ok(index) => decide_entry(table.slab.get_mut(index), policies, now, cost),
+            Err(vacant) => self.check_new(&mut table, vacant, hash, key, policies, now, cost),
+        }
+    }
+
+    /// Decides for an identity the shard does not hold, and keeps it when its state is
+    /// not fresh. Out of line: a known identity's path is the hot one.
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn check_new(
+        &self,
+        table: &mut Table,
+        vacant: usize,
+        hash: u64,
+        key: &str,
+        policies: &PolicySet,
+        now: u64,
+        cost: u64,
+    ) -> Decision {
         let mut entry = Entry {
             key: CompactString::from(key),
             fresh_at: 0,
@@ -592,7 +606,7 @@ impl<C: Clock> MemoryStore<C> {
         if entry.fresh_at > now {
             let mut vacant = Some(vacant);
             if table.len() >= self.shared.shard_capacity {
-                self.make_room(&mut table, now);
+                self.make_room(table, now);
                 vacant = None;
             }
             table.insert(hash, entry, vacant, &self.shared.hasher);
