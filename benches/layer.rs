@@ -162,8 +162,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(_) => variants,
     };
     // A few clients, as the load generator's connections share one address.
+    // `LAYER_ADDRESSES=1`: every request from one address, as in `benches/http_load.sh`
+    // (with `LAYER_THREADS=2`, both threads contend for one identity's state).
+    let addresses: usize = match std::env::var("LAYER_ADDRESSES") {
+        Ok(addresses) => addresses.parse::<usize>()?.clamp(1, 32),
+        Err(_) => 4,
+    };
     let peers: Vec<SocketAddr> = (0..32)
-        .map(|i| SocketAddr::from(([127, 0, 0, 1 + (i % 4) as u8], 40_000 + i as u16)))
+        .map(|i| {
+            let host = 1 + (i % addresses) as u8;
+            SocketAddr::from(([127, 0, 0, host], 40_000 + i as u16))
+        })
         .collect();
     let variants: Vec<(&str, Router)> = variants
         .into_iter()
