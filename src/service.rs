@@ -187,7 +187,6 @@ where
 {
     /// A request no key was extracted from: let through (a shadow layer, or
     /// `MissingKey::Allow` for a key that is absent) or answered with the key's error.
-    #[cold]
     #[inline(never)]
     fn without_key<ReqBody, ResBody>(
         &mut self,
@@ -213,7 +212,6 @@ where
     }
 
     /// The circuit breaker is open: the failure mode answers without asking the store.
-    #[cold]
     #[inline(never)]
     fn skipping_store<ReqBody, ResBody>(
         &mut self,
@@ -293,6 +291,7 @@ where
     /// Answers as `plan` says, keeping the debit until the response when the plan carries
     /// it (to settle it, or to free in-flight slots), whoever decided: the store or the
     /// local fallback (the breaker open or the store failing).
+    #[inline(never)]
     fn answer<ReqBody, ResBody>(
         &mut self,
         request: Request<ReqBody>,
@@ -326,7 +325,6 @@ where
 }
 
 /// Calls the inner service for a request that skips limiting: no headers.
-#[cold]
 #[inline(never)]
 fn bypassed<S, ReqBody, ResBody>(
     inner: &mut S,

@@ -1,13 +1,18 @@
 //! The algorithms as pure math: `(state, now, cost) -> (state, verdict)`.
 //!
 //! Nothing here does I/O or reads a clock: callers pass `now` in nanoseconds on their own
-//! monotonic time line. Every algorithm has the same four steps:
+//! monotonic time line. Every algorithm has the same steps:
 //!
 //! - `refresh(state, now)` brings the state up to `now` without changing its meaning
 //!   (expire log entries, roll windows, refill buckets);
 //! - `check(state, now, cost)` answers whether `cost` fits, without changing anything;
 //! - `commit(state, now, cost)` debits it;
-//! - `snapshot(state, now)` reports what a client sees (remaining, reset).
+//! - `snapshot(state, now)` reports what a client sees (remaining, reset), and
+//!   `effective_window(state, now, remaining)` the draft-11 `t`.
+//!
+//! A store reaches them through `Params`, which dispatches on the algorithm; a policy
+//! deciding alone (the common request) runs all of them in one function of its own
+//! algorithm (`Params::decide_alone`, written once over the crate-private `Steps`).
 //!
 //! Splitting check from commit is what makes several policies all-or-nothing: every
 //! policy is checked first and only then, if all admit, debited.
@@ -422,36 +427,37 @@ impl Params {
         }
     }
 
+    /// True when `state` is of this algorithm's kind (for a counter of several
+    /// sub-windows: with their number of counts). Any other state is replaced by a fresh
+    /// one before it is read.
+    #[inline]
+    pub(crate) fn fits(&self, state: &Slot) -> bool {
+        match (self, state) {
+            (Params::FixedWindow { .. }, Slot::Window { .. })
+            | (Params::SlidingLog { .. }, Slot::Log { .. })
+            | (
+                Params::SlidingWindow {
+                    sub_windows: 0 | 1, ..
+                },
+                Slot::Counter { .. },
+            )
+            | (
+                Params::TokenBucket { .. } | Params::LeakyPolice { .. } | Params::LeakyShape { .. },
+                Slot::Bucket { .. },
+            )
+            | (Params::Gcra { .. }, Slot::Gcra { .. })
+            | (Params::InFlight { .. }, Slot::InFlight { .. }) => true,
+            (Params::SlidingWindow { sub_windows, .. }, Slot::Ring { state: ring, .. }) => {
+                *sub_windows > 1 && ring.counts.len() as u64 == *sub_windows + 1
+            }
+            _ => false,
+        }
+    }
+
     /// Brings `state` up to `now`; a state of the wrong kind is replaced by a fresh one.
     #[inline]
     pub(crate) fn refresh(&self, state: &mut Slot, now: u64) {
-        let kind_matches = matches!(
-            (self, &*state),
-            (Params::FixedWindow { .. }, Slot::Window { .. })
-                | (Params::SlidingLog { .. }, Slot::Log { .. })
-                | (
-                    Params::SlidingWindow {
-                        sub_windows: 0 | 1,
-                        ..
-                    },
-                    Slot::Counter { .. }
-                )
-                | (
-                    Params::TokenBucket { .. }
-                        | Params::LeakyPolice { .. }
-                        | Params::LeakyShape { .. },
-                    Slot::Bucket { .. }
-                )
-                | (Params::Gcra { .. }, Slot::Gcra { .. })
-                | (Params::InFlight { .. }, Slot::InFlight { .. })
-        );
-        let kind_matches = kind_matches
-            || matches!(
-                (self, &*state),
-                (Params::SlidingWindow { sub_windows, .. }, Slot::Ring { state: ring, .. })
-                    if *sub_windows > 1 && ring.counts.len() as u64 == *sub_windows + 1
-            );
-        if !kind_matches {
+        if !self.fits(state) {
             *state = self.new_slot(state.id());
         }
         dispatch!(self, state, refresh(now), ())
@@ -463,6 +469,9 @@ impl Params {
     /// is not of this algorithm's kind (`refresh` replaces such a state first).
     #[inline]
     pub(crate) fn decide_alone(&self, state: &mut Slot, now: u64, cost: u64) -> Option<Alone> {
+        if !self.fits(state) {
+            return None;
+        }
         Some(match (self, state) {
             (Params::FixedWindow { limit, window }, Slot::Window { state, .. }) => alone(
                 FixedWindow {
@@ -486,7 +495,7 @@ impl Params {
                 Params::SlidingWindow {
                     limit,
                     window,
-                    sub_windows: sub_windows @ (0 | 1),
+                    sub_windows,
                 },
                 Slot::Counter { state, .. },
             ) => alone(
@@ -506,7 +515,7 @@ impl Params {
                     sub_windows,
                 },
                 Slot::Ring { state, .. },
-            ) if *sub_windows > 1 && state.counts.len() as u64 == *sub_windows + 1 => alone(
+            ) => alone(
                 SlidingWindow {
                     limit: *limit,
                     window: *window,
@@ -581,6 +590,7 @@ impl Params {
                 now,
                 cost,
             ),
+            // `fits` said no above.
             _ => return None,
         })
     }

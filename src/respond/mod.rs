@@ -105,7 +105,6 @@ impl Responder {
 
     /// The store failed, or was not asked (the breaker is open): the failure mode
     /// decides, or answers without a decision.
-    #[cold]
     #[inline(never)]
     fn plan_without_store(
         &self,
@@ -188,7 +187,6 @@ impl Responder {
 
     /// A shadow layer's plan: never denies; what it would have done is reported, nothing
     /// else.
-    #[cold]
     #[inline(never)]
     fn plan_shadow(
         &self,

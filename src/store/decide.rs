@@ -73,12 +73,7 @@ fn decide_alone(policy: &Policy, slot: &mut Slot, now: u64, cost: u64) -> Option
 
 /// [`decide`] for any set: several policies, shadow policies, penalties.
 #[inline(never)]
-pub(crate) fn decide_all(
-    policies: &[Policy],
-    slots: &mut [Slot],
-    now: u64,
-    cost: u64,
-) -> (Decision, u64) {
+fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (Decision, u64) {
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
     if !penalties.is_empty() {
@@ -350,67 +345,195 @@ mod tests {
     use super::*;
     use crate::Rate;
 
-    /// One policy of every algorithm (both sliding-window state kinds, both leaky buckets).
-    fn every_algorithm() -> Vec<Policy> {
-        let second = Duration::from_secs(1);
+    /// One policy of every algorithm (both sliding-window state kinds, both leaky buckets),
+    /// of `limit` units over `seconds`.
+    fn every_algorithm(limit: u64, seconds: u64) -> Vec<Policy> {
+        let window = Duration::from_secs(seconds);
+        let rate = Rate::new(limit, window);
         vec![
-            Policy::fixed_window("fw", 5, second).unwrap(),
-            Policy::sliding_log("sl", 5, second).unwrap(),
-            Policy::sliding_window("sw", 5, second).unwrap(),
-            Policy::sliding_window_split("ring", 5, second, 4).unwrap(),
-            Policy::token_bucket("tb", 5, Rate::per_second(3)).unwrap(),
-            Policy::leaky_bucket("lp", 5, Rate::per_second(3)).unwrap(),
-            Policy::leaky_bucket_shaping("ls", Rate::per_second(3), second).unwrap(),
-            Policy::gcra("gc", Rate::per_second(3), 5).unwrap(),
-            Policy::concurrency("if", 3).unwrap(),
+            Policy::fixed_window("fw", limit, window).unwrap(),
+            Policy::sliding_log("sl", limit, window).unwrap(),
+            Policy::sliding_window("sw", limit, window).unwrap(),
+            Policy::sliding_window_split("ring", limit, window, 4).unwrap(),
+            Policy::token_bucket("tb", limit, rate).unwrap(),
+            Policy::leaky_bucket("lp", limit, rate).unwrap(),
+            Policy::leaky_bucket_shaping("ls", rate, window).unwrap(),
+            Policy::gcra("gc", rate, limit).unwrap(),
+            Policy::concurrency("if", limit).unwrap(),
+        ]
+    }
+
+    /// What a step of the run does to both copies.
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// Decides `cost` units `gap` nanoseconds after the last step (time may go back).
+        Decide { gap: i64, cost: u64 },
+        /// Settles the last admitted request's units to `actual`.
+        Settle { actual: u64 },
+        /// Frees the last admitted request's units (in-flight slots).
+        Release,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            6 => (-50_000_000i64..400_000_000, 0u64..8)
+                .prop_map(|(gap, cost)| Step::Decide { gap, cost }),
+            1 => (any::<i64>(), prop_oneof![Just(u64::MAX), Just(u64::MAX / 2), 1_000u64..1_000_000])
+                .prop_map(|(gap, cost)| Step::Decide { gap: gap >> 4, cost }),
+            1 => (0u64..8).prop_map(|actual| Step::Settle { actual }),
+            1 => Just(Step::Release),
         ]
     }
 
     proptest! {
-        /// The one-policy path answers as the general one does, and leaves the same state:
-        /// every algorithm, through any run of requests (costs 0 to 7, some never fitting),
-        /// each step the same decision, statuses, receipt and freshness.
+        /// The one-policy path answers as the general one does and leaves the same state:
+        /// every algorithm, any limit and window, through any run of requests (time going
+        /// back and leaping ahead, costs that never fit, settles and releases between
+        /// them), each step the same decision, statuses, receipt and freshness.
         #[test]
         fn one_policy_path_is_the_general_path(
-            steps in proptest::collection::vec((0u64..400_000_000, 0u64..8), 1..60),
+            limit in 1u64..50,
+            seconds in 1u64..120,
+            steps in proptest::collection::vec(step(), 1..60),
         ) {
-            for policy in every_algorithm() {
+            for policy in every_algorithm(limit, seconds) {
                 let mut fast = [policy.params().new_slot(policy.id())];
                 let mut general = fast.clone();
                 let set = [policy.clone()];
-                let mut now = 1_000_000_000;
-                for &(gap, cost) in &steps {
-                    now += gap;
-                    let quick = decide(&set, &mut fast, now, cost);
-                    let slow = decide_all(&set, &mut general, now, cost);
-                    prop_assert_eq!(&quick, &slow, "{} at {} cost {}", policy.name(), now, cost);
+                let mut now: u64 = 1 << 40;
+                let mut last: Option<(u64, Decision)> = None;
+                for step in &steps {
+                    match *step {
+                        Step::Decide { gap, cost } => {
+                            now = now.saturating_add_signed(gap);
+                            let quick = decide(&set, &mut fast, now, cost);
+                            let slow = decide_all(&set, &mut general, now, cost);
+                            prop_assert_eq!(&quick, &slow, "{} at {} cost {}", policy.name(), now, cost);
+                            if quick.0.is_allowed() {
+                                last = Some((cost, quick.0));
+                            }
+                        }
+                        Step::Settle { .. } | Step::Release if last.is_some() => {
+                            let (cost, decision) = last.take().unwrap();
+                            let adjustment = match *step {
+                                Step::Settle { actual } => {
+                                    Adjustment::settle(cost, actual, decision.receipt())
+                                }
+                                _ => Adjustment::release(cost, decision.receipt()),
+                            };
+                            let quick = adjust(&set, &mut fast, now, &adjustment);
+                            let slow = adjust(&set, &mut general, now, &adjustment);
+                            prop_assert_eq!(quick, slow);
+                        }
+                        _ => {}
+                    }
                     prop_assert_eq!(&fast, &general, "{}", policy.name());
                 }
             }
         }
     }
 
-    /// A state of another kind (the policy changed algorithm under the same id) is left to
-    /// the general path, which replaces it; a shadow policy and a penalty take it too.
+    /// Every slot of the wrong kind (another algorithm's, a counter of another number of
+    /// sub-windows, a penalty's) is left untouched by the one-policy path and replaced by
+    /// the general one, so `decide` still answers as `decide_all`; a slot of the right
+    /// kind is always decided by the one-policy path (it is the common request's).
     #[test]
-    fn the_one_policy_path_leaves_what_it_does_not_cover() {
-        let bucket = Policy::token_bucket("x", 5, Rate::per_second(1)).unwrap();
-        let window = Policy::fixed_window("x", 5, Duration::from_secs(1)).unwrap();
-        let mut slot = window.params().new_slot(bucket.id());
-        assert_eq!(bucket.params().decide_alone(&mut slot, 1, 1), None);
-        assert_eq!(slot, window.params().new_slot(bucket.id()), "untouched");
-        let (decision, _) = decide(
-            std::slice::from_ref(&bucket),
-            std::slice::from_mut(&mut slot),
-            1,
-            1,
+    fn the_one_policy_path_takes_exactly_the_slots_that_fit() {
+        let policies = every_algorithm(5, 1);
+        let mut slots: Vec<Slot> = policies
+            .iter()
+            .map(|policy| policy.params().new_slot(7))
+            .collect();
+        slots.push(
+            Policy::sliding_window_split("ring", 5, Duration::from_secs(1), 2)
+                .unwrap()
+                .params()
+                .new_slot(7),
         );
-        assert!(decision.is_allowed());
-        assert!(matches!(slot, Slot::Bucket { .. }), "replaced: {slot:?}");
+        slots.push(Slot::Penalty {
+            id: 7,
+            state: Box::default(),
+        });
+        // Which slot fits which policy: its own kind only (the three buckets share one),
+        // and a counter only with its own number of counts.
+        let kinds = [
+            "fw", "sl", "sw", "ring", "tb", "lp", "ls", "gc", "if", "ring2", "penalty",
+        ];
+        for policy in &policies {
+            let fitting: Vec<&str> = slots
+                .iter()
+                .zip(kinds)
+                .filter(|(slot, _)| policy.params().fits(slot))
+                .map(|(_, kind)| kind)
+                .collect();
+            let expected: &[&str] = match policy.name() {
+                "tb" | "lp" | "ls" => &["tb", "lp", "ls"],
+                own => &[own][..],
+            };
+            assert_eq!(fitting, expected, "{}", policy.name());
+        }
+        for policy in &policies {
+            let params = policy.params();
+            let mut taken = 0;
+            for slot in &slots {
+                let mut alone = slot.clone();
+                let answer = params.decide_alone(&mut alone, 1_000, 1);
+                assert_eq!(
+                    answer.is_some(),
+                    params.fits(slot),
+                    "{} on {slot:?}",
+                    policy.name()
+                );
+                if answer.is_none() {
+                    assert_eq!(
+                        &alone,
+                        slot,
+                        "{}: a slot that does not fit is untouched",
+                        policy.name()
+                    );
+                } else {
+                    taken += 1;
+                }
+                let set = std::slice::from_ref(policy);
+                let (mut quick, mut slow) = ([slot.clone()], [slot.clone()]);
+                assert_eq!(
+                    decide(set, &mut quick, 1_000, 1),
+                    decide_all(set, &mut slow, 1_000, 1),
+                    "{} on {slot:?}",
+                    policy.name()
+                );
+                assert_eq!(quick, slow);
+                assert!(
+                    params.fits(&quick[0]),
+                    "{}: replaced by a slot that fits",
+                    policy.name()
+                );
+            }
+            // Its own fresh slot, and (for both leaky buckets and the token bucket) the
+            // other bucket kinds' slots, which are the same state.
+            assert!(
+                taken >= 1,
+                "{}: the one-policy path is taken",
+                policy.name()
+            );
+        }
+    }
 
-        let shadow = bucket.shadow();
-        let mut slots = [shadow.params().new_slot(shadow.id())];
-        let (decision, _) = decide(std::slice::from_ref(&shadow), &mut slots, 1, 6);
-        assert!(decision.is_allowed(), "a shadow policy never denies");
+    /// A shadow policy alone goes the general way: it never denies, and is not debited
+    /// when it would have denied.
+    #[test]
+    fn a_shadow_policy_alone_is_decided_by_the_general_path() {
+        let shadow = Policy::token_bucket("x", 5, Rate::per_second(1))
+            .unwrap()
+            .shadow();
+        let set = std::slice::from_ref(&shadow);
+        let mut quick = [shadow.params().new_slot(shadow.id())];
+        let mut slow = quick.clone();
+        for cost in [3, 3, 6, 1] {
+            let decision = decide(set, &mut quick, 1, cost);
+            assert!(decision.0.is_allowed(), "a shadow policy never denies");
+            assert_eq!(decision, decide_all(set, &mut slow, 1, cost));
+            assert_eq!(quick, slow);
+        }
     }
 }
