@@ -68,11 +68,16 @@ done
 
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 echo
-echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) |"
-echo "|---|---|---|"
+# With governor in the run, each variant's rounds faster than governor's same round: a
+# paired count, which the machine's drift between rounds does not blur as it does medians.
+echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) | rounds ahead of governor |"
+echo "|---|---|---|---|"
 for variant in $VARIANTS; do
   rps=$(awk -v v="$variant" '$2 == v {print $3}' "$results" | median)
   ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v {rps[$1] = $3}
     END {for (r in rps) if (base[r] > 0) printf "%.4f\n", rps[r] / base[r]}' "$results" | median)
-  printf "| %s | %.0f | %.3f |\n" "$variant" "$rps" "$ratio"
+  ahead=$(awk -v v="$variant" '$2 == "governor" {g[$1] = $3} $2 == v {rps[$1] = $3}
+    END {n = 0; a = 0; for (r in rps) if (r in g) {n++; if (rps[r] > g[r]) a++}
+      if (n == 0 || v == "governor") print "-"; else printf "%d of %d\n", a, n}' "$results")
+  printf "| %s | %.0f | %.3f | %s |\n" "$variant" "$rps" "$ratio" "$ahead"
 done

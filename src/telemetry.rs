@@ -19,10 +19,23 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::store::{StoreError, StoreErrorKind};
 
-/// One decision under `policies`.
-#[inline]
+/// One decision under `policies`. An admitted request with no shadow denial, the common
+/// one, logs nothing: it pays one test here, not a call.
+#[inline(always)]
 pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     #[cfg(feature = "metrics")]
+    count_decision(policies, decision);
+    #[cfg(feature = "tracing")]
+    if matches!(decision.outcome(), Outcome::Denied { .. }) || decision.shadow_mask() != 0 {
+        log_decision(policies, decision, key);
+    }
+    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+    let _ = (policies, decision);
+    let _ = key;
+}
+
+#[cfg(feature = "metrics")]
+fn count_decision(policies: &PolicySet, decision: &Decision) {
     for (index, policy) in policies.iter().enumerate() {
         let outcome = match decision.outcome() {
             _ if decision.is_shadow_denied(index) => "shadow_denied",
@@ -34,7 +47,12 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
         metrics::counter!("tollgate_decisions_total", "policy" => policy.name().to_owned(), "outcome" => outcome)
             .increment(1);
     }
-    #[cfg(feature = "tracing")]
+}
+
+/// A denial (debug) and each shadow policy that would have denied (info).
+#[cfg(feature = "tracing")]
+#[inline(never)]
+fn log_decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     if let Outcome::Denied {
         policy,
         retry_after,
@@ -48,22 +66,16 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
             "rate limited"
         );
     }
-    #[cfg(feature = "tracing")]
-    if decision.shadow_mask() != 0 {
-        for index in decision.shadow_denied() {
-            if let Some(policy) = policies.get(index) {
-                tracing::info!(
-                    target: "tollgate",
-                    key = %key,
-                    policy = policy.name(),
-                    "shadow policy would have denied"
-                );
-            }
+    for index in decision.shadow_denied() {
+        if let Some(policy) = policies.get(index) {
+            tracing::info!(
+                target: "tollgate",
+                key = %key,
+                policy = policy.name(),
+                "shadow policy would have denied"
+            );
         }
     }
-    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
-    let _ = (policies, decision);
-    let _ = key;
 }
 
 /// A shadow layer would have denied: the policy that would have, and the key.
