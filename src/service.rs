@@ -279,15 +279,7 @@ where
             },
         )
     }
-}
 
-impl<S, St, K, C, R> RateLimit<S, St, K, C, R>
-where
-    St: Store,
-    K: KeyExtractor,
-    C: Cost,
-    R: PolicyResolver,
-{
     /// Answers as `plan` says, keeping the debit until the response when the plan carries
     /// it (to settle it, or to free in-flight slots), whoever decided: the store or the
     /// local fallback (the breaker open or the store failing).

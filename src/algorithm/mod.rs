@@ -235,6 +235,15 @@ pub(crate) trait Steps<S: ?Sized> {
     fn commit(&self, state: &mut S, now: u64, cost: u64);
     fn snapshot(&self, state: &S, now: u64) -> Snapshot;
     fn effective_window(&self, state: &S, now: u64, remaining: u64) -> u64;
+
+    /// Every step of one policy deciding alone (see [`alone`]).
+    #[inline]
+    fn alone(self, state: &mut S, now: u64, cost: u64) -> Alone
+    where
+        Self: Sized,
+    {
+        alone(self, state, now, cost)
+    }
 }
 
 macro_rules! steps {
@@ -266,6 +275,8 @@ macro_rules! steps {
 
 steps!(FixedWindow, WindowState);
 steps!(SlidingLog, LogState);
+// The log's slot holds it boxed.
+steps!(SlidingLog, Box<LogState>);
 steps!(SlidingWindow, CounterState<C>, C: AsRef<[u64]>, AsMut<[u64]>);
 steps!(TokenBucket, BucketState);
 steps!(LeakyShape, BucketState);
@@ -472,127 +483,8 @@ impl Params {
         if !self.fits(state) {
             return None;
         }
-        Some(match (self, state) {
-            (Params::FixedWindow { limit, window }, Slot::Window { state, .. }) => alone(
-                FixedWindow {
-                    limit: *limit,
-                    window: *window,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (Params::SlidingLog { limit, window }, Slot::Log { state, .. }) => alone(
-                SlidingLog {
-                    limit: *limit,
-                    window: *window,
-                },
-                &mut **state,
-                now,
-                cost,
-            ),
-            (
-                Params::SlidingWindow {
-                    limit,
-                    window,
-                    sub_windows,
-                },
-                Slot::Counter { state, .. },
-            ) => alone(
-                SlidingWindow {
-                    limit: *limit,
-                    window: *window,
-                    sub_windows: *sub_windows,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (
-                Params::SlidingWindow {
-                    limit,
-                    window,
-                    sub_windows,
-                },
-                Slot::Ring { state, .. },
-            ) => alone(
-                SlidingWindow {
-                    limit: *limit,
-                    window: *window,
-                    sub_windows: *sub_windows,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (
-                Params::TokenBucket {
-                    capacity,
-                    amount,
-                    period,
-                }
-                | Params::LeakyPolice {
-                    capacity,
-                    amount,
-                    period,
-                },
-                Slot::Bucket { state, .. },
-            ) => alone(
-                TokenBucket {
-                    capacity: *capacity,
-                    amount: *amount,
-                    period: *period,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (
-                Params::LeakyShape {
-                    amount,
-                    period,
-                    max_delay,
-                },
-                Slot::Bucket { state, .. },
-            ) => alone(
-                LeakyShape {
-                    amount: *amount,
-                    period: *period,
-                    max_delay: *max_delay,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (
-                Params::Gcra {
-                    burst,
-                    amount,
-                    period,
-                },
-                Slot::Gcra { state, .. },
-            ) => alone(
-                Gcra {
-                    burst: *burst,
-                    amount: *amount,
-                    period: *period,
-                },
-                state,
-                now,
-                cost,
-            ),
-            (Params::InFlight { limit, lease }, Slot::InFlight { state, .. }) => alone(
-                InFlight {
-                    limit: *limit,
-                    lease: *lease,
-                },
-                state,
-                now,
-                cost,
-            ),
-            // `fits` said no above.
-            _ => return None,
-        })
+        // `fits` said yes: the mismatch arm is not reached.
+        Some(dispatch!(self, state, alone(now, cost), return None))
     }
 
     #[inline]
