@@ -58,7 +58,10 @@ for round in $(seq "$ROUNDS"); do
     pid=$!
     for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$PORT/" && break; sleep 0.05; done
     if [ "${PIN:-0}" = 1 ]; then wrk=(taskset -c 1 wrk); else wrk=(wrk); fi
-    rps=$("${wrk[@]}" -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}')
+    # A round that served nothing (wrk failed, the server died) counts as 0 and is left
+    # out of the ratios and the counts below.
+    rps=$("${wrk[@]}" -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}') || true
+    rps=${rps:-0}
     non2xx=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
     echo "round $round $variant $rps (status after load: $non2xx)" >&2
@@ -73,11 +76,11 @@ echo
 echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) | rounds ahead of governor |"
 echo "|---|---|---|---|"
 for variant in $VARIANTS; do
-  rps=$(awk -v v="$variant" '$2 == v {print $3}' "$results" | median)
-  ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v {rps[$1] = $3}
+  rps=$(awk -v v="$variant" '$2 == v && $3 > 0 {print $3}' "$results" | median)
+  ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
     END {for (r in rps) if (base[r] > 0) printf "%.4f\n", rps[r] / base[r]}' "$results" | median)
-  ahead=$(awk -v v="$variant" '$2 == "governor" {g[$1] = $3} $2 == v {rps[$1] = $3}
-    END {n = 0; a = 0; for (r in rps) if (r in g) {n++; if (rps[r] > g[r]) a++}
+  ahead=$(awk -v v="$variant" '$2 == "governor" && $3 > 0 {g[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
+    END {n = 0; a = 0; for (r in rps) if (r in g) {n++; if (rps[r] + 0 > g[r] + 0) a++}
       if (n == 0 || v == "governor") print "-"; else printf "%d of %d\n", a, n}' "$results")
   printf "| %s | %.0f | %.3f | %s |\n" "$variant" "$rps" "$ratio" "$ahead"
 done

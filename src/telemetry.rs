@@ -20,7 +20,8 @@ use crate::policy::PolicySet;
 use crate::store::{StoreError, StoreErrorKind};
 
 /// One decision under `policies`. An admitted request with no shadow denial, the common
-/// one, logs nothing: it pays one test here, not a call.
+/// one, logs nothing: it pays one test here, not a call (and, with the `metrics` feature,
+/// its count).
 #[inline(always)]
 pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     #[cfg(feature = "metrics")]
@@ -65,6 +66,9 @@ fn log_decision(policies: &PolicySet, decision: &Decision, key: &Key) {
             retry_after_ms = retry_after.as_millis() as u64,
             "rate limited"
         );
+    }
+    if decision.shadow_mask() == 0 {
+        return;
     }
     for index in decision.shadow_denied() {
         if let Some(policy) = policies.get(index) {

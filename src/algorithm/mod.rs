@@ -274,7 +274,6 @@ macro_rules! steps {
 }
 
 steps!(FixedWindow, WindowState);
-steps!(SlidingLog, LogState);
 // The log's slot holds it boxed.
 steps!(SlidingLog, Box<LogState>);
 steps!(SlidingWindow, CounterState<C>, C: AsRef<[u64]>, AsMut<[u64]>);
