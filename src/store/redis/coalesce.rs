@@ -6,6 +6,7 @@
 //! batching).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::oneshot;
@@ -28,7 +29,15 @@ const SHARDS: usize = 16;
 type Id = String;
 type Answer = Result<Decision, StoreError>;
 /// One shard: the identities with a call in flight, each with what queues behind it.
-type Shard = Mutex<HashMap<Id, Vec<Waiter>>>;
+type Shard = Mutex<HashMap<Id, Queue>>;
+
+/// What queues behind one leader's call, and which leader that is: a leader's drain
+/// (or its failure) takes only from its own queue, never from the next leader's of the
+/// same identity, which may have joined the moment the identity was free again.
+struct Queue {
+    leader: u64,
+    waiters: Vec<Waiter>,
+}
 
 struct Waiter {
     cost: u64,
@@ -38,6 +47,8 @@ struct Waiter {
 /// The identities with a call in flight, each with the decisions queued behind it.
 pub(super) struct Coalescer {
     shards: Box<[Shard]>,
+    /// The next leader's number.
+    leaders: AtomicU64,
 }
 
 /// What [`Coalescer::join`] made of a decision.
@@ -55,10 +66,11 @@ impl Coalescer {
     pub(super) fn new() -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            leaders: AtomicU64::new(0),
         }
     }
 
-    fn shard(&self, id: &Id) -> std::sync::MutexGuard<'_, HashMap<Id, Vec<Waiter>>> {
+    fn shard(&self, id: &Id) -> std::sync::MutexGuard<'_, HashMap<Id, Queue>> {
         use std::hash::BuildHasher;
         let hash = foldhash::fast::FixedState::default().hash_one(id);
         let shard = &self.shards[(hash as usize) % SHARDS];
@@ -71,39 +83,49 @@ impl Coalescer {
     pub(super) fn join(self: &Arc<Self>, id: String, cost: u64) -> Joined {
         let mut shard = self.shard(&id);
         if let Some(queue) = shard.get_mut(&id) {
-            if queue.len() >= MAX_QUEUE {
+            let waiters = &mut queue.waiters;
+            if waiters.len() >= MAX_QUEUE {
                 // Requests that timed out while they waited leave room.
-                queue.retain(|waiter| !waiter.answer.is_closed());
-                if queue.len() >= MAX_QUEUE {
+                waiters.retain(|waiter| !waiter.answer.is_closed());
+                if waiters.len() >= MAX_QUEUE {
                     return Joined::Alone;
                 }
             }
             let (answer, receiver) = oneshot::channel();
-            queue.push(Waiter { cost, answer });
+            waiters.push(Waiter { cost, answer });
             return Joined::Follower(receiver);
         }
-        shard.insert(id.clone(), Vec::new());
+        let leader = self.leaders.fetch_add(1, Ordering::Relaxed);
+        shard.insert(
+            id.clone(),
+            Queue {
+                leader,
+                waiters: Vec::new(),
+            },
+        );
         drop(shard);
         Joined::Leader(Lead {
             coalescer: Arc::clone(self),
             id: Some(id),
+            leader,
             batch: None,
         })
     }
 
-    /// The next batch for `id`, or `None` (and `id` has no call in flight any more) when
-    /// nothing queued.
-    fn next_batch(&self, id: &Id) -> Option<Vec<Waiter>> {
+    /// The next batch queued behind `leader`'s call for `id`, or `None` (and `id` has no
+    /// call in flight any more) when nothing queued. `None` too, touching nothing, when
+    /// `id` is another leader's now.
+    fn next_batch(&self, id: &Id, leader: u64) -> Option<Vec<Waiter>> {
         let mut shard = self.shard(id);
-        let queue = shard.get_mut(id)?;
+        let queue = shard.get_mut(id).filter(|queue| queue.leader == leader)?;
         // Waiters whose request is gone are not decided (nor debited).
-        queue.retain(|waiter| !waiter.answer.is_closed());
-        if queue.is_empty() {
+        queue.waiters.retain(|waiter| !waiter.answer.is_closed());
+        if queue.waiters.is_empty() {
             shard.remove(id);
             return None;
         }
-        let take = queue.len().min(MAX_BATCH);
-        Some(queue.drain(..take).collect())
+        let take = queue.waiters.len().min(MAX_BATCH);
+        Some(queue.waiters.drain(..take).collect())
     }
 }
 
@@ -123,6 +145,8 @@ pub(super) struct Batch {
 pub(super) struct Lead {
     coalescer: Arc<Coalescer>,
     id: Option<Id>,
+    /// This leader's number: what queues behind it is its own.
+    leader: u64,
     batch: Option<Batch>,
 }
 
@@ -143,6 +167,7 @@ impl Drop for Lead {
             fail_all(
                 &coalescer,
                 &id,
+                self.leader,
                 "the decision leading a batch could not be sent",
             );
             return;
@@ -150,22 +175,30 @@ impl Drop for Lead {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 // Nothing queued: done here, no task.
-                let Some(first) = coalescer.next_batch(&id) else {
+                let Some(first) = coalescer.next_batch(&id, self.leader) else {
                     return;
                 };
                 let draining = Draining {
                     coalescer: Arc::clone(&coalescer),
                     id: id.clone(),
+                    leader: self.leader,
                 };
                 runtime.spawn(drain(draining, batch, first));
             }
-            Err(_) => fail_all(&coalescer, &id, "no Tokio runtime to send a batch on"),
+            Err(_) => fail_all(
+                &coalescer,
+                &id,
+                self.leader,
+                "no Tokio runtime to send a batch on",
+            ),
         }
     }
 }
 
-fn fail_all(coalescer: &Coalescer, id: &Id, message: &str) {
-    while let Some(waiters) = coalescer.next_batch(id) {
+/// Fails what queues behind `leader`'s call for `id` (nothing once the identity is free,
+/// or another leader's).
+fn fail_all(coalescer: &Coalescer, id: &Id, leader: u64, message: &str) {
+    while let Some(waiters) = coalescer.next_batch(id, leader) {
         for waiter in waiters {
             let _ = waiter
                 .answer
@@ -185,6 +218,7 @@ const DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
 struct Draining {
     coalescer: Arc<Coalescer>,
     id: Id,
+    leader: u64,
 }
 
 impl Drop for Draining {
@@ -192,6 +226,7 @@ impl Drop for Draining {
         fail_all(
             &self.coalescer,
             &self.id,
+            self.leader,
             "the batch for this decision was not sent",
         );
     }
@@ -202,7 +237,7 @@ async fn drain(draining: Draining, batch: Batch, first: Vec<Waiter>) {
     let mut waiters = Some(first);
     while let Some(current) = waiters
         .take()
-        .or_else(|| draining.coalescer.next_batch(&draining.id))
+        .or_else(|| draining.coalescer.next_batch(&draining.id, draining.leader))
     {
         send(&batch, current).await;
     }
@@ -269,5 +304,52 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
                 let _ = waiter.answer.send(Err(copy));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drain that ends (nothing queued: the identity is free) must not fail what queues
+    /// behind the next leader of that identity, which may have joined before the drain's
+    /// task let go of its hold.
+    #[test]
+    fn a_finished_drain_leaves_the_next_leaders_queue_alone() {
+        let coalescer = Arc::new(Coalescer::new());
+        let id = "burst".to_owned();
+        let Joined::Leader(first) = coalescer.join(id.clone(), 1) else {
+            panic!("the first decision leads");
+        };
+        let draining = Draining {
+            coalescer: Arc::clone(&coalescer),
+            id: id.clone(),
+            leader: first.leader,
+        };
+        // The drain's last look: nothing queued, the identity is free again.
+        assert!(coalescer.next_batch(&id, first.leader).is_none());
+        // Before the drain's task lets go, a new leader and a follower behind it.
+        let Joined::Leader(second) = coalescer.join(id.clone(), 1) else {
+            panic!("the identity was free: the next decision leads");
+        };
+        let Joined::Follower(mut answer) = coalescer.join(id.clone(), 1) else {
+            panic!("queued behind the new leader");
+        };
+        drop(draining);
+        assert!(
+            matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the new leader's follower was answered by the old drain"
+        );
+        // The first leader's own hold (its call long done) touches nothing either.
+        drop(first);
+        assert!(
+            matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            "the new leader's follower was answered by the first leader"
+        );
+        drop(second);
+        assert!(
+            matches!(answer.try_recv(), Ok(Err(_))),
+            "the new leader, dropped without a batch, fails its own follower"
+        );
     }
 }
