@@ -340,7 +340,8 @@ mod tests {
             matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
             "the new leader's follower was answered by the old drain"
         );
-        // The first leader's own hold (its call long done) touches nothing either.
+        // Nor does a leader number that is not the queue's (a guard against a later change
+        // that would let one leader's hold reach another's queue).
         drop(first);
         assert!(
             matches!(answer.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
@@ -351,5 +352,7 @@ mod tests {
             matches!(answer.try_recv(), Ok(Err(_))),
             "the new leader, dropped without a batch, fails its own follower"
         );
+        // And the identity is free again: nothing is left registered.
+        assert!(matches!(coalescer.join(id, 1), Joined::Leader(_)));
     }
 }
