@@ -373,6 +373,24 @@ enum Variant {
     MinimalDigits,
 }
 
+impl Variant {
+    /// Called with `FCALL` (a function of a library), not `EVALSHA`.
+    fn is_function(self) -> bool {
+        matches!(
+            self,
+            Variant::Functions | Variant::MinimalFunction | Variant::MinimalDigits
+        )
+    }
+
+    /// One of the minimal scripts (not tollgate's).
+    fn is_minimal(self) -> bool {
+        matches!(
+            self,
+            Variant::Minimal | Variant::MinimalFunction | Variant::MinimalDigits
+        )
+    }
+}
+
 /// Loads `source` (a minimal script) as the one function of a library of its own, named
 /// `minimal_<index>`, and returns the function's name.
 fn load_function(connection: &mut redis::Connection, index: usize, source: &str) -> String {
@@ -439,10 +457,7 @@ fn measure(
             } else {
                 case.params[2]
             };
-            let command = if matches!(
-                variant,
-                Variant::Functions | Variant::MinimalFunction | Variant::MinimalDigits
-            ) {
+            let command = if variant.is_function() {
                 pipe.cmd("FCALL").arg(sha)
             } else {
                 pipe.cmd("EVALSHA").arg(sha)
@@ -502,14 +517,7 @@ fn measure(
             )
         });
         // Every call admitted: outcome 0 for tollgate, allowed 1 for the minimal scripts.
-        let admitted = if matches!(
-            variant,
-            Variant::Minimal | Variant::MinimalFunction | Variant::MinimalDigits
-        ) {
-            1
-        } else {
-            0
-        };
+        let admitted = if variant.is_minimal() { 1 } else { 0 };
         assert!(
             replies.iter().all(|reply| reply.first() == Some(&admitted)),
             "{}: a call was not admitted: {:?}",
@@ -524,10 +532,7 @@ fn measure(
         .query(connection)
         .expect("INFO commandstats");
     // "cmdstat_evalsha:calls=20000,usec=261234,usec_per_call=13.06,..."
-    let command = if matches!(
-        variant,
-        Variant::Functions | Variant::MinimalFunction | Variant::MinimalDigits
-    ) {
+    let command = if variant.is_function() {
         "cmdstat_fcall:"
     } else {
         "cmdstat_evalsha:"

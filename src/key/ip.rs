@@ -196,11 +196,10 @@ impl ClientIp {
         }
     }
 
+    /// `group` for the rest: an IPv4 address under a shorter prefix, or an IPv6 address.
     #[inline(never)]
     fn group_by_prefix(&self, ip: IpAddr) -> Key {
         Key::from_compact(match ip {
-            // `group` answers this case itself; kept so that this answers every address.
-            IpAddr::V4(v4) if self.ipv4_prefix == 32 => ipv4_key(v4),
             IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
             IpAddr::V4(v4) => match Ipv4Net::new(v4, self.ipv4_prefix) {
                 Ok(net) => format_compact!("ip:{}", net.trunc()),

@@ -717,7 +717,7 @@ impl RedisStore {
     /// The scripts write times with Lua's `string.format('%d')`, which goes through a C
     /// `long`: on a build where it has 32 bits (a 32-bit or a Windows build) every time
     /// would be written wrong, and the limits would not hold. The Functions library checks
-    /// at its first call (lua/bind.lua); the scripts do not (a check on every run would
+    /// at its first call (lua/check.lua); the scripts do not (a check on every run would
     /// cost the fallback about 5%), so it is checked here, once, on the node of `key`
     /// (a key of the start-up check, which the script does not touch: it routes the call,
     /// and the ACL allows it). Where the server cannot be reached, or refuses `EVAL` (an
