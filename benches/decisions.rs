@@ -68,38 +68,62 @@ fn decisions(c: &mut Criterion) {
     }
 }
 
-/// The clock's share of a decision: the default OS monotonic clock against the opt-in
-/// TSC clock, alone and inside a token-bucket decision over 10k keys.
+/// The clock's share of a decision: the default interpolated clock, the OS monotonic
+/// clock read every time, and the opt-in TSC clock, alone and inside a token-bucket
+/// decision over 10k keys.
 fn clocks(c: &mut Criterion) {
-    use tollgate::clock::{Clock, MonotonicClock, TscClock};
+    use tollgate::clock::{Clock, InterpolatedClock, MonotonicClock, TscClock};
     let mut group = c.benchmark_group("clock");
     group.throughput(Throughput::Elements(1));
+    let interpolated = InterpolatedClock::new();
     let monotonic = MonotonicClock::new();
     let tsc = TscClock::new();
-    group.bench_function("now/monotonic (default)", |b| {
-        b.iter(|| black_box(monotonic.now()))
+    group.bench_function("now/interpolated (default)", |b| {
+        b.iter(|| black_box(interpolated.now()))
     });
+    group.bench_function("now/monotonic", |b| b.iter(|| black_box(monotonic.now())));
     group.bench_function("now/tsc (opt-in)", |b| b.iter(|| black_box(tsc.now())));
     let keys = keys(10_000);
     let set = PolicySet::from(
         Policy::token_bucket("token_bucket", LIMIT, Rate::per_second(LIMIT)).unwrap(),
     );
-    let with_monotonic = MemoryStore::builder().clock(monotonic).build();
-    let with_tsc = MemoryStore::builder().clock(tsc).build();
+    let stores = [
+        (
+            "interpolated (default)",
+            MemoryStore::builder().build().into_dyn(),
+        ),
+        (
+            "monotonic",
+            MemoryStore::builder().clock(monotonic).build().into_dyn(),
+        ),
+        (
+            "tsc (opt-in)",
+            MemoryStore::builder().clock(tsc).build().into_dyn(),
+        ),
+    ];
     let mut i = 0;
-    group.bench_function("decide/monotonic (default)", |b| {
-        b.iter(|| {
-            i = (i + 1) % keys.len();
-            black_box(with_monotonic.check(&keys[i], &set, 1).is_allowed())
-        })
-    });
-    group.bench_function("decide/tsc (opt-in)", |b| {
-        b.iter(|| {
-            i = (i + 1) % keys.len();
-            black_box(with_tsc.check(&keys[i], &set, 1).is_allowed())
-        })
-    });
+    for (name, store) in &stores {
+        group.bench_function(format!("decide/{name}"), |b| {
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                black_box(store(&keys[i], &set))
+            })
+        });
+    }
     group.finish();
+}
+
+/// A store's synchronous check behind one type, whatever its clock.
+type Check = Box<dyn Fn(&str, &PolicySet) -> bool>;
+
+trait IntoDyn {
+    fn into_dyn(self) -> Check;
+}
+
+impl<C: tollgate::clock::Clock> IntoDyn for MemoryStore<C> {
+    fn into_dyn(self) -> Check {
+        Box::new(move |key, set| self.check(key, set, 1).is_allowed())
+    }
 }
 
 criterion_group! {
