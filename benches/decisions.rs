@@ -68,18 +68,18 @@ fn decisions(c: &mut Criterion) {
     }
 }
 
-/// The clock's share of a decision: the default interpolated clock, the OS monotonic
+/// The clock's share of a decision: the default carried clock, the OS monotonic
 /// clock read every time, and the opt-in TSC clock, alone and inside a token-bucket
 /// decision over 10k keys.
 fn clocks(c: &mut Criterion) {
-    use tollgate::clock::{Clock, InterpolatedClock, MonotonicClock, TscClock};
+    use tollgate::clock::{CarriedClock, Clock, MonotonicClock, TscClock};
     let mut group = c.benchmark_group("clock");
     group.throughput(Throughput::Elements(1));
-    let interpolated = InterpolatedClock::new();
+    let carried = CarriedClock::new();
     let monotonic = MonotonicClock::new();
     let tsc = TscClock::new();
-    group.bench_function("now/interpolated (default)", |b| {
-        b.iter(|| black_box(interpolated.now()))
+    group.bench_function("now/carried (default)", |b| {
+        b.iter(|| black_box(carried.now()))
     });
     group.bench_function("now/monotonic", |b| b.iter(|| black_box(monotonic.now())));
     group.bench_function("now/tsc (opt-in)", |b| b.iter(|| black_box(tsc.now())));
@@ -89,7 +89,7 @@ fn clocks(c: &mut Criterion) {
     );
     let stores = [
         (
-            "interpolated (default)",
+            "carried (default)",
             MemoryStore::builder().build().into_dyn(),
         ),
         (

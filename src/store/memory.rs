@@ -8,7 +8,7 @@ use compact_str::CompactString;
 
 use super::{Adjustment, DecideFuture, ResetFuture, Store};
 use crate::algorithm::Slot;
-use crate::clock::{Clock, InterpolatedClock};
+use crate::clock::{CarriedClock, Clock};
 use crate::decision::Decision;
 use crate::key::Key;
 use crate::policy::PolicySet;
@@ -52,7 +52,7 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// assert!(store.check("k", &policies, 1).is_allowed());
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
-pub struct MemoryStore<C: Clock = InterpolatedClock> {
+pub struct MemoryStore<C: Clock = CarriedClock> {
     shared: Arc<Shared<C>>,
 }
 
@@ -477,14 +477,14 @@ fn place(slots: &mut Vec<Slot>, index: usize, id: u32, make: impl FnOnce() -> Sl
 
 /// Builds a [`MemoryStore`] with a clock, a size bound and a shard count.
 #[derive(Debug)]
-pub struct MemoryStoreBuilder<C = InterpolatedClock> {
+pub struct MemoryStoreBuilder<C = CarriedClock> {
     clock: C,
     max_keys: usize,
     shards: usize,
 }
 
 impl MemoryStore {
-    /// A store with the default clock ([`InterpolatedClock`]) and the default bound.
+    /// A store with the default clock ([`CarriedClock`]) and the default bound.
     #[inline]
     pub fn new() -> Self {
         Self::builder().build()
@@ -494,7 +494,7 @@ impl MemoryStore {
     pub fn builder() -> MemoryStoreBuilder {
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         MemoryStoreBuilder {
-            clock: InterpolatedClock::new(),
+            clock: CarriedClock::new(),
             max_keys: DEFAULT_MAX_KEYS,
             shards: (cores * 8).next_power_of_two(),
         }
@@ -538,6 +538,9 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         }
         // A shard's index holds positions plus one in 32 bits.
         let shard_capacity = (self.max_keys / shards).min(u32::MAX as usize - 1);
+        // A first reading now, not on the first request: the default clock calibrates the
+        // CPU's counter on the first reading of the process.
+        self.clock.now();
         MemoryStore {
             shared: Arc::new(Shared {
                 shards: (0..shards)
