@@ -538,9 +538,8 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         }
         // A shard's index holds positions plus one in 32 bits.
         let shard_capacity = (self.max_keys / shards).min(u32::MAX as usize - 1);
-        // A first reading now, not on the first request: the default clock calibrates the
-        // CPU's counter on the first reading of the process.
-        self.clock.now();
+        // Now, not on the first request: the default clock calibrates the CPU's counter.
+        self.clock.prepare();
         MemoryStore {
             shared: Arc::new(Shared {
                 shards: (0..shards)
