@@ -28,7 +28,7 @@
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of monotonic time in nanoseconds.
@@ -132,9 +132,9 @@ impl Clock for MonotonicClock {
 /// moved forward (stopped, or another core's counter behind this one's). Between two OS
 /// readings the time is the last OS reading plus the counter's calibrated nanoseconds
 /// since. The counter carries only once it has kept the OS clock's pace: over every second
-/// or more between two OS readings of a thread, the counter's time is compared with the
-/// OS clock's. The first such check that finds the two within a factor of two lets the
-/// counter carry, in the whole process; two checks in a row on one thread that find them
+/// or more between two OS readings (by any threads of the process), the counter's time is
+/// compared with the OS clock's. The first such check that finds the two within a factor
+/// of two lets the counter carry, in the whole process; two checks in a row that find them
 /// further apart stop it for good (a warning is logged, with the `tracing` feature), and
 /// from then on every reading is the OS clock's. Until the first check, about a second
 /// into a busy process, every reading is the OS clock's too. So, whatever the counter
@@ -249,17 +249,9 @@ impl CarriedClock {
         let nanos = self.os_now();
         let after = counter.raw();
         let trust = self.trust();
-        let stopped = !trust.stopped()
-            && JUDGE.with(|cell| {
-                let mut judge = cell.get();
-                let stopped = judge.judge(
-                    (before, nanos, after),
-                    |from, to| counter.delta_as_nanos(from, to),
-                    trust,
-                );
-                cell.set(judge);
-                stopped
-            });
+        let stopped = trust.judge((before, nanos, after), |from, to| {
+            counter.delta_as_nanos(from, to)
+        });
         let reading = OsReading {
             nanos,
             ticks: after,
@@ -280,39 +272,64 @@ const JUDGE_NANOS: u64 = 1_000_000_000;
 const PAIR_NANOS: u64 = 50_000;
 
 /// Whether the counter may carry the time: unknown until it has kept the OS clock's pace
-/// over a second, then trusted until found off (or stopped by hand), for good.
-struct Trust(AtomicU8);
+/// over a second, then trusted until found off (or stopped by hand), for good. One for
+/// the process: any thread's OS readings judge it, so short-lived threads count too.
+struct Trust {
+    state: AtomicU8,
+    judge: Mutex<Judge>,
+}
 
 const UNKNOWN: u8 = 0;
 const TRUSTED: u8 = 1;
 const STOPPED: u8 = 2;
 
 impl Trust {
-    const fn new() -> Self {
-        Self(AtomicU8::new(UNKNOWN))
+    const fn new(state: u8) -> Self {
+        Self {
+            state: AtomicU8::new(state),
+            judge: Mutex::new(Judge::NONE),
+        }
+    }
+
+    fn state(&self) -> u8 {
+        self.state.load(Ordering::Relaxed)
     }
 
     fn carries(&self) -> bool {
-        self.0.load(Ordering::Relaxed) == TRUSTED
+        self.state() == TRUSTED
     }
 
     fn stopped(&self) -> bool {
-        self.0.load(Ordering::Relaxed) == STOPPED
+        self.state() == STOPPED
     }
 
     fn kept_pace(&self) {
         let _ = self
-            .0
+            .state
             .compare_exchange(UNKNOWN, TRUSTED, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Stops it; true when it was not stopped before.
     fn stop(&self) -> bool {
-        self.0.swap(STOPPED, Ordering::Relaxed) != STOPPED
+        self.state.swap(STOPPED, Ordering::Relaxed) != STOPPED
+    }
+
+    /// Judges the counter by an OS reading between two of the counter's (see
+    /// [`Judge::judge`]), unless another thread is judging it now. True when this call
+    /// stopped it.
+    fn judge(&self, pair: (u64, u64, u64), elapsed: impl Fn(u64, u64) -> u64) -> bool {
+        if self.stopped() {
+            return false;
+        }
+        // Poisoned or busy: this reading judges nothing (the judge panics nowhere).
+        let Ok(mut judge) = self.judge.try_lock() else {
+            return false;
+        };
+        judge.judge(pair, elapsed, self)
     }
 }
 
-static PROCESS_TRUST: Trust = Trust::new();
+static PROCESS_TRUST: Trust = Trust::new(UNKNOWN);
 
 /// One thread's last OS reading and what the counter showed then.
 #[derive(Debug, Clone, Copy)]
@@ -383,8 +400,8 @@ impl Carry {
     }
 }
 
-/// A thread's judge of the counter's pace: its reference OS reading, and how many
-/// judgements in a row found the counter off.
+/// The judge of the counter's pace: the reference OS reading, and how many judgements in a
+/// row found the counter off.
 #[derive(Debug, Clone, Copy)]
 struct Judge {
     nanos: u64,
@@ -439,7 +456,6 @@ impl Judge {
 
 thread_local! {
     static CARRY: Cell<Carry> = const { Cell::new(Carry::NONE) };
-    static JUDGE: Cell<Judge> = const { Cell::new(Judge::NONE) };
 }
 
 impl Clock for CarriedClock {
@@ -641,7 +657,7 @@ mod tests {
     fn fake_clock(trust: u8) -> (CarriedClock, Arc<quanta::Mock>, Arc<AtomicU64>, Arc<Trust>) {
         let (counter, mock) = quanta::Clock::mock();
         let os = Arc::new(AtomicU64::new(1_000_000_000));
-        let trust = Arc::new(Trust(AtomicU8::new(trust)));
+        let trust = Arc::new(Trust::new(trust));
         let (reader, ticking) = (Arc::clone(&os), Arc::clone(&mock));
         let clock = CarriedClock {
             fake: Some(Fake {
@@ -664,9 +680,8 @@ mod tests {
     /// with the trust starting as `trust`: (the time given, the OS clock, the last OS
     /// reading) for each, and the trust at the end.
     fn simulate(rate: f64, steps: &[(u64, i64)], trust: u8) -> (Vec<(u64, u64, u64)>, u8) {
-        let trust = Trust(AtomicU8::new(trust));
+        let trust = Trust::new(trust);
         let mut carry = Carry::NONE;
-        let mut judge = Judge::NONE;
         let (mut os, mut ticks, mut read_at) = (1_000_000_000_u64, 5_000_u64, 0_u64);
         let mut seen = Vec::new();
         for &(step, jump) in steps {
@@ -677,9 +692,7 @@ mod tests {
             let elapsed = |from: u64, to: u64| to.saturating_sub(from);
             let now = carry.now(ticks, elapsed, || {
                 read_at = os;
-                if !trust.stopped() {
-                    judge.judge((ticks, os, ticks), elapsed, &trust);
-                }
+                trust.judge((ticks, os, ticks), elapsed);
                 OsReading {
                     nanos: os,
                     ticks,
@@ -688,7 +701,7 @@ mod tests {
             });
             seen.push((now, os, read_at));
         }
-        (seen, trust.0.load(Ordering::SeqCst))
+        (seen, trust.state())
     }
 
     /// OS readings among `seen` (a reading's OS time changed, or it read at a standstill).
@@ -824,7 +837,7 @@ mod tests {
 
     #[test]
     fn a_pair_read_across_a_hold_up_judges_nothing() {
-        let trust = Trust::new();
+        let trust = Trust::new(UNKNOWN);
         let mut judge = Judge::NONE;
         let elapsed = |from: u64, to: u64| to.saturating_sub(from);
         assert!(!judge.judge((0, 1_000, 10), elapsed, &trust));
@@ -891,9 +904,9 @@ mod tests {
             };
             // The first reading is the reference; the second judges once.
             let readings = [step(), step()];
-            assert_eq!(trust.0.load(Ordering::SeqCst), UNKNOWN, "one bad judgement");
+            assert_eq!(trust.state(), UNKNOWN, "one bad judgement");
             let last = step();
-            assert_eq!(trust.0.load(Ordering::SeqCst), STOPPED);
+            assert_eq!(trust.state(), STOPPED);
             assert_eq!(readings[1] + 1_100_000_000, last, "the OS clock's time");
         })
         .join()
@@ -905,11 +918,23 @@ mod tests {
                 mock.increment(1_100_000_000);
                 clock.now();
             }
-            assert_eq!(trust.0.load(Ordering::SeqCst), TRUSTED);
+            assert_eq!(trust.state(), TRUSTED);
             assert!(trust.carries());
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn threads_that_live_less_than_a_second_judge_the_counter_together() {
+        let (clock, mock, os, trust) = fake_clock(UNKNOWN);
+        for _ in 0..3 {
+            let clock = clock.clone();
+            std::thread::spawn(move || clock.now()).join().unwrap();
+            os.fetch_add(600_000_000, Ordering::SeqCst);
+            mock.increment(600_000_000);
+        }
+        assert_eq!(trust.state(), TRUSTED);
     }
 
     #[test]
