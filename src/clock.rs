@@ -276,6 +276,9 @@ const PAIR_NANOS: u64 = 50_000;
 /// the process: any thread's OS readings judge it, so short-lived threads count too.
 struct Trust {
     state: AtomicU8,
+    /// The OS time from which the next judgement is due: before it, an OS reading does not
+    /// even try the judge's lock.
+    due: AtomicU64,
     judge: Mutex<Judge>,
 }
 
@@ -287,6 +290,7 @@ impl Trust {
     const fn new(state: u8) -> Self {
         Self {
             state: AtomicU8::new(state),
+            due: AtomicU64::new(0),
             judge: Mutex::new(Judge::NONE),
         }
     }
@@ -318,7 +322,7 @@ impl Trust {
     /// [`Judge::judge`]), unless another thread is judging it now. True when this call
     /// stopped it.
     fn judge(&self, pair: (u64, u64, u64), elapsed: impl Fn(u64, u64) -> u64) -> bool {
-        if self.stopped() {
+        if self.stopped() || pair.1 < self.due.load(Ordering::Relaxed) {
             return false;
         }
         // Poisoned or busy: this reading judges nothing (the judge panics nowhere).
@@ -434,6 +438,9 @@ impl Judge {
             // The first reading, or a counter that went back (another core's): start over.
             self.nanos = nanos;
             self.ticks = after;
+            trust
+                .due
+                .store(nanos.saturating_add(JUDGE_NANOS), Ordering::Relaxed);
             return false;
         }
         let os = nanos - self.nanos;
@@ -443,6 +450,9 @@ impl Judge {
         let counter = elapsed(self.ticks, after);
         self.nanos = nanos;
         self.ticks = after;
+        trust
+            .due
+            .store(nanos.saturating_add(JUDGE_NANOS), Ordering::Relaxed);
         if counter <= os.saturating_mul(2) && counter.saturating_mul(2) >= os {
             self.off_in_a_row = 0;
             trust.kept_pace();
