@@ -403,8 +403,14 @@ impl Carry {
                 reading.nanos
             }
         };
-        // A counter that ran fast gave times the OS clock has not reached yet: they stand
-        // until it does.
+        self.give(now)
+    }
+
+    /// Gives `now`, or the last time given on this thread if that is later: a counter
+    /// that ran fast gave times the OS clock has not reached yet, and they stand until it
+    /// does.
+    #[inline]
+    fn give(&mut self, now: u64) -> u64 {
         let now = now.max(self.last);
         self.last = now;
         now
@@ -443,11 +449,7 @@ impl Judge {
         }
         if self.nanos == 0 || after <= self.ticks || nanos < self.nanos {
             // The first reading, or a counter that went back (another core's): start over.
-            self.nanos = nanos;
-            self.ticks = after;
-            trust
-                .due
-                .store(nanos.saturating_add(JUDGE_NANOS), Ordering::Relaxed);
+            self.refer_to(nanos, after, trust);
             return false;
         }
         let os = nanos - self.nanos;
@@ -455,12 +457,8 @@ impl Judge {
             return false;
         }
         let counter = elapsed(self.ticks, after);
-        self.nanos = nanos;
-        self.ticks = after;
-        trust
-            .due
-            .store(nanos.saturating_add(JUDGE_NANOS), Ordering::Relaxed);
         if counter <= os.saturating_mul(2) && counter.saturating_mul(2) >= os {
+            self.refer_to(nanos, after, trust);
             self.off_in_a_row = 0;
             trust.kept_pace();
             false
@@ -473,6 +471,16 @@ impl Judge {
             self.off_in_a_row >= 2 && trust.stop()
         }
     }
+
+    /// Makes the reading at `nanos` (the counter at `ticks`) the reference; the next
+    /// judgement is due [`JUDGE_NANOS`] later.
+    fn refer_to(&mut self, nanos: u64, ticks: u64, trust: &Trust) {
+        self.nanos = nanos;
+        self.ticks = ticks;
+        trust
+            .due
+            .store(nanos.saturating_add(JUDGE_NANOS), Ordering::Relaxed);
+    }
 }
 
 thread_local! {
@@ -482,19 +490,18 @@ thread_local! {
 impl Clock for CarriedClock {
     #[inline]
     fn now(&self) -> u64 {
-        let counter = self.counter();
         // Read on every reading: a stop (by the judge, or by hand) holds from the next one.
         // (Only an OS reading lets the counter carry, and only once it is trusted.)
         if self.trust().stopped() {
             let nanos = self.os_now();
             return CARRY.with(|cell| {
                 let mut carry = cell.get();
-                let now = nanos.max(carry.last);
-                carry.last = now;
+                let now = carry.give(nanos);
                 cell.set(carry);
                 now
             });
         }
+        let counter = self.counter();
         let ticks = counter.raw();
         let mut stopped = false;
         let now = CARRY.with(|cell| {
