@@ -37,17 +37,90 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
 
 #[cfg(feature = "metrics")]
 fn count_decision(policies: &PolicySet, decision: &Decision) {
-    for (index, policy) in policies.iter().enumerate() {
+    let keys = decision_keys(policies);
+    for index in 0..policies.len() {
         let outcome = match decision.outcome() {
-            _ if decision.is_shadow_denied(index) => "shadow_denied",
-            Outcome::Allowed { .. } => "allowed",
-            Outcome::Denied { policy, .. } if policy == index => "denied",
-            Outcome::CostExceedsLimit { policy, .. } if policy == index => "cost_exceeds_limit",
-            _ => "passed",
+            _ if decision.is_shadow_denied(index) => Counted::ShadowDenied,
+            Outcome::Allowed { .. } => Counted::Allowed,
+            Outcome::Denied { policy, .. } if policy == index => Counted::Denied,
+            Outcome::CostExceedsLimit { policy, .. } if policy == index => {
+                Counted::CostExceedsLimit
+            }
+            _ => Counted::Passed,
         };
-        metrics::counter!("tollgate_decisions_total", "policy" => policy.name().to_owned(), "outcome" => outcome)
-            .increment(1);
+        count(policies, keys, index, outcome);
     }
+}
+
+/// The `outcome` label of `tollgate_decisions_total`, for one policy of a decision.
+#[cfg(feature = "metrics")]
+#[derive(Clone, Copy)]
+enum Counted {
+    Allowed,
+    Denied,
+    Passed,
+    ShadowDenied,
+    CostExceedsLimit,
+}
+
+#[cfg(feature = "metrics")]
+impl Counted {
+    const ALL: [Counted; 5] = [
+        Counted::Allowed,
+        Counted::Denied,
+        Counted::Passed,
+        Counted::ShadowDenied,
+        Counted::CostExceedsLimit,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Counted::Allowed => "allowed",
+            Counted::Denied => "denied",
+            Counted::Passed => "passed",
+            Counted::ShadowDenied => "shadow_denied",
+            Counted::CostExceedsLimit => "cost_exceeds_limit",
+        }
+    }
+}
+
+/// The `tollgate_decisions_total` keys of a set, by policy and outcome, each built (its
+/// labels and hash) the first time it is counted and kept with the set: counting a
+/// decision allocates nothing. Each count asks the recorder in place at that moment, as
+/// the `metrics` macros do, so a recorder installed later, or a local one, sees it.
+#[cfg(feature = "metrics")]
+type DecisionKeys = Box<[[std::sync::OnceLock<metrics::Key>; Counted::ALL.len()]]>;
+
+#[cfg(feature = "metrics")]
+fn decision_keys(policies: &PolicySet) -> &DecisionKeys {
+    let empty = |set: &PolicySet| -> DecisionKeys {
+        set.iter()
+            .map(|_| std::array::from_fn(|_| std::sync::OnceLock::new()))
+            .collect()
+    };
+    // Only this function fills the slot, always with this type.
+    policies
+        .derived(crate::policy::Derived::MetricKeys, empty)
+        .expect("the metric keys' slot holds only metric keys")
+}
+
+#[cfg(feature = "metrics")]
+fn count(policies: &PolicySet, keys: &DecisionKeys, index: usize, outcome: Counted) {
+    static METADATA: metrics::Metadata<'static> =
+        metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+    let (Some(policy), Some(keys)) = (policies.get(index), keys.get(index)) else {
+        return;
+    };
+    let key = keys[outcome as usize].get_or_init(|| {
+        metrics::Key::from_parts(
+            "tollgate_decisions_total",
+            vec![
+                metrics::Label::new("policy", policy.name().to_owned()),
+                metrics::Label::from_static_parts("outcome", outcome.label()),
+            ],
+        )
+    });
+    metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
 }
 
 /// A denial (debug) and each shadow policy that would have denied (info).
@@ -89,14 +162,16 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
         _ => return,
     };
     #[cfg(feature = "metrics")]
-    for (index, policy) in policies.iter().enumerate() {
-        let outcome = if index == denying {
-            "shadow_denied"
-        } else {
-            "passed"
-        };
-        metrics::counter!("tollgate_decisions_total", "policy" => policy.name().to_owned(), "outcome" => outcome)
-            .increment(1);
+    {
+        let keys = decision_keys(policies);
+        for index in 0..policies.len() {
+            let outcome = if index == denying {
+                Counted::ShadowDenied
+            } else {
+                Counted::Passed
+            };
+            count(policies, keys, index, outcome);
+        }
     }
     #[cfg(feature = "tracing")]
     tracing::info!(

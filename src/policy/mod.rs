@@ -38,6 +38,7 @@ use std::time::Duration;
 pub use error::{MAX_SHADOW_INDEX, PolicyError};
 pub use penalty::Penalty;
 pub use rate::Rate;
+pub(crate) use set::Derived;
 pub use set::PolicySet;
 pub use spec::Algorithm;
 
