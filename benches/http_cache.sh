@@ -13,14 +13,14 @@
 # time under valgrind, so what cores share (cache lines bouncing between them) is not
 # modelled: that part is measured by benches/http_load.sh and benches/layer.rs only.
 #
-#   benches/http_cache.sh                          # none identity-layer static-headers governor tollgate tollgate-bare
+#   benches/http_cache.sh                          # none identity-layer static-headers store-only governor tollgate tollgate-bare
 #   VARIANTS="governor tollgate" DURATION=20 benches/http_cache.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION=${DURATION:-10}
 PORT=${PORT:-3195}
-VARIANTS=${VARIANTS:-"none identity-layer static-headers governor tollgate tollgate-bare"}
+VARIANTS=${VARIANTS:-"none identity-layer static-headers store-only governor tollgate tollgate-bare"}
 
 command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install valgrind)" >&2; exit 1; }
 command -v wrk >/dev/null || { echo "wrk is needed (apt-get install wrk)" >&2; exit 1; }

@@ -2,7 +2,7 @@
 //! hello-world with no limiter, with tower_governor, or with tollgate.
 //!
 //! ```text
-//! cargo run --release --example bench_server -- <none|rewrap|governor|tollgate|tollgate-bare> [port]
+//! cargo run --release --example bench_server -- <none|rewrap|identity-layer|static-headers|store-only|governor|tollgate|tollgate-bare> [port]
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --features redis --example bench_server -- tollgate-redis
 //! LIMIT=20000 LEASE=0 REDIS_URL=... cargo run --release --features redis --example bench_server -- tollgate-fleet
 //! ```
@@ -126,6 +126,17 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
                 },
             ))
         }
+        // tollgate's in-process decision with two fixed header fields, in a minimal
+        // hand-written layer: what the store's part of tollgate costs alone (the peer
+        // address is read, but the key is fixed, not formatted from it).
+        "store-only" => app.layer(StoreOnlyLayer {
+            store: MemoryStore::new(),
+            policies: tollgate::PolicySet::from(Policy::token_bucket(
+                "api",
+                1_000_000_000,
+                Rate::per_second(1_000_000_000),
+            )?),
+        }),
         "governor" => {
             let config = GovernorConfigBuilder::default()
                 .period(Duration::from_nanos(1))
@@ -136,7 +147,7 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
             app.layer(GovernorLayer::new(Arc::new(config)))
         }
         other => {
-            return Err(format!("unknown variant {other:?}: none, identity-layer, static-headers, governor, tollgate, tollgate-bare, rewrap (tollgate-redis, tollgate-fleet with the redis feature)").into());
+            return Err(format!("unknown variant {other:?}: none, identity-layer, static-headers, store-only, governor, tollgate, tollgate-bare, rewrap (tollgate-redis, tollgate-fleet with the redis feature)").into());
         }
     };
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
@@ -161,5 +172,92 @@ impl http_body::Body for Rewrapped {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
         std::pin::Pin::new(&mut self.0).poll_frame(cx)
+    }
+}
+
+/// The layer of the `store-only` variant.
+#[derive(Clone)]
+struct StoreOnlyLayer {
+    store: MemoryStore,
+    policies: tollgate::PolicySet,
+}
+
+impl<S> tower::Layer<S> for StoreOnlyLayer {
+    type Service = StoreOnly<S>;
+
+    fn layer(&self, inner: S) -> StoreOnly<S> {
+        StoreOnly {
+            inner,
+            shared: Arc::new(self.clone()),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct StoreOnly<S> {
+    inner: S,
+    shared: Arc<StoreOnlyLayer>,
+}
+
+impl<S, B, ResBody> tower::Service<axum::http::Request<B>> for StoreOnly<S>
+where
+    S: tower::Service<axum::http::Request<B>, Response = axum::http::Response<ResBody>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = StoreOnlyFuture<S::Future>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
+        let peer = request
+            .extensions()
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+            .map(|info| info.0.ip());
+        let decision = self
+            .shared
+            .store
+            .check("ip:127.0.0.1", &self.shared.policies, 1);
+        assert!(peer.is_some() && decision.is_allowed());
+        StoreOnlyFuture {
+            future: self.inner.call(request),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    struct StoreOnlyFuture<F> {
+        #[pin]
+        future: F,
+    }
+}
+
+impl<F, ResBody, E> std::future::Future for StoreOnlyFuture<F>
+where
+    F: std::future::Future<Output = Result<axum::http::Response<ResBody>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        use axum::http::{HeaderName, HeaderValue};
+        let mut response = std::task::ready!(self.project().future.poll(cx))?;
+        let headers = response.headers_mut();
+        headers.append(
+            HeaderName::from_static("ratelimit-policy"),
+            HeaderValue::from_static("\"api\";q=1000000000;w=1"),
+        );
+        headers.append(
+            HeaderName::from_static("ratelimit"),
+            HeaderValue::from_static("\"api\";r=999999999;t=1"),
+        );
+        std::task::Poll::Ready(Ok(response))
     }
 }
