@@ -37,8 +37,7 @@ pub(crate) fn decision(policies: &PolicySet, decision: &Decision, key: &Key) {
 
 #[cfg(feature = "metrics")]
 fn count_decision(policies: &PolicySet, decision: &Decision) {
-    let keys = decision_keys(policies);
-    for index in 0..policies.len() {
+    for (index, policy) in policies.iter().enumerate() {
         let outcome = match decision.outcome() {
             _ if decision.is_shadow_denied(index) => Counted::ShadowDenied,
             Outcome::Allowed { .. } => Counted::Allowed,
@@ -48,7 +47,7 @@ fn count_decision(policies: &PolicySet, decision: &Decision) {
             }
             _ => Counted::Passed,
         };
-        count(policies, keys, index, outcome);
+        count(policy, outcome);
     }
 }
 
@@ -65,13 +64,7 @@ enum Counted {
 
 #[cfg(feature = "metrics")]
 impl Counted {
-    const ALL: [Counted; 5] = [
-        Counted::Allowed,
-        Counted::Denied,
-        Counted::Passed,
-        Counted::ShadowDenied,
-        Counted::CostExceedsLimit,
-    ];
+    const COUNT: usize = Counted::CostExceedsLimit as usize + 1;
 
     fn label(self) -> &'static str {
         match self {
@@ -84,31 +77,22 @@ impl Counted {
     }
 }
 
-/// The `tollgate_decisions_total` keys of a set, by policy and outcome, each built (its
-/// labels and hash) the first time it is counted and kept with the set: counting a
-/// decision allocates nothing. Each count asks the recorder in place at that moment, as
-/// the `metrics` macros do, so a recorder installed later, or a local one, sees it.
+/// Counts one decision of `policy` with `outcome` in `tollgate_decisions_total`.
+///
+/// The policy keeps its keys, one per outcome, each built (labels and hash) the first
+/// time it is counted: after that, counting allocates nothing, in any set the policy is
+/// in (a resolver that builds sets of the same policies per request included). The
+/// recorder is asked at every count, as the `metrics` macros do, so a recorder installed
+/// later, or a local one, sees the counts.
 #[cfg(feature = "metrics")]
-type DecisionKeys = Box<[[std::sync::OnceLock<metrics::Key>; Counted::ALL.len()]]>;
-
-#[cfg(feature = "metrics")]
-fn decision_keys(policies: &PolicySet) -> &DecisionKeys {
-    let empty = |set: &PolicySet| -> DecisionKeys {
-        set.iter()
-            .map(|_| std::array::from_fn(|_| std::sync::OnceLock::new()))
-            .collect()
-    };
-    // Only this function fills the slot, always with this type.
-    policies
-        .derived(crate::policy::Derived::MetricKeys, empty)
-        .expect("the metric keys' slot holds only metric keys")
-}
-
-#[cfg(feature = "metrics")]
-fn count(policies: &PolicySet, keys: &DecisionKeys, index: usize, outcome: Counted) {
+fn count(policy: &crate::policy::Policy, outcome: Counted) {
+    type Keys = [std::sync::OnceLock<metrics::Key>; Counted::COUNT];
     static METADATA: metrics::Metadata<'static> =
         metrics::Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
-    let (Some(policy), Some(keys)) = (policies.get(index), keys.get(index)) else {
+    let keys = policy.derived(|_| -> Keys { std::array::from_fn(|_| std::sync::OnceLock::new()) });
+    // Only this function fills the policy's slot, always with `Keys`.
+    let Some(keys) = keys else {
+        debug_assert!(false, "a policy's derived value is not its metric keys");
         return;
     };
     let key = keys[outcome as usize].get_or_init(|| {
@@ -162,16 +146,13 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
         _ => return,
     };
     #[cfg(feature = "metrics")]
-    {
-        let keys = decision_keys(policies);
-        for index in 0..policies.len() {
-            let outcome = if index == denying {
-                Counted::ShadowDenied
-            } else {
-                Counted::Passed
-            };
-            count(policies, keys, index, outcome);
-        }
+    for (index, policy) in policies.iter().enumerate() {
+        let outcome = if index == denying || decision.is_shadow_denied(index) {
+            Counted::ShadowDenied
+        } else {
+            Counted::Passed
+        };
+        count(policy, outcome);
     }
     #[cfg(feature = "tracing")]
     tracing::info!(

@@ -1,7 +1,8 @@
-//! With the `metrics` feature, counting a decision allocates nothing: the
-//! `tollgate_decisions_total` key of each policy and outcome (its labels included) is
-//! built once per policy set, not on every request. Allocations are counted per thread by
-//! this test binary's global allocator.
+//! With the `metrics` feature, counting a decision allocates nothing once each policy has
+//! been counted with an outcome: the `tollgate_decisions_total` key of each policy and
+//! outcome (its labels included) is built the first time and kept with the policy, not
+//! built again on every request. Allocations are counted per thread by this test binary's
+//! global allocator.
 
 #![cfg(feature = "metrics")]
 
@@ -11,12 +12,12 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::body::Body;
 use http::{Request, Response};
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use tollgate::key::Global;
+use tollgate::resolve::resolve_with;
 use tollgate::{HeaderStyle, MemoryStore, Policy, PolicySet, RateLimitLayer};
 use tower::{Layer, Service, ServiceExt};
 
@@ -95,15 +96,25 @@ impl Recorder for Counters {
     }
 }
 
-/// Allocations per request through a layer of `policies` (no rate-limit headers, so that
-/// only the decision and its telemetry differ), after a warm-up; and the decisions counted.
-fn per_request(policies: PolicySet) -> (f64, u64) {
+/// Allocations per request through a layer that resolves `policies` for every request
+/// (no rate-limit headers, so that only the decision and its telemetry differ), after a
+/// warm-up; and the decisions counted. `fresh_sets`: the resolver builds a new set of the
+/// same policies for every request, as a closure over policies may.
+fn per_request(policies: Vec<Policy>, fresh_sets: bool) -> (f64, u64) {
     let recorder = Counters::default();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    let set = PolicySet::new(policies.clone()).unwrap();
+    let resolver = resolve_with(move |_, _| {
+        if fresh_sets {
+            PolicySet::new(policies.clone()).unwrap()
+        } else {
+            set.clone()
+        }
+    });
     let mut service = RateLimitLayer::new(MemoryStore::new())
-        .policies(policies)
+        .resolver(resolver)
         .key(Global)
         .headers(HeaderStyle::None)
         .layer(tower::service_fn(|_: Request<Body>| async {
@@ -130,24 +141,40 @@ fn per_request(policies: PolicySet) -> (f64, u64) {
     })
 }
 
+fn bucket(name: &str) -> Policy {
+    Policy::token_bucket(name, 1_000_000, tollgate::Rate::per_second(1_000)).unwrap()
+}
+
 #[test]
-fn counting_a_decision_allocates_nothing_per_policy() {
-    let api = Policy::token_bucket("api", 1_000_000, tollgate::Rate::per_second(1_000)).unwrap();
-    let daily = Policy::fixed_window("daily", 1_000_000, Duration::from_secs(86_400)).unwrap();
-    let (one, counted_one) = per_request(PolicySet::from(api.clone()));
-    let (two, counted_two) = per_request(PolicySet::new([api, daily]).unwrap());
+fn counting_a_decision_allocates_nothing() {
+    let (one, counted_one) = per_request(vec![bucket("api")], false);
+    let (two, counted_two) = per_request(vec![bucket("api"), bucket("burst")], false);
     // Every decision is counted, once per policy: 1,100 requests.
     assert_eq!(counted_one, 1_100);
     assert_eq!(counted_two, 2_200);
-    // A second policy adds a second counter to every decision, and no allocation.
+    // Without headers, an admitted request through the in-process store allocates
+    // nothing at all; a second policy adds a second count, and no allocation.
+    assert_eq!(one, 0.0, "allocations per request with one policy");
+    assert_eq!(two, 0.0, "allocations per request with two policies");
+}
+
+#[test]
+fn sets_built_per_request_count_without_allocating_per_policy() {
+    let (one, counted_one) = per_request(vec![bucket("api")], true);
+    let (two, counted_two) = per_request(vec![bucket("api"), bucket("burst")], true);
+    assert_eq!(counted_one, 1_100);
+    assert_eq!(counted_two, 2_200);
+    // Building the set allocates (its list and its shared part), as many times for one
+    // policy as for two; the policies keep their metric keys from set to set.
     assert_eq!(
         one, two,
         "allocations per request: {one} with one policy, {two} with two"
     );
 }
 
-/// The keys are kept with the set, not the recorder's handles: a recorder installed after
-/// a set's first decisions (or a local one) sees every later decision.
+/// The policies keep their keys, not the recorder's handles: a local recorder set after a
+/// policy's first decisions sees every later decision (the global recorder:
+/// `tests/metrics_global_recorder.rs`).
 #[test]
 fn a_recorder_installed_later_sees_the_next_decisions() {
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -226,3 +226,60 @@ fn shadow_denials_are_counted_as_such() {
         })
     });
 }
+
+/// A shadow policy in a shadow layer that would have denied is counted `shadow_denied`
+/// when the layer's real policy would have denied too, as it is when the real policy
+/// admits: `passed` is for a policy that admitted while another denied.
+#[test]
+fn a_shadow_policy_in_a_shadow_layer_is_counted_as_shadow_denied() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let set = tollgate::PolicySet::new([
+        Policy::fixed_window("whole", 1, Duration::from_secs(3600)).unwrap(),
+        Policy::fixed_window("trial", 1, Duration::from_secs(3600))
+            .unwrap()
+            .shadow(),
+        Policy::fixed_window("roomy", 100, Duration::from_secs(3600)).unwrap(),
+    ])
+    .unwrap();
+    let shadow_layer = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(set)
+            .key(Global)
+            .shadow(true),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                let response = shadow_layer
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), StatusCode::OK);
+            }
+            let seen = snapshot(&snapshotter);
+            let count = |policy, outcome| {
+                value(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", policy), ("outcome", outcome)],
+                )
+                .map_or(0, |value| match value {
+                    DebugValue::Counter(n) => *n,
+                    other => panic!("{policy} {outcome}: {other:?}"),
+                })
+            };
+            assert_eq!(count("whole", "allowed"), 1);
+            assert_eq!(count("whole", "shadow_denied"), 2);
+            assert_eq!(count("trial", "allowed"), 1);
+            assert_eq!(count("trial", "shadow_denied"), 2);
+            assert_eq!(count("trial", "passed"), 0);
+            assert_eq!(count("roomy", "allowed"), 1);
+            assert_eq!(count("roomy", "passed"), 2);
+        })
+    });
+}

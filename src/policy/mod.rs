@@ -38,7 +38,6 @@ use std::time::Duration;
 pub use error::{MAX_SHADOW_INDEX, PolicyError};
 pub use penalty::Penalty;
 pub use rate::Rate;
-pub(crate) use set::Derived;
 pub use set::PolicySet;
 pub use spec::Algorithm;
 
@@ -116,6 +115,11 @@ struct PolicyInner {
     shadow: bool,
     /// The penalty, validated, and the id its state is kept under.
     penalty: Option<(Penalty, PenaltyBox, u32)>,
+    /// One value derived from the policy, computed once by whoever needs it (telemetry
+    /// keeps the keys the policy's decisions are counted under here): the policy itself
+    /// knows no metrics.
+    #[cfg(feature = "metrics")]
+    derived: std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl fmt::Debug for Policy {
@@ -240,6 +244,8 @@ impl Policy {
                 },
                 shadow: false,
                 penalty: None,
+                #[cfg(feature = "metrics")]
+                derived: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -255,6 +261,8 @@ impl Policy {
                 unit,
                 shadow: self.inner.shadow,
                 penalty: self.inner.penalty,
+                #[cfg(feature = "metrics")]
+                derived: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -295,6 +303,8 @@ impl Policy {
                 unit: self.inner.unit,
                 shadow: true,
                 penalty: self.inner.penalty,
+                #[cfg(feature = "metrics")]
+                derived: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -331,8 +341,24 @@ impl Policy {
                 unit: self.inner.unit,
                 shadow: self.inner.shadow,
                 penalty: Some((penalty, boxed, id)),
+                #[cfg(feature = "metrics")]
+                derived: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// The value derived from this policy by `derive`, computed on the first call and kept
+    /// with the policy (and its clones). One type per policy: a call for another type gets
+    /// `None`.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn derived<T: std::any::Any + Send + Sync>(
+        &self,
+        derive: impl FnOnce(&Policy) -> T,
+    ) -> Option<&T> {
+        self.inner
+            .derived
+            .get_or_init(|| Box::new(derive(self)))
+            .downcast_ref()
     }
 
     /// The policy's penalty, if it has one.

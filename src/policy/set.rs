@@ -38,24 +38,9 @@ struct PolicySetInner {
     in_flight: bool,
     /// True when a policy has a penalty that applies.
     penalties: bool,
-    /// Values derived from the set, each computed once by whoever needs it (the layer
-    /// keeps the set's `RateLimit-Policy` field here, and its metric keys): the set itself
-    /// knows no HTTP and no metrics.
-    derived: [OnceLock<Box<dyn Any + Send + Sync>>; Derived::COUNT],
-}
-
-/// What a value derived from a set is for: each has its own place in the set.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Derived {
-    /// The `RateLimit-Policy` fields.
-    HeaderFields,
-    /// The keys the decisions are counted under.
-    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
-    MetricKeys,
-}
-
-impl Derived {
-    const COUNT: usize = 2;
+    /// One value derived from the set, computed once by whoever needs it (the layer keeps
+    /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
+    derived: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
 impl fmt::Debug for PolicySet {
@@ -105,7 +90,7 @@ impl PolicySet {
                 serial: SERIALS.fetch_add(1, Ordering::Relaxed),
                 in_flight,
                 penalties,
-                derived: [const { OnceLock::new() }; Derived::COUNT],
+                derived: OnceLock::new(),
             }),
         }
     }
@@ -156,15 +141,14 @@ impl PolicySet {
         &self.inner.policies
     }
 
-    /// The value derived from this set by `derive` for `purpose`, computed on the first
-    /// call and kept with the set. One type per purpose: a call for another type gets
-    /// `None`.
+    /// The value derived from this set by `derive`, computed on the first call and kept
+    /// with the set. One type per set: a call for another type gets `None`.
     pub(crate) fn derived<T: Any + Send + Sync>(
         &self,
-        purpose: Derived,
         derive: impl FnOnce(&PolicySet) -> T,
     ) -> Option<&T> {
-        self.inner.derived[purpose as usize]
+        self.inner
+            .derived
             .get_or_init(|| Box::new(derive(self)))
             .downcast_ref()
     }

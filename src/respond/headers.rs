@@ -9,7 +9,7 @@ use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::decision::{Decision, Outcome};
-use crate::policy::{Derived, Policy, PolicySet, QuotaUnit};
+use crate::policy::{Policy, PolicySet, QuotaUnit};
 
 /// Which rate-limit header fields responses carry. Every response gets them, admitted or
 /// denied; denied ones also get `Retry-After`.
@@ -227,7 +227,7 @@ fn policy_field(set: &PolicySet, shadow: bool) -> Option<HeaderValue> {
             return field.clone();
         }
         let shared = set
-            .derived(Derived::HeaderFields, |set| {
+            .derived(|set| {
                 let visible: Vec<Policy> = set.iter().filter(|p| !p.is_shadow()).cloned().collect();
                 [policy_header(&visible), policy_header(set)]
             })
