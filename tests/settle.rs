@@ -695,3 +695,52 @@ fn a_reset_keeps_the_slots_of_requests_still_running() {
         "never more than 2 in flight"
     );
 }
+
+#[test]
+fn the_memory_store_keeps_a_slot_while_its_request_runs_past_the_lease() {
+    // In process a slot is given back when its request ends, however it ends: the lease
+    // is for shared stores, whose holders may die. A stream longer than the lease keeps
+    // its slot, whether memory is purged or the store must make room.
+    let (store, clock) = store();
+    let streams = PolicySet::from(
+        Policy::concurrency_with_lease("streams", 1, Duration::from_secs(60)).unwrap(),
+    );
+    let long = store.check("k", &streams, 1);
+    assert!(long.is_allowed());
+    clock.advance(Duration::from_secs(600));
+    assert_eq!(store.purge_fresh(), 0, "the slot is held");
+    assert!(
+        !store.check("k", &streams, 1).is_allowed(),
+        "one stream at a time, however long it runs"
+    );
+    store.adjust_now("k", &streams, &Adjustment::release(1, long.receipt()));
+    let next = store.check("k", &streams, 1);
+    assert!(next.is_allowed(), "the slot is free once the stream ends");
+    assert!(!store.check("k", &streams, 1).is_allowed());
+}
+
+#[test]
+fn a_full_memory_store_never_forgets_a_held_slot() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(64)
+        .shards(1)
+        .build();
+    let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
+    let long = store.check("held", &streams, 1);
+    assert!(long.is_allowed());
+    clock.advance(Duration::from_secs(120));
+    // Other identities fill the store many times over while the stream runs.
+    let spare =
+        PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap());
+    for i in 0..500 {
+        assert!(store.check(&format!("other:{i}"), &spare, 1).is_allowed());
+    }
+    assert!(
+        !store.check("held", &streams, 1).is_allowed(),
+        "the running stream still holds the only slot"
+    );
+    store.adjust_now("held", &streams, &Adjustment::release(1, long.receipt()));
+    assert!(store.check("held", &streams, 1).is_allowed());
+}

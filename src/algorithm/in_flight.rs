@@ -76,9 +76,9 @@ impl InFlight {
         0
     }
 
-    /// The free slots. A key holding slots is kept one lease past now (as Redis keeps a
-    /// slot): a request that outlives its lease with no news of its key may lose its slot
-    /// when the store must make room.
+    /// The free slots. A key holding slots is fresh one lease past now, as Redis keeps a
+    /// slot; the in-process store also keeps a key while any of its slots is held
+    /// (`Slot::holds_in_flight`), since its requests always give their slots back.
     #[inline]
     pub fn snapshot(&self, state: &InFlightState, now: u64) -> Snapshot {
         Snapshot {

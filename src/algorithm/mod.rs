@@ -211,6 +211,13 @@ pub(crate) enum Slot {
 }
 
 impl Slot {
+    /// True for an in-flight limit's slot that requests still hold: in process such a slot
+    /// is given back when its request ends, however late, so its state is never fresh.
+    #[inline]
+    pub(crate) fn holds_in_flight(&self) -> bool {
+        matches!(self, Slot::InFlight { state, .. } if state.count > 0)
+    }
+
     /// The id of the policy this slot belongs to.
     #[inline]
     pub(crate) fn id(&self) -> u32 {

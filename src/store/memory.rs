@@ -29,10 +29,15 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// costs 4 bytes a bucket, not 65 (the README's benchmark gives the resident memory
 /// measured per identity). When a shard is full it first forgets every identity
 /// whose state is back to fresh (forgetting those changes no decision); if that frees too
-/// little it forgets the identities closest to fresh, and counts them in
+/// little it forgets the identities closest to fresh, and among equals (under a window,
+/// every identity used in it) the most recently added first, and counts them in
 /// [`MemoryStore::evicted_live`]. An attacker rotating identities therefore cannot grow
 /// the store, and at worst resets the state of the identities that were about to be fresh
-/// anyway. [`MemoryStore::purge_fresh`] gives memory back.
+/// anyway, its own first. An identity whose in-flight slots running requests hold is never
+/// fresh: its requests give the slots back when they end, however long they run (the
+/// lease of [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is
+/// for shared stores); a full shard forgets one only when every identity it holds is one.
+/// [`MemoryStore::purge_fresh`] gives memory back.
 ///
 /// Local only: N replicas each with a `MemoryStore` admit N times the limit. Use a shared
 /// store for a fleet.
@@ -400,6 +405,23 @@ struct Entry {
     slots: Slots,
 }
 
+impl Entry {
+    /// True when forgetting the entry changes no decision: its state is back to fresh
+    /// and no request holds a slot of it.
+    fn is_fresh(&self, now: u64) -> bool {
+        self.fresh_at <= now && !self.holds_slots()
+    }
+
+    /// True when requests still running hold in-flight slots of this identity: they give
+    /// them back when they end, so the entry is kept until then.
+    fn holds_slots(&self) -> bool {
+        match &self.slots {
+            Slots::One(slot) => slot.holds_in_flight(),
+            Slots::Many(slots) => slots.iter().any(Slot::holds_in_flight),
+        }
+    }
+}
+
 /// An identity's policy states: one inline (the common case; the whole entry is then one
 /// cache line), several on the heap.
 enum Slots {
@@ -694,28 +716,52 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     fn make_room(&self, table: &mut Table, now: u64) {
-        let mut removed = table.retain(|entry| entry.fresh_at > now);
+        let mut removed = table.retain(|entry| !entry.is_fresh(now));
         // Free a sixteenth of the shard at once, so a flood of new identities pays for one
         // scan per capacity/16 inserts, not one per insert.
         let capacity = self.shared.shard_capacity;
         let target = capacity.saturating_sub((capacity / 16).max(1));
         if table.len() > target {
-            let excess = table.len() - target;
-            let mut fresh_times: Vec<u64> = table.slab.iter().map(|entry| entry.fresh_at).collect();
-            let (_, threshold, _) = fresh_times.select_nth_unstable(excess - 1);
-            let threshold = *threshold;
-            let mut left = excess;
-            removed += table.retain(|entry| {
-                if left > 0 && entry.fresh_at <= threshold {
-                    left -= 1;
-                    false
-                } else {
-                    true
-                }
-            });
-            self.shared
-                .evicted_live
-                .fetch_add((excess - left) as u64, Ordering::Relaxed);
+            // Those closest to fresh go first. Identities whose slots running requests
+            // hold are spared while any other can go; a shard full of them (as many
+            // streams as it holds identities) forgets them too, or it would outgrow its
+            // bound.
+            let spare = table.slab.iter().any(|entry| !entry.holds_slots());
+            let evictable = |entry: &Entry| !spare || !entry.holds_slots();
+            let mut fresh_times: Vec<u64> = table
+                .slab
+                .iter()
+                .filter(|entry| evictable(entry))
+                .map(|entry| entry.fresh_at)
+                .collect();
+            let excess = (table.len() - target).min(fresh_times.len());
+            if excess > 0 {
+                let (_, threshold, _) = fresh_times.select_nth_unstable(excess - 1);
+                let threshold = *threshold;
+                // Among those fresh at the threshold (under a window, every identity used
+                // in it), the most recently added go first: a flood of new identities
+                // forgets its own before a client that spent its quota earlier.
+                let below = fresh_times.iter().filter(|&&at| at < threshold).count();
+                let tied = fresh_times.iter().filter(|&&at| at == threshold).count();
+                removed += table.retain(|entry| entry.fresh_at >= threshold || !evictable(entry));
+                // Then the tied entries after the first `keep` in slab order. Nothing is
+                // removed before `keep` of them are passed, so the slab's order (about
+                // the order identities were added) is the order they are passed in.
+                let mut keep = tied - (excess - below);
+                removed += table.retain(|entry| {
+                    if entry.fresh_at != threshold || !evictable(entry) {
+                        true
+                    } else if keep > 0 {
+                        keep -= 1;
+                        true
+                    } else {
+                        false
+                    }
+                });
+                self.shared
+                    .evicted_live
+                    .fetch_add(excess as u64, Ordering::Relaxed);
+            }
         }
         if removed > 0 {
             // Keep the index's and the slab's memory: the shard is about to fill again.
@@ -761,7 +807,7 @@ impl<C: Clock> MemoryStore<C> {
             .iter()
             .map(|shard| {
                 let mut table = lock(shard);
-                let removed = table.retain(|entry| entry.fresh_at > now);
+                let removed = table.retain(|entry| !entry.is_fresh(now));
                 table.shrink(removed > 0, hasher);
                 removed
             })
@@ -822,6 +868,59 @@ mod tests {
         assert_eq!(store.len(), 0);
         store.check("c", &policies, 1);
         assert_eq!(store.len(), 1);
+    }
+
+    #[test]
+    fn a_flood_of_new_identities_does_not_reset_the_oldest_among_equals() {
+        // Under a fixed window every identity used this window is fresh again at the same
+        // time. When the store must forget some of them, it forgets the most recently
+        // added first: an attacker rotating identities loses its own, and a client that
+        // spent its quota before the flood keeps its count.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(64)
+            .shards(1)
+            .build();
+        let daily =
+            PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(86_400)).unwrap());
+        assert!(store.check("victim", &daily, 1).is_allowed());
+        for i in 0..70 {
+            assert!(store.check(&format!("flood:{i}"), &daily, 1).is_allowed());
+        }
+        assert!(
+            store.evicted_live() > 0,
+            "the store had to forget live identities"
+        );
+        assert!(
+            !store.check("victim", &daily, 1).is_allowed(),
+            "the victim's spent quota was forgotten"
+        );
+    }
+
+    #[test]
+    fn identities_holding_slots_are_spared_but_the_bound_holds() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(32)
+            .shards(1)
+            .build();
+        let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
+        let window =
+            PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(60)).unwrap());
+        assert!(store.check("stream:held", &streams, 1).is_allowed());
+        // Identities of another policy flood the shard: the held slot survives them.
+        for i in 0..100 {
+            store.check(&format!("api:{i}"), &window, 1);
+        }
+        assert!(!store.check("stream:held", &streams, 1).is_allowed());
+        // A shard full of held slots still keeps its bound, forgetting some of them.
+        for i in 0..100 {
+            store.check(&format!("stream:{i}"), &streams, 1);
+        }
+        assert!(store.len() <= 32, "{} identities held", store.len());
+        assert!(store.evicted_live() > 0);
     }
 
     #[test]
