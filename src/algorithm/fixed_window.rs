@@ -47,6 +47,13 @@ impl FixedWindow {
         (now - now % self.window).saturating_add(self.window)
     }
 
+    /// The earliest time the state can be read at: the start of the window it counts in.
+    /// A request that read the clock earlier is decided as of then (see `Params::floor`).
+    #[inline]
+    pub fn floor(&self, state: &WindowState) -> u64 {
+        state.index.saturating_mul(self.window)
+    }
+
     /// Moves the state to the window `now` falls in (never back to an earlier one).
     #[inline]
     pub fn refresh(&self, state: &mut WindowState, now: u64) {

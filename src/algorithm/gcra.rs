@@ -53,6 +53,12 @@ impl Gcra {
     #[inline]
     pub fn refresh(&self, _state: &mut GcraState, _now: u64) {}
 
+    /// Any time: a theoretical arrival time reads the same from an earlier one.
+    #[inline]
+    pub fn floor(&self, _state: &GcraState) -> u64 {
+        0
+    }
+
     /// Would `cost` units conform now?
     #[inline]
     pub fn check(&self, state: &GcraState, now: u64, cost: u64) -> Verdict {

@@ -39,6 +39,12 @@ impl InFlight {
     #[inline]
     pub fn refresh(&self, _state: &mut InFlightState, _now: u64) {}
 
+    /// Any time: slots do not age.
+    #[inline]
+    pub fn floor(&self, _state: &InFlightState) -> u64 {
+        0
+    }
+
     /// Is a slot free?
     #[inline]
     pub fn check(&self, state: &InFlightState, _now: u64, cost: u64) -> Verdict {

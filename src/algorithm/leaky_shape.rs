@@ -59,6 +59,12 @@ impl LeakyShape {
         self.as_bucket().refresh(state, now);
     }
 
+    /// The earliest time the state can be read at (see `TokenBucket::floor`).
+    #[inline]
+    pub fn floor(&self, state: &BucketState) -> u64 {
+        self.as_bucket().floor(state)
+    }
+
     /// Admit with the wait for what is ahead, or deny when that wait is too long. A cost
     /// larger than the unit requests an empty bucket admits back to back never fits: it
     /// would hold the key for longer than the delay bound allows.

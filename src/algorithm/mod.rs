@@ -242,6 +242,7 @@ pub(crate) trait Steps<S: ?Sized> {
     fn commit(&self, state: &mut S, now: u64, cost: u64);
     fn snapshot(&self, state: &S, now: u64) -> Snapshot;
     fn effective_window(&self, state: &S, now: u64, remaining: u64) -> u64;
+    fn floor(&self, state: &S) -> u64;
 
     /// Every step of one policy deciding alone (see [`alone`]).
     #[inline]
@@ -275,6 +276,10 @@ macro_rules! steps {
             #[inline]
             fn effective_window(&self, state: &$state, now: u64, remaining: u64) -> u64 {
                 <$algorithm>::effective_window(self, state, now, remaining)
+            }
+            #[inline]
+            fn floor(&self, state: &$state) -> u64 {
+                <$algorithm>::floor(self, state)
             }
         }
     };
@@ -326,6 +331,8 @@ pub(crate) struct Alone {
     pub(crate) snapshot: Snapshot,
     /// The effective window for `snapshot.remaining`, in nanoseconds.
     pub(crate) effective_window: u64,
+    /// The time it was decided as of: `now`, or the state's own when `now` was earlier.
+    pub(crate) at: u64,
 }
 
 /// Every step of one policy deciding alone, in one function per algorithm: the common
@@ -334,6 +341,8 @@ pub(crate) struct Alone {
 /// code, pays for in misses).
 #[inline(never)]
 fn alone<S: ?Sized, A: Steps<S>>(algorithm: A, state: &mut S, now: u64, cost: u64) -> Alone {
+    // A time before the state's own is read as the state's (see `Params::floor`).
+    let now = now.max(algorithm.floor(state));
     algorithm.refresh(state, now);
     let verdict = algorithm.check(state, now, cost);
     if let Verdict::Admit { .. } = verdict {
@@ -344,6 +353,7 @@ fn alone<S: ?Sized, A: Steps<S>>(algorithm: A, state: &mut S, now: u64, cost: u6
         verdict,
         snapshot,
         effective_window: algorithm.effective_window(state, now, snapshot.remaining),
+        at: now,
     }
 }
 
@@ -491,6 +501,19 @@ impl Params {
         }
         // `fits` said yes: the mismatch arm is not reached.
         Some(dispatch!(self, state, alone(now, cost), return None))
+    }
+
+    /// `now`, or the earliest time `state` can be read at when `now` is earlier.
+    ///
+    /// Two requests for one key read the clock, then take the key's state in turn; the one
+    /// that read first may be served second and see time step back (threads' clocks may
+    /// also differ a little). Decided as of the state's own time, it is served as if it
+    /// had come just after the other: its debit is recorded at the time its settle will
+    /// name, and a denial waits for the end of the window the state counts in. (A Redis
+    /// script reads one clock, the server's, under the key's lock.)
+    #[inline]
+    pub(crate) fn floor(&self, state: &Slot, now: u64) -> u64 {
+        now.max(dispatch!(self, state, floor(), 0))
     }
 
     #[inline]

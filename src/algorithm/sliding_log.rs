@@ -67,6 +67,13 @@ impl SlidingLog {
         }
     }
 
+    /// The earliest time the state can be read at: its newest entry's. A request that
+    /// read the clock earlier is decided as of then (see `Params::floor`).
+    #[inline]
+    pub fn floor(&self, state: &LogState) -> u64 {
+        state.entries.back().map_or(0, |&(at, _)| at)
+    }
+
     /// Would `cost` units fit now? The state must be refreshed to `now`.
     #[inline]
     pub fn check(&self, state: &LogState, now: u64, cost: u64) -> Verdict {

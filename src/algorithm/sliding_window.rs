@@ -136,6 +136,13 @@ impl SlidingWindow {
         self.limit / self.k()
     }
 
+    /// The earliest time the state can be read at: the start of its current sub-window.
+    /// A request that read the clock earlier is decided as of then (see `Params::floor`).
+    #[inline]
+    pub fn floor<C>(&self, state: &CounterState<C>) -> u64 {
+        state.index.saturating_mul(self.span())
+    }
+
     /// Rolls the counts to the sub-window `now` falls in (never back to an earlier one).
     #[inline]
     pub fn refresh<C: AsMut<Counts>>(&self, state: &mut CounterState<C>, now: u64) {

@@ -66,6 +66,14 @@ impl TokenBucket {
         state.last = state.last.max(now);
     }
 
+    /// Any time: `refresh` never takes a bucket back, and a refund does not depend on
+    /// when its debit was made (see `Params::floor`). An earlier time only understates the
+    /// wait by as much.
+    #[inline]
+    pub fn floor(&self, _state: &BucketState) -> u64 {
+        0
+    }
+
     /// Would `cost` tokens be there now? The state must be refreshed to `now`.
     #[inline]
     pub fn check(&self, state: &BucketState, _now: u64, cost: u64) -> Verdict {

@@ -66,7 +66,7 @@ fn decide_alone(policy: &Policy, slot: &mut Slot, now: u64, cost: u64) -> Option
     // Built in place: a push would bring its growth path along.
     let statuses = SmallVec::from_buf_and_len([status; 2], 1);
     Some((
-        Decision::decided(outcome, statuses, now, 0),
+        Decision::decided(outcome, statuses, alone.at, 0),
         alone.snapshot.fresh_at,
     ))
 }
@@ -76,6 +76,7 @@ fn decide_alone(policy: &Policy, slot: &mut Slot, now: u64, cost: u64) -> Option
 fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (Decision, u64) {
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
+    let now = floor(policies, slots, now);
     if !penalties.is_empty() {
         if let Some(blocked) = blocked(policies, slots, penalties, now) {
             return blocked;
@@ -175,6 +176,7 @@ pub(crate) fn adjust(
 ) -> (Decision, u64) {
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
+    let now = floor(policies, slots, now);
     let at = adjustment.receipt().at();
     let undebited = adjustment.receipt().undebited();
     for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
@@ -299,6 +301,15 @@ fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
         })
         .max()
         .unwrap_or(0)
+}
+
+/// `now`, or the latest of the times the slots can be read at when `now` is earlier
+/// (see [`Params::floor`]): a key's time never steps back.
+fn floor(policies: &[Policy], slots: &[Slot], now: u64) -> u64 {
+    policies
+        .iter()
+        .zip(slots)
+        .fold(now, |now, (policy, slot)| policy.params().floor(slot, now))
 }
 
 /// Debits `units` as far as the policy has room now: never below empty.
@@ -429,6 +440,56 @@ mod tests {
                     }
                     prop_assert_eq!(&fast, &general, "{}", policy.name());
                 }
+            }
+        }
+    }
+
+    /// A request that read the clock before another but reached the key's state after
+    /// it sees time step back. Its debit is still given back by its settle, and a denial
+    /// still waits for the end of the window the state counts in, on both paths.
+    #[test]
+    fn time_stepping_back_keeps_refunds_and_waits() {
+        let second = 1_000_000_000u64;
+        let log = Policy::sliding_log("sl", 10, Duration::from_secs(60)).unwrap();
+        let window = Policy::fixed_window("fw", 1, Duration::from_secs(60)).unwrap();
+        for alone in [true, false] {
+            let run = |policy: &Policy, slots: &mut [Slot], now: u64, cost: u64| {
+                let set = [policy.clone()];
+                if alone {
+                    decide(&set, slots, now, cost).0
+                } else {
+                    decide_all(&set, slots, now, cost).0
+                }
+            };
+            // The sliding log: 1 unit at 1,000 s, then 5 reserved by a request that read
+            // 999.999 s; it uses none of them.
+            let mut slots = [log.params().new_slot(log.id())];
+            assert!(run(&log, &mut slots, 1_000 * second, 1).is_allowed());
+            let late = run(&log, &mut slots, 1_000 * second - 1_000_000, 5);
+            assert!(late.is_allowed());
+            let settle = Adjustment::settle(5, 0, late.receipt());
+            let after = adjust(
+                std::slice::from_ref(&log),
+                &mut slots,
+                1_001 * second,
+                &settle,
+            );
+            assert_eq!(
+                after.0.statuses()[0].remaining,
+                9,
+                "the 5 units given back (alone: {alone})"
+            );
+            // The fixed window: full in the window from 60 s; a request that read
+            // 59.9995 s is denied until that window ends, not for half a millisecond.
+            let mut slots = [window.params().new_slot(window.id())];
+            assert!(run(&window, &mut slots, 60 * second, 1).is_allowed());
+            let denied = run(&window, &mut slots, 60 * second - 500_000, 1);
+            match denied.outcome() {
+                Outcome::Denied { retry_after, .. } => assert!(
+                    retry_after >= Duration::from_secs(59),
+                    "told to retry after {retry_after:?} (alone: {alone})"
+                ),
+                other => panic!("{other:?}"),
             }
         }
     }
