@@ -239,8 +239,8 @@ impl Decision {
     }
 
     /// This decision, marked as answered from a local cache rather than by the store
-    /// itself (see the store's `DenyCache`). A cached answer never counts
-    /// as the store being healthy: it does not close a circuit breaker.
+    /// itself (the store's `DenyCache`, or a lease of `Leased`). A cached answer never
+    /// counts as the store being healthy: it does not close a circuit breaker.
     pub fn from_cache(mut self) -> Self {
         self.cached = true;
         self

@@ -1112,3 +1112,55 @@ async fn a_sliding_log_keeps_fifteen_digit_costs() {
     assert!(!denied.is_allowed());
     assert_eq!(denied.statuses()[0].remaining, 0);
 }
+
+// A decision served from a lease is not the store answering either: requests served from
+// their identity's lease while the store fails must not keep the breaker from opening.
+#[tokio::test]
+async fn decisions_served_from_a_lease_never_close_the_breaker() {
+    let store = Switch::new();
+    let leased =
+        tollgate::store::Leased::new(store.clone(), 100, Duration::from_secs(3600)).unwrap();
+    let app = hello().layer(
+        RateLimitLayer::new(leased)
+            .policy(Policy::token_bucket("api", 10_000, Rate::per_second(10_000)).unwrap())
+            .key(tollgate::key::from_fn(|parts| {
+                Ok(Key::new(parts.headers["x-who"].to_str().unwrap_or("?")))
+            }))
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(CircuitBreaker::new(2, Duration::from_secs(3600))),
+    );
+    let who = |name: &str| {
+        Request::get("/")
+            .header("x-who", name)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // "leased" takes a lease of 100 units while the store is up.
+    assert_eq!(
+        app.clone().oneshot(who("leased")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(store.calls(), 1);
+    store.set(DOWN);
+    // The store fails for "other", twice, with a request served from the lease between.
+    app.clone().oneshot(who("other")).await.unwrap();
+    let before = store.calls();
+    assert_eq!(
+        app.clone().oneshot(who("leased")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(store.calls(), before, "the lease served its identity");
+    app.clone().oneshot(who("other")).await.unwrap();
+    let calls = store.calls();
+    // Two failures in a row from the store's side: the breaker is open, and the next
+    // requests are not sent to the store.
+    for _ in 0..3 {
+        app.clone().oneshot(who("other")).await.unwrap();
+    }
+    assert_eq!(
+        store.calls(),
+        calls,
+        "the breaker did not open: the lease's answer counted as the store's"
+    );
+}

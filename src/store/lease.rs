@@ -436,7 +436,9 @@ async fn take<S: Store>(
 }
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
-/// `held` units still held here afterwards.
+/// `held` units still held here afterwards. Marked as answered from a local cache: the
+/// shared store said nothing, so it closes no circuit breaker and counts as no probe's
+/// success.
 fn local_decision(statuses: &[PolicyStatus], held: u64, receipt: Receipt) -> Decision {
     let statuses = statuses
         .iter()
@@ -452,6 +454,7 @@ fn local_decision(statuses: &[PolicyStatus], held: u64, receipt: Receipt) -> Dec
         statuses,
     )
     .with_receipt(receipt)
+    .from_cache()
 }
 
 /// Gives back what `lease` did not spend, as far as the shared state still holds it.
