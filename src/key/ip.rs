@@ -387,7 +387,9 @@ fn parse_forwarded_element(element: &str) -> Option<IpAddr> {
 }
 
 /// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`, `2001:db8::1`,
-/// `[2001:db8::1]`, `[2001:db8::1]:80`. `unknown` and `_obfuscated` are not addresses.
+/// `[2001:db8::1]`, `[2001:db8::1]:80`, and with an obfuscated port (RFC 7239, section
+/// 6: `obfport = "_" 1*(ALPHA / DIGIT / "." / "_" / "-")`): `192.0.2.1:_p1`,
+/// `[2001:db8::1]:_p1`. `unknown` and `_obfuscated` are not addresses.
 fn parse_node(node: &str) -> Option<IpAddr> {
     if let Ok(ip) = node.parse::<IpAddr>() {
         return Some(ip);
@@ -395,10 +397,30 @@ fn parse_node(node: &str) -> Option<IpAddr> {
     if let Ok(addr) = node.parse::<SocketAddr>() {
         return Some(addr.ip());
     }
-    node.strip_prefix('[')
+    let host = match node.rsplit_once(':') {
+        Some((host, port)) if is_obfuscated_port(port) => host,
+        _ => node,
+    };
+    if let Some(inner) = host
+        .strip_prefix('[')
         .and_then(|rest| rest.strip_suffix(']'))
-        .and_then(|inner| inner.parse::<std::net::Ipv6Addr>().ok())
-        .map(IpAddr::V6)
+    {
+        return inner.parse::<std::net::Ipv6Addr>().ok().map(IpAddr::V6);
+    }
+    // Without brackets, only an IPv4 address can carry a port.
+    (host.len() < node.len())
+        .then(|| host.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4))
+        .flatten()
+}
+
+/// RFC 7239's `obfport`: `_` then one or more of `A-Z a-z 0-9 . _ -`.
+fn is_obfuscated_port(port: &str) -> bool {
+    port.strip_prefix('_').is_some_and(|rest| {
+        !rest.is_empty()
+            && rest
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    })
 }
 
 #[cfg(test)]
@@ -517,6 +539,33 @@ mod tests {
                     b"for=6.6.6.6, for=\"[2001:db8:cafe::17]:4711\";proto=https",
                 )],
                 "ip:2001:db8:cafe::/64",
+            ),
+            // RFC 7239 section 6: a node's port may be obfuscated (`obfport`); the
+            // address is still the client's.
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=\"198.51.100.4:_p1\"")],
+                "ip:198.51.100.4",
+            ),
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=\"[2001:db8:cafe::17]:_p.x-1\"")],
+                "ip:2001:db8:cafe::/64",
+            ),
+            // Not a port, obfuscated or not: not an address either.
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=\"198.51.100.4:_\"")],
+                "ip:10.0.0.1",
+            ),
+            (
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=\"198.51.100.4:_p!\"")],
+                "ip:10.0.0.1",
             ),
             (
                 &fwd,
