@@ -374,6 +374,38 @@ mod http {
         assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
     }
 
+    /// Requests that run no GraphQL operation pass through untouched: a CORS preflight,
+    /// `HEAD`, and a `GET` without `query` (the IDE page many servers show). The
+    /// limiter charges them its default cost; nothing is answered `400`.
+    #[tokio::test]
+    async fn requests_that_run_no_operation_pass_through() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        for method in [http::Method::OPTIONS, http::Method::HEAD, http::Method::GET] {
+            let request = Request::builder()
+                .method(method.clone())
+                .uri("/graphql")
+                .header("x-api-key", "k")
+                .header("origin", "https://app.example")
+                .header("access-control-request-method", "POST")
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_ne!(
+                response.status(),
+                StatusCode::BAD_REQUEST,
+                "{method} without a query"
+            );
+            assert!(
+                response.headers().get("graphql-cost").is_none(),
+                "{method}: no operation, no GraphQL cost"
+            );
+            assert!(
+                response.headers().contains_key("ratelimit"),
+                "{method}: still limited, at the default cost"
+            );
+        }
+    }
+
     fn app_with_minimum() -> Router {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
     }

@@ -41,7 +41,8 @@ pub enum Invalid {
 /// It reads `POST` bodies of type `application/json` (one request or a batch) and
 /// `application/graphql`, and `GET ?query=`. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
-/// `GraphQL-Cost`.
+/// `GraphQL-Cost`. Requests that run no operation (a CORS preflight, `HEAD`, a `GET`
+/// without `query`) pass through untouched: the limiter charges them its default cost.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -184,13 +185,30 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
+        if runs_no_operation(&request) {
+            // Nothing to cost: the limiter further in charges its default.
+            let future = self.inner.call(request);
+            return Box::pin(future);
+        }
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
         Box::pin(async move {
             let (mut parts, body) = request.into_parts();
             let read = if parts.method == Method::GET {
-                Read::Cost(config.get_cost(&parts), Bytes::new())
+                // A GET's body is not the operation: it is handed on as it came.
+                let cost = config.get_cost(&parts);
+                let request = Request::from_parts(parts, body);
+                return match cost {
+                    Ok(cost) => call_costed(&mut inner, request, cost).await,
+                    Err(error) => match config.invalid {
+                        Invalid::Reject => {
+                            let response = response::invalid_request(&error.to_string());
+                            Ok(response.map(ResBody::from_bytes))
+                        }
+                        Invalid::Charge(cost) => call_costed(&mut inner, request, cost).await,
+                    },
+                };
             } else {
                 match Limited::new(body, config.max_body).collect().await {
                     Ok(collected) => {
@@ -227,14 +245,37 @@ where
                     Invalid::Charge(cost) => (cost, bytes),
                 },
             };
-            parts.extensions.insert(RequestCost(cost));
-            let mut response = inner
-                .call(Request::from_parts(parts, B::from(bytes)))
-                .await?;
-            response
-                .headers_mut()
-                .insert(GRAPHQL_COST.clone(), HeaderValue::from(cost));
-            Ok(response)
+            call_costed(&mut inner, Request::from_parts(parts, B::from(bytes)), cost).await
         })
     }
+}
+
+/// A request that runs no GraphQL operation: a CORS preflight, `HEAD`, or a `GET` without
+/// `query` (the IDE page many servers show there). GraphQL over HTTP runs operations from
+/// `GET ?query=` and from `POST` bodies only.
+fn runs_no_operation<B>(request: &Request<B>) -> bool {
+    match *request.method() {
+        Method::OPTIONS | Method::HEAD => true,
+        Method::GET => !request.uri().query().is_some_and(|query| {
+            form_urlencoded::parse(query.as_bytes()).any(|(name, _)| name == "query")
+        }),
+        _ => false,
+    }
+}
+
+/// Calls `inner` with `cost` recorded for the limiter, and reports it in `GraphQL-Cost`.
+async fn call_costed<S, B, ResBody>(
+    inner: &mut S,
+    mut request: Request<B>,
+    cost: u64,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<B>, Response = Response<ResBody>>,
+{
+    request.extensions_mut().insert(RequestCost(cost));
+    let mut response = inner.call(request).await?;
+    response
+        .headers_mut()
+        .insert(GRAPHQL_COST.clone(), HeaderValue::from(cost));
+    Ok(response)
 }
