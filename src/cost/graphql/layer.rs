@@ -194,7 +194,7 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
         Box::pin(async move {
-            let (mut parts, body) = request.into_parts();
+            let (parts, body) = request.into_parts();
             let read = if parts.method == Method::GET {
                 // A GET's body is not the operation: it is handed on as it came.
                 let cost = config.get_cost(&parts);
