@@ -458,6 +458,80 @@ const SCHEMA_COST_TABLE: &[(&str, u64)] = &[
     ("{ tags }", 0),
 ];
 
+/// Type extensions (`extend type`, `extend interface`, `extend union`, `extend schema`)
+/// add to the types they extend, before or after the definition, as a schema split over
+/// files writes them: their fields, weights, interfaces and members are costed.
+#[test]
+fn schema_extensions_are_costed_like_definitions() {
+    let split = r#"
+        directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION
+        directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+        extend type Query { report: Report @cost(weight: 500) }
+        type Query { viewer: User }
+        type Report { id: ID! }
+        interface Node { id: ID! }
+        type User { id: ID! }
+        extend type User implements Node { posts: [Post] @listSize(assumedSize: 7, requireOneSlicingArgument: false) }
+        extend interface Node { owner: User @cost(weight: 9) }
+        type Post { id: ID! }
+        type Event { id: ID! }
+        union Item = Post
+        extend union Item = Event
+        extend type Query { node(id: ID!): Node  item: Item  items: [Item] @listSize(assumedSize: 2, requireOneSlicingArgument: false) }
+        type Admin { audit: Report @cost(weight: 40) }
+        extend schema { mutation: Admin }
+    "#;
+    // The same schema written as definitions only.
+    let whole = r#"
+        directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION
+        directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+        type Query {
+          report: Report @cost(weight: 500)
+          viewer: User
+          node(id: ID!): Node
+          item: Item
+          items: [Item] @listSize(assumedSize: 2, requireOneSlicingArgument: false)
+        }
+        type Report { id: ID! }
+        interface Node { id: ID! owner: User @cost(weight: 9) }
+        type User implements Node { id: ID! posts: [Post] @listSize(assumedSize: 7, requireOneSlicingArgument: false) }
+        type Post { id: ID! }
+        type Event { id: ID! }
+        union Item = Post | Event
+        type Admin { audit: Report @cost(weight: 40) }
+        schema { query: Query mutation: Admin }
+    "#;
+    let split = GraphqlCost::new().with_schema(split).unwrap();
+    let whole = GraphqlCost::new().with_schema(whole).unwrap();
+    let without = GraphqlCost::new();
+    for query in [
+        // A root field from an extension, with its weight.
+        "{ report { id } }",
+        // A field from an extension, with its list size.
+        "{ viewer { posts { id } } }",
+        // The interface an extension added, and the interface's extension field.
+        "{ node(id: 1) { ... on User { posts { id } } } }",
+        "{ node(id: 1) { owner { id } } }",
+        // A member an extension added to a union.
+        "{ items { ... on Event { id } } }",
+        // The mutation root an extension named.
+        "mutation { audit { id } }",
+    ] {
+        let expected = whole.query_cost(query, None, None).unwrap();
+        assert_eq!(
+            split.query_cost(query, None, None).unwrap(),
+            expected,
+            "{query}"
+        );
+    }
+    // The weights the extensions carry are the schema's, not the model without one.
+    let cost = |coster: &GraphqlCost, query| coster.query_cost(query, None, None).unwrap();
+    assert_eq!(cost(&split, "{ report { id } }"), 500);
+    assert_eq!(cost(&without, "{ report { id } }"), 1);
+    assert!(cost(&split, "{ node(id: 1) { owner { id } } }") >= 9);
+    assert!(cost(&split, "mutation { audit { id } }") >= 40);
+}
+
 #[test]
 fn schema_cost_table() {
     let coster = GraphqlCost::new().with_schema(SDL).unwrap();

@@ -1,6 +1,7 @@
 //! What the coster takes from a schema (SDL): field types, and the IBM GraphQL cost
 //! directives `@cost(weight:)` and `@listSize(assumedSize:, slicingArguments:,
-//! sizedFields:, requireOneSlicingArgument:)`.
+//! sizedFields:, requireOneSlicingArgument:)`. A type's extensions (`extend type`,
+//! `extend interface`, `extend union`, `extend schema`) add to it, in any order.
 
 use std::collections::HashMap;
 
@@ -137,51 +138,38 @@ impl Schema {
             })?;
         let mut schema = Schema::default();
         let mut unions: Vec<(String, Vec<String>)> = Vec::new();
+        // A type's definition and its extensions (`extend type`, in any order) add up.
         for definition in &document.definitions {
             match definition {
-                Definition::ObjectTypeDefinition(object) => {
-                    let info = schema.types.entry(object.name.to_string()).or_default();
-                    info.composite = true;
-                    info.weight = weight(&object.directives);
-                    info.possible = vec![object.name.to_string()];
-                    info.interfaces = object
-                        .implements_interfaces
-                        .iter()
-                        .map(|name| name.to_string())
-                        .collect();
-                    for field in &object.fields {
-                        info.fields
-                            .insert(field.name.to_string(), field_info(field));
-                    }
-                }
+                Definition::ObjectTypeDefinition(object) => schema.object(
+                    &object.name,
+                    &object.directives,
+                    &object.implements_interfaces,
+                    &object.fields,
+                ),
+                Definition::ObjectTypeExtension(object) => schema.object(
+                    &object.name,
+                    &object.directives,
+                    &object.implements_interfaces,
+                    &object.fields,
+                ),
                 Definition::InterfaceTypeDefinition(interface) => {
-                    let info = schema.types.entry(interface.name.to_string()).or_default();
-                    info.composite = true;
-                    info.weight = weight(&interface.directives);
-                    for field in &interface.fields {
-                        info.fields
-                            .insert(field.name.to_string(), field_info(field));
-                    }
+                    schema.interface(&interface.name, &interface.directives, &interface.fields)
+                }
+                Definition::InterfaceTypeExtension(interface) => {
+                    schema.interface(&interface.name, &interface.directives, &interface.fields)
                 }
                 Definition::UnionTypeDefinition(union) => {
-                    let info = schema.types.entry(union.name.to_string()).or_default();
-                    info.composite = true;
-                    info.weight = weight(&union.directives);
-                    unions.push((
-                        union.name.to_string(),
-                        union.members.iter().map(|m| m.to_string()).collect(),
-                    ));
+                    schema.union(&union.name, &union.directives, &mut unions, &union.members)
+                }
+                Definition::UnionTypeExtension(union) => {
+                    schema.union(&union.name, &union.directives, &mut unions, &union.members)
                 }
                 Definition::SchemaDefinition(definition) => {
-                    for root in &definition.root_operations {
-                        let (operation, name) = &**root;
-                        let slot = match operation {
-                            OperationType::Query => "query",
-                            OperationType::Mutation => "mutation",
-                            OperationType::Subscription => "subscription",
-                        };
-                        schema.roots.insert(slot, name.to_string());
-                    }
+                    schema.roots_from(&definition.root_operations)
+                }
+                Definition::SchemaExtension(extension) => {
+                    schema.roots_from(&extension.root_operations)
                 }
                 _ => {}
             }
@@ -202,7 +190,7 @@ impl Schema {
         }
         for (union, members) in unions {
             if let Some(info) = schema.types.get_mut(&union) {
-                info.possible = members;
+                info.possible.extend(members);
             }
         }
         for (slot, default) in [
@@ -216,6 +204,83 @@ impl Schema {
                 .or_insert_with(|| default.to_owned());
         }
         Ok(schema)
+    }
+
+    /// An object type's definition or extension: its fields, weight and interfaces.
+    fn object(
+        &mut self,
+        name: &apollo_compiler::Name,
+        directives: &DirectiveList,
+        interfaces: &[apollo_compiler::Name],
+        fields: &[apollo_compiler::Node<ast::FieldDefinition>],
+    ) {
+        let info = self.composite(name, directives, fields);
+        if info.possible.is_empty() {
+            info.possible = vec![name.to_string()];
+        }
+        info.interfaces
+            .extend(interfaces.iter().map(|name| name.to_string()));
+    }
+
+    /// An interface's definition or extension: its fields and weight.
+    fn interface(
+        &mut self,
+        name: &apollo_compiler::Name,
+        directives: &DirectiveList,
+        fields: &[apollo_compiler::Node<ast::FieldDefinition>],
+    ) {
+        self.composite(name, directives, fields);
+    }
+
+    /// A union's definition or extension: its weight, and members to add.
+    fn union(
+        &mut self,
+        name: &apollo_compiler::Name,
+        directives: &DirectiveList,
+        unions: &mut Vec<(String, Vec<String>)>,
+        members: &[apollo_compiler::Name],
+    ) {
+        self.composite(name, directives, &[]);
+        unions.push((
+            name.to_string(),
+            members.iter().map(|member| member.to_string()).collect(),
+        ));
+    }
+
+    /// The type `name`, marked composite, with `fields` and the weight of `directives`
+    /// added (a weight given once stays).
+    fn composite(
+        &mut self,
+        name: &apollo_compiler::Name,
+        directives: &DirectiveList,
+        fields: &[apollo_compiler::Node<ast::FieldDefinition>],
+    ) -> &mut TypeInfo {
+        let info = self.types.entry(name.to_string()).or_default();
+        info.composite = true;
+        if let Some(weight) = weight(directives) {
+            info.weight = Some(weight);
+        }
+        for field in fields {
+            info.fields
+                .insert(field.name.to_string(), field_info(field));
+        }
+        info
+    }
+
+    /// The root operation types of a `schema` definition or extension.
+    fn roots_from(
+        &mut self,
+        roots: &[apollo_compiler::Node<(OperationType, apollo_compiler::Name)>],
+    ) {
+        for root in roots {
+            let (operation, name) = &**root;
+            let slot = match operation {
+                OperationType::Query => "query",
+                OperationType::Mutation => "mutation",
+                OperationType::Subscription => "subscription",
+            };
+            self.roots.insert(slot, name.to_string());
+        }
     }
 
     pub(super) fn kind(&self, ty: &str) -> Kind {
