@@ -1041,6 +1041,37 @@ fn every_form_costs_the_same() {
 
 /// The attack documents too large to rewrite through a parser, written by hand in each
 /// form: refused in every one.
+/// A fragment already costed is not walked again, but its depth still counts: a chain
+/// of fragments spread from the top in reverse order, each walk short before it meets a
+/// fragment costed already, is as deep as the chain spread once.
+#[test]
+fn a_fragment_costed_before_still_counts_its_depth() {
+    let coster = GraphqlCost::new().max_depth(64);
+    let levels = 200;
+    let mut fragments = String::new();
+    for level in 0..levels {
+        fragments.push_str(&format!(
+            " fragment D{level} on Q {{ a {{ ...D{} }} }}",
+            level + 1
+        ));
+    }
+    fragments.push_str(&format!(" fragment D{levels} on Q {{ id }}"));
+    let chain = format!("{{ ...D0 }}{fragments}");
+    let stepped: String = (0..levels)
+        .rev()
+        .step_by(10)
+        .map(|level| format!("...D{level} "))
+        .collect();
+    let stepped = format!("{{ {stepped}}}{fragments}");
+    for (form, document) in [("chain", &chain), ("stepped", &stepped)] {
+        let result = coster.query_cost(document, None, None);
+        assert!(
+            matches!(result, Err(CostError::TooDeep { .. })),
+            "{form}: {result:?}"
+        );
+    }
+}
+
 #[test]
 fn deep_and_huge_documents_are_refused_in_every_form() {
     let coster = GraphqlCost::new();

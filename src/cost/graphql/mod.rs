@@ -280,6 +280,7 @@ impl GraphqlCost {
             fragments,
             done: HashMap::new(),
             visiting: Vec::new(),
+            deepest: 0,
             operation,
             variables,
         };
@@ -341,8 +342,12 @@ struct Walk<'a> {
     /// Fragments already costed, per concrete type and list size (the same fragment spread
     /// in a connection of 2 and in one of 100 costs differently): each is costed once per
     /// such context, however often it is spread, so fragment fan-out cannot explode.
-    done: HashMap<(&'a str, Option<String>, Option<Sizing<'a>>), u64>,
+    /// With each, how many levels its walk went below the spread: a fragment costed
+    /// already still counts its depth where it is spread again.
+    done: HashMap<(&'a str, Option<String>, Option<Sizing<'a>>), (u64, usize)>,
     visiting: Vec<&'a str>,
+    /// The deepest level reached so far.
+    deepest: usize,
     operation: &'a ast::OperationDefinition,
     variables: Option<&'a Map<String, Json>>,
 }
@@ -386,11 +391,7 @@ impl<'a> Walk<'a> {
         sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
-        if depth > self.model.max_depth {
-            return Err(CostError::TooDeep {
-                max: self.model.max_depth,
-            });
-        }
+        self.reach(depth)?;
         let mut total = 0u64;
         for selection in selections {
             let cost = match selection {
@@ -518,8 +519,9 @@ impl<'a> Walk<'a> {
         depth: usize,
     ) -> Result<u64, CostError> {
         let memo = (name, concrete.map(str::to_owned), sized);
-        if let Some(cost) = self.done.get(&memo) {
-            return Ok(*cost);
+        if let Some(&(cost, below)) = self.done.get(&memo) {
+            self.reach(depth.saturating_add(below))?;
+            return Ok(cost);
         }
         if self.visiting.contains(&name) {
             return Err(CostError::FragmentCycle(name.to_owned()));
@@ -534,11 +536,26 @@ impl<'a> Walk<'a> {
             }
         }
         self.visiting.push(name);
+        let outer = std::mem::replace(&mut self.deepest, depth);
         let cost = self.selections_on(&fragment.selection_set, concrete, sized, depth + 1);
+        let below = self.deepest - depth;
+        self.deepest = self.deepest.max(outer);
         self.visiting.pop();
         let cost = cost?;
-        self.done.insert(memo, cost);
+        self.done.insert(memo, (cost, below));
         Ok(cost)
+    }
+
+    /// Notes that the walk reached `depth`: past the model's limit, the document is too
+    /// deep.
+    fn reach(&mut self, depth: usize) -> Result<(), CostError> {
+        if depth > self.model.max_depth {
+            return Err(CostError::TooDeep {
+                max: self.model.max_depth,
+            });
+        }
+        self.deepest = self.deepest.max(depth);
+        Ok(())
     }
 
     /// The list size a field's slicing argument asks for: `None` when it has none (and
