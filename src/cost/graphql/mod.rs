@@ -344,13 +344,16 @@ struct Walk<'a> {
     /// such context, however often it is spread, so fragment fan-out cannot explode.
     /// With each, how many levels its walk went below the spread: a fragment costed
     /// already still counts its depth where it is spread again.
-    done: HashMap<(&'a str, Option<String>, Option<Sizing<'a>>), (u64, usize)>,
+    done: HashMap<Memo<'a>, (u64, usize)>,
     visiting: Vec<&'a str>,
     /// The deepest level reached so far.
     deepest: usize,
     operation: &'a ast::OperationDefinition,
     variables: Option<&'a Map<String, Json>>,
 }
+
+/// A fragment in a context: its name, the concrete type and the list size it is costed in.
+type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>);
 
 /// A list size that applies only to some child fields (`@listSize(sizedFields:)`): the
 /// context a connection's selection set is costed in, and the fragments spread in it.
