@@ -196,6 +196,10 @@ where
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     {
+        // `MissingKey::Allow` lets an absent key through on purpose: nothing to report.
+        if !(self.config.missing_key == MissingKey::Allow && error.is_missing()) {
+            telemetry::key_rejected(error);
+        }
         match self.config.missing_key {
             // A shadow layer never refuses a request.
             _ if self.config.responder.shadow => {

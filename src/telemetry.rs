@@ -209,6 +209,52 @@ fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
     seen.insert((kind, code.unwrap_or("").into()))
 }
 
+/// No key could be extracted, and the request is refused for it (or let through by a
+/// shadow layer): counted by kind. A server set up wrong (`KeyErrorKind::Server`: no peer
+/// address, no extension from the auth middleware) is logged at error level the first
+/// time each reason is seen, since its client is told only that the server is at fault;
+/// a client's error is a debug event.
+#[cold]
+pub(crate) fn key_rejected(error: &crate::key::KeyError) {
+    use crate::key::KeyErrorKind;
+    let server = error.kind() == KeyErrorKind::Server;
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_key_errors_total",
+        "kind" => if server { "server" } else { "client" }
+    )
+    .increment(1);
+    if server && first_reason(&error.to_string()) {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            "the rate limiter cannot identify clients: the server is set up wrong, and its \
+             requests are answered 500 (logged once per reason, counted in \
+             tollgate_key_errors_total)"
+        );
+    } else {
+        #[cfg(feature = "tracing")]
+        tracing::debug!(target: "tollgate", %error, "no rate-limit key");
+    }
+}
+
+/// True the first time this process sees a server-side key error with `reason` (bounded:
+/// an extractor that words its reasons ever anew cannot grow this without limit).
+fn first_reason(reason: &str) -> bool {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock, PoisonError};
+    static SEEN: OnceLock<Mutex<HashSet<Box<str>>>> = OnceLock::new();
+    let mut seen = SEEN
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if seen.len() >= 64 {
+        return false;
+    }
+    seen.insert(reason.into())
+}
+
 /// The circuit breaker kept a request from the store.
 #[inline]
 pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {

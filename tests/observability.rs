@@ -283,3 +283,52 @@ fn a_shadow_policy_in_a_shadow_layer_is_counted_as_shadow_denied() {
         })
     });
 }
+
+/// Requests refused for want of a key are counted by kind: the client's (400) and the
+/// server's (500, set up wrong).
+#[test]
+fn key_errors_are_counted_by_kind() {
+    #[derive(Clone)]
+    struct Account;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let by_header = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::HeaderKey::new("x-api-key")),
+    );
+    let by_account = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::ExtensionKey::new(
+                "account",
+                |_: &Account| "a".to_owned(),
+            )),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            for (app, status, times) in [(&by_header, 400, 2), (&by_account, 500, 3)] {
+                for _ in 0..times {
+                    let response = app
+                        .clone()
+                        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                        .await
+                        .unwrap();
+                    assert_eq!(response.status(), status);
+                }
+            }
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(&seen, "tollgate_key_errors_total", &[("kind", "client")]),
+                2
+            );
+            assert_eq!(
+                counter(&seen, "tollgate_key_errors_total", &[("kind", "server")]),
+                3
+            );
+        })
+    });
+}

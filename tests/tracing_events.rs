@@ -216,3 +216,53 @@ fn a_shadow_policy_that_would_deny_is_an_info_event() {
         "{events:?}"
     );
 }
+
+/// The account type of the test below: its name must not reach the client.
+#[derive(Clone)]
+struct SecretAccountType(u64);
+
+/// A key extractor set up wrong (the layer that inserts its extension is missing) answers
+/// 500 without telling the client how the server is built (RFC 9457, section 5), and is
+/// logged at error level, once, with the reason the client is not told.
+#[test]
+fn a_server_side_key_error_is_logged_once_and_not_shown_to_the_client() {
+    let recorder = Recorder::default();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+                .key(tollgate::key::ExtensionKey::new(
+                    "account",
+                    |account: &SecretAccountType| account.0.to_string(),
+                )),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 500);
+                let body = http_body_util::BodyExt::collect(response.into_body())
+                    .await
+                    .unwrap()
+                    .to_bytes();
+                let body = String::from_utf8_lossy(&body);
+                assert!(!body.contains("SecretAccountType"), "{body}");
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let errors: Vec<&String> = events
+        .iter()
+        .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
+        .collect();
+    assert_eq!(errors.len(), 1, "{events:?}");
+}

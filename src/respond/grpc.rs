@@ -1,6 +1,8 @@
 //! The limiter's own answers to gRPC calls: a gRPC status, not an HTTP error page.
 //!
-//! A call is gRPC when its `content-type` is `application/grpc` (or `application/grpc+…`).
+//! A call is gRPC when its `content-type` is `application/grpc`, `application/grpc-web`
+//! or `application/grpc-web-text` (each alone or with `+` a message format); its answer
+//! carries the same content type.
 //! Its refusal is a trailers-only response (HTTP 200, the status in the headers, no
 //! body): `grpc-status` 8 (RESOURCE_EXHAUSTED) for a denial, with `retry-after`, the
 //! `ratelimit` and `ratelimit-policy` entries as metadata, and a `google.rpc.Status` in
@@ -13,26 +15,49 @@ use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 
-/// True for a gRPC call.
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value == "application/grpc" || value.starts_with("application/grpc+"))
+/// True for a gRPC call: `application/grpc`, and gRPC-Web's `application/grpc-web` and
+/// `application/grpc-web-text`, each alone or with `+` a message format.
+#[cfg(test)]
+fn is_grpc(headers: &HeaderMap) -> bool {
+    grpc_content_type(headers).is_some()
+}
+
+/// The content type of a gRPC call, which its answer carries too.
+fn grpc_content_type(headers: &HeaderMap) -> Option<&HeaderValue> {
+    let value = headers.get(header::CONTENT_TYPE)?;
+    let text = value.to_str().ok()?;
+    [
+        "application/grpc",
+        "application/grpc-web",
+        "application/grpc-web-text",
+    ]
+    .iter()
+    .any(|base| {
+        text.strip_prefix(base)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('+'))
+    })
+    .then_some(value)
 }
 
 /// The limiter's own answer to a request with `headers`: as it is, or as a gRPC status
 /// for a gRPC call.
 pub(crate) fn fit(headers: &HeaderMap, response: Box<Response<Bytes>>) -> Box<Response<Bytes>> {
-    if is_grpc(headers) {
-        Box::new(answer(*response))
-    } else {
-        response
+    match grpc_content_type(headers) {
+        Some(content_type) => Box::new(answer_as(*response, content_type.clone())),
+        None => response,
     }
 }
 
 /// The limiter's HTTP answer `response` as a gRPC trailers-only response.
-pub(crate) fn answer(response: Response<Bytes>) -> Response<Bytes> {
+#[cfg(test)]
+fn answer(response: Response<Bytes>) -> Response<Bytes> {
+    answer_as(response, HeaderValue::from_static("application/grpc"))
+}
+
+/// The limiter's HTTP answer `response` as a trailers-only response of a call of
+/// `content_type` (gRPC, or gRPC-Web: its trailers-only responses are gRPC's, in the
+/// headers).
+fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<Bytes> {
     let (mut parts, body) = response.into_parts();
     let code: u32 = match parts.status {
         StatusCode::TOO_MANY_REQUESTS => 8,
@@ -54,10 +79,7 @@ pub(crate) fn answer(response: Response<Bytes>) -> Response<Bytes> {
         .and_then(|value| value.trim().parse::<u64>().ok());
     parts.status = StatusCode::OK;
     parts.headers.remove(header::CONTENT_LENGTH);
-    parts.headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
+    parts.headers.insert(header::CONTENT_TYPE, content_type);
     parts.headers.insert("grpc-status", HeaderValue::from(code));
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         parts.headers.insert("grpc-message", value);
@@ -70,7 +92,8 @@ pub(crate) fn answer(response: Response<Bytes>) -> Response<Bytes> {
     Response::from_parts(parts, Bytes::new())
 }
 
-/// The `detail` member of the limiter's own problem body (RFC 9457), unescaped.
+/// The `detail` member of the limiter's own problem body (RFC 9457), its JSON escapes
+/// undone (RFC 8259, section 7).
 fn detail(body: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(body).ok()?;
     let start = text.find("\"detail\":\"")? + "\"detail\":\"".len();
@@ -79,7 +102,21 @@ fn detail(body: &[u8]) -> Option<String> {
     while let Some(c) = chars.next() {
         match c {
             '"' => return Some(out),
-            '\\' => out.push(chars.next()?),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                'r' => out.push('\r'),
+                'b' => out.push('\u{8}'),
+                'f' => out.push('\u{c}'),
+                'u' => {
+                    let hex: String = chars.by_ref().take(4).collect();
+                    let unit = u32::from_str_radix(&hex, 16).ok()?;
+                    // Escaped surrogates stand for a character this body never holds (the
+                    // limiter escapes only control characters): a replacement marks them.
+                    out.push(char::from_u32(unit).unwrap_or(char::REPLACEMENT_CHARACTER));
+                }
+                escaped => out.push(escaped),
+            },
             c => out.push(c),
         }
     }
@@ -180,5 +217,40 @@ mod tests {
             HeaderValue::from_static("application/grpcx"),
         );
         assert!(!is_grpc(&headers));
+    }
+
+    /// gRPC-Web calls (a browser's, or through a proxy that translates them further in)
+    /// are gRPC calls too; their trailers-only answer is in the headers, as gRPC's is
+    /// ("Trailers-only responses: no change to the gRPC protocol spec", gRPC-Web
+    /// protocol, PROTOCOL-WEB.md), with the call's own content type.
+    #[test]
+    fn grpc_web_calls_get_a_grpc_web_status() {
+        for content_type in [
+            "application/grpc-web",
+            "application/grpc-web+proto",
+            "application/grpc-web-text",
+            "application/grpc-web-text+proto",
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
+            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            let answer = fit(&headers, Box::new(response));
+            assert_eq!(answer.status(), StatusCode::OK, "{content_type}");
+            assert_eq!(answer.headers()["grpc-status"], "8", "{content_type}");
+            assert_eq!(answer.headers()[header::CONTENT_TYPE], content_type);
+        }
+    }
+
+    /// The message is the problem body's `detail`, its JSON escapes undone (RFC 8259,
+    /// section 7), then percent-encoded as gRPC's `grpc-message` is.
+    #[test]
+    fn the_message_undoes_every_json_escape() {
+        let body = br#"{"detail":"a\"b\\c\u000ad\u00e9"}"#;
+        assert_eq!(detail(body).as_deref(), Some("a\"b\\c\nd\u{e9}"));
+        let mut response = Response::new(Bytes::from_static(body));
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+        let answer = answer(response);
+        assert_eq!(answer.headers()["grpc-message"], "a\"b\\c%0Ad%C3%A9");
     }
 }

@@ -207,7 +207,16 @@ pub(crate) fn key_error(error: &KeyError) -> Response<Bytes> {
         KeyErrorKind::Client => (StatusCode::BAD_REQUEST, "Bad Request"),
         KeyErrorKind::Server => (StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"),
     };
-    let detail = format!("the rate limiter could not identify the client: {error}");
+    // How the server is built is not the client's business (RFC 9457, section 5): a
+    // server-side reason goes to the log (`telemetry::key_rejected`), not into the body.
+    let detail = match error.kind() {
+        KeyErrorKind::Client => format!("the rate limiter could not identify the client: {error}"),
+        KeyErrorKind::Server => {
+            "the rate limiter could not identify the client: the server is set up wrong \
+             (its log says why)"
+                .to_owned()
+        }
+    };
     problem(status, "about:blank", title, &detail, &[])
 }
 
