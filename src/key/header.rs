@@ -14,6 +14,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// that is present but unusable is an invalid key, a 400 that no fallback hides: several
 /// lines of it (an auth layer might read another line than the limiter), an empty or
 /// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
+/// `Authorization` and `Proxy-Authorization` are read as one credential however the
+/// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
+/// credentials after the scheme keep their case).
 ///
 /// ```
 /// use http::Request;
@@ -191,8 +194,36 @@ impl KeyExtractor for HeaderKey {
                 self.name
             )));
         }
+        if self.name == http::header::AUTHORIZATION
+            || self.name == http::header::PROXY_AUTHORIZATION
+        {
+            let credentials = credentials(value);
+            return Ok(Key::hashed_with_salt(
+                self.name.as_str(),
+                &self.salt,
+                &credentials,
+            ));
+        }
         Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
     }
+}
+
+/// `Authorization` credentials as one spelling: the scheme lowercase (it is
+/// case-insensitive, RFC 9110 section 11.1) and one space before the rest (`1*SP`,
+/// section 11.4), which keeps its case.
+fn credentials(value: &[u8]) -> Vec<u8> {
+    let end = value
+        .iter()
+        .position(|&byte| byte == b' ' || byte == b'\t')
+        .unwrap_or(value.len());
+    let (scheme, rest) = value.split_at(end);
+    let rest = rest.trim_ascii_start();
+    let mut out = scheme.to_ascii_lowercase();
+    if !rest.is_empty() {
+        out.push(b' ');
+        out.extend_from_slice(rest);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -254,5 +285,51 @@ mod tests {
         }
         // Spaces and tabs inside a value are part of it ("Bearer abc").
         assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
+    }
+
+    /// `Authorization` names one credential however its scheme is spelt: the scheme is
+    /// case-insensitive (RFC 9110, section 11.1) and the space after it is `1*SP`
+    /// (section 11.4), so an auth layer that accepts `bearer`, `BEARER` or two spaces
+    /// would otherwise let one token spread over many buckets. The credentials themselves
+    /// keep their case.
+    #[test]
+    fn an_authorization_scheme_is_read_case_insensitively() {
+        let key = HeaderKey::new("authorization");
+        let extract = |value: &[u8]| {
+            let request = Request::get("/")
+                .header(
+                    "authorization",
+                    http::HeaderValue::from_bytes(value).unwrap(),
+                )
+                .body(())
+                .unwrap();
+            key.extract(&request.into_parts().0).unwrap()
+        };
+        let bearer = extract(b"Bearer abcDEF");
+        for same in [
+            &b"bearer abcDEF"[..],
+            b"BEARER abcDEF",
+            b"BeArEr abcDEF",
+            b"Bearer   abcDEF",
+            b"Bearer \tabcDEF",
+        ] {
+            assert_eq!(extract(same), bearer, "{}", String::from_utf8_lossy(same));
+        }
+        assert_ne!(
+            extract(b"Bearer abcdef"),
+            bearer,
+            "the token keeps its case"
+        );
+        assert_ne!(extract(b"Basic abcDEF"), bearer, "another scheme");
+        // Another header keeps its value as it is.
+        let api_key = HeaderKey::new("x-api-key");
+        let value = |v: &[u8]| {
+            let request = Request::get("/")
+                .header("x-api-key", http::HeaderValue::from_bytes(v).unwrap())
+                .body(())
+                .unwrap();
+            api_key.extract(&request.into_parts().0).unwrap()
+        };
+        assert_ne!(value(b"Bearer abc"), value(b"bearer abc"));
     }
 }
