@@ -501,7 +501,9 @@ impl Policy {
     /// once, as GitHub's 100 concurrent requests per user. A request takes a slot when it
     /// is admitted and gives it back when its response body has been sent or dropped
     /// (client gone, handler panicked, timed out). On Redis a slot whose holder died
-    /// expires after [`DEFAULT_LEASE`]; see [`Policy::concurrency_with_lease`].
+    /// expires after [`DEFAULT_LEASE`]; see [`Policy::concurrency_with_lease`]. A request
+    /// whose cost is 0 takes no slot: a cost function that prices some requests at 0
+    /// exempts them from the limit.
     ///
     /// Advertised as `qu="concurrent-requests"`, with no window. A denied request is told
     /// to retry after one second: when a slot frees depends on other requests.

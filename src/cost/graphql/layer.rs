@@ -44,6 +44,12 @@ pub enum Invalid {
 /// `GraphQL-Cost`. Requests that run no operation (a CORS preflight, `HEAD`, a `GET`
 /// without `query`) pass through untouched: the limiter charges them its default cost.
 ///
+/// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
+/// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
+/// without the document, multipart uploads, and bodies still compressed. Put it inside
+/// (after) a request-decompression layer, and charge persisted queries with
+/// [`Invalid::Charge`] at what your costliest registered operation costs.
+///
 /// ```
 /// use axum::{Router, routing::post};
 /// use tollgate::cost::FromExtension;
