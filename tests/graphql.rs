@@ -406,6 +406,45 @@ mod http {
         }
     }
 
+    /// What could run an operation is costed, whatever its method: a `HEAD` or `OPTIONS`
+    /// with a body (a server may read the operation from any body), a persisted query's
+    /// `GET` (no `query`, but `extensions`), and a `GET` whose `query` is given twice (a
+    /// server may run either).
+    #[tokio::test]
+    async fn what_could_run_an_operation_is_costed_whatever_its_method() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let body = r#"{"query":"{ a { b { c } } }"}"#;
+        for method in [http::Method::HEAD, http::Method::OPTIONS] {
+            let request = Request::builder()
+                .method(method.clone())
+                .uri("/graphql")
+                .header("x-api-key", "k")
+                .header("content-type", "application/json")
+                .body(Body::from(body))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(
+                response
+                    .headers()
+                    .get("graphql-cost")
+                    .map(|v| v.to_str().unwrap()),
+                Some("2"),
+                "{method} with a body"
+            );
+        }
+        for uri in [
+            "/graphql?extensions=%7B%22persistedQuery%22%3A%7B%7D%7D",
+            "/graphql?query=%7B%20a%20%7D&query=%7B%20a%20%7B%20b%20%7D%20%7D",
+        ] {
+            let request = Request::get(uri)
+                .header("x-api-key", "k")
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        }
+    }
+
     fn app_with_minimum() -> Router {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
     }

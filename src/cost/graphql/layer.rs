@@ -41,8 +41,11 @@ pub enum Invalid {
 /// It reads `POST` bodies of type `application/json` (one request or a batch) and
 /// `application/graphql`, and `GET ?query=`. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
-/// `GraphQL-Cost`. Requests that run no operation (a CORS preflight, `HEAD`, a `GET`
-/// without `query`) pass through untouched: the limiter charges them its default cost.
+/// `GraphQL-Cost`. Requests that run no operation (a CORS preflight, `HEAD`, or a `GET`
+/// without `query` or a persisted query's parameters, each without a body) pass through
+/// untouched: the limiter charges them its default cost. Any other request is costed
+/// whatever its method; a `GET`'s body is not handed on, and a `query` given twice is
+/// refused.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
@@ -152,6 +155,10 @@ impl Config {
         let mut variables = None;
         for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
             match &*name {
+                // A server may run either of two: neither is costed.
+                "query" if query.is_some() => {
+                    return Err(CostError::Request("several query parameters".into()));
+                }
                 "query" => query = Some(value.into_owned()),
                 "operationName" => operation_name = Some(value.into_owned()),
                 "variables" => variables = Some(value.into_owned()),
@@ -202,9 +209,11 @@ where
         Box::pin(async move {
             let (parts, body) = request.into_parts();
             let read = if parts.method == Method::GET {
-                // A GET's body is not the operation: it is handed on as it came.
+                // A GET's operation is its query string; a body, which a server might read
+                // instead, is not handed on.
                 let cost = config.get_cost(&parts);
-                let request = Request::from_parts(parts, body);
+                drop(body);
+                let request = Request::from_parts(parts, B::from(Bytes::new()));
                 return match cost {
                     Ok(cost) => call_costed(&mut inner, request, cost).await,
                     Err(error) => match config.invalid {
@@ -257,13 +266,20 @@ where
 }
 
 /// A request that runs no GraphQL operation: a CORS preflight, `HEAD`, or a `GET` without
-/// `query` (the IDE page many servers show there). GraphQL over HTTP runs operations from
-/// `GET ?query=` and from `POST` bodies only.
-fn runs_no_operation<B>(request: &Request<B>) -> bool {
+/// `query` (the IDE page many servers show there), each without a body. GraphQL over HTTP
+/// runs operations from `GET ?query=` and from `POST` bodies, but a server may read one
+/// from any body, or find a persisted query by its `extensions`, `documentId` or `id`:
+/// those are costed (or refused as the layer is told) whatever the method.
+fn runs_no_operation<B: Body>(request: &Request<B>) -> bool {
+    let body = request.body();
+    if !(body.is_end_stream() || body.size_hint().upper() == Some(0)) {
+        return false;
+    }
     match *request.method() {
         Method::OPTIONS | Method::HEAD => true,
         Method::GET => !request.uri().query().is_some_and(|query| {
-            form_urlencoded::parse(query.as_bytes()).any(|(name, _)| name == "query")
+            form_urlencoded::parse(query.as_bytes())
+                .any(|(name, _)| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
         }),
         _ => false,
     }
