@@ -218,6 +218,23 @@ impl Slot {
         matches!(self, Slot::InFlight { state, .. } if state.count > 0)
     }
 
+    /// How much the slot holds spent, in its own units (admitted units, slots held, a
+    /// bucket's level): which of two states fresh again at the same time has more to
+    /// lose when forgotten. Comparable between slots of one policy.
+    pub(crate) fn spent(&self) -> u128 {
+        match self {
+            Slot::Window { state, .. } => u128::from(state.count),
+            Slot::Log { state, .. } => u128::from(state.total),
+            Slot::Counter { state, .. } => state.counts.iter().map(|&c| u128::from(c)).sum(),
+            // At most 65 counts of at most 2^64: no overflow.
+            Slot::Ring { state, .. } => state.counts.iter().map(|&c| u128::from(c)).sum(),
+            Slot::Bucket { state, .. } => state.level.get(),
+            Slot::Gcra { state, .. } => state.tat.get(),
+            Slot::InFlight { state, .. } => u128::from(state.count),
+            Slot::Penalty { state, .. } => u128::from(state.count),
+        }
+    }
+
     /// The id of the policy this slot belongs to.
     #[inline]
     pub(crate) fn id(&self) -> u32 {

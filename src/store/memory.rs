@@ -30,13 +30,15 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// measured per identity). When a shard is full it first forgets every identity
 /// whose state is back to fresh (forgetting those changes no decision); if that frees too
 /// little it forgets the identities closest to fresh, and among equals (under a window,
-/// every identity used in it) the most recently added first, and counts them in
-/// [`MemoryStore::evicted_live`]. An attacker rotating identities therefore cannot grow
-/// the store, and at worst resets the state of the identities that were about to be fresh
-/// anyway, its own first. An identity whose in-flight slots running requests hold is never
-/// fresh: its requests give the slots back when they end, however long they run (the
-/// lease of [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is
-/// for shared stores); a full shard forgets one only when every identity it holds is one.
+/// every identity used in it) those that spent least, then the most recently added, and
+/// counts them in [`MemoryStore::evicted_live`]. An attacker rotating identities therefore
+/// cannot grow the store, and at worst resets the state of the identities that were about
+/// to be fresh anyway, its own first. An identity whose in-flight slots running requests
+/// hold is never fresh: its requests give the slots back when they end, however long they
+/// run (the lease of
+/// [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is for shared
+/// stores); a full shard forgets such identities only when the others cannot make the
+/// room, those held longest first.
 /// [`MemoryStore::purge_fresh`] gives memory back.
 ///
 /// Local only: N replicas each with a `MemoryStore` admit N times the limit. Use a shared
@@ -412,6 +414,16 @@ impl Entry {
         self.fresh_at <= now && !self.holds_slots()
     }
 
+    /// How much the identity's state holds spent (see `Slot::spent`).
+    fn spent(&self) -> u128 {
+        match &self.slots {
+            Slots::One(slot) => slot.spent(),
+            Slots::Many(slots) => slots
+                .iter()
+                .fold(0u128, |sum, slot| sum.saturating_add(slot.spent())),
+        }
+    }
+
     /// True when requests still running hold in-flight slots of this identity: they give
     /// them back when they end, so the entry is kept until then.
     fn holds_slots(&self) -> bool {
@@ -722,46 +734,46 @@ impl<C: Clock> MemoryStore<C> {
         let capacity = self.shared.shard_capacity;
         let target = capacity.saturating_sub((capacity / 16).max(1));
         if table.len() > target {
-            // Those closest to fresh go first. Identities whose slots running requests
-            // hold are spared while any other can go; a shard full of them (as many
-            // streams as it holds identities) forgets them too, or it would outgrow its
-            // bound.
-            let spare = table.slab.iter().any(|entry| !entry.holds_slots());
-            let evictable = |entry: &Entry| !spare || !entry.holds_slots();
-            let mut fresh_times: Vec<u64> = table
+            let excess = table.len() - target;
+            // Identities whose slots running requests hold are spared while the others
+            // can make the room; otherwise they are candidates too, so the shard keeps
+            // its bound and its one scan per sixteenth.
+            let others = table.slab.iter().filter(|e| !e.holds_slots()).count();
+            let spare = others >= excess;
+            let candidate = |entry: &Entry| !spare || !entry.holds_slots();
+            let order = |entry: &Entry| (entry.fresh_at, entry.spent());
+            // The `excess` candidates first in (fresh at, spent) order go: those closest to
+            // fresh, and among those fresh at the same time (under a window, every identity
+            // used in it) those that spent least, so no identity has its own spent quota
+            // forgotten by adding a few others after it.
+            let mut orders: Vec<(u64, u128)> = table
                 .slab
                 .iter()
-                .filter(|entry| evictable(entry))
-                .map(|entry| entry.fresh_at)
+                .filter(|entry| candidate(entry))
+                .map(order)
                 .collect();
-            let excess = (table.len() - target).min(fresh_times.len());
-            if excess > 0 {
-                let (_, threshold, _) = fresh_times.select_nth_unstable(excess - 1);
-                let threshold = *threshold;
-                // Among those fresh at the threshold (under a window, every identity used
-                // in it), the most recently added go first: a flood of new identities
-                // forgets its own before a client that spent its quota earlier.
-                let below = fresh_times.iter().filter(|&&at| at < threshold).count();
-                let tied = fresh_times.iter().filter(|&&at| at == threshold).count();
-                removed += table.retain(|entry| entry.fresh_at >= threshold || !evictable(entry));
-                // Then the tied entries after the first `keep` in slab order. Nothing is
-                // removed before `keep` of them are passed, so the slab's order (about
-                // the order identities were added) is the order they are passed in.
-                let mut keep = tied - (excess - below);
-                removed += table.retain(|entry| {
-                    if entry.fresh_at != threshold || !evictable(entry) {
-                        true
-                    } else if keep > 0 {
-                        keep -= 1;
-                        true
-                    } else {
-                        false
-                    }
-                });
-                self.shared
-                    .evicted_live
-                    .fetch_add(excess as u64, Ordering::Relaxed);
-            }
+            let (_, threshold, _) = orders.select_nth_unstable(excess - 1);
+            let threshold = *threshold;
+            let below = orders.iter().filter(|&&o| o < threshold).count();
+            let tied = orders.iter().filter(|&&o| o == threshold).count();
+            removed += table.retain(|entry| !candidate(entry) || order(entry) >= threshold);
+            // Then the tied after the first `keep` in slab order (about the order they
+            // came in): nothing is removed before `keep` of them are passed, so the
+            // swap-removal behind `retain` does not reorder them.
+            let mut keep = tied - (excess - below);
+            removed += table.retain(|entry| {
+                if !candidate(entry) || order(entry) != threshold {
+                    true
+                } else if keep > 0 {
+                    keep -= 1;
+                    true
+                } else {
+                    false
+                }
+            });
+            self.shared
+                .evicted_live
+                .fetch_add(excess as u64, Ordering::Relaxed);
         }
         if removed > 0 {
             // Keep the index's and the slab's memory: the shard is about to fill again.
@@ -896,6 +908,70 @@ mod tests {
             !store.check("victim", &daily, 1).is_allowed(),
             "the victim's spent quota was forgotten"
         );
+    }
+
+    #[test]
+    fn among_equals_the_store_forgets_those_that_spent_least() {
+        // A client cannot have its own spent quota forgotten cheaply by adding a few new
+        // identities after it: among identities fresh at the same time, those that spent
+        // least go first, whenever they came.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(64)
+            .shards(1)
+            .build();
+        let daily =
+            PolicySet::from(Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap());
+        for i in 0..70 {
+            assert!(store.check(&format!("junk:{i}"), &daily, 1).is_allowed());
+        }
+        for _ in 0..3 {
+            assert!(store.check("spender", &daily, 1).is_allowed());
+        }
+        for i in 70..80 {
+            assert!(store.check(&format!("junk:{i}"), &daily, 1).is_allowed());
+        }
+        assert!(
+            store.evicted_live() > 0,
+            "the store had to forget live identities"
+        );
+        assert!(
+            !store.check("spender", &daily, 1).is_allowed(),
+            "the spender's quota was forgotten"
+        );
+    }
+
+    #[test]
+    fn a_shard_full_of_held_slots_still_keeps_others_state() {
+        // When identities holding slots fill a shard, it makes room from them too (the
+        // longest held first), not by forgetting every other identity as the next arrives.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(32)
+            .shards(1)
+            .build();
+        let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
+        let hourly =
+            PolicySet::from(Policy::fixed_window("hourly", 1, Duration::from_secs(3_600)).unwrap());
+        for i in 0..31 {
+            assert!(
+                store
+                    .check(&format!("stream:{i}"), &streams, 1)
+                    .is_allowed()
+            );
+        }
+        clock.advance(Duration::from_secs(1));
+        assert!(store.check("spender", &hourly, 1).is_allowed());
+        for i in 0..3 {
+            store.check(&format!("new:{i}"), &hourly, 1);
+        }
+        assert!(
+            !store.check("spender", &hourly, 1).is_allowed(),
+            "the spender's hour was forgotten to keep held slots"
+        );
+        assert!(store.len() <= 32);
     }
 
     #[test]
