@@ -208,22 +208,44 @@ impl KeyExtractor for HeaderKey {
     }
 }
 
-/// `Authorization` credentials as one spelling: the scheme lowercase (it is
-/// case-insensitive, RFC 9110 section 11.1) and one space before the rest (`1*SP`,
-/// section 11.4), which keeps its case.
-fn credentials(value: &[u8]) -> Vec<u8> {
-    let end = value
-        .iter()
-        .position(|&byte| byte == b' ' || byte == b'\t')
-        .unwrap_or(value.len());
+/// `Authorization` credentials as one spelling: the scheme in its registered spelling
+/// (`Bearer`, `Basic`, ...; lowercase for others: it is case-insensitive, RFC 9110
+/// section 11.1) and one space before the credentials (`1*SP`, section 11.4), which keep
+/// their case. A value without credentials after a scheme is kept as it is: it may be a
+/// bare key, whose case matters.
+fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    let Some(end) = value.iter().position(|&byte| byte == b' ' || byte == b'\t') else {
+        return std::borrow::Cow::Borrowed(value);
+    };
     let (scheme, rest) = value.split_at(end);
     let rest = rest.trim_ascii_start();
-    let mut out = scheme.to_ascii_lowercase();
-    if !rest.is_empty() {
-        out.push(b' ');
-        out.extend_from_slice(rest);
-    }
-    out
+    // The IANA registry of HTTP authentication schemes, as it spells them.
+    const REGISTERED: [&str; 14] = [
+        "Basic",
+        "Bearer",
+        "Concealed",
+        "Digest",
+        "DPoP",
+        "GNAP",
+        "HOBA",
+        "Mutual",
+        "Negotiate",
+        "OAuth",
+        "PrivateToken",
+        "SCRAM-SHA-1",
+        "SCRAM-SHA-256",
+        "vapid",
+    ];
+    let mut out = match REGISTERED
+        .iter()
+        .find(|name| name.as_bytes().eq_ignore_ascii_case(scheme))
+    {
+        Some(name) => name.as_bytes().to_vec(),
+        None => scheme.to_ascii_lowercase(),
+    };
+    out.push(b' ');
+    out.extend_from_slice(rest);
+    std::borrow::Cow::Owned(out)
 }
 
 #[cfg(test)]
@@ -321,6 +343,19 @@ mod tests {
             "the token keeps its case"
         );
         assert_ne!(extract(b"Basic abcDEF"), bearer, "another scheme");
+        // The registered spelling keeps the key it had before the scheme was read
+        // case-insensitively (no bucket starts over on upgrade, no rolling deploy counts
+        // one client in two buckets).
+        assert_eq!(
+            bearer,
+            Key::hashed_with_salt("authorization", &[], b"Bearer abcDEF")
+        );
+        assert_eq!(
+            extract(b"basic dXNlcjpwYXNz"),
+            Key::hashed_with_salt("authorization", &[], b"Basic dXNlcjpwYXNz")
+        );
+        // A value with no scheme (a bare API key) is not a scheme: it keeps its case.
+        assert_ne!(extract(b"AbC123"), extract(b"abc123"));
         // Another header keeps its value as it is.
         let api_key = HeaderKey::new("x-api-key");
         let value = |v: &[u8]| {
