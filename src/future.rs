@@ -123,7 +123,11 @@ impl<F: Future> ResponseFuture<F> {
                 Plan::Call(headers, debit) => (Duration::ZERO, headers, debit),
                 Plan::Delay(delay, headers, debit) => (delay, headers, debit),
                 Plan::Respond(response) => {
-                    return Slow::Respond(crate::respond::grpc::fit(request.headers(), response));
+                    return Slow::Respond(crate::respond::grpc::fit(
+                        request.method(),
+                        request.headers(),
+                        response,
+                    ));
                 }
             };
             let reservation =

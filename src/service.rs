@@ -210,7 +210,11 @@ where
             }
             MissingKey::Allow | MissingKey::Reject => {
                 let answer = Box::new(response::key_error(error));
-                ResponseFuture::respond_boxed(grpc::fit(request.headers(), answer))
+                ResponseFuture::respond_boxed(grpc::fit(
+                    request.method(),
+                    request.headers(),
+                    answer,
+                ))
             }
         }
     }
@@ -354,7 +358,7 @@ where
             ResponseFuture::delaying(delay, take_ready(inner), request, headers, None)
         }
         Plan::Respond(response) => {
-            ResponseFuture::respond_boxed(grpc::fit(request.headers(), response))
+            ResponseFuture::respond_boxed(grpc::fit(request.method(), request.headers(), response))
         }
     }
 }

@@ -239,20 +239,35 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
     }
 }
 
-/// True the first time this process sees a server-side key error with `reason` (bounded:
-/// an extractor that words its reasons ever anew cannot grow this without limit).
+/// True the first time this process sees a server-side key error with `reason`. The set
+/// is bounded (an extractor that words its reasons ever anew cannot grow it without
+/// limit); past its bound, true at most once a minute, so a new misconfiguration is still
+/// logged.
 fn first_reason(reason: &str) -> bool {
     use std::collections::HashSet;
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Mutex, OnceLock, PoisonError};
+    use std::time::Instant;
     static SEEN: OnceLock<Mutex<HashSet<Box<str>>>> = OnceLock::new();
+    static START: OnceLock<Instant> = OnceLock::new();
+    static NEXT_OVERFLOW_LOG: AtomicU64 = AtomicU64::new(0);
     let mut seen = SEEN
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
-    if seen.len() >= 64 {
+    if seen.contains(reason) {
         return false;
     }
-    seen.insert(reason.into())
+    if seen.len() < 64 {
+        return seen.insert(reason.into());
+    }
+    drop(seen);
+    let now = START.get_or_init(Instant::now).elapsed().as_secs();
+    let due = NEXT_OVERFLOW_LOG.load(Ordering::Relaxed);
+    now >= due
+        && NEXT_OVERFLOW_LOG
+            .compare_exchange(due, now + 60, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 /// The circuit breaker kept a request from the store.
@@ -305,5 +320,25 @@ impl Stopwatch {
     pub(crate) fn stop(self) {
         #[cfg(feature = "metrics")]
         store_latency(self.started.elapsed());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Each reason is logged the first time; past the set's bound, a new reason is still
+    /// logged, but at most once a minute.
+    #[test]
+    fn key_error_reasons_are_logged_once_and_the_set_is_bounded() {
+        let logged: Vec<bool> = (0..100)
+            .map(|i| super::first_reason(&format!("test reason {i}")))
+            .collect();
+        assert!(logged[0], "a new reason is logged");
+        assert!(
+            !super::first_reason("test reason 0"),
+            "a reason seen is not"
+        );
+        let late = logged[70..].iter().filter(|&&l| l).count();
+        assert!(late <= 1, "{late} of the last 30 new reasons were logged");
+        assert!(logged.iter().filter(|&&l| l).count() <= 65);
     }
 }

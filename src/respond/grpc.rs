@@ -13,7 +13,7 @@
 
 use base64::Engine;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 
 /// True for a gRPC call: `application/grpc`, and gRPC-Web's `application/grpc-web` and
 /// `application/grpc-web-text`, each alone or with `+` a message format.
@@ -22,29 +22,48 @@ fn is_grpc(headers: &HeaderMap) -> bool {
     grpc_content_type(headers).is_some()
 }
 
-/// The content type of a gRPC call, which its answer carries too.
-fn grpc_content_type(headers: &HeaderMap) -> Option<&HeaderValue> {
+/// The content type of a gRPC call, for its answer: the call's own when its `+` format is
+/// a plain token, else the bare type.
+fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
     let value = headers.get(header::CONTENT_TYPE)?;
     let text = value.to_str().ok()?;
     [
-        "application/grpc",
-        "application/grpc-web",
         "application/grpc-web-text",
+        "application/grpc-web",
+        "application/grpc",
     ]
-    .iter()
-    .any(|base| {
-        text.strip_prefix(base)
-            .is_some_and(|rest| rest.is_empty() || rest.starts_with('+'))
+    .into_iter()
+    .find_map(|base| {
+        let rest = text.strip_prefix(base)?;
+        if rest.is_empty() {
+            return Some(value.clone());
+        }
+        let format = rest.strip_prefix('+')?;
+        let plain = !format.is_empty()
+            && format
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+        Some(if plain {
+            value.clone()
+        } else {
+            HeaderValue::from_static(base)
+        })
     })
-    .then_some(value)
 }
 
-/// The limiter's own answer to a request with `headers`: as it is, or as a gRPC status
-/// for a gRPC call.
-pub(crate) fn fit(headers: &HeaderMap, response: Box<Response<Bytes>>) -> Box<Response<Bytes>> {
+/// The limiter's own answer to a request of `method` with `headers`: as it is, or as a
+/// gRPC status for a gRPC call (always a `POST`: a `GET` claiming the type gets the HTTP
+/// answer, which no cache keeps as a success).
+pub(crate) fn fit(
+    method: &Method,
+    headers: &HeaderMap,
+    response: Box<Response<Bytes>>,
+) -> Box<Response<Bytes>> {
     match grpc_content_type(headers) {
-        Some(content_type) => Box::new(answer_as(*response, content_type.clone())),
-        None => response,
+        Some(content_type) if method == Method::POST => {
+            Box::new(answer_as(*response, content_type))
+        }
+        _ => response,
     }
 }
 
@@ -235,11 +254,42 @@ mod tests {
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
             let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
             *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-            let answer = fit(&headers, Box::new(response));
+            let answer = fit(&Method::POST, &headers, Box::new(response));
             assert_eq!(answer.status(), StatusCode::OK, "{content_type}");
             assert_eq!(answer.headers()["grpc-status"], "8", "{content_type}");
             assert_eq!(answer.headers()[header::CONTENT_TYPE], content_type);
         }
+    }
+
+    /// Only a `POST` is a gRPC call (gRPC and gRPC-Web calls always are): a `GET` that
+    /// claims the type gets the HTTP answer, which no cache keeps as a success. The
+    /// content type is echoed only when its `+` format is a plain token.
+    #[test]
+    fn only_a_post_is_a_grpc_call_and_odd_formats_are_not_echoed() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc+proto"),
+        );
+        let denial = || {
+            let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
+            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            Box::new(response)
+        };
+        assert_eq!(
+            fit(&Method::GET, &headers, denial()).status(),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc-web+x;evil=1"),
+        );
+        let answer = fit(&Method::POST, &headers, denial());
+        assert_eq!(answer.headers()["grpc-status"], "8");
+        assert_eq!(
+            answer.headers()[header::CONTENT_TYPE],
+            "application/grpc-web"
+        );
     }
 
     /// The message is the problem body's `detail`, its JSON escapes undone (RFC 8259,
