@@ -807,7 +807,9 @@ impl<C: Clock> MemoryStore<C> {
         self.shared.evicted_live.load(Ordering::Relaxed)
     }
 
-    /// Forgets every identity whose state is back to fresh; returns how many.
+    /// Forgets every identity whose state is back to fresh; returns how many. An identity
+    /// whose in-flight slots are held is not fresh until they are given back (a slot
+    /// taken by hand, through `check`, must be freed with `adjust_now`).
     ///
     /// Never needed for correctness or for the bound; call it on a timer to give memory
     /// back after a burst of identities.
