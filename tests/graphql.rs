@@ -435,6 +435,9 @@ mod http {
         for uri in [
             "/graphql?extensions=%7B%22persistedQuery%22%3A%7B%7D%7D",
             "/graphql?query=%7B%20a%20%7D&query=%7B%20a%20%7B%20b%20%7D%20%7D",
+            // A server may take the first of two, the coster the last.
+            "/graphql?query=query%20A%7Ba%7D%20query%20B%7Ba%7Bb%7D%7D&operationName=B&operationName=A",
+            "/graphql?query=%7Ba%7D&variables=%7B%7D&variables=%7B%7D",
         ] {
             let request = Request::get(uri)
                 .header("x-api-key", "k")
@@ -442,6 +445,28 @@ mod http {
                 .unwrap();
             let response = app.clone().oneshot(request).await.unwrap();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        }
+    }
+
+    /// A preflight or a `GET` without a query whose body is empty only once read (sent
+    /// chunked) passes through as a bodiless one does; a `GET`'s body, never handed on,
+    /// takes its framing headers with it.
+    #[tokio::test]
+    async fn an_empty_body_sent_chunked_is_still_empty() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        for method in [http::Method::OPTIONS, http::Method::GET] {
+            let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = vec![Ok(bytes::Bytes::new())];
+            let body = Body::from_stream(futures_util::stream::iter(chunks));
+            let request = Request::builder()
+                .method(method.clone())
+                .uri("/graphql")
+                .header("x-api-key", "k")
+                .header("transfer-encoding", "chunked")
+                .body(body)
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_ne!(response.status(), StatusCode::BAD_REQUEST, "{method}");
+            assert!(response.headers().get("graphql-cost").is_none(), "{method}");
         }
     }
 

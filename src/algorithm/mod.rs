@@ -218,20 +218,21 @@ impl Slot {
         matches!(self, Slot::InFlight { state, .. } if state.count > 0)
     }
 
-    /// How much the slot holds spent, in its own units (admitted units, slots held, a
-    /// bucket's level): which of two states fresh again at the same time has more to
-    /// lose when forgotten. Comparable between slots of one policy.
+    /// What a window's slot holds spent (units admitted in it), which of two identities
+    /// fresh again at the same time (as every identity a window counted is) has more to
+    /// lose when forgotten; 0 for the other algorithms, whose state is a time or a level
+    /// the freshness already tells apart.
     pub(crate) fn spent(&self) -> u128 {
         match self {
             Slot::Window { state, .. } => u128::from(state.count),
             Slot::Log { state, .. } => u128::from(state.total),
-            Slot::Counter { state, .. } => state.counts.iter().map(|&c| u128::from(c)).sum(),
             // At most 65 counts of at most 2^64: no overflow.
+            Slot::Counter { state, .. } => state.counts.iter().map(|&c| u128::from(c)).sum(),
             Slot::Ring { state, .. } => state.counts.iter().map(|&c| u128::from(c)).sum(),
-            Slot::Bucket { state, .. } => state.level.get(),
-            Slot::Gcra { state, .. } => state.tat.get(),
-            Slot::InFlight { state, .. } => u128::from(state.count),
-            Slot::Penalty { state, .. } => u128::from(state.count),
+            Slot::Bucket { .. }
+            | Slot::Gcra { .. }
+            | Slot::InFlight { .. }
+            | Slot::Penalty { .. } => 0,
         }
     }
 

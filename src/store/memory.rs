@@ -103,7 +103,7 @@ struct Shard {
 /// 64-byte entries out of the buckets leaves that slack at 4 bytes a bucket instead of 65
 /// (in a hashbrown table of entries: the entry and a control byte); the slab grows by
 /// whole chunks, not by doubling. Entries leave only in bulk: [`Table::retain`] keeps the slab
-/// dense (the last entry moves into each hole), then [`Table::reindex`] or
+/// dense and in order (the entries kept move up), then [`Table::reindex`] or
 /// [`Table::shrink`] rebuilds the index.
 struct Table {
     index: Index,
@@ -278,33 +278,33 @@ impl Slab {
         index
     }
 
-    /// Removes entry `index`, moving the last entry into its place.
-    fn swap_remove(&mut self, index: usize) -> Entry {
-        let last = self.len - 1;
-        let tail = self.chunks[last >> CHUNK_BITS]
-            .pop()
-            .expect("the chunk of entry len - 1 holds it");
-        self.len = last;
-        if index == last {
-            tail
-        } else {
-            std::mem::replace(
-                &mut self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)],
-                tail,
-            )
+    /// Keeps the entries for which `keep` is true, in their order (about the order they
+    /// came in, which eviction reads among equals).
+    fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
+        let mut kept = 0;
+        for index in 0..self.len {
+            if keep(&self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]) {
+                self.swap(index, kept);
+                kept += 1;
+            }
+        }
+        // What goes is now at the end.
+        while self.len > kept {
+            let last = self.len - 1;
+            self.chunks[last >> CHUNK_BITS].pop();
+            self.len = last;
         }
     }
 
-    /// Keeps the entries for which `keep` is true (in some order).
-    fn retain(&mut self, mut keep: impl FnMut(&Entry) -> bool) {
-        let mut index = 0;
-        while index < self.len {
-            if keep(&self.chunks[index >> CHUNK_BITS][index & (CHUNK - 1)]) {
-                index += 1;
-            } else {
-                // The entry moved into `index` is looked at next.
-                self.swap_remove(index);
-            }
+    /// Swaps entries `a` and `b` (`b` <= `a`).
+    fn swap(&mut self, a: usize, b: usize) {
+        let (chunk_a, slot_a) = (a >> CHUNK_BITS, a & (CHUNK - 1));
+        let (chunk_b, slot_b) = (b >> CHUNK_BITS, b & (CHUNK - 1));
+        if chunk_a == chunk_b {
+            self.chunks[chunk_a].swap(slot_a, slot_b);
+        } else {
+            let (low, high) = self.chunks.split_at_mut(chunk_a);
+            std::mem::swap(&mut low[chunk_b][slot_b], &mut high[0][slot_a]);
         }
     }
 
@@ -757,9 +757,8 @@ impl<C: Clock> MemoryStore<C> {
             let below = orders.iter().filter(|&&o| o < threshold).count();
             let tied = orders.iter().filter(|&&o| o == threshold).count();
             removed += table.retain(|entry| !candidate(entry) || order(entry) >= threshold);
-            // Then the tied after the first `keep` in slab order (about the order they
-            // came in): nothing is removed before `keep` of them are passed, so the
-            // swap-removal behind `retain` does not reorder them.
+            // Then the tied after the first `keep` in slab order, which `retain` keeps:
+            // the order they came in, so the most recently added go.
             let mut keep = tied - (excess - below);
             removed += table.retain(|entry| {
                 if !candidate(entry) || order(entry) != threshold {
@@ -942,6 +941,54 @@ mod tests {
             !store.check("spender", &daily, 1).is_allowed(),
             "the spender's quota was forgotten"
         );
+    }
+
+    #[test]
+    fn among_equals_spent_counts_only_what_windows_hold() {
+        // A set of a window and a GCRA: every identity used today is fresh again at the
+        // day's end, and the GCRA's state (a time, not an amount) must not decide which
+        // of them is forgotten: the one that spent its day stays.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(64)
+            .shards(1)
+            .build();
+        let set = PolicySet::new([
+            Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap(),
+            Policy::gcra("g", Rate::per_second(1_000), 1_000).unwrap(),
+        ])
+        .unwrap();
+        for _ in 0..3 {
+            assert!(store.check("spender", &set, 1).is_allowed());
+        }
+        clock.advance(Duration::from_secs(1));
+        for i in 0..80 {
+            assert!(store.check(&format!("junk:{i}"), &set, 1).is_allowed());
+        }
+        assert!(store.evicted_live() > 0);
+        assert!(!store.check("spender", &set, 1).is_allowed());
+    }
+
+    #[test]
+    fn removing_entries_keeps_the_others_in_their_order() {
+        let policies = PolicySet::from(Policy::gcra("g", Rate::per_second(1), 1).unwrap());
+        let mut table = Table::new(4_096);
+        let hasher = foldhash::fast::RandomState::default();
+        for i in 0..2_500 {
+            let key = format!("k{i}");
+            let entry = Entry {
+                key: CompactString::from(key.as_str()),
+                fresh_at: i,
+                slots: Slots::new(&policies),
+            };
+            table.insert(hasher.hash_one(key.as_str()), entry, None, &hasher);
+        }
+        // Across chunks (1,024 entries each): every third goes.
+        assert_eq!(table.retain(|entry| entry.fresh_at % 3 != 0), 834);
+        let order: Vec<u64> = table.slab.iter().map(|entry| entry.fresh_at).collect();
+        let expected: Vec<u64> = (0..2_500).filter(|i| i % 3 != 0).collect();
+        assert_eq!(order, expected);
     }
 
     #[test]

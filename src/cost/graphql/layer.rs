@@ -41,11 +41,11 @@ pub enum Invalid {
 /// It reads `POST` bodies of type `application/json` (one request or a batch) and
 /// `application/graphql`, and `GET ?query=`. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
-/// `GraphQL-Cost`. Requests that run no operation (a CORS preflight, `HEAD`, or a `GET`
-/// without `query` or a persisted query's parameters, each without a body) pass through
-/// untouched: the limiter charges them its default cost. Any other request is costed
-/// whatever its method; a `GET`'s body is not handed on, and a `query` given twice is
-/// refused.
+/// `GraphQL-Cost`. Requests that run no operation (a CORS preflight or a `HEAD` whose
+/// body is empty, a `GET` without `query` or a persisted query's parameters) pass
+/// through: the limiter charges them its default cost. Any other request is costed
+/// whatever its method. A `GET`'s body is never handed on (nor the headers that frame
+/// it), and a `GET` parameter given twice is refused, since a server may take either.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
@@ -154,16 +154,17 @@ impl Config {
         let mut operation_name = None;
         let mut variables = None;
         for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
-            match &*name {
-                // A server may run either of two: neither is costed.
-                "query" if query.is_some() => {
-                    return Err(CostError::Request("several query parameters".into()));
-                }
-                "query" => query = Some(value.into_owned()),
-                "operationName" => operation_name = Some(value.into_owned()),
-                "variables" => variables = Some(value.into_owned()),
-                _ => {}
+            let slot = match &*name {
+                "query" => &mut query,
+                "operationName" => &mut operation_name,
+                "variables" => &mut variables,
+                _ => continue,
+            };
+            // A server may take the first of two, the coster the last: neither is costed.
+            if slot.is_some() {
+                return Err(CostError::Request(format!("several {name} parameters")));
             }
+            *slot = Some(value.into_owned());
         }
         let query = query.ok_or_else(|| CostError::Request("no query parameter".into()))?;
         let variables = match variables {
@@ -198,48 +199,62 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        if runs_no_operation(&request) {
-            // Nothing to cost: the limiter further in charges its default.
-            let future = self.inner.call(request);
-            return Box::pin(future);
+        let (mut parts, body) = request.into_parts();
+        if parts.method == Method::GET {
+            // A GET's operation is in its query string. A body, which a server might read
+            // instead, is not handed on, nor the headers that frame it.
+            drop(body);
+            parts.headers.remove(header::CONTENT_LENGTH);
+            parts.headers.remove(header::TRANSFER_ENCODING);
+            if !names_an_operation(&parts) {
+                // Nothing to cost: the limiter further in charges its default.
+                let request = Request::from_parts(parts, B::from(Bytes::new()));
+                return Box::pin(self.inner.call(request));
+            }
+            let cost = match self.config.get_cost(&parts) {
+                Ok(cost) => cost,
+                Err(error) => match self.config.invalid {
+                    Invalid::Reject => {
+                        let response = response::invalid_request(&error.to_string());
+                        return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
+                    }
+                    Invalid::Charge(cost) => cost,
+                },
+            };
+            let request = Request::from_parts(parts, B::from(Bytes::new()));
+            let clone = self.inner.clone();
+            let mut inner = std::mem::replace(&mut self.inner, clone);
+            return Box::pin(async move { call_costed(&mut inner, request, cost).await });
+        }
+        let quiet = matches!(parts.method, Method::OPTIONS | Method::HEAD);
+        if quiet && (body.is_end_stream() || body.size_hint().upper() == Some(0)) {
+            // A preflight or a HEAD without a body runs nothing.
+            return Box::pin(self.inner.call(Request::from_parts(parts, body)));
         }
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
         Box::pin(async move {
-            let (parts, body) = request.into_parts();
-            let read = if parts.method == Method::GET {
-                // A GET's operation is its query string; a body, which a server might read
-                // instead, is not handed on.
-                let cost = config.get_cost(&parts);
-                drop(body);
-                let request = Request::from_parts(parts, B::from(Bytes::new()));
-                return match cost {
-                    Ok(cost) => call_costed(&mut inner, request, cost).await,
-                    Err(error) => match config.invalid {
-                        Invalid::Reject => {
-                            let response = response::invalid_request(&error.to_string());
-                            Ok(response.map(ResBody::from_bytes))
-                        }
-                        Invalid::Charge(cost) => call_costed(&mut inner, request, cost).await,
-                    },
-                };
-            } else {
-                match Limited::new(body, config.max_body).collect().await {
-                    Ok(collected) => {
-                        let bytes = collected.to_bytes();
-                        let cost = match media_type(&parts).as_str() {
-                            "application/graphql" => match std::str::from_utf8(&bytes) {
-                                Ok(query) => config.coster.query_cost(query, None, None),
-                                Err(_) => Err(CostError::Request("the body is not UTF-8".into())),
-                            },
-                            _ => config.coster.json_cost(&bytes),
-                        };
-                        Read::Cost(cost, bytes)
+            let read = match Limited::new(body, config.max_body).collect().await {
+                Ok(collected) => {
+                    let bytes = collected.to_bytes();
+                    if quiet && bytes.is_empty() {
+                        // A preflight or a HEAD whose body is empty once read runs nothing
+                        // either.
+                        let request = Request::from_parts(parts, B::from(bytes));
+                        return inner.call(request).await;
                     }
-                    Err(error) if error.is::<http_body_util::LengthLimitError>() => Read::TooLarge,
-                    Err(error) => Read::Unreadable(error.to_string()),
+                    let cost = match media_type(&parts).as_str() {
+                        "application/graphql" => match std::str::from_utf8(&bytes) {
+                            Ok(query) => config.coster.query_cost(query, None, None),
+                            Err(_) => Err(CostError::Request("the body is not UTF-8".into())),
+                        },
+                        _ => config.coster.json_cost(&bytes),
+                    };
+                    Read::Cost(cost, bytes)
                 }
+                Err(error) if error.is::<http_body_util::LengthLimitError>() => Read::TooLarge,
+                Err(error) => Read::Unreadable(error.to_string()),
             };
             let (cost, bytes) = match read {
                 Read::TooLarge => {
@@ -265,24 +280,14 @@ where
     }
 }
 
-/// A request that runs no GraphQL operation: a CORS preflight, `HEAD`, or a `GET` without
-/// `query` (the IDE page many servers show there), each without a body. GraphQL over HTTP
-/// runs operations from `GET ?query=` and from `POST` bodies, but a server may read one
-/// from any body, or find a persisted query by its `extensions`, `documentId` or `id`:
-/// those are costed (or refused as the layer is told) whatever the method.
-fn runs_no_operation<B: Body>(request: &Request<B>) -> bool {
-    let body = request.body();
-    if !(body.is_end_stream() || body.size_hint().upper() == Some(0)) {
-        return false;
-    }
-    match *request.method() {
-        Method::OPTIONS | Method::HEAD => true,
-        Method::GET => !request.uri().query().is_some_and(|query| {
-            form_urlencoded::parse(query.as_bytes())
-                .any(|(name, _)| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
-        }),
-        _ => false,
-    }
+/// True when a `GET` names an operation to run: by `query`, or a persisted query by its
+/// `extensions`, `documentId` or `id`. Without any (the IDE page many servers show at the
+/// endpoint), it runs nothing.
+fn names_an_operation(parts: &http::request::Parts) -> bool {
+    parts.uri.query().is_some_and(|query| {
+        form_urlencoded::parse(query.as_bytes())
+            .any(|(name, _)| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
+    })
 }
 
 /// Calls `inner` with `cost` recorded for the limiter, and reports it in `GraphQL-Cost`.
