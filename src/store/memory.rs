@@ -871,6 +871,17 @@ mod tests {
         (store, clock)
     }
 
+    /// A store of one shard of `max_keys`, so that every identity competes for its room.
+    fn one_shard(max_keys: usize) -> (MemoryStore<ManualClock>, ManualClock) {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(max_keys)
+            .shards(1)
+            .build();
+        (store, clock)
+    }
+
     #[test]
     fn fresh_identities_are_not_stored() {
         let (store, _clock) = store(100);
@@ -889,12 +900,7 @@ mod tests {
         // time. When the store must forget some of them, it forgets the most recently
         // added first: an attacker rotating identities loses its own, and a client that
         // spent its quota before the flood keeps its count.
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(64)
-            .shards(1)
-            .build();
+        let (store, _clock) = one_shard(64);
         let daily =
             PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(86_400)).unwrap());
         assert!(store.check("victim", &daily, 1).is_allowed());
@@ -916,12 +922,7 @@ mod tests {
         // A client cannot have its own spent quota forgotten cheaply by adding a few new
         // identities after it: among identities fresh at the same time, those that spent
         // least go first, whenever they came.
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(64)
-            .shards(1)
-            .build();
+        let (store, _clock) = one_shard(64);
         let daily =
             PolicySet::from(Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap());
         for i in 0..70 {
@@ -948,12 +949,7 @@ mod tests {
         // A set of a window and a GCRA: every identity used today is fresh again at the
         // day's end, and the GCRA's state (a time, not an amount) must not decide which
         // of them is forgotten: the one that spent its day stays.
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(64)
-            .shards(1)
-            .build();
+        let (store, clock) = one_shard(64);
         let set = PolicySet::new([
             Policy::fixed_window("daily", 3, Duration::from_secs(86_400)).unwrap(),
             Policy::gcra("g", Rate::per_second(1_000), 1_000).unwrap(),
@@ -995,12 +991,7 @@ mod tests {
     fn a_shard_full_of_held_slots_still_keeps_others_state() {
         // When identities holding slots fill a shard, it makes room from them too (the
         // longest held first), not by forgetting every other identity as the next arrives.
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(32)
-            .shards(1)
-            .build();
+        let (store, clock) = one_shard(32);
         let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
         let hourly =
             PolicySet::from(Policy::fixed_window("hourly", 1, Duration::from_secs(3_600)).unwrap());
@@ -1025,12 +1016,7 @@ mod tests {
 
     #[test]
     fn identities_holding_slots_are_spared_but_the_bound_holds() {
-        let clock = ManualClock::new();
-        let store = MemoryStore::builder()
-            .clock(clock.clone())
-            .max_keys(32)
-            .shards(1)
-            .build();
+        let (store, _clock) = one_shard(32);
         let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
         let window =
             PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(60)).unwrap());
