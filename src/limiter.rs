@@ -272,10 +272,19 @@ impl<St: Store> Limiter<St> {
             let decision = self.check(key, cost).await.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
-                    // A shaping delay is part of the wait (the units are spent already).
-                    if !delay.is_zero() {
-                        tokio::time::sleep(delay).await;
+                    if delay.is_zero() {
+                        return Ok(decision);
                     }
+                    // A shaping delay is part of the wait. Past the deadline, the units
+                    // just spent are given back and the waiter gives up at once.
+                    if Instant::now()
+                        .checked_add(delay)
+                        .is_none_or(|ready| ready > deadline)
+                    {
+                        self.give_back(key, cost, &decision).await;
+                        return Err(WaitError::TooLong(decision));
+                    }
+                    tokio::time::sleep(delay).await;
                     return Ok(decision);
                 }
                 Outcome::Denied { retry_after, .. } => {
@@ -292,12 +301,27 @@ impl<St: Store> Limiter<St> {
         }
     }
 
+    /// Gives back `cost` units `decision` spent, as far as the store answers within its
+    /// timeout (a decision of the failure mode, while the store is away, keeps them).
+    async fn give_back(&self, key: &Key, cost: u64, decision: &Decision) {
+        let shared = &self.shared;
+        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt());
+        let _ = tokio::time::timeout(
+            shared.timeout,
+            shared.store.adjust(key, &shared.policies, &settle),
+        )
+        .await;
+    }
+
+    /// The key's state now, for a waiter that gives up: as far as the store answers within
+    /// its timeout (else a decision with no statuses).
     async fn peek(&self, key: &Key) -> Decision {
-        self.shared
-            .store
-            .peek(key, &self.shared.policies)
+        let shared = &self.shared;
+        tokio::time::timeout(shared.timeout, shared.store.peek(key, &shared.policies))
             .await
-            .unwrap_or_else(|_| {
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or_else(|| {
                 Decision::new(
                     Outcome::Allowed {
                         delay: Duration::ZERO,

@@ -174,3 +174,79 @@ async fn replicas_sharing_redis_spend_exactly_the_limit() {
     }
     assert_eq!(admitted, 25);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shaping_delay_past_the_wait_gives_up_and_gives_back() {
+    // One request every 10 s, held back up to a minute: a second request willing to wait
+    // 1 s is told at once that it would wait too long, and what it was about to spend is
+    // given back, so a third waits only for the first's 10 s.
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::leaky_bucket_shaping(
+            "paced",
+            Rate::new(1, Duration::from_secs(10)),
+            Duration::from_secs(60),
+        )
+        .unwrap(),
+    );
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+    assert!(
+        matches!(impatient, Err(WaitError::TooLong(_))),
+        "{impatient:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    let patient = limiter.until_ready(&key, 1, Duration::from_secs(15)).await;
+    assert!(patient.is_ok(), "{patient:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
+
+/// A store whose `peek` never answers.
+#[derive(Clone)]
+struct PeekHangs(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for PeekHangs {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, _key: &Key, _policies: &PolicySet) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
+    // A waiter behind another gives up after its 100 ms and asks the store when it would
+    // fit: a store that never answers that holds it no longer than the store's timeout.
+    let limiter = Limiter::new(
+        PeekHangs(runtime_store()),
+        Policy::token_bucket("jobs", 1, Rate::per_minute(1)).unwrap(),
+    );
+    let key = Key::new("k");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await })
+    };
+    tokio::task::yield_now().await;
+    let started = tokio::time::Instant::now();
+    let behind = tokio::time::timeout(
+        Duration::from_secs(10),
+        limiter.until_ready(&key, 1, Duration::from_millis(100)),
+    )
+    .await;
+    assert!(
+        matches!(behind, Ok(Err(WaitError::TooLong(_)))),
+        "{behind:?} after {:?}",
+        started.elapsed()
+    );
+    assert!(started.elapsed() <= Duration::from_millis(200));
+    ahead.abort();
+}
