@@ -319,29 +319,35 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
             longer(after);
         }
     }
-    // draft-11 RateLimit: a member with r=0 says "nothing for t seconds".
-    for value in headers.get_all("ratelimit") {
-        let Ok(text) = value.to_str() else { continue };
-        let Ok(list) = sfv::Parser::new(text).parse::<sfv::List>() else {
+    // draft-11 RateLimit: a member with r=0 says "nothing for t seconds". The field's
+    // lines are one list, and a field that does not parse is ignored whole (RFC 9651,
+    // section 4.2).
+    let lines: Option<Vec<&str>> = headers
+        .get_all("ratelimit")
+        .iter()
+        .map(|value| value.to_str().ok())
+        .collect();
+    let list = lines.filter(|lines| !lines.is_empty()).and_then(|lines| {
+        sfv::Parser::new(&lines.join(", "))
+            .parse::<sfv::List>()
+            .ok()
+    });
+    for member in list.into_iter().flatten() {
+        let sfv::ListEntry::Item(item) = member else {
             continue;
         };
-        for member in list {
-            let sfv::ListEntry::Item(item) = member else {
-                continue;
-            };
-            let number = |name: &str| {
-                item.params
-                    .iter()
-                    .find(|(key, _)| key.as_str() == name)
-                    .and_then(|(_, value)| value.as_integer())
-                    .map(i64::from)
-            };
-            if number("r").is_some_and(|r| r <= 0) {
-                // No `t`: the server gave no time; a second is a polite guess.
-                let t = number("t").unwrap_or(1);
-                if t >= 0 {
-                    longer(Duration::from_secs(t as u64));
-                }
+        let number = |name: &str| {
+            item.params
+                .iter()
+                .find(|(key, _)| key.as_str() == name)
+                .and_then(|(_, value)| value.as_integer())
+                .map(i64::from)
+        };
+        if number("r").is_some_and(|r| r <= 0) {
+            // No `t`: the server gave no time; a second is a polite guess.
+            let t = number("t").unwrap_or(1);
+            if t >= 0 {
+                longer(Duration::from_secs(t as u64));
             }
         }
     }
@@ -379,8 +385,10 @@ fn reset_delay(reset: u64) -> Duration {
 
 fn retry_after(value: &str) -> Option<Duration> {
     let value = value.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
+    // delay-seconds = 1*DIGIT (RFC 9110, section 10.2.3), unbounded: past u64, as long a
+    // wait as there is.
+    if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(at.duration_since(SystemTime::now()).unwrap_or_default())

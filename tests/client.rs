@@ -89,6 +89,39 @@ fn what_a_server_says_is_read() {
     let date = httpdate::fmt_http_date(std::time::SystemTime::now() + secs(60));
     let wait = server_wait(refused, &headers(&[("retry-after", &date)])).unwrap();
     assert!(wait > secs(55) && wait <= secs(60), "{wait:?}");
+    // delay-seconds is 1*DIGIT with no bound: a value past u64 is a very long wait, not
+    // no word at all; a sign is not a digit.
+    assert!(
+        server_wait(
+            refused,
+            &headers(&[("retry-after", "18446744073709551616")])
+        )
+        .unwrap()
+            >= secs(u64::MAX)
+    );
+    assert_eq!(
+        server_wait(refused, &headers(&[("retry-after", "+5")])),
+        Some(secs(1))
+    );
+    // RFC 9651, section 4.2: the field's lines are one list; when it does not parse, the
+    // whole field is ignored, not only the line that is wrong.
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[("ratelimit", "\"api\";r=0;t=30"), ("ratelimit", "\"b\";r=")])
+        ),
+        None
+    );
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[
+                ("ratelimit", "\"api\";r=1;t=30"),
+                ("ratelimit", "\"b\";r=0;t=9")
+            ])
+        ),
+        Some(secs(9))
+    );
     // A 429 that says nothing: a second.
     assert_eq!(server_wait(refused, &HeaderMap::new()), Some(secs(1)));
     assert_eq!(
