@@ -315,7 +315,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// How long a store may take to decide before it counts as failed (default 50 ms).
-    /// Only stores that do I/O are timed.
+    /// Only stores that do I/O are timed. Zero is refused when the layer is built.
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout;
         self
@@ -411,6 +411,14 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// ```
     pub fn validate(&self) -> Result<(), String> {
         self.resolver.check_configured().map_err(str::to_owned)?;
+        if self.store_timeout.is_zero() {
+            return Err(
+                "RateLimitLayer: the store timeout is zero, so every decision of a \
+                 store that does I/O would fail: give it the time the store needs (default \
+                 50 ms)"
+                    .to_owned(),
+            );
+        }
         if let Some(keyer) = &self.headers.partition_key {
             if keyer.secret_len() < crate::respond::headers::MIN_PARTITION_SECRET {
                 return Err(format!(

@@ -1164,3 +1164,21 @@ async fn decisions_served_from_a_lease_never_close_the_breaker() {
         "the breaker did not open: the lease's answer counted as the store's"
     );
 }
+
+// A store timeout of zero would fail every decision of a store that does I/O, for good:
+// refused when the layer is built, with what is wrong.
+#[test]
+fn a_zero_store_timeout_is_refused_when_the_layer_is_built() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
+        .store_timeout(Duration::ZERO);
+    let refused = layer.validate().unwrap_err();
+    assert!(refused.contains("store timeout"), "{refused}");
+    assert!(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
+            .store_timeout(Duration::from_millis(1))
+            .validate()
+            .is_ok()
+    );
+}
