@@ -279,6 +279,45 @@ fn rate(text: &str) -> Result<Rate, String> {
 }
 
 impl PolicySpec {
+    /// Refuses a field the algorithm does not read: a policing bucket given a shaping
+    /// bucket's `max_delay` is a mistake to report, not a detail to drop.
+    fn reads_every_field(&self) -> Result<(), String> {
+        let read: &[&str] = match self.algorithm.as_str() {
+            "fixed-window" | "sliding-log" => &["limit", "window"],
+            "sliding-window" => &["limit", "window", "sub_windows"],
+            "token-bucket" | "leaky-bucket" => &["capacity", "rate"],
+            "leaky-shaping" => &["rate", "max_delay"],
+            "gcra" => &["rate", "burst"],
+            "concurrency" => &["limit", "lease"],
+            // An unknown algorithm is reported as such.
+            _ => return Ok(()),
+        };
+        let given = [
+            ("limit", self.limit.is_some()),
+            ("window", self.window.is_some()),
+            ("sub_windows", self.sub_windows.is_some()),
+            ("capacity", self.capacity.is_some()),
+            ("rate", self.rate.is_some()),
+            ("burst", self.burst.is_some()),
+            ("max_delay", self.max_delay.is_some()),
+            ("lease", self.lease.is_some()),
+        ];
+        match given
+            .iter()
+            .find(|(field, set)| *set && !read.contains(field))
+        {
+            Some((field, _)) => Err(format!(
+                "{} does not read `{field}` (it reads {})",
+                self.algorithm,
+                read.iter()
+                    .map(|field| format!("`{field}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            None => Ok(()),
+        }
+    }
+
     fn build(&self) -> Result<Policy, String> {
         let need = |field: &str, value: Option<u64>| {
             value.ok_or_else(|| format!("{} needs `{field}`", self.algorithm))
@@ -290,6 +329,7 @@ impl PolicySpec {
         };
         let name = self.name.as_str();
         let error = |e: crate::PolicyError| e.to_string();
+        self.reads_every_field()?;
         let policy = match self.algorithm.as_str() {
             "fixed-window" => Policy::fixed_window(
                 name,
@@ -452,6 +492,13 @@ impl LimiterConfig {
                     PolicySet::new(set).map_err(|e| ConfigError::new(&entry, e.to_string()))?;
                 sets.insert(plan.clone(), set);
             }
+            if sets.len() > 1 && plan_header.is_none() {
+                return Err(ConfigError::new(
+                    "plans",
+                    "there are several plans and no plan_header to choose between them: \
+                     every request would get \"default\"",
+                ));
+            }
             let default = sets.get("default").cloned().ok_or_else(|| {
                 ConfigError::new(
                     "plans",
@@ -468,14 +515,23 @@ impl LimiterConfig {
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
             cost = match route.trim().split_once(' ') {
-                Some((method, path)) => {
-                    let method = Method::from_bytes(method.as_bytes()).map_err(|_| {
-                        ConfigError::new(&entry, format!("{method:?} is not a method"))
-                    })?;
+                Some((method, path)) if path.trim().starts_with('/') => {
+                    // Methods are case-sensitive, and the registered ones upper case: a
+                    // `post` would never match a POST.
+                    let upper = method.bytes().all(|b| !b.is_ascii_lowercase());
+                    let method = Method::from_bytes(method.as_bytes())
+                        .ok()
+                        .filter(|_| upper)
+                        .ok_or_else(|| {
+                            ConfigError::new(
+                                &entry,
+                                format!("{method:?} is not a method (write it upper case: POST)"),
+                            )
+                        })?;
                     cost.route_method(method, path.trim(), *units)
                 }
-                None if route.starts_with('/') => cost.route(route.trim(), *units),
-                None => {
+                None if route.trim().starts_with('/') => cost.route(route.trim(), *units),
+                _ => {
                     return Err(ConfigError::new(
                         entry,
                         "a route is \"/path\" or \"METHOD /path\"",

@@ -200,6 +200,39 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             ),
             "policies[0] \"api\"",
             "max_block",
+        ), // A field the algorithm does not read is a mistake (a policing bucket with a
+        // shaping bucket's max_delay), not a detail to drop.
+        (
+            policy(
+                "algorithm = \"leaky-bucket\"\ncapacity = 5\nrate = \"1/s\"\nmax_delay = \"2s\"",
+            ),
+            "policies[0] \"api\"",
+            "leaky-bucket does not read `max_delay`",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"\nburst = 3"),
+            "policies[0] \"api\"",
+            "fixed-window does not read `burst`",
+        ),
+        // Plans with nothing to choose between them: every request would get "default".
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\npro = [\"api\"]\n",
+            "plans",
+            "no plan_header",
+        ),
+        // A method is upper case, a path starts with a slash.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"post /upload\" = 2 }\n",
+            "costs.routes.\"post /upload\"",
+            "is not a method",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"POST upload\" = 2 }\n",
+            "costs.routes.\"POST upload\"",
+            "a route is",
         ),
     ];
     for (text, entry, reason) in cases {
