@@ -116,10 +116,20 @@ impl Bypass {
         Ok(self)
     }
 
-    /// How the client address is found for [`network`](Self::network) (default: the
-    /// socket peer, [`ClientIp::peer`]; behind a proxy, the same `ClientIp` as the key).
+    /// How the client address is found for [`network`](Self::network). By default, as the
+    /// layer's key finds it when the key reads one (a `ClientIp`, or an `or` chain with
+    /// one), else the socket peer ([`ClientIp::peer`]).
     pub fn client_ip(mut self, client_ip: ClientIp) -> Self {
         self.client_ip = Some(client_ip);
+        self
+    }
+
+    /// This bypass, reading the client's address as `client_ip` does unless it was told
+    /// how ([`client_ip`](Self::client_ip)): the layer gives it its key's.
+    pub(crate) fn or_client_ip(mut self, client_ip: Option<&ClientIp>) -> Self {
+        if self.client_ip.is_none() {
+            self.client_ip = client_ip.cloned();
+        }
         self
     }
 

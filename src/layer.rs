@@ -479,7 +479,10 @@ where
             cost: self.cost.clone(),
             resolver: self.resolver.clone(),
             missing_key: self.missing_key,
-            bypass: self.bypass.clone(),
+            bypass: self
+                .bypass
+                .clone()
+                .map(|bypass| bypass.or_client_ip(self.key.client_ip())),
             responder: Arc::new(Responder {
                 headers: self.headers.clone(),
                 settle: self.settle.clone(),

@@ -133,3 +133,30 @@ fn bad_networks_are_refused_with_a_message() {
     assert!(Bypass::new().try_network("not an address").is_err());
     assert!(Bypass::new().try_network(" 192.0.2.7 ").is_ok());
 }
+
+/// Behind a load balancer inside the allowlisted network, the bypass reads the client's
+/// address as the key does: requests forwarded for an outside client are limited, not all
+/// let through because the balancer's own address is allowlisted.
+#[tokio::test]
+async fn a_network_bypass_reads_the_client_address_as_the_key_does() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
+            .bypass(Bypass::new().network("10.0.0.0/8")),
+    );
+    let forwarded = |client: &str| {
+        let mut request = request("10.0.0.5:443", "/", None);
+        request
+            .headers_mut()
+            .insert("x-forwarded-for", client.parse().unwrap());
+        request
+    };
+    let first = app.clone().oneshot(forwarded("203.0.113.9")).await.unwrap();
+    assert!(first.headers().contains_key("ratelimit"), "limited");
+    let second = app.clone().oneshot(forwarded("203.0.113.9")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    // A client inside the network is still let through.
+    let inside = app.clone().oneshot(forwarded("10.9.9.9")).await.unwrap();
+    assert!(!inside.headers().contains_key("ratelimit"));
+}

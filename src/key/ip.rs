@@ -228,6 +228,10 @@ impl KeyExtractor for ClientIp {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         self.client_addr(parts).map(|ip| self.group(ip))
     }
+
+    fn client_ip(&self) -> Option<&ClientIp> {
+        Some(self)
+    }
 }
 
 /// Each octet's decimal digits, left-aligned in three bytes, and how many there are.

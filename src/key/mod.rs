@@ -241,17 +241,33 @@ impl std::error::Error for KeyError {}
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The request's identity, or why there is none.
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError>;
+
+    /// How this extractor finds the client's address, when it reads one: a
+    /// [`Bypass`](crate::bypass::Bypass) by network that is given none reads the address
+    /// the same way (behind a proxy, the forwarded client's, not the proxy's). `None` by
+    /// default.
+    fn client_ip(&self) -> Option<&ClientIp> {
+        None
+    }
 }
 
 impl<T: KeyExtractor + ?Sized> KeyExtractor for Arc<T> {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         (**self).extract(parts)
     }
+
+    fn client_ip(&self) -> Option<&ClientIp> {
+        (**self).client_ip()
+    }
 }
 
 impl<T: KeyExtractor + ?Sized> KeyExtractor for Box<T> {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         (**self).extract(parts)
+    }
+
+    fn client_ip(&self) -> Option<&ClientIp> {
+        (**self).client_ip()
     }
 }
 
@@ -307,6 +323,10 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for FirstOf<A, B> {
             Err(error) if error.is_missing() => self.fallback.extract(parts),
             found_or_invalid => found_or_invalid,
         }
+    }
+
+    fn client_ip(&self) -> Option<&ClientIp> {
+        self.first.client_ip().or_else(|| self.fallback.client_ip())
     }
 }
 
@@ -427,6 +447,12 @@ macro_rules! tuple_extractor {
                     Some(error) => Err(error),
                     None => Ok(compound(found.iter().flatten())),
                 }
+            }
+
+            #[allow(non_snake_case)]
+            fn client_ip(&self) -> Option<&ClientIp> {
+                let ($($name,)+) = self;
+                None$(.or_else(|| $name.client_ip()))+
             }
         }
     };
