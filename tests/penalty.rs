@@ -195,3 +195,33 @@ fn a_peek_is_no_offence() {
         "no block from peeks"
     );
 }
+
+/// A penalty changed (a reload that shortens the block to pardon) starts on fresh penalty
+/// state, as a changed policy does; the rate state it guards is kept.
+#[test]
+fn a_changed_penalty_starts_afresh_and_keeps_the_rate_state() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let base = Policy::token_bucket("api", 2, Rate::per_hour(2)).unwrap();
+    let strict = PolicySet::from(
+        base.with_penalty(Penalty::new(1, 10 * SECOND, 86_400 * SECOND))
+            .unwrap(),
+    );
+    let lenient = PolicySet::from(
+        base.with_penalty(Penalty::new(1, 10 * SECOND, 60 * SECOND))
+            .unwrap(),
+    );
+    clock.set(Duration::from_secs(1_000));
+    assert!(store.check("k", &strict, 1).is_allowed());
+    assert!(store.check("k", &strict, 1).is_allowed());
+    // One denial blocks for a day.
+    assert_eq!(retry(&store.check("k", &strict, 1)), Some(86_400 * SECOND));
+    clock.advance(120 * SECOND);
+    // Under the changed penalty the day's block is gone, but the bucket is still empty:
+    // denied by the bucket, not by a block.
+    let pardoned = store.check("k", &lenient, 1);
+    let wait = retry(&pardoned).expect("the bucket is still empty");
+    assert!(wait < 86_000 * SECOND, "{wait:?}");
+    // Under the unchanged one the block holds.
+    assert!(retry(&store.check("k", &strict, 1)).unwrap() > 86_000 * SECOND);
+}

@@ -328,8 +328,13 @@ impl Policy {
         )?;
         let boxed = PenaltyBox::new(denials, within, block, max_block)
             .expect("checked above: all positive, max_block >= block");
+        // The penalty's own state, under an id of its parameters too: a changed penalty (a
+        // reload that shortens the block) starts afresh, as a changed policy does.
         let id = policy_id(
-            &format!("{}~penalty", self.inner.name),
+            &format!(
+                "{}~penalty~{denials}~{within}~{block}~{max_block}",
+                self.inner.name
+            ),
             self.inner.algorithm,
         );
         Ok(Policy {
