@@ -53,6 +53,22 @@ pin_project! {
         #[pin]
         state: State<F>,
     }
+    impl<F: Future> PinnedDrop for ResponseFuture<F> {
+        fn drop(this: Pin<&mut Self>) {
+            // A settle on its way to the store (a refund, a charge) is finished even when
+            // the client goes away first: dropped, it would never reach a store doing I/O.
+            if let StateProj::Settling { settle, .. } = this.project().state.project() {
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    let settle = std::mem::replace(settle, Box::pin(std::future::pending()));
+                    runtime.spawn(async move {
+                        if let Err(error) = settle.await {
+                            crate::telemetry::store_error(&error);
+                        }
+                    });
+                }
+            }
+        }
+    }
 }
 
 pin_project! {

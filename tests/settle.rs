@@ -744,3 +744,76 @@ fn a_full_memory_store_never_forgets_a_held_slot() {
     store.adjust_now("held", &streams, &Adjustment::release(1, long.receipt()));
     assert!(store.check("held", &streams, 1).is_allowed());
 }
+
+/// A store that decides in memory and settles after a network's delay, counting the
+/// settles that reach it.
+#[derive(Clone)]
+struct SlowSettle {
+    inner: MemoryStore,
+    settled: Arc<AtomicU64>,
+}
+
+impl Store for SlowSettle {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
+        let decision = self.inner.check(key.as_str(), policies, cost);
+        tollgate::DecideFuture::new(async move { Ok(decision) })
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &Adjustment,
+    ) -> tollgate::DecideFuture {
+        let (inner, settled) = (self.inner.clone(), Arc::clone(&self.settled));
+        let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+        tollgate::DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let decision = inner.adjust_now(key.as_str(), &policies, &adjustment);
+            settled.fetch_add(1, Ordering::SeqCst);
+            Ok(decision)
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_settle_under_way_is_finished_when_its_response_is_dropped() {
+    // A refund for a 503 is on its way to the store when the client goes away: it still
+    // arrives, or the client is charged for a request the server failed.
+    use tower::{Layer, Service};
+    let store = SlowSettle {
+        inner: MemoryStore::new(),
+        settled: Arc::new(AtomicU64::new(0)),
+    };
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(3600)).unwrap());
+    let mut service = RateLimitLayer::new(store.clone())
+        .policies(policies.clone())
+        .key(tollgate::key::Global)
+        .settle(Settle::reserved().refund_if(|status| status.is_server_error()))
+        .layer(tower::service_fn(|_: Request| async {
+            let mut response = axum::response::Response::new(Body::empty());
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            Ok::<_, std::convert::Infallible>(response)
+        }));
+    let request = Request::get("/").body(Body::empty()).unwrap();
+    let future = service.ready().await.unwrap().call(request);
+    // The client gives up while the refund is under way.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(5), future)
+            .await
+            .is_err(),
+        "still settling"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        store.settled.load(Ordering::SeqCst),
+        1,
+        "the refund arrived"
+    );
+    assert_eq!(
+        store.inner.check("global", &policies, 0).statuses()[0].remaining,
+        5,
+        "nothing is charged for the failed request"
+    );
+}
