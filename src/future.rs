@@ -57,7 +57,14 @@ pin_project! {
         fn drop(this: Pin<&mut Self>) {
             // A settle on its way to the store (a refund, a charge) is finished even when
             // the client goes away first: dropped, it would never reach a store doing I/O.
-            if let StateProj::Settling { settle, .. } = this.project().state.project() {
+            if let StateProj::Settling { settle, reservation, .. } =
+                this.project().state.project()
+            {
+                // The reservation is taken when the settle finishes: a finished settle
+                // must not be run again.
+                if reservation.is_none() {
+                    return;
+                }
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     let settle = std::mem::replace(settle, Box::pin(std::future::pending()));
                     runtime.spawn(async move {

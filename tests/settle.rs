@@ -746,11 +746,35 @@ fn a_full_memory_store_never_forgets_a_held_slot() {
 }
 
 /// A store that decides in memory and settles after a network's delay, counting the
-/// settles that reach it.
+/// settles that reach it, and any poll of a settle after it finished.
 #[derive(Clone)]
 struct SlowSettle {
     inner: MemoryStore,
     settled: Arc<AtomicU64>,
+    polled_after_done: Arc<AtomicU64>,
+}
+
+/// A future that counts the polls it gets after it finished (instead of panicking).
+struct Once<F> {
+    future: Option<std::pin::Pin<Box<F>>>,
+    late: Arc<AtomicU64>,
+}
+
+impl<F: std::future::Future> std::future::Future for Once<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let Some(future) = self.future.as_mut() else {
+            self.late.fetch_add(1, Ordering::SeqCst);
+            return std::task::Poll::Pending;
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        std::task::Poll::Ready(output)
+    }
 }
 
 impl Store for SlowSettle {
@@ -767,11 +791,14 @@ impl Store for SlowSettle {
     ) -> tollgate::DecideFuture {
         let (inner, settled) = (self.inner.clone(), Arc::clone(&self.settled));
         let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
-        tollgate::DecideFuture::new(async move {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            let decision = inner.adjust_now(key.as_str(), &policies, &adjustment);
-            settled.fetch_add(1, Ordering::SeqCst);
-            Ok(decision)
+        tollgate::DecideFuture::new(Once {
+            future: Some(Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let decision = inner.adjust_now(key.as_str(), &policies, &adjustment);
+                settled.fetch_add(1, Ordering::SeqCst);
+                Ok(decision)
+            })),
+            late: Arc::clone(&self.polled_after_done),
         })
     }
 }
@@ -784,6 +811,7 @@ async fn a_settle_under_way_is_finished_when_its_response_is_dropped() {
     let store = SlowSettle {
         inner: MemoryStore::new(),
         settled: Arc::new(AtomicU64::new(0)),
+        polled_after_done: Arc::new(AtomicU64::new(0)),
     };
     let policies =
         PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(3600)).unwrap());
@@ -815,5 +843,27 @@ async fn a_settle_under_way_is_finished_when_its_response_is_dropped() {
         store.inner.check("global", &policies, 0).statuses()[0].remaining,
         5,
         "nothing is charged for the failed request"
+    );
+    // A response whose settle finished before it was sent leaves nothing behind: the
+    // finished settle is not run again when the future is dropped (polling a finished
+    // async block panics, in a task nobody watches: counted here by a panic hook).
+    static RESUMED: AtomicU64 = AtomicU64::new(0);
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.to_string().contains("after completion") {
+            RESUMED.fetch_add(1, Ordering::SeqCst);
+        }
+        previous(info);
+    }));
+    let request = Request::get("/").body(Body::empty()).unwrap();
+    let response = service.ready().await.unwrap().call(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(store.settled.load(Ordering::SeqCst), 2);
+    assert_eq!(store.polled_after_done.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        RESUMED.load(Ordering::SeqCst),
+        0,
+        "a finished settle was run again"
     );
 }
