@@ -154,6 +154,14 @@ impl fmt::Display for WaitError {
 
 impl std::error::Error for WaitError {}
 
+/// Who decided a limiter's request: the store, the failure mode's local limiter (under
+/// the policies it applied), or nobody (fail open).
+enum Decider {
+    Store,
+    Fallback(PolicySet),
+    Open,
+}
+
 impl<St: Store> Limiter<St> {
     /// A limiter of `policies` (one policy, or a [`PolicySet`]) in `store`. When the
     /// store fails, a local in-process limiter with the same policies decides
@@ -212,6 +220,11 @@ impl<St: Store> Limiter<St> {
     /// Decides `cost` units for `key` now, and spends them if admitted. It does not wait
     /// its turn behind [`until_ready`](Self::until_ready)'s waiters.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
+        self.decide(key, cost).await.map(|(decision, _)| decision)
+    }
+
+    /// [`check`](Self::check), and who decided: the store, or the failure mode.
+    async fn decide(&self, key: &Key, cost: u64) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
         let decided = tokio::time::timeout(
             shared.timeout,
@@ -225,16 +238,20 @@ impl<St: Store> Limiter<St> {
             ))
         });
         match decided {
-            Ok(decision) => Ok(decision),
+            Ok(decision) => Ok((decision, Decider::Store)),
             Err(error) => match &shared.failure_mode {
                 FailureMode::Fallback(fallback) => {
-                    Ok(fallback.decide(key, &shared.policies, cost).0)
+                    let (decision, applied) = fallback.decide(key, &shared.policies, cost);
+                    Ok((decision, Decider::Fallback(applied)))
                 }
-                FailureMode::FailOpen => Ok(Decision::new(
-                    Outcome::Allowed {
-                        delay: Duration::ZERO,
-                    },
-                    [],
+                FailureMode::FailOpen => Ok((
+                    Decision::new(
+                        Outcome::Allowed {
+                            delay: Duration::ZERO,
+                        },
+                        [],
+                    ),
+                    Decider::Open,
                 )),
                 _ => Err(error),
             },
@@ -269,7 +286,7 @@ impl<St: Store> Limiter<St> {
             return Err(WaitError::TooLong(self.peek(key).await));
         };
         loop {
-            let decision = self.check(key, cost).await.map_err(WaitError::Store)?;
+            let (decision, decider) = self.decide(key, cost).await.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {
@@ -281,8 +298,16 @@ impl<St: Store> Limiter<St> {
                         .checked_add(delay)
                         .is_none_or(|ready| ready > deadline)
                     {
-                        self.give_back(key, cost, &decision).await;
-                        return Err(WaitError::TooLong(decision));
+                        self.give_back(key, cost, &decision, &decider).await;
+                        // Said as a denial: it would be admitted after `delay`.
+                        let denied = Decision::new(
+                            Outcome::Denied {
+                                policy: 0,
+                                retry_after: delay,
+                            },
+                            decision.statuses().iter().copied(),
+                        );
+                        return Err(WaitError::TooLong(denied));
                     }
                     tokio::time::sleep(delay).await;
                     return Ok(decision);
@@ -301,16 +326,37 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// Gives back `cost` units `decision` spent, as far as the store answers within its
-    /// timeout (a decision of the failure mode, while the store is away, keeps them).
-    async fn give_back(&self, key: &Key, cost: u64, decision: &Decision) {
+    /// Gives back `cost` units `decision` spent (and the in-flight slots it took) where it
+    /// was decided: in the store, as far as it answers within its timeout, or in the
+    /// failure mode's local limiter.
+    async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt());
-        let _ = tokio::time::timeout(
-            shared.timeout,
-            shared.store.adjust(key, &shared.policies, &settle),
-        )
-        .await;
+        let mut adjustments = vec![crate::store::Adjustment::settle(
+            cost,
+            0,
+            decision.receipt(),
+        )];
+        if shared.policies.has_in_flight() {
+            adjustments.push(crate::store::Adjustment::release(
+                cost.min(1),
+                decision.receipt(),
+            ));
+        }
+        for adjustment in &adjustments {
+            match (decider, &shared.failure_mode) {
+                (Decider::Store, _) => {
+                    let _ = tokio::time::timeout(
+                        shared.timeout,
+                        shared.store.adjust(key, &shared.policies, adjustment),
+                    )
+                    .await;
+                }
+                (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {
+                    fallback.adjust(key, applied, adjustment);
+                }
+                _ => {}
+            }
+        }
     }
 
     /// The key's state now, for a waiter that gives up: as far as the store answers within

@@ -193,10 +193,11 @@ async fn a_shaping_delay_past_the_wait_gives_up_and_gives_back() {
     let started = tokio::time::Instant::now();
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
     let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
-    assert!(
-        matches!(impatient, Err(WaitError::TooLong(_))),
-        "{impatient:?}"
-    );
+    let Err(WaitError::TooLong(said)) = impatient else {
+        panic!("{impatient:?}");
+    };
+    // Told when it would fit: after the first's 10 s.
+    assert_eq!(said.retry_after(), Some(Duration::from_secs(10)));
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "{:?}",
