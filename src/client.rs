@@ -326,6 +326,8 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
         .get_all("ratelimit")
         .iter()
         .map(|value| value.to_str().ok())
+        // An empty line adds no member.
+        .filter(|line| line.is_none_or(|line| !line.trim().is_empty()))
         .collect();
     let list = lines.filter(|lines| !lines.is_empty()).and_then(|lines| {
         sfv::Parser::new(&lines.join(", "))

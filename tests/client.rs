@@ -122,6 +122,14 @@ fn what_a_server_says_is_read() {
         ),
         Some(secs(9))
     );
+    // An empty line adds no member (RFC 9651, section 3.1: a list may be empty).
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[("ratelimit", "\"api\";r=0;t=30"), ("ratelimit", "")])
+        ),
+        Some(secs(30))
+    );
     // A 429 that says nothing: a second.
     assert_eq!(server_wait(refused, &HeaderMap::new()), Some(secs(1)));
     assert_eq!(
