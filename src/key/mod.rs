@@ -243,7 +243,7 @@ pub trait KeyExtractor: Send + Sync + 'static {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError>;
 
     /// How this extractor finds the client's address, when it reads one: a
-    /// [`Bypass`](crate::bypass::Bypass) by network that is given none reads the address
+    /// `Bypass` by network that is given none reads the address
     /// the same way (behind a proxy, the forwarded client's, not the proxy's). `None` by
     /// default.
     fn client_ip(&self) -> Option<&ClientIp> {
