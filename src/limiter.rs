@@ -331,18 +331,12 @@ impl<St: Store> Limiter<St> {
     /// failure mode's local limiter.
     async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        let mut adjustments = vec![crate::store::Adjustment::settle(
-            cost,
-            0,
-            decision.receipt(),
-        )];
-        if shared.policies.has_in_flight() {
-            adjustments.push(crate::store::Adjustment::release(
-                cost.min(1),
-                decision.receipt(),
-            ));
-        }
-        for adjustment in &adjustments {
+        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt());
+        let release = shared
+            .policies
+            .has_in_flight()
+            .then(|| crate::store::Adjustment::release(cost.min(1), decision.receipt()));
+        for adjustment in std::iter::once(&settle).chain(release.as_ref()) {
             match (decider, &shared.failure_mode) {
                 (Decider::Store, _) => {
                     let _ = tokio::time::timeout(

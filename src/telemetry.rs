@@ -194,19 +194,36 @@ pub(crate) fn store_error(error: &StoreError) {
 /// True the first time this process sees `kind` with `code` (a small, bounded set: the
 /// codes a store can answer).
 fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
-    use std::collections::HashSet;
-    use std::sync::{Mutex, OnceLock, PoisonError};
-    type Seen = Mutex<HashSet<(StoreErrorKind, Box<str>)>>;
-    static SEEN: OnceLock<Seen> = OnceLock::new();
-    let mut seen = SEEN
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
+    static SEEN: Seen<(StoreErrorKind, Box<str>)> = Seen::new();
     // Bounded: a store answering ever new codes cannot grow this without limit.
-    if seen.len() >= 64 {
-        return false;
+    SEEN.first((kind, code.unwrap_or("").into())) == Some(true)
+}
+
+/// What a process has seen once, to log a kind of error the first time only: at most 64
+/// things, so errors worded ever anew cannot grow it without limit.
+struct Seen<T>(std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<T>>>);
+
+impl<T: Eq + std::hash::Hash> Seen<T> {
+    const fn new() -> Self {
+        Self(std::sync::OnceLock::new())
     }
-    seen.insert((kind, code.unwrap_or("").into()))
+
+    /// True the first time `item` is seen, false after; `None` for an item not seen when
+    /// the set is full.
+    fn first(&self, item: T) -> Option<bool> {
+        let mut seen = self
+            .0
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seen.contains(&item) {
+            Some(false)
+        } else if seen.len() < 64 {
+            Some(seen.insert(item))
+        } else {
+            None
+        }
+    }
 }
 
 /// No key could be extracted, and the request is refused for it (or let through by a
@@ -244,24 +261,15 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
 /// limit); past its bound, true at most once a minute, so a new misconfiguration is still
 /// logged.
 fn first_reason(reason: &str) -> bool {
-    use std::collections::HashSet;
+    use std::sync::OnceLock;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Mutex, OnceLock, PoisonError};
     use std::time::Instant;
-    static SEEN: OnceLock<Mutex<HashSet<Box<str>>>> = OnceLock::new();
+    static SEEN: Seen<Box<str>> = Seen::new();
     static START: OnceLock<Instant> = OnceLock::new();
     static NEXT_OVERFLOW_LOG: AtomicU64 = AtomicU64::new(0);
-    let mut seen = SEEN
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    if seen.contains(reason) {
-        return false;
+    if let Some(first) = SEEN.first(reason.into()) {
+        return first;
     }
-    if seen.len() < 64 {
-        return seen.insert(reason.into());
-    }
-    drop(seen);
     let now = START.get_or_init(Instant::now).elapsed().as_secs();
     let due = NEXT_OVERFLOW_LOG.load(Ordering::Relaxed);
     now >= due

@@ -15,13 +15,6 @@ use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 
-/// True for a gRPC call: `application/grpc`, and gRPC-Web's `application/grpc-web` and
-/// `application/grpc-web-text`, each alone or with `+` a message format.
-#[cfg(test)]
-fn is_grpc(headers: &HeaderMap) -> bool {
-    grpc_content_type(headers).is_some()
-}
-
 /// The content type of a gRPC call, for its answer: the call's own when its `+` format is
 /// a plain token, else the bare type.
 fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
@@ -65,12 +58,6 @@ pub(crate) fn fit(
         }
         _ => response,
     }
-}
-
-/// The limiter's HTTP answer `response` as a gRPC trailers-only response.
-#[cfg(test)]
-fn answer(response: Response<Bytes>) -> Response<Bytes> {
-    answer_as(response, HeaderValue::from_static("application/grpc"))
 }
 
 /// The limiter's HTTP answer `response` as a trailers-only response of a call of
@@ -197,6 +184,17 @@ pub(crate) fn status_details(code: u32, message: &str, retry_after: Option<u64>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// True for a gRPC call: `application/grpc`, and gRPC-Web's `application/grpc-web` and
+    /// `application/grpc-web-text`, each alone or with `+` a message format.
+    fn is_grpc(headers: &HeaderMap) -> bool {
+        grpc_content_type(headers).is_some()
+    }
+
+    /// The limiter's HTTP answer `response` as a gRPC trailers-only response.
+    fn answer(response: Response<Bytes>) -> Response<Bytes> {
+        answer_as(response, HeaderValue::from_static("application/grpc"))
+    }
 
     #[test]
     fn a_denial_becomes_resource_exhausted_with_retry_info() {

@@ -755,19 +755,22 @@ impl<C: Clock> MemoryStore<C> {
             let (_, threshold, _) = orders.select_nth_unstable(excess - 1);
             let threshold = *threshold;
             let below = orders.iter().filter(|&&o| o < threshold).count();
-            let tied = orders.iter().filter(|&&o| o == threshold).count();
-            removed += table.retain(|entry| !candidate(entry) || order(entry) >= threshold);
-            // Then the tied after the first `keep` in slab order, which `retain` keeps:
-            // the order they came in, so the most recently added go.
-            let mut keep = tied - (excess - below);
+            // Of those at the threshold, the first `keep` in slab order stay: `retain`
+            // visits the entries in their order (about the order they came in), so the
+            // most recently added go.
+            let mut keep = orders.iter().filter(|&&o| o == threshold).count() - (excess - below);
             removed += table.retain(|entry| {
-                if !candidate(entry) || order(entry) != threshold {
-                    true
-                } else if keep > 0 {
-                    keep -= 1;
-                    true
-                } else {
-                    false
+                if !candidate(entry) {
+                    return true;
+                }
+                match order(entry).cmp(&threshold) {
+                    std::cmp::Ordering::Greater => true,
+                    std::cmp::Ordering::Less => false,
+                    std::cmp::Ordering::Equal if keep > 0 => {
+                        keep -= 1;
+                        true
+                    }
+                    std::cmp::Ordering::Equal => false,
                 }
             });
             self.shared

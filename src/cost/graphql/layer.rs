@@ -148,6 +148,15 @@ fn media_type(request: &http::request::Parts) -> String {
 }
 
 impl Config {
+    /// The cost, or what the layer does with a request whose cost cannot be computed:
+    /// the charge it passes it on at, or the error it refuses it for.
+    fn or_invalid(&self, cost: Result<u64, CostError>) -> Result<u64, CostError> {
+        cost.or_else(|error| match self.invalid {
+            Invalid::Reject => Err(error),
+            Invalid::Charge(cost) => Ok(cost),
+        })
+    }
+
     fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, CostError> {
         let query_string = parts.uri.query().unwrap_or("");
         let mut query = None;
@@ -211,15 +220,12 @@ where
                 let request = Request::from_parts(parts, B::from(Bytes::new()));
                 return Box::pin(self.inner.call(request));
             }
-            let cost = match self.config.get_cost(&parts) {
+            let cost = match self.config.or_invalid(self.config.get_cost(&parts)) {
                 Ok(cost) => cost,
-                Err(error) => match self.config.invalid {
-                    Invalid::Reject => {
-                        let response = response::invalid_request(&error.to_string());
-                        return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
-                    }
-                    Invalid::Charge(cost) => cost,
-                },
+                Err(error) => {
+                    let response = response::invalid_request(&error.to_string());
+                    return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
+                }
             };
             let request = Request::from_parts(parts, B::from(Bytes::new()));
             let clone = self.inner.clone();
@@ -266,13 +272,12 @@ where
                         response::invalid_request(&format!("the body could not be read: {why}"));
                     return Ok(response.map(ResBody::from_bytes));
                 }
-                Read::Cost(Ok(cost), bytes) => (cost, bytes),
-                Read::Cost(Err(error), bytes) => match config.invalid {
-                    Invalid::Reject => {
+                Read::Cost(cost, bytes) => match config.or_invalid(cost) {
+                    Ok(cost) => (cost, bytes),
+                    Err(error) => {
                         let response = response::invalid_request(&error.to_string());
                         return Ok(response.map(ResBody::from_bytes));
                     }
-                    Invalid::Charge(cost) => (cost, bytes),
                 },
             };
             call_costed(&mut inner, Request::from_parts(parts, B::from(bytes)), cost).await

@@ -154,10 +154,10 @@ impl Schema {
                     &object.fields,
                 ),
                 Definition::InterfaceTypeDefinition(interface) => {
-                    schema.interface(&interface.name, &interface.directives, &interface.fields)
+                    schema.composite(&interface.name, &interface.directives, &interface.fields);
                 }
                 Definition::InterfaceTypeExtension(interface) => {
-                    schema.interface(&interface.name, &interface.directives, &interface.fields)
+                    schema.composite(&interface.name, &interface.directives, &interface.fields);
                 }
                 Definition::UnionTypeDefinition(union) => {
                     schema.union(&union.name, &union.directives, &mut unions, &union.members)
@@ -220,16 +220,6 @@ impl Schema {
         }
         info.interfaces
             .extend(interfaces.iter().map(|name| name.to_string()));
-    }
-
-    /// An interface's definition or extension: its fields and weight.
-    fn interface(
-        &mut self,
-        name: &apollo_compiler::Name,
-        directives: &DirectiveList,
-        fields: &[apollo_compiler::Node<ast::FieldDefinition>],
-    ) {
-        self.composite(name, directives, fields);
     }
 
     /// A union's definition or extension: its weight, and members to add.
