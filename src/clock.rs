@@ -247,6 +247,7 @@ impl CarriedClock {
 
     /// Reads the OS clock between two readings of the counter, and judges the counter's
     /// pace by it. The second part is whether this reading stopped the counter carrying.
+    #[cold]
     #[inline(never)]
     fn os_reading(&self, counter: &quanta::Clock) -> (OsReading, bool) {
         let before = counter.raw();

@@ -105,6 +105,7 @@ impl Responder {
 
     /// The store failed, or was not asked (the breaker is open): the failure mode
     /// decides, or answers without a decision.
+    #[cold]
     #[inline(never)]
     fn plan_without_store(
         &self,
@@ -187,6 +188,7 @@ impl Responder {
 
     /// A shadow layer's plan: never denies; what it would have done is reported, nothing
     /// else.
+    #[cold]
     #[inline(never)]
     fn plan_shadow(
         &self,
@@ -212,6 +214,7 @@ impl Responder {
 
     /// The answer to a denied request: `429` (or the `on_deny` hook's) with the
     /// rate-limit fields and `Retry-After`.
+    #[cold]
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
     fn deny(

@@ -620,6 +620,7 @@ impl<C: Clock> MemoryStore<C> {
 
     /// Decides for an identity the shard does not hold, and keeps it when its state is
     /// not fresh. Out of line: a known identity's path is the hot one.
+    #[cold]
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
     fn check_new(
