@@ -1511,3 +1511,41 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
         assert!(ttl > 0, "{name} has TTL {ttl}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
+    // A penalty changed on reload (a day's block shortened to a minute, to pardon) starts
+    // on fresh penalty state in every store; the bucket it guards carries over.
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let base = Policy::token_bucket("api", 2, Rate::per_hour(2)).unwrap();
+    let penalty = |block| tollgate::policy::Penalty::new(1, 10 * second, block);
+    let strict = PolicySet::from(base.clone().with_penalty(penalty(86_400 * second)).unwrap());
+    let lenient = PolicySet::from(base.with_penalty(penalty(60 * second)).unwrap());
+    let retry = |decision: &Decision| match decision.outcome() {
+        Outcome::Denied { retry_after, .. } => Some(retry_after),
+        _ => None,
+    };
+    for subject in backends.subjects("pardon") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        for _ in 0..2 {
+            assert!(subject.check("k", &strict, 1).await.is_allowed(), "{name}");
+        }
+        // One denial blocks for a day.
+        let blocked = retry(&subject.check("k", &strict, 1).await).expect(name);
+        assert!(blocked > 86_000 * second, "{name}: {blocked:?}");
+        subject.clock.advance(120 * second);
+        // Under the changed penalty the day's block is gone, but the bucket is still
+        // empty: denied by the bucket (a unit comes every 30 minutes), not by a block.
+        let pardoned = retry(&subject.check("k", &lenient, 1).await)
+            .unwrap_or_else(|| panic!("{name}: the bucket is still empty"));
+        assert!(
+            pardoned < 86_000 * second,
+            "{name}: still blocked, {pardoned:?}"
+        );
+        // Under the unchanged penalty the block holds.
+        let held = retry(&subject.check("k", &strict, 1).await).expect(name);
+        assert!(held > 86_000 * second, "{name}: {held:?}");
+    }
+}

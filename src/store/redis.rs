@@ -1755,8 +1755,8 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 
 /// Builds every Redis key name tollgate writes: one place, so the layout is one decision.
 ///
-/// A policy's state lives at `prefix:{identity}:name:params` (plus `…:n` for a penalty's
-/// state). The identity sits inside a Cluster hash tag, so all keys of one
+/// A policy's state lives at `prefix:{identity}:name:params`, and a penalty's beside it at
+/// `…:n-denials-within-block-max_block` (times in microseconds). The identity sits inside a Cluster hash tag, so all keys of one
 /// identity share a slot and one script can touch them all. Identity bytes other than
 /// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded: `{` and `}` cannot end or open the
 /// tag early, and no two identities encode alike. Secret identities (API keys) reach the
@@ -1764,6 +1764,8 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// so a changed limit starts on fresh keys and the old ones expire.
 ///
 /// ```
+/// use std::time::Duration;
+/// use tollgate::policy::Penalty;
 /// use tollgate::store::RedisKeys;
 /// use tollgate::{Policy, Rate};
 ///
@@ -1773,6 +1775,13 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// assert_eq!(state, "app:{ip:203.0.113.7}:api:tb-10-1-200000");
 /// let (hostile, _) = keys.policy_keys("x}{y", &policy);
 /// assert_eq!(hostile, "app:{x%7D%7By}:api:tb-10-1-200000");
+///
+/// // A penalty's state is named by its numbers: a changed penalty starts afresh.
+/// let minute = Duration::from_secs(60);
+/// let penalized = policy.with_penalty(Penalty::new(3, minute, 10 * minute))?;
+/// let (state, penalty) = keys.policy_keys("k", &penalized);
+/// assert_eq!(state, "app:{k}:api:tb-10-1-200000");
+/// assert_eq!(penalty, "app:{k}:api:tb-10-1-200000:n-3-60000000-600000000-600000000");
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -1812,11 +1821,22 @@ impl RedisKeys {
     /// The state key and the auxiliary key of `policy` for `identity`.
     pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
         let state = self.state_key(identity, policy);
-        let aux = format!("{state}:n");
+        // A penalty's state is named by its numbers too: a changed penalty (a block
+        // shortened to pardon) starts afresh, while the rate state it guards carries over.
+        let aux = match policy.penalty_box() {
+            Some((penalty, _)) => format!(
+                "{state}:n-{}-{}-{}-{}",
+                penalty.denials,
+                to_micros(penalty.within),
+                to_micros(penalty.block),
+                to_micros(penalty.max_block)
+            ),
+            None => format!("{state}:n"),
+        };
         (state, aux)
     }
 
-    /// The state key of `policy` for `identity` (the auxiliary key is it with `:n`).
+    /// The state key of `policy` for `identity` (the auxiliary key starts with it).
     fn state_key(&self, identity: &str, policy: &Policy) -> String {
         let (kind, p1, p2, p3) = match script_args(policy) {
             Ok(args) => args,
