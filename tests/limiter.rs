@@ -251,3 +251,38 @@ async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
     assert!(started.elapsed() <= Duration::from_millis(200));
     ahead.abort();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
+    // The store is away: the failure mode's local limiter decides, and a waiter that
+    // gives up gives its units back there, as it would to the store. (The fallback keeps
+    // real time, which the paused runtime does not move: its delays are a hair under the
+    // round figures.)
+    let limiter = Limiter::new(
+        Away,
+        Policy::leaky_bucket_shaping(
+            "paced",
+            Rate::new(1, Duration::from_secs(10)),
+            Duration::from_secs(60),
+        )
+        .unwrap(),
+    );
+    let key = Key::new("k");
+    let near = |actual: Duration, expected: Duration| {
+        actual <= expected && actual + Duration::from_millis(500) >= expected
+    };
+    let started = tokio::time::Instant::now();
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+    let Err(WaitError::TooLong(said)) = impatient else {
+        panic!("{impatient:?}");
+    };
+    let told = said.retry_after().expect("a denial says when");
+    assert!(near(told, Duration::from_secs(10)), "{told:?}");
+    // Given back: the next waits for the first's 10 s, not for the impatient one's 20 s
+    // (which its 15 s would refuse).
+    let patient = limiter.until_ready(&key, 1, Duration::from_secs(15)).await;
+    assert!(patient.is_ok(), "{patient:?}");
+    let waited = started.elapsed();
+    assert!(near(waited, Duration::from_secs(10)), "{waited:?}");
+}
