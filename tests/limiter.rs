@@ -256,8 +256,8 @@ async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
 async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     // The store is away: the failure mode's local limiter decides, and a waiter that
     // gives up gives its units back there, as it would to the store. (The fallback keeps
-    // real time, which the paused runtime does not move: its delays are a hair under the
-    // round figures.)
+    // real time, which the paused runtime does not move: its delays are under the round
+    // figures by the real time the test has taken, allowed up to 5 s on a slow machine.)
     let limiter = Limiter::new(
         Away,
         Policy::leaky_bucket_shaping(
@@ -269,7 +269,7 @@ async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     );
     let key = Key::new("k");
     let near = |actual: Duration, expected: Duration| {
-        actual <= expected && actual + Duration::from_millis(500) >= expected
+        actual <= expected && actual + Duration::from_secs(5) >= expected
     };
     let started = tokio::time::Instant::now();
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
