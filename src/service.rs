@@ -114,12 +114,13 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // The common request's path, in the order it flows. Every rarer turn (a bypass, a
+        // The common request's path, in the order it flows. Every other turn (a bypass, a
         // missing key, an open breaker, a store doing I/O, a debit kept until the
-        // response) is a call out of line, the rarest marked `#[cold]` so that the
-        // compiler lays the common path out in one run: an HTTP server's instruction
-        // cache is full of its own code, and a path that touches fewer lines of ours
-        // costs it less.
+        // response) is a call out of line, and those no deployment takes on every
+        // request are marked `#[cold]` (not the store doing I/O: with Redis that is the
+        // path), so that the compiler lays the in-process path out in one run: an HTTP
+        // server's instruction cache is full of its own code, and a path that touches
+        // fewer lines of ours costs it less.
         let config = &*self.config;
         let (parts, body) = request.into_parts();
         if config.bypass.is_some() {
@@ -245,8 +246,7 @@ where
     }
 
     /// A store doing I/O: the decision comes in the response future, bounded by the
-    /// layer's timeout.
-    #[cold]
+    /// layer's timeout. Out of line but not cold: with Redis it is every request's path.
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
     fn waiting<ReqBody, ResBody>(

@@ -619,7 +619,9 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Decides for an identity the shard does not hold, and keeps it when its state is
-    /// not fresh. Out of line: a known identity's path is the hot one.
+    /// not fresh. Out of line and cold: a known identity's path is the one laid out for.
+    /// A scan of new addresses comes here on every request, and pays a jump for it
+    /// beside the insertion's own cost.
     #[cold]
     #[inline(never)]
     #[allow(clippy::too_many_arguments)]
