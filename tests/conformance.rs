@@ -1515,17 +1515,24 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
     // A penalty changed on reload (a day's block shortened to a minute, to pardon) starts
-    // on fresh penalty state in every store; the bucket it guards carries over.
+    // on fresh penalty state in every store; the bucket it guards carries over. Changing
+    // back finds the earlier penalty's block again while it lasts; `reset` forgives it.
     let backends = Backends::start().await;
     let second = Duration::from_secs(1);
     let base = Policy::token_bucket("api", 2, Rate::per_hour(2)).unwrap();
-    let penalty = |block| tollgate::policy::Penalty::new(1, 10 * second, block);
-    let strict = PolicySet::from(base.clone().with_penalty(penalty(86_400 * second)).unwrap());
-    let lenient = PolicySet::from(base.with_penalty(penalty(60 * second)).unwrap());
+    let penalty = |denials, block| tollgate::policy::Penalty::new(denials, 10 * second, block);
+    let strict = PolicySet::from(
+        base.clone()
+            .with_penalty(penalty(1, 86_400 * second))
+            .unwrap(),
+    );
+    // Two denials to a block: the first denial under it is the bucket's alone.
+    let lenient = PolicySet::from(base.with_penalty(penalty(2, 60 * second)).unwrap());
     let retry = |decision: &Decision| match decision.outcome() {
         Outcome::Denied { retry_after, .. } => Some(retry_after),
         _ => None,
     };
+    let mut answers = Vec::new();
     for subject in backends.subjects("pardon") {
         let name = subject.name;
         subject.clock.set(Duration::from_secs(1_000));
@@ -1537,15 +1544,28 @@ async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
         assert!(blocked > 86_000 * second, "{name}: {blocked:?}");
         subject.clock.advance(120 * second);
         // Under the changed penalty the day's block is gone, but the bucket is still
-        // empty: denied by the bucket (a unit comes every 30 minutes), not by a block.
-        let pardoned = retry(&subject.check("k", &lenient, 1).await)
-            .unwrap_or_else(|| panic!("{name}: the bucket is still empty"));
+        // empty: denied by the bucket, whose next unit comes 30 minutes after the two
+        // were taken, 28 minutes from now; a bucket started afresh would admit.
+        let decision = subject.check("k", &lenient, 1).await;
+        let pardoned =
+            retry(&decision).unwrap_or_else(|| panic!("{name}: the bucket was started afresh"));
         assert!(
-            pardoned < 86_000 * second,
-            "{name}: still blocked, {pardoned:?}"
+            close(pardoned, 1_680 * second),
+            "{name}: {pardoned:?} (a block of a day says about 86,280 s)"
         );
-        // Under the unchanged penalty the block holds.
+        assert_eq!(decision.statuses()[0].remaining, 0, "{name}");
+        // Back under the day's penalty its block still holds: its hash lives on.
         let held = retry(&subject.check("k", &strict, 1).await).expect(name);
         assert!(held > 86_000 * second, "{name}: {held:?}");
+        // A reset forgives it, block and bucket.
+        subject.reset("k", &strict).await;
+        let forgiven = subject.check("k", &strict, 1).await;
+        assert!(forgiven.is_allowed(), "{name}: {:?}", forgiven.outcome());
+        answers.push((name, pardoned, held));
+    }
+    let (first, pardoned, held) = answers[0];
+    for &(name, other_pardoned, other_held) in &answers[1..] {
+        assert!(close(pardoned, other_pardoned), "{first} vs {name}");
+        assert!(close(held, other_held), "{first} vs {name}");
     }
 }
