@@ -1755,9 +1755,10 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 
 /// Builds every Redis key name tollgate writes: one place, so the layout is one decision.
 ///
-/// A policy's state lives at `prefix:{identity}:name:params`, and a penalty's beside it at
-/// `…:n-denials-within-block-max_block` (times in microseconds). The identity sits inside a Cluster hash tag, so all keys of one
-/// identity share a slot and one script can touch them all. Identity bytes other than
+/// A policy's state lives at `prefix:{identity}:name:params`, and a penalty's beside it
+/// at `…:n-denials-within-block-max_block` (times in microseconds). The identity sits
+/// inside a Cluster hash tag, so all keys of one identity share a slot and one script
+/// can touch them all. Identity bytes other than
 /// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded: `{` and `}` cannot end or open the
 /// tag early, and no two identities encode alike. Secret identities (API keys) reach the
 /// builder already hashed by their key extractor. `params` spells the policy's parameters,
@@ -1911,7 +1912,15 @@ mod tests {
     #[test]
     fn hostile_identities_stay_inside_their_tag() {
         let keys = RedisKeys::default();
-        let policy = Policy::gcra("g", Rate::per_second(1), 1).unwrap();
+        let plain = Policy::gcra("g", Rate::per_second(1), 1).unwrap();
+        let penalized = plain
+            .clone()
+            .with_penalty(crate::policy::Penalty::new(
+                3,
+                Duration::from_secs(10),
+                Duration::from_secs(60),
+            ))
+            .unwrap();
         let identities = [
             "a}b",
             "a{b",
@@ -1924,12 +1933,16 @@ mod tests {
         ];
         let mut seen = std::collections::HashSet::new();
         for identity in identities {
-            let (state, aux) = keys.policy_keys(identity, &policy);
-            // Exactly one tag, at the identity, in both keys.
             let tag = keys.tag(identity);
-            assert_eq!(state.matches('{').count(), 1, "{state}");
-            assert_eq!(state.matches('}').count(), 1, "{state}");
-            assert!(state.contains(&tag) && aux.contains(&tag));
+            for policy in [&plain, &penalized] {
+                // Exactly one tag, at the identity, in both keys.
+                let (state, aux) = keys.policy_keys(identity, policy);
+                for key in [&state, &aux] {
+                    assert_eq!(key.matches('{').count(), 1, "{key}");
+                    assert_eq!(key.matches('}').count(), 1, "{key}");
+                    assert!(key.contains(&tag), "{key}");
+                }
+            }
             assert!(seen.insert(tag), "{identity:?} collides");
         }
     }
