@@ -286,3 +286,33 @@ async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     let waited = started.elapsed();
     assert!(near(waited, Duration::from_secs(10)), "{waited:?}");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_gives_up_frees_its_in_flight_slot_in_the_fallback() {
+    // The store is away; the fallback holds an in-flight limit of two beside the shaping
+    // bucket. A waiter that gives up on its shaping delay gives back its slot too, or the
+    // next waiter would find both slots taken (the first caller keeps its own) and never
+    // be admitted.
+    let limiter = Limiter::new(
+        Away,
+        PolicySet::new([
+            Policy::leaky_bucket_shaping(
+                "paced",
+                Rate::new(1, Duration::from_secs(10)),
+                Duration::from_secs(60),
+            )
+            .unwrap(),
+            Policy::concurrency("slots", 2).unwrap(),
+        ])
+        .unwrap(),
+    );
+    let key = Key::new("k");
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+    assert!(
+        matches!(impatient, Err(WaitError::TooLong(_))),
+        "{impatient:?}"
+    );
+    let patient = limiter.until_ready(&key, 1, Duration::from_secs(15)).await;
+    assert!(patient.is_ok(), "{patient:?}");
+}
