@@ -180,15 +180,7 @@ async fn a_shaping_delay_past_the_wait_gives_up_and_gives_back() {
     // One request every 10 s, held back up to a minute: a second request willing to wait
     // 1 s is told at once that it would wait too long, and what it was about to spend is
     // given back, so a third waits only for the first's 10 s.
-    let limiter = Limiter::new(
-        runtime_store(),
-        Policy::leaky_bucket_shaping(
-            "paced",
-            Rate::new(1, Duration::from_secs(10)),
-            Duration::from_secs(60),
-        )
-        .unwrap(),
-    );
+    let limiter = Limiter::new(runtime_store(), paced());
     let key = Key::new("k");
     let started = tokio::time::Instant::now();
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
@@ -258,15 +250,7 @@ async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     // gives up gives its units back there, as it would to the store. (The fallback keeps
     // real time, which the paused runtime does not move: its delays are under the round
     // figures by the real time the test has taken, allowed up to 5 s on a slow machine.)
-    let limiter = Limiter::new(
-        Away,
-        Policy::leaky_bucket_shaping(
-            "paced",
-            Rate::new(1, Duration::from_secs(10)),
-            Duration::from_secs(60),
-        )
-        .unwrap(),
-    );
+    let limiter = Limiter::new(Away, paced());
     let key = Key::new("k");
     let near = |actual: Duration, expected: Duration| {
         actual <= expected && actual + Duration::from_secs(5) >= expected
@@ -295,16 +279,7 @@ async fn a_waiter_that_gives_up_frees_its_in_flight_slot_in_the_fallback() {
     // be admitted.
     let limiter = Limiter::new(
         Away,
-        PolicySet::new([
-            Policy::leaky_bucket_shaping(
-                "paced",
-                Rate::new(1, Duration::from_secs(10)),
-                Duration::from_secs(60),
-            )
-            .unwrap(),
-            Policy::concurrency("slots", 2).unwrap(),
-        ])
-        .unwrap(),
+        PolicySet::new([paced(), Policy::concurrency("slots", 2).unwrap()]).unwrap(),
     );
     let key = Key::new("k");
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
@@ -315,4 +290,14 @@ async fn a_waiter_that_gives_up_frees_its_in_flight_slot_in_the_fallback() {
     );
     let patient = limiter.until_ready(&key, 1, Duration::from_secs(15)).await;
     assert!(patient.is_ok(), "{patient:?}");
+}
+
+/// One request every 10 s, held back up to a minute.
+fn paced() -> Policy {
+    Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap()
 }
