@@ -187,7 +187,7 @@ impl Responder {
     }
 
     /// A shadow layer's plan: never denies; what it would have done is reported, nothing
-    /// else.
+    /// else. Cold: a shadow layer is a roll-out, not the path a layer is laid out for.
     #[cold]
     #[inline(never)]
     fn plan_shadow(
