@@ -118,9 +118,9 @@ where
         // missing key, an open breaker, a store doing I/O, a debit kept until the
         // response) is a call out of line, and the rare or transient ones (a shadow layer
         // is a roll-out) are marked `#[cold]` (not the store doing I/O: with Redis that
-        // is the path), so that the compiler lays the in-process path out in one run: an HTTP
-        // server's instruction cache is full of its own code, and a path that touches
-        // fewer lines of ours costs it less.
+        // is the path), so that the compiler lays the in-process path out in one run: an
+        // HTTP server's instruction cache is full of its own code, and a path that
+        // touches fewer lines of ours costs it less.
         let config = &*self.config;
         let (parts, body) = request.into_parts();
         if config.bypass.is_some() {

@@ -1758,11 +1758,11 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// A policy's state lives at `prefix:{identity}:name:params`, and a penalty's beside it
 /// at `…:n-denials-within-block-max_block` (times in microseconds). The identity sits
 /// inside a Cluster hash tag, so all keys of one identity share a slot and one script
-/// can touch them all. Identity bytes other than
-/// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded: `{` and `}` cannot end or open the
-/// tag early, and no two identities encode alike. Secret identities (API keys) reach the
-/// builder already hashed by their key extractor. `params` spells the policy's parameters,
-/// so a changed limit starts on fresh keys and the old ones expire.
+/// can touch them all. Identity bytes other than `A-Z a-z 0-9 . _ - : / @ + =` are
+/// percent-encoded: `{` and `}` cannot end or open the tag early, and no two identities
+/// encode alike. Secret identities (API keys) reach the builder already hashed by their
+/// key extractor. `params` spells the policy's parameters, so a changed limit starts on
+/// fresh keys and the old ones expire.
 ///
 /// ```
 /// use std::time::Duration;
