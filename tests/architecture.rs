@@ -1,0 +1,196 @@
+//! ARCHITECTURE.md's table of modules is held to the code: every top-level module of
+//! `src/` has a row, the rows run from the bottom up (a module's "may use" names only
+//! rows above it), and what a module's code reaches through `crate::` paths is within
+//! what its row says it may use. The dependencies are read as the house's cycle check
+//! (`shared/tools/module_cycles.py`) reads them: `crate::NAME` paths and `use crate::{..}`
+//! groups, unit-test modules left out.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The top-level modules of `src/`: `src/NAME.rs` and `src/NAME/`.
+fn modules(src: &Path) -> BTreeSet<String> {
+    fs::read_dir(src)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter_map(|path| {
+            let name = path.file_name()?.to_str()?.to_owned();
+            if path.is_dir() {
+                Some(name)
+            } else {
+                let stem = name.strip_suffix(".rs")?;
+                (stem != "lib" && stem != "main").then(|| stem.to_owned())
+            }
+        })
+        .collect()
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|ext| ext == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+fn is_ident_start(byte: u8) -> bool {
+    byte.is_ascii_lowercase() || byte == b'_'
+}
+
+fn is_ident(byte: u8) -> bool {
+    is_ident_start(byte) || byte.is_ascii_digit()
+}
+
+/// The lowercase identifiers that start a path somewhere in `text` after `prefix`.
+fn names_after(text: &str, prefix: &str) -> BTreeSet<String> {
+    let bytes = text.as_bytes();
+    let mut names = BTreeSet::new();
+    for (at, _) in text.match_indices(prefix) {
+        // `crate::` as a whole word, not the end of `mycrate::`.
+        if at > 0 && is_ident(bytes[at - 1]) {
+            continue;
+        }
+        let start = at + prefix.len();
+        let end = start + bytes[start..].iter().take_while(|&&b| is_ident(b)).count();
+        if end > start && is_ident_start(bytes[start]) {
+            names.insert(text[start..end].to_owned());
+        }
+    }
+    names
+}
+
+/// The modules `text` reaches: `crate::NAME` and the first name of each path in a
+/// `use crate::{...};` group.
+fn reached(text: &str) -> BTreeSet<String> {
+    // Unit tests may reach anywhere.
+    let text = text
+        .match_indices("#[cfg(test)]")
+        .find(|(at, attribute)| {
+            text[at + attribute.len()..]
+                .trim_start()
+                .starts_with("mod tests")
+        })
+        .map_or(text, |(at, _)| &text[..at]);
+    let mut names = names_after(text, "crate::");
+    let mut rest = text;
+    while let Some(at) = rest.find("use crate::{") {
+        let group = &rest[at + "use crate::{".len()..];
+        let end = group.find("};").unwrap_or(group.len());
+        for item in group[..end].split([',', '{']) {
+            let item = item.trim();
+            let head: String = item
+                .bytes()
+                .take_while(|&b| is_ident(b))
+                .map(char::from)
+                .collect();
+            // `name::...` or a bare `name` (a module itself) names a module.
+            let rest_of_item = item[head.len()..].trim_start();
+            if !head.is_empty() && (rest_of_item.is_empty() || rest_of_item.starts_with("::")) {
+                names.insert(head);
+            }
+        }
+        rest = &group[end..];
+    }
+    names
+}
+
+/// The table's rows in order: a module and the modules its row says it may use.
+fn table(architecture: &str) -> Vec<(String, BTreeSet<String>)> {
+    let section = architecture
+        .split("## Modules and what each owns")
+        .nth(1)
+        .expect("ARCHITECTURE.md has a section 'Modules and what each owns'");
+    let section = section.split("\n## ").next().unwrap();
+    let mut rows: Vec<(String, BTreeSet<String>)> = Vec::new();
+    for line in section.lines().filter(|line| line.starts_with("| `")) {
+        let cells: Vec<&str> = line.split('|').collect();
+        assert!(cells.len() >= 5, "a row of three cells: {line}");
+        let module = cells[1].trim().trim_matches('`').trim_end_matches('/');
+        let may_use = cells[cells.len() - 2];
+        let allowed: BTreeSet<String> = if may_use.contains("everything above") {
+            rows.iter().map(|(name, _)| name.clone()).collect()
+        } else {
+            may_use
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(|name| name.trim_end_matches('/').to_owned())
+                .collect()
+        };
+        rows.push((module.to_owned(), allowed));
+    }
+    rows
+}
+
+#[test]
+fn the_module_table_matches_the_code() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = root.join("src");
+    let modules = modules(&src);
+    let architecture = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let rows = table(&architecture);
+
+    let listed: BTreeSet<String> = rows.iter().map(|(name, _)| name.clone()).collect();
+    assert_eq!(
+        listed, modules,
+        "ARCHITECTURE.md's table lists every top-level module of src/ and no other"
+    );
+    assert_eq!(listed.len(), rows.len(), "each module has one row");
+
+    // Bottom up: a row names only modules of the rows above it.
+    for (at, (module, allowed)) in rows.iter().enumerate() {
+        let above: BTreeSet<&String> = rows[..at].iter().map(|(name, _)| name).collect();
+        for name in allowed {
+            assert!(
+                above.contains(name),
+                "the row of `{module}` may use `{name}`, which is not a row above it"
+            );
+        }
+    }
+
+    // What each module's code reaches is within its row.
+    let mut reaches: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    for file in files {
+        let relative = file.strip_prefix(&src).unwrap();
+        let first = relative.components().next().unwrap().as_os_str();
+        let first = first.to_str().unwrap();
+        let module = first.strip_suffix(".rs").unwrap_or(first);
+        if !modules.contains(module) {
+            continue; // lib.rs
+        }
+        let text = fs::read_to_string(&file).unwrap();
+        let entry = reaches.entry(module.to_owned()).or_default();
+        entry.extend(
+            reached(&text)
+                .into_iter()
+                .filter(|name| name != module && modules.contains(name)),
+        );
+    }
+    let mut wrong = Vec::new();
+    for (module, allowed) in &rows {
+        for name in reaches.get(module).into_iter().flatten() {
+            if !allowed.contains(name) {
+                wrong.push(format!("`{module}` uses `{name}`"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "ARCHITECTURE.md's table does not allow what the code does: {}",
+        wrong.join(", ")
+    );
+}
+
+#[test]
+fn the_reader_finds_what_the_cycle_check_finds() {
+    // The reader above, on the forms the code uses.
+    let text = "use crate::key::Key;\nuse crate::{\n    policy::PolicySet,\n    store::{Store, StoreError},\n    decision,\n};\nlet x = crate::clock::now(); mycrate::body::x;\n#[cfg(test)]\nmod tests { use crate::layer::X; }";
+    let found: Vec<String> = reached(text).into_iter().collect();
+    assert_eq!(found, ["clock", "decision", "key", "policy", "store"]);
+}
