@@ -19,7 +19,7 @@ use tollgate::cost::{FromExtension, RequestCost};
 use tollgate::key::HeaderKey;
 use tollgate::settle::Settle;
 use tollgate::store::RedisStore;
-use tollgate::{FailureMode, Policy, Rate, RateLimitLayer};
+use tollgate::{FailureMode, Policy, Rate, RateLimitLayer, Store};
 use tower::ServiceExt;
 
 /// The tokens app: `policy`, settled to `x-tokens-used`, 5xx refunded, on `store`.
@@ -253,5 +253,121 @@ async fn concurrent_settles_on_redis_charge_exactly_the_actual_costs() {
             charged.load(std::sync::atomic::Ordering::SeqCst),
             "{name}"
         );
+    }
+}
+
+/// The client address of a `MONITOR` line (`<time> [<db> <address>] "COMMAND" ...`) and
+/// its command, for commands a client sent (not those a script ran).
+fn monitored(line: &str) -> Option<(&str, &str)> {
+    let (_, rest) = line.split_once(" [")?;
+    let (client, command) = rest.split_once("] ")?;
+    let address = client.split_whitespace().nth(1)?;
+    (address != "lua").then_some((address, command))
+}
+
+/// A decision on a pooled connection, dropped while its script is on its way, gives its
+/// in-flight slot back on the connection that carried the script, behind it: Redis runs
+/// one connection's commands in order, so the release cannot run first and leave the
+/// slot held until its lease ends (60 s by default). Before, the release took any
+/// connection of the pool, and a release that overtook its script freed nothing. The
+/// script is held at the server by `CLIENT PAUSE WRITE` (so the decision is surely in
+/// flight when it is dropped); `MONITOR` shows which connection each command came on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_pooled_decision_gives_its_slot_back_behind_its_own_script() {
+    let standalone = RedisServer::start();
+    let cluster = RedisCluster::start(3);
+    let pool = deadpool_redis::Config::from_url(standalone.url())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let cluster_pool = deadpool_redis::cluster::Config::from_urls(cluster.urls())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    // Two idle connections in each pool (handed out first in, first out): a release that
+    // took any connection would take the other one.
+    {
+        let (a, b) = (pool.get().await.unwrap(), pool.get().await.unwrap());
+        let (c, d) = (
+            cluster_pool.get().await.unwrap(),
+            cluster_pool.get().await.unwrap(),
+        );
+        drop((a, b, c, d));
+    }
+    let cases = [
+        (
+            "pool",
+            vec![&standalone],
+            RedisStore::from_pool(pool.clone()),
+        ),
+        (
+            "cluster pool",
+            cluster.nodes.iter().collect(),
+            RedisStore::from_cluster_pool(cluster_pool.clone()),
+        ),
+    ];
+    let policies = tollgate::PolicySet::from(Policy::concurrency("inflight", 1).unwrap());
+    for (name, servers, store) in cases {
+        store.verify().await.unwrap();
+        let key = tollgate::Key::new("team");
+        let monitors: Vec<support::Monitor> =
+            servers.iter().map(|s| support::Monitor::start(s)).collect();
+        for server in &servers {
+            server.cli(&["CLIENT", "PAUSE", "30000", "WRITE"]);
+        }
+        let mut decision = Box::pin(store.decide(&key, &policies, 1));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            tokio::select! {
+                answer = &mut decision => panic!("{name}: a paused server answered {answer:?}"),
+                () = tokio::time::sleep(Duration::from_millis(10)) => {}
+            }
+            if servers
+                .iter()
+                .map(|s| support::blocked_clients(s))
+                .sum::<u64>()
+                > 0
+            {
+                break; // the script is at the server, held
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: the script did not reach the server"
+            );
+        }
+        drop(decision);
+        for server in &servers {
+            server.cli(&["CLIENT", "UNPAUSE"]);
+        }
+        // The script ran, then the release: find both, and who sent them.
+        let tag = store.keys().tag(key.as_str());
+        let (script, release) = loop {
+            let lines: Vec<String> = monitors.iter().flat_map(|m| m.lines()).collect();
+            let find = |wanted: &[&str]| {
+                lines.iter().find_map(|line| {
+                    let (address, command) = monitored(line)?;
+                    let verb = command.split('"').nth(1)?;
+                    (wanted.contains(&verb) && command.contains(&tag))
+                        .then(|| (address.to_owned(), line.clone()))
+                })
+            };
+            if let (Some(script), Some(release)) =
+                (find(&["FCALL", "EVALSHA", "EVAL"]), find(&["ZREM"]))
+            {
+                break (script, release);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: no script and release seen: {lines:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(
+            script.0, release.0,
+            "{name}: the release came on another connection than its script:\n{}\n{}",
+            script.1, release.1
+        );
+        // And the slot is free.
+        let again = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(again.is_allowed(), "{name}: the slot was held: {again:?}");
+        drop(monitors);
     }
 }

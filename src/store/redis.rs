@@ -381,7 +381,9 @@ pub const DEFAULT_PREFIX: &str = "tollgate";
 const EXACT: u128 = 1 << 53;
 
 /// A store shared by every replica: state lives in Redis (standalone or Cluster) and each
-/// decision is one `EVALSHA` of one script that reads, decides and writes atomically.
+/// decision is one call that reads, decides and writes atomically: an `FCALL` of the
+/// store's Functions library, or an `EVALSHA` of the same Lua where Functions are missing
+/// or refused.
 ///
 /// - **Time** is Redis `TIME`, read inside the script: application servers' clocks are
 ///   never trusted for shared state.
@@ -421,9 +423,48 @@ pub struct RedisStore {
 enum Backend {
     Manager(ConnectionManager),
     Pool(deadpool_redis::Pool),
+    /// One connection of a pool, held for one decision and the release behind it
+    /// ([`Backend::pinned`]).
+    Pooled(redis::aio::MultiplexedConnection),
     Cluster(ClusterConnection),
     ClusterPool(deadpool_redis::cluster::Pool),
     Sentinel(Arc<SentinelBackend>),
+}
+
+/// The pooled connection a pinned backend came from, held (so the pool counts it in use)
+/// until the decision is answered or dropped: kept for its drop, never read.
+#[allow(dead_code)]
+enum Checkout {
+    None,
+    Pool(deadpool_redis::Connection),
+    ClusterPool(deadpool_redis::cluster::Connection),
+}
+
+impl Backend {
+    /// One connection for a decision that takes in-flight slots and for the release its
+    /// [`LeaseGuard`] sends if it is dropped: Redis runs one connection's commands in the
+    /// order they came, so the release cannot overtake the script and find nothing to
+    /// free. A pool's connection is checked out and a handle to it kept (a multiplexed
+    /// connection is shared by its clones); the other backends already send every command
+    /// on one connection (a Cluster's, per node).
+    async fn pinned(&self) -> Result<(Backend, Checkout), StoreError> {
+        let unavailable = |error: deadpool_redis::PoolError| {
+            StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+        };
+        Ok(match self {
+            Backend::Pool(pool) => {
+                let connection = pool.get().await.map_err(unavailable)?;
+                let pinned = Backend::Pooled((*connection).clone());
+                (pinned, Checkout::Pool(connection))
+            }
+            Backend::ClusterPool(pool) => {
+                let connection = pool.get().await.map_err(unavailable)?;
+                let pinned = Backend::Cluster((*connection).clone());
+                (pinned, Checkout::ClusterPool(connection))
+            }
+            other => (other.clone(), Checkout::None),
+        })
+    }
 }
 
 impl fmt::Debug for RedisStore {
@@ -431,6 +472,7 @@ impl fmt::Debug for RedisStore {
         let backend = match self.backend {
             Backend::Manager(_) => "multiplexed connection",
             Backend::Pool(_) => "pool",
+            Backend::Pooled(_) => "pooled connection",
             Backend::Cluster(_) => "cluster connection",
             Backend::ClusterPool(_) => "cluster pool",
             Backend::Sentinel(_) => "sentinel primary",
@@ -770,7 +812,9 @@ impl RedisStore {
     async fn start_up_identities(&self) -> Vec<Key> {
         const NAME: &str = "tollgate-start-up-check";
         let ranges = match &self.backend {
-            Backend::Manager(_) | Backend::Pool(_) | Backend::Sentinel(_) => Vec::new(),
+            Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
+                Vec::new()
+            }
             Backend::Cluster(connection) => {
                 let mut connection = connection.clone();
                 cluster_slot_ranges(&mut connection).await
@@ -944,9 +988,24 @@ impl Store for RedisStore {
             });
         }
         DecideFuture::new(async move {
+            // Slots are taken and given back on one connection (see `Backend::pinned`).
+            let (backend, checkout) = match &mut guard {
+                Some(guard) => match guard.backend.pinned().await {
+                    Ok((pinned, checkout)) => {
+                        guard.backend = pinned.clone();
+                        (pinned, checkout)
+                    }
+                    Err(error) => {
+                        guard.keys.clear(); // nothing was sent: nothing to give back
+                        return Err(error);
+                    }
+                },
+                None => (backend, Checkout::None),
+            };
             let reply = invoke(&backend, &scripts, Call::Decide, &invocation).await;
             // Back (or failed): what queued behind this call goes now, as one batch.
             drop(lead);
+            drop(checkout);
             let reply = reply?;
             // Answered: from here the layer frees the slots it was given.
             if let Some(guard) = &mut guard {
@@ -1220,6 +1279,7 @@ async fn query<T: redis::FromRedisValue>(
 ) -> Result<T, StoreError> {
     match backend.clone() {
         Backend::Manager(mut connection) => command.query_async(&mut connection).await,
+        Backend::Pooled(mut connection) => command.query_async(&mut connection).await,
         Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
         Backend::Pool(pool) => {
             let mut connection = pool

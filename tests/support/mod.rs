@@ -310,3 +310,64 @@ impl tollgate::Store for Flaky {
         self.inner.decide(key, policies, cost)
     }
 }
+
+/// `MONITOR` on one server, by a `redis-cli` process: every command the server runs from
+/// now on, as `redis-cli` prints it (`<time> [<db> <client address>] "COMMAND" "arg"...`),
+/// in the order the server ran them. Stopped on drop.
+pub struct Monitor {
+    child: Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Monitor {
+    /// Attached once `redis-cli` has printed the server's `OK` (within 10 s).
+    pub fn start(server: &RedisServer) -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new(binary("redis-cli"))
+            .args(["-h", "127.0.0.1", "-p", &server.port.to_string(), "MONITOR"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-cli MONITOR runs");
+        let stdout = child.stdout.take().unwrap();
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (attached, attached_rx) = std::sync::mpsc::channel();
+        let sink = std::sync::Arc::clone(&lines);
+        std::thread::spawn(move || {
+            let mut reader = std::io::BufReader::new(stdout).lines();
+            if let Some(Ok(first)) = reader.next() {
+                let _ = attached.send(first);
+            }
+            for line in reader.map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let first = attached_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("MONITOR attached within 10 s");
+        assert_eq!(first.trim(), "OK", "MONITOR answered {first:?}");
+        Self { child, lines }
+    }
+
+    /// The lines seen so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `blocked_clients` of `INFO clients`: clients waiting, a command held by `CLIENT PAUSE`
+/// among them.
+pub fn blocked_clients(server: &RedisServer) -> u64 {
+    server
+        .cli(&["INFO", "clients"])
+        .lines()
+        .find_map(|line| line.strip_prefix("blocked_clients:")?.trim().parse().ok())
+        .expect("INFO clients has blocked_clients")
+}
