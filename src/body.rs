@@ -1,5 +1,6 @@
 //! Response bodies: the limiter hands the inner service's body back unchanged, and writes
-//! its own answers (`429`, `400`, `503`) in the same body type.
+//! its own answers (`429`, `400`, `500`, `503`; the GraphQL layer's `413`) in the same
+//! body type.
 //!
 //! A response that went through [`RateLimit`](crate::RateLimit) has the inner service's
 //! body type, so a router needs no re-boxing and a stack of layers no new type per layer.

@@ -55,11 +55,17 @@
 //!   `FailOpen` lets requests through);
 //! - [`RateLimitLayer`]: the Tower layer that ties them together, with [`HeaderStyle`].
 //!
-//! Features: `axum` (default), `tracing` (default: denials and store errors as debug
-//! events, a warning when the failure mode starts and when the store answers again),
-//! `redis`, `graphql` (the GraphQL complexity coster in `cost::graphql`), `metrics`,
-//! `__test-clock` (private, for tests only: lets a test set the time a `RedisStore` decides
-//! at; never enable it in a build that serves traffic, since Cargo unifies features).
+//! Features on by default: `axum` (axum's peer address and matched path in the key and
+//! cost extractors), `tracing` (debug events for denials and for store errors that are
+//! I/O; an error event for any other store error, once per kind and code; a warning when
+//! the failure mode starts and when the store answers again), `client` (the
+//! [`client::PacingLayer`] for outgoing requests) and `config` (policies from a serde
+//! configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
+//! standalone, Sentinel, Cluster), `tls` (`rediss://`), `graphql` (the GraphQL complexity
+//! coster in `cost::graphql`), `metrics`, `tonic` (tonic's peer address and body type),
+//! and `__test-clock` (private, for tests only: lets a test set the time a `RedisStore`
+//! decides at; never enable it in a build that serves traffic, since Cargo unifies
+//! features).
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]

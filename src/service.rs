@@ -137,6 +137,7 @@ where
                 return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
             }
         }
+        let cost = config.cost.cost(&parts);
         let policies = config.resolver.resolve(&parts, &key);
         if policies.is_empty() {
             return ResponseFuture::calling(
@@ -144,7 +145,6 @@ where
                 HeaderBlock::default(),
             );
         }
-        let cost = config.cost.cost(&parts);
         let responder = &config.responder;
         let probe = match responder.breaker.admit() {
             Admission::Call => None,

@@ -1,7 +1,7 @@
 //! What the layer answers, once a request's decision is known (or its store failed):
 //! the failure mode, then the response — the inner service's with rate-limit headers, or
-//! one of ours (`429`, `400`, `503` as problem+json). The last stage of a request's path:
-//! key, cost, policies, store, failure mode, response.
+//! one of ours (`429`, `400`, `500`, `503` as problem+json). The last stage of a
+//! request's path: key, cost, policies, store, failure mode, response.
 //!
 //! Rooms: `headers.rs` writes the rate-limit fields, `problem.rs` the problem+json bodies.
 
