@@ -840,12 +840,7 @@ async fn every_constructor_shares_one_budget_and_survives_a_script_flush() {
     let policies =
         PolicySet::from(Policy::fixed_window("api", 4, Duration::from_secs(3600)).unwrap());
 
-    let pool = deadpool_redis::Config::from_url(standalone.url())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
-    let cluster_pool = deadpool_redis::cluster::Config::from_urls(cluster.urls())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
+    let (pool, cluster_pool) = support::pools(&standalone, &cluster);
     let pairs = [
         (
             "standalone",

@@ -18,7 +18,7 @@ use support::{RedisCluster, RedisServer};
 use tollgate::cost::{FromExtension, RequestCost};
 use tollgate::key::HeaderKey;
 use tollgate::settle::Settle;
-use tollgate::store::RedisStore;
+use tollgate::store::{RedisStore, StoreErrorKind};
 use tollgate::{FailureMode, Policy, Rate, RateLimitLayer, Store};
 use tower::ServiceExt;
 
@@ -265,6 +265,17 @@ fn monitored(line: &str) -> Option<(&str, &str)> {
     (address != "lua").then_some((address, command))
 }
 
+/// The first of `lines` (`MONITOR` output) where a client sent one of `verbs` naming
+/// `tag`: its position, the client's address and the line.
+fn find_command(lines: &[String], verbs: &[&str], tag: &str) -> Option<(usize, String, String)> {
+    lines.iter().enumerate().find_map(|(at, line)| {
+        let (address, command) = monitored(line)?;
+        let verb = command.split('"').nth(1)?;
+        (verbs.contains(&verb) && command.contains(tag))
+            .then(|| (at, address.to_owned(), line.clone()))
+    })
+}
+
 /// A decision on a pooled connection, dropped while its script is on its way, gives its
 /// in-flight slot back on the connection that carried the script, behind it: Redis runs
 /// one connection's commands in order, so the release cannot run first and leave the
@@ -276,12 +287,7 @@ fn monitored(line: &str) -> Option<(&str, &str)> {
 async fn a_dropped_pooled_decision_gives_its_slot_back_behind_its_own_script() {
     let standalone = RedisServer::start();
     let cluster = RedisCluster::start(3);
-    let pool = deadpool_redis::Config::from_url(standalone.url())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
-    let cluster_pool = deadpool_redis::cluster::Config::from_urls(cluster.urls())
-        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
-        .unwrap();
+    let (pool, cluster_pool) = support::pools(&standalone, &cluster);
     // Two idle connections in each pool (handed out first in, first out): a release that
     // took any connection would take the other one.
     {
@@ -317,15 +323,18 @@ async fn a_dropped_pooled_decision_gives_its_slot_back_behind_its_own_script() {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             tokio::select! {
-                answer = &mut decision => panic!("{name}: a paused server answered {answer:?}"),
+                answer = &mut decision => {
+                    // The connection's own response timeout (500 ms by default) may end
+                    // the wait first: the decision failed with its script sent, which is
+                    // the case under test too. An answer would mean nothing was held.
+                    let error = answer.expect_err("a paused server answered");
+                    assert_eq!(error.kind(), StoreErrorKind::Timeout, "{name}: {error}");
+                    break;
+                }
                 () = tokio::time::sleep(Duration::from_millis(10)) => {}
             }
-            if servers
-                .iter()
-                .map(|s| support::blocked_clients(s))
-                .sum::<u64>()
-                > 0
-            {
+            let held: u64 = servers.iter().map(|s| support::blocked_clients(s)).sum();
+            if held > 0 {
                 break; // the script is at the server, held
             }
             assert!(
@@ -337,33 +346,35 @@ async fn a_dropped_pooled_decision_gives_its_slot_back_behind_its_own_script() {
         for server in &servers {
             server.cli(&["CLIENT", "UNPAUSE"]);
         }
-        // The script ran, then the release: find both, and who sent them.
+        // The script ran, then the release: find both (on the node that holds the key),
+        // in the order the server ran them, and who sent them.
         let tag = store.keys().tag(key.as_str());
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let (script, release) = loop {
-            let lines: Vec<String> = monitors.iter().flat_map(|m| m.lines()).collect();
-            let find = |wanted: &[&str]| {
-                lines.iter().find_map(|line| {
-                    let (address, command) = monitored(line)?;
-                    let verb = command.split('"').nth(1)?;
-                    (wanted.contains(&verb) && command.contains(&tag))
-                        .then(|| (address.to_owned(), line.clone()))
-                })
-            };
-            if let (Some(script), Some(release)) =
-                (find(&["FCALL", "EVALSHA", "EVAL"]), find(&["ZREM"]))
-            {
-                break (script, release);
+            let seen: Vec<Vec<String>> = monitors.iter().map(support::Monitor::lines).collect();
+            let found = seen.iter().find_map(|lines| {
+                let script = find_command(lines, &["FCALL", "EVALSHA", "EVAL"], &tag)?;
+                Some((script, find_command(lines, &["ZREM"], &tag)?))
+            });
+            if let Some(found) = found {
+                break found;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "{name}: no script and release seen: {lines:#?}"
+                "{name}: no script and release seen: {seen:#?}"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         assert_eq!(
-            script.0, release.0,
+            script.1, release.1,
             "{name}: the release came on another connection than its script:\n{}\n{}",
-            script.1, release.1
+            script.2, release.2
+        );
+        assert!(
+            script.0 < release.0,
+            "{name}: the release ran before its script:\n{}\n{}",
+            script.2,
+            release.2
         );
         // And the slot is free.
         let again = store.decide(&key, &policies, 1).await.unwrap();

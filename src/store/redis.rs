@@ -428,6 +428,8 @@ enum Backend {
     Pooled(redis::aio::MultiplexedConnection),
     Cluster(ClusterConnection),
     ClusterPool(deadpool_redis::cluster::Pool),
+    /// One connection of a cluster pool, held as [`Backend::Pooled`] is.
+    PooledCluster(ClusterConnection),
     Sentinel(Arc<SentinelBackend>),
 }
 
@@ -444,9 +446,10 @@ impl Backend {
     /// One connection for a decision that takes in-flight slots and for the release its
     /// [`LeaseGuard`] sends if it is dropped: Redis runs one connection's commands in the
     /// order they came, so the release cannot overtake the script and find nothing to
-    /// free. A pool's connection is checked out and a handle to it kept (a multiplexed
-    /// connection is shared by its clones); the other backends already send every command
-    /// on one connection (a Cluster's, per node).
+    /// free. A pool's connection is checked out (and held, with the guard, until the
+    /// release is done). The other backends send every command on one connection already
+    /// (a Cluster's, one per node), while that connection lasts: one that breaks and is
+    /// replaced carries nothing of the old one's queue.
     async fn pinned(&self) -> Result<(Backend, Checkout), StoreError> {
         let unavailable = |error: deadpool_redis::PoolError| {
             StoreError::new(StoreErrorKind::Unavailable, error.to_string())
@@ -459,11 +462,16 @@ impl Backend {
             }
             Backend::ClusterPool(pool) => {
                 let connection = pool.get().await.map_err(unavailable)?;
-                let pinned = Backend::Cluster((*connection).clone());
+                let pinned = Backend::PooledCluster((*connection).clone());
                 (pinned, Checkout::ClusterPool(connection))
             }
             other => (other.clone(), Checkout::None),
         })
+    }
+
+    /// Whether this is a pool's connection checked out by [`Backend::pinned`].
+    fn checked_out(&self) -> bool {
+        matches!(self, Backend::Pooled(_) | Backend::PooledCluster(_))
     }
 }
 
@@ -475,6 +483,7 @@ impl fmt::Debug for RedisStore {
             Backend::Pooled(_) => "pooled connection",
             Backend::Cluster(_) => "cluster connection",
             Backend::ClusterPool(_) => "cluster pool",
+            Backend::PooledCluster(_) => "pooled cluster connection",
             Backend::Sentinel(_) => "sentinel primary",
         };
         f.debug_struct("RedisStore")
@@ -815,7 +824,7 @@ impl RedisStore {
             Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
                 Vec::new()
             }
-            Backend::Cluster(connection) => {
+            Backend::Cluster(connection) | Backend::PooledCluster(connection) => {
                 let mut connection = connection.clone();
                 cluster_slot_ranges(&mut connection).await
             }
@@ -968,16 +977,16 @@ impl Store for RedisStore {
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         // A decision dropped before its answer (a timeout, a client gone) may still have
         // taken slots: they are given back rather than held for a whole lease.
-        let mut guard = (lease != 0).then(|| LeaseGuard {
-            backend: backend.clone(),
-            keys: policies
+        let slots: Vec<String> = if lease == 0 {
+            Vec::new()
+        } else {
+            policies
                 .iter()
                 .zip(invocation.keys.chunks(2))
                 .filter(|(policy, _)| policy.params().is_in_flight())
                 .map(|(_, keys)| keys[0].clone())
-                .collect(),
-            lease,
-        });
+                .collect()
+        };
         if let Some(lead) = &mut lead {
             lead.prepare(coalesce::Batch {
                 backend: backend.clone(),
@@ -988,27 +997,30 @@ impl Store for RedisStore {
             });
         }
         DecideFuture::new(async move {
-            // Slots are taken and given back on one connection (see `Backend::pinned`).
-            let (backend, checkout) = match &mut guard {
-                Some(guard) => match guard.backend.pinned().await {
-                    Ok((pinned, checkout)) => {
-                        guard.backend = pinned.clone();
-                        (pinned, checkout)
-                    }
-                    Err(error) => {
-                        guard.keys.clear(); // nothing was sent: nothing to give back
-                        return Err(error);
-                    }
-                },
-                None => (backend, Checkout::None),
+            let mut guard = None;
+            let backend = if slots.is_empty() {
+                backend
+            } else {
+                // Slots are taken and given back on one connection (`Backend::pinned`).
+                // The guard is armed once that connection is ours: a decision dropped
+                // while waiting for it sent nothing, and has nothing to give back.
+                let (pinned, checkout) = backend.pinned().await?;
+                guard = Some(LeaseGuard {
+                    pinned: pinned.clone(),
+                    fallback: backend,
+                    checkout,
+                    keys: slots,
+                    lease,
+                });
+                pinned
             };
             let reply = invoke(&backend, &scripts, Call::Decide, &invocation).await;
             // Back (or failed): what queued behind this call goes now, as one batch.
             drop(lead);
-            drop(checkout);
             let reply = reply?;
-            // Answered: from here the layer frees the slots it was given.
-            if let Some(guard) = &mut guard {
+            // Answered: from here the layer frees the slots it was given (and the pooled
+            // connection goes back).
+            if let Some(mut guard) = guard {
                 guard.keys.clear();
             }
             parse_reply(&reply, invocation.shape, invocation.count, cost, lease)
@@ -1217,10 +1229,20 @@ impl RedisStore {
 /// The in-flight slots a decision may have taken, given back if the decision is dropped
 /// (or fails) before its answer arrives. Removing a slot that was never taken is harmless.
 struct LeaseGuard {
-    backend: Backend,
+    /// The connection the decision's script went on: the release goes behind it.
+    pinned: Backend,
+    /// The store's backend: where the release goes when the pinned connection broke.
+    fallback: Backend,
+    /// The pooled connection checked out for the script: nobody else's until the
+    /// release is done (a transaction or a `SELECT` of theirs would catch it).
+    checkout: Checkout,
     keys: Vec<String>,
     lease: u64,
 }
+
+/// How long the release of a dropped decision's slots may take before it is reported
+/// (the slots then expire with their lease, unless the release still runs).
+const RELEASE_WITHIN: Duration = Duration::from_secs(5);
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
@@ -1230,31 +1252,53 @@ impl Drop for LeaseGuard {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // no runtime: the slots expire with their lease
         };
-        let (backend, keys, member) = (
-            self.backend.clone(),
+        let (pinned, fallback, checkout, keys, member) = (
+            self.pinned.clone(),
+            self.fallback.clone(),
+            std::mem::replace(&mut self.checkout, Checkout::None),
             std::mem::take(&mut self.keys),
             self.lease.to_string(),
         );
         runtime.spawn(async move {
-            for key in keys {
-                let mut command = redis::cmd("ZREM");
-                command.arg(&key).arg(&member);
-                if let Err(error) = query::<i64>(&backend, &command).await {
-                    // Counted and logged as any store error (the store knows no telemetry
-                    // module: it sits below it); the slots expire with their lease.
-                    #[cfg(feature = "metrics")]
-                    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
-                        .increment(1);
-                    #[cfg(feature = "tracing")]
-                    tracing::warn!(
-                        target: "tollgate",
-                        %error,
-                        "could not give back the in-flight slots of a dropped decision; they expire with their lease"
-                    );
-                    #[cfg(not(feature = "tracing"))]
-                    let _ = error;
-                    return;
+            let release = async {
+                for key in &keys {
+                    let mut command = redis::cmd("ZREM");
+                    command.arg(key).arg(&member);
+                    match query::<i64>(&pinned, &command).await {
+                        Ok(_) => {}
+                        // The connection broke: nothing more of its queue will run, so
+                        // the release may go on another one.
+                        Err(error) if error.kind() == StoreErrorKind::Unavailable => {
+                            query::<i64>(&fallback, &command).await?;
+                        }
+                        Err(error) => return Err(error),
+                    }
                 }
+                Ok(())
+            };
+            let result = match tokio::time::timeout(RELEASE_WITHIN, release).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::new(
+                    StoreErrorKind::Timeout,
+                    format!("no answer within {RELEASE_WITHIN:?} (it may still run)"),
+                )),
+            };
+            // The pooled connection goes back only now.
+            drop(checkout);
+            if let Err(error) = result {
+                // Counted and logged as any store error (the store knows no telemetry
+                // module: it sits below it); the slots expire with their lease.
+                #[cfg(feature = "metrics")]
+                metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
+                    .increment(1);
+                #[cfg(feature = "tracing")]
+                tracing::warn!(
+                    target: "tollgate",
+                    %error,
+                    "could not give back the in-flight slots of a dropped decision; they expire with their lease"
+                );
+                #[cfg(not(feature = "tracing"))]
+                let _ = error;
             }
         });
     }
@@ -1280,7 +1324,9 @@ async fn query<T: redis::FromRedisValue>(
     match backend.clone() {
         Backend::Manager(mut connection) => command.query_async(&mut connection).await,
         Backend::Pooled(mut connection) => command.query_async(&mut connection).await,
-        Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+        Backend::Cluster(mut connection) | Backend::PooledCluster(mut connection) => {
+            command.query_async(&mut connection).await
+        }
         Backend::Pool(pool) => {
             let mut connection = pool
                 .get()
@@ -1378,7 +1424,14 @@ fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
 /// of loads before its call).
 async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result<(), StoreError> {
     use std::sync::atomic::Ordering;
-    let _one_at_a_time = scripts.reload.lock().await;
+    // One load at a time; but a caller holding a pooled connection does not wait for
+    // the loader, which may itself be waiting for a pooled connection (callers like this
+    // one may hold them all): it loads alongside (`REPLACE` of the same text is harmless).
+    let _one_at_a_time = if backend.checked_out() {
+        scripts.reload.try_lock().ok()
+    } else {
+        Some(scripts.reload.lock().await)
+    };
     if scripts.loads.load(Ordering::Acquire) != seen {
         return Ok(());
     }

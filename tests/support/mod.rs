@@ -342,11 +342,13 @@ impl Monitor {
                 sink.lock().unwrap().push(line);
             }
         });
+        // Owned from here: a failed start stops its `redis-cli` too.
+        let monitor = Self { child, lines };
         let first = attached_rx
             .recv_timeout(Duration::from_secs(10))
             .expect("MONITOR attached within 10 s");
         assert_eq!(first.trim(), "OK", "MONITOR answered {first:?}");
-        Self { child, lines }
+        monitor
     }
 
     /// The lines seen so far.
@@ -370,4 +372,30 @@ pub fn blocked_clients(server: &RedisServer) -> u64 {
         .lines()
         .find_map(|line| line.strip_prefix("blocked_clients:")?.trim().parse().ok())
         .expect("INFO clients has blocked_clients")
+}
+
+/// A `deadpool_redis` pool on `server` and a cluster pool on `cluster`, as an app that
+/// runs its own pools builds them (for `RedisStore::from_pool`, `from_cluster_pool`).
+/// Idle connections are handed out first in, first out (deadpool's default, said here
+/// because a test counts on it).
+#[cfg(feature = "redis")]
+pub fn pools(
+    server: &RedisServer,
+    cluster: &RedisCluster,
+) -> (deadpool_redis::Pool, deadpool_redis::cluster::Pool) {
+    let fifo = deadpool_redis::PoolConfig {
+        queue_mode: deadpool_redis::QueueMode::Fifo,
+        ..deadpool_redis::PoolConfig::default()
+    };
+    let mut config = deadpool_redis::Config::from_url(server.url());
+    config.pool = Some(fifo);
+    let pool = config
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool on the server");
+    let mut config = deadpool_redis::cluster::Config::from_urls(cluster.urls());
+    config.pool = Some(fifo);
+    let cluster_pool = config
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool on the cluster");
+    (pool, cluster_pool)
 }
