@@ -434,7 +434,8 @@ enum Backend {
 }
 
 /// The pooled connection a pinned backend came from, held (so the pool counts it in use)
-/// until the decision is answered or dropped: kept for its drop, never read.
+/// until the decision is answered, or, when it is dropped, until its release is done:
+/// kept for its drop, never read.
 #[allow(dead_code)]
 enum Checkout {
     None,
@@ -1260,32 +1261,40 @@ impl Drop for LeaseGuard {
             self.lease.to_string(),
         );
         runtime.spawn(async move {
+            let mut checkout = Some(checkout);
+            let mut first_error = None;
             let release = async {
+                // Every key gets its release, whatever happened to the one before (a
+                // timeout says nothing of the next: the command may still run).
                 for key in &keys {
                     let mut command = redis::cmd("ZREM");
                     command.arg(key).arg(&member);
-                    match query::<i64>(&pinned, &command).await {
-                        Ok(_) => {}
-                        // The connection broke: nothing more of its queue will run, so
-                        // the release may go on another one.
+                    let result = match query::<i64>(&pinned, &command).await {
+                        // Unavailable: the connection broke, or the server answered that it
+                        // cannot serve now (BUSY, LOADING...). Either way nothing of the
+                        // script is queued behind this command any more: the release may
+                        // go another way. The pooled connection goes back first (a retry
+                        // through the pool must not wait for it, nor hold it).
                         Err(error) if error.kind() == StoreErrorKind::Unavailable => {
-                            query::<i64>(&fallback, &command).await?;
+                            checkout = None;
+                            query::<i64>(&fallback, &command).await
                         }
-                        Err(error) => return Err(error),
+                        other => other,
+                    };
+                    if let Err(error) = result {
+                        first_error.get_or_insert(error);
                     }
                 }
-                Ok(())
             };
-            let result = match tokio::time::timeout(RELEASE_WITHIN, release).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::new(
+            if tokio::time::timeout(RELEASE_WITHIN, release).await.is_err() {
+                first_error.get_or_insert(StoreError::new(
                     StoreErrorKind::Timeout,
                     format!("no answer within {RELEASE_WITHIN:?} (it may still run)"),
-                )),
-            };
+                ));
+            }
             // The pooled connection goes back only now.
             drop(checkout);
-            if let Err(error) = result {
+            if let Some(error) = first_error {
                 // Counted and logged as any store error (the store knows no telemetry
                 // module: it sits below it); the slots expire with their lease.
                 #[cfg(feature = "metrics")]
