@@ -423,24 +423,21 @@ pub struct RedisStore {
 enum Backend {
     Manager(ConnectionManager),
     Pool(deadpool_redis::Pool),
-    /// One connection of a pool, held for one decision and the release behind it
-    /// ([`Backend::pinned`]).
-    Pooled(redis::aio::MultiplexedConnection),
+    /// One connection checked out of a pool for one decision and the release behind it
+    /// ([`Backend::pinned`]): back in the pool when the last clone is dropped, so the
+    /// pool counts it in use until the decision is answered, or, when it is dropped,
+    /// until its release is done.
+    Pooled(Arc<deadpool_redis::Connection>),
     Cluster(ClusterConnection),
     ClusterPool(deadpool_redis::cluster::Pool),
     /// One connection of a cluster pool, held as [`Backend::Pooled`] is.
-    PooledCluster(ClusterConnection),
+    PooledCluster(Arc<deadpool_redis::cluster::Connection>),
     Sentinel(Arc<SentinelBackend>),
 }
 
-/// The pooled connection a pinned backend came from, held (so the pool counts it in use)
-/// until the decision is answered, or, when it is dropped, until its release is done:
-/// kept for its drop, never read.
-#[allow(dead_code)]
-enum Checkout {
-    None,
-    Pool(deadpool_redis::Connection),
-    ClusterPool(deadpool_redis::cluster::Connection),
+/// A pool that gave no connection: the store is unavailable.
+fn no_connection(error: impl fmt::Display) -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, error.to_string())
 }
 
 impl Backend {
@@ -451,22 +448,15 @@ impl Backend {
     /// release is done). The other backends send every command on one connection already
     /// (a Cluster's, one per node), while that connection lasts: one that breaks and is
     /// replaced carries nothing of the old one's queue.
-    async fn pinned(&self) -> Result<(Backend, Checkout), StoreError> {
-        let unavailable = |error: deadpool_redis::PoolError| {
-            StoreError::new(StoreErrorKind::Unavailable, error.to_string())
-        };
+    async fn pinned(&self) -> Result<Backend, StoreError> {
         Ok(match self {
             Backend::Pool(pool) => {
-                let connection = pool.get().await.map_err(unavailable)?;
-                let pinned = Backend::Pooled((*connection).clone());
-                (pinned, Checkout::Pool(connection))
+                Backend::Pooled(Arc::new(pool.get().await.map_err(no_connection)?))
             }
             Backend::ClusterPool(pool) => {
-                let connection = pool.get().await.map_err(unavailable)?;
-                let pinned = Backend::PooledCluster((*connection).clone());
-                (pinned, Checkout::ClusterPool(connection))
+                Backend::PooledCluster(Arc::new(pool.get().await.map_err(no_connection)?))
             }
-            other => (other.clone(), Checkout::None),
+            other => other.clone(),
         })
     }
 
@@ -825,8 +815,12 @@ impl RedisStore {
             Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
                 Vec::new()
             }
-            Backend::Cluster(connection) | Backend::PooledCluster(connection) => {
+            Backend::Cluster(connection) => {
                 let mut connection = connection.clone();
+                cluster_slot_ranges(&mut connection).await
+            }
+            Backend::PooledCluster(connection) => {
+                let mut connection = (**connection).clone();
                 cluster_slot_ranges(&mut connection).await
             }
             Backend::ClusterPool(pool) => match pool.get().await {
@@ -1005,11 +999,10 @@ impl Store for RedisStore {
                 // Slots are taken and given back on one connection (`Backend::pinned`).
                 // The guard is armed once that connection is ours: a decision dropped
                 // while waiting for it sent nothing, and has nothing to give back.
-                let (pinned, checkout) = backend.pinned().await?;
+                let pinned = backend.pinned().await?;
                 guard = Some(LeaseGuard {
                     pinned: pinned.clone(),
                     fallback: backend,
-                    checkout,
                     keys: slots,
                     lease,
                 });
@@ -1230,13 +1223,12 @@ impl RedisStore {
 /// The in-flight slots a decision may have taken, given back if the decision is dropped
 /// (or fails) before its answer arrives. Removing a slot that was never taken is harmless.
 struct LeaseGuard {
-    /// The connection the decision's script went on: the release goes behind it.
+    /// The connection the decision's script went on: the release goes behind it. A
+    /// pool's is nobody else's until the release is done (a transaction or a `SELECT` of
+    /// theirs would catch it).
     pinned: Backend,
     /// The store's backend: where the release goes when the pinned connection broke.
     fallback: Backend,
-    /// The pooled connection checked out for the script: nobody else's until the
-    /// release is done (a transaction or a `SELECT` of theirs would catch it).
-    checkout: Checkout,
     keys: Vec<String>,
     lease: u64,
 }
@@ -1253,15 +1245,14 @@ impl Drop for LeaseGuard {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // no runtime: the slots expire with their lease
         };
-        let (pinned, fallback, checkout, keys, member) = (
-            self.pinned.clone(),
+        // The pinned connection moves into the task (a pool's goes back when it ends).
+        let (mut pinned, fallback, keys, member) = (
+            Some(std::mem::replace(&mut self.pinned, self.fallback.clone())),
             self.fallback.clone(),
-            std::mem::replace(&mut self.checkout, Checkout::None),
             std::mem::take(&mut self.keys),
             self.lease.to_string(),
         );
         runtime.spawn(async move {
-            let mut checkout = Some(checkout);
             let mut first_error = None;
             let release = async {
                 // Every key gets its release, whatever happened to the one before (a
@@ -1269,14 +1260,20 @@ impl Drop for LeaseGuard {
                 for key in &keys {
                     let mut command = redis::cmd("ZREM");
                     command.arg(key).arg(&member);
-                    let result = match query::<i64>(&pinned, &command).await {
+                    let answered = match &pinned {
+                        Some(connection) => query::<i64>(connection, &command).await,
+                        None => query::<i64>(&fallback, &command).await,
+                    };
+                    let result = match answered {
                         // Unavailable: the connection broke, or the server answered that it
                         // cannot serve now (BUSY, LOADING...). Either way nothing of the
-                        // script is queued behind this command any more: the release may
+                        // script is queued behind this command any more: the releases may
                         // go another way. The pooled connection goes back first (a retry
                         // through the pool must not wait for it, nor hold it).
-                        Err(error) if error.kind() == StoreErrorKind::Unavailable => {
-                            checkout = None;
+                        Err(error)
+                            if error.kind() == StoreErrorKind::Unavailable && pinned.is_some() =>
+                        {
+                            pinned = None;
                             query::<i64>(&fallback, &command).await
                         }
                         other => other,
@@ -1293,7 +1290,7 @@ impl Drop for LeaseGuard {
                 ));
             }
             // The pooled connection goes back only now.
-            drop(checkout);
+            drop(pinned);
             if let Some(error) = first_error {
                 // Counted and logged as any store error (the store knows no telemetry
                 // module: it sits below it); the slots expire with their lease.
@@ -1332,22 +1329,17 @@ async fn query<T: redis::FromRedisValue>(
 ) -> Result<T, StoreError> {
     match backend.clone() {
         Backend::Manager(mut connection) => command.query_async(&mut connection).await,
-        Backend::Pooled(mut connection) => command.query_async(&mut connection).await,
-        Backend::Cluster(mut connection) | Backend::PooledCluster(mut connection) => {
-            command.query_async(&mut connection).await
+        Backend::Pooled(connection) => command.query_async(&mut (**connection).clone()).await,
+        Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+        Backend::PooledCluster(connection) => {
+            command.query_async(&mut (**connection).clone()).await
         }
         Backend::Pool(pool) => {
-            let mut connection = pool
-                .get()
-                .await
-                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            let mut connection = pool.get().await.map_err(no_connection)?;
             command.query_async(&mut connection).await
         }
         Backend::ClusterPool(pool) => {
-            let mut connection = pool
-                .get()
-                .await
-                .map_err(|error| StoreError::new(StoreErrorKind::Unavailable, error.to_string()))?;
+            let mut connection = pool.get().await.map_err(no_connection)?;
             command.query_async(&mut connection).await
         }
         Backend::Sentinel(sentinel) => {
