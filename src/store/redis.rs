@@ -10,7 +10,7 @@ use redis::{RedisError, Script};
 use smallvec::SmallVec;
 
 use super::{Adjustment, Change, DecideFuture, ResetFuture, Store, StoreError, StoreErrorKind};
-use crate::algorithm::Params;
+use crate::algorithm::{Params, PenaltyBox};
 use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
@@ -1195,15 +1195,8 @@ impl RedisStore {
                 spelled.push('~');
             }
             if let Some((penalty, _)) = policy.penalty_box() {
-                use std::fmt::Write;
-                let _ = write!(
-                    spelled,
-                    "!{}:{}:{}:{}",
-                    penalty.denials,
-                    to_micros(penalty.within),
-                    to_micros(penalty.block),
-                    to_micros(penalty.max_block)
-                );
+                spelled.push('!');
+                spelled.push_str(&penalty_numbers(&penalty).join(":"));
             }
             args.push(spelled);
             args.push(p1.to_string());
@@ -1786,6 +1779,18 @@ fn to_micros(nanos: u64) -> u64 {
     nanos.div_ceil(1_000)
 }
 
+/// A penalty's numbers, spelled once for the script's argument (`!d:w:b:m`) and for the
+/// name of its state key (`n-d-w-b-m`), so the two never differ: denials, then the window, the
+/// first block and the longest block in microseconds.
+fn penalty_numbers(penalty: &PenaltyBox) -> [String; 4] {
+    [
+        penalty.denials.to_string(),
+        to_micros(penalty.within).to_string(),
+        to_micros(penalty.block).to_string(),
+        to_micros(penalty.max_block).to_string(),
+    ]
+}
+
 /// The script's arguments for one policy: kind and three numbers, with the rate reduced
 /// to lowest terms so the scaled numbers stay small.
 fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreError> {
@@ -1939,13 +1944,7 @@ impl RedisKeys {
         // A penalty's state is named by its numbers too: a changed penalty (a block
         // shortened to pardon) starts afresh, while the rate state it guards carries over.
         let aux = match policy.penalty_box() {
-            Some((penalty, _)) => format!(
-                "{state}:n-{}-{}-{}-{}",
-                penalty.denials,
-                to_micros(penalty.within),
-                to_micros(penalty.block),
-                to_micros(penalty.max_block)
-            ),
+            Some((penalty, _)) => format!("{state}:n-{}", penalty_numbers(&penalty).join("-")),
             None => format!("{state}:n"),
         };
         (state, aux)
