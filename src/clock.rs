@@ -229,6 +229,7 @@ impl CarriedClock {
         COUNTER.get_or_init(quanta::Clock::new)
     }
 
+    #[inline]
     fn trust(&self) -> &Trust {
         #[cfg(test)]
         if let Some(fake) = &self.fake {
@@ -263,6 +264,32 @@ impl CarriedClock {
             trusted: trust.carries(),
         };
         (reading, stopped)
+    }
+
+    /// A reading once the counter is stopped: the OS clock's, never earlier than one
+    /// given before on this thread.
+    #[cold]
+    #[inline(never)]
+    fn os_only(&self) -> u64 {
+        let nanos = self.os_now();
+        let mut carry = CARRY.get();
+        let now = carry.give(nanos);
+        CARRY.set(carry);
+        now
+    }
+
+    /// A reading that the counter may not carry: an OS reading, judged, from which the
+    /// thread carries afresh.
+    #[cold]
+    #[inline(never)]
+    fn read_os(&self, counter: &quanta::Clock, mut carry: Carry) -> u64 {
+        let (reading, stopped) = self.os_reading(counter);
+        let now = carry.restart(reading);
+        CARRY.set(carry);
+        if stopped {
+            warn_stopped();
+        }
+        now
     }
 }
 
@@ -300,14 +327,17 @@ impl Trust {
         }
     }
 
+    #[inline]
     fn state(&self) -> u8 {
         self.state.load(Ordering::Relaxed)
     }
 
+    #[inline]
     fn carries(&self) -> bool {
         self.state() == TRUSTED
     }
 
+    #[inline]
     fn stopped(&self) -> bool {
         self.state() == STOPPED
     }
@@ -374,37 +404,46 @@ impl Carry {
 
     /// The time when the counter shows `ticks`: carried from the last OS reading by
     /// `elapsed(from, to)` (the counter's calibrated nanoseconds) while that is within
-    /// bounds, else a new OS reading (`os`).
-    #[inline]
+    /// bounds, else a new OS reading (`os`). (What [`CarriedClock`] does, in one call:
+    /// the simulations of the tests read it so.)
+    #[cfg(test)]
     fn now(
         &mut self,
         ticks: u64,
         elapsed: impl FnOnce(u64, u64) -> u64,
         os: impl FnOnce() -> OsReading,
     ) -> u64 {
-        let carried = if self.readings_left > 0 && ticks > self.ticks {
-            let nanos = elapsed(self.ticks, ticks);
-            (nanos <= CARRY_NANOS).then(|| self.nanos.saturating_add(nanos))
-        } else {
-            None
+        match self.carry(ticks, elapsed) {
+            Some(now) => now,
+            None => self.restart(os()),
+        }
+    }
+
+    /// The time carried from the last OS reading to `ticks`, if that is within bounds
+    /// (it spends one of the readings the counter may carry); none if an OS reading is
+    /// due. The whole of a reading's common path: small enough to inline.
+    #[inline]
+    fn carry(&mut self, ticks: u64, elapsed: impl FnOnce(u64, u64) -> u64) -> Option<u64> {
+        if self.readings_left == 0 || ticks <= self.ticks {
+            return None;
+        }
+        let nanos = elapsed(self.ticks, ticks);
+        if nanos > CARRY_NANOS {
+            return None;
+        }
+        self.readings_left -= 1;
+        Some(self.give(self.nanos.saturating_add(nanos)))
+    }
+
+    /// Starts carrying afresh from an OS reading; gives its time.
+    fn restart(&mut self, reading: OsReading) -> u64 {
+        *self = Carry {
+            ticks: reading.ticks,
+            nanos: reading.nanos,
+            readings_left: if reading.trusted { CARRY_READINGS } else { 0 },
+            last: self.last,
         };
-        let now = match carried {
-            Some(now) => {
-                self.readings_left -= 1;
-                now
-            }
-            None => {
-                let reading = os();
-                *self = Carry {
-                    ticks: reading.ticks,
-                    nanos: reading.nanos,
-                    readings_left: if reading.trusted { CARRY_READINGS } else { 0 },
-                    last: self.last,
-                };
-                reading.nanos
-            }
-        };
-        self.give(now)
+        self.give(reading.nanos)
     }
 
     /// Gives `now`, or the last time given on this thread if that is later: a counter
@@ -494,35 +533,18 @@ impl Clock for CarriedClock {
         // Read on every reading: a stop (by the judge, or by hand) holds from the next one.
         // (Only an OS reading lets the counter carry, and only once it is trusted.)
         if self.trust().stopped() {
-            let nanos = self.os_now();
-            return CARRY.with(|cell| {
-                let mut carry = cell.get();
-                let now = carry.give(nanos);
-                cell.set(carry);
-                now
-            });
+            return self.os_only();
         }
         let counter = self.counter();
         let ticks = counter.raw();
-        let mut stopped = false;
-        let now = CARRY.with(|cell| {
-            let mut carry = cell.get();
-            let now = carry.now(
-                ticks,
-                |from, to| counter.delta_as_nanos(from, to),
-                || {
-                    let (reading, stop) = self.os_reading(counter);
-                    stopped = stop;
-                    reading
-                },
-            );
-            cell.set(carry);
-            now
-        });
-        if stopped {
-            warn_stopped();
+        let mut carry = CARRY.get();
+        match carry.carry(ticks, |from, to| counter.delta_as_nanos(from, to)) {
+            Some(now) => {
+                CARRY.set(carry);
+                now
+            }
+            None => self.read_os(counter, carry),
         }
-        now
     }
 
     fn prepare(&self) {
