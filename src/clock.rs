@@ -272,20 +272,16 @@ impl CarriedClock {
     #[inline(never)]
     fn os_only(&self) -> u64 {
         let nanos = self.os_now();
-        let mut carry = CARRY.get();
-        let now = carry.give(nanos);
-        CARRY.set(carry);
-        now
+        CARRY.with(|carry| carry.give(nanos))
     }
 
     /// A reading that the counter may not carry: an OS reading, judged, from which the
     /// thread carries afresh.
     #[cold]
     #[inline(never)]
-    fn read_os(&self, counter: &quanta::Clock, mut carry: Carry) -> u64 {
+    fn read_os(&self, counter: &quanta::Clock) -> u64 {
         let (reading, stopped) = self.os_reading(counter);
-        let now = carry.restart(reading);
-        CARRY.set(carry);
+        let now = CARRY.with(|carry| carry.restart(reading));
         if stopped {
             warn_stopped();
         }
@@ -373,17 +369,19 @@ impl Trust {
 
 static PROCESS_TRUST: Trust = Trust::new(UNKNOWN);
 
-/// One thread's last OS reading and what the counter showed then.
-#[derive(Debug, Clone, Copy)]
+/// One thread's last OS reading and what the counter showed then. Each field is a cell
+/// of its own: a common reading reads the four and writes two (the readings left and
+/// the last time given), with no copy of the whole in and out.
+#[derive(Debug)]
 struct Carry {
     /// The counter just after the last OS reading.
-    ticks: u64,
+    ticks: Cell<u64>,
     /// The OS clock then, in nanoseconds on the epoch-aligned line.
-    nanos: u64,
+    nanos: Cell<u64>,
     /// Readings the counter may still carry.
-    readings_left: u32,
+    readings_left: Cell<u32>,
     /// The last time given on this thread: none later is earlier.
-    last: u64,
+    last: Cell<u64>,
 }
 
 /// An OS reading: the time, the counter just after it, and whether the counter may carry
@@ -395,12 +393,14 @@ struct OsReading {
 }
 
 impl Carry {
-    const NONE: Carry = Carry {
-        ticks: 0,
-        nanos: 0,
-        readings_left: 0,
-        last: 0,
-    };
+    const fn new() -> Self {
+        Carry {
+            ticks: Cell::new(0),
+            nanos: Cell::new(0),
+            readings_left: Cell::new(0),
+            last: Cell::new(0),
+        }
+    }
 
     /// The time when the counter shows `ticks`: carried from the last OS reading by
     /// `elapsed(from, to)` (the counter's calibrated nanoseconds) while that is within
@@ -408,7 +408,7 @@ impl Carry {
     /// the simulations of the tests read it so.)
     #[cfg(test)]
     fn now(
-        &mut self,
+        &self,
         ticks: u64,
         elapsed: impl FnOnce(u64, u64) -> u64,
         os: impl FnOnce() -> OsReading,
@@ -423,26 +423,25 @@ impl Carry {
     /// (it spends one of the readings the counter may carry); none if an OS reading is
     /// due. The whole of a reading's common path: small enough to inline.
     #[inline]
-    fn carry(&mut self, ticks: u64, elapsed: impl FnOnce(u64, u64) -> u64) -> Option<u64> {
-        if self.readings_left == 0 || ticks <= self.ticks {
+    fn carry(&self, ticks: u64, elapsed: impl FnOnce(u64, u64) -> u64) -> Option<u64> {
+        let (left, from) = (self.readings_left.get(), self.ticks.get());
+        if left == 0 || ticks <= from {
             return None;
         }
-        let nanos = elapsed(self.ticks, ticks);
+        let nanos = elapsed(from, ticks);
         if nanos > CARRY_NANOS {
             return None;
         }
-        self.readings_left -= 1;
-        Some(self.give(self.nanos.saturating_add(nanos)))
+        self.readings_left.set(left - 1);
+        Some(self.give(self.nanos.get().saturating_add(nanos)))
     }
 
     /// Starts carrying afresh from an OS reading; gives its time.
-    fn restart(&mut self, reading: OsReading) -> u64 {
-        *self = Carry {
-            ticks: reading.ticks,
-            nanos: reading.nanos,
-            readings_left: if reading.trusted { CARRY_READINGS } else { 0 },
-            last: self.last,
-        };
+    fn restart(&self, reading: OsReading) -> u64 {
+        self.ticks.set(reading.ticks);
+        self.nanos.set(reading.nanos);
+        self.readings_left
+            .set(if reading.trusted { CARRY_READINGS } else { 0 });
         self.give(reading.nanos)
     }
 
@@ -450,9 +449,9 @@ impl Carry {
     /// that ran fast gave times the OS clock has not reached yet, and they stand until it
     /// does.
     #[inline]
-    fn give(&mut self, now: u64) -> u64 {
-        let now = now.max(self.last);
-        self.last = now;
+    fn give(&self, now: u64) -> u64 {
+        let now = now.max(self.last.get());
+        self.last.set(now);
         now
     }
 }
@@ -524,7 +523,7 @@ impl Judge {
 }
 
 thread_local! {
-    static CARRY: Cell<Carry> = const { Cell::new(Carry::NONE) };
+    static CARRY: Carry = const { Carry::new() };
 }
 
 impl Clock for CarriedClock {
@@ -537,13 +536,11 @@ impl Clock for CarriedClock {
         }
         let counter = self.counter();
         let ticks = counter.raw();
-        let mut carry = CARRY.get();
-        match carry.carry(ticks, |from, to| counter.delta_as_nanos(from, to)) {
-            Some(now) => {
-                CARRY.set(carry);
-                now
-            }
-            None => self.read_os(counter, carry),
+        let carried =
+            CARRY.with(|carry| carry.carry(ticks, |from, to| counter.delta_as_nanos(from, to)));
+        match carried {
+            Some(now) => now,
+            None => self.read_os(counter),
         }
     }
 
@@ -745,7 +742,7 @@ mod tests {
     /// reading) for each, and the trust at the end.
     fn simulate(rate: f64, steps: &[(u64, i64)], trust: u8) -> (Vec<(u64, u64, u64)>, u8) {
         let trust = Trust::new(trust);
-        let mut carry = Carry::NONE;
+        let carry = Carry::new();
         let (mut os, mut ticks, mut read_at) = (1_000_000_000_u64, 5_000_u64, 0_u64);
         let mut seen = Vec::new();
         for &(step, jump) in steps {
@@ -984,18 +981,18 @@ mod tests {
             let (clock, mock, os, _) = fake_clock(TRUSTED);
             let first = clock.now();
             assert_eq!(first, 1_000_000_000);
-            assert_eq!(CARRY.with(Cell::get).readings_left, 64);
+            assert_eq!(CARRY.with(|carry| carry.readings_left.get()), 64);
             for reading in 1..=64_u64 {
                 mock.increment(500);
                 assert_eq!(clock.now(), first + 500 * reading, "reading {reading}");
             }
-            assert_eq!(CARRY.with(Cell::get).readings_left, 0);
+            assert_eq!(CARRY.with(|carry| carry.readings_left.get()), 0);
             // The 65th reads the OS clock; the counter moves while it does, and what it
             // counted before the OS reading is not carried again.
             os.store(2_000_000_000, Ordering::SeqCst);
             mock.increment(500);
             assert_eq!(clock.now(), 2_000_000_000);
-            assert_eq!(CARRY.with(Cell::get).readings_left, 64);
+            assert_eq!(CARRY.with(|carry| carry.readings_left.get()), 64);
             mock.increment(700);
             assert_eq!(clock.now(), 2_000_000_700);
         })
