@@ -806,6 +806,81 @@ mod tests {
 
     use proptest::prelude::Just;
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// The same bounds as the simulation's, read through `CarriedClock::now` itself
+        /// (the thread's own carry, the out-of-line OS reading and the judge), on a fresh
+        /// thread per case.
+        #[test]
+        fn the_clock_itself_follows_the_os_clock_whatever_the_counter_does(
+            rate in proptest::prop_oneof![Just(0.0), Just(1.0), Just(0.33), Just(3.0), 0.0f64..10.0],
+            steps in proptest::collection::vec(
+                (
+                    proptest::prop_oneof![1u64..2_000, 1u64..3_000_000, 1u64..2_000_000_000],
+                    proptest::prop_oneof![Just(0i64), Just(0i64), -5_000_000i64..5_000_000],
+                ),
+                1..300,
+            ),
+            trust in 0u8..3,
+        ) {
+            let outcome = std::thread::spawn(move || -> Result<(), String> {
+                let (counter, mock) = quanta::Clock::mock();
+                // Far from zero: the jumps back must not wrap the counter.
+                mock.increment(1_000_000_000_000_u64);
+                let os = Arc::new(AtomicU64::new(1_000_000_000));
+                let (reads, read) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+                let (reader, counted, noted, ticking) =
+                    (Arc::clone(&os), Arc::clone(&reads), Arc::clone(&read), Arc::clone(&mock));
+                let clock = CarriedClock {
+                    fake: Some(Fake {
+                        counter,
+                        os: Arc::new(move || {
+                            counted.fetch_add(1, Ordering::SeqCst);
+                            ticking.increment(10_000_u64);
+                            let now = reader.load(Ordering::SeqCst);
+                            noted.store(now, Ordering::SeqCst);
+                            now
+                        }),
+                        trust: Arc::new(Trust::new(trust)),
+                    }),
+                    _private: (),
+                };
+                let (mut last, mut carried_in_a_row, mut reads_seen) = (0, 0, 0);
+                for (index, (step, jump)) in steps.into_iter().enumerate() {
+                    os.fetch_add(step, Ordering::SeqCst);
+                    mock.increment((step as f64 * rate) as u64);
+                    if jump >= 0 {
+                        mock.increment(jump.unsigned_abs());
+                    } else {
+                        mock.decrement(jump.unsigned_abs());
+                    }
+                    let now = clock.now();
+                    let os_now = os.load(Ordering::SeqCst);
+                    let reads_now = reads.load(Ordering::SeqCst);
+                    carried_in_a_row = if reads_now == reads_seen { carried_in_a_row + 1 } else { 0 };
+                    reads_seen = reads_now;
+                    if now < last {
+                        return Err(format!("reading {index} went back: {now} < {last}"));
+                    }
+                    if now > os_now + 1_000_000 {
+                        return Err(format!("reading {index} ran ahead: {now} vs {os_now}"));
+                    }
+                    if now < read.load(Ordering::SeqCst) {
+                        return Err(format!("reading {index} is behind its OS reading"));
+                    }
+                    if carried_in_a_row > 64 {
+                        return Err(format!("reading {index}: {carried_in_a_row} carried in a row"));
+                    }
+                    last = now;
+                }
+                Ok(())
+            })
+            .join()
+            .expect("the case's thread panicked");
+            proptest::prop_assert!(outcome.is_ok(), "{outcome:?}");
+        }
+    }
+
     /// Readings of a counter at `rate` every `step` for `seconds`, from an unknown trust:
     /// whether it ever carried (a reading without an OS reading), and the trust at the end.
     fn judged(rate: f64, step: u64, seconds: u64) -> (bool, u8) {

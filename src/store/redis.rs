@@ -1188,17 +1188,7 @@ impl RedisStore {
                 let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
                 keys.extend([state, aux]);
             }
-            // A shadow policy: the same algorithm, marked for the decision loop; a penalty:
-            // its numbers, in microseconds.
-            let mut spelled = kind.to_owned();
-            if policy.is_shadow() {
-                spelled.push('~');
-            }
-            if let Some((penalty, _)) = policy.penalty_box() {
-                spelled.push('!');
-                spelled.push_str(&penalty_numbers(&penalty).join(":"));
-            }
-            args.push(spelled);
+            args.push(spelled_kind(kind, policy));
             args.push(p1.to_string());
             args.push(p2.to_string());
             args.push(p3.to_string());
@@ -1779,16 +1769,40 @@ fn to_micros(nanos: u64) -> u64 {
     nanos.div_ceil(1_000)
 }
 
-/// A penalty's numbers, spelled once for the script's argument (`!d:w:b:m`) and for the
-/// name of its state key (`n-d-w-b-m`), so the two never differ: denials, then the window, the
-/// first block and the longest block in microseconds.
-fn penalty_numbers(penalty: &PenaltyBox) -> [String; 4] {
-    [
-        penalty.denials.to_string(),
-        to_micros(penalty.within).to_string(),
-        to_micros(penalty.block).to_string(),
-        to_micros(penalty.max_block).to_string(),
-    ]
+/// A policy's kind as the script reads it: its algorithm's, marked `~` for a shadow
+/// policy (the same algorithm, marked for the decision loop), then a penalty's numbers
+/// after `!`.
+fn spelled_kind(kind: &str, policy: &Policy) -> String {
+    let mut spelled = kind.to_owned();
+    if policy.is_shadow() {
+        spelled.push('~');
+    }
+    if let Some((penalty, _)) = policy.penalty_box() {
+        spelled.push('!');
+        write_penalty(&mut spelled, &penalty, ':');
+    }
+    spelled
+}
+
+/// Writes a penalty's numbers, parted by `separator`: denials, then the window, the first
+/// block and the longest block in microseconds. One spelling for the script's argument
+/// (`!d:w:b:m`) and for the name of the penalty's state key (`n-d-w-b-m`), so the two
+/// never differ.
+fn write_penalty(out: &mut String, penalty: &PenaltyBox, separator: char) {
+    use std::fmt::Write;
+    let numbers = [
+        penalty.denials,
+        to_micros(penalty.within),
+        to_micros(penalty.block),
+        to_micros(penalty.max_block),
+    ];
+    for (index, number) in numbers.into_iter().enumerate() {
+        if index > 0 {
+            out.push(separator);
+        }
+        // Writing to a String cannot fail.
+        let _ = write!(out, "{number}");
+    }
 }
 
 /// The script's arguments for one policy: kind and three numbers, with the rate reduced
@@ -1944,7 +1958,11 @@ impl RedisKeys {
         // A penalty's state is named by its numbers too: a changed penalty (a block
         // shortened to pardon) starts afresh, while the rate state it guards carries over.
         let aux = match policy.penalty_box() {
-            Some((penalty, _)) => format!("{state}:n-{}", penalty_numbers(&penalty).join("-")),
+            Some((penalty, _)) => {
+                let mut aux = format!("{state}:n-");
+                write_penalty(&mut aux, &penalty, '-');
+                aux
+            }
             None => format!("{state}:n"),
         };
         (state, aux)
@@ -2020,6 +2038,28 @@ mod tests {
                 .contains("policy \"huge\" cannot be decided exactly"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_penalty_is_spelled_alike_in_its_key_and_in_the_scripts_argument() {
+        // Four different numbers, so that no two can trade places unseen: the key names
+        // state kept in Redis (a changed spelling would strand it), and the script reads
+        // the argument as `!denials:within:block:max_block` (lua/prelude.lua).
+        let policy = Policy::token_bucket("api", 10, Rate::per_second(5))
+            .unwrap()
+            .with_penalty(
+                crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(10))
+                    .doubling_up_to(Duration::from_secs(40)),
+            )
+            .unwrap();
+        let (state, aux) = RedisKeys::new("app").policy_keys("k", &policy);
+        assert_eq!(state, "app:{k}:api:tb-10-1-200000");
+        assert_eq!(aux, format!("{state}:n-3-60000000-10000000-40000000"));
+        assert_eq!(
+            spelled_kind("tb", &policy),
+            "tb!3:60000000:10000000:40000000"
+        );
+        assert_eq!(spelled_kind("tb", &policy.shadow()), "tb~");
     }
 
     #[test]
