@@ -777,109 +777,124 @@ mod tests {
             .count()
     }
 
+    /// A counter's pace against its calibration: stopped, right, slow, fast, any.
+    fn counter_rates() -> impl proptest::strategy::Strategy<Value = f64> {
+        proptest::prop_oneof![Just(0.0), Just(1.0), Just(0.33), Just(3.0), 0.0f64..10.0]
+    }
+
+    /// Up to `most` steps of the OS clock (from a nanosecond to two seconds), each with
+    /// the counter's jump back or forth (mostly none).
+    fn clock_steps(most: usize) -> impl proptest::strategy::Strategy<Value = Vec<(u64, i64)>> {
+        proptest::collection::vec(
+            (
+                proptest::prop_oneof![1u64..2_000, 1u64..3_000_000, 1u64..2_000_000_000],
+                proptest::prop_oneof![Just(0i64), Just(0i64), -5_000_000i64..5_000_000],
+            ),
+            1..most,
+        )
+    }
+
+    /// The clock's bounds over its readings, each (the time given, the OS clock then, the
+    /// time of the last OS reading): never back, never more than 1 ms ahead of the OS
+    /// clock, never behind its own OS reading, at most 64 carried in a row. (The OS clock
+    /// moves on every step, so a new OS reading has a new time.)
+    fn within_bounds(seen: &[(u64, u64, u64)]) -> Result<(), String> {
+        let (mut last, mut carried_in_a_row, mut read_at) = (0, 0, 0);
+        for (index, &(now, os, reading)) in seen.iter().enumerate() {
+            if now < last {
+                return Err(format!("reading {index} went back: {now} < {last}"));
+            }
+            if now > os + 1_000_000 {
+                return Err(format!("reading {index} ran ahead: {now} vs {os}"));
+            }
+            if now < reading {
+                return Err(format!("reading {index} is behind its OS reading"));
+            }
+            carried_in_a_row = if reading != read_at {
+                0
+            } else {
+                carried_in_a_row + 1
+            };
+            read_at = reading;
+            if carried_in_a_row > 64 {
+                return Err(format!(
+                    "reading {index}: {carried_in_a_row} carried in a row"
+                ));
+            }
+            last = now;
+        }
+        Ok(())
+    }
+
+    /// `CarriedClock::now` itself (the thread's own carry, the out-of-line OS reading,
+    /// the judge) on a mock counter and an OS clock of the test's, driven as `simulate`
+    /// drives the steps alone; call it on a fresh thread.
+    fn drive(rate: f64, steps: &[(u64, i64)], trust: u8) -> Vec<(u64, u64, u64)> {
+        let (counter, mock) = quanta::Clock::mock();
+        // Far from zero: the jumps back must not wrap the counter.
+        mock.increment(1_000_000_000_000_u64);
+        let os = Arc::new(AtomicU64::new(1_000_000_000));
+        let read = Arc::new(AtomicU64::new(0));
+        let (reader, noted, ticking) = (Arc::clone(&os), Arc::clone(&read), Arc::clone(&mock));
+        let clock = CarriedClock {
+            fake: Some(Fake {
+                counter,
+                // The counter moves 10 µs while the OS clock is read.
+                os: Arc::new(move || {
+                    ticking.increment(10_000_u64);
+                    let now = reader.load(Ordering::SeqCst);
+                    noted.store(now, Ordering::SeqCst);
+                    now
+                }),
+                trust: Arc::new(Trust::new(trust)),
+            }),
+            _private: (),
+        };
+        let mut seen = Vec::with_capacity(steps.len());
+        for &(step, jump) in steps {
+            os.fetch_add(step, Ordering::SeqCst);
+            mock.increment((step as f64 * rate) as u64);
+            if jump >= 0 {
+                mock.increment(jump.unsigned_abs());
+            } else {
+                mock.decrement(jump.unsigned_abs());
+            }
+            let now = clock.now();
+            seen.push((now, os.load(Ordering::SeqCst), read.load(Ordering::SeqCst)));
+        }
+        seen
+    }
+
     proptest::proptest! {
         #[test]
         fn the_carried_time_follows_the_os_clock_whatever_the_counter_does(
-            rate in proptest::prop_oneof![Just(0.0), Just(1.0), Just(0.33), Just(3.0), 0.0f64..10.0],
-            steps in proptest::collection::vec(
-                (
-                    proptest::prop_oneof![1u64..2_000, 1u64..3_000_000, 1u64..2_000_000_000],
-                    proptest::prop_oneof![Just(0i64), Just(0i64), -5_000_000i64..5_000_000],
-                ),
-                1..400,
-            ),
+            rate in counter_rates(),
+            steps in clock_steps(400),
             trust in 0u8..3,
         ) {
             let (seen, _) = simulate(rate, &steps, trust);
-            let (mut last, mut carried_in_a_row, mut read_at) = (0, 0, 0);
-            for (index, &(now, os, reading)) in seen.iter().enumerate() {
-                proptest::prop_assert!(now >= last, "reading {index} went back: {now} < {last}");
-                proptest::prop_assert!(now <= os + 1_000_000, "reading {index} ran ahead: {now} vs {os}");
-                proptest::prop_assert!(now >= reading, "reading {index} is behind its OS reading");
-                carried_in_a_row = if reading != read_at { 0 } else { carried_in_a_row + 1 };
-                read_at = reading;
-                proptest::prop_assert!(carried_in_a_row <= 64, "reading {index}: {carried_in_a_row} carried in a row");
-                last = now;
-            }
+            proptest::prop_assert_eq!(within_bounds(&seen), Ok(()));
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// The same bounds, read through `CarriedClock::now` itself, on a fresh thread
+        /// per case (the carry is the thread's).
+        #[test]
+        fn the_clock_itself_follows_the_os_clock_whatever_the_counter_does(
+            rate in counter_rates(),
+            steps in clock_steps(300),
+            trust in 0u8..3,
+        ) {
+            let seen = std::thread::spawn(move || drive(rate, &steps, trust))
+                .join()
+                .expect("the case's thread panicked");
+            proptest::prop_assert_eq!(within_bounds(&seen), Ok(()));
         }
     }
 
     use proptest::prelude::Just;
-
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
-        /// The same bounds as the simulation's, read through `CarriedClock::now` itself
-        /// (the thread's own carry, the out-of-line OS reading and the judge), on a fresh
-        /// thread per case.
-        #[test]
-        fn the_clock_itself_follows_the_os_clock_whatever_the_counter_does(
-            rate in proptest::prop_oneof![Just(0.0), Just(1.0), Just(0.33), Just(3.0), 0.0f64..10.0],
-            steps in proptest::collection::vec(
-                (
-                    proptest::prop_oneof![1u64..2_000, 1u64..3_000_000, 1u64..2_000_000_000],
-                    proptest::prop_oneof![Just(0i64), Just(0i64), -5_000_000i64..5_000_000],
-                ),
-                1..300,
-            ),
-            trust in 0u8..3,
-        ) {
-            let outcome = std::thread::spawn(move || -> Result<(), String> {
-                let (counter, mock) = quanta::Clock::mock();
-                // Far from zero: the jumps back must not wrap the counter.
-                mock.increment(1_000_000_000_000_u64);
-                let os = Arc::new(AtomicU64::new(1_000_000_000));
-                let (reads, read) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-                let (reader, counted, noted, ticking) =
-                    (Arc::clone(&os), Arc::clone(&reads), Arc::clone(&read), Arc::clone(&mock));
-                let clock = CarriedClock {
-                    fake: Some(Fake {
-                        counter,
-                        os: Arc::new(move || {
-                            counted.fetch_add(1, Ordering::SeqCst);
-                            ticking.increment(10_000_u64);
-                            let now = reader.load(Ordering::SeqCst);
-                            noted.store(now, Ordering::SeqCst);
-                            now
-                        }),
-                        trust: Arc::new(Trust::new(trust)),
-                    }),
-                    _private: (),
-                };
-                let (mut last, mut carried_in_a_row, mut reads_seen) = (0, 0, 0);
-                for (index, (step, jump)) in steps.into_iter().enumerate() {
-                    os.fetch_add(step, Ordering::SeqCst);
-                    mock.increment((step as f64 * rate) as u64);
-                    if jump >= 0 {
-                        mock.increment(jump.unsigned_abs());
-                    } else {
-                        mock.decrement(jump.unsigned_abs());
-                    }
-                    let now = clock.now();
-                    let os_now = os.load(Ordering::SeqCst);
-                    let reads_now = reads.load(Ordering::SeqCst);
-                    carried_in_a_row = if reads_now == reads_seen { carried_in_a_row + 1 } else { 0 };
-                    reads_seen = reads_now;
-                    if now < last {
-                        return Err(format!("reading {index} went back: {now} < {last}"));
-                    }
-                    if now > os_now + 1_000_000 {
-                        return Err(format!("reading {index} ran ahead: {now} vs {os_now}"));
-                    }
-                    if now < read.load(Ordering::SeqCst) {
-                        return Err(format!("reading {index} is behind its OS reading"));
-                    }
-                    if carried_in_a_row > 64 {
-                        return Err(format!("reading {index}: {carried_in_a_row} carried in a row"));
-                    }
-                    last = now;
-                }
-                Ok(())
-            })
-            .join()
-            .expect("the case's thread panicked");
-            proptest::prop_assert!(outcome.is_ok(), "{outcome:?}");
-        }
-    }
 
     /// Readings of a counter at `rate` every `step` for `seconds`, from an unknown trust:
     /// whether it ever carried (a reading without an OS reading), and the trust at the end.
