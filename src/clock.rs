@@ -248,8 +248,7 @@ impl CarriedClock {
 
     /// Reads the OS clock between two readings of the counter, and judges the counter's
     /// pace by it. The second part is whether this reading stopped the counter carrying.
-    #[cold]
-    #[inline(never)]
+    /// (Out of the common path with its one caller, [`CarriedClock::read_os`].)
     fn os_reading(&self, counter: &quanta::Clock) -> (OsReading, bool) {
         let before = counter.raw();
         let nanos = self.os_now();
@@ -830,26 +829,18 @@ mod tests {
     /// the judge) on a mock counter and an OS clock of the test's, driven as `simulate`
     /// drives the steps alone; call it on a fresh thread.
     fn drive(rate: f64, steps: &[(u64, i64)], trust: u8) -> Vec<(u64, u64, u64)> {
-        let (counter, mock) = quanta::Clock::mock();
+        let (mut clock, mock, os, _) = fake_clock(trust);
         // Far from zero: the jumps back must not wrap the counter.
         mock.increment(1_000_000_000_000_u64);
-        let os = Arc::new(AtomicU64::new(1_000_000_000));
+        // The time of the last OS reading, noted as the clock reads it.
         let read = Arc::new(AtomicU64::new(0));
-        let (reader, noted, ticking) = (Arc::clone(&os), Arc::clone(&read), Arc::clone(&mock));
-        let clock = CarriedClock {
-            fake: Some(Fake {
-                counter,
-                // The counter moves 10 µs while the OS clock is read.
-                os: Arc::new(move || {
-                    ticking.increment(10_000_u64);
-                    let now = reader.load(Ordering::SeqCst);
-                    noted.store(now, Ordering::SeqCst);
-                    now
-                }),
-                trust: Arc::new(Trust::new(trust)),
-            }),
-            _private: (),
-        };
+        let fake = clock.fake.as_mut().expect("a fake clock");
+        let (reading, noted) = (Arc::clone(&fake.os), Arc::clone(&read));
+        fake.os = Arc::new(move || {
+            let now = reading();
+            noted.store(now, Ordering::SeqCst);
+            now
+        });
         let mut seen = Vec::with_capacity(steps.len());
         for &(step, jump) in steps {
             os.fetch_add(step, Ordering::SeqCst);
