@@ -73,7 +73,7 @@ pub struct PacingLayer {
 
 struct Shared {
     /// When each host (and partition) may be sent to again.
-    hosts: Mutex<HashMap<String, Instant>>,
+    hosts: Mutex<Hosts>,
     max_wait: Duration,
     retries: u32,
     retry_all: bool,
@@ -102,7 +102,7 @@ impl PacingLayer {
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Shared {
-                hosts: Mutex::new(HashMap::new()),
+                hosts: Mutex::new(Hosts::default()),
                 max_wait: DEFAULT_MAX_WAIT,
                 retries: 2,
                 retry_all: false,
@@ -273,6 +273,7 @@ impl Shared {
     fn wait(&self, key: &str) -> Duration {
         let hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
         hosts
+            .until
             .get(key)
             .map_or(Duration::ZERO, |until| {
                 until.saturating_duration_since(Instant::now())
@@ -292,16 +293,41 @@ impl Shared {
         }
         let capped = wait > self.max_wait;
         let until = later(Instant::now(), wait.min(self.max_wait));
-        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        // Hosts whose word has expired are forgotten, so the map stays small: swept when
-        // it doubles past the last sweep, so a sweep's cost is spread over the inserts.
-        if hosts.len() >= 1024 && hosts.len().is_power_of_two() && !hosts.contains_key(key) {
-            let now = Instant::now();
-            hosts.retain(|_, until| *until > now);
-        }
-        let entry = hosts.entry(key.to_owned()).or_insert(until);
-        *entry = (*entry).max(until);
+        self.hosts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .note(key, until, Instant::now());
         capped
+    }
+}
+
+/// When each host (and partition) may be sent to again.
+#[derive(Clone, Debug, Default)]
+struct Hosts {
+    until: HashMap<String, Instant>,
+    /// The size at which the map is next swept: twice what the last sweep left, and at
+    /// least [`Hosts::FIRST_SWEEP`].
+    sweep_at: usize,
+}
+
+impl Hosts {
+    const FIRST_SWEEP: usize = 1024;
+
+    /// Notes that `key` may not be sent to before `until`; true when the map was swept.
+    fn note(&mut self, key: &str, until: Instant, now: Instant) -> bool {
+        // Hosts whose word has expired are forgotten, so the map stays small. A sweep
+        // walks every host, so the next one waits until the map has doubled past what
+        // this one left: a sweep's cost is spread over the inserts since the last, and
+        // the map holds at most about twice its live hosts.
+        let swept = self.until.len() >= self.sweep_at.max(Self::FIRST_SWEEP)
+            && !self.until.contains_key(key);
+        if swept {
+            self.until.retain(|_, until| *until > now);
+            self.sweep_at = self.until.len().saturating_mul(2);
+        }
+        let entry = self.until.entry(key.to_owned()).or_insert(until);
+        *entry = (*entry).max(until);
+        swept
     }
 }
 
@@ -504,5 +530,48 @@ where
                 return Ok(response);
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_swept_a_few_times_not_on_every_new_host() {
+        // 1,023 hosts that asked for a long wait, then a stream of new hosts whose word
+        // expires before the next one comes: the map stays near 1,024 entries, and a
+        // sweep on every new host would walk all of them each time.
+        let start = Instant::now();
+        let mut hosts = Hosts::default();
+        for n in 0..1023 {
+            hosts.note(
+                &format!("long-{n}"),
+                start + Duration::from_secs(3600),
+                start,
+            );
+        }
+        let mut sweeps = 0;
+        for n in 0..10_000u64 {
+            let now = start + Duration::from_millis(2 * n);
+            let until = now + Duration::from_millis(1);
+            sweeps += u32::from(hosts.note(&format!("short-{n}"), until, now));
+        }
+        assert!(sweeps <= 20, "{sweeps} sweeps for 10,000 new hosts");
+        // Expired hosts are still forgotten: the map stays within twice its live hosts.
+        assert!(
+            hosts.until.len() <= 2 * 1024 + 1,
+            "{} hosts kept",
+            hosts.until.len()
+        );
+        // The long waits survive every sweep.
+        assert_eq!(
+            hosts
+                .until
+                .keys()
+                .filter(|k| k.starts_with("long-"))
+                .count(),
+            1023
+        );
     }
 }
