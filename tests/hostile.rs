@@ -140,6 +140,52 @@ proptest! {
         prop_assert!(second_spend_is_denied(&key), "{key} was not limited");
     }
 
+    /// RFC 7239, section 4, and RFC 9110, section 5.6.4: a trusted proxy's element is read
+    /// whole, whatever the client made it quote (its `Host`, copied into `host=`, with any
+    /// commas, semicolons, `for=`, quotes and backslashes, escaped as the proxy must) and
+    /// whatever lines the client sent before it: the client is the address the proxy
+    /// wrote, never one the client wrote inside the quotes.
+    #[test]
+    fn a_proxys_element_is_read_whole_whatever_it_quotes(
+        client in any::<u32>().prop_map(|bits| IpAddr::from(bits.to_be_bytes())),
+        host in "[ -~]{0,60}",
+        host_first in any::<bool>(),
+        own_line in any::<bool>(),
+        sent in "[0-9a-z.,;=\" ]{0,40}",
+    ) {
+        prop_assume!(!matches!(client, IpAddr::V4(v4) if v4.octets()[0] == 10));
+        let extractor = ClientIp::behind_proxies(["10.0.0.0/8"])
+            .unwrap()
+            .forwarded_header(ForwardedHeader::Forwarded);
+        let quoted: String = host
+            .chars()
+            .flat_map(|c| match c {
+                '"' | '\\' => vec!['\\', c],
+                c => vec![c],
+            })
+            .collect();
+        let host = format!("host=\"{quoted}\"");
+        let at = format!("for={client}");
+        let element = if host_first {
+            format!("{host};{at};proto=https")
+        } else {
+            format!("{at};{host};proto=https")
+        };
+        let mut request = Request::get("/").body(()).unwrap();
+        if own_line {
+            // What the client sent, then the proxy's own line.
+            request.headers_mut().append("forwarded", HeaderValue::from_str(&sent).unwrap());
+            request.headers_mut().append("forwarded", HeaderValue::from_str(&element).unwrap());
+        } else {
+            // The proxy's element alone on the line: a client's line may leave a quote
+            // open, which on one line would swallow what a proxy appended to it.
+            request.headers_mut().append("forwarded", HeaderValue::from_str(&element).unwrap());
+        }
+        request.extensions_mut().insert(SocketAddr::from(([10, 0, 0, 1], 1)));
+        let (parts, _) = request.into_parts();
+        prop_assert_eq!(extractor.client_addr(&parts).unwrap(), client.to_canonical(), "{}", element);
+    }
+
     /// API keys of any bytes: never stored in clear, never a panic, always short, and
     /// limited.
     #[test]

@@ -314,10 +314,56 @@ struct ForwardedHops<'a> {
 }
 
 /// The members of one header line, right to left.
-type Members<'a> = std::iter::Rev<std::slice::Split<'a, u8, fn(&u8) -> bool>>;
+enum Members<'a> {
+    /// `X-Forwarded-For`: plain addresses, split at every comma.
+    Plain(std::iter::Rev<CommaSplit<'a>>),
+    /// `Forwarded`: elements, split at the commas outside quoted strings.
+    Elements(std::iter::Rev<std::vec::IntoIter<&'a [u8]>>),
+}
+
+impl<'a> Iterator for Members<'a> {
+    type Item = &'a [u8];
+
+    fn next(&mut self) -> Option<&'a [u8]> {
+        match self {
+            Members::Plain(members) => members.next(),
+            Members::Elements(members) => members.next(),
+        }
+    }
+}
+
+type CommaSplit<'a> = std::slice::Split<'a, u8, fn(&u8) -> bool>;
 
 fn is_comma(byte: &u8) -> bool {
     *byte == b','
+}
+
+/// `bytes` split at each `separator` outside a quoted string (RFC 9110, section 5.6.4:
+/// between double quotes, where a backslash escapes the byte after it). A quote left open
+/// runs to the end: the last piece keeps it, and whoever reads the piece finds it open.
+fn split_outside_quotes(bytes: &[u8], separator: u8) -> Vec<&[u8]> {
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    let mut quoted = false;
+    let mut escaped = false;
+    for (at, &byte) in bytes.iter().enumerate() {
+        if escaped {
+            escaped = false;
+        } else if quoted {
+            match byte {
+                b'\\' => escaped = true,
+                b'"' => quoted = false,
+                _ => {}
+            }
+        } else if byte == b'"' {
+            quoted = true;
+        } else if byte == separator {
+            pieces.push(&bytes[start..at]);
+            start = at + 1;
+        }
+    }
+    pieces.push(&bytes[start..]);
+    pieces
 }
 
 impl<'a> ForwardedHops<'a> {
@@ -341,24 +387,32 @@ impl Iterator for ForwardedHops<'_> {
         loop {
             if let Some(entries) = &mut self.current {
                 if let Some(entry) = entries.next() {
-                    let Ok(entry) = std::str::from_utf8(entry) else {
-                        // Not text: not an address.
-                        return Some(None);
-                    };
-                    let entry = entry.trim();
+                    let entry = entry.trim_ascii();
                     if entry.is_empty() {
                         // "a,,b" or a trailing comma: skip empty list members.
                         continue;
                     }
                     return Some(match self.header {
-                        ForwardedHeader::XForwardedFor => parse_node(entry),
+                        ForwardedHeader::XForwardedFor => {
+                            // Not text: not an address.
+                            std::str::from_utf8(entry).ok().and_then(parse_node)
+                        }
                         ForwardedHeader::Forwarded => parse_forwarded_element(entry),
                     });
                 }
             }
-            let line = self.lines.next()?;
-            let split: fn(&u8) -> bool = is_comma;
-            self.current = Some(line.as_bytes().split(split).rev());
+            let line = self.lines.next()?.as_bytes();
+            self.current = Some(match self.header {
+                ForwardedHeader::XForwardedFor => {
+                    let split: fn(&u8) -> bool = is_comma;
+                    Members::Plain(line.split(split).rev())
+                }
+                // Each line on its own: a quote a client left open on its line does not
+                // swallow the line a proxy added after it.
+                ForwardedHeader::Forwarded => {
+                    Members::Elements(split_outside_quotes(line, b',').into_iter().rev())
+                }
+            });
         }
     }
 }
@@ -375,19 +429,70 @@ fn canonical_net(net: IpNet) -> IpNet {
     }
 }
 
-/// `for=` of one RFC 7239 element (`for=192.0.2.60;proto=http;by=203.0.113.43`).
-fn parse_forwarded_element(element: &str) -> Option<IpAddr> {
-    let value = element.split(';').find_map(|pair| {
-        let (name, value) = pair.split_once('=')?;
-        name.trim()
-            .eq_ignore_ascii_case("for")
-            .then_some(value.trim())
-    })?;
-    let value = value
-        .strip_prefix('"')
-        .and_then(|v| v.strip_suffix('"'))
-        .unwrap_or(value);
-    parse_node(value)
+/// `for=` of one RFC 7239 element (`for=192.0.2.60;proto=http;by=203.0.113.43`), read
+/// by the grammar of section 4: pairs split at the semicolons outside quoted strings, each
+/// value a token or a whole quoted string. An element that breaks it (a quote left open
+/// or inside a token, a pair without `=`, a parameter given twice) is not an address: a
+/// proxy writes well-formed elements, so a broken one holds nothing to believe.
+fn parse_forwarded_element(element: &[u8]) -> Option<IpAddr> {
+    let mut found: Option<std::borrow::Cow<'_, [u8]>> = None;
+    let mut names: Vec<&[u8]> = Vec::new();
+    for pair in split_outside_quotes(element, b';') {
+        let pair = pair.trim_ascii();
+        if pair.is_empty() {
+            // The grammar allows empty pairs: `for=192.0.2.60;;proto=http`.
+            continue;
+        }
+        let at = pair.iter().position(|&b| b == b'=')?;
+        let name = pair[..at].trim_ascii();
+        let value = unquote(pair[at + 1..].trim_ascii())?;
+        if name.is_empty()
+            || name.contains(&b'"')
+            || names.iter().any(|n| n.eq_ignore_ascii_case(name))
+        {
+            return None;
+        }
+        names.push(name);
+        if name.eq_ignore_ascii_case(b"for") {
+            found = Some(value);
+        }
+    }
+    parse_node(std::str::from_utf8(&found?).ok()?)
+}
+
+/// A parameter's value: a token as it is, a quoted string without its quotes and
+/// escapes; `None` for a quote inside a token or a quoted string left open or followed
+/// by anything.
+fn unquote(value: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
+    let Some(inner) = value.strip_prefix(b"\"") else {
+        return (!value.contains(&b'"')).then_some(std::borrow::Cow::Borrowed(value));
+    };
+    let mut unescaped: Option<Vec<u8>> = None;
+    let mut bytes = inner.iter().enumerate();
+    while let Some((at, &byte)) = bytes.next() {
+        match byte {
+            b'"' => {
+                // The closing quote must end the value.
+                return (at + 1 == inner.len()).then(|| match unescaped {
+                    Some(unescaped) => std::borrow::Cow::Owned(unescaped),
+                    None => std::borrow::Cow::Borrowed(&inner[..at]),
+                });
+            }
+            b'\\' => {
+                let (_, &next) = bytes.next()?;
+                unescaped
+                    .get_or_insert_with(|| inner[..at].to_vec())
+                    .push(next);
+            }
+            byte => {
+                if let Some(unescaped) = &mut unescaped {
+                    unescaped.push(byte);
+                }
+            }
+        }
+    }
+    // Left open.
+    None
 }
 
 /// An address with an optional port: `192.0.2.1`, `192.0.2.1:80`, `2001:db8::1`,
@@ -613,6 +718,91 @@ mod tests {
                 "peer {peer} headers {headers:?}"
             );
         }
+    }
+
+    /// RFC 7239, section 4: a parameter's value is a token or a quoted string, and a
+    /// quoted string (RFC 9110, section 5.6.4) may hold commas, semicolons, equals signs
+    /// and backslash-escaped quotes. A proxy that writes the client's `Host` into `host=`
+    /// quotes it, so what the client wrote there must not be read as elements or pairs.
+    #[test]
+    fn forwarded_quoted_strings_are_read_whole() {
+        let fwd = ClientIp::behind_proxies(["10.0.0.0/8"])
+            .unwrap()
+            .forwarded_header(ForwardedHeader::Forwarded);
+        let cases: &[(&[u8], &str)] = &[
+            // A comma and a `for=` inside the proxy's quoted `host`, after its `for`...
+            (
+                b"for=203.0.113.5;host=\"x,for=6.6.6.6;y=z\";proto=https",
+                "ip:203.0.113.5",
+            ),
+            // ... and before it.
+            (
+                b"host=\"x,for=6.6.6.6;y=z\";for=203.0.113.5",
+                "ip:203.0.113.5",
+            ),
+            // A harmless comma does not make the client the proxy.
+            (b"for=203.0.113.5;host=\"a,b\"", "ip:203.0.113.5"),
+            // A semicolon inside a quoted string does not start a pair.
+            (b"for=203.0.113.5;host=\"a;for=6.6.6.6\"", "ip:203.0.113.5"),
+            // An escaped quote does not end the string (quoted-pair).
+            (
+                b"for=203.0.113.5;host=\"a\\\",for=6.6.6.6;x=\\\"\"",
+                "ip:203.0.113.5",
+            ),
+            // An escaped backslash does, and the element goes on.
+            (
+                b"host=\"a\\\\\";for=203.0.113.5, for=10.0.0.2",
+                "ip:203.0.113.5",
+            ),
+            // A quoted-pair in the address itself is unescaped.
+            (
+                b"for=\"\\[2001:db8:cafe::17\\]:4711\"",
+                "ip:2001:db8:cafe::/64",
+            ),
+            // A quote left open to the end of the line: the element is malformed, and
+            // the walk stops at the proxy (never at an address inside the string).
+            (b"for=6.6.6.6;x=\", for=203.0.113.5", "ip:10.0.0.1"),
+            (b"for=6.6.6.6, for=1.2.3.4;host=\"abc", "ip:10.0.0.1"),
+            // A quote inside a token is malformed too.
+            (b"for=6.6.6.6, for=1.2.3.4;host=a\"b", "ip:10.0.0.1"),
+            // A parameter given twice in one element (section 4: "MUST NOT occur more
+            // than once"): which one the proxy meant is unknown.
+            (b"for=6.6.6.6;for=203.0.113.5", "ip:10.0.0.1"),
+            // Empty pairs are allowed by the grammar; parameter names are
+            // case-insensitive.
+            (b"proto=https;;FOR=203.0.113.5;", "ip:203.0.113.5"),
+        ];
+        for (line, expected) in cases {
+            assert_eq!(
+                &client(&fwd, "10.0.0.1:1", &[("forwarded", line)]),
+                expected,
+                "{}",
+                String::from_utf8_lossy(line)
+            );
+        }
+        // Lines are read apart: a quote left open on the client's line does not swallow
+        // the line the proxy added.
+        assert_eq!(
+            client(
+                &fwd,
+                "10.0.0.1:1",
+                &[
+                    ("forwarded", b"for=6.6.6.6;host=\"a, for=7.7.7.7"),
+                    ("forwarded", b"for=203.0.113.5;host=\"b,c\""),
+                ]
+            ),
+            "ip:203.0.113.5"
+        );
+        // Bytes that are not text inside a quoted `host` (RFC 9110's obs-text) do not
+        // spoil the proxy's element.
+        assert_eq!(
+            client(
+                &fwd,
+                "10.0.0.1:1",
+                &[("forwarded", b"for=203.0.113.5;host=\"caf\xe9,x\"")]
+            ),
+            "ip:203.0.113.5"
+        );
     }
 
     #[test]
