@@ -143,17 +143,24 @@ proptest! {
     /// RFC 7239, section 4, and RFC 9110, section 5.6.4: a trusted proxy's element is read
     /// whole, whatever the client made it quote (its `Host`, copied into `host=`, with any
     /// commas, semicolons, `for=`, quotes and backslashes, escaped as the proxy must) and
-    /// whatever lines the client sent before it: the client is the address the proxy
-    /// wrote, never one the client wrote inside the quotes.
+    /// whatever the client sent before it, on a line of its own or on the line the proxy
+    /// appended to: the client is the address the proxy wrote, never one the client wrote.
     #[test]
     fn a_proxys_element_is_read_whole_whatever_it_quotes(
-        client in any::<u32>().prop_map(|bits| IpAddr::from(bits.to_be_bytes())),
+        client in prop_oneof![
+            any::<u32>().prop_map(|bits| IpAddr::from(bits.to_be_bytes())),
+            any::<u128>().prop_map(|bits| IpAddr::from(bits.to_be_bytes())),
+        ],
         host in "[ -~]{0,60}",
         host_first in any::<bool>(),
-        own_line in any::<bool>(),
-        sent in "[0-9a-z.,;=\" ]{0,40}",
+        placement in 0..3u8,
+        sent in "[0-9a-z.,;=\\\\\" ]{0,40}",
     ) {
-        prop_assume!(!matches!(client, IpAddr::V4(v4) if v4.octets()[0] == 10));
+        // Outside the trusted proxies' 10.0.0.0/8.
+        let client = match client.to_canonical() {
+            IpAddr::V4(v4) if v4.octets()[0] == 10 => IpAddr::from([11, 0, 0, v4.octets()[3]]),
+            _ => client,
+        };
         let extractor = ClientIp::behind_proxies(["10.0.0.0/8"])
             .unwrap()
             .forwarded_header(ForwardedHeader::Forwarded);
@@ -165,25 +172,32 @@ proptest! {
             })
             .collect();
         let host = format!("host=\"{quoted}\"");
-        let at = format!("for={client}");
+        // RFC 7239, section 6: an IPv6 node is quoted, in brackets.
+        let at = match client {
+            IpAddr::V4(v4) => format!("for={v4}"),
+            IpAddr::V6(v6) => format!("for=\"[{v6}]:4711\""),
+        };
         let element = if host_first {
             format!("{host};{at};proto=https")
         } else {
             format!("{at};{host};proto=https")
         };
-        let mut request = Request::get("/").body(()).unwrap();
-        if own_line {
+        let lines = match placement {
+            // The proxy's element alone.
+            0 => vec![element.clone()],
             // What the client sent, then the proxy's own line.
-            request.headers_mut().append("forwarded", HeaderValue::from_str(&sent).unwrap());
-            request.headers_mut().append("forwarded", HeaderValue::from_str(&element).unwrap());
-        } else {
-            // The proxy's element alone on the line: a client's line may leave a quote
-            // open, which on one line would swallow what a proxy appended to it.
-            request.headers_mut().append("forwarded", HeaderValue::from_str(&element).unwrap());
+            1 => vec![sent.clone(), element.clone()],
+            // The proxy appends its element to the client's line: a quote the client
+            // left open must not swallow it.
+            _ => vec![format!("{sent}, {element}")],
+        };
+        let mut request = Request::get("/").body(()).unwrap();
+        for line in &lines {
+            request.headers_mut().append("forwarded", HeaderValue::from_str(line).unwrap());
         }
         request.extensions_mut().insert(SocketAddr::from(([10, 0, 0, 1], 1)));
         let (parts, _) = request.into_parts();
-        prop_assert_eq!(extractor.client_addr(&parts).unwrap(), client.to_canonical(), "{}", element);
+        prop_assert_eq!(extractor.client_addr(&parts).unwrap(), client.to_canonical(), "{:?}", lines);
     }
 
     /// API keys of any bytes: never stored in clear, never a panic, always short, and

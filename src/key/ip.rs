@@ -317,19 +317,9 @@ struct ForwardedHops<'a> {
 enum Members<'a> {
     /// `X-Forwarded-For`: plain addresses, split at every comma.
     Plain(std::iter::Rev<CommaSplit<'a>>),
-    /// `Forwarded`: elements, split at the commas outside quoted strings.
-    Elements(std::iter::Rev<std::vec::IntoIter<&'a [u8]>>),
-}
-
-impl<'a> Iterator for Members<'a> {
-    type Item = &'a [u8];
-
-    fn next(&mut self) -> Option<&'a [u8]> {
-        match self {
-            Members::Plain(members) => members.next(),
-            Members::Elements(members) => members.next(),
-        }
-    }
+    /// `Forwarded`: elements, peeled off the end of the line (see [`peel`]); the
+    /// line's rest.
+    Elements(&'a [u8]),
 }
 
 type CommaSplit<'a> = std::slice::Split<'a, u8, fn(&u8) -> bool>;
@@ -338,32 +328,78 @@ fn is_comma(byte: &u8) -> bool {
     *byte == b','
 }
 
-/// `bytes` split at each `separator` outside a quoted string (RFC 9110, section 5.6.4:
-/// between double quotes, where a backslash escapes the byte after it). A quote left open
-/// runs to the end: the last piece keeps it, and whoever reads the piece finds it open.
+/// Where a reader of a quoted string (RFC 9110, section 5.6.4) is: outside one, inside
+/// one, or just after a backslash inside one (the next byte is taken as it is).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scan {
+    Outside,
+    Quoted,
+    Escaped,
+}
+
+impl Scan {
+    fn after(self, byte: u8) -> Scan {
+        match (self, byte) {
+            (Scan::Outside, b'"') | (Scan::Escaped, _) => Scan::Quoted,
+            (Scan::Outside, _) => Scan::Outside,
+            (Scan::Quoted, b'\\') => Scan::Escaped,
+            (Scan::Quoted, b'"') => Scan::Outside,
+            (Scan::Quoted, _) => Scan::Quoted,
+        }
+    }
+}
+
+/// `bytes` split at each `separator` outside a quoted string. A quote left open runs to
+/// the end: the last piece keeps it, and whoever reads the piece finds it open.
 fn split_outside_quotes(bytes: &[u8], separator: u8) -> Vec<&[u8]> {
     let mut pieces = Vec::new();
     let mut start = 0;
-    let mut quoted = false;
-    let mut escaped = false;
+    let mut scan = Scan::Outside;
     for (at, &byte) in bytes.iter().enumerate() {
-        if escaped {
-            escaped = false;
-        } else if quoted {
-            match byte {
-                b'\\' => escaped = true,
-                b'"' => quoted = false,
-                _ => {}
-            }
-        } else if byte == b'"' {
-            quoted = true;
-        } else if byte == separator {
+        if scan == Scan::Outside && byte == separator {
             pieces.push(&bytes[start..at]);
             start = at + 1;
+        } else {
+            scan = scan.after(byte);
         }
     }
     pieces.push(&bytes[start..]);
     pieces
+}
+
+/// The longest `Forwarded` element read, in bytes: a proxy's element is `for`, `by`,
+/// `proto` and a `host` of at most 253 bytes, each byte possibly escaped, well within it.
+const MAX_ELEMENT: usize = 1024;
+
+/// The last element of `line`: `Ok((element, rest))`, or `Err(())` when the end of the
+/// line is not a well-formed element.
+///
+/// The element is the shortest tail of the line after a comma that is well-formed on its
+/// own (RFC 7239, section 4; quoted strings as in RFC 9110, section 5.6.4). On a
+/// well-formed line that is its last element, as a split at the commas outside quoted
+/// strings gives. It is also what a proxy wrote when it appended `, element` to a line a
+/// client sent (rather than adding a line of its own), whatever the client left open
+/// before it: no tail that starts inside a value the proxy quoted is well-formed, as the
+/// value's closing quote is then the tail's last quote, and every quote before it in the
+/// value is escaped, so none opens a value that the closing one would end.
+fn peel(line: &[u8]) -> Result<(&[u8], &[u8]), ()> {
+    let window = line.len().saturating_sub(MAX_ELEMENT);
+    let commas = line[window..]
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|&(_, &byte)| byte == b',')
+        .map(|(at, _)| window + at);
+    for comma in commas {
+        let tail = &line[comma + 1..];
+        if forwarded_pairs(tail).is_ok() {
+            return Ok((tail, &line[..comma]));
+        }
+    }
+    if line.len() <= MAX_ELEMENT && forwarded_pairs(line).is_ok() {
+        return Ok((line, &[]));
+    }
+    Err(())
 }
 
 impl<'a> ForwardedHops<'a> {
@@ -385,21 +421,31 @@ impl Iterator for ForwardedHops<'_> {
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {
-            if let Some(entries) = &mut self.current {
-                if let Some(entry) = entries.next() {
-                    let entry = entry.trim_ascii();
-                    if entry.is_empty() {
-                        // "a,,b" or a trailing comma: skip empty list members.
+            match &mut self.current {
+                Some(Members::Plain(entries)) => {
+                    if let Some(entry) = entries.next() {
+                        let entry = entry.trim_ascii();
+                        if entry.is_empty() {
+                            // "a,,b" or a trailing comma: skip empty list members.
+                            continue;
+                        }
+                        // Not text: not an address.
+                        return Some(std::str::from_utf8(entry).ok().and_then(parse_node));
+                    }
+                }
+                Some(Members::Elements(rest)) if !rest.trim_ascii().is_empty() => {
+                    let Ok((element, before)) = peel(rest) else {
+                        // The end of the line is no element: the walk stops here.
+                        *rest = &[];
+                        return Some(None);
+                    };
+                    *rest = before;
+                    if element.trim_ascii().is_empty() {
                         continue;
                     }
-                    return Some(match self.header {
-                        ForwardedHeader::XForwardedFor => {
-                            // Not text: not an address.
-                            std::str::from_utf8(entry).ok().and_then(parse_node)
-                        }
-                        ForwardedHeader::Forwarded => parse_forwarded_element(entry),
-                    });
+                    return Some(parse_forwarded_element(element));
                 }
+                _ => {}
             }
             let line = self.lines.next()?.as_bytes();
             self.current = Some(match self.header {
@@ -409,9 +455,7 @@ impl Iterator for ForwardedHops<'_> {
                 }
                 // Each line on its own: a quote a client left open on its line does not
                 // swallow the line a proxy added after it.
-                ForwardedHeader::Forwarded => {
-                    Members::Elements(split_outside_quotes(line, b',').into_iter().rev())
-                }
+                ForwardedHeader::Forwarded => Members::Elements(line),
             });
         }
     }
@@ -429,35 +473,58 @@ fn canonical_net(net: IpNet) -> IpNet {
     }
 }
 
-/// `for=` of one RFC 7239 element (`for=192.0.2.60;proto=http;by=203.0.113.43`), read
-/// by the grammar of section 4: pairs split at the semicolons outside quoted strings, each
-/// value a token or a whole quoted string. An element that breaks it (a quote left open
-/// or inside a token, a pair without `=`, a parameter given twice) is not an address: a
-/// proxy writes well-formed elements, so a broken one holds nothing to believe.
+/// The address in `for=` of one RFC 7239 element (`for=192.0.2.60;proto=http;by=203.0.113.43`);
+/// `None` for a malformed element (see [`forwarded_pairs`]), one without `for`, or a
+/// `for` that is no address (`unknown`, an obfuscated identifier).
 fn parse_forwarded_element(element: &[u8]) -> Option<IpAddr> {
-    let mut found: Option<std::borrow::Cow<'_, [u8]>> = None;
-    let mut names: Vec<&[u8]> = Vec::new();
+    let found = forwarded_pairs(element).ok()??;
+    parse_node(std::str::from_utf8(&found).ok()?)
+}
+
+/// One RFC 7239 element read by the grammar of section 4: pairs split at the semicolons
+/// outside quoted strings, each value a token or a whole quoted string; `Ok` with the
+/// value of `for` (unescaped), if any. An element that breaks the grammar (a quote left
+/// open or inside a token, a pair without `=`, `for`, `by`, `host` or `proto` given
+/// twice) is `Err`: a proxy writes well-formed elements, so a broken one holds nothing to
+/// believe. An empty element is well-formed, with no `for`.
+fn forwarded_pairs(element: &[u8]) -> Result<Option<std::borrow::Cow<'_, [u8]>>, ()> {
+    let mut found = None;
+    // The parameters RFC 7239 defines, each allowed once per element.
+    let mut seen = [false; 4];
     for pair in split_outside_quotes(element, b';') {
         let pair = pair.trim_ascii();
         if pair.is_empty() {
             // The grammar allows empty pairs: `for=192.0.2.60;;proto=http`.
             continue;
         }
-        let at = pair.iter().position(|&b| b == b'=')?;
+        let at = pair.iter().position(|&b| b == b'=').ok_or(())?;
         let name = pair[..at].trim_ascii();
-        let value = unquote(pair[at + 1..].trim_ascii())?;
-        if name.is_empty()
-            || name.contains(&b'"')
-            || names.iter().any(|n| n.eq_ignore_ascii_case(name))
-        {
-            return None;
+        let value = unquote(pair[at + 1..].trim_ascii()).ok_or(())?;
+        if !is_token(name) {
+            return Err(());
         }
-        names.push(name);
-        if name.eq_ignore_ascii_case(b"for") {
-            found = Some(value);
+        let known = [&b"for"[..], b"by", b"host", b"proto"]
+            .iter()
+            .position(|known| name.eq_ignore_ascii_case(known));
+        if let Some(known) = known {
+            if std::mem::replace(&mut seen[known], true) {
+                return Err(());
+            }
+            if known == 0 {
+                found = Some(value);
+            }
         }
     }
-    parse_node(std::str::from_utf8(&found?).ok()?)
+    Ok(found)
+}
+
+/// A token (RFC 9110, section 5.6.2), and for an address written unquoted, `:`, `[`
+/// and `]` too (the RFC asks for quotes there; some proxies leave them out).
+fn is_token(bytes: &[u8]) -> bool {
+    !bytes.is_empty()
+        && bytes
+            .iter()
+            .all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:[]".contains(&b))
 }
 
 /// A parameter's value: a token as it is, a quoted string without its quotes and
@@ -465,7 +532,9 @@ fn parse_forwarded_element(element: &[u8]) -> Option<IpAddr> {
 /// by anything.
 fn unquote(value: &[u8]) -> Option<std::borrow::Cow<'_, [u8]>> {
     let Some(inner) = value.strip_prefix(b"\"") else {
-        return (!value.contains(&b'"')).then_some(std::borrow::Cow::Borrowed(value));
+        // RFC 7239 allows an empty value only as a quoted string; an empty token is
+        // read as empty all the same.
+        return (value.is_empty() || is_token(value)).then_some(std::borrow::Cow::Borrowed(value));
     };
     let mut unescaped: Option<Vec<u8>> = None;
     let mut bytes = inner.iter().enumerate();
@@ -759,9 +828,18 @@ mod tests {
                 b"for=\"\\[2001:db8:cafe::17\\]:4711\"",
                 "ip:2001:db8:cafe::/64",
             ),
-            // A quote left open to the end of the line: the element is malformed, and
-            // the walk stops at the proxy (never at an address inside the string).
-            (b"for=6.6.6.6;x=\", for=203.0.113.5", "ip:10.0.0.1"),
+            // A client that leaves a quote open, and a proxy that appends its element
+            // to the client's line: the proxy's element is still read...
+            (b"for=6.6.6.6;x=\", for=203.0.113.5", "ip:203.0.113.5"),
+            (
+                b"for=6.6.6.6;x=\"\\, for=\"[2001:db8:cafe::17]:4711\";host=\"a,b\"",
+                "ip:2001:db8:cafe::/64",
+            ),
+            // ... and the client's part, when the proxy's address is trusted, stops the
+            // walk (never an address inside the string, nor the line before).
+            (b"for=6.6.6.6;x=\", for=10.0.0.3", "ip:10.0.0.3"),
+            // A quote left open in the last element itself: malformed, and the walk
+            // stops at the proxy.
             (b"for=6.6.6.6, for=1.2.3.4;host=\"abc", "ip:10.0.0.1"),
             // A quote inside a token is malformed too.
             (b"for=6.6.6.6, for=1.2.3.4;host=a\"b", "ip:10.0.0.1"),
@@ -780,6 +858,19 @@ mod tests {
                 String::from_utf8_lossy(line)
             );
         }
+        // A malformed start of a line stops the walk: it does not go on to the line
+        // before.
+        assert_eq!(
+            client(
+                &fwd,
+                "10.0.0.1:1",
+                &[
+                    ("forwarded", b"for=6.6.6.6"),
+                    ("forwarded", b"x=\", for=10.0.0.3"),
+                ]
+            ),
+            "ip:10.0.0.3"
+        );
         // Lines are read apart: a quote left open on the client's line does not swallow
         // the line the proxy added.
         assert_eq!(
