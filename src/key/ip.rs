@@ -317,9 +317,8 @@ struct ForwardedHops<'a> {
 enum Members<'a> {
     /// `X-Forwarded-For`: plain addresses, split at every comma.
     Plain(std::iter::Rev<CommaSplit<'a>>),
-    /// `Forwarded`: elements, peeled off the end of the line (see [`peel`]); the
-    /// line's rest.
-    Elements(&'a [u8]),
+    /// `Forwarded`: elements, peeled off the end of the line.
+    Elements(Peeler<'a>),
 }
 
 type CommaSplit<'a> = std::slice::Split<'a, u8, fn(&u8) -> bool>;
@@ -367,39 +366,140 @@ fn split_outside_quotes(bytes: &[u8], separator: u8) -> Vec<&[u8]> {
     pieces
 }
 
-/// The longest `Forwarded` element read, in bytes: a proxy's element is `for`, `by`,
-/// `proto` and a `host` of at most 253 bytes, each byte possibly escaped, well within it.
-const MAX_ELEMENT: usize = 1024;
+/// Where a reader of one `Forwarded` element is, byte by byte (RFC 7239, section 4:
+/// pairs `name=value` separated by `;`, a value a token or a quoted string as in RFC 9110,
+/// section 5.6.4; with the whitespace around names, values and pairs that
+/// [`forwarded_pairs`] trims). It accepts what `forwarded_pairs` does, but for a
+/// parameter given twice.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    PairStart,
+    Name,
+    NameEnd,
+    ValueStart,
+    Token,
+    Quoted,
+    Escaped,
+    ValueEnd,
+}
 
-/// The last element of `line`: `Ok((element, rest))`, or `Err(())` when the end of the
-/// line is not a well-formed element.
+impl Read {
+    const ALL: [Read; 8] = [
+        Read::PairStart,
+        Read::Name,
+        Read::NameEnd,
+        Read::ValueStart,
+        Read::Token,
+        Read::Quoted,
+        Read::Escaped,
+        Read::ValueEnd,
+    ];
+
+    /// The state after `byte`; `None` where the element cannot go on (a comma outside a
+    /// quoted string ends it).
+    fn after(self, byte: u8) -> Option<Read> {
+        let space = byte.is_ascii_whitespace();
+        let token = is_token_byte(byte);
+        Some(match self {
+            Read::PairStart if space || byte == b';' => Read::PairStart,
+            Read::PairStart | Read::Name if token => Read::Name,
+            Read::Name | Read::NameEnd if space => Read::NameEnd,
+            Read::Name | Read::NameEnd if byte == b'=' => Read::ValueStart,
+            Read::ValueStart if space => Read::ValueStart,
+            Read::ValueStart if byte == b'"' => Read::Quoted,
+            Read::ValueStart | Read::Token | Read::ValueEnd if byte == b';' => Read::PairStart,
+            Read::ValueStart | Read::Token if token => Read::Token,
+            Read::Token | Read::ValueEnd if space => Read::ValueEnd,
+            Read::Quoted if byte == b'"' => Read::ValueEnd,
+            Read::Quoted if byte == b'\\' => Read::Escaped,
+            Read::Quoted | Read::Escaped => Read::Quoted,
+            _ => return None,
+        })
+    }
+
+    fn accepts(self) -> bool {
+        matches!(
+            self,
+            Read::PairStart | Read::ValueStart | Read::Token | Read::ValueEnd
+        )
+    }
+}
+
+/// The elements of one `Forwarded` line, peeled off its end: each is the shortest tail
+/// (after a comma) of what is left that is well-formed on its own; `Some(None)` when what
+/// is left ends in no well-formed element (the walk stops there).
 ///
-/// The element is the shortest tail of the line after a comma that is well-formed on its
-/// own (RFC 7239, section 4; quoted strings as in RFC 9110, section 5.6.4). On a
-/// well-formed line that is its last element, as a split at the commas outside quoted
-/// strings gives. It is also what a proxy wrote when it appended `, element` to a line a
-/// client sent (rather than adding a line of its own), whatever the client left open
-/// before it: no tail that starts inside a value the proxy quoted is well-formed, as the
-/// value's closing quote is then the tail's last quote, and every quote before it in the
-/// value is escaped, so none opens a value that the closing one would end.
-fn peel(line: &[u8]) -> Result<(&[u8], &[u8]), ()> {
-    let window = line.len().saturating_sub(MAX_ELEMENT);
-    let commas = line[window..]
-        .iter()
-        .enumerate()
-        .rev()
-        .filter(|&(_, &byte)| byte == b',')
-        .map(|(at, _)| window + at);
-    for comma in commas {
-        let tail = &line[comma + 1..];
-        if forwarded_pairs(tail).is_ok() {
-            return Ok((tail, &line[..comma]));
+/// On a well-formed line that is a split at the commas outside quoted strings. It is also
+/// what a proxy wrote when it appended `, element` to a line a client sent (rather than
+/// adding a line of its own), whatever the client left open before it: no tail that
+/// starts inside a value the proxy quoted is well-formed, as the value's closing quote is
+/// then the tail's last quote and every quote before it in the value is escaped, so none
+/// opens a value that the closing one would end.
+///
+/// One pass, linear in the line: all tails are read at once, and tails whose readers are
+/// in the same state read alike from there on, so only the latest start per state is
+/// kept; before each comma (and at the end) the latest start in an accepting state is
+/// the shortest well-formed tail of the line up to there.
+struct Peeler<'a> {
+    line: &'a [u8],
+    /// For each comma's position, and the line's length: where the shortest well-formed
+    /// tail of the line up to there starts.
+    tails: Vec<(usize, Option<usize>)>,
+    /// The end of what is left to peel.
+    end: Option<usize>,
+}
+
+impl<'a> Peeler<'a> {
+    fn new(line: &'a [u8]) -> Self {
+        let mut starts = [None; Read::ALL.len()];
+        starts[Read::PairStart as usize] = Some(0);
+        let shortest = |starts: &[Option<usize>; Read::ALL.len()]| {
+            Read::ALL
+                .iter()
+                .filter(|state| state.accepts())
+                .filter_map(|&state| starts[state as usize])
+                .max()
+        };
+        let mut tails = Vec::new();
+        for (at, &byte) in line.iter().enumerate() {
+            if byte == b',' {
+                tails.push((at, shortest(&starts)));
+            }
+            let mut next = [None; Read::ALL.len()];
+            for state in Read::ALL {
+                if let (Some(start), Some(after)) = (starts[state as usize], state.after(byte)) {
+                    let slot = &mut next[after as usize];
+                    *slot = (*slot).max(Some(start));
+                }
+            }
+            if byte == b',' {
+                next[Read::PairStart as usize] = Some(at + 1);
+            }
+            starts = next;
+        }
+        tails.push((line.len(), shortest(&starts)));
+        Self {
+            line,
+            tails,
+            end: Some(line.len()),
         }
     }
-    if line.len() <= MAX_ELEMENT && forwarded_pairs(line).is_ok() {
-        return Ok((line, &[]));
+}
+
+impl<'a> Iterator for Peeler<'a> {
+    type Item = Option<&'a [u8]>;
+
+    fn next(&mut self) -> Option<Option<&'a [u8]>> {
+        let end = self.end?;
+        let start = self
+            .tails
+            .binary_search_by_key(&end, |&(end, _)| end)
+            .ok()
+            .and_then(|index| self.tails[index].1);
+        // A tail starts at the line's start or just after a comma.
+        self.end = start.and_then(|start| start.checked_sub(1));
+        Some(start.map(|start| &self.line[start..end]))
     }
-    Err(())
 }
 
 impl<'a> ForwardedHops<'a> {
@@ -433,18 +533,13 @@ impl Iterator for ForwardedHops<'_> {
                         return Some(std::str::from_utf8(entry).ok().and_then(parse_node));
                     }
                 }
-                Some(Members::Elements(rest)) if !rest.trim_ascii().is_empty() => {
-                    let Ok((element, before)) = peel(rest) else {
-                        // The end of the line is no element: the walk stops here.
-                        *rest = &[];
-                        return Some(None);
-                    };
-                    *rest = before;
-                    if element.trim_ascii().is_empty() {
-                        continue;
-                    }
-                    return Some(parse_forwarded_element(element));
-                }
+                Some(Members::Elements(elements)) => match elements.next() {
+                    Some(Some(element)) if element.trim_ascii().is_empty() => continue,
+                    Some(Some(element)) => return Some(parse_forwarded_element(element)),
+                    // What is left of the line ends in no element: the walk stops here.
+                    Some(None) => return Some(None),
+                    None => {}
+                },
                 _ => {}
             }
             let line = self.lines.next()?.as_bytes();
@@ -455,7 +550,7 @@ impl Iterator for ForwardedHops<'_> {
                 }
                 // Each line on its own: a quote a client left open on its line does not
                 // swallow the line a proxy added after it.
-                ForwardedHeader::Forwarded => Members::Elements(line),
+                ForwardedHeader::Forwarded => Members::Elements(Peeler::new(line)),
             });
         }
     }
@@ -521,10 +616,11 @@ fn forwarded_pairs(element: &[u8]) -> Result<Option<std::borrow::Cow<'_, [u8]>>,
 /// A token (RFC 9110, section 5.6.2), and for an address written unquoted, `:`, `[`
 /// and `]` too (the RFC asks for quotes there; some proxies leave them out).
 fn is_token(bytes: &[u8]) -> bool {
-    !bytes.is_empty()
-        && bytes
-            .iter()
-            .all(|&b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:[]".contains(&b))
+    !bytes.is_empty() && bytes.iter().all(|&b| is_token_byte(b))
+}
+
+fn is_token_byte(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:[]".contains(&byte)
 }
 
 /// A parameter's value: a token as it is, a quoted string without its quotes and
@@ -884,6 +980,18 @@ mod tests {
             ),
             "ip:203.0.113.5"
         );
+        // However long the proxy's element (a long `Host`, every quote in it escaped),
+        // alone on its line or appended to what the client left open.
+        let long = format!(
+            "for=203.0.113.5;host=\"{}\";proto=https",
+            "\\\",".repeat(3_000)
+        );
+        for line in [long.clone(), format!("for=6.6.6.6;x=\"\\, {long}")] {
+            assert_eq!(
+                client(&fwd, "10.0.0.1:1", &[("forwarded", line.as_bytes())]),
+                "ip:203.0.113.5"
+            );
+        }
         // Bytes that are not text inside a quoted `host` (RFC 9110's obs-text) do not
         // spoil the proxy's element.
         assert_eq!(
