@@ -1,8 +1,9 @@
 //! The limiter's own answers to gRPC calls: a gRPC status, not an HTTP error page.
 //!
 //! A call is gRPC when its `content-type` is `application/grpc`, `application/grpc-web`
-//! or `application/grpc-web-text` (each alone or with `+` a message format); its answer
-//! carries the same content type.
+//! or `application/grpc-web-text` (each alone or with `+` a message format, in any case,
+//! parameters allowed); its answer carries the same content type (in lowercase, without
+//! the parameters).
 //! Its refusal is a trailers-only response (HTTP 200, the status in the headers, no
 //! body): `grpc-status` 8 (RESOURCE_EXHAUSTED) for a denial, with `retry-after`, the
 //! `ratelimit` and `ratelimit-policy` entries as metadata, and a `google.rpc.Status` in
@@ -15,11 +16,17 @@ use base64::Engine;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Response, StatusCode, header};
 
-/// The content type of a gRPC call, for its answer: the call's own when its `+` format is
-/// a plain token, else the bare type.
+/// The content type of a gRPC call, for its answer: the call's own when it is a
+/// lowercase type with a plain `+` format or none, else the bare type in lowercase (with
+/// the format when plain). A media type's type and subtype are case-insensitive, and
+/// parameters may follow (RFC 9110, section 8.3.1).
 fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
     let value = headers.get(header::CONTENT_TYPE)?;
     let text = value.to_str().ok()?;
+    let (media, parameters) = match text.split_once(';') {
+        Some((media, _)) => (media.trim_end(), true),
+        None => (text, false),
+    };
     [
         "application/grpc-web-text",
         "application/grpc-web",
@@ -27,19 +34,28 @@ fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
     ]
     .into_iter()
     .find_map(|base| {
-        let rest = text.strip_prefix(base)?;
+        let rest = media
+            .get(..base.len())
+            .filter(|start| start.eq_ignore_ascii_case(base))
+            .and_then(|_| media.get(base.len()..))?;
+        let as_sent = !parameters && media.starts_with(base);
         if rest.is_empty() {
-            return Some(value.clone());
+            return Some(if as_sent {
+                value.clone()
+            } else {
+                HeaderValue::from_static(base)
+            });
         }
         let format = rest.strip_prefix('+')?;
         let plain = !format.is_empty()
             && format
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
-        Some(if plain {
-            value.clone()
-        } else {
-            HeaderValue::from_static(base)
+        Some(match (plain, as_sent) {
+            (true, true) => value.clone(),
+            (true, false) => HeaderValue::from_str(&format!("{base}+{format}"))
+                .unwrap_or_else(|_| HeaderValue::from_static(base)),
+            (false, _) => HeaderValue::from_static(base),
         })
     })
 }
@@ -236,6 +252,44 @@ mod tests {
         assert!(!is_grpc(&headers));
     }
 
+    /// A media type's type and subtype are case-insensitive, and parameters may follow
+    /// (RFC 9110, section 8.3.1); gRPC's own spec reads a call by the type's start
+    /// ("If Content-Type does not begin with \"application/grpc\"", PROTOCOL-HTTP2.md).
+    /// The answer then carries the bare type (with the call's `+` format when plain).
+    #[test]
+    fn grpc_is_told_apart_in_any_case_and_with_parameters() {
+        for (sent, answered) in [
+            ("Application/GRPC", "application/grpc"),
+            ("application/grpc; charset=utf-8", "application/grpc"),
+            ("application/grpc+proto;x=1", "application/grpc+proto"),
+            (
+                "APPLICATION/GRPC-WEB-TEXT+Proto",
+                "application/grpc-web-text+Proto",
+            ),
+            ("application/grpc-web ; a=b", "application/grpc-web"),
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(sent));
+            assert_eq!(
+                grpc_content_type(&headers)
+                    .as_ref()
+                    .map(HeaderValue::as_bytes),
+                Some(answered.as_bytes()),
+                "{sent}"
+            );
+        }
+        for not_grpc in [
+            "application/grpcx",
+            "application/grpc-webx",
+            "text/grpc",
+            "",
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(not_grpc));
+            assert!(grpc_content_type(&headers).is_none(), "{not_grpc}");
+        }
+    }
+
     /// gRPC-Web calls (a browser's, or through a proxy that translates them further in)
     /// are gRPC calls too; their trailers-only answer is in the headers, as gRPC's is
     /// ("Trailers-only responses: no change to the gRPC protocol spec", gRPC-Web
@@ -278,16 +332,16 @@ mod tests {
             fit(&Method::GET, &headers, denial()).status(),
             StatusCode::TOO_MANY_REQUESTS
         );
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc-web+x;evil=1"),
-        );
-        let answer = fit(&Method::POST, &headers, denial());
-        assert_eq!(answer.headers()["grpc-status"], "8");
-        assert_eq!(
-            answer.headers()[header::CONTENT_TYPE],
-            "application/grpc-web"
-        );
+        // A format that is no plain token is not echoed; parameters never are.
+        for (sent, answered) in [
+            ("application/grpc-web+x/evil", "application/grpc-web"),
+            ("application/grpc-web+x;evil=1", "application/grpc-web+x"),
+        ] {
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(sent));
+            let answer = fit(&Method::POST, &headers, denial());
+            assert_eq!(answer.headers()["grpc-status"], "8");
+            assert_eq!(answer.headers()[header::CONTENT_TYPE], answered, "{sent}");
+        }
     }
 
     /// The message is the problem body's `detail`, its JSON escapes undone (RFC 8259,
