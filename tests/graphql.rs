@@ -1173,3 +1173,36 @@ fn deep_and_huge_documents_are_refused_in_every_form() {
         ));
     }
 }
+
+/// A schema whose interface leads back to itself (a repository's owner, a user or an
+/// organization, has repositories): each level of a query can be any of the interface's
+/// types, so a walk that costs every level once per possible type of every level above
+/// does 2^levels work. Each selection set is costed once per type (and list size) it is
+/// costed on, so a query as deep as the limit allows is costed at once, and its cost is
+/// what the levels add up to.
+#[test]
+fn a_recursive_interface_is_costed_once_per_type_not_once_per_path() {
+    let coster = GraphqlCost::new()
+        .with_schema(
+            r#"
+            type Query { repository(name: String): Repository }
+            type Repository { name: String owner: RepositoryOwner }
+            interface RepositoryOwner { repository(name: String): Repository }
+            type User implements RepositoryOwner { repository(name: String): Repository }
+            type Organization implements RepositoryOwner { repository(name: String): Repository }
+            "#,
+        )
+        .unwrap();
+    let levels = 30;
+    let mut query = r#"repository(name: "x") { name }"#.to_owned();
+    for _ in 0..levels {
+        query = format!(r#"repository(name: "x") {{ owner {{ {query} }} }}"#);
+    }
+    // Each level: the repository (1) and its owner (1); the innermost repository 1.
+    assert_eq!(
+        coster
+            .query_cost(&format!("{{ {query} }}"), None, None)
+            .unwrap(),
+        1 + 2 * levels
+    );
+}

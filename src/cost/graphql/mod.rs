@@ -279,6 +279,7 @@ impl GraphqlCost {
             schema,
             fragments,
             done: HashMap::new(),
+            costed: HashMap::new(),
             visiting: Vec::new(),
             deepest: 0,
             operation,
@@ -345,6 +346,12 @@ struct Walk<'a> {
     /// With each, how many levels its walk went below the spread: a fragment costed
     /// already still counts its depth where it is spread again.
     done: HashMap<Memo<'a>, (u64, usize)>,
+    /// Selection sets already costed, likewise per concrete type and list size, with how
+    /// many levels their walk went below them: a field of an interface or a union is
+    /// costed on each of its possible types, and without this the selection sets below
+    /// would be walked once per path through those types, 2^levels times for an
+    /// interface that leads back to itself.
+    costed: HashMap<Costed<'a>, (u64, usize)>,
     visiting: Vec<&'a str>,
     /// The deepest level reached so far.
     deepest: usize,
@@ -354,6 +361,10 @@ struct Walk<'a> {
 
 /// A fragment in a context: its name, the concrete type and the list size it is costed in.
 type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>);
+
+/// A selection set of the document (where it is, and its length) in a context: the
+/// concrete type and the list size it is costed in.
+type Costed<'a> = (usize, usize, Option<String>, Option<Sizing<'a>>);
 
 /// A list size that applies only to some child fields (`@listSize(sizedFields:)`): the
 /// context a connection's selection set is costed in, and the fragments spread in it.
@@ -386,8 +397,36 @@ impl<'a> Walk<'a> {
         }
     }
 
-    /// The cost of `selections` on an object of type `concrete` (unknown without schema).
+    /// The cost of `selections` on an object of type `concrete` (unknown without schema):
+    /// memoised per (selection set, type, size), as fragments are.
     fn selections_on(
+        &mut self,
+        selections: &'a [Selection],
+        concrete: Option<&str>,
+        sized: Option<Sizing<'a>>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
+        let memo = (
+            selections.as_ptr() as usize,
+            selections.len(),
+            concrete.map(str::to_owned),
+            sized,
+        );
+        if let Some(&(cost, below)) = self.costed.get(&memo) {
+            self.reach(depth.saturating_add(below))?;
+            return Ok(cost);
+        }
+        let outer = std::mem::replace(&mut self.deepest, depth);
+        let cost = self.selections_walked(selections, concrete, sized, depth);
+        let below = self.deepest - depth;
+        self.deepest = self.deepest.max(outer);
+        let cost = cost?;
+        self.costed.insert(memo, (cost, below));
+        Ok(cost)
+    }
+
+    /// [`Walk::selections_on`], walked.
+    fn selections_walked(
         &mut self,
         selections: &'a [Selection],
         concrete: Option<&str>,
