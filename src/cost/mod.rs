@@ -49,7 +49,8 @@ impl Cost for u64 {
 /// A cost per route, with a default for routes not listed.
 ///
 /// Routes are matched on axum's `MatchedPath` (the route template, `/users/{id}`) when
-/// there is one, else on the request path.
+/// there is one, else on the request path. A `HEAD` costs what a `GET` of the route
+/// costs, unless it has a cost of its own: it runs the GET handler.
 ///
 /// ```
 /// use http::{Method, Request};
@@ -94,12 +95,18 @@ impl PerRoute {
 impl Cost for PerRoute {
     fn cost(&self, parts: &Parts) -> u64 {
         let path = crate::key::route_path(parts);
-        self.routes
-            .iter()
-            .find(|(method, route, _)| {
-                &**route == path && method.as_ref().is_none_or(|m| *m == parts.method)
-            })
-            .map_or(self.default, |(_, _, cost)| *cost)
+        let entry = |method: Option<&Method>| {
+            self.routes
+                .iter()
+                .find(|(m, route, _)| &**route == path && m.as_ref() == method)
+                .map(|(_, _, cost)| *cost)
+        };
+        entry(Some(&parts.method))
+            // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
+            // what a GET does unless it has a cost of its own.
+            .or_else(|| (parts.method == Method::HEAD).then(|| entry(Some(&Method::GET)))?)
+            .or_else(|| entry(None))
+            .unwrap_or(self.default)
     }
 }
 
@@ -226,5 +233,44 @@ impl Cost for ContentLength {
                 .map_or(self.unknown, |text| text.parse().unwrap_or(u64::MAX)),
             _ => self.unknown,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{Method, Request};
+
+    use super::*;
+
+    fn parts(method: Method, path: &str) -> Parts {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(())
+            .unwrap();
+        request.into_parts().0
+    }
+
+    /// RFC 9110, section 9.3.2: a server answers HEAD as it answers GET, without the body,
+    /// and axum routes a HEAD to the GET handler: a route's GET cost is its HEAD cost
+    /// unless HEAD has one of its own.
+    #[test]
+    fn a_head_costs_what_its_get_costs() {
+        let cost = PerRoute::new(1)
+            .route("/search", 5)
+            .route_method(Method::GET, "/export", 20)
+            .route_method(Method::GET, "/report", 20)
+            .route_method(Method::HEAD, "/report", 2);
+        assert_eq!(cost.cost(&parts(Method::HEAD, "/export")), 20);
+        assert_eq!(cost.cost(&parts(Method::GET, "/export")), 20);
+        assert_eq!(cost.cost(&parts(Method::HEAD, "/report")), 2);
+        assert_eq!(cost.cost(&parts(Method::HEAD, "/search")), 5);
+        assert_eq!(cost.cost(&parts(Method::POST, "/export")), 1);
+        // A GET entry and an entry for every method: the GET one, for a HEAD too.
+        let both = PerRoute::new(1)
+            .route("/export", 3)
+            .route_method(Method::GET, "/export", 20);
+        assert_eq!(both.cost(&parts(Method::HEAD, "/export")), 20);
+        assert_eq!(both.cost(&parts(Method::PUT, "/export")), 3);
     }
 }

@@ -29,6 +29,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use compact_str::CompactString;
+use http::Method;
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
@@ -340,7 +341,8 @@ impl KeyExtractor for Global {
     }
 }
 
-/// The route: method and matched path (`route:GET /users/{id}`).
+/// The route: method and matched path (`route:GET /users/{id}`); a `HEAD` shares its
+/// `GET`'s key, as it runs the GET handler.
 ///
 /// With the `axum` feature and the layer added by `Router::layer` or `route_layer`, the
 /// path is axum's `MatchedPath` (the route template), so `/users/1` and `/users/2` share
@@ -352,9 +354,14 @@ pub struct Route;
 impl KeyExtractor for Route {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let path = route_path(parts);
-        let mut key = CompactString::with_capacity(7 + parts.method.as_str().len() + path.len());
+        // A HEAD runs the GET handler (RFC 9110, section 9.3.2): one limit for both.
+        let method = match parts.method {
+            Method::HEAD => Method::GET.as_str(),
+            ref method => method.as_str(),
+        };
+        let mut key = CompactString::with_capacity(7 + method.len() + path.len());
         key.push_str("route:");
-        key.push_str(parts.method.as_str());
+        key.push_str(method);
         key.push(' ');
         key.push_str(path);
         Ok(Key::new(key))
@@ -467,6 +474,23 @@ mod tests {
     use http::Request;
 
     use super::*;
+
+    /// A HEAD is answered by the route's GET handler (RFC 9110, section 9.3.2; axum
+    /// routes it so): it shares the GET's key, so a route's limit cannot be had twice.
+    #[test]
+    fn a_head_shares_its_gets_route_key() {
+        let key = |method: http::Method| {
+            let request = http::Request::builder()
+                .method(method)
+                .uri("/export")
+                .body(())
+                .unwrap();
+            Route.extract(&request.into_parts().0).unwrap().to_string()
+        };
+        assert_eq!(key(http::Method::HEAD), "route:GET /export");
+        assert_eq!(key(http::Method::GET), "route:GET /export");
+        assert_eq!(key(http::Method::POST), "route:POST /export");
+    }
 
     #[test]
     fn compound_keys_cannot_collide_by_shifting_separators() {
