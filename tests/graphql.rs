@@ -448,6 +448,67 @@ mod http {
         }
     }
 
+    /// An operation in the URL is costed whatever the method: a `HEAD` runs the `GET`
+    /// handler (axum routes it so), and a server may read a `POST`'s `query`,
+    /// `variables` or `operationName` from its URL before its body (express-graphql and
+    /// graphql-go do), so a `POST` that carries them in both is refused, not costed by its
+    /// body. A preflight to a `GET`'s URL passes: it runs nothing.
+    #[tokio::test]
+    async fn an_operation_in_the_url_is_costed_whatever_the_method() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let expensive = "/graphql?query=%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
+        let request = Request::head(expensive)
+            .header("x-api-key", "k")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(
+            response
+                .headers()
+                .get("graphql-cost")
+                .map(|v| v.to_str().unwrap()),
+            Some("2"),
+            "HEAD {expensive}"
+        );
+        for (uri, content_type, body) in [
+            (
+                expensive,
+                "application/json",
+                r#"{"query":"{ __typename }"}"#,
+            ),
+            (
+                "/graphql?variables=%7B%22n%22%3A100%7D",
+                "application/graphql",
+                "query($n: Int = 1) { repos(first: $n) { nodes { id } } }",
+            ),
+            (
+                "/graphql?operationName=B",
+                "application/json",
+                r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#,
+            ),
+        ] {
+            let request = Request::post(uri)
+                .header("x-api-key", "k")
+                .header("content-type", content_type)
+                .body(Body::from(body))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "POST {uri}");
+        }
+        let preflight = Request::options(expensive)
+            .header("x-api-key", "k")
+            .header("origin", "https://app.example")
+            .header("access-control-request-method", "GET")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(preflight).await.unwrap();
+        assert_ne!(
+            response.status(),
+            StatusCode::BAD_REQUEST,
+            "OPTIONS {expensive}"
+        );
+    }
+
     /// A preflight or a `GET` without a query whose body is empty only once read (sent
     /// chunked) passes through as a bodiless one does; a `GET`'s body, never handed on,
     /// takes its framing headers with it.

@@ -44,8 +44,12 @@ pub enum Invalid {
 /// `GraphQL-Cost`. Requests that run no operation (a CORS preflight or a `HEAD` whose
 /// body is empty, a `GET` without `query` or a persisted query's parameters) pass
 /// through: the limiter charges them its default cost. Any other request is costed
-/// whatever its method. A `GET`'s body is never handed on (nor the headers that frame
-/// it), and a `GET` parameter given twice is refused, since a server may take either.
+/// whatever its method; a `HEAD` that names an operation in its URL, as the `GET` it
+/// runs. A `GET`'s body is never handed on (nor the headers that frame it), and a `GET`
+/// parameter given twice is refused, since a server may take either. A request with a
+/// body whose URL carries an operation's parameters (`query`, `variables`,
+/// `operationName`, ...) goes to `on_invalid`: some servers read them from the URL
+/// before the body, whatever the method.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
@@ -209,7 +213,10 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
-        if parts.method == Method::GET {
+        // A HEAD runs the GET handler (axum routes it so): one that names an operation in
+        // its URL is costed as that GET.
+        let head_as_get = parts.method == Method::HEAD && names_an_operation(&parts);
+        if parts.method == Method::GET || head_as_get {
             // A GET's operation is in its query string. A body, which a server might read
             // instead, is not handed on, nor the headers that frame it.
             drop(body);
@@ -234,8 +241,28 @@ where
         }
         let quiet = matches!(parts.method, Method::OPTIONS | Method::HEAD);
         if quiet && (body.is_end_stream() || body.size_hint().upper() == Some(0)) {
-            // A preflight or a HEAD without a body runs nothing.
+            // A preflight (even to a GET's URL, which names an operation) or a HEAD
+            // without a body runs nothing.
             return Box::pin(self.inner.call(Request::from_parts(parts, body)));
+        }
+        if !quiet && carries_an_operation_in_its_url(&parts) {
+            // Some servers read `query`, `variables` or `operationName` from the URL
+            // before the body, whatever the method: which one they would run is theirs to
+            // say, so the request is not costed by its body.
+            let why = "a GraphQL request with a body must not carry the operation's \
+                       parameters in its URL: the server might run those instead";
+            match self.config.or_invalid(Err(CostError::Request(why.into()))) {
+                Ok(cost) => {
+                    let clone = self.inner.clone();
+                    let mut inner = std::mem::replace(&mut self.inner, clone);
+                    let request = Request::from_parts(parts, body);
+                    return Box::pin(async move { call_costed(&mut inner, request, cost).await });
+                }
+                Err(error) => {
+                    let response = response::invalid_request(&error.to_string());
+                    return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
+                }
+            }
         }
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -292,6 +319,19 @@ fn names_an_operation(parts: &http::request::Parts) -> bool {
     parts.uri.query().is_some_and(|query| {
         form_urlencoded::parse(query.as_bytes())
             .any(|(name, _)| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
+    })
+}
+
+/// True when a request's URL carries any of a GraphQL operation's parameters (those of a
+/// `GET`, and `variables` and `operationName`).
+fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
+    parts.uri.query().is_some_and(|query| {
+        form_urlencoded::parse(query.as_bytes()).any(|(name, _)| {
+            matches!(
+                &*name,
+                "query" | "variables" | "operationName" | "extensions" | "documentId" | "id"
+            )
+        })
     })
 }
 
