@@ -14,8 +14,8 @@ fn cost(query: &str) -> Result<u64, CostError> {
 
 /// Queries and their cost without a schema.
 const COST_TABLE: &[(&str, u64)] = &[
-    // Scalars are free; an object field costs 1.
-    ("{ hello }", 0),
+    // Scalars are free, but an operation costs at least 1; an object field costs 1.
+    ("{ hello }", 1),
     ("{ viewer { login } }", 1),
     // Nested connections multiply: 1 + 10 * (1 + 5 * 0 ... ) etc.
     ("{ repos(first: 10) { nodes { name } } }", 1 + 10 * 1),
@@ -579,8 +579,8 @@ const SCHEMA_COST_TABLE: &[(&str, u64)] = &[
     ),
     // A mutation: the base, plus the field's own weight.
     ("mutation { like(id: 1) { title } }", 10 + 7),
-    // Leaves with a slicing default of 30 stay free.
-    ("{ tags }", 0),
+    // Leaves with a slicing default of 30 stay free: the operation's minimum, 1.
+    ("{ tags }", 1),
 ];
 
 /// Type extensions (`extend type`, `extend interface`, `extend union`, `extend schema`)
@@ -1266,4 +1266,53 @@ fn a_recursive_interface_is_costed_once_per_type_not_once_per_path() {
             .unwrap(),
         1 + 2 * levels
     );
+}
+
+/// Leaves cost nothing, but a request is never free: a cost of 0 is always admitted, so
+/// a query of scalar fields only (thousands of aliases of one resolver) would run
+/// unlimited. Each operation costs at least 1 (GitHub charges at least a point a
+/// request), or what `min_cost` says.
+#[test]
+fn an_operation_costs_at_least_the_minimum() {
+    let aliases: String = (0..500).map(|n| format!(" a{n}: hello")).collect();
+    let leaves = format!("{{{aliases} }}");
+    assert_eq!(
+        GraphqlCost::new().query_cost(&leaves, None, None).unwrap(),
+        1
+    );
+    assert_eq!(cost("{ __typename }").unwrap(), 1);
+    let batch = json!([{ "query": "{ a }" }, { "query": "{ b }" }, { "query": "{ c { d } }" }]);
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(batch.to_string().as_bytes())
+            .unwrap(),
+        1 + 1 + 1
+    );
+    let free = GraphqlCost::new().min_cost(0);
+    assert_eq!(free.query_cost(&leaves, None, None).unwrap(), 0);
+    // Above the minimum, nothing changes.
+    assert_eq!(
+        cost("{ repos(first: 10) { nodes { name } } }").unwrap(),
+        1 + 10
+    );
+}
+
+/// The slicing range holds on a list of leaves too: `tags(limit: 1000000000)` asks the
+/// server for a billion values, costed or not, and is refused (or capped) as it would
+/// be on a list of objects.
+#[test]
+fn slicing_limits_hold_on_lists_of_leaves() {
+    let huge = "{ tags(limit: 1000000000) }";
+    assert!(GraphqlCost::new().query_cost(huge, None, None).is_err());
+    let schema = GraphqlCost::new()
+        .with_schema("type Query { tags(limit: Int = 30): [String] }")
+        .unwrap();
+    assert!(schema.query_cost(huge, None, None).is_err());
+    assert!(
+        schema
+            .query_cost("{ tags(limit: 100) }", None, None)
+            .is_ok()
+    );
+    let cap = GraphqlCost::new().slice_range(1, 100, OutOfRange::Cap);
+    assert!(cap.query_cost(huge, None, None).is_ok());
 }

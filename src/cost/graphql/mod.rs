@@ -128,6 +128,7 @@ impl std::error::Error for CostError {}
 pub struct GraphqlCost {
     slicing_arguments: Vec<String>,
     mutation_base: u64,
+    min_cost: u64,
     min_slice: u64,
     max_slice: u64,
     out_of_range: OutOfRange,
@@ -145,12 +146,13 @@ impl Default for GraphqlCost {
 
 impl GraphqlCost {
     /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), mutations
-    /// 10, batches of at most 10, nesting of at most 64 levels, documents of at most
-    /// 20,000 tokens.
+    /// 10, every operation at least 1, batches of at most 10, nesting of at most 64
+    /// levels, documents of at most 20,000 tokens.
     pub fn new() -> Self {
         Self {
             slicing_arguments: ["first", "last", "limit"].map(String::from).to_vec(),
             mutation_base: 10,
+            min_cost: 1,
             min_slice: 1,
             max_slice: 100,
             out_of_range: OutOfRange::Reject,
@@ -197,6 +199,22 @@ impl GraphqlCost {
     /// The base cost of a mutation (default 10).
     pub fn mutation_base(mut self, cost: u64) -> Self {
         self.mutation_base = cost;
+        self
+    }
+
+    /// The least an operation costs (default 1): leaves cost nothing, and a cost of 0
+    /// is always admitted, so a query of scalar fields alone would otherwise run
+    /// unlimited. Each operation of a batch costs at least this.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// assert_eq!(GraphqlCost::new().query_cost("{ a: hello b: hello }", None, None)?, 1);
+    /// assert_eq!(GraphqlCost::new().min_cost(0).query_cost("{ hello }", None, None)?, 0);
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
+    pub fn min_cost(mut self, cost: u64) -> Self {
+        self.min_cost = cost;
         self
     }
 
@@ -286,10 +304,11 @@ impl GraphqlCost {
             variables,
         };
         let cost = walk.selections(&operation.selection_set, root, 0)?;
-        Ok(match operation.operation_type {
+        let cost = match operation.operation_type {
             OperationType::Mutation => cost.saturating_add(self.mutation_base),
             OperationType::Query | OperationType::Subscription => cost,
-        })
+        };
+        Ok(cost.max(self.min_cost))
     }
 
     /// The cost of a JSON request body: one request object, or an array of them (a
@@ -486,6 +505,8 @@ impl<'a> Walk<'a> {
         let Some((schema, info)) = self.schema.zip(info) else {
             // No schema (or an unknown field): objects 1, leaves 0, slicing multiplies.
             if field.selection_set.is_empty() {
+                // A list of leaves costs nothing, but its slicing range holds.
+                self.slice(field, &self.model.slicing_arguments, None, false)?;
                 return Ok(0);
             }
             let children = self.selections(&field.selection_set, None, depth + 1)?;
@@ -501,9 +522,6 @@ impl<'a> Walk<'a> {
             .and_then(|ty| ty.weight)
             .unwrap_or(u64::from(composite));
         let weight = info.weight.unwrap_or(type_weight);
-        if field.selection_set.is_empty() {
-            return Ok(weight);
-        }
         let size = match &info.list_size {
             Some(list) => self
                 .slice(
@@ -523,6 +541,10 @@ impl<'a> Walk<'a> {
                 )?
                 .unwrap_or(1),
         };
+        if field.selection_set.is_empty() {
+            // A leaf (a list of them costs its weight once), but its slicing range holds.
+            return Ok(weight);
+        }
         let ty = info.ty.as_str();
         let sized_fields = info
             .list_size
