@@ -451,8 +451,9 @@ mod http {
     /// An operation in the URL is costed whatever the method: a `HEAD` runs the `GET`
     /// handler (axum routes it so), and a server may read a `POST`'s `query`,
     /// `variables` or `operationName` from its URL before its body (express-graphql and
-    /// graphql-go do), so a `POST` that carries them in both is refused, not costed by its
-    /// body. A preflight to a `GET`'s URL passes: it runs nothing.
+    /// graphql-go do), so a `POST` whose URL carries a query or variables, or names
+    /// another operation than its body, is refused, not costed by its body. A preflight
+    /// to a `GET`'s URL passes: it runs nothing.
     #[tokio::test]
     async fn an_operation_in_the_url_is_costed_whatever_the_method() {
         let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
@@ -494,6 +495,44 @@ mod http {
                 .unwrap();
             let response = app.clone().oneshot(request).await.unwrap();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "POST {uri}");
+        }
+        // A URL that only repeats the body's operation name, or carries a parameter of
+        // the application's own, is costed by the body; an `application/graphql` body
+        // runs the operation the URL names.
+        for (uri, content_type, body, cost) in [
+            (
+                "/graphql?operationName=A",
+                "application/json",
+                r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#,
+                "1",
+            ),
+            (
+                "/graphql?id=tenant-7",
+                "application/json",
+                r#"{"query":"{ a { b } }"}"#,
+                "1",
+            ),
+            (
+                "/graphql?operationName=B",
+                "application/graphql",
+                "query A { a } query B { a { b { c } } }",
+                "2",
+            ),
+        ] {
+            let request = Request::post(uri)
+                .header("x-api-key", "k2")
+                .header("content-type", content_type)
+                .body(Body::from(body))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(
+                response
+                    .headers()
+                    .get("graphql-cost")
+                    .map(|v| v.to_str().unwrap()),
+                Some(cost),
+                "POST {uri}"
+            );
         }
         let preflight = Request::options(expensive)
             .header("x-api-key", "k")
@@ -1297,15 +1336,18 @@ fn an_operation_costs_at_least_the_minimum() {
     );
 }
 
-/// The slicing range holds on a list of leaves too: `tags(limit: 1000000000)` asks the
-/// server for a billion values, costed or not, and is refused (or capped) as it would
-/// be on a list of objects.
+/// With a schema, the slicing range holds on a list of leaves too: `tags(limit:
+/// 1000000000)` asks the server for a billion values, costed or not, and is refused (or
+/// capped) as it would be on a list of objects. A field that returns one leaf value is
+/// not sized by its arguments (an `excerpt(limit: 280)` is no page), nor is any leaf
+/// without a schema, where nothing tells the two apart.
 #[test]
 fn slicing_limits_hold_on_lists_of_leaves() {
     let huge = "{ tags(limit: 1000000000) }";
-    assert!(GraphqlCost::new().query_cost(huge, None, None).is_err());
     let schema = GraphqlCost::new()
-        .with_schema("type Query { tags(limit: Int = 30): [String] }")
+        .with_schema(
+            "type Query { tags(limit: Int = 30): [String] excerpt(limit: Int = 280): String }",
+        )
         .unwrap();
     assert!(schema.query_cost(huge, None, None).is_err());
     assert!(
@@ -1313,6 +1355,17 @@ fn slicing_limits_hold_on_lists_of_leaves() {
             .query_cost("{ tags(limit: 100) }", None, None)
             .is_ok()
     );
-    let cap = GraphqlCost::new().slice_range(1, 100, OutOfRange::Cap);
-    assert!(cap.query_cost(huge, None, None).is_ok());
+    let capped = GraphqlCost::new()
+        .with_schema("type Query { tags(limit: Int = 30): [String] }")
+        .unwrap()
+        .slice_range(1, 100, OutOfRange::Cap);
+    assert!(capped.query_cost(huge, None, None).is_ok());
+    for one_value in ["{ excerpt }", "{ excerpt(limit: 5000) }"] {
+        assert_eq!(
+            schema.query_cost(one_value, None, None).unwrap(),
+            1,
+            "{one_value}"
+        );
+    }
+    assert_eq!(cost("{ post { body(limit: 500) } }").unwrap(), 1);
 }

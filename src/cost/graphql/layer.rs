@@ -46,10 +46,12 @@ pub enum Invalid {
 /// through: the limiter charges them its default cost. Any other request is costed
 /// whatever its method; a `HEAD` that names an operation in its URL, as the `GET` it
 /// runs. A `GET`'s body is never handed on (nor the headers that frame it), and a `GET`
-/// parameter given twice is refused, since a server may take either. A request with a
-/// body whose URL carries an operation's parameters (`query`, `variables`,
-/// `operationName`, ...) goes to `on_invalid`: some servers read them from the URL
-/// before the body, whatever the method.
+/// parameter given twice is refused, since a server may take either. Some servers read
+/// an operation's parameters from the URL before the body, whatever the method: a
+/// request with a body whose URL carries `query` or `variables` (or a persisted query's
+/// `extensions` or `documentId`), or an `operationName` other than its body's, goes to
+/// `on_invalid`; an `application/graphql` body is costed for the operation its URL
+/// names.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
@@ -246,11 +248,11 @@ where
             return Box::pin(self.inner.call(Request::from_parts(parts, body)));
         }
         if !quiet && carries_an_operation_in_its_url(&parts) {
-            // Some servers read `query`, `variables` or `operationName` from the URL
-            // before the body, whatever the method: which one they would run is theirs to
-            // say, so the request is not costed by its body.
+            // Some servers read `query` or `variables` from the URL before the body,
+            // whatever the method: which one they would run is theirs to say, so the
+            // request is not costed by its body.
             let why = "a GraphQL request with a body must not carry the operation's \
-                       parameters in its URL: the server might run those instead";
+                       query or variables in its URL: the server might run those instead";
             match self.config.or_invalid(Err(CostError::Request(why.into()))) {
                 Ok(cost) => {
                     let clone = self.inner.clone();
@@ -277,11 +279,25 @@ where
                         let request = Request::from_parts(parts, B::from(bytes));
                         return inner.call(request).await;
                     }
-                    let cost = match media_type(&parts).as_str() {
-                        "application/graphql" => match std::str::from_utf8(&bytes) {
-                            Ok(query) => config.coster.query_cost(query, None, None),
+                    // An `operationName` in the URL, which some servers take over the
+                    // body's: the operation costed must be the one it names.
+                    let named = url_operation_name(&parts);
+                    let mismatch = || {
+                        Err(CostError::Request(
+                            "the operationName in the URL is not the body's".into(),
+                        ))
+                    };
+                    let cost = match (media_type(&parts).as_str(), named) {
+                        (_, Some(None)) => mismatch(),
+                        ("application/graphql", named) => match std::str::from_utf8(&bytes) {
+                            Ok(query) => {
+                                config
+                                    .coster
+                                    .query_cost(query, named.flatten().as_deref(), None)
+                            }
                             Err(_) => Err(CostError::Request("the body is not UTF-8".into())),
                         },
+                        (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
                         _ => config.coster.json_cost(&bytes),
                     };
                     Read::Cost(cost, bytes)
@@ -322,16 +338,33 @@ fn names_an_operation(parts: &http::request::Parts) -> bool {
     })
 }
 
-/// True when a request's URL carries any of a GraphQL operation's parameters (those of a
-/// `GET`, and `variables` and `operationName`).
+/// True when a request's URL carries a GraphQL operation's document or variables (`query`,
+/// `variables`, or a persisted query's `extensions` or `documentId`).
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
     parts.uri.query().is_some_and(|query| {
-        form_urlencoded::parse(query.as_bytes()).any(|(name, _)| {
-            matches!(
-                &*name,
-                "query" | "variables" | "operationName" | "extensions" | "documentId" | "id"
-            )
-        })
+        form_urlencoded::parse(query.as_bytes())
+            .any(|(name, _)| matches!(&*name, "query" | "variables" | "extensions" | "documentId"))
+    })
+}
+
+/// The `operationName` in a request's URL: `None` without one, `Some(None)` when it is
+/// given twice with different values (no single operation is named).
+fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
+    let query = parts.uri.query()?;
+    let mut names = form_urlencoded::parse(query.as_bytes())
+        .filter(|(name, _)| name == "operationName")
+        .map(|(_, value)| value.into_owned());
+    let first = names.next()?;
+    Some(names.all(|other| other == first).then_some(first))
+}
+
+/// True when `body` is one JSON request whose `operationName` is `name`.
+fn names_in_body(body: &[u8], name: &str) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|request| {
+        request
+            .get("operationName")
+            .and_then(serde_json::Value::as_str)
+            == Some(name)
     })
 }
 

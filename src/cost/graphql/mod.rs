@@ -505,8 +505,8 @@ impl<'a> Walk<'a> {
         let Some((schema, info)) = self.schema.zip(info) else {
             // No schema (or an unknown field): objects 1, leaves 0, slicing multiplies.
             if field.selection_set.is_empty() {
-                // A list of leaves costs nothing, but its slicing range holds.
-                self.slice(field, &self.model.slicing_arguments, None, false)?;
+                // A leaf: without a schema, nothing tells a list of them from one value
+                // (whose `limit` may mean anything), so its arguments are not read.
                 return Ok(0);
             }
             let children = self.selections(&field.selection_set, None, depth + 1)?;
@@ -522,6 +522,10 @@ impl<'a> Walk<'a> {
             .and_then(|ty| ty.weight)
             .unwrap_or(u64::from(composite));
         let weight = info.weight.unwrap_or(type_weight);
+        if field.selection_set.is_empty() && !info.list && info.list_size.is_none() {
+            // One leaf value: its arguments size nothing.
+            return Ok(weight);
+        }
         let size = match &info.list_size {
             Some(list) => self
                 .slice(
@@ -542,7 +546,7 @@ impl<'a> Walk<'a> {
                 .unwrap_or(1),
         };
         if field.selection_set.is_empty() {
-            // A leaf (a list of them costs its weight once), but its slicing range holds.
+            // A list of leaves costs its weight once, but its slicing range holds.
             return Ok(weight);
         }
         let ty = info.ty.as_str();

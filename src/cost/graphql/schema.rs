@@ -31,6 +31,8 @@ pub(super) struct ListSize {
 pub(super) struct FieldInfo {
     /// The named type the field returns.
     pub(super) ty: String,
+    /// Whether it returns a list (of any depth).
+    pub(super) list: bool,
     /// `@cost(weight:)` on the field.
     pub(super) weight: Option<u64>,
     pub(super) list_size: Option<ListSize>,
@@ -110,6 +112,7 @@ fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
     });
     FieldInfo {
         ty: field.ty.inner_named_type().to_string(),
+        list: field.ty.is_list(),
         weight: weight(directives),
         list_size,
         defaults: field
