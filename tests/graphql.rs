@@ -456,96 +456,95 @@ mod http {
     /// to a `GET`'s URL passes: it runs nothing.
     #[tokio::test]
     async fn an_operation_in_the_url_is_costed_whatever_the_method() {
+        use http::Method;
         let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
         let expensive = "/graphql?query=%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
-        let request = Request::head(expensive)
-            .header("x-api-key", "k")
-            .body(Body::empty())
-            .unwrap();
-        let response = app.clone().oneshot(request).await.unwrap();
-        assert_eq!(
-            response
-                .headers()
-                .get("graphql-cost")
-                .map(|v| v.to_str().unwrap()),
-            Some("2"),
-            "HEAD {expensive}"
-        );
-        for (uri, content_type, body) in [
+        let two = r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#;
+        let json = "application/json";
+        // (method, URL, content type, body; the status and GraphQL-Cost expected)
+        let cases: &[(Method, &str, &str, &str, StatusCode, Option<&str>)] = &[
+            // A HEAD, as the GET it runs.
+            (Method::HEAD, expensive, "", "", StatusCode::OK, Some("2")),
+            // A query, variables or another operation in a POST's URL: refused.
             (
+                Method::POST,
                 expensive,
-                "application/json",
+                json,
                 r#"{"query":"{ __typename }"}"#,
+                StatusCode::BAD_REQUEST,
+                None,
             ),
             (
+                Method::POST,
                 "/graphql?variables=%7B%22n%22%3A100%7D",
                 "application/graphql",
                 "query($n: Int = 1) { repos(first: $n) { nodes { id } } }",
+                StatusCode::BAD_REQUEST,
+                None,
             ),
             (
+                Method::POST,
                 "/graphql?operationName=B",
-                "application/json",
-                r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#,
+                json,
+                two,
+                StatusCode::BAD_REQUEST,
+                None,
             ),
-        ] {
-            let request = Request::post(uri)
-                .header("x-api-key", "k")
-                .header("content-type", content_type)
-                .body(Body::from(body))
-                .unwrap();
-            let response = app.clone().oneshot(request).await.unwrap();
-            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "POST {uri}");
-        }
-        // A URL that only repeats the body's operation name, or carries a parameter of
-        // the application's own, is costed by the body; an `application/graphql` body
-        // runs the operation the URL names.
-        for (uri, content_type, body, cost) in [
+            // A URL that repeats the body's operation name, or carries a parameter of the
+            // application's own, is costed by the body; an `application/graphql` body
+            // runs the operation the URL names.
             (
+                Method::POST,
                 "/graphql?operationName=A",
-                "application/json",
-                r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#,
-                "1",
+                json,
+                two,
+                StatusCode::OK,
+                Some("1"),
             ),
             (
+                Method::POST,
                 "/graphql?id=tenant-7",
-                "application/json",
+                json,
                 r#"{"query":"{ a { b } }"}"#,
-                "1",
+                StatusCode::OK,
+                Some("1"),
             ),
             (
+                Method::POST,
                 "/graphql?operationName=B",
                 "application/graphql",
                 "query A { a } query B { a { b { c } } }",
-                "2",
+                StatusCode::OK,
+                Some("2"),
             ),
-        ] {
-            let request = Request::post(uri)
-                .header("x-api-key", "k2")
-                .header("content-type", content_type)
-                .body(Body::from(body))
-                .unwrap();
+            // A preflight to a GET's URL runs nothing (the router has no OPTIONS route).
+            (
+                Method::OPTIONS,
+                expensive,
+                "",
+                "",
+                StatusCode::METHOD_NOT_ALLOWED,
+                None,
+            ),
+        ];
+        for (method, uri, content_type, body, status, cost) in cases {
+            let mut request = Request::builder()
+                .method(method.clone())
+                .uri(*uri)
+                .header("x-api-key", "url");
+            if !content_type.is_empty() {
+                request = request.header("content-type", *content_type);
+            }
+            let request = request.body(Body::from(body.to_string())).unwrap();
             let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), *status, "{method} {uri}");
+            let charged = response.headers().get("graphql-cost");
             assert_eq!(
-                response
-                    .headers()
-                    .get("graphql-cost")
-                    .map(|v| v.to_str().unwrap()),
-                Some(cost),
-                "POST {uri}"
+                charged.map(|v| v.to_str().unwrap()),
+                *cost,
+                "{method} {uri}"
             );
         }
-        let preflight = Request::options(expensive)
-            .header("x-api-key", "k")
-            .header("origin", "https://app.example")
-            .header("access-control-request-method", "GET")
-            .body(Body::empty())
-            .unwrap();
-        let response = app.clone().oneshot(preflight).await.unwrap();
-        assert_ne!(
-            response.status(),
-            StatusCode::BAD_REQUEST,
-            "OPTIONS {expensive}"
-        );
     }
 
     /// A preflight or a `GET` without a query whose body is empty only once read (sent
