@@ -461,8 +461,16 @@ mod http {
         let expensive = "/graphql?query=%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
         let two = r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#;
         let json = "application/json";
-        // (method, URL, content type, body; the status and GraphQL-Cost expected)
-        let cases: &[(Method, &str, &str, &str, StatusCode, Option<&str>)] = &[
+        // Method, URL, content type, body; the status and GraphQL-Cost expected.
+        type Case<'a> = (
+            Method,
+            &'a str,
+            &'a str,
+            &'a str,
+            StatusCode,
+            Option<&'a str>,
+        );
+        let cases: &[Case<'_>] = &[
             // A HEAD, as the GET it runs.
             (Method::HEAD, expensive, "", "", StatusCode::OK, Some("2")),
             // A query, variables or another operation in a POST's URL: refused.
