@@ -555,6 +555,58 @@ mod http {
         }
     }
 
+    /// A body is costed only as what the server reads it as: JSON (`application/json`,
+    /// any `+json` type, or no type) or a GraphQL document (`application/graphql`), in
+    /// UTF-8. A form body that is also valid JSON is read as a form by servers that take
+    /// forms (express-graphql, graphql-go); a JSON body in UTF-7 decodes to other keys.
+    #[tokio::test]
+    async fn a_body_is_costed_only_as_what_the_server_reads() {
+        use http::Method;
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let trick = r#"{"query":"{ a } #&query={ a { b { c } } }&"}"#;
+        let cases: &[(Option<&str>, &str, StatusCode)] = &[
+            (
+                Some("application/x-www-form-urlencoded"),
+                trick,
+                StatusCode::BAD_REQUEST,
+            ),
+            (Some("text/plain"), trick, StatusCode::BAD_REQUEST),
+            (
+                Some("application/json; charset=utf-7"),
+                r#"{"query":"{ a }"}"#,
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                Some("application/json; charset=UTF-8"),
+                r#"{"query":"{ a { b } }"}"#,
+                StatusCode::OK,
+            ),
+            (
+                Some("application/json; charset=\"utf-8\""),
+                r#"{"query":"{ a { b } }"}"#,
+                StatusCode::OK,
+            ),
+            (
+                Some("application/graphql-response+json"),
+                r#"{"query":"{ a { b } }"}"#,
+                StatusCode::OK,
+            ),
+            (None, r#"{"query":"{ a { b } }"}"#, StatusCode::OK),
+        ];
+        for (content_type, body, status) in cases {
+            let mut request = Request::builder()
+                .method(Method::POST)
+                .uri("/graphql")
+                .header("x-api-key", "types");
+            if let Some(content_type) = content_type {
+                request = request.header("content-type", *content_type);
+            }
+            let request = request.body(Body::from(body.to_string())).unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), *status, "{content_type:?}");
+        }
+    }
+
     /// A preflight or a `GET` without a query whose body is empty only once read (sent
     /// chunked) passes through as a bodiless one does; a `GET`'s body, never handed on,
     /// takes its framing headers with it.
@@ -1346,8 +1398,8 @@ fn an_operation_costs_at_least_the_minimum() {
 /// With a schema, the slicing range holds on a list of leaves too: `tags(limit:
 /// 1000000000)` asks the server for a billion values, costed or not, and is refused (or
 /// capped) as it would be on a list of objects. A field that returns one leaf value is
-/// not sized by its arguments (an `excerpt(limit: 280)` is no page), nor is any leaf
-/// without a schema, where nothing tells the two apart.
+/// not sized by its arguments (an `excerpt(limit: 280)` is no page). Without a schema
+/// nothing tells the two apart, and `first`, `last` and `limit` size every field.
 #[test]
 fn slicing_limits_hold_on_lists_of_leaves() {
     let huge = "{ tags(limit: 1000000000) }";
@@ -1374,5 +1426,33 @@ fn slicing_limits_hold_on_lists_of_leaves() {
             "{one_value}"
         );
     }
-    assert_eq!(cost("{ post { body(limit: 500) } }").unwrap(), 1);
+    assert!(cost(huge).is_err());
+    assert!(cost("{ post { body(limit: 500) } }").is_err());
+}
+
+/// Go's JSON decoding matches keys in any case (graphql-go, gqlgen), so a body with
+/// `query` and `QUERY` runs the one the coster did not read: keys that differ from
+/// `query`, `variables`, `operationName` or `extensions` only in case are refused.
+#[test]
+fn keys_that_differ_only_in_case_are_refused() {
+    for body in [
+        json!({ "query": "{ a }", "QUERY": "{ a { b { c } } }" }),
+        json!({ "query": "query($n: Int) { r(first: $n) { id } }", "variables": { "n": 1 }, "Variables": { "n": 100 } }),
+        json!({ "query": "query A { a } query B { a { b } }", "operationName": "A", "operationname": "B" }),
+    ] {
+        assert!(
+            GraphqlCost::new()
+                .json_cost(body.to_string().as_bytes())
+                .is_err(),
+            "{body}"
+        );
+    }
+    // Keys of the application's own are no concern.
+    let own = json!({ "query": "{ a { b } }", "clientVersion": "1.2" });
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(own.to_string().as_bytes())
+            .unwrap(),
+        1
+    );
 }

@@ -38,8 +38,11 @@ pub enum Invalid {
 /// a [`RateLimitLayer`](crate::RateLimitLayer) with [`FromExtension`](crate::cost::FromExtension)
 /// further in, so one expensive query spends as much of a budget as many cheap ones.
 ///
-/// It reads `POST` bodies of type `application/json` (one request or a batch) and
-/// `application/graphql`, and `GET ?query=`. Bodies are buffered up to a cap (default
+/// It reads `POST` bodies of type `application/json` (one request or a batch; any
+/// `+json` type, or no type, alike) and `application/graphql`, in UTF-8, and `GET
+/// ?query=`. A body of any other type or charset goes to `on_invalid`: a server would
+/// read a form as a form, and decode another charset into other keys. Without a schema,
+/// `first`, `last` and `limit` size every field, scalars included. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
 /// `GraphQL-Cost`. Requests that run no operation (a CORS preflight or a `HEAD` whose
 /// body is empty, a `GET` without `query` or a persisted query's parameters) pass
@@ -143,14 +146,48 @@ enum Read {
     Unreadable(String),
 }
 
-fn media_type(request: &http::request::Parts) -> String {
-    request
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.split(';').next())
-        .map(|value| value.trim().to_ascii_lowercase())
-        .unwrap_or_default()
+/// How a GraphQL server reads a request's body.
+enum BodyType {
+    /// A JSON request (or batch).
+    Json,
+    /// A GraphQL document (`application/graphql`).
+    Document,
+}
+
+/// What the body of `request` is read as: JSON (`application/json`, any `+json` type, or
+/// no type at all) or a GraphQL document (`application/graphql`), in UTF-8. Any other type
+/// or charset is an error: a server reads a form body as a form (one that is valid JSON
+/// too would run what the coster did not read), and decodes another charset (UTF-7) into
+/// other keys.
+fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
+    let Some(value) = request.headers.get(header::CONTENT_TYPE) else {
+        return Ok(BodyType::Json);
+    };
+    let value = value
+        .to_str()
+        .map_err(|_| CostError::Request("the content type is not text".into()))?;
+    let mut parts = value.split(';');
+    let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
+    for parameter in parts {
+        let Some((name, charset)) = parameter.split_once('=') else {
+            continue;
+        };
+        let charset = charset.trim().trim_matches('"');
+        if name.trim().eq_ignore_ascii_case("charset") && !charset.eq_ignore_ascii_case("utf-8") {
+            return Err(CostError::Request(format!(
+                "the body's charset is {charset:?}: only UTF-8 is read"
+            )));
+        }
+    }
+    match media.as_str() {
+        "application/graphql" => Ok(BodyType::Document),
+        "application/json" | "" => Ok(BodyType::Json),
+        media if media.ends_with("+json") => Ok(BodyType::Json),
+        media => Err(CostError::Request(format!(
+            "a GraphQL request's body must be application/json or application/graphql, \
+             not {media}"
+        ))),
+    }
 }
 
 impl Config {
@@ -287,9 +324,10 @@ where
                             "the operationName in the URL is not the body's".into(),
                         ))
                     };
-                    let cost = match (media_type(&parts).as_str(), named) {
+                    let cost = match (body_type(&parts), named) {
+                        (Err(error), _) => Err(error),
                         (_, Some(None)) => mismatch(),
-                        ("application/graphql", named) => match std::str::from_utf8(&bytes) {
+                        (Ok(BodyType::Document), named) => match std::str::from_utf8(&bytes) {
                             Ok(query) => {
                                 config
                                     .coster

@@ -336,6 +336,17 @@ impl GraphqlCost {
         let object = request
             .as_object()
             .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
+        // Some servers match keys in any case (Go's JSON decoding): a key that differs
+        // from one of these only in case would be read there as the key itself.
+        const KEYS: [&str; 4] = ["query", "variables", "operationName", "extensions"];
+        if let Some(key) = object.keys().find(|key| {
+            KEYS.iter()
+                .any(|known| key.eq_ignore_ascii_case(known) && key.as_str() != *known)
+        }) {
+            return Err(CostError::Request(format!(
+                "{key:?} differs from a GraphQL request's key only in case"
+            )));
+        }
         let query = object
             .get("query")
             .and_then(Json::as_str)
@@ -505,8 +516,9 @@ impl<'a> Walk<'a> {
         let Some((schema, info)) = self.schema.zip(info) else {
             // No schema (or an unknown field): objects 1, leaves 0, slicing multiplies.
             if field.selection_set.is_empty() {
-                // A leaf: without a schema, nothing tells a list of them from one value
-                // (whose `limit` may mean anything), so its arguments are not read.
+                // A leaf costs nothing. Without a schema nothing tells a list of them
+                // from one value, and the slicing range holds on both.
+                self.slice(field, &self.model.slicing_arguments, None, false)?;
                 return Ok(0);
             }
             let children = self.selections(&field.selection_set, None, depth + 1)?;
