@@ -1456,3 +1456,43 @@ fn keys_that_differ_only_in_case_are_refused() {
         1
     );
 }
+
+/// A field given several slicing arguments is sized by the largest: a server may honour
+/// any of them, and `items(limit: 1, first: 100)` charged as 1 would fetch 100. A field
+/// whose `@listSize` requires one slicing argument takes exactly one.
+#[test]
+fn the_largest_slicing_argument_sizes_the_list() {
+    assert_eq!(
+        cost("{ items(limit: 1, first: 100) { id { v } } }").unwrap(),
+        1 + 100 * 1
+    );
+    assert_eq!(
+        cost("{ items(first: 100, limit: 1) { id { v } } }").unwrap(),
+        1 + 100 * 1
+    );
+    let schema = GraphqlCost::new()
+        .with_schema(
+            r#"
+            directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+            type Query { items(first: Int, last: Int): [Item] @listSize(slicingArguments: ["first", "last"]) }
+            type Item { owner: User }
+            type User { name: String }
+            "#,
+        )
+        .unwrap();
+    assert!(
+        schema
+            .query_cost(
+                "{ items(first: 1, last: 100) { owner { name } } }",
+                None,
+                None
+            )
+            .is_err()
+    );
+    assert_eq!(
+        schema
+            .query_cost("{ items(last: 100) { owner { name } } }", None, None)
+            .unwrap(),
+        1 + 100 * 1
+    );
+}

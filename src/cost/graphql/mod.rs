@@ -638,8 +638,10 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    /// The list size a field's slicing argument asks for: `None` when it has none (and
-    /// none is required).
+    /// The list size a field's slicing arguments ask for: the largest of those given (a
+    /// server may honour any of them), else of their defaults; `None` when it has none
+    /// (and none is required). A field that requires one (`requireOneSlicingArgument`)
+    /// takes exactly one.
     fn slice(
         &self,
         field: &ast::Field,
@@ -647,35 +649,59 @@ impl<'a> Walk<'a> {
         defaults: Option<&HashMap<String, i64>>,
         required: bool,
     ) -> Result<Option<u64>, CostError> {
-        let model = self.model;
-        let given = field
+        let given: Vec<(String, Option<i64>)> = field
             .arguments
             .iter()
-            .find(|argument| names.iter().any(|name| name == argument.name.as_str()))
-            .map(|argument| (argument.name.to_string(), self.int(&argument.value)));
-        let (argument, value) = match given {
-            Some((name, value)) => (name, value),
-            None => {
-                let default = defaults.and_then(|defaults| {
-                    names.iter().find_map(|name| {
-                        defaults.get(name).map(|value| (name.clone(), Some(*value)))
-                    })
-                });
-                match default {
-                    Some(found) => found,
-                    None if required => (names.first().cloned().unwrap_or_default(), None),
-                    None => return Ok(None),
-                }
+            .filter(|argument| names.iter().any(|name| name == argument.name.as_str()))
+            .map(|argument| (argument.name.to_string(), self.int(&argument.value)))
+            .collect();
+        if required && given.len() > 1 {
+            return Err(CostError::Request(format!(
+                "{} takes exactly one of its slicing arguments ({}), not {}",
+                field.name,
+                names.join(", "),
+                given.len()
+            )));
+        }
+        let candidates = if given.is_empty() {
+            let defaults: Vec<(String, Option<i64>)> = names
+                .iter()
+                .filter_map(|name| {
+                    let value = defaults?.get(name)?;
+                    Some((name.clone(), Some(*value)))
+                })
+                .collect();
+            match (defaults.is_empty(), required) {
+                (false, _) => defaults,
+                (true, true) => vec![(names.first().cloned().unwrap_or_default(), None)],
+                (true, false) => return Ok(None),
             }
+        } else {
+            given
         };
+        let mut largest = None;
+        for (argument, value) in candidates {
+            largest = largest.max(Some(self.in_range(field, argument, value)?));
+        }
+        Ok(largest)
+    }
+
+    /// A slicing value within the model's range: as it is, capped, or refused.
+    fn in_range(
+        &self,
+        field: &ast::Field,
+        argument: String,
+        value: Option<i64>,
+    ) -> Result<u64, CostError> {
+        let model = self.model;
         let in_range =
             value.filter(|v| *v >= model.min_slice as i64 && *v <= model.max_slice as i64);
         match (in_range, model.out_of_range) {
-            (Some(value), _) => Ok(Some(value as u64)),
-            (None, OutOfRange::Cap) => Ok(Some(match value {
+            (Some(value), _) => Ok(value as u64),
+            (None, OutOfRange::Cap) => Ok(match value {
                 Some(value) if value < model.min_slice as i64 => model.min_slice,
                 _ => model.max_slice,
-            })),
+            }),
             (None, OutOfRange::Reject) => Err(CostError::Slicing {
                 field: field.name.to_string(),
                 argument,
