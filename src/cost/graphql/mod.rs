@@ -376,11 +376,9 @@ struct Walk<'a> {
     /// With each, how many levels its walk went below the spread: a fragment costed
     /// already still counts its depth where it is spread again.
     done: HashMap<Memo<'a>, (u64, usize)>,
-    /// Selection sets already costed, likewise per concrete type and list size, with how
-    /// many levels their walk went below them: a field of an interface or a union is
-    /// costed on each of its possible types, and without this the selection sets below
-    /// would be walked once per path through those types, 2^levels times for an
-    /// interface that leads back to itself.
+    /// Selection sets already costed on one of several possible types (of an interface
+    /// or a union), likewise per concrete type and list size, with how many levels their
+    /// walk went below them (see [`Walk::selections_on_one_of`]).
     costed: HashMap<Costed<'a>, (u64, usize)>,
     visiting: Vec<&'a str>,
     /// The deepest level reached so far.
@@ -416,10 +414,16 @@ impl<'a> Walk<'a> {
     ) -> Result<u64, CostError> {
         match (self.schema, parent) {
             (Some(schema), Some(parent)) => {
+                let possible = schema.possible(parent);
+                let several = possible.len() > 1;
                 let mut most = 0;
-                for concrete in schema.possible(parent) {
-                    most =
-                        most.max(self.selections_on(selections, Some(&concrete), None, depth)?);
+                for concrete in possible {
+                    let cost = if several {
+                        self.selections_on_one_of(selections, Some(&concrete), None, depth)?
+                    } else {
+                        self.selections_on(selections, Some(&concrete), None, depth)?
+                    };
+                    most = most.max(cost);
                 }
                 Ok(most)
             }
@@ -427,9 +431,12 @@ impl<'a> Walk<'a> {
         }
     }
 
-    /// The cost of `selections` on an object of type `concrete` (unknown without schema):
-    /// memoised per (selection set, type, size), as fragments are.
-    fn selections_on(
+    /// The cost of `selections` on `concrete`, one of several types a field's value can
+    /// have (of an interface or a union): memoised per (selection set, type, size), as
+    /// fragments are. Each possible type walks the selection sets below again, so
+    /// without this a query through an interface that leads back to itself would be
+    /// walked once per path through the types above, 2^levels times.
+    fn selections_on_one_of(
         &mut self,
         selections: &'a [Selection],
         concrete: Option<&str>,
@@ -447,7 +454,7 @@ impl<'a> Walk<'a> {
             return Ok(cost);
         }
         let outer = std::mem::replace(&mut self.deepest, depth);
-        let cost = self.selections_walked(selections, concrete, sized, depth);
+        let cost = self.selections_on(selections, concrete, sized, depth);
         let below = self.deepest - depth;
         self.deepest = self.deepest.max(outer);
         let cost = cost?;
@@ -455,8 +462,8 @@ impl<'a> Walk<'a> {
         Ok(cost)
     }
 
-    /// [`Walk::selections_on`], walked.
-    fn selections_walked(
+    /// The cost of `selections` on an object of type `concrete` (unknown without schema).
+    fn selections_on(
         &mut self,
         selections: &'a [Selection],
         concrete: Option<&str>,
@@ -576,14 +583,17 @@ impl<'a> Walk<'a> {
                 fields: sized_fields,
                 size,
             };
+            let possible = schema.possible(ty);
+            let several = possible.len() > 1;
             let mut most = 0;
-            for concrete in schema.possible(ty) {
-                most = most.max(self.selections_on(
-                    &field.selection_set,
-                    Some(&concrete),
-                    Some(sized),
-                    depth + 1,
-                )?);
+            for concrete in possible {
+                let (set, concrete) = (&field.selection_set, Some(concrete.as_str()));
+                let cost = if several {
+                    self.selections_on_one_of(set, concrete, Some(sized), depth + 1)?
+                } else {
+                    self.selections_on(set, concrete, Some(sized), depth + 1)?
+                };
+                most = most.max(cost);
             }
             Ok(weight.saturating_add(most))
         }
@@ -649,48 +659,43 @@ impl<'a> Walk<'a> {
         defaults: Option<&HashMap<String, i64>>,
         required: bool,
     ) -> Result<Option<u64>, CostError> {
-        let given: Vec<(String, Option<i64>)> = field
-            .arguments
-            .iter()
-            .filter(|argument| names.iter().any(|name| name == argument.name.as_str()))
-            .map(|argument| (argument.name.to_string(), self.int(&argument.value)))
-            .collect();
-        if required && given.len() > 1 {
+        let slicing = |name: &str| names.iter().any(|slicing| slicing == name);
+        let mut given = 0;
+        let mut largest = None;
+        for argument in &field.arguments {
+            if slicing(argument.name.as_str()) {
+                given += 1;
+                let size = self.in_range(field, &argument.name, self.int(&argument.value))?;
+                largest = largest.max(Some(size));
+            }
+        }
+        if required && given > 1 {
             return Err(CostError::Request(format!(
-                "{} takes exactly one of its slicing arguments ({}), not {}",
+                "{} takes exactly one of its slicing arguments ({}), not {given}",
                 field.name,
-                names.join(", "),
-                given.len()
+                names.join(", ")
             )));
         }
-        let candidates = if given.is_empty() {
-            let defaults: Vec<(String, Option<i64>)> = names
-                .iter()
-                .filter_map(|name| {
-                    let value = defaults?.get(name)?;
-                    Some((name.clone(), Some(*value)))
-                })
-                .collect();
-            match (defaults.is_empty(), required) {
-                (false, _) => defaults,
-                (true, true) => vec![(names.first().cloned().unwrap_or_default(), None)],
-                (true, false) => return Ok(None),
-            }
-        } else {
-            given
-        };
-        let mut largest = None;
-        for (argument, value) in candidates {
-            largest = largest.max(Some(self.in_range(field, argument, value)?));
+        if given > 0 {
+            return Ok(largest);
         }
-        Ok(largest)
+        for name in names {
+            if let Some(value) = defaults.and_then(|defaults| defaults.get(name)) {
+                largest = largest.max(Some(self.in_range(field, name, Some(*value))?));
+            }
+        }
+        match (largest, names.first()) {
+            (Some(size), _) => Ok(Some(size)),
+            (None, Some(name)) if required => self.in_range(field, name, None).map(Some),
+            (None, _) => Ok(None),
+        }
     }
 
     /// A slicing value within the model's range: as it is, capped, or refused.
     fn in_range(
         &self,
         field: &ast::Field,
-        argument: String,
+        argument: &str,
         value: Option<i64>,
     ) -> Result<u64, CostError> {
         let model = self.model;
@@ -704,7 +709,7 @@ impl<'a> Walk<'a> {
             }),
             (None, OutOfRange::Reject) => Err(CostError::Slicing {
                 field: field.name.to_string(),
-                argument,
+                argument: argument.to_owned(),
                 value,
                 min: model.min_slice,
                 max: model.max_slice,
