@@ -378,7 +378,7 @@ struct Walk<'a> {
     done: HashMap<Memo<'a>, (u64, usize)>,
     /// Selection sets already costed on one of several possible types (of an interface
     /// or a union), likewise per concrete type and list size, with how many levels their
-    /// walk went below them (see [`Walk::selections_on_one_of`]).
+    /// walk went below them (see [`Walk::on_possible_types`]).
     costed: HashMap<Costed<'a>, (u64, usize)>,
     visiting: Vec<&'a str>,
     /// The deepest level reached so far.
@@ -392,7 +392,7 @@ type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>);
 
 /// A selection set of the document (where it is, and its length) in a context: the
 /// concrete type and the list size it is costed in.
-type Costed<'a> = (usize, usize, Option<String>, Option<Sizing<'a>>);
+type Costed<'a> = (usize, usize, String, Option<Sizing<'a>>);
 
 /// A list size that applies only to some child fields (`@listSize(sizedFields:)`): the
 /// context a connection's selection set is costed in, and the fragments spread in it.
@@ -414,52 +414,56 @@ impl<'a> Walk<'a> {
     ) -> Result<u64, CostError> {
         match (self.schema, parent) {
             (Some(schema), Some(parent)) => {
-                let possible = schema.possible(parent);
-                let several = possible.len() > 1;
-                let mut most = 0;
-                for concrete in possible {
-                    let cost = if several {
-                        self.selections_on_one_of(selections, Some(&concrete), None, depth)?
-                    } else {
-                        self.selections_on(selections, Some(&concrete), None, depth)?
-                    };
-                    most = most.max(cost);
-                }
-                Ok(most)
+                self.on_possible_types(schema, selections, parent, None, depth)
             }
             _ => self.selections_on(selections, None, None, depth),
         }
     }
 
-    /// The cost of `selections` on `concrete`, one of several types a field's value can
-    /// have (of an interface or a union): memoised per (selection set, type, size), as
-    /// fragments are. Each possible type walks the selection sets below again, so
-    /// without this a query through an interface that leads back to itself would be
-    /// walked once per path through the types above, 2^levels times.
-    fn selections_on_one_of(
+    /// The cost of `selections` on a value of type `ty` (with a schema): the most
+    /// expensive of its possible types. On each of several (an interface's, a union's) it
+    /// is memoised per (selection set, type, size), as fragments are: each possible type
+    /// walks the selection sets below again, so without this a query through an interface
+    /// that leads back to itself would be walked once per path through the types above,
+    /// 2^levels times.
+    fn on_possible_types(
         &mut self,
+        schema: &schema::Schema,
         selections: &'a [Selection],
-        concrete: Option<&str>,
+        ty: &str,
         sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
-        let memo = (
-            selections.as_ptr() as usize,
-            selections.len(),
-            concrete.map(str::to_owned),
-            sized,
-        );
-        if let Some(&(cost, below)) = self.costed.get(&memo) {
-            self.reach(depth.saturating_add(below))?;
-            return Ok(cost);
+        let possible = schema.possible(ty);
+        if let [concrete] = possible.as_slice() {
+            return self.selections_on(selections, Some(concrete), sized, depth);
         }
-        let outer = std::mem::replace(&mut self.deepest, depth);
-        let cost = self.selections_on(selections, concrete, sized, depth);
-        let below = self.deepest - depth;
-        self.deepest = self.deepest.max(outer);
-        let cost = cost?;
-        self.costed.insert(memo, (cost, below));
-        Ok(cost)
+        let mut most = 0;
+        for concrete in possible {
+            let memo = (
+                selections.as_ptr() as usize,
+                selections.len(),
+                concrete,
+                sized,
+            );
+            let cost = match self.costed.get(&memo) {
+                Some(&(cost, below)) => {
+                    self.reach(depth.saturating_add(below))?;
+                    cost
+                }
+                None => {
+                    let outer = std::mem::replace(&mut self.deepest, depth);
+                    let cost = self.selections_on(selections, Some(&memo.2), sized, depth);
+                    let below = self.deepest - depth;
+                    self.deepest = self.deepest.max(outer);
+                    let cost = cost?;
+                    self.costed.insert(memo, (cost, below));
+                    cost
+                }
+            };
+            most = most.max(cost);
+        }
+        Ok(most)
     }
 
     /// The cost of `selections` on an object of type `concrete` (unknown without schema).
@@ -583,18 +587,8 @@ impl<'a> Walk<'a> {
                 fields: sized_fields,
                 size,
             };
-            let possible = schema.possible(ty);
-            let several = possible.len() > 1;
-            let mut most = 0;
-            for concrete in possible {
-                let (set, concrete) = (&field.selection_set, Some(concrete.as_str()));
-                let cost = if several {
-                    self.selections_on_one_of(set, concrete, Some(sized), depth + 1)?
-                } else {
-                    self.selections_on(set, concrete, Some(sized), depth + 1)?
-                };
-                most = most.max(cost);
-            }
+            let most =
+                self.on_possible_types(schema, &field.selection_set, ty, Some(sized), depth + 1)?;
             Ok(weight.saturating_add(most))
         }
     }
