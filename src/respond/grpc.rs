@@ -207,6 +207,20 @@ mod tests {
         grpc_content_type(headers).is_some()
     }
 
+    /// Request headers with `content_type`.
+    fn typed(content_type: &'static str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        headers
+    }
+
+    /// The limiter's HTTP denial.
+    fn denial() -> Box<Response<Bytes>> {
+        let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
+        *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        Box::new(response)
+    }
+
     /// The limiter's HTTP answer `response` as a gRPC trailers-only response.
     fn answer(response: Response<Bytes>) -> Response<Bytes> {
         answer_as(response, HeaderValue::from_static("application/grpc"))
@@ -238,18 +252,9 @@ mod tests {
 
     #[test]
     fn grpc_calls_are_told_apart() {
-        let mut headers = HeaderMap::new();
-        assert!(!is_grpc(&headers));
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc+proto"),
-        );
-        assert!(is_grpc(&headers));
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpcx"),
-        );
-        assert!(!is_grpc(&headers));
+        assert!(!is_grpc(&HeaderMap::new()));
+        assert!(is_grpc(&typed("application/grpc+proto")));
+        assert!(!is_grpc(&typed("application/grpcx")));
     }
 
     /// A media type's type and subtype are case-insensitive, and parameters may follow
@@ -268,10 +273,8 @@ mod tests {
             ),
             ("application/grpc-web ; a=b", "application/grpc-web"),
         ] {
-            let mut headers = HeaderMap::new();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(sent));
             assert_eq!(
-                grpc_content_type(&headers)
+                grpc_content_type(&typed(sent))
                     .as_ref()
                     .map(HeaderValue::as_bytes),
                 Some(answered.as_bytes()),
@@ -284,9 +287,7 @@ mod tests {
             "text/grpc",
             "",
         ] {
-            let mut headers = HeaderMap::new();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(not_grpc));
-            assert!(grpc_content_type(&headers).is_none(), "{not_grpc}");
+            assert!(grpc_content_type(&typed(not_grpc)).is_none(), "{not_grpc}");
         }
     }
 
@@ -302,11 +303,7 @@ mod tests {
             "application/grpc-web-text",
             "application/grpc-web-text+proto",
         ] {
-            let mut headers = HeaderMap::new();
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-            let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
-            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-            let answer = fit(&Method::POST, &headers, Box::new(response));
+            let answer = fit(&Method::POST, &typed(content_type), denial());
             assert_eq!(answer.status(), StatusCode::OK, "{content_type}");
             assert_eq!(answer.headers()["grpc-status"], "8", "{content_type}");
             assert_eq!(answer.headers()[header::CONTENT_TYPE], content_type);
@@ -318,18 +315,8 @@ mod tests {
     /// content type is echoed only when its `+` format is a plain token.
     #[test]
     fn only_a_post_is_a_grpc_call_and_odd_formats_are_not_echoed() {
-        let mut headers = HeaderMap::new();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/grpc+proto"),
-        );
-        let denial = || {
-            let mut response = Response::new(Bytes::from_static(br#"{"detail":"slow down"}"#));
-            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-            Box::new(response)
-        };
         assert_eq!(
-            fit(&Method::GET, &headers, denial()).status(),
+            fit(&Method::GET, &typed("application/grpc+proto"), denial()).status(),
             StatusCode::TOO_MANY_REQUESTS
         );
         // A format that is no plain token is not echoed; parameters never are.
@@ -337,8 +324,7 @@ mod tests {
             ("application/grpc-web+x/evil", "application/grpc-web"),
             ("application/grpc-web+x;evil=1", "application/grpc-web+x"),
         ] {
-            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(sent));
-            let answer = fit(&Method::POST, &headers, denial());
+            let answer = fit(&Method::POST, &typed(sent), denial());
             assert_eq!(answer.headers()["grpc-status"], "8");
             assert_eq!(answer.headers()[header::CONTENT_TYPE], answered, "{sent}");
         }

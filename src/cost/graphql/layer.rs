@@ -232,6 +232,39 @@ impl Config {
     }
 }
 
+impl<S: Clone> GraphqlCostService<S> {
+    /// The inner service, for a call that goes on after `call` returns; a clone stays.
+    fn take_inner(&mut self) -> S {
+        let clone = self.inner.clone();
+        std::mem::replace(&mut self.inner, clone)
+    }
+
+    /// Answers `request` as `cost` says, through `on_invalid` when it could not be
+    /// computed: the inner service's response with the cost, or a refusal.
+    fn answer<B, ResBody>(
+        &mut self,
+        request: Request<B>,
+        cost: Result<u64, CostError>,
+    ) -> BoxFuture<Result<Response<ResBody>, S::Error>>
+    where
+        S: Service<Request<B>, Response = Response<ResBody>> + Send + 'static,
+        S::Future: Send,
+        B: Send + 'static,
+        ResBody: ResponseBody,
+    {
+        match self.config.or_invalid(cost) {
+            Ok(cost) => {
+                let mut inner = self.take_inner();
+                Box::pin(async move { call_costed(&mut inner, request, cost).await })
+            }
+            Err(error) => {
+                let response = response::invalid_request(&error.to_string());
+                Box::pin(async move { Ok(response.map(ResBody::from_bytes)) })
+            }
+        }
+    }
+}
+
 impl<S, B, ResBody> Service<Request<B>> for GraphqlCostService<S>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -252,31 +285,23 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
+        let get = parts.method == Method::GET;
         // A HEAD runs the GET handler (axum routes it so): one that names an operation in
         // its URL is costed as that GET.
-        let head_as_get = parts.method == Method::HEAD && names_an_operation(&parts);
-        if parts.method == Method::GET || head_as_get {
+        let named = (get || parts.method == Method::HEAD) && names_an_operation(&parts);
+        if get || named {
             // A GET's operation is in its query string. A body, which a server might read
             // instead, is not handed on, nor the headers that frame it.
             drop(body);
             parts.headers.remove(header::CONTENT_LENGTH);
             parts.headers.remove(header::TRANSFER_ENCODING);
-            if !names_an_operation(&parts) {
+            if !named {
                 // Nothing to cost: the limiter further in charges its default.
                 let request = Request::from_parts(parts, B::from(Bytes::new()));
                 return Box::pin(self.inner.call(request));
             }
-            let cost = match self.config.or_invalid(self.config.get_cost(&parts)) {
-                Ok(cost) => cost,
-                Err(error) => {
-                    let response = response::invalid_request(&error.to_string());
-                    return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
-                }
-            };
-            let request = Request::from_parts(parts, B::from(Bytes::new()));
-            let clone = self.inner.clone();
-            let mut inner = std::mem::replace(&mut self.inner, clone);
-            return Box::pin(async move { call_costed(&mut inner, request, cost).await });
+            let cost = self.config.get_cost(&parts);
+            return self.answer(Request::from_parts(parts, B::from(Bytes::new())), cost);
         }
         let quiet = matches!(parts.method, Method::OPTIONS | Method::HEAD);
         if quiet && (body.is_end_stream() || body.size_hint().upper() == Some(0)) {
@@ -290,21 +315,10 @@ where
             // request is not costed by its body.
             let why = "a GraphQL request with a body must not carry the operation's \
                        query or variables in its URL: the server might run those instead";
-            match self.config.or_invalid(Err(CostError::Request(why.into()))) {
-                Ok(cost) => {
-                    let clone = self.inner.clone();
-                    let mut inner = std::mem::replace(&mut self.inner, clone);
-                    let request = Request::from_parts(parts, body);
-                    return Box::pin(async move { call_costed(&mut inner, request, cost).await });
-                }
-                Err(error) => {
-                    let response = response::invalid_request(&error.to_string());
-                    return Box::pin(async move { Ok(response.map(ResBody::from_bytes)) });
-                }
-            }
+            let cost = Err(CostError::Request(why.into()));
+            return self.answer(Request::from_parts(parts, body), cost);
         }
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = self.take_inner();
         let config = Arc::clone(&self.config);
         Box::pin(async move {
             let read = match Limited::new(body, config.max_body).collect().await {

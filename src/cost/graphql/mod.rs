@@ -447,15 +447,11 @@ impl<'a> Walk<'a> {
                 sized,
             );
             let cost = match self.costed.get(&memo) {
-                Some(&(cost, below)) => {
-                    self.reach(depth.saturating_add(below))?;
-                    cost
-                }
+                Some(&costed) => self.recall(costed, depth)?,
                 None => {
-                    let outer = std::mem::replace(&mut self.deepest, depth);
-                    let cost = self.selections_on(selections, Some(&memo.2), sized, depth);
-                    let below = self.deepest - depth;
-                    self.deepest = self.deepest.max(outer);
+                    let (cost, below) = self.measured(depth, |walk| {
+                        walk.selections_on(selections, Some(&memo.2), sized, depth)
+                    });
                     let cost = cost?;
                     self.costed.insert(memo, (cost, below));
                     cost
@@ -603,9 +599,8 @@ impl<'a> Walk<'a> {
         depth: usize,
     ) -> Result<u64, CostError> {
         let memo = (name, concrete.map(str::to_owned), sized);
-        if let Some(&(cost, below)) = self.done.get(&memo) {
-            self.reach(depth.saturating_add(below))?;
-            return Ok(cost);
+        if let Some(&done) = self.done.get(&memo) {
+            return self.recall(done, depth);
         }
         if self.visiting.contains(&name) {
             return Err(CostError::FragmentCycle(name.to_owned()));
@@ -620,13 +615,33 @@ impl<'a> Walk<'a> {
             }
         }
         self.visiting.push(name);
-        let outer = std::mem::replace(&mut self.deepest, depth);
-        let cost = self.selections_on(&fragment.selection_set, concrete, sized, depth + 1);
-        let below = self.deepest - depth;
-        self.deepest = self.deepest.max(outer);
+        let (cost, below) = self.measured(depth, |walk| {
+            walk.selections_on(&fragment.selection_set, concrete, sized, depth + 1)
+        });
         self.visiting.pop();
         let cost = cost?;
         self.done.insert(memo, (cost, below));
+        Ok(cost)
+    }
+
+    /// Runs `walk` from `depth` and says how many levels it went below `depth`, for a
+    /// memo: a cost remembered still counts its depth where it is reached again.
+    fn measured(
+        &mut self,
+        depth: usize,
+        walk: impl FnOnce(&mut Self) -> Result<u64, CostError>,
+    ) -> (Result<u64, CostError>, usize) {
+        let outer = std::mem::replace(&mut self.deepest, depth);
+        let cost = walk(self);
+        let below = self.deepest - depth;
+        self.deepest = self.deepest.max(outer);
+        (cost, below)
+    }
+
+    /// A remembered cost and how far below it went ([`Walk::measured`]), reached again
+    /// at `depth`.
+    fn recall(&mut self, (cost, below): (u64, usize), depth: usize) -> Result<u64, CostError> {
+        self.reach(depth.saturating_add(below))?;
         Ok(cost)
     }
 
