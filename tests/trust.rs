@@ -77,6 +77,7 @@ const UP: u8 = 0;
 const DOWN: u8 = 1;
 const HUNG: u8 = 2;
 const REFUSING: u8 = 3;
+const UNSUPPORTED: u8 = 4;
 
 impl Switch {
     fn new() -> Self {
@@ -107,6 +108,12 @@ impl Store for Switch {
             REFUSING => DecideFuture::new(async {
                 Err(StoreError::new(StoreErrorKind::Refused, "WRONGTYPE").with_code("WRONGTYPE"))
             }),
+            // Refused before any I/O, as the Redis store refuses a per-request policy it
+            // cannot decide exactly: the backend was never asked.
+            UNSUPPORTED => DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "this store cannot decide that policy",
+            ))),
             _ => {
                 let decision = self.inner.check(key.as_str(), policies, cost);
                 DecideFuture::new(async move { Ok(decision) })
@@ -1072,6 +1079,46 @@ async fn refusals_do_not_open_the_breaker() {
         );
     }
     assert_eq!(store.calls(), 10, "every request still asked the store");
+}
+
+// An error raised before the store was asked (a policy the store cannot decide, refused
+// without I/O) says nothing of the store: when the breaker's probe gets one, the breaker
+// must stay open, not send every request back to a store that is still down.
+#[tokio::test]
+async fn an_error_raised_without_asking_the_store_never_closes_the_breaker() {
+    let store = Switch::new();
+    let clock = tollgate::clock::ManualClock::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .circuit_breaker(
+                CircuitBreaker::new(3, Duration::from_secs(1)).with_clock(clock.clone()),
+            ),
+    );
+    store.set(DOWN);
+    for _ in 0..3 {
+        app.clone().oneshot(request("/", 1)).await.unwrap();
+    }
+    assert_eq!(store.calls(), 3);
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(store.calls(), 3, "three failures opened the breaker");
+    clock.advance(Duration::from_secs(1));
+    // The cool-down is over: the probe's request gets an error the store never saw.
+    store.set(UNSUPPORTED);
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(store.calls(), 4, "that request was the probe");
+    // The store is still down: of the next requests, one probes again (the last probe
+    // tested nothing) and fails; the rest skip the store.
+    store.set(DOWN);
+    for _ in 0..5 {
+        app.clone().oneshot(request("/", 1)).await.unwrap();
+    }
+    assert_eq!(
+        store.calls() - 4,
+        1,
+        "the unasked store's error closed the breaker: every request went back to it"
+    );
 }
 
 // A shaping bucket whose burst passes MAX_LIMIT is refused like any other quota.

@@ -20,7 +20,7 @@ use crate::failure::{Breaker, FailureMode, ProbeGuard};
 use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::settle::{Debit, Settle};
-use crate::store::StoreError;
+use crate::store::{StoreError, StoreErrorKind};
 use crate::telemetry;
 use headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
 use problem::{self as response, Rejection};
@@ -117,15 +117,27 @@ impl Responder {
     ) -> Plan {
         if let StoreAnswer::Failed(error) = answer {
             telemetry::store_error(error);
-            if error.kind().is_io() {
-                self.breaker.on_failure(error, probe);
-            } else {
+            match error.kind() {
+                StoreErrorKind::Unavailable | StoreErrorKind::Timeout => {
+                    self.breaker.on_failure(error, probe);
+                }
                 // The store answered, with a refusal that only this request's policies or
                 // data may cause: the failure mode answers this request, but it does not
-                // open the breaker for everyone.
-                self.breaker.on_success();
-                if let Some(probe) = probe {
-                    probe.report();
+                // open the breaker for everyone, and the store is reachable.
+                StoreErrorKind::Refused | StoreErrorKind::Protocol => {
+                    self.breaker.on_success();
+                    if let Some(probe) = probe {
+                        probe.report();
+                    }
+                }
+                // Raised before the store was asked (a policy it cannot decide) or by
+                // the layer's own plumbing: nothing is known of the store. The breaker
+                // stays as it is; a probe is released without a new cool-down, so the
+                // next request probes in its place.
+                StoreErrorKind::Unsupported | StoreErrorKind::Other => {
+                    if let Some(probe) = probe {
+                        probe.report();
+                    }
                 }
             }
         } else {
