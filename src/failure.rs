@@ -337,7 +337,9 @@ impl Drop for ProbeGuard {
         if !self.reported.load(Ordering::Relaxed)
             && self.breaker.probing.load(Ordering::Acquire) == self.ticket
         {
-            self.breaker.start_cool_down();
+            // Only while the breaker is open: another request's success may have closed
+            // it since the load above, and a dropped probe is no reason to open it.
+            self.breaker.renew_cool_down();
         }
         // Only this probe's own ticket is cleared: a newer probe keeps its flag.
         let _ = self.breaker.probing.compare_exchange(
@@ -479,11 +481,24 @@ impl Breaker {
 
     /// Opens the breaker (again) for one cool-down from now.
     fn start_cool_down(&self) {
+        self.open_until
+            .store(self.cool_down_end(), Ordering::Release);
+    }
+
+    /// The `open_until` of a cool-down that starts now.
+    fn cool_down_end(&self) -> u64 {
         let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
-        self.open_until.store(
-            self.clock.now().saturating_add(cool_down).saturating_add(1),
-            Ordering::Release,
-        );
+        self.clock.now().saturating_add(cool_down).saturating_add(1)
+    }
+
+    /// Starts a new cool-down if the breaker is still open; a closed breaker stays closed.
+    fn renew_cool_down(&self) {
+        let until = self.cool_down_end();
+        let _ = self
+            .open_until
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |current| {
+                (current != 0).then_some(until)
+            });
     }
 
     /// True while the store is failing or skipped.
@@ -564,6 +579,52 @@ mod tests {
         probe.report();
         drop(probe);
         assert!(matches!(breaker.admit(), Admission::Probe(_)));
+    }
+
+    // A dropped probe reads that it still holds the probe, then starts a cool-down. If
+    // another request's success closes the breaker in between (a request sent before the
+    // breaker opened, answered late), the dropped probe must not open it again.
+    #[test]
+    fn a_dropped_probe_never_reopens_a_breaker_closed_meanwhile() {
+        use std::sync::{OnceLock, Weak};
+
+        /// A manual clock that, once armed, lets the breaker's success land during its
+        /// next reading: the moment between the probe's check and its cool-down.
+        struct Interleaving {
+            clock: crate::clock::ManualClock,
+            breaker: OnceLock<Weak<Breaker>>,
+            armed: AtomicBool,
+        }
+        impl Clock for Interleaving {
+            fn now(&self) -> u64 {
+                if self.armed.swap(false, Ordering::SeqCst) {
+                    let breaker = self.breaker.get().and_then(Weak::upgrade).unwrap();
+                    breaker.on_success();
+                }
+                self.clock.now()
+            }
+        }
+        let clock = Arc::new(Interleaving {
+            clock: crate::clock::ManualClock::new(),
+            breaker: OnceLock::new(),
+            armed: AtomicBool::new(false),
+        });
+        let breaker = Arc::new(Breaker::new(
+            CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(Arc::clone(&clock)),
+        ));
+        clock.breaker.set(Arc::downgrade(&breaker)).unwrap();
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
+        clock.clock.advance(Duration::from_secs(1));
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("the cool-down is over: a probe")
+        };
+        clock.armed.store(true, Ordering::SeqCst);
+        drop(probe);
+        assert!(!clock.armed.load(Ordering::SeqCst), "the success landed");
+        assert!(
+            matches!(breaker.admit(), Admission::Call),
+            "the store answered: the breaker is closed, and a dropped probe reopened it"
+        );
     }
 
     // A request that called the store before the breaker opened can fail after a probe
