@@ -1121,6 +1121,116 @@ async fn an_error_raised_without_asking_the_store_never_closes_the_breaker() {
     );
 }
 
+// The single-valued styles (draft-6 `RateLimit-Reset`, GitHub's `X-RateLimit-Reset`)
+// report one quota and when it resets. An in-flight count never resets on a clock: while
+// a rate policy is shown beside it, the fields report the rate policy; when the in-flight
+// policy denies, its reset is no earlier than `Retry-After` (which is 1 s), not "now".
+#[tokio::test]
+async fn single_valued_headers_report_a_quota_that_resets_and_never_before_retry_after() {
+    for style in [HeaderStyle::Draft6, HeaderStyle::Legacy] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap())
+                .policy(Policy::concurrency("inflight", 1).unwrap())
+                .headers(style),
+        );
+        let (limit, remaining, reset) = match style {
+            HeaderStyle::Draft6 => ("ratelimit-limit", "ratelimit-remaining", "ratelimit-reset"),
+            _ => (
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+            ),
+        };
+        // Its body unread, the first response holds the only in-flight slot.
+        let held = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(held.status(), 200);
+        assert_eq!(
+            (
+                header(&held, limit).as_deref(),
+                header(&held, remaining).as_deref()
+            ),
+            (Some("100"), Some("99")),
+            "{style:?}: the fields report the rate policy, not the in-flight count"
+        );
+        let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(denied.status(), 429);
+        let retry: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+        assert_eq!(retry, 1);
+        assert_eq!(header(&denied, limit).as_deref(), Some("1"));
+        assert_eq!(header(&denied, remaining).as_deref(), Some("0"));
+        let reset: u64 = header(&denied, reset).unwrap().parse().unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let from_now = if style == HeaderStyle::Legacy {
+            reset.saturating_sub(now)
+        } else {
+            reset
+        };
+        assert!(
+            from_now >= retry,
+            "{style:?}: the quota resets in {from_now} s, but Retry-After says {retry} s"
+        );
+        drop(held);
+    }
+}
+
+// `header_jitter` spreads clients told to come back when a long window ends: the
+// draft-6 and legacy reset must carry the same jitter as `Retry-After`, or a client that
+// reads them comes back before it is let in, with all the others.
+#[tokio::test]
+async fn single_valued_resets_carry_the_jitter_of_retry_after() {
+    for style in [HeaderStyle::Draft6, HeaderStyle::Legacy] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("hourly", 1, Duration::from_secs(3600)).unwrap())
+                .key(tollgate::key::from_fn(|parts| {
+                    Ok(Key::new(parts.headers["x-who"].to_str().unwrap_or("?")))
+                }))
+                .headers(style)
+                .header_jitter(Duration::from_secs(60)),
+        );
+        let mut spread = std::collections::BTreeSet::new();
+        for who in 0..20 {
+            let request = || {
+                Request::get("/")
+                    .header("x-who", who.to_string())
+                    .body(Body::empty())
+                    .unwrap()
+            };
+            assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), 200);
+            let denied = app.clone().oneshot(request()).await.unwrap();
+            assert_eq!(denied.status(), 429);
+            let retry: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let reset = match style {
+                HeaderStyle::Draft6 => header(&denied, "ratelimit-reset"),
+                _ => header(&denied, "x-ratelimit-reset"),
+            };
+            let reset: u64 = reset.unwrap().parse().unwrap();
+            let from_now = if style == HeaderStyle::Legacy {
+                reset.saturating_sub(now)
+            } else {
+                reset
+            };
+            assert!(
+                from_now >= retry,
+                "{style:?}: reset in {from_now} s, Retry-After {retry} s"
+            );
+            spread.insert(from_now);
+        }
+        assert!(
+            spread.len() > 1,
+            "{style:?}: the reset was not spread: {spread:?}"
+        );
+    }
+}
+
 // A shaping bucket whose burst passes MAX_LIMIT is refused like any other quota.
 #[test]
 fn a_shaping_burst_beyond_the_limit_is_refused() {

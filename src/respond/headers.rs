@@ -17,7 +17,7 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// | style | fields |
 /// |---|---|
 /// | `Draft11` (default) | `RateLimit-Policy: "api";q=10;w=2` and `RateLimit: "api";r=7;t=1`, one list member per policy |
-/// | `Draft6` | `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (seconds) for the most restrictive policy |
+/// | `Draft6` | `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (seconds) for the most restrictive policy (see below) |
 /// | `Legacy` | `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (Unix time in seconds, as GitHub) |
 /// | `None` | no rate-limit fields (`Retry-After` is still sent on 429) |
 ///
@@ -27,8 +27,12 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// no more than `r` (for a bucket or GCRA, until the next unit arrives; for a fixed window,
 /// until it ends; for a sliding log, until its oldest entry leaves; for the sliding
 /// counter, until its estimate admits one more unit). `Reset` (draft-6, legacy) is the
-/// time until the quota is whole again. Seconds are rounded up; every integer is an
-/// RFC 9651 integer (at most 15 digits).
+/// time until the quota is whole again, never earlier than a denial's `Retry-After`.
+/// Seconds are rounded up; every integer is an RFC 9651 integer (at most 15 digits).
+///
+/// The single-valued styles report the policy that denied, else the one with the fewest
+/// units left; an in-flight policy only when it denied or nothing else is shown, since a
+/// count of requests in progress has no reset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum HeaderStyle {
@@ -300,6 +304,15 @@ pub(crate) enum HeaderBlock {
 }
 
 impl HeaderBlock {
+    /// A denial's single-valued reset, moved no earlier than its `Retry-After`: a client
+    /// that waits for the reset must not come back before it is let in.
+    pub(crate) fn reset_no_earlier_than(&mut self, retry_after_secs: u64) {
+        if let HeaderBlock::Single { legacy, reset, .. } = self {
+            let floor = reset_field(*legacy, Duration::from_secs(retry_after_secs));
+            *reset = (*reset).max(floor);
+        }
+    }
+
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
         match self {
             HeaderBlock::Empty => {}
@@ -345,16 +358,48 @@ static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-rese
 
 /// The policy a single-valued style reports: the one that denied, else the one with the
 /// fewest units left (the longest reset on a tie).
-fn most_restrictive(decision: &Decision, shown: impl Fn(usize) -> bool) -> Option<usize> {
+///
+/// An in-flight policy is reported only when it denied or nothing else is shown: these
+/// styles tell when a quota resets, and a count of requests in progress never resets on a
+/// clock (its slots come back as requests end).
+fn most_restrictive(
+    decision: &Decision,
+    policies: &PolicySet,
+    shown: impl Fn(&Policy) -> bool,
+) -> Option<usize> {
     match decision.outcome() {
         Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. } => Some(policy),
-        _ => decision
-            .statuses()
-            .iter()
-            .enumerate()
-            .filter(|(index, _)| shown(*index))
-            .min_by(|(_, a), (_, b)| a.remaining.cmp(&b.remaining).then(b.reset.cmp(&a.reset)))
-            .map(|(index, _)| index),
+        _ => {
+            let fewest_left = |rated: bool| {
+                decision
+                    .statuses()
+                    .iter()
+                    .enumerate()
+                    .filter(|(index, _)| {
+                        policies.get(*index).is_some_and(|policy| {
+                            shown(policy) && (!rated || !policy.params().is_in_flight())
+                        })
+                    })
+                    .min_by(|(_, a), (_, b)| {
+                        a.remaining.cmp(&b.remaining).then(b.reset.cmp(&a.reset))
+                    })
+                    .map(|(index, _)| index)
+            };
+            fewest_left(true).or_else(|| fewest_left(false))
+        }
+    }
+}
+
+/// A reset `after` from now, in the style's unit: seconds from now, or (legacy) the Unix
+/// time in seconds, rounded up.
+fn reset_field(legacy: bool, after: Duration) -> u64 {
+    if legacy {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        seconds_ceil(now.saturating_add(after))
+    } else {
+        seconds_ceil(after)
     }
 }
 
@@ -420,25 +465,19 @@ pub(crate) fn rate_limit_headers(
             }
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
-            let Some(status) = most_restrictive(decision, |index| shown(&policies[index]))
-                .and_then(|index| statuses.get(index))
+            let Some(status) =
+                most_restrictive(decision, policies, shown).and_then(|index| statuses.get(index))
             else {
                 return HeaderBlock::Empty;
             };
             let legacy = options.style == HeaderStyle::Legacy;
-            let reset = if legacy {
-                let now = SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .unwrap_or_default();
-                seconds_ceil(now + status.reset)
-            } else {
-                seconds_ceil(status.reset)
-            };
+            // Long resets carry the response's jitter, as `t` and `Retry-After` do.
+            let after = Duration::from_secs(effective_secs(status.reset, extra));
             HeaderBlock::Single {
                 legacy,
                 limit: status.limit,
                 remaining: status.remaining,
-                reset,
+                reset: reset_field(legacy, after),
             }
         }
     }

@@ -267,6 +267,8 @@ impl Responder {
             .headers_mut()
             .entry(header::RETRY_AFTER)
             .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
+        let mut headers = headers;
+        headers.reset_no_earlier_than(rejection.retry_after_secs());
         headers.apply(response.headers_mut());
         Plan::Respond(Box::new(response))
     }
