@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::cell::RefCell;
 
 use bytes::BytesMut;
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue, header};
 
 use crate::decision::{Decision, Outcome};
 use crate::policy::{Policy, PolicySet, QuotaUnit};
@@ -45,6 +45,48 @@ pub enum HeaderStyle {
     Legacy,
     /// No rate-limit header fields.
     None,
+}
+
+impl HeaderStyle {
+    /// The response fields this style writes, `Retry-After` included (sent on denials
+    /// whatever the style). A browser-facing API names them in CORS's
+    /// `Access-Control-Expose-Headers`: none of them is CORS-safelisted, so without it a
+    /// page's script sees a 429 but not when to come back.
+    ///
+    /// ```
+    /// use tollgate::HeaderStyle;
+    ///
+    /// let names: Vec<&str> = HeaderStyle::Draft11.field_names().iter().map(|n| n.as_str()).collect();
+    /// assert_eq!(names, ["ratelimit-policy", "ratelimit", "retry-after"]);
+    /// assert_eq!(HeaderStyle::None.field_names().len(), 1);
+    /// // With tower-http: CorsLayer::new().expose_headers(style.field_names().to_vec())
+    /// ```
+    pub fn field_names(self) -> &'static [HeaderName] {
+        static DRAFT11: [HeaderName; 3] = [
+            HeaderName::from_static("ratelimit-policy"),
+            HeaderName::from_static("ratelimit"),
+            header::RETRY_AFTER,
+        ];
+        static DRAFT6: [HeaderName; 4] = [
+            HeaderName::from_static("ratelimit-limit"),
+            HeaderName::from_static("ratelimit-remaining"),
+            HeaderName::from_static("ratelimit-reset"),
+            header::RETRY_AFTER,
+        ];
+        static LEGACY: [HeaderName; 4] = [
+            HeaderName::from_static("x-ratelimit-limit"),
+            HeaderName::from_static("x-ratelimit-remaining"),
+            HeaderName::from_static("x-ratelimit-reset"),
+            header::RETRY_AFTER,
+        ];
+        static NONE: [HeaderName; 1] = [header::RETRY_AFTER];
+        match self {
+            HeaderStyle::Draft11 => &DRAFT11,
+            HeaderStyle::Draft6 => &DRAFT6,
+            HeaderStyle::Legacy => &LEGACY,
+            HeaderStyle::None => &NONE,
+        }
+    }
 }
 
 /// Whole seconds, rounded up: a client told `t=0` would come back too early. (Seconds and
