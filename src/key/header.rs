@@ -16,7 +16,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
-/// credentials after the scheme keep their case).
+/// credentials after the scheme keep their case). `Basic` credentials are keyed by their
+/// user-id alone: every password tried for one account spends that account's bucket, and
+/// no password is hashed into a key.
 ///
 /// ```
 /// use http::Request;
@@ -244,8 +246,38 @@ fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
         None => scheme.to_ascii_lowercase(),
     };
     out.push(b' ');
-    out.extend_from_slice(rest);
+    match basic_user(&out, rest) {
+        Some(user) => {
+            out.extend_from_slice(&user);
+            out.push(b':');
+        }
+        None => out.extend_from_slice(rest),
+    }
     std::borrow::Cow::Owned(out)
+}
+
+/// The user-id of `Basic` credentials (RFC 7617, section 2: base64 of `user-id ":"
+/// password`, the user-id without a colon), so that a credential is keyed by its account
+/// and never by its password: every password guessed for one account spends that
+/// account's bucket, and no password is hashed into a key. Padding and trailing bits are
+/// not checked (servers differ). `None` for another scheme, or credentials that hold no
+/// user-id.
+fn basic_user(scheme: &[u8], credentials: &[u8]) -> Option<Vec<u8>> {
+    use base64::Engine;
+    use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+            .with_decode_allow_trailing_bits(true),
+    );
+    if scheme != b"Basic " {
+        return None;
+    }
+    let mut decoded = LENIENT.decode(credentials).ok()?;
+    let colon = decoded.iter().position(|&byte| byte == b':')?;
+    decoded.truncate(colon);
+    Some(decoded)
 }
 
 #[cfg(test)]
@@ -309,6 +341,84 @@ mod tests {
         assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
     }
 
+    /// `Basic` credentials are keyed by their user-id, never by the password: each wrong
+    /// password guessed for one account must spend that account's bucket (keyed by the
+    /// whole credential, every guess had a fresh one, and guessing was never limited),
+    /// and a password must not be hashed into a key a store dump shows, where an
+    /// unsalted hash can be checked against a list of common passwords. RFC 7617,
+    /// section 2: `user-pass = user-id ":" password`, the user-id without a colon; the
+    /// padding of base64 is not checked, as servers differ.
+    #[test]
+    fn basic_credentials_are_keyed_by_their_user_not_their_password() {
+        use base64::Engine;
+        let key = HeaderKey::new("authorization");
+        let basic = |scheme: &str, user_pass: &str| {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(user_pass);
+            let request = Request::get("/")
+                .header("authorization", format!("{scheme} {encoded}"))
+                .body(())
+                .unwrap();
+            key.extract(&request.into_parts().0).unwrap()
+        };
+        let alice = basic("Basic", "alice:correct horse");
+        for guess in [
+            "alice:123456",
+            "alice:",
+            "alice:pass:word",
+            "alice:correct horse ",
+        ] {
+            assert_eq!(basic("Basic", guess), alice, "{guess}");
+        }
+        assert_eq!(
+            basic("basic", "alice:letmein"),
+            alice,
+            "the scheme in any case"
+        );
+        assert_ne!(basic("Basic", "bob:correct horse"), alice);
+        assert_ne!(
+            basic("Basic", "Alice:correct horse"),
+            alice,
+            "user-ids keep their case"
+        );
+        // Unpadded, as some clients send it: the same user.
+        let request = Request::get("/")
+            .header("authorization", "Basic YWxpY2U6eA")
+            .body(())
+            .unwrap();
+        assert_eq!(key.extract(&request.into_parts().0).unwrap(), alice);
+        // What the key is made of holds no password: the user-id alone, salted as asked.
+        assert_eq!(
+            alice,
+            Key::hashed_with_salt("authorization", &[], b"Basic alice:")
+        );
+        let salted = key.clone().salt("pepper");
+        let request = Request::get("/")
+            .header("authorization", "Basic YWxpY2U6eA==")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            salted.extract(&request.into_parts().0).unwrap(),
+            Key::hashed_with_salt("authorization", b"pepper", b"Basic alice:")
+        );
+        // Not base64, or no colon: no user-id to read, so the value is the key, as for
+        // any other credential (an auth layer refuses it anyway).
+        let raw = |value: &str| {
+            let request = Request::get("/")
+                .header("authorization", value)
+                .body(())
+                .unwrap();
+            key.extract(&request.into_parts().0).unwrap()
+        };
+        assert_eq!(
+            raw("Basic not*base64"),
+            Key::hashed_with_salt("authorization", &[], b"Basic not*base64")
+        );
+        assert_eq!(
+            raw("Basic YWxpY2U="),
+            Key::hashed_with_salt("authorization", &[], b"Basic YWxpY2U=")
+        );
+    }
+
     /// `Authorization` names one credential however its scheme is spelt: the scheme is
     /// case-insensitive (RFC 9110, section 11.1) and the space after it is `1*SP`
     /// (section 11.4), so an auth layer that accepts `bearer`, `BEARER` or two spaces
@@ -349,10 +459,6 @@ mod tests {
         assert_eq!(
             bearer,
             Key::hashed_with_salt("authorization", &[], b"Bearer abcDEF")
-        );
-        assert_eq!(
-            extract(b"basic dXNlcjpwYXNz"),
-            Key::hashed_with_salt("authorization", &[], b"Basic dXNlcjpwYXNz")
         );
         // A value with no scheme (a bare API key) is not a scheme: it keeps its case.
         assert_ne!(extract(b"AbC123"), extract(b"abc123"));
