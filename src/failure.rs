@@ -396,7 +396,8 @@ impl Breaker {
         if until == 0 {
             return Admission::Call;
         }
-        if self.clock.now().saturating_add(1) < until {
+        let now = self.clock.now().saturating_add(1);
+        if now < until {
             return Admission::Skip;
         }
         if self.probing.load(Ordering::Relaxed) != 0 {
@@ -408,6 +409,14 @@ impl Breaker {
             .probing
             .compare_exchange(0, ticket, Ordering::AcqRel, Ordering::Relaxed)
         {
+            // The cool-down read above may have been renewed since (the probe before
+            // failed and freed the flag): read again, now the flag is this request's.
+            Ok(_) if now < self.open_until.load(Ordering::Acquire) => {
+                let _ =
+                    self.probing
+                        .compare_exchange(ticket, 0, Ordering::AcqRel, Ordering::Relaxed);
+                Admission::Skip
+            }
             Ok(_) => Admission::Probe(ProbeGuard {
                 breaker: Arc::clone(self),
                 ticket,
@@ -581,50 +590,97 @@ mod tests {
         assert!(matches!(breaker.admit(), Admission::Probe(_)));
     }
 
+    /// A manual clock that, once armed, runs an action during its next reading: another
+    /// request's step landing at that moment of this request's (the breaker reads the
+    /// clock between the steps a race would fall between).
+    struct Interleaving {
+        clock: crate::clock::ManualClock,
+        action: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    }
+
+    impl Clock for Interleaving {
+        fn now(&self) -> u64 {
+            let action = self.action.lock().unwrap().take();
+            if let Some(action) = action {
+                action();
+            }
+            self.clock.now()
+        }
+    }
+
+    impl Interleaving {
+        /// A breaker on this clock, open after one failure for a cool-down of a second.
+        fn breaker() -> (Arc<Self>, Arc<Breaker>) {
+            let clock = Arc::new(Interleaving {
+                clock: crate::clock::ManualClock::new(),
+                action: Mutex::new(None),
+            });
+            let breaker = Arc::new(Breaker::new(
+                CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(Arc::clone(&clock)),
+            ));
+            (clock, breaker)
+        }
+
+        fn at_next_reading(&self, action: impl FnOnce() + Send + 'static) {
+            *self.action.lock().unwrap() = Some(Box::new(action));
+        }
+
+        fn landed(&self) -> bool {
+            self.action.lock().unwrap().is_none()
+        }
+    }
+
     // A dropped probe reads that it still holds the probe, then starts a cool-down. If
     // another request's success closes the breaker in between (a request sent before the
     // breaker opened, answered late), the dropped probe must not open it again.
     #[test]
     fn a_dropped_probe_never_reopens_a_breaker_closed_meanwhile() {
-        use std::sync::{OnceLock, Weak};
-
-        /// A manual clock that, once armed, lets the breaker's success land during its
-        /// next reading: the moment between the probe's check and its cool-down.
-        struct Interleaving {
-            clock: crate::clock::ManualClock,
-            breaker: OnceLock<Weak<Breaker>>,
-            armed: AtomicBool,
-        }
-        impl Clock for Interleaving {
-            fn now(&self) -> u64 {
-                if self.armed.swap(false, Ordering::SeqCst) {
-                    let breaker = self.breaker.get().and_then(Weak::upgrade).unwrap();
-                    breaker.on_success();
-                }
-                self.clock.now()
-            }
-        }
-        let clock = Arc::new(Interleaving {
-            clock: crate::clock::ManualClock::new(),
-            breaker: OnceLock::new(),
-            armed: AtomicBool::new(false),
-        });
-        let breaker = Arc::new(Breaker::new(
-            CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(Arc::clone(&clock)),
-        ));
-        clock.breaker.set(Arc::downgrade(&breaker)).unwrap();
+        let (clock, breaker) = Interleaving::breaker();
         breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
         clock.clock.advance(Duration::from_secs(1));
         let Admission::Probe(probe) = breaker.admit() else {
             panic!("the cool-down is over: a probe")
         };
-        clock.armed.store(true, Ordering::SeqCst);
+        let other = Arc::clone(&breaker);
+        clock.at_next_reading(move || other.on_success());
         drop(probe);
-        assert!(!clock.armed.load(Ordering::SeqCst), "the success landed");
+        assert!(clock.landed(), "the success landed");
         assert!(
             matches!(breaker.admit(), Admission::Call),
             "the store answered: the breaker is closed, and a dropped probe reopened it"
         );
+    }
+
+    // A request reads that the cool-down is over; before it takes the probe, the probe in
+    // flight fails, starts a new cool-down and frees the flag. The request must not probe
+    // during the new cool-down.
+    #[test]
+    fn no_probe_starts_within_the_cool_down_a_failed_probe_began() {
+        let (clock, breaker) = Interleaving::breaker();
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
+        clock.clock.advance(Duration::from_secs(1));
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("the cool-down is over: a probe")
+        };
+        let other = Arc::clone(&breaker);
+        clock.at_next_reading(move || {
+            other.on_failure(
+                &StoreError::new(StoreErrorKind::Timeout, "still down"),
+                Some(&probe),
+            );
+            drop(probe);
+        });
+        let admitted = breaker.admit();
+        assert!(
+            clock.landed(),
+            "the probe failed while this request was admitted"
+        );
+        assert!(
+            matches!(admitted, Admission::Skip),
+            "a second probe started at once, inside the new cool-down: {admitted:?}"
+        );
+        clock.clock.advance(Duration::from_secs(1));
+        assert!(matches!(breaker.admit(), Admission::Probe(_)));
     }
 
     // A request that called the store before the breaker opened can fail after a probe

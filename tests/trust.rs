@@ -1177,6 +1177,67 @@ async fn single_valued_headers_report_a_quota_that_resets_and_never_before_retry
     }
 }
 
+// An `on_deny` hook may set its own `Retry-After` (a longer wait for a penalty): the layer
+// keeps it, and the single-valued reset must then not be earlier than it either.
+#[tokio::test]
+async fn a_hooks_retry_after_is_the_floor_of_the_reset() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("api", 1, Rate::per_second(1)).unwrap())
+            .headers(HeaderStyle::Draft6)
+            .on_deny(|_: &tollgate::Rejection<'_>| {
+                http::Response::builder()
+                    .status(429)
+                    .header("retry-after", "600")
+                    .body(bytes::Bytes::from_static(b"slow down"))
+                    .unwrap()
+            }),
+    );
+    assert_eq!(
+        app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+        200
+    );
+    let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(denied.status(), 429);
+    assert_eq!(header(&denied, "retry-after").as_deref(), Some("600"));
+    let reset: u64 = header(&denied, "ratelimit-reset").unwrap().parse().unwrap();
+    assert!(
+        reset >= 600,
+        "RateLimit-Reset {reset} beside Retry-After 600"
+    );
+}
+
+// The legacy reset is the Unix time the quota is whole again, rounded up once: now plus a
+// reset of a fraction of a second is the next second, not the one after.
+#[tokio::test]
+async fn the_legacy_reset_is_rounded_up_once() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .headers(HeaderStyle::Legacy),
+    );
+    for _ in 0..50 {
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        let after = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        let reset: u64 = header(&response, "x-ratelimit-reset")
+            .unwrap()
+            .parse()
+            .unwrap();
+        // One unit spent at 1,000/s: whole again 1 ms after the decision.
+        let latest = (after + Duration::from_millis(1)).as_secs_f64().ceil() as u64;
+        let earliest = (before + Duration::from_millis(1)).as_secs_f64().ceil() as u64;
+        assert!(
+            (earliest..=latest).contains(&reset),
+            "reset {reset}, expected {earliest}..={latest}"
+        );
+    }
+}
+
 // `header_jitter` spreads clients told to come back when a long window ends: the
 // draft-6 and legacy reset must carry the same jitter as `Retry-After`, or a client that
 // reads them comes back before it is let in, with all the others.

@@ -513,8 +513,13 @@ pub(crate) fn rate_limit_headers(
                 return HeaderBlock::Empty;
             };
             let legacy = options.style == HeaderStyle::Legacy;
-            // Long resets carry the response's jitter, as `t` and `Retry-After` do.
-            let after = Duration::from_secs(effective_secs(status.reset, extra));
+            // Long resets carry the response's jitter, as `t` and `Retry-After` do. Kept
+            // to the nanosecond: the field rounds up once.
+            let after = if extra > 0 && status.reset >= JITTER_FROM {
+                status.reset.saturating_add(Duration::from_secs(extra))
+            } else {
+                status.reset
+            };
             HeaderBlock::Single {
                 legacy,
                 limit: status.limit,

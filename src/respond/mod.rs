@@ -267,8 +267,15 @@ impl Responder {
             .headers_mut()
             .entry(header::RETRY_AFTER)
             .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
+        // The reset is no earlier than the `Retry-After` sent: ours, or the hook's own
+        // when it wrote one in seconds.
+        let retry_after_sent = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+            .unwrap_or_else(|| rejection.retry_after_secs());
         let mut headers = headers;
-        headers.reset_no_earlier_than(rejection.retry_after_secs());
+        headers.reset_no_earlier_than(retry_after_sent);
         headers.apply(response.headers_mut());
         Plan::Respond(Box::new(response))
     }

@@ -430,6 +430,12 @@ pub enum StoreErrorKind {
     /// the layer is built; seen at request time only with per-request policies).
     Unsupported,
     /// Anything else.
+    ///
+    /// Of the kinds, only `Unavailable` and `Timeout` open the layer's circuit breaker,
+    /// and a decision or a `Refused` or `Protocol` answer closes it; `Unsupported` and
+    /// `Other` say nothing of the store and leave it as it is. A store of your own should
+    /// therefore report a connection that failed as `Unavailable` or `Timeout`, not as
+    /// `Other`.
     Other,
 }
 
