@@ -16,9 +16,10 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
-/// credentials after the scheme keep their case). `Basic` credentials are keyed by their
-/// user-id alone: every password tried for one account spends that account's bucket, and
-/// no password is hashed into a key.
+/// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
+/// password included, like any other: set a [`salt`](HeaderKey::salt) so a store dump
+/// cannot be checked against lists of common passwords, and see
+/// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account.
 ///
 /// ```
 /// use http::Request;
@@ -108,6 +109,7 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 pub struct HeaderKey {
     name: HeaderName,
     salt: Vec<u8>,
+    basic_user_id: bool,
 }
 
 impl HeaderKey {
@@ -155,6 +157,7 @@ impl HeaderKey {
         Self {
             name,
             salt: Vec::new(),
+            basic_user_id: false,
         }
     }
 
@@ -167,6 +170,40 @@ impl HeaderKey {
     /// against a list of candidate keys. Every replica must use the same salt.
     pub fn salt(mut self, salt: impl Into<Vec<u8>>) -> Self {
         self.salt = salt.into();
+        self
+    }
+
+    /// Keys `Basic` credentials (RFC 7617) of `Authorization` or `Proxy-Authorization`
+    /// by their user-id alone, not the whole credential: every password tried for one
+    /// account then spends that account's bucket, where by default each guess is a new
+    /// key (and its hash holds the password). A `Basic` value that is not base64 of
+    /// `user-id:password` is an invalid key (400), not a bucket of its own. Base64
+    /// padding is not checked; user-ids keep their case, so where your server matches
+    /// them case-insensitively, fold them first in a [`from_fn`](super::from_fn) key.
+    ///
+    /// For limits on guessing, not for a client's whole budget: anyone who knows a
+    /// user-id can spend its bucket, without the password, and lock that account out.
+    /// Pair it with a per-IP limit, and charge only failures (with
+    /// [`Settle::reserved`](crate::settle::Settle::reserved) and `refund_if` on every
+    /// status but `401`). Never where the user-id is fixed and the password is a token
+    /// (`api:<key>`, `x-access-token:<token>`): every client would share one bucket.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tollgate::key::{HeaderKey, KeyExtractor};
+    ///
+    /// let by_account = HeaderKey::new("authorization").basic_user_id();
+    /// let key = |credentials: &str| {
+    ///     let request = Request::get("/").header("authorization", credentials).body(()).unwrap();
+    ///     by_account.extract(&request.into_parts().0)
+    /// };
+    /// // alice:hunter2 and alice:letmein: one account, one bucket.
+    /// assert_eq!(key("Basic YWxpY2U6aHVudGVyMg==")?, key("Basic YWxpY2U6bGV0bWVpbg==")?);
+    /// assert!(key("Basic not-base64!").is_err());
+    /// # Ok::<(), tollgate::key::KeyError>(())
+    /// ```
+    pub fn basic_user_id(mut self) -> Self {
+        self.basic_user_id = true;
         self
     }
 }
@@ -200,6 +237,24 @@ impl KeyExtractor for HeaderKey {
             || self.name == http::header::PROXY_AUTHORIZATION
         {
             let credentials = credentials(value);
+            if self.basic_user_id {
+                if let Some(encoded) = credentials.strip_prefix(b"Basic ") {
+                    let Some(mut account) = basic_user(encoded) else {
+                        return Err(KeyError::client(format!(
+                            "{} holds Basic credentials that are not base64 of \
+                             user-id:password",
+                            self.name
+                        )));
+                    };
+                    account.splice(0..0, b"Basic ".iter().copied());
+                    account.push(b':');
+                    return Ok(Key::hashed_with_salt(
+                        self.name.as_str(),
+                        &self.salt,
+                        &account,
+                    ));
+                }
+            }
             return Ok(Key::hashed_with_salt(
                 self.name.as_str(),
                 &self.salt,
@@ -246,23 +301,15 @@ fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
         None => scheme.to_ascii_lowercase(),
     };
     out.push(b' ');
-    match basic_user(&out, rest) {
-        Some(user) => {
-            out.extend_from_slice(&user);
-            out.push(b':');
-        }
-        None => out.extend_from_slice(rest),
-    }
+    out.extend_from_slice(rest);
     std::borrow::Cow::Owned(out)
 }
 
 /// The user-id of `Basic` credentials (RFC 7617, section 2: base64 of `user-id ":"
-/// password`, the user-id without a colon), so that a credential is keyed by its account
-/// and never by its password: every password guessed for one account spends that
-/// account's bucket, and no password is hashed into a key. Padding and trailing bits are
-/// not checked (servers differ). `None` for another scheme, or credentials that hold no
-/// user-id.
-fn basic_user(scheme: &[u8], credentials: &[u8]) -> Option<Vec<u8>> {
+/// password`, the user-id without a colon). Padding and trailing bits are not checked
+/// (servers differ), so every spelling of one credential names one user-id. `None` for
+/// credentials that are not base64 or hold no colon.
+fn basic_user(credentials: &[u8]) -> Option<Vec<u8>> {
     use base64::Engine;
     use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
     const LENIENT: GeneralPurpose = GeneralPurpose::new(
@@ -271,9 +318,6 @@ fn basic_user(scheme: &[u8], credentials: &[u8]) -> Option<Vec<u8>> {
             .with_decode_padding_mode(DecodePaddingMode::Indifferent)
             .with_decode_allow_trailing_bits(true),
     );
-    if scheme != b"Basic " {
-        return None;
-    }
     let mut decoded = LENIENT.decode(credentials).ok()?;
     let colon = decoded.iter().position(|&byte| byte == b':')?;
     decoded.truncate(colon);
@@ -341,24 +385,27 @@ mod tests {
         assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
     }
 
-    /// `Basic` credentials are keyed by their user-id, never by the password: each wrong
-    /// password guessed for one account must spend that account's bucket (keyed by the
-    /// whole credential, every guess had a fresh one, and guessing was never limited),
-    /// and a password must not be hashed into a key a store dump shows, where an
-    /// unsalted hash can be checked against a list of common passwords. RFC 7617,
-    /// section 2: `user-pass = user-id ":" password`, the user-id without a colon; the
-    /// padding of base64 is not checked, as servers differ.
+    /// With `basic_user_id`, `Basic` credentials are keyed by their user-id, never by the
+    /// password: each wrong password guessed for one account spends that account's
+    /// bucket (keyed by the whole credential, every guess has a fresh one), and no
+    /// password is hashed into a key a store dump shows. RFC 7617, section 2:
+    /// `user-pass = user-id ":" password`, the user-id without a colon. Every spelling of
+    /// one credential names one user-id, and a value that names none is refused, so no
+    /// variation of a guess gets a bucket of its own.
     #[test]
-    fn basic_credentials_are_keyed_by_their_user_not_their_password() {
+    fn basic_credentials_can_be_keyed_by_their_user_not_their_password() {
         use base64::Engine;
-        let key = HeaderKey::new("authorization");
-        let basic = |scheme: &str, user_pass: &str| {
-            let encoded = base64::engine::general_purpose::STANDARD.encode(user_pass);
+        let key = HeaderKey::new("authorization").basic_user_id();
+        let raw = |key: &HeaderKey, value: &str| {
             let request = Request::get("/")
-                .header("authorization", format!("{scheme} {encoded}"))
+                .header("authorization", value)
                 .body(())
                 .unwrap();
-            key.extract(&request.into_parts().0).unwrap()
+            key.extract(&request.into_parts().0)
+        };
+        let basic = |scheme: &str, user_pass: &str| {
+            let encoded = base64::engine::general_purpose::STANDARD.encode(user_pass);
+            raw(&key, &format!("{scheme} {encoded}")).unwrap()
         };
         let alice = basic("Basic", "alice:correct horse");
         for guess in [
@@ -380,42 +427,41 @@ mod tests {
             alice,
             "user-ids keep their case"
         );
-        // Unpadded, as some clients send it: the same user.
-        let request = Request::get("/")
-            .header("authorization", "Basic YWxpY2U6eA")
-            .body(())
-            .unwrap();
-        assert_eq!(key.extract(&request.into_parts().0).unwrap(), alice);
+        // Unpadded, or with other trailing bits, as some clients send it: the same user.
+        assert_eq!(raw(&key, "Basic YWxpY2U6eA").unwrap(), alice);
+        assert_eq!(raw(&key, "Basic YWxpY2U6eB==").unwrap(), alice);
         // What the key is made of holds no password: the user-id alone, salted as asked.
         assert_eq!(
             alice,
             Key::hashed_with_salt("authorization", &[], b"Basic alice:")
         );
-        let salted = key.clone().salt("pepper");
-        let request = Request::get("/")
-            .header("authorization", "Basic YWxpY2U6eA==")
-            .body(())
-            .unwrap();
         assert_eq!(
-            salted.extract(&request.into_parts().0).unwrap(),
+            raw(&key.clone().salt("pepper"), "Basic YWxpY2U6eA==").unwrap(),
             Key::hashed_with_salt("authorization", b"pepper", b"Basic alice:")
         );
-        // Not base64, or no colon: no user-id to read, so the value is the key, as for
-        // any other credential (an auth layer refuses it anyway).
-        let raw = |value: &str| {
-            let request = Request::get("/")
-                .header("authorization", value)
-                .body(())
-                .unwrap();
-            key.extract(&request.into_parts().0).unwrap()
-        };
+        // No user-id to read: refused, never a bucket of its own (a lenient server may
+        // read `YWxpY2U6eA==` and ignore what follows, or drop what is not base64).
+        for bad in [
+            "Basic not*base64",
+            "Basic YWxpY2U=",
+            "Basic YWxpY2U6eA==junk",
+            "Basic YWxp!Y2U6eA==",
+            "Basic alice:hunter2",
+        ] {
+            let error = raw(&key, bad).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");
+            assert!(!error.is_missing(), "{bad}");
+        }
+        // Other schemes are keyed whole, as without the option.
+        let plain = HeaderKey::new("authorization");
         assert_eq!(
-            raw("Basic not*base64"),
-            Key::hashed_with_salt("authorization", &[], b"Basic not*base64")
+            raw(&key, "Bearer abc").unwrap(),
+            raw(&plain, "Bearer abc").unwrap()
         );
-        assert_eq!(
-            raw("Basic YWxpY2U="),
-            Key::hashed_with_salt("authorization", &[], b"Basic YWxpY2U=")
+        // Without the option, `Basic` credentials are keyed whole, as before.
+        assert_ne!(
+            raw(&plain, "Basic YWxpY2U6eA==").unwrap(),
+            raw(&plain, "Basic YWxpY2U6eQ==").unwrap()
         );
     }
 
@@ -453,6 +499,10 @@ mod tests {
             "the token keeps its case"
         );
         assert_ne!(extract(b"Basic abcDEF"), bearer, "another scheme");
+        assert_eq!(
+            extract(b"basic dXNlcjpwYXNz"),
+            Key::hashed_with_salt("authorization", &[], b"Basic dXNlcjpwYXNz")
+        );
         // The registered spelling keeps the key it had before the scheme was read
         // case-insensitively (no bucket starts over on upgrade, no rolling deploy counts
         // one client in two buckets).
