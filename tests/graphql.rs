@@ -555,6 +555,85 @@ mod http {
         }
     }
 
+    /// Some servers split a URL's parameters on `;` as well as `&` (Rack before 3, Go
+    /// before 1.17, the HTML 4 recommendation): `?query={ a }#;query={ expensive }` reads
+    /// there as two `query` parameters, the last one run, and here as one query whose
+    /// `#` comments the rest out. A `;` left raw in a URL that names an operation (clients
+    /// escape it: `%3B`) is refused, and a parameter hidden behind one counts as given.
+    #[tokio::test]
+    async fn parameters_split_on_semicolons_are_not_a_way_around_the_cost() {
+        use http::Method;
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let cases: &[(Method, &str, &str, StatusCode, Option<&str>)] = &[
+            // `{ a }#;query={ a { b { c } } }`
+            (
+                Method::GET,
+                "/graphql?query=%7B%20a%20%7D%23;query=%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D",
+                "",
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+            // The operation only behind a `;`: not the IDE page, so costed (refused).
+            (
+                Method::GET,
+                "/graphql?x=1;query=%7B%20a%20%7B%20b%20%7D%20%7D",
+                "",
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+            // A POST whose URL hides a query behind a `;`.
+            (
+                Method::POST,
+                "/graphql?x=1;query=%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D",
+                r#"{"query":"{ a }"}"#,
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+            // Another operation named behind a `;`.
+            (
+                Method::POST,
+                "/graphql?x=1;operationName=B",
+                r#"{"query":"query A { a } query B { a { b } }","operationName":"A"}"#,
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+            // Escaped, a `;` is part of a value: costed as usual.
+            (
+                Method::GET,
+                "/graphql?query=%7B%20a%20%7B%20b%20%7D%20%7D%23%3B",
+                "",
+                StatusCode::OK,
+                Some("1"),
+            ),
+            // An application's own parameters with a `;` and no operation: not GraphQL's.
+            (
+                Method::POST,
+                "/graphql?tenant=7;region=eu",
+                r#"{"query":"{ a { b } }"}"#,
+                StatusCode::OK,
+                Some("1"),
+            ),
+        ];
+        for (method, uri, body, status, cost) in cases {
+            let mut request = Request::builder()
+                .method(method.clone())
+                .uri(*uri)
+                .header("x-api-key", "semicolons");
+            if !body.is_empty() {
+                request = request.header("content-type", "application/json");
+            }
+            let request = request.body(Body::from(body.to_string())).unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), *status, "{method} {uri}");
+            let charged = response.headers().get("graphql-cost");
+            assert_eq!(
+                charged.map(|v| v.to_str().unwrap()),
+                *cost,
+                "{method} {uri}"
+            );
+        }
+    }
+
     /// A body is costed only as what the server reads it as: JSON (`application/json`,
     /// any `+json` type, or no type) or a GraphQL document (`application/graphql`), in
     /// UTF-8. A form body that is also valid JSON is read as a form by servers that take

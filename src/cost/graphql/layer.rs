@@ -54,7 +54,8 @@ pub enum Invalid {
 /// request with a body whose URL carries `query` or `variables` (or a persisted query's
 /// `extensions` or `documentId`), or an `operationName` other than its body's, goes to
 /// `on_invalid`; an `application/graphql` body is costed for the operation its URL
-/// names.
+/// names. Parameters behind a `;` count too (some servers split on it), and a raw `;` in
+/// a `GET` operation's URL is refused.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
@@ -202,6 +203,13 @@ impl Config {
 
     fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, CostError> {
         let query_string = parts.uri.query().unwrap_or("");
+        // Some servers split parameters on `;` too, and would read other parameters
+        // than these (clients escape a `;` in a value as `%3B`).
+        if query_string.contains(';') {
+            return Err(CostError::Request(
+                "a raw ';' in the URL of an operation: some servers split parameters on it".into(),
+            ));
+        }
         let mut query = None;
         let mut operation_name = None;
         let mut variables = None;
@@ -384,26 +392,38 @@ where
 /// `extensions`, `documentId` or `id`. Without any (the IDE page many servers show at the
 /// endpoint), it runs nothing.
 fn names_an_operation(parts: &http::request::Parts) -> bool {
-    parts.uri.query().is_some_and(|query| {
-        form_urlencoded::parse(query.as_bytes())
-            .any(|(name, _)| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
-    })
+    url_parameter_names(parts)
+        .any(|name| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
+}
+
+/// The names of a URL's parameters, split on `&` and on `;` alike: some servers (Rack
+/// before 3, Go before 1.17) split on both, so a name behind a `;` counts as given.
+fn url_parameter_names(
+    parts: &http::request::Parts,
+) -> impl Iterator<Item = std::borrow::Cow<'_, str>> {
+    parts
+        .uri
+        .query()
+        .into_iter()
+        .flat_map(|query| query.split(';'))
+        .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()).map(|(name, _)| name))
 }
 
 /// True when a request's URL carries a GraphQL operation's document or variables (`query`,
 /// `variables`, or a persisted query's `extensions` or `documentId`).
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
-    parts.uri.query().is_some_and(|query| {
-        form_urlencoded::parse(query.as_bytes())
-            .any(|(name, _)| matches!(&*name, "query" | "variables" | "extensions" | "documentId"))
-    })
+    url_parameter_names(parts)
+        .any(|name| matches!(&*name, "query" | "variables" | "extensions" | "documentId"))
 }
 
 /// The `operationName` in a request's URL: `None` without one, `Some(None)` when it is
 /// given twice with different values (no single operation is named).
 fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
     let query = parts.uri.query()?;
-    let mut names = form_urlencoded::parse(query.as_bytes())
+    // Split on `;` too, as `url_parameter_names` does.
+    let mut names = query
+        .split(';')
+        .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
         .filter(|(name, _)| name == "operationName")
         .map(|(_, value)| value.into_owned());
     let first = names.next()?;
