@@ -1536,6 +1536,44 @@ fn keys_that_differ_only_in_case_are_refused() {
     );
 }
 
+/// A persisted document's `documentId` (GraphQL over HTTP, persisted documents) beside a
+/// `query`: a server that supports it may run the stored document and ignore the query,
+/// so the query's cost says nothing of what runs. Refused, as a `documentId` alone is
+/// (it cannot be costed). An automatic persisted query's hash beside its document (the
+/// registering round of APQ) is costed by the document, which the server checks against
+/// the hash.
+#[test]
+fn a_document_id_beside_a_query_is_refused() {
+    for body in [
+        json!({ "query": "{ a }", "documentId": "sha256:8d4bc3a0" }),
+        json!([{ "query": "{ a }" }, { "query": "{ a }", "documentId": "p/expensive" }]),
+    ] {
+        assert!(
+            GraphqlCost::new()
+                .json_cost(body.to_string().as_bytes())
+                .is_err(),
+            "{body}"
+        );
+    }
+    let apq = json!({
+        "query": "{ a { b } }",
+        "extensions": { "persistedQuery": { "version": 1, "sha256Hash": "0f3c" } }
+    });
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(apq.to_string().as_bytes())
+            .unwrap(),
+        1
+    );
+    let null_id = json!({ "query": "{ a { b } }", "documentId": null });
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(null_id.to_string().as_bytes())
+            .unwrap(),
+        1
+    );
+}
+
 /// A field given several slicing arguments is sized by the largest: a server may honour
 /// any of them, and `items(limit: 1, first: 100)` charged as 1 would fetch 100. A field
 /// whose `@listSize` requires one slicing argument takes exactly one.

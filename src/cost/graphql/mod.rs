@@ -347,6 +347,15 @@ impl GraphqlCost {
                 "{key:?} differs from a GraphQL request's key only in case"
             )));
         }
+        // A server that supports persisted documents may run the stored one and ignore
+        // the query: the query's cost would say nothing of what runs.
+        if object.get("documentId").is_some_and(|id| !id.is_null()) {
+            return Err(CostError::Request(
+                "a documentId: a persisted document cannot be costed, and a server may run \
+                 it rather than the query"
+                    .into(),
+            ));
+        }
         let query = object
             .get("query")
             .and_then(Json::as_str)
