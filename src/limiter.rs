@@ -130,7 +130,9 @@ impl<St> fmt::Debug for Limiter<St> {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum WaitError {
-    /// The cost would not fit within the maximum wait (the decision says when it would).
+    /// The cost would not fit within the maximum wait: a denial that says when to retry
+    /// (when the cost would fit; for a waiter whose turn did not come within its wait, no
+    /// sooner than that wait again).
     TooLong(Decision),
     /// The cost is more than a policy ever admits: waiting cannot help.
     Never(Decision),
@@ -165,7 +167,14 @@ enum Decider {
 impl<St: Store> Limiter<St> {
     /// A limiter of `policies` (one policy, or a [`PolicySet`]) in `store`. When the
     /// store fails, a local in-process limiter with the same policies decides
-    /// ([`FailureMode::Fallback`], as the layer does by default).
+    /// ([`FailureMode::Fallback`], as the layer does by default); every failure is
+    /// counted in `tollgate_store_errors_total`, and one that is not I/O is logged at
+    /// error level, as the layer's are.
+    ///
+    /// It does not ask the store whether it can decide the policies exactly (a Redis
+    /// store refuses some very large ones): [`try_new`](Self::try_new) does, as the layer
+    /// does when it is built. Without that check, such a policy is decided by the
+    /// failure mode on every call.
     pub fn new(store: St, policies: impl Into<PolicySet>) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -176,6 +185,24 @@ impl<St: Store> Limiter<St> {
                 queues: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// [`new`](Self::new), refused when the store cannot decide the policies exactly
+    /// ([`Store::validate`]): a limit that every call would leave to the failure mode,
+    /// each replica deciding alone, is a set-up mistake to report at start-up.
+    ///
+    /// ```
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{MemoryStore, Policy, Rate};
+    ///
+    /// let mail = Limiter::try_new(MemoryStore::new(), Policy::token_bucket("mail", 20, Rate::per_second(10))?)?;
+    /// # let _ = mail;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn try_new(store: St, policies: impl Into<PolicySet>) -> Result<Self, StoreError> {
+        let policies = policies.into();
+        store.validate(&policies)?;
+        Ok(Self::new(store, policies))
     }
 
     /// What to do when the store fails (as [`RateLimitLayer::on_store_error`]). Set it
@@ -239,22 +266,26 @@ impl<St: Store> Limiter<St> {
         });
         match decided {
             Ok(decision) => Ok((decision, Decider::Store)),
-            Err(error) => match &shared.failure_mode {
-                FailureMode::Fallback(fallback) => {
-                    let (decision, applied) = fallback.decide(key, &shared.policies, cost);
-                    Ok((decision, Decider::Fallback(applied)))
+            Err(error) => {
+                // Counted (and, if not I/O, logged) whatever the failure mode does.
+                crate::telemetry::store_error(&error);
+                match &shared.failure_mode {
+                    FailureMode::Fallback(fallback) => {
+                        let (decision, applied) = fallback.decide(key, &shared.policies, cost);
+                        Ok((decision, Decider::Fallback(applied)))
+                    }
+                    FailureMode::FailOpen => Ok((
+                        Decision::new(
+                            Outcome::Allowed {
+                                delay: Duration::ZERO,
+                            },
+                            [],
+                        ),
+                        Decider::Open,
+                    )),
+                    _ => Err(error),
                 }
-                FailureMode::FailOpen => Ok((
-                    Decision::new(
-                        Outcome::Allowed {
-                            delay: Duration::ZERO,
-                        },
-                        [],
-                    ),
-                    Decider::Open,
-                )),
-                _ => Err(error),
-            },
+            }
         }
     }
 
@@ -281,9 +312,24 @@ impl<St: Store> Limiter<St> {
         let queue = Arc::clone(place.queue.as_ref().expect("set above"));
         let locked = tokio::time::timeout_at(deadline, queue.lock_owned()).await;
         let Ok(_turn) = locked else {
-            // Those ahead took the whole wait: say when this one would fit.
+            // Those ahead still wait after this one's whole wait: it is refused, and told
+            // not to come back before as long again (when its own cost fits, behind them,
+            // is not known). The statuses are the key's state now.
             drop(place);
-            return Err(WaitError::TooLong(self.peek(key).await));
+            let now = self.peek(key).await;
+            let policy = now
+                .statuses()
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, status)| status.remaining)
+                .map_or(0, |(index, _)| index);
+            return Err(WaitError::TooLong(Decision::new(
+                Outcome::Denied {
+                    policy,
+                    retry_after: max_wait.max(Duration::from_millis(1)),
+                },
+                now.statuses().iter().copied(),
+            )));
         };
         loop {
             let (decision, decider) = self.decide(key, cost).await.map_err(WaitError::Store)?;
@@ -339,11 +385,20 @@ impl<St: Store> Limiter<St> {
         for adjustment in std::iter::once(&settle).chain(release.as_ref()) {
             match (decider, &shared.failure_mode) {
                 (Decider::Store, _) => {
-                    let _ = tokio::time::timeout(
+                    let given_back = tokio::time::timeout(
                         shared.timeout,
                         shared.store.adjust(key, &shared.policies, adjustment),
                     )
                     .await;
+                    // The units stay spent; the failure is counted, not dropped.
+                    match given_back {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(error)) => crate::telemetry::store_error(&error),
+                        Err(_) => crate::telemetry::store_error(&StoreError::new(
+                            crate::store::StoreErrorKind::Timeout,
+                            format!("no answer to a give-back within {:?}", shared.timeout),
+                        )),
+                    }
                 }
                 (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {
                     fallback.adjust(key, applied, adjustment);

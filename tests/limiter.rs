@@ -82,6 +82,41 @@ async fn a_waiter_that_gives_up_does_not_hold_the_others_back() {
     assert_eq!(started.elapsed(), Duration::from_millis(900));
 }
 
+// A waiter that gives up while those ahead of it still wait is told it was refused, and
+// not to come back before its whole wait has passed: not an admission with no retry time
+// (a caller that retries after `retry_after().unwrap_or_default()` would spin).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_that_times_out_in_the_queue_is_told_when_to_retry() {
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::token_bucket("calls", 1, Rate::new(1, Duration::from_secs(10))).unwrap(),
+    );
+    let key = Key::new("k");
+    limiter.check(&key, 1).await.unwrap();
+    // The first waiter holds the queue for 10 s, until its unit is back.
+    let first = {
+        let limiter = limiter.clone();
+        let key = key.clone();
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let started = tokio::time::Instant::now();
+    match limiter.until_ready(&key, 1, Duration::from_secs(1)).await {
+        Err(WaitError::TooLong(decision)) => {
+            assert!(!decision.is_allowed(), "{decision:?}");
+            assert!(
+                decision
+                    .retry_after()
+                    .is_some_and(|retry| retry >= Duration::from_secs(1)),
+                "{decision:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+    assert!(first.await.unwrap().unwrap().is_allowed());
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_wait_that_would_be_too_long_or_never_ends_at_once() {
     let limiter = Limiter::new(
@@ -122,6 +157,39 @@ impl Store for Away {
     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
         DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "refused")))
     }
+}
+
+/// A store that accepts only policies of at most 100 units (as the Redis store refuses
+/// policies it cannot decide exactly).
+#[derive(Clone)]
+struct Small;
+
+impl Store for Small {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unsupported, "too big")))
+    }
+
+    fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+        match policies.iter().find(|policy| policy.limit() > 100) {
+            Some(policy) => Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                format!("policy {} is too big for this store", policy.name()),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+// A policy the store cannot decide is refused when the limiter is built, as the layer
+// refuses it: otherwise every decision would fall back, and each replica decide alone.
+#[test]
+fn a_policy_the_store_cannot_decide_is_refused_when_the_limiter_is_built() {
+    let big = Policy::fixed_window("big", 1_000, Duration::from_secs(60)).unwrap();
+    let error = Limiter::try_new(Small, big).unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Unsupported);
+    assert!(error.to_string().contains("big"), "{error}");
+    let small = Policy::fixed_window("small", 10, Duration::from_secs(60)).unwrap();
+    assert!(Limiter::try_new(Small, small).is_ok());
 }
 
 #[tokio::test]

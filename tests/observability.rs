@@ -332,3 +332,56 @@ fn key_errors_are_counted_by_kind() {
         })
     });
 }
+
+/// A store that cannot decide the limiter's policy: it refuses before any I/O, as the
+/// Redis store refuses a policy it cannot decide exactly.
+#[derive(Clone)]
+struct Unsupported;
+
+impl tollgate::Store for Unsupported {
+    fn decide(&self, _: &tollgate::Key, _: &tollgate::PolicySet, _: u64) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unsupported,
+            "this store cannot decide that policy exactly",
+        )))
+    }
+}
+
+// A `Limiter` whose store fails is answered by its failure mode, like the layer; like the
+// layer's, the failure is counted (and a refusal logged at error level), never hidden
+// behind the fallback: replicas deciding alone each admit the whole limit.
+#[test]
+fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let limiter = tollgate::limiter::Limiter::new(
+        Unsupported,
+        Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("k");
+            assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+            assert!(
+                limiter
+                    .until_ready(&key, 1, Duration::from_secs(1))
+                    .await
+                    .unwrap()
+                    .is_allowed()
+            );
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_store_errors_total",
+                    &[("kind", "unsupported")]
+                ),
+                2
+            );
+        })
+    });
+}
