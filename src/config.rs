@@ -12,7 +12,8 @@
 //! during a reload finish under the one they started with. State lives in the store,
 //! keyed by each policy's name and parameters: a policy that a reload leaves unchanged
 //! keeps its state; a policy whose parameters change starts on fresh state (its old state
-//! expires on its own).
+//! expires on its own), except an in-flight policy: its requests in progress keep their
+//! slots under a new limit or lease.
 //!
 //! ```
 //! use tollgate::config::{LimiterConfig, LiveLayer};

@@ -1100,6 +1100,44 @@ async fn every_store_counts_requests_in_flight_alike() {
     }
 }
 
+// An in-flight limit changed while requests run (a configuration reload: 2 → 3, a longer
+// lease) keeps counting the requests already in flight: they hold slots of the same
+// quota. Started afresh, the new limit would admit 3 more beside the 2 still running.
+// Their slots are freed under the new policy as under the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_in_flight_limit_counts_the_requests_already_in_flight() {
+    let backends = Backends::start().await;
+    let old = PolicySet::from(Policy::concurrency("streams", 2).unwrap());
+    let new = PolicySet::from(
+        Policy::concurrency_with_lease("streams", 3, Duration::from_secs(90)).unwrap(),
+    );
+    for subject in backends.subjects("inflight-change") {
+        let held: Vec<_> = [
+            subject.check("client", &old, 1).await,
+            subject.check("client", &old, 1).await,
+        ]
+        .into_iter()
+        .map(|decision| {
+            assert!(decision.is_allowed(), "{}", subject.name);
+            decision.receipt()
+        })
+        .collect();
+        let third = subject.check("client", &new, 1).await;
+        assert!(third.is_allowed(), "{}: one slot of 3 is free", subject.name);
+        assert_eq!(third.statuses()[0].remaining, 0, "{}", subject.name);
+        assert!(
+            !subject.check("client", &new, 1).await.is_allowed(),
+            "{}: the 2 requests in flight still count under the new limit",
+            subject.name
+        );
+        // A request of before ends: its slot is free under the new limit.
+        let freed = subject
+            .adjust("client", &new, &Adjustment::release(1, held[0]))
+            .await;
+        assert_eq!(freed.statuses()[0].remaining, 1, "{}", subject.name);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slots_of_a_replica_that_died_expire_with_their_lease() {
     let standalone = RedisServer::start();

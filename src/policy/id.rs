@@ -2,7 +2,8 @@
 //!
 //! The in-process store keeps a key's states tagged with their policy's id: the same for
 //! equal name and parameters, different otherwise, so a changed limit starts from fresh
-//! state instead of reading state written under other units, and two sets that share a
+//! state instead of reading state written under other units (an in-flight policy's
+//! state, a count of requests in progress, is kept by name alone), and two sets that share a
 //! policy share its state. Ids come in order from one process-wide table, so the first
 //! [`MAX_REGISTERED`] distinct policies never share an id by accident, as hashes could.
 //! The table is bounded: past it (a resolver that invents policies per request) ids are
@@ -20,7 +21,18 @@ use super::Algorithm;
 pub(crate) const MAX_REGISTERED: usize = 1 << 16;
 
 /// The id of the policy `name` with `algorithm`.
+///
+/// An in-flight policy's id is its name's alone: its state counts requests in progress,
+/// which hold their slots whatever the limit or lease becomes (a reload that raises the
+/// limit must not admit a whole new quota beside the requests still running).
 pub(super) fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
+    let algorithm = match algorithm {
+        Algorithm::Concurrency { .. } => Algorithm::Concurrency {
+            limit: 0,
+            lease: std::time::Duration::ZERO,
+        },
+        other => other,
+    };
     type Ids = HashMap<(Box<str>, Algorithm), u32>;
     static IDS: OnceLock<Mutex<Ids>> = OnceLock::new();
     let mut ids = IDS

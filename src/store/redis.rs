@@ -1975,6 +1975,9 @@ impl RedisKeys {
             // Too large for the script: the keys are never written; name them anyway.
             Err(_) => ("xx", policy.limit(), 0, 0),
         };
+        // An in-flight policy's slots are named by the policy's name alone: requests in
+        // progress hold them whatever the limit or lease becomes (see `policy_id`).
+        let (p1, p2, p3) = if kind == "cc" { (0, 0, 0) } else { (p1, p2, p3) };
         format!(
             "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
             self.prefix,
