@@ -28,8 +28,9 @@ end
 -- Takes the slot `member` (the lease id, spelled as `%d` spells it) for a lease of p2.
 local function take(key, p2, member)
   call('ZADD', key, format('%d', now + p2), member)
-  -- Every slot expires within one lease from now: so does the key.
-  call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+  -- The key lives as long as its longest-leased slot: slots taken under another lease
+  -- (the policy's lease changed) share it, and a shorter one must not cut theirs.
+  extend_ttl(key, cdiv(p2, 1000) + 1)
 end
 
 local function commit(p, s)

@@ -317,11 +317,14 @@ impl<St: Store> Limiter<St> {
             // is not known). The statuses are the key's state now.
             drop(place);
             let now = self.peek(key).await;
+            // Named: the enforced policy with the fewest units left.
             let policy = now
                 .statuses()
                 .iter()
+                .zip(self.shared.policies.iter())
                 .enumerate()
-                .min_by_key(|(_, status)| status.remaining)
+                .filter(|(_, (_, policy))| !policy.is_shadow())
+                .min_by_key(|(_, (status, _))| status.remaining)
                 .map_or(0, |(index, _)| index);
             return Err(WaitError::TooLong(Decision::new(
                 Outcome::Denied {
@@ -412,10 +415,17 @@ impl<St: Store> Limiter<St> {
     /// its timeout (else a decision with no statuses).
     async fn peek(&self, key: &Key) -> Decision {
         let shared = &self.shared;
-        tokio::time::timeout(shared.timeout, shared.store.peek(key, &shared.policies))
+        let peeked = tokio::time::timeout(shared.timeout, shared.store.peek(key, &shared.policies))
             .await
+            .unwrap_or_else(|_| {
+                Err(StoreError::new(
+                    crate::store::StoreErrorKind::Timeout,
+                    format!("no answer to a peek within {:?}", shared.timeout),
+                ))
+            });
+        peeked
+            .inspect_err(crate::telemetry::store_error)
             .ok()
-            .and_then(Result::ok)
             .unwrap_or_else(|| {
                 Decision::new(
                     Outcome::Allowed {

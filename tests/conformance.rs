@@ -1123,7 +1123,11 @@ async fn a_changed_in_flight_limit_counts_the_requests_already_in_flight() {
         })
         .collect();
         let third = subject.check("client", &new, 1).await;
-        assert!(third.is_allowed(), "{}: one slot of 3 is free", subject.name);
+        assert!(
+            third.is_allowed(),
+            "{}: one slot of 3 is free",
+            subject.name
+        );
         assert_eq!(third.statuses()[0].remaining, 0, "{}", subject.name);
         assert!(
             !subject.check("client", &new, 1).await.is_allowed(),
@@ -1135,6 +1139,41 @@ async fn a_changed_in_flight_limit_counts_the_requests_already_in_flight() {
             .adjust("client", &new, &Adjustment::release(1, held[0]))
             .await;
         assert_eq!(freed.statuses()[0].remaining, 1, "{}", subject.name);
+    }
+}
+
+// On Redis one key holds an in-flight policy's slots whatever their lease (see above), so
+// a slot taken under a shorter lease (a reload that shortens it, or another route's
+// policy of the same name) must not shorten the key's life: the key would expire, with
+// the longer-leased slots still held by running requests, and a whole limit be admitted
+// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shorter_lease_never_shortens_the_life_of_slots_held_longer() {
+    let backends = Backends::start().await;
+    let long = PolicySet::from(
+        Policy::concurrency_with_lease("streams", 3, Duration::from_secs(3600)).unwrap(),
+    );
+    let short = PolicySet::from(
+        Policy::concurrency_with_lease("streams", 3, Duration::from_secs(30)).unwrap(),
+    );
+    for subject in backends.subjects("inflight-lease") {
+        if matches!(subject.store, AnyStore::Memory(_)) {
+            continue;
+        }
+        assert!(subject.check("client", &long, 1).await.is_allowed());
+        assert!(subject.check("client", &short, 1).await.is_allowed());
+    }
+    let keys: Vec<_> = backends
+        .keys_with_ttl()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("inflight-lease"))
+        .collect();
+    assert_eq!(keys.len(), 2, "one key per Redis: {keys:?}");
+    for (key, ttl) in keys {
+        assert!(
+            ttl > 3_000_000,
+            "{key} expires in {ttl} ms, before the slot leased for an hour"
+        );
     }
 }
 

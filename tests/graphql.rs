@@ -634,6 +634,48 @@ mod http {
         }
     }
 
+    /// The same over `GET`: `?query={ a }&documentId=X` may run the stored document there,
+    /// and a parameter name in another case (`QUERY`, read case-insensitively by ASP.NET
+    /// Core's query collection, which Hot Chocolate reads) is a parameter the server sees.
+    #[tokio::test]
+    async fn a_get_is_costed_only_as_what_the_server_may_run() {
+        use http::Method;
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let expensive = "%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
+        let cases: &[(String, StatusCode)] = &[
+            (
+                "/graphql?query=%7B%20a%20%7D&documentId=p%2Fbig".to_owned(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                format!("/graphql?QUERY={expensive}"),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
+                format!("/graphql?query=%7B%20a%20%7D&Query={expensive}"),
+                StatusCode::BAD_REQUEST,
+            ),
+            (format!("/graphql?query={expensive}"), StatusCode::OK),
+        ];
+        for (uri, status) in cases {
+            let request = Request::builder()
+                .method(Method::GET)
+                .uri(uri.as_str())
+                .header("x-api-key", "get")
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), *status, "{uri}");
+        }
+        // A JSON key `DocumentId` is `documentId` to a server that reads keys in any case.
+        let body = serde_json::json!({ "query": "{ a }", "DocumentId": "p/big" });
+        assert!(
+            GraphqlCost::new()
+                .json_cost(body.to_string().as_bytes())
+                .is_err()
+        );
+    }
+
     /// A body is costed only as what the server reads it as: JSON (`application/json`,
     /// any `+json` type, or no type) or a GraphQL document (`application/graphql`), in
     /// UTF-8. A form body that is also valid JSON is read as a form by servers that take

@@ -569,7 +569,8 @@ impl Policy {
         &self.inner.params
     }
 
-    /// A fingerprint of the name and parameters; stores keep state per id.
+    /// A fingerprint of the name and parameters (of an in-flight policy, the name alone:
+    /// see `id::policy_id`); stores keep state per id.
     #[inline]
     pub(crate) fn id(&self) -> u32 {
         self.inner.id

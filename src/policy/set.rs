@@ -108,7 +108,8 @@ impl PolicySet {
         Self::from_vec(policies)
     }
 
-    /// Equal for sets of the same policies in the same order.
+    /// Equal for sets of the same policies in the same order (by their ids: in-flight
+    /// policies of one name are one, whatever their limits).
     pub(crate) fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
     }

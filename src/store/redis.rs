@@ -1977,7 +1977,11 @@ impl RedisKeys {
         };
         // An in-flight policy's slots are named by the policy's name alone: requests in
         // progress hold them whatever the limit or lease becomes (see `policy_id`).
-        let (p1, p2, p3) = if kind == "cc" { (0, 0, 0) } else { (p1, p2, p3) };
+        let (p1, p2, p3) = if kind == "cc" {
+            (0, 0, 0)
+        } else {
+            (p1, p2, p3)
+        };
         format!(
             "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
             self.prefix,

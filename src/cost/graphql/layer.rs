@@ -218,6 +218,23 @@ impl Config {
                 "query" => &mut query,
                 "operationName" => &mut operation_name,
                 "variables" => &mut variables,
+                // A server that supports persisted documents may run the stored one.
+                "documentId" => {
+                    return Err(CostError::Request(
+                        "a documentId: a persisted document cannot be costed".into(),
+                    ));
+                }
+                // Some servers read parameter names in any case (ASP.NET Core's query
+                // collection): `QUERY` would be a query there.
+                other
+                    if GRAPHQL_PARAMETERS
+                        .iter()
+                        .any(|known| known.eq_ignore_ascii_case(other)) =>
+                {
+                    return Err(CostError::Request(format!(
+                        "{other:?} differs from a GraphQL parameter only in case"
+                    )));
+                }
                 _ => continue,
             };
             // A server may take the first of two, the coster the last: neither is costed.
@@ -392,9 +409,22 @@ where
 /// `extensions`, `documentId` or `id`. Without any (the IDE page many servers show at the
 /// endpoint), it runs nothing.
 fn names_an_operation(parts: &http::request::Parts) -> bool {
-    url_parameter_names(parts)
-        .any(|name| matches!(&*name, "query" | "extensions" | "documentId" | "id"))
+    url_parameter_names(parts).any(|name| {
+        ["query", "extensions", "documentId", "id"]
+            .iter()
+            .any(|known| known.eq_ignore_ascii_case(&name))
+    })
 }
+
+/// The parameters of a GraphQL request, as the layer spells them (some servers read them
+/// in any case).
+const GRAPHQL_PARAMETERS: [&str; 5] = [
+    "query",
+    "operationName",
+    "variables",
+    "extensions",
+    "documentId",
+];
 
 /// The names of a URL's parameters, split on `&` and on `;` alike: some servers (Rack
 /// before 3, Go before 1.17) split on both, so a name behind a `;` counts as given.
@@ -412,8 +442,11 @@ fn url_parameter_names(
 /// True when a request's URL carries a GraphQL operation's document or variables (`query`,
 /// `variables`, or a persisted query's `extensions` or `documentId`).
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
-    url_parameter_names(parts)
-        .any(|name| matches!(&*name, "query" | "variables" | "extensions" | "documentId"))
+    url_parameter_names(parts).any(|name| {
+        ["query", "variables", "extensions", "documentId"]
+            .iter()
+            .any(|known| known.eq_ignore_ascii_case(&name))
+    })
 }
 
 /// The `operationName` in a request's URL: `None` without one, `Some(None)` when it is

@@ -338,7 +338,13 @@ impl GraphqlCost {
             .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
         // Some servers match keys in any case (Go's JSON decoding): a key that differs
         // from one of these only in case would be read there as the key itself.
-        const KEYS: [&str; 4] = ["query", "variables", "operationName", "extensions"];
+        const KEYS: [&str; 5] = [
+            "query",
+            "variables",
+            "operationName",
+            "extensions",
+            "documentId",
+        ];
         if let Some(key) = object.keys().find(|key| {
             KEYS.iter()
                 .any(|known| key.eq_ignore_ascii_case(known) && key.as_str() != *known)
