@@ -621,6 +621,16 @@ mod tests {
             (clock, breaker)
         }
 
+        /// Opens `breaker` by one failure, lets its cool-down pass and takes its probe.
+        fn probe(&self, breaker: &Arc<Breaker>) -> ProbeGuard {
+            breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
+            self.clock.advance(Duration::from_secs(1));
+            match breaker.admit() {
+                Admission::Probe(probe) => probe,
+                other => panic!("the cool-down is over: a probe, not {other:?}"),
+            }
+        }
+
         fn at_next_reading(&self, action: impl FnOnce() + Send + 'static) {
             *self.action.lock().unwrap() = Some(Box::new(action));
         }
@@ -636,11 +646,7 @@ mod tests {
     #[test]
     fn a_dropped_probe_never_reopens_a_breaker_closed_meanwhile() {
         let (clock, breaker) = Interleaving::breaker();
-        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
-        clock.clock.advance(Duration::from_secs(1));
-        let Admission::Probe(probe) = breaker.admit() else {
-            panic!("the cool-down is over: a probe")
-        };
+        let probe = clock.probe(&breaker);
         let other = Arc::clone(&breaker);
         clock.at_next_reading(move || other.on_success());
         drop(probe);
@@ -657,11 +663,7 @@ mod tests {
     #[test]
     fn no_probe_starts_within_the_cool_down_a_failed_probe_began() {
         let (clock, breaker) = Interleaving::breaker();
-        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
-        clock.clock.advance(Duration::from_secs(1));
-        let Admission::Probe(probe) = breaker.admit() else {
-            panic!("the cool-down is over: a probe")
-        };
+        let probe = clock.probe(&breaker);
         let other = Arc::clone(&breaker);
         clock.at_next_reading(move || {
             other.on_failure(

@@ -54,6 +54,10 @@ fn from_browser(method: Method) -> Request<Body> {
     request
 }
 
+async fn send(app: &Router, method: Method) -> http::Response<Body> {
+    app.clone().oneshot(from_browser(method)).await.unwrap()
+}
+
 fn exposed(response: &http::Response<Body>) -> Vec<String> {
     response
         .headers()
@@ -69,27 +73,15 @@ async fn preflights_are_not_charged_and_a_denial_is_readable_by_the_page() {
     let app = app(HeaderStyle::Draft11);
     // Preflights, however many, are answered by CORS and spend nothing.
     for _ in 0..3 {
-        let preflight = app
-            .clone()
-            .oneshot(from_browser(Method::OPTIONS))
-            .await
-            .unwrap();
+        let preflight = send(&app, Method::OPTIONS).await;
         assert_eq!(preflight.status(), StatusCode::OK);
         assert!(!preflight.headers().contains_key("ratelimit"));
     }
-    let allowed = app
-        .clone()
-        .oneshot(from_browser(Method::GET))
-        .await
-        .unwrap();
+    let allowed = send(&app, Method::GET).await;
     assert_eq!(allowed.status(), StatusCode::OK, "the hour's one request");
     let rate = allowed.headers()["ratelimit"].to_str().unwrap();
     assert!(rate.starts_with("\"hourly\";r=0;t="), "{rate}");
-    let denied = app
-        .clone()
-        .oneshot(from_browser(Method::GET))
-        .await
-        .unwrap();
+    let denied = send(&app, Method::GET).await;
     assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(denied.headers()[header::ACCESS_CONTROL_ALLOW_ORIGIN], "*");
     let exposed = exposed(&denied);
@@ -129,11 +121,7 @@ async fn each_style_names_the_fields_it_writes() {
             names.sort_unstable();
             names
         };
-        let allowed = app
-            .clone()
-            .oneshot(from_browser(Method::GET))
-            .await
-            .unwrap();
+        let allowed = send(&app, Method::GET).await;
         assert_eq!(allowed.status(), StatusCode::OK);
         let expected: Vec<&str> = named
             .iter()
@@ -141,11 +129,7 @@ async fn each_style_names_the_fields_it_writes() {
             .filter(|n| *n != "retry-after")
             .collect();
         assert_eq!(written(&allowed), expected, "{style:?}, admitted");
-        let denied = app
-            .clone()
-            .oneshot(from_browser(Method::GET))
-            .await
-            .unwrap();
+        let denied = send(&app, Method::GET).await;
         assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(written(&denied), named, "{style:?}, denied");
     }
