@@ -498,6 +498,15 @@ mod http {
                 StatusCode::BAD_REQUEST,
                 None,
             ),
+            // The same name in another case, which some servers read as it.
+            (
+                Method::POST,
+                "/graphql?OperationName=B",
+                json,
+                two,
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
             // A URL that repeats the body's operation name, or carries a parameter of the
             // application's own, is costed by the body; an `application/graphql` body
             // runs the operation the URL names.
@@ -658,6 +667,14 @@ mod http {
                 StatusCode::BAD_REQUEST,
             ),
             (format!("/graphql?query={expensive}"), StatusCode::OK),
+            // An automatic persisted query's registering round, over GET: the hash beside
+            // its document, costed by the document.
+            (
+                format!(
+                    "/graphql?query={expensive}&extensions=%7B%22persistedQuery%22%3A%7B%22version%22%3A1%2C%22sha256Hash%22%3A%220f3c%22%7D%7D"
+                ),
+                StatusCode::OK,
+            ),
         ];
         for (uri, status) in cases {
             let (answer, _) = sent(&app, "get", &Method::GET, uri, "", "").await;

@@ -229,7 +229,7 @@ impl Config {
                 other
                     if GRAPHQL_PARAMETERS
                         .iter()
-                        .any(|known| known.eq_ignore_ascii_case(other)) =>
+                        .any(|known| known.eq_ignore_ascii_case(other) && *known != other) =>
                 {
                     return Err(CostError::Request(format!(
                         "{other:?} differs from a GraphQL parameter only in case"
@@ -457,7 +457,7 @@ fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
     let mut names = query
         .split(';')
         .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
-        .filter(|(name, _)| name == "operationName")
+        .filter(|(name, _)| name.eq_ignore_ascii_case("operationName"))
         .map(|(_, value)| value.into_owned());
     let first = names.next()?;
     Some(names.all(|other| other == first).then_some(first))
