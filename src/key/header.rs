@@ -184,7 +184,7 @@ impl HeaderKey {
     /// For limits on guessing, not for a client's whole budget: anyone who knows a
     /// user-id can spend its bucket, without the password, and lock that account out.
     /// Pair it with a per-IP limit, and charge only failures (with
-    /// [`Settle::reserved`](crate::settle::Settle::reserved) and `refund_if` on every
+    /// `Settle::reserved()` and `refund_if` on every
     /// status but `401`). Never where the user-id is fixed and the password is a token
     /// (`api:<key>`, `x-access-token:<token>`): every client would share one bucket.
     ///
