@@ -19,7 +19,10 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
 /// password included, like any other: set a [`salt`](HeaderKey::salt) so a store dump
 /// cannot be checked against lists of common passwords, and see
-/// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account.
+/// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
+/// credentials differ on every request (a fresh nonce count and response), so each is a
+/// key of its own: key Digest clients by their `username` in a [`from_fn`](super::from_fn)
+/// key instead.
 ///
 /// ```
 /// use http::Request;
