@@ -78,7 +78,7 @@ use crate::decision::{Decision, Outcome};
 use crate::failure::FailureMode;
 use crate::key::Key;
 use crate::policy::PolicySet;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, within};
 
 type Queue = Arc<tokio::sync::Mutex<()>>;
 
@@ -253,17 +253,12 @@ impl<St: Store> Limiter<St> {
     /// [`check`](Self::check), and who decided: the store, or the failure mode.
     async fn decide(&self, key: &Key, cost: u64) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
-        let decided = tokio::time::timeout(
+        let decided = within(
             shared.timeout,
+            "decision",
             shared.store.decide(key, &shared.policies, cost),
         )
-        .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::new(
-                crate::store::StoreErrorKind::Timeout,
-                format!("no decision within {:?}", shared.timeout),
-            ))
-        });
+        .await;
         match decided {
             Ok(decision) => Ok((decision, Decider::Store)),
             Err(error) => {
@@ -388,19 +383,15 @@ impl<St: Store> Limiter<St> {
         for adjustment in std::iter::once(&settle).chain(release.as_ref()) {
             match (decider, &shared.failure_mode) {
                 (Decider::Store, _) => {
-                    let given_back = tokio::time::timeout(
+                    let given_back = within(
                         shared.timeout,
+                        "answer to a give-back",
                         shared.store.adjust(key, &shared.policies, adjustment),
                     )
                     .await;
                     // The units stay spent; the failure is counted, not dropped.
-                    match given_back {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(error)) => crate::telemetry::store_error(&error),
-                        Err(_) => crate::telemetry::store_error(&StoreError::new(
-                            crate::store::StoreErrorKind::Timeout,
-                            format!("no answer to a give-back within {:?}", shared.timeout),
-                        )),
+                    if let Err(error) = given_back {
+                        crate::telemetry::store_error(&error);
                     }
                 }
                 (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {
@@ -415,25 +406,22 @@ impl<St: Store> Limiter<St> {
     /// its timeout (else a decision with no statuses).
     async fn peek(&self, key: &Key) -> Decision {
         let shared = &self.shared;
-        let peeked = tokio::time::timeout(shared.timeout, shared.store.peek(key, &shared.policies))
-            .await
-            .unwrap_or_else(|_| {
-                Err(StoreError::new(
-                    crate::store::StoreErrorKind::Timeout,
-                    format!("no answer to a peek within {:?}", shared.timeout),
-                ))
-            });
-        peeked
-            .inspect_err(crate::telemetry::store_error)
-            .ok()
-            .unwrap_or_else(|| {
-                Decision::new(
-                    Outcome::Allowed {
-                        delay: Duration::ZERO,
-                    },
-                    [],
-                )
-            })
+        within(
+            shared.timeout,
+            "answer to a peek",
+            shared.store.peek(key, &shared.policies),
+        )
+        .await
+        .inspect_err(crate::telemetry::store_error)
+        .ok()
+        .unwrap_or_else(|| {
+            Decision::new(
+                Outcome::Allowed {
+                    delay: Duration::ZERO,
+                },
+                [],
+            )
+        })
     }
 
     fn queue(&self, key: &Key) -> Queue {

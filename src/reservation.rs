@@ -11,7 +11,7 @@ use crate::policy::PolicySet;
 use crate::respond::Responder;
 use crate::respond::headers::{HeaderBlock, jitter_secs, rate_limit_headers};
 use crate::settle::{Debit, ResponseHead};
-use crate::store::{Adjustment, BoxedDecision, DecideFuture, StoreError, StoreErrorKind};
+use crate::store::{Adjustment, BoxedDecision, DecideFuture, StoreError, StoreErrorKind, within};
 use crate::telemetry;
 
 /// What adjusts the store's state after a response: the layer's store, behind its
@@ -110,16 +110,7 @@ impl Reservation {
                 .map_or(Settled::Unchanged, Settled::Headers),
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
-                Settled::Pending(Box::pin(async move {
-                    tokio::time::timeout(timeout, pending)
-                        .await
-                        .unwrap_or_else(|_| {
-                            Err(StoreError::new(
-                                StoreErrorKind::Timeout,
-                                format!("no settlement within {timeout:?}"),
-                            ))
-                        })
-                }))
+                Settled::Pending(Box::pin(within(timeout, "settlement", pending)))
             }
         }
     }
@@ -165,16 +156,10 @@ impl Reservation {
                 match tokio::runtime::Handle::try_current() {
                     Ok(runtime) => {
                         runtime.spawn(async move {
-                            match tokio::time::timeout(timeout, pending).await {
-                                Ok(Ok(_)) => {}
-                                Ok(Err(error)) => telemetry::store_error(&error),
-                                Err(_) => telemetry::store_error(&StoreError::new(
-                                    StoreErrorKind::Timeout,
-                                    format!(
-                                        "in-flight slots not freed within {timeout:?}; they \
-                                         expire with their lease"
-                                    ),
-                                )),
+                            // Not freed: the slots expire with their lease.
+                            let what = "release of in-flight slots";
+                            if let Err(error) = within(timeout, what, pending).await {
+                                telemetry::store_error(&error);
                             }
                         });
                     }

@@ -21,7 +21,7 @@ use crate::respond::grpc;
 use crate::respond::headers::HeaderBlock;
 use crate::respond::problem as response;
 use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
-use crate::store::{Adjustment, DecideFuture, Store, StoreError, StoreErrorKind};
+use crate::store::{Adjustment, DecideFuture, Store, within};
 use crate::telemetry::{self, Stopwatch};
 
 /// Everything a service shares with its clones, behind one `Arc`: axum clones the
@@ -268,13 +268,7 @@ where
         let responder = &self.config.responder;
         let timeout = responder.timeout;
         let timed = Box::pin(async move {
-            let result = match tokio::time::timeout(timeout, pending).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::new(
-                    StoreErrorKind::Timeout,
-                    format!("no decision within {timeout:?}"),
-                )),
-            };
+            let result = within(timeout, "decision", pending).await;
             stopwatch.stop();
             result
         });

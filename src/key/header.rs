@@ -242,15 +242,14 @@ impl KeyExtractor for HeaderKey {
             let credentials = credentials(value);
             if self.basic_user_id {
                 if let Some(encoded) = credentials.strip_prefix(b"Basic ") {
-                    let Some(mut account) = basic_user(encoded) else {
+                    let Some(user) = basic_user(encoded) else {
                         return Err(KeyError::client(format!(
                             "{} holds Basic credentials that are not base64 of \
                              user-id:password",
                             self.name
                         )));
                     };
-                    account.splice(0..0, b"Basic ".iter().copied());
-                    account.push(b':');
+                    let account = [&b"Basic "[..], &user, b":"].concat();
                     return Ok(Key::hashed_with_salt(
                         self.name.as_str(),
                         &self.salt,

@@ -62,28 +62,11 @@ impl HeaderStyle {
     /// // With tower-http: CorsLayer::new().expose_headers(style.field_names().to_vec())
     /// ```
     pub fn field_names(self) -> &'static [HeaderName] {
-        static DRAFT11: [HeaderName; 3] = [
-            HeaderName::from_static("ratelimit-policy"),
-            HeaderName::from_static("ratelimit"),
-            header::RETRY_AFTER,
-        ];
-        static DRAFT6: [HeaderName; 4] = [
-            HeaderName::from_static("ratelimit-limit"),
-            HeaderName::from_static("ratelimit-remaining"),
-            HeaderName::from_static("ratelimit-reset"),
-            header::RETRY_AFTER,
-        ];
-        static LEGACY: [HeaderName; 4] = [
-            HeaderName::from_static("x-ratelimit-limit"),
-            HeaderName::from_static("x-ratelimit-remaining"),
-            HeaderName::from_static("x-ratelimit-reset"),
-            header::RETRY_AFTER,
-        ];
         static NONE: [HeaderName; 1] = [header::RETRY_AFTER];
         match self {
-            HeaderStyle::Draft11 => &DRAFT11,
-            HeaderStyle::Draft6 => &DRAFT6,
-            HeaderStyle::Legacy => &LEGACY,
+            HeaderStyle::Draft11 => &DRAFT11_FIELDS,
+            HeaderStyle::Draft6 => &DRAFT6_FIELDS,
+            HeaderStyle::Legacy => &LEGACY_FIELDS,
             HeaderStyle::None => &NONE,
         }
     }
@@ -359,11 +342,12 @@ impl HeaderBlock {
         match self {
             HeaderBlock::Empty => {}
             HeaderBlock::Draft11 { policy, rate } => {
+                let [policy_name, rate_name, _] = &DRAFT11_FIELDS;
                 if let Some(policy) = policy {
-                    headers.append(RATELIMIT_POLICY.clone(), policy);
+                    headers.append(policy_name.clone(), policy);
                 }
                 if let Some(rate) = rate {
-                    headers.append(RATELIMIT.clone(), rate);
+                    headers.append(rate_name.clone(), rate);
                 }
             }
             HeaderBlock::Single {
@@ -372,14 +356,10 @@ impl HeaderBlock {
                 remaining,
                 reset,
             } => {
-                let (limit_name, remaining_name, reset_name) = if legacy {
-                    (
-                        &X_RATELIMIT_LIMIT,
-                        &X_RATELIMIT_REMAINING,
-                        &X_RATELIMIT_RESET,
-                    )
+                let [limit_name, remaining_name, reset_name, _] = if legacy {
+                    &LEGACY_FIELDS
                 } else {
-                    (&RATELIMIT_LIMIT, &RATELIMIT_REMAINING, &RATELIMIT_RESET)
+                    &DRAFT6_FIELDS
                 };
                 headers.insert(limit_name.clone(), number_value(limit));
                 headers.insert(remaining_name.clone(), number_value(remaining));
@@ -389,14 +369,25 @@ impl HeaderBlock {
     }
 }
 
-static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
-static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
-static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
-static X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
-static X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
-static X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
+/// what [`HeaderStyle::field_names`] lists.
+static DRAFT11_FIELDS: [HeaderName; 3] = [
+    HeaderName::from_static("ratelimit-policy"),
+    HeaderName::from_static("ratelimit"),
+    header::RETRY_AFTER,
+];
+static DRAFT6_FIELDS: [HeaderName; 4] = [
+    HeaderName::from_static("ratelimit-limit"),
+    HeaderName::from_static("ratelimit-remaining"),
+    HeaderName::from_static("ratelimit-reset"),
+    header::RETRY_AFTER,
+];
+static LEGACY_FIELDS: [HeaderName; 4] = [
+    HeaderName::from_static("x-ratelimit-limit"),
+    HeaderName::from_static("x-ratelimit-remaining"),
+    HeaderName::from_static("x-ratelimit-reset"),
+    header::RETRY_AFTER,
+];
 
 /// The policy a single-valued style reports: the one that denied, else the one with the
 /// fewest units left (the longest reset on a tie).

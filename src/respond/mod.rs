@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header::Entry;
 use http::{HeaderValue, Response, header};
 
 use crate::decision::{Decision, Outcome};
@@ -238,7 +239,7 @@ impl Responder {
         retry_after: Duration,
         cost: u64,
         decision: &Decision,
-        headers: HeaderBlock,
+        mut headers: HeaderBlock,
         extra: u64,
     ) -> Plan {
         // Never earlier than the end of the denying policy's effective window as the
@@ -263,18 +264,21 @@ impl Responder {
             Some(hook) => hook(&rejection),
             None => response::too_many_requests(&rejection),
         };
-        response
-            .headers_mut()
-            .entry(header::RETRY_AFTER)
-            .or_insert_with(|| HeaderValue::from(rejection.retry_after_secs()));
         // The reset is no earlier than the `Retry-After` sent: ours, or the hook's own
         // when it wrote one in seconds.
-        let retry_after_sent = response
-            .headers()
-            .get(header::RETRY_AFTER)
-            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
-            .unwrap_or_else(|| rejection.retry_after_secs());
-        let mut headers = headers;
+        let ours = rejection.retry_after_secs();
+        let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
+            Entry::Occupied(hooks) => hooks
+                .get()
+                .to_str()
+                .ok()
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(ours),
+            Entry::Vacant(vacant) => {
+                vacant.insert(HeaderValue::from(ours));
+                ours
+            }
+        };
         headers.reset_no_earlier_than(retry_after_sent);
         headers.apply(response.headers_mut());
         Plan::Respond(Box::new(response))

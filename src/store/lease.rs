@@ -378,14 +378,12 @@ async fn take<S: Store>(
     leases.calls.fetch_add(1, Ordering::Relaxed);
     // Detached from any request, so bounded here: a store that never answers must not
     // keep the identity waiting.
-    let decided = tokio::time::timeout(TAKE_DEADLINE, inner.decide(&id.0, &policies, units))
-        .await
-        .unwrap_or_else(|_| {
-            Err(StoreError::new(
-                StoreErrorKind::Timeout,
-                format!("no lease within {TAKE_DEADLINE:?}"),
-            ))
-        });
+    let decided = super::within(
+        TAKE_DEADLINE,
+        "lease",
+        inner.decide(&id.0, &policies, units),
+    )
+    .await;
     let alone_for = match decided {
         Ok(taken) if taken.is_allowed() => Ok(taken),
         // Refused: for a while, requests are decided one by one, so the last units of a

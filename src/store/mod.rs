@@ -318,6 +318,23 @@ macro_rules! forward_store {
 
 forward_store!(std::sync::Arc<S>, Box<S>);
 
+/// `future`, a store call, bounded by `timeout`: past it, a `Timeout` error that says
+/// what did not come (`no {what} within ...`).
+pub(crate) async fn within<T>(
+    timeout: std::time::Duration,
+    what: &str,
+    future: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, future)
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("no {what} within {timeout:?}"),
+            ))
+        })
+}
+
 pub(crate) type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
 
 /// The future of one decision: already complete for the in-process store (no allocation),

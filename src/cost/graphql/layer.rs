@@ -1,6 +1,7 @@
 //! [`GraphqlCostLayer`]: reads a GraphQL request, charges its cost to the rate limiter
 //! behind it, and hands the inner service the same bytes.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -224,13 +225,8 @@ impl Config {
                         "a documentId: a persisted document cannot be costed".into(),
                     ));
                 }
-                // Some servers read parameter names in any case (ASP.NET Core's query
-                // collection): `QUERY` would be a query there.
-                other
-                    if GRAPHQL_PARAMETERS
-                        .iter()
-                        .any(|known| known.eq_ignore_ascii_case(other) && *known != other) =>
-                {
+                // `QUERY` would be a query to a server that reads names in any case.
+                other if super::another_case_of_a_request_key(other) => {
                     return Err(CostError::Request(format!(
                         "{other:?} differs from a GraphQL parameter only in case"
                     )));
@@ -409,54 +405,39 @@ where
 /// `extensions`, `documentId` or `id`. Without any (the IDE page many servers show at the
 /// endpoint), it runs nothing.
 fn names_an_operation(parts: &http::request::Parts) -> bool {
-    url_parameter_names(parts).any(|name| {
-        ["query", "extensions", "documentId", "id"]
-            .iter()
-            .any(|known| known.eq_ignore_ascii_case(&name))
-    })
+    url_names_any(parts, &["query", "extensions", "documentId", "id"])
 }
 
-/// The parameters of a GraphQL request, as the layer spells them (some servers read them
-/// in any case).
-const GRAPHQL_PARAMETERS: [&str; 5] = [
-    "query",
-    "operationName",
-    "variables",
-    "extensions",
-    "documentId",
-];
-
-/// The names of a URL's parameters, split on `&` and on `;` alike: some servers (Rack
-/// before 3, Go before 1.17) split on both, so a name behind a `;` counts as given.
-fn url_parameter_names(
+/// A URL's parameters, split on `&` and on `;` alike: some servers (Rack before 3, Go
+/// before 1.17) split on both, so a parameter behind a `;` counts as given.
+fn url_parameters(
     parts: &http::request::Parts,
-) -> impl Iterator<Item = std::borrow::Cow<'_, str>> {
+) -> impl Iterator<Item = (Cow<'_, str>, Cow<'_, str>)> {
     parts
         .uri
         .query()
         .into_iter()
         .flat_map(|query| query.split(';'))
-        .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()).map(|(name, _)| name))
+        .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
+}
+
+/// True when a request's URL names one of `names`, in any case (as some servers read
+/// them).
+fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
+    url_parameters(parts)
+        .any(|(name, _)| names.iter().any(|known| known.eq_ignore_ascii_case(&name)))
 }
 
 /// True when a request's URL carries a GraphQL operation's document or variables (`query`,
 /// `variables`, or a persisted query's `extensions` or `documentId`).
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
-    url_parameter_names(parts).any(|name| {
-        ["query", "variables", "extensions", "documentId"]
-            .iter()
-            .any(|known| known.eq_ignore_ascii_case(&name))
-    })
+    url_names_any(parts, &["query", "variables", "extensions", "documentId"])
 }
 
 /// The `operationName` in a request's URL: `None` without one, `Some(None)` when it is
 /// given twice with different values (no single operation is named).
 fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
-    let query = parts.uri.query()?;
-    // Split on `;` too, as `url_parameter_names` does.
-    let mut names = query
-        .split(';')
-        .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
+    let mut names = url_parameters(parts)
         .filter(|(name, _)| name.eq_ignore_ascii_case("operationName"))
         .map(|(_, value)| value.into_owned());
     let first = names.next()?;

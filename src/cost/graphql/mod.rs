@@ -336,19 +336,8 @@ impl GraphqlCost {
         let object = request
             .as_object()
             .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
-        // Some servers match keys in any case (Go's JSON decoding): a key that differs
-        // from one of these only in case would be read there as the key itself.
-        const KEYS: [&str; 5] = [
-            "query",
-            "variables",
-            "operationName",
-            "extensions",
-            "documentId",
-        ];
-        if let Some(key) = object.keys().find(|key| {
-            KEYS.iter()
-                .any(|known| key.eq_ignore_ascii_case(known) && key.as_str() != *known)
-        }) {
+        // Some servers match keys in any case (Go's JSON decoding).
+        if let Some(key) = object.keys().find(|key| another_case_of_a_request_key(key)) {
             return Err(CostError::Request(format!(
                 "{key:?} differs from a GraphQL request's key only in case"
             )));
@@ -378,6 +367,24 @@ impl GraphqlCost {
         };
         self.query_cost(query, operation_name, variables)
     }
+}
+
+/// The keys of a GraphQL request, in a JSON body or a URL, as the coster spells them.
+const REQUEST_KEYS: [&str; 5] = [
+    "query",
+    "variables",
+    "operationName",
+    "extensions",
+    "documentId",
+];
+
+/// True when `name` differs from a request key only in case: a server that reads keys in
+/// any case (Go's JSON decoding, ASP.NET Core's query collection) takes it for that key,
+/// which the coster did not read.
+fn another_case_of_a_request_key(name: &str) -> bool {
+    REQUEST_KEYS
+        .iter()
+        .any(|known| known.eq_ignore_ascii_case(name) && *known != name)
 }
 
 /// One costing pass over one operation.
