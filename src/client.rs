@@ -135,6 +135,10 @@ impl PacingLayer {
 
     /// The longest one wait may last, whatever a server says (a value above it is read
     /// as this; malformed and negative values are ignored).
+    ///
+    /// One wait is everything before one attempt is sent: the server's word and the
+    /// [`pace`](Self::pace) policy's wait together. Each retry after a 429 waits anew, so
+    /// a call with `n` retries waits at most `(n + 1) * max_wait` in all.
     pub fn max_wait(self, max_wait: Duration) -> Self {
         self.with(|shared| shared.max_wait = max_wait)
     }
@@ -495,7 +499,10 @@ where
                         let decision = store.check(&key, policies, 1);
                         let pause = match decision.outcome() {
                             crate::Outcome::Allowed { delay } => {
-                                tokio::time::sleep(delay.min(shared.max_wait)).await;
+                                // The delay counts against the same `max_wait` as the
+                                // server's word: past the deadline the request goes.
+                                let left = deadline.saturating_duration_since(Instant::now());
+                                tokio::time::sleep(delay.min(left)).await;
                                 break;
                             }
                             crate::Outcome::Denied { retry_after, .. } => retry_after,

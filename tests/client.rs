@@ -335,3 +335,26 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
 fn an_in_flight_policy_cannot_pace() {
     let _ = PacingLayer::new().pace(Policy::concurrency("slots", 2).unwrap());
 }
+
+#[tokio::test(start_paused = true)]
+async fn max_wait_bounds_the_whole_wait_before_a_request_goes() {
+    // The server asks for 8 s; the pacer's shaping bucket (one request per 16 s) would
+    // then add 8 s more. `max_wait` is 10 s: the request goes at 10 s, not at 16.
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=8".to_owned())])];
+    let shaping = Policy::leaky_bucket_shaping(
+        "upstream",
+        Rate::new(1, Duration::from_secs(16)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let layer = PacingLayer::new()
+        .max_wait(Duration::from_secs(10))
+        .pace(shaping);
+    let mut client = layer.layer(upstream(script, Arc::clone(&seen)));
+    send(&mut client, get("http://a.test/")).await;
+    let started = tokio::time::Instant::now();
+    send(&mut client, get("http://a.test/")).await;
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
