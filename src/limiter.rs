@@ -156,6 +156,27 @@ impl fmt::Display for WaitError {
 
 impl std::error::Error for WaitError {}
 
+/// The enforced shaping policy whose queue for the key is the longest to wait out after
+/// `decision` (units queued over the leak rate): the one that held an admitted request
+/// back. 0 when there is none.
+fn longest_queue(policies: &PolicySet, decision: &Decision) -> usize {
+    policies
+        .iter()
+        .zip(decision.statuses())
+        .enumerate()
+        .filter(|(_, (policy, _))| !policy.is_shadow())
+        .filter_map(|(index, (policy, status))| match policy.algorithm() {
+            crate::Algorithm::LeakyShaping { leak, .. } => {
+                let queued = u128::from(status.limit.saturating_sub(status.remaining));
+                let wait = queued * leak.period().as_nanos() / u128::from(leak.amount().max(1));
+                Some((wait, index))
+            }
+            _ => None,
+        })
+        .max_by_key(|(wait, index)| (*wait, std::cmp::Reverse(*index)))
+        .map_or(0, |(_, index)| index)
+}
+
 /// Who decided a limiter's request: the store, the failure mode's local limiter (under
 /// the policies it applied), or nobody (fail open).
 enum Decider {
@@ -343,10 +364,11 @@ impl<St: Store> Limiter<St> {
                         .is_none_or(|ready| ready > deadline)
                     {
                         self.give_back(key, cost, &decision, &decider).await;
-                        // Said as a denial: it would be admitted after `delay`.
+                        // Said as a denial: it would be admitted after `delay`, by
+                        // the shaping policy that holds it back.
                         let denied = Decision::new(
                             Outcome::Denied {
-                                policy: 0,
+                                policy: longest_queue(&self.shared.policies, &decision),
                                 retry_after: delay,
                             },
                             decision.statuses().iter().copied(),

@@ -369,3 +369,28 @@ fn paced() -> Policy {
     )
     .unwrap()
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_shaping_delay_past_the_wait_names_the_shaping_policy() {
+    // A generous bucket first, two shaping buckets after it: the one that holds the
+    // request back longest (one every 10 s, not one a second) is the policy named.
+    let policies = PolicySet::new([
+        Policy::token_bucket("burst", 100, Rate::per_second(100)).unwrap(),
+        Policy::leaky_bucket_shaping("fast", Rate::per_second(1), Duration::from_secs(60)).unwrap(),
+        paced(),
+    ])
+    .unwrap();
+    let limiter = Limiter::new(runtime_store(), policies);
+    let key = Key::new("k");
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+    let Err(WaitError::TooLong(said)) = impatient else {
+        panic!("{impatient:?}");
+    };
+    assert_eq!(said.retry_after(), Some(Duration::from_secs(10)));
+    assert!(
+        matches!(said.outcome(), tollgate::Outcome::Denied { policy: 2, .. }),
+        "{:?}",
+        said.outcome()
+    );
+}
