@@ -218,6 +218,21 @@ impl Settle {
 
     /// Refunds in full the requests whose response status satisfies `refund` (for
     /// example server errors): they do not count against any policy.
+    ///
+    /// Only a response has a status: when the inner service fails instead (its future
+    /// returns `Err`, as a `tower::timeout::Timeout` inside the limiter does), the
+    /// reservation stands. To have such failures refunded, turn them into responses
+    /// inside the limiter (axum's `HandleErrorLayer` between the two), so that `refund`
+    /// sees their status.
+    ///
+    /// ```
+    /// use tollgate::settle::Settle;
+    ///
+    /// // 5xx and 429s from upstream cost the client nothing.
+    /// let settle = Settle::reserved()
+    ///     .refund_if(|status| status.is_server_error() || status.as_u16() == 429);
+    /// # let _ = settle;
+    /// ```
     pub fn refund_if<F>(mut self, refund: F) -> Self
     where
         F: Fn(StatusCode) -> bool + Send + Sync + 'static,
