@@ -156,10 +156,11 @@ impl fmt::Display for WaitError {
 
 impl std::error::Error for WaitError {}
 
-/// The enforced shaping policy whose queue for the key is the longest to wait out after
-/// `decision` (units queued over the leak rate): the one that held an admitted request
-/// back. 0 when there is none.
-fn longest_queue(policies: &PolicySet, decision: &Decision) -> usize {
+/// The enforced shaping policy that held an admitted request of `cost` units back
+/// longest: the one whose queue, without this request's own units, takes the longest to
+/// leak out (a shaping policy's reset is the time until its queue is empty). The first
+/// enforced policy when none is known.
+fn longest_queue(policies: &PolicySet, decision: &Decision, cost: u64) -> usize {
     policies
         .iter()
         .zip(decision.statuses())
@@ -167,14 +168,50 @@ fn longest_queue(policies: &PolicySet, decision: &Decision) -> usize {
         .filter(|(_, (policy, _))| !policy.is_shadow())
         .filter_map(|(index, (policy, status))| match policy.algorithm() {
             crate::Algorithm::LeakyShaping { leak, .. } => {
-                let queued = u128::from(status.limit.saturating_sub(status.remaining));
-                let wait = queued * leak.period().as_nanos() / u128::from(leak.amount().max(1));
-                Some((wait, index))
+                let own =
+                    u128::from(cost) * leak.period().as_nanos() / u128::from(leak.amount().max(1));
+                Some((status.reset.as_nanos().saturating_sub(own), index))
             }
             _ => None,
         })
         .max_by_key(|(wait, index)| (*wait, std::cmp::Reverse(*index)))
-        .map_or(0, |(_, index)| index)
+        .map_or_else(|| first_enforced(policies), |(_, index)| index)
+}
+
+/// The first policy that is not a shadow (0 when all are).
+fn first_enforced(policies: &PolicySet) -> usize {
+    policies
+        .iter()
+        .position(|policy| !policy.is_shadow())
+        .unwrap_or(0)
+}
+
+/// Units a waiter has spent and sleeps its shaping delay for: given back if the waiter
+/// is dropped before the delay ends (it will never use them).
+struct Booked<St: Store> {
+    limiter: Limiter<St>,
+    key: Key,
+    cost: u64,
+    spent: Option<(Decision, Decider)>,
+}
+
+impl<St: Store> Drop for Booked<St> {
+    fn drop(&mut self) {
+        let Some((decision, decider)) = self.spent.take() else {
+            return;
+        };
+        let (limiter, key, cost) = (self.limiter.clone(), self.key.clone(), self.cost);
+        let mut give_back =
+            Box::pin(async move { limiter.give_back(&key, cost, &decision, &decider).await });
+        // An in-process store (or the fallback) answers at once: given back before the
+        // drop returns, so the next waiter sees it. A store doing I/O finishes in a task.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if give_back.as_mut().poll(&mut cx).is_pending() {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(give_back);
+            }
+        }
+    }
 }
 
 /// Who decided a limiter's request: the store, the failure mode's local limiter (under
@@ -307,7 +344,9 @@ impl<St: Store> Limiter<St> {
 
     /// Waits until `cost` units for `key` fit, then spends them; gives up at once when
     /// they would not fit within `max_wait`, or never. Waiters for one key are served in
-    /// the order they came. A shaping policy's delay is waited too.
+    /// the order they came. A shaping policy's delay is waited too: the units are queued
+    /// when the delay starts (the waiters behind decide meanwhile, behind them), and a
+    /// waiter dropped before its delay ends (a timeout around it) gives them back.
     pub async fn until_ready(
         &self,
         key: &Key,
@@ -327,7 +366,7 @@ impl<St: Store> Limiter<St> {
         };
         let queue = Arc::clone(place.queue.as_ref().expect("set above"));
         let locked = tokio::time::timeout_at(deadline, queue.lock_owned()).await;
-        let Ok(_turn) = locked else {
+        let Ok(turn) = locked else {
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
             // is not known). The statuses are the key's state now.
@@ -341,7 +380,7 @@ impl<St: Store> Limiter<St> {
                 .enumerate()
                 .filter(|(_, (_, policy))| !policy.is_shadow())
                 .min_by_key(|(_, (status, _))| status.remaining)
-                .map_or(0, |(index, _)| index);
+                .map_or_else(|| first_enforced(&self.shared.policies), |(index, _)| index);
             return Err(WaitError::TooLong(Decision::new(
                 Outcome::Denied {
                     policy,
@@ -365,17 +404,33 @@ impl<St: Store> Limiter<St> {
                     {
                         self.give_back(key, cost, &decision, &decider).await;
                         // Said as a denial: it would be admitted after `delay`, by
-                        // the shaping policy that holds it back.
+                        // the shaping policy that holds it back (of the policies the
+                        // fallback applied, when it decided).
+                        let decided_by = match &decider {
+                            Decider::Fallback(applied) => applied,
+                            _ => &self.shared.policies,
+                        };
                         let denied = Decision::new(
                             Outcome::Denied {
-                                policy: longest_queue(&self.shared.policies, &decision),
+                                policy: longest_queue(decided_by, &decision, cost),
                                 retry_after: delay,
                             },
                             decision.statuses().iter().copied(),
                         );
                         return Err(WaitError::TooLong(denied));
                     }
+                    // The units are queued: the waiters behind may decide now (their
+                    // own delays count this one's), and a waiter dropped while it
+                    // sleeps gives its units back.
+                    drop(turn);
+                    let mut booked = Booked {
+                        limiter: self.clone(),
+                        key: key.clone(),
+                        cost,
+                        spent: Some((decision, decider)),
+                    };
                     tokio::time::sleep(delay).await;
+                    let (decision, _) = booked.spent.take().expect("set above");
                     return Ok(decision);
                 }
                 Outcome::Denied { retry_after, .. } => {
@@ -397,7 +452,10 @@ impl<St: Store> Limiter<St> {
     /// failure mode's local limiter.
     async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt());
+        // With what the debit left (as the layer's settle): a bucket gives back all it
+        // still holds of the units, not only what a replay from empty would.
+        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt())
+            .with_left(decision.statuses().iter().map(|status| status.remaining));
         let release = shared
             .policies
             .has_in_flight()

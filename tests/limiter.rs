@@ -393,4 +393,81 @@ async fn a_shaping_delay_past_the_wait_names_the_shaping_policy() {
         "{:?}",
         said.outcome()
     );
+
+    // The policy named is the one whose own wait is the delay, not the one with the
+    // longer queue once this request joined it: at 1.2 s "slow" still holds 0.8 s of
+    // the first request's two units, "quick" (3 every 2 s) 0.13 s; this request adds
+    // 1 s to "slow" and 0.67 s to "quick", whose queue then reads as two whole units.
+    let policies = PolicySet::new([
+        Policy::leaky_bucket_shaping(
+            "quick",
+            Rate::new(3, Duration::from_secs(2)),
+            Duration::from_secs(2),
+        )
+        .unwrap(),
+        Policy::leaky_bucket_shaping("slow", Rate::per_second(1), Duration::from_millis(10_900))
+            .unwrap(),
+    ])
+    .unwrap();
+    let limiter = Limiter::new(runtime_store(), policies);
+    assert!(limiter.until_ready(&key, 2, Duration::ZERO).await.is_ok());
+    tokio::time::advance(Duration::from_millis(1200)).await;
+    let impatient = limiter
+        .until_ready(&key, 1, Duration::from_millis(500))
+        .await;
+    let Err(WaitError::TooLong(said)) = impatient else {
+        panic!("{impatient:?}");
+    };
+    assert_eq!(said.retry_after(), Some(Duration::from_millis(800)));
+    assert!(
+        matches!(said.outcome(), tollgate::Outcome::Denied { policy: 1, .. }),
+        "{:?}",
+        said.outcome()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_during_its_shaping_delay_gives_its_units_back() {
+    // One every 10 s: the first goes at once; the second, given up on 1 s into its
+    // 10 s delay, must not keep its place in the queue, so a third waits only for the
+    // first's 10 s.
+    let limiter = Limiter::new(runtime_store(), paced());
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let dropped = tokio::time::timeout(
+        Duration::from_secs(1),
+        limiter.until_ready(&key, 1, Duration::from_secs(30)),
+    )
+    .await;
+    assert!(dropped.is_err(), "{dropped:?}");
+    let third = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
+    assert!(third.is_ok(), "{third:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_sleeping_its_shaping_delay_does_not_hold_the_queue() {
+    // The second waiter's units are queued behind the first's (a 10 s delay): a third
+    // that may wait 5 s learns at once that it would wait 20 s, not after 5 s of
+    // standing behind a waiter that only sleeps.
+    let limiter = Limiter::new(runtime_store(), paced());
+    let key = Key::new("k");
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let sleeper = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
+    };
+    // The sleeper decides and starts its sleep; no time passes.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let started = tokio::time::Instant::now();
+    let third = limiter.until_ready(&key, 1, Duration::from_secs(5)).await;
+    let Err(WaitError::TooLong(said)) = third else {
+        panic!("{third:?}");
+    };
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!(said.retry_after(), Some(Duration::from_secs(20)));
+    assert!(sleeper.await.unwrap().is_ok());
 }
