@@ -183,7 +183,9 @@ impl PacingLayer {
     }
 
     /// How long a request to `host` (`name` or `name:port`, any case; without a port,
-    /// the longer of ports 80 and 443) and `partition` would wait now, if sent.
+    /// the longer of ports 80 and 443) and `partition` would wait now for what the
+    /// server said, capped at `max_wait`. The [`pace`](Self::pace) policy's wait is not
+    /// counted (reading it would take a turn).
     pub fn wait_for(&self, host: &str, partition: Option<&str>) -> Duration {
         let host = host.to_ascii_lowercase();
         let has_port = host
@@ -214,7 +216,9 @@ impl<S> Layer<S> for PacingLayer {
     }
 }
 
-/// The service of a [`PacingLayer`].
+/// The service of a [`PacingLayer`]. It is always ready: the inner service's readiness
+/// is awaited by each request once its waits are over, so that a waiting request holds
+/// none of the inner service's capacity.
 #[derive(Clone)]
 pub struct Paced<S> {
     inner: S,
@@ -274,6 +278,18 @@ fn state_key(host: &str, partition: Option<&str>) -> String {
 }
 
 impl Shared {
+    /// Waits as long as the host asks (a response that arrives meanwhile may ask for
+    /// longer), but not past `deadline`.
+    async fn wait_out(&self, key: &str, deadline: Instant) {
+        loop {
+            let wait = self.wait(key);
+            if wait.is_zero() || Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep_until(deadline.min(later(Instant::now(), wait))).await;
+        }
+    }
+
     fn wait(&self, key: &str) -> Duration {
         let hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
         hosts
@@ -456,15 +472,16 @@ where
     type Error = S::Error;
     type Future = Pin<Box<dyn Future<Output = Result<Response<RB>, S::Error>> + Send>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The inner service's readiness is awaited in the response future, once the
+        // waits are over: a request waiting on a host's word holds none of its capacity
+        // (a concurrency limit's permit, a buffer's slot) meanwhile.
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
-        // The ready service goes with this request; later attempts wait for readiness.
-        let ready = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, ready);
+        let mut inner = self.inner.clone();
         Box::pin(async move {
             let host = host_of(&request);
             let partition = shared.partition.as_ref().and_then(|partition| {
@@ -481,49 +498,32 @@ where
             let mut attempt = 0;
             let mut first = Some(request);
             loop {
-                // Wait as long as the host asks (a response that arrives meanwhile may ask
-                // for longer), but no longer than `max_wait` in all.
+                // One wait before each attempt: the host's word and the pacing policy
+                // together, no longer than `max_wait`.
                 let deadline = later(Instant::now(), shared.max_wait);
-                loop {
-                    let wait = shared.wait(&key);
-                    if wait.is_zero() || Instant::now() >= deadline {
-                        break;
+                shared.wait_out(&key, deadline).await;
+                let turn = match &shared.pacer {
+                    Some((store, policies)) => {
+                        let turn = pace(store, policies, &key, deadline).await;
+                        // The host may have asked for a wait while this one was paced.
+                        shared.wait_out(&key, deadline).await;
+                        turn
                     }
-                    tokio::time::sleep_until(deadline.min(later(Instant::now(), wait))).await;
-                }
-                if let Some((store, policies)) = &shared.pacer {
-                    // Until the policy admits (a shaping delay is waited too), within
-                    // `max_wait`; past it, or for a cost that never fits, the request goes
-                    // and the server decides.
-                    loop {
-                        let decision = store.check(&key, policies, 1);
-                        let pause = match decision.outcome() {
-                            crate::Outcome::Allowed { delay } => {
-                                // The delay counts against the same `max_wait` as the
-                                // server's word: past the deadline the request goes.
-                                let left = deadline.saturating_duration_since(Instant::now());
-                                tokio::time::sleep(delay.min(left)).await;
-                                break;
-                            }
-                            crate::Outcome::Denied { retry_after, .. } => retry_after,
-                            _ => break,
-                        };
-                        if later(Instant::now(), pause) > deadline {
-                            break;
-                        }
-                        tokio::time::sleep(pause).await;
-                    }
-                }
+                    None => None,
+                };
                 let request = match (&first, attempt < retries) {
                     (Some(request), true) => copy(request),
                     _ => first
                         .take()
                         .expect("the request is sent at most once without copy"),
                 };
-                if attempt > 0 {
-                    std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+                let sent = inner.call(request);
+                // Sent: the pacing policy's turn is used.
+                if let Some(mut turn) = turn {
+                    turn.used();
                 }
-                let response = inner.call(request).await?;
+                let response = sent.await?;
                 let capped = shared.learn(&key, response.status(), response.headers());
                 // A retry within `max_wait` of a server that asked for longer would only be
                 // refused again: the 429 is returned as it is.
@@ -537,6 +537,67 @@ where
                 return Ok(response);
             }
         })
+    }
+}
+
+/// A turn the pacing policy gave a request: given back unless the request is sent (the
+/// request was dropped while it waited, or the inner service failed to take it).
+struct Turn<'a> {
+    store: &'a MemoryStore<RuntimeClock>,
+    policies: &'a PolicySet,
+    key: &'a str,
+    decision: Option<crate::Decision>,
+}
+
+impl Turn<'_> {
+    fn used(&mut self) {
+        self.decision = None;
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if let Some(decision) = self.decision.take() {
+            let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
+                .with_left(decision.statuses().iter().map(|status| status.remaining));
+            self.store.adjust_now(self.key, self.policies, &give_back);
+        }
+    }
+}
+
+/// Waits until the pacing policy admits a request to `key` (its shaping delay included),
+/// or until `deadline`: past it, or for a cost that never fits, the request goes and the
+/// server decides. The turn taken, if the policy admitted it.
+async fn pace<'a>(
+    store: &'a MemoryStore<RuntimeClock>,
+    policies: &'a PolicySet,
+    key: &'a str,
+    deadline: Instant,
+) -> Option<Turn<'a>> {
+    loop {
+        let decision = store.check(key, policies, 1);
+        match decision.outcome() {
+            crate::Outcome::Allowed { delay } => {
+                let turn = Turn {
+                    store,
+                    policies,
+                    key,
+                    decision: Some(decision),
+                };
+                // The delay counts against the same `max_wait` as the server's word:
+                // past the deadline the request goes, its turn kept.
+                let left = deadline.saturating_duration_since(Instant::now());
+                tokio::time::sleep(delay.min(left)).await;
+                return Some(turn);
+            }
+            crate::Outcome::Denied { retry_after, .. } => {
+                if later(Instant::now(), retry_after) > deadline {
+                    return None;
+                }
+                tokio::time::sleep(retry_after).await;
+            }
+            _ => return None,
+        }
     }
 }
 

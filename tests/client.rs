@@ -358,3 +358,93 @@ async fn max_wait_bounds_the_whole_wait_before_a_request_goes() {
     assert_eq!(seen.load(Ordering::SeqCst), 2);
     assert_eq!(started.elapsed(), Duration::from_secs(10));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_request_dropped_while_paced_gives_its_turn_back() {
+    // One request every 10 s: the second, given up on 1 s into its 10 s wait, is never
+    // sent, so a third waits only for the first's 10 s.
+    let seen = Arc::new(AtomicU64::new(0));
+    let shaping = Policy::leaky_bucket_shaping(
+        "upstream",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let mut client = PacingLayer::new()
+        .pace(shaping)
+        .layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    send(&mut client, get("http://a.test/")).await;
+    let dropped = tokio::time::timeout(
+        Duration::from_secs(1),
+        send(&mut client, get("http://a.test/")),
+    )
+    .await;
+    assert!(dropped.is_err());
+    send(&mut client, get("http://a.test/")).await;
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_the_server_asks_for_during_pacing_is_waited_too() {
+    // The first request's answer comes after 1 s and asks for 30 s. The second was
+    // already waiting its 5 s pacing delay: it is not sent at 5 s into a refusal, but
+    // at 31 s, when the server said it may.
+    let seen = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&seen);
+    let slow_to_say_wait = service_fn(move |_request: Request<Empty<Bytes>>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            let mut response = Response::new(Empty::<Bytes>::new());
+            if n == 0 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                response
+                    .headers_mut()
+                    .insert("retry-after", HeaderValue::from_static("30"));
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let shaping = Policy::leaky_bucket_shaping(
+        "upstream",
+        Rate::new(1, Duration::from_secs(5)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let client = PacingLayer::new().pace(shaping).layer(slow_to_say_wait);
+    let started = tokio::time::Instant::now();
+    let first = {
+        let mut client = client.clone();
+        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    let mut second = client.clone();
+    send(&mut second, get("http://a.test/")).await;
+    first.await.unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(started.elapsed(), Duration::from_secs(31));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_request_does_not_hold_the_inner_services_capacity() {
+    // One request at a time inside the pacer. A request to a host that asked for 10 s
+    // waits without holding that one place: a request to another host goes at once.
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(200, vec![("retry-after", "10".to_owned())]), (200, vec![])];
+    let inner =
+        tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream(script, Arc::clone(&seen)));
+    let client = PacingLayer::new().layer(inner);
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let waiting = {
+        let mut client = client.clone();
+        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    let started = tokio::time::Instant::now();
+    send(&mut client.clone(), get("http://b.test/")).await;
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    waiting.await.unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
+}
