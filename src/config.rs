@@ -256,8 +256,15 @@ fn duration(text: &str) -> Result<Duration, String> {
             ));
         }
     };
-    unit.checked_mul(u32::try_from(number).map_err(|_| format!("{text:?} is too long"))?)
-        .ok_or_else(|| format!("{text:?} is too long"))
+    let nanos = u128::from(number) * unit.as_nanos();
+    u64::try_from(nanos)
+        .map(Duration::from_nanos)
+        .map_err(|_| format!("{text:?} is too long"))
+}
+
+/// `result`, its error naming `field` (`window: "1x" is not a duration ...`).
+fn in_field<T>(field: &str, result: Result<T, String>) -> Result<T, String> {
+    result.map_err(|reason| format!("{field}: {reason}"))
 }
 
 /// `10/s`, `3/10s`, `1000/1h`.
@@ -335,43 +342,46 @@ impl PolicySpec {
             "fixed-window" => Policy::fixed_window(
                 name,
                 need("limit", self.limit)?,
-                duration(&need_text("window", &self.window)?)?,
+                in_field("window", duration(&need_text("window", &self.window)?))?,
             )
             .map_err(error)?,
             "sliding-log" => Policy::sliding_log(
                 name,
                 need("limit", self.limit)?,
-                duration(&need_text("window", &self.window)?)?,
+                in_field("window", duration(&need_text("window", &self.window)?))?,
             )
             .map_err(error)?,
             "sliding-window" => Policy::sliding_window_split(
                 name,
                 need("limit", self.limit)?,
-                duration(&need_text("window", &self.window)?)?,
+                in_field("window", duration(&need_text("window", &self.window)?))?,
                 self.sub_windows.unwrap_or(1),
             )
             .map_err(error)?,
             "token-bucket" => Policy::token_bucket(
                 name,
                 need("capacity", self.capacity)?,
-                rate(&need_text("rate", &self.rate)?)?,
+                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
             )
             .map_err(error)?,
             "leaky-bucket" => Policy::leaky_bucket(
                 name,
                 need("capacity", self.capacity)?,
-                rate(&need_text("rate", &self.rate)?)?,
+                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
             )
             .map_err(error)?,
             "leaky-shaping" => Policy::leaky_bucket_shaping(
                 name,
-                rate(&need_text("rate", &self.rate)?)?,
-                duration(&need_text("max_delay", &self.max_delay)?)?,
+                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
+                in_field(
+                    "max_delay",
+                    duration(&need_text("max_delay", &self.max_delay)?),
+                )?,
             )
             .map_err(error)?,
             "gcra" => Policy::gcra(
                 name,
-                rate(&need_text("rate", &self.rate)?)?,
+                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
                 need("burst", self.burst)?,
             )
             .map_err(error)?,
@@ -379,7 +389,7 @@ impl PolicySpec {
                 Some(lease) => Policy::concurrency_with_lease(
                     name,
                     need("limit", self.limit)?,
-                    duration(lease)?,
+                    in_field("lease", duration(lease))?,
                 ),
                 None => Policy::concurrency(name, need("limit", self.limit)?),
             }
@@ -395,11 +405,11 @@ impl PolicySpec {
             Some(spec) => {
                 let mut penalty = Penalty::new(
                     spec.denials,
-                    duration(&spec.within)?,
-                    duration(&spec.block)?,
+                    in_field("penalty.within", duration(&spec.within))?,
+                    in_field("penalty.block", duration(&spec.block))?,
                 );
                 if let Some(max) = &spec.max_block {
-                    penalty = penalty.doubling_up_to(duration(max)?);
+                    penalty = penalty.doubling_up_to(in_field("penalty.max_block", duration(max))?);
                 }
                 policy.with_penalty(penalty).map_err(error)?
             }
@@ -466,6 +476,8 @@ impl LimiterConfig {
             })?),
             None => None,
         };
+        // Each plan's set (one unnamed set without plans), for the costs' check below.
+        let mut plan_sets: Vec<(Option<&str>, PolicySet)> = Vec::new();
         let resolver: Arc<dyn PolicyResolver> = if self.plans.is_empty() {
             if plan_header.is_some() {
                 return Err(ConfigError::new(
@@ -477,7 +489,10 @@ impl LimiterConfig {
                 .policies
                 .iter()
                 .map(|spec| policies[spec.name.as_str()].clone());
-            Arc::new(PolicySet::new(all).map_err(|e| ConfigError::new("policies", e.to_string()))?)
+            let all =
+                PolicySet::new(all).map_err(|e| ConfigError::new("policies", e.to_string()))?;
+            plan_sets.push((None, all.clone()));
+            Arc::new(all)
         } else {
             let mut sets = HashMap::new();
             for (plan, names) in &self.plans {
@@ -491,6 +506,7 @@ impl LimiterConfig {
                 }
                 let set =
                     PolicySet::new(set).map_err(|e| ConfigError::new(&entry, e.to_string()))?;
+                plan_sets.push((Some(plan.as_str()), set.clone()));
                 sets.insert(plan.clone(), set);
             }
             if sets.len() > 1 && plan_header.is_none() {
@@ -512,6 +528,33 @@ impl LimiterConfig {
                 header: plan_header,
             })
         };
+        // A cost that a plan's policy can never admit gets every such request refused
+        // (400), whatever the client does: a mistake to report here. (An in-flight policy
+        // counts requests, not costs; a shadow policy never refuses.)
+        let fits = |entry: &str, units: u64| -> Result<(), ConfigError> {
+            for (plan, set) in &plan_sets {
+                let too_small = set.iter().find(|policy| {
+                    !policy.is_shadow()
+                        && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
+                        && units > policy.limit()
+                });
+                if let Some(policy) = too_small {
+                    let of_plan =
+                        plan.map_or_else(String::new, |plan| format!(" of plan {plan:?}"));
+                    return Err(ConfigError::new(
+                        entry,
+                        format!(
+                            "costs {units}, but policy {:?}{of_plan} admits at most {} units a \
+                             request: every such request would be refused",
+                            policy.name(),
+                            policy.limit()
+                        ),
+                    ));
+                }
+            }
+            Ok(())
+        };
+        fits("costs.default", self.costs.default)?;
         let mut cost = PerRoute::new(self.costs.default);
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
@@ -539,6 +582,7 @@ impl LimiterConfig {
                     ));
                 }
             };
+            fits(&entry, *units)?;
         }
         let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
             .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;

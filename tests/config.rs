@@ -234,6 +234,30 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "costs.routes.\"POST upload\"",
             "a route is",
         ),
+        // A cost no policy of a plan could ever admit: every such request would be
+        // refused (400), whatever the client did.
+        (
+            policy("algorithm = \"token-bucket\"\ncapacity = 10\nrate = \"5/s\"")
+                + "[costs]\nroutes = { \"/search\" = 5, \"POST /upload\" = 20 }\n",
+            "costs.routes.\"POST /upload\"",
+            "costs 20, but policy \"api\" admits at most 10 units a request",
+        ),
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[[policies]]\nname = \"big\"\nalgorithm = \"fixed-window\"\nlimit = 50\nwindow = \"1s\"\n"
+                + "[plans]\ndefault = [\"api\"]\npro = [\"big\"]\n"
+                + "[costs]\ndefault = 4\n",
+            "costs.default",
+            "costs 4, but policy \"api\" of plan \"default\" admits at most 3 units a request",
+        ),
+        // The field is named (the README's example of an error).
+        (
+            "[[policies]]\nname = \"daily\"\nalgorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1x\"\n"
+                .to_owned(),
+            "policies[0] \"daily\"",
+            "window: \"1x\" is not a duration",
+        ),
     ];
     for (text, entry, reason) in cases {
         let config: LimiterConfig = match toml::from_str(&text) {
@@ -253,6 +277,14 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             LiveLayer::new(MemoryStore::new(), &config).unwrap_err(),
             error
         );
+    }
+    // Within the limits a policy takes, a duration in any unit is read: 2^32 ms (about
+    // 49.7 days) as well as 50d.
+    for window in ["4294967296ms", "50d"] {
+        let text = format!(
+            "[[policies]]\nname = \"w\"\nalgorithm = \"fixed-window\"\nlimit = 1\nwindow = \"{window}\"\n"
+        );
+        assert_eq!(parse(&text).check(), Ok(()), "{window}");
     }
     // A misspelt field is refused by the parser, naming it.
     let error = toml::from_str::<LimiterConfig>(

@@ -406,6 +406,28 @@ async fn problem_bodies_use_the_drafts_problem_types() {
     );
 }
 
+// An in-flight policy counts requests, not costs (a request takes one slot): with a
+// slot free it is not violated by a request that costs more than one unit
+// (draft-11's `violated-policies`: the policies the request exceeded).
+#[tokio::test]
+async fn a_free_in_flight_slot_is_no_violated_policy_whatever_the_cost() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap())
+            .policy(Policy::concurrency("inflight", 2).unwrap())
+            .cost(cost_header()),
+    );
+    for _ in 0..2 {
+        let admitted = app.clone().oneshot(request("/", 5)).await.unwrap();
+        assert_eq!(admitted.status(), 200);
+        body_text(admitted).await;
+    }
+    let denied = app.clone().oneshot(request("/", 5)).await.unwrap();
+    assert_eq!(denied.status(), 429);
+    let body: serde_json::Value = serde_json::from_str(&body_text(denied).await).unwrap();
+    assert_eq!(body["violated-policies"], serde_json::json!(["api"]));
+}
+
 /// The members of an RFC 9651 list of items: (string value, parameters).
 fn parse_list(value: &str) -> Vec<(String, Vec<(String, sfv::BareItem)>)> {
     let list: sfv::List = sfv::Parser::new(value)

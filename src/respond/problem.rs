@@ -54,15 +54,16 @@ impl Rejection<'_> {
 
     /// The names of the policies this request exceeded (the draft's `violated-policies`):
     /// every policy with fewer units left than the request costs (for a shaping bucket:
-    /// with no room left), the one that keeps the client waiting longest first.
+    /// with no room left; for an in-flight policy, which counts requests: with no slot
+    /// free for a request that takes one), the one that keeps the client waiting longest
+    /// first.
     pub fn violated_policies(&self) -> Vec<&str> {
         let mut names = vec![self.policy.name()];
         for (policy, status) in self.policies.iter().zip(self.decision.statuses()) {
-            let shaping = matches!(policy.algorithm(), Algorithm::LeakyShaping { .. });
-            let exceeded = if shaping {
-                status.remaining == 0
-            } else {
-                status.remaining < self.cost
+            let exceeded = match policy.algorithm() {
+                Algorithm::LeakyShaping { .. } => status.remaining == 0,
+                Algorithm::Concurrency { .. } => status.remaining < self.cost.min(1),
+                _ => status.remaining < self.cost,
             };
             // A shadow policy never denies: it is no violated policy.
             if exceeded && !policy.is_shadow() && policy.name() != self.policy.name() {
