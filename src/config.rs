@@ -82,10 +82,17 @@ use crate::store::Store;
 pub struct LimiterConfig {
     /// The key extractor chain: the first that finds a key names the client. Entries:
     /// `"ip"` (the client address, behind `trusted_proxies`), `"header:NAME"` (a header,
-    /// hashed: API keys and tokens), `"global"` (one budget for everyone). Default:
+    /// hashed: API keys and tokens; salted with `key_salt_env`), `"global"` (one budget for everyone). Default:
     /// `["ip"]`.
     #[serde(default)]
     pub key: Vec<String>,
+    /// The environment variable that holds a salt mixed into the hash of every
+    /// `"header:NAME"` key ([`HeaderKey::salt`]): set it when a header carries secrets a
+    /// list of candidates could find in a store dump (`Authorization: Basic` holds a
+    /// password). The variable must be set and not empty; every replica must see the
+    /// same value. The salt itself is never in the configuration, nor in its errors.
+    #[serde(default)]
+    pub key_salt_env: Option<String>,
     /// Proxies whose `X-Forwarded-For` is believed by `"ip"` (addresses or networks).
     #[serde(default)]
     pub trusted_proxies: Vec<String>,
@@ -586,6 +593,18 @@ impl LimiterConfig {
         }
         let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
             .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;
+        let salt = match &self.key_salt_env {
+            Some(variable) => match std::env::var_os(variable) {
+                Some(salt) if !salt.is_empty() => Some(salt.into_encoded_bytes()),
+                _ => {
+                    return Err(ConfigError::new(
+                        "key_salt_env",
+                        format!("the environment variable {variable:?} is not set, or empty"),
+                    ));
+                }
+            },
+            None => None,
+        };
         let mut chain: Option<Arc<dyn KeyExtractor>> = None;
         let specs: Vec<&str> = if self.key.is_empty() {
             vec!["ip"]
@@ -598,9 +617,15 @@ impl LimiterConfig {
                 "ip" => Arc::new(client_ip.clone()),
                 "global" => Arc::new(Global),
                 other => match other.strip_prefix("header:") {
-                    Some(name) => Arc::new(HeaderKey::try_new(name).map_err(|_| {
-                        ConfigError::new(&entry, format!("{name:?} is not a header name"))
-                    })?),
+                    Some(name) => {
+                        let key = HeaderKey::try_new(name).map_err(|_| {
+                            ConfigError::new(&entry, format!("{name:?} is not a header name"))
+                        })?;
+                        Arc::new(match &salt {
+                            Some(salt) => key.salt(salt.clone()),
+                            None => key,
+                        })
+                    }
                     None => {
                         return Err(ConfigError::new(
                             entry,

@@ -486,3 +486,35 @@ async fn a_request_in_flight_finishes_under_the_configuration_it_started_with() 
             .starts_with("\"green-a\"")
     );
 }
+
+#[tokio::test]
+async fn header_keys_can_be_salted_from_the_environment() {
+    let config = |salt: &str| {
+        parse(&format!(
+            "key = [\"header:x-api-key\"]\n{salt}\n[[policies]]\nname = \"api\"\n\
+             algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1h\"\n"
+        ))
+    };
+    // A salt variable that is not set is an error, not a silent unsalted hash.
+    let unset = config("key_salt_env = \"TOLLGATE_TEST_SALT_NEVER_SET\"");
+    let error = unset.check().unwrap_err();
+    assert_eq!(error.entry(), "key_salt_env");
+    assert!(error.reason().contains("is not set"), "{error}");
+
+    // One store, one API key: salted and unsalted hashes are different keys, so the
+    // salted layer's client has a bucket of its own (PATH is set wherever tests run).
+    let store = MemoryStore::new();
+    let plain = LiveLayer::new(store.clone(), &config("")).unwrap();
+    let salted = LiveLayer::new(store, &config("key_salt_env = \"PATH\"")).unwrap();
+    let send = |layer: &LiveLayer| app(layer).oneshot(request("GET", "/", Some("k-1"), None));
+    assert_eq!(send(&plain).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        send(&plain).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(send(&salted).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        send(&salted).await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
