@@ -367,4 +367,86 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::Unavailable);
         server.abort();
     }
+
+    /// A CA, and a certificate for 127.0.0.1 and localhost that it signed: (CA PEM,
+    /// certificate PEM, key PEM).
+    #[cfg(feature = "tonic")]
+    fn certificates() -> (String, String, String) {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name
+            .push(DnType::CommonName, "tollgate test CA");
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let server =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+        let server_key = KeyPair::generate().unwrap();
+        let server_cert = server
+            .signed_by(&server_key, &Issuer::from_params(&ca, &ca_key))
+            .unwrap();
+        (ca_cert.pem(), server_cert.pem(), server_key.serialize_pem())
+    }
+
+    /// Over TLS tonic records the TCP peer beside its TLS connection info: the peer key
+    /// finds it on a TLS server as on a plain one.
+    #[cfg(feature = "tonic")]
+    #[tokio::test]
+    async fn a_tls_connections_peer_is_its_key() {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+        let (ca, certificate, key) = certificates();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .tls_config(ServerTlsConfig::new().identity(Identity::from_pem(certificate, key)))
+                .unwrap()
+                .layer(
+                    RateLimitLayer::new(MemoryStore::new())
+                        .policy(Policy::token_bucket("api", 2, Rate::per_hour(1)).unwrap())
+                        .key(ClientIp::peer()),
+                )
+                .add_service(Greeter)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await
+                .unwrap();
+        });
+        let channel = tonic::transport::Channel::from_shared(format!("https://{addr}"))
+            .unwrap()
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(ca))
+                    .domain_name("localhost"),
+            )
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut client = tonic::client::Grpc::new(channel);
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            client.ready().await.unwrap();
+            let codec = tonic_prost::ProstCodec::<HelloRequest, HelloReply>::default();
+            let request = tonic::Request::new(HelloRequest {
+                name: "Ferris".into(),
+            });
+            let answer = client
+                .unary(
+                    request,
+                    http::uri::PathAndQuery::from_static(SAY_HELLO),
+                    codec,
+                )
+                .await;
+            answers.push(answer.map_or_else(|status| status.code(), |_| tonic::Code::Ok));
+        }
+        assert_eq!(
+            answers,
+            [
+                tonic::Code::Ok,
+                tonic::Code::Ok,
+                tonic::Code::ResourceExhausted
+            ]
+        );
+        server.abort();
+    }
 }
