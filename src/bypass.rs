@@ -159,11 +159,13 @@ impl Bypass {
             }
         }
         if !self.networks.is_empty() {
+            // A client a trusted proxy hid is no address on the allowlist, though the
+            // key falls back to the proxy's.
             let address = match &self.client_ip {
-                Some(client) => client.client_addr(parts),
-                None => ClientIp::peer().client_addr(parts),
+                Some(client) => client.named_client_addr(parts),
+                None => ClientIp::peer().named_client_addr(parts),
             };
-            if let Ok(address) = address {
+            if let Ok(Some(address)) = address {
                 let address = canonical(address);
                 if self.networks.iter().any(|net| net.contains(&address)) {
                     return Some(BypassReason::Network);

@@ -160,3 +160,37 @@ async fn a_network_bypass_reads_the_client_address_as_the_key_does() {
     let inside = app.clone().oneshot(forwarded("10.9.9.9")).await.unwrap();
     assert!(!inside.headers().contains_key("ratelimit"));
 }
+
+/// A proxy that hides its client (`unknown`, an obfuscated or malformed entry) leaves the
+/// client unknown: the key falls back to the proxy's address (the last good one), but
+/// the request is not let through as if the proxy, inside the allowlisted network, had
+/// sent it. A request the proxy sends itself (no forwarding entry: its health check) is.
+#[tokio::test]
+async fn a_hidden_client_behind_an_allowlisted_proxy_is_limited() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
+            .bypass(Bypass::new().network("10.0.0.0/8")),
+    );
+    for hidden in ["unknown", "_hidden", "not-an-address"] {
+        let mut forwarded = request("10.0.0.5:443", "/", None);
+        forwarded
+            .headers_mut()
+            .insert("x-forwarded-for", hidden.parse().unwrap());
+        let response = app.clone().oneshot(forwarded).await.unwrap();
+        assert!(
+            response.headers().contains_key("ratelimit"),
+            "{hidden}: limited"
+        );
+    }
+    for _ in 0..3 {
+        let own = app
+            .clone()
+            .oneshot(request("10.0.0.5:443", "/", None))
+            .await
+            .unwrap();
+        assert_eq!(own.status(), StatusCode::OK);
+        assert!(!own.headers().contains_key("ratelimit"), "the proxy's own");
+    }
+}

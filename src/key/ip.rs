@@ -167,9 +167,16 @@ impl ClientIp {
     /// when it is not trusted).
     #[inline(never)]
     fn vouched_for(&self, parts: &Parts, peer: IpAddr) -> IpAddr {
+        self.walk(parts, peer).0
+    }
+
+    /// [`vouched_for`](Self::vouched_for), and whether the walk stopped at an entry that
+    /// hides the client (malformed, obfuscated or `unknown`) behind a trusted proxy: the
+    /// address is then that proxy's, standing in for a client nobody named.
+    fn walk(&self, parts: &Parts, peer: IpAddr) -> (IpAddr, bool) {
         let mut client = peer;
         if !self.is_trusted(client) {
-            return client;
+            return (client, false);
         }
         let mut hops = ForwardedHops::new(&parts.headers, self.header);
         for _ in 0..MAX_HOPS {
@@ -177,14 +184,30 @@ impl ClientIp {
                 Some(Some(ip)) => {
                     client = ip.to_canonical();
                     if !self.is_trusted(client) {
-                        return client;
+                        return (client, false);
                     }
                 }
                 // Malformed, obfuscated or "unknown": the last good address stands.
-                Some(None) | None => return client,
+                Some(None) => return (client, true),
+                None => return (client, false),
             }
         }
-        client
+        (client, false)
+    }
+
+    /// The client's address when the forwarding headers name it: `None` when a trusted
+    /// proxy hid it (the key then falls back to that proxy's address; an allowlist by
+    /// network must not take the proxy for the client).
+    pub(crate) fn named_client_addr(&self, parts: &Parts) -> Result<Option<IpAddr>, KeyError> {
+        let Some(peer) = peer_addr(parts) else {
+            return Err(no_peer());
+        };
+        let client = peer.to_canonical();
+        if self.trusted.is_empty() {
+            return Ok(Some(client));
+        }
+        let (client, hidden) = self.walk(parts, client);
+        Ok((!hidden).then_some(client))
     }
 
     #[inline]
