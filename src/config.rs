@@ -563,8 +563,20 @@ impl LimiterConfig {
         };
         fits("costs.default", self.costs.default)?;
         let mut cost = PerRoute::new(self.costs.default);
+        // Each route as it is matched (spaces around its parts are not), and its entry.
+        let mut seen: HashMap<String, &str> = HashMap::new();
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
+            let matched = match route.trim().split_once(' ') {
+                Some((method, path)) => format!("{method} {}", path.trim()),
+                None => route.trim().to_owned(),
+            };
+            if let Some(earlier) = seen.insert(matched, route) {
+                return Err(ConfigError::new(
+                    entry,
+                    format!("the same route as costs.routes.{earlier:?}"),
+                ));
+            }
             cost = match route.trim().split_once(' ') {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a

@@ -251,6 +251,13 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "costs.default",
             "costs 4, but policy \"api\" of plan \"default\" admits at most 3 units a request",
         ),
+        // Two spellings of one route: which cost applies would depend on map order.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 9\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"/search\" = 2, \" /search\" = 5 }\n",
+            "costs.routes.\"/search\"",
+            "the same route as costs.routes.\" /search\"",
+        ),
         // The field is named (the README's example of an error).
         (
             "[[policies]]\nname = \"daily\"\nalgorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1x\"\n"
