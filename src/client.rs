@@ -79,6 +79,10 @@ struct Shared {
     retry_all: bool,
     partition: Option<Arc<Partition>>,
     pacer: Option<(MemoryStore<RuntimeClock>, PolicySet)>,
+    /// Turns the pacing policy has given, counted: a turn is given back only when none
+    /// was given after it (units taken out from under a later turn would put two
+    /// requests on one slot).
+    turns: Mutex<u64>,
 }
 
 impl fmt::Debug for PacingLayer {
@@ -108,6 +112,7 @@ impl PacingLayer {
                 retry_all: false,
                 partition: None,
                 pacer: None,
+                turns: Mutex::new(0),
             }),
         }
     }
@@ -126,6 +131,7 @@ impl PacingLayer {
             retry_all: shared.retry_all,
             partition: shared.partition.clone(),
             pacer: shared.pacer.clone(),
+            turns: Mutex::new(0),
         });
         change(&mut shared);
         Self {
@@ -136,9 +142,11 @@ impl PacingLayer {
     /// The longest one wait may last, whatever a server says (a value above it is read
     /// as this; malformed and negative values are ignored).
     ///
-    /// One wait is everything before one attempt is sent: the server's word and the
-    /// [`pace`](Self::pace) policy's wait together. Each retry after a 429 waits anew, so
-    /// a call with `n` retries waits at most `(n + 1) * max_wait` in all.
+    /// The server's word and the [`pace`](Self::pace) policy's wait are two waits, each
+    /// at most `max_wait`: the policy keeps its spacing after a long word from the server
+    /// (requests held back by one `Retry-After` do not all go at its end). Each retry
+    /// after a 429 waits anew. Waiting for the inner service to be ready is not bounded
+    /// here (bound it with a timeout of your own).
     pub fn max_wait(self, max_wait: Duration) -> Self {
         self.with(|shared| shared.max_wait = max_wait)
     }
@@ -216,9 +224,10 @@ impl<S> Layer<S> for PacingLayer {
     }
 }
 
-/// The service of a [`PacingLayer`]. It is always ready: the inner service's readiness
-/// is awaited by each request once its waits are over, so that a waiting request holds
-/// none of the inner service's capacity.
+/// The service of a [`PacingLayer`]. It is always ready: each request awaits the inner
+/// service's readiness once it has waited out the server's word, so that a request
+/// waiting on a host holds none of the inner service's capacity; it then takes its
+/// pacing turn (holding that readiness through a pacing delay) and is sent.
 #[derive(Clone)]
 pub struct Paced<S> {
     inner: S,
@@ -474,14 +483,14 @@ where
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // The inner service's readiness is awaited in the response future, once the
-        // waits are over: a request waiting on a host's word holds none of its capacity
-        // (a concurrency limit's permit, a buffer's slot) meanwhile.
+        // server's word is waited out: a request waiting on a host holds none of its
+        // capacity (a concurrency limit's permit, a buffer's slot) meanwhile.
         Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
-        let mut inner = self.inner.clone();
+        let inner = self.inner.clone();
         Box::pin(async move {
             let host = host_of(&request);
             let partition = shared.partition.as_ref().and_then(|partition| {
@@ -498,27 +507,29 @@ where
             let mut attempt = 0;
             let mut first = Some(request);
             loop {
-                // One wait before each attempt: the host's word and the pacing policy
-                // together, no longer than `max_wait`.
+                // The server's word first, holding nothing of the inner service.
                 let deadline = later(Instant::now(), shared.max_wait);
                 shared.wait_out(&key, deadline).await;
-                let turn = match &shared.pacer {
-                    Some((store, policies)) => {
-                        let turn = pace(store, policies, &key, deadline).await;
-                        // The host may have asked for a wait while this one was paced.
-                        shared.wait_out(&key, deadline).await;
-                        turn
-                    }
-                    None => None,
-                };
+                let mut ready = inner.clone();
+                std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
+                // Then the pacing policy, ready to send: its turn is taken when the
+                // request can go, not before a stall of the inner service.
+                let turn = pace(&shared, &key).await;
+                // The host may have asked for a wait while this request was paced: it
+                // is waited out (within the same `max_wait`), the capacity given back.
+                if !shared.wait(&key).is_zero() && Instant::now() < deadline {
+                    drop(ready);
+                    shared.wait_out(&key, deadline).await;
+                    ready = inner.clone();
+                    std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
+                }
                 let request = match (&first, attempt < retries) {
                     (Some(request), true) => copy(request),
                     _ => first
                         .take()
                         .expect("the request is sent at most once without copy"),
                 };
-                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-                let sent = inner.call(request);
+                let sent = ready.call(request);
                 // Sent: the pacing policy's turn is used.
                 if let Some(mut turn) = turn {
                     turn.used();
@@ -540,12 +551,14 @@ where
     }
 }
 
-/// A turn the pacing policy gave a request: given back unless the request is sent (the
-/// request was dropped while it waited, or the inner service failed to take it).
+/// A turn the pacing policy gave a request: given back unless the request is sent (it
+/// was dropped while it waited, or the inner service failed to take it), and only while
+/// no turn was given after it.
 struct Turn<'a> {
-    store: &'a MemoryStore<RuntimeClock>,
-    policies: &'a PolicySet,
+    shared: &'a Shared,
     key: &'a str,
+    /// The count of turns given when this one was.
+    number: u64,
     decision: Option<crate::Decision>,
 }
 
@@ -557,37 +570,49 @@ impl Turn<'_> {
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        if let Some(decision) = self.decision.take() {
+        let (Some(decision), Some((store, policies))) = (self.decision.take(), &self.shared.pacer)
+        else {
+            return;
+        };
+        let turns = self
+            .shared
+            .turns
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *turns == self.number {
             let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
                 .with_left(decision.statuses().iter().map(|status| status.remaining));
-            self.store.adjust_now(self.key, self.policies, &give_back);
+            store.adjust_now(self.key, policies, &give_back);
         }
     }
 }
 
 /// Waits until the pacing policy admits a request to `key` (its shaping delay included),
-/// or until `deadline`: past it, or for a cost that never fits, the request goes and the
-/// server decides. The turn taken, if the policy admitted it.
-async fn pace<'a>(
-    store: &'a MemoryStore<RuntimeClock>,
-    policies: &'a PolicySet,
-    key: &'a str,
-    deadline: Instant,
-) -> Option<Turn<'a>> {
+/// at most `max_wait`: past it, or for a cost that never fits, the request goes and the
+/// server decides. The turn taken, if the policy admitted the request.
+async fn pace<'a>(shared: &'a Shared, key: &'a str) -> Option<Turn<'a>> {
+    let (store, policies) = shared.pacer.as_ref()?;
+    let deadline = later(Instant::now(), shared.max_wait);
     loop {
-        let decision = store.check(key, policies, 1);
+        let (decision, number) = {
+            // Counted with the decision, so that a give-back sees every turn after it.
+            let mut turns = shared.turns.lock().unwrap_or_else(PoisonError::into_inner);
+            let decision = store.check(key, policies, 1);
+            if decision.is_allowed() {
+                *turns += 1;
+            }
+            (decision, *turns)
+        };
         match decision.outcome() {
             crate::Outcome::Allowed { delay } => {
                 let turn = Turn {
-                    store,
-                    policies,
+                    shared,
                     key,
+                    number,
                     decision: Some(decision),
                 };
-                // The delay counts against the same `max_wait` as the server's word:
-                // past the deadline the request goes, its turn kept.
-                let left = deadline.saturating_duration_since(Instant::now());
-                tokio::time::sleep(delay.min(left)).await;
+                // Past `max_wait` the request goes, its turn kept.
+                tokio::time::sleep(delay.min(shared.max_wait)).await;
                 return Some(turn);
             }
             crate::Outcome::Denied { retry_after, .. } => {

@@ -535,31 +535,49 @@ impl LimiterConfig {
                 header: plan_header,
             })
         };
-        // A cost that a plan's policy can never admit gets every such request refused
-        // (400), whatever the client does: a mistake to report here. (An in-flight policy
-        // counts requests, not costs; a shadow policy never refuses.)
+        // A cost that no plan's policies can ever admit gets every such request refused
+        // (400), whatever the client does: a mistake to report here. A cost some plans
+        // admit is a route for those plans (the others' clients are told it never fits).
+        // In-flight policies count requests, not costs, and shadow policies (or a layer
+        // in shadow) never refuse.
         let fits = |entry: &str, units: u64| -> Result<(), ConfigError> {
-            for (plan, set) in &plan_sets {
-                let too_small = set.iter().find(|policy| {
-                    !policy.is_shadow()
-                        && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
-                        && units > policy.limit()
-                });
-                if let Some(policy) = too_small {
+            if self.shadow {
+                return Ok(());
+            }
+            let too_small = |set: &PolicySet| {
+                set.iter()
+                    .find(|policy| {
+                        !policy.is_shadow()
+                            && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
+                            && units > policy.limit()
+                    })
+                    .cloned()
+            };
+            let refusals: Vec<_> = plan_sets
+                .iter()
+                .map(|(plan, set)| (plan, too_small(set)))
+                .collect();
+            match refusals.iter().find(|(_, policy)| policy.is_some()) {
+                Some((plan, Some(policy))) if refusals.iter().all(|(_, p)| p.is_some()) => {
                     let of_plan =
                         plan.map_or_else(String::new, |plan| format!(" of plan {plan:?}"));
-                    return Err(ConfigError::new(
+                    let no_plan = if refusals.len() > 1 {
+                        " (no plan admits it)"
+                    } else {
+                        ""
+                    };
+                    Err(ConfigError::new(
                         entry,
                         format!(
                             "costs {units}, but policy {:?}{of_plan} admits at most {} units a \
-                             request: every such request would be refused",
+                             request{no_plan}: every such request would be refused",
                             policy.name(),
                             policy.limit()
                         ),
-                    ));
+                    ))
                 }
+                _ => Ok(()),
             }
-            Ok(())
         };
         fits("costs.default", self.costs.default)?;
         let mut cost = PerRoute::new(self.costs.default);
@@ -567,16 +585,7 @@ impl LimiterConfig {
         let mut seen: HashMap<String, &str> = HashMap::new();
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
-            let matched = match route.trim().split_once(' ') {
-                Some((method, path)) => format!("{method} {}", path.trim()),
-                None => route.trim().to_owned(),
-            };
-            if let Some(earlier) = seen.insert(matched, route) {
-                return Err(ConfigError::new(
-                    entry,
-                    format!("the same route as costs.routes.{earlier:?}"),
-                ));
-            }
+
             cost = match route.trim().split_once(' ') {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a
@@ -601,6 +610,16 @@ impl LimiterConfig {
                     ));
                 }
             };
+            let matched = match route.trim().split_once(' ') {
+                Some((method, path)) => format!("{method} {}", path.trim()),
+                None => route.trim().to_owned(),
+            };
+            if let Some(earlier) = seen.insert(matched, route) {
+                return Err(ConfigError::new(
+                    entry,
+                    format!("the same route as costs.routes.{earlier:?}"),
+                ));
+            }
             fits(&entry, *units)?;
         }
         let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)

@@ -186,13 +186,16 @@ fn first_enforced(policies: &PolicySet) -> usize {
         .unwrap_or(0)
 }
 
-/// Units a waiter has spent and sleeps its shaping delay for: given back if the waiter
-/// is dropped before the delay ends (it will never use them).
+/// Units a waiter has spent and sleeps its shaping delay for, with its turn in the key's
+/// queue: given back if the waiter is dropped before the delay ends (it will never use
+/// them). The turn is held until they are back, so no waiter queues behind units that
+/// are then taken out from under it (two requests would go at one instant).
 struct Booked<St: Store> {
     limiter: Limiter<St>,
     key: Key,
     cost: u64,
     spent: Option<(Decision, Decider)>,
+    turn: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 impl<St: Store> Drop for Booked<St> {
@@ -200,16 +203,23 @@ impl<St: Store> Drop for Booked<St> {
         let Some((decision, decider)) = self.spent.take() else {
             return;
         };
+        // Without a runtime no store call can be bounded by its timeout: the units stay
+        // spent (they leak out with time).
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (limiter, key, cost) = (self.limiter.clone(), self.key.clone(), self.cost);
-        let mut give_back =
-            Box::pin(async move { limiter.give_back(&key, cost, &decision, &decider).await });
+        let turn = self.turn.take();
+        let mut give_back = Box::pin(async move {
+            limiter.give_back(&key, cost, &decision, &decider).await;
+            drop(turn);
+            limiter.forget(&key);
+        });
         // An in-process store (or the fallback) answers at once: given back before the
-        // drop returns, so the next waiter sees it. A store doing I/O finishes in a task.
+        // drop returns. A store doing I/O finishes in a task, which holds the turn.
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if give_back.as_mut().poll(&mut cx).is_pending() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                runtime.spawn(give_back);
-            }
+            runtime.spawn(give_back);
         }
     }
 }
@@ -419,15 +429,15 @@ impl<St: Store> Limiter<St> {
                         );
                         return Err(WaitError::TooLong(denied));
                     }
-                    // The units are queued: the waiters behind may decide now (their
-                    // own delays count this one's), and a waiter dropped while it
-                    // sleeps gives its units back.
-                    drop(turn);
+                    // The turn is kept through the delay: a waiter dropped while it
+                    // sleeps gives its units back, which is sound only while nobody has
+                    // queued behind them.
                     let mut booked = Booked {
                         limiter: self.clone(),
                         key: key.clone(),
                         cost,
                         spent: Some((decision, decider)),
+                        turn: Some(turn),
                     };
                     tokio::time::sleep(delay).await;
                     let (decision, _) = booked.spent.take().expect("set above");

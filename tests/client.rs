@@ -336,27 +336,116 @@ fn an_in_flight_policy_cannot_pace() {
     let _ = PacingLayer::new().pace(Policy::concurrency("slots", 2).unwrap());
 }
 
+/// An upstream that notes when each request reached it, from `started`.
+fn timed(
+    started: tokio::time::Instant,
+    sent: Arc<std::sync::Mutex<Vec<Duration>>>,
+    first_says: Option<(&'static str, &'static str)>,
+    first_takes: Duration,
+) -> impl Service<
+    Request<Empty<Bytes>>,
+    Response = Response<Empty<Bytes>>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send
++ 'static {
+    service_fn(move |_request: Request<Empty<Bytes>>| {
+        let sent = Arc::clone(&sent);
+        async move {
+            let n = {
+                let mut sent = sent.lock().unwrap();
+                sent.push(started.elapsed());
+                sent.len()
+            };
+            let mut response = Response::new(Empty::<Bytes>::new());
+            if n == 1 {
+                tokio::time::sleep(first_takes).await;
+                if let Some((name, value)) = first_says {
+                    response
+                        .headers_mut()
+                        .insert(name, HeaderValue::from_static(value));
+                }
+            }
+            Ok::<_, Infallible>(response)
+        }
+    })
+}
+
 #[tokio::test(start_paused = true)]
-async fn max_wait_bounds_the_whole_wait_before_a_request_goes() {
-    // The server asks for 8 s; the pacer's shaping bucket (one request per 16 s) would
-    // then add 8 s more. `max_wait` is 10 s: the request goes at 10 s, not at 16.
-    let seen = Arc::new(AtomicU64::new(0));
-    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=8".to_owned())])];
+async fn pacing_keeps_its_spacing_after_a_servers_wait() {
+    // One request every 2 s. The first answer asks for 10 s, as long as `max_wait`:
+    // three requests held back by it go at 10, 12 and 14 s, not all three at 10.
+    let started = tokio::time::Instant::now();
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
     let shaping = Policy::leaky_bucket_shaping(
         "upstream",
-        Rate::new(1, Duration::from_secs(16)),
+        Rate::new(1, Duration::from_secs(2)),
         Duration::from_secs(60),
     )
     .unwrap();
-    let layer = PacingLayer::new()
+    let client = PacingLayer::new()
         .max_wait(Duration::from_secs(10))
-        .pace(shaping);
-    let mut client = layer.layer(upstream(script, Arc::clone(&seen)));
-    send(&mut client, get("http://a.test/")).await;
+        .pace(shaping)
+        .layer(timed(
+            started,
+            Arc::clone(&sent),
+            Some(("retry-after", "10")),
+            Duration::ZERO,
+        ));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+        })
+        .collect();
+    for request in held {
+        request.await.unwrap();
+    }
+    let secs = |s| Duration::from_secs(s);
+    assert_eq!(
+        *sent.lock().unwrap(),
+        [secs(0), secs(10), secs(12), secs(14)]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn pacing_turns_are_taken_when_the_request_can_go() {
+    // One request at a time inside the pacer, and the first holds it for 20 s. Requests
+    // started meanwhile are paced when they can go (one a second from 20 s), not given
+    // their turns at once and then all sent together when the first is done.
     let started = tokio::time::Instant::now();
-    send(&mut client, get("http://a.test/")).await;
-    assert_eq!(seen.load(Ordering::SeqCst), 2);
-    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(timed(
+        started,
+        Arc::clone(&sent),
+        None,
+        Duration::from_secs(20),
+    ));
+    let client = PacingLayer::new()
+        .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
+        .layer(inner);
+    let slow = {
+        let mut client = client.clone();
+        tokio::spawn(async move { send(&mut client, get("http://b.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+        })
+        .collect();
+    slow.await.unwrap();
+    for request in waiting {
+        request.await.unwrap();
+    }
+    let secs = |s| Duration::from_secs(s);
+    assert_eq!(
+        *sent.lock().unwrap(),
+        [secs(0), secs(20), secs(21), secs(22), secs(23)]
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -247,9 +247,10 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
                 + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
                 + "[[policies]]\nname = \"big\"\nalgorithm = \"fixed-window\"\nlimit = 50\nwindow = \"1s\"\n"
                 + "[plans]\ndefault = [\"api\"]\npro = [\"big\"]\n"
-                + "[costs]\ndefault = 4\n",
+                + "[costs]\ndefault = 60\n",
             "costs.default",
-            "costs 4, but policy \"api\" of plan \"default\" admits at most 3 units a request",
+            "costs 60, but policy \"api\" of plan \"default\" admits at most 3 units a request \
+             (no plan admits it)",
         ),
         // Two spellings of one route: which cost applies would depend on map order.
         (
@@ -285,6 +286,16 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             error
         );
     }
+    // A cost that some plans admit is a route for those plans: the configuration stands
+    // (the other plans' clients are told the cost never fits).
+    let pro_only = parse(
+        "plan_header = \"x-plan\"\n\
+         [[policies]]\nname = \"api\"\nalgorithm = \"token-bucket\"\ncapacity = 10\nrate = \"5/s\"\n\
+         [[policies]]\nname = \"api-pro\"\nalgorithm = \"token-bucket\"\ncapacity = 100\nrate = \"50/s\"\n\
+         [plans]\ndefault = [\"api\"]\npro = [\"api-pro\"]\n\
+         [costs]\nroutes = { \"/export\" = 50 }\n",
+    );
+    assert_eq!(pro_only.check(), Ok(()));
     // Within the limits a policy takes, a duration in any unit is read: 2^32 ms (about
     // 49.7 days) as well as 50d.
     for window in ["4294967296ms", "50d"] {

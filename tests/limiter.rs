@@ -447,27 +447,59 @@ async fn a_waiter_dropped_during_its_shaping_delay_gives_its_units_back() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_waiter_sleeping_its_shaping_delay_does_not_hold_the_queue() {
-    // The second waiter's units are queued behind the first's (a 10 s delay): a third
-    // that may wait 5 s learns at once that it would wait 20 s, not after 5 s of
-    // standing behind a waiter that only sleeps.
+async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
+    // One every 10 s. The second sleeps its 10 s delay while a third waits behind it;
+    // the second is dropped at 1 s and its units given back. The third then goes at
+    // 10 s, and a fourth at 20 s: never two at one instant.
     let limiter = Limiter::new(runtime_store(), paced());
     let key = Key::new("k");
+    let started = tokio::time::Instant::now();
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
-    let sleeper = {
+    let waiter = |limiter: &Limiter<_>| {
         let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
+        tokio::spawn(async move {
+            let admitted = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
+            assert!(admitted.is_ok(), "{admitted:?}");
+            started.elapsed()
+        })
     };
-    // The sleeper decides and starts its sleep; no time passes.
+    let sleeper = waiter(&limiter);
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
-    let started = tokio::time::Instant::now();
-    let third = limiter.until_ready(&key, 1, Duration::from_secs(5)).await;
-    let Err(WaitError::TooLong(said)) = third else {
-        panic!("{third:?}");
-    };
-    assert_eq!(started.elapsed(), Duration::ZERO);
-    assert_eq!(said.retry_after(), Some(Duration::from_secs(20)));
-    assert!(sleeper.await.unwrap().is_ok());
+    let third = waiter(&limiter);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sleeper.abort();
+    assert!(sleeper.await.is_err(), "dropped mid-sleep");
+    let fourth = waiter(&limiter);
+    assert_eq!(third.await.unwrap(), Duration::from_secs(10));
+    assert_eq!(fourth.await.unwrap(), Duration::from_secs(20));
+}
+
+#[test]
+fn a_sleeper_dropped_outside_any_runtime_does_not_panic() {
+    // A waiter polled into its shaping delay on a runtime, then dropped after the
+    // runtime is gone: its units cannot be given back (no store call can be bounded by
+    // a timeout there), and the drop must not panic.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let limiter = runtime.block_on(async { Limiter::new(runtime_store(), paced()) });
+    let key = Key::new("k");
+    // The waiter is handed out of the runtime on purpose, not awaited.
+    #[allow(clippy::async_yields_async)]
+    let sleeping = runtime.block_on(async {
+        assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+        let mut waiter = Box::pin(limiter.until_ready(&key, 1, Duration::from_secs(30)));
+        let polled = std::future::poll_fn(|cx| {
+            std::task::Poll::Ready(waiter.as_mut().poll(cx).is_pending())
+        })
+        .await;
+        assert!(polled, "the waiter sleeps its 10 s delay");
+        waiter
+    });
+    drop(runtime);
+    drop(sleeping);
 }
