@@ -296,6 +296,13 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
          [costs]\nroutes = { \"/export\" = 50 }\n",
     );
     assert_eq!(pro_only.check(), Ok(()));
+    // A layer in shadow refuses no cost.
+    let watched = parse(
+        "shadow = true\n\
+         [[policies]]\nname = \"api\"\nalgorithm = \"token-bucket\"\ncapacity = 10\nrate = \"5/s\"\n\
+         [costs]\nroutes = { \"/export\" = 50 }\n",
+    );
+    assert_eq!(watched.check(), Ok(()));
     // Within the limits a policy takes, a duration in any unit is read: 2^32 ms (about
     // 49.7 days) as well as 50d.
     for window in ["4294967296ms", "50d"] {
