@@ -78,11 +78,17 @@ struct Shared {
     retries: u32,
     retry_all: bool,
     partition: Option<Arc<Partition>>,
-    pacer: Option<(MemoryStore<RuntimeClock>, PolicySet)>,
-    /// Turns the pacing policy has given, counted: a turn is given back only when none
-    /// was given after it (units taken out from under a later turn would put two
-    /// requests on one slot).
-    turns: Mutex<u64>,
+    pacer: Option<Arc<Pacer>>,
+}
+
+/// The proactive pacing policy, its budget, and the turns it has given.
+struct Pacer {
+    store: MemoryStore<RuntimeClock>,
+    policies: PolicySet,
+    /// Per key: the turns given so far, and how many are still waiting to be sent. A
+    /// turn is given back only when no turn was given after it for its key: units taken
+    /// out from under a later turn would put two requests on one slot.
+    turns: Mutex<HashMap<String, (u64, usize)>>,
 }
 
 impl fmt::Debug for PacingLayer {
@@ -112,7 +118,6 @@ impl PacingLayer {
                 retry_all: false,
                 partition: None,
                 pacer: None,
-                turns: Mutex::new(0),
             }),
         }
     }
@@ -131,7 +136,6 @@ impl PacingLayer {
             retry_all: shared.retry_all,
             partition: shared.partition.clone(),
             pacer: shared.pacer.clone(),
-            turns: Mutex::new(0),
         });
         change(&mut shared);
         Self {
@@ -187,7 +191,12 @@ impl PacingLayer {
             policy.name()
         );
         let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
-        self.with(|shared| shared.pacer = Some((store, PolicySet::from(policy))))
+        let pacer = Pacer {
+            store,
+            policies: PolicySet::from(policy),
+            turns: Mutex::new(HashMap::new()),
+        };
+        self.with(|shared| shared.pacer = Some(Arc::new(pacer)))
     }
 
     /// How long a request to `host` (`name` or `name:port`, any case; without a port,
@@ -226,8 +235,9 @@ impl<S> Layer<S> for PacingLayer {
 
 /// The service of a [`PacingLayer`]. It is always ready: each request awaits the inner
 /// service's readiness once it has waited out the server's word, so that a request
-/// waiting on a host holds none of the inner service's capacity; it then takes its
-/// pacing turn (holding that readiness through a pacing delay) and is sent.
+/// waiting on a host holds none of the inner service's capacity. Ready, it takes its
+/// pacing turn (a denial is waited out without that readiness; a shaping delay with it)
+/// and is sent.
 #[derive(Clone)]
 pub struct Paced<S> {
     inner: S,
@@ -506,22 +516,54 @@ where
             };
             let mut attempt = 0;
             let mut first = Some(request);
+            // Whether this attempt was paced once already and then found the host asking
+            // for a wait.
+            let mut paced_again = false;
             loop {
                 // The server's word first, holding nothing of the inner service.
                 let deadline = later(Instant::now(), shared.max_wait);
                 shared.wait_out(&key, deadline).await;
-                let mut ready = inner.clone();
-                std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
-                // Then the pacing policy, ready to send: its turn is taken when the
-                // request can go, not before a stall of the inner service.
-                let turn = pace(&shared, &key).await;
-                // The host may have asked for a wait while this request was paced: it
-                // is waited out (within the same `max_wait`), the capacity given back.
-                if !shared.wait(&key).is_zero() && Instant::now() < deadline {
-                    drop(ready);
-                    shared.wait_out(&key, deadline).await;
-                    ready = inner.clone();
+                // Then the pacing policy's turn, taken when the request can go: with the
+                // inner service ready (not before a stall of it). A denial is waited out
+                // without holding the inner service.
+                let pace_deadline = later(Instant::now(), shared.max_wait);
+                let (mut ready, turn) = loop {
+                    let mut ready = inner.clone();
                     std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
+                    let Some(pacer) = &shared.pacer else {
+                        break (ready, None);
+                    };
+                    match pacer.take_turn(&key) {
+                        Pacing::Go(turn, delay) => {
+                            // Past the pacing's `max_wait` the request goes, its turn kept.
+                            let left = pace_deadline.saturating_duration_since(Instant::now());
+                            tokio::time::sleep(delay.min(left)).await;
+                            break (ready, Some(turn));
+                        }
+                        Pacing::WaitFor(retry_after)
+                            if later(Instant::now(), retry_after) <= pace_deadline =>
+                        {
+                            drop(ready);
+                            tokio::time::sleep(retry_after).await;
+                        }
+                        Pacing::WaitFor(_) | Pacing::Never => break (ready, None),
+                    }
+                };
+                // The host asked for a wait while this request was paced: its turn and
+                // the inner service are given back, and the request waits the host out
+                // and is paced afresh (once; then it waits here, holding its turn).
+                if !shared.wait(&key).is_zero() {
+                    if !paced_again {
+                        paced_again = true;
+                        drop((turn, ready));
+                        continue;
+                    }
+                    if Instant::now() < deadline {
+                        drop(ready);
+                        shared.wait_out(&key, deadline).await;
+                        ready = inner.clone();
+                        std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
+                    }
                 }
                 let request = match (&first, attempt < retries) {
                     (Some(request), true) => copy(request),
@@ -531,7 +573,7 @@ where
                 };
                 let sent = ready.call(request);
                 // Sent: the pacing policy's turn is used.
-                if let Some(mut turn) = turn {
+                if let Some(turn) = turn {
                     turn.used();
                 }
                 let response = sent.await?;
@@ -543,6 +585,7 @@ where
                     && !capped
                 {
                     attempt += 1;
+                    paced_again = false;
                     continue;
                 }
                 return Ok(response);
@@ -551,77 +594,84 @@ where
     }
 }
 
+/// What the pacing policy says of a request now. (Read at once where it is made: the
+/// size of its turn costs nothing worth a box.)
+#[allow(clippy::large_enum_variant)]
+enum Pacing<'a> {
+    /// It may go after the delay, with this turn.
+    Go(Turn<'a>, Duration),
+    /// Not before this long.
+    WaitFor(Duration),
+    /// Never (a cost the policy never admits): the request goes, and the server decides.
+    Never,
+}
+
+impl Pacer {
+    /// Decides a request to `key` now; an admitted one takes a turn.
+    fn take_turn<'a>(&'a self, key: &'a str) -> Pacing<'a> {
+        // The turn is counted with the decision, so that a give-back sees every turn
+        // given after it.
+        let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        let decision = self.store.check(key, &self.policies, 1);
+        match decision.outcome() {
+            crate::Outcome::Allowed { delay } => {
+                let (given, waiting) = turns.entry(key.to_owned()).or_insert((0, 0));
+                *given += 1;
+                *waiting += 1;
+                let turn = Turn {
+                    pacer: self,
+                    key,
+                    number: *given,
+                    decision: Some(decision),
+                };
+                Pacing::Go(turn, delay)
+            }
+            crate::Outcome::Denied { retry_after, .. } => Pacing::WaitFor(retry_after),
+            _ => Pacing::Never,
+        }
+    }
+}
+
 /// A turn the pacing policy gave a request: given back unless the request is sent (it
 /// was dropped while it waited, or the inner service failed to take it), and only while
-/// no turn was given after it.
+/// no turn was given after it for its key.
 struct Turn<'a> {
-    shared: &'a Shared,
+    pacer: &'a Pacer,
     key: &'a str,
-    /// The count of turns given when this one was.
+    /// The count of the key's turns when this one was given.
     number: u64,
     decision: Option<crate::Decision>,
 }
 
 impl Turn<'_> {
-    fn used(&mut self) {
+    /// The request was sent: the turn is used.
+    fn used(mut self) {
         self.decision = None;
     }
 }
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
-        let (Some(decision), Some((store, policies))) = (self.decision.take(), &self.shared.pacer)
-        else {
-            return;
-        };
-        let turns = self
-            .shared
+        let mut turns = self
+            .pacer
             .turns
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if *turns == self.number {
-            let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
-                .with_left(decision.statuses().iter().map(|status| status.remaining));
-            store.adjust_now(self.key, policies, &give_back);
-        }
-    }
-}
-
-/// Waits until the pacing policy admits a request to `key` (its shaping delay included),
-/// at most `max_wait`: past it, or for a cost that never fits, the request goes and the
-/// server decides. The turn taken, if the policy admitted the request.
-async fn pace<'a>(shared: &'a Shared, key: &'a str) -> Option<Turn<'a>> {
-    let (store, policies) = shared.pacer.as_ref()?;
-    let deadline = later(Instant::now(), shared.max_wait);
-    loop {
-        let (decision, number) = {
-            // Counted with the decision, so that a give-back sees every turn after it.
-            let mut turns = shared.turns.lock().unwrap_or_else(PoisonError::into_inner);
-            let decision = store.check(key, policies, 1);
-            if decision.is_allowed() {
-                *turns += 1;
-            }
-            (decision, *turns)
+        let Some((given, waiting)) = turns.get_mut(self.key) else {
+            return;
         };
-        match decision.outcome() {
-            crate::Outcome::Allowed { delay } => {
-                let turn = Turn {
-                    shared,
-                    key,
-                    number,
-                    decision: Some(decision),
-                };
-                // Past `max_wait` the request goes, its turn kept.
-                tokio::time::sleep(delay.min(shared.max_wait)).await;
-                return Some(turn);
+        if let Some(decision) = self.decision.take() {
+            if *given == self.number {
+                let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
+                    .with_left(decision.statuses().iter().map(|status| status.remaining));
+                self.pacer
+                    .store
+                    .adjust_now(self.key, &self.pacer.policies, &give_back);
             }
-            crate::Outcome::Denied { retry_after, .. } => {
-                if later(Instant::now(), retry_after) > deadline {
-                    return None;
-                }
-                tokio::time::sleep(retry_after).await;
-            }
-            _ => return None,
+        }
+        *waiting -= 1;
+        if *waiting == 0 {
+            turns.remove(self.key);
         }
     }
 }

@@ -354,9 +354,11 @@ impl<St: Store> Limiter<St> {
 
     /// Waits until `cost` units for `key` fit, then spends them; gives up at once when
     /// they would not fit within `max_wait`, or never. Waiters for one key are served in
-    /// the order they came. A shaping policy's delay is waited too: the units are queued
-    /// when the delay starts (the waiters behind decide meanwhile, behind them), and a
-    /// waiter dropped before its delay ends (a timeout around it) gives them back.
+    /// the order they came. A shaping policy's delay is waited too, the waiter keeping its
+    /// turn: a waiter dropped before its delay ends (a timeout around it) gives its units
+    /// back, and nobody has queued behind them. So a waiter behind one that sleeps its
+    /// delay decides only when that delay ends (past its own `max_wait`, it gets
+    /// `TooLong`, told to retry after `max_wait`).
     pub async fn until_ready(
         &self,
         key: &Key,

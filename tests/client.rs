@@ -450,8 +450,9 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
 
 #[tokio::test(start_paused = true)]
 async fn a_request_dropped_while_paced_gives_its_turn_back() {
-    // One request every 10 s: the second, given up on 1 s into its 10 s wait, is never
-    // sent, so a third waits only for the first's 10 s.
+    // One request every 10 s per host: the second to a.test, given up on 1 s into its
+    // 10 s wait, is never sent, so a third waits only for the first's 10 s (a turn given
+    // to another host meanwhile changes nothing).
     let seen = Arc::new(AtomicU64::new(0));
     let shaping = Policy::leaky_bucket_shaping(
         "upstream",
@@ -464,15 +465,105 @@ async fn a_request_dropped_while_paced_gives_its_turn_back() {
         .layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
     let started = tokio::time::Instant::now();
     send(&mut client, get("http://a.test/")).await;
-    let dropped = tokio::time::timeout(
-        Duration::from_secs(1),
-        send(&mut client, get("http://a.test/")),
-    )
-    .await;
-    assert!(dropped.is_err());
+    let dropped = {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(1),
+                send(&mut client, get("http://a.test/")),
+            )
+            .await
+        })
+    };
+    tokio::task::yield_now().await;
+    send(&mut client, get("http://b.test/")).await;
+    assert!(dropped.await.unwrap().is_err());
     send(&mut client, get("http://a.test/")).await;
-    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(seen.load(Ordering::SeqCst), 3);
     assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
+
+#[tokio::test(start_paused = true)]
+async fn layers_built_from_one_share_the_pacing_turns() {
+    // Two layers from one (`.max_wait` on a clone makes a copy of the settings): they
+    // share the pacing budget, and so its turns. A request of the first, dropped while a
+    // request of the second holds a later turn, does not give its own back: the next
+    // request then goes 10 s after the second's, not at the same instant.
+    let started = tokio::time::Instant::now();
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let upstream = timed(started, Arc::clone(&sent), None, Duration::ZERO);
+    let shaping = Policy::leaky_bucket_shaping(
+        "upstream",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let layer = PacingLayer::new().pace(shaping);
+    let first = layer
+        .clone()
+        .max_wait(Duration::from_secs(50))
+        .layer(upstream.clone());
+    let second = layer.clone().retries(0).layer(upstream);
+    send(&mut first.clone(), get("http://a.test/")).await;
+    let dropped = {
+        let mut first = first.clone();
+        tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_secs(1),
+                send(&mut first, get("http://a.test/")),
+            )
+            .await
+        })
+    };
+    tokio::task::yield_now().await;
+    let later = {
+        let mut second = second.clone();
+        tokio::spawn(async move { send(&mut second, get("http://a.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    assert!(dropped.await.unwrap().is_err());
+    send(&mut first.clone(), get("http://a.test/")).await;
+    later.await.unwrap();
+    let secs = |s| Duration::from_secs(s);
+    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(20), secs(30)]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_paced_when_the_server_says_wait_are_paced_again_after_it() {
+    // One request every 5 s. The first's answer comes at 1 s and asks for 30 s; two
+    // requests were already paced for 5 and 10 s. They wait the server out and are paced
+    // afresh: sent at 31 and 36 s, not both at 31.
+    let started = tokio::time::Instant::now();
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let shaping = Policy::leaky_bucket_shaping(
+        "upstream",
+        Rate::new(1, Duration::from_secs(5)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let client = PacingLayer::new().pace(shaping).layer(timed(
+        started,
+        Arc::clone(&sent),
+        Some(("retry-after", "30")),
+        Duration::from_secs(1),
+    ));
+    let first = {
+        let mut client = client.clone();
+        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    let paced: Vec<_> = (0..2)
+        .map(|_| {
+            let mut client = client.clone();
+            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+        })
+        .collect();
+    first.await.unwrap();
+    for request in paced {
+        request.await.unwrap();
+    }
+    let secs = |s| Duration::from_secs(s);
+    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(31), secs(36)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -536,4 +627,32 @@ async fn a_waiting_request_does_not_hold_the_inner_services_capacity() {
     assert_eq!(started.elapsed(), Duration::ZERO);
     waiting.await.unwrap();
     assert_eq!(seen.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_the_pacer_holds_back_does_not_hold_the_inner_services_capacity() {
+    // One request at a time inside the pacer, one per 10 s per host. The second request
+    // to a.test waits 10 s for its turn without holding that one place: a request to
+    // b.test goes at once.
+    let started = tokio::time::Instant::now();
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(timed(
+        started,
+        Arc::clone(&sent),
+        None,
+        Duration::ZERO,
+    ));
+    let client = PacingLayer::new()
+        .pace(Policy::token_bucket("upstream", 1, Rate::new(1, Duration::from_secs(10))).unwrap())
+        .layer(inner);
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let held = {
+        let mut client = client.clone();
+        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
+    };
+    tokio::task::yield_now().await;
+    send(&mut client.clone(), get("http://b.test/")).await;
+    held.await.unwrap();
+    let secs = |s| Duration::from_secs(s);
+    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(0), secs(10)]);
 }
