@@ -23,6 +23,10 @@
 #[path = "support/port.rs"]
 mod port;
 
+#[cfg(all(test, feature = "tonic"))]
+#[path = "support/certificates.rs"]
+mod certificates;
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -368,33 +372,13 @@ mod tests {
         server.abort();
     }
 
-    /// A CA, and a certificate for 127.0.0.1 and localhost that it signed: (CA PEM,
-    /// certificate PEM, key PEM).
-    #[cfg(feature = "tonic")]
-    fn certificates() -> (String, String, String) {
-        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name
-            .push(DnType::CommonName, "tollgate test CA");
-        let ca_key = KeyPair::generate().unwrap();
-        let ca_cert = ca.self_signed(&ca_key).unwrap();
-        let server =
-            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
-        let server_key = KeyPair::generate().unwrap();
-        let server_cert = server
-            .signed_by(&server_key, &Issuer::from_params(&ca, &ca_key))
-            .unwrap();
-        (ca_cert.pem(), server_cert.pem(), server_key.serialize_pem())
-    }
-
     /// Over TLS tonic records the TCP peer beside its TLS connection info: the peer key
     /// finds it on a TLS server as on a plain one.
     #[cfg(feature = "tonic")]
     #[tokio::test]
     async fn a_tls_connections_peer_is_its_key() {
         use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
-        let (ca, certificate, key) = certificates();
+        let (ca, certificate, key) = crate::certificates::signed_for_loopback();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {

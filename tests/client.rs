@@ -181,6 +181,28 @@ fn get(uri: &str) -> Request<Empty<Bytes>> {
     Request::get(uri).body(Empty::new()).unwrap()
 }
 
+/// `send` on a clone of `client`, in a task of its own.
+fn spawn_send<S>(client: &S, uri: &'static str) -> tokio::task::JoinHandle<S::Response>
+where
+    S: Service<Request<Empty<Bytes>>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: std::fmt::Debug,
+{
+    let mut client = client.clone();
+    tokio::spawn(async move { send(&mut client, get(uri)).await })
+}
+
+/// A shaping policy: one request every `period`, held back up to a minute.
+fn one_every(period: Duration) -> Policy {
+    Policy::leaky_bucket_shaping("upstream", Rate::new(1, period), Duration::from_secs(60)).unwrap()
+}
+
+/// Times from the start, in whole seconds.
+fn at(seconds: &[u64]) -> Vec<Duration> {
+    seconds.iter().copied().map(Duration::from_secs).collect()
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_refused_get_is_waited_out_and_retried_a_post_is_not() {
     let seen = Arc::new(AtomicU64::new(0));
@@ -378,12 +400,7 @@ async fn pacing_keeps_its_spacing_after_a_servers_wait() {
     // three requests held back by it go at 10, 12 and 14 s, not all three at 10.
     let started = tokio::time::Instant::now();
     let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let shaping = Policy::leaky_bucket_shaping(
-        "upstream",
-        Rate::new(1, Duration::from_secs(2)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let shaping = one_every(Duration::from_secs(2));
     let client = PacingLayer::new()
         .max_wait(Duration::from_secs(10))
         .pace(shaping)
@@ -395,19 +412,12 @@ async fn pacing_keeps_its_spacing_after_a_servers_wait() {
         ));
     send(&mut client.clone(), get("http://a.test/")).await;
     let held: Vec<_> = (0..3)
-        .map(|_| {
-            let mut client = client.clone();
-            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-        })
+        .map(|_| spawn_send(&client, "http://a.test/"))
         .collect();
     for request in held {
         request.await.unwrap();
     }
-    let secs = |s| Duration::from_secs(s);
-    assert_eq!(
-        *sent.lock().unwrap(),
-        [secs(0), secs(10), secs(12), secs(14)]
-    );
+    assert_eq!(*sent.lock().unwrap(), at(&[0, 10, 12, 14]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -426,26 +436,16 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
     let client = PacingLayer::new()
         .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
         .layer(inner);
-    let slow = {
-        let mut client = client.clone();
-        tokio::spawn(async move { send(&mut client, get("http://b.test/")).await })
-    };
+    let slow = spawn_send(&client, "http://b.test/");
     tokio::task::yield_now().await;
     let waiting: Vec<_> = (0..4)
-        .map(|_| {
-            let mut client = client.clone();
-            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-        })
+        .map(|_| spawn_send(&client, "http://a.test/"))
         .collect();
     slow.await.unwrap();
     for request in waiting {
         request.await.unwrap();
     }
-    let secs = |s| Duration::from_secs(s);
-    assert_eq!(
-        *sent.lock().unwrap(),
-        [secs(0), secs(20), secs(21), secs(22), secs(23)]
-    );
+    assert_eq!(*sent.lock().unwrap(), at(&[0, 20, 21, 22, 23]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -454,12 +454,7 @@ async fn a_request_dropped_while_paced_gives_its_turn_back() {
     // 10 s wait, is never sent, so a third waits only for the first's 10 s (a turn given
     // to another host meanwhile changes nothing).
     let seen = Arc::new(AtomicU64::new(0));
-    let shaping = Policy::leaky_bucket_shaping(
-        "upstream",
-        Rate::new(1, Duration::from_secs(10)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let shaping = one_every(Duration::from_secs(10));
     let mut client = PacingLayer::new()
         .pace(shaping)
         .layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
@@ -492,12 +487,7 @@ async fn layers_built_from_one_share_the_pacing_turns() {
     let started = tokio::time::Instant::now();
     let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
     let upstream = timed(started, Arc::clone(&sent), None, Duration::ZERO);
-    let shaping = Policy::leaky_bucket_shaping(
-        "upstream",
-        Rate::new(1, Duration::from_secs(10)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let shaping = one_every(Duration::from_secs(10));
     let layer = PacingLayer::new().pace(shaping);
     let first = layer
         .clone()
@@ -516,16 +506,12 @@ async fn layers_built_from_one_share_the_pacing_turns() {
         })
     };
     tokio::task::yield_now().await;
-    let later = {
-        let mut second = second.clone();
-        tokio::spawn(async move { send(&mut second, get("http://a.test/")).await })
-    };
+    let later = spawn_send(&second, "http://a.test/");
     tokio::task::yield_now().await;
     assert!(dropped.await.unwrap().is_err());
     send(&mut first.clone(), get("http://a.test/")).await;
     later.await.unwrap();
-    let secs = |s| Duration::from_secs(s);
-    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(20), secs(30)]);
+    assert_eq!(*sent.lock().unwrap(), at(&[0, 20, 30]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -535,35 +521,23 @@ async fn requests_paced_when_the_server_says_wait_are_paced_again_after_it() {
     // afresh: sent at 31 and 36 s, not both at 31.
     let started = tokio::time::Instant::now();
     let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let shaping = Policy::leaky_bucket_shaping(
-        "upstream",
-        Rate::new(1, Duration::from_secs(5)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let shaping = one_every(Duration::from_secs(5));
     let client = PacingLayer::new().pace(shaping).layer(timed(
         started,
         Arc::clone(&sent),
         Some(("retry-after", "30")),
         Duration::from_secs(1),
     ));
-    let first = {
-        let mut client = client.clone();
-        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-    };
+    let first = spawn_send(&client, "http://a.test/");
     tokio::task::yield_now().await;
     let paced: Vec<_> = (0..2)
-        .map(|_| {
-            let mut client = client.clone();
-            tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-        })
+        .map(|_| spawn_send(&client, "http://a.test/"))
         .collect();
     first.await.unwrap();
     for request in paced {
         request.await.unwrap();
     }
-    let secs = |s| Duration::from_secs(s);
-    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(31), secs(36)]);
+    assert_eq!(*sent.lock().unwrap(), at(&[0, 31, 36]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -587,18 +561,10 @@ async fn a_wait_the_server_asks_for_during_pacing_is_waited_too() {
             Ok::<_, Infallible>(response)
         }
     });
-    let shaping = Policy::leaky_bucket_shaping(
-        "upstream",
-        Rate::new(1, Duration::from_secs(5)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let shaping = one_every(Duration::from_secs(5));
     let client = PacingLayer::new().pace(shaping).layer(slow_to_say_wait);
     let started = tokio::time::Instant::now();
-    let first = {
-        let mut client = client.clone();
-        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-    };
+    let first = spawn_send(&client, "http://a.test/");
     tokio::task::yield_now().await;
     let mut second = client.clone();
     send(&mut second, get("http://a.test/")).await;
@@ -617,10 +583,7 @@ async fn a_waiting_request_does_not_hold_the_inner_services_capacity() {
         tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream(script, Arc::clone(&seen)));
     let client = PacingLayer::new().layer(inner);
     send(&mut client.clone(), get("http://a.test/")).await;
-    let waiting = {
-        let mut client = client.clone();
-        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-    };
+    let waiting = spawn_send(&client, "http://a.test/");
     tokio::task::yield_now().await;
     let started = tokio::time::Instant::now();
     send(&mut client.clone(), get("http://b.test/")).await;
@@ -646,13 +609,9 @@ async fn a_request_the_pacer_holds_back_does_not_hold_the_inner_services_capacit
         .pace(Policy::token_bucket("upstream", 1, Rate::new(1, Duration::from_secs(10))).unwrap())
         .layer(inner);
     send(&mut client.clone(), get("http://a.test/")).await;
-    let held = {
-        let mut client = client.clone();
-        tokio::spawn(async move { send(&mut client, get("http://a.test/")).await })
-    };
+    let held = spawn_send(&client, "http://a.test/");
     tokio::task::yield_now().await;
     send(&mut client.clone(), get("http://b.test/")).await;
     held.await.unwrap();
-    let secs = |s| Duration::from_secs(s);
-    assert_eq!(*sent.lock().unwrap(), [secs(0), secs(0), secs(10)]);
+    assert_eq!(*sent.lock().unwrap(), at(&[0, 0, 10]));
 }

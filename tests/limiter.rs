@@ -248,10 +248,7 @@ async fn a_shaping_delay_past_the_wait_gives_up_and_gives_back() {
     // One request every 10 s, held back up to a minute: a second request willing to wait
     // 1 s is told at once that it would wait too long, and what it was about to spend is
     // given back, so a third waits only for the first's 10 s.
-    let limiter = Limiter::new(runtime_store(), paced());
-    let key = Key::new("k");
-    let started = tokio::time::Instant::now();
-    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let (limiter, key, started) = first_one_sent(paced()).await;
     let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
     let Err(WaitError::TooLong(said)) = impatient else {
         panic!("{impatient:?}");
@@ -360,6 +357,22 @@ async fn a_waiter_that_gives_up_frees_its_in_flight_slot_in_the_fallback() {
     assert!(patient.is_ok(), "{patient:?}");
 }
 
+/// A limiter of `policy` on the runtime's clock, its key, and the time its first request
+/// (which went at once) was admitted.
+async fn first_one_sent(
+    policy: Policy,
+) -> (
+    Limiter<MemoryStore<tollgate::clock::RuntimeClock>>,
+    Key,
+    tokio::time::Instant,
+) {
+    let limiter = Limiter::new(runtime_store(), policy);
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    (limiter, key, started)
+}
+
 /// One request every 10 s, held back up to a minute.
 fn paced() -> Policy {
     Policy::leaky_bucket_shaping(
@@ -431,10 +444,7 @@ async fn a_waiter_dropped_during_its_shaping_delay_gives_its_units_back() {
     // One every 10 s: the first goes at once; the second, given up on 1 s into its
     // 10 s delay, must not keep its place in the queue, so a third waits only for the
     // first's 10 s.
-    let limiter = Limiter::new(runtime_store(), paced());
-    let key = Key::new("k");
-    let started = tokio::time::Instant::now();
-    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let (limiter, key, started) = first_one_sent(paced()).await;
     let dropped = tokio::time::timeout(
         Duration::from_secs(1),
         limiter.until_ready(&key, 1, Duration::from_secs(30)),
@@ -451,10 +461,7 @@ async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
     // One every 10 s. The second sleeps its 10 s delay while a third waits behind it;
     // the second is dropped at 1 s and its units given back. The third then goes at
     // 10 s, and a fourth at 20 s: never two at one instant.
-    let limiter = Limiter::new(runtime_store(), paced());
-    let key = Key::new("k");
-    let started = tokio::time::Instant::now();
-    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let (limiter, key, started) = first_one_sent(paced()).await;
     let waiter = |limiter: &Limiter<_>| {
         let (limiter, key) = (limiter.clone(), key.clone());
         tokio::spawn(async move {

@@ -4,6 +4,8 @@
 
 #![cfg(all(feature = "redis", feature = "tls"))]
 
+#[path = "../examples/support/certificates.rs"]
+mod certificates;
 mod support;
 
 use std::time::Duration;
@@ -11,25 +13,6 @@ use std::time::Duration;
 use support::{RedisServer, free_port, keys_with_ttl};
 use tollgate::store::RedisConfig;
 use tollgate::{Key, Policy, PolicySet, Store};
-
-/// A CA, and a certificate for 127.0.0.1 and localhost that it signed: (CA PEM,
-/// certificate PEM, key PEM).
-fn certificates() -> (String, String, String) {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(DnType::CommonName, "tollgate test CA");
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let server =
-        CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
-    let server_key = KeyPair::generate().unwrap();
-    let server_cert = server
-        .signed_by(&server_key, &Issuer::from_params(&ca, &ca_key))
-        .unwrap();
-    (ca_cert.pem(), server_cert.pem(), server_key.serialize_pem())
-}
 
 /// A redis-server with a plain port (for redis-cli) and a TLS port; an ACL user `limiter`
 /// that may touch only `shop:*` with the commands the scripts call.
@@ -41,7 +24,7 @@ struct TlsRedis {
 }
 
 fn start() -> TlsRedis {
-    let (ca, cert, key) = certificates();
+    let (ca, cert, key) = certificates::signed_for_loopback();
     let tls_port = free_port();
     let dir = std::env::temp_dir().join(format!("tollgate-tls-{tls_port}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
