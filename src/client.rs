@@ -146,11 +146,14 @@ impl PacingLayer {
     /// The longest one wait may last, whatever a server says (a value above it is read
     /// as this; malformed and negative values are ignored).
     ///
-    /// The server's word and the [`pace`](Self::pace) policy's wait are two waits, each
-    /// at most `max_wait`: the policy keeps its spacing after a long word from the server
-    /// (requests held back by one `Retry-After` do not all go at its end). Each retry
-    /// after a 429 waits anew. Waiting for the inner service to be ready is not bounded
-    /// here (bound it with a timeout of your own).
+    /// Before each attempt a request waits for the server's word at most `max_wait` in
+    /// all; then, with [`pace`](Self::pace), for the policy at most `max_wait` from when
+    /// the inner service is ready (so the policy keeps its spacing after a long
+    /// `Retry-After`). A denial or a delay longer than what is left sends the request at
+    /// once, without a turn, and the server decides. A request the server asks to wait
+    /// while it is paced gives its turn back, waits the rest of the word and is paced once
+    /// more. Each retry after a 429 waits anew. Waiting for the inner service's readiness
+    /// is not bounded here (bound it with a timeout of your own).
     pub fn max_wait(self, max_wait: Duration) -> Self {
         self.with(|shared| shared.max_wait = max_wait)
     }
@@ -500,7 +503,7 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let shared = Arc::clone(&self.shared);
-        let inner = self.inner.clone();
+        let mut inner = self.inner.clone();
         Box::pin(async move {
             let host = host_of(&request);
             let partition = shared.partition.as_ref().and_then(|partition| {
@@ -516,55 +519,9 @@ where
             };
             let mut attempt = 0;
             let mut first = Some(request);
-            // Whether this attempt was paced once already and then found the host asking
-            // for a wait.
-            let mut paced_again = false;
             loop {
-                // The server's word first, holding nothing of the inner service.
-                let deadline = later(Instant::now(), shared.max_wait);
-                shared.wait_out(&key, deadline).await;
-                // Then the pacing policy's turn, taken when the request can go: with the
-                // inner service ready (not before a stall of it). A denial is waited out
-                // without holding the inner service.
-                let pace_deadline = later(Instant::now(), shared.max_wait);
-                let (mut ready, turn) = loop {
-                    let mut ready = inner.clone();
-                    std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
-                    let Some(pacer) = &shared.pacer else {
-                        break (ready, None);
-                    };
-                    match pacer.take_turn(&key) {
-                        Pacing::Go(turn, delay) => {
-                            // Past the pacing's `max_wait` the request goes, its turn kept.
-                            let left = pace_deadline.saturating_duration_since(Instant::now());
-                            tokio::time::sleep(delay.min(left)).await;
-                            break (ready, Some(turn));
-                        }
-                        Pacing::WaitFor(retry_after)
-                            if later(Instant::now(), retry_after) <= pace_deadline =>
-                        {
-                            drop(ready);
-                            tokio::time::sleep(retry_after).await;
-                        }
-                        Pacing::WaitFor(_) | Pacing::Never => break (ready, None),
-                    }
-                };
-                // The host asked for a wait while this request was paced: its turn and
-                // the inner service are given back, and the request waits the host out
-                // and is paced afresh (once; then it waits here, holding its turn).
-                if !shared.wait(&key).is_zero() {
-                    if !paced_again {
-                        paced_again = true;
-                        drop((turn, ready));
-                        continue;
-                    }
-                    if Instant::now() < deadline {
-                        drop(ready);
-                        shared.wait_out(&key, deadline).await;
-                        ready = inner.clone();
-                        std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
-                    }
-                }
+                let (ready, turn) = ready_and_paced(&shared, &mut inner, &key).await?;
+                let mut ready = ready;
                 let request = match (&first, attempt < retries) {
                     (Some(request), true) => copy(request),
                     _ => first
@@ -585,12 +542,86 @@ where
                     && !capped
                 {
                     attempt += 1;
-                    paced_again = false;
                     continue;
                 }
                 return Ok(response);
             }
         })
+    }
+}
+
+/// The waits before one attempt: the server's word (at most `max_wait` in all, holding
+/// nothing of the inner service), then the inner service's readiness, then the pacing
+/// policy's turn (at most `max_wait` from readiness; a denial waited out without the
+/// inner service, a shaping delay with it). When the server asks for a wait while the
+/// request is paced, its turn is given back and it is paced afresh once the wait is over
+/// (once per attempt: after that it waits holding its turn). The inner service, ready,
+/// and the turn.
+async fn ready_and_paced<'a, S, R>(
+    shared: &'a Shared,
+    inner: &mut S,
+    key: &'a str,
+) -> Result<(S, Option<Turn<'a>>), S::Error>
+where
+    S: Service<R> + Clone,
+{
+    let deadline = later(Instant::now(), shared.max_wait);
+    let mut paced_again = false;
+    loop {
+        let mut ready = ready_after_word(shared, inner, key, deadline).await?;
+        let Some(pacer) = &shared.pacer else {
+            return Ok((ready, None));
+        };
+        let pace_deadline = later(Instant::now(), shared.max_wait);
+        let turn = loop {
+            let left = pace_deadline.saturating_duration_since(Instant::now());
+            match pacer.take_turn(key, left) {
+                Pacing::Go(turn, delay) => {
+                    tokio::time::sleep(delay).await;
+                    break Some(turn);
+                }
+                Pacing::WaitFor(retry_after) if retry_after <= left => {
+                    drop(ready);
+                    tokio::time::sleep(retry_after).await;
+                    ready = ready_after_word(shared, inner, key, deadline).await?;
+                }
+                // Past the pacing's `max_wait`, or never: the request goes, and the
+                // server decides.
+                Pacing::WaitFor(_) | Pacing::Never => break None,
+            }
+        };
+        let word = !shared.wait(key).is_zero() && Instant::now() < deadline;
+        if word && turn.is_some() && !paced_again {
+            paced_again = true;
+            drop((turn, ready));
+            continue;
+        }
+        if word {
+            drop(ready);
+            ready = ready_after_word(shared, inner, key, deadline).await?;
+        }
+        return Ok((ready, turn));
+    }
+}
+
+/// Waits out the server's word (until `deadline` at most), then the inner service's
+/// readiness; again if the server asked for a wait meanwhile. The inner service, ready.
+async fn ready_after_word<S, R>(
+    shared: &Shared,
+    inner: &mut S,
+    key: &str,
+    deadline: Instant,
+) -> Result<S, S::Error>
+where
+    S: Service<R> + Clone,
+{
+    loop {
+        shared.wait_out(key, deadline).await;
+        let mut ready = inner.clone();
+        std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
+        if shared.wait(key).is_zero() || Instant::now() >= deadline {
+            return Ok(ready);
+        }
     }
 }
 
@@ -607,13 +638,19 @@ enum Pacing<'a> {
 }
 
 impl Pacer {
-    /// Decides a request to `key` now; an admitted one takes a turn.
-    fn take_turn<'a>(&'a self, key: &'a str) -> Pacing<'a> {
+    /// Decides a request to `key` now; an admitted one takes a turn. A turn whose delay
+    /// is longer than `left` is given back at once (it is the newest) and the request
+    /// told it would wait too long.
+    fn take_turn<'a>(&'a self, key: &'a str, left: Duration) -> Pacing<'a> {
         // The turn is counted with the decision, so that a give-back sees every turn
         // given after it.
         let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
         let decision = self.store.check(key, &self.policies, 1);
         match decision.outcome() {
+            crate::Outcome::Allowed { delay } if delay > left => {
+                self.give_back(key, &decision);
+                Pacing::WaitFor(delay)
+            }
             crate::Outcome::Allowed { delay } => {
                 let (given, waiting) = turns.entry(key.to_owned()).or_insert((0, 0));
                 *given += 1;
@@ -630,11 +667,19 @@ impl Pacer {
             _ => Pacing::Never,
         }
     }
+
+    /// Takes back the unit `decision` spent (the caller holds the turns' lock, and the
+    /// decision is the key's newest).
+    fn give_back(&self, key: &str, decision: &crate::Decision) {
+        let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
+            .with_left(decision.statuses().iter().map(|status| status.remaining));
+        self.store.adjust_now(key, &self.policies, &give_back);
+    }
 }
 
 /// A turn the pacing policy gave a request: given back unless the request is sent (it
-/// was dropped while it waited, or the inner service failed to take it), and only while
-/// no turn was given after it for its key.
+/// was dropped while it waited, or the inner service failed to become ready again), and
+/// only while no turn was given after it for its key (host and partition).
 struct Turn<'a> {
     pacer: &'a Pacer,
     key: &'a str,
@@ -658,15 +703,14 @@ impl Drop for Turn<'_> {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let Some((given, waiting)) = turns.get_mut(self.key) else {
+            debug_assert!(false, "a turn outlived its key's count");
             return;
         };
         if let Some(decision) = self.decision.take() {
             if *given == self.number {
-                let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
-                    .with_left(decision.statuses().iter().map(|status| status.remaining));
-                self.pacer
-                    .store
-                    .adjust_now(self.key, &self.pacer.policies, &give_back);
+                self.pacer.give_back(self.key, &decision);
+                // As if it had never been given: the turn before it is the newest again.
+                *given -= 1;
             }
         }
         *waiting -= 1;

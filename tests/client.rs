@@ -358,10 +358,37 @@ fn an_in_flight_policy_cannot_pace() {
     let _ = PacingLayer::new().pace(Policy::concurrency("slots", 2).unwrap());
 }
 
-/// An upstream that notes when each request reached it, from `started`.
-fn timed(
+/// When each request reached an upstream, from when the log was made.
+#[derive(Clone)]
+struct Arrivals {
     started: tokio::time::Instant,
-    sent: Arc<std::sync::Mutex<Vec<Duration>>>,
+    times: Arc<std::sync::Mutex<Vec<Duration>>>,
+}
+
+impl Arrivals {
+    fn new() -> Self {
+        Self {
+            started: tokio::time::Instant::now(),
+            times: Arc::default(),
+        }
+    }
+
+    /// Notes an arrival now; its number, from 1.
+    fn note(&self) -> usize {
+        let mut times = self.times.lock().unwrap();
+        times.push(self.started.elapsed());
+        times.len()
+    }
+
+    fn times(&self) -> Vec<Duration> {
+        self.times.lock().unwrap().clone()
+    }
+}
+
+/// An upstream that notes each request's arrival; its first answer takes `first_takes`
+/// and carries the field `first_says`.
+fn timed(
+    arrivals: Arrivals,
     first_says: Option<(&'static str, &'static str)>,
     first_takes: Duration,
 ) -> impl Service<
@@ -373,13 +400,8 @@ fn timed(
 + Send
 + 'static {
     service_fn(move |_request: Request<Empty<Bytes>>| {
-        let sent = Arc::clone(&sent);
+        let n = arrivals.note();
         async move {
-            let n = {
-                let mut sent = sent.lock().unwrap();
-                sent.push(started.elapsed());
-                sent.len()
-            };
             let mut response = Response::new(Empty::<Bytes>::new());
             if n == 1 {
                 tokio::time::sleep(first_takes).await;
@@ -394,19 +416,34 @@ fn timed(
     })
 }
 
+/// [`timed`] behind a limit of one request at a time.
+fn one_at_a_time(
+    arrivals: Arrivals,
+    first_takes: Duration,
+) -> tower::limit::ConcurrencyLimit<
+    impl Service<
+        Request<Empty<Bytes>>,
+        Response = Response<Empty<Bytes>>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+> {
+    tower::limit::ConcurrencyLimitLayer::new(1).layer(timed(arrivals, None, first_takes))
+}
+
 #[tokio::test(start_paused = true)]
 async fn pacing_keeps_its_spacing_after_a_servers_wait() {
     // One request every 2 s. The first answer asks for 10 s, as long as `max_wait`:
     // three requests held back by it go at 10, 12 and 14 s, not all three at 10.
-    let started = tokio::time::Instant::now();
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let arrivals = Arrivals::new();
     let shaping = one_every(Duration::from_secs(2));
     let client = PacingLayer::new()
         .max_wait(Duration::from_secs(10))
         .pace(shaping)
         .layer(timed(
-            started,
-            Arc::clone(&sent),
+            arrivals.clone(),
             Some(("retry-after", "10")),
             Duration::ZERO,
         ));
@@ -417,7 +454,7 @@ async fn pacing_keeps_its_spacing_after_a_servers_wait() {
     for request in held {
         request.await.unwrap();
     }
-    assert_eq!(*sent.lock().unwrap(), at(&[0, 10, 12, 14]));
+    assert_eq!(arrivals.times(), at(&[0, 10, 12, 14]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -425,14 +462,8 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
     // One request at a time inside the pacer, and the first holds it for 20 s. Requests
     // started meanwhile are paced when they can go (one a second from 20 s), not given
     // their turns at once and then all sent together when the first is done.
-    let started = tokio::time::Instant::now();
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(timed(
-        started,
-        Arc::clone(&sent),
-        None,
-        Duration::from_secs(20),
-    ));
+    let arrivals = Arrivals::new();
+    let inner = one_at_a_time(arrivals.clone(), Duration::from_secs(20));
     let client = PacingLayer::new()
         .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
         .layer(inner);
@@ -445,7 +476,7 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
     for request in waiting {
         request.await.unwrap();
     }
-    assert_eq!(*sent.lock().unwrap(), at(&[0, 20, 21, 22, 23]));
+    assert_eq!(arrivals.times(), at(&[0, 20, 21, 22, 23]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -484,9 +515,8 @@ async fn layers_built_from_one_share_the_pacing_turns() {
     // share the pacing budget, and so its turns. A request of the first, dropped while a
     // request of the second holds a later turn, does not give its own back: the next
     // request then goes 10 s after the second's, not at the same instant.
-    let started = tokio::time::Instant::now();
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let upstream = timed(started, Arc::clone(&sent), None, Duration::ZERO);
+    let arrivals = Arrivals::new();
+    let upstream = timed(arrivals.clone(), None, Duration::ZERO);
     let shaping = one_every(Duration::from_secs(10));
     let layer = PacingLayer::new().pace(shaping);
     let first = layer
@@ -511,7 +541,7 @@ async fn layers_built_from_one_share_the_pacing_turns() {
     assert!(dropped.await.unwrap().is_err());
     send(&mut first.clone(), get("http://a.test/")).await;
     later.await.unwrap();
-    assert_eq!(*sent.lock().unwrap(), at(&[0, 20, 30]));
+    assert_eq!(arrivals.times(), at(&[0, 20, 30]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -519,12 +549,10 @@ async fn requests_paced_when_the_server_says_wait_are_paced_again_after_it() {
     // One request every 5 s. The first's answer comes at 1 s and asks for 30 s; two
     // requests were already paced for 5 and 10 s. They wait the server out and are paced
     // afresh: sent at 31 and 36 s, not both at 31.
-    let started = tokio::time::Instant::now();
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let arrivals = Arrivals::new();
     let shaping = one_every(Duration::from_secs(5));
     let client = PacingLayer::new().pace(shaping).layer(timed(
-        started,
-        Arc::clone(&sent),
+        arrivals.clone(),
         Some(("retry-after", "30")),
         Duration::from_secs(1),
     ));
@@ -537,7 +565,7 @@ async fn requests_paced_when_the_server_says_wait_are_paced_again_after_it() {
     for request in paced {
         request.await.unwrap();
     }
-    assert_eq!(*sent.lock().unwrap(), at(&[0, 31, 36]));
+    assert_eq!(arrivals.times(), at(&[0, 31, 36]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -597,14 +625,8 @@ async fn a_request_the_pacer_holds_back_does_not_hold_the_inner_services_capacit
     // One request at a time inside the pacer, one per 10 s per host. The second request
     // to a.test waits 10 s for its turn without holding that one place: a request to
     // b.test goes at once.
-    let started = tokio::time::Instant::now();
-    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(timed(
-        started,
-        Arc::clone(&sent),
-        None,
-        Duration::ZERO,
-    ));
+    let arrivals = Arrivals::new();
+    let inner = one_at_a_time(arrivals.clone(), Duration::ZERO);
     let client = PacingLayer::new()
         .pace(Policy::token_bucket("upstream", 1, Rate::new(1, Duration::from_secs(10))).unwrap())
         .layer(inner);
@@ -613,5 +635,109 @@ async fn a_request_the_pacer_holds_back_does_not_hold_the_inner_services_capacit
     tokio::task::yield_now().await;
     send(&mut client.clone(), get("http://b.test/")).await;
     held.await.unwrap();
-    assert_eq!(*sent.lock().unwrap(), at(&[0, 0, 10]));
+    assert_eq!(arrivals.times(), at(&[0, 0, 10]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn pacing_starts_when_the_inner_service_is_ready_however_long_that_took() {
+    // As `pacing_turns_are_taken_when_the_request_can_go`, with the stall (20 s) longer
+    // than `max_wait` (10 s): the pacing wait starts at readiness, so the requests are
+    // still one a second when it frees.
+    let arrivals = Arrivals::new();
+    let inner = one_at_a_time(arrivals.clone(), Duration::from_secs(20));
+    let client = PacingLayer::new()
+        .max_wait(Duration::from_secs(10))
+        .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
+        .layer(inner);
+    let slow = spawn_send(&client, "http://b.test/");
+    tokio::task::yield_now().await;
+    let waiting: Vec<_> = (0..4)
+        .map(|_| spawn_send(&client, "http://a.test/"))
+        .collect();
+    slow.await.unwrap();
+    for request in waiting {
+        request.await.unwrap();
+    }
+    assert_eq!(arrivals.times(), at(&[0, 20, 21, 22, 23]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_servers_word_is_waited_at_most_max_wait_though_it_grows_meanwhile() {
+    // `max_wait` 10 s, no pacing. The first answer asks for 10 s; another, arriving at
+    // 5 s, for 10 s more. A request held back from the start goes at 10 s.
+    let arrivals = Arrivals::new();
+    let log = arrivals.clone();
+    let upstream = service_fn(move |_request: Request<Empty<Bytes>>| {
+        let n = log.note();
+        async move {
+            let mut response = Response::new(Empty::<Bytes>::new());
+            if n <= 2 {
+                if n == 1 {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                response
+                    .headers_mut()
+                    .insert("retry-after", HeaderValue::from_static("10"));
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let client = PacingLayer::new()
+        .max_wait(Duration::from_secs(10))
+        .layer(upstream);
+    let late_word = spawn_send(&client, "http://a.test/");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let held = spawn_send(&client, "http://a.test/");
+    late_word.await.unwrap();
+    held.await.unwrap();
+    assert_eq!(arrivals.times(), at(&[0, 0, 10]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pacing_delay_past_max_wait_gives_its_turn_back_at_once() {
+    // One every 10 s, `max_wait` 15 s. The third request would wait 20 s: it goes at once
+    // without a turn (the server decides), and the 20 s slot stays free for a request
+    // that comes at 11 s.
+    let arrivals = Arrivals::new();
+    let client = PacingLayer::new()
+        .max_wait(Duration::from_secs(15))
+        .pace(one_every(Duration::from_secs(10)))
+        .layer(timed(arrivals.clone(), None, Duration::ZERO));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let second = spawn_send(&client, "http://a.test/");
+    tokio::task::yield_now().await;
+    send(&mut client.clone(), get("http://a.test/")).await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    send(&mut client.clone(), get("http://a.test/")).await;
+    second.await.unwrap();
+    assert_eq!(arrivals.times(), at(&[0, 0, 10, 20]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn turns_dropped_newest_first_are_all_given_back() {
+    // One every 10 s: the second and third requests wait for 10 and 20 s and are given
+    // up at 2 and 1 s, newest first. Both turns come back, so a fourth request at 2 s
+    // goes at 10 s.
+    let arrivals = Arrivals::new();
+    let client = PacingLayer::new()
+        .pace(one_every(Duration::from_secs(10)))
+        .layer(timed(arrivals.clone(), None, Duration::ZERO));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let given_up = |after: u64| {
+        let mut client = client.clone();
+        tokio::spawn(async move {
+            let sent = send(&mut client, get("http://a.test/"));
+            tokio::time::timeout(Duration::from_secs(after), sent).await
+        })
+    };
+    let second = given_up(2);
+    tokio::task::yield_now().await;
+    let third = given_up(1);
+    assert!(third.await.unwrap().is_err());
+    assert!(second.await.unwrap().is_err());
+    send(&mut client.clone(), get("http://a.test/")).await;
+    assert_eq!(arrivals.times(), at(&[0, 10]));
 }
