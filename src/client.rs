@@ -147,13 +147,15 @@ impl PacingLayer {
     /// as this; malformed and negative values are ignored).
     ///
     /// Before each attempt a request waits for the server's word at most `max_wait` in
-    /// all; then, with [`pace`](Self::pace), for the policy at most `max_wait` from when
-    /// the inner service is ready (so the policy keeps its spacing after a long
-    /// `Retry-After`). A denial or a delay longer than what is left sends the request at
-    /// once, without a turn, and the server decides. A request the server asks to wait
-    /// while it is paced gives its turn back, waits the rest of the word and is paced once
-    /// more. Each retry after a 429 waits anew. Waiting for the inner service's readiness
-    /// is not bounded here (bound it with a timeout of your own).
+    /// all; then, with [`pace`](Self::pace), for the policy: its denials and delay at
+    /// most `max_wait` together, counted once the inner service is ready (so the policy
+    /// keeps its spacing after a long `Retry-After`). A denial or a delay longer than
+    /// what is left sends the request at once, without a turn, and the server decides. A
+    /// request the server asks to wait while it is paced (once per attempt) gives its
+    /// turn back (if no later turn is held), waits the rest of the word and is paced once
+    /// more; so an attempt waits at most three times `max_wait` in all, besides the
+    /// inner service's readiness, which is not bounded here (bound it with a timeout of
+    /// your own). Each retry after a 429 waits anew.
     pub fn max_wait(self, max_wait: Duration) -> Self {
         self.with(|shared| shared.max_wait = max_wait)
     }
@@ -179,8 +181,9 @@ impl PacingLayer {
     }
 
     /// Paces proactively with `policy` per host (and partition), before any answer says
-    /// anything: a request waits until the policy admits it (at most `max_wait`; then it
-    /// goes, and the server decides). Clones share the budget.
+    /// anything: a request waits until the policy admits it, up to `max_wait` of the
+    /// policy's own waits (a request it would hold back longer goes at once, and the
+    /// server decides; see [`max_wait`](Self::max_wait)). Clones share the budget.
     ///
     /// # Panics
     ///
@@ -572,15 +575,17 @@ where
         let Some(pacer) = &shared.pacer else {
             return Ok((ready, None));
         };
-        let pace_deadline = later(Instant::now(), shared.max_wait);
+        // The pacing's own waits count against its `max_wait`; waiting for the inner
+        // service again after a denial does not.
+        let mut left = shared.max_wait;
         let turn = loop {
-            let left = pace_deadline.saturating_duration_since(Instant::now());
             match pacer.take_turn(key, left) {
                 Pacing::Go(turn, delay) => {
                     tokio::time::sleep(delay).await;
                     break Some(turn);
                 }
                 Pacing::WaitFor(retry_after) if retry_after <= left => {
+                    left -= retry_after;
                     drop(ready);
                     tokio::time::sleep(retry_after).await;
                     ready = ready_after_word(shared, inner, key, deadline).await?;

@@ -741,3 +741,37 @@ async fn turns_dropped_newest_first_are_all_given_back() {
     send(&mut client.clone(), get("http://a.test/")).await;
     assert_eq!(arrivals.times(), at(&[0, 10]));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_stall_after_a_denial_does_not_use_up_the_pacing_wait() {
+    // One at a time inside the pacer; one request a second per host; `max_wait` 10 s.
+    // Two requests to a.test are denied for 1 s; meanwhile one to b.test holds the inner
+    // service for 20 s. When it frees, the two still go a second apart.
+    let arrivals = Arrivals::new();
+    let log = arrivals.clone();
+    let upstream = service_fn(move |request: Request<Empty<Bytes>>| {
+        log.note();
+        let slow = request.uri().host() == Some("b.test");
+        async move {
+            if slow {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+            }
+            Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+        }
+    });
+    let client = PacingLayer::new()
+        .max_wait(Duration::from_secs(10))
+        .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
+        .layer(tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let denied: Vec<_> = (0..2)
+        .map(|_| spawn_send(&client, "http://a.test/"))
+        .collect();
+    tokio::task::yield_now().await;
+    let slow = spawn_send(&client, "http://b.test/");
+    slow.await.unwrap();
+    for request in denied {
+        request.await.unwrap();
+    }
+    assert_eq!(arrivals.times(), at(&[0, 0, 20, 21]));
+}
