@@ -555,11 +555,11 @@ where
 
 /// The waits before one attempt: the server's word (at most `max_wait` in all, holding
 /// nothing of the inner service), then the inner service's readiness, then the pacing
-/// policy's turn (at most `max_wait` from readiness; a denial waited out without the
-/// inner service, a shaping delay with it). When the server asks for a wait while the
-/// request is paced, its turn is given back and it is paced afresh once the wait is over
-/// (once per attempt: after that it waits holding its turn). The inner service, ready,
-/// and the turn.
+/// policy's turn (its own denials and delay at most `max_wait`; a denial waited out
+/// without the inner service, a shaping delay with it). When the server asks for a wait
+/// while the request is paced, its turn is given back (if no later turn is held) and it
+/// is paced afresh once the wait is over (once per attempt: after that it waits holding
+/// its turn). The inner service, ready, and the turn.
 async fn ready_and_paced<'a, S, R>(
     shared: &'a Shared,
     inner: &mut S,
