@@ -86,6 +86,9 @@ impl Bypass {
     }
 
     /// Requests from `network` (`10.0.0.0/8`, `2001:db8::/32`, or one address) skip.
+    /// Clients are compared in canonical form (an IPv4-mapped IPv6 address is IPv4), so
+    /// an IPv4-mapped block stands for the IPv4 block inside it (`::ffff:10.0.0.0/104` is
+    /// `10.0.0.0/8`), as in [`ClientIp::behind_proxies`].
     ///
     /// # Panics
     ///
@@ -112,7 +115,8 @@ impl Bypass {
             .map_err(|_| {
                 format!("Bypass: {network:?} is not a network (such as 10.0.0.0/8) or an address")
             })?;
-        self.networks.push(net.trunc());
+        // Compared with clients in canonical form: an IPv4-mapped block is its IPv4 one.
+        self.networks.push(crate::key::canonical_net(net.trunc()));
         Ok(self)
     }
 

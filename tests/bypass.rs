@@ -194,3 +194,26 @@ async fn a_hidden_client_behind_an_allowlisted_proxy_is_limited() {
         assert!(!own.headers().contains_key("ratelimit"), "the proxy's own");
     }
 }
+
+/// An IPv4-mapped block stands for the IPv4 block inside it, as in `ClientIp`'s trusted
+/// proxies: `::ffff:10.0.0.0/104` allows 10.0.0.0/8, whether a client is seen as IPv4
+/// or as an IPv4-mapped IPv6 address.
+#[tokio::test]
+async fn an_ipv4_mapped_network_allows_the_ipv4_clients_in_it() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::peer())
+            .bypass(Bypass::new().network("::ffff:10.0.0.0/104")),
+    );
+    for peer in ["10.1.2.3:5000", "[::ffff:10.9.9.9]:5000"] {
+        let response = app.clone().oneshot(request(peer, "/", None)).await.unwrap();
+        assert!(!response.headers().contains_key("ratelimit"), "{peer}");
+    }
+    let outside = app
+        .clone()
+        .oneshot(request("11.0.0.1:1", "/", None))
+        .await
+        .unwrap();
+    assert!(outside.headers().contains_key("ratelimit"));
+}

@@ -581,7 +581,7 @@ impl Iterator for ForwardedHops<'_> {
 
 /// An IPv4-mapped IPv6 block (`::ffff:10.0.0.0/104`) as the IPv4 block it stands for:
 /// peers are compared in canonical form, where a mapped address is IPv4.
-fn canonical_net(net: IpNet) -> IpNet {
+pub(crate) fn canonical_net(net: IpNet) -> IpNet {
     match net {
         IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.network().to_ipv4_mapped() {
             Some(v4) => Ipv4Net::new(v4, v6.prefix_len() - 96).map_or(net, IpNet::V4),

@@ -35,6 +35,7 @@ use sha2::{Digest, Sha256};
 
 pub use extension::ExtensionKey;
 pub use header::HeaderKey;
+pub(crate) use ip::canonical_net;
 pub use ip::{ClientIp, ForwardedHeader, InvalidProxy};
 
 /// Identities longer than this are hashed, so a hostile 10 KB header costs a store no
