@@ -1,5 +1,7 @@
 //! A header that names the client, such as an API key: hashed, never kept in clear.
 
+use std::fmt;
+
 use http::HeaderName;
 use http::header::InvalidHeaderName;
 use http::request::Parts;
@@ -108,11 +110,22 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// assert_eq!(verified.status(), StatusCode::OK);
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct HeaderKey {
     name: HeaderName,
     salt: Vec<u8>,
     basic_user_id: bool,
+}
+
+impl fmt::Debug for HeaderKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The salt is a secret: whether there is one, never what it is.
+        f.debug_struct("HeaderKey")
+            .field("name", &self.name)
+            .field("salted", &!self.salt.is_empty())
+            .field("basic_user_id", &self.basic_user_id)
+            .finish()
+    }
 }
 
 impl HeaderKey {
@@ -385,6 +398,18 @@ mod tests {
         }
         // Spaces and tabs inside a value are part of it ("Bearer abc").
         assert!(extract(&key, &[b"Bearer \tabc"]).is_ok());
+    }
+
+    /// A salt is a secret: a layer's settings printed with `{:?}` never show it.
+    #[test]
+    fn the_salt_is_never_printed() {
+        let key = HeaderKey::new("x-api-key").salt("pepper-8f2c");
+        let printed = format!("{key:?} {key:#?}");
+        assert!(printed.contains("x-api-key"), "{printed}");
+        assert!(!printed.contains("pepper"), "{printed}");
+        // Nor as the numbers of its bytes, as a derived `Debug` of a `Vec<u8>` shows them.
+        assert!(!printed.contains("112, 101, 112"), "{printed}");
+        assert!(printed.contains("salted: true"), "{printed}");
     }
 
     /// With `basic_user_id`, `Basic` credentials are keyed by their user-id, never by the
