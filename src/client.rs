@@ -523,8 +523,7 @@ where
             let mut attempt = 0;
             let mut first = Some(request);
             loop {
-                let (ready, turn) = ready_and_paced(&shared, &mut inner, &key).await?;
-                let mut ready = ready;
+                let (mut ready, turn) = ready_and_paced(&shared, &mut inner, &key).await?;
                 let request = match (&first, attempt < retries) {
                     (Some(request), true) => copy(request),
                     _ => first
@@ -676,8 +675,7 @@ impl Pacer {
     /// Takes back the unit `decision` spent (the caller holds the turns' lock, and the
     /// decision is the key's newest).
     fn give_back(&self, key: &str, decision: &crate::Decision) {
-        let give_back = crate::store::Adjustment::settle(1, 0, decision.receipt())
-            .with_left(decision.statuses().iter().map(|status| status.remaining));
+        let give_back = crate::store::Adjustment::give_back(1, decision);
         self.store.adjust_now(key, &self.policies, &give_back);
     }
 }

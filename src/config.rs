@@ -342,6 +342,12 @@ impl PolicySpec {
                 .clone()
                 .ok_or_else(|| format!("{} needs `{field}`", self.algorithm))
         };
+        // A required duration or rate, its error naming the field.
+        let need_duration = |field: &str, value: &Option<String>| {
+            in_field(field, duration(&need_text(field, value)?))
+        };
+        let need_rate =
+            |field: &str, value: &Option<String>| in_field(field, rate(&need_text(field, value)?));
         let name = self.name.as_str();
         let error = |e: crate::PolicyError| e.to_string();
         self.reads_every_field()?;
@@ -349,46 +355,43 @@ impl PolicySpec {
             "fixed-window" => Policy::fixed_window(
                 name,
                 need("limit", self.limit)?,
-                in_field("window", duration(&need_text("window", &self.window)?))?,
+                need_duration("window", &self.window)?,
             )
             .map_err(error)?,
             "sliding-log" => Policy::sliding_log(
                 name,
                 need("limit", self.limit)?,
-                in_field("window", duration(&need_text("window", &self.window)?))?,
+                need_duration("window", &self.window)?,
             )
             .map_err(error)?,
             "sliding-window" => Policy::sliding_window_split(
                 name,
                 need("limit", self.limit)?,
-                in_field("window", duration(&need_text("window", &self.window)?))?,
+                need_duration("window", &self.window)?,
                 self.sub_windows.unwrap_or(1),
             )
             .map_err(error)?,
             "token-bucket" => Policy::token_bucket(
                 name,
                 need("capacity", self.capacity)?,
-                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
+                need_rate("rate", &self.rate)?,
             )
             .map_err(error)?,
             "leaky-bucket" => Policy::leaky_bucket(
                 name,
                 need("capacity", self.capacity)?,
-                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
+                need_rate("rate", &self.rate)?,
             )
             .map_err(error)?,
             "leaky-shaping" => Policy::leaky_bucket_shaping(
                 name,
-                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
-                in_field(
-                    "max_delay",
-                    duration(&need_text("max_delay", &self.max_delay)?),
-                )?,
+                need_rate("rate", &self.rate)?,
+                need_duration("max_delay", &self.max_delay)?,
             )
             .map_err(error)?,
             "gcra" => Policy::gcra(
                 name,
-                in_field("rate", rate(&need_text("rate", &self.rate)?))?,
+                need_rate("rate", &self.rate)?,
                 need("burst", self.burst)?,
             )
             .map_err(error)?,
@@ -544,40 +547,34 @@ impl LimiterConfig {
             if self.shadow {
                 return Ok(());
             }
-            let too_small = |set: &PolicySet| {
-                set.iter()
-                    .find(|policy| {
-                        !policy.is_shadow()
-                            && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
-                            && units > policy.limit()
-                    })
-                    .cloned()
+            let refuses = |policy: &&Policy| {
+                !policy.is_shadow()
+                    && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
+                    && units > policy.limit()
             };
-            let refusals: Vec<_> = plan_sets
+            // Refused only when every plan refuses it; named by the first plan's policy.
+            let refusals: Option<Vec<_>> = plan_sets
                 .iter()
-                .map(|(plan, set)| (plan, too_small(set)))
+                .map(|(plan, set)| set.iter().find(refuses).map(|policy| (*plan, policy)))
                 .collect();
-            match refusals.iter().find(|(_, policy)| policy.is_some()) {
-                Some((plan, Some(policy))) if refusals.iter().all(|(_, p)| p.is_some()) => {
-                    let of_plan =
-                        plan.map_or_else(String::new, |plan| format!(" of plan {plan:?}"));
-                    let no_plan = if refusals.len() > 1 {
-                        " (no plan admits it)"
-                    } else {
-                        ""
-                    };
-                    Err(ConfigError::new(
-                        entry,
-                        format!(
-                            "costs {units}, but policy {:?}{of_plan} admits at most {} units a \
-                             request{no_plan}: every such request would be refused",
-                            policy.name(),
-                            policy.limit()
-                        ),
-                    ))
-                }
-                _ => Ok(()),
-            }
+            let Some(&(plan, policy)) = refusals.as_deref().and_then(<[_]>::first) else {
+                return Ok(());
+            };
+            let of_plan = plan.map_or_else(String::new, |plan| format!(" of plan {plan:?}"));
+            let no_plan = if plan_sets.len() > 1 {
+                " (no plan admits it)"
+            } else {
+                ""
+            };
+            Err(ConfigError::new(
+                entry,
+                format!(
+                    "costs {units}, but policy {:?}{of_plan} admits at most {} units a \
+                     request{no_plan}: every such request would be refused",
+                    policy.name(),
+                    policy.limit()
+                ),
+            ))
         };
         fits("costs.default", self.costs.default)?;
         let mut cost = PerRoute::new(self.costs.default);
@@ -585,8 +582,8 @@ impl LimiterConfig {
         let mut seen: HashMap<String, &str> = HashMap::new();
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
-
-            cost = match route.trim().split_once(' ') {
+            let parts = route.trim().split_once(' ');
+            cost = match parts {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a
                     // `post` would never match a POST.
@@ -610,7 +607,7 @@ impl LimiterConfig {
                     ));
                 }
             };
-            let matched = match route.trim().split_once(' ') {
+            let matched = match parts {
                 Some((method, path)) => format!("{method} {}", path.trim()),
                 None => route.trim().to_owned(),
             };

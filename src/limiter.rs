@@ -464,10 +464,7 @@ impl<St: Store> Limiter<St> {
     /// failure mode's local limiter.
     async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        // With what the debit left (as the layer's settle): a bucket gives back all it
-        // still holds of the units, not only what a replay from empty would.
-        let settle = crate::store::Adjustment::settle(cost, 0, decision.receipt())
-            .with_left(decision.statuses().iter().map(|status| status.remaining));
+        let settle = crate::store::Adjustment::give_back(cost, decision);
         let release = shared
             .policies
             .has_in_flight()

@@ -193,6 +193,25 @@ where
     tokio::spawn(async move { send(&mut client, get(uri)).await })
 }
 
+/// [`spawn_send`], given up after `after` seconds: the task's result says whether the
+/// request was answered before.
+fn spawn_given_up<S>(
+    client: &S,
+    uri: &'static str,
+    after: u64,
+) -> tokio::task::JoinHandle<Result<S::Response, tokio::time::error::Elapsed>>
+where
+    S: Service<Request<Empty<Bytes>>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send + 'static,
+    S::Error: std::fmt::Debug,
+{
+    let mut client = client.clone();
+    tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(after), send(&mut client, get(uri))).await
+    })
+}
+
 /// A shaping policy: one request every `period`, held back up to a minute.
 fn one_every(period: Duration) -> Policy {
     Policy::leaky_bucket_shaping("upstream", Rate::new(1, period), Duration::from_secs(60)).unwrap()
@@ -462,9 +481,17 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
     // One request at a time inside the pacer, and the first holds it for 20 s. Requests
     // started meanwhile are paced when they can go (one a second from 20 s), not given
     // their turns at once and then all sent together when the first is done.
+    let arrivals = paced_behind_a_stall(PacingLayer::new()).await;
+    assert_eq!(arrivals, at(&[0, 20, 21, 22, 23]));
+}
+
+/// One request at a time inside `layer`, which paces one request a second per host: a
+/// request to b.test holds the inner service for 20 s while four to a.test wait for it.
+/// When each request arrived.
+async fn paced_behind_a_stall(layer: PacingLayer) -> Vec<Duration> {
     let arrivals = Arrivals::new();
     let inner = one_at_a_time(arrivals.clone(), Duration::from_secs(20));
-    let client = PacingLayer::new()
+    let client = layer
         .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
         .layer(inner);
     let slow = spawn_send(&client, "http://b.test/");
@@ -476,7 +503,7 @@ async fn pacing_turns_are_taken_when_the_request_can_go() {
     for request in waiting {
         request.await.unwrap();
     }
-    assert_eq!(arrivals.times(), at(&[0, 20, 21, 22, 23]));
+    arrivals.times()
 }
 
 #[tokio::test(start_paused = true)]
@@ -491,16 +518,7 @@ async fn a_request_dropped_while_paced_gives_its_turn_back() {
         .layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
     let started = tokio::time::Instant::now();
     send(&mut client, get("http://a.test/")).await;
-    let dropped = {
-        let mut client = client.clone();
-        tokio::spawn(async move {
-            tokio::time::timeout(
-                Duration::from_secs(1),
-                send(&mut client, get("http://a.test/")),
-            )
-            .await
-        })
-    };
+    let dropped = spawn_given_up(&client, "http://a.test/", 1);
     tokio::task::yield_now().await;
     send(&mut client, get("http://b.test/")).await;
     assert!(dropped.await.unwrap().is_err());
@@ -525,16 +543,7 @@ async fn layers_built_from_one_share_the_pacing_turns() {
         .layer(upstream.clone());
     let second = layer.clone().retries(0).layer(upstream);
     send(&mut first.clone(), get("http://a.test/")).await;
-    let dropped = {
-        let mut first = first.clone();
-        tokio::spawn(async move {
-            tokio::time::timeout(
-                Duration::from_secs(1),
-                send(&mut first, get("http://a.test/")),
-            )
-            .await
-        })
-    };
+    let dropped = spawn_given_up(&first, "http://a.test/", 1);
     tokio::task::yield_now().await;
     let later = spawn_send(&second, "http://a.test/");
     tokio::task::yield_now().await;
@@ -573,22 +582,12 @@ async fn a_wait_the_server_asks_for_during_pacing_is_waited_too() {
     // The first request's answer comes after 1 s and asks for 30 s. The second was
     // already waiting its 5 s pacing delay: it is not sent at 5 s into a refusal, but
     // at 31 s, when the server said it may.
-    let seen = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&seen);
-    let slow_to_say_wait = service_fn(move |_request: Request<Empty<Bytes>>| {
-        let counter = Arc::clone(&counter);
-        async move {
-            let n = counter.fetch_add(1, Ordering::SeqCst);
-            let mut response = Response::new(Empty::<Bytes>::new());
-            if n == 0 {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                response
-                    .headers_mut()
-                    .insert("retry-after", HeaderValue::from_static("30"));
-            }
-            Ok::<_, Infallible>(response)
-        }
-    });
+    let arrivals = Arrivals::new();
+    let slow_to_say_wait = timed(
+        arrivals.clone(),
+        Some(("retry-after", "30")),
+        Duration::from_secs(1),
+    );
     let shaping = one_every(Duration::from_secs(5));
     let client = PacingLayer::new().pace(shaping).layer(slow_to_say_wait);
     let started = tokio::time::Instant::now();
@@ -597,7 +596,7 @@ async fn a_wait_the_server_asks_for_during_pacing_is_waited_too() {
     let mut second = client.clone();
     send(&mut second, get("http://a.test/")).await;
     first.await.unwrap();
-    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(arrivals.times().len(), 2);
     assert_eq!(started.elapsed(), Duration::from_secs(31));
 }
 
@@ -643,22 +642,9 @@ async fn pacing_starts_when_the_inner_service_is_ready_however_long_that_took() 
     // As `pacing_turns_are_taken_when_the_request_can_go`, with the stall (20 s) longer
     // than `max_wait` (10 s): the pacing wait starts at readiness, so the requests are
     // still one a second when it frees.
-    let arrivals = Arrivals::new();
-    let inner = one_at_a_time(arrivals.clone(), Duration::from_secs(20));
-    let client = PacingLayer::new()
-        .max_wait(Duration::from_secs(10))
-        .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
-        .layer(inner);
-    let slow = spawn_send(&client, "http://b.test/");
-    tokio::task::yield_now().await;
-    let waiting: Vec<_> = (0..4)
-        .map(|_| spawn_send(&client, "http://a.test/"))
-        .collect();
-    slow.await.unwrap();
-    for request in waiting {
-        request.await.unwrap();
-    }
-    assert_eq!(arrivals.times(), at(&[0, 20, 21, 22, 23]));
+    let layer = PacingLayer::new().max_wait(Duration::from_secs(10));
+    let arrivals = paced_behind_a_stall(layer).await;
+    assert_eq!(arrivals, at(&[0, 20, 21, 22, 23]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -726,16 +712,9 @@ async fn turns_dropped_newest_first_are_all_given_back() {
         .pace(one_every(Duration::from_secs(10)))
         .layer(timed(arrivals.clone(), None, Duration::ZERO));
     send(&mut client.clone(), get("http://a.test/")).await;
-    let given_up = |after: u64| {
-        let mut client = client.clone();
-        tokio::spawn(async move {
-            let sent = send(&mut client, get("http://a.test/"));
-            tokio::time::timeout(Duration::from_secs(after), sent).await
-        })
-    };
-    let second = given_up(2);
+    let second = spawn_given_up(&client, "http://a.test/", 2);
     tokio::task::yield_now().await;
-    let third = given_up(1);
+    let third = spawn_given_up(&client, "http://a.test/", 1);
     assert!(third.await.unwrap().is_err());
     assert!(second.await.unwrap().is_err());
     send(&mut client.clone(), get("http://a.test/")).await;

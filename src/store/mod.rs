@@ -192,6 +192,13 @@ pub enum Change {
 }
 
 impl Adjustment {
+    /// Gives back all `cost` units `decision` spent: a settle to nothing, with what its
+    /// debit left (so a bucket gets back all it still holds of them).
+    pub(crate) fn give_back(cost: u64, decision: &Decision) -> Self {
+        Self::settle(cost, 0, decision.receipt())
+            .with_left(decision.statuses().iter().map(|status| status.remaining))
+    }
+
     /// Settles a request that reserved `reserved` units to the `actual` units it used;
     /// `receipt` is the one its decision carried.
     pub fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
