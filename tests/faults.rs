@@ -642,3 +642,105 @@ async fn sentinel_works_with_the_least_privilege_user() {
     // Through the library's functions, not the scripts.
     assert!(support::command_calls(&primary, "fcall") > 0);
 }
+
+/// The ids of `server`'s clients whose last command ran the library (`fcall`, `evalsha`).
+fn deciding_clients(server: &RedisServer) -> Vec<String> {
+    server
+        .cli(&["CLIENT", "LIST"])
+        .lines()
+        .filter(|line| line.contains("cmd=fcall") || line.contains("cmd=evalsha"))
+        .filter_map(|line| {
+            line.split(' ')
+                .find_map(|field| field.strip_prefix("id="))
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+/// A failover behind one name (a managed primary endpoint, a virtual IP, a Kubernetes
+/// service): the old primary is demoted by `REPLICAOF` and stays up, answering
+/// `READONLY`. That is a failover in progress, so it counts as unavailable (the breaker
+/// and the failure mode see an outage, not a refusal), and the store leaves that
+/// connection: the next decision connects anew, resolving the name again, where a
+/// connection kept would be sent to the demoted primary for as long as it answers.
+/// A multiplexed connection and a pool alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demoted_primary_behind_one_url_is_an_outage_and_its_connection_is_left() {
+    let other = RedisServer::start();
+    let bucket =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    // An in-flight limit: the decision checks a pool's connection out for its script and
+    // the release behind it.
+    let in_flight = PolicySet::from(Policy::concurrency("busy", 1_000_000).unwrap());
+    let key = Key::new("demoted");
+    for (backend, policies) in [
+        ("multiplexed", &bucket),
+        ("pool", &bucket),
+        ("pool, in flight", &in_flight),
+    ] {
+        let server = RedisServer::start();
+        let store = match backend {
+            "multiplexed" => RedisStore::connect(&server.url()).await.unwrap(),
+            // One connection, so the one that met the demotion is the one to leave.
+            _ => {
+                let mut config = deadpool_redis::Config::from_url(server.url());
+                config.pool = Some(deadpool_redis::PoolConfig::new(1));
+                let pool = config
+                    .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+                    .unwrap();
+                let store = RedisStore::from_pool(pool);
+                store.verify().await.unwrap();
+                store
+            }
+        };
+        assert!(store.decide(&key, policies, 1).await.unwrap().is_allowed());
+        let before = deciding_clients(&server);
+        assert!(!before.is_empty(), "{backend}: no deciding client");
+
+        let port = other.port.to_string();
+        assert_eq!(server.cli(&["REPLICAOF", "127.0.0.1", &port]).trim(), "OK");
+        let error = store.decide(&key, policies, 1).await.unwrap_err();
+        assert_eq!(
+            (error.kind(), error.code()),
+            (tollgate::StoreErrorKind::Unavailable, Some("READONLY")),
+            "{backend}: {error}"
+        );
+
+        // Primary again (as the name would point at a new one): decisions resume, on a
+        // connection made since the demotion.
+        assert_eq!(server.cli(&["REPLICAOF", "NO", "ONE"]).trim(), "OK");
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            match store.decide(&key, policies, 1).await {
+                Ok(decision) => {
+                    assert!(decision.is_allowed());
+                    break;
+                }
+                Err(error) => assert!(
+                    Instant::now() < deadline,
+                    "{backend}: no decision after the demotion: {error}"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let after = deciding_clients(&server);
+        assert!(
+            after.iter().any(|id| !before.contains(id)),
+            "{backend}: still on the demoted primary's connection ({before:?}, then {after:?})"
+        );
+    }
+}
+
+/// A URL that names a read-only replica (a reader endpoint given by mistake) fails at
+/// start-up with the server's words, as the docs promise: counted as an outage once
+/// running (a failover), `READONLY` at start is a misconfiguration, not a server that
+/// will answer in a moment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_replica_fails_at_start_up() {
+    let primary = RedisServer::start();
+    let port = primary.port.to_string();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &port]);
+    let error = RedisStore::connect(&replica.url()).await.unwrap_err();
+    assert_eq!(error.code(), Some("READONLY"), "{error}");
+    assert!(!error.kind().is_io(), "{error}");
+}

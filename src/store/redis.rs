@@ -421,18 +421,142 @@ pub struct RedisStore {
 
 #[derive(Clone)]
 enum Backend {
-    Manager(ConnectionManager),
+    Manager(Arc<Managed>),
     Pool(deadpool_redis::Pool),
     /// One connection checked out of a pool for one decision and the release behind it
     /// ([`Backend::pinned`]): back in the pool when the last clone is dropped, so the
     /// pool counts it in use until the decision is answered, or, when it is dropped,
     /// until its release is done.
-    Pooled(Arc<deadpool_redis::Connection>),
+    Pooled(Arc<Checkout>),
     Cluster(ClusterConnection),
     ClusterPool(deadpool_redis::cluster::Pool),
     /// One connection of a cluster pool, held as [`Backend::Pooled`] is.
     PooledCluster(Arc<deadpool_redis::cluster::Connection>),
     Sentinel(Arc<SentinelBackend>),
+}
+
+/// The multiplexed connection to one server's URL, replaced when the server turns out
+/// to be a demoted primary (`READONLY`). A failover behind one name (a managed primary
+/// endpoint, a virtual IP, a Kubernetes service) leaves the connection on the old
+/// primary, which `ConnectionManager` keeps for as long as it answers; the replacement
+/// connects anew, resolving the name again.
+pub(super) struct Managed {
+    client: redis::Client,
+    config: redis::aio::ConnectionManagerConfig,
+    current: std::sync::RwLock<ConnectionManager>,
+    /// A replacement is being made: one at a time.
+    replacing: std::sync::atomic::AtomicBool,
+}
+
+impl Managed {
+    pub(super) fn new(
+        client: redis::Client,
+        config: redis::aio::ConnectionManagerConfig,
+        connection: ConnectionManager,
+    ) -> Self {
+        Self {
+            client,
+            config,
+            current: std::sync::RwLock::new(connection),
+            replacing: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn connection(&self) -> ConnectionManager {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Connects anew in the background and puts the new connection in the old one's
+    /// place; decisions meanwhile go on the old one (and fail as unavailable). One
+    /// replacement at a time, at most one a second (the name may still point at the
+    /// demoted server for a while); none outside a Tokio runtime.
+    #[cold]
+    fn replace(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Lets the next replacement go when this one ends, however it ends (a runtime
+        // shutting down drops the task).
+        struct Done(Arc<Managed>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.replacing.store(false, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::clone(self));
+        runtime.spawn(async move {
+            let this = &done.0;
+            let made =
+                ConnectionManager::new_with_config(this.client.clone(), this.config.clone()).await;
+            match made {
+                Ok(connection) => {
+                    *this
+                        .current
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
+                }
+                Err(error) => {
+                    // The next `READONLY` tries again.
+                    #[cfg(feature = "tracing")]
+                    tracing::warn!(target: "tollgate", %error, "no new connection to the Redis server after a demotion");
+                    let _ = error;
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(done);
+        });
+    }
+}
+
+/// A pool's connection checked out for one decision ([`Backend::pinned`]): back in the
+/// pool when the last holder drops it, unless it met a demoted primary, which answers
+/// the pool's recycling `PING` as well as any: then it is taken out of the pool.
+pub(super) struct Checkout {
+    connection: Option<deadpool_redis::Connection>,
+    left: std::sync::atomic::AtomicBool,
+}
+
+impl Checkout {
+    fn new(connection: deadpool_redis::Connection) -> Self {
+        Self {
+            connection: Some(connection),
+            left: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn connection(&self) -> redis::aio::MultiplexedConnection {
+        match &self.connection {
+            Some(connection) => (**connection).clone(),
+            None => unreachable!("a checkout holds its connection until it is dropped"),
+        }
+    }
+
+    /// Takes the connection out of the pool when the last holder is done with it.
+    fn leave(&self) {
+        self.left.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if *self.left.get_mut()
+            && let Some(connection) = self.connection.take()
+        {
+            drop(deadpool_redis::Connection::take(connection));
+        }
+    }
+}
+
+/// Whether `error` says the server is a primary no more (or has none): a failover.
+fn demoted(error: &RedisError) -> bool {
+    matches!(error.code(), Some("READONLY" | "MASTERDOWN"))
 }
 
 /// A pool that gave no connection: the store is unavailable.
@@ -450,9 +574,9 @@ impl Backend {
     /// replaced carries nothing of the old one's queue.
     async fn pinned(&self) -> Result<Backend, StoreError> {
         Ok(match self {
-            Backend::Pool(pool) => {
-                Backend::Pooled(Arc::new(pool.get().await.map_err(no_connection)?))
-            }
+            Backend::Pool(pool) => Backend::Pooled(Arc::new(Checkout::new(
+                pool.get().await.map_err(no_connection)?,
+            ))),
             Backend::ClusterPool(pool) => {
                 Backend::PooledCluster(Arc::new(pool.get().await.map_err(no_connection)?))
             }
@@ -484,15 +608,19 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-/// Sorts a Redis error: connection trouble passes by itself (`Unavailable`, `Timeout`);
-/// an error the server answered (`NOPERM`, `READONLY`, `WRONGTYPE`, a script error) is
-/// `Refused`, which the layer logs loudly instead of hiding it behind the failure mode.
+/// Sorts a Redis error: connection trouble passes by itself (`Unavailable`, `Timeout`),
+/// and so does a failover (`READONLY` from a demoted primary, `MASTERDOWN`) or a server
+/// still busy (`BUSY`, `LOADING`); an error the server answered (`NOPERM`, `WRONGTYPE`,
+/// `OOM`, a script error) is `Refused`, which the layer logs loudly instead of hiding it
+/// behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
-    let transient_code = matches!(error.code(), Some("BUSY" | "OOM" | "LOADING"))
-        || error
-            .detail()
-            .is_some_and(|detail| detail.contains("max number of clients"));
+    let transient_code = matches!(
+        error.code(),
+        Some("BUSY" | "LOADING" | "READONLY" | "MASTERDOWN")
+    ) || error
+        .detail()
+        .is_some_and(|detail| detail.contains("max number of clients"));
     let kind = if error.is_timeout() {
         StoreErrorKind::Timeout
     } else if transient_code
@@ -733,8 +861,13 @@ impl RedisStore {
                 match checked {
                     Ok(_) => {}
                     // A server that is away, loading or busy may answer in a moment: the
-                    // failure mode covers that, as it does later. Only a refusal is fatal.
-                    Err(error) if error.kind().is_io() => {
+                    // failure mode covers that, as it does later. A refusal is fatal, and
+                    // so is a replica at start (`READONLY`: a reader's URL given, not a
+                    // failover caught in its middle).
+                    Err(error)
+                        if error.kind().is_io()
+                            && !matches!(error.code(), Some("READONLY" | "MASTERDOWN")) =>
+                    {
                         #[cfg(feature = "tracing")]
                         tracing::warn!(
                             target: "tollgate",
@@ -921,8 +1054,13 @@ async fn cluster_slot_ranges<C: redis::aio::ConnectionLike>(
 }
 
 fn refused_at_start(error: &StoreError) -> StoreError {
+    // A replica at start is the URL's fault: refused, whatever it is once running.
+    let kind = match error.code() {
+        Some("READONLY" | "MASTERDOWN") => StoreErrorKind::Refused,
+        _ => error.kind(),
+    };
     let mut checked = StoreError::new(
-        error.kind(),
+        kind,
         format!(
             "the start-up check of the Redis store's scripts failed: {}",
             error.message
@@ -1311,15 +1449,31 @@ async fn query<T: redis::FromRedisValue>(
     command: &redis::Cmd,
 ) -> Result<T, StoreError> {
     match backend.clone() {
-        Backend::Manager(mut connection) => command.query_async(&mut connection).await,
-        Backend::Pooled(connection) => command.query_async(&mut (**connection).clone()).await,
+        Backend::Manager(managed) => {
+            let answer = command.query_async(&mut managed.connection()).await;
+            if answer.as_ref().is_err_and(demoted) {
+                managed.replace();
+            }
+            answer
+        }
+        Backend::Pooled(checkout) => {
+            let answer = command.query_async(&mut checkout.connection()).await;
+            if answer.as_ref().is_err_and(demoted) {
+                checkout.leave();
+            }
+            answer
+        }
         Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
         Backend::PooledCluster(connection) => {
             command.query_async(&mut (**connection).clone()).await
         }
         Backend::Pool(pool) => {
             let mut connection = pool.get().await.map_err(no_connection)?;
-            command.query_async(&mut connection).await
+            let answer = command.query_async(&mut connection).await;
+            if answer.as_ref().is_err_and(demoted) {
+                drop(deadpool_redis::Connection::take(connection));
+            }
+            answer
         }
         Backend::ClusterPool(pool) => {
             let mut connection = pool.get().await.map_err(no_connection)?;

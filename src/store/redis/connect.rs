@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
-use super::{Backend, DEFAULT_PREFIX, RedisStore, store_error};
+use super::{Backend, DEFAULT_PREFIX, Managed, RedisStore, store_error};
 use crate::store::{StoreError, StoreErrorKind};
 
 /// How long one attempt to open a connection (to a server, a primary or a sentinel) may
@@ -280,10 +280,10 @@ impl RedisConfig {
                 let client = self.client(url)?;
                 let config =
                     ConnectionManagerConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT));
-                let manager = ConnectionManager::new_with_config(client, config)
+                let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
                     .await
                     .map_err(|error| self.in_context(store_error(error)))?;
-                Backend::Manager(manager)
+                Backend::Manager(Arc::new(Managed::new(client, config, manager)))
             }
             Target::Cluster(nodes) => {
                 for node in nodes {
