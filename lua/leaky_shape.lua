@@ -10,6 +10,8 @@ local function fits(p1, p2, p3, level)
   local threshold = p1 * p2
   -- A cost larger than an empty bucket admits back to back never fits.
   if cost > idiv(threshold, p3) + 1 then return 'never', 0 end
+  -- A request that costs nothing queues nothing: it goes at once.
+  if cost == 0 then return 'admit', 0 end
   if level <= threshold then return 'admit', cdiv(level, p2) end
   return 'deny', cdiv(level - threshold, p2)
 end

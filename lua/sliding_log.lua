@@ -134,13 +134,21 @@ end
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
 -- `oldest`) is the member `first`: 'admit', 'deny' (and the wait until enough of the
 -- oldest entries have left the window) or 'never'.
-local function fits(key, p1, p2, total, oldest, first)
+local function fits(key, p1, p2, total, oldest, first, extra)
   if cost > p1 then return 'never', 0 end
   if total + cost <= p1 then return 'admit', 0 end
   local needed = total + cost - p1
   -- The oldest entry frees enough (a one-unit request to a full log: what a client
   -- hammering its limit sends): no need to read the whole log for it.
   if oldest ~= nil and needed <= units_of(first) then return 'deny', oldest + p2 - now end
+  -- One unit an entry (no counter): the `needed`-th oldest entry frees enough, read by
+  -- its rank in O(log n) rather than walking a log a client filled (a costly request
+  -- to a full log of a large limit would walk it all, on the server every replica uses).
+  if extra == 0 then
+    local member = call('ZRANGE', key, needed - 1, needed - 1)[1]
+    if member then return 'deny', time_of(member) + p2 - now end
+    return 'deny', p2
+  end
   -- Every entry holds a unit at least: the oldest `needed` entries free enough.
   local freed = 0
   for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', '+inf', 'LIMIT', '0', needed)) do
@@ -169,7 +177,7 @@ local function load(p, key)
 end
 
 local function check(p, s)
-  return fits(s.key, p[1], p[2], s.total, s.oldest, s.first)
+  return fits(s.key, p[1], p[2], s.total, s.oldest, s.first, s.extra)
 end
 
 local function commit(p, s)
@@ -253,7 +261,7 @@ local function one(key, p1, p2)
     if oldest == nil or now < oldest then oldest = now end
     return { 0, 0, total + 1, oldest, now, now }
   end
-  local verdict, value = fits(key, p1, p2, total, oldest, first)
+  local verdict, value = fits(key, p1, p2, total, oldest, first, extra)
   if verdict == 'admit' and cost > 0 then
     write_log(key, p2, extra)
     -- The new entry is the oldest when every other one is later (time stepped back).

@@ -564,6 +564,87 @@ async fn a_lone_policy_reports_exactly_what_its_script_reports() {
     }
 }
 
+/// A costly request to a full log of one-unit entries waits for the `cost`-th oldest
+/// entry: the script reads that entry by its rank, never the log up to it. Walking it
+/// cost the shared server work in proportion to the limit on every such request, which
+/// a client that chooses its cost (a body's size, a GraphQL query's points) could repeat
+/// to stall every tenant of the server. Same answer as the in-process store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
+    const LIMIT: u64 = 2_000;
+    let server = RedisServer::start();
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_clock(clock.clone());
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let set =
+        PolicySet::from(Policy::sliding_log("daily", LIMIT, Duration::from_secs(86_400)).unwrap());
+    let key = Key::new("filler");
+    for _ in 0..LIMIT {
+        clock.advance(Duration::from_millis(1));
+        assert!(store.decide(&key, &set, 1).await.unwrap().is_allowed());
+        assert!(memory.check("filler", &set, 1).is_allowed());
+    }
+    assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+    for cost in [LIMIT, LIMIT / 2, 2] {
+        let decision = store.decide(&key, &set, cost).await.unwrap();
+        let twin = memory.check("filler", &set, cost);
+        assert!(!decision.is_allowed());
+        assert!(
+            close(decision.retry_after().unwrap(), twin.retry_after().unwrap()),
+            "cost {cost}: {decision:?} against {twin:?}"
+        );
+    }
+    assert_eq!(
+        support::command_calls(&server, "zrangebyscore"),
+        0,
+        "the log was walked"
+    );
+}
+
+/// A request that costs nothing spends nothing, so no policy can deny it (`Cost`'s docs),
+/// however far over its limit the key is: a zero-cost health check behind a shaping
+/// policy whose queue is over its delay bound, too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_costs_nothing_is_admitted_by_every_algorithm_on_every_store() {
+    let backends = Backends::start().await;
+    for policy in every_algorithm() {
+        let name = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        for subject in backends.subjects(&format!("free-{name}")) {
+            subject.clock.set(Duration::from_secs(1_000));
+            let mut denied = 0;
+            for _ in 0..30 {
+                if !subject.check("k", &set, 2).await.is_allowed() {
+                    denied += 1;
+                }
+            }
+            assert!(
+                denied > 0,
+                "{name} on {}: the key is over its limit",
+                subject.name
+            );
+            let free = subject.check("k", &set, 0).await;
+            assert!(
+                free.is_allowed(),
+                "{name} on {}: a free request was denied: {free:?}",
+                subject.name
+            );
+            assert_eq!(
+                free.outcome(),
+                Outcome::Allowed {
+                    delay: Duration::ZERO
+                },
+                "{name} on {}: a free request waits for nothing",
+                subject.name
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_decides_alike() {
     let backends = Backends::start().await;

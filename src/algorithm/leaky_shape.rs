@@ -67,11 +67,15 @@ impl LeakyShape {
 
     /// Admit with the wait for what is ahead, or deny when that wait is too long. A cost
     /// larger than the unit requests an empty bucket admits back to back never fits: it
-    /// would hold the key for longer than the delay bound allows.
+    /// would hold the key for longer than the delay bound allows. A request that costs
+    /// nothing queues nothing: it goes at once, however long the queue.
     #[inline]
     pub fn check(&self, state: &BucketState, _now: u64, cost: u64) -> Verdict {
         if cost > self.capacity() {
             return Verdict::Never;
+        }
+        if cost == 0 {
+            return Verdict::Admit { delay: 0 };
         }
         let amount = u128::from(self.amount);
         if state.level.get() <= self.threshold() {
