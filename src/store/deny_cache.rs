@@ -25,13 +25,18 @@ use crate::policy::PolicySet;
 /// wait. Each identity keeps one entry with up to four costs, so a client that varies
 /// its cost cannot push other identities out (but each new cost of it reaches the store).
 ///
+/// A denial is cached for at most [`max_age`](Self::max_age) (1 s by default), whatever
+/// its `Retry-After`: a reset, a grant or a refund made through another replica (each
+/// has its own cache) clears only that replica's cache, so the others see it within
+/// `max_age`. Within it, a cached answer carries its full remaining wait.
+///
 /// A cached answer cannot know the policies' state now (others spend, buckets refill),
 /// so it carries no statuses: the layer sends `Retry-After` and `RateLimit-Policy`, and
 /// no `RateLimit` field rather than stale numbers. It is marked
 /// [`from_cache`](crate::Decision::from_cache), so it never closes a circuit breaker.
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
-/// instead of every request. Memory is bounded by `capacity` identities.
+/// (or per `max_age`, whichever is shorter) from each replica instead of every request. Memory is bounded by `capacity` identities.
 ///
 /// ```no_run
 /// # #[cfg(feature = "redis")] // the example needs RedisStore; it compiles to nothing without
@@ -47,7 +52,13 @@ use crate::policy::PolicySet;
 pub struct DenyCache<S> {
     inner: S,
     shared: Arc<Shared>,
+    /// The longest a denial is kept, in nanoseconds.
+    max_age: u64,
 }
+
+/// How long a denial is kept by default: a change made through another replica is seen
+/// within it.
+const DEFAULT_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// Key and policy set fingerprint: one entry per identity, however many costs it sends,
 /// so one client cannot push other identities out of the cache by varying its cost.
@@ -64,14 +75,16 @@ struct Shared {
 /// An identity's denials, one per cost (at most [`COSTS_PER_IDENTITY`]).
 #[derive(Clone, Default)]
 struct Denials {
-    /// `(cost, local clock nanoseconds until which it is denied, denying policy)`.
-    entries: SmallVec<[(u64, u64, usize); COSTS_PER_IDENTITY]>,
+    /// `(cost, local clock nanoseconds until which it is denied, until which that is
+    /// answered here, denying policy)`.
+    entries: SmallVec<[(u64, u64, u64, usize); COSTS_PER_IDENTITY]>,
 }
 
 impl<S> std::fmt::Debug for DenyCache<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DenyCache")
             .field("denials", &self.shared.denials.len())
+            .field("max_age", &Duration::from_nanos(self.max_age))
             .finish_non_exhaustive()
     }
 }
@@ -91,7 +104,26 @@ impl<S: Store> DenyCache<S> {
                 denials: quick_cache::sync::Cache::new(capacity.max(1)),
                 clock: Arc::new(clock),
             }),
+            max_age: nanos(DEFAULT_MAX_AGE),
         }
+    }
+
+    /// Keeps a denial at most `max_age` (default 1 s), however long its `Retry-After`:
+    /// how long a reset, grant or refund made through another replica can go unseen
+    /// here. Longer spares the store more of a flood; zero caches nothing. Clones share
+    /// their entries: each entry is kept as long as the handle that recorded it said.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::MemoryStore;
+    /// use tollgate::store::DenyCache;
+    ///
+    /// let store = DenyCache::new(MemoryStore::new(), 10_000).max_age(Duration::from_secs(5));
+    /// # let _ = store;
+    /// ```
+    pub fn max_age(mut self, max_age: Duration) -> Self {
+        self.max_age = nanos(max_age);
+        self
     }
 
     /// The wrapped store.
@@ -100,30 +132,51 @@ impl<S: Store> DenyCache<S> {
     }
 }
 
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
 impl Shared {
-    fn record(&self, cache_key: CacheKey, cost: u64, decision: &Decision) {
+    /// Remembers `decision` (for a set of `len` policies) when it is a denial.
+    fn record(
+        &self,
+        cache_key: CacheKey,
+        cost: u64,
+        decision: &Decision,
+        max_age: u64,
+        len: usize,
+    ) {
+        // A denial naming a policy the set lacks is a store's bug: answered once (as a
+        // protocol error), never replayed as if the store had been asked.
+        if let Outcome::Denied { policy, .. } = decision.outcome()
+            && policy >= len
+        {
+            return;
+        }
         let now = self.clock.now();
         let mut denials = self.denials.get(&cache_key).unwrap_or_default();
         denials
             .entries
-            .retain(|entry| entry.0 != cost && entry.1 > now);
+            .retain(|entry| entry.0 != cost && entry.2 > now);
         match decision.outcome() {
             Outcome::Denied {
                 retry_after,
                 policy,
             } => {
-                let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
+                let wait = nanos(retry_after);
                 if denials.entries.len() == COSTS_PER_IDENTITY {
-                    // Full: the denial that ends first makes room.
+                    // Full: the entry kept the shortest makes room.
                     if let Some(soonest) =
-                        (0..denials.entries.len()).min_by_key(|&index| denials.entries[index].1)
+                        (0..denials.entries.len()).min_by_key(|&index| denials.entries[index].2)
                     {
                         denials.entries.remove(soonest);
                     }
                 }
-                denials
-                    .entries
-                    .push((cost, now.saturating_add(wait), policy));
+                let until = now.saturating_add(wait);
+                let kept = now.saturating_add(wait.min(max_age));
+                if kept > now {
+                    denials.entries.push((cost, until, kept, policy));
+                }
             }
             Outcome::Allowed { .. } | Outcome::CostExceedsLimit { .. } => {}
         }
@@ -152,10 +205,10 @@ impl<S: Store> Store for DenyCache<S> {
             denials
                 .entries
                 .iter()
-                .find(|&&(denied, until, _)| denied == cost && now < until)
+                .find(|&&(denied, _, kept, _)| denied == cost && now < kept)
                 .copied()
         });
-        if let Some((_, until, policy)) = cached {
+        if let Some((_, until, _, policy)) = cached {
             {
                 let outcome = Outcome::Denied {
                     policy,
@@ -169,16 +222,19 @@ impl<S: Store> Store for DenyCache<S> {
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
                 if let Ok(decision) = &result {
-                    self.shared.record(cache_key, cost, decision);
+                    let len = policies.len();
+                    self.shared
+                        .record(cache_key, cost, decision, self.max_age, len);
                 }
                 DecideFuture::ready(result)
             }
             Err(pending) => {
                 let shared = Arc::clone(&self.shared);
+                let (max_age, len) = (self.max_age, policies.len());
                 DecideFuture::new(async move {
                     let result = pending.await;
                     if let Ok(decision) = &result {
-                        shared.record(cache_key, cost, decision);
+                        shared.record(cache_key, cost, decision, max_age, len);
                     }
                     result
                 })
@@ -262,5 +318,60 @@ mod tests {
         // A cheaper request may fit: it goes to the store, and is admitted.
         assert!(decide(1).is_allowed());
         assert_eq!(calls.load(Ordering::Relaxed), 3);
+    }
+    /// Answers a decision that the memory store gives at once.
+    fn now_or_never(future: DecideFuture) -> Decision {
+        use std::future::Future;
+        let mut future = future;
+        let waker = std::task::Waker::noop();
+        match std::pin::Pin::new(&mut future).poll(&mut std::task::Context::from_waker(waker)) {
+            std::task::Poll::Ready(result) => result.unwrap(),
+            std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+        }
+    }
+
+    /// Two replicas, each with its own cache, over one shared store. A reset (or a grant,
+    /// or a settle's refund) through one replica clears only that replica's cache: the
+    /// other's cached denial would stand until its `Retry-After` (here an hour), though
+    /// the store admits again. A cached denial is kept at most `max_age` (1 s by
+    /// default), so a change made elsewhere is seen within it.
+    #[test]
+    fn a_reset_through_another_replica_is_seen_within_the_max_age() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let here = DenyCache::with_clock(store.clone(), 100, clock.clone());
+        let there = DenyCache::with_clock(store, 100, clock.clone());
+        let policies =
+            PolicySet::from(Policy::fixed_window("daily", 2, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("customer");
+        assert!(now_or_never(there.decide(&key, &policies, 2)).is_allowed());
+        let denied = now_or_never(there.decide(&key, &policies, 1));
+        assert!(denied.retry_after().unwrap() > Duration::from_secs(3000));
+        assert!(now_or_never(there.decide(&key, &policies, 1)).is_cached());
+
+        // Support resets the customer through the other replica.
+        let mut reset = here.reset(&key, &policies);
+        let waker = std::task::Waker::noop();
+        let mut context = std::task::Context::from_waker(waker);
+        assert!(matches!(
+            std::future::Future::poll(std::pin::Pin::new(&mut reset), &mut context),
+            std::task::Poll::Ready(Ok(_))
+        ));
+        clock.advance(Duration::from_millis(999));
+        // Within the max age the cached denial stands, with its full wait...
+        let cached = now_or_never(there.decide(&key, &policies, 1));
+        assert!(cached.is_cached());
+        assert!(cached.retry_after().unwrap() > Duration::from_secs(3000));
+        // ...and past it the store is asked again.
+        clock.advance(Duration::from_millis(1));
+        assert!(now_or_never(there.decide(&key, &policies, 1)).is_allowed());
+
+        // A cache told to keep denials longer keeps them longer.
+        let patient = DenyCache::with_clock(here.inner().clone(), 100, clock.clone())
+            .max_age(Duration::from_secs(60));
+        assert!(now_or_never(patient.decide(&key, &policies, 1)).is_allowed());
+        assert!(!now_or_never(patient.decide(&key, &policies, 1)).is_allowed());
+        clock.advance(Duration::from_secs(59));
+        assert!(now_or_never(patient.decide(&key, &policies, 1)).is_cached());
     }
 }
