@@ -326,7 +326,11 @@ impl<St: Store> Limiter<St> {
             "decision",
             shared.store.decide(key, &shared.policies, cost),
         )
-        .await;
+        .await
+        .and_then(|decision| {
+            crate::store::check_answer(&decision, &shared.policies)?;
+            Ok(decision)
+        });
         match decided {
             Ok(decision) => Ok((decision, Decider::Store)),
             Err(error) => {
@@ -335,6 +339,13 @@ impl<St: Store> Limiter<St> {
                 match &shared.failure_mode {
                     FailureMode::Fallback(fallback) => {
                         let (decision, applied) = fallback.decide(key, &shared.policies, cost);
+                        // A cost only the fallback's share of the quota cannot admit: the
+                        // outage stands in its way, not "never" (as the layer answers).
+                        if let Outcome::CostExceedsLimit { .. } = decision.outcome()
+                            && shared.policies.never_admits(cost).is_none()
+                        {
+                            return Err(error);
+                        }
                         Ok((decision, Decider::Fallback(applied)))
                     }
                     FailureMode::FailOpen => Ok((

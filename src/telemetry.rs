@@ -120,7 +120,7 @@ fn log_decision(policies: &PolicySet, decision: &Decision, key: &Key) {
         tracing::debug!(
             target: "tollgate",
             key = %key,
-            policy = policies[policy].name(),
+            policy = policies.get(policy).map_or("", |policy| policy.name()),
             retry_after_ms = retry_after.as_millis() as u64,
             "rate limited"
         );

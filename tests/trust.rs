@@ -1417,3 +1417,172 @@ fn a_zero_store_timeout_is_refused_when_the_layer_is_built() {
             .is_ok()
     );
 }
+
+/// A store (a user's own) whose answer names a policy the set does not have: a bug in
+/// that store, never a reason to panic the service. The answer is a protocol error:
+/// counted, and answered by the failure mode (here: closed, 503), not a 429.
+#[tokio::test]
+async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic() {
+    #[derive(Clone)]
+    struct OffByFour(Outcome);
+
+    impl Store for OffByFour {
+        fn decide(&self, _: &Key, policies: &PolicySet, _: u64) -> DecideFuture {
+            let statuses = policies.iter().map(|policy| {
+                tollgate::PolicyStatus::new(policy.limit(), 0, Duration::ZERO, Duration::ZERO)
+            });
+            DecideFuture::ready(Ok(tollgate::Decision::new(self.0, statuses)))
+        }
+    }
+
+    for outcome in [
+        Outcome::Denied {
+            policy: 5,
+            retry_after: Duration::from_secs(1),
+        },
+        Outcome::CostExceedsLimit {
+            policy: 5,
+            cost: 3,
+            limit: 2,
+        },
+    ] {
+        let app = Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(OffByFour(outcome))
+                .policy(Policy::fixed_window("api", 2, Duration::from_secs(60)).unwrap())
+                .on_store_error(FailureMode::FailClosed),
+        );
+        let response = app.oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{outcome:?}"
+        );
+    }
+}
+
+/// A fallback that enforces a share of the limit (`LocalFallback::share`) holds a smaller
+/// bucket than the policy. A request the policy admits but the share cannot (cost 40
+/// against a quarter of 100) is stopped by the outage, not by the client: `503` with
+/// `Retry-After`, never `400` (which a client takes as "never send this again") naming
+/// the scaled-down quota as the policy's.
+#[tokio::test]
+async fn a_cost_only_the_fallbacks_share_cannot_admit_is_an_outage_not_a_bad_request() {
+    #[derive(Clone)]
+    struct Down;
+
+    impl Store for Down {
+        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+            DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection refused",
+            )))
+        }
+    }
+
+    let app = hello().layer(
+        RateLimitLayer::new(Down)
+            .policy(Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap())
+            .cost(cost_header())
+            .on_store_error(FailureMode::Fallback(
+                tollgate::LocalFallback::new().share(0.25),
+            )),
+    );
+    let response = app.clone().oneshot(request("/", 40)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(header(&response, "retry-after").is_some());
+    // What the share admits, it admits; what the policy itself never admits is still the
+    // client's mistake.
+    let response = app.clone().oneshot(request("/", 20)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let response = app.oneshot(request("/", 101)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    // Told with the policy's own quota, not the share's.
+    assert!(body_text(response).await.contains("at most 100"));
+
+    // Of two policies, the one that never admits the cost decides, whichever policy the
+    // fallback's scaled set named.
+    let two = PolicySet::new([
+        Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap(),
+        Policy::token_bucket("burst", 30, Rate::per_minute(30)).unwrap(),
+    ])
+    .unwrap();
+    let share = FailureMode::Fallback(tollgate::LocalFallback::new().share(0.25));
+    let app = hello().layer(
+        RateLimitLayer::new(Down)
+            .policies(two.clone())
+            .cost(cost_header())
+            .on_store_error(share.clone()),
+    );
+    let response = app.oneshot(request("/", 40)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert!(body_text(response).await.contains("admits at most 30"));
+
+    // A `Limiter` answers as the layer does: the store's error, not "never".
+    let limiter = tollgate::limiter::Limiter::new(
+        Down,
+        Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap(),
+    )
+    .on_store_error(share.clone());
+    let key = Key::new("k");
+    let error = limiter.check(&key, 40).await.unwrap_err();
+    assert_eq!(error.kind(), StoreErrorKind::Unavailable);
+    assert!(matches!(
+        limiter.until_ready(&key, 40, Duration::from_secs(1)).await,
+        Err(tollgate::limiter::WaitError::Store(_))
+    ));
+    let limiter = tollgate::limiter::Limiter::new(Down, two).on_store_error(share);
+    assert!(!limiter.check(&key, 40).await.unwrap().is_allowed());
+}
+
+/// Two limiters nested (a per-route limit inside a global one) with a single-valued style:
+/// each of `RateLimit-Limit`, `-Remaining` and `-Reset` (or `X-RateLimit-*`) holds one
+/// value, so the outer layer must not write over the inner one's numbers with its own
+/// roomier ones. The inner layer's `429` said "0 left" and the client read "999 left".
+/// The fields of the more restrictive limit stay, as within one layer (draft-6 section
+/// 3.1 has one field per response; the most restrictive policy is the one reported).
+#[tokio::test]
+async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
+    for (style, prefix) in [
+        (HeaderStyle::Draft6, "ratelimit"),
+        (HeaderStyle::Legacy, "x-ratelimit"),
+    ] {
+        let route = RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("search", 1, Duration::from_secs(60)).unwrap())
+            .headers(style);
+        let global = RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("global", 1000, Duration::from_secs(3600)).unwrap())
+            .headers(style);
+        let app = Router::new()
+            .route("/search", get(|| async { "found" }))
+            .route_layer(route)
+            .layer(global);
+        let remaining = format!("{prefix}-remaining");
+        let limit = format!("{prefix}-limit");
+
+        let first = app.clone().oneshot(request("/search", 1)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        assert_eq!(header(&first, &remaining).as_deref(), Some("0"), "{prefix}");
+        assert_eq!(header(&first, &limit).as_deref(), Some("1"), "{prefix}");
+        assert_eq!(first.headers().get_all(&remaining).iter().count(), 1);
+
+        let denied = app.oneshot(request("/search", 1)).await.unwrap();
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            header(&denied, &remaining).as_deref(),
+            Some("0"),
+            "{prefix}"
+        );
+        assert_eq!(header(&denied, &limit).as_deref(), Some("1"), "{prefix}");
+        let reset: u64 = header(&denied, &format!("{prefix}-reset"))
+            .unwrap()
+            .parse()
+            .unwrap();
+        let retry_after: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+        if style == HeaderStyle::Draft6 {
+            assert!(
+                reset >= retry_after,
+                "reset {reset} before Retry-After {retry_after}"
+            );
+        }
+    }
+}

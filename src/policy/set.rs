@@ -126,6 +126,15 @@ impl PolicySet {
         self.inner.in_flight
     }
 
+    /// The first policy that can never admit `cost` units in one request (a cost above
+    /// its quota), leaving out shadow policies (they never refuse) and in-flight limits
+    /// (they count requests, not units).
+    pub(crate) fn never_admits(&self, cost: u64) -> Option<usize> {
+        self.iter().position(|policy| {
+            !policy.is_shadow() && !policy.params().is_in_flight() && cost > policy.limit()
+        })
+    }
+
     /// True when a policy of the set has a penalty (its state keeps a slot more).
     #[inline]
     pub(crate) fn has_penalties(&self) -> bool {

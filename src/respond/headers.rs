@@ -361,12 +361,28 @@ impl HeaderBlock {
                 } else {
                     &DRAFT6_FIELDS
                 };
+                // A limiter further in (or the service) wrote these fields already: each
+                // holds one value, so the more restrictive limit's stay, as within one
+                // layer (fewest left, then the latest reset).
+                if let Some(theirs) = number_field(headers, remaining_name) {
+                    let their_reset = number_field(headers, reset_name).unwrap_or(0);
+                    if (theirs, std::cmp::Reverse(their_reset))
+                        <= (remaining, std::cmp::Reverse(reset))
+                    {
+                        return;
+                    }
+                }
                 headers.insert(limit_name.clone(), number_value(limit));
                 headers.insert(remaining_name.clone(), number_value(remaining));
                 headers.insert(reset_name.clone(), number_value(reset));
             }
         }
     }
+}
+
+/// The number a single-valued field of `headers` holds, if it holds one.
+fn number_field(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
+    headers.get(name)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):

@@ -21,7 +21,7 @@ use crate::failure::{Breaker, FailureMode, ProbeGuard};
 use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::settle::{Debit, Settle};
-use crate::store::{StoreError, StoreErrorKind};
+use crate::store::{StoreError, StoreErrorKind, check_answer};
 use crate::telemetry;
 use headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
 use problem::{self as response, Rejection};
@@ -90,6 +90,15 @@ impl Responder {
         let StoreAnswer::Decided(decision) = answer else {
             return self.plan_without_store(policies, key, cost, answer, probe);
         };
+        if let Err(error) = check_answer(decision, policies) {
+            return self.plan_without_store(
+                policies,
+                key,
+                cost,
+                StoreAnswer::Failed(&error),
+                probe,
+            );
+        }
         // An answer a store gave from a local cache says nothing of the store behind it:
         // it neither closes the breaker nor counts as a probe's success (the probe is
         // released when its guard drops).
@@ -304,7 +313,25 @@ impl Responder {
         cost: u64,
     ) -> Result<(Decision, PolicySet), Plan> {
         match &self.failure_mode {
-            FailureMode::Fallback(fallback) => Ok(fallback.decide(key, policies, cost)),
+            FailureMode::Fallback(fallback) => {
+                let (decision, applied) = fallback.decide(key, policies, cost);
+                if let Outcome::CostExceedsLimit { .. } = decision.outcome()
+                    && !self.shadow
+                {
+                    // The fallback enforces a share of each quota (`LocalFallback::share`).
+                    // A cost the policies themselves never admit is the client's mistake,
+                    // told with their quota, not the share's; one only the share cannot
+                    // admit meets the outage (a `400` would say "never send it again").
+                    return Err(Plan::Respond(Box::new(match policies.never_admits(cost) {
+                        Some(index) => {
+                            let policy = &policies[index];
+                            response::cost_exceeds_limit(policy, cost, policy.limit())
+                        }
+                        None => response::store_unavailable(),
+                    })));
+                }
+                Ok((decision, applied))
+            }
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
             // A shadow layer never refuses a request.
             FailureMode::FailClosed if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),

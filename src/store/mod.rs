@@ -29,7 +29,7 @@ pub use redis::{
 
 use smallvec::SmallVec;
 
-use crate::decision::{Decision, Receipt};
+use crate::decision::{Decision, Outcome, Receipt};
 use crate::key::Key;
 use crate::policy::PolicySet;
 
@@ -342,6 +342,31 @@ pub(crate) async fn within<T>(
         })
 }
 
+/// A store's answer checked against the set it was asked about. An outcome that names a
+/// policy the set does not have is a bug in that store (a user's own `Store`): a protocol
+/// error, counted and answered by the failure mode, never an index that panics the
+/// service.
+#[inline]
+pub(crate) fn check_answer(decision: &Decision, policies: &PolicySet) -> Result<(), StoreError> {
+    match decision.outcome() {
+        Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. }
+            if policy >= policies.len() =>
+        {
+            Err(misnamed_policy(policy, policies.len()))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn misnamed_policy(policy: usize, len: usize) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        format!("the store's answer names policy {policy} of a set of {len}"),
+    )
+}
+
 pub(crate) type BoxedDecision = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
 
 /// The future of one decision: already complete for the in-process store (no allocation),
@@ -441,14 +466,17 @@ impl Future for DecideFuture {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
-    /// The backend could not be reached.
+    /// The backend could not be reached, or is between primaries: a failover in
+    /// progress (Redis `READONLY` from a demoted primary, `MASTERDOWN`) or a server still
+    /// loading or busy (`LOADING`, `BUSY`).
     Unavailable,
     /// The backend did not answer in time.
     Timeout,
     /// The backend answered something that could not be understood.
     Protocol,
-    /// The backend refused the command: no permission (`NOPERM`), a read-only replica
-    /// (`READONLY`), a key of the wrong type (`WRONGTYPE`), a script error, out of memory.
+    /// The backend refused the command: no permission (`NOPERM`), a key of the wrong
+    /// type (`WRONGTYPE`), a script error, out of memory (`OOM`, a `maxmemory` that
+    /// refuses writes).
     Refused,
     /// The store cannot decide this policy exactly (caught by [`Store::validate`] when
     /// the layer is built; seen at request time only with per-request policies).
@@ -512,7 +540,7 @@ impl StoreError {
         }
     }
 
-    /// Attaches the backend's own error code (`NOPERM`, `READONLY`, `WRONGTYPE`).
+    /// Attaches the backend's own error code (`NOPERM`, `READONLY`, `WRONGTYPE`, `OOM`).
     pub fn with_code(mut self, code: impl Into<Box<str>>) -> Self {
         self.code = Some(code.into());
         self
