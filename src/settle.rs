@@ -225,6 +225,12 @@ impl Settle {
     /// inside the limiter (axum's `HandleErrorLayer` between the two), so that `refund`
     /// sees their status.
     ///
+    /// A refunded request is free however much work it caused: a client that can make
+    /// requests fail on purpose (a query built to run into the timeout, an input that
+    /// crashes a handler) is then not limited at all. Refund only failures the client
+    /// cannot cause (an upstream that is down: `502`, `503`), or keep a second policy
+    /// (or layer) without refunds that counts every request.
+    ///
     /// ```
     /// use tollgate::settle::Settle;
     ///

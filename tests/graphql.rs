@@ -406,6 +406,94 @@ mod http {
         }
     }
 
+    /// A WebSocket upgrade (`graphql-transport-ws`) opens a connection whose operations
+    /// travel in messages the coster never sees: passed through at the default cost, one
+    /// unit would buy any number of subscriptions, queries and mutations. It is a request
+    /// the coster cannot cost, so `on_invalid` answers it: refused by default, charged
+    /// what `Invalid::Charge` says when the server is to get it.
+    #[tokio::test]
+    async fn a_connection_upgrade_is_a_request_that_cannot_be_costed() {
+        let upgrade = |method: http::Method| {
+            Request::builder()
+                .method(method)
+                .uri("/graphql")
+                .header("x-api-key", "k")
+                .header("connection", "Upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-protocol", "graphql-transport-ws")
+                .body(Body::empty())
+                .unwrap()
+        };
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        for method in [http::Method::GET, http::Method::POST] {
+            let response = app.clone().oneshot(upgrade(method.clone())).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{method}");
+        }
+        // HTTP/2's extended CONNECT (RFC 8441) opens a WebSocket too.
+        let response = app
+            .clone()
+            .oneshot(
+                Request::builder()
+                    .method(http::Method::CONNECT)
+                    .uri("/graphql")
+                    .header("x-api-key", "k")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "CONNECT");
+        let lenient = app_with_minimum();
+        let response = lenient.oneshot(upgrade(http::Method::GET)).await.unwrap();
+        assert_eq!(response.headers()["graphql-cost"], "5");
+
+        // `Upgrade: h2c` (the JDK's client and curl send it on plain `http://`) is no
+        // switch: hyper serves the request as it is, so it is costed as any other.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "k")
+            .header("content-type", "application/json")
+            .header("connection", "Upgrade, HTTP2-Settings")
+            .header("upgrade", "h2c")
+            .header("http2-settings", "AAMAAABkAARAAAAAAAIAAAAA")
+            .body(Body::from(r#"{"query":"{ a { b } }"}"#))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["graphql-cost"], "1");
+    }
+
+    /// Two `Content-Type` fields: the coster would read the body as the first says, a
+    /// server (or a proxy further on) might read it as the last (a form whose `query`
+    /// hides behind an `&` in a JSON string). A request with more than one is refused.
+    #[tokio::test]
+    async fn a_body_with_two_content_types_is_refused() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let request = Request::post("/graphql")
+            .header("x-api-key", "k")
+            .header("content-type", "application/json")
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(Body::from(
+                r#"{"query":"{ a }","x":"&query={ b { c { d } } }#"}"#,
+            ))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert!(response.headers().get("graphql-cost").is_none());
+        // The same two types folded into one field, as a proxy may fold them.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "k")
+            .header(
+                "content-type",
+                "application/x-www-form-urlencoded, application/graphql+json",
+            )
+            .body(Body::from(
+                r#"{"query":"{ a }","x":"&query={ b { c { d } } }#"}"#,
+            ))
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    }
+
     /// What could run an operation is costed, whatever its method: a `HEAD` or `OPTIONS`
     /// with a body (a server may read the operation from any body), a persisted query's
     /// `GET` (no `query`, but `extensions`), and a `GET` whose `query` is given twice (a

@@ -60,9 +60,20 @@ pub enum Invalid {
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
-/// without the document, multipart uploads, and bodies still compressed. Put it inside
+/// without the document, multipart uploads, bodies still compressed, a request with more
+/// than one `Content-Type`, and a request to switch protocols (`Upgrade` to anything but
+/// `h2c`, or an HTTP/2 extended `CONNECT`): a WebSocket's operations travel in messages
+/// this layer never sees (under [`Invalid::Charge`] the socket is let through at that one
+/// charge), so serve subscriptions on a route of their own, limited per connection or per
+/// message (a `tollgate::limiter::Limiter` in the socket's loop). Put it inside
 /// (after) a request-decompression layer, and charge persisted queries with
 /// [`Invalid::Charge`] at what your costliest registered operation costs.
+///
+/// A refusal (`400`, `413`) is answered here, before the limiter further in sees the
+/// request, so it spends nothing of the client's budget: a client refused again and
+/// again costs the server the reading of each body (at most `max_body`). Where that
+/// matters, put a second [`RateLimitLayer`](crate::RateLimitLayer) that counts requests
+/// outside (before) this layer, or charge refusals with [`Invalid::Charge`].
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -162,14 +173,28 @@ enum BodyType {
 /// too would run what the coster did not read), and decodes another charset (UTF-7) into
 /// other keys.
 fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
-    let Some(value) = request.headers.get(header::CONTENT_TYPE) else {
+    let mut types = request.headers.get_all(header::CONTENT_TYPE).iter();
+    let Some(value) = types.next() else {
         return Ok(BodyType::Json);
     };
+    if types.next().is_some() {
+        // The coster would read the body as one, a server or a proxy further on might
+        // read it as the other.
+        return Err(CostError::Request(
+            "the request has more than one content type".into(),
+        ));
+    }
     let value = value
         .to_str()
         .map_err(|_| CostError::Request("the content type is not text".into()))?;
     let mut parts = value.split(';');
     let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
+    if media.contains(',') {
+        // Two types folded into one field (by a proxy, or on purpose).
+        return Err(CostError::Request(
+            "the request has more than one content type".into(),
+        ));
+    }
     for parameter in parts {
         let Some((name, charset)) = parameter.split_once('=') else {
             continue;
@@ -306,6 +331,14 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
+        if switches_protocols(&parts) {
+            // A WebSocket (`graphql-transport-ws`) runs its operations in messages this
+            // layer never sees: at a default cost, one unit would buy any number of them.
+            let why = "a request to switch protocols (a WebSocket) carries operations \
+                       that cannot be costed";
+            let cost = Err(CostError::Request(why.into()));
+            return self.answer(Request::from_parts(parts, body), cost);
+        }
         let get = parts.method == Method::GET;
         // A HEAD runs the GET handler (axum routes it so): one that names an operation in
         // its URL is costed as that GET.
@@ -399,6 +432,28 @@ where
             call_costed(&mut inner, Request::from_parts(parts, B::from(bytes)), cost).await
         })
     }
+}
+
+/// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
+/// handshake), or a `CONNECT` (HTTP/2's extended CONNECT, RFC 8441, opens WebSockets).
+/// `Upgrade: h2c` is no switch here: servers that do not speak h2c (hyper) serve the
+/// request as it is, and clients that prefer HTTP/2 (the JDK's, curl's) send it on plain
+/// `http://` requests of every kind.
+fn switches_protocols(request: &http::request::Parts) -> bool {
+    let other_than_h2c = |value: &http::HeaderValue| {
+        value.to_str().map_or(true, |value| {
+            value.split(',').any(|protocol| {
+                let name = protocol.trim().split('/').next().unwrap_or_default();
+                !name.is_empty() && !name.eq_ignore_ascii_case("h2c")
+            })
+        })
+    };
+    request.method == Method::CONNECT
+        || request
+            .headers
+            .get_all(header::UPGRADE)
+            .iter()
+            .any(other_than_h2c)
 }
 
 /// True when a `GET` names an operation to run: by `query`, or a persisted query by its
