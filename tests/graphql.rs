@@ -490,8 +490,24 @@ mod http {
                 r#"{"query":"{ a }","x":"&query={ b { c { d } } }#"}"#,
             ))
             .unwrap();
-        let response = app.oneshot(request).await.unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        // ...or folded after a parameter; a comma in a quoted parameter is no fold.
+        for (content_type, status) in [
+            (
+                "application/json;v=1, application/graphql",
+                StatusCode::BAD_REQUEST,
+            ),
+            ("application/json; profile=\"a,b\"", StatusCode::OK),
+        ] {
+            let request = Request::post("/graphql")
+                .header("x-api-key", "k")
+                .header("content-type", content_type)
+                .body(Body::from(r#"{"query":"{ a { b } }"}"#))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), status, "{content_type}");
+        }
     }
 
     /// What could run an operation is costed, whatever its method: a `HEAD` or `OPTIONS`

@@ -1546,7 +1546,8 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
         (HeaderStyle::Draft6, "ratelimit"),
         (HeaderStyle::Legacy, "x-ratelimit"),
     ] {
-        let route = RateLimitLayer::new(MemoryStore::new())
+        // Behind a deny cache, whose cached denials carry no numbers.
+        let route = RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 100))
             .policy(Policy::fixed_window("search", 1, Duration::from_secs(60)).unwrap())
             .headers(style);
         let global = RateLimitLayer::new(MemoryStore::new())
@@ -1565,7 +1566,7 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
         assert_eq!(header(&first, &limit).as_deref(), Some("1"), "{prefix}");
         assert_eq!(first.headers().get_all(&remaining).iter().count(), 1);
 
-        let denied = app.oneshot(request("/search", 1)).await.unwrap();
+        let denied = app.clone().oneshot(request("/search", 1)).await.unwrap();
         assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(
             header(&denied, &remaining).as_deref(),
@@ -1584,5 +1585,10 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
                 "reset {reset} before Retry-After {retry_after}"
             );
         }
+        // The inner layer's cached denial: no numbers of its own, and none of the outer
+        // layer's roomier ones on its `429`.
+        let cached = app.oneshot(request("/search", 1)).await.unwrap();
+        assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(header(&cached, &remaining), None, "{prefix}");
     }
 }

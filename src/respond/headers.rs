@@ -338,7 +338,20 @@ impl HeaderBlock {
         }
     }
 
+    /// Writes the fields onto a response of the layer's own (a `429`, a `400`).
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
+        self.write(headers, false);
+    }
+
+    /// Writes the fields onto the inner service's response, which may carry fields of a
+    /// limiter further in.
+    #[inline]
+    pub(crate) fn apply_to_inner(self, headers: &mut HeaderMap) {
+        self.write(headers, true);
+    }
+
+    #[inline]
+    fn write(self, headers: &mut HeaderMap, inner: bool) {
         match self {
             HeaderBlock::Empty => {}
             HeaderBlock::Draft11 { policy, rate } => {
@@ -361,16 +374,25 @@ impl HeaderBlock {
                 } else {
                     &DRAFT6_FIELDS
                 };
-                // A limiter further in (or the service) wrote these fields already: each
-                // holds one value, so the more restrictive limit's stay, as within one
-                // layer (fewest left, then the latest reset).
-                if let Some(theirs) = number_field(headers, remaining_name) {
-                    let their_reset = number_field(headers, reset_name).unwrap_or(0);
-                    if (theirs, std::cmp::Reverse(their_reset))
+                // A limiter further in (or the service) answered with a wait of its own
+                // (its `429`, whose cached denial carries no numbers): this layer's
+                // roomier numbers would contradict it.
+                if inner && headers.contains_key(header::RETRY_AFTER) {
+                    return;
+                }
+                // A limiter further in wrote all three already: each holds one value, so
+                // the more restrictive limit's stay, as within one layer (fewest left,
+                // then the latest reset). A partial or unreadable set is overwritten.
+                if inner
+                    && let (Some(_), Some(theirs), Some(their_reset)) = (
+                        number_field(headers, limit_name),
+                        number_field(headers, remaining_name),
+                        number_field(headers, reset_name),
+                    )
+                    && (theirs, std::cmp::Reverse(their_reset))
                         <= (remaining, std::cmp::Reverse(reset))
-                    {
-                        return;
-                    }
+                {
+                    return;
                 }
                 headers.insert(limit_name.clone(), number_value(limit));
                 headers.insert(remaining_name.clone(), number_value(remaining));

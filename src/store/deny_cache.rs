@@ -110,8 +110,9 @@ impl<S: Store> DenyCache<S> {
 
     /// Keeps a denial at most `max_age` (default 1 s), however long its `Retry-After`:
     /// how long a reset, grant or refund made through another replica can go unseen
-    /// here. Longer spares the store more of a flood; zero caches nothing. Clones share
-    /// their entries: each entry is kept as long as the handle that recorded it said.
+    /// here. Longer spares the store more of a flood; zero records no denial. Clones
+    /// share their entries: each entry is kept as long as the handle that recorded it
+    /// said.
     ///
     /// ```
     /// use std::time::Duration;

@@ -862,11 +862,13 @@ impl RedisStore {
                     Ok(_) => {}
                     // A server that is away, loading or busy may answer in a moment: the
                     // failure mode covers that, as it does later. A refusal is fatal, and
-                    // so is a replica at start (`READONLY`: a reader's URL given, not a
-                    // failover caught in its middle).
+                    // so is a replica at start behind a URL (`READONLY`: a reader's URL
+                    // given). The sentinels named a primary: its `READONLY` is a failover
+                    // caught in its middle, which they will resolve.
                     Err(error)
                         if error.kind().is_io()
-                            && !matches!(error.code(), Some("READONLY" | "MASTERDOWN")) =>
+                            && (matches!(self.backend, Backend::Sentinel(_))
+                                || !matches!(error.code(), Some("READONLY" | "MASTERDOWN"))) =>
                     {
                         #[cfg(feature = "tracing")]
                         tracing::warn!(

@@ -189,7 +189,7 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
         .map_err(|_| CostError::Request("the content type is not text".into()))?;
     let mut parts = value.split(';');
     let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
-    if media.contains(',') {
+    if folds_several(value) {
         // Two types folded into one field (by a proxy, or on purpose).
         return Err(CostError::Request(
             "the request has more than one content type".into(),
@@ -436,6 +436,23 @@ where
 
 /// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
 /// handshake), or a `CONNECT` (HTTP/2's extended CONNECT, RFC 8441, opens WebSockets).
+/// True when a `Content-Type` value holds a comma outside a quoted string: two types
+/// folded into one field (`a/b;x=1, c/d`).
+fn folds_several(value: &str) -> bool {
+    let mut quoted = false;
+    let mut escaped = false;
+    for byte in value.bytes() {
+        match byte {
+            _ if escaped => escaped = false,
+            b'\\' if quoted => escaped = true,
+            b'"' => quoted = !quoted,
+            b',' if !quoted => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
 /// `Upgrade: h2c` is no switch here: servers that do not speak h2c (hyper) serve the
 /// request as it is, and clients that prefer HTTP/2 (the JDK's, curl's) send it on plain
 /// `http://` requests of every kind.
