@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::clock::{Clock, MonotonicClock};
-use crate::decision::Decision;
+use crate::decision::{Decision, Outcome};
 use crate::key::Key;
 
 use crate::policy::{Algorithm, MAX_PERIOD, Policy, PolicySet, Rate};
@@ -131,18 +131,22 @@ impl LocalFallback {
         self.store.adjust_now(key.as_str(), applied, adjustment)
     }
 
-    /// Decides locally; returns the decision and the policies it applied.
+    /// Decides locally; returns the decision and the policies it applied, or `None` when
+    /// only the [`share`](Self::share) stands in the way: a cost the policies admit but
+    /// their share of the quota never can, which the outage refuses, not the client's
+    /// mistake. A cost the policies themselves never admit is told with their quota, not
+    /// the share's.
     pub(crate) fn decide(
         &self,
         key: &Key,
         policies: &PolicySet,
         cost: u64,
-    ) -> (Decision, PolicySet) {
+    ) -> Option<(Decision, PolicySet)> {
         if self.share >= 1.0 {
-            return (
+            return Some((
                 self.store.check(key.as_str(), policies, cost),
                 policies.clone(),
-            );
+            ));
         }
         let scaled = {
             let mut cache = self.scaled.lock().unwrap_or_else(PoisonError::into_inner);
@@ -161,7 +165,18 @@ impl LocalFallback {
                 }
             }
         };
-        (self.store.check(key.as_str(), &scaled, cost), scaled)
+        let decision = self.store.check(key.as_str(), &scaled, cost);
+        if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
+            let index = policies.never_admits(cost)?;
+            let outcome = Outcome::CostExceedsLimit {
+                policy: index,
+                cost,
+                limit: policies[index].limit(),
+            };
+            let statuses = decision.statuses().iter().copied();
+            return Some((Decision::new(outcome, statuses), scaled));
+        }
+        Some((decision, scaled))
     }
 }
 

@@ -328,7 +328,7 @@ impl<St: Store> Limiter<St> {
         )
         .await
         .and_then(|decision| {
-            crate::store::check_answer(&decision, &shared.policies)?;
+            crate::store::check_answer(&decision, shared.policies.len())?;
             Ok(decision)
         });
         match decided {
@@ -337,17 +337,12 @@ impl<St: Store> Limiter<St> {
                 // Counted (and, if not I/O, logged) whatever the failure mode does.
                 crate::telemetry::store_error(&error);
                 match &shared.failure_mode {
-                    FailureMode::Fallback(fallback) => {
-                        let (decision, applied) = fallback.decide(key, &shared.policies, cost);
-                        // A cost only the fallback's share of the quota cannot admit: the
-                        // outage stands in its way, not "never" (as the layer answers).
-                        if let Outcome::CostExceedsLimit { .. } = decision.outcome()
-                            && shared.policies.never_admits(cost).is_none()
-                        {
-                            return Err(error);
-                        }
-                        Ok((decision, Decider::Fallback(applied)))
-                    }
+                    // Only the fallback's share of the quota refuses the cost: the outage
+                    // stands in its way, not "never" (as the layer answers).
+                    FailureMode::Fallback(fallback) => fallback
+                        .decide(key, &shared.policies, cost)
+                        .map(|(decision, applied)| (decision, Decider::Fallback(applied)))
+                        .ok_or(error),
                     FailureMode::FailOpen => Ok((
                         Decision::new(
                             Outcome::Allowed {

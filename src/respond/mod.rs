@@ -90,7 +90,7 @@ impl Responder {
         let StoreAnswer::Decided(decision) = answer else {
             return self.plan_without_store(policies, key, cost, answer, probe);
         };
-        if let Err(error) = check_answer(decision, policies) {
+        if let Err(error) = check_answer(decision, policies.len()) {
             return self.plan_without_store(
                 policies,
                 key,
@@ -313,25 +313,13 @@ impl Responder {
         cost: u64,
     ) -> Result<(Decision, PolicySet), Plan> {
         match &self.failure_mode {
-            FailureMode::Fallback(fallback) => {
-                let (decision, applied) = fallback.decide(key, policies, cost);
-                if let Outcome::CostExceedsLimit { .. } = decision.outcome()
-                    && !self.shadow
-                {
-                    // The fallback enforces a share of each quota (`LocalFallback::share`).
-                    // A cost the policies themselves never admit is the client's mistake,
-                    // told with their quota, not the share's; one only the share cannot
-                    // admit meets the outage (a `400` would say "never send it again").
-                    return Err(Plan::Respond(Box::new(match policies.never_admits(cost) {
-                        Some(index) => {
-                            let policy = &policies[index];
-                            response::cost_exceeds_limit(policy, cost, policy.limit())
-                        }
-                        None => response::store_unavailable(),
-                    })));
-                }
-                Ok((decision, applied))
-            }
+            FailureMode::Fallback(fallback) => match fallback.decide(key, policies, cost) {
+                Some(decided) => Ok(decided),
+                // Only the fallback's share of the quota refuses the cost: the outage
+                // stands in its way (a `400` would say "never send it again").
+                None if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
+                None => Err(Plan::Respond(Box::new(response::store_unavailable()))),
+            },
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
             // A shadow layer never refuses a request.
             FailureMode::FailClosed if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),

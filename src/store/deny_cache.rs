@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError};
+use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError, check_answer};
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
@@ -36,7 +36,8 @@ use crate::policy::PolicySet;
 /// [`from_cache`](crate::Decision::from_cache), so it never closes a circuit breaker.
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
-/// (or per `max_age`, whichever is shorter) from each replica instead of every request. Memory is bounded by `capacity` identities.
+/// (or per `max_age`, whichever is shorter) from each replica instead of every request.
+/// Memory is bounded by `capacity` identities.
 ///
 /// ```no_run
 /// # #[cfg(feature = "redis")] // the example needs RedisStore; it compiles to nothing without
@@ -138,22 +139,8 @@ fn nanos(duration: Duration) -> u64 {
 }
 
 impl Shared {
-    /// Remembers `decision` (for a set of `len` policies) when it is a denial.
-    fn record(
-        &self,
-        cache_key: CacheKey,
-        cost: u64,
-        decision: &Decision,
-        max_age: u64,
-        len: usize,
-    ) {
-        // A denial naming a policy the set lacks is a store's bug: answered once (as a
-        // protocol error), never replayed as if the store had been asked.
-        if let Outcome::Denied { policy, .. } = decision.outcome()
-            && policy >= len
-        {
-            return;
-        }
+    /// Remembers `decision` when it is a denial.
+    fn record(&self, cache_key: CacheKey, cost: u64, decision: &Decision, max_age: u64) {
         let now = self.clock.now();
         let mut denials = self.denials.get(&cache_key).unwrap_or_default();
         denials
@@ -222,10 +209,12 @@ impl<S: Store> Store for DenyCache<S> {
         }
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
-                if let Ok(decision) = &result {
-                    let len = policies.len();
-                    self.shared
-                        .record(cache_key, cost, decision, self.max_age, len);
+                // A denial naming a policy the set lacks (a store's bug) is answered once,
+                // as a protocol error, never replayed as if the store had been asked.
+                if let Ok(decision) = &result
+                    && check_answer(decision, policies.len()).is_ok()
+                {
+                    self.shared.record(cache_key, cost, decision, self.max_age);
                 }
                 DecideFuture::ready(result)
             }
@@ -234,8 +223,10 @@ impl<S: Store> Store for DenyCache<S> {
                 let (max_age, len) = (self.max_age, policies.len());
                 DecideFuture::new(async move {
                     let result = pending.await;
-                    if let Ok(decision) = &result {
-                        shared.record(cache_key, cost, decision, max_age, len);
+                    if let Ok(decision) = &result
+                        && check_answer(decision, len).is_ok()
+                    {
+                        shared.record(cache_key, cost, decision, max_age);
                     }
                     result
                 })
@@ -296,15 +287,7 @@ mod tests {
         let cache = DenyCache::new(inner, 100);
         let policies = PolicySet::from(Policy::token_bucket("api", 5, Rate::per_hour(1)).unwrap());
         let key = Key::new("hot");
-        let decide = |cost| {
-            let mut future = cache.decide(&key, &policies, cost);
-            let waker = std::task::Waker::noop();
-            match std::pin::Pin::new(&mut future).poll(&mut std::task::Context::from_waker(waker)) {
-                std::task::Poll::Ready(result) => result.unwrap(),
-                std::task::Poll::Pending => unreachable!("the memory store answers at once"),
-            }
-        };
-        use std::future::Future;
+        let decide = |cost| now_or_never(cache.decide(&key, &policies, cost));
         assert!(decide(4).is_allowed());
         // 1 left: a request of 3 is denied by the store, then cached.
         let denied = decide(3);
@@ -320,12 +303,14 @@ mod tests {
         assert!(decide(1).is_allowed());
         assert_eq!(calls.load(Ordering::Relaxed), 3);
     }
-    /// Answers a decision that the memory store gives at once.
-    fn now_or_never(future: DecideFuture) -> Decision {
-        use std::future::Future;
-        let mut future = future;
+
+    /// What a memory store's future answers at once.
+    fn now_or_never<T>(
+        mut future: impl std::future::Future<Output = Result<T, StoreError>> + Unpin,
+    ) -> T {
         let waker = std::task::Waker::noop();
-        match std::pin::Pin::new(&mut future).poll(&mut std::task::Context::from_waker(waker)) {
+        let mut context = std::task::Context::from_waker(waker);
+        match std::pin::Pin::new(&mut future).poll(&mut context) {
             std::task::Poll::Ready(result) => result.unwrap(),
             std::task::Poll::Pending => unreachable!("the memory store answers at once"),
         }
@@ -351,13 +336,7 @@ mod tests {
         assert!(now_or_never(there.decide(&key, &policies, 1)).is_cached());
 
         // Support resets the customer through the other replica.
-        let mut reset = here.reset(&key, &policies);
-        let waker = std::task::Waker::noop();
-        let mut context = std::task::Context::from_waker(waker);
-        assert!(matches!(
-            std::future::Future::poll(std::pin::Pin::new(&mut reset), &mut context),
-            std::task::Poll::Ready(Ok(_))
-        ));
+        now_or_never(here.reset(&key, &policies));
         clock.advance(Duration::from_millis(999));
         // Within the max age the cached denial stands, with its full wait...
         let cached = now_or_never(there.decide(&key, &policies, 1));

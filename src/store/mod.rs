@@ -342,17 +342,17 @@ pub(crate) async fn within<T>(
         })
 }
 
-/// A store's answer checked against the set it was asked about. An outcome that names a
-/// policy the set does not have is a bug in that store (a user's own `Store`): a protocol
-/// error, counted and answered by the failure mode, never an index that panics the
-/// service.
+/// A store's answer checked against the set of `len` policies it was asked about. An
+/// outcome that names a policy the set does not have is a bug in that store (a user's own
+/// `Store`): a protocol error, counted and answered by the failure mode, never an index
+/// that panics the service.
 #[inline]
-pub(crate) fn check_answer(decision: &Decision, policies: &PolicySet) -> Result<(), StoreError> {
+pub(crate) fn check_answer(decision: &Decision, len: usize) -> Result<(), StoreError> {
     match decision.outcome() {
         Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. }
-            if policy >= policies.len() =>
+            if policy >= len =>
         {
-            Err(misnamed_policy(policy, policies.len()))
+            Err(misnamed_policy(policy, len))
         }
         _ => Ok(()),
     }

@@ -449,17 +449,18 @@ pub(super) struct Managed {
 }
 
 impl Managed {
-    pub(super) fn new(
+    /// Connects to `client`'s server.
+    pub(super) async fn connect(
         client: redis::Client,
         config: redis::aio::ConnectionManagerConfig,
-        connection: ConnectionManager,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, RedisError> {
+        let connection = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        Ok(Self {
             client,
             config,
             current: std::sync::RwLock::new(connection),
             replacing: std::sync::atomic::AtomicBool::new(false),
-        }
+        })
     }
 
     fn connection(&self) -> ConnectionManager {
@@ -556,7 +557,13 @@ impl Drop for Checkout {
 
 /// Whether `error` says the server is a primary no more (or has none): a failover.
 fn demoted(error: &RedisError) -> bool {
-    matches!(error.code(), Some("READONLY" | "MASTERDOWN"))
+    demoted_code(error.code())
+}
+
+/// Whether a Redis error code says the server is a primary no more (`READONLY`) or has
+/// none (`MASTERDOWN`).
+fn demoted_code(code: Option<&str>) -> bool {
+    matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
 /// A pool that gave no connection: the store is unavailable.
@@ -615,12 +622,11 @@ impl fmt::Debug for RedisStore {
 /// behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
-    let transient_code = matches!(
-        error.code(),
-        Some("BUSY" | "LOADING" | "READONLY" | "MASTERDOWN")
-    ) || error
-        .detail()
-        .is_some_and(|detail| detail.contains("max number of clients"));
+    let transient_code = matches!(error.code(), Some("BUSY" | "LOADING"))
+        || demoted(&error)
+        || error
+            .detail()
+            .is_some_and(|detail| detail.contains("max number of clients"));
     let kind = if error.is_timeout() {
         StoreErrorKind::Timeout
     } else if transient_code
@@ -868,7 +874,7 @@ impl RedisStore {
                     Err(error)
                         if error.kind().is_io()
                             && (matches!(self.backend, Backend::Sentinel(_))
-                                || !matches!(error.code(), Some("READONLY" | "MASTERDOWN"))) =>
+                                || !demoted_code(error.code())) =>
                     {
                         #[cfg(feature = "tracing")]
                         tracing::warn!(
@@ -1057,9 +1063,10 @@ async fn cluster_slot_ranges<C: redis::aio::ConnectionLike>(
 
 fn refused_at_start(error: &StoreError) -> StoreError {
     // A replica at start is the URL's fault: refused, whatever it is once running.
-    let kind = match error.code() {
-        Some("READONLY" | "MASTERDOWN") => StoreErrorKind::Refused,
-        _ => error.kind(),
+    let kind = if demoted_code(error.code()) {
+        StoreErrorKind::Refused
+    } else {
+        error.kind()
     };
     let mut checked = StoreError::new(
         kind,

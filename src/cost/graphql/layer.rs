@@ -177,24 +177,19 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
     let Some(value) = types.next() else {
         return Ok(BodyType::Json);
     };
-    if types.next().is_some() {
-        // The coster would read the body as one, a server or a proxy further on might
-        // read it as the other.
-        return Err(CostError::Request(
-            "the request has more than one content type".into(),
-        ));
-    }
     let value = value
         .to_str()
         .map_err(|_| CostError::Request("the content type is not text".into()))?;
-    let mut parts = value.split(';');
-    let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
-    if folds_several(value) {
-        // Two types folded into one field (by a proxy, or on purpose).
+    // Two fields, or two types folded into one (by a proxy, or on purpose): the coster
+    // would read the body as one, a server or a proxy further on might read it as the
+    // other.
+    if types.next().is_some() || folds_several(value) {
         return Err(CostError::Request(
             "the request has more than one content type".into(),
         ));
     }
+    let mut parts = value.split(';');
+    let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
     for parameter in parts {
         let Some((name, charset)) = parameter.split_once('=') else {
             continue;
@@ -434,8 +429,6 @@ where
     }
 }
 
-/// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
-/// handshake), or a `CONNECT` (HTTP/2's extended CONNECT, RFC 8441, opens WebSockets).
 /// True when a `Content-Type` value holds a comma outside a quoted string: two types
 /// folded into one field (`a/b;x=1, c/d`).
 fn folds_several(value: &str) -> bool {
@@ -453,6 +446,8 @@ fn folds_several(value: &str) -> bool {
     false
 }
 
+/// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
+/// handshake), or a `CONNECT` (HTTP/2's extended CONNECT, RFC 8441, opens WebSockets).
 /// `Upgrade: h2c` is no switch here: servers that do not speak h2c (hyper) serve the
 /// request as it is, and clients that prefer HTTP/2 (the JDK's, curl's) send it on plain
 /// `http://` requests of every kind.

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 
 use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
 use super::{Backend, DEFAULT_PREFIX, Managed, RedisStore, store_error};
@@ -280,10 +280,10 @@ impl RedisConfig {
                 let client = self.client(url)?;
                 let config =
                     ConnectionManagerConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT));
-                let manager = ConnectionManager::new_with_config(client.clone(), config.clone())
+                let managed = Managed::connect(client, config)
                     .await
                     .map_err(|error| self.in_context(store_error(error)))?;
-                Backend::Manager(Arc::new(Managed::new(client, config, manager)))
+                Backend::Manager(Arc::new(managed))
             }
             Target::Cluster(nodes) => {
                 for node in nodes {
