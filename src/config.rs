@@ -99,7 +99,8 @@ pub struct LimiterConfig {
     /// The policies.
     pub policies: Vec<PolicySpec>,
     /// Named policy sets; a request gets the plan its `plan_header` names, else
-    /// `default`. Without plans, every request must pass every policy.
+    /// `default`. Without plans, every request must pass every policy. With plans, each
+    /// policy must be in at least one (a policy no plan lists is an error).
     #[serde(default)]
     pub plans: BTreeMap<String, Vec<String>>,
     /// The request header naming a request's plan (set by your authentication in front:
@@ -518,6 +519,16 @@ impl LimiterConfig {
                     PolicySet::new(set).map_err(|e| ConfigError::new(&entry, e.to_string()))?;
                 plan_sets.push((Some(plan.as_str()), set.clone()));
                 sets.insert(plan.clone(), set);
+            }
+            // A policy no plan lists would limit nothing: a typo or a forgotten entry
+            // that looks enforced and is not.
+            if let Some((index, spec)) = self.policies.iter().enumerate().find(|(_, spec)| {
+                !self.plans.values().flatten().any(|name| *name == spec.name)
+            }) {
+                return Err(ConfigError::new(
+                    format!("policies[{index}] {:?}", spec.name),
+                    "no plan lists it, so it would limit nothing: add it to a plan or remove it",
+                ));
             }
             if sets.len() > 1 && plan_header.is_none() {
                 return Err(ConfigError::new(

@@ -214,6 +214,16 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "policies[0] \"api\"",
             "fixed-window does not read `burst`",
         ),
+        // A policy no plan lists limits nothing: a typo or a forgotten entry would look
+        // enforced and not be.
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[[policies]]\nname = \"burst\"\nalgorithm = \"gcra\"\nrate = \"5/s\"\nburst = 2\n"
+                + "[plans]\ndefault = [\"api\"]\npro = [\"api\"]\n",
+            "policies[1] \"burst\"",
+            "no plan lists it",
+        ),
         // Plans with nothing to choose between them: every request would get "default".
         (
             policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
