@@ -522,9 +522,12 @@ impl LimiterConfig {
             }
             // A policy no plan lists would limit nothing: a typo or a forgotten entry
             // that looks enforced and is not.
-            if let Some((index, spec)) = self.policies.iter().enumerate().find(|(_, spec)| {
-                !self.plans.values().flatten().any(|name| *name == spec.name)
-            }) {
+            if let Some((index, spec)) = self
+                .policies
+                .iter()
+                .enumerate()
+                .find(|(_, spec)| !self.plans.values().flatten().any(|name| *name == spec.name))
+            {
                 return Err(ConfigError::new(
                     format!("policies[{index}] {:?}", spec.name),
                     "no plan lists it, so it would limit nothing: add it to a plan or remove it",

@@ -645,6 +645,52 @@ async fn a_request_that_costs_nothing_is_admitted_by_every_algorithm_on_every_st
     }
 }
 
+/// Redis counts time in whole microseconds. A duration finer than that (a third of a
+/// second, `Duration::from_secs(1) / 3`) must mean the same policy on every store: a
+/// shaping bucket holding requests back at most 333,333,333 ns with 3 a second admits
+/// one request at once on each (two, where the delay was rounded up for one store only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_finer_than_a_microsecond_mean_the_same_policy_on_every_store() {
+    let backends = Backends::start().await;
+    let third = Duration::from_secs(1) / 3;
+    let policies = [
+        Policy::leaky_bucket_shaping("ls", Rate::per_second(3), third).unwrap(),
+        Policy::fixed_window("fw", 2, third).unwrap(),
+        Policy::gcra("gc", Rate::new(1, third), 2).unwrap(),
+    ];
+    for policy in policies {
+        let name = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        replay(
+            &backends,
+            &format!("fine-{name}"),
+            "client-6",
+            &set,
+            &trace(19, 150, 300),
+        )
+        .await;
+    }
+    // The shaping bucket's burst, as the policy states it and as each store admits it.
+    let shaping =
+        PolicySet::from(Policy::leaky_bucket_shaping("burst", Rate::per_second(3), third).unwrap());
+    let stated = shaping.iter().next().unwrap().limit();
+    for subject in backends.subjects("fine-burst") {
+        subject.clock.set(Duration::from_secs(1_000));
+        let decision = subject.check("k", &shaping, 1).await;
+        assert_eq!(
+            decision.statuses()[0].limit,
+            stated,
+            "{}: the quota it reports",
+            subject.name
+        );
+        let mut admitted = u64::from(decision.is_allowed());
+        while subject.check("k", &shaping, 1).await.is_allowed() {
+            admitted += 1;
+        }
+        assert_eq!(admitted, stated, "{}: the burst it admits", subject.name);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_decides_alike() {
     let backends = Backends::start().await;

@@ -156,8 +156,10 @@ impl Check<'_> {
                 max,
             });
         }
-        // In range, so it fits: MAX_PERIOD is about 3.2e17 ns.
-        Ok(value.as_nanos() as u64)
+        // Whole microseconds, rounded up: the unit Redis counts in, so that a duration
+        // finer than that (a third of a second) is the same policy on every store. In
+        // range, so it fits: MAX_PERIOD is about 3.2e17 ns.
+        Ok((value.as_nanos() as u64).div_ceil(1_000) * 1_000)
     }
 
     pub(super) fn rate(&self, what: &'static str, rate: Rate) -> Result<(u64, u64), PolicyError> {

@@ -101,6 +101,22 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 pub const MAX_SHAPING_DELAY: Duration = Duration::from_secs(60 * 60);
 
 /// One named limit and the algorithm that enforces it. Cheap to clone.
+///
+/// Its durations (windows, rate periods, a shaping delay, a lease, a penalty's) are kept
+/// in whole microseconds, rounded up: the unit the Redis store counts in, so that one
+/// policy decides alike in every store, even built from a duration finer than that.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Policy, Rate};
+///
+/// // A third of a second is 333,333,333 ns: the bucket holds a request back at most
+/// // 333,334 µs, and at 3 a second that admits 2 at once, in memory as in Redis.
+/// let third = Duration::from_secs(1) / 3;
+/// let shaping = Policy::leaky_bucket_shaping("smooth", Rate::per_second(3), third)?;
+/// assert_eq!(shaping.limit(), 2);
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
 #[derive(Clone)]
 pub struct Policy {
     inner: Arc<PolicyInner>,
