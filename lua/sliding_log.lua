@@ -131,6 +131,10 @@ local function read_log(key, window)
   return read_from(key, window, call('ZRANGE', key, '0', '0')[1])
 end
 
+-- The most entries of several units a costly request's wait reads (as
+-- src/algorithm/sliding_log.rs's WALK).
+local WALK = 256
+
 -- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
 -- `oldest`) is the member `first`: 'admit', 'deny' (and the wait until enough of the
 -- oldest entries have left the window) or 'never'.
@@ -149,14 +153,22 @@ local function fits(key, p1, p2, total, oldest, first, extra)
     if member then return 'deny', time_of(member) + p2 - now end
     return 'deny', p2
   end
-  -- Every entry holds a unit at least: the oldest `needed` entries free enough.
+  -- Entries of several units: the oldest are read, at most WALK of them (ranked from 1:
+  -- the counter member is the lowest), so the work stays bounded whatever the limit.
   local freed = 0
-  for _, member in ipairs(call('ZRANGEBYSCORE', key, '0', '+inf', 'LIMIT', '0', needed)) do
+  local read = call('ZRANGE', key, 1, min(needed, WALK))
+  for _, member in ipairs(read) do
     local time, units = entry_of(member)
     freed = freed + units
     if freed >= needed then return 'deny', time + p2 - now end
   end
-  return 'deny', p2
+  if #read < WALK then return 'deny', p2 end
+  -- Past them every entry frees a unit at least: the (needed - freed)-th next one frees
+  -- enough, whatever the ones between hold (an upper bound of the wait), else the newest.
+  local past = call('ZRANGE', key, WALK + needed - freed, WALK + needed - freed)[1]
+  if past == nil then past = call('ZRANGE', key, -1, -1)[1] end
+  if past == nil or past == 'x' then return 'deny', p2 end
+  return 'deny', time_of(past) + p2 - now
 end
 
 -- Records `cost` units at now (and, for more than one, the counter); the log expires a
@@ -197,13 +209,16 @@ local function refund(p, s, units, at)
     local time = format('%d', at)
     members = call('ZRANGEBYSCORE', s.key, time, time)
   else
-    members = call('ZRANGEBYSCORE', s.key, '0', '+inf')
+    -- The newest first, as many as could hold the units (each holds one at least).
+    members = call('ZREVRANGEBYSCORE', s.key, '+inf', '0', 'LIMIT', '0', units)
   end
   -- Nothing to give back: nothing to write (the log may have expired, and a write would
   -- bring it back without a TTL).
   if #members == 0 then return end
   local extra = s.extra
-  for i = #members, 1, -1 do
+  local from, to, step = #members, 1, -1
+  if at < 0 then from, to, step = 1, #members, 1 end
+  for i = from, to, step do
     if units <= 0 then break end
     local member = members[i]
     local time, held = entry_of(member)

@@ -492,3 +492,61 @@ fn reset_reports_the_time_until_whole() {
     let decision = h.at(Duration::from_millis(300)).check(1);
     assert_eq!(decision.statuses()[0].reset, Duration::from_millis(700));
 }
+
+/// A costly request to a full sliding log reads at most 256 of its entries: within them
+/// its wait is exact, past them an upper bound (each entry beyond holds a unit at least),
+/// and coming back after that wait it fits. Entries of 1 to 3 units, 1 ms apart.
+#[test]
+fn a_costly_request_to_a_long_log_waits_no_less_than_it_must_and_then_fits() {
+    const LIMIT: u64 = 3_000;
+    let window = Duration::from_secs(3_600);
+    let policy = Policy::sliding_log("l", LIMIT, window).unwrap();
+    for cost in [2, 500, 1_200, LIMIT] {
+        let h = Harness::new(policy.clone());
+        // (time, units) of each entry, oldest first, until the log is full.
+        let mut entries = Vec::new();
+        let mut total = 0;
+        let mut t = Duration::ZERO;
+        while total < LIMIT {
+            t += Duration::from_millis(1);
+            let units = (1 + entries.len() as u64 % 3).min(LIMIT - total);
+            assert!(h.at(t).check(units).is_allowed());
+            entries.push((t, units));
+            total += units;
+        }
+        let now = t + Duration::from_secs(1);
+        let decision = h.at(now).check(cost);
+        let wait = decision.retry_after().expect("a full log denies");
+        // The exact wait: until the entries that free `cost` units have all left.
+        let mut freed = 0;
+        let (last, _) = *entries
+            .iter()
+            .find(|(_, units)| {
+                freed += units;
+                freed >= cost
+            })
+            .unwrap();
+        let exact = last + window - now;
+        assert!(wait >= exact, "cost {cost}: {wait:?} < {exact:?}");
+        let within = entries
+            .iter()
+            .take(256)
+            .map(|(_, units)| units)
+            .sum::<u64>()
+            >= cost;
+        if within {
+            assert_eq!(wait, exact, "cost {cost}: within the entries read");
+        } else if cost < LIMIT {
+            // (At the limit the bound is the newest entry: exact again.)
+            assert!(wait > exact, "cost {cost}: past them, an upper bound");
+        }
+        if within {
+            let early = h.at(now + wait - Duration::from_nanos(1)).check(cost);
+            assert!(!early.is_allowed(), "cost {cost}: not a moment before");
+        }
+        assert!(
+            h.at(now + wait).check(cost).is_allowed(),
+            "cost {cost} fits after {wait:?}"
+        );
+    }
+}

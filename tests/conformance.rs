@@ -605,6 +605,94 @@ async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
     );
 }
 
+/// A costly request to a full log of multi-unit entries (a client that filled it with
+/// cost-2 requests) reads at most 256 of them, whatever the limit: past them, its wait is
+/// an upper bound (each entry beyond frees one unit at least), and the in-process store
+/// answers alike. It used to read the log up to the entry that frees enough, in
+/// proportion to the limit, on the server every replica uses, for a request the client
+/// could repeat at will.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_costly_request_to_a_log_of_multi_unit_entries_reads_a_bounded_part_of_it() {
+    const LIMIT: u64 = 4_000;
+    const STEP: Duration = Duration::from_millis(1);
+    let server = RedisServer::start();
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_clock(clock.clone());
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let window = Duration::from_secs(86_400);
+    let set = PolicySet::from(Policy::sliding_log("daily", LIMIT, window).unwrap());
+    let key = Key::new("filler");
+    // 2,000 entries of 2 units, a millisecond apart: the log is full.
+    for _ in 0..LIMIT / 2 {
+        clock.advance(STEP);
+        assert!(store.decide(&key, &set, 2).await.unwrap().is_allowed());
+        assert!(memory.check("filler", &set, 2).is_allowed());
+    }
+    let first = Duration::from_secs(1_000) + STEP;
+    clock.advance(Duration::from_secs(60));
+    let now = Duration::from_nanos(tollgate::clock::Clock::now(&clock));
+    let monitor = support::Monitor::start(&server);
+    // (cost, the exact wait: until the entry that frees enough has left)
+    let exact = |cost: u64| first + STEP * (cost.div_ceil(2) as u32 - 1) + window - now;
+    for cost in [300, 1_000, LIMIT] {
+        let decision = store.decide(&key, &set, cost).await.unwrap();
+        let twin = memory.check("filler", &set, cost);
+        let (wait, twin_wait) = (decision.retry_after().unwrap(), twin.retry_after().unwrap());
+        assert!(
+            close(wait, twin_wait),
+            "cost {cost}: {decision:?} against {twin:?}"
+        );
+        // Never earlier than the exact wait; exact while it lies within the entries read.
+        assert!(
+            wait + STEP > exact(cost),
+            "cost {cost}: {wait:?} < {:?}",
+            exact(cost)
+        );
+        if cost <= 2 * 256 {
+            assert!(
+                close(wait, exact(cost)),
+                "cost {cost}: {wait:?} against {:?}",
+                exact(cost)
+            );
+        }
+    }
+    // No command of the scripts read more than 256 members of the log.
+    let read = |line: &str| -> Option<u64> {
+        let args: Vec<&str> = line.split('"').skip(1).step_by(2).collect();
+        let command = args.first()?.to_ascii_uppercase();
+        match command.as_str() {
+            "ZRANGEBYSCORE" | "ZREVRANGEBYSCORE" => {
+                let limit = args.iter().position(|a| a.eq_ignore_ascii_case("LIMIT"));
+                // Without LIMIT: every member in the score range (the whole log here).
+                Some(limit.map_or(LIMIT, |at| args[at + 2].parse().unwrap_or(LIMIT)))
+            }
+            "ZRANGE" => {
+                let (from, to): (i64, i64) = (args[2].parse().ok()?, args[3].parse().ok()?);
+                Some(if from < 0 || to < 0 {
+                    1
+                } else {
+                    (to - from + 1) as u64
+                })
+            }
+            _ => None,
+        }
+    };
+    let lines = monitor.lines();
+    assert!(
+        lines.iter().any(|l| l.contains("ZRANGE")),
+        "the monitor saw the scripts"
+    );
+    for line in &lines {
+        if let Some(members) = read(line) {
+            assert!(members <= 256, "read {members} members: {line}");
+        }
+    }
+}
+
 /// A request that costs nothing spends nothing, so no policy can deny it (`Cost`'s docs),
 /// however far over its limit the key is: a zero-cost health check behind a shaping
 /// policy whose queue is over its delay bound, too.

@@ -4,6 +4,11 @@ use std::collections::VecDeque;
 
 use super::{Snapshot, Verdict};
 
+/// The most entries a costly request's wait reads. Within them the wait is exact; past
+/// them it is an upper bound: the time by which the request certainly fits, each entry
+/// beyond holding one unit at least (`lua/sliding_log.lua` reads as many of its members).
+pub(crate) const WALK: usize = 256;
+
 /// Parameters: at most `limit` units in any `window` nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingLog {
@@ -83,21 +88,37 @@ impl SlidingLog {
         if state.total + cost <= self.limit {
             return Verdict::Admit { delay: 0 };
         }
-        // Wait until enough of the oldest entries have expired.
+        // Wait until enough of the oldest entries have expired: read at most `WALK` of
+        // them, so that a costly request's work is bounded whatever the limit.
         let needed = state.total + cost - self.limit;
         let mut freed = 0;
-        for &(at, units) in &state.entries {
+        let wait_for = |at: u64| Verdict::Deny {
+            retry_after: at.saturating_add(self.window).saturating_sub(now),
+        };
+        for &(at, units) in state.entries.iter().take(WALK) {
             freed += units;
             if freed >= needed {
-                return Verdict::Deny {
-                    retry_after: at.saturating_add(self.window) - now,
-                };
+                return wait_for(at);
             }
         }
-        // cost <= limit means the whole log frees enough; kept total for safety.
-        Verdict::Deny {
-            retry_after: self.window,
+        if state.entries.len() <= WALK {
+            // cost <= limit means the whole log frees enough; kept total for safety.
+            return Verdict::Deny {
+                retry_after: self.window,
+            };
         }
+        // Past them every entry frees a unit at least: the (needed - freed)-th next one
+        // frees enough, whatever the ones between hold (an upper bound of the wait), else
+        // the newest does.
+        let beyond = usize::try_from(needed - freed).unwrap_or(usize::MAX);
+        let index = WALK.saturating_add(beyond - 1);
+        let (at, _) = state
+            .entries
+            .get(index)
+            .or(state.entries.back())
+            .copied()
+            .unwrap_or_default();
+        wait_for(at)
     }
 
     /// Records `cost` units at `now`.

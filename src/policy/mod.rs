@@ -429,6 +429,12 @@ impl Policy {
 
     /// A sliding log: at most `limit` units in any `window`. Exact; keeps one entry per
     /// admitted request for one window, so memory grows with the limit.
+    ///
+    /// A denied request's wait is until enough of the oldest entries have left. To find
+    /// it, a store reads at most 256 entries (of several units; a log of one-unit entries
+    /// is read by rank): a request costly enough to need more is told an upper bound, the
+    /// time by which it certainly fits, so that a client choosing its cost cannot make
+    /// every such request walk a log as long as the limit.
     pub fn sliding_log(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::SlidingLog { limit, window })
     }
