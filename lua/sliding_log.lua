@@ -204,21 +204,24 @@ end
 -- Gives back up to `units` recorded at `at` (what has left the window is gone); at -1:
 -- any, the newest entries first.
 local function refund(p, s, units, at)
+  if units <= 0 then return end
   local members
   if at >= 0 then
     local time = format('%d', at)
     members = call('ZRANGEBYSCORE', s.key, time, time)
   else
-    -- The newest first, as many as could hold the units (each holds one at least).
-    members = call('ZREVRANGEBYSCORE', s.key, '+inf', '0', 'LIMIT', '0', units)
+    -- The newest, by rank: as many as could hold the units (each holds one at least),
+    -- not the whole log. The counter member, the lowest, is among them only when the
+    -- log is that short.
+    members = call('ZRANGE', s.key, -units, -1)
   end
   -- Nothing to give back: nothing to write (the log may have expired, and a write would
   -- bring it back without a TTL).
-  if #members == 0 then return end
+  local lowest = 1
+  if members[1] == 'x' then lowest = 2 end
+  if #members < lowest then return end
   local extra = s.extra
-  local from, to, step = #members, 1, -1
-  if at < 0 then from, to, step = 1, #members, 1 end
-  for i = from, to, step do
+  for i = #members, lowest, -1 do
     if units <= 0 then break end
     local member = members[i]
     local time, held = entry_of(member)

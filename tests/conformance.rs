@@ -607,10 +607,12 @@ async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
 
 /// A costly request to a full log of multi-unit entries (a client that filled it with
 /// cost-2 requests) reads at most 256 of them, whatever the limit: past them, its wait is
-/// an upper bound (each entry beyond frees one unit at least), and the in-process store
-/// answers alike. It used to read the log up to the entry that frees enough, in
-/// proportion to the limit, on the server every replica uses, for a request the client
-/// could repeat at will.
+/// an upper bound (each entry beyond frees one unit at least); for this log, one request
+/// an instant, the in-process store answers alike. (Past the 256, the two stores' bounds
+/// may differ where requests share an instant: the in-process store keeps them as one
+/// entry, Redis as one member each; both are no earlier than the exact wait.) It used
+/// to read the log up to the entry that frees enough, in proportion to the limit, on the
+/// server every replica uses, for a request the client could repeat at will.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_costly_request_to_a_log_of_multi_unit_entries_reads_a_bounded_part_of_it() {
     const LIMIT: u64 = 4_000;
@@ -736,7 +738,8 @@ async fn a_request_that_costs_nothing_is_admitted_by_every_algorithm_on_every_st
 /// Redis counts time in whole microseconds. A duration finer than that (a third of a
 /// second, `Duration::from_secs(1) / 3`) must mean the same policy on every store: a
 /// shaping bucket holding requests back at most 333,333,333 ns with 3 a second admits
-/// one request at once on each (two, where the delay was rounded up for one store only).
+/// as many requests at once on each (it was one in memory, two in Redis, which rounded
+/// the delay up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durations_finer_than_a_microsecond_mean_the_same_policy_on_every_store() {
     let backends = Backends::start().await;

@@ -139,23 +139,35 @@ impl SlidingLog {
     /// gone, and so is what they held); with `at` = `u64::MAX`, the newest entries first.
     #[inline]
     pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64, _left: Option<u64>) {
-        let any = at == super::ANY_TIME;
+        // The entries it may take from: the newest ones (as many as hold the units), or
+        // the one of `at` (one entry an instant), found by its time. What is read is in
+        // proportion to the units given back, never to the log.
         let mut left = units;
-        let mut index = state.entries.len();
-        while left > 0 && index > 0 {
-            index -= 1;
-            let (time, held) = &mut state.entries[index];
-            if !any && *time < at {
-                break;
-            }
-            if any || *time == at {
+        if at == super::ANY_TIME {
+            while left > 0
+                && let Some((_, held)) = state.entries.back_mut()
+            {
                 let taken = left.min(*held);
                 *held -= taken;
                 left -= taken;
                 state.total -= taken;
+                if *held == 0 {
+                    state.entries.pop_back();
+                }
+            }
+            return;
+        }
+        let index = state.entries.partition_point(|&(time, _)| time < at);
+        if let Some((time, held)) = state.entries.get_mut(index)
+            && *time == at
+        {
+            let taken = left.min(*held);
+            *held -= taken;
+            state.total -= taken;
+            if *held == 0 {
+                state.entries.remove(index);
             }
         }
-        state.entries.retain(|&(_, held)| held > 0);
     }
 
     /// The draft-11 effective window: nanoseconds until the oldest counted entry leaves

@@ -157,9 +157,24 @@ impl Check<'_> {
             });
         }
         // Whole microseconds, rounded up: the unit Redis counts in, so that a duration
-        // finer than that (a third of a second) is the same policy on every store. In
-        // range, so it fits: MAX_PERIOD is about 3.2e17 ns.
+        // finer than that (a third of a second) is the same policy on every store; up is
+        // the stricter way for a window, a period, a lease or a block. In range, so it
+        // fits: MAX_PERIOD is about 3.2e17 ns.
         Ok((value.as_nanos() as u64).div_ceil(1_000) * 1_000)
+    }
+
+    /// A bound on a wait (a shaping bucket's longest delay): as [`Check::duration`], but
+    /// rounded down to whole microseconds, the stricter way for a bound.
+    pub(super) fn bound(
+        &self,
+        what: &'static str,
+        value: Duration,
+        min: Duration,
+        max: Duration,
+    ) -> Result<u64, PolicyError> {
+        self.duration(what, value, min, max)?;
+        // In range (checked above), so it fits.
+        Ok(value.as_nanos() as u64 / 1_000 * 1_000)
     }
 
     pub(super) fn rate(&self, what: &'static str, rate: Rate) -> Result<(u64, u64), PolicyError> {

@@ -102,19 +102,20 @@ pub const MAX_SHAPING_DELAY: Duration = Duration::from_secs(60 * 60);
 
 /// One named limit and the algorithm that enforces it. Cheap to clone.
 ///
-/// Its durations (windows, rate periods, a shaping delay, a lease, a penalty's) are kept
-/// in whole microseconds, rounded up: the unit the Redis store counts in, so that one
-/// policy decides alike in every store, even built from a duration finer than that.
+/// Its durations are kept in whole microseconds, the unit the Redis store counts in, so
+/// that one policy decides alike in every store, even built from a duration finer than
+/// that: windows, rate periods, a lease and a penalty's durations rounded up, a shaping
+/// bucket's longest delay rounded down (each the stricter way).
 ///
 /// ```
 /// use std::time::Duration;
 /// use tollgate::{Policy, Rate};
 ///
 /// // A third of a second is 333,333,333 ns: the bucket holds a request back at most
-/// // 333,334 µs, and at 3 a second that admits 2 at once, in memory as in Redis.
+/// // 333,333 µs, and at 3 a second that admits 1 at once, in memory as in Redis.
 /// let third = Duration::from_secs(1) / 3;
 /// let shaping = Policy::leaky_bucket_shaping("smooth", Rate::per_second(3), third)?;
-/// assert_eq!(shaping.limit(), 2);
+/// assert_eq!(shaping.limit(), 1);
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Clone)]
@@ -180,8 +181,8 @@ impl Policy {
                 let limit = check.count("limit", limit)?;
                 let window = check.duration("window", duration, MIN_PERIOD, MAX_PERIOD)?;
                 // Each sub-window a whole number of microseconds, so the in-process store
-                // (nanoseconds) and Redis (microseconds) cut the time line alike. (One
-                // sub-window keeps the rule of the other windows: any length.)
+                // (nanoseconds) and Redis (microseconds) cut the time line alike. (The
+                // window itself is whole microseconds already, rounded up.)
                 let k = u64::from(sub_windows);
                 if !(1..=MAX_SUB_WINDOWS).contains(&sub_windows)
                     || (k > 1 && window % (k * 1_000) != 0)
@@ -218,7 +219,7 @@ impl Policy {
             Algorithm::LeakyShaping { leak, max_delay } => {
                 let (amount, period) = check.rate("leak amount", leak)?;
                 let max_delay =
-                    check.duration("max_delay", max_delay, Duration::ZERO, MAX_SHAPING_DELAY)?;
+                    check.bound("max_delay", max_delay, Duration::ZERO, MAX_SHAPING_DELAY)?;
                 // The burst it admits is a quota like any other: bounded alike.
                 check.count(
                     "burst (max_delay times the leak rate)",
@@ -434,7 +435,9 @@ impl Policy {
     /// it, a store reads at most 256 entries (of several units; a log of one-unit entries
     /// is read by rank): a request costly enough to need more is told an upper bound, the
     /// time by which it certainly fits, so that a client choosing its cost cannot make
-    /// every such request walk a log as long as the limit.
+    /// every such request walk a log as long as the limit. (Past those 256, the in-process
+    /// store, which keeps requests of one instant as one entry, and Redis, one member
+    /// each, may state different bounds.)
     pub fn sliding_log(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::SlidingLog { limit, window })
     }
