@@ -550,3 +550,36 @@ fn a_costly_request_to_a_long_log_waits_no_less_than_it_must_and_then_fits() {
         );
     }
 }
+
+/// A policy keeps its durations in whole microseconds (the unit Redis counts in): it
+/// reports them so, and two policies built from durations that round alike decide alike,
+/// so they are one policy, with one state in a store.
+#[test]
+fn a_policy_reports_the_durations_it_decides_with() {
+    let third = Duration::from_secs(1) / 3;
+    let a = Policy::fixed_window("f", 2, third).unwrap();
+    let b = Policy::fixed_window("f", 2, Duration::from_nanos(333_333_900)).unwrap();
+    assert_eq!(
+        a.algorithm(),
+        tollgate::Algorithm::FixedWindow {
+            limit: 2,
+            window: Duration::from_micros(333_334)
+        }
+    );
+    assert_eq!(a, b);
+    let shaping = Policy::leaky_bucket_shaping("s", Rate::new(1, third), third).unwrap();
+    assert_eq!(
+        shaping.algorithm(),
+        tollgate::Algorithm::LeakyShaping {
+            leak: Rate::new(1, Duration::from_micros(333_334)),
+            // A bound: rounded down.
+            max_delay: Duration::from_micros(333_333),
+        }
+    );
+    let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    assert!(store.check("k", &PolicySet::from(a), 2).is_allowed());
+    assert!(
+        !store.check("k", &PolicySet::from(b), 1).is_allowed(),
+        "one policy, one state"
+    );
+}

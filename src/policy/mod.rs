@@ -159,6 +159,61 @@ impl PartialEq for Policy {
 
 impl Eq for Policy {}
 
+/// `algorithm` with its durations as `params` keeps them (whole microseconds, see
+/// [`Policy`]): what [`Policy::algorithm`] reports, and what names the policy's state, so
+/// that two policies that decide alike are one.
+fn as_kept(algorithm: Algorithm, params: &Params) -> Algorithm {
+    let up = |duration: Duration| {
+        Duration::from_nanos(
+            u64::try_from(duration.as_nanos().div_ceil(1_000) * 1_000).unwrap_or(u64::MAX),
+        )
+    };
+    let rate = |rate: Rate| Rate::new(rate.amount(), up(rate.period()));
+    match algorithm {
+        Algorithm::FixedWindow { limit, window } => Algorithm::FixedWindow {
+            limit,
+            window: up(window),
+        },
+        Algorithm::SlidingLog { limit, window } => Algorithm::SlidingLog {
+            limit,
+            window: up(window),
+        },
+        Algorithm::SlidingWindow {
+            limit,
+            window,
+            sub_windows,
+        } => Algorithm::SlidingWindow {
+            limit,
+            window: up(window),
+            sub_windows,
+        },
+        Algorithm::TokenBucket { capacity, refill } => Algorithm::TokenBucket {
+            capacity,
+            refill: rate(refill),
+        },
+        Algorithm::LeakyBucket { capacity, leak } => Algorithm::LeakyBucket {
+            capacity,
+            leak: rate(leak),
+        },
+        Algorithm::LeakyShaping { leak, max_delay } => Algorithm::LeakyShaping {
+            leak: rate(leak),
+            // Rounded down: a bound.
+            max_delay: match *params {
+                Params::LeakyShape { max_delay, .. } => Duration::from_nanos(max_delay),
+                _ => max_delay,
+            },
+        },
+        Algorithm::Gcra { rate: given, burst } => Algorithm::Gcra {
+            rate: rate(given),
+            burst,
+        },
+        Algorithm::Concurrency { limit, lease } => Algorithm::Concurrency {
+            limit,
+            lease: up(lease),
+        },
+    }
+}
+
 impl Policy {
     /// A policy from its algorithm as a user would give it (the constructors' common path).
     pub(crate) fn build(name: &str, algorithm: Algorithm) -> Result<Self, PolicyError> {
@@ -249,6 +304,7 @@ impl Policy {
                 }
             }
         };
+        let algorithm = as_kept(algorithm, &params);
         Ok(Policy {
             inner: Arc::new(PolicyInner {
                 name: name.into(),
@@ -345,6 +401,13 @@ impl Policy {
         )?;
         let boxed = PenaltyBox::new(denials, within, block, max_block)
             .expect("checked above: all positive, max_block >= block");
+        // As kept: whole microseconds, what `penalty()` reports.
+        let penalty = Penalty {
+            denials,
+            within: Duration::from_nanos(within),
+            block: Duration::from_nanos(block),
+            max_block: penalty.max_block.map(|_| Duration::from_nanos(max_block)),
+        };
         // The penalty's own state, under an id of its parameters too: a changed penalty (a
         // reload that shortens the block) starts afresh, as a changed policy does.
         let id = policy_id(
