@@ -10,7 +10,11 @@
 //!   seconds);
 //! - draft-6 `RateLimit-Remaining` / `RateLimit-Reset` and `X-RateLimit-Remaining` /
 //!   `X-RateLimit-Reset` (seconds, or a Unix time);
-//! - `Retry-After` (seconds or an HTTP date).
+//! - `Retry-After` (seconds or an HTTP date) on a `429` or a `503` (on a `202` it says
+//!   when to poll, on a redirect when to follow it: neither holds the host).
+//!
+//! A `RateLimit` member whose `r` or `t` is not a non-negative Integer is malformed and
+//! ignored (draft-11, sections 4.1 and 4.2).
 //!
 //! A request to a host that said "nothing left" waits until it said so; a 429 is waited
 //! out and retried when the method is idempotent (2 retries by default; never for `POST`
@@ -381,10 +385,17 @@ impl Hosts {
 pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     let mut wait: Option<Duration> = None;
     let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
-    // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date.
-    if let Some(value) = headers
-        .get(http::header::RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
+    // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date. A wait for the
+    // host on a refusal (429) or an outage (503) only: on a 202 it says when to poll, on
+    // a 3xx when to send the redirected request, and neither holds the host.
+    let refused = matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+    );
+    if refused
+        && let Some(value) = headers
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
     {
         if let Some(after) = retry_after(value) {
             longer(after);
@@ -409,19 +420,21 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
         let sfv::ListEntry::Item(item) = member else {
             continue;
         };
-        let number = |name: &str| {
-            item.params
-                .iter()
-                .find(|(key, _)| key.as_str() == name)
-                .and_then(|(_, value)| value.as_integer())
-                .map(i64::from)
-        };
-        if number("r").is_some_and(|r| r <= 0) {
-            // No `t`: the server gave no time; a second is a polite guess.
-            let t = number("t").unwrap_or(1);
-            if t >= 0 {
-                longer(Duration::from_secs(t as u64));
+        // draft-11, sections 4.1 and 4.2: `r` and `t` are non-negative Integers. Absent:
+        // `None`; present as anything else: the member is malformed and says nothing.
+        let number = |name: &str| -> Result<Option<u64>, ()> {
+            match item.params.iter().find(|(key, _)| key.as_str() == name) {
+                None => Ok(None),
+                Some((_, value)) => value
+                    .as_integer()
+                    .and_then(|n| u64::try_from(i64::from(n)).ok())
+                    .map(Some)
+                    .ok_or(()),
             }
+        };
+        if let (Ok(Some(0)), Ok(t)) = (number("r"), number("t")) {
+            // No `t`: the server gave no time; a second is a polite guess.
+            longer(Duration::from_secs(t.unwrap_or(1)));
         }
     }
     // draft-6 and the X- fields: remaining 0 until reset.

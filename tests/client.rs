@@ -425,6 +425,11 @@ fn timed(
             if n == 1 {
                 tokio::time::sleep(first_takes).await;
                 if let Some((name, value)) = first_says {
+                    // `Retry-After` holds the host on an outage (or a refusal, which a
+                    // GET would retry): a 503.
+                    if name == "retry-after" {
+                        *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    }
                     response
                         .headers_mut()
                         .insert(name, HeaderValue::from_static(value));
@@ -605,7 +610,7 @@ async fn a_waiting_request_does_not_hold_the_inner_services_capacity() {
     // One request at a time inside the pacer. A request to a host that asked for 10 s
     // waits without holding that one place: a request to another host goes at once.
     let seen = Arc::new(AtomicU64::new(0));
-    let script = vec![(200, vec![("retry-after", "10".to_owned())]), (200, vec![])];
+    let script = vec![(503, vec![("retry-after", "10".to_owned())]), (200, vec![])];
     let inner =
         tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream(script, Arc::clone(&seen)));
     let client = PacingLayer::new().layer(inner);
@@ -661,6 +666,7 @@ async fn the_servers_word_is_waited_at_most_max_wait_though_it_grows_meanwhile()
                 if n == 1 {
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
+                *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
                 response
                     .headers_mut()
                     .insert("retry-after", HeaderValue::from_static("10"));
@@ -753,4 +759,59 @@ async fn a_stall_after_a_denial_does_not_use_up_the_pacing_wait() {
         request.await.unwrap();
     }
     assert_eq!(arrivals.times(), at(&[0, 0, 20, 21]));
+}
+
+/// `Retry-After` asks for a wait on a refusal (429, draft-11 and RFC 6585) or an outage
+/// (503, RFC 9110 section 10.2.3). On other responses it means something else (a 202's
+/// "poll again in 30 s", a 3xx's wait before the redirected request): not a reason to
+/// hold every request to the host.
+#[test]
+fn retry_after_holds_the_host_only_on_a_refusal_or_an_outage() {
+    let secs = Duration::from_secs;
+    let after = headers(&[("retry-after", "30")]);
+    assert_eq!(
+        server_wait(StatusCode::TOO_MANY_REQUESTS, &after),
+        Some(secs(30))
+    );
+    assert_eq!(
+        server_wait(StatusCode::SERVICE_UNAVAILABLE, &after),
+        Some(secs(30))
+    );
+    for status in [
+        StatusCode::OK,
+        StatusCode::ACCEPTED,
+        StatusCode::MOVED_PERMANENTLY,
+        StatusCode::SEE_OTHER,
+    ] {
+        assert_eq!(server_wait(status, &after), None, "{status}");
+    }
+    // The rate-limit fields still speak on any status.
+    let exhausted = headers(&[("retry-after", "30"), ("ratelimit", "\"api\";r=0;t=4")]);
+    assert_eq!(server_wait(StatusCode::ACCEPTED, &exhausted), Some(secs(4)));
+}
+
+/// draft-11, sections 4.1 and 4.2: `r` and `t` are non-negative Integers. A member whose
+/// `r` or `t` is anything else is malformed and says nothing (it is not read as "none
+/// left", nor as a guessed wait).
+#[test]
+fn a_member_with_a_malformed_remaining_or_window_says_nothing() {
+    let ok = StatusCode::OK;
+    for member in [
+        "\"api\";r=-1;t=5",
+        "\"api\";r=0;t=5.0",
+        "\"api\";r=0;t=\"5\"",
+        "\"api\";r=0;t=?1",
+        "\"api\";r=0.0;t=5",
+    ] {
+        assert_eq!(
+            server_wait(ok, &headers(&[("ratelimit", member)])),
+            None,
+            "{member}"
+        );
+    }
+    // No `t` at all: a second, a polite guess.
+    assert_eq!(
+        server_wait(ok, &headers(&[("ratelimit", "\"api\";r=0")])),
+        Some(Duration::from_secs(1))
+    );
 }
