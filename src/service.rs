@@ -200,8 +200,11 @@ where
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     {
-        // `MissingKey::Allow` lets an absent key through on purpose: nothing to report.
-        if !(self.config.missing_key == MissingKey::Allow && error.is_missing()) {
+        // `MissingKey::Allow` lets an absent key through on purpose: counted, and said
+        // once when the server should have set what is absent.
+        if self.config.missing_key == MissingKey::Allow && error.is_missing() {
+            telemetry::key_missing_allowed(error);
+        } else {
             telemetry::key_rejected(error);
         }
         match self.config.missing_key {

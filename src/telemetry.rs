@@ -257,6 +257,36 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
     }
 }
 
+/// A request without a key let through unlimited (`MissingKey::Allow`): counted by kind.
+/// When what is missing is the server's to set (the auth middleware's extension, which
+/// may run after the limiter), every such request passes unlimited: logged at warn level
+/// the first time each reason is seen. An absent client header is what `Allow` is for:
+/// a debug event.
+#[cold]
+pub(crate) fn key_missing_allowed(error: &crate::key::KeyError) {
+    use crate::key::KeyErrorKind;
+    let server = error.kind() == KeyErrorKind::Server;
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_key_missing_allowed_total",
+        "kind" => if server { "server" } else { "client" }
+    )
+    .increment(1);
+    if server && first_reason(&format!("allowed: {error}")) {
+        #[cfg(feature = "tracing")]
+        tracing::warn!(
+            target: "tollgate",
+            "requests without a rate-limit key pass unlimited (MissingKey::Allow), and what \
+             is missing is the server's to set ({error}): if the middleware that sets it \
+             should run before the limiter, it runs after it (logged once per reason, \
+             counted in tollgate_key_missing_allowed_total)"
+        );
+    } else {
+        #[cfg(feature = "tracing")]
+        tracing::debug!(target: "tollgate", %error, "no rate-limit key; let through");
+    }
+}
+
 /// True the first time this process sees a server-side key error with `reason`. The set
 /// is bounded (an extractor that words its reasons ever anew cannot grow it without
 /// limit); past its bound, true at most once a minute, so a new misconfiguration is still

@@ -266,3 +266,48 @@ fn a_server_side_key_error_is_logged_once_and_not_shown_to_the_client() {
         .collect();
     assert_eq!(errors.len(), 1, "{events:?}");
 }
+
+struct AccountFromAuth(u64);
+
+/// `MissingKey::Allow` lets an absent key through on purpose; but when what is absent is
+/// something the server should have set (the auth middleware's extension: it may run
+/// after the limiter), every request then passes unlimited. That is said once, at warn
+/// level, naming what is missing, not passed over in silence.
+#[test]
+fn requests_let_through_for_a_key_the_server_should_have_set_are_reported_once() {
+    let recorder = Recorder::default();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+                .key(tollgate::key::ExtensionKey::new(
+                    "account",
+                    |account: &AccountFromAuth| account.0.to_string(),
+                ))
+                .on_missing_key(tollgate::MissingKey::Allow),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..3 {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                assert_eq!(response.status(), 200, "let through, as configured");
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let warnings: Vec<&String> = events
+        .iter()
+        .filter(|event| event.starts_with(&format!("{}", Level::WARN)))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{events:?}");
+    assert!(warnings[0].contains("AccountFromAuth"), "{warnings:?}");
+}

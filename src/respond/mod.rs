@@ -37,7 +37,10 @@ pub enum MissingKey {
     /// Let a request whose key is absent ([`KeyError::is_missing`](crate::key::KeyError::is_missing))
     /// through unlimited and without rate-limit headers. Only for extractors whose miss is
     /// expected and harmless. A key that is present but invalid is still answered `400`,
-    /// and a server set up wrong `500`.
+    /// and a server set up wrong `500`. Each request let through is counted
+    /// (`tollgate_key_missing_allowed_total`); when what is absent is the server's to set
+    /// (an [`ExtensionKey`](crate::key::ExtensionKey)'s extension, whose middleware may run
+    /// after the limiter), a warning says so, once per reason.
     Allow,
 }
 
