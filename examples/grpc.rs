@@ -137,6 +137,8 @@ impl tower::Service<http::Request<Body>> for Greeter {
 }
 
 /// The limiter: 5 calls, refilled 1 a second, per `x-api-key` or else per peer address.
+/// (A key the client writes is one it can change on every call: in a service, put the
+/// limiter behind the layer that checks the key, or key by what that layer verified.)
 pub fn limiter()
 -> Result<RateLimitLayer<MemoryStore, impl tollgate::key::KeyExtractor + Clone>, PolicyError> {
     Ok(RateLimitLayer::new(MemoryStore::new())

@@ -50,6 +50,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Fail at start-up, not on the first request, if a policy is too large for Redis.
     RedisStore::check_policies(&policies)?;
 
+    // Per API key, else per address. In front of authentication a client could send a
+    // new key each time (a new bucket each time): in an app, key by what your auth layer
+    // verified (`ExtensionKey`), or put the limiter behind it.
     let limiter = RateLimitLayer::new(store)
         .policies(policies)
         .key(HeaderKey::new("x-api-key").or(ClientIp::peer()));
