@@ -104,7 +104,8 @@ pub struct LimiterConfig {
     #[serde(default)]
     pub plans: BTreeMap<String, Vec<String>>,
     /// The request header naming a request's plan (set by your authentication in front:
-    /// never one a client can choose for itself).
+    /// never one a client can choose for itself). A request that carries it twice, or
+    /// names no plan there is, gets `default`.
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.
@@ -729,12 +730,18 @@ impl PolicyResolver for Plans {
         parts: &http::request::Parts,
         _key: &Key,
     ) -> std::borrow::Cow<'a, PolicySet> {
-        let named = self
-            .header
-            .as_ref()
-            .and_then(|header| parts.headers.get(header))
-            .and_then(|value| value.to_str().ok())
-            .and_then(|plan| self.sets.get(plan.trim()));
+        // Exactly one line names the plan: a request carrying two (a client's line
+        // before the auth layer's) names no one plan, and gets the default.
+        let named = self.header.as_ref().and_then(|header| {
+            let mut lines = parts.headers.get_all(header).iter();
+            match (lines.next(), lines.next()) {
+                (Some(value), None) => value
+                    .to_str()
+                    .ok()
+                    .and_then(|plan| self.sets.get(plan.trim())),
+                _ => None,
+            }
+        });
         std::borrow::Cow::Borrowed(named.unwrap_or(&self.default))
     }
 

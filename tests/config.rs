@@ -553,3 +553,33 @@ async fn header_keys_can_be_salted_from_the_environment() {
         StatusCode::TOO_MANY_REQUESTS
     );
 }
+
+/// The plan header is the auth layer's to set. A request that carries it twice (a client
+/// that wrote `x-plan: pro` before an auth layer that appends its own) names no one plan:
+/// it gets the default plan, not whichever line comes first.
+#[tokio::test]
+async fn a_plan_named_twice_is_the_default_plan() {
+    let layer = LiveLayer::new(MemoryStore::new(), &parse(FULL)).unwrap();
+    let app = app(&layer);
+    let mut twice = request("GET", "/", Some("c"), Some("pro"));
+    twice
+        .headers_mut()
+        .append("x-plan", http::HeaderValue::from_static("free"));
+    let response = app.clone().oneshot(twice).await.unwrap();
+    assert!(
+        rate(&response).starts_with("\"free\";r=2;"),
+        "{}",
+        rate(&response)
+    );
+    // Named once, it is that plan.
+    let response = app
+        .clone()
+        .oneshot(request("GET", "/", Some("d"), Some("pro")))
+        .await
+        .unwrap();
+    assert!(
+        rate(&response).starts_with("\"pro\";"),
+        "{}",
+        rate(&response)
+    );
+}
