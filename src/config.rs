@@ -509,6 +509,13 @@ impl LimiterConfig {
             let mut sets = HashMap::new();
             for (plan, names) in &self.plans {
                 let entry = format!("plans.{plan}");
+                if names.is_empty() {
+                    return Err(ConfigError::new(
+                        &entry,
+                        "an empty plan limits nothing: its requests would pass unlimited \
+                         (list at least one policy; a generous one for an unlimited tier)",
+                    ));
+                }
                 let mut set = Vec::new();
                 for name in names {
                     let policy = policies.get(name.as_str()).ok_or_else(|| {

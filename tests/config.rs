@@ -224,6 +224,14 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "policies[1] \"burst\"",
             "no plan lists it",
         ),
+        // An empty plan limits nothing: its requests would pass unlimited.
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = []\npro = [\"api\"]\n",
+            "plans.default",
+            "an empty plan limits nothing",
+        ),
         // Plans with nothing to choose between them: every request would get "default".
         (
             policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
