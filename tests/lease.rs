@@ -143,6 +143,31 @@ async fn one_call_per_lease_and_the_last_units_are_not_lost() {
     assert_eq!(store.shared_calls(), 2 + 1 + 1 + 4 + 5);
 }
 
+/// A lease belongs to the policies it was taken for, not to one `PolicySet` value: a set
+/// built again from the same policies (what every configuration reload does, `LiveLayer`
+/// included) spends the lease already held, instead of leaving its units unspent until
+/// the lease ends while taking another: 25 of 25 are admitted across the two sets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_built_again_from_the_same_policies_spends_the_lease_held() {
+    let server = RedisServer::start();
+    let store = Leased::new(
+        RedisStore::connect(&server.url()).await.unwrap(),
+        LEASE,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let policy = Policy::fixed_window("leased", 25, Duration::from_secs(3600)).unwrap();
+    let before = PolicySet::from(policy.clone());
+    let reloaded = PolicySet::new([policy]).unwrap();
+    let key = Key::new("k");
+    assert!(store.decide(&key, &before, 1).await.unwrap().is_allowed());
+    let mut admitted = 1;
+    for _ in 0..29 {
+        admitted += u64::from(store.decide(&key, &reloaded, 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(admitted, 25, "the quota, whichever set asked");
+}
+
 #[test]
 fn bad_lease_parameters_are_refused() {
     let error = Leased::new(tollgate::MemoryStore::new(), 0, Duration::from_secs(1)).unwrap_err();

@@ -85,6 +85,10 @@ impl<S> std::fmt::Debug for Leased<S> {
     }
 }
 
+/// An identity and the policies its leases were taken for: by the policies' fingerprint,
+/// not the set's serial, so that a set built again from the same policies (a
+/// configuration reload) spends the leases already held. (A leasable set has only plain
+/// policies: no shadow, penalty or in-flight limit, whose state the ids would not name.)
 type Id = (Key, u64);
 
 /// Every identity's open leases, in shards.
@@ -476,7 +480,7 @@ impl<S: Store> Store for Leased<S> {
             self.leases.calls.fetch_add(1, Ordering::Relaxed);
             return self.inner.decide(key, policies, cost);
         }
-        let id = (key.clone(), policies.serial());
+        let id = (key.clone(), policies.fingerprint());
         let mut step = self.leases.step(&id, cost);
         if let Step::Take = step {
             step = self.begin_take(&id, policies, cost);
@@ -520,7 +524,7 @@ impl<S: Store> Store for Leased<S> {
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         // The leases of a reset key are forgotten: their units are in the state the reset
         // clears. A lease being taken keeps its turn (one at a time still holds).
-        let id = (key.clone(), policies.serial());
+        let id = (key.clone(), policies.fingerprint());
         {
             let mut shard = self.leases.shard(&id);
             if let Some(open) = shard.get_mut(&id) {
