@@ -420,7 +420,6 @@ impl<St: Store> Limiter<St> {
                         .checked_add(delay)
                         .is_none_or(|ready| ready > deadline)
                     {
-                        self.give_back(key, cost, &decision, &decider).await;
                         // Said as a denial: it would be admitted after `delay`, by
                         // the shaping policy that holds it back (of the policies the
                         // fallback applied, when it decided).
@@ -435,6 +434,17 @@ impl<St: Store> Limiter<St> {
                             },
                             decision.statuses().iter().copied(),
                         );
+                        // The units just spent go back through the guard, which holds
+                        // the turn until they are back: at once for a store in process,
+                        // else in a task of its own, which a caller that gives up
+                        // meanwhile cannot cancel.
+                        drop(Booked {
+                            limiter: self.clone(),
+                            key: key.clone(),
+                            cost,
+                            spent: Some((decision, decider)),
+                            turn: Some(turn),
+                        });
                         return Err(WaitError::TooLong(denied));
                     }
                     // The turn is kept through the delay: a waiter dropped while it

@@ -510,3 +510,57 @@ fn a_sleeper_dropped_outside_any_runtime_does_not_panic() {
     drop(runtime);
     drop(sleeping);
 }
+
+/// A store whose give-backs (`adjust`) take 20 ms, as a remote store's do.
+#[derive(Clone)]
+struct SlowAdjust(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for SlowAdjust {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        // Applied when the answer comes, as on a server 20 ms away.
+        let (store, key, policies, adjustment) = (
+            self.0.clone(),
+            key.clone(),
+            policies.clone(),
+            adjustment.clone(),
+        );
+        DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            store.adjust(&key, &policies, &adjustment).await
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_dropped_while_it_gives_back_still_gives_back() {
+    // One every 10 s. The second waiter would wait 10 s, past its 1 s: it gives its units
+    // back, which takes this store 20 ms, and its caller gives up after 5 ms (it used to
+    // wait for the give-back, and lose it when dropped). The units go back all the same:
+    // a third waits only for the first's 10 s, not 20.
+    let limiter = Limiter::new(SlowAdjust(runtime_store()), paced());
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(5),
+        limiter.until_ready(&key, 1, Duration::from_secs(1)),
+    )
+    .await;
+    // Told at once that it would wait too long, or given up on while giving back.
+    assert!(
+        matches!(dropped, Err(_) | Ok(Err(WaitError::TooLong(_)))),
+        "{dropped:?}"
+    );
+    let third = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
+    assert!(third.is_ok(), "{third:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+}
