@@ -361,6 +361,8 @@ struct Hosts {
 
 impl Hosts {
     const FIRST_SWEEP: usize = 1024;
+    /// The most hosts (and partitions) whose word is kept at once.
+    const MAX_HOSTS: usize = 16 * 1024;
 
     /// Notes that `key` may not be sent to before `until`; true when the map was swept.
     fn note(&mut self, key: &str, until: Instant, now: Instant) -> bool {
@@ -376,6 +378,18 @@ impl Hosts {
         }
         let entry = self.until.entry(key.to_owned()).or_insert(until);
         *entry = (*entry).max(until);
+        // Past the bound (every host's word still running: a crawler's many hosts, or a
+        // server that names a new partition on every answer), the word that ends first
+        // is forgotten: its requests go sooner, and the server decides.
+        if self.until.len() > Self::MAX_HOSTS
+            && let Some(soonest) = self
+                .until
+                .iter()
+                .min_by_key(|(_, until)| **until)
+                .map(|(key, _)| key.clone())
+        {
+            self.until.remove(&soonest);
+        }
         swept
     }
 }
@@ -776,5 +790,24 @@ mod tests {
                 .count(),
             1023
         );
+    }
+
+    #[test]
+    fn the_hosts_kept_are_bounded_and_the_soonest_word_goes_first() {
+        // More hosts than the bound, all still waiting (each asked for longer than the
+        // one before): the map stays at the bound, and what it forgot are the waits that
+        // end first.
+        let start = Instant::now();
+        let mut hosts = Hosts::default();
+        let count = Hosts::MAX_HOSTS + 500;
+        for n in 0..count {
+            let until = start + Duration::from_secs(3600) + Duration::from_millis(n as u64);
+            hosts.note(&format!("host-{n}"), until, start);
+        }
+        assert_eq!(hosts.until.len(), Hosts::MAX_HOSTS);
+        assert!(!hosts.until.contains_key("host-0"));
+        assert!(!hosts.until.contains_key("host-499"));
+        assert!(hosts.until.contains_key("host-500"));
+        assert!(hosts.until.contains_key(&format!("host-{}", count - 1)));
     }
 }
