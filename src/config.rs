@@ -101,7 +101,7 @@ pub struct LimiterConfig {
     /// Named policy sets; a request gets the plan its `plan_header` names, else
     /// `default`. Without plans, every request must pass every policy. With plans, each
     /// policy must be in at least one (a policy no plan lists is an error).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub plans: BTreeMap<String, Vec<String>>,
     /// The request header naming a request's plan (set by your authentication in front:
     /// never one a client can choose for itself). A request that carries it twice, or
@@ -192,8 +192,42 @@ pub struct CostSpec {
     pub default: u64,
     /// Per route: `"/search" = 5` or `"POST /upload" = 20` (the route as the router
     /// matched it, or the path).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub routes: BTreeMap<String, u64>,
+}
+
+/// A map whose keys are each named once: JSON lets an object name a key twice, and a
+/// map would keep the last silently (a route or a plan written twice is a mistake).
+fn unique_keys<'de, D, V>(deserializer: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Unique<V>(std::marker::PhantomData<V>);
+
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Unique<V> {
+        type Value = BTreeMap<String, V>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a map")
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((key, value)) = map.next_entry::<String, V>()? {
+                if out.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!("{key:?} is named twice")));
+                }
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+
+    deserializer.deserialize_map(Unique(std::marker::PhantomData))
 }
 
 fn one() -> u64 {

@@ -591,3 +591,36 @@ async fn a_plan_named_twice_is_the_default_plan() {
         rate(&response)
     );
 }
+
+/// JSON lets an object name a key twice and serde keeps the last: a route or a plan
+/// written twice would be read as one, silently. Refused, naming the key (TOML refuses
+/// it by itself).
+#[test]
+fn a_route_or_a_plan_named_twice_is_refused() {
+    let route_twice = r#"{
+        "policies": [{"name": "api", "algorithm": "fixed-window", "limit": 9, "window": "1s"}],
+        "costs": {"routes": {"/search": 5, "/search": 50}}
+    }"#;
+    let error = serde_json::from_str::<LimiterConfig>(route_twice).unwrap_err();
+    assert!(
+        error.to_string().contains("\"/search\" is named twice"),
+        "{error}"
+    );
+    let plan_twice = r#"{
+        "policies": [{"name": "api", "algorithm": "fixed-window", "limit": 9, "window": "1s"}],
+        "plans": {"default": ["api"], "default": []}
+    }"#;
+    let error = serde_json::from_str::<LimiterConfig>(plan_twice).unwrap_err();
+    assert!(
+        error.to_string().contains("\"default\" is named twice"),
+        "{error}"
+    );
+    // Named once, both read.
+    let once = r#"{
+        "policies": [{"name": "api", "algorithm": "fixed-window", "limit": 9, "window": "1s"}],
+        "plans": {"default": ["api"]},
+        "costs": {"routes": {"/search": 5}}
+    }"#;
+    let config = serde_json::from_str::<LimiterConfig>(once).unwrap();
+    config.check().unwrap();
+}
