@@ -10,8 +10,9 @@
 //!   seconds);
 //! - draft-6 `RateLimit-Remaining` / `RateLimit-Reset` and `X-RateLimit-Remaining` /
 //!   `X-RateLimit-Reset` (seconds, or a Unix time);
-//! - `Retry-After` (seconds or an HTTP date) on a `429` or a `503` (on a `202` it says
-//!   when to poll, on a redirect when to follow it: neither holds the host).
+//! - `Retry-After` (seconds or an HTTP date) on an error (`429`, `503`, GitHub's `403`
+//!   for its secondary limits) or a gRPC answer; on a `202` it says when to poll, on a
+//!   redirect when to follow it: neither holds the host.
 //!
 //! A `RateLimit` member whose `r` or `t` is not a non-negative Integer is malformed and
 //! ignored (draft-11, sections 4.1 and 4.2).
@@ -370,7 +371,7 @@ impl Hosts {
         // walks every host, so the next one waits until the map has doubled past what
         // this one left: a sweep's cost is spread over the inserts since the last, and
         // the map holds at most about twice its live hosts.
-        let swept = self.until.len() >= self.sweep_at.max(Self::FIRST_SWEEP)
+        let swept = self.until.len() >= self.sweep_at.clamp(Self::FIRST_SWEEP, Self::MAX_HOSTS)
             && !self.until.contains_key(key);
         if swept {
             self.until.retain(|_, until| *until > now);
@@ -378,17 +379,28 @@ impl Hosts {
         }
         let entry = self.until.entry(key.to_owned()).or_insert(until);
         *entry = (*entry).max(until);
-        // Past the bound (every host's word still running: a crawler's many hosts, or a
-        // server that names a new partition on every answer), the word that ends first
-        // is forgotten: its requests go sooner, and the server decides.
-        if self.until.len() > Self::MAX_HOSTS
-            && let Some(soonest) = self
+        // Past the bound with every host's word still running (a crawler's many hosts, or
+        // a server that names a new partition on every answer): the words that end first
+        // are forgotten, an eighth of the bound at once, so that one pass over the map
+        // pays for that many new hosts. Never the word just noted (its 429's retry waits
+        // on it).
+        if self.until.len() > Self::MAX_HOSTS {
+            let mut ends: Vec<(Instant, &String)> = self
                 .until
                 .iter()
-                .min_by_key(|(_, until)| **until)
-                .map(|(key, _)| key.clone())
-        {
-            self.until.remove(&soonest);
+                .filter(|(host, _)| host.as_str() != key)
+                .map(|(host, until)| (*until, host))
+                .collect();
+            let excess = self.until.len() - (Self::MAX_HOSTS - Self::MAX_HOSTS / 8);
+            ends.select_nth_unstable(excess - 1);
+            let forgotten: Vec<String> = ends[..excess]
+                .iter()
+                .map(|(_, host)| (*host).clone())
+                .collect();
+            for host in &forgotten {
+                self.until.remove(host);
+            }
+            self.sweep_at = Self::MAX_HOSTS;
         }
         swept
     }
@@ -400,12 +412,14 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
     let mut wait: Option<Duration> = None;
     let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
     // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date. A wait for the
-    // host on a refusal (429) or an outage (503) only: on a 202 it says when to poll, on
-    // a 3xx when to send the redirected request, and neither holds the host.
-    let refused = matches!(
-        status,
-        StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
-    );
+    // host on an error (a 429, a 503, GitHub's 403 for its secondary limits) or a gRPC
+    // answer (whose refusals are HTTP 200): on a 202 it says when to poll, on a 3xx when
+    // to send the redirected request, and neither holds the host.
+    let grpc = headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("application/grpc"));
+    let refused = status.is_client_error() || status.is_server_error() || grpc;
     if refused
         && let Some(value) = headers
             .get(http::header::RETRY_AFTER)
@@ -804,10 +818,30 @@ mod tests {
             let until = start + Duration::from_secs(3600) + Duration::from_millis(n as u64);
             hosts.note(&format!("host-{n}"), until, start);
         }
-        assert_eq!(hosts.until.len(), Hosts::MAX_HOSTS);
-        assert!(!hosts.until.contains_key("host-0"));
-        assert!(!hosts.until.contains_key("host-499"));
-        assert!(hosts.until.contains_key("host-500"));
-        assert!(hosts.until.contains_key(&format!("host-{}", count - 1)));
+        assert!(
+            hosts.until.len() <= Hosts::MAX_HOSTS,
+            "{}",
+            hosts.until.len()
+        );
+        assert!(hosts.until.len() >= Hosts::MAX_HOSTS * 7 / 8);
+        let kept = |n: usize| hosts.until.contains_key(&format!("host-{n}"));
+        // Forgotten: the soonest (one eighth of the bound and a host); kept: the rest.
+        let forgotten = Hosts::MAX_HOSTS / 8 + 1;
+        assert!((0..forgotten).all(|n| !kept(n)));
+        assert!((forgotten..count).all(kept));
+        // A host noted now whose word ends before every other's is kept all the same:
+        // a 429's retries wait on it.
+        let mut full: Hosts = hosts.clone();
+        while full.until.len() <= Hosts::MAX_HOSTS - 1 {
+            let n = full.until.len();
+            full.note(
+                &format!("filler-{n}"),
+                start + Duration::from_secs(7200),
+                start,
+            );
+        }
+        full.note("just-refused", start + Duration::from_secs(1), start);
+        assert!(full.until.contains_key("just-refused"));
+        assert!(full.until.len() <= Hosts::MAX_HOSTS);
     }
 }

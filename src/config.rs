@@ -104,8 +104,9 @@ pub struct LimiterConfig {
     #[serde(default, deserialize_with = "unique_keys")]
     pub plans: BTreeMap<String, Vec<String>>,
     /// The request header naming a request's plan (set by your authentication in front:
-    /// never one a client can choose for itself). A request that carries it twice, or
-    /// names no plan there is, gets `default`.
+    /// never one a client can choose for itself: have it replace the header, not append
+    /// to it). A request that carries it twice, or names no plan there is, gets
+    /// `default`, which should be the least generous plan.
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.

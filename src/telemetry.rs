@@ -276,9 +276,9 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError) {
         #[cfg(feature = "tracing")]
         tracing::warn!(
             target: "tollgate",
-            "requests without a rate-limit key pass unlimited (MissingKey::Allow), and what \
-             is missing is the server's to set ({error}): if the middleware that sets it \
-             should run before the limiter, it runs after it (logged once per reason, \
+            "requests without a rate-limit key pass unlimited (MissingKey::Allow): {error}. \
+             Expected where only some requests carry it (signed-in clients); a mistake if \
+             the middleware that sets it runs after the limiter (logged once per reason, \
              counted in tollgate_key_missing_allowed_total)"
         );
     } else {

@@ -761,12 +761,12 @@ async fn a_stall_after_a_denial_does_not_use_up_the_pacing_wait() {
     assert_eq!(arrivals.times(), at(&[0, 0, 20, 21]));
 }
 
-/// `Retry-After` asks for a wait on a refusal (429, draft-11 and RFC 6585) or an outage
-/// (503, RFC 9110 section 10.2.3). On other responses it means something else (a 202's
-/// "poll again in 30 s", a 3xx's wait before the redirected request): not a reason to
-/// hold every request to the host.
+/// `Retry-After` asks for a wait on a refusal (429, draft-11 and RFC 6585), an outage
+/// (503, RFC 9110 section 10.2.3) or another error (GitHub's 403). On a success or a
+/// redirect it means something else (a 202's "poll again in 30 s", a 3xx's wait before
+/// the redirected request): not a reason to hold every request to the host.
 #[test]
-fn retry_after_holds_the_host_only_on_a_refusal_or_an_outage() {
+fn retry_after_holds_the_host_on_an_error_not_on_a_success_or_a_redirect() {
     let secs = Duration::from_secs;
     let after = headers(&[("retry-after", "30")]);
     assert_eq!(
@@ -785,6 +785,11 @@ fn retry_after_holds_the_host_only_on_a_refusal_or_an_outage() {
     ] {
         assert_eq!(server_wait(status, &after), None, "{status}");
     }
+    // Any error's: GitHub answers its secondary limits with a 403 and Retry-After.
+    assert_eq!(server_wait(StatusCode::FORBIDDEN, &after), Some(secs(30)));
+    // A gRPC answer is an HTTP 200 whatever its status: its Retry-After counts.
+    let grpc = headers(&[("content-type", "application/grpc"), ("retry-after", "30")]);
+    assert_eq!(server_wait(StatusCode::OK, &grpc), Some(secs(30)));
     // The rate-limit fields still speak on any status.
     let exhausted = headers(&[("retry-after", "30"), ("ratelimit", "\"api\";r=0;t=4")]);
     assert_eq!(server_wait(StatusCode::ACCEPTED, &exhausted), Some(secs(4)));

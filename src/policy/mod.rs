@@ -635,7 +635,7 @@ impl Policy {
         &self.inner.name
     }
 
-    /// The algorithm and its parameters.
+    /// The algorithm and its parameters, durations as kept (whole microseconds).
     pub fn algorithm(&self) -> Algorithm {
         self.inner.algorithm
     }

@@ -1,4 +1,5 @@
-//! The algorithm of a policy and its parameters, as the user gave them.
+//! The algorithm of a policy and its parameters, as the user gave them (durations in
+//! whole microseconds once a policy keeps them).
 
 use std::time::Duration;
 
@@ -7,7 +8,8 @@ use super::Rate;
 /// The algorithm of a policy and its parameters, as the user gave them.
 ///
 /// Build policies with the [`Policy`](super::Policy) constructors; this type is what
-/// [`Policy::algorithm`](super::Policy::algorithm) reports back.
+/// [`Policy::algorithm`](super::Policy::algorithm) reports back, with its durations as
+/// the policy keeps them: whole microseconds (see [`Policy`](super::Policy)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Algorithm {

@@ -259,15 +259,20 @@ enum Step {
 
 impl Leases {
     /// Spends `cost` from an open lease, or says what to do instead.
-    fn step(&self, id: &Id, cost: u64) -> Step {
+    fn step(&self, id: &Id, policies: &PolicySet, cost: u64) -> Step {
         let now = Instant::now();
         let mut shard = self.shard(id);
         let open = shard.entry(id.clone()).or_default();
-        // Ended leases are left to their timers, which give their units back.
+        // Ended leases are left to their timers, which give their units back. A lease
+        // serves the policies it was taken for (a fingerprint only says so but for a
+        // collision of ids, which past the id registry's bound are hashes).
+        let of_these = |lease: &Lease| {
+            lease.policies.same_as(policies) || lease.policies.policies() == policies.policies()
+        };
         if let Some(index) = open
             .leases
             .iter()
-            .position(|lease| lease.ends > now && lease.left >= cost)
+            .position(|lease| lease.ends > now && lease.left >= cost && of_these(lease))
         {
             open.leases[index].left -= cost;
             let held: u64 = open
@@ -481,7 +486,7 @@ impl<S: Store> Store for Leased<S> {
             return self.inner.decide(key, policies, cost);
         }
         let id = (key.clone(), policies.fingerprint());
-        let mut step = self.leases.step(&id, cost);
+        let mut step = self.leases.step(&id, policies, cost);
         if let Step::Take = step {
             step = self.begin_take(&id, policies, cost);
         }
@@ -505,7 +510,7 @@ impl<S: Store> Store for Leased<S> {
                     Step::Wait(woken) => {
                         // Woken when the lease being taken is there (or was refused).
                         let _ = woken.await;
-                        step = store.leases.step(&id, cost);
+                        step = store.leases.step(&id, &policies, cost);
                     }
                     Step::Take => step = store.begin_take(&id, &policies, cost),
                 }
