@@ -832,7 +832,7 @@ mod tests {
         // A host noted now whose word ends before every other's is kept all the same:
         // a 429's retries wait on it.
         let mut full: Hosts = hosts.clone();
-        while full.until.len() <= Hosts::MAX_HOSTS - 1 {
+        while full.until.len() < Hosts::MAX_HOSTS {
             let n = full.until.len();
             full.note(
                 &format!("filler-{n}"),
