@@ -182,6 +182,21 @@ async fn replay(
     );
 }
 
+/// [`replay`] for each policy alone, under the prefix `{prefix}-{name}`.
+async fn replay_each(
+    backends: &Backends,
+    prefix: &str,
+    key: &str,
+    policies: impl IntoIterator<Item = Policy>,
+    arrivals: &[(u64, u64)],
+) {
+    for policy in policies {
+        let name = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        replay(backends, &format!("{prefix}-{name}"), key, &set, arrivals).await;
+    }
+}
+
 fn every_algorithm() -> Vec<Policy> {
     vec![
         Policy::fixed_window("fw", 10, MINUTE).unwrap(),
@@ -749,18 +764,14 @@ async fn durations_finer_than_a_microsecond_mean_the_same_policy_on_every_store(
         Policy::fixed_window("fw", 2, third).unwrap(),
         Policy::gcra("gc", Rate::new(1, third), 2).unwrap(),
     ];
-    for policy in policies {
-        let name = policy.name().to_owned();
-        let set = PolicySet::from(policy);
-        replay(
-            &backends,
-            &format!("fine-{name}"),
-            "client-6",
-            &set,
-            &trace(19, 150, 300),
-        )
-        .await;
-    }
+    replay_each(
+        &backends,
+        "fine",
+        "client-6",
+        policies,
+        &trace(19, 150, 300),
+    )
+    .await;
     // The shaping bucket's burst, as the policy states it and as each store admits it.
     let shaping =
         PolicySet::from(Policy::leaky_bucket_shaping("burst", Rate::per_second(3), third).unwrap());
@@ -786,27 +797,23 @@ async fn durations_finer_than_a_microsecond_mean_the_same_policy_on_every_store(
 async fn every_store_decides_alike() {
     let backends = Backends::start().await;
 
-    for policy in every_algorithm() {
-        let name = policy.name().to_owned();
-        let set = PolicySet::from(policy);
-        replay(
-            &backends,
-            &format!("single-{name}"),
-            "client-1",
-            &set,
-            &trace(7, 120, 4_000),
-        )
-        .await;
-        // Bursts: many arrivals at the same instant.
-        replay(
-            &backends,
-            &format!("burst-{name}"),
-            "client-2",
-            &set,
-            &trace(11, 60, 2),
-        )
-        .await;
-    }
+    replay_each(
+        &backends,
+        "single",
+        "client-1",
+        every_algorithm(),
+        &trace(7, 120, 4_000),
+    )
+    .await;
+    // Bursts: many arrivals at the same instant.
+    replay_each(
+        &backends,
+        "burst",
+        "client-2",
+        every_algorithm(),
+        &trace(11, 60, 2),
+    )
+    .await;
 
     let multi = PolicySet::new([
         Policy::token_bucket("burst", 5, Rate::new(5, Duration::from_secs(10))).unwrap(),

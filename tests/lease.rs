@@ -112,17 +112,18 @@ async fn three_replicas_stay_within_the_bound_and_give_back() {
     }
 }
 
+/// One replica on `server`, leasing `LEASE` units for a minute.
+async fn one_replica(server: &RedisServer) -> Leased<RedisStore> {
+    let redis = RedisStore::connect(&server.url()).await.unwrap();
+    Leased::new(redis, LEASE, Duration::from_secs(60)).unwrap()
+}
+
 /// A lease is taken in one call and spent locally; the headers count what this replica
 /// holds; a lease that no longer fits leaves the last units to exact decisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_call_per_lease_and_the_last_units_are_not_lost() {
     let server = RedisServer::start();
-    let store = Leased::new(
-        RedisStore::connect(&server.url()).await.unwrap(),
-        LEASE,
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let store = one_replica(&server).await;
     let policies =
         PolicySet::from(Policy::fixed_window("leased", 25, Duration::from_secs(3600)).unwrap());
     let key = Key::new("k");
@@ -150,12 +151,7 @@ async fn one_call_per_lease_and_the_last_units_are_not_lost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_set_built_again_from_the_same_policies_spends_the_lease_held() {
     let server = RedisServer::start();
-    let store = Leased::new(
-        RedisStore::connect(&server.url()).await.unwrap(),
-        LEASE,
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let store = one_replica(&server).await;
     let policy = Policy::fixed_window("leased", 25, Duration::from_secs(3600)).unwrap();
     let before = PolicySet::from(policy.clone());
     let reloaded = PolicySet::new([policy]).unwrap();
