@@ -579,14 +579,14 @@ async fn a_lone_policy_reports_exactly_what_its_script_reports() {
     }
 }
 
-/// A costly request to a full log of one-unit entries waits for the `cost`-th oldest
-/// entry: the script reads that entry by its rank, never the log up to it. Walking it
-/// cost the shared server work in proportion to the limit on every such request, which
-/// a client that chooses its cost (a body's size, a GraphQL query's points) could repeat
-/// to stall every tenant of the server. Same answer as the in-process store's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
-    const LIMIT: u64 = 2_000;
+/// A standalone server, and a Redis store on it and an in-process store sharing one
+/// manual clock, set at 1,000 s.
+async fn twins_at_1000_s() -> (
+    RedisServer,
+    ManualClock,
+    RedisStore,
+    MemoryStore<ManualClock>,
+) {
     let server = RedisServer::start();
     let clock = ManualClock::new();
     clock.set(Duration::from_secs(1_000));
@@ -595,6 +595,18 @@ async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
         .unwrap()
         .with_clock(clock.clone());
     let memory = MemoryStore::builder().clock(clock.clone()).build();
+    (server, clock, store, memory)
+}
+
+/// A costly request to a full log of one-unit entries waits for the `cost`-th oldest
+/// entry: the script reads that entry by its rank, never the log up to it. Walking it
+/// cost the shared server work in proportion to the limit on every such request, which
+/// a client that chooses its cost (a body's size, a GraphQL query's points) could repeat
+/// to stall every tenant of the server. Same answer as the in-process store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
+    const LIMIT: u64 = 2_000;
+    let (server, clock, store, memory) = twins_at_1000_s().await;
     let set =
         PolicySet::from(Policy::sliding_log("daily", LIMIT, Duration::from_secs(86_400)).unwrap());
     let key = Key::new("filler");
@@ -632,14 +644,7 @@ async fn a_costly_request_to_a_full_log_reads_one_entry_not_the_log() {
 async fn a_costly_request_to_a_log_of_multi_unit_entries_reads_a_bounded_part_of_it() {
     const LIMIT: u64 = 4_000;
     const STEP: Duration = Duration::from_millis(1);
-    let server = RedisServer::start();
-    let clock = ManualClock::new();
-    clock.set(Duration::from_secs(1_000));
-    let store = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_clock(clock.clone());
-    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let (server, clock, store, memory) = twins_at_1000_s().await;
     let window = Duration::from_secs(86_400);
     let set = PolicySet::from(Policy::sliding_log("daily", LIMIT, window).unwrap());
     let key = Key::new("filler");
