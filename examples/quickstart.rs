@@ -69,7 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "policy: token bucket \"api\", 10 tokens, refilled at 5/s, per client IP; /search costs 5"
     );
-    println!("try:    curl -i http://{addr}/search");
+    println!(
+        "try:    for i in 1 2 3; do curl -si http://{addr}/search; done   # the third is a 429"
+    );
     axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

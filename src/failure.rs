@@ -83,12 +83,21 @@ impl LocalFallback {
 
     /// Enforces `share` of every limit and rate (for example `1.0 / replicas`), so the
     /// fleet as a whole stays near the limit while it decides locally. Clamped to
-    /// (0, 1]; quotas are rounded up, so each replica admits at least one.
+    /// (0, 1]; quotas are rounded up, so each replica admits at least one. A share of 0
+    /// or below, or NaN (an integer `1 / replicas`, say) is the strictest share, every
+    /// quota 1, never the whole limit on every replica; a warning says so.
     pub fn share(mut self, share: f64) -> Self {
-        self.share = if share.is_finite() && share > 0.0 {
+        self.share = if share > 0.0 {
             share.min(1.0)
         } else {
-            1.0
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                share,
+                "LocalFallback::share is not in (0, 1]: the strictest share is used (every \
+                 quota 1 on each replica)"
+            );
+            f64::MIN_POSITIVE
         };
         // Sets scaled for another share (a clone's cache) must not be reused.
         self.scaled = Arc::default();

@@ -65,6 +65,9 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     settle: Option<Settle>,
     bypass: Option<Bypass>,
     shadow: bool,
+    /// A set-up mistake made while adding policies one by one, reported when the layer is
+    /// built (by [`validate`](Self::validate)).
+    mistake: Option<Arc<str>>,
 }
 
 /// The policies of a layer that has none yet. A layer can only wrap a service once it has
@@ -113,6 +116,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             settle: self.settle.clone(),
             bypass: self.bypass.clone(),
             shadow: self.shadow,
+            mistake: self.mistake.clone(),
         }
     }
 }
@@ -126,7 +130,11 @@ impl<St, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLa
             .field("headers", &self.headers)
             .field("missing_key", &self.missing_key)
             .field("failure_mode", &self.failure_mode)
-            .finish()
+            .field("store_timeout", &self.store_timeout)
+            .field("shadow", &self.shadow)
+            .field("settles", &self.settle.is_some())
+            .field("bypass", &self.bypass.is_some())
+            .finish_non_exhaustive()
     }
 }
 
@@ -148,6 +156,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             settle: None,
             bypass: None,
             shadow: false,
+            mistake: None,
         }
     }
 }
@@ -161,7 +170,32 @@ impl<St, K, C> RateLimitLayer<St, K, C, NoPolicy> {
 
 impl<St, K, C> RateLimitLayer<St, K, C, PolicySet> {
     /// Adds a policy every request must pass (replacing one of the same name).
+    ///
+    /// A shadow policy cannot replace an enforced one of its name, nor the other way
+    /// round: `.policy(api).policy(api_next.shadow())` would leave "api" unenforced. The
+    /// layer refuses that set-up when it is built ([`validate`](Self::validate)); give
+    /// the shadow policy a name of its own.
     pub fn policy(mut self, policy: Policy) -> Self {
+        if let Some(replaced) = self
+            .resolver
+            .iter()
+            .find(|p| p.name() == policy.name() && p.is_shadow() != policy.is_shadow())
+        {
+            let (was, now) = if replaced.is_shadow() {
+                ("in shadow", "enforced")
+            } else {
+                ("enforced", "in shadow")
+            };
+            self.mistake.get_or_insert_with(|| {
+                format!(
+                    "RateLimitLayer: policy \"{name}\" is added {was}, then again {now}: a \
+                     later .policy() replaces one of the same name, so it would not be \
+                     {was} any more; give the shadow policy a name of its own",
+                    name = policy.name()
+                )
+                .into()
+            });
+        }
         self.resolver = self.resolver.with(policy);
         self
     }
@@ -188,18 +222,23 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             settle: self.settle,
             bypass: self.bypass,
             shadow: self.shadow,
+            mistake: self.mistake,
         }
     }
 
     /// Every request must pass all of `policies` (replacing the policies set so far).
     pub fn policies(self, policies: PolicySet) -> RateLimitLayer<St, K, C, PolicySet> {
-        self.rebuild(|key, cost, _| (key, cost, policies))
+        let mut layer = self.rebuild(|key, cost, _| (key, cost, policies));
+        layer.mistake = None;
+        layer
     }
 
     /// Picks the policies per request (per plan, per tenant); see
     /// [`resolve_with`](crate::resolve::resolve_with).
     pub fn resolver<R2: PolicyResolver>(self, resolver: R2) -> RateLimitLayer<St, K, C, R2> {
-        self.rebuild(|key, cost, _| (key, cost, resolver))
+        let mut layer = self.rebuild(|key, cost, _| (key, cost, resolver));
+        layer.mistake = None;
+        layer
     }
 
     /// Identifies requests with `key` (default: [`ClientIp::peer`]).
@@ -411,6 +450,9 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn validate(&self) -> Result<(), String> {
+        if let Some(mistake) = &self.mistake {
+            return Err(mistake.to_string());
+        }
         self.resolver.check_configured().map_err(str::to_owned)?;
         if self.store_timeout.is_zero() {
             return Err(
@@ -431,6 +473,10 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
             }
         }
         for set in self.resolver.known_sets() {
+            // A set grown one `.policy()` at a time passes the checks a whole set does
+            // (shadow policies among the first 52).
+            PolicySet::new(set.iter().cloned())
+                .map_err(|error| format!("RateLimitLayer: {error}"))?;
             self.store.validate(&set).map_err(|error| {
                 format!("RateLimitLayer: the store cannot decide these policies: {error}")
             })?;

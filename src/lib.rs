@@ -2,7 +2,8 @@
 //!
 //! Rate limiting for [Tower](https://docs.rs/tower) and [Axum](https://docs.rs/axum)
 //! services: six algorithms, exact under concurrency, standard `RateLimit` headers on
-//! every response, `429` with `Retry-After` and an RFC 9457 problem body on denial.
+//! every response it decides, `429` with `Retry-After` and an RFC 9457 problem body on
+//! denial.
 //!
 //! ```
 //! use std::net::SocketAddr;

@@ -583,3 +583,21 @@ fn a_policy_reports_the_durations_it_decides_with() {
         "one policy, one state"
     );
 }
+
+/// `LocalFallback::share` is clamped to (0, 1], as documented: a share of 0 (an integer
+/// `1 / replicas`, say), a negative one or NaN is the strictest share (every quota 1),
+/// never the whole limit on every replica.
+#[test]
+fn a_fallback_share_of_zero_is_the_strictest_not_the_whole_limit() {
+    let set = PolicySet::from(Policy::token_bucket("api", 30, Rate::per_second(30)).unwrap());
+    for share in [0.0, -1.0, f64::NAN, f64::NEG_INFINITY] {
+        let scaled = tollgate::LocalFallback::new()
+            .share(share)
+            .policies_for(&set);
+        assert_eq!(scaled.policies()[0].limit(), 1, "share {share}");
+    }
+    let whole = tollgate::LocalFallback::new()
+        .share(f64::INFINITY)
+        .policies_for(&set);
+    assert_eq!(whole.policies()[0].limit(), 30);
+}

@@ -158,3 +158,44 @@ async fn a_shadow_policy_is_never_listed_as_violated() {
     let body = String::from_utf8_lossy(&body);
     assert!(body.contains("\"violated-policies\":[\"api\"]"), "{body}");
 }
+
+/// Rolling a new version of a limit out in shadow beside the one enforced, under the same
+/// name: `.policy()` replaces a policy of the same name, so the enforced one was dropped
+/// and nothing was enforced, silently. The layer refuses that set-up when it is built
+/// (`validate`, and `layer` panics with the same message), naming the policy; adding a
+/// policy of the same name in the same mode still replaces it, as documented.
+#[test]
+fn a_shadow_policy_cannot_silently_replace_the_enforced_one_of_its_name() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 1, HOUR).unwrap())
+        .policy(Policy::fixed_window("api", 5, HOUR).unwrap().shadow());
+    let error = layer.validate().unwrap_err();
+    assert!(
+        error.contains("\"api\"") && error.contains("shadow"),
+        "{error}"
+    );
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tower::Layer::layer(
+            &layer,
+            tower::service_fn(|_: Request<Body>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+            }),
+        )
+    }));
+    assert!(panicked.is_err());
+    // Same mode: replaced, as documented; the later one is enforced.
+    let replaced = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 1, HOUR).unwrap())
+        .policy(Policy::fixed_window("api", 5, HOUR).unwrap());
+    assert!(replaced.validate().is_ok());
+    // More than 52 policies added one by one, a shadow one last: refused as a set of them
+    // would be.
+    let mut many = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("p0", 1, HOUR).unwrap());
+    for i in 1..52 {
+        many = many.policy(Policy::fixed_window(&format!("p{i}"), 1, HOUR).unwrap());
+    }
+    let many = many.policy(Policy::fixed_window("late", 1, HOUR).unwrap().shadow());
+    let error = many.validate().unwrap_err();
+    assert!(error.contains("\"late\""), "{error}");
+}

@@ -286,7 +286,7 @@ pub(crate) fn policy_header(policies: &[Policy]) -> Option<HeaderValue> {
         out.extend_from_slice(b"\";q=");
         push_number(&mut out, policy.limit());
         // An in-flight quota has no time window: `w` is optional (draft-11, section 3.1).
-        if policy.unit() != QuotaUnit::ConcurrentRequests {
+        if !policy.params().is_in_flight() {
             out.extend_from_slice(b";w=");
             push_number(&mut out, seconds_ceil(policy.window()).max(1));
         }
@@ -518,7 +518,7 @@ pub(crate) fn rate_limit_headers(
                     out.extend_from_slice(b"\";r=");
                     push_number(out, status.remaining);
                     // `t` is optional (draft-11, section 4.1); an in-flight quota has none.
-                    if policy.unit() != QuotaUnit::ConcurrentRequests {
+                    if !policy.params().is_in_flight() {
                         out.extend_from_slice(b";t=");
                         push_number(out, effective_secs(status.effective_window, extra));
                     }
@@ -565,6 +565,27 @@ mod tests {
     use super::*;
     use crate::decision::PolicyStatus;
     use crate::{Policy, Rate};
+
+    /// `w` (draft-11, section 3.1) says whether a quota has a time window, which is the
+    /// algorithm's to say, not the advertised unit's: a rate limit advertised in
+    /// `concurrent-requests` still has one, an in-flight limit advertised in requests
+    /// still has none.
+    #[test]
+    fn the_window_is_sent_by_the_algorithm_not_by_the_unit() {
+        let bucket = Policy::token_bucket("b", 10, Rate::per_second(5))
+            .unwrap()
+            .with_unit(QuotaUnit::ConcurrentRequests);
+        let field = policy_header(&[bucket]).unwrap();
+        assert_eq!(
+            field.to_str().unwrap(),
+            "\"b\";q=10;w=2;qu=\"concurrent-requests\""
+        );
+        let in_flight = Policy::concurrency("c", 2)
+            .unwrap()
+            .with_unit(QuotaUnit::Requests);
+        let field = policy_header(&[in_flight]).unwrap();
+        assert_eq!(field.to_str().unwrap(), "\"c\";q=2");
+    }
 
     #[test]
     fn seconds_round_up_without_overflow() {
