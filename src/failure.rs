@@ -82,23 +82,29 @@ impl LocalFallback {
     }
 
     /// Enforces `share` of every limit and rate (for example `1.0 / replicas`), so the
-    /// fleet as a whole stays near the limit while it decides locally. Clamped to
-    /// (0, 1]; quotas are rounded up, so each replica admits at least one. A share of 0
-    /// or below, or NaN (an integer `1 / replicas`, say) is the strictest share, every
-    /// quota 1, never the whole limit on every replica; a warning says so.
+    /// fleet as a whole stays near the limit while it decides locally. Quotas are rounded
+    /// up, so each replica admits at least one; a share above 1 is 1.
+    ///
+    /// # Panics
+    ///
+    /// When `share` is 0 or below, or NaN (an integer `1 / replicas`, say): no share of a
+    /// limit is right for it (the whole limit on every replica would multiply it; a
+    /// vanishing one would stretch every rate to years), so the mistake is refused where
+    /// it is made, when the app is built.
+    ///
+    /// ```should_panic
+    /// use tollgate::LocalFallback;
+    ///
+    /// let replicas = 3;
+    /// let _ = LocalFallback::new().share((1 / replicas) as f64); // 0: refused
+    /// ```
     pub fn share(mut self, share: f64) -> Self {
-        self.share = if share > 0.0 {
-            share.min(1.0)
-        } else {
-            #[cfg(feature = "tracing")]
-            tracing::warn!(
-                target: "tollgate",
-                share,
-                "LocalFallback::share is not in (0, 1]: the strictest share is used (every \
-                 quota 1 on each replica)"
-            );
-            f64::MIN_POSITIVE
-        };
+        assert!(
+            share > 0.0,
+            "LocalFallback::share must be above 0 (a replica's part of each limit, such as \
+             1.0 / replicas), got {share}"
+        );
+        self.share = share.min(1.0);
         // Sets scaled for another share (a clone's cache) must not be reused.
         self.scaled = Arc::default();
         self

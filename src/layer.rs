@@ -134,6 +134,7 @@ impl<St, K: fmt::Debug, C: fmt::Debug, R: fmt::Debug> fmt::Debug for RateLimitLa
             .field("shadow", &self.shadow)
             .field("settles", &self.settle.is_some())
             .field("bypass", &self.bypass.is_some())
+            .field("mistake", &self.mistake)
             .finish_non_exhaustive()
     }
 }
@@ -433,9 +434,10 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 }
 
 impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
-    /// Checks the set-up without building a service: at least one policy, and every
-    /// policy set known ahead is one the store can decide exactly
-    /// ([`Store::validate`]). [`layer`](Layer::layer) runs the same check and panics on a
+    /// Checks the set-up without building a service: at least one policy, no policy
+    /// replaced by one of its name in the other mode (see [`policy`](Self::policy)),
+    /// every policy set known ahead a valid set (shadow policies among the first 52) that
+    /// the store can decide exactly ([`Store::validate`]). [`layer`](Layer::layer) runs the same check and panics on a
     /// failure; call this first to handle it yourself.
     ///
     /// ```
@@ -498,10 +500,11 @@ where
     ///
     /// # Panics
     ///
-    /// When the layer has a fixed policy set and it is empty (a limiter that limits
-    /// nothing is a set-up mistake), or when the store cannot decide one of its policies
-    /// exactly (see [`validate`](RateLimitLayer::validate)): reported when the app is
-    /// built, never on the first request.
+    /// When [`validate`](RateLimitLayer::validate) fails: the layer has a fixed policy
+    /// set and it is empty (a limiter that limits nothing is a set-up mistake), a
+    /// `.policy()` replaced an enforced policy with a shadow one of its name or the other
+    /// way round, or the store cannot decide one of its policies exactly. Reported when
+    /// the app is built, never on the first request.
     fn layer(&self, inner: S) -> Self::Service {
         match self.service_config() {
             Ok(config) => RateLimit::new(inner, config),

@@ -584,17 +584,24 @@ fn a_policy_reports_the_durations_it_decides_with() {
     );
 }
 
-/// `LocalFallback::share` is clamped to (0, 1], as documented: a share of 0 (an integer
-/// `1 / replicas`, say), a negative one or NaN is the strictest share (every quota 1),
-/// never the whole limit on every replica.
+/// `LocalFallback::share(0.0)` (an integer `1 / replicas`, say), a negative share or NaN
+/// gave every replica the whole limit during an outage. No share is right for it (a
+/// vanishing one would stretch every rate to years): it is refused where it is made, with
+/// a message naming the value. Above 1 is 1.
 #[test]
-fn a_fallback_share_of_zero_is_the_strictest_not_the_whole_limit() {
+fn a_fallback_share_of_zero_is_refused_not_the_whole_limit() {
     let set = PolicySet::from(Policy::token_bucket("api", 30, Rate::per_second(30)).unwrap());
     for share in [0.0, -1.0, f64::NAN, f64::NEG_INFINITY] {
-        let scaled = tollgate::LocalFallback::new()
-            .share(share)
-            .policies_for(&set);
-        assert_eq!(scaled.policies()[0].limit(), 1, "share {share}");
+        let refused = std::panic::catch_unwind(|| tollgate::LocalFallback::new().share(share));
+        let message = refused.expect_err("refused");
+        let message = message
+            .downcast_ref::<String>()
+            .cloned()
+            .unwrap_or_default();
+        assert!(
+            message.contains("share must be above 0"),
+            "{share}: {message}"
+        );
     }
     let whole = tollgate::LocalFallback::new()
         .share(f64::INFINITY)

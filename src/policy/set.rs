@@ -95,7 +95,9 @@ impl PolicySet {
         }
     }
 
-    /// This set with `policy` added, replacing a policy of the same name.
+    /// This set with `policy` added, replacing a policy of the same name, whatever its
+    /// mode: `set.with(api.shadow())` drops an enforced `api`. Give a shadow policy a name
+    /// of its own (`RateLimitLayer::policy` refuses the mix-up when the layer is built).
     pub fn with(&self, policy: Policy) -> Self {
         let mut policies: Vec<Policy> = self
             .inner
