@@ -54,6 +54,8 @@ impl Default for FailureMode {
 pub struct LocalFallback {
     store: MemoryStore,
     share: f64,
+    /// A share that is no share (0 or below, NaN): refused when the layer is built.
+    refused_share: Option<f64>,
     scaled: Arc<Mutex<Vec<(PolicySet, PolicySet)>>>,
 }
 
@@ -77,6 +79,7 @@ impl LocalFallback {
         Self {
             store,
             share: 1.0,
+            refused_share: None,
             scaled: Arc::default(),
         }
     }
@@ -85,29 +88,51 @@ impl LocalFallback {
     /// fleet as a whole stays near the limit while it decides locally. Quotas are rounded
     /// up, so each replica admits at least one; a share above 1 is 1.
     ///
-    /// # Panics
+    /// A share of 0 or below, or NaN (an integer `1 / replicas`, say), is no share: a
+    /// layer with it is refused when it is built ([`RateLimitLayer::validate`], and
+    /// `layer` panics with the message), and a warning says so. (Meanwhile the fallback
+    /// keeps the whole limits, as without a share.)
     ///
-    /// When `share` is 0 or below, or NaN (an integer `1 / replicas`, say): no share of a
-    /// limit is right for it (the whole limit on every replica would multiply it; a
-    /// vanishing one would stretch every rate to years), so the mistake is refused where
-    /// it is made, when the app is built.
-    ///
-    /// ```should_panic
-    /// use tollgate::LocalFallback;
+    /// ```
+    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate, RateLimitLayer};
     ///
     /// let replicas = 3;
-    /// let _ = LocalFallback::new().share((1 / replicas) as f64); // 0: refused
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::token_bucket("api", 30, Rate::per_second(30))?)
+    ///     .on_store_error(FailureMode::Fallback(LocalFallback::new().share((1 / replicas) as f64)));
+    /// assert!(layer.validate().unwrap_err().contains("share must be above 0"));
+    /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
+    ///
+    /// [`RateLimitLayer::validate`]: crate::RateLimitLayer::validate
     pub fn share(mut self, share: f64) -> Self {
-        assert!(
-            share > 0.0,
-            "LocalFallback::share must be above 0 (a replica's part of each limit, such as \
-             1.0 / replicas), got {share}"
-        );
-        self.share = share.min(1.0);
+        if share > 0.0 {
+            self.share = share.min(1.0);
+            self.refused_share = None;
+        } else {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                share,
+                "LocalFallback::share must be above 0: a layer with it is refused when built"
+            );
+            self.share = 1.0;
+            self.refused_share = Some(share);
+        }
         // Sets scaled for another share (a clone's cache) must not be reused.
         self.scaled = Arc::default();
         self
+    }
+
+    /// The set-up mistake of this fallback, if any (a share that is no share).
+    pub(crate) fn check(&self) -> Result<(), String> {
+        match self.refused_share {
+            Some(share) => Err(format!(
+                "RateLimitLayer: LocalFallback::share must be above 0 (a replica's part of \
+                 each limit, such as 1.0 / replicas), got {share}"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The policies this fallback decides `set` with: `set` itself, or every policy

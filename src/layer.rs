@@ -455,6 +455,9 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
         if let Some(mistake) = &self.mistake {
             return Err(mistake.to_string());
         }
+        if let FailureMode::Fallback(fallback) = &self.failure_mode {
+            fallback.check()?;
+        }
         self.resolver.check_configured().map_err(str::to_owned)?;
         if self.store_timeout.is_zero() {
             return Err(

@@ -585,24 +585,28 @@ fn a_policy_reports_the_durations_it_decides_with() {
 }
 
 /// `LocalFallback::share(0.0)` (an integer `1 / replicas`, say), a negative share or NaN
-/// gave every replica the whole limit during an outage. No share is right for it (a
-/// vanishing one would stretch every rate to years): it is refused where it is made, with
-/// a message naming the value. Above 1 is 1.
+/// gave every replica the whole limit during an outage, silently. No share is right for
+/// it (a vanishing one would stretch every rate to years): a layer with it is refused
+/// when it is built, naming the value, without a panic where the share is given. Above 1
+/// is 1.
 #[test]
 fn a_fallback_share_of_zero_is_refused_not_the_whole_limit() {
     let set = PolicySet::from(Policy::token_bucket("api", 30, Rate::per_second(30)).unwrap());
     for share in [0.0, -1.0, f64::NAN, f64::NEG_INFINITY] {
-        let refused = std::panic::catch_unwind(|| tollgate::LocalFallback::new().share(share));
-        let message = refused.expect_err("refused");
-        let message = message
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default();
-        assert!(
-            message.contains("share must be above 0"),
-            "{share}: {message}"
-        );
+        let layer = tollgate::RateLimitLayer::new(MemoryStore::new())
+            .policies(set.clone())
+            .on_store_error(tollgate::FailureMode::Fallback(
+                tollgate::LocalFallback::new().share(share),
+            ));
+        let error = layer.validate().unwrap_err();
+        assert!(error.contains("share must be above 0"), "{share}: {error}");
     }
+    let fine = tollgate::RateLimitLayer::new(MemoryStore::new())
+        .policies(set.clone())
+        .on_store_error(tollgate::FailureMode::Fallback(
+            tollgate::LocalFallback::new().share(0.5),
+        ));
+    assert!(fine.validate().is_ok());
     let whole = tollgate::LocalFallback::new()
         .share(f64::INFINITY)
         .policies_for(&set);
