@@ -217,12 +217,16 @@ where
             self,
             mut map: A,
         ) -> Result<Self::Value, A::Error> {
+            use std::collections::btree_map::Entry;
             let mut out = BTreeMap::new();
             while let Some((key, value)) = map.next_entry::<String, V>()? {
-                if out.contains_key(&key) {
-                    return Err(serde::de::Error::custom(format!("{key:?} is named twice")));
-                }
-                out.insert(key, value);
+                match out.entry(key) {
+                    Entry::Vacant(vacant) => vacant.insert(value),
+                    Entry::Occupied(named) => {
+                        let message = format!("{:?} is named twice", named.key());
+                        return Err(serde::de::Error::custom(message));
+                    }
+                };
             }
             Ok(out)
         }

@@ -480,7 +480,7 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
         for set in self.resolver.known_sets() {
             // A set grown one `.policy()` at a time passes the checks a whole set does
             // (shadow policies among the first 52).
-            PolicySet::new(set.iter().cloned())
+            set.check()
                 .map_err(|error| format!("RateLimitLayer: {error}"))?;
             self.store.validate(&set).map_err(|error| {
                 format!("RateLimitLayer: the store cannot decide these policies: {error}")
@@ -532,6 +532,7 @@ where
             cost: self.cost.clone(),
             resolver: self.resolver.clone(),
             missing_key: self.missing_key,
+            said_missing: std::sync::atomic::AtomicBool::new(false),
             bypass: self
                 .bypass
                 .clone()

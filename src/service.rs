@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
@@ -13,7 +14,7 @@ use crate::cost::Cost;
 use crate::failure::{Admission, ProbeGuard};
 use crate::future::{Pending, ResponseFuture};
 use crate::key::Key;
-use crate::key::{KeyError, KeyExtractor};
+use crate::key::{KeyError, KeyErrorKind, KeyExtractor};
 use crate::policy::PolicySet;
 use crate::reservation::{Adjuster, Reservation};
 use crate::resolve::PolicyResolver;
@@ -33,6 +34,10 @@ pub(crate) struct Config<St, K, C, R> {
     pub(crate) cost: C,
     pub(crate) resolver: R,
     pub(crate) missing_key: MissingKey,
+    /// Set once this layer has said that it lets requests through without a key the
+    /// server should have set (`MissingKey::Allow`): said once, read with one load per
+    /// such request (no lock, no allocation).
+    pub(crate) said_missing: AtomicBool,
     pub(crate) bypass: Option<Bypass>,
     pub(crate) responder: Arc<Responder>,
 }
@@ -200,10 +205,15 @@ where
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     {
-        // `MissingKey::Allow` lets an absent key through on purpose: counted, and said
-        // once when the server should have set what is absent.
+        // `MissingKey::Allow` lets an absent key through on purpose (with an
+        // `ExtensionKey`, every anonymous request): counted, and said once per layer when
+        // the server should have set what is absent.
         if self.config.missing_key == MissingKey::Allow && error.is_missing() {
-            telemetry::key_missing_allowed(error);
+            let said = &self.config.said_missing;
+            let say = error.kind() == KeyErrorKind::Server
+                && !said.load(Ordering::Relaxed)
+                && !said.swap(true, Ordering::Relaxed);
+            telemetry::key_missing_allowed(error, say);
         } else {
             telemetry::key_rejected(error);
         }

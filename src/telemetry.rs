@@ -259,26 +259,28 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
 
 /// A request without a key let through unlimited (`MissingKey::Allow`): counted by kind.
 /// When what is missing is the server's to set (the auth middleware's extension, which
-/// may run after the limiter), every such request passes unlimited: logged at warn level
-/// the first time each reason is seen. An absent client header is what `Allow` is for:
-/// a debug event.
+/// may run after the limiter), every such request passes unlimited: `say` is true for
+/// the layer's first one, logged at warn level. Otherwise a debug event.
 #[cold]
-pub(crate) fn key_missing_allowed(error: &crate::key::KeyError) {
-    use crate::key::KeyErrorKind;
-    let server = error.kind() == KeyErrorKind::Server;
+pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
+    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+    let _ = error;
     #[cfg(feature = "metrics")]
     metrics::counter!(
         "tollgate_key_missing_allowed_total",
-        "kind" => if server { "server" } else { "client" }
+        "kind" => match error.kind() {
+            crate::key::KeyErrorKind::Server => "server",
+            _ => "client",
+        }
     )
     .increment(1);
-    if server && first_reason(&format!("allowed: {error}")) {
+    if say {
         #[cfg(feature = "tracing")]
         tracing::warn!(
             target: "tollgate",
             "requests without a rate-limit key pass unlimited (MissingKey::Allow): {error}. \
              Expected where only some requests carry it (signed-in clients); a mistake if \
-             the middleware that sets it runs after the limiter (logged once per reason, \
+             the middleware that sets it runs after the limiter (logged once per layer, \
              counted in tollgate_key_missing_allowed_total)"
         );
     } else {

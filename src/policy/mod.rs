@@ -159,57 +159,66 @@ impl PartialEq for Policy {
 
 impl Eq for Policy {}
 
-/// `algorithm` with its durations as `params` keeps them (whole microseconds, see
-/// [`Policy`]): what [`Policy::algorithm`] reports, and what names the policy's state, so
-/// that two policies that decide alike are one.
-fn as_kept(algorithm: Algorithm, params: &Params) -> Algorithm {
-    let up = |duration: Duration| {
-        Duration::from_nanos(
-            u64::try_from(duration.as_nanos().div_ceil(1_000) * 1_000).unwrap_or(u64::MAX),
-        )
-    };
-    let rate = |rate: Rate| Rate::new(rate.amount(), up(rate.period()));
-    match algorithm {
-        Algorithm::FixedWindow { limit, window } => Algorithm::FixedWindow {
+/// The algorithm `params` decide: what [`Policy::algorithm`] reports, its durations as
+/// the policy keeps them (whole microseconds, see [`Policy`]), and what names the
+/// policy's state, so that two policies that decide alike are one.
+fn algorithm_of(params: &Params) -> Algorithm {
+    let ns = Duration::from_nanos;
+    let rate = |amount, period| Rate::new(amount, ns(period));
+    match *params {
+        Params::FixedWindow { limit, window } => Algorithm::FixedWindow {
             limit,
-            window: up(window),
+            window: ns(window),
         },
-        Algorithm::SlidingLog { limit, window } => Algorithm::SlidingLog {
+        Params::SlidingLog { limit, window } => Algorithm::SlidingLog {
             limit,
-            window: up(window),
+            window: ns(window),
         },
-        Algorithm::SlidingWindow {
+        Params::SlidingWindow {
             limit,
             window,
             sub_windows,
         } => Algorithm::SlidingWindow {
             limit,
-            window: up(window),
-            sub_windows,
+            window: ns(window),
+            // At most MAX_SUB_WINDOWS: checked when built.
+            sub_windows: u32::try_from(sub_windows).unwrap_or(u32::MAX),
         },
-        Algorithm::TokenBucket { capacity, refill } => Algorithm::TokenBucket {
+        Params::TokenBucket {
             capacity,
-            refill: rate(refill),
-        },
-        Algorithm::LeakyBucket { capacity, leak } => Algorithm::LeakyBucket {
+            amount,
+            period,
+        } => Algorithm::TokenBucket {
             capacity,
-            leak: rate(leak),
+            refill: rate(amount, period),
         },
-        Algorithm::LeakyShaping { leak, max_delay } => Algorithm::LeakyShaping {
-            leak: rate(leak),
-            // Rounded down: a bound.
-            max_delay: match *params {
-                Params::LeakyShape { max_delay, .. } => Duration::from_nanos(max_delay),
-                _ => max_delay,
-            },
+        Params::LeakyPolice {
+            capacity,
+            amount,
+            period,
+        } => Algorithm::LeakyBucket {
+            capacity,
+            leak: rate(amount, period),
         },
-        Algorithm::Gcra { rate: given, burst } => Algorithm::Gcra {
-            rate: rate(given),
+        Params::LeakyShape {
+            amount,
+            period,
+            max_delay,
+        } => Algorithm::LeakyShaping {
+            leak: rate(amount, period),
+            max_delay: ns(max_delay),
+        },
+        Params::Gcra {
+            burst,
+            amount,
+            period,
+        } => Algorithm::Gcra {
+            rate: rate(amount, period),
             burst,
         },
-        Algorithm::Concurrency { limit, lease } => Algorithm::Concurrency {
+        Params::InFlight { limit, lease } => Algorithm::Concurrency {
             limit,
-            lease: up(lease),
+            lease: ns(lease),
         },
     }
 }
@@ -304,7 +313,7 @@ impl Policy {
                 }
             }
         };
-        let algorithm = as_kept(algorithm, &params);
+        let algorithm = algorithm_of(&params);
         Ok(Policy {
             inner: Arc::new(PolicyInner {
                 name: name.into(),

@@ -43,6 +43,24 @@ struct PolicySetInner {
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
+/// What a set of policies must be: distinct names, shadow policies among the first
+/// [`MAX_SHADOW_INDEX`](super::error::MAX_SHADOW_INDEX).
+fn check_policies(policies: &[Policy]) -> Result<(), PolicyError> {
+    for (i, policy) in policies.iter().enumerate() {
+        if policies[..i].iter().any(|p| p.name() == policy.name()) {
+            return Err(PolicyError::DuplicateName {
+                name: policy.name().to_owned(),
+            });
+        }
+        if policy.is_shadow() && i >= super::error::MAX_SHADOW_INDEX {
+            return Err(PolicyError::ShadowTooFar {
+                name: policy.name().to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
 impl fmt::Debug for PolicySet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.inner.policies.iter()).finish()
@@ -54,19 +72,14 @@ impl PolicySet {
     #[inline]
     pub fn new(policies: impl IntoIterator<Item = Policy>) -> Result<Self, PolicyError> {
         let policies: Vec<Policy> = policies.into_iter().collect();
-        for (i, policy) in policies.iter().enumerate() {
-            if policies[..i].iter().any(|p| p.name() == policy.name()) {
-                return Err(PolicyError::DuplicateName {
-                    name: policy.name().to_owned(),
-                });
-            }
-            if policy.is_shadow() && i >= super::error::MAX_SHADOW_INDEX {
-                return Err(PolicyError::ShadowTooFar {
-                    name: policy.name().to_owned(),
-                });
-            }
-        }
+        check_policies(&policies)?;
         Ok(Self::from_vec(policies))
+    }
+
+    /// Whether this set holds what [`new`](Self::new) accepts (a set grown with
+    /// [`with`](Self::with) may not: a shadow policy past the first 52).
+    pub(crate) fn check(&self) -> Result<(), PolicyError> {
+        check_policies(&self.inner.policies)
     }
 
     /// The empty set: requests it is resolved for are not limited and get no headers.

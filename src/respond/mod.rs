@@ -40,7 +40,7 @@ pub enum MissingKey {
     /// and a server set up wrong `500`. Each request let through is counted
     /// (`tollgate_key_missing_allowed_total`); when what is absent is the server's to set
     /// (an [`ExtensionKey`](crate::key::ExtensionKey)'s extension, whose middleware may run
-    /// after the limiter), a warning says so, once per reason.
+    /// after the limiter), a warning says so, once per layer.
     Allow,
 }
 
