@@ -870,6 +870,69 @@ mod http {
     fn app_with_minimum() -> Router {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
     }
+
+    /// `Invalid::Charge` stands in for a cost the coster cannot compute (a document that
+    /// does not parse, a persisted query's hash): the server gets the request and answers
+    /// in its own format. A request the coster read and refused for its limits (a list
+    /// size out of range, a batch too large, nesting too deep, a document past the token
+    /// limit) is one the server would run: charged 5, `first: 100000` would fetch a
+    /// hundred thousand rows. So is a request a server may read otherwise than the
+    /// coster did (a key in two spellings). Those are refused whatever `on_invalid` says.
+    #[tokio::test]
+    async fn a_fixed_charge_never_lets_through_what_the_limits_refuse() {
+        let lenient = app_with_minimum();
+        let deep = "{ a ".repeat(100) + &"}".repeat(100);
+        let batch = format!("[{}]", vec![r#"{"query":"{ a { b } }"}"#; 11].join(","));
+        let long = format!("{{ {} }}", "f ".repeat(30_000));
+        for body in [
+            r#"{"query":"{ repos(first: 100000) { nodes { id } } }"}"#.to_owned(),
+            batch,
+            serde_json::json!({ "query": deep }).to_string(),
+            serde_json::json!({ "query": long }).to_string(),
+            serde_json::json!({ "query": "{ a }", "QUERY": "{ a { b { c } } }" }).to_string(),
+        ] {
+            let (status, cost, answer) = send(&lenient, "k", &body).await;
+            assert_eq!(
+                (status, cost),
+                (StatusCode::BAD_REQUEST, None),
+                "{}: {answer}",
+                &body[..body.len().min(80)]
+            );
+        }
+        // What cannot be read is still charged, for the server to answer.
+        let (status, cost, _) = send(&lenient, "k", r#"{"query":"{ unclosed "}"#).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
+        let request =
+            Request::get("/graphql?query=%7B%20repos(first%3A%20100000)%20%7B%20id%20%7D%20%7D")
+                .header("x-api-key", "k")
+                .body(Body::empty())
+                .unwrap();
+        let response = lenient.clone().oneshot(request).await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::BAD_REQUEST,
+            "a GET out of range"
+        );
+    }
+
+    /// A `GET` whose parameter a server reads as `variables` though the coster does not:
+    /// ASP.NET Core and Java compare names with Unicode case rules (`ſ` is an `s`, `ı` an
+    /// `i`), so `variableſ` is `variables` to them.
+    #[tokio::test]
+    async fn a_get_parameter_that_folds_to_a_graphql_one_is_refused() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        for uri in [
+            "/graphql?query=query(%24n%3AInt%3D1)%7Br(first%3A%24n)%7Bid%7D%7D&variable%C5%BF=%7B%22n%22%3A100000%7D",
+            "/graphql?query=%7Ba%7D&operat%C4%B1onName=B",
+        ] {
+            let request = Request::get(uri)
+                .header("x-api-key", "k")
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+        }
+    }
 }
 
 const SDL: &str = r#"
@@ -1770,5 +1833,151 @@ fn the_largest_slicing_argument_sizes_the_list() {
             .query_cost("{ items(last: 100) { owner { name } } }", None, None)
             .unwrap(),
         1 + 100 * 1
+    );
+}
+
+/// Go's `encoding/json` matches keys by Unicode case folding (gqlgen, graphql-go), where
+/// `ſ` (U+017F) is an `s` and `K` (U+212A) a `k`; Java's and .NET's case-insensitive
+/// comparisons also take `ı` (U+0131) and `İ` (U+0130) for an `i`. A key that is a
+/// request key to such a server is one the coster did not read, and is refused.
+#[test]
+fn keys_that_a_server_folds_to_a_request_key_are_refused() {
+    for body in [
+        json!({ "query": "query($n: Int = 1) { r(first: $n) { id } }", "variableſ": { "n": 100000 } }),
+        json!({ "query": "query A { a } query B { a { b } }", "operationName": "A", "operatıonName": "B" }),
+        json!({ "query": "query A { a } query B { a { b } }", "operationName": "A", "operatİonName": "B" }),
+        json!({ "query": "{ a }", "extenſions": { "persistedQuery": { "sha256Hash": "0f3c" } } }),
+        json!({ "qUery": "{ a { b { c } } }", "query": "{ a }" }),
+    ] {
+        assert!(
+            GraphqlCost::new()
+                .json_cost(body.to_string().as_bytes())
+                .is_err(),
+            "{body}"
+        );
+    }
+    // Other non-ASCII keys are the application's own.
+    let own = json!({ "query": "{ a { b } }", "clé": 1, "ſomething": 2 });
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(own.to_string().as_bytes())
+            .unwrap(),
+        1
+    );
+}
+
+/// An empty batch runs nothing, and a request is never free (a cost of 0 is always
+/// admitted): it is not a GraphQL request.
+#[test]
+fn an_empty_batch_is_refused() {
+    assert!(matches!(
+        GraphqlCost::new().json_cost(b"[]"),
+        Err(CostError::Request(_))
+    ));
+    assert!(matches!(
+        GraphqlCost::new().json_cost(b" [ ] "),
+        Err(CostError::Request(_))
+    ));
+}
+
+/// A slicing range up to `u64::MAX` (no cap) takes every size a document can write; it
+/// refused them all when the bound was read as a signed number (-1).
+#[test]
+fn a_slicing_range_up_to_the_largest_number_caps_nothing() {
+    for out_of_range in [OutOfRange::Reject, OutOfRange::Cap] {
+        let coster = GraphqlCost::new().slice_range(1, u64::MAX, out_of_range);
+        assert_eq!(
+            coster
+                .query_cost("{ repos(first: 5) { nodes { id } } }", None, None)
+                .unwrap(),
+            1 + 5 * 1,
+            "{out_of_range:?}"
+        );
+        assert_eq!(
+            coster
+                .query_cost("{ repos(first: 1000000) { nodes { id } } }", None, None)
+                .unwrap(),
+            1 + 1_000_000 * 1,
+            "{out_of_range:?}"
+        );
+    }
+}
+
+/// `@cost(weight:)` where the IBM cost directive puts it: on an object type reached
+/// through an interface or a union (the field costs its most expensive member: the
+/// server resolves each object, whatever the query selects of it), on a scalar or an
+/// enum type, and on an argument (added when the argument is given).
+#[test]
+fn cost_weights_on_members_scalars_enums_and_arguments_count() {
+    let coster = GraphqlCost::new()
+        .with_schema(
+            r#"
+            directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION | SCALAR | ENUM | ARGUMENT_DEFINITION
+            type Query {
+              u: U
+              i: I
+              blob: Blob
+              mood: Mood
+              search(text: String, fuzzy: Boolean @cost(weight: 7)): [Light]
+            }
+            type Heavy @cost(weight: 50) { x: Int }
+            type Light { y: Int }
+            union U = Heavy | Light
+            interface I { id: ID }
+            type HeavyI implements I @cost(weight: 40) { id: ID }
+            type LightI implements I { id: ID }
+            scalar Blob @cost(weight: 20)
+            enum Mood @cost(weight: 3) { HAPPY SAD }
+            "#,
+        )
+        .unwrap();
+    let cost = |query: &str| coster.query_cost(query, None, None).unwrap();
+    assert_eq!(cost("{ u { ... on Heavy { x } } }"), 50);
+    assert_eq!(cost("{ u { ... on Light { y } } }"), 50);
+    assert_eq!(cost("{ u { __typename } }"), 50);
+    assert_eq!(cost("{ i { id } }"), 40);
+    assert_eq!(cost("{ blob }"), 20);
+    assert_eq!(cost("{ mood }"), 3);
+    assert_eq!(cost(r#"{ search(text: "a") { y } }"#), 1);
+    assert_eq!(cost(r#"{ search(text: "a", fuzzy: true) { y } }"#), 1 + 7);
+}
+
+/// Costing walks a selection set once for each type it may be on: under an interface
+/// with hundreds of implementations (GitHub's `Node`), a document within the token limit asks
+/// for millions of steps, before the limiter has a say. The walk stops at a bound of
+/// field visits for the whole body, and the request is refused, whatever `on_invalid`
+/// says (the server would run it).
+#[test]
+fn costing_work_is_bounded_by_field_visits() {
+    let types: String = (0..300)
+        .map(|n| format!("type T{n} implements Node {{ id: ID }}\n"))
+        .collect();
+    let sdl = format!("type Query {{ node: Node }}\ninterface Node {{ id: ID }}\n{types}");
+    let coster = GraphqlCost::new().with_schema(&sdl).unwrap();
+    let ids = "id ".repeat(9_000);
+    let error = coster
+        .query_cost(&format!("{{ node {{ {ids} }} }}"), None, None)
+        .unwrap_err();
+    assert!(matches!(error, CostError::TooComplex { .. }), "{error}");
+    assert!(error.to_string().contains("field visits"), "{error}");
+    // A batch shares one bound: ten operations each under it, together over it.
+    let some = "id ".repeat(100);
+    let one = json!({ "query": format!("{{ node {{ {some} }} }}") });
+    assert!(coster.json_cost(one.to_string().as_bytes()).is_ok());
+    let ten = serde_json::Value::Array(vec![one; 10]);
+    assert!(matches!(
+        coster
+            .max_field_visits(100_000)
+            .json_cost(ten.to_string().as_bytes()),
+        Err(CostError::TooComplex { max: 100_000 })
+    ));
+    // An everyday query through the interface is nowhere near it.
+    assert_eq!(
+        GraphqlCost::new()
+            .with_schema(&sdl)
+            .unwrap()
+            .query_cost("{ node { id ... on T7 { id } } }", None, None)
+            .unwrap(),
+        1
     );
 }

@@ -10,7 +10,9 @@
 //! `grpc-status-details-bin` whose detail is a `google.rpc.RetryInfo` (the richer error
 //! model gRPC clients read); 3 (INVALID_ARGUMENT) for a request the limiter cannot take
 //! (a missing key, a cost above any limit); 14 (UNAVAILABLE) when the store failed under
-//! fail-closed; 13 (INTERNAL) for a server misconfiguration.
+//! fail-closed; 13 (INTERNAL) for a server misconfiguration. A refusal with a
+//! `retry-after` also says it in `grpc-retry-pushback-ms` (milliseconds), which gRPC's
+//! own retries read (gRFC A6); one that can never pass says `-1` there (do not retry).
 
 use base64::Engine;
 use bytes::Bytes;
@@ -81,10 +83,14 @@ pub(crate) fn fit(
 /// headers).
 fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<Bytes> {
     let (mut parts, body) = response.into_parts();
+    // The limiter's own answers, and an `on_deny` hook's statuses as gRPC's HTTP mapping
+    // reads them (doc/http-grpc-status-mapping.md).
     let code: u32 = match parts.status {
         StatusCode::TOO_MANY_REQUESTS => 8,
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => 3,
-        StatusCode::SERVICE_UNAVAILABLE => 14,
+        StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => 14,
+        StatusCode::UNAUTHORIZED => 16,
+        StatusCode::FORBIDDEN => 7,
         _ => 13,
     };
     let message = detail(&body).unwrap_or_else(|| {
@@ -103,6 +109,17 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, content_type);
     parts.headers.insert("grpc-status", HeaderValue::from(code));
+    // Clients with a retry policy wait what the server pushes back (gRFC A6,
+    // "Pushback"), in milliseconds; a negative value: do not retry (a request that can
+    // never pass).
+    let pushback = match (code, retry_after) {
+        (8 | 14, Some(seconds)) => Some(HeaderValue::from(seconds.saturating_mul(1000))),
+        (3, _) => Some(HeaderValue::from_static("-1")),
+        _ => None,
+    };
+    if let Some(pushback) = pushback {
+        parts.headers.insert("grpc-retry-pushback-ms", pushback);
+    }
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         parts.headers.insert("grpc-message", value);
     }
@@ -340,5 +357,61 @@ mod tests {
         *response.status_mut() = StatusCode::BAD_REQUEST;
         let answer = answer(response);
         assert_eq!(answer.headers()["grpc-message"], "a\"b\\c%0Ad%C3%A9");
+    }
+
+    /// gRPC's retry design (gRFC A6, "Pushback") has clients with a retry policy read
+    /// the server's wish from `grpc-retry-pushback-ms`, not from `retry-after`: without it
+    /// they retry on their own backoff (often 100 ms) into an exhausted budget or a
+    /// failing store. A denial and a fail-closed outage say when, in milliseconds; a
+    /// request that can never pass (`INVALID_ARGUMENT`) says not to retry (a negative
+    /// value).
+    #[test]
+    fn a_refusal_tells_retrying_clients_when_in_pushback() {
+        for (status, retry_after, code, pushback) in [
+            (StatusCode::TOO_MANY_REQUESTS, Some("3"), "8", Some("3000")),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Some("1"),
+                "14",
+                Some("1000"),
+            ),
+            (StatusCode::TOO_MANY_REQUESTS, None, "8", None),
+            (StatusCode::BAD_REQUEST, None, "3", Some("-1")),
+        ] {
+            let mut response = Response::new(Bytes::from_static(br#"{"detail":"no"}"#));
+            *response.status_mut() = status;
+            if let Some(seconds) = retry_after {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static(seconds));
+            }
+            let answer = answer(response);
+            assert_eq!(answer.headers()["grpc-status"], code, "{status}");
+            assert_eq!(
+                answer
+                    .headers()
+                    .get("grpc-retry-pushback-ms")
+                    .map(|value| value.to_str().unwrap()),
+                pushback,
+                "{status}"
+            );
+        }
+    }
+
+    /// An `on_deny` hook's own status keeps its meaning as a gRPC code (gRPC's HTTP to
+    /// gRPC status mapping, doc/http-grpc-status-mapping.md): 401 is UNAUTHENTICATED, 403
+    /// PERMISSION_DENIED, not INTERNAL.
+    #[test]
+    fn a_hooks_status_keeps_its_meaning() {
+        for (status, code) in [
+            (StatusCode::UNAUTHORIZED, "16"),
+            (StatusCode::FORBIDDEN, "7"),
+            (StatusCode::GATEWAY_TIMEOUT, "14"),
+            (StatusCode::INTERNAL_SERVER_ERROR, "13"),
+        ] {
+            let mut response = Response::new(Bytes::new());
+            *response.status_mut() = status;
+            assert_eq!(answer(response).headers()["grpc-status"], code, "{status}");
+        }
     }
 }

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, Limited};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{CostError, GraphqlCost};
+use super::{CostError, GraphqlCost, Uncosted};
 use crate::body::ResponseBody;
 use crate::cost::RequestCost;
 use crate::respond::problem as response;
@@ -22,8 +22,11 @@ use crate::respond::problem as response;
 /// The response header that reports a request's computed cost.
 pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 
-/// What to do with a request whose cost cannot be computed (malformed document, bad JSON,
-/// slicing out of range).
+/// What to do with a request whose cost cannot be computed: a document that does not
+/// parse, a body that is not a GraphQL request, a persisted query's hash. A request the
+/// coster read and refused (a list size out of range, a batch too large, nesting too deep,
+/// a document past the token limit or [`GraphqlCost::max_field_visits`], a key a server
+/// may read as another) is refused whatever this says: the server would run it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Invalid {
@@ -31,7 +34,7 @@ pub enum Invalid {
     #[default]
     Reject,
     /// Charge this much and pass the request on, for the GraphQL server to report the
-    /// error in its own format.
+    /// error in its own format (or to run the persisted query the charge is sized for).
     Charge(u64),
 }
 
@@ -154,7 +157,7 @@ pub struct GraphqlCostService<S> {
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
 enum Read {
-    Cost(Result<u64, CostError>, Bytes),
+    Cost(Result<u64, Uncosted>, Bytes),
     TooLarge,
     Unreadable(String),
 }
@@ -214,22 +217,23 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
 
 impl Config {
     /// The cost, or what the layer does with a request whose cost cannot be computed:
-    /// the charge it passes it on at, or the error it refuses it for.
-    fn or_invalid(&self, cost: Result<u64, CostError>) -> Result<u64, CostError> {
-        cost.or_else(|error| match self.invalid {
-            Invalid::Reject => Err(error),
-            Invalid::Charge(cost) => Ok(cost),
+    /// the charge it passes it on at, or the error it refuses it for. A request read and
+    /// refused is refused whatever `on_invalid` says.
+    fn or_invalid(&self, cost: Result<u64, Uncosted>) -> Result<u64, CostError> {
+        cost.or_else(|uncosted| match self.invalid {
+            Invalid::Charge(cost) if !uncosted.refused => Ok(cost),
+            Invalid::Reject | Invalid::Charge(_) => Err(uncosted.error),
         })
     }
 
-    fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, CostError> {
+    fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, Uncosted> {
         let query_string = parts.uri.query().unwrap_or("");
         // Some servers split parameters on `;` too, and would read other parameters
         // than these (clients escape a `;` in a value as `%3B`).
         if query_string.contains(';') {
-            return Err(CostError::Request(
+            return Err(Uncosted::refused(CostError::Request(
                 "a raw ';' in the URL of an operation: some servers split parameters on it".into(),
-            ));
+            )));
         }
         let mut query = None;
         let mut operation_name = None;
@@ -243,19 +247,22 @@ impl Config {
                 "documentId" => {
                     return Err(CostError::Request(
                         "a documentId: a persisted document cannot be costed".into(),
-                    ));
+                    )
+                    .into());
                 }
                 // `QUERY` would be a query to a server that reads names in any case.
                 other if super::another_case_of_a_request_key(other) => {
-                    return Err(CostError::Request(format!(
-                        "{other:?} differs from a GraphQL parameter only in case"
-                    )));
+                    return Err(Uncosted::refused(CostError::Request(format!(
+                        "{other:?} is a GraphQL parameter to a server that reads names in any case"
+                    ))));
                 }
                 _ => continue,
             };
             // A server may take the first of two, the coster the last: neither is costed.
             if slot.is_some() {
-                return Err(CostError::Request(format!("several {name} parameters")));
+                return Err(Uncosted::refused(CostError::Request(format!(
+                    "several {name} parameters"
+                ))));
             }
             *slot = Some(value.into_owned());
         }
@@ -264,12 +271,19 @@ impl Config {
             Some(text) => match serde_json::from_str::<serde_json::Value>(&text) {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 Ok(serde_json::Value::Null) => None,
-                _ => return Err(CostError::Request("variables must be a JSON object".into())),
+                _ => {
+                    return Err(CostError::Request("variables must be a JSON object".into()).into());
+                }
             },
             None => None,
         };
-        self.coster
-            .query_cost(&query, operation_name.as_deref(), variables.as_ref())
+        let mut visits = self.coster.max_field_visits;
+        self.coster.costing(
+            &query,
+            operation_name.as_deref(),
+            variables.as_ref(),
+            &mut visits,
+        )
     }
 }
 
@@ -285,7 +299,7 @@ impl<S: Clone> GraphqlCostService<S> {
     fn answer<B, ResBody>(
         &mut self,
         request: Request<B>,
-        cost: Result<u64, CostError>,
+        cost: Result<u64, Uncosted>,
     ) -> BoxFuture<Result<Response<ResBody>, S::Error>>
     where
         S: Service<Request<B>, Response = Response<ResBody>> + Send + 'static,
@@ -331,7 +345,7 @@ where
             // layer never sees: at a default cost, one unit would buy any number of them.
             let why = "a request to switch protocols (a WebSocket) carries operations \
                        that cannot be costed";
-            let cost = Err(CostError::Request(why.into()));
+            let cost = Err(CostError::Request(why.into()).into());
             return self.answer(Request::from_parts(parts, body), cost);
         }
         let get = parts.method == Method::GET;
@@ -364,7 +378,7 @@ where
             // request is not costed by its body.
             let why = "a GraphQL request with a body must not carry the operation's \
                        query or variables in its URL: the server might run those instead";
-            let cost = Err(CostError::Request(why.into()));
+            let cost = Err(Uncosted::refused(CostError::Request(why.into())));
             return self.answer(Request::from_parts(parts, body), cost);
         }
         let mut inner = self.take_inner();
@@ -383,23 +397,27 @@ where
                     // body's: the operation costed must be the one it names.
                     let named = url_operation_name(&parts);
                     let mismatch = || {
-                        Err(CostError::Request(
+                        Err(Uncosted::refused(CostError::Request(
                             "the operationName in the URL is not the body's".into(),
-                        ))
+                        )))
                     };
+                    let mut visits = config.coster.max_field_visits;
                     let cost = match (body_type(&parts), named) {
-                        (Err(error), _) => Err(error),
+                        (Err(error), _) => Err(error.into()),
                         (_, Some(None)) => mismatch(),
                         (Ok(BodyType::Document), named) => match std::str::from_utf8(&bytes) {
-                            Ok(query) => {
-                                config
-                                    .coster
-                                    .query_cost(query, named.flatten().as_deref(), None)
+                            Ok(query) => config.coster.costing(
+                                query,
+                                named.flatten().as_deref(),
+                                None,
+                                &mut visits,
+                            ),
+                            Err(_) => {
+                                Err(CostError::Request("the body is not UTF-8".into()).into())
                             }
-                            Err(_) => Err(CostError::Request("the body is not UTF-8".into())),
                         },
                         (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
-                        _ => config.coster.json_cost(&bytes),
+                        _ => config.coster.json_costing(&bytes),
                     };
                     Read::Cost(cost, bytes)
                 }
@@ -491,8 +509,11 @@ fn url_parameters(
 /// True when a request's URL names one of `names`, in any case (as some servers read
 /// them).
 fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
-    url_parameters(parts)
-        .any(|(name, _)| names.iter().any(|known| known.eq_ignore_ascii_case(&name)))
+    url_parameters(parts).any(|(name, _)| {
+        names
+            .iter()
+            .any(|known| super::same_to_a_server(&name, known))
+    })
 }
 
 /// True when a request's URL carries a GraphQL operation's document or variables (`query`,
@@ -505,7 +526,7 @@ fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
 /// given twice with different values (no single operation is named).
 fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
     let mut names = url_parameters(parts)
-        .filter(|(name, _)| name.eq_ignore_ascii_case("operationName"))
+        .filter(|(name, _)| super::same_to_a_server(name, "operationName"))
         .map(|(_, value)| value.into_owned());
     let first = names.next()?;
     Some(names.all(|other| other == first).then_some(first))

@@ -11,8 +11,9 @@
 //!
 //! Hostile documents are bounded: the parser stops at a recursion and a token limit, a
 //! fragment's cost is computed once for each type and list size it is spread under,
-//! however often it is spread (no exponential blow-up), fragment cycles are refused, and
-//! slicing values outside 1..=100 (configurable) are refused or capped.
+//! however often it is spread (no exponential blow-up), fragment cycles are refused,
+//! slicing values outside 1..=100 (configurable) are refused or capped, and costing one
+//! body takes at most 100,000 field visits (configurable).
 //!
 //! ```
 //! use tollgate::cost::graphql::GraphqlCost;
@@ -86,6 +87,13 @@ pub enum CostError {
         /// The most allowed.
         max: usize,
     },
+    /// Costing the body would take more field visits than allowed
+    /// ([`GraphqlCost::max_field_visits`]): a selection set is walked once for each type
+    /// it may be on, so a document through an interface of many types asks for many.
+    TooComplex {
+        /// The most allowed.
+        max: u64,
+    },
 }
 
 impl fmt::Display for CostError {
@@ -117,6 +125,11 @@ impl fmt::Display for CostError {
                 write!(f, "{count} operations in one batch, at most {max} allowed")
             }
             CostError::TooDeep { max } => write!(f, "the document nests deeper than {max} levels"),
+            CostError::TooComplex { max } => write!(
+                f,
+                "costing the document takes more than {max} field visits (each field once \
+                 for each type it may be on)"
+            ),
         }
     }
 }
@@ -135,7 +148,44 @@ pub struct GraphqlCost {
     max_batch: usize,
     max_depth: usize,
     token_limit: usize,
+    max_field_visits: u64,
     schema: Option<std::sync::Arc<schema::Schema>>,
+}
+
+/// Why a request went uncosted, as the layer weighs it. `refused`: the coster read the
+/// request and refused it, for a limit of the model (a list size out of range, a batch
+/// too large, nesting too deep, a document too long or too costly to cost) or because a
+/// server may read it otherwise than the coster did (a key in two spellings). The server
+/// would run such a request, so no fixed charge ([`Invalid::Charge`]) stands in for its
+/// cost. Otherwise the request could not be read (it does not parse, it is a persisted
+/// query's hash), and the server will say so in its own words.
+#[derive(Debug)]
+pub(super) struct Uncosted {
+    pub(super) error: CostError,
+    pub(super) refused: bool,
+}
+
+impl From<CostError> for Uncosted {
+    fn from(error: CostError) -> Self {
+        let refused = matches!(
+            error,
+            CostError::Slicing { .. }
+                | CostError::Batch { .. }
+                | CostError::TooDeep { .. }
+                | CostError::TooComplex { .. }
+        );
+        Self { error, refused }
+    }
+}
+
+impl Uncosted {
+    /// Read and refused, whatever the error says.
+    pub(super) fn refused(error: CostError) -> Self {
+        Self {
+            error,
+            refused: true,
+        }
+    }
 }
 
 impl Default for GraphqlCost {
@@ -147,7 +197,7 @@ impl Default for GraphqlCost {
 impl GraphqlCost {
     /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), mutations
     /// 10, every operation at least 1, batches of at most 10, nesting of at most 64
-    /// levels, documents of at most 20,000 tokens.
+    /// levels, documents of at most 20,000 tokens, at most 100,000 field visits a body.
     pub fn new() -> Self {
         Self {
             slicing_arguments: ["first", "last", "limit"].map(String::from).to_vec(),
@@ -159,6 +209,7 @@ impl GraphqlCost {
             max_batch: 10,
             max_depth: 64,
             token_limit: 20_000,
+            max_field_visits: 100_000,
             schema: None,
         }
     }
@@ -218,8 +269,19 @@ impl GraphqlCost {
         self
     }
 
-    /// The allowed slicing values (default 1..=100) and what to do outside them.
+    /// The allowed slicing values (default 1..=100) and what to do outside them. A
+    /// document writes integers of at most 64 bits, signed: a bound above `i64::MAX`
+    /// (`u64::MAX` for "no cap") is `i64::MAX`.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::{GraphqlCost, OutOfRange};
+    ///
+    /// let uncapped = GraphqlCost::new().slice_range(1, u64::MAX, OutOfRange::Reject);
+    /// assert_eq!(uncapped.query_cost("{ repos(first: 5000) { nodes { id } } }", None, None)?, 1 + 5000);
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
     pub fn slice_range(mut self, min: u64, max: u64, out_of_range: OutOfRange) -> Self {
+        let (min, max) = (min.min(i64::MAX as u64), max.min(i64::MAX as u64));
         self.min_slice = min.min(max);
         self.max_slice = max.max(min);
         self.out_of_range = out_of_range;
@@ -229,6 +291,27 @@ impl GraphqlCost {
     /// The most operations in one batched request (default 10).
     pub fn max_batch(mut self, max: usize) -> Self {
         self.max_batch = max;
+        self
+    }
+
+    /// The most field visits costing one body may take (default 100,000; a batch shares
+    /// them), past which it is refused with [`CostError::TooComplex`]. A field is visited
+    /// once for each type its selection set may be on: a document at the token limit,
+    /// through an interface of 300 types, would take millions before the limiter has a say.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::{CostError, GraphqlCost};
+    ///
+    /// let coster = GraphqlCost::new().max_field_visits(3);
+    /// assert_eq!(coster.query_cost("{ a { b c } }", None, None)?, 1);
+    /// assert!(matches!(
+    ///     coster.query_cost("{ a { b c d } }", None, None),
+    ///     Err(CostError::TooComplex { max: 3 })
+    /// ));
+    /// # Ok::<(), CostError>(())
+    /// ```
+    pub fn max_field_visits(mut self, max: u64) -> Self {
+        self.max_field_visits = max;
         self
     }
 
@@ -245,18 +328,43 @@ impl GraphqlCost {
         operation_name: Option<&str>,
         variables: Option<&Map<String, Json>>,
     ) -> Result<u64, CostError> {
-        let document = apollo_compiler::parser::Parser::new()
-            .recursion_limit(self.max_depth.saturating_mul(2))
-            .token_limit(self.token_limit)
-            .parse_ast(query, "request.graphql")
-            .map_err(|invalid| {
+        let mut visits = self.max_field_visits;
+        self.costing(query, operation_name, variables, &mut visits)
+            .map_err(|uncosted| uncosted.error)
+    }
+
+    /// [`GraphqlCost::query_cost`] within `visits` field visits (what is left of them is
+    /// left there), and how the layer weighs an error.
+    pub(super) fn costing(
+        &self,
+        query: &str,
+        operation_name: Option<&str>,
+        variables: Option<&Map<String, Json>>,
+        visits: &mut u64,
+    ) -> Result<u64, Uncosted> {
+        let recursion_limit = self.max_depth.saturating_mul(2);
+        let mut parser = apollo_compiler::parser::Parser::new()
+            .recursion_limit(recursion_limit)
+            .token_limit(self.token_limit);
+        let document = match parser.parse_ast(query, "request.graphql") {
+            Ok(document) => document,
+            Err(invalid) => {
                 // The first error's message only: rendering every error with its source
                 // costs time quadratic in a hostile document full of errors.
-                CostError::Parse(match invalid.errors.iter().next() {
+                let error = CostError::Parse(match invalid.errors.iter().next() {
                     Some(first) => format!("Error: {}", first.error),
                     None => "invalid document".to_owned(),
-                })
-            })?;
+                });
+                // A document past a limit of the parser is one a server would run.
+                let limited = parser.tokens_reached() > self.token_limit
+                    || parser.recursion_reached() > recursion_limit;
+                return Err(if limited {
+                    Uncosted::refused(error)
+                } else {
+                    error.into()
+                });
+            }
+        };
         let mut operations = Vec::new();
         let mut fragments = HashMap::new();
         for definition in &document.definitions {
@@ -275,11 +383,14 @@ impl GraphqlCost {
                 .ok_or_else(|| CostError::Operation(format!("no operation named {name}")))?,
             None => match operations.as_slice() {
                 [only] => only,
-                [] => return Err(CostError::Operation("the document has no operation".into())),
+                [] => {
+                    return Err(CostError::Operation("the document has no operation".into()).into());
+                }
                 _ => {
                     return Err(CostError::Operation(
                         "several operations and no operationName".into(),
-                    ));
+                    )
+                    .into());
                 }
             },
         };
@@ -302,8 +413,11 @@ impl GraphqlCost {
             deepest: 0,
             operation,
             variables,
+            visits: *visits,
         };
-        let cost = walk.selections(&operation.selection_set, root, 0)?;
+        let cost = walk.selections(&operation.selection_set, root, 0);
+        *visits = walk.visits;
+        let cost = cost?;
         let cost = match operation.operation_type {
             OperationType::Mutation => cost.saturating_add(self.mutation_base),
             OperationType::Query | OperationType::Subscription => cost,
@@ -314,33 +428,44 @@ impl GraphqlCost {
     /// The cost of a JSON request body: one request object, or an array of them (a
     /// batch: summed).
     pub fn json_cost(&self, body: &[u8]) -> Result<u64, CostError> {
+        self.json_costing(body).map_err(|uncosted| uncosted.error)
+    }
+
+    /// [`GraphqlCost::json_cost`], and how the layer weighs an error.
+    pub(super) fn json_costing(&self, body: &[u8]) -> Result<u64, Uncosted> {
         let json: Json =
             serde_json::from_slice(body).map_err(|error| CostError::Request(error.to_string()))?;
+        let mut visits = self.max_field_visits;
         match json {
             Json::Array(batch) => {
                 if batch.len() > self.max_batch {
                     return Err(CostError::Batch {
                         count: batch.len(),
                         max: self.max_batch,
-                    });
+                    }
+                    .into());
+                }
+                // An empty batch runs nothing, and would cost nothing: not a request.
+                if batch.is_empty() {
+                    return Err(CostError::Request("an empty batch".into()).into());
                 }
                 batch.iter().try_fold(0u64, |total, request| {
-                    Ok(total.saturating_add(self.request_cost(request)?))
+                    Ok(total.saturating_add(self.request_cost(request, &mut visits)?))
                 })
             }
-            request => self.request_cost(&request),
+            request => self.request_cost(&request, &mut visits),
         }
     }
 
-    fn request_cost(&self, request: &Json) -> Result<u64, CostError> {
+    fn request_cost(&self, request: &Json, visits: &mut u64) -> Result<u64, Uncosted> {
         let object = request
             .as_object()
             .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
         // Some servers match keys in any case (Go's JSON decoding).
         if let Some(key) = object.keys().find(|key| another_case_of_a_request_key(key)) {
-            return Err(CostError::Request(format!(
-                "{key:?} differs from a GraphQL request's key only in case"
-            )));
+            return Err(Uncosted::refused(CostError::Request(format!(
+                "{key:?} is a GraphQL request's key to a server that reads keys in any case"
+            ))));
         }
         // A server that supports persisted documents may run the stored one and ignore
         // the query: the query's cost would say nothing of what runs.
@@ -349,7 +474,8 @@ impl GraphqlCost {
                 "a documentId: a persisted document cannot be costed, and a server may run \
                  it rather than the query"
                     .into(),
-            ));
+            )
+            .into());
         }
         let query = object
             .get("query")
@@ -358,14 +484,16 @@ impl GraphqlCost {
         let operation_name = match object.get("operationName") {
             None | Some(Json::Null) => None,
             Some(Json::String(name)) => Some(name.as_str()),
-            Some(_) => return Err(CostError::Request("operationName must be a string".into())),
+            Some(_) => {
+                return Err(CostError::Request("operationName must be a string".into()).into());
+            }
         };
         let variables = match object.get("variables") {
             None | Some(Json::Null) => None,
             Some(Json::Object(variables)) => Some(variables),
-            Some(_) => return Err(CostError::Request("variables must be an object".into())),
+            Some(_) => return Err(CostError::Request("variables must be an object".into()).into()),
         };
-        self.query_cost(query, operation_name, variables)
+        self.costing(query, operation_name, variables, visits)
     }
 }
 
@@ -378,13 +506,34 @@ const REQUEST_KEYS: [&str; 5] = [
     "documentId",
 ];
 
-/// True when `name` differs from a request key only in case: a server that reads keys in
-/// any case (Go's JSON decoding, ASP.NET Core's query collection) takes it for that key,
-/// which the coster did not read.
+/// True when `name` is a request key to a server that reads keys in any case (Go's JSON
+/// decoding, ASP.NET Core's query collection) but is not spelt as one: such a server
+/// takes it for that key, which the coster did not read.
 fn another_case_of_a_request_key(name: &str) -> bool {
     REQUEST_KEYS
         .iter()
-        .any(|known| known.eq_ignore_ascii_case(name) && *known != name)
+        .any(|known| *known != name && same_to_a_server(name, known))
+}
+
+/// True when a server that compares names without regard to case may read `name` as
+/// `known` (an ASCII name): ASCII letters in either case, and the letters whose other
+/// case is an ASCII one under Unicode's rules, which Go's `EqualFold` (`ſ` for `s`, `K`
+/// for `k`), Java's `equalsIgnoreCase` and .NET's `OrdinalIgnoreCase` (`ı` and `İ` for
+/// `i`) apply.
+pub(super) fn same_to_a_server(name: &str, known: &str) -> bool {
+    if name.is_ascii() {
+        return name.eq_ignore_ascii_case(known);
+    }
+    let mut folded = name.chars().map(|c| {
+        c.to_lowercase()
+            .chain(c.to_uppercase())
+            .find(char::is_ascii_alphabetic)
+            .map_or(c, |ascii| ascii.to_ascii_lowercase())
+    });
+    known
+        .chars()
+        .all(|k| folded.next() == Some(k.to_ascii_lowercase()))
+        && folded.next().is_none()
 }
 
 /// One costing pass over one operation.
@@ -407,6 +556,8 @@ struct Walk<'a> {
     deepest: usize,
     operation: &'a ast::OperationDefinition,
     variables: Option<&'a Map<String, Json>>,
+    /// Field visits left ([`GraphqlCost::max_field_visits`]).
+    visits: u64,
 }
 
 /// A fragment in a context: its name, the concrete type and the list size it is costed in.
@@ -535,6 +686,9 @@ impl<'a> Walk<'a> {
         concrete: Option<&str>,
         depth: usize,
     ) -> Result<u64, CostError> {
+        self.visits = self.visits.checked_sub(1).ok_or(CostError::TooComplex {
+            max: self.model.max_field_visits,
+        })?;
         if field.name == "__typename" {
             return Ok(0);
         }
@@ -562,7 +716,21 @@ impl<'a> Walk<'a> {
             .get(&info.ty)
             .and_then(|ty| ty.weight)
             .unwrap_or(u64::from(composite));
-        let weight = info.weight.unwrap_or(type_weight);
+        // `@cost` on the arguments given adds to the field's.
+        let weight = info.argument_weights.iter().fold(
+            info.weight.unwrap_or(type_weight),
+            |weight, (argument, extra)| {
+                if field
+                    .arguments
+                    .iter()
+                    .any(|given| given.name == argument.as_str())
+                {
+                    weight.saturating_add(*extra)
+                } else {
+                    weight
+                }
+            },
+        );
         if field.selection_set.is_empty() && !info.list && info.list_size.is_none() {
             // One leaf value: its arguments size nothing.
             return Ok(weight);
@@ -730,6 +898,7 @@ impl<'a> Walk<'a> {
         value: Option<i64>,
     ) -> Result<u64, CostError> {
         let model = self.model;
+        // Both bounds are at most `i64::MAX` (`slice_range`).
         let in_range =
             value.filter(|v| *v >= model.min_slice as i64 && *v <= model.max_slice as i64);
         match (in_range, model.out_of_range) {

@@ -38,12 +38,15 @@ pub(super) struct FieldInfo {
     pub(super) list_size: Option<ListSize>,
     /// Argument defaults (integers only: that is all slicing needs).
     pub(super) defaults: HashMap<String, i64>,
+    /// `@cost(weight:)` on arguments: added when the argument is given.
+    pub(super) argument_weights: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, Default)]
 pub(super) struct TypeInfo {
     pub(super) composite: bool,
-    /// `@cost(weight:)` on the type: added for every object of it.
+    /// `@cost(weight:)` on the type: what a field of it costs (an interface or a union:
+    /// the most of its own and its members').
     pub(super) weight: Option<u64>,
     pub(super) fields: HashMap<String, FieldInfo>,
     /// Concrete types (for interfaces and unions), itself for objects.
@@ -128,6 +131,11 @@ fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
                 }
             })
             .collect(),
+        argument_weights: field
+            .arguments
+            .iter()
+            .filter_map(|argument| Some((argument.name.to_string(), weight(&argument.directives)?)))
+            .collect(),
     }
 }
 
@@ -168,6 +176,18 @@ impl Schema {
                 Definition::UnionTypeExtension(union) => {
                     schema.union(&union.name, &union.directives, &mut unions, &union.members)
                 }
+                Definition::ScalarTypeDefinition(scalar) => {
+                    schema.leaf(&scalar.name, &scalar.directives);
+                }
+                Definition::ScalarTypeExtension(scalar) => {
+                    schema.leaf(&scalar.name, &scalar.directives);
+                }
+                Definition::EnumTypeDefinition(enumeration) => {
+                    schema.leaf(&enumeration.name, &enumeration.directives);
+                }
+                Definition::EnumTypeExtension(enumeration) => {
+                    schema.leaf(&enumeration.name, &enumeration.directives);
+                }
                 Definition::SchemaDefinition(definition) => {
                     schema.roots_from(&definition.root_operations)
                 }
@@ -194,6 +214,30 @@ impl Schema {
         for (union, members) in unions {
             if let Some(info) = schema.types.get_mut(&union) {
                 info.possible.extend(members);
+            }
+        }
+        // A field of an interface or a union costs its most expensive member: the server
+        // resolves each object, whatever the query selects of it.
+        let abstract_weights: Vec<(String, u64)> = schema
+            .types
+            .iter()
+            .filter(|(name, info)| info.composite && info.possible.iter().any(|p| p != *name))
+            .filter_map(|(name, info)| {
+                let weights = std::iter::once(info.weight).chain(
+                    info.possible
+                        .iter()
+                        .map(|member| schema.types.get(member).and_then(|member| member.weight)),
+                );
+                let given: Vec<Option<u64>> = weights.collect();
+                given.iter().any(Option::is_some).then(|| {
+                    let most = given.iter().map(|weight| weight.unwrap_or(1)).max();
+                    (name.clone(), most.unwrap_or(1))
+                })
+            })
+            .collect();
+        for (name, weight) in abstract_weights {
+            if let Some(info) = schema.types.get_mut(&name) {
+                info.weight = Some(weight);
             }
         }
         for (slot, default) in [
@@ -258,6 +302,14 @@ impl Schema {
                 .insert(field.name.to_string(), field_info(field));
         }
         info
+    }
+
+    /// A scalar's or an enum's definition or extension: its weight (a weight given once
+    /// stays).
+    fn leaf(&mut self, name: &apollo_compiler::Name, directives: &DirectiveList) {
+        if let Some(weight) = weight(directives) {
+            self.types.entry(name.to_string()).or_default().weight = Some(weight);
+        }
     }
 
     /// The root operation types of a `schema` definition or extension.
