@@ -418,7 +418,19 @@ pub(crate) struct Breaker {
     probing: AtomicU64,
     tickets: AtomicU64,
     degraded: AtomicBool,
+    /// The two warnings, said at most once a [`SAY_EVERY`]: the instant (clock nanoseconds
+    /// + 1) the last "failed" was said (0: never)...
+    said_at: AtomicU64,
+    /// ...whether this failure's "failed" was said (its "answers again" is said then)...
+    said: AtomicBool,
+    /// ...and how many failures went unsaid since.
+    unsaid: AtomicU64,
 }
+
+/// The store failing and answering again is said at most once in this long: a store that
+/// fails now and then (a timeout in a hundred, one shard of a Cluster away) is one thing
+/// to tell, not two lines per failure.
+const SAY_EVERY: Duration = Duration::from_secs(30);
 
 impl std::fmt::Debug for dyn Clock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -440,6 +452,9 @@ impl Breaker {
             probing: AtomicU64::new(0),
             tickets: AtomicU64::new(1),
             degraded: AtomicBool::new(false),
+            said_at: AtomicU64::new(0),
+            said: AtomicBool::new(false),
+            unsaid: AtomicU64::new(0),
         }
     }
 
@@ -508,8 +523,10 @@ impl Breaker {
         self.probing.store(0, Ordering::Release);
         if self.degraded.swap(false, Ordering::AcqRel) {
             crate::telemetry::fallback_active(false);
-            #[cfg(feature = "tracing")]
-            tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
+            if self.said.swap(false, Ordering::AcqRel) {
+                #[cfg(feature = "tracing")]
+                tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
+            }
         }
     }
 
@@ -523,8 +540,25 @@ impl Breaker {
             .saturating_add(1);
         if !self.degraded.swap(true, Ordering::AcqRel) {
             crate::telemetry::fallback_active(true);
-            #[cfg(feature = "tracing")]
-            tracing::warn!(target: "tollgate", %error, "rate-limit store failed; applying the failure mode until it answers again");
+            let now = self.clock.now().saturating_add(1);
+            let last = self.said_at.load(Ordering::Acquire);
+            let every = u64::try_from(SAY_EVERY.as_nanos()).unwrap_or(u64::MAX);
+            let due = last == 0 || now.saturating_sub(last) >= every;
+            if due
+                && self
+                    .said_at
+                    .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                self.said.store(true, Ordering::Release);
+                let unsaid = self.unsaid.swap(0, Ordering::AcqRel);
+                #[cfg(feature = "tracing")]
+                tracing::warn!(target: "tollgate", %error, unsaid_failures_since_last_warning = unsaid, "rate-limit store failed; applying the failure mode until it answers again");
+                #[cfg(not(feature = "tracing"))]
+                let _ = unsaid;
+            } else {
+                self.unsaid.fetch_add(1, Ordering::Relaxed);
+            }
         }
         #[cfg(not(feature = "tracing"))]
         let _ = error;

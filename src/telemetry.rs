@@ -170,7 +170,8 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
 
 /// The store failed. I/O failures are debug events (the failure-mode warning already
 /// says the store is away); any other failure is a bug or a misconfiguration, logged at
-/// error level the first time each kind and code is seen, and counted every time.
+/// error level the first time each kind, code and wording is seen, and counted every
+/// time.
 #[inline]
 pub(crate) fn store_error(error: &StoreError) {
     #[cfg(feature = "metrics")]
@@ -178,7 +179,7 @@ pub(crate) fn store_error(error: &StoreError) {
     if error.kind().is_io() {
         #[cfg(feature = "tracing")]
         tracing::debug!(target: "tollgate", %error, "rate-limit store error");
-    } else if first_of_its_kind(error.kind(), error.code()) {
+    } else if first_of_its_kind(error.kind(), error.code(), &error.message) {
         #[cfg(feature = "tracing")]
         tracing::error!(
             target: "tollgate",
@@ -186,18 +187,31 @@ pub(crate) fn store_error(error: &StoreError) {
             kind = error.kind().as_str(),
             code = error.code().unwrap_or(""),
             "rate-limit store refused to decide: this is a bug or a misconfiguration, not an \
-             outage; the failure mode answers meanwhile (logged once per kind, counted in \
-             tollgate_store_errors_total)"
+             outage; the failure mode answers meanwhile (logged once per kind of error, \
+             counted in tollgate_store_errors_total)"
         );
     }
 }
 
-/// True the first time this process sees `kind` with `code` (a small, bounded set: the
-/// codes a store can answer).
-fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>) -> bool {
-    static SEEN: Seen<(StoreErrorKind, Box<str>)> = Seen::new();
-    // Bounded: a store answering ever new codes cannot grow this without limit.
-    SEEN.first((kind, code.unwrap_or("").into())) == Some(true)
+/// True the first time this process sees `kind` with `code` and words like `message`'s.
+/// Redis answers most errors with `ERR` (every script error among them), so the code
+/// alone would hide a second fault behind the first. The words are the message's start
+/// with each run of digits made one `#` (a line number, a key's number): one fault worded
+/// with other numbers is the same fault.
+fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>, message: &str) -> bool {
+    static SEEN: Seen<(StoreErrorKind, Box<str>, Box<str>)> = Seen::new();
+    let mut words = String::new();
+    let mut digits = false;
+    for c in message.chars().take(96) {
+        match (c.is_ascii_digit(), digits) {
+            (true, true) => {}
+            (true, false) => words.push('#'),
+            (false, _) => words.push(c),
+        }
+        digits = c.is_ascii_digit();
+    }
+    // Bounded: a store answering ever new words cannot grow this without limit.
+    SEEN.first((kind, code.unwrap_or("").into(), words.into())) == Some(true)
 }
 
 /// What a process has seen once, to log a kind of error the first time only: at most 64

@@ -744,3 +744,37 @@ async fn a_read_only_replica_fails_at_start_up() {
     assert_eq!(error.code(), Some("READONLY"), "{error}");
     assert!(!error.kind().is_io(), "{error}");
 }
+
+/// A primary that lost its replicas under `min-replicas-to-write` (which the README
+/// recommends for Sentinel) answers writes `NOREPLICAS` until a replica is back: an
+/// outage in passing, as `MASTERDOWN` is, for the breaker and the failure mode; not a
+/// refusal logged as a bug, which keeps every request going to Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_without_its_replicas_is_an_outage_not_a_refusal() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new("no-replicas");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "min-replicas-to-write", "1"])
+            .trim(),
+        "OK"
+    );
+    let error = store.decide(&key, &policies, 1).await.unwrap_err();
+    assert_eq!(
+        error.kind(),
+        tollgate::StoreErrorKind::Unavailable,
+        "{error} ({:?})",
+        error.code()
+    );
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "min-replicas-to-write", "0"])
+            .trim(),
+        "OK"
+    );
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+}

@@ -307,3 +307,138 @@ fn requests_let_through_for_a_key_the_server_should_have_set_are_reported_once()
     assert_eq!(warnings.len(), 1, "{warnings:?}");
     assert!(warnings[0].contains("AccountFromAuth"), "{warnings:?}");
 }
+
+/// A store that fails every other decision (a timeout now and then, a Cluster with one
+/// shard away): the breaker stays closed, and the failure mode answers the failed ones.
+/// The two warnings are said once for a while, not once per failure: four hundred
+/// decisions flapping on one clock instant say "failed" and "answers again" once each.
+#[test]
+fn a_store_that_fails_now_and_then_is_warned_of_once_in_a_while() {
+    #[derive(Clone)]
+    struct EveryOther(Arc<std::sync::atomic::AtomicU64>, MemoryStore);
+    impl tollgate::Store for EveryOther {
+        fn decide(
+            &self,
+            key: &tollgate::Key,
+            policies: &tollgate::PolicySet,
+            cost: u64,
+        ) -> tollgate::DecideFuture {
+            if self.0.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+                return tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+                    tollgate::StoreErrorKind::Timeout,
+                    "timed out",
+                )));
+            }
+            self.1.decide(key, policies, cost)
+        }
+    }
+    let recorder = Recorder::default();
+    let clock = tollgate::clock::ManualClock::new();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(EveryOther(Arc::default(), MemoryStore::new()))
+                .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(3600)).unwrap())
+                .key(Global)
+                .circuit_breaker(
+                    tollgate::CircuitBreaker::new(5, Duration::from_secs(1))
+                        .with_clock(clock.clone()),
+                ),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let send = |app: Router| async move {
+        app.oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap()
+    };
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..400 {
+                assert_eq!(send(app.clone()).await.status(), 200);
+            }
+        })
+    });
+    let warnings = |events: &[String]| -> (usize, usize) {
+        let count = |text: &str| {
+            events
+                .iter()
+                .filter(|event| event.starts_with(&format!("{} {text}", Level::WARN)))
+                .count()
+        };
+        (
+            count("rate-limit store failed"),
+            count("rate-limit store answers again"),
+        )
+    };
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(warnings(&events), (1, 1), "{} events", events.len());
+    // A while later, the next failure is said again (with how often it flapped since).
+    clock.advance(Duration::from_secs(60));
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..4 {
+                send(app.clone()).await;
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(warnings(&events), (2, 2), "{events:?}");
+}
+
+/// Redis answers most errors with the code `ERR` (a script's error among them): a second
+/// refusal of another kind under the same code is a new fault to tell, not one already
+/// logged.
+#[test]
+fn refusals_under_one_code_with_other_words_are_each_logged() {
+    #[derive(Clone)]
+    struct Refuses(Arc<std::sync::atomic::AtomicU64>);
+    impl tollgate::Store for Refuses {
+        fn decide(
+            &self,
+            _key: &tollgate::Key,
+            _policies: &tollgate::PolicySet,
+            _cost: u64,
+        ) -> tollgate::DecideFuture {
+            let message = match self.0.fetch_add(1, Ordering::SeqCst) {
+                0 | 1 => "ERR user_script:12: Script attempted to access a non local key 4711",
+                _ => "ERR user_script:80: the sliding log member 99 was not written by tollgate",
+            };
+            tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+                tollgate::StoreErrorKind::Refused,
+                message,
+            )
+            .with_code("ERR")))
+        }
+    }
+    let recorder = Recorder::default();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(Refuses(Arc::default()))
+                .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+                .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..4 {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let errors: Vec<&String> = events
+        .iter()
+        .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
+        .collect();
+    assert_eq!(errors.len(), 2, "{events:?}");
+}

@@ -467,8 +467,9 @@ impl Future for DecideFuture {
 #[non_exhaustive]
 pub enum StoreErrorKind {
     /// The backend could not be reached, or is between primaries: a failover in
-    /// progress (Redis `READONLY` from a demoted primary, `MASTERDOWN`) or a server still
-    /// loading or busy (`LOADING`, `BUSY`).
+    /// progress (Redis `READONLY` from a demoted primary, `MASTERDOWN`, `NOREPLICAS` from a
+    /// primary whose replicas are away) or a server still loading or busy (`LOADING`,
+    /// `BUSY`).
     Unavailable,
     /// The backend did not answer in time.
     Timeout,

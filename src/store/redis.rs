@@ -616,13 +616,14 @@ impl fmt::Debug for RedisStore {
 }
 
 /// Sorts a Redis error: connection trouble passes by itself (`Unavailable`, `Timeout`),
-/// and so does a failover (`READONLY` from a demoted primary, `MASTERDOWN`) or a server
+/// and so does a failover (`READONLY` from a demoted primary, `MASTERDOWN`, a primary
+/// whose replicas are away under `min-replicas-to-write`: `NOREPLICAS`) or a server
 /// still busy (`BUSY`, `LOADING`); an error the server answered (`NOPERM`, `WRONGTYPE`,
 /// `OOM`, a script error) is `Refused`, which the layer logs loudly instead of hiding it
 /// behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
-    let transient_code = matches!(error.code(), Some("BUSY" | "LOADING"))
+    let transient_code = matches!(error.code(), Some("BUSY" | "LOADING" | "NOREPLICAS"))
         || demoted(&error)
         || error
             .detail()
