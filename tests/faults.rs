@@ -778,3 +778,105 @@ async fn a_primary_without_its_replicas_is_an_outage_not_a_refusal() {
     );
     assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
+
+/// A TCP relay on loopback in front of a server: [`Relay::freeze`] stops every connection
+/// made so far from passing bytes either way, resetting none (a server frozen by a long
+/// stall, or a host gone without a word, while its name moves on), and connections made
+/// after it go through. Stops with the test's runtime.
+struct Relay {
+    port: u16,
+    /// Connections numbered below this are frozen.
+    frozen_below: Arc<AtomicU64>,
+    made: Arc<AtomicU64>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let frozen_below = Arc::new(AtomicU64::new(0));
+        let made = Arc::new(AtomicU64::new(0));
+        let (frozen, count) = (Arc::clone(&frozen_below), Arc::clone(&made));
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let number = count.fetch_add(1, Ordering::SeqCst);
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                for (from, to) in [
+                    (
+                        Box::new(client_read) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                        Box::new(server_write) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                    ),
+                    (Box::new(server_read), Box::new(client_write)),
+                ] {
+                    let frozen = Arc::clone(&frozen);
+                    tokio::spawn(pump(from, to, number, frozen));
+                }
+            }
+        });
+        Self {
+            port,
+            frozen_below,
+            made,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Every connection made so far passes nothing more.
+    fn freeze(&self) {
+        self.frozen_below
+            .store(self.made.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to` until either ends; holds what it read, forever, once connection
+/// `number` is frozen.
+async fn pump(
+    mut from: Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+    mut to: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    number: u64,
+    frozen_below: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if number < frozen_below.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// One URL (a managed primary endpoint, a virtual IP, a Kubernetes service) whose server
+/// stops answering without closing the connection (a long stall, a host gone without a
+/// reset) while the name moves on: each decision is dropped by the layer's timeout, so
+/// the connection itself never sees an error. The store must notice that it gets no
+/// answers, check, and connect anew, as the Sentinel backend leaves a primary that stops
+/// answering; not sit on the fallback until TCP gives up (a quarter of an hour) or for
+/// ever (a stall that keeps acknowledging).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_stops_answering_is_left_for_a_new_one() {
+    let server = RedisServer::start();
+    let relay = Relay::start(server.port).await;
+    let (store, app) = healthy_app(RedisStore::connect(&relay.url()).await.unwrap()).await;
+    assert_eq!(
+        relay.made.load(Ordering::SeqCst),
+        1,
+        "one multiplexed connection"
+    );
+    failover_under_load(&app, "one URL: the connection froze", || relay.freeze()).await;
+    assert!(relay.made.load(Ordering::SeqCst) > 1, "connected anew");
+    assert_exact(&store.inner, "after-frozen-connection").await;
+}

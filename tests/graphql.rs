@@ -882,7 +882,7 @@ mod http {
     async fn a_fixed_charge_never_lets_through_what_the_limits_refuse() {
         let lenient = app_with_minimum();
         let deep = "{ a ".repeat(100) + &"}".repeat(100);
-        let batch = format!("[{}]", vec![r#"{"query":"{ a { b } }"}"#; 11].join(","));
+        let batch = format!("[{}]", [r#"{"query":"{ a { b } }"}"#; 11].join(","));
         let long = format!("{{ {} }}", "f ".repeat(30_000));
         for body in [
             r#"{"query":"{ repos(first: 100000) { nodes { id } } }"}"#.to_owned(),

@@ -436,16 +436,59 @@ enum Backend {
 }
 
 /// The multiplexed connection to one server's URL, replaced when the server turns out
-/// to be a demoted primary (`READONLY`). A failover behind one name (a managed primary
-/// endpoint, a virtual IP, a Kubernetes service) leaves the connection on the old
-/// primary, which `ConnectionManager` keeps for as long as it answers; the replacement
-/// connects anew, resolving the name again.
+/// to be a demoted primary (`READONLY`), or stops answering on it. A failover behind one
+/// name (a managed primary endpoint, a virtual IP, a Kubernetes service) leaves the
+/// connection on the old primary, which `ConnectionManager` keeps for as long as it
+/// answers, or, when the old primary stalls or its host is gone without a reset, for as
+/// long as TCP does not give up (a quarter of an hour; for ever for a stall that still
+/// acknowledges): the layer's timeout drops each decision first, so the connection never
+/// sees an error. After [`UNANSWERED`] commands in a row got no answer, a `PING` with a
+/// deadline checks the connection, and one that does not answer it is replaced. The
+/// replacement connects anew, resolving the name again.
 pub(super) struct Managed {
     client: redis::Client,
     config: redis::aio::ConnectionManagerConfig,
     current: std::sync::RwLock<ConnectionManager>,
     /// A replacement is being made: one at a time.
     replacing: std::sync::atomic::AtomicBool,
+    /// Commands in a row that got no answer: dropped before it came (the layer's
+    /// timeout), or timed out.
+    unanswered: std::sync::atomic::AtomicU32,
+    /// A check of the connection is under way: one at a time.
+    checking: std::sync::atomic::AtomicBool,
+}
+
+/// Commands in a row without an answer after which the connection is checked.
+const UNANSWERED: u32 = 3;
+/// How long the check's `PING` may take before the connection is left: a server that
+/// answers at all answers a `PING` in far less, however busy.
+const PING_DEADLINE: Duration = Duration::from_secs(1);
+
+/// One command on a [`Managed`] connection: counted as unanswered unless
+/// [`Asked::answered`] says otherwise (a command dropped while it waits is one).
+struct Asked<'a> {
+    managed: &'a Arc<Managed>,
+    answered: bool,
+}
+
+impl Asked<'_> {
+    /// The server answered (an error it sent is an answer) or the command timed out.
+    fn answered<T>(mut self, answer: &Result<T, RedisError>) {
+        self.answered = !answer.as_ref().is_err_and(RedisError::is_timeout);
+    }
+}
+
+impl Drop for Asked<'_> {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if self.answered {
+            if self.managed.unanswered.load(Ordering::Relaxed) != 0 {
+                self.managed.unanswered.store(0, Ordering::Relaxed);
+            }
+        } else if self.managed.unanswered.fetch_add(1, Ordering::Relaxed) + 1 >= UNANSWERED {
+            self.managed.check();
+        }
+    }
 }
 
 impl Managed {
@@ -460,7 +503,64 @@ impl Managed {
             config,
             current: std::sync::RwLock::new(connection),
             replacing: std::sync::atomic::AtomicBool::new(false),
+            unanswered: std::sync::atomic::AtomicU32::new(0),
+            checking: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// A command about to be sent on the current connection.
+    fn ask(self: &Arc<Self>) -> Asked<'_> {
+        Asked {
+            managed: self,
+            answered: false,
+        }
+    }
+
+    /// Checks in the background that the current connection answers a `PING` within
+    /// [`PING_DEADLINE`], and replaces it when it does not. One check at a time; none
+    /// outside a Tokio runtime.
+    #[cold]
+    fn check(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.checking.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Lets the next check go when this one ends, however it ends (a runtime shutting
+        // down drops the task).
+        struct Done(Arc<Managed>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.checking.store(false, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::clone(self));
+        runtime.spawn(async move {
+            let this = &done.0;
+            let mut connection = this.connection();
+            let ping = redis::cmd("PING");
+            let answer = tokio::time::timeout(
+                PING_DEADLINE,
+                ping.query_async::<redis::Value>(&mut connection),
+            )
+            .await;
+            match answer {
+                // An answer, even an error: the server is there.
+                Ok(Ok(_)) => this.unanswered.store(0, Ordering::Relaxed),
+                Ok(Err(error)) if !error.is_timeout() && !error.is_io_error() => {
+                    this.unanswered.store(0, Ordering::Relaxed);
+                }
+                _ => {
+                    #[cfg(feature = "tracing")]
+                    tracing::warn!(target: "tollgate", "the Redis connection answers nothing, not even a PING within {PING_DEADLINE:?}: connecting anew");
+                    this.unanswered.store(0, Ordering::Relaxed);
+                    this.replace();
+                }
+            }
+            drop(done);
+        });
     }
 
     fn connection(&self) -> ConnectionManager {
@@ -1460,7 +1560,9 @@ async fn query<T: redis::FromRedisValue>(
 ) -> Result<T, StoreError> {
     match backend.clone() {
         Backend::Manager(managed) => {
+            let asked = managed.ask();
             let answer = command.query_async(&mut managed.connection()).await;
+            asked.answered(&answer);
             if answer.as_ref().is_err_and(demoted) {
                 managed.replace();
             }
