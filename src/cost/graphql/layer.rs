@@ -56,9 +56,8 @@ pub enum Invalid {
 /// parameter given twice is refused, since a server may take either. Some servers read
 /// an operation's parameters from the URL before the body, whatever the method: a
 /// request with a body whose URL carries `query` or `variables` (or a persisted query's
-/// `extensions` or `documentId`), or an `operationName` other than its body's, goes to
-/// `on_invalid`; an `application/graphql` body is costed for the operation its URL
-/// names. Parameters behind a `;` count too (some servers split on it), and a raw `;` in
+/// `extensions` or `documentId`), or an `operationName` other than its body's, is
+/// refused; an `application/graphql` body is costed for the operation its URL names. Parameters behind a `;` count too (some servers split on it), and a raw `;` in
 /// a `GET` operation's URL is refused.
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
@@ -72,11 +71,16 @@ pub enum Invalid {
 /// (after) a request-decompression layer, and charge persisted queries with
 /// [`Invalid::Charge`] at what your costliest registered operation costs.
 ///
+/// A request the coster read and refused (a slicing value out of range, a batch too
+/// large, nesting too deep, a document past the token limit or
+/// [`GraphqlCost::max_field_visits`], a key or parameter a server may read otherwise) is
+/// refused whatever `on_invalid` says: the server would run it.
+///
 /// A refusal (`400`, `413`) is answered here, before the limiter further in sees the
 /// request, so it spends nothing of the client's budget: a client refused again and
 /// again costs the server the reading of each body (at most `max_body`). Where that
 /// matters, put a second [`RateLimitLayer`](crate::RateLimitLayer) that counts requests
-/// outside (before) this layer, or charge refusals with [`Invalid::Charge`].
+/// outside (before) this layer.
 ///
 /// ```
 /// use axum::{Router, routing::post};
