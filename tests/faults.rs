@@ -880,3 +880,99 @@ async fn a_connection_that_stops_answering_is_left_for_a_new_one() {
     assert!(relay.made.load(Ordering::SeqCst) > 1, "connected anew");
     assert_exact(&store.inner, "after-frozen-connection").await;
 }
+
+/// An in-flight slot taken by a decision whose answer then could not be read (a reply of
+/// the wrong shape: a protocol error, which the failure mode answers) is given back at
+/// once. The request it was taken for did not get it, so nothing would ever release it:
+/// it was held until its lease ran out (a minute by default), and the next request of
+/// the identity was refused meanwhile. The library's functions are made to answer 20
+/// numbers too many, then put back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_taken_by_a_decision_whose_answer_cannot_be_read_is_given_back() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let policies = PolicySet::new(vec![
+        Policy::concurrency("busy", 1).unwrap(),
+        Policy::token_bucket("api", 1_000, Rate::per_day(1_000)).unwrap(),
+    ])
+    .unwrap();
+    // The library is loaded by a first decision (of another identity).
+    store
+        .decide(&Key::new("loader"), &policies, 1)
+        .await
+        .unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let listed: redis::Value = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .arg("WITHCODE")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let code = library_code(&listed).expect("tollgate's library is loaded");
+    let body = "    return body()\n";
+    assert!(code.contains(body), "the library's entry point changed");
+    let tampered = code.replace(
+        body,
+        "    local reply = body()\n    for _ = 1, 20 do reply[#reply + 1] = 0 end\n    return reply\n",
+    );
+    let load = |code: String| {
+        let mut connection = connection.clone();
+        async move {
+            redis::cmd("FUNCTION")
+                .arg("LOAD")
+                .arg("REPLACE")
+                .arg(code)
+                .query_async::<String>(&mut connection)
+                .await
+                .unwrap()
+        }
+    };
+    load(tampered).await;
+    let key = Key::new("unreadable");
+    let error = store.decide(&key, &policies, 1).await.unwrap_err();
+    assert_eq!(error.kind(), tollgate::StoreErrorKind::Protocol, "{error}");
+    load(code).await;
+    // Given back in the background: wait for it, far less than the lease's minute.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let decision = store.decide(&key, &policies, 1).await.unwrap();
+        if decision.is_allowed() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slot is still held 10 s after the unreadable answer"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The code of tollgate's library in a `FUNCTION LIST WITHCODE` reply.
+fn library_code(listed: &redis::Value) -> Option<String> {
+    use redis::Value;
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(text) | Value::VerbatimString { text, .. } => Some(text.clone()),
+        _ => None,
+    };
+    let Value::Array(libraries) = listed else {
+        return None;
+    };
+    libraries.iter().find_map(|library| {
+        let fields: Vec<&Value> = match library {
+            Value::Array(fields) => fields.iter().collect(),
+            Value::Map(pairs) => pairs.iter().flat_map(|(k, v)| [k, v]).collect(),
+            _ => return None,
+        };
+        let field = |name: &str| {
+            fields
+                .chunks(2)
+                .find(|pair| text(pair[0]).as_deref() == Some(name))
+                .and_then(|pair| text(pair[1]))
+        };
+        field("library_name")
+            .filter(|name| name.starts_with("tollgate_"))
+            .and(field("library_code"))
+    })
+}

@@ -1260,12 +1260,14 @@ impl Store for RedisStore {
             // Back (or failed): what queued behind this call goes now, as one batch.
             drop(lead);
             let reply = reply?;
-            // Answered: from here the layer frees the slots it was given (and the pooled
-            // connection goes back).
+            let decision = parse_reply(&reply, invocation.shape, invocation.count, cost, lease)?;
+            // Answered and read: from here the layer frees the slots it was given (and the
+            // pooled connection goes back). An answer that could not be read gives them
+            // back here (the guard, still armed): the request never got them.
             if let Some(mut guard) = guard {
                 guard.keys.clear();
             }
-            parse_reply(&reply, invocation.shape, invocation.count, cost, lease)
+            Ok(decision)
         })
     }
 
