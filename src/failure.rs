@@ -421,9 +421,9 @@ pub(crate) struct Breaker {
     /// The two warnings, said at most once a [`SAY_EVERY`]: the instant (clock nanoseconds
     /// + 1) the last "failed" was said (0: never)...
     said_at: AtomicU64,
-    /// ...whether this failure's "failed" was said (its "answers again" is said then)...
+    /// ...whether this outage's "failed" was said (its "answers again" is said then)...
     said: AtomicBool,
-    /// ...and how many failures went unsaid since.
+    /// ...and how many outages went unsaid since.
     unsaid: AtomicU64,
 }
 
@@ -538,8 +538,14 @@ impl Breaker {
             .failures
             .fetch_add(1, Ordering::Relaxed)
             .saturating_add(1);
-        if !self.degraded.swap(true, Ordering::AcqRel) {
+        let started = !self.degraded.swap(true, Ordering::AcqRel);
+        if started {
             crate::telemetry::fallback_active(true);
+        }
+        // Said when the outage starts, or, when it started too soon after the last one
+        // was said, at its first failure once that is long enough ago: an outage that goes
+        // on is always said.
+        if !self.said.load(Ordering::Acquire) {
             let now = self.clock.now().saturating_add(1);
             let last = self.said_at.load(Ordering::Acquire);
             let every = u64::try_from(SAY_EVERY.as_nanos()).unwrap_or(u64::MAX);
@@ -553,10 +559,10 @@ impl Breaker {
                 self.said.store(true, Ordering::Release);
                 let unsaid = self.unsaid.swap(0, Ordering::AcqRel);
                 #[cfg(feature = "tracing")]
-                tracing::warn!(target: "tollgate", %error, unsaid_failures_since_last_warning = unsaid, "rate-limit store failed; applying the failure mode until it answers again");
+                tracing::warn!(target: "tollgate", %error, outages_unsaid_since_last_warning = unsaid, "rate-limit store failed; applying the failure mode until it answers again");
                 #[cfg(not(feature = "tracing"))]
                 let _ = unsaid;
-            } else {
+            } else if started {
                 self.unsaid.fetch_add(1, Ordering::Relaxed);
             }
         }

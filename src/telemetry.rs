@@ -195,21 +195,31 @@ pub(crate) fn store_error(error: &StoreError) {
 
 /// True the first time this process sees `kind` with `code` and words like `message`'s.
 /// Redis answers most errors with `ERR` (every script error among them), so the code
-/// alone would hide a second fault behind the first. The words are the message's start
-/// with each run of digits made one `#` (a line number, a key's number): one fault worded
-/// with other numbers is the same fault.
+/// alone would hide a second fault behind the first. The words are the message's first
+/// 160 characters with each word that holds a digit made one `#` (a line number, a key's
+/// number, a script's hash): one fault worded with other numbers is the same fault. At
+/// most 64 are told apart in a process ([`Seen`]); past them, errors are counted only.
 fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>, message: &str) -> bool {
     static SEEN: Seen<(StoreErrorKind, Box<str>, Box<str>)> = Seen::new();
-    let mut words = String::new();
-    let mut digits = false;
-    for c in message.chars().take(96) {
-        match (c.is_ascii_digit(), digits) {
-            (true, true) => {}
-            (true, false) => words.push('#'),
-            (false, _) => words.push(c),
+    /// Adds `word` to `words`, as `#` when it holds a digit.
+    fn flush(word: &mut String, words: &mut String) {
+        if word.bytes().any(|byte| byte.is_ascii_digit()) {
+            words.push('#');
+        } else {
+            words.push_str(word);
         }
-        digits = c.is_ascii_digit();
+        word.clear();
     }
+    let (mut words, mut word) = (String::new(), String::new());
+    for c in message.chars().take(160) {
+        if c.is_ascii_alphanumeric() || c == '_' {
+            word.push(c);
+        } else {
+            flush(&mut word, &mut words);
+            words.push(c);
+        }
+    }
+    flush(&mut word, &mut words);
     // Bounded: a store answering ever new words cannot grow this without limit.
     SEEN.first((kind, code.unwrap_or("").into(), words.into())) == Some(true)
 }

@@ -890,6 +890,12 @@ mod http {
             serde_json::json!({ "query": deep }).to_string(),
             serde_json::json!({ "query": long }).to_string(),
             serde_json::json!({ "query": "{ a }", "QUERY": "{ a { b { c } } }" }).to_string(),
+            // JSON the coster cannot read but a server may (Go's decoder stops after the
+            // first value; express-graphql takes variables sent as a string).
+            r#"{"query":"{ a(first: 100) { b(first: 100) { c } } }"} x"#.to_owned(),
+            r#"{"query":"query($n: Int) { a(first: $n) { b } }","variables":"{\"n\":100000}"}"#
+                .to_owned(),
+            r#"{"query":"{ a }","x":"\ud800"}"#.to_owned(),
         ] {
             let (status, cost, answer) = send(&lenient, "k", &body).await;
             assert_eq!(
@@ -899,9 +905,28 @@ mod http {
                 &body[..body.len().min(80)]
             );
         }
-        // What cannot be read is still charged, for the server to answer.
+        // What cannot be read is still charged, for the server to answer: a document that
+        // does not parse, a persisted query's hash without its document.
         let (status, cost, _) = send(&lenient, "k", r#"{"query":"{ unclosed "}"#).await;
         assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
+        let hash = r#"{"extensions":{"persistedQuery":{"version":1,"sha256Hash":"0f3c"}}}"#;
+        let (status, cost, _) = send(&lenient, "k", hash).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
+        // A field that takes exactly one slicing argument given two: a server that does
+        // not read the directive runs the rest of the document.
+        let schema = r#"
+            directive @listSize(slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+            type Query { repos(first: Int, last: Int): Conn @listSize(slicingArguments: ["first", "last"], sizedFields: ["nodes"]) }
+            type Conn { nodes: [Repo] }
+            type Repo { id: ID }
+        "#;
+        let strict = app(
+            GraphqlCostLayer::new(GraphqlCost::new().with_schema(schema).unwrap())
+                .on_invalid(Invalid::Charge(5)),
+        );
+        let body = r#"{"query":"{ x: repos(first: 1, last: 1) { nodes { id } } y: repos(first: 100) { nodes { id } } }"}"#;
+        let (status, cost, answer) = send(&strict, "k", body).await;
+        assert_eq!((status, cost), (StatusCode::BAD_REQUEST, None), "{answer}");
         let request =
             Request::get("/graphql?query=%7B%20repos(first%3A%20100000)%20%7B%20id%20%7D%20%7D")
                 .header("x-api-key", "k")
@@ -1971,6 +1996,19 @@ fn costing_work_is_bounded_by_field_visits() {
             .json_cost(ten.to_string().as_bytes()),
         Err(CostError::TooComplex { max: 100_000 })
     ));
+    // Inline fragments that do not apply count too: each is looked at once per type.
+    let unions: String = (0..300).map(|n| format!(" | U{n}")).collect();
+    let members: String = (0..300)
+        .map(|n| format!("type U{n} {{ id: ID }}\n"))
+        .collect();
+    let sdl_with_union = format!("{sdl}union U = {}\n{members}", &unions[3..]);
+    let fragments = "... on U { __typename } ".repeat(1_500);
+    let error = GraphqlCost::new()
+        .with_schema(&sdl_with_union)
+        .unwrap()
+        .query_cost(&format!("{{ node {{ {fragments} }} }}"), None, None)
+        .unwrap_err();
+    assert!(matches!(error, CostError::TooComplex { .. }), "{error}");
     // An everyday query through the interface is nowhere near it.
     assert_eq!(
         GraphqlCost::new()

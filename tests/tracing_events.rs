@@ -315,7 +315,11 @@ fn requests_let_through_for_a_key_the_server_should_have_set_are_reported_once()
 #[test]
 fn a_store_that_fails_now_and_then_is_warned_of_once_in_a_while() {
     #[derive(Clone)]
-    struct EveryOther(Arc<std::sync::atomic::AtomicU64>, MemoryStore);
+    struct EveryOther(
+        Arc<std::sync::atomic::AtomicU64>,
+        MemoryStore,
+        Arc<AtomicBool>,
+    );
     impl tollgate::Store for EveryOther {
         fn decide(
             &self,
@@ -323,7 +327,7 @@ fn a_store_that_fails_now_and_then_is_warned_of_once_in_a_while() {
             policies: &tollgate::PolicySet,
             cost: u64,
         ) -> tollgate::DecideFuture {
-            if self.0.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+            if self.0.fetch_add(1, Ordering::SeqCst) % 2 == 1 || self.2.load(Ordering::SeqCst) {
                 return tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
                     tollgate::StoreErrorKind::Timeout,
                     "timed out",
@@ -333,17 +337,21 @@ fn a_store_that_fails_now_and_then_is_warned_of_once_in_a_while() {
         }
     }
     let recorder = Recorder::default();
+    let down = Arc::new(AtomicBool::new(false));
     let clock = tollgate::clock::ManualClock::new();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(
-            RateLimitLayer::new(EveryOther(Arc::default(), MemoryStore::new()))
-                .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(3600)).unwrap())
-                .key(Global)
-                .circuit_breaker(
-                    tollgate::CircuitBreaker::new(5, Duration::from_secs(1))
-                        .with_clock(clock.clone()),
-                ),
+            RateLimitLayer::new(EveryOther(
+                Arc::default(),
+                MemoryStore::new(),
+                Arc::clone(&down),
+            ))
+            .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(3600)).unwrap())
+            .key(Global)
+            .circuit_breaker(
+                tollgate::CircuitBreaker::new(5, Duration::from_secs(1)).with_clock(clock.clone()),
+            ),
         )
         .with_state(());
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -386,6 +394,20 @@ fn a_store_that_fails_now_and_then_is_warned_of_once_in_a_while() {
     });
     let events = recorder.events.lock().unwrap().clone();
     assert_eq!(warnings(&events), (2, 2), "{events:?}");
+    // An outage that starts soon after the last warning, and goes on: said once it is
+    // long enough after (here, at the probe 31 s on), not left unsaid for its length.
+    down.store(true, Ordering::SeqCst);
+    clock.advance(Duration::from_secs(1));
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for _ in 0..40 {
+                send(app.clone()).await;
+                clock.advance(Duration::from_secs(1));
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(warnings(&events).0, 3, "{events:?}");
 }
 
 /// Redis answers most errors with the code `ERR` (a script's error among them): a second
@@ -402,9 +424,17 @@ fn refusals_under_one_code_with_other_words_are_each_logged() {
             _policies: &tollgate::PolicySet,
             _cost: u64,
         ) -> tollgate::DecideFuture {
+            // Redis 6's words for a script's error put the script's hash first.
             let message = match self.0.fetch_add(1, Ordering::SeqCst) {
-                0 | 1 => "ERR user_script:12: Script attempted to access a non local key 4711",
-                _ => "ERR user_script:80: the sliding log member 99 was not written by tollgate",
+                0 => {
+                    "Error running script (call to f_3a9c0e11d2b4f6a8c0e2d4f6a8b0c2e4d6f8a0b2): @user_script:12: Script attempted to access a non local key 4711"
+                }
+                1 => {
+                    "Error running script (call to f_9f8e7d6c5b4a39281706f5e4d3c2b1a098f7e6d5): @user_script:12: Script attempted to access a non local key 815"
+                }
+                _ => {
+                    "Error running script (call to f_3a9c0e11d2b4f6a8c0e2d4f6a8b0c2e4d6f8a0b2): @user_script:80: the sliding log member 99 was not written by tollgate"
+                }
             };
             tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
                 tollgate::StoreErrorKind::Refused,

@@ -460,8 +460,10 @@ pub(super) struct Managed {
 
 /// Commands in a row without an answer after which the connection is checked.
 const UNANSWERED: u32 = 3;
-/// How long the check's `PING` may take before the connection is left: a server that
-/// answers at all answers a `PING` in far less, however busy.
+/// How long the check's `PING` may take before a new connection is tried. The `PING`
+/// queues behind what was sent before it, so a server that is merely slow or blocked (a
+/// long script) may miss it too: then the new connection is made only if the server
+/// answers its handshake, and the old one, whose answers were dropped anyway, is left.
 const PING_DEADLINE: Duration = Duration::from_secs(1);
 
 /// One command on a [`Managed`] connection: counted as unanswered unless
@@ -604,9 +606,9 @@ impl Managed {
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
                 }
                 Err(error) => {
-                    // The next `READONLY` tries again.
+                    // The next `READONLY`, or the next check, tries again.
                     #[cfg(feature = "tracing")]
-                    tracing::warn!(target: "tollgate", %error, "no new connection to the Redis server after a demotion");
+                    tracing::warn!(target: "tollgate", %error, "no new connection to the Redis server (after a demotion, or a connection that stopped answering)");
                     let _ = error;
                 }
             }

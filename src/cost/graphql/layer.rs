@@ -276,7 +276,9 @@ impl Config {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 Ok(serde_json::Value::Null) => None,
                 _ => {
-                    return Err(CostError::Request("variables must be a JSON object".into()).into());
+                    return Err(Uncosted::refused(CostError::Request(
+                        "variables must be a JSON object".into(),
+                    )));
                 }
             },
             None => None,
@@ -416,9 +418,10 @@ where
                                 None,
                                 &mut visits,
                             ),
-                            Err(_) => {
-                                Err(CostError::Request("the body is not UTF-8".into()).into())
-                            }
+                            // A server may decode it leniently, and run what it makes of it.
+                            Err(_) => Err(Uncosted::refused(CostError::Request(
+                                "the body is not UTF-8".into(),
+                            ))),
                         },
                         (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
                         _ => config.coster.json_costing(&bytes),

@@ -294,10 +294,12 @@ impl GraphqlCost {
         self
     }
 
-    /// The most field visits costing one body may take (default 100,000; a batch shares
-    /// them), past which it is refused with [`CostError::TooComplex`]. A field is visited
-    /// once for each type its selection set may be on: a document at the token limit,
-    /// through an interface of 300 types, would take millions before the limiter has a say.
+    /// The most visits costing one body may take (default 100,000; a batch shares them),
+    /// past which it is refused with [`CostError::TooComplex`]. Each selection (a field, a
+    /// fragment spread, an inline fragment) is visited once for each type its selection
+    /// set is costed on, and each possible type of an interface or a union once: a
+    /// document at the token limit, through an interface of 300 types, would take millions
+    /// before the limiter has a say.
     ///
     /// ```
     /// use tollgate::cost::graphql::{CostError, GraphqlCost};
@@ -414,10 +416,14 @@ impl GraphqlCost {
             operation,
             variables,
             visits: *visits,
+            refuse: std::cell::Cell::new(false),
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
         *visits = walk.visits;
-        let cost = cost?;
+        let cost = cost.map_err(|error| match walk.refuse.get() {
+            true => Uncosted::refused(error),
+            false => error.into(),
+        })?;
         let cost = match operation.operation_type {
             OperationType::Mutation => cost.saturating_add(self.mutation_base),
             OperationType::Query | OperationType::Subscription => cost,
@@ -433,8 +439,10 @@ impl GraphqlCost {
 
     /// [`GraphqlCost::json_cost`], and how the layer weighs an error.
     pub(super) fn json_costing(&self, body: &[u8]) -> Result<u64, Uncosted> {
-        let json: Json =
-            serde_json::from_slice(body).map_err(|error| CostError::Request(error.to_string()))?;
+        // A body that is not JSON to the coster may be to a server (Go's decoder stops
+        // after the first value, JavaScript takes a lone surrogate): refused, not charged.
+        let json: Json = serde_json::from_slice(body)
+            .map_err(|error| Uncosted::refused(CostError::Request(error.to_string())))?;
         let mut visits = self.max_field_visits;
         match json {
             Json::Array(batch) => {
@@ -458,9 +466,12 @@ impl GraphqlCost {
     }
 
     fn request_cost(&self, request: &Json, visits: &mut u64) -> Result<u64, Uncosted> {
+        // A request malformed in its JSON is refused, not charged: what a server makes of it
+        // (variables sent as a string, a number for a query) is its own.
+        let malformed = |why: &str| Uncosted::refused(CostError::Request(why.into()));
         let object = request
             .as_object()
-            .ok_or_else(|| CostError::Request("expected an object with a query".into()))?;
+            .ok_or_else(|| malformed("expected an object with a query"))?;
         // Some servers match keys in any case (Go's JSON decoding).
         if let Some(key) = object.keys().find(|key| another_case_of_a_request_key(key)) {
             return Err(Uncosted::refused(CostError::Request(format!(
@@ -477,21 +488,23 @@ impl GraphqlCost {
             )
             .into());
         }
-        let query = object
-            .get("query")
-            .and_then(Json::as_str)
-            .ok_or_else(|| CostError::Request("no query string".into()))?;
+        let query = match object.get("query") {
+            Some(Json::String(query)) => query,
+            // A persisted query's hash without its document: nothing to cost.
+            None | Some(Json::Null) => {
+                return Err(CostError::Request("no query string".into()).into());
+            }
+            Some(_) => return Err(malformed("the query is not a string")),
+        };
         let operation_name = match object.get("operationName") {
             None | Some(Json::Null) => None,
             Some(Json::String(name)) => Some(name.as_str()),
-            Some(_) => {
-                return Err(CostError::Request("operationName must be a string".into()).into());
-            }
+            Some(_) => return Err(malformed("operationName must be a string")),
         };
         let variables = match object.get("variables") {
             None | Some(Json::Null) => None,
             Some(Json::Object(variables)) => Some(variables),
-            Some(_) => return Err(CostError::Request("variables must be an object".into()).into()),
+            Some(_) => return Err(malformed("variables must be an object")),
         };
         self.costing(query, operation_name, variables, visits)
     }
@@ -558,6 +571,9 @@ struct Walk<'a> {
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
+    /// The error that ended the walk refuses the request whatever its variant says (see
+    /// [`Uncosted`]).
+    refuse: std::cell::Cell<bool>,
 }
 
 /// A fragment in a context: its name, the concrete type and the list size it is costed in.
@@ -608,15 +624,16 @@ impl<'a> Walk<'a> {
         depth: usize,
     ) -> Result<u64, CostError> {
         let possible = schema.possible(ty);
-        if let [concrete] = possible.as_slice() {
+        if let [concrete] = &*possible {
             return self.selections_on(selections, Some(concrete), sized, depth);
         }
         let mut most = 0;
-        for concrete in possible {
+        for concrete in possible.iter() {
+            self.visit()?;
             let memo = (
                 selections.as_ptr() as usize,
                 selections.len(),
-                concrete,
+                concrete.clone(),
                 sized,
             );
             let cost = match self.costed.get(&memo) {
@@ -646,6 +663,7 @@ impl<'a> Walk<'a> {
         self.reach(depth)?;
         let mut total = 0u64;
         for selection in selections {
+            self.visit()?;
             let cost = match selection {
                 Selection::Field(field) => {
                     let cost = self.field(field, concrete, depth)?;
@@ -686,9 +704,6 @@ impl<'a> Walk<'a> {
         concrete: Option<&str>,
         depth: usize,
     ) -> Result<u64, CostError> {
-        self.visits = self.visits.checked_sub(1).ok_or(CostError::TooComplex {
-            max: self.model.max_field_visits,
-        })?;
         if field.name == "__typename" {
             return Ok(0);
         }
@@ -835,6 +850,15 @@ impl<'a> Walk<'a> {
         Ok(cost)
     }
 
+    /// Counts one visit (a selection on one type, or one possible type of a selection
+    /// set): past the model's bound, the document is too costly to cost.
+    fn visit(&mut self) -> Result<(), CostError> {
+        self.visits = self.visits.checked_sub(1).ok_or(CostError::TooComplex {
+            max: self.model.max_field_visits,
+        })?;
+        Ok(())
+    }
+
     /// Notes that the walk reached `depth`: past the model's limit, the document is too
     /// deep.
     fn reach(&mut self, depth: usize) -> Result<(), CostError> {
@@ -869,6 +893,8 @@ impl<'a> Walk<'a> {
             }
         }
         if required && given > 1 {
+            // A server that does not read the directive runs the rest of the document.
+            self.refuse.set(true);
             return Err(CostError::Request(format!(
                 "{} takes exactly one of its slicing arguments ({}), not {given}",
                 field.name,

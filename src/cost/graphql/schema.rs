@@ -51,6 +51,8 @@ pub(super) struct TypeInfo {
     pub(super) fields: HashMap<String, FieldInfo>,
     /// Concrete types (for interfaces and unions), itself for objects.
     pub(super) possible: Vec<String>,
+    /// The same, to look one up at once.
+    members: std::collections::HashSet<String>,
     pub(super) interfaces: Vec<String>,
 }
 
@@ -216,6 +218,9 @@ impl Schema {
                 info.possible.extend(members);
             }
         }
+        for info in schema.types.values_mut() {
+            info.members = info.possible.iter().cloned().collect();
+        }
         // A field of an interface or a union costs its most expensive member: the server
         // resolves each object, whatever the query selects of it.
         let abstract_weights: Vec<(String, u64)> = schema
@@ -351,14 +356,14 @@ impl Schema {
             || self
                 .types
                 .get(condition)
-                .is_some_and(|info| info.possible.iter().any(|possible| possible == concrete))
+                .is_some_and(|info| info.members.contains(concrete))
     }
 
     /// The concrete types a selection on `ty` may meet (itself for objects).
-    pub(super) fn possible(&self, ty: &str) -> Vec<String> {
+    pub(super) fn possible<'s>(&'s self, ty: &str) -> std::borrow::Cow<'s, [String]> {
         match self.types.get(ty) {
-            Some(info) if !info.possible.is_empty() => info.possible.clone(),
-            _ => vec![ty.to_owned()],
+            Some(info) if !info.possible.is_empty() => std::borrow::Cow::Borrowed(&info.possible),
+            _ => std::borrow::Cow::Owned(vec![ty.to_owned()]),
         }
     }
 }
