@@ -562,6 +562,14 @@ impl Breaker {
                 tracing::warn!(target: "tollgate", %error, outages_unsaid_since_last_warning = unsaid, "rate-limit store failed; applying the failure mode until it answers again");
                 #[cfg(not(feature = "tracing"))]
                 let _ = unsaid;
+                // A success may have come between this failure and the warning: it found
+                // nothing said, so the pair is ended here, and `said` is never left set
+                // while the store answers (the next outage would go unsaid).
+                if !self.degraded.load(Ordering::Acquire) && self.said.swap(false, Ordering::AcqRel)
+                {
+                    #[cfg(feature = "tracing")]
+                    tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
+                }
             } else if started {
                 self.unsaid.fetch_add(1, Ordering::Relaxed);
             }

@@ -940,6 +940,122 @@ mod http {
         );
     }
 
+    /// A request as `method` to `uri` with `headers` and `body`: its status and cost.
+    async fn request(
+        app: &Router,
+        method: http::Method,
+        uri: &str,
+        headers: &[(&str, &str)],
+        body: &'static [u8],
+    ) -> (StatusCode, Option<String>) {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("x-api-key", "k");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = app
+            .clone()
+            .oneshot(request.body(Body::from(body)).unwrap())
+            .await
+            .unwrap();
+        let cost = response
+            .headers()
+            .get("graphql-cost")
+            .map(|value| value.to_str().unwrap().to_owned());
+        (response.status(), cost)
+    }
+
+    /// Under `Invalid::Charge` a fixed charge stands in only where there is nothing the
+    /// coster could read: every other way a document might reach the server uncosted is
+    /// refused or costed. A batch is charged for each of its entries (the costed ones
+    /// their cost, the others the charge), and refused when any entry is; a `documentId`
+    /// beside a `query` is one a server without persisted documents runs; an
+    /// `application/graphql` body is what gqlgen runs whatever the URL names; a document
+    /// the coster's parser refuses for what other parsers take (a lone surrogate escape,
+    /// a description on an operation) is not charged.
+    #[tokio::test]
+    async fn a_fixed_charge_stands_in_only_where_nothing_can_be_read() {
+        let lenient = app_with_minimum();
+        let json = [("content-type", "application/json")];
+        let post =
+            |body: &'static [u8]| request(&lenient, http::Method::POST, "/graphql", &json, body);
+        // 51 for the first entry, 5 for the one that does not parse.
+        assert_eq!(
+            post(br#"[{"query":"{ a(first: 50) { b { c } } }"},{"query":"{ unclosed "}]"#).await,
+            (StatusCode::OK, Some("56".to_owned()))
+        );
+        for body in [
+            &br#"[{"query":"{ unclosed "},{"query":"{ r(first: 100000) { id } }"}]"#[..],
+            br#"{"query":"{ a(first: 50) { b { c } } }","documentId":"p/cheap"}"#,
+            br#"{"query":"{ a(first: 50) { b(s: \"\\ud800\") { c } } }"}"#,
+            br#"{"query":"\"cheap\" query { a(first: 50) { b { c } } }"}"#,
+        ] {
+            assert_eq!(
+                post(body).await,
+                (StatusCode::BAD_REQUEST, None),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let document = [("content-type", "application/graphql")];
+        for (uri, body) in [
+            (
+                "/graphql?operationName=B",
+                &b"query A { a(first: 50) { b { c } } }"[..],
+            ),
+            (
+                "/graphql",
+                b"query=%7B%20a(first%3A%2050)%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D",
+            ),
+        ] {
+            assert_eq!(
+                request(&lenient, http::Method::POST, uri, &document, body).await,
+                (StatusCode::BAD_REQUEST, None),
+                "{uri}"
+            );
+        }
+        let get = "/graphql?query=%7B%20a(first%3A%2050)%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
+        assert_eq!(
+            request(
+                &lenient,
+                http::Method::GET,
+                &format!("{get}&documentId=p"),
+                &[],
+                b""
+            )
+            .await,
+            (StatusCode::BAD_REQUEST, None)
+        );
+        // A compressed body cannot be read: charged (put a decompression layer first).
+        let gzip = [
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+        ];
+        assert_eq!(
+            request(
+                &lenient,
+                http::Method::POST,
+                "/graphql",
+                &gzip,
+                b"\x1f\x8b\x08\x00"
+            )
+            .await
+            .1,
+            Some("5".to_owned()),
+            "charged 5 (the echoing handler then refuses bytes that are not UTF-8)"
+        );
+        // A byte order mark before the JSON, which body parsers skip: costed (the
+        // budget is spent by now: the cost is what is asked of it).
+        assert_eq!(
+            post(b"\xef\xbb\xbf{\"query\":\"{ a(first: 50) { b { c } } }\"}")
+                .await
+                .1,
+            Some("51".to_owned())
+        );
+    }
+
     /// A `GET` whose parameter a server reads as `variables` though the coster does not:
     /// ASP.NET Core and Java compare names with Unicode case rules (`ſ` is an `s`, `ı` an
     /// `i`), so `variableſ` is `variables` to them.

@@ -22,11 +22,14 @@ use crate::respond::problem as response;
 /// The response header that reports a request's computed cost.
 pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 
-/// What to do with a request whose cost cannot be computed: a document that does not
-/// parse, a body that is not a GraphQL request, a persisted query's hash. A request the
-/// coster read and refused (a list size out of range, a batch too large, nesting too deep,
-/// a document past the token limit or [`GraphqlCost::max_field_visits`], a key a server
-/// may read as another) is refused whatever this says: the server would run it.
+/// What to do with a request whose cost cannot be computed: a persisted query's hash, a
+/// document that does not parse, a body the layer does not read (compressed, multipart,
+/// another type). In a batch, it stands in for each entry that could not be costed. A
+/// request the coster read and refused (a list size out of range, a batch too large,
+/// nesting too deep, a document past the token limit or
+/// [`GraphqlCost::max_field_visits`], JSON it cannot parse, a key a server may read as
+/// another, a `documentId` beside a `query`) is refused whatever this says: the server
+/// would run it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Invalid {
@@ -180,6 +183,17 @@ enum BodyType {
 /// too would run what the coster did not read), and decodes another charset (UTF-7) into
 /// other keys.
 fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
+    // Still compressed: this layer runs outside the decompression it needs.
+    let compressed = request
+        .headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|coding| !coding.as_bytes().eq_ignore_ascii_case(b"identity"));
+    if compressed {
+        return Err(CostError::Request(
+            "a compressed body cannot be read: put this layer inside a decompression layer".into(),
+        ));
+    }
     let mut types = request.headers.get_all(header::CONTENT_TYPE).iter();
     let Some(value) = types.next() else {
         return Ok(BodyType::Json);
@@ -225,7 +239,7 @@ impl Config {
     /// refused is refused whatever `on_invalid` says.
     fn or_invalid(&self, cost: Result<u64, Uncosted>) -> Result<u64, CostError> {
         cost.or_else(|uncosted| match self.invalid {
-            Invalid::Charge(cost) if !uncosted.refused => Ok(cost),
+            Invalid::Charge(charge) if !uncosted.refused => Ok(uncosted.charged(charge)),
             Invalid::Reject | Invalid::Charge(_) => Err(uncosted.error),
         })
     }
@@ -242,6 +256,7 @@ impl Config {
         let mut query = None;
         let mut operation_name = None;
         let mut variables = None;
+        let mut document_id = false;
         for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
             let slot = match &*name {
                 "query" => &mut query,
@@ -249,10 +264,8 @@ impl Config {
                 "variables" => &mut variables,
                 // A server that supports persisted documents may run the stored one.
                 "documentId" => {
-                    return Err(CostError::Request(
-                        "a documentId: a persisted document cannot be costed".into(),
-                    )
-                    .into());
+                    document_id = true;
+                    continue;
                 }
                 // `QUERY` would be a query to a server that reads names in any case.
                 other if super::another_case_of_a_request_key(other) => {
@@ -269,6 +282,18 @@ impl Config {
                 ))));
             }
             *slot = Some(value.into_owned());
+        }
+        if document_id {
+            let error = CostError::Request(
+                "a documentId: a persisted document cannot be costed, and a server may run it \
+                 rather than the query (or the query rather than it)"
+                    .into(),
+            );
+            // Beside a query: a server without persisted documents runs the query.
+            return Err(match query {
+                Some(_) => Uncosted::refused(error),
+                None => error.into(),
+            });
         }
         let query = query.ok_or_else(|| CostError::Request("no query parameter".into()))?;
         let variables = match variables {
@@ -411,13 +436,17 @@ where
                     let cost = match (body_type(&parts), named) {
                         (Err(error), _) => Err(error.into()),
                         (_, Some(None)) => mismatch(),
+                        // A server may run a document's only operation whatever the URL
+                        // names, and read a body it takes for a form (gqlgen): what this
+                        // body does not cost as it stands is refused, not charged.
                         (Ok(BodyType::Document), named) => match std::str::from_utf8(&bytes) {
-                            Ok(query) => config.coster.costing(
-                                query,
-                                named.flatten().as_deref(),
-                                None,
-                                &mut visits,
-                            ),
+                            Ok(query) => config
+                                .coster
+                                .costing(query, named.flatten().as_deref(), None, &mut visits)
+                                .map_err(|uncosted| Uncosted {
+                                    refused: true,
+                                    ..uncosted
+                                }),
                             // A server may decode it leniently, and run what it makes of it.
                             Err(_) => Err(Uncosted::refused(CostError::Request(
                                 "the body is not UTF-8".into(),

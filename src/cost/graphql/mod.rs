@@ -163,6 +163,10 @@ pub struct GraphqlCost {
 pub(super) struct Uncosted {
     pub(super) error: CostError,
     pub(super) refused: bool,
+    /// What the rest of a batch costs, and how many of its entries went uncosted: a
+    /// fixed charge stands in for each of those, not for the whole batch.
+    pub(super) costed: u64,
+    pub(super) uncosted: u64,
 }
 
 impl From<CostError> for Uncosted {
@@ -174,7 +178,12 @@ impl From<CostError> for Uncosted {
                 | CostError::TooDeep { .. }
                 | CostError::TooComplex { .. }
         );
-        Self { error, refused }
+        Self {
+            error,
+            refused,
+            costed: 0,
+            uncosted: 1,
+        }
     }
 }
 
@@ -182,9 +191,15 @@ impl Uncosted {
     /// Read and refused, whatever the error says.
     pub(super) fn refused(error: CostError) -> Self {
         Self {
-            error,
             refused: true,
+            ..Self::from(error)
         }
+    }
+
+    /// What a fixed charge of `charge` for each uncosted entry comes to.
+    pub(super) fn charged(&self, charge: u64) -> u64 {
+        self.costed
+            .saturating_add(charge.saturating_mul(self.uncosted))
     }
 }
 
@@ -357,10 +372,11 @@ impl GraphqlCost {
                     Some(first) => format!("Error: {}", first.error),
                     None => "invalid document".to_owned(),
                 });
-                // A document past a limit of the parser is one a server would run.
+                // A document past a limit of the parser is one a server would run; so may
+                // be one this parser refuses where others take it.
                 let limited = parser.tokens_reached() > self.token_limit
                     || parser.recursion_reached() > recursion_limit;
-                return Err(if limited {
+                return Err(if limited || others_may_parse(query) {
                     Uncosted::refused(error)
                 } else {
                     error.into()
@@ -441,6 +457,8 @@ impl GraphqlCost {
     pub(super) fn json_costing(&self, body: &[u8]) -> Result<u64, Uncosted> {
         // A body that is not JSON to the coster may be to a server (Go's decoder stops
         // after the first value, JavaScript takes a lone surrogate): refused, not charged.
+        // A byte order mark, which body parsers skip, is skipped.
+        let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
         let json: Json = serde_json::from_slice(body)
             .map_err(|error| Uncosted::refused(CostError::Request(error.to_string())))?;
         let mut visits = self.max_field_visits;
@@ -457,9 +475,31 @@ impl GraphqlCost {
                 if batch.is_empty() {
                     return Err(CostError::Request("an empty batch".into()).into());
                 }
-                batch.iter().try_fold(0u64, |total, request| {
-                    Ok(total.saturating_add(self.request_cost(request, &mut visits)?))
-                })
+                // Every entry is read: one refused refuses the batch, and a fixed charge
+                // stands in for each entry that went uncosted, the others costing what
+                // they cost.
+                let mut total = 0u64;
+                let mut uncosted: Option<Uncosted> = None;
+                for request in &batch {
+                    match self.request_cost(request, &mut visits) {
+                        Ok(cost) => total = total.saturating_add(cost),
+                        Err(error) if error.refused => return Err(error),
+                        Err(error) => {
+                            let count = uncosted.as_ref().map_or(0, |u| u.uncosted);
+                            uncosted = Some(Uncosted {
+                                uncosted: count + 1,
+                                ..uncosted.unwrap_or(error)
+                            });
+                        }
+                    }
+                }
+                match uncosted {
+                    Some(uncosted) => Err(Uncosted {
+                        costed: total,
+                        ..uncosted
+                    }),
+                    None => Ok(total),
+                }
             }
             request => self.request_cost(&request, &mut visits),
         }
@@ -481,12 +521,16 @@ impl GraphqlCost {
         // A server that supports persisted documents may run the stored one and ignore
         // the query: the query's cost would say nothing of what runs.
         if object.get("documentId").is_some_and(|id| !id.is_null()) {
-            return Err(CostError::Request(
+            let error = CostError::Request(
                 "a documentId: a persisted document cannot be costed, and a server may run \
-                 it rather than the query"
+                 it rather than the query (or the query rather than it)"
                     .into(),
-            )
-            .into());
+            );
+            // Beside a query: a server without persisted documents runs the query.
+            return Err(match object.get("query") {
+                None | Some(Json::Null) => error.into(),
+                Some(_) => Uncosted::refused(error),
+            });
         }
         let query = match object.get("query") {
             Some(Json::String(query)) => query,
@@ -508,6 +552,28 @@ impl GraphqlCost {
         };
         self.costing(query, operation_name, variables, visits)
     }
+}
+
+/// True when a document this coster's parser refused may be one other parsers take:
+/// a surrogate escape (`\uD800`: gqlparser, gqlgen's, writes a lone one as it is), or a
+/// string before an operation or a fragment (a description on an operation, which
+/// graphql-js and graphql-java take since 2025). Such a document is refused, not charged:
+/// the server may run it.
+fn others_may_parse(document: &str) -> bool {
+    let surrogate = document.as_bytes().windows(4).any(|window| {
+        window[0] == b'\\'
+            && window[1] == b'u'
+            && (window[2] == b'{'
+                || (window[2].eq_ignore_ascii_case(&b'd')
+                    && matches!(window[3].to_ascii_lowercase(), b'8'..=b'9' | b'a'..=b'f')))
+    });
+    let described = document.match_indices('"').any(|(at, _)| {
+        let rest = document[at + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == ',');
+        ["query", "mutation", "subscription", "fragment", "{"]
+            .iter()
+            .any(|start| rest.starts_with(start))
+    });
+    surrogate || described || document.starts_with('\u{feff}')
 }
 
 /// The keys of a GraphQL request, in a JSON body or a URL, as the coster spells them.
