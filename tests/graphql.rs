@@ -663,20 +663,13 @@ mod http {
         content_type: &str,
         body: &str,
     ) -> (StatusCode, Option<String>) {
-        let mut request = Request::builder()
-            .method(method.clone())
-            .uri(uri)
-            .header("x-api-key", key);
-        if !content_type.is_empty() {
-            request = request.header("content-type", content_type);
-        }
-        let request = request.body(Body::from(body.to_owned())).unwrap();
-        let response = app.clone().oneshot(request).await.unwrap();
-        let cost = response
-            .headers()
-            .get("graphql-cost")
-            .map(|value| value.to_str().unwrap().to_owned());
-        (response.status(), cost)
+        let typed = [("content-type", content_type)];
+        let headers = if content_type.is_empty() {
+            &[][..]
+        } else {
+            &typed[..]
+        };
+        request(app, key, method.clone(), uri, headers, body.to_owned()).await
     }
 
     /// Some servers split a URL's parameters on `;` as well as `&` (Rack before 3, Go
@@ -940,24 +933,26 @@ mod http {
         );
     }
 
-    /// A request as `method` to `uri` with `headers` and `body`: its status and cost.
+    /// A request of `key` as `method` to `uri` with `headers` and `body`: its status and
+    /// cost.
     async fn request(
         app: &Router,
+        key: &str,
         method: http::Method,
         uri: &str,
         headers: &[(&str, &str)],
-        body: &'static [u8],
+        body: impl Into<Body>,
     ) -> (StatusCode, Option<String>) {
         let mut request = Request::builder()
             .method(method)
             .uri(uri)
-            .header("x-api-key", "k");
+            .header("x-api-key", key);
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
         let response = app
             .clone()
-            .oneshot(request.body(Body::from(body)).unwrap())
+            .oneshot(request.body(body.into()).unwrap())
             .await
             .unwrap();
         let cost = response
@@ -979,8 +974,9 @@ mod http {
     async fn a_fixed_charge_stands_in_only_where_nothing_can_be_read() {
         let lenient = app_with_minimum();
         let json = [("content-type", "application/json")];
-        let post =
-            |body: &'static [u8]| request(&lenient, http::Method::POST, "/graphql", &json, body);
+        let post = |body: &'static [u8]| {
+            request(&lenient, "k", http::Method::POST, "/graphql", &json, body)
+        };
         // 51 for the first entry, 5 for the one that does not parse.
         assert_eq!(
             post(br#"[{"query":"{ a(first: 50) { b { c } } }"},{"query":"{ unclosed "}]"#).await,
@@ -1011,7 +1007,7 @@ mod http {
             ),
         ] {
             assert_eq!(
-                request(&lenient, http::Method::POST, uri, &document, body).await,
+                request(&lenient, "k", http::Method::POST, uri, &document, body).await,
                 (StatusCode::BAD_REQUEST, None),
                 "{uri}"
             );
@@ -1020,10 +1016,11 @@ mod http {
         assert_eq!(
             request(
                 &lenient,
+                "k",
                 http::Method::GET,
                 &format!("{get}&documentId=p"),
                 &[],
-                b""
+                &b""[..]
             )
             .await,
             (StatusCode::BAD_REQUEST, None)
@@ -1036,10 +1033,11 @@ mod http {
         assert_eq!(
             request(
                 &lenient,
+                "k",
                 http::Method::POST,
                 "/graphql",
                 &gzip,
-                b"\x1f\x8b\x08\x00"
+                &b"\x1f\x8b\x08\x00"[..]
             )
             .await
             .1,
@@ -1066,12 +1064,8 @@ mod http {
             "/graphql?query=query(%24n%3AInt%3D1)%7Br(first%3A%24n)%7Bid%7D%7D&variable%C5%BF=%7B%22n%22%3A100000%7D",
             "/graphql?query=%7Ba%7D&operat%C4%B1onName=B",
         ] {
-            let request = Request::get(uri)
-                .header("x-api-key", "k")
-                .body(Body::empty())
-                .unwrap();
-            let response = app.clone().oneshot(request).await.unwrap();
-            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{uri}");
+            let (status, _) = request(&app, "k", http::Method::GET, uri, &[], Body::empty()).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}");
         }
     }
 }

@@ -59,6 +59,31 @@ impl Subscriber for Recorder {
     fn exit(&self, _: &Id) {}
 }
 
+/// Sends `requests` requests to `app`, one after another, with a recorder as the
+/// subscriber: their statuses, and every event.
+fn recorded(app: &Router, requests: usize) -> (Vec<u16>, Vec<String>) {
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let statuses = tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let mut statuses = Vec::new();
+            for _ in 0..requests {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                statuses.push(response.status().as_u16());
+            }
+            statuses
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    (statuses, events)
+}
+
 #[test]
 fn denials_errors_and_one_warning_per_transition() {
     let recorder = Recorder::default();
@@ -146,7 +171,6 @@ impl tollgate::Store for Refusing {
 // once per kind and code, never only at debug level behind the fallback.
 #[test]
 fn a_refusing_store_is_logged_at_error_level_once() {
-    let recorder = Recorder::default();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(
@@ -155,23 +179,9 @@ fn a_refusing_store_is_logged_at_error_level_once() {
                 .key(Global),
         )
         .with_state(());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            for _ in 0..4 {
-                let response = app
-                    .clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap();
-                // The default failure mode still answers (a local limiter), never a 429.
-                assert_eq!(response.status(), 200);
-            }
-        })
-    });
-    let events = recorder.events.lock().unwrap().clone();
+    let (statuses, events) = recorded(&app, 4);
+    // The default failure mode still answers (a local limiter), never a 429.
+    assert_eq!(statuses, [200; 4]);
     let errors: Vec<&String> = events
         .iter()
         .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
@@ -182,7 +192,6 @@ fn a_refusing_store_is_logged_at_error_level_once() {
 
 #[test]
 fn a_shadow_policy_that_would_deny_is_an_info_event() {
-    let recorder = Recorder::default();
     let set = tollgate::PolicySet::new([
         Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
         Policy::fixed_window("trial", 1, Duration::from_secs(3600))
@@ -195,20 +204,7 @@ fn a_shadow_policy_that_would_deny_is_an_info_event() {
             .policies(set)
             .key(Global),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            for _ in 0..3 {
-                app.clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap();
-            }
-        })
-    });
-    let events = recorder.events.lock().unwrap().clone();
+    let (_, events) = recorded(&app, 3);
     let shadow = format!("{} shadow policy would have denied", Level::INFO);
     assert_eq!(
         events.iter().filter(|e| **e == shadow).count(),
@@ -443,7 +439,6 @@ fn refusals_under_one_code_with_other_words_are_each_logged() {
             .with_code("ERR")))
         }
     }
-    let recorder = Recorder::default();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(
@@ -452,20 +447,7 @@ fn refusals_under_one_code_with_other_words_are_each_logged() {
                 .key(Global),
         )
         .with_state(());
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            for _ in 0..4 {
-                app.clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap();
-            }
-        })
-    });
-    let events = recorder.events.lock().unwrap().clone();
+    let (_, events) = recorded(&app, 4);
     let errors: Vec<&String> = events
         .iter()
         .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
