@@ -515,6 +515,7 @@ impl Breaker {
     pub(crate) fn on_success(&self) {
         if self.failures.load(Ordering::Relaxed) == 0
             && self.open_until.load(Ordering::Relaxed) == 0
+            && !self.degraded.load(Ordering::Relaxed)
         {
             return;
         }
@@ -557,7 +558,11 @@ impl Breaker {
                     .is_ok()
             {
                 self.said.store(true, Ordering::Release);
-                let unsaid = self.unsaid.swap(0, Ordering::AcqRel);
+                // An outage said late was counted unsaid when it started: not any more.
+                let unsaid = self
+                    .unsaid
+                    .swap(0, Ordering::AcqRel)
+                    .saturating_sub(u64::from(!started));
                 #[cfg(feature = "tracing")]
                 tracing::warn!(target: "tollgate", %error, outages_unsaid_since_last_warning = unsaid, "rate-limit store failed; applying the failure mode until it answers again");
                 #[cfg(not(feature = "tracing"))]
@@ -570,7 +575,8 @@ impl Breaker {
                     #[cfg(feature = "tracing")]
                     tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
                 }
-            } else if started {
+            } else if started && !due {
+                // Not when another failure of this outage won the warning.
                 self.unsaid.fetch_add(1, Ordering::Relaxed);
             }
         }

@@ -987,6 +987,8 @@ mod http {
             br#"{"query":"{ a(first: 50) { b { c } } }","documentId":"p/cheap"}"#,
             br#"{"query":"{ a(first: 50) { b(s: \"\\ud800\") { c } } }"}"#,
             br#"{"query":"\"cheap\" query { a(first: 50) { b { c } } }"}"#,
+            br#"{"query":"query Q(\"cheap\" $n: Int = 50) { a(first: $n) { b { c } } }"}"#,
+            br#"{"query":"\"cheap\" # a comment\nquery { a(first: 50) { b { c } } }"}"#,
         ] {
             assert_eq!(
                 post(body).await,
@@ -1044,6 +1046,21 @@ mod http {
             Some("5".to_owned()),
             "charged 5 (the echoing handler then refuses bytes that are not UTF-8)"
         );
+        // JSON sent as another type, or marked compressed though it is not: a server may
+        // read it as JSON whatever it says (async-graphql does), or as what it says
+        // (graphql-go reads a form): refused, not charged.
+        for headers in [
+            &[("content-type", "text/plain")][..],
+            &[("content-type", "application/json; charset=utf8")],
+            &[
+                ("content-type", "application/json"),
+                ("content-encoding", "gzip"),
+            ],
+        ] {
+            let body = &br#"{"query":"{ a(first: 50) { b { c } } }"}"#[..];
+            let sent = request(&lenient, "k", http::Method::POST, "/graphql", headers, body);
+            assert_eq!(sent.await, (StatusCode::BAD_REQUEST, None), "{headers:?}");
+        }
         // A byte order mark before the JSON, which body parsers skip: costed (the
         // budget is spent by now: the cost is what is asked of it).
         assert_eq!(
@@ -1051,6 +1068,14 @@ mod http {
                 .await
                 .1,
             Some("51".to_owned())
+        );
+        let bom = &b"\xef\xbb\xbf{\"query\":\"query A { a }\",\"operationName\":\"A\"}"[..];
+        let uri = "/graphql?operationName=A";
+        let sent = request(&lenient, "k", http::Method::POST, uri, &json, bom);
+        assert_eq!(
+            sent.await.1,
+            Some("1".to_owned()),
+            "the URL names the body's operation"
         );
     }
 

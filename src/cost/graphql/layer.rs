@@ -47,8 +47,10 @@ pub enum Invalid {
 ///
 /// It reads `POST` bodies of type `application/json` (one request or a batch; any
 /// `+json` type, or no type, alike) and `application/graphql`, in UTF-8, and `GET
-/// ?query=`. A body of any other type or charset goes to `on_invalid`: a server would
-/// read a form as a form, and decode another charset into other keys. Without a schema,
+/// ?query=`. A body of any other type, charset or encoding goes to `on_invalid` (a server
+/// would read a form as a form, and decode another charset into other keys), unless it
+/// is JSON all the same: a server may read it as JSON whatever its type (async-graphql
+/// does), so it is refused whatever `on_invalid` says. Without a schema,
 /// `first`, `last` and `limit` size every field, scalars included. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
 /// `GraphQL-Cost`. Requests that run no operation (a CORS preflight or a `HEAD` whose
@@ -433,8 +435,21 @@ where
                         )))
                     };
                     let mut visits = config.coster.max_field_visits;
-                    let cost = match (body_type(&parts), named) {
-                        (Err(error), _) => Err(error.into()),
+                    // A body of a type or an encoding this layer does not read may still be
+                    // read as JSON by a server (async-graphql reads every body that is not
+                    // multipart as JSON, whatever its type, charset or encoding), or as
+                    // the form its type says (graphql-go): one that is JSON is refused
+                    // whatever `on_invalid` says, and only a body that is not goes there.
+                    let body_type = body_type(&parts).map_err(|error| {
+                        let json =
+                            serde_json::from_slice::<serde_json::Value>(super::without_bom(&bytes));
+                        match json {
+                            Ok(_) => Uncosted::refused(error),
+                            Err(_) => error.into(),
+                        }
+                    });
+                    let cost = match (body_type, named) {
+                        (Err(uncosted), _) => Err(uncosted),
                         (_, Some(None)) => mismatch(),
                         // A server may run a document's only operation whatever the URL
                         // names, and read a body it takes for a form (gqlgen): what this
@@ -570,7 +585,7 @@ fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
 
 /// True when `body` is one JSON request whose `operationName` is `name`.
 fn names_in_body(body: &[u8], name: &str) -> bool {
-    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|request| {
+    serde_json::from_slice::<serde_json::Value>(super::without_bom(body)).is_ok_and(|request| {
         request
             .get("operationName")
             .and_then(serde_json::Value::as_str)

@@ -457,8 +457,7 @@ impl GraphqlCost {
     pub(super) fn json_costing(&self, body: &[u8]) -> Result<u64, Uncosted> {
         // A body that is not JSON to the coster may be to a server (Go's decoder stops
         // after the first value, JavaScript takes a lone surrogate): refused, not charged.
-        // A byte order mark, which body parsers skip, is skipped.
-        let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
+        let body = without_bom(body);
         let json: Json = serde_json::from_slice(body)
             .map_err(|error| Uncosted::refused(CostError::Request(error.to_string())))?;
         let mut visits = self.max_field_visits;
@@ -554,6 +553,11 @@ impl GraphqlCost {
     }
 }
 
+/// `body` without a leading byte order mark, which body parsers skip.
+pub(super) fn without_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body)
+}
+
 /// True when a document this coster's parser refused may be one other parsers take:
 /// a surrogate escape (`\uD800`: gqlparser, gqlgen's, writes a lone one as it is), or a
 /// string before an operation or a fragment (a description on an operation, which
@@ -567,9 +571,22 @@ fn others_may_parse(document: &str) -> bool {
                 || (window[2].eq_ignore_ascii_case(&b'd')
                     && matches!(window[3].to_ascii_lowercase(), b'8'..=b'9' | b'a'..=b'f')))
     });
+    // A description (graphql-spec's executable descriptions: on operations, fragments and
+    // variables) ends in a quote followed, past what a document ignores, by what it
+    // describes.
     let described = document.match_indices('"').any(|(at, _)| {
-        let rest = document[at + 1..].trim_start_matches(|c: char| c.is_whitespace() || c == ',');
-        ["query", "mutation", "subscription", "fragment", "{"]
+        let mut rest = &document[at + 1..];
+        loop {
+            let trimmed = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ',');
+            match trimmed.strip_prefix('#') {
+                Some(comment) => rest = comment.split_once('\n').map_or("", |(_, after)| after),
+                None => {
+                    rest = trimmed;
+                    break;
+                }
+            }
+        }
+        ["query", "mutation", "subscription", "fragment", "$", "{"]
             .iter()
             .any(|start| rest.starts_with(start))
     });
