@@ -524,10 +524,15 @@ impl Breaker {
         self.probing.store(0, Ordering::Release);
         if self.degraded.swap(false, Ordering::AcqRel) {
             crate::telemetry::fallback_active(false);
-            if self.said.swap(false, Ordering::AcqRel) {
-                #[cfg(feature = "tracing")]
-                tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
-            }
+            self.say_answers_again();
+        }
+    }
+
+    /// Ends a said outage: "answers again", once for its "failed".
+    fn say_answers_again(&self) {
+        if self.said.swap(false, Ordering::AcqRel) {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
         }
     }
 
@@ -570,10 +575,8 @@ impl Breaker {
                 // A success may have come between this failure and the warning: it found
                 // nothing said, so the pair is ended here, and `said` is never left set
                 // while the store answers (the next outage would go unsaid).
-                if !self.degraded.load(Ordering::Acquire) && self.said.swap(false, Ordering::AcqRel)
-                {
-                    #[cfg(feature = "tracing")]
-                    tracing::warn!(target: "tollgate", "rate-limit store answers again; back to it");
+                if !self.degraded.load(Ordering::Acquire) {
+                    self.say_answers_again();
                 }
             } else if started && !due {
                 // Not when another failure of this outage won the warning.

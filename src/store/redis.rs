@@ -524,23 +524,7 @@ impl Managed {
     #[cold]
     fn check(self: &Arc<Self>) {
         use std::sync::atomic::Ordering;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if self.checking.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // Lets the next check go when this one ends, however it ends (a runtime shutting
-        // down drops the task).
-        struct Done(Arc<Managed>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.checking.store(false, Ordering::Release);
-            }
-        }
-        let done = Done(Arc::clone(self));
-        runtime.spawn(async move {
-            let this = &done.0;
+        self.spawn_one(|managed| &managed.checking, |this| async move {
             let mut connection = this.connection();
             let ping = redis::cmd("PING");
             let answer = tokio::time::timeout(
@@ -561,6 +545,36 @@ impl Managed {
                     this.replace();
                 }
             }
+        });
+    }
+
+    /// Runs `task` in the background unless the one `flag` guards is running; the flag
+    /// lets the next one go when the task ends, however it ends (a runtime shutting down
+    /// drops it). None outside a Tokio runtime.
+    fn spawn_one<F>(
+        self: &Arc<Self>,
+        flag: fn(&Managed) -> &std::sync::atomic::AtomicBool,
+        task: impl FnOnce(Arc<Managed>) -> F,
+    ) where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        use std::sync::atomic::Ordering;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if flag(self).swap(true, Ordering::AcqRel) {
+            return;
+        }
+        struct Done(Arc<Managed>, fn(&Managed) -> &std::sync::atomic::AtomicBool);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                (self.1)(&self.0).store(false, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::clone(self), flag);
+        let task = task(Arc::clone(self));
+        runtime.spawn(async move {
+            task.await;
             drop(done);
         });
     }
@@ -578,24 +592,7 @@ impl Managed {
     /// demoted server for a while); none outside a Tokio runtime.
     #[cold]
     fn replace(self: &Arc<Self>) {
-        use std::sync::atomic::Ordering;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        if self.replacing.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // Lets the next replacement go when this one ends, however it ends (a runtime
-        // shutting down drops the task).
-        struct Done(Arc<Managed>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.replacing.store(false, Ordering::Release);
-            }
-        }
-        let done = Done(Arc::clone(self));
-        runtime.spawn(async move {
-            let this = &done.0;
+        self.spawn_one(|managed| &managed.replacing, |this| async move {
             let made =
                 ConnectionManager::new_with_config(this.client.clone(), this.config.clone()).await;
             match made {
@@ -613,7 +610,6 @@ impl Managed {
                 }
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
-            drop(done);
         });
     }
 }

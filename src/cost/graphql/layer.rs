@@ -251,9 +251,9 @@ impl Config {
         // Some servers split parameters on `;` too, and would read other parameters
         // than these (clients escape a `;` in a value as `%3B`).
         if query_string.contains(';') {
-            return Err(Uncosted::refused(CostError::Request(
-                "a raw ';' in the URL of an operation: some servers split parameters on it".into(),
-            )));
+            return Err(Uncosted::refused_request(
+                "a raw ';' in the URL of an operation: some servers split parameters on it",
+            ));
         }
         let mut query = None;
         let mut operation_name = None;
@@ -271,17 +271,17 @@ impl Config {
                 }
                 // `QUERY` would be a query to a server that reads names in any case.
                 other if super::another_case_of_a_request_key(other) => {
-                    return Err(Uncosted::refused(CostError::Request(format!(
+                    return Err(Uncosted::refused_request(format!(
                         "{other:?} is a GraphQL parameter to a server that reads names in any case"
-                    ))));
+                    )));
                 }
                 _ => continue,
             };
             // A server may take the first of two, the coster the last: neither is costed.
             if slot.is_some() {
-                return Err(Uncosted::refused(CostError::Request(format!(
+                return Err(Uncosted::refused_request(format!(
                     "several {name} parameters"
-                ))));
+                )));
             }
             *slot = Some(value.into_owned());
         }
@@ -303,20 +303,13 @@ impl Config {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 Ok(serde_json::Value::Null) => None,
                 _ => {
-                    return Err(Uncosted::refused(CostError::Request(
-                        "variables must be a JSON object".into(),
-                    )));
+                    return Err(Uncosted::refused_request("variables must be a JSON object"));
                 }
             },
             None => None,
         };
-        let mut visits = self.coster.max_field_visits;
-        self.coster.costing(
-            &query,
-            operation_name.as_deref(),
-            variables.as_ref(),
-            &mut visits,
-        )
+        self.coster
+            .costing(&query, operation_name.as_deref(), variables.as_ref())
     }
 }
 
@@ -411,7 +404,7 @@ where
             // request is not costed by its body.
             let why = "a GraphQL request with a body must not carry the operation's \
                        query or variables in its URL: the server might run those instead";
-            let cost = Err(Uncosted::refused(CostError::Request(why.into())));
+            let cost = Err(Uncosted::refused_request(why));
             return self.answer(Request::from_parts(parts, body), cost);
         }
         let mut inner = self.take_inner();
@@ -430,11 +423,10 @@ where
                     // body's: the operation costed must be the one it names.
                     let named = url_operation_name(&parts);
                     let mismatch = || {
-                        Err(Uncosted::refused(CostError::Request(
-                            "the operationName in the URL is not the body's".into(),
-                        )))
+                        Err(Uncosted::refused_request(
+                            "the operationName in the URL is not the body's",
+                        ))
                     };
-                    let mut visits = config.coster.max_field_visits;
                     // A body of a type or an encoding this layer does not read may still be
                     // read as JSON by a server (async-graphql reads every body that is not
                     // multipart as JSON, whatever its type, charset or encoding), or as
@@ -457,15 +449,13 @@ where
                         (Ok(BodyType::Document), named) => match std::str::from_utf8(&bytes) {
                             Ok(query) => config
                                 .coster
-                                .costing(query, named.flatten().as_deref(), None, &mut visits)
+                                .costing(query, named.flatten().as_deref(), None)
                                 .map_err(|uncosted| Uncosted {
                                     refused: true,
                                     ..uncosted
                                 }),
                             // A server may decode it leniently, and run what it makes of it.
-                            Err(_) => Err(Uncosted::refused(CostError::Request(
-                                "the body is not UTF-8".into(),
-                            ))),
+                            Err(_) => Err(Uncosted::refused_request("the body is not UTF-8")),
                         },
                         (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
                         _ => config.coster.json_costing(&bytes),

@@ -196,6 +196,11 @@ impl Uncosted {
         }
     }
 
+    /// A request read and refused for `why` (a malformed or ambiguous one).
+    pub(super) fn refused_request(why: impl Into<String>) -> Self {
+        Self::refused(CostError::Request(why.into()))
+    }
+
     /// What a fixed charge of `charge` for each uncosted entry comes to.
     pub(super) fn charged(&self, charge: u64) -> u64 {
         self.costed
@@ -345,14 +350,24 @@ impl GraphqlCost {
         operation_name: Option<&str>,
         variables: Option<&Map<String, Json>>,
     ) -> Result<u64, CostError> {
-        let mut visits = self.max_field_visits;
-        self.costing(query, operation_name, variables, &mut visits)
+        self.costing(query, operation_name, variables)
             .map_err(|uncosted| uncosted.error)
     }
 
-    /// [`GraphqlCost::query_cost`] within `visits` field visits (what is left of them is
-    /// left there), and how the layer weighs an error.
+    /// [`GraphqlCost::query_cost`], and how the layer weighs an error.
     pub(super) fn costing(
+        &self,
+        query: &str,
+        operation_name: Option<&str>,
+        variables: Option<&Map<String, Json>>,
+    ) -> Result<u64, Uncosted> {
+        let mut visits = self.max_field_visits;
+        self.costing_within(query, operation_name, variables, &mut visits)
+    }
+
+    /// [`GraphqlCost::costing`] within `visits` field visits, what is left of them left
+    /// there (the operations of a batch share them).
+    fn costing_within(
         &self,
         query: &str,
         operation_name: Option<&str>,
@@ -432,13 +447,15 @@ impl GraphqlCost {
             operation,
             variables,
             visits: *visits,
-            refuse: std::cell::Cell::new(false),
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
         *visits = walk.visits;
-        let cost = cost.map_err(|error| match walk.refuse.get() {
-            true => Uncosted::refused(error),
-            false => error.into(),
+        let cost = cost.map_err(|error| match error {
+            // The walk's one request error: a field given two slicing arguments where its
+            // `@listSize` requires one; a server that does not read the directive runs
+            // the rest of the document.
+            CostError::Request(_) => Uncosted::refused(error),
+            error => error.into(),
         })?;
         let cost = match operation.operation_type {
             OperationType::Mutation => cost.saturating_add(self.mutation_base),
@@ -477,27 +494,24 @@ impl GraphqlCost {
                 // Every entry is read: one refused refuses the batch, and a fixed charge
                 // stands in for each entry that went uncosted, the others costing what
                 // they cost.
-                let mut total = 0u64;
-                let mut uncosted: Option<Uncosted> = None;
+                let (mut costed, mut uncosted, mut first) = (0u64, 0u64, None);
                 for request in &batch {
                     match self.request_cost(request, &mut visits) {
-                        Ok(cost) => total = total.saturating_add(cost),
+                        Ok(cost) => costed = costed.saturating_add(cost),
                         Err(error) if error.refused => return Err(error),
                         Err(error) => {
-                            let count = uncosted.as_ref().map_or(0, |u| u.uncosted);
-                            uncosted = Some(Uncosted {
-                                uncosted: count + 1,
-                                ..uncosted.unwrap_or(error)
-                            });
+                            uncosted += 1;
+                            first.get_or_insert(error);
                         }
                     }
                 }
-                match uncosted {
-                    Some(uncosted) => Err(Uncosted {
-                        costed: total,
-                        ..uncosted
+                match first {
+                    Some(first) => Err(Uncosted {
+                        costed,
+                        uncosted,
+                        ..first
                     }),
-                    None => Ok(total),
+                    None => Ok(costed),
                 }
             }
             request => self.request_cost(&request, &mut visits),
@@ -507,15 +521,15 @@ impl GraphqlCost {
     fn request_cost(&self, request: &Json, visits: &mut u64) -> Result<u64, Uncosted> {
         // A request malformed in its JSON is refused, not charged: what a server makes of it
         // (variables sent as a string, a number for a query) is its own.
-        let malformed = |why: &str| Uncosted::refused(CostError::Request(why.into()));
+        let malformed = Uncosted::refused_request;
         let object = request
             .as_object()
             .ok_or_else(|| malformed("expected an object with a query"))?;
         // Some servers match keys in any case (Go's JSON decoding).
         if let Some(key) = object.keys().find(|key| another_case_of_a_request_key(key)) {
-            return Err(Uncosted::refused(CostError::Request(format!(
+            return Err(Uncosted::refused_request(format!(
                 "{key:?} is a GraphQL request's key to a server that reads keys in any case"
-            ))));
+            )));
         }
         // A server that supports persisted documents may run the stored one and ignore
         // the query: the query's cost would say nothing of what runs.
@@ -549,7 +563,7 @@ impl GraphqlCost {
             Some(Json::Object(variables)) => Some(variables),
             Some(_) => return Err(malformed("variables must be an object")),
         };
-        self.costing(query, operation_name, variables, visits)
+        self.costing_within(query, operation_name, variables, visits)
     }
 }
 
@@ -654,9 +668,6 @@ struct Walk<'a> {
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
-    /// The error that ended the walk refuses the request whatever its variant says (see
-    /// [`Uncosted`]).
-    refuse: std::cell::Cell<bool>,
 }
 
 /// A fragment in a context: its name, the concrete type and the list size it is costed in.
@@ -976,8 +987,6 @@ impl<'a> Walk<'a> {
             }
         }
         if required && given > 1 {
-            // A server that does not read the directive runs the rest of the document.
-            self.refuse.set(true);
             return Err(CostError::Request(format!(
                 "{} takes exactly one of its slicing arguments ({}), not {given}",
                 field.name,

@@ -228,16 +228,15 @@ impl Schema {
             .iter()
             .filter(|(name, info)| info.composite && info.possible.iter().any(|p| p != *name))
             .filter_map(|(name, info)| {
-                let weights = std::iter::once(info.weight).chain(
-                    info.possible
-                        .iter()
-                        .map(|member| schema.types.get(member).and_then(|member| member.weight)),
-                );
-                let given: Vec<Option<u64>> = weights.collect();
-                given.iter().any(Option::is_some).then(|| {
-                    let most = given.iter().map(|weight| weight.unwrap_or(1)).max();
-                    (name.clone(), most.unwrap_or(1))
-                })
+                let members = info.possible.iter();
+                let weights = std::iter::once(info.weight)
+                    .chain(members.map(|member| schema.types.get(member)?.weight));
+                // Composite types weigh 1 unless given more; with no weight given at all,
+                // nothing changes.
+                let (given, most) = weights.fold((false, 1), |(given, most), weight| {
+                    (given || weight.is_some(), most.max(weight.unwrap_or(1)))
+                });
+                given.then(|| (name.clone(), most))
             })
             .collect();
         for (name, weight) in abstract_weights {
