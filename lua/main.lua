@@ -48,31 +48,40 @@ for i = 1, count do
   if penalty ~= nil then specs[i].penalty_state = load_penalty(KEYS[2 * i]) end
 end
 
--- The answer to a blocked key, or nil: denied by the policy blocking longest, the other
--- policies as they are now.
+-- The answer to a blocked key, or nil: denied until its block ends, or until the
+-- policies would admit the cost if that is later (a block never states a shorter wait
+-- than the denials it stands for), by the policy keeping the client waiting longest; the
+-- states are read, not changed.
 local function blocked_reply()
-  local longest_block, blocker = 0, 0
+  local longest, denier = 0, 0
   for i = 1, count do
     local st = specs[i].penalty_state
-    if st ~= nil and now < st.blocked_until and st.blocked_until - now > longest_block then
-      longest_block, blocker = st.blocked_until - now, i
+    if st ~= nil and now < st.blocked_until and st.blocked_until - now > longest then
+      longest, denier = st.blocked_until - now, i
     end
   end
-  if blocker == 0 then return nil end
-  local reply = { 1, blocker, longest_block, 0 }
+  if denier == 0 then return nil end
+  local statuses = {}
   for i = 1, count do
     local spec = specs[i]
     local s = spec.algorithm.load(spec.p, KEYS[2 * i - 1], KEYS[2 * i])
     local limit, remaining, reset, effective = spec.algorithm.snapshot(spec.p, s)
     local st = spec.penalty_state
     if st ~= nil and now < st.blocked_until then
-      remaining, reset, effective = 0, st.blocked_until - now, st.blocked_until - now
+      local left = st.blocked_until - now
+      remaining, reset, effective = 0, max(reset, left), max(effective, left)
     end
-    reply[#reply + 1] = limit
-    reply[#reply + 1] = remaining
-    reply[#reply + 1] = reset
-    reply[#reply + 1] = effective
+    if not spec.shadow then
+      local verdict, value = spec.algorithm.check(spec.p, s)
+      if verdict == 'deny' and value > longest then longest, denier = value, i end
+    end
+    statuses[#statuses + 1] = limit
+    statuses[#statuses + 1] = remaining
+    statuses[#statuses + 1] = reset
+    statuses[#statuses + 1] = effective
   end
+  local reply = { 1, denier, longest, 0 }
+  for _, value in ipairs(statuses) do reply[#reply + 1] = value end
   reply[#reply + 1] = now
   return reply
 end

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use support::{RedisCluster, RedisServer, keys_with_ttl};
-use tollgate::clock::ManualClock;
+use tollgate::clock::{Clock, ManualClock};
 use tollgate::store::RedisStore;
 use tollgate::{Adjustment, Decision, Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store};
 
@@ -1874,4 +1874,74 @@ async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
         assert!(close(pardoned, other_pardoned), "{first} vs {name}");
         assert!(close(held, other_held), "{first} vs {name}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_never_answers_sooner_than_the_denials_it_stands_for() {
+    // A block answers for its key, but the wait it states is never shorter than what the
+    // policies would deny for without it: a client that waits out a minute's block on a
+    // spent day's quota would only be denied again for hours (RFC 9110, section 10.2.3:
+    // Retry-After is how long to wait; draft-ietf-httpapi-ratelimit-headers-11, section
+    // 6: no earlier than the end of the effective window).
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let penalty = tollgate::policy::Penalty::new(1, 10 * second, 60 * second);
+    // The blocked policy's own window outlasts the block.
+    let alone = PolicySet::from(
+        Policy::fixed_window("daily", 2, Duration::from_secs(86_400))
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+    );
+    // Another policy's denial outlasts the block.
+    let beside = PolicySet::new([
+        Policy::fixed_window("login", 2, MINUTE)
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+        Policy::fixed_window("daily", 2, Duration::from_secs(86_400)).unwrap(),
+    ])
+    .unwrap();
+    let denied = |decision: &Decision| match decision.outcome() {
+        Outcome::Denied {
+            policy,
+            retry_after,
+        } => (policy, retry_after),
+        other => panic!("denied expected, got {other:?}"),
+    };
+    let mut checked = 0;
+    for subject in backends.subjects("block-floor") {
+        let name = subject.name;
+        // Each key starts where the one before ended (the clock does not go back).
+        subject.clock.set(Duration::from_secs(1_000));
+        for (key, set, day) in [("a", &alone, 0), ("b", &beside, 1)] {
+            for _ in 0..2 {
+                assert!(subject.check(key, set, 1).await.is_allowed(), "{name}");
+            }
+            // The denial that starts the block, then one under it 30 s later.
+            for wait in [Duration::ZERO, 30 * second] {
+                subject.clock.advance(wait);
+                let decision = subject.check(key, set, 1).await;
+                let (policy, retry_after) = denied(&decision);
+                // Windows are aligned to the clock's origin: the day's ends at 86,400 s.
+                let left = Duration::from_secs(86_400) - Duration::from_nanos(subject.clock.now());
+                assert!(
+                    close(retry_after, left),
+                    "{name}, {key}: {retry_after:?} stated, the day denies for {left:?}"
+                );
+                assert_eq!(policy, day, "{name}, {key}: the longest wait is the day's");
+                let status = decision.statuses()[day];
+                assert_eq!(status.remaining, 0, "{name}, {key}");
+                assert!(
+                    close(status.effective_window, left),
+                    "{name}, {key}: t {:?}",
+                    status.effective_window
+                );
+                // The blocked policy reads as blocked, however long its own window.
+                assert_eq!(decision.statuses()[0].remaining, 0, "{name}, {key}");
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 12);
 }

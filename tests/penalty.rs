@@ -225,3 +225,35 @@ fn a_changed_penalty_starts_afresh_and_keeps_the_rate_state() {
     // Under the unchanged one the block holds.
     assert!(retry(&store.check("k", &strict, 1)).unwrap() > 86_000 * SECOND);
 }
+
+#[tokio::test]
+async fn a_block_shorter_than_the_window_states_the_windows_wait() {
+    // A minute's block on an hour's spent quota: the client is told to come back when the
+    // hour's window ends, not when the block does (RFC 9110, section 10.2.3; draft-ietf-
+    // httpapi-ratelimit-headers-11, section 6: Retry-After no earlier than the end of the
+    // effective window the RateLimit field states).
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+            .policy(
+                Policy::fixed_window("login", 1, Duration::from_secs(3_600))
+                    .unwrap()
+                    .with_penalty(Penalty::new(1, 10 * SECOND, 60 * SECOND))
+                    .unwrap(),
+            )
+            .key(Global),
+    );
+    let send = || {
+        app.clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+    };
+    assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+    for _ in 0..2 {
+        let blocked = send().await.unwrap();
+        assert_eq!(blocked.status(), StatusCode::TOO_MANY_REQUESTS);
+        // The hour's window ends at 3,600 s: 2,600 s from now.
+        assert_eq!(blocked.headers()["retry-after"], "2600");
+        assert_eq!(blocked.headers()["ratelimit"], "\"login\";r=0;t=2600");
+    }
+}

@@ -78,7 +78,7 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
     let (slots, penalties) = slots.split_at_mut(policies.len());
     let now = floor(policies, slots, now);
     if !penalties.is_empty() {
-        if let Some(blocked) = blocked(policies, slots, penalties, now) {
+        if let Some(blocked) = blocked(policies, slots, penalties, now, cost) {
             return blocked;
         }
     }
@@ -153,7 +153,7 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
                 penalty.strike(state, now);
             }
         }
-        if let Some(blocked) = blocked(policies, slots, penalties, now) {
+        if let Some(blocked) = blocked(policies, slots, penalties, now, cost) {
             return blocked;
         }
     }
@@ -225,13 +225,16 @@ pub(crate) fn adjust(
     (decision, fresh_at)
 }
 
-/// The answer to a key a penalty blocks: denied by the policy blocking longest, until its
-/// block ends; the other states are read, not changed.
+/// The answer to a key a penalty blocks: denied until its block ends, or until the
+/// policies would admit `cost` if that is later (a block never states a shorter wait than
+/// the denials it stands for), by the policy keeping the client waiting longest; the
+/// states are read, not changed.
 fn blocked(
     policies: &[Policy],
     slots: &[Slot],
     penalties: &[Slot],
     now: u64,
+    cost: u64,
 ) -> Option<(Decision, u64)> {
     let penalized = policies
         .iter()
@@ -245,36 +248,39 @@ fn blocked(
             }
         }
     }
-    let &(policy, retry_after) = blocks.iter().max_by_key(|(_, left)| *left)?;
+    let &(mut policy, mut retry_after) = blocks.iter().max_by_key(|(_, left)| *left)?;
     let mut fresh_at = penalties_fresh_at(policies, penalties);
     let mut statuses = SmallVec::new();
-    for (index, (policy, slot)) in policies.iter().zip(slots).enumerate() {
-        let params = policy.params();
-        let status = match blocks.iter().find(|(blocked, _)| *blocked == index) {
-            Some(&(_, left)) => PolicyStatus {
-                limit: params.limit(),
-                remaining: 0,
-                reset: Duration::from_nanos(left),
-                effective_window: Duration::from_nanos(left),
-            },
-            None => {
-                // Read as of now on a copy: the state itself stays as it was.
-                let mut copy = slot.clone();
-                params.refresh(&mut copy, now);
-                let snapshot = params.snapshot(&copy, now);
-                fresh_at = fresh_at.max(snapshot.fresh_at);
-                PolicyStatus {
-                    limit: params.limit(),
-                    remaining: snapshot.remaining,
-                    reset: Duration::from_nanos(snapshot.reset),
-                    effective_window: Duration::from_nanos(params.effective_window(
-                        &copy,
-                        now,
-                        snapshot.remaining,
-                    )),
+    for (index, (each, slot)) in policies.iter().zip(slots).enumerate() {
+        let params = each.params();
+        // Read as of now on a copy: the state itself stays as it was.
+        let mut copy = slot.clone();
+        params.refresh(&mut copy, now);
+        let snapshot = params.snapshot(&copy, now);
+        fresh_at = fresh_at.max(snapshot.fresh_at);
+        let mut status = PolicyStatus {
+            limit: params.limit(),
+            remaining: snapshot.remaining,
+            reset: Duration::from_nanos(snapshot.reset),
+            effective_window: Duration::from_nanos(params.effective_window(
+                &copy,
+                now,
+                snapshot.remaining,
+            )),
+        };
+        if let Some(&(_, left)) = blocks.iter().find(|(blocked, _)| *blocked == index) {
+            let left = Duration::from_nanos(left);
+            status.remaining = 0;
+            status.reset = status.reset.max(left);
+            status.effective_window = status.effective_window.max(left);
+        }
+        if !each.is_shadow() {
+            if let Verdict::Deny { retry_after: wait } = params.check(&copy, now, cost) {
+                if wait > retry_after {
+                    (policy, retry_after) = (index, wait);
                 }
             }
-        };
+        }
         statuses.push(status);
     }
     let outcome = Outcome::Denied {
