@@ -402,8 +402,10 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// debited as usual, none is denied, and what would have been denied is reported (the
     /// metric outcome `shadow_denied`, a `tracing` event). No rate-limit headers are sent
     /// unless [`shadow_headers`](Self::shadow_headers) asks for them. The layer's policies
-    /// keep their usual state (use [`Policy::shadow`] for a policy with state of its own
-    /// beside real ones).
+    /// keep their usual rate state (use [`Policy::shadow`] for a policy with state of its
+    /// own beside real ones); their penalties are not applied: the layer's clients were
+    /// never slowed down, so its denials would not all have come under enforcement, and a
+    /// block they started would greet them when the layer starts enforcing.
     ///
     /// ```
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};

@@ -151,6 +151,12 @@ where
             );
         }
         let responder = &config.responder;
+        // A shadow layer's denials count towards no block (see `without_penalties`).
+        let policies = if responder.shadow && policies.has_penalties() {
+            std::borrow::Cow::Owned(policies.without_penalties())
+        } else {
+            policies
+        };
         let probe = match responder.breaker.admit() {
             Admission::Call => None,
             Admission::Probe(guard) => Some(guard),

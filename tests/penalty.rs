@@ -257,3 +257,48 @@ async fn a_block_shorter_than_the_window_states_the_windows_wait() {
         assert_eq!(blocked.headers()["ratelimit"], "\"login\";r=0;t=2600");
     }
 }
+
+#[tokio::test]
+async fn a_shadow_layer_leaves_no_block_behind_for_the_enforcing_one() {
+    // A dry run never slowed its clients down, so the denials it saw would not have come
+    // under enforcement: a block they started would greet the first enforced request
+    // with an hour's 429. The shadow layer shares the rate state, not the penalty.
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let policy = Policy::token_bucket("api", 2, Rate::per_second(2))
+        .unwrap()
+        .with_penalty(Penalty::new(2, 10 * SECOND, 3_600 * SECOND))
+        .unwrap();
+    let app = |shadow: bool| {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(store.clone())
+                .policy(policy.clone())
+                .key(Global)
+                .shadow(shadow),
+        )
+    };
+    let send = |app: Router| app.oneshot(Request::get("/").body(Body::empty()).unwrap());
+    let trial = app(true);
+    for _ in 0..10 {
+        assert_eq!(send(trial.clone()).await.unwrap().status(), StatusCode::OK);
+    }
+    // The rate state is shared: the bucket the trial spent is empty, for half a second
+    // (a denial of the enforcing layer's own, the first of the two a block needs).
+    let enforced = app(false);
+    let spent = send(enforced.clone()).await.unwrap();
+    assert_eq!(spent.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(spent.headers()["retry-after"], "1");
+    clock.advance(SECOND);
+    assert_eq!(
+        send(enforced.clone()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // Its own denials still block: two in a row.
+    for _ in 0..2 {
+        send(enforced.clone()).await.unwrap();
+    }
+    let blocked = send(enforced.clone()).await.unwrap();
+    assert_eq!(blocked.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(blocked.headers()["retry-after"], "3600");
+}

@@ -441,6 +441,26 @@ impl Policy {
         })
     }
 
+    /// This policy without its penalty, on the same rate state.
+    pub(crate) fn without_penalty(&self) -> Policy {
+        if self.inner.penalty.is_none() {
+            return self.clone();
+        }
+        Policy {
+            inner: Arc::new(PolicyInner {
+                name: self.inner.name.clone(),
+                algorithm: self.inner.algorithm,
+                params: self.inner.params,
+                id: self.inner.id,
+                unit: self.inner.unit,
+                shadow: self.inner.shadow,
+                penalty: None,
+                #[cfg(feature = "metrics")]
+                derived: std::sync::OnceLock::new(),
+            }),
+        }
+    }
+
     /// The value derived from this policy by `derive`, computed on the first call and kept
     /// with the policy (and its clones). One type per policy: a call for another type gets
     /// `None`.

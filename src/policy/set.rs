@@ -41,6 +41,8 @@ struct PolicySetInner {
     /// One value derived from the set, computed once by whoever needs it (the layer keeps
     /// the set's `RateLimit-Policy` field here): the set itself knows no HTTP.
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
+    /// This set without its penalties, made the first time a shadow layer asks.
+    unpenalized: OnceLock<PolicySet>,
 }
 
 /// What a set of policies must be: distinct names, shadow policies among the first
@@ -91,7 +93,14 @@ impl PolicySet {
         let fingerprint = policies
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
-                (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
+                let hash = (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3);
+                // A penalty tells the set apart from the same rates without it.
+                match policy.penalty_box() {
+                    Some((_, id)) => {
+                        (hash ^ (u64::from(id) | 1 << 32)).wrapping_mul(0x0100_0000_01b3)
+                    }
+                    None => hash,
+                }
             });
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         let in_flight = policies.iter().any(|policy| policy.params().is_in_flight());
@@ -104,6 +113,7 @@ impl PolicySet {
                 in_flight,
                 penalties,
                 derived: OnceLock::new(),
+                unpenalized: OnceLock::new(),
             }),
         }
     }
@@ -154,6 +164,20 @@ impl PolicySet {
     #[inline]
     pub(crate) fn has_penalties(&self) -> bool {
         self.inner.penalties
+    }
+
+    /// This set with no penalty: the same policies on the same rate state, denials that
+    /// count towards no block (what a shadow layer decides with: its clients are never
+    /// slowed down, so its denials would not all have come under enforcement). Made once
+    /// and kept with the set.
+    pub(crate) fn without_penalties(&self) -> PolicySet {
+        if !self.has_penalties() {
+            return self.clone();
+        }
+        self.inner
+            .unpenalized
+            .get_or_init(|| Self::from_vec(self.iter().map(Policy::without_penalty).collect()))
+            .clone()
     }
 
     /// True when both are clones of one set.
