@@ -239,7 +239,8 @@ where
             let (output, headers, reservation) = match state.as_mut().project() {
                 StateProj::Calling { future, headers } => {
                     let mut response = ready!(future.poll(cx))?;
-                    std::mem::take(headers).apply_to_inner(response.headers_mut());
+                    std::mem::take(headers)
+                        .apply_to_inner(response.status(), response.headers_mut());
                     return Poll::Ready(Ok(response));
                 }
                 StateProj::Reserved {
@@ -279,7 +280,7 @@ where
             let response = output?;
             let Some(reservation) = reservation else {
                 let mut response = response;
-                headers.apply_to_inner(response.headers_mut());
+                headers.apply_to_inner(response.status(), response.headers_mut());
                 return Poll::Ready(Ok(response));
             };
             let head =
@@ -308,7 +309,7 @@ fn send<B: ResponseBody>(
     headers: HeaderBlock,
     reservation: Box<Reservation>,
 ) -> Response<B> {
-    headers.apply_to_inner(response.headers_mut());
+    headers.apply_to_inner(response.status(), response.headers_mut());
     if reservation.holds_slots() {
         response.map(|body| body.keep_until_end(BodyGuard::new(reservation)))
     } else {

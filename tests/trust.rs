@@ -1580,15 +1580,102 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
             .unwrap();
         let retry_after: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
         if style == HeaderStyle::Draft6 {
-            assert!(
-                reset >= retry_after,
-                "reset {reset} before Retry-After {retry_after}"
-            );
+            // draft-06, section 5: the same point in time as Retry-After.
+            assert_eq!(reset, retry_after);
         }
         // The inner layer's cached denial: no numbers of its own, and none of the outer
         // layer's roomier ones on its `429`.
         let cached = app.oneshot(request("/search", 1)).await.unwrap();
         assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(header(&cached, &remaining), None, "{prefix}");
+    }
+}
+
+/// draft-ietf-httpapi-ratelimit-headers-06, section 5 (Server Behavior): "If a response
+/// contains both the Retry-After and the RateLimit-Reset fields, the RateLimit-Reset field
+/// value SHOULD reference the same point in time". A bucket refilled by 5 a second and
+/// drained admits one unit in 0.2 s and is whole in 2 s: the denial says 1 in both.
+#[tokio::test]
+async fn draft_6_reset_on_a_denial_is_its_retry_after() {
+    let clock = tollgate::clock::ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let layer = |style| {
+        RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+            .policy(Policy::token_bucket("api", 10, Rate::per_second(5)).unwrap())
+            .cost(cost_header())
+            .headers(style)
+    };
+    let app = hello().layer(layer(HeaderStyle::Draft6));
+    assert_eq!(
+        app.clone()
+            .oneshot(request("/", 10))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+    let denied = app.oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "retry-after").as_deref(), Some("1"));
+    assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("1"));
+    // The legacy style's reset stays the time the quota is whole again (GitHub's
+    // meaning), never before Retry-After.
+    let app = hello().layer(layer(HeaderStyle::Legacy));
+    app.clone().oneshot(request("/", 10)).await.unwrap();
+    let denied = app.oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    let reset: u64 = header(&denied, "x-ratelimit-reset")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(
+        reset >= now + 2 && reset <= now + 3,
+        "{reset} against {now}"
+    );
+}
+
+/// The single-valued styles leave an inner answer's own wait alone (a limiter further in
+/// said 429 or the service 503, each with `Retry-After`), but a `Retry-After` on any other
+/// answer (RFC 9110, section 10.2.3: on a 3xx, how long to wait before following the
+/// redirect) is no rate-limit wait: the request was decided and charged, and its fields
+/// are written (draft-06, section 5, names redirects among the responses that carry
+/// them).
+#[tokio::test]
+async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait() {
+    for (status, written) in [
+        (StatusCode::MOVED_PERMANENTLY, true),
+        (StatusCode::CREATED, true),
+        (StatusCode::TOO_MANY_REQUESTS, false),
+        (StatusCode::SERVICE_UNAVAILABLE, false),
+    ] {
+        let app = Router::new()
+            .route(
+                "/",
+                get(move || async move {
+                    Response::builder()
+                        .status(status)
+                        .header("retry-after", "5")
+                        .header("location", "/elsewhere")
+                        .body(Body::empty())
+                        .unwrap()
+                }),
+            )
+            .layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
+                    .headers(HeaderStyle::Draft6),
+            );
+        let response = app.oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(response.status(), status);
+        assert_eq!(
+            header(&response, "ratelimit-remaining").is_some(),
+            written,
+            "{status}"
+        );
+        assert_eq!(header(&response, "retry-after").as_deref(), Some("5"));
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use std::cell::RefCell;
 
 use bytes::BytesMut;
-use http::{HeaderMap, HeaderName, HeaderValue, header};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 use crate::decision::{Decision, Outcome};
 use crate::policy::{Policy, PolicySet, QuotaUnit};
@@ -27,7 +27,9 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// no more than `r` (for a bucket or GCRA, until the next unit arrives; for a fixed window,
 /// until it ends; for a sliding log, until its oldest entry leaves; for the sliding
 /// counter, until its estimate admits one more unit). `Reset` (draft-6, legacy) is the
-/// time until the quota is whole again, never earlier than a denial's `Retry-After`.
+/// time until the quota is whole again; on a denial, draft-6's is the `Retry-After` (the
+/// same point in time, as draft-6 section 5 asks) and the legacy one is never earlier.
+/// `r` and `Remaining` are never above the quota.
 /// Seconds are rounded up; every integer is an RFC 9651 integer (at most 15 digits).
 ///
 /// The single-valued styles report the policy that denied, else the one with the fewest
@@ -329,29 +331,32 @@ pub(crate) enum HeaderBlock {
 }
 
 impl HeaderBlock {
-    /// A denial's single-valued reset, moved no earlier than its `Retry-After`: a client
-    /// that waits for the reset must not come back before it is let in.
-    pub(crate) fn reset_no_earlier_than(&mut self, retry_after_secs: u64) {
+    /// A denial's single-valued reset beside its `Retry-After`: draft-6's the same point
+    /// in time (draft-ietf-httpapi-ratelimit-headers-06, section 5: the reset SHOULD
+    /// reference it), the legacy style's the time the quota is whole again, moved no
+    /// earlier (a client that waits for the reset must not come back before it is let in).
+    pub(crate) fn reset_beside(&mut self, retry_after_secs: u64) {
         if let HeaderBlock::Single { legacy, reset, .. } = self {
-            let floor = reset_field(*legacy, Duration::from_secs(retry_after_secs));
-            *reset = (*reset).max(floor);
+            let retry = reset_field(*legacy, Duration::from_secs(retry_after_secs));
+            *reset = if *legacy { (*reset).max(retry) } else { retry };
         }
     }
 
     /// Writes the fields onto a response of the layer's own (a `429`, a `400`).
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
-        self.write(headers, false);
+        self.write(headers, None);
     }
 
-    /// Writes the fields onto the inner service's response, which may carry fields of a
-    /// limiter further in.
+    /// Writes the fields onto the inner service's response (of `status`), which may carry
+    /// fields of a limiter further in.
     #[inline]
-    pub(crate) fn apply_to_inner(self, headers: &mut HeaderMap) {
-        self.write(headers, true);
+    pub(crate) fn apply_to_inner(self, status: StatusCode, headers: &mut HeaderMap) {
+        self.write(headers, Some(status));
     }
 
+    /// `inner` is the status of the inner service's response, `None` for the layer's own.
     #[inline]
-    fn write(self, headers: &mut HeaderMap, inner: bool) {
+    fn write(self, headers: &mut HeaderMap, inner: Option<StatusCode>) {
         match self {
             HeaderBlock::Empty => {}
             HeaderBlock::Draft11 { policy, rate } => {
@@ -375,15 +380,20 @@ impl HeaderBlock {
                     &DRAFT6_FIELDS
                 };
                 // A limiter further in (or the service) answered with a wait of its own
-                // (its `429`, whose cached denial carries no numbers): this layer's
-                // roomier numbers would contradict it.
-                if inner && headers.contains_key(header::RETRY_AFTER) {
+                // (its `429`, whose cached denial carries no numbers, or a `503`): this
+                // layer's roomier numbers would contradict it. A `Retry-After` on another
+                // answer (a redirect's) is no such wait.
+                let waiting = |status: StatusCode| {
+                    status == StatusCode::TOO_MANY_REQUESTS
+                        || status == StatusCode::SERVICE_UNAVAILABLE
+                };
+                if inner.is_some_and(waiting) && headers.contains_key(header::RETRY_AFTER) {
                     return;
                 }
                 // A limiter further in wrote all three already: each holds one value, so
                 // the more restrictive limit's stay, as within one layer (fewest left,
                 // then the latest reset). A partial or unreadable set is overwritten.
-                if inner
+                if inner.is_some()
                     && let (Some(_), Some(theirs), Some(their_reset)) = (
                         number_field(headers, limit_name),
                         number_field(headers, remaining_name),
@@ -516,7 +526,7 @@ pub(crate) fn rate_limit_headers(
                     out.extend_from_slice(b"\"");
                     out.extend_from_slice(policy.name().as_bytes());
                     out.extend_from_slice(b"\";r=");
-                    push_number(out, status.remaining);
+                    push_number(out, status.remaining.min(policy.limit()));
                     // `t` is optional (draft-11, section 4.1); an in-flight quota has none.
                     if !policy.params().is_in_flight() {
                         out.extend_from_slice(b";t=");
@@ -552,7 +562,7 @@ pub(crate) fn rate_limit_headers(
             HeaderBlock::Single {
                 legacy,
                 limit: status.limit,
-                remaining: status.remaining,
+                remaining: status.remaining.min(status.limit),
                 reset: reset_field(legacy, after),
             }
         }
@@ -725,6 +735,49 @@ mod tests {
             )
             .is_empty()
         );
+    }
+
+    /// A store's status with more units left than the quota (a custom store, a limit
+    /// lowered under a count kept by name) never says so: `r` is at most `q`
+    /// (draft-ietf-httpapi-ratelimit-headers-11, section 4.1.1: the remaining quota units;
+    /// section 3.1.1: `q` is the quota), `Remaining` at most `Limit`.
+    #[test]
+    fn remaining_is_never_above_the_quota() {
+        let decision = Decision::new(
+            Outcome::Allowed {
+                delay: Duration::ZERO,
+            },
+            vec![
+                PolicyStatus {
+                    limit: 20,
+                    remaining: 25,
+                    reset: Duration::from_millis(300),
+                    effective_window: Duration::from_millis(100),
+                },
+                PolicyStatus {
+                    limit: 1000,
+                    remaining: 1500,
+                    reset: Duration::from_secs(3600),
+                    effective_window: Duration::from_secs(3600),
+                },
+            ],
+        );
+        let render = |style| {
+            let mut headers = HeaderMap::new();
+            let options = HeaderOptions {
+                style,
+                ..HeaderOptions::default()
+            };
+            rate_limit_headers(&options, &set(), &decision, "ip:1", 0).apply(&mut headers);
+            headers
+        };
+        assert_eq!(
+            render(HeaderStyle::Draft11)["ratelimit"],
+            "\"api\";r=20;t=1, \"daily\";r=1000;t=3600"
+        );
+        let single = render(HeaderStyle::Draft6);
+        assert_eq!(single["ratelimit-limit"], "20");
+        assert_eq!(single["ratelimit-remaining"], "20");
     }
 
     #[test]

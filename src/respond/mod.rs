@@ -276,8 +276,8 @@ impl Responder {
             Some(hook) => hook(&rejection),
             None => response::too_many_requests(&rejection),
         };
-        // The reset is no earlier than the `Retry-After` sent: ours, or the hook's own
-        // when it wrote one in seconds.
+        // The reset goes with the `Retry-After` sent (see `reset_beside`): ours, or the
+        // hook's own when it wrote one in seconds.
         let ours = rejection.retry_after_secs();
         let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
             Entry::Occupied(hooks) => hooks
@@ -291,7 +291,7 @@ impl Responder {
                 ours
             }
         };
-        headers.reset_no_earlier_than(retry_after_sent);
+        headers.reset_beside(retry_after_sent);
         headers.apply(response.headers_mut());
         Plan::Respond(Box::new(response))
     }

@@ -47,9 +47,11 @@ pub struct Rejection<'a> {
 }
 
 impl Rejection<'_> {
-    /// `retry_after` in whole seconds, rounded up, at least 1: the `Retry-After` value.
+    /// `retry_after` in whole seconds, rounded up, at least 1 and at most
+    /// 999,999,999,999,999 (the bound of the rate-limit fields' integers, so that a reset
+    /// sent beside it is never earlier): the `Retry-After` value.
     pub fn retry_after_secs(&self) -> u64 {
-        seconds_ceil(self.retry_after).max(1)
+        seconds_ceil(self.retry_after).clamp(1, crate::respond::headers::MAX_SF_INTEGER)
     }
 
     /// The names of the policies this request exceeded (the draft's `violated-policies`):
@@ -270,6 +272,30 @@ mod tests {
         let mut out = String::new();
         json_string(&mut out, "a\"b\\c\n\u{1}é");
         assert_eq!(out, "\"a\\\"b\\\\c\\u000a\\u0001é\"");
+    }
+
+    /// `Retry-After` is bounded as the rate-limit fields' integers are (RFC 9651, section
+    /// 3.3.1: at most 15 digits), so a store's wait of `Duration::MAX` never states a
+    /// `Retry-After` later than the `Reset` sent beside it.
+    #[test]
+    fn retry_after_is_bounded_as_the_reset_fields_are() {
+        let policies =
+            PolicySet::from(Policy::token_bucket("api", 1, crate::Rate::per_second(1)).unwrap());
+        let decision = Decision::new(
+            crate::Outcome::Denied {
+                policy: 0,
+                retry_after: Duration::MAX,
+            },
+            Vec::new(),
+        );
+        let rejection = Rejection {
+            policy: &policies[0],
+            retry_after: Duration::MAX,
+            decision: &decision,
+            policies: &policies,
+            cost: 1,
+        };
+        assert_eq!(rejection.retry_after_secs(), 999_999_999_999_999);
     }
 
     #[test]
