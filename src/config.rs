@@ -325,12 +325,17 @@ fn rate(text: &str) -> Result<Rate, String> {
         .parse()
         .map_err(|_| format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)"))?;
     let per = per.trim();
-    let starts_with_digit = per.starts_with(|c: char| c.is_ascii_digit());
-    let period = duration(&if starts_with_digit {
-        per.to_owned()
+    let period = if per.starts_with(|c: char| c.is_ascii_digit()) {
+        duration(per)?
     } else {
-        format!("1{per}")
-    })?;
+        // A bare unit: the error names what was written, not the "1" put before it.
+        duration(&format!("1{per}")).map_err(|_| {
+            format!(
+                "{text:?} is not a rate: {per:?} is not a period (write s, m, h, d or a \
+                 duration: 10s)"
+            )
+        })?
+    };
     Ok(Rate::new(amount, period))
 }
 
@@ -466,6 +471,13 @@ impl PolicySpec {
             }
             None => policy,
         };
+        if self.shadow && self.penalty.is_some() {
+            return Err(
+                "a shadow policy's penalty is never applied (it never denies): remove \
+                        the penalty or the shadow flag"
+                    .to_owned(),
+            );
+        }
         Ok(if self.shadow { policy.shadow() } else { policy })
     }
 }
@@ -548,6 +560,13 @@ impl LimiterConfig {
             let mut sets = HashMap::new();
             for (plan, names) in &self.plans {
                 let entry = format!("plans.{plan}");
+                if plan.trim() != plan {
+                    return Err(ConfigError::new(
+                        &entry,
+                        "spaces around a plan name: the plan header's value is read without \
+                         them, so this plan would never be chosen",
+                    ));
+                }
                 if names.is_empty() {
                     return Err(ConfigError::new(
                         &entry,
@@ -638,12 +657,31 @@ impl LimiterConfig {
             ))
         };
         fits("costs.default", self.costs.default)?;
+        // A request that costs nothing is admitted without a look (and takes no in-flight
+        // slot): with no route costing more, nothing is limited.
+        if self.costs.default == 0 && self.costs.routes.values().all(|units| *units == 0) {
+            return Err(ConfigError::new(
+                "costs.default",
+                "a cost of 0 is never limited, and no route costs more: the policies limit \
+                 nothing",
+            ));
+        }
         let mut cost = PerRoute::new(self.costs.default);
         // Each route as it is matched (spaces around its parts are not), and its entry.
         let mut seen: HashMap<String, &str> = HashMap::new();
         for (route, units) in &self.costs.routes {
             let entry = format!("costs.routes.{route:?}");
             let parts = route.trim().split_once(' ');
+            // The path is matched as the request's path: a query, a fragment or a space in
+            // it would never match.
+            let path = parts.map_or(route.trim(), |(_, path)| path.trim());
+            if path.contains(['?', '#', ' ', '\t']) {
+                return Err(ConfigError::new(
+                    entry,
+                    "a route is matched against the path alone: no query (?), fragment (#) \
+                     or space in it",
+                ));
+            }
             cost = match parts {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a
@@ -682,6 +720,25 @@ impl LimiterConfig {
         }
         let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
             .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;
+        let specs: Vec<&str> = if self.key.is_empty() {
+            vec!["ip"]
+        } else {
+            self.key.iter().map(String::as_str).collect()
+        };
+        // Settings that no key reads would look in force and not be.
+        if !self.trusted_proxies.is_empty() && !specs.contains(&"ip") {
+            return Err(ConfigError::new(
+                "trusted_proxies",
+                "no key reads the client's address (add \"ip\" to key): the proxies would \
+                 be trusted for nothing",
+            ));
+        }
+        if self.key_salt_env.is_some() && !specs.iter().any(|spec| spec.starts_with("header:")) {
+            return Err(ConfigError::new(
+                "key_salt_env",
+                "no header key to salt (key lists no \"header:NAME\")",
+            ));
+        }
         let salt = match &self.key_salt_env {
             Some(variable) => match std::env::var_os(variable) {
                 Some(salt) if !salt.is_empty() => Some(salt.into_encoded_bytes()),
@@ -695,13 +752,14 @@ impl LimiterConfig {
             None => None,
         };
         let mut chain: Option<Arc<dyn KeyExtractor>> = None;
-        let specs: Vec<&str> = if self.key.is_empty() {
-            vec!["ip"]
-        } else {
-            self.key.iter().map(String::as_str).collect()
-        };
         for (index, spec) in specs.iter().enumerate() {
             let entry = format!("key[{index}]");
+            if specs[..index].contains(&"global") {
+                return Err(ConfigError::new(
+                    entry,
+                    "never reached: \"global\" before it always finds a key",
+                ));
+            }
             let extractor: Arc<dyn KeyExtractor> = match *spec {
                 "ip" => Arc::new(client_ip.clone()),
                 "global" => Arc::new(Global),

@@ -277,6 +277,65 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "costs.routes.\"/search\"",
             "the same route as costs.routes.\" /search\"",
         ),
+        // A configuration that loads but limits nothing, or a setting nothing reads: each
+        // would look in force and not be.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\ndefault = 0\n",
+            "costs.default",
+            "a cost of 0 is never limited, and no route costs more: the policies limit nothing",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 9\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"/search?full=1\" = 2 }\n",
+            "costs.routes.\"/search?full=1\"",
+            "a route is matched against the path alone",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 9\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"GET /a b\" = 2 }\n",
+            "costs.routes.\"GET /a b\"",
+            "a route is matched against the path alone",
+        ),
+        (
+            "key = [\"header:x-api-key\"]\ntrusted_proxies = [\"10.0.0.0/8\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "trusted_proxies",
+            "no key reads the client's address (add \"ip\" to key)",
+        ),
+        (
+            "key = [\"global\", \"ip\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key[1]",
+            "never reached: \"global\" before it always finds a key",
+        ),
+        (
+            "key = [\"ip\"]\nkey_salt_env = \"PATH\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key_salt_env",
+            "no header key to salt",
+        ),
+        (
+            policy(
+                "algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"\nshadow = true\n\
+                 penalty = { denials = 3, within = \"1m\", block = \"1h\" }",
+            ),
+            "policies[0] \"api\"",
+            "a shadow policy's penalty is never applied",
+        ),
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n\" pro\" = [\"api\"]\n",
+            "plans. pro",
+            "spaces around a plan name",
+        ),
+        (
+            policy("algorithm = \"gcra\"\nrate = \"10/min\"\nburst = 1"),
+            "policies[0] \"api\"",
+            "rate: \"10/min\" is not a rate: \"min\" is not a period (write s, m, h, d or a \
+             duration: 10s)",
+        ),
         // The field is named (the README's example of an error).
         (
             "[[policies]]\nname = \"daily\"\nalgorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1x\"\n"

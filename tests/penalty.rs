@@ -138,6 +138,21 @@ fn bad_penalties_are_refused_with_a_message() {
         .unwrap_err()
         .to_string();
     assert!(cap.contains("max_block"), "{cap}");
+    // A penalty past the 64th policy of a set would count no denial in process (and every
+    // denial on Redis): refused where the set is made.
+    let mut many: Vec<Policy> = (0..64)
+        .map(|i| Policy::fixed_window(&format!("p{i}"), 10, SECOND).unwrap())
+        .collect();
+    many.push(
+        Policy::fixed_window("late", 1, SECOND)
+            .unwrap()
+            .with_penalty(Penalty::new(1, SECOND, SECOND))
+            .unwrap(),
+    );
+    let late = PolicySet::new(many.clone()).unwrap_err().to_string();
+    assert!(late.contains("\"late\" is past the 64th policy"), "{late}");
+    many.rotate_right(1);
+    assert!(PolicySet::new(many).is_ok(), "first in the set, it counts");
 }
 
 #[test]
