@@ -9,19 +9,20 @@
 //! ```
 //! use tollgate::bypass::Bypass;
 //! use tollgate::key::{HeaderKey, KeyExtractorExt};
-//! use tollgate::{Key, MemoryStore, Policy, Rate, RateLimitLayer};
+//! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 //!
+//! let api_key = HeaderKey::new("x-api-key");
 //! let bypass = Bypass::new()
 //!     .network("10.0.0.0/8")                                  // the office and the fleet
 //!     .network("::1")
-//!     .key(Key::hashed("x-api-key", b"monitoring-token"))     // as HeaderKey spells it
+//!     .key(api_key.key_for("monitoring-token")?)              // as the extractor spells it
 //!     .when(|parts| parts.uri.path() == "/healthz");
 //! let layer = RateLimitLayer::new(MemoryStore::new())
 //!     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
-//!     .key(HeaderKey::new("x-api-key"))
+//!     .key(api_key)
 //!     .bypass(bypass);
 //! # let _ = layer;
-//! # Ok::<(), tollgate::PolicyError>(())
+//! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
 use std::collections::HashSet;
@@ -138,8 +139,8 @@ impl Bypass {
     }
 
     /// Requests whose key (as the layer's key extractor gives it) is `key` skip. API keys
-    /// are hashed by their extractor: spell them as it does, with
-    /// [`Key::hashed`](crate::Key::hashed).
+    /// are hashed (and salted) by their extractor: spell them as it does, with
+    /// [`HeaderKey::key_for`](crate::key::HeaderKey::key_for).
     pub fn key(mut self, key: Key) -> Self {
         self.keys.insert(key);
         self

@@ -217,3 +217,44 @@ async fn an_ipv4_mapped_network_allows_the_ipv4_clients_in_it() {
         .unwrap();
     assert!(outside.headers().contains_key("ratelimit"));
 }
+
+/// A salted header key (a fleet's `key_salt_env`) or an `Authorization` credential is
+/// spelt by its extractor, which no plain `Key::hashed` matches: `HeaderKey::key_for`
+/// gives the key the extractor gives a request carrying the value, for an allowlist, a
+/// reset or a peek.
+#[tokio::test]
+async fn an_allowed_key_is_spelt_by_its_extractor_salted_or_not() {
+    let salted = HeaderKey::new("x-api-key").salt(b"pepper".to_vec());
+    let allowed = salted.key_for("monitoring").unwrap();
+    assert_ne!(allowed, Key::hashed("x-api-key", b"monitoring"));
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(salted.clone())
+            .bypass(Bypass::new().key(allowed)),
+    );
+    for _ in 0..3 {
+        let response = app
+            .clone()
+            .oneshot(request("192.0.2.1:1", "/", Some(" monitoring ")))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert!(!response.headers().contains_key("ratelimit"));
+    }
+    // What the extractor refuses, key_for refuses alike.
+    assert!(salted.key_for("").is_err());
+    assert!(salted.key_for("caf\u{e9}").is_err());
+    // Authorization: one key however the scheme is spelt, as the extractor reads it.
+    let bearer = HeaderKey::new("authorization");
+    let (parts, _) = Request::get("/")
+        .header("authorization", "bearer  tok3n")
+        .body(())
+        .unwrap()
+        .into_parts();
+    use tollgate::key::KeyExtractor;
+    assert_eq!(
+        bearer.key_for("Bearer tok3n").unwrap(),
+        bearer.extract(&parts).unwrap()
+    );
+}

@@ -236,7 +236,35 @@ impl KeyExtractor for HeaderKey {
         if values.next().is_some() {
             return Err(KeyError::client(format!("several {} headers", self.name)));
         }
-        let value = value.as_bytes().trim_ascii();
+        self.key_of(value.as_bytes())
+    }
+}
+
+impl HeaderKey {
+    /// The key this extractor gives a request whose header holds `value`, or the error
+    /// it answers such a request with: for a [`Bypass`](crate::bypass::Bypass) list, a
+    /// `reset` or a `peek` of one client. The key is hashed (and salted) as requests'
+    /// keys are, and an `Authorization` credential read as one spelling; a `Key::hashed`
+    /// of the value matches neither a salted key nor a credential spelt otherwise.
+    ///
+    /// ```
+    /// use tollgate::Key;
+    /// use tollgate::bypass::Bypass;
+    /// use tollgate::key::HeaderKey;
+    ///
+    /// let key = HeaderKey::new("x-api-key").salt(b"fleet secret".to_vec());
+    /// let monitoring = key.key_for("monitoring-token")?;
+    /// assert_ne!(monitoring, Key::hashed("x-api-key", b"monitoring-token"));
+    /// let bypass = Bypass::new().key(monitoring);
+    /// # let _ = bypass;
+    /// # Ok::<(), tollgate::key::KeyError>(())
+    /// ```
+    pub fn key_for(&self, value: impl AsRef<[u8]>) -> Result<Key, KeyError> {
+        self.key_of(value.as_ref())
+    }
+
+    fn key_of(&self, value: &[u8]) -> Result<Key, KeyError> {
+        let value = value.trim_ascii();
         if value.is_empty() {
             return Err(KeyError::client(format!("empty header {}", self.name)));
         }
