@@ -258,3 +258,82 @@ async fn an_allowed_key_is_spelt_by_its_extractor_salted_or_not() {
         bearer.extract(&parts).unwrap()
     );
 }
+
+/// A trusted proxy that names its client only in the forwarding header the key does not
+/// read (it writes `X-Forwarded-For`, the key reads `Forwarded`, or the other way round)
+/// has hidden the client, as one writing `unknown` has: its requests are not the proxy's
+/// own, and an allowlist of the proxy's network must not let them all skip. So too a
+/// chain of trusted hops longer than the walk reads, and a `Forwarded` line too long to
+/// read (past 64 KiB: reading one takes memory in proportion to its commas).
+#[tokio::test]
+async fn a_client_named_where_the_key_does_not_read_is_hidden_not_the_proxy() {
+    use tollgate::key::ForwardedHeader;
+    for (reads, writes, value) in [
+        (
+            ForwardedHeader::Forwarded,
+            "x-forwarded-for",
+            "203.0.113.9".to_owned(),
+        ),
+        (
+            ForwardedHeader::XForwardedFor,
+            "forwarded",
+            "for=203.0.113.9".to_owned(),
+        ),
+        (
+            ForwardedHeader::XForwardedFor,
+            "x-forwarded-for",
+            (1..=40)
+                .map(|i| format!("10.0.0.{i}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+        (
+            ForwardedHeader::Forwarded,
+            "forwarded",
+            ",".repeat(70_000) + " for=203.0.113.9",
+        ),
+    ] {
+        let app = Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(one_per_hour())
+                .key(
+                    ClientIp::behind_proxies(["10.0.0.0/8"])
+                        .unwrap()
+                        .forwarded_header(reads),
+                )
+                .bypass(Bypass::new().network("10.0.0.0/8")),
+        );
+        let mut forwarded = request("10.0.0.5:443", "/", None);
+        forwarded
+            .headers_mut()
+            .insert(writes, value.parse().unwrap());
+        let response = app.clone().oneshot(forwarded).await.unwrap();
+        assert!(
+            response.headers().contains_key("ratelimit"),
+            "{reads:?} with {writes} ({} bytes): limited",
+            value.len()
+        );
+        // The proxy's own request (no forwarding header at all) still skips.
+        let own = app
+            .clone()
+            .oneshot(request("10.0.0.5:443", "/", None))
+            .await
+            .unwrap();
+        assert!(!own.headers().contains_key("ratelimit"), "the proxy's own");
+    }
+}
+
+/// Trusting every address trusts the client's own too: the walk would go on into what
+/// the client wrote, and any client could name any address it likes. Refused with a
+/// message, as an entry that is no address is.
+#[test]
+fn trusting_every_address_is_refused() {
+    for everything in ["0.0.0.0/0", "::/0", "::ffff:0:0/96"] {
+        let error = ClientIp::behind_proxies(["10.0.0.0/8", everything]).unwrap_err();
+        assert!(
+            error.to_string().contains("trusts every"),
+            "{everything}: {error}"
+        );
+    }
+    assert!(ClientIp::behind_proxies(["0.0.0.0/1", "2001:db8::/32"]).is_ok());
+}

@@ -22,14 +22,24 @@ pub enum ForwardedHeader {
     Forwarded,
 }
 
-/// A trusted-proxy entry that is neither an IP address nor a CIDR block.
+/// A trusted-proxy entry that is neither an IP address nor a CIDR block, or a block of
+/// every address (which would trust the client too).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidProxy {
     entry: String,
+    everything: bool,
 }
 
 impl fmt::Display for InvalidProxy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.everything {
+            return write!(
+                f,
+                "trusted proxy {:?} trusts every address, the client's own too: any client \
+                 could name any address it likes (list your proxies' addresses or networks)",
+                self.entry
+            );
+        }
         write!(
             f,
             "trusted proxy {:?} is not an IP address or a CIDR block such as 10.0.0.0/8",
@@ -42,6 +52,10 @@ impl std::error::Error for InvalidProxy {}
 
 /// The most forwarding hops walked from the right before giving up.
 const MAX_HOPS: usize = 32;
+
+/// The longest `Forwarded` line read: room for a chain of long elements (a proxy's long
+/// `host`), while what reading it takes stays bounded (8 bytes a comma).
+const MAX_FORWARDED_LINE: usize = 64 * 1024;
 
 /// Keys requests by the client's IP address (`ip:203.0.113.7`, `ip:2001:db8:1:2::/64`).
 ///
@@ -102,8 +116,17 @@ impl ClientIp {
     ///
     /// Peers are compared in canonical form (an IPv4-mapped IPv6 peer is its IPv4
     /// address), so an IPv4-mapped block stands for the IPv4 block inside it:
-    /// `"::ffff:10.0.0.0/104"` is `10.0.0.0/8`, and `"::ffff:0:0/96"` trusts every IPv4
-    /// peer. A wider IPv6 block (`"::/0"`) covers IPv6 peers only.
+    /// `"::ffff:10.0.0.0/104"` is `10.0.0.0/8`. A block of every address (`"0.0.0.0/0"`,
+    /// `"::/0"`, `"::ffff:0:0/96"`) is refused: it trusts the client's own address too,
+    /// so the walk would go on into what the client wrote.
+    ///
+    /// Trust is only as good as the proxies: each one listed must write the header read
+    /// (`X-Forwarded-For`, or [`Forwarded`](Self::forwarded_header)) on every request,
+    /// appending the address it received the request from, and every proxy whose address
+    /// may appear in it (a cloud load balancer's own) must be listed. A proxy that passes
+    /// the client's header on unchanged (one that sets only `X-Real-IP`) lets the client
+    /// name any address. A trusted proxy that names its client only in the other header
+    /// hides it: such requests are keyed by the proxy's address (a warning says so once).
     pub fn behind_proxies<I, S>(proxies: I) -> Result<Self, InvalidProxy>
     where
         I: IntoIterator<Item = S>,
@@ -113,13 +136,21 @@ impl ClientIp {
             .into_iter()
             .map(|entry| {
                 let entry = entry.as_ref().trim();
-                entry
+                let net = entry
                     .parse::<IpNet>()
                     .or_else(|_| entry.parse::<IpAddr>().map(IpNet::from))
                     .map(|net| canonical_net(net.trunc()))
                     .map_err(|_| InvalidProxy {
                         entry: entry.to_owned(),
-                    })
+                        everything: false,
+                    })?;
+                if net.prefix_len() == 0 {
+                    return Err(InvalidProxy {
+                        entry: entry.to_owned(),
+                        everything: true,
+                    });
+                }
+                Ok(net)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
@@ -179,7 +210,7 @@ impl ClientIp {
             return (client, false);
         }
         let mut hops = ForwardedHops::new(&parts.headers, self.header);
-        for _ in 0..MAX_HOPS {
+        for hop in 0..MAX_HOPS {
             match hops.next() {
                 Some(Some(ip)) => {
                     client = ip.to_canonical();
@@ -189,10 +220,21 @@ impl ClientIp {
                 }
                 // Malformed, obfuscated or "unknown": the last good address stands.
                 Some(None) => return (client, true),
+                // The trusted peer forwarded nothing in the header read: its own request,
+                // unless it named a client in the other header (a proxy configured
+                // otherwise than the key), which then hides that client.
+                None if hop == 0 && parts.headers.contains_key(self.header.other().name()) => {
+                    crate::telemetry::forwarded_elsewhere(
+                        self.header.name(),
+                        self.header.other().name(),
+                    );
+                    return (client, true);
+                }
                 None => return (client, false),
             }
         }
-        (client, false)
+        // More trusted hops than the walk reads: whoever is further out is unknown.
+        (client, true)
     }
 
     /// The client's address when the forwarding headers name it: `None` when a trusted
@@ -342,6 +384,8 @@ enum Members<'a> {
     Plain(std::iter::Rev<CommaSplit<'a>>),
     /// `Forwarded`: elements, peeled off the end of the line.
     Elements(Peeler<'a>),
+    /// A `Forwarded` line past [`MAX_FORWARDED_LINE`]: malformed.
+    TooLong,
 }
 
 type CommaSplit<'a> = std::slice::Split<'a, u8, fn(&u8) -> bool>;
@@ -463,11 +507,15 @@ impl Read {
 /// in the same state read alike from there on, so only the latest start per state is
 /// kept; before each comma (and at the end) the latest start in an accepting state is
 /// the shortest well-formed tail of the line up to there.
+/// No well-formed tail ends here.
+const NO_TAIL: u32 = u32::MAX;
+
 struct Peeler<'a> {
     line: &'a [u8],
     /// For each comma's position, and the line's length: where the shortest well-formed
-    /// tail of the line up to there starts.
-    tails: Vec<(usize, Option<usize>)>,
+    /// tail of the line up to there starts ([`NO_TAIL`] for none). Lines are at most
+    /// [`MAX_FORWARDED_LINE`] long: positions fit in 32 bits.
+    tails: Vec<(u32, u32)>,
     /// The end of what is left to peel.
     end: Option<usize>,
 }
@@ -483,10 +531,12 @@ impl<'a> Peeler<'a> {
                 .filter_map(|&state| starts[state as usize])
                 .max()
         };
+        let position = |at: usize| u32::try_from(at).unwrap_or(NO_TAIL);
+        let tail = |start: Option<usize>| start.map_or(NO_TAIL, position);
         let mut tails = Vec::new();
         for (at, &byte) in line.iter().enumerate() {
             if byte == b',' {
-                tails.push((at, shortest(&starts)));
+                tails.push((position(at), tail(shortest(&starts))));
             }
             let mut next = [None; Read::ALL.len()];
             for state in Read::ALL {
@@ -500,7 +550,7 @@ impl<'a> Peeler<'a> {
             }
             starts = next;
         }
-        tails.push((line.len(), shortest(&starts)));
+        tails.push((position(line.len()), tail(shortest(&starts))));
         Self {
             line,
             tails,
@@ -514,25 +564,40 @@ impl<'a> Iterator for Peeler<'a> {
 
     fn next(&mut self) -> Option<Option<&'a [u8]>> {
         let end = self.end?;
-        let start = self
-            .tails
-            .binary_search_by_key(&end, |&(end, _)| end)
+        let start = u32::try_from(end)
             .ok()
-            .and_then(|index| self.tails[index].1);
+            .and_then(|end| self.tails.binary_search_by_key(&end, |&(end, _)| end).ok())
+            .map(|index| self.tails[index].1)
+            .filter(|&start| start != NO_TAIL)
+            .map(|start| start as usize);
         // A tail starts at the line's start or just after a comma.
         self.end = start.and_then(|start| start.checked_sub(1));
         Some(start.map(|start| &self.line[start..end]))
     }
 }
 
-impl<'a> ForwardedHops<'a> {
-    fn new(headers: &'a HeaderMap, header: ForwardedHeader) -> Self {
-        let name = match header {
+impl ForwardedHeader {
+    /// The header's name.
+    fn name(self) -> &'static str {
+        match self {
             ForwardedHeader::XForwardedFor => "x-forwarded-for",
             ForwardedHeader::Forwarded => "forwarded",
-        };
+        }
+    }
+
+    /// The other forwarding header.
+    fn other(self) -> Self {
+        match self {
+            ForwardedHeader::XForwardedFor => ForwardedHeader::Forwarded,
+            ForwardedHeader::Forwarded => ForwardedHeader::XForwardedFor,
+        }
+    }
+}
+
+impl<'a> ForwardedHops<'a> {
+    fn new(headers: &'a HeaderMap, header: ForwardedHeader) -> Self {
         Self {
-            lines: headers.get_all(name).iter().rev(),
+            lines: headers.get_all(header.name()).iter().rev(),
             current: None,
             header,
         }
@@ -563,6 +628,7 @@ impl Iterator for ForwardedHops<'_> {
                     Some(None) => return Some(None),
                     None => {}
                 },
+                Some(Members::TooLong) => return Some(None),
                 _ => {}
             }
             let line = self.lines.next()?.as_bytes();
@@ -571,6 +637,10 @@ impl Iterator for ForwardedHops<'_> {
                     let split: fn(&u8) -> bool = is_comma;
                     Members::Plain(line.split(split).rev())
                 }
+                // A line longer than a proxy chain writes is read as malformed: the walk
+                // stops at the last trusted hop (reading it would take memory in
+                // proportion to its commas).
+                ForwardedHeader::Forwarded if line.len() > MAX_FORWARDED_LINE => Members::TooLong,
                 // Each line on its own: a quote a client left open on its line does not
                 // swallow the line a proxy added after it.
                 ForwardedHeader::Forwarded => Members::Elements(Peeler::new(line)),
