@@ -487,6 +487,7 @@ struct Compiled {
     key: Arc<dyn KeyExtractor>,
     cost: Arc<dyn Cost>,
     resolver: Arc<dyn PolicyResolver>,
+    sets: Sets,
     failure_mode: Option<&'static str>,
     shadow: bool,
     shadow_headers: bool,
@@ -809,16 +810,38 @@ impl LimiterConfig {
                 ));
             }
         };
+        let sets = Sets {
+            default: match plan_sets.as_slice() {
+                [(None, only)] => only.clone(),
+                _ => plan_sets
+                    .iter()
+                    .find(|(plan, _)| *plan == Some("default"))
+                    .map(|(_, set)| set.clone())
+                    .expect("checked above: plans have a default"),
+            },
+            plans: plan_sets
+                .iter()
+                .filter_map(|(plan, set)| Some(((*plan)?.to_owned(), set.clone())))
+                .collect(),
+        };
         Ok(Compiled {
             key: chain.unwrap_or_else(|| Arc::new(client_ip)),
             cost: Arc::new(cost),
             resolver,
+            sets,
             failure_mode,
             shadow: self.shadow,
             shadow_headers: self.shadow_headers,
             headers,
         })
     }
+}
+
+/// A configuration's policy sets, for its administration: the default one (the only one
+/// without plans) and each plan's.
+struct Sets {
+    default: PolicySet,
+    plans: HashMap<String, PolicySet>,
 }
 
 /// Plans: the set a request's plan header names, else the default one.
@@ -868,6 +891,8 @@ pub struct LiveLayer {
 struct LiveShared {
     store: Arc<dyn Store>,
     current: ArcSwap<LiveConfig>,
+    /// The current configuration's sets, swapped right after it.
+    sets: ArcSwap<Sets>,
     breaker: Arc<Breaker>,
     fallback: LocalFallback,
     /// Reloads one at a time.
@@ -886,11 +911,12 @@ impl LiveLayer {
         let store: Arc<dyn Store> = Arc::new(store);
         let breaker = Arc::new(Breaker::new(CircuitBreaker::default()));
         let fallback = LocalFallback::new();
-        let current = build(&store, &breaker, &fallback, config)?;
+        let (current, sets) = build(&store, &breaker, &fallback, config)?;
         Ok(Self {
             shared: Arc::new(LiveShared {
                 store,
                 current: ArcSwap::from(current),
+                sets: ArcSwap::from_pointee(sets),
                 breaker,
                 fallback,
                 reloading: std::sync::Mutex::new(()),
@@ -907,16 +933,47 @@ impl LiveLayer {
             .reloading
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let next = build(
+        let (next, sets) = build(
             &self.shared.store,
             &self.shared.breaker,
             &self.shared.fallback,
             config,
         )?;
         self.shared.current.store(next);
+        self.shared.sets.store(Arc::new(sets));
         #[cfg(feature = "tracing")]
         tracing::info!(target: "tollgate", policies = config.policies.len(), "rate-limit configuration reloaded");
         Ok(())
+    }
+
+    /// The policy set the running configuration decides a plan's requests under (`None`:
+    /// the default plan, or the one set of a configuration without plans), or `None` for
+    /// a plan it does not have. With the client's key (for a header key,
+    /// [`HeaderKey::key_for`](crate::key::HeaderKey::key_for), salted as the
+    /// configuration salts) it is what `peek`, `reset` and `adjust` on the store need: a
+    /// set built by hand that differs (a penalty left out) acts on other state.
+    ///
+    /// ```
+    /// use tollgate::config::{LimiterConfig, LiveLayer};
+    /// use tollgate::MemoryStore;
+    ///
+    /// let config: LimiterConfig = toml::from_str(r#"
+    ///     [[policies]]
+    ///     name = "api"
+    ///     algorithm = "gcra"
+    ///     rate = "10/s"
+    ///     burst = 20
+    /// "#)?;
+    /// let live = LiveLayer::new(MemoryStore::new(), &config)?;
+    /// assert_eq!(live.policies(None).unwrap()[0].name(), "api");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn policies(&self, plan: Option<&str>) -> Option<PolicySet> {
+        let sets = self.shared.sets.load();
+        match plan {
+            None => Some(sets.default.clone()),
+            Some(plan) => sets.plans.get(plan).cloned(),
+        }
     }
 }
 
@@ -925,7 +982,7 @@ fn build(
     breaker: &Arc<Breaker>,
     fallback: &LocalFallback,
     config: &LimiterConfig,
-) -> Result<Arc<LiveConfig>, ConfigError> {
+) -> Result<(Arc<LiveConfig>, Sets), ConfigError> {
     let compiled = config.compile()?;
     let failure_mode = match compiled.failure_mode {
         Some("fail-open") => FailureMode::FailOpen,
@@ -942,6 +999,7 @@ fn build(
         .headers(compiled.headers)
         .with_breaker(Arc::clone(breaker))
         .service_config()
+        .map(|config| (config, compiled.sets))
         .map_err(|reason| ConfigError::new("policies", reason))
 }
 

@@ -683,3 +683,35 @@ fn a_route_or_a_plan_named_twice_is_refused() {
     let config = serde_json::from_str::<LimiterConfig>(once).unwrap();
     config.check().unwrap();
 }
+
+/// Administering a configured layer: the live configuration's policy set for a plan and
+/// the key its extractor gives a client (`HeaderKey::key_for`, salted as the layer salts)
+/// reset that client on the store, where a hand-built set or a plain hash would miss it.
+#[tokio::test]
+async fn a_configured_layer_gives_its_sets_for_resets_and_peeks() {
+    use tollgate::Store;
+    let store = MemoryStore::new();
+    let live = LiveLayer::new(store.clone(), &parse(FULL)).unwrap();
+    let free = live.policies(None).unwrap();
+    assert_eq!(free.len(), 2, "free and the shadow trial");
+    assert_eq!(live.policies(Some("default")).unwrap().len(), 2);
+    assert_eq!(live.policies(Some("pro")).unwrap()[0].name(), "pro");
+    assert!(live.policies(Some("gold")).is_none());
+    let send = || app(&live).oneshot(request("GET", "/", Some("k-9"), None));
+    for _ in 0..3 {
+        assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(
+        send().await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let key = tollgate::key::HeaderKey::new("x-api-key")
+        .key_for("k-9")
+        .unwrap();
+    store.reset(&key, &free).await.unwrap();
+    assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+    // After a reload, the reloaded configuration's sets.
+    live.reload(&parse(&FULL.replace("limit = 3", "limit = 5")))
+        .unwrap();
+    assert_eq!(live.policies(None).unwrap()[0].limit(), 5);
+}
