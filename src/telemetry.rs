@@ -344,26 +344,6 @@ pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {
     let _ = reason;
 }
 
-/// A trusted proxy named its client in the forwarding header the key does not read: said
-/// once per process (a proxy configured otherwise than the key sends every request so).
-#[cold]
-pub(crate) fn forwarded_elsewhere(read: &str, written: &str) {
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        return;
-    }
-    #[cfg(feature = "tracing")]
-    tracing::warn!(
-        target: "tollgate",
-        read,
-        written,
-        "a trusted proxy forwards its clients in {written}, but the key reads {read}: \
-         their requests are keyed by the proxy's address (set ClientIp::forwarded_header)"
-    );
-    #[cfg(not(feature = "tracing"))]
-    let _ = (read, written);
-}
-
 pub(crate) fn store_skipped() {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_skipped_total").increment(1);

@@ -242,7 +242,7 @@ impl KeyExtractor for HeaderKey {
 
 impl HeaderKey {
     /// The key this extractor gives a request whose header holds `value`, or the error
-    /// it answers such a request with: for a [`Bypass`](crate::bypass::Bypass) list, a
+    /// it answers such a request with: for a `Bypass` list, a
     /// `reset` or a `peek` of one client. The key is hashed (and salted) as requests'
     /// keys are, and an `Authorization` credential read as one spelling; a `Key::hashed`
     /// of the value matches neither a salted key nor a credential spelt otherwise.

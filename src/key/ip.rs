@@ -224,10 +224,7 @@ impl ClientIp {
                 // unless it named a client in the other header (a proxy configured
                 // otherwise than the key), which then hides that client.
                 None if hop == 0 && parts.headers.contains_key(self.header.other().name()) => {
-                    crate::telemetry::forwarded_elsewhere(
-                        self.header.name(),
-                        self.header.other().name(),
-                    );
+                    forwarded_elsewhere(self.header.name(), self.header.other().name());
                     return (client, true);
                 }
                 None => return (client, false),
@@ -574,6 +571,26 @@ impl<'a> Iterator for Peeler<'a> {
         self.end = start.and_then(|start| start.checked_sub(1));
         Some(start.map(|start| &self.line[start..end]))
     }
+}
+
+/// A trusted proxy named its client in the forwarding header the key does not read: said
+/// once per process (a proxy configured otherwise than the key sends every request so).
+#[cold]
+fn forwarded_elsewhere(read: &str, written: &str) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        target: "tollgate",
+        read,
+        written,
+        "a trusted proxy forwards its clients in {written}, but the key reads {read}: \
+         their requests are keyed by the proxy's address (set ClientIp::forwarded_header)"
+    );
+    #[cfg(not(feature = "tracing"))]
+    let _ = (read, written);
 }
 
 impl ForwardedHeader {
