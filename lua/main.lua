@@ -49,9 +49,10 @@ for i = 1, count do
 end
 
 -- The answer to a blocked key, or nil: denied until its block ends, or until the
--- policies would admit the cost if that is later (a block never states a shorter wait
--- than the denials it stands for), by the policy keeping the client waiting longest; the
--- states are read, not changed.
+-- policies would admit the cost (at least one unit: a peek is told when a request would
+-- pass) if that is later, so a block never states a shorter wait than the denials it
+-- stands for; by the policy keeping the client waiting longest (the first of equals).
+-- The states are read, not changed.
 local function blocked_reply()
   local longest, denier = 0, 0
   for i = 1, count do
@@ -61,6 +62,8 @@ local function blocked_reply()
     end
   end
   if denier == 0 then return nil end
+  local asked = cost
+  if cost < 1 then cost = 1 end
   local statuses = {}
   for i = 1, count do
     local spec = specs[i]
@@ -80,6 +83,7 @@ local function blocked_reply()
     statuses[#statuses + 1] = reset
     statuses[#statuses + 1] = effective
   end
+  cost = asked
   local reply = { 1, denier, longest, 0 }
   for _, value in ipairs(statuses) do reply[#reply + 1] = value end
   reply[#reply + 1] = now

@@ -676,7 +676,7 @@ impl LimiterConfig {
             // The path is matched as the request's path: a query, a fragment or a space in
             // it would never match.
             let path = parts.map_or(route.trim(), |(_, path)| path.trim());
-            if path.contains(['?', '#', ' ', '\t']) {
+            if path.starts_with('/') && path.contains(['?', '#', ' ', '\t']) {
                 return Err(ConfigError::new(
                     entry,
                     "a route is matched against the path alone: no query (?), fragment (#) \
@@ -951,7 +951,9 @@ impl LiveLayer {
     /// a plan it does not have. With the client's key (for a header key,
     /// [`HeaderKey::key_for`](crate::key::HeaderKey::key_for), salted as the
     /// configuration salts) it is what `peek`, `reset` and `adjust` on the store need: a
-    /// set built by hand that differs (a penalty left out) acts on other state.
+    /// set built by hand that differs (a penalty left out) acts on other state. A call
+    /// that races a [`reload`](Self::reload) may get either configuration's set; once
+    /// `reload` has returned, the new one's.
     ///
     /// ```
     /// use tollgate::config::{LimiterConfig, LiveLayer};

@@ -1939,9 +1939,30 @@ async fn a_block_never_answers_sooner_than_the_denials_it_stands_for() {
                 );
                 // The blocked policy reads as blocked, however long its own window.
                 assert_eq!(decision.statuses()[0].remaining, 0, "{name}, {key}");
+                // A look that spends nothing is told the same wait: when a request would
+                // pass.
+                let peeked = subject.check(key, set, 0).await;
+                assert!(close(denied(&peeked).1, left), "{name}, {key}: peek");
                 checked += 1;
             }
         }
+        // Two blocks of one length, started by one request: the first policy reports
+        // them, on every store.
+        let twins = PolicySet::new([
+            Policy::fixed_window("a", 1, Duration::from_secs(1))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+            Policy::fixed_window("b", 1, Duration::from_secs(2))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        ])
+        .unwrap();
+        assert!(subject.check("c", &twins, 1).await.is_allowed(), "{name}");
+        let (policy, retry_after) = denied(&subject.check("c", &twins, 1).await);
+        assert_eq!(policy, 0, "{name}: the first of equal blocks");
+        assert!(close(retry_after, 60 * second), "{name}: {retry_after:?}");
     }
     assert_eq!(checked, 12);
 }

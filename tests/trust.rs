@@ -1679,3 +1679,41 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
         assert_eq!(header(&response, "retry-after").as_deref(), Some("5"));
     }
 }
+
+/// The nested limiters above over gRPC: the inner layer's cached denial is a gRPC answer
+/// (HTTP 200, `grpc-status` 8 and `retry-after`), still a wait of its own that the outer
+/// layer's roomier single-valued fields must not contradict.
+#[tokio::test]
+async fn nested_limiters_over_grpc_leave_the_inner_wait_alone() {
+    let route = RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 100))
+        .policy(Policy::fixed_window("search", 1, Duration::from_secs(60)).unwrap())
+        .headers(HeaderStyle::Draft6);
+    let global = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("global", 1000, Duration::from_secs(3600)).unwrap())
+        .headers(HeaderStyle::Draft6);
+    let app = Router::new()
+        .route("/search", axum::routing::post(|| async { "found" }))
+        .route_layer(route)
+        .layer(global);
+    let call = || {
+        let mut request = Request::post("/search")
+            .header("content-type", "application/grpc")
+            .body(Body::empty())
+            .unwrap();
+        request
+            .extensions_mut()
+            .insert(std::net::SocketAddr::from(PEER));
+        app.clone().oneshot(request)
+    };
+    assert_eq!(
+        header(&call().await.unwrap(), "ratelimit-remaining").as_deref(),
+        Some("0")
+    );
+    let denied = call().await.unwrap();
+    assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
+    assert_eq!(header(&denied, "ratelimit-remaining").as_deref(), Some("0"));
+    let cached = call().await.unwrap();
+    assert_eq!(header(&cached, "grpc-status").as_deref(), Some("8"));
+    assert!(header(&cached, "retry-after").is_some());
+    assert_eq!(header(&cached, "ratelimit-remaining"), None);
+}

@@ -53,8 +53,9 @@ impl std::error::Error for InvalidProxy {}
 /// The most forwarding hops walked from the right before giving up.
 const MAX_HOPS: usize = 32;
 
-/// The longest `Forwarded` line read: room for a chain of long elements (a proxy's long
-/// `host`), while what reading it takes stays bounded (8 bytes a comma).
+/// How much of the end of a `Forwarded` line is read: room for a chain of long elements
+/// (a proxy's long `host`), while what reading it takes stays bounded (8 bytes a comma).
+/// An element that starts before it is malformed: the walk stops there.
 const MAX_FORWARDED_LINE: usize = 64 * 1024;
 
 /// Keys requests by the client's IP address (`ip:203.0.113.7`, `ip:2001:db8:1:2::/64`).
@@ -221,9 +222,9 @@ impl ClientIp {
                 // Malformed, obfuscated or "unknown": the last good address stands.
                 Some(None) => return (client, true),
                 // The trusted peer forwarded nothing in the header read: its own request,
-                // unless it named a client in the other header (a proxy configured
-                // otherwise than the key), which then hides that client.
-                None if hop == 0 && parts.headers.contains_key(self.header.other().name()) => {
+                // unless it named a client's address in the other header (a proxy
+                // configured otherwise than the key), which then hides that client.
+                None if hop == 0 && names_a_client(&parts.headers, self.header.other()) => {
                     forwarded_elsewhere(self.header.name(), self.header.other().name());
                     return (client, true);
                 }
@@ -231,7 +232,7 @@ impl ClientIp {
             }
         }
         // More trusted hops than the walk reads: whoever is further out is unknown.
-        (client, true)
+        (client, hops.next().is_some())
     }
 
     /// The client's address when the forwarding headers name it: `None` when a trusted
@@ -381,8 +382,6 @@ enum Members<'a> {
     Plain(std::iter::Rev<CommaSplit<'a>>),
     /// `Forwarded`: elements, peeled off the end of the line.
     Elements(Peeler<'a>),
-    /// A `Forwarded` line past [`MAX_FORWARDED_LINE`]: malformed.
-    TooLong,
 }
 
 type CommaSplit<'a> = std::slice::Split<'a, u8, fn(&u8) -> bool>;
@@ -489,6 +488,9 @@ impl Read {
     }
 }
 
+/// No well-formed tail ends here.
+const NO_TAIL: u32 = u32::MAX;
+
 /// The elements of one `Forwarded` line, peeled off its end: each is the shortest tail
 /// (after a comma) of what is left that is well-formed on its own; `Some(None)` when what
 /// is left ends in no well-formed element (the walk stops there).
@@ -504,14 +506,11 @@ impl Read {
 /// in the same state read alike from there on, so only the latest start per state is
 /// kept; before each comma (and at the end) the latest start in an accepting state is
 /// the shortest well-formed tail of the line up to there.
-/// No well-formed tail ends here.
-const NO_TAIL: u32 = u32::MAX;
-
 struct Peeler<'a> {
     line: &'a [u8],
     /// For each comma's position, and the line's length: where the shortest well-formed
-    /// tail of the line up to there starts ([`NO_TAIL`] for none). Lines are at most
-    /// [`MAX_FORWARDED_LINE`] long: positions fit in 32 bits.
+    /// tail of the line up to there starts ([`NO_TAIL`] for none). What is read of a line
+    /// is at most [`MAX_FORWARDED_LINE`] long: positions fit in 32 bits.
     tails: Vec<(u32, u32)>,
     /// The end of what is left to peel.
     end: Option<usize>,
@@ -519,8 +518,14 @@ struct Peeler<'a> {
 
 impl<'a> Peeler<'a> {
     fn new(line: &'a [u8]) -> Self {
+        // Past the bound, only its end is read, and a tail may start only after a comma
+        // in it (where the cut falls is no element's start).
+        let cut = line.len() > MAX_FORWARDED_LINE;
+        let line = &line[line.len().saturating_sub(MAX_FORWARDED_LINE)..];
         let mut starts = [None; Read::ALL.len()];
-        starts[Read::PairStart as usize] = Some(0);
+        if !cut {
+            starts[Read::PairStart as usize] = Some(0);
+        }
         let shortest = |starts: &[Option<usize>; Read::ALL.len()]| {
             Read::ALL
                 .iter()
@@ -593,6 +598,11 @@ fn forwarded_elsewhere(read: &str, written: &str) {
     let _ = (read, written);
 }
 
+/// Whether the last entry of `header` names an address (`for=` or a plain address).
+fn names_a_client(headers: &HeaderMap, header: ForwardedHeader) -> bool {
+    matches!(ForwardedHops::new(headers, header).next(), Some(Some(_)))
+}
+
 impl ForwardedHeader {
     /// The header's name.
     fn name(self) -> &'static str {
@@ -645,7 +655,6 @@ impl Iterator for ForwardedHops<'_> {
                     Some(None) => return Some(None),
                     None => {}
                 },
-                Some(Members::TooLong) => return Some(None),
                 _ => {}
             }
             let line = self.lines.next()?.as_bytes();
@@ -654,10 +663,6 @@ impl Iterator for ForwardedHops<'_> {
                     let split: fn(&u8) -> bool = is_comma;
                     Members::Plain(line.split(split).rev())
                 }
-                // A line longer than a proxy chain writes is read as malformed: the walk
-                // stops at the last trusted hop (reading it would take memory in
-                // proportion to its commas).
-                ForwardedHeader::Forwarded if line.len() > MAX_FORWARDED_LINE => Members::TooLong,
                 // Each line on its own: a quote a client left open on its line does not
                 // swallow the line a proxy added after it.
                 ForwardedHeader::Forwarded => Members::Elements(Peeler::new(line)),
@@ -1089,6 +1094,21 @@ mod tests {
                 ]
             ),
             "ip:203.0.113.5"
+        );
+        // A line past what is read (64 KiB): its end is read alike, and an element that
+        // starts before the cut is malformed, stopping the walk at the last good hop.
+        let padded = ",".repeat(70_000) + ", for=203.0.113.9";
+        assert_eq!(
+            client(&fwd, "10.0.0.1:1", &[("forwarded", padded.as_bytes())]),
+            "ip:203.0.113.9"
+        );
+        let spanning = format!(
+            "for=198.51.100.1;host=\"{}\", for=10.0.0.7",
+            "a".repeat(70_000)
+        );
+        assert_eq!(
+            client(&fwd, "10.0.0.1:1", &[("forwarded", spanning.as_bytes())]),
+            "ip:10.0.0.7"
         );
         // However long the proxy's element (a long `Host`, every quote in it escaped),
         // alone on its line or appended to what the client left open.

@@ -98,14 +98,7 @@ impl PolicySet {
         let fingerprint = policies
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
-                let hash = (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3);
-                // A penalty tells the set apart from the same rates without it.
-                match policy.penalty_box() {
-                    Some((_, id)) => {
-                        (hash ^ (u64::from(id) | 1 << 32)).wrapping_mul(0x0100_0000_01b3)
-                    }
-                    None => hash,
-                }
+                (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
             });
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         let in_flight = policies.iter().any(|policy| policy.params().is_in_flight());

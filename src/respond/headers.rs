@@ -380,12 +380,16 @@ impl HeaderBlock {
                     &DRAFT6_FIELDS
                 };
                 // A limiter further in (or the service) answered with a wait of its own
-                // (its `429`, whose cached denial carries no numbers, or a `503`): this
-                // layer's roomier numbers would contradict it. A `Retry-After` on another
-                // answer (a redirect's) is no such wait.
+                // (its `429`, whose cached denial carries no numbers, or a `503`; over
+                // gRPC, RESOURCE_EXHAUSTED or UNAVAILABLE): this layer's roomier numbers
+                // would contradict it. A `Retry-After` on another answer (a redirect's)
+                // is no such wait.
                 let waiting = |status: StatusCode| {
                     status == StatusCode::TOO_MANY_REQUESTS
                         || status == StatusCode::SERVICE_UNAVAILABLE
+                        || headers
+                            .get("grpc-status")
+                            .is_some_and(|code| code == "8" || code == "14")
                 };
                 if inner.is_some_and(waiting) && headers.contains_key(header::RETRY_AFTER) {
                     return;

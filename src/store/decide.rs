@@ -226,12 +226,14 @@ pub(crate) fn adjust(
 }
 
 /// The answer to a key a penalty blocks: denied until its block ends, or until the
-/// policies would admit `cost` if that is later (a block never states a shorter wait than
-/// the denials it stands for), by the policy keeping the client waiting longest; the
-/// states are read, not changed.
+/// policies would admit `cost` (at least one unit: a peek is told when a request would
+/// pass) if that is later, so a block never states a shorter wait than the denials it
+/// stands for; by the policy keeping the client waiting longest (the first of equals,
+/// as the script reports). The states are brought up to `now` (as a decision's are),
+/// nothing is spent.
 fn blocked(
     policies: &[Policy],
-    slots: &[Slot],
+    slots: &mut [Slot],
     penalties: &[Slot],
     now: u64,
     cost: u64,
@@ -248,22 +250,23 @@ fn blocked(
             }
         }
     }
-    let &(mut policy, mut retry_after) = blocks.iter().max_by_key(|(_, left)| *left)?;
+    let (mut policy, mut retry_after) = blocks
+        .iter()
+        .copied()
+        .reduce(|longest, block| if block.1 > longest.1 { block } else { longest })?;
     let mut fresh_at = penalties_fresh_at(policies, penalties);
     let mut statuses = SmallVec::new();
-    for (index, (each, slot)) in policies.iter().zip(slots).enumerate() {
+    for (index, (each, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = each.params();
-        // Read as of now on a copy: the state itself stays as it was.
-        let mut copy = slot.clone();
-        params.refresh(&mut copy, now);
-        let snapshot = params.snapshot(&copy, now);
+        params.refresh(slot, now);
+        let snapshot = params.snapshot(slot, now);
         fresh_at = fresh_at.max(snapshot.fresh_at);
         let mut status = PolicyStatus {
             limit: params.limit(),
             remaining: snapshot.remaining,
             reset: Duration::from_nanos(snapshot.reset),
             effective_window: Duration::from_nanos(params.effective_window(
-                &copy,
+                slot,
                 now,
                 snapshot.remaining,
             )),
@@ -275,7 +278,7 @@ fn blocked(
             status.effective_window = status.effective_window.max(left);
         }
         if !each.is_shadow() {
-            if let Verdict::Deny { retry_after: wait } = params.check(&copy, now, cost) {
+            if let Verdict::Deny { retry_after: wait } = params.check(slot, now, cost.max(1)) {
                 if wait > retry_after {
                     (policy, retry_after) = (index, wait);
                 }
