@@ -338,6 +338,34 @@ async fn a_client_named_where_the_key_does_not_read_is_hidden_not_the_proxy() {
     }
 }
 
+/// A chain of trusted hops as long as the walk reads, and no longer, is read whole: its
+/// first hop is the client (here inside the allowed network, so it skips).
+#[tokio::test]
+async fn a_whole_chain_of_trusted_hops_names_its_first() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
+            .bypass(Bypass::new().network("10.0.0.0/8")),
+    );
+    for (hops, skips) in [(31, true), (32, true), (33, false)] {
+        let chain = (1..=hops)
+            .map(|i| format!("10.0.1.{i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut forwarded = request("10.0.0.5:443", "/", None);
+        forwarded
+            .headers_mut()
+            .insert("x-forwarded-for", chain.parse().unwrap());
+        let response = app.clone().oneshot(forwarded).await.unwrap();
+        assert_eq!(
+            !response.headers().contains_key("ratelimit"),
+            skips,
+            "{hops} hops"
+        );
+    }
+}
+
 /// Trusting every address trusts the client's own too: the walk would go on into what
 /// the client wrote, and any client could name any address it likes. Refused with a
 /// message, as an entry that is no address is.
