@@ -3,7 +3,7 @@
 -- the time of the decision, then the indices of the shadow policies that would have
 -- denied). A shadow policy (kind `xx~`) is decided, never denies, and is debited only if
 -- it would have admitted. A policy with a penalty (kind `xx!...`) blocks a key it keeps
--- denying: a blocked key is answered from the block, its other state untouched.
+-- denying: a blocked key is answered from the block, nothing spent.
 
 -- One policy of a plain kind (no shadow, no penalty): the store's most common call. The
 -- same decision as the loop below (a lone policy denies alone, and nothing can block it),
@@ -52,7 +52,7 @@ end
 -- policies would admit the cost (at least one unit: a peek is told when a request would
 -- pass) if that is later, so a block never states a shorter wait than the denials it
 -- stands for; by the policy keeping the client waiting longest (the first of equals).
--- The states are read, not changed.
+-- Nothing is spent.
 local function blocked_reply()
   local longest, denier = 0, 0
   for i = 1, count do

@@ -116,6 +116,12 @@ pub struct LimiterConfig {
     /// `"fail-open"` or `"fail-closed"`.
     #[serde(default)]
     pub failure_mode: Option<String>,
+    /// The share of every limit the fallback enforces while the store is away
+    /// ([`LocalFallback::share`]): one over the number of replicas, so the fleet as a
+    /// whole stays near the limit. Above 0, at most 1; default 1 (each replica the whole
+    /// limit). Only with the fallback failure mode.
+    #[serde(default)]
+    pub fallback_share: Option<f64>,
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).
     #[serde(default)]
     pub shadow: bool,
@@ -484,6 +490,7 @@ impl PolicySpec {
 
 /// A configuration turned into the layer's parts.
 struct Compiled {
+    fallback_share: Option<f64>,
     key: Arc<dyn KeyExtractor>,
     cost: Arc<dyn Cost>,
     resolver: Arc<dyn PolicyResolver>,
@@ -798,6 +805,28 @@ impl LimiterConfig {
                 ));
             }
         };
+        let fallback_share = match (self.fallback_share, failure_mode) {
+            (None, _) => None,
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::new(
+                    "fallback_share",
+                    "only the fallback has a share (failure_mode is not \"fallback\")",
+                ));
+            }
+            (Some(share), None) if !(share > 0.0) => {
+                return Err(ConfigError::new(
+                    "fallback_share",
+                    format!("{share} is no share: it must be above 0 (one over the replicas)"),
+                ));
+            }
+            (Some(share), None) if share > 1.0 => {
+                return Err(ConfigError::new(
+                    "fallback_share",
+                    format!("{share} is more than the whole limit: it must be at most 1"),
+                ));
+            }
+            (Some(share), None) => Some(share),
+        };
         let headers = match self.headers.as_deref() {
             None | Some("draft-11") => HeaderStyle::Draft11,
             Some("draft-6") => HeaderStyle::Draft6,
@@ -825,6 +854,7 @@ impl LimiterConfig {
                 .collect(),
         };
         Ok(Compiled {
+            fallback_share,
             key: chain.unwrap_or_else(|| Arc::new(client_ip)),
             cost: Arc::new(cost),
             resolver,
@@ -989,7 +1019,12 @@ fn build(
     let failure_mode = match compiled.failure_mode {
         Some("fail-open") => FailureMode::FailOpen,
         Some("fail-closed") => FailureMode::FailClosed,
-        _ => FailureMode::Fallback(fallback.clone()),
+        // The share scales the limits, in the one fallback store every configuration
+        // shares (its state carries over reloads).
+        _ => FailureMode::Fallback(match compiled.fallback_share {
+            Some(share) => fallback.clone().share(share),
+            None => fallback.clone(),
+        }),
     };
     RateLimitLayer::new(Arc::clone(store))
         .resolver(compiled.resolver)

@@ -278,6 +278,23 @@ async fn a_client_named_where_the_key_does_not_read_is_hidden_not_the_proxy() {
             "forwarded",
             "for=203.0.113.9".to_owned(),
         ),
+        // A client the proxy names without an address (RFC 7239 section 6: `unknown`, an
+        // obfuscated identifier) is named all the same.
+        (
+            ForwardedHeader::XForwardedFor,
+            "forwarded",
+            "for=unknown".to_owned(),
+        ),
+        (
+            ForwardedHeader::XForwardedFor,
+            "forwarded",
+            "for=\"_hidden\"".to_owned(),
+        ),
+        (
+            ForwardedHeader::Forwarded,
+            "x-forwarded-for",
+            "unknown".to_owned(),
+        ),
         (
             ForwardedHeader::XForwardedFor,
             "x-forwarded-for",
@@ -325,7 +342,7 @@ async fn a_client_named_where_the_key_does_not_read_is_hidden_not_the_proxy() {
         let nothing = if other == "forwarded" {
             "proto=https"
         } else {
-            "unknown"
+            " , "
         };
         no_address
             .headers_mut()
@@ -336,6 +353,29 @@ async fn a_client_named_where_the_key_does_not_read_is_hidden_not_the_proxy() {
             "{other}: {nothing} names no client"
         );
     }
+}
+
+/// Two tiers of trusted proxies, each writing its own header (a CDN `Forwarded`, the
+/// inner proxy `X-Forwarded-For` with the CDN's address): the walk runs out of trusted
+/// hops in the header read while the other names the client, which is then hidden, not
+/// taken to be the CDN.
+#[tokio::test]
+async fn a_client_named_by_an_outer_tier_in_the_other_header_is_hidden() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(one_per_hour())
+            .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
+            .bypass(Bypass::new().network("10.0.0.0/8")),
+    );
+    let mut tiers = request("10.0.0.5:443", "/", None);
+    tiers
+        .headers_mut()
+        .insert("x-forwarded-for", "10.0.0.9".parse().unwrap());
+    tiers
+        .headers_mut()
+        .insert("forwarded", "for=203.0.113.7".parse().unwrap());
+    let response = app.clone().oneshot(tiers).await.unwrap();
+    assert!(response.headers().contains_key("ratelimit"), "limited");
 }
 
 /// A chain of trusted hops as long as the walk reads, and no longer, is read whole: its

@@ -715,3 +715,53 @@ async fn a_configured_layer_gives_its_sets_for_resets_and_peeks() {
         .unwrap();
     assert_eq!(live.policies(None).unwrap()[0].limit(), 5);
 }
+
+/// A fleet's replicas each decide alone while the store is away: `fallback_share` (one
+/// over the replicas) keeps the fleet as a whole near the limit, as
+/// `LocalFallback::share` does in code. Anything but a share in (0, 1], or a share beside
+/// another failure mode, is refused.
+#[tokio::test]
+async fn the_fallback_share_is_configured() {
+    use tollgate::{DecideFuture, Key, PolicySet, Store, StoreError, StoreErrorKind};
+    #[derive(Clone)]
+    struct Down;
+    impl Store for Down {
+        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+            DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection refused",
+            )))
+        }
+    }
+    let config = |extra: &str| {
+        parse(&format!(
+            "{extra}\n[[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\n\
+             limit = 8\nwindow = \"1h\"\n"
+        ))
+    };
+    let live = LiveLayer::new(Down, &config("fallback_share = 0.25")).unwrap();
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let response = app(&live)
+            .oneshot(request("GET", "/", None, None))
+            .await
+            .unwrap();
+        if response.status() == StatusCode::OK {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 2, "a quarter of 8 while the store is away");
+    for (extra, reason) in [
+        ("fallback_share = 0.0", "above 0"),
+        ("fallback_share = 1.5", "at most 1"),
+        ("fallback_share = nan", "above 0"),
+        (
+            "failure_mode = \"fail-open\"\nfallback_share = 0.5",
+            "only the fallback has a share",
+        ),
+    ] {
+        let error = config(extra).check().unwrap_err();
+        assert_eq!(error.entry(), "fallback_share", "{extra}");
+        assert!(error.reason().contains(reason), "{extra}: {error}");
+    }
+}

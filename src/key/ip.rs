@@ -211,7 +211,7 @@ impl ClientIp {
             return (client, false);
         }
         let mut hops = ForwardedHops::new(&parts.headers, self.header);
-        for hop in 0..MAX_HOPS {
+        for _ in 0..MAX_HOPS {
             match hops.next() {
                 Some(Some(ip)) => {
                     client = ip.to_canonical();
@@ -221,10 +221,11 @@ impl ClientIp {
                 }
                 // Malformed, obfuscated or "unknown": the last good address stands.
                 Some(None) => return (client, true),
-                // The trusted peer forwarded nothing in the header read: its own request,
-                // unless it named a client's address in the other header (a proxy
-                // configured otherwise than the key), which then hides that client.
-                None if hop == 0 && names_a_client(&parts.headers, self.header.other()) => {
+                // No more in the header read, and the last address is trusted: the
+                // trusted peer's own request (or the chain's first hop), unless a client
+                // is named in the other header (a proxy configured otherwise than the
+                // key, or an outer tier writing the other header), which is then hidden.
+                None if names_a_client(&parts.headers, self.header.other()) => {
                     forwarded_elsewhere(self.header.name(), self.header.other().name());
                     return (client, true);
                 }
@@ -598,9 +599,26 @@ fn forwarded_elsewhere(read: &str, written: &str) {
     let _ = (read, written);
 }
 
-/// Whether the last entry of `header` names an address (`for=` or a plain address).
+/// Whether `header` names a client: an `X-Forwarded-For` member, or a `Forwarded`
+/// element with `for` (an address, `unknown` or an obfuscated identifier alike: RFC 7239
+/// section 6), or one that is malformed (it cannot be read to name nobody). A `Forwarded`
+/// element without `for` (`proto=https`) names no one.
 fn names_a_client(headers: &HeaderMap, header: ForwardedHeader) -> bool {
-    matches!(ForwardedHops::new(headers, header).next(), Some(Some(_)))
+    let mut lines = headers.get_all(header.name()).iter().rev();
+    match header {
+        ForwardedHeader::XForwardedFor => lines.any(|line| {
+            line.as_bytes()
+                .split(|&byte| byte == b',')
+                .any(|member| !member.trim_ascii().is_empty())
+        }),
+        ForwardedHeader::Forwarded => lines.any(|line| {
+            Peeler::new(line.as_bytes())
+                .filter(|element| element.is_none_or(|element| !element.trim_ascii().is_empty()))
+                .any(|element| {
+                    element.is_none_or(|element| !matches!(forwarded_pairs(element), Ok(None)))
+                })
+        }),
+    }
 }
 
 impl ForwardedHeader {

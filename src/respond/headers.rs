@@ -391,7 +391,7 @@ impl HeaderBlock {
                             .get("grpc-status")
                             .is_some_and(|code| code == "8" || code == "14")
                 };
-                if inner.is_some_and(waiting) && headers.contains_key(header::RETRY_AFTER) {
+                if headers.contains_key(header::RETRY_AFTER) && inner.is_some_and(waiting) {
                     return;
                 }
                 // A limiter further in wrote all three already: each holds one value, so

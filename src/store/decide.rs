@@ -15,7 +15,7 @@ use crate::store::{Adjustment, Change};
 ///
 /// `slots[i]` holds the state of `policies[i]`, then come the penalty slots of the
 /// policies that have one, in order. A key a penalty blocks is answered from the block,
-/// its other state untouched. Otherwise every policy is checked before any is debited;
+/// nothing spent. Otherwise every policy is checked before any is debited;
 /// the request is debited from all of them only when all admit it. Returns the decision
 /// and the instant from which every slot is fresh again.
 #[inline]
@@ -229,8 +229,8 @@ pub(crate) fn adjust(
 /// policies would admit `cost` (at least one unit: a peek is told when a request would
 /// pass) if that is later, so a block never states a shorter wait than the denials it
 /// stands for; by the policy keeping the client waiting longest (the first of equals,
-/// as the script reports). The states are brought up to `now` (as a decision's are),
-/// nothing is spent.
+/// as the script reports: the longest block, then each policy's longer wait in order).
+/// The states are brought up to `now` (as a decision's are), nothing is spent.
 fn blocked(
     policies: &[Policy],
     slots: &mut [Slot],
