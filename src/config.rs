@@ -813,7 +813,7 @@ impl LimiterConfig {
                     "only the fallback has a share (failure_mode is not \"fallback\")",
                 ));
             }
-            (Some(share), None) if !(share > 0.0) => {
+            (Some(share), None) if share.is_nan() || share <= 0.0 => {
                 return Err(ConfigError::new(
                     "fallback_share",
                     format!("{share} is no share: it must be above 0 (one over the replicas)"),
