@@ -426,19 +426,7 @@ impl Policy {
             ),
             self.inner.algorithm,
         );
-        Ok(Policy {
-            inner: Arc::new(PolicyInner {
-                name: self.inner.name.clone(),
-                algorithm: self.inner.algorithm,
-                params: self.inner.params,
-                id: self.inner.id,
-                unit: self.inner.unit,
-                shadow: self.inner.shadow,
-                penalty: Some((penalty, boxed, id)),
-                #[cfg(feature = "metrics")]
-                derived: std::sync::OnceLock::new(),
-            }),
-        })
+        Ok(self.penalized(Some((penalty, boxed, id))))
     }
 
     /// This policy without its penalty, on the same rate state.
@@ -446,6 +434,11 @@ impl Policy {
         if self.inner.penalty.is_none() {
             return self.clone();
         }
+        self.penalized(None)
+    }
+
+    /// This policy, on the same rate state, with `penalty` instead of its own.
+    fn penalized(&self, penalty: Option<(Penalty, PenaltyBox, u32)>) -> Policy {
         Policy {
             inner: Arc::new(PolicyInner {
                 name: self.inner.name.clone(),
@@ -454,7 +447,7 @@ impl Policy {
                 id: self.inner.id,
                 unit: self.inner.unit,
                 shadow: self.inner.shadow,
-                penalty: None,
+                penalty,
                 #[cfg(feature = "metrics")]
                 derived: std::sync::OnceLock::new(),
             }),

@@ -259,18 +259,8 @@ fn blocked(
     for (index, (each, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = each.params();
         params.refresh(slot, now);
-        let snapshot = params.snapshot(slot, now);
-        fresh_at = fresh_at.max(snapshot.fresh_at);
-        let mut status = PolicyStatus {
-            limit: params.limit(),
-            remaining: snapshot.remaining,
-            reset: Duration::from_nanos(snapshot.reset),
-            effective_window: Duration::from_nanos(params.effective_window(
-                slot,
-                now,
-                snapshot.remaining,
-            )),
-        };
+        let (mut status, fresh) = status_of(params, slot, now);
+        fresh_at = fresh_at.max(fresh);
         if let Some(&(_, left)) = blocks.iter().find(|(blocked, _)| *blocked == index) {
             let left = Duration::from_nanos(left);
             status.remaining = 0;
@@ -329,6 +319,23 @@ fn charge(params: &Params, slot: &mut Slot, now: u64, units: u64) {
     }
 }
 
+/// One policy's status now, and when its state is fresh again.
+#[inline]
+fn status_of(params: &Params, slot: &Slot, now: u64) -> (PolicyStatus, u64) {
+    let snapshot = params.snapshot(slot, now);
+    let status = PolicyStatus {
+        limit: params.limit(),
+        remaining: snapshot.remaining,
+        reset: Duration::from_nanos(snapshot.reset),
+        effective_window: Duration::from_nanos(params.effective_window(
+            slot,
+            now,
+            snapshot.remaining,
+        )),
+    };
+    (status, snapshot.fresh_at)
+}
+
 /// Every policy's status now, and the time the key's state is fresh again.
 #[inline]
 fn statuses(
@@ -339,19 +346,9 @@ fn statuses(
     let mut fresh_at = 0;
     let mut statuses = SmallVec::new();
     for (policy, slot) in policies.iter().zip(slots.iter_mut()) {
-        let params = policy.params();
-        let snapshot = params.snapshot(slot, now);
-        fresh_at = fresh_at.max(snapshot.fresh_at);
-        statuses.push(PolicyStatus {
-            limit: params.limit(),
-            remaining: snapshot.remaining,
-            reset: Duration::from_nanos(snapshot.reset),
-            effective_window: Duration::from_nanos(params.effective_window(
-                slot,
-                now,
-                snapshot.remaining,
-            )),
-        });
+        let (status, fresh) = status_of(policy.params(), slot, now);
+        fresh_at = fresh_at.max(fresh);
+        statuses.push(status);
     }
     (statuses, fresh_at)
 }
