@@ -167,6 +167,11 @@ impl ClientIp {
     }
 
     /// Groups IPv6 addresses by this prefix length (0 to 128, default 64).
+    ///
+    /// A /64 is one site's subnet, so one host cannot spread over 2^64 keys; but a holder
+    /// of a /48 still has 65,536 of them (`48` groups by site, at the price of sharing
+    /// with neighbours where providers hand out smaller blocks), and clients behind NAT64
+    /// (`64:ff9b::/96`) all share one /64, as IPv4 clients behind one NAT share an address.
     pub fn ipv6_prefix(mut self, bits: u8) -> Self {
         self.ipv6_prefix = bits.min(128);
         self
