@@ -138,21 +138,31 @@ fn bad_penalties_are_refused_with_a_message() {
         .unwrap_err()
         .to_string();
     assert!(cap.contains("max_block"), "{cap}");
-    // A penalty past the 64th policy of a set would count no denial in process (and every
-    // denial on Redis): refused where the set is made.
+}
+
+/// A penalty counts its policy's denials wherever the policy sits in its set: past the
+/// 64th too (the in-process store counted none there, the Redis script every one).
+#[test]
+fn a_penalty_past_the_64th_policy_of_a_set_counts_its_denials() {
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1_000));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
     let mut many: Vec<Policy> = (0..64)
-        .map(|i| Policy::fixed_window(&format!("p{i}"), 10, SECOND).unwrap())
+        .map(|i| Policy::fixed_window(&format!("p{i}"), 10, 60 * SECOND).unwrap())
         .collect();
     many.push(
         Policy::fixed_window("late", 1, SECOND)
             .unwrap()
-            .with_penalty(Penalty::new(1, SECOND, SECOND))
+            .with_penalty(Penalty::new(1, 10 * SECOND, 60 * SECOND))
             .unwrap(),
     );
-    let late = PolicySet::new(many.clone()).unwrap_err().to_string();
-    assert!(late.contains("\"late\" is past the 64th policy"), "{late}");
-    many.rotate_right(1);
-    assert!(PolicySet::new(many).is_ok(), "first in the set, it counts");
+    let set = PolicySet::new(many).unwrap();
+    assert!(store.check("k", &set, 1).is_allowed());
+    // Denied by the 65th: the denial starts its block.
+    let blocked = store.check("k", &set, 1);
+    assert_eq!(retry(&blocked), Some(60 * SECOND));
+    clock.advance(2 * SECOND);
+    assert_eq!(retry(&store.check("k", &set, 1)), Some(58 * SECOND));
 }
 
 #[test]

@@ -64,12 +64,6 @@ pub enum PolicyError {
         /// The name.
         name: String,
     },
-    /// A policy with a penalty sits past the 64th place of its set, beyond the denials a
-    /// decision counts towards penalties.
-    PenaltyTooFar {
-        /// The name.
-        name: String,
-    },
 }
 
 impl fmt::Display for PolicyError {
@@ -117,11 +111,6 @@ impl fmt::Display for PolicyError {
                 f,
                 "shadow policy \"{name}\" is past the 52nd policy of its set: put shadow \
                  policies among the first {MAX_SHADOW_INDEX}"
-            ),
-            PolicyError::PenaltyTooFar { name } => write!(
-                f,
-                "policy \"{name}\" is past the 64th policy of its set and has a penalty: put \
-                 policies with penalties among the first {MAX_PENALTY_INDEX}"
             ),
         }
     }
@@ -198,10 +187,6 @@ impl Check<'_> {
 /// Shadow policies sit among the first this many policies of a set (the reports of what
 /// they would have denied are bit masks, exact in Redis scripts' doubles).
 pub const MAX_SHADOW_INDEX: usize = 52;
-
-/// Policies with a penalty sit among the first this many policies of a set (the denials
-/// that count towards penalties are a bit mask).
-pub const MAX_PENALTY_INDEX: usize = 64;
 
 pub(super) fn check_name(name: &str) -> Result<(), PolicyError> {
     let valid = !name.is_empty()

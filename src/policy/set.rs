@@ -59,11 +59,6 @@ fn check_policies(policies: &[Policy]) -> Result<(), PolicyError> {
                 name: policy.name().to_owned(),
             });
         }
-        if policy.penalty_box().is_some() && i >= super::error::MAX_PENALTY_INDEX {
-            return Err(PolicyError::PenaltyTooFar {
-                name: policy.name().to_owned(),
-            });
-        }
     }
     Ok(())
 }

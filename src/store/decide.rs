@@ -140,16 +140,25 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
         }
     }
     // A request that costs nothing (a peek) is no offence.
-    if !penalties.is_empty() && denied_mask != 0 && cost > 0 {
+    if !penalties.is_empty() && denied.is_some() && cost > 0 {
         // Each denial counts towards its policy's penalty; one may start a block, which
-        // this answer already shows.
+        // this answer already shows. Past the mask's 64 policies a denial is read again
+        // (nothing was debited, so the check says what it said).
         let penalized = policies.iter().enumerate().filter_map(|(index, policy)| {
             policy.penalty_box().map(|(penalty, _)| (index, penalty))
         });
         for ((index, penalty), slot) in penalized.zip(penalties.iter_mut()) {
-            if let (true, Slot::Penalty { state, .. }) =
-                (index < 64 && denied_mask & (1 << index) != 0, slot)
-            {
+            let denied_here = if index < 64 {
+                denied_mask & (1 << index) != 0
+            } else {
+                let policy = &policies[index];
+                !policy.is_shadow()
+                    && matches!(
+                        policy.params().check(&slots[index], now, cost),
+                        Verdict::Deny { .. }
+                    )
+            };
+            if let (true, Slot::Penalty { state, .. }) = (denied_here, slot) {
                 penalty.strike(state, now);
             }
         }
