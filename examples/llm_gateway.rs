@@ -7,7 +7,7 @@
 //! # Reserves max_tokens (100), then settles to the 4 words of the prompt: RateLimit shows r=996.
 //! curl -i -H 'x-api-key: team-a' -H 'content-type: application/json' \
 //!      -d '{"prompt": "tell me a joke", "max_tokens": 100}' http://127.0.0.1:3000/v1/completions
-//! # The prompt "fail" is a 500, refunded in full.
+//! # The prompt "fail" stands for the model being down: a 503, refunded in full.
 //! curl -i -H 'x-api-key: team-a' -H 'content-type: application/json' \
 //!      -d '{"prompt": "fail", "max_tokens": 100}' http://127.0.0.1:3000/v1/completions
 //! # max_tokens above the bucket's 1,000 can never fit: 400.
@@ -22,7 +22,10 @@
 //!   `max_tokens` is reserved when the request is admitted; the handler answers
 //!   `x-tokens-used: N` (the words of the prompt, at most `max_tokens`) and the charge is
 //!   settled to N before the response leaves, so its own `RateLimit` field shows it. A
-//!   prompt of exactly `fail` is a 500, and 5xx answers are refunded in full.
+//!   prompt of exactly `fail` stands for the model being down (in a real gateway, an
+//!   outage no client chooses): a 503, and 502 and 503 answers are refunded in full.
+//!   Other failures are not: a client that can make a request fail (an input that crashes
+//!   the handler, a 500) must not get it for free.
 //! - `GET /v1/stream`: policy `inflight`, at most 2 requests in flight per `x-api-key`;
 //!   each response streams for 1 second.
 
@@ -52,6 +55,12 @@ use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer};
 const MAX_BODY: usize = 64 * 1024;
 
 /// The gateway over one in-process store.
+/// Failures no client can cause: the upstream model unreachable or down. A 500 is not
+/// among them (an input that crashes a handler would be free).
+fn upstream_failed(status: StatusCode) -> bool {
+    status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE
+}
+
 fn app(store: MemoryStore) -> Result<Router, PolicyError> {
     let tokens = RateLimitLayer::new(store.clone())
         .policy(Policy::token_bucket(
@@ -61,7 +70,7 @@ fn app(store: MemoryStore) -> Result<Router, PolicyError> {
         )?)
         .key(HeaderKey::new("x-api-key"))
         .cost(FromExtension::or(1))
-        .settle(Settle::from_header("x-tokens-used").refund_if(|status| status.is_server_error()));
+        .settle(Settle::from_header("x-tokens-used").refund_if(upstream_failed));
     let inflight = RateLimitLayer::new(store)
         .policy(Policy::concurrency("inflight", 2)?)
         .key(HeaderKey::new("x-api-key"));
@@ -124,7 +133,7 @@ async fn completions(body: Bytes) -> Response {
         Err(error) => return problem(StatusCode::BAD_REQUEST, &error.to_string()),
     };
     if completion.prompt == "fail" {
-        return problem(StatusCode::INTERNAL_SERVER_ERROR, "the model failed");
+        return problem(StatusCode::SERVICE_UNAVAILABLE, "the model is unavailable");
     }
     let used = (completion.prompt.split_whitespace().count() as u64).min(completion.max_tokens);
     let text: Vec<&str> = completion
@@ -247,11 +256,11 @@ mod tests {
             .unwrap();
         assert_eq!(response.headers()["x-tokens-used"], "2");
         assert_eq!(rate(&response), "\"tokens\";r=994;t=1");
-        // "fail" is a 500, refunded in full.
+        // "fail" is a 503 (the model down), refunded in full.
         let response = send(r#"{"prompt": "fail", "max_tokens": 300}"#)
             .await
             .unwrap();
-        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(rate(&response), "\"tokens\";r=994;t=1");
         // More than the bucket ever holds: 400, nothing spent.
         let response = send(r#"{"prompt": "hi", "max_tokens": 1001}"#)

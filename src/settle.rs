@@ -15,11 +15,14 @@
 //! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 //!
 //! // Reserve the request's estimate (set by earlier middleware as a `RequestCost`),
-//! // settle to the handler's `x-tokens-used`, and refund server errors in full.
+//! // settle to the handler's `x-tokens-used`, and refund an upstream outage in full (not
+//! // any 5xx: a client that can crash the handler must not get that for free).
 //! let layer = RateLimitLayer::new(MemoryStore::new())
 //!     .policy(Policy::token_bucket("tokens", 1_000, Rate::per_minute(1_000))?)
 //!     .cost(FromExtension::or(1))
-//!     .settle(Settle::from_header("x-tokens-used").refund_if(|status: StatusCode| status.is_server_error()));
+//!     .settle(Settle::from_header("x-tokens-used").refund_if(|status: StatusCode| {
+//!         status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE
+//!     }));
 //! # let _ = layer;
 //! # Ok::<(), tollgate::PolicyError>(())
 //! ```
@@ -140,8 +143,8 @@ impl Settle {
     /// ```
     /// use tollgate::settle::Settle;
     ///
-    /// // Failed requests do not count.
-    /// let settle = Settle::reserved().refund_if(|status| status.is_server_error());
+    /// // Requests the upstream failed do not count.
+    /// let settle = Settle::reserved().refund_if(|status| matches!(status.as_u16(), 502 | 503));
     /// # let _ = settle;
     /// ```
     pub fn reserved() -> Self {
@@ -234,9 +237,8 @@ impl Settle {
     /// ```
     /// use tollgate::settle::Settle;
     ///
-    /// // 5xx and 429s from upstream cost the client nothing.
-    /// let settle = Settle::reserved()
-    ///     .refund_if(|status| status.is_server_error() || status.as_u16() == 429);
+    /// // An upstream that is down or busy costs the client nothing.
+    /// let settle = Settle::reserved().refund_if(|status| matches!(status.as_u16(), 502 | 503 | 429));
     /// # let _ = settle;
     /// ```
     pub fn refund_if<F>(mut self, refund: F) -> Self
