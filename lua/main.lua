@@ -64,7 +64,8 @@ local function blocked_reply()
   if denier == 0 then return nil end
   local asked = cost
   if cost < 1 then cost = 1 end
-  local statuses = {}
+  -- The outcome's denier and wait are filled in once every policy is read.
+  local reply = { 1, 0, 0, 0 }
   for i = 1, count do
     local spec = specs[i]
     local s = spec.algorithm.load(spec.p, KEYS[2 * i - 1], KEYS[2 * i])
@@ -78,14 +79,13 @@ local function blocked_reply()
       local verdict, value = spec.algorithm.check(spec.p, s)
       if verdict == 'deny' and value > longest then longest, denier = value, i end
     end
-    statuses[#statuses + 1] = limit
-    statuses[#statuses + 1] = remaining
-    statuses[#statuses + 1] = reset
-    statuses[#statuses + 1] = effective
+    reply[#reply + 1] = limit
+    reply[#reply + 1] = remaining
+    reply[#reply + 1] = reset
+    reply[#reply + 1] = effective
   end
   cost = asked
-  local reply = { 1, denier, longest, 0 }
-  for _, value in ipairs(statuses) do reply[#reply + 1] = value end
+  reply[2], reply[3] = denier, longest
   reply[#reply + 1] = now
   return reply
 end

@@ -549,7 +549,7 @@ impl LimiterConfig {
         };
         // Each plan's set (one unnamed set without plans), for the costs' check below.
         let mut plan_sets: Vec<(Option<&str>, PolicySet)> = Vec::new();
-        let resolver: Arc<dyn PolicyResolver> = if self.plans.is_empty() {
+        let (resolver, sets): (Arc<dyn PolicyResolver>, Sets) = if self.plans.is_empty() {
             if plan_header.is_some() {
                 return Err(ConfigError::new(
                     "plan_header",
@@ -563,7 +563,11 @@ impl LimiterConfig {
             let all =
                 PolicySet::new(all).map_err(|e| ConfigError::new("policies", e.to_string()))?;
             plan_sets.push((None, all.clone()));
-            Arc::new(all)
+            let sets = Sets {
+                default: all.clone(),
+                plans: HashMap::new(),
+            };
+            (Arc::new(all), sets)
         } else {
             let mut sets = HashMap::new();
             for (plan, names) in &self.plans {
@@ -620,11 +624,15 @@ impl LimiterConfig {
                     "no plan is named \"default\" (the plan of requests that name none)",
                 )
             })?;
-            Arc::new(Plans {
-                sets,
+            let sets = Sets {
                 default,
+                plans: sets,
+            };
+            let plans = Plans {
+                sets: sets.clone(),
                 header: plan_header,
-            })
+            };
+            (Arc::new(plans), sets)
         };
         // A cost that no plan's policies can ever admit gets every such request refused
         // (400), whatever the client does: a mistake to report here. A cost some plans
@@ -839,20 +847,6 @@ impl LimiterConfig {
                 ));
             }
         };
-        let sets = Sets {
-            default: match plan_sets.as_slice() {
-                [(None, only)] => only.clone(),
-                _ => plan_sets
-                    .iter()
-                    .find(|(plan, _)| *plan == Some("default"))
-                    .map(|(_, set)| set.clone())
-                    .expect("checked above: plans have a default"),
-            },
-            plans: plan_sets
-                .iter()
-                .filter_map(|(plan, set)| Some(((*plan)?.to_owned(), set.clone())))
-                .collect(),
-        };
         Ok(Compiled {
             fallback_share,
             key: chain.unwrap_or_else(|| Arc::new(client_ip)),
@@ -867,8 +861,9 @@ impl LimiterConfig {
     }
 }
 
-/// A configuration's policy sets, for its administration: the default one (the only one
-/// without plans) and each plan's.
+/// A configuration's policy sets: the default one (the only one without plans) and each
+/// plan's. The plans resolve requests by them; `LiveLayer::policies` gives them out.
+#[derive(Clone)]
 struct Sets {
     default: PolicySet,
     plans: HashMap<String, PolicySet>,
@@ -876,8 +871,7 @@ struct Sets {
 
 /// Plans: the set a request's plan header names, else the default one.
 struct Plans {
-    sets: HashMap<String, PolicySet>,
-    default: PolicySet,
+    sets: Sets,
     header: Option<HeaderName>,
 }
 
@@ -895,15 +889,15 @@ impl PolicyResolver for Plans {
                 (Some(value), None) => value
                     .to_str()
                     .ok()
-                    .and_then(|plan| self.sets.get(plan.trim())),
+                    .and_then(|plan| self.sets.plans.get(plan.trim())),
                 _ => None,
             }
         });
-        std::borrow::Cow::Borrowed(named.unwrap_or(&self.default))
+        std::borrow::Cow::Borrowed(named.unwrap_or(&self.sets.default))
     }
 
     fn known_sets(&self) -> Vec<PolicySet> {
-        self.sets.values().cloned().collect()
+        self.sets.plans.values().cloned().collect()
     }
 }
 

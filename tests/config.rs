@@ -3,6 +3,8 @@
 
 #![cfg(feature = "config")]
 
+mod support;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -722,24 +724,17 @@ async fn a_configured_layer_gives_its_sets_for_resets_and_peeks() {
 /// another failure mode, is refused.
 #[tokio::test]
 async fn the_fallback_share_is_configured() {
-    use tollgate::{DecideFuture, Key, PolicySet, Store, StoreError, StoreErrorKind};
-    #[derive(Clone)]
-    struct Down;
-    impl Store for Down {
-        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
-            DecideFuture::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "connection refused",
-            )))
-        }
-    }
+    let down = support::Flaky {
+        inner: MemoryStore::new(),
+        down: Arc::new(AtomicBool::new(true)),
+    };
     let config = |extra: &str| {
         parse(&format!(
             "{extra}\n[[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\n\
              limit = 8\nwindow = \"1h\"\n"
         ))
     };
-    let live = LiveLayer::new(Down, &config("fallback_share = 0.25")).unwrap();
+    let live = LiveLayer::new(down, &config("fallback_share = 0.25")).unwrap();
     let mut admitted = 0;
     for _ in 0..8 {
         let response = app(&live)

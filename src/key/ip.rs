@@ -617,11 +617,10 @@ fn names_a_client(headers: &HeaderMap, header: ForwardedHeader) -> bool {
                 .any(|member| !member.trim_ascii().is_empty())
         }),
         ForwardedHeader::Forwarded => lines.any(|line| {
-            Peeler::new(line.as_bytes())
-                .filter(|element| element.is_none_or(|element| !element.trim_ascii().is_empty()))
-                .any(|element| {
-                    element.is_none_or(|element| !matches!(forwarded_pairs(element), Ok(None)))
-                })
+            // An empty element is well-formed, with no `for`.
+            Peeler::new(line.as_bytes()).any(|element| {
+                element.is_none_or(|element| !matches!(forwarded_pairs(element), Ok(None)))
+            })
         }),
     }
 }

@@ -83,7 +83,6 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
         }
     }
     let mut delay = 0;
-    let mut denied_mask = 0u64;
     let mut denied: Option<(usize, u64)> = None;
     let mut never: Option<usize> = None;
     let mut shadow_denied = 0u64;
@@ -102,9 +101,6 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
         match verdict {
             Verdict::Admit { delay: wait } => delay = delay.max(wait),
             Verdict::Deny { retry_after } => {
-                if index < 64 {
-                    denied_mask |= 1 << index;
-                }
                 // Report the policy that keeps the client waiting longest.
                 if denied.is_none_or(|(_, longest)| retry_after > longest) {
                     denied = Some((index, retry_after));
@@ -142,22 +138,19 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
     // A request that costs nothing (a peek) is no offence.
     if !penalties.is_empty() && denied.is_some() && cost > 0 {
         // Each denial counts towards its policy's penalty; one may start a block, which
-        // this answer already shows. Past the mask's 64 policies a denial is read again
-        // (nothing was debited, so the check says what it said).
+        // this answer already shows. A penalized policy's verdict is read again (nothing
+        // was debited, so the check says what it said): denials are rare, penalties rarer,
+        // and the common path keeps no record of which policy denied.
         let penalized = policies.iter().enumerate().filter_map(|(index, policy)| {
             policy.penalty_box().map(|(penalty, _)| (index, penalty))
         });
         for ((index, penalty), slot) in penalized.zip(penalties.iter_mut()) {
-            let denied_here = if index < 64 {
-                denied_mask & (1 << index) != 0
-            } else {
-                let policy = &policies[index];
-                !policy.is_shadow()
-                    && matches!(
-                        policy.params().check(&slots[index], now, cost),
-                        Verdict::Deny { .. }
-                    )
-            };
+            let policy = &policies[index];
+            let denied_here = !policy.is_shadow()
+                && matches!(
+                    policy.params().check(&slots[index], now, cost),
+                    Verdict::Deny { .. }
+                );
             if let (true, Slot::Penalty { state, .. }) = (denied_here, slot) {
                 penalty.strike(state, now);
             }
