@@ -989,6 +989,10 @@ mod http {
             br#"{"query":"\"cheap\" query { a(first: 50) { b { c } } }"}"#,
             br#"{"query":"query Q(\"cheap\" $n: Int = 50) { a(first: $n) { b { c } } }"}"#,
             br#"{"query":"\"cheap\" # a comment\nquery { a(first: 50) { b { c } } }"}"#,
+            // A carriage return ends a comment too, and a byte order mark is ignored
+            // anywhere in a document (graphql-spec, "Ignored Tokens").
+            br#"{"query":"\"cheap\" # a comment\rquery { a(first: 50) { b { c } } }"}"#,
+            br#"{"query":"\"cheap\"\ufeffquery { a(first: 50) { b { c } } }"}"#,
         ] {
             assert_eq!(
                 post(body).await,
@@ -1065,6 +1069,14 @@ mod http {
         // budget is spent by now: the cost is what is asked of it).
         assert_eq!(
             post(b"\xef\xbb\xbf{\"query\":\"{ a(first: 50) { b { c } } }\"}")
+                .await
+                .1,
+            Some("51".to_owned())
+        );
+        // An empty operationName names no operation (gqlgen runs the only one): costed,
+        // not charged.
+        assert_eq!(
+            post(br#"{"query":"{ a(first: 50) { b { c } } }","operationName":""}"#)
                 .await
                 .1,
             Some("51".to_owned())
@@ -1835,9 +1847,10 @@ fn a_recursive_interface_is_costed_once_per_type_not_once_per_path() {
 fn an_operation_costs_at_least_the_minimum() {
     let aliases: String = (0..500).map(|n| format!(" a{n}: hello")).collect();
     let leaves = format!("{{{aliases} }}");
+    // Each root field is a resolver call: 500 aliases are 500 calls.
     assert_eq!(
         GraphqlCost::new().query_cost(&leaves, None, None).unwrap(),
-        1
+        500
     );
     assert_eq!(cost("{ __typename }").unwrap(), 1);
     let batch = json!([{ "query": "{ a }" }, { "query": "{ b }" }, { "query": "{ c { d } }" }]);
@@ -2153,4 +2166,121 @@ fn costing_work_is_bounded_by_field_visits() {
             .unwrap(),
         1
     );
+}
+
+/// A root field is a resolver call, whatever it returns: each alias of a root field runs
+/// it once more, so each costs at least the operation's minimum, and each root field of a
+/// mutation (an alias is one more mutation run) pays the mutation base. Fields of one
+/// response name are merged into one call (graphql-spec, "Field Collection"), written
+/// twice or spread twice through a fragment.
+#[test]
+fn each_root_field_is_charged_as_a_resolver_call() {
+    let sends: String = (0..3).map(|n| format!(" a{n}: send(to: \"v\")")).collect();
+    assert_eq!(cost(&format!("mutation {{{sends} }}")).unwrap(), 3 * 10);
+    assert_eq!(cost("mutation { send(to: \"v\") }").unwrap(), 10);
+    assert_eq!(
+        cost("mutation { send(to: \"v\") send(to: \"v\") }").unwrap(),
+        10,
+        "one response name: one call"
+    );
+    assert_eq!(
+        cost("mutation { ...M ...M } fragment M on Mutation { a: send b: send }").unwrap(),
+        2 * 10
+    );
+    assert_eq!(
+        cost("mutation { a: send ... on Mutation { b: send c: addStar { id } } }").unwrap(),
+        3 * 10 + 1
+    );
+    let searches: String = (0..2500).map(|n| format!(" s{n}: search")).collect();
+    assert_eq!(cost(&format!("{{{searches} }}")).unwrap(), 2500);
+    assert_eq!(cost("{ viewer { login } a: hello }").unwrap(), 2);
+    assert_eq!(cost("{ viewer { login } hello }").unwrap(), 2);
+    // `__typename` runs no resolver.
+    assert_eq!(cost("{ __typename hello }").unwrap(), 1);
+    // Above one point a root field, the walk's cost stands.
+    assert_eq!(
+        cost("{ repos(first: 10) { nodes { name } } hello }").unwrap(),
+        1 + 10
+    );
+    // A batch: each operation on its own.
+    let batch = serde_json::json!([{ "query": "{ a b }" }, { "query": "mutation { x y }" }]);
+    assert_eq!(
+        GraphqlCost::new()
+            .json_cost(batch.to_string().as_bytes())
+            .unwrap(),
+        2 + 2 * 10
+    );
+}
+
+/// An empty `operationName` names no operation: gqlgen (gqlparser's `ForName`) runs the
+/// document's only operation for it, so the coster costs that one.
+#[test]
+fn an_empty_operation_name_names_no_operation() {
+    let coster = GraphqlCost::new();
+    let query = "query Big { repos(first: 50) { nodes { id } } }";
+    assert_eq!(coster.query_cost(query, Some(""), None).unwrap(), 1 + 50);
+    let body = json!({ "query": query, "operationName": "" });
+    assert_eq!(
+        coster.json_cost(body.to_string().as_bytes()).unwrap(),
+        1 + 50
+    );
+    let two = "query A { a } query B { b }";
+    assert!(matches!(
+        coster.query_cost(two, Some(""), None),
+        Err(CostError::Operation(_))
+    ));
+}
+
+/// A type's `@cost(weight:)` is the cost of each value of the type: a list of 100 of them
+/// costs 100 weights, as it does through a connection's sized field; a field's own weight
+/// is the cost of calling it, once.
+#[test]
+fn a_list_of_a_weighted_type_costs_each_item() {
+    let coster = GraphqlCost::new()
+        .with_schema(
+            r#"
+            type Query {
+              users(first: Int): [User]
+              blobs(first: Int): [Blob]
+              page(first: Int): UserPage @listSize(slicingArguments: ["first"], sizedFields: ["nodes"])
+              named(first: Int): [User] @cost(weight: 2)
+            }
+            type UserPage { nodes: [User] }
+            type User @cost(weight: 10) { name: String }
+            scalar Blob @cost(weight: 3)
+            "#,
+        )
+        .unwrap();
+    let cost = |query: &str| coster.query_cost(query, None, None).unwrap();
+    assert_eq!(cost("{ users(first: 100) { name } }"), 100 * 10);
+    assert_eq!(
+        cost("{ page(first: 100) { nodes { name } } }"),
+        1 + 100 * 10
+    );
+    assert_eq!(cost("{ blobs(first: 5) }"), 5 * 3);
+    // The field's own weight stands for the call; its items still cost their type's.
+    assert_eq!(cost("{ named(first: 4) { name } }"), 2 + 4 * 10);
+}
+
+/// `@cost(weight:)` is a String in IBM's directive (`"2.5"`) and a Float in others': a
+/// weight that is not a whole number is rounded up, never dropped (a dropped weight
+/// falls back to the default: 0 for a leaf).
+#[test]
+fn a_fractional_weight_is_rounded_up() {
+    let coster = GraphqlCost::new()
+        .with_schema(
+            r#"
+            type Query {
+              a: Int @cost(weight: "2.5")
+              b: Int @cost(weight: 1.2)
+              c: Int @cost(weight: "0.1")
+            }
+            "#,
+        )
+        .unwrap();
+    let cost = |query: &str| coster.query_cost(query, None, None).unwrap();
+    assert_eq!(cost("{ a }"), 3);
+    assert_eq!(cost("{ b }"), 2);
+    assert_eq!(cost("{ c }"), 1);
+    assert_eq!(cost("{ a b }"), 5);
 }

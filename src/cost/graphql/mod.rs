@@ -3,7 +3,10 @@
 //!
 //! Model (no schema): an object field (one with a selection set) costs 1, a scalar field 0;
 //! a field with a slicing argument (`first`, `last`, `limit`) multiplies its children by
-//! that argument; a mutation costs a base (10) on top; every alias counts; fragments and
+//! that argument; each root field is a resolver call and costs at least 1 (so does each
+//! alias of one: `{ a: search b: search }` runs it twice), and each root field of a
+//! mutation pays a base (10) on top (each alias one more mutation run); every alias
+//! counts; fields of one response name are one call, as a server merges them; fragments and
 //! inline fragments are expanded; the chosen `operationName` is costed; batched operations
 //! are summed, and their number capped. Arithmetic saturates, so no document overflows.
 //! A selection costs the same written inline, in an inline fragment or in a named one: a
@@ -215,8 +218,8 @@ impl Default for GraphqlCost {
 }
 
 impl GraphqlCost {
-    /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), mutations
-    /// 10, every operation at least 1, batches of at most 10, nesting of at most 64
+    /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), 10 for each
+    /// root field of a mutation, every root field at least 1, batches of at most 10, nesting of at most 64
     /// levels, documents of at most 20,000 tokens, at most 100,000 field visits a body.
     pub fn new() -> Self {
         Self {
@@ -267,20 +270,33 @@ impl GraphqlCost {
         self
     }
 
-    /// The base cost of a mutation (default 10).
+    /// The base cost of each root field of a mutation (default 10): each is a mutation
+    /// run, and so is each alias of one.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// let coster = GraphqlCost::new();
+    /// assert_eq!(coster.query_cost("mutation { send(to: 1) }", None, None)?, 10);
+    /// assert_eq!(coster.query_cost("mutation { a: send(to: 1) b: send(to: 2) }", None, None)?, 20);
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
     pub fn mutation_base(mut self, cost: u64) -> Self {
         self.mutation_base = cost;
         self
     }
 
-    /// The least an operation costs (default 1): leaves cost nothing, and a cost of 0
-    /// is always admitted, so a query of scalar fields alone would otherwise run
-    /// unlimited. Each operation of a batch costs at least this.
+    /// The least each root field of an operation costs (default 1): leaves cost nothing,
+    /// and a cost of 0 is always admitted, so a query of scalar fields alone would
+    /// otherwise run unlimited, and a root field is a resolver call whatever it returns
+    /// (each alias one more). An operation costs at least this times its root fields;
+    /// each operation of a batch on its own.
     ///
     /// ```
     /// use tollgate::cost::graphql::GraphqlCost;
     ///
-    /// assert_eq!(GraphqlCost::new().query_cost("{ a: hello b: hello }", None, None)?, 1);
+    /// assert_eq!(GraphqlCost::new().query_cost("{ hello }", None, None)?, 1);
+    /// assert_eq!(GraphqlCost::new().query_cost("{ a: hello b: hello }", None, None)?, 2);
     /// assert_eq!(GraphqlCost::new().min_cost(0).query_cost("{ hello }", None, None)?, 0);
     /// # Ok::<(), tollgate::cost::graphql::CostError>(())
     /// ```
@@ -409,7 +425,8 @@ impl GraphqlCost {
                 _ => {}
             }
         }
-        let operation = match operation_name {
+        // An empty name names no operation: gqlgen runs the only one for it.
+        let operation = match operation_name.filter(|name| !name.is_empty()) {
             Some(name) => operations
                 .iter()
                 .find(|operation| operation.name.as_deref() == Some(name))
@@ -427,6 +444,9 @@ impl GraphqlCost {
                 }
             },
         };
+        // Each root field is a resolver call: at least the minimum each, and for a
+        // mutation its base each (an alias is one more mutation run).
+        let calls = root_fields(&operation.selection_set, &fragments).max(1);
         let schema = self.schema.as_deref();
         let root = schema.and_then(|schema| {
             let slot = match operation.operation_type {
@@ -458,10 +478,12 @@ impl GraphqlCost {
             error => error.into(),
         })?;
         let cost = match operation.operation_type {
-            OperationType::Mutation => cost.saturating_add(self.mutation_base),
+            OperationType::Mutation => {
+                cost.saturating_add(self.mutation_base.saturating_mul(calls))
+            }
             OperationType::Query | OperationType::Subscription => cost,
         };
-        Ok(cost.max(self.min_cost))
+        Ok(cost.max(self.min_cost.saturating_mul(calls)))
     }
 
     /// The cost of a JSON request body: one request object, or an array of them (a
@@ -585,26 +607,104 @@ fn others_may_parse(document: &str) -> bool {
                 || (window[2].eq_ignore_ascii_case(&b'd')
                     && matches!(window[3].to_ascii_lowercase(), b'8'..=b'9' | b'a'..=b'f')))
     });
-    // A description (graphql-spec's executable descriptions: on operations, fragments and
-    // variables) ends in a quote followed, past what a document ignores, by what it
-    // describes.
-    let described = document.match_indices('"').any(|(at, _)| {
-        let mut rest = &document[at + 1..];
-        loop {
-            let trimmed = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ',');
-            match trimmed.strip_prefix('#') {
-                Some(comment) => rest = comment.split_once('\n').map_or("", |(_, after)| after),
-                None => {
-                    rest = trimmed;
-                    break;
+    surrogate || described(document).0 || document.starts_with('\u{feff}')
+}
+
+/// True when a string in `document` is followed, past what a document ignores, by what a
+/// description describes (graphql-spec's executable descriptions: on operations,
+/// fragments and variables); and how many bytes the search stepped over.
+///
+/// Ignored are spaces, tabs, line terminators (`\n`, `\r`), commas, byte order marks and
+/// comments (`#` to the line's end). Each quote starts a search, and one that enters a
+/// comment the search before it stepped over ends where that one did (from there on
+/// it is the same path): the searches step over each byte a bounded number of times, so
+/// a document of quotes and comments (`"#"#"#...`) costs time linear in its length.
+fn described(document: &str) -> (bool, usize) {
+    const STARTS: [&str; 6] = ["query", "mutation", "subscription", "fragment", "$", "{"];
+    let bytes = document.as_bytes();
+    let mut steps = 0usize;
+    // The last search that stepped over a comment: from its first comment to where it
+    // ended.
+    let mut last: Option<(usize, usize)> = None;
+    for (at, _) in document.match_indices('"') {
+        let mut i = at + 1;
+        let mut first_comment = None;
+        let end = loop {
+            while i < bytes.len() {
+                match bytes[i] {
+                    b' ' | b'\t' | b'\n' | b'\r' | b',' => i += 1,
+                    0xEF if bytes[i..].starts_with(b"\xEF\xBB\xBF") => i += 3,
+                    _ => break,
+                }
+                steps += 1;
+            }
+            if bytes.get(i) != Some(&b'#') {
+                break i;
+            }
+            if let Some((from, to)) = last {
+                if from <= i && i < to {
+                    first_comment = None;
+                    break to;
+                }
+            }
+            first_comment.get_or_insert(i);
+            while i < bytes.len() && bytes[i] != b'\n' && bytes[i] != b'\r' {
+                i += 1;
+                steps += 1;
+            }
+        };
+        if let Some(from) = first_comment {
+            last = Some((from, end));
+        }
+        // `end` is after ASCII bytes or a whole mark: a character boundary.
+        let rest = &document[end..];
+        if STARTS.iter().any(|start| rest.starts_with(start)) {
+            return (true, steps);
+        }
+    }
+    (false, steps)
+}
+
+/// How many resolver calls the root of `selections` makes: its fields' distinct response
+/// names (an alias is a call of its own; one name written twice, or spread twice through a
+/// fragment, is merged into one call), through fragments of every kind; `__typename`
+/// calls none.
+fn root_fields(
+    selections: &[Selection],
+    fragments: &HashMap<&str, &apollo_compiler::Node<ast::FragmentDefinition>>,
+) -> u64 {
+    fn collect<'a>(
+        selections: &'a [Selection],
+        fragments: &HashMap<&str, &'a apollo_compiler::Node<ast::FragmentDefinition>>,
+        spread: &mut Vec<&'a str>,
+        names: &mut std::collections::HashSet<&'a str>,
+    ) {
+        for selection in selections {
+            match selection {
+                Selection::Field(field) if field.name == "__typename" => {}
+                Selection::Field(field) => {
+                    names.insert(field.alias.as_ref().unwrap_or(&field.name).as_str());
+                }
+                Selection::InlineFragment(fragment) => {
+                    collect(&fragment.selection_set, fragments, spread, names);
+                }
+                Selection::FragmentSpread(name) => {
+                    let name = name.fragment_name.as_str();
+                    // Each fragment once: spread again, its fields merge with its own.
+                    if spread.contains(&name) {
+                        continue;
+                    }
+                    spread.push(name);
+                    if let Some(fragment) = fragments.get(name) {
+                        collect(&fragment.selection_set, fragments, spread, names);
+                    }
                 }
             }
         }
-        ["query", "mutation", "subscription", "fragment", "$", "{"]
-            .iter()
-            .any(|start| rest.starts_with(start))
-    });
-    surrogate || described || document.starts_with('\u{feff}')
+    }
+    let mut names = std::collections::HashSet::new();
+    collect(selections, fragments, &mut Vec::new(), &mut names);
+    names.len() as u64
 }
 
 /// The keys of a GraphQL request, in a JSON body or a URL, as the coster spells them.
@@ -820,15 +920,20 @@ impl<'a> Walk<'a> {
             return Ok(1u64.saturating_add(size.saturating_mul(children)));
         };
         let composite = schema.kind(&info.ty) == schema::Kind::Composite;
-        let type_weight = schema
-            .types
-            .get(&info.ty)
-            .and_then(|ty| ty.weight)
-            .unwrap_or(u64::from(composite));
+        let declared = schema.types.get(&info.ty).and_then(|ty| ty.weight);
+        let type_weight = declared.unwrap_or(u64::from(composite));
+        // A type's own `@cost` is what each of its values costs: on a list, each item's
+        // (a field's own `@cost` is the call's, once). A type without one costs its
+        // default once a field, as a list of objects costs 1 without a schema.
+        let (called, each) = match (info.list, declared) {
+            (true, Some(each)) => (info.weight.unwrap_or(0), each),
+            _ => (info.weight.unwrap_or(type_weight), 0),
+        };
         // `@cost` on the arguments given adds to the field's.
-        let weight = info.argument_weights.iter().fold(
-            info.weight.unwrap_or(type_weight),
-            |weight, (argument, extra)| {
+        let weight = info
+            .argument_weights
+            .iter()
+            .fold(called, |weight, (argument, extra)| {
                 if field
                     .arguments
                     .iter()
@@ -838,8 +943,7 @@ impl<'a> Walk<'a> {
                 } else {
                     weight
                 }
-            },
-        );
+            });
         if field.selection_set.is_empty() && !info.list && info.list_size.is_none() {
             // One leaf value: its arguments size nothing.
             return Ok(weight);
@@ -864,8 +968,9 @@ impl<'a> Walk<'a> {
                 .unwrap_or(1),
         };
         if field.selection_set.is_empty() {
-            // A list of leaves costs its weight once, but its slicing range holds.
-            return Ok(weight);
+            // A list of leaves costs its weight once (each item's when its type has
+            // one), and its slicing range holds.
+            return Ok(weight.saturating_add(size.saturating_mul(each)));
         }
         let ty = info.ty.as_str();
         let sized_fields = info
@@ -874,7 +979,7 @@ impl<'a> Walk<'a> {
             .map_or(&[][..], |list| list.sized_fields.as_slice());
         if sized_fields.is_empty() {
             let children = self.selections(&field.selection_set, Some(ty), depth + 1)?;
-            Ok(weight.saturating_add(size.saturating_mul(children)))
+            Ok(weight.saturating_add(size.saturating_mul(each.saturating_add(children))))
         } else {
             // A connection: the size applies to its sized fields (`nodes`, `edges`),
             // wherever they are selected: directly, or in a fragment of either kind.
@@ -884,7 +989,7 @@ impl<'a> Walk<'a> {
             };
             let most =
                 self.on_possible_types(schema, &field.selection_set, ty, Some(sized), depth + 1)?;
-            Ok(weight.saturating_add(most))
+            Ok(weight.saturating_add(each).saturating_add(most))
         }
     }
 
@@ -1062,6 +1167,52 @@ impl<'a> Walk<'a> {
                 }
             }
             _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The search for a description steps over each byte a bounded number of times: a
+    /// megabyte of quotes and comments with no line's end (`"#"#"#...`) once took each
+    /// quote a scan to the end of the document, about 2.7 x 10^11 steps, seconds of a
+    /// worker's time for a request refused before the limiter had a say.
+    #[test]
+    fn the_description_search_is_linear_in_the_document() {
+        for hostile in [
+            "\"#".repeat(1 << 19),
+            "\"#\"\n".repeat(1 << 18),
+            "\" # \"".repeat(1 << 18),
+            format!("\"{}", " ".repeat(1 << 20)),
+            "\" \r#\"\r".repeat(1 << 18),
+        ] {
+            let (found, steps) = super::described(&hostile);
+            assert!(!found);
+            assert!(
+                steps <= 3 * hostile.len(),
+                "{steps} steps for {} bytes",
+                hostile.len()
+            );
+        }
+    }
+
+    /// What a document ignores between a description and what it describes
+    /// (graphql-spec, "Ignored Tokens"): white space, line terminators (a carriage return
+    /// ends a comment as a line feed does), commas, comments, and byte order marks.
+    #[test]
+    fn a_description_is_found_past_everything_a_document_ignores() {
+        for document in [
+            "\"x\" query { a }",
+            "\"x\" # c\rquery { a }",
+            "\"x\"\u{feff}query { a }",
+            "\"x\"\n# one\n  , # two\r\n fragment F on T { a }",
+            "query Q(\"n\" $n: Int) { a }",
+            "\"#\" \"y\" # c\n{ a }",
+        ] {
+            assert!(super::described(document).0, "{document:?}");
+        }
+        for document in ["{ a(s: \"x\") }", "{ a(s: \"x\" # c\n) }", "\"x\" # query"] {
+            assert!(!super::described(document).0, "{document:?}");
         }
     }
 }

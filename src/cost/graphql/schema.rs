@@ -94,8 +94,24 @@ fn directive_strings(directives: &DirectiveList, directive: &str, argument: &str
     }
 }
 
+/// A `@cost(weight:)`: an Int, or a String or a Float (IBM's directive takes `"2.5"`) of
+/// any number, rounded up (a weight is never lowered by its notation; a negative one is
+/// 0).
 fn weight(directives: &DirectiveList) -> Option<u64> {
-    directive_int(directives, "cost", "weight").map(|weight| weight.max(0) as u64)
+    let value = directives
+        .get("cost")?
+        .specified_argument_by_name("weight")?;
+    let number = match &**value {
+        Value::Int(int) => match int.as_str().parse::<i64>() {
+            Ok(int) => return Some(int.max(0) as u64),
+            Err(_) => int.as_str().parse::<f64>().ok()?,
+        },
+        Value::Float(float) => float.as_str().parse::<f64>().ok()?,
+        Value::String(text) => text.trim().parse::<f64>().ok()?,
+        _ => return None,
+    };
+    // `as` saturates: a weight past u64 is u64::MAX, NaN is 0.
+    Some(number.ceil().max(0.0) as u64)
 }
 
 fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
