@@ -1966,3 +1966,67 @@ async fn a_block_never_answers_sooner_than_the_denials_it_stands_for() {
     }
     assert_eq!(checked, 12);
 }
+
+/// An adjustment for an identity the store does not hold (never stored: its requests
+/// cost 0; forgotten: evicted, purged, or its state expired) applies to fresh state, on
+/// every store: a settle that charges more than was reserved charges it, and
+/// `set_remaining` sets the level. The in-process store once swapped either for a no-op,
+/// so a "reserve 0, settle the actual cost" set-up went unlimited in process, and a
+/// "block now" of an identity just purged did nothing; Redis loads fresh state and
+/// applies them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adjustment_for_an_identity_the_store_does_not_hold_applies_to_fresh_state() {
+    let backends = Backends::start().await;
+    for (index, policy) in every_algorithm().into_iter().enumerate() {
+        let label = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        let subjects = backends.subjects(&format!("unheld-{index}"));
+        let mut charged = Vec::new();
+        let mut blocked = Vec::new();
+        for subject in &subjects {
+            subject.clock.set(Duration::from_secs(1));
+            // Reserved 0 (nothing stored), used 4.
+            let free = subject.check("post-paid", &set, 0).await;
+            assert!(free.is_allowed(), "{label} {}", subject.name);
+            let settle = Adjustment::settle(0, 4, free.receipt());
+            subject.adjust("post-paid", &set, &settle).await;
+            charged.push(subject.peek("post-paid", &set).await);
+            // Never seen: blocked now.
+            subject
+                .adjust("blocked", &set, &Adjustment::set_remaining(0))
+                .await;
+            blocked.push(subject.peek("blocked", &set).await);
+        }
+        for (index, subject) in subjects.iter().enumerate().skip(1) {
+            assert!(
+                same(&charged[0], &charged[index]),
+                "{label}: memory {:?} vs {} {:?}",
+                charged[0],
+                subject.name,
+                charged[index]
+            );
+            assert!(
+                same(&blocked[0], &blocked[index]),
+                "{label}: memory {:?} vs {} {:?}",
+                blocked[0],
+                subject.name,
+                blocked[index]
+            );
+        }
+        if label == "ls" {
+            // The shaping bucket's remaining is its queue room.
+            continue;
+        }
+        let limit = set[0].limit();
+        assert_eq!(
+            charged[0].statuses()[0].remaining,
+            limit - 4,
+            "{label}: the settle charged 4"
+        );
+        assert_eq!(
+            blocked[0].statuses()[0].remaining,
+            0,
+            "{label}: set to nothing left"
+        );
+    }
+}

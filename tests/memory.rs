@@ -123,3 +123,37 @@ fn an_ipv6_64_is_one_identity() {
     assert_eq!(admitted, 5);
     assert_eq!(store.len(), 1);
 }
+
+/// A small bound is one store, not many stores of one identity: with `max_keys(100)` and
+/// 64 shards (eight a core on an eight-core host), each shard once held one identity, so
+/// two live identities that hashed to one shard evicted each other on every request, and
+/// neither was ever limited. A shard holds at least 64 identities now (fewer shards when
+/// the bound is small), and 65 identities within a bound of 100 keep their state.
+#[test]
+fn a_small_bound_keeps_every_identity_it_has_room_for() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(100)
+        .shards(64)
+        .build();
+    assert_eq!(store.capacity(), 100);
+    let once = PolicySet::from(Policy::fixed_window("once", 1, Duration::from_secs(3600)).unwrap());
+    let mut admitted = 0;
+    for _round in 0..10 {
+        for identity in 0..65 {
+            if store
+                .check(&format!("user:{identity}"), &once, 1)
+                .is_allowed()
+            {
+                admitted += 1;
+            }
+        }
+        clock.advance(Duration::from_secs(1));
+    }
+    assert_eq!(admitted, 65, "one request an identity in the hour");
+    assert_eq!(store.evicted_live(), 0);
+    // A large bound keeps its shards (and each its share).
+    let large = MemoryStore::builder().max_keys(1 << 20).shards(64).build();
+    assert_eq!(large.capacity(), 1 << 20);
+}

@@ -120,6 +120,40 @@ async fn the_response_headers_show_the_settled_charge() {
     assert_eq!(remaining(&response), 0, "never below empty");
 }
 
+/// Post-paid: a reservation of 0 (nothing is stored for it) settled to what the handler
+/// reports. The in-process store once dropped a charge for an identity it did not hold,
+/// so every such request was free.
+#[tokio::test]
+async fn a_post_paid_request_reserving_nothing_is_charged_what_it_used() {
+    let (store, _clock) = store();
+    let app = app(store, tokens(), Settle::from_header("x-tokens-used"));
+    let first = app
+        .clone()
+        .oneshot(request("post", 0, Some(400), 200))
+        .await
+        .unwrap();
+    assert_eq!(
+        remaining(&first),
+        600,
+        "the settled state (draft-11 section 4.1, `r`)"
+    );
+    for left in [200, 0] {
+        let response = app
+            .clone()
+            .oneshot(request("post", 0, Some(400), 200))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(remaining(&response), left);
+    }
+    let refused = app
+        .clone()
+        .oneshot(request("post", 1, Some(1), 200))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
 #[tokio::test]
 async fn server_errors_are_refunded_in_full() {
     let (store, _clock) = store();

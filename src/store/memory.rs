@@ -557,7 +557,8 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         self
     }
 
-    /// The number of shards, rounded up to a power of two (default: 8 per core).
+    /// The number of shards, rounded up to a power of two (default: 8 per core), but
+    /// never fewer than 64 identities a shard: a store of `max_keys(100)` is one shard.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = shards.max(1).next_power_of_two();
         self
@@ -565,9 +566,11 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 
     /// Builds the store.
     pub fn build(self) -> MemoryStore<C> {
-        // Never more shards than keys, so that the per-shard bounds add up to max_keys.
+        // At least 64 identities a shard: a shard is full when it is, however empty the
+        // others, and a shard of one would have two live identities evict each other on
+        // every request. A small bound is one shard (or a few) rather than many tiny ones.
         let mut shards = self.shards;
-        while shards > 1 && shards > self.max_keys {
+        while shards > 1 && shards * MIN_SHARD_KEYS > self.max_keys {
             shards /= 2;
         }
         // A shard's index holds positions plus one in 32 bits.
@@ -590,6 +593,9 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         }
     }
 }
+
+/// The fewest identities a shard is built for (see [`MemoryStoreBuilder::build`]).
+const MIN_SHARD_KEYS: usize = 64;
 
 #[inline]
 fn lock(shard: &Shard) -> MutexGuard<'_, Table> {
@@ -635,13 +641,32 @@ impl<C: Clock> MemoryStore<C> {
         now: u64,
         cost: u64,
     ) -> Decision {
+        self.keep_new(table, vacant, hash, key, policies, now, |entry| {
+            decide_entry(entry, policies, now, cost)
+        })
+    }
+
+    /// Applies `apply` to fresh state for an identity the shard does not hold, and keeps
+    /// the state when it is not fresh.
+    #[allow(clippy::too_many_arguments)]
+    fn keep_new(
+        &self,
+        table: &mut Table,
+        vacant: usize,
+        hash: u64,
+        key: &str,
+        policies: &PolicySet,
+        now: u64,
+        apply: impl FnOnce(&mut Entry) -> Decision,
+    ) -> Decision {
         let mut entry = Entry {
             key: CompactString::from(key),
             fresh_at: 0,
             slots: Slots::new(policies),
         };
-        let decision = decide_entry(&mut entry, policies, now, cost);
-        // An identity whose state is still fresh (denied at once, cost 0) is not stored.
+        let decision = apply(&mut entry);
+        // An identity whose state is still fresh (denied at once, cost 0, a refund of
+        // what is not held) is not stored.
         if entry.fresh_at > now {
             let mut vacant = Some(vacant);
             if table.len() >= self.shared.shard_capacity {
@@ -693,8 +718,9 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Adjusts an admitted request's debit now, synchronously (see [`Store::adjust`]).
-    /// A key the store no longer holds has nothing to give back: its statuses are those
-    /// of fresh state, and nothing is stored.
+    /// A key the store does not hold (never stored, or forgotten) is adjusted from fresh
+    /// state, as on Redis: a refund or a release finds nothing to give back (nothing is
+    /// stored), a charge or a level set is kept.
     ///
     /// ```
     /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
@@ -721,12 +747,12 @@ impl<C: Clock> MemoryStore<C> {
                 entry.fresh_at = entry.fresh_at.max(fresh_at);
                 decision
             }
-            Err(_) => {
-                drop(table);
-                let mut slots = Slots::new(policies);
-                let settle = Adjustment::settle(0, 0, adjustment.receipt());
-                super::decide::adjust(policies, slots.arrange(policies), now, &settle).0
-            }
+            Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
+                let slots = entry.slots.arrange(policies);
+                let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
+                entry.fresh_at = entry.fresh_at.max(fresh_at);
+                decision
+            }),
         }
     }
 
