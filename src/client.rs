@@ -7,15 +7,20 @@
 //! to tell your partitions apart), it reads:
 //!
 //! - the draft-11 `RateLimit` field (an RFC 9651 list: a member with `r=0` means wait `t`
-//!   seconds);
+//!   seconds; with no `t` it names no window and asks for no wait);
 //! - draft-6 `RateLimit-Remaining` / `RateLimit-Reset` and `X-RateLimit-Remaining` /
-//!   `X-RateLimit-Reset` (seconds, or a Unix time);
+//!   `X-RateLimit-Reset` (seconds, or a Unix time in seconds or milliseconds, with or
+//!   without a fraction);
 //! - `Retry-After` (seconds or an HTTP date) on an error (`429`, `503`, GitHub's `403`
-//!   for its secondary limits) or a gRPC answer; on a `202` it says when to poll, on a
-//!   redirect when to follow it: neither holds the host.
+//!   for its secondary limits) or a gRPC answer, where it takes precedence over the
+//!   fields above (draft-11, section 7); on a `202` it says when to poll, on a redirect
+//!   when to follow it: neither holds the host.
 //!
-//! A `RateLimit` member whose `r` or `t` is not a non-negative Integer is malformed and
-//! ignored (draft-11, sections 4.1 and 4.2).
+//! A `RateLimit` field with a malformed member (`r` missing, or `r` or `t` not a
+//! non-negative Integer) is ignored whole (draft-11, sections 4.1 and 7), and so are the
+//! rate-limit fields of a response from a cache (a positive `Age`, section 7.3). The
+//! layer counts nothing against `r` above 0: concurrent requests may overshoot what is
+//! left until a response says `r=0` (or pace them with [`pace`](PacingLayer::pace)).
 //!
 //! A request to a host that said "nothing left" waits until it said so; a 429 is waited
 //! out and retried when the method is idempotent (2 retries by default; never for `POST`
@@ -77,8 +82,9 @@ pub struct PacingLayer {
 }
 
 struct Shared {
-    /// When each host (and partition) may be sent to again.
-    hosts: Mutex<Hosts>,
+    /// When each host (and partition) may be sent to again; shared by every layer built
+    /// from one, as the pacing budget is.
+    hosts: Arc<Mutex<Hosts>>,
     max_wait: Duration,
     retries: u32,
     retry_all: bool,
@@ -117,7 +123,7 @@ impl PacingLayer {
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Shared {
-                hosts: Mutex::new(Hosts::default()),
+                hosts: Arc::new(Mutex::new(Hosts::default())),
                 max_wait: DEFAULT_MAX_WAIT,
                 retries: 2,
                 retry_all: false,
@@ -129,13 +135,7 @@ impl PacingLayer {
 
     fn with(self, change: impl FnOnce(&mut Shared)) -> Self {
         let mut shared = Arc::try_unwrap(self.shared).unwrap_or_else(|shared| Shared {
-            hosts: Mutex::new(
-                shared
-                    .hosts
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone(),
-            ),
+            hosts: Arc::clone(&shared.hosts),
             max_wait: shared.max_wait,
             retries: shared.retries,
             retry_all: shared.retry_all,
@@ -334,13 +334,17 @@ impl Shared {
     /// Notes what `headers` (of a response with `status`) say about when to send again;
     /// true when the server asked for more than `max_wait` (a retry would be refused).
     fn learn(&self, key: &str, status: StatusCode, headers: &HeaderMap) -> bool {
-        let Some(mut wait) = server_wait(status, headers) else {
-            return false;
+        // Refused: never straight back (no word, a date in the past, a clock skewed, a
+        // zero): a second, or `max_wait` when that is shorter, so that a 429 is still
+        // retried under a `max_wait` below a second.
+        let refused = status == StatusCode::TOO_MANY_REQUESTS;
+        let floor = Duration::from_secs(1).min(self.max_wait);
+        let wait = match server_word(status, headers) {
+            Some(wait) if refused => wait.max(floor),
+            Some(wait) => wait,
+            None if refused => floor,
+            None => return false,
         };
-        if status == StatusCode::TOO_MANY_REQUESTS {
-            // Refused: never straight back (a date in the past, a clock skewed, a zero).
-            wait = wait.max(Duration::from_secs(1));
-        }
         let capped = wait > self.max_wait;
         let until = later(Instant::now(), wait.min(self.max_wait));
         self.hosts
@@ -408,30 +412,95 @@ impl Hosts {
 
 /// How long the server asks the client to wait before its next request, from the
 /// response's rate-limit fields; `None` when it asks for nothing.
+///
+/// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
+/// section 7); a response from a cache (a positive `Age`) says nothing in its rate-limit
+/// fields (section 7.3); a refused response (429) that says nothing asks for a second.
+///
+/// ```
+/// use http::{HeaderMap, HeaderValue, StatusCode};
+/// use std::time::Duration;
+/// use tollgate::client::server_wait;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("ratelimit", HeaderValue::from_static("\"day\";r=0;t=3600"));
+/// assert_eq!(server_wait(StatusCode::OK, &headers), Some(Duration::from_secs(3600)));
+/// headers.insert("retry-after", HeaderValue::from_static("2"));
+/// assert_eq!(server_wait(StatusCode::TOO_MANY_REQUESTS, &headers), Some(Duration::from_secs(2)));
+/// ```
 pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
-    let mut wait: Option<Duration> = None;
-    let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
+    match server_word(status, headers) {
+        Some(wait) => Some(wait),
+        // Refused, with no word on when: a second before trying again.
+        None if status == StatusCode::TOO_MANY_REQUESTS => Some(Duration::from_secs(1)),
+        None => None,
+    }
+}
+
+/// What the server's fields say about when to send again, and nothing when they say
+/// nothing (see [`server_wait`]).
+fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     // Retry-After (RFC 9110, section 10.2.3): seconds or an HTTP date. A wait for the
     // host on an error (a 429, a 503, GitHub's 403 for its secondary limits) or a gRPC
     // answer (whose refusals are HTTP 200): on a 202 it says when to poll, on a 3xx when
-    // to send the redirected request, and neither holds the host.
+    // to send the redirected request, and neither holds the host. Where it holds, it
+    // takes precedence over the rate-limit fields (draft-11, section 7: "the Retry-After
+    // field MUST take precedence").
     let grpc = headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|value| value.to_str().ok())
         .is_some_and(|value| value.starts_with("application/grpc"));
     let refused = status.is_client_error() || status.is_server_error() || grpc;
-    if refused
-        && let Some(value) = headers
+    if refused {
+        let after = headers
             .get(http::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-    {
-        if let Some(after) = retry_after(value) {
-            longer(after);
+            .and_then(retry_after);
+        if after.is_some() {
+            return after;
         }
     }
-    // draft-11 RateLimit: a member with r=0 says "nothing for t seconds". The field's
-    // lines are one list, and a field that does not parse is ignored whole (RFC 9651,
-    // section 4.2).
+    // A response from a cache (a positive current age): its fields may be long out of
+    // date, and are ignored (draft-11, section 7.3).
+    let age = headers
+        .get(http::header::AGE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    if age.is_some_and(|age| age > 0) {
+        return None;
+    }
+    let mut wait: Option<Duration> = None;
+    let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
+    if let Some(field) = ratelimit_wait(headers) {
+        longer(field);
+    }
+    // draft-6 and the X- fields: remaining 0 until reset.
+    for (remaining, reset) in [
+        ("ratelimit-remaining", "ratelimit-reset"),
+        ("x-ratelimit-remaining", "x-ratelimit-reset"),
+    ] {
+        let remaining = headers
+            .get(remaining)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.trim().parse::<i64>().ok());
+        if remaining == Some(0) {
+            let reset = headers.get(reset).and_then(|value| value.to_str().ok());
+            if let Some(delay) = reset.and_then(reset_delay) {
+                longer(delay);
+            }
+        }
+    }
+    wait
+}
+
+/// The draft-11 `RateLimit` field's wait: the longest `t` of a member with `r=0`. The
+/// field's lines are one list, and a field that does not parse is ignored whole (RFC
+/// 9651, section 4.2); so is one with a malformed member (draft-11, section 7:
+/// "Malformed RateLimit header fields MUST be ignored"): `r` missing (it is REQUIRED,
+/// section 4.1) or either of `r` and `t` not a non-negative Integer. A member with
+/// `r=0` and no `t` (OPTIONAL) names no window, and asks for no wait: an in-flight
+/// limit's slot frees when a response ends, not after a time.
+fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
     let lines: Option<Vec<&str>> = headers
         .get_all("ratelimit")
         .iter()
@@ -439,17 +508,16 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
         // An empty line adds no member.
         .filter(|line| line.is_none_or(|line| !line.trim().is_empty()))
         .collect();
-    let list = lines.filter(|lines| !lines.is_empty()).and_then(|lines| {
-        sfv::Parser::new(&lines.join(", "))
-            .parse::<sfv::List>()
-            .ok()
-    });
-    for member in list.into_iter().flatten() {
+    let lines = lines.filter(|lines| !lines.is_empty())?;
+    let list = sfv::Parser::new(&lines.join(", "))
+        .parse::<sfv::List>()
+        .ok()?;
+    let mut wait: Option<Duration> = None;
+    for member in list {
         let sfv::ListEntry::Item(item) = member else {
-            continue;
+            return None;
         };
-        // draft-11, sections 4.1 and 4.2: `r` and `t` are non-negative Integers. Absent:
-        // `None`; present as anything else: the member is malformed and says nothing.
+        // Absent: `None`; present as anything but a non-negative Integer: malformed.
         let number = |name: &str| -> Result<Option<u64>, ()> {
             match item.params.iter().find(|(key, _)| key.as_str() == name) {
                 None => Ok(None),
@@ -460,41 +528,45 @@ pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> 
                     .ok_or(()),
             }
         };
-        if let (Ok(Some(0)), Ok(t)) = (number("r"), number("t")) {
-            // No `t`: the server gave no time; a second is a polite guess.
-            longer(Duration::from_secs(t.unwrap_or(1)));
+        let (Ok(Some(r)), Ok(t)) = (number("r"), number("t")) else {
+            return None;
+        };
+        if let (0, Some(t)) = (r, t) {
+            let t = Duration::from_secs(t);
+            wait = Some(wait.map_or(t, |w| w.max(t)));
         }
-    }
-    // draft-6 and the X- fields: remaining 0 until reset.
-    for (remaining, reset) in [
-        ("ratelimit-remaining", "ratelimit-reset"),
-        ("x-ratelimit-remaining", "x-ratelimit-reset"),
-    ] {
-        let number =
-            |name: &str| -> Option<i64> { headers.get(name)?.to_str().ok()?.trim().parse().ok() };
-        if number(remaining) == Some(0) {
-            if let Some(reset) = number(reset).filter(|reset| *reset >= 0) {
-                longer(reset_delay(reset as u64));
-            }
-        }
-    }
-    if status == StatusCode::TOO_MANY_REQUESTS && wait.is_none() {
-        // Refused, with no word on when: a second before trying again.
-        wait = Some(Duration::from_secs(1));
     }
     wait
 }
 
-/// A reset value: seconds from now, or (past a billion) a Unix time.
-fn reset_delay(reset: u64) -> Duration {
-    if reset > 1_000_000_000 {
-        let now = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        Duration::from_secs(reset).saturating_sub(now)
-    } else {
-        Duration::from_secs(reset)
+/// A reset value of the draft-6 or X- fields: seconds from now, or (past a billion) a
+/// Unix time, or (past a trillion) a Unix time in milliseconds; a fraction of a second
+/// (Discord writes `1470173023.123`) is rounded up. `None` when it is not a number.
+fn reset_delay(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
+    let digits = |part: &str| part.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !digits(whole) || !digits(fraction) {
+        return None;
     }
+    // Past u64: as long a wait as there is (capped by the caller's `max_wait`).
+    let whole: u64 = whole.parse().unwrap_or(u64::MAX);
+    let nanos = format!("{fraction:0<9}")[..9].parse::<u32>().unwrap_or(0);
+    let since_epoch = || {
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default()
+    };
+    Some(if whole > 1_000_000_000_000 {
+        Duration::from_millis(whole).saturating_sub(since_epoch())
+    } else if whole > 1_000_000_000 {
+        (Duration::from_secs(whole) + Duration::from_nanos(u64::from(nanos)))
+            .saturating_sub(since_epoch())
+    } else if nanos > 0 {
+        Duration::from_secs(whole.saturating_add(1))
+    } else {
+        Duration::from_secs(whole)
+    })
 }
 
 fn retry_after(value: &str) -> Option<Duration> {

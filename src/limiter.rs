@@ -7,7 +7,9 @@
 //! store's retry time while the others queue behind it, so a crowd never wakes at once to
 //! race for the same units (no thundering herd). The queue is the limiter's (its clones
 //! share it); `check` and other processes do not queue in it, but every decision is the
-//! store's, atomic, so nothing is over-admitted, in process or across replicas. A waiter
+//! store's, atomic, so nothing is over-admitted, in process or across replicas on Redis
+//! (during an outage, the failure mode decides: with the default local fallback, each
+//! replica alone, at its `share`). A waiter
 //! queued behind others gives up when its own maximum wait has passed. Store calls are
 //! bounded by a timeout (50 ms by default) and answered by the failure mode past it; there
 //! is no circuit breaker.
@@ -34,7 +36,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A WebSocket whose messages cost their length, per connection (axum's `ws` feature):
+//! A WebSocket whose messages cost their length, per connection (axum's `ws` feature; a
+//! client that opens N connections has N budgets: key a limiter shared by the
+//! connections by user or address to bound the client):
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -51,11 +55,16 @@
 //!         let limiter = Limiter::new(MemoryStore::new(), policy);
 //!         let me = Key::new("this-connection");
 //!         while let Some(Ok(message)) = socket.recv().await {
-//!             let cost = match &message {
-//!                 Message::Text(text) => text.len() as u64,
-//!                 Message::Binary(bytes) => bytes.len() as u64,
-//!                 _ => 0,
+//!             // Every message costs its payload, and at least one unit: pings (which
+//!             // axum answers with pongs), pongs and empty messages are not free.
+//!             let payload = match &message {
+//!                 Message::Text(text) => text.len(),
+//!                 Message::Binary(bytes) | Message::Ping(bytes) | Message::Pong(bytes) => {
+//!                     bytes.len()
+//!                 }
+//!                 Message::Close(_) => 0,
 //!             };
+//!             let cost = (payload as u64).max(1);
 //!             // Slow the sender down; close on one that cannot fit at all.
 //!             if limiter.until_ready(&me, cost, Duration::from_secs(10)).await.is_err() {
 //!                 let _ = socket.send(Message::Close(None)).await;
@@ -276,11 +285,22 @@ impl<St: Store> Limiter<St> {
     /// What to do when the store fails (as [`RateLimitLayer::on_store_error`]). Set it
     /// before the limiter is shared: a clone made earlier keeps the old mode.
     ///
+    /// # Panics
+    ///
+    /// With a [`LocalFallback`](crate::LocalFallback) whose `share` is no share (0, below
+    /// 0, NaN), which the layer refuses at build: each replica would enforce
+    /// the whole limit during an outage, the fleet N times it. A start-up mistake.
+    ///
     /// [`RateLimitLayer::on_store_error`]: crate::RateLimitLayer::on_store_error
     pub fn on_store_error(self, failure_mode: FailureMode) -> Self
     where
         St: Clone,
     {
+        if let FailureMode::Fallback(fallback) = &failure_mode {
+            if let Err(mistake) = fallback.check() {
+                panic!("{}", mistake.replacen("RateLimitLayer", "Limiter", 1));
+            }
+        }
         self.rebuilt(|shared| shared.failure_mode = failure_mode)
     }
 
@@ -362,7 +382,9 @@ impl<St: Store> Limiter<St> {
     /// they would not fit within `max_wait`, or never. Waiters for one key are served in
     /// the order they came. A shaping policy's delay is waited too, the waiter keeping its
     /// turn: a waiter dropped before its delay ends (a timeout around it) gives its units
-    /// back, and nobody has queued behind them. So a waiter behind one that sleeps its
+    /// back (no waiter of this limiter has queued behind them; a `check`, another limiter
+    /// or another replica may have booked a later slot meanwhile, and keeps it, so two
+    /// requests may then land close together). So a waiter behind one that sleeps its
     /// delay decides only when that delay ends (past its own `max_wait`, it gets
     /// `TooLong`, told to retry after `max_wait`).
     pub async fn until_ready(
@@ -387,7 +409,9 @@ impl<St: Store> Limiter<St> {
         let Ok(turn) = locked else {
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
-            // is not known). The statuses are the key's state now.
+            // is not known). The statuses are the key's state now. (The queue's other
+            // handle went with the timed-out lock: the place's drop removes the queue
+            // when nobody else holds it.)
             drop(place);
             let now = self.peek(key).await;
             // Named: the enforced policy with the fewest units left.
@@ -551,5 +575,67 @@ impl<St: Store> Limiter<St> {
         {
             queues.remove(key);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Limiter;
+    use crate::clock::RuntimeClock;
+    use crate::store::{DecideFuture, MemoryStore, Store};
+    use crate::{Key, Policy, PolicySet, Rate};
+
+    /// A store whose peeks take ten seconds (a slow Redis).
+    struct SlowPeek(MemoryStore<RuntimeClock>);
+
+    impl Store for SlowPeek {
+        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+            self.0.decide(key, policies, cost)
+        }
+
+        fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+            let answer = self.0.peek(key, policies).into_ready();
+            DecideFuture::new(async move {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                match answer {
+                    Ok(answer) => answer,
+                    Err(pending) => pending.await,
+                }
+            })
+        }
+    }
+
+    /// A waiter that gave up in the queue and reads the key's state while the waiter
+    /// ahead of it finishes: the key's queue goes once both are gone (it was kept for
+    /// good, one entry for every key this happened to).
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_is_dropped_when_a_waiter_gives_up_while_the_one_ahead_finishes() {
+        let store = SlowPeek(MemoryStore::builder().clock(RuntimeClock::new()).build());
+        let policy = Policy::leaky_bucket_shaping(
+            "paced",
+            Rate::new(1, Duration::from_secs(10)),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let limiter = Limiter::new(store, policy);
+        let key = Key::new("k");
+        limiter
+            .until_ready(&key, 1, Duration::from_secs(60))
+            .await
+            .unwrap();
+        // Sleeps its shaping delay (10 s) holding the key's turn.
+        let ahead = {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(60)).await })
+        };
+        tokio::task::yield_now().await;
+        // Gives up at 5 s, then reads the state until 15 s; the one ahead ends at 10 s.
+        let gave_up = limiter.until_ready(&key, 1, Duration::from_secs(5)).await;
+        assert!(gave_up.is_err());
+        assert!(ahead.await.unwrap().is_ok());
+        let queues = limiter.shared.queues.lock().unwrap().len();
+        assert_eq!(queues, 0, "no waiter is left, and no queue");
     }
 }

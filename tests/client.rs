@@ -138,6 +138,112 @@ fn what_a_server_says_is_read() {
     );
 }
 
+/// The client's side of draft-11 (section 7 and section 4.1), read from the draft's text:
+/// `t` is OPTIONAL (section 4.1: a member with `r=0` and no `t` names no window, so it
+/// asks for no wait: tollgate's own in-flight policies send just that); Retry-After takes
+/// precedence over RateLimit (section 7: "the Retry-After field MUST take precedence");
+/// a malformed RateLimit field is ignored whole (section 7: "Malformed RateLimit header
+/// fields MUST be ignored"; `r` is REQUIRED, section 4.1); fields of a response from a
+/// cache (a positive `Age`) are ignored (section 7.3).
+#[test]
+fn what_a_server_says_is_read_as_draft_11_section_7_asks() {
+    let ok = StatusCode::OK;
+    let refused = StatusCode::TOO_MANY_REQUESTS;
+    let secs = Duration::from_secs;
+    assert_eq!(
+        server_wait(ok, &headers(&[("ratelimit", "\"inflight\";r=0")])),
+        None
+    );
+    assert_eq!(
+        server_wait(
+            refused,
+            &headers(&[("retry-after", "2"), ("ratelimit", "\"day\";r=0;t=3600")])
+        ),
+        Some(secs(2))
+    );
+    assert_eq!(
+        server_wait(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &headers(&[
+                ("retry-after", "2"),
+                ("x-ratelimit-remaining", "0"),
+                ("x-ratelimit-reset", "600")
+            ])
+        ),
+        Some(secs(2))
+    );
+    // Without Retry-After, a 429's RateLimit stands.
+    assert_eq!(
+        server_wait(refused, &headers(&[("ratelimit", "\"day\";r=0;t=30")])),
+        Some(secs(30))
+    );
+    // One malformed member (a negative `r`, a missing `r`, a `t` that is not an
+    // Integer) and the field says nothing.
+    for field in [
+        "\"a\";r=0;t=30, \"b\";r=-1",
+        "\"a\";r=0;t=30, \"b\";t=5",
+        "\"a\";r=0;t=30, \"b\";r=0;t=1.5",
+    ] {
+        assert_eq!(
+            server_wait(ok, &headers(&[("ratelimit", field)])),
+            None,
+            "{field}"
+        );
+    }
+    // From a cache: ignored; a fresh response (Age 0) is read.
+    let cached = |age: &str| {
+        server_wait(
+            ok,
+            &headers(&[("age", age), ("ratelimit", "\"a\";r=0;t=30")]),
+        )
+    };
+    assert_eq!(cached("5"), None);
+    assert_eq!(cached("0"), Some(secs(30)));
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[
+                ("age", "5"),
+                ("x-ratelimit-remaining", "0"),
+                ("x-ratelimit-reset", "30")
+            ])
+        ),
+        None
+    );
+}
+
+/// The X- fields' resets as services write them: a Unix time with a fraction
+/// (Discord's `1470173023.123`), or in milliseconds; neither is ignored or read as a
+/// wait of millennia.
+#[test]
+fn legacy_resets_with_a_fraction_or_in_milliseconds_are_read() {
+    let ok = StatusCode::OK;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let reset = |value: String| {
+        server_wait(
+            ok,
+            &headers(&[
+                ("x-ratelimit-remaining", "0"),
+                ("x-ratelimit-reset", &value),
+            ]),
+        )
+    };
+    let fraction = reset(format!("{}.250", now.as_secs() + 100)).unwrap();
+    assert!(
+        fraction > Duration::from_secs(95) && fraction <= Duration::from_secs(101),
+        "{fraction:?}"
+    );
+    let millis = reset((now.as_millis() + 100_000).to_string()).unwrap();
+    assert!(
+        millis > Duration::from_secs(95) && millis <= Duration::from_secs(101),
+        "{millis:?}"
+    );
+    // Seconds from now, with a fraction: rounded up.
+    assert_eq!(reset("2.5".to_owned()), Some(Duration::from_secs(3)));
+}
+
 /// A fake upstream: answers each request with the next of `script` (status, headers).
 fn upstream(
     script: Vec<(u16, Vec<(&'static str, String)>)>,
@@ -814,9 +920,49 @@ fn a_member_with_a_malformed_remaining_or_window_says_nothing() {
             "{member}"
         );
     }
-    // No `t` at all: a second, a polite guess.
+    // No `t` at all (OPTIONAL, section 4.1): no window, no wait (it was a guessed
+    // second, which held a client to one request a second against an in-flight limit).
     assert_eq!(
         server_wait(ok, &headers(&[("ratelimit", "\"api\";r=0")])),
-        Some(Duration::from_secs(1))
+        None
     );
+}
+
+/// A `max_wait` under a second: a 429's floor of a second is `max_wait` then, and the
+/// refused request is still retried (it once counted as asking for more than `max_wait`,
+/// and no 429 was ever retried).
+#[tokio::test(start_paused = true)]
+async fn a_max_wait_under_a_second_still_retries_a_429() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(429, vec![("retry-after", "0".to_owned())]), (200, vec![])];
+    let layer = PacingLayer::new().max_wait(Duration::from_millis(500));
+    let mut client = layer.layer(upstream(script, Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    let response = send(&mut client, get("http://a.test/")).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(seen.load(Ordering::SeqCst), 2);
+    assert_eq!(started.elapsed(), Duration::from_millis(500));
+}
+
+/// Layers built from one share what servers said, as they share the pacing turns: a
+/// layer made with `.retries(0)` on a clone learns that a host is out, and the others
+/// (and the original's `wait_for`) know it.
+#[tokio::test(start_paused = true)]
+async fn layers_built_from_one_share_what_the_servers_said() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=30".to_owned())])];
+    let layer = PacingLayer::new();
+    let first = layer
+        .clone()
+        .max_wait(Duration::from_secs(50))
+        .layer(upstream(script.clone(), Arc::clone(&seen)));
+    let mut second = layer
+        .clone()
+        .retries(0)
+        .layer(upstream(script, Arc::clone(&seen)));
+    send(&mut second, get("http://a.test/")).await;
+    assert_eq!(layer.wait_for("a.test", None), Duration::from_secs(30));
+    let started = tokio::time::Instant::now();
+    send(&mut first.clone(), get("http://a.test/")).await;
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
 }

@@ -564,3 +564,14 @@ async fn a_waiter_dropped_while_it_gives_back_still_gives_back() {
     assert!(third.is_ok(), "{third:?}");
     assert_eq!(started.elapsed(), Duration::from_secs(10));
 }
+
+/// A fallback share that is no share is refused by the limiter as by the layer: it was
+/// taken (with a warning), and each replica enforced the whole limit in an outage.
+#[test]
+#[should_panic(expected = "Limiter: LocalFallback::share must be above 0")]
+fn a_fallback_share_of_nothing_is_refused() {
+    let policy = Policy::token_bucket("mail", 20, Rate::per_second(10)).unwrap();
+    let _ = Limiter::new(MemoryStore::new(), policy).on_store_error(FailureMode::Fallback(
+        tollgate::LocalFallback::new().share(0.0),
+    ));
+}
