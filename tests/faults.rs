@@ -26,7 +26,7 @@ use tollgate::key::Global;
 use tollgate::store::{RedisConfig, RedisStore};
 use tollgate::{
     CircuitBreaker, DecideFuture, FailureMode, Key, LocalFallback, Policy, PolicySet, Rate,
-    RateLimitLayer, Store,
+    RateLimitLayer, Store, StoreErrorKind,
 };
 use tower::ServiceExt;
 
@@ -975,4 +975,48 @@ fn library_code(listed: &redis::Value) -> Option<String> {
             .filter(|name| name.starts_with("tollgate_"))
             .and(field("library_code"))
     })
+}
+
+/// A pool that cannot authenticate (a password rotated under it) is a refusal, not an
+/// outage: deadpool hands back the server's `WRONGPASS` as its own error, which was
+/// counted as "unavailable" (debug lines, the breaker, the failure mode for good) and
+/// passed the start-up check with a warning. It is `Refused` now, on a decision and at
+/// start-up, and never says the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_cannot_authenticate_is_refused_not_an_outage() {
+    let server = RedisServer::start();
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "requirepass", "right-secret"])
+            .trim(),
+        "OK"
+    );
+    let url = format!("redis://:wrong-secret@127.0.0.1:{}", server.port);
+    let pool = deadpool_redis::Config::from_url(url)
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool");
+    let store = RedisStore::from_pool(pool);
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap());
+    let error = store
+        .decide(&Key::new("client"), &policies, 1)
+        .await
+        .expect_err("a wrong password answers nothing");
+    assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+    assert!(!error.to_string().contains("wrong-secret"), "{error}");
+    let at_start = store.verify().await.expect_err("refused at start-up");
+    assert!(!at_start.kind().is_io(), "{at_start}");
+    // The right password: decided.
+    let url = format!("redis://:right-secret@127.0.0.1:{}", server.port);
+    let pool = deadpool_redis::Config::from_url(url)
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool");
+    let store = RedisStore::from_pool(pool);
+    assert!(
+        store
+            .decide(&Key::new("client"), &policies, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
 }

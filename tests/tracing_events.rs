@@ -439,3 +439,56 @@ fn refusals_under_one_code_with_other_words_are_each_logged() {
         .collect();
     assert_eq!(errors.len(), 2, "{events:?}");
 }
+
+/// Loading the Functions library refused for something else than Functions being
+/// unavailable (here `OOM`: a server at its `maxmemory` under `noeviction`) is a
+/// misconfiguration to say at error level, not a quiet switch to scripts: it was told at
+/// info level ("Functions are not available"), as an ACL without `FUNCTION LOAD` is.
+#[cfg(feature = "redis")]
+#[test]
+fn a_library_load_refused_for_memory_is_logged_at_error_level() {
+    let server = support::RedisServer::start();
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let statuses: Vec<u16> = tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let store = tollgate::store::RedisStore::connect(&server.url())
+                .await
+                .expect("a store");
+            // The server loses its library (a restart) and is full.
+            assert_eq!(server.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+            for setting in [["maxmemory-policy", "noeviction"], ["maxmemory", "1"]] {
+                let args = ["CONFIG", "SET", setting[0], setting[1]];
+                assert_eq!(server.cli(&args).trim(), "OK");
+            }
+            let app = Router::new().route("/", get(|| async { "ok" })).layer(
+                RateLimitLayer::new(store)
+                    .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+                    .key(Global),
+            );
+            let mut statuses = Vec::new();
+            for _ in 0..2 {
+                let response = app
+                    .clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap();
+                statuses.push(response.status().as_u16());
+            }
+            statuses
+        })
+    });
+    // The fallback answers (the scripts are refused for memory too).
+    assert_eq!(statuses, [200, 200]);
+    let events = recorder.events.lock().unwrap().clone();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
+                && event.contains("Functions library")),
+        "{events:?}"
+    );
+}

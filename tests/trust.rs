@@ -1717,3 +1717,44 @@ async fn nested_limiters_over_grpc_leave_the_inner_wait_alone() {
     assert!(header(&cached, "retry-after").is_some());
     assert_eq!(header(&cached, "ratelimit-remaining"), None);
 }
+
+/// The README's least-privilege ACL line, as written there, through a connection pool:
+/// deadpool checks a pooled connection with `UNWATCH` and `PING` each time it hands it
+/// out again. Without them in the line, every check was refused and the connection
+/// thrown away: a new connection (and its authentication) for every decision, silently.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn the_readmes_acl_line_keeps_a_pools_connections() {
+    let server = support::RedisServer::start();
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("the README");
+    let line = readme
+        .lines()
+        .map(str::trim)
+        .find(|line| line.starts_with("ACL SETUSER limiter on >PASSWORD"))
+        .expect("the README's ACL line");
+    let line = line.replace(">PASSWORD", ">s3cret");
+    let args: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(server.cli(&args).trim(), "OK");
+    let url = format!("redis://limiter:s3cret@127.0.0.1:{}", server.port);
+    let pool = deadpool_redis::Config::from_url(url)
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool");
+    let store = tollgate::store::RedisStore::from_pool(pool);
+    store.verify().await.expect("the line runs every script");
+    let connections = || -> u64 {
+        let info = server.cli(&["INFO", "stats"]);
+        info.lines()
+            .find_map(|line| line.strip_prefix("total_connections_received:"))
+            .and_then(|count| count.trim().parse().ok())
+            .expect("a count of connections")
+    };
+    let before = connections();
+    let set = PolicySet::from(Policy::fixed_window("api", 100, Duration::from_secs(60)).unwrap());
+    for _ in 0..20 {
+        let decision = store.decide(&Key::new("u"), &set, 1).await.unwrap();
+        assert!(decision.is_allowed());
+    }
+    let opened = connections() - before;
+    assert!(opened <= 2, "{opened} connections opened for 20 decisions");
+}

@@ -664,9 +664,21 @@ fn demoted_code(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
-/// A pool that gave no connection: the store is unavailable.
-fn no_connection(error: impl fmt::Display) -> StoreError {
-    StoreError::new(StoreErrorKind::Unavailable, error.to_string())
+/// A pool that gave no connection. The server's own answer when the pool opened one
+/// (`WRONGPASS`, `NOPERM` on `SELECT`, a TLS set-up refused) is sorted as that error is
+/// ([`store_error`]): a refusal is no outage to wait out behind the failure mode. A pool
+/// that waited too long for a connection timed out; anything else (closed, no runtime, a
+/// post-create hook) leaves the store unavailable.
+fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
+    use deadpool_redis::PoolError;
+    match error {
+        PoolError::Backend(error) => store_error(error),
+        PoolError::Timeout(_) => StoreError::new(
+            StoreErrorKind::Timeout,
+            "no connection from the pool within its timeout",
+        ),
+        other => StoreError::new(StoreErrorKind::Unavailable, other.to_string()),
+    }
 }
 
 impl Backend {
@@ -740,6 +752,10 @@ fn store_error(error: RedisError) -> StoreError {
                         | ServerErrorKind::TryAgain
                         | ServerErrorKind::ClusterDown
                         | ServerErrorKind::MasterDown
+                        // A redirection left after the client's own retries: slots moving
+                        // (a resharding, a failover), not a refusal of ours.
+                        | ServerErrorKind::Moved
+                        | ServerErrorKind::Ask
                 )
         )
     {
@@ -1621,13 +1637,8 @@ async fn invoke(
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             Err(error) if error.message.contains("Function not found") => {
-                match load_library(backend, scripts, loads).await {
-                    Ok(()) => match query::<Vec<i64>>(backend, &command).await {
-                        Err(error) if functions_refused(&error) => error,
-                        answered => return answered,
-                    },
-                    Err(error) if error.kind().is_io() => return Err(error),
-                    // Loading is refused (an ACL without `FUNCTION LOAD`): scripts.
+                match load_and_call(backend, scripts, &command, loads).await {
+                    Ok(answered) => return answered,
                     Err(error) => error,
                 }
             }
@@ -1637,6 +1648,42 @@ async fn invoke(
         fall_back_to_scripts(scripts, &refused);
     }
     run_script(backend, scripts.script(call, invocation), invocation).await
+}
+
+/// Loads the library the server was missing and calls the function again: `Ok` with
+/// the answer to give, or `Err` when the store is to run scripts instead. Loading refused
+/// for Functions themselves (an ACL without `FUNCTION LOAD`, a server without them) falls
+/// back quietly, as designed; refused for anything else (`OOM`, the library's own error:
+/// a bug of ours) falls back too, so decisions stay exact, but is logged at error level
+/// and counted, never hidden behind the fallback. A load counted by another request, of a
+/// library the server then lost again (a restart just after), is done here, once.
+async fn load_and_call(
+    backend: &Backend,
+    scripts: &Scripts,
+    command: &redis::Cmd,
+    mut seen: u64,
+) -> Result<Result<Vec<i64>, StoreError>, StoreError> {
+    use std::sync::atomic::Ordering;
+    let mut again = true;
+    loop {
+        match load_library(backend, scripts, seen).await {
+            Ok(()) => {}
+            Err(error) if error.kind().is_io() => return Ok(Err(error)),
+            Err(error) if functions_refused(&error) => return Err(error),
+            Err(error) => {
+                crate::telemetry::library_refused(&error);
+                return Err(error);
+            }
+        }
+        match query::<Vec<i64>>(backend, command).await {
+            Err(error) if functions_refused(&error) => return Err(error),
+            Err(error) if again && error.message.contains("Function not found") => {
+                again = false;
+                seen = scripts.loads.load(Ordering::Acquire);
+            }
+            answered => return Ok(answered),
+        }
+    }
 }
 
 /// The server cannot or may not run the library's functions: no Functions (before Redis
@@ -1878,14 +1925,30 @@ fn parse_reply(
             ),
         ));
     }
+    // Every number the script answers is a count or a duration: a negative one, or a
+    // denying policy it does not have, is a script answering out of its shape (a bug of
+    // ours, or another script under the name), said as such rather than read as a
+    // denial of some policy.
+    if let Some(negative) = reply.iter().find(|&&number| number < 0) {
+        return Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!("the decision script answered a negative number ({negative})"),
+        ));
+    }
     // The script's time, last: the receipt of the debit, on the nanosecond time line.
     let at = u64::try_from(reply[4 + 4 * count])
         .unwrap_or(0)
         .saturating_mul(1_000);
-    let policy = usize::try_from(reply[1])
-        .unwrap_or(1)
-        .saturating_sub(1)
-        .min(count.saturating_sub(1));
+    let policy = || match usize::try_from(reply[1]) {
+        Ok(index @ 1..) if index <= count => Ok(index - 1),
+        _ => Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "the decision script named policy {} of {count} as the one that denied",
+                reply[1]
+            ),
+        )),
+    };
     let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..4 + 4 * count]
         .chunks_exact(4)
         .map(|status| PolicyStatus {
@@ -1900,14 +1963,17 @@ fn parse_reply(
             delay: micros(reply[3]),
         },
         1 => Outcome::Denied {
-            policy,
+            policy: policy()?,
             retry_after: micros(reply[2]),
         },
-        2 => Outcome::CostExceedsLimit {
-            policy,
-            cost,
-            limit: statuses.get(policy).map_or(0, |status| status.limit),
-        },
+        2 => {
+            let policy = policy()?;
+            Outcome::CostExceedsLimit {
+                policy,
+                cost,
+                limit: statuses[policy].limit,
+            }
+        }
         other => {
             return Err(StoreError::new(
                 StoreErrorKind::Protocol,
@@ -2275,6 +2341,56 @@ mod tests {
     use super::*;
     use crate::Rate;
     use crate::policy::{MAX_LIMIT, MAX_PERIOD};
+
+    /// A reply out of the decision script's shape is a protocol error, never read as a
+    /// denial of some policy: a denying policy the set does not have (it was clamped to
+    /// the last), a negative count (read as 0).
+    #[test]
+    fn a_reply_out_of_shape_is_a_protocol_error() {
+        // outcome, policy, wait, delay; one status (limit, remaining, reset, window); time.
+        let reply = |outcome: i64, policy: i64, remaining: i64| {
+            vec![outcome, policy, 1_000, 0, 10, remaining, 5_000, 5_000, 42]
+        };
+        let parse = |answer: Vec<i64>| parse_reply(&answer, Shape::Full, 1, 1, 0);
+        assert!(!parse(reply(1, 1, 0)).unwrap().is_allowed());
+        assert!(parse(reply(0, 0, 9)).unwrap().is_allowed());
+        for broken in [
+            reply(1, 0, 0),
+            reply(1, 2, 0),
+            reply(2, 5, 0),
+            reply(0, 0, -1),
+        ] {
+            let error = parse(broken.clone()).expect_err("out of shape");
+            assert_eq!(
+                error.kind(),
+                StoreErrorKind::Protocol,
+                "{broken:?}: {error}"
+            );
+        }
+    }
+
+    /// A `MOVED` or `ASK` that reaches the store (the Cluster client ran out of retries
+    /// while slots were moving) is an outage in passing, as `TRYAGAIN` is, for the breaker
+    /// and the failure mode: it was `Refused`, logged as a bug at error level. A refusal
+    /// of ours stays one.
+    #[test]
+    fn a_redirection_left_after_retries_is_an_outage_not_a_refusal() {
+        use redis::{ErrorKind, ServerErrorKind};
+        for kind in [
+            ServerErrorKind::Moved,
+            ServerErrorKind::Ask,
+            ServerErrorKind::TryAgain,
+        ] {
+            let error = RedisError::from((ErrorKind::Server(kind), "redirected"));
+            assert_eq!(
+                store_error(error).kind(),
+                StoreErrorKind::Unavailable,
+                "{kind:?}"
+            );
+        }
+        let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "no"));
+        assert_eq!(store_error(refused).kind(), StoreErrorKind::Refused);
+    }
 
     #[test]
     fn an_empty_identity_still_has_a_hash_tag() {

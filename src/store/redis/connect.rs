@@ -413,6 +413,14 @@ pub(super) fn redact(url: &str) -> String {
     if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
         return UNPARSABLE.to_owned();
     }
+    // A user and no password: most often a password written where the user goes
+    // (`redis://s3cret@host`, for `redis://:s3cret@host`). Not shown either.
+    if parsed.password().is_none()
+        && !parsed.username().is_empty()
+        && parsed.set_username("***").is_err()
+    {
+        return UNPARSABLE.to_owned();
+    }
     let secret = |name: &str| SECRET_PARAMETERS.contains(&name.to_ascii_lowercase().as_str());
     if parsed.query_pairs().any(|(name, _)| secret(&name)) {
         let pairs: Vec<(String, String)> = parsed
@@ -435,6 +443,8 @@ mod tests {
     fn user_and_password() {
         assert_eq!(redact("redis://user:pass@h:1/0"), "redis://user:***@h:1/0");
         assert_eq!(redact("redis://:pass@h"), "redis://:***@h");
+        // A password written where the user goes is not shown either.
+        assert_eq!(redact("redis://s3cret@h:1"), "redis://***@h:1");
     }
 
     #[test]
