@@ -177,7 +177,10 @@ impl PacingLayer {
     }
 
     /// Tells apart requests to one host that the server limits separately (each API
-    /// key its own budget): `partition` names a request's partition.
+    /// key its own budget): `partition` names a request's partition. Layers built from
+    /// one (a setting changed on a clone) share what servers said per host and
+    /// partition: give each credential its partition, or start each from
+    /// [`PacingLayer::new`], for one's 429 not to hold the others.
     pub fn partition<F>(self, partition: F) -> Self
     where
         F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
@@ -345,7 +348,9 @@ impl Shared {
             None if refused => floor,
             None => return false,
         };
-        let capped = wait > self.max_wait;
+        // With no wait allowed at all (`max_wait` zero), a refusal is not retried: a
+        // retry would go straight back.
+        let capped = wait > self.max_wait || (refused && wait.is_zero());
         let until = later(Instant::now(), wait.min(self.max_wait));
         self.hosts
             .lock()

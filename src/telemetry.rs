@@ -193,28 +193,6 @@ pub(crate) fn store_error(error: &StoreError) {
     }
 }
 
-/// Loading the Redis Functions library was refused for something else than Functions
-/// being unavailable (`OOM`, an error in the library): counted as a store error, and
-/// logged at error level once per wording; the store runs its scripts meanwhile.
-pub(crate) fn library_refused(error: &StoreError) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
-    // Told apart from the same words refusing a decision (an `OOM` refuses both).
-    let words = format!("library load: {}", error.message);
-    if first_of_its_kind(error.kind(), error.code(), &words) {
-        #[cfg(feature = "tracing")]
-        tracing::error!(
-            target: "tollgate",
-            %error,
-            kind = error.kind().as_str(),
-            code = error.code().unwrap_or(""),
-            "loading the Redis Functions library was refused: this is a bug or a \
-             misconfiguration; decisions run as EVALSHA scripts meanwhile (logged once per \
-             kind of error, counted in tollgate_store_errors_total)"
-        );
-    }
-}
-
 /// True the first time this process sees `kind` with `code` and words like `message`'s.
 /// Redis answers most errors with `ERR` (every script error among them), so the code
 /// alone would hide a second fault behind the first. The words are the message's first

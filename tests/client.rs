@@ -942,6 +942,14 @@ async fn a_max_wait_under_a_second_still_retries_a_429() {
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(seen.load(Ordering::SeqCst), 2);
     assert_eq!(started.elapsed(), Duration::from_millis(500));
+    // No wait allowed at all: the 429 is returned, never sent straight back.
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(429, vec![("retry-after", "0".to_owned())]), (200, vec![])];
+    let layer = PacingLayer::new().max_wait(Duration::ZERO);
+    let mut client = layer.layer(upstream(script, Arc::clone(&seen)));
+    let response = send(&mut client, get("http://a.test/")).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
 }
 
 /// Layers built from one share what servers said, as they share the pacing turns: a

@@ -703,7 +703,7 @@ async fn a_costly_request_to_a_log_of_multi_unit_entries_reads_a_bounded_part_of
             _ => None,
         }
     };
-    let lines = monitor.lines();
+    let lines = monitor.lines_through(&server);
     assert!(
         lines.iter().any(|l| l.contains("ZRANGE")),
         "the monitor saw the scripts"

@@ -1006,6 +1006,34 @@ async fn a_pool_that_cannot_authenticate_is_refused_not_an_outage() {
     assert!(!error.to_string().contains("wrong-secret"), "{error}");
     let at_start = store.verify().await.expect_err("refused at start-up");
     assert!(!at_start.kind().is_io(), "{at_start}");
+    // Behind the layer: every request is answered by the failure mode, and the breaker
+    // holds them off the pool as it does in an outage, so that each does not open (and
+    // authenticate) a connection of its own to be refused. The breaker opens after 5
+    // failures, and probes once a minute.
+    let connections = || -> u64 {
+        let info = server.cli(&["--no-auth-warning", "-a", "right-secret", "INFO", "stats"]);
+        info.lines()
+            .find_map(|line| line.strip_prefix("total_connections_received:"))
+            .and_then(|count| count.trim().parse().ok())
+            .expect("a count of connections")
+    };
+    let before = connections();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(store)
+            .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(60)).unwrap())
+            .key(Global)
+            .circuit_breaker(CircuitBreaker::new(5, Duration::from_secs(60))),
+    );
+    for _ in 0..50 {
+        let response = app
+            .clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let opened = connections() - before;
+    assert!(opened <= 6, "{opened} connections for 50 requests");
     // The right password: decided.
     let url = format!("redis://:right-secret@127.0.0.1:{}", server.port);
     let pool = deadpool_redis::Config::from_url(url)

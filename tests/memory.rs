@@ -156,4 +156,10 @@ fn a_small_bound_keeps_every_identity_it_has_room_for() {
     // A large bound keeps its shards (and each its share).
     let large = MemoryStore::builder().max_keys(1 << 20).shards(64).build();
     assert_eq!(large.capacity(), 1 << 20);
+    // An absurd shard count is bounded by the keys, without overflow.
+    let absurd = MemoryStore::builder()
+        .max_keys(1 << 12)
+        .shards(1 << 58)
+        .build();
+    assert_eq!(absurd.capacity(), 1 << 12);
 }

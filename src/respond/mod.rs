@@ -134,6 +134,12 @@ impl Responder {
                 StoreErrorKind::Unavailable | StoreErrorKind::Timeout => {
                     self.breaker.on_failure(error, probe);
                 }
+                // A refusal every request meets (a pool that cannot authenticate): logged
+                // as a refusal above, and it opens the breaker as an outage does, so that
+                // requests do not each open a connection to be refused.
+                StoreErrorKind::Refused | StoreErrorKind::Protocol if error.every_request => {
+                    self.breaker.on_failure(error, probe);
+                }
                 // The store answered, with a refusal that only this request's policies or
                 // data may cause: the failure mode answers this request, but it does not
                 // open the breaker for everyone, and the store is reachable.

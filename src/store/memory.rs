@@ -570,7 +570,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         // others, and a shard of one would have two live identities evict each other on
         // every request. A small bound is one shard (or a few) rather than many tiny ones.
         let mut shards = self.shards;
-        while shards > 1 && shards * MIN_SHARD_KEYS > self.max_keys {
+        while shards > 1 && shards > self.max_keys / MIN_SHARD_KEYS {
             shards /= 2;
         }
         // A shard's index holds positions plus one in 32 bits.

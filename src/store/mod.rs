@@ -528,6 +528,10 @@ pub struct StoreError {
     code: Option<Box<str>>,
     pub(crate) message: String,
     source: Option<Box<dyn Error + Send + Sync>>,
+    /// A refusal that every request meets, not this one's policies or data (a pool that
+    /// cannot authenticate): it opens the breaker as an outage does, so that every
+    /// request does not open (and authenticate) a connection of its own.
+    pub(crate) every_request: bool,
 }
 
 impl StoreError {
@@ -538,6 +542,7 @@ impl StoreError {
             code: None,
             message: message.into(),
             source: None,
+            every_request: false,
         }
     }
 

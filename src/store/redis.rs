@@ -672,7 +672,12 @@ fn demoted_code(code: Option<&str>) -> bool {
 fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
     use deadpool_redis::PoolError;
     match error {
-        PoolError::Backend(error) => store_error(error),
+        PoolError::Backend(error) => {
+            let mut error = store_error(error);
+            // No connection for anyone: the breaker holds requests off until a probe.
+            error.every_request = !error.kind().is_io();
+            error
+        }
         PoolError::Timeout(_) => StoreError::new(
             StoreErrorKind::Timeout,
             "no connection from the pool within its timeout",
@@ -1671,7 +1676,7 @@ async fn load_and_call(
             Err(error) if error.kind().is_io() => return Ok(Err(error)),
             Err(error) if functions_refused(&error) => return Err(error),
             Err(error) => {
-                crate::telemetry::library_refused(&error);
+                library_refused(&error);
                 return Err(error);
             }
         }
@@ -1684,6 +1689,27 @@ async fn load_and_call(
             answered => return Ok(answered),
         }
     }
+}
+
+/// Loading the library was refused for something else than Functions being unavailable
+/// (`OOM`, an error in the library): counted as a store error, and logged at error level
+/// (a load is tried again at most once a minute, so this is said at most that often). The
+/// store knows no telemetry module (it sits below it): counted and logged here.
+fn library_refused(error: &StoreError) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
+    #[cfg(feature = "tracing")]
+    tracing::error!(
+        target: "tollgate",
+        %error,
+        kind = error.kind().as_str(),
+        code = error.code().unwrap_or(""),
+        "loading the Redis Functions library was refused: this is a bug or a \
+         misconfiguration; decisions run as EVALSHA scripts meanwhile (counted in \
+         tollgate_store_errors_total)"
+    );
+    #[cfg(not(feature = "tracing"))]
+    let _ = error;
 }
 
 /// The server cannot or may not run the library's functions: no Functions (before Redis

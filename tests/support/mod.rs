@@ -355,6 +355,31 @@ impl Monitor {
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
     }
+
+    /// Every line of the commands `server` ran before this call: a marker (`ECHO`) is
+    /// sent, and the lines are read once the monitor printed it (MONITOR prints in the
+    /// order the server ran), within 10 s. `lines` alone may miss the last ones on a
+    /// busy machine, where the reading thread runs late.
+    pub fn lines_through(&self, server: &RedisServer) -> Vec<String> {
+        static MARKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let mark = format!(
+            "monitor-mark-{}",
+            MARKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        server.cli(&["ECHO", &mark]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let lines = self.lines();
+            if lines.iter().any(|line| line.contains(&mark)) {
+                return lines;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "MONITOR did not print {mark} within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for Monitor {

@@ -444,9 +444,6 @@ impl GraphqlCost {
                 }
             },
         };
-        // Each root field is a resolver call: at least the minimum each, and for a
-        // mutation its base each (an alias is one more mutation run).
-        let calls = root_fields(&operation.selection_set, &fragments).max(1);
         let schema = self.schema.as_deref();
         let root = schema.and_then(|schema| {
             let slot = match operation.operation_type {
@@ -470,6 +467,15 @@ impl GraphqlCost {
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
         *visits = walk.visits;
+        // Each root field is a resolver call: at least the minimum each, and for a
+        // mutation its base each (an alias is one more mutation run). Counted once the
+        // walk took the document (no cycle, within the depth), and bounded by the depth
+        // too.
+        let calls = if cost.is_ok() {
+            root_fields(&operation.selection_set, &walk.fragments, self.max_depth).max(1)
+        } else {
+            1
+        };
         let cost = cost.map_err(|error| match error {
             // The walk's one request error: a field given two slicing arguments where its
             // `@listSize` requires one; a server that does not read the directive runs
@@ -667,17 +673,21 @@ fn described(document: &str) -> (bool, usize) {
 
 /// How many resolver calls the root of `selections` makes: its fields' distinct response
 /// names (an alias is a call of its own; one name written twice, or spread twice through a
-/// fragment, is merged into one call), through fragments of every kind; `__typename`
-/// calls none.
+/// fragment, is merged into one call), through fragments of every kind, at most
+/// `max_depth` fragments deep (the walk refuses deeper); `__typename` calls none. Each
+/// fragment is read once, so the count takes time linear in the document.
 fn root_fields(
     selections: &[Selection],
     fragments: &HashMap<&str, &apollo_compiler::Node<ast::FragmentDefinition>>,
+    max_depth: usize,
 ) -> u64 {
+    use std::collections::HashSet;
     fn collect<'a>(
         selections: &'a [Selection],
         fragments: &HashMap<&str, &'a apollo_compiler::Node<ast::FragmentDefinition>>,
-        spread: &mut Vec<&'a str>,
-        names: &mut std::collections::HashSet<&'a str>,
+        spread: &mut HashSet<&'a str>,
+        names: &mut HashSet<&'a str>,
+        depth: usize,
     ) {
         for selection in selections {
             match selection {
@@ -685,25 +695,30 @@ fn root_fields(
                 Selection::Field(field) => {
                     names.insert(field.alias.as_ref().unwrap_or(&field.name).as_str());
                 }
+                _ if depth == 0 => {}
                 Selection::InlineFragment(fragment) => {
-                    collect(&fragment.selection_set, fragments, spread, names);
+                    collect(&fragment.selection_set, fragments, spread, names, depth - 1);
                 }
                 Selection::FragmentSpread(name) => {
                     let name = name.fragment_name.as_str();
                     // Each fragment once: spread again, its fields merge with its own.
-                    if spread.contains(&name) {
-                        continue;
-                    }
-                    spread.push(name);
-                    if let Some(fragment) = fragments.get(name) {
-                        collect(&fragment.selection_set, fragments, spread, names);
+                    if spread.insert(name) {
+                        if let Some(fragment) = fragments.get(name) {
+                            collect(&fragment.selection_set, fragments, spread, names, depth - 1);
+                        }
                     }
                 }
             }
         }
     }
-    let mut names = std::collections::HashSet::new();
-    collect(selections, fragments, &mut Vec::new(), &mut names);
+    let mut names = HashSet::new();
+    collect(
+        selections,
+        fragments,
+        &mut HashSet::new(),
+        &mut names,
+        max_depth,
+    );
     names.len() as u64
 }
 
