@@ -25,10 +25,12 @@ const SHARDS: usize = 16;
 ///   nothing is admitted beyond the limit; only units leased just before a window ends and
 ///   spent after it count in the old window. The lease's `ttl` bounds how long that can
 ///   last.
-/// - **Under-admission**: units one replica holds (one lease per identity at a time, and
-///   for a moment the one that just ended) are not there for the others until they are
-///   spent or go back when the lease ends (through [`Store::adjust`], as far as the shared
-///   state still holds them). When a lease no longer fits, requests are decided one by
+/// - **Under-admission**: units one replica holds are not there for the others until they
+///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
+///   shared state still holds them). One lease is taken per identity at a time, but a
+///   request costlier than what the open leases have left takes a new one, and their rest
+///   waits for a cheaper request or their end: with `units` 20 and requests of 11, each
+///   lease strands 9 until it ends. Lease a multiple of the usual cost. When a lease no longer fits, requests are decided one by
 ///   one, exactly, for a `ttl`, so the last units of a quota are not lost to leases.
 /// - A lease is taken by a task of its own: once the shared store has debited it, it is
 ///   recorded and given back in time even if the request that asked for it went away.
@@ -100,7 +102,7 @@ struct Leases {
 }
 
 /// One identity's leases, and whether one is being taken (then the others decide on
-/// their own rather than take more: a replica holds one lease per identity at a time).
+/// their own rather than take more: a replica takes one lease per identity at a time).
 #[derive(Default)]
 struct Open {
     leases: Vec<Lease>,
