@@ -1758,3 +1758,56 @@ async fn the_readmes_acl_line_keeps_a_pools_connections() {
     let opened = connections() - before;
     assert!(opened <= 2, "{opened} connections opened for 20 decisions");
 }
+
+/// A limiter further in that wrote its `RateLimit` fields in an older draft's dictionary
+/// form (`limit=100, remaining=50, reset=5`), or anything else that is no Structured
+/// Fields List: joined with ours, the field would parse as nothing, and clients ignore a
+/// malformed RateLimit field whole (draft-11, section 7; RFC 9651, section 4.2: a
+/// field's lines are one value), ours with it. Ours replaces it; a list is joined.
+#[tokio::test]
+async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
+    let app = |inner: &'static str| {
+        Router::new()
+                .route(
+                    "/",
+                    get(move || async move {
+                        ([("ratelimit", inner), ("ratelimit-policy", inner)], "ok")
+                    }),
+                )
+                .layer(
+                    RateLimitLayer::new(MemoryStore::new())
+                        .policy(Policy::fixed_window("outer", 10, Duration::from_secs(60)).unwrap())
+                        .key(tollgate::key::Global),
+                )
+    };
+    let fields = |response: &Response<Body>, name: &str| -> Vec<String> {
+        response
+            .headers()
+            .get_all(name)
+            .iter()
+            .map(|value| value.to_str().unwrap().to_owned())
+            .collect()
+    };
+    for inner in ["limit=100, remaining=50, reset=5", "\"x\";r=", "((("] {
+        let response = app(inner)
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        for name in ["ratelimit", "ratelimit-policy"] {
+            let lines = fields(&response, name);
+            assert_eq!(lines.len(), 1, "{inner}: {lines:?}");
+            let list = sfv::Parser::new(&lines.join(", ")).parse::<sfv::List>();
+            assert!(list.is_ok(), "{inner}: {lines:?}");
+            assert!(lines[0].starts_with("\"outer\""), "{inner}: {lines:?}");
+        }
+    }
+    // A list further in is kept, ours after it.
+    let response = app("\"inner\";r=5;t=1")
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let lines = fields(&response, "ratelimit");
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "\"inner\";r=5;t=1");
+    assert!(lines[1].starts_with("\"outer\";r=9"), "{lines:?}");
+}

@@ -113,7 +113,11 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     // "Pushback"), in milliseconds; a negative value: do not retry (a request that can
     // never pass).
     let pushback = match (code, retry_after) {
-        (8 | 14, Some(seconds)) => Some(HeaderValue::from(seconds.saturating_mul(1000))),
+        // At most the largest 32-bit integer, which is what clients read (about 24.8
+        // days): a longer value is unreadable to them, and so "do not retry".
+        (8 | 14, Some(seconds)) => Some(HeaderValue::from(
+            seconds.saturating_mul(1000).min(i32::MAX as u64),
+        )),
         (3, _) => Some(HeaderValue::from_static("-1")),
         _ => None,
     };
@@ -377,6 +381,15 @@ mod tests {
             ),
             (StatusCode::TOO_MANY_REQUESTS, None, "8", None),
             (StatusCode::BAD_REQUEST, None, "3", Some("-1")),
+            // A month's wait: clients read the pushback as a 32-bit integer and take one
+            // they cannot read for "do not retry" (grpc-java's `Integer.valueOf`): the
+            // longest they read, about 24.8 days, stands for anything longer.
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("2592000"),
+                "8",
+                Some("2147483647"),
+            ),
         ] {
             let mut response = Response::new(Bytes::from_static(br#"{"detail":"no"}"#));
             *response.status_mut() = status;

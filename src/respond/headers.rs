@@ -362,10 +362,10 @@ impl HeaderBlock {
             HeaderBlock::Draft11 { policy, rate } => {
                 let [policy_name, rate_name, _] = &DRAFT11_FIELDS;
                 if let Some(policy) = policy {
-                    headers.append(policy_name.clone(), policy);
+                    add_to_list(headers, policy_name, policy);
                 }
                 if let Some(rate) = rate {
-                    headers.append(rate_name.clone(), rate);
+                    add_to_list(headers, rate_name, rate);
                 }
             }
             HeaderBlock::Single {
@@ -423,6 +423,37 @@ fn number_field(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
 
 /// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
 /// what [`HeaderStyle::field_names`] lists.
+/// Adds `value`'s members to the list field `name`, after those a limiter further in
+/// wrote. A field there that is no Structured Fields List (RFC 9651, section 4.2: its
+/// lines joined; an older draft's dictionary, `limit=100, remaining=50`, or garbage)
+/// would make the joined field malformed, and clients ignore a malformed field whole
+/// (draft-11, section 7), ours with it: it is replaced by ours.
+#[inline]
+fn add_to_list(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
+    match headers.entry(name) {
+        http::header::Entry::Vacant(vacant) => {
+            vacant.insert(value);
+        }
+        http::header::Entry::Occupied(occupied) => add_to_occupied(occupied, value),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, value: HeaderValue) {
+    let lines: Option<Vec<&str>> = occupied.iter().map(|line| line.to_str().ok()).collect();
+    let is_list = lines.is_some_and(|lines| {
+        sfv::Parser::new(&lines.join(", "))
+            .parse::<sfv::List>()
+            .is_ok()
+    });
+    if is_list {
+        occupied.append(value);
+    } else {
+        occupied.insert(value);
+    }
+}
+
 static DRAFT11_FIELDS: [HeaderName; 3] = [
     HeaderName::from_static("ratelimit-policy"),
     HeaderName::from_static("ratelimit"),
