@@ -1010,13 +1010,7 @@ async fn a_pool_that_cannot_authenticate_is_refused_not_an_outage() {
     // holds them off the pool as it does in an outage, so that each does not open (and
     // authenticate) a connection of its own to be refused. The breaker opens after 5
     // failures, and probes once a minute.
-    let connections = || -> u64 {
-        let info = server.cli(&["--no-auth-warning", "-a", "right-secret", "INFO", "stats"]);
-        info.lines()
-            .find_map(|line| line.strip_prefix("total_connections_received:"))
-            .and_then(|count| count.trim().parse().ok())
-            .expect("a count of connections")
-    };
+    let connections = || support::connections_received(&server, Some("right-secret"));
     let before = connections();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
         RateLimitLayer::new(store)

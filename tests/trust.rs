@@ -1742,13 +1742,7 @@ async fn the_readmes_acl_line_keeps_a_pools_connections() {
         .expect("a pool");
     let store = tollgate::store::RedisStore::from_pool(pool);
     store.verify().await.expect("the line runs every script");
-    let connections = || -> u64 {
-        let info = server.cli(&["INFO", "stats"]);
-        info.lines()
-            .find_map(|line| line.strip_prefix("total_connections_received:"))
-            .and_then(|count| count.trim().parse().ok())
-            .expect("a count of connections")
-    };
+    let connections = || support::connections_received(&server, None);
     let before = connections();
     let set = PolicySet::from(Policy::fixed_window("api", 100, Duration::from_secs(60)).unwrap());
     for _ in 0..20 {

@@ -620,34 +620,19 @@ impl<C: Clock> MemoryStore<C> {
         let mut table = lock(self.shard(hash));
         match table.find(hash, key) {
             Ok(index) => decide_entry(table.slab.get_mut(index), policies, now, cost),
-            Err(vacant) => self.check_new(&mut table, vacant, hash, key, policies, now, cost),
+            Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
+                decide_entry(entry, policies, now, cost)
+            }),
         }
     }
 
-    /// Decides for an identity the shard does not hold, and keeps it when its state is
-    /// not fresh. Out of line and cold: a known identity's path is the one laid out for.
-    /// A scan of new addresses comes here on every request, and pays a jump for it
-    /// beside the insertion's own cost.
+    /// Applies `apply` (a decision, an adjustment) to fresh state for an identity the
+    /// shard does not hold, and keeps the state when it is not fresh. Out of line and
+    /// cold: a known identity's path is the one laid out for. A scan of new addresses
+    /// comes here on every request, and pays a jump for it beside the insertion's own
+    /// cost.
     #[cold]
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
-    fn check_new(
-        &self,
-        table: &mut Table,
-        vacant: usize,
-        hash: u64,
-        key: &str,
-        policies: &PolicySet,
-        now: u64,
-        cost: u64,
-    ) -> Decision {
-        self.keep_new(table, vacant, hash, key, policies, now, |entry| {
-            decide_entry(entry, policies, now, cost)
-        })
-    }
-
-    /// Applies `apply` to fresh state for an identity the shard does not hold, and keeps
-    /// the state when it is not fresh.
     #[allow(clippy::too_many_arguments)]
     fn keep_new(
         &self,

@@ -389,6 +389,22 @@ impl Drop for Monitor {
     }
 }
 
+/// `total_connections_received` of `INFO stats`: every connection the server accepted,
+/// through `password` when it asks for one.
+pub fn connections_received(server: &RedisServer, password: Option<&str>) -> u64 {
+    let mut args = vec!["--no-auth-warning"];
+    if let Some(password) = password {
+        args.extend(["-a", password]);
+    }
+    args.extend(["INFO", "stats"]);
+    server
+        .cli(&args)
+        .lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("a count of connections")
+}
+
 /// `blocked_clients` of `INFO clients`: clients waiting, a command held by `CLIENT PAUSE`
 /// among them.
 pub fn blocked_clients(server: &RedisServer) -> u64 {
