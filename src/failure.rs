@@ -600,6 +600,17 @@ impl Breaker {
         }
     }
 
+    /// What is left of the cool-down before a request probes the store: zero while the
+    /// breaker is closed or its cool-down is over.
+    pub(crate) fn cool_down_left(&self) -> Duration {
+        let until = self.open_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return Duration::ZERO;
+        }
+        let now = self.clock.now().saturating_add(1);
+        Duration::from_nanos(until.saturating_sub(now))
+    }
+
     /// Opens the breaker (again) for one cool-down from now.
     fn start_cool_down(&self) {
         self.open_until

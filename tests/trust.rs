@@ -1805,3 +1805,41 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
     assert_eq!(lines[0], "\"inner\";r=5;t=1");
     assert!(lines[1].starts_with("\"outer\";r=9"), "{lines:?}");
 }
+
+/// A fail-closed 503 says when the store will be asked again: while the breaker is open,
+/// what is left of its cool-down (RFC 9110, section 10.2.3: when the service is expected
+/// to be back), not a fixed second that sends every client back 30 times before the
+/// breaker even probes. Before the breaker opens, a second.
+#[tokio::test]
+async fn a_fail_closed_answer_says_when_the_breaker_probes_again() {
+    let store = Switch::new();
+    store.set(DOWN);
+    let clock = tollgate::clock::ManualClock::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store)
+            .policy(Policy::gcra("api", Rate::per_second(1), 1).unwrap())
+            .on_store_error(FailureMode::FailClosed)
+            .circuit_breaker(
+                CircuitBreaker::new(2, Duration::from_secs(30)).with_clock(clock.clone()),
+            ),
+    );
+    let retry_after = |response: &Response<Body>| {
+        response.headers()[http::header::RETRY_AFTER]
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    // The first failure: the breaker is still closed.
+    let first = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry_after(&first), "1");
+    // The second opens it for 30 s.
+    let second = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(retry_after(&second), "30");
+    clock.advance(Duration::from_millis(10_500));
+    let skipped = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(skipped.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(retry_after(&skipped), "20", "19.5 s left, rounded up");
+    let body: serde_json::Value = serde_json::from_str(&body_text(skipped).await).unwrap();
+    assert_eq!(body["retry_after"], 20);
+}

@@ -327,12 +327,21 @@ impl Responder {
                 // Only the fallback's share of the quota refuses the cost: the outage
                 // stands in its way (a `400` would say "never send it again").
                 None if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
-                None => Err(Plan::Respond(Box::new(response::store_unavailable()))),
+                None => Err(Plan::Respond(Box::new(self.store_unavailable()))),
             },
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
             // A shadow layer never refuses a request.
             FailureMode::FailClosed if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
-            FailureMode::FailClosed => Err(Plan::Respond(Box::new(response::store_unavailable()))),
+            FailureMode::FailClosed => Err(Plan::Respond(Box::new(self.store_unavailable()))),
         }
+    }
+
+    /// The 503 of a store that cannot decide, saying when it is asked again: what is
+    /// left of the breaker's cool-down (rounded up), or a second when the breaker is
+    /// closed (the next request asks the store).
+    fn store_unavailable(&self) -> http::Response<bytes::Bytes> {
+        let left = self.breaker.cool_down_left();
+        let seconds = left.as_secs() + u64::from(left.subsec_nanos() > 0);
+        response::store_unavailable(seconds.clamp(1, crate::respond::headers::MAX_SF_INTEGER))
     }
 }

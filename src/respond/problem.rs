@@ -249,17 +249,18 @@ pub(crate) fn invalid_request(detail: &str) -> Response<Bytes> {
 }
 
 /// `503` for a store failure under fail-closed: not a rate decision, so no rate headers.
-pub(crate) fn store_unavailable() -> Response<Bytes> {
+/// `retry_after` (whole seconds, at least 1) is when the store is asked again.
+pub(crate) fn store_unavailable(retry_after: u64) -> Response<Bytes> {
     let mut response = problem(
         StatusCode::SERVICE_UNAVAILABLE,
         TEMPORARY_REDUCED_CAPACITY,
         "Temporary reduced capacity",
         "the rate-limit store is unavailable",
-        &[("retry_after", Member::Number(1))],
+        &[("retry_after", Member::Number(retry_after))],
     );
     response
         .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        .insert(header::RETRY_AFTER, HeaderValue::from(retry_after));
     response
 }
 
