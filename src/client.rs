@@ -474,11 +474,8 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     if age.is_some_and(|age| age > 0) {
         return None;
     }
-    let mut wait: Option<Duration> = None;
-    let mut longer = |more: Duration| wait = Some(wait.map_or(more, |w| w.max(more)));
-    if let Some(field) = ratelimit_wait(headers) {
-        longer(field);
-    }
+    // The longest of what the fields say (`None` is below any wait).
+    let mut wait = ratelimit_wait(headers);
     // draft-6 and the X- fields: remaining 0 until reset.
     for (remaining, reset) in [
         ("ratelimit-remaining", "ratelimit-reset"),
@@ -490,9 +487,7 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
             .and_then(|value| value.trim().parse::<i64>().ok());
         if remaining == Some(0) {
             let reset = headers.get(reset).and_then(|value| value.to_str().ok());
-            if let Some(delay) = reset.and_then(reset_delay) {
-                longer(delay);
-            }
+            wait = wait.max(reset.and_then(reset_delay));
         }
     }
     wait
@@ -536,9 +531,8 @@ fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
         let (Ok(Some(r)), Ok(t)) = (number("r"), number("t")) else {
             return None;
         };
-        if let (0, Some(t)) = (r, t) {
-            let t = Duration::from_secs(t);
-            wait = Some(wait.map_or(t, |w| w.max(t)));
+        if r == 0 {
+            wait = wait.max(t.map(Duration::from_secs));
         }
     }
     wait

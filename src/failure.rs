@@ -124,12 +124,13 @@ impl LocalFallback {
         self
     }
 
-    /// The set-up mistake of this fallback, if any (a share that is no share).
+    /// The set-up mistake of this fallback, if any (a share that is no share); the caller
+    /// (the layer, a `Limiter`) puts its name before it.
     pub(crate) fn check(&self) -> Result<(), String> {
         match self.refused_share {
             Some(share) => Err(format!(
-                "RateLimitLayer: LocalFallback::share must be above 0 (a replica's part of \
-                 each limit, such as 1.0 / replicas), got {share}"
+                "LocalFallback::share must be above 0 (a replica's part of each limit, such \
+                 as 1.0 / replicas), got {share}"
             )),
             None => Ok(()),
         }

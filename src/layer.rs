@@ -458,7 +458,9 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
             return Err(mistake.to_string());
         }
         if let FailureMode::Fallback(fallback) = &self.failure_mode {
-            fallback.check()?;
+            fallback
+                .check()
+                .map_err(|mistake| format!("RateLimitLayer: {mistake}"))?;
         }
         self.resolver.check_configured().map_err(str::to_owned)?;
         if self.store_timeout.is_zero() {

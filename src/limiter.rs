@@ -298,7 +298,7 @@ impl<St: Store> Limiter<St> {
     {
         if let FailureMode::Fallback(fallback) = &failure_mode {
             if let Err(mistake) = fallback.check() {
-                panic!("{}", mistake.replacen("RateLimitLayer", "Limiter", 1));
+                panic!("Limiter: {mistake}");
             }
         }
         self.rebuilt(|shared| shared.failure_mode = failure_mode)

@@ -340,8 +340,7 @@ impl Responder {
     /// left of the breaker's cool-down (rounded up), or a second when the breaker is
     /// closed (the next request asks the store).
     fn store_unavailable(&self) -> http::Response<bytes::Bytes> {
-        let left = self.breaker.cool_down_left();
-        let seconds = left.as_secs() + u64::from(left.subsec_nanos() > 0);
-        response::store_unavailable(seconds.clamp(1, crate::respond::headers::MAX_SF_INTEGER))
+        let seconds = headers::seconds_ceil(self.breaker.cool_down_left());
+        response::store_unavailable(seconds.clamp(1, headers::MAX_SF_INTEGER))
     }
 }

@@ -1962,9 +1962,8 @@ fn parse_reply(
         ));
     }
     // The script's time, last: the receipt of the debit, on the nanosecond time line.
-    let at = u64::try_from(reply[4 + 4 * count])
-        .unwrap_or(0)
-        .saturating_mul(1_000);
+    // (Every number is non-negative, checked above.)
+    let at = reply[4 + 4 * count].unsigned_abs().saturating_mul(1_000);
     let policy = || match usize::try_from(reply[1]) {
         Ok(index @ 1..) if index <= count => Ok(index - 1),
         _ => Err(StoreError::new(
@@ -1978,8 +1977,8 @@ fn parse_reply(
     let statuses: SmallVec<[PolicyStatus; 2]> = reply[4..4 + 4 * count]
         .chunks_exact(4)
         .map(|status| PolicyStatus {
-            limit: u64::try_from(status[0]).unwrap_or(0),
-            remaining: u64::try_from(status[1]).unwrap_or(0),
+            limit: status[0].unsigned_abs(),
+            remaining: status[1].unsigned_abs(),
             reset: micros(status[2]),
             effective_window: micros(status[3]),
         })
