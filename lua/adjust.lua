@@ -2,8 +2,8 @@
 -- src/store/decide.rs. ARGV as for a decision (ARGV[2] is the units reserved, or the
 -- request's cost for a release), then an amount, the time of the debit in microseconds
 -- (-1: any time, newest debits first) and the mode:
---   0 settle: rate policies give back `reserved - amount` or charge the excess as far as
---     they have room;
+--   0 settle: rate policies give back `reserved - amount` or charge the excess, past
+--     empty if need be (at most one quota past what is left);
 --   1 release: in-flight policies free this request's slot;
 --   2 grant: rate policies give back `amount` units;
 --   3 set: rate policies are set to `amount` units left (at most their quota).
@@ -23,10 +23,11 @@ local left = {}
 for units in string.gmatch(ARGV[tail + 5] or '', '%d+') do left[#left + 1] = tonumber(units) end
 local reserved = cost
 
--- Takes `units` more as far as the policy has room now: never below empty.
+-- Takes `units` more, past empty if need be (the excess is owed: the key waits until it
+-- is paid), but at most one whole quota past what is left now.
 local function charge(algorithm, p, s, units)
-  local _, remaining = algorithm.snapshot(p, s)
-  local extra = min(units, remaining)
+  local limit, remaining = algorithm.snapshot(p, s)
+  local extra = min(units, remaining + limit)
   if extra > 0 then
     cost = extra
     algorithm.commit(p, s)

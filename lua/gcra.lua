@@ -59,9 +59,13 @@ local function refund(p, s, units, at, left)
 end
 
 local function snapshot(p, s)
-  local spare = max(p[1] * p[3] - s.ahead, 0)
-  -- Effective window: until the next emission interval has passed.
-  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), cdiv(p[3] - fmod(spare, p[3]), p[2])
+  local tolerance = p[1] * p[3]
+  local spare = max(tolerance - s.ahead, 0)
+  -- Effective window: until the next emission interval has passed (past the tolerance,
+  -- once what a settle left owing is paid too).
+  local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
+  if s.ahead > tolerance then effective = cdiv(s.ahead - tolerance + p[3], p[2]) end
+  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), effective
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

@@ -371,8 +371,9 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Settles each admitted request's cost once its response head is known: the cost
     /// debited on admission is a reservation, and the store gives back or charges the
-    /// difference to the actual cost `settle` reads from the response, atomically. The
-    /// response's rate-limit headers show the settled state. See [`crate::settle`].
+    /// difference to the actual cost `settle` reads from the response, atomically (past
+    /// empty if need be: the excess is owed). The response's rate-limit headers show the
+    /// settled state. See [`crate::settle`].
     ///
     /// ```
     /// use tollgate::cost::FromExtension;
@@ -382,7 +383,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// let layer = RateLimitLayer::new(MemoryStore::new())
     ///     .policy(Policy::token_bucket("rows", 10_000, Rate::per_minute(10_000))?)
     ///     .cost(FromExtension::or(100))
-    ///     .settle(Settle::from_extension().refund_if(|status| status.is_server_error()));
+    ///     .settle(Settle::from_extension().refund_if(|status| status.as_u16() == 503));
     /// # let _ = layer;
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```

@@ -2030,3 +2030,53 @@ async fn an_adjustment_for_an_identity_the_store_does_not_hold_applies_to_fresh_
         );
     }
 }
+
+/// A settle charges what a request used beyond its reservation even past empty: the
+/// excess is owed, and the identity waits until it is paid (a bucket refills it, a window
+/// forgets it), on every store, for every algorithm. Charging only as far as there was
+/// room made a post-paid cost free once the quota was spent: every "reserve 0, settle
+/// the actual cost" request was admitted and charged nothing. The shaping bucket is the
+/// exception the algorithm states: a request that costs nothing queues nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_past_empty_is_owed_on_every_store() {
+    let backends = Backends::start().await;
+    for (index, policy) in every_algorithm().into_iter().enumerate() {
+        let label = policy.name().to_owned();
+        let limit = policy.limit();
+        let set = PolicySet::from(policy);
+        let subjects = backends.subjects(&format!("owed-{index}"));
+        let mut owing = Vec::new();
+        for subject in &subjects {
+            subject.clock.set(Duration::from_secs(1));
+            // Reserved the whole quota, used three units more.
+            let debit = subject.check("owes", &set, limit).await;
+            assert!(debit.is_allowed(), "{label} {}", subject.name);
+            let settle = Adjustment::settle(limit, limit + 3, debit.receipt());
+            subject.adjust("owes", &set, &settle).await;
+            let free = subject.check("owes", &set, 0).await;
+            owing.push(free);
+        }
+        for (index, subject) in subjects.iter().enumerate().skip(1) {
+            assert!(
+                same(&owing[0], &owing[index]),
+                "{label}: memory {:?} vs {} {:?}",
+                owing[0],
+                subject.name,
+                owing[index]
+            );
+        }
+        if label == "ls" {
+            assert!(
+                owing[0].is_allowed(),
+                "{label}: a free request goes at once"
+            );
+            continue;
+        }
+        assert!(
+            !owing[0].is_allowed(),
+            "{label}: a request that costs nothing waits while three units are owed: {:?}",
+            owing[0]
+        );
+        assert_eq!(owing[0].statuses()[0].remaining, 0, "{label}");
+    }
+}

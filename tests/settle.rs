@@ -105,7 +105,7 @@ async fn the_response_headers_show_the_settled_charge() {
         .await
         .unwrap();
     assert_eq!(remaining(&response), 946);
-    // An actual cost above the reservation is charged as far as there is room.
+    // An actual cost above the reservation is charged.
     let response = app
         .clone()
         .oneshot(request("a", 10, Some(30), 200))
@@ -117,7 +117,11 @@ async fn the_response_headers_show_the_settled_charge() {
         .oneshot(request("a", 900, Some(5_000), 200))
         .await
         .unwrap();
-    assert_eq!(remaining(&response), 0, "never below empty");
+    assert_eq!(
+        remaining(&response),
+        0,
+        "the excess is owed; r is never below 0"
+    );
 }
 
 /// Post-paid: a reservation of 0 (nothing is stored for it) settled to what the handler
@@ -152,6 +156,61 @@ async fn a_post_paid_request_reserving_nothing_is_charged_what_it_used() {
         .await
         .unwrap();
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// Post-paid past empty: what a request used beyond what was left is owed, and the
+/// identity waits until it is paid, however little its next request reserves. Charging
+/// only as far as there was room let every request after the first exhaustion through,
+/// charged nothing: a token limit with no limit.
+#[tokio::test]
+async fn a_post_paid_excess_past_empty_is_owed() {
+    let (store, clock) = store();
+    clock.set(Duration::from_secs(10));
+    let policy = Policy::token_bucket("tokens", 1_000, Rate::per_second(100)).unwrap();
+    let app = app(store, policy, Settle::from_header("x-tokens-used"));
+    for left in [600, 200, 0] {
+        let response = app
+            .clone()
+            .oneshot(request("owes", 0, Some(400), 200))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(remaining(&response), left);
+    }
+    // 200 tokens are owed, and the next one refills 2.01 s from now at 100 a second:
+    // Retry-After is never earlier than the end of the effective window (draft-11,
+    // section 6), in whole seconds rounded up (RFC 9110, section 10.2.3).
+    let refused = app
+        .clone()
+        .oneshot(request("owes", 0, Some(400), 200))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "3");
+    clock.advance(Duration::from_secs(3));
+    let paid = app
+        .clone()
+        .oneshot(request("owes", 0, Some(0), 200))
+        .await
+        .unwrap();
+    assert_eq!(paid.status(), StatusCode::OK);
+    assert_eq!(remaining(&paid), 100);
+    // A reported cost far beyond the quota is owed up to one whole quota past what was
+    // left: one absurd number does not lock a client out for ever.
+    clock.advance(Duration::from_secs(10));
+    let absurd = app
+        .clone()
+        .oneshot(request("owes", 0, Some(u64::MAX / 2), 200))
+        .await
+        .unwrap();
+    assert_eq!(absurd.status(), StatusCode::OK);
+    let refused = app
+        .clone()
+        .oneshot(request("owes", 0, Some(0), 200))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "11");
 }
 
 #[tokio::test]

@@ -23,7 +23,8 @@ use http::request::Parts;
 /// assert_eq!(3u64.cost(&parts), 3);
 /// ```
 pub trait Cost: Send + Sync + 'static {
-    /// Units this request spends (0 spends nothing and is always admitted).
+    /// Units this request spends (0 spends nothing, and is admitted unless the identity
+    /// owes what a settle charged past empty).
     fn cost(&self, parts: &Parts) -> u64;
 }
 

@@ -313,9 +313,14 @@ fn floor(policies: &[Policy], slots: &[Slot], now: u64) -> u64 {
         .fold(now, |now, (policy, slot)| policy.params().floor(slot, now))
 }
 
-/// Debits `units` as far as the policy has room now: never below empty.
+/// Debits `units` more, past empty if need be: what a request used beyond what was left
+/// is owed, and the identity waits until a bucket has refilled it or a window has
+/// forgotten it (charging only as far as there was room made a post-paid cost free once
+/// the quota was spent). At most one whole quota past what is left now, so one absurd
+/// reported cost cannot lock an identity out for ever.
 fn charge(params: &Params, slot: &mut Slot, now: u64, units: u64) {
-    let extra = units.min(params.snapshot(slot, now).remaining);
+    let left = params.snapshot(slot, now).remaining;
+    let extra = units.min(left.saturating_add(params.limit()));
     if extra > 0 {
         params.commit(slot, now, extra);
     }

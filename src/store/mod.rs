@@ -83,8 +83,9 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// - settles the rate policies from `reserved` to `actual` units: the difference is
     ///   given back (as far as the state still holds it: a window that has ended is not
-    ///   reopened, a bucket is never filled above full) or charged (as far as the policy
-    ///   has room: a settle never takes a quota below empty);
+    ///   reopened, a bucket is never filled above full) or charged, past empty if need
+    ///   be (the excess is owed until a bucket refills it or a window forgets it; at most
+    ///   one whole quota past what is left);
     /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
     ///
     /// The default refuses with [`StoreErrorKind::Unsupported`]: the layer then logs the
@@ -159,12 +160,14 @@ pub struct Adjustment {
     left: SmallVec<[u64; 2]>,
 }
 
-/// What an [`Adjustment`] changes. Every change leaves a quota between empty and full.
+/// What an [`Adjustment`] changes. Every change leaves a quota at most full; only a
+/// settle's charge may take it past empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Change {
     /// A request that reserved `reserved` units used `actual`: the rate policies give back
-    /// the difference, or charge it as far as they have room.
+    /// the difference, or charge it, past empty if need be (at most one whole quota past
+    /// what is left).
     Settle {
         /// Units debited on admission.
         reserved: u64,

@@ -1859,12 +1859,19 @@ impl Raw {
             // how far ahead the TAT is), times the period.
             Raw::Bucket([capacity, amount, period]) | Raw::Gcra([capacity, amount, period]) => {
                 let (level, period) = (u128::from(state[0]), u128::from(period.max(1)));
-                let spare = (u128::from(capacity) * period).saturating_sub(level);
+                let full = u128::from(capacity) * period;
+                let spare = full.saturating_sub(level);
+                // Past full (what a settle left owing), until that is paid and one more
+                // unit is back.
+                let effective = match level.checked_sub(full) {
+                    Some(owed) if owed > 0 => owed + period,
+                    _ => period - spare % period,
+                };
                 (
                     u128::from(capacity),
                     spare / period,
                     ceil(level, u128::from(amount)),
-                    ceil(period - spare % period, u128::from(amount)),
+                    ceil(effective, u128::from(amount)),
                 )
             }
             // lua/leaky_shape.lua: `level` is what is queued ahead, times the period.
