@@ -235,7 +235,11 @@ where
     }
 
     fn keep_until_end(mut self, guard: BodyGuard) -> Self {
-        self.guard = Some(guard);
+        // Stacked limiters each hand over a guard: keep them all, not the last.
+        self.guard = Some(match self.guard.take() {
+            Some(held) => BodyGuard::new((held, guard)),
+            None => guard,
+        });
         self
     }
 }

@@ -129,3 +129,47 @@ async fn axum_bodies_are_not_reboxed() {
     assert_eq!(ok, "hello");
     assert_problem(&denied);
 }
+
+/// Two limiters stacked over one wrapped body (a route's limit inside a global one): each
+/// keeps its in-flight slot until the body ends. The outer limiter's guard once replaced
+/// the inner one's, which freed the inner slot when the response head left it.
+#[tokio::test]
+async fn stacked_limiters_each_keep_their_slot_until_the_body_ends() {
+    let limiter = |name: &str, limit: u64| {
+        RateLimitLayer::new(MemoryStore::new())
+            .key(HeaderKey::new("x-api-key"))
+            .policy(Policy::concurrency(name, limit).unwrap())
+    };
+    let inner = service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"hello"))))
+    });
+    let mut service =
+        limiter("global", 10).layer(limiter("route", 1).layer(WrapBodyLayer::new().layer(inner)));
+    let mut call = async || {
+        service
+            .ready()
+            .await
+            .unwrap()
+            .call(request())
+            .await
+            .unwrap()
+    };
+    let first = call().await;
+    assert_eq!(first.status(), StatusCode::OK);
+    // The first body is not read yet: the route's one slot is still taken.
+    let second = call().await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let problem: serde_json::Value =
+        serde_json::from_slice(&second.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(problem["policy"], "route", "{problem}");
+    assert_eq!(
+        first.into_body().collect().await.unwrap().to_bytes(),
+        "hello"
+    );
+    let third = call().await;
+    assert_eq!(
+        third.status(),
+        StatusCode::OK,
+        "the slot is free once the body ended"
+    );
+}
