@@ -170,8 +170,10 @@ impl ClientIp {
     ///
     /// A /64 is one site's subnet, so one host cannot spread over 2^64 keys; but a holder
     /// of a /48 still has 65,536 of them (`48` groups by site, at the price of sharing
-    /// with neighbours where providers hand out smaller blocks), and clients behind NAT64
-    /// (`64:ff9b::/96`) all share one /64, as IPv4 clients behind one NAT share an address.
+    /// with neighbours where providers hand out smaller blocks). An address of the
+    /// well-known NAT64 prefix (`64:ff9b::/96`, RFC 6052), which a stateless translator
+    /// in front of an IPv6-only server shows for each IPv4 client, is keyed as the IPv4
+    /// host it carries (`ip:192.0.2.1`), grouped by [`ipv4_prefix`](Self::ipv4_prefix).
     pub fn ipv6_prefix(mut self, bits: u8) -> Self {
         self.ipv6_prefix = bits.min(128);
         self
@@ -268,6 +270,11 @@ impl ClientIp {
     /// `group` for the rest: an IPv4 address under a shorter prefix, or an IPv6 address.
     #[inline(never)]
     fn group_by_prefix(&self, ip: IpAddr) -> Key {
+        if let IpAddr::V6(v6) = ip
+            && let Some(v4) = translated_ipv4(v6)
+        {
+            return self.group(IpAddr::V4(v4));
+        }
         Key::from_compact(match ip {
             IpAddr::V6(v6) if self.ipv6_prefix == 128 => format_compact!("ip:{v6}"),
             IpAddr::V4(v4) => match Ipv4Net::new(v4, self.ipv4_prefix) {
@@ -280,6 +287,15 @@ impl ClientIp {
             },
         })
     }
+}
+
+/// The IPv4 host behind an address of the well-known NAT64 prefix `64:ff9b::/96`
+/// (RFC 6052, section 2.1): a stateless translator in front of an IPv6-only server shows
+/// each IPv4 client so, and each is a host of its own, not one /64.
+fn translated_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let octets = v6.octets();
+    (octets[..12] == [0, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0])
+        .then(|| std::net::Ipv4Addr::new(octets[12], octets[13], octets[14], octets[15]))
 }
 
 /// The error of a request that carries no peer address: the server is set up wrong.
@@ -1240,6 +1256,26 @@ mod tests {
         );
         let v4 = ClientIp::peer().ipv4_prefix(24);
         assert_eq!(client(&v4, "192.0.2.77:1", &[]), "ip:192.0.2.0/24");
+    }
+
+    /// RFC 6052, section 2.1: `64:ff9b::/96` carries an IPv4 address in its last 32
+    /// bits. Each is an IPv4 host of its own; grouped by /64 they all shared one key, so
+    /// one IPv4 client could spend the limit of every IPv4 client of an IPv6-only server.
+    #[test]
+    fn a_translated_ipv4_client_is_keyed_as_its_ipv4_host() {
+        let ip = ClientIp::peer();
+        assert_eq!(client(&ip, "[64:ff9b::c000:201]:1", &[]), "ip:192.0.2.1");
+        assert_eq!(
+            client(&ip, "[64:ff9b::c633:6401]:1", &[]),
+            "ip:198.51.100.1"
+        );
+        let v4 = ClientIp::peer().ipv4_prefix(24);
+        assert_eq!(client(&v4, "[64:ff9b::c000:277]:1", &[]), "ip:192.0.2.0/24");
+        // Beside the prefix, an address of its own /64 as before.
+        assert_eq!(
+            client(&ip, "[64:ff9b:0:1::c000:201]:1", &[]),
+            "ip:64:ff9b:0:1::/64"
+        );
     }
 
     #[test]
