@@ -93,7 +93,8 @@ impl Bypass {
     ///
     /// # Panics
     ///
-    /// If `network` is neither a network nor an address: a programming error caught at
+    /// If `network` is neither a network nor an address, or holds every address (`0.0.0.0/0`,
+    /// `::/0`: nothing would be limited): a programming error caught at
     /// start-up. [`try_network`](Self::try_network) returns the error instead.
     pub fn network(self, network: &str) -> Self {
         self.try_network(network)
@@ -117,7 +118,13 @@ impl Bypass {
                 format!("Bypass: {network:?} is not a network (such as 10.0.0.0/8) or an address")
             })?;
         // Compared with clients in canonical form: an IPv4-mapped block is its IPv4 one.
-        self.networks.push(crate::key::canonical_net(net.trunc()));
+        let net = crate::key::canonical_net(net.trunc());
+        if net.prefix_len() == 0 {
+            return Err(format!(
+                "Bypass: {network:?} holds every address: every client would skip limiting"
+            ));
+        }
+        self.networks.push(net);
         Ok(self)
     }
 
@@ -146,12 +153,16 @@ impl Bypass {
         self
     }
 
-    /// Requests for which `predicate` is true skip (health checks, internal routes).
+    /// Requests for which `predicate` is true skip (health checks, internal routes). Each
+    /// call adds one: a request skips when any of them is true.
     pub fn when<F>(mut self, predicate: F) -> Self
     where
         F: Fn(&Parts) -> bool + Send + Sync + 'static,
     {
-        self.when = Some(Arc::new(predicate));
+        self.when = Some(match self.when.take() {
+            Some(earlier) => Arc::new(move |parts: &Parts| earlier(parts) || predicate(parts)),
+            None => Arc::new(predicate),
+        });
         self
     }
 

@@ -420,3 +420,53 @@ fn trusting_every_address_is_refused() {
     }
     assert!(ClientIp::behind_proxies(["0.0.0.0/1", "2001:db8::/32"]).is_ok());
 }
+
+/// A network of every address allowlists every client: the limiter would limit nothing.
+/// Refused with a message, as `ClientIp::behind_proxies` refuses trusting it.
+#[test]
+fn a_network_of_every_address_is_refused() {
+    for everything in ["0.0.0.0/0", "::/0", "::ffff:0:0/96"] {
+        let error = Bypass::new().try_network(everything).unwrap_err();
+        assert!(error.contains("every client"), "{everything}: {error}");
+    }
+    assert!(Bypass::new().try_network("0.0.0.0/1").is_ok());
+}
+
+/// Every predicate given counts: a second `when` once replaced the first, so health
+/// checks allowlisted first were limited once metrics were allowlisted too.
+#[tokio::test]
+async fn every_predicate_lets_its_requests_skip() {
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(|| async { "ok" }))
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(one_per_hour())
+                .key(ClientIp::peer())
+                .bypass(
+                    Bypass::new()
+                        .when(|parts| parts.uri.path() == "/healthz")
+                        .when(|parts| parts.uri.path() == "/metrics"),
+                ),
+        );
+    for path in ["/healthz", "/metrics"] {
+        for _ in 0..3 {
+            let response = app
+                .clone()
+                .oneshot(request("192.0.2.1:1", path, None))
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{path}");
+            assert!(!response.headers().contains_key("ratelimit"), "{path}");
+        }
+    }
+    let limited = |app: Router| async move {
+        app.oneshot(request("192.0.2.1:1", "/", None))
+            .await
+            .unwrap()
+            .status()
+    };
+    assert_eq!(limited(app.clone()).await, StatusCode::OK);
+    assert_eq!(limited(app).await, StatusCode::TOO_MANY_REQUESTS);
+}
