@@ -19,6 +19,8 @@
 //! use tollgate::config::{LimiterConfig, LiveLayer};
 //! use tollgate::MemoryStore;
 //!
+//! // Behind the authentication layer, which refuses unknown API keys: a client that
+//! // invents a key per request would otherwise get a fresh budget each time.
 //! let toml = r#"
 //!     key = ["header:x-api-key", "ip"]
 //!     plan_header = "x-plan"
@@ -82,8 +84,13 @@ use crate::store::Store;
 pub struct LimiterConfig {
     /// The key extractor chain: the first that finds a key names the client. Entries:
     /// `"ip"` (the client address, behind `trusted_proxies`), `"header:NAME"` (a header,
-    /// hashed: API keys and tokens; salted with `key_salt_env`), `"global"` (one budget for everyone). Default:
+    /// hashed: API keys and tokens; salted with `key_salt_env`), `"global"` (one budget
+    /// for everyone). `"ip"` and `"global"` always find a key, so they come last. Default:
     /// `["ip"]`.
+    ///
+    /// A header the client writes names a new budget for every value it sends: put such a
+    /// layer behind the authentication that refuses unknown keys, or a client that
+    /// invents a key per request is never limited.
     #[serde(default)]
     pub key: Vec<String>,
     /// The environment variable that holds a salt mixed into the hash of every
@@ -770,10 +777,15 @@ impl LimiterConfig {
         let mut chain: Option<Arc<dyn KeyExtractor>> = None;
         for (index, spec) in specs.iter().enumerate() {
             let entry = format!("key[{index}]");
-            if specs[..index].contains(&"global") {
+            // "global" always finds a key, and so does "ip": a request without an
+            // address is the server's error, not an absent key.
+            if let Some(before) = specs[..index]
+                .iter()
+                .find(|earlier| matches!(**earlier, "global" | "ip"))
+            {
                 return Err(ConfigError::new(
                     entry,
-                    "never reached: \"global\" before it always finds a key",
+                    format!("never reached: {before:?} before it always finds a key"),
                 ));
             }
             let extractor: Arc<dyn KeyExtractor> = match *spec {

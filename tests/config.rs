@@ -311,6 +311,14 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "key[1]",
             "never reached: \"global\" before it always finds a key",
         ),
+        // A client address is always found (a request without one is the server's
+        // error, not an absent key): what follows "ip" was never read.
+        (
+            "key = [\"ip\", \"header:x-api-key\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key[1]",
+            "never reached: \"ip\" before it always finds a key",
+        ),
         (
             "key = [\"ip\"]\nkey_salt_env = \"PATH\"\n".to_owned()
                 + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
