@@ -224,6 +224,33 @@ async fn per_route_costs_debit_one_bucket() {
     assert_eq!(server.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
 }
 
+/// A route axum matched by a wildcard (a tonic service merged into a router is one
+/// `/{Service}/{*rest}` route) names no method: an entry for the request's own path is
+/// its cost. It cost the default, whatever the table said.
+#[tokio::test]
+async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap())
+        .cost(
+            PerRoute::new(1)
+                .route("/greeter.Greeter/SayHello", 5)
+                .route("/greeter.Greeter/{*rest}", 2),
+        );
+    let app = Router::new()
+        .route("/greeter.Greeter/{*rest}", get(|| async { "hi" }))
+        .layer(limiter);
+    let server = Server::start(app).await;
+    let costly = server.get("/greeter.Greeter/SayHello").await;
+    assert!(
+        costly.rate().starts_with("\"api\";r=5;"),
+        "{}",
+        costly.rate()
+    );
+    // Other paths under the wildcard cost what its template costs.
+    let other = server.get("/greeter.Greeter/Wave").await;
+    assert!(other.rate().starts_with("\"api\";r=3;"), "{}", other.rate());
+}
+
 #[tokio::test]
 async fn route_layers_share_one_bucket_without_double_charging() {
     // Each route carries its own cost; the store and the policy are shared.

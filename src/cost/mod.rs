@@ -50,8 +50,17 @@ impl Cost for u64 {
 /// A cost per route, with a default for routes not listed.
 ///
 /// Routes are matched on axum's `MatchedPath` (the route template, `/users/{id}`) when
-/// there is one, else on the request path. A `HEAD` costs what a `GET` of the route
-/// costs, unless it has a cost of its own: it runs the GET handler.
+/// there is one, else on the request path. Under a wildcard template (`/files/{*path}`,
+/// or a tonic service merged into an axum router, one `/{Service}/{*rest}` route), an
+/// entry for the request's own path comes first (`/greeter.Greeter/SayHello`), then the
+/// template's. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
+/// its own: it runs the GET handler.
+///
+/// The template is the one the router that runs the layer matched: inside a router
+/// nested at `/api`, list `/api/search`. Without a router in front (a plain tower
+/// stack, or the `axum` feature off), the path is the client's, as written: list the
+/// spelling your service answers, since a path the service normalises (`/search/`,
+/// `//search`) does not match `/search` here.
 ///
 /// ```
 /// use http::{Method, Request};
@@ -93,20 +102,33 @@ impl PerRoute {
     }
 }
 
-impl Cost for PerRoute {
-    fn cost(&self, parts: &Parts) -> u64 {
-        let path = crate::key::route_path(parts);
-        let entry = |method: Option<&Method>| {
+impl PerRoute {
+    /// The cost listed for `path` and the request's method, if any.
+    fn listed(&self, path: &str, method: &Method) -> Option<u64> {
+        let entry = |wanted: Option<&Method>| {
             self.routes
                 .iter()
-                .find(|(m, route, _)| &**route == path && m.as_ref() == method)
+                .find(|(m, route, _)| &**route == path && m.as_ref() == wanted)
                 .map(|(_, _, cost)| *cost)
         };
-        entry(Some(&parts.method))
+        entry(Some(method))
             // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
             // what a GET does unless it has a cost of its own.
-            .or_else(|| (parts.method == Method::HEAD).then(|| entry(Some(&Method::GET)))?)
+            .or_else(|| (method == Method::HEAD).then(|| entry(Some(&Method::GET)))?)
             .or_else(|| entry(None))
+    }
+}
+
+impl Cost for PerRoute {
+    fn cost(&self, parts: &Parts) -> u64 {
+        let template = crate::key::route_path(parts);
+        let path = parts.uri.path();
+        // A wildcard template (a tonic service merged into a router is one
+        // `/{Service}/{*rest}` route) names no method: the request's own path first.
+        let own = (template != path && template.contains("{*"))
+            .then(|| self.listed(path, &parts.method))
+            .flatten();
+        own.or_else(|| self.listed(template, &parts.method))
             .unwrap_or(self.default)
     }
 }
