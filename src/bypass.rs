@@ -148,6 +148,12 @@ impl Bypass {
     /// Requests whose key (as the layer's key extractor gives it) is `key` skip. API keys
     /// are hashed (and salted) by their extractor: spell them as it does, with
     /// [`HeaderKey::key_for`](crate::key::HeaderKey::key_for).
+    ///
+    /// A request skips by presenting the key, before any authentication behind the
+    /// limiter: allowlist only keys that are secrets (a whole API key or credential),
+    /// never an identity anyone can name (a user id, a
+    /// [`basic_user_id`](crate::key::HeaderKey::basic_user_id) key: any password would
+    /// then skip).
     pub fn key(mut self, key: Key) -> Self {
         self.keys.insert(key);
         self

@@ -33,6 +33,13 @@ use crate::store::Store;
 /// Clones of the layer and of its services share one store, so one limit holds across
 /// every route and connection. The service does not depend on `poll_ready` back-pressure.
 ///
+/// The inner service must be `Clone + Send` with a `Send` future (an axum `Router` or
+/// handler is; wrap a `BoxService` in `tower::buffer::Buffer`, or use a
+/// `BoxCloneService`). A store that does I/O and a shaping policy wait on Tokio's
+/// timer: run them on a runtime with time enabled (`#[tokio::main]` is). An error from
+/// the inner service passes through without rate-limit headers: map errors to
+/// responses inside the limiter (`HandleErrorLayer` under it) for them to get headers.
+///
 /// ```no_run
 /// use axum::{Router, routing::get};
 /// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};

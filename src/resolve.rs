@@ -26,7 +26,10 @@ pub trait PolicyResolver: Send + Sync + 'static {
 
     /// The policy sets this resolver can answer, when they are known ahead: the layer asks
     /// its store to [validate](crate::Store::validate) each one when it is built. The
-    /// default (for closures) knows none; their sets are checked per request instead.
+    /// default (for closures) knows none: a set the store cannot decide (a limit above
+    /// what Redis counts exactly) is then met per request, as a store error of kind
+    /// `Unsupported`, logged at error level, counted, and answered by the failure mode.
+    /// A resolver of your own that lists its sets here has them refused at start-up.
     fn known_sets(&self) -> Vec<PolicySet> {
         Vec::new()
     }

@@ -58,7 +58,9 @@ where
     T: Send + Sync + 'static,
     F: Fn(&T) -> String + Send + Sync + 'static,
 {
-    /// Reads the `T` extension and names the identity `namespace:to_id(value)`.
+    /// Reads the `T` extension and names the identity `namespace:to_id(value)`. An empty
+    /// id is the server's error (500), as a missing extension is: such requests would
+    /// otherwise all share one budget.
     pub fn new(namespace: &'static str, to_id: F) -> Self {
         Self {
             namespace,
@@ -83,6 +85,45 @@ where
             return Err(KeyError::missing(KeyErrorKind::Server, reason));
         };
         let id = (self.to_id)(value);
+        if id.is_empty() {
+            return Err(empty_id(self.namespace));
+        }
         Ok(Key::new(format!("{}:{id}", self.namespace)))
+    }
+}
+
+/// An empty id names no one: all such requests would share one budget.
+#[cold]
+#[inline(never)]
+fn empty_id(namespace: &str) -> KeyError {
+    KeyError::server(format!(
+        "the {namespace} id is empty: every such request would share one budget"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use http::Request;
+
+    use super::*;
+
+    #[derive(Clone)]
+    struct User(&'static str);
+
+    /// An empty id is no identity: every such request would share one budget
+    /// (`user:`), silently. It is the server's mistake (500), like a missing extension.
+    #[test]
+    fn an_empty_id_is_the_servers_error_not_a_shared_budget() {
+        let key = ExtensionKey::new("user", |user: &User| user.0.to_owned());
+        let parts = |id| {
+            let mut request = Request::get("/").body(()).unwrap();
+            request.extensions_mut().insert(User(id));
+            request.into_parts().0
+        };
+        assert_eq!(key.extract(&parts("42")).unwrap().as_str(), "user:42");
+        let error = key.extract(&parts("")).unwrap_err();
+        assert!(!error.is_missing(), "{error}");
+        assert_eq!(error.kind(), KeyErrorKind::Server, "{error}");
+        assert!(error.to_string().contains("empty"), "{error}");
     }
 }

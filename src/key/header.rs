@@ -24,7 +24,8 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
 /// credentials differ on every request (a fresh nonce count and response), so each is a
 /// key of its own: key Digest clients by their `username` in a [`from_fn`](super::from_fn)
-/// key instead.
+/// key instead. A header HTTP/2 lets a client split over several lines (`Cookie`, RFC
+/// 9113, section 8.2.3) is then several lines, a 400: key by a cookie in a `from_fn` key.
 ///
 /// ```
 /// use http::Request;
@@ -202,7 +203,9 @@ impl HeaderKey {
     /// Pair it with a per-IP limit, and charge only failures (with
     /// `Settle::reserved()` and `refund_if` on every
     /// status but `401`). Never where the user-id is fixed and the password is a token
-    /// (`api:<key>`, `x-access-token:<token>`): every client would share one bucket.
+    /// (`api:<key>`, `x-access-token:<token>`): every client would share one bucket. Never
+    /// for a [`Bypass::key`](crate::bypass::Bypass::key) either: the key is the user-id, so
+    /// any password would skip limiting, guesses at that account's password included.
     ///
     /// ```
     /// use http::Request;

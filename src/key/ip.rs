@@ -103,6 +103,11 @@ impl Default for ClientIp {
 
 impl ClientIp {
     /// The socket peer's address; forwarding headers are ignored.
+    ///
+    /// The peer is read from axum's `ConnectInfo<SocketAddr>` first, then tonic's
+    /// connection info, then a `SocketAddr` extension: middleware that learns the real
+    /// client (the PROXY protocol) must replace `ConnectInfo`, not add a `SocketAddr`
+    /// beside it.
     pub fn peer() -> Self {
         Self {
             trusted: Vec::new(),

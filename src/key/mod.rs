@@ -4,7 +4,13 @@
 //! Ready extractors: [`ClientIp`] (socket peer, or behind trusted proxies), [`HeaderKey`]
 //! (an API key or token, hashed), [`ExtensionKey`] (a user id set by auth middleware),
 //! [`Route`], [`Global`], tuples of extractors (compound keys), [`KeyExtractorExt::or`]
-//! (first that succeeds) and [`from_fn`] (a closure).
+//! (the first that finds a key: only an absent key falls through, see below) and
+//! [`from_fn`] (a closure).
+//!
+//! Only [`HeaderKey`] hashes what it reads. Other extractors store their identity as
+//! written: in store keys and debug events (an [`ExtensionKey`] of an e-mail address
+//! puts the address there; map it to an account id), and [`Route`] on a path without a
+//! router's template puts the raw path there (a token in a path included).
 //!
 //! Extractors see the request's head only ([`http::request::Parts`]), never its body, and
 //! know nothing of stores.

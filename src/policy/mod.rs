@@ -618,7 +618,8 @@ impl Policy {
     /// (client gone, handler panicked, timed out). On Redis a slot whose holder died
     /// expires after [`DEFAULT_LEASE`]; see [`Policy::concurrency_with_lease`]. A request
     /// whose cost is 0 takes no slot: a cost function that prices some requests at 0
-    /// exempts them from the limit.
+    /// exempts them from the limit. Where the client chooses its cost (an empty body under
+    /// `cost::ContentLength`), give this policy a layer of its own with the constant cost 1.
     ///
     /// Advertised as `qu="concurrent-requests"`, with no window. A denied request is told
     /// to retry after one second: when a slot frees depends on other requests.
