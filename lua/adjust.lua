@@ -3,7 +3,7 @@
 -- request's cost for a release), then an amount, the time of the debit in microseconds
 -- (-1: any time, newest debits first) and the mode:
 --   0 settle: rate policies give back `reserved - amount` or charge the excess, past
---     empty if need be (at most one quota past what is left);
+--     empty if need be (never to more than one whole quota owed);
 --   1 release: in-flight policies free this request's slot;
 --   2 grant: rate policies give back `amount` units;
 --   3 set: rate policies are set to `amount` units left (at most their quota).
@@ -24,10 +24,10 @@ for units in string.gmatch(ARGV[tail + 5] or '', '%d+') do left[#left + 1] = ton
 local reserved = cost
 
 -- Takes `units` more, past empty if need be (the excess is owed: the key waits until it
--- is paid), but at most one whole quota past what is left now.
+-- is paid), but never to more than one whole quota owed.
 local function charge(algorithm, p, s, units)
-  local limit, remaining = algorithm.snapshot(p, s)
-  local extra = min(units, remaining + limit)
+  local limit, remaining, _, _, owed = algorithm.snapshot(p, s)
+  local extra = min(units, remaining + max(limit - owed, 0))
   if extra > 0 then
     cost = extra
     algorithm.commit(p, s)
@@ -60,10 +60,11 @@ for i = 1, count do
   elseif mode == '2' then
     algorithm.refund(p, s, amount, -1)
   elseif mode == '3' then
-    local limit, remaining = algorithm.snapshot(p, s)
+    local limit, remaining, _, _, owed = algorithm.snapshot(p, s)
     local target = min(amount, limit)
     if target > remaining then
-      algorithm.refund(p, s, target - remaining, -1)
+      -- What is owed is forgiven too: the level is set, not credited.
+      algorithm.refund(p, s, target - remaining + owed, -1)
     elseif remaining > target then
       charge(algorithm, p, s, remaining - target)
     end

@@ -65,7 +65,7 @@ end
 
 local function snapshot(p, s)
   local reset = max(s.finish - now, 0)
-  return p[1], max(p[1] - s.count, 0), reset, reset
+  return p[1], max(p[1] - s.count, 0), reset, reset, max(s.count - p[1], 0)
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

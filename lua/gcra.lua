@@ -64,8 +64,12 @@ local function snapshot(p, s)
   -- Effective window: until the next emission interval has passed (past the tolerance,
   -- once what a settle left owing is paid too).
   local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
-  if s.ahead > tolerance then effective = cdiv(s.ahead - tolerance + p[3], p[2]) end
-  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), effective
+  local owed = 0
+  if s.ahead > tolerance then
+    effective = cdiv(s.ahead - tolerance + p[3], p[2])
+    owed = cdiv(s.ahead - tolerance, p[3])
+  end
+  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), effective, owed
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

@@ -44,7 +44,7 @@ local function refund(p, s, units, at)
 end
 
 local function snapshot(p, s)
-  return p[1], max(p[1] - s.count, 0), 0, 0
+  return p[1], max(p[1] - s.count, 0), 0, 0, 0
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

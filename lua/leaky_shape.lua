@@ -33,7 +33,9 @@ local function snapshot(p, s)
   if s.level <= threshold then remaining = idiv(threshold - s.level, p[3]) + 1 end
   -- Effective window: until one more unit could queue after `remaining` did.
   local effective = cdiv(s.level + remaining * p[3] - threshold, p[2])
-  return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective
+  local owed = 0
+  if s.level > threshold then owed = cdiv(s.level - threshold, p[3]) end
+  return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective, owed
 end
 
 -- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):

@@ -250,7 +250,7 @@ local function snapshot(p, s)
   -- Effective window: until the oldest counted entry leaves (a whole window when empty).
   local effective = p[2]
   if s.oldest ~= nil then effective = max(s.oldest + p[2] - now, 1) end
-  return p[1], max(p[1] - s.total, 0), reset, effective
+  return p[1], max(p[1] - s.total, 0), reset, effective, max(s.total - p[1], 0)
 end
 
 -- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):

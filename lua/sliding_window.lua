@@ -129,7 +129,7 @@ local function snapshot(p, s)
   local remaining = max(p[1] - s.estimate, 0)
   local effective = 0
   if s.estimate + remaining + 1 > p[1] then effective = wait_for(p, s, 1, remaining) end
-  return p[1], remaining, reset, effective
+  return p[1], remaining, reset, effective, max(s.estimate - p[1], 0)
 end
 
 -- One plain policy of one sub-window (main.lua's fast path, with the policy's arguments as

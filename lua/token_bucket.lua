@@ -27,8 +27,12 @@ local function snapshot(p, s)
   -- Effective window: until the token being refilled now is whole (past empty, once what
   -- a settle left owing is paid too).
   local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
-  if s.level > full then effective = cdiv(s.level - full + p[3], p[2]) end
-  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), effective
+  local owed = 0
+  if s.level > full then
+    effective = cdiv(s.level - full + p[3], p[2])
+    owed = cdiv(s.level - full, p[3])
+  end
+  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), effective, owed
 end
 
 -- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):

@@ -680,8 +680,8 @@ impl LimiterConfig {
             ))
         };
         fits("costs.default", self.costs.default)?;
-        // A request that costs nothing is admitted without a look (and takes no in-flight
-        // slot): with no route costing more, nothing is limited.
+        // A request that costs nothing spends nothing (and takes no in-flight slot): with
+        // no route costing more, nothing is limited.
         if self.costs.default == 0 && self.costs.routes.values().all(|units| *units == 0) {
             return Err(ConfigError::new(
                 "costs.default",

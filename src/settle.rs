@@ -35,8 +35,13 @@
 //!
 //! **What is exact.** A settle gives back only what the state still holds: a fixed or
 //! sliding window that has moved on is not reopened, a bucket is never filled above full.
-//! An actual cost above the reservation is charged only as far as the policy has room, so
-//! a settle never takes a quota below empty: reserve the most a request can cost.
+//! An actual cost above the reservation is charged in full, past empty if need be: the
+//! excess is owed, and the identity's next requests (those reserving nothing included)
+//! wait until a bucket has refilled it or a window has forgotten it. An identity never
+//! owes more than one whole quota, however many settles land at once: where one request
+//! can cost more than that, reserve a bound (or cap what the handler may spend), or the
+//! policy limits requests rather than units. With [`Leased`](crate::store::Leased)
+//! blocks, units already leased on other replicas are spent while the identity owes.
 
 use std::fmt;
 use std::sync::Arc;

@@ -2080,3 +2080,73 @@ async fn a_settle_past_empty_is_owed_on_every_store() {
         assert_eq!(owing[0].statuses()[0].remaining, 0, "{label}");
     }
 }
+
+/// Settles that land together owe at most one whole quota: an identity is never locked
+/// out for longer than one quota takes to come back, however many requests were in
+/// flight (and a Redis state stays within what its scripts count exactly); and
+/// `set_remaining` while owing sets the level, forgiving what is owed. On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
+    let backends = Backends::start().await;
+    for (index, policy) in every_algorithm().into_iter().enumerate() {
+        let label = policy.name().to_owned();
+        let limit = policy.limit();
+        let set = PolicySet::from(policy);
+        let subjects = backends.subjects(&format!("owes-once-{index}"));
+        let mut after_two = Vec::new();
+        let mut after_three = Vec::new();
+        let mut set_to_two = Vec::new();
+        for subject in &subjects {
+            subject.clock.set(Duration::from_secs(1));
+            // Three requests in flight at once, each of which used three quotas.
+            let first = subject.check("many", &set, limit).await;
+            let second = subject.check("many", &set, 0).await;
+            let third = subject.check("many", &set, 0).await;
+            assert!(first.is_allowed() && second.is_allowed() && third.is_allowed());
+            for (reserved, debit) in [(limit, &first), (0, &second)] {
+                let settle = Adjustment::settle(reserved, 3 * limit, debit.receipt());
+                subject.adjust("many", &set, &settle).await;
+            }
+            after_two.push(subject.check("many", &set, 0).await);
+            let settle = Adjustment::settle(0, 3 * limit, third.receipt());
+            subject.adjust("many", &set, &settle).await;
+            after_three.push(subject.check("many", &set, 0).await);
+            let level = subject
+                .adjust("many", &set, &Adjustment::set_remaining(2))
+                .await;
+            set_to_two.push(level);
+        }
+        for (index, subject) in subjects.iter().enumerate() {
+            for (what, decisions) in [
+                ("after two settles", &after_two),
+                ("after three", &after_three),
+                ("set to 2", &set_to_two),
+            ] {
+                assert!(
+                    same(&decisions[0], &decisions[index]),
+                    "{label} {what}: memory {:?} vs {} {:?}",
+                    decisions[0],
+                    subject.name,
+                    decisions[index]
+                );
+            }
+            assert!(
+                same(&after_two[index], &after_three[index]),
+                "{label} {}: one quota owed already, the third settle owes nothing more: \
+                 {:?} then {:?}",
+                subject.name,
+                after_two[index],
+                after_three[index]
+            );
+        }
+        if label == "ls" {
+            continue;
+        }
+        assert!(!after_three[0].is_allowed(), "{label}: owing");
+        assert_eq!(
+            set_to_two[0].statuses()[0].remaining,
+            2,
+            "{label}: set_remaining sets the level, what was owed included"
+        );
+    }
+}

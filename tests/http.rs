@@ -249,6 +249,28 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     // Other paths under the wildcard cost what its template costs.
     let other = server.get("/greeter.Greeter/Wave").await;
     assert!(other.rate().starts_with("\"api\";r=3;"), "{}", other.rate());
+
+    // Nested, the layer sees the whole template (`/api/{*rest}`) but the path with the
+    // prefix taken off (`/health`): that path is no request's own, and must not be
+    // looked up, or `/api/health` would cost what a top-level `/health` costs.
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap())
+        .cost(
+            PerRoute::new(1)
+                .route("/health", 0)
+                .route("/api/{*rest}", 5),
+        );
+    let inner = Router::new()
+        .route("/{*rest}", get(|| async { "nested" }))
+        .layer(limiter);
+    let server = Server::start(Router::new().nest("/api", inner)).await;
+    let nested = server.get("/api/health").await;
+    assert_eq!(nested.body, "nested");
+    assert!(
+        nested.rate().starts_with("\"api\";r=5;"),
+        "{}",
+        nested.rate()
+    );
 }
 
 #[tokio::test]

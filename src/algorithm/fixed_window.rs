@@ -107,6 +107,12 @@ impl FixedWindow {
         (now - now % self.window).saturating_add(self.window) - now
     }
 
+    /// Units counted past the limit (a settle charged past empty).
+    #[inline]
+    pub fn owed(&self, state: &WindowState, _now: u64) -> u64 {
+        state.count.saturating_sub(self.limit)
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &WindowState, now: u64) -> Snapshot {

@@ -121,6 +121,15 @@ impl Gcra {
         }
     }
 
+    /// Units owed (a settle charged past the burst), rounded up.
+    #[inline]
+    pub fn owed(&self, state: &GcraState, now: u64) -> u64 {
+        let scaled_now = self.scaled(now);
+        (state.tat.get().max(scaled_now) - scaled_now)
+            .checked_sub(self.tolerance())
+            .map_or(0, |over| nanos(div_ceil(over, u128::from(self.period))))
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &GcraState, now: u64) -> Snapshot {

@@ -82,6 +82,12 @@ impl InFlight {
         0
     }
 
+    /// Nothing: slots are never charged past the limit.
+    #[inline]
+    pub fn owed(&self, _state: &InFlightState, _now: u64) -> u64 {
+        0
+    }
+
     /// The free slots. A key holding slots is fresh one lease past now, as Redis keeps a
     /// slot; the in-process store also keeps a key while any of its slots is held
     /// (`Slot::holds_in_flight`), since its requests always give their slots back.

@@ -120,6 +120,16 @@ impl LeakyShape {
         }
     }
 
+    /// Units queued past what is admitted (a settle charged past the bound), rounded up.
+    #[inline]
+    pub fn owed(&self, state: &BucketState, _now: u64) -> u64 {
+        state
+            .level
+            .get()
+            .checked_sub(self.threshold())
+            .map_or(0, |over| nanos(div_ceil(over, u128::from(self.period))))
+    }
+
     /// What a client sees now: unit requests that may still queue, time until empty.
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {

@@ -575,6 +575,13 @@ impl Params {
         dispatch!(self, state, effective_window(now, remaining), 0)
     }
 
+    /// Units owed now: how far past empty a settle charged `state` (0 when it is not).
+    #[inline]
+    pub(crate) fn owed(&self, state: &Slot, now: u64) -> u64 {
+        dispatch!(self, state, owed(now), 0)
+    }
+
+    /// What a client sees of `state` now.
     #[inline]
     pub(crate) fn snapshot(&self, state: &Slot, now: u64) -> Snapshot {
         dispatch!(

@@ -179,6 +179,12 @@ impl SlidingLog {
         })
     }
 
+    /// Units logged past the limit (a settle charged past empty).
+    #[inline]
+    pub fn owed(&self, state: &LogState, _now: u64) -> u64 {
+        state.total.saturating_sub(self.limit)
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &LogState, now: u64) -> Snapshot {

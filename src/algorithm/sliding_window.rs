@@ -326,6 +326,12 @@ impl SlidingWindow {
             .max(1)
     }
 
+    /// Units counted past the limit (a settle charged past empty).
+    #[inline]
+    pub fn owed<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64) -> u64 {
+        self.estimate(state, now).saturating_sub(self.limit)
+    }
+
     /// What a client sees now.
     #[inline]
     pub fn snapshot<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64) -> Snapshot {

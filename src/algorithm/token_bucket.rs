@@ -140,6 +140,17 @@ impl TokenBucket {
         }
     }
 
+    /// Tokens owed (a settle charged past empty), rounded up: what must refill before
+    /// the bucket holds nothing again.
+    #[inline]
+    pub fn owed(&self, state: &BucketState, _now: u64) -> u64 {
+        state
+            .level
+            .get()
+            .checked_sub(self.full())
+            .map_or(0, |over| nanos(div_ceil(over, u128::from(self.period))))
+    }
+
     /// What a client sees now: whole tokens left, and the time until the bucket is full.
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {

@@ -124,10 +124,15 @@ impl Cost for PerRoute {
         let template = crate::key::route_path(parts);
         let path = parts.uri.path();
         // A wildcard template (a tonic service merged into a router is one
-        // `/{Service}/{*rest}` route) names no method: the request's own path first.
-        let own = (template != path && template.contains("{*"))
-            .then(|| self.listed(path, &parts.method))
-            .flatten();
+        // `/{Service}/{*rest}` route) names no method: the request's own path first. Only
+        // a path the template's literal start leads: inside a nested router the path has
+        // its prefix taken off, and is then no request's own.
+        let wildcard = template != path
+            && template.contains("{*")
+            && template
+                .split_once('{')
+                .is_some_and(|(start, _)| path.starts_with(start));
+        let own = wildcard.then(|| self.listed(path, &parts.method)).flatten();
         own.or_else(|| self.listed(template, &parts.method))
             .unwrap_or(self.default)
     }

@@ -59,8 +59,9 @@ where
     F: Fn(&T) -> String + Send + Sync + 'static,
 {
     /// Reads the `T` extension and names the identity `namespace:to_id(value)`. An empty
-    /// id is the server's error (500), as a missing extension is: such requests would
-    /// otherwise all share one budget.
+    /// id is absent, as a missing extension is (an [`or`](super::KeyExtractorExt::or)
+    /// fallback keys the request, else it is the server's error, a 500): such requests
+    /// would otherwise all share one budget.
     pub fn new(namespace: &'static str, to_id: F) -> Self {
         Self {
             namespace,
@@ -96,9 +97,10 @@ where
 #[cold]
 #[inline(never)]
 fn empty_id(namespace: &str) -> KeyError {
-    KeyError::server(format!(
-        "the {namespace} id is empty: every such request would share one budget"
-    ))
+    KeyError::missing(
+        KeyErrorKind::Server,
+        format!("the {namespace} id is empty: every such request would share one budget"),
+    )
 }
 
 #[cfg(test)]
@@ -111,7 +113,8 @@ mod tests {
     struct User(&'static str);
 
     /// An empty id is no identity: every such request would share one budget
-    /// (`user:`), silently. It is the server's mistake (500), like a missing extension.
+    /// (`user:`), silently. It is absent, as a missing extension is: a fallback
+    /// (`.or(ClientIp::peer())`) keys it, else it is the server's mistake (500).
     #[test]
     fn an_empty_id_is_the_servers_error_not_a_shared_budget() {
         let key = ExtensionKey::new("user", |user: &User| user.0.to_owned());
@@ -122,7 +125,7 @@ mod tests {
         };
         assert_eq!(key.extract(&parts("42")).unwrap().as_str(), "user:42");
         let error = key.extract(&parts("")).unwrap_err();
-        assert!(!error.is_missing(), "{error}");
+        assert!(error.is_missing(), "{error}");
         assert_eq!(error.kind(), KeyErrorKind::Server, "{error}");
         assert!(error.to_string().contains("empty"), "{error}");
     }

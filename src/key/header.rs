@@ -204,7 +204,7 @@ impl HeaderKey {
     /// `Settle::reserved()` and `refund_if` on every
     /// status but `401`). Never where the user-id is fixed and the password is a token
     /// (`api:<key>`, `x-access-token:<token>`): every client would share one bucket. Never
-    /// for a [`Bypass::key`](crate::bypass::Bypass::key) either: the key is the user-id, so
+    /// for a bypass key (`Bypass::key`) either: the key is the user-id, so
     /// any password would skip limiting, guesses at that account's password included.
     ///
     /// ```

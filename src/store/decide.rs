@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 
 use crate::algorithm::{ANY_TIME, Params, Slot, Verdict};
 use crate::decision::{Decision, Outcome, PolicyStatus};
-use crate::policy::Policy;
+use crate::policy::{MAX_LIMIT, Policy};
 use crate::store::{Adjustment, Change};
 
 /// Decides `cost` units against every policy, all-or-nothing.
@@ -198,6 +198,8 @@ pub(crate) fn adjust(
             // The other changes are about rates: slots are taken and freed by requests.
             _ if params.is_in_flight() => {}
             Change::Settle { reserved, actual } => {
+                // As Redis is sent it: a cost no policy admits is as good as any larger.
+                let actual = actual.min(MAX_LIMIT + 1);
                 if actual < reserved {
                     params.refund(slot, now, reserved - actual, at, debit_left);
                 } else {
@@ -209,7 +211,9 @@ pub(crate) fn adjust(
                 let target = remaining.min(params.limit());
                 let left = params.snapshot(slot, now).remaining;
                 if target > left {
-                    params.refund(slot, now, target - left, ANY_TIME, None);
+                    // What is owed is forgiven too: the level is set, not credited.
+                    let owed = params.owed(slot, now);
+                    params.refund(slot, now, target - left + owed, ANY_TIME, None);
                 } else {
                     charge(params, slot, now, left - target);
                 }
@@ -316,11 +320,13 @@ fn floor(policies: &[Policy], slots: &[Slot], now: u64) -> u64 {
 /// Debits `units` more, past empty if need be: what a request used beyond what was left
 /// is owed, and the identity waits until a bucket has refilled it or a window has
 /// forgotten it (charging only as far as there was room made a post-paid cost free once
-/// the quota was spent). At most one whole quota past what is left now, so one absurd
-/// reported cost cannot lock an identity out for ever.
+/// the quota was spent). An identity never owes more than one whole quota, however many
+/// settles land at once, so absurd reported costs cannot lock it out for ever (and a
+/// Redis state stays within what its scripts count exactly).
 fn charge(params: &Params, slot: &mut Slot, now: u64, units: u64) {
     let left = params.snapshot(slot, now).remaining;
-    let extra = units.min(left.saturating_add(params.limit()));
+    let room = params.limit().saturating_sub(params.owed(slot, now));
+    let extra = units.min(left.saturating_add(room));
     if extra > 0 {
         params.commit(slot, now, extra);
     }

@@ -181,13 +181,14 @@ pub enum Change {
         cost: u64,
     },
     /// Gives the key `units` back under every rate policy, newest debits first, up to a
-    /// full quota.
+    /// full quota (what a settle left owing is paid first).
     Grant {
         /// Units to give back.
         units: u64,
     },
     /// Sets every rate policy of the key to `remaining` units left now (at most its
-    /// quota), giving back or charging the difference.
+    /// quota), giving back or charging the difference; what a settle left owing is
+    /// forgiven.
     SetRemaining {
         /// Units left after the change.
         remaining: u64,

@@ -287,9 +287,9 @@ impl GraphqlCost {
     }
 
     /// The least each root field of an operation costs (default 1): leaves cost nothing,
-    /// and a cost of 0 is always admitted, so a query of scalar fields alone would
-    /// otherwise run unlimited, and a root field is a resolver call whatever it returns
-    /// (each alias one more). An operation costs at least this times its root fields;
+    /// and a cost of 0 spends nothing, so a query of scalar fields alone would otherwise
+    /// run unlimited, and a root field is a resolver call whatever it returns (each alias
+    /// one more). An operation costs at least this times its root fields;
     /// each operation of a batch on its own.
     ///
     /// ```
