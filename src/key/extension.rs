@@ -116,7 +116,7 @@ mod tests {
     /// (`user:`), silently. It is absent, as a missing extension is: a fallback
     /// (`.or(ClientIp::peer())`) keys it, else it is the server's mistake (500).
     #[test]
-    fn an_empty_id_is_the_servers_error_not_a_shared_budget() {
+    fn an_empty_id_is_absent_not_a_shared_budget() {
         let key = ExtensionKey::new("user", |user: &User| user.0.to_owned());
         let parts = |id| {
             let mut request = Request::get("/").body(()).unwrap();
