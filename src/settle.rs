@@ -40,7 +40,7 @@
 //! wait until a bucket has refilled it or a window has forgotten it. An identity never
 //! owes more than one whole quota, however many settles land at once: where one request
 //! can cost more than that, reserve a bound (or cap what the handler may spend), or the
-//! policy limits requests rather than units. With [`Leased`](crate::store::Leased)
+//! policy limits requests rather than units. With `store::Leased`
 //! blocks, units already leased on other replicas are spent while the identity owes.
 
 use std::fmt;
