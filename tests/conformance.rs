@@ -1235,7 +1235,8 @@ async fn every_store_settles_alike() {
             &backends,
             &format!("settle-{name}"),
             &PolicySet::from(policy),
-            &settle_trace(5, 80, 5_000),
+            // Long enough that every policy settles some refunds, owing as it goes.
+            &settle_trace(5, 160, 5_000),
         )
         .await;
     }
