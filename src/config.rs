@@ -132,7 +132,8 @@ pub struct LimiterConfig {
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).
     #[serde(default)]
     pub shadow: bool,
-    /// Lists shadow policies in the headers ([`RateLimitLayer::shadow_headers`]).
+    /// Lists shadow policies in the headers ([`RateLimitLayer::shadow_headers`]). Refused
+    /// when nothing is in shadow (no shadow policy, and `shadow` is false).
     #[serde(default)]
     pub shadow_headers: bool,
     /// `"draft-11"` (default), `"draft-6"`, `"legacy"` or `"none"`.
@@ -847,6 +848,15 @@ impl LimiterConfig {
             }
             (Some(share), None) => Some(share),
         };
+        // Settings that look in force must be: shadow headers show shadow policies (or a
+        // shadow layer's numbers), and there are none.
+        if self.shadow_headers && !self.shadow && !self.policies.iter().any(|p| p.shadow) {
+            return Err(ConfigError::new(
+                "shadow_headers",
+                "nothing is in shadow (no policy has shadow = true, and shadow is false): \
+                 there are no shadow numbers to show",
+            ));
+        }
         let headers = match self.headers.as_deref() {
             None | Some("draft-11") => HeaderStyle::Draft11,
             Some("draft-6") => HeaderStyle::Draft6,

@@ -311,6 +311,13 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "key[1]",
             "never reached: \"global\" before it always finds a key",
         ),
+        // Nothing is in shadow: a setting that looks in force would do nothing.
+        (
+            "shadow_headers = true\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "shadow_headers",
+            "nothing is in shadow",
+        ),
         // A client address is always found (a request without one is the server's
         // error, not an absent key): what follows "ip" was never read.
         (
