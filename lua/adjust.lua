@@ -62,7 +62,7 @@ for i = 1, count do
   elseif mode == '3' then
     local limit, remaining, _, _, owed = algorithm.snapshot(p, s)
     local target = min(amount, limit)
-    if target > remaining then
+    if target > remaining or owed > 0 then
       -- What is owed is forgiven too: the level is set, not credited.
       algorithm.refund(p, s, target - remaining + owed, -1)
     elseif remaining > target then

@@ -34,7 +34,8 @@ local function snapshot(p, s)
   -- Effective window: until one more unit could queue after `remaining` did.
   local effective = cdiv(s.level + remaining * p[3] - threshold, p[2])
   local owed = 0
-  if s.level > threshold then owed = cdiv(s.level - threshold, p[3]) end
+  -- Up to one unit past the threshold owes nothing: the last unit admitted puts it there.
+  if s.level > threshold + p[3] then owed = cdiv(s.level - threshold - p[3], p[3]) end
   return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective, owed
 end
 

@@ -2097,6 +2097,7 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
         let mut after_two = Vec::new();
         let mut after_three = Vec::new();
         let mut set_to_two = Vec::new();
+        let mut set_to_zero = Vec::new();
         for subject in &subjects {
             subject.clock.set(Duration::from_secs(1));
             // Three requests in flight at once, each of which used three quotas.
@@ -2116,12 +2117,21 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
                 .adjust("many", &set, &Adjustment::set_remaining(2))
                 .await;
             set_to_two.push(level);
+            // Set to nothing left: what was owed is forgiven too.
+            let debit = subject.check("zero", &set, limit).await;
+            let settle = Adjustment::settle(limit, 3 * limit, debit.receipt());
+            subject.adjust("zero", &set, &settle).await;
+            subject
+                .adjust("zero", &set, &Adjustment::set_remaining(0))
+                .await;
+            set_to_zero.push(subject.check("zero", &set, 0).await);
         }
         for (index, subject) in subjects.iter().enumerate() {
             for (what, decisions) in [
                 ("after two settles", &after_two),
                 ("after three", &after_three),
                 ("set to 2", &set_to_two),
+                ("set to 0", &set_to_zero),
             ] {
                 assert!(
                     same(&decisions[0], &decisions[index]),
@@ -2140,14 +2150,20 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
                 after_three[index]
             );
         }
-        if label == "ls" {
-            continue;
-        }
-        assert!(!after_three[0].is_allowed(), "{label}: owing");
         assert_eq!(
             set_to_two[0].statuses()[0].remaining,
             2,
             "{label}: set_remaining sets the level, what was owed included"
         );
+        assert!(
+            set_to_zero[0].is_allowed(),
+            "{label}: set to 0, nothing is owed: a request that costs nothing goes"
+        );
+        assert_eq!(set_to_zero[0].statuses()[0].remaining, 0, "{label}");
+        if label == "ls" {
+            // A request that costs nothing queues nothing, owed or not.
+            continue;
+        }
+        assert!(!after_three[0].is_allowed(), "{label}: owing");
     }
 }

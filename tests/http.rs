@@ -250,15 +250,16 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     let other = server.get("/greeter.Greeter/Wave").await;
     assert!(other.rate().starts_with("\"api\";r=3;"), "{}", other.rate());
 
-    // Nested, the layer sees the whole template (`/api/{*rest}`) but the path with the
-    // prefix taken off (`/health`): that path is no request's own, and must not be
-    // looked up, or `/api/health` would cost what a top-level `/health` costs.
+    // Nested, the layer sees the whole template (`/api/{*rest}`) and a URI with the
+    // prefix taken off (`/health`): the path looked up is the whole one, or `/api/health`
+    // would cost what a top-level `/health` costs, and `/api/special` would never match.
     let limiter = RateLimitLayer::new(MemoryStore::new())
         .policy(Policy::token_bucket("api", 10, Rate::per_hour(1)).unwrap())
         .cost(
             PerRoute::new(1)
                 .route("/health", 0)
-                .route("/api/{*rest}", 5),
+                .route("/api/special", 2)
+                .route("/api/{*rest}", 3),
         );
     let inner = Router::new()
         .route("/{*rest}", get(|| async { "nested" }))
@@ -267,9 +268,22 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     let nested = server.get("/api/health").await;
     assert_eq!(nested.body, "nested");
     assert!(
-        nested.rate().starts_with("\"api\";r=5;"),
+        nested.rate().starts_with("\"api\";r=7;"),
         "{}",
         nested.rate()
+    );
+    let special = server.get("/api/special").await;
+    assert!(
+        special.rate().starts_with("\"api\";r=5;"),
+        "{}",
+        special.rate()
+    );
+    // Stripped to `/api/special`, a path listed whole: still the template's cost.
+    let doubled = server.get("/api/api/special").await;
+    assert!(
+        doubled.rate().starts_with("\"api\";r=2;"),
+        "{}",
+        doubled.rate()
     );
 }
 

@@ -121,13 +121,16 @@ impl LeakyShape {
     }
 
     /// Units queued past what is admitted (a settle charged past the bound), rounded up.
+    /// A level up to one unit past the threshold owes nothing: the last unit admitted
+    /// (at the threshold) puts it there.
     #[inline]
     pub fn owed(&self, state: &BucketState, _now: u64) -> u64 {
+        let period = u128::from(self.period);
         state
             .level
             .get()
-            .checked_sub(self.threshold())
-            .map_or(0, |over| nanos(div_ceil(over, u128::from(self.period))))
+            .checked_sub(self.threshold() + period)
+            .map_or(0, |over| nanos(div_ceil(over, period)))
     }
 
     /// What a client sees now: unit requests that may still queue, time until empty.

@@ -57,7 +57,8 @@ impl Cost for u64 {
 /// its own: it runs the GET handler.
 ///
 /// The template is the one the router that runs the layer matched: inside a router
-/// nested at `/api`, list `/api/search`. Without a router in front (a plain tower
+/// nested at `/api`, list `/api/search` (the path is the whole one too: axum's
+/// `OriginalUri`). Without a router in front (a plain tower
 /// stack, or the `axum` feature off), the path is the client's, as written: list the
 /// spelling your service answers, since a path the service normalises (`/search/`,
 /// `//search`) does not match `/search` here.
@@ -122,11 +123,11 @@ impl PerRoute {
 impl Cost for PerRoute {
     fn cost(&self, parts: &Parts) -> u64 {
         let template = crate::key::route_path(parts);
-        let path = parts.uri.path();
+        // Whole, as the template is (a nested router's URI has its prefix taken off).
+        let path = crate::key::original_path(parts);
         // A wildcard template (a tonic service merged into a router is one
-        // `/{Service}/{*rest}` route) names no method: the request's own path first. Only
-        // a path the template's literal start leads: inside a nested router the path has
-        // its prefix taken off, and is then no request's own.
+        // `/{Service}/{*rest}` route) names no method: the request's own path first, when
+        // the template's literal start leads it.
         let wildcard = template != path
             && template.contains("{*")
             && template

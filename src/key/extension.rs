@@ -59,9 +59,9 @@ where
     F: Fn(&T) -> String + Send + Sync + 'static,
 {
     /// Reads the `T` extension and names the identity `namespace:to_id(value)`. An empty
-    /// id is absent, as a missing extension is (an [`or`](super::KeyExtractorExt::or)
-    /// fallback keys the request, else it is the server's error, a 500): such requests
-    /// would otherwise all share one budget.
+    /// id is the server's error (500), which no [`or`](super::KeyExtractorExt::or)
+    /// fallback or `MissingKey::Allow` passes over: such requests would otherwise all
+    /// share one budget (an auth layer that knows no user should insert no extension).
     pub fn new(namespace: &'static str, to_id: F) -> Self {
         Self {
             namespace,
@@ -97,10 +97,9 @@ where
 #[cold]
 #[inline(never)]
 fn empty_id(namespace: &str) -> KeyError {
-    KeyError::missing(
-        KeyErrorKind::Server,
-        format!("the {namespace} id is empty: every such request would share one budget"),
-    )
+    KeyError::server(format!(
+        "the {namespace} id is empty: every such request would share one budget"
+    ))
 }
 
 #[cfg(test)]
@@ -113,10 +112,10 @@ mod tests {
     struct User(&'static str);
 
     /// An empty id is no identity: every such request would share one budget
-    /// (`user:`), silently. It is absent, as a missing extension is: a fallback
-    /// (`.or(ClientIp::peer())`) keys it, else it is the server's mistake (500).
+    /// (`user:`), silently. It is the server's mistake (500): not an absent key, which an
+    /// `or` fallback or `MissingKey::Allow` would let spend another budget, or none.
     #[test]
-    fn an_empty_id_is_absent_not_a_shared_budget() {
+    fn an_empty_id_is_the_servers_error_not_a_shared_budget() {
         let key = ExtensionKey::new("user", |user: &User| user.0.to_owned());
         let parts = |id| {
             let mut request = Request::get("/").body(()).unwrap();
@@ -125,7 +124,7 @@ mod tests {
         };
         assert_eq!(key.extract(&parts("42")).unwrap().as_str(), "user:42");
         let error = key.extract(&parts("")).unwrap_err();
-        assert!(error.is_missing(), "{error}");
+        assert!(!error.is_missing(), "{error}");
         assert_eq!(error.kind(), KeyErrorKind::Server, "{error}");
         assert!(error.to_string().contains("empty"), "{error}");
     }

@@ -375,6 +375,16 @@ impl KeyExtractor for Route {
     }
 }
 
+/// The request's path as the client sent it: inside a router nested at a prefix, axum
+/// takes the prefix off the URI and keeps the whole one as `OriginalUri`.
+pub(crate) fn original_path(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
+        return original.path();
+    }
+    parts.uri.path()
+}
+
 /// The route template when axum matched one, else the request path.
 pub(crate) fn route_path(parts: &Parts) -> &str {
     #[cfg(feature = "axum")]

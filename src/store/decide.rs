@@ -198,8 +198,8 @@ pub(crate) fn adjust(
             // The other changes are about rates: slots are taken and freed by requests.
             _ if params.is_in_flight() => {}
             Change::Settle { reserved, actual } => {
-                // As Redis is sent it: a cost no policy admits is as good as any larger.
-                let actual = actual.min(MAX_LIMIT + 1);
+                // As Redis is sent them: a cost no policy admits is as good as any larger.
+                let (reserved, actual) = (reserved.min(MAX_LIMIT + 1), actual.min(MAX_LIMIT + 1));
                 if actual < reserved {
                     params.refund(slot, now, reserved - actual, at, debit_left);
                 } else {
@@ -210,10 +210,11 @@ pub(crate) fn adjust(
             Change::SetRemaining { remaining } => {
                 let target = remaining.min(params.limit());
                 let left = params.snapshot(slot, now).remaining;
-                if target > left {
+                let owed = params.owed(slot, now);
+                if target > left || owed > 0 {
                     // What is owed is forgiven too: the level is set, not credited.
-                    let owed = params.owed(slot, now);
-                    params.refund(slot, now, target - left + owed, ANY_TIME, None);
+                    let back = (target + owed).saturating_sub(left);
+                    params.refund(slot, now, back, ANY_TIME, None);
                 } else {
                     charge(params, slot, now, left - target);
                 }
