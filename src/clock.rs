@@ -9,7 +9,11 @@
 //! reading, taken once per process: from then on only the monotonic clock moves it, so a
 //! wall clock that jumps later changes nothing, while fixed windows start at the same
 //! instants as on Redis (whose scripts count from the epoch) and in every other store of
-//! the process. A day-long window resets at midnight UTC everywhere.
+//! the process. A day-long window resets at midnight UTC everywhere, as far as the wall
+//! clock was right at that reading: a process started before NTP synced, or a machine
+//! suspended since (Linux's `CLOCK_MONOTONIC` does not count a suspend), keeps its line
+//! off UTC by as much, and its windows (the local fallback's too) start at other
+//! instants than Redis's. Decisions stay monotonic either way.
 //!
 //! [`CarriedClock`], the [`MemoryStore`](crate::MemoryStore)'s default, is that same
 //! clock read less often: a thread reads the OS clock at least once in every 65 readings
@@ -26,7 +30,11 @@
 //! [`TscClock`] reads the time-stamp counter alone: it trusts a frequency calibrated at
 //! start, and under some hypervisors that calibration is wrong (timers have been seen
 //! running almost three times fast) or the cores' counters disagree. A limiter whose clock
-//! runs fast admits that many times its limit. Opt in only on hardware you have measured.
+//! runs fast admits that many times its limit. It is never re-anchored, so calibration
+//! error accumulates. A thread's time never steps back (a core whose counter is behind
+//! gives the thread's last time until it catches up: denials last as much longer), and a
+//! counter behind its origin (reset by a resume) reads the OS clock. Opt in only on
+//! hardware you have measured.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -74,18 +82,25 @@ struct Anchor {
     epoch_nanos: u64,
 }
 
+/// Nanoseconds since the Unix epoch of a wall-clock reading. A clock set before 1970, or
+/// past what 64 bits of nanoseconds hold (the year 2554: a garbage RTC), counts from 0,
+/// which keeps every decision correct (windows are then aligned to the process start
+/// instead). Clamped to the largest value, the line would stand still for good: no
+/// bucket would refill and no window would end.
+fn epoch_nanos(since: Option<Duration>) -> u64 {
+    since
+        .and_then(|since| u64::try_from(since.as_nanos()).ok())
+        // Room for centuries of uptime past it.
+        .filter(|&nanos| nanos <= u64::MAX / 2)
+        .unwrap_or(0)
+}
+
 fn anchor() -> &'static Anchor {
     static ANCHOR: OnceLock<Anchor> = OnceLock::new();
     ANCHOR.get_or_init(|| {
         let instant = Instant::now();
-        // The only wall-clock reading: it places the monotonic line on the epoch. A clock
-        // set before 1970 counts from 0, which keeps every decision correct (windows are
-        // then aligned to the process start instead).
-        let epoch_nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |since| {
-                u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
-            });
+        // The only wall-clock reading: it places the monotonic line on the epoch.
+        let epoch_nanos = epoch_nanos(SystemTime::now().duration_since(UNIX_EPOCH).ok());
         Anchor {
             instant,
             epoch_nanos,
@@ -594,11 +609,39 @@ impl Default for TscClock {
     }
 }
 
+thread_local! {
+    /// The latest time a `TscClock` gave on this thread.
+    static TSC_LAST: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The time of counter reading `raw` on the line `epoch` placed at `origin`; `None` when
+/// the counter is behind its origin (reset by a resume from suspend, or another socket's
+/// counter behind this one's), where the difference would read as no time at all.
+fn counter_time(epoch: u64, origin: u64, raw: u64, nanos: impl Fn(u64, u64) -> u64) -> Option<u64> {
+    (raw >= origin).then(|| epoch.saturating_add(nanos(origin, raw)))
+}
+
+/// `now`, or the last time given on this thread if that is later: a thread's time never
+/// steps back, whatever the counter of the core it runs on says.
+#[inline]
+fn tsc_give(now: u64) -> u64 {
+    TSC_LAST.with(|last| {
+        let now = now.max(last.get());
+        last.set(now);
+        now
+    })
+}
+
 impl Clock for TscClock {
     #[inline]
     fn now(&self) -> u64 {
-        self.epoch_nanos
-            .saturating_add(self.clock.delta_as_nanos(self.origin, self.clock.raw()))
+        let raw = self.clock.raw();
+        let now = counter_time(self.epoch_nanos, self.origin, raw, |from, to| {
+            self.clock.delta_as_nanos(from, to)
+        })
+        // A counter behind its origin says nothing: the OS clock does.
+        .unwrap_or_else(|| MonotonicClock::new().now());
+        tsc_give(now)
     }
 }
 
@@ -660,15 +703,12 @@ pub struct RuntimeClock {
 }
 
 impl RuntimeClock {
-    /// The runtime's clock, anchored now.
+    /// The runtime's clock, anchored now on the process's line (its one wall-clock
+    /// reading, as every other clock of the process).
     pub fn new() -> Self {
-        let epoch = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos();
         Self {
             base: tokio::time::Instant::now(),
-            epoch: u64::try_from(epoch).unwrap_or(u64::MAX / 2),
+            epoch: MonotonicClock::new().now(),
         }
     }
 }
@@ -689,6 +729,46 @@ impl Clock for RuntimeClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wall clock past the year 2554 (a garbage RTC) once placed the line at
+    /// `u64::MAX`, where every reading after it saturated: time stood still, no bucket
+    /// refilled and no window ended. It counts from 0 now, as a clock before 1970 does.
+    #[test]
+    fn a_wall_clock_out_of_range_counts_from_zero() {
+        assert_eq!(epoch_nanos(None), 0);
+        assert_eq!(epoch_nanos(Some(Duration::from_secs(u64::MAX))), 0);
+        assert_eq!(
+            epoch_nanos(Some(Duration::from_secs(600 * 365 * 86_400))),
+            0
+        );
+        assert_eq!(
+            epoch_nanos(Some(Duration::from_secs(1_800_000_000))),
+            1_800_000_000_000_000_000
+        );
+    }
+
+    /// A counter behind its origin (reset on resume, or another socket's) read as no time
+    /// at all: the clock snapped back to the moment it was built. It says nothing now, the
+    /// OS clock answers, and a thread's time never steps back.
+    #[test]
+    fn a_counter_behind_its_origin_says_nothing_and_time_never_steps_back() {
+        let nanos = |from: u64, to: u64| to - from;
+        assert_eq!(counter_time(1_000, 50, 80, nanos), Some(1_030));
+        assert_eq!(counter_time(1_000, 50, 10, nanos), None);
+        let clock = TscClock::new();
+        let mut last = clock.now();
+        for _ in 0..10_000 {
+            let now = clock.now();
+            assert!(now >= last);
+            last = now;
+        }
+        let later = tsc_give(u64::MAX / 4);
+        assert_eq!(
+            tsc_give(5),
+            later,
+            "an earlier reading gives the later time"
+        );
+    }
 
     #[test]
     fn every_clock_of_the_process_shows_one_epoch_aligned_time() {
