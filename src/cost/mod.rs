@@ -91,16 +91,37 @@ impl PerRoute {
     }
 
     /// `path` costs `cost` for every method.
+    ///
+    /// # Panics
+    ///
+    /// If `path` could never match a request's path (it does not start with `/`, or holds
+    /// a query, a fragment or a space): a programming error caught at start-up, as axum's
+    /// `Router::route` panics on such a path.
     pub fn route(mut self, path: &str, cost: u64) -> Self {
+        check_route(path);
         self.routes.push((None, path.into(), cost));
         self
     }
 
     /// `method path` costs `cost`; takes precedence over [`route`](Self::route).
+    ///
+    /// # Panics
+    ///
+    /// As [`route`](Self::route), for a path that could never match.
     pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
+        check_route(path);
         self.routes.insert(0, (Some(method), path.into(), cost));
         self
     }
+}
+
+/// Panics on a route no request's path can match: it would cost the default, silently.
+fn check_route(path: &str) {
+    assert!(
+        path.starts_with('/') && !path.contains(['?', '#', ' ', '\t']),
+        "PerRoute: {path:?} never matches a request's path: a route starts with / and \
+         holds no query (?), fragment (#) or space"
+    );
 }
 
 impl PerRoute {
@@ -278,6 +299,20 @@ mod tests {
             .body(())
             .unwrap();
         request.into_parts().0
+    }
+
+    /// A route no path can match once cost the default, silently: `search` (no leading
+    /// slash) or `/search?q=1` (paths carry no query).
+    #[test]
+    fn a_route_that_never_matches_is_refused_at_start_up() {
+        for path in ["search", "/search?q=1", "/a b", "/a#b", ""] {
+            let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
+            assert!(refused.is_err(), "{path:?}");
+            let refused =
+                std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
+            assert!(refused.is_err(), "{path:?}");
+        }
+        let _ = PerRoute::new(1).route("/users/{id}", 2).route("/", 1);
     }
 
     /// RFC 9110, section 9.3.2: a server answers HEAD as it answers GET, without the body,
