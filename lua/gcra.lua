@@ -58,18 +58,9 @@ local function refund(p, s, units, at, left)
   write(s.key, p[2], s.ahead)
 end
 
+-- The TAT ahead of now reads as a bucket's level: the tolerance is the bucket's full.
 local function snapshot(p, s)
-  local tolerance = p[1] * p[3]
-  local spare = max(tolerance - s.ahead, 0)
-  -- Effective window: until the next emission interval has passed (past the tolerance,
-  -- once what a settle left owing is paid too).
-  local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
-  local owed = 0
-  if s.ahead > tolerance then
-    effective = cdiv(s.ahead - tolerance + p[3], p[2])
-    owed = cdiv(s.ahead - tolerance, p[3])
-  end
-  return p[1], idiv(spare, p[3]), cdiv(s.ahead, p[2]), effective, owed
+  return level_status(p, s.ahead)
 end
 
 -- One plain policy (main.lua's fast path, with the policy's arguments as sent): {outcome,

@@ -112,6 +112,22 @@ local function store_bucket(p, s)
   write_bucket(s.key, p[2], s.level, s.last)
 end
 
+-- The status of a bucket's level or a GCRA's TAT ahead of now (`level`, units times p3;
+-- p1 units fit, p2 per p3): limit, remaining, reset, effective window, and what is owed
+-- past full. Effective window: until the unit being refilled now is whole (past full,
+-- once what a settle left owing is paid too).
+local function level_status(p, level)
+  local full = p[1] * p[3]
+  local spare = max(full - level, 0)
+  local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
+  local owed = 0
+  if level > full then
+    effective = cdiv(level - full + p[3], p[2])
+    owed = cdiv(level - full, p[3])
+  end
+  return p[1], idiv(spare, p[3]), cdiv(level, p[2]), effective, owed
+end
+
 local function commit_bucket(p, s)
   s.level = s.level + cost * p[3]
   store_bucket(p, s)

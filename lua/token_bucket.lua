@@ -22,17 +22,7 @@ local commit = commit_bucket
 local refund = refund_bucket
 
 local function snapshot(p, s)
-  local full = p[1] * p[3]
-  local spare = max(full - s.level, 0)
-  -- Effective window: until the token being refilled now is whole (past empty, once what
-  -- a settle left owing is paid too).
-  local effective = cdiv(p[3] - fmod(spare, p[3]), p[2])
-  local owed = 0
-  if s.level > full then
-    effective = cdiv(s.level - full + p[3], p[2])
-    owed = cdiv(s.level - full, p[3])
-  end
-  return p[1], idiv(spare, p[3]), cdiv(s.level, p[2]), effective, owed
+  return level_status(p, s.level)
 end
 
 -- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):
