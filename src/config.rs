@@ -303,9 +303,14 @@ fn duration(text: &str) -> Result<Duration, String> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a duration (write 250ms, 10s, 5m, 2h or 1d)"))?;
+    let number: u64 = number.parse().map_err(|_| {
+        // Digits only, and still no u64: a number too large, not a misspelling.
+        if number.is_empty() {
+            format!("{text:?} is not a duration (write 250ms, 10s, 5m, 2h or 1d)")
+        } else {
+            format!("{text:?} is too long")
+        }
+    })?;
     let unit = match unit.trim() {
         "ms" => Duration::from_millis(1),
         "s" => Duration::from_secs(1),
@@ -334,10 +339,14 @@ fn rate(text: &str) -> Result<Rate, String> {
     let (amount, per) = text
         .split_once('/')
         .ok_or_else(|| format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)"))?;
-    let amount: u64 = amount
-        .trim()
-        .parse()
-        .map_err(|_| format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)"))?;
+    let amount = amount.trim();
+    let amount: u64 = amount.parse().map_err(|_| {
+        if !amount.is_empty() && amount.bytes().all(|b| b.is_ascii_digit()) {
+            format!("{text:?}: the amount is too large")
+        } else {
+            format!("{text:?} is not a rate (write 10/s, 3/10s or 1000/1h)")
+        }
+    })?;
     let per = per.trim();
     let period = if per.starts_with(|c: char| c.is_ascii_digit()) {
         duration(per)?

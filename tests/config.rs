@@ -311,6 +311,17 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "key[1]",
             "never reached: \"global\" before it always finds a key",
         ),
+        // A number of too many digits is a duration too long, not a duration misspelt.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"99999999999999999999s\""),
+            "policies[0] \"api\"",
+            "\"99999999999999999999s\" is too long",
+        ),
+        (
+            policy("algorithm = \"gcra\"\nrate = \"99999999999999999999/s\"\nburst = 1"),
+            "policies[0] \"api\"",
+            "\"99999999999999999999/s\": the amount is too large",
+        ),
         // Nothing is in shadow: a setting that looks in force would do nothing.
         (
             "shadow_headers = true\n".to_owned()
