@@ -1042,3 +1042,54 @@ async fn a_pool_that_cannot_authenticate_is_refused_not_an_outage() {
             .is_allowed()
     );
 }
+
+/// The same refusal met by requests of one identity at once: they are coalesced into one
+/// batch, and each waiter's copy of the batch's error lost that it is every request's
+/// refusal. Each copy then closed the breaker as a one-off refusal does, so under a hot
+/// key the breaker never stayed open and every round opened a connection to be refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_every_request_meets_keeps_its_kind_through_a_coalesced_batch() {
+    let server = RedisServer::start();
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "requirepass", "right-secret"])
+            .trim(),
+        "OK"
+    );
+    let url = format!("redis://:wrong-secret@127.0.0.1:{}", server.port);
+    let pool = deadpool_redis::Config::from_url(url)
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .expect("a pool");
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(RedisStore::from_pool(pool))
+            .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(60)).unwrap())
+            .key(Global)
+            .circuit_breaker(CircuitBreaker::new(5, Duration::from_secs(60))),
+    );
+    let round = || {
+        futures_util::future::join_all((0..32).map(|_| {
+            app.clone()
+                .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        }))
+    };
+    // The first rounds open the breaker: five refusals at most.
+    for _ in 0..2 {
+        for response in round().await {
+            assert_eq!(response.unwrap().status(), StatusCode::OK);
+        }
+    }
+    let connections = || support::connections_received(&server, Some("right-secret"));
+    let before = connections();
+    for _ in 0..10 {
+        for response in round().await {
+            assert_eq!(response.unwrap().status(), StatusCode::OK);
+        }
+    }
+    // Open for a minute: no request of these rounds reached the pool (the one
+    // connection counted is the count's own, `redis-cli INFO`).
+    let opened = connections() - before - 1;
+    assert_eq!(
+        opened, 0,
+        "{opened} connections for 10 rounds of 32 requests"
+    );
+}

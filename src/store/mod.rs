@@ -571,6 +571,22 @@ impl StoreError {
     pub fn kind(&self) -> StoreErrorKind {
         self.kind
     }
+
+    /// The same error for another request met by it (a coalesced batch's waiters): its
+    /// kind, code, message and whether every request meets it. The source, which cannot
+    /// be cloned, is its text.
+    pub(crate) fn for_another(&self) -> Self {
+        Self {
+            kind: self.kind,
+            code: self.code.clone(),
+            message: self.message.clone(),
+            source: self
+                .source
+                .as_ref()
+                .map(|source| Box::<dyn Error + Send + Sync>::from(source.to_string())),
+            every_request: self.every_request,
+        }
+    }
 }
 
 impl fmt::Display for StoreError {

@@ -297,11 +297,7 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
         }
         Err(error) => {
             for waiter in waiters {
-                let mut copy = StoreError::new(error.kind(), error.message.clone());
-                if let Some(code) = error.code() {
-                    copy = copy.with_code(code.to_owned());
-                }
-                let _ = waiter.answer.send(Err(copy));
+                let _ = waiter.answer.send(Err(error.for_another()));
             }
         }
     }
