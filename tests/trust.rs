@@ -1235,6 +1235,113 @@ async fn a_hooks_retry_after_is_the_floor_of_the_reset() {
     );
 }
 
+// RFC 9110, section 10.2.3: `Retry-After` is an HTTP-date or a number of seconds. A
+// hook's date is a wait like its seconds: the single-valued reset is no earlier, and a
+// gRPC call is pushed back as long (gRFC A6).
+#[tokio::test]
+async fn a_hooks_retry_after_as_a_date_is_the_floor_of_the_reset() {
+    let app = || {
+        hello()
+            .route("/call", axum::routing::post(|| async { "called" }))
+            .layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .policy(Policy::token_bucket("api", 1, Rate::per_second(1)).unwrap())
+                    .headers(HeaderStyle::Draft6)
+                    .on_deny(|_: &tollgate::Rejection<'_>| {
+                        let later = std::time::SystemTime::now() + Duration::from_secs(600);
+                        http::Response::builder()
+                            .status(429)
+                            .header("retry-after", httpdate::fmt_http_date(later))
+                            .body(bytes::Bytes::from_static(b"slow down"))
+                            .unwrap()
+                    }),
+            )
+    };
+    let http = app();
+    assert_eq!(
+        http.clone()
+            .oneshot(request("/", 1))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let denied = http.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(denied.status(), 429);
+    let reset: u64 = header(&denied, "ratelimit-reset").unwrap().parse().unwrap();
+    assert!(
+        (598..=601).contains(&reset),
+        "RateLimit-Reset {reset} beside a Retry-After date 600 s away"
+    );
+    let grpc = app();
+    let call = || {
+        let mut request = Request::post("/call")
+            .header("content-type", "application/grpc")
+            .body(Body::empty())
+            .unwrap();
+        request
+            .extensions_mut()
+            .insert(std::net::SocketAddr::from(PEER));
+        grpc.clone().oneshot(request)
+    };
+    assert_eq!(call().await.unwrap().status(), 200);
+    let denied = call().await.unwrap();
+    assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
+    let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
+        .expect("a pushback of the hook's wait")
+        .parse()
+        .unwrap();
+    assert!(
+        (598_000..=601_000).contains(&pushback),
+        "pushed back {pushback} ms beside a Retry-After date 600 s away"
+    );
+}
+
+// A hook that answers a gRPC call as gRPC (tonic's `Status::resource_exhausted(..)`
+// into HTTP: status 200, `grpc-status` 8, its message) keeps its status and message; it
+// was read as an HTTP 200 and turned into INTERNAL "OK".
+#[tokio::test]
+async fn a_hooks_grpc_answer_keeps_its_status() {
+    let app = Router::new()
+        .route("/call", axum::routing::post(|| async { "called" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
+                .on_deny(|_: &tollgate::Rejection<'_>| {
+                    http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "8")
+                        .header("grpc-message", "quota%20spent")
+                        .body(bytes::Bytes::new())
+                        .unwrap()
+                }),
+        );
+    let call = || {
+        let mut request = Request::post("/call")
+            .header("content-type", "application/grpc")
+            .body(Body::empty())
+            .unwrap();
+        request
+            .extensions_mut()
+            .insert(std::net::SocketAddr::from(PEER));
+        app.clone().oneshot(request)
+    };
+    assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
+    let denied = call().await.unwrap();
+    assert_eq!(denied.status(), 200);
+    assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
+    assert_eq!(
+        header(&denied, "grpc-message").as_deref(),
+        Some("quota%20spent")
+    );
+    let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
+        .expect("the layer's wait as a pushback")
+        .parse()
+        .unwrap();
+    assert!(pushback >= 1_000, "{pushback}");
+}
+
 // The legacy reset is the Unix time the quota is whole again, rounded up once: now plus a
 // reset of a fraction of a second is the next second, not the one after.
 #[tokio::test]

@@ -83,6 +83,25 @@ pub(crate) fn fit(
 /// headers).
 fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<Bytes> {
     let (mut parts, body) = response.into_parts();
+    let retry_after = parts
+        .headers
+        .get(header::RETRY_AFTER)
+        .and_then(super::headers::retry_after_secs);
+    if let Some(code) = parts.headers.get(GRPC_STATUS) {
+        // An `on_deny` hook that answered as gRPC (tonic's `Status` into HTTP): its
+        // status, message and details stand; the wait is pushed back as ours is.
+        let code = code.to_str().ok().and_then(|code| code.trim().parse().ok());
+        if !parts.headers.contains_key(header::CONTENT_TYPE) {
+            parts.headers.insert(header::CONTENT_TYPE, content_type);
+        }
+        if let (Some(pushback), false) = (
+            code.and_then(|code| pushback(code, retry_after)),
+            parts.headers.contains_key(PUSHBACK),
+        ) {
+            parts.headers.insert(PUSHBACK, pushback);
+        }
+        return Response::from_parts(parts, body);
+    }
     // The limiter's own answers, and an `on_deny` hook's statuses as gRPC's HTTP mapping
     // reads them (doc/http-grpc-status-mapping.md).
     let code: u32 = match parts.status {
@@ -100,29 +119,12 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
             .unwrap_or("rate limited")
             .to_owned()
     });
-    let retry_after = parts
-        .headers
-        .get(header::RETRY_AFTER)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse::<u64>().ok());
     parts.status = StatusCode::OK;
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, content_type);
-    parts.headers.insert("grpc-status", HeaderValue::from(code));
-    // Clients with a retry policy wait what the server pushes back (gRFC A6,
-    // "Pushback"), in milliseconds; a negative value: do not retry (a request that can
-    // never pass).
-    let pushback = match (code, retry_after) {
-        // At most the largest 32-bit integer, which is what clients read (about 24.8
-        // days): a longer value is unreadable to them, and so "do not retry".
-        (8 | 14, Some(seconds)) => Some(HeaderValue::from(
-            seconds.saturating_mul(1000).min(i32::MAX as u64),
-        )),
-        (3, _) => Some(HeaderValue::from_static("-1")),
-        _ => None,
-    };
-    if let Some(pushback) = pushback {
-        parts.headers.insert("grpc-retry-pushback-ms", pushback);
+    parts.headers.insert(GRPC_STATUS, HeaderValue::from(code));
+    if let Some(pushback) = pushback(code, retry_after) {
+        parts.headers.insert(PUSHBACK, pushback);
     }
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         parts.headers.insert("grpc-message", value);
@@ -133,6 +135,24 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         parts.headers.insert("grpc-status-details-bin", value);
     }
     Response::from_parts(parts, Bytes::new())
+}
+
+const GRPC_STATUS: &str = "grpc-status";
+const PUSHBACK: &str = "grpc-retry-pushback-ms";
+
+/// What a call answered with gRPC status `code` is told to wait before a retry: clients
+/// with a retry policy wait what the server pushes back (gRFC A6, "Pushback"), in
+/// milliseconds; a negative value: do not retry (a request that can never pass).
+fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
+    match (code, retry_after) {
+        // At most the largest 32-bit integer, which is what clients read (about 24.8
+        // days): a longer value is unreadable to them, and so "do not retry".
+        (8 | 14, Some(seconds)) => Some(HeaderValue::from(
+            seconds.saturating_mul(1000).min(i32::MAX as u64),
+        )),
+        (3, _) => Some(HeaderValue::from_static("-1")),
+        _ => None,
+    }
 }
 
 /// The `detail` member of the limiter's own problem body (RFC 9457), its JSON escapes

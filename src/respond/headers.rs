@@ -416,6 +416,19 @@ impl HeaderBlock {
     }
 }
 
+/// The wait a `Retry-After` value states, in whole seconds from now (rounded up): its
+/// delay-seconds or its HTTP-date (RFC 9110, section 10.2.3; a date past is no wait).
+pub(crate) fn retry_after_secs(value: &HeaderValue) -> Option<u64> {
+    let value = value.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse() {
+        return Some(seconds);
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(seconds_ceil(
+        at.duration_since(SystemTime::now()).unwrap_or_default(),
+    ))
+}
+
 /// The number a single-valued field of `headers` holds, if it holds one.
 fn number_field(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
     headers.get(name)?.to_str().ok()?.trim().parse().ok()

@@ -286,12 +286,7 @@ impl Responder {
         // hook's own when it wrote one in seconds.
         let ours = rejection.retry_after_secs();
         let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
-            Entry::Occupied(hooks) => hooks
-                .get()
-                .to_str()
-                .ok()
-                .and_then(|value| value.parse().ok())
-                .unwrap_or(ours),
+            Entry::Occupied(hooks) => headers::retry_after_secs(hooks.get()).unwrap_or(ours),
             Entry::Vacant(vacant) => {
                 vacant.insert(HeaderValue::from(ours));
                 ours

@@ -575,6 +575,7 @@ impl StoreError {
     /// The same error for another request met by it (a coalesced batch's waiters): its
     /// kind, code, message and whether every request meets it. The source, which cannot
     /// be cloned, is its text.
+    #[cfg(feature = "redis")]
     pub(crate) fn for_another(&self) -> Self {
         Self {
             kind: self.kind,
