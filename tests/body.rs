@@ -173,3 +173,29 @@ async fn stacked_limiters_each_keep_their_slot_until_the_body_ends() {
         "the slot is free once the body ended"
     );
 }
+
+/// RFC 9110, section 9.3.2: a server MUST NOT send content in a response to HEAD. hyper
+/// leaves HEAD bodies out over HTTP/1 only, and axum only in a top-level route: a
+/// limiter outside a router, served over HTTP/2, sent its problem body, which an HTTP/2
+/// client meets as a protocol error instead of the 429. The denial of a HEAD has none.
+#[tokio::test]
+async fn a_denied_head_request_has_no_body() {
+    let inner = service_fn(|_: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    });
+    let mut service = limiter().layer(inner);
+    let head = || {
+        Request::head("/")
+            .header("x-api-key", "k1")
+            .body(())
+            .unwrap()
+    };
+    let ok = service.ready().await.unwrap().call(head()).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+    let denied = service.ready().await.unwrap().call(head()).await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(denied.headers().contains_key("retry-after"));
+    assert!(http_body::Body::is_end_stream(denied.body()));
+    let body = denied.into_body().collect().await.unwrap().to_bytes();
+    assert!(body.is_empty(), "a HEAD's 429 sent {body:?}");
+}

@@ -62,17 +62,25 @@ fn grpc_content_type(headers: &HeaderMap) -> Option<HeaderValue> {
     })
 }
 
-/// The limiter's own answer to a request of `method` with `headers`: as it is, or as a
-/// gRPC status for a gRPC call (always a `POST`: a `GET` claiming the type gets the HTTP
-/// answer, which no cache keeps as a success).
+/// The limiter's own answer to a request of `method` with `headers`: as it is, without
+/// its content for a `HEAD` (RFC 9110, section 9.3.2: hyper leaves it out over HTTP/1
+/// only, axum in a top-level route only), or as a gRPC status for a gRPC call (always a
+/// `POST`: a `GET` claiming the type gets the HTTP answer, which no cache keeps as a
+/// success).
 pub(crate) fn fit(
     method: &Method,
     headers: &HeaderMap,
-    response: Box<Response<Bytes>>,
+    mut response: Box<Response<Bytes>>,
 ) -> Box<Response<Bytes>> {
     match grpc_content_type(headers) {
         Some(content_type) if method == Method::POST => {
             Box::new(answer_as(*response, content_type))
+        }
+        _ if method == Method::HEAD => {
+            // Its fields stay, `Content-Length` among them: what a `GET` would be sent
+            // (RFC 9110, section 9.3.2).
+            *response.body_mut() = Bytes::new();
+            response
         }
         _ => response,
     }
