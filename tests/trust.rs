@@ -1205,6 +1205,37 @@ async fn single_valued_headers_report_a_quota_that_resets_and_never_before_retry
     }
 }
 
+// An in-flight limit alone: its count has no reset, and "0 left, resets now" sent a client
+// that waits for the reset straight into a 429. The reset field is left out of an
+// admitted response; a denial's is its `Retry-After`, as above.
+#[tokio::test]
+async fn an_in_flight_limit_alone_sends_no_reset_it_does_not_have() {
+    for style in [HeaderStyle::Draft6, HeaderStyle::Legacy] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::concurrency("inflight", 1).unwrap())
+                .headers(style),
+        );
+        let (remaining, reset) = match style {
+            HeaderStyle::Draft6 => ("ratelimit-remaining", "ratelimit-reset"),
+            _ => ("x-ratelimit-remaining", "x-ratelimit-reset"),
+        };
+        let held = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(held.status(), 200);
+        assert_eq!(header(&held, remaining).as_deref(), Some("0"), "{style:?}");
+        assert_eq!(header(&held, reset), None, "{style:?}");
+        let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(denied.status(), 429);
+        let retry: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+        let from_now = reset_from_now(&denied, style);
+        assert!(
+            from_now >= retry,
+            "{style:?}: {from_now} s before {retry} s"
+        );
+        drop(held);
+    }
+}
+
 // An `on_deny` hook may set its own `Retry-After` (a longer wait for a penalty): the layer
 // keeps it, and the single-valued reset must then not be earlier than it either.
 #[tokio::test]

@@ -34,7 +34,8 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 ///
 /// The single-valued styles report the policy that denied, else the one with the fewest
 /// units left; an in-flight policy only when it denied or nothing else is shown, since a
-/// count of requests in progress has no reset.
+/// count of requests in progress has no reset: shown alone, it sends no `Reset` field but
+/// on a denial (its `Retry-After`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum HeaderStyle {
@@ -326,7 +327,9 @@ pub(crate) enum HeaderBlock {
         legacy: bool,
         limit: u64,
         remaining: u64,
-        reset: u64,
+        /// `None` for a count of requests in progress, which never resets on a clock
+        /// (a denial's is its `Retry-After`, see `reset_beside`).
+        reset: Option<u64>,
     },
 }
 
@@ -338,7 +341,10 @@ impl HeaderBlock {
     pub(crate) fn reset_beside(&mut self, retry_after_secs: u64) {
         if let HeaderBlock::Single { legacy, reset, .. } = self {
             let retry = reset_field(*legacy, Duration::from_secs(retry_after_secs));
-            *reset = if *legacy { (*reset).max(retry) } else { retry };
+            *reset = Some(match *reset {
+                Some(ours) if *legacy => ours.max(retry),
+                _ => retry,
+            });
         }
     }
 
@@ -404,13 +410,17 @@ impl HeaderBlock {
                         number_field(headers, reset_name),
                     )
                     && (theirs, std::cmp::Reverse(their_reset))
-                        <= (remaining, std::cmp::Reverse(reset))
+                        <= (remaining, std::cmp::Reverse(reset.unwrap_or(0)))
                 {
                     return;
                 }
                 headers.insert(limit_name.clone(), number_value(limit));
                 headers.insert(remaining_name.clone(), number_value(remaining));
-                headers.insert(reset_name.clone(), number_value(reset));
+                match reset {
+                    Some(reset) => headers.insert(reset_name.clone(), number_value(reset)),
+                    // A further limiter's reset would stand beside numbers not its own.
+                    None => headers.remove(reset_name),
+                };
             }
         }
     }
@@ -594,8 +604,8 @@ pub(crate) fn rate_limit_headers(
             }
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
-            let Some(status) =
-                most_restrictive(decision, policies, shown).and_then(|index| statuses.get(index))
+            let Some((status, policy)) = most_restrictive(decision, policies, shown)
+                .and_then(|index| Some((statuses.get(index)?, policies.get(index)?)))
             else {
                 return HeaderBlock::Empty;
             };
@@ -611,7 +621,7 @@ pub(crate) fn rate_limit_headers(
                 legacy,
                 limit: status.limit,
                 remaining: status.remaining.min(status.limit),
-                reset: reset_field(legacy, after),
+                reset: (!policy.params().is_in_flight()).then(|| reset_field(legacy, after)),
             }
         }
     }
