@@ -369,13 +369,18 @@ pub(crate) enum Admission {
 /// Holds the breaker's single probe; releases it when dropped.
 ///
 /// A probe whose request ends before the store answered (a client gone, an outer timeout)
-/// says nothing of the store, which may well be hanging: its drop starts a new cool-down
-/// before it lets the next request probe, so a store that never answers is not probed by
-/// one request after another.
+/// says nothing of the store. Dropped after waiting on it for [`PROBE_PATIENCE`], the
+/// store may well be hanging: its drop starts a new cool-down before it lets the next
+/// request probe, so a store that never answers is not probed by one request after
+/// another. Dropped sooner (a client that resets its request at once, on purpose or
+/// not), the next request probes: a cool-down for each would let clients that cancel
+/// keep a healthy store's breaker open.
 #[derive(Debug)]
 pub(crate) struct ProbeGuard {
     breaker: Arc<Breaker>,
     ticket: u64,
+    /// The breaker's clock when the probe was let through.
+    started: u64,
     /// Set once the probe's outcome was reported (an answer, a failure, or an answer
     /// that did not come from the store and so tested nothing).
     reported: AtomicBool,
@@ -390,8 +395,10 @@ impl ProbeGuard {
 
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
+        let patience = u64::try_from(PROBE_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
         if !self.reported.load(Ordering::Relaxed)
             && self.breaker.probing.load(Ordering::Acquire) == self.ticket
+            && self.breaker.clock.now().saturating_add(1) >= self.started.saturating_add(patience)
         {
             // Only while the breaker is open: another request's success may have closed
             // it since the load above, and a dropped probe is no reason to open it.
@@ -406,6 +413,10 @@ impl Drop for ProbeGuard {
         );
     }
 }
+
+/// How long a probe waits on the store before its drop counts as the store hanging: a
+/// store that answers at all answers well within it.
+pub(crate) const PROBE_PATIENCE: Duration = Duration::from_millis(100);
 
 /// The breaker's shared state, and the once-per-transition warnings.
 #[derive(Debug)]
@@ -491,6 +502,7 @@ impl Breaker {
             Ok(_) => Admission::Probe(ProbeGuard {
                 breaker: Arc::clone(self),
                 ticket,
+                started: now,
                 reported: AtomicBool::new(false),
             }),
             Err(_) => Admission::Skip,
@@ -691,12 +703,20 @@ mod tests {
             matches!(breaker.admit(), Admission::Skip),
             "one probe at a time"
         );
+        // Dropped at once (a client that resets its request, on purpose or not): it says
+        // nothing of the store, and the next request probes. A cool-down for each would
+        // let a client that cancels keep a healthy store's breaker open.
         drop(probe);
-        // The dropped probe's request never heard from the store, which may be hanging:
-        // a new cool-down, then another request probes.
+        let Admission::Probe(probe) = breaker.admit() else {
+            panic!("a probe dropped at once starts no cool-down: the next request probes")
+        };
+        // Dropped after the store had long enough to answer: it may well be hanging, so a
+        // new cool-down, then another request probes.
+        clock.advance(PROBE_PATIENCE);
+        drop(probe);
         assert!(
             matches!(breaker.admit(), Admission::Skip),
-            "a probe dropped before the store answered starts a new cool-down"
+            "a probe dropped after waiting on the store starts a new cool-down"
         );
         clock.advance(Duration::from_secs(1));
         assert!(
