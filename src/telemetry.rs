@@ -170,8 +170,8 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
 
 /// The store failed. I/O failures are debug events (the failure-mode warning already
 /// says the store is away); any other failure is a bug or a misconfiguration, logged at
-/// error level the first time each kind, code and wording is seen, and counted every
-/// time.
+/// error level the first time each kind, code and wording is seen (past 64 of them, a
+/// new one at most once a minute), and counted every time.
 #[inline]
 pub(crate) fn store_error(error: &StoreError) {
     #[cfg(feature = "metrics")]
@@ -198,7 +198,8 @@ pub(crate) fn store_error(error: &StoreError) {
 /// alone would hide a second fault behind the first. The words are the message's first
 /// 160 characters with each word that holds a digit made one `#` (a line number, a key's
 /// number, a script's hash): one fault worded with other numbers is the same fault. At
-/// most 64 are told apart in a process ([`Seen`]); past them, errors are counted only.
+/// most 64 are told apart in a process ([`Seen`]); past them, a new one is logged at
+/// most once a minute.
 fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>, message: &str) -> bool {
     static SEEN: Seen<(StoreErrorKind, Box<str>, Box<str>)> = Seen::new();
     /// Adds `word` to `words`, as `#` when it holds a digit.
@@ -221,33 +222,55 @@ fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>, message: &str) ->
     }
     flush(&mut word, &mut words);
     // Bounded: a store answering ever new words cannot grow this without limit.
-    SEEN.first((kind, code.unwrap_or("").into(), words.into())) == Some(true)
+    SEEN.first((kind, code.unwrap_or("").into(), words.into()))
 }
 
 /// What a process has seen once, to log a kind of error the first time only: at most 64
-/// things, so errors worded ever anew cannot grow it without limit.
-struct Seen<T>(std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<T>>>);
+/// things, so errors worded ever anew cannot grow it without limit. Past them, a thing
+/// not seen is still told, at most once a minute: a new fault after many is never
+/// silent.
+struct Seen<T> {
+    set: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<T>>>,
+    /// Seconds since the process's first telling past the bound, from which the next
+    /// may be told.
+    next_overflow: std::sync::atomic::AtomicU64,
+}
 
 impl<T: Eq + std::hash::Hash> Seen<T> {
     const fn new() -> Self {
-        Self(std::sync::OnceLock::new())
+        Self {
+            set: std::sync::OnceLock::new(),
+            next_overflow: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
-    /// True the first time `item` is seen, false after; `None` for an item not seen when
-    /// the set is full.
-    fn first(&self, item: T) -> Option<bool> {
-        let mut seen = self
-            .0
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if seen.contains(&item) {
-            Some(false)
-        } else if seen.len() < 64 {
-            Some(seen.insert(item))
-        } else {
-            None
+    /// True the first time `item` is seen, false after; for an item not seen when the
+    /// set is full, true at most once a minute.
+    fn first(&self, item: T) -> bool {
+        use std::sync::atomic::Ordering;
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        {
+            let mut seen = self
+                .set
+                .get_or_init(Default::default)
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if seen.contains(&item) {
+                return false;
+            } else if seen.len() < 64 {
+                return seen.insert(item);
+            }
         }
+        let now = START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_secs();
+        let due = self.next_overflow.load(Ordering::Relaxed);
+        now >= due
+            && self
+                .next_overflow
+                .compare_exchange(due, now + 60, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 }
 
@@ -318,21 +341,8 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 /// limit); past its bound, true at most once a minute, so a new misconfiguration is still
 /// logged.
 fn first_reason(reason: &str) -> bool {
-    use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::time::Instant;
     static SEEN: Seen<Box<str>> = Seen::new();
-    static START: OnceLock<Instant> = OnceLock::new();
-    static NEXT_OVERFLOW_LOG: AtomicU64 = AtomicU64::new(0);
-    if let Some(first) = SEEN.first(reason.into()) {
-        return first;
-    }
-    let now = START.get_or_init(Instant::now).elapsed().as_secs();
-    let due = NEXT_OVERFLOW_LOG.load(Ordering::Relaxed);
-    now >= due
-        && NEXT_OVERFLOW_LOG
-            .compare_exchange(due, now + 60, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
+    SEEN.first(reason.into())
 }
 
 /// The circuit breaker kept a request from the store.
@@ -405,5 +415,33 @@ mod tests {
         let late = logged[70..].iter().filter(|&&l| l).count();
         assert!(late <= 1, "{late} of the last 30 new reasons were logged");
         assert!(logged.iter().filter(|&&l| l).count() <= 65);
+    }
+
+    /// Store errors alike: past the set's bound (64 kinds: a store that cannot decide
+    /// each of many tenants' policies names each), a new kind of error (a `NOPERM` after
+    /// an ACL change) is still logged, at most once a minute; it was only counted.
+    #[test]
+    fn store_errors_past_the_bound_are_still_logged() {
+        use crate::store::StoreErrorKind;
+        // Words without digits: a digit makes a word one `#`, the same error.
+        let name = |i: usize| {
+            let letter = |n: usize| char::from(b'a' + (n % 26) as u8);
+            format!("tenant-{}{}", letter(i / 26), letter(i))
+        };
+        let logged: Vec<bool> = (0..100)
+            .map(|i| {
+                super::first_of_its_kind(
+                    StoreErrorKind::Unsupported,
+                    None,
+                    &format!("policy {:?} cannot be decided exactly", name(i)),
+                )
+            })
+            .collect();
+        assert!(logged[0]);
+        let late = logged[64..].iter().filter(|&&l| l).count();
+        assert_eq!(
+            late, 1,
+            "{late} of the 36 new errors past the bound were logged"
+        );
     }
 }
