@@ -84,7 +84,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::decision::{Decision, Outcome};
-use crate::failure::FailureMode;
+use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::store::{Store, StoreError, within};
@@ -117,6 +117,9 @@ struct Shared<St> {
     timeout: Duration,
     /// One queue per key with waiters: a fair (first come, first served) async lock.
     queues: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+    /// Says an outage once and its end once, and counts it in the fallback gauge, as the
+    /// layer's breaker does; it never keeps a call from the store.
+    outage: Arc<Breaker>,
 }
 
 impl<St> Clone for Limiter<St> {
@@ -260,6 +263,7 @@ impl<St: Store> Limiter<St> {
                 failure_mode: FailureMode::default(),
                 timeout: crate::DEFAULT_STORE_TIMEOUT,
                 queues: Mutex::new(HashMap::new()),
+                outage: Arc::new(Breaker::new(CircuitBreaker::default())),
             }),
         }
     }
@@ -325,6 +329,7 @@ impl<St: Store> Limiter<St> {
             failure_mode: shared.failure_mode.clone(),
             timeout: shared.timeout,
             queues: Mutex::new(HashMap::new()),
+            outage: Arc::clone(&shared.outage),
         });
         change(&mut shared);
         Self {
@@ -352,10 +357,18 @@ impl<St: Store> Limiter<St> {
             Ok(decision)
         });
         match decided {
-            Ok(decision) => Ok((decision, Decider::Store)),
+            Ok(decision) => {
+                shared.outage.on_success();
+                Ok((decision, Decider::Store))
+            }
             Err(error) => {
                 // Counted (and, if not I/O, logged) whatever the failure mode does.
                 crate::telemetry::store_error(&error);
+                // An outage (or a refusal every call meets) is said as the layer says it;
+                // an error of this call's alone is logged above.
+                if error.kind().is_io() || error.is_every_request() {
+                    shared.outage.on_failure(&error, None);
+                }
                 match &shared.failure_mode {
                     // Only the fallback's share of the quota refuses the cost: the outage
                     // stands in its way, not "never" (as the layer answers).

@@ -8,7 +8,7 @@
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
-//! | `tollgate_fallback_active` | gauge | 1 while the store fails and the failure mode applies |
+//! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
 //! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
 //!
 //! Identities never appear in metrics (unbounded label values); denials are `tracing`
@@ -359,11 +359,18 @@ pub(crate) fn store_skipped() {
     metrics::counter!("tollgate_store_skipped_total").increment(1);
 }
 
-/// The failure mode started (`true`) or stopped applying.
+/// One layer's (or `Limiter`'s) failure mode started (`true`) or stopped applying. The
+/// gauge is the process's and the stores are each layer's: it counts the layers in their
+/// failure mode, each transition told by the one caller that made it (a set to 0 by a
+/// layer whose store answered again hid another's outage).
 #[inline]
 pub(crate) fn fallback_active(active: bool) {
     #[cfg(feature = "metrics")]
-    metrics::gauge!("tollgate_fallback_active").set(if active { 1.0 } else { 0.0 });
+    if active {
+        metrics::gauge!("tollgate_fallback_active").increment(1.0);
+    } else {
+        metrics::gauge!("tollgate_fallback_active").decrement(1.0);
+    }
     let _ = active;
 }
 

@@ -119,17 +119,80 @@ fn decisions_errors_fallback_and_latency_are_reported() {
                 ),
                 1
             );
-            assert!(matches!(
-                value(&seen, "tollgate_fallback_active", &[]),
-                Some(DebugValue::Gauge(v)) if v.into_inner() == 1.0
-            ));
+            // The debugging recorder hands a gauge's change since the last snapshot.
+            let Some(DebugValue::Gauge(active)) = value(&seen, "tollgate_fallback_active", &[])
+            else {
+                panic!("the fallback gauge")
+            };
+            assert_eq!(active.into_inner(), 1.0);
             // It answers again: the fallback is over.
             down.store(false, Ordering::SeqCst);
             send().await;
-            assert!(matches!(
-                value(&snapshot(&snapshotter), "tollgate_fallback_active", &[]),
-                Some(DebugValue::Gauge(v)) if v.into_inner() == 0.0
-            ));
+            let seen = snapshot(&snapshotter);
+            let Some(DebugValue::Gauge(change)) = value(&seen, "tollgate_fallback_active", &[])
+            else {
+                panic!("the fallback gauge")
+            };
+            assert_eq!(active.into_inner() + change.into_inner(), 0.0);
+        })
+    });
+}
+
+/// The gauge is the process's: one per process, though each layer (and each `Limiter`)
+/// has its own store and breaker. It was set to 0 by any layer whose store answered
+/// again, while another's was still down; it counts the layers in their failure mode.
+#[test]
+fn the_fallback_gauge_counts_each_layer_in_its_failure_mode() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let app = |down: &Arc<AtomicBool>| {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(Flaky {
+                inner: MemoryStore::new(),
+                down: Arc::clone(down),
+            })
+            .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+            .key(Global),
+        )
+    };
+    let (down_a, down_b) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (a, b) = (app(&down_a), app(&down_b));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let send = |app: &Router| {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            };
+            // The debugging recorder hands each gauge's change since the last snapshot
+            // (it resets them as it reads): its level is their sum.
+            let level = std::cell::Cell::new(0.0);
+            let gauge = || {
+                let seen = snapshot(&snapshotter);
+                if let Some(DebugValue::Gauge(v)) = value(&seen, "tollgate_fallback_active", &[]) {
+                    level.set(level.get() + v.into_inner());
+                }
+                level.get()
+            };
+            down_a.store(true, Ordering::SeqCst);
+            send(&a).await.unwrap();
+            assert_eq!(gauge(), 1.0);
+            down_b.store(true, Ordering::SeqCst);
+            send(&b).await.unwrap();
+            send(&b).await.unwrap();
+            assert_eq!(gauge(), 2.0);
+            down_b.store(false, Ordering::SeqCst);
+            send(&b).await.unwrap();
+            assert_eq!(gauge(), 1.0, "a's store is still down");
+            down_a.store(false, Ordering::SeqCst);
+            send(&a).await.unwrap();
+            send(&a).await.unwrap();
+            assert_eq!(gauge(), 0.0);
         })
     });
 }

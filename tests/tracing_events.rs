@@ -492,3 +492,48 @@ fn a_library_load_refused_for_memory_is_logged_at_error_level() {
         "{events:?}"
     );
 }
+
+/// A `Limiter` has no breaker, and an I/O failure alone is a debug event (the layer's
+/// breaker says the outage): its store down for hours was said nowhere above debug while
+/// each replica decided alone. It says an outage once, and its end once, as the layer.
+#[test]
+fn a_limiters_outage_is_said_once_and_its_end_once() {
+    let recorder = Recorder::default();
+    let down = Arc::new(AtomicBool::new(true));
+    let limiter = tollgate::limiter::Limiter::new(
+        Flaky {
+            inner: MemoryStore::new(),
+            down: Arc::clone(&down),
+        },
+        Policy::fixed_window("mail", 1_000, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("user:1");
+            for _ in 0..100 {
+                let decision = limiter.check(&key, 1).await.expect("the fallback decides");
+                assert!(decision.is_allowed());
+            }
+            down.store(false, Ordering::SeqCst);
+            for _ in 0..3 {
+                limiter.check(&key, 1).await.unwrap();
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
+    assert_eq!(
+        count(format!("{} rate-limit store failed", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+    assert_eq!(
+        count(format!("{} rate-limit store answers again", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+}
