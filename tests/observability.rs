@@ -448,3 +448,64 @@ fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
         })
     });
 }
+
+/// A lease's give-back (what is left of it when it ends) that fails strands those units
+/// out of the shared quota until its window forgets them: counted as any store error. It
+/// was dropped unseen, as was a failed take.
+#[test]
+fn a_lease_that_cannot_be_given_back_is_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // `Flaky` settles nothing: its give-backs fail (`Unsupported`).
+    let down = Arc::new(AtomicBool::new(false));
+    let store = tollgate::store::Leased::new(
+        Flaky {
+            inner: MemoryStore::new(),
+            down: Arc::clone(&down),
+        },
+        10,
+        Duration::from_millis(20),
+    )
+    .unwrap();
+    let policies = tollgate::PolicySet::from(
+        Policy::fixed_window("api", 1_000, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            use tollgate::Store;
+            let key = tollgate::Key::new("user:1");
+            assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            let mut counted = 0;
+            for _ in 0..500 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                let seen = snapshot(&snapshotter);
+                if let Some(DebugValue::Counter(n)) = value(
+                    &seen,
+                    "tollgate_store_errors_total",
+                    &[("kind", "unsupported")],
+                ) {
+                    counted += n;
+                    break;
+                }
+            }
+            assert_eq!(counted, 1, "the failed give-back");
+            // A take that fails is counted too (each request then meets the store alone).
+            down.store(true, Ordering::SeqCst);
+            let _ = store
+                .decide(&tollgate::Key::new("user:2"), &policies, 1)
+                .await;
+            let seen = snapshot(&snapshotter);
+            assert!(
+                matches!(
+                    value(&seen, "tollgate_store_errors_total", &[("kind", "unavailable")]),
+                    Some(DebugValue::Counter(n)) if *n >= 1
+                ),
+                "{seen:?}"
+            );
+        })
+    });
+}

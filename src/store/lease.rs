@@ -189,7 +189,7 @@ impl<S: Store> Leased<S> {
         // Their timers find them gone: nothing is given back twice.
         for (key, lease) in open {
             if let Some(future) = give_back(&*self.inner, &key, &lease) {
-                let _ = future.await;
+                given_back(future).await;
             }
         }
     }
@@ -401,7 +401,12 @@ async fn take<S: Store>(
         // quota are not lost to leases that no longer fit.
         Ok(_) => Err(ttl),
         // The store failed: each request meets the failure on its own for a moment.
-        Err(_) => Err(AFTER_AN_ERROR),
+        // Counted (and, if not I/O, logged) here: a take that timed out may have been
+        // debited, and no request meets this error.
+        Err(error) => {
+            crate::telemetry::store_error(&error);
+            Err(AFTER_AN_ERROR)
+        }
     };
     let taken = match alone_for {
         Ok(taken) => taken,
@@ -440,7 +445,7 @@ async fn take<S: Store>(
         .as_ref()
         .and_then(|lease| give_back(&*inner, &id.0, lease))
     {
-        let _ = future.await;
+        given_back(future).await;
     }
 }
 
@@ -475,6 +480,15 @@ fn give_back<S: Store>(inner: &S, key: &Key, lease: &Lease) -> Option<DecideFutu
             &Adjustment::settle(lease.taken, lease.taken - lease.left, lease.receipt),
         )
     })
+}
+
+/// Waits for a give-back: one that fails leaves its units out of the shared quota until
+/// its window forgets them, and no request meets the error, so it is counted (and, if
+/// not I/O, logged) here.
+async fn given_back(future: DecideFuture) {
+    if let Err(error) = future.await {
+        crate::telemetry::store_error(&error);
+    }
 }
 
 impl<S: Store> Store for Leased<S> {
