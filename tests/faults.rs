@@ -1093,3 +1093,71 @@ async fn a_refusal_every_request_meets_keeps_its_kind_through_a_coalesced_batch(
         "{opened} connections for 10 rounds of 32 requests"
     );
 }
+
+/// A connection (`RedisStore::connect`) that breaks while its password is being rotated
+/// reconnects with the old one and is refused: redis-rs's connection manager then keeps
+/// that refusal for good (it reconnects only after an I/O error), so every decision
+/// failed, long after the server took the password again, until the process restarted.
+/// A refused password is an outage the store recovers from by connecting anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_refused_its_password_on_reconnect_comes_back() {
+    let server = RedisServer::start();
+    let auth = |password: &str, args: &[&str]| {
+        let mut all = vec!["--no-auth-warning", "-a", password];
+        all.extend(args);
+        server.cli(&all)
+    };
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "requirepass", "first"])
+            .trim(),
+        "OK"
+    );
+    let url = format!("redis://:first@127.0.0.1:{}", server.port);
+    let store = RedisStore::connect(&url).await.expect("connected");
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 1_000, Duration::from_secs(60)).unwrap());
+    let key = Key::new("client");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    // The password changes, and the connection breaks: the reconnection is refused.
+    assert_eq!(
+        auth("first", &["CONFIG", "SET", "requirepass", "second"]).trim(),
+        "OK"
+    );
+    auth("second", &["CLIENT", "KILL", "TYPE", "normal"]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "the new password was never refused"
+        );
+        match store.decide(&key, &policies, 1).await {
+            Err(error) if error.kind() == StoreErrorKind::Refused => {
+                assert!(!error.to_string().contains("first"), "{error}");
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    // The old password is taken again: decisions come back.
+    assert_eq!(
+        auth("second", &["CONFIG", "SET", "requirepass", "first"]).trim(),
+        "OK"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match store.decide(&key, &policies, 1).await {
+            Ok(decision) => {
+                assert!(decision.is_allowed());
+                break;
+            }
+            Err(error) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "30 s after the password was taken again, still: {error}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}

@@ -664,6 +664,13 @@ fn demoted_code(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
+/// Whether `error` is the server refusing the connection's credentials (a password
+/// rotated under it, a user removed): every command of that connection meets it.
+fn password_refused(error: &RedisError) -> bool {
+    error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("WRONGPASS" | "NOAUTH"))
+}
+
 /// A pool that gave no connection. The server's own answer when the pool opened one
 /// (`WRONGPASS`, `NOPERM` on `SELECT`, a TLS set-up refused) is sorted as that error is
 /// ([`store_error`]): a refusal is no outage to wait out behind the failure mode. A pool
@@ -783,6 +790,9 @@ fn store_error(error: RedisError) -> StoreError {
     if let Some(code) = code {
         store_error = store_error.with_code(code);
     }
+    // Refused credentials are every request's refusal: the breaker holds requests off
+    // (logged as a refusal, not hidden as an outage) while a new connection is made.
+    store_error.every_request = password_refused(&error);
     store_error.with_source(error)
 }
 
@@ -1584,7 +1594,12 @@ async fn query<T: redis::FromRedisValue>(
             let asked = managed.ask();
             let answer = command.query_async(&mut managed.connection()).await;
             asked.answered(&answer);
-            if answer.as_ref().is_err_and(demoted) {
+            // A refused password is kept by the connection manager for good (it connects
+            // again only after an I/O error): connecting anew is the way back.
+            if answer
+                .as_ref()
+                .is_err_and(|error| demoted(error) || password_refused(error))
+            {
                 managed.replace();
             }
             answer
