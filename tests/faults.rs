@@ -1161,3 +1161,50 @@ async fn a_connection_refused_its_password_on_reconnect_comes_back() {
         }
     }
 }
+
+/// A Sentinel primary that answers with an error of the moment (`NOREPLICAS` under
+/// `min-replicas-to-write`, `BUSY`) still holds a healthy connection. The store dropped
+/// it at each such error, so every failed decision looked the primary up again and
+/// opened a new connection to a primary already in trouble. Only a broken connection,
+/// or a primary demoted, is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_primary_answering_an_error_keeps_its_connection() {
+    let primary = RedisServer::start();
+    let sentinel = RedisServer::sentinel(primary.port, "mymaster", 1);
+    wait_for("the sentinel to name the primary", || {
+        named_primary(&sentinel) == primary.port
+    });
+    let store = sentinel_config(std::slice::from_ref(&sentinel))
+        .connect()
+        .await
+        .unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new("no-replicas");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        primary
+            .cli(&["CONFIG", "SET", "min-replicas-to-write", "1"])
+            .trim(),
+        "OK"
+    );
+    let before = support::connections_received(&primary, None);
+    for _ in 0..50 {
+        let error = store.decide(&key, &policies, 1).await.unwrap_err();
+        assert_eq!(
+            error.kind(),
+            tollgate::StoreErrorKind::Unavailable,
+            "{error}"
+        );
+    }
+    // The one connection counted is the count's own (`redis-cli INFO`).
+    let opened = support::connections_received(&primary, None) - before - 1;
+    assert_eq!(opened, 0, "{opened} new connections for 50 decisions");
+    assert_eq!(
+        primary
+            .cli(&["CONFIG", "SET", "min-replicas-to-write", "0"])
+            .trim(),
+        "OK"
+    );
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+}

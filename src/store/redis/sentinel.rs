@@ -9,7 +9,8 @@
 //!   closing its connections, that was demoted, or that the sentinels no longer name (a
 //!   failover it did not see: a partition) is left, and looked up again.
 //! - **A command** that meets a broken connection or `READONLY` drops the connection at
-//!   once.
+//!   once; an error of the moment the primary answered (`NOREPLICAS`, `BUSY`) or a slow
+//!   answer keeps it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -273,10 +274,14 @@ impl SentinelBackend {
 
     /// Reads what a command on connection `generation` ended with: a broken connection
     /// or a demoted primary (`READONLY`) drops it, so the next decision looks the primary
-    /// up again; `READONLY` then counts as unavailable (a failover, not a refusal).
+    /// up again; `READONLY` then counts as unavailable (a failover, not a refusal). An
+    /// error the primary answered (`NOREPLICAS`, `BUSY`) or a slow answer keeps it: the
+    /// connection is sound (a primary that stops answering is the watch's to find), and
+    /// dropping it at each such error opened a connection per failed decision.
     pub(super) fn outcome(&self, generation: u64, error: StoreError) -> StoreError {
         let demoted = matches!(error.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
-        if error.kind().is_io() || demoted {
+        let broken = error.kind() == StoreErrorKind::Unavailable && error.code().is_none();
+        if broken || demoted {
             self.leave(generation);
         }
         if demoted {
