@@ -234,3 +234,41 @@ async fn a_lease_never_exceeds_the_quota() {
     // One lease of 4, then a refused lease and two requests decided on their own.
     assert_eq!(store.shared_calls(), 1 + 1 + 2);
 }
+
+/// Leases left with a rest (units 20, requests of 11: 9 each) were kept open while a new
+/// lease was taken for each costlier request: just before a window ended, 40 such
+/// requests left 40 leases holding 360 units debited in it, and the next window admitted
+/// those 360 on top of its own 1,000, far past the `replicas × units` the docs promise.
+/// A new lease gives back what the open ones have left: one replica holds at most one
+/// rest at a time.
+#[tokio::test]
+async fn leftovers_of_many_leases_never_spill_into_the_next_window() {
+    let clock = tollgate::clock::ManualClock::new();
+    let memory = tollgate::MemoryStore::builder()
+        .clock(clock.clone())
+        .build();
+    let store = Leased::new(memory, 20, Duration::from_secs(600)).unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(1)).unwrap());
+    let key = Key::new("k");
+    clock.advance(Duration::from_millis(900));
+    for _ in 0..40 {
+        assert!(
+            store
+                .decide(&key, &policies, 11)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+    }
+    // The next window: one unit a request until the first denial.
+    clock.advance(Duration::from_millis(200));
+    let mut admitted = 0;
+    while admitted < 5_000 && store.decide(&key, &policies, 1).await.unwrap().is_allowed() {
+        admitted += 1;
+    }
+    assert!(
+        admitted <= 1_000 + 20,
+        "{admitted} units admitted in a window of 1,000 (leases of 20)"
+    );
+}

@@ -27,11 +27,13 @@ const SHARDS: usize = 16;
 ///   last.
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
-///   shared state still holds them). One lease is taken per identity at a time, but a
-///   request costlier than what the open leases have left takes a new one, and their rest
-///   waits for a cheaper request or their end: with `units` 20 and requests of 11, each
-///   lease strands 9 until it ends. Lease a multiple of the usual cost. When a lease no longer fits, requests are decided one by
-///   one, exactly, for a `ttl`, so the last units of a quota are not lost to leases.
+///   shared state still holds them). One lease is taken per identity at a time; a request
+///   costlier than what the open lease has left gives that rest back, then takes a new
+///   one (with `units` 20 and requests of 11, each lease's 9 go back at the next request):
+///   one replica never holds more than one rest per identity, so no pile of rests
+///   debited in one window is spent in the next. Lease a multiple of the usual cost.
+///   When a lease no longer fits, requests are decided one by one, exactly, for a `ttl`,
+///   so the last units of a quota are not lost to leases.
 /// - A lease is taken by a task of its own: once the shared store has debited it, it is
 ///   recorded and given back in time even if the request that asked for it went away.
 ///   Requests for the identity wait for it (one round trip), then spend from it.
@@ -198,7 +200,7 @@ impl<S: Store> Leased<S> {
     /// a task of its own takes it, so once Redis has debited it, it is recorded (and
     /// given back in time) whatever happens to this request, which waits for it like any
     /// other.
-    fn begin_take(&self, id: &Id, policies: &PolicySet, cost: u64) -> Step {
+    fn begin_take(&self, id: &Id, policies: &PolicySet, cost: u64, retired: Vec<Lease>) -> Step {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let woken = self.leases.wait(id);
@@ -213,6 +215,7 @@ impl<S: Store> Leased<S> {
                 runtime.spawn(take(
                     Arc::clone(&self.inner),
                     turn,
+                    retired,
                     policies.clone(),
                     self.lease_units(policies, cost),
                     self.ttl,
@@ -220,6 +223,10 @@ impl<S: Store> Leased<S> {
                 Step::Wait(woken)
             }
             Err(_) => {
+                // Nothing can give their rests back: the retired leases stay open.
+                if let Some(open) = self.leases.shard(id).get_mut(id) {
+                    open.leases.extend(retired);
+                }
                 self.leases.abandon(id);
                 Step::Alone
             }
@@ -251,8 +258,8 @@ impl<S: Store> Leased<S> {
 enum Step {
     /// A lease held its cost.
     Served(Decision),
-    /// It takes a lease.
-    Take,
+    /// It takes a lease, first giving back what the open ones it retires have left.
+    Take(Vec<Lease>),
     /// It waits for the lease another request is taking.
     Wait(oneshot::Receiver<()>),
     /// It is decided on its own, exactly (a lease was refused a moment ago).
@@ -295,7 +302,14 @@ impl Leases {
             return Step::Wait(woken);
         }
         open.taking = true;
-        Step::Take
+        // The open leases' rests go back before a new lease is taken: kept, a rest per
+        // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
+        // one window and spent in the next. One rest at a time keeps the bound.
+        let (retired, kept) = std::mem::take(&mut open.leases)
+            .into_iter()
+            .partition(|lease| lease.ends > now && lease.left > 0 && of_these(lease));
+        open.leases = kept;
+        Step::Take(retired)
     }
 }
 
@@ -381,11 +395,19 @@ impl Drop for Turn {
 async fn take<S: Store>(
     inner: Arc<S>,
     mut turn: Turn,
+    retired: Vec<Lease>,
     policies: PolicySet,
     units: u64,
     ttl: Duration,
 ) {
     let (leases, id) = (Arc::clone(&turn.leases), turn.id.clone());
+    // The retired leases' rests first, so the new lease finds them in the shared state.
+    // (Their timers find them gone: nothing is given back twice.)
+    for lease in &retired {
+        if let Some(future) = give_back(&*inner, &id.0, lease) {
+            given_back(future).await;
+        }
+    }
     leases.calls.fetch_add(1, Ordering::Relaxed);
     // Detached from any request, so bounded here: a store that never answers must not
     // keep the identity waiting.
@@ -503,8 +525,8 @@ impl<S: Store> Store for Leased<S> {
         }
         let id = (key.clone(), policies.fingerprint());
         let mut step = self.leases.step(&id, policies, cost);
-        if let Step::Take = step {
-            step = self.begin_take(&id, policies, cost);
+        if let Step::Take(retired) = step {
+            step = self.begin_take(&id, policies, cost, retired);
         }
         match step {
             Step::Served(decision) => return DecideFuture::ready(Ok(decision)),
@@ -512,7 +534,7 @@ impl<S: Store> Store for Leased<S> {
                 self.leases.calls.fetch_add(1, Ordering::Relaxed);
                 return self.inner.decide(key, policies, cost);
             }
-            Step::Wait(_) | Step::Take => {}
+            Step::Wait(_) | Step::Take(_) => {}
         }
         let (store, policies) = (self.clone(), policies.clone());
         DecideFuture::new(async move {
@@ -528,7 +550,9 @@ impl<S: Store> Store for Leased<S> {
                         let _ = woken.await;
                         step = store.leases.step(&id, &policies, cost);
                     }
-                    Step::Take => step = store.begin_take(&id, &policies, cost),
+                    Step::Take(retired) => {
+                        step = store.begin_take(&id, &policies, cost, retired);
+                    }
                 }
             }
         })
