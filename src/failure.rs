@@ -373,8 +373,9 @@ pub(crate) enum Admission {
 /// store may well be hanging: its drop starts a new cool-down before it lets the next
 /// request probe, so a store that never answers is not probed by one request after
 /// another. Dropped sooner (a client that resets its request at once, on purpose or
-/// not), the next request probes: a cool-down for each would let clients that cancel
-/// keep a healthy store's breaker open.
+/// not), the next request probes once [`PROBE_PATIENCE`] from this one's start is over:
+/// a cool-down for each would let clients that cancel keep a healthy store's breaker
+/// open, and no wait at all would let them send a sick store a probe per request.
 #[derive(Debug)]
 pub(crate) struct ProbeGuard {
     breaker: Arc<Breaker>,
@@ -396,13 +397,17 @@ impl ProbeGuard {
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
         let patience = u64::try_from(PROBE_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+        let patient_until = self.started.saturating_add(patience);
         if !self.reported.load(Ordering::Relaxed)
             && self.breaker.probing.load(Ordering::Acquire) == self.ticket
-            && self.breaker.clock.now().saturating_add(1) >= self.started.saturating_add(patience)
         {
             // Only while the breaker is open: another request's success may have closed
             // it since the load above, and a dropped probe is no reason to open it.
-            self.breaker.renew_cool_down();
+            if self.breaker.clock.now().saturating_add(1) >= patient_until {
+                self.breaker.renew_cool_down();
+            } else {
+                self.breaker.hold_until(patient_until);
+            }
         }
         // Only this probe's own ticket is cleared: a newer probe keeps its flag.
         let _ = self.breaker.probing.compare_exchange(
@@ -447,6 +452,16 @@ const SAY_EVERY: Duration = Duration::from_secs(30);
 impl std::fmt::Debug for dyn Clock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Clock")
+    }
+}
+
+impl Drop for Breaker {
+    /// A layer (or `Limiter`) dropped while its store fails takes its count out of the
+    /// process's gauge: nothing else ever would.
+    fn drop(&mut self) {
+        if *self.degraded.get_mut() {
+            crate::telemetry::fallback_active(false);
+        }
     }
 }
 
@@ -646,6 +661,16 @@ impl Breaker {
             });
     }
 
+    /// Keeps an open breaker from letting a probe through before `until` (its clock's
+    /// instant + 1); a closed breaker stays closed.
+    fn hold_until(&self, until: u64) {
+        let _ = self
+            .open_until
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |current| {
+                (current != 0).then_some(current.max(until))
+            });
+    }
+
     /// True while the store is failing or skipped.
     #[cfg(test)]
     pub(crate) fn is_degraded(&self) -> bool {
@@ -704,9 +729,18 @@ mod tests {
             "one probe at a time"
         );
         // Dropped at once (a client that resets its request, on purpose or not): it says
-        // nothing of the store, and the next request probes. A cool-down for each would
-        // let a client that cancels keep a healthy store's breaker open.
+        // nothing of the store. A cool-down for each would let a client that cancels
+        // keep a healthy store's breaker open; no wait at all would let clients that
+        // cancel send a sick store a probe per request. The next request probes once
+        // PROBE_PATIENCE from the dropped one's start is over.
         drop(probe);
+        for _ in 0..20 {
+            let Admission::Probe(probe) = breaker.admit() else {
+                continue;
+            };
+            panic!("a probe dropped at once lets no other through at once: {probe:?}");
+        }
+        clock.advance(PROBE_PATIENCE);
         let Admission::Probe(probe) = breaker.admit() else {
             panic!("a probe dropped at once starts no cool-down: the next request probes")
         };

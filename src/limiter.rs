@@ -358,7 +358,10 @@ impl<St: Store> Limiter<St> {
         });
         match decided {
             Ok(decision) => {
-                shared.outage.on_success();
+                // A lease's or the deny cache's answer says nothing of the store behind.
+                if !decision.is_cached() {
+                    shared.outage.on_success();
+                }
                 Ok((decision, Decider::Store))
             }
             Err(error) => {

@@ -196,6 +196,23 @@ async fn a_denied_head_request_has_no_body() {
     assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(denied.headers().contains_key("retry-after"));
     assert!(http_body::Body::is_end_stream(denied.body()));
+    // Section 8.6: the length a `GET` would be sent (axum fills one in from the body
+    // left when none is there, which would say 0).
+    let length: usize = denied.headers()["content-length"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     let body = denied.into_body().collect().await.unwrap().to_bytes();
     assert!(body.is_empty(), "a HEAD's 429 sent {body:?}");
+    let get = service
+        .ready()
+        .await
+        .unwrap()
+        .call(request())
+        .await
+        .unwrap();
+    assert_eq!(get.status(), StatusCode::TOO_MANY_REQUESTS);
+    let get = get.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(length, get.len());
 }

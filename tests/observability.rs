@@ -509,3 +509,36 @@ fn a_lease_that_cannot_be_given_back_is_counted() {
         })
     });
 }
+
+/// A layer or `Limiter` dropped while its store is failing (a router rebuilt, a job's
+/// limiter gone) takes its count out of the gauge: nothing would ever take it back.
+#[test]
+fn a_failing_limiter_dropped_leaves_the_gauge() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let limiter = tollgate::limiter::Limiter::new(
+        Flaky {
+            inner: MemoryStore::new(),
+            down: Arc::new(AtomicBool::new(true)),
+        },
+        Policy::fixed_window("mail", 100, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            limiter
+                .check(&tollgate::Key::new("user:1"), 1)
+                .await
+                .expect("the fallback decides");
+        });
+        drop(limiter);
+    });
+    let seen = snapshot(&snapshotter);
+    let Some(DebugValue::Gauge(level)) = value(&seen, "tollgate_fallback_active", &[]) else {
+        panic!("the fallback gauge")
+    };
+    assert_eq!(level.into_inner(), 0.0);
+}

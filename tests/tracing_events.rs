@@ -537,3 +537,52 @@ fn a_limiters_outage_is_said_once_and_its_end_once() {
         "{events:?}"
     );
 }
+
+/// A `Limiter` over a deny cache: its cached answers say nothing of the store behind, so
+/// they do not end an outage ("answers again" said while the store was still down, and
+/// the gauge flipping at request rate).
+#[test]
+fn a_limiters_cached_answers_do_not_end_its_outage() {
+    let recorder = Recorder::default();
+    let down = Arc::new(AtomicBool::new(false));
+    let limiter = tollgate::limiter::Limiter::new(
+        tollgate::store::DenyCache::new(
+            Flaky {
+                inner: MemoryStore::new(),
+                down: Arc::clone(&down),
+            },
+            100,
+        ),
+        Policy::fixed_window("mail", 1, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let (spent, other) = (tollgate::Key::new("spent"), tollgate::Key::new("other"));
+            assert!(limiter.check(&spent, 1).await.unwrap().is_allowed());
+            // Denied by the store, and the denial cached.
+            assert!(!limiter.check(&spent, 1).await.unwrap().is_allowed());
+            down.store(true, Ordering::SeqCst);
+            limiter.check(&other, 1).await.unwrap();
+            for _ in 0..3 {
+                let cached = limiter.check(&spent, 1).await.unwrap();
+                assert!(cached.is_cached() && !cached.is_allowed());
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
+    assert_eq!(
+        count(format!("{} rate-limit store failed", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+    assert_eq!(
+        count(format!("{} rate-limit store answers again", Level::WARN)),
+        0,
+        "{events:?}"
+    );
+}

@@ -1339,12 +1339,14 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
             RateLimitLayer::new(MemoryStore::new())
                 .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
                 .on_deny(|_: &tollgate::Rejection<'_>| {
+                    // A 429 with gRPC's fields and a body: sent trailers-only all the
+                    // same (HTTP 200, no content), or clients read the HTTP status.
                     http::Response::builder()
-                        .status(200)
+                        .status(429)
                         .header("content-type", "application/grpc")
                         .header("grpc-status", "8")
                         .header("grpc-message", "quota%20spent")
-                        .body(bytes::Bytes::new())
+                        .body(bytes::Bytes::from_static(b"quota spent"))
                         .unwrap()
                 }),
         );
@@ -1366,11 +1368,17 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
         header(&denied, "grpc-message").as_deref(),
         Some("quota%20spent")
     );
+    // No content (axum may say so with a length of 0).
+    assert!(matches!(
+        header(&denied, "content-length").as_deref(),
+        None | Some("0")
+    ));
     let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
         .expect("the layer's wait as a pushback")
         .parse()
         .unwrap();
     assert!(pushback >= 1_000, "{pushback}");
+    assert!(body_text(denied).await.is_empty());
 }
 
 // The legacy reset is the Unix time the quota is whole again, rounded up once: now plus a
@@ -1726,6 +1734,41 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
         let cached = app.oneshot(request("/search", 1)).await.unwrap();
         assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(header(&cached, &remaining), None, "{prefix}");
+    }
+}
+
+/// The same with an in-flight limit alone inside: it sends `Limit` and `Remaining` but no
+/// `Reset` (it has none). The outer layer read that as a partial set and wrote its
+/// roomier numbers over the inner "0 left".
+#[tokio::test]
+async fn a_nested_in_flight_limit_keeps_its_numbers() {
+    for (style, prefix) in [
+        (HeaderStyle::Draft6, "ratelimit"),
+        (HeaderStyle::Legacy, "x-ratelimit"),
+    ] {
+        let route = RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::concurrency("slots", 1).unwrap())
+            .headers(style);
+        let global = RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("global", 1000, Duration::from_secs(3600)).unwrap())
+            .headers(style);
+        let app = Router::new()
+            .route("/search", get(|| async { "found" }))
+            .route_layer(route)
+            .layer(global);
+        let first = app.clone().oneshot(request("/search", 1)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::OK);
+        assert_eq!(
+            header(&first, &format!("{prefix}-remaining")).as_deref(),
+            Some("0"),
+            "{prefix}"
+        );
+        assert_eq!(
+            header(&first, &format!("{prefix}-limit")).as_deref(),
+            Some("1"),
+            "{prefix}"
+        );
+        assert_eq!(header(&first, &format!("{prefix}-reset")), None, "{prefix}");
     }
 }
 

@@ -77,8 +77,13 @@ pub(crate) fn fit(
             Box::new(answer_as(*response, content_type))
         }
         _ if method == Method::HEAD => {
-            // Its fields stay, `Content-Length` among them: what a `GET` would be sent
-            // (RFC 9110, section 9.3.2).
+            // Its fields stay, and `Content-Length` says what a `GET` would be sent
+            // (RFC 9110, sections 8.6 and 9.3.2): axum, which fills it in from the body
+            // left, would say 0.
+            let length = HeaderValue::from(response.body().len());
+            response
+                .headers_mut()
+                .insert(header::CONTENT_LENGTH, length);
             *response.body_mut() = Bytes::new();
             response
         }
@@ -97,8 +102,12 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         .and_then(super::headers::retry_after_secs);
     if let Some(code) = parts.headers.get(GRPC_STATUS) {
         // An `on_deny` hook that answered as gRPC (tonic's `Status` into HTTP): its
-        // status, message and details stand; the wait is pushed back as ours is.
+        // status, message and details stand; the wait is pushed back as ours is. Sent
+        // trailers-only, as ours: HTTP 200 and no content (a gRPC client reads another
+        // HTTP status by its number: a 429 would be UNAVAILABLE, which clients retry).
         let code = code.to_str().ok().and_then(|code| code.trim().parse().ok());
+        parts.status = StatusCode::OK;
+        parts.headers.remove(header::CONTENT_LENGTH);
         if !parts.headers.contains_key(header::CONTENT_TYPE) {
             parts.headers.insert(header::CONTENT_TYPE, content_type);
         }
@@ -108,7 +117,7 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         ) {
             parts.headers.insert(PUSHBACK, pushback);
         }
-        return Response::from_parts(parts, body);
+        return Response::from_parts(parts, Bytes::new());
     }
     // The limiter's own answers, and an `on_deny` hook's statuses as gRPC's HTTP mapping
     // reads them (doc/http-grpc-status-mapping.md).

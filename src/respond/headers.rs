@@ -400,14 +400,19 @@ impl HeaderBlock {
                 if headers.contains_key(header::RETRY_AFTER) && inner.is_some_and(waiting) {
                     return;
                 }
-                // A limiter further in wrote all three already: each holds one value, so
-                // the more restrictive limit's stay, as within one layer (fewest left,
-                // then the latest reset). A partial or unreadable set is overwritten.
+                // A limiter further in wrote its set already (all three, or no reset for
+                // an in-flight limit, which has none): each holds one value, so the more
+                // restrictive limit's stay, as within one layer (fewest left, then the
+                // latest reset). A partial or unreadable set is overwritten.
+                let their_reset = match headers.get(reset_name) {
+                    None => Some(0),
+                    Some(_) => number_field(headers, reset_name),
+                };
                 if inner.is_some()
                     && let (Some(_), Some(theirs), Some(their_reset)) = (
                         number_field(headers, limit_name),
                         number_field(headers, remaining_name),
-                        number_field(headers, reset_name),
+                        their_reset,
                     )
                     && (theirs, std::cmp::Reverse(their_reset))
                         <= (remaining, std::cmp::Reverse(reset.unwrap_or(0)))

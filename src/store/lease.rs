@@ -401,11 +401,17 @@ async fn take<S: Store>(
     ttl: Duration,
 ) {
     let (leases, id) = (Arc::clone(&turn.leases), turn.id.clone());
-    // The retired leases' rests first, so the new lease finds them in the shared state.
-    // (Their timers find them gone: nothing is given back twice.)
+    // The retired leases' rests go back beside the take, not before it: the requests
+    // waiting for the lease wait one round trip, not two. (Their timers find them gone:
+    // nothing is given back twice.)
     for lease in &retired {
         if let Some(future) = give_back(&*inner, &id.0, lease) {
-            given_back(future).await;
+            let mut future = Box::pin(given_back(future));
+            // An in-process store answers at once; one doing I/O finishes in a task.
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if future.as_mut().poll(&mut cx).is_pending() {
+                tokio::spawn(future);
+            }
         }
     }
     leases.calls.fetch_add(1, Ordering::Relaxed);
@@ -423,10 +429,14 @@ async fn take<S: Store>(
         // quota are not lost to leases that no longer fit.
         Ok(_) => Err(ttl),
         // The store failed: each request meets the failure on its own for a moment.
-        // Counted (and, if not I/O, logged) here: a take that timed out may have been
-        // debited, and no request meets this error.
+        // Counted and logged here: a take that timed out may have been debited, and no
+        // request meets this error.
         Err(error) => {
-            crate::telemetry::store_error(&error);
+            super::unmet(
+                &error,
+                "taking a lease failed (one that timed out may have been debited); \
+                 requests are decided one by one for a moment",
+            );
             Err(AFTER_AN_ERROR)
         }
     };
@@ -505,11 +515,15 @@ fn give_back<S: Store>(inner: &S, key: &Key, lease: &Lease) -> Option<DecideFutu
 }
 
 /// Waits for a give-back: one that fails leaves its units out of the shared quota until
-/// its window forgets them, and no request meets the error, so it is counted (and, if
-/// not I/O, logged) here.
+/// its window forgets them, and no request meets the error, so it is counted and logged
+/// here.
 async fn given_back(future: DecideFuture) {
     if let Err(error) = future.await {
-        crate::telemetry::store_error(&error);
+        super::unmet(
+            &error,
+            "could not give back what a lease left; those units are out of the shared \
+             quota until its window forgets them",
+        );
     }
 }
 

@@ -351,6 +351,24 @@ pub(crate) async fn within<T>(
 /// `Store`): a protocol error, counted and answered by the failure mode, never an index
 /// that panics the service.
 #[inline]
+/// A store call no request waits for failed (a lease's take or give-back, a dropped
+/// decision's release): counted in `tollgate_store_errors_total`, as the layer counts
+/// its requests' errors, and logged: at debug level when it is I/O (an outage, which
+/// the requests meet and the failure mode's warning says), at error level otherwise.
+/// The stores know no telemetry module (they sit below it): counted and logged here.
+pub(crate) fn unmet(error: &StoreError, what: &str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
+    #[cfg(feature = "tracing")]
+    if error.kind().is_io() {
+        tracing::debug!(target: "tollgate", %error, "{what}");
+    } else {
+        tracing::error!(target: "tollgate", %error, code = error.code().unwrap_or(""), "{what}");
+    }
+    #[cfg(not(feature = "tracing"))]
+    let _ = (error, what);
+}
+
 pub(crate) fn check_answer(decision: &Decision, len: usize) -> Result<(), StoreError> {
     match decision.outcome() {
         Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. }

@@ -790,9 +790,6 @@ fn store_error(error: RedisError) -> StoreError {
     if let Some(code) = code {
         store_error = store_error.with_code(code);
     }
-    // Refused credentials are every request's refusal: the breaker holds requests off
-    // (logged as a refusal, not hidden as an outage) while a new connection is made.
-    store_error.every_request = password_refused(&error);
     store_error.with_source(error)
 }
 
