@@ -272,3 +272,67 @@ async fn leftovers_of_many_leases_never_spill_into_the_next_window() {
         "{admitted} units admitted in a window of 1,000 (leases of 20)"
     );
 }
+
+/// A store whose settles answer only after a yield (a pool's give-back waits for its
+/// connection's check, while the take runs on another connection).
+struct SlowSettles(std::sync::Arc<tollgate::MemoryStore>);
+
+impl Store for SlowSettles {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        let (store, key, policies) = (self.0.clone(), key.clone(), policies.clone());
+        let adjustment = adjustment.clone();
+        tollgate::DecideFuture::new(async move {
+            tokio::task::yield_now().await;
+            store.adjust(&key, &policies, &adjustment).await
+        })
+    }
+}
+
+/// A rest given back beside the new take may land after it: the take, refused only for
+/// want of those units, left the identity deciding one request at a time for a whole
+/// ttl. A take refused while a rest was going back is tried once more when it is back.
+#[tokio::test]
+async fn a_take_refused_before_the_rest_is_back_is_tried_again() {
+    let store = Leased::new(
+        SlowSettles(std::sync::Arc::new(tollgate::MemoryStore::new())),
+        20,
+        Duration::from_secs(600),
+    )
+    .unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 35, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("k");
+    // A lease of 20 (15 left in the shared window), 9 of it left here.
+    assert!(
+        store
+            .decide(&key, &policies, 11)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // 11 more: the rest of 9 goes back, and a lease of 20 fits only once it is back.
+    assert!(
+        store
+            .decide(&key, &policies, 11)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let calls = store.shared_calls();
+    // Served by the new lease, without a call.
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        store.shared_calls(),
+        calls,
+        "decided one by one: the take was refused"
+    );
+}

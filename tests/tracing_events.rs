@@ -586,3 +586,79 @@ fn a_limiters_cached_answers_do_not_end_its_outage() {
         "{events:?}"
     );
 }
+
+/// Every answer from a lease was marked cached, the one a request got from the lease the
+/// store had just granted among them: once the store answered again, only a refused take
+/// would have ended the outage, so "answers again" was never said (and behind the layer,
+/// the breaker's probe never closed it). A fresh lease's first answer is the store's.
+#[test]
+fn a_fresh_lease_ends_an_outage() {
+    let recorder = Recorder::default();
+    let down = Arc::new(AtomicBool::new(true));
+    let limiter = tollgate::limiter::Limiter::new(
+        tollgate::store::Leased::new(
+            Flaky {
+                inner: MemoryStore::new(),
+                down: Arc::clone(&down),
+            },
+            10,
+            Duration::from_secs(60),
+        )
+        .unwrap(),
+        Policy::fixed_window("mail", 1_000, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("user:1");
+            limiter.check(&key, 1).await.expect("the fallback decides");
+            down.store(false, Ordering::SeqCst);
+            // After a failed take, requests go alone for a moment; then a lease.
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            for _ in 0..10 {
+                assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
+    assert_eq!(
+        count(format!("{} rate-limit store answers again", Level::WARN)),
+        1,
+        "{events:?}"
+    );
+}
+
+/// A refusal every identity's lease meets (`NOPERM`, `OOM`) is said at error level, but
+/// not once per identity and take: a hundred identities say it once.
+#[test]
+fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
+    let recorder = Recorder::default();
+    let store = tollgate::store::Leased::new(Refusing, 10, Duration::from_secs(60)).unwrap();
+    let policies = tollgate::PolicySet::from(
+        Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            use tollgate::Store;
+            for user in 0..100 {
+                let key = tollgate::Key::new(format!("user:{user}"));
+                let error = store.decide(&key, &policies, 1).await.unwrap_err();
+                assert_eq!(error.kind(), tollgate::StoreErrorKind::Refused);
+            }
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    let errors = events
+        .iter()
+        .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
+        .count();
+    assert_eq!(errors, 1, "{events:?}");
+}

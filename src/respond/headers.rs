@@ -401,9 +401,11 @@ impl HeaderBlock {
                     return;
                 }
                 // A limiter further in wrote its set already (all three, or no reset for
-                // an in-flight limit, which has none): each holds one value, so the more
+                // an in-flight limit, which has none; a service's own limit and remaining
+                // without a reset read the same): each holds one value, so the more
                 // restrictive limit's stay, as within one layer (fewest left, then the
-                // latest reset). A partial or unreadable set is overwritten.
+                // latest reset). A set without limit or remaining, or with a field that
+                // is no number, is overwritten.
                 let their_reset = match headers.get(reset_name) {
                     None => Some(0),
                     Some(_) => number_field(headers, reset_name),

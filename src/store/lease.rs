@@ -28,8 +28,9 @@ const SHARDS: usize = 16;
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
-///   costlier than what the open lease has left gives that rest back, then takes a new
-///   one (with `units` 20 and requests of 11, each lease's 9 go back at the next request):
+///   costlier than what the open lease has left gives that rest back as it takes a new
+///   one (with `units` 20 and requests of 11, each lease's 9 go back at the next request;
+///   a take refused before the rest is back is tried once more when it is):
 ///   one replica never holds more than one rest per identity, so no pile of rests
 ///   debited in one window is spent in the next. Lease a multiple of the usual cost.
 ///   When a lease no longer fits, requests are decided one by one, exactly, for a `ttl`,
@@ -125,6 +126,9 @@ struct Lease {
     /// The shared state right after the lease was taken.
     statuses: SmallVec<[PolicyStatus; 2]>,
     policies: PolicySet,
+    /// A request was answered from it: the first answer is the store's own (it just
+    /// granted the lease), the others come from this replica's cache.
+    told: bool,
 }
 
 impl Leases {
@@ -284,6 +288,7 @@ impl Leases {
             .position(|lease| lease.ends > now && lease.left >= cost && of_these(lease))
         {
             open.leases[index].left -= cost;
+            let cached = std::mem::replace(&mut open.leases[index].told, true);
             let held: u64 = open
                 .leases
                 .iter()
@@ -291,7 +296,7 @@ impl Leases {
                 .map(|lease| lease.left)
                 .sum();
             let lease = &open.leases[index];
-            return Step::Served(local_decision(&lease.statuses, held, lease.receipt));
+            return Step::Served(local_decision(&lease.statuses, held, lease.receipt, cached));
         }
         if open.refused_until.is_some_and(|until| now < until) {
             return Step::Alone;
@@ -302,7 +307,7 @@ impl Leases {
             return Step::Wait(woken);
         }
         open.taking = true;
-        // The open leases' rests go back before a new lease is taken: kept, a rest per
+        // The open leases' rests go back as a new lease is taken: kept, a rest per
         // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
         // one window and spent in the next. One rest at a time keeps the bound.
         let (retired, kept) = std::mem::take(&mut open.leases)
@@ -404,25 +409,36 @@ async fn take<S: Store>(
     // The retired leases' rests go back beside the take, not before it: the requests
     // waiting for the lease wait one round trip, not two. (Their timers find them gone:
     // nothing is given back twice.)
+    let mut going_back = Vec::new();
     for lease in &retired {
         if let Some(future) = give_back(&*inner, &id.0, lease) {
             let mut future = Box::pin(given_back(future));
             // An in-process store answers at once; one doing I/O finishes in a task.
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             if future.as_mut().poll(&mut cx).is_pending() {
-                tokio::spawn(future);
+                going_back.push(tokio::spawn(future));
             }
         }
     }
-    leases.calls.fetch_add(1, Ordering::Relaxed);
     // Detached from any request, so bounded here: a store that never answers must not
     // keep the identity waiting.
-    let decided = super::within(
-        TAKE_DEADLINE,
-        "lease",
-        inner.decide(&id.0, &policies, units),
-    )
-    .await;
+    let take_once = || {
+        leases.calls.fetch_add(1, Ordering::Relaxed);
+        super::within(
+            TAKE_DEADLINE,
+            "lease",
+            inner.decide(&id.0, &policies, units),
+        )
+    };
+    let mut decided = take_once().await;
+    if decided.as_ref().is_ok_and(|taken| !taken.is_allowed()) && !going_back.is_empty() {
+        // Refused, perhaps only because a rest going back beside it was not back yet
+        // (another connection of a pool may run first): once it is, once more.
+        for back in going_back {
+            let _ = tokio::time::timeout(TAKE_DEADLINE, back).await;
+        }
+        decided = take_once().await;
+    }
     let alone_for = match decided {
         Ok(taken) if taken.is_allowed() => Ok(taken),
         // Refused: for a while, requests are decided one by one, so the last units of a
@@ -460,6 +476,7 @@ async fn take<S: Store>(
         ends: Instant::now() + ttl,
         statuses: taken.statuses().iter().copied().collect(),
         policies,
+        told: false,
     });
     drop(turn);
     // When the lease ends, what is left of it goes back.
@@ -482,10 +499,17 @@ async fn take<S: Store>(
 }
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
-/// `held` units still held here afterwards. Marked as answered from a local cache: the
-/// shared store said nothing, so it closes no circuit breaker and counts as no probe's
-/// success.
-fn local_decision(statuses: &[PolicyStatus], held: u64, receipt: Receipt) -> Decision {
+/// `held` units still held here afterwards. Marked as answered from a local cache
+/// (`cached`) but for the lease's first answer: the shared store said nothing since, so
+/// it closes no circuit breaker and counts as no probe's success. The first answer is
+/// the store's own, which just granted the lease: it ends an outage (were it cached, only
+/// a refused lease would).
+fn local_decision(
+    statuses: &[PolicyStatus],
+    held: u64,
+    receipt: Receipt,
+    cached: bool,
+) -> Decision {
     let statuses = statuses
         .iter()
         .map(|status| PolicyStatus {
@@ -493,14 +517,18 @@ fn local_decision(statuses: &[PolicyStatus], held: u64, receipt: Receipt) -> Dec
             ..*status
         })
         .collect();
-    Decision::with_statuses(
+    let decision = Decision::with_statuses(
         Outcome::Allowed {
             delay: Duration::ZERO,
         },
         statuses,
     )
-    .with_receipt(receipt)
-    .from_cache()
+    .with_receipt(receipt);
+    if cached {
+        decision.from_cache()
+    } else {
+        decision
+    }
 }
 
 /// Gives back what `lease` did not spend, as far as the shared state still holds it.

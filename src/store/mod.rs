@@ -346,29 +346,60 @@ pub(crate) async fn within<T>(
         })
 }
 
-/// A store's answer checked against the set of `len` policies it was asked about. An
-/// outcome that names a policy the set does not have is a bug in that store (a user's own
-/// `Store`): a protocol error, counted and answered by the failure mode, never an index
-/// that panics the service.
-#[inline]
 /// A store call no request waits for failed (a lease's take or give-back, a dropped
 /// decision's release): counted in `tollgate_store_errors_total`, as the layer counts
 /// its requests' errors, and logged: at debug level when it is I/O (an outage, which
-/// the requests meet and the failure mode's warning says), at error level otherwise.
-/// The stores know no telemetry module (they sit below it): counted and logged here.
+/// the requests meet and the failure mode's warning says), at error level otherwise (at
+/// most once a minute). The stores know no telemetry module (they sit below it): counted and logged here.
 pub(crate) fn unmet(error: &StoreError, what: &str) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
     #[cfg(feature = "tracing")]
     if error.kind().is_io() {
         tracing::debug!(target: "tollgate", %error, "{what}");
+    } else if unmet_say_now() {
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            code = error.code().unwrap_or(""),
+            "{what} (this is a bug or a misconfiguration, not an outage; said at most once \
+             a minute, counted in tollgate_store_errors_total)"
+        );
     } else {
-        tracing::error!(target: "tollgate", %error, code = error.code().unwrap_or(""), "{what}");
+        tracing::debug!(target: "tollgate", %error, "{what}");
     }
     #[cfg(not(feature = "tracing"))]
     let _ = (error, what);
 }
 
+/// True at most once a minute: a refusal every identity's lease meets (`OOM`, `NOPERM`)
+/// is said, not said once per identity and take.
+#[cfg(feature = "tracing")]
+fn unmet_say_now() -> bool {
+    use std::sync::atomic::AtomicU64;
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let now = START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs();
+    let due = NEXT.load(std::sync::atomic::Ordering::Relaxed);
+    now >= due
+        && NEXT
+            .compare_exchange(
+                due,
+                now + 60,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+}
+
+/// A store's answer checked against the set of `len` policies it was asked about. An
+/// outcome that names a policy the set does not have is a bug in that store (a user's own
+/// `Store`): a protocol error, counted and answered by the failure mode, never an index
+/// that panics the service.
+#[inline]
 pub(crate) fn check_answer(decision: &Decision, len: usize) -> Result<(), StoreError> {
     match decision.outcome() {
         Outcome::Denied { policy, .. } | Outcome::CostExceedsLimit { policy, .. }

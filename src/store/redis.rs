@@ -1586,6 +1586,10 @@ async fn query<T: redis::FromRedisValue>(
     backend: &Backend,
     command: &redis::Cmd,
 ) -> Result<T, StoreError> {
+    let cluster = matches!(
+        backend,
+        Backend::Cluster(_) | Backend::PooledCluster(_) | Backend::ClusterPool(_)
+    );
     match backend.clone() {
         Backend::Manager(managed) => {
             let asked = managed.ask();
@@ -1629,10 +1633,20 @@ async fn query<T: redis::FromRedisValue>(
             return command
                 .query_async(&mut connection)
                 .await
-                .map_err(|error| sentinel.outcome(generation, store_error(error)));
+                .map_err(|error| sentinel.outcome(generation, query_error(error, false)));
         }
     }
-    .map_err(store_error)
+    .map_err(|error| query_error(error, cluster))
+}
+
+/// A command's error as the store's. Refused credentials on one connection are every
+/// request's refusal (the breaker holds requests off while a new connection is made; as
+/// a plain refusal each closed it again, mid-outage); on a Cluster, one node's are not.
+fn query_error(error: RedisError, cluster: bool) -> StoreError {
+    let every_request = !cluster && password_refused(&error);
+    let mut error = store_error(error);
+    error.every_request |= every_request;
+    error
 }
 
 /// Runs `call` with the invocation's keys and arguments on `backend`: the library's
@@ -2438,6 +2452,22 @@ mod tests {
         }
         let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "no"));
         assert_eq!(store_error(refused).kind(), StoreErrorKind::Refused);
+    }
+
+    /// A refused password on one connection (standalone, Sentinel, a pool) is every
+    /// request's refusal: it holds the breaker open while a new connection is made. As a
+    /// plain refusal it closed the breaker and said "answers again" mid-outage. On a
+    /// Cluster one node refusing is not every key's refusal.
+    #[test]
+    fn a_refused_password_is_every_requests_refusal_but_on_a_cluster() {
+        use redis::ErrorKind;
+        let refused = || RedisError::from((ErrorKind::AuthenticationFailed, "refused"));
+        let error = query_error(refused(), false);
+        assert_eq!(error.kind(), StoreErrorKind::Refused);
+        assert!(error.every_request);
+        assert!(!query_error(refused(), true).every_request);
+        let other = RedisError::from((ErrorKind::Server(redis::ServerErrorKind::NoPerm), "no"));
+        assert!(!query_error(other, false).every_request);
     }
 
     #[test]
