@@ -289,10 +289,10 @@ impl Server {
             redis::Client::open(format!("redis://127.0.0.1:{}", self.port)).expect("a valid URL");
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if let Ok(mut connection) = client.get_connection() {
-                if redis::cmd("PING").query::<String>(&mut connection).is_ok() {
-                    return connection;
-                }
+            if let Ok(mut connection) = client.get_connection()
+                && redis::cmd("PING").query::<String>(&mut connection).is_ok()
+            {
+                return connection;
             }
             assert!(
                 Instant::now() < deadline,

@@ -105,11 +105,11 @@ fn child(subject: &str, count: usize) -> f64 {
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if let [flag, subject, count] = args.as_slice() {
-        if flag == "--measure" {
-            measure(subject, count.parse().expect("a count of identities"));
-            return;
-        }
+    if let [flag, subject, count] = args.as_slice()
+        && flag == "--measure"
+    {
+        measure(subject, count.parse().expect("a count of identities"));
+        return;
     }
     let counts: Vec<usize> = if args.is_empty() {
         DEFAULT_COUNTS.to_vec()

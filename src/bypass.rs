@@ -175,10 +175,10 @@ impl Bypass {
     /// Does the request skip, before its key is known? (A network or the predicate: a
     /// request allowed by network needs no key at all.)
     pub(crate) fn before_key(&self, parts: &Parts) -> Option<BypassReason> {
-        if let Some(predicate) = &self.when {
-            if predicate(parts) {
-                return Some(BypassReason::Predicate);
-            }
+        if let Some(predicate) = &self.when
+            && predicate(parts)
+        {
+            return Some(BypassReason::Predicate);
         }
         if !self.networks.is_empty() {
             // A client a trusted proxy hid is no address on the allowlist, though the

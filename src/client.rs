@@ -821,12 +821,12 @@ impl Drop for Turn<'_> {
             debug_assert!(false, "a turn outlived its key's count");
             return;
         };
-        if let Some(decision) = self.decision.take() {
-            if *given == self.number {
-                self.pacer.give_back(self.key, &decision);
-                // As if it had never been given: the turn before it is the newest again.
-                *given -= 1;
-            }
+        if let Some(decision) = self.decision.take()
+            && *given == self.number
+        {
+            self.pacer.give_back(self.key, &decision);
+            // As if it had never been given: the turn before it is the newest again.
+            *given -= 1;
         }
         *waiting -= 1;
         if *waiting == 0 {

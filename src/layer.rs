@@ -479,15 +479,15 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
                     .to_owned(),
             );
         }
-        if let Some(keyer) = &self.headers.partition_key {
-            if keyer.secret_len() < crate::respond::headers::MIN_PARTITION_SECRET {
-                return Err(format!(
-                    "RateLimitLayer: the partition key secret is {} bytes; use at least {} \
+        if let Some(keyer) = &self.headers.partition_key
+            && keyer.secret_len() < crate::respond::headers::MIN_PARTITION_SECRET
+        {
+            return Err(format!(
+                "RateLimitLayer: the partition key secret is {} bytes; use at least {} \
                      random bytes, or a guessable pk is as good as the identity",
-                    keyer.secret_len(),
-                    crate::respond::headers::MIN_PARTITION_SECRET
-                ));
-            }
+                keyer.secret_len(),
+                crate::respond::headers::MIN_PARTITION_SECRET
+            ));
         }
         for set in self.resolver.known_sets() {
             // A set grown one `.policy()` at a time passes the checks a whole set does

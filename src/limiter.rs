@@ -300,10 +300,10 @@ impl<St: Store> Limiter<St> {
     where
         St: Clone,
     {
-        if let FailureMode::Fallback(fallback) = &failure_mode {
-            if let Err(mistake) = fallback.check() {
-                panic!("Limiter: {mistake}");
-            }
+        if let FailureMode::Fallback(fallback) = &failure_mode
+            && let Err(mistake) = fallback.check()
+        {
+            panic!("Limiter: {mistake}");
         }
         self.rebuilt(|shared| shared.failure_mode = failure_mode)
     }

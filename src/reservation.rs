@@ -79,14 +79,10 @@ impl Reservation {
     }
 
     fn adjust(&self, adjustment: &Adjustment) -> DecideFuture {
-        if self.fallback {
-            if let FailureMode::Fallback(fallback) = &self.adjuster.responder().failure_mode {
-                return DecideFuture::ready(Ok(fallback.adjust(
-                    &self.key,
-                    &self.policies,
-                    adjustment,
-                )));
-            }
+        if self.fallback
+            && let FailureMode::Fallback(fallback) = &self.adjuster.responder().failure_mode
+        {
+            return DecideFuture::ready(Ok(fallback.adjust(&self.key, &self.policies, adjustment)));
         }
         self.adjuster.adjust(&self.key, &self.policies, adjustment)
     }

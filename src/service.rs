@@ -128,19 +128,19 @@ where
         // touches fewer lines of ours costs it less.
         let config = &*self.config;
         let (parts, body) = request.into_parts();
-        if config.bypass.is_some() {
-            if let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts)) {
-                return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
-            }
+        if config.bypass.is_some()
+            && let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts))
+        {
+            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
         }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,
             Err(error) => return self.without_key(Request::from_parts(parts, body), &error),
         };
-        if config.bypass.is_some() {
-            if let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key)) {
-                return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
-            }
+        if config.bypass.is_some()
+            && let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key))
+        {
+            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
         }
         let cost = config.cost.cost(&parts);
         let policies = config.resolver.resolve(&parts, &key);

@@ -256,10 +256,10 @@ impl Settle {
 
     /// The actual cost for a response, or `None` to keep the reservation.
     pub(crate) fn actual(&self, head: &ResponseHead<'_>) -> Option<u64> {
-        if let Some(refund) = &self.refund_if {
-            if refund(head.status) {
-                return Some(0);
-            }
+        if let Some(refund) = &self.refund_if
+            && refund(head.status)
+        {
+            return Some(0);
         }
         match &self.source {
             Source::Reserved => None,

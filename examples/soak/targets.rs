@@ -901,7 +901,7 @@ fn arbitrary_policy(rng: &mut Rng) -> Result<Policy, PolicyError> {
 fn policy(rng: &mut Rng, bench: &mut Bench) {
     // A fresh store and clock now and then, so times near zero come back.
     bench.store_inputs += 1;
-    if bench.store_inputs % 50_000 == 0 {
+    if bench.store_inputs.is_multiple_of(50_000) {
         bench.clock = ManualClock::new();
         bench.store = MemoryStore::builder()
             .clock(bench.clock.clone())

@@ -93,12 +93,12 @@ impl SlidingWindow {
         (sub_windows > 0
             && sub_windows <= MAX_SUB_WINDOWS
             && window > 0
-            && window % sub_windows == 0)
-            .then_some(Self {
-                limit,
-                window,
-                sub_windows,
-            })
+            && window.is_multiple_of(sub_windows))
+        .then_some(Self {
+            limit,
+            window,
+            sub_windows,
+        })
     }
 
     /// The number of sub-windows.

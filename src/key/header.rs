@@ -284,22 +284,22 @@ impl HeaderKey {
             || self.name == http::header::PROXY_AUTHORIZATION
         {
             let credentials = credentials(value);
-            if self.basic_user_id {
-                if let Some(encoded) = credentials.strip_prefix(b"Basic ") {
-                    let Some(user) = basic_user(encoded) else {
-                        return Err(KeyError::client(format!(
-                            "{} holds Basic credentials that are not base64 of \
+            if self.basic_user_id
+                && let Some(encoded) = credentials.strip_prefix(b"Basic ")
+            {
+                let Some(user) = basic_user(encoded) else {
+                    return Err(KeyError::client(format!(
+                        "{} holds Basic credentials that are not base64 of \
                              user-id:password",
-                            self.name
-                        )));
-                    };
-                    let account = [&b"Basic "[..], &user, b":"].concat();
-                    return Ok(Key::hashed_with_salt(
-                        self.name.as_str(),
-                        &self.salt,
-                        &account,
-                    ));
-                }
+                        self.name
+                    )));
+                };
+                let account = [&b"Basic "[..], &user, b":"].concat();
+                return Ok(Key::hashed_with_salt(
+                    self.name.as_str(),
+                    &self.salt,
+                    &account,
+                ));
             }
             return Ok(Key::hashed_with_salt(
                 self.name.as_str(),

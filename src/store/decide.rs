@@ -27,10 +27,11 @@ pub(crate) fn decide(
 ) -> (Decision, u64) {
     if let ([policy], [slot]) = (policies, &mut *slots) {
         // A penalty has a slot of its own, so one slot means none; checked anyway.
-        if !policy.is_shadow() && policy.penalty_box().is_none() {
-            if let Some(decided) = decide_alone(policy, slot, now, cost) {
-                return decided;
-            }
+        if !policy.is_shadow()
+            && policy.penalty_box().is_none()
+            && let Some(decided) = decide_alone(policy, slot, now, cost)
+        {
+            return decided;
         }
     }
     decide_all(policies, slots, now, cost)
@@ -77,10 +78,10 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
     let now = floor(policies, slots, now);
-    if !penalties.is_empty() {
-        if let Some(blocked) = blocked(policies, slots, penalties, now, cost) {
-            return blocked;
-        }
+    if !penalties.is_empty()
+        && let Some(blocked) = blocked(policies, slots, penalties, now, cost)
+    {
+        return blocked;
     }
     let mut delay = 0;
     let mut denied: Option<(usize, u64)> = None;
@@ -251,10 +252,10 @@ fn blocked(
         .filter_map(|(index, policy)| policy.penalty_box().map(|(penalty, _)| (index, penalty)));
     let mut blocks: SmallVec<[(usize, u64); 2]> = SmallVec::new();
     for ((index, penalty), slot) in penalized.zip(penalties) {
-        if let Slot::Penalty { state, .. } = slot {
-            if let Some(left) = penalty.blocked(state, now) {
-                blocks.push((index, left));
-            }
+        if let Slot::Penalty { state, .. } = slot
+            && let Some(left) = penalty.blocked(state, now)
+        {
+            blocks.push((index, left));
         }
     }
     let (mut policy, mut retry_after) = blocks
@@ -274,12 +275,11 @@ fn blocked(
             status.reset = status.reset.max(left);
             status.effective_window = status.effective_window.max(left);
         }
-        if !each.is_shadow() {
-            if let Verdict::Deny { retry_after: wait } = params.check(slot, now, cost.max(1)) {
-                if wait > retry_after {
-                    (policy, retry_after) = (index, wait);
-                }
-            }
+        if !each.is_shadow()
+            && let Verdict::Deny { retry_after: wait } = params.check(slot, now, cost.max(1))
+            && wait > retry_after
+        {
+            (policy, retry_after) = (index, wait);
         }
         statuses.push(status);
     }

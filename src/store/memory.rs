@@ -1083,7 +1083,7 @@ mod tests {
             PolicySet::from(Policy::token_bucket("tb", 10, Rate::per_second(1)).unwrap());
         let count = 3 * CHUNK + 5;
         // Even identities take 1 token (full again after 1 s), odd ones 5 (after 5 s).
-        let cost = |i: usize| if i % 2 == 0 { 1 } else { 5 };
+        let cost = |i: usize| if i.is_multiple_of(2) { 1 } else { 5 };
         for i in 0..count {
             assert!(
                 store

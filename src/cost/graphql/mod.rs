@@ -647,11 +647,12 @@ fn described(document: &str) -> (bool, usize) {
             if bytes.get(i) != Some(&b'#') {
                 break i;
             }
-            if let Some((from, to)) = last {
-                if from <= i && i < to {
-                    first_comment = None;
-                    break to;
-                }
+            if let Some((from, to)) = last
+                && from <= i
+                && i < to
+            {
+                first_comment = None;
+                break to;
             }
             first_comment.get_or_insert(i);
             while i < bytes.len() && bytes[i] != b'\n' && bytes[i] != b'\r' {
@@ -702,10 +703,10 @@ fn root_fields(
                 Selection::FragmentSpread(name) => {
                     let name = name.fragment_name.as_str();
                     // Each fragment once: spread again, its fields merge with its own.
-                    if spread.insert(name) {
-                        if let Some(fragment) = fragments.get(name) {
-                            collect(&fragment.selection_set, fragments, spread, names, depth - 1);
-                        }
+                    if spread.insert(name)
+                        && let Some(fragment) = fragments.get(name)
+                    {
+                        collect(&fragment.selection_set, fragments, spread, names, depth - 1);
                     }
                 }
             }
@@ -1028,10 +1029,10 @@ impl<'a> Walk<'a> {
             .fragments
             .get(name)
             .ok_or_else(|| CostError::UnknownFragment(name.to_owned()))?;
-        if let (Some(schema), Some(concrete)) = (self.schema, concrete) {
-            if !schema.matches(concrete, fragment.type_condition.as_str()) {
-                return Ok(0);
-            }
+        if let (Some(schema), Some(concrete)) = (self.schema, concrete)
+            && !schema.matches(concrete, fragment.type_condition.as_str())
+        {
+            return Ok(0);
         }
         self.visiting.push(name);
         let (cost, below) = self.measured(depth, |walk| {

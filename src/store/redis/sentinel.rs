@@ -158,10 +158,10 @@ impl SentinelBackend {
                 if let Some((generation, _, connection)) = &state.current {
                     return Ok((*generation, connection.clone()));
                 }
-                if let Some((until, kind, message)) = &state.failed {
-                    if Instant::now() < *until {
-                        return Err(StoreError::new(*kind, message.clone()));
-                    }
+                if let Some((until, kind, message)) = &state.failed
+                    && Instant::now() < *until
+                {
+                    return Err(StoreError::new(*kind, message.clone()));
                 }
                 if !state.resolving {
                     state.resolving = true;
@@ -428,7 +428,7 @@ async fn watch(backend: Weak<SentinelBackend>) {
         let answered = tokio::time::timeout(WATCH_DEADLINE, is_primary(&mut connection)).await;
         let reason = match answered {
             // The sentinels every fourth tick (each question opens a connection).
-            Ok(Ok(true)) if tick % 4 != 0 => None,
+            Ok(Ok(true)) if !tick.is_multiple_of(4) => None,
             Ok(Ok(true)) => match backend.named_primary().await {
                 Ok(Some(named)) if named != address => Some(format!(
                     "the sentinels now name {}:{} as the primary",
