@@ -196,12 +196,22 @@ impl PacingLayer {
     /// # Panics
     ///
     /// With an in-flight policy ([`Policy::concurrency`]): the layer cannot know when a
-    /// response's body ends, so its slots would never come back. A start-up mistake.
+    /// response's body ends, so its slots would never come back. With a shadow policy,
+    /// which never refuses, or one with a penalty, whose block (started by the pacer's
+    /// own refusals under load) is longer than any wait: every request would go at once,
+    /// unpaced. A start-up mistake.
     pub fn pace(self, policy: Policy) -> Self {
         assert!(
             !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. }),
             "PacingLayer::pace: in-flight policy \"{}\" cannot pace requests (its slots \
              would never be freed); use a rate policy",
+            policy.name()
+        );
+        assert!(
+            !policy.is_shadow() && policy.penalty().is_none(),
+            "PacingLayer::pace: policy \"{}\" is a shadow policy or has a penalty, which \
+             would send requests unpaced (a shadow policy never refuses; a penalty's block \
+             outlasts any wait); use a plain rate policy",
             policy.name()
         );
         let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
@@ -325,13 +335,13 @@ impl Shared {
 
     fn wait(&self, key: &str) -> Duration {
         let hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        hosts
-            .until
-            .get(key)
-            .map_or(Duration::ZERO, |until| {
-                until.saturating_duration_since(Instant::now())
-            })
-            .min(self.max_wait)
+        // The word in full is shared by every layer of one base; each reads it as
+        // `max_wait` at most from when it was noted (a longer value is read as that).
+        hosts.until.get(key).map_or(Duration::ZERO, |word| {
+            word.until
+                .min(later(word.noted, self.max_wait))
+                .saturating_duration_since(Instant::now())
+        })
     }
 
     /// Notes what `headers` (of a response with `status`) say about when to send again;
@@ -351,11 +361,13 @@ impl Shared {
         // With no wait allowed at all (`max_wait` zero), a refusal is not retried: a
         // retry would go straight back.
         let capped = wait > self.max_wait || (refused && wait.is_zero());
-        let until = later(Instant::now(), wait.min(self.max_wait));
+        // Kept in full: a layer of the same base with a longer `max_wait` honours more
+        // of it than this one (see `wait`).
+        let now = Instant::now();
         self.hosts
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .note(key, until, Instant::now());
+            .note(key, later(now, wait), now);
         capped
     }
 }
@@ -363,10 +375,17 @@ impl Shared {
 /// When each host (and partition) may be sent to again.
 #[derive(Clone, Debug, Default)]
 struct Hosts {
-    until: HashMap<String, Instant>,
+    until: HashMap<String, Word>,
     /// The size at which the map is next swept: twice what the last sweep left, and at
     /// least [`Hosts::FIRST_SWEEP`].
     sweep_at: usize,
+}
+
+/// A host's word: not before `until`, as noted at `noted` (the latest note).
+#[derive(Clone, Copy, Debug)]
+struct Word {
+    until: Instant,
+    noted: Instant,
 }
 
 impl Hosts {
@@ -383,11 +402,15 @@ impl Hosts {
         let swept = self.until.len() >= self.sweep_at.clamp(Self::FIRST_SWEEP, Self::MAX_HOSTS)
             && !self.until.contains_key(key);
         if swept {
-            self.until.retain(|_, until| *until > now);
+            self.until.retain(|_, word| word.until > now);
             self.sweep_at = self.until.len().saturating_mul(2);
         }
-        let entry = self.until.entry(key.to_owned()).or_insert(until);
-        *entry = (*entry).max(until);
+        let entry = self
+            .until
+            .entry(key.to_owned())
+            .or_insert(Word { until, noted: now });
+        entry.until = entry.until.max(until);
+        entry.noted = entry.noted.max(now);
         // Past the bound with every host's word still running (a crawler's many hosts, or
         // a server that names a new partition on every answer): the words that end first
         // are forgotten, an eighth of the bound at once, so that one pass over the map
@@ -398,7 +421,7 @@ impl Hosts {
                 .until
                 .iter()
                 .filter(|(host, _)| host.as_str() != key)
-                .map(|(host, until)| (*until, host))
+                .map(|(host, word)| (word.until, host))
                 .collect();
             let excess = self.until.len() - (Self::MAX_HOSTS - Self::MAX_HOSTS / 8);
             ends.select_nth_unstable(excess - 1);
@@ -481,11 +504,14 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
         ("ratelimit-remaining", "ratelimit-reset"),
         ("x-ratelimit-remaining", "x-ratelimit-reset"),
     ] {
+        // A whole number, or one written as a decimal (Reddit's `0.0`): below one
+        // request left is none left.
         let remaining = headers
             .get(remaining)
             .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.trim().parse::<i64>().ok());
-        if remaining == Some(0) {
+            .and_then(|value| value.trim().parse::<f64>().ok())
+            .filter(|left| left.is_finite() && *left >= 0.0);
+        if remaining.is_some_and(|left| left < 1.0) {
             let reset = headers.get(reset).and_then(|value| value.to_str().ok());
             wait = wait.max(reset.and_then(reset_delay));
         }

@@ -310,10 +310,20 @@ impl<St: Store> Limiter<St> {
 
     /// How long the store may take to decide before it counts as failed (default 50 ms,
     /// as the layer's): a store that hangs is answered by the failure mode.
+    ///
+    /// # Panics
+    ///
+    /// With a timeout of zero, which the layer refuses at build: every decision of a
+    /// store that does I/O would fail, and each replica decide alone. A start-up mistake.
     pub fn store_timeout(self, timeout: Duration) -> Self
     where
         St: Clone,
     {
+        assert!(
+            !timeout.is_zero(),
+            "Limiter: the store timeout is zero, so every decision of a store that does I/O \
+             would fail: give it the time the store needs (default 50 ms)"
+        );
         self.rebuilt(|shared| shared.timeout = timeout)
     }
 

@@ -50,6 +50,27 @@ fn what_a_server_says_is_read() {
         server_wait(ok, &headers(&[("ratelimit", "\"api\";r=0;t=-5")])),
         None
     );
+    // A remaining written as a decimal (Reddit's `x-ratelimit-remaining: 0.0`).
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[
+                ("x-ratelimit-remaining", "0.0"),
+                ("x-ratelimit-reset", "30")
+            ])
+        ),
+        Some(secs(30))
+    );
+    assert_eq!(
+        server_wait(
+            ok,
+            &headers(&[
+                ("x-ratelimit-remaining", "2.0"),
+                ("x-ratelimit-reset", "30")
+            ])
+        ),
+        None
+    );
     assert_eq!(server_wait(ok, &headers(&[("ratelimit", "r=0;;t=")])), None);
     // draft-6 and X-RateLimit-*: remaining 0 until reset (seconds, or a Unix time).
     assert_eq!(
@@ -475,6 +496,51 @@ async fn retries_keep_extensions_and_stop_when_the_server_asks_for_too_long() {
     assert_eq!(seen.load(Ordering::SeqCst), 1);
     // One host, however it is spelt.
     assert_eq!(layer.wait_for("a.test:80", None), Duration::from_secs(10));
+}
+
+/// Layers built from one base share what hosts said; each reads it under its own
+/// `max_wait`. The word was kept already cut to the `max_wait` of the layer that heard
+/// it, so a layer that honours waits of an hour sent again after the other's 5 s.
+#[tokio::test(start_paused = true)]
+async fn a_short_max_wait_does_not_shorten_another_layers_wait() {
+    let base = PacingLayer::new();
+    let short = base.clone().max_wait(Duration::from_secs(5));
+    let long = base.clone().max_wait(Duration::from_secs(3600));
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(429, vec![("retry-after", "600".to_owned())])];
+    let mut client = short.clone().layer(upstream(script, Arc::clone(&seen)));
+    let response = send(&mut client, get("http://a.test/")).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(long.wait_for("a.test", None) >= Duration::from_secs(595));
+    // The short layer reads it as its own 5 s, as before: then it goes.
+    assert_eq!(short.wait_for("a.test", None), Duration::from_secs(5));
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert_eq!(short.wait_for("a.test", None), Duration::ZERO);
+    assert!(long.wait_for("a.test", None) >= Duration::from_secs(590));
+}
+
+/// Policies that would switch pacing off: a shadow policy never refuses, and a penalty's
+/// block (started by the pacer's own refusals under load) is longer than any wait, so
+/// every request went at once, unpaced, for the whole block.
+#[test]
+fn a_policy_that_would_not_pace_is_refused() {
+    let shadow = Policy::token_bucket("gh", 1, Rate::per_second(1))
+        .unwrap()
+        .shadow();
+    let penalised = Policy::token_bucket("gh", 1, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(tollgate::policy::Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(600),
+        ))
+        .unwrap();
+    for policy in [shadow, penalised] {
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            PacingLayer::new().pace(policy)
+        }));
+        assert!(refused.is_err());
+    }
 }
 
 #[test]

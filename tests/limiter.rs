@@ -575,3 +575,16 @@ fn a_fallback_share_of_nothing_is_refused() {
         tollgate::LocalFallback::new().share(0.0),
     ));
 }
+
+/// A store timeout of zero fails every decision of a store that does I/O (each replica
+/// then decides alone, by the failure mode): the layer refuses it when it is built, and
+/// so does a `Limiter`.
+#[test]
+#[should_panic(expected = "store timeout is zero")]
+fn a_zero_store_timeout_is_refused() {
+    let _ = tollgate::limiter::Limiter::new(
+        tollgate::MemoryStore::new(),
+        tollgate::Policy::fixed_window("api", 10, std::time::Duration::from_secs(1)).unwrap(),
+    )
+    .store_timeout(std::time::Duration::ZERO);
+}
