@@ -11,9 +11,12 @@
 //! finishes under it, so no request mixes two configurations, and requests in flight
 //! during a reload finish under the one they started with. State lives in the store,
 //! keyed by each policy's name and parameters: a policy that a reload leaves unchanged
-//! keeps its state; a policy whose parameters change starts on fresh state (its old state
-//! expires on its own), except an in-flight policy: its requests in progress keep their
-//! slots under a new limit or lease.
+//! keeps its state; a policy whose parameters change starts on fresh state, except an
+//! in-flight policy: its requests in progress keep their slots under a new limit or
+//! lease. The old state is left behind: in Redis it expires with its TTL; in the
+//! in-process store it stays beside an identity's new state until the identity has been
+//! idle long enough to be forgotten whole (an identity that keeps coming back keeps it,
+//! a sliding log's entries included, one state per reload that changed the policy).
 //!
 //! ```
 //! use tollgate::config::{LimiterConfig, LiveLayer};
