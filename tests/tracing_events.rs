@@ -493,46 +493,63 @@ fn a_library_load_refused_for_memory_is_logged_at_error_level() {
     );
 }
 
+/// Runs `work` on a current-thread runtime (timers on) with a recorder as the
+/// subscriber: every event it gave.
+fn events_of(work: impl std::future::Future<Output = ()>) -> Vec<String> {
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || runtime.block_on(work));
+    recorder.events.lock().unwrap().clone()
+}
+
+/// How many of `events` are at `level` and start with `message`.
+fn count(events: &[String], level: Level, message: &str) -> usize {
+    let prefix = format!("{level} {message}");
+    events
+        .iter()
+        .filter(|event| event.starts_with(&prefix))
+        .count()
+}
+
+/// An in-process store that fails (`Unavailable`) while `down` is set.
+fn flaky(down: &Arc<AtomicBool>) -> Flaky {
+    Flaky {
+        inner: MemoryStore::new(),
+        down: Arc::clone(down),
+    }
+}
+
 /// A `Limiter` has no breaker, and an I/O failure alone is a debug event (the layer's
 /// breaker says the outage): its store down for hours was said nowhere above debug while
 /// each replica decided alone. It says an outage once, and its end once, as the layer.
 #[test]
 fn a_limiters_outage_is_said_once_and_its_end_once() {
-    let recorder = Recorder::default();
     let down = Arc::new(AtomicBool::new(true));
     let limiter = tollgate::limiter::Limiter::new(
-        Flaky {
-            inner: MemoryStore::new(),
-            down: Arc::clone(&down),
-        },
+        flaky(&down),
         Policy::fixed_window("mail", 1_000, Duration::from_secs(3600)).unwrap(),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            let key = tollgate::Key::new("user:1");
-            for _ in 0..100 {
-                let decision = limiter.check(&key, 1).await.expect("the fallback decides");
-                assert!(decision.is_allowed());
-            }
-            down.store(false, Ordering::SeqCst);
-            for _ in 0..3 {
-                limiter.check(&key, 1).await.unwrap();
-            }
-        })
+    let events = events_of(async {
+        let key = tollgate::Key::new("user:1");
+        for _ in 0..100 {
+            let decision = limiter.check(&key, 1).await.expect("the fallback decides");
+            assert!(decision.is_allowed());
+        }
+        down.store(false, Ordering::SeqCst);
+        for _ in 0..3 {
+            limiter.check(&key, 1).await.unwrap();
+        }
     });
-    let events = recorder.events.lock().unwrap().clone();
-    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
     assert_eq!(
-        count(format!("{} rate-limit store failed", Level::WARN)),
+        count(&events, Level::WARN, "rate-limit store failed"),
         1,
         "{events:?}"
     );
     assert_eq!(
-        count(format!("{} rate-limit store answers again", Level::WARN)),
+        count(&events, Level::WARN, "rate-limit store answers again"),
         1,
         "{events:?}"
     );
@@ -543,45 +560,30 @@ fn a_limiters_outage_is_said_once_and_its_end_once() {
 /// the gauge flipping at request rate).
 #[test]
 fn a_limiters_cached_answers_do_not_end_its_outage() {
-    let recorder = Recorder::default();
     let down = Arc::new(AtomicBool::new(false));
     let limiter = tollgate::limiter::Limiter::new(
-        tollgate::store::DenyCache::new(
-            Flaky {
-                inner: MemoryStore::new(),
-                down: Arc::clone(&down),
-            },
-            100,
-        ),
+        tollgate::store::DenyCache::new(flaky(&down), 100),
         Policy::fixed_window("mail", 1, Duration::from_secs(3600)).unwrap(),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            let (spent, other) = (tollgate::Key::new("spent"), tollgate::Key::new("other"));
-            assert!(limiter.check(&spent, 1).await.unwrap().is_allowed());
-            // Denied by the store, and the denial cached.
-            assert!(!limiter.check(&spent, 1).await.unwrap().is_allowed());
-            down.store(true, Ordering::SeqCst);
-            limiter.check(&other, 1).await.unwrap();
-            for _ in 0..3 {
-                let cached = limiter.check(&spent, 1).await.unwrap();
-                assert!(cached.is_cached() && !cached.is_allowed());
-            }
-        })
+    let events = events_of(async {
+        let (spent, other) = (tollgate::Key::new("spent"), tollgate::Key::new("other"));
+        assert!(limiter.check(&spent, 1).await.unwrap().is_allowed());
+        // Denied by the store, and the denial cached.
+        assert!(!limiter.check(&spent, 1).await.unwrap().is_allowed());
+        down.store(true, Ordering::SeqCst);
+        limiter.check(&other, 1).await.unwrap();
+        for _ in 0..3 {
+            let cached = limiter.check(&spent, 1).await.unwrap();
+            assert!(cached.is_cached() && !cached.is_allowed());
+        }
     });
-    let events = recorder.events.lock().unwrap().clone();
-    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
     assert_eq!(
-        count(format!("{} rate-limit store failed", Level::WARN)),
+        count(&events, Level::WARN, "rate-limit store failed"),
         1,
         "{events:?}"
     );
     assert_eq!(
-        count(format!("{} rate-limit store answers again", Level::WARN)),
+        count(&events, Level::WARN, "rate-limit store answers again"),
         0,
         "{events:?}"
     );
@@ -593,40 +595,23 @@ fn a_limiters_cached_answers_do_not_end_its_outage() {
 /// the breaker's probe never closed it). A fresh lease's first answer is the store's.
 #[test]
 fn a_fresh_lease_ends_an_outage() {
-    let recorder = Recorder::default();
     let down = Arc::new(AtomicBool::new(true));
     let limiter = tollgate::limiter::Limiter::new(
-        tollgate::store::Leased::new(
-            Flaky {
-                inner: MemoryStore::new(),
-                down: Arc::clone(&down),
-            },
-            10,
-            Duration::from_secs(60),
-        )
-        .unwrap(),
+        tollgate::store::Leased::new(flaky(&down), 10, Duration::from_secs(60)).unwrap(),
         Policy::fixed_window("mail", 1_000, Duration::from_secs(3600)).unwrap(),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            let key = tollgate::Key::new("user:1");
-            limiter.check(&key, 1).await.expect("the fallback decides");
-            down.store(false, Ordering::SeqCst);
-            // After a failed take, requests go alone for a moment; then a lease.
-            tokio::time::sleep(Duration::from_millis(150)).await;
-            for _ in 0..10 {
-                assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
-            }
-        })
+    let events = events_of(async {
+        let key = tollgate::Key::new("user:1");
+        limiter.check(&key, 1).await.expect("the fallback decides");
+        down.store(false, Ordering::SeqCst);
+        // After a failed take, requests go alone for a moment; then a lease.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        for _ in 0..10 {
+            assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+        }
     });
-    let events = recorder.events.lock().unwrap().clone();
-    let count = |prefix: String| events.iter().filter(|e| e.starts_with(&prefix)).count();
     assert_eq!(
-        count(format!("{} rate-limit store answers again", Level::WARN)),
+        count(&events, Level::WARN, "rate-limit store answers again"),
         1,
         "{events:?}"
     );
@@ -636,29 +621,17 @@ fn a_fresh_lease_ends_an_outage() {
 /// not once per identity and take: a hundred identities say it once.
 #[test]
 fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
-    let recorder = Recorder::default();
     let store = tollgate::store::Leased::new(Refusing, 10, Duration::from_secs(60)).unwrap();
     let policies = tollgate::PolicySet::from(
         Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap(),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            use tollgate::Store;
-            for user in 0..100 {
-                let key = tollgate::Key::new(format!("user:{user}"));
-                let error = store.decide(&key, &policies, 1).await.unwrap_err();
-                assert_eq!(error.kind(), tollgate::StoreErrorKind::Refused);
-            }
-        })
+    let events = events_of(async {
+        use tollgate::Store;
+        for user in 0..100 {
+            let key = tollgate::Key::new(format!("user:{user}"));
+            let error = store.decide(&key, &policies, 1).await.unwrap_err();
+            assert_eq!(error.kind(), tollgate::StoreErrorKind::Refused);
+        }
     });
-    let events = recorder.events.lock().unwrap().clone();
-    let errors = events
-        .iter()
-        .filter(|event| event.starts_with(&format!("{}", Level::ERROR)))
-        .count();
-    assert_eq!(errors, 1, "{events:?}");
+    assert_eq!(count(&events, Level::ERROR, ""), 1, "{events:?}");
 }
