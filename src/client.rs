@@ -123,7 +123,10 @@ impl PacingLayer {
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Shared {
-                hosts: Arc::new(Mutex::new(Hosts::default())),
+                hosts: Arc::new(Mutex::new(Hosts {
+                    cap: DEFAULT_MAX_WAIT,
+                    ..Hosts::default()
+                })),
                 max_wait: DEFAULT_MAX_WAIT,
                 retries: 2,
                 retry_all: false,
@@ -161,8 +164,22 @@ impl PacingLayer {
     /// more; so an attempt waits at most three times `max_wait` in all, besides the
     /// inner service's readiness, which is not bounded here (bound it with a timeout of
     /// your own). Each retry after a 429 waits anew.
+    ///
+    /// Layers built from one base (clones) share what hosts said: it is kept up to the
+    /// longest `max_wait` among them, and each reads it as its own `max_wait` at most.
     pub fn max_wait(self, max_wait: Duration) -> Self {
-        self.with(|shared| shared.max_wait = max_wait)
+        self.with(|shared| {
+            shared.max_wait = max_wait;
+            // Alone with the table, this layer sets how much of a word is kept; beside
+            // others of the same base, it may only raise it.
+            let alone = Arc::strong_count(&shared.hosts) == 1;
+            let mut hosts = shared.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+            hosts.cap = if alone {
+                max_wait
+            } else {
+                hosts.cap.max(max_wait)
+            };
+        })
     }
 
     /// How many times an idempotent request is retried after a 429 (default 2).
@@ -335,13 +352,13 @@ impl Shared {
 
     fn wait(&self, key: &str) -> Duration {
         let hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        // The word in full is shared by every layer of one base; each reads it as
-        // `max_wait` at most from when it was noted (a longer value is read as that).
-        hosts.until.get(key).map_or(Duration::ZERO, |word| {
-            word.until
-                .min(later(word.noted, self.max_wait))
-                .saturating_duration_since(Instant::now())
-        })
+        hosts
+            .until
+            .get(key)
+            .map_or(Duration::ZERO, |until| {
+                until.saturating_duration_since(Instant::now())
+            })
+            .min(self.max_wait)
     }
 
     /// Notes what `headers` (of a response with `status`) say about when to send again;
@@ -361,13 +378,13 @@ impl Shared {
         // With no wait allowed at all (`max_wait` zero), a refusal is not retried: a
         // retry would go straight back.
         let capped = wait > self.max_wait || (refused && wait.is_zero());
-        // Kept in full: a layer of the same base with a longer `max_wait` honours more
-        // of it than this one (see `wait`).
+        // Kept up to the longest `max_wait` of the layers sharing the table, not this
+        // one's: a layer of the same base that honours longer waits reads more of it
+        // (each reads at most its own, see `wait`).
         let now = Instant::now();
-        self.hosts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .note(key, later(now, wait), now);
+        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
+        let until = later(now, wait.min(hosts.cap));
+        hosts.note(key, until, now);
         capped
     }
 }
@@ -375,17 +392,13 @@ impl Shared {
 /// When each host (and partition) may be sent to again.
 #[derive(Clone, Debug, Default)]
 struct Hosts {
-    until: HashMap<String, Word>,
+    until: HashMap<String, Instant>,
     /// The size at which the map is next swept: twice what the last sweep left, and at
     /// least [`Hosts::FIRST_SWEEP`].
     sweep_at: usize,
-}
-
-/// A host's word: not before `until`, as noted at `noted` (the latest note).
-#[derive(Clone, Copy, Debug)]
-struct Word {
-    until: Instant,
-    noted: Instant,
+    /// The longest `max_wait` of the layers sharing this table: how much of a word is
+    /// kept (a layer reads at most its own).
+    cap: Duration,
 }
 
 impl Hosts {
@@ -402,15 +415,11 @@ impl Hosts {
         let swept = self.until.len() >= self.sweep_at.clamp(Self::FIRST_SWEEP, Self::MAX_HOSTS)
             && !self.until.contains_key(key);
         if swept {
-            self.until.retain(|_, word| word.until > now);
+            self.until.retain(|_, until| *until > now);
             self.sweep_at = self.until.len().saturating_mul(2);
         }
-        let entry = self
-            .until
-            .entry(key.to_owned())
-            .or_insert(Word { until, noted: now });
-        entry.until = entry.until.max(until);
-        entry.noted = entry.noted.max(now);
+        let entry = self.until.entry(key.to_owned()).or_insert(until);
+        *entry = (*entry).max(until);
         // Past the bound with every host's word still running (a crawler's many hosts, or
         // a server that names a new partition on every answer): the words that end first
         // are forgotten, an eighth of the bound at once, so that one pass over the map
@@ -421,7 +430,7 @@ impl Hosts {
                 .until
                 .iter()
                 .filter(|(host, _)| host.as_str() != key)
-                .map(|(host, word)| (word.until, host))
+                .map(|(host, until)| (*until, host))
                 .collect();
             let excess = self.until.len() - (Self::MAX_HOSTS - Self::MAX_HOSTS / 8);
             ends.select_nth_unstable(excess - 1);

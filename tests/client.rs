@@ -512,11 +512,37 @@ async fn a_short_max_wait_does_not_shorten_another_layers_wait() {
     let response = send(&mut client, get("http://a.test/")).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert!(long.wait_for("a.test", None) >= Duration::from_secs(595));
-    // The short layer reads it as its own 5 s, as before: then it goes.
+    // The short layer reads it as its own 5 s at most, each time.
     assert_eq!(short.wait_for("a.test", None), Duration::from_secs(5));
     tokio::time::advance(Duration::from_secs(5)).await;
-    assert_eq!(short.wait_for("a.test", None), Duration::ZERO);
+    assert_eq!(short.wait_for("a.test", None), Duration::from_secs(5));
     assert!(long.wait_for("a.test", None) >= Duration::from_secs(590));
+}
+
+/// A layer alone keeps a word only up to its own `max_wait`, as it did: a later, shorter
+/// word is then not stretched by an earlier long one (a `Retry-After: 600` read as 60 s,
+/// then "0 left, reset in 1 s", is a wait of 1 s, not another 60).
+#[tokio::test(start_paused = true)]
+async fn a_layer_alone_reads_a_later_shorter_word() {
+    let layer = PacingLayer::new().max_wait(Duration::from_secs(60));
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![
+        (429, vec![("retry-after", "600".to_owned())]),
+        (
+            200,
+            vec![
+                ("x-ratelimit-remaining", "0".to_owned()),
+                ("x-ratelimit-reset", "1".to_owned()),
+            ],
+        ),
+    ];
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
+    let refused = send(&mut client, get("http://a.test/")).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let answered = send(&mut client, get("http://a.test/")).await;
+    assert_eq!(answered.status(), StatusCode::OK);
+    assert!(layer.wait_for("a.test", None) <= Duration::from_secs(1));
 }
 
 /// Policies that would switch pacing off: a shadow policy never refuses, and a penalty's

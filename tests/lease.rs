@@ -336,3 +336,40 @@ async fn a_take_refused_before_the_rest_is_back_is_tried_again() {
         "decided one by one: the take was refused"
     );
 }
+
+/// A store that takes 200 ms to decide: slower than a 50 ms store timeout.
+struct SlowDecisions(std::sync::Arc<tollgate::MemoryStore>);
+
+impl Store for SlowDecisions {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
+        let (store, key, policies) = (self.0.clone(), key.clone(), policies.clone());
+        tollgate::DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            store.decide(&key, &policies, cost).await
+        })
+    }
+}
+
+/// A lease that lands after every request waiting for it gave up (the store too slow for
+/// their timeout) is no sign the store answers in time: its first answer, to a request
+/// that came later, is a cached one, or it would close a breaker mid-outage.
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_lands_late_answers_from_the_cache() {
+    let store = Leased::new(
+        SlowDecisions(std::sync::Arc::new(tollgate::MemoryStore::new())),
+        10,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("u");
+    // The request gives up at 50 ms; the take goes on.
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(50), store.decide(&key, &policies, 1)).await;
+    assert!(gave_up.is_err());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let later = store.decide(&key, &policies, 1).await.unwrap();
+    assert!(later.is_allowed());
+    assert!(later.is_cached(), "a late lease's answer counted as the store's");
+}

@@ -126,8 +126,9 @@ struct Lease {
     /// The shared state right after the lease was taken.
     statuses: SmallVec<[PolicyStatus; 2]>,
     policies: PolicySet,
-    /// A request was answered from it: the first answer is the store's own (it just
-    /// granted the lease), the others come from this replica's cache.
+    /// A request that waited for it was answered from it: that first answer is the
+    /// store's own (it just granted the lease); the others come from this replica's
+    /// cache.
     told: bool,
 }
 
@@ -272,7 +273,9 @@ enum Step {
 
 impl Leases {
     /// Spends `cost` from an open lease, or says what to do instead.
-    fn step(&self, id: &Id, policies: &PolicySet, cost: u64) -> Step {
+    /// `waited`: this request waited for a lease being taken (the store's answer to it
+    /// is this request's, and only then).
+    fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool) -> Step {
         let now = Instant::now();
         let mut shard = self.shard(id);
         let open = shard.entry(id.clone()).or_default();
@@ -288,7 +291,10 @@ impl Leases {
             .position(|lease| lease.ends > now && lease.left >= cost && of_these(lease))
         {
             open.leases[index].left -= cost;
-            let cached = std::mem::replace(&mut open.leases[index].told, true);
+            // The store's own answer only to a request that waited for the lease (a
+            // lease that landed after its requests gave up, the store slow, is no sign
+            // the store answers in time).
+            let cached = !waited || std::mem::replace(&mut open.leases[index].told, true);
             let held: u64 = open
                 .leases
                 .iter()
@@ -500,10 +506,10 @@ async fn take<S: Store>(
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
 /// `held` units still held here afterwards. Marked as answered from a local cache
-/// (`cached`) but for the lease's first answer: the shared store said nothing since, so
-/// it closes no circuit breaker and counts as no probe's success. The first answer is
-/// the store's own, which just granted the lease: it ends an outage (were it cached, only
-/// a refused lease would).
+/// (`cached`) but for the first answer to a request that waited for the lease: the
+/// shared store said nothing since, so it closes no circuit breaker and counts as no
+/// probe's success. That first answer is the store's own, which just granted the lease:
+/// it ends an outage (were it cached, only a refused lease would).
 fn local_decision(
     statuses: &[PolicyStatus],
     held: u64,
@@ -566,7 +572,7 @@ impl<S: Store> Store for Leased<S> {
             return self.inner.decide(key, policies, cost);
         }
         let id = (key.clone(), policies.fingerprint());
-        let mut step = self.leases.step(&id, policies, cost);
+        let mut step = self.leases.step(&id, policies, cost, false);
         if let Step::Take(retired) = step {
             step = self.begin_take(&id, policies, cost, retired);
         }
@@ -590,7 +596,7 @@ impl<S: Store> Store for Leased<S> {
                     Step::Wait(woken) => {
                         // Woken when the lease being taken is there (or was refused).
                         let _ = woken.await;
-                        step = store.leases.step(&id, &policies, cost);
+                        step = store.leases.step(&id, &policies, cost, true);
                     }
                     Step::Take(retired) => {
                         step = store.begin_take(&id, &policies, cost, retired);
