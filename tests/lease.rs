@@ -371,5 +371,8 @@ async fn a_lease_that_lands_late_answers_from_the_cache() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let later = store.decide(&key, &policies, 1).await.unwrap();
     assert!(later.is_allowed());
-    assert!(later.is_cached(), "a late lease's answer counted as the store's");
+    assert!(
+        later.is_cached(),
+        "a late lease's answer counted as the store's"
+    );
 }
