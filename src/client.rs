@@ -123,10 +123,7 @@ impl PacingLayer {
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Shared {
-                hosts: Arc::new(Mutex::new(Hosts {
-                    cap: DEFAULT_MAX_WAIT,
-                    ..Hosts::default()
-                })),
+                hosts: Arc::new(Mutex::new(Hosts::default())),
                 max_wait: DEFAULT_MAX_WAIT,
                 retries: 2,
                 retry_all: false,
@@ -165,21 +162,12 @@ impl PacingLayer {
     /// inner service's readiness, which is not bounded here (bound it with a timeout of
     /// your own). Each retry after a 429 waits anew.
     ///
-    /// Layers built from one base (clones) share what hosts said: it is kept up to the
-    /// longest `max_wait` among them, and each reads it as its own `max_wait` at most.
+    /// Layers built from one base (clones) share what hosts said, each word as the layer
+    /// that heard it read it: a layer with a shorter `max_wait` shortens the others'
+    /// waits. Build layers that need different `max_wait`s from separate
+    /// [`PacingLayer::new`]s.
     pub fn max_wait(self, max_wait: Duration) -> Self {
-        self.with(|shared| {
-            shared.max_wait = max_wait;
-            // Alone with the table, this layer sets how much of a word is kept; beside
-            // others of the same base, it may only raise it.
-            let alone = Arc::strong_count(&shared.hosts) == 1;
-            let mut hosts = shared.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-            hosts.cap = if alone {
-                max_wait
-            } else {
-                hosts.cap.max(max_wait)
-            };
-        })
+        self.with(|shared| shared.max_wait = max_wait)
     }
 
     /// How many times an idempotent request is retried after a 429 (default 2).
@@ -378,13 +366,13 @@ impl Shared {
         // With no wait allowed at all (`max_wait` zero), a refusal is not retried: a
         // retry would go straight back.
         let capped = wait > self.max_wait || (refused && wait.is_zero());
-        // Kept up to the longest `max_wait` of the layers sharing the table, not this
-        // one's: a layer of the same base that honours longer waits reads more of it
-        // (each reads at most its own, see `wait`).
-        let now = Instant::now();
-        let mut hosts = self.hosts.lock().unwrap_or_else(PoisonError::into_inner);
-        let until = later(now, wait.min(hosts.cap));
-        hosts.note(key, until, now);
+        // Kept as this layer reads it (cut to its `max_wait`): layers of one base share
+        // the table, so one with a shorter `max_wait` shortens the others' wait too.
+        let until = later(Instant::now(), wait.min(self.max_wait));
+        self.hosts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .note(key, until, Instant::now());
         capped
     }
 }
@@ -396,9 +384,6 @@ struct Hosts {
     /// The size at which the map is next swept: twice what the last sweep left, and at
     /// least [`Hosts::FIRST_SWEEP`].
     sweep_at: usize,
-    /// The longest `max_wait` of the layers sharing this table: how much of a word is
-    /// kept (a layer reads at most its own).
-    cap: Duration,
 }
 
 impl Hosts {

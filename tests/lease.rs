@@ -376,3 +376,32 @@ async fn a_lease_that_lands_late_answers_from_the_cache() {
         "a late lease's answer counted as the store's"
     );
 }
+
+/// The same with steady traffic: a request that joins the slow take late, just before
+/// the lease lands, did not start it. Its answer is a cached one too, or every lease
+/// would close a breaker while the store stays too slow.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_joins_a_slow_take_late_answers_from_the_cache() {
+    let store = Leased::new(
+        SlowDecisions(std::sync::Arc::new(tollgate::MemoryStore::new())),
+        10,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("u");
+    let first = store.decide(&key, &policies, 1);
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), first).await;
+    assert!(gave_up.is_err());
+    tokio::time::sleep(Duration::from_millis(130)).await;
+    let joined = tokio::time::timeout(Duration::from_millis(50), store.decide(&key, &policies, 1))
+        .await
+        .expect("the lease lands within its wait")
+        .unwrap();
+    assert!(joined.is_allowed());
+    assert!(
+        joined.is_cached(),
+        "a late joiner's answer counted as the store's"
+    );
+}

@@ -126,7 +126,7 @@ struct Lease {
     /// The shared state right after the lease was taken.
     statuses: SmallVec<[PolicyStatus; 2]>,
     policies: PolicySet,
-    /// A request that waited for it was answered from it: that first answer is the
+    /// The request that started its take was answered from it: that answer is the
     /// store's own (it just granted the lease); the others come from this replica's
     /// cache.
     told: bool,
@@ -273,8 +273,8 @@ enum Step {
 
 impl Leases {
     /// Spends `cost` from an open lease, or says what to do instead.
-    /// `waited`: this request waited for a lease being taken (the store's answer to it
-    /// is this request's, and only then).
+    /// `waited`: this request started the take of a lease and waited for it (the
+    /// store's answer to it is this request's, and only then).
     fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool) -> Step {
         let now = Instant::now();
         let mut shard = self.shard(id);
@@ -291,9 +291,9 @@ impl Leases {
             .position(|lease| lease.ends > now && lease.left >= cost && of_these(lease))
         {
             open.leases[index].left -= cost;
-            // The store's own answer only to a request that waited for the lease (a
-            // lease that landed after its requests gave up, the store slow, is no sign
-            // the store answers in time).
+            // The store's own answer only to the request that started the take and
+            // waited for it (a lease that landed after that request gave up, the store
+            // slow, is no sign the store answers in time).
             let cached = !waited || std::mem::replace(&mut open.leases[index].told, true);
             let held: u64 = open
                 .leases
@@ -506,7 +506,7 @@ async fn take<S: Store>(
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
 /// `held` units still held here afterwards. Marked as answered from a local cache
-/// (`cached`) but for the first answer to a request that waited for the lease: the
+/// (`cached`) but for the answer to the request that started the lease's take: the
 /// shared store said nothing since, so it closes no circuit breaker and counts as no
 /// probe's success. That first answer is the store's own, which just granted the lease:
 /// it ends an outage (were it cached, only a refused lease would).
@@ -573,7 +573,12 @@ impl<S: Store> Store for Leased<S> {
         }
         let id = (key.clone(), policies.fingerprint());
         let mut step = self.leases.step(&id, policies, cost, false);
+        // This request started the take it waits for: the store's answer to it is this
+        // request's own (a request that joined another's take, perhaps long after it
+        // started, says nothing of how fast the store answers now).
+        let mut took = false;
         if let Step::Take(retired) = step {
+            took = true;
             step = self.begin_take(&id, policies, cost, retired);
         }
         match step {
@@ -596,9 +601,10 @@ impl<S: Store> Store for Leased<S> {
                     Step::Wait(woken) => {
                         // Woken when the lease being taken is there (or was refused).
                         let _ = woken.await;
-                        step = store.leases.step(&id, &policies, cost, true);
+                        step = store.leases.step(&id, &policies, cost, took);
                     }
                     Step::Take(retired) => {
+                        took = true;
                         step = store.begin_take(&id, &policies, cost, retired);
                     }
                 }
