@@ -379,7 +379,7 @@ impl<St: Store> Limiter<St> {
                 crate::telemetry::store_error(&error);
                 // An outage (or a refusal every call meets) is said as the layer says it;
                 // an error of this call's alone is logged above.
-                if error.kind().is_io() || error.is_every_request() {
+                if error.kind().is_io() || error.every_request {
                     shared.outage.on_failure(&error, None);
                 }
                 match &shared.failure_mode {

@@ -350,11 +350,9 @@ impl Store for SlowDecisions {
     }
 }
 
-/// A lease that lands after every request waiting for it gave up (the store too slow for
-/// their timeout) is no sign the store answers in time: its first answer, to a request
-/// that came later, is a cached one, or it would close a breaker mid-outage.
-#[tokio::test(start_paused = true)]
-async fn a_lease_that_lands_late_answers_from_the_cache() {
+/// Leases of 10 over a store slower than its requests' timeout, and a first request
+/// that gave up on the take it started at 50 ms (the take goes on).
+async fn a_take_given_up() -> (Leased<SlowDecisions>, PolicySet, Key) {
     let store = Leased::new(
         SlowDecisions(std::sync::Arc::new(tollgate::MemoryStore::new())),
         10,
@@ -364,10 +362,18 @@ async fn a_lease_that_lands_late_answers_from_the_cache() {
     let policies =
         PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(3600)).unwrap());
     let key = Key::new("u");
-    // The request gives up at 50 ms; the take goes on.
     let gave_up =
         tokio::time::timeout(Duration::from_millis(50), store.decide(&key, &policies, 1)).await;
     assert!(gave_up.is_err());
+    (store, policies, key)
+}
+
+/// A lease that lands after every request waiting for it gave up (the store too slow for
+/// their timeout) is no sign the store answers in time: its first answer, to a request
+/// that came later, is a cached one, or it would close a breaker mid-outage.
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_lands_late_answers_from_the_cache() {
+    let (store, policies, key) = a_take_given_up().await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let later = store.decide(&key, &policies, 1).await.unwrap();
     assert!(later.is_allowed());
@@ -382,18 +388,7 @@ async fn a_lease_that_lands_late_answers_from_the_cache() {
 /// would close a breaker while the store stays too slow.
 #[tokio::test(start_paused = true)]
 async fn a_request_that_joins_a_slow_take_late_answers_from_the_cache() {
-    let store = Leased::new(
-        SlowDecisions(std::sync::Arc::new(tollgate::MemoryStore::new())),
-        10,
-        Duration::from_secs(60),
-    )
-    .unwrap();
-    let policies =
-        PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(3600)).unwrap());
-    let key = Key::new("u");
-    let first = store.decide(&key, &policies, 1);
-    let gave_up = tokio::time::timeout(Duration::from_millis(50), first).await;
-    assert!(gave_up.is_err());
+    let (store, policies, key) = a_take_given_up().await;
     tokio::time::sleep(Duration::from_millis(130)).await;
     let joined = tokio::time::timeout(Duration::from_millis(50), store.decide(&key, &policies, 1))
         .await

@@ -406,15 +406,11 @@ impl HeaderBlock {
                 // restrictive limit's stay, as within one layer (fewest left, then the
                 // latest reset). A set without limit or remaining, or with a field that
                 // is no number, is overwritten.
-                let their_reset = match headers.get(reset_name) {
-                    None => Some(0),
-                    Some(_) => number_field(headers, reset_name),
-                };
                 if inner.is_some()
                     && let (Some(_), Some(theirs), Some(their_reset)) = (
                         number_field(headers, limit_name),
                         number_field(headers, remaining_name),
-                        their_reset,
+                        headers.get(reset_name).map_or(Some(0), number),
                     )
                     && (theirs, std::cmp::Reverse(their_reset))
                         <= (remaining, std::cmp::Reverse(reset.unwrap_or(0)))
@@ -448,7 +444,12 @@ pub(crate) fn retry_after_secs(value: &HeaderValue) -> Option<u64> {
 
 /// The number a single-valued field of `headers` holds, if it holds one.
 fn number_field(headers: &HeaderMap, name: &HeaderName) -> Option<u64> {
-    headers.get(name)?.to_str().ok()?.trim().parse().ok()
+    number(headers.get(name)?)
+}
+
+/// The number a field's `value` holds, if it holds one.
+fn number(value: &HeaderValue) -> Option<u64> {
+    value.to_str().ok()?.trim().parse().ok()
 }
 
 /// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):

@@ -621,11 +621,6 @@ impl StoreError {
         self.kind
     }
 
-    /// A refusal every request meets (see the field).
-    pub(crate) fn is_every_request(&self) -> bool {
-        self.every_request
-    }
-
     /// The same error for another request met by it (a coalesced batch's waiters): its
     /// kind, code, message and whether every request meets it. The source, which cannot
     /// be cloned, is its text.
