@@ -367,15 +367,26 @@ async fn a_client_named_by_an_outer_tier_in_the_other_header_is_hidden() {
             .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
             .bypass(Bypass::new().network("10.0.0.0/8")),
     );
-    let mut tiers = request("10.0.0.5:443", "/", None);
-    tiers
-        .headers_mut()
-        .insert("x-forwarded-for", "10.0.0.9".parse().unwrap());
-    tiers
-        .headers_mut()
-        .insert("forwarded", "for=203.0.113.7".parse().unwrap());
-    let response = app.clone().oneshot(tiers).await.unwrap();
-    assert!(response.headers().contains_key("ratelimit"), "limited");
+    // However many trusted hops the header read lists, up to and past the walk's reach
+    // (32): a chain exactly as long as the walk reads once skipped this check.
+    for hops in [1, 31, 32, 33] {
+        let chain = (1..=hops)
+            .map(|i| format!("10.0.1.{i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut tiers = request("10.0.0.5:443", "/", None);
+        tiers
+            .headers_mut()
+            .insert("x-forwarded-for", chain.parse().unwrap());
+        tiers
+            .headers_mut()
+            .insert("forwarded", "for=203.0.113.7".parse().unwrap());
+        let response = app.clone().oneshot(tiers).await.unwrap();
+        assert!(
+            response.headers().contains_key("ratelimit"),
+            "{hops} hops: limited"
+        );
+    }
 }
 
 /// A chain of trusted hops as long as the walk reads, and no longer, is read whole: its

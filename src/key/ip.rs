@@ -233,19 +233,27 @@ impl ClientIp {
                 }
                 // Malformed, obfuscated or "unknown": the last good address stands.
                 Some(None) => return (client, true),
-                // No more in the header read, and the last address is trusted: the
-                // trusted peer's own request (or the chain's first hop), unless a client
-                // is named in the other header (a proxy configured otherwise than the
-                // key, or an outer tier writing the other header), which is then hidden.
-                None if names_a_client(&parts.headers, self.header.other()) => {
-                    forwarded_elsewhere(self.header.name(), self.header.other().name());
-                    return (client, true);
-                }
-                None => return (client, false),
+                None => return (client, self.named_elsewhere(parts)),
             }
         }
-        // More trusted hops than the walk reads: whoever is further out is unknown.
-        (client, hops.next().is_some())
+        // More trusted hops than the walk reads: whoever is further out is unknown. A
+        // chain exactly as long as the walk reads ends as a shorter one does.
+        match hops.next() {
+            Some(_) => (client, true),
+            None => (client, self.named_elsewhere(parts)),
+        }
+    }
+
+    /// The header read is used up and its last address is trusted: the trusted peer's own
+    /// request (or the chain's first hop), unless a client is named in the other header
+    /// (a proxy configured otherwise than the key, or an outer tier writing the other
+    /// header), which is then hidden.
+    fn named_elsewhere(&self, parts: &Parts) -> bool {
+        let named = names_a_client(&parts.headers, self.header.other());
+        if named {
+            forwarded_elsewhere(self.header.name(), self.header.other().name());
+        }
+        named
     }
 
     /// The client's address when the forwarding headers name it: `None` when a trusted
