@@ -2284,3 +2284,79 @@ fn a_fractional_weight_is_rounded_up() {
     assert_eq!(cost("{ c }"), 1);
     assert_eq!(cost("{ a b }"), 5);
 }
+
+/// The introspection query tools send (GraphiQL's shape): every list of the
+/// introspection types at most once on any path.
+const INTROSPECTION: &str = r#"
+    query IntrospectionQuery {
+      __schema {
+        queryType { name } mutationType { name } subscriptionType { name }
+        types { ...FullType }
+        directives { name description locations args { ...InputValue } }
+      }
+    }
+    fragment FullType on __Type {
+      kind name description
+      fields(includeDeprecated: true) {
+        name description args { ...InputValue } type { ...TypeRef }
+        isDeprecated deprecationReason
+      }
+      inputFields { ...InputValue }
+      interfaces { ...TypeRef }
+      enumValues(includeDeprecated: true) { name description isDeprecated deprecationReason }
+      possibleTypes { ...TypeRef }
+    }
+    fragment InputValue on __InputValue { name description type { ...TypeRef } defaultValue }
+    fragment TypeRef on __Type {
+      kind name
+      ofType { kind name ofType { kind name ofType { kind name ofType { kind name
+        ofType { kind name ofType { kind name ofType { kind name } } } } } } }
+    }
+"#;
+
+/// Introspection fields are in no schema the coster reads, so no list of theirs is sized:
+/// a type's fields, then their types' fields, and so on, is work that multiplies at each
+/// level for a charge that adds one. The introspection query tools send goes through each
+/// list of a type (fields, input fields, interfaces, possible types, enum values) at most
+/// once on a path, and is costed; a document that goes through two on one path, or asks
+/// for the whole schema twice, is refused (graphql-java's "good faith introspection"
+/// draws the line at the same place).
+#[test]
+fn introspection_that_multiplies_is_refused() {
+    let with_schema = GraphqlCost::new().with_schema(SDL).unwrap();
+    for coster in [GraphqlCost::new(), with_schema] {
+        let standard = coster.query_cost(INTROSPECTION, None, None);
+        assert!(standard.is_ok(), "{standard:?}");
+        assert!(
+            coster
+                .query_cost(
+                    "{ __type(name: \"User\") { fields { name type { name } } } }",
+                    None,
+                    None
+                )
+                .is_ok()
+        );
+        for nested in [
+            "{ __schema { types { fields { type { fields { name } } } } } }",
+            "{ __type(name: \"User\") { fields { type { fields { name } } } } }",
+            "{ __schema { types { interfaces { possibleTypes { name } } } } }",
+            "{ __schema { types { fields { args { type { inputFields { name } } } } } } }",
+            // Through fragments, and a fragment costed once at a shallow place and spread
+            // again under a list of its own kind.
+            "{ __schema { types { ...T } } } fragment T on __Type { fields { type { ...U } } } fragment U on __Type { enumValues { name } }",
+            "{ __schema { types { ...F fields { type { ...F } } } } } fragment F on __Type { interfaces { name } }",
+            "{ __schema { types { ... on __Type { possibleTypes { ... on __Type { fields { name } } } } } } }",
+            // The whole schema twice, under two names.
+            "{ a: __schema { types { name } } b: __schema { types { name } } }",
+        ] {
+            let Err(error) = coster.query_cost(nested, None, None) else {
+                panic!("{nested}: costed");
+            };
+            assert!(
+                matches!(error, CostError::Introspection(_)),
+                "{nested}: {error:?}"
+            );
+            assert!(error.to_string().contains("introspection"), "{error}");
+        }
+    }
+}

@@ -97,6 +97,13 @@ pub enum CostError {
         /// The most allowed.
         max: u64,
     },
+    /// An introspection query that multiplies: one list of an introspection type (a
+    /// type's `fields`, `inputFields`, `interfaces`, `possibleTypes`, `enumValues`) inside
+    /// another on one path, or the whole schema (`__schema`) asked for under two names.
+    /// No schema sizes these lists, so such a document would be work that multiplies at
+    /// each level for a charge that adds one; the introspection query tools send goes
+    /// through each at most once on a path.
+    Introspection(String),
 }
 
 impl fmt::Display for CostError {
@@ -132,6 +139,10 @@ impl fmt::Display for CostError {
                 f,
                 "costing the document takes more than {max} field visits (each field once \
                  for each type it may be on)"
+            ),
+            CostError::Introspection(why) => write!(
+                f,
+                "an introspection query that multiplies is refused: {why}"
             ),
         }
     }
@@ -180,6 +191,7 @@ impl From<CostError> for Uncosted {
                 | CostError::Batch { .. }
                 | CostError::TooDeep { .. }
                 | CostError::TooComplex { .. }
+                | CostError::Introspection(_)
         );
         Self {
             error,
@@ -464,6 +476,9 @@ impl GraphqlCost {
             operation,
             variables,
             visits: *visits,
+            introspection: None,
+            whole_schema: None,
+            introspected: false,
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
         *visits = walk.visits;
@@ -784,7 +799,25 @@ struct Walk<'a> {
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
+    /// Inside an introspection field (`__schema`, `__type`): how many lists of an
+    /// introspection type the path went through (see [`CostError::Introspection`]).
+    introspection: Option<u8>,
+    /// The response key of the `__schema` field costed, if any.
+    whole_schema: Option<&'a str>,
+    /// Set when the walk went into an introspection field: a cost remembered for a
+    /// fragment or a selection set that holds one does not stand for a spread elsewhere,
+    /// where the path above differs.
+    introspected: bool,
 }
+
+/// The lists of `__Type`, each of them values that lead to more types.
+const TYPE_LISTS: [&str; 5] = [
+    "fields",
+    "inputFields",
+    "interfaces",
+    "possibleTypes",
+    "enumValues",
+];
 
 /// A fragment in a context: its name, the concrete type and the list size it is costed in.
 type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>);
@@ -849,11 +882,15 @@ impl<'a> Walk<'a> {
             let cost = match self.costed.get(&memo) {
                 Some(&costed) => self.recall(costed, depth)?,
                 None => {
+                    let outer = std::mem::take(&mut self.introspected);
                     let (cost, below) = self.measured(depth, |walk| {
                         walk.selections_on(selections, Some(&memo.2), sized, depth)
                     });
                     let cost = cost?;
-                    self.costed.insert(memo, (cost, below));
+                    if !self.introspected {
+                        self.costed.insert(memo, (cost, below));
+                    }
+                    self.introspected |= outer;
                     cost
                 }
             };
@@ -917,6 +954,44 @@ impl<'a> Walk<'a> {
         if field.name == "__typename" {
             return Ok(0);
         }
+        let name = field.name.as_str();
+        let inside = match self.introspection {
+            Some(lists) if TYPE_LISTS.contains(&name) => {
+                if lists > 0 {
+                    return Err(CostError::Introspection(format!(
+                        "{name} inside another list of an introspection type"
+                    )));
+                }
+                lists + 1
+            }
+            Some(_) => return self.field_cost(field, concrete, depth),
+            None if name == "__schema" || name == "__type" => {
+                if name == "__schema" {
+                    let key = field.alias.as_ref().unwrap_or(&field.name).as_str();
+                    if self.whole_schema.is_some_and(|seen| seen != key) {
+                        return Err(CostError::Introspection(
+                            "__schema asked for under two names".to_owned(),
+                        ));
+                    }
+                    self.whole_schema = Some(key);
+                }
+                self.introspected = true;
+                0
+            }
+            None => return self.field_cost(field, concrete, depth),
+        };
+        let outer = self.introspection.replace(inside);
+        let cost = self.field_cost(field, concrete, depth);
+        self.introspection = outer;
+        cost
+    }
+
+    fn field_cost(
+        &mut self,
+        field: &'a ast::Field,
+        concrete: Option<&str>,
+        depth: usize,
+    ) -> Result<u64, CostError> {
         let info = match (self.schema, concrete) {
             (Some(schema), Some(concrete)) => schema.field(concrete, field.name.as_str()),
             _ => None,
@@ -1019,7 +1094,10 @@ impl<'a> Walk<'a> {
         depth: usize,
     ) -> Result<u64, CostError> {
         let memo = (name, concrete.map(str::to_owned), sized);
-        if let Some(&done) = self.done.get(&memo) {
+        // Inside an introspection field what a fragment may hold depends on the path
+        // above it: walked again at each spread (field visits still bound the work).
+        let remember = self.introspection.is_none();
+        if remember && let Some(&done) = self.done.get(&memo) {
             return self.recall(done, depth);
         }
         if self.visiting.contains(&name) {
@@ -1035,12 +1113,16 @@ impl<'a> Walk<'a> {
             return Ok(0);
         }
         self.visiting.push(name);
+        let outer = std::mem::take(&mut self.introspected);
         let (cost, below) = self.measured(depth, |walk| {
             walk.selections_on(&fragment.selection_set, concrete, sized, depth + 1)
         });
         self.visiting.pop();
         let cost = cost?;
-        self.done.insert(memo, (cost, below));
+        if remember && !self.introspected {
+            self.done.insert(memo, (cost, below));
+        }
+        self.introspected |= outer;
         Ok(cost)
     }
 
