@@ -2024,3 +2024,51 @@ async fn a_fail_closed_answer_says_when_the_breaker_probes_again() {
     let body: serde_json::Value = serde_json::from_str(&body_text(skipped).await).unwrap();
     assert_eq!(body["retry_after"], 20);
 }
+
+/// A denial the deny cache answers carries the single-valued fields as the store's own
+/// does: the limit is the policy's, none is left, and the reset is the `Retry-After`
+/// (draft-ietf-httpapi-ratelimit-headers-06, section 5: the reset SHOULD reference it).
+/// They went missing: the cache keeps no statuses, and the fields were built from them.
+#[tokio::test]
+async fn a_cached_denial_keeps_its_single_valued_fields() {
+    for style in [HeaderStyle::Draft6, HeaderStyle::Legacy] {
+        let app = hello().layer(
+            RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
+                .headers(style),
+        );
+        let (limit, remaining, reset) = if style == HeaderStyle::Legacy {
+            (
+                "x-ratelimit-limit",
+                "x-ratelimit-remaining",
+                "x-ratelimit-reset",
+            )
+        } else {
+            ("ratelimit-limit", "ratelimit-remaining", "ratelimit-reset")
+        };
+        assert_eq!(
+            app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+            200
+        );
+        // The store's denial, then the cache's.
+        for answer in ["store", "cache"] {
+            let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+            assert_eq!(response.status(), 429, "{style:?} {answer}");
+            let headers = response.headers();
+            assert_eq!(headers[limit], "1", "{style:?} {answer}");
+            assert_eq!(headers[remaining], "0", "{style:?} {answer}");
+            let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+            let reset: u64 = headers[reset].to_str().unwrap().parse().unwrap();
+            if style == HeaderStyle::Legacy {
+                // The Unix time of the reset: no earlier than now plus Retry-After.
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs();
+                assert!(reset >= now + retry, "{answer}: {reset} < {now} + {retry}");
+            } else {
+                assert_eq!(reset, retry, "{answer}");
+            }
+        }
+    }
+}

@@ -612,12 +612,27 @@ pub(crate) fn rate_limit_headers(
             }
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
-            let Some((status, policy)) = most_restrictive(decision, policies, shown)
-                .and_then(|index| Some((statuses.get(index)?, policies.get(index)?)))
-            else {
+            let legacy = options.style == HeaderStyle::Legacy;
+            let Some(index) = most_restrictive(decision, policies, shown) else {
                 return HeaderBlock::Empty;
             };
-            let legacy = options.style == HeaderStyle::Legacy;
+            let Some(policy) = policies.get(index) else {
+                return HeaderBlock::Empty;
+            };
+            let Some(status) = statuses.get(index) else {
+                // A denial answered without the store (the deny cache keeps no
+                // statuses): the policy's limit, none left, and the reset is its wait.
+                return match decision.outcome() {
+                    Outcome::Denied { retry_after, .. } if shown(policy) => HeaderBlock::Single {
+                        legacy,
+                        limit: policy.limit(),
+                        remaining: 0,
+                        reset: (!policy.params().is_in_flight())
+                            .then(|| reset_field(legacy, retry_after)),
+                    },
+                    _ => HeaderBlock::Empty,
+                };
+            };
             // Long resets carry the response's jitter, as `t` and `Retry-After` do. Kept
             // to the nanosecond: the field rounds up once.
             let after = if extra > 0 && status.reset >= JITTER_FROM {
