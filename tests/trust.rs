@@ -1692,7 +1692,7 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
         (HeaderStyle::Draft6, "ratelimit"),
         (HeaderStyle::Legacy, "x-ratelimit"),
     ] {
-        // Behind a deny cache, whose cached denials carry no numbers.
+        // Behind a deny cache, whose cached denials carry no statuses.
         let route = RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 100))
             .policy(Policy::fixed_window("search", 1, Duration::from_secs(60)).unwrap())
             .headers(style);
@@ -1729,11 +1729,17 @@ async fn nested_limiters_report_the_more_restrictive_single_valued_fields() {
             // draft-06, section 5: the same point in time as Retry-After.
             assert_eq!(reset, retry_after);
         }
-        // The inner layer's cached denial: no numbers of its own, and none of the outer
-        // layer's roomier ones on its `429`.
+        // The inner layer's cached denial: its own numbers (what a denial says without
+        // the state), not the outer layer's roomier ones, on its `429`.
         let cached = app.oneshot(request("/search", 1)).await.unwrap();
         assert_eq!(cached.status(), StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(header(&cached, &remaining), None, "{prefix}");
+        assert_eq!(
+            header(&cached, &remaining).as_deref(),
+            Some("0"),
+            "{prefix}"
+        );
+        assert_eq!(header(&cached, &limit).as_deref(), Some("1"), "{prefix}");
+        assert_eq!(cached.headers().get_all(&remaining).iter().count(), 1);
     }
 }
 
@@ -1863,7 +1869,7 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
 
 /// The nested limiters above over gRPC: the inner layer's cached denial is a gRPC answer
 /// (HTTP 200, `grpc-status` 8 and `retry-after`), still a wait of its own that the outer
-/// layer's roomier single-valued fields must not contradict.
+/// layer's roomier single-valued fields must not replace.
 #[tokio::test]
 async fn nested_limiters_over_grpc_leave_the_inner_wait_alone() {
     let route = RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 100))
@@ -1896,7 +1902,8 @@ async fn nested_limiters_over_grpc_leave_the_inner_wait_alone() {
     let cached = call().await.unwrap();
     assert_eq!(header(&cached, "grpc-status").as_deref(), Some("8"));
     assert!(header(&cached, "retry-after").is_some());
-    assert_eq!(header(&cached, "ratelimit-remaining"), None);
+    assert_eq!(header(&cached, "ratelimit-remaining").as_deref(), Some("0"));
+    assert_eq!(header(&cached, "ratelimit-limit").as_deref(), Some("1"));
 }
 
 /// The README's least-privilege ACL line, as written there, through a connection pool:
