@@ -10,7 +10,7 @@ use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError, check_answ
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
-use crate::policy::PolicySet;
+use crate::policy::{Policy, PolicySet};
 
 /// Remembers denials: once the store says an identity is denied for `retry_after`,
 /// requests of that identity with the same cost are denied in-process until then,
@@ -30,10 +30,21 @@ use crate::policy::PolicySet;
 /// has its own cache) clears only that replica's cache, so the others see it within
 /// `max_age`. Within it, a cached answer carries its full remaining wait.
 ///
+/// A cost above a policy's limit is refused whatever the state, so it is answered here
+/// every time ([`Outcome::CostExceedsLimit`](crate::Outcome::CostExceedsLimit)), never
+/// asked of the store: a client looping on a request it can never afford costs no round
+/// trips.
+///
 /// A cached answer cannot know the policies' state now (others spend, buckets refill),
 /// so it carries no statuses: the layer sends `Retry-After` and `RateLimit-Policy`, and
-/// no `RateLimit` field rather than stale numbers. It is marked
-/// [`from_cache`](crate::Decision::from_cache), so it never closes a circuit breaker.
+/// no `RateLimit` field rather than stale numbers (the single-valued styles send what a
+/// denial says without the state: the limit, none left, the reset at `Retry-After`). It
+/// is marked [`from_cache`](crate::Decision::from_cache), so it never closes a circuit
+/// breaker.
+///
+/// A policy set with an in-flight limit or a penalty is not cached: every request of it
+/// goes to the store (an in-flight denial ends when some request ends, not at a time;
+/// a penalty counts every denial towards its block).
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
 /// (or per `max_age`, whichever is shorter) from each replica instead of every request.
@@ -187,6 +198,19 @@ impl<S: Store> Store for DenyCache<S> {
         if policies.has_in_flight() || policies.has_penalties() {
             return self.inner.decide(key, policies, cost);
         }
+        // A cost above a policy's limit is refused whatever the state, as the store
+        // would refuse it: answered here, every time.
+        if let Some(policy) = policies.never_admits(cost) {
+            let limit = policies.get(policy).map_or(0, Policy::limit);
+            let outcome = Outcome::CostExceedsLimit {
+                policy,
+                cost,
+                limit,
+            };
+            return DecideFuture::ready(Ok(
+                Decision::with_statuses(outcome, SmallVec::new()).from_cache()
+            ));
+        }
         let cache_key = (key.clone(), policies.fingerprint());
         let now = self.shared.clock.now();
         let cached = self.shared.denials.get(&cache_key).and_then(|denials| {
@@ -302,6 +326,41 @@ mod tests {
         // A cheaper request may fit: it goes to the store, and is admitted.
         assert!(decide(1).is_allowed());
         assert_eq!(calls.load(Ordering::Relaxed), 3);
+    }
+
+    /// A cost above a policy's limit is refused whatever the state: the answer is the
+    /// same every time, so a client looping on such a request (a route only some plans
+    /// admit, a cost the client chooses) never reaches the store, as a flood of denials
+    /// does not.
+    #[test]
+    fn a_cost_no_state_admits_never_reaches_the_store() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let inner = Counting {
+            inner: MemoryStore::builder().clock(ManualClock::new()).build(),
+            calls: Arc::clone(&calls),
+        };
+        let cache = DenyCache::new(inner, 100);
+        let policies = PolicySet::new([
+            Policy::token_bucket("burst", 50, Rate::per_second(50)).unwrap(),
+            Policy::token_bucket("api", 5, Rate::per_hour(5)).unwrap(),
+        ])
+        .unwrap();
+        let key = Key::new("hot");
+        for _ in 0..1000 {
+            let refused = now_or_never(cache.decide(&key, &policies, 6));
+            assert_eq!(
+                refused.outcome(),
+                Outcome::CostExceedsLimit {
+                    policy: 1,
+                    cost: 6,
+                    limit: 5
+                }
+            );
+            assert!(refused.is_cached(), "not the store's own answer");
+        }
+        assert_eq!(calls.load(Ordering::Relaxed), 0, "the loop stayed local");
+        assert!(now_or_never(cache.decide(&key, &policies, 5)).is_allowed());
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
     }
 
     /// What a memory store's future answers at once.
