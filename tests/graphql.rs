@@ -838,6 +838,46 @@ mod http {
         }
     }
 
+    /// A form body (`application/x-www-form-urlencoded`) is an operation to the servers
+    /// that read forms (express-graphql, graphql-go): it is costed as its parameters say,
+    /// read as a `GET`'s URL is, never let through at `Invalid::Charge`'s fixed charge.
+    #[tokio::test]
+    async fn a_form_body_is_costed_as_its_parameters_say() {
+        let post = |app: &Router, form: &str| {
+            let request = Request::post("/graphql")
+                .header("x-api-key", "forms")
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(Body::from(form.to_owned()))
+                .unwrap();
+            app.clone().oneshot(request)
+        };
+        let costly = "query=%7B%20a(first%3A50)%20%7B%20b(first%3A50)%20%7B%20c%20%7D%20%7D%20%7D";
+        for app in [
+            app(GraphqlCostLayer::new(GraphqlCost::new())),
+            app_with_minimum(),
+        ] {
+            let response = post(&app, costly).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            assert_eq!(response.headers()["graphql-cost"], "51");
+            let response = post(&app, "query=%7B+a+%7B+b+%7D+%7D&variables=%7B%7D")
+                .await
+                .unwrap();
+            assert_eq!(response.headers()["graphql-cost"], "1");
+            // What a server may read otherwise is refused, whatever `on_invalid` says:
+            // a parameter twice, a name in another case, a documentId beside a query.
+            for refused in [
+                "query=%7Ba%7D&query=%7Ba%7Bb%7D%7D",
+                "query=%7Ba%7D&QUERY=%7Ba%7Bb%7D%7D",
+                "query=%7Ba%7D&documentId=p%2Fbig",
+                "query=%7Ba%7D&id=8d4bc3a0",
+                "query=%7Ba%7D;query=%7Ba%7Bb%7D%7D",
+            ] {
+                let response = post(&app, refused).await.unwrap();
+                assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{refused}");
+            }
+        }
+    }
+
     /// A preflight or a `GET` without a query whose body is empty only once read (sent
     /// chunked) passes through as a bodiless one does; a `GET`'s body, never handed on,
     /// takes its framing headers with it.
@@ -1936,12 +1976,15 @@ fn keys_that_differ_only_in_case_are_refused() {
 /// so the query's cost says nothing of what runs. Refused, as a `documentId` alone is
 /// (it cannot be costed). An automatic persisted query's hash beside its document (the
 /// registering round of APQ) is costed by the document, which the server checks against
-/// the hash.
+/// the hash. A persisted query's `id` (Hot Chocolate's and Relay's name for it) is the
+/// same: beside a query, a server may run either.
 #[test]
 fn a_document_id_beside_a_query_is_refused() {
     for body in [
         json!({ "query": "{ a }", "documentId": "sha256:8d4bc3a0" }),
         json!([{ "query": "{ a }" }, { "query": "{ a }", "documentId": "p/expensive" }]),
+        json!({ "query": "{ a }", "id": "8d4bc3a0" }),
+        json!({ "query": "{ a }", "Id": "8d4bc3a0" }),
     ] {
         assert!(
             GraphqlCost::new()
@@ -1960,13 +2003,17 @@ fn a_document_id_beside_a_query_is_refused() {
             .unwrap(),
         1
     );
-    let null_id = json!({ "query": "{ a { b } }", "documentId": null });
-    assert_eq!(
-        GraphqlCost::new()
-            .json_cost(null_id.to_string().as_bytes())
-            .unwrap(),
-        1
-    );
+    for null_id in [
+        json!({ "query": "{ a { b } }", "documentId": null }),
+        json!({ "query": "{ a { b } }", "id": null }),
+    ] {
+        assert_eq!(
+            GraphqlCost::new()
+                .json_cost(null_id.to_string().as_bytes())
+                .unwrap(),
+            1
+        );
+    }
 }
 
 /// A field given several slicing arguments is sized by the largest: a server may honour

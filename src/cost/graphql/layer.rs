@@ -46,10 +46,11 @@ pub enum Invalid {
 /// further in, so one expensive query spends as much of a budget as many cheap ones.
 ///
 /// It reads `POST` bodies of type `application/json` (one request or a batch; any
-/// `+json` type, or no type, alike) and `application/graphql`, in UTF-8, and `GET
-/// ?query=`. A body of any other type, charset or encoding goes to `on_invalid` (a server
-/// would read a form as a form, and decode another charset into other keys), unless it
-/// is JSON all the same: a server may read it as JSON whatever its type (async-graphql
+/// `+json` type, or no type, alike), `application/graphql` and
+/// `application/x-www-form-urlencoded` (parameters, read as a `GET`'s URL is), in UTF-8,
+/// and `GET ?query=`. A body of any other type, charset or encoding goes to `on_invalid`
+/// (a server would decode another charset into other keys), unless it is JSON all the
+/// same: a server may read it as JSON whatever its type (async-graphql
 /// does), so it is refused whatever `on_invalid` says. Without a schema,
 /// `first`, `last` and `limit` size every field, scalars included. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
@@ -177,13 +178,14 @@ enum BodyType {
     Json,
     /// A GraphQL document (`application/graphql`).
     Document,
+    /// A form (`application/x-www-form-urlencoded`): parameters, as a `GET`'s URL has.
+    Form,
 }
 
 /// What the body of `request` is read as: JSON (`application/json`, any `+json` type, or
-/// no type at all) or a GraphQL document (`application/graphql`), in UTF-8. Any other type
-/// or charset is an error: a server reads a form body as a form (one that is valid JSON
-/// too would run what the coster did not read), and decodes another charset (UTF-7) into
-/// other keys.
+/// no type at all), a GraphQL document (`application/graphql`) or a form's parameters
+/// (`application/x-www-form-urlencoded`), in UTF-8. Any other type or charset is an
+/// error: a server decodes another charset (UTF-7) into other keys.
 fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
     // Still compressed: this layer runs outside the decompression it needs.
     let compressed = request
@@ -226,6 +228,7 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
     }
     match media.as_str() {
         "application/graphql" => Ok(BodyType::Document),
+        "application/x-www-form-urlencoded" => Ok(BodyType::Form),
         "application/json" | "" => Ok(BodyType::Json),
         media if media.ends_with("+json") => Ok(BodyType::Json),
         media => Err(CostError::Request(format!(
@@ -247,13 +250,18 @@ impl Config {
     }
 
     fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, Uncosted> {
-        let query_string = parts.uri.query().unwrap_or("");
+        self.parameters_cost(parts.uri.query().unwrap_or(""), "URL")
+    }
+
+    /// The cost of an operation given as parameters (`query`, `operationName`,
+    /// `variables`): a `GET`'s URL, or a form body. `given` says which, for messages.
+    fn parameters_cost(&self, query_string: &str, given: &str) -> Result<u64, Uncosted> {
         // Some servers split parameters on `;` too, and would read other parameters
         // than these (clients escape a `;` in a value as `%3B`).
         if query_string.contains(';') {
-            return Err(Uncosted::refused_request(
-                "a raw ';' in the URL of an operation: some servers split parameters on it",
-            ));
+            return Err(Uncosted::refused_request(format!(
+                "a raw ';' in the {given} of an operation: some servers split parameters on it"
+            )));
         }
         let mut query = None;
         let mut operation_name = None;
@@ -264,8 +272,9 @@ impl Config {
                 "query" => &mut query,
                 "operationName" => &mut operation_name,
                 "variables" => &mut variables,
-                // A server that supports persisted documents may run the stored one.
-                "documentId" => {
+                // A server that supports persisted documents may run the stored one
+                // (`id` names one too: Hot Chocolate, Relay).
+                "documentId" | "id" => {
                     document_id = true;
                     continue;
                 }
@@ -287,8 +296,8 @@ impl Config {
         }
         if document_id {
             let error = CostError::Request(
-                "a documentId: a persisted document cannot be costed, and a server may run it \
-                 rather than the query (or the query rather than it)"
+                "a documentId or id: a persisted document cannot be costed, and a server may \
+                 run it rather than the query (or the query rather than it)"
                     .into(),
             );
             // Beside a query: a server without persisted documents runs the query.
@@ -457,6 +466,27 @@ where
                             // A server may decode it leniently, and run what it makes of it.
                             Err(_) => Err(Uncosted::refused_request("the body is not UTF-8")),
                         },
+                        // A form is an operation's parameters, as a `GET`'s URL has them
+                        // (express-graphql and graphql-go run it). One that is JSON as
+                        // well was refused above by its type; here it is by its bytes.
+                        (Ok(BodyType::Form), named) => {
+                            let form = std::str::from_utf8(&bytes).ok().filter(|_| {
+                                serde_json::from_slice::<serde_json::Value>(super::without_bom(
+                                    &bytes,
+                                ))
+                                .is_err()
+                            });
+                            match (form, named) {
+                                (None, _) => Err(Uncosted::refused_request(
+                                    "a form body that is JSON, or not UTF-8: a server may \
+                                     read it otherwise than as a form",
+                                )),
+                                // Its operationName is the form's; one in the URL as well
+                                // may be taken over it.
+                                (Some(_), Some(_)) => mismatch(),
+                                (Some(form), None) => config.parameters_cost(form, "form"),
+                            }
+                        }
                         (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
                         _ => config.coster.json_costing(&bytes),
                     };

@@ -575,13 +575,16 @@ impl GraphqlCost {
             )));
         }
         // A server that supports persisted documents may run the stored one and ignore
-        // the query: the query's cost would say nothing of what runs.
-        if object.get("documentId").is_some_and(|id| !id.is_null()) {
-            let error = CostError::Request(
-                "a documentId: a persisted document cannot be costed, and a server may run \
+        // the query: the query's cost would say nothing of what runs. `id` is a persisted
+        // query's name too (Hot Chocolate, Relay).
+        if let Some(name) = ["documentId", "id"]
+            .into_iter()
+            .find(|name| object.get(*name).is_some_and(|id| !id.is_null()))
+        {
+            let error = CostError::Request(format!(
+                "a {name}: a persisted document cannot be costed, and a server may run \
                  it rather than the query (or the query rather than it)"
-                    .into(),
-            );
+            ));
             // Beside a query: a server without persisted documents runs the query.
             return Err(match object.get("query") {
                 None | Some(Json::Null) => error.into(),
@@ -739,12 +742,13 @@ fn root_fields(
 }
 
 /// The keys of a GraphQL request, in a JSON body or a URL, as the coster spells them.
-const REQUEST_KEYS: [&str; 5] = [
+const REQUEST_KEYS: [&str; 6] = [
     "query",
     "variables",
     "operationName",
     "extensions",
     "documentId",
+    "id",
 ];
 
 /// True when `name` is a request key to a server that reads keys in any case (Go's JSON
