@@ -249,6 +249,21 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     // Other paths under the wildcard cost what its template costs.
     let other = server.get("/greeter.Greeter/Wave").await;
     assert!(other.rate().starts_with("\"api\";r=3;"), "{}", other.rate());
+    // The listed path in escapes is the same path to a handler (axum decodes what a
+    // wildcard captured): it costs what the listed path costs (5, more than the 3 left),
+    // not the template's 2.
+    let escaped = server.get("/greeter.Greeter/Say%48ello").await;
+    assert_eq!(
+        escaped.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        escaped.rate()
+    );
+    assert!(
+        escaped.rate().starts_with("\"api\";r=3;"),
+        "{}",
+        escaped.rate()
+    );
 
     // Nested, the layer sees the whole template (`/api/{*rest}`) and a URI with the
     // prefix taken off (`/health`): the path looked up is the whole one, or `/api/health`

@@ -52,8 +52,11 @@ impl Cost for u64 {
 /// Routes are matched on axum's `MatchedPath` (the route template, `/users/{id}`) when
 /// there is one, else on the request path. Under a wildcard template (`/files/{*path}`,
 /// or a tonic service merged into an axum router, one `/{Service}/{*rest}` route), an
-/// entry for the request's own path comes first (`/greeter.Greeter/SayHello`), then the
-/// template's. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
+/// entry for the request's own path comes first (`/greeter.Greeter/SayHello`), as it is
+/// written or with its escapes decoded (a handler reads the captured path decoded, so
+/// `/files/big%2Eiso` is `/files/big.iso` to it), then the template's. A path the handler
+/// normalises further (`./`, a trailing slash, case) is the template's: list those
+/// spellings too, or cost the route in the handler. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
 /// its own: it runs the GET handler.
 ///
 /// The template is the one the router that runs the layer matched: inside a router
@@ -154,7 +157,20 @@ impl Cost for PerRoute {
             && template
                 .split_once('{')
                 .is_some_and(|(start, _)| path.starts_with(start));
-        let own = wildcard.then(|| self.listed(path, &parts.method)).flatten();
+        // A handler reads what the wildcard captured decoded (axum's `Path`): the
+        // listed path in escapes (`/files/big%2Eiso`) is the listed path to it.
+        let own = wildcard
+            .then(|| {
+                self.listed(path, &parts.method).or_else(|| {
+                    let decoded = percent_encoding::percent_decode_str(path)
+                        .decode_utf8()
+                        .ok();
+                    decoded
+                        .filter(|decoded| decoded != path)
+                        .and_then(|decoded| self.listed(&decoded, &parts.method))
+                })
+            })
+            .flatten();
         own.or_else(|| self.listed(template, &parts.method))
             .unwrap_or(self.default)
     }
