@@ -599,6 +599,14 @@ impl LimiterConfig {
                          them, so this plan would never be chosen",
                     ));
                 }
+                // The plan header's value is read as visible ASCII (and spaces inside).
+                if plan.is_empty() || !plan.bytes().all(|byte| (b' '..=b'~').contains(&byte)) {
+                    return Err(ConfigError::new(
+                        &entry,
+                        "no header value names this plan (a plan name is visible ASCII, \
+                         spaces inside allowed), so it would never be chosen",
+                    ));
+                }
                 if names.is_empty() {
                     return Err(ConfigError::new(
                         &entry,
@@ -629,6 +637,12 @@ impl LimiterConfig {
                 return Err(ConfigError::new(
                     format!("policies[{index}] {:?}", spec.name),
                     "no plan lists it, so it would limit nothing: add it to a plan or remove it",
+                ));
+            }
+            if sets.len() == 1 && plan_header.is_some() {
+                return Err(ConfigError::new(
+                    "plan_header",
+                    "there is only the default plan: the header would choose nothing",
                 ));
             }
             if sets.len() > 1 && plan_header.is_none() {
@@ -867,6 +881,12 @@ impl LimiterConfig {
                 "shadow_headers",
                 "nothing is in shadow (no policy has shadow = true, and shadow is false): \
                  there are no shadow numbers to show",
+            ));
+        }
+        if self.shadow_headers && self.headers.as_deref() == Some("none") {
+            return Err(ConfigError::new(
+                "shadow_headers",
+                "headers = \"none\": no rate-limit header is sent to show shadow numbers in",
             ));
         }
         let headers = match self.headers.as_deref() {

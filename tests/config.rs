@@ -358,6 +358,36 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "plans. pro",
             "spaces around a plan name",
         ),
+        // Settings that look in force and are not: a plan name no header value carries
+        // (`HeaderValue::to_str` reads visible ASCII), an empty one, a plan header with
+        // only the default plan to choose, shadow numbers in headers that are not sent.
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n\"prö\" = [\"api\"]\n",
+            "plans.prö",
+            "no header value",
+        ),
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n\"\" = [\"api\"]\n",
+            "plans.",
+            "no header value",
+        ),
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n",
+            "plan_header",
+            "only the default plan",
+        ),
+        (
+            "shadow_headers = true\nheaders = \"none\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"\nshadow = true"),
+            "shadow_headers",
+            "no rate-limit header is sent",
+        ),
         (
             policy("algorithm = \"gcra\"\nrate = \"10/min\"\nburst = 1"),
             "policies[0] \"api\"",
@@ -785,4 +815,17 @@ async fn the_fallback_share_is_configured() {
         assert_eq!(error.entry(), "fallback_share", "{extra}");
         assert!(error.reason().contains(reason), "{extra}: {error}");
     }
+}
+
+/// The README's configuration example is one the crate takes as it stands.
+#[test]
+fn the_readmes_example_configuration_is_valid() {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("```toml\nkey = [\"header:x-api-key\"")
+        .expect("the README's configuration example");
+    let text = &readme[start + "```toml\n".len()..];
+    let text = &text[..text.find("```").unwrap()];
+    assert!(text.contains("plan_header"));
+    assert_eq!(parse(text).check(), Ok(()));
 }
