@@ -394,11 +394,8 @@ fn peer_addr(parts: &Parts) -> Option<IpAddr> {
     {
         return Some(address.ip());
     }
-    parts
-        .extensions
-        .get::<SocketAddr>()
-        .map(SocketAddr::ip)
-        .or_else(|| parts.extensions.get::<IpAddr>().copied())
+    // Not a bare `IpAddr`: middleware may have put one there from a client's header.
+    parts.extensions.get::<SocketAddr>().map(SocketAddr::ip)
 }
 
 /// The entries of a forwarding header, right to left, across all its lines: `Some(ip)`
@@ -883,6 +880,21 @@ mod tests {
 
     fn client(ip: &ClientIp, peer: &str, headers: &[(&str, &[u8])]) -> String {
         ip.extract(&parts(peer, headers)).unwrap().to_string()
+    }
+
+    /// The peer is read only from where a server records it (axum's `ConnectInfo`,
+    /// tonic's connection info, a `SocketAddr`). A bare `IpAddr` extension is no peer:
+    /// middleware that puts one there may have read it from a client's header
+    /// (`X-Real-IP`), and taking it for the socket's would let clients choose their key
+    /// (and a network bypass).
+    #[test]
+    fn a_bare_ip_address_extension_is_no_peer() {
+        let mut request = Request::get("/").body(()).unwrap();
+        request.extensions_mut().insert(IpAddr::from([10, 0, 0, 1]));
+        let parts = request.into_parts().0;
+        let error = ClientIp::peer().extract(&parts).unwrap_err();
+        assert_eq!(error.kind(), crate::key::KeyErrorKind::Server);
+        assert!(error.to_string().contains("no peer address"), "{error}");
     }
 
     #[test]
