@@ -172,6 +172,8 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
 async fn a_cached_denial_never_closes_the_breaker() {
     let store = Switch::new();
     let cache = DenyCache::new(store.clone(), 1_000);
+    // The breaker's cool-down on a manual clock: the probe comes when the test says.
+    let clock = tollgate::clock::ManualClock::new();
     let app = hello().layer(
         RateLimitLayer::new(cache)
             .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
@@ -180,7 +182,9 @@ async fn a_cached_denial_never_closes_the_breaker() {
             }))
             .on_store_error(FailureMode::FailOpen)
             .store_timeout(Duration::from_secs(30))
-            .circuit_breaker(CircuitBreaker::new(3, Duration::from_millis(20))),
+            .circuit_breaker(
+                CircuitBreaker::new(3, Duration::from_millis(20)).with_clock(clock.clone()),
+            ),
     );
     let who = |name: &str| {
         Request::get("/")
@@ -197,7 +201,7 @@ async fn a_cached_denial_never_closes_the_breaker() {
         app.clone().oneshot(who("cold")).await.unwrap();
     }
     let calls = store.calls();
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    clock.advance(Duration::from_millis(30));
     // The probe happens to be a request the cache answers: the store said nothing.
     assert_eq!(app.clone().oneshot(who("hot")).await.unwrap().status(), 429);
     // So the breaker is still open: of the next requests, at most one probes the store.
@@ -214,7 +218,9 @@ async fn a_cached_denial_never_closes_the_breaker() {
 // Item 9: a costlier request never gets a cheaper one's Retry-After from the cache.
 #[tokio::test]
 async fn a_cached_denial_is_only_reused_for_the_same_cost() {
-    let cache = DenyCache::new(MemoryStore::new(), 1_000);
+    let clock = tollgate::clock::ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let cache = DenyCache::with_clock(store, 1_000, clock);
     let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(1)).unwrap());
     let key = Key::new("k");
     assert!(
@@ -226,20 +232,22 @@ async fn a_cached_denial_is_only_reused_for_the_same_cost() {
     );
     let cheap = cache.decide(&key, &policies, 2).await.unwrap();
     let cheap_wait = cheap.retry_after().unwrap();
-    assert!(cheap_wait > Duration::from_millis(1_900) && cheap_wait <= Duration::from_secs(2));
+    assert_eq!(cheap_wait, Duration::from_secs(2));
     let costly = cache.decide(&key, &policies, 8).await.unwrap();
-    assert!(
-        costly.retry_after().unwrap() > Duration::from_millis(7_900),
-        "a cost of 8 needs 8 s at 1/s, not {:?}",
-        costly.retry_after()
+    assert_eq!(
+        costly.retry_after().unwrap(),
+        Duration::from_secs(8),
+        "a cost of 8 needs 8 s at 1/s"
     );
 }
 
 // Item 8: a cached denial never repeats the numbers seen when it was cached.
 #[tokio::test]
 async fn a_cached_denial_never_sends_stale_numbers() {
+    let clock = tollgate::clock::ManualClock::new();
+    let store = MemoryStore::builder().clock(clock.clone()).build();
     let app = hello().layer(
-        RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+        RateLimitLayer::new(DenyCache::with_clock(store, 1_000, clock.clone()))
             .policy(Policy::token_bucket("api", 10, Rate::per_second(2)).unwrap())
             .cost(cost_header()),
     );
@@ -255,7 +263,7 @@ async fn a_cached_denial_never_sends_stale_numbers() {
     assert_eq!(first.status(), 429);
     assert_eq!(header(&first, "ratelimit").unwrap(), "\"api\";r=0;t=1");
     // 1.1 s later two tokens are back; the cached denial (5 needs 2.5 s) still stands.
-    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    clock.advance(Duration::from_millis(1_100));
     let second = app.clone().oneshot(request("/", 5)).await.unwrap();
     assert_eq!(second.status(), 429);
     if let Some(rate) = header(&second, "ratelimit") {
@@ -2057,9 +2065,17 @@ async fn a_cached_denial_keeps_its_single_valued_fields() {
             app.clone().oneshot(request("/", 1)).await.unwrap().status(),
             200
         );
+        let unix_now = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+        };
         // The store's denial, then the cache's.
         for answer in ["store", "cache"] {
+            let before = unix_now();
             let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+            let after = unix_now();
             assert_eq!(response.status(), 429, "{style:?} {answer}");
             let headers = response.headers();
             assert_eq!(headers[limit], "1", "{style:?} {answer}");
@@ -2067,12 +2083,12 @@ async fn a_cached_denial_keeps_its_single_valued_fields() {
             let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
             let reset: u64 = headers[reset].to_str().unwrap().parse().unwrap();
             if style == HeaderStyle::Legacy {
-                // The Unix time of the reset: no earlier than now plus Retry-After.
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_secs();
-                assert!(reset >= now + retry, "{answer}: {reset} < {now} + {retry}");
+                // The Unix time of the reset: when the response was made plus its
+                // Retry-After (each rounded up once).
+                assert!(
+                    (before + retry - 1..=after + retry + 1).contains(&reset),
+                    "{answer}: {reset} against {before}..{after} + {retry}"
+                );
             } else {
                 assert_eq!(reset, retry, "{answer}");
             }
