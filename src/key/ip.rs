@@ -178,7 +178,9 @@ impl ClientIp {
     /// with neighbours where providers hand out smaller blocks). An address of the
     /// well-known NAT64 prefix (`64:ff9b::/96`, RFC 6052), which a stateless translator
     /// in front of an IPv6-only server shows for each IPv4 client, is keyed as the IPv4
-    /// host it carries (`ip:192.0.2.1`), grouped by [`ipv4_prefix`](Self::ipv4_prefix).
+    /// host it carries (`ip:192.0.2.1`), grouped by [`ipv4_prefix`](Self::ipv4_prefix);
+    /// so is a 6to4 address (`2002:V4ADDR::/48`, RFC 3056), whose whole /48 belongs to
+    /// the IPv4 host it names.
     pub fn ipv6_prefix(mut self, bits: u8) -> Self {
         self.ipv6_prefix = bits.min(128);
         self
@@ -304,11 +306,18 @@ impl ClientIp {
 
 /// The IPv4 host behind an address of the well-known NAT64 prefix `64:ff9b::/96`
 /// (RFC 6052, section 2.1): a stateless translator in front of an IPv6-only server shows
-/// each IPv4 client so, and each is a host of its own, not one /64.
+/// each IPv4 client so, and each is a host of its own, not one /64. Or behind a 6to4
+/// address, `2002:V4ADDR::/48` (RFC 3056, section 2): the site of one IPv4 host, which
+/// would hold 65,536 /64s.
 fn translated_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
     let octets = v6.octets();
-    (octets[..12] == [0, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0])
-        .then(|| std::net::Ipv4Addr::new(octets[12], octets[13], octets[14], octets[15]))
+    if octets[..12] == [0, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0] {
+        return Some(std::net::Ipv4Addr::new(
+            octets[12], octets[13], octets[14], octets[15],
+        ));
+    }
+    (octets[..2] == [0x20, 0x02])
+        .then(|| std::net::Ipv4Addr::new(octets[2], octets[3], octets[4], octets[5]))
 }
 
 /// The error of a request that carries no peer address: the server is set up wrong.
@@ -1300,6 +1309,26 @@ mod tests {
         assert_eq!(
             client(&ip, "[64:ff9b:0:1::c000:201]:1", &[]),
             "ip:64:ff9b:0:1::/64"
+        );
+    }
+
+    /// RFC 3056, section 2: a 6to4 site's prefix is `2002:V4ADDR::/48`, made of the
+    /// site's IPv4 address. By /64 one IPv4 host held 65,536 keys; it is keyed as that
+    /// IPv4 host (the key it has over IPv4).
+    #[test]
+    fn a_6to4_client_is_keyed_as_its_ipv4_host() {
+        let ip = ClientIp::peer();
+        assert_eq!(client(&ip, "[2002:c000:201:1::1]:1", &[]), "ip:192.0.2.1");
+        assert_eq!(
+            client(&ip, "[2002:c000:201:ffff::9]:1", &[]),
+            "ip:192.0.2.1"
+        );
+        let v4 = ClientIp::peer().ipv4_prefix(24);
+        assert_eq!(client(&v4, "[2002:c000:277::1]:1", &[]), "ip:192.0.2.0/24");
+        // Beside the prefix, an address of its own /64 as before.
+        assert_eq!(
+            client(&ip, "[2003:c000:201:1::1]:1", &[]),
+            "ip:2003:c000:201:1::/64"
         );
     }
 
