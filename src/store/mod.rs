@@ -255,8 +255,11 @@ impl Adjustment {
 
     /// This settlement, knowing what the debit left of each policy (the decision's
     /// `statuses()[i].remaining`, in the set's order). A bucket or GCRA then gives back
-    /// exactly what a replay with the actual cost would hold, where without it every unit
+    /// what a replay with the actual cost would hold, where without it every unit
     /// refilled since the debit is counted as lost (safe, but short of the actual cost).
+    /// `remaining` is whole units: a bucket part-way through refilling a token when it
+    /// was debited counts that token as missing, so the settle may give back up to that
+    /// fraction of a unit more than an exact replay would.
     ///
     /// ```
     /// use tollgate::{Adjustment, Key, MemoryStore, Policy, PolicySet, Rate};
