@@ -3,7 +3,9 @@
 -- the time of the decision, then the indices of the shadow policies that would have
 -- denied). A shadow policy (kind `xx~`) is decided, never denies, and is debited only if
 -- it would have admitted. A policy with a penalty (kind `xx!...`) blocks a key it keeps
--- denying: a blocked key is answered from the block, nothing spent.
+-- denying: a blocked key is answered from the block, nothing spent. The outcome is 0
+-- admitted, 1 denied, 2 a cost that never fits, 3 denied by a block (which counts towards
+-- nothing: a deny cache may answer the same until it ends).
 
 -- One policy of a plain kind (no shadow, no penalty): the store's most common call. The
 -- same decision as the loop below (a lone policy denies alone, and nothing can block it),
@@ -64,8 +66,9 @@ local function blocked_reply()
   if denier == 0 then return nil end
   local asked = cost
   if cost < 1 then cost = 1 end
-  -- The outcome's denier and wait are filled in once every policy is read.
-  local reply = { 1, 0, 0, 0 }
+  -- The outcome's denier and wait are filled in once every policy is read. Outcome 3:
+  -- denied by a block (nothing counted; a cache may answer the same until it ends).
+  local reply = { 3, 0, 0, 0 }
   for i = 1, count do
     local spec = specs[i]
     local s = spec.algorithm.load(spec.p, KEYS[2 * i - 1], KEYS[2 * i])

@@ -100,6 +100,8 @@ pub struct Decision {
     outcome: Outcome,
     statuses: SmallVec<[PolicyStatus; 2]>,
     cached: bool,
+    /// A penalty's block denied the request: nothing was counted.
+    blocked: bool,
     receipt: Receipt,
     /// Bit `i`: the shadow policy at index `i` would have denied (and was not debited).
     shadow_denied: u64,
@@ -171,6 +173,7 @@ impl Decision {
             outcome,
             statuses,
             cached: false,
+            blocked: false,
             receipt: Receipt::default(),
             shadow_denied: 0,
         }
@@ -220,6 +223,7 @@ impl Decision {
             outcome,
             statuses,
             cached: false,
+            blocked: false,
             receipt: Receipt::new(at, 0).with_undebited(shadow_denied),
             shadow_denied,
         }
@@ -250,6 +254,31 @@ impl Decision {
     #[inline]
     pub fn is_cached(&self) -> bool {
         self.cached
+    }
+
+    /// This denial, marked as a penalty's block (a custom store that supports
+    /// [`Policy::with_penalty`](crate::Policy::with_penalty)): the client is blocked, and
+    /// the request was neither spent nor counted towards a block. A cache
+    /// ([`DenyCache`](crate::store::DenyCache)) may answer the same until it ends, as
+    /// it does not answer a denial that counts.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Decision, Outcome};
+    ///
+    /// let denied = Outcome::Denied { policy: 0, retry_after: Duration::from_secs(60) };
+    /// let decision = Decision::new(denied, []).from_block();
+    /// assert!(decision.is_blocked());
+    /// ```
+    pub fn from_block(mut self) -> Self {
+        self.blocked = matches!(self.outcome, Outcome::Denied { .. });
+        self
+    }
+
+    /// True when a penalty's block denied the request ([`from_block`](Self::from_block)).
+    #[inline]
+    pub fn is_blocked(&self) -> bool {
+        self.blocked
     }
 
     /// What happened.

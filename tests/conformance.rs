@@ -136,6 +136,7 @@ fn same(a: &Decision, b: &Decision) -> bool {
     };
     outcome
         && a.shadow_denied().eq(b.shadow_denied())
+        && a.is_blocked() == b.is_blocked()
         && a.statuses().len() == b.statuses().len()
         && a.statuses().iter().zip(b.statuses()).all(|(x, y)| {
             x.limit == y.limit
@@ -900,6 +901,30 @@ async fn every_store_decides_alike() {
             "{}",
             subject.name
         );
+    }
+
+    // A block's denial says it is one (what a deny cache may answer until it ends); the
+    // denials that count towards it do not.
+    for subject in backends.subjects("blocked") {
+        let set = PolicySet::from(
+            Policy::fixed_window("fw", 1, MINUTE)
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        );
+        assert!(subject.check("k", &set, 1).await.is_allowed());
+        for _ in 0..2 {
+            let counted = subject.check("k", &set, 1).await;
+            assert!(
+                !counted.is_allowed() && !counted.is_blocked(),
+                "{}",
+                subject.name
+            );
+        }
+        for _ in 0..2 {
+            let blocked = subject.check("k", &set, 1).await;
+            assert!(blocked.is_blocked(), "{}: {blocked:?}", subject.name);
+        }
     }
 
     // Every key the scenarios wrote expires when its state is fresh again: none lives

@@ -287,7 +287,10 @@ fn blocked(
         policy,
         retry_after: Duration::from_nanos(retry_after),
     };
-    Some((Decision::with_statuses(outcome, statuses), fresh_at))
+    Some((
+        Decision::with_statuses(outcome, statuses).from_block(),
+        fresh_at,
+    ))
 }
 
 /// When every penalty state is fresh again.

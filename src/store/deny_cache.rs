@@ -42,9 +42,11 @@ use crate::policy::{Policy, PolicySet};
 /// is marked [`from_cache`](crate::Decision::from_cache), so it never closes a circuit
 /// breaker.
 ///
-/// A policy set with an in-flight limit or a penalty is not cached: every request of it
-/// goes to the store (an in-flight denial ends when some request ends, not at a time;
-/// a penalty counts every denial towards its block).
+/// A policy set with an in-flight limit is not cached: every request of it goes to the
+/// store (an in-flight denial ends when some request ends, not at a time). Of a set with
+/// a penalty, only a block's denials are cached ([`Decision::is_blocked`]: a blocked
+/// request counts towards nothing); the denials that count towards a block all reach the
+/// store.
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
 /// (or per `max_age`, whichever is shorter) from each replica instead of every request.
@@ -151,7 +153,19 @@ fn nanos(duration: Duration) -> u64 {
 
 impl Shared {
     /// Remembers `decision` when it is a denial.
-    fn record(&self, cache_key: CacheKey, cost: u64, decision: &Decision, max_age: u64) {
+    /// `penalties`: the set has a penalty, whose denials count towards a block: only a
+    /// block's denial (which counts towards nothing) is kept.
+    fn record(
+        &self,
+        cache_key: CacheKey,
+        cost: u64,
+        decision: &Decision,
+        max_age: u64,
+        penalties: bool,
+    ) {
+        if penalties && decision.retry_after().is_some() && !decision.is_blocked() {
+            return;
+        }
         let now = self.clock.now();
         let mut denials = self.denials.get(&cache_key).unwrap_or_default();
         denials
@@ -193,14 +207,17 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        // An in-flight limit's denial ends when some request ends, not at its retry time,
-        // and a penalty must see every denial to count it: such sets are never cached.
-        if policies.has_in_flight() || policies.has_penalties() {
+        // An in-flight limit's denial ends when some request ends, not at its retry time:
+        // such sets are never cached.
+        if policies.has_in_flight() {
             return self.inner.decide(key, policies, cost);
         }
+        // A penalty must see every denial that counts: of such a set, only a block's
+        // denials are cached (and a blocked client's costly request is the block's).
+        let penalties = policies.has_penalties();
         // A cost above a policy's limit is refused whatever the state, as the store
         // would refuse it: answered here, every time.
-        if let Some(policy) = policies.never_admits(cost) {
+        if !penalties && let Some(policy) = policies.never_admits(cost) {
             let limit = policies.get(policy).map_or(0, Policy::limit);
             let outcome = Outcome::CostExceedsLimit {
                 policy,
@@ -221,15 +238,16 @@ impl<S: Store> Store for DenyCache<S> {
                 .copied()
         });
         if let Some((_, until, _, policy)) = cached {
-            {
-                let outcome = Outcome::Denied {
-                    policy,
-                    retry_after: Duration::from_nanos(until - now),
-                };
-                return DecideFuture::ready(Ok(
-                    Decision::with_statuses(outcome, SmallVec::new()).from_cache()
-                ));
-            }
+            let outcome = Outcome::Denied {
+                policy,
+                retry_after: Duration::from_nanos(until - now),
+            };
+            let decision = Decision::with_statuses(outcome, SmallVec::new()).from_cache();
+            return DecideFuture::ready(Ok(if penalties {
+                decision.from_block()
+            } else {
+                decision
+            }));
         }
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
@@ -238,7 +256,8 @@ impl<S: Store> Store for DenyCache<S> {
                 if let Ok(decision) = &result
                     && check_answer(decision, policies.len()).is_ok()
                 {
-                    self.shared.record(cache_key, cost, decision, self.max_age);
+                    self.shared
+                        .record(cache_key, cost, decision, self.max_age, penalties);
                 }
                 DecideFuture::ready(result)
             }
@@ -250,7 +269,7 @@ impl<S: Store> Store for DenyCache<S> {
                     if let Ok(decision) = &result
                         && check_answer(decision, len).is_ok()
                     {
-                        shared.record(cache_key, cost, decision, max_age);
+                        shared.record(cache_key, cost, decision, max_age, penalties);
                     }
                     result
                 })
@@ -361,6 +380,54 @@ mod tests {
         assert_eq!(calls.load(Ordering::Relaxed), 0, "the loop stayed local");
         assert!(now_or_never(cache.decide(&key, &policies, 5)).is_allowed());
         assert_eq!(calls.load(Ordering::Relaxed), 1);
+    }
+
+    /// A penalty's block is answered here until it ends: a blocked request counts
+    /// towards nothing, so the store loses no denial it must see. The denials that lead
+    /// to the block (each one counts) all go to the store.
+    #[test]
+    fn a_block_is_answered_locally_and_the_denials_before_it_are_not() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let clock = ManualClock::new();
+        let inner = Counting {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            calls: Arc::clone(&calls),
+        };
+        let cache = DenyCache::with_clock(inner, 100, clock.clone());
+        let penalty =
+            crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(600));
+        let policies = PolicySet::from(
+            Policy::fixed_window("api", 1, Duration::from_secs(60))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        );
+        let key = Key::new("abusive");
+        let decide = |cost| now_or_never(cache.decide(&key, &policies, cost));
+        assert!(decide(1).is_allowed());
+        // Two denials that count: each reaches the store.
+        for _ in 0..2 {
+            let denied = decide(1);
+            assert!(!denied.is_allowed() && !denied.is_blocked() && !denied.is_cached());
+        }
+        assert_eq!(calls.load(Ordering::Relaxed), 3);
+        // The third starts the block.
+        let blocked = decide(1);
+        assert!(blocked.is_blocked() && !blocked.is_cached());
+        assert!(blocked.retry_after().unwrap() >= Duration::from_secs(600));
+        for _ in 0..1000 {
+            let again = decide(1);
+            assert!(again.is_blocked() && again.is_cached());
+        }
+        assert_eq!(
+            calls.load(Ordering::Relaxed),
+            4,
+            "the blocked flood stayed local"
+        );
+        // Past the max age the store is asked again, and says the block goes on.
+        clock.advance(Duration::from_secs(1));
+        assert!(decide(1).is_blocked());
+        assert_eq!(calls.load(Ordering::Relaxed), 5);
     }
 
     /// What a memory store's future answers at once.

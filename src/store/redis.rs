@@ -2020,7 +2020,7 @@ fn parse_reply(
         0 => Outcome::Allowed {
             delay: micros(reply[3]),
         },
-        1 => Outcome::Denied {
+        1 | 3 => Outcome::Denied {
             policy: policy()?,
             retry_after: micros(reply[2]),
         },
@@ -2042,9 +2042,15 @@ fn parse_reply(
     let shadow_denied = reply[5 + 4 * count..]
         .iter()
         .filter_map(|&index| usize::try_from(index).ok());
-    Ok(Decision::with_statuses(outcome, statuses)
+    let decision = Decision::with_statuses(outcome, statuses)
         .with_shadow_denied(shadow_denied)
-        .with_receipt(Receipt::new(at, lease)))
+        .with_receipt(Receipt::new(at, lease));
+    // Outcome 3: a penalty's block denied it.
+    Ok(if reply[0] == 3 {
+        decision.from_block()
+    } else {
+        decision
+    })
 }
 
 /// lua/sliding_window.lua's `snapshot` of one sub-window of `span` µs (`k = 1`), from the
