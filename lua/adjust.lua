@@ -60,11 +60,15 @@ for i = 1, count do
   elseif mode == '2' then
     algorithm.refund(p, s, amount, -1)
   elseif mode == '3' then
-    local limit, remaining, _, _, owed = algorithm.snapshot(p, s)
+    local limit, remaining, _, _, owed, excess = algorithm.snapshot(p, s)
     local target = min(amount, limit)
-    if target > remaining or owed > 0 then
-      -- What is owed is forgiven too: the level is set, not credited.
-      algorithm.refund(p, s, target - remaining + owed, -1)
+    if target > remaining then
+      -- What is owed is forgiven too: the level is set, not credited. (`excess` is what
+      -- is owed, but for the shaping bucket, whose admissions queue past it too.)
+      algorithm.refund(p, s, target - remaining + (excess or owed), -1)
+    elseif owed > 0 then
+      -- Nothing left (owing), and nothing wanted: what is owed goes.
+      algorithm.refund(p, s, owed, -1)
     elseif remaining > target then
       charge(algorithm, p, s, remaining - target)
     end

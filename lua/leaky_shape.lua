@@ -33,10 +33,18 @@ local function snapshot(p, s)
   if s.level <= threshold then remaining = idiv(threshold - s.level, p[3]) + 1 end
   -- Effective window: until one more unit could queue after `remaining` did.
   local effective = cdiv(s.level + remaining * p[3] - threshold, p[2])
+  local capacity = idiv(threshold, p[3]) + 1
   local owed = 0
-  -- Up to one unit past the threshold owes nothing: the last unit admitted puts it there.
-  if s.level > threshold + p[3] then owed = cdiv(s.level - threshold - p[3], p[3]) end
-  return idiv(threshold, p[3]) + 1, remaining, cdiv(s.level, p[2]), effective, owed
+  -- Up to the capacity past the threshold owes nothing: a request of up to the capacity
+  -- is admitted at the threshold, and puts it there.
+  local queued = threshold + capacity * p[3]
+  if s.level > queued then owed = cdiv(s.level - queued, p[3]) end
+  -- What must leak out, beyond the unit back at the threshold, before a unit fits
+  -- (what setting a number left gives back besides it; src/algorithm/leaky_shape.rs's
+  -- `excess`).
+  local excess = 0
+  if s.level > threshold + p[3] then excess = cdiv(s.level - threshold - p[3], p[3]) end
+  return capacity, remaining, cdiv(s.level, p[2]), effective, owed, excess
 end
 
 -- One plain policy (main.lua's and one.lua's path, with the policy's arguments as sent):

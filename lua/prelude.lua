@@ -27,7 +27,7 @@
 --       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
 -- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,
 --          reset_us, effective_window_us, then now_us}; outcome 0 = allowed, 1 = denied,
---          2 = the cost can never fit. The effective window is draft-11's `t`: how long the client can
+--          2 = the cost can never fit, 3 = denied by a penalty's block. The effective window is draft-11's `t`: how long the client can
 --          use no more than `remaining` (the time until one more unit would fit after
 --          spending `remaining` now).
 --          One plain policy (no shadow, no penalty) of an algorithm with a `one` of its

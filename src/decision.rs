@@ -258,9 +258,9 @@ impl Decision {
 
     /// This denial, marked as a penalty's block (a custom store that supports
     /// [`Policy::with_penalty`](crate::Policy::with_penalty)): the client is blocked, and
-    /// the request was neither spent nor counted towards a block. A cache
-    /// ([`DenyCache`](crate::store::DenyCache)) may answer the same until it ends, as
-    /// it does not answer a denial that counts.
+    /// the request was neither spent nor counted towards a block. A cache (the store's
+    /// `DenyCache`) may answer the same until it ends, as it does not answer a denial
+    /// that counts.
     ///
     /// ```
     /// use std::time::Duration;

@@ -2192,3 +2192,59 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
         assert!(!after_three[0].is_allowed(), "{label}: owing");
     }
 }
+
+/// The shaping bucket admits any cost up to its capacity while what is queued is within
+/// its delay bound, so a costly admission leaves the level past the bound: that is
+/// queued, not owed. `set_remaining(0)` read it as owed and forgave it, letting the client
+/// in sooner than before (2.5 s of queue cut to 0.5 s), and a settle past the reservation
+/// charged about one unit whatever the actual cost. On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_costly_shaping_admission_is_queued_not_owed() {
+    let backends = Backends::start().await;
+    let set = PolicySet::from(
+        Policy::leaky_bucket_shaping("s", Rate::per_second(2), Duration::from_secs(2)).unwrap(),
+    );
+    assert_eq!(set[0].limit(), 5);
+    let subjects = backends.subjects("shaping-queued");
+    let mut after_set = Vec::new();
+    let mut after_settle = Vec::new();
+    for subject in &subjects {
+        subject.clock.set(Duration::from_secs(1));
+        for _ in 0..4 {
+            assert!(subject.check("k", &set, 1).await.is_allowed());
+        }
+        // At the bound (4 units queued): a cost of 5 still goes, after 2 s.
+        assert!(subject.check("k", &set, 5).await.is_allowed());
+        let before = subject.check("k", &set, 1).await;
+        assert_eq!(before.retry_after(), Some(Duration::from_millis(2_500)));
+        subject
+            .adjust("k", &set, &Adjustment::set_remaining(0))
+            .await;
+        after_set.push(subject.check("k", &set, 1).await);
+
+        // Another identity's costly admission settled at twice its reservation: the
+        // five units more are queued too.
+        for _ in 0..4 {
+            assert!(subject.check("settled", &set, 1).await.is_allowed());
+        }
+        let costly = subject.check("settled", &set, 5).await;
+        assert!(costly.is_allowed());
+        let settle = Adjustment::settle(5, 10, costly.receipt());
+        subject.adjust("settled", &set, &settle).await;
+        after_settle.push(subject.check("settled", &set, 1).await);
+    }
+    for (index, subject) in subjects.iter().enumerate() {
+        assert_eq!(
+            after_set[index].retry_after(),
+            Some(Duration::from_millis(2_500)),
+            "{}: set to 0 left, the queue stands",
+            subject.name
+        );
+        assert_eq!(
+            after_settle[index].retry_after(),
+            Some(Duration::from_millis(5_000)),
+            "{}: 4 + 10 units queued, 4 within the bound",
+            subject.name
+        );
+    }
+}

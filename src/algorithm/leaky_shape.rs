@@ -120,11 +120,26 @@ impl LeakyShape {
         }
     }
 
-    /// Units queued past what is admitted (a settle charged past the bound), rounded up.
-    /// A level up to one unit past the threshold owes nothing: the last unit admitted
-    /// (at the threshold) puts it there.
+    /// Units queued past what admissions can queue (a settle charged past it), rounded
+    /// up. A level up to the capacity past the threshold owes nothing: a request of up to
+    /// the capacity is admitted at the threshold, and puts it there.
     #[inline]
     pub fn owed(&self, state: &BucketState, _now: u64) -> u64 {
+        let period = u128::from(self.period);
+        let queued = self.threshold() + u128::from(self.capacity()) * period;
+        state
+            .level
+            .get()
+            .checked_sub(queued)
+            .map_or(0, |over| nanos(div_ceil(over, period)))
+    }
+
+    /// Units that must leak out before a unit request fits again, beyond the one that
+    /// puts the level back at the threshold: what setting a number of unit requests left
+    /// gives back besides that number (a level up to one unit past the threshold has
+    /// none). Unlike [`owed`](Self::owed), this counts what admissions queued too.
+    #[inline]
+    pub fn excess(&self, state: &BucketState, _now: u64) -> u64 {
         let period = u128::from(self.period);
         state
             .level

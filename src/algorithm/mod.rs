@@ -581,6 +581,29 @@ impl Params {
         dispatch!(self, state, owed(now), 0)
     }
 
+    /// Units to give back, besides the number of units to have left, for that number to
+    /// be left ([`owed`](Self::owed), but for the shaping bucket, whose admissions queue
+    /// past what leaves room too).
+    #[inline]
+    pub(crate) fn excess(&self, state: &Slot, now: u64) -> u64 {
+        match (self, state) {
+            (
+                Params::LeakyShape {
+                    amount,
+                    period,
+                    max_delay,
+                },
+                Slot::Bucket { state: s, .. },
+            ) => LeakyShape {
+                amount: *amount,
+                period: *period,
+                max_delay: *max_delay,
+            }
+            .excess(s, now),
+            _ => self.owed(state, now),
+        }
+    }
+
     /// What a client sees of `state` now.
     #[inline]
     pub(crate) fn snapshot(&self, state: &Slot, now: u64) -> Snapshot {

@@ -212,10 +212,13 @@ pub(crate) fn adjust(
                 let target = remaining.min(params.limit());
                 let left = params.snapshot(slot, now).remaining;
                 let owed = params.owed(slot, now);
-                if target > left || owed > 0 {
+                if target > left {
                     // What is owed is forgiven too: the level is set, not credited.
-                    let back = (target + owed).saturating_sub(left);
+                    let back = (target + params.excess(slot, now)).saturating_sub(left);
                     params.refund(slot, now, back, ANY_TIME, None);
+                } else if owed > 0 {
+                    // Nothing left (owing), and nothing wanted: what is owed goes.
+                    params.refund(slot, now, owed, ANY_TIME, None);
                 } else {
                     charge(params, slot, now, left - target);
                 }
