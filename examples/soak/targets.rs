@@ -560,7 +560,12 @@ fn peer_request(rng: &mut Rng, peer: Option<IpAddr>) -> Request<()> {
                 request.extensions_mut().insert(addr);
             }
             1 => {
-                request.extensions_mut().insert(peer);
+                // A bare `IpAddr` beside it is no peer (middleware may have read it from
+                // a client's header): it must not change the key.
+                request.extensions_mut().insert(addr);
+                request
+                    .extensions_mut()
+                    .insert(IpAddr::from([192, 0, 2, 99]));
             }
             _ => {
                 request
