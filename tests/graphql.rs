@@ -863,14 +863,28 @@ mod http {
                 .await
                 .unwrap();
             assert_eq!(response.headers()["graphql-cost"], "1");
+            // A form with nothing to decode reads the same to gqlgen, which takes a form
+            // that does not start `query=%7B` as the raw text after `query=`.
+            let response = post(&app, "query={ a { b } }").await.unwrap();
+            assert_eq!(response.headers()["graphql-cost"], "1");
             // What a server may read otherwise is refused, whatever `on_invalid` says:
             // a parameter twice, a name in another case, a documentId beside a query.
+            let padded = format!(
+                "query=%7B%20a(first%3A1)%20%7B%20b%20%7D%20%7D{}&variables=%7B%7D",
+                "&p=1".repeat(1_000)
+            );
             for refused in [
                 "query=%7Ba%7D&query=%7Ba%7Bb%7D%7D",
                 "query=%7Ba%7D&QUERY=%7Ba%7Bb%7D%7D",
                 "query=%7Ba%7D&documentId=p%2Fbig",
                 "query=%7Ba%7D&id=8d4bc3a0",
                 "query=%7Ba%7D;query=%7Ba%7Bb%7D%7D",
+                // gqlgen reads a body holding `"query":` as JSON (its first value), and
+                // one that does not start `query=%7B` as raw text, undecoded.
+                r#"{"query":"{ a(first: 50) { b(first: 50) { c } } }"}&query=%7Ba%7D"#,
+                "query={ __type(name: \"%22) { __typename } } #\") { name } big(first: 50) { a } }",
+                // express-graphql reads the first 1,000 parameters only.
+                &padded,
             ] {
                 let response = post(&app, refused).await.unwrap();
                 assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{refused}");

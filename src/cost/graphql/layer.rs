@@ -267,7 +267,15 @@ impl Config {
         let mut operation_name = None;
         let mut variables = None;
         let mut document_id = false;
-        for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
+        for (index, (name, value)) in form_urlencoded::parse(query_string.as_bytes()).enumerate() {
+            // express-graphql reads the first 1,000 parameters (Node's `querystring`):
+            // one past them, `variables` say, is not read there.
+            if index == MAX_PARAMETERS {
+                return Err(Uncosted::refused_request(format!(
+                    "more than {MAX_PARAMETERS} parameters in the {given}: some servers read \
+                     only the first {MAX_PARAMETERS}"
+                )));
+            }
             let slot = match &*name {
                 "query" => &mut query,
                 "operationName" => &mut operation_name,
@@ -470,16 +478,13 @@ where
                         // (express-graphql and graphql-go run it). One that is JSON as
                         // well was refused above by its type; here it is by its bytes.
                         (Ok(BodyType::Form), named) => {
-                            let form = std::str::from_utf8(&bytes).ok().filter(|_| {
-                                serde_json::from_slice::<serde_json::Value>(super::without_bom(
-                                    &bytes,
-                                ))
-                                .is_err()
-                            });
+                            let form = std::str::from_utf8(&bytes)
+                                .ok()
+                                .filter(|form| read_alike_as_a_form(form));
                             match (form, named) {
                                 (None, _) => Err(Uncosted::refused_request(
-                                    "a form body that is JSON, or not UTF-8: a server may \
-                                     read it otherwise than as a form",
+                                    "a form body a server may read otherwise than as a form \
+                                     (JSON, raw text, or not UTF-8)",
                                 )),
                                 // Its operationName is the form's; one in the URL as well
                                 // may be taken over it.
@@ -516,6 +521,23 @@ where
             call_costed(&mut inner, Request::from_parts(parts, B::from(bytes)), cost).await
         })
     }
+}
+
+/// True when every server that takes forms reads `form` as its parameters. gqlgen reads
+/// a form body holding `"query":` as JSON (its first value, whatever follows), and one
+/// that does not start `query=%7B` as the raw text after `query=`, undecoded: such a body
+/// is costed only when that raw text is what decoding it gives too. A body that is JSON
+/// (async-graphql reads every body as JSON) is not.
+fn read_alike_as_a_form(form: &str) -> bool {
+    if form.contains("\"query\"")
+        || serde_json::from_str::<serde_json::Value>(form.trim_start_matches('\u{feff}')).is_ok()
+    {
+        return false;
+    }
+    form.starts_with("query=%7B")
+        || form
+            .strip_prefix("query=")
+            .is_some_and(|raw| !raw.contains(['%', '+', '&', ';']))
 }
 
 /// True when a `Content-Type` value holds a comma outside a quoted string: two types
@@ -590,8 +612,14 @@ fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
 /// True when a request's URL carries a GraphQL operation's document or variables (`query`,
 /// `variables`, or a persisted query's `extensions` or `documentId`).
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
+    // Not `id`: in the URL of a request with a body it is the application's own
+    // (`?id=tenant-7`) more often than a persisted query's, which travels in the body.
     url_names_any(parts, &["query", "variables", "extensions", "documentId"])
 }
+
+/// The most parameters a URL or a form is read with: Node's `querystring` (express-graphql)
+/// reads this many and drops the rest.
+const MAX_PARAMETERS: usize = 1_000;
 
 /// The `operationName` in a request's URL: `None` without one, `Some(None)` when it is
 /// given twice with different values (no single operation is named).
