@@ -2407,8 +2407,11 @@ fn introspection_that_multiplies_is_refused() {
             "{ __schema { types { ...T } } } fragment T on __Type { fields { type { ...U } } } fragment U on __Type { enumValues { name } }",
             "{ __schema { types { ...F fields { type { ...F } } } } } fragment F on __Type { interfaces { name } }",
             "{ __schema { types { ... on __Type { possibleTypes { ... on __Type { fields { name } } } } } } }",
-            // The whole schema twice, under two names.
+            // The whole schema twice, under two names, or its types under two names, or
+            // the schema asked for twice through a field that returns the query type.
             "{ a: __schema { types { name } } b: __schema { types { name } } }",
+            "{ __schema { a: types { fields { name } } b: types { fields { name } } } }",
+            "{ a: viewer { __schema { types { name } } } b: viewer { __schema { types { name } } } }",
         ] {
             let Err(error) = coster.query_cost(nested, None, None) else {
                 panic!("{nested}: costed");

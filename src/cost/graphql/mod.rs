@@ -99,7 +99,8 @@ pub enum CostError {
     },
     /// An introspection query that multiplies: one list of an introspection type (a
     /// type's `fields`, `inputFields`, `interfaces`, `possibleTypes`, `enumValues`) inside
-    /// another on one path, or the whole schema (`__schema`) asked for under two names.
+    /// another on one path, a field under an alias inside introspection (`a: types`,
+    /// `b: types`), or the whole schema (`__schema`) asked for more than once.
     /// No schema sizes these lists, so such a document would be work that multiplies at
     /// each level for a charge that adds one; the introspection query tools send goes
     /// through each at most once on a path.
@@ -477,7 +478,7 @@ impl GraphqlCost {
             variables,
             visits: *visits,
             introspection: None,
-            whole_schema: None,
+            whole_schema: false,
             introspected: false,
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
@@ -806,8 +807,8 @@ struct Walk<'a> {
     /// Inside an introspection field (`__schema`, `__type`): how many lists of an
     /// introspection type the path went through (see [`CostError::Introspection`]).
     introspection: Option<u8>,
-    /// The response key of the `__schema` field costed, if any.
-    whole_schema: Option<&'a str>,
+    /// Whether a `__schema` field was costed.
+    whole_schema: bool,
     /// Set when the walk went into an introspection field: a cost remembered for a
     /// fragment or a selection set that holds one does not stand for a spread elsewhere,
     /// where the path above differs.
@@ -959,6 +960,13 @@ impl<'a> Walk<'a> {
             return Ok(0);
         }
         let name = field.name.as_str();
+        // Under another name an introspection list is asked for twice (`a: types`, `b:
+        // types`): tools never do.
+        if self.introspection.is_some() && field.alias.is_some() {
+            return Err(CostError::Introspection(format!(
+                "{name} under an alias inside an introspection field"
+            )));
+        }
         let inside = match self.introspection {
             Some(lists) if TYPE_LISTS.contains(&name) => {
                 if lists > 0 {
@@ -971,13 +979,15 @@ impl<'a> Walk<'a> {
             Some(_) => return self.field_cost(field, concrete, depth),
             None if name == "__schema" || name == "__type" => {
                 if name == "__schema" {
-                    let key = field.alias.as_ref().unwrap_or(&field.name).as_str();
-                    if self.whole_schema.is_some_and(|seen| seen != key) {
+                    // Once an operation (wherever it is: a field that returns the query
+                    // type reaches it too). Fragments that reach it are walked at each
+                    // spread, so each is seen.
+                    if self.whole_schema {
                         return Err(CostError::Introspection(
-                            "__schema asked for under two names".to_owned(),
+                            "__schema asked for more than once".to_owned(),
                         ));
                     }
-                    self.whole_schema = Some(key);
+                    self.whole_schema = true;
                 }
                 self.introspected = true;
                 0
