@@ -847,30 +847,3 @@ async fn a_store_cost_and_resolver_picked_at_run_time_fit_one_type() {
         );
     }
 }
-
-/// `Route` in a layer added by `Router::layer` also sees the router's fallback, where
-/// axum matched no route and sets no `MatchedPath`: every unmatched path was a key of its
-/// own, so a client varying the path got a fresh per-route quota on each request. The
-/// requests no route matched share one key per method.
-#[tokio::test]
-async fn unmatched_paths_share_one_route_key() {
-    let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::fixed_window("per-route", 2, Duration::from_secs(60)).unwrap())
-        .key((ClientIp::peer(), tollgate::key::Route));
-    let app = Router::new()
-        .route("/known", get(|| async { "known" }))
-        .fallback(|| async { "proxied" })
-        .layer(limiter);
-    let server = Server::start(app).await;
-    assert_eq!(server.get("/a").await.status, StatusCode::OK);
-    assert_eq!(server.get("/b").await.status, StatusCode::OK);
-    let third = server.get("/c").await;
-    assert_eq!(
-        third.status,
-        StatusCode::TOO_MANY_REQUESTS,
-        "{}",
-        third.rate()
-    );
-    // A matched route has its own key still.
-    assert_eq!(server.get("/known").await.status, StatusCode::OK);
-}

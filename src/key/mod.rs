@@ -353,20 +353,18 @@ impl KeyExtractor for Global {
 ///
 /// With the `axum` feature and the layer added by `Router::layer` or `route_layer`, the
 /// path is axum's `MatchedPath` (the route template), so `/users/1` and `/users/2` share
-/// one key. The router's fallback (a layer added by `Router::layer` sees it too) matched
-/// no route: its requests share one key per method, `route:GET (unmatched)`, whatever
-/// their paths. Elsewhere (no axum router in front) it is the request path: combine it
-/// with another extractor, since clients choose paths.
+/// one key. Elsewhere it is the request path: combine it with another extractor, since
+/// clients choose paths. That includes, under `Router::layer`, the router's fallback and
+/// services nested with `nest_service`: axum sets no `MatchedPath` for either (and tells
+/// them apart by a type of its own), so each path they serve is a key of its own. Give a
+/// fallback that serves many paths (a proxy) a layer keyed otherwise, or key by the
+/// client alone there.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Route;
 
 impl KeyExtractor for Route {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
-        let path = if unmatched(parts) {
-            "(unmatched)"
-        } else {
-            route_path(parts)
-        };
+        let path = route_path(parts);
         // A HEAD runs the GET handler (RFC 9110, section 9.3.2): one limit for both.
         let method = match parts.method {
             Method::HEAD => Method::GET.as_str(),
@@ -389,27 +387,6 @@ pub(crate) fn original_path(parts: &Parts) -> &str {
         return original.path();
     }
     parts.uri.path()
-}
-
-/// True when an axum router saw the request (it sets `OriginalUri` before it routes)
-/// and matched no route (it then sets no `MatchedPath`): its fallback.
-fn unmatched(parts: &Parts) -> bool {
-    #[cfg(feature = "axum")]
-    {
-        parts
-            .extensions
-            .get::<axum::extract::OriginalUri>()
-            .is_some()
-            && parts
-                .extensions
-                .get::<axum::extract::MatchedPath>()
-                .is_none()
-    }
-    #[cfg(not(feature = "axum"))]
-    {
-        let _ = parts;
-        false
-    }
 }
 
 /// The route template when axum matched one, else the request path.
