@@ -67,8 +67,10 @@ local function blocked_reply()
   local asked = cost
   if cost < 1 then cost = 1 end
   -- The outcome's denier and wait are filled in once every policy is read. Outcome 3:
-  -- denied by a block (nothing counted; a cache may answer the same until it ends).
-  local reply = { 3, 0, 0, 0 }
+  -- denied by a block (nothing counted; a cache may answer the same until it ends), and
+  -- in the place of the delay how long the block goes on (the policies' waits may be
+  -- longer).
+  local reply = { 3, 0, 0, longest }
   for i = 1, count do
     local spec = specs[i]
     local s = spec.algorithm.load(spec.p, KEYS[2 * i - 1], KEYS[2 * i])

@@ -100,8 +100,9 @@ pub struct Decision {
     outcome: Outcome,
     statuses: SmallVec<[PolicyStatus; 2]>,
     cached: bool,
-    /// A penalty's block denied the request: nothing was counted.
-    blocked: bool,
+    /// A penalty's block denied the request: how long the block goes on, in
+    /// nanoseconds (0: no block).
+    block: u64,
     receipt: Receipt,
     /// Bit `i`: the shadow policy at index `i` would have denied (and was not debited).
     shadow_denied: u64,
@@ -173,7 +174,7 @@ impl Decision {
             outcome,
             statuses,
             cached: false,
-            blocked: false,
+            block: 0,
             receipt: Receipt::default(),
             shadow_denied: 0,
         }
@@ -223,7 +224,7 @@ impl Decision {
             outcome,
             statuses,
             cached: false,
-            blocked: false,
+            block: 0,
             receipt: Receipt::new(at, 0).with_undebited(shadow_denied),
             shadow_denied,
         }
@@ -257,10 +258,11 @@ impl Decision {
     }
 
     /// This denial, marked as a penalty's block (a custom store that supports
-    /// [`Policy::with_penalty`](crate::Policy::with_penalty)): the client is blocked, and
-    /// the request was neither spent nor counted towards a block. A cache (the store's
-    /// `DenyCache`) may answer the same until it ends, as it does not answer a denial
-    /// that counts.
+    /// [`Policy::with_penalty`](crate::Policy::with_penalty)) lasting its `retry_after`:
+    /// the client is blocked, and the request was not spent, nor counted towards a block
+    /// unless it is the denial that started this one. A cache (the store's `DenyCache`)
+    /// may answer the same until the block ends, as it does not answer a denial that
+    /// counts.
     ///
     /// ```
     /// use std::time::Duration;
@@ -270,15 +272,29 @@ impl Decision {
     /// let decision = Decision::new(denied, []).from_block();
     /// assert!(decision.is_blocked());
     /// ```
-    pub fn from_block(mut self) -> Self {
-        self.blocked = matches!(self.outcome, Outcome::Denied { .. });
+    pub fn from_block(self) -> Self {
+        let wait = self.retry_after().unwrap_or_default();
+        self.with_block(wait)
+    }
+
+    /// This denial, marked as a penalty's block that goes on for `left` (a block may end
+    /// before the policies' own wait does).
+    pub(crate) fn with_block(mut self, left: Duration) -> Self {
+        if matches!(self.outcome, Outcome::Denied { .. }) {
+            self.block = u64::try_from(left.as_nanos()).unwrap_or(u64::MAX).max(1);
+        }
         self
     }
 
     /// True when a penalty's block denied the request ([`from_block`](Self::from_block)).
     #[inline]
     pub fn is_blocked(&self) -> bool {
-        self.blocked
+        self.block > 0
+    }
+
+    /// How long the block that denied the request goes on (zero: no block).
+    pub(crate) fn block_left(&self) -> Duration {
+        Duration::from_nanos(self.block)
     }
 
     /// What happened.

@@ -265,6 +265,7 @@ fn blocked(
         .iter()
         .copied()
         .reduce(|longest, block| if block.1 > longest.1 { block } else { longest })?;
+    let block_left = retry_after;
     let mut fresh_at = penalties_fresh_at(policies, penalties);
     let mut statuses = SmallVec::new();
     for (index, (each, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
@@ -291,7 +292,7 @@ fn blocked(
         retry_after: Duration::from_nanos(retry_after),
     };
     Some((
-        Decision::with_statuses(outcome, statuses).from_block(),
+        Decision::with_statuses(outcome, statuses).with_block(Duration::from_nanos(block_left)),
         fresh_at,
     ))
 }

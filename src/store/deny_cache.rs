@@ -186,7 +186,14 @@ impl Shared {
                     }
                 }
                 let until = now.saturating_add(wait);
-                let kept = now.saturating_add(wait.min(max_age));
+                // A block's answer stands only while the block does: past it, the
+                // policies' own (longer) wait denies, and those denials count.
+                let kept_for = if decision.is_blocked() {
+                    wait.min(nanos(decision.block_left()))
+                } else {
+                    wait
+                };
+                let kept = now.saturating_add(kept_for.min(max_age));
                 if kept > now {
                     denials.entries.push((cost, until, kept, policy));
                 }
@@ -197,6 +204,38 @@ impl Shared {
             self.denials.remove(&cache_key);
         } else {
             self.denials.insert(cache_key, denials);
+        }
+    }
+}
+
+/// Where a key's denials under `policies` are kept: by the set's policies, and for a set
+/// with penalties by its penalties too (the same policies without them, or with others,
+/// share the rate state but not the blocks: a block is no answer for them).
+fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
+    let mut print = policies.fingerprint();
+    if policies.has_penalties() {
+        for (index, policy) in policies.iter().enumerate() {
+            if let Some((_, id)) = policy.penalty_box() {
+                // FNV-1a steps over (index, id), after a mark that penalties follow.
+                for byte in [0xff, index as u8].into_iter().chain(id.to_le_bytes()) {
+                    print = (print ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
+    }
+    (key.clone(), print)
+}
+
+impl<S> DenyCache<S> {
+    /// Drops a key's cached denials under `policies`: units given back or a reset may
+    /// admit what was denied. The same policies' denials without the penalties go too
+    /// (a reset of the rate state is theirs as well).
+    fn forget(&self, key: &Key, policies: &PolicySet) {
+        self.shared.denials.remove(&cache_key(key, policies));
+        if policies.has_penalties() {
+            self.shared
+                .denials
+                .remove(&(key.clone(), policies.fingerprint()));
         }
     }
 }
@@ -228,7 +267,7 @@ impl<S: Store> Store for DenyCache<S> {
                 Decision::with_statuses(outcome, SmallVec::new()).from_cache()
             ));
         }
-        let cache_key = (key.clone(), policies.fingerprint());
+        let cache_key = cache_key(key, policies);
         let now = self.shared.clock.now();
         let cached = self.shared.denials.get(&cache_key).and_then(|denials| {
             denials
@@ -237,14 +276,15 @@ impl<S: Store> Store for DenyCache<S> {
                 .find(|&&(denied, _, kept, _)| denied == cost && now < kept)
                 .copied()
         });
-        if let Some((_, until, _, policy)) = cached {
+        if let Some((_, until, kept, policy)) = cached {
             let outcome = Outcome::Denied {
                 policy,
                 retry_after: Duration::from_nanos(until - now),
             };
             let decision = Decision::with_statuses(outcome, SmallVec::new()).from_cache();
             return DecideFuture::ready(Ok(if penalties {
-                decision.from_block()
+                // Kept no longer than the block.
+                decision.with_block(Duration::from_nanos(kept - now))
             } else {
                 decision
             }));
@@ -279,9 +319,7 @@ impl<S: Store> Store for DenyCache<S> {
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         // Units given back may admit what was denied: cached denials of the key go.
-        self.shared
-            .denials
-            .remove(&(key.clone(), policies.fingerprint()));
+        self.forget(key, policies);
         self.inner.adjust(key, policies, adjustment)
     }
 
@@ -290,9 +328,7 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        self.shared
-            .denials
-            .remove(&(key.clone(), policies.fingerprint()));
+        self.forget(key, policies);
         self.inner.reset(key, policies)
     }
 }
@@ -427,6 +463,85 @@ mod tests {
         // Past the max age the store is asked again, and says the block goes on.
         clock.advance(Duration::from_secs(1));
         assert!(decide(1).is_blocked());
+        assert_eq!(calls.load(Ordering::Relaxed), 5);
+    }
+
+    /// A set and the same policies with a penalty share rate state but not penalty
+    /// state: a block cached for one is no answer for the other, and a plain denial
+    /// cached for the plain set must not stand as the penalized set's block (its strike
+    /// would never reach the store).
+    #[test]
+    fn a_block_is_no_answer_for_the_same_policies_without_the_penalty() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let cache = DenyCache::with_clock(store, 100, clock.clone());
+        let plain = Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap();
+        let penalty =
+            crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(600));
+        let penalized = PolicySet::from(plain.with_penalty(penalty).unwrap());
+        let plain = PolicySet::from(plain);
+        let key = Key::new("k");
+        let decide = |set: &PolicySet| now_or_never(cache.decide(&key, set, 1));
+        assert!(decide(&penalized).is_allowed());
+        for _ in 0..2 {
+            assert!(!decide(&penalized).is_blocked());
+        }
+        assert!(decide(&penalized).is_blocked());
+        // The window is over; the block is not, and is cached.
+        clock.advance(Duration::from_secs(61));
+        assert!(decide(&penalized).is_blocked());
+        // The plain set has no block: the store admits it.
+        assert!(
+            decide(&plain).is_allowed(),
+            "the block's answer stood for the plain set"
+        );
+        // Its denial, cached for it, is no block of the penalized set.
+        assert!(!decide(&plain).is_allowed());
+        let other = Key::new("other");
+        assert!(now_or_never(cache.decide(&other, &plain, 1)).is_allowed());
+        let denied = now_or_never(cache.decide(&other, &plain, 1));
+        assert!(!denied.is_allowed() && !denied.is_blocked());
+        let counted = now_or_never(cache.decide(&other, &penalized, 1));
+        assert!(!counted.is_cached() && !counted.is_blocked(), "{counted:?}");
+    }
+
+    /// A block's answer waits for the policies too when their wait is longer, but it is
+    /// a block only until the block ends: past that, denials count again, and must reach
+    /// the store.
+    #[test]
+    fn a_cached_block_ends_with_the_block() {
+        let calls = Arc::new(AtomicU64::new(0));
+        let clock = ManualClock::new();
+        let inner = Counting {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            calls: Arc::clone(&calls),
+        };
+        let cache =
+            DenyCache::with_clock(inner, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let penalty =
+            crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(10));
+        let set = PolicySet::from(
+            Policy::fixed_window("api", 1, Duration::from_secs(600))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        );
+        let key = Key::new("k");
+        let decide = || now_or_never(cache.decide(&key, &set, 1));
+        assert!(decide().is_allowed());
+        decide();
+        decide();
+        let blocked = decide();
+        assert!(blocked.is_blocked());
+        assert!(blocked.retry_after().unwrap() > Duration::from_secs(500));
+        assert_eq!(calls.load(Ordering::Relaxed), 4);
+        clock.advance(Duration::from_secs(9));
+        assert!(decide().is_cached());
+        assert_eq!(calls.load(Ordering::Relaxed), 4);
+        // The block is over: this denial counts, and the store sees it.
+        clock.advance(Duration::from_secs(2));
+        let counted = decide();
+        assert!(!counted.is_cached() && !counted.is_blocked(), "{counted:?}");
         assert_eq!(calls.load(Ordering::Relaxed), 5);
     }
 

@@ -2045,9 +2045,9 @@ fn parse_reply(
     let decision = Decision::with_statuses(outcome, statuses)
         .with_shadow_denied(shadow_denied)
         .with_receipt(Receipt::new(at, lease));
-    // Outcome 3: a penalty's block denied it.
+    // Outcome 3: a penalty's block denied it, which goes on for the fourth number.
     Ok(if reply[0] == 3 {
-        decision.from_block()
+        decision.with_block(micros(reply[3]))
     } else {
         decision
     })
