@@ -2095,3 +2095,59 @@ async fn a_cached_denial_keeps_its_single_valued_fields() {
         }
     }
 }
+
+/// What a cached denial can say without the state, and no more. A denial of a cost of
+/// one leaves none; a costlier one may leave some (3 left, 5 asked): the single-valued
+/// fields, which must state a remaining count, are then left out rather than say 0. A
+/// block leaves none whatever the cost, and draft-11 lists it as the store's own answer
+/// does: `r=0`, `t` its wait.
+#[tokio::test]
+async fn a_cached_denial_says_what_it_knows() {
+    let app = hello().layer(
+        RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+            .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
+            .cost(cost_header())
+            .headers(HeaderStyle::Draft6),
+    );
+    assert_eq!(
+        app.clone().oneshot(request("/", 7)).await.unwrap().status(),
+        200
+    );
+    for answer in ["store", "cache"] {
+        let response = app.clone().oneshot(request("/", 5)).await.unwrap();
+        assert_eq!(response.status(), 429, "{answer}");
+        let remaining = header(&response, "ratelimit-remaining");
+        if answer == "store" {
+            assert_eq!(remaining.as_deref(), Some("3"));
+        } else {
+            assert_eq!(remaining, None, "3 are left, not 0");
+        }
+    }
+
+    let penalty =
+        tollgate::policy::Penalty::new(2, Duration::from_secs(60), Duration::from_secs(600));
+    let app = hello().layer(
+        RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000)).policy(
+            Policy::fixed_window("login", 1, Duration::from_secs(60))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        ),
+    );
+    assert_eq!(
+        app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+        200
+    );
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    for answer in ["store", "cache"] {
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(response.status(), 429, "{answer}");
+        let rate = header(&response, "ratelimit").expect(answer);
+        let retry = header(&response, "retry-after").unwrap();
+        assert!(rate.starts_with("\"login\";r=0;t="), "{answer}: {rate}");
+        assert!(
+            rate.ends_with(&format!("t={retry}")),
+            "{answer}: {rate} against {retry}"
+        );
+    }
+}

@@ -334,6 +334,16 @@ pub(crate) enum HeaderBlock {
 }
 
 impl HeaderBlock {
+    /// These fields, less single-valued ones, for a denial answered without the state
+    /// of a request of more than one unit: some may be left (3, where 5 were asked), and
+    /// those styles must state a count.
+    pub(crate) fn without_single(self) -> Self {
+        match self {
+            HeaderBlock::Single { .. } => HeaderBlock::Empty,
+            other => other,
+        }
+    }
+
     /// A denial's single-valued reset beside its `Retry-After`: draft-6's the same point
     /// in time (draft-ietf-httpapi-ratelimit-headers-06, section 5: the reset SHOULD
     /// reference it), the legacy style's the time the quota is whole again, moved no
@@ -561,6 +571,38 @@ pub(crate) fn effective_secs(effective_window: Duration, extra: u64) -> u64 {
     }
 }
 
+/// The `RateLimit` field of a block answered without the state (a deny cache's): the
+/// blocked policy has none left until its wait is over, as the store's own answer says.
+/// `None` for any other answer without statuses: the numbers now are not known.
+fn blocked_rate(
+    options: &HeaderOptions,
+    policies: &PolicySet,
+    decision: &Decision,
+    key: &str,
+    extra: u64,
+) -> Option<HeaderValue> {
+    let Outcome::Denied {
+        policy,
+        retry_after,
+    } = decision.outcome()
+    else {
+        return None;
+    };
+    let shown = policies.get(policy)?;
+    if !decision.is_blocked() || (shown.is_shadow() && !options.shadow) {
+        return None;
+    }
+    value(|out| {
+        out.extend_from_slice(b"\"");
+        out.extend_from_slice(shown.name().as_bytes());
+        out.extend_from_slice(b"\";r=0;t=");
+        push_number(out, effective_secs(retry_after, extra));
+        if let Some(keyer) = &options.partition_key {
+            push_partition_key(out, keyer, key);
+        }
+    })
+}
+
 /// The header fields for `decision` under `policies` for `key`. `extra` is the jitter
 /// (whole seconds) drawn for this response, added to long effective windows.
 pub(crate) fn rate_limit_headers(
@@ -576,7 +618,7 @@ pub(crate) fn rate_limit_headers(
         HeaderStyle::None => HeaderBlock::Empty,
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
             policy: policy_field(policies, options.shadow),
-            rate: None,
+            rate: blocked_rate(options, policies, decision, key, extra),
         },
         HeaderStyle::Draft11 => {
             let mut listed = 0;

@@ -260,6 +260,9 @@ impl Responder {
         mut headers: HeaderBlock,
         extra: u64,
     ) -> Plan {
+        if decision.statuses().is_empty() && cost > 1 && !decision.is_blocked() {
+            headers = headers.without_single();
+        }
         // Never earlier than the end of the denying policy's effective window as the
         // `RateLimit` field states it (same rounding, same jitter).
         let stated = decision

@@ -37,10 +37,10 @@ use crate::policy::{Policy, PolicySet};
 ///
 /// A cached answer cannot know the policies' state now (others spend, buckets refill),
 /// so it carries no statuses: the layer sends `Retry-After` and `RateLimit-Policy`, and
-/// no `RateLimit` field rather than stale numbers (the single-valued styles send what a
-/// denial says without the state: the limit, none left, the reset at `Retry-After`). It
-/// is marked [`from_cache`](crate::Decision::from_cache), so it never closes a circuit
-/// breaker.
+/// no `RateLimit` field rather than stale numbers. Where none is left (a block, or in
+/// the single-valued styles a denial of one unit) it says so, as the store's answer
+/// does. It is marked [`from_cache`](crate::Decision::from_cache), so it never closes a
+/// circuit breaker.
 ///
 /// A policy set with an in-flight limit is not cached: every request of it goes to the
 /// store (an in-flight denial ends when some request ends, not at a time). Of a set with
