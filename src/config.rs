@@ -599,8 +599,16 @@ impl LimiterConfig {
                          them, so this plan would never be chosen",
                     ));
                 }
+                // An empty header value reads as naming no plan, not this one.
+                if plan.is_empty() {
+                    return Err(ConfigError::new(
+                        &entry,
+                        "an empty plan name: only an empty plan header would choose it, \
+                         which reads as naming no plan (give it a name)",
+                    ));
+                }
                 // The plan header's value is read as visible ASCII (and spaces inside).
-                if plan.is_empty() || !plan.bytes().all(|byte| (b' '..=b'~').contains(&byte)) {
+                if !plan.bytes().all(|byte| (b' '..=b'~').contains(&byte)) {
                     return Err(ConfigError::new(
                         &entry,
                         "no header value names this plan (a plan name is visible ASCII, \

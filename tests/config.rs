@@ -373,7 +373,7 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
                 + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
                 + "[plans]\ndefault = [\"api\"]\n\"\" = [\"api\"]\n",
             "plans.",
-            "no header value",
+            "an empty plan name",
         ),
         (
             "plan_header = \"x-plan\"\n".to_owned()
