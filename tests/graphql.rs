@@ -864,9 +864,22 @@ mod http {
                 .unwrap();
             assert_eq!(response.headers()["graphql-cost"], "1");
             // A form with nothing to decode reads the same to gqlgen, which takes a form
-            // that does not start `query=%7B` as the raw text after `query=`.
-            let response = post(&app, "query={ a { b } }").await.unwrap();
-            assert_eq!(response.headers()["graphql-cost"], "1");
+            // that does not start `query=%7B` as the raw text after `query=`; where that
+            // raw text is no document (`%` and `+` are no GraphQL tokens), gqlgen runs
+            // nothing, and the form is costed as the others read it.
+            for (costed, cost) in [
+                ("query={ a { b } }", "1"),
+                ("query=query%20Q%20%7B%20a%20%7B%20b%20%7D%20%7D", "1"),
+                // A mutation's base (10) and its field.
+                ("query=mutation%20%7B%20a%20%7B%20b%20%7D%20%7D", "11"),
+                ("query=%0A%7B%20a%20%7B%20b%20%7D%20%7D", "1"),
+                ("query=%7b%20a%20%7B%20b%20%7D%20%7d", "1"),
+                ("variables=%7B%7D&query=%7B%20a%20%7B%20b%20%7D%20%7D", "1"),
+            ] {
+                let response = post(&app, costed).await.unwrap();
+                assert_eq!(response.status(), StatusCode::OK, "{costed}");
+                assert_eq!(response.headers()["graphql-cost"], cost, "{costed}");
+            }
             // What a server may read otherwise is refused, whatever `on_invalid` says:
             // a parameter twice, a name in another case, a documentId beside a query.
             let padded = format!(
@@ -883,13 +896,24 @@ mod http {
                 // one that does not start `query=%7B` as raw text, undecoded.
                 r#"{"query":"{ a(first: 50) { b(first: 50) { c } } }"}&query=%7Ba%7D"#,
                 "query={ __type(name: \"%22) { __typename } } #\") { name } big(first: 50) { a } }",
-                // express-graphql reads the first 1,000 parameters only.
+                // express-graphql reads the first 1,000 parameters only (empty ones count).
                 &padded,
+                &format!(
+                    "query=%7B%20a(first%3A1)%20%7B%20b%20%7D%20%7D{}&operationName=nope",
+                    "&".repeat(1_000)
+                ),
+                // gqlgen decodes a body that starts `query=%7B` whole, `&` and all: the
+                // query ends at `&` for the others, a string goes on past it for gqlgen.
+                "query=%7Ba(s%3A%22&x=%22)%20big(first%3A50)%20%7Bb(first%3A50)%20%7Bc%7D%7D%7D",
             ] {
                 let response = post(&app, refused).await.unwrap();
                 assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{refused}");
             }
         }
+        // A persisted query's form (no query to cost) goes to `on_invalid`, as its JSON does.
+        let response = post(&app_with_minimum(), "documentId=abc").await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["graphql-cost"], "5");
     }
 
     /// A preflight or a `GET` without a query whose body is empty only once read (sent

@@ -249,6 +249,42 @@ impl Config {
         })
     }
 
+    /// The cost of a form body, read as its parameters (express-graphql, graphql-go), where
+    /// gqlgen reads it no otherwise. gqlgen decodes a form that starts `query=%7B` whole,
+    /// `&` and all, and takes any other as the raw text after `query=`, undecoded.
+    fn form_cost(&self, form: &str) -> Result<u64, Uncosted> {
+        if form.starts_with("query=%7B") {
+            let cost = self.parameters_cost(form, "form");
+            // With more parameters, gqlgen's text goes on past the query: where the query
+            // alone does not cost (a string left open at the `&`), gqlgen's may run.
+            return if form.contains('&') {
+                cost.map_err(|uncosted| Uncosted {
+                    refused: true,
+                    ..uncosted
+                })
+            } else {
+                cost
+            };
+        }
+        let raw = form.strip_prefix("query=").unwrap_or(form);
+        // Raw text that is no document (`%` and `+` are no GraphQL tokens) runs nothing
+        // there; one that is must be the query the others decode.
+        let raw_parses = !matches!(
+            self.coster.costing(raw, None, None),
+            Err(Uncosted {
+                refused: false,
+                error: CostError::Parse(_),
+                ..
+            })
+        );
+        if raw_parses && (!form.starts_with("query=") || raw.contains(['%', '+', '&', ';'])) {
+            return Err(Uncosted::refused_request(
+                "a form gqlgen reads as raw text, a document other than its decoded query",
+            ));
+        }
+        self.parameters_cost(form, "form")
+    }
+
     fn get_cost(&self, parts: &http::request::Parts) -> Result<u64, Uncosted> {
         self.parameters_cost(parts.uri.query().unwrap_or(""), "URL")
     }
@@ -267,15 +303,15 @@ impl Config {
         let mut operation_name = None;
         let mut variables = None;
         let mut document_id = false;
-        for (index, (name, value)) in form_urlencoded::parse(query_string.as_bytes()).enumerate() {
-            // express-graphql reads the first 1,000 parameters (Node's `querystring`):
-            // one past them, `variables` say, is not read there.
-            if index == MAX_PARAMETERS {
-                return Err(Uncosted::refused_request(format!(
-                    "more than {MAX_PARAMETERS} parameters in the {given}: some servers read \
-                     only the first {MAX_PARAMETERS}"
-                )));
-            }
+        // express-graphql reads the first 1,000 parameters (Node's `querystring`, empty
+        // ones counted): one past them, `variables` say, is not read there.
+        if query_string.split('&').nth(MAX_PARAMETERS).is_some() {
+            return Err(Uncosted::refused_request(format!(
+                "more than {MAX_PARAMETERS} parameters in the {given}: some servers read only \
+                 the first {MAX_PARAMETERS}"
+            )));
+        }
+        for (name, value) in form_urlencoded::parse(query_string.as_bytes()) {
             let slot = match &*name {
                 "query" => &mut query,
                 "operationName" => &mut operation_name,
@@ -477,21 +513,17 @@ where
                         // A form is an operation's parameters, as a `GET`'s URL has them
                         // (express-graphql and graphql-go run it). One that is JSON as
                         // well was refused above by its type; here it is by its bytes.
-                        (Ok(BodyType::Form), named) => {
-                            let form = std::str::from_utf8(&bytes)
-                                .ok()
-                                .filter(|form| read_alike_as_a_form(form));
-                            match (form, named) {
-                                (None, _) => Err(Uncosted::refused_request(
-                                    "a form body a server may read otherwise than as a form \
-                                     (JSON, raw text, or not UTF-8)",
-                                )),
-                                // Its operationName is the form's; one in the URL as well
-                                // may be taken over it.
-                                (Some(_), Some(_)) => mismatch(),
-                                (Some(form), None) => config.parameters_cost(form, "form"),
-                            }
-                        }
+                        (Ok(BodyType::Form), named) => match std::str::from_utf8(&bytes) {
+                            Err(_) => Err(Uncosted::refused_request("the form is not UTF-8")),
+                            Ok(form) if read_as_json(form) => Err(Uncosted::refused_request(
+                                "a form body that is JSON or holds \"query\": a server may \
+                                 read it as JSON",
+                            )),
+                            // Its operationName is the form's; one in the URL as well may
+                            // be taken over it.
+                            Ok(_) if named.is_some() => mismatch(),
+                            Ok(form) => config.form_cost(form),
+                        },
                         (_, Some(Some(named))) if !names_in_body(&bytes, &named) => mismatch(),
                         _ => config.coster.json_costing(&bytes),
                     };
@@ -523,21 +555,12 @@ where
     }
 }
 
-/// True when every server that takes forms reads `form` as its parameters. gqlgen reads
-/// a form body holding `"query":` as JSON (its first value, whatever follows), and one
-/// that does not start `query=%7B` as the raw text after `query=`, undecoded: such a body
-/// is costed only when that raw text is what decoding it gives too. A body that is JSON
-/// (async-graphql reads every body as JSON) is not.
-fn read_alike_as_a_form(form: &str) -> bool {
-    if form.contains("\"query\"")
+/// True when a server may read a form body as JSON: one that is JSON (async-graphql reads
+/// every body so), or holds `"query"` (gqlgen reads such a form as JSON, its first value
+/// whatever follows).
+fn read_as_json(form: &str) -> bool {
+    form.contains("\"query\"")
         || serde_json::from_str::<serde_json::Value>(form.trim_start_matches('\u{feff}')).is_ok()
-    {
-        return false;
-    }
-    form.starts_with("query=%7B")
-        || form
-            .strip_prefix("query=")
-            .is_some_and(|raw| !raw.contains(['%', '+', '&', ';']))
 }
 
 /// True when a `Content-Type` value holds a comma outside a quoted string: two types
