@@ -571,6 +571,20 @@ pub(crate) fn effective_secs(effective_window: Duration, extra: u64) -> u64 {
     }
 }
 
+/// True when the policy at `index` is the one blocked whenever its set's answer is a
+/// block: the only policy of the set with a penalty. (A block's answer names the policy
+/// that keeps the client waiting longest, which may be another, with units left.)
+pub(crate) fn blocks_alone(policies: &PolicySet, index: usize) -> bool {
+    policies
+        .get(index)
+        .is_some_and(|policy| policy.penalty_box().is_some())
+        && policies
+            .iter()
+            .filter(|policy| policy.penalty_box().is_some())
+            .count()
+            == 1
+}
+
 /// The `RateLimit` field of a block answered without the state (a deny cache's): the
 /// blocked policy has none left until its wait is over, as the store's own answer says.
 /// `None` for any other answer without statuses: the numbers now are not known.
@@ -589,7 +603,10 @@ fn blocked_rate(
         return None;
     };
     let shown = policies.get(policy)?;
-    if !decision.is_blocked() || (shown.is_shadow() && !options.shadow) {
+    if !decision.is_blocked()
+        || !blocks_alone(policies, policy)
+        || (shown.is_shadow() && !options.shadow)
+    {
         return None;
     }
     value(|out| {

@@ -260,7 +260,12 @@ impl Responder {
         mut headers: HeaderBlock,
         extra: u64,
     ) -> Plan {
-        if decision.statuses().is_empty() && cost > 1 && !decision.is_blocked() {
+        // Answered without the state (a deny cache's): a denial of one unit leaves none,
+        // and so does a block of the denying policy; otherwise some may be left.
+        if decision.statuses().is_empty()
+            && cost > 1
+            && !(decision.is_blocked() && headers::blocks_alone(policies, policy))
+        {
             headers = headers.without_single();
         }
         // Never earlier than the end of the denying policy's effective window as the
