@@ -32,6 +32,9 @@ struct PolicySetInner {
     policies: Box<[Policy]>,
     /// Tells sets of different policies apart (the ids, in order).
     fingerprint: u64,
+    /// The fingerprint and the penalties' ids (the same without penalties): tells apart
+    /// sets that share rate state but not blocks.
+    with_penalties: u64,
     /// This set's own number, never reused in the process (per-thread caches key by it).
     serial: u64,
     /// True when a policy is an in-flight limit.
@@ -90,10 +93,19 @@ impl PolicySet {
     }
 
     pub(crate) fn from_vec(policies: Vec<Policy>) -> Self {
+        // FNV-1a over the ids, then (marked off) over the penalties' ids.
+        let step = |hash: u64, word: u64| (hash ^ word).wrapping_mul(0x0100_0000_01b3);
         let fingerprint = policies
             .iter()
             .fold(0xcbf2_9ce4_8422_2325u64, |hash, policy| {
-                (hash ^ u64::from(policy.id())).wrapping_mul(0x0100_0000_01b3)
+                step(hash, u64::from(policy.id()))
+            });
+        let with_penalties = policies
+            .iter()
+            .enumerate()
+            .filter_map(|(index, policy)| Some((index, policy.penalty_box()?.1)))
+            .fold(fingerprint, |hash, (index, id)| {
+                step(step(hash, u64::MAX - index as u64), u64::from(id))
             });
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         let in_flight = policies.iter().any(|policy| policy.params().is_in_flight());
@@ -102,6 +114,7 @@ impl PolicySet {
             inner: Arc::new(PolicySetInner {
                 policies: policies.into_boxed_slice(),
                 fingerprint,
+                with_penalties,
                 serial: SERIALS.fetch_add(1, Ordering::Relaxed),
                 in_flight,
                 penalties,
@@ -130,6 +143,12 @@ impl PolicySet {
     /// policies of one name are one, whatever their limits).
     pub(crate) fn fingerprint(&self) -> u64 {
         self.inner.fingerprint
+    }
+
+    /// [`fingerprint`](Self::fingerprint) with the penalties' ids too: the same policies
+    /// without a penalty (or with another) share rate state, but not blocks.
+    pub(crate) fn fingerprint_with_penalties(&self) -> u64 {
+        self.inner.with_penalties
     }
 
     /// A number no other set in this process has (never 0): clones share it.

@@ -208,22 +208,11 @@ impl Shared {
     }
 }
 
-/// Where a key's denials under `policies` are kept: by the set's policies, and for a set
-/// with penalties by its penalties too (the same policies without them, or with others,
-/// share the rate state but not the blocks: a block is no answer for them).
+/// Where a key's denials under `policies` are kept: by the set's policies and their
+/// penalties (the same policies without them, or with others, share the rate state but
+/// not the blocks: a block is no answer for them).
 fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
-    let mut print = policies.fingerprint();
-    if policies.has_penalties() {
-        for (index, policy) in policies.iter().enumerate() {
-            if let Some((_, id)) = policy.penalty_box() {
-                // FNV-1a steps over (index, id), after a mark that penalties follow.
-                for byte in [0xff, index as u8].into_iter().chain(id.to_le_bytes()) {
-                    print = (print ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-                }
-            }
-        }
-    }
-    (key.clone(), print)
+    (key.clone(), policies.fingerprint_with_penalties())
 }
 
 impl<S> DenyCache<S> {
@@ -356,6 +345,17 @@ mod tests {
         }
     }
 
+    /// A deny cache over a counting in-process store, both on `clock`, and the count of
+    /// the calls that reach the store.
+    fn counted(clock: &ManualClock) -> (DenyCache<Counting>, Arc<AtomicU64>) {
+        let calls = Arc::new(AtomicU64::new(0));
+        let inner = Counting {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            calls: Arc::clone(&calls),
+        };
+        (DenyCache::with_clock(inner, 100, clock.clone()), calls)
+    }
+
     #[test]
     fn denials_are_answered_locally_and_cheaper_requests_still_go_through() {
         let calls = Arc::new(AtomicU64::new(0));
@@ -389,12 +389,7 @@ mod tests {
     /// does not.
     #[test]
     fn a_cost_no_state_admits_never_reaches_the_store() {
-        let calls = Arc::new(AtomicU64::new(0));
-        let inner = Counting {
-            inner: MemoryStore::builder().clock(ManualClock::new()).build(),
-            calls: Arc::clone(&calls),
-        };
-        let cache = DenyCache::new(inner, 100);
+        let (cache, calls) = counted(&ManualClock::new());
         let policies = PolicySet::new([
             Policy::token_bucket("burst", 50, Rate::per_second(50)).unwrap(),
             Policy::token_bucket("api", 5, Rate::per_hour(5)).unwrap(),
@@ -423,13 +418,8 @@ mod tests {
     /// to the block (each one counts) all go to the store.
     #[test]
     fn a_block_is_answered_locally_and_the_denials_before_it_are_not() {
-        let calls = Arc::new(AtomicU64::new(0));
         let clock = ManualClock::new();
-        let inner = Counting {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            calls: Arc::clone(&calls),
-        };
-        let cache = DenyCache::with_clock(inner, 100, clock.clone());
+        let (cache, calls) = counted(&clock);
         let penalty =
             crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(600));
         let policies = PolicySet::from(
@@ -510,14 +500,9 @@ mod tests {
     /// the store.
     #[test]
     fn a_cached_block_ends_with_the_block() {
-        let calls = Arc::new(AtomicU64::new(0));
         let clock = ManualClock::new();
-        let inner = Counting {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            calls: Arc::clone(&calls),
-        };
-        let cache =
-            DenyCache::with_clock(inner, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let (cache, calls) = counted(&clock);
+        let cache = cache.max_age(Duration::from_secs(60));
         let penalty =
             crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(10));
         let set = PolicySet::from(

@@ -266,18 +266,21 @@ impl Config {
                 cost
             };
         }
+        // Raw text that is the decoded query (nothing to decode) reads alike. Other raw
+        // text that is no document (`%` and `+` are no GraphQL tokens) runs nothing there;
+        // one that is must be the query the others decode, and is not.
         let raw = form.strip_prefix("query=").unwrap_or(form);
-        // Raw text that is no document (`%` and `+` are no GraphQL tokens) runs nothing
-        // there; one that is must be the query the others decode.
-        let raw_parses = !matches!(
-            self.coster.costing(raw, None, None),
-            Err(Uncosted {
-                refused: false,
-                error: CostError::Parse(_),
-                ..
-            })
-        );
-        if raw_parses && (!form.starts_with("query=") || raw.contains(['%', '+', '&', ';'])) {
+        let alike = form.starts_with("query=") && !raw.contains(['%', '+', '&', ';']);
+        if !alike
+            && !matches!(
+                self.coster.costing(raw, None, None),
+                Err(Uncosted {
+                    refused: false,
+                    error: CostError::Parse(_),
+                    ..
+                })
+            )
+        {
             return Err(Uncosted::refused_request(
                 "a form gqlgen reads as raw text, a document other than its decoded query",
             ));
@@ -560,7 +563,7 @@ where
 /// whatever follows).
 fn read_as_json(form: &str) -> bool {
     form.contains("\"query\"")
-        || serde_json::from_str::<serde_json::Value>(form.trim_start_matches('\u{feff}')).is_ok()
+        || serde_json::from_slice::<serde_json::Value>(super::without_bom(form.as_bytes())).is_ok()
 }
 
 /// True when a `Content-Type` value holds a comma outside a quoted string: two types

@@ -804,9 +804,9 @@ struct Walk<'a> {
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
-    /// Inside an introspection field (`__schema`, `__type`): how many lists of an
-    /// introspection type the path went through (see [`CostError::Introspection`]).
-    introspection: Option<u8>,
+    /// Inside an introspection field (`__schema`, `__type`): whether the path went
+    /// through a list of an introspection type (see [`CostError::Introspection`]).
+    introspection: Option<bool>,
     /// Whether a `__schema` field was costed.
     whole_schema: bool,
     /// Set when the walk went into an introspection field: a cost remembered for a
@@ -968,14 +968,12 @@ impl<'a> Walk<'a> {
             )));
         }
         let inside = match self.introspection {
-            Some(lists) if TYPE_LISTS.contains(&name) => {
-                if lists > 0 {
-                    return Err(CostError::Introspection(format!(
-                        "{name} inside another list of an introspection type"
-                    )));
-                }
-                lists + 1
+            Some(true) if TYPE_LISTS.contains(&name) => {
+                return Err(CostError::Introspection(format!(
+                    "{name} inside another list of an introspection type"
+                )));
             }
+            Some(false) if TYPE_LISTS.contains(&name) => true,
             Some(_) => return self.field_cost(field, concrete, depth),
             None if name == "__schema" || name == "__type" => {
                 if name == "__schema" {
@@ -990,7 +988,7 @@ impl<'a> Walk<'a> {
                     self.whole_schema = true;
                 }
                 self.introspected = true;
-                0
+                false
             }
             None => return self.field_cost(field, concrete, depth),
         };
