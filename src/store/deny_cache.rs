@@ -1,6 +1,8 @@
 //! A local cache of denials in front of a shared store: one hot identity must not make
 //! one hot Redis key.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -215,17 +217,55 @@ fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
     (key.clone(), policies.fingerprint_with_penalties())
 }
 
-impl<S> DenyCache<S> {
-    /// Drops a key's cached denials under `policies`: units given back or a reset may
-    /// admit what was denied. The same policies' denials without the penalties go too
-    /// (a reset of the rate state is theirs as well).
-    fn forget(&self, key: &Key, policies: &PolicySet) {
-        self.shared.denials.remove(&cache_key(key, policies));
-        if policies.has_penalties() {
-            self.shared
-                .denials
-                .remove(&(key.clone(), policies.fingerprint()));
+/// A key's cached denials under one set of policies, to be dropped: units given back or
+/// a reset may admit what was denied. The same policies' denials without the penalties
+/// go too (a reset of the rate state is theirs as well).
+struct Forget {
+    key: Key,
+    with_penalties: u64,
+    without: Option<u64>,
+}
+
+impl Forget {
+    fn new(key: &Key, policies: &PolicySet) -> Self {
+        Self {
+            key: key.clone(),
+            with_penalties: policies.fingerprint_with_penalties(),
+            without: policies.has_penalties().then(|| policies.fingerprint()),
         }
+    }
+
+    fn run(self, shared: &Shared) -> Self {
+        let mut cache_key = (self.key, self.with_penalties);
+        shared.denials.remove(&cache_key);
+        if let Some(fingerprint) = self.without {
+            cache_key.1 = fingerprint;
+            shared.denials.remove(&cache_key);
+        }
+        Self {
+            key: cache_key.0,
+            ..self
+        }
+    }
+}
+
+impl<S> DenyCache<S> {
+    /// Drops a key's cached denials under `policies` now and again when `change` lands
+    /// (a store doing I/O lands it a round trip later: a denial it gave meanwhile, and
+    /// this cache kept, was given before the units were back).
+    fn forget_around<T: Send + 'static>(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        change: Pin<Box<dyn Future<Output = T> + Send>>,
+    ) -> Pin<Box<dyn Future<Output = T> + Send>> {
+        let forget = Forget::new(key, policies).run(&self.shared);
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            let landed = change.await;
+            forget.run(&shared);
+            landed
+        })
     }
 }
 
@@ -307,9 +347,15 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        // Units given back may admit what was denied: cached denials of the key go.
-        self.forget(key, policies);
-        self.inner.adjust(key, policies, adjustment)
+        // Units given back may admit what was denied: cached denials of the key go, when
+        // the adjustment is sent and when it lands.
+        match self.inner.adjust(key, policies, adjustment).into_ready() {
+            Ok(result) => {
+                Forget::new(key, policies).run(&self.shared);
+                DecideFuture::ready(result)
+            }
+            Err(pending) => DecideFuture::new(self.forget_around(key, policies, pending)),
+        }
     }
 
     fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
@@ -317,8 +363,8 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        self.forget(key, policies);
-        self.inner.reset(key, policies)
+        let reset = self.inner.reset(key, policies);
+        self.forget_around(key, policies, reset)
     }
 }
 
@@ -539,6 +585,79 @@ mod tests {
         match std::pin::Pin::new(&mut future).poll(&mut context) {
             std::task::Poll::Ready(result) => result.unwrap(),
             std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+        }
+    }
+
+    /// An in-process store whose adjustments and resets land when the test says, as a
+    /// store doing I/O lands them a round trip after they are sent.
+    #[derive(Clone)]
+    struct Gated {
+        inner: MemoryStore<ManualClock>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Store for Gated {
+        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+            self.inner.decide(key, policies, cost)
+        }
+
+        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+            let (inner, gate) = (self.inner.clone(), Arc::clone(&self.gate));
+            let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+            DecideFuture::new(async move {
+                let _pass = gate.acquire().await.expect("open");
+                inner.adjust(&key, &policies, &adjustment).await
+            })
+        }
+
+        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+            let (inner, gate) = (self.inner.clone(), Arc::clone(&self.gate));
+            let (key, policies) = (key.clone(), policies.clone());
+            Box::pin(async move {
+                let _pass = gate.acquire().await.expect("open");
+                inner.reset(&key, &policies).await
+            })
+        }
+    }
+
+    /// A grant (or refund, or reset) sent to a store doing I/O lands a round trip later.
+    /// A denial the store gives meanwhile (the units are not back yet) must not be kept
+    /// past the grant's landing: this replica would deny what the store admits until
+    /// the denial's age ran out, though the docs promise that only other replicas lag.
+    #[tokio::test]
+    async fn a_denial_given_while_a_grant_is_on_its_way_is_forgotten_when_it_lands() {
+        for reset in [false, true] {
+            let clock = ManualClock::new();
+            let gate = Arc::new(tokio::sync::Semaphore::new(0));
+            let store = Gated {
+                inner: MemoryStore::builder().clock(clock.clone()).build(),
+                gate: Arc::clone(&gate),
+            };
+            let cache =
+                DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+            let policies = PolicySet::from(
+                Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap(),
+            );
+            let key = Key::new("customer");
+            assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            let landing = if reset {
+                let future = cache.reset(&key, &policies);
+                tokio::spawn(async move { future.await.map(|()| ()) })
+            } else {
+                let future = cache.adjust(&key, &policies, &Adjustment::grant(1));
+                tokio::spawn(async move { future.await.map(|_| ()) })
+            };
+            tokio::task::yield_now().await;
+            // Sent, not landed: the store still denies, and the denial is cached.
+            let denied = cache.decide(&key, &policies, 1).await.unwrap();
+            assert!(!denied.is_allowed() && !denied.is_cached());
+            gate.add_permits(1);
+            landing.await.unwrap().unwrap();
+            let after = cache.decide(&key, &policies, 1).await.unwrap();
+            assert!(
+                after.is_allowed(),
+                "reset {reset}: the store admits once the change landed, but the cache said {after:?}"
+            );
         }
     }
 
