@@ -355,15 +355,42 @@ impl<St: Store> Limiter<St> {
 
     /// [`check`](Self::check), and who decided: the store, or the failure mode.
     async fn decide(&self, key: &Key, cost: u64) -> Result<(Decision, Decider), StoreError> {
+        self.decide_under(key, &self.shared.policies, cost).await
+    }
+
+    /// A waiter's decision. It waits the time the store names, so its denials are no
+    /// offence: under a penalty, a block is read first (a peek spends nothing and counts
+    /// towards nothing), and the units are decided without the penalties, on the same
+    /// state. (A block another request starts between the two is met on the next turn.)
+    async fn waiting(&self, key: &Key, cost: u64) -> Result<(Decision, Decider), StoreError> {
+        let policies = &self.shared.policies;
+        if !policies.has_penalties() {
+            return self.decide_under(key, policies, cost).await;
+        }
+        let now = self.peek(key).await;
+        if now.is_blocked() {
+            return Ok((now, Decider::Store));
+        }
+        self.decide_under(key, &policies.without_penalties(), cost)
+            .await
+    }
+
+    /// A decision under `policies` (the limiter's, or the same without penalties).
+    async fn decide_under(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        cost: u64,
+    ) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
         let decided = within(
             shared.timeout,
             "decision",
-            shared.store.decide(key, &shared.policies, cost),
+            shared.store.decide(key, policies, cost),
         )
         .await
         .and_then(|decision| {
-            crate::store::check_answer(&decision, shared.policies.len())?;
+            crate::store::check_answer(&decision, policies.len())?;
             Ok(decision)
         });
         match decided {
@@ -386,7 +413,7 @@ impl<St: Store> Limiter<St> {
                     // Only the fallback's share of the quota refuses the cost: the outage
                     // stands in its way, not "never" (as the layer answers).
                     FailureMode::Fallback(fallback) => fallback
-                        .decide(key, &shared.policies, cost)
+                        .decide(key, policies, cost)
                         .map(|(decision, applied)| (decision, Decider::Fallback(applied)))
                         .ok_or(error),
                     FailureMode::FailOpen => Ok((
@@ -419,6 +446,14 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, WaitError> {
+        // A cost above a policy's limit is never admitted: no use queueing for it (the
+        // store answers at once, spending nothing).
+        if self.shared.policies.never_admits(cost).is_some() {
+            let (decision, _) = self.decide(key, cost).await.map_err(WaitError::Store)?;
+            if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
+                return Err(WaitError::Never(decision));
+            }
+        }
         let now = Instant::now();
         let deadline = now
             .checked_add(max_wait)
@@ -458,7 +493,7 @@ impl<St: Store> Limiter<St> {
             )));
         };
         loop {
-            let (decision, decider) = self.decide(key, cost).await.map_err(WaitError::Store)?;
+            let (decision, decider) = self.waiting(key, cost).await.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {

@@ -588,3 +588,77 @@ fn a_zero_store_timeout_is_refused() {
     )
     .store_timeout(std::time::Duration::ZERO);
 }
+
+/// A cost above a policy's limit can never be admitted: `until_ready` says so at once,
+/// even while another waiter holds the key's turn. (Queued first, it was told `TooLong`
+/// once its wait ran out, which a caller retries for ever.)
+#[tokio::test(start_paused = true)]
+async fn a_cost_no_policy_admits_is_never_at_once_even_behind_a_waiter() {
+    let limiter = Limiter::new(
+        runtime_store(),
+        Policy::token_bucket("calls", 2, Rate::per_second(1)).unwrap(),
+    );
+    let key = Key::new("k");
+    limiter.check(&key, 2).await.unwrap();
+    // A waiter holds the key's turn for 2 s, until its units are back.
+    let first = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 2, Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let started = tokio::time::Instant::now();
+    match limiter.until_ready(&key, 3, Duration::from_secs(60)).await {
+        Err(WaitError::Never(decision)) => assert!(!decision.is_allowed(), "{decision:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(started.elapsed(), Duration::ZERO, "it did not queue");
+    assert!(first.await.unwrap().unwrap().is_allowed());
+}
+
+/// A waiter waits the time the store names: its denials are no offence, and count
+/// towards no penalty (three waits in a row were a block of 300 s). A block that other
+/// denials started still holds waiters back.
+#[tokio::test(start_paused = true)]
+async fn waiting_is_no_offence_under_a_penalty() {
+    use tollgate::policy::Penalty;
+    let mail = Policy::token_bucket("mail", 1, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(runtime_store(), mail);
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    for second in 1..=3 {
+        let decision = limiter
+            .until_ready(&key, 1, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|error| panic!("wait {second}: {error}"));
+        assert!(decision.is_allowed());
+        assert_eq!(started.elapsed(), Duration::from_secs(second));
+    }
+    // Three denials of a check are a block, which a waiter meets.
+    for _ in 0..3 {
+        assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    match limiter.until_ready(&key, 1, Duration::from_secs(10)).await {
+        Err(WaitError::TooLong(decision)) => {
+            assert!(decision.is_blocked(), "{decision:?}");
+            assert!(
+                decision.retry_after().unwrap() > Duration::from_secs(290),
+                "{decision:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Waited out, the block ends and the waiter goes.
+    let decision = limiter
+        .until_ready(&key, 1, Duration::from_secs(400))
+        .await
+        .unwrap();
+    assert!(decision.is_allowed());
+}
