@@ -642,7 +642,7 @@ mod tests {
             assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
             let landing = if reset {
                 let future = cache.reset(&key, &policies);
-                tokio::spawn(async move { future.await.map(|()| ()) })
+                tokio::spawn(future)
             } else {
                 let future = cache.adjust(&key, &policies, &Adjustment::grant(1));
                 tokio::spawn(async move { future.await.map(|_| ()) })
