@@ -655,7 +655,29 @@ impl Drop for Checkout {
 
 /// Whether `error` says the server is a primary no more (or has none): a failover.
 fn demoted(error: &RedisError) -> bool {
-    demoted_code(error.code())
+    demoted_code(server_code(error))
+}
+
+/// The error code the server answered: the code of the error a script met, where Redis
+/// before 7 wraps it in a script error of its own (`ERR Error running script (call to
+/// f_...): @user_script:21: @user_script: 21: -READONLY You can't write against a read
+/// only replica.`); Redis 7 answers that code itself.
+fn server_code(error: &RedisError) -> Option<&str> {
+    let wrapped = || {
+        let detail = error.detail()?;
+        if !detail.starts_with("Error running script") {
+            return None;
+        }
+        let met = &detail[detail.find(": -")? + 3..];
+        let code = &met[..met
+            .find(|c: char| !c.is_ascii_uppercase())
+            .unwrap_or(met.len())];
+        (!code.is_empty()).then_some(code)
+    };
+    match error.code() {
+        Some("ERR") => wrapped().or(Some("ERR")),
+        code => code,
+    }
 }
 
 /// Whether a Redis error code says the server is a primary no more (`READONLY`) or has
@@ -745,7 +767,7 @@ impl fmt::Debug for RedisStore {
 /// behind the failure mode.
 fn store_error(error: RedisError) -> StoreError {
     use redis::{ErrorKind, ServerErrorKind};
-    let transient_code = matches!(error.code(), Some("BUSY" | "LOADING" | "NOREPLICAS"))
+    let transient_code = matches!(server_code(&error), Some("BUSY" | "LOADING" | "NOREPLICAS"))
         || demoted(&error)
         || error
             .detail()
@@ -785,7 +807,7 @@ fn store_error(error: RedisError) -> StoreError {
     } else {
         StoreErrorKind::Other
     };
-    let code = error.code().map(str::to_owned);
+    let code = server_code(&error).map(str::to_owned);
     let mut store_error = StoreError::new(kind, error.to_string());
     if let Some(code) = code {
         store_error = store_error.with_code(code);
@@ -2458,6 +2480,54 @@ mod tests {
         }
         let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "no"));
         assert_eq!(store_error(refused).kind(), StoreErrorKind::Refused);
+    }
+
+    /// Redis before 7 wraps the error a script's write met in a script error of its
+    /// own (`ERR Error running script ...: -READONLY ...`), where Redis 7 answers the
+    /// code itself. A primary demoted behind one URL (a managed endpoint on 6.2 failing
+    /// over) is a failover there too: unavailable, and the connection is left. Read as a
+    /// refusal, every admission was refused while the breaker stayed closed. A script's
+    /// own error, or a refusal it met (`OOM`), stays a refusal.
+    #[test]
+    fn a_failover_a_script_met_on_redis_6_is_an_outage() {
+        let reply = |text: &str| {
+            redis::parse_redis_value(format!("-ERR Error running script (call to f_3c1e): @user_script:21: @user_script: 21: {text}\r\n").as_bytes())
+                .unwrap()
+                .extract_error()
+                .unwrap_err()
+        };
+        for (text, code) in [
+            (
+                "-READONLY You can't write against a read only replica.",
+                "READONLY",
+            ),
+            (
+                "-NOREPLICAS Not enough good replicas to write.",
+                "NOREPLICAS",
+            ),
+            (
+                "-MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+                "MASTERDOWN",
+            ),
+        ] {
+            let error = reply(text);
+            assert_eq!(error.code(), Some("ERR"), "wrapped: {error}");
+            assert_eq!(
+                store_error(reply(text)).kind(),
+                StoreErrorKind::Unavailable,
+                "{text}"
+            );
+            assert_eq!(store_error(reply(text)).code(), Some(code), "{text}");
+            assert_eq!(demoted(&error), code != "NOREPLICAS", "{text}");
+        }
+        for text in [
+            "-OOM command not allowed when used memory > 'maxmemory'.",
+            "Script attempted to access nonexistent global variable 'x'",
+        ] {
+            let error = store_error(reply(text));
+            assert_eq!(error.kind(), StoreErrorKind::Refused, "{text}");
+            assert!(!demoted(&reply(text)), "{text}");
+        }
     }
 
     /// A refused password on one connection (standalone, Sentinel, a pool) is every
