@@ -58,9 +58,15 @@ impl PrimaryAccess {
                     format!("the sentinels named an address that does not parse ({host}:{port}): {error}"),
                 )
             })?;
+        // Escaped whole: the client decodes the URL's user info, and the URL crate
+        // leaves a `%` as it is (`Zx%41q` would be sent as `ZxAq`).
         if let Some(password) = &self.password {
-            let _ = url.set_username(self.username.as_deref().unwrap_or(""));
-            let _ = url.set_password(Some(password));
+            let escape = |text: &str| {
+                percent_encoding::utf8_percent_encode(text, percent_encoding::NON_ALPHANUMERIC)
+                    .to_string()
+            };
+            let _ = url.set_username(&escape(self.username.as_deref().unwrap_or("")));
+            let _ = url.set_password(Some(&escape(password)));
         }
         open_client(url.as_str(), self.root_certificate.as_deref())
     }
@@ -451,6 +457,36 @@ async fn watch(backend: Weak<SentinelBackend>) {
             #[cfg(not(feature = "tracing"))]
             let _ = reason;
             backend.leave(generation);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrimaryAccess;
+
+    /// The primary's credentials reach `AUTH` as given. Written into a URL as they
+    /// were, a `%` was read back as an escape: `Zx%41q` was sent as `ZxAq` and refused.
+    #[test]
+    fn the_primarys_credentials_are_sent_as_given() {
+        for (username, password) in [
+            ("limiter", "Zx%41q"),
+            ("li%6diter", "p@ss:w/rd?#%C3%"),
+            ("", "plain"),
+        ] {
+            let access = PrimaryAccess {
+                tls: false,
+                username: (!username.is_empty()).then(|| username.to_owned()),
+                password: Some(password.to_owned()),
+                root_certificate: None,
+            };
+            for host in ["10.0.0.7", "redis-1.internal", "::1"] {
+                let client = access.client(host, 6379).unwrap();
+                let settings = client.get_connection_info().redis_settings();
+                assert_eq!(settings.password(), Some(password), "{host}");
+                let expected = (!username.is_empty()).then_some(username);
+                assert_eq!(settings.username(), expected, "{host}");
+            }
         }
     }
 }
