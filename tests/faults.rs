@@ -643,6 +643,56 @@ async fn sentinel_works_with_the_least_privilege_user() {
     assert!(support::command_calls(&primary, "fcall") > 0);
 }
 
+/// The primary's password is rotated under a Sentinel store, and its connection breaks:
+/// each look-up is refused. That is every request's refusal, which holds the breaker
+/// open as a pool's or a single connection's refused password does. The look-up's
+/// failure lost it (it kept only the kind and message), so the breaker stayed closed and
+/// every request after the 100 ms back-off looked the primary up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_refusing_its_password_behind_sentinel_opens_the_breaker() {
+    let (primary, replica, sentinels) = sentinel_set();
+    for server in [&primary, &replica] {
+        let added = server.cli(&[
+            "ACL", "SETUSER", "limiter", "on", ">first", "~*", "&*", "+@all",
+        ]);
+        assert_eq!(added.trim(), "OK");
+    }
+    let store = sentinel_config(&sentinels)
+        .master_auth(Some("limiter"), "first")
+        .connect()
+        .await
+        .expect("connected with the first password");
+    let (store, app) = healthy_app(store).await;
+    // Rotated on the primary, and the store's connection broken.
+    let rotated = primary.cli(&["ACL", "SETUSER", "limiter", "resetpass", ">second"]);
+    assert_eq!(rotated.trim(), "OK");
+    primary.cli(&["CLIENT", "KILL", "USER", "limiter"]);
+    // Requests 20 ms apart for a second: the first few meet the refusal (and open the
+    // breaker), the rest are answered by the fallback without asking the store.
+    let mut answers = Vec::new();
+    let before = store.calls();
+    let started = Instant::now();
+    for _ in 0..50 {
+        answers.push(request(&app).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        answers.iter().all(|(status, _)| *status == StatusCode::OK),
+        "{answers:?}"
+    );
+    assert!(
+        answers.iter().any(|(_, by)| *by == DecidedBy::Fallback),
+        "{answers:?}"
+    );
+    // The failures that open it, and one probe per cool-down since.
+    let probes = (started.elapsed().as_millis() / BREAKER_COOL_DOWN.as_millis()) as u64 + 1;
+    let asked = store.calls() - before;
+    assert!(
+        asked <= BREAKER_FAILURES + probes,
+        "the store was asked {asked} times in 50 requests: the breaker did not open"
+    );
+}
+
 /// The ids of `server`'s clients whose last command ran the library (`fcall`, `evalsha`).
 fn deciding_clients(server: &RedisServer) -> Vec<String> {
     server

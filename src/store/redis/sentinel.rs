@@ -112,7 +112,7 @@ struct State {
     current: Option<(u64, (String, u16), MultiplexedConnection)>,
     resolving: bool,
     /// The last look-up's failure, and until when it is the answer.
-    failed: Option<(Instant, StoreErrorKind, String)>,
+    failed: Option<(Instant, StoreError)>,
 }
 
 impl SentinelBackend {
@@ -164,10 +164,10 @@ impl SentinelBackend {
                 if let Some((generation, _, connection)) = &state.current {
                     return Ok((*generation, connection.clone()));
                 }
-                if let Some((until, kind, message)) = &state.failed
+                if let Some((until, error)) = &state.failed
                     && Instant::now() < *until
                 {
-                    return Err(StoreError::new(*kind, message.clone()));
+                    return Err(error.for_another());
                 }
                 if !state.resolving {
                     state.resolving = true;
@@ -391,18 +391,27 @@ async fn resolve(mut turn: Resolving) {
                 state.failed = None;
             }
             Ok(Err(error)) => {
-                state.failed = Some((
-                    Instant::now() + RESOLVE_BACKOFF,
+                let mut failed = StoreError::new(
                     error.kind(),
                     format!("no primary from the sentinels: {}", error.message),
-                ));
+                );
+                if let Some(code) = error.code() {
+                    failed = failed.with_code(code.to_owned());
+                }
+                // No primary for anyone (a refused password, a name no sentinel knows):
+                // every request meets it, and the breaker holds requests off (else every
+                // request after the back-off looks the primary up again).
+                failed.every_request = !failed.kind().is_io();
+                state.failed = Some((Instant::now() + RESOLVE_BACKOFF, failed));
             }
             Err(_) => {
                 state.failed = Some((
                     Instant::now() + RESOLVE_BACKOFF,
-                    StoreErrorKind::Timeout,
-                    format!(
-                        "the sentinels did not name a reachable primary within {RESOLVE_TIMEOUT:?}"
+                    StoreError::new(
+                        StoreErrorKind::Timeout,
+                        format!(
+                            "the sentinels did not name a reachable primary within {RESOLVE_TIMEOUT:?}"
+                        ),
                     ),
                 ));
             }
