@@ -493,6 +493,52 @@ fn a_library_load_refused_for_memory_is_logged_at_error_level() {
     );
 }
 
+/// A dropped decision's in-flight slots are given back by a task of their own. A release
+/// the server refuses (an ACL without `ZREM`) is a misconfiguration, said at error level
+/// as every store call no request waits for is; it was a warning, one per dropped
+/// decision, whatever the error.
+#[cfg(feature = "redis")]
+#[test]
+fn a_refused_release_of_a_dropped_decision_is_logged_at_error_level() {
+    use std::future::Future;
+    use tollgate::{Key, PolicySet, Store};
+    let server = support::RedisServer::start();
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let store = tollgate::store::RedisStore::connect(&server.url())
+                .await
+                .expect("a store");
+            let busy = PolicySet::from(Policy::concurrency("busy", 10).unwrap());
+            let key = Key::new("dropped");
+            assert!(store.decide(&key, &busy, 1).await.unwrap().is_allowed());
+            // The connection's user may no longer remove members.
+            assert_eq!(
+                server.cli(&["ACL", "SETUSER", "default", "-zrem"]).trim(),
+                "OK"
+            );
+            // A decision sent, then dropped before its answer (a client gone).
+            let mut decision = Box::pin(store.decide(&key, &busy, 1));
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(decision.as_mut().poll(&mut context).is_pending());
+            drop(decision);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
+                && event.contains("could not give back the in-flight slots")),
+        "{events:?}"
+    );
+}
+
 /// Runs `work` on a current-thread runtime (timers on) with a recorder as the
 /// subscriber: every event it gave.
 fn events_of(work: impl std::future::Future<Output = ()>) -> Vec<String> {

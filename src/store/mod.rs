@@ -353,14 +353,15 @@ pub(crate) async fn within<T>(
 /// decision's release): counted in `tollgate_store_errors_total`, as the layer counts
 /// its requests' errors, and logged: at debug level when it is I/O (an outage, which
 /// the requests meet and the failure mode's warning says), at error level otherwise (at
-/// most once a minute). The stores know no telemetry module (they sit below it): counted and logged here.
-pub(crate) fn unmet(error: &StoreError, what: &str) {
+/// most once a minute for each `what`: one kind of failure said often hides no other).
+/// The stores know no telemetry module (they sit below it): counted and logged here.
+pub(crate) fn unmet(error: &StoreError, what: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
     #[cfg(feature = "tracing")]
     if error.kind().is_io() {
         tracing::debug!(target: "tollgate", %error, "{what}");
-    } else if unmet_say_now() {
+    } else if unmet_say_now(what) {
         tracing::error!(
             target: "tollgate",
             %error,
@@ -375,27 +376,31 @@ pub(crate) fn unmet(error: &StoreError, what: &str) {
     let _ = (error, what);
 }
 
-/// True at most once a minute: a refusal every identity's lease meets (`OOM`, `NOPERM`)
-/// is said, not said once per identity and take.
+/// True at most once a minute for each `what`: a refusal every identity's lease meets
+/// (`OOM`, `NOPERM`) is said, not said once per identity and take. (One entry per call
+/// site: a handful.)
 #[cfg(feature = "tracing")]
-fn unmet_say_now() -> bool {
-    use std::sync::atomic::AtomicU64;
+fn unmet_say_now(what: &'static str) -> bool {
     static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static NEXT: std::sync::Mutex<Vec<(&'static str, u64)>> = std::sync::Mutex::new(Vec::new());
     let now = START
         .get_or_init(std::time::Instant::now)
         .elapsed()
         .as_secs();
-    let due = NEXT.load(std::sync::atomic::Ordering::Relaxed);
-    now >= due
-        && NEXT
-            .compare_exchange(
-                due,
-                now + 60,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
-            .is_ok()
+    let mut next = NEXT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match next.iter_mut().find(|(said, _)| *said == what) {
+        Some((_, due)) if now < *due => false,
+        Some((_, due)) => {
+            *due = now + 60;
+            true
+        }
+        None => {
+            next.push((what, now + 60));
+            true
+        }
+    }
 }
 
 /// A store's answer checked against the set of `len` policies it was asked about. An

@@ -1572,20 +1572,14 @@ impl Drop for LeaseGuard {
             }
             // The pooled connection goes back only now.
             drop(pinned);
+            // Counted; an outage at debug level (the requests meet it), anything else
+            // (a refusal) at error level.
             if let Some(error) = first_error {
-                // Counted and logged as any store error (the store knows no telemetry
-                // module: it sits below it); the slots expire with their lease.
-                #[cfg(feature = "metrics")]
-                metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
-                    .increment(1);
-                #[cfg(feature = "tracing")]
-                tracing::warn!(
-                    target: "tollgate",
-                    %error,
-                    "could not give back the in-flight slots of a dropped decision; they expire with their lease"
+                super::unmet(
+                    &error,
+                    "could not give back the in-flight slots of a dropped decision; they \
+                     expire with their lease",
                 );
-                #[cfg(not(feature = "tracing"))]
-                let _ = error;
             }
         });
     }
