@@ -121,7 +121,7 @@ impl<F: Future> ResponseFuture<F> {
     pub(crate) fn deciding<S, B>(decide: BoxedDecision, pending: Pending<S, B>) -> Self
     where
         S: Service<Request<B>, Future = F> + Send + 'static,
-        F: Send + 'static,
+        F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
         let future = async move {
@@ -174,7 +174,7 @@ impl<F: Future> ResponseFuture<F> {
     ) -> Self
     where
         S: Service<Request<B>, Future = F> + Send + 'static,
-        F: Send + 'static,
+        F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
         Self {
@@ -193,8 +193,10 @@ impl<F: Future> ResponseFuture<F> {
     }
 }
 
-/// Waits `delay` from now (the moment of the decision, not the first poll), then calls
-/// the (ready) inner service.
+/// Waits `delay` from now (the moment of the decision, not the first poll), then makes
+/// the inner service ready and calls it: nothing of its capacity is held while the
+/// request waits. (An inner service that fails to become ready fails the request, with
+/// its debit kept as an inner error keeps it.)
 fn call<S, B, F>(
     mut inner: S,
     request: Request<B>,
@@ -204,7 +206,7 @@ fn call<S, B, F>(
 ) -> impl Future<Output = Slow<F::Output>>
 where
     S: Service<Request<B>, Future = F>,
-    F: Future,
+    F: Future<Output = Result<S::Response, S::Error>>,
 {
     let deadline = tokio::time::Instant::now() + delay;
     async move {
@@ -212,6 +214,9 @@ where
             tokio::time::sleep_until(deadline).await;
         }
         let reservation = reservation.map(Box::new);
+        if let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+            return Slow::Inner(Err(error), headers, reservation);
+        }
         Slow::Inner(inner.call(request).await, headers, reservation)
     }
 }

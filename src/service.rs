@@ -92,11 +92,16 @@ impl<S: fmt::Debug, St, K, C, R> fmt::Debug for RateLimit<S, St, K, C, R> {
     }
 }
 
-/// The ready inner service, leaving a clone in its place (the service is called later,
-/// from the response future).
-fn take_ready<S: Clone>(inner: &mut S) -> S {
-    let clone = inner.clone();
-    std::mem::replace(inner, clone)
+/// A clone of the inner service for a request called later (after a store's answer, a
+/// shaping delay), made ready then. The instance `poll_ready` made ready is dropped now,
+/// with what its readiness holds (a `ConcurrencyLimit`'s or a `Buffer`'s permit): held
+/// through the wait, it kept every other request out of the inner service meanwhile, and
+/// a connection that calls its service again only after this response would wait for it
+/// for ever.
+fn called_later<S: Clone>(inner: &mut S) -> S {
+    let later = inner.clone();
+    *inner = later.clone();
+    later
 }
 
 impl<S, St, K, C, R, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, St, K, C, R>
@@ -294,7 +299,7 @@ where
         ResponseFuture::deciding(
             timed,
             Pending {
-                inner: take_ready(&mut self.inner),
+                inner: called_later(&mut self.inner),
                 request,
                 policies,
                 key,
@@ -334,7 +339,7 @@ where
             }
             Plan::Delay(delay, headers, Some(debit)) => {
                 let reservation = reservation(debit);
-                let inner = take_ready(&mut self.inner);
+                let inner = called_later(&mut self.inner);
                 ResponseFuture::delaying(delay, inner, request, headers, Some(reservation))
             }
             plan => finish(&mut self.inner, request, plan),
@@ -374,7 +379,7 @@ where
     match plan {
         Plan::Call(headers, _) => ResponseFuture::calling(inner.call(request), headers),
         Plan::Delay(delay, headers, _) => {
-            ResponseFuture::delaying(delay, take_ready(inner), request, headers, None)
+            ResponseFuture::delaying(delay, called_later(inner), request, headers, None)
         }
         Plan::Respond(response) => {
             ResponseFuture::respond_boxed(grpc::fit(request.method(), request.headers(), response))

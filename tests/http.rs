@@ -691,6 +691,57 @@ async fn a_stuck_store_times_out_and_the_breaker_stops_calling_it() {
     );
 }
 
+/// A request held back by shaping waits without the inner service's capacity: a
+/// `ConcurrencyLimit` (or a `Buffer`) inside the limiter keeps its permit in the service
+/// made ready, and that service was moved into the delayed request, so one client's
+/// queue held the permit through its delay and every other client waited behind it.
+/// Now the delayed request makes the inner service ready when its delay ends.
+#[tokio::test(start_paused = true)]
+async fn a_shaping_delay_holds_no_capacity_of_the_inner_service() {
+    use tower::ServiceBuilder;
+    use tower::limit::ConcurrencyLimitLayer;
+    let policy =
+        Policy::leaky_bucket_shaping("partner", Rate::per_second(1), Duration::from_secs(5))
+            .unwrap();
+    let service = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(policy)
+                .key(HeaderKey::new("x-client")),
+        )
+        .layer(ConcurrencyLimitLayer::new(1))
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let request = |client: &str| {
+        Request::get("/")
+            .header("x-client", client)
+            .body(Body::empty())
+            .unwrap()
+    };
+    let start = tokio::time::Instant::now();
+    // Client a: one request goes at once, the next is held back a second.
+    let first = service.clone().oneshot(request("a")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let held = tokio::spawn(service.clone().oneshot(request("a")));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Client b has nothing queued: it is served at once.
+    let other = service.clone().oneshot(request("b")).await.unwrap();
+    assert_eq!(other.status(), StatusCode::OK);
+    assert!(
+        start.elapsed() < Duration::from_millis(100),
+        "client b waited {:?} behind client a's delay",
+        start.elapsed()
+    );
+    let held = held.await.unwrap().unwrap();
+    assert_eq!(held.status(), StatusCode::OK);
+    assert!(
+        start.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn shaping_holds_requests_back_for_their_delay() {
     let policy =

@@ -593,7 +593,8 @@ impl Policy {
     /// A shaping leaky bucket: requests leave at `leak`, each one held back until those
     /// ahead of it have left; one that would wait longer than `max_delay` is denied.
     ///
-    /// The layer sleeps for the delay before it calls the inner service. The bucket admits
+    /// The layer sleeps for the delay before it calls the inner service, which it makes
+    /// ready only then (a request held back holds none of its capacity). The bucket admits
     /// a burst of `max_delay * leak + 1` unit requests, each one later than the last.
     ///
     /// ```
