@@ -443,11 +443,18 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 }
 
+/// The set-up mistake of a debit adjusted through a store that cannot adjust.
+const CANNOT_ADJUST: &str = "RateLimitLayer: {what} through the store's adjust \
+    (Store::adjust), and this store cannot adjust (Store::can_adjust is false): a store \
+    that wraps another must forward adjust and can_adjust";
+
 impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// Checks the set-up without building a service: at least one policy, no policy
     /// replaced by one of its name in the other mode (see [`policy`](Self::policy)),
     /// every policy set known ahead a valid set (shadow policies among the first 52) that
-    /// the store can decide exactly ([`Store::validate`]). [`layer`](Layer::layer) runs the same check and panics on a
+    /// the store can decide exactly ([`Store::validate`]), and a store that can adjust a
+    /// debit ([`Store::can_adjust`]) when the layer settles costs or a set has an
+    /// in-flight limit. [`layer`](Layer::layer) runs the same check and panics on a
     /// failure; call this first to handle it yourself.
     ///
     /// ```
@@ -489,6 +496,13 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
                 crate::respond::headers::MIN_PARTITION_SECRET
             ));
         }
+        // Settling and in-flight slots are adjustments of the debit: a store that cannot
+        // make them (a wrapper forwarding only `decide`) would never settle a cost nor
+        // free a slot.
+        let can_adjust = self.store.can_adjust();
+        if self.settle.is_some() && !can_adjust {
+            return Err(CANNOT_ADJUST.replace("{what}", "settle(...) settles costs"));
+        }
         for set in self.resolver.known_sets() {
             // A set grown one `.policy()` at a time passes the checks a whole set does
             // (shadow policies among the first 52).
@@ -497,6 +511,12 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
             self.store.validate(&set).map_err(|error| {
                 format!("RateLimitLayer: the store cannot decide these policies: {error}")
             })?;
+            if !can_adjust
+                && let Some(policy) = set.iter().find(|policy| policy.params().is_in_flight())
+            {
+                let what = format!("the in-flight limit \"{}\" frees slots", policy.name());
+                return Err(CANNOT_ADJUST.replace("{what}", &what));
+            }
         }
         Ok(())
     }

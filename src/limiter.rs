@@ -87,7 +87,7 @@ use crate::decision::{Decision, Outcome};
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::key::Key;
 use crate::policy::PolicySet;
-use crate::store::{Store, StoreError, within};
+use crate::store::{Store, StoreError, StoreErrorKind, within};
 
 type Queue = Arc<tokio::sync::Mutex<()>>;
 
@@ -283,6 +283,21 @@ impl<St: Store> Limiter<St> {
     pub fn try_new(store: St, policies: impl Into<PolicySet>) -> Result<Self, StoreError> {
         let policies = policies.into();
         store.validate(&policies)?;
+        // A waiter frees its in-flight slot through the store's adjust.
+        if let Some(policy) = policies
+            .iter()
+            .find(|policy| policy.params().is_in_flight())
+            && !store.can_adjust()
+        {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                format!(
+                    "the in-flight limit \"{}\" frees slots through the store's adjust, and \
+                     this store cannot adjust (Store::can_adjust is false)",
+                    policy.name()
+                ),
+            ));
+        }
         Ok(Self::new(store, policies))
     }
 

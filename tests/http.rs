@@ -898,3 +898,53 @@ async fn a_store_cost_and_resolver_picked_at_run_time_fit_one_type() {
         );
     }
 }
+
+/// A store that forwards only `decide` (a wrapper for metrics, as `Counted` above)
+/// cannot settle costs or free in-flight slots: the default `adjust` refuses. Accepted,
+/// each request's slot was never freed (a key refused for good once its limit was taken)
+/// and each settle was refused (a reservation of 0 settled at its actual cost was free).
+/// The layer refuses such a set-up when it is built; a wrapper that forwards `adjust`
+/// says so with `can_adjust`.
+#[test]
+fn settling_or_in_flight_limits_need_a_store_that_can_adjust() {
+    use tollgate::settle::Settle;
+    let counted = || Counted {
+        inner: MemoryStore::new(),
+        calls: std::sync::Arc::default(),
+    };
+    let slots = Policy::concurrency("slots", 2).unwrap();
+    let tokens = Policy::token_bucket("tokens", 1000, Rate::per_minute(1000)).unwrap();
+    let refused = RateLimitLayer::new(counted())
+        .policy(slots.clone())
+        .validate();
+    let error = refused.expect_err("in-flight slots that are never freed");
+    assert!(
+        error.contains("slots") && error.contains("adjust"),
+        "{error}"
+    );
+    let refused = RateLimitLayer::new(counted())
+        .policy(tokens.clone())
+        .settle(Settle::from_header("x-tokens-used"))
+        .validate();
+    let error = refused.expect_err("costs that are never settled");
+    assert!(
+        error.contains("settle") && error.contains("adjust"),
+        "{error}"
+    );
+    // Without either, the wrapper is fine; and a wrapper that adjusts is fine with both.
+    assert!(
+        RateLimitLayer::new(counted())
+            .policy(tokens.clone())
+            .validate()
+            .is_ok()
+    );
+    let adjusting = std::sync::Arc::new(MemoryStore::new()) as std::sync::Arc<dyn Store>;
+    assert!(
+        RateLimitLayer::new(adjusting)
+            .policy(slots)
+            .policy(tokens)
+            .settle(Settle::from_header("x-tokens-used"))
+            .validate()
+            .is_ok()
+    );
+}

@@ -282,6 +282,10 @@ impl Store for SlowSettles {
         self.0.decide(key, policies, cost)
     }
 
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
     fn adjust(
         &self,
         key: &Key,

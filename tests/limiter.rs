@@ -520,6 +520,10 @@ impl Store for SlowAdjust {
         self.0.decide(key, policies, cost)
     }
 
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
     fn adjust(
         &self,
         key: &Key,

@@ -638,6 +638,19 @@ impl Store for Refusing {
             "connection refused",
         )))
     }
+
+    // A store that is down: it adjusts when it is up (its `adjust` fails as its
+    // decisions do, and the fallback settles what it decided).
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(&self, _: &Key, _: &PolicySet, _: &tollgate::Adjustment) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
 }
 
 #[tokio::test]
@@ -874,6 +887,10 @@ impl Store for SlowSettle {
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
         let decision = self.inner.check(key.as_str(), policies, cost);
         tollgate::DecideFuture::new(async move { Ok(decision) })
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
     }
 
     fn adjust(

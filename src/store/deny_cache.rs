@@ -346,6 +346,10 @@ impl<S: Store> Store for DenyCache<S> {
         }
     }
 
+    fn can_adjust(&self) -> bool {
+        self.inner.can_adjust()
+    }
+
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         // Units given back may admit what was denied: cached denials of the key go, when
         // the adjustment is sent and when it lands.
@@ -599,6 +603,10 @@ mod tests {
     impl Store for Gated {
         fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
             self.inner.decide(key, policies, cost)
+        }
+
+        fn can_adjust(&self) -> bool {
+            true
         }
 
         fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {

@@ -612,6 +612,10 @@ impl<S: Store> Store for Leased<S> {
         })
     }
 
+    fn can_adjust(&self) -> bool {
+        self.inner.can_adjust()
+    }
+
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         self.inner.adjust(key, policies, adjustment)
     }

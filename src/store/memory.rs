@@ -860,6 +860,10 @@ impl<C: Clock> Store for MemoryStore<C> {
         DecideFuture::ready(Ok(self.check(key.as_str(), policies, cost)))
     }
 
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         DecideFuture::ready(Ok(self.adjust_now(key.as_str(), policies, adjustment)))
     }

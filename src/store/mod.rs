@@ -88,8 +88,8 @@ pub trait Store: Send + Sync + 'static {
     ///   one whole quota past what is left);
     /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
     ///
-    /// The default refuses with [`StoreErrorKind::Unsupported`]: the layer then logs the
-    /// error and the debit stays as it was.
+    /// The default refuses with [`StoreErrorKind::Unsupported`]; a store that implements
+    /// it says so with [`can_adjust`](Self::can_adjust).
     ///
     /// ```
     /// use tollgate::{Adjustment, Key, MemoryStore, Policy, PolicySet, Rate, Store};
@@ -114,6 +114,32 @@ pub trait Store: Send + Sync + 'static {
             StoreErrorKind::Unsupported,
             "this store cannot settle costs or free in-flight slots",
         )))
+    }
+
+    /// Whether this store implements [`adjust`](Self::adjust). A layer that settles
+    /// costs ([`RateLimitLayer::settle`](crate::RateLimitLayer::settle)) or has an
+    /// in-flight limit needs it, and is refused when it is built over a store that says
+    /// no: its slots would never be freed and its costs never settled. The default is
+    /// `false`; a store that implements `adjust` returns `true`, and a wrapper forwards
+    /// its inner store's answer (as `Arc`, `Box` and the crate's wrappers do).
+    ///
+    /// ```
+    /// use tollgate::{DecideFuture, Key, MemoryStore, PolicySet, Store};
+    ///
+    /// /// Counts decisions; forwards only `decide`.
+    /// struct Counted(MemoryStore);
+    ///
+    /// impl Store for Counted {
+    ///     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+    ///         self.0.decide(key, policies, cost)
+    ///     }
+    /// }
+    ///
+    /// assert!(MemoryStore::new().can_adjust());
+    /// assert!(!Counted(MemoryStore::new()).can_adjust());
+    /// ```
+    fn can_adjust(&self) -> bool {
+        false
     }
 
     /// Every policy's state for `key` now, without spending anything: the decision of a
@@ -325,6 +351,10 @@ macro_rules! forward_store {
 
             fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
                 (**self).validate(policies)
+            }
+
+            fn can_adjust(&self) -> bool {
+                (**self).can_adjust()
             }
         }
     )*};

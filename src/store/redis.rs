@@ -1319,6 +1319,10 @@ impl Store for RedisStore {
         })
     }
 
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         let receipt = adjustment.receipt();
         // ARGV[2] (the script's cost), then the amount, the time of the debit ("-1": any
