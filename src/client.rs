@@ -233,20 +233,18 @@ impl PacingLayer {
     /// server said, capped at `max_wait`. The [`pace`](Self::pace) policy's wait is not
     /// counted (reading it would take a turn).
     pub fn wait_for(&self, host: &str, partition: Option<&str>) -> Duration {
-        let host = host.to_ascii_lowercase();
-        let has_port = host
-            .rsplit_once(':')
-            .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
-            && !host.ends_with(']');
-        if has_port {
-            return self.shared.wait(&state_key(&host, partition));
+        let (name, port) = split_host(host);
+        if let Some(port) = port {
+            return self
+                .shared
+                .wait(&state_key(&format!("{name}:{port}"), partition));
         }
         let http = self
             .shared
-            .wait(&state_key(&format!("{host}:80"), partition));
+            .wait(&state_key(&format!("{name}:80"), partition));
         let https = self
             .shared
-            .wait(&state_key(&format!("{host}:443"), partition));
+            .wait(&state_key(&format!("{name}:443"), partition));
         http.max(https)
     }
 }
@@ -287,8 +285,9 @@ fn later(now: Instant, wait: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
-/// The host a request goes to, as one budget: lower case, no user info, the scheme's
-/// default port made explicit (`A.test`, `a.test:80` and `user@a.test` are one host).
+/// The host a request goes to, as one budget: lower case, no user info, no trailing dot
+/// on a name, the port as a number, the scheme's default port made explicit (`A.test`,
+/// `a.test.`, `a.test:080`, `a.test:80` and `user@a.test` are one host).
 fn host_of<B>(request: &Request<B>) -> String {
     let authority = request
         .uri()
@@ -301,21 +300,45 @@ fn host_of<B>(request: &Request<B>) -> String {
         .unwrap_or_default();
     let host = authority
         .rsplit_once('@')
-        .map_or(authority.as_str(), |(_, host)| host)
-        .to_ascii_lowercase();
-    let has_port = host
-        .rsplit_once(':')
-        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
-        && !host.ends_with(']');
-    if has_port || host.is_empty() {
-        host
-    } else {
-        let port = match request.uri().scheme_str() {
-            Some("https") => 443,
-            _ => 80,
-        };
-        format!("{host}:{port}")
+        .map_or(authority.as_str(), |(_, host)| host);
+    let (name, port) = split_host(host);
+    if name.is_empty() {
+        return name;
     }
+    let port = port.unwrap_or_else(|| {
+        let secure = request.uri().scheme_str().is_some_and(|scheme| {
+            scheme.eq_ignore_ascii_case("https") || scheme.eq_ignore_ascii_case("wss")
+        });
+        if secure { "443" } else { "80" }.to_owned()
+    });
+    format!("{name}:{port}")
+}
+
+/// A host (`name` or `name:port`, an IPv6 literal in brackets) in one spelling: the name
+/// in lower case without a trailing dot, the port (when it names one) without leading
+/// zeros.
+fn split_host(host: &str) -> (String, Option<String>) {
+    let host = host.to_ascii_lowercase();
+    let (name, port) = match host.rsplit_once(':') {
+        Some((name, port))
+            if !host.ends_with(']') && port.bytes().all(|byte| byte.is_ascii_digit()) =>
+        {
+            // An empty port (`a.test:`) is the default one, as in a URI.
+            let port = port.trim_start_matches('0');
+            let port = match (port.is_empty(), host.ends_with(':')) {
+                (_, true) => None,
+                (true, false) => Some("0".to_owned()),
+                (false, false) => Some(port.to_owned()),
+            };
+            (name, port)
+        }
+        _ => (host.as_str(), None),
+    };
+    let name = match name.strip_suffix('.') {
+        Some(stripped) if !stripped.is_empty() && !stripped.ends_with('.') => stripped,
+        _ => name,
+    };
+    (name.to_owned(), port)
 }
 
 fn state_key(host: &str, partition: Option<&str>) -> String {

@@ -398,6 +398,42 @@ async fn absurd_values_are_capped_and_hosts_kept_apart() {
     );
 }
 
+/// One host, however the URL spells it: the port as a number (`0443` is 443), a name
+/// with its trailing dot (`a.test.` is `a.test`), the scheme in any case. Each spelling
+/// was a budget of its own, so what a 429 taught on one did not hold the others.
+#[tokio::test(start_paused = true)]
+async fn one_host_in_any_spelling_is_one_budget() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=5".to_owned())])];
+    let layer = PacingLayer::new().max_wait(Duration::from_secs(60));
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
+    send(&mut client, get("https://a.test:0443/")).await;
+    for spelling in [
+        "a.test:443",
+        "A.TEST:443",
+        "a.test.:443",
+        "a.test:00443",
+        "a.test.",
+    ] {
+        assert_eq!(
+            layer.wait_for(spelling, None),
+            Duration::from_secs(5),
+            "{spelling}"
+        );
+    }
+    assert_eq!(layer.wait_for("a.test:80", None), Duration::ZERO);
+    // A request to another spelling waits the same word out.
+    let started = tokio::time::Instant::now();
+    let uri = http::Uri::builder()
+        .scheme("HTTPS")
+        .authority("a.test.")
+        .path_and_query("/")
+        .build()
+        .unwrap();
+    send(&mut client, Request::get(uri).body(Empty::new()).unwrap()).await;
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_policy_paces_before_any_answer() {
     let seen = Arc::new(AtomicU64::new(0));
