@@ -120,7 +120,7 @@ impl<F: Future> ResponseFuture<F> {
     /// Decides through `decide`, then answers as the plan says.
     pub(crate) fn deciding<S, B>(decide: BoxedDecision, pending: Pending<S, B>) -> Self
     where
-        S: Service<Request<B>, Future = F> + Send + 'static,
+        S: Service<Request<B>, Future = F> + Clone + Send + 'static,
         F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
@@ -155,7 +155,9 @@ impl<F: Future> ResponseFuture<F> {
             };
             let reservation =
                 debit.map(|debit| Reservation::new(adjuster, key, policies, cost, *debit));
-            call(inner, request, delay, headers, reservation).await
+            // The inner service was made ready before the decision (its capacity held
+            // while the store answers, which the store timeout bounds).
+            call(inner, true, request, delay, headers, reservation).await
         };
         Self {
             state: State::Slow {
@@ -173,13 +175,13 @@ impl<F: Future> ResponseFuture<F> {
         reservation: Option<Reservation>,
     ) -> Self
     where
-        S: Service<Request<B>, Future = F> + Send + 'static,
+        S: Service<Request<B>, Future = F> + Clone + Send + 'static,
         F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
         Self {
             state: State::Slow {
-                future: Box::pin(call(inner, request, delay, headers, reservation)),
+                future: Box::pin(call(inner, false, request, delay, headers, reservation)),
             },
         }
     }
@@ -193,28 +195,34 @@ impl<F: Future> ResponseFuture<F> {
     }
 }
 
-/// Waits `delay` from now (the moment of the decision, not the first poll), then makes
-/// the inner service ready and calls it: nothing of its capacity is held while the
-/// request waits. (An inner service that fails to become ready fails the request, with
-/// its debit kept as an inner error keeps it.)
+/// Waits `delay` from now (the moment of the decision, not the first poll), then calls
+/// the inner service: `ready` when `poll_ready` made it so, else made ready first.
+/// Nothing of its capacity is held through a delay: a ready instance is dropped for an
+/// unready clone while the request waits. (An inner service that fails to become ready
+/// fails the request, with its debit kept as an inner error keeps it.)
 fn call<S, B, F>(
     mut inner: S,
+    mut ready: bool,
     request: Request<B>,
     delay: Duration,
     headers: HeaderBlock,
     reservation: Option<Reservation>,
 ) -> impl Future<Output = Slow<F::Output>>
 where
-    S: Service<Request<B>, Future = F>,
+    S: Service<Request<B>, Future = F> + Clone,
     F: Future<Output = Result<S::Response, S::Error>>,
 {
     let deadline = tokio::time::Instant::now() + delay;
     async move {
         if !delay.is_zero() {
+            if ready {
+                inner = inner.clone();
+                ready = false;
+            }
             tokio::time::sleep_until(deadline).await;
         }
         let reservation = reservation.map(Box::new);
-        if let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+        if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
             return Slow::Inner(Err(error), headers, reservation);
         }
         Slow::Inner(inner.call(request).await, headers, reservation)

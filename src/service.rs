@@ -92,11 +92,18 @@ impl<S: fmt::Debug, St, K, C, R> fmt::Debug for RateLimit<S, St, K, C, R> {
     }
 }
 
-/// A clone of the inner service for a request called later (after a store's answer, a
-/// shaping delay), made ready then. The instance `poll_ready` made ready is dropped now,
-/// with what its readiness holds (a `ConcurrencyLimit`'s or a `Buffer`'s permit): held
-/// through the wait, it kept every other request out of the inner service meanwhile, and
-/// a connection that calls its service again only after this response would wait for it
+/// The ready inner service, leaving a clone in its place (the service is called later,
+/// from the response future, once the store answers).
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
+}
+
+/// A clone of the inner service for a request held back by a shaping delay, made ready
+/// when the delay ends. The instance `poll_ready` made ready is dropped now, with what
+/// its readiness holds (a `ConcurrencyLimit`'s or a `Buffer`'s permit): held through
+/// the delay, it kept every other request out of the inner service meanwhile, and a
+/// connection that calls its service again only after this response would wait for it
 /// for ever.
 fn called_later<S: Clone>(inner: &mut S) -> S {
     let later = inner.clone();
@@ -299,7 +306,7 @@ where
         ResponseFuture::deciding(
             timed,
             Pending {
-                inner: called_later(&mut self.inner),
+                inner: take_ready(&mut self.inner),
                 request,
                 policies,
                 key,

@@ -948,3 +948,58 @@ fn settling_or_in_flight_limits_need_a_store_that_can_adjust() {
             .is_ok()
     );
 }
+
+/// A store doing I/O: the in-process store's answer, after 100 ms.
+#[derive(Clone)]
+struct SlowToAnswer(MemoryStore);
+
+impl Store for SlowToAnswer {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let decision = self.0.check(key.as_str(), policies, cost);
+        DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(decision)
+        })
+    }
+}
+
+/// While a store doing I/O decides, the request keeps the inner service's capacity that
+/// `poll_ready` reserved (the wait is bounded by the store timeout): back-pressure
+/// reaches the layers outside, and `LoadShed` sheds what the inner service cannot take.
+/// (Dropping it at the call let every request through `poll_ready`, to queue without
+/// bound inside the futures after being charged.)
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_for_the_store_keeps_the_inner_services_capacity() {
+    use tower::ServiceBuilder;
+    let service = ServiceBuilder::new()
+        .load_shed()
+        .layer(
+            RateLimitLayer::new(SlowToAnswer(MemoryStore::new()))
+                .policy(Policy::token_bucket("api", 1000, Rate::per_second(1000)).unwrap())
+                .key(tollgate::key::Global)
+                .store_timeout(Duration::from_secs(1)),
+        )
+        .concurrency_limit(1)
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let requests = (0..10).map(|_| {
+        let service = service.clone();
+        tokio::spawn(service.oneshot(Request::get("/").body(Body::empty()).unwrap()))
+    });
+    let mut served = 0;
+    let mut shed = 0;
+    for request in requests.collect::<Vec<_>>() {
+        match request.await.unwrap() {
+            Ok(response) => {
+                assert_eq!(response.status(), StatusCode::OK);
+                served += 1;
+            }
+            Err(error) => {
+                assert!(error.is::<tower::load_shed::error::Overloaded>(), "{error}");
+                shed += 1;
+            }
+        }
+    }
+    assert_eq!((served, shed), (1, 9));
+}
