@@ -2448,3 +2448,48 @@ fn introspection_that_multiplies_is_refused() {
         }
     }
 }
+
+/// The layer reads a request's body before it calls the service inside: at the client's
+/// pace. The service made ready by `poll_ready` is not held through that read (a
+/// `ConcurrencyLimit`'s permit, a rate limiter's readiness): held, one slow upload kept
+/// every other request out.
+#[tokio::test(start_paused = true)]
+async fn a_slow_upload_holds_no_capacity_of_the_inner_service() {
+    use axum::body::Body;
+    use bytes::Bytes;
+    use ::http::{Request, Response, StatusCode};
+    use std::time::Duration;
+    use tollgate::cost::graphql::GraphqlCostLayer;
+    use tower::{ServiceBuilder, ServiceExt};
+    let service = ServiceBuilder::new()
+        .layer(GraphqlCostLayer::new(GraphqlCost::new()))
+        .concurrency_limit(1)
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("ok")))
+        });
+    let post = |body: Body| {
+        Request::post("/graphql")
+            .header("content-type", "application/json")
+            .body(body)
+            .unwrap()
+    };
+    let (send, sent) = tokio::sync::oneshot::channel::<()>();
+    let slow_body = Body::from_stream(futures_util::stream::once(async move {
+        sent.await.ok();
+        Ok::<_, std::io::Error>(Bytes::from_static(br#"{"query":"{ a }"}"#))
+    }));
+    let slow = tokio::spawn(service.clone().oneshot(post(slow_body)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let quick = tokio::time::timeout(
+        Duration::from_secs(5),
+        service
+            .clone()
+            .oneshot(post(Body::from(r#"{"query":"{ b }"}"#))),
+    )
+    .await
+    .expect("the quick request waited behind the slow upload")
+    .unwrap();
+    assert_eq!(quick.status(), StatusCode::OK);
+    send.send(()).unwrap();
+    assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+}

@@ -463,7 +463,12 @@ where
             let cost = Err(Uncosted::refused_request(why));
             return self.answer(Request::from_parts(parts, body), cost);
         }
-        let mut inner = self.take_inner();
+        // The body is read first, at the client's pace: the instance made ready is
+        // dropped now, with what its readiness holds (a `ConcurrencyLimit`'s permit, a
+        // limiter's), and a clone is made ready once the body is read. Held through a
+        // slow upload, it kept every other request out.
+        let mut inner = self.inner.clone();
+        self.inner = inner.clone();
         let config = Arc::clone(&self.config);
         Box::pin(async move {
             let read = match Limited::new(body, config.max_body).collect().await {
@@ -473,6 +478,7 @@ where
                         // A preflight or a HEAD whose body is empty once read runs nothing
                         // either.
                         let request = Request::from_parts(parts, B::from(bytes));
+                        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
                         return inner.call(request).await;
                     }
                     // An `operationName` in the URL, which some servers take over the
@@ -553,6 +559,7 @@ where
                     }
                 },
             };
+            std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
             call_costed(&mut inner, Request::from_parts(parts, B::from(bytes)), cost).await
         })
     }
