@@ -2455,9 +2455,9 @@ fn introspection_that_multiplies_is_refused() {
 /// every other request out.
 #[tokio::test(start_paused = true)]
 async fn a_slow_upload_holds_no_capacity_of_the_inner_service() {
+    use ::http::{Request, Response, StatusCode};
     use axum::body::Body;
     use bytes::Bytes;
-    use ::http::{Request, Response, StatusCode};
     use std::time::Duration;
     use tollgate::cost::graphql::GraphqlCostLayer;
     use tower::{ServiceBuilder, ServiceExt};
