@@ -382,12 +382,26 @@ impl<St: Store> Limiter<St> {
         if !policies.has_penalties() {
             return self.decide_under(key, policies, cost).await;
         }
-        let now = self.peek(key).await;
-        if now.is_blocked() {
-            return Ok((now, Decider::Store));
+        let shared = &self.shared;
+        let peeked = within(
+            shared.timeout,
+            "answer to a peek",
+            shared.store.peek(key, policies),
+        )
+        .await;
+        match peeked {
+            Ok(now) if now.is_blocked() => Ok((now, Decider::Store)),
+            Ok(_) => {
+                self.decide_under(key, &policies.without_penalties(), cost)
+                    .await
+            }
+            // Whether a block stands is not known: decided with the penalties, as a
+            // check is (a block is met; a denial counts).
+            Err(error) => {
+                crate::telemetry::store_error(&error);
+                self.decide_under(key, policies, cost).await
+            }
         }
-        self.decide_under(key, &policies.without_penalties(), cost)
-            .await
     }
 
     /// A decision under `policies` (the limiter's, or the same without penalties).
@@ -464,7 +478,12 @@ impl<St: Store> Limiter<St> {
         // A cost above a policy's limit is never admitted: no use queueing for it (the
         // store answers at once, spending nothing).
         if self.shared.policies.never_admits(cost).is_some() {
-            let (decision, _) = self.decide(key, cost).await.map_err(WaitError::Store)?;
+            // Without the penalties: another policy's denial beside it is no offence.
+            let policies = self.shared.policies.without_penalties();
+            let (decision, _) = self
+                .decide_under(key, &policies, cost)
+                .await
+                .map_err(WaitError::Store)?;
             if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
                 return Err(WaitError::Never(decision));
             }

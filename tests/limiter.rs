@@ -666,3 +666,77 @@ async fn waiting_is_no_offence_under_a_penalty() {
         .unwrap();
     assert!(decision.is_allowed());
 }
+
+/// A cost no policy can admit is told `Never` without an offence: the store is asked
+/// without the penalties, so another policy's denial beside it starts no block.
+#[tokio::test(start_paused = true)]
+async fn a_cost_never_admitted_is_no_offence_under_a_penalty() {
+    use tollgate::policy::Penalty;
+    let hourly = Policy::token_bucket("hourly", 5, Rate::per_hour(5))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            1,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let burst = Policy::token_bucket("burst", 2, Rate::per_second(2)).unwrap();
+    let limiter = Limiter::new(runtime_store(), PolicySet::new([burst, hourly]).unwrap());
+    let key = Key::new("k");
+    for cost in [2, 2, 1] {
+        assert!(limiter.check(&key, cost).await.unwrap().is_allowed());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // 3 is more than the burst ever admits, and the hourly quota is spent.
+    assert!(matches!(
+        limiter.until_ready(&key, 3, Duration::from_secs(10)).await,
+        Err(WaitError::Never(_))
+    ));
+    let now = limiter.check(&key, 0).await.unwrap();
+    assert!(!now.is_blocked(), "{now:?}");
+}
+
+/// A store whose peeks fail while its decisions answer (each has its own timeout).
+#[derive(Clone)]
+struct PeekFails(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for PeekFails {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if cost == 0 {
+            return self.peek(key, policies);
+        }
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, _: &Key, _: &PolicySet) -> DecideFuture {
+        DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Timeout, "no peek")))
+    }
+}
+
+/// A waiter reads whether a block stands before it decides without the penalties. When
+/// that read fails, it does not know: it decides with them, as a check does, and meets
+/// the block. (Read as "not blocked", a blocked key's waiter was admitted.)
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_peek_fails_still_meets_the_block() {
+    use tollgate::policy::Penalty;
+    let login = Policy::token_bucket("login", 1, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            1,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(PeekFails(runtime_store()), login);
+    let key = Key::new("k");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    let denied = limiter.check(&key, 1).await.unwrap();
+    assert!(
+        denied.is_blocked(),
+        "one denial starts the block: {denied:?}"
+    );
+    match limiter.until_ready(&key, 1, Duration::from_secs(10)).await {
+        Err(WaitError::TooLong(decision)) => assert!(decision.is_blocked(), "{decision:?}"),
+        other => panic!("admitted during a block: {other:?}"),
+    }
+}

@@ -351,6 +351,10 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        // An in-flight set's denials are never cached: nothing to forget.
+        if policies.has_in_flight() {
+            return self.inner.adjust(key, policies, adjustment);
+        }
         // Units given back may admit what was denied: cached denials of the key go, when
         // the adjustment is sent and when it lands.
         match self.inner.adjust(key, policies, adjustment).into_ready() {
