@@ -740,3 +740,32 @@ async fn a_waiter_whose_peek_fails_still_meets_the_block() {
         other => panic!("admitted during a block: {other:?}"),
     }
 }
+
+/// A waiter under a penalty decides on the set without the penalties, which `Leased`
+/// would lease (a set with penalties it never leases): the waiter took a lease of the
+/// whole quota, and the key's next check (with the penalties, straight to the store)
+/// found it spent, and counted a denial towards a block.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_under_a_penalty_takes_no_lease() {
+    use tollgate::policy::Penalty;
+    use tollgate::store::Leased;
+    let api = Policy::token_bucket("api", 10, Rate::per_hour(10))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let store = Leased::new(runtime_store(), 100, Duration::from_secs(10)).unwrap();
+    let limiter = Limiter::new(store, api);
+    let key = Key::new("k");
+    let waited = limiter
+        .until_ready(&key, 1, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert!(waited.is_allowed());
+    let checked = limiter.check(&key, 1).await.unwrap();
+    assert!(checked.is_allowed(), "{checked:?}");
+    assert_eq!(checked.statuses()[0].remaining, 8, "{checked:?}");
+}

@@ -46,6 +46,9 @@ struct PolicySetInner {
     derived: OnceLock<Box<dyn Any + Send + Sync>>,
     /// This set without its penalties, made the first time a shadow layer asks.
     unpenalized: OnceLock<PolicySet>,
+    /// True for a set made so (`without_penalties`): it decides for requests of a set
+    /// with penalties (a waiter, a shadow layer), and is no set of its own.
+    penalties_left_out: bool,
 }
 
 /// What a set of policies must be: distinct names, shadow policies among the first
@@ -120,6 +123,7 @@ impl PolicySet {
                 penalties,
                 derived: OnceLock::new(),
                 unpenalized: OnceLock::new(),
+                penalties_left_out: false,
             }),
         }
     }
@@ -188,8 +192,20 @@ impl PolicySet {
         }
         self.inner
             .unpenalized
-            .get_or_init(|| Self::from_vec(self.iter().map(Policy::without_penalty).collect()))
+            .get_or_init(|| {
+                let mut set = Self::from_vec(self.iter().map(Policy::without_penalty).collect());
+                if let Some(inner) = Arc::get_mut(&mut set.inner) {
+                    inner.penalties_left_out = true;
+                }
+                set
+            })
             .clone()
+    }
+
+    /// True for a set [`without_penalties`](Self::without_penalties) made from one with
+    /// penalties: it decides on the same state for requests of that set.
+    pub(crate) fn penalties_left_out(&self) -> bool {
+        self.inner.penalties_left_out
     }
 
     /// True when both are clones of one set.

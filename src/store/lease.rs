@@ -239,8 +239,11 @@ impl<S: Store> Leased<S> {
     }
 
     fn leasable(policies: &PolicySet) -> bool {
+        // A set made from one with penalties (a waiter's, a shadow layer's) is not leased
+        // either: a lease would take units the penalised set's requests then miss.
         !policies.has_in_flight()
             && !policies.has_penalties()
+            && !policies.penalties_left_out()
             && !policies.iter().any(|policy| {
                 policy.is_shadow()
                     || matches!(policy.params(), crate::algorithm::Params::LeakyShape { .. })
