@@ -86,6 +86,9 @@ const COSTS_PER_IDENTITY: usize = 4;
 struct Shared {
     denials: quick_cache::sync::Cache<CacheKey, Denials>,
     clock: Arc<dyn Clock>,
+    /// Bumped by every forget: a denial the store gave before a forget (its grant on the
+    /// way) and recorded after it is dropped again, however the answers are ordered.
+    forgets: std::sync::atomic::AtomicU64,
 }
 
 /// An identity's denials, one per cost (at most [`COSTS_PER_IDENTITY`]).
@@ -119,6 +122,7 @@ impl<S: Store> DenyCache<S> {
             shared: Arc::new(Shared {
                 denials: quick_cache::sync::Cache::new(capacity.max(1)),
                 clock: Arc::new(clock),
+                forgets: std::sync::atomic::AtomicU64::new(0),
             }),
             max_age: nanos(DEFAULT_MAX_AGE),
         }
@@ -157,6 +161,7 @@ impl Shared {
     /// Remembers `decision` when it is a denial.
     /// `penalties`: the set has a penalty, whose denials count towards a block: only a
     /// block's denial (which counts towards nothing) is kept.
+    /// `sent`: the count of forgets when the decision was asked for.
     fn record(
         &self,
         cache_key: CacheKey,
@@ -164,6 +169,7 @@ impl Shared {
         decision: &Decision,
         max_age: u64,
         penalties: bool,
+        sent: u64,
     ) {
         if penalties && decision.retry_after().is_some() && !decision.is_blocked() {
             return;
@@ -205,7 +211,13 @@ impl Shared {
         if denials.entries.is_empty() {
             self.denials.remove(&cache_key);
         } else {
-            self.denials.insert(cache_key, denials);
+            self.denials.insert(cache_key.clone(), denials);
+            // A forget since the decision was asked for (a grant landed, a reset): the
+            // denial may be older than the units given back. (A forget bumps the count
+            // before it removes, so one that runs after this read removes the entry.)
+            if self.forgets.load(std::sync::atomic::Ordering::SeqCst) != sent {
+                self.denials.remove(&cache_key);
+            }
         }
     }
 }
@@ -236,6 +248,9 @@ impl Forget {
     }
 
     fn run(self, shared: &Shared) -> Self {
+        shared
+            .forgets
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut cache_key = (self.key, self.with_penalties);
         shared.denials.remove(&cache_key);
         if let Some(fingerprint) = self.without {
@@ -318,6 +333,10 @@ impl<S: Store> Store for DenyCache<S> {
                 decision
             }));
         }
+        let sent = self
+            .shared
+            .forgets
+            .load(std::sync::atomic::Ordering::SeqCst);
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
                 // A denial naming a policy the set lacks (a store's bug) is answered once,
@@ -326,7 +345,7 @@ impl<S: Store> Store for DenyCache<S> {
                     && check_answer(decision, policies.len()).is_ok()
                 {
                     self.shared
-                        .record(cache_key, cost, decision, self.max_age, penalties);
+                        .record(cache_key, cost, decision, self.max_age, penalties, sent);
                 }
                 DecideFuture::ready(result)
             }
@@ -338,7 +357,7 @@ impl<S: Store> Store for DenyCache<S> {
                     if let Ok(decision) = &result
                         && check_answer(decision, len).is_ok()
                     {
-                        shared.record(cache_key, cost, decision, max_age, penalties);
+                        shared.record(cache_key, cost, decision, max_age, penalties, sent);
                     }
                     result
                 })
@@ -671,6 +690,65 @@ mod tests {
                 "reset {reset}: the store admits once the change landed, but the cache said {after:?}"
             );
         }
+    }
+
+    /// An in-process store whose decisions are made at once and answered when the test
+    /// says: a reply that arrives after a later request's (a pool, a Cluster, a task
+    /// scheduled late).
+    #[derive(Clone)]
+    struct LateReplies {
+        inner: MemoryStore<ManualClock>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Store for LateReplies {
+        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+            let decision = self.inner.check(key.as_str(), policies, cost);
+            let gate = Arc::clone(&self.gate);
+            DecideFuture::new(async move {
+                let _pass = gate.acquire().await.expect("open");
+                Ok(decision)
+            })
+        }
+
+        fn can_adjust(&self) -> bool {
+            true
+        }
+
+        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+            self.inner.adjust(key, policies, adjustment)
+        }
+    }
+
+    /// A denial the store gave before a grant landed, whose reply comes after the grant's
+    /// (and after the cache forgot the key): recorded then, it denied what the store
+    /// admits for up to `max_age`.
+    #[tokio::test]
+    async fn a_denial_answered_after_a_grant_landed_is_not_kept() {
+        let clock = ManualClock::new();
+        let gate = Arc::new(tokio::sync::Semaphore::new(1));
+        let store = LateReplies {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            gate: Arc::clone(&gate),
+        };
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let policies =
+            PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("customer");
+        assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        // Denied by the store now, answered later.
+        let late = tokio::spawn(cache.decide(&key, &policies, 1));
+        tokio::task::yield_now().await;
+        cache
+            .adjust(&key, &policies, &Adjustment::grant(1))
+            .await
+            .unwrap();
+        gate.add_permits(1);
+        assert!(!late.await.unwrap().unwrap().is_allowed());
+        gate.add_permits(1);
+        let after = cache.decide(&key, &policies, 1).await.unwrap();
+        assert!(after.is_allowed(), "{after:?}");
     }
 
     /// Two replicas, each with its own cache, over one shared store. A reset (or a grant,
