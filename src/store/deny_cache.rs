@@ -706,7 +706,7 @@ mod tests {
             let decision = self.inner.check(key.as_str(), policies, cost);
             let gate = Arc::clone(&self.gate);
             DecideFuture::new(async move {
-                let _pass = gate.acquire().await.expect("open");
+                gate.acquire().await.expect("open").forget();
                 Ok(decision)
             })
         }
@@ -748,7 +748,7 @@ mod tests {
         assert!(!late.await.unwrap().unwrap().is_allowed());
         gate.add_permits(1);
         let after = cache.decide(&key, &policies, 1).await.unwrap();
-        assert!(after.is_allowed(), "{after:?}");
+        assert!(after.is_allowed() && !after.is_cached(), "{after:?}");
     }
 
     /// Two replicas, each with its own cache, over one shared store. A reset (or a grant,
