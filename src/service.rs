@@ -169,6 +169,12 @@ where
         } else {
             policies
         };
+        // Slots the store could never free (a closure named an in-flight set the check at
+        // build could not see): the failure mode decides, as for a set the store cannot.
+        if policies.has_in_flight() && !config.store.can_adjust() {
+            let request = Request::from_parts(parts, body);
+            return self.cannot_adjust(request, key, policies.into_owned(), cost);
+        }
         let probe = match responder.breaker.admit() {
             Admission::Call => None,
             Admission::Probe(guard) => Some(guard),
@@ -273,6 +279,34 @@ where
             .config
             .responder
             .plan(&policies, &key, cost, StoreAnswer::Skipped, None);
+        self.answer(request, plan, key, policies, cost)
+    }
+
+    /// An in-flight set over a store that cannot adjust: a store error (`Unsupported`,
+    /// logged at error level and counted) that the failure mode answers.
+    #[cold]
+    #[inline(never)]
+    fn cannot_adjust<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+        key: Key,
+        policies: PolicySet,
+        cost: u64,
+    ) -> ResponseFuture<S::Future>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+        ReqBody: Send + 'static,
+    {
+        let error = crate::store::StoreError::new(
+            crate::store::StoreErrorKind::Unsupported,
+            "an in-flight limit frees its slots through the store's adjust, and this store \
+             cannot adjust (Store::can_adjust is false)",
+        );
+        let plan =
+            self.config
+                .responder
+                .plan(&policies, &key, cost, StoreAnswer::Failed(&error), None);
         self.answer(request, plan, key, policies, cost)
     }
 

@@ -1003,3 +1003,36 @@ async fn a_request_waiting_for_the_store_keeps_the_inner_services_capacity() {
     }
     assert_eq!((served, shed), (1, 9));
 }
+
+/// A resolver that is a closure names its sets only per request, so the check at build
+/// cannot see an in-flight limit in them. Over a store that cannot adjust, such a set's
+/// slots would never be freed: the store is not asked, and the failure mode decides
+/// (its local limiter frees what it takes), as for a set the store cannot decide.
+#[tokio::test]
+async fn an_in_flight_set_a_closure_names_over_a_store_that_cannot_adjust_is_the_failure_modes() {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let store = Counted {
+        inner: MemoryStore::new(),
+        calls: std::sync::Arc::clone(&calls),
+    };
+    let slots = PolicySet::from(Policy::concurrency("slots", 2).unwrap());
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(store)
+            .resolver(resolve_with(move |_, _| slots.clone()))
+            .key(tollgate::key::Global),
+    );
+    for _ in 0..5 {
+        let response = app
+            .clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        response.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "the store took slots it cannot free"
+    );
+}
