@@ -173,14 +173,15 @@ where
         // build could not see): the failure mode decides, as for a set the store cannot.
         if policies.has_in_flight() && !config.store.can_adjust() {
             let request = Request::from_parts(parts, body);
-            return self.cannot_adjust(request, key, policies.into_owned(), cost);
+            return self.not_asking_store(request, key, policies.into_owned(), cost, true);
         }
         let probe = match responder.breaker.admit() {
             Admission::Call => None,
             Admission::Probe(guard) => Some(guard),
             Admission::Skip => {
                 let request = Request::from_parts(parts, body);
-                return self.skipping_store(request, key, policies.into_owned(), cost);
+                let policies = policies.into_owned();
+                return self.not_asking_store(request, key, policies, cost, false);
             }
         };
         let stopwatch = Stopwatch::start();
@@ -260,53 +261,39 @@ where
         }
     }
 
-    /// The circuit breaker is open: the failure mode answers without asking the store.
+    /// The store is not asked: the circuit breaker is open, or (`cannot_adjust`) an
+    /// in-flight set meets a store that cannot adjust (a store error, `Unsupported`,
+    /// logged at error level and counted). The failure mode answers.
     #[cold]
     #[inline(never)]
-    fn skipping_store<ReqBody, ResBody>(
+    fn not_asking_store<ReqBody, ResBody>(
         &mut self,
         request: Request<ReqBody>,
         key: Key,
         policies: PolicySet,
         cost: u64,
+        cannot_adjust: bool,
     ) -> ResponseFuture<S::Future>
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
         S::Future: Send + 'static,
         ReqBody: Send + 'static,
     {
+        let error;
+        let answer = if cannot_adjust {
+            error = crate::store::StoreError::new(
+                crate::store::StoreErrorKind::Unsupported,
+                "an in-flight limit frees its slots through the store's adjust, and this \
+                 store cannot adjust (Store::can_adjust is false)",
+            );
+            StoreAnswer::Failed(&error)
+        } else {
+            StoreAnswer::Skipped
+        };
         let plan = self
             .config
             .responder
-            .plan(&policies, &key, cost, StoreAnswer::Skipped, None);
-        self.answer(request, plan, key, policies, cost)
-    }
-
-    /// An in-flight set over a store that cannot adjust: a store error (`Unsupported`,
-    /// logged at error level and counted) that the failure mode answers.
-    #[cold]
-    #[inline(never)]
-    fn cannot_adjust<ReqBody, ResBody>(
-        &mut self,
-        request: Request<ReqBody>,
-        key: Key,
-        policies: PolicySet,
-        cost: u64,
-    ) -> ResponseFuture<S::Future>
-    where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
-        S::Future: Send + 'static,
-        ReqBody: Send + 'static,
-    {
-        let error = crate::store::StoreError::new(
-            crate::store::StoreErrorKind::Unsupported,
-            "an in-flight limit frees its slots through the store's adjust, and this store \
-             cannot adjust (Store::can_adjust is false)",
-        );
-        let plan =
-            self.config
-                .responder
-                .plan(&policies, &key, cost, StoreAnswer::Failed(&error), None);
+            .plan(&policies, &key, cost, answer, None);
         self.answer(request, plan, key, policies, cost)
     }
 
