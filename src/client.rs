@@ -500,7 +500,7 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
         let after = headers
             .get(http::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
-            .and_then(retry_after);
+            .and_then(|value| retry_after(value, headers));
         if after.is_some() {
             return after;
         }
@@ -530,7 +530,7 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
             .filter(|left| left.is_finite() && *left >= 0.0);
         if remaining.is_some_and(|left| left < 1.0) {
             let reset = headers.get(reset).and_then(|value| value.to_str().ok());
-            wait = wait.max(reset.and_then(reset_delay));
+            wait = wait.max(reset.and_then(|reset| reset_delay(reset, headers)));
         }
     }
     wait
@@ -581,10 +581,42 @@ fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
     wait
 }
 
+/// The server's now, against which a dated wait (an HTTP-date Retry-After, a Unix-time
+/// reset) is measured: the response's `Date` (RFC 9110, section 6.6.1), plus its `Age`
+/// when a cache held it (RFC 9111, section 5.1). Both dates come from the server's
+/// clock, and their difference holds whatever this machine's clock says; without a
+/// `Date` that parses, this machine's clock is all there is.
+fn server_now(headers: &HeaderMap) -> SystemTime {
+    let text = |name| {
+        headers
+            .get(name)
+            .and_then(|value: &http::HeaderValue| value.to_str().ok())
+    };
+    let Some(date) =
+        text(http::header::DATE).and_then(|date| httpdate::parse_http_date(date.trim()).ok())
+    else {
+        return SystemTime::now();
+    };
+    let age = text(http::header::AGE)
+        .and_then(|age| age.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    date.checked_add(Duration::from_secs(age)).unwrap_or(date)
+}
+
+/// How long from the server's now (see [`server_now`]) until `at`; nothing when it is
+/// past.
+fn until(at: Duration, headers: &HeaderMap) -> Duration {
+    let now = server_now(headers)
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    at.saturating_sub(now)
+}
+
 /// A reset value of the draft-6 or X- fields: seconds from now, or (past a billion) a
-/// Unix time, or (past a trillion) a Unix time in milliseconds; a fraction of a second
-/// (Discord writes `1470173023.123`) is rounded up. `None` when it is not a number.
-fn reset_delay(text: &str) -> Option<Duration> {
+/// Unix time, or (past a trillion) a Unix time in milliseconds, measured on the
+/// server's clock (see [`server_now`]); a fraction of a second (Discord writes
+/// `1470173023.123`) is rounded up. `None` when it is not a number.
+fn reset_delay(text: &str, headers: &HeaderMap) -> Option<Duration> {
     let text = text.trim();
     let (whole, fraction) = text.split_once('.').unwrap_or((text, ""));
     let digits = |part: &str| part.bytes().all(|b| b.is_ascii_digit());
@@ -594,16 +626,13 @@ fn reset_delay(text: &str) -> Option<Duration> {
     // Past u64: as long a wait as there is (capped by the caller's `max_wait`).
     let whole: u64 = whole.parse().unwrap_or(u64::MAX);
     let nanos = format!("{fraction:0<9}")[..9].parse::<u32>().unwrap_or(0);
-    let since_epoch = || {
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default()
-    };
     Some(if whole > 1_000_000_000_000 {
-        Duration::from_millis(whole).saturating_sub(since_epoch())
+        until(Duration::from_millis(whole), headers)
     } else if whole > 1_000_000_000 {
-        (Duration::from_secs(whole) + Duration::from_nanos(u64::from(nanos)))
-            .saturating_sub(since_epoch())
+        until(
+            Duration::from_secs(whole) + Duration::from_nanos(u64::from(nanos)),
+            headers,
+        )
     } else if nanos > 0 {
         Duration::from_secs(whole.saturating_add(1))
     } else {
@@ -611,7 +640,9 @@ fn reset_delay(text: &str) -> Option<Duration> {
     })
 }
 
-fn retry_after(value: &str) -> Option<Duration> {
+/// A Retry-After value: delay-seconds, or an HTTP date measured on the server's clock
+/// (see [`server_now`]).
+fn retry_after(value: &str, headers: &HeaderMap) -> Option<Duration> {
     let value = value.trim();
     // delay-seconds = 1*DIGIT (RFC 9110, section 10.2.3), unbounded: past u64, as long a
     // wait as there is.
@@ -619,7 +650,7 @@ fn retry_after(value: &str) -> Option<Duration> {
         return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(SystemTime::now()).unwrap_or_default())
+    Some(at.duration_since(server_now(headers)).unwrap_or_default())
 }
 
 fn idempotent(method: &Method) -> bool {

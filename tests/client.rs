@@ -233,6 +233,75 @@ fn what_a_server_says_is_read_as_draft_11_section_7_asks() {
     );
 }
 
+/// A dated wait (an HTTP-date Retry-After, a Unix-time reset) is a point on the server's
+/// clock: it is measured from the response's `Date` (RFC 9110, section 6.6.1: "the date
+/// and time at which the message was originated"), aged by `Age` (RFC 9111, section 5.1),
+/// not from this machine's clock, which may be off by any amount. A server an hour ahead
+/// asks for 30 seconds, not an hour and a half minute; one an hour behind is not read as
+/// asking for nothing. Without a `Date` (or with one that does not parse), the local
+/// clock is all there is.
+#[test]
+fn a_dated_wait_is_measured_on_the_servers_clock() {
+    let secs = Duration::from_secs;
+    let now = std::time::SystemTime::now();
+    let refused = StatusCode::TOO_MANY_REQUESTS;
+    for skew in [secs(3600), secs(0)] {
+        for server_now in [now + skew, now - skew] {
+            let date = httpdate::fmt_http_date(server_now);
+            let retry_at = httpdate::fmt_http_date(server_now + secs(30));
+            let wait = server_wait(
+                refused,
+                &headers(&[("date", &date), ("retry-after", &retry_at)]),
+            )
+            .unwrap();
+            assert!(wait > secs(28) && wait <= secs(31), "{skew:?}: {wait:?}");
+            let unix = server_now
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            for reset in [(unix + 30).to_string(), ((unix + 30) * 1000).to_string()] {
+                let wait = server_wait(
+                    StatusCode::OK,
+                    &headers(&[
+                        ("date", &date),
+                        ("x-ratelimit-remaining", "0"),
+                        ("x-ratelimit-reset", &reset),
+                    ]),
+                )
+                .unwrap();
+                assert!(
+                    wait > secs(28) && wait <= secs(31),
+                    "{skew:?} {reset}: {wait:?}"
+                );
+            }
+        }
+    }
+    // A response that waited 10 s in a cache before it came: 10 s of its 30 are gone.
+    let server_now = now + secs(3600);
+    let wait = server_wait(
+        refused,
+        &headers(&[
+            ("date", &httpdate::fmt_http_date(server_now - secs(10))),
+            ("age", "10"),
+            (
+                "retry-after",
+                &httpdate::fmt_http_date(server_now + secs(20)),
+            ),
+        ]),
+    )
+    .unwrap();
+    assert!(wait > secs(18) && wait <= secs(21), "{wait:?}");
+    // A Date that does not parse: the local clock.
+    let wait = server_wait(
+        refused,
+        &headers(&[
+            ("date", "yesterday"),
+            ("retry-after", &httpdate::fmt_http_date(now + secs(60))),
+        ]),
+    )
+    .unwrap();
+    assert!(wait > secs(58) && wait <= secs(60), "{wait:?}");
+}
 /// The X- fields' resets as services write them: a Unix time with a fraction
 /// (Discord's `1470173023.123`), or in milliseconds; neither is ignored or read as a
 /// wait of millennia.
