@@ -461,6 +461,9 @@ impl Hosts {
 /// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
 /// section 7); a response from a cache (a positive `Age`) says nothing in its rate-limit
 /// fields (section 7.3); a refused response (429) that says nothing asks for a second.
+/// The wait counts from now: read a response as it arrives. A date (an HTTP-date
+/// `Retry-After`, a Unix-time reset) is a point on the server's clock, measured from
+/// the response's `Date` when that clock is five seconds or more from this machine's.
 ///
 /// ```
 /// use http::{HeaderMap, HeaderValue, StatusCode};
@@ -507,11 +510,7 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     }
     // A response from a cache (a positive current age): its fields may be long out of
     // date, and are ignored (draft-11, section 7.3).
-    let age = headers
-        .get(http::header::AGE)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.trim().parse::<u64>().ok());
-    if age.is_some_and(|age| age > 0) {
+    if age(headers).is_some_and(|age| age > 0) {
         return None;
     }
     // The longest of what the fields say (`None` is below any wait).
@@ -581,26 +580,50 @@ fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
     wait
 }
 
-/// The server's now, against which a dated wait (an HTTP-date Retry-After, a Unix-time
-/// reset) is measured: the response's `Date` (RFC 9110, section 6.6.1), plus its `Age`
-/// when a cache held it (RFC 9111, section 5.1). Both dates come from the server's
-/// clock, and their difference holds whatever this machine's clock says; without a
-/// `Date` that parses, this machine's clock is all there is.
+/// A response's `Age`: delta-seconds, `1*DIGIT` (RFC 9111, section 1.2.2), one past
+/// what a number holds being the largest (2^31 seconds, as that section has a cache
+/// treat it); `None` when absent or not a number.
+fn age(headers: &HeaderMap) -> Option<u64> {
+    const LARGEST: u64 = 1 << 31;
+    let text = headers.get(http::header::AGE)?.to_str().ok()?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some(text.parse::<u64>().map_or(LARGEST, |age| age.min(LARGEST)))
+}
+
+/// Below this, a server's clock and this machine's are in step: `Date` is stamped in
+/// whole seconds before the response crosses the network, so a difference this small is
+/// its rounding and the response's transit, not a clock that is off.
+const IN_STEP: Duration = Duration::from_secs(5);
+
+/// The now against which a dated wait (an HTTP-date Retry-After, a Unix-time reset) is
+/// measured. The dates are points on the clock of whoever wrote them, which may be off
+/// from this machine's by any amount: when the response's `Date` (RFC 9110, section
+/// 6.6.1), plus its `Age` when a cache held it (RFC 9111, section 5.1), differs from
+/// this machine's clock by [`IN_STEP`] or more, the wait is measured from it, on the
+/// server's clock. That trusts the `Date` writer's clock to be the dates' writer's (a
+/// proxy that writes its own `Date` with a clock that is off misleads it), and a cache
+/// that serves a stored response without `Age` looks like a server whose clock is
+/// behind; either way the wait stays capped by the caller (`PacingLayer`'s
+/// `max_wait`). In step, or without a `Date` that parses, this machine's clock is used:
+/// exact to the millisecond, where `Date` is to the second.
 fn server_now(headers: &HeaderMap) -> SystemTime {
-    let text = |name| {
-        headers
-            .get(name)
-            .and_then(|value: &http::HeaderValue| value.to_str().ok())
-    };
-    let Some(date) =
-        text(http::header::DATE).and_then(|date| httpdate::parse_http_date(date.trim()).ok())
+    let local = SystemTime::now();
+    let Some(date) = headers
+        .get(http::header::DATE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|date| httpdate::parse_http_date(date.trim()).ok())
     else {
-        return SystemTime::now();
+        return local;
     };
-    let age = text(http::header::AGE)
-        .and_then(|age| age.trim().parse::<u64>().ok())
-        .unwrap_or(0);
-    date.checked_add(Duration::from_secs(age)).unwrap_or(date)
+    let aged = Duration::from_secs(age(headers).unwrap_or(0));
+    let server = date.checked_add(aged).unwrap_or(date);
+    let apart = local
+        .duration_since(server)
+        .or_else(|_| server.duration_since(local))
+        .unwrap_or_default();
+    if apart < IN_STEP { local } else { server }
 }
 
 /// How long from the server's now (see [`server_now`]) until `at`; nothing when it is
