@@ -626,8 +626,8 @@ fn server_now(headers: &HeaderMap) -> SystemTime {
     if apart < IN_STEP { local } else { server }
 }
 
-/// How long from the server's now (see [`server_now`]) until `at`; nothing when it is
-/// past.
+/// How long from the server's now (see [`server_now`]) until `at` (since the Unix
+/// epoch); nothing when it is past. Every dated wait is measured here.
 fn until(at: Duration, headers: &HeaderMap) -> Duration {
     let now = server_now(headers)
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -673,7 +673,10 @@ fn retry_after(value: &str, headers: &HeaderMap) -> Option<Duration> {
         return Some(Duration::from_secs(value.parse().unwrap_or(u64::MAX)));
     }
     let at = httpdate::parse_http_date(value).ok()?;
-    Some(at.duration_since(server_now(headers)).unwrap_or_default())
+    let at = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    Some(until(at, headers))
 }
 
 fn idempotent(method: &Method) -> bool {
