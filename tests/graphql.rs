@@ -552,6 +552,60 @@ mod http {
         }
     }
 
+    /// The coster's own refusals of a `HEAD` carry no body: a `HEAD` response has none,
+    /// and its `Content-Length` says what the `GET` would be sent (RFC 9110, sections
+    /// 8.6 and 9.3.2). axum's routes strip a `HEAD`'s body, but the layer also wraps
+    /// plain tower services, and hyper drops such a body over HTTP/1 only: over HTTP/2
+    /// it would be sent.
+    #[tokio::test]
+    async fn a_refused_head_gets_no_body() {
+        let app = tower::ServiceBuilder::new()
+            .layer(GraphqlCostLayer::new(GraphqlCost::new()).max_body(16))
+            .service_fn(|_: Request<Body>| async {
+                Ok::<_, std::convert::Infallible>(http::Response::new(Body::empty()))
+            });
+        let refused = [
+            // Two queries in the URL: refused before any body is read.
+            (
+                Request::head("/graphql?query=%7Ba%7D&query=%7Bb%7D")
+                    .header("x-api-key", "k")
+                    .body(Body::empty())
+                    .unwrap(),
+                StatusCode::BAD_REQUEST,
+            ),
+            // A body past the bound: refused while it is read.
+            (
+                Request::head("/graphql")
+                    .header("x-api-key", "k")
+                    .header("content-type", "application/json")
+                    .body(Body::from(r#"{"query":"{ a { b { c } } }"}"#))
+                    .unwrap(),
+                StatusCode::PAYLOAD_TOO_LARGE,
+            ),
+            // A body that is no operation: refused once read.
+            (
+                Request::head("/graphql")
+                    .header("x-api-key", "k")
+                    .header("content-type", "application/json")
+                    .body(Body::from("{]"))
+                    .unwrap(),
+                StatusCode::BAD_REQUEST,
+            ),
+        ];
+        for (request, status) in refused {
+            let uri = request.uri().clone();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), status, "{uri}");
+            let length = response.headers().get("content-length").cloned();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert!(body.is_empty(), "{uri}: a HEAD answered with {body:?}");
+            assert!(
+                length.is_some_and(|length| length != "0"),
+                "{uri}: Content-Length should be the GET's"
+            );
+        }
+    }
+
     /// An operation in the URL is costed whatever the method: a `HEAD` runs the `GET`
     /// handler (axum routes it so), and a server may read a `POST`'s `query`,
     /// `variables` or `operationName` from its URL before its body (express-graphql and

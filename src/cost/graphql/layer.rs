@@ -369,6 +369,16 @@ impl Config {
     }
 }
 
+/// The coster's refusal `response` as `method` can carry it: a `HEAD`'s without its body,
+/// as the limiter's own answers are (see `respond::grpc::fit`).
+fn refusal(
+    method: &Method,
+    headers: &http::HeaderMap,
+    response: Response<Bytes>,
+) -> Response<Bytes> {
+    *crate::respond::grpc::fit(method, headers, Box::new(response))
+}
+
 impl<S: Clone> GraphqlCostService<S> {
     /// The inner service, for a call that goes on after `call` returns; a clone stays.
     fn take_inner(&mut self) -> S {
@@ -396,6 +406,7 @@ impl<S: Clone> GraphqlCostService<S> {
             }
             Err(error) => {
                 let response = response::invalid_request(&error.to_string());
+                let response = refusal(request.method(), request.headers(), response);
                 Box::pin(async move { Ok(response.map(ResBody::from_bytes)) })
             }
         }
@@ -544,18 +555,23 @@ where
             let (cost, bytes) = match read {
                 Read::TooLarge => {
                     let response = response::payload_too_large(config.max_body);
-                    return Ok(response.map(ResBody::from_bytes));
+                    return Ok(
+                        refusal(&parts.method, &parts.headers, response).map(ResBody::from_bytes)
+                    );
                 }
                 Read::Unreadable(why) => {
                     let response =
                         response::invalid_request(&format!("the body could not be read: {why}"));
-                    return Ok(response.map(ResBody::from_bytes));
+                    return Ok(
+                        refusal(&parts.method, &parts.headers, response).map(ResBody::from_bytes)
+                    );
                 }
                 Read::Cost(cost, bytes) => match config.or_invalid(cost) {
                     Ok(cost) => (cost, bytes),
                     Err(error) => {
                         let response = response::invalid_request(&error.to_string());
-                        return Ok(response.map(ResBody::from_bytes));
+                        return Ok(refusal(&parts.method, &parts.headers, response)
+                            .map(ResBody::from_bytes));
                     }
                 },
             };
