@@ -1274,6 +1274,44 @@ async fn a_hooks_retry_after_is_the_floor_of_the_reset() {
     );
 }
 
+// RFC 9110, section 10.2.3: `Retry-After` is an HTTP-date or delay-seconds (`1*DIGIT`).
+// A hook's value that is neither (a word, a fraction, a sign, nothing) tells clients no
+// wait, and the reset beside it would contradict it: the layer's own is sent instead.
+#[tokio::test]
+async fn a_hooks_retry_after_that_is_no_wait_is_replaced() {
+    for written in ["soon", "1.5", "-5", "+5", "", "5 s"] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 1, Rate::per_minute(1)).unwrap())
+                .headers(HeaderStyle::Draft6)
+                .on_deny(move |_: &tollgate::Rejection<'_>| {
+                    http::Response::builder()
+                        .status(429)
+                        .header("retry-after", written)
+                        .body(bytes::Bytes::from_static(b"slow down"))
+                        .unwrap()
+                }),
+        );
+        assert_eq!(
+            app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+            200
+        );
+        let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(denied.status(), 429);
+        let retry_after = header(&denied, "retry-after");
+        let seconds: u64 = retry_after
+            .as_deref()
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("hook wrote {written:?}, sent {retry_after:?}"));
+        assert!(
+            (59..=60).contains(&seconds),
+            "hook wrote {written:?}: {seconds}"
+        );
+        let reset = header(&denied, "ratelimit-reset");
+        assert_eq!(reset, retry_after, "hook wrote {written:?}");
+    }
+}
+
 // RFC 9110, section 10.2.3: `Retry-After` is an HTTP-date or a number of seconds. A
 // hook's date is a wait like its seconds: the single-valued reset is no earlier, and a
 // gRPC call is pushed back as long (gRFC A6).

@@ -441,10 +441,12 @@ impl HeaderBlock {
 
 /// The wait a `Retry-After` value states, in whole seconds from now (rounded up): its
 /// delay-seconds or its HTTP-date (RFC 9110, section 10.2.3; a date past is no wait).
+/// `None` for a value that is neither: delay-seconds is `1*DIGIT`, with no sign, point
+/// or unit (more digits than a `u64` holds are its largest).
 pub(crate) fn retry_after_secs(value: &HeaderValue) -> Option<u64> {
     let value = value.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse() {
-        return Some(seconds);
+    if !value.is_empty() && value.bytes().all(|byte| byte.is_ascii_digit()) {
+        return Some(value.parse().unwrap_or(u64::MAX));
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(seconds_ceil(

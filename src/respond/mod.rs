@@ -291,10 +291,17 @@ impl Responder {
             None => response::too_many_requests(&rejection),
         };
         // The reset goes with the `Retry-After` sent (see `reset_beside`): ours, or the
-        // hook's own when it wrote one in seconds.
+        // hook's own when it wrote a wait (seconds or a date). One that states no wait
+        // (`soon`, `1.5`, `+5`) is replaced by ours: clients would find none in it.
         let ours = rejection.retry_after_secs();
         let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
-            Entry::Occupied(hooks) => headers::retry_after_secs(hooks.get()).unwrap_or(ours),
+            Entry::Occupied(mut hooks) => match headers::retry_after_secs(hooks.get()) {
+                Some(seconds) => seconds,
+                None => {
+                    hooks.insert(HeaderValue::from(ours));
+                    ours
+                }
+            },
             Entry::Vacant(vacant) => {
                 vacant.insert(HeaderValue::from(ours));
                 ours
