@@ -1991,7 +1991,11 @@ async fn the_readmes_acl_line_keeps_a_pools_connections() {
 /// form (`limit=100, remaining=50, reset=5`), or anything else that is no Structured
 /// Fields List: joined with ours, the field would parse as nothing, and clients ignore a
 /// malformed RateLimit field whole (draft-11, section 7; RFC 9651, section 4.2: a
-/// field's lines are one value), ours with it. Ours replaces it; a list is joined.
+/// field's lines are one value), ours with it. So is a List that is no such field: its
+/// members must be Strings (draft-11, sections 3 and 4) with the required Integer, `q`
+/// in `RateLimit-Policy` (section 3.1), `r` in `RateLimit` (section 4.1); and an empty
+/// line would leave the joined value starting with a comma. Ours replaces it; a list
+/// that is such a field is joined.
 #[tokio::test]
 async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
     let app = |inner: &'static str| {
@@ -2016,7 +2020,18 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
             .map(|value| value.to_str().unwrap().to_owned())
             .collect()
     };
-    for inner in ["limit=100, remaining=50, reset=5", "\"x\";r=", "((("] {
+    for inner in [
+        "limit=100, remaining=50, reset=5",
+        "\"x\";r=",
+        "(((",
+        // Lists, but no draft-11 fields.
+        "\"x\";t=5;w=5",
+        "api;q=5;r=5",
+        "\"x\";q=-1;r=-1",
+        "\"x\";q=1.5;r=1.5",
+        "(\"x\");q=5;r=5",
+        "",
+    ] {
         let response = app(inner)
             .oneshot(Request::get("/").body(Body::empty()).unwrap())
             .await
@@ -2029,15 +2044,19 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
             assert!(lines[0].starts_with("\"outer\""), "{inner}: {lines:?}");
         }
     }
-    // A list further in is kept, ours after it.
-    let response = app("\"inner\";r=5;t=1")
+    // A field further in is kept, ours after it (a parameter the field does not define,
+    // `q` in `RateLimit`, `r` in `RateLimit-Policy`, is ignored by clients).
+    let response = app("\"inner\";r=5;t=1;q=10;w=1")
         .oneshot(Request::get("/").body(Body::empty()).unwrap())
         .await
         .unwrap();
     let lines = fields(&response, "ratelimit");
     assert_eq!(lines.len(), 2, "{lines:?}");
-    assert_eq!(lines[0], "\"inner\";r=5;t=1");
+    assert_eq!(lines[0], "\"inner\";r=5;t=1;q=10;w=1");
     assert!(lines[1].starts_with("\"outer\";r=9"), "{lines:?}");
+    let lines = fields(&response, "ratelimit-policy");
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(lines[1].starts_with("\"outer\";q=10"), "{lines:?}");
 }
 
 /// A fail-closed 503 says when the store will be asked again: while the breaker is open,

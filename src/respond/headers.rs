@@ -467,10 +467,13 @@ fn number(value: &HeaderValue) -> Option<u64> {
 /// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
 /// what [`HeaderStyle::field_names`] lists.
 /// Adds `value`'s members to the list field `name`, after those a limiter further in
-/// wrote. A field there that is no Structured Fields List (RFC 9651, section 4.2: its
-/// lines joined; an older draft's dictionary, `limit=100, remaining=50`, or garbage)
-/// would make the joined field malformed, and clients ignore a malformed field whole
-/// (draft-11, section 7), ours with it: it is replaced by ours.
+/// wrote. A field there that is no draft-11 field would make the joined field malformed,
+/// and clients ignore a malformed field whole (draft-11, section 7), ours with it: it is
+/// replaced by ours. That is a field whose lines, joined, are no Structured Fields List
+/// (RFC 9651, section 4.2: an older draft's dictionary, `limit=100, remaining=50`, or
+/// garbage), or a List whose members are not Strings with the field's required Integer
+/// (sections 3, 3.1, 4 and 4.1: `q` in `RateLimit-Policy`, `r` in `RateLimit`), or one
+/// with an empty line (the joined value would start or end with a comma).
 #[inline]
 fn add_to_list(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
     match headers.entry(name) {
@@ -484,17 +487,40 @@ fn add_to_list(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
 #[cold]
 #[inline(never)]
 fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, value: HeaderValue) {
-    let lines: Option<Vec<&str>> = occupied.iter().map(|line| line.to_str().ok()).collect();
-    let is_list = lines.is_some_and(|lines| {
+    let required = if occupied.key() == DRAFT11_FIELDS[0] {
+        "q"
+    } else {
+        "r"
+    };
+    let lines: Option<Vec<&str>> = occupied
+        .iter()
+        .map(|line| line.to_str().ok().filter(|line| !line.trim().is_empty()))
+        .collect();
+    let is_field = lines.is_some_and(|lines| {
         sfv::Parser::new(&lines.join(", "))
             .parse::<sfv::List>()
-            .is_ok()
+            .is_ok_and(|list| list.iter().all(|member| is_quota_member(member, required)))
     });
-    if is_list {
+    if is_field {
         occupied.append(value);
     } else {
         occupied.insert(value);
     }
+}
+
+/// True when `member` is a draft-11 field's member: a String (the policy's name) with
+/// `required` a non-negative Integer.
+fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
+    let sfv::ListEntry::Item(item) = member else {
+        return false;
+    };
+    item.bare_item.as_string().is_some()
+        && item
+            .params
+            .iter()
+            .find(|(key, _)| key.as_str() == required)
+            .and_then(|(_, value)| value.as_integer())
+            .is_some_and(|number| i64::from(number) >= 0)
 }
 
 static DRAFT11_FIELDS: [HeaderName; 3] = [
