@@ -119,8 +119,12 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         }
         return Response::from_parts(parts, Bytes::new());
     }
-    // The limiter's own answers, and an `on_deny` hook's statuses as gRPC's HTTP mapping
-    // reads them (doc/http-grpc-status-mapping.md).
+    // The limiter's own answers, and an `on_deny` hook's statuses, as the codes a client
+    // acts on: a quota is RESOURCE_EXHAUSTED (retried after the pushback), a request
+    // refused as it stands INVALID_ARGUMENT (not retried), a store down UNAVAILABLE.
+    // Not gRPC's mapping of a bare HTTP status (doc/http-grpc-status-mapping.md, for a
+    // response with no grpc-status: 429 is UNAVAILABLE there, 400 INTERNAL), which would
+    // have clients retry a quota at once and a bad request as a server fault.
     let code: u32 = match parts.status {
         StatusCode::TOO_MANY_REQUESTS => 8,
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => 3,
