@@ -98,9 +98,11 @@ end
 
 local function write_bucket(key, p2, level, last)
   call('HSET', key, 'l', level, 't', format('%d', last))
-  -- Empty in ceil(level / p2) µs, ceil(level / (p2 * 1000)) ms (ceil of a ceil is one
-  -- ceil); the millisecond added covers a product past 2^53, rounded.
-  call('PEXPIRE', key, cdiv(level, p2 * 1000) + 1)
+  -- Empty ceil(level / p2) µs after `last`, which is later than now when time stepped
+  -- back (the level is as of then): in ms from now, ceil((level + (last - now) * p2) /
+  -- (p2 * 1000)) (ceil of a ceil is one ceil); the millisecond added covers a product
+  -- past 2^53, rounded.
+  call('PEXPIRE', key, cdiv(level + max(last - now, 0) * p2, p2 * 1000) + 1)
 end
 
 local function load_bucket(p, key)

@@ -171,16 +171,28 @@ local function fits(key, p1, p2, total, oldest, first, extra)
   return 'deny', time_of(past) + p2 - now
 end
 
+-- Sets the log at `key` to expire a window after its newest entry, with one written now
+-- (`grown`: the log held others before it). That is now's entry, unless time stepped
+-- back (a failover, a clock step) and an earlier write is later: expired a window after
+-- now, the log would go while its later entries still count. Returns the newest entry's
+-- time.
+local function expire_log(key, p2, grown)
+  local newest = now
+  if grown then newest = max(newest_of(key) or now, now) end
+  call('PEXPIRE', key, cdiv(newest + p2 - now, 1000) + 1)
+  return newest
+end
+
 -- Records `cost` units at now (and, for more than one, the counter); the log expires a
--- window after its newest entry. Returns the units beyond one per entry.
-local function write_log(key, p2, extra)
+-- window after its newest entry. Returns the units beyond one per entry, and the newest
+-- entry's time.
+local function write_log(key, p2, extra, grown)
   add_entry(key, now, cost)
   if cost > 1 then
     extra = extra + cost - 1
     call('ZADD', key, 'INCR', 1 - cost, 'x')
   end
-  call('PEXPIRE', key, cdiv(p2, 1000) + 1)
-  return extra
+  return extra, expire_log(key, p2, grown)
 end
 
 local function load(p, key)
@@ -193,9 +205,8 @@ local function check(p, s)
 end
 
 local function commit(p, s)
-  s.extra = write_log(s.key, p[2], s.extra)
+  s.extra, s.newest = write_log(s.key, p[2], s.extra, s.first ~= nil)
   s.total = s.total + cost
-  s.newest = now
   if s.oldest == nil or now < s.oldest then
     s.oldest, s.first = now, format('%d:%d:0', now, cost)
   end
@@ -275,16 +286,16 @@ local function one(key, p1, p2)
   -- (total < p1: the log holds a unit less than the limit at most).
   if cost == 1 and total < p1 then
     add_entry(key, now, 1)
-    call('PEXPIRE', key, cdiv(p2, 1000) + 1)
+    local newest = expire_log(key, p2, first ~= nil)
     if oldest == nil or now < oldest then oldest = now end
-    return { 0, 0, total + 1, oldest, now, now }
+    return { 0, 0, total + 1, oldest, newest, now }
   end
   local verdict, value = fits(key, p1, p2, total, oldest, first, extra)
   if verdict == 'admit' and cost > 0 then
-    write_log(key, p2, extra)
+    local _, newest = write_log(key, p2, extra, first ~= nil)
     -- The new entry is the oldest when every other one is later (time stepped back).
     if oldest == nil or now < oldest then oldest = now end
-    return { 0, 0, total + cost, oldest, now, now }
+    return { 0, 0, total + cost, oldest, newest, now }
   end
   local outcome = 0
   if verdict == 'deny' then outcome = 1 elseif verdict == 'never' then outcome = 2 end

@@ -599,6 +599,61 @@ async fn twins_at_1000_s() -> (
     (server, clock, store, memory)
 }
 
+/// Redis `TIME` may step back (a failover to a replica whose clock is behind, an NTP
+/// step): a state then holds debits made later than the script's now. Its key must live
+/// until they are gone, as the in-process store keeps it (its time never goes back on a
+/// state): a bucket's level is as of its later update, a log's newest entry is later
+/// than now. Expired from now instead, the key went Δ early, and with it every debit of
+/// the last Δ before the step: a whole quota admitted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_written_after_time_stepped_back_outlives_its_later_debits() {
+    let (server, clock, store, _) = twins_at_1000_s().await;
+    // A manual clock never goes back: the later calls go through a store on another.
+    let behind = ManualClock::new();
+    behind.set(Duration::from_secs(995));
+    let late = store.clone().with_clock(behind);
+    let minute = Duration::from_secs(60);
+    let sets = [
+        (
+            "bucket",
+            Policy::token_bucket("bucket", 100, Rate::per_minute(100)).unwrap(),
+            50,
+        ),
+        ("log", Policy::sliding_log("log", 100, minute).unwrap(), 1),
+        (
+            "shaped",
+            Policy::leaky_bucket_shaping("shaped", Rate::per_minute(100), minute).unwrap(),
+            1,
+        ),
+    ];
+    for (name, policy, cost) in sets {
+        let set = PolicySet::from(policy);
+        let key = Key::new(name);
+        assert_eq!(clock.now(), 1_000_000_000_000);
+        assert!(store.decide(&key, &set, cost).await.unwrap().is_allowed());
+        // The clock steps back 5 s; a debit there still counts until its state is whole.
+        assert!(late.decide(&key, &set, cost).await.unwrap().is_allowed());
+        // Bucket: 100 missing as of 1,000 s, whole at 1,060 s, 65 s from now. Log: its
+        // newest entry (1,000 s) leaves at 1,060 s. Shaped: 2 queued as of 1,000 s, empty
+        // at 1,001.2 s.
+        let needed = match name {
+            "shaped" => Duration::from_millis(6_200),
+            _ => Duration::from_secs(65),
+        };
+        let ttls: Vec<(String, i64)> = support::keys_with_ttl(&server)
+            .into_iter()
+            .filter(|(key_name, _)| key_name.contains(name))
+            .collect();
+        assert!(!ttls.is_empty(), "{name}: no key");
+        for (key_name, ttl) in ttls {
+            assert!(
+                ttl >= needed.as_millis() as i64 - 1_000 && ttl > 0,
+                "{name}: {key_name} expires in {ttl} ms, its debits count for {needed:?}"
+            );
+        }
+    }
+}
+
 /// A costly request to a full log of one-unit entries waits for the `cost`-th oldest
 /// entry: the script reads that entry by its rank, never the log up to it. Walking it
 /// cost the shared server work in proportion to the limit on every such request, which
