@@ -1279,7 +1279,7 @@ async fn a_hooks_retry_after_is_the_floor_of_the_reset() {
 // wait, and the reset beside it would contradict it: the layer's own is sent instead.
 #[tokio::test]
 async fn a_hooks_retry_after_that_is_no_wait_is_replaced() {
-    for written in ["soon", "1.5", "-5", "+5", "", "5 s"] {
+    for written in ["soon", "1.5", "-5", "+5", "", "5 s", "5, soon"] {
         let app = hello().layer(
             RateLimitLayer::new(MemoryStore::new())
                 .policy(Policy::token_bucket("api", 1, Rate::per_minute(1)).unwrap())
@@ -1309,6 +1309,35 @@ async fn a_hooks_retry_after_that_is_no_wait_is_replaced() {
         );
         let reset = header(&denied, "ratelimit-reset");
         assert_eq!(reset, retry_after, "hook wrote {written:?}");
+    }
+}
+
+// `Retry-After` is a singleton field (RFC 9110, section 10.2.3): a hook that wrote it
+// twice sent a value no client can read (lines join with commas, `5, soon`). Its first
+// line is kept alone when it states a wait, and the reset follows it.
+#[tokio::test]
+async fn a_hooks_retry_after_written_twice_is_sent_once() {
+    for (lines, sent) in [(["7", "soon"], "7"), (["7", "9"], "7")] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 1, Rate::per_minute(1)).unwrap())
+                .headers(HeaderStyle::Draft6)
+                .on_deny(move |_: &tollgate::Rejection<'_>| {
+                    http::Response::builder()
+                        .status(429)
+                        .header("retry-after", lines[0])
+                        .header("retry-after", lines[1])
+                        .body(bytes::Bytes::from_static(b"slow down"))
+                        .unwrap()
+                }),
+        );
+        assert_eq!(
+            app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+            200
+        );
+        let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+        let sent_lines: Vec<_> = denied.headers().get_all("retry-after").iter().collect();
+        assert_eq!(sent_lines, [sent], "hook wrote {lines:?}");
     }
 }
 
@@ -2031,6 +2060,10 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
         "\"x\";q=1.5;r=1.5",
         "(\"x\");q=5;r=5",
         "",
+        // The optional parameters of the wrong type (sections 3.1 and 4.1).
+        "\"x\";q=5;r=5;w=-1;t=-1",
+        "\"x\";q=5;r=5;w=1.5;t=1.5",
+        "\"x\";q=5;r=5;qu=requests;pk=\"abc\"",
     ] {
         let response = app(inner)
             .oneshot(Request::get("/").body(Body::empty()).unwrap())
@@ -2046,13 +2079,16 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
     }
     // A field further in is kept, ours after it (a parameter the field does not define,
     // `q` in `RateLimit`, `r` in `RateLimit-Policy`, is ignored by clients).
-    let response = app("\"inner\";r=5;t=1;q=10;w=1")
+    let response = app("\"inner\";r=5;t=1;q=10;w=1;pk=:YWJj:;acme-burst=x")
         .oneshot(Request::get("/").body(Body::empty()).unwrap())
         .await
         .unwrap();
     let lines = fields(&response, "ratelimit");
     assert_eq!(lines.len(), 2, "{lines:?}");
-    assert_eq!(lines[0], "\"inner\";r=5;t=1;q=10;w=1");
+    assert_eq!(
+        lines[0],
+        "\"inner\";r=5;t=1;q=10;w=1;pk=:YWJj:;acme-burst=x"
+    );
     assert!(lines[1].starts_with("\"outer\";r=9"), "{lines:?}");
     let lines = fields(&response, "ratelimit-policy");
     assert_eq!(lines.len(), 2, "{lines:?}");

@@ -243,10 +243,11 @@ pub(crate) fn status_details(code: u32, message: &str, retry_after: Option<u64>)
     varint(&mut status, u64::from(code));
     bytes_field(&mut status, 2, message.as_bytes());
     if let Some(seconds) = retry_after {
-        // google.protobuf.Duration { seconds }
+        // google.protobuf.Duration { seconds }: an int64 of at most 315,576,000,000 (its
+        // documented range); a longer wait is that, not a varint read as negative.
         let mut duration = Vec::new();
         varint(&mut duration, 1 << 3);
-        varint(&mut duration, seconds);
+        varint(&mut duration, seconds.min(315_576_000_000));
         // google.rpc.RetryInfo { retry_delay }
         let mut retry_info = Vec::new();
         bytes_field(&mut retry_info, 1, &duration);
@@ -310,6 +311,23 @@ mod tests {
         let details = status_details(8, "m", Some(3));
         assert_eq!(&details[..5], &[0x08, 8, 0x12, 1, b'm']);
         assert!(details.ends_with(&[0x0a, 2, 0x08, 3]));
+    }
+
+    /// `google.protobuf.Duration.seconds` is an int64 of at most 315,576,000,000 (10,000
+    /// years, its documented range): a longer wait (a hook's `Retry-After` of 20 digits,
+    /// read as the largest u64) is sent as that, never as a varint an int64 reads as
+    /// negative.
+    #[test]
+    fn a_retry_delay_past_a_durations_range_is_its_largest() {
+        const LARGEST: u64 = 315_576_000_000;
+        let mut expected = Vec::new();
+        varint(&mut expected, LARGEST);
+        for seconds in [LARGEST, LARGEST + 1, 1 << 63, u64::MAX] {
+            let details = status_details(8, "m", Some(seconds));
+            let mut tail = vec![0x08];
+            tail.extend_from_slice(&expected);
+            assert!(details.ends_with(&tail), "{seconds}: {details:?}");
+        }
     }
 
     #[test]

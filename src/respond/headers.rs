@@ -464,8 +464,6 @@ fn number(value: &HeaderValue) -> Option<u64> {
     value.to_str().ok()?.trim().parse().ok()
 }
 
-/// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
-/// what [`HeaderStyle::field_names`] lists.
 /// Adds `value`'s members to the list field `name`, after those a limiter further in
 /// wrote. A field there that is no draft-11 field would make the joined field malformed,
 /// and clients ignore a malformed field whole (draft-11, section 7), ours with it: it is
@@ -509,20 +507,37 @@ fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, v
 }
 
 /// True when `member` is a draft-11 field's member: a String (the policy's name) with
-/// `required` a non-negative Integer.
+/// `required` (`q` or `r`) a non-negative Integer, and the optional parameters the draft
+/// defines for the field, where present, of their types: `w` (policy) and `t` (rate)
+/// non-negative Integers, `qu` (policy) a String, `pk` a Byte Sequence (sections 3.1 and
+/// 4.1). Other parameters are comments.
 fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
     let sfv::ListEntry::Item(item) = member else {
         return false;
+    };
+    let count = |value: &sfv::BareItem| {
+        value
+            .as_integer()
+            .is_some_and(|number| i64::from(number) >= 0)
     };
     item.bare_item.as_string().is_some()
         && item
             .params
             .iter()
-            .find(|(key, _)| key.as_str() == required)
-            .and_then(|(_, value)| value.as_integer())
-            .is_some_and(|number| i64::from(number) >= 0)
+            .any(|(key, value)| key.as_str() == required && count(value))
+        && item
+            .params
+            .iter()
+            .all(|(key, value)| match (required, key.as_str()) {
+                ("q", "q" | "w") | ("r", "r" | "t") => count(value),
+                ("q", "qu") => value.as_string().is_some(),
+                (_, "pk") => value.as_byte_sequence().is_some(),
+                _ => true,
+            })
 }
 
+/// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
+/// what [`HeaderStyle::field_names`] lists.
 static DRAFT11_FIELDS: [HeaderName; 3] = [
     HeaderName::from_static("ratelimit-policy"),
     HeaderName::from_static("ratelimit"),

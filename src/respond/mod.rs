@@ -296,7 +296,15 @@ impl Responder {
         let ours = rejection.retry_after_secs();
         let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
             Entry::Occupied(mut hooks) => match headers::retry_after_secs(hooks.get()) {
-                Some(seconds) => seconds,
+                Some(seconds) => {
+                    // A singleton field: lines past the first would join into a value
+                    // no client reads (`5, soon`).
+                    if hooks.iter().nth(1).is_some() {
+                        let first = hooks.get().clone();
+                        hooks.insert(first);
+                    }
+                    seconds
+                }
                 None => {
                     hooks.insert(HeaderValue::from(ours));
                     ours
