@@ -236,6 +236,10 @@ fn bytes_field(out: &mut Vec<u8>, field: u64, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
+/// The largest `google.protobuf.Duration.seconds` (an int64): 10,000 years, its
+/// documented range.
+const LONGEST_DURATION_SECS: u64 = 315_576_000_000;
+
 /// `google.rpc.Status { code, message, details: [Any(google.rpc.RetryInfo)] }`.
 pub(crate) fn status_details(code: u32, message: &str, retry_after: Option<u64>) -> Vec<u8> {
     let mut status = Vec::new();
@@ -243,11 +247,11 @@ pub(crate) fn status_details(code: u32, message: &str, retry_after: Option<u64>)
     varint(&mut status, u64::from(code));
     bytes_field(&mut status, 2, message.as_bytes());
     if let Some(seconds) = retry_after {
-        // google.protobuf.Duration { seconds }: an int64 of at most 315,576,000,000 (its
-        // documented range); a longer wait is that, not a varint read as negative.
+        // google.protobuf.Duration { seconds }: a longer wait than its range is its
+        // largest, not a varint read as negative.
         let mut duration = Vec::new();
         varint(&mut duration, 1 << 3);
-        varint(&mut duration, seconds.min(315_576_000_000));
+        varint(&mut duration, seconds.min(LONGEST_DURATION_SECS));
         // google.rpc.RetryInfo { retry_delay }
         let mut retry_info = Vec::new();
         bytes_field(&mut retry_info, 1, &duration);

@@ -295,21 +295,16 @@ impl Responder {
         // (`soon`, `1.5`, `+5`) is replaced by ours: clients would find none in it.
         let ours = rejection.retry_after_secs();
         let retry_after_sent = match response.headers_mut().entry(header::RETRY_AFTER) {
-            Entry::Occupied(mut hooks) => match headers::retry_after_secs(hooks.get()) {
-                Some(seconds) => {
-                    // A singleton field: lines past the first would join into a value
-                    // no client reads (`5, soon`).
-                    if hooks.iter().nth(1).is_some() {
-                        let first = hooks.get().clone();
-                        hooks.insert(first);
-                    }
-                    seconds
-                }
-                None => {
-                    hooks.insert(HeaderValue::from(ours));
-                    ours
-                }
-            },
+            Entry::Occupied(mut hooks) => {
+                // One line stays, as a singleton field's must (lines past the first
+                // would join into `5, soon`): the hook's first, or ours in its place.
+                let (line, seconds) = match headers::retry_after_secs(hooks.get()) {
+                    Some(seconds) => (hooks.get().clone(), seconds),
+                    None => (HeaderValue::from(ours), ours),
+                };
+                hooks.insert(line);
+                seconds
+            }
             Entry::Vacant(vacant) => {
                 vacant.insert(HeaderValue::from(ours));
                 ours
