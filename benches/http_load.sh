@@ -3,7 +3,10 @@
 # limiter, with tower_governor and with tollgate (in-process store, peer-IP key, headers
 # on every response), under the same wrk load on loopback. Variants are interleaved over
 # several rounds (shared machines drift); each round's figure is divided by the same
-# round's no-limiter figure, and the medians of those ratios are reported.
+# round's no-limiter figure, and the medians of those ratios are reported. Beside
+# requests/s, the server's own CPU time (user and system, from /proc) per request served,
+# and its per-round ratio to no limiter: the cost of the layer to the server, which what
+# else the machine runs blurs less than it blurs throughput.
 #
 # By default the server runs tokio's default multi-thread runtime and shares the machine's
 # cores with `wrk -t1 -c32`, as on a small host; PIN=1 pins the server (one worker) to core
@@ -43,6 +46,10 @@ fi
 cargo build --release "${features[@]}" --example bench_server >&2
 server=target/release/examples/bench_server
 
+# utime + stime of a process, in clock ticks (fields 14 and 15 of /proc/PID/stat).
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+HZ=$(getconf CLK_TCK)
+
 read -r -a order <<< "$VARIANTS"
 for round in $(seq "$ROUNDS"); do
   # Rotate the order every round, so no variant always runs first or last.
@@ -60,12 +67,21 @@ for round in $(seq "$ROUNDS"); do
     if [ "${PIN:-0}" = 1 ]; then wrk=(taskset -c 1 wrk); else wrk=(wrk); fi
     # A round that served nothing (wrk failed, the server died) counts as 0 and is left
     # out of the ratios and the counts below.
-    rps=$("${wrk[@]}" -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/" | awk '/Requests\/sec/ {print $2}') || true
+    # The server's own CPU time (user and system, all its threads) over the load, per
+    # request served: what the layer costs the server, less blurred than requests/s by
+    # what else the machine runs (wrk shares the cores).
+    before=$(cpu_ticks "$pid")
+    out=$("${wrk[@]}" -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$PORT/") || true
+    after=$(cpu_ticks "$pid")
+    rps=$(awk '/Requests\/sec/ {print $2}' <<< "$out")
     rps=${rps:-0}
+    served=$(awk '/requests in/ {print $1}' <<< "$out")
+    cpu_us=$(awk -v a="$before" -v b="$after" -v n="${served:-0}" -v hz="$HZ" \
+      'BEGIN {if (n > 0) printf "%.2f", (b - a) * 1e6 / hz / n; else print 0}')
     non2xx=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
     kill "$pid"; wait "$pid" 2>/dev/null || true; pid=
-    echo "round $round $variant $rps (status after load: $non2xx)" >&2
-    echo "$round $variant $rps" >> "$results"
+    echo "round $round $variant $rps requests/s, $cpu_us us of server CPU a request (status after load: $non2xx)" >&2
+    echo "$round $variant $rps $cpu_us" >> "$results"
   done
 done
 
@@ -73,8 +89,8 @@ median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 echo
 # With governor in the run, each variant's rounds faster than governor's same round: a
 # paired count, which the machine's drift between rounds does not blur as it does medians.
-echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) | rounds ahead of governor |"
-echo "|---|---|---|---|"
+echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) | rounds ahead of governor | server CPU per request (median) | vs no limiter (median of per-round ratios) |"
+echo "|---|---|---|---|---|---|"
 for variant in $VARIANTS; do
   rps=$(awk -v v="$variant" '$2 == v && $3 > 0 {print $3}' "$results" | median)
   ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
@@ -82,5 +98,8 @@ for variant in $VARIANTS; do
   ahead=$(awk -v v="$variant" '$2 == "governor" && $3 > 0 {g[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
     END {n = 0; a = 0; for (r in rps) if (r in g) {n++; if (rps[r] + 0 > g[r] + 0) a++}
       if (n == 0 || v == "governor") print "-"; else printf "%d of %d\n", a, n}' "$results")
-  printf "| %s | %.0f | %.3f | %s |\n" "$variant" "$rps" "$ratio" "$ahead"
+  cpu=$(awk -v v="$variant" '$2 == v && $3 > 0 {print $4}' "$results" | median)
+  cpu_ratio=$(awk -v v="$variant" '$2 == "none" && $4 > 0 {base[$1] = $4} $2 == v && $3 > 0 {cpu[$1] = $4}
+    END {for (r in cpu) if (base[r] > 0) printf "%.4f\n", cpu[r] / base[r]}' "$results" | median)
+  printf "| %s | %.0f | %.3f | %s | %.2f µs | %.3f |\n" "$variant" "$rps" "$ratio" "$ahead" "$cpu" "$cpu_ratio"
 done
