@@ -552,6 +552,43 @@ mod http {
         }
     }
 
+    /// A name twice in one JSON object is refused: RFC 8259 (section 4) says the names of
+    /// an object SHOULD be unique, and that implementations differ on which of two they
+    /// keep: serde_json keeps the last, a first-match lookup (a gateway's) the first. The
+    /// coster cannot know which query, operation or variable value the server reads, as
+    /// with a URL parameter given twice. Each body below was costed as its cheap half.
+    #[tokio::test]
+    async fn a_name_twice_in_a_json_object_is_refused() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let counted =
+            r#"{"query":"query($n: Int) { a(first: $n) { b { c } } }","variables":{"n":5}}"#;
+        let (status, cost, _) = send(&app, "k", counted).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("6")));
+        for body in [
+            r#"{"query":"{ a(first: 50) { b(first: 50) { c } } }","query":"{ a }"}"#,
+            r#"{"query":"query A { a } query B { a(first: 50) { b } }","operationName":"B","operationName":"A"}"#,
+            r#"{"query":"query($n: Int) { a(first: $n) { b { c } } }","variables":{"n":100000,"n":5}}"#,
+            r#"{"query":"query($n: Int) { a(first: $n) { b { c } } }","variables":{"n":100000},"variables":{"n":5}}"#,
+            r#"{"query":"query($i: In) { a(input: $i) { b } }","variables":{"i":{"first":100000,"first":5}}}"#,
+            r#"[{"query":"{ a }"},{"query":"{ a(first: 50) { b } }","query":"{ a }"}]"#,
+        ] {
+            let (status, cost, text) = send(&app, "k", body).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {text}");
+            assert_eq!(cost, None, "{body}");
+            assert!(text.contains("twice"), "{body}: {text}");
+        }
+        // The variables of a URL alike.
+        let request = Request::get(
+            "/graphql?query=query(%24n%3A%20Int)%20%7B%20a(first%3A%20%24n)%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D\
+             &variables=%7B%22n%22%3A100000%2C%22n%22%3A5%7D",
+        )
+        .header("x-api-key", "k")
+        .body(Body::empty())
+        .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    }
+
     /// The coster's own refusals of a `HEAD` carry no body: a `HEAD` response has none,
     /// and its `Content-Length` says what the `GET` would be sent (RFC 9110, sections
     /// 8.6 and 9.3.2). axum's routes strip a `HEAD`'s body, but the layer also wraps

@@ -355,11 +355,14 @@ impl Config {
         }
         let query = query.ok_or_else(|| CostError::Request("no query parameter".into()))?;
         let variables = match variables {
-            Some(text) => match serde_json::from_str::<serde_json::Value>(&text) {
+            Some(text) => match super::json::parse(text.as_bytes()) {
                 Ok(serde_json::Value::Object(map)) => Some(map),
                 Ok(serde_json::Value::Null) => None,
-                _ => {
+                Ok(_) => {
                     return Err(Uncosted::refused_request("variables must be a JSON object"));
+                }
+                Err(error) => {
+                    return Err(Uncosted::refused_request(format!("variables: {error}")));
                 }
             },
             None => None,

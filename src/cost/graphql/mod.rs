@@ -28,6 +28,7 @@
 //! # Ok::<(), tollgate::cost::graphql::CostError>(())
 //! ```
 
+mod json;
 mod layer;
 mod schema;
 
@@ -519,7 +520,9 @@ impl GraphqlCost {
         // A body that is not JSON to the coster may be to a server (Go's decoder stops
         // after the first value, JavaScript takes a lone surrogate): refused, not charged.
         let body = without_bom(body);
-        let json: Json = serde_json::from_slice(body)
+        // A name twice in one object is refused too: which of the two a server reads is
+        // its own (see `json`).
+        let json = json::parse(body)
             .map_err(|error| Uncosted::refused(CostError::Request(error.to_string())))?;
         let mut visits = self.max_field_visits;
         match json {
