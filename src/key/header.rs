@@ -19,7 +19,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
 /// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
-/// password included, like any other: set a [`salt`](HeaderKey::salt) so a store dump
+/// password included, by what they decode to (a spelling without its padding, or with
+/// other unused trailing bits, is the same key; one that is not base64 is a 400): set a
+/// [`salt`](HeaderKey::salt) so a store dump
 /// cannot be checked against lists of common passwords, and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
 /// credentials differ on every request (a fresh nonce count and response), so each is a
@@ -284,21 +286,38 @@ impl HeaderKey {
             || self.name == http::header::PROXY_AUTHORIZATION
         {
             let credentials = credentials(value);
-            if self.basic_user_id
-                && let Some(encoded) = credentials.strip_prefix(b"Basic ")
-            {
-                let Some(user) = basic_user(encoded) else {
-                    return Err(KeyError::client(format!(
-                        "{} holds Basic credentials that are not base64 of \
+            if let Some(encoded) = credentials.strip_prefix(b"Basic ") {
+                let decoded = basic_decoded(encoded);
+                if self.basic_user_id {
+                    let Some(user) = decoded.and_then(basic_user) else {
+                        return Err(KeyError::client(format!(
+                            "{} holds Basic credentials that are not base64 of \
                              user-id:password",
+                            self.name
+                        )));
+                    };
+                    let account = [&b"Basic "[..], &user, b":"].concat();
+                    return Ok(Key::hashed_with_salt(
+                        self.name.as_str(),
+                        &self.salt,
+                        &account,
+                    ));
+                }
+                let Some(decoded) = decoded else {
+                    return Err(KeyError::client(format!(
+                        "{} holds Basic credentials that are not base64",
                         self.name
                     )));
                 };
-                let account = [&b"Basic "[..], &user, b":"].concat();
+                // One spelling for every spelling a lenient server decodes alike: the
+                // padded one without trailing bits, which a well-formed client sends.
+                use base64::Engine;
+                let canonical = base64::engine::general_purpose::STANDARD.encode(decoded);
+                let credential = [&b"Basic "[..], canonical.as_bytes()].concat();
                 return Ok(Key::hashed_with_salt(
                     self.name.as_str(),
                     &self.salt,
-                    &account,
+                    &credential,
                 ));
             }
             return Ok(Key::hashed_with_salt(
@@ -351,11 +370,10 @@ fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(out)
 }
 
-/// The user-id of `Basic` credentials (RFC 7617, section 2: base64 of `user-id ":"
-/// password`, the user-id without a colon). Padding and trailing bits are not checked
-/// (servers differ), so every spelling of one credential names one user-id. `None` for
-/// credentials that are not base64 or hold no colon.
-fn basic_user(credentials: &[u8]) -> Option<Vec<u8>> {
+/// `Basic` credentials decoded (RFC 7617, section 2: base64). Padding and trailing bits
+/// are not checked (servers differ), so every spelling of one credential decodes alike.
+/// `None` for credentials that are not base64.
+fn basic_decoded(credentials: &[u8]) -> Option<Vec<u8>> {
     use base64::Engine;
     use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
     const LENIENT: GeneralPurpose = GeneralPurpose::new(
@@ -364,7 +382,12 @@ fn basic_user(credentials: &[u8]) -> Option<Vec<u8>> {
             .with_decode_padding_mode(DecodePaddingMode::Indifferent)
             .with_decode_allow_trailing_bits(true),
     );
-    let mut decoded = LENIENT.decode(credentials).ok()?;
+    LENIENT.decode(credentials).ok()
+}
+
+/// The user-id of decoded `Basic` credentials (`user-id ":" password`, the user-id
+/// without a colon). `None` for credentials that hold no colon.
+fn basic_user(mut decoded: Vec<u8>) -> Option<Vec<u8>> {
     let colon = decoded.iter().position(|&byte| byte == b':')?;
     decoded.truncate(colon);
     Some(decoded)
@@ -521,6 +544,48 @@ mod tests {
             raw(&plain, "Basic YWxpY2U6eA==").unwrap(),
             raw(&plain, "Basic YWxpY2U6eQ==").unwrap()
         );
+    }
+
+    /// Without `basic_user_id`, `Basic` credentials are keyed by what they decode to, in
+    /// base64's one padded spelling with no stray trailing bits (RFC 4648, sections 3.2
+    /// and 3.5; what a well-formed client sends, so its key does not change): servers
+    /// decode leniently (Node, Java and Go's default decoders take a missing padding or
+    /// trailing bits), and each other spelling of one credential had a bucket of its own.
+    /// Credentials that are not base64 at all are refused, as with `basic_user_id`.
+    #[test]
+    fn basic_credentials_are_keyed_by_what_they_decode_to() {
+        let plain = HeaderKey::new("authorization");
+        let raw = |value: &str| {
+            let request = Request::get("/")
+                .header("authorization", value)
+                .body(())
+                .unwrap();
+            plain.extract(&request.into_parts().0)
+        };
+        let alice = raw("Basic YWxpY2U6eA==").unwrap();
+        assert_eq!(
+            alice,
+            Key::hashed_with_salt("authorization", &[], b"Basic YWxpY2U6eA==")
+        );
+        for spelling in [
+            "Basic YWxpY2U6eA",
+            "Basic YWxpY2U6eB==",
+            "Basic YWxpY2U6eP",
+            "basic  YWxpY2U6eA=",
+        ] {
+            assert_eq!(raw(spelling).unwrap(), alice, "{spelling}");
+        }
+        assert_ne!(raw("Basic YWxpY2U6eQ==").unwrap(), alice);
+        for bad in [
+            "Basic not*base64",
+            "Basic YWxpY2U6eA==junk",
+            "Basic YWxp!Y2U6eA==",
+            "Basic YWxpY2U6eA== x",
+        ] {
+            let error = raw(bad).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");
+            assert!(!error.is_missing(), "{bad}");
+        }
     }
 
     /// `Authorization` names one credential however its scheme is spelt: the scheme is
