@@ -854,6 +854,55 @@ async fn durations_finer_than_a_microsecond_mean_the_same_policy_on_every_store(
     }
 }
 
+/// Two spellings of one policy (a rate in other terms, the policing leaky bucket for the
+/// token bucket whose math it is) decide alike, and share one state on every store: on
+/// Redis the key names the rate in lowest terms and one kind for both, and in process
+/// they had a state each, so a client spent the quota once under each spelling. Each
+/// still reports the algorithm as it was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spellings_of_one_policy_share_one_state_on_every_store() {
+    let backends = Backends::start().await;
+    let given = Rate::per_minute(120);
+    let spellings = [
+        Policy::token_bucket("api", 4, Rate::per_second(2)).unwrap(),
+        Policy::token_bucket("api", 4, given).unwrap(),
+        Policy::leaky_bucket("api", 4, Rate::new(4, Duration::from_secs(2))).unwrap(),
+        Policy::gcra("g", Rate::per_second(2), 4).unwrap(),
+        Policy::gcra("g", Rate::new(2_000, Duration::from_secs(1_000)), 4).unwrap(),
+    ];
+    assert_eq!(
+        spellings[1].algorithm(),
+        tollgate::Algorithm::TokenBucket {
+            capacity: 4,
+            refill: given
+        }
+    );
+    assert_ne!(
+        spellings[0], spellings[1],
+        "as given, they are other policies"
+    );
+    for subject in backends.subjects("spellings") {
+        subject.clock.set(Duration::from_secs(1_000));
+        for (spent, others) in [
+            (&spellings[0], &spellings[1..3]),
+            (&spellings[3], &spellings[4..]),
+        ] {
+            let first = PolicySet::from(spent.clone());
+            assert!(subject.check("k", &first, 4).await.is_allowed());
+            for other in others {
+                let decision = subject.check("k", &PolicySet::from(other.clone()), 1).await;
+                assert!(
+                    !decision.is_allowed(),
+                    "{}: {:?} after {:?} spent the quota",
+                    subject.name,
+                    other.algorithm(),
+                    spent.algorithm()
+                );
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_decides_alike() {
     let backends = Backends::start().await;

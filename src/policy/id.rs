@@ -1,7 +1,9 @@
 //! The ids that stores key a policy's state by.
 //!
 //! The in-process store keeps a key's states tagged with their policy's id: the same for
-//! equal name and parameters, different otherwise, so a changed limit starts from fresh
+//! equal name and parameters as decided (rates in lowest terms, the policing leaky bucket
+//! as the token bucket, as Redis names its keys), different otherwise, so a changed limit
+//! starts from fresh
 //! state instead of reading state written under other units (an in-flight policy's
 //! state, a count of requests in progress, is kept by name alone), and two sets that share a
 //! policy share its state. Ids come in order from one process-wide table, so the first

@@ -223,6 +223,89 @@ fn algorithm_of(params: &Params) -> Algorithm {
     }
 }
 
+/// `params` with each rate in lowest terms, counted in whole microseconds as the policy
+/// keeps its durations (`Rate::per_minute(60)` is one a second): the same numbers Redis
+/// names its state by, and smaller ones to scale a bucket's level by. Decisions do not
+/// change: a rate's ratio is kept exactly.
+fn in_lowest_terms(params: Params) -> Params {
+    let reduce = |amount: u64, period: u64| {
+        let micros = period / 1_000;
+        let divisor = gcd(amount, micros).max(1);
+        (amount / divisor, micros / divisor * 1_000)
+    };
+    match params {
+        Params::TokenBucket {
+            capacity,
+            amount,
+            period,
+        } => {
+            let (amount, period) = reduce(amount, period);
+            Params::TokenBucket {
+                capacity,
+                amount,
+                period,
+            }
+        }
+        Params::LeakyPolice {
+            capacity,
+            amount,
+            period,
+        } => {
+            let (amount, period) = reduce(amount, period);
+            Params::LeakyPolice {
+                capacity,
+                amount,
+                period,
+            }
+        }
+        Params::LeakyShape {
+            amount,
+            period,
+            max_delay,
+        } => {
+            let (amount, period) = reduce(amount, period);
+            Params::LeakyShape {
+                amount,
+                period,
+                max_delay,
+            }
+        }
+        Params::Gcra {
+            burst,
+            amount,
+            period,
+        } => {
+            let (amount, period) = reduce(amount, period);
+            Params::Gcra {
+                burst,
+                amount,
+                period,
+            }
+        }
+        other => other,
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// What names the state of a policy deciding by `params`: its algorithm in lowest terms,
+/// the policing leaky bucket as the token bucket whose math and state it is (as Redis
+/// names it), so that two spellings of one policy share one state.
+fn state_of(params: &Params) -> Algorithm {
+    match algorithm_of(params) {
+        Algorithm::LeakyBucket { capacity, leak } => Algorithm::TokenBucket {
+            capacity,
+            refill: leak,
+        },
+        other => other,
+    }
+}
+
 impl Policy {
     /// A policy from its algorithm as a user would give it (the constructors' common path).
     pub(crate) fn build(name: &str, algorithm: Algorithm) -> Result<Self, PolicyError> {
@@ -313,13 +396,15 @@ impl Policy {
                 }
             }
         };
+        // Reported as given; decided (and its state named) in lowest terms.
         let algorithm = algorithm_of(&params);
+        let params = in_lowest_terms(params);
         Ok(Policy {
             inner: Arc::new(PolicyInner {
                 name: name.into(),
                 algorithm,
                 params,
-                id: policy_id(name, algorithm),
+                id: policy_id(name, state_of(&params)),
                 unit: match algorithm {
                     Algorithm::Concurrency { .. } => QuotaUnit::ConcurrentRequests,
                     _ => QuotaUnit::Requests,
@@ -381,7 +466,7 @@ impl Policy {
                 algorithm: self.inner.algorithm,
                 params: self.inner.params,
                 // Its own state: `~` never appears in a policy name.
-                id: policy_id(&format!("{name}~shadow"), self.inner.algorithm),
+                id: policy_id(&format!("{name}~shadow"), state_of(&self.inner.params)),
                 unit: self.inner.unit,
                 shadow: true,
                 penalty: self.inner.penalty,
@@ -424,7 +509,7 @@ impl Policy {
                 "{}~penalty~{denials}~{within}~{block}~{max_block}",
                 self.inner.name
             ),
-            self.inner.algorithm,
+            state_of(&self.inner.params),
         );
         Ok(self.penalized(Some((penalty, boxed, id))))
     }
