@@ -847,6 +847,10 @@ mod http {
                 StatusCode::BAD_REQUEST,
             ),
             (
+                "/graphql?query=%7B%20a%20%7D&doc_id=3be4abb8".to_owned(),
+                StatusCode::BAD_REQUEST,
+            ),
+            (
                 format!("/graphql?QUERY={expensive}"),
                 StatusCode::BAD_REQUEST,
             ),
@@ -2114,6 +2118,9 @@ fn a_document_id_beside_a_query_is_refused() {
         json!([{ "query": "{ a }" }, { "query": "{ a }", "documentId": "p/expensive" }]),
         json!({ "query": "{ a }", "id": "8d4bc3a0" }),
         json!({ "query": "{ a }", "Id": "8d4bc3a0" }),
+        // Relay's persisted-query guide sends the stored document's id as `doc_id`.
+        json!({ "query": "{ a }", "doc_id": "3be4abb8" }),
+        json!({ "query": "{ a }", "DOC_ID": "3be4abb8" }),
     ] {
         assert!(
             GraphqlCost::new()

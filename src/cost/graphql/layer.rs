@@ -320,8 +320,8 @@ impl Config {
                 "operationName" => &mut operation_name,
                 "variables" => &mut variables,
                 // A server that supports persisted documents may run the stored one
-                // (`id` names one too: Hot Chocolate, Relay).
-                "documentId" | "id" => {
+                // (`id` and `doc_id` name one too: Hot Chocolate, Relay).
+                "documentId" | "id" | "doc_id" => {
                     document_id = true;
                     continue;
                 }
@@ -343,8 +343,8 @@ impl Config {
         }
         if document_id {
             let error = CostError::Request(
-                "a documentId or id: a persisted document cannot be costed, and a server may \
-                 run it rather than the query (or the query rather than it)"
+                "a documentId, id or doc_id: a persisted document cannot be costed, and a \
+                 server may run it rather than the query (or the query rather than it)"
                     .into(),
             );
             // Beside a query: a server without persisted documents runs the query.
@@ -632,10 +632,13 @@ fn switches_protocols(request: &http::request::Parts) -> bool {
 }
 
 /// True when a `GET` names an operation to run: by `query`, or a persisted query by its
-/// `extensions`, `documentId` or `id`. Without any (the IDE page many servers show at the
-/// endpoint), it runs nothing.
+/// `extensions`, `documentId`, `id` or `doc_id`. Without any (the IDE page many servers
+/// show at the endpoint), it runs nothing.
 fn names_an_operation(parts: &http::request::Parts) -> bool {
-    url_names_any(parts, &["query", "extensions", "documentId", "id"])
+    url_names_any(
+        parts,
+        &["query", "extensions", "documentId", "id", "doc_id"],
+    )
 }
 
 /// A URL's parameters, split on `&` and on `;` alike: some servers (Rack before 3, Go
@@ -666,7 +669,10 @@ fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
 fn carries_an_operation_in_its_url(parts: &http::request::Parts) -> bool {
     // Not `id`: in the URL of a request with a body it is the application's own
     // (`?id=tenant-7`) more often than a persisted query's, which travels in the body.
-    url_names_any(parts, &["query", "variables", "extensions", "documentId"])
+    url_names_any(
+        parts,
+        &["query", "variables", "extensions", "documentId", "doc_id"],
+    )
 }
 
 /// The most parameters a URL or a form is read with: Node's `querystring` (express-graphql)

@@ -580,8 +580,8 @@ impl GraphqlCost {
         }
         // A server that supports persisted documents may run the stored one and ignore
         // the query: the query's cost would say nothing of what runs. `id` is a persisted
-        // query's name too (Hot Chocolate, Relay).
-        if let Some(name) = ["documentId", "id"]
+        // query's name too (Hot Chocolate, Relay), and so is `doc_id` (Relay's guide).
+        if let Some(name) = PERSISTED_KEYS
             .into_iter()
             .find(|name| object.get(*name).is_some_and(|id| !id.is_null()))
         {
@@ -746,14 +746,18 @@ fn root_fields(
 }
 
 /// The keys of a GraphQL request, in a JSON body or a URL, as the coster spells them.
-const REQUEST_KEYS: [&str; 6] = [
+const REQUEST_KEYS: [&str; 7] = [
     "query",
     "variables",
     "operationName",
     "extensions",
     "documentId",
     "id",
+    "doc_id",
 ];
+
+/// The keys that name a persisted document a server may run instead of a `query`.
+pub(super) const PERSISTED_KEYS: [&str; 3] = ["documentId", "id", "doc_id"];
 
 /// True when `name` is a request key to a server that reads keys in any case (Go's JSON
 /// decoding, ASP.NET Core's query collection) but is not spelt as one: such a server
