@@ -236,7 +236,8 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
             Duration::from_secs_f64(period.min(MAX_PERIOD.as_secs_f64())),
         )
     };
-    let algorithm = match policy.algorithm() {
+    // From the rate as decided: two spellings of one policy scale alike.
+    let algorithm = match policy.decided() {
         Algorithm::FixedWindow { limit, window } => Algorithm::FixedWindow {
             limit: count(limit),
             window,
@@ -682,6 +683,31 @@ impl Breaker {
 mod tests {
     use super::*;
     use crate::store::StoreErrorKind;
+
+    /// Two spellings of one policy are one policy under the fallback too: scaled from the
+    /// rate as decided (in lowest terms), not as given, whose period the scaling would
+    /// stretch past the longest a policy may have (3,650 a 3,650 days, halved, became
+    /// 3,650 in 3,660 days, where one a day halved is one in two days).
+    #[test]
+    fn spellings_of_one_policy_scale_alike() {
+        let day = Duration::from_secs(86_400);
+        let one = Policy::token_bucket("api", 10, Rate::new(1, day)).unwrap();
+        let many = Policy::token_bucket("api", 10, Rate::new(3_650, 3_650 * day)).unwrap();
+        let (one, many) = (scale_policy(&one, 0.5), scale_policy(&many, 0.5));
+        assert!(
+            one.decides_as(&many),
+            "{:?} and {:?}",
+            one.algorithm(),
+            many.algorithm()
+        );
+        assert_eq!(
+            one.algorithm(),
+            Algorithm::TokenBucket {
+                capacity: 5,
+                refill: Rate::new(1, 2 * day)
+            }
+        );
+    }
 
     #[test]
     fn opens_after_failures_probes_once_and_closes_on_success() {

@@ -164,6 +164,32 @@ async fn a_set_built_again_from_the_same_policies_spends_the_lease_held() {
     assert_eq!(admitted, 25, "the quota, whichever set asked");
 }
 
+/// Two spellings of one policy (a rate in other terms, the policing leaky bucket beside
+/// the token bucket) decide alike on one state, so a lease taken under one serves the
+/// other: one call for the lease, where each spelling took a lease of its own, holding
+/// units the other could not spend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_serves_every_spelling_of_its_policy() {
+    let server = RedisServer::start();
+    let store = one_replica(&server).await;
+    let day = Duration::from_secs(86_400);
+    let spellings = [
+        Policy::token_bucket("leased", 25, tollgate::Rate::new(1, day)).unwrap(),
+        Policy::token_bucket("leased", 25, tollgate::Rate::new(2, 2 * day)).unwrap(),
+        Policy::leaky_bucket("leased", 25, tollgate::Rate::new(3, 3 * day)).unwrap(),
+    ];
+    let key = Key::new("k");
+    for round in 0..LEASE {
+        let set = PolicySet::from(spellings[round as usize % 3].clone());
+        assert!(store.decide(&key, &set, 1).await.unwrap().is_allowed());
+    }
+    assert_eq!(
+        store.shared_calls(),
+        1,
+        "one lease for the {LEASE} requests"
+    );
+}
+
 #[test]
 fn bad_lease_parameters_are_refused() {
     let error = Leased::new(tollgate::MemoryStore::new(), 0, Duration::from_secs(1)).unwrap_err();

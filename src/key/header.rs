@@ -19,8 +19,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
 /// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
-/// password included, by what they decode to (a spelling without its padding, or with
-/// other unused trailing bits, is the same key; one that is not base64 is a 400): set a
+/// password included, by what they decode to (a spelling without its padding, with other
+/// unused trailing bits or in base64url's alphabet is the same key; one that is not
+/// base64 is a 400): set a
 /// [`salt`](HeaderKey::salt) so a store dump
 /// cannot be checked against lists of common passwords, and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
@@ -371,8 +372,9 @@ fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
 }
 
 /// `Basic` credentials decoded (RFC 7617, section 2: base64). Padding and trailing bits
-/// are not checked (servers differ), so every spelling of one credential decodes alike.
-/// `None` for credentials that are not base64.
+/// are not checked, and base64url's `-` and `_` are read as `+` and `/` (servers differ:
+/// Node's decoder takes either alphabet), so every spelling of one credential decodes
+/// alike. `None` for credentials that are not base64.
 fn basic_decoded(credentials: &[u8]) -> Option<Vec<u8>> {
     use base64::Engine;
     use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
@@ -382,7 +384,15 @@ fn basic_decoded(credentials: &[u8]) -> Option<Vec<u8>> {
             .with_decode_padding_mode(DecodePaddingMode::Indifferent)
             .with_decode_allow_trailing_bits(true),
     );
-    LENIENT.decode(credentials).ok()
+    let standard: Vec<u8> = credentials
+        .iter()
+        .map(|&byte| match byte {
+            b'-' => b'+',
+            b'_' => b'/',
+            other => other,
+        })
+        .collect();
+    LENIENT.decode(standard).ok()
 }
 
 /// The user-id of decoded `Basic` credentials (`user-id ":" password`, the user-id
@@ -549,8 +559,9 @@ mod tests {
     /// Without `basic_user_id`, `Basic` credentials are keyed by what they decode to, in
     /// base64's one padded spelling with no stray trailing bits (RFC 4648, sections 3.2
     /// and 3.5; what a well-formed client sends, so its key does not change): servers
-    /// decode leniently (Node, Java and Go's default decoders take a missing padding or
-    /// trailing bits), and each other spelling of one credential had a bucket of its own.
+    /// decode leniently (Node's and Java's decoders take a missing padding, theirs and
+    /// Go's other unused trailing bits, Node's base64url's alphabet), and each other
+    /// spelling of one credential had a bucket of its own.
     /// Credentials that are not base64 at all are refused, as with `basic_user_id`.
     #[test]
     fn basic_credentials_are_keyed_by_what_they_decode_to() {
@@ -576,6 +587,19 @@ mod tests {
             assert_eq!(raw(spelling).unwrap(), alice, "{spelling}");
         }
         assert_ne!(raw("Basic YWxpY2U6eQ==").unwrap(), alice);
+        // base64url's `-` and `_` for `+` and `/` (Node's decoder takes either alphabet).
+        assert_eq!(
+            raw("Basic YWxpY2U6Pz8-").unwrap(),
+            raw("Basic YWxpY2U6Pz8+").unwrap()
+        );
+        assert_eq!(
+            raw("Basic YWxpY2U6Pz8_").unwrap(),
+            raw("Basic YWxpY2U6Pz8/").unwrap()
+        );
+        assert_ne!(
+            raw("Basic YWxpY2U6Pz8+").unwrap(),
+            raw("Basic YWxpY2U6Pz8/").unwrap()
+        );
         for bad in [
             "Basic not*base64",
             "Basic YWxpY2U6eA==junk",

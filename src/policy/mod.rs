@@ -766,6 +766,22 @@ impl Policy {
         &self.inner.params
     }
 
+    /// The algorithm as this policy decides it: [`Policy::algorithm`] with its rate in
+    /// lowest terms (`Rate::per_minute(60)` is one a second).
+    pub(crate) fn decided(&self) -> Algorithm {
+        algorithm_of(&self.inner.params)
+    }
+
+    /// True when `other` decides as this policy does, on the same state: its name, its
+    /// algorithm as decided (rates in lowest terms, the policing leaky bucket as the token
+    /// bucket), shadow and penalty. `==` compares algorithms as they were given.
+    pub(crate) fn decides_as(&self, other: &Policy) -> bool {
+        self.name() == other.name()
+            && state_of(&self.inner.params) == state_of(&other.inner.params)
+            && self.is_shadow() == other.is_shadow()
+            && self.penalty() == other.penalty()
+    }
+
     /// A fingerprint of the name and parameters (of an in-flight policy, the name alone:
     /// see `id::policy_id`); stores keep state per id.
     #[inline]

@@ -283,10 +283,17 @@ impl Leases {
         let mut shard = self.shard(id);
         let open = shard.entry(id.clone()).or_default();
         // Ended leases are left to their timers, which give their units back. A lease
-        // serves the policies it was taken for (a fingerprint only says so but for a
-        // collision of ids, which past the id registry's bound are hashes).
+        // serves the policies it was taken for, however they are spelt (a fingerprint
+        // only says so but for a collision of ids, which past the id registry's bound
+        // are hashes).
         let of_these = |lease: &Lease| {
-            lease.policies.same_as(policies) || lease.policies.policies() == policies.policies()
+            lease.policies.same_as(policies)
+                || (lease.policies.len() == policies.len()
+                    && lease
+                        .policies
+                        .iter()
+                        .zip(policies.iter())
+                        .all(|(held, asked)| held.decides_as(asked)))
         };
         if let Some(index) = open
             .leases

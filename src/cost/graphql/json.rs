@@ -7,98 +7,104 @@
 //! variable value while the server runs the other would charge a cheap query for a
 //! costly one, so such a body is refused, as a URL parameter given twice is.
 
+use std::collections::BTreeSet;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
-use serde_json::{Map, Number, Value as Json};
+use serde_json::Value as Json;
 
 /// Reads `text` as one JSON value with no name twice in any of its objects.
 pub(super) fn parse(text: &[u8]) -> Result<Json, serde_json::Error> {
+    // First a pass that reads names only; then `serde_json` builds the value itself, so
+    // that what it makes of a number is its own whatever features a build unifies
+    // (`arbitrary_precision` hands numbers to a visitor as maps).
     let mut deserializer = serde_json::Deserializer::from_slice(text);
-    let value = UniqueNames.deserialize(&mut deserializer)?;
-    // Nothing but whitespace after the value, as `serde_json::from_slice` asks.
+    UniqueNames.deserialize(&mut deserializer)?;
     deserializer.end()?;
-    Ok(value)
+    serde_json::from_slice(text)
 }
 
-/// Builds a [`Json`] value, refusing an object that holds a name twice. `serde_json`'s
-/// deserializer still bounds the nesting (128 levels).
+/// Reads a JSON value for nothing but its objects' names: an error for an object that
+/// holds one twice. `serde_json`'s deserializer still bounds the nesting (128 levels).
 #[derive(Clone, Copy)]
 struct UniqueNames;
 
 impl<'de> DeserializeSeed<'de> for UniqueNames {
-    type Value = Json;
+    type Value = ();
 
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Json, D::Error> {
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
         deserializer.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for UniqueNames {
-    type Value = Json;
+    type Value = ();
 
     fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, value: bool) -> Result<Json, E> {
-        Ok(Json::Bool(value))
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_i64<E>(self, value: i64) -> Result<Json, E> {
-        Ok(Json::Number(value.into()))
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_u64<E>(self, value: u64) -> Result<Json, E> {
-        Ok(Json::Number(value.into()))
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_f64<E>(self, value: f64) -> Result<Json, E> {
-        // JSON has no NaN or infinity: serde_json reads an out-of-range number as an error.
-        Ok(Number::from_f64(value).map_or(Json::Null, Json::Number))
+    fn visit_i128<E>(self, _: i128) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_str<E>(self, value: &str) -> Result<Json, E> {
-        Ok(Json::String(value.to_owned()))
+    fn visit_u128<E>(self, _: u128) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_string<E>(self, value: String) -> Result<Json, E> {
-        Ok(Json::String(value))
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_unit<E>(self) -> Result<Json, E> {
-        Ok(Json::Null)
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_none<E>(self) -> Result<Json, E> {
-        Ok(Json::Null)
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Json, D::Error> {
+    fn visit_none<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
         self.deserialize(deserializer)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json, A::Error> {
-        let mut values = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
-        while let Some(value) = seq.next_element_seed(self)? {
-            values.push(value);
-        }
-        Ok(Json::Array(values))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(self)?.is_some() {}
+        Ok(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Json, A::Error> {
-        let mut object = Map::new();
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut names = BTreeSet::new();
         while let Some(name) = map.next_key::<String>()? {
-            if object.contains_key(&name) {
+            if names.contains(&name) {
+                // At most 64 characters of it: the answer echoes no client's megabyte.
+                let shown: String = name.chars().take(64).collect();
+                let cut = if shown.len() < name.len() { "..." } else { "" };
                 return Err(de::Error::custom(format_args!(
-                    "the name {name:?} twice in one object (servers differ on which they \
-                     read)"
+                    "the name {shown:?}{cut} twice in one object (servers differ on which \
+                     they read)"
                 )));
             }
-            let value = map.next_value_seed(self)?;
-            object.insert(name, value);
+            map.next_value_seed(self)?;
+            names.insert(name);
         }
-        Ok(Json::Object(object))
+        Ok(())
     }
 }
 
@@ -133,6 +139,15 @@ mod tests {
                 "{text}: {error}"
             );
         }
+        // A long name is not echoed whole.
+        let long = "x".repeat(100_000);
+        let error = parse(format!(r#"{{"{long}":1,"{long}":2}}"#).as_bytes())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.len() < 300 && error.contains("\"... twice"),
+            "{error}"
+        );
         for text in [r#"{"a":1} {"a":2}"#, "[1,]", r#"{"a":1,}"#, "\"\\ud800\""] {
             assert!(parse(text.as_bytes()).is_err(), "{text}");
             assert!(serde_json::from_str::<serde_json::Value>(text).is_err());
