@@ -37,6 +37,17 @@ impl<'de> DeserializeSeed<'de> for UniqueNames {
     }
 }
 
+/// Visitor methods that accept a scalar and read nothing of it.
+macro_rules! ignore_scalars {
+    ($($method:ident: $scalar:ty),*) => {
+        $(
+            fn $method<E>(self, _: $scalar) -> Result<(), E> {
+                Ok(())
+            }
+        )*
+    };
+}
+
 impl<'de> Visitor<'de> for UniqueNames {
     type Value = ();
 
@@ -44,33 +55,16 @@ impl<'de> Visitor<'de> for UniqueNames {
         formatter.write_str("a JSON value")
     }
 
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_i128<E>(self, _: i128) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_u128<E>(self, _: u128) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
+    // Scalars hold no names.
+    ignore_scalars!(
+        visit_bool: bool,
+        visit_i64: i64,
+        visit_u64: u64,
+        visit_i128: i128,
+        visit_u128: u128,
+        visit_f64: f64,
+        visit_str: &str
+    );
 
     fn visit_unit<E>(self) -> Result<(), E> {
         Ok(())
