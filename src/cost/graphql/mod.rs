@@ -510,7 +510,17 @@ impl GraphqlCost {
     }
 
     /// The cost of a JSON request body: one request object, or an array of them (a
-    /// batch: summed).
+    /// batch: summed). An object anywhere in it that holds a name twice is an error
+    /// (servers differ on which of the two they read).
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// let coster = GraphqlCost::new();
+    /// assert_eq!(coster.json_cost(br#"{"query":"{ a(first: 5) { b { c } } }"}"#)?, 6);
+    /// assert!(coster.json_cost(br#"{"query":"{ a(first: 5) { b { c } } }","query":"{ a }"}"#).is_err());
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
     pub fn json_cost(&self, body: &[u8]) -> Result<u64, CostError> {
         self.json_costing(body).map_err(|uncosted| uncosted.error)
     }
