@@ -33,7 +33,12 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// every identity used in it) those that spent least, then the most recently added, and
 /// counts them in [`MemoryStore::evicted_live`]. An attacker rotating identities therefore
 /// cannot grow the store, and at worst resets the state of the identities that were about
-/// to be fresh anyway, its own first. An identity whose in-flight slots running requests
+/// to be fresh anyway. Under a sliding log or a sliding window that is the identity whose
+/// newest request is oldest, however much it spent: one that spent its quota at once is
+/// forgotten before identities that each spent a unit a moment later, so a flood of about
+/// `max_keys` new identities within a window (identities a client picks, as a user name
+/// it tries) gives it a fresh quota. Size `max_keys` above the identities one window
+/// sees, and watch `evicted_live`. An identity whose in-flight slots running requests
 /// hold is never fresh: its requests give the slots back when they end, however long they
 /// run (the lease of
 /// [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is for shared
