@@ -21,9 +21,8 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
 /// password included, by what they decode to (a spelling without its padding, with other
 /// unused trailing bits or in base64url's alphabet is the same key; one that is not
-/// base64 is a 400): set a
-/// [`salt`](HeaderKey::salt) so a store dump
-/// cannot be checked against lists of common passwords, and see
+/// base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
+/// against lists of common passwords, and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
 /// credentials differ on every request (a fresh nonce count and response), so each is a
 /// key of its own: key Digest clients by their `username` in a [`from_fn`](super::from_fn)

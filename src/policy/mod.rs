@@ -227,63 +227,18 @@ fn algorithm_of(params: &Params) -> Algorithm {
 /// keeps its durations (`Rate::per_minute(60)` is one a second): the same numbers Redis
 /// names its state by, and smaller ones to scale a bucket's level by. Decisions do not
 /// change: a rate's ratio is kept exactly.
-fn in_lowest_terms(params: Params) -> Params {
-    let reduce = |amount: u64, period: u64| {
-        let micros = period / 1_000;
-        let divisor = gcd(amount, micros).max(1);
-        (amount / divisor, micros / divisor * 1_000)
-    };
-    match params {
-        Params::TokenBucket {
-            capacity,
-            amount,
-            period,
-        } => {
-            let (amount, period) = reduce(amount, period);
-            Params::TokenBucket {
-                capacity,
-                amount,
-                period,
-            }
-        }
-        Params::LeakyPolice {
-            capacity,
-            amount,
-            period,
-        } => {
-            let (amount, period) = reduce(amount, period);
-            Params::LeakyPolice {
-                capacity,
-                amount,
-                period,
-            }
-        }
-        Params::LeakyShape {
-            amount,
-            period,
-            max_delay,
-        } => {
-            let (amount, period) = reduce(amount, period);
-            Params::LeakyShape {
-                amount,
-                period,
-                max_delay,
-            }
-        }
-        Params::Gcra {
-            burst,
-            amount,
-            period,
-        } => {
-            let (amount, period) = reduce(amount, period);
-            Params::Gcra {
-                burst,
-                amount,
-                period,
-            }
-        }
-        other => other,
+fn in_lowest_terms(mut params: Params) -> Params {
+    if let Params::TokenBucket { amount, period, .. }
+    | Params::LeakyPolice { amount, period, .. }
+    | Params::LeakyShape { amount, period, .. }
+    | Params::Gcra { amount, period, .. } = &mut params
+    {
+        let micros = *period / 1_000;
+        let divisor = gcd(*amount, micros).max(1);
+        *amount /= divisor;
+        *period = micros / divisor * 1_000;
     }
+    params
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {
