@@ -768,7 +768,7 @@ const REQUEST_KEYS: [&str; 7] = [
 ];
 
 /// The keys that name a persisted document a server may run instead of a `query`.
-pub(super) const PERSISTED_KEYS: [&str; 3] = ["documentId", "id", "doc_id"];
+const PERSISTED_KEYS: [&str; 3] = ["documentId", "id", "doc_id"];
 
 /// True when `name` is a request key to a server that reads keys in any case (Go's JSON
 /// decoding, ASP.NET Core's query collection) but is not spelt as one: such a server
