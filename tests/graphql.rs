@@ -578,15 +578,10 @@ mod http {
             assert!(text.contains("twice"), "{body}: {text}");
         }
         // The variables of a URL alike.
-        let request = Request::get(
-            "/graphql?query=query(%24n%3A%20Int)%20%7B%20a(first%3A%20%24n)%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D\
-             &variables=%7B%22n%22%3A100000%2C%22n%22%3A5%7D",
-        )
-        .header("x-api-key", "k")
-        .body(Body::empty())
-        .unwrap();
-        let response = app.clone().oneshot(request).await.unwrap();
-        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        let uri = "/graphql?query=query(%24n%3A%20Int)%20%7B%20a(first%3A%20%24n)%20%7B%20b%20\
+                   %7B%20c%20%7D%20%7D%20%7D&variables=%7B%22n%22%3A100000%2C%22n%22%3A5%7D";
+        let (status, cost) = sent(&app, "k", &http::Method::GET, uri, "", "").await;
+        assert_eq!((status, cost), (StatusCode::BAD_REQUEST, None));
     }
 
     /// The coster's own refusals of a `HEAD` carry no body: a `HEAD` response has none,

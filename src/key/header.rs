@@ -312,12 +312,12 @@ impl HeaderKey {
                 // One spelling for every spelling a lenient server decodes alike: the
                 // padded one without trailing bits, which a well-formed client sends.
                 use base64::Engine;
-                let canonical = base64::engine::general_purpose::STANDARD.encode(decoded);
-                let credential = [&b"Basic "[..], canonical.as_bytes()].concat();
+                let mut credential = String::from("Basic ");
+                base64::engine::general_purpose::STANDARD.encode_string(decoded, &mut credential);
                 return Ok(Key::hashed_with_salt(
                     self.name.as_str(),
                     &self.salt,
-                    &credential,
+                    credential.as_bytes(),
                 ));
             }
             return Ok(Key::hashed_with_salt(
@@ -383,6 +383,9 @@ fn basic_decoded(credentials: &[u8]) -> Option<Vec<u8>> {
             .with_decode_padding_mode(DecodePaddingMode::Indifferent)
             .with_decode_allow_trailing_bits(true),
     );
+    if !credentials.iter().any(|&byte| byte == b'-' || byte == b'_') {
+        return LENIENT.decode(credentials).ok();
+    }
     let standard: Vec<u8> = credentials
         .iter()
         .map(|&byte| match byte {

@@ -2173,13 +2173,6 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
         .with_receipt(Receipt::new(now.saturating_mul(1_000), lease)))
 }
 
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
-}
-
 /// Nanoseconds to whole microseconds (policies are validated to at least 1 ms).
 fn to_micros(nanos: u64) -> u64 {
     nanos.div_ceil(1_000)
@@ -2221,14 +2214,11 @@ fn write_penalty(out: &mut String, penalty: &PenaltyBox, separator: char) {
     }
 }
 
-/// The script's arguments for one policy: kind and three numbers, with the rate reduced
-/// to lowest terms so the scaled numbers stay small.
+/// The script's arguments for one policy: kind and three numbers. A policy keeps its rate
+/// in lowest terms of whole microseconds (see `Policy::build`), so the scaled numbers stay
+/// small and two spellings of one rate name one key.
 fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreError> {
-    let rate = |amount: u64, period: u64| {
-        let period = to_micros(period);
-        let divisor = gcd(amount, period).max(1);
-        (amount / divisor, period / divisor)
-    };
+    let rate = |amount: u64, period: u64| (amount, to_micros(period));
     let args = match *policy.params() {
         Params::FixedWindow { limit, window } => ("fw", limit, to_micros(window), 0),
         Params::SlidingWindow {
