@@ -1066,29 +1066,32 @@ async fn quota_units_partition_keys_and_jitter() {
         "the secret is never shown: {refused}"
     );
 
-    // Jitter: a daily quota's t and Retry-After spread over up to 30 s more, never less.
-    let app = hello().layer(
-        RateLimitLayer::new(MemoryStore::new())
-            .policy(Policy::fixed_window("daily", 1, Duration::from_secs(86_400)).unwrap())
-            .header_jitter(Duration::from_secs(30)),
-    );
-    let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..40 {
-        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
-        let rate = parse_list(&header(&response, "ratelimit").unwrap());
-        let t = integer(&rate[0].1, "t") as u64;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs();
-        let end = 86_400 - now % 86_400;
-        assert!(t + 1 >= end && t <= end + 31, "t={t}, window ends in {end}");
-        if let Some(retry) = header(&response, "retry-after") {
-            assert!(retry.parse::<u64>().unwrap() >= t);
+    // Jitter: a daily quota's t and Retry-After spread over up to 30 s more, never less,
+    // at the window's start and in its last minute (a manual clock says which).
+    for left in [86_400, 20] {
+        let clock = tollgate::clock::ManualClock::new();
+        clock.advance(Duration::from_secs(86_400 - left));
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::builder().clock(clock).build())
+                .policy(Policy::fixed_window("daily", 1, Duration::from_secs(86_400)).unwrap())
+                .header_jitter(Duration::from_secs(30)),
+        );
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..40 {
+            let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+            let rate = parse_list(&header(&response, "ratelimit").unwrap());
+            let t = integer(&rate[0].1, "t") as u64;
+            assert!(t >= left && t <= left + 30, "t={t}, window ends in {left}");
+            if let Some(retry) = header(&response, "retry-after") {
+                assert!(retry.parse::<u64>().unwrap() >= t);
+            }
+            seen.insert(t);
         }
-        seen.insert(t);
+        assert!(
+            seen.len() > 1,
+            "{left} s left: jitter never varied: {seen:?}"
+        );
     }
-    assert!(seen.len() > 1, "jitter never varied: {seen:?}");
 }
 
 // A refusal (not I/O) that one request's data causes must not open the breaker for every
@@ -1477,28 +1480,66 @@ async fn the_legacy_reset_is_rounded_up_once() {
 
 // `header_jitter` spreads clients told to come back when a long window ends: the
 // draft-6 and legacy reset must carry the same jitter as `Retry-After`, or a client that
-// reads them comes back before it is let in, with all the others.
+// reads them comes back before it is let in, with all the others. A window's clients
+// come back together when it ends however soon that is, so its last minute is spread
+// too (CI once ran this 21 s before the hour ended, on the wall clock: nothing was
+// spread). The clock is a manual one, so the window ends where the test says. A denial
+// the deny cache answers (it keeps no statuses) carries the same jitter.
 #[tokio::test]
 async fn single_valued_resets_carry_the_jitter_of_retry_after() {
+    use tollgate::clock::ManualClock;
     for style in [HeaderStyle::Draft6, HeaderStyle::Legacy] {
-        let app = hello().layer(
-            RateLimitLayer::new(MemoryStore::new())
-                .policy(Policy::fixed_window("hourly", 1, Duration::from_secs(3600)).unwrap())
-                .key(tollgate::key::from_fn(|parts| {
-                    Ok(Key::new(parts.headers["x-who"].to_str().unwrap_or("?")))
-                }))
-                .headers(style)
-                .header_jitter(Duration::from_secs(60)),
-        );
-        let mut spread = std::collections::BTreeSet::new();
-        for who in 0..20 {
-            let request = || {
-                Request::get("/")
-                    .header("x-who", who.to_string())
-                    .body(Body::empty())
-                    .unwrap()
-            };
-            assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), 200);
+        for left in [3600, 21] {
+            for cached in [false, true] {
+                let clock = ManualClock::new();
+                clock.advance(Duration::from_secs(3600 - left));
+                let memory = MemoryStore::builder().clock(clock.clone()).build();
+                let spread = if cached {
+                    jittered_resets(DenyCache::with_clock(memory, 100, clock), style, 3).await
+                } else {
+                    jittered_resets(memory, style, 2).await
+                };
+                assert!(
+                    spread.len() > 1,
+                    "{style:?}, {left} s left, cached {cached}: the reset was not spread: \
+                     {spread:?}"
+                );
+                assert!(
+                    spread.iter().all(|&reset| reset <= left + 61),
+                    "{style:?}, {left} s left: {spread:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The resets (seconds from now) of the denials of 20 identities under a one-an-hour
+/// fixed window with 60 s of jitter: each identity is admitted once, then sent `tries`
+/// requests more, each denied with a reset no earlier than its `Retry-After`.
+async fn jittered_resets<S: Store + Clone>(
+    store: S,
+    style: HeaderStyle,
+    tries: usize,
+) -> std::collections::BTreeSet<u64> {
+    let app = hello().layer(
+        RateLimitLayer::new(store)
+            .policy(Policy::fixed_window("hourly", 1, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::from_fn(|parts| {
+                Ok(Key::new(parts.headers["x-who"].to_str().unwrap_or("?")))
+            }))
+            .headers(style)
+            .header_jitter(Duration::from_secs(60)),
+    );
+    let mut spread = std::collections::BTreeSet::new();
+    for who in 0..20 {
+        let request = || {
+            Request::get("/")
+                .header("x-who", who.to_string())
+                .body(Body::empty())
+                .unwrap()
+        };
+        assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), 200);
+        for _ in 1..tries {
             let denied = app.clone().oneshot(request()).await.unwrap();
             assert_eq!(denied.status(), 429);
             let retry: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
@@ -1509,11 +1550,8 @@ async fn single_valued_resets_carry_the_jitter_of_retry_after() {
             );
             spread.insert(from_now);
         }
-        assert!(
-            spread.len() > 1,
-            "{style:?}: the reset was not spread: {spread:?}"
-        );
     }
+    spread
 }
 
 // A shaping bucket whose burst passes MAX_LIMIT is refused like any other quota.

@@ -170,9 +170,21 @@ pub(crate) struct HeaderOptions {
     pub(crate) shadow: bool,
 }
 
-/// Effective windows shorter than this get no jitter: a herd that comes back after a
-/// second is no herd.
-pub(crate) const JITTER_FROM: Duration = Duration::from_secs(60);
+/// Times of policies whose window is shorter than this, and times shorter than this of
+/// any other policy, get no jitter: a herd that comes back after a second is no herd.
+const JITTER_FROM: Duration = Duration::from_secs(60);
+
+/// `after`, a time `policy` states, with the response's `extra` jitter seconds when it
+/// is long, or when the policy's window is: the clients of a long window come back
+/// together when it ends, however soon that is (a daily quota's last minute).
+#[inline]
+pub(crate) fn jittered(policy: &Policy, after: Duration, extra: u64) -> Duration {
+    if extra > 0 && (after >= JITTER_FROM || policy.window() >= JITTER_FROM) {
+        after.saturating_add(Duration::from_secs(extra))
+    } else {
+        after
+    }
+}
 
 /// A random extra delay in `[0, jitter]`, whole seconds.
 pub(crate) fn jitter_secs(jitter: Duration) -> u64 {
@@ -603,15 +615,10 @@ fn reset_field(legacy: bool, after: Duration) -> u64 {
     }
 }
 
-/// The `t` of one status, in whole seconds (rounded up), with `extra` jitter seconds on
-/// long windows.
-pub(crate) fn effective_secs(effective_window: Duration, extra: u64) -> u64 {
-    let seconds = seconds_ceil(effective_window);
-    if extra > 0 && effective_window >= JITTER_FROM {
-        seconds.saturating_add(extra)
-    } else {
-        seconds
-    }
+/// The `t` of one status of `policy`, in whole seconds (rounded up), with `extra`
+/// jitter seconds when they apply (see [`jittered`]).
+pub(crate) fn effective_secs(policy: &Policy, effective_window: Duration, extra: u64) -> u64 {
+    seconds_ceil(jittered(policy, effective_window, extra))
 }
 
 /// True when the policy at `index` is the one blocked whenever its set's answer is a
@@ -656,7 +663,7 @@ fn blocked_rate(
         out.extend_from_slice(b"\"");
         out.extend_from_slice(shown.name().as_bytes());
         out.extend_from_slice(b"\";r=0;t=");
-        push_number(out, effective_secs(retry_after, extra));
+        push_number(out, effective_secs(shown, retry_after, extra));
         if let Some(keyer) = &options.partition_key {
             push_partition_key(out, keyer, key);
         }
@@ -698,7 +705,7 @@ pub(crate) fn rate_limit_headers(
                     // `t` is optional (draft-11, section 4.1); an in-flight quota has none.
                     if !policy.params().is_in_flight() {
                         out.extend_from_slice(b";t=");
-                        push_number(out, effective_secs(status.effective_window, extra));
+                        push_number(out, effective_secs(policy, status.effective_window, extra));
                     }
                     if let Some(keyer) = &options.partition_key {
                         push_partition_key(out, keyer, key);
@@ -737,11 +744,7 @@ pub(crate) fn rate_limit_headers(
             };
             // Long resets carry the response's jitter, as `t` and `Retry-After` do. Kept
             // to the nanosecond: the field rounds up once.
-            let after = if extra > 0 && status.reset >= JITTER_FROM {
-                status.reset.saturating_add(Duration::from_secs(extra))
-            } else {
-                status.reset
-            };
+            let after = jittered(policy, status.reset, extra);
             HeaderBlock::Single {
                 legacy,
                 limit: status.limit,

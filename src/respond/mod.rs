@@ -23,7 +23,9 @@ use crate::policy::PolicySet;
 use crate::settle::{Debit, Settle};
 use crate::store::{StoreError, StoreErrorKind, check_answer};
 use crate::telemetry;
-use headers::{HeaderBlock, HeaderOptions, effective_secs, jitter_secs, rate_limit_headers};
+use headers::{
+    HeaderBlock, HeaderOptions, effective_secs, jitter_secs, jittered, rate_limit_headers,
+};
 use problem::{self as response, Rejection};
 
 /// What to do with a request no key can be extracted from.
@@ -270,18 +272,13 @@ impl Responder {
         }
         // Never earlier than the end of the denying policy's effective window as the
         // `RateLimit` field states it (same rounding, same jitter).
-        let stated = decision
-            .statuses()
-            .get(policy)
-            .map_or(0, |status| effective_secs(status.effective_window, extra));
-        let jittered = if retry_after >= crate::respond::headers::JITTER_FROM {
-            retry_after.saturating_add(Duration::from_secs(extra))
-        } else {
-            retry_after
-        };
+        let denying = &policies[policy];
+        let stated = decision.statuses().get(policy).map_or(0, |status| {
+            effective_secs(denying, status.effective_window, extra)
+        });
         let rejection = Rejection {
-            policy: &policies[policy],
-            retry_after: jittered.max(Duration::from_secs(stated)),
+            policy: denying,
+            retry_after: jittered(denying, retry_after, extra).max(Duration::from_secs(stated)),
             decision,
             policies,
             cost,
