@@ -1513,6 +1513,27 @@ async fn single_valued_resets_carry_the_jitter_of_retry_after() {
     }
 }
 
+// An in-flight slot is free when some request ends, not when a window ends: no herd to
+// spread, so `header_jitter` leaves its 1 s `Retry-After` alone, whatever its lease.
+#[tokio::test]
+async fn an_in_flight_denial_carries_no_jitter() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(
+                Policy::concurrency_with_lease("inflight", 1, Duration::from_secs(600)).unwrap(),
+            )
+            .header_jitter(Duration::from_secs(60)),
+    );
+    let held = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(held.status(), 200);
+    for _ in 0..20 {
+        let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(denied.status(), 429);
+        assert_eq!(header(&denied, "retry-after").as_deref(), Some("1"));
+    }
+    drop(held);
+}
+
 /// The resets (seconds from now) of the denials of 20 identities under a one-an-hour
 /// fixed window with 60 s of jitter: each identity is admitted once, then sent `tries`
 /// requests more, each denied with a reset no earlier than its `Retry-After`.

@@ -176,10 +176,12 @@ const JITTER_FROM: Duration = Duration::from_secs(60);
 
 /// `after`, a time `policy` states, with the response's `extra` jitter seconds when it
 /// is long, or when the policy's window is: the clients of a long window come back
-/// together when it ends, however soon that is (a daily quota's last minute).
+/// together when it ends, however soon that is (a daily quota's last minute). An
+/// in-flight limit's window is its lease, no time its clients are told to come back.
 #[inline]
 pub(crate) fn jittered(policy: &Policy, after: Duration, extra: u64) -> Duration {
-    if extra > 0 && (after >= JITTER_FROM || policy.window() >= JITTER_FROM) {
+    let long_window = || !policy.params().is_in_flight() && policy.window() >= JITTER_FROM;
+    if extra > 0 && (after >= JITTER_FROM || long_window()) {
         after.saturating_add(Duration::from_secs(extra))
     } else {
         after
