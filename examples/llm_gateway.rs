@@ -54,14 +54,14 @@ use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer};
 /// The largest request body the gateway reads.
 const MAX_BODY: usize = 64 * 1024;
 
-/// The gateway over one in-process store.
 /// Failures no client can cause: the upstream model unreachable or down. A 500 is not
 /// among them (an input that crashes a handler would be free).
 fn upstream_failed(status: StatusCode) -> bool {
     status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE
 }
 
-fn app(store: MemoryStore) -> Result<Router, PolicyError> {
+/// The gateway over one in-process store (on any clock: the tests stop time).
+fn app<C: tollgate::clock::Clock>(store: MemoryStore<C>) -> Result<Router, PolicyError> {
     let tokens = RateLimitLayer::new(store.clone())
         .policy(Policy::token_bucket(
             "tokens",
@@ -235,13 +235,21 @@ mod tests {
             .unwrap()
     }
 
+    /// A store on which time stands still: the bucket refills a token every 60 ms, so
+    /// on a real clock a slow machine would see more left than the exact numbers below.
+    fn still() -> MemoryStore<tollgate::clock::ManualClock> {
+        MemoryStore::builder()
+            .clock(tollgate::clock::ManualClock::new())
+            .build()
+    }
+
     fn rate(response: &Response) -> &str {
         response.headers()["ratelimit"].to_str().unwrap()
     }
 
     #[tokio::test]
     async fn tokens_are_reserved_then_settled_and_failures_refunded() {
-        let app = app(MemoryStore::new()).unwrap();
+        let app = app(still()).unwrap();
         let send = |body: &str| app.clone().oneshot(completion("team-a", body));
         // 100 reserved, 4 used: the response's own RateLimit shows the settled 996.
         let response = send(r#"{"prompt": "tell me a joke", "max_tokens": 100}"#)
@@ -289,7 +297,7 @@ mod tests {
 
     #[tokio::test]
     async fn no_content_type_zero_tokens_and_other_methods() {
-        let app = app(MemoryStore::new()).unwrap();
+        let app = app(still()).unwrap();
         // Without a content type the JSON is read all the same, and settled.
         let request = Request::post("/v1/completions")
             .header("x-api-key", "team-a")
@@ -317,7 +325,7 @@ mod tests {
 
     #[tokio::test]
     async fn bad_requests_are_refused_before_anything_is_spent() {
-        let app = app(MemoryStore::new()).unwrap();
+        let app = app(still()).unwrap();
         for body in [
             "not json",
             r#"{"prompt": "hi"}"#,
@@ -344,7 +352,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn at_most_two_streams_in_flight_per_key() {
-        let app = app(MemoryStore::new()).unwrap();
+        let app = app(still()).unwrap();
         let stream = |key: &str| {
             app.clone().oneshot(
                 Request::get("/v1/stream")

@@ -1828,7 +1828,10 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
             .await
             .unwrap()
             .prefix(if coalescing { "on" } else { "off" })
-            .coalescing(coalescing);
+            .coalescing(coalescing)
+            // Time stands still: no minute ends inside the burst (on Redis's clock one
+            // could, and the new window would admit more).
+            .with_clock(ManualClock::new());
         assert_eq!(server.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
         let key = Key::new("hot");
         let decisions =
@@ -1859,7 +1862,11 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_requests_in_a_batch() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // Time stands still: no minute ends between the debits and the peek.
+    let store = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_clock(ManualClock::new());
     let policies = PolicySet::from(Policy::fixed_window("drop", 10, MINUTE).unwrap());
     let key = Key::new("drop");
     // The leader never runs: the five behind it still get their answers.
@@ -1887,7 +1894,11 @@ async fn dropped_requests_in_a_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stores_with_other_prefixes_never_share_a_batch() {
     let server = RedisServer::start();
-    let base = RedisStore::connect(&server.url()).await.unwrap();
+    // Time stands still: no minute ends between the debits and the peeks.
+    let base = RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_clock(ManualClock::new());
     let (api, admin) = (base.clone().prefix("api"), base.clone().prefix("admin"));
     let policies = PolicySet::from(Policy::fixed_window("shared", 10, MINUTE).unwrap());
     let key = Key::new("203.0.113.9");

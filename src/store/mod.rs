@@ -97,7 +97,7 @@ pub trait Store: Send + Sync + 'static {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let store = MemoryStore::new();
-    /// let tokens = PolicySet::from(Policy::token_bucket("tokens", 1000, Rate::per_minute(1000))?);
+    /// let tokens = PolicySet::from(Policy::token_bucket("tokens", 1000, Rate::per_hour(1000))?);
     /// let key = Key::new("team-a");
     /// // Reserve 500, then settle to the 120 the response actually used.
     /// let reserved = store.decide(&key, &tokens, 500).await?;
