@@ -685,7 +685,9 @@ async fn hostile_costs_on_redis_leave_every_key_with_a_ttl() {
     let keys = support::keys_with_ttl(&server);
     assert!(!keys.is_empty());
     for (key, ttl) in keys {
-        assert!(ttl > 0, "{key} has no TTL ({ttl})");
+        // -1 is a key without a TTL; -2 one that expired between the scan and its PTTL
+        // (a bucket's key lives a second or two: a slow machine may see it go).
+        assert!(ttl > 0 || ttl == -2, "{key} has no TTL ({ttl})");
     }
 }
 
