@@ -1,7 +1,7 @@
 //! Leases against a real redis-server: three replicas, each taking blocks of units from
 //! one shared quota and spending them locally.
 
-#![cfg(feature = "redis")]
+#![cfg(all(feature = "redis", feature = "__test-clock"))]
 
 mod support;
 

@@ -1519,21 +1519,113 @@ async fn single_valued_resets_carry_the_jitter_of_retry_after() {
 // spread, so `header_jitter` leaves its 1 s `Retry-After` alone, whatever its lease.
 #[tokio::test]
 async fn an_in_flight_denial_carries_no_jitter() {
-    let app = hello().layer(
-        RateLimitLayer::new(MemoryStore::new())
-            .policy(
-                Policy::concurrency_with_lease("inflight", 1, Duration::from_secs(600)).unwrap(),
-            )
-            .header_jitter(Duration::from_secs(60)),
-    );
-    let held = app.clone().oneshot(request("/", 1)).await.unwrap();
-    assert_eq!(held.status(), 200);
-    for _ in 0..20 {
+    for style in [HeaderStyle::Draft11, HeaderStyle::Draft6] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(
+                    Policy::concurrency_with_lease("inflight", 1, Duration::from_secs(600))
+                        .unwrap(),
+                )
+                .headers(style)
+                .header_jitter(Duration::from_secs(60)),
+        );
+        let held = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(held.status(), 200);
+        for _ in 0..20 {
+            let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+            assert_eq!(denied.status(), 429);
+            assert_eq!(header(&denied, "retry-after").as_deref(), Some("1"));
+            if style == HeaderStyle::Draft6 {
+                assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("1"));
+            }
+        }
+        drop(held);
+    }
+}
+
+// Jitter spreads a herd: clients told the same instant, the end of a window aligned to
+// the clock. A bucket's and GCRA's times are each identity's own, so no herd shares them:
+// under `header_jitter` their short times are what they are without it, however long
+// their quota's w (100 a minute is w=60).
+#[tokio::test]
+async fn jitter_leaves_times_no_herd_shares_alone() {
+    use tollgate::clock::ManualClock;
+    let sets = [
+        Policy::token_bucket("bucket", 100, Rate::per_minute(100)).unwrap(),
+        Policy::gcra("gcra", Rate::per_second(10), 600).unwrap(),
+        Policy::leaky_bucket("leaky", 100, Rate::per_minute(100)).unwrap(),
+    ];
+    for policy in sets {
+        let mut answers = Vec::new();
+        for jitter in [Duration::ZERO, Duration::from_secs(30)] {
+            let clock = ManualClock::new();
+            let app = hello().layer(
+                RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+                    .policy(policy.clone())
+                    .header_jitter(jitter),
+            );
+            let mut seen = Vec::new();
+            for step in 0..policy.limit() + 60 {
+                clock.advance(Duration::from_millis(if step % 50 == 0 { 90 } else { 1 }));
+                let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+                seen.push((
+                    response.status(),
+                    header(&response, "ratelimit"),
+                    header(&response, "retry-after"),
+                ));
+            }
+            answers.push(seen);
+        }
+        assert!(
+            answers[1].iter().any(|(status, ..)| *status == 429),
+            "{}: never denied",
+            policy.name()
+        );
+        for (step, (plain, jittered)) in answers[0].iter().zip(&answers[1]).enumerate() {
+            assert_eq!(plain, jittered, "{} request {step}", policy.name());
+        }
+    }
+}
+
+// Two policies deny: the bucket names the longest wait (4 s), the hourly window ends in
+// 2 s, and its jittered t may be later than that. Retry-After is never earlier than the
+// t stated for any policy that denies the request (draft-11, section 4.1: a client may
+// wait for that t), whichever is named.
+#[tokio::test]
+async fn retry_after_is_no_earlier_than_the_t_of_any_denying_policy() {
+    use tollgate::clock::ManualClock;
+    for who in 0..20 {
+        let clock = ManualClock::new();
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+                .policy(Policy::fixed_window("hourly", 5, Duration::from_secs(3600)).unwrap())
+                .policy(
+                    Policy::token_bucket("burst", 5, Rate::new(1, Duration::from_secs(10)))
+                        .unwrap(),
+                )
+                .header_jitter(Duration::from_secs(30)),
+        );
+        clock.advance(Duration::from_secs(3592));
+        for _ in 0..5 {
+            assert_eq!(
+                app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+                200
+            );
+        }
+        clock.advance(Duration::from_secs(6));
         let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
         assert_eq!(denied.status(), 429);
-        assert_eq!(header(&denied, "retry-after").as_deref(), Some("1"));
+        let retry: i64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+        for (name, params) in parse_list(&header(&denied, "ratelimit").unwrap()) {
+            if integer(&params, "r") == 0 {
+                let t = integer(&params, "t");
+                assert!(
+                    retry >= t,
+                    "try {who}: Retry-After {retry} before {name}'s t={t}"
+                );
+            }
+        }
     }
-    drop(held);
 }
 
 /// The resets (seconds from now) of the denials of 20 identities under a one-an-hour
@@ -1571,6 +1663,10 @@ async fn jittered_resets<S: Store + Clone>(
                 from_now >= retry,
                 "{style:?}: reset in {from_now} s, Retry-After {retry} s"
             );
+            if style == HeaderStyle::Draft6 {
+                // draft-06, section 5: the same point in time as Retry-After.
+                assert_eq!(from_now, retry);
+            }
             spread.insert(from_now);
         }
     }

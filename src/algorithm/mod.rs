@@ -565,6 +565,17 @@ impl Params {
         matches!(self, Params::InFlight { .. })
     }
 
+    /// True when this algorithm's counts end at (sub-)window boundaries aligned to the
+    /// clock: one instant for every identity. A bucket's, GCRA's or a log's times are each
+    /// identity's own.
+    #[inline]
+    pub(crate) fn ends_on_the_clock(&self) -> bool {
+        matches!(
+            self,
+            Params::FixedWindow { .. } | Params::SlidingWindow { .. }
+        )
+    }
+
     /// The draft-11 *effective window* in nanoseconds: how long, from `now`, the client can
     /// use no more than `remaining` units. It is the time until one more unit would fit
     /// after `remaining` were spent now: for a bucket or GCRA the next unit's arrival (not

@@ -163,25 +163,28 @@ pub(crate) struct HeaderOptions {
     pub(crate) style: HeaderStyle,
     /// Send `pk` (a keyed hash of the identity) in `RateLimit`.
     pub(crate) partition_key: Option<std::sync::Arc<PartitionKeyer>>,
-    /// Add up to this much, at random, to `t` and `Retry-After` of windows at least
-    /// [`JITTER_FROM`] long.
+    /// Add up to this much, at random, to `t`, `Reset` and `Retry-After` (see
+    /// [`jittered`]).
     pub(crate) jitter: Duration,
     /// List shadow policies in the fields too (off by default: they are not enforced).
     pub(crate) shadow: bool,
 }
 
-/// Times of policies whose window is shorter than this, and times shorter than this of
-/// any other policy, get no jitter: a herd that comes back after a second is no herd.
+/// Times shorter than this get no jitter, but those of a long window aligned to the
+/// clock: a herd that comes back after a second is no herd.
 const JITTER_FROM: Duration = Duration::from_secs(60);
 
 /// `after`, a time `policy` states, with the response's `extra` jitter seconds when it
-/// is long, or when the policy's window is: the clients of a long window come back
-/// together when it ends, however soon that is (a daily quota's last minute). An
-/// in-flight limit's window is its lease, no time its clients are told to come back.
+/// is long, or when it is the end of a long window aligned to the clock (a fixed or
+/// sliding window of a minute or more): that window's clients come back together when
+/// it ends, however soon that is (a daily quota's last minute). A bucket's short times
+/// are each identity's own, and a time of zero (room now) is no time to come back.
 #[inline]
 pub(crate) fn jittered(policy: &Policy, after: Duration, extra: u64) -> Duration {
-    let long_window = || !policy.params().is_in_flight() && policy.window() >= JITTER_FROM;
-    if extra > 0 && (after >= JITTER_FROM || long_window()) {
+    let herd = || {
+        !after.is_zero() && policy.params().ends_on_the_clock() && policy.window() >= JITTER_FROM
+    };
+    if extra > 0 && (after >= JITTER_FROM || herd()) {
         after.saturating_add(Duration::from_secs(extra))
     } else {
         after
@@ -763,6 +766,36 @@ mod tests {
     use super::*;
     use crate::decision::PolicyStatus;
     use crate::{Policy, Rate};
+
+    /// Jitter goes on long times, and on any time but zero (room now) of a window aligned
+    /// to the clock that is a minute or longer; never on a bucket's or a lease's short
+    /// times, nor on a short window's.
+    #[test]
+    fn jitter_goes_where_a_herd_comes_back() {
+        let secs = Duration::from_secs;
+        let hourly = Policy::fixed_window("h", 10, secs(3600)).unwrap();
+        let sliding = Policy::sliding_window("s", 10, secs(60)).unwrap();
+        let second = Policy::fixed_window("s", 10, secs(1)).unwrap();
+        let bucket = Policy::token_bucket("b", 100, Rate::per_hour(100)).unwrap();
+        let lease = Policy::concurrency_with_lease("c", 1, secs(600)).unwrap();
+        for (policy, after, jittered_to) in [
+            (&hourly, secs(5), secs(12)),
+            (&hourly, secs(3600), secs(3607)),
+            (&sliding, secs(1), secs(8)),
+            (&sliding, Duration::ZERO, Duration::ZERO),
+            (&second, secs(1), secs(1)),
+            (&bucket, secs(36), secs(36)),
+            (&bucket, secs(60), secs(67)),
+            (&lease, secs(1), secs(1)),
+        ] {
+            assert_eq!(
+                jittered(policy, after, 7),
+                jittered_to,
+                "{policy:?} {after:?}"
+            );
+            assert_eq!(jittered(policy, after, 0), after, "no jitter drawn");
+        }
+    }
 
     /// `w` (draft-11, section 3.1) says whether a quota has a time window, which is the
     /// algorithm's to say, not the advertised unit's: a rate limit advertised in

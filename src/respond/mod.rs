@@ -270,12 +270,23 @@ impl Responder {
         {
             headers = headers.without_single();
         }
-        // Never earlier than the end of the denying policy's effective window as the
-        // `RateLimit` field states it (same rounding, same jitter).
+        // Never earlier than the end of the effective window the `RateLimit` field states
+        // (same rounding, same jitter) for the policy named, or for any other that would
+        // deny this request too (one with a later `t` than the named one's wait).
         let denying = &policies[policy];
-        let stated = decision.statuses().get(policy).map_or(0, |status| {
-            effective_secs(denying, status.effective_window, extra)
-        });
+        let stated = policies
+            .iter()
+            .zip(decision.statuses())
+            .enumerate()
+            .filter(|&(index, (other, status))| {
+                index == policy
+                    || (status.remaining < cost
+                        && !other.is_shadow()
+                        && !other.params().is_in_flight())
+            })
+            .map(|(_, (other, status))| effective_secs(other, status.effective_window, extra))
+            .max()
+            .unwrap_or(0);
         let rejection = Rejection {
             policy: denying,
             retry_after: jittered(denying, retry_after, extra).max(Duration::from_secs(stated)),
