@@ -320,9 +320,10 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Adds a random delay of up to `jitter` (whole seconds) to `t` (or the draft-6 and
     /// legacy `Reset`) and `Retry-After` when they are a minute or longer, or end a
-    /// fixed or sliding window that long, so clients told to come back when a long
-    /// window ends do not all come back at once (draft-11, section 8.5), even those told
-    /// in its last seconds. (A bucket's shorter times are each client's own: no herd.)
+    /// fixed window that long, so clients told to come back when a long window ends do
+    /// not all come back at once (draft-11, section 8.5), even those told in its last
+    /// seconds. (A bucket's or sliding window's shorter times follow each client's own
+    /// use: no herd.)
     /// `Retry-After` stays no earlier than the `t` of any policy that denies. Capped at
     /// a day. Off by default.
     ///

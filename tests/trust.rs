@@ -1589,8 +1589,9 @@ async fn jitter_leaves_times_no_herd_shares_alone() {
 
 // Two policies deny: the bucket names the longest wait (4 s), the hourly window ends in
 // 2 s, and its jittered t may be later than that. Retry-After is never earlier than the
-// t stated for any policy that denies the request (draft-11, section 4.1: a client may
-// wait for that t), whichever is named.
+// t stated for any policy that denies the request, whichever is named (draft-11, section
+// 6: Retry-After SHOULD NOT reference a point in time earlier than the end of the
+// effective window).
 #[tokio::test]
 async fn retry_after_is_no_earlier_than_the_t_of_any_denying_policy() {
     use tollgate::clock::ManualClock;
@@ -1625,6 +1626,47 @@ async fn retry_after_is_no_earlier_than_the_t_of_any_denying_policy() {
                 );
             }
         }
+    }
+}
+
+// ... and only those: a policy that would admit the request (units left, or a shaping
+// bucket with room, which admits any cost that fits its burst and delays it) does not
+// stretch `Retry-After`, however long its `t`.
+#[tokio::test(start_paused = true)]
+async fn retry_after_is_no_later_than_the_policies_that_deny() {
+    use tollgate::clock::ManualClock;
+    let sets = [
+        // A daily window with plenty left beside a spent bucket.
+        Policy::fixed_window("daily", 1_000, Duration::from_secs(86_400)).unwrap(),
+        // A shaping bucket with room for one more unit (t is a minute).
+        Policy::leaky_bucket_shaping("shape", Rate::per_minute(1), Duration::from_secs(600))
+            .unwrap(),
+    ];
+    for other in sets {
+        let clock = ManualClock::new();
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+                .policy(Policy::token_bucket("burst", 10, Rate::per_second(1)).unwrap())
+                .policy(other.clone())
+                .cost(cost_header()),
+        );
+        assert_eq!(
+            app.clone()
+                .oneshot(request("/", 10))
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
+        let denied = app.clone().oneshot(request("/", 5)).await.unwrap();
+        assert_eq!(denied.status(), 429, "{}", other.name());
+        assert_eq!(
+            header(&denied, "retry-after").as_deref(),
+            Some("5"),
+            "{}: {:?}",
+            other.name(),
+            header(&denied, "ratelimit")
+        );
     }
 }
 

@@ -565,15 +565,12 @@ impl Params {
         matches!(self, Params::InFlight { .. })
     }
 
-    /// True when this algorithm's counts end at (sub-)window boundaries aligned to the
-    /// clock: one instant for every identity. A bucket's, GCRA's or a log's times are each
-    /// identity's own.
+    /// True when this algorithm's quota is whole again at window boundaries aligned to
+    /// the clock: one instant for every identity (a fixed window). A bucket's, GCRA's, a
+    /// log's or a sliding counter's times follow each identity's own use.
     #[inline]
     pub(crate) fn ends_on_the_clock(&self) -> bool {
-        matches!(
-            self,
-            Params::FixedWindow { .. } | Params::SlidingWindow { .. }
-        )
+        matches!(self, Params::FixedWindow { .. })
     }
 
     /// The draft-11 *effective window* in nanoseconds: how long, from `now`, the client can

@@ -175,10 +175,11 @@ pub(crate) struct HeaderOptions {
 const JITTER_FROM: Duration = Duration::from_secs(60);
 
 /// `after`, a time `policy` states, with the response's `extra` jitter seconds when it
-/// is long, or when it is the end of a long window aligned to the clock (a fixed or
-/// sliding window of a minute or more): that window's clients come back together when
-/// it ends, however soon that is (a daily quota's last minute). A bucket's short times
-/// are each identity's own, and a time of zero (room now) is no time to come back.
+/// is long, or when it is the end of a long window aligned to the clock (a fixed window
+/// of a minute or more): that window's clients come back together when it ends, however
+/// soon that is (a daily quota's last minute). A bucket's or a sliding window's short
+/// times follow each identity's own use, and a time of zero (room now) is no time to
+/// come back.
 #[inline]
 pub(crate) fn jittered(policy: &Policy, after: Duration, extra: u64) -> Duration {
     let herd = || {
@@ -767,22 +768,25 @@ mod tests {
     use crate::decision::PolicyStatus;
     use crate::{Policy, Rate};
 
-    /// Jitter goes on long times, and on any time but zero (room now) of a window aligned
-    /// to the clock that is a minute or longer; never on a bucket's or a lease's short
+    /// Jitter goes on long times, and on any time but zero (room now) of a fixed window
+    /// of a minute or longer; never on a bucket's, a sliding window's or a lease's short
     /// times, nor on a short window's.
     #[test]
     fn jitter_goes_where_a_herd_comes_back() {
         let secs = Duration::from_secs;
         let hourly = Policy::fixed_window("h", 10, secs(3600)).unwrap();
         let sliding = Policy::sliding_window("s", 10, secs(60)).unwrap();
+        let minute = Policy::fixed_window("m", 10, secs(60)).unwrap();
         let second = Policy::fixed_window("s", 10, secs(1)).unwrap();
         let bucket = Policy::token_bucket("b", 100, Rate::per_hour(100)).unwrap();
         let lease = Policy::concurrency_with_lease("c", 1, secs(600)).unwrap();
         for (policy, after, jittered_to) in [
             (&hourly, secs(5), secs(12)),
             (&hourly, secs(3600), secs(3607)),
-            (&sliding, secs(1), secs(8)),
-            (&sliding, Duration::ZERO, Duration::ZERO),
+            (&minute, secs(1), secs(8)),
+            (&hourly, Duration::ZERO, Duration::ZERO),
+            (&sliding, secs(1), secs(1)),
+            (&sliding, secs(60), secs(67)),
             (&second, secs(1), secs(1)),
             (&bucket, secs(36), secs(36)),
             (&bucket, secs(60), secs(67)),

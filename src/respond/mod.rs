@@ -279,10 +279,7 @@ impl Responder {
             .zip(decision.statuses())
             .enumerate()
             .filter(|&(index, (other, status))| {
-                index == policy
-                    || (status.remaining < cost
-                        && !other.is_shadow()
-                        && !other.params().is_in_flight())
+                index == policy || response::exceeds(other, status, cost)
             })
             .map(|(_, (other, status))| effective_secs(other, status.effective_window, extra))
             .max()

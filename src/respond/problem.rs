@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 
-use crate::decision::Decision;
+use crate::decision::{Decision, PolicyStatus};
 use crate::key::{KeyError, KeyErrorKind};
 use crate::policy::{Algorithm, Policy, PolicySet};
 use crate::respond::headers::seconds_ceil;
@@ -36,7 +36,8 @@ use crate::respond::headers::seconds_ceil;
 pub struct Rejection<'a> {
     /// The policy that keeps the client waiting longest.
     pub policy: &'a Policy,
-    /// How long until the request would be admitted.
+    /// How long until the request would be admitted: that policy's wait, no earlier
+    /// than the `t` stated for any policy that denies the request.
     pub retry_after: Duration,
     /// The whole decision, with every policy's status.
     pub decision: &'a Decision,
@@ -62,18 +63,25 @@ impl Rejection<'_> {
     pub fn violated_policies(&self) -> Vec<&str> {
         let mut names = vec![self.policy.name()];
         for (policy, status) in self.policies.iter().zip(self.decision.statuses()) {
-            let exceeded = match policy.algorithm() {
-                Algorithm::LeakyShaping { .. } => status.remaining == 0,
-                Algorithm::Concurrency { .. } => status.remaining < self.cost.min(1),
-                _ => status.remaining < self.cost,
-            };
-            // A shadow policy never denies: it is no violated policy.
-            if exceeded && !policy.is_shadow() && policy.name() != self.policy.name() {
+            if exceeds(policy, status, self.cost) && policy.name() != self.policy.name() {
                 names.push(policy.name());
             }
         }
         names
     }
+}
+
+/// True when `policy`, in `status`, denies a request of `cost` too: fewer units left
+/// than it costs (a shaping bucket: no room left, as it admits any cost that fits its
+/// burst and delays it; an in-flight policy, which counts requests: no slot free for a
+/// request that takes one). A shadow policy never denies.
+pub(crate) fn exceeds(policy: &Policy, status: &PolicyStatus, cost: u64) -> bool {
+    let exceeded = match policy.algorithm() {
+        Algorithm::LeakyShaping { .. } => status.remaining == 0,
+        Algorithm::Concurrency { .. } => status.remaining < cost.min(1),
+        _ => status.remaining < cost,
+    };
+    exceeded && !policy.is_shadow()
 }
 
 /// The problem type of a denial: the "Quota Exceeded" problem type of
