@@ -36,8 +36,9 @@ pub enum FailureMode {
     /// keeps every replica protected while the shared store is away; N replicas then
     /// admit up to N times the limit, unless [`LocalFallback::share`] scales it down.
     Fallback(LocalFallback),
-    /// Answer `503 Service Unavailable` with `Retry-After: 1`: for paths where admitting
-    /// unmetered traffic costs more than refusing it.
+    /// Answer `503 Service Unavailable` with a `Retry-After` of the breaker's cool-down
+    /// left (a second while it is closed): for paths where admitting unmetered traffic
+    /// costs more than refusing it.
     FailClosed,
     /// Let the request through, without rate-limit headers.
     FailOpen,

@@ -58,8 +58,9 @@
 //!
 //! Features on by default: `axum` (axum's peer address and matched path in the key and
 //! cost extractors), `tracing` (debug events for denials and for store errors that are
-//! I/O; an error event for any other store error, once per kind and code; a warning when
-//! the failure mode starts and when the store answers again), `client` (the
+//! I/O; an error event for any other store error, once per kind, code and wording
+//! (numbers aside); a warning when the failure mode starts and when the store answers
+//! again), `client` (the
 //! [`client::PacingLayer`] for outgoing requests) and `config` (policies from a serde
 //! configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
 //! standalone, Sentinel, Cluster), `tls` (`rediss://`), `graphql` (the GraphQL complexity
