@@ -16,7 +16,9 @@
 //!
 //! In-flight (concurrency) policies belong to requests, which the layer frees when they
 //! end; a limiter's caller would have to free them itself (`Store::adjust` with
-//! `Adjustment::release`): for jobs, a semaphore says it better.
+//! `Adjustment::release`), and a slot the local fallback took during an outage cannot
+//! be freed that way (it stays taken in that process): for jobs, a semaphore says it
+//! better.
 //!
 //! ```
 //! use std::time::Duration;
@@ -581,6 +583,10 @@ impl<St: Store> Limiter<St> {
                     return Ok(decision);
                 }
                 Outcome::Denied { retry_after, .. } => {
+                    // A denial that says no wait (a custom store's, a reply read as 0)
+                    // is asked again after a millisecond, not at once: the store would
+                    // be hammered until the deadline.
+                    let retry_after = retry_after.max(Duration::from_millis(1));
                     if Instant::now()
                         .checked_add(retry_after)
                         .is_none_or(|ready| ready > deadline)

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use tollgate::limiter::{Limiter, WaitError};
 use tollgate::{
-    DecideFuture, FailureMode, Key, MemoryStore, Policy, PolicySet, Rate, Store, StoreError,
-    StoreErrorKind,
+    DecideFuture, FailureMode, Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store,
+    StoreError, StoreErrorKind,
 };
 
 /// A store on the runtime's clock, which paused time moves.
@@ -768,4 +768,39 @@ async fn a_waiter_under_a_penalty_takes_no_lease() {
     let checked = limiter.check(&key, 1).await.unwrap();
     assert!(checked.is_allowed(), "{checked:?}");
     assert_eq!(checked.statuses()[0].remaining, 8, "{checked:?}");
+}
+
+/// A store that denies every call with no wait at all (a custom store's bug, or a reply
+/// read as 0), counting its calls.
+#[derive(Clone, Default)]
+struct DeniesNow(Arc<std::sync::atomic::AtomicU64>);
+
+impl Store for DeniesNow {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        DecideFuture::ready(Ok(tollgate::Decision::new(
+            Outcome::Denied {
+                policy: 0,
+                retry_after: Duration::ZERO,
+            },
+            [],
+        )))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_denial_that_says_no_wait_is_not_asked_again_at_once() {
+    // Asked again at once, the store would be hammered until the waiter's deadline (and
+    // on a paused clock, forever): each new ask waits at least a millisecond.
+    let store = DeniesNow::default();
+    let limiter = Limiter::new(
+        store.clone(),
+        Policy::token_bucket("t", 10, Rate::per_second(10)).unwrap(),
+    );
+    let waited = limiter
+        .until_ready(&Key::new("k"), 1, Duration::from_millis(10))
+        .await;
+    assert!(matches!(waited, Err(WaitError::TooLong(_))), "{waited:?}");
+    let calls = store.0.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(calls <= 12, "{calls} calls in 10 ms");
 }
