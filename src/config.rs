@@ -950,10 +950,16 @@ impl PolicyResolver for Plans {
         let named = self.header.as_ref().and_then(|header| {
             let mut lines = parts.headers.get_all(header).iter();
             match (lines.next(), lines.next()) {
-                (Some(value), None) => value
-                    .to_str()
-                    .ok()
-                    .and_then(|plan| self.sets.plans.get(plan.trim())),
+                (Some(value), None) => {
+                    let plan = value
+                        .to_str()
+                        .ok()
+                        .and_then(|plan| self.sets.plans.get(plan.trim()));
+                    if plan.is_none() {
+                        crate::telemetry::plan_unknown(value.as_bytes());
+                    }
+                    plan
+                }
                 _ => None,
             }
         });

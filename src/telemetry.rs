@@ -7,6 +7,7 @@
 //! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong) |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
+//! | `tollgate_plans_unknown_total` | counter | (a plan header named no plan of the configuration: the default plan applied) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
 //! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
 //! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
@@ -333,6 +334,34 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
     } else {
         #[cfg(feature = "tracing")]
         tracing::debug!(target: "tollgate", %error, "no rate-limit key; let through");
+    }
+}
+
+/// A request's plan header names a plan the configuration does not have (a plan renamed
+/// by a reload while the auth layer still sends the old name, a value in other case):
+/// the request gets the default plan. Counted, and logged at warn level the first time
+/// a process sees the value (at most 64 told apart; the value is the client's, shown
+/// escaped and cut to 64 bytes).
+#[cfg(feature = "config")]
+#[cold]
+pub(crate) fn plan_unknown(value: &[u8]) {
+    #[cfg(not(feature = "tracing"))]
+    let _ = value;
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_plans_unknown_total").increment(1);
+    #[cfg(feature = "tracing")]
+    {
+        static SEEN: Seen<Box<[u8]>> = Seen::new();
+        let value = &value[..value.len().min(64)];
+        if SEEN.first(value.into()) {
+            tracing::warn!(
+                target: "tollgate",
+                "a request names plan {:?}, which the configuration does not have: it gets \
+                 the default plan (logged once per value, counted in \
+                 tollgate_plans_unknown_total)",
+                String::from_utf8_lossy(value)
+            );
+        }
     }
 }
 

@@ -681,3 +681,54 @@ fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
     });
     assert_eq!(count(&events, Level::ERROR, ""), 1, "{events:?}");
 }
+
+/// A plan header that names no plan of the configuration (a reload renamed `pro`, the auth
+/// layer still sends it) gets the default plan: never in silence. Said at warn level once
+/// per value, whatever the number of requests; a known plan and the default one say
+/// nothing.
+#[cfg(feature = "config")]
+#[test]
+fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
+    let config: tollgate::config::LimiterConfig = toml::from_str(
+        r#"
+        key = ["global"]
+        plan_header = "x-plan"
+
+        [[policies]]
+        name = "free"
+        algorithm = "fixed-window"
+        limit = 100
+        window = "1h"
+
+        [[policies]]
+        name = "premium"
+        algorithm = "fixed-window"
+        limit = 1000
+        window = "1h"
+
+        [plans]
+        default = ["free"]
+        premium = ["premium"]
+        "#,
+    )
+    .unwrap();
+    let live = tollgate::config::LiveLayer::new(MemoryStore::new(), &config).unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(live)
+        .with_state(());
+    let events = events_of(async move {
+        for plan in ["premium", "default", "pro", "pro", "Premium", "pro"] {
+            let request = Request::get("/")
+                .header("x-plan", plan)
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), 200);
+        }
+    });
+    let warnings: Vec<&String> = events.iter().filter(|e| e.starts_with("WARN ")).collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].contains("\"pro\""), "{warnings:?}");
+    assert!(warnings[1].contains("\"Premium\""), "{warnings:?}");
+}
