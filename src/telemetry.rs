@@ -247,7 +247,20 @@ impl<T: Eq + std::hash::Hash> Seen<T> {
 
     /// True the first time `item` is seen, false after; for an item not seen when the
     /// set is full, true at most once a minute.
-    fn first(&self, item: T) -> bool {
+    fn first(&self, item: T) -> bool
+    where
+        T: Clone,
+    {
+        self.first_of(&item, T::clone)
+    }
+
+    /// [`first`](Self::first) for a borrowed `item`, made owned (`own`) only when it is
+    /// kept: an item seen before costs a lookup, no allocation.
+    fn first_of<Q>(&self, item: &Q, own: impl FnOnce(&Q) -> T) -> bool
+    where
+        T: std::borrow::Borrow<Q>,
+        Q: Eq + std::hash::Hash + ?Sized,
+    {
         use std::sync::atomic::Ordering;
         static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
         {
@@ -256,10 +269,10 @@ impl<T: Eq + std::hash::Hash> Seen<T> {
                 .get_or_init(Default::default)
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if seen.contains(&item) {
+            if seen.contains(item) {
                 return false;
             } else if seen.len() < 64 {
-                return seen.insert(item);
+                return seen.insert(own(item));
             }
         }
         let now = START
@@ -341,9 +354,8 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 /// by a reload while the auth layer still sends the old name, a value in other case):
 /// the request gets the default plan. Counted, and logged at warn level the first time
 /// a process sees the value (at most 64 told apart; the value is the client's, shown
-/// escaped and cut to 64 bytes).
+/// escaped and cut to 64 bytes). A value seen before costs a lookup, no allocation.
 #[cfg(feature = "config")]
-#[cold]
 pub(crate) fn plan_unknown(value: &[u8]) {
     #[cfg(not(feature = "tracing"))]
     let _ = value;
@@ -353,7 +365,7 @@ pub(crate) fn plan_unknown(value: &[u8]) {
     {
         static SEEN: Seen<Box<[u8]>> = Seen::new();
         let value = &value[..value.len().min(64)];
-        if SEEN.first(value.into()) {
+        if SEEN.first_of(value, |value| Box::from(value)) {
             tracing::warn!(
                 target: "tollgate",
                 "a request names plan {:?}, which the configuration does not have: it gets \

@@ -685,7 +685,7 @@ fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
 /// A plan header that names no plan of the configuration (a reload renamed `pro`, the auth
 /// layer still sends it) gets the default plan: never in silence. Said at warn level once
 /// per value, whatever the number of requests; a known plan and the default one say
-/// nothing.
+/// nothing, nor does an empty value (it names no plan).
 #[cfg(feature = "config")]
 #[test]
 fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
@@ -718,7 +718,9 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
         .layer(live)
         .with_state(());
     let events = events_of(async move {
-        for plan in ["premium", "default", "pro", "pro", "Premium", "pro"] {
+        for plan in [
+            "premium", "default", "pro", "pro", "Premium", "", " ", "pro",
+        ] {
             let request = Request::get("/")
                 .header("x-plan", plan)
                 .body(Body::empty())
