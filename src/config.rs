@@ -116,8 +116,8 @@ pub struct LimiterConfig {
     /// The request header naming a request's plan (set by your authentication in front:
     /// never one a client can choose for itself: have it replace the header, not append
     /// to it). A request that carries it twice, or names no plan there is, gets
-    /// `default`, which should be the least generous plan; a value that names no plan is
-    /// counted (`tollgate_plans_unknown_total`) and said at warn level once per value.
+    /// `default`, which should be the least generous plan; either is counted
+    /// (`tollgate_plans_unknown_total`) and said at warn level once per value.
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.
@@ -958,11 +958,15 @@ impl PolicyResolver for Plans {
                         .and_then(|plan| self.sets.plans.get(plan.trim()));
                     // An empty value names no plan; any other that names none is said.
                     if plan.is_none() && !value.as_bytes().trim_ascii().is_empty() {
-                        crate::telemetry::plan_unknown(value.as_bytes());
+                        crate::telemetry::plan_unknown(Some(value.as_bytes()));
                     }
                     plan
                 }
-                _ => None,
+                (Some(_), Some(_)) => {
+                    crate::telemetry::plan_unknown(None);
+                    None
+                }
+                (None, _) => None,
             }
         });
         std::borrow::Cow::Borrowed(named.unwrap_or(&self.sets.default))

@@ -351,12 +351,13 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 }
 
 /// A request's plan header names a plan the configuration does not have (a plan renamed
-/// by a reload while the auth layer still sends the old name, a value in other case):
+/// by a reload while the auth layer still sends the old name, a value in other case), or
+/// comes in several lines (`None`: an auth layer that appends its line to the client's):
 /// the request gets the default plan. Counted, and logged at warn level the first time
 /// a process sees the value (at most 64 told apart; the value is the client's, shown
 /// escaped and cut to 64 bytes). A value seen before costs a lookup, no allocation.
 #[cfg(feature = "config")]
-pub(crate) fn plan_unknown(value: &[u8]) {
+pub(crate) fn plan_unknown(value: Option<&[u8]>) {
     #[cfg(not(feature = "tracing"))]
     let _ = value;
     #[cfg(feature = "metrics")]
@@ -364,15 +365,25 @@ pub(crate) fn plan_unknown(value: &[u8]) {
     #[cfg(feature = "tracing")]
     {
         static SEEN: Seen<Box<[u8]>> = Seen::new();
-        let value = &value[..value.len().min(64)];
-        if SEEN.first_of(value, |value| Box::from(value)) {
-            tracing::warn!(
+        let value = value.map(|value| &value[..value.len().min(64)]);
+        // Several lines are remembered as a line break, which no header value holds.
+        if !SEEN.first_of(value.unwrap_or(b"\n"), |value| Box::from(value)) {
+            return;
+        }
+        match value {
+            Some(value) => tracing::warn!(
                 target: "tollgate",
                 "a request names plan {:?}, which the configuration does not have: it gets \
                  the default plan (logged once per value, counted in \
                  tollgate_plans_unknown_total)",
                 String::from_utf8_lossy(value)
-            );
+            ),
+            None => tracing::warn!(
+                target: "tollgate",
+                "a request carries the plan header more than once: it gets the default \
+                 plan (the layer that sets it should replace the client's line, not add to \
+                 it; logged once, counted in tollgate_plans_unknown_total)"
+            ),
         }
     }
 }

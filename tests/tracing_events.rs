@@ -728,9 +728,19 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
             let response = app.clone().oneshot(request).await.unwrap();
             assert_eq!(response.status(), 200);
         }
+        // Twice (an auth layer that appends its line to the client's): said too.
+        for _ in 0..2 {
+            let request = Request::get("/")
+                .header("x-plan", "premium")
+                .header("x-plan", "premium")
+                .body(Body::empty())
+                .unwrap();
+            assert_eq!(app.clone().oneshot(request).await.unwrap().status(), 200);
+        }
     });
     let warnings: Vec<&String> = events.iter().filter(|e| e.starts_with("WARN ")).collect();
-    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
     assert!(warnings[0].contains("\"pro\""), "{warnings:?}");
     assert!(warnings[1].contains("\"Premium\""), "{warnings:?}");
+    assert!(warnings[2].contains("more than once"), "{warnings:?}");
 }
