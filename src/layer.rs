@@ -323,9 +323,8 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// fixed window that long, so clients told to come back when a long window ends do
     /// not all come back at once (draft-11, section 8.5), even those told in its last
     /// seconds. (A bucket's or sliding window's shorter times follow each client's own
-    /// use: no herd.)
-    /// `Retry-After` stays no earlier than the `t` of any policy that denies. Capped at
-    /// a day. Off by default.
+    /// use: no herd.) `Retry-After` stays no earlier than the `t` of any policy that
+    /// denies. Capped at a day. Off by default.
     ///
     /// ```
     /// use std::time::Duration;

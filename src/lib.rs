@@ -60,9 +60,8 @@
 //! cost extractors), `tracing` (debug events for denials and for store errors that are
 //! I/O; an error event for any other store error, once per kind, code and wording
 //! (numbers aside); a warning when the failure mode starts and when the store answers
-//! again), `client` (the
-//! [`client::PacingLayer`] for outgoing requests) and `config` (policies from a serde
-//! configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
+//! again), `client` (the [`client::PacingLayer`] for outgoing requests) and `config`
+//! (policies from a serde configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
 //! standalone, Sentinel, Cluster), `tls` (`rediss://`), `graphql` (the GraphQL complexity
 //! coster in `cost::graphql`), `metrics`, `tonic` (tonic's peer address and body type),
 //! and `__test-clock` (private, for tests only: lets a test set the time a `RedisStore`
