@@ -1863,10 +1863,7 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
 async fn dropped_requests_in_a_batch() {
     let server = RedisServer::start();
     // Time stands still: no minute ends between the debits and the peek.
-    let store = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_clock(ManualClock::new());
+    let store = support::frozen_store(&server).await;
     let policies = PolicySet::from(Policy::fixed_window("drop", 10, MINUTE).unwrap());
     let key = Key::new("drop");
     // The leader never runs: the five behind it still get their answers.
@@ -1895,10 +1892,7 @@ async fn dropped_requests_in_a_batch() {
 async fn stores_with_other_prefixes_never_share_a_batch() {
     let server = RedisServer::start();
     // Time stands still: no minute ends between the debits and the peeks.
-    let base = RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_clock(ManualClock::new());
+    let base = support::frozen_store(&server).await;
     let (api, admin) = (base.clone().prefix("api"), base.clone().prefix("admin"));
     let policies = PolicySet::from(Policy::fixed_window("shared", 10, MINUTE).unwrap());
     let key = Key::new("203.0.113.9");

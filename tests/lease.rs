@@ -18,7 +18,9 @@ const REPLICAS: u64 = 3;
 async fn replicas(server: &RedisServer, ttl: Duration) -> Vec<Leased<RedisStore>> {
     let mut stores = Vec::new();
     for _ in 0..REPLICAS {
-        let redis = frozen(server).await;
+        // Time stands still: no window these tests use ends during them (on Redis's
+        // clock, an hour ending mid-test would lose the units given back to the old one).
+        let redis = support::frozen_store(server).await;
         stores.push(Leased::new(redis, LEASE, ttl).unwrap());
     }
     stores
@@ -114,17 +116,12 @@ async fn three_replicas_stay_within_the_bound_and_give_back() {
 
 /// One replica on `server`, leasing `LEASE` units for a minute.
 async fn one_replica(server: &RedisServer) -> Leased<RedisStore> {
-    Leased::new(frozen(server).await, LEASE, Duration::from_secs(60)).unwrap()
-}
-
-/// A store on `server` whose scripts see time stand still: no window these tests use
-/// ends during them, wherever the wall clock is (on Redis's clock, an hour ending
-/// mid-test would start a new window and lose the units given back to the old one).
-async fn frozen(server: &RedisServer) -> RedisStore {
-    RedisStore::connect(&server.url())
-        .await
-        .unwrap()
-        .with_clock(tollgate::clock::ManualClock::new())
+    Leased::new(
+        support::frozen_store(server).await,
+        LEASE,
+        Duration::from_secs(60),
+    )
+    .unwrap()
 }
 
 /// A lease is taken in one call and spent locally; the headers count what this replica

@@ -440,3 +440,13 @@ pub fn pools(
         .expect("a pool on the cluster");
     (pool, cluster_pool)
 }
+
+/// A store on `server` whose scripts see time stand still (a manual clock at 0): no
+/// window a test uses ends during it, wherever the wall clock is.
+#[cfg(all(feature = "redis", feature = "__test-clock"))]
+pub async fn frozen_store(server: &RedisServer) -> tollgate::store::RedisStore {
+    tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap()
+        .with_clock(tollgate::clock::ManualClock::new())
+}
