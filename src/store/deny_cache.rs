@@ -2,8 +2,10 @@
 //! one hot Redis key.
 
 use std::future::Future;
+use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use smallvec::SmallVec;
@@ -21,8 +23,8 @@ use crate::policy::{Policy, PolicySet};
 /// This is exact for every algorithm: a denial's `retry_after` is the earliest time the
 /// same request could be admitted if nothing else were spent, and spending by others only
 /// pushes it later, so "after waiting `Retry-After` the same request is admitted" holds
-/// for every cached answer. The local deadline starts when the answer arrives, so it can
-/// run up to one round trip longer than the store's. A request of another cost goes to
+/// for every cached answer. The local deadline starts when the request was sent, so it
+/// never outlasts the store's (which starts when the store decided). A request of another cost goes to
 /// the store: a cheaper one may fit sooner, a costlier one needs longer than the cached
 /// wait. Each identity keeps one entry with up to four costs, so a client that varies
 /// its cost cannot push other identities out (but each new cost of it reaches the store).
@@ -86,14 +88,25 @@ const COSTS_PER_IDENTITY: usize = 4;
 struct Shared {
     denials: quick_cache::sync::Cache<CacheKey, Denials>,
     clock: Arc<dyn Clock>,
-    /// Bumped by every forget: a denial the store gave before a forget (its grant on the
-    /// way) and recorded after it is dropped again, however the answers are ordered.
-    forgets: std::sync::atomic::AtomicU64,
+    /// Generations of forgets, by a hash of the key alone: a forget bumps its key's, and a
+    /// denial stands only while the generation it was asked under does. So a denial the
+    /// store gave before a forget (its grant on the way) and recorded after it is never
+    /// answered, however the answers are ordered; and a key's denials under every policy
+    /// set go (sets that share a policy share its state). Another key's forget bumps
+    /// another generation, but for a hash collision, which only sends a request to the
+    /// store.
+    generations: Box<[AtomicU64]>,
+    hasher: foldhash::fast::RandomState,
 }
+
+/// Forget generations kept: keys share one in this many.
+const GENERATIONS: usize = 4096;
 
 /// An identity's denials, one per cost (at most [`COSTS_PER_IDENTITY`]).
 #[derive(Clone, Default)]
 struct Denials {
+    /// The key's forget generation they were asked under: past it, they are stale.
+    generation: u64,
     /// `(cost, local clock nanoseconds until which it is denied, until which that is
     /// answered here, denying policy)`.
     entries: SmallVec<[(u64, u64, u64, usize); COSTS_PER_IDENTITY]>,
@@ -122,7 +135,8 @@ impl<S: Store> DenyCache<S> {
             shared: Arc::new(Shared {
                 denials: quick_cache::sync::Cache::new(capacity.max(1)),
                 clock: Arc::new(clock),
-                forgets: std::sync::atomic::AtomicU64::new(0),
+                generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
+                hasher: foldhash::fast::RandomState::default(),
             }),
             max_age: nanos(DEFAULT_MAX_AGE),
         }
@@ -158,10 +172,18 @@ fn nanos(duration: Duration) -> u64 {
 }
 
 impl Shared {
+    /// The forget generation of `key`.
+    fn generation(&self, key: &Key) -> &AtomicU64 {
+        let hash = self.hasher.hash_one(key.as_str());
+        // GENERATIONS is a power of two: the low bits pick one.
+        &self.generations[(hash as usize) & (GENERATIONS - 1)]
+    }
+
     /// Remembers `decision` when it is a denial.
     /// `penalties`: the set has a penalty, whose denials count towards a block: only a
     /// block's denial (which counts towards nothing) is kept.
-    /// `sent`: the count of forgets when the decision was asked for.
+    /// `sent`: when the decision was asked for, on this cache's clock, and the key's
+    /// forget generation then.
     fn record(
         &self,
         cache_key: CacheKey,
@@ -169,13 +191,24 @@ impl Shared {
         decision: &Decision,
         max_age: u64,
         penalties: bool,
-        sent: u64,
+        (sent_at, generation): (u64, u64),
     ) {
         if penalties && decision.retry_after().is_some() && !decision.is_blocked() {
             return;
         }
+        // A forget since the decision was asked for (a grant landed, a reset): the
+        // denial may be older than the units given back. (One that runs after this read
+        // bumps the generation the entry carries: the entry is never answered.)
+        if self.generation(&cache_key.0).load(Ordering::SeqCst) != generation {
+            return;
+        }
         let now = self.clock.now();
-        let mut denials = self.denials.get(&cache_key).unwrap_or_default();
+        let mut denials = self
+            .denials
+            .get(&cache_key)
+            .filter(|denials| denials.generation == generation)
+            .unwrap_or_default();
+        denials.generation = generation;
         denials
             .entries
             .retain(|entry| entry.0 != cost && entry.2 > now);
@@ -193,7 +226,10 @@ impl Shared {
                         denials.entries.remove(soonest);
                     }
                 }
-                let until = now.saturating_add(wait);
+                // The store's wait runs from when it decided, no earlier than when the
+                // request was sent: counted from then, the cached denial never outlasts
+                // it, however long the answer took to come back.
+                let until = sent_at.saturating_add(wait);
                 // A block's answer stands only while the block does: past it, the
                 // policies' own (longer) wait denies, and those denials count.
                 let kept_for = if decision.is_blocked() {
@@ -201,7 +237,7 @@ impl Shared {
                 } else {
                     wait
                 };
-                let kept = now.saturating_add(kept_for.min(max_age));
+                let kept = sent_at.saturating_add(kept_for.min(max_age));
                 if kept > now {
                     denials.entries.push((cost, until, kept, policy));
                 }
@@ -211,13 +247,7 @@ impl Shared {
         if denials.entries.is_empty() {
             self.denials.remove(&cache_key);
         } else {
-            self.denials.insert(cache_key.clone(), denials);
-            // A forget since the decision was asked for (a grant landed, a reset): the
-            // denial may be older than the units given back. (A forget bumps the count
-            // before it removes, so one that runs after this read removes the entry.)
-            if self.forgets.load(std::sync::atomic::Ordering::SeqCst) != sent {
-                self.denials.remove(&cache_key);
-            }
+            self.denials.insert(cache_key, denials);
         }
     }
 }
@@ -229,9 +259,10 @@ fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
     (key.clone(), policies.fingerprint_with_penalties())
 }
 
-/// A key's cached denials under one set of policies, to be dropped: units given back or
-/// a reset may admit what was denied. The same policies' denials without the penalties
-/// go too (a reset of the rate state is theirs as well).
+/// A key's cached denials, to be dropped: units given back or a reset may admit what was
+/// denied, under this set and under any other sharing a policy with it. The key's
+/// generation is bumped (every set's denials of the key go stale), and this set's
+/// entries, with its penalties and without, are removed at once.
 struct Forget {
     key: Key,
     with_penalties: u64,
@@ -248,9 +279,7 @@ impl Forget {
     }
 
     fn run(self, shared: &Shared) -> Self {
-        shared
-            .forgets
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        shared.generation(&self.key).fetch_add(1, Ordering::SeqCst);
         let mut cache_key = (self.key, self.with_penalties);
         shared.denials.remove(&cache_key);
         if let Some(fingerprint) = self.without {
@@ -313,7 +342,12 @@ impl<S: Store> Store for DenyCache<S> {
         }
         let cache_key = cache_key(key, policies);
         let now = self.shared.clock.now();
+        let generation = self.shared.generation(key).load(Ordering::SeqCst);
         let cached = self.shared.denials.get(&cache_key).and_then(|denials| {
+            if denials.generation != generation {
+                // Asked before a forget: stale.
+                return None;
+            }
             denials
                 .entries
                 .iter()
@@ -333,10 +367,7 @@ impl<S: Store> Store for DenyCache<S> {
                 decision
             }));
         }
-        let sent = self
-            .shared
-            .forgets
-            .load(std::sync::atomic::Ordering::SeqCst);
+        let sent = (now, generation);
         match self.inner.decide(key, policies, cost).into_ready() {
             Ok(result) => {
                 // A denial naming a policy the set lacks (a store's bug) is answered once,
@@ -718,6 +749,10 @@ mod tests {
         fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
             self.inner.adjust(key, policies, adjustment)
         }
+
+        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+            self.inner.reset(key, policies)
+        }
     }
 
     /// A denial the store gave before a grant landed, whose reply comes after the grant's
@@ -746,6 +781,116 @@ mod tests {
             .unwrap();
         gate.add_permits(1);
         assert!(!late.await.unwrap().unwrap().is_allowed());
+        gate.add_permits(1);
+        let after = cache.decide(&key, &policies, 1).await.unwrap();
+        assert!(after.is_allowed() && !after.is_cached(), "{after:?}");
+    }
+
+    /// A change to one identity's state (a settle, a grant, a reset) says nothing about
+    /// another's: a denial of `flooded` whose reply crosses another customer's settle on
+    /// its way must still be kept, or under a store doing I/O with settles every few
+    /// milliseconds the flooded key would reach the store on almost every request.
+    #[tokio::test]
+    async fn a_change_to_another_identity_does_not_stop_a_denial_being_kept() {
+        let clock = ManualClock::new();
+        let gate = Arc::new(tokio::sync::Semaphore::new(1));
+        let store = LateReplies {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            gate: Arc::clone(&gate),
+        };
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let policies =
+            PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
+        let (flooded, other) = (Key::new("flooded"), Key::new("other"));
+        assert!(
+            cache
+                .decide(&flooded, &policies, 1)
+                .await
+                .unwrap()
+                .is_allowed()
+        );
+        // Denied by the store now, answered after another customer's grant and reset.
+        let late = tokio::spawn(cache.decide(&flooded, &policies, 1));
+        tokio::task::yield_now().await;
+        cache
+            .adjust(&other, &policies, &Adjustment::grant(1))
+            .await
+            .unwrap();
+        cache.reset(&other, &policies).await.unwrap();
+        gate.add_permits(1);
+        assert!(!late.await.unwrap().unwrap().is_allowed());
+        // (A request that reaches the store is answered.)
+        gate.add_permits(1);
+        let again = cache.decide(&flooded, &policies, 1).await.unwrap();
+        assert!(
+            again.is_cached(),
+            "another identity's change dropped this denial: {again:?}"
+        );
+    }
+
+    /// Policy sets that share a policy share its state in the store (`[daily]` and
+    /// `[daily, burst]` count the same units for a key): a grant or a reset through one
+    /// set may admit what the other's cached denial refuses, and that denial goes too.
+    #[test]
+    fn a_change_through_one_set_forgets_the_denials_of_every_set_of_the_key() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let daily = Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap();
+        let burst = Policy::token_bucket("burst", 10, Rate::per_second(10)).unwrap();
+        let alone = PolicySet::from(daily.clone());
+        let both = PolicySet::new([daily, burst]).unwrap();
+        let key = Key::new("customer");
+        for (index, reset) in [false, true].into_iter().enumerate() {
+            let key = Key::new(format!("{}-{index}", key.as_str()));
+            assert!(now_or_never(cache.decide(&key, &both, 1)).is_allowed());
+            assert!(!now_or_never(cache.decide(&key, &both, 1)).is_allowed());
+            assert!(now_or_never(cache.decide(&key, &both, 1)).is_cached());
+            if reset {
+                now_or_never(cache.reset(&key, &alone));
+            } else {
+                now_or_never(cache.adjust(&key, &alone, &Adjustment::grant(1)));
+            }
+            let after = now_or_never(cache.decide(&key, &both, 1));
+            assert!(
+                after.is_allowed(),
+                "reset {reset}: the store admits, the cache said {after:?}"
+            );
+        }
+    }
+
+    /// The store's wait starts when it decides, which is no earlier than when the request
+    /// was sent: a cached denial counted from the reply's arrival would deny, here, for as
+    /// long as the reply took after the store already admits.
+    #[tokio::test]
+    async fn a_cached_denial_ends_no_later_than_the_store_s() {
+        let clock = ManualClock::new();
+        let gate = Arc::new(tokio::sync::Semaphore::new(1));
+        let store = LateReplies {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            gate: Arc::clone(&gate),
+        };
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let policies =
+            PolicySet::from(Policy::fixed_window("second", 1, Duration::from_secs(1)).unwrap());
+        let key = Key::new("customer");
+        assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        let late = tokio::spawn(cache.decide(&key, &policies, 1));
+        tokio::task::yield_now().await;
+        // The reply takes half a second to come back.
+        clock.advance(Duration::from_millis(500));
+        gate.add_permits(1);
+        let denied = late.await.unwrap().unwrap();
+        assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
+        // Within the store's wait the denial is answered here, no longer than it is.
+        clock.advance(Duration::from_millis(400));
+        let cached = cache.decide(&key, &policies, 1).await.unwrap();
+        assert!(cached.is_cached());
+        assert_eq!(cached.retry_after(), Some(Duration::from_millis(100)));
+        clock.advance(Duration::from_millis(100));
         gate.add_permits(1);
         let after = cache.decide(&key, &policies, 1).await.unwrap();
         assert!(after.is_allowed() && !after.is_cached(), "{after:?}");
