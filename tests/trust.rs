@@ -1819,9 +1819,11 @@ fn a_zero_store_timeout_is_refused_when_the_layer_is_built() {
     );
 }
 
-/// A store (a user's own) whose answer names a policy the set does not have: a bug in
-/// that store, never a reason to panic the service. The answer is a protocol error:
-/// counted, and answered by the failure mode (here: closed, 503), not a 429.
+/// A store (a user's own) whose answer names a policy the set does not have, or delays
+/// a request longer than any shaping policy may (`MAX_SHAPING_DELAY`; `Duration::MAX`
+/// overflowed the deadline and panicked): a bug in that store, never a reason to panic
+/// the service or hold a request for ever. The answer is a protocol error: counted, and
+/// answered by the failure mode (here: closed, 503), not a 429.
 #[tokio::test]
 async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic() {
     #[derive(Clone)]
@@ -1845,6 +1847,12 @@ async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic()
             policy: 5,
             cost: 3,
             limit: 2,
+        },
+        Outcome::Allowed {
+            delay: Duration::MAX,
+        },
+        Outcome::Allowed {
+            delay: tollgate::policy::MAX_SHAPING_DELAY + Duration::from_nanos(1),
         },
     ] {
         let app = Router::new().route("/", get(|| async { "ok" })).layer(

@@ -434,9 +434,10 @@ fn unmet_say_now(what: &'static str) -> bool {
 }
 
 /// A store's answer checked against the set of `len` policies it was asked about. An
-/// outcome that names a policy the set does not have is a bug in that store (a user's own
-/// `Store`): a protocol error, counted and answered by the failure mode, never an index
-/// that panics the service.
+/// outcome that names a policy the set does not have, or a delay longer than any shaping
+/// policy may hold a request ([`MAX_SHAPING_DELAY`](crate::policy::MAX_SHAPING_DELAY)),
+/// is a bug in that store (a user's own `Store`): a protocol error, counted and answered
+/// by the failure mode, never an index or a deadline that panics the service.
 #[inline]
 pub(crate) fn check_answer(decision: &Decision, len: usize) -> Result<(), StoreError> {
     match decision.outcome() {
@@ -445,8 +446,24 @@ pub(crate) fn check_answer(decision: &Decision, len: usize) -> Result<(), StoreE
         {
             Err(misnamed_policy(policy, len))
         }
+        Outcome::Allowed { delay } if delay > crate::policy::MAX_SHAPING_DELAY => {
+            Err(overlong_delay(delay))
+        }
         _ => Ok(()),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn overlong_delay(delay: std::time::Duration) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        format!(
+            "the store's answer delays the request {delay:?}, longer than any shaping policy \
+             may ({:?})",
+            crate::policy::MAX_SHAPING_DELAY
+        ),
+    )
 }
 
 #[cold]
