@@ -4,13 +4,17 @@
 -- microseconds never drifts. Mirrors src/algorithm/gcra.rs.
 
 -- How far the TAT stored at `key` is ahead of now, scaled by the amount (p2): an exact
--- integer, 0 when it is not ahead.
+-- integer, 0 when it is not ahead. A value of another form (another client's, in our
+-- keys) cannot be read: an error, never a fresh burst.
 local function ahead_of(key, p2)
   local stored = call('GET', key)
   if stored then
     local whole, fraction = match(stored, '^(%d+):(%d+)$')
     whole, fraction = tonumber(whole), tonumber(fraction)
-    if whole ~= nil and (whole > now or (whole == now and fraction > 0)) then
+    if whole == nil or fraction == nil then
+      error('tollgate: a GCRA key holds a value tollgate did not write')
+    end
+    if whole > now or (whole == now and fraction > 0) then
       return (whole - now) * p2 + fraction
     end
   end

@@ -38,7 +38,9 @@ pub enum FailureMode {
     Fallback(LocalFallback),
     /// Answer `503 Service Unavailable` with a `Retry-After` of the breaker's cool-down
     /// left (a second while it is closed): for paths where admitting unmetered traffic
-    /// costs more than refusing it.
+    /// costs more than refusing it. A store that cannot decide the policies at all
+    /// ([`StoreErrorKind::Unsupported`](crate::store::StoreErrorKind::Unsupported): a
+    /// set-up error, no outage) is answered `500 Internal Server Error`, with no wait.
     FailClosed,
     /// Let the request through, without rate-limit headers.
     FailOpen,

@@ -1857,6 +1857,59 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     }
 }
 
+/// A GCRA key holding a value tollgate did not write (another client's `SET` in its keys,
+/// an operator's, another layout): the theoretical arrival time cannot be read, so the
+/// decision fails loudly (a refusal, not I/O: logged and counted, the breaker stays
+/// closed), never admits a full burst as if the key were empty. The sliding log refuses
+/// its foreign members the same way (`a_log_counts_every_entry_of_one_microsecond`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gcra_value_tollgate_did_not_write_is_refused() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let gcra = PolicySet::from(Policy::gcra("g", Rate::per_second(10), 5).unwrap());
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    for (index, value) in ["123", "abc", "1:2:3", "-5:1", "", "12:x"]
+        .iter()
+        .enumerate()
+    {
+        let identity = format!("foreign-{index}");
+        let key = store.keys().policy_keys(&identity, &gcra[0]).0;
+        let _: () = redis::cmd("SET")
+            .arg(&key)
+            .arg(*value)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let error = store
+            .decide(&Key::new(&identity), &gcra, 1)
+            .await
+            .expect_err(&format!("{value:?} was read as a TAT"));
+        assert_eq!(
+            error.kind(),
+            tollgate::store::StoreErrorKind::Refused,
+            "{error}"
+        );
+        assert!(error.to_string().contains("did not write"), "{error}");
+    }
+    // A value tollgate wrote is read as it was written.
+    let identity = Key::new("own");
+    assert!(
+        store
+            .decide(&identity, &gcra, 5)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        !store
+            .decide(&identity, &gcra, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+}
+
 /// A coalesced decision whose request went away before its batch left is not decided
 /// (nor debited); the others are, even when the leading request went away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

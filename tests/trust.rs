@@ -1158,6 +1158,47 @@ async fn an_error_raised_without_asking_the_store_never_closes_the_breaker() {
     );
 }
 
+/// A store that cannot decide the request's policies (`Unsupported`: a policy the Redis
+/// store refuses, an in-flight set over a store that cannot adjust) is a set-up error,
+/// not an outage. Fail-closed refuses the request as the server's fault (`500`, RFC 9110
+/// section 15.6.1), with no `Retry-After`: a `503` saying "the store is unavailable" and
+/// "retry in 1 s" was false, and brought every client (and gRPC's retries, told by the
+/// pushback) back each second for ever. A gRPC call gets INTERNAL, with no pushback.
+#[tokio::test]
+async fn a_store_that_cannot_decide_the_policies_is_no_outage_to_retry() {
+    let store = Switch::new();
+    store.set(UNSUPPORTED);
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 10, Rate::per_second(10)).unwrap())
+            .on_store_error(FailureMode::FailClosed),
+    );
+    let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(header(&response, "retry-after"), None);
+    assert_eq!(
+        header(&response, "content-type").as_deref(),
+        Some("application/problem+json")
+    );
+    let body = body_text(response).await;
+    assert!(!body.contains("unavailable"), "{body}");
+    assert!(body.contains("\"status\":500"), "{body}");
+
+    let call = Request::post("/")
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(call).await.unwrap();
+    assert_eq!(header(&response, "grpc-status").as_deref(), Some("13"));
+    assert_eq!(header(&response, "grpc-retry-pushback-ms"), None);
+
+    // An outage is still one: a 503 saying when to come back.
+    store.set(DOWN);
+    let response = app.oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(header(&response, "retry-after").is_some());
+}
+
 /// The single-valued reset of `response` in seconds from now: draft-6's as it is, the
 /// legacy one (a Unix time) less the time now.
 fn reset_from_now<B>(response: &Response<B>, style: HeaderStyle) -> u64 {

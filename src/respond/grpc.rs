@@ -108,9 +108,9 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         let code = code.to_str().ok().and_then(|code| code.trim().parse().ok());
         parts.status = StatusCode::OK;
         parts.headers.remove(header::CONTENT_LENGTH);
-        if !parts.headers.contains_key(header::CONTENT_TYPE) {
-            parts.headers.insert(header::CONTENT_TYPE, content_type);
-        }
+        // The call's own type: a reply of another (a hook's JSON, tonic's
+        // `application/grpc` on a gRPC-Web call) is no gRPC answer to its client.
+        parts.headers.insert(header::CONTENT_TYPE, content_type);
         if let (Some(pushback), false) = (
             code.and_then(|code| pushback(code, retry_after)),
             parts.headers.contains_key(PUSHBACK),
@@ -471,6 +471,33 @@ mod tests {
                 pushback,
                 "{status}"
             );
+        }
+    }
+
+    /// An `on_deny` hook that answers as gRPC (`grpc-status` set) goes out with the
+    /// call's own content type: a client reads a reply of another type as no gRPC
+    /// response at all (grpc-go: a 200 of another type is UNKNOWN, its status unread),
+    /// so a hook's `application/json`, or the `application/grpc` tonic's
+    /// `Status::into_http` writes on a gRPC-Web call, would lose the status and its
+    /// pushback.
+    #[test]
+    fn a_hooks_grpc_answer_carries_the_calls_content_type() {
+        for (call, hook) in [
+            ("application/grpc", "application/json"),
+            ("application/grpc-web-text", "application/grpc"),
+            ("application/grpc-web+proto", "application/grpc"),
+            ("application/grpc+proto", "application/grpc+proto"),
+        ] {
+            let mut response = Response::new(Bytes::from_static(b"{}"));
+            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            let headers = response.headers_mut();
+            headers.insert(GRPC_STATUS, HeaderValue::from_static("8"));
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(hook));
+            headers.insert(header::RETRY_AFTER, HeaderValue::from_static("2"));
+            let answer = fit(&Method::POST, &typed(call), Box::new(response));
+            assert_eq!(answer.headers()[header::CONTENT_TYPE], call, "{hook}");
+            assert_eq!(answer.headers()["grpc-status"], "8");
+            assert_eq!(answer.headers()["grpc-retry-pushback-ms"], "2000");
         }
     }
 

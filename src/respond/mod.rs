@@ -164,7 +164,12 @@ impl Responder {
         } else {
             telemetry::store_skipped();
         }
-        match self.on_failure(policies, key, cost) {
+        // A store that cannot decide these policies is a set-up error, not an outage.
+        let undecidable = matches!(
+            answer,
+            StoreAnswer::Failed(error) if error.kind() == StoreErrorKind::Unsupported
+        );
+        match self.on_failure(policies, key, cost, undecidable) {
             // The headers describe the policies that decided (scaled or not).
             Ok((decision, applied)) => self.plan_decided(&applied, key, cost, &decision, true),
             Err(plan) => plan,
@@ -332,12 +337,14 @@ fn debit(decision: &Decision, policies: &PolicySet, from_fallback: bool) -> Box<
 }
 
 impl Responder {
-    /// The failure mode: a local decision, or a plan without one.
+    /// The failure mode: a local decision, or a plan without one. `undecidable`: the
+    /// store cannot decide these policies (a set-up error, no outage).
     fn on_failure(
         &self,
         policies: &PolicySet,
         key: &Key,
         cost: u64,
+        undecidable: bool,
     ) -> Result<(Decision, PolicySet), Plan> {
         match &self.failure_mode {
             FailureMode::Fallback(fallback) => match fallback.decide(key, policies, cost) {
@@ -345,19 +352,25 @@ impl Responder {
                 // Only the fallback's share of the quota refuses the cost: the outage
                 // stands in its way (a `400` would say "never send it again").
                 None if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
-                None => Err(Plan::Respond(Box::new(self.store_unavailable()))),
+                None => Err(Plan::Respond(Box::new(self.store_unavailable(undecidable)))),
             },
             FailureMode::FailOpen => Err(Plan::Call(HeaderBlock::default(), None)),
             // A shadow layer never refuses a request.
             FailureMode::FailClosed if self.shadow => Err(Plan::Call(HeaderBlock::default(), None)),
-            FailureMode::FailClosed => Err(Plan::Respond(Box::new(self.store_unavailable()))),
+            FailureMode::FailClosed => {
+                Err(Plan::Respond(Box::new(self.store_unavailable(undecidable))))
+            }
         }
     }
 
     /// The 503 of a store that cannot decide, saying when it is asked again: what is
     /// left of the breaker's cool-down (rounded up), or a second when the breaker is
-    /// closed (the next request asks the store).
-    fn store_unavailable(&self) -> http::Response<bytes::Bytes> {
+    /// closed (the next request asks the store). For a store that cannot decide the
+    /// policies at all (`undecidable`), a 500 with no wait: asked again, it refuses again.
+    fn store_unavailable(&self, undecidable: bool) -> http::Response<bytes::Bytes> {
+        if undecidable {
+            return response::policies_undecidable();
+        }
         let seconds = headers::seconds_ceil(self.breaker.cool_down_left());
         response::store_unavailable(seconds.clamp(1, headers::MAX_SF_INTEGER))
     }

@@ -256,6 +256,19 @@ pub(crate) fn invalid_request(detail: &str) -> Response<Bytes> {
     )
 }
 
+/// `500` under fail-closed for a store that cannot decide the request's policies (a
+/// set-up error, `StoreErrorKind::Unsupported`): no outage, so no `Retry-After` (the
+/// same request meets the same refusal) and no rate headers.
+pub(crate) fn policies_undecidable() -> Response<Bytes> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "about:blank",
+        "Internal Server Error",
+        "the rate limiter's store cannot decide this request's policies",
+        &[],
+    )
+}
+
 /// `503` for a store failure under fail-closed: not a rate decision, so no rate headers.
 /// `retry_after` (whole seconds, at least 1) is when the store is asked again.
 pub(crate) fn store_unavailable(retry_after: u64) -> Response<Bytes> {
