@@ -1260,3 +1260,86 @@ async fn a_sentinel_primary_answering_an_error_keeps_its_connection() {
     );
     assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
+
+/// A decision the layer gave up on (past its store timeout, 50 ms here) is answered by the
+/// failure mode: a `503` under fail-closed, a local decision under the fallback. Its
+/// script may still run when Redis comes back from a stall (a fork, a slow script, here
+/// `CLIENT PAUSE WRITE` for 300 ms, within the connection's own 500 ms), and its debit
+/// is then given back: the client was refused, or counted by the fallback, and must not
+/// find its shared quota spent by requests Redis never admitted for it. Before, the
+/// five refused requests left the quota of five spent for the rest of the minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_given_up_on_is_given_back_when_it_lands() {
+    let server = RedisServer::start();
+    // Time stands still on the store's clock: the window never ends mid-test.
+    let store = support::frozen_store(&server).await;
+    store.verify().await.unwrap();
+    let policies = PolicySet::from(Policy::fixed_window("q", 5, Duration::from_secs(60)).unwrap());
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(store.clone())
+                .policies(policies.clone())
+                .key(Global)
+                .store_timeout(Duration::from_millis(50))
+                .on_store_error(FailureMode::FailClosed)
+                // Five timeouts do not open it: the last request asks Redis.
+                .circuit_breaker(CircuitBreaker::new(100, Duration::from_secs(1))),
+        )
+        .with_state(());
+    server.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    let answers = futures_util::future::join_all((0..5).map(|_| {
+        app.clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+    }))
+    .await;
+    for answer in answers {
+        assert_eq!(answer.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    // Given back in the background once the scripts ran: wait for it, bounded.
+    let key = Key::new("global");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let peek = store.peek(&key, &policies).await.unwrap();
+        if peek.statuses()[0].remaining == 5 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "10 s on, Redis still counts {} of the 5 refused requests",
+            5 - peek.statuses()[0].remaining
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let admitted = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(admitted.status(), StatusCode::OK);
+    assert_eq!(admitted.headers()["ratelimit"], "\"q\";r=4;t=60");
+
+    // The same through a `Limiter`, whose calls fail with a timeout under fail-closed.
+    let limiter = tollgate::limiter::Limiter::new(store.clone(), policies.clone())
+        .store_timeout(Duration::from_millis(50))
+        .on_store_error(FailureMode::FailClosed);
+    let job = Key::new("job");
+    server.cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    let answers = futures_util::future::join_all((0..5).map(|_| limiter.check(&job, 1))).await;
+    for answer in answers {
+        let error = answer.expect_err("a paused server answered within 50 ms");
+        assert_eq!(error.kind(), StoreErrorKind::Timeout, "{error}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let peek = store.peek(&job, &policies).await.unwrap();
+        if peek.statuses()[0].remaining == 5 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "10 s on, Redis still counts {} of the limiter's 5 failed calls",
+            5 - peek.statuses()[0].remaining
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
