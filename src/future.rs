@@ -16,12 +16,11 @@ use crate::body::{BodyGuard, ResponseBody};
 use crate::failure::ProbeGuard;
 use crate::key::Key;
 use crate::policy::PolicySet;
-use crate::reservation::{Adjuster, Reservation, Settled, give_back_when_it_lands};
+use crate::reservation::{Adjuster, Reservation, Settled};
 use crate::respond::headers::HeaderBlock;
 use crate::respond::{Plan, Responder, StoreAnswer};
 use crate::settle::ResponseHead;
-use crate::store::{BoxedDecision, timed_out};
-use crate::telemetry::Stopwatch;
+use crate::store::BoxedDecision;
 
 /// A request waiting for a decision from a store that does I/O.
 pub(crate) struct Pending<S, B> {
@@ -118,35 +117,15 @@ impl<F: Future> ResponseFuture<F> {
         }
     }
 
-    /// Decides through `decide`, bounded by the store timeout, then answers as the plan
-    /// says. A decision given up on is given back if it is made after all
-    /// ([`give_back_when_it_lands`]): the failure mode answered its request.
-    pub(crate) fn deciding<S, B>(
-        mut decide: BoxedDecision,
-        stopwatch: Stopwatch,
-        pending: Pending<S, B>,
-    ) -> Self
+    /// Decides through `decide`, then answers as the plan says.
+    pub(crate) fn deciding<S, B>(decide: BoxedDecision, pending: Pending<S, B>) -> Self
     where
         S: Service<Request<B>, Future = F> + Clone + Send + 'static,
         F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
         let future = async move {
-            let timeout = pending.responder.timeout;
-            let result = match tokio::time::timeout(timeout, &mut decide).await {
-                Ok(result) => result,
-                Err(_) => {
-                    give_back_when_it_lands(
-                        decide,
-                        Arc::clone(&pending.adjuster),
-                        pending.key.clone(),
-                        pending.policies.clone(),
-                        pending.cost,
-                    );
-                    Err(timed_out("decision", timeout))
-                }
-            };
-            stopwatch.stop();
+            let result = decide.await;
             let Pending {
                 inner,
                 request,

@@ -238,10 +238,6 @@ impl<St: Store> Drop for Booked<St> {
     }
 }
 
-/// How long a decision given up on is waited for, to give back what it spent: the
-/// connection's own response timeout (500 ms by default for Redis) ends it far sooner.
-const LATE_ANSWER_WITHIN: Duration = Duration::from_secs(5);
-
 /// Who decided a limiter's request: the store, the failure mode's local limiter (under
 /// the policies it applied), or nobody (fail open).
 enum Decider {
@@ -418,14 +414,12 @@ impl<St: Store> Limiter<St> {
         cost: u64,
     ) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
-        let mut deciding = shared.store.decide(key, policies, cost);
-        let decided = match tokio::time::timeout(shared.timeout, &mut deciding).await {
-            Ok(decided) => decided,
-            Err(_) => {
-                self.give_back_when_it_lands(deciding, key, cost);
-                Err(crate::store::timed_out("decision", shared.timeout))
-            }
-        }
+        let decided = within(
+            shared.timeout,
+            "decision",
+            shared.store.decide(key, policies, cost),
+        )
+        .await
         .and_then(|decision| {
             crate::store::check_answer(&decision, policies.len())?;
             Ok(decision)
@@ -636,27 +630,6 @@ impl<St: Store> Limiter<St> {
                 _ => {}
             }
         }
-    }
-
-    /// A decision given up on (past the store timeout: the failure mode answered) may still
-    /// be made when the store comes back from a stall: what it spent is given back when
-    /// its answer lands, as the layer does, so the store does not count a call it never
-    /// admitted for its caller. On the runtime, bounded.
-    fn give_back_when_it_lands(&self, deciding: crate::store::DecideFuture, key: &Key, cost: u64) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (limiter, key) = (self.clone(), key.clone());
-        runtime.spawn(async move {
-            let late = tokio::time::timeout(LATE_ANSWER_WITHIN, deciding).await;
-            if let Ok(Ok(decision)) = late
-                && decision.is_allowed()
-            {
-                limiter
-                    .give_back(&key, cost, &decision, &Decider::Store)
-                    .await;
-            }
-        });
     }
 
     /// The key's state now, for a waiter that gives up: as far as the store answers within

@@ -1,10 +1,8 @@
 //! An admitted request's debit, kept until its response: settled at the response head
 //! (as the layer's [`Settle`](crate::settle::Settle) says), its in-flight slots freed when
-//! the response body ends or is dropped; a decision the layer gave up on, given back when
-//! it lands.
+//! the response body ends or is dropped.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::decision::{Decision, Receipt};
 use crate::failure::FailureMode;
@@ -21,49 +19,6 @@ use crate::telemetry;
 pub(crate) trait Adjuster: Send + Sync + 'static {
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture;
     fn responder(&self) -> &Arc<Responder>;
-}
-
-/// How long a decision given up on is waited for, to give back what it debited: the
-/// connection's own response timeout (500 ms by default) ends it far sooner.
-const LATE_ANSWER_WITHIN: Duration = Duration::from_secs(5);
-
-/// A decision the layer gave up on (past the store timeout: the failure mode answered its
-/// request, refused it or counted it locally) may still be made, when the store comes
-/// back from a stall within its connection's own timeout: what it debited is given back
-/// when its answer lands (its units, and its in-flight slots), so the shared quota does
-/// not count a request the store never admitted for its client. On the runtime,
-/// bounded; without one, or with no answer in time, nothing the client was told of is
-/// spent.
-pub(crate) fn give_back_when_it_lands(
-    decision: BoxedDecision,
-    adjuster: Arc<dyn Adjuster>,
-    key: Key,
-    policies: PolicySet,
-    cost: u64,
-) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    runtime.spawn(async move {
-        let Ok(Ok(decision)) = tokio::time::timeout(LATE_ANSWER_WITHIN, decision).await else {
-            return;
-        };
-        if !decision.is_allowed() {
-            return;
-        }
-        let give_back = (cost > 0).then(|| Adjustment::give_back(cost, &decision));
-        let release = policies
-            .has_in_flight()
-            .then(|| Adjustment::release(cost, decision.receipt()));
-        let timeout = adjuster.responder().timeout;
-        for adjustment in give_back.iter().chain(release.iter()) {
-            let what = "give-back of a decision given up on";
-            let given = within(timeout, what, adjuster.adjust(&key, &policies, adjustment));
-            if let Err(error) = given.await {
-                telemetry::store_error(&error);
-            }
-        }
-    });
 }
 
 /// An admitted request's debit, kept until its response: settles it, and frees its

@@ -22,7 +22,7 @@ use crate::respond::grpc;
 use crate::respond::headers::HeaderBlock;
 use crate::respond::problem as response;
 use crate::respond::{MissingKey, Plan, Responder, StoreAnswer};
-use crate::store::{Adjustment, DecideFuture, Store};
+use crate::store::{Adjustment, DecideFuture, Store, within};
 use crate::telemetry::{self, Stopwatch};
 
 /// Everything a service shares with its clones, behind one `Arc`: axum clones the
@@ -318,9 +318,14 @@ where
     {
         let pending = decided.into_pending();
         let responder = &self.config.responder;
+        let timeout = responder.timeout;
+        let timed = Box::pin(async move {
+            let result = within(timeout, "decision", pending).await;
+            stopwatch.stop();
+            result
+        });
         ResponseFuture::deciding(
-            pending,
-            stopwatch,
+            timed,
             Pending {
                 inner: take_ready(&mut self.inner),
                 request,

@@ -371,15 +371,12 @@ pub(crate) async fn within<T>(
 ) -> Result<T, StoreError> {
     tokio::time::timeout(timeout, future)
         .await
-        .unwrap_or_else(|_| Err(timed_out(what, timeout)))
-}
-
-/// The `Timeout` error of a store call that did not come (`no {what} within ...`).
-pub(crate) fn timed_out(what: &str, timeout: std::time::Duration) -> StoreError {
-    StoreError::new(
-        StoreErrorKind::Timeout,
-        format!("no {what} within {timeout:?}"),
-    )
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!("no {what} within {timeout:?}"),
+            ))
+        })
 }
 
 /// A store call no request waits for failed (a lease's take or give-back, a dropped
