@@ -92,7 +92,7 @@ use tower_service::Service;
 /// ```
 #[diagnostic::on_unimplemented(
     message = "tollgate cannot write its own responses (429, 400, 500, 503) in a `{Self}` body",
-    note = "add `tollgate::body::WrapBodyLayer` between the rate limiter and the service: it takes any body type"
+    note = "add `tollgate::body::WrapBodyLayer` between the rate limiter and the service: it takes any body whose data can be built from `Bytes` (`Empty`, `String`, your own)"
 )]
 pub trait ResponseBody: Body + Sized {
     /// A body whose content is `bytes`.

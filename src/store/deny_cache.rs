@@ -23,8 +23,10 @@ use crate::policy::{Policy, PolicySet};
 /// This is exact for every algorithm: a denial's `retry_after` is the earliest time the
 /// same request could be admitted if nothing else were spent, and spending by others only
 /// pushes it later, so "after waiting `Retry-After` the same request is admitted" holds
-/// for every cached answer. The local deadline starts when the request was sent, so it
-/// never outlasts the store's (which starts when the store decided). A request of another cost goes to
+/// for every cached answer. A cached answer's wait counts from when the store's answer
+/// came (never shorter than the store's), but the denial is answered here only until its
+/// wait counted from when the request was sent: a slow answer never keeps an identity
+/// denied here after the store would admit it. A request of another cost goes to
 /// the store: a cheaper one may fit sooner, a costlier one needs longer than the cached
 /// wait. Each identity keeps one entry with up to four costs, so a client that varies
 /// its cost cannot push other identities out (but each new cost of it reaches the store).
@@ -99,8 +101,11 @@ struct Shared {
     hasher: foldhash::fast::RandomState,
 }
 
-/// Forget generations kept: keys share one in this many.
-const GENERATIONS: usize = 4096;
+/// Forget generations kept: at least this many, else the capacity's next power of two (at
+/// most [`MOST_GENERATIONS`]), so that the settles of many identities seldom bump a
+/// cached one's.
+const FEWEST_GENERATIONS: usize = 4096;
+const MOST_GENERATIONS: usize = 1 << 20;
 
 /// An identity's denials, one per cost (at most [`COSTS_PER_IDENTITY`]).
 #[derive(Clone, Default)]
@@ -135,7 +140,9 @@ impl<S: Store> DenyCache<S> {
             shared: Arc::new(Shared {
                 denials: quick_cache::sync::Cache::new(capacity.max(1)),
                 clock: Arc::new(clock),
-                generations: (0..GENERATIONS).map(|_| AtomicU64::new(0)).collect(),
+                generations: (0..generations(capacity))
+                    .map(|_| AtomicU64::new(0))
+                    .collect(),
                 hasher: foldhash::fast::RandomState::default(),
             }),
             max_age: nanos(DEFAULT_MAX_AGE),
@@ -167,6 +174,14 @@ impl<S: Store> DenyCache<S> {
     }
 }
 
+/// How many forget generations a cache of `capacity` identities keeps (a power of two).
+fn generations(capacity: usize) -> usize {
+    capacity
+        .checked_next_power_of_two()
+        .unwrap_or(MOST_GENERATIONS)
+        .clamp(FEWEST_GENERATIONS, MOST_GENERATIONS)
+}
+
 fn nanos(duration: Duration) -> u64 {
     u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
@@ -175,8 +190,8 @@ impl Shared {
     /// The forget generation of `key`.
     fn generation(&self, key: &Key) -> &AtomicU64 {
         let hash = self.hasher.hash_one(key.as_str());
-        // GENERATIONS is a power of two: the low bits pick one.
-        &self.generations[(hash as usize) & (GENERATIONS - 1)]
+        // A power of two of them: the low bits pick one.
+        &self.generations[(hash as usize) & (self.generations.len() - 1)]
     }
 
     /// Remembers `decision` when it is a denial.
@@ -226,10 +241,12 @@ impl Shared {
                         denials.entries.remove(soonest);
                     }
                 }
-                // The store's wait runs from when it decided, no earlier than when the
-                // request was sent: counted from then, the cached denial never outlasts
-                // it, however long the answer took to come back.
-                let until = sent_at.saturating_add(wait);
+                // The store's wait runs from when it decided: after the request was sent,
+                // before its answer came. The wait told counts from the answer (never
+                // short of the store's); the denial is answered here only until the wait
+                // counted from the sending (never past the store's), however long the
+                // answer took to come back.
+                let until = now.saturating_add(wait);
                 // A block's answer stands only while the block does: past it, the
                 // policies' own (longer) wait denies, and those denials count.
                 let kept_for = if decision.is_blocked() {
@@ -885,15 +902,28 @@ mod tests {
         gate.add_permits(1);
         let denied = late.await.unwrap().unwrap();
         assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
-        // Within the store's wait the denial is answered here, no longer than it is.
+        // Within the store's wait the denial is answered here, stating a wait no shorter
+        // than the store's (counted from the answer), but only until the store admits.
         clock.advance(Duration::from_millis(400));
         let cached = cache.decide(&key, &policies, 1).await.unwrap();
         assert!(cached.is_cached());
-        assert_eq!(cached.retry_after(), Some(Duration::from_millis(100)));
+        assert_eq!(cached.retry_after(), Some(Duration::from_millis(600)));
         clock.advance(Duration::from_millis(100));
         gate.add_permits(1);
         let after = cache.decide(&key, &policies, 1).await.unwrap();
         assert!(after.is_allowed() && !after.is_cached(), "{after:?}");
+    }
+
+    /// Forget generations grow with the capacity: a big cache's flooded identities share
+    /// theirs with few others, so other identities' settles seldom drop their denials.
+    #[test]
+    fn forget_generations_grow_with_the_capacity() {
+        assert_eq!(generations(0), 4096);
+        assert_eq!(generations(100), 4096);
+        assert_eq!(generations(100_000), 131_072);
+        assert_eq!(generations(usize::MAX), 1 << 20);
+        let cache = DenyCache::new(MemoryStore::new(), 100_000);
+        assert_eq!(cache.shared.generations.len(), 131_072);
     }
 
     /// Two replicas, each with its own cache, over one shared store. A reset (or a grant,
