@@ -35,6 +35,8 @@ local function charge(algorithm, p, s, units)
   end
 end
 
+-- Every state is read before any is written: a state that cannot be read (a value
+-- tollgate did not write) fails the call with nothing changed.
 local policies = {}
 for i = 1, count do
   local base = 3 + (i - 1) * 4
@@ -44,7 +46,13 @@ for i = 1, count do
     return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))
   end
   local p = { tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4]) }
-  local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
+  policies[i] = { algorithm = algorithm, p = p, kind = kind,
+    s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i]) }
+end
+
+for i = 1, count do
+  local algorithm, p, s, kind = policies[i].algorithm, policies[i].p, policies[i].s,
+    policies[i].kind
   if undebited[i] and (mode == '0' or mode == '1') then
     -- Nothing was taken: nothing to give back.
   elseif mode == '1' then
@@ -73,7 +81,6 @@ for i = 1, count do
       charge(algorithm, p, s, remaining - target)
     end
   end
-  policies[i] = { algorithm = algorithm, p = p, s = s }
 end
 
 local reply = { 0, 0, 0, 0 }

@@ -1865,7 +1865,8 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gcra_value_tollgate_did_not_write_is_refused() {
     let server = RedisServer::start();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    // Time stands still: no window ends between a debit and its settle.
+    let store = support::frozen_store(&server).await;
     let gcra = PolicySet::from(Policy::gcra("g", Rate::per_second(10), 5).unwrap());
     let client = redis::Client::open(server.url()).unwrap();
     let mut connection = client.get_multiplexed_async_connection().await.unwrap();
@@ -1908,6 +1909,34 @@ async fn a_gcra_value_tollgate_did_not_write_is_refused() {
             .unwrap()
             .is_allowed()
     );
+
+    // A settle of a set whose GCRA state went foreign after the debit fails with nothing
+    // changed: the window beside it keeps its debit (every state is read before any is
+    // written; Redis undoes nothing a failed script wrote).
+    let window = Policy::fixed_window("w", 10, Duration::from_secs(60)).unwrap();
+    let both = PolicySet::new([window.clone(), gcra[0].clone()]).unwrap();
+    let identity = Key::new("settled");
+    let debit = store.decide(&identity, &both, 3).await.unwrap();
+    assert!(debit.is_allowed());
+    let key = store.keys().policy_keys(identity.as_str(), &gcra[0]).0;
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("not a time")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let error = store
+        .adjust(&identity, &both, &Adjustment::settle(3, 0, debit.receipt()))
+        .await
+        .expect_err("a foreign GCRA value was settled");
+    assert_eq!(
+        error.kind(),
+        tollgate::store::StoreErrorKind::Refused,
+        "{error}"
+    );
+    let alone = PolicySet::from(window);
+    let peek = store.peek(&identity, &alone).await.unwrap();
+    assert_eq!(peek.statuses()[0].remaining, 7, "the window was refunded");
 }
 
 /// A coalesced decision whose request went away before its batch left is not decided
