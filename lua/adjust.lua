@@ -35,8 +35,9 @@ local function charge(algorithm, p, s, units)
   end
 end
 
--- Every state is read before any is written: a state that cannot be read (a value
--- tollgate did not write) fails the call with nothing changed.
+-- Every state is read before any is changed: a state its load cannot read (a value
+-- tollgate did not write) fails the call before any policy is refunded or charged (a
+-- load only drops what has expired).
 local policies = {}
 for i = 1, count do
   local base = 3 + (i - 1) * 4

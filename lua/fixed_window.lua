@@ -10,8 +10,16 @@ local function window_of(key, w)
   local stored = call('HMGET', key, 'i', 'c')
   local count = 0
   local stored_index = tonumber(stored[1] or -1)
+  if stored_index == nil then
+    error('tollgate: a fixed window holds an index tollgate did not write')
+  end
   local kept = stored_index == index
-  if stored_index >= index then index, count = stored_index, tonumber(stored[2] or 0) end
+  if stored_index >= index then
+    index, count = stored_index, tonumber(stored[2] or 0)
+    if count == nil then
+      error('tollgate: a fixed window holds a count tollgate did not write')
+    end
+  end
   return index, count, (index + 1) * w, kept
 end
 

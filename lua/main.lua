@@ -104,9 +104,6 @@ local shadow_denied = {}
 for i = 1, count do
   local shadow = specs[i].shadow
   local algorithm = specs[i].algorithm
-  if algorithm == nil then
-    return redis.error_reply('tollgate: this script has no algorithm ' .. tostring(kind))
-  end
   local p = specs[i].p
   local s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i])
   local verdict, value = algorithm.check(p, s)

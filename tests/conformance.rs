@@ -1858,12 +1858,13 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
 }
 
 /// A GCRA key holding a value tollgate did not write (another client's `SET` in its keys,
-/// an operator's, another layout): the theoretical arrival time cannot be read, so the
-/// decision fails loudly (a refusal, not I/O: logged and counted, the breaker stays
-/// closed), never admits a full burst as if the key were empty. The sliding log refuses
-/// its foreign members the same way (`a_log_counts_every_entry_of_one_microsecond`).
+/// an operator's, another layout), or a fixed window whose index or count is no number:
+/// the state cannot be read, so the decision fails loudly (a refusal, not I/O: logged and
+/// counted, the breaker stays closed), never admits a full burst as if the key were
+/// empty. The sliding log refuses its foreign members the same way
+/// (`a_log_counts_every_entry_of_one_microsecond`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_gcra_value_tollgate_did_not_write_is_refused() {
+async fn a_value_tollgate_did_not_write_is_refused() {
     let server = RedisServer::start();
     // Time stands still: no window ends between a debit and its settle.
     let store = support::frozen_store(&server).await;
@@ -1893,6 +1894,32 @@ async fn a_gcra_value_tollgate_did_not_write_is_refused() {
         );
         assert!(error.to_string().contains("did not write"), "{error}");
     }
+    // A fixed window's fields (an index no time reaches yet, so its count is read).
+    let window = PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(60)).unwrap());
+    for (index, (i, c)) in [("99999999999", "many"), ("zero", "1")].iter().enumerate() {
+        let identity = format!("foreign-window-{index}");
+        let key = store.keys().policy_keys(&identity, &window[0]).0;
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("i")
+            .arg(*i)
+            .arg("c")
+            .arg(*c)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let error = store
+            .decide(&Key::new(&identity), &window, 1)
+            .await
+            .expect_err(&format!("i={i} c={c} was read as a window"));
+        assert_eq!(
+            error.kind(),
+            tollgate::store::StoreErrorKind::Refused,
+            "{error}"
+        );
+        assert!(error.to_string().contains("did not write"), "{error}");
+    }
+
     // A value tollgate wrote is read as it was written.
     let identity = Key::new("own");
     assert!(

@@ -217,7 +217,9 @@ impl Shared {
         if self.generation(&cache_key.0).load(Ordering::SeqCst) != generation {
             return;
         }
-        let now = self.clock.now();
+        // Read on another thread than `sent_at` may be: a clock that is monotonic only
+        // within a thread (the TSC's) may read a little earlier here.
+        let now = self.clock.now().max(sent_at);
         let mut denials = self
             .denials
             .get(&cache_key)
@@ -374,7 +376,7 @@ impl<S: Store> Store for DenyCache<S> {
         if let Some((_, until, kept, policy)) = cached {
             let outcome = Outcome::Denied {
                 policy,
-                retry_after: Duration::from_nanos(until - now),
+                retry_after: Duration::from_nanos(until.saturating_sub(now)),
             };
             let decision = Decision::with_statuses(outcome, SmallVec::new()).from_cache();
             return DecideFuture::ready(Ok(if penalties {
