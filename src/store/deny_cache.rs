@@ -916,6 +916,43 @@ mod tests {
         assert!(after.is_allowed() && !after.is_cached(), "{after:?}");
     }
 
+    /// Readings on two threads may disagree a little (`Clock`'s contract: a TSC clock
+    /// carried per thread): the answer recorded on a thread whose clock reads a little
+    /// before the sending must not state a wait that underflows when looked up later.
+    #[test]
+    fn a_record_read_before_the_sending_states_no_underflowing_wait() {
+        /// Gives the readings it was told, in order.
+        struct Scripted(std::sync::Mutex<Vec<u64>>);
+        impl Clock for Scripted {
+            fn now(&self) -> u64 {
+                self.0.lock().unwrap().remove(0)
+            }
+        }
+        let second = 1_000_000_000;
+        let sent = 10 * second;
+        // The lookup and sending, the record (5 ns earlier, another thread), a lookup just
+        // before the wait counted from the sending ends.
+        let clock = Scripted(std::sync::Mutex::new(vec![
+            sent,
+            sent - 5,
+            sent + second - 2,
+        ]));
+        let store = MemoryStore::builder().clock(ManualClock::new()).build();
+        let cache = DenyCache::with_clock(store.clone(), 100, clock);
+        let policies =
+            PolicySet::from(Policy::fixed_window("second", 1, Duration::from_secs(1)).unwrap());
+        let key = Key::new("k");
+        assert!(store.check("k", &policies, 1).is_allowed());
+        let denied = now_or_never(cache.decide(&key, &policies, 1));
+        assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
+        let cached = now_or_never(cache.decide(&key, &policies, 1));
+        assert!(cached.is_cached());
+        assert!(
+            cached.retry_after().unwrap() <= Duration::from_secs(1),
+            "{cached:?}"
+        );
+    }
+
     /// Forget generations grow with the capacity: a big cache's flooded identities share
     /// theirs with few others, so other identities' settles seldom drop their denials.
     #[test]
