@@ -1857,6 +1857,21 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     }
 }
 
+/// Asserts that a decision for `identity`, whose state holds `what` written by another
+/// client, is refused as a state tollgate did not write.
+async fn refused_as_foreign(store: &RedisStore, identity: &str, policies: &PolicySet, what: &str) {
+    let error = store
+        .decide(&Key::new(identity), policies, 1)
+        .await
+        .expect_err(&format!("{what} was read as a state tollgate wrote"));
+    assert_eq!(
+        error.kind(),
+        tollgate::store::StoreErrorKind::Refused,
+        "{error}"
+    );
+    assert!(error.to_string().contains("did not write"), "{error}");
+}
+
 /// A GCRA key holding a value tollgate did not write (another client's `SET` in its keys,
 /// an operator's, another layout), or a fixed window whose index or count is no number:
 /// the state cannot be read, so the decision fails loudly (a refusal, not I/O: logged and
@@ -1883,16 +1898,7 @@ async fn a_value_tollgate_did_not_write_is_refused() {
             .query_async(&mut connection)
             .await
             .unwrap();
-        let error = store
-            .decide(&Key::new(&identity), &gcra, 1)
-            .await
-            .expect_err(&format!("{value:?} was read as a TAT"));
-        assert_eq!(
-            error.kind(),
-            tollgate::store::StoreErrorKind::Refused,
-            "{error}"
-        );
-        assert!(error.to_string().contains("did not write"), "{error}");
+        refused_as_foreign(&store, &identity, &gcra, &format!("{value:?}")).await;
     }
     // A fixed window's fields (an index no time reaches yet, so its count is read).
     let window = PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(60)).unwrap());
@@ -1908,16 +1914,7 @@ async fn a_value_tollgate_did_not_write_is_refused() {
             .query_async(&mut connection)
             .await
             .unwrap();
-        let error = store
-            .decide(&Key::new(&identity), &window, 1)
-            .await
-            .expect_err(&format!("i={i} c={c} was read as a window"));
-        assert_eq!(
-            error.kind(),
-            tollgate::store::StoreErrorKind::Refused,
-            "{error}"
-        );
-        assert!(error.to_string().contains("did not write"), "{error}");
+        refused_as_foreign(&store, &identity, &window, &format!("i={i} c={c}")).await;
     }
 
     // A value tollgate wrote is read as it was written.

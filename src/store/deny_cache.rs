@@ -774,12 +774,9 @@ mod tests {
         }
     }
 
-    /// A denial the store gave before a grant landed, whose reply comes after the grant's
-    /// (and after the cache forgot the key): recorded then, it denied what the store
-    /// admits for up to `max_age`.
-    #[tokio::test]
-    async fn a_denial_answered_after_a_grant_landed_is_not_kept() {
-        let clock = ManualClock::new();
+    /// A deny cache keeping denials a minute, over a store on `clock` whose replies wait
+    /// for the returned gate (one reply may pass at first).
+    fn late_replies(clock: &ManualClock) -> (DenyCache<LateReplies>, Arc<tokio::sync::Semaphore>) {
         let gate = Arc::new(tokio::sync::Semaphore::new(1));
         let store = LateReplies {
             inner: MemoryStore::builder().clock(clock.clone()).build(),
@@ -787,6 +784,16 @@ mod tests {
         };
         let cache =
             DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        (cache, gate)
+    }
+
+    /// A denial the store gave before a grant landed, whose reply comes after the grant's
+    /// (and after the cache forgot the key): recorded then, it denied what the store
+    /// admits for up to `max_age`.
+    #[tokio::test]
+    async fn a_denial_answered_after_a_grant_landed_is_not_kept() {
+        let clock = ManualClock::new();
+        let (cache, gate) = late_replies(&clock);
         let policies =
             PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
         let key = Key::new("customer");
@@ -812,13 +819,7 @@ mod tests {
     #[tokio::test]
     async fn a_change_to_another_identity_does_not_stop_a_denial_being_kept() {
         let clock = ManualClock::new();
-        let gate = Arc::new(tokio::sync::Semaphore::new(1));
-        let store = LateReplies {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            gate: Arc::clone(&gate),
-        };
-        let cache =
-            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let (cache, gate) = late_replies(&clock);
         let policies =
             PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
         let (flooded, other) = (Key::new("flooded"), Key::new("other"));
@@ -886,13 +887,7 @@ mod tests {
     #[tokio::test]
     async fn a_cached_denial_ends_no_later_than_the_store_s() {
         let clock = ManualClock::new();
-        let gate = Arc::new(tokio::sync::Semaphore::new(1));
-        let store = LateReplies {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            gate: Arc::clone(&gate),
-        };
-        let cache =
-            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let (cache, gate) = late_replies(&clock);
         let policies =
             PolicySet::from(Policy::fixed_window("second", 1, Duration::from_secs(1)).unwrap());
         let key = Key::new("customer");
