@@ -325,16 +325,8 @@ async fn a_log_counts_every_entry_of_one_microsecond() {
             .await
             .unwrap();
         for cost in [1, 3] {
-            let error = store
-                .decide(&Key::new(&identity), &log, cost)
-                .await
-                .expect_err(&format!("{member} at {score}, cost {cost}"));
-            assert_eq!(
-                error.kind(),
-                tollgate::store::StoreErrorKind::Refused,
-                "{error}"
-            );
-            assert!(error.to_string().contains("did not write"), "{error}");
+            let what = format!("{member} at {score}, cost {cost}");
+            refused_as_foreign(&store, &identity, &log, cost, &what).await;
         }
     }
 }
@@ -1857,11 +1849,17 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     }
 }
 
-/// Asserts that a decision for `identity`, whose state holds `what` written by another
-/// client, is refused as a state tollgate did not write.
-async fn refused_as_foreign(store: &RedisStore, identity: &str, policies: &PolicySet, what: &str) {
+/// Asserts that a decision of `cost` for `identity`, whose state holds `what` written by
+/// another client, is refused as a state tollgate did not write.
+async fn refused_as_foreign(
+    store: &RedisStore,
+    identity: &str,
+    policies: &PolicySet,
+    cost: u64,
+    what: &str,
+) {
     let error = store
-        .decide(&Key::new(identity), policies, 1)
+        .decide(&Key::new(identity), policies, cost)
         .await
         .expect_err(&format!("{what} was read as a state tollgate wrote"));
     assert_eq!(
@@ -1898,7 +1896,7 @@ async fn a_value_tollgate_did_not_write_is_refused() {
             .query_async(&mut connection)
             .await
             .unwrap();
-        refused_as_foreign(&store, &identity, &gcra, &format!("{value:?}")).await;
+        refused_as_foreign(&store, &identity, &gcra, 1, &format!("{value:?}")).await;
     }
     // A fixed window's fields (an index no time reaches yet, so its count is read).
     let window = PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(60)).unwrap());
@@ -1914,7 +1912,7 @@ async fn a_value_tollgate_did_not_write_is_refused() {
             .query_async(&mut connection)
             .await
             .unwrap();
-        refused_as_foreign(&store, &identity, &window, &format!("i={i} c={c}")).await;
+        refused_as_foreign(&store, &identity, &window, 1, &format!("i={i} c={c}")).await;
     }
 
     // A value tollgate wrote is read as it was written.
