@@ -114,6 +114,9 @@ struct Open {
     waiting: Vec<oneshot::Sender<()>>,
     /// A lease was refused: until then, requests are decided one by one.
     refused_until: Option<Instant>,
+    /// The identity was reset while the lease was being taken: that lease's debit was
+    /// cleared (or lands in the fresh state), so it is not recorded.
+    reset_while_taking: bool,
 }
 
 /// One block of units taken from the shared store.
@@ -323,6 +326,7 @@ impl Leases {
             return Step::Wait(woken);
         }
         open.taking = true;
+        open.reset_while_taking = false;
         // The open leases' rests go back as a new lease is taken: kept, a rest per
         // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
         // one window and spent in the next. One rest at a time keeps the bound.
@@ -359,7 +363,11 @@ impl Leases {
             return;
         };
         open.taking = false;
-        if let Some(lease) = lease {
+        // Taken across a reset: not spent here (its timer finds it gone and gives nothing
+        // back; if its debit landed after the reset, those units wait out their window).
+        if let Some(lease) = lease
+            && !std::mem::take(&mut open.reset_while_taking)
+        {
             open.leases.push(lease);
         }
         if alone_until.is_some() {
@@ -636,16 +644,93 @@ impl<S: Store> Store for Leased<S> {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         // The leases of a reset key are forgotten: their units are in the state the reset
-        // clears. A lease being taken keeps its turn (one at a time still holds).
+        // clears. A lease being taken keeps its turn (one at a time still holds), but is
+        // not spent when it comes.
         let id = (key.clone(), policies.fingerprint());
         {
             let mut shard = self.leases.shard(&id);
             if let Some(open) = shard.get_mut(&id) {
                 open.leases.clear();
                 open.refused_until = None;
+                // A lease being taken now is not spent when it comes.
+                open.reset_while_taking = open.taking;
             }
             forget_if_idle(&mut shard, &id);
         }
         self.inner.reset(key, policies)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Policy;
+    use crate::clock::ManualClock;
+    use crate::store::MemoryStore;
+
+    /// An in-process store whose decisions are made at once and answered when the gate
+    /// lets them (a store doing I/O, its answer on the way).
+    #[derive(Clone)]
+    struct Held {
+        inner: MemoryStore<ManualClock>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Store for Held {
+        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+            let decision = self.inner.check(key.as_str(), policies, cost);
+            let gate = Arc::clone(&self.gate);
+            DecideFuture::new(async move {
+                gate.acquire().await.expect("open").forget();
+                Ok(decision)
+            })
+        }
+
+        fn can_adjust(&self) -> bool {
+            true
+        }
+
+        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+            self.inner.adjust(key, policies, adjustment)
+        }
+
+        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+            self.inner.reset(key, policies)
+        }
+    }
+
+    /// A reset that comes while a lease is being taken clears the state that lease was
+    /// debited from (or comes before the debit lands): recorded all the same, its units
+    /// were spent here on top of a whole fresh quota. A limit of 10 admitted 15.
+    #[tokio::test]
+    async fn a_lease_taken_across_a_reset_is_not_spent() {
+        let clock = ManualClock::new();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let inner = MemoryStore::builder().clock(clock).build();
+        let held = Held {
+            inner: inner.clone(),
+            gate: Arc::clone(&gate),
+        };
+        let store = Leased::new(held, 5, Duration::from_secs(60)).unwrap();
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        // A request starts a take of 5: the store debits it now and answers later.
+        let first = tokio::spawn(store.decide(&key, &policies, 1));
+        for _ in 0..100 {
+            if inner.check("k", &policies, 0).statuses()[0].remaining == 5 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 5);
+        // Support resets the identity meanwhile: the store forgets the 5.
+        store.reset(&key, &policies).await.unwrap();
+        gate.add_permits(1_000);
+        let mut admitted = u64::from(first.await.unwrap().unwrap().is_allowed());
+        for _ in 0..30 {
+            admitted += u64::from(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
     }
 }
