@@ -365,12 +365,14 @@ impl Leases {
         open.taking = false;
         // Taken across a reset: not spent here (its timer finds it gone and gives nothing
         // back; if its debit landed after the reset, those units wait out their window).
+        // A refusal then spoke of the state before the reset: it is not kept either.
+        let across_a_reset = std::mem::take(&mut open.reset_while_taking);
         if let Some(lease) = lease
-            && !std::mem::take(&mut open.reset_while_taking)
+            && !across_a_reset
         {
             open.leases.push(lease);
         }
-        if alone_until.is_some() {
+        if alone_until.is_some() && !across_a_reset {
             open.refused_until = alone_until;
         }
         for wake in open.waiting.drain(..) {
@@ -645,19 +647,28 @@ impl<S: Store> Store for Leased<S> {
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         // The leases of a reset key are forgotten: their units are in the state the reset
         // clears. A lease being taken keeps its turn (one at a time still holds), but is
-        // not spent when it comes.
-        let id = (key.clone(), policies.fingerprint());
-        {
-            let mut shard = self.leases.shard(&id);
+        // not spent when it comes. Done when the reset is sent and again when it has
+        // landed: a lease taken meanwhile may have been debited before it.
+        let (leases, id) = (
+            Arc::clone(&self.leases),
+            (key.clone(), policies.fingerprint()),
+        );
+        let forget = move || {
+            let mut shard = leases.shard(&id);
             if let Some(open) = shard.get_mut(&id) {
                 open.leases.clear();
                 open.refused_until = None;
-                // A lease being taken now is not spent when it comes.
                 open.reset_while_taking = open.taking;
             }
             forget_if_idle(&mut shard, &id);
-        }
-        self.inner.reset(key, policies)
+        };
+        forget();
+        let reset = self.inner.reset(key, policies);
+        Box::pin(async move {
+            let landed = reset.await;
+            forget();
+            landed
+        })
     }
 }
 
@@ -674,6 +685,8 @@ mod tests {
     struct Held {
         inner: MemoryStore<ManualClock>,
         gate: Arc<tokio::sync::Semaphore>,
+        /// Resets land when this lets them.
+        resets: Arc<tokio::sync::Semaphore>,
     }
 
     impl Store for Held {
@@ -695,8 +708,40 @@ mod tests {
         }
 
         fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-            self.inner.reset(key, policies)
+            let (inner, resets) = (self.inner.clone(), Arc::clone(&self.resets));
+            let (key, policies) = (key.clone(), policies.clone());
+            Box::pin(async move {
+                resets.acquire().await.expect("open").forget();
+                inner.reset(&key, &policies).await
+            })
         }
+    }
+
+    /// A store of 5-unit leases over `Held`, whose decisions wait for `gate` and whose
+    /// resets wait for `resets`, and the in-process store behind it.
+    fn leased(
+        gate: &Arc<tokio::sync::Semaphore>,
+        resets: &Arc<tokio::sync::Semaphore>,
+    ) -> (Leased<Held>, MemoryStore<ManualClock>) {
+        let inner = MemoryStore::builder().clock(ManualClock::new()).build();
+        let held = Held {
+            inner: inner.clone(),
+            gate: Arc::clone(gate),
+            resets: Arc::clone(resets),
+        };
+        (
+            Leased::new(held, 5, Duration::from_secs(60)).unwrap(),
+            inner,
+        )
+    }
+
+    /// Requests admitted of 30.
+    async fn admitted(store: &Leased<Held>, key: &Key, policies: &PolicySet) -> u64 {
+        let mut admitted = 0;
+        for _ in 0..30 {
+            admitted += u64::from(store.decide(key, policies, 1).await.unwrap().is_allowed());
+        }
+        admitted
     }
 
     /// A reset that comes while a lease is being taken clears the state that lease was
@@ -704,14 +749,9 @@ mod tests {
     /// were spent here on top of a whole fresh quota. A limit of 10 admitted 15.
     #[tokio::test]
     async fn a_lease_taken_across_a_reset_is_not_spent() {
-        let clock = ManualClock::new();
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let inner = MemoryStore::builder().clock(clock).build();
-        let held = Held {
-            inner: inner.clone(),
-            gate: Arc::clone(&gate),
-        };
-        let store = Leased::new(held, 5, Duration::from_secs(60)).unwrap();
+        let resets = Arc::new(tokio::sync::Semaphore::new(1_000));
+        let (store, inner) = leased(&gate, &resets);
         let policies =
             PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
         let key = Key::new("k");
@@ -727,10 +767,31 @@ mod tests {
         // Support resets the identity meanwhile: the store forgets the 5.
         store.reset(&key, &policies).await.unwrap();
         gate.add_permits(1_000);
-        let mut admitted = u64::from(first.await.unwrap().unwrap().is_allowed());
-        for _ in 0..30 {
-            admitted += u64::from(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-        }
+        let first = u64::from(first.await.unwrap().unwrap().is_allowed());
+        let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A reset is sent, then lands a round trip later (Redis's `DEL`): a lease taken in
+    /// between was debited from the state the reset then clears. Kept, its rest was spent
+    /// on top of the fresh quota.
+    #[tokio::test]
+    async fn a_lease_taken_while_a_reset_is_on_its_way_is_not_spent() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(1_000));
+        let resets = Arc::new(tokio::sync::Semaphore::new(0));
+        let (store, _) = leased(&gate, &resets);
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        let reset = tokio::spawn(store.reset(&key, &policies));
+        // A lease of 5 is taken (and one unit of it spent) before the reset lands.
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        resets.add_permits(1);
+        reset.await.unwrap().unwrap();
+        assert_eq!(
+            admitted(&store, &key, &policies).await,
+            10,
+            "admitted under a limit of 10 after the reset landed"
+        );
     }
 }
