@@ -452,6 +452,7 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::store::MemoryStore;
+    use crate::store::held::Held;
     use crate::{Policy, Rate};
 
     /// Counts the calls that reach the inner store.
@@ -742,46 +743,11 @@ mod tests {
         }
     }
 
-    /// An in-process store whose decisions are made at once and answered when the test
-    /// says: a reply that arrives after a later request's (a pool, a Cluster, a task
-    /// scheduled late).
-    #[derive(Clone)]
-    struct LateReplies {
-        inner: MemoryStore<ManualClock>,
-        gate: Arc<tokio::sync::Semaphore>,
-    }
-
-    impl Store for LateReplies {
-        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-            let decision = self.inner.check(key.as_str(), policies, cost);
-            let gate = Arc::clone(&self.gate);
-            DecideFuture::new(async move {
-                gate.acquire().await.expect("open").forget();
-                Ok(decision)
-            })
-        }
-
-        fn can_adjust(&self) -> bool {
-            true
-        }
-
-        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-            self.inner.adjust(key, policies, adjustment)
-        }
-
-        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-            self.inner.reset(key, policies)
-        }
-    }
-
     /// A deny cache keeping denials a minute, over a store on `clock` whose replies wait
     /// for the returned gate (one reply may pass at first).
-    fn late_replies(clock: &ManualClock) -> (DenyCache<LateReplies>, Arc<tokio::sync::Semaphore>) {
-        let gate = Arc::new(tokio::sync::Semaphore::new(1));
-        let store = LateReplies {
-            inner: MemoryStore::builder().clock(clock.clone()).build(),
-            gate: Arc::clone(&gate),
-        };
+    fn late_replies(clock: &ManualClock) -> (DenyCache<Held>, Arc<tokio::sync::Semaphore>) {
+        let store = Held::new(clock, 1, usize::MAX >> 4);
+        let gate = Arc::clone(&store.answers);
         let cache =
             DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
         (cache, gate)

@@ -677,61 +677,15 @@ mod tests {
     use super::*;
     use crate::Policy;
     use crate::clock::ManualClock;
-    use crate::store::MemoryStore;
+    use crate::store::held::Held;
 
-    /// An in-process store whose decisions are made at once and answered when the gate
-    /// lets them (a store doing I/O, its answer on the way).
-    #[derive(Clone)]
-    struct Held {
-        inner: MemoryStore<ManualClock>,
-        gate: Arc<tokio::sync::Semaphore>,
-        /// Resets land when this lets them.
-        resets: Arc<tokio::sync::Semaphore>,
-    }
-
-    impl Store for Held {
-        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-            let decision = self.inner.check(key.as_str(), policies, cost);
-            let gate = Arc::clone(&self.gate);
-            DecideFuture::new(async move {
-                gate.acquire().await.expect("open").forget();
-                Ok(decision)
-            })
-        }
-
-        fn can_adjust(&self) -> bool {
-            true
-        }
-
-        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-            self.inner.adjust(key, policies, adjustment)
-        }
-
-        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-            let (inner, resets) = (self.inner.clone(), Arc::clone(&self.resets));
-            let (key, policies) = (key.clone(), policies.clone());
-            Box::pin(async move {
-                resets.acquire().await.expect("open").forget();
-                inner.reset(&key, &policies).await
-            })
-        }
-    }
-
-    /// A store of 5-unit leases over `Held`, whose decisions wait for `gate` and whose
-    /// resets wait for `resets`, and the in-process store behind it.
-    fn leased(
-        gate: &Arc<tokio::sync::Semaphore>,
-        resets: &Arc<tokio::sync::Semaphore>,
-    ) -> (Leased<Held>, MemoryStore<ManualClock>) {
-        let inner = MemoryStore::builder().clock(ManualClock::new()).build();
-        let held = Held {
-            inner: inner.clone(),
-            gate: Arc::clone(gate),
-            resets: Arc::clone(resets),
-        };
+    /// A store of 5-unit leases over a `Held` store letting `answers` answers and `resets`
+    /// resets pass at first, and that store.
+    fn leased(answers: usize, resets: usize) -> (Leased<Held>, Held) {
+        let held = Held::new(&ManualClock::new(), answers, resets);
         (
-            Leased::new(held, 5, Duration::from_secs(60)).unwrap(),
-            inner,
+            Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap(),
+            held,
         )
     }
 
@@ -749,9 +703,8 @@ mod tests {
     /// were spent here on top of a whole fresh quota. A limit of 10 admitted 15.
     #[tokio::test]
     async fn a_lease_taken_across_a_reset_is_not_spent() {
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let resets = Arc::new(tokio::sync::Semaphore::new(1_000));
-        let (store, inner) = leased(&gate, &resets);
+        let (store, held) = leased(0, 1_000);
+        let inner = &held.inner;
         let policies =
             PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
         let key = Key::new("k");
@@ -766,7 +719,7 @@ mod tests {
         assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 5);
         // Support resets the identity meanwhile: the store forgets the 5.
         store.reset(&key, &policies).await.unwrap();
-        gate.add_permits(1_000);
+        held.answers.add_permits(1_000);
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
@@ -777,16 +730,14 @@ mod tests {
     /// on top of the fresh quota.
     #[tokio::test]
     async fn a_lease_taken_while_a_reset_is_on_its_way_is_not_spent() {
-        let gate = Arc::new(tokio::sync::Semaphore::new(1_000));
-        let resets = Arc::new(tokio::sync::Semaphore::new(0));
-        let (store, _) = leased(&gate, &resets);
+        let (store, held) = leased(1_000, 0);
         let policies =
             PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
         let key = Key::new("k");
         let reset = tokio::spawn(store.reset(&key, &policies));
         // A lease of 5 is taken (and one unit of it spent) before the reset lands.
         assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-        resets.add_permits(1);
+        held.resets.add_permits(1);
         reset.await.unwrap().unwrap();
         assert_eq!(
             admitted(&store, &key, &policies).await,

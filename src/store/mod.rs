@@ -6,6 +6,8 @@
 
 mod decide;
 mod deny_cache;
+#[cfg(test)]
+mod held;
 mod lease;
 mod memory;
 #[cfg(feature = "redis")]
