@@ -187,6 +187,13 @@ fn nanos(duration: Duration) -> u64 {
 }
 
 impl Shared {
+    /// Drops `key`'s cached denials, under every policy set (sets sharing a policy share
+    /// its state): units given back or a reset may admit what was denied. Its generation
+    /// moves on, so its entries are stale (and replaced when next recorded).
+    fn forget(&self, key: &Key) {
+        self.generation(key).fetch_add(1, Ordering::SeqCst);
+    }
+
     /// The forget generation of `key`.
     fn generation(&self, key: &Key) -> &AtomicU64 {
         let hash = self.hasher.hash_one(key.as_str());
@@ -278,55 +285,20 @@ fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
     (key.clone(), policies.fingerprint_with_penalties())
 }
 
-/// A key's cached denials, to be dropped: units given back or a reset may admit what was
-/// denied, under this set and under any other sharing a policy with it. The key's
-/// generation is bumped (every set's denials of the key go stale), and this set's
-/// entries, with its penalties and without, are removed at once.
-struct Forget {
-    key: Key,
-    with_penalties: u64,
-    without: Option<u64>,
-}
-
-impl Forget {
-    fn new(key: &Key, policies: &PolicySet) -> Self {
-        Self {
-            key: key.clone(),
-            with_penalties: policies.fingerprint_with_penalties(),
-            without: policies.has_penalties().then(|| policies.fingerprint()),
-        }
-    }
-
-    fn run(self, shared: &Shared) -> Self {
-        shared.generation(&self.key).fetch_add(1, Ordering::SeqCst);
-        let mut cache_key = (self.key, self.with_penalties);
-        shared.denials.remove(&cache_key);
-        if let Some(fingerprint) = self.without {
-            cache_key.1 = fingerprint;
-            shared.denials.remove(&cache_key);
-        }
-        Self {
-            key: cache_key.0,
-            ..self
-        }
-    }
-}
-
 impl<S> DenyCache<S> {
-    /// Drops a key's cached denials under `policies` now and again when `change` lands
-    /// (a store doing I/O lands it a round trip later: a denial it gave meanwhile, and
-    /// this cache kept, was given before the units were back).
+    /// Drops a key's cached denials now and again when `change` lands (a store doing I/O
+    /// lands it a round trip later: a denial it gave meanwhile, and this cache kept, was
+    /// given before the units were back).
     fn forget_around<T: Send + 'static>(
         &self,
         key: &Key,
-        policies: &PolicySet,
         change: Pin<Box<dyn Future<Output = T> + Send>>,
     ) -> Pin<Box<dyn Future<Output = T> + Send>> {
-        let forget = Forget::new(key, policies).run(&self.shared);
-        let shared = Arc::clone(&self.shared);
+        self.shared.forget(key);
+        let (shared, key) = (Arc::clone(&self.shared), key.clone());
         Box::pin(async move {
             let landed = change.await;
-            forget.run(&shared);
+            shared.forget(&key);
             landed
         })
     }
@@ -428,10 +400,10 @@ impl<S: Store> Store for DenyCache<S> {
         // the adjustment is sent and when it lands.
         match self.inner.adjust(key, policies, adjustment).into_ready() {
             Ok(result) => {
-                Forget::new(key, policies).run(&self.shared);
+                self.shared.forget(key);
                 DecideFuture::ready(result)
             }
-            Err(pending) => DecideFuture::new(self.forget_around(key, policies, pending)),
+            Err(pending) => DecideFuture::new(self.forget_around(key, pending)),
         }
     }
 
@@ -441,7 +413,7 @@ impl<S: Store> Store for DenyCache<S> {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         let reset = self.inner.reset(key, policies);
-        self.forget_around(key, policies, reset)
+        self.forget_around(key, reset)
     }
 }
 

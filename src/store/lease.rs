@@ -326,7 +326,6 @@ impl Leases {
             return Step::Wait(woken);
         }
         open.taking = true;
-        open.reset_while_taking = false;
         // The open leases' rests go back as a new lease is taken: kept, a rest per
         // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
         // one window and spent in the next. One rest at a time keeps the bound.
