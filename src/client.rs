@@ -96,10 +96,24 @@ struct Shared {
 struct Pacer {
     store: MemoryStore<RuntimeClock>,
     policies: PolicySet,
-    /// Per key: the turns given so far, and how many are still waiting to be sent. A
-    /// turn is given back only when no turn was given after it for its key: units taken
-    /// out from under a later turn would put two requests on one slot.
-    turns: Mutex<HashMap<String, (u64, usize)>>,
+    /// Per key: the turns given so far, how many are still waiting to be sent, and those
+    /// dropped unused while a later turn stood. A turn is given back only when no turn
+    /// was given after it for its key: units taken out from under a later turn would put
+    /// two requests on one slot.
+    turns: Mutex<HashMap<String, Turns>>,
+}
+
+/// The turns of one key (host and partition).
+#[derive(Default)]
+struct Turns {
+    /// The count of turns given (less those given back).
+    given: u64,
+    /// Turns given and neither sent nor dropped yet.
+    waiting: usize,
+    /// Turns dropped unused while a later turn stood, by number, with what each spent:
+    /// given back once every turn after them has been, so that callers giving up oldest
+    /// first (as their timeouts end) leave no slot booked for nobody.
+    unused: Vec<(u64, crate::Decision)>,
 }
 
 impl fmt::Debug for PacingLayer {
@@ -219,7 +233,12 @@ impl PacingLayer {
              outlasts any wait); use a plain rate policy",
             policy.name()
         );
-        let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
+        // As many identities as the hosts' words: hosts an attacker names (a crawler's,
+        // a webhook sender's) cannot grow the pacer's state past the bound either.
+        let store = MemoryStore::builder()
+            .clock(RuntimeClock::new())
+            .max_keys(Hosts::MAX_HOSTS)
+            .build();
         let pacer = Pacer {
             store,
             policies: PolicySet::from(policy),
@@ -868,13 +887,13 @@ impl Pacer {
                 Pacing::WaitFor(delay)
             }
             crate::Outcome::Allowed { delay } => {
-                let (given, waiting) = turns.entry(key.to_owned()).or_insert((0, 0));
-                *given += 1;
-                *waiting += 1;
+                let turns = turns.entry(key.to_owned()).or_default();
+                turns.given += 1;
+                turns.waiting += 1;
                 let turn = Turn {
                     pacer: self,
                     key,
-                    number: *given,
+                    number: turns.given,
                     decision: Some(decision),
                 };
                 Pacing::Go(turn, delay)
@@ -917,19 +936,32 @@ impl Drop for Turn<'_> {
             .turns
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let Some((given, waiting)) = turns.get_mut(self.key) else {
+        let Some(key_turns) = turns.get_mut(self.key) else {
             debug_assert!(false, "a turn outlived its key's count");
             return;
         };
-        if let Some(decision) = self.decision.take()
-            && *given == self.number
-        {
-            self.pacer.give_back(self.key, &decision);
-            // As if it had never been given: the turn before it is the newest again.
-            *given -= 1;
+        if let Some(decision) = self.decision.take() {
+            if key_turns.given == self.number {
+                self.pacer.give_back(self.key, &decision);
+                // As if it had never been given: the turn before it is the newest again,
+                // and given back too if it was dropped unused, and so on down.
+                key_turns.given -= 1;
+                while let Some(at) = key_turns
+                    .unused
+                    .iter()
+                    .position(|(number, _)| *number == key_turns.given)
+                {
+                    let (_, decision) = key_turns.unused.swap_remove(at);
+                    self.pacer.give_back(self.key, &decision);
+                    key_turns.given -= 1;
+                }
+            } else {
+                key_turns.unused.push((self.number, decision));
+            }
         }
-        *waiting -= 1;
-        if *waiting == 0 {
+        key_turns.waiting -= 1;
+        // With none waiting, no later turn can be given back: the unused ones stay spent.
+        if key_turns.waiting == 0 {
             turns.remove(self.key);
         }
     }
@@ -938,6 +970,27 @@ impl Drop for Turn<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pacers_state_is_bounded_like_the_hosts_words() {
+        // A crawler's hosts, named by whoever wrote its links: each new host takes one
+        // turn, and the pacer keeps no more of them than the hosts' words.
+        let layer = PacingLayer::new()
+            .pace(Policy::token_bucket("upstream", 1, crate::Rate::per_second(1)).unwrap());
+        let pacer = layer.shared.pacer.as_ref().expect("a pacing policy");
+        for n in 0..Hosts::MAX_HOSTS + 4_000 {
+            let key = format!("h{n}.test:443");
+            match pacer.take_turn(&key, Duration::from_secs(60)) {
+                Pacing::Go(turn, _) => turn.used(),
+                _ => panic!("a new host's first request is paced at once"),
+            }
+        }
+        assert!(
+            pacer.store.len() <= Hosts::MAX_HOSTS,
+            "the pacer keeps {} hosts",
+            pacer.store.len()
+        );
+    }
 
     #[test]
     fn hosts_are_swept_a_few_times_not_on_every_new_host() {

@@ -1042,6 +1042,48 @@ async fn turns_dropped_newest_first_are_all_given_back() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn turns_dropped_oldest_first_are_all_given_back() {
+    // One every 10 s: the second and third requests wait for 10 and 20 s and are given
+    // up at 1 and 2 s, oldest first (callers' timeouts end in the order they began). The
+    // second's turn cannot come back at 1 s (the third's is after it), but once the
+    // third's comes back at 2 s, the second's is the newest and unused: it comes back
+    // too, so a fourth request at 2 s goes at 10 s, not 20 s.
+    let arrivals = Arrivals::new();
+    let client = PacingLayer::new()
+        .pace(one_every(Duration::from_secs(10)))
+        .layer(timed(arrivals.clone(), None, Duration::ZERO));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let second = spawn_given_up(&client, "http://a.test/", 1);
+    tokio::task::yield_now().await;
+    let third = spawn_given_up(&client, "http://a.test/", 2);
+    tokio::task::yield_now().await;
+    assert!(second.await.unwrap().is_err());
+    assert!(third.await.unwrap().is_err());
+    send(&mut client.clone(), get("http://a.test/")).await;
+    assert_eq!(arrivals.times(), at(&[0, 10]));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unused_turn_behind_a_used_one_stays_spent() {
+    // One every 10 s: the second request waits 10 s and is given up at 1 s; the third
+    // waits 20 s and is sent. The second's turn stays spent (the third's slot was
+    // booked after it), and a fourth request goes at 30 s.
+    let arrivals = Arrivals::new();
+    let client = PacingLayer::new()
+        .pace(one_every(Duration::from_secs(10)))
+        .layer(timed(arrivals.clone(), None, Duration::ZERO));
+    send(&mut client.clone(), get("http://a.test/")).await;
+    let second = spawn_given_up(&client, "http://a.test/", 1);
+    tokio::task::yield_now().await;
+    let third = spawn_send(&client, "http://a.test/");
+    tokio::task::yield_now().await;
+    assert!(second.await.unwrap().is_err());
+    third.await.unwrap();
+    send(&mut client.clone(), get("http://a.test/")).await;
+    assert_eq!(arrivals.times(), at(&[0, 20, 30]));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_stall_after_a_denial_does_not_use_up_the_pacing_wait() {
     // One at a time inside the pacer; one request a second per host; `max_wait` 10 s.
     // Two requests to a.test are denied for 1 s; meanwhile one to b.test holds the inner
