@@ -135,10 +135,11 @@ end
 -- src/algorithm/sliding_log.rs's WALK).
 local WALK = 256
 
--- Whether `cost` fits a log holding `total` of a limit of p1, whose oldest entry (at
--- `oldest`) is the member `first`: 'admit', 'deny' (and the wait until enough of the
--- oldest entries have left the window) or 'never'.
-local function fits(key, p1, p2, total, oldest, first, extra)
+-- Whether `cost` (or `units`, when given) fits a log holding `total` of a limit of p1,
+-- whose oldest entry (at `oldest`) is the member `first`: 'admit', 'deny' (and the wait
+-- until enough of the oldest entries have left the window) or 'never'.
+local function fits(key, p1, p2, total, oldest, first, extra, units)
+  local cost = units or cost
   if cost > p1 then return 'never', 0 end
   if total + cost <= p1 then return 'admit', 0 end
   local needed = total + cost - p1
@@ -258,9 +259,15 @@ local function snapshot(p, s)
   if newest == nil then newest = newest_of(s.key) end
   local reset = 0
   if newest ~= nil then reset = max(newest + p[2] - now, 0) end
-  -- Effective window: until the oldest counted entry leaves (a whole window when empty).
+  -- Effective window: until the oldest counted entry leaves (a whole window when empty),
+  -- or, in a log a settle charged past its limit, until a unit fits.
   local effective = p[2]
-  if s.oldest ~= nil then effective = max(s.oldest + p[2] - now, 1) end
+  if s.total > p[1] then
+    local _, wait = fits(s.key, p[1], p[2], s.total, s.oldest, s.first, s.extra, 1)
+    effective = max(wait, 1)
+  elseif s.oldest ~= nil then
+    effective = max(s.oldest + p[2] - now, 1)
+  end
   return p[1], max(p[1] - s.total, 0), reset, effective, max(s.total - p[1], 0)
 end
 
@@ -299,5 +306,12 @@ local function one(key, p1, p2)
   end
   local outcome = 0
   if verdict == 'deny' then outcome = 1 elseif verdict == 'never' then outcome = 2 end
+  -- A log a settle charged past its limit: the entry reported as the oldest is the one
+  -- whose leaving lets a unit fit, as the effective window of snapshot (only a refusal
+  -- meets such a log: an admission leaves the log within its limit).
+  if total > p1 then
+    local _, wait = fits(key, p1, p2, total, oldest, first, extra, 1)
+    oldest = now + max(wait, 1) - p2
+  end
   return { outcome, value, total, oldest or -1, newest_of(key) or -1, now }
 end

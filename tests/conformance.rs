@@ -591,6 +591,74 @@ async fn twins_at_1000_s() -> (
     (server, clock, store, memory)
 }
 
+/// A settle can charge a log past its limit (the request used more than it reserved).
+/// The effective window `t` is then the time until one more unit fits, as for every other
+/// algorithm (draft-ietf-httpapi-ratelimit-headers-11 section 4.2, the "t" parameter: the
+/// time until the quota is restored), not until the oldest entry leaves, which frees too
+/// little: clients that read `t` came back early and were denied. On every store, alone
+/// (Redis's path for one policy) and beside another policy (its general path).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_charged_past_its_limit_says_when_a_unit_fits() {
+    let (_server, clock, store, memory) = twins_at_1000_s().await;
+    let log = Policy::sliding_log("sl", 10, Duration::from_secs(60)).unwrap();
+    let bystander =
+        Policy::fixed_window("bystander", 1_000_000, Duration::from_secs(3600)).unwrap();
+    let sets = [
+        PolicySet::from(log.clone()),
+        PolicySet::new([log, bystander]).unwrap(),
+    ];
+    let second = Duration::from_secs(1);
+    for (n, set) in sets.iter().enumerate() {
+        let key = Key::new(format!("charged-{n}"));
+        for redis in [false, true] {
+            // Each run later than the one before: the Redis store's time never steps
+            // back.
+            let start = Duration::from_secs(1_000 + 200 * n as u64 + 100 * u64::from(redis));
+            let decide = async |cost: u64| -> Decision {
+                if redis {
+                    store.decide(&key, set, cost).await.unwrap()
+                } else {
+                    memory.check(key.as_str(), set, cost)
+                }
+            };
+            clock.set(start);
+            assert!(decide(1).await.is_allowed());
+            clock.set(start + second);
+            let reserved = decide(9).await;
+            assert!(reserved.is_allowed());
+            // It used 14: the log holds 15, 5 past its limit.
+            let charge = Adjustment::settle(9, 14, reserved.receipt());
+            if redis {
+                store.adjust(&key, set, &charge).await.unwrap();
+            } else {
+                memory.adjust_now(key.as_str(), set, &charge);
+            }
+            clock.set(start + 2 * second);
+            let denied = decide(1).await;
+            let context = format!("set {n}, on {}", if redis { "Redis" } else { "memory" });
+            assert!(!denied.is_allowed(), "{context}");
+            // The entry of 1 leaves at 60 s, the entry of 14 at 61 s: a unit fits then.
+            assert_eq!(denied.statuses()[0].remaining, 0, "{context}");
+            assert_eq!(
+                denied.statuses()[0].effective_window,
+                59 * second,
+                "{context}"
+            );
+            let Outcome::Denied { retry_after, .. } = denied.outcome() else {
+                unreachable!()
+            };
+            assert_eq!(retry_after, 59 * second, "{context}");
+            clock.set(start + 60 * second);
+            assert!(
+                !decide(1).await.is_allowed(),
+                "{context}: 14 still in the log"
+            );
+            clock.set(start + 61 * second);
+            assert!(decide(1).await.is_allowed(), "{context}");
+        }
+    }
+}
+
 /// Redis `TIME` may step back (a failover to a replica whose clock is behind, an NTP
 /// step): a state then holds debits made later than the script's now. Its key must live
 /// until they are gone, as the in-process store keeps it (its time never goes back on a

@@ -170,10 +170,17 @@ impl SlidingLog {
         }
     }
 
-    /// The draft-11 effective window: nanoseconds until the oldest counted entry leaves
-    /// (a whole window when the log is empty).
+    /// The draft-11 effective window: nanoseconds until one more unit fits after the
+    /// `remaining` were taken now. That is when the oldest counted entry leaves (a whole
+    /// window when the log is empty), unless a settle charged the log past its limit:
+    /// then when enough of the oldest have left (the wait of a one-unit request).
     #[inline]
     pub fn effective_window(&self, state: &LogState, now: u64, _remaining: u64) -> u64 {
+        if state.total > self.limit
+            && let Verdict::Deny { retry_after } = self.check(state, now, 1)
+        {
+            return retry_after.max(1);
+        }
         state.entries.front().map_or(self.window, |&(at, _)| {
             at.saturating_add(self.window).saturating_sub(now).max(1)
         })
