@@ -18,7 +18,10 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
-/// credentials after the scheme keep their case). `Basic` credentials are keyed whole,
+/// credentials after the scheme keep their case). A `Bearer` (or `DPoP`) token is one
+/// word (RFC 6750, section 2.1): one followed by more (`Bearer abc 1`, which a server
+/// reading the first word takes for `abc`) is a 400, not a bucket of its own. `Basic`
+/// credentials are keyed whole,
 /// password included, by what they decode to (a spelling without its padding, with other
 /// unused trailing bits or in base64url's alphabet is the same key; one that is not
 /// base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
@@ -319,6 +322,24 @@ impl HeaderKey {
                     &self.salt,
                     credential.as_bytes(),
                 ));
+            }
+            // A bearer token is one b64token (RFC 6750 section 2.1; DPoP's too, RFC 9449
+            // section 7.1): a server reading the first word after the scheme takes
+            // `Bearer abc 1` and `Bearer abc 2` for one token, which kept whole would be
+            // two buckets.
+            let token = credentials
+                .strip_prefix(b"Bearer ")
+                .or_else(|| credentials.strip_prefix(b"DPoP "));
+            if let Some(token) = token
+                && token
+                    .iter()
+                    .any(|&byte| matches!(byte, b' ' | b'\t' | b','))
+            {
+                return Err(KeyError::client(format!(
+                    "{} holds a bearer token followed by more (a token is one word, RFC \
+                     6750 section 2.1)",
+                    self.name
+                )));
             }
             return Ok(Key::hashed_with_salt(
                 self.name.as_str(),
@@ -671,5 +692,47 @@ mod tests {
             api_key.extract(&request.into_parts().0).unwrap()
         };
         assert_ne!(value(b"Bearer abc"), value(b"bearer abc"));
+    }
+
+    /// A bearer token is one `b64token` (RFC 6750, section 2.1: `"Bearer" 1*SP
+    /// b64token`; DPoP's the same, RFC 9449 section 7.1), with no space or comma in it.
+    /// An auth layer that reads the token leniently (the first word after the scheme)
+    /// takes `Bearer abc 1`, `Bearer abc 2`, ... as one token: kept whole, each would be
+    /// a bucket of its own. Such a value is refused, as Basic credentials with trailing
+    /// data are.
+    #[test]
+    fn a_bearer_token_with_trailing_data_is_refused() {
+        let key = HeaderKey::new("authorization");
+        let extract = |value: &str| {
+            let request = Request::get("/")
+                .header("authorization", value)
+                .body(())
+                .unwrap();
+            key.extract(&request.into_parts().0)
+        };
+        for bad in [
+            "Bearer abc 1",
+            "Bearer abc\t2",
+            "Bearer abc, x",
+            "Bearer abc,x",
+            "bearer abc  junk",
+            "DPoP abc 1",
+        ] {
+            let error = extract(bad).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");
+            assert!(!error.is_missing(), "{bad}");
+        }
+        // A token of b64token's characters, padding and trailing space included.
+        for good in [
+            "Bearer abc",
+            "Bearer a-b.c_d~e+f/g==",
+            "Bearer abc  ",
+            "DPoP abc",
+        ] {
+            assert!(extract(good).is_ok(), "{good}");
+        }
+        // Another scheme's credentials may be several auth-params (RFC 9110 section
+        // 11.4): kept whole.
+        assert!(extract("Digest username=\"a\", realm=\"b\"").is_ok());
     }
 }
