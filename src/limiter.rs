@@ -385,6 +385,7 @@ impl<St: Store> Limiter<St> {
             return self.decide_under(key, policies, cost).await;
         }
         let shared = &self.shared;
+        let started = tokio::time::Instant::now();
         let peeked = within(
             shared.timeout,
             "answer to a peek",
@@ -398,10 +399,13 @@ impl<St: Store> Limiter<St> {
                     .await
             }
             // Whether a block stands is not known: decided with the penalties, as a
-            // check is (a block is met; a denial counts).
+            // check is (a block is met; a denial counts), within what the peek left of
+            // the store timeout: a store that hung on the peek does not hold the waiter
+            // for a second timeout (the failure mode answers after one, as for a check).
             Err(error) => {
                 crate::telemetry::store_error(&error);
-                self.decide_under(key, policies, cost).await
+                let left = shared.timeout.saturating_sub(started.elapsed());
+                self.decide_within(key, policies, cost, left).await
             }
         }
     }
@@ -413,9 +417,22 @@ impl<St: Store> Limiter<St> {
         policies: &PolicySet,
         cost: u64,
     ) -> Result<(Decision, Decider), StoreError> {
+        self.decide_within(key, policies, cost, self.shared.timeout)
+            .await
+    }
+
+    /// [`decide_under`](Self::decide_under), the store given `timeout` to answer (an
+    /// answer ready at once is taken however short it is).
+    async fn decide_within(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        cost: u64,
+        timeout: Duration,
+    ) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
         let decided = within(
-            shared.timeout,
+            timeout,
             "decision",
             shared.store.decide(key, policies, cost),
         )

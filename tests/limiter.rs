@@ -741,6 +741,46 @@ async fn a_waiter_whose_peek_fails_still_meets_the_block() {
     }
 }
 
+/// A store that never answers anything.
+#[derive(Clone)]
+struct Hangs;
+
+impl Store for Hangs {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn peek(&self, _: &Key, _: &PolicySet) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+}
+
+/// Under a penalty a waiter's turn is a peek (is a block standing?) then a decision. A
+/// store that hangs held it for the store timeout twice, one per call; the two share
+/// one timeout, so the failure mode answers after it, as for a check.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_under_a_penalty_waits_one_store_timeout_for_a_store_that_hangs() {
+    use tollgate::policy::Penalty;
+    let login = Policy::token_bucket("login", 5, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(Hangs, login).store_timeout(Duration::from_millis(50));
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    let checked = limiter.check(&key, 1).await;
+    assert!(checked.is_ok(), "the fallback decides: {checked:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    let started = tokio::time::Instant::now();
+    let waited = limiter.until_ready(&key, 1, Duration::ZERO).await;
+    assert!(waited.is_ok(), "the fallback admits: {waited:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+}
+
 /// A waiter under a penalty decides on the set without the penalties, which `Leased`
 /// would lease (a set with penalties it never leases): the waiter took a lease of the
 /// whole quota, and the key's next check (with the penalties, straight to the store)
