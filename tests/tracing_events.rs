@@ -265,6 +265,49 @@ fn a_server_side_key_error_is_logged_once_and_not_shown_to_the_client() {
     assert_eq!(errors.len(), 1, "{errors:?}");
 }
 
+/// `Basic` credentials hold a password, and a key hashes them whole: without a salt, the
+/// hash a store dump or a log line shows can be checked against lists of common
+/// passwords in one fast SHA-256 each. A key that hashes them so says it, once, at warn
+/// level, without the credentials; a salted key, or one keyed by the user-id, does not.
+#[test]
+fn an_unsalted_key_of_basic_credentials_is_warned_of_once() {
+    use tollgate::key::{HeaderKey, KeyExtractor};
+    let parts = |value: &str| {
+        Request::get("/")
+            .header("authorization", value)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    };
+    // "alice:hunter2".
+    let basic = "Basic YWxpY2U6aHVudGVyMg==";
+    let recorder = Recorder::default();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        let salted = HeaderKey::new("authorization").salt("server secret");
+        let by_user = HeaderKey::new("authorization").basic_user_id();
+        let bearer = HeaderKey::new("authorization");
+        for _ in 0..3 {
+            salted.extract(&parts(basic)).unwrap();
+            by_user.extract(&parts(basic)).unwrap();
+            bearer.extract(&parts("Bearer abc")).unwrap();
+        }
+        assert_eq!(*recorder.events.lock().unwrap(), Vec::<String>::new());
+        let unsalted = HeaderKey::new("Authorization");
+        for _ in 0..3 {
+            unsalted.extract(&parts(basic)).unwrap();
+        }
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(events[0].starts_with("WARN "), "{events:?}");
+    assert!(events[0].contains("salt"), "{events:?}");
+    assert!(
+        !events[0].contains("YWxpY2U6aHVudGVyMg") && !events[0].contains("hunter2"),
+        "{events:?}"
+    );
+}
+
 struct AccountFromAuth(u64);
 
 /// `MissingKey::Allow` lets an absent key through on purpose; but when what is absent is

@@ -25,7 +25,8 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// password included, by what they decode to (a spelling without its padding, with other
 /// unused trailing bits or in base64url's alphabet is the same key; one that is not
 /// base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
-/// against lists of common passwords, and see
+/// against lists of common passwords (a key without one says so once, at warn level,
+/// when it first hashes such credentials), and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
 /// credentials differ on every request (a fresh nonce count and response), so each is a
 /// key of its own: key Digest clients by their `username` in a [`from_fn`](super::from_fn)
@@ -312,6 +313,9 @@ impl HeaderKey {
                         self.name
                     )));
                 };
+                if self.salt.is_empty() {
+                    unsalted_passwords(&self.name);
+                }
                 // One spelling for every spelling a lenient server decodes alike: the
                 // padded one without trailing bits, which a well-formed client sends.
                 use base64::Engine;
@@ -349,6 +353,29 @@ impl HeaderKey {
         }
         Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
     }
+}
+
+/// A key hashes `Basic` credentials, passwords included, with no salt: said once per
+/// process, at warn level (without the credentials). The hash a store dump or a log line
+/// shows can then be checked against lists of common passwords, one fast SHA-256 each.
+#[cold]
+fn unsalted_passwords(header: &HeaderName) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SAID.load(std::sync::atomic::Ordering::Relaxed)
+        || SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        return;
+    }
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        target: "tollgate",
+        header = header.as_str(),
+        "a key hashes Basic credentials, passwords included, with no salt: a store dump or \
+         a log line can be checked against lists of common passwords (set HeaderKey::salt \
+         to a server secret, or key by account with HeaderKey::basic_user_id)"
+    );
+    #[cfg(not(feature = "tracing"))]
+    let _ = header;
 }
 
 /// `Authorization` credentials as one spelling: the scheme in its registered spelling
