@@ -110,9 +110,13 @@ struct Turns {
     given: u64,
     /// Turns given and neither sent nor dropped yet.
     waiting: usize,
+    /// The newest turn sent: no turn before it can come back (its slot stands after
+    /// theirs).
+    sent: u64,
     /// Turns dropped unused while a later turn stood, by number, with what each spent:
     /// given back once every turn after them has been, so that callers giving up oldest
-    /// first (as their timeouts end) leave no slot booked for nobody.
+    /// first (as their timeouts end) leave no slot booked for nobody. Only those after
+    /// the newest turn sent, which may still come back.
     unused: Vec<(u64, crate::Decision)>,
 }
 
@@ -235,9 +239,13 @@ impl PacingLayer {
         );
         // As many identities as the hosts' words: hosts an attacker names (a crawler's,
         // a webhook sender's) cannot grow the pacer's state past the bound either.
+        // One shard: the bound holds for the hosts together, not per shard, so no
+        // shard that hashing filled first forgets a host that is still paced (the
+        // turns' lock is taken with every decision anyway).
         let store = MemoryStore::builder()
             .clock(RuntimeClock::new())
             .max_keys(Hosts::MAX_HOSTS)
+            .shards(1)
             .build();
         let pacer = Pacer {
             store,
@@ -955,9 +963,14 @@ impl Drop for Turn<'_> {
                     self.pacer.give_back(self.key, &decision);
                     key_turns.given -= 1;
                 }
-            } else {
+            } else if self.number > key_turns.sent {
                 key_turns.unused.push((self.number, decision));
             }
+        } else if self.number > key_turns.sent {
+            // Sent: the turns before it can no longer come back.
+            key_turns.sent = self.number;
+            let sent = self.number;
+            key_turns.unused.retain(|(number, _)| *number > sent);
         }
         key_turns.waiting -= 1;
         // With none waiting, no later turn can be given back: the unused ones stay spent.
@@ -970,6 +983,31 @@ impl Drop for Turn<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn turns_dropped_behind_a_sent_one_are_not_kept() {
+        // One host that always has a turn waiting (a crawler's workers): turns given up
+        // behind a later turn that was sent can never come back, and are not kept.
+        let layer = PacingLayer::new().pace(
+            Policy::token_bucket("upstream", 1_000_000, crate::Rate::per_second(1_000_000))
+                .unwrap(),
+        );
+        let pacer = layer.shared.pacer.as_ref().expect("a pacing policy");
+        let key = "busy.test:443";
+        let take = || match pacer.take_turn(key, Duration::from_secs(60)) {
+            Pacing::Go(turn, _) => turn,
+            _ => panic!("a turn is given"),
+        };
+        let _waiting = take();
+        for _ in 0..1_000 {
+            let (given_up, sent) = (take(), take());
+            drop(given_up);
+            sent.used();
+        }
+        let turns = pacer.turns.lock().unwrap();
+        let kept = turns[key].unused.len();
+        assert!(kept <= 1, "{kept} turns kept that can never come back");
+    }
 
     #[test]
     fn the_pacers_state_is_bounded_like_the_hosts_words() {

@@ -392,19 +392,20 @@ impl<St: Store> Limiter<St> {
             shared.store.peek(key, policies),
         )
         .await;
+        // The decision has what the peek left of the store timeout: a turn waits one
+        // timeout for the store, however its calls spend it.
+        let left = shared.timeout.saturating_sub(started.elapsed());
         match peeked {
             Ok(now) if now.is_blocked() => Ok((now, Decider::Store)),
             Ok(_) => {
-                self.decide_under(key, &policies.without_penalties(), cost)
+                self.decide_within(key, &policies.without_penalties(), cost, left)
                     .await
             }
             // Whether a block stands is not known: decided with the penalties, as a
-            // check is (a block is met; a denial counts), within what the peek left of
-            // the store timeout: a store that hung on the peek does not hold the waiter
-            // for a second timeout (the failure mode answers after one, as for a check).
+            // check is (a block is met; a denial counts). A store that hung on the peek
+            // has no time left: the failure mode answers after one timeout.
             Err(error) => {
                 crate::telemetry::store_error(&error);
-                let left = shared.timeout.saturating_sub(started.elapsed());
                 self.decide_within(key, policies, cost, left).await
             }
         }
@@ -421,8 +422,9 @@ impl<St: Store> Limiter<St> {
             .await
     }
 
-    /// [`decide_under`](Self::decide_under), the store given `timeout` to answer (an
-    /// answer ready at once is taken however short it is).
+    /// [`decide_under`](Self::decide_under), the store given `timeout` to answer. With
+    /// none left, the store is not asked (a call sent and given up at once could still
+    /// be counted): the failure mode answers.
     async fn decide_within(
         &self,
         key: &Key,
@@ -431,13 +433,23 @@ impl<St: Store> Limiter<St> {
         timeout: Duration,
     ) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
-        let decided = within(
-            timeout,
-            "decision",
-            shared.store.decide(key, policies, cost),
-        )
-        .await
-        .and_then(|decision| {
+        let decided = if timeout.is_zero() {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                format!(
+                    "no time left of the store timeout ({:?}) for a decision",
+                    shared.timeout
+                ),
+            ))
+        } else {
+            within(
+                timeout,
+                "decision",
+                shared.store.decide(key, policies, cost),
+            )
+            .await
+        };
+        let decided = decided.and_then(|decision| {
             crate::store::check_answer(&decision, policies.len())?;
             Ok(decision)
         });
@@ -499,12 +511,18 @@ impl<St: Store> Limiter<St> {
         if self.shared.policies.never_admits(cost).is_some() {
             // Without the penalties: another policy's denial beside it is no offence.
             let policies = self.shared.policies.without_penalties();
-            let (decision, _) = self
+            let (decision, decider) = self
                 .decide_under(key, &policies, cost)
                 .await
                 .map_err(WaitError::Store)?;
             if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
                 return Err(WaitError::Never(decision));
+            }
+            // The store failed and the failure mode let the request through: that is
+            // this turn's answer (asked again, the store would hold the waiter for a
+            // second timeout).
+            if let Decider::Open = decider {
+                return Ok(decision);
             }
         }
         let now = Instant::now();

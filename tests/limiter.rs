@@ -781,6 +781,62 @@ async fn a_waiter_under_a_penalty_waits_one_store_timeout_for_a_store_that_hangs
     assert_eq!(started.elapsed(), Duration::from_millis(50));
 }
 
+/// A store whose peeks answer after 45 ms and whose decisions never answer.
+#[derive(Clone)]
+struct SlowPeekThenHangs(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for SlowPeekThenHangs {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        let answer = self.0.peek(key, policies);
+        DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(45)).await;
+            answer.await
+        })
+    }
+}
+
+/// A waiter's turn under a penalty (a peek, then a decision) has one store timeout,
+/// however it is spent: a peek that answered late leaves the decision what is left.
+#[tokio::test(start_paused = true)]
+async fn a_waiters_peek_and_decision_share_one_store_timeout() {
+    use tollgate::policy::Penalty;
+    let login = Policy::token_bucket("login", 5, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(SlowPeekThenHangs(runtime_store()), login)
+        .store_timeout(Duration::from_millis(50));
+    let started = tokio::time::Instant::now();
+    let waited = limiter.until_ready(&Key::new("k"), 1, Duration::ZERO).await;
+    assert!(waited.is_ok(), "the fallback admits: {waited:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+}
+
+/// A cost above the limit is asked of the store once before queueing. When the store
+/// hangs and the failure mode lets requests through, that answer stands: the waiter is
+/// not sent to ask again for a second timeout.
+#[tokio::test(start_paused = true)]
+async fn a_cost_the_store_was_asked_of_in_vain_is_answered_by_the_failure_mode_at_once() {
+    let limiter = Limiter::new(
+        Hangs,
+        Policy::token_bucket("jobs", 5, Rate::per_second(1)).unwrap(),
+    )
+    .on_store_error(FailureMode::FailOpen)
+    .store_timeout(Duration::from_millis(50));
+    let started = tokio::time::Instant::now();
+    let waited = limiter.until_ready(&Key::new("k"), 6, Duration::ZERO).await;
+    assert!(waited.is_ok(), "fail-open lets it through: {waited:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+}
+
 /// A waiter under a penalty decides on the set without the penalties, which `Leased`
 /// would lease (a set with penalties it never leases): the waiter took a lease of the
 /// whole quota, and the key's next check (with the penalties, straight to the store)
