@@ -18,9 +18,11 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// blank value, or bytes that are not visible ASCII (spaces and tabs inside are kept).
 /// `Authorization` and `Proxy-Authorization` are read as one credential however the
 /// scheme is spelt: `Bearer abc`, `bearer abc` and `BEARER  abc` are one key (the
-/// credentials after the scheme keep their case). A `Bearer` (or `DPoP`) token is one
-/// word (RFC 6750, section 2.1): one followed by more (`Bearer abc 1`, which a server
-/// reading the first word takes for `abc`) is a 400, not a bucket of its own. `Basic`
+/// credentials after the scheme keep their case). A token (`Bearer`'s, or any scheme's
+/// `token68`) is one word (RFC 9110, section 11.4; RFC 6750, section 2.1): one followed
+/// by more (`Bearer abc 1`, which a server reading the first word takes for `abc`) is a
+/// 400, not a bucket of its own; auth-params (`Digest username="a", ...`) are kept whole.
+/// `Basic`
 /// credentials are keyed whole,
 /// password included, by what they decode to (a spelling without its padding, with other
 /// unused trailing bits or in base64url's alphabet is the same key; one that is not
@@ -327,21 +329,10 @@ impl HeaderKey {
                     credential.as_bytes(),
                 ));
             }
-            // A bearer token is one b64token (RFC 6750 section 2.1; DPoP's too, RFC 9449
-            // section 7.1): a server reading the first word after the scheme takes
-            // `Bearer abc 1` and `Bearer abc 2` for one token, which kept whole would be
-            // two buckets.
-            let token = credentials
-                .strip_prefix(b"Bearer ")
-                .or_else(|| credentials.strip_prefix(b"DPoP "));
-            if let Some(token) = token
-                && token
-                    .iter()
-                    .any(|&byte| matches!(byte, b' ' | b'\t' | b','))
-            {
+            if token_followed_by_more(&credentials) {
                 return Err(KeyError::client(format!(
-                    "{} holds a bearer token followed by more (a token is one word, RFC \
-                     6750 section 2.1)",
+                    "{} holds a token followed by more (credentials are one token68 or \
+                     auth-params, RFC 9110 section 11.4)",
                     self.name
                 )));
             }
@@ -353,6 +344,33 @@ impl HeaderKey {
         }
         Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
     }
+}
+
+/// Whether `credentials` (a scheme, one space, what follows: see [`credentials`]) are a
+/// token followed by more: `Bearer abc 1`, `JWT abc, x`. After the scheme, RFC 9110
+/// (section 11.4) allows one `token68` (RFC 6750 section 2.1's `b64token` for `Bearer`),
+/// or auth-params, each `name=value`. A first word with no `=` but its trailing padding
+/// is a token68, and nothing may follow it; a server reading the first word after the
+/// scheme (`Bearer abc 1` as `abc`) would take every such value for one token, which
+/// kept whole would be a bucket each. A first word holding `=` is an auth-param, and
+/// the list is kept whole (Digest's, OAuth 1.0's, or AWS's signature fields).
+fn token_followed_by_more(credentials: &[u8]) -> bool {
+    let Some(space) = credentials.iter().position(|&byte| byte == b' ') else {
+        return false;
+    };
+    let after = &credentials[space + 1..];
+    let Some(end) = after
+        .iter()
+        .position(|&byte| matches!(byte, b' ' | b'\t' | b','))
+    else {
+        return false;
+    };
+    let first = &after[..end];
+    let unpadded = first
+        .iter()
+        .rposition(|&byte| byte != b'=')
+        .map_or(0, |at| at + 1);
+    !first[..unpadded].contains(&b'=')
 }
 
 /// A key hashes `Basic` credentials, passwords included, with no salt: said once per
@@ -371,8 +389,9 @@ fn unsalted_passwords(header: &HeaderName) {
         target: "tollgate",
         header = header.as_str(),
         "a key hashes Basic credentials, passwords included, with no salt: a store dump or \
-         a log line can be checked against lists of common passwords (set HeaderKey::salt \
-         to a server secret, or key by account with HeaderKey::basic_user_id)"
+         a log line can be checked against lists of common passwords (set a server secret: \
+         HeaderKey::salt, or key_salt_env in a LimiterConfig; or key by account with \
+         HeaderKey::basic_user_id)"
     );
     #[cfg(not(feature = "tracing"))]
     let _ = header;
@@ -722,11 +741,12 @@ mod tests {
     }
 
     /// A bearer token is one `b64token` (RFC 6750, section 2.1: `"Bearer" 1*SP
-    /// b64token`; DPoP's the same, RFC 9449 section 7.1), with no space or comma in it.
-    /// An auth layer that reads the token leniently (the first word after the scheme)
-    /// takes `Bearer abc 1`, `Bearer abc 2`, ... as one token: kept whole, each would be
-    /// a bucket of its own. Such a value is refused, as Basic credentials with trailing
-    /// data are.
+    /// b64token`; DPoP's the same, RFC 9449 section 7.1), with no space or comma in it;
+    /// any scheme's credentials are one `token68` or auth-params (RFC 9110, section
+    /// 11.4). An auth layer that reads the token leniently (the first word after the
+    /// scheme, as passport-jwt's `JWT` scheme does) takes `Bearer abc 1`, `Bearer abc
+    /// 2`, ... as one token: kept whole, each would be a bucket of its own. Such a value
+    /// is refused, as Basic credentials with trailing data are.
     #[test]
     fn a_bearer_token_with_trailing_data_is_refused() {
         let key = HeaderKey::new("authorization");
@@ -744,6 +764,9 @@ mod tests {
             "Bearer abc,x",
             "bearer abc  junk",
             "DPoP abc 1",
+            "JWT abc 1",
+            "token abc, 2",
+            "Bearer abc== 1",
         ] {
             let error = extract(bad).unwrap_err();
             assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");
@@ -759,7 +782,16 @@ mod tests {
             assert!(extract(good).is_ok(), "{good}");
         }
         // Another scheme's credentials may be several auth-params (RFC 9110 section
-        // 11.4): kept whole.
-        assert!(extract("Digest username=\"a\", realm=\"b\"").is_ok());
+        // 11.4): kept whole, even where a value is no token (AWS's signature fields).
+        for params in [
+            "Digest username=\"a b\", realm=\"b\"",
+            "OAuth realm=\"Example\", oauth_consumer_key=\"0685bd9184jfhq22\"",
+            "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/iam/aws4_request, \
+             SignedHeaders=content-type;host;x-amz-date, Signature=5d672d79c15b13162d9279b0",
+            "vapid t=eyJ0eXAi, k=BA1Hxzyi",
+            "JWT abc",
+        ] {
+            assert!(extract(params).is_ok(), "{params}");
+        }
     }
 }
