@@ -1275,6 +1275,52 @@ mod http {
     }
 }
 
+/// `@listSize` without `slicingArguments` (an `assumedSize`, or `sizedFields` alone, as
+/// the README suggests for lists the model cannot size) does not switch off the model's
+/// `first`, `last` and `limit`: a `first: 100000` the server would honour was charged the
+/// assumed size (21), or one item (3), and its range went unchecked; the same field
+/// without the directive refuses it.
+#[test]
+fn a_list_size_without_slicing_arguments_keeps_first_last_and_limit() {
+    let sdl = r#"
+      directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+      type Query {
+        posts(first: Int): [Post] @listSize(assumedSize: 20)
+        repos(first: Int): RepoConnection @listSize(sizedFields: ["nodes"])
+      }
+      type Post { author: User }
+      type User { login: String }
+      type RepoConnection { nodes: [Repo] }
+      type Repo { owner: User }
+    "#;
+    let coster = GraphqlCost::new().with_schema(sdl).unwrap();
+    let cost = |query: &str| coster.query_cost(query, None, None);
+    for query in [
+        "{ posts(first: 100000) { author { login } } }",
+        "{ repos(first: 100000) { nodes { owner { login } } } }",
+    ] {
+        assert!(
+            matches!(cost(query), Err(CostError::Slicing { .. })),
+            "{query}: {:?}",
+            cost(query)
+        );
+    }
+    // In range, `first` sizes the list; without it, the assumed size does.
+    assert_eq!(
+        cost("{ posts(first: 100) { author { login } } }").unwrap(),
+        1 + 100
+    );
+    assert_eq!(
+        cost("{ repos(first: 100) { nodes { owner { login } } } }").unwrap(),
+        1 + 100 * 2
+    );
+    assert_eq!(cost("{ posts { author { login } } }").unwrap(), 1 + 20);
+    assert_eq!(
+        cost("{ repos { nodes { owner { login } } } }").unwrap(),
+        1 + 2
+    );
+}
+
 const SDL: &str = r#"
     directive @cost(weight: Int!) on OBJECT | FIELD_DEFINITION | SCALAR | ENUM | ARGUMENT_DEFINITION
     directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION

@@ -1070,12 +1070,25 @@ impl<'a> Walk<'a> {
             return Ok(weight);
         }
         let size = match &info.list_size {
-            Some(list) => self
+            Some(list) if !list.slicing_arguments.is_empty() => self
                 .slice(
                     field,
                     &list.slicing_arguments,
                     Some(&info.defaults),
                     list.require_one,
+                )?
+                .or(list.assumed_size)
+                .unwrap_or(1),
+            // A size without slicing arguments (`assumedSize`, `sizedFields` alone) is
+            // what a list is assumed to hold when nothing sizes it: the model's `first`,
+            // `last` and `limit` still do, range checked (a `first: 100000` the server
+            // honours is not charged the assumed 20).
+            Some(list) => self
+                .slice(
+                    field,
+                    &self.model.slicing_arguments,
+                    Some(&info.defaults),
+                    false,
                 )?
                 .or(list.assumed_size)
                 .unwrap_or(1),
