@@ -688,6 +688,24 @@ mod http {
                 StatusCode::BAD_REQUEST,
                 None,
             ),
+            // A HEAD or an OPTIONS with a body is read as a POST (some servers run
+            // operations on them): variables in its URL are refused alike.
+            (
+                Method::HEAD,
+                "/graphql?variables=%7B%22n%22%3A100%7D",
+                json,
+                r#"{"query":"query($n: Int = 1) { repos(first: $n) { nodes { id } } }"}"#,
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
+            (
+                Method::OPTIONS,
+                "/graphql?variables=%7B%22n%22%3A100%7D",
+                json,
+                r#"{"query":"query($n: Int = 1) { repos(first: $n) { nodes { id } } }"}"#,
+                StatusCode::BAD_REQUEST,
+                None,
+            ),
             // The same name in another case, which some servers read as it.
             (
                 Method::POST,

@@ -468,10 +468,10 @@ where
             // without a body runs nothing.
             return Box::pin(self.inner.call(Request::from_parts(parts, body)));
         }
-        if !quiet && carries_an_operation_in_its_url(&parts) {
+        if carries_an_operation_in_its_url(&parts) {
             // Some servers read `query` or `variables` from the URL before the body,
-            // whatever the method: which one they would run is theirs to say, so the
-            // request is not costed by its body.
+            // whatever the method (a HEAD or an OPTIONS with a body included): which one
+            // they would run is theirs to say, so the request is not costed by its body.
             let why = "a GraphQL request with a body must not carry the operation's \
                        query or variables in its URL: the server might run those instead";
             let cost = Err(Uncosted::refused_request(why));
