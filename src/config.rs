@@ -99,8 +99,9 @@ pub struct LimiterConfig {
     /// The environment variable that holds a salt mixed into the hash of every
     /// `"header:NAME"` key ([`HeaderKey::salt`]): set it when a header carries secrets a
     /// list of candidates could find in a store dump (`Authorization: Basic` holds a
-    /// password). The variable must be set and not empty; every replica must see the
-    /// same value. The salt itself is never in the configuration, nor in its errors.
+    /// password). The variable must be set, to 16 bytes at least (a random secret);
+    /// every replica must see the same value. The salt itself is never in the
+    /// configuration, nor in its errors.
     #[serde(default)]
     pub key_salt_env: Option<String>,
     /// Proxies whose `X-Forwarded-For` is believed by `"ip"` (addresses or networks).
@@ -570,6 +571,40 @@ impl LimiterConfig {
             })?),
             None => None,
         };
+        // A value that names no plan is logged: never a secret. Not a header the keys
+        // hash (an API key, kept out of logs as the key), nor one holding credentials.
+        if let Some(header) = &plan_header {
+            let keyed = self.key.iter().any(|spec| {
+                spec.strip_prefix("header:")
+                    .is_some_and(|keyed| keyed.eq_ignore_ascii_case(header.as_str()))
+            });
+            if keyed {
+                return Err(ConfigError::new(
+                    "plan_header",
+                    format!(
+                        "{:?} is a header the key reads (and hashes, as a secret): a value \
+                         naming no plan would be logged in clear; name plans in a header \
+                         of their own, set by the auth layer",
+                        header.as_str()
+                    ),
+                ));
+            }
+            let credentials = [
+                http::header::AUTHORIZATION,
+                http::header::PROXY_AUTHORIZATION,
+                http::header::COOKIE,
+            ];
+            if credentials.contains(header) {
+                return Err(ConfigError::new(
+                    "plan_header",
+                    format!(
+                        "{:?} holds credentials: a value naming no plan would be logged in \
+                         clear; name plans in a header of their own, set by the auth layer",
+                        header.as_str()
+                    ),
+                ));
+            }
+        }
         // Each plan's set (one unnamed set without plans), for the costs' check below.
         let mut plan_sets: Vec<(Option<&str>, PolicySet)> = Vec::new();
         let (resolver, sets): (Arc<dyn PolicyResolver>, Sets) = if self.plans.is_empty() {
@@ -801,15 +836,7 @@ impl LimiterConfig {
             ));
         }
         let salt = match &self.key_salt_env {
-            Some(variable) => match std::env::var_os(variable) {
-                Some(salt) if !salt.is_empty() => Some(salt.into_encoded_bytes()),
-                _ => {
-                    return Err(ConfigError::new(
-                        "key_salt_env",
-                        format!("the environment variable {variable:?} is not set, or empty"),
-                    ));
-                }
-            },
+            Some(variable) => Some(salt_from(variable, std::env::var_os(variable))?),
             None => None,
         };
         let mut chain: Option<Arc<dyn KeyExtractor>> = None;
@@ -1165,5 +1192,56 @@ where
         let ready = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, ready);
         RateLimit::new(ready, config).call(request)
+    }
+}
+
+/// The shortest key salt a configuration accepts, in bytes: a salt is put before each
+/// secret it hashes, and a short one (`x`, a space) adds nothing against a list of
+/// candidate secrets.
+const MIN_KEY_SALT: usize = 16;
+
+/// The key salt `value` of the environment variable `variable`: refused when it is not
+/// set, or shorter than [`MIN_KEY_SALT`] bytes (never said: a salt is a secret).
+fn salt_from(variable: &str, value: Option<std::ffi::OsString>) -> Result<Vec<u8>, ConfigError> {
+    match value {
+        Some(salt) if salt.len() >= MIN_KEY_SALT => Ok(salt.into_encoded_bytes()),
+        Some(salt) if !salt.is_empty() => Err(ConfigError::new(
+            "key_salt_env",
+            format!(
+                "the environment variable {variable:?} holds {} bytes: a salt needs \
+                 {MIN_KEY_SALT} at least (a random secret, such as 32 bytes in hex)",
+                salt.len()
+            ),
+        )),
+        _ => Err(ConfigError::new(
+            "key_salt_env",
+            format!("the environment variable {variable:?} is not set, or empty"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_or_missing_key_salt_is_refused_without_being_said() {
+        for short in [" ", "s3cr3t!", "f1fteen-bytes-1"] {
+            let error = salt_from("SALT", Some(short.into())).unwrap_err();
+            assert_eq!(error.entry(), "key_salt_env");
+            assert!(error.reason().contains("16 at least"), "{error}");
+            if short != " " {
+                assert!(!error.reason().contains(short), "{error}");
+            }
+        }
+        for missing in [None, Some("".into())] {
+            let error = salt_from("SALT", missing).unwrap_err();
+            assert!(error.reason().contains("is not set"), "{error}");
+        }
+        let salt = "0123456789abcdef";
+        assert_eq!(
+            salt_from("SALT", Some(salt.into())).unwrap(),
+            salt.as_bytes()
+        );
     }
 }

@@ -337,6 +337,22 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "key[1]",
             "never reached: \"ip\" before it always finds a key",
         ),
+        // A plan header is logged when it names no plan: never one the keys hash (an
+        // API key), nor one that holds credentials.
+        (
+            "key = [\"header:x-api-key\"]\nplan_header = \"X-Api-Key\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n\"sk_live_gold\" = [\"api\"]\n",
+            "plan_header",
+            "\"x-api-key\" is a header the key reads",
+        ),
+        (
+            "key = [\"ip\"]\nplan_header = \"authorization\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\npro = [\"api\"]\n",
+            "plan_header",
+            "\"authorization\" holds credentials",
+        ),
         (
             "key = [\"ip\"]\nkey_salt_env = \"PATH\"\n".to_owned()
                 + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
