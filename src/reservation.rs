@@ -98,8 +98,23 @@ impl Reservation {
         if actual == self.cost {
             return Settled::Unchanged;
         }
-        let adjustment = Adjustment::settle(self.cost, actual, self.receipt)
-            .with_left(self.left.iter().copied());
+        // A shaping policy's units are the request's place in its schedule, taken when it
+        // was sent: neither given back (the next request would go on the same instant)
+        // nor charged (requests already spaced would be pushed back). The settle changes
+        // the other policies.
+        let shaping = self
+            .policies
+            .iter()
+            .enumerate()
+            .filter(|(index, policy)| {
+                *index < 64 && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
+            })
+            .fold(0u64, |mask, (index, _)| mask | (1 << index));
+        let receipt = self
+            .receipt
+            .with_undebited(self.receipt.undebited() | shaping);
+        let adjustment =
+            Adjustment::settle(self.cost, actual, receipt).with_left(self.left.iter().copied());
         match self.adjust(&adjustment).into_ready() {
             Ok(result) => self
                 .headers(result)

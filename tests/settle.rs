@@ -977,3 +977,67 @@ async fn a_settle_under_way_is_finished_when_its_response_is_dropped() {
         "a finished settle was run again"
     );
 }
+
+/// A shaping policy spaces requests as they are sent: a request's units there are its
+/// place in the schedule, which it has taken by the time its response is settled. A
+/// refund of them (a 503 refunded) let the next request go at once, on the same instant
+/// as the one refunded, and a charge would push back requests already spaced. A settle
+/// leaves a shaping policy's units as they were sent, and changes the other policies.
+#[tokio::test(start_paused = true)]
+async fn a_settle_never_puts_two_shaped_requests_on_one_instant() {
+    let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = Arc::clone(&sent);
+    let started = tokio::time::Instant::now();
+    let handler = move |request: Request| {
+        let log = Arc::clone(&log);
+        async move {
+            log.lock().unwrap().push(started.elapsed());
+            echo(request).await
+        }
+    };
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let app = Router::new().route("/", get(handler)).layer(
+        RateLimitLayer::new(store)
+            .policies(PolicySet::new([paced, tokens()]).unwrap())
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .settle(Settle::from_header("x-tokens-used").refund_if(|status| status == 503)),
+    );
+    // Refunded (a 503), then charged more than reserved: the tokens are settled, the
+    // schedule stands.
+    let refunded = app
+        .clone()
+        .oneshot(request("a", 1, Some(1), 503))
+        .await
+        .unwrap();
+    assert_eq!(refunded.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let charged = app
+        .clone()
+        .oneshot(request("a", 1, Some(3), 200))
+        .await
+        .unwrap();
+    assert_eq!(charged.status(), StatusCode::OK);
+    let third = app
+        .clone()
+        .oneshot(request("a", 1, Some(1), 200))
+        .await
+        .unwrap();
+    assert_eq!(third.status(), StatusCode::OK);
+    let sent = sent.lock().unwrap().clone();
+    assert_eq!(
+        sent,
+        [0, 10, 20].map(Duration::from_secs),
+        "one request every 10 s"
+    );
+    // The other policy was settled: 1,000 less 0 (refunded), 3 and 1.
+    let field = third.headers()["ratelimit"].to_str().unwrap();
+    assert!(field.contains("\"tokens\";r=996;"), "{field}");
+}

@@ -402,3 +402,33 @@ async fn a_dropped_pooled_decision_gives_its_slot_back_behind_its_own_script() {
         drop(monitors);
     }
 }
+
+/// A settle leaves a shaping policy's units as they were sent (the request's place in the
+/// schedule), on Redis as in process: a refunded 500 let the next request go at once, on
+/// the instant of the one refunded. (A lower bound on a delay: a slow machine only
+/// lengthens it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_on_redis_keeps_shaped_requests_apart() {
+    let (_standalone, _cluster, stores) = stores().await;
+    let spacing = Duration::from_millis(400);
+    for (name, store) in stores {
+        let paced =
+            Policy::leaky_bucket_shaping("paced", Rate::new(1, spacing), Duration::from_secs(60))
+                .unwrap();
+        let app = tokens_app(store, paced);
+        let refunded = app.clone().oneshot(request("a", 1, 1, 500)).await.unwrap();
+        assert_eq!(
+            refunded.status(),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{name}"
+        );
+        let started = std::time::Instant::now();
+        let next = app.clone().oneshot(request("a", 1, 1, 200)).await.unwrap();
+        assert_eq!(next.status(), StatusCode::OK, "{name}");
+        assert!(
+            started.elapsed() >= spacing - Duration::from_millis(100),
+            "{name}: sent {:?} after the refunded one",
+            started.elapsed()
+        );
+    }
+}
