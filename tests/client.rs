@@ -1022,45 +1022,39 @@ async fn a_pacing_delay_past_max_wait_gives_its_turn_back_at_once() {
     assert_eq!(arrivals.times(), at(&[0, 0, 10, 20]));
 }
 
-#[tokio::test(start_paused = true)]
-async fn turns_dropped_newest_first_are_all_given_back() {
-    // One every 10 s: the second and third requests wait for 10 and 20 s and are given
-    // up at 2 and 1 s, newest first. Both turns come back, so a fourth request at 2 s
-    // goes at 10 s.
+/// One request every 10 s to one host: a first request, then a second and a third
+/// (waiting for 10 and 20 s) given up after `second` and `third` seconds, then a fourth:
+/// when the requests arrived.
+async fn two_turns_given_up(second: u64, third: u64) -> Vec<Duration> {
     let arrivals = Arrivals::new();
     let client = PacingLayer::new()
         .pace(one_every(Duration::from_secs(10)))
         .layer(timed(arrivals.clone(), None, Duration::ZERO));
     send(&mut client.clone(), get("http://a.test/")).await;
-    let second = spawn_given_up(&client, "http://a.test/", 2);
+    let second = spawn_given_up(&client, "http://a.test/", second);
     tokio::task::yield_now().await;
-    let third = spawn_given_up(&client, "http://a.test/", 1);
-    assert!(third.await.unwrap().is_err());
+    let third = spawn_given_up(&client, "http://a.test/", third);
+    tokio::task::yield_now().await;
     assert!(second.await.unwrap().is_err());
+    assert!(third.await.unwrap().is_err());
     send(&mut client.clone(), get("http://a.test/")).await;
-    assert_eq!(arrivals.times(), at(&[0, 10]));
+    arrivals.times()
+}
+
+#[tokio::test(start_paused = true)]
+async fn turns_dropped_newest_first_are_all_given_back() {
+    // Given up at 2 and 1 s, newest first: both turns come back, so the fourth request,
+    // at 2 s, goes at 10 s.
+    assert_eq!(two_turns_given_up(2, 1).await, at(&[0, 10]));
 }
 
 #[tokio::test(start_paused = true)]
 async fn turns_dropped_oldest_first_are_all_given_back() {
-    // One every 10 s: the second and third requests wait for 10 and 20 s and are given
-    // up at 1 and 2 s, oldest first (callers' timeouts end in the order they began). The
-    // second's turn cannot come back at 1 s (the third's is after it), but once the
-    // third's comes back at 2 s, the second's is the newest and unused: it comes back
-    // too, so a fourth request at 2 s goes at 10 s, not 20 s.
-    let arrivals = Arrivals::new();
-    let client = PacingLayer::new()
-        .pace(one_every(Duration::from_secs(10)))
-        .layer(timed(arrivals.clone(), None, Duration::ZERO));
-    send(&mut client.clone(), get("http://a.test/")).await;
-    let second = spawn_given_up(&client, "http://a.test/", 1);
-    tokio::task::yield_now().await;
-    let third = spawn_given_up(&client, "http://a.test/", 2);
-    tokio::task::yield_now().await;
-    assert!(second.await.unwrap().is_err());
-    assert!(third.await.unwrap().is_err());
-    send(&mut client.clone(), get("http://a.test/")).await;
-    assert_eq!(arrivals.times(), at(&[0, 10]));
+    // Given up at 1 and 2 s, oldest first (callers' timeouts end in the order they
+    // began). The second's turn cannot come back at 1 s (the third's is after it), but
+    // once the third's comes back at 2 s, the second's is the newest and unused: it
+    // comes back too, so the fourth request goes at 10 s, not 20 s.
+    assert_eq!(two_turns_given_up(1, 2).await, at(&[0, 10]));
 }
 
 #[tokio::test(start_paused = true)]

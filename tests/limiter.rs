@@ -741,6 +741,33 @@ async fn a_waiter_whose_peek_fails_still_meets_the_block() {
     }
 }
 
+/// A token bucket of 5 a second that blocks a key for a minute after 3 denials.
+fn penalized() -> Policy {
+    use tollgate::policy::Penalty;
+    Policy::token_bucket("login", 5, Rate::per_second(1))
+        .unwrap()
+        .with_penalty(Penalty::new(
+            3,
+            Duration::from_secs(60),
+            Duration::from_secs(300),
+        ))
+        .unwrap()
+}
+
+/// A waiter for `cost` units that may not wait is let through by the failure mode after
+/// one store timeout of 50 ms exactly (paused time), not two.
+async fn let_through_after_one_timeout<St: Store>(limiter: &Limiter<St>, cost: u64) {
+    let started = tokio::time::Instant::now();
+    let waited = limiter
+        .until_ready(&Key::new("k"), cost, Duration::ZERO)
+        .await;
+    assert!(
+        waited.is_ok(),
+        "the failure mode lets it through: {waited:?}"
+    );
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+}
+
 /// A store that never answers anything.
 #[derive(Clone)]
 struct Hangs;
@@ -760,25 +787,12 @@ impl Store for Hangs {
 /// one timeout, so the failure mode answers after it, as for a check.
 #[tokio::test(start_paused = true)]
 async fn a_waiter_under_a_penalty_waits_one_store_timeout_for_a_store_that_hangs() {
-    use tollgate::policy::Penalty;
-    let login = Policy::token_bucket("login", 5, Rate::per_second(1))
-        .unwrap()
-        .with_penalty(Penalty::new(
-            3,
-            Duration::from_secs(60),
-            Duration::from_secs(300),
-        ))
-        .unwrap();
-    let limiter = Limiter::new(Hangs, login).store_timeout(Duration::from_millis(50));
-    let key = Key::new("k");
+    let limiter = Limiter::new(Hangs, penalized()).store_timeout(Duration::from_millis(50));
     let started = tokio::time::Instant::now();
-    let checked = limiter.check(&key, 1).await;
+    let checked = limiter.check(&Key::new("k"), 1).await;
     assert!(checked.is_ok(), "the fallback decides: {checked:?}");
     assert_eq!(started.elapsed(), Duration::from_millis(50));
-    let started = tokio::time::Instant::now();
-    let waited = limiter.until_ready(&key, 1, Duration::ZERO).await;
-    assert!(waited.is_ok(), "the fallback admits: {waited:?}");
-    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    let_through_after_one_timeout(&limiter, 1).await;
 }
 
 /// A store whose peeks answer after 45 ms and whose decisions never answer.
@@ -803,21 +817,9 @@ impl Store for SlowPeekThenHangs {
 /// however it is spent: a peek that answered late leaves the decision what is left.
 #[tokio::test(start_paused = true)]
 async fn a_waiters_peek_and_decision_share_one_store_timeout() {
-    use tollgate::policy::Penalty;
-    let login = Policy::token_bucket("login", 5, Rate::per_second(1))
-        .unwrap()
-        .with_penalty(Penalty::new(
-            3,
-            Duration::from_secs(60),
-            Duration::from_secs(300),
-        ))
-        .unwrap();
-    let limiter = Limiter::new(SlowPeekThenHangs(runtime_store()), login)
+    let limiter = Limiter::new(SlowPeekThenHangs(runtime_store()), penalized())
         .store_timeout(Duration::from_millis(50));
-    let started = tokio::time::Instant::now();
-    let waited = limiter.until_ready(&Key::new("k"), 1, Duration::ZERO).await;
-    assert!(waited.is_ok(), "the fallback admits: {waited:?}");
-    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    let_through_after_one_timeout(&limiter, 1).await;
 }
 
 /// A cost above the limit is asked of the store once before queueing. When the store
@@ -831,10 +833,7 @@ async fn a_cost_the_store_was_asked_of_in_vain_is_answered_by_the_failure_mode_a
     )
     .on_store_error(FailureMode::FailOpen)
     .store_timeout(Duration::from_millis(50));
-    let started = tokio::time::Instant::now();
-    let waited = limiter.until_ready(&Key::new("k"), 6, Duration::ZERO).await;
-    assert!(waited.is_ok(), "fail-open lets it through: {waited:?}");
-    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    let_through_after_one_timeout(&limiter, 6).await;
 }
 
 /// A waiter under a penalty decides on the set without the penalties, which `Leased`
