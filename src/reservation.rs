@@ -99,13 +99,15 @@ impl Reservation {
             return Settled::Unchanged;
         }
         // A shaping policy's units are the request's place in its schedule, taken when it
-        // was sent: neither given back (the next request would go on the same instant)
-        // nor charged (requests already spaced would be pushed back). The settle changes
-        // the other policies.
+        // was sent: a refund does not give them back (the next request would go on the
+        // same instant as this one). A charge above the reservation does reach it: the
+        // requests decided after wait for what this one used.
+        let refund = actual < self.cost;
         let shaping = self
             .policies
             .iter()
             .enumerate()
+            .filter(|_| refund)
             .filter(|(index, policy)| {
                 *index < 64 && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
             })

@@ -678,10 +678,18 @@ async fn header_keys_can_be_salted_from_the_environment() {
     assert!(error.reason().contains("is not set"), "{error}");
 
     // One store, one API key: salted and unsalted hashes are different keys, so the
-    // salted layer's client has a bucket of its own (PATH is set wherever tests run).
+    // salted layer's client has a bucket of its own. The salt: a variable of this
+    // process's environment long enough to be one (16 bytes at least).
+    let long = std::env::vars_os()
+        .filter_map(|(name, value)| Some((name.into_string().ok()?, value)))
+        .find(|(name, value)| {
+            value.len() >= 16 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        })
+        .map(|(name, _)| name)
+        .expect("an environment variable of 16 bytes or more to salt with");
     let store = MemoryStore::new();
     let plain = LiveLayer::new(store.clone(), &config("")).unwrap();
-    let salted = LiveLayer::new(store, &config("key_salt_env = \"PATH\"")).unwrap();
+    let salted = LiveLayer::new(store, &config(&format!("key_salt_env = \"{long}\""))).unwrap();
     let send = |layer: &LiveLayer| app(layer).oneshot(request("GET", "/", Some("k-1"), None));
     assert_eq!(send(&plain).await.unwrap().status(), StatusCode::OK);
     assert_eq!(

@@ -756,6 +756,18 @@ mod http {
             let answer = sent(&app, "url", method, uri, content_type, body).await;
             assert_eq!(answer, (*status, cost.map(str::to_owned)), "{method} {uri}");
         }
+        // A preflight whose empty body is not known to be empty until read (HTTP/2
+        // without END_STREAM on its headers, a chunked body of no chunk) is a preflight
+        // still: read, found empty, and passed on.
+        let empty = || {
+            Body::from_stream(futures_util::stream::empty::<
+                Result<bytes::Bytes, std::io::Error>,
+            >())
+        };
+        for uri in [expensive, "/graphql?variables=%7B%22n%22%3A100%7D"] {
+            let (status, _) = request(&app, "url", Method::OPTIONS, uri, &[], empty()).await;
+            assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "OPTIONS {uri}");
+        }
     }
 
     /// The status and `GraphQL-Cost` of one request (`content_type` empty: none).
@@ -1336,6 +1348,25 @@ fn a_list_size_without_slicing_arguments_keeps_first_last_and_limit() {
     assert_eq!(
         cost("{ repos { nodes { owner { login } } } }").unwrap(),
         1 + 2
+    );
+    // The schema's own default for such an argument is not the query's: the assumed
+    // size stands in for it, as before (a default past the range refuses nothing). An
+    // empty `slicingArguments` says no argument sizes the list (`last` in days).
+    let sdl = r#"
+      directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+      type Query {
+        events(limit: Int = 500): [Event] @listSize(assumedSize: 50)
+        history(last: Int): [Event] @listSize(assumedSize: 30, slicingArguments: [])
+      }
+      type Event { id: ID source: Source }
+      type Source { name: String }
+    "#;
+    let coster = GraphqlCost::new().with_schema(sdl).unwrap();
+    let cost = |query: &str| coster.query_cost(query, None, None);
+    assert_eq!(cost("{ events { source { name } } }").unwrap(), 1 + 50);
+    assert_eq!(
+        cost("{ history(last: 365) { source { name } } }").unwrap(),
+        1 + 30
     );
 }
 

@@ -981,8 +981,9 @@ async fn a_settle_under_way_is_finished_when_its_response_is_dropped() {
 /// A shaping policy spaces requests as they are sent: a request's units there are its
 /// place in the schedule, which it has taken by the time its response is settled. A
 /// refund of them (a 503 refunded) let the next request go at once, on the same instant
-/// as the one refunded, and a charge would push back requests already spaced. A settle
-/// leaves a shaping policy's units as they were sent, and changes the other policies.
+/// as the one refunded: a refund leaves a shaping policy as the request was sent, and
+/// changes the other policies. A charge above the reservation is the shaping policy's
+/// too: the requests decided after wait for what the request used.
 #[tokio::test(start_paused = true)]
 async fn a_settle_never_puts_two_shaped_requests_on_one_instant() {
     let sent = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1011,8 +1012,8 @@ async fn a_settle_never_puts_two_shaped_requests_on_one_instant() {
             .cost(FromExtension::or(1))
             .settle(Settle::from_header("x-tokens-used").refund_if(|status| status == 503)),
     );
-    // Refunded (a 503), then charged more than reserved: the tokens are settled, the
-    // schedule stands.
+    // Refunded (a 503): the tokens are given back, the schedule stands. Then charged 3
+    // where 1 was reserved: the next request waits for 3 units after it (10 s + 30 s).
     let refunded = app
         .clone()
         .oneshot(request("a", 1, Some(1), 503))
@@ -1034,8 +1035,8 @@ async fn a_settle_never_puts_two_shaped_requests_on_one_instant() {
     let sent = sent.lock().unwrap().clone();
     assert_eq!(
         sent,
-        [0, 10, 20].map(Duration::from_secs),
-        "one request every 10 s"
+        [0, 10, 40].map(Duration::from_secs),
+        "one unit every 10 s"
     );
     // The other policy was settled: 1,000 less 0 (refunded), 3 and 1.
     let field = third.headers()["ratelimit"].to_str().unwrap();

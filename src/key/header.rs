@@ -348,21 +348,25 @@ impl HeaderKey {
 
 /// Whether `credentials` (a scheme, one space, what follows: see [`credentials`]) are a
 /// token followed by more: `Bearer abc 1`, `JWT abc, x`. After the scheme, RFC 9110
-/// (section 11.4) allows one `token68` (RFC 6750 section 2.1's `b64token` for `Bearer`),
-/// or auth-params, each `name=value`. A first word with no `=` but its trailing padding
-/// is a token68, and nothing may follow it; a server reading the first word after the
-/// scheme (`Bearer abc 1` as `abc`) would take every such value for one token, which
-/// kept whole would be a bucket each. A first word holding `=` is an auth-param, and
-/// the list is kept whole (Digest's, OAuth 1.0's, or AWS's signature fields).
+/// (section 11.4) allows one `token68`, or auth-params, each `name=value`; a server
+/// reading one word of it (`Bearer abc 1` as `abc`, or its last word) would take every
+/// such value for one token, which kept whole would be a bucket each.
+/// - `Bearer` and `DPoP` take one `b64token` (RFC 6750 section 2.1; RFC 9449 section
+///   7.1), never auth-params: a space, a tab or a comma anywhere after the scheme is
+///   more than a token.
+/// - Another scheme may take auth-params (Digest's, OAuth 1.0's, AWS's signature
+///   fields), which need an `=`: a first word followed by more, with no `=` anywhere but
+///   that word's trailing padding, is a token followed by more.
 fn token_followed_by_more(credentials: &[u8]) -> bool {
     let Some(space) = credentials.iter().position(|&byte| byte == b' ') else {
         return false;
     };
-    let after = &credentials[space + 1..];
-    let Some(end) = after
-        .iter()
-        .position(|&byte| matches!(byte, b' ' | b'\t' | b','))
-    else {
+    let (scheme, after) = (&credentials[..space], &credentials[space + 1..]);
+    let separator = |byte: &u8| matches!(byte, b' ' | b'\t' | b',');
+    if scheme == b"Bearer" || scheme == b"DPoP" {
+        return after.iter().any(separator);
+    }
+    let Some(end) = after.iter().position(separator) else {
         return false;
     };
     let first = &after[..end];
@@ -370,7 +374,7 @@ fn token_followed_by_more(credentials: &[u8]) -> bool {
         .iter()
         .rposition(|&byte| byte != b'=')
         .map_or(0, |at| at + 1);
-    !first[..unpadded].contains(&b'=')
+    !first[..unpadded].contains(&b'=') && !after[end..].contains(&b'=')
 }
 
 /// A key hashes `Basic` credentials, passwords included, with no salt: said once per
@@ -767,6 +771,12 @@ mod tests {
             "JWT abc 1",
             "token abc, 2",
             "Bearer abc== 1",
+            // An `=` makes no auth-param of a bearer token (a server taking the last word
+            // would read `T`).
+            "Bearer x=1 T",
+            "Bearer =1 T",
+            "DPoP a=b 1",
+            "JWT abc== 1",
         ] {
             let error = extract(bad).unwrap_err();
             assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");
@@ -790,6 +800,10 @@ mod tests {
              SignedHeaders=content-type;host;x-amz-date, Signature=5d672d79c15b13162d9279b0",
             "vapid t=eyJ0eXAi, k=BA1Hxzyi",
             "JWT abc",
+            // Spaces around `=` (RFC 9110's BWS) and empty list elements (section 5.6.1).
+            "Digest username = \"a\", realm=\"b\"",
+            "OAuth , oauth_token=\"x\"",
+            "Hawk id=\"dh37fgj492je\", ts=\"1353832234\", mac=\"6R4rV5iE+NPoym+WwjeHzjAGXUtLNIxmo1vpMofpLAE=\"",
         ] {
             assert!(extract(params).is_ok(), "{params}");
         }

@@ -468,13 +468,12 @@ where
             // without a body runs nothing.
             return Box::pin(self.inner.call(Request::from_parts(parts, body)));
         }
-        if carries_an_operation_in_its_url(&parts) {
+        if !quiet && carries_an_operation_in_its_url(&parts) {
             // Some servers read `query` or `variables` from the URL before the body,
-            // whatever the method (a HEAD or an OPTIONS with a body included): which one
-            // they would run is theirs to say, so the request is not costed by its body.
-            let why = "a GraphQL request with a body must not carry the operation's \
-                       query or variables in its URL: the server might run those instead";
-            let cost = Err(Uncosted::refused_request(why));
+            // whatever the method: which one they would run is theirs to say, so the
+            // request is not costed by its body. (A HEAD's or an OPTIONS's, once its body
+            // is read and found not empty.)
+            let cost = Err(Uncosted::refused_request(URL_AND_BODY));
             return self.answer(Request::from_parts(parts, body), cost);
         }
         // The body is read first, at the client's pace: the instance made ready is
@@ -494,6 +493,13 @@ where
                         let request = Request::from_parts(parts, B::from(bytes));
                         std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
                         return inner.call(request).await;
+                    }
+                    if quiet && carries_an_operation_in_its_url(&parts) {
+                        // A HEAD or an OPTIONS with a body is read as a POST: the server
+                        // might run its URL's operation instead.
+                        let response = response::invalid_request(URL_AND_BODY);
+                        return Ok(refusal(&parts.method, &parts.headers, response)
+                            .map(ResBody::from_bytes));
                     }
                     // An `operationName` in the URL, which some servers take over the
                     // body's: the operation costed must be the one it names.
@@ -583,6 +589,10 @@ where
         })
     }
 }
+
+/// Why a request with a body whose URL carries `query` or `variables` is refused.
+const URL_AND_BODY: &str = "a GraphQL request with a body must not carry the operation's \
+                            query or variables in its URL: the server might run those instead";
 
 /// True when a server may read a form body as JSON: one that is JSON (async-graphql reads
 /// every body so), or holds `"query"` (gqlgen reads such a form as JSON, its first value

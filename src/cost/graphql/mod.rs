@@ -1070,7 +1070,7 @@ impl<'a> Walk<'a> {
             return Ok(weight);
         }
         let size = match &info.list_size {
-            Some(list) if !list.slicing_arguments.is_empty() => self
+            Some(list) if list.slicing_written => self
                 .slice(
                     field,
                     &list.slicing_arguments,
@@ -1079,17 +1079,14 @@ impl<'a> Walk<'a> {
                 )?
                 .or(list.assumed_size)
                 .unwrap_or(1),
-            // A size without slicing arguments (`assumedSize`, `sizedFields` alone) is
-            // what a list is assumed to hold when nothing sizes it: the model's `first`,
-            // `last` and `limit` still do, range checked (a `first: 100000` the server
-            // honours is not charged the assumed 20).
+            // A size with no slicing arguments written (`assumedSize`, `sizedFields`
+            // alone) is what a list is assumed to hold when nothing sizes it: the model's
+            // `first`, `last` and `limit` still do when the query gives them, range
+            // checked (a `first: 100000` the server honours is not charged the assumed
+            // 20). The schema's defaults for them do not: the assumed size stands in for
+            // those. (`slicingArguments: []` says no argument sizes the list.)
             Some(list) => self
-                .slice(
-                    field,
-                    &self.model.slicing_arguments,
-                    Some(&info.defaults),
-                    false,
-                )?
+                .slice(field, &self.model.slicing_arguments, None, false)?
                 .or(list.assumed_size)
                 .unwrap_or(1),
             None => self

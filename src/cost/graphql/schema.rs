@@ -23,6 +23,9 @@ pub(super) enum Kind {
 pub(super) struct ListSize {
     pub(super) assumed_size: Option<u64>,
     pub(super) slicing_arguments: Vec<String>,
+    /// Whether `slicingArguments` was written (an empty list says no argument sizes the
+    /// list; none written leaves the model's `first`, `last` and `limit` to it).
+    pub(super) slicing_written: bool,
     pub(super) sized_fields: Vec<String>,
     pub(super) require_one: bool,
 }
@@ -127,6 +130,9 @@ fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
             assumed_size: directive_int(directives, "listSize", "assumedSize")
                 .map(|size| size.max(0) as u64),
             slicing_arguments,
+            slicing_written: directive
+                .specified_argument_by_name("slicingArguments")
+                .is_some(),
             sized_fields: directive_strings(directives, "listSize", "sizedFields"),
             require_one,
         }
