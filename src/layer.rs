@@ -69,6 +69,9 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     store_timeout: Duration,
     /// Shared by every service this layer makes (axum may call `layer` more than once).
     breaker: Arc<Breaker>,
+    /// Whether a service of this layer has said that it lets requests through without a
+    /// key the server should have set: said once per layer, whatever its routes.
+    said_missing: Arc<std::sync::atomic::AtomicBool>,
     settle: Option<Settle>,
     bypass: Option<Bypass>,
     shadow: bool,
@@ -120,6 +123,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             failure_mode: self.failure_mode.clone(),
             store_timeout: self.store_timeout,
             breaker: Arc::clone(&self.breaker),
+            said_missing: Arc::clone(&self.said_missing),
             settle: self.settle.clone(),
             bypass: self.bypass.clone(),
             shadow: self.shadow,
@@ -161,6 +165,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             failure_mode: FailureMode::default(),
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
+            said_missing: Arc::default(),
             settle: None,
             bypass: None,
             shadow: false,
@@ -227,6 +232,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             failure_mode: self.failure_mode,
             store_timeout: self.store_timeout,
             breaker: self.breaker,
+            said_missing: self.said_missing,
             settle: self.settle,
             bypass: self.bypass,
             shadow: self.shadow,
@@ -568,7 +574,7 @@ where
             cost: self.cost.clone(),
             resolver: self.resolver.clone(),
             missing_key: self.missing_key,
-            said_missing: std::sync::atomic::AtomicBool::new(false),
+            said_missing: Arc::clone(&self.said_missing),
             bypass: self
                 .bypass
                 .clone()

@@ -396,17 +396,28 @@ impl<St: Store> Limiter<St> {
         // timeout for the store, however its calls spend it.
         let left = shared.timeout.saturating_sub(started.elapsed());
         match peeked {
-            Ok(now) if now.is_blocked() => Ok((now, Decider::Store)),
-            Ok(_) => {
-                self.decide_within(key, &policies.without_penalties(), cost, left)
+            Ok(now) => {
+                // An answer: the store is there (a lease's or the deny cache's answer
+                // says nothing of the store behind).
+                if !now.is_cached() {
+                    shared.outage.on_success();
+                }
+                if now.is_blocked() {
+                    return Ok((now, Decider::Store));
+                }
+                self.decide_within(key, &policies.without_penalties(), cost, left, false)
                     .await
             }
             // Whether a block stands is not known: decided with the penalties, as a
             // check is (a block is met; a denial counts). A store that hung on the peek
-            // has no time left: the failure mode answers after one timeout.
+            // has no time left: the failure mode answers after one timeout, the hang
+            // counted once.
             Err(error) => {
                 crate::telemetry::store_error(&error);
-                self.decide_within(key, policies, cost, left).await
+                if error.kind().is_io() || error.every_request {
+                    shared.outage.on_failure(&error, None);
+                }
+                self.decide_within(key, policies, cost, left, true).await
             }
         }
     }
@@ -418,19 +429,21 @@ impl<St: Store> Limiter<St> {
         policies: &PolicySet,
         cost: u64,
     ) -> Result<(Decision, Decider), StoreError> {
-        self.decide_within(key, policies, cost, self.shared.timeout)
+        self.decide_within(key, policies, cost, self.shared.timeout, false)
             .await
     }
 
     /// [`decide_under`](Self::decide_under), the store given `timeout` to answer. With
     /// none left, the store is not asked (a call sent and given up at once could still
-    /// be counted): the failure mode answers.
+    /// be counted): the failure mode answers, and the turn's timeout is counted as a
+    /// store error unless `counted` (the failure that used up the time was).
     async fn decide_within(
         &self,
         key: &Key,
         policies: &PolicySet,
         cost: u64,
         timeout: Duration,
+        counted: bool,
     ) -> Result<(Decision, Decider), StoreError> {
         let shared = &self.shared;
         let decided = if timeout.is_zero() {
@@ -463,11 +476,13 @@ impl<St: Store> Limiter<St> {
             }
             Err(error) => {
                 // Counted (and, if not I/O, logged) whatever the failure mode does.
-                crate::telemetry::store_error(&error);
-                // An outage (or a refusal every call meets) is said as the layer says it;
-                // an error of this call's alone is logged above.
-                if error.kind().is_io() || error.every_request {
-                    shared.outage.on_failure(&error, None);
+                if !(counted && timeout.is_zero()) {
+                    crate::telemetry::store_error(&error);
+                    // An outage (or a refusal every call meets) is said as the layer says
+                    // it; an error of this call's alone is logged above.
+                    if error.kind().is_io() || error.every_request {
+                        shared.outage.on_failure(&error, None);
+                    }
                 }
                 match &shared.failure_mode {
                     // Only the fallback's share of the quota refuses the cost: the outage

@@ -35,9 +35,10 @@ pub(crate) struct Config<St, K, C, R> {
     pub(crate) resolver: R,
     pub(crate) missing_key: MissingKey,
     /// Set once this layer has said that it lets requests through without a key the
-    /// server should have set (`MissingKey::Allow`): said once, read with one load per
-    /// such request (no lock, no allocation).
-    pub(crate) said_missing: AtomicBool,
+    /// server should have set (`MissingKey::Allow`): said once per layer (shared by the
+    /// services of all its routes), read with one load per such request (no lock, no
+    /// allocation).
+    pub(crate) said_missing: Arc<AtomicBool>,
     pub(crate) bypass: Option<Bypass>,
     pub(crate) responder: Arc<Responder>,
 }

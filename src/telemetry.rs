@@ -4,7 +4,8 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit`, `shadow_denied` (a shadow policy, or a policy of a shadow layer, would have denied) |
-//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong) |
+//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong); a shadow layer's too, which it lets through |
+//! | `tollgate_key_missing_allowed_total` | counter | `kind`: requests without a key let through by `MissingKey::Allow` (`server`: what is missing is the server's to set) |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_plans_unknown_total` | counter | (a plan header named no plan of the configuration: the default plan applied) |
@@ -309,8 +310,8 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
             target: "tollgate",
             %error,
             "the rate limiter cannot identify clients: the server is set up wrong, and its \
-             requests are answered 500 (logged once per reason, counted in \
-             tollgate_key_errors_total)"
+             requests are answered 500, or let through unlimited by a shadow layer (logged \
+             once per reason, counted in tollgate_key_errors_total)"
         );
     } else {
         #[cfg(feature = "tracing")]
@@ -397,7 +398,7 @@ fn first_reason(reason: &str) -> bool {
     SEEN.first(reason.into())
 }
 
-/// The circuit breaker kept a request from the store.
+/// A request skipped limiting ([`Bypass`](crate::bypass::Bypass)): counted by reason.
 #[inline]
 pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {
     #[cfg(feature = "metrics")]
@@ -406,6 +407,7 @@ pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {
     let _ = reason;
 }
 
+/// The circuit breaker kept a request from the store.
 pub(crate) fn store_skipped() {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_skipped_total").increment(1);

@@ -542,3 +542,98 @@ fn a_failing_limiter_dropped_leaves_the_gauge() {
     };
     assert_eq!(level.into_inner(), 0.0);
 }
+
+/// A store that never answers.
+#[derive(Clone)]
+struct Hangs;
+
+impl tollgate::Store for Hangs {
+    fn decide(&self, _: &tollgate::Key, _: &tollgate::PolicySet, _: u64) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::new(std::future::pending())
+    }
+}
+
+/// A token bucket of one an hour whose first denial blocks the key for an hour.
+fn penalized() -> Policy {
+    Policy::token_bucket("login", 1, tollgate::Rate::per_hour(1))
+        .unwrap()
+        .with_penalty(tollgate::policy::Penalty::new(
+            1,
+            Duration::from_secs(3600),
+            Duration::from_secs(3600),
+        ))
+        .unwrap()
+}
+
+/// A waiter's turn under a penalty is a peek, then a decision, within one store timeout.
+/// When the peek hangs, the failure mode answers after it, and the hang is one store
+/// error, not a second made up for the decision the timeout left no time for.
+#[test]
+fn a_hung_peek_is_one_store_error() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let limiter = tollgate::limiter::Limiter::new(Hangs, penalized())
+        .store_timeout(Duration::from_millis(50));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("k");
+            let waited = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+            assert!(waited.is_ok(), "the fallback decides: {waited:?}");
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
+                1
+            );
+        })
+    });
+}
+
+/// A `Limiter`'s store that answers a waiter's peek is back, as an answered decision
+/// says: the fallback is over. A key under a block is answered by the peek alone, and
+/// the fallback stayed active for as long as the block.
+#[test]
+fn a_limiter_recovers_on_a_peek_answer() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let down = Arc::new(AtomicBool::new(false));
+    let store = Flaky {
+        inner: MemoryStore::new(),
+        down: Arc::clone(&down),
+    };
+    let limiter = tollgate::limiter::Limiter::new(store, penalized());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("k");
+            assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+            let denied = limiter.check(&key, 1).await.unwrap();
+            assert!(denied.is_blocked(), "{denied:?}");
+            down.store(true, Ordering::SeqCst);
+            let other = tollgate::Key::new("other");
+            assert!(limiter.check(&other, 1).await.unwrap().is_allowed());
+            let seen = snapshot(&snapshotter);
+            let Some(DebugValue::Gauge(active)) = value(&seen, "tollgate_fallback_active", &[])
+            else {
+                panic!("the fallback gauge")
+            };
+            assert_eq!(active.into_inner(), 1.0);
+            down.store(false, Ordering::SeqCst);
+            let waited = limiter.until_ready(&key, 1, Duration::ZERO).await;
+            assert!(waited.is_err(), "blocked: {waited:?}");
+            let seen = snapshot(&snapshotter);
+            let change = match value(&seen, "tollgate_fallback_active", &[]) {
+                Some(DebugValue::Gauge(change)) => change.into_inner(),
+                _ => 0.0,
+            };
+            assert_eq!(active.into_inner() + change, 0.0, "the fallback is over");
+        })
+    });
+}

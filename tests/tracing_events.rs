@@ -332,6 +332,47 @@ fn requests_let_through_for_a_key_the_server_should_have_set_are_reported_once()
     assert!(warnings[0].contains("AccountFromAuth"), "{warnings:?}");
 }
 
+/// The same warning, from a layer over several routes (axum wraps each route's service
+/// in a service of its own): said once for the layer, not once a route.
+#[test]
+fn the_missing_key_warning_is_said_once_per_layer_over_many_routes() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap())
+        .key(tollgate::key::ExtensionKey::new(
+            "account",
+            |account: &AccountFromAuth| account.0.to_string(),
+        ))
+        .on_missing_key(tollgate::MissingKey::Allow);
+    let app = Router::new()
+        .route("/a", get(|| async { "a" }))
+        .route("/b", get(|| async { "b" }))
+        .route("/c", get(|| async { "c" }))
+        .layer(limiter)
+        .with_state(());
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            for path in ["/a", "/b", "/c", "/a"] {
+                let request = Request::get(path).body(Body::empty()).unwrap();
+                let response = app.clone().oneshot(request).await.unwrap();
+                assert_eq!(response.status(), 200, "{path}");
+            }
+        })
+    });
+    let warnings: Vec<String> = recorder
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|event| event.starts_with("WARN "))
+        .cloned()
+        .collect();
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+}
+
 /// A store that fails every other decision (a timeout now and then, a Cluster with one
 /// shard away): the breaker stays closed, and the failure mode answers the failed ones.
 /// The two warnings are said once for a while, not once per failure: four hundred
