@@ -30,8 +30,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// against lists of common passwords (a key without one says so once, at warn level,
 /// when it first hashes such credentials), and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
-/// credentials differ on every request (a fresh nonce count and response), so each is a
-/// key of its own: key Digest clients by their `username` in a [`from_fn`](super::from_fn)
+/// credentials differ on every request (a fresh nonce count and response), and so do
+/// signatures (OAuth 1.0's, Hawk's, AWS's), so each is a key of its own: key such
+/// clients by their `username`, key id or access key in a [`from_fn`](super::from_fn)
 /// key instead. A header HTTP/2 lets a client split over several lines (`Cookie`, RFC
 /// 9113, section 8.2.3) is then several lines, a 400: key by a cookie in a `from_fn` key.
 ///
