@@ -57,11 +57,7 @@ fn counter(snapshot: &Snapshot, name: &str, labels: &[(&str, &str)]) -> u64 {
 fn decisions_errors_fallback_and_latency_are_reported() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let down = Arc::new(AtomicBool::new(false));
-    let store = Flaky {
-        inner: MemoryStore::new(),
-        down: Arc::clone(&down),
-    };
+    let (store, down) = Flaky::new();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(
@@ -600,11 +596,7 @@ fn a_hung_peek_is_one_store_error() {
 fn a_limiter_recovers_on_a_peek_answer() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let down = Arc::new(AtomicBool::new(false));
-    let store = Flaky {
-        inner: MemoryStore::new(),
-        down: Arc::clone(&down),
-    };
+    let (store, down) = Flaky::new();
     let limiter = tollgate::limiter::Limiter::new(store, penalized());
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()

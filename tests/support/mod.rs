@@ -294,6 +294,18 @@ pub struct Flaky {
     pub down: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+impl Flaky {
+    /// An in-process store that answers, and the switch that takes it down.
+    pub fn new() -> (Self, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        let down = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let store = Flaky {
+            inner: tollgate::MemoryStore::new(),
+            down: std::sync::Arc::clone(&down),
+        };
+        (store, down)
+    }
+}
+
 impl tollgate::Store for Flaky {
     fn decide(
         &self,
