@@ -172,6 +172,13 @@ local function fits(key, p1, p2, total, oldest, first, extra, units)
   return 'deny', time_of(past) + p2 - now
 end
 
+-- In a log a settle charged past its limit (total above p1), the wait until one unit
+-- fits (at least 1): the effective window, which the oldest entry's leaving does not end.
+local function unit_wait(key, p1, p2, total, oldest, first, extra)
+  local _, wait = fits(key, p1, p2, total, oldest, first, extra, 1)
+  return max(wait, 1)
+end
+
 -- Sets the log at `key` to expire a window after its newest entry, with one written now
 -- (`grown`: the log held others before it). That is now's entry, unless time stepped
 -- back (a failover, a clock step) and an earlier write is later: expired a window after
@@ -263,8 +270,7 @@ local function snapshot(p, s)
   -- or, in a log a settle charged past its limit, until a unit fits.
   local effective = p[2]
   if s.total > p[1] then
-    local _, wait = fits(s.key, p[1], p[2], s.total, s.oldest, s.first, s.extra, 1)
-    effective = max(wait, 1)
+    effective = unit_wait(s.key, p[1], p[2], s.total, s.oldest, s.first, s.extra)
   elseif s.oldest ~= nil then
     effective = max(s.oldest + p[2] - now, 1)
   end
@@ -309,9 +315,6 @@ local function one(key, p1, p2)
   -- A log a settle charged past its limit: the entry reported as the oldest is the one
   -- whose leaving lets a unit fit, as the effective window of snapshot (only a refusal
   -- meets such a log: an admission leaves the log within its limit).
-  if total > p1 then
-    local _, wait = fits(key, p1, p2, total, oldest, first, extra, 1)
-    oldest = now + max(wait, 1) - p2
-  end
+  if total > p1 then oldest = now + unit_wait(key, p1, p2, total, oldest, first, extra) - p2 end
   return { outcome, value, total, oldest or -1, newest_of(key) or -1, now }
 end

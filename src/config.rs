@@ -578,28 +578,24 @@ impl LimiterConfig {
                 spec.strip_prefix("header:")
                     .is_some_and(|keyed| keyed.eq_ignore_ascii_case(header.as_str()))
             });
-            if keyed {
-                return Err(ConfigError::new(
-                    "plan_header",
-                    format!(
-                        "{:?} is a header the key reads (and hashes, as a secret): a value \
-                         naming no plan would be logged in clear; name plans in a header \
-                         of their own, set by the auth layer",
-                        header.as_str()
-                    ),
-                ));
-            }
             let credentials = [
                 http::header::AUTHORIZATION,
                 http::header::PROXY_AUTHORIZATION,
                 http::header::COOKIE,
             ];
-            if credentials.contains(header) {
+            let secret = if keyed {
+                Some("is a header the key reads (and hashes, as a secret)")
+            } else if credentials.contains(header) {
+                Some("holds credentials")
+            } else {
+                None
+            };
+            if let Some(secret) = secret {
                 return Err(ConfigError::new(
                     "plan_header",
                     format!(
-                        "{:?} holds credentials: a value naming no plan would be logged in \
-                         clear; name plans in a header of their own, set by the auth layer",
+                        "{:?} {secret}: a value naming no plan would be logged in clear; name \
+                         plans in a header of their own, set by the auth layer",
                         header.as_str()
                     ),
                 ));

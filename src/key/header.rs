@@ -22,11 +22,9 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// `token68`) is one word (RFC 9110, section 11.4; RFC 6750, section 2.1): one followed
 /// by more (`Bearer abc 1`, which a server reading the first word takes for `abc`) is a
 /// 400, not a bucket of its own; auth-params (`Digest username="a", ...`) are kept whole.
-/// `Basic`
-/// credentials are keyed whole,
-/// password included, by what they decode to (a spelling without its padding, with other
-/// unused trailing bits or in base64url's alphabet is the same key; one that is not
-/// base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
+/// `Basic` credentials are keyed whole, password included, by what they decode to (a
+/// spelling without its padding, with other unused trailing bits or in base64url's
+/// alphabet is the same key; one that is not base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
 /// against lists of common passwords (a key without one says so once, at warn level,
 /// when it first hashes such credentials), and see
 /// [`basic_user_id`](HeaderKey::basic_user_id) to key them by account. `Digest`
