@@ -795,6 +795,127 @@ async fn shaping_holds_requests_back_for_their_delay() {
     );
 }
 
+/// A paced app over `store`: one request every 10 s for the whole app, held back at most
+/// 60 s; a request's `x-cost` header is its cost (0: it queues nothing and reports the
+/// queue).
+fn paced_app(store: MemoryStore<tollgate::clock::RuntimeClock>) -> Router {
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    Router::new().route("/", get(|| async { "sent" })).layer(
+        RateLimitLayer::new(store)
+            .policy(paced)
+            .key(tollgate::key::Global)
+            .cost(tollgate::cost::from_fn(|parts| {
+                parts
+                    .headers
+                    .get("x-cost")
+                    .and_then(|value| value.to_str().ok()?.parse().ok())
+                    .unwrap_or(1)
+            })),
+    )
+}
+
+fn costing(cost: u64) -> Request<Body> {
+    Request::get("/")
+        .header("x-cost", cost.to_string())
+        .body(Body::empty())
+        .unwrap()
+}
+
+/// Unit requests that may still queue, from a request of cost 0 (it goes at once).
+async fn queue_room(app: &Router) -> u64 {
+    let response = app.clone().oneshot(costing(0)).await.unwrap();
+    let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    field
+        .split(";r=")
+        .nth(1)
+        .and_then(|rest| rest.split(';').next())
+        .and_then(|remaining| remaining.parse().ok())
+        .unwrap_or_else(|| panic!("no remaining in {field}"))
+}
+
+/// A request whose client gives up during its shaping delay (a disconnect, a timeout
+/// shorter than the delay) gives its place in the schedule back when no request queued
+/// behind it, and so do those before it, newest first: clients whose timeouts end in
+/// the order they came left their places booked for nobody, and the next request waited
+/// behind all of them.
+#[tokio::test(start_paused = true)]
+async fn requests_dropped_during_their_delay_give_their_places_back() {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let app = paced_app(store);
+    let start = tokio::time::Instant::now();
+    let first = app.clone().oneshot(costing(1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    // Held back 10 s and 20 s; their clients give up after 1 s and 2 s.
+    let second = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(1),
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(2),
+        app.clone().oneshot(costing(1)),
+    ));
+    assert!(second.await.unwrap().is_err(), "the second was sent");
+    assert!(third.await.unwrap().is_err(), "the third was sent");
+    // The first request's unit is all that is queued: 6 more fit in the 60 s (with all
+    // three queued, 4).
+    assert_eq!(queue_room(&app).await, 6);
+    // The next request goes when the first one's unit has leaked out, at 10 s, not 30 s.
+    let next = app.clone().oneshot(costing(1)).await.unwrap();
+    assert_eq!(next.status(), StatusCode::OK);
+    let sent = start.elapsed();
+    assert!(
+        sent <= Duration::from_secs(10) && sent > Duration::from_secs(9),
+        "sent at {sent:?}"
+    );
+}
+
+/// A request dropped during its delay while a later one stands keeps its place: given
+/// back, the next request would be sent on the instant of the later one. It gives it back
+/// once the later one does.
+#[tokio::test(start_paused = true)]
+async fn a_place_dropped_before_a_standing_one_is_kept() {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let app = paced_app(store);
+    let start = tokio::time::Instant::now();
+    let first = app.clone().oneshot(costing(1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let second = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(1),
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // The third stands (sent at 20 s), until it gives up at 5 s below.
+    let third = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(5),
+        app.clone().oneshot(costing(1)),
+    ));
+    assert!(second.await.unwrap().is_err(), "the second was sent");
+    assert_eq!(queue_room(&app).await, 4, "the second's place was given back");
+    // The fourth, decided now (at 1 s), goes after the third: at 30 s.
+    let fourth = tokio::spawn(app.clone().oneshot(costing(1)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(third.await.unwrap().is_err(), "the third was sent");
+    // The third is not the newest: the fourth stands behind it, so nothing is given back.
+    assert_eq!(queue_room(&app).await, 3);
+    let fourth = fourth.await.unwrap().unwrap();
+    assert_eq!(fourth.status(), StatusCode::OK);
+    let sent = start.elapsed();
+    assert!(
+        sent <= Duration::from_secs(30) && sent > Duration::from_secs(29),
+        "sent at {sent:?}"
+    );
+}
+
 /// Counts the decisions that reach it.
 #[derive(Clone)]
 struct Counted {

@@ -432,3 +432,49 @@ async fn a_settle_on_redis_keeps_shaped_requests_apart() {
         );
     }
 }
+
+/// Requests whose clients give up during their shaping delay give their places back on
+/// Redis too, newest first, when nobody queued behind them (in process: tests/http.rs).
+/// The give-backs run in tasks of their own: the test waits for them, at most 5 s (half
+/// the 10 s a unit takes to leak: the three units queued would still show as two taken).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_dropped_during_their_delay_give_their_places_back_on_redis() {
+    let (_standalone, _cluster, stores) = stores().await;
+    for (name, store) in stores {
+        let paced = Policy::leaky_bucket_shaping(
+            "paced",
+            Rate::new(1, Duration::from_secs(10)),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        let app = tokens_app(store, paced);
+        let first = app.clone().oneshot(request("a", 1, 1, 200)).await.unwrap();
+        assert_eq!(first.status(), StatusCode::OK, "{name}");
+        // Held back 10 s and 20 s; their clients give up after 300 ms and 600 ms.
+        let second = tokio::spawn(tokio::time::timeout(
+            Duration::from_millis(300),
+            app.clone().oneshot(request("a", 1, 1, 200)),
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let third = tokio::spawn(tokio::time::timeout(
+            Duration::from_millis(600),
+            app.clone().oneshot(request("a", 1, 1, 200)),
+        ));
+        assert!(second.await.unwrap().is_err(), "{name}: the second was sent");
+        assert!(third.await.unwrap().is_err(), "{name}: the third was sent");
+        // A request of cost 0 goes at once and reports the queue: with the first
+        // request's unit alone queued, 6 more fit in the 60 s (7 once it has leaked out,
+        // on a machine slow enough to take 10 s); with all three, 4.
+        let waited = std::time::Instant::now();
+        let mut room = 0;
+        while waited.elapsed() < Duration::from_secs(5) {
+            let probe = app.clone().oneshot(request("a", 0, 0, 200)).await.unwrap();
+            room = remaining(&probe);
+            if room >= 6 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(room >= 6, "{name}: the places were not given back: {room} fit");
+    }
+}
