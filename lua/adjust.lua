@@ -6,8 +6,13 @@
 --     empty if need be (never to more than one whole quota owed);
 --   1 release: in-flight policies free this request's slot;
 --   2 grant: rate policies give back `amount` units;
---   3 set: rate policies are set to `amount` units left (at most their quota).
--- Returns what a decision returns, outcome 0.
+--   3 set: rate policies are set to `amount` units left (at most their quota);
+--   4 unbook: a request a shaping policy held back was dropped before it was sent: when
+--     every shaping policy's queue still ends where its debit left it (the next ARGV,
+--     comma-separated, in microseconds), rate policies give back all `reserved` units as
+--     a settle to nothing would (a shaping policy its whole booking); else nothing
+--     changes, and the reply is a denial by the first shaping policy whose queue moved on.
+-- Returns what a decision returns, outcome 0 (or 1 for an unbooking refused).
 
 local tail = 3 + count * 4
 local amount = tonumber(ARGV[tail + 1])
@@ -21,6 +26,9 @@ for index in string.gmatch(ARGV[tail + 4] or '', '%d+') do undebited[tonumber(in
 -- back what a replay with the actual cost would hold.
 local left = {}
 for units in string.gmatch(ARGV[tail + 5] or '', '%d+') do left[#left + 1] = tonumber(units) end
+-- An unbooking's queue ends, in order.
+local ends = {}
+for t in string.gmatch(ARGV[tail + 6] or '', '%d+') do ends[#ends + 1] = tonumber(t) end
 local reserved = cost
 
 -- Takes `units` more, past empty if need be (the excess is owed: the key waits until it
@@ -51,10 +59,35 @@ for i = 1, count do
     s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i]) }
 end
 
+local function reply_with(outcome, policy)
+  local reply = { outcome, policy, 0, 0 }
+  for i = 1, count do
+    local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
+    reply[#reply + 1] = limit
+    reply[#reply + 1] = remaining
+    reply[#reply + 1] = reset
+    reply[#reply + 1] = effective
+  end
+  reply[#reply + 1] = now
+  return reply
+end
+
+-- An unbooking gives back only the newest booking of each shaping policy: its queue
+-- still ends where the debit left it, and has not ended.
+if mode == '4' then
+  for i = 1, count do
+    local algorithm, p, s = policies[i].algorithm, policies[i].p, policies[i].s
+    if not undebited[i] and algorithm.queue_end ~= nil then
+      local ends_at = algorithm.queue_end(p, s)
+      if ends[i] ~= ends_at or ends_at <= now then return reply_with(1, i) end
+    end
+  end
+end
+
 for i = 1, count do
   local algorithm, p, s, kind = policies[i].algorithm, policies[i].p, policies[i].s,
     policies[i].kind
-  if undebited[i] and (mode == '0' or mode == '1') then
+  if undebited[i] and (mode == '0' or mode == '1' or mode == '4') then
     -- Nothing was taken: nothing to give back.
   elseif mode == '1' then
     if kind == 'cc' and reserved > 0 then algorithm.refund(p, s, 1, at) end
@@ -65,6 +98,12 @@ for i = 1, count do
       algorithm.refund(p, s, reserved - amount, at, left[i])
     elseif amount > reserved then
       charge(algorithm, p, s, amount - reserved)
+    end
+  elseif mode == '4' then
+    if kind == 'ls' then
+      algorithm.refund(p, s, reserved, -1)
+    else
+      algorithm.refund(p, s, reserved, at, left[i])
     end
   elseif mode == '2' then
     algorithm.refund(p, s, amount, -1)
@@ -84,13 +123,4 @@ for i = 1, count do
   end
 end
 
-local reply = { 0, 0, 0, 0 }
-for i = 1, count do
-  local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
-  reply[#reply + 1] = limit
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = effective
-end
-reply[#reply + 1] = now
-return reply
+return reply_with(0, 0)

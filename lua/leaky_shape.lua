@@ -27,6 +27,12 @@ local function refund(p, s, units, at, left)
   store_bucket(p, s)
 end
 
+-- When the queue ends (the units queued last have leaked out), in microseconds: the end
+-- of the newest booking while it is ahead (src/algorithm/leaky_shape.rs's `queue_end`).
+queue_end = function(p, s)
+  return s.last + cdiv(s.level, p[2])
+end
+
 local function snapshot(p, s)
   local threshold = p[1] * p[2]
   local remaining = 0

@@ -214,18 +214,42 @@ where
 {
     let deadline = tokio::time::Instant::now() + delay;
     async move {
+        let mut reservation = reservation;
         if !delay.is_zero() {
             if ready {
                 inner = inner.clone();
                 ready = false;
             }
+            // Dropped before the delay ends (its client gave up), the request gives its
+            // place in the schedule back.
+            let held = Held(reservation.take());
             tokio::time::sleep_until(deadline).await;
+            reservation = held.sent();
         }
         let reservation = reservation.map(Box::new);
         if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
             return Slow::Inner(Err(error), headers, reservation);
         }
         Slow::Inner(inner.call(request).await, headers, reservation)
+    }
+}
+
+/// A request's debit while it sits out its shaping delay: dropped with it, the request
+/// was never sent, and its place is given back (`Reservation::unbook`).
+struct Held(Option<Reservation>);
+
+impl Held {
+    /// The delay is over: the request is sent, its debit kept as any other.
+    fn sent(mut self) -> Option<Reservation> {
+        self.0.take()
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(reservation) = self.0.take() {
+            reservation.unbook();
+        }
     }
 }
 

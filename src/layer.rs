@@ -72,6 +72,9 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     /// Whether a service of this layer has said that it lets requests through without a
     /// key the server should have set: said once per layer, whatever its routes.
     said_missing: Arc<std::sync::atomic::AtomicBool>,
+    /// Bookings of requests dropped during their shaping delay, waiting for the ones
+    /// queued after them to be given back: shared by every service of this layer.
+    dropped: Arc<crate::settle::DroppedBookings>,
     settle: Option<Settle>,
     bypass: Option<Bypass>,
     shadow: bool,
@@ -124,6 +127,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             store_timeout: self.store_timeout,
             breaker: Arc::clone(&self.breaker),
             said_missing: Arc::clone(&self.said_missing),
+            dropped: Arc::clone(&self.dropped),
             settle: self.settle.clone(),
             bypass: self.bypass.clone(),
             shadow: self.shadow,
@@ -166,6 +170,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
             said_missing: Arc::default(),
+            dropped: Arc::default(),
             settle: None,
             bypass: None,
             shadow: false,
@@ -233,6 +238,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             store_timeout: self.store_timeout,
             breaker: self.breaker,
             said_missing: self.said_missing,
+            dropped: self.dropped,
             settle: self.settle,
             bypass: self.bypass,
             shadow: self.shadow,
@@ -587,6 +593,7 @@ where
                 failure_mode: self.failure_mode.clone(),
                 breaker: Arc::clone(&self.breaker),
                 timeout: self.store_timeout,
+                dropped: Arc::clone(&self.dropped),
             }),
         }))
     }

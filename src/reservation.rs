@@ -10,7 +10,7 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::respond::Responder;
 use crate::respond::headers::{HeaderBlock, jitter_secs, rate_limit_headers};
-use crate::settle::{Debit, ResponseHead};
+use crate::settle::{Booking, Debit, ResponseHead};
 use crate::store::{Adjustment, BoxedDecision, DecideFuture, StoreError, StoreErrorKind, within};
 use crate::telemetry;
 
@@ -34,6 +34,8 @@ pub(crate) struct Reservation {
     receipt: Receipt,
     /// What the debit left of each policy.
     left: smallvec::SmallVec<[u64; 2]>,
+    /// When each policy's queue ended after the debit (a request held back by shaping).
+    ends: smallvec::SmallVec<[u64; 2]>,
     holds_slots: bool,
 }
 
@@ -68,6 +70,7 @@ impl Reservation {
             cost,
             receipt: debit.receipt,
             left: debit.left,
+            ends: debit.ends,
             holds_slots,
         }
     }
@@ -79,12 +82,56 @@ impl Reservation {
     }
 
     fn adjust(&self, adjustment: &Adjustment) -> DecideFuture {
-        if self.fallback
-            && let FailureMode::Fallback(fallback) = &self.adjuster.responder().failure_mode
-        {
-            return DecideFuture::ready(Ok(fallback.adjust(&self.key, &self.policies, adjustment)));
+        adjust_in(
+            &*self.adjuster,
+            &self.key,
+            &self.policies,
+            self.fallback,
+            adjustment,
+        )
+    }
+
+    /// The request was dropped during its shaping delay, before it was sent: its
+    /// in-flight slots are freed, and its place in the schedule is given back if no
+    /// request queued behind it since, then those dropped before it, newest first. A
+    /// place a standing request queued behind is kept until that one is given back
+    /// (given back, the next request would go on the standing one's instant), or until it
+    /// has leaked out.
+    pub(crate) fn unbook(self) {
+        if self.ends.is_empty() {
+            return;
         }
-        self.adjuster.adjust(&self.key, &self.policies, adjustment)
+        let adjuster = Arc::clone(&self.adjuster);
+        let key = self.key.clone();
+        // Nothing of it is left once its shaping queues have leaked out.
+        let end = (self.policies.iter().zip(&self.ends))
+            .filter(|(policy, _)| policy.params().is_shaping())
+            .map(|(_, end)| *end)
+            .max()
+            .unwrap_or(0);
+        let booking = Booking {
+            policies: self.policies.clone(),
+            fallback: self.fallback,
+            cost: self.cost,
+            receipt: self.receipt,
+            left: self.left.clone(),
+            ends: self.ends.clone(),
+            gone: tokio::time::Instant::now()
+                + std::time::Duration::from_nanos(end.saturating_sub(self.receipt.at())),
+        };
+        // Frees the in-flight slots.
+        drop(self);
+        let first = adjuster.responder().dropped.keep(&key, booking).err();
+        let mut give_back = Box::pin(give_back_dropped(adjuster, key, first));
+        // An in-process store (or the fallback) answers at once: given back before the
+        // drop returns. A store doing I/O finishes in a task (without a runtime, the
+        // places stay booked and leak out with time).
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if give_back.as_mut().poll(&mut cx).is_pending()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(give_back);
+        }
     }
 
     /// Settles against the response head, as the layer's [`Settle`] says.
@@ -181,6 +228,64 @@ impl Reservation {
                         "no async runtime to free in-flight slots; they expire with their lease",
                     )),
                 }
+            }
+        }
+    }
+}
+
+/// Adjusts `key` where its debit was made: the store, or the local fallback.
+fn adjust_in(
+    adjuster: &dyn Adjuster,
+    key: &Key,
+    policies: &PolicySet,
+    fallback: bool,
+    adjustment: &Adjustment,
+) -> DecideFuture {
+    if fallback && let FailureMode::Fallback(local) = &adjuster.responder().failure_mode {
+        return DecideFuture::ready(Ok(local.adjust(key, policies, adjustment)));
+    }
+    adjuster.adjust(key, policies, adjustment)
+}
+
+/// Gives back the places of `key`'s dropped requests, newest first (`first`, one the
+/// layer could not keep, before them), for as long as each is the newest booking: one
+/// that is not is kept for later (a request queued behind it stands). A store failure
+/// ends the round, counted and logged; the place stays booked.
+async fn give_back_dropped(adjuster: Arc<dyn Adjuster>, key: Key, first: Option<Booking>) {
+    let responder = Arc::clone(adjuster.responder());
+    let mut next = first;
+    while let Some(booking) = next.take().or_else(|| responder.dropped.take_newest(&key)) {
+        let adjustment = Adjustment::unbooking(
+            booking.cost,
+            booking.receipt,
+            booking.left.iter().copied(),
+            booking.ends.iter().copied(),
+        );
+        let future = adjust_in(
+            &*adjuster,
+            &key,
+            &booking.policies,
+            booking.fallback,
+            &adjustment,
+        );
+        let result = match future.into_ready() {
+            Ok(result) => result,
+            Err(pending) => {
+                let what = "give-back of a dropped request's place";
+                within(responder.timeout, what, pending).await
+            }
+        };
+        match result {
+            Ok(decision) if decision.is_allowed() => {}
+            // A request queued behind it stands: kept until that one is given back.
+            Ok(_) => {
+                // Not kept when the layer holds as many as it keeps: it leaks out.
+                let _ = responder.dropped.keep(&key, booking);
+                return;
+            }
+            Err(error) => {
+                telemetry::store_error(&error);
+                return;
             }
         }
     }

@@ -50,6 +50,7 @@ use http::header::HeaderName;
 use http::{Extensions, HeaderMap, StatusCode};
 
 use crate::decision::Receipt;
+use crate::key::Key;
 use crate::policy::PolicySet;
 
 /// How the layer settles an admitted request's cost once its response head is known:
@@ -295,4 +296,200 @@ pub(crate) struct Debit {
     pub(crate) fallback: Option<PolicySet>,
     /// What the debit left of each policy (for an exact settle of buckets and GCRA).
     pub(crate) left: smallvec::SmallVec<[u64; 2]>,
+    /// When each policy's queue ended after the debit: a request held back by shaping
+    /// (to give its place back if it is dropped before it is sent); else empty.
+    pub(crate) ends: smallvec::SmallVec<[u64; 2]>,
+}
+
+/// The most bookings of dropped requests a layer keeps, over every key: beyond it, a
+/// request dropped during its delay is given back only if it is the newest at once.
+const MAX_DROPPED: usize = 4096;
+
+/// The debit of a request dropped during its shaping delay, not yet given back because a
+/// request queued behind it still stood (see `Change::Unbook`): kept until those are
+/// given back, or until it has leaked out.
+pub(crate) struct Booking {
+    pub(crate) policies: PolicySet,
+    /// Debited by the local fallback (under `policies`, the ones it applied).
+    pub(crate) fallback: bool,
+    pub(crate) cost: u64,
+    pub(crate) receipt: Receipt,
+    pub(crate) left: smallvec::SmallVec<[u64; 2]>,
+    pub(crate) ends: smallvec::SmallVec<[u64; 2]>,
+    /// When nothing of it is left to give back (its queue has leaked out).
+    pub(crate) gone: tokio::time::Instant,
+}
+
+impl Booking {
+    /// Its place among the key's bookings: when it was debited, then where its queue ends.
+    fn order(&self) -> (u64, u64) {
+        (
+            self.receipt.at(),
+            self.ends.iter().copied().max().unwrap_or(0),
+        )
+    }
+}
+
+/// A layer's bookings of dropped requests, by key, oldest first: when a request dropped
+/// during its delay is given back, the ones dropped before it are tried in turn, newest
+/// first (clients' timeouts end in the order their requests came).
+#[derive(Default)]
+pub(crate) struct DroppedBookings {
+    inner: std::sync::Mutex<Dropped>,
+}
+
+#[derive(Default)]
+struct Dropped {
+    by_key: std::collections::HashMap<Key, Vec<Booking>>,
+    count: usize,
+}
+
+impl Dropped {
+    /// Forgets the bookings of `key` that have leaked out.
+    fn forget_gone(&mut self, key: &Key, now: tokio::time::Instant) {
+        let Some(bookings) = self.by_key.get_mut(key) else {
+            return;
+        };
+        let before = bookings.len();
+        bookings.retain(|booking| booking.gone > now);
+        self.count -= before - bookings.len();
+        if bookings.is_empty() {
+            self.by_key.remove(key);
+        }
+    }
+
+    /// Forgets every booking that has leaked out.
+    fn forget_all_gone(&mut self, now: tokio::time::Instant) {
+        let mut forgotten = 0;
+        self.by_key.retain(|_, bookings| {
+            let before = bookings.len();
+            bookings.retain(|booking| booking.gone > now);
+            forgotten += before - bookings.len();
+            !bookings.is_empty()
+        });
+        self.count -= forgotten;
+    }
+}
+
+impl DroppedBookings {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Dropped> {
+        // A panic elsewhere while the lock was held leaves whole bookings behind.
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps `booking` of `key` until the requests queued after it are given back; gives
+    /// it back (not kept) when the layer holds as many as it keeps.
+    pub(crate) fn keep(&self, key: &Key, booking: Booking) -> Result<(), Booking> {
+        let now = tokio::time::Instant::now();
+        if booking.gone <= now {
+            return Ok(());
+        }
+        let mut dropped = self.lock();
+        dropped.forget_gone(key, now);
+        if dropped.count >= MAX_DROPPED {
+            dropped.forget_all_gone(now);
+            if dropped.count >= MAX_DROPPED {
+                return Err(booking);
+            }
+        }
+        dropped.count += 1;
+        let bookings = dropped.by_key.entry(key.clone()).or_default();
+        let at = bookings.partition_point(|kept| kept.order() <= booking.order());
+        bookings.insert(at, booking);
+        Ok(())
+    }
+
+    /// Takes the newest booking of `key` that has not leaked out.
+    pub(crate) fn take_newest(&self, key: &Key) -> Option<Booking> {
+        let mut dropped = self.lock();
+        dropped.forget_gone(key, tokio::time::Instant::now());
+        let bookings = dropped.by_key.get_mut(key)?;
+        let newest = bookings.pop();
+        if bookings.is_empty() {
+            dropped.by_key.remove(key);
+        }
+        if newest.is_some() {
+            dropped.count -= 1;
+        }
+        newest
+    }
+
+    /// How many bookings are kept (tests).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().count
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Policy, Rate};
+
+    fn booking(at: u64, lasts: Duration) -> Booking {
+        let paced = Policy::leaky_bucket_shaping("paced", Rate::per_second(1), lasts).unwrap();
+        Booking {
+            policies: PolicySet::from(paced),
+            fallback: false,
+            cost: 1,
+            receipt: Receipt::new(at, 0),
+            left: smallvec::smallvec![1],
+            ends: smallvec::smallvec![at + 1],
+            gone: tokio::time::Instant::now() + lasts,
+        }
+    }
+
+    /// A layer keeps a bounded number of dropped bookings, whatever the keys: one past the
+    /// bound is handed back (tried once, not kept), and bookings that have leaked out make
+    /// room.
+    #[tokio::test(start_paused = true)]
+    async fn the_dropped_bookings_are_bounded_and_forgotten_once_gone() {
+        let dropped = DroppedBookings::default();
+        for n in 0..MAX_DROPPED {
+            let key = Key::new(format!("k{n}"));
+            let lasts = if n % 2 == 0 { 1 } else { 60 };
+            assert!(
+                dropped
+                    .keep(&key, booking(1, Duration::from_secs(lasts)))
+                    .is_ok()
+            );
+        }
+        assert_eq!(dropped.len(), MAX_DROPPED);
+        let late = Key::new("late");
+        assert!(
+            dropped
+                .keep(&late, booking(1, Duration::from_secs(60)))
+                .is_err()
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(
+            dropped
+                .keep(&late, booking(1, Duration::from_secs(60)))
+                .is_ok()
+        );
+        assert_eq!(dropped.len(), MAX_DROPPED / 2 + 1);
+    }
+
+    /// A key's bookings come back newest first, by the time of their debit.
+    #[tokio::test(start_paused = true)]
+    async fn the_newest_dropped_booking_comes_back_first() {
+        let dropped = DroppedBookings::default();
+        let key = Key::new("k");
+        for at in [20, 10, 30] {
+            assert!(
+                dropped
+                    .keep(&key, booking(at, Duration::from_secs(60)))
+                    .is_ok()
+            );
+        }
+        let order: Vec<u64> = std::iter::from_fn(|| dropped.take_newest(&key))
+            .map(|booking| booking.receipt.at())
+            .collect();
+        assert_eq!(order, [30, 20, 10]);
+        assert_eq!(dropped.len(), 0);
+    }
 }

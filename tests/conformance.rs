@@ -2529,3 +2529,66 @@ async fn a_costly_shaping_admission_is_queued_not_owed() {
         );
     }
 }
+
+/// An unbooking (a request dropped during its shaping delay) gives back only the newest
+/// booking of the shaping queue, and with it the request's units under the other
+/// policies; a booking a later one stands behind, or one that has leaked out, is left as
+/// it is. Alike on every store (lua/adjust.lua's mode 4 is the twin of
+/// src/store/decide.rs's `Change::Unbook`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbooking_gives_back_only_the_newest_booking_on_every_store() {
+    let backends = Backends::start().await;
+    let set = PolicySet::new([
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1), Duration::from_secs(10))
+            .unwrap(),
+        Policy::token_bucket("tokens", 100, Rate::per_hour(1)).unwrap(),
+    ])
+    .unwrap();
+    for subject in backends.subjects("unbook") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        let first = subject.check("k", &set, 1).await;
+        let second = subject.check("k", &set, 1).await;
+        let third = subject.check("k", &set, 1).await;
+        assert_eq!(delay(&third), Duration::from_secs(2), "{name}");
+        subject.clock.advance(Duration::from_millis(300));
+        // The second has the third behind it: refused, nothing changes.
+        let refused = subject
+            .adjust("k", &set, &Adjustment::unbook(1, &second))
+            .await;
+        assert!(
+            matches!(refused.outcome(), Outcome::Denied { policy: 0, .. }),
+            "{name}: {refused:?}"
+        );
+        assert_eq!(refused.statuses()[1].remaining, 97, "{name}");
+        // The third, then the second: each the newest in turn; the tokens come back.
+        for booking in [&third, &second] {
+            let given = subject
+                .adjust("k", &set, &Adjustment::unbook(1, booking))
+                .await;
+            assert!(given.is_allowed(), "{name}: {given:?}");
+        }
+        let next = subject.check("k", &set, 1).await;
+        assert_eq!(
+            delay(&next),
+            Duration::from_millis(700),
+            "{name}: the next goes after the first alone"
+        );
+        assert_eq!(next.statuses()[1].remaining, 98, "{name}");
+        // The first has been sent and has leaked out: there is nothing to give back.
+        subject.clock.advance(Duration::from_secs(5));
+        let gone = subject
+            .adjust("k", &set, &Adjustment::unbook(1, &first))
+            .await;
+        assert!(!gone.is_allowed(), "{name}: {gone:?}");
+        assert_eq!(gone.statuses()[1].remaining, 98, "{name}");
+    }
+}
+
+/// The shaping delay a decision admits with.
+fn delay(decision: &Decision) -> Duration {
+    match decision.outcome() {
+        Outcome::Allowed { delay } => delay,
+        outcome => panic!("not admitted: {outcome:?}"),
+    }
+}

@@ -900,7 +900,11 @@ async fn a_place_dropped_before_a_standing_one_is_kept() {
         app.clone().oneshot(costing(1)),
     ));
     assert!(second.await.unwrap().is_err(), "the second was sent");
-    assert_eq!(queue_room(&app).await, 4, "the second's place was given back");
+    assert_eq!(
+        queue_room(&app).await,
+        4,
+        "the second's place was given back"
+    );
     // The fourth, decided now (at 1 s), goes after the third: at 30 s.
     let fourth = tokio::spawn(app.clone().oneshot(costing(1)));
     tokio::time::sleep(Duration::from_millis(10)).await;

@@ -460,7 +460,10 @@ async fn requests_dropped_during_their_delay_give_their_places_back_on_redis() {
             Duration::from_millis(600),
             app.clone().oneshot(request("a", 1, 1, 200)),
         ));
-        assert!(second.await.unwrap().is_err(), "{name}: the second was sent");
+        assert!(
+            second.await.unwrap().is_err(),
+            "{name}: the second was sent"
+        );
         assert!(third.await.unwrap().is_err(), "{name}: the third was sent");
         // A request of cost 0 goes at once and reports the queue: with the first
         // request's unit alone queued, 6 more fit in the 60 s (7 once it has leaked out,
@@ -475,6 +478,9 @@ async fn requests_dropped_during_their_delay_give_their_places_back_on_redis() {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(room >= 6, "{name}: the places were not given back: {room} fit");
+        assert!(
+            room >= 6,
+            "{name}: the places were not given back: {room} fit"
+        );
     }
 }

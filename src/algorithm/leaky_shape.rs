@@ -59,10 +59,22 @@ impl LeakyShape {
         self.as_bucket().refresh(state, now);
     }
 
-    /// The earliest time the state can be read at (see `TokenBucket::floor`).
+    /// The earliest time the state can be read at: its own. A request decided as of an
+    /// earlier time (another was served first, having read the clock later) is booked as
+    /// of the state's, so its booking's end is where the queue ends
+    /// ([`queue_end`](Self::queue_end)), which giving it back checks.
     #[inline]
     pub fn floor(&self, state: &BucketState) -> u64 {
-        self.as_bucket().floor(state)
+        state.last
+    }
+
+    /// When the queue ends (the units queued last have leaked out), in nanoseconds: the
+    /// end of the newest booking, while it is ahead.
+    #[inline]
+    pub fn queue_end(&self, state: &BucketState) -> u64 {
+        state
+            .last
+            .saturating_add(nanos(div_ceil(state.level.get(), u128::from(self.amount))))
     }
 
     /// Admit with the wait for what is ahead, or deny when that wait is too long. A cost

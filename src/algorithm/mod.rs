@@ -559,6 +559,36 @@ impl Params {
         dispatch!(self, state, refund(now, units, at, left), ())
     }
 
+    /// When a shaping policy's queue ends (see `LeakyShape::queue_end`); `None` for
+    /// another algorithm, or a state of the wrong kind.
+    #[inline]
+    pub(crate) fn queue_end(&self, state: &Slot) -> Option<u64> {
+        match (self, state) {
+            (
+                Params::LeakyShape {
+                    amount,
+                    period,
+                    max_delay,
+                },
+                Slot::Bucket { state: s, .. },
+            ) => Some(
+                LeakyShape {
+                    amount: *amount,
+                    period: *period,
+                    max_delay: *max_delay,
+                }
+                .queue_end(s),
+            ),
+            _ => None,
+        }
+    }
+
+    /// True for a shaping policy: it holds requests back instead of denying them.
+    #[inline]
+    pub(crate) fn is_shaping(&self) -> bool {
+        matches!(self, Params::LeakyShape { .. })
+    }
+
     /// True for an in-flight limit: its slots are given back when the request ends.
     #[inline]
     pub(crate) fn is_in_flight(&self) -> bool {

@@ -21,7 +21,7 @@ use crate::failure::{Breaker, FailureMode, ProbeGuard};
 use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::settle::{Debit, Settle};
-use crate::store::{StoreError, StoreErrorKind, check_answer};
+use crate::store::{Adjustment, StoreError, StoreErrorKind, check_answer};
 use crate::telemetry;
 use headers::{
     HeaderBlock, HeaderOptions, effective_secs, jitter_secs, jittered, rate_limit_headers,
@@ -61,6 +61,8 @@ pub(crate) struct Responder {
     pub(crate) failure_mode: FailureMode,
     pub(crate) breaker: Arc<Breaker>,
     pub(crate) timeout: Duration,
+    /// Bookings of requests dropped during their shaping delay (the layer's).
+    pub(crate) dropped: Arc<crate::settle::DroppedBookings>,
 }
 
 /// What the store said, or that it was not asked (the circuit breaker is open). Borrowed:
@@ -190,7 +192,7 @@ impl Responder {
         // The debit, kept until the response when it must be settled or holds slots.
         let debit = || {
             (self.settle.is_some() || policies.has_in_flight())
-                .then(|| debit(decision, policies, from_fallback))
+                .then(|| debit_of(decision, policies, from_fallback))
         };
         if self.shadow {
             return self.plan_shadow(policies, key, decision, extra, debit);
@@ -199,7 +201,13 @@ impl Responder {
         let headers = rate_limit_headers(&self.headers, policies, decision, key, extra);
         match decision.outcome() {
             Outcome::Allowed { delay } if delay.is_zero() => Plan::Call(headers, debit()),
-            Outcome::Allowed { delay } => Plan::Delay(delay, headers, debit()),
+            // Kept through the delay whatever the layer settles: a request dropped
+            // before it is sent gives its place back (see `Reservation::unbook`).
+            Outcome::Allowed { delay } => {
+                let mut held = debit_of(decision, policies, from_fallback);
+                held.ends = Adjustment::queue_ends_after(decision).collect();
+                Plan::Delay(delay, headers, Some(held))
+            }
             Outcome::Denied {
                 policy,
                 retry_after,
@@ -328,11 +336,12 @@ impl Responder {
 
 /// The debit of an admitted request, kept until its response.
 #[inline(never)]
-fn debit(decision: &Decision, policies: &PolicySet, from_fallback: bool) -> Box<Debit> {
+fn debit_of(decision: &Decision, policies: &PolicySet, from_fallback: bool) -> Box<Debit> {
     Box::new(Debit {
         receipt: decision.receipt(),
         fallback: from_fallback.then(|| policies.clone()),
         left: decision.statuses().iter().map(|s| s.remaining).collect(),
+        ends: smallvec::SmallVec::new(),
     })
 }
 

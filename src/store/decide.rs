@@ -182,6 +182,17 @@ pub(crate) fn adjust(
     let now = floor(policies, slots, now);
     let at = adjustment.receipt().at();
     let undebited = adjustment.receipt().undebited();
+    if let Change::Unbook { .. } = adjustment.change()
+        && let Some(moved_on) = queue_moved_on(policies, slots, now, adjustment)
+    {
+        let (statuses, fresh_at) = statuses(policies, slots, now);
+        let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
+        let outcome = Outcome::Denied {
+            policy: moved_on,
+            retry_after: Duration::ZERO,
+        };
+        return (Decision::with_statuses(outcome, statuses), fresh_at);
+    }
     for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = policy.params();
         params.refresh(slot, now);
@@ -208,6 +219,15 @@ pub(crate) fn adjust(
                 }
             }
             Change::Grant { units } => params.refund(slot, now, units, ANY_TIME, None),
+            // Its queue ends where the request's booking does (checked above): the
+            // booking goes whole. The other policies give back what a settle to nothing
+            // would.
+            Change::Unbook { cost } if params.is_shaping() => {
+                params.refund(slot, now, cost.min(MAX_LIMIT + 1), ANY_TIME, None);
+            }
+            Change::Unbook { cost } => {
+                params.refund(slot, now, cost.min(MAX_LIMIT + 1), at, debit_left);
+            }
             Change::SetRemaining { remaining } => {
                 let target = remaining.min(params.limit());
                 let left = params.snapshot(slot, now).remaining;
@@ -234,6 +254,31 @@ pub(crate) fn adjust(
         statuses,
     );
     (decision, fresh_at)
+}
+
+/// For an unbooking: the first shaping policy (debited by the request) whose queue no
+/// longer ends where the request's booking did (a request queued behind it since, or its
+/// booking has leaked out), brought up to `now`; `None` when every one still does.
+fn queue_moved_on(
+    policies: &[Policy],
+    slots: &mut [Slot],
+    now: u64,
+    adjustment: &Adjustment,
+) -> Option<usize> {
+    let undebited = adjustment.receipt().undebited();
+    policies
+        .iter()
+        .zip(slots.iter_mut())
+        .enumerate()
+        .find_map(|(index, (policy, slot))| {
+            let params = policy.params();
+            params.refresh(slot, now);
+            if index < 64 && undebited & (1 << index) != 0 {
+                return None;
+            }
+            let end = params.queue_end(slot)?;
+            (adjustment.queue_ends().get(index) != Some(&end) || end <= now).then_some(index)
+        })
 }
 
 /// The answer to a key a penalty blocks: denied until its block ends, or until the

@@ -186,6 +186,8 @@ pub struct Adjustment {
     receipt: Receipt,
     /// Units each policy had left right after the debit (empty: unknown).
     left: SmallVec<[u64; 2]>,
+    /// When each policy's queue ended right after the debit (an unbooking's; else empty).
+    ends: SmallVec<[u64; 2]>,
 }
 
 /// What an [`Adjustment`] changes. Every change leaves a quota at most full; only a
@@ -221,6 +223,18 @@ pub enum Change {
         /// Units left after the change.
         remaining: u64,
     },
+    /// A request a shaping policy held back, dropped before it was sent (its client gave
+    /// up): when every shaping policy's queue still ends where the request's debit left
+    /// it ([`Adjustment::queue_ends`]: nothing queued behind it since), its `cost` units
+    /// are given back under every rate policy, as a settle to nothing would; otherwise
+    /// nothing changes, since giving them back would put the next request on the instant
+    /// of the one queued behind it. The decision is allowed when they were given back,
+    /// and denied (by the first shaping policy whose queue moved on, with no wait) when
+    /// not.
+    Unbook {
+        /// The request's cost.
+        cost: u64,
+    },
 }
 
 impl Adjustment {
@@ -231,6 +245,62 @@ impl Adjustment {
             .with_left(decision.statuses().iter().map(|status| status.remaining))
     }
 
+    /// Gives back the `cost` units of a request that `decision` held back (shaping) and
+    /// whose client gave up before it was sent, if nothing queued behind it since (see
+    /// [`Change::Unbook`]). Each policy's queue ended `reset` after the debit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let paced = PolicySet::from(Policy::leaky_bucket_shaping(
+    ///     "paced", Rate::per_minute(1), Duration::from_secs(300))?);
+    /// store.check("partner", &paced, 1);
+    /// let second = store.check("partner", &paced, 1);
+    /// let third = store.check("partner", &paced, 1);
+    /// // The second is not the newest: the third stands behind it.
+    /// assert!(!store.adjust_now("partner", &paced, &Adjustment::unbook(1, &second)).is_allowed());
+    /// // The third is, then the second is.
+    /// assert!(store.adjust_now("partner", &paced, &Adjustment::unbook(1, &third)).is_allowed());
+    /// assert!(store.adjust_now("partner", &paced, &Adjustment::unbook(1, &second)).is_allowed());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn unbook(cost: u64, decision: &Decision) -> Self {
+        Self::unbooking(
+            cost,
+            decision.receipt(),
+            decision.statuses().iter().map(|status| status.remaining),
+            Self::queue_ends_after(decision),
+        )
+    }
+
+    /// An unbooking of `cost` units from what its debit left: its receipt, the units left
+    /// and the queue ends of each policy.
+    pub(crate) fn unbooking(
+        cost: u64,
+        receipt: Receipt,
+        left: impl IntoIterator<Item = u64>,
+        ends: impl IntoIterator<Item = u64>,
+    ) -> Self {
+        Self {
+            change: Change::Unbook { cost },
+            receipt,
+            left: left.into_iter().collect(),
+            ends: ends.into_iter().collect(),
+        }
+    }
+
+    /// When each policy's queue ends after `decision`'s debit: the debit's time plus the
+    /// policy's reset (a shaping bucket's reset is when what is queued has leaked out).
+    pub(crate) fn queue_ends_after(decision: &Decision) -> impl Iterator<Item = u64> + '_ {
+        let at = decision.receipt().at();
+        decision.statuses().iter().map(move |status| {
+            let reset = u64::try_from(status.reset.as_nanos()).unwrap_or(u64::MAX);
+            at.saturating_add(reset)
+        })
+    }
+
     /// Settles a request that reserved `reserved` units to the `actual` units it used;
     /// `receipt` is the one its decision carried.
     pub fn settle(reserved: u64, actual: u64, receipt: Receipt) -> Self {
@@ -238,6 +308,7 @@ impl Adjustment {
             change: Change::Settle { reserved, actual },
             receipt,
             left: SmallVec::new(),
+            ends: SmallVec::new(),
         }
     }
 
@@ -248,6 +319,7 @@ impl Adjustment {
             change: Change::Release { cost },
             receipt,
             left: SmallVec::new(),
+            ends: SmallVec::new(),
         }
     }
 
@@ -269,6 +341,7 @@ impl Adjustment {
             change: Change::Grant { units },
             receipt: Receipt::new(0, 0),
             left: SmallVec::new(),
+            ends: SmallVec::new(),
         }
     }
 
@@ -278,6 +351,7 @@ impl Adjustment {
             change: Change::SetRemaining { remaining },
             receipt: Receipt::new(0, 0),
             left: SmallVec::new(),
+            ends: SmallVec::new(),
         }
     }
 
@@ -308,6 +382,13 @@ impl Adjustment {
     /// What the debit left of each policy, in the set's order (empty: unknown).
     pub fn left_after_debit(&self) -> &[u64] {
         &self.left
+    }
+
+    /// When each policy's queue ended right after the debit, in nanoseconds on the
+    /// store's time line, in the set's order (an unbooking's; empty for other changes).
+    /// Only a shaping policy's is read.
+    pub fn queue_ends(&self) -> &[u64] {
+        &self.ends
     }
 
     /// What changes.

@@ -56,10 +56,11 @@ macro_rules! script {
         concat!(
             "local algorithms = {}\n",
             $(
-                // `one` is nil unless the file defines a path of its own for one policy.
-                "algorithms.", $kind, " = (function()\nlocal one\n",
+                // `one` is nil unless the file defines a path of its own for one policy,
+                // `queue_end` unless the algorithm queues (shaping).
+                "algorithms.", $kind, " = (function()\nlocal one, queue_end\n",
                 include_str!(concat!("../../lua/", $file)),
-                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund, one = one }\nend)()\n",
+                "\nreturn { load = load, check = check, commit = commit, snapshot = snapshot, refund = refund, one = one, queue_end = queue_end }\nend)()\n",
             )+
         )
     };
@@ -1334,6 +1335,7 @@ impl Store for RedisStore {
             Change::Release { cost } => (cost, 0, (receipt.at() / 1_000).to_string(), "1"),
             Change::Grant { units } => (0, units, "-1".to_owned(), "2"),
             Change::SetRemaining { remaining } => (0, remaining, "-1".to_owned(), "3"),
+            Change::Unbook { cost } => (cost, 0, (receipt.at() / 1_000).to_string(), "4"),
         };
         let mut invocation =
             match self.invocation(Call::Adjust, key, policies, cost, receipt.lease()) {
@@ -1357,6 +1359,13 @@ impl Store for RedisStore {
             .map(u64::to_string)
             .collect();
         invocation.args.push(left.join(","));
+        // An unbooking's queue ends, in microseconds (the script's time line).
+        let ends: Vec<String> = adjustment
+            .queue_ends()
+            .iter()
+            .map(|end| (end / 1_000).to_string())
+            .collect();
+        invocation.args.push(ends.join(","));
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         DecideFuture::new(async move {
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
