@@ -436,3 +436,31 @@ async fn a_request_that_joins_a_slow_take_late_answers_from_the_cache() {
         "a late joiner's answer counted as the store's"
     );
 }
+
+/// What a bucket's lease did not spend goes back as an exact replay with the units spent
+/// would hold: the take left the bucket empty, so the unspent units were all still
+/// missing from it when the lease ended, whatever refilled meanwhile. Given back without
+/// what the take left, every unit refilled since was counted as lost: after 5 s of refill
+/// (50 units), 0 of 19 came back.
+#[tokio::test(start_paused = true)]
+async fn a_bucket_lease_gives_back_what_it_did_not_spend() {
+    let clock = tollgate::clock::ManualClock::new();
+    let memory = std::sync::Arc::new(
+        tollgate::MemoryStore::builder()
+            .clock(clock.clone())
+            .build(),
+    );
+    let store = Leased::new(std::sync::Arc::clone(&memory), 20, Duration::from_secs(5)).unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("tb", 100, tollgate::Rate::per_second(10)).unwrap());
+    let key = Key::new("k");
+    // Other traffic leaves 20; this replica leases them all and spends one.
+    assert!(memory.check("k", &policies, 80).is_allowed());
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(memory.check("k", &policies, 0).statuses()[0].remaining, 0);
+    // The lease ends 5 s later, 19 unspent.
+    clock.advance(Duration::from_secs(5));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // A replay spending 1 where 20 were taken: 81 missing, 50 refilled, 69 left.
+    assert_eq!(memory.check("k", &policies, 0).statuses()[0].remaining, 69);
+}

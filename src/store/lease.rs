@@ -556,14 +556,14 @@ fn local_decision(
     }
 }
 
-/// Gives back what `lease` did not spend, as far as the shared state still holds it.
+/// Gives back what `lease` did not spend, as far as the shared state still holds it: with
+/// what its take left of each policy, so a bucket or GCRA gets back what a replay
+/// spending only the units used would hold.
 fn give_back<S: Store>(inner: &S, key: &Key, lease: &Lease) -> Option<DecideFuture> {
     (lease.left > 0).then(|| {
-        inner.adjust(
-            key,
-            &lease.policies,
-            &Adjustment::settle(lease.taken, lease.taken - lease.left, lease.receipt),
-        )
+        let settle = Adjustment::settle(lease.taken, lease.taken - lease.left, lease.receipt)
+            .with_left(lease.statuses.iter().map(|status| status.remaining));
+        inner.adjust(key, &lease.policies, &settle)
     })
 }
 
