@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError, check_answer};
+use super::{Adjustment, Change, DecideFuture, ResetFuture, Store, StoreError, check_answer};
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
@@ -392,12 +392,14 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        // An in-flight set's denials are never cached: nothing to forget.
-        if policies.has_in_flight() {
+        // A release frees in-flight slots alone, and an in-flight set's denials are never
+        // cached: nothing to forget.
+        if let Change::Release { .. } = adjustment.change() {
             return self.inner.adjust(key, policies, adjustment);
         }
-        // Units given back may admit what was denied: cached denials of the key go, when
-        // the adjustment is sent and when it lands.
+        // Units given back may admit what was denied, through any set sharing a policy
+        // (an in-flight set's rate policies too): cached denials of the key go, when the
+        // adjustment is sent and when it lands.
         match self.inner.adjust(key, policies, adjustment).into_ready() {
             Ok(result) => {
                 self.shared.forget(key);
@@ -817,6 +819,32 @@ mod tests {
                 "reset {reset}: the store admits, the cache said {after:?}"
             );
         }
+    }
+
+    /// A change through a set with an in-flight limit gives back units of its rate
+    /// policies too, which other sets of the key share: their cached denials go. (Only a
+    /// release, which frees slots alone, leaves them.) Such a set was passed straight to
+    /// the store, and a route without the in-flight limit kept denying from the cache.
+    #[test]
+    fn a_change_through_an_in_flight_set_forgets_the_other_sets_denials() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let daily = Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap();
+        let uploads = Policy::concurrency("uploads", 5).unwrap();
+        let alone = PolicySet::from(daily.clone());
+        let with_slots = PolicySet::new([daily, uploads]).unwrap();
+        let key = Key::new("customer");
+        assert!(now_or_never(cache.decide(&key, &alone, 1)).is_allowed());
+        assert!(!now_or_never(cache.decide(&key, &alone, 1)).is_allowed());
+        assert!(now_or_never(cache.decide(&key, &alone, 1)).is_cached());
+        now_or_never(cache.adjust(&key, &with_slots, &Adjustment::grant(1)));
+        let after = now_or_never(cache.decide(&key, &alone, 1));
+        assert!(
+            after.is_allowed(),
+            "the store admits, the cache said {after:?}"
+        );
     }
 
     /// The store's wait starts when it decides, which is no earlier than when the request
