@@ -1118,6 +1118,30 @@ async fn refusals_do_not_open_the_breaker() {
     assert_eq!(store.calls(), 10, "every request still asked the store");
 }
 
+// A refusal of one request's own (WRONGTYPE on its key) says nothing of an outage, either
+// way: it neither opens the breaker nor ends an outage. Counted as the store answering, it
+// reset the failures in a row, so a store failing every other request (timeouts between
+// refusals) never had its breaker open, and it said "answers again" mid-outage.
+#[tokio::test]
+async fn a_refusal_between_failures_does_not_keep_the_breaker_closed() {
+    let store = Switch::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .circuit_breaker(CircuitBreaker::new(2, Duration::from_secs(3600))),
+    );
+    for mode in [DOWN, REFUSING, DOWN, REFUSING, DOWN, REFUSING, DOWN] {
+        store.set(mode);
+        app.clone().oneshot(request("/", 1)).await.unwrap();
+    }
+    assert_eq!(
+        store.calls(),
+        3,
+        "two failures in a row, a refusal between them, opened the breaker"
+    );
+}
+
 // An error raised before the store was asked (a policy the store cannot decide, refused
 // without I/O) says nothing of the store: when the breaker's probe gets one, the breaker
 // must stay open, not send every request back to a store that is still down.

@@ -144,20 +144,17 @@ impl Responder {
                 StoreErrorKind::Refused | StoreErrorKind::Protocol if error.every_request => {
                     self.breaker.on_failure(error, probe);
                 }
-                // The store answered, with a refusal that only this request's policies or
-                // data may cause: the failure mode answers this request, but it does not
-                // open the breaker for everyone, and the store is reachable.
-                StoreErrorKind::Refused | StoreErrorKind::Protocol => {
-                    self.breaker.on_success();
-                    if let Some(probe) = probe {
-                        probe.report();
-                    }
-                }
-                // Raised before the store was asked (a policy it cannot decide) or by
-                // the layer's own plumbing: nothing is known of the store. The breaker
-                // stays as it is; a probe is released without a new cool-down, so the
-                // next request probes in its place.
-                StoreErrorKind::Unsupported | StoreErrorKind::Other => {
+                // A refusal that only this request's policies or data may cause (the
+                // store answered, but decided nothing), an error raised before the store
+                // was asked (a policy it cannot decide) or by the layer's own plumbing:
+                // none says whether the store is out. The failure mode answers this
+                // request; the breaker stays as it is (a refusal between failures neither
+                // ends their run nor an outage), and a probe is released without a new
+                // cool-down, so the next request probes in its place.
+                StoreErrorKind::Refused
+                | StoreErrorKind::Protocol
+                | StoreErrorKind::Unsupported
+                | StoreErrorKind::Other => {
                     if let Some(probe) = probe {
                         probe.report();
                     }

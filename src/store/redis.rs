@@ -1670,9 +1670,11 @@ async fn query<T: redis::FromRedisValue>(
 
 /// A command's error as the store's. Refused credentials on one connection are every
 /// request's refusal (the breaker holds requests off while a new connection is made; as
-/// a plain refusal each closed it again, mid-outage); on a Cluster, one node's are not.
+/// a plain refusal each closed it again, mid-outage), and so is a server out of memory
+/// (`OOM`: every decision writes); on a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
-    let every_request = !cluster && password_refused(&error);
+    let every_request =
+        !cluster && (password_refused(&error) || server_code(&error) == Some("OOM"));
     let mut error = store_error(error);
     error.every_request |= every_request;
     error
@@ -2541,6 +2543,34 @@ mod tests {
         assert!(!query_error(refused(), true).every_request);
         let other = RedisError::from((ErrorKind::Server(redis::ServerErrorKind::NoPerm), "no"));
         assert!(!query_error(other, false).every_request);
+    }
+
+    /// A server out of memory (`OOM` under `maxmemory` with no eviction) refuses every
+    /// decision, since every one writes: an outage the breaker holds requests off for,
+    /// not one request's refusal, which sent every request to be refused. On a Cluster it
+    /// is one node's, not every key's.
+    #[test]
+    fn a_server_out_of_memory_is_every_requests_refusal_but_on_a_cluster() {
+        let oom = || {
+            redis::parse_redis_value(
+                b"-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+            )
+            .unwrap()
+            .extract_error()
+            .unwrap_err()
+        };
+        let error = query_error(oom(), false);
+        assert_eq!(error.kind(), StoreErrorKind::Refused);
+        assert!(error.every_request);
+        assert!(!query_error(oom(), true).every_request);
+        // Met inside a script, as a decision meets it.
+        let wrapped = redis::parse_redis_value(
+            b"-ERR Error running script (call to f_1): @user_script:3: -OOM command not allowed when used memory > 'maxmemory'.\r\n",
+        )
+        .unwrap()
+        .extract_error()
+        .unwrap_err();
+        assert!(query_error(wrapped, false).every_request);
     }
 
     #[test]
