@@ -354,9 +354,11 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// Builds the deny response with `hook` instead of the default problem+json. The
-    /// layer still adds the rate-limit headers, and `Retry-After` unless the hook set one
-    /// that states a wait (delay-seconds or an HTTP-date, RFC 9110 section 10.2.3): a
-    /// value that is neither (`soon`, `1.5`, `+5`) is replaced by the layer's.
+    /// layer still adds the rate-limit headers, and, on a `429` or a `503`, `Retry-After`
+    /// unless the hook set one that states a wait (delay-seconds or an HTTP-date, RFC 9110
+    /// section 10.2.3): a value that is neither (`soon`, `1.5`, `+5`) is replaced by the
+    /// layer's. A hook's answer of another status (a `403` for banned clients) gets no
+    /// `Retry-After` of the layer's: it would tell the client to come back.
     pub fn on_deny<F>(mut self, hook: F) -> Self
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,

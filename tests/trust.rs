@@ -1316,6 +1316,56 @@ async fn an_in_flight_limit_alone_sends_no_reset_it_does_not_have() {
     }
 }
 
+// The legacy `X-RateLimit-Reset` is when the quota is whole again (GitHub's reading: a
+// client sleeps until then and comes back with the whole quota). A denial the deny cache
+// answers has no state to read it from: it said the denial's own wait (1 s) where the
+// store's denial a moment before said 100 s, so such a client came back 99 s early, into
+// 429s. It is now at most the policy's window, never before the wait.
+#[tokio::test]
+async fn a_cached_denial_never_states_a_legacy_reset_earlier_than_the_store_did() {
+    let app = hello().layer(
+        RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+            .policy(Policy::token_bucket("api", 100, Rate::per_second(1)).unwrap())
+            .cost(cost_header())
+            .headers(HeaderStyle::Legacy),
+    );
+    assert_eq!(status_of(&app, 100).await, StatusCode::OK);
+    let from_store = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(from_store.status(), 429);
+    let stated = reset_from_now(&from_store, HeaderStyle::Legacy);
+    assert!(stated >= 99, "the store's denial: {stated} s");
+    let cached = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(cached.status(), 429);
+    assert_eq!(header(&cached, "retry-after").as_deref(), Some("1"));
+    let from_cache = reset_from_now(&cached, HeaderStyle::Legacy);
+    assert!(
+        from_cache + 1 >= stated,
+        "the cached denial: whole again in {from_cache} s, the store said {stated} s"
+    );
+}
+
+// `Retry-After` means "come back after" on a 429 or a 503 (RFC 6585 section 4, RFC 9110
+// section 10.2.3); an `on_deny` hook that answers otherwise (a 403 for banned clients, a
+// 200 with a notice) got ours anyway, telling a client to retry a refusal for good.
+#[tokio::test]
+async fn a_hooks_answer_that_is_no_429_gets_no_retry_after() {
+    for status in [403, 200] {
+        let app = hello().layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+                .on_deny(move |_: &tollgate::Rejection<'_>| {
+                    let mut response = http::Response::new(bytes::Bytes::from_static(b"no"));
+                    *response.status_mut() = StatusCode::from_u16(status).unwrap();
+                    response
+                }),
+        );
+        assert_eq!(status_of(&app, 1).await, StatusCode::OK);
+        let answered = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(answered.status().as_u16(), status);
+        assert_eq!(header(&answered, "retry-after"), None, "{status}");
+    }
+}
+
 // An `on_deny` hook may set its own `Retry-After` (a longer wait for a penalty): the layer
 // keeps it, and the single-valued reset must then not be earlier than it either.
 #[tokio::test]

@@ -472,6 +472,21 @@ impl Params {
         }
     }
 
+    /// The longest a state owing nothing takes to be whole again, in nanoseconds: a
+    /// window (a counter's newest sub-window counts for a whole window after it ends),
+    /// or the time an empty bucket takes to fill.
+    #[inline]
+    pub(crate) fn whole_within(&self) -> u64 {
+        match *self {
+            Params::SlidingWindow {
+                window,
+                sub_windows,
+                ..
+            } => window.saturating_add(window.div_ceil(u64::from(sub_windows).max(1))),
+            _ => self.window_nanos(),
+        }
+    }
+
     /// True when `state` is of this algorithm's kind (for a counter of several
     /// sub-windows: with their number of counts). Any other state is replaced by a fresh
     /// one before it is read.

@@ -736,15 +736,25 @@ pub(crate) fn rate_limit_headers(
             };
             let Some(status) = statuses.get(index) else {
                 // A denial answered without the store (the deny cache keeps no
-                // statuses): the policy's limit, none left, and the reset is its wait.
+                // statuses): the policy's limit, none left, and the reset is its wait;
+                // the legacy one, when the quota is whole again, is at most a window
+                // (exactly the wait for a fixed window), never before the wait.
                 return match decision.outcome() {
-                    Outcome::Denied { retry_after, .. } if shown(policy) => HeaderBlock::Single {
-                        legacy,
-                        limit: policy.limit(),
-                        remaining: 0,
-                        reset: (!policy.params().is_in_flight())
-                            .then(|| reset_field(legacy, retry_after)),
-                    },
+                    Outcome::Denied { retry_after, .. } if shown(policy) => {
+                        let params = policy.params();
+                        let after = if legacy && !params.ends_on_the_clock() {
+                            let whole = Duration::from_nanos(params.whole_within());
+                            retry_after.max(jittered(policy, whole, extra))
+                        } else {
+                            retry_after
+                        };
+                        HeaderBlock::Single {
+                            legacy,
+                            limit: policy.limit(),
+                            remaining: 0,
+                            reset: (!params.is_in_flight()).then(|| reset_field(legacy, after)),
+                        }
+                    }
                     _ => HeaderBlock::Empty,
                 };
             };

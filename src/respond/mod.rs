@@ -305,6 +305,17 @@ impl Responder {
             Some(hook) => hook(&rejection),
             None => response::too_many_requests(&rejection),
         };
+        // A hook's answer that is no 429 or 503 (a 403 for banned clients, a 200 with a
+        // notice) gets no `Retry-After` of ours: it means "come back after" on those
+        // (RFC 6585 section 4, RFC 9110 section 10.2.3). The fields go as they are.
+        let status = response.status();
+        if status != http::StatusCode::TOO_MANY_REQUESTS
+            && status != http::StatusCode::SERVICE_UNAVAILABLE
+            && !response.headers().contains_key(header::RETRY_AFTER)
+        {
+            headers.apply(response.headers_mut());
+            return Plan::Respond(Box::new(response));
+        }
         // The reset goes with the `Retry-After` sent (see `reset_beside`): ours, or the
         // hook's own when it wrote a wait (seconds or a date). One that states no wait
         // (`soon`, `1.5`, `+5`) is replaced by ours: clients would find none in it.
