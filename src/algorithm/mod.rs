@@ -482,7 +482,7 @@ impl Params {
                 window,
                 sub_windows,
                 ..
-            } => window.saturating_add(window.div_ceil(u64::from(sub_windows).max(1))),
+            } => window.saturating_add(window.div_ceil(sub_windows.max(1))),
             _ => self.window_nanos(),
         }
     }
