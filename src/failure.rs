@@ -676,7 +676,6 @@ impl Breaker {
     }
 
     /// True while the store is failing or skipped.
-    #[cfg(test)]
     pub(crate) fn is_degraded(&self) -> bool {
         self.degraded.load(Ordering::Relaxed)
     }

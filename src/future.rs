@@ -212,21 +212,23 @@ where
     S: Service<Request<B>, Future = F> + Clone,
     F: Future<Output = Result<S::Response, S::Error>>,
 {
-    let deadline = tokio::time::Instant::now() + delay;
+    let decided = tokio::time::Instant::now();
+    let deadline = decided + delay;
+    // Dropped before the delay ends (its client gave up), even before its first poll,
+    // the request gives its place in the schedule back.
+    let held = Held {
+        reservation,
+        decided: (!delay.is_zero()).then_some(decided),
+    };
     async move {
-        let mut reservation = reservation;
         if !delay.is_zero() {
             if ready {
                 inner = inner.clone();
                 ready = false;
             }
-            // Dropped before the delay ends (its client gave up), the request gives its
-            // place in the schedule back.
-            let held = Held(reservation.take());
             tokio::time::sleep_until(deadline).await;
-            reservation = held.sent();
         }
-        let reservation = reservation.map(Box::new);
+        let reservation = held.sent().map(Box::new);
         if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
             return Slow::Inner(Err(error), headers, reservation);
         }
@@ -234,21 +236,25 @@ where
     }
 }
 
-/// A request's debit while it sits out its shaping delay: dropped with it, the request
-/// was never sent, and its place is given back (`Reservation::unbook`).
-struct Held(Option<Reservation>);
+/// A request's debit until it is sent: dropped during its shaping delay (decided at
+/// `decided`), the request was never sent, and its place is given back
+/// (`Reservation::unbook`).
+struct Held {
+    reservation: Option<Reservation>,
+    decided: Option<tokio::time::Instant>,
+}
 
 impl Held {
     /// The delay is over: the request is sent, its debit kept as any other.
     fn sent(mut self) -> Option<Reservation> {
-        self.0.take()
+        self.reservation.take()
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if let Some(reservation) = self.0.take() {
-            reservation.unbook();
+        if let (Some(reservation), Some(decided)) = (self.reservation.take(), self.decided) {
+            reservation.unbook(decided);
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::respond::Responder;
 use crate::respond::headers::{HeaderBlock, jitter_secs, rate_limit_headers};
-use crate::settle::{Booking, Debit, ResponseHead};
+use crate::settle::{Booking, Debit, QueueId, ResponseHead};
 use crate::store::{Adjustment, BoxedDecision, DecideFuture, StoreError, StoreErrorKind, within};
 use crate::telemetry;
 
@@ -18,6 +18,8 @@ use crate::telemetry;
 /// configuration.
 pub(crate) trait Adjuster: Send + Sync + 'static {
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture;
+    /// Whether the store adjusts at all (`Store::can_adjust`).
+    fn can_adjust(&self) -> bool;
     fn responder(&self) -> &Arc<Responder>;
 }
 
@@ -91,18 +93,21 @@ impl Reservation {
         )
     }
 
-    /// The request was dropped during its shaping delay, before it was sent: its
-    /// in-flight slots are freed, and its place in the schedule is given back if no
-    /// request queued behind it since, then those dropped before it, newest first. A
-    /// place a standing request queued behind is kept until that one is given back
-    /// (given back, the next request would go on the standing one's instant), or until it
-    /// has leaked out.
-    pub(crate) fn unbook(self) {
-        if self.ends.is_empty() {
+    /// The request was dropped during its shaping delay (decided at `decided`), before it
+    /// was sent: its in-flight slots are freed, and its place in the schedule is given
+    /// back if no request queued behind it since, then those dropped before it, newest
+    /// first. A place a standing request queued behind is kept until that one is given
+    /// back (given back, the next request would go on the standing one's instant), or
+    /// until it has leaked out. Nothing is asked of a store that cannot adjust, or while
+    /// the breaker holds requests off it: the places leak out.
+    pub(crate) fn unbook(self, decided: tokio::time::Instant) {
+        let responder = Arc::clone(self.adjuster.responder());
+        if self.ends.is_empty()
+            || (!self.fallback && (!self.adjuster.can_adjust() || responder.breaker.is_degraded()))
+        {
             return;
         }
         let adjuster = Arc::clone(&self.adjuster);
-        let key = self.key.clone();
         // Nothing of it is left once its shaping queues have leaked out.
         let end = (self.policies.iter().zip(&self.ends))
             .filter(|(policy, _)| policy.params().is_shaping())
@@ -116,16 +121,18 @@ impl Reservation {
             receipt: self.receipt,
             left: self.left.clone(),
             ends: self.ends.clone(),
-            gone: tokio::time::Instant::now()
-                + std::time::Duration::from_nanos(end.saturating_sub(self.receipt.at())),
+            gone: decided + std::time::Duration::from_nanos(end.saturating_sub(self.receipt.at())),
         };
+        let queue = booking.queue(&self.key);
         // Frees the in-flight slots.
         drop(self);
-        let first = adjuster.responder().dropped.keep(&key, booking).err();
-        let mut give_back = Box::pin(give_back_dropped(adjuster, key, first));
+        if !responder.dropped.drop_off(&queue, booking) {
+            return;
+        }
+        let mut give_back = Box::pin(give_back_dropped(adjuster, queue));
         // An in-process store (or the fallback) answers at once: given back before the
         // drop returns. A store doing I/O finishes in a task (without a runtime, the
-        // places stay booked and leak out with time).
+        // round stops at its first store call: the places leak out).
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
         if give_back.as_mut().poll(&mut cx).is_pending()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
@@ -247,45 +254,81 @@ fn adjust_in(
     adjuster.adjust(key, policies, adjustment)
 }
 
-/// Gives back the places of `key`'s dropped requests, newest first (`first`, one the
-/// layer could not keep, before them), for as long as each is the newest booking: one
-/// that is not is kept for later (a request queued behind it stands). A store failure
-/// ends the round, counted and logged; the place stays booked.
-async fn give_back_dropped(adjuster: Arc<dyn Adjuster>, key: Key, first: Option<Booking>) {
+/// A round over `queue`'s dropped requests: gives back its newest booking for as long as
+/// each is the newest of the queue. One that is not is kept for later (a request queued
+/// behind it stands), and the round ends, unless a request was dropped meanwhile. A store
+/// failure ends the round, counted and logged; the places stay booked.
+async fn give_back_dropped(adjuster: Arc<dyn Adjuster>, queue: QueueId) {
     let responder = Arc::clone(adjuster.responder());
-    let mut next = first;
-    while let Some(booking) = next.take().or_else(|| responder.dropped.take_newest(&key)) {
-        let adjustment = Adjustment::unbooking(
-            booking.cost,
-            booking.receipt,
-            booking.left.iter().copied(),
-            booking.ends.iter().copied(),
-        );
-        let future = adjust_in(
-            &*adjuster,
-            &key,
-            &booking.policies,
-            booking.fallback,
-            &adjustment,
-        );
-        let result = match future.into_ready() {
-            Ok(result) => result,
-            Err(pending) => {
-                let what = "give-back of a dropped request's place";
-                within(responder.timeout, what, pending).await
-            }
-        };
-        match result {
-            Ok(decision) if decision.is_allowed() => {}
-            // A request queued behind it stands: kept until that one is given back.
-            Ok(_) => {
-                // Not kept when the layer holds as many as it keeps: it leaks out.
-                let _ = responder.dropped.keep(&key, booking);
-                return;
-            }
-            Err(error) => {
-                telemetry::store_error(&error);
-                return;
+    let dropped = &responder.dropped;
+    // A round dropped on its way (its runtime shutting down) ends: another can start.
+    let mut round = Round {
+        dropped,
+        queue: &queue,
+        over: false,
+    };
+    round.run(&*adjuster, responder.timeout).await;
+    round.over = true;
+}
+
+/// A round over one queue's dropped requests, ended however it ends.
+struct Round<'a> {
+    dropped: &'a crate::settle::DroppedBookings,
+    queue: &'a QueueId,
+    /// The round ended by itself (its queue no longer marked as having one).
+    over: bool,
+}
+
+impl Drop for Round<'_> {
+    fn drop(&mut self) {
+        if !self.over {
+            self.dropped.stop(self.queue);
+        }
+    }
+}
+
+impl Round<'_> {
+    async fn run(&mut self, adjuster: &dyn Adjuster, timeout: std::time::Duration) {
+        let (dropped, queue) = (self.dropped, self.queue);
+        while let Some(booking) = dropped.next(queue) {
+            let adjustment = Adjustment::unbooking(
+                booking.cost,
+                booking.receipt,
+                booking.left.iter().copied(),
+                booking.ends.iter().copied(),
+            );
+            let future = adjust_in(
+                adjuster,
+                queue.key(),
+                &booking.policies,
+                booking.fallback,
+                &adjustment,
+            );
+            let result = match future.into_ready() {
+                Ok(result) => result,
+                // A store call is bounded by the store timeout, which needs a runtime.
+                Err(_) if tokio::runtime::Handle::try_current().is_err() => {
+                    let _ = dropped.refused(queue, booking);
+                    dropped.stop(queue);
+                    return;
+                }
+                Err(pending) => {
+                    let what = "give-back of a dropped request's place";
+                    within(timeout, what, pending).await
+                }
+            };
+            match result {
+                Ok(decision) if decision.is_allowed() => {}
+                Ok(_) => {
+                    if !dropped.refused(queue, booking) {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    telemetry::store_error(&error);
+                    dropped.stop(queue);
+                    return;
+                }
             }
         }
     }

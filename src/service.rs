@@ -54,6 +54,10 @@ where
         self.store.adjust(key, policies, adjustment)
     }
 
+    fn can_adjust(&self) -> bool {
+        self.store.can_adjust()
+    }
+
     fn responder(&self) -> &Arc<Responder> {
         &self.responder
     }

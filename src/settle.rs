@@ -301,9 +301,12 @@ pub(crate) struct Debit {
     pub(crate) ends: smallvec::SmallVec<[u64; 2]>,
 }
 
-/// The most bookings of dropped requests a layer keeps, over every key: beyond it, a
-/// request dropped during its delay is given back only if it is the newest at once.
+/// The most bookings of dropped requests a layer keeps, over every queue: a request
+/// dropped while as many are kept in other queues is not kept (its place leaks out).
 const MAX_DROPPED: usize = 4096;
+
+/// The most kept in one queue: past it, the oldest goes (the last a round would reach).
+const MAX_PER_QUEUE: usize = 64;
 
 /// The debit of a request dropped during its shaping delay, not yet given back because a
 /// request queued behind it still stood (see `Change::Unbook`): kept until those are
@@ -321,18 +324,44 @@ pub(crate) struct Booking {
 }
 
 impl Booking {
-    /// Its place among the key's bookings: when it was debited, then where its queue ends.
+    /// Its place in its queue: when it was debited, then where its queue ends.
     fn order(&self) -> (u64, u64) {
         (
             self.receipt.at(),
             self.ends.iter().copied().max().unwrap_or(0),
         )
     }
+
+    /// The queue it holds a place in: its key and the shaping policies it debited.
+    pub(crate) fn queue(&self, key: &Key) -> QueueId {
+        let undebited = self.receipt.undebited();
+        let shaping = self
+            .policies
+            .iter()
+            .enumerate()
+            .filter(|(index, policy)| {
+                policy.params().is_shaping() && (*index >= 64 || undebited & (1 << index) == 0)
+            })
+            .map(|(_, policy)| policy.id())
+            .collect();
+        QueueId(key.clone(), shaping)
+    }
 }
 
-/// A layer's bookings of dropped requests, by key, oldest first: when a request dropped
-/// during its delay is given back, the ones dropped before it are tried in turn, newest
-/// first (clients' timeouts end in the order their requests came).
+/// A shaping queue: one key under the shaping policies of one set.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) struct QueueId(Key, smallvec::SmallVec<[u32; 2]>);
+
+impl QueueId {
+    pub(crate) fn key(&self) -> &Key {
+        &self.0
+    }
+}
+
+/// A layer's bookings of dropped requests, by queue, oldest first. One round at a time
+/// per queue gives them back, newest first, for as long as each is the newest booking
+/// (clients' timeouts end in the order their requests came); a request dropped while a
+/// round is out at the store is left to that round, which looks again before it stops.
 #[derive(Default)]
 pub(crate) struct DroppedBookings {
     inner: std::sync::Mutex<Dropped>,
@@ -340,32 +369,39 @@ pub(crate) struct DroppedBookings {
 
 #[derive(Default)]
 struct Dropped {
-    by_key: std::collections::HashMap<Key, Vec<Booking>>,
+    queues: std::collections::HashMap<QueueId, Queue>,
     count: usize,
 }
 
+#[derive(Default)]
+struct Queue {
+    /// Oldest first.
+    bookings: Vec<Booking>,
+    /// A round is giving this queue's bookings back.
+    running: bool,
+    /// A booking came while the round's store call was out.
+    again: bool,
+}
+
 impl Dropped {
-    /// Forgets the bookings of `key` that have leaked out.
-    fn forget_gone(&mut self, key: &Key, now: tokio::time::Instant) {
-        let Some(bookings) = self.by_key.get_mut(key) else {
-            return;
-        };
-        let before = bookings.len();
-        bookings.retain(|booking| booking.gone > now);
-        self.count -= before - bookings.len();
-        if bookings.is_empty() {
-            self.by_key.remove(key);
+    /// Forgets the bookings of `queue` that have leaked out.
+    fn forget_gone(&mut self, queue: &QueueId, now: tokio::time::Instant) {
+        if let Some(kept) = self.queues.get_mut(queue) {
+            let before = kept.bookings.len();
+            kept.bookings.retain(|booking| booking.gone > now);
+            self.count -= before - kept.bookings.len();
         }
     }
 
-    /// Forgets every booking that has leaked out.
+    /// Forgets every booking that has leaked out, and the queues left with none and no
+    /// round.
     fn forget_all_gone(&mut self, now: tokio::time::Instant) {
         let mut forgotten = 0;
-        self.by_key.retain(|_, bookings| {
-            let before = bookings.len();
-            bookings.retain(|booking| booking.gone > now);
-            forgotten += before - bookings.len();
-            !bookings.is_empty()
+        self.queues.retain(|_, kept| {
+            let before = kept.bookings.len();
+            kept.bookings.retain(|booking| booking.gone > now);
+            forgotten += before - kept.bookings.len();
+            !kept.bookings.is_empty() || kept.running
         });
         self.count -= forgotten;
     }
@@ -379,41 +415,92 @@ impl DroppedBookings {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Keeps `booking` of `key` until the requests queued after it are given back; gives
-    /// it back (not kept) when the layer holds as many as it keeps.
-    pub(crate) fn keep(&self, key: &Key, booking: Booking) -> Result<(), Booking> {
+    /// Keeps `booking` in `queue` (not when the layer keeps as many as it may in other
+    /// queues). True when the caller is to run a round for the queue; false when one is
+    /// running, which will look again before it stops.
+    pub(crate) fn drop_off(&self, queue: &QueueId, booking: Booking) -> bool {
         let now = tokio::time::Instant::now();
-        if booking.gone <= now {
-            return Ok(());
-        }
         let mut dropped = self.lock();
-        dropped.forget_gone(key, now);
-        if dropped.count >= MAX_DROPPED {
-            dropped.forget_all_gone(now);
-            if dropped.count >= MAX_DROPPED {
-                return Err(booking);
+        dropped.forget_gone(queue, now);
+        if booking.gone > now {
+            let full = dropped.count >= MAX_DROPPED && {
+                dropped.forget_all_gone(now);
+                dropped.count >= MAX_DROPPED
+            };
+            let kept_here = dropped
+                .queues
+                .get(queue)
+                .map_or(0, |kept| kept.bookings.len());
+            if !full || kept_here > 0 {
+                let dropped = &mut *dropped;
+                let kept = dropped.queues.entry(queue.clone()).or_default();
+                if kept.bookings.len() >= MAX_PER_QUEUE || full {
+                    kept.bookings.remove(0);
+                    dropped.count -= 1;
+                }
+                let at = kept
+                    .bookings
+                    .partition_point(|other| other.order() <= booking.order());
+                kept.bookings.insert(at, booking);
+                dropped.count += 1;
             }
         }
-        dropped.count += 1;
-        let bookings = dropped.by_key.entry(key.clone()).or_default();
-        let at = bookings.partition_point(|kept| kept.order() <= booking.order());
-        bookings.insert(at, booking);
-        Ok(())
+        let Some(kept) = dropped.queues.get_mut(queue) else {
+            return false;
+        };
+        if kept.running {
+            kept.again = true;
+            false
+        } else {
+            kept.running = true;
+            true
+        }
     }
 
-    /// Takes the newest booking of `key` that has not leaked out.
-    pub(crate) fn take_newest(&self, key: &Key) -> Option<Booking> {
+    /// The round's next booking of `queue`: its newest that has not leaked out; `None`
+    /// ends the round.
+    pub(crate) fn next(&self, queue: &QueueId) -> Option<Booking> {
         let mut dropped = self.lock();
-        dropped.forget_gone(key, tokio::time::Instant::now());
-        let bookings = dropped.by_key.get_mut(key)?;
-        let newest = bookings.pop();
-        if bookings.is_empty() {
-            dropped.by_key.remove(key);
+        dropped.forget_gone(queue, tokio::time::Instant::now());
+        let kept = dropped.queues.get_mut(queue)?;
+        kept.again = false;
+        let Some(newest) = kept.bookings.pop() else {
+            dropped.queues.remove(queue);
+            return None;
+        };
+        dropped.count -= 1;
+        Some(newest)
+    }
+
+    /// The store refused to give `booking` back (a request stands behind it): it is kept.
+    /// True when the round goes on (a booking came meanwhile, perhaps the one standing).
+    pub(crate) fn refused(&self, queue: &QueueId, booking: Booking) -> bool {
+        let mut dropped = self.lock();
+        let dropped = &mut *dropped;
+        let kept = dropped.queues.entry(queue.clone()).or_default();
+        let at = kept
+            .bookings
+            .partition_point(|other| other.order() <= booking.order());
+        kept.bookings.insert(at, booking);
+        dropped.count += 1;
+        if std::mem::take(&mut kept.again) {
+            true
+        } else {
+            kept.running = false;
+            false
         }
-        if newest.is_some() {
-            dropped.count -= 1;
+    }
+
+    /// Ends the round of `queue` (the store failed): its bookings stay for the next.
+    pub(crate) fn stop(&self, queue: &QueueId) {
+        let mut dropped = self.lock();
+        if let Some(kept) = dropped.queues.get_mut(queue) {
+            kept.running = false;
+            kept.again = false;
+            if kept.bookings.is_empty() {
+                dropped.queues.remove(queue);
+            }
         }
-        newest
     }
 
     /// How many bookings are kept (tests).
@@ -443,53 +530,55 @@ mod tests {
         }
     }
 
-    /// A layer keeps a bounded number of dropped bookings, whatever the keys: one past the
-    /// bound is handed back (tried once, not kept), and bookings that have leaked out make
-    /// room.
+    /// A layer keeps a bounded number of dropped bookings: per queue (past it the oldest
+    /// goes) and over every queue (past it a new queue's is not kept), and bookings that
+    /// have leaked out make room.
     #[tokio::test(start_paused = true)]
     async fn the_dropped_bookings_are_bounded_and_forgotten_once_gone() {
         let dropped = DroppedBookings::default();
+        let one = booking(1, Duration::from_secs(60)).queue(&Key::new("one"));
+        for at in 0..MAX_PER_QUEUE as u64 + 10 {
+            dropped.drop_off(&one, booking(at, Duration::from_secs(60)));
+        }
+        assert_eq!(dropped.len(), MAX_PER_QUEUE);
+        assert_eq!(
+            dropped.next(&one).unwrap().receipt.at(),
+            MAX_PER_QUEUE as u64 + 9
+        );
         for n in 0..MAX_DROPPED {
             let key = Key::new(format!("k{n}"));
             let lasts = if n % 2 == 0 { 1 } else { 60 };
-            assert!(
-                dropped
-                    .keep(&key, booking(1, Duration::from_secs(lasts)))
-                    .is_ok()
-            );
+            let queue = booking(1, Duration::from_secs(lasts)).queue(&key);
+            dropped.drop_off(&queue, booking(1, Duration::from_secs(lasts)));
         }
         assert_eq!(dropped.len(), MAX_DROPPED);
-        let late = Key::new("late");
-        assert!(
-            dropped
-                .keep(&late, booking(1, Duration::from_secs(60)))
-                .is_err()
-        );
+        let late = booking(1, Duration::from_secs(60)).queue(&Key::new("late"));
+        assert!(!dropped.drop_off(&late, booking(1, Duration::from_secs(60))));
+        assert!(dropped.next(&late).is_none(), "not kept while full");
         tokio::time::advance(Duration::from_secs(2)).await;
-        assert!(
-            dropped
-                .keep(&late, booking(1, Duration::from_secs(60)))
-                .is_ok()
-        );
-        assert_eq!(dropped.len(), MAX_DROPPED / 2 + 1);
+        assert!(dropped.drop_off(&late, booking(1, Duration::from_secs(60))));
+        assert!(dropped.len() <= MAX_DROPPED / 2 + MAX_PER_QUEUE + 1);
     }
 
-    /// A key's bookings come back newest first, by the time of their debit.
+    /// A queue's bookings come back newest first; one round at a time: a booking dropped
+    /// off while a round runs is left to it, and a refusal then goes on.
     #[tokio::test(start_paused = true)]
-    async fn the_newest_dropped_booking_comes_back_first() {
+    async fn one_round_per_queue_takes_the_newest_first() {
         let dropped = DroppedBookings::default();
-        let key = Key::new("k");
-        for at in [20, 10, 30] {
-            assert!(
-                dropped
-                    .keep(&key, booking(at, Duration::from_secs(60)))
-                    .is_ok()
-            );
-        }
-        let order: Vec<u64> = std::iter::from_fn(|| dropped.take_newest(&key))
+        let queue = booking(1, Duration::from_secs(60)).queue(&Key::new("k"));
+        assert!(dropped.drop_off(&queue, booking(20, Duration::from_secs(60))));
+        assert!(!dropped.drop_off(&queue, booking(10, Duration::from_secs(60))));
+        let newest = dropped.next(&queue).unwrap();
+        assert_eq!(newest.receipt.at(), 20);
+        // Dropped off while the round is out at the store: the refusal goes on.
+        assert!(!dropped.drop_off(&queue, booking(30, Duration::from_secs(60))));
+        assert!(dropped.refused(&queue, newest));
+        let order: Vec<u64> = std::iter::from_fn(|| dropped.next(&queue))
             .map(|booking| booking.receipt.at())
             .collect();
         assert_eq!(order, [30, 20, 10]);
         assert_eq!(dropped.len(), 0);
+        // The round is over: the next drop starts one.
+        assert!(dropped.drop_off(&queue, booking(40, Duration::from_secs(60))));
     }
 }

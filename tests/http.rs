@@ -920,6 +920,217 @@ async fn a_place_dropped_before_a_standing_one_is_kept() {
     );
 }
 
+/// A store whose first unbooking answers only when the test opens its gate (a give-back on
+/// its way to Redis), the rest at once.
+#[derive(Clone)]
+struct GatedUnbook {
+    inner: std::sync::Arc<MemoryStore<tollgate::clock::RuntimeClock>>,
+    first: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Store for GatedUnbook {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.inner.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        let answer = self.inner.adjust_now(key.as_str(), policies, adjustment);
+        let unbook = matches!(adjustment.change(), tollgate::store::Change::Unbook { .. });
+        if unbook && self.first.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            let gate = std::sync::Arc::clone(&self.gate);
+            return DecideFuture::new(async move {
+                let _open = gate.acquire().await;
+                Ok(answer)
+            });
+        }
+        DecideFuture::ready(Ok(answer))
+    }
+}
+
+/// Two requests dropped one after the other, the older's give-back still on its way (the
+/// store refuses it: the newer stands) when the newer is given back: the newer's round
+/// found nothing more to give back, the older's put its booking back after, and nobody
+/// tried it again. Its slot stayed booked for nobody.
+#[tokio::test(start_paused = true)]
+async fn a_give_back_on_its_way_does_not_strand_an_older_place() {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let store = GatedUnbook {
+        inner: std::sync::Arc::new(
+            MemoryStore::builder()
+                .clock(tollgate::clock::RuntimeClock::new())
+                .build(),
+        ),
+        first: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        gate: std::sync::Arc::clone(&gate),
+    };
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "sent" })).layer(
+        RateLimitLayer::new(store)
+            .policy(paced)
+            .key(tollgate::key::Global)
+            .cost(tollgate::cost::from_fn(|parts| {
+                parts
+                    .headers
+                    .get("x-cost")
+                    .and_then(|value| value.to_str().ok()?.parse().ok())
+                    .unwrap_or(1)
+            }))
+            .store_timeout(Duration::from_secs(30)),
+    );
+    assert_eq!(app.clone().oneshot(costing(1)).await.unwrap().status(), 200);
+    let second = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(1),
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(2),
+        app.clone().oneshot(costing(1)),
+    ));
+    assert!(second.await.unwrap().is_err());
+    assert!(third.await.unwrap().is_err());
+    // The second's give-back (refused: the third stood) answers now.
+    gate.add_permits(1);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(queue_room(&app).await, 6, "a place stayed booked");
+}
+
+/// A layer whose routes are paced by policies of their own, one key: the places dropped
+/// on one route are given back in that route's queue, whatever was dropped on the other.
+/// A booking kept for the other queue (a request standing behind it there) was taken as
+/// the newest of all, refused, and the round stopped before this route's place.
+#[tokio::test(start_paused = true)]
+async fn places_are_given_back_per_queue() {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let paced = |name| {
+        PolicySet::from(
+            Policy::leaky_bucket_shaping(
+                name,
+                Rate::new(1, Duration::from_secs(10)),
+                Duration::from_secs(60),
+            )
+            .unwrap(),
+        )
+    };
+    let (a, b) = (paced("a"), paced("b"));
+    let app = Router::new()
+        .route("/a", get(|| async { "sent" }))
+        .route("/b", get(|| async { "sent" }))
+        .layer(
+            RateLimitLayer::new(store)
+                .resolver(resolve_with(move |parts, _key| {
+                    if parts.uri.path() == "/a" {
+                        a.clone()
+                    } else {
+                        b.clone()
+                    }
+                }))
+                .key(tollgate::key::Global)
+                .cost(tollgate::cost::from_fn(|parts| {
+                    parts
+                        .headers
+                        .get("x-cost")
+                        .and_then(|value| value.to_str().ok()?.parse().ok())
+                        .unwrap_or(1)
+                })),
+        );
+    let on = |path: &str, cost: u64| {
+        Request::get(path)
+            .header("x-cost", cost.to_string())
+            .body(Body::empty())
+            .unwrap()
+    };
+    let sent = |path: &'static str, patience: u64| {
+        tokio::spawn(tokio::time::timeout(
+            Duration::from_secs(patience),
+            app.clone().oneshot(on(path, 1)),
+        ))
+    };
+    // Queue a: one sent, one held back 10 s (its client gives up at 3 s).
+    assert!(sent("/a", 1).await.unwrap().is_ok());
+    let a_held = sent("/a", 3);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Queue b: one sent, one held back 10 s (gives up at 1 s), one 20 s that stands.
+    assert!(sent("/b", 1).await.unwrap().is_ok());
+    let b_dropped = sent("/b", 1);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _b_standing = sent("/b", 100);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(b_dropped.await.unwrap().is_err());
+    assert!(a_held.await.unwrap().is_err());
+    // Queue a holds its first request's unit alone: 6 more fit.
+    let probe = app.clone().oneshot(on("/a", 0)).await.unwrap();
+    let field = probe.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.contains("\"a\";r=6;"), "{field}");
+}
+
+/// A request dropped before its future was first polled gives its place back too (the
+/// layer decides in `call`, before any poll).
+#[tokio::test(start_paused = true)]
+async fn a_delayed_request_dropped_before_its_first_poll_gives_its_place_back() {
+    use tower::{Service, ServiceBuilder};
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let mut service = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(
+                MemoryStore::builder()
+                    .clock(tollgate::clock::RuntimeClock::new())
+                    .build(),
+            )
+            .policy(paced)
+            .key(tollgate::key::Global),
+        )
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let get = || Request::get("/").body(Body::empty()).unwrap();
+    assert_eq!(
+        service
+            .ready()
+            .await
+            .unwrap()
+            .call(get())
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    // Held back 10 s; dropped unpolled.
+    drop(service.ready().await.unwrap().call(get()));
+    // Queued: the first's unit alone (a third goes at 10 s, not 20 s).
+    let start = tokio::time::Instant::now();
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    assert!(
+        start.elapsed() <= Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 /// Counts the decisions that reach it.
 #[derive(Clone)]
 struct Counted {
