@@ -464,3 +464,31 @@ async fn a_bucket_lease_gives_back_what_it_did_not_spend() {
     // A replay spending 1 where 20 were taken: 81 missing, 50 refilled, 69 left.
     assert_eq!(memory.check("k", &policies, 0).statuses()[0].remaining, 69);
 }
+
+/// A cost larger than a policy's quota can never fit: it is answered as the store answers
+/// it, and leasing goes on for the identity's other requests. It retired the open lease,
+/// took a lease of that cost (refused), tried again, and then decided every request of
+/// the identity one by one against the shared store for a whole ttl.
+#[tokio::test]
+async fn a_cost_that_never_fits_leaves_the_leases_alone() {
+    let store = Leased::new(tollgate::MemoryStore::new(), 10, Duration::from_secs(60)).unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 100, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("k");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(store.shared_calls(), 1);
+    let never = store.decide(&key, &policies, 101).await.unwrap();
+    assert!(
+        matches!(never.outcome(), tollgate::Outcome::CostExceedsLimit { .. }),
+        "{never:?}"
+    );
+    for _ in 0..20 {
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    }
+    // The oversized request asked once; the lease held 9 more, then two more leases.
+    assert!(
+        store.shared_calls() <= 1 + 1 + 2,
+        "{} shared calls",
+        store.shared_calls()
+    );
+}

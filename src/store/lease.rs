@@ -586,7 +586,10 @@ impl<S: Store> Store for Leased<S> {
     }
 
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        if cost == 0 || !Self::leasable(policies) {
+        // A cost above a quota never fits: the store says so, and the identity's leases
+        // are left as they are (retired for it, leasing stopped for a ttl).
+        let never_fits = || policies.iter().any(|policy| cost > policy.limit());
+        if cost == 0 || !Self::leasable(policies) || never_fits() {
             self.leases.calls.fetch_add(1, Ordering::Relaxed);
             return self.inner.decide(key, policies, cost);
         }
