@@ -281,11 +281,11 @@ impl SentinelBackend {
     /// Reads what a command on connection `generation` ended with: a broken connection
     /// or a demoted primary (`READONLY`) drops it, so the next decision looks the primary
     /// up again; `READONLY` then counts as unavailable (a failover, not a refusal). An
-    /// error the primary answered (`NOREPLICAS`, `BUSY`) or a slow answer keeps it: the
+    /// error the primary answered (`NOREPLICAS`, `BUSY`, `LOADING`) or a slow answer keeps it: the
     /// connection is sound (a primary that stops answering is the watch's to find), and
     /// dropping it at each such error opened a connection per failed decision.
     pub(super) fn outcome(&self, generation: u64, error: StoreError) -> StoreError {
-        let demoted = matches!(error.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
+        let demoted = demoted(error.code());
         let broken = error.kind() == StoreErrorKind::Unavailable && error.code().is_none();
         if broken || demoted {
             self.leave(generation);
@@ -302,6 +302,13 @@ impl SentinelBackend {
         }
         error
     }
+}
+
+/// Whether an error's code says the server is no primary any more (a failover). A
+/// primary still loading its data (`LOADING`) is one: the watch's `ROLE` finds a replica
+/// loading from a new primary.
+fn demoted(code: Option<&str>) -> bool {
+    matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
 /// Asks one sentinel for the primary named `master`: `Ok(None)` when it does not know
@@ -472,7 +479,21 @@ async fn watch(backend: Weak<SentinelBackend>) {
 
 #[cfg(test)]
 mod tests {
-    use super::PrimaryAccess;
+    use super::{PrimaryAccess, demoted};
+
+    /// A primary restarting with a large data set answers `LOADING` until it is loaded,
+    /// and is a primary all along (sentinels do not fail over for it, and its `ROLE` says
+    /// `master`): its connection is kept, as for `BUSY`. Read as a demotion, each
+    /// decision dropped it and looked the primary up again, a new connection per decision
+    /// to a server busy loading. A replica loading from a new primary is the watch's to
+    /// find (`ROLE`).
+    #[test]
+    fn a_loading_primary_is_not_demoted() {
+        assert!(!demoted(Some("LOADING")));
+        assert!(!demoted(Some("BUSY")));
+        assert!(demoted(Some("READONLY")));
+        assert!(demoted(Some("MASTERDOWN")));
+    }
 
     /// The primary's credentials reach `AUTH` as given. Written into a URL as they
     /// were, a `%` was read back as an escape: `Zx%41q` was sent as `ZxAq` and refused.
