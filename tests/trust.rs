@@ -1344,6 +1344,65 @@ async fn a_cached_denial_never_states_a_legacy_reset_earlier_than_the_store_did(
     );
 }
 
+// The same with units owed: a settle charged past empty, the store's denial says the
+// bucket is whole once they are paid and it has filled (150 s); a cached denial said the
+// fill time alone (100 s).
+#[tokio::test]
+async fn a_cached_denial_counts_what_is_owed_in_its_legacy_reset() {
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                let mut response = http::Response::new(Body::from("done"));
+                response
+                    .headers_mut()
+                    .insert("x-used", http::HeaderValue::from_static("150"));
+                response
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
+                .policy(Policy::token_bucket("api", 100, Rate::per_second(1)).unwrap())
+                .cost(cost_header())
+                .settle(tollgate::settle::Settle::from_header("x-used"))
+                .headers(HeaderStyle::Legacy),
+        );
+    assert_eq!(status_of(&app, 1).await, StatusCode::OK);
+    let from_store = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(from_store.status(), 429);
+    let stated = reset_from_now(&from_store, HeaderStyle::Legacy);
+    assert!(stated >= 149, "the store's denial: {stated} s");
+    let cached = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(cached.status(), 429);
+    let from_cache = reset_from_now(&cached, HeaderStyle::Legacy);
+    assert!(
+        from_cache + 1 >= stated,
+        "the cached denial: whole again in {from_cache} s, the store said {stated} s"
+    );
+}
+
+// A hook's answer that is no 429 or 503 keeps the `Retry-After` the hook wrote, whatever
+// it says: the layer's replaced a value that states no wait (`soon`) on a 403.
+#[tokio::test]
+async fn a_hooks_retry_after_on_another_status_is_its_own() {
+    let app = hello().layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+            .on_deny(|_: &tollgate::Rejection<'_>| {
+                let mut response = http::Response::new(bytes::Bytes::from_static(b"banned"));
+                *response.status_mut() = StatusCode::FORBIDDEN;
+                response
+                    .headers_mut()
+                    .insert("retry-after", http::HeaderValue::from_static("soon"));
+                response
+            }),
+    );
+    assert_eq!(status_of(&app, 1).await, StatusCode::OK);
+    let answered = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(answered.status(), StatusCode::FORBIDDEN);
+    assert_eq!(header(&answered, "retry-after").as_deref(), Some("soon"));
+}
+
 // `Retry-After` means "come back after" on a 429 or a 503 (RFC 6585 section 4, RFC 9110
 // section 10.2.3); an `on_deny` hook that answers otherwise (a 403 for banned clients, a
 // 200 with a notice) got ours anyway, telling a client to retry a refusal for good.

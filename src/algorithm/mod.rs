@@ -472,18 +472,28 @@ impl Params {
         }
     }
 
-    /// The longest a state owing nothing takes to be whole again, in nanoseconds: a
-    /// window (a counter's newest sub-window counts for a whole window after it ends),
-    /// or the time an empty bucket takes to fill.
+    /// At most how long a state that denies a one-unit request for `wait` nanoseconds
+    /// takes to be whole again: a bucket or GCRA, the wait for that unit and then for the
+    /// rest of its burst (what is owed past empty is in the wait); a log, a window (its
+    /// newest entry leaves by then, owed ones too); a counter, a window after its newest
+    /// sub-window ends; a fixed window, the wait (its end).
     #[inline]
-    pub(crate) fn whole_within(&self) -> u64 {
+    pub(crate) fn whole_after(&self, wait: u64) -> u64 {
         match *self {
+            Params::FixedWindow { .. } | Params::InFlight { .. } => wait,
+            Params::SlidingLog { window, .. } => wait.max(window),
             Params::SlidingWindow {
                 window,
                 sub_windows,
                 ..
-            } => window.saturating_add(window.div_ceil(sub_windows.max(1))),
-            _ => self.window_nanos(),
+            } => wait.max(window.saturating_add(window.div_ceil(sub_windows.max(1)))),
+            Params::TokenBucket { amount, period, .. }
+            | Params::LeakyPolice { amount, period, .. }
+            | Params::LeakyShape { amount, period, .. }
+            | Params::Gcra { amount, period, .. } => {
+                let unit = token_bucket::nanos(div_ceil(u128::from(period), u128::from(amount)));
+                wait.saturating_add(self.window_nanos().saturating_sub(unit))
+            }
         }
     }
 

@@ -737,13 +737,14 @@ pub(crate) fn rate_limit_headers(
             let Some(status) = statuses.get(index) else {
                 // A denial answered without the store (the deny cache keeps no
                 // statuses): the policy's limit, none left, and the reset is its wait;
-                // the legacy one, when the quota is whole again, is at most a window
-                // (exactly the wait for a fixed window), never before the wait.
+                // the legacy one is when the quota is whole again, at most, from the wait
+                // (see `Params::whole_after`; what is owed is in the wait).
                 return match decision.outcome() {
                     Outcome::Denied { retry_after, .. } if shown(policy) => {
                         let params = policy.params();
                         let after = if legacy && !params.ends_on_the_clock() {
-                            let whole = Duration::from_nanos(params.whole_within());
+                            let wait = u64::try_from(retry_after.as_nanos()).unwrap_or(u64::MAX);
+                            let whole = Duration::from_nanos(params.whole_after(wait));
                             retry_after.max(jittered(policy, whole, extra))
                         } else {
                             retry_after

@@ -308,10 +308,10 @@ impl Responder {
         // A hook's answer that is no 429 or 503 (a 403 for banned clients, a 200 with a
         // notice) gets no `Retry-After` of ours: it means "come back after" on those
         // (RFC 6585 section 4, RFC 9110 section 10.2.3). The fields go as they are.
+        // A `Retry-After` the hook wrote on such an answer is its own, as it wrote it.
         let status = response.status();
         if status != http::StatusCode::TOO_MANY_REQUESTS
             && status != http::StatusCode::SERVICE_UNAVAILABLE
-            && !response.headers().contains_key(header::RETRY_AFTER)
         {
             headers.apply(response.headers_mut());
             return Plan::Respond(Box::new(response));

@@ -392,9 +392,11 @@ impl<S: Store> Store for DenyCache<S> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        // A release frees in-flight slots alone, and an in-flight set's denials are never
-        // cached: nothing to forget.
-        if let Change::Release { .. } = adjustment.change() {
+        // A release frees in-flight slots alone (an in-flight set's denials are never
+        // cached), and a settle that charges gives nothing back: nothing to forget.
+        if let Change::Release { .. } | Change::Settle { .. } = adjustment.change()
+            && !adjustment.gives_back()
+        {
             return self.inner.adjust(key, policies, adjustment);
         }
         // Units given back may admit what was denied, through any set sharing a policy
@@ -845,6 +847,27 @@ mod tests {
             after.is_allowed(),
             "the store admits, the cache said {after:?}"
         );
+    }
+
+    /// A settle that charges (the request used more than it reserved) gives nothing back:
+    /// the key's cached denials stand. Cleared by every settle, a client's responses on
+    /// one route kept the cache from absorbing its flood on another.
+    #[test]
+    fn a_charging_settle_keeps_the_cached_denials() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let daily = Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap();
+        let alone = PolicySet::from(daily);
+        let key = Key::new("customer");
+        let admitted = now_or_never(cache.decide(&key, &alone, 1));
+        assert!(admitted.is_allowed());
+        assert!(!now_or_never(cache.decide(&key, &alone, 1)).is_allowed());
+        assert!(now_or_never(cache.decide(&key, &alone, 1)).is_cached());
+        let charge = Adjustment::settle(1, 5, admitted.receipt());
+        now_or_never(cache.adjust(&key, &alone, &charge));
+        assert!(now_or_never(cache.decide(&key, &alone, 1)).is_cached());
     }
 
     /// The store's wait starts when it decides, which is no earlier than when the request

@@ -391,6 +391,16 @@ impl Adjustment {
         &self.ends
     }
 
+    /// Whether this change may give units back (and so admit what was denied): a settle
+    /// below its reservation, a grant, a set, an unbooking; not a release or a charge.
+    pub(crate) fn gives_back(&self) -> bool {
+        match self.change {
+            Change::Settle { reserved, actual } => actual < reserved,
+            Change::Release { .. } => false,
+            Change::Grant { .. } | Change::SetRemaining { .. } | Change::Unbook { .. } => true,
+        }
+    }
+
     /// What changes.
     pub const fn change(&self) -> Change {
         self.change

@@ -305,8 +305,8 @@ impl SentinelBackend {
 }
 
 /// Whether an error's code says the server is no primary any more (a failover). A
-/// primary still loading its data (`LOADING`) is one: the watch's `ROLE` finds a replica
-/// loading from a new primary.
+/// primary still loading its data (`LOADING`) is still one: the watch's `ROLE` finds a
+/// replica loading from a new primary.
 fn demoted(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
