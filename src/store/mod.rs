@@ -387,6 +387,21 @@ impl Adjustment {
     /// When each policy's queue ended right after the debit, in nanoseconds on the
     /// store's time line, in the set's order (an unbooking's; empty for other changes).
     /// Only a shaping policy's is read.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let paced = PolicySet::from(Policy::leaky_bucket_shaping(
+    ///     "paced", Rate::per_second(1), Duration::from_secs(10))?);
+    /// let booked = store.check("partner", &paced, 1);
+    /// // One unit queued: the queue ends a second after the debit.
+    /// let unbook = Adjustment::unbook(1, &booked);
+    /// assert_eq!(unbook.queue_ends(), [booked.receipt().at() + 1_000_000_000]);
+    /// assert!(Adjustment::grant(1).queue_ends().is_empty());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn queue_ends(&self) -> &[u64] {
         &self.ends
     }
