@@ -59,19 +59,6 @@ for i = 1, count do
     s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i]) }
 end
 
-local function reply_with(outcome, policy)
-  local reply = { outcome, policy, 0, 0 }
-  for i = 1, count do
-    local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
-    reply[#reply + 1] = limit
-    reply[#reply + 1] = remaining
-    reply[#reply + 1] = reset
-    reply[#reply + 1] = effective
-  end
-  reply[#reply + 1] = now
-  return reply
-end
-
 -- An unbooking gives back only the newest booking of each shaping policy: its queue
 -- still ends where the debit left it, and has not ended.
 if mode == '4' then
@@ -79,7 +66,9 @@ if mode == '4' then
     local algorithm, p, s = policies[i].algorithm, policies[i].p, policies[i].s
     if not undebited[i] and algorithm.queue_end ~= nil then
       local ends_at = algorithm.queue_end(p, s)
-      if ends[i] ~= ends_at or ends_at <= now then return reply_with(1, i) end
+      if ends[i] ~= ends_at or ends_at <= now then
+        return with_statuses({ 1, i, 0, 0 }, policies)
+      end
     end
   end
 end
@@ -123,4 +112,4 @@ for i = 1, count do
   end
 end
 
-return reply_with(0, 0)
+return with_statuses({ 0, 0, 0, 0 }, policies)

@@ -150,15 +150,8 @@ if struck then
   if blocked ~= nil then return blocked end
 end
 
-local reply = { outcome, denying, longest, delay }
-for i = 1, count do
-  local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
-  reply[#reply + 1] = limit
-  reply[#reply + 1] = remaining
-  reply[#reply + 1] = reset
-  reply[#reply + 1] = effective
-end
--- The time of the decision: the receipt a later adjustment refers to.
-reply[#reply + 1] = now
+-- The time of the decision, last of the statuses: the receipt a later adjustment
+-- refers to.
+local reply = with_statuses({ outcome, denying, longest, delay }, policies)
 for _, index in ipairs(shadow_denied) do reply[#reply + 1] = index end
 return reply

@@ -179,6 +179,20 @@ local function refund_bucket(p, s, units, at, left)
   store_bucket(p, s)
 end
 
+-- A reply's statuses: each policy's limit, remaining, reset and effective window appended
+-- to `reply` (its head: outcome, policy, wait, delay), then the time.
+local function with_statuses(reply, policies)
+  for i = 1, count do
+    local limit, remaining, reset, effective = policies[i].algorithm.snapshot(policies[i].p, policies[i].s)
+    reply[#reply + 1] = limit
+    reply[#reply + 1] = remaining
+    reply[#reply + 1] = reset
+    reply[#reply + 1] = effective
+  end
+  reply[#reply + 1] = now
+  return reply
+end
+
 -- Sets `key` to expire in `ms` milliseconds, unless it already lives longer (a key that
 -- holds several things keeps the longest need).
 local function extend_ttl(key, ms)

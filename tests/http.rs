@@ -819,6 +819,30 @@ fn paced_app(store: MemoryStore<tollgate::clock::RuntimeClock>) -> Router {
     )
 }
 
+/// The paced app over an in-process store on tokio's clock, its first request sent, and a
+/// second held back 10 s whose client gives up after `patience`.
+async fn paced_with_one_held(
+    patience: Duration,
+) -> (
+    Router,
+    tokio::task::JoinHandle<
+        Result<Result<Response<Body>, std::convert::Infallible>, tokio::time::error::Elapsed>,
+    >,
+) {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let app = paced_app(store);
+    let first = app.clone().oneshot(costing(1)).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let held = tokio::spawn(tokio::time::timeout(
+        patience,
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    (app, held)
+}
+
 fn costing(cost: u64) -> Request<Body> {
     Request::get("/")
         .header("x-cost", cost.to_string())
@@ -845,19 +869,9 @@ async fn queue_room(app: &Router) -> u64 {
 /// behind all of them.
 #[tokio::test(start_paused = true)]
 async fn requests_dropped_during_their_delay_give_their_places_back() {
-    let store = MemoryStore::builder()
-        .clock(tollgate::clock::RuntimeClock::new())
-        .build();
-    let app = paced_app(store);
     let start = tokio::time::Instant::now();
-    let first = app.clone().oneshot(costing(1)).await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
     // Held back 10 s and 20 s; their clients give up after 1 s and 2 s.
-    let second = tokio::spawn(tokio::time::timeout(
-        Duration::from_secs(1),
-        app.clone().oneshot(costing(1)),
-    ));
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (app, second) = paced_with_one_held(Duration::from_secs(1)).await;
     let third = tokio::spawn(tokio::time::timeout(
         Duration::from_secs(2),
         app.clone().oneshot(costing(1)),
@@ -882,18 +896,8 @@ async fn requests_dropped_during_their_delay_give_their_places_back() {
 /// once the later one does.
 #[tokio::test(start_paused = true)]
 async fn a_place_dropped_before_a_standing_one_is_kept() {
-    let store = MemoryStore::builder()
-        .clock(tollgate::clock::RuntimeClock::new())
-        .build();
-    let app = paced_app(store);
     let start = tokio::time::Instant::now();
-    let first = app.clone().oneshot(costing(1)).await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
-    let second = tokio::spawn(tokio::time::timeout(
-        Duration::from_secs(1),
-        app.clone().oneshot(costing(1)),
-    ));
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    let (app, second) = paced_with_one_held(Duration::from_secs(1)).await;
     // The third stands (sent at 20 s), until it gives up at 5 s below.
     let third = tokio::spawn(tokio::time::timeout(
         Duration::from_secs(5),

@@ -588,6 +588,14 @@ impl Params {
     /// another algorithm, or a state of the wrong kind.
     #[inline]
     pub(crate) fn queue_end(&self, state: &Slot) -> Option<u64> {
+        let (shape, state) = self.as_shape(state)?;
+        Some(shape.queue_end(state))
+    }
+
+    /// A shaping policy's parameters and its bucket's state; `None` for another
+    /// algorithm, or a state of the wrong kind.
+    #[inline]
+    fn as_shape<'s>(&self, state: &'s Slot) -> Option<(LeakyShape, &'s BucketState)> {
         match (self, state) {
             (
                 Params::LeakyShape {
@@ -596,14 +604,14 @@ impl Params {
                     max_delay,
                 },
                 Slot::Bucket { state: s, .. },
-            ) => Some(
+            ) => Some((
                 LeakyShape {
                     amount: *amount,
                     period: *period,
                     max_delay: *max_delay,
-                }
-                .queue_end(s),
-            ),
+                },
+                s,
+            )),
             _ => None,
         }
     }
@@ -649,21 +657,9 @@ impl Params {
     /// past what leaves room too).
     #[inline]
     pub(crate) fn excess(&self, state: &Slot, now: u64) -> u64 {
-        match (self, state) {
-            (
-                Params::LeakyShape {
-                    amount,
-                    period,
-                    max_delay,
-                },
-                Slot::Bucket { state: s, .. },
-            ) => LeakyShape {
-                amount: *amount,
-                period: *period,
-                max_delay: *max_delay,
-            }
-            .excess(s, now),
-            _ => self.owed(state, now),
+        match self.as_shape(state) {
+            Some((shape, state)) => shape.excess(state, now),
+            None => self.owed(state, now),
         }
     }
 
