@@ -302,6 +302,63 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     );
 }
 
+/// On a wildcard route, a method's own entry for the template comes before an entry of
+/// the request's path for every method: `route_method` takes precedence over `route`. A
+/// `PUT` to a path listed cheap for reads cost what the read costs (here nothing, so an
+/// upload was free).
+#[tokio::test]
+async fn a_methods_entry_for_a_wildcard_comes_before_a_paths_entry_for_every_method() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
+        .key(tollgate::key::Global)
+        .cost(
+            PerRoute::new(1)
+                .route_method(http::Method::PUT, "/static/{*path}", 50)
+                .route("/static/index.html", 0),
+        );
+    let app = Router::new()
+        .route(
+            "/static/{*path}",
+            get(|| async { "read" }).put(|| async { "written" }),
+        )
+        .layer(limiter);
+    let put = Request::put("/static/index.html")
+        .body(Body::empty())
+        .unwrap();
+    let written = app.clone().oneshot(put).await.unwrap();
+    let field = written.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    // A read of the listed path costs what it is listed at.
+    let get = Request::get("/static/index.html")
+        .body(Body::empty())
+        .unwrap();
+    let read = app.clone().oneshot(get).await.unwrap();
+    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+}
+
+/// A service nested with `nest_service` gets no route template from axum, and a URI with
+/// the prefix taken off: the path looked up is the whole one, as the docs say to list it
+/// (`/api/search`). Looked up as `/search`, every request cost the default.
+#[tokio::test]
+async fn a_service_nested_with_nest_service_costs_its_whole_path() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
+        .key(tollgate::key::Global)
+        .cost(PerRoute::new(1).route("/api/search", 50));
+    let api = tower::ServiceBuilder::new()
+        .layer(limiter)
+        .service(Router::new().route("/search", get(|| async { "found" })));
+    let app = Router::new().nest_service("/api", api);
+    let response = app
+        .oneshot(Request::get("/api/search").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+}
+
 #[tokio::test]
 async fn route_layers_share_one_bucket_without_double_charging() {
     // Each route carries its own cost; the store and the policy are shared.

@@ -61,7 +61,9 @@ impl Cost for u64 {
 ///
 /// The template is the one the router that runs the layer matched: inside a router
 /// nested at `/api`, list `/api/search` (the path is the whole one too: axum's
-/// `OriginalUri`). Without a router in front (a plain tower
+/// `OriginalUri`). Where axum matched no template (a service nested with
+/// `nest_service`, a fallback), the whole path is looked up: list `/api/search` there
+/// too. Without a router in front (a plain tower
 /// stack, or the `axum` feature off), the path is the client's, as written: list the
 /// spelling your service answers, since a path the service normalises (`/search/`,
 /// `//search`) does not match `/search` here.
@@ -93,7 +95,7 @@ impl PerRoute {
         }
     }
 
-    /// `path` costs `cost` for every method.
+    /// `path` costs `cost` for every method (listed again, the last entry stands).
     ///
     /// # Panics
     ///
@@ -106,14 +108,16 @@ impl PerRoute {
         self
     }
 
-    /// `method path` costs `cost`; takes precedence over [`route`](Self::route).
+    /// `method path` costs `cost`; takes precedence over [`route`](Self::route), also
+    /// on a wildcard route (an entry of the template for the method comes before one of
+    /// the request's path for every method). Listed again, the last entry stands.
     ///
     /// # Panics
     ///
     /// As [`route`](Self::route), for a path that could never match.
     pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
         check_route(path);
-        self.routes.insert(0, (Some(method), path.into(), cost));
+        self.routes.push((Some(method), path.into(), cost));
         self
     }
 }
@@ -128,27 +132,35 @@ fn check_route(path: &str) {
 }
 
 impl PerRoute {
-    /// The cost listed for `path` and the request's method, if any.
-    fn listed(&self, path: &str, method: &Method) -> Option<u64> {
-        let entry = |wanted: Option<&Method>| {
-            self.routes
-                .iter()
-                .find(|(m, route, _)| &**route == path && m.as_ref() == wanted)
-                .map(|(_, _, cost)| *cost)
+    /// The cost listed for `path` under `method` (`None`: for every method); of entries
+    /// listed twice, the last.
+    fn entry(&self, path: &str, method: Option<&Method>) -> Option<u64> {
+        self.routes
+            .iter()
+            .rev()
+            .find(|(m, route, _)| &**route == path && m.as_ref() == method)
+            .map(|(_, _, cost)| *cost)
+    }
+
+    /// The cost listed for `path` under `method` itself (`Some`), or for every method.
+    fn listed(&self, path: &str, method: Option<&Method>) -> Option<u64> {
+        let Some(method) = method else {
+            return self.entry(path, None);
         };
-        entry(Some(method))
+        self.entry(path, Some(method))
             // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
             // what a GET does unless it has a cost of its own.
-            .or_else(|| (method == Method::HEAD).then(|| entry(Some(&Method::GET)))?)
-            .or_else(|| entry(None))
+            .or_else(|| (method == Method::HEAD).then(|| self.entry(path, Some(&Method::GET)))?)
     }
 }
 
 impl Cost for PerRoute {
     fn cost(&self, parts: &Parts) -> u64 {
-        let template = crate::key::route_path(parts);
         // Whole, as the template is (a nested router's URI has its prefix taken off).
         let path = crate::key::original_path(parts);
+        // No template (a service nested with `nest_service`, whose URI has the prefix
+        // taken off too; a fallback; no router): the whole path.
+        let template = crate::key::matched_path(parts).unwrap_or(path);
         // A wildcard template (a tonic service merged into a router is one
         // `/{Service}/{*rest}` route) names no method: the request's own path first, when
         // the template's literal start leads it.
@@ -159,19 +171,25 @@ impl Cost for PerRoute {
                 .is_some_and(|(start, _)| path.starts_with(start));
         // A handler reads what the wildcard captured decoded (axum's `Path`): the
         // listed path in escapes (`/files/big%2Eiso`) is the listed path to it.
-        let own = wildcard
-            .then(|| {
-                self.listed(path, &parts.method).or_else(|| {
-                    let decoded = percent_encoding::percent_decode_str(path)
-                        .decode_utf8()
-                        .ok();
-                    decoded
-                        .filter(|decoded| decoded != path)
-                        .and_then(|decoded| self.listed(&decoded, &parts.method))
+        let own = |method: Option<&Method>| {
+            wildcard
+                .then(|| {
+                    self.listed(path, method).or_else(|| {
+                        let decoded = percent_encoding::percent_decode_str(path)
+                            .decode_utf8()
+                            .ok();
+                        decoded
+                            .filter(|decoded| decoded != path)
+                            .and_then(|decoded| self.listed(&decoded, method))
+                    })
                 })
-            })
-            .flatten();
-        own.or_else(|| self.listed(template, &parts.method))
+                .flatten()
+        };
+        // The method's own entries (the path's, then the template's) before those for
+        // every method.
+        [Some(&parts.method), None]
+            .into_iter()
+            .find_map(|method| own(method).or_else(|| self.listed(template, method)))
             .unwrap_or(self.default)
     }
 }
@@ -315,6 +333,18 @@ mod tests {
             .body(())
             .unwrap();
         request.into_parts().0
+    }
+
+    /// An entry listed twice for one route: the last one stands, for `route` as for
+    /// `route_method` (a table of defaults, then overrides). `route` kept the first.
+    #[test]
+    fn the_last_entry_for_a_route_stands() {
+        let get = parts(Method::GET, "/a");
+        assert_eq!(PerRoute::new(1).route("/a", 2).route("/a", 5).cost(&get), 5);
+        let methods = PerRoute::new(1)
+            .route_method(Method::GET, "/a", 2)
+            .route_method(Method::GET, "/a", 5);
+        assert_eq!(methods.cost(&get), 5);
     }
 
     /// A route no path can match once cost the default, silently: `search` (no leading

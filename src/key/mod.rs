@@ -391,11 +391,19 @@ pub(crate) fn original_path(parts: &Parts) -> &str {
 
 /// The route template when axum matched one, else the request path.
 pub(crate) fn route_path(parts: &Parts) -> &str {
+    matched_path(parts).unwrap_or(parts.uri.path())
+}
+
+/// The route template axum matched, if any (none for a fallback, a service nested with
+/// `nest_service`, or without the `axum` feature).
+pub(crate) fn matched_path(parts: &Parts) -> Option<&str> {
     #[cfg(feature = "axum")]
     if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
-        return matched.as_str();
+        return Some(matched.as_str());
     }
-    parts.uri.path()
+    #[cfg(not(feature = "axum"))]
+    let _ = parts;
+    None
 }
 
 /// A key extractor from a closure; see [`from_fn`].
