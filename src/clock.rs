@@ -31,10 +31,12 @@
 //! start, and under some hypervisors that calibration is wrong (timers have been seen
 //! running almost three times fast) or the cores' counters disagree. A limiter whose clock
 //! runs fast admits that many times its limit. It is never re-anchored, so calibration
-//! error accumulates. A thread's time never steps back (a core whose counter is behind
-//! gives the thread's last time until it catches up: denials last as much longer), and a
-//! counter behind its origin (reset by a resume) reads the OS clock. Opt in only on
-//! hardware you have measured.
+//! error accumulates (every `TscClock` of the process shares the anchor of the first). A
+//! thread's time never steps back (a core whose counter is behind gives the thread's last
+//! time until it catches up: denials last as much longer), and once a counter is seen
+//! behind its origin (reset by a resume, or another socket's), the clock reads the OS
+//! clock from then on, said once at warn level. Opt in only on hardware you have
+//! measured.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -586,19 +588,41 @@ fn warn_stopped() {
 #[derive(Debug, Clone)]
 pub struct TscClock {
     clock: quanta::Clock,
+    anchor: Arc<TscAnchor>,
+}
+
+/// Where a counter reading sits on the epoch-aligned line: one for the process, so every
+/// `TscClock` gives one time (a thread's last time is one for all of them), and once the
+/// counter was seen behind its origin, the OS clock for good.
+#[derive(Debug)]
+struct TscAnchor {
     origin: u64,
     epoch_nanos: u64,
+    /// The counter was behind its origin (reset by a resume, or another socket's): its
+    /// readings say nothing of the time since.
+    fallen_back: std::sync::atomic::AtomicBool,
+}
+
+impl TscAnchor {
+    fn new(clock: &quanta::Clock) -> Self {
+        Self {
+            origin: clock.raw(),
+            epoch_nanos: MonotonicClock::new().now(),
+            fallen_back: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
 }
 
 impl TscClock {
-    /// A TSC clock anchored to the process's epoch-aligned line now.
+    /// A TSC clock on the process's epoch-aligned line, anchored when the first one was
+    /// made.
     pub fn new() -> Self {
+        static ANCHOR: OnceLock<Arc<TscAnchor>> = OnceLock::new();
         let clock = quanta::Clock::new();
-        let origin = clock.raw();
+        let anchor = ANCHOR.get_or_init(|| Arc::new(TscAnchor::new(&clock)));
         Self {
             clock,
-            origin,
-            epoch_nanos: MonotonicClock::new().now(),
+            anchor: Arc::clone(anchor),
         }
     }
 }
@@ -635,12 +659,23 @@ fn tsc_give(now: u64) -> u64 {
 impl Clock for TscClock {
     #[inline]
     fn now(&self) -> u64 {
+        let anchor = &*self.anchor;
+        if anchor.fallen_back.load(Ordering::Relaxed) {
+            return tsc_give(MonotonicClock::new().now());
+        }
         let raw = self.clock.raw();
-        let now = counter_time(self.epoch_nanos, self.origin, raw, |from, to| {
+        let now = counter_time(anchor.epoch_nanos, anchor.origin, raw, |from, to| {
             self.clock.delta_as_nanos(from, to)
         })
-        // A counter behind its origin says nothing: the OS clock does.
-        .unwrap_or_else(|| MonotonicClock::new().now());
+        .unwrap_or_else(|| {
+            // A counter behind its origin says nothing, then or later (grown past its
+            // origin again, it would read as the time before the reset): the OS clock
+            // answers from now on.
+            if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
+                warn_stopped();
+            }
+            MonotonicClock::new().now()
+        });
         tsc_give(now)
     }
 }
@@ -768,6 +803,35 @@ mod tests {
             later,
             "an earlier reading gives the later time"
         );
+    }
+
+    /// A counter reset by a resume from suspend reads the OS clock, and keeps reading it
+    /// once the counter has grown past its origin again: read then as time since the
+    /// origin, it stood where it was before the reset (days behind after a day's uptime),
+    /// and a thread's time, which never steps back, stood still until that caught up.
+    #[test]
+    fn a_counter_reset_reads_the_os_clock_for_good() {
+        let (clock, mock) = quanta::Clock::mock();
+        mock.increment(Duration::from_secs(100));
+        let start = MonotonicClock::new().now();
+        let tsc = TscClock {
+            anchor: Arc::new(TscAnchor::new(&clock)),
+            clock,
+        };
+        mock.increment(Duration::from_secs(1));
+        assert!(tsc.now() >= start + 1_000_000_000);
+        // Reset on resume: behind its origin.
+        mock.decrement(Duration::from_secs(50));
+        let os = tsc.now();
+        // Grown past its origin again: 20 s since it, which says nothing of the time.
+        mock.increment(Duration::from_secs(70));
+        let later = tsc.now();
+        assert!(
+            later < start + 10_000_000_000,
+            "read as 20 s after the origin: {} s after the start",
+            (later - start) / 1_000_000_000
+        );
+        assert!(later >= os);
     }
 
     #[test]
