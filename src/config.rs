@@ -1017,6 +1017,8 @@ struct LiveShared {
     /// The current configuration's sets, swapped right after it.
     sets: ArcSwap<Sets>,
     breaker: Arc<Breaker>,
+    /// The places of requests dropped during their shaping delay, kept across reloads.
+    dropped: Arc<crate::settle::DroppedBookings>,
     fallback: LocalFallback,
     /// Reloads one at a time.
     reloading: std::sync::Mutex<()>,
@@ -1033,14 +1035,16 @@ impl LiveLayer {
     pub fn new(store: impl Store, config: &LimiterConfig) -> Result<Self, ConfigError> {
         let store: Arc<dyn Store> = Arc::new(store);
         let breaker = Arc::new(Breaker::new(CircuitBreaker::default()));
+        let dropped = Arc::default();
         let fallback = LocalFallback::new();
-        let (current, sets) = build(&store, &breaker, &fallback, config)?;
+        let (current, sets) = build(&store, (&breaker, &dropped), &fallback, config)?;
         Ok(Self {
             shared: Arc::new(LiveShared {
                 store,
                 current: ArcSwap::from(current),
                 sets: ArcSwap::from_pointee(sets),
                 breaker,
+                dropped,
                 fallback,
                 reloading: std::sync::Mutex::new(()),
             }),
@@ -1058,7 +1062,7 @@ impl LiveLayer {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (next, sets) = build(
             &self.shared.store,
-            &self.shared.breaker,
+            (&self.shared.breaker, &self.shared.dropped),
             &self.shared.fallback,
             config,
         )?;
@@ -1102,9 +1106,11 @@ impl LiveLayer {
     }
 }
 
+/// The layer of `config`, sharing with the configurations before it the breaker and the
+/// places of requests dropped during their shaping delay.
 fn build(
     store: &Arc<dyn Store>,
-    breaker: &Arc<Breaker>,
+    (breaker, dropped): (&Arc<Breaker>, &Arc<crate::settle::DroppedBookings>),
     fallback: &LocalFallback,
     config: &LimiterConfig,
 ) -> Result<(Arc<LiveConfig>, Sets), ConfigError> {
@@ -1128,6 +1134,7 @@ fn build(
         .shadow_headers(compiled.shadow_headers)
         .headers(compiled.headers)
         .with_breaker(Arc::clone(breaker))
+        .with_dropped(Arc::clone(dropped))
         .service_config()
         .map(|config| (config, compiled.sets))
         .map_err(|reason| ConfigError::new("policies", reason))

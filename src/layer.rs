@@ -606,4 +606,12 @@ where
         self.breaker = breaker;
         self
     }
+
+    /// This layer sharing `dropped` (a reloaded configuration keeps the places of the
+    /// requests dropped during their shaping delay under the one before).
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    pub(crate) fn with_dropped(mut self, dropped: Arc<crate::settle::DroppedBookings>) -> Self {
+        self.dropped = dropped;
+        self
+    }
 }

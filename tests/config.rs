@@ -853,3 +853,54 @@ fn the_readmes_example_configuration_is_valid() {
     assert!(text.contains("plan_header"));
     assert_eq!(parse(text).check(), Ok(()));
 }
+
+/// A reload keeps the places of requests dropped during their shaping delay under the
+/// configuration before: a request queued before the reload and dropped behind one
+/// queued after it was kept in the old configuration's list, which the new one's round
+/// never saw, so its place stayed booked for nobody.
+#[tokio::test(start_paused = true)]
+async fn a_reload_keeps_the_places_of_requests_dropped_during_their_delay() {
+    let config = parse(
+        r#"
+        key = ["global"]
+        [[policies]]
+        name = "paced"
+        algorithm = "leaky-shaping"
+        rate = "6/m"
+        max_delay = "60s"
+    "#,
+    );
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let layer = LiveLayer::new(store, &config).unwrap();
+    let app = app(&layer);
+    let start = tokio::time::Instant::now();
+    let held = |patience: u64| {
+        tokio::spawn(tokio::time::timeout(
+            Duration::from_secs(patience),
+            app.clone().oneshot(request("GET", "/", None, None)),
+        ))
+    };
+    assert!(held(1).await.unwrap().is_ok(), "the first goes at once");
+    // Queued 10 s ahead under the first configuration, 20 s under the reloaded one; their
+    // clients give up at 1 s and 2 s.
+    let before = held(1);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    layer.reload(&config).unwrap();
+    let after = held(2);
+    assert!(before.await.unwrap().is_err());
+    assert!(after.await.unwrap().is_err());
+    // The next goes once the first one's unit has leaked out: at 10 s, not 20 s.
+    let next = app
+        .clone()
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert_eq!(next.status(), StatusCode::OK);
+    assert!(
+        start.elapsed() <= Duration::from_secs(10),
+        "sent at {:?}",
+        start.elapsed()
+    );
+}
