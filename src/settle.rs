@@ -160,7 +160,9 @@ impl Settle {
         }
     }
 
-    /// The actual cost is the decimal number in the response header `name` (any case).
+    /// The actual cost is the decimal number in the response header `name` (any case):
+    /// digits only, one too large for a 64-bit count read as the largest; of several
+    /// values, the largest. Anything else keeps the reservation (said at warn level).
     ///
     /// # Panics
     ///
@@ -265,11 +267,15 @@ impl Settle {
         match &self.source {
             Source::Reserved => None,
             Source::Header(name) => {
-                let value = head.headers.get(name)?;
-                let parsed = value
-                    .to_str()
-                    .ok()
-                    .and_then(|text| text.trim().parse::<u64>().ok());
+                let mut values = head.headers.get_all(name).iter().peekable();
+                values.peek()?;
+                // Every value must be a whole number (digits, as a `Content-Length`; one
+                // too large for a count is the largest); of several, the largest counts.
+                let parsed = values.try_fold(0u64, |largest, value| {
+                    let text = value.to_str().ok()?.trim();
+                    let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+                    digits.then(|| largest.max(text.parse().unwrap_or(u64::MAX)))
+                });
                 if parsed.is_none() {
                     #[cfg(feature = "tracing")]
                     tracing::warn!(

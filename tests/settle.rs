@@ -326,6 +326,41 @@ async fn a_malformed_actual_cost_keeps_the_reservation() {
     assert_eq!(remaining(&response), 970);
 }
 
+/// An actual cost too large for a 64-bit count is as large as one can be (a charge, to at
+/// most one whole quota owed), as a `Content-Length` that large is; read as malformed, it
+/// kept the reservation, under-charging whatever the upstream reported. Of several
+/// values, the largest counts (an upstream that said two things is not taken at the
+/// smaller).
+#[tokio::test]
+async fn a_huge_or_repeated_actual_cost_is_charged_not_dropped() {
+    for values in [&["99999999999999999999"][..], &["3", "700"][..]] {
+        let (store, _clock) = store();
+        let app = Router::new()
+            .route(
+                "/",
+                get(move || async move {
+                    let mut response = http::Response::new(Body::from("x"));
+                    for value in values {
+                        response
+                            .headers_mut()
+                            .append("x-tokens-used", HeaderValue::from_static(value));
+                    }
+                    response
+                }),
+            )
+            .layer(
+                RateLimitLayer::new(store)
+                    .policy(tokens())
+                    .key(HeaderKey::new("x-api-key"))
+                    .cost(FromExtension::or(1))
+                    .settle(Settle::from_header("x-tokens-used")),
+            );
+        let response = app.oneshot(request("a", 30, None, 200)).await.unwrap();
+        let expected = if values.len() == 1 { 0 } else { 300 };
+        assert_eq!(remaining(&response), expected, "{values:?}");
+    }
+}
+
 #[test]
 fn settles_give_back_only_what_the_state_still_holds() {
     let (store, clock) = store();
