@@ -8,13 +8,16 @@
 //!
 //! ```
 //! use tollgate::bypass::Bypass;
-//! use tollgate::key::{HeaderKey, KeyExtractorExt};
+//! use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
 //! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 //!
 //! let api_key = HeaderKey::new("x-api-key");
 //! let bypass = Bypass::new()
 //!     .network("10.0.0.0/8")                                  // the office and the fleet
 //!     .network("::1")
+//!     // The key reads no address: say how to find the client behind the load balancer,
+//!     // or every request through it (an address in 10.0.0.0/8) would skip.
+//!     .client_ip(ClientIp::behind_proxies(["10.0.0.1"])?)
 //!     .key(api_key.key_for("monitoring-token")?)              // as the extractor spells it
 //!     .when(|parts| parts.uri.path() == "/healthz");
 //! let layer = RateLimitLayer::new(MemoryStore::new())
@@ -134,6 +137,12 @@ impl Bypass {
     pub fn client_ip(mut self, client_ip: ClientIp) -> Self {
         self.client_ip = Some(client_ip);
         self
+    }
+
+    /// True when it has networks and was not told how to find the client's address: the
+    /// layer's key's way then, or the socket peer.
+    pub(crate) fn reads_the_peer_by_default(&self) -> bool {
+        !self.networks.is_empty() && self.client_ip.is_none()
     }
 
     /// This bypass, reading the client's address as `client_ip` does unless it was told

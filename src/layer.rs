@@ -72,6 +72,9 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
     /// Whether a service of this layer has said that it lets requests through without a
     /// key the server should have set: said once per layer, whatever its routes.
     said_missing: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether it has said that its network bypass matches the socket peer: once per
+    /// layer.
+    said_peer_bypass: Arc<std::sync::atomic::AtomicBool>,
     /// Bookings of requests dropped during their shaping delay, waiting for the ones
     /// queued after them to be given back: shared by every service of this layer.
     dropped: Arc<crate::settle::DroppedBookings>,
@@ -127,6 +130,7 @@ impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C,
             store_timeout: self.store_timeout,
             breaker: Arc::clone(&self.breaker),
             said_missing: Arc::clone(&self.said_missing),
+            said_peer_bypass: Arc::clone(&self.said_peer_bypass),
             dropped: Arc::clone(&self.dropped),
             settle: self.settle.clone(),
             bypass: self.bypass.clone(),
@@ -170,6 +174,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             store_timeout: DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
             said_missing: Arc::default(),
+            said_peer_bypass: Arc::default(),
             dropped: Arc::default(),
             settle: None,
             bypass: None,
@@ -238,6 +243,7 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
             store_timeout: self.store_timeout,
             breaker: self.breaker,
             said_missing: self.said_missing,
+            said_peer_bypass: self.said_peer_bypass,
             dropped: self.dropped,
             settle: self.settle,
             bypass: self.bypass,
@@ -576,6 +582,24 @@ where
     /// The checked configuration every service of this layer shares.
     pub(crate) fn service_config(&self) -> Result<Arc<Config<St, K, C, R>>, String> {
         self.validate()?;
+        if self
+            .bypass
+            .as_ref()
+            .is_some_and(|bypass| bypass.reads_the_peer_by_default())
+            && self.key.client_ip().is_none()
+            && !self
+                .said_peer_bypass
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                "the bypass's networks are matched against the socket peer (the key reads \
+                 no client address, and the bypass was not told how to find one): behind a \
+                 proxy or load balancer in an allowed network, every request skips \
+                 limiting; give the bypass .client_ip(ClientIp::behind_proxies(..))"
+            );
+        }
         Ok(Arc::new(Config {
             store: self.store.clone(),
             key: self.key.clone(),

@@ -828,3 +828,45 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
     assert!(warnings[1].contains("\"Premium\""), "{warnings:?}");
     assert!(warnings[2].contains("more than once"), "{warnings:?}");
 }
+
+/// A network bypass under a key that reads no client address (an API key) matches the
+/// socket peer, which behind a load balancer is the balancer for every request: every
+/// request skips limiting. The layer says so once, at warn level, when it is built; not
+/// when the key reads the client (`ClientIp`) or the bypass was told how
+/// (`Bypass::client_ip`).
+#[test]
+fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
+    use tollgate::bypass::Bypass;
+    use tollgate::key::{ClientIp, HeaderKey};
+    let policy = || Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap();
+    let recorder = Recorder::default();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        let hello = || Router::<()>::new().route("/", get(|| async { "hi" }));
+        let told = RateLimitLayer::new(MemoryStore::new())
+            .policy(policy())
+            .key(HeaderKey::new("x-api-key"))
+            .bypass(
+                Bypass::new()
+                    .network("10.0.0.0/8")
+                    .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
+            );
+        let _ = hello().layer(told);
+        let by_ip = RateLimitLayer::new(MemoryStore::new())
+            .policy(policy())
+            .bypass(Bypass::new().network("10.0.0.0/8"));
+        let _ = hello().layer(by_ip);
+        assert_eq!(*recorder.events.lock().unwrap(), Vec::<String>::new());
+        let peer = RateLimitLayer::new(MemoryStore::new())
+            .policy(policy())
+            .key(HeaderKey::new("x-api-key"))
+            .bypass(Bypass::new().network("10.0.0.0/8"));
+        let _ = hello()
+            .route("/a", get(|| async { "a" }))
+            .route("/b", get(|| async { "b" }))
+            .layer(peer);
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(events[0].starts_with("WARN "), "{events:?}");
+    assert!(events[0].contains("peer"), "{events:?}");
+}
