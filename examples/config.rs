@@ -5,7 +5,9 @@
 //! TOLLGATE_CONFIG=my.toml cargo run --example config
 //!
 //! curl -i http://127.0.0.1:3000/                          # plan "default": api, daily
+//! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/      # the same, by the key
 //! curl -i -H 'x-api-key: pro-acme' http://127.0.0.1:3000/  # plan "pro": api-pro
+//! curl -i -H 'x-api-key: pro-made-up' http://127.0.0.1:3000/  # unknown: by address
 //! # edit examples/tollgate.toml, then (or just save it: file changes are picked up too)
 //! kill -HUP <pid>
 //! ```
@@ -37,19 +39,30 @@ fn load(path: &Path) -> Result<LimiterConfig, String> {
     Ok(config)
 }
 
-/// The plan header, set from the API key (here: keys that start with `pro-` are on the
-/// pro plan; an app looks the key up). A plan header the client sent is dropped.
+/// The API keys this app knows, and their plans (an app looks them up in its database).
+const KEYS: [(&str, Option<&str>); 2] = [("demo", None), ("pro-acme", Some("pro"))];
+
+/// Authentication, before the limiter: a known API key gets its plan header; a key the
+/// app does not know is dropped, so the request is limited by its address (a client
+/// inventing keys would otherwise get a fresh quota with each). A plan header the client
+/// sent is dropped.
 async fn plan_of_key(mut request: axum::extract::Request) -> axum::extract::Request {
-    let pro = request
+    let known = request
         .headers()
         .get("x-api-key")
         .and_then(|key| key.to_str().ok())
-        .is_some_and(|key| key.starts_with("pro-"));
-    request.headers_mut().remove("x-plan");
-    if pro {
-        request
-            .headers_mut()
-            .insert("x-plan", axum::http::HeaderValue::from_static("pro"));
+        .and_then(|key| KEYS.iter().find(|(known, _)| *known == key));
+    let plan = known.map(|(_, plan)| *plan);
+    let headers = request.headers_mut();
+    headers.remove("x-plan");
+    match plan {
+        Some(Some(plan)) => {
+            headers.insert("x-plan", axum::http::HeaderValue::from_static(plan));
+        }
+        Some(None) => {}
+        None => {
+            headers.remove("x-api-key");
+        }
     }
     request
 }
