@@ -576,6 +576,17 @@ fn warn_stopped() {
     );
 }
 
+#[cold]
+fn warn_behind_origin() {
+    #[cfg(feature = "tracing")]
+    tracing::warn!(
+        target: "tollgate",
+        "the CPU's time-stamp counter read behind where the TSC clock started (reset by a \
+         resume from suspend, or another socket's counter): the TSC clock reads the OS \
+         clock from now on"
+    );
+}
+
 /// The CPU's time-stamp counter through `quanta`, on the same epoch-aligned line as
 /// [`MonotonicClock`]. **Opt-in, with a risk**: read the [module docs](self) first.
 ///
@@ -672,7 +683,7 @@ impl Clock for TscClock {
             // origin again, it would read as the time before the reset): the OS clock
             // answers from now on.
             if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
-                warn_stopped();
+                warn_behind_origin();
             }
             MonotonicClock::new().now()
         });

@@ -586,7 +586,10 @@ where
             .bypass
             .as_ref()
             .is_some_and(|bypass| bypass.reads_the_peer_by_default())
-            && self.key.client_ip().is_none()
+            && self
+                .key
+                .client_ip()
+                .is_none_or(crate::key::ClientIp::reads_the_peer)
             && !self
                 .said_peer_bypass
                 .swap(true, std::sync::atomic::Ordering::Relaxed)
@@ -594,9 +597,9 @@ where
             #[cfg(feature = "tracing")]
             tracing::warn!(
                 target: "tollgate",
-                "the bypass's networks are matched against the socket peer (the key reads \
-                 no client address, and the bypass was not told how to find one): behind a \
-                 proxy or load balancer in an allowed network, every request skips \
+                "the bypass's networks are matched against the socket peer (the key trusts \
+                 no proxy to name the client, and the bypass was not told how to find it): \
+                 behind a proxy or load balancer in an allowed network, every request skips \
                  limiting; give the bypass .client_ip(ClientIp::behind_proxies(..))"
             );
         }

@@ -162,7 +162,8 @@ impl Settle {
 
     /// The actual cost is the decimal number in the response header `name` (any case):
     /// digits only, one too large for a 64-bit count read as the largest; of several
-    /// values, the largest. Anything else keeps the reservation (said at warn level).
+    /// values (on several lines, or folded into one with commas), the largest. Anything
+    /// else keeps the reservation (said at warn level).
     ///
     /// # Panics
     ///
@@ -267,15 +268,11 @@ impl Settle {
         match &self.source {
             Source::Reserved => None,
             Source::Header(name) => {
-                let mut values = head.headers.get_all(name).iter().peekable();
-                values.peek()?;
-                // Every value must be a whole number (digits, as a `Content-Length`; one
-                // too large for a count is the largest); of several, the largest counts.
-                let parsed = values.try_fold(0u64, |largest, value| {
-                    let text = value.to_str().ok()?.trim();
-                    let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
-                    digits.then(|| largest.max(text.parse().unwrap_or(u64::MAX)))
-                });
+                // No such header: the reservation stands, nothing to say.
+                if !head.headers.contains_key(name) {
+                    return None;
+                }
+                let parsed = actual_cost(head.headers.get_all(name));
                 if parsed.is_none() {
                     #[cfg(feature = "tracing")]
                     tracing::warn!(
@@ -293,6 +290,27 @@ impl Settle {
             Source::Fn(f) => f(head),
         }
     }
+}
+
+/// The actual cost in a response header's values: every value a whole number (digits, as
+/// a `Content-Length`; one too large for a count is the largest); of several, on several
+/// lines or folded into one by an intermediary (RFC 9110 section 5.3), the largest.
+/// Empty list elements are none; `None` when there is no value, or one is not a number.
+fn actual_cost(values: http::header::GetAll<'_, http::HeaderValue>) -> Option<u64> {
+    let mut largest = None::<u64>;
+    for line in values {
+        for element in line.to_str().ok()?.split(',').map(str::trim) {
+            if element.is_empty() {
+                continue;
+            }
+            if !element.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            let value = element.parse().unwrap_or(u64::MAX);
+            largest = Some(largest.map_or(value, |largest: u64| largest.max(value)));
+        }
+    }
+    largest
 }
 
 /// Where an admitted request was debited: the store, or the local fallback (under the

@@ -329,12 +329,37 @@ async fn a_methods_entry_for_a_wildcard_comes_before_a_paths_entry_for_every_met
     let field = written.headers()["ratelimit"].to_str().unwrap().to_owned();
     assert!(field.starts_with("\"api\";r=50;"), "{field}");
     // A read of the listed path costs what it is listed at.
-    let get = Request::get("/static/index.html")
+    let index = Request::get("/static/index.html")
         .body(Body::empty())
         .unwrap();
-    let read = app.clone().oneshot(get).await.unwrap();
+    let read = app.clone().oneshot(index).await.unwrap();
     let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
     assert!(field.starts_with("\"api\";r=50;"), "{field}");
+
+    // The other way round: the path listed dear for every method, the template cheap for
+    // GET. Of two entries that both apply, the larger counts: the dear file is no
+    // cheaper by its method.
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
+        .key(tollgate::key::Global)
+        .cost(PerRoute::new(1).route("/files/big.iso", 50).route_method(
+            http::Method::GET,
+            "/files/{*path}",
+            2,
+        ));
+    let app = Router::new()
+        .route("/files/{*path}", get(|| async { "file" }))
+        .layer(limiter);
+    let big = Request::get("/files/big.iso").body(Body::empty()).unwrap();
+    let read = app.clone().oneshot(big).await.unwrap();
+    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    let small = Request::get("/files/small.txt")
+        .body(Body::empty())
+        .unwrap();
+    let read = app.clone().oneshot(small).await.unwrap();
+    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=48;"), "{field}");
 }
 
 /// A service nested with `nest_service` gets no route template from axum, and a URI with
@@ -351,12 +376,21 @@ async fn a_service_nested_with_nest_service_costs_its_whole_path() {
         .service(Router::new().route("/search", get(|| async { "found" })));
     let app = Router::new().nest_service("/api", api);
     let response = app
+        .clone()
         .oneshot(Request::get("/api/search").body(Body::empty()).unwrap())
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
     assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    // A nested service reads its path decoded (a `ServeDir`, a router): the listed path
+    // in escapes costs what the listed path does.
+    let escaped = app
+        .oneshot(Request::get("/api/se%61rch").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let field = escaped.headers()["ratelimit"].to_str().unwrap().to_owned();
+    assert!(field.starts_with("\"api\";r=0;"), "{field}");
 }
 
 #[tokio::test]

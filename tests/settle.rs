@@ -333,7 +333,12 @@ async fn a_malformed_actual_cost_keeps_the_reservation() {
 /// smaller).
 #[tokio::test]
 async fn a_huge_or_repeated_actual_cost_is_charged_not_dropped() {
-    for values in [&["99999999999999999999"][..], &["3", "700"][..]] {
+    for values in [
+        &["99999999999999999999"][..],
+        &["3", "700"][..],
+        // Folded into one line by an intermediary (RFC 9110 section 5.3).
+        &["3, 700"][..],
+    ] {
         let (store, _clock) = store();
         let app = Router::new()
             .route(
@@ -356,7 +361,7 @@ async fn a_huge_or_repeated_actual_cost_is_charged_not_dropped() {
                     .settle(Settle::from_header("x-tokens-used")),
             );
         let response = app.oneshot(request("a", 30, None, 200)).await.unwrap();
-        let expected = if values.len() == 1 { 0 } else { 300 };
+        let expected = if values[0].len() == 20 { 0 } else { 300 };
         assert_eq!(remaining(&response), expected, "{values:?}");
     }
 }

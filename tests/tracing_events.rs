@@ -829,11 +829,11 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
     assert!(warnings[2].contains("more than once"), "{warnings:?}");
 }
 
-/// A network bypass under a key that reads no client address (an API key) matches the
-/// socket peer, which behind a load balancer is the balancer for every request: every
-/// request skips limiting. The layer says so once, at warn level, when it is built; not
-/// when the key reads the client (`ClientIp`) or the bypass was told how
-/// (`Bypass::client_ip`).
+/// A network bypass under a key that reads no client address (an API key), or reads the
+/// socket peer (the default `ClientIp::peer()`), matches the socket peer, which behind a
+/// load balancer is the balancer for every request: every request skips limiting. The
+/// layer says so once, at warn level, when it is built; not when the key reads the client
+/// behind trusted proxies or the bypass was told how (`Bypass::client_ip`).
 #[test]
 fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
     use tollgate::bypass::Bypass;
@@ -851,11 +851,17 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
                     .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
             );
         let _ = hello().layer(told);
-        let by_ip = RateLimitLayer::new(MemoryStore::new())
+        let behind = RateLimitLayer::new(MemoryStore::new())
+            .policy(policy())
+            .key(ClientIp::behind_proxies(["10.0.0.1"]).unwrap())
+            .bypass(Bypass::new().network("10.0.0.0/8"));
+        let _ = hello().layer(behind);
+        assert_eq!(*recorder.events.lock().unwrap(), Vec::<String>::new());
+        // The default key reads the peer too: the same.
+        let by_peer = RateLimitLayer::new(MemoryStore::new())
             .policy(policy())
             .bypass(Bypass::new().network("10.0.0.0/8"));
-        let _ = hello().layer(by_ip);
-        assert_eq!(*recorder.events.lock().unwrap(), Vec::<String>::new());
+        let _ = hello().layer(by_peer);
         let peer = RateLimitLayer::new(MemoryStore::new())
             .policy(policy())
             .key(HeaderKey::new("x-api-key"))
@@ -866,7 +872,9 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
             .layer(peer);
     });
     let events = recorder.events.lock().unwrap().clone();
-    assert_eq!(events.len(), 1, "{events:?}");
-    assert!(events[0].starts_with("WARN "), "{events:?}");
-    assert!(events[0].contains("peer"), "{events:?}");
+    assert_eq!(events.len(), 2, "{events:?}");
+    for event in &events {
+        assert!(event.starts_with("WARN "), "{events:?}");
+        assert!(event.contains("peer"), "{events:?}");
+    }
 }

@@ -51,10 +51,12 @@ impl Cost for u64 {
 ///
 /// Routes are matched on axum's `MatchedPath` (the route template, `/users/{id}`) when
 /// there is one, else on the request path. Under a wildcard template (`/files/{*path}`,
-/// or a tonic service merged into an axum router, one `/{Service}/{*rest}` route), an
-/// entry for the request's own path comes first (`/greeter.Greeter/SayHello`), as it is
-/// written or with its escapes decoded (a handler reads the captured path decoded, so
-/// `/files/big%2Eiso` is `/files/big.iso` to it), then the template's. A path the handler
+/// or a tonic service merged into an axum router, one `/{Service}/{*rest}` route), or
+/// where no template names the path, an entry for the request's own path comes first
+/// (`/greeter.Greeter/SayHello`), as it is written or with its escapes decoded (a
+/// handler reads the captured path decoded, so `/files/big%2Eiso` is `/files/big.iso` to
+/// it), then the template's. When an entry of the path for every method and one of the
+/// template for the request's method both apply, the larger counts. A path the handler
 /// normalises further (`./`, a trailing slash, case) is the template's: list those
 /// spellings too, or cost the route in the handler. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
 /// its own: it runs the GET handler.
@@ -158,21 +160,24 @@ impl Cost for PerRoute {
     fn cost(&self, parts: &Parts) -> u64 {
         // Whole, as the template is (a nested router's URI has its prefix taken off).
         let path = crate::key::original_path(parts);
+        let matched = crate::key::matched_path(parts);
         // No template (a service nested with `nest_service`, whose URI has the prefix
         // taken off too; a fallback; no router): the whole path.
-        let template = crate::key::matched_path(parts).unwrap_or(path);
+        let template = matched.unwrap_or(path);
         // A wildcard template (a tonic service merged into a router is one
         // `/{Service}/{*rest}` route) names no method: the request's own path first, when
-        // the template's literal start leads it.
-        let wildcard = template != path
-            && template.contains("{*")
-            && template
-                .split_once('{')
-                .is_some_and(|(start, _)| path.starts_with(start));
-        // A handler reads what the wildcard captured decoded (axum's `Path`): the
+        // the template's literal start leads it. So does a path no template names (what
+        // serves it reads its path, decoded).
+        let own_path = matched.is_none()
+            || (template != path
+                && template.contains("{*")
+                && template
+                    .split_once('{')
+                    .is_some_and(|(start, _)| path.starts_with(start)));
+        // What the handler reads is the path decoded (axum's `Path`, a `ServeDir`): the
         // listed path in escapes (`/files/big%2Eiso`) is the listed path to it.
         let own = |method: Option<&Method>| {
-            wildcard
+            own_path
                 .then(|| {
                     self.listed(path, method).or_else(|| {
                         let decoded = percent_encoding::percent_decode_str(path)
@@ -185,11 +190,22 @@ impl Cost for PerRoute {
                 })
                 .flatten()
         };
-        // The method's own entries (the path's, then the template's) before those for
-        // every method.
-        [Some(&parts.method), None]
-            .into_iter()
-            .find_map(|method| own(method).or_else(|| self.listed(template, method)))
+        let method = Some(&parts.method);
+        // The path's entry for the method is the most specific. Else an entry of the path
+        // for every method and one of the template for the method both apply: the larger
+        // counts, so that neither the method nor the path makes a listed route cheaper.
+        own(method)
+            .or_else(|| {
+                match (
+                    own(None),
+                    (template != path).then(|| self.listed(template, method)),
+                ) {
+                    (Some(by_path), Some(Some(by_method))) => Some(by_path.max(by_method)),
+                    (by_path, by_method) => by_path.or(by_method.flatten()),
+                }
+            })
+            .or_else(|| (!own_path || template != path).then(|| self.listed(template, method))?)
+            .or_else(|| self.listed(template, None))
             .unwrap_or(self.default)
     }
 }

@@ -102,6 +102,11 @@ impl Default for ClientIp {
 }
 
 impl ClientIp {
+    /// True when it trusts no proxy: it reads the socket peer alone.
+    pub(crate) fn reads_the_peer(&self) -> bool {
+        self.trusted.is_empty()
+    }
+
     /// The socket peer's address; forwarding headers are ignored.
     ///
     /// The peer is read from axum's `ConnectInfo<SocketAddr>` first, then tonic's
