@@ -302,64 +302,62 @@ async fn a_route_matched_by_a_wildcard_costs_what_its_path_costs() {
     );
 }
 
-/// On a wildcard route, a method's own entry for the template comes before an entry of
-/// the request's path for every method: `route_method` takes precedence over `route`. A
-/// `PUT` to a path listed cheap for reads cost what the read costs (here nothing, so an
-/// upload was free).
-#[tokio::test]
-async fn a_methods_entry_for_a_wildcard_comes_before_a_paths_entry_for_every_method() {
-    let limiter = RateLimitLayer::new(MemoryStore::new())
+/// A layer of one 100-unit bucket for every request, costed by `cost`.
+fn priced(cost: PerRoute) -> RateLimitLayer<MemoryStore, tollgate::key::Global, PerRoute> {
+    RateLimitLayer::new(MemoryStore::new())
         .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
         .key(tollgate::key::Global)
-        .cost(
-            PerRoute::new(1)
-                .route_method(http::Method::PUT, "/static/{*path}", 50)
-                .route("/static/index.html", 0),
-        );
+        .cost(cost)
+}
+
+/// The `RateLimit` field of `app`'s response to `method path`.
+async fn field_after(app: &Router, method: http::Method, path: &str) -> String {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .body(Body::empty())
+        .unwrap();
+    let response = app.clone().oneshot(request).await.unwrap();
+    response.headers()["ratelimit"].to_str().unwrap().to_owned()
+}
+
+/// On a wildcard route, an entry of the request's path for every method and the
+/// template's entry for the request's method both apply: the larger counts. A `PUT` to a
+/// path listed cheap for reads cost what the read costs (here nothing: an upload for
+/// free); the other way round, a cheap method entry of the template would undercut a path
+/// listed dear.
+#[tokio::test]
+async fn of_a_paths_and_a_methods_entry_on_a_wildcard_the_larger_counts() {
+    use http::Method;
+    let limiter = priced(
+        PerRoute::new(1)
+            .route_method(Method::PUT, "/static/{*path}", 50)
+            .route("/static/index.html", 0),
+    );
     let app = Router::new()
         .route(
             "/static/{*path}",
             get(|| async { "read" }).put(|| async { "written" }),
         )
         .layer(limiter);
-    let put = Request::put("/static/index.html")
-        .body(Body::empty())
-        .unwrap();
-    let written = app.clone().oneshot(put).await.unwrap();
-    let field = written.headers()["ratelimit"].to_str().unwrap().to_owned();
-    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    let written = field_after(&app, Method::PUT, "/static/index.html").await;
+    assert!(written.starts_with("\"api\";r=50;"), "{written}");
     // A read of the listed path costs what it is listed at.
-    let index = Request::get("/static/index.html")
-        .body(Body::empty())
-        .unwrap();
-    let read = app.clone().oneshot(index).await.unwrap();
-    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
-    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    let read = field_after(&app, Method::GET, "/static/index.html").await;
+    assert!(read.starts_with("\"api\";r=50;"), "{read}");
 
-    // The other way round: the path listed dear for every method, the template cheap for
-    // GET. Of two entries that both apply, the larger counts: the dear file is no
-    // cheaper by its method.
-    let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
-        .key(tollgate::key::Global)
-        .cost(PerRoute::new(1).route("/files/big.iso", 50).route_method(
-            http::Method::GET,
-            "/files/{*path}",
-            2,
-        ));
+    let limiter = priced(PerRoute::new(1).route("/files/big.iso", 50).route_method(
+        Method::GET,
+        "/files/{*path}",
+        2,
+    ));
     let app = Router::new()
         .route("/files/{*path}", get(|| async { "file" }))
         .layer(limiter);
-    let big = Request::get("/files/big.iso").body(Body::empty()).unwrap();
-    let read = app.clone().oneshot(big).await.unwrap();
-    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
-    assert!(field.starts_with("\"api\";r=50;"), "{field}");
-    let small = Request::get("/files/small.txt")
-        .body(Body::empty())
-        .unwrap();
-    let read = app.clone().oneshot(small).await.unwrap();
-    let field = read.headers()["ratelimit"].to_str().unwrap().to_owned();
-    assert!(field.starts_with("\"api\";r=48;"), "{field}");
+    let big = field_after(&app, Method::GET, "/files/big.iso").await;
+    assert!(big.starts_with("\"api\";r=50;"), "{big}");
+    let small = field_after(&app, Method::GET, "/files/small.txt").await;
+    assert!(small.starts_with("\"api\";r=48;"), "{small}");
 }
 
 /// A service nested with `nest_service` gets no route template from axum, and a URI with
@@ -367,30 +365,17 @@ async fn a_methods_entry_for_a_wildcard_comes_before_a_paths_entry_for_every_met
 /// (`/api/search`). Looked up as `/search`, every request cost the default.
 #[tokio::test]
 async fn a_service_nested_with_nest_service_costs_its_whole_path() {
-    let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::token_bucket("api", 100, Rate::per_hour(1)).unwrap())
-        .key(tollgate::key::Global)
-        .cost(PerRoute::new(1).route("/api/search", 50));
+    let limiter = priced(PerRoute::new(1).route("/api/search", 50));
     let api = tower::ServiceBuilder::new()
         .layer(limiter)
         .service(Router::new().route("/search", get(|| async { "found" })));
     let app = Router::new().nest_service("/api", api);
-    let response = app
-        .clone()
-        .oneshot(Request::get("/api/search").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::OK);
-    let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    let field = field_after(&app, http::Method::GET, "/api/search").await;
     assert!(field.starts_with("\"api\";r=50;"), "{field}");
     // A nested service reads its path decoded (a `ServeDir`, a router): the listed path
     // in escapes costs what the listed path does.
-    let escaped = app
-        .oneshot(Request::get("/api/se%61rch").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    let field = escaped.headers()["ratelimit"].to_str().unwrap().to_owned();
-    assert!(field.starts_with("\"api\";r=0;"), "{field}");
+    let escaped = field_after(&app, http::Method::GET, "/api/se%61rch").await;
+    assert!(escaped.starts_with("\"api\";r=0;"), "{escaped}");
 }
 
 #[tokio::test]
