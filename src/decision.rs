@@ -149,6 +149,11 @@ impl Receipt {
         self.undebited
     }
 
+    /// Whether the policy at `index` was debited (past the mask's 64 bits, always).
+    pub(crate) const fn debited(&self, index: usize) -> bool {
+        index >= 64 || self.undebited & (1 << index) == 0
+    }
+
     /// When the debit was made, in nanoseconds on the store's time line.
     pub const fn at(&self) -> u64 {
         self.at

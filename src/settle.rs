@@ -358,14 +358,11 @@ impl Booking {
 
     /// The queue it holds a place in: its key and the shaping policies it debited.
     pub(crate) fn queue(&self, key: &Key) -> QueueId {
-        let undebited = self.receipt.undebited();
         let shaping = self
             .policies
             .iter()
             .enumerate()
-            .filter(|(index, policy)| {
-                policy.params().is_shaping() && (*index >= 64 || undebited & (1 << index) == 0)
-            })
+            .filter(|(index, policy)| policy.params().is_shaping() && self.receipt.debited(*index))
             .map(|(_, policy)| policy.id())
             .collect();
         QueueId(key.clone(), shaping)
@@ -405,6 +402,16 @@ struct Queue {
     running: bool,
     /// A booking came while the round's store call was out.
     again: bool,
+}
+
+impl Queue {
+    /// Keeps `booking` in its place (oldest first).
+    fn insert(&mut self, booking: Booking) {
+        let at = self
+            .bookings
+            .partition_point(|other| other.order() <= booking.order());
+        self.bookings.insert(at, booking);
+    }
 }
 
 impl Dropped {
@@ -462,10 +469,7 @@ impl DroppedBookings {
                     kept.bookings.remove(0);
                     dropped.count -= 1;
                 }
-                let at = kept
-                    .bookings
-                    .partition_point(|other| other.order() <= booking.order());
-                kept.bookings.insert(at, booking);
+                kept.insert(booking);
                 dropped.count += 1;
             }
         }
@@ -502,10 +506,7 @@ impl DroppedBookings {
         let mut dropped = self.lock();
         let dropped = &mut *dropped;
         let kept = dropped.queues.entry(queue.clone()).or_default();
-        let at = kept
-            .bookings
-            .partition_point(|other| other.order() <= booking.order());
-        kept.bookings.insert(at, booking);
+        kept.insert(booking);
         dropped.count += 1;
         if std::mem::take(&mut kept.again) {
             true

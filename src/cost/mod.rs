@@ -191,21 +191,18 @@ impl Cost for PerRoute {
                 .flatten()
         };
         let method = Some(&parts.method);
+        // The template's entries, when axum matched one (else the path's own, above).
+        let of_template =
+            |method: Option<&Method>| matched.and_then(|template| self.listed(template, method));
         // The path's entry for the method is the most specific. Else an entry of the path
         // for every method and one of the template for the method both apply: the larger
         // counts, so that neither the method nor the path makes a listed route cheaper.
         own(method)
-            .or_else(|| {
-                match (
-                    own(None),
-                    (template != path).then(|| self.listed(template, method)),
-                ) {
-                    (Some(by_path), Some(Some(by_method))) => Some(by_path.max(by_method)),
-                    (by_path, by_method) => by_path.or(by_method.flatten()),
-                }
+            .or_else(|| match (own(None), of_template(method)) {
+                (Some(by_path), Some(by_method)) => Some(by_path.max(by_method)),
+                (by_path, by_method) => by_path.or(by_method),
             })
-            .or_else(|| (!own_path || template != path).then(|| self.listed(template, method))?)
-            .or_else(|| self.listed(template, None))
+            .or_else(|| of_template(None))
             .unwrap_or(self.default)
     }
 }

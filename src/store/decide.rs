@@ -180,8 +180,8 @@ pub(crate) fn adjust(
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
     let now = floor(policies, slots, now);
-    let at = adjustment.receipt().at();
-    let undebited = adjustment.receipt().undebited();
+    let receipt = adjustment.receipt();
+    let at = receipt.at();
     if let Change::Unbook { .. } = adjustment.change()
         && let Some(moved_on) = queue_moved_on(policies, slots, now, adjustment)
     {
@@ -196,7 +196,7 @@ pub(crate) fn adjust(
     for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
         let params = policy.params();
         params.refresh(slot, now);
-        if index < 64 && undebited & (1 << index) != 0 {
+        if !receipt.debited(index) {
             // A shadow policy that would have denied was not debited: nothing to settle.
             continue;
         }
@@ -265,7 +265,7 @@ fn queue_moved_on(
     now: u64,
     adjustment: &Adjustment,
 ) -> Option<usize> {
-    let undebited = adjustment.receipt().undebited();
+    let receipt = adjustment.receipt();
     policies
         .iter()
         .zip(slots.iter_mut())
@@ -273,7 +273,7 @@ fn queue_moved_on(
         .find_map(|(index, (policy, slot))| {
             let params = policy.params();
             params.refresh(slot, now);
-            if index < 64 && undebited & (1 << index) != 0 {
+            if !receipt.debited(index) {
                 return None;
             }
             let end = params.queue_end(slot)?;

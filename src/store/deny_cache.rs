@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use super::{Adjustment, Change, DecideFuture, ResetFuture, Store, StoreError, check_answer};
+use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError, check_answer};
 use crate::clock::{Clock, MonotonicClock};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
@@ -394,9 +394,7 @@ impl<S: Store> Store for DenyCache<S> {
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         // A release frees in-flight slots alone (an in-flight set's denials are never
         // cached), and a settle that charges gives nothing back: nothing to forget.
-        if let Change::Release { .. } | Change::Settle { .. } = adjustment.change()
-            && !adjustment.gives_back()
-        {
+        if !adjustment.gives_back() {
             return self.inner.adjust(key, policies, adjustment);
         }
         // Units given back may admit what was denied, through any set sharing a policy
