@@ -87,6 +87,8 @@ const DOWN: u8 = 1;
 const HUNG: u8 = 2;
 const REFUSING: u8 = 3;
 const UNSUPPORTED: u8 = 4;
+/// No primary for anyone, as the Sentinel client says when no sentinel knows the name.
+const NO_PRIMARY: u8 = 5;
 
 impl Switch {
     fn new() -> Self {
@@ -123,6 +125,11 @@ impl Store for Switch {
                 StoreErrorKind::Unsupported,
                 "this store cannot decide that policy",
             ))),
+            NO_PRIMARY => DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Other,
+                "no primary from the sentinels: no sentinel knows a primary named \"x\"",
+            )
+            .for_every_request())),
             _ => {
                 let decision = self.inner.check(key.as_str(), policies, cost);
                 DecideFuture::new(async move { Ok(decision) })
@@ -1140,6 +1147,28 @@ async fn a_refusal_between_failures_does_not_keep_the_breaker_closed() {
         3,
         "two failures in a row, a refusal between them, opened the breaker"
     );
+}
+
+// A failure every request meets opens the breaker whatever its kind: the Sentinel client
+// says "no sentinel knows that primary" as `Other`, with `every_request` set so that the
+// breaker holds requests off. The layer opened it only for a refusal or a protocol error,
+// so every request looked the primary up again, and the outage was never said. (The
+// `Limiter` already honoured `every_request` of any kind.)
+#[tokio::test]
+async fn a_failure_every_request_meets_opens_the_breaker_whatever_its_kind() {
+    let store = Switch::new();
+    store.set(NO_PRIMARY);
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .circuit_breaker(CircuitBreaker::new(2, Duration::from_secs(3600))),
+    );
+    for _ in 0..6 {
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!(store.calls(), 2, "two failures opened the breaker");
 }
 
 // An error raised before the store was asked (a policy the store cannot decide, refused

@@ -138,10 +138,12 @@ impl Responder {
                 StoreErrorKind::Unavailable | StoreErrorKind::Timeout => {
                     self.breaker.on_failure(error, probe);
                 }
-                // A refusal every request meets (a pool that cannot authenticate): logged
-                // as a refusal above, and it opens the breaker as an outage does, so that
-                // requests do not each open a connection to be refused.
-                StoreErrorKind::Refused | StoreErrorKind::Protocol if error.every_request => {
+                // A failure every request meets (a pool that cannot authenticate, a
+                // primary no sentinel knows), whatever its kind: logged above, and it
+                // opens the breaker as an outage does, so that requests do not each open
+                // a connection (or look a primary up) to be refused. Only a store that
+                // cannot decide these policies is a set-up error, never an outage.
+                kind if error.every_request && kind != StoreErrorKind::Unsupported => {
                     self.breaker.on_failure(error, probe);
                 }
                 // A refusal that only this request's policies or data may cause (the

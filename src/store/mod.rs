@@ -700,11 +700,12 @@ pub enum StoreErrorKind {
     Unsupported,
     /// Anything else.
     ///
-    /// Of the kinds, only `Unavailable` and `Timeout` open the layer's circuit breaker,
-    /// and a decision or a `Refused` or `Protocol` answer closes it; `Unsupported` and
-    /// `Other` say nothing of the store and leave it as it is. A store of your own should
-    /// therefore report a connection that failed as `Unavailable` or `Timeout`, not as
-    /// `Other`.
+    /// Of the kinds, `Unavailable` and `Timeout` count toward opening the layer's circuit
+    /// breaker, and only a decision closes it. Any other kind says nothing of the store
+    /// and leaves the breaker as it is, unless the error is marked as met by every request
+    /// ([`StoreError::for_every_request`]: a refused password), which counts as an outage
+    /// does. A store of your own should therefore report a connection that failed as
+    /// `Unavailable` or `Timeout`, not as `Other`.
     Other,
 }
 
@@ -766,6 +767,30 @@ impl StoreError {
     pub fn with_code(mut self, code: impl Into<Box<str>>) -> Self {
         self.code = Some(code.into());
         self
+    }
+
+    /// Marks a failure that every request meets, not only this one's policies or data:
+    /// credentials refused when a connection opens, a server out of memory that refuses
+    /// every write, a primary nobody knows. The layer's circuit breaker counts it as it
+    /// counts an outage (whatever its kind), so that requests do not each meet it while
+    /// the failure mode answers them; without the mark, an error that is not I/O leaves
+    /// the breaker as it is.
+    ///
+    /// ```
+    /// use tollgate::{StoreError, StoreErrorKind};
+    ///
+    /// let err = StoreError::new(StoreErrorKind::Refused, "password refused").for_every_request();
+    /// assert!(err.is_for_every_request());
+    /// assert!(!StoreError::new(StoreErrorKind::Refused, "WRONGTYPE").is_for_every_request());
+    /// ```
+    pub fn for_every_request(mut self) -> Self {
+        self.every_request = true;
+        self
+    }
+
+    /// True when every request meets this failure ([`for_every_request`](Self::for_every_request)).
+    pub fn is_for_every_request(&self) -> bool {
+        self.every_request
     }
 
     /// The backend's error code, when it gave one.
