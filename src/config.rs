@@ -118,7 +118,8 @@ pub struct LimiterConfig {
     /// never one a client can choose for itself: have it replace the header, not append
     /// to it). A request that carries it twice, or names no plan there is, gets
     /// `default`, which should be the least generous plan; either is counted
-    /// (`tollgate_plans_unknown_total`) and said at warn level once per value.
+    /// (`tollgate_plans_unknown_total`) and said at warn level once per value (again
+    /// every ten minutes while it goes on).
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.

@@ -59,7 +59,7 @@
 //! Features on by default: `axum` (axum's peer address and matched path in the key and
 //! cost extractors), `tracing` (debug events for denials and for store errors that are
 //! I/O; an error event for any other store error, once per kind, code and wording
-//! (numbers aside); a warning when the failure mode starts and when the store answers
+//! (numbers aside) and again every ten minutes while it goes on; a warning when the failure mode starts and when the store answers
 //! again), `client` (the [`client::PacingLayer`] for outgoing requests) and `config`
 //! (policies from a serde configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
 //! standalone, Sentinel, Cluster), `tls` (`rediss://`), `graphql` (the GraphQL complexity

@@ -172,8 +172,9 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
 
 /// The store failed. I/O failures are debug events (the failure-mode warning already
 /// says the store is away); any other failure is a bug or a misconfiguration, logged at
-/// error level the first time each kind, code and wording is seen (past 64 of them, a
-/// new one at most once a minute), and counted every time.
+/// error level the first time each kind, code and wording is seen and again every ten
+/// minutes while it goes on (past 64 of them, a new one at most once a minute), and
+/// counted every time.
 #[inline]
 pub(crate) fn store_error(error: &StoreError) {
     #[cfg(feature = "metrics")]
@@ -190,12 +191,14 @@ pub(crate) fn store_error(error: &StoreError) {
             code = error.code().unwrap_or(""),
             "rate-limit store refused to decide: this is a bug or a misconfiguration, not an \
              outage; the failure mode answers meanwhile (logged once per kind of error, \
-             counted in tollgate_store_errors_total)"
+             again every 10 minutes while it goes on; counted in \
+             tollgate_store_errors_total)"
         );
     }
 }
 
-/// True the first time this process sees `kind` with `code` and words like `message`'s.
+/// True the first time this process sees `kind` with `code` and words like `message`'s,
+/// and again when it was last told ten minutes ago or more.
 /// Redis answers most errors with `ERR` (every script error among them), so the code
 /// alone would hide a second fault behind the first. The words are the message's first
 /// 160 characters with each word that holds a digit made one `#` (a line number, a key's
@@ -227,27 +230,34 @@ fn first_of_its_kind(kind: StoreErrorKind, code: Option<&str>, message: &str) ->
     SEEN.first((kind, code.unwrap_or("").into(), words.into()))
 }
 
-/// What a process has seen once, to log a kind of error the first time only: at most 64
-/// things, so errors worded ever anew cannot grow it without limit. Past them, a thing
-/// not seen is still told, at most once a minute: a new fault after many is never
-/// silent.
+/// What a process has told, to log a kind of error once, not per request, and again
+/// every ten minutes while it goes on (an operator who missed the first line, or fixed a
+/// fault that came back, is told again; every occurrence is counted by the caller's
+/// metric). At most 64 things are told apart, so errors worded ever anew cannot grow it
+/// without limit. Past them, a thing not held is still told, at most once a minute: a
+/// new fault after many is never silent.
 struct Seen<T> {
-    set: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<T>>>,
+    /// Each thing, and the second (since the process's first telling) it was last told.
+    told: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<T, u64>>>,
     /// Seconds since the process's first telling past the bound, from which the next
     /// may be told.
     next_overflow: std::sync::atomic::AtomicU64,
 }
 
+/// Seconds after which a thing told is told again, when it is met again.
+const TELL_AGAIN_AFTER: u64 = 600;
+
 impl<T: Eq + std::hash::Hash> Seen<T> {
     const fn new() -> Self {
         Self {
-            set: std::sync::OnceLock::new(),
+            told: std::sync::OnceLock::new(),
             next_overflow: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
-    /// True the first time `item` is seen, false after; for an item not seen when the
-    /// set is full, true at most once a minute.
+    /// True when `item` is to be told now: the first time it is met, and again when it
+    /// was last told ten minutes ago or more; for an item not held when the set is full,
+    /// true at most once a minute.
     fn first(&self, item: T) -> bool
     where
         T: Clone,
@@ -262,24 +272,38 @@ impl<T: Eq + std::hash::Hash> Seen<T> {
         T: std::borrow::Borrow<Q>,
         Q: Eq + std::hash::Hash + ?Sized,
     {
-        use std::sync::atomic::Ordering;
         static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-        {
-            let mut seen = self
-                .set
-                .get_or_init(Default::default)
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if seen.contains(item) {
-                return false;
-            } else if seen.len() < 64 {
-                return seen.insert(own(item));
-            }
-        }
         let now = START
             .get_or_init(std::time::Instant::now)
             .elapsed()
             .as_secs();
+        self.first_at(item, own, now)
+    }
+
+    /// [`first_of`](Self::first_of) at `now` (seconds since the process's first telling).
+    fn first_at<Q>(&self, item: &Q, own: impl FnOnce(&Q) -> T, now: u64) -> bool
+    where
+        T: std::borrow::Borrow<Q>,
+        Q: Eq + std::hash::Hash + ?Sized,
+    {
+        use std::sync::atomic::Ordering;
+        {
+            let mut told = self
+                .told
+                .get_or_init(Default::default)
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(last) = told.get_mut(item) {
+                if now.saturating_sub(*last) < TELL_AGAIN_AFTER {
+                    return false;
+                }
+                *last = now;
+                return true;
+            } else if told.len() < 64 {
+                told.insert(own(item), now);
+                return true;
+            }
+        }
         let due = self.next_overflow.load(Ordering::Relaxed);
         now >= due
             && self
@@ -311,7 +335,8 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
             %error,
             "the rate limiter cannot identify clients: the server is set up wrong, and its \
              requests are answered 500, or let through unlimited by a shadow layer (logged \
-             once per reason, counted in tollgate_key_errors_total)"
+             once per reason, again every 10 minutes while it goes on; counted in \
+             tollgate_key_errors_total)"
         );
     } else {
         #[cfg(feature = "tracing")]
@@ -355,7 +380,7 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 /// by a reload while the auth layer still sends the old name, a value in other case), or
 /// comes in several lines (`None`: an auth layer that appends its line to the client's):
 /// the request gets the default plan. Counted, and logged at warn level the first time
-/// a process sees the value (at most 64 told apart; the value is the client's, shown
+/// a process sees the value (again every ten minutes while it goes on) (at most 64 told apart; the value is the client's, shown
 /// escaped and cut to 64 bytes). A value seen before costs a lookup, no allocation.
 #[cfg(feature = "config")]
 pub(crate) fn plan_unknown(value: Option<&[u8]>) {
@@ -375,21 +400,23 @@ pub(crate) fn plan_unknown(value: Option<&[u8]>) {
             Some(value) => tracing::warn!(
                 target: "tollgate",
                 "a request names plan {:?}, which the configuration does not have: it gets \
-                 the default plan (logged once per value, counted in \
-                 tollgate_plans_unknown_total)",
+                 the default plan (logged once per value, again every 10 minutes while it \
+                 goes on; counted in tollgate_plans_unknown_total)",
                 String::from_utf8_lossy(value)
             ),
             None => tracing::warn!(
                 target: "tollgate",
                 "a request carries the plan header more than once: it gets the default \
                  plan (the layer that sets it should replace the client's line, not add to \
-                 it; logged once, counted in tollgate_plans_unknown_total)"
+                 it; logged once, again every 10 minutes while it goes on; counted in \
+                 tollgate_plans_unknown_total)"
             ),
         }
     }
 }
 
-/// True the first time this process sees a server-side key error with `reason`. The set
+/// True the first time this process sees a server-side key error with `reason` (and
+/// again every ten minutes while it goes on). The set
 /// is bounded (an extractor that words its reasons ever anew cannot grow it without
 /// limit); past its bound, true at most once a minute, so a new misconfiguration is still
 /// logged.
@@ -476,6 +503,21 @@ mod tests {
         let late = logged[70..].iter().filter(|&&l| l).count();
         assert!(late <= 1, "{late} of the last 30 new reasons were logged");
         assert!(logged.iter().filter(|&&l| l).count() <= 65);
+    }
+
+    /// A kind of error told once is told again when it goes on ten minutes later: told
+    /// once per process, a fault met again after the first line scrolled away (or after
+    /// a fix, a week later) was only counted.
+    #[test]
+    fn a_thing_told_is_told_again_ten_minutes_later() {
+        let seen = super::Seen::<Box<str>>::new();
+        let at = |now| seen.first_at("NOPERM", |item: &str| Box::from(item), now);
+        assert!(at(5), "the first time");
+        assert!(!at(6), "a second later");
+        assert!(!at(604), "nine minutes and 59 s after");
+        assert!(at(605), "ten minutes after");
+        assert!(!at(900), "five minutes after the second telling");
+        assert!(at(1205), "ten minutes after the second telling");
     }
 
     /// Store errors alike: past the set's bound (64 kinds: a store that cannot decide

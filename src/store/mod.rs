@@ -678,7 +678,8 @@ impl Future for DecideFuture {
 /// Only [`Unavailable`](Self::Unavailable) and [`Timeout`](Self::Timeout) are I/O: the
 /// store may answer again by itself. The others mean a bug or a misconfiguration; the
 /// layer still applies its failure mode to the request, but logs them at error level
-/// (once per kind and code) and counts them, so they are never hidden behind it.
+/// (once per kind and code, again every ten minutes while it goes on) and counts them,
+/// so they are never hidden behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
