@@ -1670,11 +1670,13 @@ async fn query<T: redis::FromRedisValue>(
 
 /// A command's error as the store's. Refused credentials on one connection are every
 /// request's refusal (the breaker holds requests off while a new connection is made; as
-/// a plain refusal each closed it again, mid-outage), and so is a server out of memory
-/// (`OOM`: every decision writes); on a Cluster, one node's are not.
+/// a plain refusal each closed it again, mid-outage), and so is a server that refuses
+/// writes (`OOM` out of memory, `MISCONF` unable to persist: every decision writes); on
+/// a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
-    let every_request =
-        !cluster && (password_refused(&error) || server_code(&error) == Some("OOM"));
+    let every_request = !cluster
+        && (password_refused(&error)
+            || matches!(server_code(&error), Some("OOM" | "MISCONF")));
     let mut error = store_error(error);
     error.every_request |= every_request;
     error
@@ -2571,6 +2573,26 @@ mod tests {
         .extract_error()
         .unwrap_err();
         assert!(query_error(wrapped, false).every_request);
+    }
+
+    /// A server that cannot persist (`MISCONF`: `stop-writes-on-bgsave-error` after a
+    /// failed snapshot) refuses every write until a snapshot succeeds, so every decision:
+    /// as `OOM`, every request's refusal on one server, one node's on a Cluster. As one
+    /// request's refusal, every request met it while the breaker stayed closed.
+    #[test]
+    fn a_server_that_cannot_persist_is_every_requests_refusal_but_on_a_cluster() {
+        let misconf = || {
+            redis::parse_redis_value(
+                b"-MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk. Commands that may modify the data set are disabled.\r\n",
+            )
+            .unwrap()
+            .extract_error()
+            .unwrap_err()
+        };
+        let error = query_error(misconf(), false);
+        assert_eq!(error.kind(), StoreErrorKind::Refused);
+        assert!(error.every_request);
+        assert!(!query_error(misconf(), true).every_request);
     }
 
     #[test]
