@@ -24,7 +24,14 @@ const SHARDS: usize = 16;
 ///   shared state before any of it is spent, so within one window (or one bucket's worth)
 ///   nothing is admitted beyond the limit; only units leased just before a window ends and
 ///   spent after it count in the old window. The lease's `ttl` bounds how long that can
-///   last.
+///   last. Leases are taken per identity and set: an identity decided under `k` sets
+///   that share a policy (`[daily, search]`, `[daily, upload]`) holds up to `k` leases
+///   of it per replica, so the bound is `replicas × k × units`; and a set with a penalty
+///   that shares the policy (never leased itself) sees those units as spent, and may
+///   count a strike early.
+/// - A reset or a `set_remaining` through any set forgets the open leases of every set
+///   that shares a policy with it (their units were debited from the state it clears or
+///   sets), without giving them back.
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
@@ -96,18 +103,72 @@ impl<S> std::fmt::Debug for Leased<S> {
 /// policies: no shadow, penalty or in-flight limit, whose state the ids would not name.)
 type Id = (Key, u64);
 
-/// Every identity's open leases, in shards.
+/// Every identity's open leases, in shards (an identity's sets all in one, so that a reset
+/// or `set_remaining` through one set finds the leases of the others it clears).
 struct Leases {
-    shards: Box<[Mutex<HashMap<Id, Open>>]>,
+    shards: Box<[Mutex<Shard>]>,
     next_id: AtomicU64,
     /// Decisions sent to the shared store (leases, and requests decided on their own).
     calls: AtomicU64,
 }
 
-/// One identity's leases, and whether one is being taken (then the others decide on
-/// their own rather than take more: a replica takes one lease per identity at a time).
+/// The identities of one shard, each with its sets' leases (by the set's fingerprint;
+/// an identity is most often decided under one set).
 #[derive(Default)]
+struct Shard(HashMap<Key, SmallVec<[(u64, Open); 1]>>);
+
+impl Shard {
+    fn get_mut(&mut self, id: &Id) -> Option<&mut Open> {
+        let sets = self.0.get_mut(&id.0)?;
+        sets.iter_mut()
+            .find(|(fingerprint, _)| *fingerprint == id.1)
+            .map(|(_, open)| open)
+    }
+
+    /// `id`'s leases, made empty (for `policies`) when there are none.
+    fn open(&mut self, id: &Id, policies: &PolicySet) -> &mut Open {
+        let sets = self.0.entry(id.0.clone()).or_default();
+        let index = match sets
+            .iter()
+            .position(|(fingerprint, _)| *fingerprint == id.1)
+        {
+            Some(index) => index,
+            None => {
+                sets.push((id.1, Open::new(policies.clone())));
+                sets.len() - 1
+            }
+        };
+        &mut sets[index].1
+    }
+
+    /// Every set's leases of `key`.
+    fn sets_of(&mut self, key: &Key) -> impl Iterator<Item = &mut Open> {
+        self.0
+            .get_mut(key)
+            .into_iter()
+            .flat_map(|sets| sets.iter_mut().map(|(_, open)| open))
+    }
+
+    /// Removes the leases of `key`'s sets that hold nothing: no lease, no request taking
+    /// one, no refusal still in force; and `key` when none is left.
+    fn forget_idle(&mut self, key: &Key) {
+        let now = Instant::now();
+        if let Some(sets) = self.0.get_mut(key) {
+            sets.retain(|(_, open)| !open.idle(now));
+            if sets.is_empty() {
+                self.0.remove(key);
+            }
+        }
+    }
+}
+
+/// One identity's leases under one set, and whether one is being taken (then the others
+/// decide on their own rather than take more: a replica takes one lease per identity at
+/// a time).
 struct Open {
+    /// The set they are taken for (its state is what a reset or `set_remaining` through
+    /// any set sharing a policy with it clears).
+    policies: PolicySet,
     leases: Vec<Lease>,
     taking: bool,
     /// Requests waiting for the lease being taken.
@@ -117,6 +178,27 @@ struct Open {
     /// The identity was reset while the lease was being taken: that lease's debit was
     /// cleared (or lands in the fresh state), so it is not recorded.
     reset_while_taking: bool,
+}
+
+impl Open {
+    fn new(policies: PolicySet) -> Self {
+        Self {
+            policies,
+            leases: Vec::new(),
+            taking: false,
+            waiting: Vec::new(),
+            refused_until: None,
+            reset_while_taking: false,
+        }
+    }
+
+    /// True when it holds nothing: no lease, no request taking one, no refusal still in
+    /// force.
+    fn idle(&self, now: Instant) -> bool {
+        self.leases.is_empty()
+            && !self.taking
+            && self.refused_until.is_none_or(|until| until <= now)
+    }
 }
 
 /// One block of units taken from the shared store.
@@ -136,9 +218,9 @@ struct Lease {
 }
 
 impl Leases {
-    fn shard(&self, id: &Id) -> std::sync::MutexGuard<'_, HashMap<Id, Open>> {
+    fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, Shard> {
         use std::hash::BuildHasher;
-        let hash = foldhash::fast::FixedState::default().hash_one(id);
+        let hash = foldhash::fast::FixedState::default().hash_one(key);
         self.shards[(hash as usize) % SHARDS]
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -147,7 +229,9 @@ impl Leases {
 
 impl<S: Store> Leased<S> {
     /// Leases of `units` units, each given back (what is left of it) after `ttl` at most.
-    /// `units` must be at least 1 and `ttl` at least 1 ms.
+    /// `units` must be at least 1, and `ttl` at least 1 ms and at most
+    /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) (a lease never ends only where its
+    /// units are never given back).
     pub fn new(inner: S, units: u64, ttl: Duration) -> Result<Self, StoreError> {
         if units == 0 {
             return Err(StoreError::new(
@@ -161,12 +245,22 @@ impl<S: Store> Leased<S> {
                 format!("a lease must last at least 1 ms, not {ttl:?}"),
             ));
         }
+        if ttl > crate::policy::MAX_PERIOD {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "a lease must last at most {:?} (10 years), not {ttl:?}: what it does \
+                     not spend goes back when it ends",
+                    crate::policy::MAX_PERIOD
+                ),
+            ));
+        }
         Ok(Self {
             inner: Arc::new(inner),
             units,
             ttl,
             leases: Arc::new(Leases {
-                shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+                shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
                 next_id: AtomicU64::new(1),
                 calls: AtomicU64::new(0),
             }),
@@ -192,8 +286,10 @@ impl<S: Store> Leased<S> {
             let mut shard = shard
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            for ((key, _), leases) in shard.iter_mut() {
-                open.extend(leases.leases.drain(..).map(|lease| (key.clone(), lease)));
+            for (key, sets) in shard.0.iter_mut() {
+                for (_, leases) in sets.iter_mut() {
+                    open.extend(leases.leases.drain(..).map(|lease| (key.clone(), lease)));
+                }
             }
         }
         // Their timers find them gone: nothing is given back twice.
@@ -232,7 +328,7 @@ impl<S: Store> Leased<S> {
             }
             Err(_) => {
                 // Nothing can give their rests back: the retired leases stay open.
-                if let Some(open) = self.leases.shard(id).get_mut(id) {
+                if let Some(open) = self.leases.shard(&id.0).get_mut(id) {
                     open.leases.extend(retired);
                 }
                 self.leases.abandon(id);
@@ -283,8 +379,8 @@ impl Leases {
     /// store's answer to it is this request's, and only then).
     fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool) -> Step {
         let now = Instant::now();
-        let mut shard = self.shard(id);
-        let open = shard.entry(id.clone()).or_default();
+        let mut shard = self.shard(&id.0);
+        let open = shard.open(id, policies);
         // Ended leases are left to their timers, which give their units back. A lease
         // serves the policies it was taken for, however they are spelt (a fingerprint
         // only says so but for a collision of ids, which past the id registry's bound
@@ -348,7 +444,7 @@ impl Leases {
     /// A wake-up for when the lease being taken for `id` is there (or was refused).
     fn wait(&self, id: &Id) -> oneshot::Receiver<()> {
         let (wake, woken) = oneshot::channel();
-        if let Some(open) = self.shard(id).get_mut(id) {
+        if let Some(open) = self.shard(&id.0).get_mut(id) {
             open.waiting.push(wake);
         }
         woken
@@ -357,7 +453,7 @@ impl Leases {
     /// Ends a turn at taking a lease for `id`: records the lease (or that none is to be
     /// taken until `alone_until`), and wakes the requests waiting for it.
     fn finish(&self, id: &Id, lease: Option<Lease>, alone_until: Option<Instant>) {
-        let mut shard = self.shard(id);
+        let mut shard = self.shard(&id.0);
         let Some(open) = shard.get_mut(id) else {
             return;
         };
@@ -377,26 +473,12 @@ impl Leases {
         for wake in open.waiting.drain(..) {
             let _ = wake.send(());
         }
-        forget_if_idle(&mut shard, id);
+        shard.forget_idle(&id.0);
     }
 
     /// No lease will be taken after all (no runtime to take it on).
     fn abandon(&self, id: &Id) {
         self.finish(id, None, None);
-    }
-}
-
-/// Removes `id`'s entry when it holds nothing: no lease, no request taking one, no
-/// refusal still in force.
-fn forget_if_idle(shard: &mut HashMap<Id, Open>, id: &Id) {
-    if shard.get(id).is_some_and(|open| {
-        open.leases.is_empty()
-            && !open.taking
-            && open
-                .refused_until
-                .is_none_or(|until| until <= Instant::now())
-    }) {
-        shard.remove(id);
     }
 }
 
@@ -488,7 +570,7 @@ async fn take<S: Store>(
             drop(turn);
             // Forgotten when the pause ends, with the entry if nothing else is in it.
             tokio::time::sleep(pause).await;
-            forget_if_idle(&mut leases.shard(&id), &id);
+            leases.shard(&id.0).forget_idle(&id.0);
             return;
         }
     };
@@ -507,12 +589,12 @@ async fn take<S: Store>(
     // When the lease ends, what is left of it goes back.
     tokio::time::sleep(ttl).await;
     let ended = {
-        let mut shard = leases.shard(&id);
+        let mut shard = leases.shard(&id.0);
         let ended = shard.get_mut(&id).and_then(|open| {
             let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
             Some(open.leases.swap_remove(index))
         });
-        forget_if_idle(&mut shard, &id);
+        shard.forget_idle(&id.0);
         ended
     };
     if let Some(future) = ended
@@ -639,7 +721,19 @@ impl<S: Store> Store for Leased<S> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        self.inner.adjust(key, policies, adjustment)
+        // Setting what is left sets the shared state: what open leases still hold was
+        // debited before it, and is neither spent after it nor given back.
+        if !matches!(adjustment.change(), super::Change::SetRemaining { .. }) {
+            return self.inner.adjust(key, policies, adjustment);
+        }
+        self.leases.forget_cleared(key, policies);
+        let (leases, key_owned, set) = (Arc::clone(&self.leases), key.clone(), policies.clone());
+        let adjusted = self.inner.adjust(key, policies, adjustment);
+        DecideFuture::new(async move {
+            let landed = adjusted.await;
+            leases.forget_cleared(&key_owned, &set);
+            landed
+        })
     }
 
     fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
@@ -648,29 +742,41 @@ impl<S: Store> Store for Leased<S> {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         // The leases of a reset key are forgotten: their units are in the state the reset
-        // clears. A lease being taken keeps its turn (one at a time still holds), but is
-        // not spent when it comes. Done when the reset is sent and again when it has
-        // landed: a lease taken meanwhile may have been debited before it.
-        let (leases, id) = (
-            Arc::clone(&self.leases),
-            (key.clone(), policies.fingerprint()),
-        );
-        let forget = move || {
-            let mut shard = leases.shard(&id);
-            if let Some(open) = shard.get_mut(&id) {
+        // clears, under this set or any set sharing a policy with it. A lease being taken
+        // keeps its turn (one at a time still holds), but is not spent when it comes.
+        // Done when the reset is sent and again when it has landed: a lease taken
+        // meanwhile may have been debited before it.
+        self.leases.forget_cleared(key, policies);
+        let (leases, key_owned, set) = (Arc::clone(&self.leases), key.clone(), policies.clone());
+        let reset = self.inner.reset(key, policies);
+        Box::pin(async move {
+            let landed = reset.await;
+            leases.forget_cleared(&key_owned, &set);
+            landed
+        })
+    }
+}
+
+impl Leases {
+    /// Forgets the leases of `key` whose state a reset (or `set_remaining`) through
+    /// `policies` clears: those of every set sharing a policy with it. Not given back:
+    /// the state they were debited from is gone (or set). A refusal of such a set spoke
+    /// of the state before; a lease such a set is taking is not recorded when it comes.
+    fn forget_cleared(&self, key: &Key, policies: &PolicySet) {
+        let mut shard = self.shard(key);
+        for open in shard.sets_of(key) {
+            let shares = open.policies.iter().any(|held| {
+                policies
+                    .iter()
+                    .any(|cleared| held.id() == cleared.id() || held.decides_as(cleared))
+            });
+            if shares {
                 open.leases.clear();
                 open.refused_until = None;
                 open.reset_while_taking = open.taking;
             }
-            forget_if_idle(&mut shard, &id);
-        };
-        forget();
-        let reset = self.inner.reset(key, policies);
-        Box::pin(async move {
-            let landed = reset.await;
-            forget();
-            landed
-        })
+        }
+        shard.forget_idle(key);
     }
 }
 
@@ -679,6 +785,7 @@ mod tests {
     use super::*;
     use crate::Policy;
     use crate::clock::ManualClock;
+    use crate::store::MemoryStore;
     use crate::store::held::Held;
 
     /// A store of 5-unit leases over a `Held` store letting `answers` answers and `resets`
@@ -725,6 +832,65 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A `ttl` beyond any window (`Duration::MAX`, meant as "never ends") was taken, and
+    /// every take then panicked once the shared store had debited it: the units were lost
+    /// with no lease to spend them. It is refused when the store is built.
+    #[test]
+    fn a_lease_that_would_never_end_is_refused() {
+        let error = Leased::new(MemoryStore::new(), 20, Duration::MAX).unwrap_err();
+        assert!(error.to_string().contains("at most"), "{error}");
+        assert!(Leased::new(MemoryStore::new(), 20, crate::policy::MAX_PERIOD).is_ok());
+    }
+
+    /// A daily quota shared by two sets of one identity (`[daily, hourly]` and `[daily]`),
+    /// and a lease open under the first: a reset through the second clears the daily
+    /// state the lease was debited from. The lease stayed open under the first set's
+    /// fingerprint, and its rest was spent on top of the fresh quota: a limit of 10
+    /// admitted 14.
+    #[tokio::test]
+    async fn a_reset_through_another_set_forgets_the_leases_it_clears() {
+        let (store, _held) = leased(1_000, 1_000);
+        let daily = Policy::fixed_window("daily", 10, Duration::from_secs(86_400)).unwrap();
+        let hourly = Policy::fixed_window("hourly", 100, Duration::from_secs(3600)).unwrap();
+        let both = PolicySet::new([daily.clone(), hourly]).unwrap();
+        let alone = PolicySet::from(daily);
+        let key = Key::new("k");
+        assert!(store.decide(&key, &both, 1).await.unwrap().is_allowed());
+        store.reset(&key, &alone).await.unwrap();
+        let admitted = admitted(&store, &key, &alone).await + admitted(&store, &key, &both).await;
+        assert_eq!(
+            admitted, 10,
+            "admitted under a daily limit of 10 after the reset"
+        );
+    }
+
+    /// `set_remaining` sets the shared state: what an open lease still holds was debited
+    /// before, and spent after the change it passed the level set (4 requests after a
+    /// `set_remaining(0)`), or, given back when the lease ended, raised it.
+    #[tokio::test]
+    async fn setting_what_is_left_forgets_the_open_leases() {
+        let (store, held) = leased(1_000, 1_000);
+        let daily = Policy::fixed_window("daily", 10, Duration::from_secs(86_400)).unwrap();
+        let hourly = Policy::fixed_window("hourly", 100, Duration::from_secs(3600)).unwrap();
+        let both = PolicySet::new([daily.clone(), hourly]).unwrap();
+        let alone = PolicySet::from(daily);
+        let key = Key::new("k");
+        for (through, name) in [(&both, "the lease's own set"), (&alone, "another set")] {
+            held.inner.reset_now("k", &both);
+            assert!(store.decide(&key, &both, 1).await.unwrap().is_allowed());
+            store
+                .adjust(&key, through, &Adjustment::set_remaining(0))
+                .await
+                .unwrap();
+            let admitted =
+                admitted(&store, &key, &alone).await + admitted(&store, &key, &both).await;
+            assert_eq!(
+                admitted, 0,
+                "admitted after set_remaining(0) through {name}"
+            );
+        }
     }
 
     /// A reset is sent, then lands a round trip later (Redis's `DEL`): a lease taken in

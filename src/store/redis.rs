@@ -1675,8 +1675,7 @@ async fn query<T: redis::FromRedisValue>(
 /// a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
     let every_request = !cluster
-        && (password_refused(&error)
-            || matches!(server_code(&error), Some("OOM" | "MISCONF")));
+        && (password_refused(&error) || matches!(server_code(&error), Some("OOM" | "MISCONF")));
     let mut error = store_error(error);
     error.every_request |= every_request;
     error
