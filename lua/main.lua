@@ -54,7 +54,8 @@ end
 -- policies would admit the cost (at least one unit: a peek is told when a request would
 -- pass) if that is later, so a block never states a shorter wait than the denials it
 -- stands for; by the policy keeping the client waiting longest (the first of equals).
--- Nothing is spent.
+-- Nothing is spent. Nil too when a policy can never admit the cost: that request is told
+-- so (no wait would let it through), as it would be without the block.
 local function blocked_reply()
   local longest, denier = 0, 0
   for i = 1, count do
@@ -83,6 +84,10 @@ local function blocked_reply()
     if not spec.shadow then
       local verdict, value = spec.algorithm.check(spec.p, s)
       if verdict == 'deny' and value > longest then longest, denier = value, i end
+      if verdict == 'never' then
+        cost = asked
+        return nil
+      end
     end
     reply[#reply + 1] = limit
     reply[#reply + 1] = remaining
@@ -139,8 +144,11 @@ end
 local struck = false
 for i = 1, count do
   local spec = specs[i]
-  -- A request that costs nothing (a peek) is no offence.
-  if spec.penalty_state ~= nil and not spec.shadow and spec.verdict == 'deny' and cost > 0 then
+  -- A request that costs nothing (a peek) is no offence, and neither is one that can
+  -- never fit (outcome 2): it is refused for what it is, not counted toward a block it
+  -- could never wait out.
+  if spec.penalty_state ~= nil and not spec.shadow and spec.verdict == 'deny' and cost > 0
+    and outcome ~= 2 then
     strike(spec.penalty, spec.penalty_state)
     struck = true
   end

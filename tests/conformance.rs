@@ -2274,6 +2274,72 @@ async fn a_block_never_answers_sooner_than_the_denials_it_stands_for() {
     assert_eq!(checked, 12);
 }
 
+/// A request that can never fit (its cost above a policy's quota) is refused for what it
+/// is, and is no offence: on every store it counted as a strike against a penalized
+/// policy that denied beside it, started a block, and was answered 429 with a
+/// `Retry-After` after which the same request could only be refused again (README:
+/// "never with a Retry-After that cannot come true"). Under a block too, it is told it
+/// can never fit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_can_never_fit_is_no_strike_on_every_store() {
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let set = PolicySet::new([
+        Policy::token_bucket("per-request", 5, Rate::per_second(1_000)).unwrap(),
+        Policy::fixed_window("hourly", 20, Duration::from_secs(3600))
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(2, 60 * second, 300 * second))
+            .unwrap(),
+    ])
+    .unwrap();
+    let never = |decision: &Decision| {
+        matches!(
+            decision.outcome(),
+            Outcome::CostExceedsLimit {
+                policy: 0,
+                cost: 6,
+                limit: 5
+            }
+        )
+    };
+    let mut checked = 0;
+    for subject in backends.subjects("never-strikes") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        for _ in 0..4 {
+            assert!(subject.check("a", &set, 5).await.is_allowed(), "{name}");
+            subject.clock.advance(Duration::from_millis(10));
+        }
+        // The hour is spent: each request of 6 can never fit, and the hour denies it.
+        for attempt in 0..3 {
+            let decision = subject.check("a", &set, 6).await;
+            assert!(
+                never(&decision),
+                "{name}, attempt {attempt}: {:?}",
+                decision.outcome()
+            );
+        }
+        // No strike was counted: one denial of a request that fits is not a block yet.
+        let denied = subject.check("a", &set, 1).await;
+        assert!(
+            matches!(denied.outcome(), Outcome::Denied { policy: 1, .. }),
+            "{name}: {:?}",
+            denied.outcome()
+        );
+        assert!(!denied.is_blocked(), "{name}: blocked after one strike");
+        // The second strike blocks; under the block, a request that can never fit is
+        // still told so.
+        let blocked = subject.check("a", &set, 1).await;
+        assert!(blocked.is_blocked(), "{name}: {:?}", blocked.outcome());
+        assert!(
+            never(&subject.check("a", &set, 6).await),
+            "{name}: under the block"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+}
+
 /// An adjustment for an identity the store does not hold (never stored: its requests
 /// cost 0; forgotten: evicted, purged, or its state expired) applies to fresh state, on
 /// every store: a settle that charges more than was reserved charges it, and

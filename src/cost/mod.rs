@@ -24,7 +24,7 @@ use http::request::Parts;
 /// ```
 pub trait Cost: Send + Sync + 'static {
     /// Units this request spends (0 spends nothing, and is admitted unless the identity
-    /// owes what a settle charged past empty).
+    /// owes what a settle charged past empty, or a penalty blocks it).
     fn cost(&self, parts: &Parts) -> u64;
 }
 

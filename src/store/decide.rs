@@ -136,8 +136,10 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
             }
         }
     }
-    // A request that costs nothing (a peek) is no offence.
-    if !penalties.is_empty() && denied.is_some() && cost > 0 {
+    // A request that costs nothing (a peek) is no offence, and neither is one that can
+    // never fit: it is refused for what it is, not counted toward a block it could never
+    // wait out.
+    if !penalties.is_empty() && denied.is_some() && never.is_none() && cost > 0 {
         // Each denial counts towards its policy's penalty; one may start a block, which
         // this answer already shows. A penalized policy's verdict is read again (nothing
         // was debited, so the check says what it said): denials are rare, penalties rarer,
@@ -286,7 +288,9 @@ fn queue_moved_on(
 /// pass) if that is later, so a block never states a shorter wait than the denials it
 /// stands for; by the policy keeping the client waiting longest (the first of equals,
 /// as the script reports: the longest block, then each policy's longer wait in order).
-/// The states are brought up to `now` (as a decision's are), nothing is spent.
+/// The states are brought up to `now` (as a decision's are), nothing is spent. `None`
+/// when no block stands, or when a policy can never admit `cost`: that request is told
+/// so (no wait would let it through), as it would be without the block.
 fn blocked(
     policies: &[Policy],
     slots: &mut [Slot],
@@ -324,11 +328,14 @@ fn blocked(
             status.reset = status.reset.max(left);
             status.effective_window = status.effective_window.max(left);
         }
-        if !each.is_shadow()
-            && let Verdict::Deny { retry_after: wait } = params.check(slot, now, cost.max(1))
-            && wait > retry_after
-        {
-            (policy, retry_after) = (index, wait);
+        if !each.is_shadow() {
+            match params.check(slot, now, cost.max(1)) {
+                Verdict::Deny { retry_after: wait } if wait > retry_after => {
+                    (policy, retry_after) = (index, wait);
+                }
+                Verdict::Never => return None,
+                _ => {}
+            }
         }
         statuses.push(status);
     }

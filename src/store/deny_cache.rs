@@ -318,9 +318,9 @@ impl<S: Store> Store for DenyCache<S> {
         // A penalty must see every denial that counts: of such a set, only a block's
         // denials are cached (and a blocked client's costly request is the block's).
         let penalties = policies.has_penalties();
-        // A cost above a policy's limit is refused whatever the state, as the store
-        // would refuse it: answered here, every time.
-        if !penalties && let Some(policy) = policies.never_admits(cost) {
+        // A cost above a policy's limit is refused whatever the state (a block's too: it
+        // is no strike), as the store would refuse it: answered here, every time.
+        if let Some(policy) = policies.never_admits(cost) {
             let limit = policies.get(policy).map_or(0, Policy::limit);
             let outcome = Outcome::CostExceedsLimit {
                 policy,
@@ -552,6 +552,38 @@ mod tests {
         clock.advance(Duration::from_secs(1));
         assert!(decide(1).is_blocked());
         assert_eq!(calls.load(Ordering::Relaxed), 5);
+    }
+
+    /// A request that can never fit is told so under a block too, as the store tells it:
+    /// the block's `429` would send it back when the block ends, only to be refused.
+    #[test]
+    fn a_cost_no_state_admits_is_refused_as_such_under_a_cached_block() {
+        let (cache, calls) = counted(&ManualClock::new());
+        let penalty =
+            crate::policy::Penalty::new(1, Duration::from_secs(60), Duration::from_secs(600));
+        let policies = PolicySet::from(
+            Policy::fixed_window("api", 2, Duration::from_secs(60))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        );
+        let key = Key::new("abusive");
+        let decide = |cost| now_or_never(cache.decide(&key, &policies, cost));
+        assert!(decide(2).is_allowed());
+        assert!(decide(1).is_blocked());
+        assert!(decide(1).is_cached(), "the block is cached");
+        let calls_before = calls.load(Ordering::Relaxed);
+        for _ in 0..100 {
+            assert_eq!(
+                decide(3).outcome(),
+                Outcome::CostExceedsLimit {
+                    policy: 0,
+                    cost: 3,
+                    limit: 2
+                }
+            );
+        }
+        assert_eq!(calls.load(Ordering::Relaxed), calls_before, "answered here");
     }
 
     /// A set and the same policies with a penalty share rate state but not penalty
