@@ -1,6 +1,7 @@
 //! A real GraphQL server (async-graphql) behind tollgate: every API key has a budget of
 //! 1,000 points a minute, and each query is charged its static cost, so one query asking
-//! for 100 repositories with 10 issues each spends what a thousand small ones do.
+//! for 100 repositories with 5 issues each (701 points) spends what 700 one-point queries
+//! do.
 //!
 //! ```text
 //! cargo run --example graphql --features graphql      # 127.0.0.1:3000 ($PORT to change)

@@ -110,9 +110,11 @@ impl PerRoute {
         self
     }
 
-    /// `method path` costs `cost`; takes precedence over [`route`](Self::route), also
-    /// on a wildcard route (an entry of the template for the method comes before one of
-    /// the request's path for every method). Listed again, the last entry stands.
+    /// `method path` costs `cost`; takes precedence over a [`route`](Self::route) entry
+    /// of the same path. On a wildcard route, where the request's own path is listed for
+    /// every method and the template for this method, the larger of the two counts (a
+    /// cheap method entry never undercuts a path listed as costly). Listed again, the
+    /// last entry stands.
     ///
     /// # Panics
     ///

@@ -11,8 +11,10 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use crate::decision::{Decision, Outcome};
 use crate::policy::{Policy, PolicySet, QuotaUnit};
 
-/// Which rate-limit header fields responses carry. Every response gets them, admitted or
-/// denied; denied ones also get `Retry-After`.
+/// Which rate-limit header fields responses carry. Every response to a request the layer
+/// decided gets them, admitted or denied; denied ones also get `Retry-After`. (Requests it
+/// did not decide get none: a bypass, a request without a key let through or refused, a
+/// store failure answered without a decision, a shadow layer's unless `shadow_headers`.)
 ///
 /// | style | fields |
 /// |---|---|

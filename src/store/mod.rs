@@ -70,9 +70,11 @@ pub trait Store: Send + Sync + 'static {
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture;
 
     /// Can this store decide every policy of `policies` exactly? [`RateLimitLayer`]
-    /// calls it when it wraps a service, so a policy the store cannot hold fails at
-    /// start-up with a message naming it, never as a store error on every request. The
-    /// default accepts everything (the in-process store decides every valid policy).
+    /// calls it when it wraps a service, for every set it knows then (a fixed set, a
+    /// resolver's `known_sets`), so a policy the store cannot hold fails at start-up with
+    /// a message naming it, not as a store error on every request; a set a resolver
+    /// builds per request is met then, as an error of kind `Unsupported`. The default
+    /// accepts everything (the in-process store decides every valid policy).
     ///
     /// [`RateLimitLayer`]: crate::RateLimitLayer
     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
