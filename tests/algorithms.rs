@@ -612,3 +612,30 @@ fn a_fallback_share_of_zero_is_refused_not_the_whole_limit() {
         .policies_for(&set);
     assert_eq!(whole.policies()[0].limit(), 30);
 }
+
+/// The fixed window read at a clock behind the window its state counts in (another
+/// thread's reading, a step back): a denial waits for the end of the window that holds
+/// the count, and the state says it is fresh then. It stated the end of the earlier
+/// window (1 s where 61 s), and a store that forgets fresh states would have forgotten
+/// the count a minute early.
+#[test]
+fn a_fixed_window_read_behind_its_state_waits_for_the_window_it_counts() {
+    use tollgate::algorithm::{FixedWindow, Verdict, WindowState};
+    let second = 1_000_000_000u64;
+    let window = FixedWindow::new(1, 60 * second).unwrap();
+    let mut state = WindowState::default();
+    window.refresh(&mut state, 300 * second);
+    window.commit(&mut state, 300 * second, 1);
+    let early = 299 * second;
+    window.refresh(&mut state, early);
+    assert_eq!(
+        window.check(&state, early, 1),
+        Verdict::Deny {
+            retry_after: 61 * second
+        }
+    );
+    let snapshot = window.snapshot(&state, early);
+    assert_eq!(snapshot.reset, 61 * second);
+    assert_eq!(snapshot.fresh_at, 360 * second);
+    assert_eq!(window.effective_window(&state, early, 0), 61 * second);
+}

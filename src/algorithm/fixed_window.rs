@@ -42,8 +42,12 @@ impl FixedWindow {
 }
 
 impl FixedWindow {
+    /// The end of the window the state counts in, or of `now`'s if that is later: a
+    /// clock read before the state's window (another thread's, a step back) waits for
+    /// the window that holds the count, not for an earlier one.
     #[inline]
-    fn window_end(&self, now: u64) -> u64 {
+    fn window_end(&self, state: &WindowState, now: u64) -> u64 {
+        let now = now.max(self.floor(state));
         (now - now % self.window).saturating_add(self.window)
     }
 
@@ -73,7 +77,7 @@ impl FixedWindow {
             Verdict::Admit { delay: 0 }
         } else {
             Verdict::Deny {
-                retry_after: self.window_end(now) - now,
+                retry_after: self.window_end(state, now) - now,
             }
         }
     }
@@ -103,8 +107,8 @@ impl FixedWindow {
 
     /// The draft-11 effective window: nanoseconds until this window ends.
     #[inline]
-    pub fn effective_window(&self, _state: &WindowState, now: u64, _remaining: u64) -> u64 {
-        (now - now % self.window).saturating_add(self.window) - now
+    pub fn effective_window(&self, state: &WindowState, now: u64, _remaining: u64) -> u64 {
+        self.window_end(state, now) - now
     }
 
     /// Units counted past the limit (a settle charged past empty).
@@ -116,7 +120,7 @@ impl FixedWindow {
     /// What a client sees now.
     #[inline]
     pub fn snapshot(&self, state: &WindowState, now: u64) -> Snapshot {
-        let end = self.window_end(now);
+        let end = self.window_end(state, now);
         Snapshot {
             remaining: self.limit.saturating_sub(state.count),
             reset: end - now,
