@@ -163,3 +163,21 @@ fn a_small_bound_keeps_every_identity_it_has_room_for() {
         .build();
     assert_eq!(absurd.capacity(), 1 << 12);
 }
+
+/// Any shard count is taken, rounded to what the bound allows: `shards(usize::MAX)`
+/// overflowed rounding up to a power of two (a panic in a debug build, then a division
+/// by zero).
+#[test]
+fn any_number_of_shards_builds_a_store() {
+    for shards in [0, 3, 1 << 40, usize::MAX] {
+        let store = tollgate::MemoryStore::builder()
+            .shards(shards)
+            .max_keys(1_000)
+            .build();
+        let set = tollgate::PolicySet::from(
+            tollgate::Policy::fixed_window("api", 1, std::time::Duration::from_secs(60)).unwrap(),
+        );
+        assert!(store.check("k", &set, 1).is_allowed(), "{shards}");
+        assert!(!store.check("k", &set, 1).is_allowed(), "{shards}");
+    }
+}

@@ -563,9 +563,10 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     }
 
     /// The number of shards, rounded up to a power of two (default: 8 per core), but
-    /// never fewer than 64 identities a shard: a store of `max_keys(100)` is one shard.
+    /// never fewer than 64 identities a shard (a store of `max_keys(100)` is one shard),
+    /// nor more than 2^20.
     pub fn shards(mut self, shards: usize) -> Self {
-        self.shards = shards.max(1).next_power_of_two();
+        self.shards = shards.clamp(1, 1 << 20).next_power_of_two();
         self
     }
 
