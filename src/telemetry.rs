@@ -110,6 +110,31 @@ fn count(policy: &crate::policy::Policy, outcome: Counted) {
     metrics::with_recorder(|recorder| recorder.register_counter(key, &METADATA).increment(1));
 }
 
+/// The failure mode's local limiter decided (the store failed, or the breaker kept the
+/// request from it): counted in `tollgate_fallback_decisions_total` by outcome, beside
+/// the decision's own count, so a denial an outage caused is told from the store's; and
+/// a debug event for a denial.
+#[cold]
+pub(crate) fn fallback_decision(decision: &Decision) {
+    let outcome = match decision.outcome() {
+        Outcome::Allowed { .. } => "allowed",
+        Outcome::Denied { .. } => "denied",
+        Outcome::CostExceedsLimit { .. } => "cost_exceeds_limit",
+    };
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_fallback_decisions_total", "outcome" => outcome).increment(1);
+    #[cfg(feature = "tracing")]
+    if outcome != "allowed" {
+        tracing::debug!(
+            target: "tollgate",
+            outcome,
+            "decided by the failure mode's local limiter, not the store"
+        );
+    }
+    #[cfg(not(any(feature = "metrics", feature = "tracing")))]
+    let _ = outcome;
+}
+
 /// A denial (debug) and each shadow policy that would have denied (info).
 #[cfg(feature = "tracing")]
 #[inline(never)]

@@ -134,6 +134,67 @@ fn decisions_errors_fallback_and_latency_are_reported() {
     });
 }
 
+/// Decisions the failure mode's local limiter made are counted apart: its 429s looked
+/// exactly like the store's in `tollgate_decisions_total`, so a denial an outage caused
+/// (at a replica's share of the quota) could not be told from a real one. Counted under
+/// `tollgate_fallback_decisions_total` too, by outcome.
+#[test]
+fn decisions_of_the_fallback_are_counted_apart() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (store, down) = Flaky::new();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+                .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let send = || async {
+                app.clone()
+                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                    .await
+                    .unwrap()
+                    .status()
+            };
+            assert_eq!(send().await, StatusCode::OK);
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                value(&seen, "tollgate_fallback_decisions_total", &[]),
+                None,
+                "the store decided"
+            );
+            down.store(true, Ordering::SeqCst);
+            let statuses = [send().await, send().await, send().await];
+            assert_eq!(
+                statuses,
+                [
+                    StatusCode::OK,
+                    StatusCode::OK,
+                    StatusCode::TOO_MANY_REQUESTS
+                ],
+                "the local fallback decides, on a quota of its own"
+            );
+            let seen = snapshot(&snapshotter);
+            let fallback = |outcome| {
+                counter(
+                    &seen,
+                    "tollgate_fallback_decisions_total",
+                    &[("outcome", outcome)],
+                )
+            };
+            assert_eq!(fallback("allowed"), 2);
+            assert_eq!(fallback("denied"), 1);
+        })
+    });
+}
+
 /// The gauge is the process's: one per process, though each layer (and each `Limiter`)
 /// has its own store and breaker. It was set to 0 by any layer whose store answered
 /// again, while another's was still down; it counts the layers in their failure mode.

@@ -172,7 +172,10 @@ impl Responder {
         );
         match self.on_failure(policies, key, cost, undecidable) {
             // The headers describe the policies that decided (scaled or not).
-            Ok((decision, applied)) => self.plan_decided(&applied, key, cost, &decision, true),
+            Ok((decision, applied)) => {
+                telemetry::fallback_decision(&decision);
+                self.plan_decided(&applied, key, cost, &decision, true)
+            }
             Err(plan) => plan,
         }
     }
