@@ -2153,6 +2153,20 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
             ),
         ));
     }
+    // Every number is a count, a duration or a time, but a log's missing entry (-1): a
+    // negative one otherwise is a script answering out of its shape, said as such rather
+    // than read as 0 (a denial, a receipt at time 0), as `parse_reply` does.
+    let entry = |index: usize| matches!(raw, Raw::Log(_)) && (index == 3 || index == 4);
+    if let Some((_, negative)) = reply
+        .iter()
+        .enumerate()
+        .find(|&(index, &number)| number < -1 || (number == -1 && !entry(index)))
+    {
+        return Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!("the decision script answered a negative number ({negative})"),
+        ));
+    }
     let number = |value: i64| u64::try_from(value).unwrap_or(0);
     let now = number(reply[expected - 1]);
     let mut state = [0i64; 3];
@@ -2592,6 +2606,32 @@ mod tests {
         assert_eq!(error.kind(), StoreErrorKind::Refused);
         assert!(error.every_request);
         assert!(!query_error(misconf(), true).every_request);
+    }
+
+    /// A lone policy's answer (the `one` function) is held to the shape the several
+    /// policies' answer is: a negative wait or time is a script answering out of its
+    /// shape, said as such, where it was read as 0 (a denial with `Retry-After: 1`, a
+    /// receipt at time 0). Only a log's missing entry is -1.
+    #[test]
+    fn a_lone_policys_answer_with_a_negative_number_is_a_protocol_error() {
+        let window = Raw::Window([10, 60_000_000, 0]);
+        let now = 5_000_000_000;
+        assert!(parse_raw(&[0, 0, 3, now + 1_000, now], window, 1, 0).is_ok());
+        for reply in [
+            [1, -5, 3, now + 1_000, now],
+            [0, 0, -3, now + 1_000, now],
+            [0, 0, 3, now + 1_000, -1],
+        ] {
+            let error = parse_raw(&reply, window, 1, 0).unwrap_err();
+            assert_eq!(error.kind(), StoreErrorKind::Protocol, "{reply:?}");
+        }
+        let log = Raw::Log([10, 60_000_000, 0]);
+        assert!(
+            parse_raw(&[0, 0, 0, -1, -1, now], log, 1, 0).is_ok(),
+            "an empty log"
+        );
+        let error = parse_raw(&[0, 0, 0, -2, -1, now], log, 1, 0).unwrap_err();
+        assert_eq!(error.kind(), StoreErrorKind::Protocol);
     }
 
     #[test]
