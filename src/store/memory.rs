@@ -423,7 +423,8 @@ impl Entry {
     fn spent(&self) -> u128 {
         match &self.slots {
             Slots::One(slot) => slot.spent(),
-            Slots::Many(slots) => slots
+            Slots::Many(many) => many
+                .slots
                 .iter()
                 .fold(0u128, |sum, slot| sum.saturating_add(slot.spent())),
         }
@@ -434,7 +435,7 @@ impl Entry {
     fn holds_slots(&self) -> bool {
         match &self.slots {
             Slots::One(slot) => slot.holds_in_flight(),
-            Slots::Many(slots) => slots.iter().any(Slot::holds_in_flight),
+            Slots::Many(many) => many.slots.iter().any(Slot::holds_in_flight),
         }
     }
 }
@@ -443,7 +444,58 @@ impl Entry {
 /// cache line), several on the heap.
 enum Slots {
     One(Slot),
-    Many(Vec<Slot>),
+    Many(Box<ManySlots>),
+}
+
+/// Several policies' states (of the sets an identity is decided under), each with when it
+/// is fresh again at the latest: a state no set asked for lately (a policy a reload
+/// changed, one a resolver built for a request) goes once it is fresh, so an active
+/// identity does not keep one more state per change.
+struct ManySlots {
+    slots: Vec<Slot>,
+    /// `fresh[i]`: when `slots[i]` is fresh again, at the latest (when the last set
+    /// decided with it is).
+    fresh: Vec<u64>,
+}
+
+impl ManySlots {
+    fn with_capacity(capacity: usize) -> Box<Self> {
+        Box::new(Self {
+            slots: Vec::with_capacity(capacity),
+            fresh: Vec::with_capacity(capacity),
+        })
+    }
+
+    /// Puts the slot `id` at `index` (moving it from further on, or making it), keeping
+    /// the slots before `index` where they are.
+    #[inline]
+    fn place(&mut self, index: usize, id: u32, make: impl FnOnce() -> Slot) {
+        match self.slots[index..].iter().position(|slot| slot.id() == id) {
+            Some(0) => {}
+            Some(offset) => {
+                self.slots.swap(index, index + offset);
+                self.fresh.swap(index, index + offset);
+            }
+            None => {
+                self.slots.insert(index, make());
+                self.fresh.insert(index, 0);
+            }
+        }
+    }
+
+    /// Drops the slots from `from` on that are fresh at `now` and that no request holds:
+    /// forgetting them changes no decision.
+    #[inline]
+    fn drop_fresh(&mut self, from: usize, now: u64) {
+        let mut index = self.slots.len();
+        while index > from {
+            index -= 1;
+            if self.fresh[index] <= now && !self.slots[index].holds_in_flight() {
+                self.slots.swap_remove(index);
+                self.fresh.swap_remove(index);
+            }
+        }
+    }
 }
 
 impl Slots {
@@ -452,65 +504,97 @@ impl Slots {
             [policy] if !policies.has_penalties() => {
                 Slots::One(policy.params().new_slot(policy.id()))
             }
-            _ => Slots::Many(Vec::with_capacity(policies.len())),
+            _ => Slots::Many(ManySlots::with_capacity(policies.len())),
         }
     }
 
     /// The slots of `policies`, in their order, adding fresh ones where missing; then the
-    /// penalty slots of the policies that have one, in the same order.
+    /// penalty slots of the policies that have one, in the same order. The slots of other
+    /// policies that are fresh at `now` go (`entry_fresh`: when the whole entry is).
     #[inline]
-    fn arrange(&mut self, policies: &PolicySet) -> &mut [Slot] {
-        let single = !policies.has_penalties()
-            && matches!(
-                (&*self, &**policies),
-                (Slots::One(slot), [policy]) if slot.id() == policy.id()
-            );
-        if single {
-            let Slots::One(slot) = self else {
-                unreachable!("checked above")
-            };
+    fn arrange(&mut self, policies: &PolicySet, now: u64, entry_fresh: u64) -> &mut [Slot] {
+        let lone = match &**policies {
+            [policy] if !policies.has_penalties() => Some(policy),
+            _ => None,
+        };
+        /// What to do with one inline slot.
+        enum Inline {
+            /// It is the lone policy's.
+            Keep,
+            /// Another policy's, fresh: the lone policy's takes its place.
+            Renew,
+            /// Another policy's, not fresh (or several policies asked): on the heap.
+            Spill,
+        }
+        let inline = match (&*self, lone) {
+            (Slots::One(slot), Some(policy)) if slot.id() == policy.id() => Some(Inline::Keep),
+            (Slots::One(slot), Some(_)) if entry_fresh <= now && !slot.holds_in_flight() => {
+                Some(Inline::Renew)
+            }
+            (Slots::One(_), _) => Some(Inline::Spill),
+            (Slots::Many(_), _) => None,
+        };
+        match (inline, lone) {
+            (Some(Inline::Renew), Some(policy)) => {
+                *self = Slots::One(policy.params().new_slot(policy.id()));
+            }
+            (Some(Inline::Spill), _) => {
+                let many = ManySlots::with_capacity(2);
+                if let Slots::One(slot) = std::mem::replace(self, Slots::Many(many))
+                    && let Slots::Many(many) = self
+                {
+                    many.slots.push(slot);
+                    many.fresh.push(entry_fresh);
+                }
+            }
+            _ => {}
+        }
+        if let Slots::One(slot) = self {
             return std::slice::from_mut(slot);
         }
-        if let Slots::One(_) = self {
-            let Slots::One(slot) = std::mem::replace(self, Slots::Many(Vec::with_capacity(2)))
-            else {
-                unreachable!("checked above")
-            };
-            if let Slots::Many(slots) = self {
-                slots.push(slot);
-            }
-        }
-        let Slots::Many(slots) = self else {
-            unreachable!("converted above")
+        let Slots::Many(many) = self else {
+            unreachable!("one slot returned above")
         };
         let mut index = 0;
         for policy in policies.iter() {
-            place(slots, index, policy.id(), || {
-                policy.params().new_slot(policy.id())
-            });
+            many.place(index, policy.id(), || policy.params().new_slot(policy.id()));
             index += 1;
         }
         if policies.has_penalties() {
             for (_, id) in policies.iter().filter_map(|policy| policy.penalty_box()) {
-                place(slots, index, id, || Slot::Penalty {
+                many.place(index, id, || Slot::Penalty {
                     id,
                     state: Box::default(),
                 });
                 index += 1;
             }
         }
-        &mut slots[..index]
+        many.drop_fresh(index, now);
+        // Only the lone policy's state is left: inline again.
+        if lone.is_some()
+            && many.slots.len() == 1
+            && let Some(slot) = many.slots.pop()
+        {
+            *self = Slots::One(slot);
+            if let Slots::One(slot) = self {
+                return std::slice::from_mut(slot);
+            }
+        }
+        match self {
+            Slots::Many(many) => &mut many.slots[..index],
+            Slots::One(slot) => std::slice::from_mut(slot),
+        }
     }
-}
 
-/// Puts the slot `id` at `index` (moving it from further on, or making it), keeping the
-/// slots before `index` where they are.
-#[inline]
-fn place(slots: &mut Vec<Slot>, index: usize, id: u32, make: impl FnOnce() -> Slot) {
-    match slots[index..].iter().position(|slot| slot.id() == id) {
-        Some(0) => {}
-        Some(offset) => slots.swap(index, index + offset),
-        None => slots.insert(index, make()),
+    /// The first `len` slots (those `arrange` returned) are fresh again at `fresh_at` at
+    /// the latest, or later if they already were.
+    #[inline]
+    fn mark(&mut self, len: usize, fresh_at: u64) {
+        if let Slots::Many(many) = self {
+            for fresh in &mut many.fresh[..len] {
+                *fresh = (*fresh).max(fresh_at);
+            }
+        }
     }
 }
 
@@ -687,8 +771,9 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         if let Ok(index) = table.find(hash, key) {
+            let now = self.shared.clock.now();
             let entry = table.slab.get_mut(index);
-            let slots = entry.slots.arrange(policies);
+            let slots = entry.slots.arrange(policies, now, entry.fresh_at);
             let (slots, penalties) = slots.split_at_mut(policies.len());
             for (policy, slot) in policies.iter().zip(slots) {
                 // In-flight slots are freed by their requests only: forgetting them
@@ -731,18 +816,9 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         match table.find(hash, key) {
-            Ok(index) => {
-                let entry = table.slab.get_mut(index);
-                let slots = entry.slots.arrange(policies);
-                let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
-                entry.fresh_at = entry.fresh_at.max(fresh_at);
-                decision
-            }
+            Ok(index) => adjust_entry(table.slab.get_mut(index), policies, now, adjustment),
             Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
-                let slots = entry.slots.arrange(policies);
-                let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
-                entry.fresh_at = entry.fresh_at.max(fresh_at);
-                decision
+                adjust_entry(entry, policies, now, adjustment)
             }),
         }
     }
@@ -851,12 +927,29 @@ impl<C: Clock> MemoryStore<C> {
     }
 }
 
+/// Adjusts the entry's slots for `policies` (adding fresh ones).
+fn adjust_entry(
+    entry: &mut Entry,
+    policies: &PolicySet,
+    now: u64,
+    adjustment: &Adjustment,
+) -> Decision {
+    let slots = entry.slots.arrange(policies, now, entry.fresh_at);
+    let len = slots.len();
+    let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
+    entry.fresh_at = entry.fresh_at.max(fresh_at);
+    entry.slots.mark(len, fresh_at);
+    decision
+}
+
 /// Decides against the entry's slots for `policies` (adding fresh ones).
 #[inline]
 fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) -> Decision {
-    let slots = entry.slots.arrange(policies);
+    let slots = entry.slots.arrange(policies, now, entry.fresh_at);
+    let len = slots.len();
     let (decision, fresh_at) = super::decide::decide(policies, slots, now, cost);
     entry.fresh_at = entry.fresh_at.max(fresh_at);
+    entry.slots.mark(len, fresh_at);
     decision
 }
 
@@ -1128,6 +1221,49 @@ mod tests {
             })
             .count();
         assert_eq!(held, store.len());
+    }
+
+    /// The slots an identity holds for policies that no set it is decided under has any
+    /// more (a policy changed by a reload; a resolver that builds policies per request)
+    /// go once they are fresh: they were kept for as long as the identity stayed active,
+    /// one more per change (a daily log of 10,000 entries each), or without bound when a
+    /// client's request chose the policy.
+    #[test]
+    fn slots_of_policies_no_longer_asked_for_go_once_fresh() {
+        let (store, clock) = store(100);
+        let held = |store: &MemoryStore<ManualClock>| {
+            let hash = store.shared.hasher.hash_one("user");
+            let table = lock(store.shard(hash));
+            let Ok(index) = table.find(hash, "user") else {
+                panic!("the identity is held")
+            };
+            match &table.slab.get(index).slots {
+                Slots::One(_) => 1,
+                Slots::Many(many) => many.slots.len(),
+            }
+        };
+        // A reload a second: each version a policy of its own, each spent a little.
+        for version in 0..50u64 {
+            let set = PolicySet::from(
+                Policy::token_bucket("api", 100 + version, Rate::per_second(100)).unwrap(),
+            );
+            assert!(store.check("user", &set, 10).is_allowed());
+            clock.advance(Duration::from_secs(1));
+        }
+        // Each earlier version refilled within 0.1 s: only the newest is kept.
+        assert_eq!(held(&store), 1);
+        // With two sets in use, neither's state goes while it is not fresh.
+        let daily =
+            PolicySet::from(Policy::fixed_window("daily", 5, Duration::from_secs(86_400)).unwrap());
+        let hourly =
+            PolicySet::from(Policy::fixed_window("hourly", 5, Duration::from_secs(3_600)).unwrap());
+        for _ in 0..5 {
+            assert!(store.check("user", &daily, 1).is_allowed());
+            assert!(store.check("user", &hourly, 1).is_allowed());
+            clock.advance(Duration::from_secs(1));
+        }
+        assert!(!store.check("user", &daily, 1).is_allowed());
+        assert!(!store.check("user", &hourly, 1).is_allowed());
     }
 
     #[test]
