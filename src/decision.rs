@@ -217,7 +217,9 @@ impl Decision {
     }
 
     /// An in-process store's decision: its statuses, the receipt of a debit at `at`, and
-    /// the shadow policies (by bit) that would have denied.
+    /// the shadow policies (by bit) that would have denied. A refusal debited nothing: its
+    /// receipt says so of every policy, so that an adjustment of it (a release by a
+    /// caller that releases whatever it got) changes nothing, as on Redis.
     #[inline]
     pub(crate) fn decided(
         outcome: Outcome,
@@ -225,12 +227,16 @@ impl Decision {
         at: u64,
         shadow_denied: u64,
     ) -> Self {
+        let undebited = match outcome {
+            Outcome::Allowed { .. } => shadow_denied,
+            _ => u64::MAX,
+        };
         Self {
             outcome,
             statuses,
             cached: false,
             block: 0,
-            receipt: Receipt::new(at, 0).with_undebited(shadow_denied),
+            receipt: Receipt::new(at, 0).with_undebited(undebited),
             shadow_denied,
         }
     }

@@ -1520,6 +1520,68 @@ async fn every_store_counts_requests_in_flight_alike() {
     }
 }
 
+/// A release of a decision that took no slot (a denial, a block) frees nothing, on every
+/// store: Redis removes a slot by the request's lease, and in process a release took one
+/// off the count whatever it was for, so a caller that releases every decision it got
+/// (a `finally`) freed a slot another request still held: 2 in flight under a limit of 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_a_decision_that_took_no_slot_frees_nothing_on_every_store() {
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let set = PolicySet::new([
+        Policy::concurrency("streams", 1).unwrap(),
+        Policy::fixed_window("minute", 2, MINUTE)
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(1, 60 * second, 60 * second))
+            .unwrap(),
+    ])
+    .unwrap();
+    let mut checked = 0;
+    for subject in backends.subjects("release-denied") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        let release = |receipt| Adjustment::release(1, receipt);
+        let running = subject.check("client", &set, 1).await;
+        assert!(running.is_allowed(), "{name}");
+        // Denied by the in-flight limit (no strike: the minute has room), and released.
+        let denied = subject.check("client", &set, 1).await;
+        assert!(!denied.is_allowed() && !denied.is_blocked(), "{name}");
+        let after = subject
+            .adjust("client", &set, &release(denied.receipt()))
+            .await;
+        assert_eq!(
+            after.statuses()[0].remaining,
+            0,
+            "{name}: a denial freed a slot"
+        );
+        assert!(
+            !subject.check("client", &set, 1).await.is_allowed(),
+            "{name}"
+        );
+        // The running request ends; another takes the slot and the minute's last unit;
+        // the next is denied by both, a strike, and blocked: released too.
+        subject
+            .adjust("client", &set, &release(running.receipt()))
+            .await;
+        assert!(
+            subject.check("client", &set, 1).await.is_allowed(),
+            "{name}"
+        );
+        let blocked = subject.check("client", &set, 1).await;
+        assert!(blocked.is_blocked(), "{name}: {:?}", blocked.outcome());
+        let after = subject
+            .adjust("client", &set, &release(blocked.receipt()))
+            .await;
+        assert_eq!(
+            after.statuses()[0].remaining,
+            0,
+            "{name}: a block freed a slot"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3);
+}
+
 // An in-flight limit changed while requests run (a configuration reload: 2 → 3, a longer
 // lease) keeps counting the requests already in flight: they hold slots of the same
 // quota. Started afresh, the new limit would admit 3 more beside the 2 still running.

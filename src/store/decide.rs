@@ -7,7 +7,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use crate::algorithm::{ANY_TIME, Params, Slot, Verdict};
-use crate::decision::{Decision, Outcome, PolicyStatus};
+use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::policy::{MAX_LIMIT, Policy};
 use crate::store::{Adjustment, Change};
 
@@ -344,7 +344,10 @@ fn blocked(
         retry_after: Duration::from_nanos(retry_after),
     };
     Some((
-        Decision::with_statuses(outcome, statuses).with_block(Duration::from_nanos(block_left)),
+        Decision::with_statuses(outcome, statuses)
+            .with_block(Duration::from_nanos(block_left))
+            // Nothing was debited: an adjustment of it changes nothing.
+            .with_receipt(Receipt::new(now, 0).with_undebited(u64::MAX)),
         fresh_at,
     ))
 }
