@@ -8,9 +8,10 @@
 //! [`from_fn`] (a closure).
 //!
 //! Only [`HeaderKey`] hashes what it reads. Other extractors store their identity as
-//! written: in store keys and debug events (an [`ExtensionKey`] of an e-mail address
-//! puts the address there; map it to an account id), and [`Route`] on a path without a
-//! router's template puts the raw path there (a token in a path included).
+//! written: in store keys and in events (a denial's at debug level, a shadow policy's
+//! would-be denial at info level; an [`ExtensionKey`] of an e-mail address puts the
+//! address there: map it to an account id), and [`Route`] on a path without a router's
+//! template puts the raw path there (a token in a path included).
 //!
 //! Extractors see the request's head only ([`http::request::Parts`]), never its body, and
 //! know nothing of stores.
