@@ -138,7 +138,8 @@ impl Receipt {
     }
 
     /// This receipt, noting that the policies whose bits are set in `mask` (bit `i`:
-    /// the policy at index `i`) were not debited: shadow policies that would have denied.
+    /// the policy at index `i`) were not debited: shadow policies that would have denied,
+    /// or every policy of a refusal.
     pub const fn with_undebited(mut self, mask: u64) -> Self {
         self.undebited = mask;
         self
@@ -172,15 +173,21 @@ impl Decision {
         Self::with_statuses(outcome, statuses.into_iter().collect())
     }
 
-    /// The stores' own path: the statuses already gathered inline.
+    /// The stores' own path: the statuses already gathered inline. A refusal debited
+    /// nothing, and its receipt says so of every policy: an adjustment of it (a release
+    /// by a caller that releases whatever it got) changes nothing, in any store.
     #[inline]
     pub(crate) fn with_statuses(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
+        let undebited = match outcome {
+            Outcome::Allowed { .. } => 0,
+            _ => u64::MAX,
+        };
         Self {
             outcome,
             statuses,
             cached: false,
             block: 0,
-            receipt: Receipt::default(),
+            receipt: Receipt::default().with_undebited(undebited),
             shadow_denied: 0,
         }
     }
@@ -244,7 +251,12 @@ impl Decision {
     /// This decision with the store's note of its debit, for a later
     /// [`Store::adjust`](crate::Store::adjust).
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
-        self.receipt = receipt.with_undebited(receipt.undebited() | self.shadow_denied);
+        // A refusal debited nothing, whatever the receipt says.
+        let refused = match self.outcome {
+            Outcome::Allowed { .. } => 0,
+            _ => u64::MAX,
+        };
+        self.receipt = receipt.with_undebited(receipt.undebited() | self.shadow_denied | refused);
         self
     }
 

@@ -414,7 +414,7 @@ impl<St: Store> Limiter<St> {
             // counted once.
             Err(error) => {
                 crate::telemetry::store_error(&error);
-                if error.kind().is_io() || error.every_request {
+                if error.kind().is_io() || error.meets_every_request_as_an_outage() {
                     shared.outage.on_failure(&error, None);
                 }
                 self.decide_within(key, policies, cost, left, true).await
@@ -480,7 +480,7 @@ impl<St: Store> Limiter<St> {
                     crate::telemetry::store_error(&error);
                     // An outage (or a refusal every call meets) is said as the layer says
                     // it; an error of this call's alone is logged above.
-                    if error.kind().is_io() || error.every_request {
+                    if error.kind().is_io() || error.meets_every_request_as_an_outage() {
                         shared.outage.on_failure(&error, None);
                     }
                 }
@@ -489,7 +489,10 @@ impl<St: Store> Limiter<St> {
                     // stands in its way, not "never" (as the layer answers).
                     FailureMode::Fallback(fallback) => fallback
                         .decide(key, policies, cost)
-                        .map(|(decision, applied)| (decision, Decider::Fallback(applied)))
+                        .map(|(decision, applied)| {
+                            crate::telemetry::fallback_decision(&decision);
+                            (decision, Decider::Fallback(applied))
+                        })
                         .ok_or(error),
                     FailureMode::FailOpen => Ok((
                         Decision::new(

@@ -181,3 +181,29 @@ fn any_number_of_shards_builds_a_store() {
         assert!(!store.check("k", &set, 1).is_allowed(), "{shards}");
     }
 }
+
+/// A refusal built outside the store (`Decision::new`: the `Limiter`'s "waited too long")
+/// debited nothing: a release of it frees no slot, as on Redis. Its receipt said every
+/// policy was debited, and a caller that releases whatever it got freed a slot another
+/// request held.
+#[test]
+fn a_release_of_a_refusal_built_outside_the_store_frees_nothing() {
+    use tollgate::{Adjustment, Decision, Outcome, Policy, PolicySet};
+    let store = tollgate::MemoryStore::new();
+    let set = PolicySet::from(Policy::concurrency("jobs", 1).unwrap());
+    assert!(store.check("worker", &set, 1).is_allowed());
+    let refused = Decision::new(
+        Outcome::Denied {
+            policy: 0,
+            retry_after: std::time::Duration::from_secs(1),
+        },
+        [],
+    );
+    let after = store.adjust_now("worker", &set, &Adjustment::release(1, refused.receipt()));
+    assert_eq!(
+        after.statuses()[0].remaining,
+        0,
+        "the running job's slot was freed"
+    );
+    assert!(!store.check("worker", &set, 1).is_allowed());
+}

@@ -502,6 +502,15 @@ fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
                 ),
                 2
             );
+            // Both decided by the failure mode's local limiter, and counted as such.
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_fallback_decisions_total",
+                    &[("outcome", "allowed")]
+                ),
+                2
+            );
         })
     });
 }

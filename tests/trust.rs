@@ -2630,30 +2630,34 @@ async fn a_cached_denial_says_what_it_knows() {
 }
 
 /// A block's answer names the policy that keeps the client waiting longest, which need
-/// not be the blocked one: a costly request during a short block waits for an hourly
-/// policy with 9 left. Its cached answer must not say that policy has none left.
+/// not be the blocked one: a costlier request during a short block waits for an hourly
+/// policy with 1 left. Its cached answer must not say that policy has none left. (The
+/// request fits the blocked policy's quota: one that can never fit is told so instead.)
 #[tokio::test]
 async fn a_cached_block_claims_none_left_only_for_the_blocked_policy() {
     let penalty =
         tollgate::policy::Penalty::new(2, Duration::from_secs(60), Duration::from_secs(10));
-    let burst = Policy::fixed_window("burst", 1, Duration::from_secs(60))
+    let burst = Policy::fixed_window("burst", 3, Duration::from_secs(60))
         .unwrap()
         .with_penalty(penalty)
         .unwrap();
-    let hourly = Policy::fixed_window("hourly", 10, Duration::from_secs(3600)).unwrap();
+    let hourly = Policy::fixed_window("hourly", 4, Duration::from_secs(3600)).unwrap();
     let app = hello().layer(
         RateLimitLayer::new(DenyCache::new(MemoryStore::new(), 1_000))
             .policies(PolicySet::new([burst, hourly]).unwrap())
             .cost(cost_header()),
     );
-    assert_eq!(
-        app.clone().oneshot(request("/", 1)).await.unwrap().status(),
-        200
-    );
+    for _ in 0..3 {
+        assert_eq!(
+            app.clone().oneshot(request("/", 1)).await.unwrap().status(),
+            200
+        );
+    }
+    // Two denials by the burst: the second starts its block.
     app.clone().oneshot(request("/", 1)).await.unwrap();
     app.clone().oneshot(request("/", 1)).await.unwrap();
     for answer in ["store", "cache"] {
-        let response = app.clone().oneshot(request("/", 10)).await.unwrap();
+        let response = app.clone().oneshot(request("/", 2)).await.unwrap();
         assert_eq!(response.status(), 429, "{answer}");
         let rate = header(&response, "ratelimit").unwrap_or_default();
         assert!(!rate.contains("\"hourly\";r=0"), "{answer}: {rate}");

@@ -143,7 +143,7 @@ impl Responder {
                 // opens the breaker as an outage does, so that requests do not each open
                 // a connection (or look a primary up) to be refused. Only a store that
                 // cannot decide these policies is a set-up error, never an outage.
-                kind if error.every_request && kind != StoreErrorKind::Unsupported => {
+                _ if error.meets_every_request_as_an_outage() => {
                     self.breaker.on_failure(error, probe);
                 }
                 // A refusal that only this request's policies or data may cause (the

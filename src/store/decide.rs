@@ -7,7 +7,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use crate::algorithm::{ANY_TIME, Params, Slot, Verdict};
-use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
+use crate::decision::{Decision, Outcome, PolicyStatus};
 use crate::policy::{MAX_LIMIT, Policy};
 use crate::store::{Adjustment, Change};
 
@@ -344,10 +344,7 @@ fn blocked(
         retry_after: Duration::from_nanos(retry_after),
     };
     Some((
-        Decision::with_statuses(outcome, statuses)
-            .with_block(Duration::from_nanos(block_left))
-            // Nothing was debited: an adjustment of it changes nothing.
-            .with_receipt(Receipt::new(now, 0).with_undebited(u64::MAX)),
+        Decision::with_statuses(outcome, statuses).with_block(Duration::from_nanos(block_left)),
         fresh_at,
     ))
 }
@@ -369,6 +366,28 @@ fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
         })
         .max()
         .unwrap_or(0)
+}
+
+/// When each slot of `policies` is fresh again (then each penalty slot's, in the order
+/// `MemoryStore` keeps them), into `fresh`: a store that keeps several policies' states
+/// for an identity forgets each once it is, not when the last of the set is.
+pub(crate) fn fresh_each(policies: &[Policy], slots: &[Slot], now: u64, fresh: &mut [u64]) {
+    let (slots, penalties) = slots.split_at(policies.len());
+    let now = floor(policies, slots, now);
+    for ((policy, slot), fresh) in policies.iter().zip(slots).zip(fresh.iter_mut()) {
+        *fresh = policy.params().snapshot(slot, now).fresh_at;
+    }
+    let penalized = policies
+        .iter()
+        .filter_map(|policy| policy.penalty_box().map(|(penalty, _)| penalty));
+    for ((penalty, slot), fresh) in penalized
+        .zip(penalties)
+        .zip(fresh[policies.len()..].iter_mut())
+    {
+        if let Slot::Penalty { state, .. } = slot {
+            *fresh = penalty.fresh_at(state);
+        }
+    }
 }
 
 /// `now`, or the latest of the times the slots can be read at when `now` is earlier

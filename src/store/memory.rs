@@ -513,47 +513,49 @@ impl Slots {
     /// policies that are fresh at `now` go (`entry_fresh`: when the whole entry is).
     #[inline]
     fn arrange(&mut self, policies: &PolicySet, now: u64, entry_fresh: u64) -> &mut [Slot] {
+        let single = !policies.has_penalties()
+            && matches!(
+                (&*self, &**policies),
+                (Slots::One(slot), [policy]) if slot.id() == policy.id()
+            );
+        if single {
+            let Slots::One(slot) = self else {
+                unreachable!("checked above")
+            };
+            return std::slice::from_mut(slot);
+        }
+        self.rearrange(policies, now, entry_fresh)
+    }
+
+    /// [`arrange`](Self::arrange) for anything but one policy's own inline slot: out of
+    /// line, so that the common request's code stays small.
+    #[inline(never)]
+    fn rearrange(&mut self, policies: &PolicySet, now: u64, entry_fresh: u64) -> &mut [Slot] {
         let lone = match &**policies {
             [policy] if !policies.has_penalties() => Some(policy),
             _ => None,
         };
-        /// What to do with one inline slot.
-        enum Inline {
-            /// It is the lone policy's.
-            Keep,
-            /// Another policy's, fresh: the lone policy's takes its place.
-            Renew,
-            /// Another policy's, not fresh (or several policies asked): on the heap.
-            Spill,
-        }
-        let inline = match (&*self, lone) {
-            (Slots::One(slot), Some(policy)) if slot.id() == policy.id() => Some(Inline::Keep),
-            (Slots::One(slot), Some(_)) if entry_fresh <= now && !slot.holds_in_flight() => {
-                Some(Inline::Renew)
-            }
-            (Slots::One(_), _) => Some(Inline::Spill),
-            (Slots::Many(_), _) => None,
-        };
-        match (inline, lone) {
-            (Some(Inline::Renew), Some(policy)) => {
-                *self = Slots::One(policy.params().new_slot(policy.id()));
-            }
-            (Some(Inline::Spill), _) => {
-                let many = ManySlots::with_capacity(2);
-                if let Slots::One(slot) = std::mem::replace(self, Slots::Many(many))
-                    && let Slots::Many(many) = self
-                {
-                    many.slots.push(slot);
-                    many.fresh.push(entry_fresh);
+        if let Slots::One(slot) = self {
+            match lone {
+                // Another policy's state, fresh: this one's takes its place.
+                Some(policy) if entry_fresh <= now && !slot.holds_in_flight() => {
+                    *slot = policy.params().new_slot(policy.id());
+                    return std::slice::from_mut(self.one_mut());
+                }
+                // Kept beside this set's (on the heap) until it is fresh.
+                _ => {
+                    let many = ManySlots::with_capacity(2);
+                    if let Slots::One(slot) = std::mem::replace(self, Slots::Many(many))
+                        && let Slots::Many(many) = self
+                    {
+                        many.slots.push(slot);
+                        many.fresh.push(entry_fresh);
+                    }
                 }
             }
-            _ => {}
-        }
-        if let Slots::One(slot) = self {
-            return std::slice::from_mut(slot);
         }
         let Slots::Many(many) = self else {
-            unreachable!("one slot returned above")
+            unreachable!("one slot returned or moved to the heap above")
         };
         let mut index = 0;
         for policy in policies.iter() {
@@ -576,9 +578,7 @@ impl Slots {
             && let Some(slot) = many.slots.pop()
         {
             *self = Slots::One(slot);
-            if let Slots::One(slot) = self {
-                return std::slice::from_mut(slot);
-            }
+            return std::slice::from_mut(self.one_mut());
         }
         match self {
             Slots::Many(many) => &mut many.slots[..index],
@@ -586,14 +586,20 @@ impl Slots {
         }
     }
 
-    /// The first `len` slots (those `arrange` returned) are fresh again at `fresh_at` at
-    /// the latest, or later if they already were.
+    /// The inline slot (there is one).
+    fn one_mut(&mut self) -> &mut Slot {
+        match self {
+            Slots::One(slot) => slot,
+            Slots::Many(many) => &mut many.slots[0],
+        }
+    }
+
+    /// Notes when each of the slots of `policies` (those `arrange` returned, just decided
+    /// or adjusted) is fresh again.
     #[inline]
-    fn mark(&mut self, len: usize, fresh_at: u64) {
+    fn mark(&mut self, policies: &PolicySet, now: u64) {
         if let Slots::Many(many) = self {
-            for fresh in &mut many.fresh[..len] {
-                *fresh = (*fresh).max(fresh_at);
-            }
+            super::decide::fresh_each(policies, &many.slots, now, &mut many.fresh);
         }
     }
 }
@@ -935,10 +941,9 @@ fn adjust_entry(
     adjustment: &Adjustment,
 ) -> Decision {
     let slots = entry.slots.arrange(policies, now, entry.fresh_at);
-    let len = slots.len();
     let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
     entry.fresh_at = entry.fresh_at.max(fresh_at);
-    entry.slots.mark(len, fresh_at);
+    entry.slots.mark(policies, now);
     decision
 }
 
@@ -946,10 +951,9 @@ fn adjust_entry(
 #[inline]
 fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) -> Decision {
     let slots = entry.slots.arrange(policies, now, entry.fresh_at);
-    let len = slots.len();
     let (decision, fresh_at) = super::decide::decide(policies, slots, now, cost);
     entry.fresh_at = entry.fresh_at.max(fresh_at);
-    entry.slots.mark(len, fresh_at);
+    entry.slots.mark(policies, now);
     decision
 }
 
@@ -1252,6 +1256,19 @@ mod tests {
         }
         // Each earlier version refilled within 0.1 s: only the newest is kept.
         assert_eq!(held(&store), 1);
+        // Beside a policy that stays spent all day, each version's own state goes once it
+        // is fresh (not when the day is).
+        let day = Policy::fixed_window("day", 1_000, Duration::from_secs(86_400)).unwrap();
+        for burst in 0..50u64 {
+            let set = PolicySet::new([
+                day.clone(),
+                Policy::token_bucket("burst", 100 + burst, Rate::per_second(100)).unwrap(),
+            ])
+            .unwrap();
+            assert!(store.check("user", &set, 10).is_allowed());
+            clock.advance(Duration::from_secs(1));
+        }
+        assert_eq!(held(&store), 2, "the day's and the newest burst's");
         // With two sets in use, neither's state goes while it is not fresh.
         let daily =
             PolicySet::from(Policy::fixed_window("daily", 5, Duration::from_secs(86_400)).unwrap());

@@ -796,6 +796,13 @@ impl StoreError {
         self.every_request
     }
 
+    /// True when the circuit breaker counts this failure as an outage although it is no
+    /// I/O failure: every request meets it, and it is not a store that cannot decide the
+    /// policies (a set-up error, never an outage). The layer and the `Limiter` alike.
+    pub(crate) fn meets_every_request_as_an_outage(&self) -> bool {
+        self.every_request && self.kind != StoreErrorKind::Unsupported
+    }
+
     /// The backend's error code, when it gave one.
     pub fn code(&self) -> Option<&str> {
         self.code.as_deref()
