@@ -53,10 +53,9 @@ fn counter(snapshot: &Snapshot, name: &str, labels: &[(&str, &str)]) -> u64 {
     }
 }
 
-#[test]
-fn decisions_errors_fallback_and_latency_are_reported() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
+/// An app limited to 2 an hour by one global key, over an in-process store that fails
+/// while the flag is set.
+fn over_a_flaky_store() -> (Router, Arc<AtomicBool>) {
     let (store, down) = Flaky::new();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
@@ -66,6 +65,14 @@ fn decisions_errors_fallback_and_latency_are_reported() {
                 .key(Global),
         )
         .with_state(());
+    (app, down)
+}
+
+#[test]
+fn decisions_errors_fallback_and_latency_are_reported() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (app, down) = over_a_flaky_store();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
@@ -142,15 +149,7 @@ fn decisions_errors_fallback_and_latency_are_reported() {
 fn decisions_of_the_fallback_are_counted_apart() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let (store, down) = Flaky::new();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(
-            RateLimitLayer::new(store)
-                .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
-                .key(Global),
-        )
-        .with_state(());
+    let (app, down) = over_a_flaky_store();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();

@@ -844,6 +844,16 @@ mod tests {
         assert!(Leased::new(MemoryStore::new(), 20, crate::policy::MAX_PERIOD).is_ok());
     }
 
+    /// `[daily, hourly]` and `[daily]`: two sets sharing a daily quota of 10.
+    fn daily_with_and_without_hourly() -> (PolicySet, PolicySet) {
+        let daily = Policy::fixed_window("daily", 10, Duration::from_secs(86_400)).unwrap();
+        let hourly = Policy::fixed_window("hourly", 100, Duration::from_secs(3600)).unwrap();
+        (
+            PolicySet::new([daily.clone(), hourly]).unwrap(),
+            PolicySet::from(daily),
+        )
+    }
+
     /// A daily quota shared by two sets of one identity (`[daily, hourly]` and `[daily]`),
     /// and a lease open under the first: a reset through the second clears the daily
     /// state the lease was debited from. The lease stayed open under the first set's
@@ -852,10 +862,7 @@ mod tests {
     #[tokio::test]
     async fn a_reset_through_another_set_forgets_the_leases_it_clears() {
         let (store, _held) = leased(1_000, 1_000);
-        let daily = Policy::fixed_window("daily", 10, Duration::from_secs(86_400)).unwrap();
-        let hourly = Policy::fixed_window("hourly", 100, Duration::from_secs(3600)).unwrap();
-        let both = PolicySet::new([daily.clone(), hourly]).unwrap();
-        let alone = PolicySet::from(daily);
+        let (both, alone) = daily_with_and_without_hourly();
         let key = Key::new("k");
         assert!(store.decide(&key, &both, 1).await.unwrap().is_allowed());
         store.reset(&key, &alone).await.unwrap();
@@ -872,10 +879,7 @@ mod tests {
     #[tokio::test]
     async fn setting_what_is_left_forgets_the_open_leases() {
         let (store, held) = leased(1_000, 1_000);
-        let daily = Policy::fixed_window("daily", 10, Duration::from_secs(86_400)).unwrap();
-        let hourly = Policy::fixed_window("hourly", 100, Duration::from_secs(3600)).unwrap();
-        let both = PolicySet::new([daily.clone(), hourly]).unwrap();
-        let alone = PolicySet::from(daily);
+        let (both, alone) = daily_with_and_without_hourly();
         let key = Key::new("k");
         for (through, name) in [(&both, "the lease's own set"), (&alone, "another set")] {
             held.inner.reset_now("k", &both);
