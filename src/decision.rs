@@ -145,14 +145,21 @@ impl Receipt {
         self
     }
 
-    /// The policies not debited, as a bit mask by index.
+    /// The policies not debited, as a bit mask by index. Every bit set (`u64::MAX`): a
+    /// refusal, which debited no policy, past the 64th too.
     pub const fn undebited(&self) -> u64 {
         self.undebited
     }
 
-    /// Whether the policy at `index` was debited (past the mask's 64 bits, always).
+    /// True for a refusal's receipt: no policy was debited.
+    pub(crate) const fn is_refusal(&self) -> bool {
+        self.undebited == u64::MAX
+    }
+
+    /// Whether the policy at `index` was debited (past the mask's 64 bits, always, but
+    /// for a refusal).
     pub(crate) const fn debited(&self, index: usize) -> bool {
-        index >= 64 || self.undebited & (1 << index) == 0
+        !self.is_refusal() && (index >= 64 || self.undebited & (1 << index) == 0)
     }
 
     /// When the debit was made, in nanoseconds on the store's time line.

@@ -639,3 +639,26 @@ fn a_fixed_window_read_behind_its_state_waits_for_the_window_it_counts() {
     assert_eq!(snapshot.fresh_at, 360 * second);
     assert_eq!(window.effective_window(&state, early, 0), 61 * second);
 }
+
+/// A token bucket read at a clock behind its state's time (another thread's reading):
+/// the state is fresh once the bucket is full, counted from the state's own time. It was
+/// counted from the earlier reading, and a store that forgets fresh states one by one
+/// could forget the missing tokens that much early.
+#[test]
+fn a_token_bucket_read_behind_its_state_is_fresh_when_it_is_full() {
+    use tollgate::algorithm::{BucketState, TokenBucket};
+    let second = 1_000_000_000u64;
+    let bucket = TokenBucket::new(10, 1, second).unwrap();
+    let mut state = BucketState::default();
+    bucket.refresh(&mut state, 10 * second);
+    bucket.commit(&mut state, 10 * second, 5);
+    let early = 9 * second;
+    bucket.refresh(&mut state, early);
+    let snapshot = bucket.snapshot(&state, early);
+    assert_eq!(snapshot.remaining, 5);
+    assert_eq!(
+        snapshot.fresh_at,
+        15 * second,
+        "full 5 s after the state's time"
+    );
+}

@@ -1580,6 +1580,30 @@ async fn a_release_of_a_decision_that_took_no_slot_frees_nothing_on_every_store(
         checked += 1;
     }
     assert_eq!(checked, 3);
+    // Past the 64 policies a receipt's mask names one by one: a settle of a refusal
+    // gives nothing back under the 65th either.
+    let mut policies: Vec<Policy> = (0..64)
+        .map(|index| Policy::fixed_window(&format!("w{index}"), 5, MINUTE).unwrap())
+        .collect();
+    policies.push(Policy::fixed_window("last", 1, MINUTE).unwrap());
+    let wide = PolicySet::new(policies).unwrap();
+    for subject in backends.subjects("release-denied-wide") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        assert!(
+            subject.check("client", &wide, 1).await.is_allowed(),
+            "{name}"
+        );
+        let denied = subject.check("client", &wide, 1).await;
+        assert!(!denied.is_allowed(), "{name}");
+        subject
+            .adjust("client", &wide, &Adjustment::settle(1, 0, denied.receipt()))
+            .await;
+        assert!(
+            !subject.check("client", &wide, 1).await.is_allowed(),
+            "{name}: a settle of a refusal gave back a unit under the 65th policy"
+        );
+    }
 }
 
 // An in-flight limit changed while requests run (a configuration reload: 2 → 3, a longer

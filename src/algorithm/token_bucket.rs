@@ -152,6 +152,8 @@ impl TokenBucket {
     }
 
     /// What a client sees now: whole tokens left, and the time until the bucket is full.
+    /// The state is fresh once it is full, counted from its own time when `now` is behind
+    /// it (another thread's reading), so that it is never forgotten early.
     #[inline]
     pub fn snapshot(&self, state: &BucketState, now: u64) -> Snapshot {
         let reset = nanos(div_ceil(state.level.get(), u128::from(self.amount)));
@@ -159,7 +161,11 @@ impl TokenBucket {
             self.full().saturating_sub(state.level.get()),
             u128::from(self.period),
         ) as u64;
-        Snapshot::resetting_in(now, remaining, reset)
+        let mut snapshot = Snapshot::resetting_in(now, remaining, reset);
+        if reset > 0 {
+            snapshot.fresh_at = now.max(state.last).saturating_add(reset);
+        }
+        snapshot
     }
 }
 

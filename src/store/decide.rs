@@ -371,6 +371,7 @@ fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
 /// When each slot of `policies` is fresh again (then each penalty slot's, in the order
 /// `MemoryStore` keeps them), into `fresh`: a store that keeps several policies' states
 /// for an identity forgets each once it is, not when the last of the set is.
+#[inline(never)]
 pub(crate) fn fresh_each(policies: &[Policy], slots: &[Slot], now: u64, fresh: &mut [u64]) {
     let (slots, penalties) = slots.split_at(policies.len());
     let now = floor(policies, slots, now);

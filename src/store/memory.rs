@@ -433,10 +433,7 @@ impl Entry {
     /// True when requests still running hold in-flight slots of this identity: they give
     /// them back when they end, so the entry is kept until then.
     fn holds_slots(&self) -> bool {
-        match &self.slots {
-            Slots::One(slot) => slot.holds_in_flight(),
-            Slots::Many(many) => many.slots.iter().any(Slot::holds_in_flight),
-        }
+        self.slots.holds_in_flight()
     }
 }
 
@@ -531,31 +528,35 @@ impl Slots {
     /// line, so that the common request's code stays small.
     #[inline(never)]
     fn rearrange(&mut self, policies: &PolicySet, now: u64, entry_fresh: u64) -> &mut [Slot] {
-        let lone = match &**policies {
-            [policy] if !policies.has_penalties() => Some(policy),
-            _ => None,
-        };
-        if let Slots::One(slot) = self {
-            match lone {
-                // Another policy's state, fresh: this one's takes its place.
-                Some(policy) if entry_fresh <= now && !slot.holds_in_flight() => {
-                    *slot = policy.params().new_slot(policy.id());
-                    return std::slice::from_mut(self.one_mut());
+        // Every state is fresh (and no request holds a slot): forgetting them changes no
+        // decision, so this set's start anew, inline for one policy.
+        if entry_fresh <= now && !self.holds_in_flight() {
+            let lone = policies.len() == 1 && !policies.has_penalties();
+            match self {
+                // Several again: the heap's room is kept.
+                Slots::Many(many) if !lone => {
+                    many.slots.clear();
+                    many.fresh.clear();
                 }
-                // Kept beside this set's (on the heap) until it is fresh.
-                _ => {
-                    let many = ManySlots::with_capacity(2);
-                    if let Slots::One(slot) = std::mem::replace(self, Slots::Many(many))
-                        && let Slots::Many(many) = self
-                    {
-                        many.slots.push(slot);
-                        many.fresh.push(entry_fresh);
-                    }
-                }
+                _ => *self = Slots::new(policies),
+            }
+            if let Slots::One(slot) = self {
+                return std::slice::from_mut(slot);
+            }
+        }
+        // Another policy's state, not fresh: kept beside this set's, on the heap, until it
+        // is. (An identity whose sets alternate stays there: no allocation per turn.)
+        if let Slots::One(_) = self {
+            let many = ManySlots::with_capacity(2);
+            if let Slots::One(slot) = std::mem::replace(self, Slots::Many(many))
+                && let Slots::Many(many) = self
+            {
+                many.slots.push(slot);
+                many.fresh.push(entry_fresh);
             }
         }
         let Slots::Many(many) = self else {
-            unreachable!("one slot returned or moved to the heap above")
+            unreachable!("moved to the heap above")
         };
         let mut index = 0;
         for policy in policies.iter() {
@@ -572,25 +573,14 @@ impl Slots {
             }
         }
         many.drop_fresh(index, now);
-        // Only the lone policy's state is left: inline again.
-        if lone.is_some()
-            && many.slots.len() == 1
-            && let Some(slot) = many.slots.pop()
-        {
-            *self = Slots::One(slot);
-            return std::slice::from_mut(self.one_mut());
-        }
-        match self {
-            Slots::Many(many) => &mut many.slots[..index],
-            Slots::One(slot) => std::slice::from_mut(slot),
-        }
+        &mut many.slots[..index]
     }
 
-    /// The inline slot (there is one).
-    fn one_mut(&mut self) -> &mut Slot {
+    /// True when a request still running holds an in-flight slot of one of these states.
+    fn holds_in_flight(&self) -> bool {
         match self {
-            Slots::One(slot) => slot,
-            Slots::Many(many) => &mut many.slots[0],
+            Slots::One(slot) => slot.holds_in_flight(),
+            Slots::Many(many) => many.slots.iter().any(Slot::holds_in_flight),
         }
     }
 

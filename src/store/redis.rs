@@ -998,7 +998,13 @@ impl RedisStore {
                 // coalesced batch, so the batch script is loaded and checked too.
                 let (first, second) =
                     tokio::join!(self.decide(key, set, 1), self.decide(key, set, 1));
-                let checked = match first.and_then(|first| second.map(|_| first)) {
+                // The settle and release of the one admitted (an in-flight probe of one
+                // slot admits one of two): a refusal's adjustment changes nothing, and
+                // would leave the scripts' refunds unchecked.
+                let admitted = first.and_then(|first| {
+                    second.map(|second| if first.is_allowed() { first } else { second })
+                });
+                let checked = match admitted {
                     Ok(decision) => {
                         let receipt = decision.receipt();
                         match self
@@ -1347,11 +1353,16 @@ impl Store for RedisStore {
             .push(amount.min(crate::policy::MAX_LIMIT + 1).to_string());
         invocation.args.push(at);
         invocation.args.push(mode.to_owned());
+        // The policies not debited, by index: every one of a refusal's, past the 64th too.
         let undebited = receipt.undebited();
-        let indices: Vec<String> = (0..64)
-            .filter(|index| undebited & (1 << index) != 0)
-            .map(|index| index.to_string())
-            .collect();
+        let indices: Vec<String> = if receipt.is_refusal() {
+            (0..policies.len()).map(|index| index.to_string()).collect()
+        } else {
+            (0..64)
+                .filter(|index| undebited & (1 << index) != 0)
+                .map(|index| index.to_string())
+                .collect()
+        };
         invocation.args.push(indices.join(","));
         let left: Vec<String> = adjustment
             .left_after_debit()
