@@ -161,11 +161,7 @@ impl TokenBucket {
             self.full().saturating_sub(state.level.get()),
             u128::from(self.period),
         ) as u64;
-        let mut snapshot = Snapshot::resetting_in(now, remaining, reset);
-        if reset > 0 {
-            snapshot.fresh_at = now.max(state.last).saturating_add(reset);
-        }
-        snapshot
+        Snapshot::resetting_in(now.max(state.last), remaining, reset)
     }
 }
 
