@@ -11,12 +11,14 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 
 /// Decides at once in `inner` and answers when `answers` lets it (one permit per answer);
-/// resets land when `resets` lets them. Adjustments land at once.
+/// resets land when `resets` lets them, adjustments when `adjusts` does (at once, unless
+/// made to wait with [`Held::holding_adjustments`]).
 #[derive(Clone)]
 pub(crate) struct Held {
     pub(crate) inner: MemoryStore<ManualClock>,
     pub(crate) answers: Arc<Semaphore>,
     pub(crate) resets: Arc<Semaphore>,
+    pub(crate) adjusts: Arc<Semaphore>,
 }
 
 impl Held {
@@ -26,7 +28,14 @@ impl Held {
             inner: MemoryStore::builder().clock(clock.clone()).build(),
             answers: Arc::new(Semaphore::new(answers)),
             resets: Arc::new(Semaphore::new(resets)),
+            adjusts: Arc::new(Semaphore::new(Semaphore::MAX_PERMITS)),
         }
+    }
+
+    /// This store, its adjustments landing only when `adjusts` lets them.
+    pub(crate) fn holding_adjustments(mut self) -> Self {
+        self.adjusts = Arc::new(Semaphore::new(0));
+        self
     }
 }
 
@@ -45,7 +54,12 @@ impl Store for Held {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        self.inner.adjust(key, policies, adjustment)
+        let (inner, adjusts) = (self.inner.clone(), Arc::clone(&self.adjusts));
+        let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+        DecideFuture::new(async move {
+            adjusts.acquire().await.expect("open").forget();
+            inner.adjust(&key, &policies, &adjustment).await
+        })
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {

@@ -31,7 +31,9 @@ const SHARDS: usize = 16;
 ///   count a strike early.
 /// - A reset or a `set_remaining` through any set forgets the open leases of every set
 ///   that shares a policy with it (their units were debited from the state it clears or
-///   sets), without giving them back.
+///   sets), without giving them back; and it is sent once the rests of the identity's
+///   leases already on their way back have landed (2 s at most), so that none lands
+///   after it into the state it cleared or set.
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
@@ -112,22 +114,36 @@ struct Leases {
     calls: AtomicU64,
 }
 
-/// The identities of one shard, each with its sets' leases (by the set's fingerprint;
-/// an identity is most often decided under one set).
+/// The identities of one shard, each with its sets' leases.
 #[derive(Default)]
-struct Shard(HashMap<Key, SmallVec<[(u64, Open); 1]>>);
+struct Shard(HashMap<Key, Identity>);
+
+/// One identity's leases, by set (by the set's fingerprint; an identity is most often
+/// decided under one set), and the give-backs of its leases on their way.
+#[derive(Default)]
+struct Identity {
+    sets: SmallVec<[(u64, Open); 1]>,
+    /// Rests of leases no longer open, sent (or about to be) to the shared store and not
+    /// yet landed: a reset waits for them, else one landing after it gives its units back
+    /// into the fresh state.
+    giving_back: usize,
+    /// Resets waiting for `giving_back` to come to 0.
+    drained: Vec<oneshot::Sender<()>>,
+}
 
 impl Shard {
     fn get_mut(&mut self, id: &Id) -> Option<&mut Open> {
-        let sets = self.0.get_mut(&id.0)?;
-        sets.iter_mut()
+        let identity = self.0.get_mut(&id.0)?;
+        identity
+            .sets
+            .iter_mut()
             .find(|(fingerprint, _)| *fingerprint == id.1)
             .map(|(_, open)| open)
     }
 
     /// `id`'s leases, made empty (for `policies`) when there are none.
     fn open(&mut self, id: &Id, policies: &PolicySet) -> &mut Open {
-        let sets = self.0.entry(id.0.clone()).or_default();
+        let sets = &mut self.0.entry(id.0.clone()).or_default().sets;
         let index = match sets
             .iter()
             .position(|(fingerprint, _)| *fingerprint == id.1)
@@ -146,16 +162,24 @@ impl Shard {
         self.0
             .get_mut(key)
             .into_iter()
-            .flat_map(|sets| sets.iter_mut().map(|(_, open)| open))
+            .flat_map(|identity| identity.sets.iter_mut().map(|(_, open)| open))
+    }
+
+    /// `count` more rests of `key`'s leases are on their way back.
+    fn giving_back(&mut self, key: &Key, count: usize) {
+        if count > 0 {
+            self.0.entry(key.clone()).or_default().giving_back += count;
+        }
     }
 
     /// Removes the leases of `key`'s sets that hold nothing: no lease, no request taking
-    /// one, no refusal still in force; and `key` when none is left.
+    /// one, no refusal still in force; and `key` when none is left and nothing of it is
+    /// on its way back.
     fn forget_idle(&mut self, key: &Key) {
         let now = Instant::now();
-        if let Some(sets) = self.0.get_mut(key) {
-            sets.retain(|(_, open)| !open.idle(now));
-            if sets.is_empty() {
+        if let Some(identity) = self.0.get_mut(key) {
+            identity.sets.retain(|(_, open)| !open.idle(now));
+            if identity.sets.is_empty() && identity.giving_back == 0 {
                 self.0.remove(key);
             }
         }
@@ -286,9 +310,12 @@ impl<S: Store> Leased<S> {
             let mut shard = shard
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
-            for (key, sets) in shard.0.iter_mut() {
-                for (_, leases) in sets.iter_mut() {
-                    open.extend(leases.leases.drain(..).map(|lease| (key.clone(), lease)));
+            for (key, identity) in shard.0.iter_mut() {
+                for (_, leases) in identity.sets.iter_mut() {
+                    for lease in leases.leases.drain(..) {
+                        identity.giving_back += usize::from(lease.left > 0);
+                        open.push((key.clone(), lease));
+                    }
                 }
             }
         }
@@ -296,6 +323,7 @@ impl<S: Store> Leased<S> {
         for (key, lease) in open {
             if let Some(future) = give_back(&*self.inner, &key, &lease) {
                 given_back(future).await;
+                self.leases.given_back(&key);
             }
         }
     }
@@ -328,8 +356,14 @@ impl<S: Store> Leased<S> {
             }
             Err(_) => {
                 // Nothing can give their rests back: the retired leases stay open.
-                if let Some(open) = self.leases.shard(&id.0).get_mut(id) {
+                let mut shard = self.leases.shard(&id.0);
+                let count = retired.len();
+                if let Some(open) = shard.get_mut(id) {
                     open.leases.extend(retired);
+                }
+                drop(shard);
+                for _ in 0..count {
+                    self.leases.given_back(&id.0);
                 }
                 self.leases.abandon(id);
                 Step::Alone
@@ -425,10 +459,11 @@ impl Leases {
         // The open leases' rests go back as a new lease is taken: kept, a rest per
         // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
         // one window and spent in the next. One rest at a time keeps the bound.
-        let (retired, kept) = std::mem::take(&mut open.leases)
+        let (retired, kept): (Vec<Lease>, Vec<Lease>) = std::mem::take(&mut open.leases)
             .into_iter()
             .partition(|lease| lease.ends > now && lease.left > 0 && of_these(lease));
         open.leases = kept;
+        shard.giving_back(&id.0, retired.len());
         Step::Take(retired)
     }
 }
@@ -480,6 +515,44 @@ impl Leases {
     fn abandon(&self, id: &Id) {
         self.finish(id, None, None);
     }
+
+    /// One rest of `key`'s leases on its way back has landed (or failed): a reset waiting
+    /// for the last of them goes on.
+    fn given_back(&self, key: &Key) {
+        let mut shard = self.shard(key);
+        if let Some(identity) = shard.0.get_mut(key) {
+            identity.giving_back = identity.giving_back.saturating_sub(1);
+            if identity.giving_back == 0 {
+                for drained in identity.drained.drain(..) {
+                    let _ = drained.send(());
+                }
+            }
+        }
+        shard.forget_idle(key);
+    }
+
+    /// A wake-up for when every rest of `key`'s leases on its way back has landed; `None`
+    /// when none is.
+    fn drained(&self, key: &Key) -> Option<oneshot::Receiver<()>> {
+        let mut shard = self.shard(key);
+        let identity = shard.0.get_mut(key)?;
+        (identity.giving_back > 0).then(|| {
+            let (drained, woken) = oneshot::channel();
+            identity.drained.push(drained);
+            woken
+        })
+    }
+
+    /// Waits (at most [`TAKE_DEADLINE`]) for the rests of `key`'s leases on their way
+    /// back, before a reset or a `set_remaining` is sent: one landing after it would give
+    /// its units back into the state it clears or sets.
+    async fn until_given_back(&self, key: &Key) {
+        if let Some(woken) = self.drained(key)
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            let _ = tokio::time::timeout(TAKE_DEADLINE, woken).await;
+        }
+    }
 }
 
 /// Ends a turn at taking a lease however the task ends (an answer, an error, a panic, the
@@ -516,15 +589,23 @@ async fn take<S: Store>(
     // The retired leases' rests go back beside the take, not before it: the requests
     // waiting for the lease wait one round trip, not two. (Their timers find them gone:
     // nothing is given back twice.)
+    // Each was counted as on its way back when it was retired; landed (or failed), it
+    // is not, so a reset waiting for it goes on.
     let mut going_back = Vec::new();
     for lease in &retired {
-        if let Some(future) = give_back(&*inner, &id.0, lease) {
-            let mut future = Box::pin(given_back(future));
-            // An in-process store answers at once; one doing I/O finishes in a task.
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if future.as_mut().poll(&mut cx).is_pending() {
-                going_back.push(tokio::spawn(future));
-            }
+        let Some(future) = give_back(&*inner, &id.0, lease) else {
+            leases.given_back(&id.0);
+            continue;
+        };
+        let (landed, key) = (Arc::clone(&leases), id.0.clone());
+        let mut future = Box::pin(async move {
+            given_back(future).await;
+            landed.given_back(&key);
+        });
+        // An in-process store answers at once; one doing I/O finishes in a task.
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if future.as_mut().poll(&mut cx).is_pending() {
+            going_back.push(tokio::spawn(future));
         }
     }
     // Detached from any request, so bounded here: a store that never answers must not
@@ -594,6 +675,8 @@ async fn take<S: Store>(
             let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
             Some(open.leases.swap_remove(index))
         });
+        let going_back = ended.as_ref().is_some_and(|lease| lease.left > 0);
+        shard.giving_back(&id.0, usize::from(going_back));
         shard.forget_idle(&id.0);
         ended
     };
@@ -602,6 +685,7 @@ async fn take<S: Store>(
         .and_then(|lease| give_back(&*inner, &id.0, lease))
     {
         given_back(future).await;
+        leases.given_back(&id.0);
     }
 }
 
@@ -727,11 +811,12 @@ impl<S: Store> Store for Leased<S> {
             return self.inner.adjust(key, policies, adjustment);
         }
         self.leases.forget_cleared(key, policies);
-        let (leases, key_owned, set) = (Arc::clone(&self.leases), key.clone(), policies.clone());
-        let adjusted = self.inner.adjust(key, policies, adjustment);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
         DecideFuture::new(async move {
-            let landed = adjusted.await;
-            leases.forget_cleared(&key_owned, &set);
+            leases.until_given_back(&key).await;
+            let landed = inner.adjust(&key, &set, &adjustment).await;
+            leases.forget_cleared(&key, &set);
             landed
         })
     }
@@ -745,13 +830,16 @@ impl<S: Store> Store for Leased<S> {
         // clears, under this set or any set sharing a policy with it. A lease being taken
         // keeps its turn (one at a time still holds), but is not spent when it comes.
         // Done when the reset is sent and again when it has landed: a lease taken
-        // meanwhile may have been debited before it.
+        // meanwhile may have been debited before it. The rests of leases on their way
+        // back land first: one landing after the reset would give its units back into
+        // the fresh state.
         self.leases.forget_cleared(key, policies);
-        let (leases, key_owned, set) = (Arc::clone(&self.leases), key.clone(), policies.clone());
-        let reset = self.inner.reset(key, policies);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        let (key, set) = (key.clone(), policies.clone());
         Box::pin(async move {
-            let landed = reset.await;
-            leases.forget_cleared(&key_owned, &set);
+            leases.until_given_back(&key).await;
+            let landed = inner.reset(&key, &set).await;
+            leases.forget_cleared(&key, &set);
             landed
         })
     }
@@ -895,6 +983,44 @@ mod tests {
                 "admitted after set_remaining(0) through {name}"
             );
         }
+    }
+
+    /// A lease's rest on its way back (retired for a costlier request) when a reset is
+    /// sent: landing after the reset, on another connection, it gave its units back into
+    /// the fresh state, and a limit of 10 admitted 14 after the reset. The reset now waits
+    /// for the key's give-backs on their way to land first.
+    #[tokio::test]
+    async fn a_reset_waits_for_the_give_backs_on_their_way() {
+        let clock = ManualClock::new();
+        let held = Held::new(&clock, usize::MAX >> 4, usize::MAX >> 4).holding_adjustments();
+        let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        // A lease of 5, one spent; a request of 5 retires its rest of 4 (held on its way
+        // back) and takes a lease of 5 more: the window is spent.
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        assert!(store.decide(&key, &policies, 5).await.unwrap().is_allowed());
+        assert_eq!(
+            held.inner.check("k", &policies, 0).statuses()[0].remaining,
+            0
+        );
+        let reset = tokio::spawn(store.reset(&key, &policies));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let before = admitted(&store, &key, &policies).await;
+        held.adjusts.add_permits(1_000);
+        reset.await.unwrap().unwrap();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let after = admitted(&store, &key, &policies).await;
+        assert_eq!(
+            before + after,
+            10,
+            "admitted under a limit of 10 after the reset ({before} while the rest was on its way)"
+        );
     }
 
     /// A reset is sent, then lands a round trip later (Redis's `DEL`): a lease taken in
