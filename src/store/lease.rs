@@ -31,9 +31,10 @@ const SHARDS: usize = 16;
 ///   count a strike early.
 /// - A reset or a `set_remaining` through any set forgets the open leases of every set
 ///   that shares a policy with it (their units were debited from the state it clears or
-///   sets), without giving them back; and it is sent once the rests of the identity's
-///   leases already on their way back have landed (2 s at most), so that none lands
-///   after it into the state it cleared or set.
+///   sets), without giving them back. When rests of the identity's leases are on their
+///   way back, it is sent once they have landed (2 s at most), so that none lands after
+///   it into the state it cleared or set; otherwise at once. (A lease taken and retired
+///   while the reset itself is on its way can still send its rest behind it.)
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
@@ -129,6 +130,33 @@ struct Identity {
     giving_back: usize,
     /// Resets waiting for `giving_back` to come to 0.
     drained: Vec<oneshot::Sender<()>>,
+}
+
+/// One rest of a lease counted as on its way back (by [`Shard::giving_back`]) until this
+/// is dropped: when its give-back has landed or failed, or was dropped unsent (a task cut
+/// short, a runtime shut down), so the count always comes back to 0. Never dropped while
+/// the shard is locked (dropping it locks it).
+struct OnItsWay {
+    leases: Arc<Leases>,
+    key: Key,
+}
+
+impl OnItsWay {
+    /// `count` guards for rests of `key`'s leases already counted.
+    fn each(leases: &Arc<Leases>, key: &Key, count: usize) -> Vec<Self> {
+        (0..count)
+            .map(|_| Self {
+                leases: Arc::clone(leases),
+                key: key.clone(),
+            })
+            .collect()
+    }
+}
+
+impl Drop for OnItsWay {
+    fn drop(&mut self) {
+        self.leases.given_back(&self.key);
+    }
 }
 
 impl Shard {
@@ -313,18 +341,28 @@ impl<S: Store> Leased<S> {
             for (key, identity) in shard.0.iter_mut() {
                 for (_, leases) in identity.sets.iter_mut() {
                     for lease in leases.leases.drain(..) {
-                        identity.giving_back += usize::from(lease.left > 0);
-                        open.push((key.clone(), lease));
+                        if lease.left > 0 {
+                            identity.giving_back += 1;
+                            open.push((key.clone(), lease));
+                        }
                     }
                 }
             }
         }
+        // Counted as on their way back until each has landed, or this is cut short.
+        let open: Vec<(Key, Lease, OnItsWay)> = open
+            .into_iter()
+            .map(|(key, lease)| {
+                let mut guard = OnItsWay::each(&self.leases, &key, 1);
+                (key, lease, guard.remove(0))
+            })
+            .collect();
         // Their timers find them gone: nothing is given back twice.
-        for (key, lease) in open {
+        for (key, lease, on_its_way) in open {
             if let Some(future) = give_back(&*self.inner, &key, &lease) {
                 given_back(future).await;
-                self.leases.given_back(&key);
             }
+            drop(on_its_way);
         }
     }
 
@@ -333,6 +371,9 @@ impl<S: Store> Leased<S> {
     /// given back in time) whatever happens to this request, which waits for it like any
     /// other.
     fn begin_take(&self, id: &Id, policies: &PolicySet, cost: u64, retired: Vec<Lease>) -> Step {
+        // `step` counted the retired rests as on their way back: so they are until these
+        // are dropped, however the take ends.
+        let on_their_way = OnItsWay::each(&self.leases, &id.0, retired.len());
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let woken = self.leases.wait(id);
@@ -347,7 +388,7 @@ impl<S: Store> Leased<S> {
                 runtime.spawn(take(
                     Arc::clone(&self.inner),
                     turn,
-                    retired,
+                    retired.into_iter().zip(on_their_way).collect(),
                     policies.clone(),
                     self.lease_units(policies, cost),
                     self.ttl,
@@ -355,16 +396,12 @@ impl<S: Store> Leased<S> {
                 Step::Wait(woken)
             }
             Err(_) => {
-                // Nothing can give their rests back: the retired leases stay open.
-                let mut shard = self.leases.shard(&id.0);
-                let count = retired.len();
-                if let Some(open) = shard.get_mut(id) {
+                // Nothing can give their rests back: the retired leases stay open (and are
+                // not on their way back: the guards go once the shard is unlocked).
+                if let Some(open) = self.leases.shard(&id.0).get_mut(id) {
                     open.leases.extend(retired);
                 }
-                drop(shard);
-                for _ in 0..count {
-                    self.leases.given_back(&id.0);
-                }
+                drop(on_their_way);
                 self.leases.abandon(id);
                 Step::Alone
             }
@@ -521,6 +558,7 @@ impl Leases {
     fn given_back(&self, key: &Key) {
         let mut shard = self.shard(key);
         if let Some(identity) = shard.0.get_mut(key) {
+            debug_assert!(identity.giving_back > 0, "a rest counted back twice");
             identity.giving_back = identity.giving_back.saturating_sub(1);
             if identity.giving_back == 0 {
                 for drained in identity.drained.drain(..) {
@@ -547,11 +585,19 @@ impl Leases {
     /// back, before a reset or a `set_remaining` is sent: one landing after it would give
     /// its units back into the state it clears or sets.
     async fn until_given_back(&self, key: &Key) {
-        if let Some(woken) = self.drained(key)
-            && tokio::runtime::Handle::try_current().is_ok()
+        if tokio::runtime::Handle::try_current().is_ok()
+            && let Some(woken) = self.drained(key)
         {
             let _ = tokio::time::timeout(TAKE_DEADLINE, woken).await;
         }
+    }
+
+    /// True when rests of `key`'s leases are on their way back.
+    fn giving_back(&self, key: &Key) -> bool {
+        self.shard(key)
+            .0
+            .get(key)
+            .is_some_and(|identity| identity.giving_back > 0)
     }
 }
 
@@ -580,7 +626,7 @@ impl Drop for Turn {
 async fn take<S: Store>(
     inner: Arc<S>,
     mut turn: Turn,
-    retired: Vec<Lease>,
+    retired: Vec<(Lease, OnItsWay)>,
     policies: PolicySet,
     units: u64,
     ttl: Duration,
@@ -592,15 +638,13 @@ async fn take<S: Store>(
     // Each was counted as on its way back when it was retired; landed (or failed), it
     // is not, so a reset waiting for it goes on.
     let mut going_back = Vec::new();
-    for lease in &retired {
-        let Some(future) = give_back(&*inner, &id.0, lease) else {
-            leases.given_back(&id.0);
+    for (lease, on_its_way) in retired {
+        let Some(future) = give_back(&*inner, &id.0, &lease) else {
             continue;
         };
-        let (landed, key) = (Arc::clone(&leases), id.0.clone());
         let mut future = Box::pin(async move {
             given_back(future).await;
-            landed.given_back(&key);
+            drop(on_its_way);
         });
         // An in-process store answers at once; one doing I/O finishes in a task.
         let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
@@ -675,18 +719,20 @@ async fn take<S: Store>(
             let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
             Some(open.leases.swap_remove(index))
         });
-        let going_back = ended.as_ref().is_some_and(|lease| lease.left > 0);
-        shard.giving_back(&id.0, usize::from(going_back));
+        let going_back = usize::from(ended.as_ref().is_some_and(|lease| lease.left > 0));
+        shard.giving_back(&id.0, going_back);
         shard.forget_idle(&id.0);
-        ended
+        (ended, going_back)
     };
+    let (ended, going_back) = ended;
+    let on_its_way = OnItsWay::each(&leases, &id.0, going_back);
     if let Some(future) = ended
         .as_ref()
         .and_then(|lease| give_back(&*inner, &id.0, lease))
     {
         given_back(future).await;
-        leases.given_back(&id.0);
     }
+    drop(on_its_way);
 }
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
@@ -813,9 +859,18 @@ impl<S: Store> Store for Leased<S> {
         self.leases.forget_cleared(key, policies);
         let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
         let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+        // Sent now, as any adjustment, unless rests are on their way back: then once they
+        // have landed (forgetting again the leases taken meanwhile).
+        let now = (!self.leases.giving_back(&key)).then(|| inner.adjust(&key, &set, &adjustment));
         DecideFuture::new(async move {
-            leases.until_given_back(&key).await;
-            let landed = inner.adjust(&key, &set, &adjustment).await;
+            let landed = match now {
+                Some(adjusted) => adjusted.await,
+                None => {
+                    leases.until_given_back(&key).await;
+                    leases.forget_cleared(&key, &set);
+                    inner.adjust(&key, &set, &adjustment).await
+                }
+            };
             leases.forget_cleared(&key, &set);
             landed
         })
@@ -836,9 +891,18 @@ impl<S: Store> Store for Leased<S> {
         self.leases.forget_cleared(key, policies);
         let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
         let (key, set) = (key.clone(), policies.clone());
+        // Sent now, unless rests are on their way back: then once they have landed
+        // (forgetting again the leases taken meanwhile).
+        let now = (!self.leases.giving_back(&key)).then(|| inner.reset(&key, &set));
         Box::pin(async move {
-            leases.until_given_back(&key).await;
-            let landed = inner.reset(&key, &set).await;
+            let landed = match now {
+                Some(reset) => reset.await,
+                None => {
+                    leases.until_given_back(&key).await;
+                    leases.forget_cleared(&key, &set);
+                    inner.reset(&key, &set).await
+                }
+            };
             leases.forget_cleared(&key, &set);
             landed
         })
@@ -1020,6 +1084,34 @@ mod tests {
             before + after,
             10,
             "admitted under a limit of 10 after the reset ({before} while the rest was on its way)"
+        );
+        assert!(
+            !store.leases.giving_back(&key),
+            "nothing is on its way back"
+        );
+    }
+
+    /// A rest counted as on its way back is no more when its give-back is dropped unsent
+    /// (`release_all` cut short by a timeout, a runtime shutting down): counted for ever,
+    /// every later reset of the identity would wait for it.
+    #[tokio::test]
+    async fn a_give_back_dropped_on_its_way_is_no_longer_waited_for() {
+        let clock = ManualClock::new();
+        let held = Held::new(&clock, usize::MAX >> 4, usize::MAX >> 4).holding_adjustments();
+        let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        // Polled once (its give-back held), then dropped: cut short.
+        let mut release = Box::pin(store.release_all());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(release.as_mut().poll(&mut cx).is_pending());
+        assert!(store.leases.giving_back(&key));
+        drop(release);
+        assert!(
+            !store.leases.giving_back(&key),
+            "still counted after it was dropped"
         );
     }
 
