@@ -142,14 +142,17 @@ struct OnItsWay {
 }
 
 impl OnItsWay {
+    /// The guard of one rest of `key`'s leases already counted.
+    fn one(leases: &Arc<Leases>, key: &Key) -> Self {
+        Self {
+            leases: Arc::clone(leases),
+            key: key.clone(),
+        }
+    }
+
     /// `count` guards for rests of `key`'s leases already counted.
     fn each(leases: &Arc<Leases>, key: &Key, count: usize) -> Vec<Self> {
-        (0..count)
-            .map(|_| Self {
-                leases: Arc::clone(leases),
-                key: key.clone(),
-            })
-            .collect()
+        (0..count).map(|_| Self::one(leases, key)).collect()
     }
 }
 
@@ -353,8 +356,8 @@ impl<S: Store> Leased<S> {
         let open: Vec<(Key, Lease, OnItsWay)> = open
             .into_iter()
             .map(|(key, lease)| {
-                let mut guard = OnItsWay::each(&self.leases, &key, 1);
-                (key, lease, guard.remove(0))
+                let on_its_way = OnItsWay::one(&self.leases, &key);
+                (key, lease, on_its_way)
             })
             .collect();
         // Their timers find them gone: nothing is given back twice.
