@@ -31,7 +31,8 @@ const SHARDS: usize = 16;
 ///   count a strike early.
 /// - A reset or a `set_remaining` through any set forgets the open leases of every set
 ///   that shares a policy with it (their units were debited from the state it clears or
-///   sets), without giving them back. When rests of the identity's leases are on their
+///   sets), and gives back what they did not spend under their other policies only (the
+///   `hourly` of `[daily, hourly]`, reset through `[daily]`). When rests of the identity's leases are on their
 ///   way back, it is sent once they have landed (2 s at most), so that none lands after
 ///   it into the state it cleared or set; otherwise at once. (A lease taken and retired
 ///   while the reset itself is on its way can still send its rest behind it.)
@@ -859,7 +860,7 @@ impl<S: Store> Store for Leased<S> {
         if !matches!(adjustment.change(), super::Change::SetRemaining { .. }) {
             return self.inner.adjust(key, policies, adjustment);
         }
-        self.leases.forget_cleared(key, policies);
+        let mut rests = self.leases.forget_cleared(key, policies);
         let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
         let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
         // Sent now, as any adjustment, unless rests are on their way back: then once they
@@ -870,11 +871,12 @@ impl<S: Store> Store for Leased<S> {
                 Some(adjusted) => adjusted.await,
                 None => {
                     leases.until_given_back(&key).await;
-                    leases.forget_cleared(&key, &set);
+                    rests.extend(leases.forget_cleared(&key, &set));
                     inner.adjust(&key, &set, &adjustment).await
                 }
             };
-            leases.forget_cleared(&key, &set);
+            rests.extend(leases.forget_cleared(&key, &set));
+            Leases::give_back_rests(&*inner, &key, rests).await;
             landed
         })
     }
@@ -891,7 +893,7 @@ impl<S: Store> Store for Leased<S> {
         // meanwhile may have been debited before it. The rests of leases on their way
         // back land first: one landing after the reset would give its units back into
         // the fresh state.
-        self.leases.forget_cleared(key, policies);
+        let mut rests = self.leases.forget_cleared(key, policies);
         let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
         let (key, set) = (key.clone(), policies.clone());
         // Sent now, unless rests are on their way back: then once they have landed
@@ -902,11 +904,12 @@ impl<S: Store> Store for Leased<S> {
                 Some(reset) => reset.await,
                 None => {
                     leases.until_given_back(&key).await;
-                    leases.forget_cleared(&key, &set);
+                    rests.extend(leases.forget_cleared(&key, &set));
                     inner.reset(&key, &set).await
                 }
             };
-            leases.forget_cleared(&key, &set);
+            rests.extend(leases.forget_cleared(&key, &set));
+            Leases::give_back_rests(&*inner, &key, rests).await;
             landed
         })
     }
@@ -914,24 +917,61 @@ impl<S: Store> Store for Leased<S> {
 
 impl Leases {
     /// Forgets the leases of `key` whose state a reset (or `set_remaining`) through
-    /// `policies` clears: those of every set sharing a policy with it. Not given back:
-    /// the state they were debited from is gone (or set). A refusal of such a set spoke
-    /// of the state before; a lease such a set is taking is not recorded when it comes.
-    fn forget_cleared(&self, key: &Key, policies: &PolicySet) {
+    /// `policies` clears: those of every set sharing a policy with it. A refusal of such a
+    /// set spoke of the state before; a lease such a set is taking is not recorded when
+    /// it comes. What they did not spend is not given back under the cleared policies
+    /// (the state they were debited from is gone, or set), but it is under their others
+    /// (`hourly` of `[daily, hourly]`, reset through `[daily]`): those leases are returned,
+    /// each marked as not debited under the cleared policies, for the caller to give back.
+    #[must_use]
+    fn forget_cleared(&self, key: &Key, policies: &PolicySet) -> Vec<Lease> {
+        let clears = |held: &crate::policy::Policy| {
+            policies
+                .iter()
+                .any(|cleared| held.id() == cleared.id() || held.decides_as(cleared))
+        };
+        let mut rests = Vec::new();
         let mut shard = self.shard(key);
         for open in shard.sets_of(key) {
-            let shares = open.policies.iter().any(|held| {
-                policies
+            // The lease's policies the change clears, by bit (past 64: all of them).
+            let cleared =
+                open.policies
                     .iter()
-                    .any(|cleared| held.id() == cleared.id() || held.decides_as(cleared))
-            });
-            if shares {
-                open.leases.clear();
-                open.refused_until = None;
-                open.reset_while_taking = open.taking;
+                    .enumerate()
+                    .fold(0u64, |mask, (index, held)| {
+                        match (clears(held), index < 64) {
+                            (true, true) => mask | (1 << index),
+                            (true, false) => u64::MAX,
+                            (false, _) => mask,
+                        }
+                    });
+            if cleared == 0 {
+                continue;
             }
+            let all_cleared = open.policies.iter().all(clears);
+            for mut lease in open.leases.drain(..) {
+                if lease.left > 0 && !all_cleared {
+                    lease.receipt = lease
+                        .receipt
+                        .with_undebited(lease.receipt.undebited() | cleared);
+                    rests.push(lease);
+                }
+            }
+            open.refused_until = None;
+            open.reset_while_taking = open.taking;
         }
         shard.forget_idle(key);
+        rests
+    }
+
+    /// Gives back what `rests` (from [`forget_cleared`](Self::forget_cleared)) did not
+    /// spend, under the policies the change did not clear.
+    async fn give_back_rests<S: Store>(inner: &S, key: &Key, rests: Vec<Lease>) {
+        for lease in rests {
+            if let Some(future) = give_back(inner, key, &lease) {
+                given_back(future).await;
+            }
+        }
     }
 }
 
@@ -1026,6 +1066,22 @@ mod tests {
             admitted, 10,
             "admitted under a daily limit of 10 after the reset"
         );
+    }
+
+    /// A reset through `[daily]` clears the daily state a lease of `[daily, hourly]` was
+    /// debited from, but not the hourly one: what the lease did not spend goes back under
+    /// the hourly policy alone. Forgotten whole, the hourly quota under-admitted by the
+    /// lease's rest until its window ended (95 left where 99).
+    #[tokio::test]
+    async fn a_reset_gives_back_a_forgotten_lease_under_the_policies_it_did_not_clear() {
+        let (store, held) = leased(1_000, 1_000);
+        let (both, alone) = daily_with_and_without_hourly();
+        let key = Key::new("k");
+        assert!(store.decide(&key, &both, 1).await.unwrap().is_allowed());
+        store.reset(&key, &alone).await.unwrap();
+        let statuses = held.inner.check("k", &both, 0);
+        assert_eq!(statuses.statuses()[0].remaining, 10, "the day was reset");
+        assert_eq!(statuses.statuses()[1].remaining, 99, "the hour spent 1");
     }
 
     /// `set_remaining` sets the shared state: what an open lease still holds was debited
