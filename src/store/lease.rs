@@ -412,6 +412,29 @@ impl<S: Store> Leased<S> {
         }
     }
 
+    /// Sends what `rests` (from [`Leases::forget_cleared`], counted as on their way back)
+    /// did not spend, at once, under the policies the change did not clear: beside the
+    /// change (the give-back skips every policy it clears), in a task of its own where the
+    /// store does I/O, so that a concurrent change of the other policies waits for it.
+    fn send_rests(leases: &Arc<Leases>, inner: &Arc<S>, key: &Key, rests: Vec<Lease>) {
+        let on_their_way = OnItsWay::each(leases, key, rests.len());
+        for (lease, on_its_way) in rests.into_iter().zip(on_their_way) {
+            let Some(future) = give_back(&**inner, key, &lease) else {
+                continue;
+            };
+            let mut future = Box::pin(async move {
+                given_back(future).await;
+                drop(on_its_way);
+            });
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if future.as_mut().poll(&mut cx).is_pending()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                runtime.spawn(future);
+            }
+        }
+    }
+
     fn leasable(policies: &PolicySet) -> bool {
         // A set made from one with penalties (a waiter's, a shadow layer's) is not leased
         // either: a lease would take units the penalised set's requests then miss.
@@ -860,23 +883,27 @@ impl<S: Store> Store for Leased<S> {
         if !matches!(adjustment.change(), super::Change::SetRemaining { .. }) {
             return self.inner.adjust(key, policies, adjustment);
         }
-        let mut rests = self.leases.forget_cleared(key, policies);
-        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
-        let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
         // Sent now, as any adjustment, unless rests are on their way back: then once they
-        // have landed (forgetting again the leases taken meanwhile).
-        let now = (!self.leases.giving_back(&key)).then(|| inner.adjust(&key, &set, &adjustment));
+        // have landed (forgetting again the leases taken meanwhile). The forgotten
+        // leases' rests under the other policies go at once, beside it.
+        let waits = self.leases.giving_back(key);
+        let rests = self.leases.forget_cleared(key, policies);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        Self::send_rests(&leases, &inner, key, rests);
+        let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+        let now = (!waits).then(|| inner.adjust(&key, &set, &adjustment));
         DecideFuture::new(async move {
             let landed = match now {
                 Some(adjusted) => adjusted.await,
                 None => {
                     leases.until_given_back(&key).await;
-                    rests.extend(leases.forget_cleared(&key, &set));
+                    let rests = leases.forget_cleared(&key, &set);
+                    Self::send_rests(&leases, &inner, &key, rests);
                     inner.adjust(&key, &set, &adjustment).await
                 }
             };
-            rests.extend(leases.forget_cleared(&key, &set));
-            Leases::give_back_rests(&*inner, &key, rests).await;
+            let rests = leases.forget_cleared(&key, &set);
+            Self::send_rests(&leases, &inner, &key, rests);
             landed
         })
     }
@@ -893,23 +920,27 @@ impl<S: Store> Store for Leased<S> {
         // meanwhile may have been debited before it. The rests of leases on their way
         // back land first: one landing after the reset would give its units back into
         // the fresh state.
-        let mut rests = self.leases.forget_cleared(key, policies);
-        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
-        let (key, set) = (key.clone(), policies.clone());
         // Sent now, unless rests are on their way back: then once they have landed
-        // (forgetting again the leases taken meanwhile).
-        let now = (!self.leases.giving_back(&key)).then(|| inner.reset(&key, &set));
+        // (forgetting again the leases taken meanwhile). The forgotten leases' rests
+        // under the other policies go at once, beside it (they skip what it clears).
+        let waits = self.leases.giving_back(key);
+        let rests = self.leases.forget_cleared(key, policies);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        Self::send_rests(&leases, &inner, key, rests);
+        let (key, set) = (key.clone(), policies.clone());
+        let now = (!waits).then(|| inner.reset(&key, &set));
         Box::pin(async move {
             let landed = match now {
                 Some(reset) => reset.await,
                 None => {
                     leases.until_given_back(&key).await;
-                    rests.extend(leases.forget_cleared(&key, &set));
+                    let rests = leases.forget_cleared(&key, &set);
+                    Self::send_rests(&leases, &inner, &key, rests);
                     inner.reset(&key, &set).await
                 }
             };
-            rests.extend(leases.forget_cleared(&key, &set));
-            Leases::give_back_rests(&*inner, &key, rests).await;
+            let rests = leases.forget_cleared(&key, &set);
+            Self::send_rests(&leases, &inner, &key, rests);
             landed
         })
     }
@@ -919,10 +950,11 @@ impl Leases {
     /// Forgets the leases of `key` whose state a reset (or `set_remaining`) through
     /// `policies` clears: those of every set sharing a policy with it. A refusal of such a
     /// set spoke of the state before; a lease such a set is taking is not recorded when
-    /// it comes. What they did not spend is not given back under the cleared policies
-    /// (the state they were debited from is gone, or set), but it is under their others
-    /// (`hourly` of `[daily, hourly]`, reset through `[daily]`): those leases are returned,
-    /// each marked as not debited under the cleared policies, for the caller to give back.
+    /// it comes (whole). What the open ones did not spend is not given back under the
+    /// cleared policies (the state they were debited from is gone, or set), but it is
+    /// under their others (`hourly` of `[daily, hourly]`, reset through `[daily]`): those
+    /// leases are returned, each marked as not debited under the cleared policies, and
+    /// counted as on their way back, for the caller to send at once.
     #[must_use]
     fn forget_cleared(&self, key: &Key, policies: &PolicySet) -> Vec<Lease> {
         let clears = |held: &crate::policy::Policy| {
@@ -933,24 +965,23 @@ impl Leases {
         let mut rests = Vec::new();
         let mut shard = self.shard(key);
         for open in shard.sets_of(key) {
-            // The lease's policies the change clears, by bit (past 64: all of them).
-            let cleared =
-                open.policies
-                    .iter()
-                    .enumerate()
-                    .fold(0u64, |mask, (index, held)| {
-                        match (clears(held), index < 64) {
-                            (true, true) => mask | (1 << index),
-                            (true, false) => u64::MAX,
-                            (false, _) => mask,
-                        }
-                    });
-            if cleared == 0 {
+            if !open.policies.iter().any(clears) {
                 continue;
             }
-            let all_cleared = open.policies.iter().all(clears);
             for mut lease in open.leases.drain(..) {
-                if lease.left > 0 && !all_cleared {
+                // The lease's policies the change clears, by bit; past the 64 a receipt
+                // names one by one, or every one of them: nothing to give back.
+                let mut cleared = 0u64;
+                let mut named = true;
+                for (index, held) in lease.policies.iter().enumerate() {
+                    match (clears(held), index < 64) {
+                        (true, true) => cleared |= 1 << index,
+                        (true, false) => named = false,
+                        (false, _) => {}
+                    }
+                }
+                let kept = lease.policies.iter().any(|held| !clears(held));
+                if lease.left > 0 && named && kept {
                     lease.receipt = lease
                         .receipt
                         .with_undebited(lease.receipt.undebited() | cleared);
@@ -960,18 +991,9 @@ impl Leases {
             open.refused_until = None;
             open.reset_while_taking = open.taking;
         }
+        shard.giving_back(key, rests.len());
         shard.forget_idle(key);
         rests
-    }
-
-    /// Gives back what `rests` (from [`forget_cleared`](Self::forget_cleared)) did not
-    /// spend, under the policies the change did not clear.
-    async fn give_back_rests<S: Store>(inner: &S, key: &Key, rests: Vec<Lease>) {
-        for lease in rests {
-            if let Some(future) = give_back(inner, key, &lease) {
-                given_back(future).await;
-            }
-        }
     }
 }
 
@@ -1082,6 +1104,25 @@ mod tests {
         let statuses = held.inner.check("k", &both, 0);
         assert_eq!(statuses.statuses()[0].remaining, 10, "the day was reset");
         assert_eq!(statuses.statuses()[1].remaining, 99, "the hour spent 1");
+    }
+
+    /// The rest a reset gives back under its other policies goes at once, beside the
+    /// reset: given back once the reset had landed, it could land after a concurrent
+    /// `set_remaining(0)` of those policies (4 left where 0).
+    #[tokio::test]
+    async fn a_rest_given_back_beside_a_reset_does_not_undo_a_later_level_set() {
+        let memory = MemoryStore::builder().clock(ManualClock::new()).build();
+        let store = Leased::new(memory.clone(), 5, Duration::from_secs(60)).unwrap();
+        let (both, alone) = daily_with_and_without_hourly();
+        let hourly = PolicySet::from(both.policies()[1].clone());
+        let key = Key::new("k");
+        assert!(store.decide(&key, &both, 1).await.unwrap().is_allowed());
+        let reset = store.reset(&key, &alone);
+        let set = store.adjust(&key, &hourly, &Adjustment::set_remaining(0));
+        let (reset, set) = tokio::join!(reset, set);
+        reset.unwrap();
+        set.unwrap();
+        assert_eq!(memory.check("k", &hourly, 0).statuses()[0].remaining, 0);
     }
 
     /// `set_remaining` sets the shared state: what an open lease still holds was debited

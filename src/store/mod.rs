@@ -92,6 +92,11 @@ pub trait Store: Send + Sync + 'static {
     ///   one whole quota past what is left);
     /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
     ///
+    /// A settle, a release or an unbooking leaves alone every policy the receipt says was
+    /// not debited ([`Receipt::undebited`](crate::Receipt::undebited): a shadow policy that
+    /// would have denied, every policy of a refusal, the policies a reset cleared under a
+    /// [`Leased`] rest), whatever the reason.
+    ///
     /// The default refuses with [`StoreErrorKind::Unsupported`]; a store that implements
     /// it says so with [`can_adjust`](Self::can_adjust).
     ///
