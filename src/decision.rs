@@ -173,6 +173,15 @@ impl Receipt {
     }
 }
 
+/// The undebited mask a decision's receipt carries for its outcome: every policy of a
+/// refusal (it debited nothing, past the 64th too), none of an admission.
+const fn refused(outcome: Outcome) -> u64 {
+    match outcome {
+        Outcome::Allowed { .. } => 0,
+        _ => u64::MAX,
+    }
+}
+
 impl Decision {
     /// A decision with one status per policy, in the policy set's order.
     #[inline]
@@ -185,16 +194,12 @@ impl Decision {
     /// by a caller that releases whatever it got) changes nothing, in any store.
     #[inline]
     pub(crate) fn with_statuses(outcome: Outcome, statuses: SmallVec<[PolicyStatus; 2]>) -> Self {
-        let undebited = match outcome {
-            Outcome::Allowed { .. } => 0,
-            _ => u64::MAX,
-        };
         Self {
             outcome,
             statuses,
             cached: false,
             block: 0,
-            receipt: Receipt::default().with_undebited(undebited),
+            receipt: Receipt::default().with_undebited(refused(outcome)),
             shadow_denied: 0,
         }
     }
@@ -241,16 +246,12 @@ impl Decision {
         at: u64,
         shadow_denied: u64,
     ) -> Self {
-        let undebited = match outcome {
-            Outcome::Allowed { .. } => shadow_denied,
-            _ => u64::MAX,
-        };
         Self {
             outcome,
             statuses,
             cached: false,
             block: 0,
-            receipt: Receipt::new(at, 0).with_undebited(undebited),
+            receipt: Receipt::new(at, 0).with_undebited(shadow_denied | refused(outcome)),
             shadow_denied,
         }
     }
@@ -259,11 +260,8 @@ impl Decision {
     /// [`Store::adjust`](crate::Store::adjust).
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
         // A refusal debited nothing, whatever the receipt says.
-        let refused = match self.outcome {
-            Outcome::Allowed { .. } => 0,
-            _ => u64::MAX,
-        };
-        self.receipt = receipt.with_undebited(receipt.undebited() | self.shadow_denied | refused);
+        let undebited = receipt.undebited() | self.shadow_denied | refused(self.outcome);
+        self.receipt = receipt.with_undebited(undebited);
         self
     }
 

@@ -68,6 +68,15 @@ fn over_a_flaky_store() -> (Router, Arc<AtomicBool>) {
     (app, down)
 }
 
+/// `GET /` through `app`: the answer's status.
+async fn status_of_get(app: &Router) -> StatusCode {
+    app.clone()
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap()
+        .status()
+}
+
 #[test]
 fn decisions_errors_fallback_and_latency_are_reported() {
     let recorder = DebuggingRecorder::new();
@@ -78,13 +87,7 @@ fn decisions_errors_fallback_and_latency_are_reported() {
         .unwrap();
     metrics::with_local_recorder(&recorder, || {
         runtime.block_on(async {
-            let send = || async {
-                app.clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap()
-                    .status()
-            };
+            let send = || status_of_get(&app);
             assert_eq!(send().await, StatusCode::OK);
             assert_eq!(send().await, StatusCode::OK);
             assert_eq!(send().await, StatusCode::TOO_MANY_REQUESTS);
@@ -155,13 +158,7 @@ fn decisions_of_the_fallback_are_counted_apart() {
         .unwrap();
     metrics::with_local_recorder(&recorder, || {
         runtime.block_on(async {
-            let send = || async {
-                app.clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap()
-                    .status()
-            };
+            let send = || status_of_get(&app);
             assert_eq!(send().await, StatusCode::OK);
             let seen = snapshot(&snapshotter);
             assert_eq!(

@@ -198,7 +198,7 @@ impl Shard {
     }
 
     /// `count` more rests of `key`'s leases are on their way back.
-    fn giving_back(&mut self, key: &Key, count: usize) {
+    fn add_giving_back(&mut self, key: &Key, count: usize) {
         if count > 0 {
             self.0.entry(key.clone()).or_default().giving_back += count;
         }
@@ -344,23 +344,15 @@ impl<S: Store> Leased<S> {
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             for (key, identity) in shard.0.iter_mut() {
                 for (_, leases) in identity.sets.iter_mut() {
-                    for lease in leases.leases.drain(..) {
-                        if lease.left > 0 {
-                            identity.giving_back += 1;
-                            open.push((key.clone(), lease));
-                        }
+                    // Counted as on their way back until each has landed, or this is cut
+                    // short (the guards are dropped once the shard is unlocked).
+                    for lease in leases.leases.drain(..).filter(|lease| lease.left > 0) {
+                        identity.giving_back += 1;
+                        open.push((key.clone(), lease, OnItsWay::one(&self.leases, key)));
                     }
                 }
             }
         }
-        // Counted as on their way back until each has landed, or this is cut short.
-        let open: Vec<(Key, Lease, OnItsWay)> = open
-            .into_iter()
-            .map(|(key, lease)| {
-                let on_its_way = OnItsWay::one(&self.leases, &key);
-                (key, lease, on_its_way)
-            })
-            .collect();
         // Their timers find them gone: nothing is given back twice.
         for (key, lease, on_its_way) in open {
             if let Some(future) = give_back(&*self.inner, &key, &lease) {
@@ -419,19 +411,48 @@ impl<S: Store> Leased<S> {
     fn send_rests(leases: &Arc<Leases>, inner: &Arc<S>, key: &Key, rests: Vec<Lease>) {
         let on_their_way = OnItsWay::each(leases, key, rests.len());
         for (lease, on_its_way) in rests.into_iter().zip(on_their_way) {
-            let Some(future) = give_back(&**inner, key, &lease) else {
-                continue;
+            send_back(&**inner, key, &lease, on_its_way);
+        }
+    }
+
+    /// A change through `policies` that clears (a reset) or sets (`set_remaining`) the
+    /// state of `key`, sent by `send`. The open leases of every set sharing a policy with
+    /// it are forgotten: their units are in that state. A lease being taken keeps its
+    /// turn (one at a time still holds), but is not spent when it comes. Done when the
+    /// change is made and again when it has landed: a lease taken meanwhile may have been
+    /// debited before it. The forgotten leases' rests under their other policies go back
+    /// at once, beside it (they skip what it clears). The change is sent now, unless rests
+    /// are on their way back: then once they have landed (one landing after it would give
+    /// its units back into the state it cleared or set), forgetting again the leases
+    /// taken meanwhile.
+    fn clearing<T, F>(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        send: impl Fn(&S, &Key, &PolicySet) -> F + Send + 'static,
+    ) -> impl Future<Output = T> + Send + 'static
+    where
+        F: Future<Output = T> + Send + 'static,
+    {
+        let waits = self.leases.giving_back(key);
+        let rests = self.leases.forget_cleared(key, policies);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        Self::send_rests(&leases, &inner, key, rests);
+        let (key, set) = (key.clone(), policies.clone());
+        let now = (!waits).then(|| send(&inner, &key, &set));
+        async move {
+            let landed = match now {
+                Some(sent) => sent.await,
+                None => {
+                    leases.until_given_back(&key).await;
+                    let rests = leases.forget_cleared(&key, &set);
+                    Self::send_rests(&leases, &inner, &key, rests);
+                    send(&inner, &key, &set).await
+                }
             };
-            let mut future = Box::pin(async move {
-                given_back(future).await;
-                drop(on_its_way);
-            });
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if future.as_mut().poll(&mut cx).is_pending()
-                && let Ok(runtime) = tokio::runtime::Handle::try_current()
-            {
-                runtime.spawn(future);
-            }
+            let rests = leases.forget_cleared(&key, &set);
+            Self::send_rests(&leases, &inner, &key, rests);
+            landed
         }
     }
 
@@ -527,7 +548,7 @@ impl Leases {
             .into_iter()
             .partition(|lease| lease.ends > now && lease.left > 0 && of_these(lease));
         open.leases = kept;
-        shard.giving_back(&id.0, retired.len());
+        shard.add_giving_back(&id.0, retired.len());
         Step::Take(retired)
     }
 }
@@ -664,21 +685,10 @@ async fn take<S: Store>(
     // nothing is given back twice.)
     // Each was counted as on its way back when it was retired; landed (or failed), it
     // is not, so a reset waiting for it goes on.
-    let mut going_back = Vec::new();
-    for (lease, on_its_way) in retired {
-        let Some(future) = give_back(&*inner, &id.0, &lease) else {
-            continue;
-        };
-        let mut future = Box::pin(async move {
-            given_back(future).await;
-            drop(on_its_way);
-        });
-        // An in-process store answers at once; one doing I/O finishes in a task.
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        if future.as_mut().poll(&mut cx).is_pending() {
-            going_back.push(tokio::spawn(future));
-        }
-    }
+    let going_back: Vec<_> = retired
+        .into_iter()
+        .filter_map(|(lease, on_its_way)| send_back(&*inner, &id.0, &lease, on_its_way))
+        .collect();
     // Detached from any request, so bounded here: a store that never answers must not
     // keep the identity waiting.
     let take_once = || {
@@ -746,20 +756,42 @@ async fn take<S: Store>(
             let index = open.leases.iter().position(|lease| lease.id == lease_id)?;
             Some(open.leases.swap_remove(index))
         });
-        let going_back = usize::from(ended.as_ref().is_some_and(|lease| lease.left > 0));
-        shard.giving_back(&id.0, going_back);
+        let ended = ended.filter(|lease| lease.left > 0);
+        shard.add_giving_back(&id.0, usize::from(ended.is_some()));
         shard.forget_idle(&id.0);
-        (ended, going_back)
+        ended
     };
-    let (ended, going_back) = ended;
-    let on_its_way = OnItsWay::each(&leases, &id.0, going_back);
-    if let Some(future) = ended
-        .as_ref()
-        .and_then(|lease| give_back(&*inner, &id.0, lease))
-    {
-        given_back(future).await;
+    if let Some(lease) = ended {
+        let on_its_way = OnItsWay::one(&leases, &id.0);
+        if let Some(future) = give_back(&*inner, &id.0, &lease) {
+            given_back(future).await;
+        }
+        drop(on_its_way);
     }
-    drop(on_its_way);
+}
+
+/// Sends what `lease` did not spend back to the shared store, counted as on its way back
+/// until it has landed (`on_its_way`): at once for a store that answers at once (in
+/// process), else in a task of its own, whose handle is returned (none without a runtime:
+/// the rest is then dropped, and no longer counted).
+fn send_back<S: Store>(
+    inner: &S,
+    key: &Key,
+    lease: &Lease,
+    on_its_way: OnItsWay,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let future = give_back(inner, key, lease)?;
+    let mut future = Box::pin(async move {
+        given_back(future).await;
+        drop(on_its_way);
+    });
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if future.as_mut().poll(&mut cx).is_ready() {
+        return None;
+    }
+    tokio::runtime::Handle::try_current()
+        .ok()
+        .map(|runtime| runtime.spawn(future))
 }
 
 /// The decision of spending `cost` from leases whose shared state was `statuses`, with
@@ -879,33 +911,14 @@ impl<S: Store> Store for Leased<S> {
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         // Setting what is left sets the shared state: what open leases still hold was
-        // debited before it, and is neither spent after it nor given back.
+        // debited before it, and is not spent after it (see `clearing`).
         if !matches!(adjustment.change(), super::Change::SetRemaining { .. }) {
             return self.inner.adjust(key, policies, adjustment);
         }
-        // Sent now, as any adjustment, unless rests are on their way back: then once they
-        // have landed (forgetting again the leases taken meanwhile). The forgotten
-        // leases' rests under the other policies go at once, beside it.
-        let waits = self.leases.giving_back(key);
-        let rests = self.leases.forget_cleared(key, policies);
-        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
-        Self::send_rests(&leases, &inner, key, rests);
-        let (key, set, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
-        let now = (!waits).then(|| inner.adjust(&key, &set, &adjustment));
-        DecideFuture::new(async move {
-            let landed = match now {
-                Some(adjusted) => adjusted.await,
-                None => {
-                    leases.until_given_back(&key).await;
-                    let rests = leases.forget_cleared(&key, &set);
-                    Self::send_rests(&leases, &inner, &key, rests);
-                    inner.adjust(&key, &set, &adjustment).await
-                }
-            };
-            let rests = leases.forget_cleared(&key, &set);
-            Self::send_rests(&leases, &inner, &key, rests);
-            landed
-        })
+        let adjustment = adjustment.clone();
+        DecideFuture::new(self.clearing(key, policies, move |inner, key, set| {
+            inner.adjust(key, set, &adjustment)
+        }))
     }
 
     fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
@@ -913,36 +926,7 @@ impl<S: Store> Store for Leased<S> {
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        // The leases of a reset key are forgotten: their units are in the state the reset
-        // clears, under this set or any set sharing a policy with it. A lease being taken
-        // keeps its turn (one at a time still holds), but is not spent when it comes.
-        // Done when the reset is sent and again when it has landed: a lease taken
-        // meanwhile may have been debited before it. The rests of leases on their way
-        // back land first: one landing after the reset would give its units back into
-        // the fresh state.
-        // Sent now, unless rests are on their way back: then once they have landed
-        // (forgetting again the leases taken meanwhile). The forgotten leases' rests
-        // under the other policies go at once, beside it (they skip what it clears).
-        let waits = self.leases.giving_back(key);
-        let rests = self.leases.forget_cleared(key, policies);
-        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
-        Self::send_rests(&leases, &inner, key, rests);
-        let (key, set) = (key.clone(), policies.clone());
-        let now = (!waits).then(|| inner.reset(&key, &set));
-        Box::pin(async move {
-            let landed = match now {
-                Some(reset) => reset.await,
-                None => {
-                    leases.until_given_back(&key).await;
-                    let rests = leases.forget_cleared(&key, &set);
-                    Self::send_rests(&leases, &inner, &key, rests);
-                    inner.reset(&key, &set).await
-                }
-            };
-            let rests = leases.forget_cleared(&key, &set);
-            Self::send_rests(&leases, &inner, &key, rests);
-            landed
-        })
+        Box::pin(self.clearing(key, policies, |inner, key, set| inner.reset(key, set)))
     }
 }
 
@@ -991,7 +975,7 @@ impl Leases {
             open.refused_until = None;
             open.reset_while_taking = open.taking;
         }
-        shard.giving_back(key, rests.len());
+        shard.add_giving_back(key, rests.len());
         shard.forget_idle(key);
         rests
     }
@@ -1149,18 +1133,26 @@ mod tests {
         }
     }
 
+    /// A store of 5-unit leases over a `Held` store whose adjustments (the give-backs)
+    /// wait for permits, that store, 10 an hour, and the key `k`.
+    fn holding_adjustments() -> (Leased<Held>, Held, PolicySet, Key) {
+        let held =
+            Held::new(&ManualClock::new(), usize::MAX >> 4, usize::MAX >> 4).holding_adjustments();
+        (
+            Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap(),
+            held,
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap()),
+            Key::new("k"),
+        )
+    }
+
     /// A lease's rest on its way back (retired for a costlier request) when a reset is
     /// sent: landing after the reset, on another connection, it gave its units back into
     /// the fresh state, and a limit of 10 admitted 14 after the reset. The reset now waits
     /// for the key's give-backs on their way to land first.
     #[tokio::test]
     async fn a_reset_waits_for_the_give_backs_on_their_way() {
-        let clock = ManualClock::new();
-        let held = Held::new(&clock, usize::MAX >> 4, usize::MAX >> 4).holding_adjustments();
-        let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
-        let policies =
-            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
-        let key = Key::new("k");
+        let (store, held, policies, key) = holding_adjustments();
         // A lease of 5, one spent; a request of 5 retires its rest of 4 (held on its way
         // back) and takes a lease of 5 more: the window is spent.
         assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
@@ -1196,12 +1188,7 @@ mod tests {
     /// every later reset of the identity would wait for it.
     #[tokio::test]
     async fn a_give_back_dropped_on_its_way_is_no_longer_waited_for() {
-        let clock = ManualClock::new();
-        let held = Held::new(&clock, usize::MAX >> 4, usize::MAX >> 4).holding_adjustments();
-        let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
-        let policies =
-            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
-        let key = Key::new("k");
+        let (store, _held, policies, key) = holding_adjustments();
         assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
         // Polled once (its give-back held), then dropped: cut short.
         let mut release = Box::pin(store.release_all());

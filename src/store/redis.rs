@@ -2031,12 +2031,7 @@ fn parse_reply(
     // denying policy it does not have, is a script answering out of its shape (a bug of
     // ours, or another script under the name), said as such rather than read as a
     // denial of some policy.
-    if let Some(negative) = reply.iter().find(|&&number| number < 0) {
-        return Err(StoreError::new(
-            StoreErrorKind::Protocol,
-            format!("the decision script answered a negative number ({negative})"),
-        ));
-    }
+    no_negative(reply, |_| false)?;
     // The script's time, last: the receipt of the debit, on the nanosecond time line.
     // (Every number is non-negative, checked above.)
     let at = reply[4 + 4 * count].unsigned_abs().saturating_mul(1_000);
@@ -2153,6 +2148,22 @@ fn counter_status(limit: u64, span: u64, state: &[u64], now: u64) -> (u128, u128
 }
 
 /// The answer of one plain policy's own path: `{outcome, wait or delay, state..., time}`.
+/// A protocol error when `reply` holds a negative number, but -1 where `missing` says an
+/// entry may be missing: a decision script answers counts, durations and times only.
+fn no_negative(reply: &[i64], missing: impl Fn(usize) -> bool) -> Result<(), StoreError> {
+    match reply
+        .iter()
+        .enumerate()
+        .find(|&(index, &number)| number < -1 || (number == -1 && !missing(index)))
+    {
+        Some((_, negative)) => Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!("the decision script answered a negative number ({negative})"),
+        )),
+        None => Ok(()),
+    }
+}
+
 fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision, StoreError> {
     let expected = 3 + raw.state_len();
     if reply.len() != expected {
@@ -2167,17 +2178,9 @@ fn parse_raw(reply: &[i64], raw: Raw, cost: u64, lease: u64) -> Result<Decision,
     // Every number is a count, a duration or a time, but a log's missing entry (-1): a
     // negative one otherwise is a script answering out of its shape, said as such rather
     // than read as 0 (a denial, a receipt at time 0), as `parse_reply` does.
-    let entry = |index: usize| matches!(raw, Raw::Log(_)) && (index == 3 || index == 4);
-    if let Some((_, negative)) = reply
-        .iter()
-        .enumerate()
-        .find(|&(index, &number)| number < -1 || (number == -1 && !entry(index)))
-    {
-        return Err(StoreError::new(
-            StoreErrorKind::Protocol,
-            format!("the decision script answered a negative number ({negative})"),
-        ));
-    }
+    no_negative(reply, |index| {
+        matches!(raw, Raw::Log(_)) && (index == 3 || index == 4)
+    })?;
     let number = |value: i64| u64::try_from(value).unwrap_or(0);
     let now = number(reply[expected - 1]);
     let mut state = [0i64; 3];
@@ -2571,31 +2574,29 @@ mod tests {
         assert!(!query_error(other, false).every_request);
     }
 
+    /// The error a server's reply `line` (without its `-` and line end) is read as.
+    fn server_error(line: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+            .unwrap()
+            .extract_error()
+            .unwrap_err()
+    }
+
     /// A server out of memory (`OOM` under `maxmemory` with no eviction) refuses every
     /// decision, since every one writes: an outage the breaker holds requests off for,
     /// not one request's refusal, which sent every request to be refused. On a Cluster it
     /// is one node's, not every key's.
     #[test]
     fn a_server_out_of_memory_is_every_requests_refusal_but_on_a_cluster() {
-        let oom = || {
-            redis::parse_redis_value(
-                b"-OOM command not allowed when used memory > 'maxmemory'.\r\n",
-            )
-            .unwrap()
-            .extract_error()
-            .unwrap_err()
-        };
+        let oom = || server_error("OOM command not allowed when used memory > 'maxmemory'.");
         let error = query_error(oom(), false);
         assert_eq!(error.kind(), StoreErrorKind::Refused);
         assert!(error.every_request);
         assert!(!query_error(oom(), true).every_request);
         // Met inside a script, as a decision meets it.
-        let wrapped = redis::parse_redis_value(
-            b"-ERR Error running script (call to f_1): @user_script:3: -OOM command not allowed when used memory > 'maxmemory'.\r\n",
-        )
-        .unwrap()
-        .extract_error()
-        .unwrap_err();
+        let wrapped = server_error(
+            "ERR Error running script (call to f_1): @user_script:3: -OOM command not allowed when used memory > 'maxmemory'.",
+        );
         assert!(query_error(wrapped, false).every_request);
     }
 
@@ -2606,12 +2607,9 @@ mod tests {
     #[test]
     fn a_server_that_cannot_persist_is_every_requests_refusal_but_on_a_cluster() {
         let misconf = || {
-            redis::parse_redis_value(
-                b"-MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk. Commands that may modify the data set are disabled.\r\n",
+            server_error(
+                "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk. Commands that may modify the data set are disabled.",
             )
-            .unwrap()
-            .extract_error()
-            .unwrap_err()
         };
         let error = query_error(misconf(), false);
         assert_eq!(error.kind(), StoreErrorKind::Refused);
