@@ -3,7 +3,7 @@
 -- request's cost for a release), then an amount, the time of the debit in microseconds
 -- (-1: any time, newest debits first) and the mode:
 --   0 settle: rate policies give back `reserved - amount` or charge the excess, past
---     empty if need be (never to more than one whole quota owed);
+--     empty if need be (one whole quota more at most, a thousand owed in all);
 --   1 release: in-flight policies free this request's slot;
 --   2 grant: rate policies give back `amount` units;
 --   3 set: rate policies are set to `amount` units left (at most their quota);
@@ -32,10 +32,13 @@ for t in string.gmatch(ARGV[tail + 6] or '', '%d+') do ends[#ends + 1] = tonumbe
 local reserved = cost
 
 -- Takes `units` more, past empty if need be (the excess is owed: the key waits until it
--- is paid), but never to more than one whole quota owed.
+-- is paid): one call owes at most one whole quota more, and the key at most a thousand
+-- quotas and never past MAX_LIMIT (999,999,999,999,999) units. The twin of `charge` in
+-- src/store/decide.rs.
 local function charge(algorithm, p, s, units)
   local limit, remaining, _, _, owed = algorithm.snapshot(p, s)
-  local extra = min(units, remaining + max(limit - owed, 0))
+  local bound = min(limit * 1000, 999999999999999)
+  local extra = min(units, remaining + min(limit, max(bound - owed, 0)))
   if extra > 0 then
     cost = extra
     algorithm.commit(p, s)

@@ -37,10 +37,14 @@
 //! sliding window that has moved on is not reopened, a bucket is never filled above full.
 //! An actual cost above the reservation is charged in full, past empty if need be: the
 //! excess is owed, and the identity's next requests (those reserving nothing included)
-//! wait until a bucket has refilled it or a window has forgotten it. An identity never
-//! owes more than one whole quota, however many settles land at once: where one request
-//! can cost more than that, reserve a bound (or cap what the handler may spend), or the
-//! policy limits requests rather than units. With `store::Leased`
+//! wait until a bucket has refilled it or a window has forgotten it. Requests in flight
+//! together each owe their own excess, so reserving nothing does not make a burst of
+//! concurrent requests free. One settle owes at most one whole quota more, so one absurd
+//! reported cost costs one quota's wait: where one request can cost more than a quota,
+//! reserve a bound (or cap what the handler may spend), or the policy limits requests
+//! rather than units. An identity owes at most a thousand quotas (and never more than
+//! `MAX_LIMIT` units). A fixed window forgets what is owed when it ends, like all it
+//! counted: under a post-paid cost, prefer a bucket, GCRA or a sliding window. With `store::Leased`
 //! blocks, units already leased on other replicas are spent while the identity owes.
 
 use std::fmt;

@@ -2540,12 +2540,13 @@ async fn a_settle_past_empty_is_owed_on_every_store() {
     }
 }
 
-/// Settles that land together owe at most one whole quota: an identity is never locked
-/// out for longer than one quota takes to come back, however many requests were in
-/// flight (and a Redis state stays within what its scripts count exactly); and
-/// `set_remaining` while owing sets the level, forgiving what is owed. On every store.
+/// Settles that land together each owe what their request used past its reservation, up
+/// to one whole quota each: requests in flight at once add up (a cap of one quota owed in
+/// all let 200 requests that reserved nothing and used half a quota each be charged two
+/// quotas, not 100); and `set_remaining` while owing sets the level, forgiving what is
+/// owed. On every store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
+async fn settles_in_flight_together_each_owe_their_excess_and_a_set_level_forgives_it() {
     let backends = Backends::start().await;
     for (index, policy) in every_algorithm().into_iter().enumerate() {
         let label = policy.name().to_owned();
@@ -2554,6 +2555,8 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
         let subjects = backends.subjects(&format!("owes-once-{index}"));
         let mut after_two = Vec::new();
         let mut after_three = Vec::new();
+        let mut paid_but_one = Vec::new();
+        let mut paid = Vec::new();
         let mut set_to_two = Vec::new();
         let mut set_to_zero = Vec::new();
         for subject in &subjects {
@@ -2571,6 +2574,16 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
             let settle = Adjustment::settle(0, 3 * limit, third.receipt());
             subject.adjust("many", &set, &settle).await;
             after_three.push(subject.check("many", &set, 0).await);
+            // Three quotas owed (one for each settle, the first one's reservation
+            // spent): a grant of two leaves one owed, a third pays it all.
+            subject
+                .adjust("many", &set, &Adjustment::grant(2 * limit))
+                .await;
+            paid_but_one.push(subject.check("many", &set, 0).await);
+            subject
+                .adjust("many", &set, &Adjustment::grant(limit))
+                .await;
+            paid.push(subject.check("many", &set, 0).await);
             let level = subject
                 .adjust("many", &set, &Adjustment::set_remaining(2))
                 .await;
@@ -2588,6 +2601,8 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
             for (what, decisions) in [
                 ("after two settles", &after_two),
                 ("after three", &after_three),
+                ("two quotas paid", &paid_but_one),
+                ("three quotas paid", &paid),
                 ("set to 2", &set_to_two),
                 ("set to 0", &set_to_zero),
             ] {
@@ -2599,14 +2614,6 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
                     decisions[index]
                 );
             }
-            assert!(
-                same(&after_two[index], &after_three[index]),
-                "{label} {}: one quota owed already, the third settle owes nothing more: \
-                 {:?} then {:?}",
-                subject.name,
-                after_two[index],
-                after_three[index]
-            );
         }
         assert_eq!(
             set_to_two[0].statuses()[0].remaining,
@@ -2623,6 +2630,58 @@ async fn an_identity_owes_at_most_one_quota_and_a_set_level_forgives_it() {
             continue;
         }
         assert!(!after_three[0].is_allowed(), "{label}: owing");
+        assert!(
+            !paid_but_one[0].is_allowed(),
+            "{label}: each settle owes its own quota, a grant of two leaves one owed: {:?}",
+            paid_but_one[0]
+        );
+        assert!(
+            paid[0].is_allowed(),
+            "{label}: three quotas paid, nothing is owed: {:?}",
+            paid[0]
+        );
+    }
+}
+
+/// What an identity owes is bounded all the same, at a thousand quotas (and never past
+/// `MAX_LIMIT` units): a flood of absurd reports cannot lock a client out for ever, and a
+/// Redis count stays below 2^53. 1,002 requests that reserved nothing each used a whole
+/// quota: the first spent it, the next 1,001 owe one each, and the last is not counted.
+/// On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_identity_owes_is_bounded_at_a_thousand_quotas() {
+    let backends = Backends::start().await;
+    for policy in [
+        Policy::token_bucket("tb", 4, Rate::new(4, MINUTE)).unwrap(),
+        Policy::fixed_window("fw", 4, MINUTE).unwrap(),
+    ] {
+        let label = policy.name().to_owned();
+        let set = PolicySet::from(policy);
+        for subject in backends.subjects(&format!("owes-bounded-{label}")) {
+            subject.clock.set(Duration::from_secs(1));
+            let mut receipts = Vec::new();
+            for _ in 0..1_002 {
+                receipts.push(subject.check("k", &set, 0).await.receipt());
+            }
+            for receipt in receipts {
+                let settle = Adjustment::settle(0, 4, receipt);
+                subject.adjust("k", &set, &settle).await;
+            }
+            subject.adjust("k", &set, &Adjustment::grant(999 * 4)).await;
+            let one_owed = subject.check("k", &set, 0).await;
+            assert!(
+                !one_owed.is_allowed(),
+                "{label} {}: 999 of 1,000 quotas paid, one is still owed: {one_owed:?}",
+                subject.name
+            );
+            subject.adjust("k", &set, &Adjustment::grant(4)).await;
+            let paid = subject.check("k", &set, 0).await;
+            assert!(
+                paid.is_allowed(),
+                "{label} {}: 1,000 quotas paid, nothing is owed: {paid:?}",
+                subject.name
+            );
+        }
     }
 }
 

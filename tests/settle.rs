@@ -196,7 +196,7 @@ async fn a_post_paid_excess_past_empty_is_owed() {
     assert_eq!(paid.status(), StatusCode::OK);
     assert_eq!(remaining(&paid), 100);
     // A reported cost far beyond the quota is owed up to one whole quota past what was
-    // left: one absurd number does not lock a client out for ever.
+    // left: one absurd number does not lock a client out for longer than one quota's wait.
     clock.advance(Duration::from_secs(10));
     let absurd = app
         .clone()

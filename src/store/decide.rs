@@ -403,17 +403,24 @@ fn floor(policies: &[Policy], slots: &[Slot], now: u64) -> u64 {
 /// Debits `units` more, past empty if need be: what a request used beyond what was left
 /// is owed, and the identity waits until a bucket has refilled it or a window has
 /// forgotten it (charging only as far as there was room made a post-paid cost free once
-/// the quota was spent). An identity never owes more than one whole quota, however many
-/// settles land at once, so absurd reported costs cannot lock it out for ever (and a
-/// Redis state stays within what its scripts count exactly).
+/// the quota was spent). One call owes at most one whole quota more, so one absurd
+/// reported cost costs one quota's wait; calls add up (settles of requests that were in
+/// flight together each owe their own), to at most [`MAX_OWED_QUOTAS`] quotas owed and
+/// never past `MAX_LIMIT` units, where a Redis count is still exact.
 fn charge(params: &Params, slot: &mut Slot, now: u64, units: u64) {
+    let limit = params.limit();
     let left = params.snapshot(slot, now).remaining;
-    let room = params.limit().saturating_sub(params.owed(slot, now));
+    let bound = limit.saturating_mul(MAX_OWED_QUOTAS).min(MAX_LIMIT);
+    let room = limit.min(bound.saturating_sub(params.owed(slot, now)));
     let extra = units.min(left.saturating_add(room));
     if extra > 0 {
         params.commit(slot, now, extra);
     }
 }
+
+/// The most quotas an identity owes, however many settles past empty land (see `charge`):
+/// a thousand windows' (or refills') wait at most.
+pub(crate) const MAX_OWED_QUOTAS: u64 = 1_000;
 
 /// One policy's status now, and when its state is fresh again.
 #[inline]

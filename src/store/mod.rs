@@ -88,8 +88,9 @@ pub trait Store: Send + Sync + 'static {
     /// - settles the rate policies from `reserved` to `actual` units: the difference is
     ///   given back (as far as the state still holds it: a window that has ended is not
     ///   reopened, a bucket is never filled above full) or charged, past empty if need
-    ///   be (the excess is owed until a bucket refills it or a window forgets it; at most
-    ///   one whole quota past what is left);
+    ///   be (the excess is owed until a bucket refills it or a window forgets it; one
+    ///   settle owes at most one whole quota past what is left, and an identity at most
+    ///   a thousand quotas);
     /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
     ///
     /// A settle, a release or an unbooking leaves alone every policy the receipt says was
@@ -204,7 +205,7 @@ pub struct Adjustment {
 pub enum Change {
     /// A request that reserved `reserved` units used `actual`: the rate policies give back
     /// the difference, or charge it, past empty if need be (at most one whole quota past
-    /// what is left).
+    /// what is left; settles add up, to a thousand quotas owed).
     Settle {
         /// Units debited on admission.
         reserved: u64,

@@ -2310,10 +2310,10 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
     // exact. Windows never multiply the limit by the window (the counter's weighting goes
     // through the script's exact `muldiv`); buckets and GCRA keep a level of units times
     // the period, bounded by twice the capacity (a cost that fits is at most the capacity).
-    // An identity that owes (a settle past empty, never more than one quota) has a level
-    // of up to twice the capacity, and a check of it forms up to three times: for the
-    // largest policies allowed here that passes 2^53, and a wait told while owing may be
-    // a rounding step off; the denial itself cannot change (the level is past full).
+    // An identity that owes (settles past empty, at most a thousand quotas) has a level of
+    // up to 1,001 capacities: for the largest policies allowed here that passes 2^53, and
+    // a wait told while owing may be a rounding step off; the denial itself cannot change
+    // (the level is past full).
     let (kind, p1, p2, p3) = args;
     let largest = match kind {
         "fw" | "sl" | "sw" | "cc" => 0,
