@@ -308,7 +308,12 @@ fn scale_set(set: &PolicySet, share: f64) -> PolicySet {
 ///
 /// After `failures` failures in a row the breaker opens: requests skip the store and get
 /// the failure mode at once, without waiting for a timeout. After `cool_down` one request
-/// probes the store; success closes the breaker, failure opens it again.
+/// probes the store: a decision from the store closes the breaker; a timeout or an
+/// unavailable store (or a refusal every request meets) starts a new cool-down; an error
+/// that says nothing of an outage (one request's refusal, a policy the store cannot
+/// decide) lets the next request probe. A request dropped after waiting on the store for
+/// 100 ms counts as a timeout. A cool-down longer than
+/// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
 ///
 /// ```
 /// use std::time::Duration;
@@ -414,17 +419,57 @@ impl Drop for ProbeGuard {
             }
         }
         // Only this probe's own ticket is cleared: a newer probe keeps its flag.
-        let _ = self.breaker.probing.compare_exchange(
-            self.ticket,
-            0,
-            Ordering::AcqRel,
-            Ordering::Relaxed,
-        );
+        self.breaker.release_probe(self.ticket);
     }
 }
 
-/// How long a probe waits on the store before its drop counts as the store hanging: a
-/// store that answers at all answers well within it.
+/// A request waiting on the store's answer (the probe's own guard does this for the
+/// probe). Dropped unanswered after [`PROBE_PATIENCE`] (an outer timeout or the client gave
+/// up on a store that may well be hanging), it counts as the store timing out: counted,
+/// logged as store errors are, and towards the breaker, as the store timeout would have.
+/// Without it, a store timeout longer than an outer one let a hung store go unseen: no
+/// error counted, the breaker never opened, and every request waited on the store until
+/// the outer timeout. Dropped sooner, it says nothing of the store.
+#[derive(Debug)]
+#[must_use = "a request's wait is ended with `answered`"]
+pub(crate) struct Waiting {
+    breaker: Arc<Breaker>,
+    /// The breaker's clock when the request began to wait.
+    started: u64,
+    answered: bool,
+}
+
+impl Waiting {
+    /// The store answered, failed or timed out: its outcome is reported where it is read.
+    #[inline]
+    pub(crate) fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let waited = self.breaker.clock.now().saturating_sub(self.started);
+        if u128::from(waited) < PROBE_PATIENCE.as_nanos() {
+            return;
+        }
+        let error = StoreError::new(
+            crate::store::StoreErrorKind::Timeout,
+            format!(
+                "a request was dropped after waiting {:?} on the store for its decision",
+                Duration::from_nanos(waited)
+            ),
+        );
+        crate::telemetry::store_error(&error);
+        self.breaker.on_failure(&error, None);
+    }
+}
+
+/// How long a probe (or any request) waits on the store before its drop counts as the
+/// store hanging: a store that answers at all answers well within it.
 pub(crate) const PROBE_PATIENCE: Duration = Duration::from_millis(100);
 
 /// The breaker's shared state, and the once-per-transition warnings.
@@ -512,19 +557,47 @@ impl Breaker {
         {
             // The cool-down read above may have been renewed since (the probe before
             // failed and freed the flag): read again, now the flag is this request's.
-            Ok(_) if now < self.open_until.load(Ordering::Acquire) => {
-                let _ =
-                    self.probing
-                        .compare_exchange(ticket, 0, Ordering::AcqRel, Ordering::Relaxed);
-                Admission::Skip
-            }
-            Ok(_) => Admission::Probe(ProbeGuard {
-                breaker: Arc::clone(self),
-                ticket,
-                started: now,
-                reported: AtomicBool::new(false),
-            }),
+            Ok(_) => match self.open_until.load(Ordering::Acquire) {
+                // A late success of another request closed the breaker since: a call as
+                // any other (a probe's one failure would open it again at once).
+                0 => {
+                    self.release_probe(ticket);
+                    Admission::Call
+                }
+                until if now < until => {
+                    self.release_probe(ticket);
+                    Admission::Skip
+                }
+                _ => Admission::Probe(ProbeGuard {
+                    breaker: Arc::clone(self),
+                    ticket,
+                    started: now,
+                    reported: AtomicBool::new(false),
+                }),
+            },
             Err(_) => Admission::Skip,
+        }
+    }
+
+    /// Frees the probe flag when `ticket` holds it (a newer probe keeps its own).
+    fn release_probe(&self, ticket: u64) {
+        let _ = self
+            .probing
+            .compare_exchange(ticket, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// The configured cool-down.
+    pub(crate) fn cool_down(&self) -> Duration {
+        self.config.cool_down
+    }
+
+    /// A request begins to wait on the store (see [`Waiting`]).
+    #[inline]
+    pub(crate) fn waiting(self: &Arc<Self>) -> Waiting {
+        Waiting {
+            breaker: Arc::clone(self),
+            started: self.clock.now(),
+            answered: false,
         }
     }
 
@@ -626,9 +699,7 @@ impl Breaker {
         // old one and probe at once.
         if let Some(guard) = probe {
             guard.report();
-            let _ =
-                self.probing
-                    .compare_exchange(guard.ticket, 0, Ordering::AcqRel, Ordering::Relaxed);
+            self.release_probe(guard.ticket);
         }
     }
 
@@ -860,6 +931,33 @@ mod tests {
         assert!(
             matches!(breaker.admit(), Admission::Call),
             "the store answered: the breaker is closed, and a dropped probe reopened it"
+        );
+    }
+
+    // A request reads that the cool-down is over; before it takes the probe, a late
+    // success of another request closes the breaker. The request must call the store as
+    // any other, not probe a closed breaker: a probe's one failure opens it again, where a
+    // closed breaker waits for its run of failures.
+    #[test]
+    fn no_probe_is_taken_on_a_breaker_closed_meanwhile() {
+        let (clock, breaker) = Interleaving::breaker();
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Unavailable, "down"), None);
+        clock.clock.advance(Duration::from_secs(1));
+        let other = Arc::clone(&breaker);
+        clock.at_next_reading(move || other.on_success());
+        let admitted = breaker.admit();
+        assert!(
+            clock.landed(),
+            "the success landed while this one was admitted"
+        );
+        assert!(
+            matches!(admitted, Admission::Call),
+            "the breaker is closed: a call, not {admitted:?}"
+        );
+        assert_eq!(
+            breaker.probing.load(Ordering::Acquire),
+            0,
+            "no probe flag left"
         );
     }
 

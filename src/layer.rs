@@ -13,7 +13,7 @@ use crate::bypass::Bypass;
 use crate::cost::Cost;
 use crate::failure::{Breaker, CircuitBreaker, FailureMode};
 use crate::key::{ClientIp, KeyExtractor};
-use crate::policy::{Policy, PolicySet};
+use crate::policy::{MAX_PERIOD, Policy, PolicySet};
 use crate::resolve::PolicyResolver;
 use crate::respond::headers::{HeaderOptions, HeaderStyle};
 use crate::respond::problem::Rejection;
@@ -394,7 +394,8 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// When to stop calling a failing store and when to probe it again (default: open
-    /// after 5 failures in a row, probe every second).
+    /// after 5 failures in a row, probe every second). A cool-down longer than
+    /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
     pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
         self.breaker = Arc::new(Breaker::new(breaker));
         self
@@ -502,6 +503,14 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
                 .map_err(|mistake| format!("RateLimitLayer: {mistake}"))?;
         }
         self.resolver.check_configured().map_err(str::to_owned)?;
+        if self.breaker.cool_down() > MAX_PERIOD {
+            return Err(format!(
+                "RateLimitLayer: the circuit breaker's cool-down of {:?} is longer than \
+                 MAX_PERIOD (about ten years): once open, the breaker would never probe the \
+                 store again; use a cool-down of seconds (default 1 s)",
+                self.breaker.cool_down()
+            ));
+        }
         if self.store_timeout.is_zero() {
             return Err(
                 "RateLimitLayer: the store timeout is zero, so every decision of a \

@@ -386,12 +386,14 @@ impl<St: Store> Limiter<St> {
         }
         let shared = &self.shared;
         let started = tokio::time::Instant::now();
+        let waiting = shared.outage.waiting();
         let peeked = within(
             shared.timeout,
             "answer to a peek",
             shared.store.peek(key, policies),
         )
         .await;
+        waiting.answered();
         // The decision has what the peek left of the store timeout: a turn waits one
         // timeout for the store, however its calls spend it.
         let left = shared.timeout.saturating_sub(started.elapsed());
@@ -455,12 +457,15 @@ impl<St: Store> Limiter<St> {
                 ),
             ))
         } else {
-            within(
+            let waiting = shared.outage.waiting();
+            let decided = within(
                 timeout,
                 "decision",
                 shared.store.decide(key, policies, cost),
             )
-            .await
+            .await;
+            waiting.answered();
+            decided
         };
         let decided = decided.and_then(|decision| {
             crate::store::check_answer(&decision, policies.len())?;

@@ -324,8 +324,13 @@ where
         let pending = decided.into_pending();
         let responder = &self.config.responder;
         let timeout = responder.timeout;
+        // The probe's guard says what its drop means.
+        let waiting = probe.is_none().then(|| responder.breaker.waiting());
         let timed = Box::pin(async move {
             let result = within(timeout, "decision", pending).await;
+            if let Some(waiting) = waiting {
+                waiting.answered();
+            }
             stopwatch.stop();
             result
         });

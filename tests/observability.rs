@@ -463,6 +463,47 @@ impl tollgate::Store for Unsupported {
     }
 }
 
+/// A store that never answers.
+#[derive(Clone)]
+struct Hung;
+
+impl tollgate::Store for Hung {
+    fn decide(&self, _: &tollgate::Key, _: &tollgate::PolicySet, _: u64) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::new(std::future::pending())
+    }
+}
+
+// A `Limiter` check given up (an outer timeout shorter than the store timeout) after
+// waiting on a hung store for longer than the breaker's patience (100 ms) counts as the
+// store timing out; before, nothing was counted or said of a store that never answered.
+#[test]
+fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let limiter = tollgate::limiter::Limiter::new(
+        Hung,
+        Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap(),
+    )
+    .store_timeout(Duration::from_secs(30));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let key = tollgate::Key::new("k");
+            let given_up =
+                tokio::time::timeout(Duration::from_millis(150), limiter.check(&key, 1)).await;
+            assert!(given_up.is_err(), "the store never answers");
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
+                1
+            );
+        })
+    });
+}
+
 // A `Limiter` whose store fails is answered by its failure mode, like the layer; like the
 // layer's, the failure is counted (and a refusal logged at error level), never hidden
 // behind the fallback: replicas deciding alone each admit the whole limit.

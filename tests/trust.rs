@@ -183,6 +183,77 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
     assert!(store.calls() >= 3);
 }
 
+// A store that hangs while an outer timeout (or the client) gives up before the store
+// timeout does: each request was dropped waiting, nothing was counted, and the breaker
+// never opened (every request waited on the hung store until the outer timeout). A request
+// dropped after waiting on the store for `PROBE_PATIENCE` (100 ms) counts as the store
+// timing out; one dropped sooner says nothing of the store.
+#[tokio::test]
+async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
+    let store = Switch::new();
+    let clock = tollgate::clock::ManualClock::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(
+                CircuitBreaker::new(2, Duration::from_secs(3600)).with_clock(clock.clone()),
+            ),
+    );
+    store.set(HUNG);
+    // Polled until it waits on the store, then dropped `waited` later (by the breaker's
+    // clock).
+    let given_up_after = |waited: Duration| {
+        let app = app.clone();
+        let clock = clock.clone();
+        async move {
+            let mut waiting = Box::pin(app.oneshot(request("/", 1)));
+            let polled = tokio::time::timeout(Duration::from_millis(5), &mut waiting).await;
+            assert!(polled.is_err(), "the request waits on the hung store");
+            clock.advance(waited);
+            drop(waiting);
+        }
+    };
+    // Dropped at once (a client that resets its request): nothing said of the store.
+    for _ in 0..3 {
+        given_up_after(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.calls(), 3);
+    // Dropped after waiting: two timeouts open the breaker.
+    for _ in 0..2 {
+        given_up_after(Duration::from_millis(150)).await;
+    }
+    assert_eq!(store.calls(), 5);
+    store.set(UP);
+    let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        store.calls(),
+        5,
+        "two requests given up on a hung store opened the breaker: the next skips it"
+    );
+    assert!(
+        !response.headers().contains_key("ratelimit"),
+        "failed open, no store answer"
+    );
+}
+
+// A cool-down past `MAX_PERIOD` (`Duration::MAX`, meant as "never probe") made an open
+// breaker stay open for the life of the process: its end saturated, and no request ever
+// probed the store again. It is refused when the layer is built, as a lease's `ttl` is.
+#[test]
+fn a_cool_down_that_would_never_end_is_refused() {
+    let layer = |cool_down| {
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::token_bucket("api", 10, Rate::per_second(10)).unwrap())
+            .circuit_breaker(CircuitBreaker::new(5, cool_down))
+    };
+    let error = layer(Duration::MAX).validate().unwrap_err();
+    assert!(error.contains("cool-down"), "{error}");
+    assert!(layer(tollgate::policy::MAX_PERIOD).validate().is_ok());
+}
+
 // Item 10: an answer from the deny cache is not the store answering.
 #[tokio::test]
 async fn a_cached_denial_never_closes_the_breaker() {
