@@ -69,9 +69,18 @@ pin_project! {
                     let settle = std::mem::replace(settle, Box::pin(std::future::pending()));
                     runtime.spawn(async move {
                         if let Err(error) = settle.await {
-                            crate::telemetry::store_error(&error);
+                            crate::telemetry::adjustment_lost("settle", &error);
                         }
                     });
+                } else {
+                    crate::telemetry::adjustment_lost(
+                        "settle",
+                        &crate::store::StoreError::new(
+                            crate::store::StoreErrorKind::Other,
+                            "no async runtime to finish a settle whose request was dropped: \
+                             its cost is not settled",
+                        ),
+                    );
                 }
             }
         }

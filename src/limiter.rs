@@ -679,7 +679,7 @@ impl<St: Store> Limiter<St> {
                     .await;
                     // The units stay spent; the failure is counted, not dropped.
                     if let Err(error) = given_back {
-                        crate::telemetry::store_error(&error);
+                        crate::telemetry::adjustment_lost("give-back", &error);
                     }
                 }
                 (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {

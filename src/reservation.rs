@@ -187,7 +187,7 @@ impl Reservation {
                 ))
             }
             Err(error) => {
-                telemetry::store_error(&error);
+                telemetry::adjustment_lost("settle", &error);
                 None
             }
         }
@@ -202,7 +202,7 @@ impl Reservation {
         let adjustment = Adjustment::release(self.cost, self.receipt);
         match self.adjust(&adjustment).into_ready() {
             Ok(Ok(_)) => {}
-            Ok(Err(error)) => telemetry::store_error(&error),
+            Ok(Err(error)) => telemetry::adjustment_lost("release", &error),
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
                 match tokio::runtime::Handle::try_current() {
@@ -211,14 +211,17 @@ impl Reservation {
                             // Not freed: the slots expire with their lease.
                             let what = "release of in-flight slots";
                             if let Err(error) = within(timeout, what, pending).await {
-                                telemetry::store_error(&error);
+                                telemetry::adjustment_lost("release", &error);
                             }
                         });
                     }
-                    Err(_) => telemetry::store_error(&StoreError::new(
-                        StoreErrorKind::Other,
-                        "no async runtime to free in-flight slots; they expire with their lease",
-                    )),
+                    Err(_) => telemetry::adjustment_lost(
+                        "release",
+                        &StoreError::new(
+                            StoreErrorKind::Other,
+                            "no async runtime to free in-flight slots; they expire with their lease",
+                        ),
+                    ),
                 }
             }
         }
@@ -310,7 +313,7 @@ impl Round<'_> {
                     }
                 }
                 Err(error) => {
-                    telemetry::store_error(&error);
+                    telemetry::adjustment_lost("unbooking", &error);
                     dropped.stop(queue);
                     return;
                 }

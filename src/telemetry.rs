@@ -222,6 +222,33 @@ pub(crate) fn store_error(error: &StoreError) {
     }
 }
 
+/// A settle, a release of in-flight slots, a give-back or an unbooking that did not reach
+/// the store (`what` says which): counted as the store error it is and, when that is I/O
+/// (a refusal is logged at error level already), said at warn level once per `what` and
+/// kind of error, and again every ten minutes while it goes on. A decision's I/O error is
+/// a debug line, its outage said by the breaker; a lost settle is a cost never counted (a
+/// post-paid request served free, or a refund never given), and a lost release a slot
+/// held until its lease ends.
+#[cold]
+pub(crate) fn adjustment_lost(what: &'static str, error: &StoreError) {
+    store_error(error);
+    if error.kind().is_io() {
+        static SEEN: Seen<(&'static str, StoreErrorKind)> = Seen::new();
+        if SEEN.first((what, error.kind())) {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                %error,
+                what,
+                "rate-limit store failed to settle or free a request's debit: what it used \
+                 past (or short of) its reservation is not counted, or its in-flight slot is \
+                 held until its lease ends (said once, again every 10 minutes while it goes \
+                 on; counted in tollgate_store_errors_total)"
+            );
+        }
+    }
+}
+
 /// True the first time this process sees `kind` with `code` and words like `message`'s,
 /// and again when it was last told ten minutes ago or more.
 /// Redis answers most errors with `ERR` (every script error among them), so the code

@@ -878,3 +878,64 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
         assert!(event.contains("peer"), "{events:?}");
     }
 }
+
+/// A store that decides, and fails every adjustment as unreachable.
+#[derive(Clone)]
+struct SettlesFail(MemoryStore);
+
+impl tollgate::Store for SettlesFail {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn adjust(
+        &self,
+        _: &tollgate::Key,
+        _: &tollgate::PolicySet,
+        _: &tollgate::Adjustment,
+    ) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+}
+
+/// A settle that does not reach the store leaves a cost uncounted (a post-paid request
+/// served free): it was only a debug line, like a decision's I/O error, whose outage the
+/// breaker says. It is said at warn level, once while it goes on, and each is counted.
+#[test]
+fn a_settle_that_fails_is_warned_of() {
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-used", "7")], "hello") }))
+        .layer(
+            RateLimitLayer::new(SettlesFail(MemoryStore::new()))
+                .policy(Policy::token_bucket("api", 100, tollgate::Rate::per_hour(100)).unwrap())
+                .key(Global)
+                .settle(tollgate::settle::Settle::from_header("x-used")),
+        );
+    let events = events_of(async move {
+        for _ in 0..3 {
+            let response = app
+                .clone()
+                .oneshot(Request::builder().uri("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+        }
+    });
+    assert_eq!(
+        count(&events, Level::WARN, "rate-limit store failed to settle"),
+        1,
+        "{events:?}"
+    );
+}
