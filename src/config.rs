@@ -901,6 +901,15 @@ impl LimiterConfig {
                     format!("{share} is no share: it must be above 0 (one over the replicas)"),
                 ));
             }
+            (Some(share), None) if share < crate::failure::MIN_SHARE => {
+                return Err(ConfigError::new(
+                    "fallback_share",
+                    format!(
+                        "{share} is less than one millionth (one over a million replicas): \
+                         every rate would be stretched to days or years"
+                    ),
+                ));
+            }
             (Some(share), None) if share > 1.0 => {
                 return Err(ConfigError::new(
                     "fallback_share",

@@ -89,10 +89,12 @@ impl LocalFallback {
 
     /// Enforces `share` of every limit and rate (for example `1.0 / replicas`), so the
     /// fleet as a whole stays near the limit while it decides locally. Quotas are rounded
-    /// up, so each replica admits at least one; a share above 1 is 1.
+    /// up when the product is not whole (0.07 of 100 is 7, of 101 is 8), so each replica
+    /// admits at least one; a share above 1 is 1.
     ///
-    /// A share of 0 or below, or NaN (an integer `1 / replicas`, say), is no share: a
-    /// layer with it is refused when it is built ([`RateLimitLayer::validate`], and
+    /// A share of 0 or below, or NaN (an integer `1 / replicas`, say), is no share, and
+    /// one below one millionth would stretch every rate to days or years: a layer with
+    /// either is refused when it is built ([`RateLimitLayer::validate`], and
     /// `layer` panics with the message), and a warning says so. (Meanwhile the fallback
     /// keeps the whole limits, as without a share.)
     ///
@@ -109,7 +111,7 @@ impl LocalFallback {
     ///
     /// [`RateLimitLayer::validate`]: crate::RateLimitLayer::validate
     pub fn share(mut self, share: f64) -> Self {
-        if share > 0.0 {
+        if share >= MIN_SHARE {
             self.share = share.min(1.0);
             self.refused_share = None;
         } else {
@@ -117,7 +119,8 @@ impl LocalFallback {
             tracing::warn!(
                 target: "tollgate",
                 share,
-                "LocalFallback::share must be above 0: a layer with it is refused when built"
+                "LocalFallback::share must be at least one millionth: a layer with it is \
+                 refused when built"
             );
             self.share = 1.0;
             self.refused_share = Some(share);
@@ -131,6 +134,11 @@ impl LocalFallback {
     /// (the layer, a `Limiter`) puts its name before it.
     pub(crate) fn check(&self) -> Result<(), String> {
         match self.refused_share {
+            Some(share) if share > 0.0 => Err(format!(
+                "LocalFallback::share must be at least one millionth (one over a million \
+                 replicas), got {share}: a share that small stretches every rate to days \
+                 or years"
+            )),
             Some(share) => Err(format!(
                 "LocalFallback::share must be above 0 (a replica's part of each limit, such \
                  as 1.0 / replicas), got {share}"
@@ -224,6 +232,20 @@ impl LocalFallback {
     }
 }
 
+/// The smallest share a fallback takes (one over a million replicas): below it, every
+/// rate would be stretched to days or years.
+pub(crate) const MIN_SHARE: f64 = 1e-6;
+
+/// `n` times `share`, rounded up only when it is not whole: the double nearest a decimal
+/// share is a hair off it (0.07 is above by 7e-18, and 100 times it is 7.000000000000001),
+/// so a product within a billionth of a whole number is that number.
+fn share_of(n: u64, share: f64) -> u64 {
+    let product = n as f64 * share;
+    let nearest = product.round();
+    let whole = (product - nearest).abs() <= nearest.max(1.0) * 1e-9;
+    (if whole { nearest } else { product.ceil() }) as u64
+}
+
 /// `policy` with `share` (in (0, 1)) of its quota and rate: quotas rounded up (at least
 /// 1), rates slowed by stretching their period; windows and delay bounds stay. What one
 /// replica among several enforces on its own while the shared store is away.
@@ -231,7 +253,7 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
     if !(share > 0.0 && share < 1.0) {
         return policy.clone();
     }
-    let count = |n: u64| ((n as f64 * share).ceil() as u64).clamp(1, n);
+    let count = |n: u64| share_of(n, share).clamp(1, n);
     let rate = |rate: Rate| {
         let period = rate.period().as_secs_f64() / share;
         Rate::new(

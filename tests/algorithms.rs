@@ -613,6 +613,45 @@ fn a_fallback_share_of_zero_is_refused_not_the_whole_limit() {
     assert_eq!(whole.policies()[0].limit(), 30);
 }
 
+/// A replica's share of a quota is the quota times the share, rounded up only when it is
+/// not whole: the double nearest 0.07 is a hair above it, and 100 times it was rounded up
+/// to 8 where 7 is the share. A share below one millionth (which stretches a rate of 100
+/// a second to one request in days) is refused when the layer is built, as 0 is.
+#[test]
+fn a_fallback_share_of_a_quota_is_rounded_up_only_when_it_is_not_whole() {
+    for (share, limit, expected) in [
+        (0.07, 100, 7),
+        (0.07, 101, 8),
+        (1.0 / 75.0, 525, 7),
+        (1.0 / 3.0, 30, 10),
+        (1.0 / 3.0, 31, 11),
+        (0.25, 10, 3),
+    ] {
+        let set =
+            PolicySet::from(Policy::fixed_window("api", limit, Duration::from_secs(60)).unwrap());
+        let scaled = tollgate::LocalFallback::new()
+            .share(share)
+            .policies_for(&set);
+        assert_eq!(scaled[0].limit(), expected, "{share} of {limit}");
+    }
+    let set = PolicySet::from(Policy::token_bucket("api", 100, Rate::per_second(100)).unwrap());
+    for share in [1e-7, 1e-300, 5e-324] {
+        let layer = tollgate::RateLimitLayer::new(MemoryStore::new())
+            .policies(set.clone())
+            .on_store_error(tollgate::FailureMode::Fallback(
+                tollgate::LocalFallback::new().share(share),
+            ));
+        let error = layer.validate().unwrap_err();
+        assert!(error.contains("one millionth"), "{share}: {error}");
+    }
+    let million = tollgate::RateLimitLayer::new(MemoryStore::new())
+        .policies(set)
+        .on_store_error(tollgate::FailureMode::Fallback(
+            tollgate::LocalFallback::new().share(1e-6),
+        ));
+    assert!(million.validate().is_ok());
+}
+
 /// The fixed window read at a clock behind the window its state counts in (another
 /// thread's reading, a step back): a denial waits for the end of the window that holds
 /// the count, and the state says it is fresh then. It stated the end of the earlier

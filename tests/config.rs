@@ -830,6 +830,7 @@ async fn the_fallback_share_is_configured() {
         ("fallback_share = 0.0", "above 0"),
         ("fallback_share = 1.5", "at most 1"),
         ("fallback_share = nan", "above 0"),
+        ("fallback_share = 1e-9", "one millionth"),
         (
             "failure_mode = \"fail-open\"\nfallback_share = 0.5",
             "only the fallback has a share",
