@@ -121,7 +121,11 @@ fn slicing_limits_reject_or_cap() {
         cap.query_cost(&query("2147483647"), None, None).unwrap(),
         1 + 100
     );
-    assert_eq!(cap.query_cost(&query("-5"), None, None).unwrap(), 1 + 1);
+    // Below the range is charged the most too: many servers read a negative or zero
+    // limit as no limit (SQLite's `LIMIT -1` returns every row), so the nearest value
+    // (1) undercharged the worst case.
+    assert_eq!(cap.query_cost(&query("-5"), None, None).unwrap(), 1 + 100);
+    assert_eq!(cap.query_cost(&query("0"), None, None).unwrap(), 1 + 100);
     assert_eq!(
         cap.query_cost(&query("$n"), None, huge.as_object())
             .unwrap(),
@@ -906,6 +910,85 @@ mod http {
         );
     }
 
+    /// A refusal's detail echoes what the client sent (an operation's name, a field's),
+    /// cut to a kilobyte: an `operationName` of 200 KB came back whole in the 400 (and in
+    /// any log of the answers).
+    #[tokio::test]
+    async fn a_refusal_echoes_no_clients_megabyte() {
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let name = "N".repeat(200_000);
+        let body = serde_json::json!({ "query": "query A { a }", "operationName": name });
+        let (status, _, answer) = send(&app, "echo", &body.to_string()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(answer.contains("NNNN"), "{answer}");
+        assert!(answer.len() < 2_048, "{} bytes", answer.len());
+        let problem: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert!(problem["detail"].as_str().unwrap().ends_with('…'));
+    }
+
+    /// PHP skips leading spaces in a parameter's name and Rack (before 3) strips brackets
+    /// around it, and both read `query[x]` as a list or map under `query`: `?[query]=`,
+    /// `?+query=` and `?query]=` are `query` to graphql-php, Lighthouse and graphql-ruby's
+    /// Rails controller. Such a GET passed as one that "runs no operation" (the default
+    /// cost), and beside a cheap `query` the costly one ran there. Refused, in the URL and
+    /// in a form.
+    #[tokio::test]
+    async fn a_parameter_name_php_or_rack_files_under_a_graphql_key_is_refused() {
+        use http::Method;
+        let app = app(GraphqlCostLayer::new(GraphqlCost::new()));
+        let expensive = "%7B%20a%20%7B%20b%20%7B%20c%20%7D%20%7D%20%7D";
+        for name in [
+            "%5Bquery%5D",
+            "%5Dquery",
+            "query%5D",
+            "+query",
+            "%20query",
+            "query%5Bx%5D",
+            "%5Bvariables%5D",
+            "+operationName",
+        ] {
+            // Alone, only a `query` runs anything there.
+            let alone = name
+                .contains("query")
+                .then(|| format!("/graphql?{name}={expensive}"));
+            let beside = format!("/graphql?query=%7B%20a%20%7D&{name}={expensive}");
+            for uri in alone.into_iter().chain([beside]) {
+                let (answer, _) = sent(&app, "brackets", &Method::GET, &uri, "", "").await;
+                assert_eq!(answer, StatusCode::BAD_REQUEST, "{uri}");
+            }
+            let form = format!("query=%7B%20a%20%7D&{name}={expensive}");
+            let request = Request::post("/graphql")
+                .header("x-api-key", "brackets")
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body(Body::from(form.clone()))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{form}");
+        }
+        // Rails merges the URL's parameters over a JSON body's.
+        let (answer, _) = sent(
+            &app,
+            "brackets",
+            &Method::POST,
+            &format!("/graphql?%5Dquery={expensive}"),
+            "application/json",
+            r#"{"query":"{ a }"}"#,
+        )
+        .await;
+        assert_eq!(answer, StatusCode::BAD_REQUEST);
+        // Names of the application's own, with brackets, are not GraphQL's.
+        let (answer, _) = sent(
+            &app,
+            "brackets",
+            &Method::GET,
+            &format!("/graphql?query={expensive}&filter%5Bq%5D=1&+page=2"),
+            "",
+            "",
+        )
+        .await;
+        assert_eq!(answer, StatusCode::OK);
+    }
+
     /// A body is costed only as what the server reads it as: JSON (`application/json`,
     /// any `+json` type, or no type) or a GraphQL document (`application/graphql`), in
     /// UTF-8. A form body that is also valid JSON is read as a form by servers that take
@@ -1060,6 +1143,75 @@ mod http {
 
     fn app_with_minimum() -> Router {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
+    }
+
+    /// JSON in UTF-16 or UTF-32 (by its charset, or by its byte-order mark) is read by
+    /// servers that decode by the declared charset (Spring's Jackson converter: Spring
+    /// GraphQL, DGS): under `Invalid::Charge` it was let through at the fixed charge, as a
+    /// body that is no JSON, and its costly query ran there. It is refused, as JSON in
+    /// UTF-8 under another type is.
+    #[tokio::test]
+    async fn json_in_another_unicode_encoding_is_refused_not_charged() {
+        let query = r#"{"query":"{ a(first: 50) { b(first: 50) { c } } }"}"#;
+        let utf16 = |big: bool, bom: bool| {
+            let mut bytes = Vec::new();
+            for unit in bom
+                .then_some(0xfeff)
+                .into_iter()
+                .chain(query.encode_utf16())
+            {
+                bytes.extend(if big {
+                    unit.to_be_bytes()
+                } else {
+                    unit.to_le_bytes()
+                });
+            }
+            bytes
+        };
+        let utf32 = |big: bool| {
+            let mut bytes = Vec::new();
+            for c in query.chars() {
+                let unit = c as u32;
+                bytes.extend(if big {
+                    unit.to_be_bytes()
+                } else {
+                    unit.to_le_bytes()
+                });
+            }
+            bytes
+        };
+        let app = app_with_minimum();
+        for (charset, body) in [
+            ("utf-16", utf16(false, true)),
+            ("utf-16", utf16(true, true)),
+            ("utf-16le", utf16(false, false)),
+            ("UTF-16BE", utf16(true, false)),
+            ("utf-32", utf32(false)),
+            ("utf-32be", utf32(true)),
+            ("iso-8859-1", query.as_bytes().to_vec()),
+        ] {
+            let request = Request::post("/graphql")
+                .header("x-api-key", "encodings")
+                .header(
+                    "content-type",
+                    format!("application/json; charset={charset}"),
+                )
+                .body(Body::from(body))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{charset}");
+        }
+        // A body that is no JSON in any of them still goes to the fixed charge.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "encodings")
+            .header("content-type", "application/json; charset=utf-16")
+            .body(Body::from(vec![0xff, 0xfe, 0x00, 0xd8]))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        // Charged, and handed on (the handler refuses what is no UTF-8 text).
+        assert_eq!(response.headers()["graphql-cost"], "5");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&body).contains("UTF-8"), "{body:?}");
     }
 
     /// `Invalid::Charge` stands in for a cost the coster cannot compute (a document that
@@ -2680,4 +2832,74 @@ async fn a_slow_upload_holds_no_capacity_of_the_inner_service() {
     assert_eq!(quick.status(), StatusCode::OK);
     send.send(()).unwrap();
     assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+}
+
+/// A cost directive whose arguments are not of the shape the coster reads (an enum value
+/// `[first]` where strings `["first"]` are meant, a string where a Boolean is, a misspelt
+/// argument) was dropped without a word: `@listSize(slicingArguments: [first])` read as
+/// an empty list switched off the range check of `first`, so `repos(first: 1000000)` cost
+/// 1 and passed `Reject`. `with_schema` refuses such a schema, naming the field.
+#[test]
+fn a_cost_directive_of_the_wrong_shape_is_refused() {
+    let field = |directive: &str| {
+        format!(
+            "type Query {{ repos(first: Int): [Repo] {directive} }}\ntype Repo {{ name: String }}"
+        )
+    };
+    for (directive, says) in [
+        ("@listSize(slicingArguments: [first])", "slicingArguments"),
+        (
+            "@listSize(slicingArguments: [\"first\", 2])",
+            "slicingArguments",
+        ),
+        ("@listSize(sizedFields: nodes)", "sizedFields"),
+        (
+            "@listSize(requireOneSlicingArgument: \"true\")",
+            "requireOneSlicingArgument",
+        ),
+        ("@listSize(assumedSize: 50.0)", "assumedSize"),
+        ("@listSize(assumedSize: [50])", "assumedSize"),
+        ("@listSize(slicingArgument: [\"first\"])", "slicingArgument"),
+        ("@cost(weigth: 5)", "weigth"),
+        ("@cost(weight: \"heavy\")", "weight"),
+        ("@cost(weight: [5])", "weight"),
+    ] {
+        let error = GraphqlCost::new()
+            .with_schema(&field(directive))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            error.to_string().contains(says) && error.to_string().contains("Query.repos"),
+            "{directive}: {error}"
+        );
+    }
+    // On an argument and on a type too.
+    for sdl in [
+        "type Query { repos(first: Int @cost(weight: true)): [Repo] }\ntype Repo { name: String }",
+        "type Query { repos(first: Int): [Repo] }\ntype Repo @cost(weigth: 3) { name: String }",
+    ] {
+        assert!(GraphqlCost::new().with_schema(sdl).is_err(), "{sdl}");
+    }
+    // The shapes the directives take are read as before.
+    for directive in [
+        "@listSize(slicingArguments: [\"first\"], requireOneSlicingArgument: false)",
+        "@listSize(slicingArguments: \"first\", assumedSize: 10)",
+        "@listSize(assumedSize: \"10\", sizedFields: [\"nodes\"])",
+        "@cost(weight: 2)",
+        "@cost(weight: \"2.5\")",
+        "@cost(weight: 2.5)",
+    ] {
+        assert!(
+            GraphqlCost::new().with_schema(&field(directive)).is_ok(),
+            "{directive}"
+        );
+    }
+    let coster = GraphqlCost::new()
+        .with_schema(&field("@listSize(slicingArguments: [\"first\"])"))
+        .unwrap();
+    assert!(
+        coster
+            .query_cost("{ repos(first: 1000000) { name } }", None, None)
+            .is_err()
+    );
 }

@@ -115,6 +115,22 @@ enum Member<'a> {
     Texts(Vec<&'a str>),
 }
 
+/// The most of a detail an answer shows: a detail that echoes what the client sent (an
+/// operation's name, a key's reason) echoes no client's megabyte.
+const DETAIL_SHOWN: usize = 1_024;
+
+/// `detail`, cut at [`DETAIL_SHOWN`] bytes (on a character's boundary) with `…` after.
+fn shown(detail: &str) -> std::borrow::Cow<'_, str> {
+    if detail.len() <= DETAIL_SHOWN {
+        return detail.into();
+    }
+    let mut end = DETAIL_SHOWN;
+    while !detail.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &detail[..end]).into()
+}
+
 fn problem(
     status: StatusCode,
     kind: &str,
@@ -129,7 +145,7 @@ fn problem(
     json_string(&mut body, title);
     let _ = write!(body, ",\"status\":{}", status.as_u16());
     body.push_str(",\"detail\":");
-    json_string(&mut body, detail);
+    json_string(&mut body, &shown(detail));
     for (name, value) in members {
         body.push(',');
         json_string(&mut body, name);

@@ -325,10 +325,12 @@ impl Config {
                     document_id = true;
                     continue;
                 }
-                // `QUERY` would be a query to a server that reads names in any case.
-                other if super::another_case_of_a_request_key(other) => {
+                // `QUERY` would be a query to a server that reads names in any case, and
+                // `[query]` or ` query` to PHP and Rack.
+                other if super::another_spelling_of_a_request_key(other) => {
                     return Err(Uncosted::refused_request(format!(
-                        "{other:?} is a GraphQL parameter to a server that reads names in any case"
+                        "{other:?} is a GraphQL parameter to some servers (that read names in \
+                         any case, or file it under its name as PHP and Rack do)"
                     )));
                 }
                 _ => continue,
@@ -514,12 +516,12 @@ where
                     // multipart as JSON, whatever its type, charset or encoding), or as
                     // the form its type says (graphql-go): one that is JSON is refused
                     // whatever `on_invalid` says, and only a body that is not goes there.
+                    // JSON in UTF-16 or UTF-32 too: a server may decode by the charset.
                     let body_type = body_type(&parts).map_err(|error| {
-                        let json =
-                            serde_json::from_slice::<serde_json::Value>(super::without_bom(&bytes));
-                        match json {
-                            Ok(_) => Uncosted::refused(error),
-                            Err(_) => error.into(),
+                        if super::json_in_any_unicode(&bytes) {
+                            Uncosted::refused(error)
+                        } else {
+                            error.into()
                         }
                     });
                     let cost = match (body_type, named) {
@@ -664,13 +666,14 @@ fn url_parameters(
         .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
 }
 
-/// True when a request's URL names one of `names`, in any case (as some servers read
-/// them).
+/// True when a request's URL names one of `names`, in any case or with the spaces and
+/// brackets PHP and Rack read past (as some servers read them).
 fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
     url_parameters(parts).any(|(name, _)| {
+        let filed = super::filed_under(&name);
         names
             .iter()
-            .any(|known| super::same_to_a_server(&name, known))
+            .any(|known| super::same_to_a_server(filed, known))
     })
 }
 

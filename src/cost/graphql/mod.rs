@@ -47,7 +47,10 @@ pub enum OutOfRange {
     /// Refuse the request with a clear error (GitHub's behaviour).
     #[default]
     Reject,
-    /// Charge as if the nearest allowed value (or the maximum, when missing) was given.
+    /// Charge as if the largest allowed value was given: for a value above the range,
+    /// below it (many servers read a negative or zero limit as no limit at all), or
+    /// missing. Choose it only when the server clamps slicing values to the same range
+    /// (or refuses them): a value it runs as given is charged only the cap.
     Cap,
 }
 
@@ -255,6 +258,10 @@ impl GraphqlCost {
     /// what a leaf (0); `@cost(weight:)` on types and fields and `@listSize(assumedSize:,
     /// slicingArguments:, sizedFields:, requireOneSlicingArgument:)` on fields are
     /// honoured; a selection on an interface or union costs its most expensive member.
+    /// A directive argument of another shape than the directive takes
+    /// (`slicingArguments: [first]` where `["first"]` is meant, `"true"` for a Boolean),
+    /// or one it does not take (`@cost(weigth:)`), is an error, naming the field: read
+    /// leniently it would be dropped, and a slicing argument with it.
     ///
     /// ```
     /// use tollgate::cost::graphql::GraphqlCost;
@@ -629,6 +636,49 @@ impl GraphqlCost {
 }
 
 /// `body` without a leading byte order mark, which body parsers skip.
+/// True when `body` is JSON in UTF-8, UTF-16 or UTF-32 (either byte order, with a
+/// byte-order mark or not): what a server that decodes a body by its declared charset
+/// (Spring's Jackson converter) may read as a request.
+pub(super) fn json_in_any_unicode(body: &[u8]) -> bool {
+    let parses = |text: &str| {
+        serde_json::from_str::<serde_json::Value>(text.trim_start_matches('\u{feff}')).is_ok()
+    };
+    if std::str::from_utf8(body).is_ok_and(parses) {
+        return true;
+    }
+    let utf16 = |big: bool| {
+        let units = body.chunks_exact(2).map(|pair| {
+            let pair = [pair[0], pair[1]];
+            if big {
+                u16::from_be_bytes(pair)
+            } else {
+                u16::from_le_bytes(pair)
+            }
+        });
+        char::decode_utf16(units)
+            .collect::<Result<String, _>>()
+            .ok()
+    };
+    let utf32 = |big: bool| {
+        body.chunks_exact(4)
+            .map(|quad| {
+                let quad = [quad[0], quad[1], quad[2], quad[3]];
+                char::from_u32(if big {
+                    u32::from_be_bytes(quad)
+                } else {
+                    u32::from_le_bytes(quad)
+                })
+            })
+            .collect::<Option<String>>()
+    };
+    let even = body.len() % 2 == 0;
+    let quads = body.len() % 4 == 0;
+    [false, true].into_iter().any(|big| {
+        (even && utf16(big).is_some_and(|text| parses(&text)))
+            || (quads && utf32(big).is_some_and(|text| parses(&text)))
+    })
+}
+
 pub(super) fn without_bom(body: &[u8]) -> &[u8] {
     body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body)
 }
@@ -777,6 +827,27 @@ fn another_case_of_a_request_key(name: &str) -> bool {
     REQUEST_KEYS
         .iter()
         .any(|known| *known != name && same_to_a_server(name, known))
+}
+
+/// The name a PHP or Rack (before 3) server files a URL or form parameter under: PHP skips
+/// leading spaces, Rack strips brackets around the name, and both read `name[...]` as a
+/// list or a map under `name` (`[query]`, ` query`, `query]` and `query[x]` are all
+/// `query` there).
+pub(super) fn filed_under(name: &str) -> &str {
+    let name = name.trim_start_matches([' ', '[', ']']);
+    name.split(['[', ']']).next().unwrap_or(name)
+}
+
+/// True when a URL or form parameter named `name` is a request key to some server, but not
+/// spelt as the coster reads one: in another case (`QUERY`), or a name PHP or Rack files
+/// under a key (`[query]`, ` query`, `query[x]`).
+pub(super) fn another_spelling_of_a_request_key(name: &str) -> bool {
+    let filed = filed_under(name);
+    another_case_of_a_request_key(name)
+        || (filed != name
+            && REQUEST_KEYS
+                .iter()
+                .any(|known| same_to_a_server(filed, known)))
 }
 
 /// True when a server that compares names without regard to case may read `name` as
@@ -1264,10 +1335,8 @@ impl<'a> Walk<'a> {
             value.filter(|v| *v >= model.min_slice as i64 && *v <= model.max_slice as i64);
         match (in_range, model.out_of_range) {
             (Some(value), _) => Ok(value as u64),
-            (None, OutOfRange::Cap) => Ok(match value {
-                Some(value) if value < model.min_slice as i64 => model.min_slice,
-                _ => model.max_slice,
-            }),
+            // Below the range too: many servers read a negative or zero limit as none.
+            (None, OutOfRange::Cap) => Ok(model.max_slice),
             (None, OutOfRange::Reject) => Err(CostError::Slicing {
                 field: field.name.to_string(),
                 argument: argument.to_owned(),

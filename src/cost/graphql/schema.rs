@@ -163,6 +163,114 @@ fn field_info(field: &ast::FieldDefinition) -> FieldInfo {
     }
 }
 
+/// Refuses a cost directive the coster would not read as written: an argument it does not
+/// know (`@cost(weigth:)`), or of another shape than the directive takes (an enum value
+/// `[first]` where the strings `["first"]` are meant, `"true"` where a Boolean is). Read
+/// leniently, such a directive was dropped without a word: `slicingArguments: [first]`
+/// read as no argument switched off the range check of `first`.
+fn check_directives(document: &ast::Document) -> Result<(), CostError> {
+    let no_fields: &[apollo_compiler::Node<ast::FieldDefinition>] = &[];
+    for definition in &document.definitions {
+        let (name, directives, fields) = match definition {
+            Definition::ObjectTypeDefinition(d) => (&d.name, &d.directives, &d.fields[..]),
+            Definition::ObjectTypeExtension(d) => (&d.name, &d.directives, &d.fields[..]),
+            Definition::InterfaceTypeDefinition(d) => (&d.name, &d.directives, &d.fields[..]),
+            Definition::InterfaceTypeExtension(d) => (&d.name, &d.directives, &d.fields[..]),
+            Definition::UnionTypeDefinition(d) => (&d.name, &d.directives, no_fields),
+            Definition::UnionTypeExtension(d) => (&d.name, &d.directives, no_fields),
+            Definition::ScalarTypeDefinition(d) => (&d.name, &d.directives, no_fields),
+            Definition::ScalarTypeExtension(d) => (&d.name, &d.directives, no_fields),
+            Definition::EnumTypeDefinition(d) => (&d.name, &d.directives, no_fields),
+            Definition::EnumTypeExtension(d) => (&d.name, &d.directives, no_fields),
+            _ => continue,
+        };
+        check_cost(directives, name.as_str())?;
+        for field in fields {
+            let place = format!("{name}.{}", field.name);
+            check_cost(&field.directives, &place)?;
+            check_list_size(&field.directives, &place)?;
+            for argument in &field.arguments {
+                check_cost(
+                    &argument.directives,
+                    &format!("{place}({}:)", argument.name),
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The error of a directive argument not read as written.
+fn misshapen(
+    directive: &str,
+    argument: &str,
+    place: &str,
+    expected: &str,
+    value: &Value,
+) -> CostError {
+    CostError::Parse(format!(
+        "schema: @{directive}({argument}:) on {place} must be {expected}, not {value}"
+    ))
+}
+
+/// `@cost(weight:)` only: an Int, a Float, or a String of a number.
+fn check_cost(directives: &DirectiveList, place: &str) -> Result<(), CostError> {
+    let Some(directive) = directives.get("cost") else {
+        return Ok(());
+    };
+    for argument in &directive.arguments {
+        let value = &*argument.value;
+        match (argument.name.as_str(), value) {
+            ("weight", Value::Int(_) | Value::Float(_)) => {}
+            ("weight", Value::String(text)) if text.trim().parse::<f64>().is_ok() => {}
+            ("weight", _) => {
+                return Err(misshapen("cost", "weight", place, "a number", value));
+            }
+            (other, _) => {
+                return Err(CostError::Parse(format!(
+                    "schema: @cost on {place} has no argument {other:?} (it takes weight)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `@listSize`: `assumedSize` an Int (or a String of one), `slicingArguments` and
+/// `sizedFields` strings (a list of them, or one), `requireOneSlicingArgument` a Boolean.
+fn check_list_size(directives: &DirectiveList, place: &str) -> Result<(), CostError> {
+    let Some(directive) = directives.get("listSize") else {
+        return Ok(());
+    };
+    let strings = |value: &Value| match value {
+        Value::String(_) => true,
+        Value::List(items) => items.iter().all(|item| matches!(&**item, Value::String(_))),
+        _ => false,
+    };
+    for argument in &directive.arguments {
+        let (name, value) = (argument.name.as_str(), &*argument.value);
+        let expected = match name {
+            "assumedSize" => match value {
+                Value::Int(int) if int.as_str().parse::<i64>().is_ok() => continue,
+                Value::String(text) if text.parse::<i64>().is_ok() => continue,
+                _ => "an integer",
+            },
+            "slicingArguments" | "sizedFields" if strings(value) => continue,
+            "slicingArguments" | "sizedFields" => "a list of strings",
+            "requireOneSlicingArgument" if matches!(value, Value::Boolean(_)) => continue,
+            "requireOneSlicingArgument" => "a Boolean",
+            other => {
+                return Err(CostError::Parse(format!(
+                    "schema: @listSize on {place} has no argument {other:?} (it takes \
+                     assumedSize, slicingArguments, sizedFields, requireOneSlicingArgument)"
+                )));
+            }
+        };
+        return Err(misshapen("listSize", name, place, expected, value));
+    }
+    Ok(())
+}
+
 impl Schema {
     pub(super) fn parse(sdl: &str) -> Result<Self, CostError> {
         let document = apollo_compiler::parser::Parser::new()
@@ -171,6 +279,7 @@ impl Schema {
                 let errors = invalid.errors.to_string();
                 CostError::Parse(errors.lines().next().unwrap_or("invalid schema").to_owned())
             })?;
+        check_directives(&document)?;
         let mut schema = Schema::default();
         let mut unions: Vec<(String, Vec<String>)> = Vec::new();
         // A type's definition and its extensions (`extend type`, in any order) add up.
