@@ -2,8 +2,7 @@
 -- src/store/decide.rs. ARGV as for a decision (ARGV[2] is the units reserved, or the
 -- request's cost for a release), then an amount, the time of the debit in microseconds
 -- (-1: any time, newest debits first) and the mode:
---   0 settle: rate policies give back `reserved - amount` (but a shaping policy, whose
---     units are the request's place in its schedule) or charge the excess, past
+--   0 settle: rate policies give back `reserved - amount` or charge the excess, past
 --     empty if need be (one whole quota more at most, a thousand owed in all);
 --   1 release: in-flight policies free this request's slot;
 --   2 grant: rate policies give back `amount` units;
@@ -87,9 +86,7 @@ for i = 1, count do
   elseif kind == 'cc' then
     -- Slots are taken and freed by requests only.
   elseif mode == '0' then
-    -- A shaping policy's units are the request's place in its schedule, taken when it
-    -- was sent: given back, the next request would go on the same instant.
-    if amount < reserved and kind ~= 'ls' then
+    if amount < reserved then
       algorithm.refund(p, s, reserved - amount, at, left[i])
     elseif amount > reserved then
       charge(algorithm, p, s, amount - reserved)

@@ -152,10 +152,25 @@ impl Reservation {
         if actual == self.cost {
             return Settled::Unchanged;
         }
-        // The store gives nothing back under a shaping policy (its units are the
-        // request's place in its schedule), whatever the policy's place in the set.
-        let adjustment = Adjustment::settle(self.cost, actual, self.receipt)
-            .with_left(self.left.iter().copied());
+        // A shaping policy's units are the request's place in its schedule, taken when it
+        // was sent: a refund does not give them back (the next request would go on the
+        // same instant as this one). A charge above the reservation does reach it: the
+        // requests decided after wait for what this one used.
+        let refund = actual < self.cost;
+        let shaping = self
+            .policies
+            .iter()
+            .enumerate()
+            .filter(|_| refund)
+            .filter(|(index, policy)| {
+                *index < 64 && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
+            })
+            .fold(0u64, |mask, (index, _)| mask | (1 << index));
+        let receipt = self
+            .receipt
+            .with_undebited(self.receipt.undebited() | shaping);
+        let adjustment =
+            Adjustment::settle(self.cost, actual, receipt).with_left(self.left.iter().copied());
         match self.adjust(&adjustment).into_ready() {
             Ok(result) => self
                 .headers(result)

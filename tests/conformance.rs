@@ -1520,43 +1520,6 @@ async fn every_store_counts_requests_in_flight_alike() {
     }
 }
 
-/// A settle below the reservation gives nothing back under a shaping policy: its units
-/// are the request's place in the schedule, taken when it was sent, and given back they
-/// would send the next request on the same instant. The layer kept them out of the
-/// refund with a mask of the first 64 policies only, so a shaping policy past the 64th
-/// was refunded; the store now keeps them itself, whatever their place. On every store.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settle_gives_no_place_back_under_a_shaping_policy_on_every_store() {
-    let backends = Backends::start().await;
-    let mut policies: Vec<Policy> = (0..64)
-        .map(|index| Policy::fixed_window(&format!("w{index}"), 10, MINUTE).unwrap())
-        .collect();
-    policies.push(
-        Policy::leaky_bucket_shaping("ls", Rate::new(10, MINUTE), Duration::from_secs(30)).unwrap(),
-    );
-    let set = PolicySet::new(policies).unwrap();
-    for subject in backends.subjects("shaping-settle") {
-        subject.clock.set(Duration::from_secs(1));
-        let taken = subject.check("k", &set, 3).await;
-        assert!(taken.is_allowed(), "{}: {taken:?}", subject.name);
-        let queued = taken.statuses()[64].remaining;
-        let settle = Adjustment::settle(3, 0, taken.receipt());
-        let settled = subject.adjust("k", &set, &settle).await;
-        assert_eq!(
-            settled.statuses()[0].remaining,
-            10,
-            "{}: a window gives back what the request did not use",
-            subject.name
-        );
-        assert_eq!(
-            settled.statuses()[64].remaining,
-            queued,
-            "{}: the shaping policy keeps the request's place",
-            subject.name
-        );
-    }
-}
-
 /// A release of a decision that took no slot (a denial, a block) frees nothing, on every
 /// store: Redis removes a slot by the request's lease, and in process a release took one
 /// off the count whatever it was for, so a caller that releases every decision it got

@@ -215,12 +215,7 @@ pub(crate) fn adjust(
                 // As Redis is sent them: a cost no policy admits is as good as any larger.
                 let (reserved, actual) = (reserved.min(MAX_LIMIT + 1), actual.min(MAX_LIMIT + 1));
                 if actual < reserved {
-                    // A shaping policy's units are the request's place in its schedule,
-                    // taken when it was sent: given back, the next request would go on
-                    // the same instant. (A charge does reach it: those after wait.)
-                    if !params.is_shaping() {
-                        params.refund(slot, now, reserved - actual, at, debit_left);
-                    }
+                    params.refund(slot, now, reserved - actual, at, debit_left);
                 } else {
                     charge(params, slot, now, actual - reserved);
                 }

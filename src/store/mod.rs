@@ -90,8 +90,7 @@ pub trait Store: Send + Sync + 'static {
     ///   reopened, a bucket is never filled above full) or charged, past empty if need
     ///   be (the excess is owed until a bucket refills it or a window forgets it; one
     ///   settle owes at most one whole quota past what is left, and an identity at most
-    ///   a thousand quotas); a shaping policy gives nothing back (its units are the
-    ///   request's place in its schedule), but is charged;
+    ///   a thousand quotas);
     /// - with [`Adjustment::release`], frees the request's in-flight slots instead.
     ///
     /// A settle, a release or an unbooking leaves alone every policy the receipt says was
