@@ -476,7 +476,8 @@ const CANNOT_ADJUST: &str = "RateLimitLayer: {what} through the store's adjust \
 impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
     /// Checks the set-up without building a service: at least one policy, no policy
     /// replaced by one of its name in the other mode (see [`policy`](Self::policy)),
-    /// every policy set known ahead a valid set (shadow policies among the first 52) that
+    /// every policy set known ahead a valid set (shadow policies among the first 52,
+    /// shaping ones among the first 64) that
     /// the store can decide exactly ([`Store::validate`]), and a store that can adjust a
     /// debit ([`Store::can_adjust`]) when the layer settles costs or a set has an
     /// in-flight limit. [`layer`](Layer::layer) runs the same check and panics on a
@@ -538,7 +539,7 @@ impl<St: Store, K, C, R: PolicyResolver> RateLimitLayer<St, K, C, R> {
         }
         for set in self.resolver.known_sets() {
             // A set grown one `.policy()` at a time passes the checks a whole set does
-            // (shadow policies among the first 52).
+            // (shadow policies among the first 52, shaping ones among the first 64).
             set.check()
                 .map_err(|error| format!("RateLimitLayer: {error}"))?;
             self.store.validate(&set).map_err(|error| {

@@ -872,6 +872,67 @@ fn a_full_memory_store_never_forgets_a_held_slot() {
     assert!(store.check("held", &streams, 1).is_allowed());
 }
 
+/// The layer keeps a shaping policy out of a settle's refund with the receipt's mask of
+/// the policies it did not debit, which holds the first 64: a shaping policy past them was
+/// refunded, and the next request went on the same instant as the one settled. Such a set
+/// is refused, as a shadow policy past the 52nd is, whether built whole or one policy at a
+/// time.
+#[test]
+fn a_shaping_policy_past_the_64th_is_refused() {
+    let windows = || {
+        (0..64).map(|index| {
+            Policy::fixed_window(&format!("w{index}"), 10, Duration::from_secs(60)).unwrap()
+        })
+    };
+    let shaping = || {
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1), Duration::from_secs(10)).unwrap()
+    };
+    let error = PolicySet::new(windows().chain([shaping()])).unwrap_err();
+    assert!(error.to_string().contains("first 64"), "{error}");
+    let mut policies = windows().chain([shaping()]);
+    let mut layer = RateLimitLayer::new(MemoryStore::new()).policy(policies.next().unwrap());
+    for policy in policies {
+        layer = layer.policy(policy);
+    }
+    assert!(layer.validate().unwrap_err().contains("first 64"));
+    // At the 64th place it is one the mask holds.
+    assert!(PolicySet::new(windows().take(63).chain([shaping()])).is_ok());
+}
+
+/// A store full of identities that hold slots forgets one of them (its bound holds), and
+/// the identity's next request starts on a fresh state. The forgotten request's release
+/// then took a slot off that fresh state, one a newer request held: 2 running under a
+/// limit of 1. A release of a debit older than the state it reaches frees nothing.
+#[test]
+fn a_release_of_a_forgotten_slot_frees_no_newer_requests_slot() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(64)
+        .shards(1)
+        .build();
+    let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
+    clock.advance(Duration::from_secs(1));
+    let first = store.check("held", &streams, 1);
+    assert!(first.is_allowed());
+    clock.advance(Duration::from_secs(1));
+    for i in 0..200 {
+        assert!(store.check(&format!("other:{i}"), &streams, 1).is_allowed());
+    }
+    let newer = store.check("held", &streams, 1);
+    assert!(
+        newer.is_allowed(),
+        "the first request's identity was forgotten, as documented when only holders remain"
+    );
+    store.adjust_now("held", &streams, &Adjustment::release(1, first.receipt()));
+    assert!(
+        !store.check("held", &streams, 1).is_allowed(),
+        "the newer request still holds the only slot"
+    );
+    store.adjust_now("held", &streams, &Adjustment::release(1, newer.receipt()));
+    assert!(store.check("held", &streams, 1).is_allowed());
+}
+
 /// A store that decides in memory and settles after a network's delay, counting the
 /// settles that reach it, and any poll of a settle after it finished.
 #[derive(Clone)]

@@ -16,6 +16,10 @@ pub struct InFlight {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InFlightState {
     pub(super) count: u64,
+    /// When the oldest debit this state counts was made (the first since it held none):
+    /// a release of a debit made before it was made on a state since forgotten (a full
+    /// store's eviction), and frees none of this one's slots.
+    pub(super) since: u64,
 }
 
 /// What a denied request is told to wait: a slot frees when some request ends, which no
@@ -59,20 +63,31 @@ impl InFlight {
 
     /// Takes a slot.
     #[inline]
-    pub fn commit(&self, state: &mut InFlightState, _now: u64, cost: u64) {
+    pub fn commit(&self, state: &mut InFlightState, now: u64, cost: u64) {
+        // Another thread's reading may be behind the state's: the earliest counts.
+        state.since = if state.count == 0 {
+            now
+        } else {
+            state.since.min(now)
+        };
         state.count = state.count.saturating_add(Self::slots(cost));
     }
 
-    /// Gives `units` slots back.
+    /// Gives back `units` slots debited at `at`: none when `at` is before the oldest debit
+    /// the state counts (the debit was made on a state since forgotten, and the slots
+    /// counted now are other requests'). `at` = 0 or `u64::MAX`: any debit.
     #[inline]
     pub fn refund(
         &self,
         state: &mut InFlightState,
         _now: u64,
         units: u64,
-        _at: u64,
+        at: u64,
         _left: Option<u64>,
     ) {
+        if at != 0 && at != super::ANY_TIME && at < state.since {
+            return;
+        }
         state.count = state.count.saturating_sub(units);
     }
 

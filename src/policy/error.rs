@@ -64,6 +64,12 @@ pub enum PolicyError {
         /// The name.
         name: String,
     },
+    /// A shaping policy sits past the 64th place of its set, beyond what a receipt marks:
+    /// a settle below the reservation would give its place in the schedule back.
+    ShapingTooFar {
+        /// The name.
+        name: String,
+    },
 }
 
 impl fmt::Display for PolicyError {
@@ -111,6 +117,11 @@ impl fmt::Display for PolicyError {
                 f,
                 "shadow policy \"{name}\" is past the 52nd policy of its set: put shadow \
                  policies among the first {MAX_SHADOW_INDEX}"
+            ),
+            PolicyError::ShapingTooFar { name } => write!(
+                f,
+                "shaping policy \"{name}\" is past the 64th policy of its set: put shaping \
+                 policies among the first {MAX_SHAPING_INDEX}"
             ),
         }
     }
@@ -187,6 +198,10 @@ impl Check<'_> {
 /// Shadow policies sit among the first this many policies of a set (the reports of what
 /// they would have denied are bit masks, exact in Redis scripts' doubles).
 pub const MAX_SHADOW_INDEX: usize = 52;
+
+/// How many policies of a set may be shaping ones, counted from its first: a request's
+/// receipt marks the first 64, and a settle keeps a shaping policy's place by that mark.
+pub const MAX_SHAPING_INDEX: usize = 64;
 
 pub(super) fn check_name(name: &str) -> Result<(), PolicyError> {
     let valid = !name.is_empty()

@@ -35,7 +35,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use error::{MAX_SHADOW_INDEX, PolicyError};
+pub use error::{MAX_SHADOW_INDEX, MAX_SHAPING_INDEX, PolicyError};
 pub use penalty::Penalty;
 pub use rate::Rate;
 pub use set::PolicySet;

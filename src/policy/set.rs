@@ -52,7 +52,8 @@ struct PolicySetInner {
 }
 
 /// What a set of policies must be: distinct names, shadow policies among the first
-/// [`MAX_SHADOW_INDEX`](super::error::MAX_SHADOW_INDEX).
+/// [`MAX_SHADOW_INDEX`](super::error::MAX_SHADOW_INDEX), shaping ones among the first
+/// [`MAX_SHAPING_INDEX`](super::error::MAX_SHAPING_INDEX).
 fn check_policies(policies: &[Policy]) -> Result<(), PolicyError> {
     for (i, policy) in policies.iter().enumerate() {
         if policies[..i].iter().any(|p| p.name() == policy.name()) {
@@ -62,6 +63,11 @@ fn check_policies(policies: &[Policy]) -> Result<(), PolicyError> {
         }
         if policy.is_shadow() && i >= super::error::MAX_SHADOW_INDEX {
             return Err(PolicyError::ShadowTooFar {
+                name: policy.name().to_owned(),
+            });
+        }
+        if policy.params().is_shaping() && i >= super::error::MAX_SHAPING_INDEX {
+            return Err(PolicyError::ShapingTooFar {
                 name: policy.name().to_owned(),
             });
         }
@@ -76,7 +82,8 @@ impl fmt::Debug for PolicySet {
 }
 
 impl PolicySet {
-    /// A set of policies with distinct names.
+    /// A set of policies with distinct names, shadow policies among the first 52 and
+    /// shaping ones among the first 64.
     #[inline]
     pub fn new(policies: impl IntoIterator<Item = Policy>) -> Result<Self, PolicyError> {
         let policies: Vec<Policy> = policies.into_iter().collect();
@@ -85,7 +92,8 @@ impl PolicySet {
     }
 
     /// Whether this set holds what [`new`](Self::new) accepts (a set grown with
-    /// [`with`](Self::with) may not: a shadow policy past the first 52).
+    /// [`with`](Self::with) may not: a shadow policy past the first 52, a shaping one past
+    /// the first 64).
     pub(crate) fn check(&self) -> Result<(), PolicyError> {
         check_policies(&self.inner.policies)
     }

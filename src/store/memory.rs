@@ -43,7 +43,8 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// run (the lease of
 /// [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is for shared
 /// stores); a full shard forgets such identities only when the others cannot make the
-/// room, those held longest first.
+/// room, those held longest first (a forgotten request's release frees nothing of the
+/// state begun after it).
 /// [`MemoryStore::purge_fresh`] gives memory back.
 ///
 /// Local only: N replicas each with a `MemoryStore` admit N times the limit. Use a shared
