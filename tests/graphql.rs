@@ -946,6 +946,9 @@ mod http {
             "query%5Bx%5D",
             "%5Bvariables%5D",
             "+operationName",
+            // PHP reads a name to its first NUL.
+            "query%00",
+            "query%00x",
         ] {
             // Alone, only a `query` runs anything there.
             let alone = name
@@ -973,6 +976,28 @@ mod http {
             &format!("/graphql?%5Dquery={expensive}"),
             "application/json",
             r#"{"query":"{ a }"}"#,
+        )
+        .await;
+        assert_eq!(answer, StatusCode::BAD_REQUEST);
+        // PHP turns `.` and ` ` in a name into `_`: `doc.id` is `doc_id` there.
+        let (answer, _) = sent(
+            &app,
+            "brackets",
+            &Method::GET,
+            &format!("/graphql?query={expensive}&doc.id=3be4abb8"),
+            "",
+            "",
+        )
+        .await;
+        assert_eq!(answer, StatusCode::BAD_REQUEST);
+        // Rails takes the URL's `operationName` over the body's.
+        let (answer, _) = sent(
+            &app,
+            "brackets",
+            &Method::POST,
+            "/graphql?%5BoperationName%5D=Costly",
+            "application/json",
+            r#"{"query":"query Cheap { a } query Costly { a { b { c } } }","operationName":"Cheap"}"#,
         )
         .await;
         assert_eq!(answer, StatusCode::BAD_REQUEST);
@@ -1189,6 +1214,15 @@ mod http {
             ("utf-32", utf32(false)),
             ("utf-32be", utf32(true)),
             ("iso-8859-1", query.as_bytes().to_vec()),
+            // Jackson reads the first value and leaves what follows it.
+            ("utf-16", [utf16(false, true), b"x".to_vec()].concat()),
+            (
+                "utf-16le",
+                [utf16(false, false), vec![0x20, 0x00, 0x78]].concat(),
+            ),
+            // Java decodes a lone surrogate as U+FFFD, and a byte no charset maps alike.
+            ("utf-16le", [utf16(false, false), vec![0x00, 0xd8]].concat()),
+            ("windows-1252", [query.as_bytes(), b" \xe9"].concat()),
         ] {
             let request = Request::post("/graphql")
                 .header("x-api-key", "encodings")

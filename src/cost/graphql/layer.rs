@@ -516,9 +516,9 @@ where
                     // multipart as JSON, whatever its type, charset or encoding), or as
                     // the form its type says (graphql-go): one that is JSON is refused
                     // whatever `on_invalid` says, and only a body that is not goes there.
-                    // JSON in UTF-16 or UTF-32 too: a server may decode by the charset.
+                    // In UTF-16 or UTF-32 too: a server may decode by the charset.
                     let body_type = body_type(&parts).map_err(|error| {
-                        if super::json_in_any_unicode(&bytes) {
+                        if super::looks_like_json(&bytes) {
                             Uncosted::refused(error)
                         } else {
                             error.into()
@@ -673,7 +673,7 @@ fn url_names_any(parts: &http::request::Parts, names: &[&str]) -> bool {
         let filed = super::filed_under(&name);
         names
             .iter()
-            .any(|known| super::same_to_a_server(filed, known))
+            .any(|known| super::same_to_a_server(&filed, known))
     })
 }
 
@@ -696,7 +696,7 @@ const MAX_PARAMETERS: usize = 1_000;
 /// given twice with different values (no single operation is named).
 fn url_operation_name(parts: &http::request::Parts) -> Option<Option<String>> {
     let mut names = url_parameters(parts)
-        .filter(|(name, _)| super::same_to_a_server(name, "operationName"))
+        .filter(|(name, _)| super::same_to_a_server(&super::filed_under(name), "operationName"))
         .map(|(_, value)| value.into_owned());
     let first = names.next()?;
     Some(names.all(|other| other == first).then_some(first))

@@ -34,6 +34,7 @@ mod schema;
 
 pub use layer::{GRAPHQL_COST, GraphqlCostLayer, GraphqlCostService, Invalid};
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
 
@@ -635,50 +636,25 @@ impl GraphqlCost {
     }
 }
 
-/// `body` without a leading byte order mark, which body parsers skip.
-/// True when `body` is JSON in UTF-8, UTF-16 or UTF-32 (either byte order, with a
-/// byte-order mark or not): what a server that decodes a body by its declared charset
-/// (Spring's Jackson converter) may read as a request.
-pub(super) fn json_in_any_unicode(body: &[u8]) -> bool {
-    let parses = |text: &str| {
-        serde_json::from_str::<serde_json::Value>(text.trim_start_matches('\u{feff}')).is_ok()
-    };
-    if std::str::from_utf8(body).is_ok_and(parses) {
-        return true;
-    }
-    let utf16 = |big: bool| {
-        let units = body.chunks_exact(2).map(|pair| {
-            let pair = [pair[0], pair[1]];
-            if big {
-                u16::from_be_bytes(pair)
-            } else {
-                u16::from_le_bytes(pair)
-            }
-        });
-        char::decode_utf16(units)
-            .collect::<Result<String, _>>()
-            .ok()
-    };
-    let utf32 = |big: bool| {
-        body.chunks_exact(4)
-            .map(|quad| {
-                let quad = [quad[0], quad[1], quad[2], quad[3]];
-                char::from_u32(if big {
-                    u32::from_be_bytes(quad)
-                } else {
-                    u32::from_le_bytes(quad)
-                })
-            })
-            .collect::<Option<String>>()
-    };
-    let even = body.len() % 2 == 0;
-    let quads = body.len() % 4 == 0;
-    [false, true].into_iter().any(|big| {
-        (even && utf16(big).is_some_and(|text| parses(&text)))
-            || (quads && utf32(big).is_some_and(|text| parses(&text)))
-    })
+/// True when `body` may be JSON (or a document's shorthand `{ ... }`) to a server that
+/// decodes it by any charset: its first character that is not white space is `{` or `[`,
+/// whatever the encoding (the NULs of UTF-16 and UTF-32 and any byte-order mark are
+/// passed over). What follows is not read: Jackson (Spring's converter) reads the first
+/// value and leaves the rest, decodes a lone surrogate as U+FFFD, and decodes by any
+/// charset the body declares, so no stricter test holds for every server.
+pub(super) fn looks_like_json(body: &[u8]) -> bool {
+    body.iter()
+        .copied()
+        .find(|byte| {
+            !matches!(
+                byte,
+                0 | b' ' | b'\t' | b'\r' | b'\n' | 0xef | 0xbb | 0xbf | 0xfe | 0xff
+            )
+        })
+        .is_some_and(|byte| byte == b'{' || byte == b'[')
 }
 
+/// `body` without a leading byte order mark, which body parsers skip.
 pub(super) fn without_bom(body: &[u8]) -> &[u8] {
     body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body)
 }
@@ -829,13 +805,20 @@ fn another_case_of_a_request_key(name: &str) -> bool {
         .any(|known| *known != name && same_to_a_server(name, known))
 }
 
-/// The name a PHP or Rack (before 3) server files a URL or form parameter under: PHP skips
-/// leading spaces, Rack strips brackets around the name, and both read `name[...]` as a
-/// list or a map under `name` (`[query]`, ` query`, `query]` and `query[x]` are all
-/// `query` there).
-pub(super) fn filed_under(name: &str) -> &str {
+/// The name a PHP or Rack (before 3) server files a URL or form parameter under: PHP reads
+/// a name to its first NUL, skips leading spaces and makes `.` and ` ` in it `_`; Rack
+/// strips brackets around it; both read `name[...]` as a list or a map under `name`
+/// (`[query]`, ` query`, `query]`, `query[x]` and `query%00x` are all `query` there, and
+/// `doc.id` is `doc_id`).
+pub(super) fn filed_under(name: &str) -> Cow<'_, str> {
+    let name = name.split('\0').next().unwrap_or(name);
     let name = name.trim_start_matches([' ', '[', ']']);
-    name.split(['[', ']']).next().unwrap_or(name)
+    let name = name.split(['[', ']']).next().unwrap_or(name);
+    if name.contains(['.', ' ']) {
+        name.replace(['.', ' '], "_").into()
+    } else {
+        name.into()
+    }
 }
 
 /// True when a URL or form parameter named `name` is a request key to some server, but not
@@ -847,7 +830,7 @@ pub(super) fn another_spelling_of_a_request_key(name: &str) -> bool {
         || (filed != name
             && REQUEST_KEYS
                 .iter()
-                .any(|known| same_to_a_server(filed, known)))
+                .any(|known| same_to_a_server(&filed, known)))
 }
 
 /// True when a server that compares names without regard to case may read `name` as
