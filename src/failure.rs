@@ -334,7 +334,7 @@ fn scale_set(set: &PolicySet, share: f64) -> PolicySet {
 /// unavailable store (or a refusal every request meets) starts a new cool-down; an error
 /// that says nothing of an outage (one request's refusal, a policy the store cannot
 /// decide) lets the next request probe. A request dropped after waiting on the store for
-/// 100 ms counts as a timeout. A cool-down longer than
+/// 100 ms, with no answer from the store to any request meanwhile, counts as a timeout. A cool-down longer than
 /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
 ///
 /// ```
@@ -447,11 +447,13 @@ impl Drop for ProbeGuard {
 
 /// A request waiting on the store's answer (the probe's own guard does this for the
 /// probe). Dropped unanswered after [`PROBE_PATIENCE`] (an outer timeout or the client gave
-/// up on a store that may well be hanging), it counts as the store timing out: counted,
-/// logged as store errors are, and towards the breaker, as the store timeout would have.
-/// Without it, a store timeout longer than an outer one let a hung store go unseen: no
-/// error counted, the breaker never opened, and every request waited on the store until
-/// the outer timeout. Dropped sooner, it says nothing of the store.
+/// up on a store that may well be hanging), with no answer from the store to any request
+/// meanwhile, it counts as the store timing out: counted, logged as store errors are, and
+/// towards the breaker, as the store timeout would have. Without it, a store timeout
+/// longer than an outer one let a hung store go unseen: no error counted, the breaker
+/// never opened, and every request waited on the store until the outer timeout. Dropped
+/// sooner, or while the store answers others (slow, not hanging: clients that give up at
+/// once cannot open the breaker of a store that answers), it says nothing of the store.
 #[derive(Debug)]
 #[must_use = "a request's wait is ended with `answered`"]
 pub(crate) struct Waiting {
@@ -462,10 +464,15 @@ pub(crate) struct Waiting {
 }
 
 impl Waiting {
-    /// The store answered, failed or timed out: its outcome is reported where it is read.
+    /// The store answered (`by_the_store`), failed or timed out: its outcome is reported
+    /// where it is read.
     #[inline]
-    pub(crate) fn answered(mut self) {
+    pub(crate) fn answered(mut self, by_the_store: bool) {
         self.answered = true;
+        if by_the_store {
+            let now = self.breaker.clock.now().saturating_add(1);
+            self.breaker.answered_at.fetch_max(now, Ordering::Relaxed);
+        }
     }
 }
 
@@ -475,7 +482,9 @@ impl Drop for Waiting {
             return;
         }
         let waited = self.breaker.clock.now().saturating_sub(self.started);
-        if u128::from(waited) < PROBE_PATIENCE.as_nanos() {
+        if u128::from(waited) < PROBE_PATIENCE.as_nanos()
+            || self.breaker.answered_at.load(Ordering::Relaxed) > self.started
+        {
             return;
         }
         let error = StoreError::new(
@@ -500,6 +509,9 @@ pub(crate) struct Breaker {
     config: CircuitBreaker,
     clock: Arc<dyn Clock>,
     failures: AtomicU32,
+    /// When (clock nanoseconds + 1) the store last answered a request that waited on it:
+    /// a request dropped while it waited says nothing of a store that answered since.
+    answered_at: AtomicU64,
     /// 0: closed. Otherwise the instant (clock nanoseconds + 1) from which to probe.
     open_until: AtomicU64,
     /// The ticket of the probe in flight; 0 when there is none.
@@ -546,6 +558,7 @@ impl Breaker {
             config,
             clock,
             failures: AtomicU32::new(0),
+            answered_at: AtomicU64::new(0),
             open_until: AtomicU64::new(0),
             probing: AtomicU64::new(0),
             tickets: AtomicU64::new(1),

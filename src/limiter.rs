@@ -393,7 +393,7 @@ impl<St: Store> Limiter<St> {
             shared.store.peek(key, policies),
         )
         .await;
-        waiting.answered();
+        waiting.answered(peeked.is_ok());
         // The decision has what the peek left of the store timeout: a turn waits one
         // timeout for the store, however its calls spend it.
         let left = shared.timeout.saturating_sub(started.elapsed());
@@ -464,7 +464,7 @@ impl<St: Store> Limiter<St> {
                 shared.store.decide(key, policies, cost),
             )
             .await;
-            waiting.answered();
+            waiting.answered(decided.is_ok());
             decided
         };
         let decided = decided.and_then(|decision| {

@@ -329,7 +329,7 @@ where
         let timed = Box::pin(async move {
             let result = within(timeout, "decision", pending).await;
             if let Some(waiting) = waiting {
-                waiting.answered();
+                waiting.answered(result.is_ok());
             }
             stopwatch.stop();
             result

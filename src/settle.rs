@@ -43,8 +43,10 @@
 //! reported cost costs one quota's wait: where one request can cost more than a quota,
 //! reserve a bound (or cap what the handler may spend), or the policy limits requests
 //! rather than units. An identity owes at most a thousand quotas (and never more than
-//! `MAX_LIMIT` units). A fixed window forgets what is owed when it ends, like all it
-//! counted: under a post-paid cost, prefer a bucket, GCRA or a sliding window. With `store::Leased`
+//! `MAX_LIMIT` units). A window forgets what is owed one window after it was charged, like
+//! all it counted (a fixed window when it ends; a sliding log or counter as the charge
+//! slides out), however much it was: under a post-paid cost, prefer a token bucket or
+//! GCRA, which make the identity wait until what it owes has refilled. With `store::Leased`
 //! blocks, units already leased on other replicas are spent while the identity owes.
 
 use std::fmt;

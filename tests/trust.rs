@@ -186,8 +186,9 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
 // A store that hangs while an outer timeout (or the client) gives up before the store
 // timeout does: each request was dropped waiting, nothing was counted, and the breaker
 // never opened (every request waited on the hung store until the outer timeout). A request
-// dropped after waiting on the store for `PROBE_PATIENCE` (100 ms) counts as the store
-// timing out; one dropped sooner says nothing of the store.
+// dropped after waiting on the store for `PROBE_PATIENCE` (100 ms), with no answer from the
+// store to any request meanwhile, counts as the store timing out; one dropped sooner, or
+// while the store answers others, says nothing of the store.
 #[tokio::test]
 async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
     let store = Switch::new();
@@ -220,17 +221,37 @@ async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
         given_up_after(Duration::from_millis(10)).await;
     }
     assert_eq!(store.calls(), 3);
-    // Dropped after waiting: two timeouts open the breaker.
+    // Dropped late while the store answered another request meanwhile: the store is slow
+    // for some, not hanging (clients that give up at once on a slow store cannot open
+    // the breaker that way).
+    for _ in 0..3 {
+        let mut waiting = Box::pin(app.clone().oneshot(request("/", 1)));
+        let polled = tokio::time::timeout(Duration::from_millis(5), &mut waiting).await;
+        assert!(polled.is_err(), "the request waits on the hung store");
+        clock.advance(Duration::from_millis(50));
+        store.set(UP);
+        let answered = app.clone().oneshot(request("/", 1)).await.unwrap();
+        assert!(
+            answered.headers().contains_key("ratelimit"),
+            "the store answered"
+        );
+        store.set(HUNG);
+        clock.advance(Duration::from_millis(100));
+        drop(waiting);
+    }
+    assert_eq!(store.calls(), 9);
+    // Dropped after waiting with no answer from the store meanwhile: two timeouts open
+    // the breaker.
     for _ in 0..2 {
         given_up_after(Duration::from_millis(150)).await;
     }
-    assert_eq!(store.calls(), 5);
+    assert_eq!(store.calls(), 11);
     store.set(UP);
     let response = app.clone().oneshot(request("/", 1)).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(
         store.calls(),
-        5,
+        11,
         "two requests given up on a hung store opened the breaker: the next skips it"
     );
     assert!(
