@@ -129,6 +129,11 @@ pub struct Receipt {
 impl Receipt {
     /// A debit made at `at` (nanoseconds on the store's time line) that took the
     /// in-flight slots named `lease` (0: none, or a store that needs no name).
+    ///
+    /// `at` is the time the store recorded the debit, as its decision's own receipt says:
+    /// a refund is bounded by it, and `MemoryStore` frees no in-flight slot for a debit
+    /// older than the state it reaches (one taken on a state since forgotten). A wrapper
+    /// store passes its inner store's receipt on; 0 stands for any time.
     pub const fn new(at: u64, lease: u64) -> Self {
         Self {
             at,

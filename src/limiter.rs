@@ -660,10 +660,13 @@ impl<St: Store> Limiter<St> {
 
     /// Gives back `cost` units `decision` spent (and the in-flight slots it took) where it
     /// was decided: in the store, as far as it answers within its timeout, or in the
-    /// failure mode's local limiter.
+    /// failure mode's local limiter. An unbooking: a shaping policy's place goes back only
+    /// while no booking stands behind it (the waiters' turn orders waiters only; a `check`,
+    /// another replica or a layer on the same store may have booked since), and then
+    /// nothing is given back.
     async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        let settle = crate::store::Adjustment::give_back(cost, decision);
+        let settle = crate::store::Adjustment::unbook(cost, decision);
         let release = shared
             .policies
             .has_in_flight()

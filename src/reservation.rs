@@ -157,6 +157,17 @@ impl Reservation {
         // same instant as this one). A charge above the reservation does reach it: the
         // requests decided after wait for what this one used.
         let refund = actual < self.cost;
+        // Past the receipt's 64 marks (a set a resolver built per request, unchecked): no
+        // refund at all, rather than a shaping policy's place given back.
+        if refund
+            && self
+                .policies
+                .iter()
+                .skip(64)
+                .any(|policy| policy.params().is_shaping())
+        {
+            return Settled::Unchanged;
+        }
         let shaping = self
             .policies
             .iter()

@@ -1173,8 +1173,11 @@ mod http {
     /// JSON in UTF-16 or UTF-32 (by its charset, or by its byte-order mark) is read by
     /// servers that decode by the declared charset (Spring's Jackson converter: Spring
     /// GraphQL, DGS): under `Invalid::Charge` it was let through at the fixed charge, as a
-    /// body that is no JSON, and its costly query ran there. It is refused, as JSON in
-    /// UTF-8 under another type is.
+    /// body that is no JSON, and its costly query ran there. A body that declares another
+    /// charset than UTF-8 is refused whatever it holds (no test of its bytes holds for
+    /// every charset a server may decode by: EBCDIC's `{` is 0xC0), and one of another
+    /// type that starts `{` or `[` in any Unicode encoding, as JSON in UTF-8 under another
+    /// type is.
     #[tokio::test]
     async fn json_in_another_unicode_encoding_is_refused_not_charged() {
         let query = r#"{"query":"{ a(first: 50) { b(first: 50) { c } } }"}"#;
@@ -1223,6 +1226,11 @@ mod http {
             // Java decodes a lone surrogate as U+FFFD, and a byte no charset maps alike.
             ("utf-16le", [utf16(false, false), vec![0x00, 0xd8]].concat()),
             ("windows-1252", [query.as_bytes(), b" \xe9"].concat()),
+            // A charset where `{` is another byte (EBCDIC's is 0xC0): Jackson decodes by it.
+            (
+                "IBM037",
+                vec![0xc0, 0x7f, 0x98, 0xa4, 0x85, 0x99, 0xa8, 0x7f, 0xd0],
+            ),
         ] {
             let request = Request::post("/graphql")
                 .header("x-api-key", "encodings")
@@ -1234,11 +1242,18 @@ mod http {
                 .unwrap();
             let response = app.clone().oneshot(request).await.unwrap();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{charset}");
+            // Refused by the coster, not charged and refused by the handler.
+            assert!(
+                response.headers().get("graphql-cost").is_none(),
+                "{charset}: charged {:?}",
+                response.headers().get("graphql-cost")
+            );
         }
-        // A body that is no JSON in any of them still goes to the fixed charge.
+        // A body of a type the coster does not read, that no charset makes JSON, still
+        // goes to the fixed charge.
         let request = Request::post("/graphql")
             .header("x-api-key", "encodings")
-            .header("content-type", "application/json; charset=utf-16")
+            .header("content-type", "application/octet-stream")
             .body(Body::from(vec![0xff, 0xfe, 0x00, 0xd8]))
             .unwrap();
         let response = app.clone().oneshot(request).await.unwrap();

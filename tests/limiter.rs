@@ -483,6 +483,45 @@ async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
     assert_eq!(fourth.await.unwrap(), Duration::from_secs(20));
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_dropped_sleeper_gives_nothing_back_once_a_check_booked_behind_it() {
+    // One every 10 s. The second sleeps its 10 s delay; a `check` (not a waiter, so not
+    // in the waiters' turn) books the 20 s place behind it. The sleeper dropped at 1 s
+    // must not give its place back: a settle to nothing did, and the next booking went on
+    // the check's instant (19 s from then, two requests at 20 s). Given back as an
+    // unbooking, it is refused while a booking stands behind it.
+    let (limiter, key, started) = first_one_sent(paced()).await;
+    let sleeper = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let behind = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(
+        behind.outcome(),
+        tollgate::Outcome::Allowed {
+            delay: Duration::from_secs(20)
+        }
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sleeper.abort();
+    assert!(sleeper.await.is_err(), "dropped mid-sleep");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let next = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(
+        next.outcome(),
+        tollgate::Outcome::Allowed {
+            delay: Duration::from_secs(29)
+        },
+        "after the check's 20 s place, at {:?}",
+        started.elapsed()
+    );
+}
+
 #[test]
 fn a_sleeper_dropped_outside_any_runtime_does_not_panic() {
     // A waiter polled into its shaping delay on a runtime, then dropped after the

@@ -899,6 +899,41 @@ fn a_shaping_policy_past_the_64th_is_refused() {
     assert!(PolicySet::new(windows().take(63).chain([shaping()])).is_ok());
 }
 
+/// A set a resolver builds per request is not checked when the layer is built: with a
+/// shaping policy past the 64th, a settle below the reservation gave its place back (the
+/// receipt's mask holds the first 64). Such a settle refunds nothing: the request is
+/// charged its reservation, and the schedule keeps its place.
+#[tokio::test]
+async fn a_per_request_set_with_a_shaping_policy_past_the_64th_refunds_nothing() {
+    use tollgate::resolve::resolve_with;
+    let (store, _clock) = store();
+    let mut set = PolicySet::from(tokens());
+    for index in 0..63 {
+        set = set.with(
+            Policy::fixed_window(&format!("w{index}"), 1_000, Duration::from_secs(60)).unwrap(),
+        );
+    }
+    let set = set.with(
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1_000), Duration::from_secs(1))
+            .unwrap(),
+    );
+    assert_eq!(set.len(), 65);
+    let app = Router::new().route("/", get(echo)).layer(
+        RateLimitLayer::new(store.clone())
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .resolver(resolve_with(move |_, _| set.clone()))
+            .settle(Settle::from_header("X-Tokens-Used")),
+    );
+    let response = app
+        .clone()
+        .oneshot(request("wide", 10, Some(0), 200))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(remaining(&response), 990, "the reservation stays spent");
+}
+
 /// A store full of identities that hold slots forgets one of them (its bound holds), and
 /// the identity's next request starts on a fresh state. The forgotten request's release
 /// then took a slot off that fresh state, one a newer request held: 2 running under a

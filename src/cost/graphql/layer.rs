@@ -186,7 +186,7 @@ enum BodyType {
 /// no type at all), a GraphQL document (`application/graphql`) or a form's parameters
 /// (`application/x-www-form-urlencoded`), in UTF-8. Any other type or charset is an
 /// error: a server decodes another charset (UTF-7) into other keys.
-fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
+fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
     // Still compressed: this layer runs outside the decompression it needs.
     let compressed = request
         .headers
@@ -196,7 +196,8 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
     if compressed {
         return Err(CostError::Request(
             "a compressed body cannot be read: put this layer inside a decompression layer".into(),
-        ));
+        )
+        .into());
     }
     let mut types = request.headers.get_all(header::CONTENT_TYPE).iter();
     let Some(value) = types.next() else {
@@ -209,9 +210,7 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
     // would read the body as one, a server or a proxy further on might read it as the
     // other.
     if types.next().is_some() || folds_several(value) {
-        return Err(CostError::Request(
-            "the request has more than one content type".into(),
-        ));
+        return Err(CostError::Request("the request has more than one content type".into()).into());
     }
     let mut parts = value.split(';');
     let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
@@ -220,10 +219,13 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
             continue;
         };
         let charset = charset.trim().trim_matches('"');
+        // Refused whatever the body holds: a server may decode it by that charset (Spring's
+        // converter does), and no test of its bytes holds for every charset (EBCDIC's `{`
+        // is 0xC0).
         if name.trim().eq_ignore_ascii_case("charset") && !charset.eq_ignore_ascii_case("utf-8") {
-            return Err(CostError::Request(format!(
+            return Err(Uncosted::refused(CostError::Request(format!(
                 "the body's charset is {charset:?}: only UTF-8 is read"
-            )));
+            ))));
         }
     }
     match media.as_str() {
@@ -234,7 +236,8 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, CostError> {
         media => Err(CostError::Request(format!(
             "a GraphQL request's body must be application/json or application/graphql, \
              not {media}"
-        ))),
+        ))
+        .into()),
     }
 }
 
@@ -516,12 +519,15 @@ where
                     // multipart as JSON, whatever its type, charset or encoding), or as
                     // the form its type says (graphql-go): one that is JSON is refused
                     // whatever `on_invalid` says, and only a body that is not goes there.
-                    // In UTF-16 or UTF-32 too: a server may decode by the charset.
-                    let body_type = body_type(&parts).map_err(|error| {
-                        if super::looks_like_json(&bytes) {
-                            Uncosted::refused(error)
+                    // In UTF-16 or UTF-32 too, which a server may detect by itself.
+                    let body_type = body_type(&parts).map_err(|uncosted| {
+                        if !uncosted.refused && super::looks_like_json(&bytes) {
+                            Uncosted {
+                                refused: true,
+                                ..uncosted
+                            }
                         } else {
-                            error.into()
+                            uncosted
                         }
                     });
                     let cost = match (body_type, named) {
