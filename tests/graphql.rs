@@ -968,50 +968,35 @@ mod http {
             let response = app.clone().oneshot(request).await.unwrap();
             assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{form}");
         }
-        // Rails merges the URL's parameters over a JSON body's.
-        let (answer, _) = sent(
-            &app,
-            "brackets",
-            &Method::POST,
-            &format!("/graphql?%5Dquery={expensive}"),
-            "application/json",
-            r#"{"query":"{ a }"}"#,
-        )
-        .await;
-        assert_eq!(answer, StatusCode::BAD_REQUEST);
-        // PHP turns `.` and ` ` in a name into `_`: `doc.id` is `doc_id` there.
-        let (answer, _) = sent(
-            &app,
-            "brackets",
-            &Method::GET,
-            &format!("/graphql?query={expensive}&doc.id=3be4abb8"),
-            "",
-            "",
-        )
-        .await;
-        assert_eq!(answer, StatusCode::BAD_REQUEST);
-        // Rails takes the URL's `operationName` over the body's.
-        let (answer, _) = sent(
-            &app,
-            "brackets",
-            &Method::POST,
-            "/graphql?%5BoperationName%5D=Costly",
-            "application/json",
-            r#"{"query":"query Cheap { a } query Costly { a { b { c } } }","operationName":"Cheap"}"#,
-        )
-        .await;
-        assert_eq!(answer, StatusCode::BAD_REQUEST);
-        // Names of the application's own, with brackets, are not GraphQL's.
-        let (answer, _) = sent(
-            &app,
-            "brackets",
-            &Method::GET,
-            &format!("/graphql?query={expensive}&filter%5Bq%5D=1&+page=2"),
-            "",
-            "",
-        )
-        .await;
-        assert_eq!(answer, StatusCode::OK);
+        let cheap_or_costly = r#"{"query":"query Cheap { a } query Costly { a { b { c } } }","operationName":"Cheap"}"#;
+        let doc_id = format!("/graphql?query={expensive}&doc.id=3be4abb8");
+        let own = format!("/graphql?query={expensive}&filter%5Bq%5D=1&+page=2");
+        let url_over_body = format!("/graphql?%5Dquery={expensive}");
+        for (method, uri, content_type, body, status) in [
+            // Rails merges the URL's parameters over a JSON body's.
+            (
+                Method::POST,
+                &url_over_body[..],
+                "application/json",
+                r#"{"query":"{ a }"}"#,
+                StatusCode::BAD_REQUEST,
+            ),
+            // PHP turns `.` and ` ` in a name into `_`: `doc.id` is `doc_id` there.
+            (Method::GET, &doc_id[..], "", "", StatusCode::BAD_REQUEST),
+            // Rails takes the URL's `operationName` over the body's.
+            (
+                Method::POST,
+                "/graphql?%5BoperationName%5D=Costly",
+                "application/json",
+                cheap_or_costly,
+                StatusCode::BAD_REQUEST,
+            ),
+            // Names of the application's own, with brackets, are not GraphQL's.
+            (Method::GET, &own[..], "", "", StatusCode::OK),
+        ] {
+            let (answer, _) = sent(&app, "brackets", &method, uri, content_type, body).await;
+            assert_eq!(answer, status, "{method} {uri}");
+        }
     }
 
     /// A body is costed only as what the server reads it as: JSON (`application/json`,

@@ -478,30 +478,36 @@ impl tollgate::Store for Hung {
 // store timing out; before, nothing was counted or said of a store that never answered.
 #[test]
 fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
+    let limiter =
+        tollgate::limiter::Limiter::new(Hung, jobs()).store_timeout(Duration::from_secs(30));
+    let seen = metrics_of(async move {
+        let key = tollgate::Key::new("k");
+        let given_up =
+            tokio::time::timeout(Duration::from_millis(150), limiter.check(&key, 1)).await;
+        assert!(given_up.is_err(), "the store never answers");
+    });
+    assert_eq!(
+        counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
+        1
+    );
+}
+
+/// Two units an hour: the `Limiter` tests' policy.
+fn jobs() -> Policy {
+    Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap()
+}
+
+/// Runs `work` on a current-thread runtime (timers on) with a recorder of its own: the
+/// metrics it left.
+fn metrics_of(work: impl std::future::Future<Output = ()>) -> Snapshot {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let limiter = tollgate::limiter::Limiter::new(
-        Hung,
-        Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap(),
-    )
-    .store_timeout(Duration::from_secs(30));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .unwrap();
-    metrics::with_local_recorder(&recorder, || {
-        runtime.block_on(async {
-            let key = tollgate::Key::new("k");
-            let given_up =
-                tokio::time::timeout(Duration::from_millis(150), limiter.check(&key, 1)).await;
-            assert!(given_up.is_err(), "the store never answers");
-            let seen = snapshot(&snapshotter);
-            assert_eq!(
-                counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
-                1
-            );
-        })
-    });
+    metrics::with_local_recorder(&recorder, || runtime.block_on(work));
+    snapshot(&snapshotter)
 }
 
 // A `Limiter` whose store fails is answered by its failure mode, like the layer; like the
@@ -509,47 +515,35 @@ fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
 // behind the fallback: replicas deciding alone each admit the whole limit.
 #[test]
 fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let limiter = tollgate::limiter::Limiter::new(
-        Unsupported,
-        Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap(),
-    );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
-    metrics::with_local_recorder(&recorder, || {
-        runtime.block_on(async {
-            let key = tollgate::Key::new("k");
-            assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
-            assert!(
-                limiter
-                    .until_ready(&key, 1, Duration::from_secs(1))
-                    .await
-                    .unwrap()
-                    .is_allowed()
-            );
-            let seen = snapshot(&snapshotter);
-            assert_eq!(
-                counter(
-                    &seen,
-                    "tollgate_store_errors_total",
-                    &[("kind", "unsupported")]
-                ),
-                2
-            );
-            // Both decided by the failure mode's local limiter, and counted as such.
-            assert_eq!(
-                counter(
-                    &seen,
-                    "tollgate_fallback_decisions_total",
-                    &[("outcome", "allowed")]
-                ),
-                2
-            );
-        })
+    let limiter = tollgate::limiter::Limiter::new(Unsupported, jobs());
+    let seen = metrics_of(async move {
+        let key = tollgate::Key::new("k");
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+        assert!(
+            limiter
+                .until_ready(&key, 1, Duration::from_secs(1))
+                .await
+                .unwrap()
+                .is_allowed()
+        );
     });
+    assert_eq!(
+        counter(
+            &seen,
+            "tollgate_store_errors_total",
+            &[("kind", "unsupported")]
+        ),
+        2
+    );
+    // Both decided by the failure mode's local limiter, and counted as such.
+    assert_eq!(
+        counter(
+            &seen,
+            "tollgate_fallback_decisions_total",
+            &[("outcome", "allowed")]
+        ),
+        2
+    );
 }
 
 /// A lease's give-back (what is left of it when it ends) that fails strands those units

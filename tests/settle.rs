@@ -846,14 +846,19 @@ fn the_memory_store_keeps_a_slot_while_its_request_runs_past_the_lease() {
     assert!(!store.check("k", &streams, 1).is_allowed());
 }
 
-#[test]
-fn a_full_memory_store_never_forgets_a_held_slot() {
-    let clock = ManualClock::new();
-    let store = MemoryStore::builder()
+/// A store of one shard that holds 64 identities, on `clock`.
+fn small_store(clock: &ManualClock) -> MemoryStore<ManualClock> {
+    MemoryStore::builder()
         .clock(clock.clone())
         .max_keys(64)
         .shards(1)
-        .build();
+        .build()
+}
+
+#[test]
+fn a_full_memory_store_never_forgets_a_held_slot() {
+    let clock = ManualClock::new();
+    let store = small_store(&clock);
     let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
     let long = store.check("held", &streams, 1);
     assert!(long.is_allowed());
@@ -941,11 +946,7 @@ async fn a_per_request_set_with_a_shaping_policy_past_the_64th_refunds_nothing()
 #[test]
 fn a_release_of_a_forgotten_slot_frees_no_newer_requests_slot() {
     let clock = ManualClock::new();
-    let store = MemoryStore::builder()
-        .clock(clock.clone())
-        .max_keys(64)
-        .shards(1)
-        .build();
+    let store = small_store(&clock);
     let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
     clock.advance(Duration::from_secs(1));
     let first = store.check("held", &streams, 1);
