@@ -1234,6 +1234,31 @@ mod http {
                 response.headers().get("graphql-cost")
             );
         }
+        // Another charset is refused whatever else is wrong: a second type field, or a
+        // coding a server ignores.
+        let ebcdic = vec![0xc0, 0x7f, 0x98, 0xa4, 0x85, 0x99, 0xa8, 0x7f, 0xd0];
+        for (name, value) in [
+            ("content-type", "application/json; charset=IBM037"),
+            ("content-encoding", "x-unknown"),
+        ] {
+            let request = Request::post("/graphql")
+                .header("x-api-key", "encodings")
+                .header("content-type", "application/json; charset=IBM037")
+                .header(name, value)
+                .body(Body::from(ebcdic.clone()))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{name}");
+            assert!(response.headers().get("graphql-cost").is_none(), "{name}");
+        }
+        // UTF-8 under Java's name for it is read.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "encodings")
+            .header("content-type", "application/json; charset=UTF8")
+            .body(Body::from(r#"{"query":"{ a { b } }"}"#))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.headers()["graphql-cost"], "1");
         // A body of a type the coster does not read, that no charset makes JSON, still
         // goes to the fixed charge.
         let request = Request::post("/graphql")
@@ -1439,7 +1464,7 @@ mod http {
         // (graphql-go reads a form): refused, not charged.
         for headers in [
             &[("content-type", "text/plain")][..],
-            &[("content-type", "application/json; charset=utf8")],
+            &[("content-type", "application/json; charset=latin1")],
             &[
                 ("content-type", "application/json"),
                 ("content-encoding", "gzip"),

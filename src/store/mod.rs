@@ -247,7 +247,9 @@ pub enum Change {
 
 impl Adjustment {
     /// Gives back all `cost` units `decision` spent: a settle to nothing, with what its
-    /// debit left (so a bucket gets back all it still holds of them).
+    /// debit left (so a bucket gets back all it still holds of them). The pacer's, whose
+    /// turns' lock makes the decision its key's newest booking.
+    #[cfg(feature = "client")]
     pub(crate) fn give_back(cost: u64, decision: &Decision) -> Self {
         Self::settle(cost, 0, decision.receipt())
             .with_left(decision.statuses().iter().map(|status| status.remaining))

@@ -187,6 +187,15 @@ enum BodyType {
 /// (`application/x-www-form-urlencoded`), in UTF-8. Any other type or charset is an
 /// error: a server decodes another charset (UTF-7) into other keys.
 fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
+    // Another charset is refused first, whatever else is wrong with the type or the
+    // encoding (a second type field, a coding a server ignores), read in every field.
+    for value in request.headers.get_all(header::CONTENT_TYPE) {
+        if let Some(charset) = other_charset(&String::from_utf8_lossy(value.as_bytes())) {
+            return Err(Uncosted::refused(CostError::Request(format!(
+                "the body's charset is {charset:?}: only UTF-8 is read"
+            ))));
+        }
+    }
     // Still compressed: this layer runs outside the decompression it needs.
     let compressed = request
         .headers
@@ -212,22 +221,12 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
     if types.next().is_some() || folds_several(value) {
         return Err(CostError::Request("the request has more than one content type".into()).into());
     }
-    let mut parts = value.split(';');
-    let media = parts.next().unwrap_or_default().trim().to_ascii_lowercase();
-    for parameter in parts {
-        let Some((name, charset)) = parameter.split_once('=') else {
-            continue;
-        };
-        let charset = charset.trim().trim_matches('"');
-        // Refused whatever the body holds: a server may decode it by that charset (Spring's
-        // converter does), and no test of its bytes holds for every charset (EBCDIC's `{`
-        // is 0xC0).
-        if name.trim().eq_ignore_ascii_case("charset") && !charset.eq_ignore_ascii_case("utf-8") {
-            return Err(Uncosted::refused(CostError::Request(format!(
-                "the body's charset is {charset:?}: only UTF-8 is read"
-            ))));
-        }
-    }
+    let media = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
     match media.as_str() {
         "application/graphql" => Ok(BodyType::Document),
         "application/x-www-form-urlencoded" => Ok(BodyType::Form),
@@ -670,6 +669,21 @@ fn url_parameters(
         .into_iter()
         .flat_map(|query| query.split(';'))
         .flat_map(|piece| form_urlencoded::parse(piece.as_bytes()))
+}
+
+/// The charset a content type names, when it is not UTF-8 (`utf8` is Java's and MySQL's
+/// name for it). A body in another one is refused whatever it holds: a server may decode
+/// it by that charset (Spring's converter does), and no test of its bytes holds for every
+/// charset (EBCDIC's `{` is 0xC0).
+fn other_charset(content_type: &str) -> Option<&str> {
+    content_type.split(';').skip(1).find_map(|parameter| {
+        let (name, charset) = parameter.split_once('=')?;
+        let charset = charset.trim().trim_matches('"');
+        (name.trim().eq_ignore_ascii_case("charset")
+            && !charset.eq_ignore_ascii_case("utf-8")
+            && !charset.eq_ignore_ascii_case("utf8"))
+        .then_some(charset)
+    })
 }
 
 /// True when a request's URL names one of `names`, in any case or with the spaces and
