@@ -63,16 +63,27 @@ for i = 1, count do
 end
 
 -- An unbooking gives back only the newest booking of each shaping policy: its queue
--- still ends where the debit left it, and has not ended.
+-- still ends where the debit left it. A drained queue beside one still waiting is passed
+-- over (nothing to give back, no one behind: a slower policy's delay outlasts a faster
+-- one's queue); when all have drained, the booking's time has passed. The twin of
+-- `queue_moved_on` in src/store/decide.rs.
 if mode == '4' then
+  local drained, waiting = nil, false
   for i = 1, count do
     local algorithm, p, s = policies[i].algorithm, policies[i].p, policies[i].s
     if not undebited[i] and algorithm.queue_end ~= nil then
       local ends_at = algorithm.queue_end(p, s)
-      if ends[i] ~= ends_at or ends_at <= now then
+      if ends_at <= now then
+        drained = drained or i
+      elseif ends[i] ~= ends_at then
         return with_statuses({ 1, i, 0, 0 }, policies)
+      else
+        waiting = true
       end
     end
+  end
+  if drained ~= nil and not waiting then
+    return with_statuses({ 1, drained, 0, 0 }, policies)
   end
 end
 

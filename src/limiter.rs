@@ -200,6 +200,36 @@ fn first_enforced(policies: &PolicySet) -> usize {
         .unwrap_or(0)
 }
 
+/// A settle of `decision`'s `cost` units to nothing that leaves its shaping policies
+/// alone (their places stay taken): the units of a request never sent, given back under
+/// the other policies. `None` when there are none to give back, or when a shaping policy
+/// sits past the 64 a receipt marks (nothing then, rather than a place given back).
+fn places_kept(
+    cost: u64,
+    decision: &Decision,
+    policies: &PolicySet,
+) -> Option<crate::store::Adjustment> {
+    let shaping = |policy: &crate::Policy| policy.params().is_shaping();
+    if policies.iter().skip(64).any(shaping)
+        || policies
+            .iter()
+            .all(|policy| shaping(policy) || policy.params().is_in_flight())
+    {
+        return None;
+    }
+    let kept = policies
+        .iter()
+        .enumerate()
+        .filter(|(_, policy)| shaping(policy))
+        .fold(0u64, |mask, (index, _)| mask | (1 << index));
+    let receipt = decision.receipt();
+    let receipt = receipt.with_undebited(receipt.undebited() | kept);
+    Some(
+        crate::store::Adjustment::settle(cost, 0, receipt)
+            .with_left(decision.statuses().iter().map(|status| status.remaining)),
+    )
+}
+
 /// Units a waiter has spent and sleeps its shaping delay for, with its turn in the key's
 /// queue: given back if the waiter is dropped before the delay ends (it will never use
 /// them). The turn is held until they are back, so no waiter queues behind units that
@@ -662,34 +692,46 @@ impl<St: Store> Limiter<St> {
     /// was decided: in the store, as far as it answers within its timeout, or in the
     /// failure mode's local limiter. An unbooking: a shaping policy's place goes back only
     /// while no booking stands behind it (the waiters' turn orders waiters only; a `check`,
-    /// another replica or a layer on the same store may have booked since), and then
-    /// nothing is given back.
+    /// another replica or a layer on the same store may have booked since). When a place
+    /// stays taken, the units under the other policies go back all the same, as a settle
+    /// to nothing that leaves the shaping policies alone.
     async fn give_back(&self, key: &Key, cost: u64, decision: &Decision, decider: &Decider) {
         let shared = &self.shared;
-        let settle = crate::store::Adjustment::unbook(cost, decision);
-        let release = shared
-            .policies
-            .has_in_flight()
-            .then(|| crate::store::Adjustment::release(cost.min(1), decision.receipt()));
-        for adjustment in std::iter::once(&settle).chain(release.as_ref()) {
-            match (decider, &shared.failure_mode) {
-                (Decider::Store, _) => {
-                    let given_back = within(
-                        shared.timeout,
-                        "answer to a give-back",
-                        shared.store.adjust(key, &shared.policies, adjustment),
-                    )
-                    .await;
-                    // The units stay spent; the failure is counted, not dropped.
-                    if let Err(error) = given_back {
-                        crate::telemetry::adjustment_lost("give-back", &error);
-                    }
-                }
-                (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {
-                    fallback.adjust(key, applied, adjustment);
-                }
-                _ => {}
+        let unbooking = crate::store::Adjustment::unbook(cost, decision);
+        let answer = self.adjust_where_decided(key, decider, &unbooking).await;
+        if answer.is_some_and(|answer| !answer.is_allowed())
+            && let Some(settle) = places_kept(cost, decision, &shared.policies)
+        {
+            self.adjust_where_decided(key, decider, &settle).await;
+        }
+        if shared.policies.has_in_flight() {
+            let release = crate::store::Adjustment::release(cost.min(1), decision.receipt());
+            self.adjust_where_decided(key, decider, &release).await;
+        }
+    }
+
+    /// Makes `adjustment` where `decider` decided: the answer, or `None` when the store
+    /// failed (counted and logged: the units stay spent) or nothing decided there.
+    async fn adjust_where_decided(
+        &self,
+        key: &Key,
+        decider: &Decider,
+        adjustment: &crate::store::Adjustment,
+    ) -> Option<Decision> {
+        let shared = &self.shared;
+        match (decider, &shared.failure_mode) {
+            (Decider::Store, _) => within(
+                shared.timeout,
+                "answer to a give-back",
+                shared.store.adjust(key, &shared.policies, adjustment),
+            )
+            .await
+            .inspect_err(|error| crate::telemetry::adjustment_lost("give-back", error))
+            .ok(),
+            (Decider::Fallback(applied), FailureMode::Fallback(fallback)) => {
+                Some(fallback.adjust(key, applied, adjustment))
             }
+            _ => None,
         }
     }
 

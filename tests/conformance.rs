@@ -2796,6 +2796,54 @@ async fn an_unbooking_gives_back_only_the_newest_booking_on_every_store() {
     }
 }
 
+/// Under two shaping policies, a request dropped while it waits out the slower one's
+/// delay finds the faster one's queue drained long ago (its own place there passed): that
+/// queue holds nothing to give back and no one behind it. The unbooking was refused for
+/// it, so the slower queue's place and the other policies' units stayed spent for a
+/// request never sent. A drained queue is passed over; one with a booking behind still
+/// refuses, and so do queues that have all drained. On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unbooking_passes_over_a_drained_shaping_queue_on_every_store() {
+    let backends = Backends::start().await;
+    let set = PolicySet::new([
+        Policy::leaky_bucket_shaping("fast", Rate::per_second(10), Duration::from_secs(60))
+            .unwrap(),
+        Policy::leaky_bucket_shaping("slow", Rate::per_minute(1), Duration::from_secs(600))
+            .unwrap(),
+        Policy::token_bucket("tokens", 100, Rate::per_hour(1)).unwrap(),
+    ])
+    .unwrap();
+    for subject in backends.subjects("unbook-drained") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        subject.check("k", &set, 1).await;
+        let second = subject.check("k", &set, 1).await;
+        assert_eq!(delay(&second), Duration::from_secs(60), "{name}");
+        subject.clock.advance(Duration::from_secs(5));
+        let given = subject
+            .adjust("k", &set, &Adjustment::unbook(1, &second))
+            .await;
+        assert!(given.is_allowed(), "{name}: {given:?}");
+        assert_eq!(
+            given.statuses()[2].remaining,
+            99,
+            "{name}: the tokens came back"
+        );
+        let next = subject.check("k", &set, 1).await;
+        assert_eq!(
+            delay(&next),
+            Duration::from_secs(55),
+            "{name}: the slow queue's place came back"
+        );
+        // Both queues drained: the booking's time has passed, nothing to give back.
+        subject.clock.advance(Duration::from_secs(600));
+        let gone = subject
+            .adjust("k", &set, &Adjustment::unbook(1, &next))
+            .await;
+        assert!(!gone.is_allowed(), "{name}: {gone:?}");
+    }
+}
+
 /// The shaping delay a decision admits with.
 fn delay(decision: &Decision) -> Duration {
     match decision.outcome() {

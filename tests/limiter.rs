@@ -522,6 +522,51 @@ async fn a_dropped_sleeper_gives_nothing_back_once_a_check_booked_behind_it() {
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_dropped_sleeper_whose_place_stays_taken_still_gives_its_tokens_back() {
+    // Paced one every 10 s beside 100 tokens an hour. The sleeper's place cannot go back
+    // (a `check` booked behind it), but its token was spent for a request never sent:
+    // it comes back, as a settle to nothing with the pacing left alone.
+    let limiter = Limiter::new(
+        runtime_store(),
+        PolicySet::new([
+            paced(),
+            Policy::token_bucket("tokens", 100, Rate::per_hour(1)).unwrap(),
+        ])
+        .unwrap(),
+    );
+    let key = Key::new("k");
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    let sleeper = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let behind = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(behind.statuses()[1].remaining, 97);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sleeper.abort();
+    assert!(sleeper.await.is_err(), "dropped mid-sleep");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let next = limiter.check(&key, 1).await.unwrap();
+    assert_eq!(
+        next.statuses()[1].remaining,
+        97,
+        "the sleeper's token came back (and this one took one)"
+    );
+    assert_eq!(
+        next.outcome(),
+        tollgate::Outcome::Allowed {
+            delay: Duration::from_secs(29)
+        },
+        "its place did not"
+    );
+}
+
 #[test]
 fn a_sleeper_dropped_outside_any_runtime_does_not_panic() {
     // A waiter polled into its shaping delay on a runtime, then dropped after the

@@ -207,3 +207,36 @@ fn a_release_of_a_refusal_built_outside_the_store_frees_nothing() {
     );
     assert!(!store.check("worker", &set, 1).is_allowed());
 }
+
+/// An identity's freshness follows its state down as well as up: a debt forgiven (a
+/// `set_remaining`, a grant, a reset) leaves a state fresh again at once, and the store
+/// may forget it. It kept the freshness of the debt (a daily bucket owing 100 quotas: kept
+/// for 100 days after it was forgiven), ranked among the last to go when the store is
+/// full, and never purged.
+#[test]
+fn a_forgiven_debt_leaves_the_identity_fresh_again() {
+    use tollgate::Adjustment;
+    let clock = ManualClock::new();
+    clock.set(Duration::from_secs(1));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let daily = PolicySet::from(Policy::token_bucket("daily", 10, Rate::per_day(10)).unwrap());
+    let debits: Vec<_> = (0..100).map(|_| store.check("owes", &daily, 0)).collect();
+    for debit in debits {
+        let settle = Adjustment::settle(0, 10, debit.receipt());
+        store.adjust_now("owes", &daily, &settle);
+    }
+    assert!(!store.check("owes", &daily, 0).is_allowed(), "owing");
+    store.adjust_now("owes", &daily, &Adjustment::set_remaining(10));
+    assert_eq!(store.purge_fresh(), 1, "full again: nothing to keep");
+    // A reset, through a set of two policies, likewise.
+    let both = PolicySet::new([
+        Policy::token_bucket("daily", 10, Rate::per_day(10)).unwrap(),
+        Policy::fixed_window("hourly", 5, Duration::from_secs(3600)).unwrap(),
+    ])
+    .unwrap();
+    let debit = store.check("both", &both, 5);
+    store.adjust_now("both", &both, &Adjustment::settle(5, 15, debit.receipt()));
+    store.reset_now("both", &both);
+    store.check("both", &both, 0);
+    assert_eq!(store.purge_fresh(), 1, "reset: nothing to keep");
+}

@@ -259,8 +259,11 @@ pub(crate) fn adjust(
 }
 
 /// For an unbooking: the first shaping policy (debited by the request) whose queue no
-/// longer ends where the request's booking did (a request queued behind it since, or its
-/// booking has leaked out), brought up to `now`; `None` when every one still does.
+/// longer ends where the request's booking did, a request queued behind it since; or,
+/// when every such queue has drained (the booking's time has passed), the first of them.
+/// A drained queue beside one still waiting is passed over: it holds nothing to give
+/// back and no one behind (a slower policy's delay outlasts a faster one's queue). The
+/// states are brought up to `now`; `None` when the booking can go.
 fn queue_moved_on(
     policies: &[Policy],
     slots: &mut [Slot],
@@ -268,19 +271,26 @@ fn queue_moved_on(
     adjustment: &Adjustment,
 ) -> Option<usize> {
     let receipt = adjustment.receipt();
-    policies
-        .iter()
-        .zip(slots.iter_mut())
-        .enumerate()
-        .find_map(|(index, (policy, slot))| {
-            let params = policy.params();
-            params.refresh(slot, now);
-            if !receipt.debited(index) {
-                return None;
-            }
-            let end = params.queue_end(slot)?;
-            (adjustment.queue_ends().get(index) != Some(&end) || end <= now).then_some(index)
-        })
+    let mut drained = None;
+    let mut waiting = false;
+    for (index, (policy, slot)) in policies.iter().zip(slots.iter_mut()).enumerate() {
+        let params = policy.params();
+        params.refresh(slot, now);
+        if !receipt.debited(index) {
+            continue;
+        }
+        let Some(end) = params.queue_end(slot) else {
+            continue;
+        };
+        if end <= now {
+            drained.get_or_insert(index);
+        } else if adjustment.queue_ends().get(index) != Some(&end) {
+            return Some(index);
+        } else {
+            waiting = true;
+        }
+    }
+    drained.filter(|_| !waiting)
 }
 
 /// The answer to a key a penalty blocks: denied until its block ends, or until the

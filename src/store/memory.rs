@@ -588,9 +588,18 @@ impl Slots {
     /// Notes when each of the slots of `policies` (those `arrange` returned, just decided
     /// or adjusted) is fresh again.
     #[inline]
-    fn mark(&mut self, policies: &PolicySet, now: u64) {
-        if let Slots::Many(many) = self {
-            super::decide::fresh_each(policies, &many.slots, now, &mut many.fresh);
+    /// Notes when each state of `policies` is fresh again, and returns when the whole
+    /// entry is: `fresh_at` (the decision's, for `policies`) when they are its only
+    /// states, else the latest of its states'. Lowered as well as raised: a debt forgiven
+    /// leaves the entry fresh again at once.
+    #[inline]
+    fn mark(&mut self, policies: &PolicySet, now: u64, fresh_at: u64) -> u64 {
+        match self {
+            Slots::One(_) => fresh_at,
+            Slots::Many(many) => {
+                super::decide::fresh_each(policies, &many.slots, now, &mut many.fresh);
+                many.fresh.iter().copied().max().unwrap_or(0).max(fresh_at)
+            }
         }
     }
 }
@@ -785,8 +794,8 @@ impl<C: Clock> MemoryStore<C> {
                     **state = Default::default();
                 }
             }
-            // Freshness is recomputed from what is left on the next decision; until then
-            // the entry may be kept a little longer than needed, never forgotten early.
+            // Freshness is recomputed from what is left on the next decision (lowered too);
+            // until then the entry may be kept longer than needed, never forgotten early.
         }
     }
 
@@ -933,8 +942,7 @@ fn adjust_entry(
 ) -> Decision {
     let slots = entry.slots.arrange(policies, now, entry.fresh_at);
     let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
-    entry.fresh_at = entry.fresh_at.max(fresh_at);
-    entry.slots.mark(policies, now);
+    entry.fresh_at = entry.slots.mark(policies, now, fresh_at);
     decision
 }
 
@@ -943,8 +951,7 @@ fn adjust_entry(
 fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) -> Decision {
     let slots = entry.slots.arrange(policies, now, entry.fresh_at);
     let (decision, fresh_at) = super::decide::decide(policies, slots, now, cost);
-    entry.fresh_at = entry.fresh_at.max(fresh_at);
-    entry.slots.mark(policies, now);
+    entry.fresh_at = entry.slots.mark(policies, now, fresh_at);
     decision
 }
 
