@@ -9,9 +9,11 @@
 --   3 set: rate policies are set to `amount` units left (at most their quota);
 --   4 unbook: a request a shaping policy held back was dropped before it was sent: when
 --     every shaping policy's queue still ends where its debit left it (the next ARGV,
---     comma-separated, in microseconds), rate policies give back all `reserved` units as
---     a settle to nothing would (a shaping policy its whole booking); else nothing
---     changes, and the reply is a denial by the first shaping policy whose queue moved on.
+--     comma-separated, in microseconds; a drained queue beside one still waiting is
+--     passed over), rate policies give back all `reserved` units as a settle to nothing
+--     would (a shaping policy its whole booking); else nothing changes, and the reply is
+--     a denial by the first shaping policy whose queue moved on (or the first drained,
+--     when all have).
 -- Returns what a decision returns, outcome 0 (or 1 for an unbooking refused).
 
 local tail = 3 + count * 4

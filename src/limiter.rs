@@ -223,7 +223,12 @@ fn places_kept(
         .filter(|(_, policy)| shaping(policy))
         .fold(0u64, |mask, (index, _)| mask | (1 << index));
     let receipt = decision.receipt();
-    let receipt = receipt.with_undebited(receipt.undebited() | kept);
+    let undebited = receipt.undebited() | kept;
+    // Every mark set reads as a refusal (nothing debited): nothing to give back then.
+    if undebited == u64::MAX {
+        return None;
+    }
+    let receipt = receipt.with_undebited(undebited);
     Some(
         crate::store::Adjustment::settle(cost, 0, receipt)
             .with_left(decision.statuses().iter().map(|status| status.remaining)),

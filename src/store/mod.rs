@@ -236,9 +236,11 @@ pub enum Change {
     /// it ([`Adjustment::queue_ends`]: nothing queued behind it since), its `cost` units
     /// are given back under every rate policy, as a settle to nothing would; otherwise
     /// nothing changes, since giving them back would put the next request on the instant
-    /// of the one queued behind it. The decision is allowed when they were given back,
-    /// and denied (by the first shaping policy whose queue moved on, with no wait) when
-    /// not.
+    /// of the one queued behind it. A queue that has drained (a faster policy's, beside a
+    /// slower one's still waiting) is passed over; when all have drained, the booking's
+    /// time has passed and nothing changes. The decision is allowed when they were given
+    /// back, and denied (by the first shaping policy whose queue moved on, or the first
+    /// drained one, with no wait) when not.
     Unbook {
         /// The request's cost.
         cost: u64,

@@ -678,6 +678,8 @@ fn url_parameters(
 fn other_charset(content_type: &str) -> Option<&str> {
     content_type.split(';').skip(1).find_map(|parameter| {
         let (name, charset) = parameter.split_once('=')?;
+        // A folded field's next type is not this charset's (said as two types below).
+        let charset = charset.split(',').next().unwrap_or(charset);
         let charset = charset.trim().trim_matches('"');
         (name.trim().eq_ignore_ascii_case("charset")
             && !charset.eq_ignore_ascii_case("utf-8")
