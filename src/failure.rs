@@ -334,8 +334,9 @@ fn scale_set(set: &PolicySet, share: f64) -> PolicySet {
 /// unavailable store (or a refusal every request meets) starts a new cool-down; an error
 /// that says nothing of an outage (one request's refusal, a policy the store cannot
 /// decide) lets the next request probe. A request dropped after waiting on the store for
-/// 100 ms, with no answer from the store to any request meanwhile, counts as a timeout. A cool-down longer than
-/// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
+/// 100 ms, with no answer from the store to any request meanwhile, counts as a timeout.
+/// A cool-down longer than [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the
+/// layer is built.
 ///
 /// ```
 /// use std::time::Duration;

@@ -586,9 +586,10 @@ impl Slots {
     }
 
     /// Notes when each of the slots of `policies` (those `arrange` returned, just decided
-    /// or adjusted) is fresh again, and returns when the whole entry is: `fresh_at` (the decision's, for `policies`) when they are its only
-    /// states, else the latest of its states'. Lowered as well as raised: a debt forgiven
-    /// leaves the entry fresh again at once.
+    /// or adjusted) is fresh again, and returns when the whole entry is: `fresh_at` (the
+    /// decision's, for `policies`) when they are its only states, else the latest of its
+    /// states'. Lowered as well as raised: a debt forgiven leaves the entry fresh again at
+    /// once.
     #[inline]
     fn mark(&mut self, policies: &PolicySet, now: u64, fresh_at: u64) -> u64 {
         match self {
