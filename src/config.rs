@@ -131,8 +131,8 @@ pub struct LimiterConfig {
     pub failure_mode: Option<String>,
     /// The share of every limit the fallback enforces while the store is away
     /// ([`LocalFallback::share`]): one over the number of replicas, so the fleet as a
-    /// whole stays near the limit. Above 0, at most 1; default 1 (each replica the whole
-    /// limit). Only with the fallback failure mode.
+    /// whole stays near the limit. At least one millionth, at most 1; default 1 (each
+    /// replica the whole limit). Only with the fallback failure mode.
     #[serde(default)]
     pub fallback_share: Option<f64>,
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).

@@ -57,7 +57,8 @@ impl Default for FailureMode {
 pub struct LocalFallback {
     store: MemoryStore,
     share: f64,
-    /// A share that is no share (0 or below, NaN): refused when the layer is built.
+    /// A share that is no share (0 or below, NaN, below one millionth): refused when the
+    /// layer is built.
     refused_share: Option<f64>,
     scaled: Arc<Mutex<Vec<(PolicySet, PolicySet)>>>,
 }
@@ -238,11 +239,12 @@ pub(crate) const MIN_SHARE: f64 = 1e-6;
 
 /// `n` times `share`, rounded up only when it is not whole: the double nearest a decimal
 /// share is a hair off it (0.07 is above by 7e-18, and 100 times it is 7.000000000000001),
-/// so a product within a billionth of a whole number is that number.
+/// so a product within a few units of a double's precision of a whole number is that
+/// number.
 fn share_of(n: u64, share: f64) -> u64 {
     let product = n as f64 * share;
     let nearest = product.round();
-    let whole = (product - nearest).abs() <= nearest.max(1.0) * 1e-9;
+    let whole = (product - nearest).abs() <= product * 8.0 * f64::EPSILON;
     (if whole { nearest } else { product.ceil() }) as u64
 }
 

@@ -202,8 +202,9 @@ fn first_enforced(policies: &PolicySet) -> usize {
 
 /// A settle of `decision`'s `cost` units to nothing that leaves its shaping policies
 /// alone (their places stay taken): the units of a request never sent, given back under
-/// the other policies. `None` when there are none to give back, or when a shaping policy
-/// sits past the 64 a receipt marks (nothing then, rather than a place given back).
+/// the other policies. `None` when there are none to give back, when a shaping policy
+/// sits past the 64 a receipt marks, or when the marks would all be set (read as a
+/// refusal): nothing then, rather than a place given back.
 fn places_kept(
     cost: u64,
     decision: &Decision,
@@ -344,7 +345,7 @@ impl<St: Store> Limiter<St> {
     /// # Panics
     ///
     /// With a [`LocalFallback`](crate::LocalFallback) whose `share` is no share (0, below
-    /// 0, NaN), which the layer refuses at build: each replica would enforce
+    /// 0, NaN, below one millionth), which the layer refuses at build: each replica would enforce
     /// the whole limit during an outage, the fleet N times it. A start-up mistake.
     ///
     /// [`RateLimitLayer::on_store_error`]: crate::RateLimitLayer::on_store_error
@@ -428,7 +429,7 @@ impl<St: Store> Limiter<St> {
             shared.store.peek(key, policies),
         )
         .await;
-        waiting.answered(peeked.is_ok());
+        waiting.answered(peeked.as_ref().is_ok_and(|answer| !answer.is_cached()));
         // The decision has what the peek left of the store timeout: a turn waits one
         // timeout for the store, however its calls spend it.
         let left = shared.timeout.saturating_sub(started.elapsed());
@@ -499,7 +500,7 @@ impl<St: Store> Limiter<St> {
                 shared.store.decide(key, policies, cost),
             )
             .await;
-            waiting.answered(decided.is_ok());
+            waiting.answered(decided.as_ref().is_ok_and(|answer| !answer.is_cached()));
             decided
         };
         let decided = decided.and_then(|decision| {

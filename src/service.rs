@@ -329,7 +329,8 @@ where
         let timed = Box::pin(async move {
             let result = within(timeout, "decision", pending).await;
             if let Some(waiting) = waiting {
-                waiting.answered(result.is_ok());
+                // An answer a lease or the deny cache gave says nothing of the store.
+                waiting.answered(result.as_ref().is_ok_and(|answer| !answer.is_cached()));
             }
             stopwatch.stop();
             result

@@ -48,10 +48,12 @@ pub enum Invalid {
 /// It reads `POST` bodies of type `application/json` (one request or a batch; any
 /// `+json` type, or no type, alike), `application/graphql` and
 /// `application/x-www-form-urlencoded` (parameters, read as a `GET`'s URL is), in UTF-8,
-/// and `GET ?query=`. A body of any other type, charset or encoding goes to `on_invalid`
-/// (a server would decode another charset into other keys), unless it is JSON all the
-/// same: a server may read it as JSON whatever its type (async-graphql
-/// does), so it is refused whatever `on_invalid` says. Without a schema,
+/// and `GET ?query=`. A body that declares another charset is refused whatever
+/// `on_invalid` says (a server may decode it by that charset into other keys, or into a
+/// costly query). A body of any other type or encoding goes to `on_invalid`, unless it
+/// may be JSON all the same (its first character, in any Unicode encoding, is `{` or
+/// `[`): a server may read it as JSON whatever its type (async-graphql does), so it is
+/// refused whatever `on_invalid` says. Without a schema,
 /// `first`, `last` and `limit` size every field, scalars included. Bodies are buffered up to a cap (default
 /// 1 MiB; larger: `413`) and handed on byte for byte. The response carries the cost in
 /// `GraphQL-Cost`. Requests that run no operation (a CORS preflight or a `HEAD` whose
@@ -184,8 +186,8 @@ enum BodyType {
 
 /// What the body of `request` is read as: JSON (`application/json`, any `+json` type, or
 /// no type at all), a GraphQL document (`application/graphql`) or a form's parameters
-/// (`application/x-www-form-urlencoded`), in UTF-8. Any other type or charset is an
-/// error: a server decodes another charset (UTF-7) into other keys.
+/// (`application/x-www-form-urlencoded`), in UTF-8. Another charset is refused (a server
+/// decodes it into other keys); any other type or encoding is an error.
 fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
     // Another charset is refused first, whatever else is wrong with the type or the
     // encoding (a second type field, a coding a server ignores), read in every field.
@@ -518,7 +520,8 @@ where
                     // multipart as JSON, whatever its type, charset or encoding), or as
                     // the form its type says (graphql-go): one that is JSON is refused
                     // whatever `on_invalid` says, and only a body that is not goes there.
-                    // In UTF-16 or UTF-32 too, which a server may detect by itself.
+                    // "Is JSON": starts `{` or `[`, in UTF-16 or UTF-32 too, which a server
+                    // may detect by itself. (Another charset is refused already.)
                     let body_type = body_type(&parts).map_err(|uncosted| {
                         if !uncosted.refused && super::looks_like_json(&bytes) {
                             Uncosted {
