@@ -483,6 +483,30 @@ async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
     assert_eq!(fourth.await.unwrap(), Duration::from_secs(20));
 }
 
+/// A waiter sleeping its shaping delay, a `check` booked behind it (not a waiter, so not
+/// in the waiters' turn), then the waiter dropped 1 s in and its give-back run: the
+/// check's decision.
+async fn sleeper_dropped_behind_a_check<St: tollgate::Store + Clone>(
+    limiter: &Limiter<St>,
+    key: &Key,
+) -> tollgate::Decision {
+    let sleeper = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let behind = limiter.check(key, 1).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    sleeper.abort();
+    assert!(sleeper.await.is_err(), "dropped mid-sleep");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    behind
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_dropped_sleeper_gives_nothing_back_once_a_check_booked_behind_it() {
     // One every 10 s. The second sleeps its 10 s delay; a `check` (not a waiter, so not
@@ -491,26 +515,13 @@ async fn a_dropped_sleeper_gives_nothing_back_once_a_check_booked_behind_it() {
     // the check's instant (19 s from then, two requests at 20 s). Given back as an
     // unbooking, it is refused while a booking stands behind it.
     let (limiter, key, started) = first_one_sent(paced()).await;
-    let sleeper = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
-    };
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    let behind = limiter.check(&key, 1).await.unwrap();
+    let behind = sleeper_dropped_behind_a_check(&limiter, &key).await;
     assert_eq!(
         behind.outcome(),
         tollgate::Outcome::Allowed {
             delay: Duration::from_secs(20)
         }
     );
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    sleeper.abort();
-    assert!(sleeper.await.is_err(), "dropped mid-sleep");
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
     let next = limiter.check(&key, 1).await.unwrap();
     assert_eq!(
         next.outcome(),
@@ -537,21 +548,8 @@ async fn a_dropped_sleeper_whose_place_stays_taken_still_gives_its_tokens_back()
     );
     let key = Key::new("k");
     assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
-    let sleeper = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
-    };
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    let behind = limiter.check(&key, 1).await.unwrap();
+    let behind = sleeper_dropped_behind_a_check(&limiter, &key).await;
     assert_eq!(behind.statuses()[1].remaining, 97);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    sleeper.abort();
-    assert!(sleeper.await.is_err(), "dropped mid-sleep");
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
     let next = limiter.check(&key, 1).await.unwrap();
     assert_eq!(
         next.statuses()[1].remaining,
