@@ -23,8 +23,9 @@ const SHARDS: usize = 16;
 /// - **Over-admission is bounded** by `replicas × units`: a lease is debited from the
 ///   shared state before any of it is spent, so within one window (or one bucket's worth)
 ///   nothing is admitted beyond the limit; only units leased just before a window ends and
-///   spent after it count in the old window. The lease's `ttl` bounds how long that can
-///   last. Leases are taken per identity and set: an identity decided under `k` sets
+///   spent after it count in the old window. The lease's `ttl`, counted from when the
+///   take's answer arrives (a slow take adds its wait, up to a few seconds), bounds how
+///   long that can last. Leases are taken per identity and set: an identity decided under `k` sets
 ///   that share a policy (`[daily, search]`, `[daily, upload]`) holds up to `k` leases
 ///   of it per replica, so the bound is `replicas × k × units`; and a set with a penalty
 ///   that shares the policy (never leased itself) sees those units as spent, and may
