@@ -467,12 +467,12 @@ pub(crate) struct Waiting {
 }
 
 impl Waiting {
-    /// The store answered (`by_the_store`), failed or timed out: its outcome is reported
-    /// where it is read.
+    /// The store answered, failed or timed out (`result`): its outcome is reported where
+    /// it is read. An answer a lease or the deny cache gave says nothing of the store.
     #[inline]
-    pub(crate) fn answered(mut self, by_the_store: bool) {
+    pub(crate) fn answered(mut self, result: &Result<Decision, StoreError>) {
         self.answered = true;
-        if by_the_store {
+        if result.as_ref().is_ok_and(|answer| !answer.is_cached()) {
             let now = self.breaker.clock.now().saturating_add(1);
             self.breaker.answered_at.fetch_max(now, Ordering::Relaxed);
         }

@@ -210,19 +210,13 @@ fn places_kept(
     decision: &Decision,
     policies: &PolicySet,
 ) -> Option<crate::store::Adjustment> {
-    let shaping = |policy: &crate::Policy| policy.params().is_shaping();
-    if policies.iter().skip(64).any(shaping)
-        || policies
-            .iter()
-            .all(|policy| shaping(policy) || policy.params().is_in_flight())
+    let kept = policies.shaping_marks()?;
+    if policies
+        .iter()
+        .all(|policy| policy.params().is_shaping() || policy.params().is_in_flight())
     {
         return None;
     }
-    let kept = policies
-        .iter()
-        .enumerate()
-        .filter(|(_, policy)| shaping(policy))
-        .fold(0u64, |mask, (index, _)| mask | (1 << index));
     let receipt = decision.receipt();
     let undebited = receipt.undebited() | kept;
     // Every mark set reads as a refusal (nothing debited): nothing to give back then.
@@ -429,7 +423,7 @@ impl<St: Store> Limiter<St> {
             shared.store.peek(key, policies),
         )
         .await;
-        waiting.answered(peeked.as_ref().is_ok_and(|answer| !answer.is_cached()));
+        waiting.answered(&peeked);
         // The decision has what the peek left of the store timeout: a turn waits one
         // timeout for the store, however its calls spend it.
         let left = shared.timeout.saturating_sub(started.elapsed());
@@ -500,7 +494,7 @@ impl<St: Store> Limiter<St> {
                 shared.store.decide(key, policies, cost),
             )
             .await;
-            waiting.answered(decided.as_ref().is_ok_and(|answer| !answer.is_cached()));
+            waiting.answered(&decided);
             decided
         };
         let decided = decided.and_then(|decision| {

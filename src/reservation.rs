@@ -156,27 +156,15 @@ impl Reservation {
         // was sent: a refund does not give them back (the next request would go on the
         // same instant as this one). A charge above the reservation does reach it: the
         // requests decided after wait for what this one used.
-        let refund = actual < self.cost;
-        // Past the receipt's 64 marks (a set a resolver built per request, unchecked): no
-        // refund at all, rather than a shaping policy's place given back.
-        if refund
-            && self
-                .policies
-                .iter()
-                .skip(64)
-                .any(|policy| policy.params().is_shaping())
-        {
-            return Settled::Unchanged;
-        }
-        let shaping = self
-            .policies
-            .iter()
-            .enumerate()
-            .filter(|_| refund)
-            .filter(|(index, policy)| {
-                *index < 64 && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
-            })
-            .fold(0u64, |mask, (index, _)| mask | (1 << index));
+        let shaping = if actual < self.cost {
+            // Past the receipt's 64 marks: no refund at all, rather than a place given back.
+            let Some(marks) = self.policies.shaping_marks() else {
+                return Settled::Unchanged;
+            };
+            marks
+        } else {
+            0
+        };
         let receipt = self
             .receipt
             .with_undebited(self.receipt.undebited() | shaping);

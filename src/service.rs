@@ -329,8 +329,7 @@ where
         let timed = Box::pin(async move {
             let result = within(timeout, "decision", pending).await;
             if let Some(waiting) = waiting {
-                // An answer a lease or the deny cache gave says nothing of the store.
-                waiting.answered(result.as_ref().is_ok_and(|answer| !answer.is_cached()));
+                waiting.answered(&result);
             }
             stopwatch.stop();
             result

@@ -168,6 +168,23 @@ impl PolicySet {
         self.inner.serial
     }
 
+    /// The receipt marks of the set's shaping policies (bit `i` for the policy at `i`),
+    /// which a settle or a give-back leaves alone (their units are places in a schedule);
+    /// `None` when one sits past the 64 a receipt marks (a set a resolver built per
+    /// request, unchecked).
+    pub(crate) fn shaping_marks(&self) -> Option<u64> {
+        let mut marks = 0u64;
+        for (index, policy) in self.iter().enumerate() {
+            if policy.params().is_shaping() {
+                if index >= 64 {
+                    return None;
+                }
+                marks |= 1 << index;
+            }
+        }
+        Some(marks)
+    }
+
     /// True when a policy of the set is an in-flight limit (its requests hold a slot until
     /// they end).
     #[inline]
