@@ -240,3 +240,69 @@ fn a_forgiven_debt_leaves_the_identity_fresh_again() {
     store.check("both", &both, 0);
     assert_eq!(store.purge_fresh(), 1, "reset: nothing to keep");
 }
+
+/// A clock two threads read a little apart, as the default `CarriedClock` may (each
+/// thread's time never steps back, but one may be up to a millisecond behind another),
+/// or as any clock read before a request waits for its shard's lock: the next reading
+/// is `lag` behind the shared time, once.
+#[derive(Clone, Default)]
+struct Lagging {
+    now: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    lag: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl tollgate::clock::Clock for Lagging {
+    fn now(&self) -> u64 {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.now.load(SeqCst) - self.lag.swap(0, SeqCst)
+    }
+}
+
+/// A request whose time was read just before a window's end, but which reached the store
+/// just after its identity was forgotten there (fresh at the window's end), is not
+/// counted in a window it finds empty: the shard's time never steps back, so it counts in
+/// the new window, and no window admits more than its limit.
+#[test]
+fn a_request_read_behind_a_forgetting_gets_no_extra_quota() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let clock = Lagging::default();
+    let at = |millis: u64| clock.now.store(millis * 1_000_000, SeqCst);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let policies = PolicySet::from(Policy::fixed_window("api", 2, Duration::from_secs(1)).unwrap());
+    let mut admitted = 0;
+    at(500);
+    for _ in 0..3 {
+        admitted += usize::from(store.check("user-7", &policies, 1).is_allowed());
+    }
+    assert_eq!(admitted, 2, "the first window's limit");
+    // The window ends; the identity is fresh, and forgotten.
+    at(1_000);
+    assert_eq!(store.purge_fresh(), 1);
+    // A request read a millisecond behind, then two on time.
+    clock.lag.store(1_000_000, SeqCst);
+    for _ in 0..3 {
+        admitted += usize::from(store.check("user-7", &policies, 1).is_allowed());
+    }
+    assert_eq!(
+        admitted, 4,
+        "two windows admit two each, however the clock was read"
+    );
+    // Likewise when the store forgets an identity to make room for another.
+    let small = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(1)
+        .build();
+    at(3_500);
+    let mut admitted = 0;
+    for _ in 0..3 {
+        admitted += usize::from(small.check("a", &policies, 1).is_allowed());
+    }
+    at(4_000);
+    // "b" fills the only place: "a", fresh now, is forgotten to make room.
+    small.check("b", &policies, 1);
+    clock.lag.store(1_000_000, SeqCst);
+    for _ in 0..3 {
+        admitted += usize::from(small.check("a", &policies, 1).is_allowed());
+    }
+    assert!(admitted <= 4, "{admitted} admitted in two windows of two");
+}

@@ -114,6 +114,12 @@ struct Shard {
 struct Table {
     index: Index,
     slab: Slab,
+    /// The latest time the shard decided at. Clocks are read before the shard's lock is
+    /// taken, and two threads' readings may disagree a little (see
+    /// [`CarriedClock`]): a request read just before a window's end may reach the shard
+    /// just after its identity was forgotten there, fresh at that end, and would be
+    /// counted in an empty window that had ended. The shard's time never steps back.
+    latest: u64,
 }
 
 /// The hash table of a shard: open addressing over 4-byte buckets. A bucket holds an
@@ -331,7 +337,15 @@ impl Table {
         Self {
             index: Index::new(0, capacity),
             slab: Slab::new(capacity),
+            latest: 0,
         }
+    }
+
+    /// `now`, or the shard's latest time if `now` is behind it: the time to decide at.
+    #[inline]
+    fn time(&mut self, now: u64) -> u64 {
+        self.latest = self.latest.max(now);
+        self.latest
     }
 
     #[inline]
@@ -712,6 +726,7 @@ impl<C: Clock> MemoryStore<C> {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
+        let now = table.time(now);
         match table.find(hash, key) {
             Ok(index) => decide_entry(table.slab.get_mut(index), policies, now, cost),
             Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
@@ -775,7 +790,7 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         if let Ok(index) = table.find(hash, key) {
-            let now = self.shared.clock.now();
+            let now = table.time(self.shared.clock.now());
             let entry = table.slab.get_mut(index);
             let slots = entry.slots.arrange(policies, now, entry.fresh_at);
             let (slots, penalties) = slots.split_at_mut(policies.len());
@@ -819,6 +834,7 @@ impl<C: Clock> MemoryStore<C> {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
+        let now = table.time(now);
         match table.find(hash, key) {
             Ok(index) => adjust_entry(table.slab.get_mut(index), policies, now, adjustment),
             Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
@@ -923,6 +939,7 @@ impl<C: Clock> MemoryStore<C> {
             .iter()
             .map(|shard| {
                 let mut table = lock(shard);
+                let now = table.time(now);
                 let removed = table.retain(|entry| !entry.is_fresh(now));
                 table.shrink(removed > 0, hasher);
                 removed
