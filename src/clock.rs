@@ -34,9 +34,12 @@
 //! error accumulates (every `TscClock` of the process shares the anchor of the first). A
 //! thread's time never steps back (a core whose counter is behind gives the thread's last
 //! time until it catches up: denials last as much longer), and once a counter is seen
-//! behind its origin (reset by a resume, or another socket's), the clock reads the OS
-//! clock from then on, said once at warn level. Opt in only on hardware you have
-//! measured.
+//! behind its origin (reset by a resume, or another socket's), or its time more than a
+//! second behind the OS clock's (it compares the two once a second, and whenever a
+//! reading is far behind the last comparison's: a counter reset and grown past its origin
+//! again), the clock reads the OS clock from then on, said once at warn level. Ahead of
+//! the OS clock it is kept (a counter that ran through a suspend). Opt in only on
+//! hardware you have measured.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -581,9 +584,9 @@ fn warn_behind_origin() {
     #[cfg(feature = "tracing")]
     tracing::warn!(
         target: "tollgate",
-        "the CPU's time-stamp counter read behind where the TSC clock started (reset by a \
-         resume from suspend, or another socket's counter): the TSC clock reads the OS \
-         clock from now on"
+        "the CPU's time-stamp counter read behind where the TSC clock started, or its time \
+         far behind the OS clock's (reset by a resume from suspend, or another socket's \
+         counter): the TSC clock reads the OS clock from now on"
     );
 }
 
@@ -609,9 +612,12 @@ pub struct TscClock {
 struct TscAnchor {
     origin: u64,
     epoch_nanos: u64,
-    /// The counter was behind its origin (reset by a resume, or another socket's): its
-    /// readings say nothing of the time since.
+    /// The counter was behind its origin (reset by a resume, or another socket's), or its
+    /// time far behind the OS clock's: its readings say nothing of the time since.
     fallen_back: std::sync::atomic::AtomicBool,
+    /// When (on the counter's line) the counter's time is next compared with the OS
+    /// clock's; 0: at the first reading.
+    next_check: AtomicU64,
 }
 
 impl TscAnchor {
@@ -620,6 +626,7 @@ impl TscAnchor {
             origin: clock.raw(),
             epoch_nanos: MonotonicClock::new().now(),
             fallen_back: std::sync::atomic::AtomicBool::new(false),
+            next_check: AtomicU64::new(0),
         }
     }
 }
@@ -675,20 +682,59 @@ impl Clock for TscClock {
             return tsc_give(MonotonicClock::new().now());
         }
         let raw = self.clock.raw();
-        let now = counter_time(anchor.epoch_nanos, anchor.origin, raw, |from, to| {
+        let now = match counter_time(anchor.epoch_nanos, anchor.origin, raw, |from, to| {
             self.clock.delta_as_nanos(from, to)
-        })
-        .unwrap_or_else(|| {
-            // A counter behind its origin says nothing, then or later (grown past its
-            // origin again, it would read as the time before the reset): the OS clock
-            // answers from now on.
-            if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
-                warn_behind_origin();
+        }) {
+            Some(now) => {
+                // Once a second, and whenever a reading is far behind the last
+                // comparison's (a counter reset, then grown past its origin before this
+                // process read it: an idle process), the OS clock has its say.
+                let next = anchor.next_check.load(Ordering::Relaxed);
+                if now >= next || now.saturating_add(2 * TSC_CHECK_EVERY) < next {
+                    tsc_check(anchor, now)
+                } else {
+                    now
+                }
             }
-            MonotonicClock::new().now()
-        });
+            None => {
+                // A counter behind its origin says nothing, then or later (grown past its
+                // origin again, it would read as the time before the reset): the OS clock
+                // answers from now on.
+                if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
+                    warn_behind_origin();
+                }
+                MonotonicClock::new().now()
+            }
+        };
         tsc_give(now)
     }
+}
+
+/// How often (on the counter's line) a [`TscClock`] compares its time with the OS clock's.
+const TSC_CHECK_EVERY: u64 = 1_000_000_000;
+/// How far behind the OS clock a [`TscClock`]'s time may be (calibration error adds up)
+/// before its counter is taken to have been reset.
+const TSC_BEHIND_LIMIT: u64 = 1_000_000_000;
+
+/// Compares the counter's time `now` with the OS clock's: far behind it, the counter was
+/// reset (a resume from suspend) and the OS clock answers from now on. Ahead of it is
+/// kept: a counter that ran through a suspend the OS clock does not count (Linux's
+/// `CLOCK_MONOTONIC`) is nearer the time that passed, and stepping back to the OS clock
+/// would stand a thread's time still that long.
+#[cold]
+#[inline(never)]
+fn tsc_check(anchor: &TscAnchor, now: u64) -> u64 {
+    let os = MonotonicClock::new().now();
+    if now.saturating_add(TSC_BEHIND_LIMIT) < os {
+        if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
+            warn_behind_origin();
+        }
+        return os;
+    }
+    anchor
+        .next_check
+        .store(now.saturating_add(TSC_CHECK_EVERY), Ordering::Relaxed);
+    now
 }
 
 /// A clock that moves only when told to. Clones share the same time.
@@ -843,6 +889,55 @@ mod tests {
             (later - start) / 1_000_000_000
         );
         assert!(later >= os);
+    }
+
+    /// A counter reset by a resume that has grown past its origin again before any
+    /// reading (an idle process: a counter started at a day's uptime takes a day to get
+    /// there) reads as if no time had passed since the origin but what it counted since
+    /// the resume: far behind the OS clock, and a thread's time stood still until it
+    /// caught up. The clock compares itself with the OS clock once a second and whenever
+    /// a reading is far behind the last comparison's, and reads the OS clock from then on.
+    #[test]
+    fn a_counter_reset_and_grown_past_its_origin_reads_the_os_clock() {
+        let (clock, mock) = quanta::Clock::mock();
+        // Anchored 100 s ago, at a counter that has counted those 100 s since.
+        mock.increment(Duration::from_secs(1_000));
+        let anchor = TscAnchor::new(&clock);
+        let anchor = TscAnchor {
+            epoch_nanos: anchor.epoch_nanos - 100_000_000_000,
+            ..anchor
+        };
+        mock.increment(Duration::from_secs(100));
+        let tsc = TscClock {
+            anchor: Arc::new(anchor),
+            clock,
+        };
+        let os = MonotonicClock::new();
+        let before = os.now();
+        let now = tsc.now();
+        assert!(
+            now.abs_diff(before) < 1_000_000_000,
+            "on the OS clock's line"
+        );
+        // Reset on resume, idle until the counter is 10 s past its origin: 90 s behind.
+        mock.decrement(Duration::from_secs(90));
+        std::thread::sleep(Duration::from_millis(10));
+        let before = os.now();
+        let now = tsc.now();
+        assert!(
+            now >= before,
+            "{} ms behind the OS clock",
+            (before - now) / 1_000_000
+        );
+        // On another thread, whose last time is none.
+        let tsc = tsc.clone();
+        let (now, after) = std::thread::spawn(move || {
+            let now = tsc.now();
+            (now, os.now())
+        })
+        .join()
+        .unwrap();
+        assert!(now.abs_diff(after) < 1_000_000_000);
     }
 
     #[test]
