@@ -363,8 +363,11 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// layer still adds the rate-limit headers, and, on a `429` or a `503`, `Retry-After`
     /// unless the hook set one that states a wait (delay-seconds or an HTTP-date, RFC 9110
     /// section 10.2.3): a value that is neither (`soon`, `1.5`, `+5`) is replaced by the
-    /// layer's. A hook's answer of another status (a `403` for banned clients) gets no
-    /// `Retry-After` of the layer's: it would tell the client to come back.
+    /// layer's. So does a gRPC answer of `grpc-status` 8 or 14 whatever its HTTP status
+    /// (tonic's `Status::resource_exhausted(..).into_http()` is a `200`): on a gRPC call
+    /// the wait is sent on as the gRPC pushback too. A hook's answer of another status (a
+    /// `403` for banned clients) gets no `Retry-After` of the layer's: it would tell the
+    /// client to come back.
     pub fn on_deny<F>(mut self, hook: F) -> Self
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,

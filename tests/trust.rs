@@ -1744,6 +1744,62 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
     assert!(body_text(denied).await.is_empty());
 }
 
+// tonic's `Status::resource_exhausted(..).into_http()` is an HTTP 200 with `grpc-status`
+// 8. A hook that answers so is telling the client to wait, as a 429 does: the wait goes
+// with it (`Retry-After`, and the pushback of gRFC A6). Read as "a 200 with a notice",
+// it went out with no wait at all, and clients with a retry policy retried at once into
+// a spent quota.
+#[tokio::test]
+async fn a_hooks_grpc_answer_in_tonics_shape_is_told_the_wait() {
+    for (code, wait) in [("8", true), ("14", true), ("7", false)] {
+        let app = Router::new()
+            .route("/call", axum::routing::post(|| async { "called" }))
+            .layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
+                    .on_deny(move |_: &tollgate::Rejection<'_>| {
+                        http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", code)
+                            .header("grpc-message", "quota%20spent")
+                            .body(bytes::Bytes::new())
+                            .unwrap()
+                    }),
+            );
+        let call = || {
+            let mut request = Request::post("/call")
+                .header("content-type", "application/grpc")
+                .body(Body::empty())
+                .unwrap();
+            request
+                .extensions_mut()
+                .insert(std::net::SocketAddr::from(PEER));
+            app.clone().oneshot(request)
+        };
+        assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
+        let denied = call().await.unwrap();
+        assert_eq!(denied.status(), 200);
+        assert_eq!(header(&denied, "grpc-status").as_deref(), Some(code));
+        if !wait {
+            // PERMISSION_DENIED: no wait (a ban is not "come back after").
+            assert_eq!(header(&denied, "retry-after"), None);
+            assert_eq!(header(&denied, "grpc-retry-pushback-ms"), None);
+            continue;
+        }
+        let after: u64 = header(&denied, "retry-after")
+            .unwrap_or_else(|| panic!("the wait, for code {code}"))
+            .parse()
+            .unwrap();
+        // The window's end: fixed windows start on the epoch's minutes.
+        assert!((1..=60).contains(&after), "{after}");
+        let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
+            .expect("the wait as a pushback")
+            .parse()
+            .unwrap();
+        assert_eq!(pushback, after * 1_000);
+    }
+}
+
 // The legacy reset is the Unix time the quota is whole again, rounded up once: now plus a
 // reset of a fraction of a second is the next second, not the one after.
 #[tokio::test]

@@ -158,6 +158,15 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     Response::from_parts(parts, Bytes::new())
 }
 
+/// True when `headers` hold a gRPC status that tells the client to come back later:
+/// RESOURCE_EXHAUSTED (8) or UNAVAILABLE (14), the codes a pushback goes with.
+pub(super) fn asks_to_wait(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(GRPC_STATUS)
+        .and_then(|code| code.to_str().ok())
+        .is_some_and(|code| matches!(code.trim(), "8" | "14"))
+}
+
 const GRPC_STATUS: &str = "grpc-status";
 const PUSHBACK: &str = "grpc-retry-pushback-ms";
 

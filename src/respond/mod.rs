@@ -314,9 +314,13 @@ impl Responder {
         // notice) gets no `Retry-After` of ours: it means "come back after" on those
         // (RFC 6585 section 4, RFC 9110 section 10.2.3). The fields go as they are.
         // A `Retry-After` the hook wrote on such an answer is its own, as it wrote it.
+        // A gRPC answer of RESOURCE_EXHAUSTED or UNAVAILABLE (tonic's `Status` into
+        // HTTP: a 200 with `grpc-status`) says "come back after" as a 429 does, and gets
+        // the wait (sent on as the gRPC pushback).
         let status = response.status();
         if status != http::StatusCode::TOO_MANY_REQUESTS
             && status != http::StatusCode::SERVICE_UNAVAILABLE
+            && !grpc::asks_to_wait(response.headers())
         {
             headers.apply(response.headers_mut());
             return Plan::Respond(Box::new(response));
