@@ -72,12 +72,13 @@ impl Rejection<'_> {
 }
 
 /// True when `policy`, in `status`, denies a request of `cost` too: fewer units left
-/// than it costs (a shaping bucket: no room left, as it admits any cost that fits its
-/// burst and delays it; an in-flight policy, which counts requests: no slot free for a
+/// than it costs (a shaping bucket: no room left for a request that costs something, as
+/// it admits any cost that fits its burst and delays it; an in-flight policy, which counts requests: no slot free for a
 /// request that takes one). A shadow policy never denies.
 pub(crate) fn exceeds(policy: &Policy, status: &PolicyStatus, cost: u64) -> bool {
     let exceeded = match policy.algorithm() {
-        Algorithm::LeakyShaping { .. } => status.remaining == 0,
+        // A request that costs nothing queues nothing: it goes however full the bucket.
+        Algorithm::LeakyShaping { .. } => status.remaining == 0 && cost > 0,
         Algorithm::Concurrency { .. } => status.remaining < cost.min(1),
         _ => status.remaining < cost,
     };
@@ -334,6 +335,44 @@ mod tests {
             cost: 1,
         };
         assert_eq!(rejection.retry_after_secs(), 999_999_999_999_999);
+    }
+
+    /// A request that costs nothing (a probe a route prices at 0) is admitted by a
+    /// shaping bucket however full: it queues nothing. Blocked by another policy's
+    /// penalty, its problem body listed the full shaping bucket among the
+    /// `violated-policies` all the same (draft-ietf-httpapi-ratelimit-headers-11,
+    /// "Problem Types": the policies the request exceeded).
+    #[test]
+    fn a_full_shaping_bucket_is_no_violated_policy_of_a_request_that_costs_nothing() {
+        let second = Duration::from_secs(1);
+        let penalty = crate::policy::Penalty::new(1, second, 60 * second);
+        let policies = PolicySet::new([
+            Policy::leaky_bucket_shaping("shape", crate::Rate::per_second(1), second).unwrap(),
+            Policy::token_bucket("api", 2, crate::Rate::per_second(2))
+                .unwrap()
+                .with_penalty(penalty)
+                .unwrap(),
+        ])
+        .unwrap();
+        let full = PolicyStatus::new(2, 0, second, second);
+        let blocked = PolicyStatus::new(2, 0, 60 * second, 60 * second);
+        let decision = Decision::new(
+            crate::Outcome::Denied {
+                policy: 1,
+                retry_after: 60 * second,
+            },
+            [full, blocked],
+        );
+        for (cost, violated) in [(0, vec!["api"]), (1, vec!["api", "shape"])] {
+            let rejection = Rejection {
+                policy: &policies[1],
+                retry_after: 60 * second,
+                decision: &decision,
+                policies: &policies,
+                cost,
+            };
+            assert_eq!(rejection.violated_policies(), violated, "cost {cost}");
+        }
     }
 
     #[test]
