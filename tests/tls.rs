@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use support::{RedisServer, free_port, keys_with_ttl};
-use tollgate::store::RedisConfig;
+use tollgate::store::{RedisConfig, StoreErrorKind};
 use tollgate::{Key, Policy, PolicySet, Store};
 
 /// A redis-server with a plain port (for redis-cli) and a TLS port; an ACL user `limiter`
@@ -133,6 +133,8 @@ async fn tls_refuses_an_unknown_ca_and_plain_text() {
     .await
     .expect_err("a certificate from an unknown CA is refused");
     assert!(!unknown.to_string().contains("s3cret"), "{unknown}");
+    // A setting to fix, not an outage to wait out (as it is at every reconnect later).
+    assert_eq!(unknown.kind(), StoreErrorKind::Refused, "{unknown}");
 
     // Plain text to the TLS port gets no Redis answer.
     let plain = tokio::time::timeout(

@@ -681,6 +681,26 @@ fn server_code(error: &RedisError) -> Option<&str> {
     }
 }
 
+/// Whether `error` is a TLS handshake refused (a certificate expired, from a CA the store
+/// does not trust, for another name; no protocol version in common): a setting to fix,
+/// met by every connection, not an outage to wait out behind the failure mode. redis-rs
+/// passes rustls's error up inside an I/O error.
+#[cfg(feature = "tls")]
+fn tls_refused(error: &RedisError) -> bool {
+    use std::error::Error as _;
+    error
+        .source()
+        .and_then(|source| source.downcast_ref::<Arc<dyn std::error::Error + Send + Sync>>())
+        .and_then(|inner| inner.downcast_ref::<std::io::Error>())
+        .and_then(std::io::Error::get_ref)
+        .is_some_and(|inner| inner.is::<rustls::Error>())
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_refused(_: &RedisError) -> bool {
+    false
+}
+
 /// Whether a Redis error code says the server is a primary no more (`READONLY`) or has
 /// none (`MASTERDOWN`).
 fn demoted_code(code: Option<&str>) -> bool {
@@ -773,7 +793,10 @@ fn store_error(error: RedisError) -> StoreError {
         || error
             .detail()
             .is_some_and(|detail| detail.contains("max number of clients"));
-    let kind = if error.is_timeout() {
+    let kind = if tls_refused(&error) {
+        // Before the I/O sorts: redis-rs passes the handshake's error up as I/O.
+        StoreErrorKind::Refused
+    } else if error.is_timeout() {
         StoreErrorKind::Timeout
     } else if transient_code
         || error.is_io_error()
@@ -1686,7 +1709,9 @@ async fn query<T: redis::FromRedisValue>(
 /// a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
     let every_request = !cluster
-        && (password_refused(&error) || matches!(server_code(&error), Some("OOM" | "MISCONF")));
+        && (password_refused(&error)
+            || tls_refused(&error)
+            || matches!(server_code(&error), Some("OOM" | "MISCONF")));
     let mut error = store_error(error);
     error.every_request |= every_request;
     error
@@ -2572,6 +2597,28 @@ mod tests {
         assert!(!query_error(refused(), true).every_request);
         let other = RedisError::from((ErrorKind::Server(redis::ServerErrorKind::NoPerm), "no"));
         assert!(!query_error(other, false).every_request);
+    }
+
+    /// A TLS handshake refused on a reconnect (the server's certificate expired, or was
+    /// re-issued by a CA the store does not trust) is a setting to fix, met by every
+    /// connection: a refusal, logged at error level. Sorted as I/O (redis-rs passes
+    /// rustls's error up inside one), it was an outage at debug level, and each replica
+    /// enforced its own share of the limit for as long as nobody looked.
+    #[cfg(feature = "tls")]
+    #[test]
+    fn a_tls_handshake_refused_is_a_refusal_not_an_outage() {
+        let refused = || {
+            RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                rustls::Error::InvalidCertificate(rustls::CertificateError::Expired),
+            ))
+        };
+        assert_eq!(store_error(refused()).kind(), StoreErrorKind::Refused);
+        assert!(query_error(refused(), false).every_request);
+        assert!(!query_error(refused(), true).every_request);
+        // A connection reset mid-handshake is still I/O.
+        let reset = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(store_error(reset).kind(), StoreErrorKind::Unavailable);
     }
 
     /// The error a server's reply `line` (without its `-` and line end) is read as.
