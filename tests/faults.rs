@@ -623,6 +623,69 @@ async fn sentinel_misconfigurations_fail_at_start_and_say_why() {
     assert!(!refused.to_string().contains("wrong-secret"), "{refused}");
 }
 
+/// A sentinel cut off from the servers still names the primary it knew (here the
+/// replica). The look-up goes past its answer (that server is no primary) to the next
+/// sentinel's; the watch, which asks the first sentinel that answers, left the sound
+/// primary every time it asked (every 2 s), for a look-up that connected straight back:
+/// a new connection, and with the stale server's host gone a second of the failure mode
+/// each time. It now leaves only for a server that says it is the primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_sentinel_does_not_move_the_store_off_a_sound_primary() {
+    let (primary, replica, sentinels) = sentinel_set();
+    let stale = support::FakeSentinel::start(replica.port, false);
+    let urls = std::iter::once(stale.url()).chain(sentinels.iter().map(RedisServer::url));
+    let store = RedisConfig::sentinel(urls, "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (_store, app) = healthy_app(store).await;
+    let before = deciding_clients(&primary);
+    assert_eq!(before.len(), 1, "one connection decides: {before:?}");
+    let asked = stale.asked();
+    // The watch asks the sentinels every fourth tick of 500 ms: a few times in 5 s.
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut answers = Vec::new();
+    while Instant::now() < until {
+        answers.push(request(&app).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(stale.asked() > asked, "the watch asked no sentinel");
+    assert!(
+        answers
+            .iter()
+            .all(|answer| *answer == (StatusCode::OK, DecidedBy::Redis)),
+        "{answers:?}"
+    );
+    assert_eq!(
+        deciding_clients(&primary),
+        before,
+        "the store left the primary and connected anew"
+    );
+}
+
+/// A sentinel refuses its password, and the only other one is down: the look-up fails
+/// with the refusal (a password to fix, which the breaker holds requests off for and the
+/// logs say at error level), not with the last sentinel's "connection refused" (an
+/// outage to wait out). The password is not shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_refusing_its_password_beside_one_down_is_a_refusal() {
+    let refusing = support::FakeSentinel::start(6379, true);
+    let down = format!("redis://127.0.0.1:{}", support::free_port());
+    let error = RedisConfig::sentinel(
+        [refusing.url_with_password("rotated-secret"), down],
+        "mymaster",
+    )
+    .connect()
+    .await
+    .expect_err("no sentinel named the primary");
+    assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+    assert!(!error.to_string().contains("rotated-secret"), "{error}");
+    assert!(
+        error.to_string().contains(&refusing.port.to_string()),
+        "which sentinel: {error}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_works_with_the_least_privilege_user() {
     let (primary, replica, sentinels) = sentinel_set();

@@ -939,3 +939,43 @@ fn a_settle_that_fails_is_warned_of() {
         "{events:?}"
     );
 }
+
+/// A sentinel refuses its password while another names the primary: the store works, so
+/// nothing failed a request, and the refusal was met and dropped at each look-up, said
+/// nowhere (a sentinel fewer to follow a failover with, until the day the others are
+/// down). It is said at error level.
+#[cfg(feature = "redis")]
+#[test]
+fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_level() {
+    let server = support::RedisServer::start();
+    let refusing = support::FakeSentinel::start(server.port, true);
+    let answering = support::FakeSentinel::start(server.port, false);
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            tollgate::store::RedisConfig::sentinel(
+                [
+                    refusing.url_with_password("rotated-secret"),
+                    answering.url(),
+                ],
+                "mymaster",
+            )
+            .connect()
+            .await
+            .expect("the second sentinel names the primary");
+        })
+    });
+    assert!(answering.asked() > 0);
+    let events = recorder.events.lock().unwrap().clone();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
+                && event.contains("a Redis sentinel refused")),
+        "{events:?}"
+    );
+}

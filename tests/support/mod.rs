@@ -462,3 +462,127 @@ pub async fn frozen_store(server: &RedisServer) -> tollgate::store::RedisStore {
         .unwrap()
         .with_clock(tollgate::clock::ManualClock::new())
 }
+
+/// A stand-in for a sentinel, on a free loopback port, for what real sentinels will not
+/// do on cue: it answers `SENTINEL get-master-addr-by-name` with `127.0.0.1:names` (a
+/// sentinel cut off from the servers, still naming the primary it knew), `AUTH` with a
+/// refusal when `refuse_auth` (a sentinel whose password was rotated), `HELLO` with an
+/// unknown command, and anything else with `+OK`. It counts the questions about the
+/// primary. Stopped on drop.
+pub struct FakeSentinel {
+    pub port: u16,
+    asked: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FakeSentinel {
+    pub fn start(names: u16, refuse_auth: bool) -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let port = listener.local_addr().unwrap().port();
+        let asked = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (counted, stopped) = (Arc::clone(&asked), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                let counted = Arc::clone(&counted);
+                std::thread::spawn(move || {
+                    serve_fake_sentinel(client, names, refuse_auth, &counted)
+                });
+            }
+        });
+        Self { port, asked, stop }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Its URL with a password.
+    pub fn url_with_password(&self, password: &str) -> String {
+        format!("redis://:{password}@127.0.0.1:{}", self.port)
+    }
+
+    /// How many times it was asked for the primary.
+    pub fn asked(&self) -> u64 {
+        self.asked.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for FakeSentinel {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wakes the accepting thread, which then stops.
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+/// Answers one client of a [`FakeSentinel`] until it goes (or sends what is no command).
+fn serve_fake_sentinel(
+    client: std::net::TcpStream,
+    names: u16,
+    refuse_auth: bool,
+    asked: &std::sync::atomic::AtomicU64,
+) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let _ = client.set_read_timeout(Some(Duration::from_secs(60)));
+    let mut writer = match client.try_clone() {
+        Ok(writer) => writer,
+        Err(_) => return,
+    };
+    let mut reader = BufReader::new(client);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let Some(count) = line
+            .trim_end()
+            .strip_prefix('*')
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            return;
+        };
+        let mut words = Vec::with_capacity(count);
+        for _ in 0..count {
+            line.clear();
+            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let Some(length) = line
+                .trim_end()
+                .strip_prefix('$')
+                .and_then(|n| n.parse::<usize>().ok())
+            else {
+                return;
+            };
+            let mut word = vec![0; length + 2];
+            if reader.read_exact(&mut word).is_err() {
+                return;
+            }
+            word.truncate(length);
+            words.push(String::from_utf8_lossy(&word).to_uppercase());
+        }
+        let reply = match words.first().map(String::as_str) {
+            Some("AUTH") if refuse_auth => {
+                "-WRONGPASS invalid username-password pair or user is disabled.\r\n".to_owned()
+            }
+            Some("HELLO") => "-ERR unknown command 'HELLO'\r\n".to_owned(),
+            Some("SENTINEL") => {
+                asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let port = names.to_string();
+                format!("*2\r\n$9\r\n127.0.0.1\r\n${}\r\n{port}\r\n", port.len())
+            }
+            _ => "+OK\r\n".to_owned(),
+        };
+        if writer.write_all(reply.as_bytes()).is_err() {
+            return;
+        }
+    }
+}

@@ -5,9 +5,14 @@
 //!   look-up is remembered for [`RESOLVE_BACKOFF`], so a dead topology is not asked again
 //!   for every request.
 //! - **A watch** asks the server every [`WATCH_EVERY`] what it is (`ROLE`, with a
-//!   deadline), and every fourth time the sentinels whom they name: a primary that stops answering without
-//!   closing its connections, that was demoted, or that the sentinels no longer name (a
-//!   failover it did not see: a partition) is left, and looked up again.
+//!   deadline), and every fourth time the sentinels whom they name: a primary that stops
+//!   answering without closing its connections, that was demoted, or that the sentinels no
+//!   longer name (a failover it did not see: a partition) is left, and looked up again.
+//!   One they no longer name is left only once the one named answers `ROLE` as a primary:
+//!   a stale sentinel (cut off, still naming the old primary) moves nothing.
+//! - **A sentinel that refuses** (a wrong password, a server that is no sentinel) is gone
+//!   past when another answers, and said at error level and counted all the same; when
+//!   none answers, the look-up fails with that refusal, not an outage.
 //! - **A command** that meets a broken connection or `READONLY` drops the connection at
 //!   once; an error of the moment the primary answered (`NOREPLICAS`, `BUSY`) or a slow
 //!   answer keeps it.
@@ -197,24 +202,44 @@ impl SentinelBackend {
     }
 
     /// Asks the sentinels for the primary's address: the first that knows the name
-    /// answers. `Ok(None)`: every sentinel that answered does not know it.
+    /// answers. `Ok(None)`: every sentinel that answered does not know it. A sentinel
+    /// that refused (not I/O) is said and counted even when another answers.
     async fn named_primary(&self) -> Result<Option<(String, u16)>, StoreError> {
-        let mut last_error = None;
+        let mut errors = Errors::default();
         for sentinel in &self.sentinels {
             match ask(sentinel, &self.master).await {
-                Ok(answer) => return Ok(answer),
-                Err(error) => last_error = Some(error),
+                Ok(answer) => {
+                    errors.report_skipped();
+                    return Ok(answer);
+                }
+                Err(error) => errors.push(error),
             }
         }
-        Err(last_error
+        Err(errors
+            .worst()
             .unwrap_or_else(|| StoreError::new(StoreErrorKind::Unavailable, "no sentinel")))
+    }
+
+    /// Whether the server at `address` answers, within the watch's deadline, that it is
+    /// a primary.
+    async fn confirmed_primary(&self, (host, port): &(String, u16)) -> bool {
+        let asked = tokio::time::timeout(WATCH_DEADLINE + CONNECT_TIMEOUT, async {
+            let client = self.access.client(host, *port)?;
+            let mut connection = client
+                .get_multiplexed_async_connection_with_config(&connection_config())
+                .await
+                .map_err(store_error)?;
+            is_primary(&mut connection).await
+        })
+        .await;
+        matches!(asked, Ok(Ok(true)))
     }
 
     /// Looks the primary up: its address from a sentinel, a connection, and its own word
     /// (`ROLE`) that it is a primary. A sentinel whose answer is not a primary (stale,
     /// or a failover under way) does not stop the others from being asked.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
-        let mut last_error = None;
+        let mut errors = Errors::default();
         let mut unknown = false;
         for sentinel in &self.sentinels {
             let (host, port) = match ask(sentinel, &self.master).await {
@@ -224,7 +249,7 @@ impl SentinelBackend {
                     continue;
                 }
                 Err(error) => {
-                    last_error = Some(error);
+                    errors.push(error);
                     continue;
                 }
             };
@@ -246,13 +271,16 @@ impl SentinelBackend {
                 }
             };
             match tried.await {
-                Ok(connection) => return Ok(((host, port), connection)),
+                Ok(connection) => {
+                    errors.report_skipped();
+                    return Ok(((host, port), connection));
+                }
                 // A refusal (a wrong password) is the same on every server: say so now.
                 Err(error) if error.kind() == StoreErrorKind::Refused => return Err(error),
-                Err(error) => last_error = Some(error),
+                Err(error) => errors.push(error),
             }
         }
-        Err(match last_error {
+        Err(match errors.worst() {
             Some(error) => error,
             None if unknown => StoreError::new(
                 StoreErrorKind::Other,
@@ -311,8 +339,44 @@ fn demoted(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
+/// The errors of the sentinels (and servers) a look-up went past.
+#[derive(Default)]
+struct Errors {
+    /// The first that is no I/O failure (a refused password, a server that is no
+    /// sentinel, a reply of the wrong shape): a setting to fix.
+    refused: Option<StoreError>,
+    /// The last I/O failure.
+    io: Option<StoreError>,
+}
+
+impl Errors {
+    fn push(&mut self, error: StoreError) {
+        if error.kind().is_io() {
+            self.io = Some(error);
+        } else if self.refused.is_none() {
+            self.refused = Some(error);
+        }
+    }
+
+    /// The look-up failed: the error to answer with. A refusal before an I/O failure:
+    /// a sentinel down beside one refusing its password is a password to fix, which the
+    /// breaker and the logs must hear of, not an outage to wait out.
+    fn worst(self) -> Option<StoreError> {
+        self.refused.or(self.io)
+    }
+
+    /// Another sentinel answered: a refusal met on the way is still a setting to fix (a
+    /// sentinel fewer to fail over with), said at error level and counted.
+    fn report_skipped(&self) {
+        if let Some(error) = &self.refused {
+            crate::telemetry::sentinel_refused(error);
+        }
+    }
+}
+
 /// Asks one sentinel for the primary named `master`: `Ok(None)` when it does not know
-/// the name.
+/// the name. Its error keeps its kind and code (a refusal, a reply of the wrong shape:
+/// not an outage), and says which sentinel met it.
 async fn ask(sentinel: &redis::Client, master: &str) -> Result<Option<(String, u16)>, StoreError> {
     let asked = tokio::time::timeout(CONNECT_TIMEOUT * 2, async {
         let mut connection = sentinel
@@ -329,19 +393,25 @@ async fn ask(sentinel: &redis::Client, master: &str) -> Result<Option<(String, u
         Ok(Ok(answer)) => Ok(answer),
         Ok(Err(error)) => {
             let error = store_error(error);
-            let kind = if error.kind() == StoreErrorKind::Refused {
-                StoreErrorKind::Refused
-            } else {
-                StoreErrorKind::Unavailable
-            };
-            Err(StoreError::new(
-                kind,
-                format!("a sentinel: {}", error.message),
-            ))
+            let mut asked = StoreError::new(
+                error.kind(),
+                format!(
+                    "the sentinel at {}: {}",
+                    sentinel.get_connection_info().addr(),
+                    error.message
+                ),
+            );
+            if let Some(code) = error.code() {
+                asked = asked.with_code(code.to_owned());
+            }
+            Err(asked)
         }
         Err(_) => Err(StoreError::new(
             StoreErrorKind::Timeout,
-            "a sentinel did not answer in time",
+            format!(
+                "the sentinel at {} did not answer in time",
+                sentinel.get_connection_info().addr()
+            ),
         )),
     }
 }
@@ -451,11 +521,17 @@ async fn watch(backend: Weak<SentinelBackend>) {
         let reason = match answered {
             // The sentinels every fourth tick (each question opens a connection).
             Ok(Ok(true)) if !tick.is_multiple_of(4) => None,
+            // Left for the one named only once that one says it is a primary: a stale
+            // sentinel (cut off from the servers, still naming the old primary) would
+            // have the store leave a sound primary at each look (the look-up goes past
+            // such a sentinel's answer, and connects back).
             Ok(Ok(true)) => match backend.named_primary().await {
-                Ok(Some(named)) if named != address => Some(format!(
-                    "the sentinels now name {}:{} as the primary",
-                    named.0, named.1
-                )),
+                Ok(Some(named)) if named != address && backend.confirmed_primary(&named).await => {
+                    Some(format!(
+                        "the sentinels now name {}:{} as the primary",
+                        named.0, named.1
+                    ))
+                }
                 _ => None,
             },
             Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
