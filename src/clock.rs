@@ -35,11 +35,11 @@
 //! thread's time never steps back (a core whose counter is behind gives the thread's last
 //! time until it catches up: denials last as much longer), and once a counter is seen
 //! behind its origin (reset by a resume, or another socket's), or its time more than a
-//! second behind the OS clock's (it compares the two once a second, and whenever a
-//! reading is far behind the last comparison's: a counter reset and grown past its origin
-//! again), the clock reads the OS clock from then on, said once at warn level. Ahead of
-//! the OS clock it is kept (a counter that ran through a suspend). Opt in only on
-//! hardware you have measured.
+//! second (and a ten-thousandth of its uptime: calibration error) behind the OS clock's
+//! (it compares the two once a second, and whenever a reading is far behind the last
+//! comparison's: a counter reset and grown past its origin again), the clock reads the
+//! OS clock from then on, said once at warn level. Ahead of the OS clock it is kept (a
+//! counter that ran through a suspend). Opt in only on hardware you have measured.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -712,9 +712,13 @@ impl Clock for TscClock {
 
 /// How often (on the counter's line) a [`TscClock`] compares its time with the OS clock's.
 const TSC_CHECK_EVERY: u64 = 1_000_000_000;
-/// How far behind the OS clock a [`TscClock`]'s time may be (calibration error adds up)
-/// before its counter is taken to have been reset.
+/// How far behind the OS clock a [`TscClock`]'s time may be before its counter is taken
+/// to have been reset: a second, and a ten-thousandth of the time since the anchor (a
+/// calibration some parts per million off adds up over days of uptime, and the OS clock
+/// is disciplined by NTP while the counter is not). A reset puts the time behind by as
+/// much as the counter had counted: the process's uptime and more.
 const TSC_BEHIND_LIMIT: u64 = 1_000_000_000;
+const TSC_DRIFT_PER: u64 = 10_000;
 
 /// Compares the counter's time `now` with the OS clock's: far behind it, the counter was
 /// reset (a resume from suspend) and the OS clock answers from now on. Ahead of it is
@@ -725,7 +729,8 @@ const TSC_BEHIND_LIMIT: u64 = 1_000_000_000;
 #[inline(never)]
 fn tsc_check(anchor: &TscAnchor, now: u64) -> u64 {
     let os = MonotonicClock::new().now();
-    if now.saturating_add(TSC_BEHIND_LIMIT) < os {
+    let drift = os.saturating_sub(anchor.epoch_nanos) / TSC_DRIFT_PER;
+    if now.saturating_add(TSC_BEHIND_LIMIT + drift) < os {
         if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
             warn_behind_origin();
         }
@@ -938,6 +943,32 @@ mod tests {
         .join()
         .unwrap();
         assert!(now.abs_diff(after) < 1_000_000_000);
+    }
+
+    /// A calibration a few parts per million off (as `quanta`'s may be, and the OS
+    /// clock is disciplined by NTP while the counter is not) puts the counter's time a
+    /// second or more behind the OS clock after days of uptime. That is no reset: the
+    /// clock keeps reading the counter, and time does not jump.
+    #[test]
+    fn a_counter_a_few_parts_per_million_slow_is_no_reset() {
+        let (clock, mock) = quanta::Clock::mock();
+        mock.increment(Duration::from_secs(1_000));
+        let day = 86_400_000_000_000;
+        let anchor = TscAnchor::new(&clock);
+        let anchor = TscAnchor {
+            epoch_nanos: anchor.epoch_nanos - 10 * day,
+            ..anchor
+        };
+        // Ten days counted 1.5 s short: 1.7 parts per million.
+        mock.increment(Duration::from_nanos(10 * day - 1_500_000_000));
+        let tsc = TscClock {
+            anchor: Arc::new(anchor),
+            clock,
+        };
+        let now = tsc.now();
+        assert!(!tsc.anchor.fallen_back.load(Ordering::Relaxed));
+        let os = MonotonicClock::new().now();
+        assert!(os - now < 2_000_000_000, "the counter's time, 1.5 s behind");
     }
 
     #[test]
