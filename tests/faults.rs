@@ -663,6 +663,60 @@ async fn a_stale_sentinel_does_not_move_the_store_off_a_sound_primary() {
     );
 }
 
+/// The first sentinel names a server that is gone (stale, or its host replaced), so the
+/// look-up goes on to the second. The second then sees a failover: the watch must hear
+/// of it. It asked the first sentinel only, whose answer names no primary, and stayed
+/// on the deposed one (which, cut off from the sentinels, still answers as a primary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_hears_of_a_failover_past_a_stale_first_sentinel() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let stale = support::FakeSentinel::start(support::free_port(), false);
+    let seeing = support::FakeSentinel::start(old.port, false);
+    let store = RedisConfig::sentinel([stale.url(), seeing.url()], "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (_store, app) = healthy_app(store).await;
+    assert!(
+        !keys_with_ttl(&old).is_empty(),
+        "decided on the first primary"
+    );
+    seeing.name(new.port);
+    // The watch asks the sentinels every 2 s; requests for up to 10 s.
+    let until = Instant::now() + Duration::from_secs(10);
+    while keys_with_ttl(&new).is_empty() {
+        assert!(
+            Instant::now() < until,
+            "the store stayed on the deposed primary"
+        );
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A stale sentinel names a server (a primary of its own: a split-off node) that refuses
+/// the store's credentials (ACLs are not replicated, and it never had the user); the next
+/// sentinel names the primary that has them. One server's refusal (its password, its
+/// TLS certificate) is not every server's: the look-up goes on to the next sentinel's
+/// answer, where it stopped at the first refusal and failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_servers_refusal_does_not_stop_the_sentinel_look_up() {
+    let (refusing, primary) = (RedisServer::start(), RedisServer::start());
+    let added = primary.cli(&[
+        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
+    ]);
+    assert_eq!(added.trim(), "OK");
+    let stale = support::FakeSentinel::start(refusing.port, false);
+    let seeing = support::FakeSentinel::start(primary.port, false);
+    let store = RedisConfig::sentinel([stale.url(), seeing.url()], "mymaster")
+        .master_auth(Some("limiter"), "s3cret")
+        .connect()
+        .await
+        .expect("the second sentinel's primary takes the credentials");
+    assert_exact(&store, "past-a-refusal").await;
+    assert!(keys_with_ttl(&refusing).is_empty());
+}
+
 /// A sentinel refuses its password, and the only other one is down: the look-up fails
 /// with the refusal (a password to fix, which the breaker holds requests off for and the
 /// logs say at error level), not with the last sentinel's "connection refused" (an

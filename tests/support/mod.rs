@@ -471,6 +471,7 @@ pub async fn frozen_store(server: &RedisServer) -> tollgate::store::RedisStore {
 /// primary. Stopped on drop.
 pub struct FakeSentinel {
     pub port: u16,
+    names: std::sync::Arc<std::sync::atomic::AtomicU16>,
     asked: std::sync::Arc<std::sync::atomic::AtomicU64>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
@@ -478,25 +479,36 @@ pub struct FakeSentinel {
 impl FakeSentinel {
     pub fn start(names: u16, refuse_auth: bool) -> Self {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
         let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
         let port = listener.local_addr().unwrap().port();
         let asked = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
-        let (counted, stopped) = (Arc::clone(&asked), Arc::clone(&stop));
+        let names = Arc::new(AtomicU16::new(names));
+        let (counted, stopped, named) = (Arc::clone(&asked), Arc::clone(&stop), Arc::clone(&names));
         std::thread::spawn(move || {
             for client in listener.incoming() {
                 if stopped.load(Ordering::SeqCst) {
                     return;
                 }
                 let Ok(client) = client else { continue };
-                let counted = Arc::clone(&counted);
+                let (counted, named) = (Arc::clone(&counted), Arc::clone(&named));
                 std::thread::spawn(move || {
-                    serve_fake_sentinel(client, names, refuse_auth, &counted)
+                    serve_fake_sentinel(client, &named, refuse_auth, &counted)
                 });
             }
         });
-        Self { port, asked, stop }
+        Self {
+            port,
+            names,
+            asked,
+            stop,
+        }
+    }
+
+    /// From now on it names `127.0.0.1:port` (a failover it saw).
+    pub fn name(&self, port: u16) {
+        self.names.store(port, std::sync::atomic::Ordering::SeqCst);
     }
 
     pub fn url(&self) -> String {
@@ -525,7 +537,7 @@ impl Drop for FakeSentinel {
 /// Answers one client of a [`FakeSentinel`] until it goes (or sends what is no command).
 fn serve_fake_sentinel(
     client: std::net::TcpStream,
-    names: u16,
+    names: &std::sync::atomic::AtomicU16,
     refuse_auth: bool,
     asked: &std::sync::atomic::AtomicU64,
 ) {
@@ -576,7 +588,7 @@ fn serve_fake_sentinel(
             Some("HELLO") => "-ERR unknown command 'HELLO'\r\n".to_owned(),
             Some("SENTINEL") => {
                 asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let port = names.to_string();
+                let port = names.load(std::sync::atomic::Ordering::SeqCst).to_string();
                 format!("*2\r\n$9\r\n127.0.0.1\r\n${}\r\n{port}\r\n", port.len())
             }
             _ => "+OK\r\n".to_owned(),

@@ -10,9 +10,12 @@
 //!   longer name (a failover it did not see: a partition) is left, and looked up again.
 //!   One they no longer name is left only once the one named answers `ROLE` as a primary:
 //!   a stale sentinel (cut off, still naming the old primary) moves nothing.
-//! - **A sentinel that refuses** (a wrong password, a server that is no sentinel) is gone
-//!   past when another answers, and said at error level and counted all the same; when
-//!   none answers, the look-up fails with that refusal, not an outage.
+//!   The watch asks the sentinels in order as a look-up does, going past one whose
+//!   answer is no primary, so a failover the later sentinels saw is heard of.
+//! - **A refusal** (a sentinel's: a wrong password, a server that is no sentinel; or a
+//!   named server's: its password, its TLS certificate) is gone past to the next
+//!   sentinel, and said at error level and counted all the same; when no sentinel leads
+//!   to a primary, the look-up fails with that refusal, not an outage.
 //! - **A command** that meets a broken connection or `READONLY` drops the connection at
 //!   once; an error of the moment the primary answered (`NOREPLICAS`, `BUSY`) or a slow
 //!   answer keeps it.
@@ -201,23 +204,29 @@ impl SentinelBackend {
         }
     }
 
-    /// Asks the sentinels for the primary's address: the first that knows the name
-    /// answers. `Ok(None)`: every sentinel that answered does not know it. A sentinel
-    /// that refused (not I/O) is said and counted even when another answers.
-    async fn named_primary(&self) -> Result<Option<(String, u16)>, StoreError> {
+    /// Asks the sentinels, in order, as a look-up does, whether the primary moved from
+    /// `current`: the first that names `current` says it did not; one that names
+    /// another server that answers `ROLE` as a primary says it moved there. A sentinel
+    /// that names a server that is no primary (stale, cut off from the servers), that
+    /// does not know the name or that fails is gone past, as the look-up goes past it,
+    /// so a failover the next sentinels saw is heard of. A sentinel that refused (not
+    /// I/O) is said and counted even when another answers.
+    async fn moved_from(&self, current: &(String, u16)) -> Option<(String, u16)> {
         let mut errors = Errors::default();
+        let mut moved = None;
         for sentinel in &self.sentinels {
             match ask(sentinel, &self.master).await {
-                Ok(answer) => {
-                    errors.report_skipped();
-                    return Ok(answer);
+                Ok(Some(named)) if named == *current => break,
+                Ok(Some(named)) if self.confirmed_primary(&named).await => {
+                    moved = Some(named);
+                    break;
                 }
+                Ok(_) => {}
                 Err(error) => errors.push(error),
             }
         }
-        Err(errors
-            .worst()
-            .unwrap_or_else(|| StoreError::new(StoreErrorKind::Unavailable, "no sentinel")))
+        errors.report_skipped();
+        moved
     }
 
     /// Whether the server at `address` answers, within the watch's deadline, that it is
@@ -237,10 +246,13 @@ impl SentinelBackend {
 
     /// Looks the primary up: its address from a sentinel, a connection, and its own word
     /// (`ROLE`) that it is a primary. A sentinel whose answer is not a primary (stale,
-    /// or a failover under way) does not stop the others from being asked.
+    /// or a failover under way), or one that refuses the store (its password, its TLS
+    /// certificate: one server's, not every server's), does not stop the others from
+    /// being asked. A server named again is not tried again.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
         let mut errors = Errors::default();
         let mut unknown = false;
+        let mut tried_already: Vec<(String, u16)> = Vec::new();
         for sentinel in &self.sentinels {
             let (host, port) = match ask(sentinel, &self.master).await {
                 Ok(Some(address)) => address,
@@ -253,6 +265,13 @@ impl SentinelBackend {
                     continue;
                 }
             };
+            if tried_already
+                .iter()
+                .any(|tried| *tried == (host.clone(), port))
+            {
+                continue;
+            }
+            tried_already.push((host.clone(), port));
             let tried = async {
                 let client = self.access.client(&host, port)?;
                 let mut connection = client
@@ -264,9 +283,7 @@ impl SentinelBackend {
                 } else {
                     Err(StoreError::new(
                         StoreErrorKind::Unavailable,
-                        format!(
-                            "{host}:{port}, which a sentinel names, is not a primary (a failover in progress)"
-                        ),
+                        "a sentinel names it, but it is not a primary (a failover in progress)",
                     ))
                 }
             };
@@ -275,9 +292,7 @@ impl SentinelBackend {
                     errors.report_skipped();
                     return Ok(((host, port), connection));
                 }
-                // A refusal (a wrong password) is the same on every server: say so now.
-                Err(error) if error.kind() == StoreErrorKind::Refused => return Err(error),
-                Err(error) => errors.push(error),
+                Err(error) => errors.push(about(error, format_args!("{host}:{port}"))),
             }
         }
         Err(match errors.worst() {
@@ -391,21 +406,10 @@ async fn ask(sentinel: &redis::Client, master: &str) -> Result<Option<(String, u
     .await;
     match asked {
         Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(error)) => {
-            let error = store_error(error);
-            let mut asked = StoreError::new(
-                error.kind(),
-                format!(
-                    "the sentinel at {}: {}",
-                    sentinel.get_connection_info().addr(),
-                    error.message
-                ),
-            );
-            if let Some(code) = error.code() {
-                asked = asked.with_code(code.to_owned());
-            }
-            Err(asked)
-        }
+        Ok(Err(error)) => Err(about(
+            store_error(error),
+            format_args!("the sentinel at {}", sentinel.get_connection_info().addr()),
+        )),
         Err(_) => Err(StoreError::new(
             StoreErrorKind::Timeout,
             format!(
@@ -414,6 +418,16 @@ async fn ask(sentinel: &redis::Client, master: &str) -> Result<Option<(String, u
             ),
         )),
     }
+}
+
+/// `error`, saying where it was met (`place`: an address, never credentials); its kind
+/// and code kept.
+fn about(error: StoreError, place: std::fmt::Arguments<'_>) -> StoreError {
+    let mut placed = StoreError::new(error.kind(), format!("{place}: {}", error.message));
+    if let Some(code) = error.code() {
+        placed = placed.with_code(code.to_owned());
+    }
+    placed
 }
 
 /// `ROLE` says `master`.
@@ -525,15 +539,12 @@ async fn watch(backend: Weak<SentinelBackend>) {
             // sentinel (cut off from the servers, still naming the old primary) would
             // have the store leave a sound primary at each look (the look-up goes past
             // such a sentinel's answer, and connects back).
-            Ok(Ok(true)) => match backend.named_primary().await {
-                Ok(Some(named)) if named != address && backend.confirmed_primary(&named).await => {
-                    Some(format!(
-                        "the sentinels now name {}:{} as the primary",
-                        named.0, named.1
-                    ))
-                }
-                _ => None,
-            },
+            Ok(Ok(true)) => backend.moved_from(&address).await.map(|named| {
+                format!(
+                    "the sentinels now name {}:{} as the primary",
+                    named.0, named.1
+                )
+            }),
             Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
             Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
             Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
