@@ -378,6 +378,39 @@ async fn a_service_nested_with_nest_service_costs_its_whole_path() {
     assert!(escaped.starts_with("\"api\";r=0;"), "{escaped}");
 }
 
+/// One layer keyed by `Route`, in front of two services nested with `nest_service`:
+/// axum sets no `MatchedPath` there, so the key is the request's path, the whole of it
+/// (`OriginalUri`). It was the path the nested service sees, its prefix taken off:
+/// `/v1/search` and `/v2/search` shared one limit (a client of one spent the other's).
+#[tokio::test]
+async fn route_keys_of_nested_services_are_their_whole_paths() {
+    let limiter = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("per-route", 1, Duration::from_secs(60)).unwrap())
+        .key(tollgate::key::Route);
+    let nested = || {
+        tower::ServiceBuilder::new()
+            .layer(limiter.clone())
+            .service(Router::new().route("/search", get(|| async { "found" })))
+    };
+    let app = Router::new()
+        .nest_service("/v1", nested())
+        .nest_service("/v2", nested());
+    let status = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::get(path).body(Body::empty()).unwrap();
+            app.oneshot(request).await.unwrap().status()
+        }
+    };
+    assert_eq!(status("/v1/search").await, StatusCode::OK);
+    assert_eq!(
+        status("/v2/search").await,
+        StatusCode::OK,
+        "a limit of its own"
+    );
+    assert_eq!(status("/v1/search").await, StatusCode::TOO_MANY_REQUESTS);
+}
+
 #[tokio::test]
 async fn route_layers_share_one_bucket_without_double_charging() {
     // Each route carries its own cost; the store and the policy are shared.

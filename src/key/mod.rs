@@ -357,7 +357,9 @@ impl KeyExtractor for Global {
 /// one key. Elsewhere it is the request path: combine it with another extractor, since
 /// clients choose paths. That includes, under `Router::layer`, the router's fallback and
 /// services nested with `nest_service`: axum sets no `MatchedPath` for either (and tells
-/// them apart by a type of its own), so each path they serve is a key of its own. Give a
+/// them apart by a type of its own), so each path they serve is a key of its own: the
+/// whole path the client sent, prefix included, also for a layer inside a nested service
+/// (axum's `OriginalUri`), so `/v1/search` and `/v2/search` never share one. Give a
 /// fallback that serves many paths (a proxy) a layer keyed otherwise, or key by the
 /// client alone there.
 #[derive(Debug, Clone, Copy, Default)]
@@ -390,9 +392,11 @@ pub(crate) fn original_path(parts: &Parts) -> &str {
     parts.uri.path()
 }
 
-/// The route template when axum matched one, else the request path.
+/// The route template when axum matched one, else the request path, whole (a layer
+/// inside a service nested at a prefix sees the URI with the prefix taken off: two
+/// nested services' paths would be one).
 pub(crate) fn route_path(parts: &Parts) -> &str {
-    matched_path(parts).unwrap_or(parts.uri.path())
+    matched_path(parts).unwrap_or_else(|| original_path(parts))
 }
 
 /// The route template axum matched, if any (none for a fallback, a service nested with
