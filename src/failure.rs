@@ -73,7 +73,27 @@ impl Default for LocalFallback {
 }
 
 impl LocalFallback {
-    /// A fallback with its own in-process store and the full limits.
+    /// A fallback with its own in-process store and the full limits. A layer's clones
+    /// share it; layers built apart that spend one budget on the store (a helper that
+    /// builds a layer per route) do not, and each admits the whole limit during an
+    /// outage: clone one layer, or give them one store with [`LocalFallback::with_store`].
+    ///
+    /// ```
+    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, RateLimitLayer};
+    ///
+    /// let store = MemoryStore::new(); // the shared store: Redis in a fleet
+    /// let fallback = MemoryStore::new();
+    /// let api = Policy::fixed_window("api", 100, std::time::Duration::from_secs(60))?;
+    /// let layer = |cost: u64| {
+    ///     RateLimitLayer::new(store.clone())
+    ///         .policy(api.clone())
+    ///         .cost(cost)
+    ///         .on_store_error(FailureMode::Fallback(LocalFallback::with_store(fallback.clone())))
+    /// };
+    /// let (search, home) = (layer(5), layer(1));
+    /// # let _ = (search, home);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn new() -> Self {
         Self::with_store(MemoryStore::new())
     }
