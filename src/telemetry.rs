@@ -222,31 +222,6 @@ pub(crate) fn store_error(error: &StoreError) {
     }
 }
 
-/// A sentinel refused (a wrong password, a missing permission, a server that is no
-/// sentinel) while another named the primary: the store works, with one sentinel fewer
-/// to follow a failover with. Counted as a store error, and logged at error level the
-/// first time each kind, code and wording is seen (again every ten minutes while it goes
-/// on).
-#[cfg(feature = "redis")]
-#[cold]
-pub(crate) fn sentinel_refused(error: &StoreError) {
-    #[cfg(feature = "metrics")]
-    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
-    if first_of_its_kind(error.kind(), error.code(), &error.message) {
-        #[cfg(feature = "tracing")]
-        tracing::error!(
-            target: "tollgate",
-            %error,
-            kind = error.kind().as_str(),
-            code = error.code().unwrap_or(""),
-            "a Redis sentinel refused to name the primary: another did, so the store \
-             works, with one sentinel fewer to follow a failover with; this is a \
-             misconfiguration (logged once per kind of error, again every 10 minutes \
-             while it goes on; counted in tollgate_store_errors_total)"
-        );
-    }
-}
-
 /// A settle, a release of in-flight slots, a give-back or an unbooking that did not reach
 /// the store (`what` says which): counted as the store error it is and, when that is I/O
 /// (a refusal is logged at error level already), said at warn level once per `what` and

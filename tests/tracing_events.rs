@@ -975,7 +975,7 @@ fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_l
         events
             .iter()
             .any(|event| event.starts_with(&format!("{}", Level::ERROR))
-                && event.contains("a Redis sentinel refused")),
+                && event.contains("a Redis sentinel, or the server it named, refused")),
         "{events:?}"
     );
 }

@@ -384,7 +384,12 @@ impl Errors {
     /// sentinel fewer to fail over with), said at error level and counted.
     fn report_skipped(&self) {
         if let Some(error) = &self.refused {
-            crate::telemetry::sentinel_refused(error);
+            crate::store::unmet(
+                error,
+                "a Redis sentinel, or the server it named, refused the store: another \
+                 sentinel led to the primary, so the store works, with one sentinel fewer \
+                 to follow a failover with",
+            );
         }
     }
 }
