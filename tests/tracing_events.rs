@@ -568,13 +568,7 @@ fn a_library_load_refused_for_memory_is_logged_at_error_level() {
     // The fallback answers (the scripts are refused for memory too).
     assert_eq!(statuses, [200, 200]);
     let events = recorder.events.lock().unwrap().clone();
-    assert!(
-        events
-            .iter()
-            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
-                && event.contains("Functions library")),
-        "{events:?}"
-    );
+    assert!(logged_at_error(&events, "Functions library"), "{events:?}");
 }
 
 /// A dropped decision's in-flight slots are given back by a task of their own. A release
@@ -587,52 +581,50 @@ fn a_refused_release_of_a_dropped_decision_is_logged_at_error_level() {
     use std::future::Future;
     use tollgate::{Key, PolicySet, Store};
     let server = support::RedisServer::start();
+    let events = events_of(async {
+        let store = tollgate::store::RedisStore::connect(&server.url())
+            .await
+            .expect("a store");
+        let busy = PolicySet::from(Policy::concurrency("busy", 10).unwrap());
+        let key = Key::new("dropped");
+        assert!(store.decide(&key, &busy, 1).await.unwrap().is_allowed());
+        // The connection's user may no longer remove members.
+        assert_eq!(
+            server.cli(&["ACL", "SETUSER", "default", "-zrem"]).trim(),
+            "OK"
+        );
+        // A decision sent, then dropped before its answer (a client gone).
+        let mut decision = Box::pin(store.decide(&key, &busy, 1));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(decision.as_mut().poll(&mut context).is_pending());
+        drop(decision);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    });
+    assert!(
+        logged_at_error(&events, "could not give back the in-flight slots"),
+        "{events:?}"
+    );
+}
+
+/// Runs `work` on a current-thread runtime (timers and I/O on) with a recorder as the
+/// subscriber: every event it gave.
+fn events_of(work: impl std::future::Future<Output = ()>) -> Vec<String> {
     let recorder = Recorder::default();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            let store = tollgate::store::RedisStore::connect(&server.url())
-                .await
-                .expect("a store");
-            let busy = PolicySet::from(Policy::concurrency("busy", 10).unwrap());
-            let key = Key::new("dropped");
-            assert!(store.decide(&key, &busy, 1).await.unwrap().is_allowed());
-            // The connection's user may no longer remove members.
-            assert_eq!(
-                server.cli(&["ACL", "SETUSER", "default", "-zrem"]).trim(),
-                "OK"
-            );
-            // A decision sent, then dropped before its answer (a client gone).
-            let mut decision = Box::pin(store.decide(&key, &busy, 1));
-            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-            assert!(decision.as_mut().poll(&mut context).is_pending());
-            drop(decision);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        })
-    });
-    let events = recorder.events.lock().unwrap().clone();
-    assert!(
-        events
-            .iter()
-            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
-                && event.contains("could not give back the in-flight slots")),
-        "{events:?}"
-    );
-}
-
-/// Runs `work` on a current-thread runtime (timers on) with a recorder as the
-/// subscriber: every event it gave.
-fn events_of(work: impl std::future::Future<Output = ()>) -> Vec<String> {
-    let recorder = Recorder::default();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
     tracing::subscriber::with_default(recorder.clone(), || runtime.block_on(work));
     recorder.events.lock().unwrap().clone()
+}
+
+/// True when one of `events` is at error level and holds `words`.
+#[cfg(feature = "redis")]
+fn logged_at_error(events: &[String], words: &str) -> bool {
+    let error = format!("{} ", Level::ERROR);
+    events
+        .iter()
+        .any(|event| event.starts_with(&error) && event.contains(words))
 }
 
 /// How many of `events` are at `level` and start with `message`.
@@ -950,32 +942,21 @@ fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_l
     let server = support::RedisServer::start();
     let refusing = support::FakeSentinel::start(server.port, true);
     let answering = support::FakeSentinel::start(server.port, false);
-    let recorder = Recorder::default();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            tollgate::store::RedisConfig::sentinel(
-                [
-                    refusing.url_with_password("rotated-secret"),
-                    answering.url(),
-                ],
-                "mymaster",
-            )
-            .connect()
-            .await
-            .expect("the second sentinel names the primary");
-        })
+    let events = events_of(async {
+        tollgate::store::RedisConfig::sentinel(
+            [
+                refusing.url_with_password("rotated-secret"),
+                answering.url(),
+            ],
+            "mymaster",
+        )
+        .connect()
+        .await
+        .expect("the second sentinel names the primary");
     });
     assert!(answering.asked() > 0);
-    let events = recorder.events.lock().unwrap().clone();
     assert!(
-        events
-            .iter()
-            .any(|event| event.starts_with(&format!("{}", Level::ERROR))
-                && event.contains("a Redis sentinel, or the server it named, refused")),
+        logged_at_error(&events, "a Redis sentinel, or the server it named, refused"),
         "{events:?}"
     );
 }

@@ -1668,16 +1668,7 @@ async fn a_hooks_retry_after_as_a_date_is_the_floor_of_the_reset() {
         "RateLimit-Reset {reset} beside a Retry-After date 600 s away"
     );
     let grpc = app();
-    let call = || {
-        let mut request = Request::post("/call")
-            .header("content-type", "application/grpc")
-            .body(Body::empty())
-            .unwrap();
-        request
-            .extensions_mut()
-            .insert(std::net::SocketAddr::from(PEER));
-        grpc.clone().oneshot(request)
-    };
+    let call = || grpc_call(&grpc, "/call");
     assert_eq!(call().await.unwrap().status(), 200);
     let denied = call().await.unwrap();
     assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
@@ -1689,6 +1680,18 @@ async fn a_hooks_retry_after_as_a_date_is_the_floor_of_the_reset() {
         (598_000..=601_000).contains(&pushback),
         "pushed back {pushback} ms beside a Retry-After date 600 s away"
     );
+}
+
+/// A gRPC call to `app`'s `path`, from the test's peer.
+async fn grpc_call(app: &Router, path: &str) -> Result<Response<Body>, std::convert::Infallible> {
+    let mut request = Request::post(path)
+        .header("content-type", "application/grpc")
+        .body(Body::empty())
+        .unwrap();
+    request
+        .extensions_mut()
+        .insert(std::net::SocketAddr::from(PEER));
+    app.clone().oneshot(request).await
 }
 
 // A hook that answers a gRPC call as gRPC (tonic's `Status::resource_exhausted(..)`
@@ -1713,16 +1716,7 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
                         .unwrap()
                 }),
         );
-    let call = || {
-        let mut request = Request::post("/call")
-            .header("content-type", "application/grpc")
-            .body(Body::empty())
-            .unwrap();
-        request
-            .extensions_mut()
-            .insert(std::net::SocketAddr::from(PEER));
-        app.clone().oneshot(request)
-    };
+    let call = || grpc_call(&app, "/call");
     assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
     let denied = call().await.unwrap();
     assert_eq!(denied.status(), 200);
@@ -1766,16 +1760,7 @@ async fn a_hooks_grpc_answer_in_tonics_shape_is_told_the_wait() {
                             .unwrap()
                     }),
             );
-        let call = || {
-            let mut request = Request::post("/call")
-                .header("content-type", "application/grpc")
-                .body(Body::empty())
-                .unwrap();
-            request
-                .extensions_mut()
-                .insert(std::net::SocketAddr::from(PEER));
-            app.clone().oneshot(request)
-        };
+        let call = || grpc_call(&app, "/call");
         assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
         let denied = call().await.unwrap();
         assert_eq!(denied.status(), 200);
@@ -2489,16 +2474,7 @@ async fn nested_limiters_over_grpc_leave_the_inner_wait_alone() {
         .route("/search", axum::routing::post(|| async { "found" }))
         .route_layer(route)
         .layer(global);
-    let call = || {
-        let mut request = Request::post("/search")
-            .header("content-type", "application/grpc")
-            .body(Body::empty())
-            .unwrap();
-        request
-            .extensions_mut()
-            .insert(std::net::SocketAddr::from(PEER));
-        app.clone().oneshot(request)
-    };
+    let call = || grpc_call(&app, "/search");
     assert_eq!(
         header(&call().await.unwrap(), "ratelimit-remaining").as_deref(),
         Some("0")

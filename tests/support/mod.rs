@@ -548,30 +548,20 @@ fn serve_fake_sentinel(
         Err(_) => return,
     };
     let mut reader = BufReader::new(client);
-    let mut line = String::new();
+    // The number after `mark` on the next line (`*2`, `$8`); `None` at the end or on
+    // what is no command.
+    let number = |reader: &mut BufReader<std::net::TcpStream>, mark: char| {
+        let mut line = String::new();
+        reader.read_line(&mut line).ok()?;
+        line.trim_end().strip_prefix(mark)?.parse::<usize>().ok()
+    };
     loop {
-        line.clear();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-            return;
-        }
-        let Some(count) = line
-            .trim_end()
-            .strip_prefix('*')
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some(count) = number(&mut reader, '*') else {
             return;
         };
         let mut words = Vec::with_capacity(count);
         for _ in 0..count {
-            line.clear();
-            if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                return;
-            }
-            let Some(length) = line
-                .trim_end()
-                .strip_prefix('$')
-                .and_then(|n| n.parse::<usize>().ok())
-            else {
+            let Some(length) = number(&mut reader, '$') else {
                 return;
             };
             let mut word = vec![0; length + 2];
