@@ -362,7 +362,8 @@ impl Booking {
         )
     }
 
-    /// The queue it holds a place in: its key and the shaping policies it debited.
+    /// The queue it holds a place in: its key and the shaping policies it debited, on
+    /// the store or on the local fallback (two states, their times on two clocks).
     pub(crate) fn queue(&self, key: &Key) -> QueueId {
         let shaping = self
             .policies
@@ -371,13 +372,14 @@ impl Booking {
             .filter(|(index, policy)| policy.params().is_shaping() && self.receipt.debited(*index))
             .map(|(_, policy)| policy.id())
             .collect();
-        QueueId(key.clone(), shaping)
+        QueueId(key.clone(), shaping, self.fallback)
     }
 }
 
-/// A shaping queue: one key under the shaping policies of one set.
+/// A shaping queue: one key under the shaping policies of one set, on the store or on
+/// the local fallback.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub(crate) struct QueueId(Key, smallvec::SmallVec<[u32; 2]>);
+pub(crate) struct QueueId(Key, smallvec::SmallVec<[u32; 2]>, bool);
 
 impl QueueId {
     pub(crate) fn key(&self) -> &Key {
@@ -611,5 +613,28 @@ mod tests {
         assert_eq!(dropped.len(), 0);
         // The round is over: the next drop starts one.
         assert!(dropped.drop_off(&queue, booking(40, Duration::from_secs(60))));
+    }
+
+    /// A key's bookings on the store and on the local fallback (an outage between them)
+    /// hold places in two queues, their times read on two clocks (the store's, the
+    /// process's): one round ordered them together, and gave the newest of one as if it
+    /// were the other's (refused, its round ended; the other's place leaked out).
+    #[tokio::test(start_paused = true)]
+    async fn bookings_on_the_store_and_on_the_fallback_are_two_queues() {
+        let dropped = DroppedBookings::default();
+        let key = Key::new("k");
+        let on_store = booking(1_000, Duration::from_secs(60));
+        let on_fallback = Booking {
+            fallback: true,
+            ..booking(50, Duration::from_secs(60))
+        };
+        let (store_queue, fallback_queue) = (on_store.queue(&key), on_fallback.queue(&key));
+        assert!(dropped.drop_off(&store_queue, on_store));
+        assert!(dropped.drop_off(&fallback_queue, on_fallback));
+        assert_eq!(dropped.next(&store_queue).unwrap().receipt.at(), 1_000);
+        assert!(dropped.next(&store_queue).is_none(), "the store's round ends");
+        let fallback = dropped.next(&fallback_queue).unwrap();
+        assert!(fallback.fallback);
+        assert_eq!(fallback.receipt.at(), 50);
     }
 }
