@@ -632,7 +632,10 @@ mod tests {
         assert!(dropped.drop_off(&store_queue, on_store));
         assert!(dropped.drop_off(&fallback_queue, on_fallback));
         assert_eq!(dropped.next(&store_queue).unwrap().receipt.at(), 1_000);
-        assert!(dropped.next(&store_queue).is_none(), "the store's round ends");
+        assert!(
+            dropped.next(&store_queue).is_none(),
+            "the store's round ends"
+        );
         let fallback = dropped.next(&fallback_queue).unwrap();
         assert!(fallback.fallback);
         assert_eq!(fallback.receipt.at(), 50);

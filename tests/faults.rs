@@ -694,6 +694,42 @@ async fn the_watch_hears_of_a_failover_past_a_stale_first_sentinel() {
     }
 }
 
+/// Every sentinel names a server that takes connections and answers nothing (a host
+/// black-holed, a process frozen). The watch asks it, once a round, whether it is the
+/// primary: it asked once per sentinel naming it, each a connection and a second's
+/// wait, and meanwhile the primary it has went unchecked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_asks_a_server_named_twice_once_a_round() {
+    let primary = RedisServer::start();
+    let silent = support::SilentServer::start();
+    let sentinels: Vec<_> = (0..3)
+        .map(|_| support::FakeSentinel::start(primary.port, false))
+        .collect();
+    let store = RedisConfig::sentinel(sentinels.iter().map(support::FakeSentinel::url), "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (_store, app) = healthy_app(store).await;
+    for sentinel in &sentinels {
+        sentinel.name(silent.port);
+    }
+    let rounds = || sentinels[0].asked();
+    let before = rounds();
+    // Two rounds begun: the first has ended.
+    let until = Instant::now() + Duration::from_secs(30);
+    while rounds() < before + 2 {
+        assert!(Instant::now() < until, "the watch asked no sentinel");
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (asked, rounds) = (silent.accepted(), rounds() - before);
+    assert!(asked <= rounds, "{asked} connections in {rounds} rounds");
+    assert!(
+        asked >= 1,
+        "the watch never asked the server the sentinels name"
+    );
+}
+
 /// A stale sentinel names a server (a primary of its own: a split-off node) that refuses
 /// the store's credentials (ACLs are not replicated, and it never had the user); the next
 /// sentinel names the primary that has them. One server's refusal (its password, its

@@ -27,12 +27,15 @@ struct Recorder {
     events: Arc<Mutex<Vec<String>>>,
 }
 
-struct Message(String);
+/// An event's message, then its other fields (` name=value`).
+struct Message(String, String);
 
 impl Visit for Message {
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
         if field.name() == "message" {
             self.0 = format!("{value:?}");
+        } else {
+            self.1.push_str(&format!(" {}={value:?}", field.name()));
         }
     }
 }
@@ -47,13 +50,13 @@ impl Subscriber for Recorder {
     fn record(&self, _: &Id, _: &Record<'_>) {}
     fn record_follows_from(&self, _: &Id, _: &Id) {}
     fn event(&self, event: &Event<'_>) {
-        let mut message = Message(String::new());
+        let mut message = Message(String::new(), String::new());
         event.record(&mut message);
         let level = *event.metadata().level();
         self.events
             .lock()
             .unwrap()
-            .push(format!("{level} {}", message.0));
+            .push(format!("{level} {}{}", message.0, message.1));
     }
     fn enter(&self, _: &Id) {}
     fn exit(&self, _: &Id) {}
@@ -957,6 +960,56 @@ fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_l
     assert!(answering.asked() > 0);
     assert!(
         logged_at_error(&events, "a Redis sentinel, or the server it named, refused"),
+        "{events:?}"
+    );
+}
+
+/// The sentinels name a new primary that refuses the store (it lacks the ACL user: ACLs
+/// are not replicated). The watch does not follow them there, and stays on the primary
+/// it has; it said nothing of it, at any level, while each replica counted on a primary
+/// the sentinels had deposed. It says so at error level, and not as "another sentinel led
+/// to the primary": none did.
+#[cfg(feature = "redis")]
+#[test]
+fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
+    let (primary, refusing) = (support::RedisServer::start(), support::RedisServer::start());
+    let added = primary.cli(&[
+        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
+    ]);
+    assert_eq!(added.trim(), "OK");
+    let sentinels = [
+        support::FakeSentinel::start(primary.port, false),
+        support::FakeSentinel::start(primary.port, false),
+    ];
+    let events = events_of(async {
+        let _store = tollgate::store::RedisConfig::sentinel(
+            sentinels.iter().map(support::FakeSentinel::url),
+            "mymaster",
+        )
+        .master_auth(Some("limiter"), "s3cret")
+        .connect()
+        .await
+        .expect("the primary takes the credentials");
+        for sentinel in &sentinels {
+            sentinel.name(refusing.port);
+        }
+        // The watch asks the sentinels every 2 s.
+        let asked = sentinels[1].asked();
+        while sentinels[1].asked() < asked + 2 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let port = refusing.port.to_string();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{} ", Level::ERROR)) && event.contains(&port)),
+        "{events:?}"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|event| event.contains("another sentinel led")),
         "{events:?}"
     );
 }

@@ -588,3 +588,53 @@ fn serve_fake_sentinel(
         }
     }
 }
+
+/// A server on a free loopback port that takes connections and answers nothing (a host
+/// black-holed past its listener, a process frozen): it counts the connections. Stopped
+/// on drop.
+pub struct SilentServer {
+    pub port: u16,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl SilentServer {
+    pub fn start() -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (counted, stopped) = (Arc::clone(&accepted), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for client in listener.incoming() {
+                if stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Ok(client) = client {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    held.push(client);
+                }
+            }
+        });
+        Self {
+            port,
+            accepted,
+            stop,
+        }
+    }
+
+    /// How many connections it took.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for SilentServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
+    }
+}

@@ -11,7 +11,8 @@
 //!   One they no longer name is left only once the one named answers `ROLE` as a primary:
 //!   a stale sentinel (cut off, still naming the old primary) moves nothing.
 //!   The watch asks the sentinels in order as a look-up does, going past one whose
-//!   answer is no primary, so a failover the later sentinels saw is heard of.
+//!   answer is no primary, so a failover the later sentinels saw is heard of; a server
+//!   named twice is asked once, and a round has a deadline ([`RESOLVE_TIMEOUT`]).
 //! - **A refusal** (a sentinel's: a wrong password, a server that is no sentinel; or a
 //!   named server's: its password, its TLS certificate) is gone past to the next
 //!   sentinel, and said at error level and counted all the same; when no sentinel leads
@@ -101,7 +102,10 @@ pub(super) fn open_client(
 }
 
 fn connection_config() -> AsyncConnectionConfig {
-    AsyncConnectionConfig::new().set_connection_timeout(Some(CONNECT_TIMEOUT))
+    // An answer's deadline of our own (redis-rs's default is 500 ms): the watch's.
+    AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(CONNECT_TIMEOUT))
+        .set_response_timeout(Some(WATCH_DEADLINE))
 }
 
 /// The primary the sentinels name, followed across failovers.
@@ -211,28 +215,55 @@ impl SentinelBackend {
     /// does not know the name or that fails is gone past, as the look-up goes past it,
     /// so a failover the next sentinels saw is heard of. A sentinel that refused (not
     /// I/O) is said and counted even when another answers.
+    ///
+    /// A server named again is not asked again. When no sentinel leads anywhere (each
+    /// failed, or named a server that is no primary or refused the store), a refusal met
+    /// is said: the store stays on the primary it has and follows no failover until it
+    /// is fixed.
     async fn moved_from(&self, current: &(String, u16)) -> Option<(String, u16)> {
         let mut errors = Errors::default();
+        let mut tried: Vec<(String, u16)> = Vec::new();
+        let mut settled = false;
         let mut moved = None;
         for sentinel in &self.sentinels {
-            match ask(sentinel, &self.master).await {
-                Ok(Some(named)) if named == *current => break,
-                Ok(Some(named)) if self.confirmed_primary(&named).await => {
+            let named = match ask(sentinel, &self.master).await {
+                Ok(Some(named)) => named,
+                Ok(None) => continue,
+                Err(error) => {
+                    errors.push(error);
+                    continue;
+                }
+            };
+            if named == *current {
+                settled = true;
+                break;
+            }
+            if tried.contains(&named) {
+                continue;
+            }
+            match self.confirmed_primary(&named).await {
+                Ok(true) => {
+                    settled = true;
                     moved = Some(named);
                     break;
                 }
-                Ok(_) => {}
-                Err(error) => errors.push(error),
+                Ok(false) => {}
+                Err(error) => errors.push(about(error, format_args!("{}:{}", named.0, named.1))),
             }
+            tried.push(named);
         }
-        errors.report_skipped();
+        if settled {
+            errors.report_skipped();
+        } else {
+            errors.report_unfollowed();
+        }
         moved
     }
 
     /// Whether the server at `address` answers, within the watch's deadline, that it is
-    /// a primary.
-    async fn confirmed_primary(&self, (host, port): &(String, u16)) -> bool {
-        let asked = tokio::time::timeout(WATCH_DEADLINE + CONNECT_TIMEOUT, async {
+    /// a primary; its error when it refuses the store or cannot be asked.
+    async fn confirmed_primary(&self, (host, port): &(String, u16)) -> Result<bool, StoreError> {
+        tokio::time::timeout(WATCH_DEADLINE + CONNECT_TIMEOUT, async {
             let client = self.access.client(host, *port)?;
             let mut connection = client
                 .get_multiplexed_async_connection_with_config(&connection_config())
@@ -240,8 +271,13 @@ impl SentinelBackend {
                 .map_err(store_error)?;
             is_primary(&mut connection).await
         })
-        .await;
-        matches!(asked, Ok(Ok(true)))
+        .await
+        .unwrap_or_else(|_| {
+            Err(StoreError::new(
+                StoreErrorKind::Timeout,
+                "no answer to ROLE in time",
+            ))
+        })
     }
 
     /// Looks the primary up: its address from a sentinel, a connection, and its own word
@@ -378,6 +414,19 @@ impl Errors {
     /// breaker and the logs must hear of, not an outage to wait out.
     fn worst(self) -> Option<StoreError> {
         self.refused.or(self.io)
+    }
+
+    /// No sentinel led anywhere, and one (or the server it named) refused the store: said
+    /// at error level and counted, for the store follows no failover meanwhile.
+    fn report_unfollowed(&self) {
+        if let Some(error) = &self.refused {
+            crate::store::unmet(
+                error,
+                "no Redis sentinel could be followed (a sentinel, or the server it names, \
+                 refused the store): the store stays on the primary it has, and follows no \
+                 failover until this is fixed",
+            );
+        }
     }
 
     /// Another sentinel answered: a refusal met on the way is still a setting to fix (a
@@ -544,12 +593,17 @@ async fn watch(backend: Weak<SentinelBackend>) {
             // sentinel (cut off from the servers, still naming the old primary) would
             // have the store leave a sound primary at each look (the look-up goes past
             // such a sentinel's answer, and connects back).
-            Ok(Ok(true)) => backend.moved_from(&address).await.map(|named| {
-                format!(
-                    "the sentinels now name {}:{} as the primary",
-                    named.0, named.1
-                )
-            }),
+            // A round has a deadline of its own: meanwhile the primary goes unchecked.
+            Ok(Ok(true)) => tokio::time::timeout(RESOLVE_TIMEOUT, backend.moved_from(&address))
+                .await
+                .ok()
+                .flatten()
+                .map(|named| {
+                    format!(
+                        "the sentinels now name {}:{} as the primary",
+                        named.0, named.1
+                    )
+                }),
             Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
             Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
             Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
