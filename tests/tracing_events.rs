@@ -1013,3 +1013,49 @@ fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
         "{events:?}"
     );
 }
+
+/// As above, with sentinels after the first that take connections and answer nothing:
+/// the round runs into its deadline (5 s) after the refusal was met. Cut off, it said
+/// nothing of the refusal; what a round met is said however it ends.
+#[cfg(feature = "redis")]
+#[test]
+fn a_refusal_met_in_a_watch_round_cut_off_by_its_deadline_is_logged() {
+    let (primary, refusing) = (support::RedisServer::start(), support::RedisServer::start());
+    let added = primary.cli(&[
+        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
+    ]);
+    assert_eq!(added.trim(), "OK");
+    let first = support::FakeSentinel::start(primary.port, false);
+    let silent: Vec<_> = (0..5).map(|_| support::SilentServer::start()).collect();
+    let urls = std::iter::once(first.url()).chain(
+        silent
+            .iter()
+            .map(|server| format!("redis://127.0.0.1:{}", server.port)),
+    );
+    let events = events_of(async {
+        let _store = tollgate::store::RedisConfig::sentinel(urls, "mymaster")
+            .master_auth(Some("limiter"), "s3cret")
+            .connect()
+            .await
+            .expect("the first sentinel names the primary");
+        first.name(refusing.port);
+        // Two rounds begun: the first has ended, cut off.
+        let asked = first.asked();
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while first.asked() < asked + 2 {
+            assert!(std::time::Instant::now() < until, "no second round");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    assert!(
+        silent.iter().all(|server| server.accepted() > 0),
+        "the round asked every sentinel"
+    );
+    let port = refusing.port.to_string();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{} ", Level::ERROR)) && event.contains(&port)),
+        "{events:?}"
+    );
+}

@@ -216,15 +216,16 @@ impl SentinelBackend {
     /// so a failover the next sentinels saw is heard of. A sentinel that refused (not
     /// I/O) is said and counted even when another answers.
     ///
-    /// A server named again is not asked again. When no sentinel leads anywhere (each
-    /// failed, or named a server that is no primary or refused the store), a refusal met
-    /// is said: the store stays on the primary it has and follows no failover until it
-    /// is fixed.
-    async fn moved_from(&self, current: &(String, u16)) -> Option<(String, u16)> {
-        let mut errors = Errors::default();
+    /// A server named again is not asked again. `Some` once a sentinel led somewhere
+    /// (`Some(None)`: to `current`); `None` when none did (each failed, or named a server
+    /// that is no primary or refused the store). What it met goes to `errors`, to be said
+    /// however the round ends ([`Errors::report_round`]).
+    async fn moved_from(
+        &self,
+        current: &(String, u16),
+        errors: &mut Errors,
+    ) -> Option<Option<(String, u16)>> {
         let mut tried: Vec<(String, u16)> = Vec::new();
-        let mut settled = false;
-        let mut moved = None;
         for sentinel in &self.sentinels {
             let named = match ask(sentinel, &self.master).await {
                 Ok(Some(named)) => named,
@@ -235,29 +236,19 @@ impl SentinelBackend {
                 }
             };
             if named == *current {
-                settled = true;
-                break;
+                return Some(None);
             }
             if tried.contains(&named) {
                 continue;
             }
             match self.confirmed_primary(&named).await {
-                Ok(true) => {
-                    settled = true;
-                    moved = Some(named);
-                    break;
-                }
+                Ok(true) => return Some(Some(named)),
                 Ok(false) => {}
                 Err(error) => errors.push(about(error, format_args!("{}:{}", named.0, named.1))),
             }
             tried.push(named);
         }
-        if settled {
-            errors.report_skipped();
-        } else {
-            errors.report_unfollowed();
-        }
-        moved
+        None
     }
 
     /// Whether the server at `address` answers, within the watch's deadline, that it is
@@ -429,6 +420,23 @@ impl Errors {
         }
     }
 
+    /// A watch round ended: a refusal it met is said, as skipped when a sentinel led
+    /// somewhere (`led`), else as what keeps the store from following a failover (also
+    /// when the round ran out of time: `cut_off`).
+    fn report_round(&self, led: bool, cut_off: bool) {
+        match (&self.refused, led, cut_off) {
+            (_, true, _) => self.report_skipped(),
+            (Some(error), false, true) => crate::store::unmet(
+                error,
+                "no Redis sentinel could be followed within the watch's time (a sentinel, \
+                 or the server it names, refused the store, and others did not answer): \
+                 the store stays on the primary it has, and follows no failover until this \
+                 is fixed",
+            ),
+            _ => self.report_unfollowed(),
+        }
+    }
+
     /// Another sentinel answered: a refusal met on the way is still a setting to fix (a
     /// sentinel fewer to fail over with), said at error level and counted.
     fn report_skipped(&self) {
@@ -593,17 +601,25 @@ async fn watch(backend: Weak<SentinelBackend>) {
             // sentinel (cut off from the servers, still naming the old primary) would
             // have the store leave a sound primary at each look (the look-up goes past
             // such a sentinel's answer, and connects back).
-            // A round has a deadline of its own: meanwhile the primary goes unchecked.
-            Ok(Ok(true)) => tokio::time::timeout(RESOLVE_TIMEOUT, backend.moved_from(&address))
-                .await
-                .ok()
-                .flatten()
-                .map(|named| {
+            // A round has a deadline of its own (meanwhile the primary goes unchecked);
+            // what it met is said however it ends.
+            Ok(Ok(true)) => {
+                let mut errors = Errors::default();
+                let round = tokio::time::timeout(
+                    RESOLVE_TIMEOUT,
+                    backend.moved_from(&address, &mut errors),
+                )
+                .await;
+                let cut_off = round.is_err();
+                let led = round.ok().flatten();
+                errors.report_round(led.is_some(), cut_off);
+                led.flatten().map(|named| {
                     format!(
                         "the sentinels now name {}:{} as the primary",
                         named.0, named.1
                     )
-                }),
+                })
+            }
             Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
             Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
             Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
