@@ -73,8 +73,9 @@ impl Rejection<'_> {
 
 /// True when `policy`, in `status`, denies a request of `cost` too: fewer units left
 /// than it costs (a shaping bucket: no room left for a request that costs something, as
-/// it admits any cost that fits its burst and delays it; an in-flight policy, which counts requests: no slot free for a
-/// request that takes one). A shadow policy never denies.
+/// it admits any cost that fits its burst and delays it; an in-flight policy, which
+/// counts requests: no slot free for a request that takes one). A shadow policy never
+/// denies.
 pub(crate) fn exceeds(policy: &Policy, status: &PolicyStatus, cost: u64) -> bool {
     let exceeded = match policy.algorithm() {
         // A request that costs nothing queues nothing: it goes however full the bucket.

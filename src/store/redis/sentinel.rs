@@ -294,7 +294,7 @@ impl SentinelBackend {
             };
             if tried_already
                 .iter()
-                .any(|tried| *tried == (host.clone(), port))
+                .any(|(tried, at)| *tried == host && *at == port)
             {
                 continue;
             }
@@ -600,9 +600,9 @@ async fn watch(backend: Weak<SentinelBackend>) {
             // Left for the one named only once that one says it is a primary: a stale
             // sentinel (cut off from the servers, still naming the old primary) would
             // have the store leave a sound primary at each look (the look-up goes past
-            // such a sentinel's answer, and connects back).
-            // A round has a deadline of its own (meanwhile the primary goes unchecked);
-            // what it met is said however it ends.
+            // such a sentinel's answer, and connects back). A round has a deadline of
+            // its own (meanwhile the primary goes unchecked); what it met is said however
+            // it ends.
             Ok(Ok(true)) => {
                 let mut errors = Errors::default();
                 let round = tokio::time::timeout(
