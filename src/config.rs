@@ -1063,7 +1063,8 @@ impl LiveLayer {
 
     /// Swaps to `config`, atomically: requests that arrive after this returns are served
     /// under it; requests in flight finish under the configuration they started with. An
-    /// invalid `config` is refused and the running one stays.
+    /// invalid `config` is refused and the running one stays; the refusal is returned,
+    /// and logged at error level (a watcher that drops it leaves a trace).
     pub fn reload(&self, config: &LimiterConfig) -> Result<(), ConfigError> {
         let _one_at_a_time = self
             .shared
@@ -1075,7 +1076,17 @@ impl LiveLayer {
             (&self.shared.breaker, &self.shared.dropped),
             &self.shared.fallback,
             config,
-        )?;
+        )
+        .inspect_err(|error| {
+            #[cfg(feature = "tracing")]
+            tracing::error!(
+                target: "tollgate",
+                %error,
+                "rate-limit configuration reload refused: the running configuration stays"
+            );
+            #[cfg(not(feature = "tracing"))]
+            let _ = error;
+        })?;
         self.shared.current.store(next);
         self.shared.sets.store(Arc::new(sets));
         #[cfg(feature = "tracing")]

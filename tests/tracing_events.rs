@@ -1059,3 +1059,37 @@ fn a_refusal_met_in_a_watch_round_cut_off_by_its_deadline_is_logged() {
         "{events:?}"
     );
 }
+
+/// A reload refused (a mistake in the new file) keeps the running configuration, and the
+/// caller gets the error; a file watcher or a SIGHUP handler that drops it left nothing
+/// anywhere, and the operator believed the new limits live. It is said at error level,
+/// with the entry and the reason.
+#[cfg(feature = "config")]
+#[test]
+fn a_refused_reload_is_logged_at_error_level() {
+    let config: tollgate::config::LimiterConfig = toml::from_str(
+        r#"
+        [[policies]]
+        name = "api"
+        algorithm = "fixed-window"
+        limit = 10
+        window = "1m"
+        "#,
+    )
+    .unwrap();
+    let live = tollgate::config::LiveLayer::new(MemoryStore::new(), &config).unwrap();
+    let mut broken = config.clone();
+    broken.policies[0].window = Some("soon".into());
+    let recorder = Recorder::default();
+    let refused = tracing::subscriber::with_default(recorder.clone(), || live.reload(&broken));
+    assert!(refused.is_err());
+    let events = recorder.events.lock().unwrap().clone();
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with(&format!("{} ", Level::ERROR))
+                && event.contains("reload")
+                && event.contains("policies[0]")),
+        "{events:?}"
+    );
+}
