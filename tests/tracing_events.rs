@@ -964,6 +964,18 @@ fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_l
     );
 }
 
+/// Two servers: a primary with the ACL user `limiter` (password `s3cret`), and one
+/// without it (ACLs are not replicated), which refuses the store's credentials.
+#[cfg(feature = "redis")]
+fn primary_and_one_refusing_it() -> (support::RedisServer, support::RedisServer) {
+    let (primary, refusing) = (support::RedisServer::start(), support::RedisServer::start());
+    let added = primary.cli(&[
+        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
+    ]);
+    assert_eq!(added.trim(), "OK");
+    (primary, refusing)
+}
+
 /// The sentinels name a new primary that refuses the store (it lacks the ACL user: ACLs
 /// are not replicated). The watch does not follow them there, and stays on the primary
 /// it has; it said nothing of it, at any level, while each replica counted on a primary
@@ -972,11 +984,7 @@ fn a_sentinel_refusing_its_password_beside_one_that_answers_is_logged_at_error_l
 #[cfg(feature = "redis")]
 #[test]
 fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
-    let (primary, refusing) = (support::RedisServer::start(), support::RedisServer::start());
-    let added = primary.cli(&[
-        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
-    ]);
-    assert_eq!(added.trim(), "OK");
+    let (primary, refusing) = primary_and_one_refusing_it();
     let sentinels = [
         support::FakeSentinel::start(primary.port, false),
         support::FakeSentinel::start(primary.port, false),
@@ -1000,12 +1008,7 @@ fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
         }
     });
     let port = refusing.port.to_string();
-    assert!(
-        events
-            .iter()
-            .any(|event| event.starts_with(&format!("{} ", Level::ERROR)) && event.contains(&port)),
-        "{events:?}"
-    );
+    assert!(logged_at_error(&events, &port), "{events:?}");
     assert!(
         !events
             .iter()
@@ -1020,11 +1023,7 @@ fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
 #[cfg(feature = "redis")]
 #[test]
 fn a_refusal_met_in_a_watch_round_cut_off_by_its_deadline_is_logged() {
-    let (primary, refusing) = (support::RedisServer::start(), support::RedisServer::start());
-    let added = primary.cli(&[
-        "ACL", "SETUSER", "limiter", "on", ">s3cret", "~*", "&*", "+@all",
-    ]);
-    assert_eq!(added.trim(), "OK");
+    let (primary, refusing) = primary_and_one_refusing_it();
     let first = support::FakeSentinel::start(primary.port, false);
     let silent: Vec<_> = (0..5).map(|_| support::SilentServer::start()).collect();
     let urls = std::iter::once(first.url()).chain(
@@ -1052,12 +1051,7 @@ fn a_refusal_met_in_a_watch_round_cut_off_by_its_deadline_is_logged() {
         "the round asked every sentinel"
     );
     let port = refusing.port.to_string();
-    assert!(
-        events
-            .iter()
-            .any(|event| event.starts_with(&format!("{} ", Level::ERROR)) && event.contains(&port)),
-        "{events:?}"
-    );
+    assert!(logged_at_error(&events, &port), "{events:?}");
 }
 
 /// A reload refused (a mistake in the new file) keeps the running configuration, and the
