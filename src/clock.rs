@@ -696,15 +696,10 @@ impl Clock for TscClock {
                     now
                 }
             }
-            None => {
-                // A counter behind its origin says nothing, then or later (grown past its
-                // origin again, it would read as the time before the reset): the OS clock
-                // answers from now on.
-                if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
-                    warn_behind_origin();
-                }
-                MonotonicClock::new().now()
-            }
+            // A counter behind its origin says nothing, then or later (grown past its
+            // origin again, it would read as the time before the reset): the OS clock
+            // answers from now on.
+            None => fall_back(anchor, MonotonicClock::new().now()),
         };
         tsc_give(now)
     }
@@ -718,7 +713,18 @@ const TSC_CHECK_EVERY: u64 = 1_000_000_000;
 /// is disciplined by NTP while the counter is not). A reset puts the time behind by as
 /// much as the counter had counted: the process's uptime and more.
 const TSC_BEHIND_LIMIT: u64 = 1_000_000_000;
+/// The drift allowed beside [`TSC_BEHIND_LIMIT`]: one part in this of the uptime.
 const TSC_DRIFT_PER: u64 = 10_000;
+
+/// The counter says nothing from now on: the OS clock's reading `os` answers, now and
+/// for good (said once).
+#[cold]
+fn fall_back(anchor: &TscAnchor, os: u64) -> u64 {
+    if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
+        warn_behind_origin();
+    }
+    os
+}
 
 /// Compares the counter's time `now` with the OS clock's: far behind it, the counter was
 /// reset (a resume from suspend) and the OS clock answers from now on. Ahead of it is
@@ -731,10 +737,7 @@ fn tsc_check(anchor: &TscAnchor, now: u64) -> u64 {
     let os = MonotonicClock::new().now();
     let drift = os.saturating_sub(anchor.epoch_nanos) / TSC_DRIFT_PER;
     if now.saturating_add(TSC_BEHIND_LIMIT + drift) < os {
-        if !anchor.fallen_back.swap(true, Ordering::Relaxed) {
-            warn_behind_origin();
-        }
-        return os;
+        return fall_back(anchor, os);
     }
     anchor
         .next_check

@@ -473,36 +473,25 @@ pub struct FakeSentinel {
     pub port: u16,
     names: std::sync::Arc<std::sync::atomic::AtomicU16>,
     asked: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    _listening: Listening,
 }
 
 impl FakeSentinel {
     pub fn start(names: u16, refuse_auth: bool) -> Self {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
-        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-        let port = listener.local_addr().unwrap().port();
+        use std::sync::atomic::{AtomicU16, AtomicU64};
         let asked = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
         let names = Arc::new(AtomicU16::new(names));
-        let (counted, stopped, named) = (Arc::clone(&asked), Arc::clone(&stop), Arc::clone(&names));
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                if stopped.load(Ordering::SeqCst) {
-                    return;
-                }
-                let Ok(client) = client else { continue };
-                let (counted, named) = (Arc::clone(&counted), Arc::clone(&named));
-                std::thread::spawn(move || {
-                    serve_fake_sentinel(client, &named, refuse_auth, &counted)
-                });
-            }
+        let (counted, named) = (Arc::clone(&asked), Arc::clone(&names));
+        let listening = Listening::start(move |client| {
+            let (counted, named) = (Arc::clone(&counted), Arc::clone(&named));
+            std::thread::spawn(move || serve_fake_sentinel(client, &named, refuse_auth, &counted));
         });
         Self {
-            port,
+            port: listening.port,
             names,
             asked,
-            stop,
+            _listening: listening,
         }
     }
 
@@ -526,7 +515,35 @@ impl FakeSentinel {
     }
 }
 
-impl Drop for FakeSentinel {
+/// A listener on a free loopback port whose thread hands each connection to `take`,
+/// until it is dropped.
+struct Listening {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Listening {
+    fn start(mut take: impl FnMut(std::net::TcpStream) + Send + 'static) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
+        let port = listener.local_addr().unwrap().port();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                if let Ok(client) = client {
+                    take(client);
+                }
+            }
+        });
+        Self { port, stop }
+    }
+}
+
+impl Drop for Listening {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
         // Wakes the accepting thread, which then stops.
@@ -595,46 +612,29 @@ fn serve_fake_sentinel(
 pub struct SilentServer {
     pub port: u16,
     accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    _listening: Listening,
 }
 
 impl SilentServer {
     pub fn start() -> Self {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port");
-        let port = listener.local_addr().unwrap().port();
+        use std::sync::atomic::{AtomicU64, Ordering};
         let accepted = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (counted, stopped) = (Arc::clone(&accepted), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            let mut held = Vec::new();
-            for client in listener.incoming() {
-                if stopped.load(Ordering::SeqCst) {
-                    return;
-                }
-                if let Ok(client) = client {
-                    counted.fetch_add(1, Ordering::SeqCst);
-                    held.push(client);
-                }
-            }
+        let counted = Arc::clone(&accepted);
+        let mut held = Vec::new();
+        let listening = Listening::start(move |client| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            held.push(client);
         });
         Self {
-            port,
+            port: listening.port,
             accepted,
-            stop,
+            _listening: listening,
         }
     }
 
     /// How many connections it took.
     pub fn accepted(&self) -> u64 {
         self.accepted.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-impl Drop for SilentServer {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = std::net::TcpStream::connect(("127.0.0.1", self.port));
     }
 }

@@ -219,7 +219,7 @@ impl SentinelBackend {
     /// A server named again is not asked again. `Some` once a sentinel led somewhere
     /// (`Some(None)`: to `current`); `None` when none did (each failed, or named a server
     /// that is no primary or refused the store). What it met goes to `errors`, to be said
-    /// however the round ends ([`Errors::report_round`]).
+    /// however the round ends.
     async fn moved_from(
         &self,
         current: &(String, u16),
@@ -316,7 +316,7 @@ impl SentinelBackend {
             };
             match tried.await {
                 Ok(connection) => {
-                    errors.report_skipped();
+                    errors.report(SKIPPED);
                     return Ok(((host, port), connection));
                 }
                 Err(error) => errors.push(about(error, format_args!("{host}:{port}"))),
@@ -407,49 +407,27 @@ impl Errors {
         self.refused.or(self.io)
     }
 
-    /// No sentinel led anywhere, and one (or the server it named) refused the store: said
-    /// at error level and counted, for the store follows no failover meanwhile.
-    fn report_unfollowed(&self) {
+    /// A refusal met on the way is a setting to fix, said at error level (`what` says
+    /// what it cost) and counted, whether or not another sentinel led to a primary.
+    fn report(&self, what: &'static str) {
         if let Some(error) = &self.refused {
-            crate::store::unmet(
-                error,
-                "no Redis sentinel could be followed (a sentinel, or the server it names, \
-                 refused the store): the store stays on the primary it has, and follows no \
-                 failover until this is fixed",
-            );
-        }
-    }
-
-    /// A watch round ended: a refusal it met is said, as skipped when a sentinel led
-    /// somewhere (`led`), else as what keeps the store from following a failover (also
-    /// when the round ran out of time: `cut_off`).
-    fn report_round(&self, led: bool, cut_off: bool) {
-        match (&self.refused, led, cut_off) {
-            (_, true, _) => self.report_skipped(),
-            (Some(error), false, true) => crate::store::unmet(
-                error,
-                "no Redis sentinel could be followed within the watch's time (a sentinel, \
-                 or the server it names, refused the store, and others did not answer): \
-                 the store stays on the primary it has, and follows no failover until this \
-                 is fixed",
-            ),
-            _ => self.report_unfollowed(),
-        }
-    }
-
-    /// Another sentinel answered: a refusal met on the way is still a setting to fix (a
-    /// sentinel fewer to fail over with), said at error level and counted.
-    fn report_skipped(&self) {
-        if let Some(error) = &self.refused {
-            crate::store::unmet(
-                error,
-                "a Redis sentinel, or the server it named, refused the store: another \
-                 sentinel led to the primary, so the store works, with one sentinel fewer \
-                 to follow a failover with",
-            );
+            crate::store::unmet(error, what);
         }
     }
 }
+
+/// What a refusal met costs, as [`Errors::report`] says it: another sentinel led to the
+/// primary (a sentinel fewer to follow a failover with); none did; none did within a
+/// watch round's time.
+const SKIPPED: &str = "a Redis sentinel, or the server it named, refused the store: another \
+     sentinel led to the primary, so the store works, with one sentinel fewer to follow a \
+     failover with";
+const UNFOLLOWED: &str = "no Redis sentinel could be followed (a sentinel, or the server it \
+     names, refused the store): the store stays on the primary it has, and follows no \
+     failover until this is fixed";
+const CUT_OFF: &str = "no Redis sentinel could be followed within the watch's time (a \
+     sentinel, or the server it names, refused the store, and others did not answer): the \
+     store stays on the primary it has, and follows no failover until this is fixed";
 
 /// Asks one sentinel for the primary named `master`: `Ok(None)` when it does not know
 /// the name. Its error keeps its kind and code (a refusal, a reply of the wrong shape:
@@ -610,9 +588,12 @@ async fn watch(backend: Weak<SentinelBackend>) {
                     backend.moved_from(&address, &mut errors),
                 )
                 .await;
-                let cut_off = round.is_err();
+                errors.report(match &round {
+                    Ok(Some(_)) => SKIPPED,
+                    Ok(None) => UNFOLLOWED,
+                    Err(_) => CUT_OFF,
+                });
                 let led = round.ok().flatten();
-                errors.report_round(led.is_some(), cut_off);
                 led.flatten().map(|named| {
                     format!(
                         "the sentinels now name {}:{} as the primary",
