@@ -21,7 +21,8 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// credentials after the scheme keep their case). A token (`Bearer`'s, or any scheme's
 /// `token68`) is one word (RFC 9110, section 11.4; RFC 6750, section 2.1): one followed
 /// by more (`Bearer abc 1`, which a server reading the first word takes for `abc`) is a
-/// 400, not a bucket of its own; auth-params (`Digest username="a", ...`) are kept whole.
+/// 400, not a bucket of its own, and so is a token beside parameters (`JWT abc x=1`);
+/// auth-params (`Digest username="a", ...`) are kept whole.
 /// `Basic` credentials are keyed whole, password included, by what they decode to (a
 /// spelling without its padding, with other unused trailing bits or in base64url's
 /// alphabet is the same key; one that is not base64 is a 400): set a [`salt`](HeaderKey::salt) so a store dump cannot be checked
@@ -346,16 +347,17 @@ impl HeaderKey {
 }
 
 /// Whether `credentials` (a scheme, one space, what follows: see [`credentials`]) are a
-/// token followed by more: `Bearer abc 1`, `JWT abc, x`. After the scheme, RFC 9110
-/// (section 11.4) allows one `token68`, or auth-params, each `name=value`; a server
-/// reading one word of it (`Bearer abc 1` as `abc`, or its last word) would take every
-/// such value for one token, which kept whole would be a bucket each.
+/// token followed by more: `Bearer abc 1`, `JWT abc, x`, `JWT abc x=1`. After the scheme,
+/// RFC 9110 (section 11.4) allows one `token68`, or auth-params, each `name=value`; a
+/// server reading one word of it (`Bearer abc 1` as `abc`, or `Token n=1 abc` as its
+/// last word) would take every such value for one token, which kept whole would be a
+/// bucket each.
 /// - `Bearer` and `DPoP` take one `b64token` (RFC 6750 section 2.1; RFC 9449 section
 ///   7.1), never auth-params: a space, a tab or a comma anywhere after the scheme is
 ///   more than a token.
 /// - Another scheme may take auth-params (Digest's, OAuth 1.0's, AWS's signature
-///   fields), which need an `=`: a first word followed by more, with no `=` anywhere but
-///   that word's trailing padding, is a token followed by more.
+///   fields): one word is kept whole, and more than one word must be an auth-param list
+///   (see [`auth_params`]); a token beside parameters is no such list.
 fn token_followed_by_more(credentials: &[u8]) -> bool {
     let Some(space) = credentials.iter().position(|&byte| byte == b' ') else {
         return false;
@@ -365,15 +367,69 @@ fn token_followed_by_more(credentials: &[u8]) -> bool {
     if scheme == b"Bearer" || scheme == b"DPoP" {
         return after.iter().any(separator);
     }
-    let Some(end) = after.iter().position(separator) else {
-        return false;
+    after.iter().any(separator) && !auth_params(after)
+}
+
+/// Whether `list` is a list of auth-params (RFC 9110: section 11.4's `auth-param`, `token
+/// BWS "=" BWS ( token / quoted-string )`, in section 5.6.1's list, whose empty elements
+/// are allowed). A value that is no quoted-string is read more leniently than a token,
+/// up to a space, a tab or a comma (AWS's signature fields hold `/` and `;`), but it
+/// cannot be empty or begin with `=`: `abc==, x=1` is a token68 and a parameter, not a
+/// parameter `abc` of value `=`.
+fn auth_params(list: &[u8]) -> bool {
+    let skip = |at: &mut usize, set: &[u8]| {
+        while list.get(*at).is_some_and(|byte| set.contains(byte)) {
+            *at += 1;
+        }
     };
-    let first = &after[..end];
-    let unpadded = first
-        .iter()
-        .rposition(|&byte| byte != b'=')
-        .map_or(0, |at| at + 1);
-    !first[..unpadded].contains(&b'=') && !after[end..].contains(&b'=')
+    let mut at = 0;
+    loop {
+        skip(&mut at, b" \t,");
+        if at == list.len() {
+            return true;
+        }
+        let name = at;
+        while list.get(at).copied().is_some_and(super::is_tchar) {
+            at += 1;
+        }
+        if at == name {
+            return false;
+        }
+        skip(&mut at, b" \t");
+        if list.get(at) != Some(&b'=') {
+            return false;
+        }
+        at += 1;
+        skip(&mut at, b" \t");
+        if list.get(at) == Some(&b'"') {
+            at += 1;
+            loop {
+                match list.get(at) {
+                    None => return false,
+                    Some(b'"') => break,
+                    // A quoted-pair: the escaped byte is taken as it is.
+                    Some(b'\\') => at += 2,
+                    Some(_) => at += 1,
+                }
+            }
+            at += 1;
+        } else {
+            let value = at;
+            while list
+                .get(at)
+                .is_some_and(|byte| !matches!(byte, b' ' | b'\t' | b',' | b'"'))
+            {
+                at += 1;
+            }
+            if at == value || list[value] == b'=' {
+                return false;
+            }
+        }
+        skip(&mut at, b" \t");
+        if at < list.len() && list[at] != b',' {
+            return false;
+        }
+    }
 }
 
 /// A key hashes `Basic` credentials, passwords included, with no salt: said once per
@@ -776,6 +832,17 @@ mod tests {
             "Bearer =1 T",
             "DPoP a=b 1",
             "JWT abc== 1",
+            // A token beside auth-params is neither one token68 nor auth-params: a
+            // server reading the first word takes `abc`, one reading the last takes it
+            // from `Token n=1 abc` (a new parameter each time would be a bucket each).
+            "JWT abc x=1",
+            "JWT abc, x=1",
+            "JWT abc==, x=1",
+            "token n=1 abc",
+            "token n=1, abc",
+            "Digest username=\"a\" abc",
+            "Digest username=\"a\", realm",
+            "Digest username=\"a, b",
         ] {
             let error = extract(bad).unwrap_err();
             assert_eq!(error.kind(), KeyErrorKind::Client, "{bad}");

@@ -797,7 +797,7 @@ fn is_token(bytes: &[u8]) -> bool {
 }
 
 fn is_token_byte(byte: u8) -> bool {
-    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:[]".contains(&byte)
+    super::is_tchar(byte) || b":[]".contains(&byte)
 }
 
 /// A parameter's value: a token as it is, a quoted string without its quotes and

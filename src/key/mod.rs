@@ -110,6 +110,11 @@ impl Key {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+/// A `tchar` of RFC 9110 (section 5.6.2): a byte a `token` may hold.
+pub(crate) fn is_tchar(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&byte)
+}
+
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&self.0, f)
