@@ -150,7 +150,8 @@ pub enum WaitError {
     TooLong(Decision),
     /// The cost is more than a policy ever admits: waiting cannot help.
     Never(Decision),
-    /// The store failed and the failure mode refuses (fail-closed).
+    /// The store failed and the failure mode refuses: fail-closed, or the local fallback
+    /// for a cost above what its share of a policy ever admits.
     Store(StoreError),
 }
 
@@ -397,7 +398,18 @@ impl<St: Store> Limiter<St> {
     /// Decides `cost` units for `key` now, and spends them if admitted. It does not wait
     /// its turn behind [`until_ready`](Self::until_ready)'s waiters.
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
-        self.decide(key, cost).await.map(|(decision, _)| decision)
+        let (decision, decider) = self.decide(key, cost).await?;
+        if !matches!(decider, Decider::Open) {
+            self.told(key, &decision);
+        }
+        Ok(decision)
+    }
+
+    /// An answer given to a caller, counted in `tollgate_decisions_total` (and a denial
+    /// logged at debug level) as the layer's are. One let through open by the failure
+    /// mode is not a decision, as in the layer.
+    fn told(&self, key: &Key, decision: &Decision) {
+        crate::telemetry::decision(&self.shared.policies, decision, key);
     }
 
     /// [`check`](Self::check), and who decided: the store, or the failure mode.
@@ -519,28 +531,39 @@ impl<St: Store> Limiter<St> {
                         shared.outage.on_failure(&error, None);
                     }
                 }
-                match &shared.failure_mode {
-                    // Only the fallback's share of the quota refuses the cost: the outage
-                    // stands in its way, not "never" (as the layer answers).
-                    FailureMode::Fallback(fallback) => fallback
-                        .decide(key, policies, cost)
-                        .map(|(decision, applied)| {
-                            crate::telemetry::fallback_decision(&decision);
-                            (decision, Decider::Fallback(applied))
-                        })
-                        .ok_or(error),
-                    FailureMode::FailOpen => Ok((
-                        Decision::new(
-                            Outcome::Allowed {
-                                delay: Duration::ZERO,
-                            },
-                            [],
-                        ),
-                        Decider::Open,
-                    )),
-                    _ => Err(error),
-                }
+                self.failure_modes_answer(key, policies, cost, error)
             }
+        }
+    }
+
+    /// What the failure mode answers for a decision the store failed to make (`error`).
+    fn failure_modes_answer(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        cost: u64,
+        error: StoreError,
+    ) -> Result<(Decision, Decider), StoreError> {
+        match &self.shared.failure_mode {
+            // Only the fallback's share of the quota refuses the cost: the outage stands
+            // in its way, not "never" (as the layer answers).
+            FailureMode::Fallback(fallback) => fallback
+                .decide(key, policies, cost)
+                .map(|(decision, applied)| {
+                    crate::telemetry::fallback_decision(&decision);
+                    (decision, Decider::Fallback(applied))
+                })
+                .ok_or(error),
+            FailureMode::FailOpen => Ok((
+                Decision::new(
+                    Outcome::Allowed {
+                        delay: Duration::ZERO,
+                    },
+                    [],
+                ),
+                Decider::Open,
+            )),
+            _ => Err(error),
         }
     }
 
@@ -552,8 +575,30 @@ impl<St: Store> Limiter<St> {
     /// or another replica may have booked a later slot meanwhile, and keeps it, so two
     /// requests may then land close together). So a waiter behind one that sleeps its
     /// delay decides only when that delay ends (past its own `max_wait`, it gets
-    /// `TooLong`, told to retry after `max_wait`).
+    /// `TooLong`, told to retry after `max_wait`). A waiter held in the queue past its
+    /// `max_wait` by a failing store (each waiter ahead waited one store timeout for it)
+    /// gets the failure mode's answer instead, as a store error is no denial. A store call
+    /// begun within the wait is given its whole timeout, so an answer can come up to one
+    /// store timeout after `max_wait`.
     pub async fn until_ready(
+        &self,
+        key: &Key,
+        cost: u64,
+        max_wait: Duration,
+    ) -> Result<Decision, WaitError> {
+        let told = self.wait_until_ready(key, cost, max_wait).await;
+        match &told {
+            // A decision has a status per policy; the failure mode's open door has none.
+            Ok(decision) if decision.statuses().is_empty() => {}
+            Ok(decision) | Err(WaitError::TooLong(decision) | WaitError::Never(decision)) => {
+                self.told(key, decision);
+            }
+            Err(WaitError::Store(_)) => {}
+        }
+        told
+    }
+
+    async fn wait_until_ready(
         &self,
         key: &Key,
         cost: u64,
@@ -592,12 +637,18 @@ impl<St: Store> Limiter<St> {
         let queue = Arc::clone(place.queue.as_ref().expect("set above"));
         let locked = tokio::time::timeout_at(deadline, queue.lock_owned()).await;
         let Ok(turn) = locked else {
+            drop(place);
+            // The store is failing: those ahead held the turn one store timeout each.
+            // That is no denial (no limit was reached): the failure mode answers, as it
+            // would have had this waiter's own call failed (the failures are counted).
+            if self.shared.outage.is_degraded() {
+                return self.served(key, cost, deadline, None).await;
+            }
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
             // is not known). The statuses are the key's state now. (The queue's other
             // handle went with the timed-out lock: the place's drop removes the queue
             // when nobody else holds it.)
-            drop(place);
             let now = self.peek(key).await;
             // Named: the enforced policy with the fewest units left.
             let policy = now
@@ -616,8 +667,31 @@ impl<St: Store> Limiter<St> {
                 now.statuses().iter().copied(),
             )));
         };
+        self.served(key, cost, deadline, Some(turn)).await
+    }
+
+    /// A waiter's turn: decided until admitted, or until the wait would pass `deadline`.
+    /// With its `turn` in the key's queue, the store decides; without (the queue was held
+    /// past the deadline by a failing store), the failure mode answers at once.
+    async fn served(
+        &self,
+        key: &Key,
+        cost: u64,
+        deadline: Instant,
+        turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    ) -> Result<Decision, WaitError> {
         loop {
-            let (decision, decider) = self.waiting(key, cost).await.map_err(WaitError::Store)?;
+            let decided = if turn.is_some() {
+                self.waiting(key, cost).await
+            } else {
+                let error = StoreError::new(
+                    StoreErrorKind::Timeout,
+                    "the store is failing, and the waiters ahead held this one's turn \
+                     past its wait",
+                );
+                self.failure_modes_answer(key, &self.shared.policies, cost, error)
+            };
+            let (decision, decider) = decided.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {
@@ -652,7 +726,7 @@ impl<St: Store> Limiter<St> {
                             key: key.clone(),
                             cost,
                             spent: Some((decision, decider)),
-                            turn: Some(turn),
+                            turn,
                         });
                         return Err(WaitError::TooLong(denied));
                     }
@@ -664,7 +738,7 @@ impl<St: Store> Limiter<St> {
                         key: key.clone(),
                         cost,
                         spent: Some((decision, decider)),
-                        turn: Some(turn),
+                        turn,
                     };
                     tokio::time::sleep(delay).await;
                     let (decision, _) = booked.spent.take().expect("set above");

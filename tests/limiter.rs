@@ -309,6 +309,55 @@ async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
     ahead.abort();
 }
 
+/// Three waiters for one key at once, each willing to wait 60 ms, on a store that hangs
+/// (the store timeout is 50 ms): what each was told.
+async fn three_waiters_on_a_hung_store(
+    limiter: &Limiter<Hangs>,
+) -> Vec<Result<tollgate::Decision, WaitError>> {
+    let key = Key::new("k");
+    let waiters = (0..3).map(|_| {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move {
+            limiter
+                .until_ready(&key, 1, Duration::from_millis(60))
+                .await
+        })
+    });
+    let mut told = Vec::new();
+    for waiter in waiters.collect::<Vec<_>>() {
+        told.push(waiter.await.unwrap());
+    }
+    told
+}
+
+// A hung store holds a key's queue one store timeout per waiter: those behind run out of
+// their wait in the queue. That is the store's failure, not a denial: the failure mode
+// answers them (fail open: through; fail closed: the store's error), never a `TooLong`
+// that says "rate limited" of a limit nobody reached.
+#[tokio::test(start_paused = true)]
+async fn waiters_held_in_the_queue_by_a_hung_store_get_the_failure_modes_answer() {
+    let policy = Policy::token_bucket("jobs", 100, Rate::per_second(100)).unwrap();
+    let open = Limiter::new(Hangs, policy.clone()).on_store_error(FailureMode::FailOpen);
+    for told in three_waiters_on_a_hung_store(&open).await {
+        assert!(
+            told.as_ref().is_ok_and(|decision| decision.is_allowed()),
+            "{told:?}"
+        );
+    }
+    let closed = Limiter::new(Hangs, policy.clone()).on_store_error(FailureMode::FailClosed);
+    for told in three_waiters_on_a_hung_store(&closed).await {
+        assert!(matches!(told, Err(WaitError::Store(_))), "{told:?}");
+    }
+    // The local fallback decides them, on its own share of the quota.
+    let fallback = Limiter::new(Hangs, policy);
+    for told in three_waiters_on_a_hung_store(&fallback).await {
+        assert!(
+            told.as_ref().is_ok_and(|decision| decision.is_allowed()),
+            "{told:?}"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     // The store is away: the failure mode's local limiter decides, and a waiter that

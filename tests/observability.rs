@@ -546,6 +546,42 @@ fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
     );
 }
 
+// A `Limiter`'s answers are counted in `tollgate_decisions_total` as the layer's are (the
+// README's metrics table): what each `check` and each `until_ready` was told, per policy.
+// A waiter's own retries inside `until_ready` are not answers, and are not counted.
+#[test]
+fn a_limiters_decisions_are_counted() {
+    let limiter = tollgate::limiter::Limiter::new(MemoryStore::new(), jobs());
+    let seen = metrics_of(async move {
+        let key = tollgate::Key::new("k");
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+        assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+        assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+        assert!(
+            limiter
+                .until_ready(&key, 1, Duration::from_millis(5))
+                .await
+                .is_err()
+        );
+        assert!(
+            limiter
+                .until_ready(&key, 3, Duration::from_secs(1))
+                .await
+                .is_err()
+        );
+    });
+    let decisions = |outcome| {
+        counter(
+            &seen,
+            "tollgate_decisions_total",
+            &[("policy", "jobs"), ("outcome", outcome)],
+        )
+    };
+    assert_eq!(decisions("allowed"), 2);
+    assert_eq!(decisions("denied"), 2);
+    assert_eq!(decisions("cost_exceeds_limit"), 1);
+}
+
 /// A lease's give-back (what is left of it when it ends) that fails strands those units
 /// out of the shared quota until its window forgets them: counted as any store error. It
 /// was dropped unseen, as was a failed take.
