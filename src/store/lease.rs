@@ -54,7 +54,9 @@ const SHARDS: usize = 16;
 /// - Headers show the shared state when the lease was taken plus what this replica still
 ///   holds: other replicas' spending since then is not in them.
 /// - Every identity seen costs one lease decision (and a give-back if it is not spent):
-///   leases pay off for identities that come back, not for one-off ones.
+///   leases pay off for identities that come back, not for one-off ones. At most
+///   [`max_identities`](Leased::max_identities) identities (100,000 by default) hold
+///   leases at once; past it, new ones are decided one by one.
 ///
 /// Sets with an in-flight limit, a shaping leaky bucket (a lease would drop its delays), a
 /// shadow policy or a penalty are never leased: they go to `S` request by request. So do
@@ -81,6 +83,10 @@ pub struct Leased<S> {
     ttl: Duration,
     leases: Arc<Leases>,
 }
+
+/// How many identities a [`Leased`] store holds leases for at most, unless told otherwise
+/// ([`Leased::max_identities`]).
+pub const DEFAULT_MAX_LEASED_IDENTITIES: usize = 100_000;
 
 impl<S> Clone for Leased<S> {
     fn clone(&self) -> Self {
@@ -112,6 +118,8 @@ type Id = (Key, u64);
 /// or `set_remaining` through one set finds the leases of the others it clears).
 struct Leases {
     shards: Box<[Mutex<Shard>]>,
+    /// The identities one shard holds at most: a new one past it is decided on its own.
+    per_shard: std::sync::atomic::AtomicUsize,
     next_id: AtomicU64,
     /// Decisions sent to the shared store (leases, and requests decided on their own).
     calls: AtomicU64,
@@ -318,10 +326,36 @@ impl<S: Store> Leased<S> {
             ttl,
             leases: Arc::new(Leases {
                 shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+                per_shard: DEFAULT_MAX_LEASED_IDENTITIES.div_ceil(SHARDS).into(),
                 next_id: AtomicU64::new(1),
                 calls: AtomicU64::new(0),
             }),
         })
+    }
+
+    /// At most `identities` identities hold leases (or a refusal) at a time (100,000 by
+    /// default; at least 16): past it, a new identity's requests are decided one by one
+    /// by the shared store, exactly, until identities held leave (their leases end).
+    /// Each identity held keeps its leases and a task until its `ttl` ends, so a flood
+    /// of one-off identities (rotating addresses, made-up keys) cannot hold memory
+    /// without end. Clones share the bound.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::MemoryStore;
+    /// use tollgate::store::Leased;
+    ///
+    /// let store = Leased::new(MemoryStore::new(), 20, Duration::from_secs(1))?
+    ///     .max_identities(10_000);
+    /// # let _ = store;
+    /// # Ok::<(), tollgate::StoreError>(())
+    /// ```
+    pub fn max_identities(self, identities: usize) -> Self {
+        // The clones share it, as they share the leases.
+        self.leases
+            .per_shard
+            .store(identities.div_ceil(SHARDS).max(1), Ordering::Relaxed);
+        self
     }
 
     /// The store the leases come from.
@@ -500,6 +534,10 @@ impl Leases {
     fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool) -> Step {
         let now = Instant::now();
         let mut shard = self.shard(&id.0);
+        // A new identity past the bound holds nothing here: decided on its own, exactly.
+        if shard.0.len() >= self.per_shard.load(Ordering::Relaxed) && !shard.0.contains_key(&id.0) {
+            return Step::Alone;
+        }
         let open = shard.open(id, policies);
         // Ended leases are left to their timers, which give their units back. A lease
         // serves the policies it was taken for, however they are spelt (a fingerprint
@@ -545,9 +583,12 @@ impl Leases {
         // The open leases' rests go back as a new lease is taken: kept, a rest per
         // costlier request piled up (leases of 20, requests of 11: 9 each), debited in
         // one window and spent in the next. One rest at a time keeps the bound.
+        // A lease spent to its last unit goes now (its timer finds it gone, and has
+        // nothing to give back): kept until then, a busy identity's would pile up.
         let (retired, kept): (Vec<Lease>, Vec<Lease>) = std::mem::take(&mut open.leases)
             .into_iter()
-            .partition(|lease| lease.ends > now && lease.left > 0 && of_these(lease));
+            .filter(|lease| lease.left > 0)
+            .partition(|lease| lease.ends > now && of_these(lease));
         open.leases = kept;
         shard.add_giving_back(&id.0, retired.len());
         Step::Take(retired)
@@ -1034,6 +1075,71 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// Identities the store holds leases (or refusals) for, over every shard.
+    fn identities_held<S>(store: &Leased<S>) -> usize {
+        store
+            .leases
+            .shards
+            .iter()
+            .map(|shard| shard.lock().unwrap().0.len())
+            .sum()
+    }
+
+    /// Every new identity took a lease and kept an entry (and a task) for `ttl`, with no
+    /// bound: a flood of one-off identities (rotating addresses, made-up keys) held a
+    /// lease each for a minute, memory without end. Past `max_identities`, a new identity
+    /// is decided on its own, exactly, holding nothing here.
+    #[tokio::test]
+    async fn the_identities_holding_leases_are_bounded() {
+        let store = Leased::new(MemoryStore::new(), 5, Duration::from_secs(60))
+            .unwrap()
+            .max_identities(64);
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        for n in 0..2_000 {
+            let key = Key::new(format!("user:{n}"));
+            assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        }
+        // 2,000 identities over 16 shards fill every shard's 4.
+        assert_eq!(identities_held(&store), 64);
+        // Those past the bound were decided one by one by the shared store, spending
+        // exactly their cost: a lease of 5 each would have left 5 of 10, not 9.
+        let last = Key::new("user:1999");
+        let status = store
+            .inner()
+            .peek(&last, &policies)
+            .await
+            .unwrap()
+            .statuses()[0];
+        assert_eq!(status.remaining, 9, "{status:?}");
+        assert!(store.shared_calls() >= 2_000 - 64);
+    }
+
+    /// A lease spent to its last unit stayed in its identity's list until its `ttl`
+    /// ended: with small leases and a long `ttl`, a busy identity piled up thousands,
+    /// each request scanning them all under the shard's lock.
+    #[tokio::test]
+    async fn spent_leases_do_not_pile_up() {
+        let store = Leased::new(MemoryStore::new(), 1, Duration::from_secs(60)).unwrap();
+        let policies = PolicySet::from(
+            Policy::token_bucket("b", 1_000_000, crate::Rate::per_second(1)).unwrap(),
+        );
+        let key = Key::new("busy");
+        for _ in 0..1_000 {
+            assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        }
+        let id = (key.clone(), policies.fingerprint());
+        let leases = store
+            .leases
+            .shard(&key)
+            .get_mut(&id)
+            .map(|open| open.leases.len());
+        assert!(
+            leases.is_some_and(|leases| leases <= 2),
+            "{leases:?} leases kept"
+        );
     }
 
     /// A `ttl` beyond any window (`Duration::MAX`, meant as "never ends") was taken, and

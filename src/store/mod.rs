@@ -20,7 +20,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 pub use deny_cache::DenyCache;
-pub use lease::Leased;
+pub use lease::{DEFAULT_MAX_LEASED_IDENTITIES, Leased};
 pub use memory::{DEFAULT_MAX_KEYS, MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "redis")]
 pub use redis::{
