@@ -3,7 +3,10 @@
 //! would refuse.
 //!
 //! [`PacingLayer`] wraps any client service of `http` requests (hyper-util's `Client`,
-//! or anything built on Tower). Per upstream host (and per partition, when you say how
+//! or anything built on Tower) whose request body is `Clone`, as a retry sends it again
+//! (`Full<Bytes>`, `Empty<Bytes>`, `String`, `Vec<u8>`: not a stream such as tonic's
+//! `Body` or hyper's `Incoming`; such a request can be paced with a
+//! [`Limiter`](crate::limiter::Limiter) and [`server_wait`] around the call). Per upstream host (and per partition, when you say how
 //! to tell your partitions apart), it reads:
 //!
 //! - the draft-11 `RateLimit` field (an RFC 9651 list: a member with `r=0` means wait `t`
@@ -487,7 +490,8 @@ impl Hosts {
 ///
 /// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
 /// section 7); a response from a cache (a positive `Age`) says nothing in its rate-limit
-/// fields (section 7.3); a refused response (429) that says nothing asks for a second.
+/// fields (section 7.3); a refused response (429) asks for a second at least (one that
+/// says nothing, a zero or a date gone by: never straight back, as the layer waits).
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
 /// `Retry-After`, a Unix-time reset) is a point on the server's clock, measured from
 /// the response's `Date` when that clock is five seconds or more from this machine's.
@@ -504,10 +508,14 @@ impl Hosts {
 /// assert_eq!(server_wait(StatusCode::TOO_MANY_REQUESTS, &headers), Some(Duration::from_secs(2)));
 /// ```
 pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
+    // Refused: never straight back (no word, a zero, a date in the past), as the layer
+    // waits: a second at least.
+    let refused = status == StatusCode::TOO_MANY_REQUESTS;
+    let floor = Duration::from_secs(1);
     match server_word(status, headers) {
+        Some(wait) if refused => Some(wait.max(floor)),
         Some(wait) => Some(wait),
-        // Refused, with no word on when: a second before trying again.
-        None if status == StatusCode::TOO_MANY_REQUESTS => Some(Duration::from_secs(1)),
+        None if refused => Some(floor),
         None => None,
     }
 }
@@ -748,11 +756,13 @@ where
         let mut inner = self.inner.clone();
         Box::pin(async move {
             let host = host_of(&request);
-            let partition = shared.partition.as_ref().and_then(|partition| {
-                let (parts, body) = copy(&request).into_parts();
-                drop(body);
-                partition(&parts)
-            });
+            // Read from the request's own parts: no copy of its body.
+            let (parts, body) = request.into_parts();
+            let partition = shared
+                .partition
+                .as_ref()
+                .and_then(|partition| partition(&parts));
+            let request = Request::from_parts(parts, body);
             let key = state_key(&host, partition.as_deref());
             let retries = if shared.retry_all || idempotent(request.method()) {
                 shared.retries

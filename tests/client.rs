@@ -25,6 +25,33 @@ fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
     map
 }
 
+// A 429 is never retried straight back, whatever it says (`Retry-After: 0`, a date in
+// the past): the layer waits at least a second, and so does the wait `server_wait` tells
+// a retry loop of one's own. It said `0` there, and such a loop hammered the server.
+#[test]
+fn server_wait_never_sends_a_refused_request_straight_back() {
+    let too_many = StatusCode::TOO_MANY_REQUESTS;
+    for said in ["0", "Thu, 01 Jan 1970 00:00:00 GMT"] {
+        assert_eq!(
+            server_wait(too_many, &headers(&[("retry-after", said)])),
+            Some(Duration::from_secs(1)),
+            "{said}"
+        );
+    }
+    assert_eq!(
+        server_wait(too_many, &headers(&[("retry-after", "7")])),
+        Some(Duration::from_secs(7))
+    );
+    // Not refused: a zero is no wait.
+    assert_eq!(
+        server_wait(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &headers(&[("retry-after", "0")])
+        ),
+        Some(Duration::ZERO)
+    );
+}
+
 #[test]
 fn what_a_server_says_is_read() {
     let ok = StatusCode::OK;
