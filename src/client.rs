@@ -31,7 +31,11 @@
 //! Absurd values (negative, malformed, years away) are ignored or capped at
 //! [`max_wait`](PacingLayer::max_wait) (60 s by default), as the draft asks of clients
 //! (section 8.5). Optionally the layer also paces proactively with any tollgate policy
-//! ([`pace`](PacingLayer::pace)), shared across clones.
+//! ([`pace`](PacingLayer::pace)), shared across clones. The words of 16,384 hosts (and
+//! partitions) are kept at most: past it, those that end soonest are forgotten, so a
+//! client sent to ever new hosts that all ask it to wait (a crawler, links a hostile
+//! server hands out) can forget a host's word before it ends; keep such traffic on a
+//! layer of its own.
 //!
 //! ```
 //! use std::time::Duration;
@@ -459,18 +463,20 @@ impl Hosts {
         let entry = self.until.entry(key.to_owned()).or_insert(until);
         *entry = (*entry).max(until);
         // Past the bound with every host's word still running (a crawler's many hosts, or
-        // a server that names a new partition on every answer): the words that end first
-        // are forgotten, an eighth of the bound at once, so that one pass over the map
-        // pays for that many new hosts. Never the word just noted (its 429's retry waits
-        // on it).
-        if self.until.len() > Self::MAX_HOSTS {
+        // a server that names a new partition on every answer), or near it after a sweep
+        // (which would come again at the next new host): the words that end first are
+        // forgotten, down to seven eighths of the bound, so that one pass over the map
+        // pays for an eighth of the bound of new hosts. Never the word just noted (its
+        // 429's retry waits on it).
+        let kept = Self::MAX_HOSTS - Self::MAX_HOSTS / 8;
+        if self.until.len() > Self::MAX_HOSTS || (swept && self.until.len() > kept) {
             let mut ends: Vec<(Instant, &String)> = self
                 .until
                 .iter()
                 .filter(|(host, _)| host.as_str() != key)
                 .map(|(host, until)| (*until, host))
                 .collect();
-            let excess = self.until.len() - (Self::MAX_HOSTS - Self::MAX_HOSTS / 8);
+            let excess = self.until.len() - kept;
             ends.select_nth_unstable(excess - 1);
             let forgotten: Vec<String> = ends[..excess]
                 .iter()
@@ -1076,6 +1082,35 @@ mod tests {
                 .count(),
             1023
         );
+    }
+
+    /// A full map whose words end about as fast as new hosts come (a crawler meeting
+    /// 429s all day): a sweep that freed a few left the map at the bound, and the next
+    /// new host swept the whole map again, each under the lock every request takes. The
+    /// sweeps stay spread out: one per eighth of the bound of new hosts, or fewer.
+    #[test]
+    fn a_full_map_is_not_swept_on_every_new_host() {
+        let start = Instant::now();
+        let mut hosts = Hosts::default();
+        let at = |n: usize| start + Duration::from_millis(n as u64);
+        // Full, each word ending a millisecond after the one before.
+        for n in 0..Hosts::MAX_HOSTS {
+            hosts.note(
+                &format!("host-{n}"),
+                at(n) + Duration::from_secs(3600),
+                at(0),
+            );
+        }
+        // Then a new host each millisecond, as one word ends.
+        let mut sweeps = 0;
+        let news = Hosts::MAX_HOSTS;
+        for n in 0..news {
+            let now = at(n) + Duration::from_secs(3600);
+            sweeps +=
+                usize::from(hosts.note(&format!("new-{n}"), now + Duration::from_secs(3600), now));
+        }
+        assert!(sweeps <= 8 + 1, "{sweeps} sweeps for {news} new hosts");
+        assert!(hosts.until.len() <= Hosts::MAX_HOSTS);
     }
 
     #[test]
