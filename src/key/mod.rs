@@ -63,10 +63,14 @@ pub const MAX_KEY_LEN: usize = 256;
 pub struct Key(CompactString);
 
 impl Key {
-    /// A key from a string; strings longer than [`MAX_KEY_LEN`] bytes are hashed.
+    /// A key from a string; strings longer than [`MAX_KEY_LEN`] bytes are hashed, to
+    /// `long:` and a digest (and so is a string that begins with `long:`, so that no
+    /// string spells out a long one's digest and lands in its bucket). So a hashed key's
+    /// string (from a log line) names another key: reach its bucket with the long string
+    /// it came from.
     pub fn new(value: impl AsRef<str>) -> Self {
         let value = value.as_ref();
-        if value.len() > MAX_KEY_LEN {
+        if hashed_whole(value) {
             return Self::hashed("long", value.as_bytes());
         }
         Key(CompactString::new(value))
@@ -75,7 +79,7 @@ impl Key {
     /// A key from a string already in the crate's inline form (no copy).
     #[inline]
     pub(crate) fn from_compact(value: CompactString) -> Self {
-        if value.len() > MAX_KEY_LEN {
+        if hashed_whole(&value) {
             return Self::hashed("long", value.as_bytes());
         }
         Key(value)
@@ -109,6 +113,13 @@ impl Key {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Whether a key string is kept as its digest: over [`MAX_KEY_LEN`], or in the form a
+/// digest of one takes.
+#[inline]
+fn hashed_whole(value: &str) -> bool {
+    value.len() > MAX_KEY_LEN || value.starts_with("long:")
+}
 
 /// A `tchar` of RFC 9110 (section 5.6.2): a byte a `token` may hold.
 pub(crate) fn is_tchar(byte: u8) -> bool {
@@ -355,7 +366,9 @@ impl KeyExtractor for Global {
 }
 
 /// The route: method and matched path (`route:GET /users/{id}`); a `HEAD` shares its
-/// `GET`'s key, as it runs the GET handler.
+/// `GET`'s key, as it runs the GET handler, and methods beyond RFC 9110's (any token a
+/// client makes up, which a route served by `any(..)` runs all the same) share one,
+/// `route:* /users/{id}`.
 ///
 /// With the `axum` feature and the layer added by `Router::layer` or `route_layer`, the
 /// path is axum's `MatchedPath` (the route template), so `/users/1` and `/users/2` share
@@ -373,10 +386,19 @@ pub struct Route;
 impl KeyExtractor for Route {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let path = route_path(parts);
-        // A HEAD runs the GET handler (RFC 9110, section 9.3.2): one limit for both.
+        // A HEAD runs the GET handler (RFC 9110, section 9.3.2): one limit for both. A
+        // method is any token the client writes: beyond the standard ones, one key.
         let method = match parts.method {
             Method::HEAD => Method::GET.as_str(),
-            ref method => method.as_str(),
+            Method::GET
+            | Method::POST
+            | Method::PUT
+            | Method::DELETE
+            | Method::PATCH
+            | Method::OPTIONS
+            | Method::TRACE
+            | Method::CONNECT => parts.method.as_str(),
+            _ => "*",
         };
         let mut key = CompactString::with_capacity(7 + method.len() + path.len());
         key.push_str("route:");
@@ -577,6 +599,48 @@ mod tests {
             let error = key.extract(&request(headers)).unwrap_err();
             assert_eq!(error.kind(), KeyErrorKind::Client, "{headers:?}");
         }
+    }
+
+    /// A method is any token, case-sensitive (RFC 9110, section 9.1), and a route
+    /// served by `any(..)`, `route_service` or a fallback runs its handler for every one:
+    /// `FOO1 /export`, `FOO2 /export`, ... were a bucket each. Methods beyond the
+    /// standard ones share one key per route; the standard ones keep theirs.
+    #[test]
+    fn route_keys_do_not_multiply_with_made_up_methods() {
+        let key = |method: &str| {
+            let (parts, _) = Request::builder()
+                .method(method)
+                .uri("/export")
+                .body(())
+                .unwrap()
+                .into_parts();
+            Route.extract(&parts).unwrap()
+        };
+        assert_eq!(key("FOO1"), key("FOO2"));
+        assert_eq!(key("get"), key("PROPFIND"));
+        assert_eq!(key("HEAD"), key("GET"));
+        assert_ne!(key("GET"), key("POST"));
+        assert_ne!(key("GET"), key("get"));
+        assert_eq!(key("DELETE").as_str(), "route:DELETE /export");
+    }
+
+    /// A key over the length bound is hashed to `long:` and a digest: a short key a
+    /// client writes (a custom extractor's, from a header) that spells that digest out
+    /// landed in the long key's bucket, spending it. A key that begins with `long:` is
+    /// hashed too, so no spelling reaches a hashed one.
+    #[test]
+    fn no_short_key_spells_a_long_ones_digest() {
+        let long = "a".repeat(MAX_KEY_LEN + 1);
+        let hashed = Key::new(&long);
+        assert!(hashed.as_str().starts_with("long:"));
+        assert_ne!(Key::new(hashed.as_str()), hashed);
+        assert_ne!(Key::from(hashed.as_str().to_owned()), hashed);
+        assert_ne!(
+            Key::from_compact(CompactString::new(hashed.as_str())),
+            hashed
+        );
+        assert_eq!(Key::new(&long), hashed);
+        assert_eq!(Key::new("longer:1").as_str(), "longer:1");
     }
 
     #[test]
