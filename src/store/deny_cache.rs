@@ -23,7 +23,9 @@ use crate::policy::{Policy, PolicySet};
 /// This is exact for every algorithm: a denial's `retry_after` is the earliest time the
 /// same request could be admitted if nothing else were spent, and spending by others only
 /// pushes it later, so "after waiting `Retry-After` the same request is admitted" holds
-/// for every cached answer. A cached answer's wait counts from when the store's answer
+/// for every cached answer. (One exception: a sliding log holding more than 256 entries
+/// for an identity answers an upper bound of the wait, which it reads no further; a
+/// denial cached from it may then outlast the store's, by `max_age` at most.) A cached answer's wait counts from when the store's answer
 /// came (never shorter than the store's), but the denial is answered here only until its
 /// wait counted from when the request was sent: a slow answer never keeps an identity
 /// denied here after the store would admit it. A request of another cost goes to
@@ -34,7 +36,8 @@ use crate::policy::{Policy, PolicySet};
 /// A denial is cached for at most [`max_age`](Self::max_age) (1 s by default), whatever
 /// its `Retry-After`: a reset, a grant or a refund made through another replica (each
 /// has its own cache) clears only that replica's cache, so the others see it within
-/// `max_age`. Within it, a cached answer carries its full remaining wait.
+/// `max_age`; so is one made below the cache (a [`Leased`](super::Leased) store inside it
+/// gives its leases' rests back itself). Within it, a cached answer carries its full remaining wait.
 ///
 /// A cost above a policy's limit is refused whatever the state, so it is answered here
 /// every time ([`Outcome::CostExceedsLimit`](crate::Outcome::CostExceedsLimit)), never
@@ -56,7 +59,7 @@ use crate::policy::{Policy, PolicySet};
 ///
 /// Under a flood from one identity the store sees about one request per `retry_after`
 /// (or per `max_age`, whichever is shorter) from each replica instead of every request.
-/// Memory is bounded by `capacity` identities.
+/// Memory is bounded by `capacity` identities (at least one is cached).
 ///
 /// ```no_run
 /// # #[cfg(feature = "redis")] // the example needs RedisStore; it compiles to nothing without
