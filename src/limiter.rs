@@ -579,7 +579,10 @@ impl<St: Store> Limiter<St> {
     /// `max_wait` by a failing store (each waiter ahead waited one store timeout for it)
     /// gets the failure mode's answer instead, as a store error is no denial. A store call
     /// begun within the wait is given its whole timeout, so an answer can come up to one
-    /// store timeout after `max_wait`.
+    /// store timeout after `max_wait`. An admission after a shaping delay still says that
+    /// delay ([`Outcome::Allowed`]): it has been waited, not to be waited again. A waiter
+    /// dropped while a store doing I/O decides (a timeout around it) leaves what that
+    /// decision spends spent, as a request that went away would.
     pub async fn until_ready(
         &self,
         key: &Key,
