@@ -31,7 +31,15 @@ use crate::store::Store;
 /// `Retry-After` and an `application/problem+json` body, with the same headers.
 ///
 /// Clones of the layer and of its services share one store, so one limit holds across
-/// every route and connection. The service does not depend on `poll_ready` back-pressure.
+/// every route and connection.
+///
+/// Its `poll_ready` is the inner service's, as a Tower middleware's is: a service under
+/// the limiter that holds back (a full `ConcurrencyLimit` or `Buffer`) holds back every
+/// request, the ones the limiter would refuse too, and on a store doing I/O a request
+/// keeps the permit it was given while the store answers. To refuse a flood at once in
+/// front of a saturated service, put `tower::load_shed::LoadShedLayer` between the
+/// limiter and the limit (it is always ready, and fails a request the limit has no room
+/// for; map that error to a `503` with `HandleErrorLayer`).
 ///
 /// The inner service must be `Clone + Send` with a `Send` future (an axum `Router` or
 /// handler is; wrap a `BoxService` in `tower::buffer::Buffer`, or use a
