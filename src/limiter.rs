@@ -91,7 +91,15 @@ use crate::key::Key;
 use crate::policy::PolicySet;
 use crate::store::{Store, StoreError, StoreErrorKind, within};
 
-type Queue = Arc<tokio::sync::Mutex<()>>;
+/// One key's queue of waiters: a fair (first come, first served) async lock, and whether
+/// the store failed the last waiter that held it (its decision was the failure mode's).
+#[derive(Default)]
+struct KeyQueue {
+    turn: Arc<tokio::sync::Mutex<()>>,
+    failing: std::sync::atomic::AtomicBool,
+}
+
+type Queue = Arc<KeyQueue>;
 
 /// A waiter's place in its key's queue: when the last one goes, so does the queue.
 struct Place<'a, St: Store> {
@@ -118,7 +126,7 @@ struct Shared<St> {
     failure_mode: FailureMode,
     timeout: Duration,
     /// One queue per key with waiters: a fair (first come, first served) async lock.
-    queues: Mutex<HashMap<Key, Arc<tokio::sync::Mutex<()>>>>,
+    queues: Mutex<HashMap<Key, Queue>>,
     /// Says an outage once and its end once, and counts it in the fallback gauge, as the
     /// layer's breaker does; it never keeps a call from the store.
     outage: Arc<Breaker>,
@@ -589,16 +597,20 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, WaitError> {
-        let told = self.wait_until_ready(key, cost, max_wait).await;
-        match &told {
-            // A decision has a status per policy; the failure mode's open door has none.
-            Ok(decision) if decision.statuses().is_empty() => {}
-            Ok(decision) | Err(WaitError::TooLong(decision) | WaitError::Never(decision)) => {
-                self.told(key, decision);
+        match self.wait_until_ready(key, cost, max_wait).await {
+            Ok((decision, decider)) => {
+                if !matches!(decider, Decider::Open) {
+                    self.told(key, &decision);
+                }
+                Ok(decision)
             }
-            Err(WaitError::Store(_)) => {}
+            Err(error) => {
+                if let WaitError::TooLong(decision) | WaitError::Never(decision) = &error {
+                    self.told(key, decision);
+                }
+                Err(error)
+            }
         }
-        told
     }
 
     async fn wait_until_ready(
@@ -606,7 +618,7 @@ impl<St: Store> Limiter<St> {
         key: &Key,
         cost: u64,
         max_wait: Duration,
-    ) -> Result<Decision, WaitError> {
+    ) -> Result<(Decision, Decider), WaitError> {
         // A cost above a policy's limit is never admitted: no use queueing for it (the
         // store answers at once, spending nothing).
         if self.shared.policies.never_admits(cost).is_some() {
@@ -623,7 +635,7 @@ impl<St: Store> Limiter<St> {
             // this turn's answer (asked again, the store would hold the waiter for a
             // second timeout).
             if let Decider::Open = decider {
-                return Ok(decision);
+                return Ok((decision, decider));
             }
         }
         let now = Instant::now();
@@ -637,15 +649,17 @@ impl<St: Store> Limiter<St> {
             key,
             queue: Some(self.queue(key)),
         };
-        let queue = Arc::clone(place.queue.as_ref().expect("set above"));
-        let locked = tokio::time::timeout_at(deadline, queue.lock_owned()).await;
+        let queue = place.queue.as_deref().expect("set above");
+        let locked = tokio::time::timeout_at(deadline, Arc::clone(&queue.turn).lock_owned()).await;
         let Ok(turn) = locked else {
+            // The store failed the waiter ahead (it holds the turn one store timeout
+            // each): no denial, as no limit was reached; the failure mode answers, as it
+            // would have had this waiter's own call failed (the failures are counted). A
+            // queue held by ordinary waits is told so, whatever other keys' calls meet.
+            let failing = queue.failing.load(std::sync::atomic::Ordering::Relaxed);
             drop(place);
-            // The store is failing: those ahead held the turn one store timeout each.
-            // That is no denial (no limit was reached): the failure mode answers, as it
-            // would have had this waiter's own call failed (the failures are counted).
-            if self.shared.outage.is_degraded() {
-                return self.served(key, cost, deadline, None).await;
+            if failing {
+                return self.served(key, cost, deadline, None, None).await;
             }
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
@@ -670,19 +684,22 @@ impl<St: Store> Limiter<St> {
                 now.statuses().iter().copied(),
             )));
         };
-        self.served(key, cost, deadline, Some(turn)).await
+        self.served(key, cost, deadline, Some(turn), Some(queue))
+            .await
     }
 
     /// A waiter's turn: decided until admitted, or until the wait would pass `deadline`.
-    /// With its `turn` in the key's queue, the store decides; without (the queue was held
-    /// past the deadline by a failing store), the failure mode answers at once.
+    /// With its `turn` in the key's `queue`, the store decides (and the queue learns
+    /// whether the store failed it); without (the queue was held past the deadline by a
+    /// failing store), the failure mode answers at once.
     async fn served(
         &self,
         key: &Key,
         cost: u64,
         deadline: Instant,
         turn: Option<tokio::sync::OwnedMutexGuard<()>>,
-    ) -> Result<Decision, WaitError> {
+        queue: Option<&KeyQueue>,
+    ) -> Result<(Decision, Decider), WaitError> {
         loop {
             let decided = if turn.is_some() {
                 self.waiting(key, cost).await
@@ -694,11 +711,17 @@ impl<St: Store> Limiter<St> {
                 );
                 self.failure_modes_answer(key, &self.shared.policies, cost, error)
             };
+            if let Some(queue) = queue {
+                let failed = !matches!(decided, Ok((_, Decider::Store)));
+                queue
+                    .failing
+                    .store(failed, std::sync::atomic::Ordering::Relaxed);
+            }
             let (decision, decider) = decided.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {
-                        return Ok(decision);
+                        return Ok((decision, decider));
                     }
                     // A shaping delay is part of the wait. Past the deadline, the units
                     // just spent are given back and the waiter gives up at once.
@@ -744,8 +767,7 @@ impl<St: Store> Limiter<St> {
                         turn,
                     };
                     tokio::time::sleep(delay).await;
-                    let (decision, _) = booked.spent.take().expect("set above");
-                    return Ok(decision);
+                    return Ok(booked.spent.take().expect("set above"));
                 }
                 Outcome::Denied { retry_after, .. } => {
                     // A denial that says no wait (a custom store's, a reply read as 0)
@@ -852,7 +874,11 @@ impl<St: Store> Limiter<St> {
             .unwrap_or_else(PoisonError::into_inner);
         if queues
             .get(key)
-            .is_some_and(|queue| Arc::strong_count(queue) == 1)
+            // Nobody waits in it, and nobody holds its turn (a give-back holds it
+            // until the units are back).
+            .is_some_and(|queue| {
+                Arc::strong_count(queue) == 1 && Arc::strong_count(&queue.turn) == 1
+            })
         {
             queues.remove(key);
         }

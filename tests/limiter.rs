@@ -358,6 +358,54 @@ async fn waiters_held_in_the_queue_by_a_hung_store_get_the_failure_modes_answer(
     }
 }
 
+/// A store that never answers for the key `down`, and answers every other key.
+#[derive(Clone)]
+struct OneKeyHangs(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for OneKeyHangs {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if key.as_str() == "down" {
+            return DecideFuture::new(std::future::pending());
+        }
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        if key.as_str() == "down" {
+            return DecideFuture::new(std::future::pending());
+        }
+        self.0.peek(key, policies)
+    }
+}
+
+// Whether a waiter's queue was held by a failing store is the queue's to say: another
+// key's store calls failing meanwhile (one Cluster node down) does not make a waiter
+// held behind an ordinary wait on a sound key a failure to let through open.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_held_by_an_ordinary_wait_is_denied_while_another_keys_store_fails() {
+    let limiter = Limiter::new(
+        OneKeyHangs(runtime_store()),
+        Policy::token_bucket("jobs", 1, Rate::per_minute(1)).unwrap(),
+    )
+    .on_store_error(FailureMode::FailOpen);
+    let up = Key::new("up");
+    assert!(limiter.check(&up, 1).await.unwrap().is_allowed());
+    // Ahead: a waiter that sleeps for the next token, holding the turn.
+    let ahead = {
+        let (limiter, up) = (limiter.clone(), up.clone());
+        tokio::spawn(async move { limiter.until_ready(&up, 1, Duration::from_secs(120)).await })
+    };
+    tokio::task::yield_now().await;
+    // Meanwhile the store fails for another key.
+    let down = limiter.check(&Key::new("down"), 1).await;
+    assert!(down.is_ok_and(|decision| decision.is_allowed()));
+    let behind = limiter
+        .until_ready(&up, 1, Duration::from_millis(100))
+        .await;
+    assert!(matches!(behind, Err(WaitError::TooLong(_))), "{behind:?}");
+    ahead.abort();
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_shaping_delay_past_the_wait_gives_back_to_the_fallback_too() {
     // The store is away: the failure mode's local limiter decides, and a waiter that
