@@ -5,9 +5,9 @@
 //! [`PacingLayer`] wraps any client service of `http` requests (hyper-util's `Client`,
 //! or anything built on Tower) whose request body is `Clone`, as a retry sends it again
 //! (`Full<Bytes>`, `Empty<Bytes>`, `String`, `Vec<u8>`: not a stream such as tonic's
-//! `Body` or hyper's `Incoming`; such a request can be paced with a
-//! [`Limiter`](crate::limiter::Limiter) and [`server_wait`] around the call). Per upstream host (and per partition, when you say how
-//! to tell your partitions apart), it reads:
+//! `Body` or hyper's `Incoming`; such a request can be paced with a `limiter::Limiter`
+//! and [`server_wait`] around the call). Per upstream host (and per partition, when you
+//! say how to tell your partitions apart), it reads:
 //!
 //! - the draft-11 `RateLimit` field (an RFC 9651 list: a member with `r=0` means wait `t`
 //!   seconds; with no `t` it names no window and asks for no wait);

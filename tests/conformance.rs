@@ -1754,6 +1754,44 @@ impl Subject {
     }
 }
 
+/// A reset forgives: blocks and strikes go too, an in-flight policy's included (its
+/// slots stay, freed by their requests). On Redis the reset skipped an in-flight
+/// policy's keys whole, its penalty's with them: the block held for its 10 minutes there,
+/// where memory admitted at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_forgives_an_in_flight_policys_block_on_every_store() {
+    let backends = Backends::start().await;
+    let set = PolicySet::from(
+        Policy::concurrency("streams", 1)
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(2, MINUTE, 10 * MINUTE))
+            .unwrap(),
+    );
+    let mut checked = 0;
+    for subject in backends.subjects("reset-in-flight-block") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        let running = subject.check("client", &set, 1).await;
+        assert!(running.is_allowed(), "{name}");
+        // Two denials while the slot is held: a block.
+        for _ in 0..2 {
+            assert!(!subject.check("client", &set, 1).await.is_allowed(), "{name}");
+        }
+        let blocked = subject.check("client", &set, 1).await;
+        assert!(blocked.is_blocked(), "{name}: {:?}", blocked.outcome());
+        subject.reset("client", &set).await;
+        // The slot is still the running request's: freed when it ends.
+        assert!(!subject.check("client", &set, 1).await.is_blocked(), "{name}");
+        subject
+            .adjust("client", &set, &Adjustment::release(1, running.receipt()))
+            .await;
+        let after = subject.check("client", &set, 1).await;
+        assert!(after.is_allowed(), "{name}: {:?}", after.outcome());
+        checked += 1;
+    }
+    assert!(checked >= 3, "memory, Redis and a Cluster");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_inspects_grants_sets_and_resets_alike() {
     let backends = Backends::start().await;
