@@ -1775,13 +1775,19 @@ async fn a_reset_forgives_an_in_flight_policys_block_on_every_store() {
         assert!(running.is_allowed(), "{name}");
         // Two denials while the slot is held: a block.
         for _ in 0..2 {
-            assert!(!subject.check("client", &set, 1).await.is_allowed(), "{name}");
+            assert!(
+                !subject.check("client", &set, 1).await.is_allowed(),
+                "{name}"
+            );
         }
         let blocked = subject.check("client", &set, 1).await;
         assert!(blocked.is_blocked(), "{name}: {:?}", blocked.outcome());
         subject.reset("client", &set).await;
         // The slot is still the running request's: freed when it ends.
-        assert!(!subject.check("client", &set, 1).await.is_blocked(), "{name}");
+        assert!(
+            !subject.check("client", &set, 1).await.is_blocked(),
+            "{name}"
+        );
         subject
             .adjust("client", &set, &Adjustment::release(1, running.receipt()))
             .await;

@@ -1415,10 +1415,14 @@ impl Store for RedisStore {
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         let mut keys = Vec::with_capacity(2 * policies.len());
-        // In-flight slots are freed by their requests only (as in process).
-        for policy in policies.iter().filter(|p| !p.params().is_in_flight()) {
+        for policy in policies.iter() {
             let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
-            keys.push(state);
+            // In-flight slots are freed by their requests only (as in process); a
+            // reset forgives, so a penalty's blocks and strikes go, an in-flight
+            // policy's too (its auxiliary key is its penalty's alone).
+            if !policy.params().is_in_flight() {
+                keys.push(state);
+            }
             keys.push(aux);
         }
         let backend = self.backend.clone();
