@@ -1087,3 +1087,32 @@ fn a_refused_reload_is_logged_at_error_level() {
         "{events:?}"
     );
 }
+
+// A `Leased` store that holds leases for as many identities as it may decides new ones
+// one by one: a round trip each, which an operator should hear of (a flood, or a bound
+// set too low), once.
+#[test]
+fn a_leased_store_at_its_bound_of_identities_says_so_once() {
+    use tollgate::store::Leased;
+    use tollgate::{Key, PolicySet, Store};
+    let events = events_of(async {
+        let store = Leased::new(tollgate::MemoryStore::new(), 5, Duration::from_secs(60))
+            .unwrap()
+            .max_identities(16);
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        for n in 0..500 {
+            let key = Key::new(format!("user:{n}"));
+            assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        }
+    });
+    assert_eq!(
+        count(
+            &events,
+            Level::WARN,
+            "Leased holds leases for as many identities"
+        ),
+        1,
+        "{events:#?}"
+    );
+}

@@ -120,6 +120,8 @@ struct Leases {
     shards: Box<[Mutex<Shard>]>,
     /// The identities one shard holds at most: a new one past it is decided on its own.
     per_shard: std::sync::atomic::AtomicUsize,
+    /// The bound was met (said once, at warn level).
+    said_full: std::sync::atomic::AtomicBool,
     next_id: AtomicU64,
     /// Decisions sent to the shared store (leases, and requests decided on their own).
     calls: AtomicU64,
@@ -327,6 +329,7 @@ impl<S: Store> Leased<S> {
             leases: Arc::new(Leases {
                 shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
                 per_shard: DEFAULT_MAX_LEASED_IDENTITIES.div_ceil(SHARDS).into(),
+                said_full: false.into(),
                 next_id: AtomicU64::new(1),
                 calls: AtomicU64::new(0),
             }),
@@ -338,7 +341,9 @@ impl<S: Store> Leased<S> {
     /// by the shared store, exactly, until identities held leave (their leases end).
     /// Each identity held keeps its leases and a task until its `ttl` ends, so a flood
     /// of one-off identities (rotating addresses, made-up keys) cannot hold memory
-    /// without end. Clones share the bound.
+    /// without end. The bound is kept in each of 16 shards (a sixteenth each, rounded
+    /// up), so one may fill a little before the total does. Meeting it is said once, at
+    /// warn level. Clones share the bound.
     ///
     /// ```
     /// use std::time::Duration;
@@ -536,6 +541,8 @@ impl Leases {
         let mut shard = self.shard(&id.0);
         // A new identity past the bound holds nothing here: decided on its own, exactly.
         if shard.0.len() >= self.per_shard.load(Ordering::Relaxed) && !shard.0.contains_key(&id.0) {
+            drop(shard);
+            self.full();
             return Step::Alone;
         }
         let open = shard.open(id, policies);
@@ -592,6 +599,27 @@ impl Leases {
         open.leases = kept;
         shard.add_giving_back(&id.0, retired.len());
         Step::Take(retired)
+    }
+}
+
+impl Leases {
+    /// A new identity met the bound: said once, as its requests (and those of every new
+    /// identity until leases end) now cost a round trip each.
+    #[cold]
+    fn full(&self) {
+        let first = !self.said_full.load(Ordering::Relaxed)
+            && !self.said_full.swap(true, Ordering::Relaxed);
+        #[cfg(feature = "tracing")]
+        if first {
+            tracing::warn!(
+                target: "tollgate",
+                "Leased holds leases for as many identities as max_identities allows: new \
+                 identities are decided one by one by the shared store until leases end \
+                 (raise Leased::max_identities if these are not a flood; said once)"
+            );
+        }
+        #[cfg(not(feature = "tracing"))]
+        let _ = first;
     }
 }
 
