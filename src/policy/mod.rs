@@ -661,6 +661,9 @@ impl Policy {
     /// whose cost is 0 takes no slot: a cost function that prices some requests at 0
     /// exempts them from the limit. Where the client chooses its cost (an empty body under
     /// `cost::ContentLength`), give this policy a layer of its own with the constant cost 1.
+    /// An upgraded connection (a WebSocket's `101`, a `CONNECT` tunnel) gives its slot
+    /// back with its response's empty body, as the connection begins: to bound open
+    /// sockets, hold a semaphore permit in the socket's task.
     ///
     /// Advertised as `qu="concurrent-requests"`, with no window. A denied request is told
     /// to retry after one second: when a slot frees depends on other requests.
