@@ -171,6 +171,42 @@ fn huge(fields: usize) -> String {
     format!("{{ {} }}", "f ".repeat(fields))
 }
 
+// A leaf costs nothing, but each alias of it is one more value resolved and sent: written
+// 5,000 times under two lists of 100, it asked for 50 million values at the price of one
+// (`{ users(first: 100) { friends(first: 100) { a0: name a1: name ... } } }` cost 101
+// with one alias or 5,000). An aliased leaf costs 1, so the price grows with the aliases
+// and the list sizes multiply them; a leaf under its own name still costs nothing.
+#[test]
+fn aliases_of_a_leaf_are_each_charged() {
+    let leaves = |n: usize| -> String { (0..n).map(|i| format!(" a{i}: name")).collect() };
+    let nested = |n: usize| {
+        format!(
+            "{{ users(first: 100) {{ friends(first: 100) {{{} }} }} }}",
+            leaves(n)
+        )
+    };
+    // users 1 + 100 x (friends 1 + 100 x n)
+    assert_eq!(cost(&nested(1)).unwrap(), 1 + 100 * (1 + 100));
+    assert_eq!(cost(&nested(50)).unwrap(), 1 + 100 * (1 + 100 * 50));
+    assert_eq!(
+        cost(&format!("{{ users(first: 10) {{{} }} }}", leaves(3))).unwrap(),
+        1 + 10 * 3
+    );
+    // `__typename` too.
+    assert_eq!(
+        cost("{ users(first: 10) { a: __typename b: __typename } }").unwrap(),
+        1 + 10 * 2
+    );
+    // Under its own name (or an alias that is its name), a leaf is still free.
+    assert_eq!(cost("{ users(first: 10) { name id } }").unwrap(), 1);
+    assert_eq!(cost("{ users(first: 10) { name: name } }").unwrap(), 1);
+    // With a schema: an aliased scalar costs its weight, and 1 at least.
+    let sdl = "type Query { users(first: Int): [User] } type User { name: String }";
+    let coster = GraphqlCost::new().with_schema(sdl).unwrap();
+    let query = format!("{{ users(first: 10) {{{} }} }}", leaves(4));
+    assert_eq!(coster.query_cost(&query, None, None).unwrap(), 1 + 10 * 4);
+}
+
 #[test]
 fn attack_corpus() {
     let coster = GraphqlCost::new();

@@ -1,7 +1,8 @@
 //! The static cost of a GraphQL request, the way GitHub and Shopify charge points: a query
 //! is charged what it could cost to answer, before it runs (feature `graphql`).
 //!
-//! Model (no schema): an object field (one with a selection set) costs 1, a scalar field 0;
+//! Model (no schema): an object field (one with a selection set) costs 1, a scalar field 0
+//! (1 under an alias: `a0: name a1: name ...` asks for one more value each);
 //! a field with a slicing argument (`first`, `last`, `limit`) multiplies its children by
 //! that argument; each root field is a resolver call and costs at least 1 (so does each
 //! alias of one: `{ a: search b: search }` runs it twice), and each root field of a
@@ -488,6 +489,7 @@ impl GraphqlCost {
             visits: *visits,
             introspection: None,
             whole_schema: false,
+            in_field: false,
             introspected: false,
         };
         let cost = walk.selections(&operation.selection_set, root, 0);
@@ -881,6 +883,8 @@ struct Walk<'a> {
     introspection: Option<bool>,
     /// Whether a `__schema` field was costed.
     whole_schema: bool,
+    /// Set inside a field's selection set (below the root), where an aliased leaf costs.
+    in_field: bool,
     /// Set when the walk went into an introspection field: a cost remembered for a
     /// fragment or a selection set that holds one does not stand for a spread elsewhere,
     /// where the path above differs.
@@ -896,12 +900,13 @@ const TYPE_LISTS: [&str; 5] = [
     "enumValues",
 ];
 
-/// A fragment in a context: its name, the concrete type and the list size it is costed in.
-type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>);
+/// A fragment in a context: its name, the concrete type and the list size it is costed in,
+/// and whether it is spread below the root (where its aliased leaves cost).
+type Memo<'a> = (&'a str, Option<String>, Option<Sizing<'a>>, bool);
 
 /// A selection set of the document (where it is, and its length) in a context: the
-/// concrete type and the list size it is costed in.
-type Costed<'a> = (usize, usize, String, Option<Sizing<'a>>);
+/// concrete type and the list size it is costed in, and whether it is below the root.
+type Costed<'a> = (usize, usize, String, Option<Sizing<'a>>, bool);
 
 /// A list size that applies only to some child fields (`@listSize(sizedFields:)`): the
 /// context a connection's selection set is costed in, and the fragments spread in it.
@@ -955,6 +960,7 @@ impl<'a> Walk<'a> {
                 selections.len(),
                 concrete.clone(),
                 sized,
+                self.in_field,
             );
             let cost = match self.costed.get(&memo) {
                 Some(&costed) => self.recall(costed, depth)?,
@@ -990,7 +996,23 @@ impl<'a> Walk<'a> {
             self.visit()?;
             let cost = match selection {
                 Selection::Field(field) => {
-                    let cost = self.field(field, concrete, depth)?;
+                    let in_field = std::mem::replace(&mut self.in_field, true);
+                    let cost = self.field(field, concrete, depth);
+                    self.in_field = in_field;
+                    let mut cost = cost?;
+                    // A leaf is free under its own name; each alias of one below the root
+                    // is one more value resolved and sent (5,000 of them under two lists
+                    // of 100 ask for 50 million): 1 at least. (A root field's aliases
+                    // are resolver calls, charged as such.)
+                    if in_field
+                        && field.selection_set.is_empty()
+                        && field
+                            .alias
+                            .as_ref()
+                            .is_some_and(|alias| *alias != field.name)
+                    {
+                        cost = cost.max(1);
+                    }
                     match sized {
                         Some(sized)
                             if sized.fields.iter().any(|name| name == field.name.as_str()) =>
@@ -1187,7 +1209,7 @@ impl<'a> Walk<'a> {
         sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
-        let memo = (name, concrete.map(str::to_owned), sized);
+        let memo = (name, concrete.map(str::to_owned), sized, self.in_field);
         // Inside an introspection field what a fragment may hold depends on the path
         // above it: walked again at each spread (field visits still bound the work).
         let remember = self.introspection.is_none();
