@@ -2572,6 +2572,8 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
         "\"x\";q=5;r=5;w=-1;t=-1",
         "\"x\";q=5;r=5;w=1.5;t=1.5",
         "\"x\";q=5;r=5;qu=requests;pk=\"abc\"",
+        // A policy's window "MUST be a non-negative, non-zero, Integer" (section 3.1.3).
+        "\"x\";q=5;w=0",
     ] {
         let response = app(inner)
             .oneshot(Request::get("/").body(Body::empty()).unwrap())

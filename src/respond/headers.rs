@@ -528,8 +528,8 @@ fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, v
 
 /// True when `member` is a draft-11 field's member: a String (the policy's name) with
 /// `required` (`q` or `r`) a non-negative Integer, and the optional parameters the draft
-/// defines for the field, where present, of their types: `w` (policy) and `t` (rate)
-/// non-negative Integers, `qu` (policy) a String, `pk` a Byte Sequence (sections 3.1 and
+/// defines for the field, where present, of their types: `w` (policy) a positive Integer,
+/// `t` (rate) a non-negative one, `qu` (policy) a String, `pk` a Byte Sequence (sections 3.1 and
 /// 4.1). Other parameters are comments.
 fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
     let sfv::ListEntry::Item(item) = member else {
@@ -549,7 +549,11 @@ fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
             .params
             .iter()
             .all(|(key, value)| match (required, key.as_str()) {
-                ("q", "q" | "w") | ("r", "r" | "t") => count(value),
+                ("q", "q") | ("r", "r" | "t") => count(value),
+                // A window is non-zero (section 3.1.3).
+                ("q", "w") => value
+                    .as_integer()
+                    .is_some_and(|number| i64::from(number) > 0),
                 ("q", "qu") => value.as_string().is_some(),
                 (_, "pk") => value.as_byte_sequence().is_some(),
                 _ => true,
