@@ -218,10 +218,9 @@ impl Slot {
         matches!(self, Slot::InFlight { state, .. } if state.count > 0)
     }
 
-    /// What a window's slot holds spent (units admitted in it), which of two identities
-    /// fresh again at the same time (as every identity a window counted is) has more to
-    /// lose when forgotten; 0 for the other algorithms, whose state is a time or a level
-    /// the freshness already tells apart.
+    /// What a window's slot holds spent (units admitted in it): read against its limit,
+    /// what an identity has to lose when forgotten; 0 for the other algorithms, whose
+    /// state is a time or a level its freshness tells.
     pub(crate) fn spent(&self) -> u128 {
         match self {
             Slot::Window { state, .. } => u128::from(state.count),

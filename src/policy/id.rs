@@ -15,19 +15,31 @@
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use super::Algorithm;
 
 /// Distinct policies given ids from the table; later ones get hashed ids.
 pub(crate) const MAX_REGISTERED: usize = 1 << 16;
 
-/// The id of the policy `name` with `algorithm`.
+/// Of each id from the table, in order: the quota of its policy and the time that quota
+/// is measured over (a window, or the time a bucket takes to refill from empty), in
+/// nanoseconds. What an identity has to lose under the policy is read against them.
+static MEASURES: RwLock<Vec<(u64, u64)>> = RwLock::new(Vec::new());
+
+/// The quota and time of every id from the table ([`MEASURES`]), indexed by id; hashed ids
+/// (past the table's bound) have none.
+pub(crate) fn measures() -> RwLockReadGuard<'static, Vec<(u64, u64)>> {
+    MEASURES.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The id of the policy `name` with `algorithm`, whose quota is `limit` over `window`
+/// nanoseconds (recorded for the table's ids, see [`measures`]).
 ///
 /// An in-flight policy's id is its name's alone: its state counts requests in progress,
 /// which hold their slots whatever the limit or lease becomes (a reload that raises the
 /// limit must not admit a whole new quota beside the requests still running).
-pub(super) fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
+pub(super) fn policy_id(name: &str, algorithm: Algorithm, limit: u64, window: u64) -> u32 {
     let algorithm = match algorithm {
         Algorithm::Concurrency { .. } => Algorithm::Concurrency {
             limit: 0,
@@ -47,6 +59,11 @@ pub(super) fn policy_id(name: &str, algorithm: Algorithm) -> u32 {
     if ids.len() < MAX_REGISTERED {
         let next = ids.len() as u32;
         ids.insert((name.into(), algorithm), next);
+        // Under the table's lock: the measures stay in the ids' order.
+        MEASURES
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((limit, window));
         return next;
     }
     drop(ids);

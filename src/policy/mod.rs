@@ -36,6 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{MAX_SHADOW_INDEX, MAX_SHAPING_INDEX, PolicyError};
+pub(crate) use id::measures;
 pub use penalty::Penalty;
 pub use rate::Rate;
 pub use set::PolicySet;
@@ -359,7 +360,12 @@ impl Policy {
                 name: name.into(),
                 algorithm,
                 params,
-                id: policy_id(name, state_of(&params)),
+                id: policy_id(
+                    name,
+                    state_of(&params),
+                    params.limit(),
+                    params.window_nanos(),
+                ),
                 unit: match algorithm {
                     Algorithm::Concurrency { .. } => QuotaUnit::ConcurrentRequests,
                     _ => QuotaUnit::Requests,
@@ -421,7 +427,12 @@ impl Policy {
                 algorithm: self.inner.algorithm,
                 params: self.inner.params,
                 // Its own state: `~` never appears in a policy name.
-                id: policy_id(&format!("{name}~shadow"), state_of(&self.inner.params)),
+                id: policy_id(
+                    &format!("{name}~shadow"),
+                    state_of(&self.inner.params),
+                    self.inner.params.limit(),
+                    self.inner.params.window_nanos(),
+                ),
                 unit: self.inner.unit,
                 shadow: true,
                 penalty: self.inner.penalty,
@@ -465,6 +476,8 @@ impl Policy {
                 self.inner.name
             ),
             state_of(&self.inner.params),
+            self.inner.params.limit(),
+            self.inner.params.window_nanos(),
         );
         Ok(self.penalized(Some((penalty, boxed, id))))
     }

@@ -29,15 +29,15 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// costs 4 bytes a bucket, not 65 (the README's benchmark gives the resident memory
 /// measured per identity). When a shard is full it first forgets every identity
 /// whose state is back to fresh (forgetting those changes no decision); if that frees too
-/// little it forgets the identities closest to fresh, and among equals (under a window,
-/// every identity used in it) those that spent least, then the most recently added, and
-/// counts them in [`MemoryStore::evicted_live`]. An attacker rotating identities therefore
-/// cannot grow the store, and at worst resets the state of the identities that were about
-/// to be fresh anyway. Under a sliding log or a sliding window that is the identity whose
-/// newest request is oldest, however much it spent: one that spent its quota at once is
-/// forgotten before identities that each spent a unit a moment later, so a flood of about
-/// `max_keys` new identities within a window (identities a client picks, as a user name
-/// it tries) gives it a fresh quota. Size `max_keys` above the identities one window
+/// little it forgets the identities with least to lose: the smallest share of their own
+/// quota spent (units of a window's limit, the time a bucket needs to be full again over
+/// the time it takes from empty, a penalty's strikes or block whole), then those closest
+/// to fresh, then the most recently added, and counts them in
+/// [`MemoryStore::evicted_live`]. An attacker rotating identities therefore cannot grow
+/// the store, and a flood that spends a sliver of a generous policy's quota goes before an
+/// identity that spent (or was denied) under a strict one. A flood that spends as large a
+/// share as an identity (new user names each trying a login once, beside a user who
+/// tried once) can still have it forgotten: size `max_keys` above the identities one window
 /// sees, and watch `evicted_live`. An identity whose in-flight slots running requests
 /// hold is never fresh: its requests give the slots back when they end, however long they
 /// run (the lease of
@@ -434,14 +434,42 @@ impl Entry {
         self.fresh_at <= now && !self.holds_slots()
     }
 
-    /// How much the identity's state holds spent (see `Slot::spent`).
-    fn spent(&self) -> u128 {
+    /// What the identity has to lose if forgotten at `now`, in millionths of a quota: of
+    /// its policies, the largest share it holds spent of its own quota (`measures`, by
+    /// policy id: see [`crate::policy::measures`]). Of a window or a log, the units it
+    /// counts; of a bucket or a GCRA, the time until it is full again over the time it
+    /// takes from empty; a penalty's strikes or block, whole. Read against each policy's
+    /// own quota, not in units: one login attempt of a limit of 1 is more to lose than
+    /// two calls of 1,000.
+    fn at_stake(&self, now: u64, measures: &[(u64, u64)]) -> u64 {
+        const WHOLE: u128 = 1_000_000;
+        let of = |slot: &Slot, fresh_at: u64| -> u64 {
+            let live = fresh_at > now;
+            let id = slot.id();
+            // A hashed id (past the table) has no measures: whole while it is live.
+            let measured = (id & 0x8000_0000 == 0)
+                .then(|| measures.get(id as usize))
+                .flatten();
+            let share = match (slot, measured) {
+                (Slot::Penalty { .. }, _) | (_, None) => u128::from(live) * WHOLE,
+                (Slot::Bucket { .. } | Slot::Gcra { .. }, Some(&(_, refill))) => {
+                    u128::from(fresh_at.saturating_sub(now)) * WHOLE / u128::from(refill.max(1))
+                }
+                (_, Some(&(limit, _))) => {
+                    slot.spent().saturating_mul(WHOLE) / u128::from(limit.max(1))
+                }
+            };
+            u64::try_from(share).unwrap_or(u64::MAX)
+        };
         match &self.slots {
-            Slots::One(slot) => slot.spent(),
+            Slots::One(slot) => of(slot, self.fresh_at),
             Slots::Many(many) => many
                 .slots
                 .iter()
-                .fold(0u128, |sum, slot| sum.saturating_add(slot.spent())),
+                .zip(&many.fresh)
+                .map(|(slot, &fresh_at)| of(slot, fresh_at))
+                .max()
+                .unwrap_or(0),
         }
     }
 
@@ -857,12 +885,14 @@ impl<C: Clock> MemoryStore<C> {
             let others = table.slab.iter().filter(|e| !e.holds_slots()).count();
             let spare = others >= excess;
             let candidate = |entry: &Entry| !spare || !entry.holds_slots();
-            let order = |entry: &Entry| (entry.fresh_at, entry.spent());
-            // The `excess` candidates first in (fresh at, spent) order go: those closest to
-            // fresh, and among those fresh at the same time (under a window, every identity
-            // used in it) those that spent least, so no identity has its own spent quota
-            // forgotten by adding a few others after it.
-            let mut orders: Vec<(u64, u128)> = table
+            let measures = crate::policy::measures();
+            let order = |entry: &Entry| (entry.at_stake(now, &measures), entry.fresh_at);
+            // The `excess` candidates first in (at stake, fresh at) order go: those with
+            // least to lose, a share of their own quotas (so a flood spending a sliver of
+            // a generous policy's quota goes before an identity denied under a strict
+            // one, and no identity has its own spent quota forgotten by adding a few
+            // others after it), and of equals those closest to fresh.
+            let mut orders: Vec<(u64, u64)> = table
                 .slab
                 .iter()
                 .filter(|entry| candidate(entry))
@@ -1079,6 +1109,41 @@ mod tests {
             !store.check("spender", &daily, 1).is_allowed(),
             "the spender's quota was forgotten"
         );
+    }
+
+    /// What an identity has to lose is its share of its own quota, not a count of units
+    /// across policies: a flood on a generous policy (`api`, 1,000 an hour; 2 units each)
+    /// forgot a denied identity of a strict one (`login`, 1 an hour) fresh at the same
+    /// time (1 unit spent, fewer than 2), or at an earlier time (a shorter window): a new
+    /// login attempt for every flood. The flood, a sliver of its quota each, goes first.
+    #[test]
+    fn a_flood_on_a_generous_policy_does_not_forget_a_strict_ones_denial() {
+        let hour = Duration::from_secs(3600);
+        let api = PolicySet::from(Policy::fixed_window("api", 1_000, hour).unwrap());
+        let strict = [
+            Policy::fixed_window("login", 1, hour).unwrap(),
+            Policy::fixed_window("pin", 1, Duration::from_secs(900)).unwrap(),
+            Policy::token_bucket("otp", 1, Rate::per_hour(1)).unwrap(),
+            Policy::gcra("code", Rate::per_hour(1), 1).unwrap(),
+        ];
+        for strict in strict {
+            let (store, _clock) = one_shard(64);
+            let strict = PolicySet::from(strict);
+            assert!(store.check("alice", &strict, 1).is_allowed());
+            assert!(!store.check("alice", &strict, 1).is_allowed());
+            for i in 0..80 {
+                assert!(store.check(&format!("flood:{i}"), &api, 2).is_allowed());
+            }
+            assert!(
+                store.evicted_live() > 0,
+                "the store had to forget live identities"
+            );
+            assert!(
+                !store.check("alice", &strict, 1).is_allowed(),
+                "{}: alice's denial was forgotten",
+                strict[0].name()
+            );
+        }
     }
 
     #[test]
