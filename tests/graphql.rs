@@ -1552,6 +1552,41 @@ mod http {
     }
 }
 
+/// IBM's cost directives let a slicing argument be a path into an input object
+/// (`slicingArguments: ["filter.max"]` for `users(filter: Filter)`), which the coster does
+/// not follow: such a list was sized 1 (or, by default, every query of the field was
+/// refused), so `users(filter: {max: 100000})` was priced as one item. A path is refused
+/// when the schema is read, with what to do instead.
+#[test]
+fn a_slicing_argument_path_is_refused_when_the_schema_is_read() {
+    let sdl = |list_size: &str| {
+        format!(
+            "directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION
+             input Filter {{ max: Int }}
+             type Query {{ users(filter: Filter, first: Int): Conn @listSize({list_size}) }}
+             type Conn {{ nodes: [User] edges: [User] }}
+             type User {{ id: ID }}"
+        )
+    };
+    for list_size in [
+        r#"slicingArguments: ["filter.max"]"#,
+        r#"slicingArguments: ["first"], sizedFields: ["edges.node"]"#,
+    ] {
+        let error = GraphqlCost::new().with_schema(&sdl(list_size)).unwrap_err();
+        assert!(
+            matches!(&error, CostError::Parse(message) if message.contains("path")),
+            "{list_size}: {error}"
+        );
+    }
+    assert!(
+        GraphqlCost::new()
+            .with_schema(&sdl(
+                r#"slicingArguments: ["first"], sizedFields: ["nodes"]"#
+            ))
+            .is_ok()
+    );
+}
+
 /// `@listSize` without `slicingArguments` (an `assumedSize`, or `sizedFields` alone, as
 /// the README suggests for lists the model cannot size) does not switch off the model's
 /// `first`, `last` and `limit`: a `first: 100000` the server would honour was charged the

@@ -255,7 +255,25 @@ fn check_list_size(directives: &DirectiveList, place: &str) -> Result<(), CostEr
                 Value::String(text) if text.parse::<i64>().is_ok() => continue,
                 _ => "an integer",
             },
-            "slicingArguments" | "sizedFields" if strings(value) => continue,
+            "slicingArguments" | "sizedFields" if strings(value) => {
+                // IBM's paths into input objects and selections (`filter.max`,
+                // `edges.node`) are not followed: a list they size would be priced as one
+                // item, or every query of the field refused.
+                let items: Vec<&Value> = match value {
+                    Value::List(items) => items.iter().map(|item| &**item).collect(),
+                    one => vec![one],
+                };
+                if let Some(path) = items.iter().find_map(|item| match item {
+                    Value::String(text) if text.contains('.') => Some(text.as_str()),
+                    _ => None,
+                }) {
+                    return Err(CostError::Parse(format!(
+                        "schema: @listSize on {place} names the path {path:?} in {name}: \
+                         paths are not followed; name a top-level argument (or field)"
+                    )));
+                }
+                continue;
+            }
             "slicingArguments" | "sizedFields" => "a list of strings",
             "requireOneSlicingArgument" if matches!(value, Value::Boolean(_)) => continue,
             "requireOneSlicingArgument" => "a Boolean",
