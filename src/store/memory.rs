@@ -450,16 +450,23 @@ impl Entry {
             let measured = (id & 0x8000_0000 == 0)
                 .then(|| measures.get(id as usize))
                 .flatten();
+            // A state fresh again (a window that has ended) has nothing at stake,
+            // whatever it still counts.
+            if !live {
+                return 0;
+            }
             let share = match (slot, measured) {
-                (Slot::Penalty { .. }, _) | (_, None) => u128::from(live) * WHOLE,
+                (Slot::Penalty { .. }, _) | (_, None) => WHOLE,
                 (Slot::Bucket { .. } | Slot::Gcra { .. }, Some(&(_, refill))) => {
-                    u128::from(fresh_at.saturating_sub(now)) * WHOLE / u128::from(refill.max(1))
+                    u128::from(fresh_at - now) * WHOLE / u128::from(refill.max(1))
                 }
                 (_, Some(&(limit, _))) => {
                     slot.spent().saturating_mul(WHOLE) / u128::from(limit.max(1))
                 }
             };
-            u64::try_from(share).unwrap_or(u64::MAX)
+            // At most a whole quota: debt owed past it (a post-paid settle) or a sliding
+            // window's two counts rank with a spent quota, and with a penalty's block.
+            share.min(WHOLE) as u64
         };
         match &self.slots {
             Slots::One(slot) => of(slot, self.fresh_at),
@@ -1144,6 +1151,36 @@ mod tests {
                 strict[0].name()
             );
         }
+    }
+
+    /// What a slot held in a window that has ended is no longer at stake: a flood that
+    /// spent a set's per-second quota once (`[10 a second, 1,000 a day]`, 10 requests
+    /// each) read as a whole quota spent for the rest of the day, and had an identity
+    /// that spent 900 of its day (9 a second) forgotten first.
+    #[test]
+    fn a_window_that_ended_is_not_at_stake() {
+        let (store, clock) = one_shard(64);
+        let set = PolicySet::new([
+            Policy::fixed_window("second", 10, Duration::from_secs(1)).unwrap(),
+            Policy::fixed_window("day", 1_000, Duration::from_secs(86_400)).unwrap(),
+        ])
+        .unwrap();
+        for _ in 0..100 {
+            assert!(store.check("alice", &set, 9).is_allowed());
+            clock.advance(Duration::from_secs(1));
+        }
+        for i in 0..80 {
+            for _ in 0..10 {
+                assert!(store.check(&format!("flood:{i}"), &set, 1).is_allowed());
+            }
+            clock.advance(Duration::from_secs(2));
+        }
+        assert!(
+            store.evicted_live() > 0,
+            "the store had to forget live identities"
+        );
+        let day = store.check("alice", &set, 0).statuses()[1].remaining;
+        assert_eq!(day, 100, "alice's day was forgotten");
     }
 
     #[test]
