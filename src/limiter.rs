@@ -97,6 +97,8 @@ use crate::store::{Store, StoreError, StoreErrorKind, within};
 struct KeyQueue {
     turn: Arc<tokio::sync::Mutex<()>>,
     failing: std::sync::atomic::AtomicBool,
+    /// The waiter holding the turn is waiting on a store call now.
+    calling: std::sync::atomic::AtomicBool,
 }
 
 type Queue = Arc<KeyQueue>;
@@ -112,6 +114,23 @@ impl<St: Store> Drop for Place<'_, St> {
     fn drop(&mut self) {
         drop(self.queue.take());
         self.limiter.forget(self.key);
+    }
+}
+
+/// Marks a queue's holder as waiting on a store call until dropped (the call answered,
+/// or the waiter went away mid-call).
+struct Calling<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl<'a> Calling<'a> {
+    fn new(flag: &'a std::sync::atomic::AtomicBool) -> Self {
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+        Self(flag)
+    }
+}
+
+impl Drop for Calling<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -656,17 +675,33 @@ impl<St: Store> Limiter<St> {
             // each): no denial, as no limit was reached; the failure mode answers, as it
             // would have had this waiter's own call failed (the failures are counted). A
             // queue held by ordinary waits is told so, whatever other keys' calls meet.
-            let failing = queue.failing.load(std::sync::atomic::Ordering::Relaxed);
-            drop(place);
+            use std::sync::atomic::Ordering::Relaxed;
+            let failing = queue.failing.load(Relaxed);
+            let calling = queue.calling.load(Relaxed);
             if failing {
+                drop(place);
                 return self.served(key, cost, deadline, None, None).await;
             }
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
-            // is not known). The statuses are the key's state now. (The queue's other
-            // handle went with the timed-out lock: the place's drop removes the queue
-            // when nobody else holds it.)
-            let now = self.peek(key).await;
+            // is not known). The statuses are the key's state now. A peek the store fails
+            // while the waiter ahead waits on a store call is the failure that held the
+            // queue (the first holder of a queue on a store that hangs is not known to
+            // have failed yet): the failure mode answers. (The place's drop removes the
+            // queue when nobody else holds it.)
+            let peeked = self.peek(key).await;
+            let calling = calling || queue.calling.load(Relaxed);
+            drop(place);
+            let now = match peeked {
+                Some(now) => now,
+                None if calling => return self.served(key, cost, deadline, None, None).await,
+                None => Decision::new(
+                    Outcome::Allowed {
+                        delay: Duration::ZERO,
+                    },
+                    [],
+                ),
+            };
             // Named: the enforced policy with the fewest units left.
             let policy = now
                 .statuses()
@@ -702,7 +737,10 @@ impl<St: Store> Limiter<St> {
     ) -> Result<(Decision, Decider), WaitError> {
         loop {
             let decided = if turn.is_some() {
-                self.waiting(key, cost).await
+                let calling = queue.map(|queue| Calling::new(&queue.calling));
+                let decided = self.waiting(key, cost).await;
+                drop(calling);
+                decided
             } else {
                 let error = StoreError::new(
                     StoreErrorKind::Timeout,
@@ -834,26 +872,26 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// The key's state now, for a waiter that gives up: as far as the store answers within
-    /// its timeout (else a decision with no statuses).
-    async fn peek(&self, key: &Key) -> Decision {
+    /// The key's state now, for a waiter that gives up: `None` when the store fails to
+    /// answer within its timeout (counted, and said as an outage is).
+    async fn peek(&self, key: &Key) -> Option<Decision> {
         let shared = &self.shared;
-        within(
+        let peeked = within(
             shared.timeout,
             "answer to a peek",
             shared.store.peek(key, &shared.policies),
         )
-        .await
-        .inspect_err(crate::telemetry::store_error)
-        .ok()
-        .unwrap_or_else(|| {
-            Decision::new(
-                Outcome::Allowed {
-                    delay: Duration::ZERO,
-                },
-                [],
-            )
-        })
+        .await;
+        match peeked {
+            Ok(now) => Some(now),
+            Err(error) => {
+                crate::telemetry::store_error(&error);
+                if error.kind().is_io() || error.meets_every_request_as_an_outage() {
+                    shared.outage.on_failure(&error, None);
+                }
+                None
+            }
+        }
     }
 
     fn queue(&self, key: &Key) -> Queue {

@@ -358,6 +358,34 @@ async fn waiters_held_in_the_queue_by_a_hung_store_get_the_failure_modes_answer(
     }
 }
 
+// The first waiter of a fresh queue on a hung store holds the turn for the store's
+// timeout; one behind it with a shorter wait runs out of it before any failure is known,
+// and its peek hangs too. A peek that fails is that failure: the failure mode answers
+// (fail open: through), not a `TooLong` of a limit nobody reached.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_whose_peek_fails_gets_the_failure_modes_answer() {
+    let limiter = Limiter::new(
+        Hangs,
+        Policy::token_bucket("jobs", 100, Rate::per_second(100)).unwrap(),
+    )
+    .store_timeout(Duration::from_millis(200))
+    .on_store_error(FailureMode::FailOpen);
+    let key = Key::new("k");
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(10)).await })
+    };
+    tokio::task::yield_now().await;
+    let behind = limiter
+        .until_ready(&key, 1, Duration::from_millis(100))
+        .await;
+    assert!(
+        behind.as_ref().is_ok_and(|decision| decision.is_allowed()),
+        "{behind:?}"
+    );
+    assert!(ahead.await.unwrap().is_ok());
+}
+
 /// A store that never answers for the key `down`, and answers every other key.
 #[derive(Clone)]
 struct OneKeyHangs(MemoryStore<tollgate::clock::RuntimeClock>);
