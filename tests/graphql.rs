@@ -1552,6 +1552,45 @@ mod http {
     }
 }
 
+/// A variable the request does not give (and that has no default of its own) leaves its
+/// argument unset (graphql-spec, "CoerceArgumentValues"): the schema's default for the
+/// argument applies, as it does when the query does not write it. It was read as a value
+/// given and out of range, and such a request refused. Given as `null`, it is a value,
+/// and out of range; where no default is known, it is still sized as a value missing.
+#[test]
+fn a_variable_not_given_leaves_its_argument_to_the_schema_default() {
+    let sdl = "type Query { users(first: Int = 10): [User] } type User { friends: [User] }";
+    let coster = GraphqlCost::new().with_schema(sdl).unwrap();
+    let query = "query($n: Int) { users(first: $n) { friends { __typename } } }";
+    // users 1 + 10 x friends 1
+    assert_eq!(coster.query_cost(query, None, None).unwrap(), 1 + 10);
+    assert_eq!(
+        coster
+            .query_cost("{ users { friends { __typename } } }", None, None)
+            .unwrap(),
+        1 + 10
+    );
+    let variables = serde_json::json!({ "n": 3 });
+    assert_eq!(
+        coster
+            .query_cost(query, None, variables.as_object())
+            .unwrap(),
+        1 + 3
+    );
+    let null = serde_json::json!({ "n": null });
+    assert!(matches!(
+        coster.query_cost(query, None, null.as_object()),
+        Err(CostError::Slicing { .. })
+    ));
+    let no_default = GraphqlCost::new()
+        .with_schema("type Query { users(first: Int): [User] } type User { friends: [User] }")
+        .unwrap();
+    assert!(matches!(
+        no_default.query_cost(query, None, None),
+        Err(CostError::Slicing { .. })
+    ));
+}
+
 /// IBM's cost directives let a slicing argument be a path into an input object
 /// (`slicingArguments: ["filter.max"]` for `users(filter: Filter)`), which the coster does
 /// not follow: such a list was sized 1 (or, by default, every query of the field was

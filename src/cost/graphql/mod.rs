@@ -1299,7 +1299,12 @@ impl<'a> Walk<'a> {
         let mut given = 0;
         let mut largest = None;
         for argument in &field.arguments {
-            if slicing(argument.name.as_str()) {
+            // A variable not given leaves the argument to the schema's default, where it
+            // has one; where none is known, it is sized as a value missing (refused, or
+            // the most under `OutOfRange::Cap`): the server's default may be no limit.
+            let to_default = self.unset(&argument.value)
+                && defaults.is_some_and(|defaults| defaults.contains_key(argument.name.as_str()));
+            if slicing(argument.name.as_str()) && !to_default {
                 given += 1;
                 let size = self.in_range(field, &argument.name, self.int(&argument.value))?;
                 largest = largest.max(Some(size));
@@ -1350,6 +1355,24 @@ impl<'a> Walk<'a> {
                 max: model.max_slice,
             }),
         }
+    }
+
+    /// True for a variable the request does not give and that has no default of its own:
+    /// its argument is left unset (graphql-spec, "CoerceArgumentValues"), as if the query
+    /// did not write it. (A variable given as `null` is a value.)
+    fn unset(&self, value: &Value) -> bool {
+        let Value::Variable(name) = value else {
+            return false;
+        };
+        let given = self
+            .variables
+            .is_some_and(|variables| variables.contains_key(name.as_str()));
+        let defaulted = self
+            .operation
+            .variables
+            .iter()
+            .any(|definition| definition.name == *name && definition.default_value.is_some());
+        !given && !defaulted
     }
 
     /// An integer argument: a literal, or a variable from the request, else its default.
