@@ -457,7 +457,17 @@ impl Drop for ProbeGuard {
         {
             // Only while the breaker is open: another request's success may have closed
             // it since the load above, and a dropped probe is no reason to open it.
-            if self.breaker.clock.now().saturating_add(1) >= patient_until {
+            let now = self.breaker.clock.now();
+            if now.saturating_add(1) >= patient_until {
+                // Counted as the store timing out, as any request so dropped is.
+                crate::telemetry::store_error(&StoreError::new(
+                    crate::store::StoreErrorKind::Timeout,
+                    format!(
+                        "the circuit breaker's probe was dropped after waiting {:?} on the \
+                         store",
+                        Duration::from_nanos(now.saturating_sub(self.started))
+                    ),
+                ));
                 self.breaker.renew_cool_down();
             } else {
                 self.breaker.hold_until(patient_until);

@@ -492,6 +492,71 @@ fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
     );
 }
 
+/// A store that fails at once, or never answers while `hangs` is set.
+#[derive(Clone)]
+struct FailsThenHangs(Arc<AtomicBool>);
+
+impl tollgate::Store for FailsThenHangs {
+    fn decide(&self, _: &tollgate::Key, _: &tollgate::PolicySet, _: u64) -> tollgate::DecideFuture {
+        if self.0.load(Ordering::SeqCst) {
+            return tollgate::DecideFuture::new(std::future::pending());
+        }
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
+}
+
+// The README: a request dropped after waiting 100 ms on the store, with no answer from it
+// meanwhile, "counts as the store timing out (a probe so dropped starts a new
+// cool-down), in tollgate_store_errors_total{kind="timeout"}". A probe so dropped started
+// the cool-down and was counted nowhere: a store that hangs, seen only by probes (the
+// whole time the breaker is open), left the counter still.
+#[test]
+fn a_probe_dropped_on_a_hung_store_is_counted_as_a_timeout() {
+    let hangs = Arc::new(AtomicBool::new(false));
+    let clock = tollgate::clock::ManualClock::new();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(FailsThenHangs(Arc::clone(&hangs)))
+                .policy(jobs())
+                .key(Global)
+                .on_store_error(tollgate::FailureMode::FailOpen)
+                .store_timeout(Duration::from_secs(30))
+                .circuit_breaker(
+                    tollgate::CircuitBreaker::new(1, Duration::from_secs(1))
+                        .with_clock(clock.clone()),
+                ),
+        )
+        .with_state(());
+    let seen = metrics_of(async move {
+        // One failure opens the breaker; once its cool-down has passed, the next request
+        // is the probe, and the store hangs.
+        assert_eq!(status_of_get(&app).await, StatusCode::OK);
+        clock.advance(Duration::from_secs(2));
+        hangs.store(true, Ordering::SeqCst);
+        let mut probe = Box::pin(status_of_get(&app));
+        let polled = tokio::time::timeout(Duration::from_millis(5), &mut probe).await;
+        assert!(polled.is_err(), "the probe waits on the hung store");
+        clock.advance(Duration::from_millis(150));
+        drop(probe);
+    });
+    assert_eq!(
+        counter(
+            &seen,
+            "tollgate_store_errors_total",
+            &[("kind", "unavailable")]
+        ),
+        1
+    );
+    assert_eq!(
+        counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
+        1
+    );
+}
+
 /// Two units an hour: the `Limiter` tests' policy.
 fn jobs() -> Policy {
     Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap()
