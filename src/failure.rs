@@ -692,6 +692,10 @@ impl Breaker {
         {
             return;
         }
+        // The store answered: a request that began to wait before now and is dropped
+        // later says nothing of it (see `Waiting`), the probe's answer included.
+        let now = self.clock.now().saturating_add(1);
+        self.answered_at.fetch_max(now, Ordering::Relaxed);
         self.failures.store(0, Ordering::Relaxed);
         self.open_until.store(0, Ordering::Relaxed);
         self.probing.store(0, Ordering::Release);

@@ -183,6 +183,52 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
     assert!(store.calls() >= 3);
 }
 
+// A request that waited on the store since before an outage, dropped after the breaker's
+// probe found the store back, says nothing of the store: the probe's answer came after
+// it began to wait. The probe's answer was not marked as one (only other requests'
+// were), so the old request's drop counted as a timeout and opened the breaker again,
+// on a store that answers.
+#[tokio::test]
+async fn a_request_dropped_after_the_probe_found_the_store_back_keeps_the_breaker_closed() {
+    let store = Switch::new();
+    let clock = tollgate::clock::ManualClock::new();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(
+                CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(clock.clone()),
+            ),
+    );
+    // A request waits on a store that hangs; another meets it down: the breaker opens.
+    store.set(HUNG);
+    let mut old = Box::pin(app.clone().oneshot(request("/", 1)));
+    let polled = tokio::time::timeout(Duration::from_millis(5), &mut old).await;
+    assert!(polled.is_err(), "the request waits on the hung store");
+    store.set(DOWN);
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    // The cool-down passes; the probe finds the store back.
+    clock.advance(Duration::from_secs(2));
+    store.set(UP);
+    let probe = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert!(
+        probe.headers().contains_key("ratelimit"),
+        "the probe was answered"
+    );
+    // The old request is given up, long after it began to wait.
+    clock.advance(Duration::from_millis(150));
+    drop(old);
+    let calls = store.calls();
+    let next = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(
+        store.calls(),
+        calls + 1,
+        "the breaker opened again: the store was skipped"
+    );
+    assert!(next.headers().contains_key("ratelimit"));
+}
+
 // A store that hangs while an outer timeout (or the client) gives up before the store
 // timeout does: each request was dropped waiting, nothing was counted, and the breaker
 // never opened (every request waited on the hung store until the outer timeout). A request
