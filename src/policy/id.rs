@@ -22,16 +22,40 @@ use super::Algorithm;
 /// Distinct policies given ids from the table; later ones get hashed ids.
 pub(crate) const MAX_REGISTERED: usize = 1 << 16;
 
-/// Of each id from the table, in order: the quota of its policy and the time that quota
-/// is measured over (a window, or the time a bucket takes to refill from empty), in
-/// nanoseconds. What an identity has to lose under the policy is read against them.
-static MEASURES: RwLock<Vec<(u64, u64)>> = RwLock::new(Vec::new());
+/// Of each id: the quota of its policy and the time that quota is measured over (a window,
+/// or the time a bucket takes to refill from empty), in nanoseconds. What an identity has
+/// to lose under the policy is read against them.
+pub(crate) struct Measures {
+    /// The table's ids, in order.
+    table: Vec<(u64, u64)>,
+    /// Hashed ids (past the table's bound), the first [`MAX_REGISTERED`] of them seen.
+    hashed: Option<HashMap<u32, (u64, u64)>>,
+}
 
-/// The quota and time of every id from the table ([`MEASURES`]), indexed by id; hashed ids
-/// (past the table's bound) have none.
-pub(crate) fn measures() -> RwLockReadGuard<'static, Vec<(u64, u64)>> {
+impl Measures {
+    /// The quota and time of the policy `id`; `None` for a hashed id past the bound.
+    #[inline]
+    pub(crate) fn of(&self, id: u32) -> Option<(u64, u64)> {
+        if id & HASHED == 0 {
+            self.table.get(id as usize).copied()
+        } else {
+            self.hashed.as_ref()?.get(&id).copied()
+        }
+    }
+}
+
+static MEASURES: RwLock<Measures> = RwLock::new(Measures {
+    table: Vec::new(),
+    hashed: None,
+});
+
+/// The quota and time of every id ([`Measures`]).
+pub(crate) fn measures() -> RwLockReadGuard<'static, Measures> {
     MEASURES.read().unwrap_or_else(PoisonError::into_inner)
 }
+
+/// The top bit: set on hashed ids, never on the table's.
+const HASHED: u32 = 0x8000_0000;
 
 /// The id of the policy `name` with `algorithm`, whose quota is `limit` over `window`
 /// nanoseconds (recorded for the table's ids, see [`measures`]).
@@ -63,6 +87,7 @@ pub(super) fn policy_id(name: &str, algorithm: Algorithm, limit: u64, window: u6
         MEASURES
             .write()
             .unwrap_or_else(PoisonError::into_inner)
+            .table
             .push((limit, window));
         return next;
     }
@@ -70,5 +95,19 @@ pub(super) fn policy_id(name: &str, algorithm: Algorithm, limit: u64, window: u6
     // A fixed-key hash: the same policy gets the same id in every call.
     let hash =
         foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one((name, algorithm));
-    0x8000_0000 | (hash as u32 & 0x7fff_ffff)
+    let id = HASHED | (hash as u32 & !HASHED);
+    // Its measures too, while there is room (a resolver that invents policies per request
+    // meets them mostly known after the first): looked up before any write.
+    let known = measures()
+        .hashed
+        .as_ref()
+        .is_some_and(|hashed| hashed.contains_key(&id) || hashed.len() >= MAX_REGISTERED);
+    if !known {
+        let mut measures = MEASURES.write().unwrap_or_else(PoisonError::into_inner);
+        let hashed = measures.hashed.get_or_insert_with(HashMap::new);
+        if hashed.len() < MAX_REGISTERED {
+            hashed.entry(id).or_insert((limit, window));
+        }
+    }
+    id
 }

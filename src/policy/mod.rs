@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use error::{MAX_SHADOW_INDEX, MAX_SHAPING_INDEX, PolicyError};
-pub(crate) use id::measures;
+pub(crate) use id::{Measures, measures};
 pub use penalty::Penalty;
 pub use rate::Rate;
 pub use set::PolicySet;
@@ -849,6 +849,15 @@ mod tests {
                 .filter(|&&id| id & 0x8000_0000 == 0)
                 .all(|&id| (id as usize) < id::MAX_REGISTERED)
         );
+        // Every id has its quota and time, in the table or hashed (the in-process store
+        // ranks what an identity has to lose by them: past the table, every policy read as
+        // a whole quota, and a flood forgot identities that had spent their own).
+        let big =
+            Policy::fixed_window("big-past-the-table", 1_000, Duration::from_secs(60)).unwrap();
+        assert_ne!(big.id() & 0x8000_0000, 0, "past the table");
+        let measures = id::measures();
+        assert_eq!(measures.of(big.id()), Some((1_000, 60_000_000_000)));
+        assert_eq!(measures.of(make(0).id()), Some((1, 1_000_000_000)));
     }
 
     #[test]

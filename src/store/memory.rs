@@ -436,31 +436,26 @@ impl Entry {
 
     /// What the identity has to lose if forgotten at `now`, in millionths of a quota: of
     /// its policies, the largest share it holds spent of its own quota (`measures`, by
-    /// policy id: see [`crate::policy::measures`]). Of a window or a log, the units it
+    /// policy id). Of a window or a log, the units it
     /// counts; of a bucket or a GCRA, the time until it is full again over the time it
     /// takes from empty; a penalty's strikes or block, whole. Read against each policy's
     /// own quota, not in units: one login attempt of a limit of 1 is more to lose than
     /// two calls of 1,000.
-    fn at_stake(&self, now: u64, measures: &[(u64, u64)]) -> u64 {
+    fn at_stake(&self, now: u64, measures: &crate::policy::Measures) -> u64 {
         const WHOLE: u128 = 1_000_000;
         let of = |slot: &Slot, fresh_at: u64| -> u64 {
-            let live = fresh_at > now;
-            let id = slot.id();
-            // A hashed id (past the table) has no measures: whole while it is live.
-            let measured = (id & 0x8000_0000 == 0)
-                .then(|| measures.get(id as usize))
-                .flatten();
             // A state fresh again (a window that has ended) has nothing at stake,
             // whatever it still counts.
-            if !live {
+            if fresh_at <= now {
                 return 0;
             }
-            let share = match (slot, measured) {
+            // A policy without measures (past every bound of them): whole while live.
+            let share = match (slot, measures.of(slot.id())) {
                 (Slot::Penalty { .. }, _) | (_, None) => WHOLE,
-                (Slot::Bucket { .. } | Slot::Gcra { .. }, Some(&(_, refill))) => {
+                (Slot::Bucket { .. } | Slot::Gcra { .. }, Some((_, refill))) => {
                     u128::from(fresh_at - now) * WHOLE / u128::from(refill.max(1))
                 }
-                (_, Some(&(limit, _))) => {
+                (_, Some((limit, _))) => {
                     slot.spent().saturating_mul(WHOLE) / u128::from(limit.max(1))
                 }
             };
