@@ -434,20 +434,21 @@ impl Entry {
         self.fresh_at <= now && !self.holds_slots()
     }
 
-    /// What the identity has to lose if forgotten at `now`, in millionths of a quota: of
-    /// its policies, the largest share it holds spent of its own quota (`measures`, by
-    /// policy id). Of a window or a log, the units it
-    /// counts; of a bucket or a GCRA, the time until it is full again over the time it
-    /// takes from empty; a penalty's strikes or block, whole. Read against each policy's
-    /// own quota, not in units: one login attempt of a limit of 1 is more to lose than
-    /// two calls of 1,000.
-    fn at_stake(&self, now: u64, measures: &crate::policy::Measures) -> u64 {
+    /// What the identity has to lose if forgotten at `now`, in millionths of a quota, and
+    /// until when: of its policies' states still live, the largest share it holds spent
+    /// of its own quota (`measures`, by policy id), at most a whole one, and when that
+    /// state is fresh again (of equal shares, the latest). Of a window or a log, the
+    /// units it counts; of a bucket or a GCRA, the time until it is full again over the
+    /// time it takes from empty; a penalty's strikes or block, whole. Read against each
+    /// policy's own quota, not in units: one login attempt of a limit of 1 is more to
+    /// lose than two calls of 1,000.
+    fn at_stake(&self, now: u64, measures: &crate::policy::Measures) -> (u64, u64) {
         const WHOLE: u128 = 1_000_000;
-        let of = |slot: &Slot, fresh_at: u64| -> u64 {
+        let of = |slot: &Slot, fresh_at: u64| -> (u64, u64) {
             // A state fresh again (a window that has ended) has nothing at stake,
             // whatever it still counts.
             if fresh_at <= now {
-                return 0;
+                return (0, 0);
             }
             // A policy without measures (past every bound of them): whole while live.
             let share = match (slot, measures.of(slot.id())) {
@@ -461,7 +462,7 @@ impl Entry {
             };
             // At most a whole quota: debt owed past it (a post-paid settle) or a sliding
             // window's two counts rank with a spent quota, and with a penalty's block.
-            share.min(WHOLE) as u64
+            (share.min(WHOLE) as u64, fresh_at)
         };
         match &self.slots {
             Slots::One(slot) => of(slot, self.fresh_at),
@@ -471,7 +472,7 @@ impl Entry {
                 .zip(&many.fresh)
                 .map(|(slot, &fresh_at)| of(slot, fresh_at))
                 .max()
-                .unwrap_or(0),
+                .unwrap_or((0, 0)),
         }
     }
 
@@ -888,12 +889,12 @@ impl<C: Clock> MemoryStore<C> {
             let spare = others >= excess;
             let candidate = |entry: &Entry| !spare || !entry.holds_slots();
             let measures = crate::policy::measures();
-            let order = |entry: &Entry| (entry.at_stake(now, &measures), entry.fresh_at);
-            // The `excess` candidates first in (at stake, fresh at) order go: those with
-            // least to lose, a share of their own quotas (so a flood spending a sliver of
-            // a generous policy's quota goes before an identity denied under a strict
-            // one, and no identity has its own spent quota forgotten by adding a few
-            // others after it), and of equals those closest to fresh.
+            let order = |entry: &Entry| entry.at_stake(now, &measures);
+            // The `excess` candidates first in `at_stake` order go: those with least to
+            // lose, a share of their own quotas (so a flood spending a sliver of a
+            // generous policy's quota goes before an identity denied under a strict one,
+            // and no identity has its own spent quota forgotten by adding a few others
+            // after it), and of equals those whose stake ends first.
             let mut orders: Vec<(u64, u64)> = table
                 .slab
                 .iter()
@@ -1176,6 +1177,45 @@ mod tests {
         );
         let day = store.check("alice", &set, 0).statuses()[1].remaining;
         assert_eq!(day, 100, "alice's day was forgotten");
+    }
+
+    /// Of identities with as much at stake, the one whose stake ends first goes: a flood
+    /// that spent a per-second quota (`[10 a second, 1,000 a day]`, its day 1% spent)
+    /// ranked by the end of its day, so an identity blocked for ten minutes, its login
+    /// spent for the hour, was forgotten first, and its block lifted.
+    #[test]
+    fn of_equal_stakes_the_one_that_ends_first_goes() {
+        let (store, _clock) = one_shard(64);
+        let login = PolicySet::from(
+            Policy::fixed_window("login", 1, Duration::from_secs(3600))
+                .unwrap()
+                .with_penalty(crate::policy::Penalty::new(
+                    1,
+                    Duration::from_secs(3600),
+                    Duration::from_secs(600),
+                ))
+                .unwrap(),
+        );
+        assert!(store.check("alice", &login, 1).is_allowed());
+        assert!(store.check("alice", &login, 1).is_blocked());
+        let set = PolicySet::new([
+            Policy::fixed_window("second", 10, Duration::from_secs(1)).unwrap(),
+            Policy::fixed_window("day", 1_000, Duration::from_secs(86_400)).unwrap(),
+        ])
+        .unwrap();
+        for i in 0..80 {
+            for _ in 0..10 {
+                assert!(store.check(&format!("flood:{i}"), &set, 1).is_allowed());
+            }
+        }
+        assert!(
+            store.evicted_live() > 0,
+            "the store had to forget live identities"
+        );
+        assert!(
+            store.check("alice", &login, 1).is_blocked(),
+            "alice's block was forgotten"
+        );
     }
 
     #[test]
