@@ -183,6 +183,32 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
     assert!(store.calls() >= 3);
 }
 
+/// `hello` behind a layer over `store` that fails open, waits up to 30 s on the store,
+/// and whose `breaker` reads `clock`.
+fn over_a_clocked_breaker(
+    store: &Switch,
+    breaker: CircuitBreaker,
+    clock: &tollgate::clock::ManualClock,
+) -> Router {
+    hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(breaker.with_clock(clock.clone())),
+    )
+}
+
+/// A request to `app` polled until it waits on the (hung) store, still waiting.
+async fn waiting_on_the_store(
+    app: &Router,
+) -> std::pin::Pin<Box<tower::util::Oneshot<Router, Request<Body>>>> {
+    let mut waiting = Box::pin(app.clone().oneshot(request("/", 1)));
+    let polled = tokio::time::timeout(Duration::from_millis(5), &mut waiting).await;
+    assert!(polled.is_err(), "the request waits on the hung store");
+    waiting
+}
+
 // A request that waited on the store since before an outage, dropped after the breaker's
 // probe found the store back, says nothing of the store: the probe's answer came after
 // it began to wait. The probe's answer was not marked as one (only other requests'
@@ -192,20 +218,14 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
 async fn a_request_dropped_after_the_probe_found_the_store_back_keeps_the_breaker_closed() {
     let store = Switch::new();
     let clock = tollgate::clock::ManualClock::new();
-    let app = hello().layer(
-        RateLimitLayer::new(store.clone())
-            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
-            .on_store_error(FailureMode::FailOpen)
-            .store_timeout(Duration::from_secs(30))
-            .circuit_breaker(
-                CircuitBreaker::new(1, Duration::from_secs(1)).with_clock(clock.clone()),
-            ),
+    let app = over_a_clocked_breaker(
+        &store,
+        CircuitBreaker::new(1, Duration::from_secs(1)),
+        &clock,
     );
     // A request waits on a store that hangs; another meets it down: the breaker opens.
     store.set(HUNG);
-    let mut old = Box::pin(app.clone().oneshot(request("/", 1)));
-    let polled = tokio::time::timeout(Duration::from_millis(5), &mut old).await;
-    assert!(polled.is_err(), "the request waits on the hung store");
+    let old = waiting_on_the_store(&app).await;
     store.set(DOWN);
     app.clone().oneshot(request("/", 1)).await.unwrap();
     // The cool-down passes; the probe finds the store back.
@@ -239,14 +259,10 @@ async fn a_request_dropped_after_the_probe_found_the_store_back_keeps_the_breake
 async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
     let store = Switch::new();
     let clock = tollgate::clock::ManualClock::new();
-    let app = hello().layer(
-        RateLimitLayer::new(store.clone())
-            .policy(Policy::token_bucket("api", 1_000, Rate::per_second(1_000)).unwrap())
-            .on_store_error(FailureMode::FailOpen)
-            .store_timeout(Duration::from_secs(30))
-            .circuit_breaker(
-                CircuitBreaker::new(2, Duration::from_secs(3600)).with_clock(clock.clone()),
-            ),
+    let app = over_a_clocked_breaker(
+        &store,
+        CircuitBreaker::new(2, Duration::from_secs(3600)),
+        &clock,
     );
     store.set(HUNG);
     // Polled until it waits on the store, then dropped `waited` later (by the breaker's
@@ -255,9 +271,7 @@ async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
         let app = app.clone();
         let clock = clock.clone();
         async move {
-            let mut waiting = Box::pin(app.oneshot(request("/", 1)));
-            let polled = tokio::time::timeout(Duration::from_millis(5), &mut waiting).await;
-            assert!(polled.is_err(), "the request waits on the hung store");
+            let waiting = waiting_on_the_store(&app).await;
             clock.advance(waited);
             drop(waiting);
         }
@@ -271,9 +285,7 @@ async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
     // for some, not hanging (clients that give up at once on a slow store cannot open
     // the breaker that way).
     for _ in 0..3 {
-        let mut waiting = Box::pin(app.clone().oneshot(request("/", 1)));
-        let polled = tokio::time::timeout(Duration::from_millis(5), &mut waiting).await;
-        assert!(polled.is_err(), "the request waits on the hung store");
+        let waiting = waiting_on_the_store(&app).await;
         clock.advance(Duration::from_millis(50));
         store.set(UP);
         let answered = app.clone().oneshot(request("/", 1)).await.unwrap();
