@@ -58,7 +58,7 @@ pub(crate) fn measures() -> RwLockReadGuard<'static, Measures> {
 const HASHED: u32 = 0x8000_0000;
 
 /// The id of the policy `name` with `algorithm`, whose quota is `limit` over `window`
-/// nanoseconds (recorded for the table's ids, see [`measures`]).
+/// nanoseconds (recorded, see [`measures`]).
 ///
 /// An in-flight policy's id is its name's alone: its state counts requests in progress,
 /// which hold their slots whatever the limit or lease becomes (a reload that raises the
