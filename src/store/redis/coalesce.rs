@@ -277,21 +277,9 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
     });
     match answered {
         Ok(reply) => {
-            let mut rest = reply.as_slice();
-            for waiter in waiters {
-                let answer = match rest.split_first() {
-                    Some((&len, tail))
-                        if usize::try_from(len).is_ok_and(|len| len <= tail.len()) =>
-                    {
-                        let (own, tail) = tail.split_at(len as usize);
-                        rest = tail;
-                        parse_reply(own, call.shape, call.count, waiter.cost, 0)
-                    }
-                    _ => Err(StoreError::new(
-                        StoreErrorKind::Protocol,
-                        "the batch script answered fewer decisions than it was sent",
-                    )),
-                };
+            let costs: Vec<u64> = waiters.iter().map(|waiter| waiter.cost).collect();
+            let answers = answers(&reply, &costs, call.shape, call.count);
+            for (waiter, answer) in waiters.into_iter().zip(answers) {
                 let _ = waiter.answer.send(answer);
             }
         }
@@ -303,9 +291,70 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
     }
 }
 
+/// Each decision's answer in a batch's `reply` (each one's length, then its own reply),
+/// for decisions of `costs`, in order. A reply that holds fewer answers, or more, than it
+/// was sent decisions is no answer to this batch (a script of another layout): every
+/// decision fails with a protocol error, none is read from it.
+fn answers(reply: &[i64], costs: &[u64], shape: super::Shape, count: usize) -> Vec<Answer> {
+    let mut rest = reply;
+    let mut own = Vec::with_capacity(costs.len());
+    for _ in costs {
+        match rest.split_first() {
+            Some((&len, tail)) if usize::try_from(len).is_ok_and(|len| len <= tail.len()) => {
+                let (answer, tail) = tail.split_at(len as usize);
+                own.push(answer);
+                rest = tail;
+            }
+            _ => break,
+        }
+    }
+    if own.len() < costs.len() || !rest.is_empty() {
+        let error = StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "the batch script answered other than the {} decisions it was sent",
+                costs.len()
+            ),
+        );
+        return costs.iter().map(|_| Err(error.for_another())).collect();
+    }
+    own.into_iter()
+        .zip(costs)
+        .map(|(answer, &cost)| parse_reply(answer, shape, count, cost, 0))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch's reply holding answers past its last decision (or short of it) is no
+    /// answer to it: the decisions read from it were read as another layout's (a script
+    /// of another version), and one past the last went unseen.
+    #[test]
+    fn a_batch_reply_of_more_or_fewer_answers_is_refused() {
+        // One plain policy's full answer: outcome, policy, wait, delay; limit, remaining,
+        // reset, effective window; the time.
+        let one = [0, 0, 0, 0, 10, 9, 60_000_000, 60_000_000, 1];
+        let entry = |answer: &[i64]| {
+            let mut entry = vec![answer.len() as i64];
+            entry.extend_from_slice(answer);
+            entry
+        };
+        let two: Vec<i64> = [entry(&one), entry(&one)].concat();
+        let read = answers(&two, &[1, 1], super::super::Shape::Full, 1);
+        assert!(read.iter().all(Result::is_ok), "{read:?}");
+        for reply in [[two.clone(), entry(&one)].concat(), entry(&one)] {
+            let read = answers(&reply, &[1, 1], super::super::Shape::Full, 1);
+            assert_eq!(read.len(), 2);
+            assert!(
+                read.iter().all(|answer| answer
+                    .as_ref()
+                    .is_err_and(|error| error.kind() == StoreErrorKind::Protocol)),
+                "{read:?}"
+            );
+        }
+    }
 
     /// A drain that ends (nothing queued: the identity is free) must not fail what queues
     /// behind the next leader of that identity, which may have joined before the drain's
