@@ -268,6 +268,8 @@ struct Booked<St: Store> {
     cost: u64,
     spent: Option<(Decision, Decider)>,
     turn: Option<tokio::sync::OwnedMutexGuard<()>>,
+    /// The queue whose turn it holds: its give-back is a store call there.
+    queue: Option<Queue>,
 }
 
 impl<St: Store> Drop for Booked<St> {
@@ -281,10 +283,16 @@ impl<St: Store> Drop for Booked<St> {
             return;
         };
         let (limiter, key, cost) = (self.limiter.clone(), self.key.clone(), self.cost);
-        let turn = self.turn.take();
+        let (turn, queue) = (self.turn.take(), self.queue.take());
         let mut give_back = Box::pin(async move {
-            limiter.give_back(&key, cost, &decision, &decider).await;
+            {
+                // The turn is held on store calls: a waiter behind it whose peek the
+                // store fails meets the store's failure, not a limit.
+                let _calling = queue.as_deref().map(|queue| Calling::new(&queue.calling));
+                limiter.give_back(&key, cost, &decision, &decider).await;
+            }
             drop(turn);
+            drop(queue);
             limiter.forget(&key);
         });
         // An in-process store (or the fallback) answers at once: given back before the
@@ -668,7 +676,7 @@ impl<St: Store> Limiter<St> {
             key,
             queue: Some(self.queue(key)),
         };
-        let queue = place.queue.as_deref().expect("set above");
+        let queue = place.queue.as_ref().expect("set above");
         let locked = tokio::time::timeout_at(deadline, Arc::clone(&queue.turn).lock_owned()).await;
         let Ok(turn) = locked else {
             // The store failed the waiter ahead (it holds the turn one store timeout
@@ -733,7 +741,7 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         deadline: Instant,
         turn: Option<tokio::sync::OwnedMutexGuard<()>>,
-        queue: Option<&KeyQueue>,
+        queue: Option<&Queue>,
     ) -> Result<(Decision, Decider), WaitError> {
         loop {
             let decided = if turn.is_some() {
@@ -791,6 +799,7 @@ impl<St: Store> Limiter<St> {
                             cost,
                             spent: Some((decision, decider)),
                             turn,
+                            queue: queue.cloned(),
                         });
                         return Err(WaitError::TooLong(denied));
                     }
@@ -803,6 +812,7 @@ impl<St: Store> Limiter<St> {
                         cost,
                         spent: Some((decision, decider)),
                         turn,
+                        queue: queue.cloned(),
                     };
                     tokio::time::sleep(delay).await;
                     return Ok(booked.spent.take().expect("set above"));

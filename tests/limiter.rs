@@ -386,6 +386,51 @@ async fn a_waiter_whose_peek_fails_gets_the_failure_modes_answer() {
     assert!(ahead.await.unwrap().is_ok());
 }
 
+/// A store that decides in process but never answers a give-back or a peek.
+#[derive(Clone)]
+struct GiveBacksHang(MemoryStore<tollgate::clock::RuntimeClock>);
+
+impl Store for GiveBacksHang {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(&self, _: &Key, _: &PolicySet, _: &tollgate::Adjustment) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn peek(&self, _: &Key, _: &PolicySet) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+}
+
+// A give-back holds the key's turn while it waits on the store: a waiter behind it whose
+// peek the store fails too meets the store's failure, as behind a decision, not a limit.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_behind_a_hung_give_back_gets_the_failure_modes_answer() {
+    let limiter =
+        Limiter::new(GiveBacksHang(runtime_store()), paced()).on_store_error(FailureMode::FailOpen);
+    let key = Key::new("k");
+    assert!(limiter.until_ready(&key, 1, Duration::ZERO).await.is_ok());
+    // Its delay would pass its wait: it gives its units back (the store hangs on it).
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+    assert!(
+        matches!(impatient, Err(WaitError::TooLong(_))),
+        "{impatient:?}"
+    );
+    let behind = limiter
+        .until_ready(&key, 1, Duration::from_millis(20))
+        .await;
+    assert!(
+        behind.as_ref().is_ok_and(|decision| decision.is_allowed()),
+        "{behind:?}"
+    );
+}
+
 /// A store that never answers for the key `down`, and answers every other key.
 #[derive(Clone)]
 struct OneKeyHangs(MemoryStore<tollgate::clock::RuntimeClock>);
