@@ -409,17 +409,13 @@ impl Shared {
     /// Notes what `headers` (of a response with `status`) say about when to send again;
     /// true when the server asked for more than `max_wait` (a retry would be refused).
     fn learn(&self, key: &str, status: StatusCode, headers: &HeaderMap) -> bool {
-        // Refused: never straight back (no word, a date in the past, a clock skewed, a
-        // zero): a second, or `max_wait` when that is shorter, so that a 429 is still
-        // retried under a `max_wait` below a second.
-        let refused = status == StatusCode::TOO_MANY_REQUESTS;
-        let floor = Duration::from_secs(1).min(self.max_wait);
-        let wait = match server_word(status, headers) {
-            Some(wait) if refused => wait.max(floor),
-            Some(wait) => wait,
-            None if refused => floor,
-            None => return false,
+        // A refusal waits a second, or `max_wait` when that is shorter, so that a 429 is
+        // still retried under a `max_wait` below a second.
+        let Some(wait) = asked_wait(status, headers, Duration::from_secs(1).min(self.max_wait))
+        else {
+            return false;
         };
+        let refused = status == StatusCode::TOO_MANY_REQUESTS;
         // With no wait allowed at all (`max_wait` zero), a refusal is not retried: a
         // retry would go straight back.
         let capped = wait > self.max_wait || (refused && wait.is_zero());
@@ -514,10 +510,13 @@ impl Hosts {
 /// assert_eq!(server_wait(StatusCode::TOO_MANY_REQUESTS, &headers), Some(Duration::from_secs(2)));
 /// ```
 pub fn server_wait(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
-    // Refused: never straight back (no word, a zero, a date in the past), as the layer
-    // waits: a second at least.
+    asked_wait(status, headers, Duration::from_secs(1))
+}
+
+/// What the server's fields ask for ([`server_word`]), a refusal (429) never straight back
+/// (no word, a zero, a date in the past, a clock skewed): `floor` at least.
+fn asked_wait(status: StatusCode, headers: &HeaderMap, floor: Duration) -> Option<Duration> {
     let refused = status == StatusCode::TOO_MANY_REQUESTS;
-    let floor = Duration::from_secs(1);
     match server_word(status, headers) {
         Some(wait) if refused => Some(wait.max(floor)),
         Some(wait) => Some(wait),

@@ -492,10 +492,7 @@ impl<St: Store> Limiter<St> {
             // has no time left: the failure mode answers after one timeout, the hang
             // counted once.
             Err(error) => {
-                crate::telemetry::store_error(&error);
-                if error.kind().is_io() || error.meets_every_request_as_an_outage() {
-                    shared.outage.on_failure(&error, None);
-                }
+                self.met(&error);
                 self.decide_within(key, policies, cost, left, true).await
             }
         }
@@ -559,15 +556,20 @@ impl<St: Store> Limiter<St> {
             Err(error) => {
                 // Counted (and, if not I/O, logged) whatever the failure mode does.
                 if !(counted && timeout.is_zero()) {
-                    crate::telemetry::store_error(&error);
-                    // An outage (or a refusal every call meets) is said as the layer says
-                    // it; an error of this call's alone is logged above.
-                    if error.kind().is_io() || error.meets_every_request_as_an_outage() {
-                        shared.outage.on_failure(&error, None);
-                    }
+                    self.met(&error);
                 }
                 self.failure_modes_answer(key, policies, cost, error)
             }
+        }
+    }
+
+    /// A store call failed with `error`: counted (and, if not I/O, logged), and an outage
+    /// (or a refusal every call meets) said as the layer says it; an error of this call's
+    /// alone is only logged.
+    fn met(&self, error: &StoreError) {
+        crate::telemetry::store_error(error);
+        if error.kind().is_io() || error.meets_every_request_as_an_outage() {
+            self.shared.outage.on_failure(error, None);
         }
     }
 
@@ -895,10 +897,7 @@ impl<St: Store> Limiter<St> {
         match peeked {
             Ok(now) => Some(now),
             Err(error) => {
-                crate::telemetry::store_error(&error);
-                if error.kind().is_io() || error.meets_every_request_as_an_outage() {
-                    shared.outage.on_failure(&error, None);
-                }
+                self.met(&error);
                 None
             }
         }

@@ -259,14 +259,15 @@ fn check_list_size(directives: &DirectiveList, place: &str) -> Result<(), CostEr
                 // IBM's paths into input objects and selections (`filter.max`,
                 // `edges.node`) are not followed: a list they size would be priced as one
                 // item, or every query of the field refused.
-                let items: Vec<&Value> = match value {
-                    Value::List(items) => items.iter().map(|item| &**item).collect(),
-                    one => vec![one],
-                };
-                if let Some(path) = items.iter().find_map(|item| match item {
-                    Value::String(text) if text.contains('.') => Some(text.as_str()),
+                let path = |item: &Value| match item {
+                    Value::String(text) if text.contains('.') => Some(text.to_string()),
                     _ => None,
-                }) {
+                };
+                let path = match value {
+                    Value::List(items) => items.iter().find_map(|item| path(item)),
+                    one => path(one),
+                };
+                if let Some(path) = path {
                     return Err(CostError::Parse(format!(
                         "schema: @listSize on {place} names the path {path:?} in {name}: \
                          paths are not followed; name a top-level argument (or field)"
