@@ -778,16 +778,26 @@ impl LimiterConfig {
             cost = match parts {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a
-                    // `post` would never match a POST.
-                    let upper = method.bytes().all(|b| !b.is_ascii_lowercase());
+                    // `post` would never match a POST. Any token is a method to HTTP, so a
+                    // misspelt one (`PSOT`) would be a route no request ever takes.
                     let method = Method::from_bytes(method.as_bytes())
                         .ok()
-                        .filter(|_| upper)
+                        .filter(|_| registered_method(method))
                         .ok_or_else(|| {
-                            ConfigError::new(
-                                &entry,
-                                format!("{method:?} is not a method (write it upper case: POST)"),
-                            )
+                            let reason = if registered_method(&method.to_ascii_uppercase()) {
+                                format!(
+                                    "{method:?} is not a method: methods are case-sensitive \
+                                     (write it upper case: {})",
+                                    method.to_ascii_uppercase()
+                                )
+                            } else {
+                                format!(
+                                    "{method:?} is not a registered method (those of RFC 9110, \
+                                     of the IANA HTTP Method Registry, or PURGE); a route of \
+                                     another method is set through PerRoute::route_method"
+                                )
+                            };
+                            ConfigError::new(&entry, reason)
                         })?;
                     cost.route_method(method, path.trim(), *units)
                 }
@@ -1242,6 +1252,56 @@ fn salt_from(variable: &str, value: Option<std::ffi::OsString>) -> Result<Vec<u8
             format!("the environment variable {variable:?} is not set, or empty"),
         )),
     }
+}
+
+/// A method a configured route may name: RFC 9110's (section 9), those of the IANA HTTP
+/// Method Registry (RFC 7237's initial ones, and QUERY), and PURGE, which caches take
+/// though no registry lists it. Case-sensitive.
+fn registered_method(method: &str) -> bool {
+    matches!(
+        method,
+        "GET"
+            | "HEAD"
+            | "POST"
+            | "PUT"
+            | "DELETE"
+            | "CONNECT"
+            | "OPTIONS"
+            | "TRACE"
+            | "PATCH"
+            | "QUERY"
+            | "PURGE"
+            | "ACL"
+            | "BASELINE-CONTROL"
+            | "BIND"
+            | "CHECKIN"
+            | "CHECKOUT"
+            | "COPY"
+            | "LABEL"
+            | "LINK"
+            | "LOCK"
+            | "MERGE"
+            | "MKACTIVITY"
+            | "MKCALENDAR"
+            | "MKCOL"
+            | "MKREDIRECTREF"
+            | "MKWORKSPACE"
+            | "MOVE"
+            | "ORDERPATCH"
+            | "PRI"
+            | "PROPFIND"
+            | "PROPPATCH"
+            | "REBIND"
+            | "REPORT"
+            | "SEARCH"
+            | "UNBIND"
+            | "UNCHECKOUT"
+            | "UNLINK"
+            | "UNLOCK"
+            | "UPDATE"
+            | "UPDATEREDIRECTREF"
+            | "VERSION-CONTROL"
+    )
 }
 
 #[cfg(test)]

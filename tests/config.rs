@@ -248,6 +248,21 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "costs.routes.\"post /upload\"",
             "is not a method",
         ),
+        // A misspelt method is a token as any extension method is, and a route of it
+        // would never be matched: POST /upload charged the default. Only the methods of
+        // RFC 9110 (section 9) and the IANA HTTP Method Registry (RFC 7237) are routes.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"PSOT /upload\" = 1 }\n",
+            "costs.routes.\"PSOT /upload\"",
+            "\"PSOT\" is not a registered method",
+        ),
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"* /upload\" = 1 }\n",
+            "costs.routes.\"* /upload\"",
+            "\"*\" is not a registered method",
+        ),
         (
             policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
                 + "[costs]\nroutes = { \"POST upload\" = 2 }\n",
@@ -447,6 +462,14 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
          [costs]\nroutes = { \"/export\" = 50 }\n",
     );
     assert_eq!(pro_only.check(), Ok(()));
+    // Registered methods beyond RFC 9110's are routes (WebDAV's, PATCH, QUERY), and so is
+    // PURGE, which caches take though no registry lists it.
+    let registered = parse(
+        "[[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = 9\nwindow = \"1s\"\n\
+         [costs]\nroutes = { \"PROPFIND /dav\" = 2, \"VERSION-CONTROL /dav\" = 2, \
+         \"PATCH /x\" = 2, \"QUERY /x\" = 2, \"PURGE /x\" = 2, \"GET /x\" = 2 }\n",
+    );
+    assert_eq!(registered.check(), Ok(()));
     // A layer in shadow refuses no cost.
     let watched = parse(
         "shadow = true\n\
