@@ -1051,6 +1051,45 @@ async fn connect_cluster_checks_every_primary() {
         .expect("every primary runs the scripts");
 }
 
+// A single server's URL that names one node of a Cluster (a managed Cluster's endpoint
+// given as REDIS_URL) reaches only that node's slots: every other identity is answered
+// MOVED. That was sorted as an outage, so the local fallback answered most identities for
+// good (each replica its own limit: the limit silently not shared) while the breaker
+// flapped. The start-up check refuses it, and a store built without it (a pool of one
+// node) is told a refusal, logged loudly, never an outage to wait out.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_node_behind_a_single_servers_url_is_refused() {
+    let cluster = support::RedisCluster::start(3);
+    let url = &cluster.urls()[0];
+    let error = tollgate::store::RedisStore::connect(url)
+        .await
+        .expect_err("a Cluster node behind a single server's URL must not start");
+    assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+    assert!(error.to_string().contains("Cluster"), "{error}");
+    // A pool of the one node, as `from_pool` takes it, without the start-up check.
+    let pool = deadpool_redis::Config::from_url(url.clone())
+        .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .unwrap();
+    let store = tollgate::store::RedisStore::from_pool(pool);
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap());
+    let mut redirected = 0;
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        match tollgate::Store::decide(&store, &key, &policies, 1).await {
+            Ok(_) => {}
+            Err(error) => {
+                redirected += 1;
+                assert_eq!(error.kind(), StoreErrorKind::Refused, "{error}");
+                assert!(error.to_string().contains("Cluster"), "{error}");
+            }
+        }
+    }
+    // Three primaries: about two identities in three live on another node.
+    assert!(redirected > 0, "no identity of 30 lived on another node");
+}
+
 // The effective window of each algorithm, on a manual clock (the table in the README).
 #[test]
 fn the_effective_window_of_each_algorithm() {

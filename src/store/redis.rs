@@ -1005,6 +1005,7 @@ impl RedisStore {
             )
             .map_err(|error| StoreError::new(StoreErrorKind::Other, error.to_string()))?,
         );
+        self.check_not_a_cluster_node().await?;
         let keys = self.start_up_identities().await;
         // On every primary (a key of the probe's routes each check to its node).
         if let Some(policy) = probe.iter().next() {
@@ -1076,6 +1077,35 @@ impl RedisStore {
 }
 
 impl RedisStore {
+    /// A single server's URL (or a pool of one) that reaches a node of a Redis Cluster
+    /// decides only the identities whose slots that node owns: the others are answered
+    /// `MOVED`, and only the node's own slots could pass the decisions below. Refused at
+    /// start, whichever slot the check's identity hashes to. A server that refuses `INFO`
+    /// (an ACL) or cannot be reached is not judged here: a redirection met later is a
+    /// refusal too ([`query_error`]).
+    async fn check_not_a_cluster_node(&self) -> Result<(), StoreError> {
+        if matches!(
+            self.backend,
+            Backend::Cluster(_) | Backend::PooledCluster(_) | Backend::ClusterPool(_)
+        ) {
+            return Ok(());
+        }
+        let mut command = redis::cmd("INFO");
+        command.arg("cluster");
+        match query::<String>(&self.backend, &command).await {
+            Ok(info) if info.lines().any(|line| line.trim() == "cluster_enabled:1") => {
+                Err(StoreError::new(
+                    StoreErrorKind::Refused,
+                    format!(
+                        "the server is a node of a Redis Cluster (INFO: cluster_enabled:1), \
+                             reached as a single server: {CLUSTER_NODE_ALONE}"
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The scripts write times with Lua's `string.format('%d')`, which goes through a C
     /// `long`: on a build where it has 32 bits (a 32-bit or a Windows build) every time
     /// would be written wrong, and the limits would not hold. The Functions library checks
@@ -1712,6 +1742,20 @@ async fn query<T: redis::FromRedisValue>(
 /// writes (`OOM` out of memory, `MISCONF` unable to persist: every decision writes); on
 /// a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
+    // A redirection on a connection to one server: the server is a Cluster's node, and
+    // the identities of every other node's slots are refused for good. Not an outage to
+    // wait out behind the failure mode (each replica's fallback limiting on its own).
+    if !cluster && matches!(error.code(), Some("MOVED" | "ASK" | "CLUSTERDOWN")) {
+        let code = error.code().map(str::to_owned);
+        let mut refused = StoreError::new(
+            StoreErrorKind::Refused,
+            format!("{error}: the server is a node of a Redis Cluster: {CLUSTER_NODE_ALONE}"),
+        );
+        if let Some(code) = code {
+            refused = refused.with_code(code);
+        }
+        return refused.with_source(error);
+    }
     let every_request = !cluster
         && (password_refused(&error)
             || tls_refused(&error)
@@ -1720,6 +1764,11 @@ fn query_error(error: RedisError, cluster: bool) -> StoreError {
     error.every_request |= every_request;
     error
 }
+
+/// What to do about a Cluster's node reached as a single server.
+const CLUSTER_NODE_ALONE: &str = "it decides only the identities whose slots it owns; \
+     connect to the Cluster as one (RedisConfig::cluster, RedisStore::connect_cluster, \
+     REDIS_CLUSTER in the examples)";
 
 /// Runs `call` with the invocation's keys and arguments on `backend`: the library's
 /// function (loaded, once, when the server does not have it: a restart, a flush, a node
@@ -2537,6 +2586,19 @@ mod tests {
         }
         let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "no"));
         assert_eq!(store_error(refused).kind(), StoreErrorKind::Refused);
+        // On a connection to one server, a redirection says the server is a Cluster's
+        // node reached as a single server: a refusal, for good.
+        for kind in [
+            ServerErrorKind::Moved,
+            ServerErrorKind::Ask,
+            ServerErrorKind::ClusterDown,
+        ] {
+            let error = || RedisError::from((ErrorKind::Server(kind), "redirected"));
+            assert_eq!(query_error(error(), true).kind(), StoreErrorKind::Unavailable);
+            let alone = query_error(error(), false);
+            assert_eq!(alone.kind(), StoreErrorKind::Refused, "{kind:?}");
+            assert!(!alone.every_request);
+        }
     }
 
     /// Redis before 7 wraps the error a script's write met in a script error of its
