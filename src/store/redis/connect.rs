@@ -403,13 +403,20 @@ fn check_scheme(url: &str) -> Result<(), StoreError> {
 const SECRET_PARAMETERS: [&str; 2] = ["pass", "password"];
 
 /// `url` with the password of its user info, and any `pass`/`password` query parameter,
-/// replaced by `***`. A string that does not parse as a URL is not shown at all: where its
-/// password is cannot be known.
+/// replaced by `***`. A string that does not parse as a URL, or holds an `@` outside its
+/// user info, is not shown at all: where its password is cannot be known.
 pub(super) fn redact(url: &str) -> String {
     const UNPARSABLE: &str = "<a URL that does not parse; not shown>";
     let Ok(mut parsed) = url::Url::parse(url.trim()) else {
         return UNPARSABLE.to_owned();
     };
+    // An `@` outside the user info: a password holding `/`, `?` or `#` unescaped, which
+    // ends the authority early and leaves its pieces in the host, port, path or query.
+    if parsed.username().is_empty() && parsed.password().is_none() && url.contains('@') {
+        return "<a URL with an @ outside its user info (a password holding /, ? or # \
+                must be percent-encoded); not shown>"
+            .to_owned();
+    }
     if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
         return UNPARSABLE.to_owned();
     }
@@ -468,6 +475,28 @@ mod tests {
             redact("redis+unix:///run/redis.sock?db=1&pass=hunter2"),
             "redis+unix:///run/redis.sock?db=1&pass=***"
         );
+    }
+
+    /// A password holding `/`, `?` or `#` unescaped ends the URL's authority early: what
+    /// parses is a host and a port made of the password's pieces, and a path or query
+    /// holding the rest and the `@` (the URL standard, "authority state"). Nothing of it
+    /// is a user info to hide, so none of it is shown.
+    #[test]
+    fn a_password_holding_a_delimiter_is_not_shown() {
+        for url in [
+            "redis://limiter:2024/Spring@h:6379",
+            "redis://s3cr?et@h",
+            "redis://:s3cr#et@h:6379",
+            "rediss://limiter:ab/cd?ef@h:6380/0",
+        ] {
+            let shown = redact(url);
+            for piece in ["2024", "Spring", "s3cr", "et@", "ab", "cd", "ef"] {
+                assert!(!shown.contains(piece), "{url:?} shown as {shown:?}");
+            }
+        }
+        // An `@` the user info holds is fine, and so is a URL with none.
+        assert_eq!(redact("redis://u:p%40ss@h:1"), "redis://u:***@h:1");
+        assert_eq!(redact("redis://h:1/0"), "redis://h:1/0");
     }
 
     #[test]
