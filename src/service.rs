@@ -202,7 +202,7 @@ where
                 return self.waiting(decided, stopwatch, request, key, policies, cost, probe);
             }
         };
-        stopwatch.stop();
+        stopwatch.stop(matches!(answer, StoreAnswer::Decided(decision) if decision.is_cached()));
         let plan = responder.plan(&policies, &key, cost, answer, probe.as_ref());
         drop(probe);
         match plan {
@@ -331,7 +331,7 @@ where
             if let Some(waiting) = waiting {
                 waiting.answered(&result);
             }
-            stopwatch.stop();
+            stopwatch.stop(result.as_ref().is_ok_and(crate::Decision::is_cached));
             result
         });
         ResponseFuture::deciding(

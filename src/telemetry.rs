@@ -10,8 +10,9 @@
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_plans_unknown_total` | counter | (a plan header named no plan of the configuration: the default plan applied) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
+//! | `tollgate_fallback_decisions_total` | counter | `outcome`: `allowed`, `denied`, `cost_exceeds_limit` (decisions a failure mode's local limiter made, counted in `tollgate_decisions_total` too) |
 //! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
-//! | `tollgate_store_latency_seconds` | histogram | time the store took to decide |
+//! | `tollgate_store_latency_seconds` | histogram | time the store took to decide (or to fail); not the answers a deny cache or a lease gave without asking it |
 //!
 //! Identities never appear in metrics (unbounded label values); denials are `tracing`
 //! events at debug level with the key, which is hashed when it is a secret.
@@ -531,10 +532,17 @@ impl Stopwatch {
         }
     }
 
+    /// Records the time taken, unless a cache in front of the store answered (the deny
+    /// cache, a lease): the store was not asked, and a flood of such answers would hide
+    /// its own times.
     #[inline]
-    pub(crate) fn stop(self) {
+    pub(crate) fn stop(self, cached: bool) {
         #[cfg(feature = "metrics")]
-        store_latency(self.started.elapsed());
+        if !cached {
+            store_latency(self.started.elapsed());
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = cached;
     }
 }
 

@@ -831,3 +831,86 @@ fn a_limiter_recovers_on_a_peek_answer() {
         })
     });
 }
+
+/// `tollgate_store_latency_seconds` is the time the store took: a denial the deny cache
+/// answers in process never asked it. Recorded with the store's own round trips, a flood
+/// of cached denials (most of the samples) hid a slow Redis behind near-zero times.
+#[test]
+fn a_deny_caches_answers_are_no_store_latency() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(
+            RateLimitLayer::new(tollgate::store::DenyCache::new(MemoryStore::new(), 64))
+                .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+                .key(Global),
+        )
+        .with_state(());
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            // Two admitted, one denied by the store (which the cache keeps), then ten
+            // denials the cache answers.
+            for expected in [StatusCode::OK, StatusCode::OK]
+                .into_iter()
+                .chain(std::iter::repeat_n(StatusCode::TOO_MANY_REQUESTS, 11))
+            {
+                assert_eq!(status_of_get(&app).await, expected);
+            }
+            let seen = snapshot(&snapshotter);
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", "api"), ("outcome", "denied")]
+                ),
+                11
+            );
+            match value(&seen, "tollgate_store_latency_seconds", &[]) {
+                Some(DebugValue::Histogram(samples)) => {
+                    assert_eq!(samples.len(), 3, "the store was asked three times")
+                }
+                other => panic!("latency: {other:?}"),
+            }
+        })
+    });
+}
+
+/// Every metric the crate emits is in the README's table and in the `telemetry` module's
+/// own: a metric an operator cannot find documented is one they do not alert on.
+#[test]
+fn every_metric_emitted_is_documented() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |path: &str| std::fs::read_to_string(root.join(path)).unwrap();
+    let readme = read("README.md");
+    let telemetry = read("src/telemetry.rs");
+    let module_table: String = telemetry
+        .lines()
+        .take_while(|line| line.starts_with("//!"))
+        .collect();
+    let mut emitted = std::collections::BTreeSet::new();
+    for path in ["src/telemetry.rs", "src/store/mod.rs", "src/store/redis.rs"] {
+        let text = read(path);
+        for (at, _) in text.match_indices("\"tollgate_") {
+            let name: String = text[at + 1..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            if name.len() > "tollgate_".len() {
+                emitted.insert(name);
+            }
+        }
+    }
+    assert!(emitted.len() >= 9, "{emitted:?}");
+    for name in &emitted {
+        let row = format!("| `{name}` |");
+        assert!(readme.contains(&row), "README's metrics table lacks {name}");
+        assert!(
+            module_table.contains(&row),
+            "the telemetry module's table lacks {name}"
+        );
+    }
+}

@@ -2594,7 +2594,10 @@ mod tests {
             ServerErrorKind::ClusterDown,
         ] {
             let error = || RedisError::from((ErrorKind::Server(kind), "redirected"));
-            assert_eq!(query_error(error(), true).kind(), StoreErrorKind::Unavailable);
+            assert_eq!(
+                query_error(error(), true).kind(),
+                StoreErrorKind::Unavailable
+            );
             let alone = query_error(error(), false);
             assert_eq!(alone.kind(), StoreErrorKind::Refused, "{kind:?}");
             assert!(!alone.every_request);
