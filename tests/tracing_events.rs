@@ -574,6 +574,44 @@ fn a_library_load_refused_for_memory_is_logged_at_error_level() {
     assert!(logged_at_error(&events, "Functions library"), "{events:?}");
 }
 
+/// Requests that meet the lost library together wait their turn to load it; when the
+/// load is refused, those behind the one that tried fall back to scripts without sending
+/// the load again (to a server out of memory) and without saying it again: one error
+/// line for the lot. Each loaded and said it in turn, a line per request.
+#[cfg(feature = "redis")]
+#[test]
+fn a_refused_library_load_is_tried_and_said_once_for_requests_together() {
+    use tollgate::{Key, PolicySet, Store};
+    let server = support::RedisServer::start();
+    let events = events_of(async {
+        // A pool: each decision on a connection of its own, none coalesced.
+        let pool = deadpool_redis::Config::from_url(server.url())
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .unwrap();
+        let store = tollgate::store::RedisStore::from_pool(pool);
+        store.verify().await.expect("the server runs the library");
+        assert_eq!(server.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+        for setting in [["maxmemory-policy", "noeviction"], ["maxmemory", "1"]] {
+            let args = ["CONFIG", "SET", setting[0], setting[1]];
+            assert_eq!(server.cli(&args).trim(), "OK");
+        }
+        let policies =
+            PolicySet::from(Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap());
+        let keys: Vec<Key> = (0..8).map(|n| Key::new(format!("user:{n}"))).collect();
+        let decisions = keys.iter().map(|key| store.decide(key, &policies, 1));
+        let answers = futures_util::future::join_all(decisions).await;
+        // The scripts are refused for memory too: every decision fails, as a refusal.
+        assert!(answers.iter().all(Result::is_err), "{answers:?}");
+    });
+    let said = events
+        .iter()
+        .filter(|event| {
+            event.starts_with(&format!("{} ", Level::ERROR)) && event.contains("Functions library")
+        })
+        .count();
+    assert_eq!(said, 1, "{events:#?}");
+}
+
 /// A dropped decision's in-flight slots are given back by a task of their own. A release
 /// the server refuses (an ACL without `ZREM`) is a misconfiguration, said at error level
 /// as every store call no request waits for is; it was a warning, one per dropped

@@ -1819,7 +1819,15 @@ async fn load_and_call(
     let mut again = true;
     loop {
         match load_library(backend, scripts, seen).await {
-            Ok(()) => {}
+            Ok(true) => {}
+            // Another request's load was refused while this one waited its turn: it was
+            // said and counted there; scripts, quietly.
+            Ok(false) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Refused,
+                    "loading the Redis Functions library was refused to another request",
+                ));
+            }
             Err(error) if error.kind().is_io() => return Ok(Err(error)),
             Err(error) if functions_refused(&error) => return Err(error),
             Err(error) => {
@@ -1891,8 +1899,11 @@ fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
 /// Loads the Functions library (`FUNCTION LOAD REPLACE`: the same text under the same
 /// name, so replicas loading at once agree; on a Cluster, every primary), unless another
 /// request of this store has loaded it since this one saw it missing (`seen`: the count
-/// of loads before its call).
-async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result<(), StoreError> {
+/// of loads before its call): `Ok(true)`. `Ok(false)` when the load was refused to a
+/// request ahead of this one, which switched the store to scripts meanwhile: requests
+/// that met the missing library together send the load (to a server maybe out of
+/// memory) and say its refusal once, not once each.
+async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result<bool, StoreError> {
     use std::sync::atomic::Ordering;
     // One load at a time; but a caller holding a pooled connection does not wait for
     // the loader, which may itself be waiting for a pooled connection (callers like this
@@ -1903,16 +1914,30 @@ async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result
         Some(scripts.reload.lock().await)
     };
     if scripts.loads.load(Ordering::Acquire) != seen {
-        return Ok(());
+        return Ok(true);
+    }
+    if !scripts.functions.load(Ordering::Relaxed) {
+        return Ok(false);
     }
     let mut command = redis::cmd("FUNCTION");
     command
         .arg("LOAD")
         .arg("REPLACE")
         .arg(&scripts.library.source);
-    query::<redis::Value>(backend, &command).await?;
-    scripts.loads.fetch_add(1, Ordering::Release);
-    Ok(())
+    match query::<redis::Value>(backend, &command).await {
+        Ok(_) => {
+            scripts.loads.fetch_add(1, Ordering::Release);
+            Ok(true)
+        }
+        Err(error) => {
+            // Refused: scripts from now on (for a minute), switched while the turn is
+            // held, so that those waiting for it see the switch.
+            if !error.kind().is_io() {
+                fall_back_to_scripts(scripts, &error);
+            }
+            Err(error)
+        }
+    }
 }
 
 /// Runs `script` with the invocation's keys and arguments on `backend`: by its SHA1, or
