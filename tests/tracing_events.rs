@@ -612,6 +612,66 @@ fn a_refused_library_load_is_tried_and_said_once_for_requests_together() {
     assert_eq!(said, 1, "{events:#?}");
 }
 
+/// A server that stalls (frozen: its kernel still accepts connections, nothing answers)
+/// has its connection checked after a few decisions go unanswered, and replaced when a
+/// `PING` gets no answer either. Each check and each replacement that failed said a
+/// warning again, for as long as the stall lasted (a line or two a second or so: the
+/// README says an outage is told once, and again at most every 30 s). The stall is said
+/// once at warn level, then at debug level until the server answers again.
+#[cfg(feature = "redis")]
+#[test]
+fn a_stalled_server_is_said_once_not_at_every_check() {
+    use std::time::Instant;
+    use tollgate::{Key, PolicySet, Store};
+    let server = support::RedisServer::start();
+    let recorder = Recorder::default();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let checks = |recorder: &Recorder| {
+        recorder
+            .events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|event| event.contains("answers nothing, not even a PING"))
+            .count()
+    };
+    tracing::subscriber::with_default(recorder.clone(), || {
+        runtime.block_on(async {
+            let store = tollgate::store::RedisStore::connect(&server.url())
+                .await
+                .expect("a store");
+            let policies = PolicySet::from(
+                Policy::fixed_window("api", 100, Duration::from_secs(3600)).unwrap(),
+            );
+            let key = Key::new("stalled");
+            server.signal("STOP");
+            // Decisions dropped unanswered (a layer's timeout) until the connection was
+            // checked three times; bounded by a deadline only a stuck test meets.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while checks(&recorder) < 3 && Instant::now() < deadline {
+                let decided = store.decide(&key, &policies, 1);
+                let _ = tokio::time::timeout(Duration::from_millis(20), decided).await;
+            }
+            server.signal("CONT");
+        })
+    });
+    let events = recorder.events.lock().unwrap().clone();
+    assert!(checks(&recorder) >= 3, "{events:#?}");
+    let warned = |words: &str| {
+        events
+            .iter()
+            .filter(|event| {
+                event.starts_with(&format!("{} ", Level::WARN)) && event.contains(words)
+            })
+            .count()
+    };
+    assert_eq!(warned("answers nothing, not even a PING"), 1, "{events:#?}");
+    assert!(warned("no new connection") <= 1, "{events:#?}");
+}
+
 /// A dropped decision's in-flight slots are given back by a task of their own. A release
 /// the server refuses (an ACL without `ZREM`) is a misconfiguration, said at error level
 /// as every store call no request waits for is; it was a warning, one per dropped

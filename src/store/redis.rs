@@ -457,6 +457,10 @@ pub(super) struct Managed {
     unanswered: std::sync::atomic::AtomicU32,
     /// A check of the connection is under way: one at a time.
     checking: std::sync::atomic::AtomicBool,
+    /// A stall was said (at warn level), and a failed replacement: each is said once,
+    /// then at debug level, until the server answers again.
+    said_stall: std::sync::atomic::AtomicBool,
+    said_unreplaced: std::sync::atomic::AtomicBool,
 }
 
 /// Commands in a row without an answer after which the connection is checked.
@@ -488,6 +492,9 @@ impl Drop for Asked<'_> {
             if self.managed.unanswered.load(Ordering::Relaxed) != 0 {
                 self.managed.unanswered.store(0, Ordering::Relaxed);
             }
+            if self.managed.said_stall.load(Ordering::Relaxed) {
+                self.managed.answers_again();
+            }
         } else if self.managed.unanswered.fetch_add(1, Ordering::Relaxed) + 1 >= UNANSWERED {
             self.managed.check();
         }
@@ -508,7 +515,21 @@ impl Managed {
             replacing: std::sync::atomic::AtomicBool::new(false),
             unanswered: std::sync::atomic::AtomicU32::new(0),
             checking: std::sync::atomic::AtomicBool::new(false),
+            said_stall: std::sync::atomic::AtomicBool::new(false),
+            said_unreplaced: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// The server answered after a stall was said: said once, and the next stall will
+    /// be said again.
+    #[cold]
+    fn answers_again(&self) {
+        use std::sync::atomic::Ordering;
+        self.said_unreplaced.store(false, Ordering::Relaxed);
+        if self.said_stall.swap(false, Ordering::Relaxed) {
+            #[cfg(feature = "tracing")]
+            tracing::info!(target: "tollgate", "the Redis connection answers again");
+        }
     }
 
     /// A command about to be sent on the current connection.
@@ -535,13 +556,25 @@ impl Managed {
             .await;
             match answer {
                 // An answer, even an error: the server is there.
-                Ok(Ok(_)) => this.unanswered.store(0, Ordering::Relaxed),
+                Ok(Ok(_)) => {
+                    this.unanswered.store(0, Ordering::Relaxed);
+                    this.answers_again();
+                }
                 Ok(Err(error)) if !error.is_timeout() && !error.is_io_error() => {
                     this.unanswered.store(0, Ordering::Relaxed);
+                    this.answers_again();
                 }
                 _ => {
+                    // Said once a stall; each check after it (about one a second while
+                    // requests keep coming) at debug level.
                     #[cfg(feature = "tracing")]
-                    tracing::warn!(target: "tollgate", "the Redis connection answers nothing, not even a PING within {PING_DEADLINE:?}: connecting anew");
+                    if this.said_stall.swap(true, Ordering::Relaxed) {
+                        tracing::debug!(target: "tollgate", "the Redis connection answers nothing, not even a PING within {PING_DEADLINE:?}: connecting anew");
+                    } else {
+                        tracing::warn!(target: "tollgate", "the Redis connection answers nothing, not even a PING within {PING_DEADLINE:?}: connecting anew (said once until it answers again)");
+                    }
+                    #[cfg(not(feature = "tracing"))]
+                    this.said_stall.store(true, Ordering::Relaxed);
                     this.unanswered.store(0, Ordering::Relaxed);
                     this.replace();
                 }
@@ -604,9 +637,17 @@ impl Managed {
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
                 }
                 Err(error) => {
-                    // The next `READONLY`, or the next check, tries again.
+                    // The next `READONLY`, or the next check, tries again: said once until
+                    // the server answers, then at debug level.
                     #[cfg(feature = "tracing")]
-                    tracing::warn!(target: "tollgate", %error, "no new connection to the Redis server (after a demotion, or a connection that stopped answering)");
+                    if this
+                        .said_unreplaced
+                        .swap(true, std::sync::atomic::Ordering::Relaxed)
+                    {
+                        tracing::debug!(target: "tollgate", %error, "no new connection to the Redis server (after a demotion, or a connection that stopped answering)");
+                    } else {
+                        tracing::warn!(target: "tollgate", %error, "no new connection to the Redis server (after a demotion, or a connection that stopped answering); said once until it answers again");
+                    }
                     let _ = error;
                 }
             }
