@@ -14,9 +14,9 @@
 //! keeps its state; a policy whose parameters change starts on fresh state, except an
 //! in-flight policy: its requests in progress keep their slots under a new limit or
 //! lease. The old state is left behind: in Redis it expires with its TTL; in the
-//! in-process store it stays beside an identity's new state until the identity has been
-//! idle long enough to be forgotten whole (an identity that keeps coming back keeps it,
-//! a sliding log's entries included, one state per reload that changed the policy).
+//! in-process store it goes once it is fresh (its window over, its bucket full again),
+//! at the identity's next decision after that, so an identity that keeps coming back
+//! keeps no state per reload.
 //!
 //! ```
 //! use tollgate::config::{LimiterConfig, LiveLayer};
@@ -528,7 +528,10 @@ impl LimiterConfig {
     /// Checks the configuration: every entry valid, every name known. The error names the
     /// first entry at fault and why. It knows no store: what a store cannot decide exactly
     /// (the Redis store refuses some very large quotas) is refused when a layer is built
-    /// over it ([`LiveLayer::new`], a reload), so a check in CI passes such a file.
+    /// over it ([`LiveLayer::new`], a reload), so a check in CI passes such a file. It
+    /// reads the environment variable `key_salt_env` names, as loading does: a check in CI
+    /// of a file that names one needs it set (any value of the salt's least length will
+    /// do there).
     ///
     /// ```
     /// use tollgate::config::LimiterConfig;
@@ -1146,6 +1149,24 @@ fn build(
     config: &LimiterConfig,
 ) -> Result<(Arc<LiveConfig>, Sets), ConfigError> {
     let compiled = config.compile()?;
+    // A policy the store cannot decide (the Redis store refuses some very large quotas)
+    // is named by its entry, as the file's other errors are.
+    for (index, spec) in config.policies.iter().enumerate() {
+        let policy = std::iter::once(&compiled.sets.default)
+            .chain(compiled.sets.plans.values())
+            .flat_map(|set| set.iter())
+            .find(|policy| policy.name() == spec.name);
+        if let Some(policy) = policy {
+            store
+                .validate(&PolicySet::from(policy.clone()))
+                .map_err(|error| {
+                    ConfigError::new(
+                        format!("policies[{index}] {:?}", spec.name),
+                        format!("the store cannot decide it: {error}"),
+                    )
+                })?;
+        }
+    }
     let failure_mode = match compiled.failure_mode {
         Some("fail-open") => FailureMode::FailOpen,
         Some("fail-closed") => FailureMode::FailClosed,

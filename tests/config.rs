@@ -928,3 +928,43 @@ async fn a_reload_keeps_the_places_of_requests_dropped_during_their_delay() {
         start.elapsed()
     );
 }
+
+/// A store that cannot decide a policy (the Redis store refuses some very large quotas)
+/// refuses the configuration when it is loaded or reloaded: the error names the policy's
+/// entry as every other error of the file does (`policies[1] "huge"`), not "policies"
+/// with a message about a builder the file never named.
+#[test]
+fn a_policy_the_store_cannot_decide_is_named_by_its_entry() {
+    #[derive(Clone)]
+    struct NoHugeQuotas(MemoryStore);
+    impl tollgate::Store for NoHugeQuotas {
+        fn decide(
+            &self,
+            key: &tollgate::Key,
+            policies: &tollgate::PolicySet,
+            cost: u64,
+        ) -> tollgate::DecideFuture {
+            self.0.decide(key, policies, cost)
+        }
+        fn validate(&self, policies: &tollgate::PolicySet) -> Result<(), tollgate::StoreError> {
+            match policies.iter().find(|policy| policy.limit() > 1_000_000) {
+                Some(policy) => Err(tollgate::StoreError::new(
+                    tollgate::StoreErrorKind::Unsupported,
+                    format!("policy {:?}: its quota is too large", policy.name()),
+                )),
+                None => Ok(()),
+            }
+        }
+    }
+    let config = parse(
+        "plan_header = \"x-plan\"\n\
+         [[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = 10\nwindow = \"1s\"\n\
+         [[policies]]\nname = \"huge\"\nalgorithm = \"fixed-window\"\nlimit = 5000000\nwindow = \"1s\"\n\
+         [plans]\ndefault = [\"api\"]\npro = [\"huge\"]\n",
+    );
+    assert_eq!(config.check(), Ok(()), "no store: the file is valid");
+    let error = LiveLayer::new(NoHugeQuotas(MemoryStore::new()), &config).unwrap_err();
+    assert_eq!(error.entry(), "policies[1] \"huge\"", "{error}");
+    assert!(error.reason().contains("too large"), "{error}");
+    assert!(!error.reason().contains("RateLimitLayer"), "{error}");
+}
