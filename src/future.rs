@@ -237,8 +237,11 @@ where
             }
             tokio::time::sleep_until(deadline).await;
         }
-        let reservation = held.sent().map(Box::new);
+        let mut reservation = held.sent().map(Box::new);
         if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+            if let Some(reservation) = &mut reservation {
+                reservation.never_sent();
+            }
             return Slow::Inner(Err(error), headers, reservation);
         }
         Slow::Inner(inner.call(request).await, headers, reservation)
@@ -330,7 +333,7 @@ where
             };
             // An inner error drops the reservation: its slots are freed, its charge stands.
             let response = output?;
-            let Some(reservation) = reservation else {
+            let Some(mut reservation) = reservation else {
                 let mut response = response;
                 headers.apply_to_inner(response.status(), response.headers_mut());
                 return Poll::Ready(Ok(response));

@@ -39,6 +39,10 @@ pub(crate) struct Reservation {
     /// When each policy's queue ended after the debit (a request held back by shaping).
     ends: smallvec::SmallVec<[u64; 2]>,
     holds_slots: bool,
+    /// The request's fate is known: its response head came (and was settled), or it was
+    /// never sent. A reservation dropped before either is a request that got no head
+    /// (`Settle::if_dropped`).
+    answered: bool,
 }
 
 /// The outcome of settling at the response head.
@@ -74,7 +78,14 @@ impl Reservation {
             left: debit.left,
             ends: debit.ends,
             holds_slots,
+            answered: false,
         }
+    }
+
+    /// The request was not sent (its inner service never became ready): nothing to charge
+    /// as a dropped request's work.
+    pub(crate) fn never_sent(&mut self) {
+        self.answered = true;
     }
 
     /// True when the response body must carry this reservation (its slots are freed when
@@ -100,7 +111,9 @@ impl Reservation {
     /// back (given back, the next request would go on the standing one's instant), or
     /// until it has leaked out. Nothing is asked of a store that cannot adjust, or while
     /// the breaker holds requests off it: the places leak out.
-    pub(crate) fn unbook(self, decided: tokio::time::Instant) {
+    pub(crate) fn unbook(mut self, decided: tokio::time::Instant) {
+        // Never sent: no work to charge as a dropped request's.
+        self.answered = true;
         let responder = Arc::clone(self.adjuster.responder());
         if self.ends.is_empty()
             || (!self.fallback && (!self.adjuster.can_adjust() || responder.breaker.is_degraded()))
@@ -142,34 +155,17 @@ impl Reservation {
     }
 
     /// Settles against the response head, as the layer's [`Settle`] says.
-    pub(crate) fn settle(&self, head: &ResponseHead<'_>) -> Settled {
+    pub(crate) fn settle(&mut self, head: &ResponseHead<'_>) -> Settled {
+        self.answered = true;
         let Some(settle) = &self.adjuster.responder().settle else {
             return Settled::Unchanged;
         };
         let Some(actual) = settle.actual(head) else {
             return Settled::Unchanged;
         };
-        if actual == self.cost {
+        let Some(adjustment) = self.settlement(actual) else {
             return Settled::Unchanged;
-        }
-        // A shaping policy's units are the request's place in its schedule, taken when it
-        // was sent: a refund does not give them back (the next request would go on the
-        // same instant as this one). A charge above the reservation does reach it: the
-        // requests decided after wait for what this one used.
-        let shaping = if actual < self.cost {
-            // Past the receipt's 64 marks: no refund at all, rather than a place given back.
-            let Some(marks) = self.policies.shaping_marks() else {
-                return Settled::Unchanged;
-            };
-            marks
-        } else {
-            0
         };
-        let receipt = self
-            .receipt
-            .with_undebited(self.receipt.undebited() | shaping);
-        let adjustment =
-            Adjustment::settle(self.cost, actual, receipt).with_left(self.left.iter().copied());
         match self.adjust(&adjustment).into_ready() {
             Ok(result) => self
                 .headers(result)
@@ -177,6 +173,83 @@ impl Reservation {
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
                 Settled::Pending(Box::pin(within(timeout, "settlement", pending)))
+            }
+        }
+    }
+
+    /// The adjustment that settles the debit to `actual` units; `None` when nothing
+    /// changes.
+    fn settlement(&self, actual: u64) -> Option<Adjustment> {
+        if actual == self.cost {
+            return None;
+        }
+        // A shaping policy's units are the request's place in its schedule, taken when it
+        // was sent: a refund does not give them back (the next request would go on the
+        // same instant as this one). A charge above the reservation does reach it: the
+        // requests decided after wait for what this one used.
+        // Past the receipt's 64 marks: no refund at all, rather than a place given back.
+        let shaping = if actual < self.cost {
+            self.policies.shaping_marks()?
+        } else {
+            0
+        };
+        let receipt = self
+            .receipt
+            .with_undebited(self.receipt.undebited() | shaping);
+        Some(Adjustment::settle(self.cost, actual, receipt).with_left(self.left.iter().copied()))
+    }
+
+    /// The request got no response head (dropped while the inner service ran, or the
+    /// inner service failed): settled to what `Settle::if_dropped` says, if it says.
+    #[cold]
+    #[inline(never)]
+    fn settle_dropped(&mut self) {
+        self.answered = true;
+        let responder = self.adjuster.responder();
+        let Some(units) = responder.settle.as_ref().and_then(|s| s.dropped_cost()) else {
+            return;
+        };
+        let Some(adjustment) = self.settlement(units) else {
+            return;
+        };
+        let future = self.adjust(&adjustment);
+        self.finish(
+            future,
+            "settle",
+            "settle of a request dropped before its response head",
+            "no async runtime to settle a request dropped before its response head: it \
+             keeps its reservation",
+        );
+    }
+
+    /// Ends an adjustment no request waits for: at once from an in-process store, else on
+    /// the runtime, bounded by the store timeout. A failure (or no runtime) is counted and
+    /// logged as `lost`.
+    fn finish(
+        &self,
+        future: DecideFuture,
+        lost: &'static str,
+        what: &'static str,
+        no_runtime: &'static str,
+    ) {
+        match future.into_ready() {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => telemetry::adjustment_lost(lost, &error),
+            Err(pending) => {
+                let timeout = self.adjuster.responder().timeout;
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        runtime.spawn(async move {
+                            if let Err(error) = within(timeout, what, pending).await {
+                                telemetry::adjustment_lost(lost, &error);
+                            }
+                        });
+                    }
+                    Err(_) => telemetry::adjustment_lost(
+                        lost,
+                        &StoreError::new(StoreErrorKind::Other, no_runtime),
+                    ),
+                }
             }
         }
     }
@@ -214,31 +287,14 @@ impl Reservation {
             return;
         }
         let adjustment = Adjustment::release(self.cost, self.receipt);
-        match self.adjust(&adjustment).into_ready() {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => telemetry::adjustment_lost("release", &error),
-            Err(pending) => {
-                let timeout = self.adjuster.responder().timeout;
-                match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        runtime.spawn(async move {
-                            // Not freed: the slots expire with their lease.
-                            let what = "release of in-flight slots";
-                            if let Err(error) = within(timeout, what, pending).await {
-                                telemetry::adjustment_lost("release", &error);
-                            }
-                        });
-                    }
-                    Err(_) => telemetry::adjustment_lost(
-                        "release",
-                        &StoreError::new(
-                            StoreErrorKind::Other,
-                            "no async runtime to free in-flight slots; they expire with their lease",
-                        ),
-                    ),
-                }
-            }
-        }
+        let future = self.adjust(&adjustment);
+        // Not freed: the slots expire with their lease.
+        self.finish(
+            future,
+            "release",
+            "release of in-flight slots",
+            "no async runtime to free in-flight slots; they expire with their lease",
+        );
     }
 }
 
@@ -338,6 +394,9 @@ impl Round<'_> {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if !self.answered {
+            self.settle_dropped();
+        }
         self.release();
     }
 }

@@ -30,7 +30,9 @@
 //! **When it happens.** Settling happens when the inner service has produced the response
 //! head, before the response leaves the layer (with Redis, one more script call on that
 //! path). A streamed body is not waited for: its cost must be known from the head (a
-//! header, or an extension the handler set). In-flight slots are freed when the body ends
+//! header, or an extension the handler set). A request that gets no head (dropped while
+//! the handler ran, or the inner service failed) keeps its reservation, unless
+//! [`Settle::if_dropped`] says what it costs. In-flight slots are freed when the body ends
 //! or is dropped, so a long stream holds its slot to the end.
 //!
 //! **What is exact.** A settle gives back only what the state still holds: a fixed or
@@ -39,7 +41,8 @@
 //! excess is owed, and the identity's next requests (those reserving nothing included)
 //! wait until a bucket has refilled it or a window has forgotten it. Requests in flight
 //! together each owe their own excess, so reserving nothing does not make a burst of
-//! concurrent requests free. One settle owes at most one whole quota more, so one absurd
+//! concurrent requests free (cancelled before their heads, they are charged what
+//! [`Settle::if_dropped`] says, or what they reserved). One settle owes at most one whole quota more, so one absurd
 //! reported cost costs one quota's wait: where one request can cost more than a quota,
 //! reserve a bound (or cap what the handler may spend), or the policy limits requests
 //! rather than units. An identity owes at most a thousand quotas (and never more than
@@ -63,11 +66,14 @@ use crate::policy::PolicySet;
 /// where the actual cost comes from, and which responses are refunded in full.
 ///
 /// A response that names no actual cost (the header is missing or not a number) keeps
-/// the reservation as it is; a malformed value is logged.
+/// the reservation as it is; a malformed value is logged. A request that gets no response
+/// head (dropped while the inner service ran, or the inner service failed) keeps its
+/// reservation too, unless [`if_dropped`](Self::if_dropped) says what it costs.
 #[derive(Clone)]
 pub struct Settle {
     source: Source,
     refund_if: Option<Arc<dyn Fn(StatusCode) -> bool + Send + Sync>>,
+    if_dropped: Option<u64>,
 }
 
 /// A closure that reads the actual cost from a response head.
@@ -92,6 +98,7 @@ impl fmt::Debug for Settle {
         f.debug_struct("Settle")
             .field("source", &source)
             .field("refunds", &self.refund_if.is_some())
+            .field("if_dropped", &self.if_dropped)
             .finish()
     }
 }
@@ -163,6 +170,7 @@ impl Settle {
         Self {
             source: Source::Reserved,
             refund_if: None,
+            if_dropped: None,
         }
     }
 
@@ -200,6 +208,7 @@ impl Settle {
         Ok(Self {
             source: Source::Header(name),
             refund_if: None,
+            if_dropped: None,
         })
     }
 
@@ -208,6 +217,7 @@ impl Settle {
         Self {
             source: Source::Extension,
             refund_if: None,
+            if_dropped: None,
         }
     }
 
@@ -231,6 +241,7 @@ impl Settle {
         Self {
             source: Source::Fn(Arc::new(f)),
             refund_if: None,
+            if_dropped: None,
         }
     }
 
@@ -262,6 +273,38 @@ impl Settle {
     {
         self.refund_if = Some(Arc::new(refund));
         self
+    }
+
+    /// Settles a request that gets no response head to `units`, in place of what it
+    /// reserved: one dropped while the inner service ran (its client gone, an outer
+    /// timeout), or whose inner service failed. By default such a request keeps its
+    /// reservation, so a post-paid cost that reserves little is dodged by cancelling
+    /// each request just before its head: the work it caused is paid nothing. Set what
+    /// such work costs at most (the reservation's bound, a typical request's cost). A
+    /// request dropped during its shaping delay was never sent, and is not charged.
+    ///
+    /// ```
+    /// use tollgate::cost::FromExtension;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// // Post-paid tokens, nothing reserved: a request cancelled before its answer
+    /// // costs 2,000 tokens, the most one may use.
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::token_bucket("tokens", 100_000, Rate::per_hour(100_000))?)
+    ///     .cost(FromExtension::or(0))
+    ///     .settle(Settle::from_header("x-tokens-used").if_dropped(2_000));
+    /// # let _ = layer;
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    pub fn if_dropped(mut self, units: u64) -> Self {
+        self.if_dropped = Some(units);
+        self
+    }
+
+    /// What a request that got no response head costs, or `None` to keep the reservation.
+    pub(crate) fn dropped_cost(&self) -> Option<u64> {
+        self.if_dropped
     }
 
     /// The actual cost for a response, or `None` to keep the reservation.

@@ -1160,3 +1160,97 @@ async fn a_settle_never_puts_two_shaped_requests_on_one_instant() {
     let field = third.headers()["ratelimit"].to_str().unwrap();
     assert!(field.contains("\"tokens\";r=996;"), "{field}");
 }
+
+/// A request that gets no response head (its client gone or an outer timeout dropped it
+/// while the handler ran, or the inner service failed) is never settled: it pays what it
+/// reserved. Post-paid with nothing reserved, a client that cancels every request just
+/// before its head paid nothing for the work it caused. `Settle::if_dropped` charges such
+/// a request a number of units instead; a request dropped during its shaping delay was
+/// never sent, and is not charged.
+#[tokio::test]
+async fn a_request_dropped_before_its_head_pays_what_if_dropped_says() {
+    let hangs = |settle: Settle, store: MemoryStore<ManualClock>| {
+        Router::new()
+            .route(
+                "/",
+                get(|| async {
+                    std::future::pending::<()>().await;
+                    "never"
+                }),
+            )
+            .layer(
+                RateLimitLayer::new(store)
+                    .policy(tokens())
+                    .key(HeaderKey::new("x-api-key"))
+                    .cost(FromExtension::or(1))
+                    .settle(settle),
+            )
+    };
+    let left = |store: &MemoryStore<ManualClock>, key: &str| {
+        let parts = http::Request::get("/")
+            .header("x-api-key", key)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0;
+        let key = tollgate::key::KeyExtractor::extract(&HeaderKey::new("x-api-key"), &parts)
+            .unwrap();
+        store.check(key.as_str(), &PolicySet::from(tokens()), 0).statuses()[0].remaining
+    };
+    // Dropped by an outer timeout while the handler runs: 500 units, whatever was reserved.
+    for (reserve, settle, expected) in [
+        (0, Settle::from_header("x-tokens-used"), 1_000),
+        (0, Settle::from_header("x-tokens-used").if_dropped(500), 500),
+        (50, Settle::from_header("x-tokens-used"), 950),
+        (
+            50,
+            Settle::from_header("x-tokens-used").if_dropped(500),
+            500,
+        ),
+        (
+            800,
+            Settle::from_header("x-tokens-used").if_dropped(500),
+            500,
+        ),
+    ] {
+        let (store, _clock) = store();
+        let app = hangs(settle, store.clone());
+        let sent = app.oneshot(request("gone", reserve, None, 200));
+        let timed_out = tokio::time::timeout(Duration::from_millis(20), sent).await;
+        assert!(timed_out.is_err(), "the handler never answers");
+        assert_eq!(left(&store, "gone"), expected, "reserved {reserve}");
+    }
+    // Answered: settled as the head says, not charged as dropped.
+    let (store, _clock) = self::store();
+    let answered = app(
+        store.clone(),
+        tokens(),
+        Settle::from_header("x-tokens-used").if_dropped(500),
+    )
+    .oneshot(request("answered", 0, Some(30), 200))
+    .await
+    .unwrap();
+    assert_eq!(remaining(&answered), 970);
+    drop(answered);
+    assert_eq!(
+        left(&store, "answered"),
+        970,
+        "its body dropped after the head"
+    );
+    // The inner service failed: no head either.
+    let (store, _clock) = self::store();
+    let failing = tower::service_fn(|_: Request| async {
+        Err::<http::Response<Body>, _>(std::io::Error::other("upstream broke"))
+    });
+    let limited = tower::Layer::layer(
+        &RateLimitLayer::new(store.clone())
+            .policy(tokens())
+            .key(HeaderKey::new("x-api-key"))
+            .cost(FromExtension::or(1))
+            .settle(Settle::from_header("x-tokens-used").if_dropped(500)),
+        failing,
+    );
+    let failed = limited.oneshot(request("failed", 0, None, 200)).await;
+    assert!(failed.is_err());
+    assert_eq!(left(&store, "failed"), 500);
+}
