@@ -213,7 +213,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("tollgate LLM gateway listening on http://{addr}");
     println!(
         "POST /v1/completions: policy \"tokens\", 1000 tokens refilled 1000/min per x-api-key; \
-         max_tokens reserved, settled to x-tokens-used, 5xx refunded"
+         max_tokens reserved, settled to x-tokens-used, 502 and 503 refunded"
     );
     println!("GET  /v1/stream:      policy \"inflight\", 2 in flight per x-api-key");
     axum::serve(listener, app).await?;

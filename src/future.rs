@@ -237,13 +237,17 @@ where
             }
             tokio::time::sleep_until(deadline).await;
         }
-        let mut reservation = held.sent().map(Box::new);
+        // Still not sent while the inner service gets ready: dropped then (its client
+        // gone), it gives its place back as during the delay, and is not charged as a
+        // request dropped while it ran.
         if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
+            let mut reservation = held.sent().map(Box::new);
             if let Some(reservation) = &mut reservation {
-                reservation.never_sent();
+                reservation.keep_reservation();
             }
             return Slow::Inner(Err(error), headers, reservation);
         }
+        let reservation = held.sent().map(Box::new);
         Slow::Inner(inner.call(request).await, headers, reservation)
     }
 }
@@ -331,8 +335,18 @@ where
                     return Poll::Ready(Ok(response.map(ResBody::from_bytes)));
                 }
             };
-            // An inner error drops the reservation: its slots are freed, its charge stands.
-            let response = output?;
+            // An inner error drops the reservation: its slots are freed, its charge stands
+            // (not `Settle::if_dropped`'s: a load shedder inside the limiter fails requests
+            // it never ran).
+            let response = match output {
+                Ok(response) => response,
+                Err(error) => {
+                    if let Some(mut reservation) = reservation {
+                        reservation.keep_reservation();
+                    }
+                    return Poll::Ready(Err(error));
+                }
+            };
             let Some(mut reservation) = reservation else {
                 let mut response = response;
                 headers.apply_to_inner(response.status(), response.headers_mut());

@@ -82,9 +82,10 @@ impl Reservation {
         }
     }
 
-    /// The request was not sent (its inner service never became ready): nothing to charge
-    /// as a dropped request's work.
-    pub(crate) fn never_sent(&mut self) {
+    /// The request's fate is known without a response head (the inner service failed, or
+    /// never became ready): it keeps its reservation, and is not charged as a request
+    /// dropped while it ran.
+    pub(crate) fn keep_reservation(&mut self) {
         self.answered = true;
     }
 
@@ -199,8 +200,8 @@ impl Reservation {
         Some(Adjustment::settle(self.cost, actual, receipt).with_left(self.left.iter().copied()))
     }
 
-    /// The request got no response head (dropped while the inner service ran, or the
-    /// inner service failed): settled to what `Settle::if_dropped` says, if it says.
+    /// The request was dropped while the inner service ran, before its response head:
+    /// settled to what `Settle::if_dropped` says, when that is more than it reserved.
     #[cold]
     #[inline(never)]
     fn settle_dropped(&mut self) {
@@ -209,7 +210,7 @@ impl Reservation {
         let Some(units) = responder.settle.as_ref().and_then(|s| s.dropped_cost()) else {
             return;
         };
-        let Some(adjustment) = self.settlement(units) else {
+        let Some(adjustment) = self.settlement(units.max(self.cost)) else {
             return;
         };
         let future = self.adjust(&adjustment);

@@ -31,8 +31,8 @@
 //! head, before the response leaves the layer (with Redis, one more script call on that
 //! path). A streamed body is not waited for: its cost must be known from the head (a
 //! header, or an extension the handler set). A request that gets no head (dropped while
-//! the handler ran, or the inner service failed) keeps its reservation, unless
-//! [`Settle::if_dropped`] says what it costs. In-flight slots are freed when the body ends
+//! the handler ran, or the inner service failed) keeps its reservation; a dropped one is
+//! charged more when [`Settle::if_dropped`] says so. In-flight slots are freed when the body ends
 //! or is dropped, so a long stream holds its slot to the end.
 //!
 //! **What is exact.** A settle gives back only what the state still holds: a fixed or
@@ -41,8 +41,8 @@
 //! excess is owed, and the identity's next requests (those reserving nothing included)
 //! wait until a bucket has refilled it or a window has forgotten it. Requests in flight
 //! together each owe their own excess, so reserving nothing does not make a burst of
-//! concurrent requests free (cancelled before their heads, they are charged what
-//! [`Settle::if_dropped`] says, or what they reserved). One settle owes at most one whole quota more, so one absurd
+//! concurrent requests free (cancelled before their answers, they pay what they
+//! reserved, or what [`Settle::if_dropped`] says when that is more). One settle owes at most one whole quota more, so one absurd
 //! reported cost costs one quota's wait: where one request can cost more than a quota,
 //! reserve a bound (or cap what the handler may spend), or the policy limits requests
 //! rather than units. An identity owes at most a thousand quotas (and never more than
@@ -68,7 +68,7 @@ use crate::policy::PolicySet;
 /// A response that names no actual cost (the header is missing or not a number) keeps
 /// the reservation as it is; a malformed value is logged. A request that gets no response
 /// head (dropped while the inner service ran, or the inner service failed) keeps its
-/// reservation too, unless [`if_dropped`](Self::if_dropped) says what it costs.
+/// reservation too; [`if_dropped`](Self::if_dropped) charges more for a dropped one.
 #[derive(Clone)]
 pub struct Settle {
     source: Source,
@@ -275,13 +275,16 @@ impl Settle {
         self
     }
 
-    /// Settles a request that gets no response head to `units`, in place of what it
-    /// reserved: one dropped while the inner service ran (its client gone, an outer
-    /// timeout), or whose inner service failed. By default such a request keeps its
-    /// reservation, so a post-paid cost that reserves little is dodged by cancelling
-    /// each request just before its head: the work it caused is paid nothing. Set what
-    /// such work costs at most (the reservation's bound, a typical request's cost). A
-    /// request dropped during its shaping delay was never sent, and is not charged.
+    /// Charges `units` for a request dropped while the inner service ran, before its
+    /// response head (its client gone, an outer timeout), when that is more than it
+    /// reserved; it never pays less than its reservation. By default such a request keeps
+    /// its reservation, so a post-paid cost that reserves little is dodged by cancelling
+    /// each request just before its answer: the work it caused is paid nothing. Set what
+    /// such work may cost (a request's bound). A request dropped during its shaping delay,
+    /// or while the inner service was not ready, was never sent: it is not charged. One
+    /// whose inner service failed (an `Err`, no head) keeps its reservation, as
+    /// [`refund_if`](Self::refund_if) says: a load shedder inside the limiter fails
+    /// requests it never ran.
     ///
     /// ```
     /// use tollgate::cost::FromExtension;

@@ -1193,11 +1193,15 @@ async fn a_request_dropped_before_its_head_pays_what_if_dropped_says() {
             .unwrap()
             .into_parts()
             .0;
-        let key = tollgate::key::KeyExtractor::extract(&HeaderKey::new("x-api-key"), &parts)
-            .unwrap();
-        store.check(key.as_str(), &PolicySet::from(tokens()), 0).statuses()[0].remaining
+        let key =
+            tollgate::key::KeyExtractor::extract(&HeaderKey::new("x-api-key"), &parts).unwrap();
+        store
+            .check(key.as_str(), &PolicySet::from(tokens()), 0)
+            .statuses()[0]
+            .remaining
     };
-    // Dropped by an outer timeout while the handler runs: 500 units, whatever was reserved.
+    // Dropped by an outer timeout while the handler runs: 500 units, or what it reserved
+    // when that is more.
     for (reserve, settle, expected) in [
         (0, Settle::from_header("x-tokens-used"), 1_000),
         (0, Settle::from_header("x-tokens-used").if_dropped(500), 500),
@@ -1207,10 +1211,11 @@ async fn a_request_dropped_before_its_head_pays_what_if_dropped_says() {
             Settle::from_header("x-tokens-used").if_dropped(500),
             500,
         ),
+        // Never less than it reserved: a bound reserved is not cut by cancelling.
         (
             800,
             Settle::from_header("x-tokens-used").if_dropped(500),
-            500,
+            200,
         ),
     ] {
         let (store, _clock) = store();
@@ -1237,7 +1242,8 @@ async fn a_request_dropped_before_its_head_pays_what_if_dropped_says() {
         970,
         "its body dropped after the head"
     );
-    // The inner service failed: no head either.
+    // The inner service failed (a load shedder inside the limiter, say, that never ran
+    // the handler): the reservation stands, as `refund_if` says of inner errors.
     let (store, _clock) = self::store();
     let failing = tower::service_fn(|_: Request| async {
         Err::<http::Response<Body>, _>(std::io::Error::other("upstream broke"))
@@ -1252,5 +1258,70 @@ async fn a_request_dropped_before_its_head_pays_what_if_dropped_says() {
     );
     let failed = limited.oneshot(request("failed", 0, None, 200)).await;
     assert!(failed.is_err());
-    assert_eq!(left(&store, "failed"), 500);
+    assert_eq!(left(&store, "failed"), 1_000);
+}
+
+/// A request whose shaping delay ended but whose inner service is not ready yet (a
+/// concurrency limit inside the limiter, its one permit held) was never sent: dropped
+/// then, it is not charged `if_dropped`, as one dropped during its delay is not.
+#[tokio::test]
+async fn a_request_dropped_waiting_for_its_inner_service_is_not_charged_as_dropped() {
+    let (store, _clock) = store();
+    let holding = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let holding = Arc::clone(&holding);
+        tower::service_fn(move |request: Request| {
+            let holding = Arc::clone(&holding);
+            async move {
+                if request.headers().contains_key("x-hold") {
+                    holding.notify_one();
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, std::convert::Infallible>(http::Response::new(Body::from("done")))
+            }
+        })
+    };
+    let shaping =
+        Policy::leaky_bucket_shaping("shape", Rate::per_second(20), Duration::from_secs(1))
+            .unwrap();
+    let service = tower::ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(store.clone())
+                .policies(PolicySet::new([shaping, tokens()]).unwrap())
+                .key(HeaderKey::new("x-api-key"))
+                .cost(FromExtension::or(1))
+                .settle(Settle::from_header("x-tokens-used").if_dropped(500)),
+        )
+        .concurrency_limit(1)
+        .service(handler);
+    // The first request goes at once; the second waits 50 ms behind it.
+    let first = service.clone().oneshot(request("k", 1, None, 200)).await;
+    assert_eq!(first.unwrap().status(), StatusCode::OK);
+    let second = tokio::spawn(service.clone().oneshot(request("k", 1, None, 200)));
+    tokio::task::yield_now().await;
+    // A request that costs nothing is not held back: it takes the one permit and keeps it.
+    let mut hold = request("k", 0, None, 200);
+    hold.headers_mut()
+        .insert("x-hold", HeaderValue::from_static("1"));
+    let held = tokio::spawn(service.clone().oneshot(hold));
+    holding.notified().await;
+    // The second's delay ends while the permit is held; its client gives up then.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!second.is_finished(), "it waits for the permit");
+    second.abort();
+    let _ = second.await;
+    held.abort();
+    let parts = http::Request::get("/")
+        .header("x-api-key", "k")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let key = tollgate::key::KeyExtractor::extract(&HeaderKey::new("x-api-key"), &parts).unwrap();
+    let left = store
+        .check(key.as_str(), &PolicySet::from(tokens()), 0)
+        .statuses()[0]
+        .remaining;
+    // The first's unit, and the second's if its place could not be given back; not 500.
+    assert!(left >= 998, "{left} left");
 }

@@ -1088,6 +1088,27 @@ async fn a_cluster_node_behind_a_single_servers_url_is_refused() {
     }
     // Three primaries: about two identities in three live on another node.
     assert!(redirected > 0, "no identity of 30 lived on another node");
+    // A Cluster of one primary owning every slot (a one-shard managed Cluster, an
+    // emulated Cluster mode) answers every identity: it starts as a single server.
+    let alone = support::RedisServer::start_with(&["--cluster-enabled", "yes"]);
+    let added = alone.cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]);
+    assert!(added.contains("OK"), "{added}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !alone.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the one-node Cluster is not ok"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let whole = tollgate::store::RedisStore::connect(&alone.url())
+        .await
+        .expect("one primary owning every slot decides every identity");
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        let decided = tollgate::Store::decide(&whole, &key, &policies, 1).await;
+        assert!(decided.is_ok_and(|d| d.is_allowed()), "user:{n}");
+    }
 }
 
 // The effective window of each algorithm, on a manual clock (the table in the README).

@@ -492,7 +492,9 @@ impl Drop for Asked<'_> {
             if self.managed.unanswered.load(Ordering::Relaxed) != 0 {
                 self.managed.unanswered.store(0, Ordering::Relaxed);
             }
-            if self.managed.said_stall.load(Ordering::Relaxed) {
+            if self.managed.said_stall.load(Ordering::Relaxed)
+                || self.managed.said_unreplaced.load(Ordering::Relaxed)
+            {
                 self.managed.answers_again();
             }
         } else if self.managed.unanswered.fetch_add(1, Ordering::Relaxed) + 1 >= UNANSWERED {
@@ -635,6 +637,9 @@ impl Managed {
                         .current
                         .write()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
+                    // The server answered the handshake: a next failure is said again.
+                    this.said_unreplaced
+                        .store(false, std::sync::atomic::Ordering::Relaxed);
                 }
                 Err(error) => {
                     // The next `READONLY`, or the next check, tries again: said once until
@@ -1134,17 +1139,26 @@ impl RedisStore {
         let mut command = redis::cmd("INFO");
         command.arg("cluster");
         match query::<String>(&self.backend, &command).await {
-            Ok(info) if info.lines().any(|line| line.trim() == "cluster_enabled:1") => {
-                Err(StoreError::new(
-                    StoreErrorKind::Refused,
-                    format!(
-                        "the server is a node of a Redis Cluster (INFO: cluster_enabled:1), \
-                             reached as a single server: {CLUSTER_NODE_ALONE}"
-                    ),
-                ))
-            }
-            _ => Ok(()),
+            Ok(info) if info.lines().any(|line| line.trim() == "cluster_enabled:1") => {}
+            _ => return Ok(()),
         }
+        // A Cluster of one primary that owns every slot (a one-shard managed Cluster, an
+        // emulated Cluster mode) decides every identity: a single server to us. Where
+        // `CLUSTER NODES` is refused, nothing is judged.
+        let Ok(nodes) = query::<String>(&self.backend, &redis::cmd("CLUSTER").arg("NODES")).await
+        else {
+            return Ok(());
+        };
+        if owns_every_slot(&nodes) {
+            return Ok(());
+        }
+        Err(StoreError::new(
+            StoreErrorKind::Refused,
+            format!(
+                "the server is a node of a Redis Cluster that does not own every slot \
+                 (INFO: cluster_enabled:1), reached as a single server: {CLUSTER_NODE_ALONE}"
+            ),
+        ))
     }
 
     /// The scripts write times with Lua's `string.format('%d')`, which goes through a C
@@ -1804,6 +1818,41 @@ fn query_error(error: RedisError, cluster: bool) -> StoreError {
     let mut error = store_error(error);
     error.every_request |= every_request;
     error
+}
+
+/// Whether the node answering `CLUSTER NODES` (its `myself` line) is a primary that owns
+/// all 16384 slots: fields from the ninth on are its slots (`0-16383`, `5`), or slots
+/// moving (`[5->-id]`), which are not counted.
+fn owns_every_slot(nodes: &str) -> bool {
+    let Some(myself) = nodes.lines().find(|line| {
+        line.split_whitespace()
+            .nth(2)
+            .is_some_and(|flags| flags.split(',').any(|flag| flag == "myself"))
+    }) else {
+        return false;
+    };
+    let mut fields = myself.split_whitespace();
+    let primary = fields
+        .nth(2)
+        .is_some_and(|flags| flags.split(',').any(|flag| flag == "master"));
+    let owned: u32 = myself
+        .split_whitespace()
+        .skip(8)
+        .filter(|range| !range.starts_with('['))
+        .map(|range| {
+            let mut ends = range.split('-');
+            let first = ends.next().and_then(|end| end.parse::<u32>().ok());
+            let last = ends
+                .next()
+                .and_then(|end| end.parse::<u32>().ok())
+                .or(first);
+            match (first, last) {
+                (Some(first), Some(last)) if first <= last => last - first + 1,
+                _ => 0,
+            }
+        })
+        .sum();
+    primary && owned == 16384
 }
 
 /// What to do about a Cluster's node reached as a single server.
@@ -2635,6 +2684,28 @@ mod tests {
     /// while slots were moving) is an outage in passing, as `TRYAGAIN` is, for the breaker
     /// and the failure mode: it was `Refused`, logged as a bug at error level. A refusal
     /// of ours stays one.
+    #[test]
+    fn a_node_owning_every_slot_is_told_from_one_of_several() {
+        let line = |flags: &str, slots: &str| {
+            format!("07c3 127.0.0.1:30001@40001 {flags} - 0 0 1 connected {slots}\n")
+        };
+        let other = "9a1f 127.0.0.1:30002@40002 master - 0 0 2 connected 8192-16383\n";
+        assert!(owns_every_slot(&line("myself,master", "0-16383")));
+        assert!(owns_every_slot(&line(
+            "myself,master",
+            "0-100 101-16382 16383"
+        )));
+        assert!(owns_every_slot(&line(
+            "myself,master",
+            "0-16383 [77->-9a1f]"
+        )));
+        assert!(!owns_every_slot(&(line("myself,master", "0-8191") + other)));
+        assert!(!owns_every_slot(&line("myself,slave", "")));
+        assert!(!owns_every_slot(&line("myself,master", "")));
+        assert!(!owns_every_slot(other));
+        assert!(!owns_every_slot(""));
+    }
+
     #[test]
     fn a_redirection_left_after_retries_is_an_outage_not_a_refusal() {
         use redis::{ErrorKind, ServerErrorKind};

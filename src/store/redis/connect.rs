@@ -411,8 +411,17 @@ pub(super) fn redact(url: &str) -> String {
         return UNPARSABLE.to_owned();
     };
     // An `@` outside the user info: a password holding `/`, `?` or `#` unescaped, which
-    // ends the authority early and leaves its pieces in the host, port, path or query.
-    if parsed.username().is_empty() && parsed.password().is_none() && url.contains('@') {
+    // ends the authority early and leaves its pieces in the host, port, path, query or
+    // fragment (a part of it may even parse as the user info).
+    let outside = [
+        Some(parsed.path()),
+        parsed.query(),
+        parsed.fragment(),
+        parsed.host_str(),
+    ];
+    if outside.into_iter().flatten().any(|part| part.contains('@'))
+        || (parsed.username().is_empty() && parsed.password().is_none() && url.contains('@'))
+    {
         return "<a URL with an @ outside its user info (a password holding /, ? or # \
                 must be percent-encoded); not shown>"
             .to_owned();
@@ -491,6 +500,18 @@ mod tests {
         ] {
             let shown = redact(url);
             for piece in ["2024", "Spring", "s3cr", "et@", "ab", "cd", "ef"] {
+                assert!(!shown.contains(piece), "{url:?} shown as {shown:?}");
+            }
+        }
+        // A user info that parses, with the rest of the password past it: the host, the
+        // path or the query holds an `@` too.
+        for url in [
+            "redis://u:p@zq/xk@h:6379",
+            "redis://:p@zq?xk@h",
+            "redis://u:p@zq#xk@h",
+        ] {
+            let shown = redact(url);
+            for piece in ["zq", "xk"] {
                 assert!(!shown.contains(piece), "{url:?} shown as {shown:?}");
             }
         }
