@@ -1145,7 +1145,7 @@ impl RedisStore {
         // A Cluster of one primary that owns every slot (a one-shard managed Cluster, an
         // emulated Cluster mode) decides every identity: a single server to us. Where
         // `CLUSTER NODES` is refused, nothing is judged.
-        let Ok(nodes) = query::<String>(&self.backend, &redis::cmd("CLUSTER").arg("NODES")).await
+        let Ok(nodes) = query::<String>(&self.backend, redis::cmd("CLUSTER").arg("NODES")).await
         else {
             return Ok(());
         };
