@@ -694,6 +694,53 @@ async fn the_watch_hears_of_a_failover_past_a_stale_first_sentinel() {
     }
 }
 
+/// The first sentinel listed is cut off with the old primary (which, cut off too, still
+/// answers as a primary) and keeps naming it; the two others failed over to a new one.
+/// The watch asked the sentinels in order and stopped at the first that named the
+/// primary it had: the store stayed on the deposed primary for as long as the partition
+/// lasted, beside replicas following the others (two primaries, each its own limits).
+/// The sentinels are asked together and the most of them are followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sentinels_most_of_them_are_followed_past_a_stale_first_one() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let sentinels: Vec<_> = (0..3)
+        .map(|_| support::FakeSentinel::start(old.port, false))
+        .collect();
+    let store = RedisConfig::sentinel(sentinels.iter().map(support::FakeSentinel::url), "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (_store, app) = healthy_app(store).await;
+    assert!(
+        !keys_with_ttl(&old).is_empty(),
+        "decided on the first primary"
+    );
+    sentinels[1].name(new.port);
+    sentinels[2].name(new.port);
+    // The watch asks the sentinels every 2 s; requests for up to 10 s.
+    let until = Instant::now() + Duration::from_secs(10);
+    while keys_with_ttl(&new).is_empty() {
+        assert!(
+            Instant::now() < until,
+            "the store stayed on the primary one stale sentinel names"
+        );
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // And it stays there: the stale sentinel, asked first, does not pull it back.
+    let on_old = support::script_stats(&old).0;
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        support::script_stats(&old).0,
+        on_old,
+        "back on the old primary"
+    );
+}
+
 /// Every sentinel names a server that takes connections and answers nothing (a host
 /// black-holed, a process frozen). The watch asks it, once a round, whether it is the
 /// primary: it asked once per sentinel naming it, each a connection and a second's

@@ -8,11 +8,12 @@
 //!   deadline), and every fourth time the sentinels whom they name: a primary that stops
 //!   answering without closing its connections, that was demoted, or that the sentinels no
 //!   longer name (a failover it did not see: a partition) is left, and looked up again.
-//!   One they no longer name is left only once the one named answers `ROLE` as a primary:
-//!   a stale sentinel (cut off, still naming the old primary) moves nothing.
-//!   The watch asks the sentinels in order as a look-up does, going past one whose
-//!   answer is no primary, so a failover the later sentinels saw is heard of; a server
-//!   named twice is asked once, and a round has a deadline ([`RESOLVE_TIMEOUT`]).
+//!   One they no longer name is left only once the one named answers `ROLE` as a primary.
+//!   The sentinels are asked together, and the server most of them name is followed (of
+//!   equals, the first-listed sentinel's), by the look-up and the watch alike: a stale
+//!   sentinel (cut off with the old primary, still naming it) is outvoted wherever it is
+//!   listed, and a named server that is no primary is gone past; a server named twice is
+//!   asked once, and a round has a deadline ([`RESOLVE_TIMEOUT`]).
 //! - **A refusal** (a sentinel's: a wrong password, a server that is no sentinel; or a
 //!   named server's: its password, its TLS certificate) is gone past to the next
 //!   sentinel, and said at error level and counted all the same; when no sentinel leads
@@ -208,47 +209,68 @@ impl SentinelBackend {
         }
     }
 
-    /// Asks the sentinels, in order, as a look-up does, whether the primary moved from
-    /// `current`: the first that names `current` says it did not; one that names
-    /// another server that answers `ROLE` as a primary says it moved there. A sentinel
-    /// that names a server that is no primary (stale, cut off from the servers), that
-    /// does not know the name or that fails is gone past, as the look-up goes past it,
-    /// so a failover the next sentinels saw is heard of. A sentinel that refused (not
-    /// I/O) is said and counted even when another answers.
+    /// Asks every sentinel together for the primary: the servers named, those named by
+    /// the most sentinels first (of equals, the one the first-listed sentinel named). A
+    /// sentinel cut off with an old primary keeps naming it while the others fail over:
+    /// the first answer, or the first sentinel's, could be the stale one. What they met
+    /// goes to `errors`; `unknown` when one did not know the name.
+    async fn named_by_most(&self, errors: &mut Errors, unknown: &mut bool) -> Vec<Named> {
+        let answers = futures_util::future::join_all(
+            self.sentinels
+                .iter()
+                .map(|sentinel| ask(sentinel, &self.master)),
+        )
+        .await;
+        let mut named: Vec<Named> = Vec::new();
+        for answer in answers {
+            match answer {
+                Ok(Some(address)) => match named.iter_mut().find(|n| n.address == address) {
+                    Some(seen) => seen.votes += 1,
+                    None => named.push(Named { address, votes: 1 }),
+                },
+                Ok(None) => *unknown = true,
+                Err(error) => errors.push(error),
+            }
+        }
+        // Stable: of equals, the order the sentinels are listed in.
+        named.sort_by_key(|n| std::cmp::Reverse(n.votes));
+        named
+    }
+
+    /// Asks the sentinels whether the primary moved from `current`: it did when more
+    /// sentinels name another server than name `current`, and that server answers `ROLE`
+    /// as a primary (of several, those named by the most first). A sentinel that names a
+    /// server that is no primary (stale, cut off from the servers), that does not know
+    /// the name or that fails is outvoted, or gone past, so a failover most sentinels saw
+    /// is heard of, and one stale sentinel (listed first or not) neither holds the store
+    /// on a deposed primary nor pulls it back to one. A sentinel that refused (not I/O)
+    /// is said and counted even when others answer.
     ///
-    /// A server named again is not asked again. `Some` once a sentinel led somewhere
-    /// (`Some(None)`: to `current`); `None` when none did (each failed, or named a server
-    /// that is no primary or refused the store). What it met goes to `errors`, to be said
-    /// however the round ends.
+    /// `Some` once the sentinels led somewhere (`Some(None)`: to `current`, named by as
+    /// many as any other server that is a primary); `None` when none did (each failed, or
+    /// named a server that is no primary or refused the store). What it met goes to
+    /// `errors`, to be said however the round ends.
     async fn moved_from(
         &self,
         current: &(String, u16),
         errors: &mut Errors,
     ) -> Option<Option<(String, u16)>> {
-        let mut tried: Vec<(String, u16)> = Vec::new();
-        for sentinel in &self.sentinels {
-            let named = match ask(sentinel, &self.master).await {
-                Ok(Some(named)) => named,
-                Ok(None) => continue,
-                Err(error) => {
-                    errors.push(error);
-                    continue;
-                }
-            };
-            if named == *current {
-                return Some(None);
-            }
-            if tried.contains(&named) {
-                continue;
-            }
-            match self.confirmed_primary(&named).await {
-                Ok(true) => return Some(Some(named)),
+        let named = self.named_by_most(errors, &mut false).await;
+        let staying = named
+            .iter()
+            .find(|n| n.address == *current)
+            .map_or(0, |n| n.votes);
+        for candidate in named.into_iter().filter(|n| n.votes > staying) {
+            match self.confirmed_primary(&candidate.address).await {
+                Ok(true) => return Some(Some(candidate.address)),
                 Ok(false) => {}
-                Err(error) => errors.push(about(error, format_args!("{}:{}", named.0, named.1))),
+                Err(error) => errors.push(about(
+                    error,
+                    format_args!("{}:{}", candidate.address.0, candidate.address.1),
+                )),
             }
-            tried.push(named);
         }
-        None
+        (staying > 0).then_some(None)
     }
 
     /// Whether the server at `address` answers, within the watch's deadline, that it is
@@ -271,34 +293,20 @@ impl SentinelBackend {
         })
     }
 
-    /// Looks the primary up: its address from a sentinel, a connection, and its own word
-    /// (`ROLE`) that it is a primary. A sentinel whose answer is not a primary (stale,
-    /// or a failover under way), or one that refuses the store (its password, its TLS
-    /// certificate: one server's, not every server's), does not stop the others from
-    /// being asked. A server named again is not tried again.
+    /// Looks the primary up: its address from the sentinels (the server named by the
+    /// most of them first), a connection, and its own word (`ROLE`) that it is a primary.
+    /// A server that is not a primary (named by a stale sentinel, or a failover under
+    /// way), or one that refuses the store (its password, its TLS certificate: one
+    /// server's, not every server's), does not stop the next named from being tried.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
         let mut errors = Errors::default();
         let mut unknown = false;
-        let mut tried_already: Vec<(String, u16)> = Vec::new();
-        for sentinel in &self.sentinels {
-            let (host, port) = match ask(sentinel, &self.master).await {
-                Ok(Some(address)) => address,
-                Ok(None) => {
-                    unknown = true;
-                    continue;
-                }
-                Err(error) => {
-                    errors.push(error);
-                    continue;
-                }
-            };
-            if tried_already
-                .iter()
-                .any(|(tried, at)| *tried == host && *at == port)
-            {
-                continue;
-            }
-            tried_already.push((host.clone(), port));
+        let named = self.named_by_most(&mut errors, &mut unknown).await;
+        for Named {
+            address: (host, port),
+            ..
+        } in named
+        {
             let tried = async {
                 let client = self.access.client(&host, port)?;
                 let mut connection = client
@@ -379,6 +387,12 @@ impl SentinelBackend {
 /// replica loading from a new primary.
 fn demoted(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
+}
+
+/// A server the sentinels named as the primary, and how many of them did.
+struct Named {
+    address: (String, u16),
+    votes: usize,
 }
 
 /// The errors of the sentinels (and servers) a look-up went past.
