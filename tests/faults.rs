@@ -1460,3 +1460,59 @@ async fn a_sentinel_primary_answering_an_error_keeps_its_connection() {
     );
     assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
+
+/// A primary busy with a long script answers `BUSY` to everything, its watch's `ROLE`
+/// included. The watch took that for a primary gone and left it: each request then
+/// looked the primary up again, a new connection to the busy server per look-up (one
+/// every 100 ms of requests), which a decision's own `BUSY` is kept from doing. An answer
+/// of the moment keeps the connection, for the watch as for a decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_primary_keeps_its_connection_through_the_watch() {
+    let primary = RedisServer::start();
+    let sentinel = support::FakeSentinel::start(primary.port, false);
+    let store = RedisConfig::sentinel([sentinel.url()], "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new("busy");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        primary
+            .cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
+            .trim(),
+        "OK"
+    );
+    let before = support::connections_received(&primary, None);
+    let busy = {
+        let port = primary.port;
+        std::thread::spawn(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "EVAL", "while true do end", "0"])
+                .output()
+        })
+    };
+    // Busy for 3 s (the watch's ROLE every 500 ms), with requests meeting it.
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut busy_answers = 0;
+    while Instant::now() < until {
+        if let Err(error) = store.decide(&key, &policies, 1).await
+            && error.to_string().contains("BUSY")
+        {
+            busy_answers += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        busy_answers > 10,
+        "the primary was not busy: {busy_answers}"
+    );
+    let killed = primary.cli(&["SCRIPT", "KILL"]);
+    assert!(killed.contains("OK"), "{killed}");
+    busy.join().unwrap().unwrap();
+    // Besides the script's, the kill's and this count's own connections: none.
+    let opened = support::connections_received(&primary, None) - before - 3;
+    assert_eq!(opened, 0, "{opened} new connections to the busy primary");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+}

@@ -616,6 +616,11 @@ async fn watch(backend: Weak<SentinelBackend>) {
                 })
             }
             Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
+            // An answer of the moment (a long script's `BUSY`, `LOADING`): the primary is
+            // there and its connection sound, as a decision's own such error keeps it.
+            // Left, each request would look it up again: a connection per look-up to a
+            // server already in trouble.
+            Ok(Err(error)) if matches!(error.code(), Some("BUSY" | "LOADING")) => None,
             Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
             Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
         };
