@@ -200,13 +200,32 @@ impl<St, K, C> RateLimitLayer<St, K, C, NoPolicy> {
 }
 
 impl<St, K, C> RateLimitLayer<St, K, C, PolicySet> {
-    /// Adds a policy every request must pass (replacing one of the same name).
+    /// Adds a policy every request must pass.
     ///
-    /// A shadow policy cannot replace an enforced one of its name, nor the other way
-    /// round: `.policy(api).policy(api_next.shadow())` would leave "api" unenforced. The
-    /// layer refuses that set-up when it is built ([`validate`](Self::validate)); give
-    /// the shadow policy a name of its own.
+    /// Names are unique in a set, as [`PolicySet::new`] requires: a second policy of a
+    /// name already added (`.policy(burst).policy(daily)`, both named "api") would have
+    /// only one of the two limits hold, so the layer refuses that set-up when it is built
+    /// ([`validate`](Self::validate)); the same policy added again changes nothing. A
+    /// shadow policy rolled out beside the enforced one of its name
+    /// (`.policy(api).policy(api_next.shadow())`) is refused the same way: give it a name
+    /// of its own. ([`PolicySet::with`] replaces a policy of the same name, on purpose.)
     pub fn policy(mut self, policy: Policy) -> Self {
+        if let Some(twice) = self
+            .resolver
+            .iter()
+            .find(|p| p.name() == policy.name() && p.is_shadow() == policy.is_shadow())
+            && *twice != policy
+        {
+            self.mistake.get_or_insert_with(|| {
+                format!(
+                    "RateLimitLayer: two policies are named \"{name}\" (added twice with \
+                     .policy()): names are unique in a set, and only one of the two limits \
+                     would hold; give each policy a name of its own",
+                    name = policy.name()
+                )
+                .into()
+            });
+        }
         if let Some(replaced) = self
             .resolver
             .iter()

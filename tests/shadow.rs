@@ -162,8 +162,8 @@ async fn a_shadow_policy_is_never_listed_as_violated() {
 /// Rolling a new version of a limit out in shadow beside the one enforced, under the same
 /// name: `.policy()` replaces a policy of the same name, so the enforced one was dropped
 /// and nothing was enforced, silently. The layer refuses that set-up when it is built
-/// (`validate`, and `layer` panics with the same message), naming the policy; adding a
-/// policy of the same name in the same mode still replaces it, as documented.
+/// (`validate`, and `layer` panics with the same message), naming the policy, and so it
+/// does two policies of one name in the same mode.
 #[test]
 fn a_shadow_policy_cannot_silently_replace_the_enforced_one_of_its_name() {
     let layer = RateLimitLayer::new(MemoryStore::new())
@@ -183,11 +183,22 @@ fn a_shadow_policy_cannot_silently_replace_the_enforced_one_of_its_name() {
         )
     }));
     assert!(panicked.is_err());
-    // Same mode: replaced, as documented; the later one is enforced.
-    let replaced = RateLimitLayer::new(MemoryStore::new())
+    // Same mode: refused too. Two limits written under one name (a burst limit and a
+    // daily one, both "api") were one: the later replaced the earlier, and the burst
+    // limit was gone, silently. `PolicySet::new` refuses the pair; so does the layer.
+    let twice = RateLimitLayer::new(MemoryStore::new())
         .policy(Policy::fixed_window("api", 1, HOUR).unwrap())
         .policy(Policy::fixed_window("api", 5, HOUR).unwrap());
-    assert!(replaced.validate().is_ok());
+    let error = twice.validate().unwrap_err();
+    assert!(
+        error.contains("\"api\"") && error.contains("twice"),
+        "{error}"
+    );
+    // The same policy again changes nothing, and is no mistake.
+    let again = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("api", 1, HOUR).unwrap())
+        .policy(Policy::fixed_window("api", 1, HOUR).unwrap());
+    assert!(again.validate().is_ok());
     // More than 52 policies added one by one, a shadow one last: refused as a set of them
     // would be.
     let mut many = RateLimitLayer::new(MemoryStore::new())

@@ -62,7 +62,24 @@ where
     /// id is the server's error (500), which no [`or`](super::KeyExtractorExt::or)
     /// fallback or `MissingKey::Allow` passes over: such requests would otherwise all
     /// share one budget (an auth layer that knows no user should insert no extension).
+    ///
+    /// # Panics
+    ///
+    /// If `namespace` is empty, holds anything but ASCII letters, digits, `-`, `_` and
+    /// `.`, or is one of the crate's own key kinds (`ip`, `route`, `long`): a user named
+    /// `203.0.113.7` under `ip` would share the budget of that address's anonymous
+    /// requests. A programming error, caught at start-up.
     pub fn new(namespace: &'static str, to_id: F) -> Self {
+        let fits = !namespace.is_empty()
+            && namespace
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        assert!(
+            fits && !matches!(namespace, "ip" | "route" | "long"),
+            "ExtensionKey::new: the namespace {namespace:?} is not one of its own: it must be \
+             ASCII letters, digits, '-', '_' or '.', and not one of the crate's key kinds \
+             (ip, route, long), whose keys its identities would share"
+        );
         Self {
             namespace,
             to_id,
@@ -127,5 +144,25 @@ mod tests {
         assert!(!error.is_missing(), "{error}");
         assert_eq!(error.kind(), KeyErrorKind::Server, "{error}");
         assert!(error.to_string().contains("empty"), "{error}");
+    }
+
+    /// A namespace of the crate's own key kinds (`ip`) had a user named `203.0.113.7`
+    /// share the budget of that address's anonymous requests (`ip:203.0.113.7` both); an
+    /// empty one (`:42`), or one holding `:`, spells other keys too.
+    #[test]
+    fn a_namespace_that_spells_other_keys_is_refused() {
+        for namespace in ["ip", "route", "long", "", "user:admin", "a b"] {
+            let built = std::panic::catch_unwind(|| {
+                ExtensionKey::new(namespace, |user: &User| user.0.to_owned())
+            });
+            let message = *built
+                .expect_err(namespace)
+                .downcast::<String>()
+                .expect("a message");
+            assert!(message.contains("namespace"), "{message}");
+        }
+        for namespace in ["user", "tenant", "org.v2", "api-client_1"] {
+            let _ = ExtensionKey::new(namespace, |user: &User| user.0.to_owned());
+        }
     }
 }

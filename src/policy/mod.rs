@@ -726,8 +726,11 @@ impl Policy {
         self.inner.params.limit()
     }
 
-    /// The window the quota is measured over, as advertised in `RateLimit-Policy` (`w`):
-    /// the window of a window algorithm, or the time a bucket takes to refill from empty.
+    /// The window the quota is measured over: the window of a window algorithm, or the
+    /// time a bucket takes to refill from empty; for an in-flight limit, which has none,
+    /// the lease of its slots. `RateLimit-Policy` advertises it as `w` in whole seconds,
+    /// rounded up (at least 1: a 1 ms window is `w=1`, a bucket refilling in 3.3 s `w=4`;
+    /// draft-11 has no smaller unit), and sends no `w` for an in-flight limit.
     pub fn window(&self) -> Duration {
         Duration::from_nanos(self.inner.params.window_nanos())
     }

@@ -9,6 +9,12 @@ use std::time::Duration;
 /// trouble for one longest block. rate-limiter-flexible's `blockDuration`, rack-attack's
 /// Allow2Ban.
 ///
+/// The denials are counted in a fixed window of `within` that starts at the first denial
+/// after the last window ended (as rate-limiter-flexible and Allow2Ban count them), not
+/// a sliding one: across a window's end, up to `2 × denials − 2` denials can come within
+/// `within` without a block. Where that matters, count over a shorter `within` with
+/// fewer denials.
+///
 /// ```
 /// use std::time::Duration;
 /// use tollgate::policy::Penalty;
