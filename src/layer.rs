@@ -214,7 +214,7 @@ impl<St, K, C> RateLimitLayer<St, K, C, PolicySet> {
             .resolver
             .iter()
             .find(|p| p.name() == policy.name() && p.is_shadow() == policy.is_shadow())
-            && *twice != policy
+            && (*twice != policy || twice.unit() != policy.unit())
         {
             self.mistake.get_or_insert_with(|| {
                 format!(

@@ -1516,3 +1516,63 @@ async fn a_busy_primary_keeps_its_connection_through_the_watch() {
     assert_eq!(opened, 0, "{opened} new connections to the busy primary");
     assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
+
+/// A primary stuck in a script (one that wrote: it cannot be killed) answers `BUSY` to
+/// everything, and its sentinels fail over from it. The watch keeps a busy primary's
+/// connection, but still asks the sentinels: it moves to the new primary they name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_primary_the_sentinels_failed_over_from_is_left() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let sentinel = support::FakeSentinel::start(old.port, false);
+    let store = RedisConfig::sentinel([sentinel.url()], "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new("stuck");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert_eq!(
+        old.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
+            .trim(),
+        "OK"
+    );
+    let busy = {
+        let port = old.port;
+        std::thread::spawn(move || {
+            std::process::Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "EVAL", "while true do end", "0"])
+                .output()
+        })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while !store
+        .decide(&key, &policies, 1)
+        .await
+        .is_err_and(|error| error.to_string().contains("BUSY"))
+    {
+        assert!(Instant::now() < until, "the primary never got busy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sentinel.name(new.port);
+    // The watch asks the sentinels every 2 s; decisions for up to 10 s.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(decision) = store.decide(&key, &policies, 1).await {
+            assert!(decision.is_allowed());
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the store stayed on the busy primary the sentinels left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !keys_with_ttl(&new).is_empty(),
+        "decided on the new primary"
+    );
+    let killed = old.cli(&["SCRIPT", "KILL"]);
+    assert!(killed.contains("OK"), "{killed}");
+    busy.join().unwrap().unwrap();
+}

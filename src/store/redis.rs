@@ -476,12 +476,16 @@ const PING_DEADLINE: Duration = Duration::from_secs(1);
 struct Asked<'a> {
     managed: &'a Arc<Managed>,
     answered: bool,
+    /// The answer was no error: a connection that works (a refused password, a demoted
+    /// server's `READONLY`, are answers, but no sign a replacement would do).
+    ok: bool,
 }
 
 impl Asked<'_> {
     /// The server answered (an error it sent is an answer) or the command timed out.
     fn answered<T>(mut self, answer: &Result<T, RedisError>) {
         self.answered = !answer.as_ref().is_err_and(RedisError::is_timeout);
+        self.ok = answer.is_ok();
     }
 }
 
@@ -493,9 +497,9 @@ impl Drop for Asked<'_> {
                 self.managed.unanswered.store(0, Ordering::Relaxed);
             }
             if self.managed.said_stall.load(Ordering::Relaxed)
-                || self.managed.said_unreplaced.load(Ordering::Relaxed)
+                || (self.ok && self.managed.said_unreplaced.load(Ordering::Relaxed))
             {
-                self.managed.answers_again();
+                self.managed.answers_again(self.ok);
             }
         } else if self.managed.unanswered.fetch_add(1, Ordering::Relaxed) + 1 >= UNANSWERED {
             self.managed.check();
@@ -523,11 +527,13 @@ impl Managed {
     }
 
     /// The server answered after a stall was said: said once, and the next stall will
-    /// be said again.
+    /// be said again; a failed replacement too, once a command worked (`ok`).
     #[cold]
-    fn answers_again(&self) {
+    fn answers_again(&self, ok: bool) {
         use std::sync::atomic::Ordering;
-        self.said_unreplaced.store(false, Ordering::Relaxed);
+        if ok {
+            self.said_unreplaced.store(false, Ordering::Relaxed);
+        }
         if self.said_stall.swap(false, Ordering::Relaxed) {
             #[cfg(feature = "tracing")]
             tracing::info!(target: "tollgate", "the Redis connection answers again");
@@ -539,6 +545,7 @@ impl Managed {
         Asked {
             managed: self,
             answered: false,
+            ok: false,
         }
     }
 
@@ -560,11 +567,11 @@ impl Managed {
                 // An answer, even an error: the server is there.
                 Ok(Ok(_)) => {
                     this.unanswered.store(0, Ordering::Relaxed);
-                    this.answers_again();
+                    this.answers_again(true);
                 }
                 Ok(Err(error)) if !error.is_timeout() && !error.is_io_error() => {
                     this.unanswered.store(0, Ordering::Relaxed);
-                    this.answers_again();
+                    this.answers_again(false);
                 }
                 _ => {
                     // Said once a stall; each check after it (about one a second while
@@ -698,6 +705,13 @@ impl Drop for Checkout {
             drop(deadpool_redis::Connection::take(connection));
         }
     }
+}
+
+/// Whether `error` is a Cluster's redirection: on a connection to one server, a node of
+/// a one-shard Cluster that a failover made a replica. Connecting anew (the name
+/// resolved again: a managed endpoint follows the new primary) is the way back.
+fn moved(error: &RedisError) -> bool {
+    matches!(error.code(), Some("MOVED" | "ASK"))
 }
 
 /// Whether `error` says the server is a primary no more (or has none): a failover.
@@ -1144,19 +1158,18 @@ impl RedisStore {
         }
         // A Cluster of one primary that owns every slot (a one-shard managed Cluster, an
         // emulated Cluster mode) decides every identity: a single server to us. Where
-        // `CLUSTER NODES` is refused, nothing is judged.
-        let Ok(nodes) = query::<String>(&self.backend, redis::cmd("CLUSTER").arg("NODES")).await
-        else {
-            return Ok(());
-        };
-        if owns_every_slot(&nodes) {
+        // `CLUSTER NODES` is refused (an ACL), it cannot be told from a node of several,
+        // and is refused as one.
+        let nodes = query::<String>(&self.backend, redis::cmd("CLUSTER").arg("NODES")).await;
+        if nodes.as_deref().is_ok_and(owns_every_slot) {
             return Ok(());
         }
         Err(StoreError::new(
             StoreErrorKind::Refused,
             format!(
-                "the server is a node of a Redis Cluster that does not own every slot \
-                 (INFO: cluster_enabled:1), reached as a single server: {CLUSTER_NODE_ALONE}"
+                "the server is a node of a Redis Cluster that does not own every slot, or \
+                 refuses CLUSTER NODES to say so (INFO: cluster_enabled:1), reached as a \
+                 single server: {CLUSTER_NODE_ALONE}"
             ),
         ))
     }
@@ -1751,7 +1764,7 @@ async fn query<T: redis::FromRedisValue>(
             // again only after an I/O error): connecting anew is the way back.
             if answer
                 .as_ref()
-                .is_err_and(|error| demoted(error) || password_refused(error))
+                .is_err_and(|error| demoted(error) || password_refused(error) || moved(error))
             {
                 managed.replace();
             }
@@ -1759,7 +1772,10 @@ async fn query<T: redis::FromRedisValue>(
         }
         Backend::Pooled(checkout) => {
             let answer = command.query_async(&mut checkout.connection()).await;
-            if answer.as_ref().is_err_and(demoted) {
+            if answer
+                .as_ref()
+                .is_err_and(|error| demoted(error) || moved(error))
+            {
                 checkout.leave();
             }
             answer
@@ -1771,7 +1787,10 @@ async fn query<T: redis::FromRedisValue>(
         Backend::Pool(pool) => {
             let mut connection = pool.get().await.map_err(no_connection)?;
             let answer = command.query_async(&mut connection).await;
-            if answer.as_ref().is_err_and(demoted) {
+            if answer
+                .as_ref()
+                .is_err_and(|error| demoted(error) || moved(error))
+            {
                 drop(deadpool_redis::Connection::take(connection));
             }
             answer

@@ -214,26 +214,48 @@ impl SentinelBackend {
     /// sentinel cut off with an old primary keeps naming it while the others fail over:
     /// the first answer, or the first sentinel's, could be the stale one. What they met
     /// goes to `errors`; `unknown` when one did not know the name.
+    ///
+    /// Once most of the listed sentinels name one server, the others are not waited for:
+    /// a sentinel down with its host (beside the primary it watched) costs no look-up its
+    /// timeout.
     async fn named_by_most(&self, errors: &mut Errors, unknown: &mut bool) -> Vec<Named> {
-        let answers = futures_util::future::join_all(
-            self.sentinels
-                .iter()
-                .map(|sentinel| ask(sentinel, &self.master)),
-        )
-        .await;
+        use futures_util::StreamExt;
+        let mut answers: futures_util::stream::FuturesUnordered<_> = self
+            .sentinels
+            .iter()
+            .enumerate()
+            .map(|(index, sentinel)| async move { (index, ask(sentinel, &self.master).await) })
+            .collect();
+        let most = self.sentinels.len() / 2 + 1;
         let mut named: Vec<Named> = Vec::new();
-        for answer in answers {
+        while let Some((index, answer)) = answers.next().await {
             match answer {
-                Ok(Some(address)) => match named.iter_mut().find(|n| n.address == address) {
-                    Some(seen) => seen.votes += 1,
-                    None => named.push(Named { address, votes: 1 }),
-                },
+                Ok(Some(address)) => {
+                    let votes = match named.iter_mut().find(|n| n.address == address) {
+                        Some(seen) => {
+                            seen.votes += 1;
+                            seen.first = seen.first.min(index);
+                            seen.votes
+                        }
+                        None => {
+                            named.push(Named {
+                                address,
+                                votes: 1,
+                                first: index,
+                            });
+                            1
+                        }
+                    };
+                    if votes >= most {
+                        break;
+                    }
+                }
                 Ok(None) => *unknown = true,
                 Err(error) => errors.push(error),
             }
         }
-        // Stable: of equals, the order the sentinels are listed in.
-        named.sort_by_key(|n| std::cmp::Reverse(n.votes));
+        // Of equals, the one the first-listed sentinel named.
+        named.sort_by_key(|n| (std::cmp::Reverse(n.votes), n.first));
         named
     }
 
@@ -247,14 +269,16 @@ impl SentinelBackend {
     /// is said and counted even when others answer.
     ///
     /// `Some` once the sentinels led somewhere (`Some(None)`: to `current`, named by as
-    /// many as any other server that is a primary); `None` when none did (each failed, or
-    /// named a server that is no primary or refused the store). What it met goes to
-    /// `errors`, to be said however the round ends.
+    /// many as any other server that is a primary; `Some(Some(..))`: the server they
+    /// moved to, with a connection to it, which the watch takes as it is, so no second
+    /// vote, by sentinels answering otherwise a moment later, takes the store back);
+    /// `None` when none did (each failed, or named a server that is no primary or refused
+    /// the store). What it met goes to `errors`, to be said however the round ends.
     async fn moved_from(
         &self,
         current: &(String, u16),
         errors: &mut Errors,
-    ) -> Option<Option<(String, u16)>> {
+    ) -> Option<Option<Moved>> {
         let named = self.named_by_most(errors, &mut false).await;
         let staying = named
             .iter()
@@ -262,8 +286,8 @@ impl SentinelBackend {
             .map_or(0, |n| n.votes);
         for candidate in named.into_iter().filter(|n| n.votes > staying) {
             match self.confirmed_primary(&candidate.address).await {
-                Ok(true) => return Some(Some(candidate.address)),
-                Ok(false) => {}
+                Ok(Some(connection)) => return Some(Some((candidate.address, connection))),
+                Ok(None) => {}
                 Err(error) => errors.push(about(
                     error,
                     format_args!("{}:{}", candidate.address.0, candidate.address.1),
@@ -273,16 +297,20 @@ impl SentinelBackend {
         (staying > 0).then_some(None)
     }
 
-    /// Whether the server at `address` answers, within the watch's deadline, that it is
-    /// a primary; its error when it refuses the store or cannot be asked.
-    async fn confirmed_primary(&self, (host, port): &(String, u16)) -> Result<bool, StoreError> {
+    /// A connection to the server at `address` when it answers, within the watch's
+    /// deadline, that it is a primary; `None` when it is not one; its error when it
+    /// refuses the store or cannot be asked.
+    async fn confirmed_primary(
+        &self,
+        (host, port): &(String, u16),
+    ) -> Result<Option<MultiplexedConnection>, StoreError> {
         tokio::time::timeout(WATCH_DEADLINE + CONNECT_TIMEOUT, async {
             let client = self.access.client(host, *port)?;
             let mut connection = client
                 .get_multiplexed_async_connection_with_config(&connection_config())
                 .await
                 .map_err(store_error)?;
-            is_primary(&mut connection).await
+            Ok(is_primary(&mut connection).await?.then_some(connection))
         })
         .await
         .unwrap_or_else(|_| {
@@ -343,6 +371,25 @@ impl SentinelBackend {
         })
     }
 
+    /// Puts `moved` in the place of the connection of `generation` (if it is still the
+    /// current one): the primary the sentinels moved to, confirmed by the watch.
+    fn move_to(&self, generation: u64, (address, connection): Moved) {
+        {
+            let mut state = self.lock();
+            if state
+                .current
+                .as_ref()
+                .is_none_or(|(current, _, _)| *current != generation)
+            {
+                return;
+            }
+            let next = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+            state.current = Some((next, address, connection));
+            state.failed = None;
+        }
+        self.looked_up.send_modify(|count| *count += 1);
+    }
+
     /// Drops the connection of `generation` (if it is still the current one), so the
     /// next decision looks the primary up again.
     fn leave(&self, generation: u64) {
@@ -389,10 +436,15 @@ fn demoted(code: Option<&str>) -> bool {
     matches!(code, Some("READONLY" | "MASTERDOWN"))
 }
 
+/// The primary the sentinels moved to, and a connection to it.
+type Moved = ((String, u16), MultiplexedConnection);
+
 /// A server the sentinels named as the primary, and how many of them did.
 struct Named {
     address: (String, u16),
     votes: usize,
+    /// The place of the first-listed sentinel that named it.
+    first: usize,
 }
 
 /// The errors of the sentinels (and servers) a look-up went past.
@@ -587,40 +639,14 @@ async fn watch(backend: Weak<SentinelBackend>) {
         };
         let answered = tokio::time::timeout(WATCH_DEADLINE, is_primary(&mut connection)).await;
         let reason = match answered {
-            // The sentinels every fourth tick (each question opens a connection).
-            Ok(Ok(true)) if !tick.is_multiple_of(4) => None,
-            // Left for the one named only once that one says it is a primary: a stale
-            // sentinel (cut off from the servers, still naming the old primary) would
-            // have the store leave a sound primary at each look (the look-up goes past
-            // such a sentinel's answer, and connects back). A round has a deadline of
-            // its own (meanwhile the primary goes unchecked); what it met is said however
-            // it ends.
-            Ok(Ok(true)) => {
-                let mut errors = Errors::default();
-                let round = tokio::time::timeout(
-                    RESOLVE_TIMEOUT,
-                    backend.moved_from(&address, &mut errors),
-                )
-                .await;
-                errors.report(match &round {
-                    Ok(Some(_)) => SKIPPED,
-                    Ok(None) => UNFOLLOWED,
-                    Err(_) => CUT_OFF,
-                });
-                let led = round.ok().flatten();
-                led.flatten().map(|named| {
-                    format!(
-                        "the sentinels now name {}:{} as the primary",
-                        named.0, named.1
-                    )
-                })
-            }
-            Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
-            // An answer of the moment (a long script's `BUSY`, `LOADING`): the primary is
-            // there and its connection sound, as a decision's own such error keeps it.
-            // Left, each request would look it up again: a connection per look-up to a
-            // server already in trouble.
+            // A primary; or one answering an error of the moment (a long script's `BUSY`,
+            // `LOADING`): there, its connection sound, as a decision's own such error
+            // keeps it (left, each request would look it up again: a connection per
+            // look-up to a server already in trouble). Asked of the sentinels all the
+            // same: a primary stuck in a script they failed over from is left.
+            Ok(Ok(true)) => None,
             Ok(Err(error)) if matches!(error.code(), Some("BUSY" | "LOADING")) => None,
+            Ok(Ok(false)) => Some("it is no longer a primary".to_owned()),
             Ok(Err(error)) => Some(format!("it failed to answer: {error}")),
             Err(_) => Some(format!("it did not answer within {WATCH_DEADLINE:?}")),
         };
@@ -635,6 +661,34 @@ async fn watch(backend: Weak<SentinelBackend>) {
             #[cfg(not(feature = "tracing"))]
             let _ = reason;
             backend.leave(generation);
+            continue;
+        }
+        // The sentinels every fourth tick (each question opens a connection). Moved to
+        // the one they name only once that one says it is a primary: a stale sentinel
+        // (cut off from the servers, still naming the old primary) would have the store
+        // leave a sound primary at each look. A round has a deadline of its own
+        // (meanwhile the primary goes unchecked); what it met is said however it ends.
+        if !tick.is_multiple_of(4) {
+            continue;
+        }
+        let mut errors = Errors::default();
+        let round =
+            tokio::time::timeout(RESOLVE_TIMEOUT, backend.moved_from(&address, &mut errors)).await;
+        errors.report(match &round {
+            Ok(Some(_)) => SKIPPED,
+            Ok(None) => UNFOLLOWED,
+            Err(_) => CUT_OFF,
+        });
+        if let Ok(Some(Some(moved))) = round {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                primary = %format!("{}:{}", address.0, address.1),
+                named = %format!("{}:{}", moved.0.0, moved.0.1),
+                "leaving the Redis primary: the sentinels now name another, which answers \
+                 as the primary"
+            );
+            backend.move_to(generation, moved);
         }
     }
 }
