@@ -378,6 +378,45 @@ async fn a_service_nested_with_nest_service_costs_its_whole_path() {
     assert!(escaped.starts_with("\"api\";r=0;"), "{escaped}");
 }
 
+/// axum routes a request by its path as written: `/api/%68ealth` is not the static
+/// `/api/health` route but the wildcard's (or the fallback's). Its escapes decoded, the
+/// path named the cheap route's entry, and the wildcard's handler ran at that cost (0:
+/// never limited). A spelling the handler may read otherwise (escapes decoded, `//` and
+/// `.` segments gone: a `ServeDir`) only raises a cost, never lowers it.
+#[tokio::test]
+async fn a_respelled_path_never_costs_less_than_the_route_that_serves_it() {
+    let app = Router::new()
+        .route("/api/health", get(|| async { "ok" }))
+        .route("/api/{*rest}", get(|| async { "proxied" }))
+        .layer(priced(
+            PerRoute::new(1)
+                .route("/api/health", 0)
+                .route("/api/{*rest}", 50),
+        ));
+    let field = field_after(&app, http::Method::GET, "/api/%68ealth").await;
+    assert!(field.starts_with("\"api\";r=50;"), "{field}");
+    let fallback = Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .fallback(|| async { "rendered" })
+        .layer(priced(PerRoute::new(10).route("/health", 0)));
+    let field = field_after(&fallback, http::Method::GET, "/%68ealth").await;
+    assert!(field.starts_with("\"api\";r=90;"), "{field}");
+    // A file served whatever its spelling: `//` and `.` segments cost as the listed path.
+    for spelling in [
+        "/assets/big.iso",
+        "/assets//big.iso",
+        "/assets/./big.iso",
+        "/assets/%2E/big.iso",
+        "/assets/b%69g.iso",
+    ] {
+        let files = Router::new()
+            .route("/assets/{*file}", get(|| async { "file" }))
+            .layer(priced(PerRoute::new(1).route("/assets/big.iso", 40)));
+        let field = field_after(&files, http::Method::GET, spelling).await;
+        assert!(field.starts_with("\"api\";r=60;"), "{spelling}: {field}");
+    }
+}
+
 /// One layer keyed by `Route`, in front of two services nested with `nest_service`:
 /// axum sets no `MatchedPath` there, so the key is the request's path, the whole of it
 /// (`OriginalUri`). It was the path the nested service sees, its prefix taken off:

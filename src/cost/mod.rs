@@ -53,12 +53,18 @@ impl Cost for u64 {
 /// there is one, else on the request path. Under a wildcard template (`/files/{*path}`,
 /// or a tonic service merged into an axum router, one `/{Service}/{*rest}` route), or
 /// where no template names the path, an entry for the request's own path comes first
-/// (`/greeter.Greeter/SayHello`), as it is written or with its escapes decoded (a
-/// handler reads the captured path decoded, so `/files/big%2Eiso` is `/files/big.iso` to
-/// it), then the template's. When an entry of the path for every method and one of the
-/// template for the request's method both apply, the larger counts. A path the handler
-/// normalises further (`./`, a trailing slash, case) is the template's: list those
-/// spellings too, or cost the route in the handler. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
+/// (`/greeter.Greeter/SayHello`), then the template's. When an entry of the path for
+/// every method and one of the template for the request's method both apply, the larger
+/// counts. A spelling a handler may read as a listed path (its escapes decoded, `//` and
+/// `.` segments gone, as axum's `Path` and a `ServeDir` read it: `/files/big%2Eiso`,
+/// `/files//big.iso`) costs at least what the listed path does, and never less than what
+/// the route that serves it costs: axum routes by the path as written, so
+/// `/api/%68ealth` is served by a wildcard or the fallback, not by a static
+/// `/api/health` listed cheap. A path the handler normalises otherwise (a trailing slash,
+/// case) is the template's: list those spellings too, or cost the route in the handler.
+/// A route served for every method (`any(..)`) costs a method of its own (`FOO /export`)
+/// what the route costs for every method, or the default: list the route for every
+/// method when only some are listed. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
 /// its own: it runs the GET handler.
 ///
 /// The template is the one the router that runs the layer matched: inside a router
@@ -101,9 +107,10 @@ impl PerRoute {
     ///
     /// # Panics
     ///
-    /// If `path` could never match a request's path (it does not start with `/`, or holds
-    /// a query, a fragment or a space): a programming error caught at start-up, as axum's
-    /// `Router::route` panics on such a path.
+    /// If `path` could never match a request's path (it does not start with `/`, holds a
+    /// query, a fragment or a space, or writes a capture as axum 0.7 did: `/users/:id`):
+    /// a programming error caught at start-up, as axum's `Router::route` panics on such a
+    /// path.
     pub fn route(mut self, path: &str, cost: u64) -> Self {
         check_route(path);
         self.routes.push((None, path.into(), cost));
@@ -132,6 +139,15 @@ fn check_route(path: &str) {
         path.starts_with('/') && !path.contains(['?', '#', ' ', '\t']),
         "PerRoute: {path:?} never matches a request's path: a route starts with / and \
          holds no query (?), fragment (#) or space"
+    );
+    // axum 0.7's captures: axum 0.8 refuses such a route, so no template is ever written
+    // so (it is `/users/{id}`), and no client path starts a segment so.
+    assert!(
+        !path
+            .split('/')
+            .any(|segment| segment.starts_with(':') || segment.starts_with('*')),
+        "PerRoute: {path:?} is written as axum 0.7 wrote captures (`:id`, `*rest`): axum \
+         0.8 names them `{{id}}` and `{{*rest}}`, and this route would never match"
     );
 }
 
@@ -176,22 +192,7 @@ impl Cost for PerRoute {
                 && template
                     .split_once('{')
                     .is_some_and(|(start, _)| path.starts_with(start)));
-        // What the handler reads is the path decoded (axum's `Path`, a `ServeDir`): the
-        // listed path in escapes (`/files/big%2Eiso`) is the listed path to it.
-        let own = |method: Option<&Method>| {
-            own_path
-                .then(|| {
-                    self.listed(path, method).or_else(|| {
-                        let decoded = percent_encoding::percent_decode_str(path)
-                            .decode_utf8()
-                            .ok();
-                        decoded
-                            .filter(|decoded| decoded != path)
-                            .and_then(|decoded| self.listed(&decoded, method))
-                    })
-                })
-                .flatten()
-        };
+        let own = |method: Option<&Method>| own_path.then(|| self.listed(path, method)).flatten();
         let method = Some(&parts.method);
         // The template's entries, when axum matched one (else the path's own, above).
         let of_template =
@@ -199,14 +200,50 @@ impl Cost for PerRoute {
         // The path's entry for the method is the most specific. Else an entry of the path
         // for every method and one of the template for the method both apply: the larger
         // counts, so that neither the method nor the path makes a listed route cheaper.
-        own(method)
+        let cost = own(method)
             .or_else(|| match (own(None), of_template(method)) {
                 (Some(by_path), Some(by_method)) => Some(by_path.max(by_method)),
                 (by_path, by_method) => by_path.or(by_method),
             })
             .or_else(|| of_template(None))
-            .unwrap_or(self.default)
+            .unwrap_or(self.default);
+        if !own_path || own(method).is_some() || own(None).is_some() {
+            return cost;
+        }
+        // What serves the path may read it otherwise (axum's `Path`, a `ServeDir`): its
+        // escapes decoded, `//` and `.` segments gone. Such a spelling of a listed path
+        // (`/files/big%2Eiso`, `/files//big.iso`) costs at least what the listed path
+        // does; it never costs less than the route that serves it, which axum chose by
+        // the path as written (`/api/%68ealth` is the wildcard's or the fallback's, not
+        // the static `/api/health`'s, whatever that one costs).
+        respellings(path)
+            .filter_map(|spelling| {
+                self.listed(&spelling, method)
+                    .max(self.listed(&spelling, None))
+            })
+            .fold(cost, u64::max)
     }
+}
+
+/// The spellings of `path` a handler may read as another listed path: its escapes
+/// decoded, then with empty and `.` segments gone as well (as a `ServeDir` builds a file's
+/// path). Only those that differ from `path`.
+fn respellings(path: &str) -> impl Iterator<Item = String> + '_ {
+    let decoded = percent_encoding::percent_decode_str(path)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned);
+    let tidied = decoded.as_deref().map(|decoded| {
+        let segments: Vec<&str> = decoded
+            .split('/')
+            .filter(|segment| !segment.is_empty() && *segment != ".")
+            .collect();
+        format!("/{}", segments.join("/"))
+    });
+    [decoded, tidied]
+        .into_iter()
+        .flatten()
+        .filter(move |spelling| spelling != path)
 }
 
 /// A cost that earlier middleware computed and stored in the request's extensions.
@@ -363,17 +400,29 @@ mod tests {
     }
 
     /// A route no path can match once cost the default, silently: `search` (no leading
-    /// slash) or `/search?q=1` (paths carry no query).
+    /// slash), `/search?q=1` (paths carry no query), or axum 0.7's captures
+    /// (`/users/:id`: axum 0.8's template is `/users/{id}`).
     #[test]
     fn a_route_that_never_matches_is_refused_at_start_up() {
-        for path in ["search", "/search?q=1", "/a b", "/a#b", ""] {
+        for path in [
+            "search",
+            "/search?q=1",
+            "/a b",
+            "/a#b",
+            "",
+            "/users/:id",
+            "/files/*p",
+        ] {
             let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
             assert!(refused.is_err(), "{path:?}");
             let refused =
                 std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
             assert!(refused.is_err(), "{path:?}");
         }
-        let _ = PerRoute::new(1).route("/users/{id}", 2).route("/", 1);
+        let _ = PerRoute::new(1)
+            .route("/users/{id}", 2)
+            .route("/", 1)
+            .route("/v1/models/m:generate", 3);
     }
 
     /// RFC 9110, section 9.3.2: a server answers HEAD as it answers GET, without the body,
