@@ -778,16 +778,7 @@ impl LimiterConfig {
                      or space in it",
                 ));
             }
-            if path
-                .split('/')
-                .any(|segment| segment.starts_with(':') || segment.starts_with('*'))
-            {
-                return Err(ConfigError::new(
-                    entry,
-                    "a capture is written as axum 0.8 writes it (/users/{id}, /files/{*path}), \
-                     not :id or *path: such a route would never match",
-                ));
-            }
+
             cost = match parts {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a

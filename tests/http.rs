@@ -415,6 +415,33 @@ async fn a_respelled_path_never_costs_less_than_the_route_that_serves_it() {
         let field = field_after(&files, http::Method::GET, spelling).await;
         assert!(field.starts_with("\"api\";r=60;"), "{spelling}: {field}");
     }
+    // A listing written in escapes (a space cannot be written otherwise) is matched by
+    // its respellings too, and `..` segments are resolved as a handler joining the
+    // captured path to a directory resolves them.
+    for spelling in [
+        "/files/my%20report.pdf",
+        "/files//my%20report.pdf",
+        "/files/./my%20report%2Epdf",
+        "/files/tmp/../my%20report.pdf",
+    ] {
+        let files = Router::new()
+            .route("/files/{*file}", get(|| async { "file" }))
+            .layer(priced(PerRoute::new(1).route("/files/my%20report.pdf", 40)));
+        let field = field_after(&files, http::Method::GET, spelling).await;
+        assert!(field.starts_with("\"api\";r=60;"), "{spelling}: {field}");
+    }
+    // A respelling keeps the listing's precedence: the method's own entry first.
+    let methods = Router::new()
+        .route("/files/{*file}", get(|| async { "file" }))
+        .layer(priced(
+            PerRoute::new(1).route("/files/big.iso", 40).route_method(
+                http::Method::GET,
+                "/files/big.iso",
+                2,
+            ),
+        ));
+    let field = field_after(&methods, http::Method::GET, "/files//big.iso").await;
+    assert!(field.starts_with("\"api\";r=98;"), "{field}");
 }
 
 /// One layer keyed by `Route`, in front of two services nested with `nest_service`:

@@ -56,9 +56,10 @@ impl Cost for u64 {
 /// (`/greeter.Greeter/SayHello`), then the template's. When an entry of the path for
 /// every method and one of the template for the request's method both apply, the larger
 /// counts. A spelling a handler may read as a listed path (its escapes decoded, `//` and
-/// `.` segments gone, as axum's `Path` and a `ServeDir` read it: `/files/big%2Eiso`,
-/// `/files//big.iso`) costs at least what the listed path does, and never less than what
-/// the route that serves it costs: axum routes by the path as written, so
+/// `.` segments gone, `..` resolved, as axum's `Path` and a `ServeDir` read it:
+/// `/files/big%2Eiso`, `/files//big.iso`; a listing read the same way) costs at least
+/// what the listed path does, and never less than what the route that serves it costs
+/// (list a cheap path as clients spell it): axum routes by the path as written, so
 /// `/api/%68ealth` is served by a wildcard or the fallback, not by a static
 /// `/api/health` listed cheap. A path the handler normalises otherwise (a trailing slash,
 /// case) is the template's: list those spellings too, or cost the route in the handler.
@@ -91,7 +92,17 @@ impl Cost for u64 {
 #[derive(Debug, Clone)]
 pub struct PerRoute {
     default: u64,
-    routes: Vec<(Option<Method>, Box<str>, u64)>,
+    /// Each listing: its method (`None`: every method), its path as written, the path as
+    /// a handler may read it (`respelled`), and its cost.
+    routes: Vec<Listing>,
+}
+
+#[derive(Debug, Clone)]
+struct Listing {
+    method: Option<Method>,
+    path: Box<str>,
+    read_as: Box<str>,
+    cost: u64,
 }
 
 impl PerRoute {
@@ -107,13 +118,14 @@ impl PerRoute {
     ///
     /// # Panics
     ///
-    /// If `path` could never match a request's path (it does not start with `/`, holds a
-    /// query, a fragment or a space, or writes a capture as axum 0.7 did: `/users/:id`):
-    /// a programming error caught at start-up, as axum's `Router::route` panics on such a
-    /// path.
+    /// If `path` could never match a request's path (it does not start with `/`, or holds
+    /// a query, a fragment or a space): a programming error caught at start-up, as axum's
+    /// `Router::route` panics on such a path. (A capture is written as axum 0.8 writes it,
+    /// `/users/{id}`: `/users/:id` is the literal path, as under axum's
+    /// `without_v07_checks`.)
     pub fn route(mut self, path: &str, cost: u64) -> Self {
         check_route(path);
-        self.routes.push((None, path.into(), cost));
+        self.routes.push(Listing::new(None, path, cost));
         self
     }
 
@@ -128,7 +140,7 @@ impl PerRoute {
     /// As [`route`](Self::route), for a path that could never match.
     pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
         check_route(path);
-        self.routes.push((Some(method), path.into(), cost));
+        self.routes.push(Listing::new(Some(method), path, cost));
         self
     }
 }
@@ -140,37 +152,53 @@ fn check_route(path: &str) {
         "PerRoute: {path:?} never matches a request's path: a route starts with / and \
          holds no query (?), fragment (#) or space"
     );
-    // axum 0.7's captures: axum 0.8 refuses such a route, so no template is ever written
-    // so (it is `/users/{id}`), and no client path starts a segment so.
-    assert!(
-        !path
-            .split('/')
-            .any(|segment| segment.starts_with(':') || segment.starts_with('*')),
-        "PerRoute: {path:?} is written as axum 0.7 wrote captures (`:id`, `*rest`): axum \
-         0.8 names them `{{id}}` and `{{*rest}}`, and this route would never match"
-    );
+}
+
+impl Listing {
+    fn new(method: Option<Method>, path: &str, cost: u64) -> Self {
+        Self {
+            method,
+            path: path.into(),
+            read_as: respelled(path).map_or_else(|| path.into(), String::into_boxed_str),
+            cost,
+        }
+    }
 }
 
 impl PerRoute {
-    /// The cost listed for `path` under `method` (`None`: for every method); of entries
-    /// listed twice, the last.
-    fn entry(&self, path: &str, method: Option<&Method>) -> Option<u64> {
+    /// The cost listed for `path` (as written, or as read: `read`) under `method`
+    /// (`None`: for every method); of entries listed twice, the last.
+    fn entry(&self, path: &str, read: bool, method: Option<&Method>) -> Option<u64> {
         self.routes
             .iter()
             .rev()
-            .find(|(m, route, _)| &**route == path && m.as_ref() == method)
-            .map(|(_, _, cost)| *cost)
+            .find(|listing| {
+                let listed = if read {
+                    &listing.read_as
+                } else {
+                    &listing.path
+                };
+                &**listed == path && listing.method.as_ref() == method
+            })
+            .map(|listing| listing.cost)
     }
 
     /// The cost listed for `path` under `method` itself (`Some`), or for every method.
     fn listed(&self, path: &str, method: Option<&Method>) -> Option<u64> {
+        self.listed_as(path, false, method)
+    }
+
+    /// As [`listed`](Self::listed), for the path as written or as read (`read`).
+    fn listed_as(&self, path: &str, read: bool, method: Option<&Method>) -> Option<u64> {
         let Some(method) = method else {
-            return self.entry(path, None);
+            return self.entry(path, read, None);
         };
-        self.entry(path, Some(method))
+        self.entry(path, read, Some(method))
             // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
             // what a GET does unless it has a cost of its own.
-            .or_else(|| (method == Method::HEAD).then(|| self.entry(path, Some(&Method::GET)))?)
+            .or_else(|| {
+                (method == Method::HEAD).then(|| self.entry(path, read, Some(&Method::GET)))?
+            })
     }
 }
 
@@ -216,34 +244,43 @@ impl Cost for PerRoute {
         // does; it never costs less than the route that serves it, which axum chose by
         // the path as written (`/api/%68ealth` is the wildcard's or the fallback's, not
         // the static `/api/health`'s, whatever that one costs).
-        respellings(path)
-            .filter_map(|spelling| {
-                self.listed(&spelling, method)
-                    .max(self.listed(&spelling, None))
-            })
-            .fold(cost, u64::max)
+        let Some(read_as) = respelled(path) else {
+            return cost;
+        };
+        // The listing's own precedence: the method's entry, else the one for every method.
+        self.listed_as(&read_as, true, method)
+            .or_else(|| self.entry(&read_as, true, None))
+            .map_or(cost, |listed| listed.max(cost))
     }
 }
 
-/// The spellings of `path` a handler may read as another listed path: its escapes
-/// decoded, then with empty and `.` segments gone as well (as a `ServeDir` builds a file's
-/// path). Only those that differ from `path`.
-fn respellings(path: &str) -> impl Iterator<Item = String> + '_ {
+/// `path` as a handler may read it, when that differs from how it is written: its escapes
+/// decoded, empty and `.` segments gone and `..` segments resolved (as a `ServeDir` or a
+/// handler joining a captured path to a directory reads it). `None` for a path none of
+/// that changes (the common case, at the cost of one scan: no allocation).
+fn respelled(path: &str) -> Option<String> {
+    let plain = !path.contains('%')
+        && !path.contains("//")
+        && !path.contains("/.")
+        && !(path.len() > 1 && path.ends_with('/'));
+    if plain {
+        return None;
+    }
     let decoded = percent_encoding::percent_decode_str(path)
         .decode_utf8()
-        .ok()
-        .map(std::borrow::Cow::into_owned);
-    let tidied = decoded.as_deref().map(|decoded| {
-        let segments: Vec<&str> = decoded
-            .split('/')
-            .filter(|segment| !segment.is_empty() && *segment != ".")
-            .collect();
-        format!("/{}", segments.join("/"))
-    });
-    [decoded, tidied]
-        .into_iter()
-        .flatten()
-        .filter(move |spelling| spelling != path)
+        .ok()?;
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            segment => segments.push(segment),
+        }
+    }
+    let read_as = format!("/{}", segments.join("/"));
+    (read_as != path).then_some(read_as)
 }
 
 /// A cost that earlier middleware computed and stored in the request's extensions.
@@ -400,19 +437,10 @@ mod tests {
     }
 
     /// A route no path can match once cost the default, silently: `search` (no leading
-    /// slash), `/search?q=1` (paths carry no query), or axum 0.7's captures
-    /// (`/users/:id`: axum 0.8's template is `/users/{id}`).
+    /// slash) or `/search?q=1` (paths carry no query).
     #[test]
     fn a_route_that_never_matches_is_refused_at_start_up() {
-        for path in [
-            "search",
-            "/search?q=1",
-            "/a b",
-            "/a#b",
-            "",
-            "/users/:id",
-            "/files/*p",
-        ] {
+        for path in ["search", "/search?q=1", "/a b", "/a#b", ""] {
             let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
             assert!(refused.is_err(), "{path:?}");
             let refused =
