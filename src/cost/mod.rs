@@ -259,11 +259,11 @@ impl Cost for PerRoute {
 /// handler joining a captured path to a directory reads it). `None` for a path none of
 /// that changes (the common case, at the cost of one scan: no allocation).
 fn respelled(path: &str) -> Option<String> {
-    let plain = !path.contains('%')
-        && !path.contains("//")
-        && !path.contains("/.")
-        && !(path.len() > 1 && path.ends_with('/'));
-    if plain {
+    let respelt = path.contains('%')
+        || path.contains("//")
+        || path.contains("/.")
+        || (path.len() > 1 && path.ends_with('/'));
+    if !respelt {
         return None;
     }
     let decoded = percent_encoding::percent_decode_str(path)
