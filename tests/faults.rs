@@ -1576,3 +1576,41 @@ async fn a_busy_primary_the_sentinels_failed_over_from_is_left() {
     assert!(killed.contains("OK"), "{killed}");
     busy.join().unwrap().unwrap();
 }
+
+/// A Sentinel store used from a runtime that is shutting down: a look-up's task is
+/// dropped as it is spawned, in the spawning thread, and its guard's drop took the
+/// store's lock, which the spawn held: the thread hung for good. It gets an error.
+#[test]
+fn a_sentinel_look_up_on_a_runtime_shutting_down_answers() {
+    let primary = RedisServer::start();
+    let sentinel = support::FakeSentinel::start(primary.port, false);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = runtime
+        .block_on(RedisConfig::sentinel([sentinel.url()], "mymaster").connect())
+        .unwrap();
+    let handle = runtime.handle().clone();
+    // The primary goes: the connection breaks, and the next decision looks it up again.
+    drop(primary);
+    runtime.shutdown_background();
+    let (sent, answered) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let policies =
+            PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap());
+        let key = Key::new("late");
+        // Twice: the first meets the broken connection, the second looks the primary up.
+        for _ in 0..2 {
+            let _ = handle.block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), store.decide(&key, &policies, 1)).await
+            });
+        }
+        let _ = sent.send(());
+    });
+    assert!(
+        answered.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "a decision hung on a runtime shutting down"
+    );
+}

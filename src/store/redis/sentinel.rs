@@ -183,21 +183,19 @@ impl SentinelBackend {
                     return Err(error.for_another());
                 }
                 if !state.resolving {
+                    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                        return Err(StoreError::new(
+                            StoreErrorKind::Other,
+                            "no Tokio runtime to look the primary up on",
+                        ));
+                    };
                     state.resolving = true;
-                    match tokio::runtime::Handle::try_current() {
-                        Ok(runtime) => {
-                            // The look-up ends (and wakes the waiting) however the task
-                            // ends, even if it never runs.
-                            runtime.spawn(resolve(Resolving(Some(Arc::clone(self)))));
-                        }
-                        Err(_) => {
-                            state.resolving = false;
-                            return Err(StoreError::new(
-                                StoreErrorKind::Other,
-                                "no Tokio runtime to look the primary up on",
-                            ));
-                        }
-                    }
+                    // Spawned with the lock let go: on a runtime shutting down, the task is
+                    // dropped as it is spawned, here, and its guard takes the lock.
+                    drop(state);
+                    // The look-up ends (and wakes the waiting) however the task ends, even
+                    // if it never runs.
+                    runtime.spawn(resolve(Resolving(Some(Arc::clone(self)))));
                 }
             }
             if looked_up.changed().await.is_err() {
@@ -563,7 +561,20 @@ struct Resolving(Option<Arc<SentinelBackend>>);
 impl Drop for Resolving {
     fn drop(&mut self) {
         if let Some(backend) = self.0.take() {
-            backend.lock().resolving = false;
+            {
+                let mut state = backend.lock();
+                state.resolving = false;
+                // Those waiting get an answer, not a new look-up each (on a runtime
+                // shutting down, each would be dropped as it is spawned, at once).
+                state.failed = Some((
+                    Instant::now() + RESOLVE_BACKOFF,
+                    StoreError::new(
+                        StoreErrorKind::Unavailable,
+                        "the look-up of the primary ended before it answered (its runtime \
+                         shutting down, or a panic)",
+                    ),
+                ));
+            }
             backend.looked_up.send_modify(|count| *count += 1);
         }
     }
