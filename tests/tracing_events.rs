@@ -1225,3 +1225,25 @@ fn a_leased_store_at_its_bound_of_identities_says_so_once() {
         "{events:#?}"
     );
 }
+
+/// Every sentinel goes away (their addresses changed in a redeploy, a partition) while
+/// the primary answers: the store works, and would follow no failover. Nothing was said;
+/// it is said once at warn level, however many rounds find none.
+#[cfg(feature = "redis")]
+#[test]
+fn sentinels_all_gone_are_said_once() {
+    let primary = support::RedisServer::start();
+    let sentinel = support::FakeSentinel::start(primary.port, false);
+    let url = sentinel.url();
+    let events = events_of(async move {
+        let _store = tollgate::store::RedisConfig::sentinel([url], "mymaster")
+            .connect()
+            .await
+            .expect("the sentinel names the primary");
+        drop(sentinel);
+        // The watch asks the sentinels every 2 s: three rounds.
+        tokio::time::sleep(Duration::from_millis(6_500)).await;
+    });
+    let said = count(&events, Level::WARN, "no Redis sentinel answers");
+    assert_eq!(said, 1, "{events:#?}");
+}

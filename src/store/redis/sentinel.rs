@@ -252,6 +252,7 @@ impl SentinelBackend {
                 Err(error) => errors.push(error),
             }
         }
+        errors.heard |= !named.is_empty() || *unknown;
         // Of equals, the one the first-listed sentinel named.
         named.sort_by_key(|n| (std::cmp::Reverse(n.votes), n.first));
         named
@@ -453,6 +454,8 @@ struct Errors {
     refused: Option<StoreError>,
     /// The last I/O failure.
     io: Option<StoreError>,
+    /// A sentinel answered.
+    heard: bool,
 }
 
 impl Errors {
@@ -632,6 +635,8 @@ async fn resolve(mut turn: Resolving) {
 /// the sentinels name? If not, it is left.
 async fn watch(backend: Weak<SentinelBackend>) {
     let mut tick: u64 = 0;
+    // No sentinel answered the last round: said once, until one does.
+    let mut unheard = false;
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         tick += 1;
@@ -690,6 +695,27 @@ async fn watch(backend: Weak<SentinelBackend>) {
             Ok(None) => UNFOLLOWED,
             Err(_) => CUT_OFF,
         });
+        // Every sentinel away (their addresses changed, a partition): the store works on
+        // the primary it has, but would follow no failover. Said once, and when one
+        // answers again (a refusal is said above, as the misconfiguration it is).
+        match (round.is_ok() && !errors.heard, unheard) {
+            (true, false) if errors.refused.is_none() => {
+                unheard = true;
+                #[cfg(feature = "tracing")]
+                tracing::warn!(
+                    target: "tollgate",
+                    error = %errors.io.as_ref().map_or_else(String::new, ToString::to_string),
+                    "no Redis sentinel answers: the store stays on the primary it has, and \
+                     follows no failover until one does"
+                );
+            }
+            (false, true) => {
+                unheard = false;
+                #[cfg(feature = "tracing")]
+                tracing::info!(target: "tollgate", "a Redis sentinel answers again");
+            }
+            _ => {}
+        }
         if let Ok(Some(Some(moved))) = round {
             #[cfg(feature = "tracing")]
             tracing::warn!(
