@@ -212,8 +212,7 @@ impl Cost for PerRoute {
         let template = matched.unwrap_or(path);
         // A wildcard template (a tonic service merged into a router is one
         // `/{Service}/{*rest}` route) names no method: the request's own path first, when
-        // the template's literal start leads it. So does a path no template names (what
-        // serves it reads its path, decoded).
+        // the template's literal start leads it. So does a path no template names.
         let own_path = matched.is_none()
             || (template != path
                 && template.contains("{*")
@@ -239,7 +238,8 @@ impl Cost for PerRoute {
             return cost;
         }
         // What serves the path may read it otherwise (axum's `Path`, a `ServeDir`): its
-        // escapes decoded, `//` and `.` segments gone. Such a spelling of a listed path
+        // escapes decoded, `//` and `.` segments gone, `..` resolved; and the listings are
+        // read so too. Such a spelling of a listed path
         // (`/files/big%2Eiso`, `/files//big.iso`) costs at least what the listed path
         // does; it never costs less than the route that serves it, which axum chose by
         // the path as written (`/api/%68ealth` is the wildcard's or the fallback's, not
