@@ -1005,10 +1005,7 @@ async fn a_read_only_replica_fails_at_start_up() {
 async fn a_primary_without_its_replicas_is_an_outage_not_a_refusal() {
     let server = RedisServer::start();
     let store = RedisStore::connect(&server.url()).await.unwrap();
-    let policies =
-        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
-    let key = Key::new("no-replicas");
-    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    let (policies, key) = deciding(&store, "no-replicas").await;
     assert_eq!(
         server
             .cli(&["CONFIG", "SET", "min-replicas-to-write", "1"])
@@ -1430,10 +1427,7 @@ async fn a_sentinel_primary_answering_an_error_keeps_its_connection() {
         .connect()
         .await
         .unwrap();
-    let policies =
-        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
-    let key = Key::new("no-replicas");
-    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    let (policies, key) = deciding(&store, "no-replicas").await;
     assert_eq!(
         primary
             .cli(&["CONFIG", "SET", "min-replicas-to-write", "1"])
@@ -1474,25 +1468,9 @@ async fn a_busy_primary_keeps_its_connection_through_the_watch() {
         .connect()
         .await
         .unwrap();
-    let policies =
-        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
-    let key = Key::new("busy");
-    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-    assert_eq!(
-        primary
-            .cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
-            .trim(),
-        "OK"
-    );
+    let (policies, key) = deciding(&store, "busy").await;
     let before = support::connections_received(&primary, None);
-    let busy = {
-        let port = primary.port;
-        std::thread::spawn(move || {
-            std::process::Command::new("redis-cli")
-                .args(["-p", &port.to_string(), "EVAL", "while true do end", "0"])
-                .output()
-        })
-    };
+    let busy = keep_busy(&primary);
     // Busy for 3 s (the watch's ROLE every 500 ms), with requests meeting it.
     let until = Instant::now() + Duration::from_secs(3);
     let mut busy_answers = 0;
@@ -1511,8 +1489,9 @@ async fn a_busy_primary_keeps_its_connection_through_the_watch() {
     let killed = primary.cli(&["SCRIPT", "KILL"]);
     assert!(killed.contains("OK"), "{killed}");
     busy.join().unwrap().unwrap();
-    // Besides the script's, the kill's and this count's own connections: none.
-    let opened = support::connections_received(&primary, None) - before - 3;
+    // Besides the setting's, the script's, the kill's and this count's own connections
+    // (`redis-cli` each): none.
+    let opened = support::connections_received(&primary, None) - before - 4;
     assert_eq!(opened, 0, "{opened} new connections to the busy primary");
     assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
@@ -1528,23 +1507,8 @@ async fn a_busy_primary_the_sentinels_failed_over_from_is_left() {
         .connect()
         .await
         .unwrap();
-    let policies =
-        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
-    let key = Key::new("stuck");
-    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-    assert_eq!(
-        old.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
-            .trim(),
-        "OK"
-    );
-    let busy = {
-        let port = old.port;
-        std::thread::spawn(move || {
-            std::process::Command::new("redis-cli")
-                .args(["-p", &port.to_string(), "EVAL", "while true do end", "0"])
-                .output()
-        })
-    };
+    let (policies, key) = deciding(&store, "stuck").await;
+    let busy = keep_busy(&old);
     let until = Instant::now() + Duration::from_secs(10);
     while !store
         .decide(&key, &policies, 1)
@@ -1613,4 +1577,32 @@ fn a_sentinel_look_up_on_a_runtime_shutting_down_answers() {
         answered.recv_timeout(Duration::from_secs(30)).is_ok(),
         "a decision hung on a runtime shutting down"
     );
+}
+
+/// A set a store decides generously, and `name`'s key: decided once, admitted.
+async fn deciding(store: &RedisStore, name: &str) -> (PolicySet, Key) {
+    let policies =
+        PolicySet::from(Policy::token_bucket("api", 1_000_000, Rate::per_day(100_000)).unwrap());
+    let key = Key::new(name);
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    (policies, key)
+}
+
+/// `server` kept busy in a script (`BUSY` to every other client after 100 ms) until
+/// `SCRIPT KILL`; the thread running it ends then.
+fn keep_busy(
+    server: &RedisServer,
+) -> std::thread::JoinHandle<std::io::Result<std::process::Output>> {
+    assert_eq!(
+        server
+            .cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
+            .trim(),
+        "OK"
+    );
+    let port = server.port;
+    std::thread::spawn(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "EVAL", "while true do end", "0"])
+            .output()
+    })
 }
