@@ -779,6 +779,19 @@ impl LimiterConfig {
                 ));
             }
 
+            // axum 0.7's captures (`:id`, `*path`): a file carried over from it would list
+            // a literal path axum 0.8's router never writes (`{id}`), and cost the default
+            // (a literal segment so written is for the API: `PerRoute::route`).
+            if path
+                .split('/')
+                .any(|segment| segment.starts_with(':') || segment.starts_with('*'))
+            {
+                return Err(ConfigError::new(
+                    entry,
+                    "a capture is written as axum 0.8 writes it (/users/{id}, /files/{*path}), \
+                     not :id or *path, which axum 0.8 reads as literal text",
+                ));
+            }
             cost = match parts {
                 Some((method, path)) if path.trim().starts_with('/') => {
                     // Methods are case-sensitive, and the registered ones upper case: a

@@ -263,6 +263,13 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "costs.routes.\"* /upload\"",
             "\"*\" is not a registered method",
         ),
+        // axum 0.7's captures, from a file carried over: refused with the way to write it.
+        (
+            policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
+                + "[costs]\nroutes = { \"/users/:id\" = 1 }\n",
+            "costs.routes.\"/users/:id\"",
+            "a capture is written as axum 0.8 writes it",
+        ),
         (
             policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\"")
                 + "[costs]\nroutes = { \"POST upload\" = 2 }\n",

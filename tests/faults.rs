@@ -1561,7 +1561,15 @@ fn a_sentinel_look_up_on_a_runtime_shutting_down_answers() {
     drop(primary);
     runtime.shutdown_background();
     let (sent, answered) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    // Sent however the thread ends: a panic is told apart from a hang by the join below.
+    struct Done(std::sync::mpsc::Sender<()>);
+    impl Drop for Done {
+        fn drop(&mut self) {
+            let _ = self.0.send(());
+        }
+    }
+    let thread = std::thread::spawn(move || {
+        let _done = Done(sent);
         let policies =
             PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap());
         let key = Key::new("late");
@@ -1571,12 +1579,12 @@ fn a_sentinel_look_up_on_a_runtime_shutting_down_answers() {
                 tokio::time::timeout(Duration::from_secs(5), store.decide(&key, &policies, 1)).await
             });
         }
-        let _ = sent.send(());
     });
     assert!(
         answered.recv_timeout(Duration::from_secs(30)).is_ok(),
         "a decision hung on a runtime shutting down"
     );
+    thread.join().expect("the deciding thread panicked");
 }
 
 /// A set a store decides generously, and `name`'s key: decided once, admitted.

@@ -442,6 +442,24 @@ async fn a_respelled_path_never_costs_less_than_the_route_that_serves_it() {
         ));
     let field = field_after(&methods, http::Method::GET, "/files//big.iso").await;
     assert!(field.starts_with("\"api\";r=98;"), "{field}");
+    // Of two listings read the same way, the dearest; a listing written in needless
+    // escapes is matched by the plain path too.
+    for (listings, path) in [
+        ([("/api/", 40), ("/api", 1)], "/api%2F"),
+        ([("/api", 1), ("/api/", 40)], "/api%2F"),
+        ([("/files/%62ig.iso", 40), ("/x", 1)], "/files/big.iso"),
+    ] {
+        let cost = listings
+            .iter()
+            .fold(PerRoute::new(1), |cost, (path, units)| {
+                cost.route(path, *units)
+            });
+        let app = Router::new()
+            .route("/{*rest}", get(|| async { "any" }))
+            .layer(priced(cost));
+        let field = field_after(&app, http::Method::GET, path).await;
+        assert!(field.starts_with("\"api\";r=60;"), "{path}: {field}");
+    }
 }
 
 /// One layer keyed by `Route`, in front of two services nested with `nest_service`:

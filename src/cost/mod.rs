@@ -166,39 +166,25 @@ impl Listing {
 }
 
 impl PerRoute {
-    /// The cost listed for `path` (as written, or as read: `read`) under `method`
-    /// (`None`: for every method); of entries listed twice, the last.
-    fn entry(&self, path: &str, read: bool, method: Option<&Method>) -> Option<u64> {
+    /// The cost listed for `path` under `method` (`None`: for every method); of entries
+    /// listed twice, the last.
+    fn entry(&self, path: &str, method: Option<&Method>) -> Option<u64> {
         self.routes
             .iter()
             .rev()
-            .find(|listing| {
-                let listed = if read {
-                    &listing.read_as
-                } else {
-                    &listing.path
-                };
-                &**listed == path && listing.method.as_ref() == method
-            })
+            .find(|listing| &*listing.path == path && listing.method.as_ref() == method)
             .map(|listing| listing.cost)
     }
 
     /// The cost listed for `path` under `method` itself (`Some`), or for every method.
     fn listed(&self, path: &str, method: Option<&Method>) -> Option<u64> {
-        self.listed_as(path, false, method)
-    }
-
-    /// As [`listed`](Self::listed), for the path as written or as read (`read`).
-    fn listed_as(&self, path: &str, read: bool, method: Option<&Method>) -> Option<u64> {
         let Some(method) = method else {
-            return self.entry(path, read, None);
+            return self.entry(path, None);
         };
-        self.entry(path, read, Some(method))
+        self.entry(path, Some(method))
             // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
             // what a GET does unless it has a cost of its own.
-            .or_else(|| {
-                (method == Method::HEAD).then(|| self.entry(path, read, Some(&Method::GET)))?
-            })
+            .or_else(|| (method == Method::HEAD).then(|| self.entry(path, Some(&Method::GET)))?)
     }
 }
 
@@ -244,13 +230,30 @@ impl Cost for PerRoute {
         // does; it never costs less than the route that serves it, which axum chose by
         // the path as written (`/api/%68ealth` is the wildcard's or the fallback's, not
         // the static `/api/health`'s, whatever that one costs).
-        let Some(read_as) = respelled(path) else {
-            return cost;
-        };
-        // The listing's own precedence: the method's entry, else the one for every method.
-        self.listed_as(&read_as, true, method)
-            .or_else(|| self.entry(&read_as, true, None))
+        let read_as = respelled(path);
+        let read_as = read_as.as_deref().unwrap_or(path);
+        // The listing's own precedence: the method's entries, else those for every
+        // method; of several listings read the same way (`/api/` and `/api`), the dearest.
+        self.dearest(read_as, Some(&parts.method))
+            .or_else(|| {
+                (parts.method == Method::HEAD)
+                    .then(|| self.dearest(read_as, Some(&Method::GET)))
+                    .flatten()
+            })
+            .or_else(|| self.dearest(read_as, None))
             .map_or(cost, |listed| listed.max(cost))
+    }
+}
+
+impl PerRoute {
+    /// The largest cost of the listings read as `read_as` under `method` (`None`: for
+    /// every method).
+    fn dearest(&self, read_as: &str, method: Option<&Method>) -> Option<u64> {
+        self.routes
+            .iter()
+            .filter(|listing| &*listing.read_as == read_as && listing.method.as_ref() == method)
+            .map(|listing| listing.cost)
+            .max()
     }
 }
 
