@@ -200,14 +200,24 @@ impl RedisCluster {
             "cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // Each wait has a deadline of its own, generous: a loaded machine (the suite runs
+        // many clusters at once beside a build) is slow, never stuck for a minute.
+        let deadline = Instant::now() + Duration::from_secs(60);
         for node in &nodes {
-            while !node.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
-                assert!(Instant::now() < deadline, "cluster did not reach state ok");
+            loop {
+                let info = node.cli(&["CLUSTER", "INFO"]);
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster did not reach state ok: {info}"
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
         // Every replica has its copy: a failover has something to promote.
+        let deadline = Instant::now() + Duration::from_secs(60);
         for node in &nodes {
             loop {
                 let replication = node.cli(&["INFO", "replication"]);
@@ -216,7 +226,10 @@ impl RedisCluster {
                 {
                     break;
                 }
-                assert!(Instant::now() < deadline, "a replica did not sync");
+                assert!(
+                    Instant::now() < deadline,
+                    "a replica did not sync: {replication}"
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
