@@ -240,12 +240,10 @@ where
         // Still not sent while the inner service gets ready: dropped then (its client
         // gone), it gives its place back as during the delay, and is not charged as a
         // request dropped while it ran.
+        // (An inner service that failed to get ready fails the request: an inner error,
+        // whose reservation stands.)
         if !ready && let Err(error) = std::future::poll_fn(|cx| inner.poll_ready(cx)).await {
-            let mut reservation = held.sent().map(Box::new);
-            if let Some(reservation) = &mut reservation {
-                reservation.keep_reservation();
-            }
-            return Slow::Inner(Err(error), headers, reservation);
+            return Slow::Inner(Err(error), headers, held.sent().map(Box::new));
         }
         let reservation = held.sent().map(Box::new);
         Slow::Inner(inner.call(request).await, headers, reservation)

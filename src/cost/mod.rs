@@ -178,13 +178,10 @@ impl PerRoute {
 
     /// The cost listed for `path` under `method` itself (`Some`), or for every method.
     fn listed(&self, path: &str, method: Option<&Method>) -> Option<u64> {
-        let Some(method) = method else {
-            return self.entry(path, None);
-        };
-        self.entry(path, Some(method))
-            // A HEAD is answered by the GET handler (RFC 9110, section 9.3.2), and costs
-            // what a GET does unless it has a cost of its own.
-            .or_else(|| (method == Method::HEAD).then(|| self.entry(path, Some(&Method::GET)))?)
+        match method {
+            Some(method) => for_method(method, |method| self.entry(path, method)),
+            None => self.entry(path, None),
+        }
     }
 }
 
@@ -213,14 +210,15 @@ impl Cost for PerRoute {
         // The path's entry for the method is the most specific. Else an entry of the path
         // for every method and one of the template for the method both apply: the larger
         // counts, so that neither the method nor the path makes a listed route cheaper.
-        let cost = own(method)
-            .or_else(|| match (own(None), of_template(method)) {
+        let (own_for_method, own_for_any) = (own(method), own(None));
+        let cost = own_for_method
+            .or_else(|| match (own_for_any, of_template(method)) {
                 (Some(by_path), Some(by_method)) => Some(by_path.max(by_method)),
                 (by_path, by_method) => by_path.or(by_method),
             })
             .or_else(|| of_template(None))
             .unwrap_or(self.default);
-        if !own_path || own(method).is_some() || own(None).is_some() {
+        if !own_path || own_for_method.is_some() || own_for_any.is_some() {
             return cost;
         }
         // What serves the path may read it otherwise (axum's `Path`, a `ServeDir`): its
@@ -234,15 +232,16 @@ impl Cost for PerRoute {
         let read_as = read_as.as_deref().unwrap_or(path);
         // The listing's own precedence: the method's entries, else those for every
         // method; of several listings read the same way (`/api/` and `/api`), the dearest.
-        self.dearest(read_as, Some(&parts.method))
-            .or_else(|| {
-                (parts.method == Method::HEAD)
-                    .then(|| self.dearest(read_as, Some(&Method::GET)))
-                    .flatten()
-            })
+        for_method(&parts.method, |method| self.dearest(read_as, method))
             .or_else(|| self.dearest(read_as, None))
             .map_or(cost, |listed| listed.max(cost))
     }
+}
+
+/// What `find` gives for `method` itself: a HEAD is answered by the GET handler (RFC
+/// 9110, section 9.3.2), and costs what a GET does unless it has a cost of its own.
+fn for_method(method: &Method, find: impl Fn(Option<&Method>) -> Option<u64>) -> Option<u64> {
+    find(Some(method)).or_else(|| (*method == Method::HEAD).then(|| find(Some(&Method::GET)))?)
 }
 
 impl PerRoute {

@@ -714,6 +714,12 @@ fn moved(error: &RedisError) -> bool {
     matches!(error.code(), Some("MOVED" | "ASK"))
 }
 
+/// Whether a connection to one server that met `error` is to be left: its server was
+/// demoted, or is a one-shard Cluster's node a failover made a replica.
+fn off_the_primary(error: &RedisError) -> bool {
+    demoted(error) || moved(error)
+}
+
 /// Whether `error` says the server is a primary no more (or has none): a failover.
 fn demoted(error: &RedisError) -> bool {
     demoted_code(server_code(error))
@@ -1764,7 +1770,7 @@ async fn query<T: redis::FromRedisValue>(
             // again only after an I/O error): connecting anew is the way back.
             if answer
                 .as_ref()
-                .is_err_and(|error| demoted(error) || password_refused(error) || moved(error))
+                .is_err_and(|error| off_the_primary(error) || password_refused(error))
             {
                 managed.replace();
             }
@@ -1772,10 +1778,7 @@ async fn query<T: redis::FromRedisValue>(
         }
         Backend::Pooled(checkout) => {
             let answer = command.query_async(&mut checkout.connection()).await;
-            if answer
-                .as_ref()
-                .is_err_and(|error| demoted(error) || moved(error))
-            {
+            if answer.as_ref().is_err_and(off_the_primary) {
                 checkout.leave();
             }
             answer
@@ -1787,10 +1790,7 @@ async fn query<T: redis::FromRedisValue>(
         Backend::Pool(pool) => {
             let mut connection = pool.get().await.map_err(no_connection)?;
             let answer = command.query_async(&mut connection).await;
-            if answer
-                .as_ref()
-                .is_err_and(|error| demoted(error) || moved(error))
-            {
+            if answer.as_ref().is_err_and(off_the_primary) {
                 drop(deadpool_redis::Connection::take(connection));
             }
             answer
@@ -1819,7 +1819,7 @@ fn query_error(error: RedisError, cluster: bool) -> StoreError {
     // A redirection on a connection to one server: the server is a Cluster's node, and
     // the identities of every other node's slots are refused for good. Not an outage to
     // wait out behind the failure mode (each replica's fallback limiting on its own).
-    if !cluster && matches!(error.code(), Some("MOVED" | "ASK" | "CLUSTERDOWN")) {
+    if !cluster && (moved(&error) || error.code() == Some("CLUSTERDOWN")) {
         let code = error.code().map(str::to_owned);
         let mut refused = StoreError::new(
             StoreErrorKind::Refused,
@@ -1843,20 +1843,19 @@ fn query_error(error: RedisError, cluster: bool) -> StoreError {
 /// all 16384 slots: fields from the ninth on are its slots (`0-16383`, `5`), or slots
 /// moving (`[5->-id]`), which are not counted.
 fn owns_every_slot(nodes: &str) -> bool {
+    let flagged = |flags: &str, wanted: &str| flags.split(',').any(|flag| flag == wanted);
     let Some(myself) = nodes.lines().find(|line| {
         line.split_whitespace()
             .nth(2)
-            .is_some_and(|flags| flags.split(',').any(|flag| flag == "myself"))
+            .is_some_and(|flags| flagged(flags, "myself"))
     }) else {
         return false;
     };
     let mut fields = myself.split_whitespace();
-    let primary = fields
-        .nth(2)
-        .is_some_and(|flags| flags.split(',').any(|flag| flag == "master"));
-    let owned: u32 = myself
-        .split_whitespace()
-        .skip(8)
+    let primary = fields.nth(2).is_some_and(|flags| flagged(flags, "master"));
+    // The fields after the flags: primary, ping, pong, epoch, link state, then slots.
+    let owned: u32 = fields
+        .skip(5)
         .filter(|range| !range.starts_with('['))
         .map(|range| {
             let mut ends = range.split('-');
@@ -2699,10 +2698,7 @@ mod tests {
         }
     }
 
-    /// A `MOVED` or `ASK` that reaches the store (the Cluster client ran out of retries
-    /// while slots were moving) is an outage in passing, as `TRYAGAIN` is, for the breaker
-    /// and the failure mode: it was `Refused`, logged as a bug at error level. A refusal
-    /// of ours stays one.
+    /// A node's `CLUSTER NODES` line says whether it alone owns every slot.
     #[test]
     fn a_node_owning_every_slot_is_told_from_one_of_several() {
         let line = |flags: &str, slots: &str| {
@@ -2725,6 +2721,10 @@ mod tests {
         assert!(!owns_every_slot(""));
     }
 
+    /// A `MOVED` or `ASK` that reaches the store (the Cluster client ran out of retries
+    /// while slots were moving) is an outage in passing, as `TRYAGAIN` is, for the breaker
+    /// and the failure mode: it was `Refused`, logged as a bug at error level. A refusal
+    /// of ours stays one.
     #[test]
     fn a_redirection_left_after_retries_is_an_outage_not_a_refusal() {
         use redis::{ErrorKind, ServerErrorKind};

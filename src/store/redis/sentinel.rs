@@ -211,12 +211,12 @@ impl SentinelBackend {
     /// the most sentinels first (of equals, the one the first-listed sentinel named). A
     /// sentinel cut off with an old primary keeps naming it while the others fail over:
     /// the first answer, or the first sentinel's, could be the stale one. What they met
-    /// goes to `errors`; `unknown` when one did not know the name.
+    /// goes to `errors` (and that one did not know the name).
     ///
     /// Once most of the listed sentinels name one server, the others are not waited for:
     /// a sentinel down with its host (beside the primary it watched) costs no look-up its
     /// timeout.
-    async fn named_by_most(&self, errors: &mut Errors, unknown: &mut bool) -> Vec<Named> {
+    async fn named_by_most(&self, errors: &mut Errors) -> Vec<Named> {
         use futures_util::StreamExt;
         let mut answers: futures_util::stream::FuturesUnordered<_> = self
             .sentinels
@@ -248,11 +248,11 @@ impl SentinelBackend {
                         break;
                     }
                 }
-                Ok(None) => *unknown = true,
+                Ok(None) => errors.unknown = true,
                 Err(error) => errors.push(error),
             }
         }
-        errors.heard |= !named.is_empty() || *unknown;
+        errors.heard |= !named.is_empty() || errors.unknown;
         // Of equals, the one the first-listed sentinel named.
         named.sort_by_key(|n| (std::cmp::Reverse(n.votes), n.first));
         named
@@ -278,7 +278,7 @@ impl SentinelBackend {
         current: &(String, u16),
         errors: &mut Errors,
     ) -> Option<Option<Moved>> {
-        let named = self.named_by_most(errors, &mut false).await;
+        let named = self.named_by_most(errors).await;
         let staying = named
             .iter()
             .find(|n| n.address == *current)
@@ -327,8 +327,7 @@ impl SentinelBackend {
     /// server's, not every server's), does not stop the next named from being tried.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
         let mut errors = Errors::default();
-        let mut unknown = false;
-        let named = self.named_by_most(&mut errors, &mut unknown).await;
+        let named = self.named_by_most(&mut errors).await;
         for Named {
             address: (host, port),
             ..
@@ -357,6 +356,7 @@ impl SentinelBackend {
                 Err(error) => errors.push(about(error, format_args!("{host}:{port}"))),
             }
         }
+        let unknown = errors.unknown;
         Err(match errors.worst() {
             Some(error) => error,
             None if unknown => StoreError::new(
@@ -456,6 +456,8 @@ struct Errors {
     io: Option<StoreError>,
     /// A sentinel answered.
     heard: bool,
+    /// A sentinel did not know the primary's name.
+    unknown: bool,
 }
 
 impl Errors {
