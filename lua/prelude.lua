@@ -20,9 +20,10 @@
 -- levels) go as numbers: spelling them in Lua measured no cheaper. The digits are what
 -- `%.17g` writes, so what is stored is the same either way.
 --
--- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; unused
---       without one). Every key of one identity shares one hash tag, so one Cluster
---       slot.
+-- KEYS: two per policy, KEYS[2i-1] (state) and KEYS[2i] (a penalty's state; without one,
+--       the state key again, never read: a second key a Cluster slot being moved would
+--       refuse while it is missing). Every key of one identity shares one hash tag, so
+--       one Cluster slot.
 -- ARGV: [1] now in microseconds, or "" to read TIME (only test builds pass a time),
 --       [2] cost, [3] number of policies, then per policy: kind, p1, p2, p3.
 -- Returns {outcome, policy, retry_after_us, delay_us, then per policy: limit, remaining,

@@ -579,6 +579,34 @@ async fn cluster_failover_after_a_primary_is_killed() {
     assert!(fcalls > 0);
 }
 
+/// A Cluster primary frozen, not dead (its host cut off, the process stopped): no
+/// connection is reset and no `MOVED` comes, so the Cluster client, which learns the
+/// topology again only from those, sent that shard's calls to the frozen node for as long
+/// as it stayed frozen, while the Cluster had long promoted its replica: the failure mode
+/// decided that shard's identities for good. The store must find the promoted replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_store_leaves_a_primary_that_stops_answering() {
+    let cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
+    let (store, app) =
+        healthy_app(RedisStore::connect_cluster(&cluster.urls()).await.unwrap()).await;
+    let owner = cluster
+        .nodes
+        .iter()
+        .position(|node| {
+            node.cli(&["INFO", "replication"]).contains("role:master")
+                && node
+                    .cli(&["--scan", "--pattern", "tollgate:{global}*"])
+                    .contains("tollgate")
+        })
+        .expect("a primary holds the key");
+    failover_under_load(&app, "Cluster: a primary froze", || {
+        cluster.nodes[owner].signal("STOP")
+    })
+    .await;
+    cluster.nodes[owner].signal("CONT");
+    assert_exact(&store.inner, "global").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_store_leaves_a_primary_that_stops_answering() {
     let (primary, replica, sentinels) = sentinel_set();

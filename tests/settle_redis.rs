@@ -484,3 +484,52 @@ async fn requests_dropped_during_their_delay_give_their_places_back_on_redis() {
         );
     }
 }
+
+/// A slot being moved between Cluster nodes (a reshard: `MIGRATING` on its owner,
+/// `IMPORTING` on the next) is answered `TRYAGAIN` for a call naming several keys while
+/// some of them are missing. A policy's second key holds a penalty's state and nothing
+/// else, yet every release and settle named it: each was refused for the whole move, so
+/// an identity's in-flight slots stayed held until their lease ended (a store failure
+/// that became denials), and refunds were lost. A policy without a penalty names its
+/// state key alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_on_a_slot_being_moved_is_answered() {
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+    let policies = tollgate::PolicySet::from(Policy::concurrency("inflight", 1).unwrap());
+    let key = tollgate::Key::new("team");
+    let admitted = store.decide(&key, &policies, 1).await.unwrap();
+    assert!(admitted.is_allowed());
+    let (owner, state) = cluster
+        .nodes
+        .iter()
+        .find_map(|node| {
+            let found = node.cli(&["--scan", "--pattern", "tollgate:{team}*"]);
+            let state = found.lines().next()?.trim().to_owned();
+            Some((node, state))
+        })
+        .expect("a node holds the identity's state");
+    let slot = owner.cli(&["CLUSTER", "KEYSLOT", &state]).trim().to_owned();
+    let target = cluster
+        .nodes
+        .iter()
+        .find(|node| node.port != owner.port)
+        .expect("another node");
+    let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let importing = target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
+    let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
+    assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+    let released = tokio::time::timeout(
+        Duration::from_secs(10),
+        store.adjust(
+            &key,
+            &policies,
+            &tollgate::Adjustment::release(1, admitted.receipt()),
+        ),
+    )
+    .await
+    .expect("the release is answered in time");
+    assert!(released.is_ok(), "{released:?}");
+    let again = store.decide(&key, &policies, 1).await.unwrap();
+    assert!(again.is_allowed(), "the slot was not given back");
+}

@@ -5,7 +5,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
-use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Script};
 use smallvec::SmallVec;
 
@@ -15,6 +14,7 @@ use crate::decision::{Decision, Outcome, PolicyStatus, Receipt};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
 
+mod cluster;
 mod coalesce;
 mod connect;
 mod sentinel;
@@ -429,7 +429,7 @@ enum Backend {
     /// pool counts it in use until the decision is answered, or, when it is dropped,
     /// until its release is done.
     Pooled(Arc<Checkout>),
-    Cluster(ClusterConnection),
+    Cluster(Arc<cluster::ManagedCluster>),
     ClusterPool(deadpool_redis::cluster::Pool),
     /// One connection of a cluster pool, held as [`Backend::Pooled`] is.
     PooledCluster(Arc<deadpool_redis::cluster::Connection>),
@@ -1239,10 +1239,7 @@ impl RedisStore {
             Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
                 Vec::new()
             }
-            Backend::Cluster(connection) => {
-                let mut connection = connection.clone();
-                cluster_slot_ranges(&mut connection).await
-            }
+            Backend::Cluster(managed) => cluster_slot_ranges(&mut managed.connection()).await,
             Backend::PooledCluster(connection) => {
                 let mut connection = (**connection).clone();
                 cluster_slot_ranges(&mut connection).await
@@ -1637,9 +1634,16 @@ impl RedisStore {
             }
             if matches!(shape, Shape::Raw(_)) {
                 keys.push(self.keys.state_key(key.as_str(), policy));
-            } else {
+            } else if policy.penalty_box().is_some() {
                 let (state, aux) = self.keys.policy_keys(key.as_str(), policy);
                 keys.extend([state, aux]);
+            } else {
+                // The second key holds a penalty's state only. Named, it would make a
+                // call of one policy a call of two keys, which a Cluster slot being
+                // moved refuses (`TRYAGAIN`) while one is missing, as that one always
+                // is: the state key stands in its place (the same key twice is one).
+                let state = self.keys.state_key(key.as_str(), policy);
+                keys.extend([state.clone(), state]);
             }
             args.push(spelled_kind(kind, policy));
             args.push(p1.to_string());
@@ -1783,7 +1787,12 @@ async fn query<T: redis::FromRedisValue>(
             }
             answer
         }
-        Backend::Cluster(mut connection) => command.query_async(&mut connection).await,
+        Backend::Cluster(managed) => {
+            let asked = managed.ask(command);
+            let answer = command.query_async(&mut managed.connection()).await;
+            asked.answered(&answer);
+            answer
+        }
         Backend::PooledCluster(connection) => {
             command.query_async(&mut (**connection).clone()).await
         }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManagerConfig;
 
+use super::cluster::ManagedCluster;
 use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
 use super::{Backend, DEFAULT_PREFIX, Managed, RedisStore, store_error};
 use crate::store::{StoreError, StoreErrorKind};
@@ -303,7 +304,7 @@ impl RedisConfig {
                     .get_async_connection()
                     .await
                     .map_err(|error| self.in_context(store_error(error)))?;
-                Backend::Cluster(connection)
+                Backend::Cluster(Arc::new(ManagedCluster::new(client, connection)))
             }
             Target::Sentinel { sentinels, master } => {
                 let sentinel = self.sentinel_backend(sentinels, master)?;
