@@ -98,13 +98,21 @@ local function commit(p, s)
 end
 
 -- Gives back `units` debited at `at` from the sub-window they were counted in, while it
--- is still counted; at -1: from the newest sub-windows first.
+-- is still counted; at -1: `units` off the estimate, from the newest sub-windows first,
+-- then as much of the oldest as lowers its counted share by what is left to give.
 local function refund(p, s, units, at)
   if at < 0 then
-    for m = s.k + 1, 1, -1 do
+    for m = s.k + 1, 2, -1 do
       local taken = min(units, s.counts[m])
       s.counts[m] = s.counts[m] - taken
       units = units - taken
+    end
+    local oldest = s.counts[1]
+    if units > 0 and oldest > 0 then
+      local to_go = s.span - s.elapsed
+      local target = max(counted(s, oldest, to_go) - units, 0)
+      local by_share = muldiv(target, s.span, to_go)
+      s.counts[1] = min(oldest, target + s.forgiven, by_share)
     end
   else
     local age = s.index - (at - fmod(at, s.span)) / s.span

@@ -2895,3 +2895,55 @@ fn delay(decision: &Decision) -> Duration {
         outcome => panic!("not admitted: {outcome:?}"),
     }
 }
+
+/// A sliding window counter counts its oldest sub-window only in part (the share of it
+/// still inside the window), and `grant` and `set_remaining` took their units off the
+/// counts newest first, whole: units taken off the oldest lowered the estimate by less.
+/// With 10 spent at 0 in a 10 s window, at 15 s half of them still count (5 left): set
+/// to 10 left gave 7, and set to 7 gave 6. On every store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_on_a_sliding_window_gives_what_it_says_from_the_oldest_sub_window() {
+    let backends = Backends::start().await;
+    // (k, when the spent sub-window is the oldest, what is left then): with k = 5, at
+    // 11 s the oldest (0 to 2 s) has 1 s to go; 10 - 10 / 5 = 8 of it still count.
+    for (k, at, left) in [(1, 15, 5), (5, 11, 2)] {
+        let set = PolicySet::from(
+            Policy::sliding_window_split("sw", 10, Duration::from_secs(10), k).unwrap(),
+        );
+        for subject in &backends.subjects(&format!("sw-give-back-{k}")) {
+            let label = format!("{} (k = {k})", subject.name);
+            for (case, (key, change, expected)) in [
+                ("set", Adjustment::set_remaining(10), 10),
+                ("grant", Adjustment::grant(4), left + 4),
+                ("partial", Adjustment::set_remaining(7), 7),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                // Each case on its own key, 100 s after the last (a store's clock never
+                // steps back).
+                let start = Duration::from_secs(100 * case as u64);
+                subject.clock.set(start);
+                assert!(subject.check(key, &set, 10).await.is_allowed(), "{label}");
+                subject.clock.set(start + Duration::from_secs(at));
+                let before = subject.check(key, &set, 0).await;
+                assert_eq!(before.statuses()[0].remaining, left, "{label} {key}");
+                let after = subject.adjust(key, &set, &change).await;
+                assert_eq!(
+                    after.statuses()[0].remaining,
+                    expected,
+                    "{label} {key}: {change:?}"
+                );
+                // And it admits what it says, and no more.
+                assert!(
+                    subject.check(key, &set, expected).await.is_allowed(),
+                    "{label} {key}"
+                );
+                assert!(
+                    !subject.check(key, &set, 1).await.is_allowed(),
+                    "{label} {key}"
+                );
+            }
+        }
+    }
+}

@@ -88,11 +88,13 @@ pub const MAX_SUB_WINDOWS: u64 = 64;
 
 impl SlidingWindow {
     /// `limit` units per `window` nanoseconds, counted in `sub_windows` equal sub-windows;
-    /// `None` unless `sub_windows` is 1 to [`MAX_SUB_WINDOWS`] and divides `window`.
+    /// `None` unless `sub_windows` is 1 to [`MAX_SUB_WINDOWS`] and divides `window`, and
+    /// the limit and window are within [`MAX_UNITS`](super::MAX_UNITS) and
+    /// [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(limit: u64, window: u64, sub_windows: u64) -> Option<Self> {
         (sub_windows > 0
             && sub_windows <= MAX_SUB_WINDOWS
-            && window > 0
+            && super::within_bounds(&[limit], &[window])
             && window.is_multiple_of(sub_windows))
         .then_some(Self {
             limit,
@@ -276,27 +278,44 @@ impl SlidingWindow {
     }
 
     /// Gives back `units` debited at `at` from the sub-window they were counted in, while
-    /// it is still counted; with `at` = `u64::MAX`, from the newest sub-windows first.
+    /// it is still counted; with `at` = `u64::MAX`, `units` off the estimate: from the
+    /// newest sub-windows first, then as much of the oldest as lowers its counted share
+    /// by what is left to give (it counts only in part: taken off whole, its units gave
+    /// back less than asked).
     #[inline]
     pub fn refund<C: AsMut<Counts>>(
         &self,
         state: &mut CounterState<C>,
-        _now: u64,
+        now: u64,
         units: u64,
         at: u64,
         _left: Option<u64>,
     ) {
-        let counts = state.counts.as_mut();
         if at == super::ANY_TIME {
-            // Newest sub-windows first.
+            let to_go = self.span() - self.elapsed(state, now);
+            let Some((oldest, newer)) = state.counts.as_mut().split_first_mut() else {
+                return;
+            };
             let mut left = units;
-            for count in counts.iter_mut().rev() {
+            for count in newer.iter_mut().rev() {
                 let taken = left.min(*count);
                 *count -= taken;
                 left -= taken;
             }
+            if left > 0 && *oldest > 0 {
+                // The most of it that counts `target` or less: its share still inside
+                // the window, and what is never forgiven, each at most `target`.
+                let target = self.counted(*oldest, to_go).saturating_sub(left);
+                let by_share =
+                    u128::from(target) * u128::from(self.span()) / u128::from(to_go.max(1));
+                let by_share = u64::try_from(by_share).unwrap_or(u64::MAX);
+                *oldest = (*oldest)
+                    .min(target.saturating_add(self.forgiven()))
+                    .min(by_share);
+            }
             return;
         }
+        let counts = state.counts.as_mut();
         let at_index = at / self.span();
         let Some(age) = state.index.checked_sub(at_index) else {
             return;
