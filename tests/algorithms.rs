@@ -701,3 +701,47 @@ fn a_token_bucket_read_behind_its_state_is_fresh_when_it_is_full() {
         "full 5 s after the state's time"
     );
 }
+
+/// The algorithms are public, and their constructors took any count and time: a sliding
+/// log of `u64::MAX` units overflowed its total (a panic in a debug build; in a release
+/// build the total wrapped to 0 and the log admitted without bound), as did a bucket's
+/// or GCRA's 128-bit level. They take the policies' bounds now, and at those bounds
+/// nothing overflows, however much is committed.
+#[test]
+fn the_algorithms_refuse_parameters_past_the_policies_bounds() {
+    use tollgate::algorithm::{
+        FixedWindow, Gcra, InFlight, LeakyShape, LogState, MAX_NANOS, MAX_UNITS, PenaltyBox,
+        SlidingLog, TokenBucket, Verdict,
+    };
+    let second = 1_000_000_000;
+    assert!(SlidingLog::new(u64::MAX, second).is_none());
+    assert!(SlidingLog::new(1, MAX_NANOS + 1).is_none());
+    assert!(FixedWindow::new(MAX_UNITS + 1, second).is_none());
+    assert!(TokenBucket::new(u64::MAX, 1, u64::MAX).is_none());
+    assert!(TokenBucket::new(10, MAX_UNITS + 1, second).is_none());
+    assert!(Gcra::new(u64::MAX, u64::MAX, u64::MAX).is_none());
+    assert!(LeakyShape::new(1, second, MAX_NANOS + 1).is_none());
+    assert!(InFlight::new(MAX_UNITS + 1, second).is_none());
+    assert!(PenaltyBox::new(3, second, second, MAX_NANOS + 1).is_none());
+    assert!(SlidingWindow::new(MAX_UNITS + 1, second, 1).is_none());
+
+    // At the bounds, commits past the limit (a settle's charge) saturate.
+    let log = SlidingLog::new(MAX_UNITS, MAX_NANOS).unwrap();
+    let mut state = LogState::default();
+    log.commit(&mut state, 1, MAX_UNITS);
+    log.commit(&mut state, 2, u64::MAX);
+    log.commit(&mut state, 3, u64::MAX);
+    assert!(matches!(log.check(&state, 4, 1), Verdict::Deny { .. }));
+    let bucket = TokenBucket::new(MAX_UNITS, MAX_UNITS, MAX_NANOS).unwrap();
+    let mut state = Default::default();
+    for _ in 0..100 {
+        bucket.commit(&mut state, 1, u64::MAX);
+    }
+    assert!(matches!(bucket.check(&state, 1, 1), Verdict::Deny { .. }));
+    let gcra = Gcra::new(MAX_UNITS, MAX_UNITS, MAX_NANOS).unwrap();
+    let mut state = Default::default();
+    for _ in 0..100 {
+        gcra.commit(&mut state, 1, u64::MAX);
+    }
+    assert!(matches!(gcra.check(&state, 1, 1), Verdict::Deny { .. }));
+}

@@ -25,9 +25,10 @@ pub struct WindowState {
 }
 
 impl FixedWindow {
-    /// `limit` units per `window` nanoseconds; `None` for a zero window.
+    /// `limit` units per `window` nanoseconds; `None` for a zero window, or a limit or
+    /// window past [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(limit: u64, window: u64) -> Option<Self> {
-        (window > 0).then_some(Self { limit, window })
+        super::within_bounds(&[limit], &[window]).then_some(Self { limit, window })
     }
 
     /// Units per window.

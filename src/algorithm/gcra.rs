@@ -28,9 +28,10 @@ pub struct GcraState {
 
 impl Gcra {
     /// `burst` units back to back, `amount` every `period` nanoseconds; `None` when
-    /// `amount` or `period` is zero.
+    /// `amount` or `period` is zero, or a count or the period is past
+    /// [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(burst: u64, amount: u64, period: u64) -> Option<Self> {
-        (amount > 0 && period > 0).then_some(Self {
+        (amount > 0 && super::within_bounds(&[burst, amount], &[period])).then_some(Self {
             burst,
             amount,
             period,
@@ -66,7 +67,8 @@ impl Gcra {
             return Verdict::Never;
         }
         let now = self.scaled(now);
-        let tat = state.tat.get().max(now) + u128::from(cost) * u128::from(self.period);
+        let tat =
+            (state.tat.get().max(now)).saturating_add(u128::from(cost) * u128::from(self.period));
         let allow_at = tat.saturating_sub(self.tolerance());
         if allow_at <= now {
             Verdict::Admit { delay: 0 }
@@ -83,7 +85,7 @@ impl Gcra {
         let base = state.tat.get().max(self.scaled(now));
         state
             .tat
-            .set(base + u128::from(cost) * u128::from(self.period));
+            .set(base.saturating_add(u128::from(cost) * u128::from(self.period)));
     }
 
     /// Gives back `units` debited at `at`, never before `now` (a fresh state), and never

@@ -28,9 +28,10 @@ pub const IN_FLIGHT_RETRY: u64 = 1_000_000_000;
 
 impl InFlight {
     /// At most `limit` requests in flight; a slot is kept at least `lease` nanoseconds
-    /// after the key was last decided or adjusted. `None` for a zero lease.
+    /// after the key was last decided or adjusted. `None` for a zero lease, or a limit or
+    /// lease past [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(limit: u64, lease: u64) -> Option<Self> {
-        (lease > 0).then_some(Self { limit, lease })
+        super::within_bounds(&[limit], &[lease]).then_some(Self { limit, lease })
     }
 
     /// The slots a request of `cost` takes: one, or none for a request that spends nothing.

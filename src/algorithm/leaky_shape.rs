@@ -21,13 +21,15 @@ pub struct LeakyShape {
 
 impl LeakyShape {
     /// Leaks `amount` units every `period` nanoseconds and holds a request back at most
-    /// `max_delay` nanoseconds; `None` when `amount` or `period` is zero.
+    /// `max_delay` nanoseconds; `None` when `amount` or `period` is zero, or a count or
+    /// a time is past [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(amount: u64, period: u64, max_delay: u64) -> Option<Self> {
-        (amount > 0 && period > 0).then_some(Self {
-            amount,
-            period,
-            max_delay,
-        })
+        (amount > 0 && super::within_bounds(&[amount], &[period]) && max_delay <= super::MAX_NANOS)
+            .then_some(Self {
+                amount,
+                period,
+                max_delay,
+            })
     }
 }
 

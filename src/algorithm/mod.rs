@@ -56,6 +56,23 @@ pub(crate) fn div(a: u128, b: u128) -> u128 {
     }
 }
 
+/// The most units (a limit, a capacity, a burst, an amount per period) an algorithm is
+/// built with: the policies' own bound (`policy::MAX_LIMIT`), within which no product
+/// of units and nanoseconds leaves 128 bits and Redis's scripts count exactly.
+pub const MAX_UNITS: u64 = 999_999_999_999_999;
+
+/// The longest time (a window, a period, a lease, a delay, a block) an algorithm is
+/// built with, in nanoseconds: the policies' own bound (`policy::MAX_PERIOD`, ten years
+/// of 366 days).
+pub const MAX_NANOS: u64 = 10 * 366 * 24 * 60 * 60 * 1_000_000_000;
+
+/// Whether every one of `units` is at most [`MAX_UNITS`] and every one of `times` is
+/// positive and at most [`MAX_NANOS`].
+fn within_bounds(units: &[u64], times: &[u64]) -> bool {
+    units.iter().all(|&units| units <= MAX_UNITS)
+        && times.iter().all(|&time| (1..=MAX_NANOS).contains(&time))
+}
+
 /// The `at` of a refund that may take back any counted units, newest first (a grant),
 /// rather than those debited at one time.
 pub(crate) const ANY_TIME: u64 = u64::MAX;

@@ -32,9 +32,13 @@ pub struct PenaltyState {
 
 impl PenaltyBox {
     /// `denials` within `within` block for `block`, doubling up to `max_block`; `None`
-    /// unless `denials`, `within` and `block` are positive and `max_block >= block`.
+    /// unless `denials`, `within` and `block` are positive, `max_block >= block`, and
+    /// none is past [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(denials: u64, within: u64, block: u64, max_block: u64) -> Option<Self> {
-        (denials > 0 && within > 0 && block > 0 && max_block >= block).then_some(Self {
+        (denials > 0
+            && max_block >= block
+            && super::within_bounds(&[denials], &[within, block, max_block]))
+        .then_some(Self {
             denials,
             within,
             block,

@@ -31,9 +31,11 @@ pub struct LogState {
 }
 
 impl SlidingLog {
-    /// At most `limit` units in any `window` nanoseconds; `None` for a zero window.
+    /// At most `limit` units in any `window` nanoseconds; `None` for a zero window, or a
+    /// limit or window past [`MAX_UNITS`](super::MAX_UNITS) or
+    /// [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(limit: u64, window: u64) -> Option<Self> {
-        (window > 0).then_some(Self { limit, window })
+        super::within_bounds(&[limit], &[window]).then_some(Self { limit, window })
     }
 
     /// Units admitted in any window.
@@ -85,18 +87,18 @@ impl SlidingLog {
         if cost > self.limit {
             return Verdict::Never;
         }
-        if state.total + cost <= self.limit {
+        if state.total.saturating_add(cost) <= self.limit {
             return Verdict::Admit { delay: 0 };
         }
         // Wait until enough of the oldest entries have expired: read at most `WALK` of
         // them, so that a costly request's work is bounded whatever the limit.
-        let needed = state.total + cost - self.limit;
-        let mut freed = 0;
+        let needed = state.total.saturating_add(cost) - self.limit;
+        let mut freed: u64 = 0;
         let wait_for = |at: u64| Verdict::Deny {
             retry_after: at.saturating_add(self.window).saturating_sub(now),
         };
         for &(at, units) in state.entries.iter().take(WALK) {
-            freed += units;
+            freed = freed.saturating_add(units);
             if freed >= needed {
                 return wait_for(at);
             }
@@ -129,10 +131,10 @@ impl SlidingLog {
         }
         match state.entries.back_mut() {
             // Time that stepped back joins the newest entry, keeping the log in order.
-            Some((at, units)) if *at >= now => *units += cost,
+            Some((at, units)) if *at >= now => *units = units.saturating_add(cost),
             _ => state.entries.push_back((now, cost)),
         }
-        state.total += cost;
+        state.total = state.total.saturating_add(cost);
     }
 
     /// Gives back up to `units` recorded at `at` (entries that have left the window are

@@ -32,9 +32,10 @@ pub struct BucketState {
 
 impl TokenBucket {
     /// `capacity` tokens, `amount` added every `period` nanoseconds; `None` when `amount`
-    /// or `period` is zero (a bucket that never refills).
+    /// or `period` is zero (a bucket that never refills), or a count or the period is
+    /// past [`MAX_UNITS`](super::MAX_UNITS) or [`MAX_NANOS`](super::MAX_NANOS).
     pub fn new(capacity: u64, amount: u64, period: u64) -> Option<Self> {
-        (amount > 0 && period > 0).then_some(Self {
+        (amount > 0 && super::within_bounds(&[capacity, amount], &[period])).then_some(Self {
             capacity,
             amount,
             period,
@@ -80,7 +81,7 @@ impl TokenBucket {
         if cost > self.capacity {
             return Verdict::Never;
         }
-        let needed = state.level.get() + u128::from(cost) * u128::from(self.period);
+        let needed = (state.level.get()).saturating_add(u128::from(cost) * u128::from(self.period));
         if needed <= self.full() {
             Verdict::Admit { delay: 0 }
         } else {
@@ -93,9 +94,12 @@ impl TokenBucket {
     /// Takes `cost` tokens.
     #[inline]
     pub fn commit(&self, state: &mut BucketState, _now: u64, cost: u64) {
-        state
-            .level
-            .set(state.level.get() + u128::from(cost) * u128::from(self.period));
+        state.level.set(
+            state
+                .level
+                .get()
+                .saturating_add(u128::from(cost) * u128::from(self.period)),
+        );
     }
 
     /// Puts back `units` debited at `at`, never above full, and never more than a replay

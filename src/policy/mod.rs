@@ -768,6 +768,16 @@ impl Policy {
 mod tests {
     use super::*;
 
+    /// The algorithms' own bounds (they know nothing of policies) are the policies'.
+    #[test]
+    fn the_algorithms_bounds_are_the_policies() {
+        assert_eq!(crate::algorithm::MAX_UNITS, MAX_LIMIT);
+        assert_eq!(
+            u128::from(crate::algorithm::MAX_NANOS),
+            MAX_PERIOD.as_nanos()
+        );
+    }
+
     #[test]
     fn rejects_bad_parameters_with_clear_messages() {
         let cases: Vec<(Result<Policy, PolicyError>, &str)> = vec![
