@@ -200,6 +200,13 @@ pub struct Adjustment {
 
 /// What an [`Adjustment`] changes. Every change leaves a quota at most full; only a
 /// settle's charge may take it past empty.
+///
+/// A shaping policy's units are places in its schedule: units given back to one
+/// (a settle below the reservation, a grant, a level set higher) let the next requests
+/// be scheduled on the instants of those already waiting, two leaving at once. The layer
+/// and the [`Limiter`](crate::limiter::Limiter) never give a shaping policy back its units but
+/// through [`Unbook`](Change::Unbook); an adjustment sent to the store directly does
+/// what it says, on shaping policies too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Change {
