@@ -2907,3 +2907,74 @@ async fn a_cached_block_claims_none_left_only_for_the_blocked_policy() {
         assert!(!rate.contains("\"hourly\";r=0"), "{answer}: {rate}");
     }
 }
+
+// A node that joined a Cluster and owns no slot yet (a scale-out between `add-node` and
+// the reshard) has no Functions library: loads go to the primaries of the slot map, and
+// it is in none. A call `ASK`ed to it while a slot moves there was answered "Function not
+// found", the library loaded to every other primary twice, and the decision failed as a
+// refusal, for every such request until the move ended. The call runs as a script.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_asked_to_a_node_without_the_library_runs_as_a_script() {
+    let cluster = support::RedisCluster::start(3);
+    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let policies = tollgate::PolicySet::from(
+        tollgate::Policy::fixed_window("moving", 10, Duration::from_secs(600)).unwrap(),
+    );
+    let key = tollgate::Key::new("team");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    // A fourth node joins, with no slot.
+    let joined = support::RedisServer::start_with(&["--cluster-enabled", "yes"]);
+    let meet = joined.cli(&[
+        "CLUSTER",
+        "MEET",
+        "127.0.0.1",
+        &cluster.nodes[0].port.to_string(),
+    ]);
+    assert_eq!(meet.trim(), "OK");
+    let id = |node: &support::RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let joined_id = id(&joined);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !(cluster
+        .nodes
+        .iter()
+        .all(|node| node.cli(&["CLUSTER", "NODES"]).contains(&joined_id))
+        && joined
+            .cli(&["CLUSTER", "INFO"])
+            .contains("cluster_state:ok"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the node did not join"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The identity's slot moves there, its keys with it.
+    let (owner, keys) = cluster
+        .nodes
+        .iter()
+        .find_map(|node| {
+            let found = node.cli(&["--scan", "--pattern", "tollgate:{team}*"]);
+            let keys: Vec<String> = found.lines().map(|line| line.trim().to_owned()).collect();
+            (!keys.is_empty() && !keys[0].is_empty()).then_some((node, keys))
+        })
+        .expect("a node holds the identity's state");
+    let slot = owner
+        .cli(&["CLUSTER", "KEYSLOT", &keys[0]])
+        .trim()
+        .to_owned();
+    let importing = joined.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
+    let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &joined_id]);
+    assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+    let port = joined.port.to_string();
+    let mut migrate = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+    migrate.extend(keys.iter().map(String::as_str));
+    assert_eq!(owner.cli(&migrate).trim(), "OK");
+    // Decided on the node the slot moves to, the count carried over.
+    let decided = store.decide(&key, &policies, 1).await;
+    let decision = decided.unwrap_or_else(|error| panic!("{error}"));
+    assert!(decision.is_allowed());
+    assert_eq!(decision.statuses()[0].remaining, 8);
+}

@@ -430,6 +430,14 @@ enum Backend {
     /// until its release is done.
     Pooled(Arc<Checkout>),
     Cluster(Arc<cluster::ManagedCluster>),
+    /// The Cluster connection of the moment, held for one decision and the release behind
+    /// it ([`Backend::pinned`]): a connection made anew meanwhile (a node that stopped
+    /// answering) carries nothing of this one's queue, and a release sent there could
+    /// overtake its decision.
+    ClusterPinned(
+        Arc<cluster::ManagedCluster>,
+        redis::cluster_async::ClusterConnection,
+    ),
     ClusterPool(deadpool_redis::cluster::Pool),
     /// One connection of a cluster pool, held as [`Backend::Pooled`] is.
     PooledCluster(Arc<deadpool_redis::cluster::Connection>),
@@ -818,6 +826,9 @@ impl Backend {
             Backend::ClusterPool(pool) => {
                 Backend::PooledCluster(Arc::new(pool.get().await.map_err(no_connection)?))
             }
+            Backend::Cluster(managed) => {
+                Backend::ClusterPinned(Arc::clone(managed), managed.connection())
+            }
             other => other.clone(),
         })
     }
@@ -834,7 +845,7 @@ impl fmt::Debug for RedisStore {
             Backend::Manager(_) => "multiplexed connection",
             Backend::Pool(_) => "pool",
             Backend::Pooled(_) => "pooled connection",
-            Backend::Cluster(_) => "cluster connection",
+            Backend::Cluster(_) | Backend::ClusterPinned(..) => "cluster connection",
             Backend::ClusterPool(_) => "cluster pool",
             Backend::PooledCluster(_) => "pooled cluster connection",
             Backend::Sentinel(_) => "sentinel primary",
@@ -1152,7 +1163,10 @@ impl RedisStore {
     async fn check_not_a_cluster_node(&self) -> Result<(), StoreError> {
         if matches!(
             self.backend,
-            Backend::Cluster(_) | Backend::PooledCluster(_) | Backend::ClusterPool(_)
+            Backend::Cluster(_)
+                | Backend::ClusterPinned(..)
+                | Backend::PooledCluster(_)
+                | Backend::ClusterPool(_)
         ) {
             return Ok(());
         }
@@ -1239,7 +1253,9 @@ impl RedisStore {
             Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
                 Vec::new()
             }
-            Backend::Cluster(managed) => cluster_slot_ranges(&mut managed.connection()).await,
+            Backend::Cluster(managed) | Backend::ClusterPinned(managed, _) => {
+                cluster_slot_ranges(&mut managed.connection()).await
+            }
             Backend::PooledCluster(connection) => {
                 let mut connection = (**connection).clone();
                 cluster_slot_ranges(&mut connection).await
@@ -1524,7 +1540,12 @@ impl Store for RedisStore {
             if !policy.params().is_in_flight() {
                 keys.push(state);
             }
-            keys.push(aux);
+            // Without a penalty the auxiliary key is never written: named, it would make
+            // a reset of one policy a call of two keys, refused (`TRYAGAIN`) on a Cluster
+            // slot being moved while one is missing.
+            if policy.penalty_box().is_some() {
+                keys.push(aux);
+            }
         }
         let backend = self.backend.clone();
         Box::pin(async move {
@@ -1763,7 +1784,10 @@ async fn query<T: redis::FromRedisValue>(
 ) -> Result<T, StoreError> {
     let cluster = matches!(
         backend,
-        Backend::Cluster(_) | Backend::PooledCluster(_) | Backend::ClusterPool(_)
+        Backend::Cluster(_)
+            | Backend::ClusterPinned(..)
+            | Backend::PooledCluster(_)
+            | Backend::ClusterPool(_)
     );
     match backend.clone() {
         Backend::Manager(managed) => {
@@ -1790,6 +1814,12 @@ async fn query<T: redis::FromRedisValue>(
         Backend::Cluster(managed) => {
             let asked = managed.ask(command);
             let answer = command.query_async(&mut managed.connection()).await;
+            asked.answered(&answer);
+            answer
+        }
+        Backend::ClusterPinned(managed, mut connection) => {
+            let asked = managed.ask(command);
+            let answer = command.query_async(&mut connection).await;
             asked.answered(&answer);
             answer
         }
@@ -1905,8 +1935,17 @@ async fn invoke(
         let command = scripts.function_command(call, invocation);
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
-            Err(error) if error.message.contains("Function not found") => {
+            Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
+                    // Loaded (here or by another request since), and still missing where
+                    // the call went: a node outside the primaries a load reaches (one that
+                    // joined a Cluster with no slot yet, a call `ASK`ed to it while a slot
+                    // moves there), or a server that lost the library again just after.
+                    // This call runs as a script; the next that meets it loads again.
+                    Ok(Err(error)) if function_not_found(&error) => {
+                        return run_script(backend, scripts.script(call, invocation), invocation)
+                            .await;
+                    }
                     Ok(answered) => return answered,
                     Err(error) => error,
                 }
@@ -1919,47 +1958,44 @@ async fn invoke(
     run_script(backend, scripts.script(call, invocation), invocation).await
 }
 
+/// Whether `error` says the server has no such function: its library is missing.
+fn function_not_found(error: &StoreError) -> bool {
+    error.message.contains("Function not found")
+}
+
 /// Loads the library the server was missing and calls the function again: `Ok` with
 /// the answer to give, or `Err` when the store is to run scripts instead. Loading refused
 /// for Functions themselves (an ACL without `FUNCTION LOAD`, a server without them) falls
 /// back quietly, as designed; refused for anything else (`OOM`, the library's own error:
 /// a bug of ours) falls back too, so decisions stay exact, but is logged at error level
-/// and counted, never hidden behind the fallback. A load counted by another request, of a
-/// library the server then lost again (a restart just after), is done here, once.
+/// and counted, never hidden behind the fallback. One load per call at most: a call
+/// that still meets no function is the caller's to run as a script.
 async fn load_and_call(
     backend: &Backend,
     scripts: &Scripts,
     command: &redis::Cmd,
-    mut seen: u64,
+    seen: u64,
 ) -> Result<Result<Vec<i64>, StoreError>, StoreError> {
-    use std::sync::atomic::Ordering;
-    let mut again = true;
-    loop {
-        match load_library(backend, scripts, seen).await {
-            Ok(true) => {}
-            // Another request's load was refused while this one waited its turn: it was
-            // said and counted there; scripts, quietly.
-            Ok(false) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Refused,
-                    "loading the Redis Functions library was refused to another request",
-                ));
-            }
-            Err(error) if error.kind().is_io() => return Ok(Err(error)),
-            Err(error) if functions_refused(&error) => return Err(error),
-            Err(error) => {
-                library_refused(&error);
-                return Err(error);
-            }
+    match load_library(backend, scripts, seen).await {
+        Ok(true) => {}
+        // Another request's load was refused while this one waited its turn: it was
+        // said and counted there; scripts, quietly.
+        Ok(false) => {
+            return Err(StoreError::new(
+                StoreErrorKind::Refused,
+                "loading the Redis Functions library was refused to another request",
+            ));
         }
-        match query::<Vec<i64>>(backend, command).await {
-            Err(error) if functions_refused(&error) => return Err(error),
-            Err(error) if again && error.message.contains("Function not found") => {
-                again = false;
-                seen = scripts.loads.load(Ordering::Acquire);
-            }
-            answered => return Ok(answered),
+        Err(error) if error.kind().is_io() => return Ok(Err(error)),
+        Err(error) if functions_refused(&error) => return Err(error),
+        Err(error) => {
+            library_refused(&error);
+            return Err(error);
         }
+    }
+    match query::<Vec<i64>>(backend, command).await {
+        Err(error) if functions_refused(&error) => Err(error),
+        answered => Ok(answered),
     }
 }
 
