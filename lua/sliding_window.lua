@@ -112,7 +112,11 @@ local function refund(p, s, units, at)
       local to_go = s.span - s.elapsed
       local target = max(counted(s, oldest, to_go) - units, 0)
       local by_share = muldiv(target, s.span, to_go)
-      s.counts[1] = min(oldest, target + s.forgiven, by_share)
+      -- No less than gives back `units` once what is never forgiven is all that counts
+      -- of it: less now, never more later in the sub-window.
+      local floor = 0
+      if oldest - s.forgiven > units then floor = oldest - units end
+      s.counts[1] = max(min(oldest, target + s.forgiven, by_share), floor)
     end
   else
     local age = s.index - (at - fmod(at, s.span)) / s.span

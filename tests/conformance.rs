@@ -2900,32 +2900,55 @@ fn delay(decision: &Decision) -> Duration {
 /// still inside the window), and `grant` and `set_remaining` took their units off the
 /// counts newest first, whole: units taken off the oldest lowered the estimate by less.
 /// With 10 spent at 0 in a 10 s window, at 15 s half of them still count (5 left): set
-/// to 10 left gave 7, and set to 7 gave 6. On every store.
+/// to 10 left gave 7, and set to 7 gave 6. Where what is never forgiven of the oldest
+/// (`count - limit / k`) will be all that counts of it before the sub-window ends, the
+/// grant gives back less now rather than more then. On every store, alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_on_a_sliding_window_gives_what_it_says_from_the_oldest_sub_window() {
     let backends = Backends::start().await;
-    // (k, when the spent sub-window is the oldest, what is left then): with k = 5, at
-    // 11 s the oldest (0 to 2 s) has 1 s to go; 10 - 10 / 5 = 8 of it still count.
-    for (k, at, left) in [(1, 15, 5), (5, 11, 2)] {
+    // (k, when the spent sub-window is the oldest (ms), what is left then, and what each
+    // change leaves): with k = 5, at 11 s the oldest (0 to 2 s) has 1 s to go, and
+    // 10 - 10 / 5 = 8 of it count; with k = 2, at 12.5 s, 5 of it (2.5 s of 5 to go, and
+    // 10 - 5), and a grant of 2 (or a level of 7) gives back 1: lower, the oldest would
+    // give back more than asked once only what is never forgiven of it counts (by 15 s).
+    let cases = [
+        (
+            1,
+            15_000,
+            5,
+            [("set", 10, 10), ("grant", 4, 9), ("partial", 7, 7)],
+        ),
+        (
+            5,
+            11_000,
+            2,
+            [("set", 10, 10), ("grant", 4, 6), ("partial", 7, 7)],
+        ),
+        (
+            2,
+            12_500,
+            5,
+            [("set", 10, 10), ("grant", 2, 6), ("partial", 7, 6)],
+        ),
+    ];
+    for (k, at, left, changes) in cases {
         let set = PolicySet::from(
             Policy::sliding_window_split("sw", 10, Duration::from_secs(10), k).unwrap(),
         );
         for subject in &backends.subjects(&format!("sw-give-back-{k}")) {
             let label = format!("{} (k = {k})", subject.name);
-            for (case, (key, change, expected)) in [
-                ("set", Adjustment::set_remaining(10), 10),
-                ("grant", Adjustment::grant(4), left + 4),
-                ("partial", Adjustment::set_remaining(7), 7),
-            ]
-            .into_iter()
-            .enumerate()
-            {
+            for (case, (key, amount, expected)) in changes.into_iter().enumerate() {
+                let change = if key == "grant" {
+                    Adjustment::grant(amount)
+                } else {
+                    Adjustment::set_remaining(amount)
+                };
                 // Each case on its own key, 100 s after the last (a store's clock never
                 // steps back).
                 let start = Duration::from_secs(100 * case as u64);
                 subject.clock.set(start);
                 assert!(subject.check(key, &set, 10).await.is_allowed(), "{label}");
-                subject.clock.set(start + Duration::from_secs(at));
+                subject.clock.set(start + Duration::from_millis(at));
                 let before = subject.check(key, &set, 0).await;
                 assert_eq!(before.statuses()[0].remaining, left, "{label} {key}");
                 let after = subject.adjust(key, &set, &change).await;

@@ -309,9 +309,19 @@ impl SlidingWindow {
                 let by_share =
                     u128::from(target) * u128::from(self.span()) / u128::from(to_go.max(1));
                 let by_share = u64::try_from(by_share).unwrap_or(u64::MAX);
+                // But no less than gives back `left` once what is never forgiven is all
+                // that counts of it (its share shrinks as the sub-window runs on): lower,
+                // it would give back more than asked later in the sub-window. There the
+                // grant gives back less now, never more later.
+                let floor = if oldest.saturating_sub(self.forgiven()) > left {
+                    *oldest - left
+                } else {
+                    0
+                };
                 *oldest = (*oldest)
                     .min(target.saturating_add(self.forgiven()))
-                    .min(by_share);
+                    .min(by_share)
+                    .max(floor);
             }
             return;
         }
@@ -369,5 +379,61 @@ impl SlidingWindow {
             self.limit.saturating_sub(self.estimate(state, now)),
             reset,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A grant takes what it cannot take from the newer sub-windows off the oldest, which
+    /// counts its share still inside the window, but never less than `count - limit / k`.
+    /// Lowered so the estimate fell by the grant at once, the oldest later fell by more,
+    /// once only that floor counted: a grant of 24 let 48 through. At every later instant
+    /// of the sub-window the grant gives back at most what it said; at once, all of it
+    /// where that holds (always with one sub-window and nothing owed).
+    #[test]
+    fn a_grant_never_gives_back_more_later_in_the_sub_window() {
+        let span = 6;
+        for limit in 1..=12 {
+            for k in 1..=4 {
+                let algorithm = SlidingWindow::new(limit, span * k, k).unwrap();
+                for spent in 0..=limit + 2 {
+                    for into in 0..span {
+                        let mut state = CounterState::for_algorithm(&algorithm);
+                        algorithm.commit(&mut state, 0, spent);
+                        // The spent sub-window is the oldest, `into` into the current one.
+                        let now = k * span + into;
+                        algorithm.refresh(&mut state, now);
+                        let before = algorithm.estimate(&state, now);
+                        for units in 1..=before {
+                            let mut granted = state.clone();
+                            algorithm.refund(
+                                &mut granted,
+                                now,
+                                units,
+                                crate::algorithm::ANY_TIME,
+                                None,
+                            );
+                            let given = before - algorithm.estimate(&granted, now);
+                            assert!(given <= units);
+                            if k == 1 && spent <= limit {
+                                assert_eq!(given, units, "limit {limit} spent {spent} at {now}");
+                            }
+                            for later in now..(k + 1) * span {
+                                let without = algorithm.estimate(&state, later);
+                                let with = algorithm.estimate(&granted, later);
+                                assert!(
+                                    without - with <= units,
+                                    "limit {limit} k {k} spent {spent}: a grant of {units} at \
+                                     {now} gave back {} at {later}",
+                                    without - with
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
