@@ -732,16 +732,27 @@ fn the_algorithms_refuse_parameters_past_the_policies_bounds() {
     log.commit(&mut state, 2, u64::MAX);
     log.commit(&mut state, 3, u64::MAX);
     assert!(matches!(log.check(&state, 4, 1), Verdict::Deny { .. }));
+    let _ = log.effective_window(&state, 4, 0);
+    let mut refunded = state.clone();
+    log.refund(&mut refunded, 4, u64::MAX, u64::MAX, None);
+    log.refund(&mut refunded, 4, u64::MAX, u64::MAX, None);
+    log.refresh(&mut state, 3 + MAX_NANOS);
+    assert!(matches!(log.check(&state, 3 + MAX_NANOS, 1), Verdict::Admit { .. }));
     let bucket = TokenBucket::new(MAX_UNITS, MAX_UNITS, MAX_NANOS).unwrap();
     let mut state = Default::default();
     for _ in 0..100 {
         bucket.commit(&mut state, 1, u64::MAX);
     }
     assert!(matches!(bucket.check(&state, 1, 1), Verdict::Deny { .. }));
+    assert!(bucket.effective_window(&state, 1, 0) > 0);
+    bucket.refund(&mut state, 1, u64::MAX, u64::MAX, None);
+    bucket.refresh(&mut state, u64::MAX);
     let gcra = Gcra::new(MAX_UNITS, MAX_UNITS, MAX_NANOS).unwrap();
     let mut state = Default::default();
     for _ in 0..100 {
         gcra.commit(&mut state, 1, u64::MAX);
     }
     assert!(matches!(gcra.check(&state, 1, 1), Verdict::Deny { .. }));
+    assert!(gcra.effective_window(&state, 1, 0) > 0);
+    gcra.refund(&mut state, 1, u64::MAX, u64::MAX, None);
 }

@@ -113,8 +113,8 @@ impl Gcra {
     #[inline]
     pub fn effective_window(&self, state: &GcraState, now: u64, remaining: u64) -> u64 {
         let scaled_now = self.scaled(now);
-        let tat = state.tat.get().max(scaled_now)
-            + u128::from(remaining.saturating_add(1)) * u128::from(self.period);
+        let tat = (state.tat.get().max(scaled_now))
+            .saturating_add(u128::from(remaining.saturating_add(1)) * u128::from(self.period));
         let allow_at = tat.saturating_sub(self.tolerance());
         if allow_at <= scaled_now {
             0

@@ -69,7 +69,7 @@ impl SlidingLog {
             if at.saturating_add(self.window) > now {
                 break;
             }
-            state.total -= units;
+            state.total = state.total.saturating_sub(units);
             state.entries.pop_front();
         }
     }
@@ -152,7 +152,7 @@ impl SlidingLog {
                 let taken = left.min(*held);
                 *held -= taken;
                 left -= taken;
-                state.total -= taken;
+                state.total = state.total.saturating_sub(taken);
                 if *held == 0 {
                     state.entries.pop_back();
                 }
@@ -165,7 +165,7 @@ impl SlidingLog {
         {
             let taken = left.min(*held);
             *held -= taken;
-            state.total -= taken;
+            state.total = state.total.saturating_sub(taken);
             if *held == 0 {
                 state.entries.remove(index);
             }

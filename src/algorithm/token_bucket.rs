@@ -136,8 +136,8 @@ impl TokenBucket {
     /// without a copy of the state).
     #[inline]
     pub fn effective_window(&self, state: &BucketState, _now: u64, remaining: u64) -> u64 {
-        let needed =
-            state.level.get() + u128::from(remaining.saturating_add(1)) * u128::from(self.period);
+        let needed = (state.level.get())
+            .saturating_add(u128::from(remaining.saturating_add(1)) * u128::from(self.period));
         match needed.checked_sub(self.full()) {
             Some(over) if over > 0 => nanos(div_ceil(over, u128::from(self.amount))),
             _ => 0,
