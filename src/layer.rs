@@ -24,11 +24,13 @@ use crate::store::Store;
 
 /// Rate limiting for any Tower service of `http::Request`s.
 ///
-/// Per request it extracts a [`Key`](crate::Key) (default: the socket peer's IP),
+/// Per request it extracts a [`Key`](crate::Key) (default: the socket peer's IP; behind
+/// a proxy, key by [`ClientIp::behind_proxies`](crate::key::ClientIp::behind_proxies)),
 /// computes a cost (default: 1), resolves the policies and asks the store, which decides
 /// against every policy at once. Admitted requests go to the inner service and their
 /// responses get rate-limit headers; denied ones get `429 Too Many Requests`,
-/// `Retry-After` and an `application/problem+json` body, with the same headers.
+/// `Retry-After` and an `application/problem+json` body, with the same headers (a gRPC
+/// call gets a gRPC status instead: `RESOURCE_EXHAUSTED`, with the same metadata).
 ///
 /// Clones of the layer and of its services share one store, so one limit holds across
 /// every route and connection.

@@ -972,6 +972,71 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
     }
 }
 
+/// The layer's default key is the socket peer. Behind a proxy (a load balancer, an
+/// ingress, a sidecar) that is the proxy for every request, and every client shares one
+/// budget, silently. Requests carrying a forwarding header under a key that trusts no
+/// proxy are said once per layer, at warn level; not under a key that reads the proxies'
+/// header, nor when no request carries one.
+#[test]
+fn a_peer_key_meeting_forwarded_requests_is_warned_of_once() {
+    use std::net::SocketAddr;
+    use tollgate::key::ClientIp;
+    let policy = || Policy::gcra("api", tollgate::Rate::per_second(1_000), 1_000).unwrap();
+    macro_rules! app {
+        ($layer:expr) => {
+            Router::<()>::new()
+                .route("/", get(|| async { "hi" }))
+                .layer($layer)
+        };
+    }
+    let request = |header: Option<(&str, &str)>| {
+        let mut request = Request::get("/");
+        if let Some((name, value)) = header {
+            request = request.header(name, value);
+        }
+        let mut request = request.body(Body::empty()).unwrap();
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(SocketAddr::from((
+                [10, 0, 0, 5],
+                443,
+            ))));
+        request
+    };
+    // One request in 256 on a thread is looked at: 300 in a row to each app.
+    let send = |app: Router, header: Option<(&'static str, &'static str)>| async move {
+        for _ in 0..300 {
+            app.clone().oneshot(request(header)).await.unwrap();
+        }
+    };
+    let quiet = events_of(async {
+        let plain = app!(RateLimitLayer::new(MemoryStore::new()).policy(policy()));
+        send(plain, None).await;
+        let trusting = app!(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(policy())
+                .key(ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap())
+        );
+        send(trusting, Some(("x-forwarded-for", "203.0.113.7"))).await;
+    });
+    assert_eq!(quiet, Vec::<String>::new());
+    let warned = events_of(async {
+        let by_default = app!(RateLimitLayer::new(MemoryStore::new()).policy(policy()));
+        send(by_default, Some(("x-forwarded-for", "203.0.113.7"))).await;
+        let by_peer = app!(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(policy())
+                .key(ClientIp::peer())
+        );
+        send(by_peer, Some(("forwarded", "for=203.0.113.7"))).await;
+    });
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    for event in &warned {
+        assert!(event.starts_with("WARN "), "{warned:?}");
+        assert!(event.contains("ClientIp::behind_proxies"), "{warned:?}");
+    }
+}
+
 /// A store that decides, and fails every adjustment as unreachable.
 #[derive(Clone)]
 struct SettlesFail(MemoryStore);

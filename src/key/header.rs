@@ -192,7 +192,9 @@ impl HeaderKey {
     }
 
     /// Mixes a server-side secret into the hash, so a leaked store dump cannot be checked
-    /// against a list of candidate keys. Every replica must use the same salt.
+    /// against a list of candidate keys. Every replica must use the same salt. Use 16
+    /// random bytes or more (the configuration's `key_salt_env` refuses fewer): a short
+    /// one can be guessed along with the keys.
     pub fn salt(mut self, salt: impl Into<Vec<u8>>) -> Self {
         self.salt = salt.into();
         self

@@ -93,6 +93,9 @@ pub struct ClientIp {
     header: ForwardedHeader,
     ipv4_prefix: u8,
     ipv6_prefix: u8,
+    /// Set once this key (and its clones: a layer's) has said that it reads the socket
+    /// peer of requests that carry a forwarding header.
+    said_forwarded: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Default for ClientIp {
@@ -119,6 +122,7 @@ impl ClientIp {
             header: ForwardedHeader::XForwardedFor,
             ipv4_prefix: 32,
             ipv6_prefix: 64,
+            said_forwarded: std::sync::Arc::default(),
         }
     }
 
@@ -176,7 +180,7 @@ impl ClientIp {
         self
     }
 
-    /// Groups IPv6 addresses by this prefix length (0 to 128, default 64).
+    /// Groups IPv6 addresses by this prefix length (1 to 128, default 64).
     ///
     /// A /64 is one site's subnet, so one host cannot spread over 2^64 keys; but a holder
     /// of a /48 still has 65,536 of them (`48` groups by site, at the price of sharing
@@ -186,13 +190,30 @@ impl ClientIp {
     /// host it carries (`ip:192.0.2.1`), grouped by [`ipv4_prefix`](Self::ipv4_prefix);
     /// so is a 6to4 address (`2002:V4ADDR::/48`, RFC 3056), whose whole /48 belongs to
     /// the IPv4 host it names.
+    ///
+    /// # Panics
+    ///
+    /// If `bits` is 0: every IPv6 client would share one budget (a programming error,
+    /// caught at start-up, as [`behind_proxies`](Self::behind_proxies) refuses `::/0`).
     pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        assert!(
+            bits > 0,
+            "ClientIp::ipv6_prefix(0) keys every IPv6 client as one: the prefix is 1 to 128"
+        );
         self.ipv6_prefix = bits.min(128);
         self
     }
 
-    /// Groups IPv4 addresses by this prefix length (0 to 32, default 32).
+    /// Groups IPv4 addresses by this prefix length (1 to 32, default 32).
+    ///
+    /// # Panics
+    ///
+    /// If `bits` is 0: every IPv4 client would share one budget.
     pub fn ipv4_prefix(mut self, bits: u8) -> Self {
+        assert!(
+            bits > 0,
+            "ClientIp::ipv4_prefix(0) keys every IPv4 client as one: the prefix is 1 to 32"
+        );
         self.ipv4_prefix = bits.min(32);
         self
     }
@@ -338,6 +359,9 @@ fn no_peer() -> KeyError {
 impl KeyExtractor for ClientIp {
     #[inline]
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
+        if self.trusted.is_empty() && sampled() {
+            self.peer_beside_forwarding(parts);
+        }
         self.client_addr(parts).map(|ip| self.group(ip))
     }
 
@@ -624,6 +648,55 @@ impl<'a> Iterator for Peeler<'a> {
     }
 }
 
+/// One request in [`SAMPLE`] on each thread (the first among them): a check of the
+/// request's headers that is not worth its cost on every one.
+#[inline]
+fn sampled() -> bool {
+    thread_local! {
+        static SEEN: std::cell::Cell<u16> = const { std::cell::Cell::new(0) };
+    }
+    SEEN.with(|seen| {
+        let count = seen.get();
+        seen.set((count + 1) % SAMPLE);
+        count == 0
+    })
+}
+
+/// How many requests one [`sampled`] stands for: behind a proxy, every request carries
+/// its forwarding header, and the first sampled one says so.
+const SAMPLE: u16 = 256;
+
+impl ClientIp {
+    /// A key that trusts no proxy, reading a request that carries `X-Forwarded-For` or
+    /// `Forwarded`: behind a proxy (a load balancer, an ingress, a sidecar), every client
+    /// has the proxy's address, and one budget. Said once per key (a layer's), at warn
+    /// level; a server facing clients directly may ignore it (they wrote the header).
+    #[cold]
+    fn peer_beside_forwarding(&self, parts: &Parts) {
+        use std::sync::atomic::Ordering;
+        if self.said_forwarded.load(Ordering::Relaxed)
+            || !(parts
+                .headers
+                .contains_key(ForwardedHeader::XForwardedFor.name())
+                || parts
+                    .headers
+                    .contains_key(ForwardedHeader::Forwarded.name()))
+            || self.said_forwarded.swap(true, Ordering::Relaxed)
+        {
+            return;
+        }
+        #[cfg(feature = "tracing")]
+        tracing::warn!(
+            target: "tollgate",
+            "requests carry X-Forwarded-For or Forwarded, but the key is the socket peer's \
+             address (ClientIp::peer, the layer's default key): behind a proxy or a load \
+             balancer every client has its address, and one budget; key by \
+             ClientIp::behind_proxies([its networks]). (Where clients connect directly, \
+             they wrote the header, and this is nothing.) Said once"
+        );
+    }
+}
+
 /// A trusted proxy named its client in the forwarding header the key does not read: said
 /// once per process (a proxy configured otherwise than the key sends every request so).
 #[cold]
@@ -879,6 +952,20 @@ mod tests {
     use http::Request;
 
     use super::*;
+
+    /// A prefix of 0 grouped every client of the family as one, where `behind_proxies`
+    /// and `Bypass` refuse `/0` for that very reason.
+    #[test]
+    #[should_panic(expected = "ipv6_prefix(0) keys every IPv6 client as one")]
+    fn an_ipv6_prefix_of_nothing_is_refused() {
+        let _ = ClientIp::peer().ipv6_prefix(0);
+    }
+
+    #[test]
+    #[should_panic(expected = "ipv4_prefix(0) keys every IPv4 client as one")]
+    fn an_ipv4_prefix_of_nothing_is_refused() {
+        let _ = ClientIp::peer().ipv4_prefix(0);
+    }
 
     fn parts(peer: &str, headers: &[(&str, &[u8])]) -> Parts {
         let mut builder = Request::get("/");

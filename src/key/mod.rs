@@ -71,16 +71,24 @@ impl Key {
     pub fn new(value: impl AsRef<str>) -> Self {
         let value = value.as_ref();
         if hashed_whole(value) {
-            return Self::hashed("long", value.as_bytes());
+            return Self::long(value);
         }
         Key(CompactString::new(value))
+    }
+
+    /// `long:` and a digest of `value`, under a salt of the crate's own: the digest of
+    /// no other key (a [`hashed`](Self::hashed) one in the namespace `long`, a
+    /// `HeaderKey` of a header named `long`), which would land in its bucket.
+    #[cold]
+    fn long(value: &str) -> Self {
+        Self::hashed_with_salt("long", LONG_SALT, value.as_bytes())
     }
 
     /// A key from a string already in the crate's inline form (no copy).
     #[inline]
     pub(crate) fn from_compact(value: CompactString) -> Self {
         if hashed_whole(&value) {
-            return Self::hashed("long", value.as_bytes());
+            return Self::long(&value);
         }
         Key(value)
     }
@@ -113,6 +121,9 @@ impl Key {
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// The salt of a long key's digest (see [`Key::long`]).
+const LONG_SALT: &[u8] = b"tollgate: a key too long to keep\0";
 
 /// Whether a key string is kept as its digest: over [`MAX_KEY_LEN`], or in the form a
 /// digest of one takes.
@@ -641,6 +652,18 @@ mod tests {
         );
         assert_eq!(Key::new(&long), hashed);
         assert_eq!(Key::new("longer:1").as_str(), "longer:1");
+    }
+
+    /// A long key's digest was `Key::hashed("long", ..)` of it: a `HeaderKey` of a header
+    /// named `long` (unsalted), or a custom key hashed in the namespace `long`, spelt out
+    /// the digest of any long key, another extractor's (a long route, a compound key), and
+    /// a client sending that header landed in its bucket.
+    #[test]
+    fn no_hashed_key_spells_a_long_ones_digest() {
+        let long = "a".repeat(MAX_KEY_LEN + 1);
+        assert_ne!(Key::hashed("long", long.as_bytes()), Key::new(&long));
+        let by_header = crate::key::HeaderKey::new("long").key_for(&long).unwrap();
+        assert_ne!(by_header, Key::new(&long));
     }
 
     #[test]

@@ -204,7 +204,7 @@ pub struct Adjustment {
 /// A shaping policy's units are places in its schedule: units given back to one
 /// (a settle below the reservation, a grant, a level set higher) let the next requests
 /// be scheduled on the instants of those already waiting, two leaving at once. The layer
-/// and the [`Limiter`](crate::limiter::Limiter) never give a shaping policy back its units but
+/// and the `Limiter` (module `limiter`) never give a shaping policy back its units but
 /// through [`Unbook`](Change::Unbook); an adjustment sent to the store directly does
 /// what it says, on shaping policies too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
