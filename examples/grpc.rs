@@ -6,7 +6,9 @@
 //! ```
 //!
 //! Every client gets a token bucket of 5 refilled 1 per second: the `x-api-key` metadata
-//! entry when there is one, else the peer address (which tonic records per connection).
+//! entry when it holds a key the service knows, else the peer address (which tonic
+//! records per connection). A key the service does not know counts as none: a client
+//! making up a new key for each call would otherwise get a new bucket each time.
 //! A denied call is a gRPC status, RESOURCE_EXHAUSTED (8), with `retry-after`,
 //! `ratelimit` and `ratelimit-policy` in its metadata and a `google.rpc.RetryInfo` detail;
 //! admitted calls carry the rate-limit metadata too.
@@ -32,8 +34,8 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
-use tollgate::{MemoryStore, Policy, PolicyError, Rate, RateLimitLayer};
+use tollgate::key::{ClientIp, KeyError, KeyErrorKind, KeyExtractor, KeyExtractorExt};
+use tollgate::{Key, MemoryStore, Policy, PolicyError, Rate, RateLimitLayer};
 use tonic::body::Body;
 use tonic::server::{NamedService, UnaryService};
 
@@ -136,14 +138,31 @@ impl tower::Service<http::Request<Body>> for Greeter {
     }
 }
 
-/// The limiter: 5 calls, refilled 1 a second, per `x-api-key` or else per peer address.
-/// (A key the client writes is one it can change on every call: in a service, put the
-/// limiter behind the layer that checks the key, or key by what that layer verified.)
-pub fn limiter()
--> Result<RateLimitLayer<MemoryStore, impl tollgate::key::KeyExtractor + Clone>, PolicyError> {
+/// The API keys this service knows (a service looks them up where it keeps them).
+const API_KEYS: [&str; 3] = ["demo", "team-a", "streamer"];
+
+/// A known API key from the `x-api-key` metadata entry, hashed (no key reaches a store
+/// or a log in clear); none for a key the service does not know, which the client could
+/// change on every call, a new bucket each time.
+fn known_api_key() -> impl KeyExtractor + Clone {
+    tollgate::key::from_fn(|parts| {
+        parts
+            .headers
+            .get("x-api-key")
+            .map(|value| value.as_bytes())
+            .filter(|value| API_KEYS.iter().any(|known| known.as_bytes() == *value))
+            .map(|value| Key::hashed("x-api-key", value))
+            .ok_or_else(|| KeyError::missing(KeyErrorKind::Client, "no known API key"))
+    })
+}
+
+/// The limiter: 5 calls, refilled 1 a second, per known API key or else per peer
+/// address. (In a service, the layer that checks keys runs before the limiter, and the
+/// key is what it verified.)
+pub fn limiter() -> Result<RateLimitLayer<MemoryStore, impl KeyExtractor + Clone>, PolicyError> {
     Ok(RateLimitLayer::new(MemoryStore::new())
         .policy(Policy::token_bucket("api", 5, Rate::per_second(1))?)
-        .key(HeaderKey::new("x-api-key").or(ClientIp::peer())))
+        .key(known_api_key().or(ClientIp::peer())))
 }
 
 /// Serves the Greeter behind the limiter on `listener` until the process ends. With
@@ -193,7 +212,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let port = port::from_env()?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!(
-        "tollgate gRPC example: helloworld.Greeter on {} (5 calls, 1 a second, per x-api-key or peer)",
+        "tollgate gRPC example: helloworld.Greeter on {} (5 calls, 1 a second, per known x-api-key or peer)",
         listener.local_addr()?
     );
     serve(listener).await
@@ -257,8 +276,30 @@ mod tests {
         let details = status.details();
         assert!(!details.is_empty());
         assert!(details.windows(9).any(|w| w == b"RetryInfo"));
-        // An API key is its own client.
+        // A known API key is its own client.
         assert!(call(addr, "Key", Some("team-a")).await.is_ok());
+        server.abort();
+    }
+
+    /// A client making up a new API key for each call gets no new bucket each time: a
+    /// key the service does not know counts as none, and the call as its address's.
+    #[tokio::test]
+    async fn made_up_api_keys_share_their_address_bucket() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move { serve(listener).await.unwrap() });
+        let started = std::time::Instant::now();
+        let mut admitted = 0;
+        for i in 0..10 {
+            let made_up = format!("made-up-{i}");
+            admitted += u64::from(call(addr, "Mallory", Some(&made_up)).await.is_ok());
+        }
+        // A bucket of 5 for the address, and one more for each second the calls took.
+        let refilled = started.elapsed().as_secs();
+        assert!(
+            admitted >= 5 && admitted <= 5 + refilled,
+            "{admitted} admitted"
+        );
         server.abort();
     }
 

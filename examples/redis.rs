@@ -10,8 +10,9 @@
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/
 //! ```
 //!
-//! Clients are keyed by their API key (hashed before it reaches Redis), or by IP when they
-//! send none. Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
+//! Clients are keyed by their API key (hashed before it reaches Redis) when the app knows
+//! it, or by IP when they send none, or one the app does not know (a client making up a
+//! key per request would otherwise get a new bucket with each). Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
 //! are decided in one round trip, all-or-nothing. tollgate's warnings (Redis went away,
 //! Redis answers again) go to stderr; `RUST_LOG=tollgate=debug` shows every denial too.
 
@@ -26,6 +27,21 @@ use axum::routing::get;
 use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
 use tollgate::store::{RedisConfig, RedisStore};
 use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
+
+/// The API keys this app knows (an app looks them up in its database).
+const KEYS: [&str; 1] = ["demo"];
+
+/// Drops an `x-api-key` the app does not know, so its request is limited by address.
+async fn drop_unknown_key(mut request: axum::extract::Request) -> axum::extract::Request {
+    let known = request
+        .headers()
+        .get("x-api-key")
+        .is_some_and(|key| KEYS.iter().any(|known| known.as_bytes() == key.as_bytes()));
+    if !known {
+        request.headers_mut().remove("x-api-key");
+    }
+    request
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -50,15 +66,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Fail at start-up, not on the first request, if a policy is too large for Redis.
     RedisStore::check_policies(&policies)?;
 
-    // Per API key, else per address. In front of authentication a client could send a
-    // new key each time (a new bucket each time): in an app, key by what your auth layer
-    // verified (`ExtensionKey`), or put the limiter behind it.
+    // Per known API key, else per address: unknown keys are dropped before the limiter
+    // (the layer added last runs first). In an app, key by what your auth layer
+    // verified (`ExtensionKey`), with the limiter behind it.
     let limiter = RateLimitLayer::new(store)
         .policies(policies)
         .key(HeaderKey::new("x-api-key").or(ClientIp::peer()));
     let app = Router::new()
         .route("/", get(|| async { "hello from the fleet\n" }))
-        .layer(limiter);
+        .layer(limiter)
+        .layer(axum::middleware::map_request(drop_unknown_key));
 
     let port: u16 = std::env::var("PORT")
         .ok()
