@@ -737,7 +737,10 @@ fn the_algorithms_refuse_parameters_past_the_policies_bounds() {
     log.refund(&mut refunded, 4, u64::MAX, u64::MAX, None);
     log.refund(&mut refunded, 4, u64::MAX, u64::MAX, None);
     log.refresh(&mut state, 3 + MAX_NANOS);
-    assert!(matches!(log.check(&state, 3 + MAX_NANOS, 1), Verdict::Admit { .. }));
+    assert!(matches!(
+        log.check(&state, 3 + MAX_NANOS, 1),
+        Verdict::Admit { .. }
+    ));
     let bucket = TokenBucket::new(MAX_UNITS, MAX_UNITS, MAX_NANOS).unwrap();
     let mut state = Default::default();
     for _ in 0..100 {
