@@ -674,26 +674,30 @@ impl ClientIp {
     #[cold]
     fn peer_beside_forwarding(&self, parts: &Parts) {
         use std::sync::atomic::Ordering;
-        if self.said_forwarded.load(Ordering::Relaxed)
-            || !(parts
+        let forwarded = || {
+            parts
                 .headers
                 .contains_key(ForwardedHeader::XForwardedFor.name())
                 || parts
                     .headers
-                    .contains_key(ForwardedHeader::Forwarded.name()))
-            || self.said_forwarded.swap(true, Ordering::Relaxed)
-        {
-            return;
-        }
+                    .contains_key(ForwardedHeader::Forwarded.name())
+        };
+        let say = !self.said_forwarded.load(Ordering::Relaxed)
+            && forwarded()
+            && !self.said_forwarded.swap(true, Ordering::Relaxed);
         #[cfg(feature = "tracing")]
-        tracing::warn!(
+        if say {
+            tracing::warn!(
             target: "tollgate",
             "requests carry X-Forwarded-For or Forwarded, but the key is the socket peer's \
              address (ClientIp::peer, the layer's default key): behind a proxy or a load \
              balancer every client has its address, and one budget; key by \
              ClientIp::behind_proxies([its networks]). (Where clients connect directly, \
              they wrote the header, and this is nothing.) Said once"
-        );
+            );
+        }
+        #[cfg(not(feature = "tracing"))]
+        let _ = say;
     }
 }
 
