@@ -1940,9 +1940,13 @@ async fn invoke(
                     // Loaded (here or by another request since), and still missing where
                     // the call went: a node outside the primaries a load reaches (one that
                     // joined a Cluster with no slot yet, a call `ASK`ed to it while a slot
-                    // moves there), or a server that lost the library again just after.
-                    // This call runs as a script; the next that meets it loads again.
+                    // moves there), a server that lost the library again just after, or
+                    // a bug of ours (a function the library does not register). Said and
+                    // counted; scripts for a while (no load per call meanwhile), this
+                    // call first.
                     Ok(Err(error)) if function_not_found(&error) => {
+                        missing_after_load(&error);
+                        fall_back_to_scripts(scripts, &error);
                         return run_script(backend, scripts.script(call, invocation), invocation)
                             .await;
                     }
@@ -2014,6 +2018,26 @@ fn library_refused(error: &StoreError) {
         code = error.code().unwrap_or(""),
         "loading the Redis Functions library was refused: this is a bug or a \
          misconfiguration; decisions run as EVALSHA scripts meanwhile (counted in \
+         tollgate_store_errors_total)"
+    );
+    #[cfg(not(feature = "tracing"))]
+    let _ = error;
+}
+
+/// A call still met no function after the library loaded: counted as a store error, and
+/// logged at error level (the store then runs scripts for a minute, so this is said at
+/// most that often).
+fn missing_after_load(error: &StoreError) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
+    #[cfg(feature = "tracing")]
+    tracing::error!(
+        target: "tollgate",
+        %error,
+        kind = error.kind().as_str(),
+        "a call met no function after the Redis Functions library loaded: a Cluster node \
+         the load does not reach (one that joined with no slot yet, during a slot move), or \
+         a bug; decisions run as EVALSHA scripts for a minute (counted in \
          tollgate_store_errors_total)"
     );
     #[cfg(not(feature = "tracing"))]
