@@ -1312,3 +1312,76 @@ fn sentinels_all_gone_are_said_once() {
     let said = count(&events, Level::WARN, "no Redis sentinel answers");
     assert_eq!(said, 1, "{events:#?}");
 }
+
+/// A Cluster primary frozen (no replica to promote): the store checks it, connects anew,
+/// and checks again, less and less often. The stall was said at warn level again at
+/// every new connection when calls to the other shards were answered meanwhile, or when
+/// a check asked another shard (for a call its client dropped) and found it answering;
+/// it is said once while it goes on.
+#[cfg(feature = "redis")]
+#[test]
+fn a_frozen_cluster_node_is_said_once_while_other_shards_answer() {
+    use tollgate::{Key, PolicySet, Store};
+    let cluster = support::RedisCluster::start(3);
+    let holder = |key: &str| {
+        cluster
+            .nodes
+            .iter()
+            .position(|node| {
+                node.cli(&["--scan", "--pattern", &format!("tollgate:{{{key}}}*")])
+                    .contains("tollgate")
+            })
+            .expect("a node holds the key")
+    };
+    let mut rebuilds = 0;
+    let events = events_of(async {
+        let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+            .await
+            .unwrap();
+        // A window that outlasts the test: the keys stay where they were decided.
+        let policies = PolicySet::from(
+            Policy::fixed_window("api", 1_000_000, Duration::from_secs(600)).unwrap(),
+        );
+        let names: Vec<String> = (0..12).map(|n| format!("k{n}")).collect();
+        for name in &names {
+            store.decide(&Key::new(name), &policies, 1).await.unwrap();
+        }
+        let frozen = holder(&names[0]);
+        let healthy: Vec<&String> = names.iter().filter(|n| holder(n) != frozen).collect();
+        assert!(!healthy.is_empty());
+        let other = &cluster.nodes[(frozen + 1) % cluster.nodes.len()];
+        let before = support::connections_received(other, None);
+        cluster.nodes[frozen].signal("STOP");
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        let (mut answered, mut round) = (0, 0);
+        while std::time::Instant::now() < until {
+            // A call to a sound shard dropped by its client (gone, an HTTP/2 reset) is
+            // unanswered too: a check may ask that shard, and find it answering. Which
+            // of the two goes first alternates.
+            round += 1;
+            for first in [round % 2 == 0, round % 2 == 1] {
+                if first {
+                    let stuck = store.decide(&Key::new(&names[0]), &policies, 1);
+                    let _ = tokio::time::timeout(Duration::from_millis(50), stuck).await;
+                } else {
+                    let dropped = store.decide(&Key::new(healthy[0].as_str()), &policies, 1);
+                    let _ = tokio::time::timeout(Duration::ZERO, dropped).await;
+                }
+            }
+            for name in &healthy {
+                let decided = store.decide(&Key::new(name.as_str()), &policies, 1);
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), decided).await {
+                    answered += 1;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        cluster.nodes[frozen].signal("CONT");
+        assert!(answered > 0, "the other shards answered");
+        // Each new connection connects to every node; the count itself is one more.
+        rebuilds = support::connections_received(other, None) - before - 1;
+    });
+    assert!(rebuilds >= 2, "{rebuilds} new connections");
+    let warned = count(&events, Level::WARN, "a Redis Cluster node answers nothing");
+    assert_eq!(warned, 1, "{events:?}");
+}

@@ -32,6 +32,10 @@ const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// The longest wait between checks of a node that keeps answering nothing.
 const CHECK_AT_MOST_EVERY: Duration = Duration::from_secs(8);
 
+/// A node found answering nothing this long after the last one is a new stall: said at
+/// warn level again, and checked from the shortest interval again.
+const NEW_STALL_AFTER: Duration = Duration::from_secs(60);
+
 /// Calls left unanswered since the last check before the next is made: one call dropped
 /// by a tight timeout on a loaded node is no sign the node is gone.
 const UNANSWERED: u32 = 3;
@@ -49,10 +53,16 @@ pub(super) struct ManagedCluster {
     unanswered: AtomicU32,
     /// A check runs (or waits out the time until the next may).
     checking: AtomicBool,
-    /// The wait after this check, in milliseconds.
+    /// The wait after the last check that found a node answering nothing, in
+    /// milliseconds. A check that finds its node answering does not shorten it: the node
+    /// checked may be another shard's (a call dropped by its client), while the stalled
+    /// one still stalls.
     every_ms: AtomicU64,
-    /// A node that answers nothing was said (at warn level): said again only once a
-    /// check found its node answering.
+    /// When a check last found a node answering nothing, in milliseconds since `born`
+    /// plus one (0: never).
+    stalled_at: AtomicU64,
+    born: std::time::Instant,
+    /// A stall was said at warn level, and no check has found a node answering since.
     said_stall: AtomicBool,
 }
 
@@ -65,6 +75,8 @@ impl ManagedCluster {
             unanswered: AtomicU32::new(0),
             checking: AtomicBool::new(false),
             every_ms: AtomicU64::new(CHECK_EVERY.as_millis() as u64),
+            stalled_at: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             said_stall: AtomicBool::new(false),
         }
     }
@@ -129,27 +141,36 @@ impl ManagedCluster {
                 Ok(Ok(_)) => this.answers(),
                 Ok(Err(error)) if !silent(&error) => this.answers(),
                 _ => {
-                    this.said_stalled();
+                    let every = this.stalled();
                     this.replace().await;
-                    // Checked again after twice as long, unless a check finds it answering.
-                    let every = this.every_ms.load(Ordering::Relaxed);
-                    let longer = (every * 2).min(CHECK_AT_MOST_EVERY.as_millis() as u64);
-                    this.every_ms.store(longer, Ordering::Relaxed);
                     every
                 }
             };
-            tokio::time::sleep_until(started + Duration::from_millis(every)).await;
+            tokio::time::sleep_until(started + every).await;
             drop(done);
         });
     }
 
-    /// Said once at warn level, then at debug level until a check finds its node
-    /// answering.
+    /// A check found its node answering nothing: said at warn level when it is a new
+    /// stall (none for [`NEW_STALL_AFTER`]), at debug level while it goes on. The wait
+    /// until the next check: the shortest for a new stall, else twice the last (a new
+    /// connection did not help: the Cluster has not promoted a replica yet, or has none).
     #[cold]
-    fn said_stalled(&self) {
-        let said = self.said_stall.swap(true, Ordering::Relaxed);
+    fn stalled(&self) -> Duration {
+        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        let last = self.stalled_at.swap(now, Ordering::Relaxed);
+        let new = last == 0 || now - last > NEW_STALL_AFTER.as_millis() as u64;
+        let every = if new {
+            CHECK_EVERY.as_millis() as u64
+        } else {
+            (self.every_ms.load(Ordering::Relaxed) * 2).min(CHECK_AT_MOST_EVERY.as_millis() as u64)
+        };
+        self.every_ms.store(every, Ordering::Relaxed);
+        if new {
+            self.said_stall.store(true, Ordering::Relaxed);
+        }
         #[cfg(feature = "tracing")]
-        if said {
+        if !new {
             tracing::debug!(
                 target: "tollgate",
                 "a Redis Cluster node answers nothing, not even a PING within \
@@ -160,11 +181,10 @@ impl ManagedCluster {
                 target: "tollgate",
                 "a Redis Cluster node answers nothing, not even a PING within \
                  {PING_DEADLINE:?}: connecting to the Cluster anew, to read its slot map \
-                 from the nodes that answer (said once until calls are answered again)"
+                 from the nodes that answer (while it goes on, said at debug level)"
             );
         }
-        #[cfg(not(feature = "tracing"))]
-        let _ = said;
+        Duration::from_millis(every)
     }
 
     /// A new connection in the current one's place. Calls meanwhile go on the old one,
@@ -193,17 +213,15 @@ impl ManagedCluster {
         }
     }
 
-    /// A check found its node answering: the next checks come at the shortest interval,
-    /// and a stall said is said to be over. The interval to wait after this check.
+    /// A check found its node answering: said at info level after a stall was said. The
+    /// wait until the next check may run.
     #[cold]
-    fn answers(&self) -> u64 {
-        let every = CHECK_EVERY.as_millis() as u64;
-        self.every_ms.store(every, Ordering::Relaxed);
+    fn answers(&self) -> Duration {
         if self.said_stall.swap(false, Ordering::Relaxed) {
             #[cfg(feature = "tracing")]
-            tracing::info!(target: "tollgate", "the Redis Cluster node checked answers again");
+            tracing::info!(target: "tollgate", "the Redis Cluster node checked answers");
         }
-        every
+        CHECK_EVERY
     }
 }
 
