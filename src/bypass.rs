@@ -194,7 +194,11 @@ impl Bypass {
             // key falls back to the proxy's.
             let address = match &self.client_ip {
                 Some(client) => client.named_client_addr(parts),
-                None => ClientIp::peer().named_client_addr(parts),
+                None => {
+                    static PEER: std::sync::LazyLock<ClientIp> =
+                        std::sync::LazyLock::new(ClientIp::peer);
+                    PEER.named_client_addr(parts)
+                }
             };
             if let Ok(Some(address)) = address {
                 let address = canonical(address);

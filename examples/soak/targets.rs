@@ -594,8 +594,8 @@ fn client_ip(rng: &mut Rng, bench: &Bench) {
     let regrouped = rng.one_in(4);
     if regrouped {
         extractor = extractor
-            .ipv4_prefix(rng.below(40) as u8)
-            .ipv6_prefix(rng.below(140) as u8);
+            .ipv4_prefix(1 + rng.below(40) as u8)
+            .ipv6_prefix(1 + rng.below(140) as u8);
     }
     let peer = match rng.below(16) {
         0 => None,

@@ -76,12 +76,23 @@ impl Key {
         Key(CompactString::new(value))
     }
 
-    /// `long:` and a digest of `value`, under a salt of the crate's own: the digest of
-    /// no other key (a [`hashed`](Self::hashed) one in the namespace `long`, a
-    /// `HeaderKey` of a header named `long`), which would land in its bucket.
+    /// `long:` and the whole SHA-256 digest of `value` under a salt of the crate's own
+    /// (64 hex digits): no [`hashed`](Self::hashed) key (in the namespace `long`, or a
+    /// `HeaderKey` of a header named `long`), whose digests are 32 digits, spells one
+    /// and lands in its bucket, whatever it hashes.
     #[cold]
     fn long(value: &str) -> Self {
-        Self::hashed_with_salt("long", LONG_SALT, value.as_bytes())
+        let mut hasher = Sha256::new();
+        hasher.update(LONG_SALT);
+        hasher.update(value.as_bytes());
+        let digest = hasher.finalize();
+        let mut out = CompactString::with_capacity(5 + 2 * digest.len());
+        out.push_str("long:");
+        for byte in &digest[..] {
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0xf)]));
+        }
+        Key(out)
     }
 
     /// A key from a string already in the crate's inline form (no copy).
@@ -664,6 +675,9 @@ mod tests {
         assert_ne!(Key::hashed("long", long.as_bytes()), Key::new(&long));
         let by_header = crate::key::HeaderKey::new("long").key_for(&long).unwrap();
         assert_ne!(by_header, Key::new(&long));
+        // Nor by hashing what the long digest hashes.
+        let salted = [LONG_SALT, long.as_bytes()].concat();
+        assert_ne!(Key::hashed("long", &salted), Key::new(&long));
     }
 
     #[test]

@@ -207,6 +207,11 @@ pub struct Adjustment {
 /// and the `Limiter` (module `limiter`) never give a shaping policy back its units but
 /// through [`Unbook`](Change::Unbook); an adjustment sent to the store directly does
 /// what it says, on shaping policies too.
+///
+/// A sliding window counter cut in several sub-windows gives back from its oldest
+/// sub-window (which counts in part) no more than would let more through later in that
+/// sub-window than the change says: a grant or a level set there may give back less at
+/// once than asked, never more later.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Change {
