@@ -545,13 +545,9 @@ async fn sentinel_switchover_never_writes_to_the_demoted_primary() {
     assert_exact(&store, "after-switchover").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_failover_after_a_primary_is_killed() {
-    let mut cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
-    let (store, app) =
-        healthy_app(RedisStore::connect_cluster(&cluster.urls()).await.unwrap()).await;
-    // The primary that holds the app's key (and its replica, which has a copy).
-    let owner = cluster
+/// The index of the Cluster primary that holds the app's key (`Global`).
+fn global_owner(cluster: &support::RedisCluster) -> usize {
+    cluster
         .nodes
         .iter()
         .position(|node| {
@@ -560,7 +556,16 @@ async fn cluster_failover_after_a_primary_is_killed() {
                     .cli(&["--scan", "--pattern", "tollgate:{global}*"])
                     .contains("tollgate")
         })
-        .expect("a primary holds the key");
+        .expect("a primary holds the key")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_failover_after_a_primary_is_killed() {
+    let mut cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
+    let (store, app) =
+        healthy_app(RedisStore::connect_cluster(&cluster.urls()).await.unwrap()).await;
+    // The primary that holds the app's key (and its replica, which has a copy).
+    let owner = global_owner(&cluster);
     let failover = failover_under_load(&app, "Cluster: a primary was killed", || {
         cluster.nodes[owner].kill()
     })
@@ -589,16 +594,7 @@ async fn cluster_store_leaves_a_primary_that_stops_answering() {
     let cluster = support::RedisCluster::start_with_replicas(3, 1, 1000);
     let (store, app) =
         healthy_app(RedisStore::connect_cluster(&cluster.urls()).await.unwrap()).await;
-    let owner = cluster
-        .nodes
-        .iter()
-        .position(|node| {
-            node.cli(&["INFO", "replication"]).contains("role:master")
-                && node
-                    .cli(&["--scan", "--pattern", "tollgate:{global}*"])
-                    .contains("tollgate")
-        })
-        .expect("a primary holds the key");
+    let owner = global_owner(&cluster);
     failover_under_load(&app, "Cluster: a primary froze", || {
         cluster.nodes[owner].signal("STOP")
     })
