@@ -89,12 +89,12 @@ impl ManagedCluster {
             .clone()
     }
 
-    /// `command`, about to be sent: unless [`Asked::answered`] says it was answered, the
-    /// node that owns its slot is checked.
-    pub(super) fn ask<'a>(self: &'a Arc<Self>, command: &redis::Cmd) -> Asked<'a> {
+    /// `command`, about to be sent: unless [`Asked::answered`] says it was answered, it
+    /// counts as unanswered (see [`unanswered`](Self::unanswered)).
+    pub(super) fn ask<'a>(self: &'a Arc<Self>, command: &'a redis::Cmd) -> Asked<'a> {
         Asked {
             managed: self,
-            route: first_key(command).map(|key| Route::with_key(key, SlotAddr::Master)),
+            command,
             answered: false,
         }
     }
@@ -230,11 +230,11 @@ fn silent(error: &RedisError) -> bool {
     error.is_timeout() || error.is_io_error()
 }
 
-/// One call on a [`ManagedCluster`]: its slot's node is checked unless it was answered
-/// (a call dropped while it waits, by the layer's timeout, was not).
+/// One call on a [`ManagedCluster`]: unless it was answered (a call dropped while it
+/// waits, by the layer's timeout, was not), it counts toward a check of its slot's node.
 pub(super) struct Asked<'a> {
     managed: &'a Arc<ManagedCluster>,
-    route: Option<Route>,
+    command: &'a redis::Cmd,
     answered: bool,
 }
 
@@ -247,10 +247,12 @@ impl Asked<'_> {
 
 impl Drop for Asked<'_> {
     fn drop(&mut self) {
+        // The route is worked out for unanswered calls alone (a CRC of the key).
         if !self.answered
-            && let Some(route) = self.route
+            && let Some(key) = first_key(self.command)
         {
-            self.managed.unanswered(route);
+            self.managed
+                .unanswered(Route::with_key(key, SlotAddr::Master));
         }
     }
 }
