@@ -688,12 +688,12 @@ impl ClientIp {
         #[cfg(feature = "tracing")]
         if say {
             tracing::warn!(
-            target: "tollgate",
-            "requests carry X-Forwarded-For or Forwarded, but the key is the socket peer's \
-             address (ClientIp::peer, the layer's default key): behind a proxy or a load \
-             balancer every client has its address, and one budget; key by \
-             ClientIp::behind_proxies([its networks]). (Where clients connect directly, \
-             they wrote the header, and this is nothing.) Said once"
+                target: "tollgate",
+                "requests carry X-Forwarded-For or Forwarded, but the key is the socket \
+                 peer's address (ClientIp::peer, the layer's default key): behind a proxy or \
+                 a load balancer every client has its address, and one budget; key by \
+                 ClientIp::behind_proxies([its networks]). (Where clients connect \
+                 directly, they wrote the header, and this is nothing.) Said once"
             );
         }
         #[cfg(not(feature = "tracing"))]
