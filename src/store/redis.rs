@@ -1945,8 +1945,9 @@ async fn invoke(
                     // counted; scripts for a while (no load per call meanwhile), this
                     // call first.
                     Ok(Err(error)) if function_not_found(&error) => {
-                        missing_after_load(&error);
-                        fall_back_to_scripts(scripts, &error);
+                        // Said by the call that switched the store (calls that met it
+                        // together are each counted).
+                        missing_after_load(&error, switch_to_scripts(scripts));
                         return run_script(backend, scripts.script(call, invocation), invocation)
                             .await;
                     }
@@ -2024,24 +2025,36 @@ fn library_refused(error: &StoreError) {
     let _ = error;
 }
 
+/// Scripts from now on, for a minute (then Functions are tried again): whether the store
+/// ran Functions until now.
+fn switch_to_scripts(scripts: &Scripts) -> bool {
+    use std::sync::atomic::Ordering;
+    let was = scripts.functions.swap(false, Ordering::Relaxed);
+    let now = u64::try_from(scripts.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+    scripts.fell_back.store(now, Ordering::Relaxed);
+    was
+}
+
 /// A call still met no function after the library loaded: counted as a store error, and
-/// logged at error level (the store then runs scripts for a minute, so this is said at
-/// most that often).
-fn missing_after_load(error: &StoreError) {
+/// logged at error level when this call switched the store to scripts (`switched`: it
+/// runs scripts for a minute then, so this is said at most that often).
+fn missing_after_load(error: &StoreError, switched: bool) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
     #[cfg(feature = "tracing")]
-    tracing::error!(
-        target: "tollgate",
-        %error,
-        kind = error.kind().as_str(),
-        "a call met no function after the Redis Functions library loaded: a Cluster node \
-         the load does not reach (one that joined with no slot yet, during a slot move), or \
-         a bug; decisions run as EVALSHA scripts for a minute (counted in \
-         tollgate_store_errors_total)"
-    );
+    if switched {
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            kind = error.kind().as_str(),
+            "a call met no function after the Redis Functions library loaded: a Cluster \
+             node the load does not reach (one that joined with no slot yet, during a slot \
+             move), or a bug; decisions run as EVALSHA scripts for a minute (counted in \
+             tollgate_store_errors_total)"
+        );
+    }
     #[cfg(not(feature = "tracing"))]
-    let _ = error;
+    let _ = (error, switched);
 }
 
 /// The server cannot or may not run the library's functions: no Functions (before Redis
@@ -2057,9 +2070,7 @@ fn functions_refused(error: &StoreError) -> bool {
 /// From now on this store's calls are `EVALSHA` scripts (as exact). Said once.
 fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
     use std::sync::atomic::Ordering;
-    scripts.functions.store(false, Ordering::Relaxed);
-    let now = u64::try_from(scripts.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
-    scripts.fell_back.store(now, Ordering::Relaxed);
+    switch_to_scripts(scripts);
     if !scripts.said.swap(true, Ordering::Relaxed) {
         #[cfg(feature = "tracing")]
         tracing::info!(

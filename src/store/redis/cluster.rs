@@ -15,7 +15,7 @@ use std::time::Duration;
 use redis::RedisError;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 
 /// How long the node that owns an unanswered call's slot has to answer a `PING`.
 const PING_DEADLINE: Duration = Duration::from_secs(1);
@@ -59,10 +59,14 @@ pub(super) struct ManagedCluster {
     /// one still stalls.
     every_ms: AtomicU64,
     /// When a check last found a node answering nothing, in milliseconds since `born`
-    /// plus one (0: never).
+    /// plus one (0: never, or the stall ended).
     stalled_at: AtomicU64,
     born: std::time::Instant,
-    /// A stall was said at warn level, and no check has found a node answering since.
+    /// The slot whose check last found its node answering nothing: a check of that slot
+    /// finding it answering ends the stall (one of another slot, another shard's, may
+    /// not).
+    stalled_slot: std::sync::Mutex<Option<Slot>>,
+    /// A stall was said at warn level, and has not been found over since.
     said_stall: AtomicBool,
 }
 
@@ -77,6 +81,7 @@ impl ManagedCluster {
             every_ms: AtomicU64::new(CHECK_EVERY.as_millis() as u64),
             stalled_at: AtomicU64::new(0),
             born: std::time::Instant::now(),
+            stalled_slot: std::sync::Mutex::new(None),
             said_stall: AtomicBool::new(false),
         }
     }
@@ -99,13 +104,13 @@ impl ManagedCluster {
         }
     }
 
-    /// A call to `route`'s slot went unanswered: after [`UNANSWERED`] of them since the
+    /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the
     /// last check, the primary of its slot is asked for a `PING` in the background, and
     /// the connection is made anew when it answers nothing in time. One check at a time,
     /// at most one per [`CHECK_EVERY`] (longer while new connections do not help); none
     /// without a Tokio runtime.
     #[cold]
-    fn unanswered(self: &Arc<Self>, route: Route) {
+    fn unanswered(self: &Arc<Self>, slot: Slot) {
         if self.unanswered.fetch_add(1, Ordering::Relaxed) + 1 < UNANSWERED {
             return;
         }
@@ -132,16 +137,17 @@ impl ManagedCluster {
             let this = &done.0;
             let started = tokio::time::Instant::now();
             let mut connection = this.connection();
+            let route = Route::with_slot(slot, SlotAddr::Master);
             let ping = connection.route_command(
                 redis::cmd("PING"),
                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
             );
             let every = match tokio::time::timeout(PING_DEADLINE, ping).await {
                 // An answer, even an error (`BUSY` in a long script): the node is there.
-                Ok(Ok(_)) => this.answers(),
-                Ok(Err(error)) if !silent(&error) => this.answers(),
+                Ok(Ok(_)) => this.answers(slot),
+                Ok(Err(error)) if !silent(&error) => this.answers(slot),
                 _ => {
-                    let every = this.stalled();
+                    let every = this.stalled(slot);
                     this.replace().await;
                     every
                 }
@@ -156,7 +162,11 @@ impl ManagedCluster {
     /// until the next check: the shortest for a new stall, else twice the last (a new
     /// connection did not help: the Cluster has not promoted a replica yet, or has none).
     #[cold]
-    fn stalled(&self) -> Duration {
+    fn stalled(&self, slot: Slot) -> Duration {
+        *self
+            .stalled_slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(slot);
         let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
         let last = self.stalled_at.swap(now, Ordering::Relaxed);
         let new = last == 0 || now - last > NEW_STALL_AFTER.as_millis() as u64;
@@ -213,13 +223,26 @@ impl ManagedCluster {
         }
     }
 
-    /// A check found its node answering: said at info level after a stall was said. The
-    /// wait until the next check may run.
+    /// A check found the node of `slot` answering. When that is the slot of the stall, the
+    /// stall is over: said at info level if it was said, and the next is a new one (said
+    /// at warn level, checked from the shortest interval). A check of another slot, which
+    /// may be another shard's (for a call its client dropped), ends nothing. The wait
+    /// until the next check may run.
     #[cold]
-    fn answers(&self) -> Duration {
-        if self.said_stall.swap(false, Ordering::Relaxed) {
-            #[cfg(feature = "tracing")]
-            tracing::info!(target: "tollgate", "the Redis Cluster node checked answers");
+    fn answers(&self, slot: Slot) -> Duration {
+        let mut stalled = self
+            .stalled_slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *stalled == Some(slot) {
+            *stalled = None;
+            self.stalled_at.store(0, Ordering::Relaxed);
+            self.every_ms
+                .store(CHECK_EVERY.as_millis() as u64, Ordering::Relaxed);
+            if self.said_stall.swap(false, Ordering::Relaxed) {
+                #[cfg(feature = "tracing")]
+                tracing::info!(target: "tollgate", "the Redis Cluster node that stalled answers again");
+            }
         }
         CHECK_EVERY
     }
@@ -251,8 +274,7 @@ impl Drop for Asked<'_> {
         if !self.answered
             && let Some(key) = first_key(self.command)
         {
-            self.managed
-                .unanswered(Route::with_key(key, SlotAddr::Master));
+            self.managed.unanswered(Slot::for_key(key));
         }
     }
 }
