@@ -1856,6 +1856,35 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
     assert!(body_text(denied).await.is_empty());
 }
 
+// A hook may answer a denial with a 200 and a notice (the `on_deny` docs show one): on a
+// gRPC call, with no `grpc-status` of its own, that went out as INTERNAL (13) "OK", a
+// server fault to the client. A denial answered so is RESOURCE_EXHAUSTED (with no
+// pushback: a 200 states no wait, as over HTTP it gets no `Retry-After`).
+#[tokio::test]
+async fn a_hooks_plain_success_on_a_grpc_call_is_resource_exhausted() {
+    let app = Router::new()
+        .route("/call", axum::routing::post(|| async { "called" }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
+                .on_deny(|_: &tollgate::Rejection<'_>| {
+                    http::Response::builder()
+                        .status(200)
+                        .body(bytes::Bytes::from_static(b"slow down, please"))
+                        .unwrap()
+                }),
+        );
+    let call = || grpc_call(&app, "/call");
+    assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
+    let denied = call().await.unwrap();
+    assert_eq!(denied.status(), 200);
+    assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
+    assert_eq!(
+        header(&denied, "grpc-message").as_deref(),
+        Some("rate limited")
+    );
+}
+
 // tonic's `Status::resource_exhausted(..).into_http()` is an HTTP 200 with `grpc-status`
 // 8. A hook that answers so is telling the client to wait, as a 429 does: the wait goes
 // with it (`Retry-After`, and the pushback of gRFC A6). Read as "a 200 with a notice",

@@ -131,12 +131,16 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => 14,
         StatusCode::UNAUTHORIZED => 16,
         StatusCode::FORBIDDEN => 7,
+        // Only an `on_deny` hook answers so (a denial with a notice): the call was
+        // denied for its quota all the same, not failed by the server.
+        status if status.is_success() => 8,
         _ => 13,
     };
     let message = detail(&body).unwrap_or_else(|| {
-        parts
-            .status
-            .canonical_reason()
+        // A hook's success says nothing of the denial ("OK").
+        let reason = parts.status.canonical_reason();
+        reason
+            .filter(|_| !parts.status.is_success())
             .unwrap_or("rate limited")
             .to_owned()
     });
