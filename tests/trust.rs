@@ -1812,31 +1812,40 @@ async fn grpc_call(app: &Router, path: &str) -> Result<Response<Body>, std::conv
     app.clone().oneshot(request).await
 }
 
-// A hook that answers a gRPC call as gRPC (tonic's `Status::resource_exhausted(..)`
-// into HTTP: status 200, `grpc-status` 8, its message) keeps its status and message; it
-// was read as an HTTP 200 and turned into INTERNAL "OK".
-#[tokio::test]
-async fn a_hooks_grpc_answer_keeps_its_status() {
+/// The answer to a gRPC call denied by a quota of one, written by an `on_deny` hook
+/// answering with `hook`'s response (the first call, admitted, has no `grpc-status`).
+async fn denied_grpc_call_answered_by(
+    hook: impl Fn() -> http::Response<bytes::Bytes> + Send + Sync + 'static,
+) -> Response<Body> {
     let app = Router::new()
         .route("/call", axum::routing::post(|| async { "called" }))
         .layer(
             RateLimitLayer::new(MemoryStore::new())
                 .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
-                .on_deny(|_: &tollgate::Rejection<'_>| {
-                    // A 429 with gRPC's fields and a body: sent trailers-only all the
-                    // same (HTTP 200, no content), or clients read the HTTP status.
-                    http::Response::builder()
-                        .status(429)
-                        .header("content-type", "application/grpc")
-                        .header("grpc-status", "8")
-                        .header("grpc-message", "quota%20spent")
-                        .body(bytes::Bytes::from_static(b"quota spent"))
-                        .unwrap()
-                }),
+                .on_deny(move |_: &tollgate::Rejection<'_>| hook()),
         );
-    let call = || grpc_call(&app, "/call");
-    assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
-    let denied = call().await.unwrap();
+    let admitted = grpc_call(&app, "/call").await.unwrap();
+    assert_eq!(header(&admitted, "grpc-status"), None);
+    grpc_call(&app, "/call").await.unwrap()
+}
+
+// A hook that answers a gRPC call as gRPC (tonic's `Status::resource_exhausted(..)`
+// into HTTP: status 200, `grpc-status` 8, its message) keeps its status and message; it
+// was read as an HTTP 200 and turned into INTERNAL "OK".
+#[tokio::test]
+async fn a_hooks_grpc_answer_keeps_its_status() {
+    let denied = denied_grpc_call_answered_by(|| {
+        // A 429 with gRPC's fields and a body: sent trailers-only all the same (HTTP
+        // 200, no content), or clients read the HTTP status.
+        http::Response::builder()
+            .status(429)
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "8")
+            .header("grpc-message", "quota%20spent")
+            .body(bytes::Bytes::from_static(b"quota spent"))
+            .unwrap()
+    })
+    .await;
     assert_eq!(denied.status(), 200);
     assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
     assert_eq!(
@@ -1862,21 +1871,13 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
 // pushback: a 200 states no wait, as over HTTP it gets no `Retry-After`).
 #[tokio::test]
 async fn a_hooks_plain_success_on_a_grpc_call_is_resource_exhausted() {
-    let app = Router::new()
-        .route("/call", axum::routing::post(|| async { "called" }))
-        .layer(
-            RateLimitLayer::new(MemoryStore::new())
-                .policy(Policy::fixed_window("api", 1, Duration::from_secs(60)).unwrap())
-                .on_deny(|_: &tollgate::Rejection<'_>| {
-                    http::Response::builder()
-                        .status(200)
-                        .body(bytes::Bytes::from_static(b"slow down, please"))
-                        .unwrap()
-                }),
-        );
-    let call = || grpc_call(&app, "/call");
-    assert_eq!(header(&call().await.unwrap(), "grpc-status"), None);
-    let denied = call().await.unwrap();
+    let denied = denied_grpc_call_answered_by(|| {
+        http::Response::builder()
+            .status(200)
+            .body(bytes::Bytes::from_static(b"slow down, please"))
+            .unwrap()
+    })
+    .await;
     assert_eq!(denied.status(), 200);
     assert_eq!(header(&denied, "grpc-status").as_deref(), Some("8"));
     assert_eq!(
