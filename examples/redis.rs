@@ -12,9 +12,10 @@
 //!
 //! Clients are keyed by their API key (hashed before it reaches Redis) when the app knows
 //! it, or by IP when they send none, or one the app does not know (a client making up a
-//! key per request would otherwise get a new bucket with each). Each gets a burst of 20 refilled at 10 per second, and 10,000 per day; both
-//! are decided in one round trip, all-or-nothing. tollgate's warnings (Redis went away,
-//! Redis answers again) go to stderr; `RUST_LOG=tollgate=debug` shows every denial too.
+//! key per request would otherwise get a new bucket with each). Each gets a burst of 20
+//! refilled at 10 per second, and 10,000 per day; both are decided in one round trip,
+//! all-or-nothing. tollgate's warnings (Redis went away, Redis answers again) go to
+//! stderr; `RUST_LOG=tollgate=debug` shows every denial too.
 
 #[path = "support/logging.rs"]
 mod logging;
