@@ -833,6 +833,17 @@ impl Backend {
         })
     }
 
+    /// Whether this reaches a Redis Cluster (its calls routed by slot).
+    fn is_cluster(&self) -> bool {
+        matches!(
+            self,
+            Backend::Cluster(_)
+                | Backend::ClusterPinned(..)
+                | Backend::PooledCluster(_)
+                | Backend::ClusterPool(_)
+        )
+    }
+
     /// Whether this is a pool's connection checked out by [`Backend::pinned`].
     fn checked_out(&self) -> bool {
         matches!(self, Backend::Pooled(_) | Backend::PooledCluster(_))
@@ -1161,13 +1172,7 @@ impl RedisStore {
     /// (an ACL) or cannot be reached is not judged here: a redirection met later is a
     /// refusal too ([`query_error`]).
     async fn check_not_a_cluster_node(&self) -> Result<(), StoreError> {
-        if matches!(
-            self.backend,
-            Backend::Cluster(_)
-                | Backend::ClusterPinned(..)
-                | Backend::PooledCluster(_)
-                | Backend::ClusterPool(_)
-        ) {
+        if self.backend.is_cluster() {
             return Ok(());
         }
         let mut command = redis::cmd("INFO");
@@ -1782,13 +1787,7 @@ async fn query<T: redis::FromRedisValue>(
     backend: &Backend,
     command: &redis::Cmd,
 ) -> Result<T, StoreError> {
-    let cluster = matches!(
-        backend,
-        Backend::Cluster(_)
-            | Backend::ClusterPinned(..)
-            | Backend::PooledCluster(_)
-            | Backend::ClusterPool(_)
-    );
+    let cluster = backend.is_cluster();
     match backend.clone() {
         Backend::Manager(managed) => {
             let asked = managed.ask();
@@ -1812,17 +1811,10 @@ async fn query<T: redis::FromRedisValue>(
             answer
         }
         Backend::Cluster(managed) => {
-            let asked = managed.ask(command);
-            let answer = command.query_async(&mut managed.connection()).await;
-            asked.answered(&answer);
-            answer
+            let connection = managed.connection();
+            managed.query(command, connection).await
         }
-        Backend::ClusterPinned(managed, mut connection) => {
-            let asked = managed.ask(command);
-            let answer = command.query_async(&mut connection).await;
-            asked.answered(&answer);
-            answer
-        }
+        Backend::ClusterPinned(managed, connection) => managed.query(command, connection).await,
         Backend::PooledCluster(connection) => {
             command.query_async(&mut (**connection).clone()).await
         }

@@ -62,12 +62,10 @@ pub(super) struct ManagedCluster {
     /// plus one (0: never, or the stall ended).
     stalled_at: AtomicU64,
     born: std::time::Instant,
-    /// The slot whose check last found its node answering nothing: a check of that slot
-    /// finding it answering ends the stall (one of another slot, another shard's, may
-    /// not).
+    /// The slot whose check last found its node answering nothing, until a check of that
+    /// slot finds it answering, which ends the stall (one of another slot, another
+    /// shard's, may not).
     stalled_slot: std::sync::Mutex<Option<Slot>>,
-    /// A stall was said at warn level, and has not been found over since.
-    said_stall: AtomicBool,
 }
 
 impl ManagedCluster {
@@ -82,7 +80,6 @@ impl ManagedCluster {
             stalled_at: AtomicU64::new(0),
             born: std::time::Instant::now(),
             stalled_slot: std::sync::Mutex::new(None),
-            said_stall: AtomicBool::new(false),
         }
     }
 
@@ -94,14 +91,23 @@ impl ManagedCluster {
             .clone()
     }
 
-    /// `command`, about to be sent: unless [`Asked::answered`] says it was answered, it
-    /// counts as unanswered (see [`unanswered`](Self::unanswered)).
-    pub(super) fn ask<'a>(self: &'a Arc<Self>, command: &'a redis::Cmd) -> Asked<'a> {
-        Asked {
+    /// Sends `command` on `connection` (the current one, or one a decision pinned): a
+    /// call not answered (timed out, or dropped while it waits) counts toward a check
+    /// (see [`unanswered`](Self::unanswered)).
+    pub(super) async fn query<T: redis::FromRedisValue>(
+        self: &Arc<Self>,
+        command: &redis::Cmd,
+        mut connection: ClusterConnection,
+    ) -> Result<T, RedisError> {
+        let mut asked = Asked {
             managed: self,
             command,
             answered: false,
-        }
+        };
+        let answer = command.query_async(&mut connection).await;
+        // An error the node sent is an answer; a timeout is none.
+        asked.answered = !answer.as_ref().is_err_and(RedisError::is_timeout);
+        answer
     }
 
     /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the
@@ -176,9 +182,6 @@ impl ManagedCluster {
             (self.every_ms.load(Ordering::Relaxed) * 2).min(CHECK_AT_MOST_EVERY.as_millis() as u64)
         };
         self.every_ms.store(every, Ordering::Relaxed);
-        if new {
-            self.said_stall.store(true, Ordering::Relaxed);
-        }
         #[cfg(feature = "tracing")]
         if !new {
             tracing::debug!(
@@ -224,8 +227,8 @@ impl ManagedCluster {
     }
 
     /// A check found the node of `slot` answering. When that is the slot of the stall, the
-    /// stall is over: said at info level if it was said, and the next is a new one (said
-    /// at warn level, checked from the shortest interval). A check of another slot, which
+    /// stall is over: said at info level, and the next is a new one (said at warn level,
+    /// checked from the shortest interval). A check of another slot, which
     /// may be another shard's (for a call its client dropped), ends nothing. The wait
     /// until the next check may run.
     #[cold]
@@ -239,10 +242,8 @@ impl ManagedCluster {
             self.stalled_at.store(0, Ordering::Relaxed);
             self.every_ms
                 .store(CHECK_EVERY.as_millis() as u64, Ordering::Relaxed);
-            if self.said_stall.swap(false, Ordering::Relaxed) {
-                #[cfg(feature = "tracing")]
-                tracing::info!(target: "tollgate", "the Redis Cluster node that stalled answers again");
-            }
+            #[cfg(feature = "tracing")]
+            tracing::info!(target: "tollgate", "the Redis Cluster node that stalled answers again");
         }
         CHECK_EVERY
     }
@@ -255,17 +256,10 @@ fn silent(error: &RedisError) -> bool {
 
 /// One call on a [`ManagedCluster`]: unless it was answered (a call dropped while it
 /// waits, by the layer's timeout, was not), it counts toward a check of its slot's node.
-pub(super) struct Asked<'a> {
+struct Asked<'a> {
     managed: &'a Arc<ManagedCluster>,
     command: &'a redis::Cmd,
     answered: bool,
-}
-
-impl Asked<'_> {
-    /// The call's answer (an error the node sent is one; a timeout is none).
-    pub(super) fn answered<T>(mut self, answer: &Result<T, RedisError>) {
-        self.answered = !answer.as_ref().is_err_and(RedisError::is_timeout);
-    }
 }
 
 impl Drop for Asked<'_> {
