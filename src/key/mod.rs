@@ -82,17 +82,7 @@ impl Key {
     /// and lands in its bucket, whatever it hashes.
     #[cold]
     fn long(value: &str) -> Self {
-        let mut hasher = Sha256::new();
-        hasher.update(LONG_SALT);
-        hasher.update(value.as_bytes());
-        let digest = hasher.finalize();
-        let mut out = CompactString::with_capacity(5 + 2 * digest.len());
-        out.push_str("long:");
-        for byte in &digest[..] {
-            out.push(char::from(HEX[usize::from(byte >> 4)]));
-            out.push(char::from(HEX[usize::from(byte & 0xf)]));
-        }
-        Key(out)
+        Self::digest("long", LONG_SALT, value.as_bytes(), 32)
     }
 
     /// A key from a string already in the crate's inline form (no copy).
@@ -111,14 +101,20 @@ impl Key {
     }
 
     pub(crate) fn hashed_with_salt(namespace: &str, salt: &[u8], secret: &[u8]) -> Self {
+        Self::digest(namespace, salt, secret, 16)
+    }
+
+    /// `namespace:` and the first `bytes` bytes of the SHA-256 digest of `salt` then
+    /// `secret`, in hex.
+    fn digest(namespace: &str, salt: &[u8], secret: &[u8], bytes: usize) -> Self {
         let mut hasher = Sha256::new();
         hasher.update(salt);
         hasher.update(secret);
         let digest = hasher.finalize();
-        let mut out = CompactString::with_capacity(namespace.len() + 33);
+        let mut out = CompactString::with_capacity(namespace.len() + 1 + 2 * bytes);
         out.push_str(namespace);
         out.push(':');
-        for byte in &digest[..16] {
+        for byte in &digest[..bytes] {
             out.push(char::from(HEX[usize::from(byte >> 4)]));
             out.push(char::from(HEX[usize::from(byte & 0xf)]));
         }
