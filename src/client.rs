@@ -223,6 +223,23 @@ impl PacingLayer {
     /// policy's own waits (a request it would hold back longer goes at once, and the
     /// server decides; see [`max_wait`](Self::max_wait)). Clones share the budget.
     ///
+    /// Called again, it adds `policy` (a policy of the same name is replaced): a request
+    /// waits until every pacing policy admits it, a burst limit and an hourly quota
+    /// alike. The budget starts afresh, so set every policy before cloning the layer.
+    ///
+    /// ```
+    /// use tollgate::client::PacingLayer;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// # fn main() -> Result<(), tollgate::PolicyError> {
+    /// let layer = PacingLayer::new()
+    ///     .pace(Policy::token_bucket("burst", 5, Rate::per_second(1))?)
+    ///     .pace(Policy::token_bucket("hourly", 5_000, Rate::per_hour(5_000))?);
+    /// # let _ = layer;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
     /// # Panics
     ///
     /// With an in-flight policy ([`Policy::concurrency`]): the layer cannot know when a
@@ -254,9 +271,16 @@ impl PacingLayer {
             .max_keys(Hosts::MAX_HOSTS)
             .shards(1)
             .build();
+        let policies = match &self.shared.pacer {
+            Some(pacer) => pacer.policies.with(policy),
+            None => PolicySet::from(policy),
+        };
+        if let Err(error) = policies.check() {
+            panic!("PacingLayer::pace: {error}");
+        }
         let pacer = Pacer {
             store,
-            policies: PolicySet::from(policy),
+            policies,
             turns: Mutex::new(HashMap::new()),
         };
         self.with(|shared| shared.pacer = Some(Arc::new(pacer)))
@@ -368,6 +392,15 @@ fn split_host(host: &str) -> (String, Option<String>) {
         }
         _ => (host.as_str(), None),
     };
+    // An IPv6 literal in its one spelling (RFC 5952: `[0:0::01]` is `[::1]`, an
+    // IPv4-mapped address in either notation is one).
+    if let Some(address) = name
+        .strip_prefix('[')
+        .and_then(|inner| inner.strip_suffix(']'))
+        .and_then(|inner| inner.parse::<std::net::Ipv6Addr>().ok())
+    {
+        return (format!("[{address}]"), port);
+    }
     let name = match name.strip_suffix('.') {
         Some(stripped) if !stripped.is_empty() && !stripped.ends_with('.') => stripped,
         _ => name,
@@ -688,7 +721,11 @@ fn reset_delay(text: &str, headers: &HeaderMap) -> Option<Duration> {
     }
     // Past u64: as long a wait as there is (capped by the caller's `max_wait`).
     let whole: u64 = whole.parse().unwrap_or(u64::MAX);
-    let nanos = format!("{fraction:0<9}")[..9].parse::<u32>().unwrap_or(0);
+    // The first nine digits, rounded up when any digit after them is not zero.
+    let past_nanos = fraction
+        .get(9..)
+        .is_some_and(|rest| rest.bytes().any(|b| b != b'0'));
+    let nanos = format!("{fraction:0<9}")[..9].parse::<u32>().unwrap_or(0) + u32::from(past_nanos);
     Some(if whole > 1_000_000_000_000 {
         until(Duration::from_millis(whole), headers)
     } else if whole > 1_000_000_000 {

@@ -389,8 +389,17 @@ fn legacy_resets_with_a_fraction_or_in_milliseconds_are_read() {
         millis > Duration::from_secs(95) && millis <= Duration::from_secs(101),
         "{millis:?}"
     );
-    // Seconds from now, with a fraction: rounded up.
+    // Seconds from now, with a fraction: rounded up, however far past the ninth digit
+    // it starts (it read as 2 s, one second early).
     assert_eq!(reset("2.5".to_owned()), Some(Duration::from_secs(3)));
+    assert_eq!(
+        reset("2.0000000001".to_owned()),
+        Some(Duration::from_secs(3))
+    );
+    assert_eq!(
+        reset("2.0000000000".to_owned()),
+        Some(Duration::from_secs(2))
+    );
 }
 
 /// A fake upstream: answers each request with the next of `script` (status, headers).
@@ -560,6 +569,78 @@ async fn one_host_in_any_spelling_is_one_budget() {
         .unwrap();
     send(&mut client, Request::get(uri).body(Empty::new()).unwrap()).await;
     assert_eq!(started.elapsed(), Duration::from_secs(5));
+}
+
+/// One IPv6 address, however the URL writes it (`[::1]` and `[0:0:0:0:0:0:0:1]`, an
+/// IPv4-mapped address in either notation): each spelling was a budget of its own.
+#[tokio::test(start_paused = true)]
+async fn an_ipv6_host_in_any_spelling_is_one_budget() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=5".to_owned())])];
+    let layer = PacingLayer::new();
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
+    send(&mut client, get("http://[::1]/")).await;
+    for spelling in [
+        "[::1]:80",
+        "[0:0:0:0:0:0:0:1]:80",
+        "[0000::0001]:080",
+        "[::1]",
+    ] {
+        assert_eq!(
+            layer.wait_for(spelling, None),
+            Duration::from_secs(5),
+            "{spelling}"
+        );
+    }
+    assert_eq!(layer.wait_for("[::2]:80", None), Duration::ZERO);
+    // A request to another spelling waits the same word out.
+    let started = tokio::time::Instant::now();
+    send(&mut client, get("http://[0:0:0:0:0:0:0:1]/")).await;
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+
+    let script = vec![(200, vec![("ratelimit", "\"api\";r=0;t=7".to_owned())])];
+    let mut client = layer.clone().layer(upstream(script, Arc::clone(&seen)));
+    send(&mut client, get("http://[::ffff:127.0.0.1]/")).await;
+    assert_eq!(
+        layer.wait_for("[::FFFF:7F00:1]:80", None),
+        Duration::from_secs(7)
+    );
+}
+
+/// `pace` called twice paces by both policies (a burst limit and an hourly quota), as
+/// `RateLimitLayer::policy` adds one. The second call replaced the first.
+#[tokio::test(start_paused = true)]
+async fn every_pacing_policy_paces() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let layer = PacingLayer::new()
+        .pace(Policy::token_bucket("burst", 1, Rate::per_second(1)).unwrap())
+        .pace(Policy::token_bucket("hourly", 3, Rate::per_hour(3)).unwrap());
+    let mut client = layer.layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    let mut sent = Vec::new();
+    for _ in 0..4 {
+        send(&mut client, get("http://a.test/")).await;
+        sent.push(started.elapsed());
+    }
+    // One a second by the burst limit; then the hourly quota is spent, and the fourth
+    // would wait past `max_wait` (20 minutes): it goes at once, and the server decides.
+    assert_eq!(sent, at(&[0, 1, 2, 2]));
+    assert_eq!(seen.load(Ordering::Relaxed), 4);
+}
+
+/// Called again with a policy's name, `pace` replaces that policy.
+#[tokio::test(start_paused = true)]
+async fn a_pacing_policy_of_the_same_name_is_replaced() {
+    let seen = Arc::new(AtomicU64::new(0));
+    let layer = PacingLayer::new()
+        .pace(Policy::token_bucket("upstream", 1, Rate::per_second(1)).unwrap())
+        .pace(Policy::token_bucket("upstream", 3, Rate::per_second(1)).unwrap());
+    let mut client = layer.layer(upstream(vec![(200, vec![])], Arc::clone(&seen)));
+    let started = tokio::time::Instant::now();
+    for _ in 0..3 {
+        send(&mut client, get("http://a.test/")).await;
+    }
+    assert_eq!(started.elapsed(), Duration::ZERO, "a burst of 3");
 }
 
 #[tokio::test(start_paused = true)]
