@@ -64,6 +64,26 @@ for i = 1, count do
     s = algorithm.load(p, KEYS[2 * i - 1], KEYS[2 * i]) }
 end
 
+-- The answer: `head` with every policy's status, a blocked policy told its block (nothing
+-- left, restored no sooner than the block ends), as a decision tells it. The twin of
+-- `adjusted_statuses` in src/store/decide.rs.
+local function answer(head)
+  local reply = with_statuses(head, policies)
+  for i = 1, count do
+    local _, _, penalty = parse_kind(ARGV[3 + (i - 1) * 4 + 1])
+    if penalty ~= nil then
+      local st = load_penalty(KEYS[2 * i])
+      if now < st.blocked_until then
+        local left, at = st.blocked_until - now, 4 + (i - 1) * 4
+        reply[at + 2] = 0
+        reply[at + 3] = max(reply[at + 3], left)
+        reply[at + 4] = max(reply[at + 4], left)
+      end
+    end
+  end
+  return reply
+end
+
 -- An unbooking gives back only the newest booking of each shaping policy: its queue
 -- still ends where the debit left it. A drained queue beside one still waiting is passed
 -- over (nothing to give back, no one behind: a slower policy's delay outlasts a faster
@@ -78,14 +98,14 @@ if mode == '4' then
       if ends_at <= now then
         drained = drained or i
       elseif ends[i] ~= ends_at then
-        return with_statuses({ 1, i, 0, 0 }, policies)
+        return answer({ 1, i, 0, 0 })
       else
         waiting = true
       end
     end
   end
   if drained ~= nil and not waiting then
-    return with_statuses({ 1, drained, 0, 0 }, policies)
+    return answer({ 1, drained, 0, 0 })
   end
 end
 
@@ -128,4 +148,4 @@ for i = 1, count do
   end
 end
 
-return with_statuses({ 0, 0, 0, 0 }, policies)
+return answer({ 0, 0, 0, 0 })

@@ -2404,6 +2404,67 @@ async fn a_block_never_answers_sooner_than_the_denials_it_stands_for() {
     assert_eq!(checked, 12);
 }
 
+/// What an adjustment answers of a blocked key says the block: no units left, and a
+/// window no shorter than the block (draft-ietf-httpapi-ratelimit-headers-11, section
+/// 4.1: `r` is the quota available, `t` when it is restored). The layer rewrites a settled
+/// response's headers from that answer: a request admitted before its key was blocked
+/// told its client "3 left" while every request of the next five minutes got a 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adjustment_of_a_blocked_key_reports_the_block_on_every_store() {
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let block = 300 * second;
+    let login = PolicySet::new([
+        Policy::token_bucket("login", 5, Rate::per_minute(5))
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(1, 10 * second, block))
+            .unwrap(),
+        Policy::fixed_window("daily", 100, Duration::from_secs(86_400)).unwrap(),
+    ])
+    .unwrap();
+    let mut checked = 0;
+    for subject in backends.subjects("blocked-adjust") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        let reserved = subject.check("k", &login, 5).await;
+        assert!(reserved.is_allowed(), "{name}");
+        // The denial that starts the block.
+        assert!(!subject.check("k", &login, 1).await.is_allowed(), "{name}");
+        subject.clock.advance(second);
+        let left = block - second;
+        for adjustment in [
+            Adjustment::settle(5, 2, reserved.receipt()),
+            Adjustment::grant(2),
+            Adjustment::set_remaining(5),
+        ] {
+            let adjusted = subject.adjust("k", &login, &adjustment).await;
+            let status = adjusted.statuses()[0];
+            assert_eq!(status.remaining, 0, "{name}: {adjustment:?} under a block");
+            assert!(
+                close(status.reset, left) && close(status.effective_window, left),
+                "{name}: {adjustment:?}: reset {:?}, window {:?}, the block has {left:?}",
+                status.reset,
+                status.effective_window
+            );
+            // The other policy, which no block holds, is told as it stands.
+            assert!(
+                adjusted.statuses()[1].remaining >= 5,
+                "{name}: {adjustment:?}"
+            );
+            checked += 1;
+        }
+        // Once the block is over, the bucket is told as it stands.
+        subject.clock.advance(block);
+        let after = subject.check("k", &login, 0).await;
+        assert_eq!(
+            after.statuses()[0].remaining,
+            5,
+            "{name}: the bucket refilled"
+        );
+    }
+    assert_eq!(checked, 9);
+}
+
 /// A request that can never fit (its cost above a policy's quota) is refused for what it
 /// is, and is no offence: on every store it counted as a strike against a penalized
 /// policy that denied beside it, started a block, and was answered 429 with a

@@ -187,8 +187,7 @@ pub(crate) fn adjust(
     if let Change::Unbook { .. } = adjustment.change()
         && let Some(moved_on) = queue_moved_on(policies, slots, now, adjustment)
     {
-        let (statuses, fresh_at) = statuses(policies, slots, now);
-        let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
+        let (statuses, fresh_at) = adjusted_statuses(policies, slots, penalties, now);
         let outcome = Outcome::Denied {
             policy: moved_on,
             retry_after: Duration::ZERO,
@@ -247,8 +246,7 @@ pub(crate) fn adjust(
             }
         }
     }
-    let (statuses, fresh_at) = statuses(policies, slots, now);
-    let fresh_at = fresh_at.max(penalties_fresh_at(policies, penalties));
+    let (statuses, fresh_at) = adjusted_statuses(policies, slots, penalties, now);
     let decision = Decision::with_statuses(
         Outcome::Allowed {
             delay: Duration::ZERO,
@@ -308,18 +306,7 @@ fn blocked(
     now: u64,
     cost: u64,
 ) -> Option<(Decision, u64)> {
-    let penalized = policies
-        .iter()
-        .enumerate()
-        .filter_map(|(index, policy)| policy.penalty_box().map(|(penalty, _)| (index, penalty)));
-    let mut blocks: SmallVec<[(usize, u64); 2]> = SmallVec::new();
-    for ((index, penalty), slot) in penalized.zip(penalties) {
-        if let Slot::Penalty { state, .. } = slot
-            && let Some(left) = penalty.blocked(state, now)
-        {
-            blocks.push((index, left));
-        }
-    }
+    let blocks = blocks(policies, penalties, now);
     let (mut policy, mut retry_after) = blocks
         .iter()
         .copied()
@@ -333,10 +320,7 @@ fn blocked(
         let (mut status, fresh) = status_of(params, slot, now);
         fresh_at = fresh_at.max(fresh);
         if let Some(&(_, left)) = blocks.iter().find(|(blocked, _)| *blocked == index) {
-            let left = Duration::from_nanos(left);
-            status.remaining = 0;
-            status.reset = status.reset.max(left);
-            status.effective_window = status.effective_window.max(left);
+            block_status(&mut status, left);
         }
         if !each.is_shadow() {
             match params.check(slot, now, cost.max(1)) {
@@ -361,6 +345,54 @@ fn blocked(
 
 /// When every penalty state is fresh again.
 #[inline]
+/// The blocks standing now: each blocked policy's index and the nanoseconds its block
+/// has left.
+fn blocks(policies: &[Policy], penalties: &[Slot], now: u64) -> SmallVec<[(usize, u64); 2]> {
+    let mut blocks = SmallVec::new();
+    if penalties.is_empty() {
+        return blocks;
+    }
+    let penalized = policies
+        .iter()
+        .enumerate()
+        .filter_map(|(index, policy)| policy.penalty_box().map(|(penalty, _)| (index, penalty)));
+    for ((index, penalty), slot) in penalized.zip(penalties) {
+        if let Slot::Penalty { state, .. } = slot
+            && let Some(left) = penalty.blocked(state, now)
+        {
+            blocks.push((index, left));
+        }
+    }
+    blocks
+}
+
+/// A blocked policy's status: nothing left, and restored no sooner than the block ends
+/// (`left` nanoseconds from now).
+fn block_status(status: &mut PolicyStatus, left: u64) {
+    let left = Duration::from_nanos(left);
+    status.remaining = 0;
+    status.reset = status.reset.max(left);
+    status.effective_window = status.effective_window.max(left);
+}
+
+/// Every policy's status now, blocked policies told their block, and the time the key's
+/// state is fresh again, the penalties' included: what an adjustment answers.
+fn adjusted_statuses(
+    policies: &[Policy],
+    slots: &mut [Slot],
+    penalties: &[Slot],
+    now: u64,
+) -> (SmallVec<[PolicyStatus; 2]>, u64) {
+    let (mut statuses, fresh_at) = statuses(policies, slots, now);
+    for (index, left) in blocks(policies, penalties, now) {
+        block_status(&mut statuses[index], left);
+    }
+    (
+        statuses,
+        fresh_at.max(penalties_fresh_at(policies, penalties)),
+    )
+}
+
 fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
     if penalties.is_empty() {
         return 0;
