@@ -1334,6 +1334,15 @@ mod http {
             r#"{"query":"query($n: Int) { a(first: $n) { b } }","variables":"{\"n\":100000}"}"#
                 .to_owned(),
             r#"{"query":"{ a }","x":"\ud800"}"#.to_owned(),
+            // Several operations and no name: graphql-java (Spring GraphQL, DGS) runs the
+            // first for an empty name, and a costly first one went for the charge.
+            serde_json::json!({
+                "query": "query Big { a(first: 100) { b(first: 100) { c } } } query Small { x }",
+                "operationName": "",
+            })
+            .to_string(),
+            serde_json::json!({ "query": "query Big { a(first: 100) { b(first: 100) { c } } } query Small { x }" })
+                .to_string(),
         ] {
             let (status, cost, answer) = send(&lenient, "k", &body).await;
             assert_eq!(
@@ -1376,6 +1385,24 @@ mod http {
             StatusCode::BAD_REQUEST,
             "a GET out of range"
         );
+        let request = Request::get(
+            "/graphql?query=query%20Big%20%7B%20a(first%3A%20100)%20%7B%20b(first%3A%20100)%20%7B%20c%20%7D%20%7D%20%7D%20query%20S%20%7B%20x%20%7D&operationName=",
+        )
+        .header("x-api-key", "k")
+        .body(Body::empty())
+        .unwrap();
+        let response = lenient.clone().oneshot(request).await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::BAD_REQUEST,
+            "a GET of several operations, named by an empty name"
+        );
+        // An operation the document does not have runs nothing anywhere: the server says
+        // so, for the charge.
+        let body =
+            serde_json::json!({ "query": "query A { a } query B { b }", "operationName": "C" });
+        let (status, cost, _) = send(&lenient, "k", &body.to_string()).await;
+        assert_eq!((status, cost.as_deref()), (StatusCode::OK, Some("5")));
     }
 
     /// A request of `key` as `method` to `uri` with `headers` and `body`: its status and

@@ -28,8 +28,9 @@ pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 /// request the coster read and refused (a list size out of range, a batch too large,
 /// nesting too deep, a document past the token limit or
 /// [`GraphqlCost::max_field_visits`], JSON it cannot parse, a key a server may read as
-/// another, a `documentId` beside a `query`) is refused whatever this says: the server
-/// would run it.
+/// another, a `documentId` beside a `query`, several operations with no
+/// `operationName` or an empty one) is refused whatever this says: the server would run
+/// it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Invalid {
@@ -81,8 +82,9 @@ pub enum Invalid {
 ///
 /// A request the coster read and refused (a slicing value out of range, a batch too
 /// large, nesting too deep, a document past the token limit or
-/// [`GraphqlCost::max_field_visits`], a key or parameter a server may read otherwise) is
-/// refused whatever `on_invalid` says: the server would run it.
+/// [`GraphqlCost::max_field_visits`], a key or parameter a server may read otherwise,
+/// several operations with no `operationName` or an empty one) is refused whatever
+/// `on_invalid` says: the server would run it.
 ///
 /// A refusal (`400`, `413`) is answered here, before the limiter further in sees the
 /// request, so it spends nothing of the client's budget: a client refused again and

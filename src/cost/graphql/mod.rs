@@ -459,11 +459,12 @@ impl GraphqlCost {
                 [] => {
                     return Err(CostError::Operation("the document has no operation".into()).into());
                 }
+                // Refused whatever `on_invalid` says: graphql-java runs the first
+                // operation for an empty name, so no fixed charge stands in for it.
                 _ => {
-                    return Err(CostError::Operation(
+                    return Err(Uncosted::refused(CostError::Operation(
                         "several operations and no operationName".into(),
-                    )
-                    .into());
+                    )));
                 }
             },
         };
