@@ -376,7 +376,24 @@ impl GraphqlCost {
         self
     }
 
-    /// The deepest nesting accepted (default 64).
+    /// The deepest nesting accepted (default 64). Each field is a level, and so is each
+    /// fragment (an inline one, or a named one where it is spread): a chain of fragments
+    /// is bounded as a chain of fields is, and the walk's stack with it. So a query
+    /// that wraps every level of fields in a fragment reaches the bound at half as many
+    /// levels of fields; raise it for such queries.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::{CostError, GraphqlCost};
+    ///
+    /// let inline = "{ a { b { c } } }";
+    /// let wrapped = "{ ... on Query { a { ... on A { b { c } } } } }";
+    /// assert!(GraphqlCost::new().max_depth(3).query_cost(inline, None, None).is_ok());
+    /// assert!(matches!(
+    ///     GraphqlCost::new().max_depth(3).query_cost(wrapped, None, None),
+    ///     Err(CostError::TooDeep { max: 3 })
+    /// ));
+    /// # Ok::<(), CostError>(())
+    /// ```
     pub fn max_depth(mut self, max: usize) -> Self {
         self.max_depth = max.max(1);
         self
