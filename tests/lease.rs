@@ -492,3 +492,37 @@ async fn a_cost_that_never_fits_leaves_the_leases_alone() {
         store.shared_calls()
     );
 }
+
+/// A decision a lease serves states the shared window's end where it stands: `reset` and
+/// the effective window count down from the lease's take (draft-ietf-httpapi-ratelimit-
+/// headers-11, section 4.1: `t` is seconds from the response). They were copied from the
+/// take unchanged, so a lease taken a minute before still said the minute was whole.
+#[tokio::test]
+async fn a_lease_tells_the_time_left_as_it_passes() {
+    let store = Leased::new(tollgate::MemoryStore::new(), 20, Duration::from_secs(60)).unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("w", 100, Duration::from_secs(3_600)).unwrap());
+    let key = Key::new("k");
+    let asked = Instant::now();
+    let first = store.decide(&key, &policies, 1).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let served = store.decide(&key, &policies, 1).await.unwrap();
+    assert_eq!(store.shared_calls(), 1, "served by the lease");
+    let passed = asked.elapsed();
+    let (was, is) = (first.statuses()[0], served.statuses()[0]);
+    assert!(
+        is.reset + Duration::from_millis(300) <= was.reset,
+        "reset {:?} then {:?} after {passed:?}",
+        was.reset,
+        is.reset
+    );
+    assert!(
+        is.effective_window + Duration::from_millis(300) <= was.effective_window,
+        "window {:?} then {:?}",
+        was.effective_window,
+        is.effective_window
+    );
+    // Never more time gone than has passed.
+    assert!(is.reset + passed >= was.reset);
+    assert_eq!(is.remaining, 100 - 2);
+}

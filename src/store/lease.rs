@@ -275,6 +275,8 @@ struct Lease {
     taken: u64,
     receipt: Receipt,
     ends: Instant,
+    /// When the lease was taken: its statuses' times count down from there.
+    taken_at: Instant,
     /// The shared state right after the lease was taken.
     statuses: SmallVec<[PolicyStatus; 2]>,
     policies: PolicySet,
@@ -576,7 +578,8 @@ impl Leases {
                 .map(|lease| lease.left)
                 .sum();
             let lease = &open.leases[index];
-            return Step::Served(local_decision(&lease.statuses, held, lease.receipt, cached));
+            let since = now.saturating_duration_since(lease.taken_at);
+            return Step::Served(local_decision(lease, held, since, cached));
         }
         if open.refused_until.is_some_and(|until| now < until) {
             return Step::Alone;
@@ -807,12 +810,14 @@ async fn take<S: Store>(
         }
     };
     let lease_id = leases.next_id.fetch_add(1, Ordering::Relaxed);
+    let taken_at = Instant::now();
     turn.lease = Some(Lease {
         id: lease_id,
         left: units,
         taken: units,
         receipt: taken.receipt(),
-        ends: Instant::now() + ttl,
+        ends: taken_at + ttl,
+        taken_at,
         statuses: taken.statuses().iter().copied().collect(),
         policies,
         told: false,
@@ -864,22 +869,21 @@ fn send_back<S: Store>(
         .map(|runtime| runtime.spawn(future))
 }
 
-/// The decision of spending `cost` from leases whose shared state was `statuses`, with
-/// `held` units still held here afterwards. Marked as answered from a local cache
+/// The decision of spending from `lease`, `since` after it was taken, with `held` units
+/// still held here afterwards: its shared state as taken, its times counted down since
+/// (the instants they name stay put). Marked as answered from a local cache
 /// (`cached`) but for the answer to the request that started the lease's take: the
 /// shared store said nothing since, so it closes no circuit breaker and counts as no
 /// probe's success. That first answer is the store's own, which just granted the lease:
 /// it ends an outage (were it cached, only a refused lease would).
-fn local_decision(
-    statuses: &[PolicyStatus],
-    held: u64,
-    receipt: Receipt,
-    cached: bool,
-) -> Decision {
-    let statuses = statuses
+fn local_decision(lease: &Lease, held: u64, since: Duration, cached: bool) -> Decision {
+    let statuses = lease
+        .statuses
         .iter()
         .map(|status| PolicyStatus {
             remaining: status.remaining.saturating_add(held).min(status.limit),
+            reset: status.reset.saturating_sub(since),
+            effective_window: status.effective_window.saturating_sub(since),
             ..*status
         })
         .collect();
@@ -889,7 +893,7 @@ fn local_decision(
         },
         statuses,
     )
-    .with_receipt(receipt);
+    .with_receipt(lease.receipt);
     if cached {
         decision.from_cache()
     } else {
