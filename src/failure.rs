@@ -545,6 +545,9 @@ pub(crate) struct Breaker {
     /// When (clock nanoseconds + 1) the store last answered a request that waited on it:
     /// a request dropped while it waited says nothing of a store that answered since.
     answered_at: AtomicU64,
+    /// How many times the store's answer closed the breaker (or cleared a run of
+    /// failures): a failure counted before one of them opens nothing.
+    answers: AtomicU64,
     /// 0: closed. Otherwise the instant (clock nanoseconds + 1) from which to probe.
     open_until: AtomicU64,
     /// The ticket of the probe in flight; 0 when there is none.
@@ -592,6 +595,7 @@ impl Breaker {
             clock,
             failures: AtomicU32::new(0),
             answered_at: AtomicU64::new(0),
+            answers: AtomicU64::new(0),
             open_until: AtomicU64::new(0),
             probing: AtomicU64::new(0),
             tickets: AtomicU64::new(1),
@@ -696,8 +700,11 @@ impl Breaker {
         // later says nothing of it (see `Waiting`), the probe's answer included.
         let now = self.clock.now().saturating_add(1);
         self.answered_at.fetch_max(now, Ordering::Relaxed);
+        // Before the breaker is closed: a failure that opens it after reads this (see
+        // `on_failure`).
+        self.answers.fetch_add(1, Ordering::SeqCst);
         self.failures.store(0, Ordering::Relaxed);
-        self.open_until.store(0, Ordering::Relaxed);
+        self.open_until.store(0, Ordering::SeqCst);
         self.probing.store(0, Ordering::Release);
         if self.degraded.swap(false, Ordering::AcqRel) {
             crate::telemetry::fallback_active(false);
@@ -717,6 +724,8 @@ impl Breaker {
     /// breaker's probe: only the probe's own failure releases it, so a late failure of a
     /// request sent before the breaker opened never lets a second probe overlap.
     pub(crate) fn on_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
+        // A success landing from here on ends this failure's run: it opens nothing.
+        let answers = self.answers.load(Ordering::SeqCst);
         let failures = self
             .failures
             .fetch_add(1, Ordering::Relaxed)
@@ -765,7 +774,16 @@ impl Breaker {
         let is_probe =
             probe.is_some_and(|guard| self.probing.load(Ordering::Acquire) == guard.ticket);
         if failures >= self.config.failures || is_probe {
-            self.start_cool_down();
+            let until = self.cool_down_end();
+            self.open_until.store(until, Ordering::SeqCst);
+            // The store answered meanwhile: closed again, unless a newer failure opened it
+            // since. (A success that closes it after this store reads nothing here, and
+            // one before it is seen here: the two are in one order.)
+            if self.answers.load(Ordering::SeqCst) != answers {
+                let _ =
+                    self.open_until
+                        .compare_exchange(until, 0, Ordering::SeqCst, Ordering::Relaxed);
+            }
         }
         // Released only after the new cool-down is in place, so no request can read the
         // old one and probe at once.
@@ -784,12 +802,6 @@ impl Breaker {
         }
         let now = self.clock.now().saturating_add(1);
         Duration::from_nanos(until.saturating_sub(now))
-    }
-
-    /// Opens the breaker (again) for one cool-down from now.
-    fn start_cool_down(&self) {
-        self.open_until
-            .store(self.cool_down_end(), Ordering::Release);
     }
 
     /// The `open_until` of a cool-down that starts now.
@@ -1004,6 +1016,39 @@ mod tests {
             matches!(breaker.admit(), Admission::Call),
             "the store answered: the breaker is closed, and a dropped probe reopened it"
         );
+    }
+
+    // A failure is counted; before it opens the breaker, another request's success
+    // lands (the store answers again). The breaker must stay closed: it opened for a
+    // whole cool-down on a store that had just answered, every request skipped (a 503
+    // each under `FailClosed`) and the fallback gauge reading 0 meanwhile.
+    #[test]
+    fn a_success_landing_inside_a_failure_leaves_the_breaker_closed() {
+        let (clock, breaker) = Interleaving::breaker();
+        let other = Arc::clone(&breaker);
+        clock.at_next_reading(move || other.on_success());
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Timeout, "late"), None);
+        assert!(clock.landed(), "the success landed");
+        assert!(
+            matches!(breaker.admit(), Admission::Call),
+            "the store answered: the breaker is closed"
+        );
+        // A probe's failure too.
+        let probe = clock.probe(&breaker);
+        let other = Arc::clone(&breaker);
+        clock.at_next_reading(move || other.on_success());
+        breaker.on_failure(
+            &StoreError::new(StoreErrorKind::Timeout, "late"),
+            Some(&probe),
+        );
+        assert!(clock.landed(), "the success landed");
+        assert!(
+            matches!(breaker.admit(), Admission::Call),
+            "the store answered: the breaker is closed after the probe's failure"
+        );
+        // A failure after the success opens it, as ever.
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Timeout, "down"), None);
+        assert!(matches!(breaker.admit(), Admission::Skip));
     }
 
     // A request reads that the cool-down is over; before it takes the probe, a late
