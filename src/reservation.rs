@@ -171,6 +171,19 @@ impl Reservation {
             Ok(result) => self
                 .headers(result)
                 .map_or(Settled::Unchanged, Settled::Headers),
+            // The breaker holds requests off a failing store: the response does not wait
+            // on it either. The settle goes on in the background (it may land after a
+            // blip), and the response keeps its decision's headers.
+            Err(pending) if self.adjuster.responder().breaker.is_degraded() => {
+                self.finish(
+                    DecideFuture::new(pending),
+                    "settle",
+                    "settle while the store fails",
+                    "no async runtime to settle a request while the store fails: it keeps \
+                     its reservation",
+                );
+                Settled::Unchanged
+            }
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
                 Settled::Pending(Box::pin(within(timeout, "settlement", pending)))

@@ -884,6 +884,93 @@ async fn a_stuck_store_times_out_and_the_breaker_stops_calling_it() {
     );
 }
 
+/// A store that decides its first request at once, and then answers nothing: no
+/// decision, no adjustment.
+#[derive(Clone, Default)]
+struct StuckSettles(MemoryStore, std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Store for StuckSettles {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if self.1.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return DecideFuture::new(std::future::pending());
+        }
+        DecideFuture::ready(Ok(self.0.check(key.as_str(), policies, cost)))
+    }
+
+    fn adjust(
+        &self,
+        _key: &Key,
+        _policies: &PolicySet,
+        _adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+}
+
+/// A response whose request the store debited before the breaker opened is not held for
+/// its settle (the breaker keeps requests from waiting on a failing store): the settle
+/// goes on in the background, and the response keeps its decision's headers. It waited
+/// the store timeout.
+#[tokio::test(start_paused = true)]
+async fn a_settle_never_holds_a_response_while_the_breaker_is_open() {
+    use std::sync::Arc;
+    use tollgate::settle::Settle;
+    let (entered, mut inside) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let go = Arc::new(tokio::sync::Notify::new());
+    let handler_go = Arc::clone(&go);
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let (entered, go) = (entered.clone(), Arc::clone(&handler_go));
+                async move {
+                    entered.send(()).unwrap();
+                    go.notified().await;
+                    ([("x-tokens-used", "3")], "done")
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(StuckSettles::default())
+                .policy(Policy::token_bucket("api", 100, Rate::per_second(100)).unwrap())
+                .key(HeaderKey::new("x-user"))
+                .settle(Settle::from_header("x-tokens-used"))
+                .store_timeout(Duration::from_millis(200))
+                .circuit_breaker(tollgate::CircuitBreaker::new(1, Duration::from_secs(60))),
+        );
+    let request = |user: &str| {
+        Request::get("/")
+            .header("x-user", user)
+            .body(Body::empty())
+            .unwrap()
+    };
+    // Reserves 1, waits in the handler, and will have used 3.
+    let held = tokio::spawn(app.clone().oneshot(request("a")));
+    inside.recv().await.unwrap();
+    // The store fails the next request: the breaker opens.
+    let down = tokio::spawn(app.clone().oneshot(request("down")));
+    inside.recv().await.unwrap();
+    go.notify_waiters();
+    let released = tokio::time::Instant::now();
+    let held = held.await.unwrap().unwrap();
+    let held_after = released.elapsed();
+    let down = down.await.unwrap().unwrap();
+    assert_eq!(held_after, Duration::ZERO, "held");
+    assert_eq!(held.status(), StatusCode::OK);
+    assert_eq!(down.status(), StatusCode::OK, "the fallback admits it");
+    assert_eq!(
+        released.elapsed(),
+        Duration::ZERO,
+        "the response waited on a settle to a store the breaker holds off"
+    );
+    // The decision's headers stay.
+    assert_eq!(held.headers()["ratelimit"], "\"api\";r=99;t=1");
+}
+
 /// A request held back by shaping waits without the inner service's capacity: a
 /// `ConcurrencyLimit` (or a `Buffer`) inside the limiter keeps its permit in the service
 /// made ready, and that service was moved into the delayed request, so one client's
