@@ -727,7 +727,11 @@ fn reset_delay(text: &str, headers: &HeaderMap) -> Option<Duration> {
         .is_some_and(|rest| rest.bytes().any(|b| b != b'0'));
     let nanos = format!("{fraction:0<9}")[..9].parse::<u32>().unwrap_or(0) + u32::from(past_nanos);
     Some(if whole > 1_000_000_000_000 {
-        until(Duration::from_millis(whole), headers)
+        // Milliseconds: a fraction of one rounds up too.
+        until(
+            Duration::from_millis(whole.saturating_add(u64::from(nanos > 0))),
+            headers,
+        )
     } else if whole > 1_000_000_000 {
         until(
             Duration::from_secs(whole) + Duration::from_nanos(u64::from(nanos)),

@@ -548,6 +548,10 @@ pub(crate) struct Breaker {
     /// How many times the store's answer closed the breaker (or cleared a run of
     /// failures): a failure counted before one of them opens nothing.
     answers: AtomicU64,
+    /// Held while the store's answer closes the breaker and while a failure opens it:
+    /// a failure opens only if no answer came since it began (read under this lock), so
+    /// an older failure never opens over an answer, nor undoes a newer failure's open.
+    transitions: Mutex<()>,
     /// 0: closed. Otherwise the instant (clock nanoseconds + 1) from which to probe.
     open_until: AtomicU64,
     /// The ticket of the probe in flight; 0 when there is none.
@@ -596,6 +600,7 @@ impl Breaker {
             failures: AtomicU32::new(0),
             answered_at: AtomicU64::new(0),
             answers: AtomicU64::new(0),
+            transitions: Mutex::new(()),
             open_until: AtomicU64::new(0),
             probing: AtomicU64::new(0),
             tickets: AtomicU64::new(1),
@@ -700,12 +705,17 @@ impl Breaker {
         // later says nothing of it (see `Waiting`), the probe's answer included.
         let now = self.clock.now().saturating_add(1);
         self.answered_at.fetch_max(now, Ordering::Relaxed);
-        // Before the breaker is closed: a failure that opens it after reads this (see
-        // `on_failure`).
-        self.answers.fetch_add(1, Ordering::SeqCst);
-        self.failures.store(0, Ordering::Relaxed);
-        self.open_until.store(0, Ordering::SeqCst);
-        self.probing.store(0, Ordering::Release);
+        {
+            let _transition = self
+                .transitions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            // A failure counted before this opens nothing (see `on_failure`).
+            self.answers.fetch_add(1, Ordering::Relaxed);
+            self.failures.store(0, Ordering::Relaxed);
+            self.open_until.store(0, Ordering::Release);
+            self.probing.store(0, Ordering::Release);
+        }
         if self.degraded.swap(false, Ordering::AcqRel) {
             crate::telemetry::fallback_active(false);
             self.say_answers_again();
@@ -725,7 +735,7 @@ impl Breaker {
     /// request sent before the breaker opened never lets a second probe overlap.
     pub(crate) fn on_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
         // A success landing from here on ends this failure's run: it opens nothing.
-        let answers = self.answers.load(Ordering::SeqCst);
+        let answers = self.answers.load(Ordering::Acquire);
         let failures = self
             .failures
             .fetch_add(1, Ordering::Relaxed)
@@ -775,14 +785,14 @@ impl Breaker {
             probe.is_some_and(|guard| self.probing.load(Ordering::Acquire) == guard.ticket);
         if failures >= self.config.failures || is_probe {
             let until = self.cool_down_end();
-            self.open_until.store(until, Ordering::SeqCst);
-            // The store answered meanwhile: closed again, unless a newer failure opened it
-            // since. (A success that closes it after this store reads nothing here, and
-            // one before it is seen here: the two are in one order.)
-            if self.answers.load(Ordering::SeqCst) != answers {
-                let _ =
-                    self.open_until
-                        .compare_exchange(until, 0, Ordering::SeqCst, Ordering::Relaxed);
+            let _transition = self
+                .transitions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            // The store answered since this failure began: its run is over (a failure
+            // that began since opens the breaker itself).
+            if self.answers.load(Ordering::Relaxed) == answers {
+                self.open_until.store(until, Ordering::Release);
             }
         }
         // Released only after the new cool-down is in place, so no request can read the
@@ -1049,6 +1059,27 @@ mod tests {
         // A failure after the success opens it, as ever.
         breaker.on_failure(&StoreError::new(StoreErrorKind::Timeout, "down"), None);
         assert!(matches!(breaker.admit(), Admission::Skip));
+    }
+
+    // A failure is counted; before it opens the breaker, a success lands and then a
+    // newer failure opens it. The older failure must leave that open alone.
+    #[test]
+    fn a_stale_failure_leaves_a_newer_failures_open_alone() {
+        let (clock, breaker) = Interleaving::breaker();
+        let (success, failure) = (Arc::clone(&breaker), Arc::clone(&breaker));
+        clock.at_next_reading(move || {
+            success.on_success();
+            failure.on_failure(
+                &StoreError::new(StoreErrorKind::Timeout, "down again"),
+                None,
+            );
+        });
+        breaker.on_failure(&StoreError::new(StoreErrorKind::Timeout, "late"), None);
+        assert!(clock.landed(), "the success and the newer failure landed");
+        assert!(
+            matches!(breaker.admit(), Admission::Skip),
+            "the newer failure opened the breaker"
+        );
     }
 
     // A request reads that the cool-down is over; before it takes the probe, a late

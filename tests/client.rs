@@ -385,6 +385,26 @@ fn legacy_resets_with_a_fraction_or_in_milliseconds_are_read() {
         "{fraction:?}"
     );
     let millis = reset((now.as_millis() + 100_000).to_string()).unwrap();
+    // A fraction of a millisecond rounds up: never read as sooner than it says (on the
+    // server's clock, its `Date` an hour behind, for the readings to be exact).
+    let server = now.as_secs() - 3_600;
+    let date = httpdate::fmt_http_date(std::time::UNIX_EPOCH + Duration::from_secs(server));
+    let at = (server + 100) * 1000;
+    let dated = |value: String| {
+        server_wait(
+            ok,
+            &headers(&[
+                ("date", &date),
+                ("x-ratelimit-remaining", "0"),
+                ("x-ratelimit-reset", &value),
+            ]),
+        )
+    };
+    assert_eq!(dated(at.to_string()), Some(Duration::from_secs(100)));
+    assert_eq!(
+        dated(format!("{at}.5")),
+        Some(Duration::from_millis(100_001))
+    );
     assert!(
         millis > Duration::from_secs(95) && millis <= Duration::from_secs(101),
         "{millis:?}"

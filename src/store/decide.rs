@@ -343,8 +343,6 @@ fn blocked(
     ))
 }
 
-/// When every penalty state is fresh again.
-#[inline]
 /// The blocks standing now: each blocked policy's index and the nanoseconds its block
 /// has left.
 fn blocks(policies: &[Policy], penalties: &[Slot], now: u64) -> SmallVec<[(usize, u64); 2]> {
@@ -393,6 +391,8 @@ fn adjusted_statuses(
     )
 }
 
+/// When every penalty state is fresh again.
+#[inline]
 fn penalties_fresh_at(policies: &[Policy], penalties: &[Slot]) -> u64 {
     if penalties.is_empty() {
         return 0;
