@@ -759,12 +759,18 @@ impl<St: Store> Limiter<St> {
                 );
                 self.failure_modes_answer(key, &self.shared.policies, cost, error)
             };
-            if let Some(queue) = queue {
-                let failed = !matches!(decided, Ok((_, Decider::Store)));
-                queue
-                    .failing
-                    .store(failed, std::sync::atomic::Ordering::Relaxed);
-            }
+            // Whether the turn is held by a failing store: the store's own answer says
+            // it is not; a failure mode's says it is, but for a wait the holder then
+            // sleeps (below), which is an ordinary one: a waiter behind it is told so.
+            let failed = !matches!(decided, Ok((_, Decider::Store)));
+            let failing = |failing: bool| {
+                if let Some(queue) = queue {
+                    queue
+                        .failing
+                        .store(failing, std::sync::atomic::Ordering::Relaxed);
+                }
+            };
+            failing(failed);
             let (decision, decider) = decided.map_err(WaitError::Store)?;
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
@@ -816,6 +822,7 @@ impl<St: Store> Limiter<St> {
                         turn,
                         queue: queue.cloned(),
                     };
+                    failing(false);
                     tokio::time::sleep(delay).await;
                     return Ok(booked.spent.take().expect("set above"));
                 }
@@ -830,6 +837,7 @@ impl<St: Store> Limiter<St> {
                     {
                         return Err(WaitError::TooLong(decision));
                     }
+                    failing(false);
                     tokio::time::sleep(retry_after).await;
                 }
                 _ => return Err(WaitError::Never(decision)),
@@ -888,14 +896,23 @@ impl<St: Store> Limiter<St> {
     /// answer within its timeout (counted, and said as an outage is).
     async fn peek(&self, key: &Key) -> Option<Decision> {
         let shared = &self.shared;
+        // Reported as every store call is: a peek given up on a hung store is counted,
+        // and one answered ends an outage.
+        let waiting = shared.outage.waiting();
         let peeked = within(
             shared.timeout,
             "answer to a peek",
             shared.store.peek(key, &shared.policies),
         )
         .await;
+        waiting.answered(&peeked);
         match peeked {
-            Ok(now) => Some(now),
+            Ok(now) => {
+                if !now.is_cached() {
+                    shared.outage.on_success();
+                }
+                Some(now)
+            }
             Err(error) => {
                 self.met(&error);
                 None

@@ -192,6 +192,60 @@ fn a_policy_the_store_cannot_decide_is_refused_when_the_limiter_is_built() {
     assert!(Limiter::try_new(Small, small).is_ok());
 }
 
+/// The in-process store, but failing every decision and peek while `down` is set.
+#[derive(Clone)]
+struct Toggle(
+    MemoryStore<tollgate::clock::RuntimeClock>,
+    Arc<std::sync::atomic::AtomicBool>,
+);
+
+impl Store for Toggle {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        if self.1.load(std::sync::atomic::Ordering::SeqCst) {
+            return DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "down")));
+        }
+        self.0.peek(key, policies)
+    }
+}
+
+// A waiter ahead that the fallback denied sleeps an ordinary wait, not a store's
+// timeout: a waiter behind it that runs out of its wait meanwhile, the store back and
+// empty, is told so. It was let through by the fallback (the queue still read "the
+// store is failing" from the decision ahead), past the store's limit.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_behind_a_fallback_denial_is_denied_once_the_store_is_back() {
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let limiter = Limiter::new(
+        Toggle(runtime_store(), Arc::clone(&down)),
+        Policy::token_bucket("t", 5, Rate::per_second(1)).unwrap(),
+    );
+    let key = Key::new("k");
+    // The store's bucket is spent.
+    assert!(limiter.check(&key, 5).await.unwrap().is_allowed());
+    down.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The fallback's: 1 token left.
+    assert!(limiter.check(&key, 4).await.unwrap().is_allowed());
+    // Ahead: denied by the fallback, it sleeps about 2 s holding the turn.
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 3, Duration::from_secs(10)).await })
+    };
+    tokio::task::yield_now().await;
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let behind = limiter
+        .until_ready(&key, 1, Duration::from_millis(500))
+        .await;
+    assert!(matches!(behind, Err(WaitError::TooLong(_))), "{behind:?}");
+    ahead.abort();
+}
+
 #[tokio::test]
 async fn the_failure_modes_apply_as_in_the_layer() {
     let policy = Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap();

@@ -492,6 +492,57 @@ fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
     );
 }
 
+/// The in-process store, whose peeks never answer.
+#[derive(Clone)]
+struct PeekHangs(tollgate::MemoryStore);
+
+impl tollgate::Store for PeekHangs {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, _: &tollgate::Key, _: &tollgate::PolicySet) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::new(std::future::pending())
+    }
+}
+
+// A waiter that ran out of its wait in the queue peeks at the key's state; given up on a
+// store that hangs, that peek counts as the store timing out, as a check does. It was
+// counted nowhere.
+#[test]
+fn a_waiters_peek_given_up_on_a_hung_store_is_counted_as_a_timeout() {
+    let limiter = tollgate::limiter::Limiter::new(
+        PeekHangs(tollgate::MemoryStore::new()),
+        Policy::token_bucket("jobs", 1, tollgate::Rate::per_minute(1)).unwrap(),
+    )
+    .store_timeout(Duration::from_secs(30));
+    let seen = metrics_of(async move {
+        let key = tollgate::Key::new("k");
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+        // Ahead: a waiter that sleeps for the next token, holding the turn.
+        let ahead = {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            tokio::spawn(
+                async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await },
+            )
+        };
+        tokio::task::yield_now().await;
+        let behind = limiter.until_ready(&key, 1, Duration::from_millis(10));
+        let given_up = tokio::time::timeout(Duration::from_millis(150), behind).await;
+        assert!(given_up.is_err(), "the peek never answers");
+        ahead.abort();
+    });
+    assert_eq!(
+        counter(&seen, "tollgate_store_errors_total", &[("kind", "timeout")]),
+        1
+    );
+}
+
 /// A store that fails at once, or never answers while `hangs` is set.
 #[derive(Clone)]
 struct FailsThenHangs(Arc<AtomicBool>);
