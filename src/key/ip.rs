@@ -189,7 +189,9 @@ impl ClientIp {
     /// in front of an IPv6-only server shows for each IPv4 client, is keyed as the IPv4
     /// host it carries (`ip:192.0.2.1`), grouped by [`ipv4_prefix`](Self::ipv4_prefix);
     /// so is a 6to4 address (`2002:V4ADDR::/48`, RFC 3056), whose whole /48 belongs to
-    /// the IPv4 host it names.
+    /// the IPv4 host it names, and a Teredo address (`2001:0::/32`, RFC 4380), whose /64
+    /// is its Teredo server's, shared by all of that server's clients: it is keyed as
+    /// the client's public IPv4 address, which it carries.
     ///
     /// # Panics
     ///
@@ -334,12 +336,24 @@ impl ClientIp {
 /// (RFC 6052, section 2.1): a stateless translator in front of an IPv6-only server shows
 /// each IPv4 client so, and each is a host of its own, not one /64. Or behind a 6to4
 /// address, `2002:V4ADDR::/48` (RFC 3056, section 2): the site of one IPv4 host, which
-/// would hold 65,536 /64s.
+/// would hold 65,536 /64s. Or behind a Teredo address (RFC 4380): one client, whose /64
+/// is its Teredo server's, shared with every other client of that server.
 fn translated_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
     let octets = v6.octets();
     if octets[..12] == [0, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0] {
         return Some(std::net::Ipv4Addr::new(
             octets[12], octets[13], octets[14], octets[15],
+        ));
+    }
+    // Teredo, `2001:0::/32` (RFC 4380, section 4): the server's IPv4 address, then flags
+    // and the client's port, then the client's public IPv4 address with every bit
+    // inverted. By /64 every client of one Teredo server shared one key.
+    if octets[..4] == [0x20, 0x01, 0, 0] {
+        return Some(std::net::Ipv4Addr::new(
+            !octets[12],
+            !octets[13],
+            !octets[14],
+            !octets[15],
         ));
     }
     (octets[..2] == [0x20, 0x02])
@@ -1405,6 +1419,30 @@ mod tests {
         assert_eq!(
             client(&ip, "[64:ff9b:0:1::c000:201]:1", &[]),
             "ip:64:ff9b:0:1::/64"
+        );
+    }
+
+    /// RFC 4380, section 4: a Teredo address is `2001:0::/32`, the Teredo server's IPv4
+    /// address, flags, the client's port and the client's public IPv4 address, each of
+    /// the last two with every bit inverted. By /64, every client of one Teredo server
+    /// shared one key; each is keyed as its public IPv4 host now.
+    #[test]
+    fn a_teredo_client_is_keyed_as_its_public_ipv4_host() {
+        let ip = ClientIp::peer();
+        // RFC 4380, section 4's example: server 65.54.227.120, client 192.0.2.45 port
+        // 40000.
+        assert_eq!(
+            client(&ip, "[2001:0:4136:e378:8000:63bf:3fff:fdd2]:1", &[]),
+            "ip:192.0.2.45"
+        );
+        assert_eq!(
+            client(&ip, "[2001:0:4136:e378:8000:63bf:3fff:fdd3]:1", &[]),
+            "ip:192.0.2.44"
+        );
+        // Beside the prefix (`2001:db8::/32` is not Teredo's), a /64 as before.
+        assert_eq!(
+            client(&ip, "[2001:db8:4136:e378:8000:63bf:3fff:fdd2]:1", &[]),
+            "ip:2001:db8:4136:e378::/64"
         );
     }
 
