@@ -493,6 +493,9 @@ pub(crate) struct Waiting {
     breaker: Arc<Breaker>,
     /// The breaker's clock when the request began to wait.
     started: u64,
+    /// The breaker's count of the store's answers then: one since, and the drop says
+    /// nothing.
+    answers: u64,
     answered: bool,
 }
 
@@ -517,6 +520,7 @@ impl Drop for Waiting {
         let waited = self.breaker.clock.now().saturating_sub(self.started);
         if u128::from(waited) < PROBE_PATIENCE.as_nanos()
             || self.breaker.answered_at.load(Ordering::Relaxed) > self.started
+            || self.breaker.answers.load(Ordering::Acquire) != self.answers
         {
             return;
         }
@@ -528,7 +532,8 @@ impl Drop for Waiting {
             ),
         );
         crate::telemetry::store_error(&error);
-        self.breaker.on_failure(&error, None);
+        // A failure since the wait began: an answer that lands meanwhile ends its run.
+        self.breaker.failed_since(&error, None, self.answers);
     }
 }
 
@@ -674,6 +679,7 @@ impl Breaker {
         Waiting {
             breaker: Arc::clone(self),
             started: self.clock.now(),
+            answers: self.answers.load(Ordering::Acquire),
             answered: false,
         }
     }
@@ -705,7 +711,7 @@ impl Breaker {
         // later says nothing of it (see `Waiting`), the probe's answer included.
         let now = self.clock.now().saturating_add(1);
         self.answered_at.fetch_max(now, Ordering::Relaxed);
-        {
+        let was_degraded = {
             let _transition = self
                 .transitions
                 .lock()
@@ -715,8 +721,11 @@ impl Breaker {
             self.failures.store(0, Ordering::Relaxed);
             self.open_until.store(0, Ordering::Release);
             self.probing.store(0, Ordering::Release);
-        }
-        if self.degraded.swap(false, Ordering::AcqRel) {
+            // With the close: a failure that opens the breaker after it says the store
+            // fails again (never an open breaker on a store said to answer).
+            self.degraded.swap(false, Ordering::AcqRel)
+        };
+        if was_degraded {
             crate::telemetry::fallback_active(false);
             self.say_answers_again();
         }
@@ -735,7 +744,12 @@ impl Breaker {
     /// request sent before the breaker opened never lets a second probe overlap.
     pub(crate) fn on_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
         // A success landing from here on ends this failure's run: it opens nothing.
-        let answers = self.answers.load(Ordering::Acquire);
+        self.failed_since(error, probe, self.answers.load(Ordering::Acquire));
+    }
+
+    /// [`on_failure`](Self::on_failure) of a failure that began when the breaker had
+    /// counted `answers` of the store's answers: one since ends its run.
+    fn failed_since(&self, error: &StoreError, probe: Option<&ProbeGuard>, answers: u64) {
         let failures = self
             .failures
             .fetch_add(1, Ordering::Relaxed)
@@ -785,14 +799,22 @@ impl Breaker {
             probe.is_some_and(|guard| self.probing.load(Ordering::Acquire) == guard.ticket);
         if failures >= self.config.failures || is_probe {
             let until = self.cool_down_end();
-            let _transition = self
-                .transitions
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            // The store answered since this failure began: its run is over (a failure
-            // that began since opens the breaker itself).
-            if self.answers.load(Ordering::Relaxed) == answers {
-                self.open_until.store(until, Ordering::Release);
+            let raised = {
+                let _transition = self
+                    .transitions
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                // The store answered since this failure began: its run is over (a
+                // failure that began since opens the breaker itself). Opened, the store
+                // is said to fail, whatever an answer's close since this failure's start
+                // set.
+                self.answers.load(Ordering::Relaxed) == answers && {
+                    self.open_until.store(until, Ordering::Release);
+                    !self.degraded.swap(true, Ordering::AcqRel)
+                }
+            };
+            if raised {
+                crate::telemetry::fallback_active(true);
             }
         }
         // Released only after the new cool-down is in place, so no request can read the

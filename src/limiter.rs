@@ -839,6 +839,10 @@ impl<St: Store> Limiter<St> {
                     }
                     failing(false);
                     tokio::time::sleep(retry_after).await;
+                    // Asked again: a store failing this holder again holds the turn one
+                    // store timeout more, and those behind are told the failure mode's
+                    // answer at once, not after a peek of their own on it.
+                    failing(failed);
                 }
                 _ => return Err(WaitError::Never(decision)),
             }

@@ -319,6 +319,57 @@ async fn a_shaping_delay_past_the_wait_gives_up_and_gives_back() {
     assert_eq!(started.elapsed(), Duration::from_secs(10));
 }
 
+/// A store that never answers a decision or a peek, and counts the peeks.
+#[derive(Clone, Default)]
+struct AllHang(Arc<std::sync::atomic::AtomicU64>);
+
+impl Store for AllHang {
+    fn decide(&self, _key: &Key, _policies: &PolicySet, _cost: u64) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn peek(&self, _key: &Key, _policies: &PolicySet) -> DecideFuture {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        DecideFuture::new(std::future::pending())
+    }
+}
+
+// A waiter ahead that the fallback denied sleeps, then asks the hung store again and
+// holds the turn one store timeout more: a waiter behind that runs out of its wait then
+// gets the failure mode's answer at once, not after a peek of its own on the hung store
+// (one store timeout more, each).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_behind_a_holder_asking_a_hung_store_again_is_answered_at_once() {
+    let store = AllHang::default();
+    let limiter = Limiter::new(
+        store.clone(),
+        Policy::token_bucket("t", 1, Rate::per_second(20)).unwrap(),
+    )
+    .store_timeout(Duration::from_millis(200));
+    let key = Key::new("k");
+    // The fallback's one token goes, after one store timeout.
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    // Ahead: the store hangs 200 ms, the fallback denies (a token in about 50 ms), it
+    // sleeps, and asks the store again at about 250 ms.
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(10)).await })
+    };
+    tokio::task::yield_now().await;
+    let started = tokio::time::Instant::now();
+    let behind = limiter
+        .until_ready(&key, 1, Duration::from_millis(300))
+        .await;
+    assert!(behind.is_err(), "{behind:?}");
+    assert_eq!(started.elapsed(), Duration::from_millis(300));
+    assert_eq!(
+        store.0.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "no peek"
+    );
+    ahead.abort();
+}
+
 /// A store whose `peek` never answers.
 #[derive(Clone)]
 struct PeekHangs(MemoryStore<tollgate::clock::RuntimeClock>);
