@@ -768,6 +768,38 @@ async fn draft_6_and_legacy_styles_and_a_custom_deny_response() {
     assert!(old.headers.contains_key("x-ratelimit-reset"));
 }
 
+/// A deny hook that answers `503` (a service that says "busy" rather than "too many")
+/// still tells the client when to come back: RFC 9110, section 10.2.3, Retry-After on a
+/// 503 says how long the service is expected to be unavailable; the layer sets it from
+/// the denial, as on a 429.
+#[tokio::test]
+async fn a_deny_hooks_503_carries_retry_after() {
+    let app = Router::new().route("/", get(|| async { "hello" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 1, Duration::from_secs(3600)).unwrap())
+            .key(tollgate::key::Global)
+            .on_deny(|_: &Rejection<'_>| {
+                Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .body(Bytes::from("busy"))
+                    .unwrap()
+            }),
+    );
+    let send = || {
+        app.clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap())
+    };
+    assert_eq!(send().await.unwrap().status(), StatusCode::OK);
+    let denied = send().await.unwrap();
+    assert_eq!(denied.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let retry_after: u64 = denied.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=3600).contains(&retry_after), "{retry_after}");
+}
+
 /// A store that answers later (as a networked store does), or fails.
 #[derive(Clone)]
 struct SlowStore {
