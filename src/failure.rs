@@ -277,9 +277,19 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
     }
     let count = |n: u64| share_of(n, share).clamp(1, n);
     let rate = |rate: Rate| {
-        let period = rate.period().as_secs_f64() / share;
+        // A rate faster than a unit a millisecond is decided in lowest terms with a
+        // period under the shortest a policy takes (10,000 a second is one per 100 µs):
+        // amount and period grow together first, to a period of at least that.
+        let shortest = crate::policy::MIN_PERIOD.as_secs_f64();
+        let period = rate.period().as_secs_f64();
+        let times = if period < shortest {
+            (shortest / period).ceil()
+        } else {
+            1.0
+        };
+        let period = period * times / share;
         Rate::new(
-            rate.amount(),
+            rate.amount().saturating_mul(times as u64),
             Duration::from_secs_f64(period.min(MAX_PERIOD.as_secs_f64())),
         )
     };
@@ -336,7 +346,15 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
             Some(penalty) => scaled.with_penalty(penalty),
             None => Ok(scaled),
         })
-        .unwrap_or_else(|_| policy.clone())
+        .unwrap_or_else(|error| {
+            // Not known to happen (a share of a valid policy is valid): said loudly, as
+            // it leaves this replica the whole policy while the store is away.
+            #[cfg(feature = "tracing")]
+            tracing::error!(target: "tollgate", policy = policy.name(), share, %error, "the fallback could not scale this policy to its share; it applies the whole policy");
+            let _ = error;
+            debug_assert!(false, "a policy scaled to a share was refused");
+            policy.clone()
+        })
 }
 
 /// Every policy of `set` scaled to `share`.

@@ -652,6 +652,42 @@ fn a_fallback_share_of_a_quota_is_rounded_up_only_when_it_is_not_whole() {
     assert!(million.validate().is_ok());
 }
 
+/// A rate faster than one unit a millisecond is kept in lowest terms with a period
+/// under the shortest a policy takes (10,000 a second is one per 100 µs): stretched by
+/// the share alone it was refused when built, and the fallback enforced the whole,
+/// unscaled policy on every replica, silently (four replicas admitted four times the
+/// limit while the store was away). Its quota and its rate are the share's now.
+#[test]
+fn a_fast_rate_is_scaled_to_the_fallbacks_share() {
+    for (per_second, share, capacity) in [
+        (10_000, 0.25, 20_000),
+        (5_000, 0.2, 5_000),
+        (2_000, 0.9, 4_000),
+        (1_000_000, 0.5, 1_000_000),
+        (999_999, 0.25, 1_000_000),
+    ] {
+        let set = PolicySet::from(
+            Policy::token_bucket("api", capacity, Rate::per_second(per_second)).unwrap(),
+        );
+        let scaled = tollgate::LocalFallback::new()
+            .share(share)
+            .policies_for(&set);
+        let quota = (capacity as f64 * share).ceil() as u64;
+        assert_eq!(scaled[0].limit(), quota, "{per_second}/s at {share}");
+        // Spent, then half a second's refill.
+        let clock = ManualClock::new();
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        assert!(store.check("k", &scaled, quota).is_allowed());
+        clock.advance(Duration::from_millis(500));
+        let refilled = store.check("k", &scaled, 0).statuses()[0].remaining;
+        let expected = per_second as f64 * share / 2.0;
+        assert!(
+            (refilled as f64 - expected).abs() <= 1.0,
+            "{per_second}/s at {share}: {refilled} refilled in 0.5 s, {expected} expected"
+        );
+    }
+}
+
 /// The fixed window read at a clock behind the window its state counts in (another
 /// thread's reading, a step back): a denial waits for the end of the window that holds
 /// the count, and the state says it is fresh then. It stated the end of the earlier

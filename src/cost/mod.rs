@@ -339,14 +339,18 @@ impl<F> fmt::Debug for FromFn<F> {
 /// use http::Request;
 /// use tollgate::cost::{self, Cost};
 ///
-/// // Charge by the declared upload size, one unit per started KiB.
+/// // Charge by the declared upload size, one unit per started KiB; an upload that
+/// // declares no size (sent chunked) is charged a whole 10 MiB, so that it cannot pass
+/// // for one unit (as `ContentLength::or` does).
 /// let by_size = cost::from_fn(|parts| {
 ///     parts.headers.get("content-length")
 ///         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-///         .map_or(1, |bytes| bytes.div_ceil(1024).max(1))
+///         .map_or(10 * 1024, |bytes| bytes.div_ceil(1024).max(1))
 /// });
 /// let (parts, _) = Request::post("/").header("content-length", "5000").body(()).unwrap().into_parts();
 /// assert_eq!(by_size.cost(&parts), 5);
+/// let (chunked, _) = Request::post("/").header("transfer-encoding", "chunked").body(()).unwrap().into_parts();
+/// assert_eq!(by_size.cost(&chunked), 10 * 1024);
 /// ```
 pub fn from_fn<F>(f: F) -> FromFn<F>
 where
