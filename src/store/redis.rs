@@ -1847,14 +1847,22 @@ async fn query<T: redis::FromRedisValue>(
 /// writes (`OOM` out of memory, `MISCONF` unable to persist: every decision writes); on
 /// a Cluster, one node's are not.
 fn query_error(error: RedisError, cluster: bool) -> StoreError {
-    // A redirection on a connection to one server: the server is a Cluster's node, and
-    // the identities of every other node's slots are refused for good. Not an outage to
-    // wait out behind the failure mode (each replica's fallback limiting on its own).
+    // A redirection on a connection to one server: the server is a Cluster's node. A
+    // node of several, reached as a single server, refuses the identities of every other
+    // node's slots for good: not an outage to wait out behind the failure mode (each
+    // replica's fallback limiting on its own), nor one that holds every identity off
+    // (this node's own are decided). Or a one-shard Cluster's primary that a failover
+    // made a replica: the connection is made anew (see `moved`), and the message says
+    // both.
     if !cluster && (moved(&error) || error.code() == Some("CLUSTERDOWN")) {
         let code = error.code().map(str::to_owned);
         let mut refused = StoreError::new(
             StoreErrorKind::Refused,
-            format!("{error}: the server is a node of a Redis Cluster: {CLUSTER_NODE_ALONE}"),
+            format!(
+                "{error}: the server is a node of a Redis Cluster: a one-shard Cluster in a \
+                 failover (the connection is made anew), or one of several nodes: \
+                 {CLUSTER_NODE_ALONE}"
+            ),
         );
         if let Some(code) = code {
             refused = refused.with_code(code);
@@ -2360,9 +2368,26 @@ fn parse_reply(
             ));
         }
     };
-    let shadow_denied = reply[5 + 4 * count..]
+    // Policies of the set, each once, in order, as the script writes them: anything else
+    // is out of shape (read as shadow denials, its numbers marked policies undebited).
+    let shadow_denied = &reply[5 + 4 * count..];
+    let mut last = None;
+    for &index in shadow_denied {
+        let index = usize::try_from(index).unwrap_or(usize::MAX);
+        if index >= count || last.is_some_and(|last| index <= last) {
+            return Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!(
+                    "the decision script named shadow policies {shadow_denied:?} of {count} \
+                     as those that would have denied"
+                ),
+            ));
+        }
+        last = Some(index);
+    }
+    let shadow_denied = shadow_denied
         .iter()
-        .filter_map(|&index| usize::try_from(index).ok());
+        .map(|&index| index.unsigned_abs() as usize);
     let decision = Decision::with_statuses(outcome, statuses)
         .with_shadow_denied(shadow_denied)
         .with_receipt(Receipt::new(at, lease));
@@ -2755,11 +2780,29 @@ mod tests {
         let parse = |answer: Vec<i64>| parse_reply(&answer, Shape::Full, 1, 1, 0);
         assert!(!parse(reply(1, 1, 0)).unwrap().is_allowed());
         assert!(parse(reply(0, 0, 9)).unwrap().is_allowed());
+        // The shadow policies that would have denied, after the time: indices of the
+        // set's, in order. An extra number read as one marked a policy of the set
+        // undebited (its settles and releases then changed nothing).
+        let with_shadow = |indices: &[i64]| [reply(0, 0, 9), indices.to_vec()].concat();
+        let two = |answer: Vec<i64>| {
+            let mut answer = answer;
+            answer.splice(8..8, [10, 9, 5_000, 5_000]);
+            parse_reply(&answer, Shape::Full, 2, 1, 0)
+        };
+        assert_eq!(
+            two(with_shadow(&[0, 1]))
+                .unwrap()
+                .shadow_denied()
+                .collect::<Vec<_>>(),
+            [0, 1]
+        );
         for broken in [
             reply(1, 0, 0),
             reply(1, 2, 0),
             reply(2, 5, 0),
             reply(0, 0, -1),
+            with_shadow(&[1]),
+            with_shadow(&[7]),
         ] {
             let error = parse(broken.clone()).expect_err("out of shape");
             assert_eq!(
@@ -2767,6 +2810,14 @@ mod tests {
                 StoreErrorKind::Protocol,
                 "{broken:?}: {error}"
             );
+        }
+        for broken in [
+            with_shadow(&[1, 0]),
+            with_shadow(&[0, 0]),
+            with_shadow(&[2]),
+        ] {
+            let error = two(broken.clone()).expect_err("out of shape");
+            assert_eq!(error.kind(), StoreErrorKind::Protocol, "{broken:?}");
         }
     }
 
@@ -2815,7 +2866,9 @@ mod tests {
         let refused = RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "no"));
         assert_eq!(store_error(refused).kind(), StoreErrorKind::Refused);
         // On a connection to one server, a redirection says the server is a Cluster's
-        // node reached as a single server: a refusal, for good.
+        // node reached as a single server: a refusal of this identity, said loudly. The
+        // message names a one-shard Cluster's failover too (the connection is made anew):
+        // it only told users to connect as a Cluster.
         for kind in [
             ServerErrorKind::Moved,
             ServerErrorKind::Ask,
@@ -2828,7 +2881,8 @@ mod tests {
             );
             let alone = query_error(error(), false);
             assert_eq!(alone.kind(), StoreErrorKind::Refused, "{kind:?}");
-            assert!(!alone.every_request);
+            assert!(!alone.every_request, "{kind:?}");
+            assert!(alone.to_string().contains("failover"), "{alone}");
         }
     }
 
