@@ -3008,3 +3008,60 @@ async fn a_call_asked_to_a_node_without_the_library_runs_as_a_script() {
     assert!(decision.is_allowed());
     assert_eq!(decision.statuses()[0].remaining, 8);
 }
+
+// A new release's library is missing on every node, and one primary cannot answer (its
+// process stopped): the load, which must reach every primary, fails on that one. The
+// identities of the other primaries were refused with it (a decision on a sound node
+// failed as the store failing), and each request queued for the load sent its own, one
+// after another. A call whose load failed on I/O runs as a script on its own node.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_library_load_one_primary_cannot_answer_leaves_the_others_deciding() {
+    let cluster = support::RedisCluster::start(3);
+    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let policies = tollgate::PolicySet::from(
+        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
+    );
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    }
+    // The identities of a primary that keeps answering.
+    let frozen = &cluster.nodes[0];
+    let elsewhere: Vec<String> = (0..30)
+        .map(|n| format!("user:{n}"))
+        .filter(|user| {
+            !frozen
+                .cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
+                .contains("tollgate")
+        })
+        .collect();
+    assert!(
+        elsewhere.len() >= 5,
+        "identities of the other primaries: {elsewhere:?}"
+    );
+    for node in &cluster.nodes {
+        assert_eq!(node.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+    }
+    frozen.signal("STOP");
+    let mut decided = 0;
+    for user in &elsewhere[..5] {
+        let key = tollgate::Key::new(user.clone());
+        let decision =
+            tokio::time::timeout(Duration::from_secs(30), store.decide(&key, &policies, 1))
+                .await
+                .expect("answered");
+        match decision {
+            Ok(decision) => {
+                assert!(decision.is_allowed(), "{user}");
+                assert_eq!(decision.statuses()[0].remaining, 8, "{user}: exact");
+                decided += 1;
+            }
+            Err(error) => panic!("{user}, on a primary that answers: {error}"),
+        }
+    }
+    frozen.signal("CONT");
+    assert_eq!(decided, 5);
+}

@@ -258,6 +258,9 @@ struct Scripts {
     /// library missing (a server restarted) load it once, not once each.
     reload: tokio::sync::Mutex<()>,
     loads: std::sync::atomic::AtomicU64,
+    /// Loads that failed on I/O (a Cluster primary that cannot answer): requests that
+    /// waited for a load that failed run as scripts, rather than each sending its own.
+    failed_loads: std::sync::atomic::AtomicU64,
     /// When calls last fell back to scripts (milliseconds after `born`, plus one; 0:
     /// never): a minute later Functions are tried again (an ACL fixed, a node upgraded).
     fell_back: std::sync::atomic::AtomicU64,
@@ -293,6 +296,7 @@ impl Scripts {
             functions: std::sync::atomic::AtomicBool::new(true),
             reload: tokio::sync::Mutex::new(()),
             loads: std::sync::atomic::AtomicU64::new(0),
+            failed_loads: std::sync::atomic::AtomicU64::new(0),
             fell_back: std::sync::atomic::AtomicU64::new(0),
             born: std::time::Instant::now(),
             said: std::sync::atomic::AtomicBool::new(false),
@@ -1931,12 +1935,23 @@ async fn invoke(
         scripts.try_functions_again();
     }
     if scripts.functions.load(Ordering::Relaxed) {
-        let loads = scripts.loads.load(Ordering::Acquire);
+        let loads = (
+            scripts.loads.load(Ordering::Acquire),
+            scripts.failed_loads.load(Ordering::Acquire),
+        );
         let command = scripts.function_command(call, invocation);
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
+                    // The load met a server that did not answer (on a Cluster, a load
+                    // must reach every primary; one stopped): this call runs as a script
+                    // on its own node, which may well answer, and so do the calls of
+                    // the next minute (see `load_library`).
+                    Err(error) if error.kind().is_io() => {
+                        return run_script(backend, scripts.script(call, invocation), invocation)
+                            .await;
+                    }
                     // Loaded (here or by another request since), and still missing where
                     // the call went: a node outside the primaries a load reaches (one that
                     // joined a Cluster with no slot yet, a call `ASK`ed to it while a slot
@@ -1969,7 +1984,8 @@ fn function_not_found(error: &StoreError) -> bool {
 }
 
 /// Loads the library the server was missing and calls the function again: `Ok` with
-/// the answer to give, or `Err` when the store is to run scripts instead. Loading refused
+/// the answer to give, or `Err` when the store is to run scripts instead (an I/O error:
+/// this call alone). Loading refused
 /// for Functions themselves (an ACL without `FUNCTION LOAD`, a server without them) falls
 /// back quietly, as designed; refused for anything else (`OOM`, the library's own error:
 /// a bug of ours) falls back too, so decisions stay exact, but is logged at error level
@@ -1979,7 +1995,7 @@ async fn load_and_call(
     backend: &Backend,
     scripts: &Scripts,
     command: &redis::Cmd,
-    seen: u64,
+    seen: (u64, u64),
 ) -> Result<Result<Vec<i64>, StoreError>, StoreError> {
     match load_library(backend, scripts, seen).await {
         Ok(true) => {}
@@ -1991,7 +2007,8 @@ async fn load_and_call(
                 "loading the Redis Functions library was refused to another request",
             ));
         }
-        Err(error) if error.kind().is_io() => return Ok(Err(error)),
+        // The caller runs the call as a script.
+        Err(error) if error.kind().is_io() => return Err(error),
         Err(error) if functions_refused(&error) => return Err(error),
         Err(error) => {
             library_refused(&error);
@@ -2091,7 +2108,11 @@ fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
 /// request ahead of this one, which switched the store to scripts meanwhile: requests
 /// that met the missing library together send the load (to a server maybe out of
 /// memory) and say its refusal once, not once each.
-async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result<bool, StoreError> {
+async fn load_library(
+    backend: &Backend,
+    scripts: &Scripts,
+    (seen, failed): (u64, u64),
+) -> Result<bool, StoreError> {
     use std::sync::atomic::Ordering;
     // One load at a time; but a caller holding a pooled connection does not wait for
     // the loader, which may itself be waiting for a pooled connection (callers like this
@@ -2103,6 +2124,15 @@ async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result
     };
     if scripts.loads.load(Ordering::Acquire) != seen {
         return Ok(true);
+    }
+    // A load sent since this request met the missing library failed on I/O: this one
+    // would too, after as long a wait.
+    if scripts.failed_loads.load(Ordering::Acquire) != failed {
+        return Err(StoreError::new(
+            StoreErrorKind::Unavailable,
+            "loading the Redis Functions library failed (a server did not answer) for \
+             another request",
+        ));
     }
     if !scripts.functions.load(Ordering::Relaxed) {
         return Ok(false);
@@ -2120,7 +2150,12 @@ async fn load_library(backend: &Backend, scripts: &Scripts, seen: u64) -> Result
         Err(error) => {
             // Refused: scripts from now on (for a minute), switched while the turn is
             // held, so that those waiting for it see the switch.
-            if !error.kind().is_io() {
+            if error.kind().is_io() {
+                // Calls run as scripts for a minute, on their own nodes, with no load
+                // each meanwhile (one that waits on the server that did not answer).
+                switch_to_scripts(scripts);
+                scripts.failed_loads.fetch_add(1, Ordering::Release);
+            } else {
                 fall_back_to_scripts(scripts, &error);
             }
             Err(error)
