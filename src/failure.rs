@@ -280,16 +280,19 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
         // A rate faster than a unit a millisecond is decided in lowest terms with a
         // period under the shortest a policy takes (10,000 a second is one per 100 µs):
         // amount and period grow together first, to a period of at least that.
-        let shortest = crate::policy::MIN_PERIOD.as_secs_f64();
-        let period = rate.period().as_secs_f64();
-        let times = if period < shortest {
-            (shortest / period).ceil()
+        // In whole microseconds, as the rate is decided: `times` is exact, so the amount
+        // grows to no more than the rate's as written (whose period is at least that).
+        let shortest = crate::policy::MIN_PERIOD.as_micros();
+        let micros = rate.period().as_micros().max(1);
+        let times = if micros < shortest {
+            shortest.div_ceil(micros)
         } else {
-            1.0
+            1
         };
-        let period = period * times / share;
+        let period = rate.period().as_secs_f64() * times as f64 / share;
         Rate::new(
-            rate.amount().saturating_mul(times as u64),
+            rate.amount()
+                .saturating_mul(u64::try_from(times).unwrap_or(u64::MAX)),
             Duration::from_secs_f64(period.min(MAX_PERIOD.as_secs_f64())),
         )
     };

@@ -665,6 +665,8 @@ fn a_fast_rate_is_scaled_to_the_fallbacks_share() {
         (2_000, 0.9, 4_000),
         (1_000_000, 0.5, 1_000_000),
         (999_999, 0.25, 1_000_000),
+        (500_000, 0.5, 1_000_000),
+        (125_000, 0.5, 1_000_000),
     ] {
         let set = PolicySet::from(
             Policy::token_bucket("api", capacity, Rate::per_second(per_second)).unwrap(),
@@ -684,6 +686,25 @@ fn a_fast_rate_is_scaled_to_the_fallbacks_share() {
         assert!(
             (refilled as f64 - expected).abs() <= 1.0,
             "{per_second}/s at {share}: {refilled} refilled in 0.5 s, {expected} expected"
+        );
+    }
+    // The fastest rates a policy takes, decided at 1, 2 or 8 µs a unit: the amount grows
+    // to the rate's as written, and no further (a float's ceiling went one past it, over
+    // `MAX_LIMIT`, and the policy was refused when scaled).
+    for amount in [
+        999_999_999_999_000,
+        999_999_999_999_500,
+        999_999_999_999_875,
+    ] {
+        let set = PolicySet::from(
+            Policy::token_bucket("api", 10, Rate::new(amount, Duration::from_millis(1))).unwrap(),
+        );
+        let scaled = tollgate::LocalFallback::new().share(0.5).policies_for(&set);
+        assert_eq!(scaled[0].limit(), 5, "{amount}");
+        assert_ne!(
+            scaled[0].algorithm(),
+            set[0].algorithm(),
+            "{amount}: scaled"
         );
     }
 }

@@ -1860,11 +1860,18 @@ fn query_error(error: RedisError, cluster: bool) -> StoreError {
     // both.
     if !cluster && (moved(&error) || error.code() == Some("CLUSTERDOWN")) {
         let code = error.code().map(str::to_owned);
+        // Only a `MOVED` can be a one-shard Cluster's failover (an `ASK` is a slot moving
+        // between shards; `CLUSTERDOWN` is said by a node of any Cluster).
+        let failover = if error.code() == Some("MOVED") {
+            " (or, on a one-shard Cluster, the primary a failover made a replica: the \
+             connection is made anew)"
+        } else {
+            ""
+        };
         let mut refused = StoreError::new(
             StoreErrorKind::Refused,
             format!(
-                "{error}: the server is a node of a Redis Cluster: a one-shard Cluster in a \
-                 failover (the connection is made anew), or one of several nodes: \
+                "{error}: the server is a node of a Redis Cluster{failover}: \
                  {CLUSTER_NODE_ALONE}"
             ),
         );
@@ -1931,21 +1938,25 @@ async fn invoke(
     invocation: &Invocation,
 ) -> Result<Vec<i64>, StoreError> {
     use std::sync::atomic::Ordering;
+    // The loads so far, read before whether Functions are on: a load that fails after
+    // this (and switches the store to scripts) is seen by this call's own (see
+    // `load_library`).
+    let loads = (
+        scripts.loads.load(Ordering::Acquire),
+        scripts.failed_loads.load(Ordering::Acquire),
+    );
     if !scripts.functions.load(Ordering::Relaxed) {
         scripts.try_functions_again();
     }
     if scripts.functions.load(Ordering::Relaxed) {
-        let loads = (
-            scripts.loads.load(Ordering::Acquire),
-            scripts.failed_loads.load(Ordering::Acquire),
-        );
         let command = scripts.function_command(call, invocation);
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
                     // The load met a server that did not answer (on a Cluster, a load
-                    // must reach every primary; one stopped): this call runs as a script
+                    // must reach every primary; one stopped), or the store went to
+                    // scripts while this call waited for it: this call runs as a script
                     // on its own node, which may well answer, and so do the calls of
                     // the next minute (see `load_library`).
                     Err(error) if error.kind().is_io() => {
@@ -1999,12 +2010,13 @@ async fn load_and_call(
 ) -> Result<Result<Vec<i64>, StoreError>, StoreError> {
     match load_library(backend, scripts, seen).await {
         Ok(true) => {}
-        // Another request's load was refused while this one waited its turn: it was
-        // said and counted there; scripts, quietly.
+        // Another request's load was refused while this one waited its turn, or failed
+        // on I/O: said, counted and switched there; this call runs as a script, quietly.
         Ok(false) => {
             return Err(StoreError::new(
-                StoreErrorKind::Refused,
-                "loading the Redis Functions library was refused to another request",
+                StoreErrorKind::Unavailable,
+                "the store went to scripts while this request waited to load the Redis \
+                 Functions library",
             ));
         }
         // The caller runs the call as a script.
@@ -2142,23 +2154,48 @@ async fn load_library(
         .arg("LOAD")
         .arg("REPLACE")
         .arg(&scripts.library.source);
+    // Dropped before it ends, the load failed on I/O: see `Loading`. (Declared after the
+    // turn: dropped while the turn is held, so that those waiting for it see the switch.)
+    let mut loading = Loading {
+        scripts,
+        ended: false,
+    };
     match query::<redis::Value>(backend, &command).await {
         Ok(_) => {
+            loading.ended = true;
             scripts.loads.fetch_add(1, Ordering::Release);
             Ok(true)
         }
         Err(error) => {
-            // Refused: scripts from now on (for a minute), switched while the turn is
-            // held, so that those waiting for it see the switch.
-            if error.kind().is_io() {
-                // Calls run as scripts for a minute, on their own nodes, with no load
-                // each meanwhile (one that waits on the server that did not answer).
-                switch_to_scripts(scripts);
-                scripts.failed_loads.fetch_add(1, Ordering::Release);
-            } else {
+            // Refused: scripts from now on (for a minute). On I/O, `Loading` switches.
+            if !error.kind().is_io() {
+                loading.ended = true;
                 fall_back_to_scripts(scripts, &error);
             }
             Err(error)
+        }
+    }
+}
+
+/// A library load in flight. Dropped before it ended, it failed on I/O: a server did
+/// not answer it (on a Cluster, a load must reach every primary, and one stopped), or its
+/// request gave up first (a store timeout shorter than the server's silence). Calls then
+/// run as scripts for a minute, each on its own node, with no load each meanwhile (each
+/// waiting on the server that did not answer): as exact, and said nowhere, as the load's
+/// I/O error is the server's, which decisions on it meet and count.
+struct Loading<'a> {
+    scripts: &'a Scripts,
+    ended: bool,
+}
+
+impl Drop for Loading<'_> {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        if !self.ended {
+            // Counted first: a call that read the count before it read whether Functions
+            // are on sees one or the other.
+            self.scripts.failed_loads.fetch_add(1, Ordering::Release);
+            switch_to_scripts(self.scripts);
         }
     }
 }
@@ -2917,7 +2954,11 @@ mod tests {
             let alone = query_error(error(), false);
             assert_eq!(alone.kind(), StoreErrorKind::Refused, "{kind:?}");
             assert!(!alone.every_request, "{kind:?}");
-            assert!(alone.to_string().contains("failover"), "{alone}");
+            assert_eq!(
+                alone.to_string().contains("failover"),
+                kind == ServerErrorKind::Moved,
+                "{alone}"
+            );
         }
     }
 
