@@ -2181,8 +2181,9 @@ async fn load_library(
 /// not answer it (on a Cluster, a load must reach every primary, and one stopped), or its
 /// request gave up first (a store timeout shorter than the server's silence). Calls then
 /// run as scripts for a minute, each on its own node, with no load each meanwhile (each
-/// waiting on the server that did not answer): as exact, and said nowhere, as the load's
-/// I/O error is the server's, which decisions on it meet and count.
+/// waiting on the server that did not answer): as exact. Said at debug level (a server
+/// that does not answer is an I/O failure, which decisions on it meet and count; a
+/// request given up is the client's).
 struct Loading<'a> {
     scripts: &'a Scripts,
     ended: bool,
@@ -2196,6 +2197,12 @@ impl Drop for Loading<'_> {
             // are on sees one or the other.
             self.scripts.failed_loads.fetch_add(1, Ordering::Release);
             switch_to_scripts(self.scripts);
+            #[cfg(feature = "tracing")]
+            tracing::debug!(
+                target: "tollgate",
+                "a Redis Functions library load did not end (a server did not answer, or \
+                 its request gave up first); decisions run as EVALSHA scripts for a minute"
+            );
         }
     }
 }
