@@ -66,7 +66,15 @@ pub(super) struct ManagedCluster {
     /// slot finds it answering, which ends the stall (one of another slot, another
     /// shard's, may not).
     stalled_slot: std::sync::Mutex<Option<Slot>>,
+    /// The slots of the calls left unanswered since the last check began (the latest
+    /// [`CHECKED_AT_MOST`], each once): the next check asks each one's node. Asking only
+    /// the last one's let calls dropped by their clients on a sound shard hide a frozen
+    /// one, for as long as a check happened to follow one of those.
+    slots: std::sync::Mutex<Vec<Slot>>,
 }
+
+/// The most slots one check asks about.
+const CHECKED_AT_MOST: usize = 4;
 
 impl ManagedCluster {
     pub(super) fn new(client: ClusterClient, connection: ClusterConnection) -> Self {
@@ -80,6 +88,7 @@ impl ManagedCluster {
             stalled_at: AtomicU64::new(0),
             born: std::time::Instant::now(),
             stalled_slot: std::sync::Mutex::new(None),
+            slots: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -110,13 +119,24 @@ impl ManagedCluster {
         answer
     }
 
-    /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the
-    /// last check, the primary of its slot is asked for a `PING` in the background, and
-    /// the connection is made anew when it answers nothing in time. One check at a time,
-    /// at most one per [`CHECK_EVERY`] (longer while new connections do not help); none
-    /// without a Tokio runtime.
+    /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the last
+    /// check, the primaries of their slots (the latest few) are each asked for a `PING`
+    /// in the background, and the connection is made anew when one answers nothing in
+    /// time. One check at a time, at most one per [`CHECK_EVERY`] (longer while new
+    /// connections do not help); none without a Tokio runtime.
     #[cold]
     fn unanswered(self: &Arc<Self>, slot: Slot) {
+        {
+            let mut slots = self
+                .slots
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            slots.retain(|seen| *seen != slot);
+            if slots.len() == CHECKED_AT_MOST {
+                slots.remove(0);
+            }
+            slots.push(slot);
+        }
         if self.unanswered.fetch_add(1, Ordering::Relaxed) + 1 < UNANSWERED {
             return;
         }
@@ -131,6 +151,12 @@ impl ManagedCluster {
             return;
         }
         self.unanswered.store(0, Ordering::Relaxed);
+        let slots = std::mem::take(
+            &mut *self
+                .slots
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         /// Lets the next check go however this one ends (a runtime shutting down drops it).
         struct Done(Arc<ManagedCluster>);
         impl Drop for Done {
@@ -142,22 +168,36 @@ impl ManagedCluster {
         runtime.spawn(async move {
             let this = &done.0;
             let started = tokio::time::Instant::now();
-            let mut connection = this.connection();
-            let route = Route::with_slot(slot, SlotAddr::Master);
-            let ping = connection.route_command(
-                redis::cmd("PING"),
-                RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-            );
-            let every = match tokio::time::timeout(PING_DEADLINE, ping).await {
-                // An answer, even an error (`BUSY` in a long script): the node is there.
-                Ok(Ok(_)) => this.answers(slot),
-                Ok(Err(error)) if !silent(&error) => this.answers(slot),
-                _ => {
-                    let every = this.stalled(slot);
-                    this.replace().await;
-                    every
+            let connection = this.connection();
+            let pings = slots.iter().map(|&slot| {
+                let mut connection = connection.clone();
+                async move {
+                    let route = Route::with_slot(slot, SlotAddr::Master);
+                    let ping = connection.route_command(
+                        redis::cmd("PING"),
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    );
+                    let answered = match tokio::time::timeout(PING_DEADLINE, ping).await {
+                        // An answer, even an error (`BUSY` in a long script): the node is
+                        // there.
+                        Ok(Ok(_)) => true,
+                        Ok(Err(error)) => !silent(&error),
+                        Err(_) => false,
+                    };
+                    (slot, answered)
                 }
-            };
+            });
+            let answers = futures_util::future::join_all(pings).await;
+            // The slots whose nodes answer first: one that ends a stall says so before a
+            // stall found on another is said.
+            let mut every = CHECK_EVERY;
+            for &(slot, _) in answers.iter().filter(|(_, answered)| *answered) {
+                every = this.answers(slot);
+            }
+            if let Some(&(slot, _)) = answers.iter().find(|(_, answered)| !answered) {
+                every = this.stalled(slot);
+                this.replace().await;
+            }
             tokio::time::sleep_until(started + every).await;
             drop(done);
         });
