@@ -279,9 +279,9 @@ fn scale_policy(policy: &Policy, share: f64) -> Policy {
     let rate = |rate: Rate| {
         // A rate faster than a unit a millisecond is decided in lowest terms with a
         // period under the shortest a policy takes (10,000 a second is one per 100 µs):
-        // amount and period grow together first, to a period of at least that.
-        // In whole microseconds, as the rate is decided: `times` is exact, so the amount
-        // grows to no more than the rate's as written (whose period is at least that).
+        // amount and period grow together first, to a period of at least that, by a
+        // whole multiple of the period's microseconds (as the rate is decided), so the
+        // amount grows to no more than the rate's as written.
         let shortest = crate::policy::MIN_PERIOD.as_micros();
         let micros = rate.period().as_micros().max(1);
         let times = if micros < shortest {

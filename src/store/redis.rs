@@ -258,7 +258,7 @@ struct Scripts {
     /// library missing (a server restarted) load it once, not once each.
     reload: tokio::sync::Mutex<()>,
     loads: std::sync::atomic::AtomicU64,
-    /// Loads that failed on I/O (a Cluster primary that cannot answer): requests that
+    /// Loads that failed on I/O or were dropped unended (see `Loading`): requests that
     /// waited for a load that failed run as scripts, rather than each sending its own.
     failed_loads: std::sync::atomic::AtomicU64,
     /// When calls last fell back to scripts (milliseconds after `born`, plus one; 0:
@@ -1995,8 +1995,9 @@ fn function_not_found(error: &StoreError) -> bool {
 }
 
 /// Loads the library the server was missing and calls the function again: `Ok` with
-/// the answer to give, or `Err` when the store is to run scripts instead (an I/O error:
-/// this call alone). Loading refused
+/// the answer to give, or `Err` when the store is to run scripts instead (an I/O error,
+/// or a switch to scripts met while waiting for the load: this call runs as one, and
+/// the store was switched for a minute where the load failed, see `Loading`). Loading refused
 /// for Functions themselves (an ACL without `FUNCTION LOAD`, a server without them) falls
 /// back quietly, as designed; refused for anything else (`OOM`, the library's own error:
 /// a bug of ours) falls back too, so decisions stay exact, but is logged at error level
