@@ -194,7 +194,18 @@ impl ManagedCluster {
             for &(slot, _) in answers.iter().filter(|(_, answered)| *answered) {
                 every = this.answers(slot);
             }
-            if let Some(&(slot, _)) = answers.iter().find(|(_, answered)| !answered) {
+            // The stall's own slot when it is still silent (the one whose answer ends
+            // the stall stays put), else the first silent one.
+            let stalled_slot = *this
+                .stalled_slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let silent = answers.iter().filter(|(_, answered)| !answered);
+            let stalled = silent
+                .clone()
+                .find(|(slot, _)| Some(*slot) == stalled_slot)
+                .or_else(|| silent.clone().next());
+            if let Some(&(slot, _)) = stalled {
                 every = this.stalled(slot);
                 this.replace().await;
             }
