@@ -134,7 +134,14 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         // Only an `on_deny` hook answers so (a denial with a notice): the call was
         // denied for its quota all the same, not failed by the server.
         status if status.is_success() => 8,
-        _ => 13,
+        StatusCode::INTERNAL_SERVER_ERROR => 13,
+        // A hook's other statuses as gRPC maps a bare HTTP status
+        // (doc/http-grpc-status-mapping.md): a 404 hiding an endpoint is UNIMPLEMENTED,
+        // a bad gateway UNAVAILABLE, anything else UNKNOWN (it was INTERNAL, a server
+        // fault).
+        StatusCode::NOT_FOUND => 12,
+        StatusCode::BAD_GATEWAY => 14,
+        _ => 2,
     };
     let message = detail(&body).unwrap_or_else(|| {
         // A hook's success says nothing of the denial ("OK").
@@ -154,7 +161,14 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         parts.headers.insert("grpc-message", value);
     }
-    let details = status_details(code, &message, retry_after.filter(|_| code == 8));
+    // A second at least, as the pushback.
+    let details = status_details(
+        code,
+        &message,
+        retry_after
+            .filter(|_| code == 8)
+            .map(|seconds| seconds.max(1)),
+    );
     let details = base64::engine::general_purpose::STANDARD_NO_PAD.encode(details);
     if let Ok(value) = HeaderValue::from_str(&details) {
         parts.headers.insert("grpc-status-details-bin", value);
@@ -181,8 +195,10 @@ fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
     match (code, retry_after) {
         // At most the largest 32-bit integer, which is what clients read (about 24.8
         // days): a longer value is unreadable to them, and so "do not retry".
+        // A second at least, as the layer's own `Retry-After` (a hook's date in the
+        // current second reads as 0: a retry at once into a spent quota).
         (8 | 14, Some(seconds)) => Some(HeaderValue::from(
-            seconds.saturating_mul(1000).min(i32::MAX as u64),
+            seconds.max(1).saturating_mul(1000).min(i32::MAX as u64),
         )),
         (3, _) => Some(HeaderValue::from_static("-1")),
         _ => None,
@@ -456,6 +472,10 @@ mod tests {
                 Some("1000"),
             ),
             (StatusCode::TOO_MANY_REQUESTS, None, "8", None),
+            // A hook's date in the current second reads as no wait: a client told 0
+            // retries at once into a spent quota. The layer's own waits are a second at
+            // least; so is a pushback.
+            (StatusCode::TOO_MANY_REQUESTS, Some("0"), "8", Some("1000")),
             (StatusCode::BAD_REQUEST, None, "3", Some("-1")),
             // A month's wait: clients read the pushback as a 32-bit integer and take one
             // they cannot read for "do not retry" (grpc-java's `Integer.valueOf`): the
@@ -524,6 +544,12 @@ mod tests {
             (StatusCode::FORBIDDEN, "7"),
             (StatusCode::GATEWAY_TIMEOUT, "14"),
             (StatusCode::INTERNAL_SERVER_ERROR, "13"),
+            // doc/http-grpc-status-mapping.md, for the statuses the limiter never
+            // answers itself.
+            (StatusCode::NOT_FOUND, "12"),
+            (StatusCode::BAD_GATEWAY, "14"),
+            (StatusCode::CONFLICT, "2"),
+            (StatusCode::IM_A_TEAPOT, "2"),
         ] {
             let mut response = Response::new(Bytes::new());
             *response.status_mut() = status;
