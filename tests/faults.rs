@@ -1665,3 +1665,55 @@ fn keep_busy(
             .output()
     })
 }
+
+/// A store connected on one runtime (a start-up `block_on`) and used on another: the
+/// watch that asks the sentinels every 2 s ran on the first, and ended with it for good.
+/// A primary the sentinels failed over from, still answering as a primary (cut off from
+/// them, not demoted), was then never left: the counters forked. The watch is started
+/// again on the runtime that uses the store.
+#[test]
+fn the_sentinel_watch_outlives_the_runtime_the_store_connected_on() {
+    let old = RedisServer::start();
+    let new = RedisServer::start();
+    let sentinel = support::FakeSentinel::start(old.port, false);
+    let start_up = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = start_up
+        .block_on(RedisConfig::sentinel([sentinel.url()], "mymaster").connect())
+        .unwrap();
+    drop(start_up);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let policies =
+            PolicySet::from(Policy::fixed_window("api", 1_000, Duration::from_secs(600)).unwrap());
+        let key = Key::new("moved");
+        // The first meets the connection the first runtime took down; then on the old
+        // primary again.
+        for _ in 0..3 {
+            let _ = tokio::time::timeout(Duration::from_secs(5), store.decide(&key, &policies, 1))
+                .await;
+        }
+        assert!(
+            !support::keys_with_ttl(&old).is_empty(),
+            "decided on the old primary"
+        );
+        // The sentinels fail over; the old primary still answers as one.
+        sentinel.name(new.port);
+        let until = std::time::Instant::now() + Duration::from_secs(15);
+        while support::keys_with_ttl(&new).is_empty() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the store never left the old primary for the one the sentinels name"
+            );
+            let _ = tokio::time::timeout(Duration::from_secs(1), store.decide(&key, &policies, 1))
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}

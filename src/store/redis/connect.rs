@@ -151,7 +151,25 @@ impl RedisConfig {
     /// assert!(from(&[("REDIS_URL", "")]).is_err());
     /// ```
     pub fn from_env() -> Result<Option<Self>, StoreError> {
-        Self::from_lookup(|name| std::env::var(name).ok())
+        // A value that is not UTF-8 is an error, not "unset" (which would read as no
+        // Redis, as a value set to nothing would): the first such variable is named.
+        let unreadable = std::cell::RefCell::new(None);
+        let found = Self::from_lookup(|name| match std::env::var(name) {
+            Ok(value) => Some(value),
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(_)) => {
+                unreadable
+                    .borrow_mut()
+                    .get_or_insert_with(|| name.to_owned());
+                None
+            }
+        });
+        match unreadable.into_inner() {
+            Some(name) => Err(config_error(format!(
+                "{name} is not valid UTF-8: give it a URL (or unset it)"
+            ))),
+            None => found,
+        }
     }
 
     /// [`from_env`](Self::from_env) with the variables read through `lookup` (for tests,
@@ -357,9 +375,7 @@ impl RedisConfig {
             .map(|url| self.client(url))
             .collect::<Result<Vec<_>, _>>()?;
         // The primary is reached the way the sentinels are: TLS when they use it.
-        let tls = sentinels
-            .iter()
-            .any(|url| url.trim_start().to_ascii_lowercase().starts_with("rediss:"));
+        let tls = sentinels.iter().any(|url| tls_url(url));
         let (username, password) = match &self.master_auth {
             Some((username, password)) => (username.clone(), Some(password.clone())),
             None => (None, None),
@@ -389,9 +405,16 @@ fn config_error(message: impl Into<String>) -> StoreError {
     StoreError::new(StoreErrorKind::Other, message)
 }
 
-/// `rediss://` without the `tls` feature is a clear error, not redis-rs's.
+/// Whether `url` asks for TLS: `rediss:`, or `valkeys:` (which redis-rs reads as TLS
+/// too), in any case.
+fn tls_url(url: &str) -> bool {
+    let url = url.trim_start().to_ascii_lowercase();
+    url.starts_with("rediss:") || url.starts_with("valkeys:")
+}
+
+/// A TLS URL without the `tls` feature is a clear error, not redis-rs's.
 fn check_scheme(url: &str) -> Result<(), StoreError> {
-    if cfg!(not(feature = "tls")) && url.trim_start().to_ascii_lowercase().starts_with("rediss:") {
+    if cfg!(not(feature = "tls")) && tls_url(url) {
         return Err(config_error(format!(
             "{} is a TLS URL: build tollgate with its `tls` feature",
             redact(url)
@@ -454,7 +477,24 @@ pub(super) fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{redact, tls_url};
+
+    #[test]
+    fn tls_urls_are_told_in_every_spelling() {
+        // A primary the sentinels name is reached with TLS when they are: `valkeys://`
+        // sentinels had it reached in plain text (redis-rs reads `valkeys` as TLS).
+        for url in [
+            "rediss://h:1",
+            " REDISS://h:1",
+            "valkeys://h:1",
+            "ValKeyS://h:1",
+        ] {
+            assert!(tls_url(url), "{url}");
+        }
+        for url in ["redis://h:1", "valkey://h:1", "redis+unix:///tmp/r.sock"] {
+            assert!(!tls_url(url), "{url}");
+        }
+    }
 
     #[test]
     fn user_and_password() {

@@ -22,7 +22,7 @@
 //!   once; an error of the moment the primary answered (`NOREPLICAS`, `BUSY`) or a slow
 //!   answer keeps it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -118,6 +118,10 @@ pub(super) struct SentinelBackend {
     /// Bumped after every look-up, so requests waiting for one wake up.
     looked_up: tokio::sync::watch::Sender<u64>,
     generation: AtomicU64,
+    /// A watch runs (on some runtime). It ends with its runtime (a start-up runtime the
+    /// store connected on, dropped once it is built): a request on another starts one
+    /// there, or the store would follow no failover of a primary that still answers.
+    watching: AtomicBool,
 }
 
 struct State {
@@ -145,12 +149,25 @@ impl SentinelBackend {
             }),
             looked_up: tokio::sync::watch::Sender::new(0),
             generation: AtomicU64::new(0),
+            watching: AtomicBool::new(false),
         });
-        // The watch holds the backend weakly: it ends with the last store.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(watch(Arc::downgrade(&backend)));
-        }
+        backend.watch_here();
         backend
+    }
+
+    /// Starts the watch on the current runtime, unless one runs. The watch holds the
+    /// backend weakly: it ends with the last store (or with its runtime, and the next
+    /// request starts another).
+    fn watch_here(self: &Arc<Self>) {
+        if self.watching.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(watch(Watching(Arc::downgrade(self))));
+            }
+            Err(_) => self.watching.store(false, Ordering::Release),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -164,6 +181,9 @@ impl SentinelBackend {
     pub(super) async fn connection(
         self: &Arc<Self>,
     ) -> Result<(u64, MultiplexedConnection), StoreError> {
+        if !self.watching.load(Ordering::Relaxed) {
+            self.watch_here();
+        }
         // The common case, without subscribing to look-ups.
         if let Some((generation, _, connection)) = &self.lock().current {
             return Ok((*generation, connection.clone()));
@@ -635,7 +655,20 @@ async fn resolve(mut turn: Resolving) {
 
 /// Every [`WATCH_EVERY`]: is the server still a primary that answers, and still the one
 /// the sentinels name? If not, it is left.
-async fn watch(backend: Weak<SentinelBackend>) {
+/// The watch's hold on the backend: says the watch ended however it ends (its runtime
+/// shut down included), so that a request starts another.
+struct Watching(Weak<SentinelBackend>);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        if let Some(backend) = self.0.upgrade() {
+            backend.watching.store(false, Ordering::Release);
+        }
+    }
+}
+
+async fn watch(watching: Watching) {
+    let backend = &watching.0;
     let mut tick: u64 = 0;
     // No sentinel answered the last round: said once, until one does.
     let mut unheard = false;
