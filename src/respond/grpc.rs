@@ -143,14 +143,16 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         StatusCode::BAD_GATEWAY => 14,
         _ => 2,
     };
-    let message = detail(&body).unwrap_or_else(|| {
-        // A hook's success says nothing of the denial ("OK").
-        let reason = parts.status.canonical_reason();
-        reason
-            .filter(|_| !parts.status.is_success())
-            .unwrap_or("rate limited")
-            .to_owned()
-    });
+    let message = detail(&body)
+        .or_else(|| plain_text(&parts.headers, &body))
+        .unwrap_or_else(|| {
+            // A hook's success says nothing of the denial ("OK").
+            let reason = parts.status.canonical_reason();
+            reason
+                .filter(|_| !parts.status.is_success())
+                .unwrap_or("rate limited")
+                .to_owned()
+        });
     parts.status = StatusCode::OK;
     parts.headers.remove(header::CONTENT_LENGTH);
     parts.headers.insert(header::CONTENT_TYPE, content_type);
@@ -205,13 +207,17 @@ fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
     }
 }
 
-/// The `detail` member of the limiter's own problem body (RFC 9457), its JSON escapes
-/// undone (RFC 8259, section 7).
+/// The `detail` member of a problem body (RFC 9457; the limiter's own, or a hook's, with
+/// whitespace around its colon, RFC 8259, section 2), its JSON escapes undone (section 7).
 fn detail(body: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(body).ok()?;
-    let start = text.find("\"detail\":\"")? + "\"detail\":\"".len();
+    let after_name = text.find("\"detail\"")? + "\"detail\"".len();
+    let rest = text[after_name..].trim_start_matches([' ', '\t', '\n', '\r']);
+    let rest = rest
+        .strip_prefix(':')?
+        .trim_start_matches([' ', '\t', '\n', '\r']);
     let mut out = String::new();
-    let mut chars = text[start..].chars();
+    let mut chars = rest.strip_prefix('"')?.chars();
     while let Some(c) = chars.next() {
         match c {
             '"' => return Some(out),
@@ -234,6 +240,26 @@ fn detail(body: &[u8]) -> Option<String> {
         }
     }
     None
+}
+
+/// A hook's plain-text body (`text/plain`), as its message: trimmed, at most 1 KiB (cut on
+/// a character boundary).
+fn plain_text(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
+    let plain = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| {
+            value
+                .split(';')
+                .next()
+                .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/plain"))
+        });
+    let text = std::str::from_utf8(body).ok().filter(|_| plain)?.trim();
+    let mut end = text.len().min(1024);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    Some(text[..end].to_owned()).filter(|text| !text.is_empty())
 }
 
 /// gRPC's percent-encoding of `grpc-message`: printable ASCII but `%` as is.
@@ -320,6 +346,39 @@ mod tests {
     /// The limiter's HTTP answer `response` as a gRPC trailers-only response.
     fn answer(response: Response<Bytes>) -> Response<Bytes> {
         answer_as(response, HeaderValue::from_static("application/grpc"))
+    }
+
+    /// A hook's own words reach the client: a problem body written with spaces around
+    /// its colon, or a plain-text one (the `Rejection` docs' example). Both gave the
+    /// status's reason ("Too Many Requests").
+    #[test]
+    fn a_hooks_message_is_the_grpc_message() {
+        for (body, content_type, message) in [
+            (
+                &br#"{"detail": "slow down"}"#[..],
+                "application/problem+json",
+                "slow down",
+            ),
+            (
+                b"{\n  \"detail\" :\n  \"wait\"\n}",
+                "application/json",
+                "wait",
+            ),
+            (
+                b"  try again in 3s\n",
+                "text/plain; charset=utf-8",
+                "try again in 3s",
+            ),
+            (b"<p>no</p>", "text/html", "Too Many Requests"),
+        ] {
+            let mut response = Response::new(Bytes::from_static(body));
+            *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+            response
+                .headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+            let answer = answer(response);
+            assert_eq!(answer.headers()["grpc-message"], message, "{content_type}");
+        }
     }
 
     #[test]
