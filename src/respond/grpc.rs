@@ -96,10 +96,13 @@ pub(crate) fn fit(
 /// headers).
 fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<Bytes> {
     let (mut parts, body) = response.into_parts();
+    // A second at least, as the layer's own `Retry-After` (a hook's date in the current
+    // second reads as 0: a retry at once into a spent quota).
     let retry_after = parts
         .headers
         .get(header::RETRY_AFTER)
-        .and_then(super::headers::retry_after_secs);
+        .and_then(super::headers::retry_after_secs)
+        .map(|seconds| seconds.max(1));
     if let Some(code) = parts.headers.get(GRPC_STATUS) {
         // An `on_deny` hook that answered as gRPC (tonic's `Status` into HTTP): its
         // status, message and details stand; the wait is pushed back as ours is. Sent
@@ -163,14 +166,7 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     if let Ok(value) = HeaderValue::from_str(&percent_encode(&message)) {
         parts.headers.insert("grpc-message", value);
     }
-    // A second at least, as the pushback.
-    let details = status_details(
-        code,
-        &message,
-        retry_after
-            .filter(|_| code == 8)
-            .map(|seconds| seconds.max(1)),
-    );
+    let details = status_details(code, &message, retry_after.filter(|_| code == 8));
     let details = base64::engine::general_purpose::STANDARD_NO_PAD.encode(details);
     if let Ok(value) = HeaderValue::from_str(&details) {
         parts.headers.insert("grpc-status-details-bin", value);
@@ -197,10 +193,8 @@ fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
     match (code, retry_after) {
         // At most the largest 32-bit integer, which is what clients read (about 24.8
         // days): a longer value is unreadable to them, and so "do not retry".
-        // A second at least, as the layer's own `Retry-After` (a hook's date in the
-        // current second reads as 0: a retry at once into a spent quota).
         (8 | 14, Some(seconds)) => Some(HeaderValue::from(
-            seconds.max(1).saturating_mul(1000).min(i32::MAX as u64),
+            seconds.saturating_mul(1000).min(i32::MAX as u64),
         )),
         (3, _) => Some(HeaderValue::from_static("-1")),
         _ => None,
@@ -255,11 +249,7 @@ fn plain_text(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
                 .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/plain"))
         });
     let text = std::str::from_utf8(body).ok().filter(|_| plain)?.trim();
-    let mut end = text.len().min(1024);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    Some(text[..end].to_owned()).filter(|text| !text.is_empty())
+    Some(super::problem::cut(text, 1024).to_owned()).filter(|text| !text.is_empty())
 }
 
 /// gRPC's percent-encoding of `grpc-message`: printable ASCII but `%` as is.

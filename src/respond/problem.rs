@@ -126,11 +126,16 @@ fn shown(detail: &str) -> std::borrow::Cow<'_, str> {
     if detail.len() <= DETAIL_SHOWN {
         return detail.into();
     }
-    let mut end = DETAIL_SHOWN;
-    while !detail.is_char_boundary(end) {
+    format!("{}…", cut(detail, DETAIL_SHOWN)).into()
+}
+
+/// `text`'s first `max` bytes at most, cut on a character's boundary.
+pub(super) fn cut(text: &str, max: usize) -> &str {
+    let mut end = text.len().min(max);
+    while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}…", &detail[..end]).into()
+    &text[..end]
 }
 
 fn problem(

@@ -2451,19 +2451,18 @@ fn parse_reply(
     // Policies of the set, each once, in order, as the script writes them: anything else
     // is out of shape (read as shadow denials, its numbers marked policies undebited).
     let shadow_denied = &reply[5 + 4 * count..];
-    let mut last = None;
-    for &index in shadow_denied {
-        let index = usize::try_from(index).unwrap_or(usize::MAX);
-        if index >= count || last.is_some_and(|last| index <= last) {
-            return Err(StoreError::new(
-                StoreErrorKind::Protocol,
-                format!(
-                    "the decision script named shadow policies {shadow_denied:?} of {count} \
-                     as those that would have denied"
-                ),
-            ));
-        }
-        last = Some(index);
+    let of_the_set = shadow_denied
+        .iter()
+        .all(|&index| usize::try_from(index).is_ok_and(|index| index < count));
+    let in_order = shadow_denied.windows(2).all(|pair| pair[0] < pair[1]);
+    if !(of_the_set && in_order) {
+        return Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!(
+                "the decision script named shadow policies {shadow_denied:?} of {count} as \
+                 those that would have denied"
+            ),
+        ));
     }
     let shadow_denied = shadow_denied
         .iter()

@@ -192,7 +192,7 @@ impl ManagedCluster {
             // stall found on another is said.
             let mut every = CHECK_EVERY;
             for &(slot, _) in answers.iter().filter(|(_, answered)| *answered) {
-                every = this.answers(slot);
+                this.answers(slot);
             }
             // The stall's own slot when it is still silent (the one whose answer ends
             // the stall stays put), else the first silent one.
@@ -280,10 +280,9 @@ impl ManagedCluster {
     /// A check found the node of `slot` answering. When that is the slot of the stall, the
     /// stall is over: said at info level, and the next is a new one (said at warn level,
     /// checked from the shortest interval). A check of another slot, which
-    /// may be another shard's (for a call its client dropped), ends nothing. The wait
-    /// until the next check may run.
+    /// may be another shard's (for a call its client dropped), ends nothing.
     #[cold]
-    fn answers(&self, slot: Slot) -> Duration {
+    fn answers(&self, slot: Slot) {
         let mut stalled = self
             .stalled_slot
             .lock()
@@ -296,7 +295,6 @@ impl ManagedCluster {
             #[cfg(feature = "tracing")]
             tracing::info!(target: "tollgate", "the Redis Cluster node that stalled answers again");
         }
-        CHECK_EVERY
     }
 }
 

@@ -489,10 +489,10 @@ mod tests {
             "valkeys://h:1",
             "ValKeyS://h:1",
         ] {
-            assert!(tls_url(url), "{url}");
+            assert!(tls_url(url), "{}", redact(url));
         }
         for url in ["redis://h:1", "valkey://h:1", "redis+unix:///tmp/r.sock"] {
-            assert!(!tls_url(url), "{url}");
+            assert!(!tls_url(url), "{}", redact(url));
         }
     }
 
