@@ -37,7 +37,13 @@ use crate::policy::{Policy, PolicySet};
 /// its `Retry-After`: a reset, a grant or a refund made through another replica (each
 /// has its own cache) clears only that replica's cache, so the others see it within
 /// `max_age`; so is one made below the cache (a [`Leased`](super::Leased) store inside it
-/// gives its leases' rests back itself). Within it, a cached answer carries its full remaining wait.
+/// gives its leases' rests back itself), and so is state the store loses by itself (an
+/// identity it evicts, a Redis key evicted under `maxmemory` or lost in a failover).
+/// Within it, a cached answer carries its full remaining wait. A change made through this
+/// cache forgets the identity's denials when it is sent and when it lands; when its wait
+/// is given up first (a settle's timeout), when it is given up, and a denial the store
+/// gives between then and the change's landing is kept up to `max_age`, as another
+/// replica's change is.
 ///
 /// A cost above a policy's limit is refused whatever the state, so it is answered here
 /// every time ([`Outcome::CostExceedsLimit`](crate::Outcome::CostExceedsLimit)), never
@@ -291,19 +297,37 @@ fn cache_key(key: &Key, policies: &PolicySet) -> CacheKey {
 impl<S> DenyCache<S> {
     /// Drops a key's cached denials now and again when `change` lands (a store doing I/O
     /// lands it a round trip later: a denial it gave meanwhile, and this cache kept, was
-    /// given before the units were back).
+    /// given before the units were back), or when its wait is given up: a store doing I/O
+    /// applies what it was sent whether or not the reply is awaited (a settle's timeout
+    /// drops the future), and a denial kept from before then would outlive the change.
     fn forget_around<T: Send + 'static>(
         &self,
         key: &Key,
         change: Pin<Box<dyn Future<Output = T> + Send>>,
     ) -> Pin<Box<dyn Future<Output = T> + Send>> {
         self.shared.forget(key);
-        let (shared, key) = (Arc::clone(&self.shared), key.clone());
+        let landing = Landing {
+            shared: Arc::clone(&self.shared),
+            key: key.clone(),
+        };
         Box::pin(async move {
-            let landed = change.await;
-            shared.forget(&key);
-            landed
+            // Forgets when the change lands, or when this future is dropped first.
+            let _landing = landing;
+            change.await
         })
+    }
+}
+
+/// Forgets a key's cached denials when dropped: when its change lands, or when the wait
+/// for it is given up.
+struct Landing {
+    shared: Arc<Shared>,
+    key: Key,
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        self.shared.forget(&self.key);
     }
 }
 
@@ -744,6 +768,101 @@ mod tests {
             assert!(!denied.is_allowed() && !denied.is_cached());
             gate.add_permits(1);
             landing.await.unwrap().unwrap();
+            let after = cache.decide(&key, &policies, 1).await.unwrap();
+            assert!(
+                after.is_allowed(),
+                "reset {reset}: the store admits once the change landed, but the cache said {after:?}"
+            );
+        }
+    }
+
+    /// An in-process store whose adjustments and resets are sent at once and land when
+    /// the test says, whatever becomes of their futures: as Redis applies a command it
+    /// was sent when the caller gives up waiting for its reply.
+    #[derive(Clone)]
+    struct Sent {
+        inner: MemoryStore<ManualClock>,
+        gate: Arc<tokio::sync::Semaphore>,
+    }
+
+    impl Sent {
+        fn send<T: Send + 'static>(
+            &self,
+            change: impl std::future::Future<Output = T> + Send + 'static,
+        ) -> impl std::future::Future<Output = T> + Send + 'static {
+            let gate = Arc::clone(&self.gate);
+            let landing = tokio::spawn(async move {
+                let _pass = gate.acquire().await.expect("open");
+                change.await
+            });
+            async move { landing.await.expect("the change lands") }
+        }
+    }
+
+    impl Store for Sent {
+        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+            self.inner.decide(key, policies, cost)
+        }
+
+        fn can_adjust(&self) -> bool {
+            true
+        }
+
+        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+            let inner = self.inner.clone();
+            let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+            DecideFuture::new(
+                self.send(async move { inner.adjust(&key, &policies, &adjustment).await }),
+            )
+        }
+
+        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
+            let inner = self.inner.clone();
+            let (key, policies) = (key.clone(), policies.clone());
+            Box::pin(self.send(async move { inner.reset(&key, &policies).await }))
+        }
+    }
+
+    /// A grant or reset whose wait is given up (the layer's settle timeout drops its
+    /// future) still lands: the command was sent. The cache forgot the key's denials when
+    /// the change was sent, and was to forget them again when it landed, but a dropped
+    /// future never lands: a denial the store gave in between was kept, and this replica
+    /// denied what the store admits for the whole max age.
+    #[tokio::test]
+    async fn a_denial_given_while_a_change_is_on_its_way_is_forgotten_when_its_wait_is_dropped() {
+        for reset in [false, true] {
+            let clock = ManualClock::new();
+            let gate = Arc::new(tokio::sync::Semaphore::new(0));
+            let store = Sent {
+                inner: MemoryStore::builder().clock(clock.clone()).build(),
+                gate: Arc::clone(&gate),
+            };
+            let cache =
+                DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+            let policies = PolicySet::from(
+                Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap(),
+            );
+            let key = Key::new("customer");
+            assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            let waiting: Pin<Box<dyn std::future::Future<Output = ()> + Send>> = if reset {
+                let future = cache.reset(&key, &policies);
+                Box::pin(async move { future.await.unwrap() })
+            } else {
+                let future = cache.adjust(&key, &policies, &Adjustment::grant(1));
+                Box::pin(async move {
+                    future.await.unwrap();
+                })
+            };
+            tokio::task::yield_now().await;
+            // Sent, not landed: the store still denies, and the denial is cached.
+            let denied = cache.decide(&key, &policies, 1).await.unwrap();
+            assert!(!denied.is_allowed() && !denied.is_cached());
+            // The wait is given up; the change lands all the same.
+            drop(waiting);
+            gate.add_permits(1);
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
             let after = cache.decide(&key, &policies, 1).await.unwrap();
             assert!(
                 after.is_allowed(),
