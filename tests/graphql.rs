@@ -2736,6 +2736,39 @@ fn cost_weights_on_members_scalars_enums_and_arguments_count() {
     assert_eq!(cost(r#"{ search(text: "a", fuzzy: true) { y } }"#), 1 + 7);
 }
 
+/// A field's arguments are read at each visit of it (for its slicing arguments, and the
+/// variables they name). Inside `__type`, where a fragment is walked again at each spread,
+/// fragments doubling ten levels deep reach one leaf 1,024 times: a leaf of thousands
+/// of arguments (each naming one of thousands of variables) asked for minutes of CPU
+/// within the visit bound, for a charge of 1. Each argument read is a visit.
+#[test]
+fn arguments_count_towards_the_field_visits() {
+    let doubling = |leaf: &str| {
+        let mut document = String::from("query Q(VARIABLES) { __type(name: \"T\") { ...F0 } }\n");
+        for level in 0..10 {
+            let next = level + 1;
+            document += &format!("fragment F{level} on __Type {{ ...F{next} ...F{next} }}\n");
+        }
+        document += &format!("fragment F10 on __Type {{ name({leaf}) }}\n");
+        document
+    };
+    let variables: String = (0..200).map(|n| format!("$v{n}: Int ")).collect();
+    let named: String = (0..200).map(|n| format!("a{n}: $v{n} ")).collect();
+    let literal: String = (0..200).map(|n| format!("a{n}: 1 ")).collect();
+    let coster = GraphqlCost::new();
+    for leaf in [&named, &literal] {
+        let document = doubling(leaf).replace("VARIABLES", &variables);
+        let error = coster.query_cost(&document, None, None).unwrap_err();
+        assert!(
+            matches!(error, CostError::TooComplex { max: 100_000 }),
+            "{error}"
+        );
+    }
+    // The same leaf reached once is well within the bound.
+    let once = format!("query Q({variables}) {{ __type(name: \"T\") {{ name({named}) }} }}");
+    assert_eq!(coster.query_cost(&once, None, None).unwrap(), 1);
+}
+
 /// Costing walks a selection set once for each type it may be on: under an interface
 /// with hundreds of implementations (GitHub's `Node`), a document within the token limit asks
 /// for millions of steps, before the limiter has a say. The walk stops at a bound of

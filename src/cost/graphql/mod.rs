@@ -356,7 +356,8 @@ impl GraphqlCost {
     /// The most visits costing one body may take (default 100,000; a batch shares them),
     /// past which it is refused with [`CostError::TooComplex`]. Each selection (a field, a
     /// fragment spread, an inline fragment) is visited once for each type its selection
-    /// set is costed on, and each possible type of an interface or a union once: a
+    /// set is costed on, each argument of a field once with it (a field of 3 arguments is
+    /// 4 visits), and each possible type of an interface or a union once: a
     /// document at the token limit, through an interface of 300 types, would take millions
     /// before the limiter has a say.
     ///
@@ -367,6 +368,12 @@ impl GraphqlCost {
     /// assert_eq!(coster.query_cost("{ a { b c } }", None, None)?, 1);
     /// assert!(matches!(
     ///     coster.query_cost("{ a { b c d } }", None, None),
+    ///     Err(CostError::TooComplex { max: 3 })
+    /// ));
+    /// // An argument is a visit.
+    /// assert_eq!(coster.query_cost("{ a(first: 2) { b } }", None, None)?, 1);
+    /// assert!(matches!(
+    ///     coster.query_cost(r#"{ a(first: 2, after: "x") { b } }"#, None, None),
     ///     Err(CostError::TooComplex { max: 3 })
     /// ));
     /// # Ok::<(), CostError>(())
@@ -503,6 +510,7 @@ impl GraphqlCost {
             visiting: Vec::new(),
             deepest: 0,
             operation,
+            definitions: std::cell::OnceCell::new(),
             variables,
             visits: *visits,
             introspection: None,
@@ -893,6 +901,10 @@ struct Walk<'a> {
     /// The deepest level reached so far.
     deepest: usize,
     operation: &'a ast::OperationDefinition,
+    /// The operation's variable definitions by name (the first of a name), made at the
+    /// first look-up: a document may define thousands, and each visit of a field may look
+    /// one up for each of its slicing arguments.
+    definitions: std::cell::OnceCell<HashMap<&'a str, &'a ast::VariableDefinition>>,
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
@@ -1014,6 +1026,10 @@ impl<'a> Walk<'a> {
             self.visit()?;
             let cost = match selection {
                 Selection::Field(field) => {
+                    // Each argument is read at each visit (for slicing, and the variable
+                    // it names): a visit each, or a leaf of thousands of them, reached
+                    // again and again, is work the bound does not see.
+                    self.visits_for(field.arguments.len())?;
                     let in_field = std::mem::replace(&mut self.in_field, true);
                     let cost = self.field(field, concrete, depth);
                     self.in_field = in_field;
@@ -1284,10 +1300,36 @@ impl<'a> Walk<'a> {
     /// Counts one visit (a selection on one type, or one possible type of a selection
     /// set): past the model's bound, the document is too costly to cost.
     fn visit(&mut self) -> Result<(), CostError> {
-        self.visits = self.visits.checked_sub(1).ok_or(CostError::TooComplex {
-            max: self.model.max_field_visits,
-        })?;
+        self.visits_for(1)
+    }
+
+    /// Counts `count` visits ([`Walk::visit`]).
+    fn visits_for(&mut self, count: usize) -> Result<(), CostError> {
+        self.visits = u64::try_from(count)
+            .ok()
+            .and_then(|count| self.visits.checked_sub(count))
+            .ok_or(CostError::TooComplex {
+                max: self.model.max_field_visits,
+            })?;
         Ok(())
+    }
+
+    /// The operation's definition of the variable `name` (the first, where a document
+    /// defines it twice, which servers refuse).
+    fn definition(&self, name: &str) -> Option<&'a ast::VariableDefinition> {
+        let operation = self.operation;
+        self.definitions
+            .get_or_init(|| {
+                let mut definitions = HashMap::with_capacity(operation.variables.len());
+                for definition in &operation.variables {
+                    definitions
+                        .entry(definition.name.as_str())
+                        .or_insert(&**definition);
+                }
+                definitions
+            })
+            .get(name)
+            .copied()
     }
 
     /// Notes that the walk reached `depth`: past the model's limit, the document is too
@@ -1317,12 +1359,15 @@ impl<'a> Walk<'a> {
         let mut given = 0;
         let mut largest = None;
         for argument in &field.arguments {
+            if !slicing(argument.name.as_str()) {
+                continue;
+            }
             // A variable not given leaves the argument to the schema's default, where it
             // has one; where none is known, it is sized as a value missing (refused, or
             // the most under `OutOfRange::Cap`): the server's default may be no limit.
             let to_default = self.unset(&argument.value)
                 && defaults.is_some_and(|defaults| defaults.contains_key(argument.name.as_str()));
-            if slicing(argument.name.as_str()) && !to_default {
+            if !to_default {
                 given += 1;
                 let size = self.in_range(field, &argument.name, self.int(&argument.value))?;
                 largest = largest.max(Some(size));
@@ -1386,10 +1431,8 @@ impl<'a> Walk<'a> {
             .variables
             .is_some_and(|variables| variables.contains_key(name.as_str()));
         let defaulted = self
-            .operation
-            .variables
-            .iter()
-            .any(|definition| definition.name == *name && definition.default_value.is_some());
+            .definition(name.as_str())
+            .is_some_and(|definition| definition.default_value.is_some());
         !given && !defaulted
     }
 
@@ -1408,10 +1451,7 @@ impl<'a> Walk<'a> {
                         .or_else(|| number.as_f64().map(|float| float as i64)),
                     Some(_) => None,
                     None => self
-                        .operation
-                        .variables
-                        .iter()
-                        .find(|definition| definition.name == *name)
+                        .definition(name.as_str())
                         .and_then(|definition| definition.default_value.as_ref())
                         .and_then(|default| match &**default {
                             Value::Int(int) => int.as_str().parse().ok(),
