@@ -135,6 +135,18 @@ pub struct LimiterConfig {
     /// replica the whole limit). Only with the fallback failure mode.
     #[serde(default)]
     pub fallback_share: Option<f64>,
+    /// How long the store may take to decide before the request counts as a store failure
+    /// ([`RateLimitLayer::store_timeout`]): a duration above zero (`"150ms"`); default
+    /// 50 ms. With Redis, keep it above three round trips (a Cluster's redirects, a
+    /// coalesced batch).
+    #[serde(default)]
+    pub store_timeout: Option<String>,
+    /// When to stop calling a failing store, and when to probe it again
+    /// ([`RateLimitLayer::circuit_breaker`]). Default: open after 5 failures in a row,
+    /// probe every second. A reload that changes it starts a new breaker, closed; one
+    /// that keeps it keeps the breaker as it is.
+    #[serde(default)]
+    pub circuit_breaker: Option<BreakerSpec>,
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).
     #[serde(default)]
     pub shadow: bool,
@@ -145,6 +157,37 @@ pub struct LimiterConfig {
     /// `"draft-11"` (default), `"draft-6"`, `"legacy"` or `"none"`.
     #[serde(default)]
     pub headers: Option<String>,
+}
+
+/// The circuit breaker's settings ([`CircuitBreaker`](crate::CircuitBreaker)).
+///
+/// ```
+/// use tollgate::config::LimiterConfig;
+///
+/// let config: LimiterConfig = toml::from_str(r#"
+///     store_timeout = "150ms"
+///     circuit_breaker = { failures = 3, cool_down = "5s" }
+///
+///     [[policies]]
+///     name = "api"
+///     algorithm = "gcra"
+///     rate = "10/s"
+///     burst = 20
+/// "#)?;
+/// config.check()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct BreakerSpec {
+    /// Failures in a row that open the breaker: at least 1; default 5.
+    #[serde(default)]
+    pub failures: Option<u32>,
+    /// How long the breaker stays open before a probe (`"1s"`): at most
+    /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD); default 1 s.
+    #[serde(default)]
+    pub cool_down: Option<String>,
 }
 
 /// One policy. `algorithm` picks which of the other fields it needs:
@@ -519,6 +562,8 @@ struct Compiled {
     resolver: Arc<dyn PolicyResolver>,
     sets: Sets,
     failure_mode: Option<&'static str>,
+    store_timeout: Option<Duration>,
+    breaker: BreakerSettings,
     shadow: bool,
     shadow_headers: bool,
     headers: HeaderStyle,
@@ -945,6 +990,43 @@ impl LimiterConfig {
             }
             (Some(share), None) => Some(share),
         };
+        let store_timeout = match &self.store_timeout {
+            None => None,
+            Some(text) => match duration(text) {
+                Ok(timeout) if timeout.is_zero() => {
+                    return Err(ConfigError::new(
+                        "store_timeout",
+                        format!("{text:?} is no time: the store must be given some"),
+                    ));
+                }
+                Ok(timeout) => Some(timeout),
+                Err(reason) => return Err(ConfigError::new("store_timeout", reason)),
+            },
+        };
+        let breaker = self.circuit_breaker.clone().unwrap_or_default();
+        let failures = match breaker.failures {
+            None => DEFAULT_BREAKER.0,
+            Some(0) => {
+                return Err(ConfigError::new(
+                    "circuit_breaker.failures",
+                    "0: a breaker opens after at least 1 failure",
+                ));
+            }
+            Some(failures) => failures,
+        };
+        let cool_down = match &breaker.cool_down {
+            None => DEFAULT_BREAKER.1,
+            Some(text) => match duration(text) {
+                Ok(cool_down) if cool_down > crate::policy::MAX_PERIOD => {
+                    return Err(ConfigError::new(
+                        "circuit_breaker.cool_down",
+                        format!("{text:?} is longer than the longest period (10 years)"),
+                    ));
+                }
+                Ok(cool_down) => cool_down,
+                Err(reason) => return Err(ConfigError::new("circuit_breaker.cool_down", reason)),
+            },
+        };
         // Settings that look in force must be: shadow headers show shadow policies (or a
         // shadow layer's numbers), and there are none.
         if self.shadow_headers && !self.shadow && !self.policies.iter().any(|p| p.shadow) {
@@ -979,6 +1061,8 @@ impl LimiterConfig {
             resolver,
             sets,
             failure_mode,
+            store_timeout,
+            breaker: (failures, cool_down),
             shadow: self.shadow,
             shadow_headers: self.shadow_headers,
             headers,
@@ -1037,6 +1121,15 @@ impl PolicyResolver for Plans {
     }
 }
 
+/// A circuit breaker's settings: failures in a row, and the cool-down.
+type BreakerSettings = (u32, Duration);
+
+/// A breaker and the settings it was made with.
+type SetBreaker = (BreakerSettings, Arc<Breaker>);
+
+/// [`CircuitBreaker::default`]'s settings.
+const DEFAULT_BREAKER: BreakerSettings = (5, Duration::from_secs(1));
+
 type LiveConfig =
     Config<Arc<dyn Store>, Arc<dyn KeyExtractor>, Arc<dyn Cost>, Arc<dyn PolicyResolver>>;
 
@@ -1053,7 +1146,9 @@ struct LiveShared {
     current: ArcSwap<LiveConfig>,
     /// The current configuration's sets, swapped right after it.
     sets: ArcSwap<Sets>,
-    breaker: Arc<Breaker>,
+    /// The breaker and the settings it was made with: shared by the configurations
+    /// that keep them.
+    breaker: std::sync::Mutex<SetBreaker>,
     /// The places of requests dropped during their shaping delay, kept across reloads.
     dropped: Arc<crate::settle::DroppedBookings>,
     fallback: LocalFallback,
@@ -1071,16 +1166,15 @@ impl LiveLayer {
     /// A layer over `store` serving `config`.
     pub fn new(store: impl Store, config: &LimiterConfig) -> Result<Self, ConfigError> {
         let store: Arc<dyn Store> = Arc::new(store);
-        let breaker = Arc::new(Breaker::new(CircuitBreaker::default()));
         let dropped = Arc::default();
         let fallback = LocalFallback::new();
-        let (current, sets) = build(&store, (&breaker, &dropped), &fallback, config)?;
+        let (current, sets, breaker) = build(&store, (None, &dropped), &fallback, config)?;
         Ok(Self {
             shared: Arc::new(LiveShared {
                 store,
                 current: ArcSwap::from(current),
                 sets: ArcSwap::from_pointee(sets),
-                breaker,
+                breaker: std::sync::Mutex::new(breaker),
                 dropped,
                 fallback,
                 reloading: std::sync::Mutex::new(()),
@@ -1098,9 +1192,14 @@ impl LiveLayer {
             .reloading
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (next, sets) = build(
+        let mut breaker = self
+            .shared
+            .breaker
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (next, sets, next_breaker) = build(
             &self.shared.store,
-            (&self.shared.breaker, &self.shared.dropped),
+            (Some(&breaker), &self.shared.dropped),
             &self.shared.fallback,
             config,
         )
@@ -1114,6 +1213,7 @@ impl LiveLayer {
             #[cfg(not(feature = "tracing"))]
             let _ = error;
         })?;
+        *breaker = next_breaker;
         self.shared.current.store(next);
         self.shared.sets.store(Arc::new(sets));
         #[cfg(feature = "tracing")]
@@ -1154,15 +1254,23 @@ impl LiveLayer {
     }
 }
 
-/// The layer of `config`, sharing with the configurations before it the breaker and the
-/// places of requests dropped during their shaping delay.
+/// The layer of `config`, sharing with the configurations before it the places of
+/// requests dropped during their shaping delay, and the breaker (`kept`, with its
+/// settings) if the settings are the same; with the breaker it uses.
 fn build(
     store: &Arc<dyn Store>,
-    (breaker, dropped): (&Arc<Breaker>, &Arc<crate::settle::DroppedBookings>),
+    (kept, dropped): (Option<&SetBreaker>, &Arc<crate::settle::DroppedBookings>),
     fallback: &LocalFallback,
     config: &LimiterConfig,
-) -> Result<(Arc<LiveConfig>, Sets), ConfigError> {
+) -> Result<(Arc<LiveConfig>, Sets, SetBreaker), ConfigError> {
     let compiled = config.compile()?;
+    let breaker = match kept {
+        Some((settings, breaker)) if *settings == compiled.breaker => Arc::clone(breaker),
+        _ => {
+            let (failures, cool_down) = compiled.breaker;
+            Arc::new(Breaker::new(CircuitBreaker::new(failures, cool_down)))
+        }
+    };
     // A policy the store cannot decide (the Redis store refuses some very large quotas)
     // is named by its entry, as the file's other errors are.
     for (index, spec) in config.policies.iter().enumerate() {
@@ -1191,7 +1299,12 @@ fn build(
             None => fallback.clone(),
         }),
     };
-    RateLimitLayer::new(Arc::clone(store))
+    let layer = RateLimitLayer::new(Arc::clone(store));
+    let layer = match compiled.store_timeout {
+        Some(timeout) => layer.store_timeout(timeout),
+        None => layer,
+    };
+    layer
         .resolver(compiled.resolver)
         .key(compiled.key)
         .cost(compiled.cost)
@@ -1199,10 +1312,10 @@ fn build(
         .shadow(compiled.shadow)
         .shadow_headers(compiled.shadow_headers)
         .headers(compiled.headers)
-        .with_breaker(Arc::clone(breaker))
+        .with_breaker(Arc::clone(&breaker))
         .with_dropped(Arc::clone(dropped))
         .service_config()
-        .map(|config| (config, compiled.sets))
+        .map(|config| (config, compiled.sets, (compiled.breaker, breaker)))
         .map_err(|reason| ConfigError::new("policies", reason))
 }
 

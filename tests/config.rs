@@ -872,6 +872,15 @@ async fn the_fallback_share_is_configured() {
     }
 }
 
+/// The file `cargo run --example config` serves (shipped in the package: the example
+/// reads it from there) is one the crate takes as it stands.
+#[test]
+fn the_example_configuration_is_valid() {
+    let config = parse(include_str!("../examples/tollgate.toml"));
+    config.check().unwrap();
+    assert!(config.store_timeout.is_some() && config.circuit_breaker.is_some());
+}
+
 /// The README's configuration example is one the crate takes as it stands.
 #[test]
 fn the_readmes_example_configuration_is_valid() {
@@ -974,4 +983,178 @@ fn a_policy_the_store_cannot_decide_is_named_by_its_entry() {
     assert_eq!(error.entry(), "policies[1] \"huge\"", "{error}");
     assert!(error.reason().contains("too large"), "{error}");
     assert!(!error.reason().contains("RateLimitLayer"), "{error}");
+}
+
+/// A store that decides in memory after `delay` (on tokio's clock), or fails while
+/// `down` is set, counting the calls that reach it.
+#[derive(Clone)]
+struct Timed {
+    inner: MemoryStore,
+    delay: Duration,
+    down: Arc<AtomicBool>,
+    calls: Arc<AtomicU64>,
+}
+
+impl Timed {
+    fn new(delay: Duration) -> Self {
+        Timed {
+            inner: MemoryStore::new(),
+            delay,
+            down: Arc::default(),
+            calls: Arc::default(),
+        }
+    }
+}
+
+impl tollgate::Store for Timed {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let down = self.down.load(Ordering::SeqCst);
+        let (inner, delay) = (self.inner.clone(), self.delay);
+        let (key, policies) = (key.clone(), policies.clone());
+        tollgate::DecideFuture::new(async move {
+            tokio::time::sleep(delay).await;
+            if down {
+                return Err(tollgate::StoreError::new(
+                    tollgate::StoreErrorKind::Unavailable,
+                    "down",
+                ));
+            }
+            inner.decide(&key, &policies, cost).await
+        })
+    }
+}
+
+/// One fail-closed policy under `settings`.
+fn fail_closed(settings: &str) -> LimiterConfig {
+    parse(&format!(
+        "failure_mode = \"fail-closed\"\n{settings}\n[[policies]]\nname = \"api\"\n\
+         algorithm = \"fixed-window\"\nlimit = 5\nwindow = \"1h\"\n"
+    ))
+}
+
+/// The store timeout is a setting of the file (the README's advice for Redis, "keep it
+/// above three round trips", could not be followed by a configured layer: it was 50 ms
+/// whatever the file said).
+#[tokio::test(start_paused = true)]
+async fn the_store_timeout_is_configured() {
+    let store = Timed::new(Duration::from_millis(100));
+    let default = LiveLayer::new(store.clone(), &fail_closed("")).unwrap();
+    let response = app(&default)
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "100 ms is past the default 50 ms"
+    );
+    let patient = LiveLayer::new(store, &fail_closed("store_timeout = \"500ms\"")).unwrap();
+    let response = app(&patient)
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(
+        rate(&response).starts_with("\"api\";r=4;t="),
+        "{}",
+        rate(&response)
+    );
+    // A reload sets it too.
+    patient
+        .reload(&fail_closed("store_timeout = \"20ms\""))
+        .unwrap();
+    let response = app(&patient)
+        .oneshot(request("GET", "/", None, None))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+}
+
+/// The circuit breaker is a setting of the file; a reload that keeps it keeps the
+/// breaker as it is (open stays open), one that changes it starts a new one, closed.
+#[tokio::test(start_paused = true)]
+async fn the_circuit_breaker_is_configured_and_kept_across_reloads() {
+    let store = Timed::new(Duration::ZERO);
+    store.down.store(true, Ordering::SeqCst);
+    let calls = Arc::clone(&store.calls);
+    let get = |live: &LiveLayer| {
+        let app = app(live);
+        async move {
+            let response = app.oneshot(request("GET", "/", None, None)).await.unwrap();
+            assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        }
+    };
+    // The default opens after 5 failures: the second request still asks the store.
+    let default = LiveLayer::new(store.clone(), &fail_closed("")).unwrap();
+    get(&default).await;
+    get(&default).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let settings = "circuit_breaker = { failures = 1, cool_down = \"1h\" }";
+    let live = LiveLayer::new(store.clone(), &fail_closed(settings)).unwrap();
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "open after one failure");
+    live.reload(&fail_closed(settings)).unwrap();
+    get(&live).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "the same settings keep it open"
+    );
+    let other = "circuit_breaker = { failures = 1, cool_down = \"2h\" }";
+    live.reload(&fail_closed(other)).unwrap();
+    get(&live).await;
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        4,
+        "new settings, a new breaker"
+    );
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    // A reload refused keeps the breaker in force.
+    assert!(
+        live.reload(&fail_closed("circuit_breaker = { failures = 0 }"))
+            .is_err()
+    );
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    for (settings, entry, reason) in [
+        ("store_timeout = \"0ms\"", "store_timeout", "no time"),
+        (
+            "store_timeout = \"soon\"",
+            "store_timeout",
+            "is not a duration",
+        ),
+        (
+            "circuit_breaker = { failures = 0 }",
+            "circuit_breaker.failures",
+            "at least 1",
+        ),
+        (
+            "circuit_breaker = { cool_down = \"4000d\" }",
+            "circuit_breaker.cool_down",
+            "longer than",
+        ),
+        (
+            "circuit_breaker = { cool_down = \"1 hour\" }",
+            "circuit_breaker.cool_down",
+            "is not a duration",
+        ),
+    ] {
+        let error = fail_closed(settings).check().unwrap_err();
+        assert_eq!(error.entry(), entry, "{settings}");
+        assert!(error.reason().contains(reason), "{settings}: {error}");
+    }
+    let misspelt = toml::from_str::<LimiterConfig>(
+        "circuit_breaker = { failurs = 3 }\n[[policies]]\nname = \"api\"\n\
+         algorithm = \"gcra\"\nrate = \"1/s\"\nburst = 1\n",
+    );
+    assert!(misspelt.unwrap_err().to_string().contains("failurs"));
 }
