@@ -4,7 +4,7 @@
 //! cargo run --example config                       # serves on 127.0.0.1:3000 ($PORT)
 //! TOLLGATE_CONFIG=my.toml cargo run --example config
 //!
-//! curl -i http://127.0.0.1:3000/                          # plan "default": api, daily
+//! curl -i http://127.0.0.1:3000/                          # plan "default": api, daily (and burst-trial, in shadow)
 //! curl -i -H 'x-api-key: demo' http://127.0.0.1:3000/      # the same, by the key
 //! curl -i -H 'x-api-key: pro-acme' http://127.0.0.1:3000/  # plan "pro": api-pro
 //! curl -i -H 'x-api-key: pro-made-up' http://127.0.0.1:3000/  # unknown: by address

@@ -16,6 +16,8 @@
 
 #[path = "support/logging.rs"]
 mod logging;
+#[path = "support/port.rs"]
+mod port;
 
 use std::net::SocketAddr;
 
@@ -88,10 +90,7 @@ impl Query {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
-    let port: u16 = std::env::var("PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(3000);
+    let port = port::from_env()?;
     let schema = Schema::build(Query, EmptyMutation, EmptySubscription).finish();
 
     let limiter = RateLimitLayer::new(MemoryStore::new())

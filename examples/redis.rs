@@ -19,6 +19,8 @@
 
 #[path = "support/logging.rs"]
 mod logging;
+#[path = "support/port.rs"]
+mod port;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -78,10 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .layer(limiter)
         .layer(axum::middleware::map_request(drop_unknown_key));
 
-    let port: u16 = std::env::var("PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .unwrap_or(3000);
+    let port = port::from_env()?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!(
         "listening on http://{}, limits shared through {shown}",

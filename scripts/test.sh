@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the test suite needs when it is missing, then
-# runs `cargo test --all-features` (extra arguments are passed on to it).
+# runs `cargo test --all-features --locked` (extra arguments are passed on to it).
 #
 # The Redis tests start their own redis-server processes (standalone servers, one with
 # TLS; Clusters, one with replicas; a primary with a replica and three sentinels) on free
@@ -52,4 +52,4 @@ if [ -z "$version" ] || [ "$version" -lt 7 ]; then
   exit 1
 fi
 
-exec cargo test --all-features "$@"
+exec cargo test --all-features --locked "$@"

@@ -396,7 +396,8 @@ impl Policy {
     }
 
     /// This policy in shadow (dry-run) mode: decided and debited like a real one, in
-    /// state of its own (a real policy of the same name and parameters is not touched),
+    /// state of its own (a real policy of the same name and parameters, in another layer
+    /// or a configuration before a reload, is not touched; one set cannot hold both),
     /// but it never denies. What it would have denied is reported: the metric outcome
     /// `shadow_denied` and a `tracing` event. It is left out of the rate-limit headers
     /// unless the layer asks for it ([`RateLimitLayer::shadow_headers`]). Roll a new limit
