@@ -138,13 +138,14 @@ pub struct LimiterConfig {
     /// How long the store may take to decide before the request counts as a store failure
     /// ([`RateLimitLayer::store_timeout`]): a duration above zero (`"150ms"`); default
     /// 50 ms. With Redis, keep it above three round trips (a Cluster's redirects, a
-    /// coalesced batch).
+    /// coalesced batch); the Redis store's connection gives up on an answer after 500 ms
+    /// (1 s on a Cluster or behind Sentinel), whatever is set here.
     #[serde(default)]
     pub store_timeout: Option<String>,
     /// When to stop calling a failing store, and when to probe it again
     /// ([`RateLimitLayer::circuit_breaker`]). Default: open after 5 failures in a row,
-    /// probe every second. A reload that changes it starts a new breaker, closed; one
-    /// that keeps it keeps the breaker as it is.
+    /// probe every second. A reload sets it on the breaker as it is: an open breaker
+    /// stays open until its probe, and opens next for the new cool-down.
     #[serde(default)]
     pub circuit_breaker: Option<BreakerSpec>,
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).
@@ -1124,9 +1125,6 @@ impl PolicyResolver for Plans {
 /// A circuit breaker's settings: failures in a row, and the cool-down.
 type BreakerSettings = (u32, Duration);
 
-/// A breaker and the settings it was made with.
-type SetBreaker = (BreakerSettings, Arc<Breaker>);
-
 /// [`CircuitBreaker::default`]'s settings.
 const DEFAULT_BREAKER: BreakerSettings = (5, Duration::from_secs(1));
 
@@ -1146,9 +1144,8 @@ struct LiveShared {
     current: ArcSwap<LiveConfig>,
     /// The current configuration's sets, swapped right after it.
     sets: ArcSwap<Sets>,
-    /// The breaker and the settings it was made with: shared by the configurations
-    /// that keep them.
-    breaker: std::sync::Mutex<SetBreaker>,
+    /// One breaker for every configuration: a reload sets its settings in place.
+    breaker: Arc<Breaker>,
     /// The places of requests dropped during their shaping delay, kept across reloads.
     dropped: Arc<crate::settle::DroppedBookings>,
     fallback: LocalFallback,
@@ -1168,13 +1165,15 @@ impl LiveLayer {
         let store: Arc<dyn Store> = Arc::new(store);
         let dropped = Arc::default();
         let fallback = LocalFallback::new();
-        let (current, sets, breaker) = build(&store, (None, &dropped), &fallback, config)?;
+        let breaker = Arc::new(Breaker::new(CircuitBreaker::default()));
+        let (current, sets, settings) = build(&store, (&breaker, &dropped), &fallback, config)?;
+        breaker.set(&settings);
         Ok(Self {
             shared: Arc::new(LiveShared {
                 store,
                 current: ArcSwap::from(current),
                 sets: ArcSwap::from_pointee(sets),
-                breaker: std::sync::Mutex::new(breaker),
+                breaker,
                 dropped,
                 fallback,
                 reloading: std::sync::Mutex::new(()),
@@ -1192,14 +1191,9 @@ impl LiveLayer {
             .reloading
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut breaker = self
-            .shared
-            .breaker
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (next, sets, next_breaker) = build(
+        let (next, sets, settings) = build(
             &self.shared.store,
-            (Some(&breaker), &self.shared.dropped),
+            (&self.shared.breaker, &self.shared.dropped),
             &self.shared.fallback,
             config,
         )
@@ -1213,7 +1207,7 @@ impl LiveLayer {
             #[cfg(not(feature = "tracing"))]
             let _ = error;
         })?;
-        *breaker = next_breaker;
+        self.shared.breaker.set(&settings);
         self.shared.current.store(next);
         self.shared.sets.store(Arc::new(sets));
         #[cfg(feature = "tracing")]
@@ -1254,23 +1248,18 @@ impl LiveLayer {
     }
 }
 
-/// The layer of `config`, sharing with the configurations before it the places of
-/// requests dropped during their shaping delay, and the breaker (`kept`, with its
-/// settings) if the settings are the same; with the breaker it uses.
+/// The layer of `config`, sharing with the configurations before it the breaker and the
+/// places of requests dropped during their shaping delay; with the breaker's settings
+/// `config` asks for, for the caller to set once the layer is in force.
 fn build(
     store: &Arc<dyn Store>,
-    (kept, dropped): (Option<&SetBreaker>, &Arc<crate::settle::DroppedBookings>),
+    (breaker, dropped): (&Arc<Breaker>, &Arc<crate::settle::DroppedBookings>),
     fallback: &LocalFallback,
     config: &LimiterConfig,
-) -> Result<(Arc<LiveConfig>, Sets, SetBreaker), ConfigError> {
+) -> Result<(Arc<LiveConfig>, Sets, CircuitBreaker), ConfigError> {
     let compiled = config.compile()?;
-    let breaker = match kept {
-        Some((settings, breaker)) if *settings == compiled.breaker => Arc::clone(breaker),
-        _ => {
-            let (failures, cool_down) = compiled.breaker;
-            Arc::new(Breaker::new(CircuitBreaker::new(failures, cool_down)))
-        }
-    };
+    let (failures, cool_down) = compiled.breaker;
+    let settings = CircuitBreaker::new(failures, cool_down);
     // A policy the store cannot decide (the Redis store refuses some very large quotas)
     // is named by its entry, as the file's other errors are.
     for (index, spec) in config.policies.iter().enumerate() {
@@ -1312,10 +1301,10 @@ fn build(
         .shadow(compiled.shadow)
         .shadow_headers(compiled.shadow_headers)
         .headers(compiled.headers)
-        .with_breaker(Arc::clone(&breaker))
+        .with_breaker(Arc::clone(breaker))
         .with_dropped(Arc::clone(dropped))
         .service_config()
-        .map(|config| (config, compiled.sets, (compiled.breaker, breaker)))
+        .map(|config| (config, compiled.sets, settings))
         .map_err(|reason| ConfigError::new("policies", reason))
 }
 

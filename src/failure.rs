@@ -565,7 +565,10 @@ pub(crate) const PROBE_PATIENCE: Duration = Duration::from_millis(100);
 /// The breaker's shared state, and the once-per-transition warnings.
 #[derive(Debug)]
 pub(crate) struct Breaker {
-    config: CircuitBreaker,
+    /// Failures in a row that open the breaker, and its cool-down in nanoseconds: set
+    /// again in place by a configuration reload ([`Breaker::set`]).
+    threshold: AtomicU32,
+    cool_down: AtomicU64,
     clock: Arc<dyn Clock>,
     failures: AtomicU32,
     /// When (clock nanoseconds + 1) the store last answered a request that waited on it:
@@ -591,6 +594,11 @@ pub(crate) struct Breaker {
     said: AtomicBool,
     /// ...and how many outages went unsaid since.
     unsaid: AtomicU64,
+}
+
+/// A duration in nanoseconds, saturating.
+fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The store failing and answering again is said at most once in this long: a store that
@@ -621,7 +629,8 @@ impl Breaker {
             .clone()
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
         Self {
-            config,
+            threshold: AtomicU32::new(config.failures),
+            cool_down: AtomicU64::new(nanos(config.cool_down)),
             clock,
             failures: AtomicU32::new(0),
             answered_at: AtomicU64::new(0),
@@ -691,7 +700,17 @@ impl Breaker {
 
     /// The configured cool-down.
     pub(crate) fn cool_down(&self) -> Duration {
-        self.config.cool_down
+        Duration::from_nanos(self.cool_down.load(Ordering::Relaxed))
+    }
+
+    /// Takes `config`'s settings (a configuration reload), keeping the state: an open
+    /// breaker stays open until its probe, a run of failures goes on, and the next
+    /// cool-down is the new one. (Its clock stays the one it was made with.)
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    pub(crate) fn set(&self, config: &CircuitBreaker) {
+        self.threshold.store(config.failures, Ordering::Relaxed);
+        self.cool_down
+            .store(nanos(config.cool_down), Ordering::Relaxed);
     }
 
     /// A request begins to wait on the store (see [`Waiting`]).
@@ -818,7 +837,7 @@ impl Breaker {
         let _ = error;
         let is_probe =
             probe.is_some_and(|guard| self.probing.load(Ordering::Acquire) == guard.ticket);
-        if failures >= self.config.failures || is_probe {
+        if failures >= self.threshold.load(Ordering::Relaxed) || is_probe {
             let until = self.cool_down_end();
             let raised = {
                 let _transition = self
@@ -859,7 +878,7 @@ impl Breaker {
 
     /// The `open_until` of a cool-down that starts now.
     fn cool_down_end(&self) -> u64 {
-        let cool_down = u64::try_from(self.config.cool_down.as_nanos()).unwrap_or(u64::MAX);
+        let cool_down = self.cool_down.load(Ordering::Relaxed);
         self.clock.now().saturating_add(cool_down).saturating_add(1)
     }
 

@@ -419,7 +419,23 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// How long a store may take to decide before it counts as failed (default 50 ms).
-    /// Only stores that do I/O are timed. Zero is refused when the layer is built.
+    /// Only stores that do I/O are timed. Zero is refused when the layer is built. A store
+    /// doing I/O has timeouts of its own: the Redis store's connection gives up on an
+    /// answer after 500 ms (1 s on a Cluster or behind Sentinel), so a longer timeout
+    /// here waits no longer than that.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// // With Redis, above three round trips (a Cluster's redirect, a coalesced batch).
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
+    ///     .store_timeout(Duration::from_millis(150));
+    /// assert!(layer.validate().is_ok());
+    /// assert!(layer.store_timeout(Duration::ZERO).validate().is_err());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout;
         self
@@ -428,6 +444,17 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// When to stop calling a failing store and when to probe it again (default: open
     /// after 5 failures in a row, probe every second). A cool-down longer than
     /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{CircuitBreaker, MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
+    ///     .circuit_breaker(CircuitBreaker::new(3, Duration::from_millis(500)));
+    /// assert!(layer.validate().is_ok());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
         self.breaker = Arc::new(Breaker::new(breaker));
         self

@@ -1076,8 +1076,10 @@ async fn the_store_timeout_is_configured() {
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
 }
 
-/// The circuit breaker is a setting of the file; a reload that keeps it keeps the
-/// breaker as it is (open stays open), one that changes it starts a new one, closed.
+/// The circuit breaker is a setting of the file. One breaker serves every configuration
+/// of a layer: a reload sets the new settings on it as it is (a run of failures goes on,
+/// an open breaker stays open until its probe), so requests admitted under the
+/// configuration before never hold a breaker nothing reports to any more.
 #[tokio::test(start_paused = true)]
 async fn the_circuit_breaker_is_configured_and_kept_across_reloads() {
     let store = Timed::new(Duration::ZERO);
@@ -1095,36 +1097,42 @@ async fn the_circuit_breaker_is_configured_and_kept_across_reloads() {
     get(&default).await;
     get(&default).await;
     assert_eq!(calls.load(Ordering::SeqCst), 2);
-    let settings = "circuit_breaker = { failures = 1, cool_down = \"1h\" }";
-    let live = LiveLayer::new(store.clone(), &fail_closed(settings)).unwrap();
+    let one = "circuit_breaker = { failures = 1, cool_down = \"1h\" }";
+    let live = LiveLayer::new(store.clone(), &fail_closed(one)).unwrap();
     get(&live).await;
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     get(&live).await;
     assert_eq!(calls.load(Ordering::SeqCst), 3, "open after one failure");
-    live.reload(&fail_closed(settings)).unwrap();
+    // A run of failures goes on under new settings.
+    let three = "circuit_breaker = { failures = 3, cool_down = \"1h\" }";
+    let live = LiveLayer::new(store.clone(), &fail_closed(three)).unwrap();
+    get(&live).await;
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 5, "two failures of three");
+    let two = "circuit_breaker = { failures = 2, cool_down = \"1h\" }";
+    live.reload(&fail_closed(two)).unwrap();
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
     get(&live).await;
     assert_eq!(
         calls.load(Ordering::SeqCst),
-        3,
-        "the same settings keep it open"
+        6,
+        "the third failure of the run opened it under the new setting"
     );
-    let other = "circuit_breaker = { failures = 1, cool_down = \"2h\" }";
+    // An open breaker stays open across reloads, the same settings or others.
+    live.reload(&fail_closed(two)).unwrap();
+    get(&live).await;
+    let other = "circuit_breaker = { failures = 2, cool_down = \"2h\" }";
     live.reload(&fail_closed(other)).unwrap();
     get(&live).await;
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        4,
-        "new settings, a new breaker"
-    );
-    get(&live).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 4);
-    // A reload refused keeps the breaker in force.
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
+    // A reload refused changes nothing.
     assert!(
         live.reload(&fail_closed("circuit_breaker = { failures = 0 }"))
             .is_err()
     );
     get(&live).await;
-    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
     for (settings, entry, reason) in [
         ("store_timeout = \"0ms\"", "store_timeout", "no time"),
         (

@@ -1343,6 +1343,18 @@ mod http {
             .to_string(),
             serde_json::json!({ "query": "query Big { a(first: 100) { b(first: 100) { c } } } query Small { x }" })
                 .to_string(),
+            // A variable or a fragment defined twice: a server that does not validate
+            // may read either definition (graphql-js's coercion keeps the last default
+            // it meets), and the coster read the first.
+            serde_json::json!({
+                "query": "query($n: Int = 1, $n: Int = 100000) { a(first: $n) { b } }",
+            })
+            .to_string(),
+            serde_json::json!({
+                "query": "{ ...F } fragment F on Query { x } \
+                          fragment F on Query { a(first: 100) { b(first: 100) { c } } }",
+            })
+            .to_string(),
         ] {
             let (status, cost, answer) = send(&lenient, "k", &body).await;
             assert_eq!(

@@ -467,7 +467,13 @@ impl GraphqlCost {
             match definition {
                 Definition::OperationDefinition(operation) => operations.push(operation),
                 Definition::FragmentDefinition(fragment) => {
-                    fragments.insert(fragment.name.as_str(), fragment);
+                    // Servers that validate refuse it; one that does not runs either.
+                    if fragments.insert(fragment.name.as_str(), fragment).is_some() {
+                        return Err(Uncosted::refused(CostError::Operation(format!(
+                            "fragment {} is defined twice",
+                            fragment.name
+                        ))));
+                    }
                 }
                 _ => {}
             }
@@ -492,6 +498,20 @@ impl GraphqlCost {
                 }
             },
         };
+        // A variable defined twice may be read with either definition's default (servers
+        // that validate refuse it): refused, as a JSON name given twice is.
+        let mut definitions = HashMap::with_capacity(operation.variables.len());
+        for definition in &operation.variables {
+            if definitions
+                .insert(definition.name.as_str(), &**definition)
+                .is_some()
+            {
+                return Err(Uncosted::refused(CostError::Operation(format!(
+                    "the variable ${} is defined twice",
+                    definition.name
+                ))));
+            }
+        }
         let schema = self.schema.as_deref();
         let root = schema.and_then(|schema| {
             let slot = match operation.operation_type {
@@ -509,8 +529,7 @@ impl GraphqlCost {
             costed: HashMap::new(),
             visiting: Vec::new(),
             deepest: 0,
-            operation,
-            definitions: std::cell::OnceCell::new(),
+            definitions,
             variables,
             visits: *visits,
             introspection: None,
@@ -900,11 +919,9 @@ struct Walk<'a> {
     visiting: Vec<&'a str>,
     /// The deepest level reached so far.
     deepest: usize,
-    operation: &'a ast::OperationDefinition,
-    /// The operation's variable definitions by name (the first of a name), made at the
-    /// first look-up: a document may define thousands, and each visit of a field may look
-    /// one up for each of its slicing arguments.
-    definitions: std::cell::OnceCell<HashMap<&'a str, &'a ast::VariableDefinition>>,
+    /// The operation's variable definitions by name: a document may define thousands, and
+    /// each visit of a field may look one up for each of its slicing arguments.
+    definitions: HashMap<&'a str, &'a ast::VariableDefinition>,
     variables: Option<&'a Map<String, Json>>,
     /// Field visits left ([`GraphqlCost::max_field_visits`]).
     visits: u64,
@@ -1314,22 +1331,9 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    /// The operation's definition of the variable `name` (the first, where a document
-    /// defines it twice, which servers refuse).
+    /// The operation's definition of the variable `name`.
     fn definition(&self, name: &str) -> Option<&'a ast::VariableDefinition> {
-        let operation = self.operation;
-        self.definitions
-            .get_or_init(|| {
-                let mut definitions = HashMap::with_capacity(operation.variables.len());
-                for definition in &operation.variables {
-                    definitions
-                        .entry(definition.name.as_str())
-                        .or_insert(&**definition);
-                }
-                definitions
-            })
-            .get(name)
-            .copied()
+        self.definitions.get(name).copied()
     }
 
     /// Notes that the walk reached `depth`: past the model's limit, the document is too
