@@ -628,11 +628,15 @@ where
     ///
     /// # Panics
     ///
-    /// When [`validate`](RateLimitLayer::validate) fails: the layer has a fixed policy
-    /// set and it is empty (a limiter that limits nothing is a set-up mistake), a
-    /// `.policy()` replaced an enforced policy with a shadow one of its name or the other
-    /// way round, or the store cannot decide one of its policies exactly. Reported when
-    /// the app is built, never on the first request.
+    /// When [`validate`](RateLimitLayer::validate) fails (its error is the message): the
+    /// layer has a fixed policy set and it is empty (a limiter that limits nothing is a
+    /// set-up mistake); two `.policy()` calls named two policies alike, or an enforced
+    /// policy and a shadow one; a set is not a valid one; the store cannot decide one of
+    /// its policies exactly, or cannot adjust a debit the layer settles or an in-flight
+    /// limit frees; the store timeout is zero; the breaker's cool-down is longer than
+    /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD); the fallback's share is out of range; or
+    /// a partition-key secret is shorter than 16 bytes. Reported when the app is built,
+    /// never on the first request.
     fn layer(&self, inner: S) -> Self::Service {
         match self.service_config() {
             Ok(config) => RateLimit::new(inner, config),

@@ -190,12 +190,26 @@ impl fmt::Display for WaitError {
                 "the cost would not fit within the maximum wait (retry in {:?})",
                 decision.retry_after().unwrap_or_default()
             ),
-            WaitError::Never(_) => write!(f, "the cost is more than a policy ever admits"),
-            WaitError::Store(error) => write!(f, "the rate-limit store failed: {error}"),
+            WaitError::Never(decision) => match decision.outcome() {
+                crate::Outcome::CostExceedsLimit {
+                    policy,
+                    cost,
+                    limit,
+                } => write!(
+                    f,
+                    "a cost of {cost} is more than policy {policy} of the set ever admits \
+                     (its limit is {limit}): waiting cannot help"
+                ),
+                _ => f.write_str("the cost is more than a policy ever admits: waiting cannot help"),
+            },
+            // The store's error says it is the store's.
+            WaitError::Store(error) => write!(f, "gave up waiting: {error}"),
         }
     }
 }
 
+/// The store's error is in the message (not a `source`, which reporters would print
+/// again).
 impl std::error::Error for WaitError {}
 
 /// The enforced shaping policy that held an admitted request of `cost` units back
@@ -322,7 +336,7 @@ impl<St: Store> Limiter<St> {
     /// It does not ask the store whether it can decide the policies exactly (a Redis
     /// store refuses some very large ones): [`try_new`](Self::try_new) does, as the layer
     /// does when it is built. Without that check, such a policy is decided by the
-    /// failure mode on every call.
+    /// failure mode on every call, and an empty set admits every call.
     pub fn new(store: St, policies: impl Into<PolicySet>) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -340,16 +354,26 @@ impl<St: Store> Limiter<St> {
     /// ([`Store::validate`]): a limit that every call would leave to the failure mode,
     /// each replica deciding alone, is a set-up mistake to report at start-up.
     ///
+    /// An empty set (a limiter that admits everything) is refused too.
+    ///
     /// ```
     /// use tollgate::limiter::Limiter;
-    /// use tollgate::{MemoryStore, Policy, Rate};
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
     ///
     /// let mail = Limiter::try_new(MemoryStore::new(), Policy::token_bucket("mail", 20, Rate::per_second(10))?)?;
     /// # let _ = mail;
+    /// assert!(Limiter::try_new(MemoryStore::new(), PolicySet::unlimited()).is_err());
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn try_new(store: St, policies: impl Into<PolicySet>) -> Result<Self, StoreError> {
         let policies = policies.into();
+        // As the layer refuses one: a limiter of no policy admits everything.
+        if policies.is_empty() {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "a limiter of no policy limits nothing: give it at least one",
+            ));
+        }
         store.validate(&policies)?;
         // A waiter frees its in-flight slot through the store's adjust.
         if let Some(policy) = policies

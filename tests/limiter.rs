@@ -136,10 +136,17 @@ async fn a_wait_that_would_be_too_long_or_never_ends_at_once() {
         other => panic!("{other:?}"),
     }
     assert_eq!(started.elapsed(), Duration::ZERO, "it gave up at once");
-    assert!(matches!(
-        limiter.until_ready(&key, 3, Duration::from_secs(60)).await,
-        Err(WaitError::Never(_))
-    ));
+    let never = limiter
+        .until_ready(&key, 3, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(matches!(never, WaitError::Never(_)));
+    // The error says which policy, and why waiting cannot help.
+    assert_eq!(
+        never.to_string(),
+        "a cost of 3 is more than policy 0 of the set ever admits (its limit is 2): \
+         waiting cannot help"
+    );
     // Within the wait: it waits exactly what the store said.
     let decision = limiter
         .until_ready(&key, 2, Duration::from_secs(5))

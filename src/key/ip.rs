@@ -180,7 +180,16 @@ impl ClientIp {
         self
     }
 
-    /// Groups IPv6 addresses by this prefix length (1 to 128, default 64).
+    /// Groups IPv6 addresses by this prefix length (1 to 128, default 64; a longer one
+    /// is 128, each address its own key).
+    ///
+    /// ```
+    /// use tollgate::key::ClientIp;
+    ///
+    /// // One budget per site (/48) and per IPv4 /24.
+    /// let key = ClientIp::peer().ipv6_prefix(48).ipv4_prefix(24);
+    /// # let _ = key;
+    /// ```
     ///
     /// A /64 is one site's subnet, so one host cannot spread over 2^64 keys; but a holder
     /// of a /48 still has 65,536 of them (`48` groups by site, at the price of sharing
@@ -206,7 +215,8 @@ impl ClientIp {
         self
     }
 
-    /// Groups IPv4 addresses by this prefix length (1 to 32, default 32).
+    /// Groups IPv4 addresses by this prefix length (1 to 32, default 32; a longer one is
+    /// 32). See [`ipv6_prefix`](Self::ipv6_prefix) for an example.
     ///
     /// # Panics
     ///
