@@ -83,6 +83,44 @@ pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(60);
 type Partition = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
 
 /// Paces outgoing requests by what the servers say. See the [module docs](self).
+///
+/// A `GET` refused with `Retry-After: 2` is sent again two seconds later:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicUsize, Ordering};
+/// use std::time::Duration;
+/// use http::{Request, Response, StatusCode};
+/// use tollgate::client::PacingLayer;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Infallible> {
+/// # tokio::time::pause(); // the test's clock skips the waits
+/// // A server that refuses the first request and admits the next.
+/// let calls = Arc::new(AtomicUsize::new(0));
+/// let seen = Arc::clone(&calls);
+/// let server = service_fn(move |_: Request<String>| {
+///     let first = seen.fetch_add(1, Ordering::SeqCst) == 0;
+///     async move {
+///         let response = if first {
+///             Response::builder().status(429).header("retry-after", "2")
+///         } else {
+///             Response::builder()
+///         };
+///         Ok::<_, Infallible>(response.body(String::new()).unwrap())
+///     }
+/// });
+/// let client = ServiceBuilder::new().layer(PacingLayer::new()).service(server);
+/// let start = tokio::time::Instant::now();
+/// let request = Request::get("http://api.test/items").body(String::new()).unwrap();
+/// let response = client.oneshot(request).await?;
+/// assert_eq!(response.status(), StatusCode::OK);
+/// assert_eq!(calls.load(Ordering::SeqCst), 2);
+/// assert!(start.elapsed() >= Duration::from_secs(2));
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct PacingLayer {
     shared: Arc<Shared>,
@@ -196,12 +234,69 @@ impl PacingLayer {
     }
 
     /// How many times an idempotent request is retried after a 429 (default 2).
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use http::{Request, Response, StatusCode};
+    /// use tollgate::client::PacingLayer;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Infallible> {
+    /// # tokio::time::pause(); // the test's clock skips the waits
+    /// // A server that refuses every request, asking for a second each time.
+    /// let calls = Arc::new(AtomicUsize::new(0));
+    /// let seen = Arc::clone(&calls);
+    /// let server = service_fn(move |_: Request<String>| {
+    ///     seen.fetch_add(1, Ordering::SeqCst);
+    ///     let response = Response::builder().status(429).header("retry-after", "1");
+    ///     async move { Ok::<_, Infallible>(response.body(String::new()).unwrap()) }
+    /// });
+    /// let client = ServiceBuilder::new().layer(PacingLayer::new().retries(3)).service(server);
+    /// let request = Request::get("http://api.test/").body(String::new()).unwrap();
+    /// let response = client.oneshot(request).await?;
+    /// assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS); // the last 429
+    /// assert_eq!(calls.load(Ordering::SeqCst), 4); // sent once, retried three times
+    /// # Ok(()) }
+    /// ```
     pub fn retries(self, retries: u32) -> Self {
         self.with(|shared| shared.retries = retries)
     }
 
     /// Retries `POST` and `PATCH` after a 429 too (off by default: the server may have
     /// acted on the first one).
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use http::{Request, Response};
+    /// use tollgate::client::PacingLayer;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Infallible> {
+    /// # tokio::time::pause(); // the test's clock skips the waits
+    /// // Sends a POST through `layer` to a server that always refuses: how often it went.
+    /// async fn sends(layer: PacingLayer) -> usize {
+    ///     let calls = Arc::new(AtomicUsize::new(0));
+    ///     let seen = Arc::clone(&calls);
+    ///     let server = service_fn(move |_: Request<String>| {
+    ///         seen.fetch_add(1, Ordering::SeqCst);
+    ///         let response = Response::builder().status(429).header("retry-after", "1");
+    ///         async move { Ok::<_, Infallible>(response.body(String::new()).unwrap()) }
+    ///     });
+    ///     let client = ServiceBuilder::new().layer(layer).service(server);
+    ///     let post = Request::post("http://api.test/jobs").body("{}".to_owned()).unwrap();
+    ///     client.oneshot(post).await.unwrap();
+    ///     calls.load(Ordering::SeqCst)
+    /// }
+    /// assert_eq!(sends(PacingLayer::new()).await, 1); // a POST is not retried
+    /// assert_eq!(sends(PacingLayer::new().retry_non_idempotent(true)).await, 3);
+    /// # Ok(()) }
+    /// ```
     pub fn retry_non_idempotent(self, retry: bool) -> Self {
         self.with(|shared| shared.retry_all = retry)
     }
@@ -211,6 +306,35 @@ impl PacingLayer {
     /// one (a setting changed on a clone) share what servers said per host and
     /// partition: give each credential its partition, or start each from
     /// [`PacingLayer::new`], for one's 429 not to hold the others.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use http::{Request, Response, StatusCode};
+    /// use tollgate::client::PacingLayer;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Infallible> {
+    /// # tokio::time::pause(); // the test's clock stands still
+    /// // Each API key is a budget of its own.
+    /// let layer = PacingLayer::new().partition(|parts| {
+    ///     Some(parts.headers.get("x-api-key")?.to_str().ok()?.to_owned())
+    /// });
+    /// // A server that refuses, asking for half a minute.
+    /// let server = service_fn(|_: Request<String>| async {
+    ///     let response = Response::builder().status(429).header("retry-after", "30");
+    ///     Ok::<_, Infallible>(response.body(String::new()).unwrap())
+    /// });
+    /// let client = ServiceBuilder::new().layer(layer.clone()).service(server);
+    /// let post = Request::post("http://api.test/").header("x-api-key", "alpha");
+    /// let response = client.oneshot(post.body(String::new()).unwrap()).await?;
+    /// assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// // Key "alpha" waits half a minute; key "beta" is not held.
+    /// assert_eq!(layer.wait_for("api.test", Some("alpha")), Duration::from_secs(30));
+    /// assert_eq!(layer.wait_for("api.test", Some("beta")), Duration::ZERO);
+    /// # Ok(()) }
+    /// ```
     pub fn partition<F>(self, partition: F) -> Self
     where
         F: Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
@@ -290,6 +414,32 @@ impl PacingLayer {
     /// the longer of ports 80 and 443) and `partition` would wait now for what the
     /// server said, capped at `max_wait`. The [`pace`](Self::pace) policy's wait is not
     /// counted (reading it would take a turn).
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use http::{Request, Response};
+    /// use tollgate::client::PacingLayer;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Infallible> {
+    /// # tokio::time::pause(); // the test's clock stands still
+    /// let layer = PacingLayer::new().max_wait(Duration::from_secs(60));
+    /// // An answer that says the day's quota is spent for another hour.
+    /// let server = service_fn(|_: Request<String>| async {
+    ///     let response = Response::builder().header("ratelimit", "\"day\";r=0;t=3600");
+    ///     Ok::<_, Infallible>(response.body(String::new()).unwrap())
+    /// });
+    /// let client = ServiceBuilder::new().layer(layer.clone()).service(server);
+    /// let request = Request::get("https://api.test/").body(String::new()).unwrap();
+    /// client.oneshot(request).await?;
+    /// // Capped at `max_wait`; other hosts are not held.
+    /// assert_eq!(layer.wait_for("api.test", None), Duration::from_secs(60));
+    /// assert_eq!(layer.wait_for("API.test:443", None), Duration::from_secs(60));
+    /// assert_eq!(layer.wait_for("other.test", None), Duration::ZERO);
+    /// # Ok(()) }
+    /// ```
     pub fn wait_for(&self, host: &str, partition: Option<&str>) -> Duration {
         let (name, port) = split_host(host);
         if let Some(port) = port {

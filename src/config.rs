@@ -160,7 +160,7 @@ pub struct LimiterConfig {
     pub headers: Option<String>,
 }
 
-/// The circuit breaker's settings ([`CircuitBreaker`](crate::CircuitBreaker)).
+/// The circuit breaker's settings ([`CircuitBreaker`]).
 ///
 /// ```
 /// use tollgate::config::LimiterConfig;

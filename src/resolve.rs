@@ -11,6 +11,67 @@ use crate::policy::PolicySet;
 /// A [`PolicySet`] is itself a resolver that always answers itself. An empty set means
 /// "not limited" (no headers either), which lets a resolver exempt some requests on
 /// purpose.
+///
+/// A resolver of your own implements [`resolve`](Self::resolve), and lists its sets in
+/// [`known_sets`](Self::known_sets) so that the store checks them at start-up:
+///
+/// ```
+/// use std::borrow::Cow;
+/// use std::convert::Infallible;
+/// use std::time::Duration;
+/// use bytes::Bytes;
+/// use http::{Request, Response, request::Parts};
+/// use http_body_util::Full;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{Key, MemoryStore, Policy, PolicyResolver, PolicySet, RateLimitLayer};
+///
+/// /// Two plans, by the `x-plan` header a gateway in front sets (cheap to clone, as the
+/// /// layer needs).
+/// #[derive(Clone)]
+/// struct Plans {
+///     free: PolicySet,
+///     pro: PolicySet,
+/// }
+///
+/// impl PolicyResolver for Plans {
+///     fn resolve<'a>(&'a self, parts: &Parts, _key: &Key) -> Cow<'a, PolicySet> {
+///         match parts.headers.get("x-plan") {
+///             Some(plan) if plan == "pro" => Cow::Borrowed(&self.pro),
+///             _ => Cow::Borrowed(&self.free),
+///         }
+///     }
+///
+///     fn known_sets(&self) -> Vec<PolicySet> {
+///         vec![self.free.clone(), self.pro.clone()]
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let minute = Duration::from_secs(60);
+/// let plans = Plans {
+///     free: PolicySet::from(Policy::fixed_window("api", 1, minute)?),
+///     pro: PolicySet::from(Policy::fixed_window("api", 100, minute)?),
+/// };
+/// let service = ServiceBuilder::new()
+///     .layer(
+///         RateLimitLayer::new(MemoryStore::new())
+///             .key(HeaderKey::new("x-api-key"))
+///             .resolver(plans),
+///     )
+///     .service(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+///     }));
+/// let request = |plan: &str| {
+///     let request = Request::get("/").header("x-api-key", "k1").header("x-plan", plan);
+///     request.body(()).unwrap()
+/// };
+/// assert_eq!(service.clone().oneshot(request("free")).await?.status(), 200);
+/// assert_eq!(service.clone().oneshot(request("free")).await?.status(), 429);
+/// assert_eq!(service.clone().oneshot(request("pro")).await?.status(), 200);
+/// # Ok(()) }
+/// ```
 pub trait PolicyResolver: Send + Sync + 'static {
     /// The policies `parts` (identified as `key`) must pass.
     fn resolve<'a>(

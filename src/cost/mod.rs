@@ -309,6 +309,43 @@ impl FromExtension {
 }
 
 /// A request's cost, set as an extension by middleware that runs before the limiter.
+///
+/// The limiter reads it with [`FromExtension`]:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+/// use tollgate::cost::{FromExtension, RequestCost};
+/// use tollgate::key::Global;
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = ServiceBuilder::new()
+///     // Earlier middleware prices a batch by its size.
+///     .map_request(|mut request: Request<()>| {
+///         let size = request.headers().get("x-batch-size")
+///             .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+///         request.extensions_mut().insert(RequestCost(size.unwrap_or(1)));
+///         request
+///     })
+///     .layer(
+///         RateLimitLayer::new(MemoryStore::new())
+///             .key(Global)
+///             .cost(FromExtension::or(1))
+///             .policy(Policy::token_bucket("items", 10, Rate::per_hour(10))?),
+///     )
+///     .service(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+///     }));
+/// let batch = || Request::post("/batch").header("x-batch-size", "8").body(()).unwrap();
+/// assert_eq!(service.clone().oneshot(batch()).await?.status(), 200);
+/// assert_eq!(service.clone().oneshot(batch()).await?.status(), 429); // 2 items left
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestCost(pub u64);
 
@@ -322,6 +359,23 @@ impl Cost for FromExtension {
 }
 
 /// A cost from a closure; see [`from_fn`].
+///
+/// ```
+/// use http::{Method, Request};
+/// use tollgate::cost::{self, Cost, FromFn};
+/// use tollgate::{MemoryStore, RateLimitLayer};
+///
+/// let writes_cost_more: FromFn<_> = cost::from_fn(|parts| match parts.method {
+///     Method::GET | Method::HEAD => 1,
+///     _ => 5,
+/// });
+/// let (get, _) = Request::get("/items").body(()).unwrap().into_parts();
+/// let (put, _) = Request::put("/items/7").body(()).unwrap().into_parts();
+/// assert_eq!(writes_cost_more.cost(&get), 1);
+/// assert_eq!(writes_cost_more.cost(&put), 5);
+/// let layer = RateLimitLayer::new(MemoryStore::new()).cost(writes_cost_more);
+/// # let _ = layer;
+/// ```
 #[derive(Clone)]
 pub struct FromFn<F> {
     f: F,

@@ -178,6 +178,23 @@ impl HeaderKey {
     }
 
     /// The header `name`.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use http::header::AUTHORIZATION;
+    /// use tollgate::key::{HeaderKey, KeyExtractor};
+    ///
+    /// let by_token = HeaderKey::from_name(AUTHORIZATION);
+    /// assert_eq!(by_token.header_name(), "authorization");
+    /// let key = |credentials: &str| {
+    ///     let request = Request::get("/").header(AUTHORIZATION, credentials).body(()).unwrap();
+    ///     by_token.extract(&request.into_parts().0)
+    /// };
+    /// // One token, however the scheme is spelt.
+    /// assert_eq!(key("Bearer abc")?, key("bearer abc")?);
+    /// assert_ne!(key("Bearer abc")?, key("Bearer xyz")?);
+    /// # Ok::<(), tollgate::key::KeyError>(())
+    /// ```
     pub fn from_name(name: HeaderName) -> Self {
         Self {
             name,

@@ -354,6 +354,26 @@ impl<T: KeyExtractor> KeyExtractorExt for T {}
 
 /// The first extractor's key, or the fallback's when the first one's is absent; see
 /// [`KeyExtractorExt::or`].
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use http::Request;
+/// use tollgate::key::{ClientIp, FirstOf, HeaderKey, KeyExtractor, KeyExtractorExt};
+///
+/// let key: FirstOf<HeaderKey, ClientIp> = HeaderKey::new("x-api-key").or(ClientIp::peer());
+/// let request = |api_key: Option<&str>| {
+///     let mut request = Request::get("/");
+///     if let Some(api_key) = api_key {
+///         request = request.header("x-api-key", api_key);
+///     }
+///     let mut request = request.body(()).unwrap();
+///     request.extensions_mut().insert(SocketAddr::from(([203, 0, 113, 7], 40000)));
+///     request.into_parts().0
+/// };
+/// assert!(key.extract(&request(Some("sk_live_1")))?.as_str().starts_with("x-api-key:"));
+/// assert_eq!(key.extract(&request(None))?.as_str(), "ip:203.0.113.7");
+/// # Ok::<(), tollgate::key::KeyError>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct FirstOf<A, B> {
     first: A,
@@ -457,6 +477,27 @@ pub(crate) fn matched_path(parts: &Parts) -> Option<&str> {
 }
 
 /// A key extractor from a closure; see [`from_fn`].
+///
+/// ```
+/// use http::Request;
+/// use tollgate::key::{self, FromFn, KeyError, KeyExtractor};
+/// use tollgate::{Key, MemoryStore, RateLimitLayer};
+///
+/// // The first path segment: `/acme/orders` is tenant `acme`.
+/// let by_tenant: FromFn<_> = key::from_fn(|parts| {
+///     match parts.uri.path().split('/').nth(1) {
+///         Some(tenant) if !tenant.is_empty() => Ok(Key::new(format!("tenant:{tenant}"))),
+///         _ => Err(KeyError::client("no tenant in the path")),
+///     }
+/// });
+/// let (parts, _) = Request::get("/acme/orders").body(()).unwrap().into_parts();
+/// assert_eq!(by_tenant.extract(&parts)?.as_str(), "tenant:acme");
+/// let (root, _) = Request::get("/").body(()).unwrap().into_parts();
+/// assert!(by_tenant.extract(&root).is_err());
+/// let layer = RateLimitLayer::new(MemoryStore::new()).key(by_tenant);
+/// # let _ = layer;
+/// # Ok::<(), KeyError>(())
+/// ```
 #[derive(Clone)]
 pub struct FromFn<F> {
     f: F,

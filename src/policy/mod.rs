@@ -51,6 +51,21 @@ use id::policy_id;
 /// It is the largest integer an RFC 9651 structured field can carry (15 digits, section
 /// 3.3.1), so every `q` and `r` a client parses is the true number; and every store counts
 /// exactly up to it, including stores that keep numbers as IEEE doubles (Redis Lua).
+///
+/// A policy past it, or past [`MAX_PERIOD`], is refused when it is built:
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::policy::{MAX_LIMIT, MAX_PERIOD};
+/// use tollgate::{Policy, PolicyError};
+///
+/// let minute = Duration::from_secs(60);
+/// assert!(Policy::fixed_window("api", MAX_LIMIT, minute).is_ok());
+/// let too_many = Policy::fixed_window("api", MAX_LIMIT + 1, minute).unwrap_err();
+/// assert!(matches!(too_many, PolicyError::TooLarge { value, .. } if value == MAX_LIMIT + 1));
+/// let too_long = Policy::fixed_window("api", 10, MAX_PERIOD + Duration::from_secs(1));
+/// assert!(matches!(too_long, Err(PolicyError::Duration { .. })));
+/// ```
 pub const MAX_LIMIT: u64 = 999_999_999_999_999;
 
 /// What a policy's quota counts, sent as `qu` (or a vendor parameter) in
@@ -563,6 +578,21 @@ impl Policy {
     ///
     /// Cheap (one counter) but it admits up to `2 * limit` around a window seam; use it for
     /// coarse quotas (per day) under a finer limiter.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let daily = Policy::fixed_window("daily", 3, Duration::from_secs(86_400))?;
+    /// assert_eq!(daily.window(), Duration::from_secs(86_400));
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::from(daily);
+    /// assert!(store.check("user-7", &set, 3).is_allowed());
+    /// let fourth = store.check("user-7", &set, 1);
+    /// assert!(!fourth.is_allowed());
+    /// assert!(fourth.retry_after().unwrap() <= Duration::from_secs(86_400));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn fixed_window(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::FixedWindow { limit, window })
     }
@@ -577,6 +607,21 @@ impl Policy {
     /// every such request walk a log as long as the limit. (Past those 256, the in-process
     /// store, which keeps requests of one instant as one entry, and Redis, one member
     /// each, may state different bounds.)
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let exact = PolicySet::from(Policy::sliding_log("exact", 2, Duration::from_secs(60))?);
+    /// let store = MemoryStore::new();
+    /// assert!(store.check("user-7", &exact, 1).is_allowed());
+    /// assert!(store.check("user-7", &exact, 1).is_allowed());
+    /// let third = store.check("user-7", &exact, 1);
+    /// assert!(!third.is_allowed());
+    /// // Admitted again once the oldest entry is a minute old.
+    /// assert!(third.retry_after().unwrap() <= Duration::from_secs(60));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn sliding_log(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::SlidingLog { limit, window })
     }
@@ -634,12 +679,44 @@ impl Policy {
     }
 
     /// A token bucket: bursts of up to `capacity` units, refilled at `refill`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(1))?;
+    /// assert_eq!(api.limit(), 10);
+    /// // Its window: the time an empty bucket takes to fill.
+    /// assert_eq!(api.window(), Duration::from_secs(10));
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::from(api);
+    /// assert!(store.check("user-7", &set, 10).is_allowed()); // the whole burst at once
+    /// let next = store.check("user-7", &set, 1);
+    /// assert!(!next.is_allowed());
+    /// assert!(next.retry_after().unwrap() <= Duration::from_secs(1));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn token_bucket(name: &str, capacity: u64, refill: Rate) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::TokenBucket { capacity, refill })
     }
 
     /// A policing leaky bucket: holds up to `capacity` units and leaks at `leak`; what
     /// does not fit is denied.
+    ///
+    /// ```
+    /// use tollgate::{Algorithm, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let meter = Policy::leaky_bucket("meter", 5, Rate::per_second(1))?;
+    /// assert_eq!(meter.algorithm(), Algorithm::LeakyBucket {
+    ///     capacity: 5,
+    ///     leak: Rate::per_second(1),
+    /// });
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::from(meter);
+    /// assert!(store.check("sensor-3", &set, 5).is_allowed()); // the bucket is full
+    /// assert!(!store.check("sensor-3", &set, 1).is_allowed()); // overflow is denied
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn leaky_bucket(name: &str, capacity: u64, leak: Rate) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::LeakyBucket { capacity, leak })
     }
@@ -698,6 +775,19 @@ impl Policy {
     /// An in-flight limit whose slots a shared store keeps at most `lease` when their
     /// holder never gives them back. Choose it longer than your longest request: a
     /// request still running when its lease ends no longer holds its slot.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Algorithm, Policy};
+    ///
+    /// // Exports run for up to ten minutes: a lease of fifteen.
+    /// let lease = Duration::from_secs(15 * 60);
+    /// let exports = Policy::concurrency_with_lease("exports", 4, lease)?;
+    /// assert_eq!(exports.algorithm(), Algorithm::Concurrency { limit: 4, lease });
+    /// assert_eq!(exports.limit(), 4);
+    /// assert_eq!(exports.window(), lease); // an in-flight limit's window is its lease
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn concurrency_with_lease(
         name: &str,
         limit: u64,
@@ -707,6 +797,24 @@ impl Policy {
     }
 
     /// GCRA: a sustained `rate` with bursts of up to `burst` units back to back.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let api = Policy::gcra("api", Rate::per_second(10), 5)?;
+    /// assert_eq!(api.limit(), 5);
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::from(api);
+    /// for _ in 0..5 {
+    ///     assert!(store.check("user-7", &set, 1).is_allowed());
+    /// }
+    /// let sixth = store.check("user-7", &set, 1);
+    /// assert!(!sixth.is_allowed());
+    /// // At 10 a second, the next unit is at most 100 ms away.
+    /// assert!(sixth.retry_after().unwrap() <= Duration::from_millis(100));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn gcra(name: &str, rate: Rate, burst: u64) -> Result<Self, PolicyError> {
         Self::build(name, Algorithm::Gcra { rate, burst })
     }

@@ -139,6 +139,21 @@ impl PolicySet {
     /// This set with `policy` added, replacing a policy of the same name, whatever its
     /// mode: `set.with(api.shadow())` drops an enforced `api`. Give a shadow policy a name
     /// of its own (`RateLimitLayer::policy` refuses the mix-up when the layer is built).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Policy, PolicySet, Rate};
+    ///
+    /// let free = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(10))?);
+    /// let pro = free
+    ///     .with(Policy::token_bucket("api", 100, Rate::per_second(100))?) // replaces "api"
+    ///     .with(Policy::fixed_window("daily", 100_000, Duration::from_secs(86_400))?);
+    /// let names: Vec<&str> = pro.iter().map(|policy| policy.name()).collect();
+    /// assert_eq!(names, ["api", "daily"]);
+    /// assert_eq!(pro[0].limit(), 100);
+    /// assert_eq!(free[0].limit(), 10); // the set it was made from is unchanged
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn with(&self, policy: Policy) -> Self {
         let mut policies: Vec<Policy> = self
             .inner

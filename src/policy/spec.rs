@@ -10,6 +10,22 @@ use super::Rate;
 /// Build policies with the [`Policy`](super::Policy) constructors; this type is what
 /// [`Policy::algorithm`](super::Policy::algorithm) reports back, with its durations as
 /// the policy keeps them: whole microseconds (see [`Policy`](super::Policy)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Algorithm, Policy, Rate};
+///
+/// let api = Policy::gcra("api", Rate::per_second(5), 10)?;
+/// match api.algorithm() {
+///     Algorithm::Gcra { rate, burst } => assert_eq!((rate, burst), (Rate::per_second(5), 10)),
+///     other => panic!("not GCRA: {other:?}"),
+/// }
+/// // 1.5005 ms is kept as 1,501 µs (a window is rounded up).
+/// let short = Policy::fixed_window("short", 1, Duration::from_nanos(1_500_500))?;
+/// let window = Duration::from_micros(1_501);
+/// assert_eq!(short.algorithm(), Algorithm::FixedWindow { limit: 1, window });
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Algorithm {

@@ -38,6 +38,37 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// units left; an in-flight policy only when it denied or nothing else is shown, since a
 /// count of requests in progress has no reset: shown alone, it sends no `Reset` field but
 /// on a denial (its `Retry-After`).
+///
+/// Choose one with [`RateLimitLayer::headers`](crate::RateLimitLayer::headers):
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::time::Duration;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{ServiceBuilder, ServiceExt, service_fn};
+/// use tollgate::key::Global;
+/// use tollgate::{HeaderStyle, MemoryStore, Policy, RateLimitLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = ServiceBuilder::new()
+///     .layer(
+///         RateLimitLayer::new(MemoryStore::new())
+///             .key(Global)
+///             .policy(Policy::fixed_window("api", 10, Duration::from_secs(60))?)
+///             .headers(HeaderStyle::Draft6),
+///     )
+///     .service(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
+///     }));
+/// let response = service.oneshot(Request::get("/").body(())?).await?;
+/// assert_eq!(response.headers()["ratelimit-limit"], "10");
+/// assert_eq!(response.headers()["ratelimit-remaining"], "9");
+/// assert!(response.headers().get("ratelimit-policy").is_none()); // no draft-11 field
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum HeaderStyle {

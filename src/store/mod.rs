@@ -76,6 +76,43 @@ pub trait Store: Send + Sync + 'static {
     /// builds per request is met then, as an error of kind `Unsupported`. The default
     /// accepts everything (the in-process store decides every valid policy).
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Algorithm, DecideFuture, Key, MemoryStore, Policy, PolicySet, Rate};
+    /// use tollgate::{Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A store that keeps no logs: it refuses sliding-log policies.
+    /// struct NoLogs(MemoryStore);
+    ///
+    /// impl Store for NoLogs {
+    ///     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+    ///         self.0.decide(key, policies, cost)
+    ///     }
+    ///
+    ///     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
+    ///         let is_log = |policy: &&Policy| {
+    ///             matches!(policy.algorithm(), Algorithm::SlidingLog { .. })
+    ///         };
+    ///         match policies.iter().find(is_log) {
+    ///             Some(log) => Err(StoreError::new(
+    ///                 StoreErrorKind::Unsupported,
+    ///                 format!("policy {:?}: no sliding logs here", log.name()),
+    ///             )),
+    ///             None => Ok(()),
+    ///         }
+    ///     }
+    /// }
+    ///
+    /// let store = NoLogs(MemoryStore::new());
+    /// let exact = PolicySet::from(Policy::sliding_log("exact", 10, Duration::from_secs(60))?);
+    /// let error = store.validate(&exact).unwrap_err();
+    /// assert_eq!(error.kind(), StoreErrorKind::Unsupported);
+    /// let api = PolicySet::from(Policy::gcra("api", Rate::per_second(5), 5)?);
+    /// assert!(store.validate(&api).is_ok());
+    /// assert!(MemoryStore::new().validate(&exact).is_ok()); // the default accepts all
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    ///
     /// [`RateLimitLayer`]: crate::RateLimitLayer
     fn validate(&self, policies: &PolicySet) -> Result<(), StoreError> {
         let _ = policies;
@@ -177,6 +214,23 @@ pub trait Store: Send + Sync + 'static {
     /// request starts on fresh state, and a penalty's block is lifted. In-flight slots are
     /// kept: they are freed by the requests that hold them. The default refuses with
     /// [`StoreErrorKind::Unsupported`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = MemoryStore::new();
+    /// let hour = Duration::from_secs(3600);
+    /// let hourly = PolicySet::from(Policy::fixed_window("hourly", 2, hour)?);
+    /// let key = Key::new("customer-9");
+    /// assert!(store.decide(&key, &hourly, 2).await?.is_allowed());
+    /// assert!(!store.decide(&key, &hourly, 1).await?.is_allowed());
+    /// store.reset(&key, &hourly).await?; // the customer upgraded their plan
+    /// assert!(store.decide(&key, &hourly, 1).await?.is_allowed());
+    /// # Ok(()) }
+    /// ```
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
         let _ = (key, policies);
         Box::pin(std::future::ready(Err(StoreError::new(
@@ -623,6 +677,34 @@ enum DecideInner {
 
 impl DecideFuture {
     /// A decision that is already known.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{DecideFuture, Decision, Key, Outcome, Policy, PolicySet, PolicyStatus};
+    /// use tollgate::{Rate, Store};
+    ///
+    /// /// A test double that admits everything, every policy left whole.
+    /// struct Open;
+    ///
+    /// impl Store for Open {
+    ///     fn decide(&self, _key: &Key, policies: &PolicySet, _cost: u64) -> DecideFuture {
+    ///         let zero = Duration::ZERO;
+    ///         let whole = policies.iter().map(|policy| {
+    ///             PolicyStatus::new(policy.limit(), policy.limit(), zero, zero)
+    ///         });
+    ///         let allowed = Outcome::Allowed { delay: Duration::ZERO };
+    ///         DecideFuture::ready(Ok(Decision::new(allowed, whole)))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let api = PolicySet::from(Policy::gcra("api", Rate::per_second(5), 5)?);
+    /// let decision = Open.decide(&Key::new("user-7"), &api, 1).await?;
+    /// assert!(decision.is_allowed());
+    /// assert_eq!(decision.statuses()[0].remaining, 5);
+    /// # Ok(()) }
+    /// ```
     pub fn ready(result: Result<Decision, StoreError>) -> Self {
         Self {
             inner: DecideInner::Ready(Some(result)),
@@ -630,6 +712,43 @@ impl DecideFuture {
     }
 
     /// A decision still to be made by `future`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::time::Duration;
+    /// use tollgate::{DecideFuture, Key, MemoryStore, Policy, PolicySet, Rate, Store};
+    ///
+    /// /// Decides in memory after a round trip to somewhere (here, a short sleep),
+    /// /// counting its decisions.
+    /// struct Remote {
+    ///     inner: MemoryStore,
+    ///     decided: Arc<AtomicU64>,
+    /// }
+    ///
+    /// impl Store for Remote {
+    ///     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+    ///         // The future is `'static`: it owns what it uses (all cheap clones).
+    ///         let (inner, key, policies) = (self.inner.clone(), key.clone(), policies.clone());
+    ///         let decided = Arc::clone(&self.decided);
+    ///         DecideFuture::new(async move {
+    ///             tokio::time::sleep(Duration::from_millis(1)).await;
+    ///             decided.fetch_add(1, Ordering::Relaxed);
+    ///             inner.decide(&key, &policies, cost).await
+    ///         })
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let decided = Arc::new(AtomicU64::new(0));
+    /// let store = Remote { inner: MemoryStore::new(), decided: Arc::clone(&decided) };
+    /// let api = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_hour(1))?);
+    /// assert!(store.decide(&Key::new("user-7"), &api, 1).await?.is_allowed());
+    /// assert!(!store.decide(&Key::new("user-7"), &api, 1).await?.is_allowed());
+    /// assert_eq!(decided.load(Ordering::Relaxed), 2);
+    /// # Ok(()) }
+    /// ```
     pub fn new(
         future: impl Future<Output = Result<Decision, StoreError>> + Send + 'static,
     ) -> Self {
@@ -789,6 +908,14 @@ impl StoreError {
     }
 
     /// Attaches the backend's own error code (`NOPERM`, `READONLY`, `WRONGTYPE`, `OOM`).
+    ///
+    /// ```
+    /// use tollgate::{StoreError, StoreErrorKind};
+    ///
+    /// let err = StoreError::new(StoreErrorKind::Refused, "no permission to run the script")
+    ///     .with_code("NOPERM");
+    /// assert_eq!(err.code(), Some("NOPERM"));
+    /// ```
     pub fn with_code(mut self, code: impl Into<Box<str>>) -> Self {
         self.code = Some(code.into());
         self
@@ -826,11 +953,31 @@ impl StoreError {
     }
 
     /// The backend's error code, when it gave one.
+    ///
+    /// ```
+    /// use tollgate::{StoreError, StoreErrorKind};
+    ///
+    /// let loading =
+    ///     StoreError::new(StoreErrorKind::Unavailable, "still loading").with_code("LOADING");
+    /// assert_eq!(loading.code(), Some("LOADING"));
+    /// assert_eq!(StoreError::new(StoreErrorKind::Timeout, "no answer").code(), None);
+    /// ```
     pub fn code(&self) -> Option<&str> {
         self.code.as_deref()
     }
 
     /// Attaches the underlying error.
+    ///
+    /// ```
+    /// use std::error::Error;
+    /// use std::io;
+    /// use tollgate::{StoreError, StoreErrorKind};
+    ///
+    /// let refused = io::Error::new(io::ErrorKind::ConnectionRefused, "connection refused");
+    /// let err = StoreError::new(StoreErrorKind::Unavailable, "cannot reach the store")
+    ///     .with_source(refused);
+    /// assert_eq!(err.source().unwrap().to_string(), "connection refused");
+    /// ```
     pub fn with_source(mut self, source: impl Error + Send + Sync + 'static) -> Self {
         self.source = Some(Box::new(source));
         self
