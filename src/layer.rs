@@ -289,7 +289,8 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// Picks the policies per request (per plan, per tenant); see
-    /// [`resolve_with`](crate::resolve::resolve_with).
+    /// [`resolve_with`](crate::resolve::resolve_with) (a closure) and
+    /// [`PolicyResolver`] (a resolver of your own), each with an example.
     pub fn resolver<R2: PolicyResolver>(self, resolver: R2) -> RateLimitLayer<St, K, C, R2> {
         let mut layer = self.rebuild(|key, cost, _| (key, cost, resolver));
         layer.mistake = None;
@@ -406,6 +407,22 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     }
 
     /// What to do with a request that yields no key (default: [`MissingKey::Reject`]).
+    ///
+    /// ```
+    /// use tollgate::key::ExtensionKey;
+    /// use tollgate::{MemoryStore, MissingKey, Policy, Rate, RateLimitLayer};
+    ///
+    /// #[derive(Clone)]
+    /// struct User { id: u64 }
+    ///
+    /// // Signed-in users are limited; anonymous requests (no `User`) go through unlimited.
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("user", Rate::per_second(10), 20)?)
+    ///     .key(ExtensionKey::new("user", |user: &User| user.id.to_string()))
+    ///     .on_missing_key(MissingKey::Allow);
+    /// assert!(layer.validate().is_ok());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn on_missing_key(mut self, missing_key: MissingKey) -> Self {
         self.missing_key = missing_key;
         self
@@ -516,6 +533,19 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Lists shadow policies ([`Policy::shadow`]) in the rate-limit headers too, and lets a
     /// shadow layer send headers (default: off; a limit not enforced is not advertised).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// // Tell clients about next month's limit before it is enforced.
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
+    ///     .policy(Policy::fixed_window("api-v2", 500, Duration::from_secs(60))?.shadow())
+    ///     .shadow_headers(true);
+    /// assert!(layer.validate().is_ok());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn shadow_headers(mut self, shown: bool) -> Self {
         self.headers.shadow = shown;
         self

@@ -396,6 +396,19 @@ impl<St: Store> Limiter<St> {
     /// What to do when the store fails (as [`RateLimitLayer::on_store_error`]). Set it
     /// before the limiter is shared: a clone made earlier keeps the old mode.
     ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate};
+    ///
+    /// // Four workers share the store's limit; while it is away, each enforces a quarter.
+    /// let jobs = Limiter::new(MemoryStore::new(), Policy::gcra("jobs", Rate::per_second(40), 40)?)
+    ///     .on_store_error(FailureMode::Fallback(LocalFallback::new().share(0.25)))
+    ///     .store_timeout(Duration::from_millis(100));
+    /// # let _ = jobs;
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    ///
     /// # Panics
     ///
     /// With a [`LocalFallback`](crate::LocalFallback) whose `share` is no share (0, below
@@ -416,7 +429,8 @@ impl<St: Store> Limiter<St> {
     }
 
     /// How long the store may take to decide before it counts as failed (default 50 ms,
-    /// as the layer's): a store that hangs is answered by the failure mode.
+    /// as the layer's): a store that hangs is answered by the failure mode. See
+    /// [`on_store_error`](Self::on_store_error) for an example.
     ///
     /// # Panics
     ///
