@@ -76,7 +76,8 @@ impl LocalFallback {
     /// A fallback with its own in-process store and the full limits. A layer's clones
     /// share it; layers built apart that spend one budget on the store (a helper that
     /// builds a layer per route) do not, and each admits the whole limit during an
-    /// outage: clone one layer, or give them one store with [`LocalFallback::with_store`].
+    /// outage: clone one layer, or give them one store with [`LocalFallback::with_store`]
+    /// (a [`Limiter`](crate::limiter::Limiter) spending the same budget too).
     ///
     /// ```
     /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, RateLimitLayer};

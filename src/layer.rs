@@ -533,6 +533,10 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Lists shadow policies ([`Policy::shadow`]) in the rate-limit headers too, and lets a
     /// shadow layer send headers (default: off; a limit not enforced is not advertised).
+    /// In draft-11 each is a member of its own, which a client that paces itself by the
+    /// fields obeys as it obeys the others (its `r=0` holds such a client back): turn it
+    /// on to announce a limit to come. The single-valued styles (draft-6, legacy) state
+    /// an enforced policy's numbers whenever the set has one.
     ///
     /// ```
     /// use std::time::Duration;

@@ -135,6 +135,12 @@ impl Drop for Calling<'_> {
 }
 
 /// Limits anything, by key. Cheap to clone: clones share the store and the queues.
+///
+/// A limiter and a layer that spend one budget on the store (a WebSocket's messages and
+/// the HTTP routes of one user, under one policy) each have a fallback store of their own
+/// by default, so during an outage each admits the whole limit: give them one with
+/// [`LocalFallback::with_store`](crate::LocalFallback::with_store) in both
+/// [`on_store_error`](Self::on_store_error)s.
 pub struct Limiter<St> {
     shared: Arc<Shared<St>>,
 }

@@ -97,6 +97,51 @@ async fn shadow_policies_are_left_out_of_the_headers_unless_asked() {
     );
 }
 
+/// The single-valued styles (draft-6, legacy) state one policy's numbers. Shown beside an
+/// enforced policy, a shadow policy past its limit was the one with the fewest left: a
+/// 200 said `RateLimit-Remaining: 0` and a reset a minute away, and every client that paces
+/// itself by the fields (tollgate's own `PacingLayer` among them) held back under a limit
+/// that is never enforced. The enforced policy's numbers are given while the set has one.
+#[tokio::test]
+async fn a_single_valued_style_states_the_enforced_policy_beside_a_shadow_one() {
+    use tollgate::HeaderStyle;
+    let set = PolicySet::new([
+        Policy::fixed_window("api", 5, HOUR).unwrap(),
+        Policy::fixed_window("trial", 1, HOUR).unwrap().shadow(),
+    ])
+    .unwrap();
+    for (style, remaining) in [
+        (HeaderStyle::Draft6, "ratelimit-remaining"),
+        (HeaderStyle::Legacy, "x-ratelimit-remaining"),
+    ] {
+        let app = Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policies(set.clone())
+                .key(Global)
+                .headers(style)
+                .shadow_headers(true),
+        );
+        let mut left = Vec::new();
+        for _ in 0..3 {
+            let response = app.clone().oneshot(get_root()).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            left.push(response.headers()[remaining].to_str().unwrap().to_owned());
+        }
+        assert_eq!(left, ["4", "3", "2"], "{style:?}");
+    }
+    // A set of only shadow policies still shows them, as asked.
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("trial", 1, HOUR).unwrap().shadow())
+            .key(Global)
+            .headers(HeaderStyle::Draft6)
+            .shadow_headers(true),
+    );
+    let _ = app.clone().oneshot(get_root()).await.unwrap();
+    let response = app.oneshot(get_root()).await.unwrap();
+    assert_eq!(response.headers()["ratelimit-remaining"], "0");
+}
+
 #[tokio::test]
 async fn a_shadow_layer_never_refuses_and_sends_no_headers() {
     let app = Router::new().route("/", get(|| async { "ok" })).layer(

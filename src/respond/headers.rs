@@ -765,7 +765,13 @@ pub(crate) fn rate_limit_headers(
         }
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
             let legacy = options.style == HeaderStyle::Legacy;
-            let Some(index) = most_restrictive(decision, policies, shown) else {
+            // One policy's numbers: an enforced one's while the set has one. A shadow
+            // policy shown beside it (past its limit, the one with the fewest left) would
+            // hold back the clients that pace themselves by the field, under a limit that
+            // is never enforced.
+            let Some(index) = most_restrictive(decision, policies, |policy| !policy.is_shadow())
+                .or_else(|| most_restrictive(decision, policies, shown))
+            else {
                 return HeaderBlock::Empty;
             };
             let Some(policy) = policies.get(index) else {
