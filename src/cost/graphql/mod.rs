@@ -468,7 +468,8 @@ impl GraphqlCost {
                 Definition::OperationDefinition(operation) => operations.push(operation),
                 Definition::FragmentDefinition(fragment) => {
                     // Servers that validate refuse it; one that does not runs either.
-                    if fragments.insert(fragment.name.as_str(), fragment).is_some() {
+                    let twice = fragments.insert(fragment.name.as_str(), fragment).is_some();
+                    if twice {
                         return Err(Uncosted::refused(CostError::Operation(format!(
                             "fragment {} is defined twice",
                             fragment.name
