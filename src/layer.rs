@@ -721,6 +721,7 @@ where
                 .bypass
                 .clone()
                 .map(|bypass| bypass.or_client_ip(self.key.client_ip())),
+            marks_cost: self.cost.reads_request_cost(),
             responder: Arc::new(Responder {
                 headers: self.headers.clone(),
                 settle: self.settle.clone(),

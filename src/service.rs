@@ -41,6 +41,10 @@ pub(crate) struct Config<St, K, C, R> {
     pub(crate) said_missing: Arc<AtomicBool>,
     pub(crate) bypass: Option<Bypass>,
     pub(crate) responder: Arc<Responder>,
+    /// The cost reads a [`RequestCost`](crate::cost::RequestCost) set further out
+    /// ([`Cost::reads_request_cost`]): each request it decides is marked, for a coster
+    /// placed further in (whose cost is never read) to say so.
+    pub(crate) marks_cost: bool,
 }
 
 impl<St, K, C, R> Adjuster for Config<St, K, C, R>
@@ -144,7 +148,7 @@ where
         // HTTP server's instruction cache is full of its own code, and a path that
         // touches fewer lines of ours costs it less.
         let config = &*self.config;
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         if config.bypass.is_some()
             && let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts))
         {
@@ -160,6 +164,9 @@ where
             return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
         }
         let cost = config.cost.cost(&parts);
+        if config.marks_cost {
+            parts.extensions.insert(crate::cost::CostRead);
+        }
         let policies = config.resolver.resolve(&parts, &key);
         if policies.is_empty() {
             return ResponseFuture::calling(

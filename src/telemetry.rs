@@ -478,6 +478,32 @@ fn first_reason(reason: &str) -> bool {
     SEEN.first(reason.into())
 }
 
+/// A GraphQL coster's cost that no limiter read: the coster sits inside the limiter that
+/// reads costs (`FromExtension`), which decided the request before the cost was set, and
+/// no limiter further in read it. Counted, and said at error level (once, again every
+/// ten minutes while it goes on): every query is charged the limiter's default.
+#[cfg(feature = "graphql")]
+#[cold]
+pub(crate) fn graphql_cost_unread(cost: u64) {
+    #[cfg(not(feature = "tracing"))]
+    let _ = cost;
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_graphql_cost_unread_total").increment(1);
+    #[cfg(feature = "tracing")]
+    if first_reason("graphql cost unread") {
+        tracing::error!(
+            target: "tollgate",
+            cost,
+            "a GraphqlCostLayer runs inside the rate limiter that reads its cost \
+             (FromExtension): the limiter decided each request before the cost was set, so \
+             GraphQL costs are never charged (each query pays the limiter's default). Put \
+             the GraphqlCostLayer outside the limiter (a .layer() added after it), or a \
+             limiter that reads the cost inside it (logged once, again every 10 minutes \
+             while it goes on; counted in tollgate_graphql_cost_unread_total)"
+        );
+    }
+}
+
 /// A request skipped limiting ([`Bypass`](crate::bypass::Bypass)): counted by reason.
 #[inline]
 pub(crate) fn bypassed(reason: crate::bypass::BypassReason) {

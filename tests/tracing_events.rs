@@ -1403,3 +1403,90 @@ fn a_frozen_cluster_node_is_said_once_while_other_shards_answer() {
     assert_eq!(count(&events, Level::WARN, STALL), 1, "{events:?}");
     assert_eq!(over_before_thaw, Vec::<String>::new(), "{events:?}");
 }
+
+/// A GraphQL coster placed inside the limiter that reads its cost (on the GraphQL route,
+/// with the limiter on the whole router: the layout an app of REST and GraphQL routes
+/// reaches for, as the coster answers 400 to JSON bodies that are not GraphQL) sets its
+/// cost after the limiter decided: every query was charged the default, 1 where it costs
+/// 101, and nothing said so. It is said at error level (once, again every ten minutes
+/// while it goes on), and a coster with a limiter inside it that reads the cost is not
+/// a mistake.
+#[cfg(feature = "graphql")]
+#[test]
+fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
+    use axum::routing::post;
+    use tollgate::cost::FromExtension;
+    use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer};
+    let limiter = || {
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("points", 100_000, Duration::from_secs(60)).unwrap())
+            .cost(FromExtension::or(1))
+            .key(Global)
+    };
+    let send = |app: Router| {
+        let recorder = Recorder::default();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let remaining = tracing::subscriber::with_default(recorder.clone(), || {
+            runtime.block_on(async {
+                let mut remaining = Vec::new();
+                for _ in 0..2 {
+                    let body = r#"{"query":"{ a(first: 100) { b(first: 100) { c } } }"}"#;
+                    let request = Request::post("/graphql")
+                        .header("content-type", "application/json")
+                        .body(Body::from(body))
+                        .unwrap();
+                    let response = app.clone().oneshot(request).await.unwrap();
+                    assert_eq!(response.status(), 200);
+                    remaining.push(response.headers()["ratelimit"].to_str().unwrap().to_owned());
+                }
+                remaining
+            })
+        });
+        let errors: Vec<String> = recorder
+            .events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|event| event.starts_with("ERROR"))
+            .cloned()
+            .collect();
+        (remaining, errors)
+    };
+    let coster = || GraphqlCostLayer::new(GraphqlCost::new());
+    // The coster on its route, the limiter over the router: charged 1 each.
+    let inside = Router::new()
+        .route(
+            "/graphql",
+            post(|| async { "ok" }).layer::<_, std::convert::Infallible>(coster()),
+        )
+        .layer(limiter());
+    let (remaining, errors) = send(inside);
+    assert!(remaining[1].contains("r=99998"), "{remaining:?}");
+    assert_eq!(errors.len(), 1, "said once: {errors:?}");
+    assert!(
+        errors[0].contains("GraphqlCostLayer") && errors[0].contains("never charged"),
+        "{errors:?}"
+    );
+    // In the right order: charged the query's cost, nothing said.
+    let outside = Router::new()
+        .route("/graphql", post(|| async { "ok" }))
+        .layer(limiter())
+        .layer(coster());
+    let (remaining, errors) = send(outside);
+    assert!(remaining[1].contains("r=99798"), "{remaining:?}");
+    assert!(errors.is_empty(), "{errors:?}");
+    // A limiter outside that reads the cost and one inside the coster: the inner one
+    // charges it, no mistake.
+    let both = Router::new()
+        .route(
+            "/graphql",
+            post(|| async { "ok" })
+                .layer::<_, std::convert::Infallible>(limiter())
+                .layer::<_, std::convert::Infallible>(coster()),
+        )
+        .layer(limiter());
+    let (_, errors) = send(both);
+    assert!(errors.is_empty(), "{errors:?}");
+}

@@ -26,17 +26,61 @@ pub trait Cost: Send + Sync + 'static {
     /// Units this request spends (0 spends nothing, and is admitted unless the identity
     /// owes what a settle charged past empty, or a penalty blocks it).
     fn cost(&self, parts: &Parts) -> u64;
+
+    /// Whether this cost reads a [`RequestCost`] that middleware further out sets (as
+    /// [`FromExtension`] does; default `false`). A layer whose cost does marks the
+    /// requests it decides, so that a coster that sets one further in (the GraphQL
+    /// coster's layer, placed inside the limiter), whose cost is then never charged,
+    /// says so at error level instead of going unnoticed.
+    ///
+    /// ```
+    /// use tollgate::cost::{Cost, FromExtension};
+    ///
+    /// assert!(FromExtension::or(1).reads_request_cost());
+    /// assert!(!5u64.reads_request_cost());
+    /// ```
+    fn reads_request_cost(&self) -> bool {
+        false
+    }
 }
 
 impl<T: Cost + ?Sized> Cost for std::sync::Arc<T> {
     fn cost(&self, parts: &Parts) -> u64 {
         (**self).cost(parts)
     }
+
+    fn reads_request_cost(&self) -> bool {
+        (**self).reads_request_cost()
+    }
 }
 
 impl<T: Cost + ?Sized> Cost for Box<T> {
     fn cost(&self, parts: &Parts) -> u64 {
         (**self).cost(parts)
+    }
+
+    fn reads_request_cost(&self) -> bool {
+        (**self).reads_request_cost()
+    }
+}
+
+/// Set on a request by a rate-limit layer whose cost reads [`RequestCost`]
+/// ([`Cost::reads_request_cost`]), once it has read it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CostRead;
+
+/// Set beside a [`RequestCost`] by a coster behind a limiter that read the cost already
+/// ([`CostRead`]): [`FromExtension`] marks it read, so the coster can tell whether any
+/// limiter further in charged it.
+#[derive(Debug, Clone, Default)]
+#[cfg_attr(not(feature = "graphql"), allow(dead_code))]
+pub(crate) struct Handed(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+#[cfg_attr(not(feature = "graphql"), allow(dead_code))]
+impl Handed {
+    /// Whether a limiter read the cost handed with this.
+    pub(crate) fn read(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
@@ -354,7 +398,16 @@ impl Cost for FromExtension {
         parts
             .extensions
             .get::<RequestCost>()
-            .map_or(self.default, |cost| cost.0)
+            .map_or(self.default, |cost| {
+                if let Some(handed) = parts.extensions.get::<Handed>() {
+                    handed.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                cost.0
+            })
+    }
+
+    fn reads_request_cost(&self) -> bool {
+        true
     }
 }
 

@@ -749,7 +749,19 @@ where
     S: Service<Request<B>, Response = Response<ResBody>>,
 {
     request.extensions_mut().insert(RequestCost(cost));
+    // Behind a limiter that read the cost already: is there one further in to charge it?
+    let handed = request
+        .extensions()
+        .get::<crate::cost::CostRead>()
+        .is_some()
+        .then(crate::cost::Handed::default);
+    if let Some(handed) = &handed {
+        request.extensions_mut().insert(handed.clone());
+    }
     let mut response = inner.call(request).await?;
+    if handed.is_some_and(|handed| !handed.read()) {
+        crate::telemetry::graphql_cost_unread(cost);
+    }
     response
         .headers_mut()
         .insert(GRAPHQL_COST.clone(), HeaderValue::from(cost));
