@@ -377,7 +377,8 @@ impl<St: Store> Limiter<St> {
         if policies.is_empty() {
             return Err(StoreError::new(
                 StoreErrorKind::Unsupported,
-                "a limiter of no policy limits nothing: give it at least one",
+                "no policy to decide (a limiter of no policy limits nothing: give it at \
+                 least one)",
             ));
         }
         store.validate(&policies)?;

@@ -149,6 +149,9 @@ where
         // touches fewer lines of ours costs it less.
         let config = &*self.config;
         let (mut parts, body) = request.into_parts();
+        if config.marks_cost {
+            crate::cost::handed(&parts);
+        }
         if config.bypass.is_some()
             && let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts))
         {
@@ -164,15 +167,15 @@ where
             return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
         }
         let cost = config.cost.cost(&parts);
-        if config.marks_cost {
-            parts.extensions.insert(crate::cost::CostRead);
-        }
         let policies = config.resolver.resolve(&parts, &key);
         if policies.is_empty() {
             return ResponseFuture::calling(
                 self.inner.call(Request::from_parts(parts, body)),
                 HeaderBlock::default(),
             );
+        }
+        if config.marks_cost {
+            parts.extensions.insert(crate::cost::CostRead);
         }
         let responder = &config.responder;
         // A shadow layer's denials count towards no block (see `without_penalties`).

@@ -1439,7 +1439,11 @@ fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
                         .unwrap();
                     let response = app.clone().oneshot(request).await.unwrap();
                     assert_eq!(response.status(), 200);
-                    remaining.push(response.headers()["ratelimit"].to_str().unwrap().to_owned());
+                    let rate = response.headers().get("ratelimit");
+                    remaining.push(
+                        rate.map_or("none", |rate| rate.to_str().unwrap())
+                            .to_owned(),
+                    );
                 }
                 remaining
             })
@@ -1488,5 +1492,45 @@ fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
         )
         .layer(limiter());
     let (_, errors) = send(both);
+    assert!(errors.is_empty(), "{errors:?}");
+    // The limiter inside had the cost even when it let the request through without a
+    // key (nor does a bypass, nor a key refused, make the layout a mistake).
+    let keyed = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::fixed_window("points", 100_000, Duration::from_secs(60)).unwrap())
+        .cost(FromExtension::or(1))
+        .key(tollgate::key::HeaderKey::new("x-api-key"))
+        .on_missing_key(tollgate::MissingKey::Allow);
+    let anonymous = Router::new()
+        .route(
+            "/graphql",
+            post(|| async { "ok" })
+                .layer::<_, std::convert::Infallible>(keyed)
+                .layer::<_, std::convert::Infallible>(coster()),
+        )
+        .layer(limiter());
+    let (_, errors) = send(anonymous);
+    assert!(errors.is_empty(), "{errors:?}");
+    // An outer limiter that leaves the GraphQL route out (no policy for it) decided
+    // nothing: the coster there (for its header, its refusals) is no mistake.
+    let others_only = RateLimitLayer::new(MemoryStore::new())
+        .resolver(tollgate::resolve::resolve_with(|parts, _key| {
+            if parts.uri.path() == "/graphql" {
+                tollgate::PolicySet::unlimited()
+            } else {
+                Policy::fixed_window("rest", 100, Duration::from_secs(60))
+                    .unwrap()
+                    .into()
+            }
+        }))
+        .cost(FromExtension::or(1))
+        .key(Global);
+    let exempt = Router::new()
+        .route(
+            "/graphql",
+            post(|| async { "ok" }).layer::<_, std::convert::Infallible>(coster()),
+        )
+        .layer(others_only);
+    let (remaining, errors) = send(exempt);
+    assert_eq!(remaining, ["none", "none"]);
     assert!(errors.is_empty(), "{errors:?}");
 }

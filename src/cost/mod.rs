@@ -28,10 +28,11 @@ pub trait Cost: Send + Sync + 'static {
     fn cost(&self, parts: &Parts) -> u64;
 
     /// Whether this cost reads a [`RequestCost`] that middleware further out sets (as
-    /// [`FromExtension`] does; default `false`). A layer whose cost does marks the
-    /// requests it decides, so that a coster that sets one further in (the GraphQL
-    /// coster's layer, placed inside the limiter), whose cost is then never charged,
-    /// says so at error level instead of going unnoticed.
+    /// [`FromExtension`] does; default `false`: a cost of your own that reads one should
+    /// say so). A layer whose cost does marks the requests it decides, so that a coster
+    /// that sets one further in (the GraphQL coster's layer, placed inside the limiter),
+    /// whose cost is then never charged, says so at error level instead of going
+    /// unnoticed; and a coster's cost reaching such a layer further in is known read.
     ///
     /// ```
     /// use tollgate::cost::{Cost, FromExtension};
@@ -70,11 +71,20 @@ impl<T: Cost + ?Sized> Cost for Box<T> {
 pub(crate) struct CostRead;
 
 /// Set beside a [`RequestCost`] by a coster behind a limiter that read the cost already
-/// ([`CostRead`]): [`FromExtension`] marks it read, so the coster can tell whether any
-/// limiter further in charged it.
+/// ([`CostRead`]): a layer whose cost reads it marks it read when the request reaches
+/// it (whether it then bypasses it, has no key for it, or charges it), so the coster
+/// can tell whether any limiter further in had it.
 #[derive(Debug, Clone, Default)]
 #[cfg_attr(not(feature = "graphql"), allow(dead_code))]
 pub(crate) struct Handed(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+/// Marks the cost handed with `parts` (if any) read: a layer whose cost reads it has it.
+#[inline]
+pub(crate) fn handed(parts: &Parts) {
+    if let Some(handed) = parts.extensions.get::<Handed>() {
+        handed.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 #[cfg_attr(not(feature = "graphql"), allow(dead_code))]
 impl Handed {
@@ -398,12 +408,7 @@ impl Cost for FromExtension {
         parts
             .extensions
             .get::<RequestCost>()
-            .map_or(self.default, |cost| {
-                if let Some(handed) = parts.extensions.get::<Handed>() {
-                    handed.0.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                cost.0
-            })
+            .map_or(self.default, |cost| cost.0)
     }
 
     fn reads_request_cost(&self) -> bool {

@@ -34,10 +34,11 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// `r` and `Remaining` are never above the quota.
 /// Seconds are rounded up; every integer is an RFC 9651 integer (at most 15 digits).
 ///
-/// The single-valued styles report the policy that denied, else the one with the fewest
-/// units left; an in-flight policy only when it denied or nothing else is shown, since a
-/// count of requests in progress has no reset: shown alone, it sends no `Reset` field but
-/// on a denial (its `Retry-After`).
+/// The single-valued styles report the policy that denied, else the enforced one with the
+/// fewest units left (a shadow policy shown by `shadow_headers` only when no policy of
+/// the set is enforced); an in-flight policy only when it denied or no other enforced
+/// one is shown, since a count of requests in progress has no reset: shown alone, it
+/// sends no `Reset` field but on a denial (its `Retry-After`).
 ///
 /// Choose one with [`RateLimitLayer::headers`](crate::RateLimitLayer::headers):
 ///

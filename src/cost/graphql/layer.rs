@@ -750,9 +750,10 @@ where
 {
     request.extensions_mut().insert(RequestCost(cost));
     // Behind a limiter that read the cost already: is there one further in to charge it?
+    // (The mark goes no further: a coster nested further in is not behind that limiter.)
     let handed = request
-        .extensions()
-        .get::<crate::cost::CostRead>()
+        .extensions_mut()
+        .remove::<crate::cost::CostRead>()
         .is_some()
         .then(crate::cost::Handed::default);
     if let Some(handed) = &handed {
