@@ -40,10 +40,10 @@ use crate::policy::{Policy, PolicySet};
 /// gives its leases' rests back itself), and so is state the store loses by itself (an
 /// identity it evicts, a Redis key evicted under `maxmemory` or lost in a failover).
 /// Within it, a cached answer carries its full remaining wait. A change made through this
-/// cache forgets the identity's denials when it is sent and when it lands; when its wait
-/// is given up first (a settle's timeout), when it is given up, and a denial the store
-/// gives between then and the change's landing is kept up to `max_age`, as another
-/// replica's change is.
+/// cache forgets the identity's denials when it is sent, and again when it lands or when
+/// its wait is given up (a settle's timeout drops it): a denial the store gives between a
+/// wait given up and the change's landing is kept up to `max_age`, as another replica's
+/// change is.
 ///
 /// A cost above a policy's limit is refused whatever the state, so it is answered here
 /// every time ([`Outcome::CostExceedsLimit`](crate::Outcome::CostExceedsLimit)), never
