@@ -77,7 +77,7 @@ impl LocalFallback {
     /// share it; layers built apart that spend one budget on the store (a helper that
     /// builds a layer per route) do not, and each admits the whole limit during an
     /// outage: clone one layer, or give them one store with [`LocalFallback::with_store`]
-    /// (a [`Limiter`](crate::limiter::Limiter) spending the same budget too).
+    /// (a `Limiter` spending the same budget too).
     ///
     /// ```
     /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, RateLimitLayer};
