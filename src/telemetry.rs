@@ -9,6 +9,7 @@
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_plans_unknown_total` | counter | (a plan header named no plan of the configuration: the default plan applied) |
+//! | `tollgate_graphql_cost_unread_total` | counter | (a `GraphqlCostLayer` inside the limiter that reads its cost, and no limiter further in to read it: the default charged) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
 //! | `tollgate_fallback_decisions_total` | counter | `outcome`: `allowed`, `denied`, `cost_exceeds_limit` (decisions a failure mode's local limiter made, counted in `tollgate_decisions_total` too) |
 //! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
