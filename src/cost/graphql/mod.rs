@@ -98,7 +98,8 @@ pub enum CostError {
     },
     /// Costing the body would take more field visits than allowed
     /// ([`GraphqlCost::max_field_visits`]): a selection set is walked once for each type
-    /// it may be on, so a document through an interface of many types asks for many.
+    /// it may be on, and each argument of a field is a visit, so a document through an
+    /// interface of many types asks for many.
     TooComplex {
         /// The most allowed.
         max: u64,
@@ -144,8 +145,8 @@ impl fmt::Display for CostError {
             CostError::TooDeep { max } => write!(f, "the document nests deeper than {max} levels"),
             CostError::TooComplex { max } => write!(
                 f,
-                "costing the document takes more than {max} field visits (each field once \
-                 for each type it may be on)"
+                "costing the document takes more than {max} field visits (each field, and \
+                 each of its arguments, once for each type it may be on)"
             ),
             CostError::Introspection(why) => write!(
                 f,
