@@ -735,6 +735,18 @@ mod tests {
         }
     }
 
+    /// A deny cache keeping denials a minute over `store`, a policy of one unit a day and
+    /// a key that spent it (the next request of it is denied until a change gives back).
+    async fn one_spent<S: Store>(store: S, clock: &ManualClock) -> (DenyCache<S>, PolicySet, Key) {
+        let cache =
+            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+        let policies =
+            PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("customer");
+        assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        (cache, policies, key)
+    }
+
     /// A grant (or refund, or reset) sent to a store doing I/O lands a round trip later.
     /// A denial the store gives meanwhile (the units are not back yet) must not be kept
     /// past the grant's landing: this replica would deny what the store admits until
@@ -748,13 +760,7 @@ mod tests {
                 inner: MemoryStore::builder().clock(clock.clone()).build(),
                 gate: Arc::clone(&gate),
             };
-            let cache =
-                DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
-            let policies = PolicySet::from(
-                Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap(),
-            );
-            let key = Key::new("customer");
-            assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            let (cache, policies, key) = one_spent(store, &clock).await;
             let landing = if reset {
                 let future = cache.reset(&key, &policies);
                 tokio::spawn(future)
@@ -837,13 +843,7 @@ mod tests {
                 inner: MemoryStore::builder().clock(clock.clone()).build(),
                 gate: Arc::clone(&gate),
             };
-            let cache =
-                DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
-            let policies = PolicySet::from(
-                Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap(),
-            );
-            let key = Key::new("customer");
-            assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            let (cache, policies, key) = one_spent(store, &clock).await;
             let waiting: Pin<Box<dyn std::future::Future<Output = ()> + Send>> = if reset {
                 let future = cache.reset(&key, &policies);
                 Box::pin(async move { future.await.unwrap() })
