@@ -87,6 +87,11 @@ struct Anchor {
     epoch_nanos: u64,
 }
 
+/// A duration in nanoseconds, the largest when it does not fit (about 584 years).
+pub(crate) fn nanos(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Nanoseconds since the Unix epoch of a wall-clock reading. A clock set before 1970, or
 /// past what 64 bits of nanoseconds hold (the year 2554: a garbage RTC), counts from 0,
 /// which keeps every decision correct (windows are then aligned to the process start

@@ -564,7 +564,7 @@ struct Compiled {
     sets: Sets,
     failure_mode: Option<&'static str>,
     store_timeout: Option<Duration>,
-    breaker: BreakerSettings,
+    breaker: CircuitBreaker,
     shadow: bool,
     shadow_headers: bool,
     headers: HeaderStyle,
@@ -1005,8 +1005,9 @@ impl LimiterConfig {
             },
         };
         let breaker = self.circuit_breaker.clone().unwrap_or_default();
+        let default = CircuitBreaker::default();
         let failures = match breaker.failures {
-            None => DEFAULT_BREAKER.0,
+            None => default.failures(),
             Some(0) => {
                 return Err(ConfigError::new(
                     "circuit_breaker.failures",
@@ -1016,7 +1017,7 @@ impl LimiterConfig {
             Some(failures) => failures,
         };
         let cool_down = match &breaker.cool_down {
-            None => DEFAULT_BREAKER.1,
+            None => default.cool_down(),
             Some(text) => match duration(text) {
                 Ok(cool_down) if cool_down > crate::policy::MAX_PERIOD => {
                     return Err(ConfigError::new(
@@ -1063,7 +1064,7 @@ impl LimiterConfig {
             sets,
             failure_mode,
             store_timeout,
-            breaker: (failures, cool_down),
+            breaker: CircuitBreaker::new(failures, cool_down),
             shadow: self.shadow,
             shadow_headers: self.shadow_headers,
             headers,
@@ -1121,12 +1122,6 @@ impl PolicyResolver for Plans {
         self.sets.plans.values().cloned().collect()
     }
 }
-
-/// A circuit breaker's settings: failures in a row, and the cool-down.
-type BreakerSettings = (u32, Duration);
-
-/// [`CircuitBreaker::default`]'s settings.
-const DEFAULT_BREAKER: BreakerSettings = (5, Duration::from_secs(1));
 
 type LiveConfig =
     Config<Arc<dyn Store>, Arc<dyn KeyExtractor>, Arc<dyn Cost>, Arc<dyn PolicyResolver>>;
@@ -1258,8 +1253,6 @@ fn build(
     config: &LimiterConfig,
 ) -> Result<(Arc<LiveConfig>, Sets, CircuitBreaker), ConfigError> {
     let compiled = config.compile()?;
-    let (failures, cool_down) = compiled.breaker;
-    let settings = CircuitBreaker::new(failures, cool_down);
     // A policy the store cannot decide (the Redis store refuses some very large quotas)
     // is named by its entry, as the file's other errors are.
     for (index, spec) in config.policies.iter().enumerate() {
@@ -1304,7 +1297,7 @@ fn build(
         .with_breaker(Arc::clone(breaker))
         .with_dropped(Arc::clone(dropped))
         .service_config()
-        .map(|config| (config, compiled.sets, settings))
+        .map(|config| (config, compiled.sets, compiled.breaker))
         .map_err(|reason| ConfigError::new("policies", reason))
 }
 

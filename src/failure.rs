@@ -421,6 +421,18 @@ impl CircuitBreaker {
         }
     }
 
+    /// Failures in a row that open the breaker.
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    pub(crate) fn failures(&self) -> u32 {
+        self.failures
+    }
+
+    /// How long the breaker stays open before a probe.
+    #[cfg_attr(not(feature = "config"), allow(dead_code))]
+    pub(crate) fn cool_down(&self) -> Duration {
+        self.cool_down
+    }
+
     /// Measures the cool-down on `clock` instead of the monotonic clock (for tests, a
     /// [`ManualClock`](crate::clock::ManualClock)).
     pub fn with_clock(mut self, clock: impl Clock) -> Self {
@@ -472,7 +484,7 @@ impl ProbeGuard {
 
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
-        let patience = u64::try_from(PROBE_PATIENCE.as_nanos()).unwrap_or(u64::MAX);
+        let patience = crate::clock::nanos(PROBE_PATIENCE);
         let patient_until = self.started.saturating_add(patience);
         if !self.reported.load(Ordering::Relaxed)
             && self.breaker.probing.load(Ordering::Acquire) == self.ticket
@@ -597,11 +609,6 @@ pub(crate) struct Breaker {
     unsaid: AtomicU64,
 }
 
-/// A duration in nanoseconds, saturating.
-fn nanos(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
-}
-
 /// The store failing and answering again is said at most once in this long: a store that
 /// fails now and then (a timeout in a hundred, one shard of a Cluster away) is one thing
 /// to tell, not two lines per failure.
@@ -631,7 +638,7 @@ impl Breaker {
             .unwrap_or_else(|| Arc::new(MonotonicClock::new()));
         Self {
             threshold: AtomicU32::new(config.failures),
-            cool_down: AtomicU64::new(nanos(config.cool_down)),
+            cool_down: AtomicU64::new(crate::clock::nanos(config.cool_down)),
             clock,
             failures: AtomicU32::new(0),
             answered_at: AtomicU64::new(0),
@@ -711,7 +718,7 @@ impl Breaker {
     pub(crate) fn set(&self, config: &CircuitBreaker) {
         self.threshold.store(config.failures, Ordering::Relaxed);
         self.cool_down
-            .store(nanos(config.cool_down), Ordering::Relaxed);
+            .store(crate::clock::nanos(config.cool_down), Ordering::Relaxed);
     }
 
     /// A request begins to wait on the store (see [`Waiting`]).
@@ -805,7 +812,7 @@ impl Breaker {
         if !self.said.load(Ordering::Acquire) {
             let now = self.clock.now().saturating_add(1);
             let last = self.said_at.load(Ordering::Acquire);
-            let every = u64::try_from(SAY_EVERY.as_nanos()).unwrap_or(u64::MAX);
+            let every = crate::clock::nanos(SAY_EVERY);
             let due = last == 0 || now.saturating_sub(last) >= every;
             if due
                 && self

@@ -65,31 +65,35 @@ impl Subscriber for Recorder {
 /// Sends `requests` requests to `app`, one after another, with a recorder as the
 /// subscriber: their statuses and bodies, and every event.
 fn recorded(app: &Router, requests: usize) -> (Vec<(u16, String)>, Vec<String>) {
+    with_recorder(async {
+        let mut statuses = Vec::new();
+        for _ in 0..requests {
+            let response = app
+                .clone()
+                .oneshot(Request::get("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            let body = http_body_util::BodyExt::collect(response.into_body())
+                .await
+                .unwrap()
+                .to_bytes();
+            statuses.push((status, String::from_utf8_lossy(&body).into_owned()));
+        }
+        statuses
+    })
+}
+
+/// Runs `work` on a runtime of its own with a recorder as the subscriber: what it
+/// returns, and every event.
+fn with_recorder<T>(work: impl std::future::Future<Output = T>) -> (T, Vec<String>) {
     let recorder = Recorder::default();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
-    let statuses = tracing::subscriber::with_default(recorder.clone(), || {
-        runtime.block_on(async {
-            let mut statuses = Vec::new();
-            for _ in 0..requests {
-                let response = app
-                    .clone()
-                    .oneshot(Request::get("/").body(Body::empty()).unwrap())
-                    .await
-                    .unwrap();
-                let status = response.status().as_u16();
-                let body = http_body_util::BodyExt::collect(response.into_body())
-                    .await
-                    .unwrap()
-                    .to_bytes();
-                statuses.push((status, String::from_utf8_lossy(&body).into_owned()));
-            }
-            statuses
-        })
-    });
+    let done = tracing::subscriber::with_default(recorder.clone(), || runtime.block_on(work));
     let events = recorder.events.lock().unwrap().clone();
-    (statuses, events)
+    (done, events)
 }
 
 #[test]
@@ -1424,37 +1428,27 @@ fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
             .key(Global)
     };
     let send = |app: Router| {
-        let recorder = Recorder::default();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let remaining = tracing::subscriber::with_default(recorder.clone(), || {
-            runtime.block_on(async {
-                let mut remaining = Vec::new();
-                for _ in 0..2 {
-                    let body = r#"{"query":"{ a(first: 100) { b(first: 100) { c } } }"}"#;
-                    let request = Request::post("/graphql")
-                        .header("content-type", "application/json")
-                        .body(Body::from(body))
-                        .unwrap();
-                    let response = app.clone().oneshot(request).await.unwrap();
-                    assert_eq!(response.status(), 200);
-                    let rate = response.headers().get("ratelimit");
-                    remaining.push(
-                        rate.map_or("none", |rate| rate.to_str().unwrap())
-                            .to_owned(),
-                    );
-                }
-                remaining
-            })
+        let (remaining, events) = with_recorder(async {
+            let mut remaining = Vec::new();
+            for _ in 0..2 {
+                let body = r#"{"query":"{ a(first: 100) { b(first: 100) { c } } }"}"#;
+                let request = Request::post("/graphql")
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap();
+                let response = app.clone().oneshot(request).await.unwrap();
+                assert_eq!(response.status(), 200);
+                let rate = response.headers().get("ratelimit");
+                remaining.push(
+                    rate.map_or("none", |rate| rate.to_str().unwrap())
+                        .to_owned(),
+                );
+            }
+            remaining
         });
-        let errors: Vec<String> = recorder
-            .events
-            .lock()
-            .unwrap()
-            .iter()
+        let errors: Vec<String> = events
+            .into_iter()
             .filter(|event| event.starts_with("ERROR"))
-            .cloned()
             .collect();
         (remaining, errors)
     };

@@ -11,7 +11,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 use super::{Adjustment, DecideFuture, ResetFuture, Store, StoreError, check_answer};
-use crate::clock::{Clock, MonotonicClock};
+use crate::clock::{Clock, MonotonicClock, nanos};
 use crate::decision::{Decision, Outcome};
 use crate::key::Key;
 use crate::policy::{Policy, PolicySet};
@@ -189,10 +189,6 @@ fn generations(capacity: usize) -> usize {
         .checked_next_power_of_two()
         .unwrap_or(MOST_GENERATIONS)
         .clamp(FEWEST_GENERATIONS, MOST_GENERATIONS)
-}
-
-fn nanos(duration: Duration) -> u64 {
-    u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Shared {
@@ -699,52 +695,22 @@ mod tests {
         }
     }
 
-    /// An in-process store whose adjustments and resets land when the test says, as a
-    /// store doing I/O lands them a round trip after they are sent.
-    #[derive(Clone)]
-    struct Gated {
-        inner: MemoryStore<ManualClock>,
-        gate: Arc<tokio::sync::Semaphore>,
-    }
-
-    impl Store for Gated {
-        fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-            self.inner.decide(key, policies, cost)
-        }
-
-        fn can_adjust(&self) -> bool {
-            true
-        }
-
-        fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-            let (inner, gate) = (self.inner.clone(), Arc::clone(&self.gate));
-            let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
-            DecideFuture::new(async move {
-                let _pass = gate.acquire().await.expect("open");
-                inner.adjust(&key, &policies, &adjustment).await
-            })
-        }
-
-        fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-            let (inner, gate) = (self.inner.clone(), Arc::clone(&self.gate));
-            let (key, policies) = (key.clone(), policies.clone());
-            Box::pin(async move {
-                let _pass = gate.acquire().await.expect("open");
-                inner.reset(&key, &policies).await
-            })
-        }
-    }
-
-    /// A deny cache keeping denials a minute over `store`, a policy of one unit a day and
-    /// a key that spent it (the next request of it is denied until a change gives back).
-    async fn one_spent<S: Store>(store: S, clock: &ManualClock) -> (DenyCache<S>, PolicySet, Key) {
-        let cache =
-            DenyCache::with_clock(store, 100, clock.clone()).max_age(Duration::from_secs(60));
+    /// A deny cache keeping denials a minute over a [`Sent`] store, a policy of one unit
+    /// a day and a key that spent it (the next request of it is denied until a change
+    /// gives back), and the gate the store's changes land through.
+    async fn one_spent() -> (DenyCache<Sent>, PolicySet, Key, Arc<tokio::sync::Semaphore>) {
+        let clock = ManualClock::new();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let store = Sent {
+            inner: MemoryStore::builder().clock(clock.clone()).build(),
+            gate: Arc::clone(&gate),
+        };
+        let cache = DenyCache::with_clock(store, 100, clock).max_age(Duration::from_secs(60));
         let policies =
             PolicySet::from(Policy::fixed_window("daily", 1, Duration::from_secs(3600)).unwrap());
         let key = Key::new("customer");
         assert!(cache.decide(&key, &policies, 1).await.unwrap().is_allowed());
-        (cache, policies, key)
+        (cache, policies, key, gate)
     }
 
     /// A grant (or refund, or reset) sent to a store doing I/O lands a round trip later.
@@ -754,13 +720,7 @@ mod tests {
     #[tokio::test]
     async fn a_denial_given_while_a_grant_is_on_its_way_is_forgotten_when_it_lands() {
         for reset in [false, true] {
-            let clock = ManualClock::new();
-            let gate = Arc::new(tokio::sync::Semaphore::new(0));
-            let store = Gated {
-                inner: MemoryStore::builder().clock(clock.clone()).build(),
-                gate: Arc::clone(&gate),
-            };
-            let (cache, policies, key) = one_spent(store, &clock).await;
+            let (cache, policies, key, gate) = one_spent().await;
             let landing = if reset {
                 let future = cache.reset(&key, &policies);
                 tokio::spawn(future)
@@ -837,13 +797,7 @@ mod tests {
     #[tokio::test]
     async fn a_denial_given_while_a_change_is_on_its_way_is_forgotten_when_its_wait_is_dropped() {
         for reset in [false, true] {
-            let clock = ManualClock::new();
-            let gate = Arc::new(tokio::sync::Semaphore::new(0));
-            let store = Sent {
-                inner: MemoryStore::builder().clock(clock.clone()).build(),
-                gate: Arc::clone(&gate),
-            };
-            let (cache, policies, key) = one_spent(store, &clock).await;
+            let (cache, policies, key, gate) = one_spent().await;
             let waiting: Pin<Box<dyn std::future::Future<Output = ()> + Send>> = if reset {
                 let future = cache.reset(&key, &policies);
                 Box::pin(async move { future.await.unwrap() })
