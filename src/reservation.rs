@@ -279,13 +279,18 @@ impl Reservation {
                     return Some(HeaderBlock::default());
                 }
                 let extra = jitter_secs(responder.headers.jitter);
-                Some(rate_limit_headers(
+                let headers = rate_limit_headers(
                     &responder.headers,
                     &self.policies,
                     &decision,
                     &self.key,
                     extra,
-                ))
+                );
+                Some(if responder.shadow {
+                    headers.enforcing_nothing()
+                } else {
+                    headers
+                })
             }
             Err(error) => {
                 telemetry::adjustment_lost("settle", &error);

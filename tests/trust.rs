@@ -2607,6 +2607,140 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
     }
 }
 
+/// A limiter further in answers `429` with its `Retry-After` (10 s) to a request this
+/// layer admitted with its last unit (`r=0`, the next in 30 s): a client that comes back
+/// when told (draft-11, section 7: `Retry-After` takes precedence over the fields) is
+/// refused again, by this layer, and the fields beside the wait contradict it (section 6:
+/// `Retry-After` should not point earlier than a quota's reset that denies the next
+/// request). An intermediary may tell a client to wait longer (section 7.2), and this
+/// layer knows it must: the wait is raised to its own. The single-valued styles (one
+/// policy's numbers) then state the policy that keeps the client waiting (draft-06,
+/// section 5: `RateLimit-Reset` is the same point in time as `Retry-After`).
+#[tokio::test]
+async fn an_inner_wait_is_raised_to_an_outer_quota_spent_until_later() {
+    for style in [
+        HeaderStyle::Draft11,
+        HeaderStyle::Draft6,
+        HeaderStyle::Legacy,
+    ] {
+        let clock = tollgate::clock::ManualClock::new();
+        let store = || MemoryStore::builder().clock(clock.clone()).build();
+        let route = RateLimitLayer::new(store())
+            .policy(
+                Policy::token_bucket("search", 1, Rate::new(1, Duration::from_secs(10))).unwrap(),
+            )
+            .headers(style);
+        let global = RateLimitLayer::new(store())
+            .policy(
+                Policy::token_bucket("outer", 2, Rate::new(1, Duration::from_secs(30))).unwrap(),
+            )
+            .headers(style);
+        let app = Router::new()
+            .route("/search", get(|| async { "found" }))
+            .route_layer(route)
+            .layer(global);
+        let call = || app.clone().oneshot(request("/search", 1));
+
+        assert_eq!(call().await.unwrap().status(), StatusCode::OK, "{style:?}");
+        clock.advance(Duration::from_millis(100));
+        let denied = call().await.unwrap();
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS, "{style:?}");
+        let retry_after: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+        assert_eq!(retry_after, 30, "{style:?}: the outer quota's next unit");
+        match style {
+            HeaderStyle::Draft11 => {
+                let lines: Vec<&str> = denied
+                    .headers()
+                    .get_all("ratelimit")
+                    .iter()
+                    .map(|line| line.to_str().unwrap())
+                    .collect();
+                // A field's lines are one list (RFC 9651, section 4.2).
+                let field = lines.join(", ");
+                let list = sfv::Parser::new(&field).parse::<sfv::List>().unwrap();
+                assert_eq!(list.len(), 2, "{field}");
+                for member in &list {
+                    let sfv::ListEntry::Item(item) = member else {
+                        panic!("{field}")
+                    };
+                    let param = |name: &str| {
+                        item.params
+                            .iter()
+                            .find(|(key, _)| key.as_str() == name)
+                            .and_then(|(_, value)| value.as_integer())
+                            .map(i64::from)
+                    };
+                    if param("r") == Some(0) {
+                        assert!(param("t").unwrap() <= 30, "{field}");
+                    }
+                }
+            }
+            HeaderStyle::Draft6 => {
+                assert_eq!(header(&denied, "ratelimit-limit").as_deref(), Some("2"));
+                assert_eq!(header(&denied, "ratelimit-remaining").as_deref(), Some("0"));
+                assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("30"));
+            }
+            _ => {
+                assert_eq!(header(&denied, "x-ratelimit-limit").as_deref(), Some("2"));
+                assert_eq!(
+                    header(&denied, "x-ratelimit-remaining").as_deref(),
+                    Some("0")
+                );
+                let reset: u64 = header(&denied, "x-ratelimit-reset")
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_secs();
+                assert!(reset >= now + 30, "{reset} against {now}");
+            }
+        }
+        // The inner wait alone was too short: the outer layer refuses at its end...
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(
+            call().await.unwrap().status(),
+            StatusCode::TOO_MANY_REQUESTS,
+            "{style:?}"
+        );
+        // ...and admits at the raised one's.
+        clock.advance(Duration::from_secs(retry_after - 10));
+        assert_eq!(call().await.unwrap().status(), StatusCode::OK, "{style:?}");
+    }
+}
+
+/// The raise above is an enforcing layer's: a shadow layer (a roll-out, refusing
+/// nothing) that shows its fields leaves the inner wait as it was, though its quota is
+/// spent.
+#[tokio::test]
+async fn a_shadow_layer_leaves_an_inner_wait_alone() {
+    let clock = tollgate::clock::ManualClock::new();
+    let store = || MemoryStore::builder().clock(clock.clone()).build();
+    let route = RateLimitLayer::new(store())
+        .policy(Policy::token_bucket("search", 1, Rate::new(1, Duration::from_secs(10))).unwrap());
+    let global = RateLimitLayer::new(store())
+        .policy(Policy::token_bucket("outer", 2, Rate::new(1, Duration::from_secs(30))).unwrap())
+        .shadow(true)
+        .shadow_headers(true);
+    let app = Router::new()
+        .route("/search", get(|| async { "found" }))
+        .route_layer(route)
+        .layer(global);
+    let call = || app.clone().oneshot(request("/search", 1));
+    assert_eq!(call().await.unwrap().status(), StatusCode::OK);
+    clock.advance(Duration::from_millis(100));
+    let denied = call().await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "retry-after").as_deref(), Some("10"));
+    let outer = denied
+        .headers()
+        .get_all("ratelimit")
+        .iter()
+        .any(|line| line.to_str().unwrap().contains("\"outer\";r=0"));
+    assert!(outer, "the shadow layer's fields are shown");
+}
+
 /// The nested limiters above over gRPC: the inner layer's cached denial is a gRPC answer
 /// (HTTP 200, `grpc-status` 8 and `retry-after`), still a wait of its own that the outer
 /// layer's roomier single-valued fields must not replace.

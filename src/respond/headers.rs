@@ -373,6 +373,8 @@ pub(crate) enum HeaderBlock {
         policy: Option<HeaderValue>,
         /// `None` when the statuses are unknown (a cached denial).
         rate: Option<HeaderValue>,
+        /// See [`spent_wait`].
+        wait: u64,
     },
     /// `RateLimit-Limit/-Remaining/-Reset` or `X-RateLimit-*`.
     Single {
@@ -382,6 +384,8 @@ pub(crate) enum HeaderBlock {
         /// `None` for a count of requests in progress, which never resets on a clock
         /// (a denial's is its `Retry-After`, see `reset_beside`).
         reset: Option<u64>,
+        /// See [`spent_wait`].
+        wait: u64,
     },
 }
 
@@ -410,6 +414,15 @@ impl HeaderBlock {
         }
     }
 
+    /// These fields from a layer that enforces nothing (a shadow layer): the quotas it
+    /// spent keep no client waiting.
+    pub(crate) fn enforcing_nothing(mut self) -> Self {
+        if let HeaderBlock::Draft11 { wait, .. } | HeaderBlock::Single { wait, .. } = &mut self {
+            *wait = 0;
+        }
+        self
+    }
+
     /// Writes the fields onto a response of the layer's own (a `429`, a `400`).
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
         self.write(headers, None);
@@ -424,10 +437,31 @@ impl HeaderBlock {
 
     /// `inner` is the status of the inner service's response, `None` for the layer's own.
     #[inline]
-    fn write(self, headers: &mut HeaderMap, inner: Option<StatusCode>) {
+    fn write(mut self, headers: &mut HeaderMap, inner: Option<StatusCode>) {
+        // A limiter further in (or the service) answered with a wait of its own (its
+        // `429`, whose cached denial carries no numbers, or a `503`; over gRPC,
+        // RESOURCE_EXHAUSTED or UNAVAILABLE). A `Retry-After` on another answer (a
+        // redirect's) is no such wait.
+        let their_wait = inner.and_then(|status| inner_wait(headers, status));
+        // A quota of ours spent until later than that wait ends refuses the client who
+        // comes back when told: the wait is raised to ours (draft-11, section 7.2: an
+        // intermediary may make the fields more restrictive). Not over gRPC, whose
+        // answer states its wait three times (`retry-after`, the pushback and the
+        // status details): it stands as the service gave it.
+        let raised = match (&self, their_wait) {
+            (
+                HeaderBlock::Draft11 { wait, .. } | HeaderBlock::Single { wait, .. },
+                Some(theirs),
+            ) if *wait > theirs && !super::grpc::asks_to_wait(headers) => Some(*wait),
+            _ => None,
+        };
+        if let Some(wait) = raised {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(wait));
+            self.reset_beside(wait);
+        }
         match self {
             HeaderBlock::Empty => {}
-            HeaderBlock::Draft11 { policy, rate } => {
+            HeaderBlock::Draft11 { policy, rate, .. } => {
                 let [policy_name, rate_name, _] = &DRAFT11_FIELDS;
                 if let Some(policy) = policy {
                     add_to_list(headers, policy_name, policy);
@@ -441,25 +475,16 @@ impl HeaderBlock {
                 limit,
                 remaining,
                 reset,
+                ..
             } => {
                 let [limit_name, remaining_name, reset_name, _] = if legacy {
                     &LEGACY_FIELDS
                 } else {
                     &DRAFT6_FIELDS
                 };
-                // A limiter further in (or the service) answered with a wait of its own
-                // (its `429`, whose cached denial carries no numbers, or a `503`; over
-                // gRPC, RESOURCE_EXHAUSTED or UNAVAILABLE): this layer's roomier numbers
-                // would contradict it. A `Retry-After` on another answer (a redirect's)
-                // is no such wait.
-                let waiting = |status: StatusCode| {
-                    status == StatusCode::TOO_MANY_REQUESTS
-                        || status == StatusCode::SERVICE_UNAVAILABLE
-                        || headers
-                            .get("grpc-status")
-                            .is_some_and(|code| code == "8" || code == "14")
-                };
-                if headers.contains_key(header::RETRY_AFTER) && inner.is_some_and(waiting) {
+                // An inner wait: this layer's roomier numbers would contradict it, unless
+                // this layer's keeps the client waiting longer (its numbers state it).
+                if their_wait.is_some() && raised.is_none() {
                     return;
                 }
                 // A limiter further in wrote its set already (all three, or no reset for
@@ -469,6 +494,7 @@ impl HeaderBlock {
                 // latest reset). A set without limit or remaining, or with a field that
                 // is no number, is overwritten.
                 if inner.is_some()
+                    && raised.is_none()
                     && let (Some(_), Some(theirs), Some(their_reset)) = (
                         number_field(headers, limit_name),
                         number_field(headers, remaining_name),
@@ -489,6 +515,17 @@ impl HeaderBlock {
             }
         }
     }
+}
+
+/// The wait of an inner answer (of `status`, with `headers`) that is one: a `429` or a
+/// `503` (over gRPC, RESOURCE_EXHAUSTED or UNAVAILABLE) with a `Retry-After`, in whole
+/// seconds (0 for a value that states none).
+fn inner_wait(headers: &HeaderMap, status: StatusCode) -> Option<u64> {
+    let retry_after = headers.get(header::RETRY_AFTER)?;
+    let waiting = status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::SERVICE_UNAVAILABLE
+        || super::grpc::asks_to_wait(headers);
+    waiting.then(|| retry_after_secs(retry_after).unwrap_or(0))
 }
 
 /// The wait a `Retry-After` value states, in whole seconds from now (rounded up): its
@@ -730,6 +767,7 @@ pub(crate) fn rate_limit_headers(
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
             policy: policy_field(policies, options.shadow),
             rate: blocked_rate(options, policies, decision, key, extra),
+            wait: 0,
         },
         HeaderStyle::Draft11 => {
             let mut listed = 0;
@@ -760,6 +798,7 @@ pub(crate) fn rate_limit_headers(
                 Some(rate) if listed > 0 => HeaderBlock::Draft11 {
                     policy: policy_field(policies, options.shadow),
                     rate: Some(rate),
+                    wait: spent_wait(policies, decision, extra),
                 },
                 _ => HeaderBlock::Empty,
             }
@@ -798,6 +837,7 @@ pub(crate) fn rate_limit_headers(
                             limit: policy.limit(),
                             remaining: 0,
                             reset: (!params.is_in_flight()).then(|| reset_field(legacy, after)),
+                            wait: 0,
                         }
                     }
                     _ => HeaderBlock::Empty,
@@ -811,9 +851,29 @@ pub(crate) fn rate_limit_headers(
                 limit: status.limit,
                 remaining: status.remaining.min(status.limit),
                 reset: (!policy.params().is_in_flight()).then(|| reset_field(legacy, after)),
+                wait: spent_wait(policies, decision, extra),
             }
         }
     }
+}
+
+/// How long (in whole seconds, as `t` states it) a request this layer admitted leaves
+/// the next one refused: the longest `t` of an enforced quota it left with none, 0 when
+/// none. A limiter further in, or the service, that answers with a shorter wait would
+/// send its client back too early (see [`HeaderBlock::write`]).
+fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> u64 {
+    if !decision.is_allowed() {
+        return 0;
+    }
+    policies
+        .iter()
+        .zip(decision.statuses())
+        .filter(|(policy, status)| {
+            status.remaining == 0 && !policy.is_shadow() && !policy.params().is_in_flight()
+        })
+        .map(|(policy, status)| effective_secs(policy, status.effective_window, extra))
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

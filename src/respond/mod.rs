@@ -252,7 +252,7 @@ impl Responder {
             telemetry::shadow_layer_denied(policies, decision, key);
         }
         let headers = if self.headers.shadow {
-            rate_limit_headers(&self.headers, policies, decision, key, extra)
+            rate_limit_headers(&self.headers, policies, decision, key, extra).enforcing_nothing()
         } else {
             HeaderBlock::default()
         };
