@@ -248,36 +248,6 @@ fn first_enforced(policies: &PolicySet) -> usize {
         .unwrap_or(0)
 }
 
-/// A settle of `decision`'s `cost` units to nothing that leaves its shaping policies
-/// alone (their places stay taken): the units of a request never sent, given back under
-/// the other policies. `None` when there are none to give back, when a shaping policy
-/// sits past the 64 a receipt marks, or when the marks would all be set (read as a
-/// refusal): nothing then, rather than a place given back.
-fn places_kept(
-    cost: u64,
-    decision: &Decision,
-    policies: &PolicySet,
-) -> Option<crate::store::Adjustment> {
-    let kept = policies.shaping_marks()?;
-    if policies
-        .iter()
-        .all(|policy| policy.params().is_shaping() || policy.params().is_in_flight())
-    {
-        return None;
-    }
-    let receipt = decision.receipt();
-    let undebited = receipt.undebited() | kept;
-    // Every mark set reads as a refusal (nothing debited): nothing to give back then.
-    if undebited == u64::MAX {
-        return None;
-    }
-    let receipt = receipt.with_undebited(undebited);
-    Some(
-        crate::store::Adjustment::settle(cost, 0, receipt)
-            .with_left(decision.statuses().iter().map(|status| status.remaining)),
-    )
-}
-
 /// Units a waiter has spent and sleeps its shaping delay for, with its turn in the key's
 /// queue: given back if the waiter is dropped before the delay ends (it will never use
 /// them). The turn is held until they are back, so no waiter queues behind units that
@@ -906,7 +876,12 @@ impl<St: Store> Limiter<St> {
         let unbooking = crate::store::Adjustment::unbook(cost, decision);
         let answer = self.adjust_where_decided(key, decider, &unbooking).await;
         if answer.is_some_and(|answer| !answer.is_allowed())
-            && let Some(settle) = places_kept(cost, decision, &shared.policies)
+            && let Some(settle) = crate::store::Adjustment::places_kept(
+                cost,
+                decision.receipt(),
+                decision.statuses().iter().map(|status| status.remaining),
+                &shared.policies,
+            )
         {
             self.adjust_where_decided(key, decider, &settle).await;
         }

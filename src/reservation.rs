@@ -397,6 +397,7 @@ impl Round<'_> {
             match result {
                 Ok(decision) if decision.is_allowed() => {}
                 Ok(_) => {
+                    let booking = others_given_back(adjuster, queue, booking, timeout).await;
                     if !dropped.refused(queue, booking) {
                         return;
                     }
@@ -409,6 +410,51 @@ impl Round<'_> {
             }
         }
     }
+}
+
+/// A dropped request's booking whose place stays taken (a request queued behind it
+/// stands): it was never sent, so its units under the set's other rate policies go back
+/// now, as a settle to nothing (as the `Limiter` gives back a sleeper's), and the booking
+/// keeps its place alone. It is marked so whether the settle lands or is lost on the way
+/// (counted and logged): its units never go back twice.
+async fn others_given_back(
+    adjuster: &dyn Adjuster,
+    queue: &QueueId,
+    mut booking: Booking,
+    timeout: std::time::Duration,
+) -> Booking {
+    let (Some(place_only), Some(settle)) = (
+        booking.place_only(),
+        Adjustment::places_kept(
+            booking.cost,
+            booking.receipt,
+            booking.left.iter().copied(),
+            &booking.policies,
+        ),
+    ) else {
+        return booking;
+    };
+    let future = adjust_in(
+        adjuster,
+        queue.key(),
+        &booking.policies,
+        booking.fallback,
+        &settle,
+    );
+    let result = match future.into_ready() {
+        Ok(result) => result,
+        // Bounded by the store timeout, which needs a runtime: nothing is sent.
+        Err(_) if tokio::runtime::Handle::try_current().is_err() => return booking,
+        Err(pending) => {
+            let what = "give-back of a dropped request's units";
+            within(timeout, what, pending).await
+        }
+    };
+    if let Err(error) = result {
+        telemetry::adjustment_lost("settle", &error);
+    }
+    booking.receipt = place_only;
+    booking
 }
 
 impl Drop for Reservation {

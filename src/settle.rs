@@ -400,6 +400,28 @@ pub(crate) struct Booking {
 }
 
 impl Booking {
+    /// Its receipt once its units under the other rate policies are given back (see
+    /// [`Adjustment::places_kept`](crate::store::Adjustment::places_kept)): they are
+    /// marked as not debited, so that its unbooking gives back its place alone. `None`
+    /// past 64 policies, whose marks a receipt cannot hold, or when the marks would all
+    /// be set (read as a refusal).
+    pub(crate) fn place_only(&self) -> Option<Receipt> {
+        if self.policies.len() > 64 {
+            return None;
+        }
+        let others = self
+            .policies
+            .iter()
+            .enumerate()
+            .filter(|(_, policy)| {
+                let params = policy.params();
+                !params.is_shaping() && !params.is_in_flight()
+            })
+            .fold(0u64, |marks, (index, _)| marks | 1 << index);
+        let undebited = self.receipt.undebited() | others;
+        (undebited != u64::MAX).then(|| self.receipt.with_undebited(undebited))
+    }
+
     /// Its place in its queue: when it was debited, then where its queue ends.
     fn order(&self) -> (u64, u64) {
         (

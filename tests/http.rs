@@ -1236,6 +1236,76 @@ async fn a_place_dropped_before_a_standing_one_is_kept() {
     );
 }
 
+/// A shaped request dropped during its delay was never sent: it is not charged (the
+/// README, `Settle::if_dropped`). When a request queued behind it stands, its place stays
+/// taken, but its units under the set's other policies go back at once, as the `Limiter`
+/// gives them back: they stayed spent for good, and under a steady overload (every new
+/// request queued behind others) clients' hourly quotas drained for requests never run.
+/// Given back once: when the place goes back later, the other policies get nothing more.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let tokens = Policy::token_bucket("tokens", 100, Rate::per_hour(1)).unwrap();
+    let app = Router::new().route("/", get(|| async { "sent" })).layer(
+        RateLimitLayer::new(store)
+            .policies(tollgate::PolicySet::new([paced, tokens]).unwrap())
+            .key(tollgate::key::Global)
+            .cost(tollgate::cost::from_fn(|parts| {
+                parts
+                    .headers
+                    .get("x-cost")
+                    .and_then(|value| value.to_str().ok()?.parse().ok())
+                    .unwrap_or(1)
+            })),
+    );
+    let tokens_left = || async {
+        let response = app.clone().oneshot(costing(0)).await.unwrap();
+        let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+        field
+            .split("\"tokens\";r=")
+            .nth(1)
+            .and_then(|rest| rest.split([';', ',']).next())
+            .and_then(|remaining| remaining.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no tokens member in {field}"))
+    };
+    assert_eq!(
+        app.clone().oneshot(costing(1)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // Held back 10 s, given up after 1 s; held back 20 s, given up after 5 s.
+    let second = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(1),
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(5),
+        app.clone().oneshot(costing(1)),
+    ));
+    assert!(second.await.unwrap().is_err(), "the second was sent");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        tokens_left().await,
+        98,
+        "the second, never sent, is not charged while its place stays taken"
+    );
+    assert!(third.await.unwrap().is_err(), "the third was sent");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // The third's place and tokens go back, then the second's place: its tokens are back
+    // already.
+    assert_eq!(tokens_left().await, 99);
+    tokio::time::sleep(Duration::from_secs(70)).await;
+    assert_eq!(tokens_left().await, 99, "once leaked out, nothing more");
+}
+
 /// A store whose first unbooking answers only when the test opens its gate (a give-back on
 /// its way to Redis), the rest at once.
 #[derive(Clone)]

@@ -390,6 +390,33 @@ impl Adjustment {
         }
     }
 
+    /// A settle to nothing of `cost` units debited under `receipt` (`left`: what the
+    /// debit left of each policy) that leaves the shaping policies alone (their places
+    /// stay taken): the units of a request never sent, given back under the other rate
+    /// policies. `None` when there are none to give back (none but shaping and in-flight
+    /// policies, or none debited), when a shaping policy sits past the 64 a receipt marks,
+    /// or when the marks would all be set (read as a refusal): nothing then, rather than a
+    /// place given back.
+    pub(crate) fn places_kept(
+        cost: u64,
+        receipt: Receipt,
+        left: impl IntoIterator<Item = u64>,
+        policies: &PolicySet,
+    ) -> Option<Self> {
+        let kept = policies.shaping_marks()?;
+        let undebited = receipt.undebited() | kept;
+        // Every mark set reads as a refusal (nothing debited): nothing to give back then.
+        if undebited == u64::MAX {
+            return None;
+        }
+        let receipt = receipt.with_undebited(undebited);
+        let any = policies.iter().enumerate().any(|(index, policy)| {
+            let params = policy.params();
+            !params.is_shaping() && !params.is_in_flight() && receipt.debited(index)
+        });
+        any.then(|| Self::settle(cost, 0, receipt).with_left(left))
+    }
+
     /// Frees the in-flight slots of a request of `cost`; `receipt` is the one its decision
     /// carried (on Redis it names the slots).
     pub fn release(cost: u64, receipt: Receipt) -> Self {
