@@ -6,6 +6,7 @@
 //! paths), or letting requests through (fail open). A [`CircuitBreaker`] stops calling a
 //! store that keeps failing, probes it after a cool-down and returns to it by itself.
 
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -461,9 +462,11 @@ pub(crate) enum Admission {
 /// store may well be hanging: its drop starts a new cool-down before it lets the next
 /// request probe, so a store that never answers is not probed by one request after
 /// another. Dropped sooner (a client that resets its request at once, on purpose or
-/// not), the next request probes once [`PROBE_PATIENCE`] from this one's start is over:
-/// a cool-down for each would let clients that cancel keep a healthy store's breaker
-/// open, and no wait at all would let them send a sick store a probe per request.
+/// not), its [`StandIn`] asks the store in its place, on the runtime, and holds the probe
+/// until the answer (bounded by the store timeout), which is the probe's: clients that
+/// cancel every probe cannot keep a healthy store's breaker open, nor send a sick store
+/// more than one probe at a time. With no stand-in or no runtime, the next request
+/// probes once [`PROBE_PATIENCE`] from this one's start is over.
 #[derive(Debug)]
 pub(crate) struct ProbeGuard {
     breaker: Arc<Breaker>,
@@ -473,12 +476,53 @@ pub(crate) struct ProbeGuard {
     /// Set once the probe's outcome was reported (an answer, a failure, or an answer
     /// that did not come from the store and so tested nothing).
     reported: AtomicBool,
+    stand_in: Option<StandIn>,
+}
+
+/// What asks the store in place of a probe whose request was dropped before the answer:
+/// a peek at its key under its policies (no debit), and the store timeout it is held to.
+pub(crate) struct StandIn {
+    pub(crate) peek: Box<dyn FnOnce() -> crate::store::DecideFuture + Send>,
+    pub(crate) timeout: Duration,
+}
+
+impl fmt::Debug for StandIn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StandIn")
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ProbeGuard {
     /// The probe's request got an outcome; its drop only releases the flag.
     pub(crate) fn report(&self) {
         self.reported.store(true, Ordering::Relaxed);
+    }
+
+    /// Asks the store in this probe's place, should its request be dropped before the
+    /// answer (see [`ProbeGuard`]).
+    pub(crate) fn with_stand_in(mut self, stand_in: StandIn) -> Self {
+        self.stand_in = Some(stand_in);
+        self
+    }
+
+    /// The stand-in's answer, reported as the probe's: the store's answer closes the
+    /// breaker, its failure starts a new cool-down (see [`Breaker::heard_failure`]).
+    fn stand_in_answered(self, result: &Result<Decision, StoreError>) {
+        match result {
+            Ok(decision) => {
+                // A cached answer tested nothing: the probe is released.
+                if !decision.is_cached() {
+                    self.breaker.on_success();
+                }
+                self.report();
+            }
+            Err(error) => {
+                crate::telemetry::store_error(error);
+                self.breaker.heard_failure(error, Some(&self));
+            }
+        }
     }
 }
 
@@ -492,6 +536,27 @@ impl Drop for ProbeGuard {
             // Only while the breaker is open: another request's success may have closed
             // it since the load above, and a dropped probe is no reason to open it.
             let now = self.breaker.clock.now();
+            let runtime = || tokio::runtime::Handle::try_current().ok();
+            if now.saturating_add(1) < patient_until
+                && let Some(stand_in) = self.stand_in.take()
+                && let Some(runtime) = runtime()
+            {
+                // The probe passes to the stand-in, ticket and all: not released here.
+                let probe = ProbeGuard {
+                    breaker: Arc::clone(&self.breaker),
+                    ticket: self.ticket,
+                    started: self.started,
+                    reported: AtomicBool::new(false),
+                    stand_in: None,
+                };
+                runtime.spawn(async move {
+                    let what = "the circuit breaker's probe (in place of a dropped request)";
+                    let result =
+                        crate::store::within(stand_in.timeout, what, (stand_in.peek)()).await;
+                    probe.stand_in_answered(&result);
+                });
+                return;
+            }
             if now.saturating_add(1) >= patient_until {
                 // Counted as the store timing out, as any request so dropped is.
                 crate::telemetry::store_error(&StoreError::new(
@@ -693,6 +758,7 @@ impl Breaker {
                     ticket,
                     started: now,
                     reported: AtomicBool::new(false),
+                    stand_in: None,
                 }),
             },
             Err(_) => Admission::Skip,
@@ -870,6 +936,32 @@ impl Breaker {
         if let Some(guard) = probe {
             guard.report();
             self.release_probe(guard.ticket);
+        }
+    }
+
+    /// The store failed a request (`probe` when it was the breaker's probe), or refused
+    /// it. An outage (the store unreachable, a timeout) or a failure every request meets
+    /// (a pool that cannot authenticate, a primary no sentinel knows), whatever its kind,
+    /// counts towards opening the breaker (so that requests do not each open a connection,
+    /// or look a primary up, to be refused); a probe's starts a new cool-down. A refusal
+    /// that only this request's policies or data may cause (the store answered, but
+    /// decided nothing), an error raised before the store was asked or by the layer's own
+    /// plumbing: none says whether the store is out. The breaker stays as it is (a refusal
+    /// between failures neither ends their run nor an outage), and a probe is released
+    /// without a new cool-down, so the next request probes in its place.
+    pub(crate) fn heard_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
+        use crate::store::StoreErrorKind;
+        match error.kind() {
+            StoreErrorKind::Unavailable | StoreErrorKind::Timeout => self.on_failure(error, probe),
+            _ if error.meets_every_request_as_an_outage() => self.on_failure(error, probe),
+            StoreErrorKind::Refused
+            | StoreErrorKind::Protocol
+            | StoreErrorKind::Unsupported
+            | StoreErrorKind::Other => {
+                if let Some(probe) = probe {
+                    probe.report();
+                }
+            }
         }
     }
 

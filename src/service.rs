@@ -11,7 +11,7 @@ use tower_service::Service;
 use crate::body::ResponseBody;
 use crate::bypass::{Bypass, BypassReason};
 use crate::cost::Cost;
-use crate::failure::{Admission, ProbeGuard};
+use crate::failure::{Admission, ProbeGuard, StandIn};
 use crate::future::{Pending, ResponseFuture};
 use crate::key::Key;
 use crate::key::{KeyError, KeyErrorKind, KeyExtractor};
@@ -334,6 +334,15 @@ where
         let pending = decided.into_pending();
         let responder = &self.config.responder;
         let timeout = responder.timeout;
+        // Should the probe's request be dropped before the answer, its key is peeked at
+        // in its place (see `ProbeGuard`).
+        let probe = probe.map(|probe| {
+            let (config, key, policies) = (Arc::clone(&self.config), key.clone(), policies.clone());
+            probe.with_stand_in(StandIn {
+                peek: Box::new(move || config.store.peek(&key, &policies)),
+                timeout,
+            })
+        });
         // The probe's guard says what its drop means.
         let waiting = probe.is_none().then(|| responder.breaker.waiting());
         let timed = Box::pin(async move {

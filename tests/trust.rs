@@ -8,6 +8,7 @@
 
 mod support;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::Duration;
@@ -89,6 +90,8 @@ const REFUSING: u8 = 3;
 const UNSUPPORTED: u8 = 4;
 /// No primary for anyone, as the Sentinel client says when no sentinel knows the name.
 const NO_PRIMARY: u8 = 5;
+/// Up, answering once the task has yielded once (a round trip).
+const SLOW: u8 = 6;
 
 impl Switch {
     fn new() -> Self {
@@ -130,6 +133,13 @@ impl Store for Switch {
                 "no primary from the sentinels: no sentinel knows a primary named \"x\"",
             )
             .for_every_request())),
+            SLOW => {
+                let decision = self.inner.check(key.as_str(), policies, cost);
+                DecideFuture::new(async move {
+                    tokio::task::yield_now().await;
+                    Ok(decision)
+                })
+            }
             _ => {
                 let decision = self.inner.check(key.as_str(), policies, cost);
                 DecideFuture::new(async move { Ok(decision) })
@@ -181,6 +191,47 @@ async fn a_dropped_probe_does_not_keep_the_breaker_open() {
         "the breaker stayed open: the layer never returned to the store"
     );
     assert!(store.calls() >= 3);
+}
+
+/// A client that resets each request at once (an HTTP/2 stream reset with its headers)
+/// wins the breaker's probe time after time, once the store is back: each probe dropped
+/// before its answer only held the breaker open another 100 ms, and the next probe went
+/// to whoever came first, the same client again. The breaker stayed open as long as it
+/// kept on, and every other request met the failure mode (here no limit at all). A probe
+/// dropped so is answered all the same: its key is peeked at in its place, and the
+/// store's answer closes the breaker.
+#[tokio::test]
+async fn clients_that_cancel_every_probe_do_not_keep_the_breaker_open() {
+    let store = Switch::new();
+    let clock = tollgate::clock::ManualClock::new();
+    let app = over_a_clocked_breaker(
+        &store,
+        CircuitBreaker::new(1, Duration::from_secs(1)),
+        &clock,
+    );
+    store.set(DOWN);
+    app.clone().oneshot(request("/", 1)).await.unwrap();
+    clock.advance(Duration::from_millis(1001));
+    store.set(SLOW);
+    let mut back = false;
+    for _ in 0..20 {
+        // The probe goes out, and its client is gone before the answer.
+        let mut cancelled = Box::pin(app.clone().oneshot(request("/", 1)));
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(cancelled.as_mut().poll(cx))).await;
+        assert!(polled.is_pending(), "the probe waits on the store");
+        drop(cancelled);
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+        if response.headers().contains_key("ratelimit") {
+            back = true;
+            break;
+        }
+        clock.advance(Duration::from_millis(100));
+    }
+    assert!(back, "cancelled probes kept the breaker open");
 }
 
 /// `hello` behind a layer over `store` that fails open, waits up to 30 s on the store,

@@ -134,34 +134,8 @@ impl Responder {
     ) -> Plan {
         if let StoreAnswer::Failed(error) = answer {
             telemetry::store_error(error);
-            match error.kind() {
-                StoreErrorKind::Unavailable | StoreErrorKind::Timeout => {
-                    self.breaker.on_failure(error, probe);
-                }
-                // A failure every request meets (a pool that cannot authenticate, a
-                // primary no sentinel knows), whatever its kind: logged above, and it
-                // opens the breaker as an outage does, so that requests do not each open
-                // a connection (or look a primary up) to be refused. Only a store that
-                // cannot decide these policies is a set-up error, never an outage.
-                _ if error.meets_every_request_as_an_outage() => {
-                    self.breaker.on_failure(error, probe);
-                }
-                // A refusal that only this request's policies or data may cause (the
-                // store answered, but decided nothing), an error raised before the store
-                // was asked (a policy it cannot decide) or by the layer's own plumbing:
-                // none says whether the store is out. The failure mode answers this
-                // request; the breaker stays as it is (a refusal between failures neither
-                // ends their run nor an outage), and a probe is released without a new
-                // cool-down, so the next request probes in its place.
-                StoreErrorKind::Refused
-                | StoreErrorKind::Protocol
-                | StoreErrorKind::Unsupported
-                | StoreErrorKind::Other => {
-                    if let Some(probe) = probe {
-                        probe.report();
-                    }
-                }
-            }
+            // Towards the breaker as an outage, or (a refusal) not: see `heard_failure`.
+            self.breaker.heard_failure(error, probe);
         } else {
             telemetry::store_skipped();
         }
