@@ -533,3 +533,97 @@ async fn a_release_on_a_slot_being_moved_is_answered() {
     let again = store.decide(&key, &policies, 1).await.unwrap();
     assert!(again.is_allowed(), "the slot was not given back");
 }
+
+/// The reshard above, with sets whose release names another key that is missing: a rate
+/// policy's beside the in-flight one (a bucket's key is gone once it is full again, a
+/// millisecond here), or the in-flight policy's penalty key (written at its first
+/// strike). The script's call is answered `TRYAGAIN` for the whole move, and redis-rs
+/// tries it again only after more than a second: the release was given up on at the
+/// store timeout and lost, and the identity's slot stayed held for its lease (denials
+/// from a store failure). Given up on, a release frees its slots with a call of one key
+/// each, as a dropped decision's are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_several_keys_on_a_slot_being_moved_frees_the_slot() {
+    let cluster = RedisCluster::start(3);
+    let store = RedisStore::connect_cluster(&cluster.urls()).await.unwrap();
+    let inflight = || Policy::concurrency("inflight", 1).unwrap();
+    let penalty =
+        tollgate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(60));
+    let sets = [
+        (
+            "beside-a-bucket",
+            tollgate::PolicySet::new([
+                inflight(),
+                Policy::token_bucket("rate", 1000, Rate::per_second(1000)).unwrap(),
+            ])
+            .unwrap(),
+        ),
+        (
+            "with-a-penalty",
+            tollgate::PolicySet::from(inflight().with_penalty(penalty).unwrap()),
+        ),
+    ];
+    for (identity, policies) in sets {
+        let key = tollgate::Key::new(identity);
+        let admitted = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(admitted.is_allowed(), "{identity}");
+        // The bucket is full again, and its key gone.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let pattern = format!("tollgate:{{{identity}}}*");
+        let (owner, state) = cluster
+            .nodes
+            .iter()
+            .find_map(|node| {
+                let found = node.cli(&["--scan", "--pattern", &pattern]);
+                let slots = found
+                    .lines()
+                    .map(str::trim)
+                    .find(|key| node.cli(&["TYPE", key]).trim() == "zset")?;
+                Some((node, slots.to_owned()))
+            })
+            .expect("a node holds the identity's slots");
+        let slot = owner.cli(&["CLUSTER", "KEYSLOT", &state]).trim().to_owned();
+        let target = cluster
+            .nodes
+            .iter()
+            .find(|node| node.port != owner.port)
+            .expect("another node");
+        let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+        let importing = target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
+        let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
+        assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+        assert_eq!(owner.cli(&["ZCARD", &state]).trim(), "1", "{identity}");
+        // Given up on at a store timeout (the layer's is 50 ms by default).
+        let release = tollgate::Adjustment::release(1, admitted.receipt());
+        let released = tokio::time::timeout(
+            Duration::from_millis(150),
+            store.adjust(&key, &policies, &release),
+        )
+        .await;
+        // The move is called off; the slot must be free by then.
+        let mut free = false;
+        let waited = std::time::Instant::now();
+        while waited.elapsed() < Duration::from_secs(5) {
+            // Emptied, the key is gone, and a slot being moved sends a client asking for
+            // a key it no longer holds to the next node.
+            let zcard = owner.cli(&["ZCARD", &state]);
+            if zcard.trim() == "0" || zcard.trim().starts_with("ASK") {
+                free = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for node in [owner, target] {
+            assert_eq!(
+                node.cli(&["CLUSTER", "SETSLOT", &slot, "STABLE"]).trim(),
+                "OK"
+            );
+        }
+        assert!(free, "{identity}: the slot is still held ({released:?})");
+        let again = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(
+            again.is_allowed(),
+            "{identity}: the slot was not given back"
+        );
+    }
+}

@@ -1527,15 +1527,39 @@ impl Store for RedisStore {
             .collect();
         invocation.args.push(ends.join(","));
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
+        // A release given up on (the store timeout) or failed frees its slots all the
+        // same, with a call of one key each, as a dropped decision's are: the script's
+        // call names every policy's key, and on a Cluster slot being moved it is answered
+        // `TRYAGAIN` for the whole move while one of them is missing (a full bucket's,
+        // a penalty's before its first strike), which redis-rs tries again only after
+        // more than a second. Lost, the slot was held for its lease.
+        let lease = receipt.lease();
+        let slots: Vec<String> = match adjustment.change() {
+            Change::Release { cost } if cost > 0 && lease != 0 => policies
+                .iter()
+                .zip(invocation.keys.chunks(2))
+                .filter(|(policy, _)| policy.params().is_in_flight())
+                .map(|(_, keys)| keys[0].clone())
+                .collect(),
+            _ => Vec::new(),
+        };
         DecideFuture::new(async move {
+            let mut guard = (!slots.is_empty()).then(|| LeaseGuard {
+                pinned: backend.clone(),
+                fallback: backend.clone(),
+                keys: slots,
+                lease,
+            });
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
-            parse_reply(
-                &reply,
-                invocation.shape,
-                invocation.count,
-                0,
-                receipt.lease(),
-            )
+            let answer = parse_reply(&reply, invocation.shape, invocation.count, 0, lease);
+            // Answered: the script freed the slots (an answer that could not be read
+            // leaves the guard to free them).
+            if answer.is_ok()
+                && let Some(guard) = &mut guard
+            {
+                guard.keys.clear();
+            }
+            answer
         })
     }
 
