@@ -1082,7 +1082,8 @@ async fn a_primary_without_its_replicas_is_an_outage_not_a_refusal() {
 /// A TCP relay on loopback in front of a server: [`Relay::freeze`] stops every connection
 /// made so far from passing bytes either way, resetting none (a server frozen by a long
 /// stall, or a host gone without a word, while its name moves on), and connections made
-/// after it go through. Stops with the test's runtime.
+/// after it go through; [`Relay::thaw`] lets them pass again, what they held first.
+/// Stops with the test's runtime.
 struct Relay {
     port: u16,
     /// Connections numbered below this are frozen.
@@ -1133,10 +1134,15 @@ impl Relay {
         self.frozen_below
             .store(self.made.load(Ordering::SeqCst), Ordering::SeqCst);
     }
+
+    /// Every connection passes bytes again (the stall is over).
+    fn thaw(&self) {
+        self.frozen_below.store(0, Ordering::SeqCst);
+    }
 }
 
-/// Copies `from` to `to` until either ends; holds what it read, forever, once connection
-/// `number` is frozen.
+/// Copies `from` to `to` until either ends; holds what it read while connection `number`
+/// is frozen.
 async fn pump(
     mut from: Box<dyn tokio::io::AsyncRead + Send + Unpin>,
     mut to: Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
@@ -1150,8 +1156,8 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(read) => read,
         };
-        if number < frozen_below.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
+        while number < frozen_below.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         if to.write_all(&buffer[..read]).await.is_err() {
             return;
@@ -1179,6 +1185,63 @@ async fn a_connection_that_stops_answering_is_left_for_a_new_one() {
     failover_under_load(&app, "one URL: the connection froze", || relay.freeze()).await;
     assert!(relay.made.load(Ordering::SeqCst) > 1, "connected anew");
     assert_exact(&store.inner, "after-frozen-connection").await;
+}
+
+/// An in-flight decision dropped on a connection that stalled (its script held on the way)
+/// gives its slot back with a release sent behind its script, on that connection: Redis
+/// runs a connection's commands in order, so the release cannot overtake the script and
+/// find nothing to free. The connection was replaced meanwhile (three calls unanswered,
+/// and a `PING` too), and the release went on the new one: it ran at once and freed
+/// nothing, and when the stall ended the script took the slot, held for its lease (a
+/// minute), with nothing in flight: the identity's requests were refused meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_decisions_release_follows_its_script_on_a_connection_replaced_since() {
+    let server = RedisServer::start();
+    let relay = Relay::start(server.port).await;
+    let store = RedisStore::connect(&relay.url())
+        .await
+        .unwrap()
+        .coalescing(false);
+    let policies = PolicySet::from(Policy::concurrency("one", 1).unwrap());
+    let key = Key::new("stalled");
+    relay.freeze();
+    let made = relay.made.load(Ordering::SeqCst);
+    // On its way, held by the stall.
+    let mut stalled = Box::pin(store.decide(&key, &policies, 1));
+    let waited = tokio::time::timeout(Duration::from_millis(50), &mut stalled).await;
+    assert!(waited.is_err(), "the stall holds the decision");
+    // Three calls unanswered have the connection checked, and left for a new one.
+    for other in 0..3 {
+        let other = Key::new(format!("other-{other}"));
+        let _ = tokio::time::timeout(
+            Duration::from_millis(50),
+            store.decide(&other, &policies, 1),
+        )
+        .await;
+    }
+    let started = Instant::now();
+    while relay.made.load(Ordering::SeqCst) == made && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(relay.made.load(Ordering::SeqCst) > made, "connected anew");
+    // Its client gives up; then the stall ends, and the script runs.
+    drop(stalled);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    relay.thaw();
+    let started = Instant::now();
+    let mut admitted = false;
+    while started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok(Ok(decision)) =
+            tokio::time::timeout(Duration::from_secs(1), store.decide(&key, &policies, 1)).await
+        {
+            if decision.is_allowed() {
+                admitted = true;
+                break;
+            }
+        }
+    }
+    assert!(admitted, "the dropped decision's slot is still held");
 }
 
 /// An in-flight slot taken by a decision whose answer then could not be read (a reply of

@@ -427,6 +427,11 @@ pub struct RedisStore {
 #[derive(Clone)]
 enum Backend {
     Manager(Arc<Managed>),
+    /// The connection of the moment, held for one decision and the release behind it
+    /// ([`Backend::pinned`]): a connection made anew meanwhile (one that stopped
+    /// answering) carries nothing of this one's queue, and a release sent there could
+    /// overtake its decision.
+    ManagerPinned(Arc<Managed>, ConnectionManager),
     Pool(deadpool_redis::Pool),
     /// One connection checked out of a pool for one decision and the release behind it
     /// ([`Backend::pinned`]): back in the pool when the last clone is dropped, so the
@@ -634,6 +639,26 @@ impl Managed {
         });
     }
 
+    /// Sends `command` on `connection` (this server's, now or when its decision went).
+    async fn query<T: redis::FromRedisValue>(
+        self: &Arc<Self>,
+        command: &redis::Cmd,
+        mut connection: ConnectionManager,
+    ) -> Result<T, RedisError> {
+        let asked = self.ask();
+        let answer = command.query_async(&mut connection).await;
+        asked.answered(&answer);
+        // A refused password is kept by the connection manager for good (it connects
+        // again only after an I/O error): connecting anew is the way back.
+        if answer
+            .as_ref()
+            .is_err_and(|error| off_the_primary(error) || password_refused(error))
+        {
+            self.replace();
+        }
+        answer
+    }
+
     fn connection(&self) -> ConnectionManager {
         self.current
             .read()
@@ -819,9 +844,9 @@ impl Backend {
     /// [`LeaseGuard`] sends if it is dropped: Redis runs one connection's commands in the
     /// order they came, so the release cannot overtake the script and find nothing to
     /// free. A pool's connection is checked out (and held, with the guard, until the
-    /// release is done). The other backends send every command on one connection already
-    /// (a Cluster's, one per node), while that connection lasts: one that breaks and is
-    /// replaced carries nothing of the old one's queue.
+    /// release is done). A multiplexed connection's or a Cluster's is the one of the
+    /// moment, kept: one made anew meanwhile (after a stall) carries nothing of its queue.
+    /// A Sentinel primary's connection is the one of the moment too, while it lasts.
     async fn pinned(&self) -> Result<Backend, StoreError> {
         Ok(match self {
             Backend::Pool(pool) => Backend::Pooled(Arc::new(Checkout::new(
@@ -832,6 +857,9 @@ impl Backend {
             }
             Backend::Cluster(managed) => {
                 Backend::ClusterPinned(Arc::clone(managed), managed.connection())
+            }
+            Backend::Manager(managed) => {
+                Backend::ManagerPinned(Arc::clone(managed), managed.connection())
             }
             other => other.clone(),
         })
@@ -857,7 +885,7 @@ impl Backend {
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let backend = match self.backend {
-            Backend::Manager(_) => "multiplexed connection",
+            Backend::Manager(_) | Backend::ManagerPinned(..) => "multiplexed connection",
             Backend::Pool(_) => "pool",
             Backend::Pooled(_) => "pooled connection",
             Backend::Cluster(_) | Backend::ClusterPinned(..) => "cluster connection",
@@ -1259,9 +1287,11 @@ impl RedisStore {
     async fn start_up_identities(&self) -> Vec<Key> {
         const NAME: &str = "tollgate-start-up-check";
         let ranges = match &self.backend {
-            Backend::Manager(_) | Backend::Pool(_) | Backend::Pooled(_) | Backend::Sentinel(_) => {
-                Vec::new()
-            }
+            Backend::Manager(_)
+            | Backend::ManagerPinned(..)
+            | Backend::Pool(_)
+            | Backend::Pooled(_)
+            | Backend::Sentinel(_) => Vec::new(),
             Backend::Cluster(managed) | Backend::ClusterPinned(managed, _) => {
                 cluster_slot_ranges(&mut managed.connection()).await
             }
@@ -1818,19 +1848,10 @@ async fn query<T: redis::FromRedisValue>(
     let cluster = backend.is_cluster();
     match backend.clone() {
         Backend::Manager(managed) => {
-            let asked = managed.ask();
-            let answer = command.query_async(&mut managed.connection()).await;
-            asked.answered(&answer);
-            // A refused password is kept by the connection manager for good (it connects
-            // again only after an I/O error): connecting anew is the way back.
-            if answer
-                .as_ref()
-                .is_err_and(|error| off_the_primary(error) || password_refused(error))
-            {
-                managed.replace();
-            }
-            answer
+            let connection = managed.connection();
+            managed.query(command, connection).await
         }
+        Backend::ManagerPinned(managed, connection) => managed.query(command, connection).await,
         Backend::Pooled(checkout) => {
             let answer = command.query_async(&mut checkout.connection()).await;
             if answer.as_ref().is_err_and(off_the_primary) {
