@@ -400,8 +400,8 @@ pub(crate) struct Booking {
 }
 
 impl Booking {
-    /// Its receipt once its units under the other rate policies are given back (see
-    /// [`Adjustment::places_kept`](crate::store::Adjustment::places_kept)): they are
+    /// Its receipt once its units under the other rate policies are given back (a settle
+    /// to nothing that leaves its place taken, see `Reservation`'s rounds): they are
     /// marked as not debited, so that its unbooking gives back its place alone. `None`
     /// past 64 policies, whose marks a receipt cannot hold, or when the marks would all
     /// be set (read as a refusal).
