@@ -2863,10 +2863,32 @@ fn each_root_field_is_charged_as_a_resolver_call() {
     assert_eq!(cost("{ viewer { login } hello }").unwrap(), 2);
     // `__typename` runs no resolver.
     assert_eq!(cost("{ __typename hello }").unwrap(), 1);
-    // Above one point a root field, the walk's cost stands.
+    // Each root field is charged at least the minimum, whatever the others cost: a
+    // floor on the whole operation let a client that pays for one costly field add as
+    // many root resolver calls as that field's points, free (100 searches beside a
+    // field of 101 points were charged 101).
     assert_eq!(
         cost("{ repos(first: 10) { nodes { name } } hello }").unwrap(),
-        1 + 10
+        1 + 10 + 1
+    );
+    let searches: String = (0..100).map(|n| format!(" s{n}: search")).collect();
+    assert_eq!(
+        cost(&format!(
+            "{{ repos(first: 100) {{ nodes {{ name }} }}{searches} }}"
+        ))
+        .unwrap(),
+        1 + 100 + 100
+    );
+    assert_eq!(
+        cost("{ repos(first: 10) { nodes { name } } ...S } fragment S on Query { a: search b: search }")
+            .unwrap(),
+        1 + 10 + 2,
+        "root fields spread from a fragment too"
+    );
+    assert_eq!(
+        cost("{ search search }").unwrap(),
+        1,
+        "one response name: one call"
     );
     // A batch: each operation on its own.
     let batch = serde_json::json!([{ "query": "{ a b }" }, { "query": "mutation { x y }" }]);

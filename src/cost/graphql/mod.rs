@@ -313,14 +313,17 @@ impl GraphqlCost {
     /// The least each root field of an operation costs (default 1): leaves cost nothing,
     /// and a cost of 0 spends nothing, so a query of scalar fields alone would otherwise
     /// run unlimited, and a root field is a resolver call whatever it returns (each alias
-    /// one more). An operation costs at least this times its root fields;
-    /// each operation of a batch on its own.
+    /// one more). Each root field is charged at least this, whatever the others cost
+    /// (fields of one response name are one call); each operation of a batch on its own.
     ///
     /// ```
     /// use tollgate::cost::graphql::GraphqlCost;
     ///
     /// assert_eq!(GraphqlCost::new().query_cost("{ hello }", None, None)?, 1);
     /// assert_eq!(GraphqlCost::new().query_cost("{ a: hello b: hello }", None, None)?, 2);
+    /// // A connection of 10 (1 + 10) and one more resolver call.
+    /// let query = "{ repos(first: 10) { nodes { name } } hello }";
+    /// assert_eq!(GraphqlCost::new().query_cost(query, None, None)?, 12);
     /// assert_eq!(GraphqlCost::new().min_cost(0).query_cost("{ hello }", None, None)?, 0);
     /// # Ok::<(), tollgate::cost::graphql::CostError>(())
     /// ```
@@ -527,6 +530,7 @@ impl GraphqlCost {
             model: self,
             schema,
             fragments,
+            root_costs: HashMap::new(),
             done: HashMap::new(),
             costed: HashMap::new(),
             visiting: Vec::new(),
@@ -539,12 +543,21 @@ impl GraphqlCost {
             in_field: false,
             introspected: false,
         };
-        let cost = walk.selections(&operation.selection_set, root, 0);
+        let root_floor = match operation.operation_type {
+            OperationType::Mutation => 0,
+            OperationType::Query | OperationType::Subscription => self.min_cost,
+        };
+        let cost = walk
+            .selections(&operation.selection_set, root, 0)
+            .map(|below| {
+                (walk.root_costs.values())
+                    .fold(below, |sum, &cost| sum.saturating_add(cost.max(root_floor)))
+            });
         *visits = walk.visits;
-        // Each root field is a resolver call: at least the minimum each, and for a
-        // mutation its base each (an alias is one more mutation run). Counted once the
-        // walk took the document (no cycle, within the depth), and bounded by the depth
-        // too.
+        // Each root field is a resolver call: at least the minimum each (the walk
+        // charged it so), and for a mutation its base each (an alias is one more
+        // mutation run). Counted once the walk took the document (no cycle, within the
+        // depth), and bounded by the depth too.
         let calls = if cost.is_ok() {
             root_fields(&operation.selection_set, &walk.fragments, self.max_depth).max(1)
         } else {
@@ -934,6 +947,11 @@ struct Walk<'a> {
     whole_schema: bool,
     /// Set inside a field's selection set (below the root), where an aliased leaf costs.
     in_field: bool,
+    /// The root fields' costs by response name (the fields of one name, a server's one
+    /// call, summed: their selections merge), each charged at least `min_cost` once the
+    /// walk is over (a resolver call, whatever the others cost; none in a mutation, whose
+    /// root fields each pay its base). `__typename` runs no resolver.
+    root_costs: HashMap<&'a str, u64>,
     /// Set when the walk went into an introspection field: a cost remembered for a
     /// fragment or a selection set that holds one does not stand for a spread elsewhere,
     /// where the path above differs.
@@ -1066,13 +1084,24 @@ impl<'a> Walk<'a> {
                     {
                         cost = cost.max(1);
                     }
-                    match sized {
+                    let cost = match sized {
                         Some(sized)
                             if sized.fields.iter().any(|name| name == field.name.as_str()) =>
                         {
                             cost.saturating_mul(sized.size)
                         }
                         _ => cost,
+                    };
+                    if in_field {
+                        cost
+                    } else {
+                        // A root field: counted by its response name (see `root_costs`).
+                        if field.name != "__typename" {
+                            let name = field.alias.as_ref().unwrap_or(&field.name).as_str();
+                            let counted = self.root_costs.entry(name).or_default();
+                            *counted = counted.saturating_add(cost);
+                        }
+                        0
                     }
                 }
                 Selection::InlineFragment(fragment) => {
