@@ -398,6 +398,18 @@ impl Round<'_> {
                 Ok(decision) if decision.is_allowed() => {}
                 Ok(_) => {
                     let booking = others_given_back(adjuster, queue, booking, timeout).await;
+                    // The request standing behind it stands behind every older booking
+                    // of the queue too (dropped out of order, or while this round's call
+                    // was out): their other units go back as well. Each once: a booking
+                    // still owing after its turn (no runtime to send it) ends the sweep.
+                    while let Some(older) = dropped.take_owing(queue) {
+                        let older = others_given_back(adjuster, queue, older, timeout).await;
+                        let owing = older.owes_others();
+                        dropped.put_back(queue, older);
+                        if owing {
+                            break;
+                        }
+                    }
                     if !dropped.refused(queue, booking) {
                         return;
                     }

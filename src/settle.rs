@@ -422,6 +422,13 @@ impl Booking {
         (undebited != u64::MAX).then(|| self.receipt.with_undebited(undebited))
     }
 
+    /// Whether its units under the other rate policies are still to go back (see
+    /// `place_only`).
+    pub(crate) fn owes_others(&self) -> bool {
+        self.place_only()
+            .is_some_and(|place| place.undebited() != self.receipt.undebited())
+    }
+
     /// Its place in its queue: when it was debited, then where its queue ends.
     fn order(&self) -> (u64, u64) {
         (
@@ -574,6 +581,31 @@ impl DroppedBookings {
         };
         dropped.count -= 1;
         Some(newest)
+    }
+
+    /// Takes out of `queue` a booking whose units under the other policies are still to
+    /// go back (the round gives them back, and puts it back with [`put_back`]).
+    ///
+    /// [`put_back`]: Self::put_back
+    pub(crate) fn take_owing(&self, queue: &QueueId) -> Option<Booking> {
+        let mut dropped = self.lock();
+        let kept = dropped.queues.get_mut(queue)?;
+        let at = kept.bookings.iter().position(Booking::owes_others)?;
+        let booking = kept.bookings.remove(at);
+        dropped.count -= 1;
+        Some(booking)
+    }
+
+    /// Puts back a booking [`take_owing`](Self::take_owing) took, in its place.
+    pub(crate) fn put_back(&self, queue: &QueueId, booking: Booking) {
+        let mut dropped = self.lock();
+        let dropped = &mut *dropped;
+        dropped
+            .queues
+            .entry(queue.clone())
+            .or_default()
+            .insert(booking);
+        dropped.count += 1;
     }
 
     /// The store refused to give `booking` back (a request stands behind it): it is kept.

@@ -1242,8 +1242,9 @@ async fn a_place_dropped_before_a_standing_one_is_kept() {
 /// gives them back: they stayed spent for good, and under a steady overload (every new
 /// request queued behind others) clients' hourly quotas drained for requests never run.
 /// Given back once: when the place goes back later, the other policies get nothing more.
-#[tokio::test(start_paused = true)]
-async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
+/// A paced route (one request in 10 s, queued up to 60 s) under a token bucket of 100
+/// (one back an hour), over one key.
+fn paced_with_tokens() -> Router {
     let store = MemoryStore::builder()
         .clock(tollgate::clock::RuntimeClock::new())
         .build();
@@ -1254,7 +1255,7 @@ async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
     )
     .unwrap();
     let tokens = Policy::token_bucket("tokens", 100, Rate::per_hour(1)).unwrap();
-    let app = Router::new().route("/", get(|| async { "sent" })).layer(
+    Router::new().route("/", get(|| async { "sent" })).layer(
         RateLimitLayer::new(store)
             .policies(tollgate::PolicySet::new([paced, tokens]).unwrap())
             .key(tollgate::key::Global)
@@ -1265,17 +1266,25 @@ async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
                     .and_then(|value| value.to_str().ok()?.parse().ok())
                     .unwrap_or(1)
             })),
-    );
-    let tokens_left = || async {
-        let response = app.clone().oneshot(costing(0)).await.unwrap();
-        let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
-        field
-            .split("\"tokens\";r=")
-            .nth(1)
-            .and_then(|rest| rest.split([';', ',']).next())
-            .and_then(|remaining| remaining.parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no tokens member in {field}"))
-    };
+    )
+}
+
+/// The tokens left, read from a request of cost 0 (sent at once).
+async fn tokens_left(app: &Router) -> u64 {
+    let response = app.clone().oneshot(costing(0)).await.unwrap();
+    let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    field
+        .split("\"tokens\";r=")
+        .nth(1)
+        .and_then(|rest| rest.split([';', ',']).next())
+        .and_then(|remaining| remaining.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no tokens member in {field}"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
+    let app = paced_with_tokens();
+    let tokens_left = || tokens_left(&app);
     assert_eq!(
         app.clone().oneshot(costing(1)).await.unwrap().status(),
         StatusCode::OK
@@ -1304,6 +1313,48 @@ async fn a_dropped_place_that_stays_taken_gives_the_other_policies_back() {
     assert_eq!(tokens_left().await, 99);
     tokio::time::sleep(Duration::from_secs(70)).await;
     assert_eq!(tokens_left().await, 99, "once leaked out, nothing more");
+}
+
+/// The give-back above when requests give up out of order: the third (held 20 s) first,
+/// then the second (held 10 s), with the fourth standing behind both. A round gives back
+/// the newest booking of the queue; refused (the fourth stands), it ended, and the
+/// second, older, was never tried: its tokens stayed spent for a request never sent.
+/// Every booking older than a refused one has a request standing behind it too.
+#[tokio::test(start_paused = true)]
+async fn places_dropped_out_of_order_give_their_other_units_back() {
+    let app = paced_with_tokens();
+    assert_eq!(
+        app.clone().oneshot(costing(1)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let held = |patience: Option<Duration>| {
+        let request = app.clone().oneshot(costing(1));
+        tokio::spawn(async move {
+            match patience {
+                Some(patience) => tokio::time::timeout(patience, request).await.is_ok(),
+                None => request.await.is_ok(),
+            }
+        })
+    };
+    let second = held(Some(Duration::from_secs(5)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let third = held(Some(Duration::from_secs(1)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let fourth = held(None);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(tokens_left(&app).await, 96);
+    assert!(!third.await.unwrap(), "the third was sent");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(tokens_left(&app).await, 97);
+    assert!(!second.await.unwrap(), "the second was sent");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        tokens_left(&app).await,
+        98,
+        "the second, dropped after the third, never sent"
+    );
+    assert!(fourth.await.unwrap());
+    assert_eq!(tokens_left(&app).await, 98);
 }
 
 /// A store whose first unbooking answers only when the test opens its gate (a give-back on
