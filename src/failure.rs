@@ -508,21 +508,25 @@ impl ProbeGuard {
     }
 
     /// The stand-in's answer, reported as the probe's: the store's answer closes the
-    /// breaker, its failure starts a new cool-down (see [`Breaker::heard_failure`]).
+    /// breaker, an outage starts a new cool-down (see [`Breaker::heard_failure`]). An
+    /// answer that tested nothing (a cache's) or a refusal releases the probe once
+    /// [`PROBE_PATIENCE`] from its start is over, as a dropped probe without a stand-in
+    /// does: clients that cancel every probe send the store no more than that.
     fn stand_in_answered(self, result: &Result<Decision, StoreError>) {
+        let patient_until = self
+            .started
+            .saturating_add(crate::clock::nanos(PROBE_PATIENCE));
         match result {
-            Ok(decision) => {
-                // A cached answer tested nothing: the probe is released.
-                if !decision.is_cached() {
-                    self.breaker.on_success();
-                }
-                self.report();
-            }
+            Ok(decision) if !decision.is_cached() => self.breaker.on_success(),
+            Ok(_) => self.breaker.hold_until(patient_until),
             Err(error) => {
                 crate::telemetry::store_error(error);
+                // An outage's new cool-down, if it is one, comes after and stands.
+                self.breaker.hold_until(patient_until);
                 self.breaker.heard_failure(error, Some(&self));
             }
         }
+        self.report();
     }
 }
 

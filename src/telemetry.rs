@@ -243,9 +243,10 @@ pub(crate) fn adjustment_lost(what: &'static str, error: &StoreError) {
                 %error,
                 what,
                 "rate-limit store failed to settle or free a request's debit: what it used \
-                 past (or short of) its reservation is not counted, or its in-flight slot is \
-                 held until its lease ends (said once, again every 10 minutes while it goes \
-                 on; counted in tollgate_store_errors_total)"
+                 past (or short of) its reservation is not counted, or its in-flight slot \
+                 may be held until its lease ends (the Redis store tries once more to free \
+                 it; said once, again every 10 minutes while it goes on; counted in \
+                 tollgate_store_errors_total)"
             );
         }
     }

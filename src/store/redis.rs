@@ -1483,10 +1483,11 @@ impl Store for RedisStore {
                 // while waiting for it sent nothing, and has nothing to give back.
                 let pinned = backend.pinned().await?;
                 guard = Some(LeaseGuard {
-                    pinned: pinned.clone(),
+                    pinned: Some(pinned.clone()),
                     fallback: backend,
                     keys: slots,
                     lease,
+                    of_release: false,
                 });
                 pinned
             };
@@ -1575,10 +1576,11 @@ impl Store for RedisStore {
         };
         DecideFuture::new(async move {
             let mut guard = (!slots.is_empty()).then(|| LeaseGuard {
-                pinned: backend.clone(),
+                pinned: None,
                 fallback: backend.clone(),
                 keys: slots,
                 lease,
+                of_release: true,
             });
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
             let answer = parse_reply(&reply, invocation.shape, invocation.count, 0, lease);
@@ -1745,16 +1747,20 @@ impl RedisStore {
 }
 
 /// The in-flight slots a decision may have taken, given back if the decision is dropped
-/// (or fails) before its answer arrives. Removing a slot that was never taken is harmless.
+/// (or fails) before its answer arrives; or a release's, freed so if the release is.
+/// Removing a slot that was never taken is harmless.
 struct LeaseGuard {
     /// The connection the decision's script went on: the release goes behind it. A
     /// pool's is nobody else's until the release is done (a transaction or a `SELECT` of
-    /// theirs would catch it).
-    pinned: Backend,
+    /// theirs would catch it). `None` for a release's guard: it follows no script.
+    pinned: Option<Backend>,
     /// The store's backend: where the release goes when the pinned connection broke.
     fallback: Backend,
     keys: Vec<String>,
     lease: u64,
+    /// A release's guard: its failure was counted and said where the release was given
+    /// up on (`Reservation`), so this second try's is said at debug level only.
+    of_release: bool,
 }
 
 /// How long the release of a dropped decision's slots may take before it is reported
@@ -1770,11 +1776,12 @@ impl Drop for LeaseGuard {
             return; // no runtime: the slots expire with their lease
         };
         // The pinned connection moves into the task (a pool's goes back when it ends).
-        let (mut pinned, fallback, keys, member) = (
-            Some(std::mem::replace(&mut self.pinned, self.fallback.clone())),
+        let (mut pinned, fallback, keys, member, of_release) = (
+            self.pinned.take(),
             self.fallback.clone(),
             std::mem::take(&mut self.keys),
             self.lease.to_string(),
+            self.of_release,
         );
         runtime.spawn(async move {
             let mut first_error = None;
@@ -1816,13 +1823,19 @@ impl Drop for LeaseGuard {
             // The pooled connection goes back only now.
             drop(pinned);
             // Counted; an outage at debug level (the requests meet it), anything else
-            // (a refusal) at error level.
-            if let Some(error) = first_error {
-                super::unmet(
+            // (a refusal) at error level. A release's: counted and said already.
+            match first_error {
+                Some(error) if of_release => {
+                    #[cfg(feature = "tracing")]
+                    tracing::debug!(target: "tollgate", %error, "could not free the in-flight slots of a release given up on either; they expire with their lease");
+                    let _ = error;
+                }
+                Some(error) => super::unmet(
                     &error,
                     "could not give back the in-flight slots of a dropped decision; they \
                      expire with their lease",
-                );
+                ),
+                None => {}
             }
         });
     }
