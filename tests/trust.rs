@@ -2800,6 +2800,72 @@ async fn a_shadow_layer_leaves_an_inner_wait_alone() {
     assert!(outer, "the shadow layer's fields are shown");
 }
 
+/// The raise is as long as is left of the quota's wait when the inner answer comes: a
+/// service that took 25 s to answer `503` with `Retry-After: 10`, behind a quota whose
+/// next unit was 30 s away when the request was decided, leaves the client 5 s to wait
+/// for it, less than the service asks: the service's wait stands.
+#[tokio::test(start_paused = true)]
+async fn an_inner_wait_is_raised_by_what_is_left_of_the_outer_one() {
+    let store = MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(25)).await;
+                Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .header("retry-after", "10")
+                    .body(Body::empty())
+                    .unwrap()
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(
+                    Policy::token_bucket("api", 2, Rate::new(1, Duration::from_secs(30))).unwrap(),
+                )
+                .cost(cost_header()),
+        );
+    let response = app.oneshot(request("/", 2)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(header(&response, "retry-after").as_deref(), Some("10"));
+}
+
+/// The single-valued fields beside a raised wait state the quota that keeps the client
+/// waiting: of two quotas spent to nothing, the one whose next unit is furthest (`b`,
+/// 25 s), not the one that is whole again last (`a`, a bucket refilled in 75 s, whose
+/// next unit is 5 s away).
+#[tokio::test]
+async fn a_raised_wait_is_stated_by_the_quota_it_is_for() {
+    let clock = tollgate::clock::ManualClock::new();
+    let store = || MemoryStore::builder().clock(clock.clone()).build();
+    let route = RateLimitLayer::new(store())
+        .policy(Policy::token_bucket("inner", 1, Rate::new(1, Duration::from_secs(30))).unwrap())
+        .headers(HeaderStyle::Draft6);
+    let a = Policy::token_bucket("a", 15, Rate::new(1, Duration::from_secs(5))).unwrap();
+    let b = Policy::fixed_window("b", 20, Duration::from_secs(50)).unwrap();
+    let global = RateLimitLayer::new(store())
+        .policies(PolicySet::new([a, b]).unwrap())
+        .cost(cost_header())
+        .headers(HeaderStyle::Draft6);
+    let app = Router::new()
+        .route("/", get(|| async { "found" }))
+        .route_layer(route)
+        .layer(global);
+    let call = |cost| app.clone().oneshot(request("/", cost));
+    assert_eq!(call(10).await.unwrap().status(), StatusCode::OK);
+    clock.advance(Duration::from_secs(25));
+    // `a` 10 and `b` 10 left: both spent; the inner limiter's unit is 5 s away.
+    let denied = call(10).await.unwrap();
+    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(header(&denied, "retry-after").as_deref(), Some("25"));
+    assert_eq!(header(&denied, "ratelimit-limit").as_deref(), Some("20"));
+    assert_eq!(header(&denied, "ratelimit-remaining").as_deref(), Some("0"));
+    assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("25"));
+}
+
 /// The nested limiters above over gRPC: the inner layer's cached denial is a gRPC answer
 /// (HTTP 200, `grpc-status` 8 and `retry-after`), still a wait of its own that the outer
 /// layer's roomier single-valued fields must not replace.

@@ -374,7 +374,7 @@ pub(crate) enum HeaderBlock {
         /// `None` when the statuses are unknown (a cached denial).
         rate: Option<HeaderValue>,
         /// See [`spent_wait`].
-        wait: u64,
+        wait: Option<Spent>,
     },
     /// `RateLimit-Limit/-Remaining/-Reset` or `X-RateLimit-*`.
     Single {
@@ -385,7 +385,7 @@ pub(crate) enum HeaderBlock {
         /// (a denial's is its `Retry-After`, see `reset_beside`).
         reset: Option<u64>,
         /// See [`spent_wait`].
-        wait: u64,
+        wait: Option<Spent>,
     },
 }
 
@@ -418,7 +418,7 @@ impl HeaderBlock {
     /// spent keep no client waiting.
     pub(crate) fn enforcing_nothing(mut self) -> Self {
         if let HeaderBlock::Draft11 { wait, .. } | HeaderBlock::Single { wait, .. } = &mut self {
-            *wait = 0;
+            *wait = None;
         }
         self
     }
@@ -450,14 +450,34 @@ impl HeaderBlock {
         // status details): it stands as the service gave it.
         let raised = match (&self, their_wait) {
             (
-                HeaderBlock::Draft11 { wait, .. } | HeaderBlock::Single { wait, .. },
+                HeaderBlock::Draft11 {
+                    wait: Some(spent), ..
+                }
+                | HeaderBlock::Single {
+                    wait: Some(spent), ..
+                },
                 Some(theirs),
-            ) if *wait > theirs && !super::grpc::asks_to_wait(headers) => Some(*wait),
+            ) if !super::grpc::asks_to_wait(headers) => {
+                // As long as is left of it now (the inner service took its time).
+                let left = spent
+                    .until
+                    .saturating_duration_since(tokio::time::Instant::now());
+                Some((seconds_ceil(left), spent.limit)).filter(|(ours, _)| *ours > theirs)
+            }
             _ => None,
         };
-        if let Some(wait) = raised {
+        if let Some((wait, limit)) = raised {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(wait));
             self.reset_beside(wait);
+            // The single-valued fields state the quota that keeps the client waiting.
+            if let HeaderBlock::Single {
+                limit: shown,
+                remaining,
+                ..
+            } = &mut self
+            {
+                (*shown, *remaining) = (limit, 0);
+            }
         }
         match self {
             HeaderBlock::Empty => {}
@@ -767,7 +787,7 @@ pub(crate) fn rate_limit_headers(
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
             policy: policy_field(policies, options.shadow),
             rate: blocked_rate(options, policies, decision, key, extra),
-            wait: 0,
+            wait: None,
         },
         HeaderStyle::Draft11 => {
             let mut listed = 0;
@@ -837,7 +857,7 @@ pub(crate) fn rate_limit_headers(
                             limit: policy.limit(),
                             remaining: 0,
                             reset: (!params.is_in_flight()).then(|| reset_field(legacy, after)),
-                            wait: 0,
+                            wait: None,
                         }
                     }
                     _ => HeaderBlock::Empty,
@@ -857,23 +877,41 @@ pub(crate) fn rate_limit_headers(
     }
 }
 
-/// How long (in whole seconds, as `t` states it) a request this layer admitted leaves
-/// the next one refused: the longest `t` of an enforced quota it left with none, 0 when
-/// none. A limiter further in, or the service, that answers with a shorter wait would
-/// send its client back too early (see [`HeaderBlock::write`]).
-fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> u64 {
+/// Until when a request this layer admitted leaves the next one refused: the end of the
+/// longest `t` of an enforced quota it left with none (and that quota's limit), `None`
+/// when none. A limiter further in, or the service, that answers with a shorter wait
+/// would send its client back too early (see [`HeaderBlock::write`]).
+fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<Spent> {
     if !decision.is_allowed() {
-        return 0;
+        return None;
     }
-    policies
+    let (after, limit) = policies
         .iter()
         .zip(decision.statuses())
         .filter(|(policy, status)| {
             status.remaining == 0 && !policy.is_shadow() && !policy.params().is_in_flight()
         })
-        .map(|(policy, status)| effective_secs(policy, status.effective_window, extra))
-        .max()
-        .unwrap_or(0)
+        .map(|(policy, status)| {
+            (
+                jittered(policy, status.effective_window, extra),
+                status.limit,
+            )
+        })
+        .max_by_key(|(after, _)| *after)?;
+    // No field states more than the largest integer, and no clock reaches past it.
+    let after = after.min(Duration::from_secs(MAX_SF_INTEGER));
+    Some(Spent {
+        until: tokio::time::Instant::now().checked_add(after)?,
+        limit,
+    })
+}
+
+/// A quota a request spent to nothing: when it takes the next request (on the runtime's
+/// clock), and its limit. See [`spent_wait`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Spent {
+    until: tokio::time::Instant,
+    limit: u64,
 }
 
 #[cfg(test)]
