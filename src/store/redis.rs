@@ -431,7 +431,7 @@ enum Backend {
     /// ([`Backend::pinned`]): a connection made anew meanwhile (one that stopped
     /// answering) carries nothing of this one's queue, and a release sent there could
     /// overtake its decision.
-    ManagerPinned(Arc<Managed>, ConnectionManager),
+    ManagerPinned(Arc<Managed>, u64, ConnectionManager),
     Pool(deadpool_redis::Pool),
     /// One connection checked out of a pool for one decision and the release behind it
     /// ([`Backend::pinned`]): back in the pool when the last clone is dropped, so the
@@ -466,7 +466,8 @@ enum Backend {
 pub(super) struct Managed {
     client: redis::Client,
     config: redis::aio::ConnectionManagerConfig,
-    current: std::sync::RwLock<ConnectionManager>,
+    /// The connection, and how many times it was replaced (see [`Managed::pinned`]).
+    current: std::sync::RwLock<(u64, ConnectionManager)>,
     /// A replacement is being made: one at a time.
     replacing: std::sync::atomic::AtomicBool,
     /// Commands in a row that got no answer: dropped before it came (the layer's
@@ -534,7 +535,7 @@ impl Managed {
         Ok(Self {
             client,
             config,
-            current: std::sync::RwLock::new(connection),
+            current: std::sync::RwLock::new((0, connection)),
             replacing: std::sync::atomic::AtomicBool::new(false),
             unanswered: std::sync::atomic::AtomicU32::new(0),
             checking: std::sync::atomic::AtomicBool::new(false),
@@ -660,6 +661,20 @@ impl Managed {
     }
 
     fn connection(&self) -> ConnectionManager {
+        self.pinned().1
+    }
+
+    /// How many times a connection was put in the old one's place.
+    fn generation(&self) -> u64 {
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+    }
+
+    /// The connection in use, with its generation (how many times one was put in the
+    /// old one's place): a command sent on it later goes there even when it was left.
+    fn pinned(&self) -> (u64, ConnectionManager) {
         self.current
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -677,10 +692,12 @@ impl Managed {
                 ConnectionManager::new_with_config(this.client.clone(), this.config.clone()).await;
             match made {
                 Ok(connection) => {
-                    *this
+                    let mut current = this
                         .current
                         .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    *current = (current.0.wrapping_add(1), connection);
+                    drop(current);
                     // The server answered the handshake: a next failure is said again.
                     this.said_unreplaced
                         .store(false, std::sync::atomic::Ordering::Relaxed);
@@ -859,7 +876,8 @@ impl Backend {
                 Backend::ClusterPinned(Arc::clone(managed), managed.connection())
             }
             Backend::Manager(managed) => {
-                Backend::ManagerPinned(Arc::clone(managed), managed.connection())
+                let (generation, connection) = managed.pinned();
+                Backend::ManagerPinned(Arc::clone(managed), generation, connection)
             }
             other => other.clone(),
         })
@@ -1864,7 +1882,14 @@ async fn query<T: redis::FromRedisValue>(
             let connection = managed.connection();
             managed.query(command, connection).await
         }
-        Backend::ManagerPinned(managed, connection) => managed.query(command, connection).await,
+        // A connection left for a new one since (a release behind its old script): what
+        // it answers says nothing of the one in use.
+        Backend::ManagerPinned(managed, generation, mut connection)
+            if managed.generation() != generation =>
+        {
+            command.query_async(&mut connection).await
+        }
+        Backend::ManagerPinned(managed, _, connection) => managed.query(command, connection).await,
         Backend::Pooled(checkout) => {
             let answer = command.query_async(&mut checkout.connection()).await;
             if answer.as_ref().is_err_and(off_the_primary) {
