@@ -686,7 +686,9 @@ fn integer(params: &[(String, sfv::BareItem)], name: &str) -> i64 {
 }
 
 // Item 11: every header the layer emits parses with an independent RFC 9651 parser, for
-// every algorithm and every style, including the largest limits a policy accepts.
+// every algorithm and every style, including the largest limits a policy accepts, an
+// in-flight limit (no `w` nor `t`: draft-11, sections 3.1 and 4.1, make both optional)
+// and quota units (`qu`, a String: section 3.1.4; the vendor `tollgate-qu` too).
 #[tokio::test]
 async fn every_emitted_header_is_rfc_9651() {
     let huge = [
@@ -703,7 +705,20 @@ async fn every_emitted_header_is_rfc_9651() {
         ];
         policies.extend(candidates.into_iter().filter_map(Result::ok));
     }
+    let rated = Policy::token_bucket("units", 1_000, Rate::per_second(100)).unwrap();
+    policies.extend([
+        Policy::concurrency("cc", 3).unwrap(),
+        rated.with_unit(tollgate::policy::QuotaUnit::ContentBytes),
+        rated.with_unit(tollgate::policy::QuotaUnit::GraphqlPoints),
+    ]);
+    let string = |params: &[(String, sfv::BareItem)], name: &str| {
+        params
+            .iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.as_string().expect("a string").as_str().to_owned())
+    };
     for policy in policies {
+        let in_flight = policy.name() == "cc";
         for style in [
             HeaderStyle::Draft11,
             HeaderStyle::Draft6,
@@ -725,14 +740,37 @@ async fn every_emitted_header_is_rfc_9651() {
                             for (member, params) in parse_list(value) {
                                 assert_eq!(member, name);
                                 assert_eq!(integer(&params, "q") as u64, policy.limit());
-                                assert!(integer(&params, "w") >= 1);
+                                if in_flight {
+                                    assert!(params.iter().all(|(key, _)| key != "w"), "{value}");
+                                    assert_eq!(
+                                        string(&params, "qu").as_deref(),
+                                        Some("concurrent-requests")
+                                    );
+                                } else {
+                                    assert!(integer(&params, "w") >= 1);
+                                }
+                                match policy.unit() {
+                                    tollgate::policy::QuotaUnit::ContentBytes => assert_eq!(
+                                        string(&params, "qu").as_deref(),
+                                        Some("content-bytes")
+                                    ),
+                                    tollgate::policy::QuotaUnit::GraphqlPoints => assert_eq!(
+                                        string(&params, "tollgate-qu").as_deref(),
+                                        Some("graphql-points")
+                                    ),
+                                    _ => {}
+                                }
                             }
                         }
                         "ratelimit" => {
                             for (member, params) in parse_list(value) {
                                 assert_eq!(member, name);
                                 assert!(integer(&params, "r") as u64 <= policy.limit());
-                                assert!(integer(&params, "t") >= 0);
+                                if in_flight {
+                                    assert!(params.iter().all(|(key, _)| key != "t"), "{value}");
+                                } else {
+                                    assert!(integer(&params, "t") >= 0);
+                                }
                             }
                         }
                         "ratelimit-limit"

@@ -404,9 +404,9 @@ impl KeyExtractor for Global {
 }
 
 /// The route: method and matched path (`route:GET /users/{id}`); a `HEAD` shares its
-/// `GET`'s key, as it runs the GET handler, and methods beyond RFC 9110's (any token a
-/// client makes up, which a route served by `any(..)` runs all the same) share one,
-/// `route:* /users/{id}`.
+/// `GET`'s key, as it runs the GET handler, and methods beyond RFC 9110's and `PATCH`
+/// (RFC 5789) (any token a client makes up, which a route served by `any(..)` runs all
+/// the same) share one, `route:* /users/{id}`.
 ///
 /// With the `axum` feature and the layer added by `Router::layer` or `route_layer`, the
 /// path is axum's `MatchedPath` (the route template), so `/users/1` and `/users/2` share
