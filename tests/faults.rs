@@ -1232,13 +1232,13 @@ async fn a_dropped_decisions_release_follows_its_script_on_a_connection_replaced
     let mut admitted = false;
     while started.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        if let Ok(Ok(decision)) =
-            tokio::time::timeout(Duration::from_secs(1), store.decide(&key, &policies, 1)).await
+        let decided =
+            tokio::time::timeout(Duration::from_secs(1), store.decide(&key, &policies, 1)).await;
+        if let Ok(Ok(decision)) = decided
+            && decision.is_allowed()
         {
-            if decision.is_allowed() {
-                admitted = true;
-                break;
-            }
+            admitted = true;
+            break;
         }
     }
     assert!(admitted, "the dropped decision's slot is still held");

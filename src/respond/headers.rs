@@ -373,8 +373,8 @@ pub(crate) enum HeaderBlock {
         policy: Option<HeaderValue>,
         /// `None` when the statuses are unknown (a cached denial).
         rate: Option<HeaderValue>,
-        /// See [`spent_wait`].
-        wait: Option<Spent>,
+        /// See [`spent_wait`] (boxed: rare, and the block lives in every response future).
+        wait: Option<Box<Spent>>,
     },
     /// `RateLimit-Limit/-Remaining/-Reset` or `X-RateLimit-*`.
     Single {
@@ -384,8 +384,8 @@ pub(crate) enum HeaderBlock {
         /// `None` for a count of requests in progress, which never resets on a clock
         /// (a denial's is its `Retry-After`, see `reset_beside`).
         reset: Option<u64>,
-        /// See [`spent_wait`].
-        wait: Option<Spent>,
+        /// See [`spent_wait`] (boxed: rare, and the block lives in every response future).
+        wait: Option<Box<Spent>>,
     },
 }
 
@@ -881,7 +881,7 @@ pub(crate) fn rate_limit_headers(
 /// longest `t` of an enforced quota it left with none (and that quota's limit), `None`
 /// when none. A limiter further in, or the service, that answers with a shorter wait
 /// would send its client back too early (see [`HeaderBlock::write`]).
-fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<Spent> {
+fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<Box<Spent>> {
     if !decision.is_allowed() {
         return None;
     }
@@ -900,10 +900,10 @@ fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<S
         .max_by_key(|(after, _)| *after)?;
     // No field states more than the largest integer, and no clock reaches past it.
     let after = after.min(Duration::from_secs(MAX_SF_INTEGER));
-    Some(Spent {
+    Some(Box::new(Spent {
         until: tokio::time::Instant::now().checked_add(after)?,
         limit,
-    })
+    }))
 }
 
 /// A quota a request spent to nothing: when it takes the next request (on the runtime's
