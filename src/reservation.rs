@@ -397,15 +397,29 @@ impl Round<'_> {
             match result {
                 Ok(decision) if decision.is_allowed() => {}
                 Ok(_) => {
-                    let booking = others_given_back(adjuster, queue, booking, timeout).await;
+                    // A store failure ends the round, as below: the bookings not tried
+                    // keep what they owe for the next.
+                    let (booking, answered) =
+                        others_given_back(adjuster, queue, booking, timeout).await;
+                    if !answered {
+                        dropped.put_back(queue, booking);
+                        dropped.stop(queue);
+                        return;
+                    }
                     // The request standing behind it stands behind every older booking
                     // of the queue too (dropped out of order, or while this round's call
                     // was out): their other units go back as well. Each once: a booking
                     // still owing after its turn (no runtime to send it) ends the sweep.
                     while let Some(older) = dropped.take_owing(queue) {
-                        let older = others_given_back(adjuster, queue, older, timeout).await;
+                        let (older, answered) =
+                            others_given_back(adjuster, queue, older, timeout).await;
                         let owing = older.owes_others();
                         dropped.put_back(queue, older);
+                        if !answered {
+                            dropped.put_back(queue, booking);
+                            dropped.stop(queue);
+                            return;
+                        }
                         if owing {
                             break;
                         }
@@ -428,13 +442,14 @@ impl Round<'_> {
 /// stands): it was never sent, so its units under the set's other rate policies go back
 /// now, as a settle to nothing (as the `Limiter` gives back a sleeper's), and the booking
 /// keeps its place alone. It is marked so whether the settle lands or is lost on the way
-/// (counted and logged): its units never go back twice.
+/// (counted and logged): its units never go back twice. With whether the store answered
+/// (a failure ends the round).
 async fn others_given_back(
     adjuster: &dyn Adjuster,
     queue: &QueueId,
     mut booking: Booking,
     timeout: std::time::Duration,
-) -> Booking {
+) -> (Booking, bool) {
     let (Some(place_only), Some(settle)) = (
         booking.place_only(),
         Adjustment::places_kept(
@@ -444,7 +459,7 @@ async fn others_given_back(
             &booking.policies,
         ),
     ) else {
-        return booking;
+        return (booking, true);
     };
     let future = adjust_in(
         adjuster,
@@ -456,17 +471,21 @@ async fn others_given_back(
     let result = match future.into_ready() {
         Ok(result) => result,
         // Bounded by the store timeout, which needs a runtime: nothing is sent.
-        Err(_) if tokio::runtime::Handle::try_current().is_err() => return booking,
+        Err(_) if tokio::runtime::Handle::try_current().is_err() => return (booking, true),
         Err(pending) => {
             let what = "give-back of a dropped request's units";
             within(timeout, what, pending).await
         }
     };
-    if let Err(error) = result {
-        telemetry::adjustment_lost("settle", &error);
-    }
+    let answered = match result {
+        Ok(_) => true,
+        Err(error) => {
+            telemetry::adjustment_lost("settle", &error);
+            false
+        }
+    };
     booking.receipt = place_only;
-    booking
+    (booking, answered)
 }
 
 impl Drop for Reservation {

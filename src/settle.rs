@@ -589,6 +589,7 @@ impl DroppedBookings {
     /// [`put_back`]: Self::put_back
     pub(crate) fn take_owing(&self, queue: &QueueId) -> Option<Booking> {
         let mut dropped = self.lock();
+        dropped.forget_gone(queue, tokio::time::Instant::now());
         let kept = dropped.queues.get_mut(queue)?;
         let at = kept.bookings.iter().position(Booking::owes_others)?;
         let booking = kept.bookings.remove(at);

@@ -2890,6 +2890,18 @@ fn each_root_field_is_charged_as_a_resolver_call() {
         1,
         "one response name: one call"
     );
+    // A mutation's root fields pay its base each, and the minimum at least.
+    let mutation = "mutation { repos(first: 100) { nodes { name } } a: ping b: ping }";
+    let without_base = GraphqlCost::new().mutation_base(0);
+    assert_eq!(
+        without_base.query_cost(mutation, None, None).unwrap(),
+        101 + 2
+    );
+    let low_base = GraphqlCost::new().mutation_base(2).min_cost(5);
+    assert_eq!(
+        low_base.query_cost(mutation, None, None).unwrap(),
+        101 + 3 * 2 + 2 * (5 - 2)
+    );
     // A batch: each operation on its own.
     let batch = serde_json::json!([{ "query": "{ a b }" }, { "query": "mutation { x y }" }]);
     assert_eq!(

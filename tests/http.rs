@@ -1245,9 +1245,15 @@ async fn a_place_dropped_before_a_standing_one_is_kept() {
 /// A paced route (one request in 10 s, queued up to 60 s) under a token bucket of 100
 /// (one back an hour), over one key.
 fn paced_with_tokens() -> Router {
-    let store = MemoryStore::builder()
-        .clock(tollgate::clock::RuntimeClock::new())
-        .build();
+    paced_with_tokens_over(
+        MemoryStore::builder()
+            .clock(tollgate::clock::RuntimeClock::new())
+            .build(),
+    )
+}
+
+/// [`paced_with_tokens`] over `store`.
+fn paced_with_tokens_over(store: impl Store + Clone) -> Router {
     let paced = Policy::leaky_bucket_shaping(
         "paced",
         Rate::new(1, Duration::from_secs(10)),
@@ -1355,6 +1361,105 @@ async fn places_dropped_out_of_order_give_their_other_units_back() {
     );
     assert!(fourth.await.unwrap());
     assert_eq!(tokens_left(&app).await, 98);
+}
+
+/// An in-process store on tokio's clock that answers adjustments as a store doing I/O
+/// does (once polled), whose settles fail (the store unreachable) while `failing` is set;
+/// it counts them.
+#[derive(Clone)]
+struct FailingSettles {
+    inner: MemoryStore<tollgate::clock::RuntimeClock>,
+    failing: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    settles: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Store for FailingSettles {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.inner.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        use std::sync::atomic::Ordering;
+        let settle = matches!(adjustment.change(), tollgate::store::Change::Settle { .. });
+        if settle && self.failing.load(Ordering::SeqCst) {
+            self.settles.fetch_add(1, Ordering::SeqCst);
+            return DecideFuture::new(async {
+                tokio::task::yield_now().await;
+                Err(tollgate::StoreError::new(
+                    tollgate::StoreErrorKind::Unavailable,
+                    "unreachable",
+                ))
+            });
+        }
+        // Answered on the way back (after a turn of the runtime), as a store doing I/O.
+        let answer = self.inner.adjust(key, policies, adjustment);
+        DecideFuture::new(async {
+            tokio::task::yield_now().await;
+            answer.await
+        })
+    }
+}
+
+/// A failure while the units of dropped places go back ends the round, as any store
+/// failure of a round does: the bookings not yet tried keep what they owe for the next
+/// round. The round went on to each of them, one store timeout each on a store that
+/// hangs, and marked each as given back: a transient failure lost every refund of the
+/// queue, not one.
+#[tokio::test(start_paused = true)]
+async fn a_store_failure_ends_the_give_back_of_dropped_units() {
+    use std::sync::atomic::Ordering;
+    let store = FailingSettles {
+        inner: MemoryStore::builder()
+            .clock(tollgate::clock::RuntimeClock::new())
+            .build(),
+        failing: Default::default(),
+        settles: Default::default(),
+    };
+    let app = paced_with_tokens_over(store.clone());
+    assert_eq!(
+        app.clone().oneshot(costing(1)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    // Three held back whose clients give up together, and a fifth standing behind them.
+    let given_up: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::spawn(tokio::time::timeout(
+                Duration::from_secs(1),
+                app.clone().oneshot(costing(1)),
+            ))
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let last = tokio::spawn(tokio::time::timeout(
+        Duration::from_secs(3),
+        app.clone().oneshot(costing(1)),
+    ));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    store.failing.store(true, Ordering::SeqCst);
+    for request in given_up {
+        assert!(request.await.unwrap().is_err(), "given up");
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(
+        store.settles.load(Ordering::SeqCst),
+        1,
+        "one failure ends the round"
+    );
+    // The store answers again; the last gives up too, and every place goes back, with
+    // the units of the two never tried. The one whose give-back failed stays spent.
+    store.failing.store(false, Ordering::SeqCst);
+    assert!(last.await.unwrap().is_err(), "given up");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(tokens_left(&app).await, 100 - 1 - 1);
 }
 
 /// A store whose first unbooking answers only when the test opens its gate (a give-back on

@@ -485,6 +485,39 @@ async fn requests_dropped_during_their_delay_give_their_places_back_on_redis() {
     }
 }
 
+/// Starts moving the slot of `identity`'s in-flight slots (its sorted set) from the node
+/// that holds it to another (`MIGRATING` there, `IMPORTING` on the other), as a reshard
+/// does: the owner, the other node, the slot and the key.
+fn start_moving<'c>(
+    cluster: &'c RedisCluster,
+    identity: &str,
+) -> (&'c RedisServer, &'c RedisServer, String, String) {
+    let pattern = format!("tollgate:{{{identity}}}*");
+    let (owner, state) = cluster
+        .nodes
+        .iter()
+        .find_map(|node| {
+            let found = node.cli(&["--scan", "--pattern", &pattern]);
+            let slots = found
+                .lines()
+                .map(str::trim)
+                .find(|key| node.cli(&["TYPE", key]).trim() == "zset")?;
+            Some((node, slots.to_owned()))
+        })
+        .expect("a node holds the identity's slots");
+    let slot = owner.cli(&["CLUSTER", "KEYSLOT", &state]).trim().to_owned();
+    let target = cluster
+        .nodes
+        .iter()
+        .find(|node| node.port != owner.port)
+        .expect("another node");
+    let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
+    let importing = target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
+    let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
+    assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+    (owner, target, slot, state)
+}
+
 /// A slot being moved between Cluster nodes (a reshard: `MIGRATING` on its owner,
 /// `IMPORTING` on the next) is answered `TRYAGAIN` for a call naming several keys while
 /// some of them are missing. A policy's second key holds a penalty's state and nothing
@@ -500,25 +533,7 @@ async fn a_release_on_a_slot_being_moved_is_answered() {
     let key = tollgate::Key::new("team");
     let admitted = store.decide(&key, &policies, 1).await.unwrap();
     assert!(admitted.is_allowed());
-    let (owner, state) = cluster
-        .nodes
-        .iter()
-        .find_map(|node| {
-            let found = node.cli(&["--scan", "--pattern", "tollgate:{team}*"]);
-            let state = found.lines().next()?.trim().to_owned();
-            Some((node, state))
-        })
-        .expect("a node holds the identity's state");
-    let slot = owner.cli(&["CLUSTER", "KEYSLOT", &state]).trim().to_owned();
-    let target = cluster
-        .nodes
-        .iter()
-        .find(|node| node.port != owner.port)
-        .expect("another node");
-    let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-    let importing = target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
-    let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
-    assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+    start_moving(&cluster, "team");
     let released = tokio::time::timeout(
         Duration::from_secs(10),
         store.adjust(
@@ -569,29 +584,7 @@ async fn a_release_of_several_keys_on_a_slot_being_moved_frees_the_slot() {
         assert!(admitted.is_allowed(), "{identity}");
         // The bucket is full again, and its key gone.
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let pattern = format!("tollgate:{{{identity}}}*");
-        let (owner, state) = cluster
-            .nodes
-            .iter()
-            .find_map(|node| {
-                let found = node.cli(&["--scan", "--pattern", &pattern]);
-                let slots = found
-                    .lines()
-                    .map(str::trim)
-                    .find(|key| node.cli(&["TYPE", key]).trim() == "zset")?;
-                Some((node, slots.to_owned()))
-            })
-            .expect("a node holds the identity's slots");
-        let slot = owner.cli(&["CLUSTER", "KEYSLOT", &state]).trim().to_owned();
-        let target = cluster
-            .nodes
-            .iter()
-            .find(|node| node.port != owner.port)
-            .expect("another node");
-        let id = |node: &RedisServer| node.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-        let importing = target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &id(owner)]);
-        let migrating = owner.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &id(target)]);
-        assert_eq!((importing.trim(), migrating.trim()), ("OK", "OK"));
+        let (owner, target, slot, state) = start_moving(&cluster, identity);
         assert_eq!(owner.cli(&["ZCARD", &state]).trim(), "1", "{identity}");
         // Given up on at a store timeout (the layer's is 50 ms by default).
         let release = tollgate::Adjustment::release(1, admitted.receipt());

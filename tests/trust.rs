@@ -2874,34 +2874,55 @@ async fn an_inner_wait_is_raised_by_what_is_left_of_the_outer_one() {
 /// The single-valued fields beside a raised wait state the quota that keeps the client
 /// waiting: of two quotas spent to nothing, the one whose next unit is furthest (`b`,
 /// 25 s), not the one that is whole again last (`a`, a bucket refilled in 75 s, whose
-/// next unit is 5 s away).
+/// next unit is 5 s away): its limit, and its reset (draft-6's the wait, the legacy
+/// style's when `b` is whole again), not `a`'s beside `b`'s limit.
 #[tokio::test]
 async fn a_raised_wait_is_stated_by_the_quota_it_is_for() {
-    let clock = tollgate::clock::ManualClock::new();
-    let store = || MemoryStore::builder().clock(clock.clone()).build();
-    let route = RateLimitLayer::new(store())
-        .policy(Policy::token_bucket("inner", 1, Rate::new(1, Duration::from_secs(30))).unwrap())
-        .headers(HeaderStyle::Draft6);
-    let a = Policy::token_bucket("a", 15, Rate::new(1, Duration::from_secs(5))).unwrap();
-    let b = Policy::fixed_window("b", 20, Duration::from_secs(50)).unwrap();
-    let global = RateLimitLayer::new(store())
-        .policies(PolicySet::new([a, b]).unwrap())
-        .cost(cost_header())
-        .headers(HeaderStyle::Draft6);
-    let app = Router::new()
-        .route("/", get(|| async { "found" }))
-        .route_layer(route)
-        .layer(global);
-    let call = |cost| app.clone().oneshot(request("/", cost));
-    assert_eq!(call(10).await.unwrap().status(), StatusCode::OK);
-    clock.advance(Duration::from_secs(25));
-    // `a` 10 and `b` 10 left: both spent; the inner limiter's unit is 5 s away.
-    let denied = call(10).await.unwrap();
-    assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(header(&denied, "retry-after").as_deref(), Some("25"));
-    assert_eq!(header(&denied, "ratelimit-limit").as_deref(), Some("20"));
-    assert_eq!(header(&denied, "ratelimit-remaining").as_deref(), Some("0"));
-    assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("25"));
+    for (style, prefix) in [
+        (HeaderStyle::Draft6, "ratelimit"),
+        (HeaderStyle::Legacy, "x-ratelimit"),
+    ] {
+        let clock = tollgate::clock::ManualClock::new();
+        let store = || MemoryStore::builder().clock(clock.clone()).build();
+        let route = RateLimitLayer::new(store())
+            .policy(
+                Policy::token_bucket("inner", 1, Rate::new(1, Duration::from_secs(30))).unwrap(),
+            )
+            .headers(style);
+        let a = Policy::token_bucket("a", 15, Rate::new(1, Duration::from_secs(5))).unwrap();
+        let b = Policy::fixed_window("b", 20, Duration::from_secs(50)).unwrap();
+        let global = RateLimitLayer::new(store())
+            .policies(PolicySet::new([a, b]).unwrap())
+            .cost(cost_header())
+            .headers(style);
+        let app = Router::new()
+            .route("/", get(|| async { "found" }))
+            .route_layer(route)
+            .layer(global);
+        let call = |cost| app.clone().oneshot(request("/", cost));
+        assert_eq!(call(10).await.unwrap().status(), StatusCode::OK);
+        clock.advance(Duration::from_secs(25));
+        // `a` 10 and `b` 10 left: both spent; the inner limiter's unit is 5 s away.
+        let denied = call(10).await.unwrap();
+        assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+        let field = |name: &str| header(&denied, &format!("{prefix}-{name}"));
+        assert_eq!(header(&denied, "retry-after").as_deref(), Some("25"));
+        assert_eq!(field("limit").as_deref(), Some("20"), "{style:?}");
+        assert_eq!(field("remaining").as_deref(), Some("0"), "{style:?}");
+        let reset: u64 = field("reset").unwrap().parse().unwrap();
+        if style == HeaderStyle::Draft6 {
+            assert_eq!(reset, 25);
+        } else {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            assert!(
+                (now + 25..=now + 26).contains(&reset),
+                "{reset} against {now}: `b` is whole again in 25 s"
+            );
+        }
+    }
 }
 
 /// The nested limiters above over gRPC: the inner layer's cached denial is a gRPC answer

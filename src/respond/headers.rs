@@ -459,25 +459,30 @@ impl HeaderBlock {
                 Some(theirs),
             ) if !super::grpc::asks_to_wait(headers) => {
                 // As long as is left of it now (the inner service took its time).
-                let left = spent
-                    .until
-                    .saturating_duration_since(tokio::time::Instant::now());
-                Some((seconds_ceil(left), spent.limit)).filter(|(ours, _)| *ours > theirs)
+                let now = tokio::time::Instant::now();
+                let left = spent.until.saturating_duration_since(now);
+                let whole = spent.whole.saturating_duration_since(now);
+                Some((seconds_ceil(left), whole, spent.limit)).filter(|(ours, ..)| *ours > theirs)
             }
             _ => None,
         };
-        if let Some((wait, limit)) = raised {
+        if let Some((wait, whole, limit)) = raised {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(wait));
-            self.reset_beside(wait);
-            // The single-valued fields state the quota that keeps the client waiting.
+            // The single-valued fields state the quota that keeps the client waiting:
+            // its limit, none left, and its reset (draft-6's the wait itself, the legacy
+            // one when it is whole again, no earlier than the wait).
             if let HeaderBlock::Single {
+                legacy,
                 limit: shown,
                 remaining,
+                reset,
                 ..
             } = &mut self
             {
                 (*shown, *remaining) = (limit, 0);
+                *reset = Some(reset_field(*legacy, whole));
             }
+            self.reset_beside(wait);
         }
         match self {
             HeaderBlock::Empty => {}
@@ -885,24 +890,20 @@ fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<B
     if !decision.is_allowed() {
         return None;
     }
-    let (after, limit) = policies
+    let (policy, status) = policies
         .iter()
         .zip(decision.statuses())
         .filter(|(policy, status)| {
             status.remaining == 0 && !policy.is_shadow() && !policy.params().is_in_flight()
         })
-        .map(|(policy, status)| {
-            (
-                jittered(policy, status.effective_window, extra),
-                status.limit,
-            )
-        })
-        .max_by_key(|(after, _)| *after)?;
+        .max_by_key(|(policy, status)| jittered(policy, status.effective_window, extra))?;
     // No field states more than the largest integer, and no clock reaches past it.
-    let after = after.min(Duration::from_secs(MAX_SF_INTEGER));
+    let now = tokio::time::Instant::now();
+    let at = |after: Duration| now.checked_add(after.min(Duration::from_secs(MAX_SF_INTEGER)));
     Some(Box::new(Spent {
-        until: tokio::time::Instant::now().checked_add(after)?,
-        limit,
+        until: at(jittered(policy, status.effective_window, extra))?,
+        whole: at(jittered(policy, status.reset, extra))?,
+        limit: status.limit,
     }))
 }
 
@@ -911,6 +912,8 @@ fn spent_wait(policies: &PolicySet, decision: &Decision, extra: u64) -> Option<B
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Spent {
     until: tokio::time::Instant,
+    /// When it is whole again (the legacy style's reset).
+    whole: tokio::time::Instant,
     limit: u64,
 }
 

@@ -543,8 +543,9 @@ impl GraphqlCost {
             in_field: false,
             introspected: false,
         };
+        // A mutation's root field pays its base on top: the minimum less that.
         let root_floor = match operation.operation_type {
-            OperationType::Mutation => 0,
+            OperationType::Mutation => self.min_cost.saturating_sub(self.mutation_base),
             OperationType::Query | OperationType::Subscription => self.min_cost,
         };
         let cost = walk
@@ -949,8 +950,9 @@ struct Walk<'a> {
     in_field: bool,
     /// The root fields' costs by response name (the fields of one name, a server's one
     /// call, summed: their selections merge), each charged at least `min_cost` once the
-    /// walk is over (a resolver call, whatever the others cost; none in a mutation, whose
-    /// root fields each pay its base). `__typename` runs no resolver.
+    /// walk is over (a resolver call, whatever the others cost; in a mutation, whose root
+    /// fields each pay its base on top, the minimum less the base). `__typename` runs no
+    /// resolver.
     root_costs: HashMap<&'a str, u64>,
     /// Set when the walk went into an introspection field: a cost remembered for a
     /// fragment or a selection set that holds one does not stand for a spread elsewhere,
