@@ -18,7 +18,9 @@
 //! end; a limiter's caller would have to free them itself (`Store::adjust` with
 //! `Adjustment::release`), and a slot the local fallback took during an outage cannot
 //! be freed that way (it stays taken in that process): for jobs, a semaphore says it
-//! better.
+//! better. Likewise a decision the local fallback made settles nothing on the store: its
+//! receipt names no debit there (the store never made one), so a post-paid cost settled
+//! with it (`Store::adjust` with `Adjustment::settle`) leaves the store's count as it is.
 //!
 //! ```
 //! use std::time::Duration;
@@ -248,6 +250,20 @@ fn first_enforced(policies: &PolicySet) -> usize {
         .unwrap_or(0)
 }
 
+/// A decision as the caller gets it: one the local fallback made (the store away) carries
+/// a receipt that settles and frees nothing on the store, which it never debited (what it
+/// spent is the fallback's, in this process). Settled on the store, it gave back units
+/// the store never debited, on a quota the store may have spent.
+fn handed(decision: Decision, decider: &Decider) -> Decision {
+    match decider {
+        Decider::Fallback(_) => {
+            let receipt = decision.receipt().with_undebited(u64::MAX);
+            decision.with_receipt(receipt)
+        }
+        Decider::Store | Decider::Open => decision,
+    }
+}
+
 /// Units a waiter has spent and sleeps its shaping delay for, with its turn in the key's
 /// queue: given back if the waiter is dropped before the delay ends (it will never use
 /// them). The turn is held until they are back, so no waiter queues behind units that
@@ -452,7 +468,7 @@ impl<St: Store> Limiter<St> {
         if !matches!(decider, Decider::Open) {
             self.told(key, &decision);
         }
-        Ok(decision)
+        Ok(handed(decision, &decider))
     }
 
     /// An answer given to a caller, counted in `tollgate_decisions_total` (and a denial
@@ -646,7 +662,7 @@ impl<St: Store> Limiter<St> {
                 if !matches!(decider, Decider::Open) {
                     self.told(key, &decision);
                 }
-                Ok(decision)
+                Ok(handed(decision, &decider))
             }
             Err(error) => {
                 if let WaitError::TooLong(decision) | WaitError::Never(decision) = &error {

@@ -222,6 +222,34 @@ impl Store for Toggle {
     }
 }
 
+// A decision the local fallback made (the store away) was handed to the caller like the
+// store's: settled on the store with its receipt (`Store::adjust`, as the README shows for
+// post-paid costs), it gave back units the store never debited, on a quota the store had
+// spent. Its receipt now settles and frees nothing on the store: what it spent is the
+// fallback's, in this process.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_decision_settles_nothing_on_the_store() {
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store = runtime_store();
+    let hourly = Policy::fixed_window("t", 100, Duration::from_secs(3600)).unwrap();
+    let limiter = Limiter::new(Toggle(store.clone(), Arc::clone(&down)), hourly.clone());
+    let key = Key::new("k");
+    assert!(limiter.check(&key, 100).await.unwrap().is_allowed());
+    down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let local = limiter.check(&key, 50).await.unwrap();
+    assert!(local.is_allowed(), "the fallback's own quota");
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let settle = tollgate::Adjustment::settle(50, 5, local.receipt());
+    store
+        .adjust(&key, &PolicySet::from(hourly), &settle)
+        .await
+        .unwrap();
+    assert!(
+        !limiter.check(&key, 45).await.unwrap().is_allowed(),
+        "the store's quota is spent: nothing of it was given back"
+    );
+}
+
 // A waiter ahead that the fallback denied sleeps an ordinary wait, not a store's
 // timeout: a waiter behind it that runs out of its wait meanwhile, the store back and
 // empty, is told so. It was let through by the fallback (the queue still read "the

@@ -23,9 +23,9 @@ use crate::respond::problem as response;
 pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 
 /// What to do with a request whose cost cannot be computed: a persisted query's hash, a
-/// document that does not parse, a body the layer does not read (compressed, multipart,
-/// another type). In a batch, it stands in for each entry that could not be costed. A
-/// request the coster read and refused (a list size out of range, a batch too large,
+/// document that does not parse, a body the layer does not read (multipart, another
+/// type). In a batch, it stands in for each entry that could not be costed. A request
+/// still compressed, or one the coster read and refused (a list size out of range, a batch too large,
 /// nesting too deep, a document past the token limit or
 /// [`GraphqlCost::max_field_visits`], JSON it cannot parse, a key a server may read as
 /// another, a `documentId` beside a `query`, several operations with no
@@ -71,14 +71,16 @@ pub enum Invalid {
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
-/// without the document, multipart uploads, bodies still compressed, a request with more
+/// without the document, multipart uploads, a request with more
 /// than one `Content-Type`, and a request to switch protocols (`Upgrade` to anything but
 /// `h2c`, or an HTTP/2 extended `CONNECT`): a WebSocket's operations travel in messages
 /// this layer never sees (under [`Invalid::Charge`] the socket is let through at that one
 /// charge), so serve subscriptions on a route of their own, limited per connection or per
 /// message (a `tollgate::limiter::Limiter` in the socket's loop). Put it inside
-/// (after) a request-decompression layer, and charge persisted queries with
-/// [`Invalid::Charge`] at what your costliest registered operation costs.
+/// (after) a request-decompression layer (a body still compressed is refused whatever
+/// `on_invalid` says: servers that inflate bodies themselves would run any query in
+/// it), and charge persisted queries with [`Invalid::Charge`] at what your costliest
+/// registered operation costs.
 ///
 /// A request the coster read and refused (a slicing value out of range, a batch too
 /// large, nesting too deep, a document past the token limit or
@@ -200,17 +202,19 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
             ))));
         }
     }
-    // Still compressed: this layer runs outside the decompression it needs.
+    // Still compressed: this layer runs outside the decompression it needs. Refused
+    // whatever `on_invalid` says: servers that inflate bodies themselves (Express's
+    // body-parser, under Apollo Server and express-graphql) would run any query in it at
+    // the fixed charge.
     let compressed = request
         .headers
         .get_all(header::CONTENT_ENCODING)
         .iter()
         .any(|coding| !coding.as_bytes().eq_ignore_ascii_case(b"identity"));
     if compressed {
-        return Err(CostError::Request(
+        return Err(Uncosted::refused(CostError::Request(
             "a compressed body cannot be read: put this layer inside a decompression layer".into(),
-        )
-        .into());
+        )));
     }
     let mut types = request.headers.get_all(header::CONTENT_TYPE).iter();
     let Some(value) = types.next() else {
@@ -306,6 +310,22 @@ impl Config {
         if query_string.contains(';') {
             return Err(Uncosted::refused_request(format!(
                 "a raw ';' in the {given} of an operation: some servers split parameters on it"
+            )));
+        }
+        // A `%` not followed by two hex digits is passed through here, and the whole
+        // parameter dropped by others (Go's `url.ParseQuery`): `variables` read here
+        // and not there leave the document's defaults to run.
+        let bytes = query_string.as_bytes();
+        let malformed = bytes.iter().enumerate().any(|(at, &byte)| {
+            byte == b'%'
+                && !bytes
+                    .get(at + 1..at + 3)
+                    .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+        });
+        if malformed {
+            return Err(Uncosted::refused_request(format!(
+                "a '%' that escapes nothing in the {given} of an operation: some servers drop \
+                 the parameter it is in"
             )));
         }
         let mut query = None;
