@@ -36,7 +36,10 @@ const SHARDS: usize = 16;
 ///   `hourly` of `[daily, hourly]`, reset through `[daily]`). When rests of the identity's leases are on their
 ///   way back, it is sent once they have landed (2 s at most), so that none lands after
 ///   it into the state it cleared or set; otherwise at once. (A lease taken and retired
-///   while the reset itself is on its way can still send its rest behind it.)
+///   while the reset itself is on its way can still send its rest behind it.) These are
+///   this replica's leases: the other replicas spend theirs until they end (`ttl`) and
+///   give their rests back into the state reset or set, so after a `set_remaining(0)` up
+///   to `(replicas − 1) × units` may still be admitted within `ttl`.
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
