@@ -2325,7 +2325,7 @@ fn every_form_costs_the_same() {
     // is a level, so that fragment chains are bounded too): the fan-out, 62 levels as
     // written, would be refused as too deep in a wrapped form. The limit is raised here so
     // that the costs are compared; the default is the attack corpus's business.
-    let roomy = || GraphqlCost::new().max_depth(1_000);
+    let roomy = || GraphqlCost::new().max_depth(tollgate::cost::graphql::MAX_DEPTH);
     // Rewriting also lengthens a document: one that outgrows the token limit (20,000, the
     // coster's) is refused for its size, and its cost is not compared.
     let fits = |document: &str| {
@@ -2335,7 +2335,7 @@ fn every_form_costs_the_same() {
             .is_ok()
     };
     let schemas = [None, Some(SDL), Some(REPO_SDL)];
-    let (mut compared, mut too_long) = (0, Vec::new());
+    let (mut compared, mut too_long, mut too_deep) = (0, Vec::new(), 0);
     let mut failures = Vec::new();
     for sdl in schemas {
         let coster = match sdl {
@@ -2358,6 +2358,15 @@ fn every_form_costs_the_same() {
                 if fits(query) && !fits(&rewritten) {
                     assert!(matches!(cost, Err(CostError::Parse(_))), "{cost:?}");
                     too_long.push(query.len());
+                    continue;
+                }
+                // A chain of fragments a level each outgrows `MAX_DEPTH` where the
+                // written form is within it: refused for its depth, not compared.
+                if matches!(cost, Err(CostError::TooDeep { .. }))
+                    && !matches!(written, Err(CostError::TooDeep { .. }))
+                {
+                    assert_eq!(form, Form::Chained, "{query}");
+                    too_deep += 1;
                     continue;
                 }
                 compared += 1;
@@ -2393,6 +2402,8 @@ fn every_form_costs_the_same() {
             && too_long.len() < 10,
         "{too_long:?}"
     );
+    // Two documents of the corpus (the deepest), chained, under each schema at most.
+    assert!(too_deep <= 6, "{too_deep} chained forms too deep");
     assert!(compared > 500, "{compared} forms compared");
 }
 
@@ -2877,6 +2888,35 @@ fn costing_work_is_bounded_by_field_visits() {
 /// mutation (an alias is one more mutation run) pays the mutation base. Fields of one
 /// response name are merged into one call (graphql-spec, "Field Collection"), written
 /// twice or spread twice through a fragment.
+/// A nesting limit raised past what the parser's and the walk's recursion fit on a
+/// worker's stack let a hostile document abort the process, not fail the request: with
+/// `max_depth(1_000)`, 800 nested levels overflowed a 2 MiB stack in a debug build (3,000
+/// in a release one). The limit is held to `MAX_DEPTH`, where the deepest document is
+/// refused on such a stack in a debug build.
+#[test]
+fn the_nesting_limit_fits_a_workers_stack() {
+    use tollgate::cost::graphql::MAX_DEPTH;
+    let deepest = std::thread::Builder::new()
+        .stack_size(2 * 1024 * 1024)
+        .spawn(|| {
+            let coster = GraphqlCost::new().max_depth(MAX_DEPTH);
+            let within = format!("{}{}", "{a".repeat(MAX_DEPTH), "}".repeat(MAX_DEPTH));
+            let past = format!("{}{}", "{a".repeat(5_000), "}".repeat(5_000));
+            (
+                coster.query_cost(&within, None, None),
+                coster.query_cost(&past, None, None),
+            )
+        })
+        .unwrap()
+        .join()
+        .expect("no overflow");
+    assert_eq!(deepest.0.unwrap(), MAX_DEPTH as u64 - 1);
+    assert!(deepest.1.is_err());
+    let raised = std::panic::catch_unwind(|| GraphqlCost::new().max_depth(MAX_DEPTH + 1));
+    let message = raised.expect_err("refused").downcast::<String>().unwrap();
+    assert!(message.contains("MAX_DEPTH"), "{message}");
+}
+
 #[test]
 fn each_root_field_is_charged_as_a_resolver_call() {
     let sends: String = (0..3).map(|n| format!(" a{n}: send(to: \"v\")")).collect();

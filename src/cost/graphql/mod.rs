@@ -35,6 +35,12 @@ mod schema;
 
 pub use layer::{GRAPHQL_COST, GraphqlCostLayer, GraphqlCostService, Invalid};
 
+/// The deepest nesting [`GraphqlCost::max_depth`] may allow: parsing and costing recurse
+/// once a level, and a document nested 800 levels overflowed a 2 MiB stack (a Tokio
+/// worker's) in a debug build, aborting the process. At this bound the deepest document is
+/// refused on such a stack.
+pub const MAX_DEPTH: usize = 200;
+
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
@@ -391,7 +397,12 @@ impl GraphqlCost {
     /// fragment (an inline one, or a named one where it is spread): a chain of fragments
     /// is bounded as a chain of fields is, and the walk's stack with it. So a query
     /// that wraps every level of fields in a fragment reaches the bound at half as many
-    /// levels of fields; raise it for such queries.
+    /// levels of fields; raise it for such queries, up to [`MAX_DEPTH`].
+    ///
+    /// # Panics
+    ///
+    /// Above [`MAX_DEPTH`]: a hostile document that deep would overflow the stack while
+    /// it is read, aborting the process.
     ///
     /// ```
     /// use tollgate::cost::graphql::{CostError, GraphqlCost};
@@ -406,6 +417,11 @@ impl GraphqlCost {
     /// # Ok::<(), CostError>(())
     /// ```
     pub fn max_depth(mut self, max: usize) -> Self {
+        assert!(
+            max <= MAX_DEPTH,
+            "GraphqlCost::max_depth({max}) is above MAX_DEPTH ({MAX_DEPTH}): a document that \
+             deep would overflow the stack while it is read"
+        );
         self.max_depth = max.max(1);
         self
     }
