@@ -18,9 +18,10 @@
 //! end; a limiter's caller would have to free them itself (`Store::adjust` with
 //! `Adjustment::release`), and a slot the local fallback took during an outage cannot
 //! be freed that way (it stays taken in that process): for jobs, a semaphore says it
-//! better. Likewise a decision the local fallback made settles nothing on the store: its
-//! receipt names no debit there (the store never made one), so a post-paid cost settled
-//! with it (`Store::adjust` with `Adjustment::settle`) leaves the store's count as it is.
+//! better. Likewise a decision the local fallback made gives nothing back on the store:
+//! its receipt is dated before anything the store holds (the store never debited it),
+//! so a post-paid cost settled with it (`Store::adjust` with `Adjustment::settle`)
+//! refunds nothing there, while what it used past its reservation is charged there.
 //!
 //! ```
 //! use std::time::Duration;
@@ -251,14 +252,18 @@ fn first_enforced(policies: &PolicySet) -> usize {
 }
 
 /// A decision as the caller gets it: one the local fallback made (the store away) carries
-/// a receipt that settles and frees nothing on the store, which it never debited (what it
-/// spent is the fallback's, in this process). Settled on the store, it gave back units
-/// the store never debited, on a quota the store may have spent.
+/// a receipt the store cannot give anything back by, as it never debited it (what it
+/// spent is the fallback's, in this process): its debit dated at the epoch, before any
+/// state the store holds, so that a refund finds nothing of it left (every refund is
+/// bounded by what was debited at that time and not refilled since), and no lease (no
+/// slot of the store's to free). Settled on the store, it gave back units the store never
+/// debited, on a quota the store may have spent. What a caller settles past the
+/// reservation is still charged there: refunds alone read the time.
 fn handed(decision: Decision, decider: &Decider) -> Decision {
     match decider {
         Decider::Fallback(_) => {
-            let receipt = decision.receipt().with_undebited(u64::MAX);
-            decision.with_receipt(receipt)
+            let undebited = decision.receipt().undebited();
+            decision.with_receipt(crate::decision::Receipt::new(0, 0).with_undebited(undebited))
         }
         Decider::Store | Decider::Open => decision,
     }

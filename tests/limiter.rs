@@ -225,10 +225,10 @@ impl Store for Toggle {
 // A decision the local fallback made (the store away) was handed to the caller like the
 // store's: settled on the store with its receipt (`Store::adjust`, as the README shows for
 // post-paid costs), it gave back units the store never debited, on a quota the store had
-// spent. Its receipt now settles and frees nothing on the store: what it spent is the
-// fallback's, in this process.
+// spent. Its receipt now gives nothing back on the store (what it spent is the
+// fallback's, in this process), and what it used past its reservation is still charged.
 #[tokio::test(start_paused = true)]
-async fn a_fallback_decision_settles_nothing_on_the_store() {
+async fn a_fallback_decision_gives_nothing_back_on_the_store() {
     let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let store = runtime_store();
     let hourly = Policy::fixed_window("t", 100, Duration::from_secs(3600)).unwrap();
@@ -241,13 +241,31 @@ async fn a_fallback_decision_settles_nothing_on_the_store() {
     down.store(false, std::sync::atomic::Ordering::SeqCst);
     let settle = tollgate::Adjustment::settle(50, 5, local.receipt());
     store
-        .adjust(&key, &PolicySet::from(hourly), &settle)
+        .adjust(&key, &PolicySet::from(hourly.clone()), &settle)
         .await
         .unwrap();
     assert!(
         !limiter.check(&key, 45).await.unwrap().is_allowed(),
         "the store's quota is spent: nothing of it was given back"
     );
+    // Settled upwards (used more than it reserved), the excess is charged to the store
+    // all the same: a post-paid cost is counted where the quota is shared.
+    let key = Key::new("upwards");
+    assert!(limiter.check(&key, 50).await.unwrap().is_allowed());
+    down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let local = limiter.check(&key, 10).await.unwrap();
+    assert!(local.is_allowed(), "the fallback's own quota");
+    down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let settle = tollgate::Adjustment::settle(10, 40, local.receipt());
+    store
+        .adjust(&key, &PolicySet::from(hourly), &settle)
+        .await
+        .unwrap();
+    assert!(
+        !limiter.check(&key, 21).await.unwrap().is_allowed(),
+        "50, and the 30 used past the reservation"
+    );
+    assert!(limiter.check(&key, 20).await.unwrap().is_allowed());
 }
 
 // A waiter ahead that the fallback denied sleeps an ordinary wait, not a store's
