@@ -513,9 +513,7 @@ impl ProbeGuard {
     /// [`PROBE_PATIENCE`] from its start is over, as a dropped probe without a stand-in
     /// does: clients that cancel every probe send the store no more than that.
     fn stand_in_answered(self, result: &Result<Decision, StoreError>) {
-        let patient_until = self
-            .started
-            .saturating_add(crate::clock::nanos(PROBE_PATIENCE));
+        let patient_until = self.patient_until();
         match result {
             Ok(decision) if !decision.is_cached() => self.breaker.on_success(),
             Ok(_) => self.breaker.hold_until(patient_until),
@@ -528,22 +526,25 @@ impl ProbeGuard {
         }
         self.report();
     }
+
+    /// When [`PROBE_PATIENCE`] from the probe's start is over (on the breaker's clock).
+    fn patient_until(&self) -> u64 {
+        (self.started).saturating_add(crate::clock::nanos(PROBE_PATIENCE))
+    }
 }
 
 impl Drop for ProbeGuard {
     fn drop(&mut self) {
-        let patience = crate::clock::nanos(PROBE_PATIENCE);
-        let patient_until = self.started.saturating_add(patience);
+        let patient_until = self.patient_until();
         if !self.reported.load(Ordering::Relaxed)
             && self.breaker.probing.load(Ordering::Acquire) == self.ticket
         {
             // Only while the breaker is open: another request's success may have closed
             // it since the load above, and a dropped probe is no reason to open it.
             let now = self.breaker.clock.now();
-            let runtime = || tokio::runtime::Handle::try_current().ok();
             if now.saturating_add(1) < patient_until
                 && let Some(stand_in) = self.stand_in.take()
-                && let Some(runtime) = runtime()
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
             {
                 // The probe passes to the stand-in, ticket and all: not released here.
                 let probe = ProbeGuard {

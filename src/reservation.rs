@@ -401,28 +401,10 @@ impl Round<'_> {
                     // keep what they owe for the next.
                     let (booking, answered) =
                         others_given_back(adjuster, queue, booking, timeout).await;
-                    if !answered {
+                    if !(answered && self.others_of_older(adjuster, timeout).await) {
                         dropped.put_back(queue, booking);
                         dropped.stop(queue);
                         return;
-                    }
-                    // The request standing behind it stands behind every older booking
-                    // of the queue too (dropped out of order, or while this round's call
-                    // was out): their other units go back as well. Each once: a booking
-                    // still owing after its turn (no runtime to send it) ends the sweep.
-                    while let Some(older) = dropped.take_owing(queue) {
-                        let (older, answered) =
-                            others_given_back(adjuster, queue, older, timeout).await;
-                        let owing = older.owes_others();
-                        dropped.put_back(queue, older);
-                        if !answered {
-                            dropped.put_back(queue, booking);
-                            dropped.stop(queue);
-                            return;
-                        }
-                        if owing {
-                            break;
-                        }
                     }
                     if !dropped.refused(queue, booking) {
                         return;
@@ -435,6 +417,27 @@ impl Round<'_> {
                 }
             }
         }
+    }
+
+    /// The request standing behind a refused booking stands behind every older booking
+    /// of the queue too (dropped out of order, or while this round's call was out): their
+    /// other units go back as well ([`others_given_back`]). Each once: a booking still
+    /// owing after its turn (no runtime to send it) ends the sweep. False when the store
+    /// failed (the bookings not tried keep what they owe).
+    async fn others_of_older(&self, adjuster: &dyn Adjuster, timeout: std::time::Duration) -> bool {
+        let (dropped, queue) = (self.dropped, self.queue);
+        while let Some(older) = dropped.take_owing(queue) {
+            let (older, answered) = others_given_back(adjuster, queue, older, timeout).await;
+            let owing = older.owes_others();
+            dropped.put_back(queue, older);
+            if !answered {
+                return false;
+            }
+            if owing {
+                break;
+            }
+        }
+        true
     }
 }
 

@@ -1472,15 +1472,10 @@ impl Store for RedisStore {
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         // A decision dropped before its answer (a timeout, a client gone) may still have
         // taken slots: they are given back rather than held for a whole lease.
-        let slots: Vec<String> = if lease == 0 {
+        let slots = if lease == 0 {
             Vec::new()
         } else {
-            policies
-                .iter()
-                .zip(invocation.keys.chunks(2))
-                .filter(|(policy, _)| policy.params().is_in_flight())
-                .map(|(_, keys)| keys[0].clone())
-                .collect()
+            invocation.slot_keys(policies)
         };
         if let Some(lead) = &mut lead {
             lead.prepare(coalesce::Batch {
@@ -1505,7 +1500,6 @@ impl Store for RedisStore {
                     fallback: backend,
                     keys: slots,
                     lease,
-                    of_release: false,
                 });
                 pinned
             };
@@ -1583,13 +1577,8 @@ impl Store for RedisStore {
         // a penalty's before its first strike), which redis-rs tries again only after
         // more than a second. Lost, the slot was held for its lease.
         let lease = receipt.lease();
-        let slots: Vec<String> = match adjustment.change() {
-            Change::Release { cost } if cost > 0 && lease != 0 => policies
-                .iter()
-                .zip(invocation.keys.chunks(2))
-                .filter(|(policy, _)| policy.params().is_in_flight())
-                .map(|(_, keys)| keys[0].clone())
-                .collect(),
+        let slots = match adjustment.change() {
+            Change::Release { cost } if cost > 0 && lease != 0 => invocation.slot_keys(policies),
             _ => Vec::new(),
         };
         DecideFuture::new(async move {
@@ -1598,7 +1587,6 @@ impl Store for RedisStore {
                 fallback: backend.clone(),
                 keys: slots,
                 lease,
-                of_release: true,
             });
             let reply = invoke(&backend, &scripts, Call::Adjust, &invocation).await?;
             let answer = parse_reply(&reply, invocation.shape, invocation.count, 0, lease);
@@ -1659,6 +1647,17 @@ struct Invocation {
 }
 
 impl Invocation {
+    /// The keys holding `policies`' in-flight slots (each policy's state key: the first of
+    /// its two, or its only one on a lone policy's own path).
+    fn slot_keys(&self, policies: &PolicySet) -> Vec<String> {
+        policies
+            .iter()
+            .zip(self.keys.chunks(2))
+            .filter(|(policy, _)| policy.params().is_in_flight())
+            .map(|(_, keys)| keys[0].clone())
+            .collect()
+    }
+
     /// `COMMAND first numkeys keys... args...`: an `FCALL` (first: the function), an
     /// `EVALSHA` (the SHA1) or an `EVAL` (the text).
     fn command(&self, command: &str, first: &str) -> redis::Cmd {
@@ -1770,15 +1769,14 @@ impl RedisStore {
 struct LeaseGuard {
     /// The connection the decision's script went on: the release goes behind it. A
     /// pool's is nobody else's until the release is done (a transaction or a `SELECT` of
-    /// theirs would catch it). `None` for a release's guard: it follows no script.
+    /// theirs would catch it). `None` for a release's guard: it follows no script, and
+    /// its failure was counted and said where the release was given up on
+    /// (`Reservation`), so this second try's is said at debug level only.
     pinned: Option<Backend>,
     /// The store's backend: where the release goes when the pinned connection broke.
     fallback: Backend,
     keys: Vec<String>,
     lease: u64,
-    /// A release's guard: its failure was counted and said where the release was given
-    /// up on (`Reservation`), so this second try's is said at debug level only.
-    of_release: bool,
 }
 
 /// How long the release of a dropped decision's slots may take before it is reported
@@ -1794,12 +1792,12 @@ impl Drop for LeaseGuard {
             return; // no runtime: the slots expire with their lease
         };
         // The pinned connection moves into the task (a pool's goes back when it ends).
-        let (mut pinned, fallback, keys, member, of_release) = (
+        let of_release = self.pinned.is_none();
+        let (mut pinned, fallback, keys, member) = (
             self.pinned.take(),
             self.fallback.clone(),
             std::mem::take(&mut self.keys),
             self.lease.to_string(),
-            self.of_release,
         );
         runtime.spawn(async move {
             let mut first_error = None;
