@@ -56,7 +56,8 @@ use tower_service::Service;
 /// untouched, and the limiter's own are built with [`from_bytes`](Self::from_bytes).
 ///
 /// Implemented for axum's `Body`, `http_body_util::Full<Bytes>`, `BoxBody<Bytes, E>` and
-/// `UnsyncBoxBody<Bytes, E>`, and [`RateLimitBody`]. Any other body type (`String`,
+/// `UnsyncBoxBody<Bytes, E>`, tonic's `Body` (feature `tonic`), and [`RateLimitBody`]. Any
+/// other body type (`String`,
 /// `Empty`, a body of your own) works through [`WrapBodyLayer`].
 ///
 /// ```
@@ -103,7 +104,7 @@ pub trait ResponseBody: Body + Sized {
     /// ([`Policy::concurrency`](crate::Policy::concurrency)) when its guard drops. The
     /// default drops the guard at once, when the response head leaves the limiter: right
     /// for a body that is whole from the start, such as `Full`. axum's `Body`, the boxed
-    /// bodies and [`RateLimitBody`] keep it to the end.
+    /// bodies, tonic's `Body` and [`RateLimitBody`] keep it to the end.
     fn keep_until_end(self, guard: BodyGuard) -> Self {
         drop(guard);
         self

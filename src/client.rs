@@ -26,8 +26,9 @@
 //! left until a response says `r=0` (or pace them with [`pace`](PacingLayer::pace)).
 //!
 //! A request to a host that said "nothing left" waits until it said so; a 429 is waited
-//! out and retried when the method is idempotent (2 retries by default; never for `POST`
-//! or `PATCH` unless [`retry_non_idempotent`](PacingLayer::retry_non_idempotent)).
+//! out and retried when the method is idempotent (RFC 9110, section 9.2.2: 2 retries by
+//! default; never for `POST`, `PATCH`, `CONNECT` or a method RFC 9110 does not define
+//! unless [`retry_non_idempotent`](PacingLayer::retry_non_idempotent)).
 //! Absurd values (negative, malformed, years away) are ignored or capped at
 //! [`max_wait`](PacingLayer::max_wait) (60 s by default), as the draft asks of clients
 //! (section 8.5). Optionally the layer also paces proactively with any tollgate policy
@@ -265,8 +266,9 @@ impl PacingLayer {
         self.with(|shared| shared.retries = retries)
     }
 
-    /// Retries `POST` and `PATCH` after a 429 too (off by default: the server may have
-    /// acted on the first one).
+    /// Retries requests of a method that is not idempotent after a 429 too: `POST`,
+    /// `PATCH`, `CONNECT` and methods RFC 9110 does not define (off by default: the server
+    /// may have acted on the first one).
     ///
     /// ```
     /// use std::convert::Infallible;

@@ -119,8 +119,10 @@ impl Cost for u64 {
 /// case) is the template's: list those spellings too, or cost the route in the handler.
 /// A route served for every method (`any(..)`) costs a method of its own (`FOO /export`)
 /// what the route costs for every method, or the default: list the route for every
-/// method when only some are listed. A `HEAD` costs what a `GET` of the route costs, unless it has a cost of
-/// its own: it runs the GET handler.
+/// method when only some are listed. A `HEAD` costs what a `GET` of the route costs,
+/// unless it has a cost of its own: it runs the GET handler. So does an extended CONNECT
+/// (RFC 8441: HTTP/2's and HTTP/3's WebSocket opening, a `GET` with `Upgrade` in HTTP/1.1,
+/// served by one `any` route), unless CONNECT has a cost of its own.
 ///
 /// The template is the one the router that runs the layer matched: inside a router
 /// nested at `/api`, list `/api/search` (the path is the whole one too: axum's
@@ -179,7 +181,7 @@ impl PerRoute {
     /// `without_v07_checks`.)
     pub fn route(mut self, path: &str, cost: u64) -> Self {
         check_route(path);
-        self.routes.push(Listing::new(None, path, cost));
+        self.list(Listing::new(None, path, cost));
         self
     }
 
@@ -194,8 +196,16 @@ impl PerRoute {
     /// As [`route`](Self::route), for a path that could never match.
     pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
         check_route(path);
-        self.routes.push(Listing::new(Some(method), path, cost));
+        self.list(Listing::new(Some(method), path, cost));
         self
+    }
+
+    /// Lists `listing` in place of an earlier one of its method and path, which is gone
+    /// for every spelling read as its path too (it would still count as the dearer).
+    fn list(&mut self, listing: Listing) {
+        self.routes
+            .retain(|earlier| earlier.method != listing.method || earlier.path != listing.path);
+        self.routes.push(listing);
     }
 }
 
@@ -220,20 +230,19 @@ impl Listing {
 }
 
 impl PerRoute {
-    /// The cost listed for `path` under `method` (`None`: for every method); of entries
-    /// listed twice, the last.
+    /// The cost listed for `path` under `method` (`None`: for every method).
     fn entry(&self, path: &str, method: Option<&Method>) -> Option<u64> {
         self.routes
             .iter()
-            .rev()
             .find(|listing| &*listing.path == path && listing.method.as_ref() == method)
             .map(|listing| listing.cost)
     }
 
-    /// The cost listed for `path` under `method` itself (`Some`), or for every method.
-    fn listed(&self, path: &str, method: Option<&Method>) -> Option<u64> {
-        match method {
-            Some(method) => for_method(method, |method| self.entry(path, method)),
+    /// The cost listed for `path` under the method of `request` (`Some`), or for every
+    /// method.
+    fn listed(&self, path: &str, request: Option<&Parts>) -> Option<u64> {
+        match request {
+            Some(parts) => for_method(parts, |method| self.entry(path, method)),
             None => self.entry(path, None),
         }
     }
@@ -256,11 +265,11 @@ impl Cost for PerRoute {
                 && template
                     .split_once('{')
                     .is_some_and(|(start, _)| path.starts_with(start)));
-        let own = |method: Option<&Method>| own_path.then(|| self.listed(path, method)).flatten();
-        let method = Some(&parts.method);
+        let own = |method: Option<&Parts>| own_path.then(|| self.listed(path, method)).flatten();
+        let method = Some(parts);
         // The template's entries, when axum matched one (else the path's own, above).
         let of_template =
-            |method: Option<&Method>| matched.and_then(|template| self.listed(template, method));
+            |method: Option<&Parts>| matched.and_then(|template| self.listed(template, method));
         // The path's entry for the method is the most specific. Else an entry of the path
         // for every method and one of the template for the method both apply: the larger
         // counts, so that neither the method nor the path makes a listed route cheaper.
@@ -286,16 +295,18 @@ impl Cost for PerRoute {
         let read_as = read_as.as_deref().unwrap_or(path);
         // The listing's own precedence: the method's entries, else those for every
         // method; of several listings read the same way (`/api/` and `/api`), the dearest.
-        for_method(&parts.method, |method| self.dearest(read_as, method))
+        for_method(parts, |method| self.dearest(read_as, method))
             .or_else(|| self.dearest(read_as, None))
             .map_or(cost, |listed| listed.max(cost))
     }
 }
 
-/// What `find` gives for `method` itself: a HEAD is answered by the GET handler (RFC
-/// 9110, section 9.3.2), and costs what a GET does unless it has a cost of its own.
-fn for_method(method: &Method, find: impl Fn(Option<&Method>) -> Option<u64>) -> Option<u64> {
-    find(Some(method)).or_else(|| (*method == Method::HEAD).then(|| find(Some(&Method::GET)))?)
+/// What `find` gives for the request's method itself: a HEAD and an extended CONNECT
+/// are answered by the GET handler (`key::runs_as_get`), and cost what a GET does unless
+/// their method has a cost of its own.
+fn for_method(parts: &Parts, find: impl Fn(Option<&Method>) -> Option<u64>) -> Option<u64> {
+    find(Some(&parts.method))
+        .or_else(|| crate::key::runs_as_get(parts).then(|| find(Some(&Method::GET)))?)
 }
 
 impl PerRoute {
@@ -452,16 +463,23 @@ impl<F> fmt::Debug for FromFn<F> {
 /// use tollgate::cost::{self, Cost};
 ///
 /// // Charge by the declared upload size, one unit per started KiB; an upload that
-/// // declares no size (sent chunked) is charged a whole 10 MiB, so that it cannot pass
-/// // for one unit (as `ContentLength::or` does).
+/// // declares no size (sent chunked, whatever a `Content-Length` beside it says: RFC
+/// // 9112, section 6.3) is charged a whole 10 MiB, so that it cannot pass for one unit
+/// // (as `ContentLength::or` does).
 /// let by_size = cost::from_fn(|parts| {
+///     if parts.headers.contains_key("transfer-encoding") {
+///         return 10 * 1024;
+///     }
 ///     parts.headers.get("content-length")
 ///         .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
 ///         .map_or(10 * 1024, |bytes| bytes.div_ceil(1024).max(1))
 /// });
 /// let (parts, _) = Request::post("/").header("content-length", "5000").body(()).unwrap().into_parts();
 /// assert_eq!(by_size.cost(&parts), 5);
-/// let (chunked, _) = Request::post("/").header("transfer-encoding", "chunked").body(()).unwrap().into_parts();
+/// let (chunked, _) = Request::post("/")
+///     .header("content-length", "1")
+///     .header("transfer-encoding", "chunked")
+///     .body(()).unwrap().into_parts();
 /// assert_eq!(by_size.cost(&chunked), 10 * 1024);
 /// ```
 pub fn from_fn<F>(f: F) -> FromFn<F>
@@ -485,20 +503,35 @@ where
 /// [`QuotaUnit::ContentBytes`](crate::policy::QuotaUnit::ContentBytes) so clients see
 /// `qu="content-bytes"`.
 ///
-/// A request without a valid `Content-Length` (a chunked upload, or a malformed or
-/// repeated header) costs `unknown`: pick it so that an upload that does not declare its
-/// size cannot pass for free (for example the policy's whole capacity). A size larger than
-/// the policy can ever admit is the usual `400`.
+/// A request whose head does not state its body's size costs `unknown`: a chunked upload
+/// (any `Transfer-Encoding`, which overrides a `Content-Length` beside it: RFC 9112,
+/// section 6.3), a malformed or repeated `Content-Length`, and an HTTP/2 or HTTP/3
+/// request without one (those may send a body of any size without it, RFC 9113, section
+/// 8.1.1). Pick it so that an upload that does not declare its size cannot pass for free
+/// (for example the policy's whole capacity), and put the coster on upload routes: a
+/// bodiless HTTP/2 `GET` costs `unknown` too. An HTTP/1.x request with neither field has
+/// no body (section 6.3, rule 7) and costs 0, unless it opens an upgrade or a tunnel
+/// (`Upgrade`, `CONNECT`: what those carry follows the head). A size larger than the
+/// policy can ever admit is the usual `400`.
 ///
 /// ```
-/// use http::Request;
+/// use http::{Request, Version};
 /// use tollgate::cost::{ContentLength, Cost};
 ///
 /// let cost = ContentLength::or(1_000_000);
 /// let upload = Request::post("/upload").header("content-length", "2048").body(()).unwrap();
 /// assert_eq!(cost.cost(&upload.into_parts().0), 2048);
-/// let chunked = Request::post("/upload").body(()).unwrap();
+/// let chunked = Request::post("/upload")
+///     .header("content-length", "0")
+///     .header("transfer-encoding", "chunked")
+///     .body(())
+///     .unwrap();
 /// assert_eq!(cost.cost(&chunked.into_parts().0), 1_000_000);
+/// // HTTP/1.1 with no length and no chunking: no body.
+/// let download = Request::get("/files/1").body(()).unwrap();
+/// assert_eq!(cost.cost(&download.into_parts().0), 0);
+/// let h2 = Request::get("/files/1").version(Version::HTTP_2).body(()).unwrap();
+/// assert_eq!(cost.cost(&h2.into_parts().0), 1_000_000);
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct ContentLength {
@@ -506,7 +539,8 @@ pub struct ContentLength {
 }
 
 impl ContentLength {
-    /// Charges `Content-Length`; a request without a valid one costs `unknown`.
+    /// Charges `Content-Length`; a request whose head does not state its body's size
+    /// costs `unknown` (see [`ContentLength`]).
     pub fn or(unknown: u64) -> Self {
         Self { unknown }
     }
@@ -514,6 +548,12 @@ impl ContentLength {
 
 impl Cost for ContentLength {
     fn cost(&self, parts: &Parts) -> u64 {
+        // A `Transfer-Encoding` frames the body, whatever a `Content-Length` beside it
+        // says (RFC 9112, section 6.3, rule 3): `Content-Length: 0` before a chunked
+        // gigabyte states nothing (older hyper kept such a line).
+        if parts.headers.contains_key(http::header::TRANSFER_ENCODING) {
+            return self.unknown;
+        }
         let mut values = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
         match (values.next(), values.next()) {
             (Some(value), None) => value
@@ -522,6 +562,20 @@ impl Cost for ContentLength {
                 .filter(|text| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()))
                 // All digits but too large for u64: more than any policy admits.
                 .map_or(self.unknown, |text| text.parse().unwrap_or(u64::MAX)),
+            // An HTTP/1.x request with neither field has no body (RFC 9112, section 6.3,
+            // rule 7). HTTP/2 and HTTP/3 may send one without a length (RFC 9113,
+            // section 8.1.1), which the head cannot tell.
+            // Not so an upgrade or a tunnel (`Upgrade`, `CONNECT`): what it carries
+            // follows the head on the connection, of a size nothing states.
+            (None, _)
+                if matches!(
+                    parts.version,
+                    http::Version::HTTP_09 | http::Version::HTTP_10 | http::Version::HTTP_11
+                ) && parts.method != http::Method::CONNECT
+                    && !parts.headers.contains_key(http::header::UPGRADE) =>
+            {
+                0
+            }
             _ => self.unknown,
         }
     }
@@ -542,6 +596,86 @@ mod tests {
         request.into_parts().0
     }
 
+    /// An extended CONNECT (RFC 8441, section 4; RFC 9220) is HTTP/2's and HTTP/3's
+    /// GET with `Upgrade` (a WebSocket): it costs what the route's GET does unless
+    /// CONNECT has a cost of its own. A classic CONNECT (authority only) names no route.
+    #[test]
+    fn an_extended_connect_costs_what_its_get_costs() {
+        let cost = PerRoute::new(1)
+            .route_method(Method::GET, "/ws", 50)
+            .route_method(Method::GET, "/live", 50)
+            .route_method(Method::CONNECT, "/live", 7);
+        let connect = |uri: &str| {
+            let request = Request::builder()
+                .method(Method::CONNECT)
+                .uri(uri)
+                .version(http::Version::HTTP_2)
+                .body(())
+                .unwrap();
+            request.into_parts().0
+        };
+        assert_eq!(cost.cost(&parts(Method::GET, "/ws")), 50);
+        assert_eq!(cost.cost(&connect("https://example.com/ws")), 50);
+        assert_eq!(cost.cost(&connect("/ws")), 50);
+        assert_eq!(cost.cost(&connect("https://example.com/live")), 7);
+        assert_eq!(cost.cost(&connect("example.com:443")), 1);
+    }
+
+    /// RFC 9112, section 6.3: an HTTP/1.x request with neither `Content-Length` nor
+    /// `Transfer-Encoding` has no body (rule 7), so it costs nothing; `unknown` is for a
+    /// body whose size the head does not state (chunked, or HTTP/2 and HTTP/3 without
+    /// `Content-Length`, RFC 9113 section 8.1.1). A GET spent an upload quota's whole
+    /// `unknown`.
+    #[test]
+    fn a_request_framed_without_a_body_costs_nothing() {
+        let cost = ContentLength::or(1_000_000);
+        let head = |version: http::Version, headers: &[(&str, &str)]| {
+            let mut request = Request::builder()
+                .method(Method::GET)
+                .uri("/files/1")
+                .version(version);
+            for (name, value) in headers {
+                request = request.header(*name, *value);
+            }
+            request.body(()).unwrap().into_parts().0
+        };
+        assert_eq!(cost.cost(&head(http::Version::HTTP_11, &[])), 0);
+        // An upgrade (a WebSocket) carries what follows the head, of no stated size, as
+        // its HTTP/2 opening (an extended CONNECT) does.
+        let upgrade = [("connection", "upgrade"), ("upgrade", "websocket")];
+        assert_eq!(
+            cost.cost(&head(http::Version::HTTP_11, &upgrade)),
+            1_000_000
+        );
+        let tunnel = Request::builder()
+            .method(Method::CONNECT)
+            .uri("example.com:443")
+            .body(())
+            .unwrap();
+        assert_eq!(cost.cost(&tunnel.into_parts().0), 1_000_000);
+        assert_eq!(cost.cost(&head(http::Version::HTTP_10, &[])), 0);
+        assert_eq!(
+            cost.cost(&head(http::Version::HTTP_11, &[("content-length", "0")])),
+            0
+        );
+        let chunked = [("transfer-encoding", "chunked")];
+        assert_eq!(
+            cost.cost(&head(http::Version::HTTP_11, &chunked)),
+            1_000_000
+        );
+        // Chunked framing overrides a length beside it (rule 3).
+        let both = [("content-length", "0"), ("transfer-encoding", "chunked")];
+        assert_eq!(cost.cost(&head(http::Version::HTTP_11, &both)), 1_000_000);
+        assert_eq!(cost.cost(&head(http::Version::HTTP_2, &[])), 1_000_000);
+        assert_eq!(cost.cost(&head(http::Version::HTTP_3, &[])), 1_000_000);
+        let twice = [("content-length", "5"), ("content-length", "5")];
+        assert_eq!(cost.cost(&head(http::Version::HTTP_11, &twice)), 1_000_000);
+        assert_eq!(
+            cost.cost(&head(http::Version::HTTP_11, &[("content-length", "x")])),
+            1_000_000
+        );
+    }
+
     /// An entry listed twice for one route: the last one stands, for `route` as for
     /// `route_method` (a table of defaults, then overrides). `route` kept the first.
     #[test]
@@ -552,6 +686,20 @@ mod tests {
             .route_method(Method::GET, "/a", 2)
             .route_method(Method::GET, "/a", 5);
         assert_eq!(methods.cost(&get), 5);
+        // And for the spellings a handler reads as the listed path: the entry replaced
+        // is gone, not the dearer of the two.
+        let respelt = parts(Method::GET, "/a/");
+        assert_eq!(
+            PerRoute::new(1)
+                .route("/a", 5)
+                .route("/a", 2)
+                .cost(&respelt),
+            2
+        );
+        let methods = PerRoute::new(1)
+            .route_method(Method::GET, "/a", 5)
+            .route_method(Method::GET, "/a", 2);
+        assert_eq!(methods.cost(&respelt), 2);
     }
 
     /// A route no path can match once cost the default, silently: `search` (no leading

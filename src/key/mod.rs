@@ -404,7 +404,8 @@ impl KeyExtractor for Global {
 }
 
 /// The route: method and matched path (`route:GET /users/{id}`); a `HEAD` shares its
-/// `GET`'s key, as it runs the GET handler, and methods beyond RFC 9110's and `PATCH`
+/// `GET`'s key, as it runs the GET handler, and so does an extended CONNECT (RFC 8441:
+/// HTTP/2's and HTTP/3's WebSocket opening, a `GET` with `Upgrade` in HTTP/1.1); methods beyond RFC 9110's and `PATCH`
 /// (RFC 5789) (any token a client makes up, which a route served by `any(..)` runs all
 /// the same) share one, `route:* /users/{id}`.
 ///
@@ -424,10 +425,11 @@ pub struct Route;
 impl KeyExtractor for Route {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         let path = route_path(parts);
-        // A HEAD runs the GET handler (RFC 9110, section 9.3.2): one limit for both. A
-        // method is any token the client writes: beyond the standard ones, one key.
+        // A HEAD runs the GET handler (RFC 9110, section 9.3.2), and so does an extended
+        // CONNECT (see `runs_as_get`): one limit for each route's GET. A method is any
+        // token the client writes: beyond the standard ones, one key.
         let method = match parts.method {
-            Method::HEAD => Method::GET.as_str(),
+            _ if runs_as_get(parts) => Method::GET.as_str(),
             Method::GET
             | Method::POST
             | Method::PUT
@@ -445,6 +447,18 @@ impl KeyExtractor for Route {
         key.push_str(path);
         Ok(Key::new(key))
     }
+}
+
+/// A request the route's GET handler answers, though its method is not GET: a `HEAD`
+/// (RFC 9110, section 9.3.2), and an extended CONNECT (RFC 8441, section 4; RFC 9220),
+/// HTTP/2's and HTTP/3's way to open what HTTP/1.1 opens with a GET and `Upgrade` (a
+/// WebSocket; axum serves both through one `any` route). An extended CONNECT is told
+/// by its path: a classic CONNECT names an authority only (RFC 9110, section 9.3.6).
+/// Keys and costs treat it as the GET it stands for, so that the protocol a client picks
+/// picks neither a second limit nor a cheaper price.
+pub(crate) fn runs_as_get(parts: &Parts) -> bool {
+    parts.method == Method::HEAD
+        || (parts.method == Method::CONNECT && !parts.uri.path().is_empty())
 }
 
 /// The request's path as the client sent it: inside a router nested at a prefix, axum
@@ -483,10 +497,15 @@ pub(crate) fn matched_path(parts: &Parts) -> Option<&str> {
 /// use tollgate::key::{self, FromFn, KeyError, KeyExtractor};
 /// use tollgate::{Key, MemoryStore, RateLimitLayer};
 ///
-/// // The first path segment: `/acme/orders` is tenant `acme`.
+/// // The first path segment: `/acme/orders` is tenant `acme`. Only a plain name is a
+/// // tenant: axum's `Path` decodes `/%61cme/orders` to `acme` too, and a key of the
+/// // segment as written would give each spelling of one tenant a limit of its own.
 /// let by_tenant: FromFn<_> = key::from_fn(|parts| {
+///     let plain = |name: &str| {
+///         !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+///     };
 ///     match parts.uri.path().split('/').nth(1) {
-///         Some(tenant) if !tenant.is_empty() => Ok(Key::new(format!("tenant:{tenant}"))),
+///         Some(tenant) if plain(tenant) => Ok(Key::new(format!("tenant:{tenant}"))),
 ///         _ => Err(KeyError::client("no tenant in the path")),
 ///     }
 /// });
@@ -494,6 +513,8 @@ pub(crate) fn matched_path(parts: &Parts) -> Option<&str> {
 /// assert_eq!(by_tenant.extract(&parts)?.as_str(), "tenant:acme");
 /// let (root, _) = Request::get("/").body(()).unwrap().into_parts();
 /// assert!(by_tenant.extract(&root).is_err());
+/// let (escaped, _) = Request::get("/%61cme/orders").body(()).unwrap().into_parts();
+/// assert!(by_tenant.extract(&escaped).is_err());
 /// let layer = RateLimitLayer::new(MemoryStore::new()).key(by_tenant);
 /// # let _ = layer;
 /// # Ok::<(), KeyError>(())
@@ -516,12 +537,22 @@ impl<F> fmt::Debug for FromFn<F> {
 /// use tollgate::key::{self, KeyError, KeyErrorKind, KeyExtractor};
 /// use tollgate::Key;
 ///
+/// // The tenant an authentication layer further out checked and put in the request's
+/// // extensions: never a header or a host the client writes as it likes (and an
+/// // HTTP/1.1 request's URI has no host at all). `ExtensionKey` does this for any type.
+/// #[derive(Clone)]
+/// struct Tenant(String);
+///
 /// let tenant = key::from_fn(|parts| {
-///     parts.uri.host().map(|host| Key::new(format!("tenant:{host}")))
-///         .ok_or_else(|| KeyError::missing(KeyErrorKind::Client, "no host in the request URI"))
+///     parts.extensions.get::<Tenant>()
+///         .map(|Tenant(name)| Key::new(format!("tenant:{name}")))
+///         .ok_or_else(|| KeyError::missing(KeyErrorKind::Server, "no tenant: is the auth layer outside?"))
 /// });
-/// let (parts, _) = Request::get("http://acme.example/").body(()).unwrap().into_parts();
-/// assert_eq!(tenant.extract(&parts).unwrap().as_str(), "tenant:acme.example");
+/// let mut request = Request::get("/orders").body(()).unwrap();
+/// request.extensions_mut().insert(Tenant("acme".to_owned()));
+/// assert_eq!(tenant.extract(&request.into_parts().0).unwrap().as_str(), "tenant:acme");
+/// let (anonymous, _) = Request::get("/orders").body(()).unwrap().into_parts();
+/// assert_eq!(tenant.extract(&anonymous).unwrap_err().kind(), KeyErrorKind::Server);
 /// ```
 pub fn from_fn<F>(f: F) -> FromFn<F>
 where
@@ -610,6 +641,42 @@ mod tests {
         assert_eq!(key(http::Method::HEAD), "route:GET /export");
         assert_eq!(key(http::Method::GET), "route:GET /export");
         assert_eq!(key(http::Method::POST), "route:POST /export");
+    }
+
+    /// HTTP/2 and HTTP/3 open a WebSocket with an extended CONNECT (RFC 8441, section
+    /// 4; RFC 9220): a CONNECT with a `:path`, where HTTP/1.1 sends a GET with `Upgrade`,
+    /// to the same handler (axum's `any` route). A client that picks the protocol must
+    /// not pick a second limit; a classic CONNECT (authority only) keeps its own key.
+    #[test]
+    fn an_extended_connect_shares_its_gets_route_key() {
+        let key = |method: http::Method, uri: &str, version: http::Version| {
+            let request = http::Request::builder()
+                .method(method)
+                .uri(uri)
+                .version(version)
+                .body(())
+                .unwrap();
+            Route.extract(&request.into_parts().0).unwrap().to_string()
+        };
+        let h1 = key(http::Method::GET, "/ws", http::Version::HTTP_11);
+        assert_eq!(h1, "route:GET /ws");
+        for uri in ["https://example.com/ws", "/ws"] {
+            for version in [http::Version::HTTP_2, http::Version::HTTP_3] {
+                assert_eq!(
+                    key(http::Method::CONNECT, uri, version),
+                    h1,
+                    "{uri} {version:?}"
+                );
+            }
+        }
+        assert_eq!(
+            key(
+                http::Method::CONNECT,
+                "example.com:443",
+                http::Version::HTTP_11
+            ),
+            "route:CONNECT "
+        );
     }
 
     #[test]

@@ -848,8 +848,15 @@ impl Future for DecideFuture {
 /// Only [`Unavailable`](Self::Unavailable) and [`Timeout`](Self::Timeout) are I/O: the
 /// store may answer again by itself. The others mean a bug or a misconfiguration; the
 /// layer still applies its failure mode to the request, but logs them at error level
-/// (once per kind and code, again every ten minutes while it goes on) and counts them,
-/// so they are never hidden behind it.
+/// (the first time each kind, code and wording is seen, digits aside, and again every ten
+/// minutes while it goes on) and counts them, so they are never hidden behind it.
+///
+/// Of the kinds, `Unavailable` and `Timeout` count toward opening the layer's circuit
+/// breaker, and only a decision closes it. Any other kind says nothing of the store and
+/// leaves the breaker as it is, unless the error is marked as met by every request
+/// ([`StoreError::for_every_request`]: a refused password), which counts as an outage
+/// does. A store of your own should therefore report a connection that failed as
+/// `Unavailable` or `Timeout`, not as `Other`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StoreErrorKind {
@@ -870,13 +877,6 @@ pub enum StoreErrorKind {
     /// the layer is built; seen at request time only with per-request policies).
     Unsupported,
     /// Anything else.
-    ///
-    /// Of the kinds, `Unavailable` and `Timeout` count toward opening the layer's circuit
-    /// breaker, and only a decision closes it. Any other kind says nothing of the store
-    /// and leaves the breaker as it is, unless the error is marked as met by every request
-    /// ([`StoreError::for_every_request`]: a refused password), which counts as an outage
-    /// does. A store of your own should therefore report a connection that failed as
-    /// `Unavailable` or `Timeout`, not as `Other`.
     Other,
 }
 

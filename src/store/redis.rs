@@ -2789,15 +2789,39 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
         _ => 2 * u128::from(p1) * u128::from(p3) + u128::from(p2),
     };
     if largest >= EXACT {
+        // What the script multiplies, in the policy's own terms, and what lowers it.
+        let (product, remedy) = match kind {
+            // The level is at most the longest delay's worth of leaked units.
+            "ls" => (
+                format!(
+                    "its longest delay times its leak amount ({p1} microseconds of \
+                     max_delay x {p2} units, the rate in lowest terms {p2} per {p3} \
+                     microseconds)"
+                ),
+                "use a shorter max_delay, or a rate of fewer units a period in lowest \
+                 terms",
+            ),
+            "gc" => (
+                format!(
+                    "its burst times the period of one unit ({p1} x {p3} microseconds, in \
+                     lowest terms {p2} per {p3})"
+                ),
+                "use a smaller burst or a faster rate, or a window algorithm",
+            ),
+            _ => (
+                format!(
+                    "its capacity times the period of one unit ({p1} x {p3} microseconds, \
+                     in lowest terms {p2} per {p3})"
+                ),
+                "use a smaller capacity or a faster rate, or a window algorithm",
+            ),
+        };
         return Err(StoreError::new(
             StoreErrorKind::Unsupported,
             format!(
-                "policy \"{}\" cannot be decided exactly in Redis: its capacity times the \
-                 period of one unit ({} x {} microseconds, in lowest terms) passes 2^52; \
-                 use a smaller capacity or a faster rate, or a window algorithm",
+                "policy \"{}\" cannot be decided exactly in Redis: {product} passes 2^52; \
+                 {remedy}",
                 policy.name(),
-                p1,
-                if kind == "ls" { p2 } else { p3 },
             ),
         ));
     }
@@ -2813,7 +2837,9 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// percent-encoded: `{` and `}` cannot end or open the tag early, and no two identities
 /// encode alike. Secret identities (API keys) reach the builder already hashed by their
 /// key extractor. `params` spells the policy's parameters, so a changed limit starts on
-/// fresh keys and the old ones expire.
+/// fresh keys and the old ones expire. Not an in-flight policy's: its count of requests
+/// in progress is named by the policy's name alone (`cc-0-0-0`), so a reload that changes
+/// its limit or lease keeps counting the requests already in progress.
 ///
 /// ```
 /// use std::time::Duration;
@@ -3240,6 +3266,35 @@ mod tests {
                 .contains("policy \"huge\" cannot be decided exactly"),
             "{error}"
         );
+        assert!(error.to_string().contains("a smaller capacity"), "{error}");
+        // A shaping policy has no capacity, and a faster leak raises what is refused: its
+        // message names what it multiplies (the longest delay by the leak amount) and
+        // the knobs that lower it.
+        let shaping = Policy::leaky_bucket_shaping(
+            "smooth",
+            Rate::per_minute(1_300_001),
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+        let error = script_args(&shaping).unwrap_err().to_string();
+        assert!(
+            error.contains("policy \"smooth\" cannot be decided exactly"),
+            "{error}"
+        );
+        assert!(
+            error.contains("3600000000 microseconds of max_delay x 1300001 units"),
+            "{error}"
+        );
+        assert!(error.contains("a shorter max_delay"), "{error}");
+        assert!(
+            !error.contains("capacity") && !error.contains("faster"),
+            "{error}"
+        );
+        // GCRA's is its burst.
+        let gcra = Policy::gcra("g", Rate::per_day(1), 1_000_000_000).unwrap();
+        let error = script_args(&gcra).unwrap_err().to_string();
+        assert!(error.contains("its burst times"), "{error}");
+        assert!(error.contains("a smaller burst"), "{error}");
     }
 
     #[test]
