@@ -505,14 +505,17 @@ where
 ///
 /// A request whose head does not state its body's size costs `unknown`: a chunked upload
 /// (any `Transfer-Encoding`, which overrides a `Content-Length` beside it: RFC 9112,
-/// section 6.3), a malformed or repeated `Content-Length`, and an HTTP/2 or HTTP/3
-/// request without one (those may send a body of any size without it, RFC 9113, section
-/// 8.1.1). Pick it so that an upload that does not declare its size cannot pass for free
-/// (for example the policy's whole capacity), and put the coster on upload routes: a
-/// bodiless HTTP/2 `GET` costs `unknown` too. An HTTP/1.x request with neither field has
-/// no body (section 6.3, rule 7) and costs 0, unless it opens an upgrade or a tunnel
-/// (`Upgrade`, `CONNECT`: what those carry follows the head). A size larger than the
-/// policy can ever admit is the usual `400`.
+/// section 6.3), a malformed or repeated `Content-Length`, an upgrade or a tunnel
+/// (`Upgrade` other than `h2c`, `CONNECT`: what those carry follows the head, whatever
+/// length the head gives), an HTTP/2 or HTTP/3 request without a length (those may send a
+/// body of any size without one, RFC 9113, section 8.1.1), and a `POST`, `PUT` or `PATCH`
+/// without one. Pick it so that an upload that does not declare its size cannot pass for
+/// free (for example the policy's whole capacity), and put the coster on upload routes:
+/// a bodiless HTTP/2 `GET` costs `unknown` too. An HTTP/1.x `GET`, `HEAD`, `DELETE`,
+/// `OPTIONS` or `TRACE` with neither field has no body (section 6.3, rule 7) and costs 0.
+/// A layer further out that takes the length off (request decompression does) leaves a
+/// body of no stated size: put the coster outside it, where it charges what the wire
+/// carried. A size larger than the policy can ever admit is the usual `400`.
 ///
 /// ```
 /// use http::{Request, Version};
@@ -550,8 +553,10 @@ impl Cost for ContentLength {
     fn cost(&self, parts: &Parts) -> u64 {
         // A `Transfer-Encoding` frames the body, whatever a `Content-Length` beside it
         // says (RFC 9112, section 6.3, rule 3): `Content-Length: 0` before a chunked
-        // gigabyte states nothing (older hyper kept such a line).
-        if parts.headers.contains_key(http::header::TRANSFER_ENCODING) {
+        // gigabyte states nothing (older hyper kept such a line). What an upgrade or a
+        // tunnel carries follows its head, of a size nothing states.
+        if parts.headers.contains_key(http::header::TRANSFER_ENCODING) || switches_protocols(parts)
+        {
             return self.unknown;
         }
         let mut values = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
@@ -563,22 +568,47 @@ impl Cost for ContentLength {
                 // All digits but too large for u64: more than any policy admits.
                 .map_or(self.unknown, |text| text.parse().unwrap_or(u64::MAX)),
             // An HTTP/1.x request with neither field has no body (RFC 9112, section 6.3,
-            // rule 7). HTTP/2 and HTTP/3 may send one without a length (RFC 9113,
-            // section 8.1.1), which the head cannot tell.
-            // Not so an upgrade or a tunnel (`Upgrade`, `CONNECT`): what it carries
-            // follows the head on the connection, of a size nothing states.
+            // rule 7), read so for a method whose content has no defined semantics (RFC
+            // 9110, section 9.3): a POST, PUT or PATCH without a length may be one whose
+            // length a layer further out took off (request decompression does). HTTP/2
+            // and HTTP/3 may send a body without a length (RFC 9113, section 8.1.1),
+            // which the head cannot tell.
             (None, _)
                 if matches!(
                     parts.version,
                     http::Version::HTTP_09 | http::Version::HTTP_10 | http::Version::HTTP_11
-                ) && parts.method != http::Method::CONNECT
-                    && !parts.headers.contains_key(http::header::UPGRADE) =>
+                ) && matches!(
+                    parts.method,
+                    Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
+                ) =>
             {
                 0
             }
             _ => self.unknown,
         }
     }
+}
+
+/// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
+/// handshake), or a `CONNECT` (a tunnel; HTTP/2's extended CONNECT, RFC 8441, opens
+/// WebSockets). `Upgrade: h2c` is no switch here: servers that do not speak h2c (hyper)
+/// serve the request as it is, and clients that prefer HTTP/2 (the JDK's, curl's) send it
+/// on plain `http://` requests of every kind.
+pub(crate) fn switches_protocols(request: &Parts) -> bool {
+    let other_than_h2c = |value: &http::HeaderValue| {
+        value.to_str().map_or(true, |value| {
+            value.split(',').any(|protocol| {
+                let name = protocol.trim().split('/').next().unwrap_or_default();
+                !name.is_empty() && !name.eq_ignore_ascii_case("h2c")
+            })
+        })
+    };
+    request.method == Method::CONNECT
+        || request
+            .headers
+            .get_all(http::header::UPGRADE)
+            .iter()
+            .any(other_than_h2c)
 }
 
 #[cfg(test)]
@@ -619,6 +649,16 @@ mod tests {
         assert_eq!(cost.cost(&connect("/ws")), 50);
         assert_eq!(cost.cost(&connect("https://example.com/live")), 7);
         assert_eq!(cost.cost(&connect("example.com:443")), 1);
+        // Not over HTTP/1.1, which has no extended CONNECT: a CONNECT with a path there
+        // is a CONNECT (with a body, to an `any` route), not the route's cheap GET.
+        let (h1, _) = Request::builder()
+            .method(Method::CONNECT)
+            .uri("/ws")
+            .version(http::Version::HTTP_11)
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert_eq!(cost.cost(&h1), 1);
     }
 
     /// RFC 9112, section 6.3: an HTTP/1.x request with neither `Content-Length` nor
@@ -653,6 +693,39 @@ mod tests {
             .body(())
             .unwrap();
         assert_eq!(cost.cost(&tunnel.into_parts().0), 1_000_000);
+        // An upgrade states no size for what follows its head, whatever length it gives
+        // its own (none): `Content-Length: 0` does not make a socket free.
+        let upgrade_empty = [("upgrade", "websocket"), ("content-length", "0")];
+        assert_eq!(
+            cost.cost(&head(http::Version::HTTP_11, &upgrade_empty)),
+            1_000_000
+        );
+        // `Upgrade: h2c` is no switch (hyper serves the request as it is; curl and the
+        // JDK send it on plain requests of every kind).
+        let h2c = [
+            ("connection", "upgrade, http2-settings"),
+            ("upgrade", "h2c"),
+        ];
+        assert_eq!(cost.cost(&head(http::Version::HTTP_11, &h2c)), 0);
+        // Only a method whose content has no defined semantics (RFC 9110, section 9.3)
+        // is read as bodiless without a length: a POST, PUT or PATCH whose length a layer
+        // further out took off (request decompression does) is of no stated size.
+        let method = |method: Method| {
+            let request = Request::builder().method(method).uri("/files/1");
+            cost.cost(&request.body(()).unwrap().into_parts().0)
+        };
+        for bodiless in [
+            Method::GET,
+            Method::HEAD,
+            Method::DELETE,
+            Method::OPTIONS,
+            Method::TRACE,
+        ] {
+            assert_eq!(method(bodiless.clone()), 0, "{bodiless}");
+        }
+        for with_content in [Method::POST, Method::PUT, Method::PATCH] {
+            assert_eq!(method(with_content.clone()), 1_000_000, "{with_content}");
+        }
         assert_eq!(cost.cost(&head(http::Version::HTTP_10, &[])), 0);
         assert_eq!(
             cost.cost(&head(http::Version::HTTP_11, &[("content-length", "0")])),

@@ -453,12 +453,16 @@ impl KeyExtractor for Route {
 /// (RFC 9110, section 9.3.2), and an extended CONNECT (RFC 8441, section 4; RFC 9220),
 /// HTTP/2's and HTTP/3's way to open what HTTP/1.1 opens with a GET and `Upgrade` (a
 /// WebSocket; axum serves both through one `any` route). An extended CONNECT is told
-/// by its path: a classic CONNECT names an authority only (RFC 9110, section 9.3.6).
-/// Keys and costs treat it as the GET it stands for, so that the protocol a client picks
-/// picks neither a second limit nor a cheaper price.
+/// by its path, and only over HTTP/2 or later: a classic CONNECT names an authority only
+/// (RFC 9110, section 9.3.6; h2 refuses one with a `:path` and no `:protocol`), while an
+/// HTTP/1.1 CONNECT with a path is a CONNECT all the same, body and all. Keys and costs
+/// treat an extended CONNECT as the GET it stands for, so that the protocol a client
+/// picks picks neither a second limit nor a cheaper price.
 pub(crate) fn runs_as_get(parts: &Parts) -> bool {
     parts.method == Method::HEAD
-        || (parts.method == Method::CONNECT && !parts.uri.path().is_empty())
+        || (parts.method == Method::CONNECT
+            && parts.version >= http::Version::HTTP_2
+            && !parts.uri.path().is_empty())
 }
 
 /// The request's path as the client sent it: inside a router nested at a prefix, axum
@@ -676,6 +680,20 @@ mod tests {
                 http::Version::HTTP_11
             ),
             "route:CONNECT "
+        );
+        // Extended CONNECT is HTTP/2's and HTTP/3's: an HTTP/1.1 CONNECT with a path (or
+        // an absolute URI, whose path reads `/`) is a CONNECT, which may carry a body.
+        assert_eq!(
+            key(http::Method::CONNECT, "/ws", http::Version::HTTP_11),
+            "route:CONNECT /ws"
+        );
+        assert_eq!(
+            key(
+                http::Method::CONNECT,
+                "http://example.com:443",
+                http::Version::HTTP_11
+            ),
+            "route:CONNECT /"
         );
     }
 

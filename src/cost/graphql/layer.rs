@@ -464,7 +464,7 @@ where
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
-        if switches_protocols(&parts) {
+        if crate::cost::switches_protocols(&parts) {
             // A WebSocket (`graphql-transport-ws`) runs its operations in messages this
             // layer never sees: at a default cost, one unit would buy any number of them.
             let why = "a request to switch protocols (a WebSocket) carries operations \
@@ -649,28 +649,6 @@ fn folds_several(value: &str) -> bool {
         }
     }
     false
-}
-
-/// True when `request` asks to switch protocols: HTTP/1.1's `Upgrade` (a WebSocket's
-/// handshake), or a `CONNECT` (HTTP/2's extended CONNECT, RFC 8441, opens WebSockets).
-/// `Upgrade: h2c` is no switch here: servers that do not speak h2c (hyper) serve the
-/// request as it is, and clients that prefer HTTP/2 (the JDK's, curl's) send it on plain
-/// `http://` requests of every kind.
-fn switches_protocols(request: &http::request::Parts) -> bool {
-    let other_than_h2c = |value: &http::HeaderValue| {
-        value.to_str().map_or(true, |value| {
-            value.split(',').any(|protocol| {
-                let name = protocol.trim().split('/').next().unwrap_or_default();
-                !name.is_empty() && !name.eq_ignore_ascii_case("h2c")
-            })
-        })
-    };
-    request.method == Method::CONNECT
-        || request
-            .headers
-            .get_all(header::UPGRADE)
-            .iter()
-            .any(other_than_h2c)
 }
 
 /// True when a `GET` names an operation to run: by `query`, or a persisted query by its
