@@ -333,9 +333,9 @@ fn respelled(path: &str) -> Option<String> {
     if !respelt {
         return None;
     }
-    let decoded = percent_encoding::percent_decode_str(path)
-        .decode_utf8()
-        .ok()?;
+    // An escape that decodes to no UTF-8 (`%FF`) stands as one odd character: what
+    // reads the path by bytes still resolves the segments around it.
+    let decoded = percent_encoding::percent_decode_str(path).decode_utf8_lossy();
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
         match segment {
@@ -747,6 +747,20 @@ mod tests {
             cost.cost(&head(http::Version::HTTP_11, &[("content-length", "x")])),
             1_000_000
         );
+    }
+
+    /// A backend that resolves dot segments after decoding escapes (nginx in front of a
+    /// fallback that proxies) reads `/files/%FF/../big.iso` as `/files/big.iso`: an
+    /// escape that decodes to no UTF-8 does not make the spelling free.
+    #[test]
+    fn an_escape_that_is_no_utf8_is_still_read_through() {
+        let cost = PerRoute::new(1).route("/files/big.iso", 100);
+        assert_eq!(cost.cost(&parts(Method::GET, "/files/%FF/../big.iso")), 100);
+        assert_eq!(
+            cost.cost(&parts(Method::GET, "/files/%C3%28/%2E%2E/big.iso")),
+            100
+        );
+        assert_eq!(cost.cost(&parts(Method::GET, "/files/%FF/big.iso")), 1);
     }
 
     /// An entry listed twice for one route: the last one stands, for `route` as for
