@@ -154,10 +154,24 @@ async fn replay(
     policies: &PolicySet,
     arrivals: &[(u64, u64)],
 ) {
+    replay_from(backends, prefix, key, policies, arrivals, Duration::ZERO, 1).await;
+}
+
+/// [`replay`] with the clocks starting at `start` and every cost multiplied by `scale`.
+async fn replay_from(
+    backends: &Backends,
+    prefix: &str,
+    key: &str,
+    policies: &PolicySet,
+    arrivals: &[(u64, u64)],
+    start: Duration,
+    scale: u64,
+) {
     let subjects = backends.subjects(prefix);
-    let mut now = Duration::ZERO;
+    let mut now = start;
     let mut admitted = 0;
     for (step, &(gap, cost)) in arrivals.iter().enumerate() {
+        let cost = cost * scale;
         now += Duration::from_millis(gap);
         let mut decisions = Vec::new();
         for subject in &subjects {
@@ -959,6 +973,83 @@ async fn spellings_of_one_policy_share_one_state_on_every_store() {
                     spent.algorithm()
                 );
             }
+        }
+    }
+}
+
+/// The suite's clocks start at zero, where Lua's doubles (exact below 2^53 µs, about
+/// 9.0e15) have all their room; a production clock reads about 1.8e15 µs since the epoch
+/// (2027), and the Redis store accepts a bucket or GCRA whose level reaches up to 2^53.
+/// The same arrivals from today's time on every algorithm, and policies at the edges the
+/// Redis store accepts (the largest limit and window, a bucket and a GCRA a hair under the
+/// bound, a shaping bucket that queues for the longest delay), costs scaled to them, decide alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_decides_alike_at_todays_time_and_at_the_edges() {
+    use tollgate::policy::{MAX_LIMIT, MAX_PERIOD};
+    let backends = Backends::start().await;
+    let today = Duration::from_secs(1_800_000_000);
+    for policy in every_algorithm() {
+        let prefix = format!("today-{}", policy.name());
+        let set = PolicySet::from(policy);
+        replay_from(
+            &backends,
+            &prefix,
+            "t",
+            &set,
+            &trace(7, 120, 4_000),
+            today,
+            1,
+        )
+        .await;
+    }
+    let hour = Duration::from_secs(3600);
+    // 2 x 1,250,000 x 3.6e9 µs = 9.0e15: just under 2^53, so accepted.
+    let near = 1_250_000;
+    let edges = [
+        (
+            Policy::fixed_window("fwmax", MAX_LIMIT, MAX_PERIOD).unwrap(),
+            MAX_LIMIT / 20,
+        ),
+        (
+            Policy::sliding_window("swmax", MAX_LIMIT, MAX_PERIOD).unwrap(),
+            MAX_LIMIT / 20,
+        ),
+        (Policy::sliding_log("slmax", 1_000, MAX_PERIOD).unwrap(), 50),
+        (
+            Policy::token_bucket("tbnear", near, Rate::per_hour(1)).unwrap(),
+            near / 20,
+        ),
+        (
+            Policy::leaky_bucket("lbnear", near, Rate::per_hour(1)).unwrap(),
+            near / 20,
+        ),
+        (
+            Policy::gcra("gcnear", Rate::per_hour(1), near).unwrap(),
+            near / 20,
+        ),
+        (
+            Policy::leaky_bucket_shaping("lshour", Rate::per_hour(1_000_000), hour).unwrap(),
+            50_000,
+        ),
+    ];
+    for (policy, scale) in edges {
+        let set = PolicySet::from(policy);
+        backends
+            .standalone_store
+            .validate(&set)
+            .unwrap_or_else(|error| panic!("{error}"));
+        for (start, at) in [(Duration::ZERO, "zero"), (today, "today")] {
+            let prefix = format!("edge-{at}-{}", set.policies()[0].name());
+            replay_from(
+                &backends,
+                &prefix,
+                "e",
+                &set,
+                &trace(5, 80, 4_000),
+                start,
+                scale,
+            )
+            .await;
         }
     }
 }
