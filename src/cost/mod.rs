@@ -509,13 +509,15 @@ where
 /// (`Upgrade` other than `h2c`, `CONNECT`: what those carry follows the head, whatever
 /// length the head gives), an HTTP/2 or HTTP/3 request without a length (those may send a
 /// body of any size without one, RFC 9113, section 8.1.1), and a `POST`, `PUT` or `PATCH`
-/// without one. Pick it so that an upload that does not declare its size cannot pass for
-/// free (for example the policy's whole capacity), and put the coster on upload routes:
-/// a bodiless HTTP/2 `GET` costs `unknown` too. An HTTP/1.x `GET`, `HEAD`, `DELETE`,
-/// `OPTIONS` or `TRACE` with neither field has no body (section 6.3, rule 7) and costs 0.
-/// A layer further out that takes the length off (request decompression does) leaves a
-/// body of no stated size: put the coster outside it, where it charges what the wire
-/// carried. A size larger than the policy can ever admit is the usual `400`.
+/// without one (or of any method but those below). Pick it so that an upload that does
+/// not declare its size cannot pass for free (for example the policy's whole capacity),
+/// and put the coster on upload routes: a bodiless HTTP/2 `GET` costs `unknown` too. An
+/// HTTP/1.x `GET`, `HEAD`, `DELETE`, `OPTIONS` or `TRACE` with neither field has no body
+/// (section 6.3, rule 7) and costs 0, and so does any request stating
+/// `Content-Length: 0`. The coster reads the head as it reaches it: put it outside any
+/// layer that takes the length off, as request decompression does (inside one, a
+/// compressed `DELETE` with a body reads as having none, and costs 0). Outside, it charges
+/// what the wire carried. A size larger than the policy can ever admit is the usual `400`.
 ///
 /// ```
 /// use http::{Request, Version};
@@ -568,11 +570,12 @@ impl Cost for ContentLength {
                 // All digits but too large for u64: more than any policy admits.
                 .map_or(self.unknown, |text| text.parse().unwrap_or(u64::MAX)),
             // An HTTP/1.x request with neither field has no body (RFC 9112, section 6.3,
-            // rule 7), read so for a method whose content has no defined semantics (RFC
-            // 9110, section 9.3): a POST, PUT or PATCH without a length may be one whose
-            // length a layer further out took off (request decompression does). HTTP/2
-            // and HTTP/3 may send a body without a length (RFC 9113, section 8.1.1),
-            // which the head cannot tell.
+            // rule 7), read so only for a method whose content has no defined semantics
+            // (RFC 9110, section 9.3): a POST, PUT or PATCH without a length is more
+            // likely an upload whose length a layer further out took off (request
+            // decompression does; the docs say to put the coster outside such a layer,
+            // which the head cannot tell). HTTP/2 and HTTP/3 may send a body without a
+            // length (RFC 9113, section 8.1.1).
             (None, _)
                 if matches!(
                     parts.version,
