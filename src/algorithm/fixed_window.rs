@@ -7,6 +7,79 @@
 use super::{Snapshot, Verdict};
 
 /// Parameters: `limit` units per `window` nanoseconds.
+///
+/// Windows are aligned to the time line's zero: `[0, window)`, `[window, 2 * window)`,
+/// and so on. A denial waits for the current window's end.
+///
+/// ```
+/// use tollgate::algorithm::{FixedWindow, MAX_NANOS, MAX_UNITS, Verdict, WindowState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: a zero window, a limit or a window past the bounds.
+/// assert_eq!(FixedWindow::new(3, 0), None);
+/// assert_eq!(FixedWindow::new(MAX_UNITS + 1, 60 * SECOND), None);
+/// assert_eq!(FixedWindow::new(3, MAX_NANOS + 1), None);
+///
+/// // 3 units a minute.
+/// let minute = FixedWindow::new(3, 60 * SECOND).unwrap();
+/// assert_eq!((minute.limit(), minute.window()), (3, 60 * SECOND));
+/// let mut state = WindowState::default();
+///
+/// let now = 10 * SECOND;
+/// minute.refresh(&mut state, now);
+/// assert_eq!(minute.check(&state, now, 2), Verdict::Admit { delay: 0 });
+/// minute.commit(&mut state, now, 2);
+/// // 2 more wait for the window's end at 60 s; 4 never fit.
+/// assert_eq!(minute.check(&state, now, 2), Verdict::Deny { retry_after: 50 * SECOND });
+/// assert_eq!(minute.check(&state, now, 4), Verdict::Never);
+/// let snapshot = minute.snapshot(&state, now);
+/// assert_eq!(snapshot.remaining, 1);
+/// assert_eq!((snapshot.reset, snapshot.fresh_at), (50 * SECOND, 60 * SECOND));
+/// // `effective_window`: the draft-11 `t` is the rest of the window, whatever is left.
+/// assert_eq!(minute.effective_window(&state, now, snapshot.remaining), 50 * SECOND);
+///
+/// // `refund`: units debited at 10 s come back while their window is counted.
+/// minute.refund(&mut state, now, 1, now, None);
+/// assert_eq!(minute.snapshot(&state, now).remaining, 2);
+///
+/// // `owed`: a settle may charge past the limit; what is past it is owed.
+/// minute.commit(&mut state, now, 3);
+/// assert_eq!(minute.owed(&state, now), 1);
+/// assert_eq!(minute.snapshot(&state, now).remaining, 0);
+///
+/// // At 60 s a new window starts with the whole limit, debt and all forgotten.
+/// let now = 60 * SECOND;
+/// minute.refresh(&mut state, now);
+/// assert_eq!(minute.owed(&state, now), 0);
+/// assert_eq!(minute.check(&state, now, 3), Verdict::Admit { delay: 0 });
+/// minute.commit(&mut state, now, 3);
+/// // A refund of a debit from the ended window gives nothing back.
+/// minute.refund(&mut state, now, 1, 10 * SECOND, None);
+/// assert_eq!(minute.snapshot(&state, now).remaining, 0);
+///
+/// // `floor`: the state counts in the window from 60 s. A request whose clock read 59 s
+/// // but is decided after it is decided as of 60 s: it waits for that window's end.
+/// assert_eq!(minute.floor(&state), 60 * SECOND);
+/// let late = 59 * SECOND;
+/// assert_eq!(minute.check(&state, late, 1), Verdict::Deny { retry_after: 61 * SECOND });
+/// ```
+///
+/// One counter per window lets a client spend the limit at the end of one window and
+/// again at the start of the next:
+///
+/// ```
+/// use tollgate::algorithm::{FixedWindow, Verdict, WindowState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let minute = FixedWindow::new(3, 60 * SECOND).unwrap();
+/// let mut state = WindowState::default();
+/// for now in [59 * SECOND, 60 * SECOND] {
+///     minute.refresh(&mut state, now);
+///     assert_eq!(minute.check(&state, now, 3), Verdict::Admit { delay: 0 });
+///     minute.commit(&mut state, now, 3);
+/// }
+/// // 6 units within one second, twice the limit.
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FixedWindow {
     /// Units per window.
@@ -16,6 +89,25 @@ pub struct FixedWindow {
 }
 
 /// The counter of the current window.
+///
+/// The default is an empty window at the time line's zero, which any later window
+/// replaces on [`FixedWindow::refresh`].
+///
+/// ```
+/// use tollgate::algorithm::{FixedWindow, WindowState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let window = FixedWindow::new(5, SECOND).unwrap();
+/// let mut state = WindowState::default();
+/// // Empty: the whole limit, and nothing a store needs to keep.
+/// let fresh = window.snapshot(&state, 0);
+/// assert_eq!((fresh.remaining, fresh.fresh_at), (5, 0));
+///
+/// window.commit(&mut state, 0, 5);
+/// assert_ne!(state, WindowState::default());
+/// // Kept until its window ends at 1 s.
+/// assert_eq!(window.snapshot(&state, 0).fresh_at, SECOND);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct WindowState {
     /// `now / window` of the window counted in.

@@ -5,6 +5,47 @@
 use super::{Snapshot, Verdict};
 
 /// At most `limit` requests in flight.
+///
+/// Every request that costs anything takes one slot, whatever its cost, so a request
+/// is denied while the slots are taken, and never answered [`Verdict::Never`].
+///
+/// ```
+/// use tollgate::algorithm::{IN_FLIGHT_RETRY, InFlight, InFlightState, MAX_UNITS, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: a zero lease, a limit past the bounds.
+/// assert_eq!(InFlight::new(2, 0), None);
+/// assert_eq!(InFlight::new(MAX_UNITS + 1, 60 * SECOND), None);
+///
+/// // 2 at once; a shared store keeps a slot 60 s without news of its request.
+/// let in_flight = InFlight::new(2, 60 * SECOND).unwrap();
+/// let mut state = InFlightState::default();
+///
+/// // Two requests start at 1 s and 2 s, the second costing 5: one slot each.
+/// for now in [SECOND, 2 * SECOND] {
+///     in_flight.refresh(&mut state, now); // nothing ages
+///     assert_eq!(in_flight.check(&state, now, 5), Verdict::Admit { delay: 0 });
+///     in_flight.commit(&mut state, now, 5);
+/// }
+/// // A third waits for one of them to end, which nothing here foresees.
+/// let now = 3 * SECOND;
+/// assert_eq!(in_flight.check(&state, now, 1), Verdict::Deny { retry_after: IN_FLIGHT_RETRY });
+/// // A request that costs nothing takes no slot.
+/// assert_eq!(in_flight.check(&state, now, 0), Verdict::Admit { delay: 0 });
+/// // No slot free, no reset time; fresh one lease from now, as a shared store keeps it.
+/// let snapshot = in_flight.snapshot(&state, now);
+/// assert_eq!((snapshot.remaining, snapshot.reset, snapshot.fresh_at), (0, 0, 63 * SECOND));
+///
+/// // `refund`: the request that started at 2 s ends and gives its slot back.
+/// in_flight.refund(&mut state, now, 1, 2 * SECOND, None);
+/// assert_eq!(in_flight.snapshot(&state, now).remaining, 1);
+///
+/// // No time window (`effective_window`), nothing ever owed (`owed`), any time reads
+/// // the state (`floor`).
+/// assert_eq!(in_flight.effective_window(&state, now, 1), 0);
+/// assert_eq!(in_flight.owed(&state, now), 0);
+/// assert_eq!(in_flight.floor(&state), 0);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InFlight {
     pub(super) limit: u64,
@@ -13,6 +54,17 @@ pub struct InFlight {
 }
 
 /// The slots taken now.
+///
+/// The default holds none.
+///
+/// ```
+/// use tollgate::algorithm::{InFlight, InFlightState};
+///
+/// let in_flight = InFlight::new(3, 60_000_000_000).unwrap();
+/// let state = InFlightState::default();
+/// let snapshot = in_flight.snapshot(&state, 0);
+/// assert_eq!((snapshot.remaining, snapshot.fresh_at), (3, 0));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct InFlightState {
     pub(super) count: u64,
@@ -24,6 +76,16 @@ pub struct InFlightState {
 
 /// What a denied request is told to wait: a slot frees when some request ends, which no
 /// state here can foresee.
+///
+/// ```
+/// use tollgate::algorithm::{IN_FLIGHT_RETRY, InFlight, InFlightState, Verdict};
+///
+/// assert_eq!(IN_FLIGHT_RETRY, 1_000_000_000); // one second
+/// let one = InFlight::new(1, 60_000_000_000).unwrap();
+/// let mut state = InFlightState::default();
+/// one.commit(&mut state, 0, 1);
+/// assert_eq!(one.check(&state, 0, 1), Verdict::Deny { retry_after: IN_FLIGHT_RETRY });
+/// ```
 pub const IN_FLIGHT_RETRY: u64 = 1_000_000_000;
 
 impl InFlight {
@@ -77,6 +139,22 @@ impl InFlight {
     /// Gives back `units` slots debited at `at`: none when `at` is before the oldest debit
     /// the state counts (the debit was made on a state since forgotten, and the slots
     /// counted now are other requests'). `at` = 0 or `u64::MAX`: any debit.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{InFlight, InFlightState};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let in_flight = InFlight::new(2, 60 * SECOND).unwrap();
+    /// let mut state = InFlightState::default();
+    /// // A request admitted at 10 s: the oldest debit the state counts.
+    /// in_flight.commit(&mut state, 10 * SECOND, 1);
+    /// // The end of a request admitted at 5 s, on a state since forgotten, frees nothing.
+    /// in_flight.refund(&mut state, 11 * SECOND, 1, 5 * SECOND, None);
+    /// assert_eq!(in_flight.snapshot(&state, 11 * SECOND).remaining, 1);
+    /// // The end of the request of 10 s frees its slot (`u64::MAX` or 0: any debit's).
+    /// in_flight.refund(&mut state, 11 * SECOND, 1, 10 * SECOND, None);
+    /// assert_eq!(in_flight.snapshot(&state, 11 * SECOND).remaining, 2);
+    /// ```
     #[inline]
     pub fn refund(
         &self,

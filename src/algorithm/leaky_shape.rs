@@ -9,6 +9,51 @@ use super::token_bucket::{BucketState, TokenBucket, nanos};
 use super::{Snapshot, Verdict, div, div_ceil};
 
 /// Parameters of a shaping leaky bucket.
+///
+/// Its state is a [`BucketState`] whose level is the queue: the units admitted and not
+/// yet leaked out. A request is admitted with the delay its place in the queue gives.
+///
+/// ```
+/// use tollgate::algorithm::{BucketState, LeakyShape, MAX_NANOS, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: no rate (a zero amount or period), a delay bound past the bounds.
+/// assert_eq!(LeakyShape::new(0, SECOND, SECOND), None);
+/// assert_eq!(LeakyShape::new(1, 0, SECOND), None);
+/// assert_eq!(LeakyShape::new(1, SECOND, MAX_NANOS + 1), None);
+///
+/// // One unit leaks out a second; a request is held back at most 2 s.
+/// let shape = LeakyShape::new(1, SECOND, 2 * SECOND).unwrap();
+/// // `capacity`: an empty queue admits 3 unit requests back to back.
+/// assert_eq!(shape.capacity(), 3);
+///
+/// // At 0 s they are admitted to be served at 0, 1 and 2 s.
+/// let mut state = BucketState::default();
+/// for delay in [0, SECOND, 2 * SECOND] {
+///     shape.refresh(&mut state, 0);
+///     assert_eq!(shape.check(&state, 0, 1), Verdict::Admit { delay });
+///     shape.commit(&mut state, 0, 1);
+/// }
+/// // A fourth would wait 3 s: denied until a unit has leaked out, at 1 s.
+/// assert_eq!(shape.check(&state, 0, 1), Verdict::Deny { retry_after: SECOND });
+/// // More than the capacity never fits; a request that costs nothing goes at once.
+/// assert_eq!(shape.check(&state, 0, 4), Verdict::Never);
+/// assert_eq!(shape.check(&state, 0, 0), Verdict::Admit { delay: 0 });
+/// // No unit request may queue now; the queue is empty at 3 s.
+/// let snapshot = shape.snapshot(&state, 0);
+/// assert_eq!(snapshot.remaining, 0);
+/// assert_eq!((snapshot.reset, snapshot.fresh_at), (3 * SECOND, 3 * SECOND));
+/// // `effective_window`: once an empty queue has admitted its 3, the next may queue
+/// // 1 s later.
+/// assert_eq!(shape.effective_window(&BucketState::default(), 0, 3), SECOND);
+///
+/// // At 1 s a unit has leaked out: the next request is admitted, to be served at 3 s.
+/// shape.refresh(&mut state, SECOND);
+/// assert_eq!(shape.check(&state, SECOND, 1), Verdict::Admit { delay: 2 * SECOND });
+/// // `refund`: a queued request given up leaves the queue, and the next waits less.
+/// shape.refund(&mut state, SECOND, 1, u64::MAX, None);
+/// assert_eq!(shape.check(&state, SECOND, 1), Verdict::Admit { delay: SECOND });
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeakyShape {
     /// Units leaked per period.
@@ -72,6 +117,20 @@ impl LeakyShape {
 
     /// When the queue ends (the units queued last have leaked out), in nanoseconds: the
     /// end of the newest booking, while it is ahead.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{BucketState, LeakyShape};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let shape = LeakyShape::new(1, SECOND, 2 * SECOND).unwrap();
+    /// let mut state = BucketState::default();
+    /// shape.commit(&mut state, 0, 3);
+    /// assert_eq!(shape.queue_end(&state), 3 * SECOND);
+    /// // Leaking moves the state's time on (`floor`), not the queue's end.
+    /// shape.refresh(&mut state, SECOND);
+    /// assert_eq!(shape.floor(&state), SECOND);
+    /// assert_eq!(shape.queue_end(&state), 3 * SECOND);
+    /// ```
     #[inline]
     pub fn queue_end(&self, state: &BucketState) -> u64 {
         state
@@ -137,6 +196,21 @@ impl LeakyShape {
     /// Units queued past what admissions can queue (a settle charged past it), rounded
     /// up. A level up to the capacity past the threshold owes nothing: a request of up to
     /// the capacity is admitted at the threshold, and puts it there.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{BucketState, LeakyShape};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// // Admissions queue 5 units at most: a request of the capacity, 3, admitted
+    /// // behind 2 s of queue (2 units).
+    /// let shape = LeakyShape::new(1, SECOND, 2 * SECOND).unwrap();
+    /// let mut state = BucketState::default();
+    /// shape.commit(&mut state, 0, 5);
+    /// assert_eq!(shape.owed(&state, 0), 0);
+    /// // A settle that queues one more leaves one owed.
+    /// shape.commit(&mut state, 0, 1);
+    /// assert_eq!(shape.owed(&state, 0), 1);
+    /// ```
     #[inline]
     pub fn owed(&self, state: &BucketState, _now: u64) -> u64 {
         let period = u128::from(self.period);
@@ -152,6 +226,22 @@ impl LeakyShape {
     /// puts the level back at the threshold: what setting a number of unit requests left
     /// gives back besides that number (a level up to one unit past the threshold has
     /// none). Unlike [`owed`](Self::owed), this counts what admissions queued too.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{BucketState, LeakyShape, Verdict};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let shape = LeakyShape::new(1, SECOND, 2 * SECOND).unwrap();
+    /// let mut state = BucketState::default();
+    /// // 3 queued: one unit must leak out before a unit request fits, and that is all.
+    /// shape.commit(&mut state, 0, 3);
+    /// assert_eq!(shape.check(&state, 0, 1), Verdict::Deny { retry_after: SECOND });
+    /// assert_eq!(shape.excess(&state, 0), 0);
+    /// // 4 queued: two must leak out; one is excess, though nothing is owed.
+    /// shape.commit(&mut state, 0, 1);
+    /// assert_eq!(shape.check(&state, 0, 1), Verdict::Deny { retry_after: 2 * SECOND });
+    /// assert_eq!((shape.excess(&state, 0), shape.owed(&state, 0)), (1, 0));
+    /// ```
     #[inline]
     pub fn excess(&self, state: &BucketState, _now: u64) -> u64 {
         let period = u128::from(self.period);

@@ -16,6 +16,76 @@
 //!
 //! Splitting check from commit is what makes several policies all-or-nothing: every
 //! policy is checked first and only then, if all admit, debited.
+//!
+//! # Example
+//!
+//! A token bucket of 2 tokens that gains one a second, deciding as a store does: bring
+//! the state up to `now`, check, and debit only what is admitted. Times are nanoseconds.
+//!
+//! ```
+//! use tollgate::algorithm::{BucketState, TokenBucket, Verdict};
+//!
+//! const SECOND: u64 = 1_000_000_000;
+//!
+//! fn decide(bucket: &TokenBucket, state: &mut BucketState, now: u64, cost: u64) -> Verdict {
+//!     bucket.refresh(state, now);
+//!     let verdict = bucket.check(state, now, cost);
+//!     if let Verdict::Admit { .. } = verdict {
+//!         bucket.commit(state, now, cost);
+//!     }
+//!     verdict
+//! }
+//!
+//! let bucket = TokenBucket::new(2, 1, SECOND).unwrap();
+//! let mut state = BucketState::default(); // a full bucket
+//!
+//! // At 0 s the burst of 2 is admitted; a third unit has to wait one second.
+//! assert_eq!(decide(&bucket, &mut state, 0, 1), Verdict::Admit { delay: 0 });
+//! assert_eq!(decide(&bucket, &mut state, 0, 1), Verdict::Admit { delay: 0 });
+//! assert_eq!(decide(&bucket, &mut state, 0, 1), Verdict::Deny { retry_after: SECOND });
+//! // More than the bucket holds never fits, however long the client waits.
+//! assert_eq!(decide(&bucket, &mut state, 0, 3), Verdict::Never);
+//!
+//! // What the client is told at 0 s: nothing left, the bucket full again in 2 s, and
+//! // (the draft-11 `t`) the next unit in 1 s.
+//! let snapshot = bucket.snapshot(&state, 0);
+//! assert_eq!((snapshot.remaining, snapshot.reset), (0, 2 * SECOND));
+//! assert_eq!(bucket.effective_window(&state, 0, snapshot.remaining), SECOND);
+//!
+//! // Half a second later the wait is half as long; at 1 s the next unit is admitted.
+//! let half = SECOND / 2;
+//! assert_eq!(decide(&bucket, &mut state, half, 1), Verdict::Deny { retry_after: half });
+//! assert_eq!(decide(&bucket, &mut state, SECOND, 1), Verdict::Admit { delay: 0 });
+//! ```
+//!
+//! Two policies on one request: both are checked before either is debited, so the
+//! bucket keeps the token of a request the window refuses.
+//!
+//! ```
+//! use tollgate::algorithm::{BucketState, FixedWindow, TokenBucket, Verdict, WindowState};
+//!
+//! const SECOND: u64 = 1_000_000_000;
+//! let bucket = TokenBucket::new(10, 1, SECOND).unwrap();
+//! let window = FixedWindow::new(1, 60 * SECOND).unwrap();
+//! let (mut tokens, mut count) = (BucketState::default(), WindowState::default());
+//!
+//! for (now, admitted) in [(0, true), (SECOND / 2, false)] {
+//!     bucket.refresh(&mut tokens, now);
+//!     window.refresh(&mut count, now);
+//!     let verdicts = [bucket.check(&tokens, now, 1), window.check(&count, now, 1)];
+//!     let all = verdicts.iter().all(|verdict| matches!(verdict, Verdict::Admit { .. }));
+//!     if all {
+//!         bucket.commit(&mut tokens, now, 1);
+//!         window.commit(&mut count, now, 1);
+//!     }
+//!     assert_eq!(all, admitted);
+//! }
+//! // The bucket would have admitted the second request, but the window did not: only
+//! // the first one's token is missing, half refilled by now. 9 whole tokens are left
+//! // (not 8), and the bucket is full again in half a second.
+//! let snapshot = bucket.snapshot(&tokens, SECOND / 2);
+//! assert_eq!((snapshot.remaining, snapshot.reset), (9, SECOND / 2));
+//! ```
 
 mod fixed_window;
 mod gcra;
@@ -59,11 +129,35 @@ pub(crate) fn div(a: u128, b: u128) -> u128 {
 /// The most units (a limit, a capacity, a burst, an amount per period) an algorithm is
 /// built with: the policies' own bound (`policy::MAX_LIMIT`), within which no product
 /// of units and nanoseconds leaves 128 bits and Redis's scripts count exactly.
+///
+/// Every constructor refuses a count past it:
+///
+/// ```
+/// use tollgate::algorithm::{FixedWindow, MAX_UNITS, TokenBucket};
+///
+/// let minute = 60_000_000_000;
+/// assert!(FixedWindow::new(MAX_UNITS, minute).is_some());
+/// assert_eq!(FixedWindow::new(MAX_UNITS + 1, minute), None);
+/// assert_eq!(TokenBucket::new(10, MAX_UNITS + 1, minute), None);
+/// assert_eq!(MAX_UNITS, tollgate::policy::MAX_LIMIT);
+/// ```
 pub const MAX_UNITS: u64 = 999_999_999_999_999;
 
 /// The longest time (a window, a period, a lease, a delay, a block) an algorithm is
 /// built with, in nanoseconds: the policies' own bound (`policy::MAX_PERIOD`, ten years
 /// of 366 days).
+///
+/// Every constructor refuses a time past it (and a zero window or period):
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::algorithm::{MAX_NANOS, SlidingLog};
+///
+/// assert_eq!(Duration::from_nanos(MAX_NANOS), tollgate::policy::MAX_PERIOD);
+/// assert!(SlidingLog::new(10, MAX_NANOS).is_some());
+/// assert_eq!(SlidingLog::new(10, MAX_NANOS + 1), None);
+/// assert_eq!(SlidingLog::new(10, 0), None);
+/// ```
 pub const MAX_NANOS: u64 = 10 * 366 * 24 * 60 * 60 * 1_000_000_000;
 
 /// Whether every one of `units` is at most [`MAX_UNITS`] and every one of `times` is
@@ -79,6 +173,22 @@ pub(crate) const ANY_TIME: u64 = u64::MAX;
 
 /// A 128-bit number stored as two 64-bit halves, so that states holding one stay 8-byte
 /// aligned: with `u128`'s 16-byte alignment every store entry grew by a third.
+///
+/// ```
+/// use tollgate::algorithm::Wide;
+///
+/// // `From<u128>` and `get`: a value past 64 bits survives the split into halves.
+/// let big = (1u128 << 64) + 7;
+/// let mut wide = Wide::from(big);
+/// assert_eq!(wide.get(), big);
+/// // `set` replaces both halves.
+/// wide.set(3);
+/// assert_eq!(wide, Wide::from(3));
+/// assert_eq!(Wide::default().get(), 0);
+/// // Sixteen bytes, aligned as a `u64` is.
+/// assert_eq!(std::mem::size_of::<Wide>(), 16);
+/// assert_eq!(std::mem::align_of::<Wide>(), std::mem::align_of::<u64>());
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Wide {
     high: u64,
@@ -109,6 +219,39 @@ impl From<u128> for Wide {
 }
 
 /// The answer of one policy to one request, before anything is debited.
+///
+/// A policing algorithm admits with no delay or denies; a shaping one
+/// ([`LeakyShape`]) admits with the delay to hold the request back. The enum is
+/// `#[non_exhaustive]`: a `match` outside this crate needs a wildcard arm.
+///
+/// ```
+/// use tollgate::algorithm::{FixedWindow, LeakyShape, BucketState, Verdict, WindowState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // 2 units per 10 s window, 3 s into the first window, with 2 spent.
+/// let window = FixedWindow::new(2, 10 * SECOND).unwrap();
+/// let mut state = WindowState::default();
+/// window.commit(&mut state, 3 * SECOND, 2);
+/// // Denied until the window ends at 10 s; more than the limit is never admitted.
+/// assert_eq!(window.check(&state, 3 * SECOND, 1), Verdict::Deny { retry_after: 7 * SECOND });
+/// assert_eq!(window.check(&state, 3 * SECOND, 3), Verdict::Never);
+///
+/// // A shaping bucket leaking one unit a second, with one unit queued: the next one is
+/// // admitted, to be served once the queued one has leaked out.
+/// let shape = LeakyShape::new(1, SECOND, 2 * SECOND).unwrap();
+/// let mut queue = BucketState::default();
+/// shape.commit(&mut queue, 0, 1);
+/// let verdict = shape.check(&queue, 0, 1);
+/// assert_eq!(verdict, Verdict::Admit { delay: SECOND });
+///
+/// let wait = match verdict {
+///     Verdict::Admit { delay } => delay,
+///     Verdict::Deny { retry_after } => retry_after,
+///     Verdict::Never => u64::MAX,
+///     _ => u64::MAX, // a future variant
+/// };
+/// assert_eq!(wait, SECOND);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Verdict {
@@ -127,6 +270,30 @@ pub enum Verdict {
 }
 
 /// What one policy's state looks like to a client.
+///
+/// Each algorithm's `snapshot` builds one; the struct is `#[non_exhaustive]`, so code
+/// outside this crate reads its fields but does not build it.
+///
+/// ```
+/// use tollgate::algorithm::{LogState, SlidingLog};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // At most 3 units in any 10 s.
+/// let log = SlidingLog::new(3, 10 * SECOND).unwrap();
+/// let mut state = LogState::default();
+///
+/// // A fresh state: the whole limit, nothing to wait for, nothing to keep.
+/// let fresh = log.snapshot(&state, 0);
+/// assert_eq!((fresh.remaining, fresh.reset, fresh.fresh_at), (3, 0, 0));
+///
+/// // 2 units at 1 s, read at 4 s: 1 left; whole again, and forgettable, once the 2
+/// // leave the window at 11 s, 7 s from now.
+/// log.commit(&mut state, SECOND, 2);
+/// let snapshot = log.snapshot(&state, 4 * SECOND);
+/// assert_eq!(snapshot.remaining, 1);
+/// assert_eq!(snapshot.reset, 7 * SECOND);
+/// assert_eq!(snapshot.fresh_at, 11 * SECOND);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Snapshot {

@@ -7,6 +7,40 @@
 //! next block is the first again.
 
 /// A penalty's parameters, in nanoseconds.
+///
+/// ```
+/// use tollgate::algorithm::{PenaltyBox, PenaltyState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: no denials, a zero window or block, a cap below the block.
+/// assert_eq!(PenaltyBox::new(0, 10 * SECOND, 60 * SECOND, 60 * SECOND), None);
+/// assert_eq!(PenaltyBox::new(3, 0, 60 * SECOND, 60 * SECOND), None);
+/// assert_eq!(PenaltyBox::new(3, 10 * SECOND, 0, 60 * SECOND), None);
+/// assert_eq!(PenaltyBox::new(3, 10 * SECOND, 60 * SECOND, 30 * SECOND), None);
+///
+/// // 3 denials within 10 s block for 60 s, doubling up to 240 s.
+/// let penalty = PenaltyBox::new(3, 10 * SECOND, 60 * SECOND, 240 * SECOND).unwrap();
+/// let mut state = PenaltyState::default();
+///
+/// // `strike` counts a denial; the third within 10 s starts a block.
+/// penalty.strike(&mut state, SECOND);
+/// penalty.strike(&mut state, 2 * SECOND);
+/// assert_eq!(penalty.blocked(&state, 2 * SECOND), None);
+/// penalty.strike(&mut state, 3 * SECOND);
+/// // `blocked`: how long the block still lasts.
+/// assert_eq!(penalty.blocked(&state, 3 * SECOND), Some(60 * SECOND));
+/// assert_eq!(penalty.blocked(&state, 33 * SECOND), Some(30 * SECOND));
+/// assert_eq!(penalty.blocked(&state, 63 * SECOND), None);
+///
+/// // Blocked again soon after: twice as long.
+/// for now in [70, 71, 72] {
+///     penalty.strike(&mut state, now * SECOND);
+/// }
+/// assert_eq!(penalty.blocked(&state, 72 * SECOND), Some(120 * SECOND));
+/// // `fresh_at`: the strikes are remembered until one longest block (240 s) after the
+/// // block ends at 192 s.
+/// assert_eq!(penalty.fresh_at(&state), 432 * SECOND);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct PenaltyBox {
     pub(crate) denials: u64,
@@ -16,6 +50,22 @@ pub struct PenaltyBox {
 }
 
 /// One key's penalty state under one policy. Zero is fresh.
+///
+/// ```
+/// use tollgate::algorithm::{PenaltyBox, PenaltyState};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let penalty = PenaltyBox::new(2, 10 * SECOND, 60 * SECOND, 60 * SECOND).unwrap();
+/// let mut state = PenaltyState::default();
+/// assert_eq!(penalty.fresh_at(&state), 0);
+///
+/// // Two denials 11 s apart are in different windows: no block, and the state is kept
+/// // until the second one's window closes.
+/// penalty.strike(&mut state, 0);
+/// penalty.strike(&mut state, 11 * SECOND);
+/// assert_eq!(penalty.blocked(&state, 11 * SECOND), None);
+/// assert_eq!(penalty.fresh_at(&state), 21 * SECOND);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PenaltyState {
     /// Denials counted in the current window.

@@ -10,6 +10,57 @@ use super::{Snapshot, Verdict};
 pub(crate) const WALK: usize = 256;
 
 /// Parameters: at most `limit` units in any `window` nanoseconds.
+///
+/// A denied request waits until enough of the oldest entries have left the window.
+///
+/// ```
+/// use tollgate::algorithm::{LogState, MAX_UNITS, SlidingLog, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: a zero window, a limit past the bounds.
+/// assert_eq!(SlidingLog::new(3, 0), None);
+/// assert_eq!(SlidingLog::new(MAX_UNITS + 1, 10 * SECOND), None);
+///
+/// // At most 3 units in any 10 s.
+/// let log = SlidingLog::new(3, 10 * SECOND).unwrap();
+/// assert_eq!((log.limit(), log.window()), (3, 10 * SECOND));
+/// let mut state = LogState::default();
+/// for (now, cost) in [(SECOND, 2), (4 * SECOND, 1)] {
+///     log.refresh(&mut state, now);
+///     assert_eq!(log.check(&state, now, cost), Verdict::Admit { delay: 0 });
+///     log.commit(&mut state, now, cost);
+/// }
+///
+/// // Full at 5 s: 1 or 2 units fit once the 2 of 1 s leave at 11 s, 3 once the unit
+/// // of 4 s leaves too; 4 never fit.
+/// let now = 5 * SECOND;
+/// log.refresh(&mut state, now);
+/// assert_eq!(log.check(&state, now, 1), Verdict::Deny { retry_after: 6 * SECOND });
+/// assert_eq!(log.check(&state, now, 2), Verdict::Deny { retry_after: 6 * SECOND });
+/// assert_eq!(log.check(&state, now, 3), Verdict::Deny { retry_after: 9 * SECOND });
+/// assert_eq!(log.check(&state, now, 4), Verdict::Never);
+/// // Nothing left; whole again when the newest entry leaves at 14 s.
+/// let snapshot = log.snapshot(&state, now);
+/// assert_eq!(snapshot.remaining, 0);
+/// assert_eq!((snapshot.reset, snapshot.fresh_at), (9 * SECOND, 14 * SECOND));
+/// // `effective_window`: the next unit fits when the oldest entry leaves.
+/// assert_eq!(log.effective_window(&state, now, 0), 6 * SECOND);
+/// // `floor`: the newest entry's time.
+/// assert_eq!(log.floor(&state), 4 * SECOND);
+///
+/// // At 11 s the 2 of 1 s have left the window (it is `(1 s, 11 s]`).
+/// let now = 11 * SECOND;
+/// log.refresh(&mut state, now);
+/// assert_eq!(log.check(&state, now, 2), Verdict::Admit { delay: 0 });
+///
+/// // `refund`: the unit recorded at 4 s comes back while its entry is in the log.
+/// log.refund(&mut state, now, 1, 4 * SECOND, None);
+/// assert_eq!(log.snapshot(&state, now).remaining, 3);
+///
+/// // `owed`: a settle may log past the limit; what is past it is owed.
+/// log.commit(&mut state, now, 5);
+/// assert_eq!(log.owed(&state, now), 2);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingLog {
     /// Units admitted in any window.
@@ -22,6 +73,32 @@ pub struct SlidingLog {
 ///
 /// Requests admitted at the same instant share one entry, so the log never holds more
 /// entries than units, nor more than one entry per distinct instant.
+///
+/// ```
+/// use tollgate::algorithm::{LogState, SlidingLog};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let log = SlidingLog::new(10, 10 * SECOND).unwrap();
+/// let mut state = LogState::default();
+/// assert_eq!((state.total(), state.entries().len()), (0, 0));
+///
+/// // Two debits at 1 s share an entry; one at 2 s has its own.
+/// log.commit(&mut state, SECOND, 1);
+/// log.commit(&mut state, SECOND, 2);
+/// log.commit(&mut state, 2 * SECOND, 1);
+/// // `entries` and `total`:
+/// assert_eq!(state.entries().collect::<Vec<_>>(), [(SECOND, 3), (2 * SECOND, 1)]);
+/// assert_eq!(state.total(), 4);
+///
+/// // A time that stepped back joins the newest entry, keeping the log in order.
+/// log.commit(&mut state, SECOND, 1);
+/// assert_eq!(state.entries().last(), Some((2 * SECOND, 2)));
+///
+/// // `refresh` forgets what has left the window.
+/// log.refresh(&mut state, 11 * SECOND);
+/// assert_eq!(state.entries().collect::<Vec<_>>(), [(2 * SECOND, 2)]);
+/// assert_eq!(state.total(), 2);
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LogState {
     /// `(admitted at, units)`, oldest first.
@@ -139,6 +216,25 @@ impl SlidingLog {
 
     /// Gives back up to `units` recorded at `at` (entries that have left the window are
     /// gone, and so is what they held); with `at` = `u64::MAX`, the newest entries first.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{LogState, SlidingLog};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let log = SlidingLog::new(10, 10 * SECOND).unwrap();
+    /// let mut state = LogState::default();
+    /// log.commit(&mut state, SECOND, 2);
+    /// log.commit(&mut state, 2 * SECOND, 2);
+    /// // Up to what the entry of 1 s holds: 5 asked, 2 given back.
+    /// log.refund(&mut state, 3 * SECOND, 5, SECOND, None);
+    /// assert_eq!(state.entries().collect::<Vec<_>>(), [(2 * SECOND, 2)]);
+    /// // Nothing for a time with no entry.
+    /// log.refund(&mut state, 3 * SECOND, 1, 3 * SECOND, None);
+    /// assert_eq!(state.total(), 2);
+    /// // `u64::MAX`: from the newest entries.
+    /// log.refund(&mut state, 3 * SECOND, 1, u64::MAX, None);
+    /// assert_eq!(state.entries().collect::<Vec<_>>(), [(2 * SECOND, 1)]);
+    /// ```
     #[inline]
     pub fn refund(&self, state: &mut LogState, _now: u64, units: u64, at: u64, _left: Option<u64>) {
         // The entries it may take from: the newest ones (as many as hold the units), or

@@ -27,6 +27,49 @@ use super::{Snapshot, Verdict, div, div_ceil};
 /// `window` must be a multiple of `sub_windows`, and a state must hold `sub_windows + 1`
 /// counts ([`CounterState::for_algorithm`]); policies and the stores make sure of both.
 /// Other combinations give meaningless answers, never a panic.
+///
+/// ```
+/// use tollgate::algorithm::{CounterState, MAX_SUB_WINDOWS, SlidingWindow, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: no sub-windows, too many, or a window they do not divide (10^10 ns is
+/// // not a multiple of 3).
+/// assert_eq!(SlidingWindow::new(10, 60 * SECOND, 0), None);
+/// assert_eq!(SlidingWindow::new(10, 65 * SECOND, MAX_SUB_WINDOWS + 1), None);
+/// assert_eq!(SlidingWindow::new(10, 10 * SECOND, 3), None);
+///
+/// // 10 units a minute, estimated from the previous and the current minute.
+/// let minute = SlidingWindow::new(10, 60 * SECOND, 1).unwrap();
+/// assert_eq!((minute.limit(), minute.window(), minute.sub_windows()), (10, 60 * SECOND, 1));
+/// let mut state = CounterState::for_algorithm(&minute);
+///
+/// let now = 30 * SECOND;
+/// minute.refresh(&mut state, now);
+/// assert_eq!(minute.check(&state, now, 8), Verdict::Admit { delay: 0 });
+/// minute.commit(&mut state, now, 8);
+/// // 2 more fit. 3 wait until the 8, counted by the share of their minute still inside
+/// // the window, count for 7: at 67.5 s. More than the limit never fits.
+/// assert_eq!(minute.check(&state, now, 2), Verdict::Admit { delay: 0 });
+/// assert_eq!(minute.check(&state, now, 3), Verdict::Deny { retry_after: 37_500_000_000 });
+/// assert_eq!(minute.check(&state, now, 11), Verdict::Never);
+/// // 2 left; whole again once the minute of the 8 (it ends at 60 s) is a window old.
+/// let snapshot = minute.snapshot(&state, now);
+/// assert_eq!(snapshot.remaining, 2);
+/// assert_eq!((snapshot.reset, snapshot.fresh_at), (90 * SECOND, 120 * SECOND));
+/// // `effective_window`: with the 2 left spent now, one more unit fits at 66 s.
+/// assert_eq!(minute.effective_window(&state, now, 2), 36 * SECOND);
+///
+/// // At 90 s half of the previous minute is inside the window: its 8 count for 4.
+/// let now = 90 * SECOND;
+/// minute.refresh(&mut state, now);
+/// assert_eq!(minute.estimate(&state, now), 4);
+/// assert_eq!(minute.snapshot(&state, now).remaining, 6);
+/// // `floor`: the state counts from the current minute's start.
+/// assert_eq!(minute.floor(&state), 60 * SECOND);
+/// // `owed`: a settle may charge past the limit; what the estimate holds past it is owed.
+/// minute.commit(&mut state, now, 8);
+/// assert_eq!(minute.owed(&state, now), 2);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlidingWindow {
     /// Units per window.
@@ -40,6 +83,28 @@ pub struct SlidingWindow {
 /// The counts of the `k + 1` most recent sub-windows, oldest first; the last is the
 /// current one. `C` is `[u64; 2]` for one sub-window (the previous and the current
 /// window) and a boxed slice of `k + 1` counts otherwise.
+///
+/// Outside this crate a state is built with [`CounterState::for_algorithm`], which
+/// gives the boxed form for any `k`.
+///
+/// ```
+/// use tollgate::algorithm::{CounterState, SlidingWindow};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // A minute in 3 sub-windows of 20 s: 4 counts.
+/// let minute = SlidingWindow::new(30, 60 * SECOND, 3).unwrap();
+/// let mut state = CounterState::for_algorithm(&minute);
+/// assert_eq!((state.index(), state.counts()), (0, &[0, 0, 0, 0][..]));
+///
+/// // `counts` and `index`: 2 at 5 s, in sub-window 0, then 1 at 25 s, in sub-window 1.
+/// minute.commit(&mut state, 5 * SECOND, 2);
+/// minute.refresh(&mut state, 25 * SECOND);
+/// minute.commit(&mut state, 25 * SECOND, 1);
+/// assert_eq!((state.index(), state.counts()), (1, &[0, 0, 2, 1][..]));
+/// // At 65 s (sub-window 3) they have moved two places towards the oldest.
+/// minute.refresh(&mut state, 65 * SECOND);
+/// assert_eq!((state.index(), state.counts()), (3, &[2, 1, 0, 0][..]));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CounterState<C = [u64; 2]> {
     /// `now / (window / k)` of the current sub-window.
@@ -73,6 +138,16 @@ impl CounterState {
 impl CounterState<Box<[u64]>> {
     /// An empty state for `algorithm`'s `k + 1` counts (the only way to build one from
     /// outside the crate, so a state always has the counts its algorithm reads).
+    ///
+    /// ```
+    /// use tollgate::algorithm::{CounterState, SlidingWindow};
+    ///
+    /// let second = 1_000_000_000;
+    /// let classic = SlidingWindow::new(10, 60 * second, 1).unwrap();
+    /// assert_eq!(CounterState::for_algorithm(&classic).counts(), [0, 0]);
+    /// let split = SlidingWindow::new(10, 60 * second, 6).unwrap();
+    /// assert_eq!(CounterState::for_algorithm(&split).counts(), [0; 7]);
+    /// ```
     pub fn for_algorithm(algorithm: &SlidingWindow) -> Self {
         CounterState {
             index: 0,
@@ -84,6 +159,16 @@ impl CounterState<Box<[u64]>> {
 type Counts = [u64];
 
 /// The most sub-windows a counter may have (its state is one counter more).
+///
+/// ```
+/// use tollgate::algorithm::{MAX_SUB_WINDOWS, SlidingWindow};
+///
+/// let second = 1_000_000_000;
+/// assert!(SlidingWindow::new(10, 64 * second, MAX_SUB_WINDOWS).is_some());
+/// assert_eq!(SlidingWindow::new(10, 65 * second, MAX_SUB_WINDOWS + 1), None);
+/// // The policies' bound (a `u32` there).
+/// assert_eq!(MAX_SUB_WINDOWS, u64::from(tollgate::policy::MAX_SUB_WINDOWS));
+/// ```
 pub const MAX_SUB_WINDOWS: u64 = 64;
 
 impl SlidingWindow {
@@ -195,6 +280,29 @@ impl SlidingWindow {
     }
 
     /// The estimated units in the window ending at `now`.
+    ///
+    /// The state must be refreshed to `now`.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{CounterState, SlidingWindow};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// // 9 units per 30 s, in 3 sub-windows of 10 s: at most 9 / 3 = 3 units of the
+    /// // oldest sub-window are ever left out.
+    /// let window = SlidingWindow::new(9, 30 * SECOND, 3).unwrap();
+    /// let mut state = CounterState::for_algorithm(&window);
+    /// window.commit(&mut state, 5 * SECOND, 6);
+    /// assert_eq!(window.estimate(&state, 5 * SECOND), 6);
+    ///
+    /// // At 35 s half of the sub-window of the 6 is inside the window: they count for 3.
+    /// window.refresh(&mut state, 35 * SECOND);
+    /// assert_eq!(window.estimate(&state, 35 * SECOND), 3);
+    /// // At 39 s a tenth of it is, but 3 of its 6 still count.
+    /// assert_eq!(window.estimate(&state, 39 * SECOND), 3);
+    /// // At 40 s it has left the window.
+    /// window.refresh(&mut state, 40 * SECOND);
+    /// assert_eq!(window.estimate(&state, 40 * SECOND), 0);
+    /// ```
     #[inline]
     pub fn estimate<C: AsRef<Counts>>(&self, state: &CounterState<C>, now: u64) -> u64 {
         let Some((&oldest, newer)) = state.counts.as_ref().split_first() else {
@@ -282,6 +390,29 @@ impl SlidingWindow {
     /// newest sub-windows first, then as much of the oldest as lowers its counted share
     /// by what is left to give (it counts only in part: taken off whole, its units gave
     /// back less than asked).
+    ///
+    /// ```
+    /// use tollgate::algorithm::{CounterState, SlidingWindow};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let minute = SlidingWindow::new(10, 60 * SECOND, 1).unwrap();
+    /// let mut state = CounterState::for_algorithm(&minute);
+    /// minute.commit(&mut state, 30 * SECOND, 8);
+    /// let now = 90 * SECOND;
+    /// minute.refresh(&mut state, now);
+    /// minute.commit(&mut state, now, 2);
+    /// // The previous minute's 8 count for half, the current minute's 2 in full.
+    /// assert_eq!(minute.estimate(&state, now), 6);
+    ///
+    /// // 2 debited at 30 s come off the previous minute, where they counted for 1.
+    /// minute.refund(&mut state, now, 2, 30 * SECOND, None);
+    /// assert_eq!(state.counts(), [6, 2]);
+    /// assert_eq!(minute.estimate(&state, now), 5);
+    ///
+    /// // `u64::MAX`: 3 off the estimate, the current minute's 2 first.
+    /// minute.refund(&mut state, now, 3, u64::MAX, None);
+    /// assert_eq!(minute.estimate(&state, now), 2);
+    /// ```
     #[inline]
     pub fn refund<C: AsMut<Counts>>(
         &self,

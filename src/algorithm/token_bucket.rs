@@ -7,6 +7,52 @@
 use super::{Snapshot, Verdict, Wide, div, div_ceil};
 
 /// Parameters: `capacity` tokens, `amount` tokens added every `period` nanoseconds.
+///
+/// ```
+/// use tollgate::algorithm::{BucketState, MAX_UNITS, TokenBucket, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// // Refused: a bucket that never refills (a zero amount or period), a count past the
+/// // bounds.
+/// assert_eq!(TokenBucket::new(4, 0, SECOND), None);
+/// assert_eq!(TokenBucket::new(4, 2, 0), None);
+/// assert_eq!(TokenBucket::new(MAX_UNITS + 1, 2, SECOND), None);
+///
+/// // 4 tokens, 2 more a second (one every half second).
+/// let bucket = TokenBucket::new(4, 2, SECOND).unwrap();
+/// assert_eq!(bucket.capacity(), 4);
+/// let mut state = BucketState::default(); // full
+///
+/// bucket.refresh(&mut state, 0);
+/// assert_eq!(bucket.check(&state, 0, 4), Verdict::Admit { delay: 0 });
+/// bucket.commit(&mut state, 0, 4);
+/// // Empty: the next token comes in half a second; 5 never fit.
+/// assert_eq!(bucket.check(&state, 0, 1), Verdict::Deny { retry_after: SECOND / 2 });
+/// assert_eq!(bucket.check(&state, 0, 2), Verdict::Deny { retry_after: SECOND });
+/// assert_eq!(bucket.check(&state, 0, 5), Verdict::Never);
+/// // Nothing left; full again in 2 s.
+/// let snapshot = bucket.snapshot(&state, 0);
+/// assert_eq!(snapshot.remaining, 0);
+/// assert_eq!((snapshot.reset, snapshot.fresh_at), (2 * SECOND, 2 * SECOND));
+///
+/// // At 1 s, 2 tokens have come back.
+/// bucket.refresh(&mut state, SECOND);
+/// let snapshot = bucket.snapshot(&state, SECOND);
+/// assert_eq!((snapshot.remaining, snapshot.reset), (2, SECOND));
+/// // `effective_window`: with the 2 spent now, the next token comes half a second later.
+/// assert_eq!(bucket.effective_window(&state, SECOND, 2), SECOND / 2);
+/// // `refund`: `u64::MAX` puts tokens back whenever they were taken.
+/// bucket.refund(&mut state, SECOND, 1, u64::MAX, None);
+/// assert_eq!(bucket.snapshot(&state, SECOND).remaining, 3);
+///
+/// // `owed`: a settle may take more than the bucket holds; what is missing is owed,
+/// // and refills before the bucket holds a token again.
+/// bucket.commit(&mut state, SECOND, 5);
+/// assert_eq!(bucket.owed(&state, SECOND), 2);
+/// assert_eq!(bucket.check(&state, SECOND, 1), Verdict::Deny { retry_after: 3 * SECOND / 2 });
+/// // `floor`: any time reads a bucket.
+/// assert_eq!(bucket.floor(&state), 0);
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TokenBucket {
     /// The burst size in tokens.
@@ -19,9 +65,44 @@ pub struct TokenBucket {
 
 /// A policing leaky bucket: the token bucket's math, its level read as the tokens missing
 /// from full. (The shaping bucket is `LeakyShape`.)
+///
+/// A bucket of 3 that leaks one unit a second: 3 at once fit, the fourth when one unit
+/// has leaked out.
+///
+/// ```
+/// use tollgate::algorithm::{BucketState, LeakyPolice, Verdict};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let leaky = LeakyPolice::new(3, 1, SECOND).unwrap();
+/// let mut level = BucketState::default(); // empty
+/// leaky.commit(&mut level, 0, 3);
+/// assert_eq!(leaky.check(&level, 0, 1), Verdict::Deny { retry_after: SECOND });
+/// leaky.refresh(&mut level, SECOND);
+/// assert_eq!(leaky.check(&level, SECOND, 1), Verdict::Admit { delay: 0 });
+/// ```
 pub type LeakyPolice = TokenBucket;
 
 /// How far the bucket is from full, as `tokens * period`, at `last`.
+///
+/// The default is a full token bucket (an empty leaky one, and an empty queue for
+/// [`LeakyShape`](super::LeakyShape)) at the time line's zero.
+///
+/// ```
+/// use tollgate::algorithm::{BucketState, TokenBucket};
+///
+/// const SECOND: u64 = 1_000_000_000;
+/// let bucket = TokenBucket::new(4, 2, SECOND).unwrap();
+/// let mut state = BucketState::default();
+/// let full = bucket.snapshot(&state, 0);
+/// assert_eq!((full.remaining, full.reset, full.fresh_at), (4, 0, 0));
+///
+/// // Once it has refilled, the state is as good as new again, though not equal to it.
+/// bucket.commit(&mut state, 0, 1);
+/// bucket.refresh(&mut state, SECOND);
+/// assert_ne!(state, BucketState::default());
+/// let later = bucket.snapshot(&state, SECOND);
+/// assert_eq!((later.remaining, later.fresh_at), (4, 0));
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BucketState {
     /// Missing tokens times the period (the leaky bucket's level).
@@ -107,6 +188,24 @@ impl TokenBucket {
     /// it might have been full for a while, and what it could not take then is gone.
     /// `left` is what the debit left (units); without it, all the refill since `at` is
     /// counted as lost. `at` = `u64::MAX`: all of `units`.
+    ///
+    /// ```
+    /// use tollgate::algorithm::{BucketState, TokenBucket};
+    ///
+    /// const SECOND: u64 = 1_000_000_000;
+    /// let bucket = TokenBucket::new(4, 2, SECOND).unwrap();
+    /// let mut state = BucketState::default();
+    /// // 1 token at 0 s (it left 3), then all 4 at 1 s, the bucket full again by then.
+    /// bucket.commit(&mut state, 0, 1);
+    /// bucket.refresh(&mut state, SECOND);
+    /// bucket.commit(&mut state, SECOND, 4);
+    /// // Without the token of 0 s the bucket would be just as empty now: none comes back.
+    /// bucket.refund(&mut state, SECOND, 1, 0, Some(3));
+    /// assert_eq!(bucket.snapshot(&state, SECOND).remaining, 0);
+    /// // The 4 of 1 s, given back at once, all come back.
+    /// bucket.refund(&mut state, SECOND, 4, SECOND, Some(0));
+    /// assert_eq!(bucket.snapshot(&state, SECOND).remaining, 4);
+    /// ```
     #[inline]
     pub fn refund(
         &self,
