@@ -22,6 +22,21 @@ pub enum Outcome {
         retry_after: Duration,
     },
     /// The request costs more than a policy can ever admit: waiting will not help.
+    /// Nothing was debited.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Outcome, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(1))?);
+    /// let decision = store.check("user-7", &policies, 11);
+    /// let never = Outcome::CostExceedsLimit { policy: 0, cost: 11, limit: 10 };
+    /// assert_eq!(decision.outcome(), never);
+    /// assert_eq!(decision.retry_after(), None);
+    /// // The bucket is still full: a request that fits is admitted.
+    /// assert!(store.check("user-7", &policies, 10).is_allowed());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     CostExceedsLimit {
         /// Index of the policy.
         policy: usize,
@@ -145,6 +160,29 @@ impl Receipt {
     /// This receipt, noting that the policies whose bits are set in `mask` (bit `i`:
     /// the policy at index `i`) were not debited: shadow policies that would have denied,
     /// or every policy of a refusal.
+    ///
+    /// A store's adjustment leaves those policies alone. Here a settle of a request of 5
+    /// to nothing, with a receipt that says the second policy was not debited, gives the
+    /// 5 back to the first policy only:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
+    ///
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let hour = Duration::from_secs(3600);
+    /// let policies = PolicySet::new([
+    ///     Policy::fixed_window("hourly", 10, hour)?,
+    ///     Policy::fixed_window("daily", 100, 24 * hour)?,
+    /// ])?;
+    /// let decision = store.check("team-a", &policies, 5);
+    /// let receipt = decision.receipt().with_undebited(0b10); // bit 1: "daily"
+    /// let settled = store.adjust_now("team-a", &policies, &Adjustment::settle(5, 0, receipt));
+    /// assert_eq!(settled.statuses()[0].remaining, 10); // given back
+    /// assert_eq!(settled.statuses()[1].remaining, 95); // left alone
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub const fn with_undebited(mut self, mask: u64) -> Self {
         self.undebited = mask;
         self
@@ -152,6 +190,26 @@ impl Receipt {
 
     /// The policies not debited, as a bit mask by index. Every bit set (`u64::MAX`): a
     /// refusal, which debited no policy, past the 64th too.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let hour = Duration::from_secs(3600);
+    /// let policies = PolicySet::new([
+    ///     Policy::fixed_window("api", 2, hour)?,
+    ///     Policy::fixed_window("api-next", 1, hour)?.shadow(), // a limit to come
+    /// ])?;
+    /// // Both debited.
+    /// assert_eq!(store.check("k", &policies, 1).receipt().undebited(), 0);
+    /// // The shadow policy would have denied: it was not debited.
+    /// assert_eq!(store.check("k", &policies, 1).receipt().undebited(), 0b10);
+    /// // A refusal debited nothing.
+    /// assert_eq!(store.check("k", &policies, 1).receipt().undebited(), u64::MAX);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub const fn undebited(&self) -> u64 {
         self.undebited
     }
@@ -211,13 +269,29 @@ impl Decision {
 
     /// This decision, noting that the shadow policies at `indices` would have denied
     /// (a custom store that supports [`Policy::shadow`](crate::Policy::shadow)). Indices
-    /// past 63 are ignored.
+    /// past 63 are ignored. They are marked as not debited in the decision's receipt,
+    /// before or after [`with_receipt`](Self::with_receipt) sets it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Decision, Outcome, PolicyStatus};
+    ///
+    /// let status = PolicyStatus::new(10, 4, Duration::from_secs(6), Duration::ZERO);
+    /// let allowed = Outcome::Allowed { delay: Duration::ZERO };
+    /// let decision = Decision::new(allowed, [status, status]).with_shadow_denied([1, 64]);
+    /// assert!(decision.is_allowed()); // a shadow policy denies nothing
+    /// assert_eq!(decision.shadow_denied().collect::<Vec<_>>(), [1]);
+    /// ```
     pub fn with_shadow_denied(mut self, indices: impl IntoIterator<Item = usize>) -> Self {
         for index in indices {
             if index < 64 {
                 self.shadow_denied |= 1 << index;
             }
         }
+        // Not debited, whatever the receipt already set says.
+        self.receipt = self
+            .receipt
+            .with_undebited(self.receipt.undebited() | self.shadow_denied);
         self
     }
 
@@ -262,7 +336,27 @@ impl Decision {
     }
 
     /// This decision with the store's note of its debit, for a later
-    /// [`Store::adjust`](crate::Store::adjust).
+    /// [`Store::adjust`](crate::Store::adjust). The receipt's undebited mask
+    /// ([`Receipt::undebited`]) gains the shadow policies that would have denied, and
+    /// every policy of a refusal.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Decision, Outcome, PolicyStatus, Receipt};
+    ///
+    /// let status = PolicyStatus::new(10, 4, Duration::from_secs(6), Duration::ZERO);
+    /// let allowed = Outcome::Allowed { delay: Duration::ZERO };
+    /// let decision = Decision::new(allowed, [status, status])
+    ///     .with_shadow_denied([1])
+    ///     .with_receipt(Receipt::new(1_700_000_000_000_000_000, 7));
+    /// assert_eq!(decision.receipt().at(), 1_700_000_000_000_000_000);
+    /// assert_eq!(decision.receipt().lease(), 7);
+    /// assert_eq!(decision.receipt().undebited(), 0b10);
+    ///
+    /// let denied = Outcome::Denied { policy: 0, retry_after: Duration::from_secs(6) };
+    /// let refusal = Decision::new(denied, [status]).with_receipt(Receipt::new(1, 0));
+    /// assert_eq!(refusal.receipt().undebited(), u64::MAX);
+    /// ```
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
         // A refusal debited nothing, whatever the receipt says.
         let undebited = receipt.undebited() | self.shadow_denied | refused(self.outcome);
@@ -279,12 +373,46 @@ impl Decision {
     /// This decision, marked as answered from a local cache rather than by the store
     /// itself (the store's `DenyCache`, or a lease of `Leased`). A cached answer never
     /// counts as the store being healthy: it does not close a circuit breaker.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Decision, Outcome};
+    ///
+    /// let denied = Outcome::Denied { policy: 0, retry_after: Duration::from_secs(3) };
+    /// let decision = Decision::new(denied, []);
+    /// assert!(!decision.is_cached());
+    /// let cached = decision.from_cache();
+    /// assert!(cached.is_cached());
+    /// assert_eq!(cached.retry_after(), Some(Duration::from_secs(3))); // the same answer
+    /// ```
     pub fn from_cache(mut self) -> Self {
         self.cached = true;
         self
     }
 
-    /// True when a cache answered instead of the store.
+    /// True when a cache answered instead of the store. Here a
+    /// [`DenyCache`](crate::store::DenyCache) answers a denial the store gave once:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::store::DenyCache;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let clock = ManualClock::new();
+    /// let memory = MemoryStore::builder().clock(clock.clone()).build();
+    /// let store = DenyCache::with_clock(memory, 1_000, clock);
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 1, Duration::from_secs(60))?);
+    /// let key = Key::new("user-7");
+    /// let admitted = store.decide(&key, &policies, 1).await?;
+    /// let denied = store.decide(&key, &policies, 1).await?;
+    /// let again = store.decide(&key, &policies, 1).await?;
+    /// assert!(!admitted.is_cached() && !denied.is_cached()); // the store's answers
+    /// assert!(!again.is_allowed() && again.is_cached());
+    /// # Ok(()) }
+    /// ```
     #[inline]
     pub fn is_cached(&self) -> bool {
         self.cached
@@ -358,5 +486,34 @@ impl Decision {
     #[inline]
     pub fn statuses(&self) -> &[PolicyStatus] {
         &self.statuses
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A shadow policy that would have denied was not debited, so no adjustment may
+    /// give back to it: its bit is in the receipt's undebited mask whichever of
+    /// `with_shadow_denied` and `with_receipt` a store calls first. Called second,
+    /// `with_shadow_denied` left the receipt saying the shadow policy was debited.
+    #[test]
+    fn a_shadow_denial_is_undebited_in_either_order() {
+        let allowed = || {
+            Decision::new(
+                Outcome::Allowed {
+                    delay: Duration::ZERO,
+                },
+                [],
+            )
+        };
+        let receipt = Receipt::new(5, 0);
+        let first = allowed().with_shadow_denied([1]).with_receipt(receipt);
+        let second = allowed().with_receipt(receipt).with_shadow_denied([1]);
+        assert_eq!(first.receipt().undebited(), 0b10);
+        assert_eq!(second.receipt().undebited(), 0b10);
+        assert_eq!(second.receipt().at(), 5);
     }
 }
