@@ -105,6 +105,51 @@ pub trait ResponseBody: Body + Sized {
     /// default drops the guard at once, when the response head leaves the limiter: right
     /// for a body that is whole from the start, such as `Full`. axum's `Body`, the boxed
     /// bodies, tonic's `Body` and [`RateLimitBody`] keep it to the end.
+    ///
+    /// Under an in-flight limit of one, a `Full` body frees the slot as soon as its
+    /// response is out of the limiter; a [`RateLimitBody`] keeps it until its last frame
+    /// is read:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower::{Layer, ServiceBuilder, ServiceExt, service_fn};
+    /// use tollgate::body::WrapBodyLayer;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let limit = || {
+    ///     RateLimitLayer::new(MemoryStore::new())
+    ///         .key(HeaderKey::new("x-api-key"))
+    ///         .policy(Policy::concurrency("downloads", 1).unwrap())
+    /// };
+    /// let handler = service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"data"))))
+    /// });
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///
+    /// // `Full` keeps nothing: the first response, still unread, holds no slot.
+    /// let whole = limit().layer(handler.clone());
+    /// let first = whole.clone().oneshot(request()).await?;
+    /// assert_eq!(whole.clone().oneshot(request()).await?.status(), StatusCode::OK);
+    /// # drop(first);
+    ///
+    /// // A `RateLimitBody` holds the slot until its body has been read to the end.
+    /// let streamed = ServiceBuilder::new()
+    ///     .layer(limit())
+    ///     .layer(WrapBodyLayer::new())
+    ///     .service(handler);
+    /// let first = streamed.clone().oneshot(request()).await?;
+    /// let second = streamed.clone().oneshot(request()).await?;
+    /// assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(first.into_body().collect().await?.to_bytes(), "data");
+    /// assert_eq!(streamed.clone().oneshot(request()).await?.status(), StatusCode::OK);
+    /// # Ok(()) }
+    /// ```
     fn keep_until_end(self, guard: BodyGuard) -> Self {
         drop(guard);
         self
@@ -112,6 +157,69 @@ pub trait ResponseBody: Body + Sized {
 }
 
 /// What a response body keeps until it ends (see [`ResponseBody::keep_until_end`]).
+/// Dropping it frees what the request holds (its in-flight slots).
+///
+/// A body type of your own keeps it by implementing `keep_until_end`. This one keeps it
+/// until the body is dropped, so a download holds its slot until then:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::pin::Pin;
+/// use std::task::{Context, Poll};
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body::{Body, Frame};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::body::{BodyGuard, ResponseBody};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+///
+/// /// Bytes, and the limiter's guard while they are not dropped.
+/// struct Download {
+///     data: Full<Bytes>,
+///     guard: Option<BodyGuard>,
+/// }
+///
+/// impl Body for Download {
+///     type Data = Bytes;
+///     type Error = Infallible;
+///
+///     fn poll_frame(
+///         mut self: Pin<&mut Self>,
+///         cx: &mut Context<'_>,
+///     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+///         Pin::new(&mut self.data).poll_frame(cx)
+///     }
+/// }
+///
+/// impl ResponseBody for Download {
+///     fn from_bytes(bytes: Bytes) -> Self {
+///         Download { data: Full::new(bytes), guard: None }
+///     }
+///
+///     fn keep_until_end(mut self, guard: BodyGuard) -> Self {
+///         self.guard = Some(guard);
+///         self
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = RateLimitLayer::new(MemoryStore::new())
+///     .key(HeaderKey::new("x-api-key"))
+///     .policy(Policy::concurrency("downloads", 1)?)
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Download::from_bytes(Bytes::from_static(b"data"))))
+///     }));
+/// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+/// let first = service.clone().oneshot(request()).await?;
+/// let second = service.clone().oneshot(request()).await?;
+/// assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+/// drop(first); // its body goes, and the guard with it: the slot is free
+/// assert_eq!(service.clone().oneshot(request()).await?.status(), StatusCode::OK);
+/// # Ok(()) }
+/// ```
 pub struct BodyGuard {
     _held: Box<dyn Send + Sync>,
 }
@@ -248,6 +356,45 @@ where
 pin_project! {
     /// Any body, or a short body of bytes: what [`WrapBodyLayer`] turns an inner service's
     /// body into, so that the limiter can answer in the same type.
+    ///
+    /// Behind a [`WrapBodyLayer`], a service that answers with an `Empty` body answers in
+    /// `RateLimitBody<Empty<Bytes>>`: its own responses pass through empty, and the
+    /// limiter's `429` carries its problem body in the same type:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::{BodyExt, Empty};
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    /// use tollgate::body::WrapBodyLayer;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitBody, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = ServiceBuilder::new()
+    ///     .layer(
+    ///         RateLimitLayer::new(MemoryStore::new())
+    ///             .key(HeaderKey::new("x-api-key"))
+    ///             .policy(Policy::token_bucket("api", 1, Rate::per_hour(1))?),
+    ///     )
+    ///     .layer(WrapBodyLayer::new())
+    ///     .service(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+    ///     }));
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///
+    /// let admitted: Response<RateLimitBody<Empty<Bytes>>> =
+    ///     service.clone().oneshot(request()).await?;
+    /// assert!(admitted.into_body().collect().await?.to_bytes().is_empty());
+    /// let denied = service.clone().oneshot(request()).await?;
+    /// assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(denied.headers()["content-type"], "application/problem+json");
+    /// let problem = denied.into_body().collect().await?.to_bytes();
+    /// assert!(problem.starts_with(b"{") && problem.ends_with(b"}"));
+    /// # Ok(()) }
+    /// ```
     pub struct RateLimitBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -264,7 +411,21 @@ pin_project! {
 }
 
 impl<B> RateLimitBody<B> {
-    /// `body`, unchanged.
+    /// `body`, unchanged: its frames, its size hint and its end are the inner body's.
+    ///
+    /// ```
+    /// use http_body::Body;
+    /// use http_body_util::BodyExt;
+    /// use tollgate::RateLimitBody;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let body = RateLimitBody::new(String::from("hello"));
+    /// assert_eq!(body.size_hint().exact(), Some(5));
+    /// assert!(!body.is_end_stream());
+    /// assert_eq!(body.collect().await?.to_bytes(), "hello");
+    /// # Ok(()) }
+    /// ```
     pub fn new(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },

@@ -67,6 +67,41 @@ pub trait Clock: Send + Sync + 'static {
     /// calls it once, when it is built, so that the first request does not pay for it.
     /// The default does nothing; [`CarriedClock`] calibrates the CPU's counter here (once
     /// per process) and takes a first reading.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::time::Duration;
+    /// use tollgate::clock::{Clock, ManualClock};
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// /// A manual clock that counts how often it is readied.
+    /// #[derive(Clone, Default)]
+    /// struct Counted {
+    ///     clock: ManualClock,
+    ///     prepared: Arc<AtomicU32>,
+    /// }
+    ///
+    /// impl Clock for Counted {
+    ///     fn now(&self) -> u64 {
+    ///         self.clock.now()
+    ///     }
+    ///
+    ///     fn prepare(&self) {
+    ///         self.prepared.fetch_add(1, Ordering::Relaxed);
+    ///     }
+    /// }
+    ///
+    /// let clock = Counted::default();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// assert_eq!(clock.prepared.load(Ordering::Relaxed), 1); // when the store was built
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 5, Duration::from_secs(1))?);
+    /// for _ in 0..3 {
+    ///     assert!(store.check("k", &policies, 1).is_allowed());
+    /// }
+    /// assert_eq!(clock.prepared.load(Ordering::Relaxed), 1); // not on each decision
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     fn prepare(&self) {}
 }
 
@@ -751,6 +786,18 @@ fn tsc_check(anchor: &TscAnchor, now: u64) -> u64 {
 }
 
 /// A clock that moves only when told to. Clones share the same time.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::{Clock, ManualClock};
+///
+/// let clock = ManualClock::new();
+/// let store_side = clock.clone(); // say, the one given to a store
+/// assert_eq!(store_side.now(), 0);
+/// assert_eq!(store_side.now(), 0); // it stands still between readings
+/// clock.advance(Duration::from_millis(1_500));
+/// assert_eq!(store_side.now(), 1_500_000_000); // the clone moved too
+/// ```
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock {
     nanos: Arc<AtomicU64>,
@@ -774,6 +821,17 @@ impl ManualClock {
     }
 
     /// Sets the clock; it may not go backwards, so an earlier time is ignored.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::{Clock, ManualClock};
+    ///
+    /// let clock = ManualClock::new();
+    /// clock.set(Duration::from_secs(10));
+    /// assert_eq!(clock.now(), 10_000_000_000);
+    /// clock.set(Duration::from_secs(4)); // earlier: ignored
+    /// assert_eq!(clock.now(), 10_000_000_000);
+    /// ```
     pub fn set(&self, at: Duration) {
         self.nanos.fetch_max(
             u64::try_from(at.as_nanos()).unwrap_or(u64::MAX),
@@ -794,12 +852,30 @@ impl Clock for ManualClock {
 /// client-side pacer uses it; so can a `limiter::Limiter` tested with
 /// paused time.
 ///
-/// ```
-/// use tollgate::MemoryStore;
-/// use tollgate::clock::RuntimeClock;
+/// With tokio's time paused, the clock stands still until the runtime's time moves
+/// (`tokio::time::advance`, or a `sleep` the runtime skips ahead through):
 ///
-/// let store = MemoryStore::builder().clock(RuntimeClock::new()).build();
-/// # let _ = store;
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::{Clock, RuntimeClock};
+/// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let clock = RuntimeClock::new();
+/// let start = clock.now();
+/// tokio::time::advance(Duration::from_millis(250)).await;
+/// assert_eq!(clock.now() - start, 250_000_000);
+///
+/// let store = MemoryStore::builder().clock(clock).build();
+/// let policies = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_second(1))?);
+/// assert!(store.check("k", &policies, 1).is_allowed());
+/// let denied = store.check("k", &policies, 1);
+/// assert_eq!(denied.retry_after(), Some(Duration::from_secs(1)));
+/// // Sleeping the wait the store named is enough, on paused time as on real time.
+/// tokio::time::sleep(Duration::from_secs(1)).await;
+/// assert!(store.check("k", &policies, 1).is_allowed());
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct RuntimeClock {

@@ -20,15 +20,61 @@ use crate::store::{MemoryStore, StoreError};
 
 /// What the layer does with a request whose store failed.
 ///
+/// The three modes over a store that cannot be reached:
+///
 /// ```
-/// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate, RateLimitLayer};
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{DecideFuture, FailureMode, Key, LocalFallback, Policy, PolicySet, Rate};
+/// use tollgate::{RateLimitLayer, Store, StoreError, StoreErrorKind};
+///
+/// /// A shared store that cannot be reached.
+/// #[derive(Clone)]
+/// struct Away;
+///
+/// impl Store for Away {
+///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+///         DecideFuture::ready(Err(refused))
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let api = Policy::token_bucket("api", 30, Rate::per_hour(30))?;
+/// let service = |mode: FailureMode| {
+///     RateLimitLayer::new(Away)
+///         .policy(api.clone())
+///         .key(HeaderKey::new("x-api-key"))
+///         .on_store_error(mode)
+///         .layer(service_fn(|_: Request<()>| async {
+///             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+///         }))
+/// };
+/// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
 ///
 /// // Three replicas: when Redis is down, each enforces a third of the limit locally.
-/// let mode = FailureMode::Fallback(LocalFallback::new().share(1.0 / 3.0));
-/// let layer = RateLimitLayer::new(MemoryStore::new())
-///     .policy(Policy::gcra("api", Rate::per_second(30), 30)?)
-///     .on_store_error(mode);
-/// # Ok::<(), tollgate::PolicyError>(())
+/// let fallback = service(FailureMode::Fallback(LocalFallback::new().share(1.0 / 3.0)));
+/// for _ in 0..10 {
+///     assert_eq!(fallback.clone().oneshot(request()).await?.status(), StatusCode::OK);
+/// }
+/// let denied = fallback.clone().oneshot(request()).await?;
+/// assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+///
+/// // Fail closed: 503, with when to ask again.
+/// let closed = service(FailureMode::FailClosed).oneshot(request()).await?;
+/// assert_eq!(closed.status(), StatusCode::SERVICE_UNAVAILABLE);
+/// assert_eq!(closed.headers()["retry-after"], "1");
+///
+/// // Fail open: the request goes through, with no rate-limit fields.
+/// let open = service(FailureMode::FailOpen).oneshot(request()).await?;
+/// assert_eq!(open.status(), StatusCode::OK);
+/// assert!(!open.headers().contains_key("ratelimit"));
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -54,6 +100,50 @@ impl Default for FailureMode {
 }
 
 /// The local limiter a layer falls back to while its store fails.
+///
+/// It decides in an in-process store of its own ([`store`](Self::store)), under the
+/// layer's policies or their [`share`](Self::share), and the response's rate-limit
+/// fields describe the policies it applied:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{DecideFuture, FailureMode, Key, LocalFallback, Policy, PolicySet, Rate};
+/// use tollgate::{RateLimitLayer, Store, StoreError, StoreErrorKind};
+///
+/// /// A shared store that cannot be reached.
+/// #[derive(Clone)]
+/// struct Away;
+///
+/// impl Store for Away {
+///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+///         DecideFuture::ready(Err(refused))
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let fallback = LocalFallback::new().share(0.5); // two replicas
+/// let service = RateLimitLayer::new(Away)
+///     .policy(Policy::token_bucket("api", 100, Rate::per_hour(100))?)
+///     .key(HeaderKey::new("x-api-key"))
+///     .on_store_error(FailureMode::Fallback(fallback.clone()))
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+///     }));
+/// let request = Request::get("/").header("x-api-key", "k1").body(())?;
+/// let response = service.oneshot(request).await?;
+/// assert_eq!(response.status(), StatusCode::OK);
+/// assert!(response.headers()["ratelimit-policy"].to_str()?.starts_with("\"api\";q=50;"));
+/// assert!(response.headers()["ratelimit"].to_str()?.starts_with("\"api\";r=49;"));
+/// assert_eq!(fallback.store().len(), 1); // the client's state, held locally
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct LocalFallback {
     store: MemoryStore,
@@ -80,27 +170,110 @@ impl LocalFallback {
     /// outage: clone one layer, or give them one store with [`LocalFallback::with_store`]
     /// (a `Limiter` spending the same budget too).
     ///
-    /// ```
-    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, RateLimitLayer};
+    /// Two layers built by one helper, a search that costs 5 and a home page that costs
+    /// 1, given one fallback store: while the shared store is away, what the searches
+    /// spend, the home page no longer has.
     ///
-    /// let store = MemoryStore::new(); // the shared store: Redis in a fleet
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{DecideFuture, FailureMode, Key, LocalFallback, MemoryStore, Policy};
+    /// use tollgate::{PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A shared store that cannot be reached.
+    /// #[derive(Clone)]
+    /// struct Away;
+    ///
+    /// impl Store for Away {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+    ///         DecideFuture::ready(Err(refused))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = Away; // the shared store (Redis in a fleet), away for now
     /// let fallback = MemoryStore::new();
-    /// let api = Policy::fixed_window("api", 100, std::time::Duration::from_secs(60))?;
+    /// let api = Policy::token_bucket("api", 100, Rate::per_hour(100))?;
     /// let layer = |cost: u64| {
     ///     RateLimitLayer::new(store.clone())
     ///         .policy(api.clone())
+    ///         .key(HeaderKey::new("x-api-key"))
     ///         .cost(cost)
     ///         .on_store_error(FailureMode::Fallback(LocalFallback::with_store(fallback.clone())))
+    ///         .layer(service_fn(|_: Request<()>| async {
+    ///             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///         }))
     /// };
     /// let (search, home) = (layer(5), layer(1));
-    /// # let _ = (search, home);
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    /// for _ in 0..20 {
+    ///     assert_eq!(search.clone().oneshot(request()).await?.status(), StatusCode::OK);
+    /// }
+    /// // The 100 are spent, on the home page too.
+    /// assert_eq!(home.oneshot(request()).await?.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// # Ok(()) }
     /// ```
     pub fn new() -> Self {
         Self::with_store(MemoryStore::new())
     }
 
     /// A fallback deciding in `store`.
+    ///
+    /// A `Limiter` and a layer that spend one budget share its fallback store through
+    /// this: here a user's WebSocket messages (the limiter) spend what the user's HTTP
+    /// requests (the layer) would have, while the shared store is away.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{DecideFuture, FailureMode, Key, LocalFallback, MemoryStore, Policy};
+    /// use tollgate::{PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A shared store that cannot be reached.
+    /// #[derive(Clone)]
+    /// struct Away;
+    ///
+    /// impl Store for Away {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+    ///         DecideFuture::ready(Err(refused))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let fallback = MemoryStore::new();
+    /// let mode = || FailureMode::Fallback(LocalFallback::with_store(fallback.clone()));
+    /// let user = Policy::token_bucket("user", 100, Rate::per_hour(100))?;
+    /// let by_user = HeaderKey::new("x-user");
+    ///
+    /// let messages = Limiter::new(Away, user.clone()).on_store_error(mode());
+    /// let http = RateLimitLayer::new(Away)
+    ///     .policy(user)
+    ///     .key(by_user.clone())
+    ///     .on_store_error(mode())
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    ///
+    /// // The user's messages spend the whole budget...
+    /// assert!(messages.check(&by_user.key_for("alice")?, 100).await?.is_allowed());
+    /// // ...and the user's next HTTP request finds none left.
+    /// let request = Request::get("/").header("x-user", "alice").body(())?;
+    /// assert_eq!(http.oneshot(request).await?.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// # Ok(()) }
+    /// ```
     pub fn with_store(store: MemoryStore) -> Self {
         Self {
             store,
@@ -383,11 +556,52 @@ fn scale_set(set: &PolicySet, share: f64) -> PolicySet {
 /// A cool-down longer than [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the
 /// layer is built.
 ///
-/// ```
-/// use std::time::Duration;
-/// use tollgate::CircuitBreaker;
 ///
-/// let breaker = CircuitBreaker::new(3, Duration::from_millis(500));
+/// Here the store is down: after three failures in a row the layer stops calling it
+/// (the local fallback answers every request), and the cool-down of a minute is not
+/// over before the example ends. [`with_clock`](Self::with_clock) shows the probe.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::time::Duration;
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{CircuitBreaker, DecideFuture, Key, Policy, PolicySet, Rate};
+/// use tollgate::{RateLimitLayer, Store, StoreError, StoreErrorKind};
+///
+/// /// A store that is down, and counts the calls it gets.
+/// #[derive(Clone, Default)]
+/// struct Down(Arc<AtomicU32>);
+///
+/// impl Store for Down {
+///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+///         self.0.fetch_add(1, Ordering::Relaxed);
+///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+///         DecideFuture::ready(Err(refused))
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let down = Down::default();
+/// let service = RateLimitLayer::new(down.clone())
+///     .policy(Policy::token_bucket("api", 100, Rate::per_hour(100))?)
+///     .key(HeaderKey::new("x-api-key"))
+///     .circuit_breaker(CircuitBreaker::new(3, Duration::from_secs(60)))
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+///     }));
+/// for _ in 0..10 {
+///     let request = Request::get("/").header("x-api-key", "k1").body(())?;
+///     assert_eq!(service.clone().oneshot(request).await?.status(), StatusCode::OK);
+/// }
+/// assert_eq!(down.0.load(Ordering::Relaxed), 3); // the store was called three times
+/// # Ok(()) }
 /// ```
 #[derive(Clone)]
 pub struct CircuitBreaker {
@@ -414,6 +628,51 @@ impl Default for CircuitBreaker {
 
 impl CircuitBreaker {
     /// Opens after `failures` failures in a row (at least 1), probes after `cool_down`.
+    ///
+    /// A breaker of 0 failures opens after the first:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{CircuitBreaker, DecideFuture, Key, Policy, PolicySet, Rate};
+    /// use tollgate::{RateLimitLayer, Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A store that is down, and counts the calls it gets.
+    /// #[derive(Clone, Default)]
+    /// struct Down(Arc<AtomicU32>);
+    ///
+    /// impl Store for Down {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         self.0.fetch_add(1, Ordering::Relaxed);
+    ///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+    ///         DecideFuture::ready(Err(refused))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let down = Down::default();
+    /// let service = RateLimitLayer::new(down.clone())
+    ///     .policy(Policy::token_bucket("api", 100, Rate::per_hour(100))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .circuit_breaker(CircuitBreaker::new(0, Duration::from_secs(60)))
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// for _ in 0..5 {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(())?;
+    ///     assert_eq!(service.clone().oneshot(request).await?.status(), StatusCode::OK);
+    /// }
+    /// assert_eq!(down.0.load(Ordering::Relaxed), 1);
+    /// # Ok(()) }
+    /// ```
     pub fn new(failures: u32, cool_down: Duration) -> Self {
         Self {
             failures: failures.max(1),
@@ -436,6 +695,90 @@ impl CircuitBreaker {
 
     /// Measures the cool-down on `clock` instead of the monotonic clock (for tests, a
     /// [`ManualClock`](crate::clock::ManualClock)).
+    ///
+    /// Below, a store fails twice and the breaker opens: requests get the failure mode
+    /// (here fail-closed, whose `503` says when the store is asked again) without a call
+    /// to the store. The store comes back, but is left alone until the cool-down is
+    /// over on the manual clock; then one request probes it, and its answer closes the
+    /// breaker.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{CircuitBreaker, DecideFuture, FailureMode, Key, MemoryStore, Policy};
+    /// use tollgate::{PolicySet, Rate, RateLimitLayer, Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A store that is down until `up` is set, and counts the calls it gets.
+    /// #[derive(Clone, Default)]
+    /// struct Flaky {
+    ///     memory: MemoryStore,
+    ///     up: Arc<AtomicBool>,
+    ///     calls: Arc<AtomicU32>,
+    /// }
+    ///
+    /// impl Store for Flaky {
+    ///     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+    ///         self.calls.fetch_add(1, Ordering::Relaxed);
+    ///         if self.up.load(Ordering::Relaxed) {
+    ///             return self.memory.decide(key, policies, cost);
+    ///         }
+    ///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+    ///         DecideFuture::ready(Err(refused))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let clock = ManualClock::new();
+    /// let flaky = Flaky::default();
+    /// let breaker = CircuitBreaker::new(2, Duration::from_secs(10)).with_clock(clock.clone());
+    /// let service = RateLimitLayer::new(flaky.clone())
+    ///     .policy(Policy::token_bucket("api", 100, Rate::per_hour(100))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .on_store_error(FailureMode::FailClosed)
+    ///     .circuit_breaker(breaker)
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let call = || {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///     service.clone().oneshot(request)
+    /// };
+    /// let calls = || flaky.calls.load(Ordering::Relaxed);
+    ///
+    /// // Two failures in a row open the breaker.
+    /// for _ in 0..2 {
+    ///     assert_eq!(call().await?.status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// }
+    /// assert_eq!(calls(), 2);
+    /// // Open: the store is not called.
+    /// let skipped = call().await?;
+    /// assert_eq!(skipped.status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// assert_eq!(skipped.headers()["retry-after"], "10");
+    /// assert_eq!(calls(), 2);
+    ///
+    /// // The store is back, but the cool-down is not over.
+    /// flaky.up.store(true, Ordering::Relaxed);
+    /// clock.advance(Duration::from_secs(4));
+    /// let waiting = call().await?;
+    /// assert_eq!(waiting.headers()["retry-after"], "6");
+    /// assert_eq!(calls(), 2);
+    ///
+    /// // Over: one request probes the store, and its answer closes the breaker.
+    /// clock.advance(Duration::from_secs(6));
+    /// assert_eq!(call().await?.status(), StatusCode::OK);
+    /// assert_eq!(call().await?.status(), StatusCode::OK);
+    /// assert_eq!(calls(), 4);
+    /// # Ok(()) }
+    /// ```
     pub fn with_clock(mut self, clock: impl Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         self

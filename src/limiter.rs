@@ -177,6 +177,61 @@ impl<St> fmt::Debug for Limiter<St> {
 }
 
 /// Why [`Limiter::until_ready`] gave up.
+///
+/// A wait that would be too long and a cost that can never fit are told apart: the first
+/// says when to come back, the second that coming back will not help. A store that fails
+/// under [`FailureMode::FailClosed`] gives its error:
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::ManualClock;
+/// use tollgate::limiter::{Limiter, WaitError};
+/// use tollgate::{DecideFuture, FailureMode, Key, MemoryStore, Outcome, Policy, PolicySet};
+/// use tollgate::{Rate, Store, StoreError, StoreErrorKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+/// let policy = Policy::token_bucket("uploads", 10, Rate::per_second(1))?;
+/// let uploads = Limiter::new(store, policy.clone());
+/// let key = Key::new("tenant-4");
+/// uploads.until_ready(&key, 10, Duration::ZERO).await?; // the bucket is empty now
+///
+/// // Five units refill in 5 s: not within a wait of 1 s.
+/// match uploads.until_ready(&key, 5, Duration::from_secs(1)).await {
+///     Err(WaitError::TooLong(denied)) => {
+///         assert_eq!(denied.retry_after(), Some(Duration::from_secs(5)));
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// // Eleven units never fit in a bucket of ten, however long the wait.
+/// match uploads.until_ready(&key, 11, Duration::from_secs(3600)).await {
+///     Err(WaitError::Never(refused)) => {
+///         let outcome = Outcome::CostExceedsLimit { policy: 0, cost: 11, limit: 10 };
+///         assert_eq!(refused.outcome(), outcome);
+///         assert_eq!(refused.retry_after(), None);
+///     }
+///     other => panic!("{other:?}"),
+/// }
+///
+/// /// A shared store that cannot be reached.
+/// #[derive(Clone)]
+/// struct Away;
+///
+/// impl Store for Away {
+///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+///         DecideFuture::ready(Err(refused))
+///     }
+/// }
+///
+/// let closed = Limiter::new(Away, policy).on_store_error(FailureMode::FailClosed);
+/// match closed.until_ready(&key, 1, Duration::from_secs(1)).await {
+///     Err(WaitError::Store(error)) => assert_eq!(error.kind(), StoreErrorKind::Unavailable),
+///     other => panic!("{other:?}"),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum WaitError {
@@ -397,14 +452,36 @@ impl<St: Store> Limiter<St> {
     /// ```
     /// use std::time::Duration;
     /// use tollgate::limiter::Limiter;
-    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate};
+    /// use tollgate::{DecideFuture, FailureMode, Key, LocalFallback, Policy, PolicySet, Rate};
+    /// use tollgate::{Store, StoreError, StoreErrorKind};
     ///
-    /// // Four workers share the store's limit; while it is away, each enforces a quarter.
-    /// let jobs = Limiter::new(MemoryStore::new(), Policy::gcra("jobs", Rate::per_second(40), 40)?)
+    /// /// The shared store, away for now.
+    /// #[derive(Clone)]
+    /// struct Away;
+    ///
+    /// impl Store for Away {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         let refused = StoreError::new(StoreErrorKind::Unavailable, "connection refused");
+    ///         DecideFuture::ready(Err(refused))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // Four workers share the store's 40 jobs an hour; while it is away, each enforces a
+    /// // quarter of them on its own.
+    /// let jobs = Limiter::new(Away, Policy::token_bucket("jobs", 40, Rate::per_hour(40))?)
     ///     .on_store_error(FailureMode::Fallback(LocalFallback::new().share(0.25)))
     ///     .store_timeout(Duration::from_millis(100));
-    /// # let _ = jobs;
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// let worker = Key::new("worker-1");
+    /// let first = jobs.check(&worker, 1).await?;
+    /// assert!(first.is_allowed());
+    /// assert_eq!(first.statuses()[0].limit, 10);
+    /// for _ in 1..10 {
+    ///     assert!(jobs.check(&worker, 1).await?.is_allowed());
+    /// }
+    /// assert!(!jobs.check(&worker, 1).await?.is_allowed());
+    /// # Ok(()) }
     /// ```
     ///
     /// # Panics
@@ -412,6 +489,17 @@ impl<St: Store> Limiter<St> {
     /// With a [`LocalFallback`](crate::LocalFallback) whose `share` is no share (0, below
     /// 0, NaN, below one millionth), which the layer refuses at build: each replica would enforce
     /// the whole limit during an outage, the fleet N times it. A start-up mistake.
+    ///
+    /// ```should_panic
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{FailureMode, LocalFallback, MemoryStore, Policy, Rate};
+    ///
+    /// let replicas = 4;
+    /// let share = (1 / replicas) as f64; // integer division: 0
+    /// let _ = Limiter::new(MemoryStore::new(), Policy::gcra("jobs", Rate::per_second(40), 40)?)
+    ///     .on_store_error(FailureMode::Fallback(LocalFallback::new().share(share)));
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     ///
     /// [`RateLimitLayer::on_store_error`]: crate::RateLimitLayer::on_store_error
     pub fn on_store_error(self, failure_mode: FailureMode) -> Self
@@ -427,13 +515,56 @@ impl<St: Store> Limiter<St> {
     }
 
     /// How long the store may take to decide before it counts as failed (default 50 ms,
-    /// as the layer's): a store that hangs is answered by the failure mode. See
-    /// [`on_store_error`](Self::on_store_error) for an example.
+    /// as the layer's): a store that hangs is answered by the failure mode. Here the
+    /// store never answers, and under fail-closed the caller gets a timeout once the 200
+    /// ms set are up (tokio's paused time, which the timeout counts in):
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{DecideFuture, FailureMode, Key, Policy, PolicySet, Rate, Store};
+    /// use tollgate::StoreErrorKind;
+    ///
+    /// /// A store whose answers never come.
+    /// #[derive(Clone)]
+    /// struct Hangs;
+    ///
+    /// impl Store for Hangs {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         DecideFuture::new(std::future::pending())
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let limiter = Limiter::new(Hangs, Policy::gcra("api", Rate::per_second(10), 10)?)
+    ///     .on_store_error(FailureMode::FailClosed)
+    ///     .store_timeout(Duration::from_millis(200));
+    /// let asked = Instant::now();
+    /// let error = limiter.check(&Key::new("job-7"), 1).await.unwrap_err();
+    /// assert_eq!(error.kind(), StoreErrorKind::Timeout);
+    /// assert_eq!(asked.elapsed(), Duration::from_millis(200));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// See [`on_store_error`](Self::on_store_error) for a failure mode that decides
+    /// instead.
     ///
     /// # Panics
     ///
     /// With a timeout of zero, which the layer refuses at build: every decision of a
     /// store that does I/O would fail, and each replica decide alone. A start-up mistake.
+    ///
+    /// ```should_panic
+    /// use std::time::Duration;
+    /// use tollgate::limiter::Limiter;
+    /// use tollgate::{MemoryStore, Policy, Rate};
+    ///
+    /// let _ = Limiter::new(MemoryStore::new(), Policy::gcra("api", Rate::per_second(10), 10)?)
+    ///     .store_timeout(Duration::ZERO);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn store_timeout(self, timeout: Duration) -> Self
     where
         St: Clone,

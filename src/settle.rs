@@ -8,23 +8,69 @@
 //! under an in-flight limit ([`Policy::concurrency`](crate::Policy::concurrency)) give their
 //! slot back when the response body has been sent or dropped.
 //!
+//! Below, a language model's gateway reserves each request's estimate and settles it to
+//! the tokens the model reports. A request that used less than it reserved is refunded
+//! the rest, one that used more is charged the excess, and one the model's outage failed
+//! costs nothing; each response's `RateLimit` field (`r`) shows the settled state:
+//!
 //! ```
-//! use http::StatusCode;
-//! use tollgate::cost::FromExtension;
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::Full;
+//! use tower::{Layer, ServiceExt, service_fn};
+//! use tollgate::clock::ManualClock;
+//! use tollgate::cost::{FromExtension, RequestCost};
+//! use tollgate::key::HeaderKey;
 //! use tollgate::settle::Settle;
 //! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 //!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // Reserve the request's estimate (set by earlier middleware as a `RequestCost`),
 //! // settle to the handler's `x-tokens-used`, and refund an upstream outage in full (not
 //! // any 5xx: a client that can crash the handler must not get that for free).
-//! let layer = RateLimitLayer::new(MemoryStore::new())
+//! let layer = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
 //!     .policy(Policy::token_bucket("tokens", 1_000, Rate::per_minute(1_000))?)
+//!     .key(HeaderKey::new("x-api-key"))
 //!     .cost(FromExtension::or(1))
 //!     .settle(Settle::from_header("x-tokens-used").refund_if(|status: StatusCode| {
 //!         status == StatusCode::BAD_GATEWAY || status == StatusCode::SERVICE_UNAVAILABLE
 //!     }));
-//! # let _ = layer;
-//! # Ok::<(), tollgate::PolicyError>(())
+//! // A stand-in for the model: it reports the tokens the request says it used (`x-used`),
+//! // or answers 503 as an upstream outage would.
+//! let model = service_fn(|request: Request<()>| async move {
+//!     let mut response = Response::new(Full::new(Bytes::new()));
+//!     match request.headers().get("x-used") {
+//!         Some(used) => {
+//!             response.headers_mut().insert("x-tokens-used", used.clone());
+//!         }
+//!         None => *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE,
+//!     }
+//!     Ok::<_, Infallible>(response)
+//! });
+//! let service = layer.layer(model);
+//! let call = |reserve: u64, used: Option<u64>| {
+//!     let mut request = Request::post("/v1/complete").header("x-api-key", "team-a");
+//!     if let Some(used) = used {
+//!         request = request.header("x-used", used);
+//!     }
+//!     let mut request = request.body(()).unwrap();
+//!     request.extensions_mut().insert(RequestCost(reserve));
+//!     service.clone().oneshot(request)
+//! };
+//!
+//! // Reserved 400, used 100: the 300 left over are given back.
+//! let refunded = call(400, Some(100)).await?;
+//! assert_eq!(refunded.headers()["ratelimit"], "\"tokens\";r=900;t=1");
+//! // Reserved 100, used 250: the 150 past the reservation are charged.
+//! let charged = call(100, Some(250)).await?;
+//! assert_eq!(charged.headers()["ratelimit"], "\"tokens\";r=650;t=1");
+//! // Reserved 500, and the model was down: nothing is spent.
+//! let outage = call(500, None).await?;
+//! assert_eq!(outage.status(), StatusCode::SERVICE_UNAVAILABLE);
+//! assert_eq!(outage.headers()["ratelimit"], "\"tokens\";r=650;t=1");
+//! # Ok(()) }
 //! ```
 //!
 //! **When it happens.** Settling happens when the inner service has produced the response
@@ -69,6 +115,50 @@ use crate::policy::PolicySet;
 /// the reservation as it is; a malformed value is logged. A request that gets no response
 /// head (dropped while the inner service ran, or the inner service failed) keeps its
 /// reservation too; [`if_dropped`](Self::if_dropped) charges more for a dropped one.
+///
+/// Here each request reserves 50 rows, and the handler reports the rows it returned;
+/// the [module docs](self) show refunds and charges in a fuller set-up:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::clock::ManualClock;
+/// use tollgate::key::HeaderKey;
+/// use tollgate::settle::Settle;
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+///     .policy(Policy::token_bucket("rows", 1_000, Rate::per_minute(1_000))?)
+///     .key(HeaderKey::new("x-api-key"))
+///     .cost(50)
+///     .settle(Settle::from_header("x-rows"))
+///     .layer(service_fn(|request: Request<()>| async move {
+///         // Reports, as `x-rows`, what the request's `x-report` says, if anything.
+///         let mut response = Response::new(Full::new(Bytes::new()));
+///         if let Some(rows) = request.headers().get("x-report") {
+///             response.headers_mut().insert("x-rows", rows.clone());
+///         }
+///         Ok::<_, Infallible>(response)
+///     }));
+/// let call = |report: Option<&'static str>| {
+///     let mut request = Request::get("/rows").header("x-api-key", "team-a");
+///     if let Some(report) = report {
+///         request = request.header("x-report", report);
+///     }
+///     service.clone().oneshot(request.body(()).unwrap())
+/// };
+/// // 10 rows: 40 of the 50 reserved go back.
+/// assert_eq!(call(Some("10")).await?.headers()["ratelimit"], "\"rows\";r=990;t=1");
+/// // No count, or one that is not a number: the 50 reserved stand.
+/// assert_eq!(call(None).await?.headers()["ratelimit"], "\"rows\";r=940;t=1");
+/// assert_eq!(call(Some("ten")).await?.headers()["ratelimit"], "\"rows\";r=890;t=1");
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Settle {
     source: Source,
@@ -213,6 +303,35 @@ impl Settle {
     }
 
     /// The actual cost is the [`ActualCost`] extension the handler set on the response.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::settle::{ActualCost, Settle};
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("rows", 1_000, Rate::per_minute(1_000))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(100) // reserve 100 rows
+    ///     .settle(Settle::from_extension())
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         let mut response = Response::new(Full::new(Bytes::from_static(b"42 rows")));
+    ///         response.extensions_mut().insert(ActualCost(42));
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let request = Request::get("/search").header("x-api-key", "team-a").body(())?;
+    /// let response = service.oneshot(request).await?;
+    /// assert_eq!(response.headers()["ratelimit"], "\"rows\";r=958;t=1"); // 42 spent
+    /// # Ok(()) }
+    /// ```
     pub fn from_extension() -> Self {
         Self {
             source: Source::Extension,
@@ -286,19 +405,52 @@ impl Settle {
     /// [`refund_if`](Self::refund_if) says: a load shedder inside the limiter fails
     /// requests it never ran.
     ///
+    /// Here an outer timeout gives up on a request the handler never answers (on tokio's
+    /// paused time), and the next request's `RateLimit` field shows the charge:
+    ///
     /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
     /// use tollgate::cost::FromExtension;
+    /// use tollgate::key::HeaderKey;
     /// use tollgate::settle::Settle;
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
     ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// // Post-paid tokens, nothing reserved: a request cancelled before its answer
     /// // costs 2,000 tokens, the most one may use.
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    /// let layer = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
     ///     .policy(Policy::token_bucket("tokens", 100_000, Rate::per_hour(100_000))?)
+    ///     .key(HeaderKey::new("x-api-key"))
     ///     .cost(FromExtension::or(0))
     ///     .settle(Settle::from_header("x-tokens-used").if_dropped(2_000));
-    /// # let _ = layer;
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// // The model answers a request marked `x-hang` never, any other with 10 tokens.
+    /// let service = layer.layer(service_fn(|request: Request<()>| async move {
+    ///     if request.headers().contains_key("x-hang") {
+    ///         std::future::pending::<()>().await;
+    ///     }
+    ///     let mut response = Response::new(Full::new(Bytes::new()));
+    ///     response.headers_mut().insert("x-tokens-used", 10.into());
+    ///     Ok::<_, Infallible>(response)
+    /// }));
+    /// let call = |hang: bool| {
+    ///     let mut request = Request::post("/v1/complete").header("x-api-key", "team-a");
+    ///     if hang {
+    ///         request = request.header("x-hang", "1");
+    ///     }
+    ///     service.clone().oneshot(request.body(()).unwrap())
+    /// };
+    /// let gave_up = tokio::time::timeout(Duration::from_secs(30), call(true)).await;
+    /// assert!(gave_up.is_err());
+    /// let next = call(false).await?;
+    /// assert_eq!(next.headers()["ratelimit"], "\"tokens\";r=97990;t=1"); // 2,000 + 10
+    /// # Ok(()) }
     /// ```
     pub fn if_dropped(mut self, units: u64) -> Self {
         self.if_dropped = Some(units);

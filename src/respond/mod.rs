@@ -29,6 +29,49 @@ use headers::{
 use problem::{self as response, Rejection};
 
 /// What to do with a request no key can be extracted from.
+///
+/// Keyed by an API key, a request without one is answered `400` by default; with
+/// `Allow` it goes through, unlimited and without rate-limit fields, while requests
+/// with a key are limited as before:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::{MemoryStore, MissingKey, Policy, Rate, RateLimitLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let policy = Policy::token_bucket("api", 1, Rate::per_hour(1))?;
+/// let service = |missing: MissingKey| {
+///     RateLimitLayer::new(MemoryStore::new())
+///         .policy(policy.clone())
+///         .key(HeaderKey::new("x-api-key"))
+///         .on_missing_key(missing)
+///         .layer(service_fn(|_: Request<()>| async {
+///             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+///         }))
+/// };
+/// let anonymous = || Request::get("/").body(()).unwrap();
+/// let with_key = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+///
+/// let rejected = service(MissingKey::Reject).oneshot(anonymous()).await?;
+/// assert_eq!(rejected.status(), StatusCode::BAD_REQUEST);
+///
+/// let allowed = service(MissingKey::Allow);
+/// for _ in 0..3 {
+///     let response = allowed.clone().oneshot(anonymous()).await?;
+///     assert_eq!(response.status(), StatusCode::OK);
+///     assert!(!response.headers().contains_key("ratelimit"));
+/// }
+/// assert_eq!(allowed.clone().oneshot(with_key()).await?.status(), StatusCode::OK);
+/// let limited = allowed.clone().oneshot(with_key()).await?;
+/// assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum MissingKey {

@@ -15,21 +15,47 @@ use crate::respond::headers::seconds_ceil;
 
 /// What a deny hook is told about a denied request.
 ///
+/// The hook ([`RateLimitLayer::on_deny`](crate::RateLimitLayer::on_deny)) writes the
+/// answer; the layer still adds the rate-limit fields to it, and `Retry-After` to its
+/// `429`:
+///
 /// ```
+/// use std::convert::Infallible;
 /// use bytes::Bytes;
-/// use http::{Response, StatusCode};
+/// use http::{Request, Response, StatusCode};
+/// use http_body_util::{BodyExt, Full};
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::clock::ManualClock;
+/// use tollgate::key::HeaderKey;
 /// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate, Rejection};
 ///
-/// let layer = RateLimitLayer::new(MemoryStore::new())
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
 ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+///     .key(HeaderKey::new("x-api-key"))
 ///     .on_deny(|rejection: &Rejection<'_>| {
 ///         Response::builder()
 ///             .status(StatusCode::TOO_MANY_REQUESTS)
 ///             .header("content-type", "text/plain")
 ///             .body(Bytes::from(format!("slow down, try again in {}s", rejection.retry_after_secs())))
 ///             .unwrap()
-///     });
-/// # Ok::<(), tollgate::PolicyError>(())
+///     })
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
+///     }));
+/// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+/// for _ in 0..5 {
+///     assert_eq!(service.clone().oneshot(request()).await?.status(), StatusCode::OK);
+/// }
+/// let denied = service.clone().oneshot(request()).await?;
+/// assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+/// assert_eq!(denied.headers()["content-type"], "text/plain"); // the hook's
+/// assert_eq!(denied.headers()["retry-after"], "1"); // the layer's, as the rest below
+/// assert_eq!(denied.headers()["ratelimit-policy"], "\"api\";q=5;w=1");
+/// assert_eq!(denied.headers()["ratelimit"], "\"api\";r=0;t=1");
+/// assert_eq!(denied.into_body().collect().await?.to_bytes(), "slow down, try again in 1s");
+/// # Ok(()) }
 /// ```
 #[derive(Debug)]
 #[non_exhaustive]
@@ -60,6 +86,51 @@ impl Rejection<'_> {
     /// with no room left; for an in-flight policy, which counts requests: with no slot
     /// free for a request that takes one), the one that keeps the client waiting longest
     /// first.
+    ///
+    /// Here each request costs 3, under a bucket of 5 and a day of 8. The second request
+    /// exceeds the bucket alone; a second later the bucket is full again, and the fourth
+    /// exceeds both, the day (which keeps the client waiting longest) first:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rejection};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let clock = ManualClock::new();
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(clock.clone()).build())
+    ///     .policy(Policy::token_bucket("burst", 5, Rate::per_second(5))?)
+    ///     .policy(Policy::fixed_window("daily", 8, Duration::from_secs(86_400))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(3)
+    ///     .on_deny(|rejection: &Rejection<'_>| {
+    ///         let violated = rejection.violated_policies().join(", ");
+    ///         let mut response = Response::new(Bytes::new());
+    ///         *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    ///         response.headers_mut().insert("x-violated", violated.parse().unwrap());
+    ///         response
+    ///     })
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let call = || {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///     service.clone().oneshot(request)
+    /// };
+    /// assert_eq!(call().await?.status(), StatusCode::OK); // 2 left of 5, 5 of 8
+    /// assert_eq!(call().await?.headers()["x-violated"], "burst");
+    /// clock.advance(Duration::from_secs(1));
+    /// assert_eq!(call().await?.status(), StatusCode::OK); // 2 left of 5, 2 of 8
+    /// assert_eq!(call().await?.headers()["x-violated"], "daily, burst");
+    /// # Ok(()) }
+    /// ```
     pub fn violated_policies(&self) -> Vec<&str> {
         let mut names = vec![self.policy.name()];
         for (policy, status) in self.policies.iter().zip(self.decision.statuses()) {

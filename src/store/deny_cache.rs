@@ -67,6 +67,58 @@ use crate::policy::{Policy, PolicySet};
 /// (or per `max_age`, whichever is shorter) from each replica instead of every request.
 /// Memory is bounded by `capacity` identities (at least one is cached).
 ///
+/// In front of an in-process store that counts the decisions asked of it: once the store
+/// has denied an identity, its next request is denied here, without a store call, with
+/// the wait left and no statuses:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use std::time::Duration;
+/// use tollgate::clock::ManualClock;
+/// use tollgate::store::DenyCache;
+/// use tollgate::{DecideFuture, Key, MemoryStore, Policy, PolicySet, Rate, Store};
+///
+/// /// The in-process store, counting the decisions asked of it.
+/// #[derive(Clone)]
+/// struct Counted {
+///     memory: MemoryStore<ManualClock>,
+///     calls: Arc<AtomicU32>,
+/// }
+///
+/// impl Store for Counted {
+///     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+///         self.calls.fetch_add(1, Ordering::Relaxed);
+///         self.memory.decide(key, policies, cost)
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let clock = ManualClock::new();
+/// let memory = MemoryStore::builder().clock(clock.clone()).build();
+/// let counted = Counted { memory, calls: Arc::default() };
+/// let store = DenyCache::with_clock(counted.clone(), 10_000, clock.clone());
+/// // One request every 10 s.
+/// let policies = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_minute(6))?);
+/// let key = Key::new("user-7");
+///
+/// assert!(store.decide(&key, &policies, 1).await?.is_allowed());
+/// let denied = store.decide(&key, &policies, 1).await?; // the store's denial
+/// assert_eq!(denied.retry_after(), Some(Duration::from_secs(10)));
+/// assert!(!denied.is_cached());
+///
+/// clock.advance(Duration::from_millis(400));
+/// let cached = store.decide(&key, &policies, 1).await?;
+/// assert!(cached.is_cached());
+/// assert_eq!(cached.retry_after(), Some(Duration::from_millis(9_600)));
+/// assert!(cached.statuses().is_empty()); // no stale numbers
+/// assert_eq!(counted.calls.load(Ordering::Relaxed), 2); // the third never reached it
+/// # Ok(()) }
+/// ```
+///
+/// In front of Redis, the shared store it is made for (not run here: it needs a server):
+///
 /// ```no_run
 /// # #[cfg(feature = "redis")] // the example needs RedisStore; it compiles to nothing without
 /// # mod example {
@@ -136,13 +188,60 @@ impl<S> std::fmt::Debug for DenyCache<S> {
 }
 
 impl<S: Store> DenyCache<S> {
-    /// Caches the denials of `inner` for up to `capacity` identities.
+    /// Caches the denials of `inner` for up to `capacity` identities, measuring their
+    /// waits on the monotonic clock.
+    ///
+    /// ```
+    /// use tollgate::store::DenyCache;
+    /// use tollgate::{Key, MemoryStore, Outcome, Policy, PolicySet, Rate, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = DenyCache::new(MemoryStore::new(), 10_000);
+    /// let policies = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(10))?);
+    /// let key = Key::new("user-7");
+    /// // A cost that can never fit is refused here, without asking the store.
+    /// let never = store.decide(&key, &policies, 11).await?;
+    /// assert!(matches!(never.outcome(), Outcome::CostExceedsLimit { .. }));
+    /// assert!(never.is_cached());
+    /// // One that fits is the store's to decide.
+    /// let admitted = store.decide(&key, &policies, 1).await?;
+    /// assert!(admitted.is_allowed() && !admitted.is_cached());
+    /// # Ok(()) }
+    /// ```
     pub fn new(inner: S, capacity: usize) -> Self {
         Self::with_clock(inner, capacity, MonotonicClock::new())
     }
 
     /// [`new`](Self::new), measuring the cached waits on `clock` (for tests, a
-    /// [`ManualClock`](crate::clock::ManualClock)).
+    /// [`ManualClock`](crate::clock::ManualClock)). Here a denial is answered from the
+    /// cache until [`max_age`](Self::max_age) (1 s by default) has passed on the manual
+    /// clock; then the store is asked again:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::store::DenyCache;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let clock = ManualClock::new();
+    /// let memory = MemoryStore::builder().clock(clock.clone()).build();
+    /// let store = DenyCache::with_clock(memory, 10_000, clock.clone());
+    /// let policies = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_minute(6))?);
+    /// let key = Key::new("user-7");
+    /// store.decide(&key, &policies, 1).await?;
+    /// store.decide(&key, &policies, 1).await?; // denied for 10 s, and cached
+    ///
+    /// clock.advance(Duration::from_millis(999));
+    /// assert!(store.decide(&key, &policies, 1).await?.is_cached());
+    /// clock.advance(Duration::from_millis(1));
+    /// let asked = store.decide(&key, &policies, 1).await?;
+    /// assert!(!asked.is_cached());
+    /// assert_eq!(asked.retry_after(), Some(Duration::from_secs(9)));
+    /// # Ok(()) }
+    /// ```
     pub fn with_clock(inner: S, capacity: usize, clock: impl Clock) -> Self {
         Self {
             inner,
@@ -164,13 +263,39 @@ impl<S: Store> DenyCache<S> {
     /// share their entries: each entry is kept as long as the handle that recorded it
     /// said.
     ///
+    /// Kept 5 s, a denial of a minute is answered here for 5 s; kept for no time, each
+    /// denial is the store's:
+    ///
     /// ```
     /// use std::time::Duration;
-    /// use tollgate::MemoryStore;
+    /// use tollgate::clock::ManualClock;
     /// use tollgate::store::DenyCache;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Rate, Store};
     ///
-    /// let store = DenyCache::new(MemoryStore::new(), 10_000).max_age(Duration::from_secs(5));
-    /// # let _ = store;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let clock = ManualClock::new();
+    /// let memory = MemoryStore::builder().clock(clock.clone()).build();
+    /// let policies = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_minute(1))?);
+    ///
+    /// let kept = DenyCache::with_clock(memory.clone(), 10_000, clock.clone())
+    ///     .max_age(Duration::from_secs(5));
+    /// let key = Key::new("user-7");
+    /// kept.decide(&key, &policies, 1).await?;
+    /// kept.decide(&key, &policies, 1).await?; // denied for a minute
+    /// clock.advance(Duration::from_millis(4_999));
+    /// assert!(kept.decide(&key, &policies, 1).await?.is_cached());
+    /// clock.advance(Duration::from_millis(1));
+    /// assert!(!kept.decide(&key, &policies, 1).await?.is_cached());
+    ///
+    /// let never = DenyCache::with_clock(memory, 10_000, clock).max_age(Duration::ZERO);
+    /// let key = Key::new("user-8");
+    /// never.decide(&key, &policies, 1).await?;
+    /// for _ in 0..3 {
+    ///     let denied = never.decide(&key, &policies, 1).await?;
+    ///     assert!(!denied.is_allowed() && !denied.is_cached());
+    /// }
+    /// # Ok(()) }
     /// ```
     pub fn max_age(mut self, max_age: Duration) -> Self {
         self.max_age = nanos(max_age);

@@ -65,6 +65,33 @@ const SHARDS: usize = 16;
 /// shadow policy or a penalty are never leased: they go to `S` request by request. So do
 /// requests that cost 0 (a peek) and adjustments.
 ///
+/// Over an in-process store standing in for the shared one: a hundred decisions take
+/// five leases of 20 units, five calls to the shared store, which has debited the 100
+/// units:
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::ManualClock;
+/// use tollgate::store::Leased;
+/// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let shared = MemoryStore::builder().clock(ManualClock::new()).build(); // Redis, say
+/// let store = Leased::new(shared.clone(), 20, Duration::from_secs(60))?;
+/// let minute = Duration::from_secs(60);
+/// let policies = PolicySet::from(Policy::fixed_window("api", 10_000, minute)?);
+/// let key = Key::new("tenant-1");
+/// for _ in 0..100 {
+///     assert!(store.decide(&key, &policies, 1).await?.is_allowed());
+/// }
+/// assert_eq!(store.shared_calls(), 5);
+/// assert_eq!(store.inner().peek(&key, &policies).await?.statuses()[0].remaining, 9_900);
+/// # Ok(()) }
+/// ```
+///
+/// Over Redis (not run here: it needs a server):
+///
 /// ```no_run
 /// # #[cfg(feature = "redis")]
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -304,6 +331,18 @@ impl<S: Store> Leased<S> {
     /// `units` must be at least 1, and `ttl` at least 1 ms and at most
     /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) (a lease never ends only where its
     /// units are never given back).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::MemoryStore;
+    /// use tollgate::store::Leased;
+    ///
+    /// let second = Duration::from_secs(1);
+    /// assert!(Leased::new(MemoryStore::new(), 20, second).is_ok());
+    /// assert!(Leased::new(MemoryStore::new(), 0, second).is_err()); // no unit
+    /// assert!(Leased::new(MemoryStore::new(), 20, Duration::from_micros(500)).is_err());
+    /// assert!(Leased::new(MemoryStore::new(), 20, Duration::MAX).is_err()); // never ends
+    /// ```
     pub fn new(inner: S, units: u64, ttl: Duration) -> Result<Self, StoreError> {
         if units == 0 {
             return Err(StoreError::new(
@@ -350,15 +389,29 @@ impl<S: Store> Leased<S> {
     /// up), so one may fill a little before the total does. Meeting it is said once, at
     /// warn level. Clones share the bound.
     ///
+    /// Bounded to 16 identities (one a shard), the first identity of 200 one-off ones
+    /// takes a lease of 20 units, and the last is decided alone, spending its 1:
+    ///
     /// ```
     /// use std::time::Duration;
-    /// use tollgate::MemoryStore;
+    /// use tollgate::clock::ManualClock;
     /// use tollgate::store::Leased;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
     ///
-    /// let store = Leased::new(MemoryStore::new(), 20, Duration::from_secs(1))?
-    ///     .max_identities(10_000);
-    /// # let _ = store;
-    /// # Ok::<(), tollgate::StoreError>(())
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let shared = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let store = Leased::new(shared.clone(), 20, Duration::from_secs(60))?.max_identities(16);
+    /// let minute = Duration::from_secs(60);
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 100, minute)?);
+    /// for n in 0..200 {
+    ///     let key = Key::new(format!("visitor-{n}"));
+    ///     assert!(store.decide(&key, &policies, 1).await?.is_allowed());
+    /// }
+    /// let left = |key: &str| shared.check(key, &policies, 0).statuses()[0].remaining;
+    /// assert_eq!(left("visitor-0"), 80); // leased
+    /// assert_eq!(left("visitor-199"), 99); // decided alone
+    /// # Ok(()) }
     /// ```
     pub fn max_identities(self, identities: usize) -> Self {
         // The clones share it, as they share the leases.
@@ -375,12 +428,55 @@ impl<S: Store> Leased<S> {
 
     /// Decisions this store (and its clones) sent to the shared store so far: leases
     /// taken, and requests decided on their own.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::store::Leased;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = Leased::new(MemoryStore::new(), 10, Duration::from_secs(60))?;
+    /// let clone = store.clone();
+    /// let hour = Duration::from_secs(3600);
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 1_000, hour)?);
+    /// let key = Key::new("tenant-1");
+    /// store.decide(&key, &policies, 1).await?; // takes a lease of 10
+    /// clone.decide(&key, &policies, 1).await?; // spends from it
+    /// assert_eq!(clone.shared_calls(), 1);
+    /// store.decide(&key, &policies, 0).await?; // costs nothing: decided on its own
+    /// assert_eq!(store.shared_calls(), 2);
+    /// # Ok(()) }
+    /// ```
     pub fn shared_calls(&self) -> u64 {
         self.leases.calls.load(Ordering::Relaxed)
     }
 
     /// Gives back what every open lease has left, now (at shutdown: the other replicas
     /// get the units at once instead of when the leases end).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::store::Leased;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicySet, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let shared = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let store = Leased::new(shared.clone(), 20, Duration::from_secs(60))?;
+    /// let minute = Duration::from_secs(60);
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 1_000, minute)?);
+    /// let key = Key::new("tenant-1");
+    /// for _ in 0..5 {
+    ///     store.decide(&key, &policies, 1).await?;
+    /// }
+    /// let left = || shared.check("tenant-1", &policies, 0).statuses()[0].remaining;
+    /// assert_eq!(left(), 980); // a lease of 20 taken, 5 of it spent
+    /// store.release_all().await;
+    /// assert_eq!(left(), 995); // the other 15 are back
+    /// # Ok(()) }
+    /// ```
     pub async fn release_all(&self) {
         let mut open = Vec::new();
         for shard in self.leases.shards.iter() {

@@ -698,6 +698,20 @@ impl<C: Clock> MemoryStoreBuilder<C> {
     /// The number of shards, rounded up to a power of two (default: 8 per core), but
     /// never fewer than 64 identities a shard (a store of `max_keys(100)` is one shard),
     /// nor more than 2^20.
+    ///
+    /// Each shard holds an equal part of `max_keys`, so the shard count shows in
+    /// [`capacity`](MemoryStore::capacity):
+    ///
+    /// ```
+    /// use tollgate::MemoryStore;
+    ///
+    /// // 3 shards are rounded up to 4, each holding a quarter of 1,001 (250).
+    /// let store = MemoryStore::builder().max_keys(1_001).shards(3).build();
+    /// assert_eq!(store.capacity(), 1_000);
+    /// // 100 identities are one shard, not 16 shards of 6.
+    /// let small = MemoryStore::builder().max_keys(100).shards(16).build();
+    /// assert_eq!(small.capacity(), 100);
+    /// ```
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = shards.clamp(1, 1 << 20).next_power_of_two();
         self
@@ -954,6 +968,23 @@ impl<C: Clock> MemoryStore<C> {
 
     /// How many identities were forgotten before their state was fresh, because the
     /// store was full. Non-zero means `max_keys` is too small for the traffic.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).max_keys(64).build();
+    /// let hourly = PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(3600))?);
+    /// for n in 0..64 {
+    ///     store.check(&format!("user-{n}"), &hourly, 1);
+    /// }
+    /// assert_eq!(store.evicted_live(), 0); // full, but nothing forgotten yet
+    /// store.check("user-64", &hourly, 1);
+    /// assert!(store.evicted_live() > 0); // live identities made room for it
+    /// assert!(store.len() <= store.capacity());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn evicted_live(&self) -> u64 {
         self.shared.evicted_live.load(Ordering::Relaxed)
     }
@@ -964,6 +995,29 @@ impl<C: Clock> MemoryStore<C> {
     ///
     /// Never needed for correctness or for the bound; call it on a timer to give memory
     /// back after a burst of identities.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
+    ///
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// let second = PolicySet::from(Policy::fixed_window("burst", 5, Duration::from_secs(1))?);
+    /// let hour = PolicySet::from(Policy::fixed_window("hourly", 5, Duration::from_secs(3600))?);
+    /// let inflight = PolicySet::from(Policy::concurrency("inflight", 2)?);
+    /// store.check("a", &second, 1);
+    /// store.check("b", &second, 1);
+    /// store.check("c", &hour, 1);
+    /// let slot = store.check("d", &inflight, 1); // a slot taken by hand
+    ///
+    /// clock.advance(Duration::from_secs(1)); // the second is over; the hour is not
+    /// assert_eq!(store.purge_fresh(), 2); // "a" and "b"
+    /// assert_eq!(store.len(), 2); // "c" and "d"
+    /// store.adjust_now("d", &inflight, &Adjustment::release(1, slot.receipt()));
+    /// assert_eq!(store.purge_fresh(), 1); // "d", its slot given back
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn purge_fresh(&self) -> usize {
         let now = self.shared.clock.now();
         let hasher = &self.shared.hasher;
