@@ -84,7 +84,7 @@ use std::sync::Arc;
 use http::request::Parts;
 use ipnet::IpNet;
 
-use crate::key::{ClientIp, Key};
+use crate::key::{ClientIp, Key, KeyError};
 
 /// Why a request skipped limiting: the `reason` label of the metric
 /// `tollgate_bypassed_total` (feature `metrics`), as [`as_str`](Self::as_str) spells it.
@@ -463,12 +463,14 @@ impl Bypass {
     }
 
     /// Does the request skip, before its key is known? (A network or the predicate: a
-    /// request allowed by network needs no key at all.)
-    pub(crate) fn before_key(&self, parts: &Parts) -> Option<BypassReason> {
+    /// request allowed by network needs no key at all.) `Err` when a network bypass can
+    /// read no client address because the server records none: the request is decided,
+    /// and the caller says why no network let it through.
+    pub(crate) fn before_key(&self, parts: &Parts) -> Result<Option<BypassReason>, KeyError> {
         if let Some(predicate) = &self.when
             && predicate(parts)
         {
-            return Some(BypassReason::Predicate);
+            return Ok(Some(BypassReason::Predicate));
         }
         if !self.networks.is_empty() {
             // A client a trusted proxy hid is no address on the allowlist, though the
@@ -481,14 +483,23 @@ impl Bypass {
                     PEER.named_client_addr(parts)
                 }
             };
-            if let Ok(Some(address)) = address {
-                let address = canonical(address);
-                if self.networks.iter().any(|net| net.contains(&address)) {
-                    return Some(BypassReason::Network);
+            match address {
+                Ok(Some(address)) => {
+                    let address = canonical(address);
+                    if self.networks.iter().any(|net| net.contains(&address)) {
+                        return Ok(Some(BypassReason::Network));
+                    }
                 }
+                // No address recorded at all (the server's set-up): said, not skipped
+                // over in silence. A client's malformed forwarding header is the
+                // client's, and the key says it if it reads one.
+                Err(error) if error.kind() == crate::key::KeyErrorKind::Server => {
+                    return Err(error);
+                }
+                Ok(None) | Err(_) => {}
             }
         }
-        None
+        Ok(None)
     }
 
     /// Does the request skip, by its key?

@@ -391,7 +391,7 @@ impl Decision {
     }
 
     /// True when a cache answered instead of the store. Here a
-    /// [`DenyCache`](crate::store::DenyCache) answers a denial the store gave once:
+    /// `store::DenyCache` answers a denial the store gave once:
     ///
     /// ```
     /// use std::time::Duration;

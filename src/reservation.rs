@@ -161,8 +161,13 @@ impl Reservation {
         let Some(settle) = &self.adjuster.responder().settle else {
             return Settled::Unchanged;
         };
-        let Some(actual) = settle.actual(head) else {
-            return Settled::Unchanged;
+        let actual = match settle.actual(head) {
+            Ok(Some(actual)) => actual,
+            Ok(None) => return Settled::Unchanged,
+            Err(header) => {
+                crate::telemetry::settle_unreadable(header);
+                return Settled::Unchanged;
+            }
         };
         let Some(adjustment) = self.settlement(actual) else {
             return Settled::Unchanged;

@@ -152,10 +152,14 @@ where
         if config.marks_cost {
             crate::cost::handed(&parts);
         }
-        if config.bypass.is_some()
-            && let Some(reason) = config.bypass.as_ref().and_then(|b| b.before_key(&parts))
-        {
-            return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+        if let Some(bypass) = &config.bypass {
+            match bypass.before_key(&parts) {
+                Ok(Some(reason)) => {
+                    return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
+                }
+                Ok(None) => {}
+                Err(error) => telemetry::bypass_without_address(&error),
+            }
         }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,

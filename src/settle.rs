@@ -462,37 +462,32 @@ impl Settle {
         self.if_dropped
     }
 
-    /// The actual cost for a response, or `None` to keep the reservation.
-    pub(crate) fn actual(&self, head: &ResponseHead<'_>) -> Option<u64> {
+    /// The actual cost for a response, or `None` to keep the reservation; `Err` with the
+    /// header's name when the response states it unreadably (the reservation stands,
+    /// and the caller says so).
+    pub(crate) fn actual(&self, head: &ResponseHead<'_>) -> Result<Option<u64>, &HeaderName> {
         if let Some(refund) = &self.refund_if
             && refund(head.status)
         {
-            return Some(0);
+            return Ok(Some(0));
         }
-        match &self.source {
+        Ok(match &self.source {
             Source::Reserved => None,
             Source::Header(name) => {
                 // No such header: the reservation stands, nothing to say.
                 if !head.headers.contains_key(name) {
-                    return None;
+                    return Ok(None);
                 }
-                let parsed = actual_cost(head.headers.get_all(name));
-                if parsed.is_none() {
-                    #[cfg(feature = "tracing")]
-                    tracing::warn!(
-                        target: "tollgate",
-                        header = %name,
-                        "the response's actual cost is not a whole number; the reservation stands"
-                    );
-                }
-                parsed
+                return actual_cost(head.headers.get_all(name))
+                    .map(Some)
+                    .ok_or(name);
             }
             Source::Extension => head
                 .extensions
                 .get::<ActualCost>()
                 .map(|ActualCost(cost)| *cost),
             Source::Fn(f) => f(head),
-        }
+        })
     }
 }
 

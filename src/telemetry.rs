@@ -4,12 +4,13 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit`, `shadow_denied` (a shadow policy, or a policy of a shadow layer, would have denied) |
-//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong); a shadow layer's too, which it lets through |
+//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong; also a network bypass that can read no address, whose requests are limited); a shadow layer's too, which it lets through |
 //! | `tollgate_key_missing_allowed_total` | counter | `kind`: requests without a key let through by `MissingKey::Allow` (`server`: what is missing is the server's to set) |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
 //! | `tollgate_plans_unknown_total` | counter | (a plan header named no plan of the configuration: the default plan applied) |
 //! | `tollgate_graphql_cost_unread_total` | counter | (a `GraphqlCostLayer` inside the limiter that reads its cost, and no limiter further in to read it: the default charged) |
+//! | `tollgate_settles_unreadable_total` | counter | (a response stated its actual cost, for `Settle::from_header`, as no whole number: the reservation stood) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
 //! | `tollgate_fallback_decisions_total` | counter | `outcome`: `allowed`, `denied`, `cost_exceeds_limit` (decisions a failure mode's local limiter made, counted in `tollgate_decisions_total` too) |
 //! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
@@ -397,6 +398,52 @@ pub(crate) fn key_rejected(error: &crate::key::KeyError) {
         #[cfg(feature = "tracing")]
         tracing::debug!(target: "tollgate", %error, "no rate-limit key");
     }
+}
+
+/// A response stating its actual cost unreadably in `header` (not a whole number): the
+/// reservation stands. Counted each time, said at warn level once per header name (again
+/// every ten minutes while it goes on): a buggy upstream answers so on every response.
+#[cold]
+pub(crate) fn settle_unreadable(header: &http::HeaderName) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_settles_unreadable_total").increment(1);
+    #[cfg(feature = "tracing")]
+    {
+        static SEEN: Seen<Box<str>> = Seen::new();
+        if SEEN.first_of(header.as_str(), |name: &str| Box::from(name)) {
+            tracing::warn!(
+                target: "tollgate",
+                header = %header,
+                "the response's actual cost is not a whole number; the reservation stands \
+                 (logged once per header, again every 10 minutes while it goes on; counted \
+                 in tollgate_settles_unreadable_total)"
+            );
+        }
+    }
+    #[cfg(not(feature = "tracing"))]
+    let _ = header;
+}
+
+/// A network bypass that cannot read the client's address because the server records
+/// none (no peer address): it never matches, so every request it should let through is
+/// limited. The server's set-up, as a key's missing peer is: counted with the key errors
+/// (`kind="server"`) and logged at error level once per reason.
+#[cold]
+pub(crate) fn bypass_without_address(error: &crate::key::KeyError) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("tollgate_key_errors_total", "kind" => "server").increment(1);
+    if first_reason(&format!("bypass: {error}")) {
+        #[cfg(feature = "tracing")]
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            "a network bypass cannot read the client's address: no request skips limiting \
+             by network until the server records it (logged once per reason, again every 10 \
+             minutes while it goes on; counted in tollgate_key_errors_total)"
+        );
+    }
+    #[cfg(not(feature = "tracing"))]
+    let _ = error;
 }
 
 /// A request without a key let through unlimited (`MissingKey::Allow`): counted by kind.

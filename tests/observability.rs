@@ -449,6 +449,30 @@ fn key_errors_are_counted_by_kind() {
     });
 }
 
+/// An actual cost a response states unreadably (`x-used: abc`) keeps the reservation:
+/// each one is counted, so that a settle that never happens is seen.
+#[test]
+fn unreadable_actual_costs_are_counted() {
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-used", "1.5")], "hello") }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 100, tollgate::Rate::per_hour(100)).unwrap())
+                .settle(tollgate::settle::Settle::from_header("x-used")),
+        );
+    let seen = metrics_of(async move {
+        for _ in 0..3 {
+            let mut request = Request::get("/").body(Body::empty()).unwrap();
+            request
+                .extensions_mut()
+                .insert(std::net::SocketAddr::from(([203, 0, 113, 7], 1)));
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+    });
+    assert_eq!(counter(&seen, "tollgate_settles_unreadable_total", &[]), 3);
+}
+
 /// A store that cannot decide the limiter's policy: it refuses before any I/O, as the
 /// Redis store refuses a policy it cannot decide exactly.
 #[derive(Clone)]

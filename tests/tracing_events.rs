@@ -976,6 +976,49 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
     }
 }
 
+/// A network bypass reads the client's address; served without the peer address
+/// recorded (`axum::serve` without `into_make_service_with_connect_info`), it can read
+/// none, and never matched, with nothing said: office traffic was limited as any
+/// client's while the key (an API key) never noticed. Said at error level once, as the
+/// key's own missing peer is, and counted with the server's key errors.
+#[test]
+fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() {
+    use tollgate::bypass::Bypass;
+    use tollgate::key::{ClientIp, HeaderKey};
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .policy(Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap())
+        .key(HeaderKey::new("x-api-key"))
+        .bypass(
+            Bypass::new()
+                .network("10.0.0.0/8")
+                .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
+        );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let (limited, events) = with_recorder(async {
+        let mut limited = 0;
+        for _ in 0..3 {
+            let request = Request::get("/")
+                .header("x-api-key", "k")
+                .header("x-forwarded-for", "10.2.3.4")
+                .body(Body::empty())
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            limited += usize::from(response.headers().contains_key("ratelimit"));
+        }
+        limited
+    });
+    // Decided (no address, no bypass), as before; but not in silence.
+    assert_eq!(limited, 3);
+    let errors: Vec<_> = events
+        .iter()
+        .filter(|event| event.starts_with("ERROR "))
+        .collect();
+    assert_eq!(errors.len(), 1, "{events:?}");
+    assert!(errors[0].contains("bypass"), "{errors:?}");
+}
+
 /// The layer's default key is the socket peer. Behind a proxy (a load balancer, an
 /// ingress, a sidecar) that is the proxy for every request, and every client shares one
 /// budget, silently. Requests carrying a forwarding header under a key that trusts no
@@ -1097,6 +1140,40 @@ fn a_settle_that_fails_is_warned_of() {
     });
     assert_eq!(
         count(&events, Level::WARN, "rate-limit store failed to settle"),
+        1,
+        "{events:?}"
+    );
+}
+
+/// An actual cost that is no whole number (`x-used: abc`, from a buggy upstream) keeps
+/// the reservation, and is said: once in a while, not on every response (it was a warning
+/// per response, at request rate), and counted (`tollgate_settles_unreadable_total`).
+#[test]
+fn an_unreadable_actual_cost_is_warned_of_once_in_a_while() {
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-used", "abc")], "hello") }))
+        .layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::token_bucket("api", 100, tollgate::Rate::per_hour(100)).unwrap())
+                .key(Global)
+                .settle(tollgate::settle::Settle::from_header("x-used")),
+        );
+    let events = events_of(async move {
+        for _ in 0..3 {
+            let response = app
+                .clone()
+                .oneshot(Request::builder().uri("/").body(Body::empty()).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200);
+        }
+    });
+    assert_eq!(
+        count(
+            &events,
+            Level::WARN,
+            "the response's actual cost is not a whole number"
+        ),
         1,
         "{events:?}"
     );
