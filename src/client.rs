@@ -28,7 +28,9 @@
 //! A request to a host that said "nothing left" waits until it said so; a 429 is waited
 //! out and retried when the method is idempotent (RFC 9110, section 9.2.2: 2 retries by
 //! default; never for `POST`, `PATCH`, `CONNECT` or a method RFC 9110 does not define
-//! unless [`retry_non_idempotent`](PacingLayer::retry_non_idempotent)).
+//! unless [`retry_non_idempotent`](PacingLayer::retry_non_idempotent)); a 429 that asks
+//! for longer than [`max_wait`](PacingLayer::max_wait) is returned at once, since a retry
+//! sooner would be refused again.
 //! Absurd values (negative, malformed, years away) are ignored or capped at
 //! [`max_wait`](PacingLayer::max_wait) (60 s by default), as the draft asks of clients
 //! (section 8.5). Optionally the layer also paces proactively with any tollgate policy
@@ -38,26 +40,53 @@
 //! server hands out) can forget a host's word before it ends; keep such traffic on a
 //! layer of its own.
 //!
+//! Below, the layer paces requests to a documented limit of 2 at once and 1 a second
+//! before the server has said anything; then the server says its budget is spent for 5
+//! seconds (`r=0;t=5`), and the next request waits that out. Tokio's paused clock skips
+//! the waits. In an app, the inner service is the HTTP client (hyper-util's `Client`
+//! with a `Full<Bytes>` body); here a `service_fn` stands in for the server.
+//!
 //! ```
+//! use std::convert::Infallible;
+//! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
-//! use bytes::Bytes;
-//! use http_body_util::Empty;
+//! use http::{Request, Response};
+//! use tokio::time::Instant;
 //! use tollgate::client::PacingLayer;
 //! use tollgate::{Policy, Rate};
-//! use tower::ServiceBuilder;
+//! use tower::{ServiceBuilder, ServiceExt, service_fn};
 //!
-//! # fn build() -> Result<(), tollgate::PolicyError> {
-//! let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-//!     .build_http::<Empty<Bytes>>();
-//! let paced = ServiceBuilder::new()
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let start = Instant::now();
+//! // When each request reached the server, in whole seconds from the start.
+//! let arrivals = Arc::new(Mutex::new(Vec::new()));
+//! let log = Arc::clone(&arrivals);
+//! let server = service_fn(move |request: Request<String>| {
+//!     log.lock().unwrap().push(start.elapsed().as_secs());
+//!     // The fifth request hears that nothing is left for 5 seconds.
+//!     let spent = request.uri().path() == "/5";
+//!     async move {
+//!         let mut response = Response::builder();
+//!         if spent {
+//!             response = response.header("ratelimit", "\"api\";r=0;t=5");
+//!         }
+//!         Ok::<_, Infallible>(response.body(String::new()).unwrap())
+//!     }
+//! });
+//! let client = ServiceBuilder::new()
 //!     .layer(
 //!         PacingLayer::new()
 //!             .max_wait(Duration::from_secs(30))
-//!             // GitHub's documented limit, before the first answer says anything.
-//!             .pace(Policy::token_bucket("github", 5_000, Rate::per_hour(5_000))?),
+//!             .pace(Policy::token_bucket("api", 2, Rate::per_second(1))?),
 //!     )
-//!     .service(client);
-//! # let _ = paced;
+//!     .service(server);
+//! for n in 1..=6 {
+//!     let request = Request::get(format!("http://api.test/{n}")).body(String::new())?;
+//!     client.clone().oneshot(request).await?;
+//! }
+//! // Two at once, then one a second; the sixth waits the server's 5 seconds.
+//! assert_eq!(*arrivals.lock().unwrap(), [0, 0, 1, 2, 3, 8]);
 //! # Ok(()) }
 //! ```
 
@@ -184,6 +213,15 @@ impl Default for PacingLayer {
 impl PacingLayer {
     /// Waits at most [`DEFAULT_MAX_WAIT`] on a server's word; retries an idempotent
     /// request twice after a 429.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::client::{DEFAULT_MAX_WAIT, PacingLayer};
+    ///
+    /// assert_eq!(DEFAULT_MAX_WAIT, Duration::from_secs(60));
+    /// // No host has said anything yet.
+    /// assert_eq!(PacingLayer::new().wait_for("api.test", None), Duration::ZERO);
+    /// ```
     pub fn new() -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -230,6 +268,49 @@ impl PacingLayer {
     /// that heard it read it: a layer with a shorter `max_wait` shortens the others'
     /// waits. Build layers that need different `max_wait`s from separate
     /// [`PacingLayer::new`]s.
+    ///
+    /// Below, a server refuses a request and asks for an hour. A retry within 10 seconds
+    /// would be refused again, so the `429` is returned at once; the next request to the
+    /// host waits 10 seconds, not an hour:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicUsize, Ordering};
+    /// use std::time::Duration;
+    /// use http::{Request, Response, StatusCode};
+    /// use tollgate::client::PacingLayer;
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
+    ///
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Infallible> {
+    /// // A server that refuses the first request for an hour, and admits the next.
+    /// let calls = Arc::new(AtomicUsize::new(0));
+    /// let seen = Arc::clone(&calls);
+    /// let server = service_fn(move |_: Request<String>| {
+    ///     let first = seen.fetch_add(1, Ordering::SeqCst) == 0;
+    ///     async move {
+    ///         let response = if first {
+    ///             Response::builder().status(429).header("retry-after", "3600")
+    ///         } else {
+    ///             Response::builder()
+    ///         };
+    ///         Ok::<_, Infallible>(response.body(String::new()).unwrap())
+    ///     }
+    /// });
+    /// let layer = PacingLayer::new().max_wait(Duration::from_secs(10));
+    /// let client = ServiceBuilder::new().layer(layer.clone()).service(server);
+    /// let request = || Request::get("http://api.test/").body(String::new()).unwrap();
+    /// let start = tokio::time::Instant::now();
+    /// let refused = client.clone().oneshot(request()).await?;
+    /// assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(calls.load(Ordering::SeqCst), 1); // not retried
+    /// assert_eq!(layer.wait_for("api.test", None), Duration::from_secs(10));
+    ///
+    /// assert_eq!(client.oneshot(request()).await?.status(), StatusCode::OK);
+    /// assert_eq!(start.elapsed().as_secs(), 10); // not an hour
+    /// # Ok(()) }
+    /// ```
     pub fn max_wait(self, max_wait: Duration) -> Self {
         self.with(|shared| shared.max_wait = max_wait)
     }
@@ -353,17 +434,44 @@ impl PacingLayer {
     /// waits until every pacing policy admits it, a burst limit and an hourly quota
     /// alike. The budget starts afresh, so set every policy before cloning the layer.
     ///
+    /// Below, a burst of 2 refilled one a second and a quota of 4 a minute: four
+    /// requests to one host go at 0, 0, 1 and 2 seconds, and a fifth waits for the
+    /// minute's quota (15 seconds a unit); another host has a budget of its own. Tokio's
+    /// paused clock skips the waits.
+    ///
     /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::{Arc, Mutex};
+    /// use http::{Request, Response};
+    /// use tokio::time::Instant;
     /// use tollgate::client::PacingLayer;
     /// use tollgate::{Policy, Rate};
+    /// use tower::{ServiceBuilder, ServiceExt, service_fn};
     ///
-    /// # fn main() -> Result<(), tollgate::PolicyError> {
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let layer = PacingLayer::new()
-    ///     .pace(Policy::token_bucket("burst", 5, Rate::per_second(1))?)
-    ///     .pace(Policy::token_bucket("hourly", 5_000, Rate::per_hour(5_000))?);
-    /// # let _ = layer;
-    /// # Ok(())
-    /// # }
+    ///     .pace(Policy::token_bucket("burst", 2, Rate::per_second(1))?)
+    ///     .pace(Policy::token_bucket("minute", 4, Rate::per_minute(4))?);
+    /// let start = Instant::now();
+    /// // Each request's host and when it reached the server, in whole seconds.
+    /// let arrivals = Arc::new(Mutex::new(Vec::new()));
+    /// let log = Arc::clone(&arrivals);
+    /// let server = service_fn(move |request: Request<String>| {
+    ///     let host = request.uri().host().unwrap_or_default().to_owned();
+    ///     log.lock().unwrap().push((host, start.elapsed().as_secs()));
+    ///     async { Ok::<_, Infallible>(Response::new(String::new())) }
+    /// });
+    /// let client = ServiceBuilder::new().layer(layer).service(server);
+    /// for host in ["a.test", "a.test", "a.test", "a.test", "b.test", "a.test"] {
+    ///     let request = Request::get(format!("http://{host}/")).body(String::new())?;
+    ///     client.clone().oneshot(request).await?;
+    /// }
+    /// let arrivals = arrivals.lock().unwrap();
+    /// let at: Vec<u64> = arrivals.iter().map(|(_, secs)| *secs).collect();
+    /// assert_eq!(at, [0, 0, 1, 2, 2, 15]);
+    /// assert_eq!(arrivals[4].0, "b.test"); // went at once
+    /// # Ok(()) }
     /// ```
     ///
     /// # Panics

@@ -18,10 +18,21 @@
 //! at the identity's next decision after that, so an identity that keeps coming back
 //! keeps no state per reload.
 //!
+//! Below, a configuration of two plans chosen by the `x-plan` header and two routes that
+//! cost more than 1 serves three requests; then a reload.
+//!
 //! ```
+//! use std::convert::Infallible;
+//! use bytes::Bytes;
+//! use http::{Request, Response};
+//! use http_body_util::Full;
+//! use tower::{Layer, ServiceExt, service_fn};
+//! use tollgate::clock::ManualClock;
 //! use tollgate::config::{LimiterConfig, LiveLayer};
 //! use tollgate::MemoryStore;
 //!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! // Behind the authentication layer, which refuses unknown API keys: a client that
 //! // invents a key per request would otherwise get a fresh budget each time.
 //! let toml = r#"
@@ -49,10 +60,29 @@
 //!     routes = { "/search" = 5, "POST /upload" = 20 }
 //! "#;
 //! let config: LimiterConfig = toml::from_str(toml)?;
-//! let layer = LiveLayer::new(MemoryStore::new(), &config)?;
+//! let layer = LiveLayer::new(MemoryStore::builder().clock(ManualClock::new()).build(), &config)?;
+//! let service = layer.layer(service_fn(|_: Request<()>| async {
+//!     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+//! }));
+//! // The `RateLimit` field of the response to a request.
+//! let remaining = |method: &str, path: &str, api_key: &str, plan: Option<&str>| {
+//!     let mut request = Request::builder().method(method).uri(path).header("x-api-key", api_key);
+//!     if let Some(plan) = plan {
+//!         request = request.header("x-plan", plan);
+//!     }
+//!     let call = service.clone().oneshot(request.body(()).unwrap());
+//!     async move { call.await.unwrap().headers()["ratelimit"].to_str().unwrap().to_owned() }
+//! };
+//! // The default plan; a search costs 5 of its 100.
+//! assert_eq!(remaining("GET", "/search", "k1", None).await, "\"api\";r=95;t=1");
+//! // An upload costs 20.
+//! assert_eq!(remaining("POST", "/upload", "k1", None).await, "\"api\";r=75;t=1");
+//! // The plan the header names, with a budget of its own.
+//! assert_eq!(remaining("GET", "/", "k2", Some("pro")).await, "\"api-pro\";r=999;t=1");
+//!
 //! // Later, from a file watcher or a SIGHUP handler:
 //! layer.reload(&config)?;
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # Ok(()) }
 //! ```
 //!
 //! A reload that fails keeps the running configuration and returns the error.
@@ -234,7 +264,54 @@ pub struct PolicySpec {
     pub penalty: Option<PenaltySpec>,
 }
 
-/// A policy's penalty.
+/// A policy's penalty ([`Penalty`]): after `denials` denials within `within`, the key is
+/// blocked for `block`; with `max_block`, each repeat doubles the block up to it.
+/// Durations as the policy's are written. A shadow policy cannot have one (it never
+/// denies).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::ManualClock;
+/// use tollgate::config::{LimiterConfig, LiveLayer};
+/// use tollgate::MemoryStore;
+///
+/// let config: LimiterConfig = toml::from_str(r#"
+///     [[policies]]
+///     name = "login"
+///     algorithm = "fixed-window"
+///     limit = 5
+///     window = "1m"
+///     penalty = { denials = 3, within = "1m", block = "5m", max_block = "1h" }
+/// "#)?;
+/// config.check()?;
+/// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+/// let live = LiveLayer::new(store.clone(), &config)?;
+/// let login = live.policies(None).unwrap();
+/// let penalty = login[0].penalty().unwrap();
+/// assert_eq!(penalty.denials(), 3);
+/// assert_eq!(penalty.block(), Duration::from_secs(300));
+/// assert_eq!(penalty.max_block(), Duration::from_secs(3600));
+///
+/// // Five attempts, two denials, and the third denial blocks for 5 minutes.
+/// assert!(store.check("ip:203.0.113.7", &login, 5).is_allowed());
+/// store.check("ip:203.0.113.7", &login, 1);
+/// store.check("ip:203.0.113.7", &login, 1);
+/// let blocked = store.check("ip:203.0.113.7", &login, 1);
+/// assert!(blocked.is_blocked());
+/// assert_eq!(blocked.retry_after(), Some(Duration::from_secs(300)));
+///
+/// // A longest block shorter than the first is refused, naming the entry.
+/// let config: LimiterConfig = toml::from_str(r#"
+///     [[policies]]
+///     name = "login"
+///     algorithm = "fixed-window"
+///     limit = 5
+///     window = "1m"
+///     penalty = { denials = 3, within = "1m", block = "5m", max_block = "1m" }
+/// "#)?;
+/// assert_eq!(config.check().unwrap_err().entry(), "policies[0] \"login\"");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PenaltySpec {
@@ -1129,6 +1206,48 @@ type LiveConfig =
 /// A rate-limit layer served from a [`LimiterConfig`] and reloaded while running. See the
 /// [module docs](self). Clones share the configuration: keep one to call
 /// [`reload`](Self::reload) from a signal handler or a file watcher.
+///
+/// Below, the service is built from one clone and the reload made through another: the
+/// service's next request is decided under the new limit.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::clock::ManualClock;
+/// use tollgate::config::{LimiterConfig, LiveLayer};
+/// use tollgate::MemoryStore;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let daily = |limit: u64| -> LimiterConfig {
+///     let toml = format!(r#"
+///         key = ["header:x-api-key"]
+///         [[policies]]
+///         name = "daily"
+///         algorithm = "fixed-window"
+///         limit = {limit}
+///         window = "1d"
+///     "#);
+///     toml::from_str(&toml).unwrap()
+/// };
+/// let layer = LiveLayer::new(MemoryStore::builder().clock(ManualClock::new()).build(), &daily(100))?;
+/// let watcher = layer.clone(); // say, moved to a file watcher's task
+/// let service = layer.layer(service_fn(|_: Request<()>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+/// }));
+/// let policy = || {
+///     let request = Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+///     let call = service.clone().oneshot(request);
+///     async move { call.await.unwrap().headers()["ratelimit-policy"].to_str().unwrap().to_owned() }
+/// };
+/// assert_eq!(policy().await, "\"daily\";q=100;w=86400");
+/// watcher.reload(&daily(500))?;
+/// assert_eq!(policy().await, "\"daily\";q=500;w=86400");
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct LiveLayer {
     shared: Arc<LiveShared>,
@@ -1155,7 +1274,50 @@ impl fmt::Debug for LiveLayer {
 }
 
 impl LiveLayer {
-    /// A layer over `store` serving `config`.
+    /// A layer over `store` serving `config`, checked first: an invalid configuration is
+    /// refused with the [`ConfigError`] that names its entry.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::config::{LimiterConfig, LiveLayer};
+    /// use tollgate::MemoryStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let config: LimiterConfig = toml::from_str(r#"
+    ///     key = ["header:x-api-key"]
+    ///     [[policies]]
+    ///     name = "api"
+    ///     algorithm = "fixed-window"
+    ///     limit = 2
+    ///     window = "1h"
+    /// "#)?;
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let service = LiveLayer::new(store, &config)?.layer(service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// }));
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    /// assert_eq!(service.clone().oneshot(request()).await?.status(), 200);
+    /// assert_eq!(service.clone().oneshot(request()).await?.status(), 200);
+    /// assert_eq!(service.clone().oneshot(request()).await?.status(), 429);
+    ///
+    /// let typo: LimiterConfig = toml::from_str(r#"
+    ///     [[policies]]
+    ///     name = "api"
+    ///     algorithm = "fixed-window"
+    ///     limit = 2
+    ///     window = "1 hour"
+    /// "#)?;
+    /// let error = LiveLayer::new(MemoryStore::new(), &typo).unwrap_err();
+    /// assert_eq!(error.entry(), "policies[0] \"api\"");
+    /// assert!(error.reason().contains("window"), "{error}");
+    /// # Ok(()) }
+    /// ```
     pub fn new(store: impl Store, config: &LimiterConfig) -> Result<Self, ConfigError> {
         let store: Arc<dyn Store> = Arc::new(store);
         let dropped = Arc::default();
@@ -1180,6 +1342,55 @@ impl LiveLayer {
     /// under it; requests in flight finish under the configuration they started with. An
     /// invalid `config` is refused and the running one stays; the refusal is returned,
     /// and logged at error level (a watcher that drops it leaves a trace).
+    ///
+    /// Below, a key has spent its one request a minute; a reload to three a minute (new
+    /// parameters, so fresh state) admits it again, and a reload that is refused leaves
+    /// the three in force.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::config::{LimiterConfig, LiveLayer};
+    /// use tollgate::MemoryStore;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let per_minute = |limit: i64| -> LimiterConfig {
+    ///     let toml = format!(r#"
+    ///         key = ["header:x-api-key"]
+    ///         [[policies]]
+    ///         name = "api"
+    ///         algorithm = "fixed-window"
+    ///         limit = {limit}
+    ///         window = "1m"
+    ///     "#);
+    ///     toml::from_str(&toml).unwrap()
+    /// };
+    /// let layer = LiveLayer::new(MemoryStore::builder().clock(ManualClock::new()).build(), &per_minute(1))?;
+    /// let service = layer.clone().layer(service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// }));
+    /// let status = || {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///     let call = service.clone().oneshot(request);
+    ///     async move { call.await.unwrap().status().as_u16() }
+    /// };
+    /// assert_eq!(status().await, 200);
+    /// assert_eq!(status().await, 429);
+    ///
+    /// layer.reload(&per_minute(3))?;
+    /// assert_eq!(status().await, 200); // refused before, admitted now
+    /// assert_eq!(status().await, 200);
+    ///
+    /// assert!(layer.reload(&per_minute(0)).is_err()); // a limit of 0: refused
+    /// assert_eq!(status().await, 200); // the third of three still stands
+    /// assert_eq!(status().await, 429);
+    /// # Ok(()) }
+    /// ```
     pub fn reload(&self, config: &LimiterConfig) -> Result<(), ConfigError> {
         let _one_at_a_time = self
             .shared

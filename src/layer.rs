@@ -323,13 +323,55 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// gives the same identity a different `pk`. Behind a load balancer, give every
     /// replica one secret with [`partition_key_secret`](Self::partition_key_secret).
     ///
+    /// Below, two API keys get two `pk`s, each the same on every response, and neither
+    /// spells the key it stands for:
+    ///
     /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
     ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let layer = RateLimitLayer::new(MemoryStore::new())
     ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+    ///     .key(HeaderKey::new("x-api-key"))
     ///     .partition_key(true);
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// let service = layer.layer(service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// }));
+    /// // The `pk` parameter of the response's `RateLimit` member.
+    /// let pk = |api_key: &str| {
+    ///     let request = Request::get("/").header("x-api-key", api_key).body(()).unwrap();
+    ///     let call = service.clone().oneshot(request);
+    ///     async move {
+    ///         let response = call.await.unwrap();
+    ///         let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    ///         field.split_once(";pk=").map(|(_, pk)| pk.to_owned())
+    ///     }
+    /// };
+    /// let alpha = pk("sk_live_alpha").await.expect("a pk");
+    /// assert!(alpha.starts_with(':') && alpha.ends_with(':')); // a byte sequence
+    /// assert!(!alpha.contains("alpha"));
+    /// assert_eq!(pk("sk_live_alpha").await.unwrap(), alpha);
+    /// assert_ne!(pk("sk_live_beta").await.unwrap(), alpha);
+    ///
+    /// // Off (the default): no `pk`.
+    /// let plain = RateLimitLayer::new(MemoryStore::new())
+    ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
+    ///     .partition_key(false)
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let mut request = Request::get("/").body(())?;
+    /// request.extensions_mut().insert(std::net::SocketAddr::from(([203, 0, 113, 7], 1)));
+    /// let response = plain.oneshot(request).await?;
+    /// assert!(!response.headers()["ratelimit"].to_str()?.contains("pk="));
+    /// # Ok(()) }
     /// ```
     pub fn partition_key(mut self, enabled: bool) -> Self {
         if !enabled {
@@ -348,16 +390,46 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// like any other: at least 16 random bytes ([`validate`](Self::validate) refuses a
     /// shorter one, and building the layer panics on it); it is never logged or printed.
     ///
-    /// ```
-    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    /// Below, two replicas (two layers, each with a store of its own) that share a secret
+    /// send one `pk` for one identity; a replica keyed at random sends another. A secret
+    /// shorter than 16 bytes is refused.
     ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # let secret = vec![7u8; 32];
     /// // `secret`: 32 random bytes from your secret store, the same on every replica.
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
-    ///     .policy(Policy::gcra("api", Rate::per_second(5), 5)?)
-    ///     .partition_key_secret(&secret);
-    /// assert!(layer.validate().is_ok());
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// let replica = || {
+    ///     RateLimitLayer::new(MemoryStore::new())
+    ///         .policy(Policy::gcra("api", Rate::per_second(5), 5).unwrap())
+    ///         .key(HeaderKey::new("x-api-key"))
+    /// };
+    /// // The `pk` a replica sends for the API key `sk_live_alpha`.
+    /// async fn pk(replica: RateLimitLayer<MemoryStore, HeaderKey, u64, PolicySet>) -> String {
+    ///     let service = replica.layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    ///     let request = Request::get("/").header("x-api-key", "sk_live_alpha").body(()).unwrap();
+    ///     let response = service.oneshot(request).await.unwrap();
+    ///     let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+    ///     field.split_once(";pk=").unwrap().1.to_owned()
+    /// }
+    /// let one = pk(replica().partition_key_secret(&secret)).await;
+    /// let two = pk(replica().partition_key_secret(&secret)).await;
+    /// assert_eq!(one, two);
+    /// assert_ne!(pk(replica().partition_key(true)).await, one);
+    ///
+    /// assert!(replica().partition_key_secret(&secret).validate().is_ok());
+    /// assert!(replica().partition_key_secret(b"too short").validate().is_err());
+    /// # Ok(()) }
     /// ```
     pub fn partition_key_secret(mut self, secret: impl AsRef<[u8]>) -> Self {
         self.headers.partition_key = Some(std::sync::Arc::new(
@@ -374,14 +446,45 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// use: no herd.) `Retry-After` stays no earlier than the `t` of any policy that
     /// denies. Capped at a day. Off by default.
     ///
+    /// Below, a daily window that ends in 86,400 seconds is stated to end up to 30
+    /// seconds later, and the `429`'s `Retry-After` is no earlier than that `t`:
+    ///
     /// ```
+    /// use std::convert::Infallible;
     /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
     /// use tollgate::{MemoryStore, Policy, RateLimitLayer};
     ///
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
-    ///     .policy(Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?)
-    ///     .header_jitter(Duration::from_secs(30));
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::fixed_window("daily", 2, Duration::from_secs(86_400))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .header_jitter(Duration::from_secs(30))
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    /// // The `t` of the `RateLimit` field, in seconds.
+    /// let t = |response: &Response<Full<Bytes>>| -> u64 {
+    ///     let field = response.headers()["ratelimit"].to_str().unwrap();
+    ///     field.rsplit_once(";t=").unwrap().1.parse().unwrap()
+    /// };
+    /// for _ in 0..2 {
+    ///     let admitted = service.clone().oneshot(request()).await?;
+    ///     assert!((86_400..=86_430).contains(&t(&admitted)));
+    /// }
+    /// let denied = service.clone().oneshot(request()).await?;
+    /// assert_eq!(denied.status(), 429);
+    /// let retry_after: u64 = denied.headers()["retry-after"].to_str()?.parse()?;
+    /// assert!((86_400..=86_430).contains(&t(&denied)));
+    /// assert!(retry_after >= t(&denied));
+    /// # Ok(()) }
     /// ```
     pub fn header_jitter(mut self, jitter: Duration) -> Self {
         // More than a day of jitter spreads nothing further; it only delays clients.
@@ -398,6 +501,59 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// the wait is sent on as the gRPC pushback too. A hook's answer of another status (a
     /// `403` for banned clients) gets no `Retry-After` of the layer's: it would tell the
     /// client to come back.
+    ///
+    /// Below, the hook answers a request of more than 5 units `403` (under a bucket of
+    /// 10, one that could be admitted later) and others a plain
+    /// `429` whose `Retry-After` states no wait (`soon`); the layer adds its fields to
+    /// both, and its own `Retry-After` to the `429` only:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::cost;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rejection};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("api", 10, Rate::per_second(1))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(cost::from_fn(|parts| {
+    ///         parts.headers.get("x-units").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1)
+    ///     }))
+    ///     .on_deny(|rejection: &Rejection<'_>| {
+    ///         let status = if rejection.cost > 5 { StatusCode::FORBIDDEN } else { StatusCode::TOO_MANY_REQUESTS };
+    ///         Response::builder()
+    ///             .status(status)
+    ///             .header("retry-after", "soon")
+    ///             .body(Bytes::from_static(b"not now"))
+    ///             .unwrap()
+    ///     })
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let request = |units: u64| {
+    ///     let request = Request::get("/").header("x-api-key", "k1").header("x-units", units);
+    ///     request.body(()).unwrap()
+    /// };
+    /// assert_eq!(service.clone().oneshot(request(10)).await?.status(), StatusCode::OK);
+    ///
+    /// let throttled = service.clone().oneshot(request(1)).await?;
+    /// assert_eq!(throttled.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(throttled.headers()["retry-after"], "1"); // the layer's, for "soon"
+    /// assert_eq!(throttled.headers()["ratelimit"], "\"api\";r=0;t=1");
+    ///
+    /// let forbidden = service.clone().oneshot(request(8)).await?;
+    /// assert_eq!(forbidden.status(), StatusCode::FORBIDDEN);
+    /// assert_eq!(forbidden.headers()["retry-after"], "soon"); // the hook's, left alone
+    /// assert!(forbidden.headers().contains_key("ratelimit"));
+    /// # Ok(()) }
+    /// ```
     pub fn on_deny<F>(mut self, hook: F) -> Self
     where
         F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
@@ -423,6 +579,53 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// assert!(layer.validate().is_ok());
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
+    ///
+    /// Sent through such a layer (a limit of 1 an hour), anonymous requests all pass,
+    /// without rate-limit fields, while a user's second request is refused; under the
+    /// default, an anonymous request is a `500` (the extension is the server's to set):
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::ExtensionKey;
+    /// use tollgate::{MemoryStore, MissingKey, Policy, Rate, RateLimitLayer};
+    ///
+    /// #[derive(Clone)]
+    /// struct User { id: u64 }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = |missing_key: MissingKey| {
+    ///     RateLimitLayer::new(MemoryStore::new())
+    ///         .policy(Policy::token_bucket("user", 1, Rate::per_hour(1)).unwrap())
+    ///         .key(ExtensionKey::new("user", |user: &User| user.id.to_string()))
+    ///         .on_missing_key(missing_key)
+    ///         .layer(service_fn(|_: Request<()>| async {
+    ///             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///         }))
+    /// };
+    /// let anonymous = || Request::get("/").body(()).unwrap();
+    /// let signed_in = || {
+    ///     let mut request = Request::get("/").body(()).unwrap();
+    ///     request.extensions_mut().insert(User { id: 42 });
+    ///     request
+    /// };
+    /// let allow = service(MissingKey::Allow);
+    /// for _ in 0..3 {
+    ///     let response = allow.clone().oneshot(anonymous()).await?;
+    ///     assert_eq!(response.status(), StatusCode::OK);
+    ///     assert!(!response.headers().contains_key("ratelimit"));
+    /// }
+    /// assert_eq!(allow.clone().oneshot(signed_in()).await?.status(), StatusCode::OK);
+    /// assert_eq!(allow.oneshot(signed_in()).await?.status(), StatusCode::TOO_MANY_REQUESTS);
+    ///
+    /// let reject = service(MissingKey::Reject);
+    /// assert_eq!(reject.oneshot(anonymous()).await?.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    /// # Ok(()) }
+    /// ```
     pub fn on_missing_key(mut self, missing_key: MissingKey) -> Self {
         self.missing_key = missing_key;
         self
@@ -430,6 +633,60 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// What to do when the store fails (default: [`FailureMode::Fallback`] to a local
     /// in-process limiter with the same policies).
+    ///
+    /// Below, the store is down. By default the local limiter holds the limit (a bucket of
+    /// 2, then `429`); failing open lets every request through without rate-limit fields;
+    /// failing closed answers `503`:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{DecideFuture, FailureMode, Key, Policy, PolicySet, Rate, RateLimitLayer};
+    /// use tollgate::{Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A store that is down.
+    /// #[derive(Clone)]
+    /// struct Down;
+    ///
+    /// impl Store for Down {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "connection refused")))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = RateLimitLayer::new(Down)
+    ///     .policy(Policy::token_bucket("api", 2, Rate::per_hour(2))?)
+    ///     .key(HeaderKey::new("x-api-key"));
+    /// let inner = service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// });
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///
+    /// let fallback = layer.clone().layer(inner.clone());
+    /// let statuses = [
+    ///     fallback.clone().oneshot(request()).await?.status(),
+    ///     fallback.clone().oneshot(request()).await?.status(),
+    ///     fallback.clone().oneshot(request()).await?.status(),
+    /// ];
+    /// assert_eq!(statuses, [StatusCode::OK, StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
+    ///
+    /// let open = layer.clone().on_store_error(FailureMode::FailOpen).layer(inner.clone());
+    /// for _ in 0..3 {
+    ///     let response = open.clone().oneshot(request()).await?;
+    ///     assert_eq!(response.status(), StatusCode::OK);
+    ///     assert!(!response.headers().contains_key("ratelimit"));
+    /// }
+    ///
+    /// let closed = layer.on_store_error(FailureMode::FailClosed).layer(inner);
+    /// assert_eq!(closed.oneshot(request()).await?.status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// # Ok(()) }
+    /// ```
     pub fn on_store_error(mut self, failure_mode: FailureMode) -> Self {
         self.failure_mode = failure_mode;
         self
@@ -462,15 +719,58 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// after 5 failures in a row, probe every second). A cool-down longer than
     /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) is refused when the layer is built.
     ///
-    /// ```
-    /// use std::time::Duration;
-    /// use tollgate::{CircuitBreaker, MemoryStore, Policy, Rate, RateLimitLayer};
+    /// Below, a store that is down is called for the first 3 requests only: then the
+    /// breaker is open, and the next requests go to the failure mode (here the local
+    /// fallback, which admits them) without a call. A cool-down past `MAX_PERIOD` is
+    /// refused.
     ///
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::policy::MAX_PERIOD;
+    /// use tollgate::{CircuitBreaker, DecideFuture, Key, Policy, PolicySet, Rate};
+    /// use tollgate::{RateLimitLayer, Store, StoreError, StoreErrorKind};
+    ///
+    /// /// A store that is down, and counts the calls it gets.
+    /// #[derive(Clone, Default)]
+    /// struct Down(Arc<AtomicU32>);
+    ///
+    /// impl Store for Down {
+    ///     fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+    ///         self.0.fetch_add(1, Ordering::Relaxed);
+    ///         DecideFuture::ready(Err(StoreError::new(StoreErrorKind::Unavailable, "refused")))
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let down = Down::default();
+    /// let layer = RateLimitLayer::new(down.clone())
     ///     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
+    ///     .key(HeaderKey::new("x-api-key"))
     ///     .circuit_breaker(CircuitBreaker::new(3, Duration::from_millis(500)));
     /// assert!(layer.validate().is_ok());
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// let service = layer.layer(service_fn(|_: Request<()>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// }));
+    /// for _ in 0..8 {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(())?;
+    ///     assert_eq!(service.clone().oneshot(request).await?.status(), StatusCode::OK);
+    /// }
+    /// assert_eq!(down.0.load(Ordering::Relaxed), 3);
+    ///
+    /// let never = RateLimitLayer::new(Down::default())
+    ///     .policy(Policy::gcra("api", Rate::per_second(10), 20)?)
+    ///     .circuit_breaker(CircuitBreaker::new(3, MAX_PERIOD + Duration::from_secs(1)));
+    /// assert!(never.validate().is_err());
+    /// # Ok(()) }
     /// ```
     pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
         self.breaker = Arc::new(Breaker::new(breaker));
@@ -502,6 +802,44 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
 
     /// Lets the requests `bypass` allows skip limiting: not decided, nothing spent, no
     /// rate-limit headers; counted in `tollgate_bypassed_total`. See [`crate::bypass`].
+    ///
+    /// Below, under a limit of one request a minute, health checks skip: any number of
+    /// them spends nothing, and the one request the minute allows is still there after
+    /// them.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::bypass::Bypass;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::fixed_window("api", 1, Duration::from_secs(60))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .bypass(Bypass::new().when(|parts| parts.uri.path() == "/healthz"))
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let request = |path: &str| Request::get(path).header("x-api-key", "k1").body(()).unwrap();
+    /// for _ in 0..3 {
+    ///     let health = service.clone().oneshot(request("/healthz")).await?;
+    ///     assert_eq!(health.status(), StatusCode::OK);
+    ///     assert!(!health.headers().contains_key("ratelimit"));
+    /// }
+    /// let first = service.clone().oneshot(request("/orders")).await?;
+    /// assert_eq!(first.headers()["ratelimit"], "\"api\";r=0;t=60");
+    /// let second = service.clone().oneshot(request("/orders")).await?;
+    /// assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// # Ok(()) }
+    /// ```
     pub fn bypass(mut self, bypass: Bypass) -> Self {
         self.bypass = Some(bypass);
         self
@@ -517,14 +855,32 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// block they started would greet them when the layer starts enforcing.
     ///
     /// ```
-    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, RateLimitLayer};
     ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// // What would a limit of 100 per minute do to today's traffic?
     /// let trial = RateLimitLayer::new(MemoryStore::new())
     ///     .policy(Policy::sliding_window("trial", 100, std::time::Duration::from_secs(60))?)
-    ///     .shadow(true);
-    /// # let _ = trial;
-    /// # Ok::<(), tollgate::PolicyError>(())
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .shadow(true)
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// // Three times the limit: none is denied, and none is told of the limit.
+    /// for _ in 0..300 {
+    ///     let request = Request::get("/").header("x-api-key", "k1").body(())?;
+    ///     let response = trial.clone().oneshot(request).await?;
+    ///     assert_eq!(response.status(), StatusCode::OK);
+    ///     assert!(!response.headers().contains_key("ratelimit"));
+    /// }
+    /// # Ok(()) }
     /// ```
     pub fn shadow(mut self, shadow: bool) -> Self {
         self.shadow = shadow;
@@ -549,6 +905,47 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     ///     .shadow_headers(true);
     /// assert!(layer.validate().is_ok());
     /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
+    ///
+    /// Sent through such a layer, a response lists the shadow policy beside the enforced
+    /// one; at its `r=0` the request is still admitted. Without `shadow_headers`, only
+    /// the enforced policy is listed:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use std::time::Duration;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = |shown: bool| {
+    ///     RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///         .policy(Policy::gcra("api", Rate::per_second(10), 20).unwrap())
+    ///         .policy(Policy::fixed_window("api-v2", 1, Duration::from_secs(60)).unwrap().shadow())
+    ///         .key(HeaderKey::new("x-api-key"))
+    ///         .shadow_headers(shown)
+    ///         .layer(service_fn(|_: Request<()>| async {
+    ///             Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///         }))
+    /// };
+    /// let request = || Request::get("/").header("x-api-key", "k1").body(()).unwrap();
+    ///
+    /// let shown = service(true);
+    /// let first = shown.clone().oneshot(request()).await?;
+    /// assert_eq!(first.headers()["ratelimit-policy"], "\"api\";q=20;w=2, \"api-v2\";q=1;w=60");
+    /// assert_eq!(first.headers()["ratelimit"], "\"api\";r=19;t=1, \"api-v2\";r=0;t=60");
+    /// let second = shown.oneshot(request()).await?;
+    /// assert_eq!(second.status(), StatusCode::OK); // api-v2 is not enforced yet
+    ///
+    /// let hidden = service(false).oneshot(request()).await?;
+    /// assert_eq!(hidden.headers()["ratelimit-policy"], "\"api\";q=20;w=2");
+    /// # Ok(()) }
     /// ```
     pub fn shadow_headers(mut self, shown: bool) -> Self {
         self.headers.shadow = shown;

@@ -81,6 +81,39 @@ pub trait PolicyResolver: Send + Sync + 'static {
     ) -> std::borrow::Cow<'a, PolicySet>;
 
     /// Checked when the layer is built: a static resolver with no policy is a mistake.
+    /// An error here is [`validate`](crate::RateLimitLayer::validate)'s, word for word,
+    /// and building the layer panics with it. `Ok` by default; a [`PolicySet`] answers
+    /// an error when it is empty.
+    ///
+    /// ```
+    /// use std::borrow::Cow;
+    /// use std::time::Duration;
+    /// use tollgate::{Key, MemoryStore, Policy, PolicyResolver, PolicySet, RateLimitLayer};
+    ///
+    /// /// The plans loaded at start-up, the first for every request: none is a mistake.
+    /// #[derive(Clone)]
+    /// struct Loaded(Vec<PolicySet>);
+    ///
+    /// impl PolicyResolver for Loaded {
+    ///     fn resolve<'a>(&'a self, _: &http::request::Parts, _: &Key) -> Cow<'a, PolicySet> {
+    ///         self.0.first().map_or_else(|| Cow::Owned(PolicySet::unlimited()), Cow::Borrowed)
+    ///     }
+    ///
+    ///     fn check_configured(&self) -> Result<(), &'static str> {
+    ///         if self.0.is_empty() { Err("no plan was loaded") } else { Ok(()) }
+    ///     }
+    /// }
+    ///
+    /// let none = RateLimitLayer::new(MemoryStore::new()).resolver(Loaded(Vec::new()));
+    /// assert_eq!(none.validate(), Err("no plan was loaded".to_owned()));
+    /// let free = PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60))?);
+    /// let one = RateLimitLayer::new(MemoryStore::new()).resolver(Loaded(vec![free.clone()]));
+    /// assert!(one.validate().is_ok());
+    ///
+    /// assert!(free.check_configured().is_ok());
+    /// assert!(PolicySet::unlimited().check_configured().is_err());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     fn check_configured(&self) -> Result<(), &'static str> {
         Ok(())
     }

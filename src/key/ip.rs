@@ -12,6 +12,35 @@ use super::{Key, KeyError, KeyExtractor};
 
 /// Which forwarding header the trusted proxies write. Only one is read: trusting both
 /// would let a client pick the one it forged.
+///
+/// The example reads RFC 7239's `Forwarded` (section 5.2, the `for` parameter): behind a
+/// trusted proxy, the address in its `for=` is the client; the header of a peer that is
+/// not trusted is ignored, and so is `X-Forwarded-For` once `Forwarded` is chosen.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use http::Request;
+/// use tollgate::key::{ClientIp, ForwardedHeader, KeyExtractor};
+///
+/// let ip = ClientIp::behind_proxies(["10.0.0.0/8"])?
+///     .forwarded_header(ForwardedHeader::Forwarded);
+/// let from = |peer: [u8; 4], forwarded: &str| {
+///     let mut request = Request::get("/")
+///         .header("forwarded", forwarded)
+///         .header("x-forwarded-for", "192.0.2.99")
+///         .body(())
+///         .unwrap();
+///     request.extensions_mut().insert(SocketAddr::from((peer, 443)));
+///     ip.extract(&request.into_parts().0).unwrap().to_string()
+/// };
+/// // The trusted proxy 10.0.0.2 vouches for 203.0.113.7 (and X-Forwarded-For is not read).
+/// assert_eq!(from([10, 0, 0, 2], "for=203.0.113.7;proto=https"), "ip:203.0.113.7");
+/// // An IPv6 client is written quoted, in brackets, maybe with a port; grouped by /64.
+/// assert_eq!(from([10, 0, 0, 2], r#"for="[2001:db8:1:2::9]:4711""#), "ip:2001:db8:1:2::/64");
+/// // 198.51.100.5 is no trusted proxy: what it wrote is ignored, it is the client.
+/// assert_eq!(from([198, 51, 100, 5], "for=203.0.113.7"), "ip:198.51.100.5");
+/// # Ok::<(), tollgate::key::InvalidProxy>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ForwardedHeader {
@@ -86,6 +115,31 @@ const MAX_FORWARDED_LINE: usize = 64 * 1024;
 /// // 10.0.0.2 and 10.0.0.3 are trusted; 203.0.113.7 is what they vouch for.
 /// assert_eq!(ip.extract(&parts).unwrap().as_str(), "ip:203.0.113.7");
 /// # Ok::<(), tollgate::key::InvalidProxy>(())
+/// ```
+///
+/// The keys of the socket peer's address: an IPv4 address whole, an IPv6 address by its
+/// /64, an IPv4-mapped IPv6 address as the IPv4 address it maps.
+///
+/// ```
+/// use std::net::SocketAddr;
+/// use http::Request;
+/// use tollgate::key::{ClientIp, KeyExtractor};
+///
+/// let key = |ip: &ClientIp, peer: &str| {
+///     let mut request = Request::get("/").body(()).unwrap();
+///     request.extensions_mut().insert(peer.parse::<SocketAddr>().unwrap());
+///     ip.extract(&request.into_parts().0).unwrap().to_string()
+/// };
+/// let ip = ClientIp::peer();
+/// assert_eq!(key(&ip, "203.0.113.7:40000"), "ip:203.0.113.7");
+/// // Two hosts of one /64 share a budget.
+/// assert_eq!(key(&ip, "[2001:db8:1:2::7]:40000"), "ip:2001:db8:1:2::/64");
+/// assert_eq!(key(&ip, "[2001:db8:1:2:ffff::1]:40000"), "ip:2001:db8:1:2::/64");
+/// assert_eq!(key(&ip, "[::ffff:203.0.113.7]:40000"), "ip:203.0.113.7");
+/// // Grouped otherwise: by /48 and by IPv4 /24.
+/// let wide = ClientIp::peer().ipv6_prefix(48).ipv4_prefix(24);
+/// assert_eq!(key(&wide, "[2001:db8:1:2::7]:40000"), "ip:2001:db8:1::/48");
+/// assert_eq!(key(&wide, "203.0.113.7:40000"), "ip:203.0.113.0/24");
 /// ```
 #[derive(Debug, Clone)]
 pub struct ClientIp {
@@ -175,6 +229,32 @@ impl ClientIp {
     }
 
     /// Reads this forwarding header instead of `X-Forwarded-For`.
+    ///
+    /// With [`ForwardedHeader::Forwarded`], a trusted proxy's element (RFC 7239, section
+    /// 4) names its client in `for=`; an element that hides it (`for=unknown`, an
+    /// obfuscated identifier, RFC 7239 section 6) stops the walk at that proxy, whose
+    /// address is then the key.
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollgate::key::{ClientIp, ForwardedHeader, KeyExtractor};
+    ///
+    /// let ip = ClientIp::behind_proxies(["10.0.0.0/8"])?
+    ///     .forwarded_header(ForwardedHeader::Forwarded);
+    /// let from = |peer: [u8; 4], forwarded: &str| {
+    ///     let mut request = Request::get("/").header("forwarded", forwarded).body(()).unwrap();
+    ///     request.extensions_mut().insert(SocketAddr::from((peer, 443)));
+    ///     ip.extract(&request.into_parts().0).unwrap().to_string()
+    /// };
+    /// // Walked right to left: 10.0.0.3 is trusted, so the element it was sent is read too.
+    /// assert_eq!(from([10, 0, 0, 2], "for=6.6.6.6, for=203.0.113.7, for=10.0.0.3"), "ip:203.0.113.7");
+    /// // A client that talks to the server directly is not believed.
+    /// assert_eq!(from([203, 0, 113, 7], "for=192.0.2.1"), "ip:203.0.113.7");
+    /// // The proxy hides its client: the key is the proxy's.
+    /// assert_eq!(from([10, 0, 0, 2], "for=unknown"), "ip:10.0.0.2");
+    /// # Ok::<(), tollgate::key::InvalidProxy>(())
+    /// ```
     pub fn forwarded_header(mut self, header: ForwardedHeader) -> Self {
         self.header = header;
         self
@@ -184,11 +264,27 @@ impl ClientIp {
     /// is 128, each address its own key).
     ///
     /// ```
-    /// use tollgate::key::ClientIp;
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollgate::key::{ClientIp, KeyExtractor};
     ///
+    /// let key = |ip: &ClientIp, peer: &str| {
+    ///     let mut request = Request::get("/").body(()).unwrap();
+    ///     request.extensions_mut().insert(peer.parse::<SocketAddr>().unwrap());
+    ///     ip.extract(&request.into_parts().0).unwrap().to_string()
+    /// };
     /// // One budget per site (/48) and per IPv4 /24.
-    /// let key = ClientIp::peer().ipv6_prefix(48).ipv4_prefix(24);
-    /// # let _ = key;
+    /// let ip = ClientIp::peer().ipv6_prefix(48).ipv4_prefix(24);
+    /// assert_eq!(key(&ip, "[2001:db8:1:2::7]:1"), "ip:2001:db8:1::/48");
+    /// assert_eq!(key(&ip, "[2001:db8:1:ffff::7]:1"), "ip:2001:db8:1::/48");
+    /// // NAT64 (64:ff9b::/96): the IPv4 host 192.0.2.1, grouped by the IPv4 prefix.
+    /// assert_eq!(key(&ip, "[64:ff9b::c000:201]:1"), "ip:192.0.2.0/24");
+    /// // 6to4 (2002:c000:201::/48 is 192.0.2.1's site).
+    /// assert_eq!(key(&ClientIp::peer(), "[2002:c000:201:1::1]:1"), "ip:192.0.2.1");
+    /// // Teredo: RFC 4380's example, a client at 192.0.2.45 behind the server 65.54.227.120.
+    /// assert_eq!(key(&ClientIp::peer(), "[2001:0:4136:e378:8000:63bf:3fff:fdd2]:1"), "ip:192.0.2.45");
+    /// // Each address its own key: a prefix past 128 is 128.
+    /// assert_eq!(key(&ClientIp::peer().ipv6_prefix(200), "[2001:db8::7]:1"), "ip:2001:db8::7");
     /// ```
     ///
     /// A /64 is one site's subnet, so one host cannot spread over 2^64 keys; but a holder
@@ -216,7 +312,25 @@ impl ClientIp {
     }
 
     /// Groups IPv4 addresses by this prefix length (1 to 32, default 32; a longer one is
-    /// 32). See [`ipv6_prefix`](Self::ipv6_prefix) for an example.
+    /// 32). See [`ipv6_prefix`](Self::ipv6_prefix) for the IPv6 side.
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use http::Request;
+    /// use tollgate::key::{ClientIp, KeyExtractor};
+    ///
+    /// let key = |ip: &ClientIp, peer: [u8; 4]| {
+    ///     let mut request = Request::get("/").body(()).unwrap();
+    ///     request.extensions_mut().insert(SocketAddr::from((peer, 1)));
+    ///     ip.extract(&request.into_parts().0).unwrap().to_string()
+    /// };
+    /// let by_24 = ClientIp::peer().ipv4_prefix(24);
+    /// assert_eq!(key(&by_24, [198, 51, 100, 7]), "ip:198.51.100.0/24");
+    /// assert_eq!(key(&by_24, [198, 51, 100, 250]), "ip:198.51.100.0/24");
+    /// assert_eq!(key(&by_24, [198, 51, 101, 7]), "ip:198.51.101.0/24");
+    /// // 32 (the default), or anything longer: the address itself.
+    /// assert_eq!(key(&ClientIp::peer().ipv4_prefix(40), [198, 51, 100, 7]), "ip:198.51.100.7");
+    /// ```
     ///
     /// # Panics
     ///
@@ -234,7 +348,31 @@ impl ClientIp {
         self.trusted.iter().any(|net| net.contains(&ip))
     }
 
-    /// The client's address, before prefix grouping.
+    /// The client's address, before prefix grouping: the socket peer's, or the one its
+    /// trusted proxies vouch for, with an IPv4-mapped IPv6 address as its IPv4 address.
+    /// An error of kind [`Server`](crate::key::KeyErrorKind::Server) when the request
+    /// carries no peer address.
+    ///
+    /// ```
+    /// use std::net::{IpAddr, SocketAddr};
+    /// use http::Request;
+    /// use tollgate::key::{ClientIp, KeyErrorKind, KeyExtractor};
+    ///
+    /// let ip = ClientIp::behind_proxies(["10.0.0.0/8"])?;
+    /// let mut request = Request::get("/")
+    ///     .header("x-forwarded-for", "2001:db8:1:2::7")
+    ///     .body(())
+    ///     .unwrap();
+    /// request.extensions_mut().insert(SocketAddr::from(([10, 0, 0, 2], 443)));
+    /// let (parts, _) = request.into_parts();
+    /// // The whole address, where the key is its /64.
+    /// assert_eq!(ip.client_addr(&parts).unwrap(), "2001:db8:1:2::7".parse::<IpAddr>().unwrap());
+    /// assert_eq!(ip.extract(&parts).unwrap().as_str(), "ip:2001:db8:1:2::/64");
+    ///
+    /// let (no_peer, _) = Request::get("/").body(()).unwrap().into_parts();
+    /// assert_eq!(ip.client_addr(&no_peer).unwrap_err().kind(), KeyErrorKind::Server);
+    /// # Ok::<(), tollgate::key::InvalidProxy>(())
+    /// ```
     #[inline]
     pub fn client_addr(&self, parts: &Parts) -> Result<IpAddr, KeyError> {
         let Some(peer) = peer_addr(parts) else {

@@ -289,6 +289,31 @@ pub trait KeyExtractor: Send + Sync + 'static {
     /// `Bypass` by network that is given none reads the address
     /// the same way (behind a proxy, the forwarded client's, not the proxy's). `None` by
     /// default.
+    ///
+    /// [`ClientIp`] answers itself; [`or`](KeyExtractorExt::or) and tuples answer with
+    /// the first of their parts that reads an address; the others answer `None`.
+    ///
+    /// ```
+    /// use std::net::{IpAddr, SocketAddr};
+    /// use http::Request;
+    /// use tollgate::key::{ClientIp, HeaderKey, KeyExtractor, KeyExtractorExt, Route};
+    ///
+    /// assert!(HeaderKey::new("x-api-key").client_ip().is_none());
+    /// assert!(Route.client_ip().is_none());
+    ///
+    /// let key = HeaderKey::new("x-api-key").or(ClientIp::behind_proxies(["10.0.0.0/8"])?);
+    /// let found = key.client_ip().expect("the fallback reads the address");
+    /// // It reads the address behind the proxy, as the key does.
+    /// let mut request = Request::get("/")
+    ///     .header("x-forwarded-for", "203.0.113.7")
+    ///     .body(())
+    ///     .unwrap();
+    /// request.extensions_mut().insert(SocketAddr::from(([10, 0, 0, 2], 443)));
+    /// let (parts, _) = request.into_parts();
+    /// assert_eq!(found.client_addr(&parts).unwrap(), IpAddr::from([203, 0, 113, 7]));
+    /// assert!((Route, ClientIp::peer()).client_ip().is_some());
+    /// # Ok::<(), tollgate::key::InvalidProxy>(())
+    /// ```
     fn client_ip(&self) -> Option<&ClientIp> {
         None
     }
@@ -590,6 +615,31 @@ macro_rules! tuple_extractor {
     ($($name:ident),+) => {
         /// A compound key: every extractor must find its part. The key is absent (and a
         /// fallback may be tried) only when no part is invalid and some part is absent.
+        ///
+        /// Each part is written as its length in bytes, `#`, and the part, so no two
+        /// different tuples give one key, whatever separators their parts hold.
+        ///
+        /// ```
+        /// use http::Request;
+        /// use tollgate::key::{self, HeaderKey, KeyExtractor, Route};
+        /// use tollgate::Key;
+        ///
+        /// let (parts, _) = Request::get("/a").body(()).unwrap().into_parts();
+        /// assert_eq!((Route, key::Global).extract(&parts)?.as_str(), "12#route:GET /a6#global");
+        ///
+        /// // Parts that shift a `#` from one to the other still give two keys.
+        /// let fixed = |text: &'static str| key::from_fn(move |_| Ok(Key::new(text)));
+        /// let left = (fixed("a#1"), fixed("b")).extract(&parts)?;
+        /// let right = (fixed("a"), fixed("1#b")).extract(&parts)?;
+        /// assert_eq!(left.as_str(), "3#a#11#b");
+        /// assert_eq!(right.as_str(), "1#a3#1#b");
+        /// assert_ne!(left, right);
+        ///
+        /// // Every part must be found: no API key, no compound key (a missing one).
+        /// let error = (Route, HeaderKey::new("x-api-key")).extract(&parts).unwrap_err();
+        /// assert!(error.is_missing());
+        /// # Ok::<(), tollgate::key::KeyError>(())
+        /// ```
         impl<$($name: KeyExtractor),+> KeyExtractor for ($($name,)+) {
             #[allow(non_snake_case)]
             fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {

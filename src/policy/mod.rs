@@ -81,6 +81,45 @@ pub const MAX_LIMIT: u64 = 999_999_999_999_999;
 /// assert_eq!(upload.unit(), QuotaUnit::ContentBytes);
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
+///
+/// Each unit as a response's `RateLimit-Policy` field states it:
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::key::HeaderKey;
+/// use tollgate::policy::QuotaUnit;
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = RateLimitLayer::new(MemoryStore::new())
+///     .policy(Policy::token_bucket("calls", 100, Rate::per_second(10))?)
+///     .policy(Policy::token_bucket("upload", 10_000_000, Rate::per_second(1_000_000))?
+///         .with_unit(QuotaUnit::ContentBytes))
+///     .policy(Policy::token_bucket("points", 1_000, Rate::per_minute(1_000))?
+///         .with_unit(QuotaUnit::GraphqlPoints))
+///     .policy(Policy::concurrency("inflight", 2)?)
+///     .key(HeaderKey::new("x-api-key"))
+///     .layer(service_fn(|_: Request<()>| async {
+///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+///     }));
+/// let request = Request::get("/").header("x-api-key", "k1").body(())?;
+/// let response = service.oneshot(request).await?;
+/// assert_eq!(
+///     response.headers()["ratelimit-policy"],
+///     concat!(
+///         "\"calls\";q=100;w=10, ",
+///         "\"upload\";q=10000000;w=10;qu=\"content-bytes\", ",
+///         "\"points\";q=1000;w=60;tollgate-qu=\"graphql-points\", ",
+///         "\"inflight\";q=2;qu=\"concurrent-requests\"",
+///     )
+/// );
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum QuotaUnit {
@@ -462,6 +501,44 @@ impl Policy {
     /// `penalty.within()` is blocked (see [`Penalty`]). A blocked key's requests are
     /// answered from the block, 429 with `Retry-After` and `RateLimit` showing the time
     /// left, without touching its other state. A shadow policy's penalty is not applied.
+    ///
+    /// The penalty is checked here: a block or a window outside
+    /// [`MIN_PERIOD`]..=[`MAX_PERIOD`], no denials, or a longest block shorter than the
+    /// first, is an error. Durations are kept in whole microseconds, as the policy's are.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::policy::Penalty;
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let minute = Duration::from_secs(60);
+    /// let api = Policy::token_bucket("api", 2, Rate::per_minute(2))?;
+    /// let strict = api.with_penalty(Penalty::new(2, minute, 5 * minute))?;
+    /// assert_eq!(strict.penalty().map(|penalty| penalty.block()), Some(5 * minute));
+    ///
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// for (key, policy) in [("plain", &api), ("strict", &strict), ("shadow", &strict.shadow())] {
+    ///     let set = PolicySet::from(policy.clone());
+    ///     assert!(store.check(key, &set, 2).is_allowed());
+    ///     store.check(key, &set, 1);
+    ///     let third = store.check(key, &set, 1);
+    ///     match key {
+    ///         // A bucket denies for the 30 seconds a unit takes to come back.
+    ///         "plain" => assert_eq!(third.retry_after(), Some(Duration::from_secs(30))),
+    ///         // The second denial blocks the key for 5 minutes.
+    ///         "strict" => assert_eq!(third.retry_after(), Some(5 * minute)),
+    ///         // A shadow policy denies nothing, and blocks nothing.
+    ///         _ => assert!(third.is_allowed() && !third.is_blocked()),
+    ///     }
+    /// }
+    ///
+    /// let shorter_cap = Penalty::new(2, minute, 5 * minute).doubling_up_to(minute);
+    /// assert!(api.with_penalty(shorter_cap).is_err());
+    /// assert!(api.with_penalty(Penalty::new(0, minute, minute)).is_err());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn with_penalty(&self, penalty: Penalty) -> Result<Policy, PolicyError> {
         let check = Check {
             policy: self.name(),
@@ -635,6 +712,32 @@ impl Policy {
     /// its very end, up to twice the limit can be admitted within one window. For a
     /// tighter bound at a few more counters, see
     /// [`sliding_window_split`](Self::sliding_window_split).
+    ///
+    /// Below, 10 a minute: the first window's 10 are all spent. Halfway through the next
+    /// window the estimate counts half of them, `10 * (1 - 30/60) + 0 = 5`, so 5 more
+    /// fit and a sixth does not; 6 seconds later the estimate is `10 * 0.4 + 5 = 9`,
+    /// and one more fits.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// let api = PolicySet::from(Policy::sliding_window("api", 10, Duration::from_secs(60))?);
+    /// assert!(store.check("k", &api, 10).is_allowed()); // in the window [0 s, 60 s)
+    /// clock.advance(Duration::from_secs(90)); // halfway through [60 s, 120 s)
+    /// let five = store.check("k", &api, 5);
+    /// assert!(five.is_allowed());
+    /// assert_eq!(five.statuses()[0].remaining, 0);
+    /// let sixth = store.check("k", &api, 1);
+    /// assert!(!sixth.is_allowed());
+    /// assert_eq!(sixth.retry_after(), Some(Duration::from_secs(6)));
+    /// clock.advance(Duration::from_secs(6));
+    /// assert!(store.check("k", &api, 1).is_allowed());
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn sliding_window(name: &str, limit: u64, window: Duration) -> Result<Self, PolicyError> {
         Self::sliding_window_split(name, limit, window, 1)
     }

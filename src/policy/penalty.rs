@@ -15,17 +15,39 @@ use std::time::Duration;
 /// `within` without a block. Where that matters, count over a shorter `within` with
 /// fewer denials.
 ///
+/// Below, a login allows one attempt a minute; the third denial within a minute blocks
+/// the key for 5 minutes, the next block is 10 minutes, then 20, 40, and an hour at most:
+///
 /// ```
 /// use std::time::Duration;
+/// use tollgate::clock::ManualClock;
 /// use tollgate::policy::Penalty;
-/// use tollgate::{Policy, Rate};
+/// use tollgate::{MemoryStore, Policy, PolicySet};
 ///
-/// // 10 denials within a minute: blocked 5 minutes, then 10, 20, at most an hour.
-/// let login = Policy::token_bucket("login", 5, Rate::per_minute(5))?.with_penalty(
-///     Penalty::new(10, Duration::from_secs(60), Duration::from_secs(300))
-///         .doubling_up_to(Duration::from_secs(3600)),
-/// )?;
-/// assert!(login.penalty().is_some());
+/// let minute = Duration::from_secs(60);
+/// let clock = ManualClock::new();
+/// let store = MemoryStore::builder().clock(clock.clone()).build();
+/// let login = Policy::fixed_window("login", 1, minute)?
+///     .with_penalty(Penalty::new(3, minute, 5 * minute).doubling_up_to(60 * minute))?;
+/// let login = PolicySet::from(login);
+///
+/// for block in [5, 10, 20, 40, 60, 60] {
+///     assert!(store.check("alice", &login, 1).is_allowed());
+///     // Two denials by the window, the third starts the block.
+///     for _ in 0..2 {
+///         let denied = store.check("alice", &login, 1);
+///         assert!(!denied.is_blocked());
+///         assert_eq!(denied.retry_after(), Some(minute));
+///     }
+///     let blocked = store.check("alice", &login, 1);
+///     assert!(blocked.is_blocked());
+///     assert_eq!(blocked.retry_after(), Some(block * minute));
+///     // Still blocked a second before it ends.
+///     clock.advance(block * minute - Duration::from_secs(1));
+///     let still = store.check("alice", &login, 1);
+///     assert_eq!(still.retry_after(), Some(Duration::from_secs(1)));
+///     clock.advance(Duration::from_secs(1));
+/// }
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -38,7 +60,33 @@ pub struct Penalty {
 
 impl Penalty {
     /// Blocks for `block` after `denials` denials within `within`. Checked when given to
-    /// [`Policy::with_penalty`](super::Policy::with_penalty).
+    /// [`Policy::with_penalty`](super::Policy::with_penalty). Without
+    /// [`doubling_up_to`](Self::doubling_up_to), every block is `block` long.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::policy::Penalty;
+    /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let penalty = Penalty::new(2, Duration::from_secs(10), Duration::from_secs(60));
+    /// assert_eq!(penalty.denials(), 2);
+    /// assert_eq!(penalty.within(), Duration::from_secs(10));
+    /// assert_eq!(penalty.block(), Duration::from_secs(60));
+    /// assert_eq!(penalty.max_block(), Duration::from_secs(60));
+    ///
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// let api = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_second(1))?.with_penalty(penalty)?);
+    /// for _ in 0..3 {
+    ///     assert!(store.check("k", &api, 1).is_allowed());
+    ///     assert!(!store.check("k", &api, 1).is_blocked()); // the first denial
+    ///     let blocked = store.check("k", &api, 1); // the second: a block
+    ///     assert_eq!(blocked.retry_after(), Some(Duration::from_secs(60))); // each time
+    ///     clock.advance(Duration::from_secs(60));
+    /// }
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn new(denials: u64, within: Duration, block: Duration) -> Self {
         Self {
             denials,
@@ -48,7 +96,42 @@ impl Penalty {
         }
     }
 
-    /// Doubles the block on each repeat, up to `max_block`.
+    /// Doubles the block on each repeat, up to `max_block`. A key that stays out of
+    /// trouble for `max_block` after a block ends starts again from the first block.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::policy::Penalty;
+    /// use tollgate::{MemoryStore, Policy, PolicySet};
+    ///
+    /// let minute = Duration::from_secs(60);
+    /// let penalty = Penalty::new(2, minute, 5 * minute).doubling_up_to(15 * minute);
+    /// assert_eq!(penalty.block(), 5 * minute);
+    /// assert_eq!(penalty.max_block(), 15 * minute);
+    ///
+    /// let clock = ManualClock::new();
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// let api = PolicySet::from(Policy::fixed_window("api", 1, minute)?.with_penalty(penalty)?);
+    /// // Spends the minute's request, is denied, then blocked: for how long?
+    /// let block = || {
+    ///     store.check("k", &api, 1);
+    ///     store.check("k", &api, 1);
+    ///     let blocked = store.check("k", &api, 1);
+    ///     assert!(blocked.is_blocked());
+    ///     let wait = blocked.retry_after().unwrap();
+    ///     clock.advance(wait);
+    ///     wait
+    /// };
+    /// assert_eq!(block(), 5 * minute);
+    /// assert_eq!(block(), 10 * minute);
+    /// assert_eq!(block(), 15 * minute); // capped
+    /// assert_eq!(block(), 15 * minute);
+    /// // Out of trouble for 15 minutes: forgiven.
+    /// clock.advance(15 * minute);
+    /// assert_eq!(block(), 5 * minute);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn doubling_up_to(mut self, max_block: Duration) -> Self {
         self.max_block = Some(max_block);
         self

@@ -266,6 +266,49 @@ pub struct Adjustment {
 /// sub-window (which counts in part) no more than would let more through later in that
 /// sub-window than the change says: a grant or a level set there may give back less at
 /// once than asked, never more later.
+///
+/// Each change on a bucket of 100 (refilled an hour, on a clock that stands still), and
+/// a release on an in-flight limit of 1:
+///
+/// ```
+/// use tollgate::clock::ManualClock;
+/// use tollgate::{Adjustment, Change, MemoryStore, Policy, PolicySet, Rate};
+///
+/// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+/// let tokens = PolicySet::from(Policy::token_bucket("tokens", 100, Rate::per_hour(100))?);
+/// let left = |adjustment: Adjustment| store.adjust_now("k", &tokens, &adjustment).statuses()[0].remaining;
+///
+/// // Reserved 40, used 10: 30 come back.
+/// let reserved = store.check("k", &tokens, 40);
+/// let settle = Adjustment::settle(40, 10, reserved.receipt());
+/// assert_eq!(settle.change(), Change::Settle { reserved: 40, actual: 10 });
+/// assert_eq!(left(settle), 90);
+///
+/// // 80 left; reserved 10, used 150: charged 140, past empty; 60 are owed.
+/// let reserved = store.check("k", &tokens, 10);
+/// assert_eq!(left(Adjustment::settle(10, 150, reserved.receipt())), 0);
+/// // A grant pays what is owed first.
+/// assert_eq!(Adjustment::grant(70).change(), Change::Grant { units: 70 });
+/// assert_eq!(left(Adjustment::grant(70)), 10);
+///
+/// // A level set outright, at most the quota.
+/// assert_eq!(Adjustment::set_remaining(25).change(), Change::SetRemaining { remaining: 25 });
+/// assert_eq!(left(Adjustment::set_remaining(25)), 25);
+/// assert_eq!(left(Adjustment::set_remaining(1_000)), 100);
+///
+/// // A release frees an in-flight slot, and leaves rate policies alone.
+/// let inflight = PolicySet::from(Policy::concurrency("inflight", 1)?);
+/// let running = store.check("k", &inflight, 1);
+/// assert!(!store.check("k", &inflight, 1).is_allowed());
+/// let release = Adjustment::release(1, running.receipt());
+/// assert_eq!(release.change(), Change::Release { cost: 1 });
+/// store.adjust_now("k", &inflight, &release);
+/// assert!(store.check("k", &inflight, 1).is_allowed());
+///
+/// // An unbooking names its cost (see `Adjustment::unbook`).
+/// assert_eq!(Adjustment::unbook(3, &running).change(), Change::Unbook { cost: 3 });
+/// # Ok::<(), tollgate::PolicyError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Change {
@@ -450,7 +493,29 @@ impl Adjustment {
         }
     }
 
-    /// Sets each rate policy of a key to `remaining` units left now (at most its quota).
+    /// Sets each rate policy of a key to `remaining` units left now (at most its quota),
+    /// whatever it had: a level above it is charged down, one below given back, and what
+    /// a settle left owing is forgiven.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::builder().clock(ManualClock::new()).build();
+    /// let api = PolicySet::new([
+    ///     Policy::token_bucket("burst", 10, Rate::per_minute(10))?,
+    ///     Policy::fixed_window("daily", 1_000, Duration::from_secs(86_400))?,
+    /// ])?;
+    /// store.check("user-7", &api, 4); // 6 and 996 left
+    /// let set = store.adjust_now("user-7", &api, &Adjustment::set_remaining(8));
+    /// let left: Vec<u64> = set.statuses().iter().map(|status| status.remaining).collect();
+    /// assert_eq!(left, [8, 8]); // given back under one, charged under the other
+    /// let full = store.adjust_now("user-7", &api, &Adjustment::set_remaining(u64::MAX));
+    /// let left: Vec<u64> = full.statuses().iter().map(|status| status.remaining).collect();
+    /// assert_eq!(left, [10, 1_000]); // each at most its quota
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn set_remaining(remaining: u64) -> Self {
         Self {
             change: Change::SetRemaining { remaining },
@@ -484,7 +549,26 @@ impl Adjustment {
         self
     }
 
-    /// What the debit left of each policy, in the set's order (empty: unknown).
+    /// What the debit left of each policy, in the set's order (empty: unknown), as
+    /// [`with_left`](Self::with_left) gave it or [`unbook`](Self::unbook) read it off
+    /// the decision.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Rate};
+    ///
+    /// let store = MemoryStore::new();
+    /// let set = PolicySet::new([
+    ///     Policy::token_bucket("tokens", 100, Rate::per_minute(100))?,
+    ///     Policy::fixed_window("daily", 5_000, Duration::from_secs(86_400))?,
+    /// ])?;
+    /// let reserved = store.check("k", &set, 40);
+    /// let settle = Adjustment::settle(40, 10, reserved.receipt());
+    /// assert!(settle.left_after_debit().is_empty());
+    /// let left = reserved.statuses().iter().map(|status| status.remaining);
+    /// assert_eq!(settle.with_left(left).left_after_debit(), [60, 4_960]);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub fn left_after_debit(&self) -> &[u64] {
         &self.left
     }

@@ -369,6 +369,33 @@ impl Scripts {
 /// and answer are described at the top of `lua/prelude.lua`: a set of one plain policy
 /// (no shadow, no penalty; the sliding window counter with one sub-window) is sent its
 /// state key only and answers its raw state, not its status.
+///
+/// A set of one policy is decided by its algorithm's own script, any other set by
+/// [`MULTI_POLICY_SCRIPT`]; a lone policy the script cannot decide exactly is an error
+/// of kind [`Unsupported`](StoreErrorKind::Unsupported). A set of several is given the
+/// multi-policy script whatever its policies: whether each can be decided exactly is
+/// [`RedisStore::check_policies`]'s to say (the layer calls it when it is built).
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::store::{GCRA_SCRIPT, MULTI_POLICY_SCRIPT, TOKEN_BUCKET_SCRIPT, decision_script};
+/// use tollgate::{Policy, PolicySet, Rate, StoreErrorKind};
+///
+/// let bucket = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(5))?);
+/// assert_eq!(decision_script(&bucket)?, TOKEN_BUCKET_SCRIPT);
+/// let gcra = PolicySet::from(Policy::gcra("api", Rate::per_second(5), 10)?);
+/// assert_eq!(decision_script(&gcra)?, GCRA_SCRIPT);
+/// let both = PolicySet::new([
+///     Policy::token_bucket("burst", 10, Rate::per_second(5))?,
+///     Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?,
+/// ])?;
+/// assert_eq!(decision_script(&both)?, MULTI_POLICY_SCRIPT);
+///
+/// // A trillion units refilled one a day: too large for Lua's doubles.
+/// let huge = PolicySet::from(Policy::token_bucket("huge", 1_000_000_000_000, Rate::per_day(1))?);
+/// assert_eq!(decision_script(&huge).unwrap_err().kind(), StoreErrorKind::Unsupported);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn decision_script(policies: &PolicySet) -> Result<&'static str, StoreError> {
     if let [policy] = &**policies {
         let (kind, ..) = script_args(policy)?;
@@ -1001,23 +1028,88 @@ impl RedisStore {
 
     /// [`connect`](Self::connect), with keys under `prefix`; the start-up check writes
     /// under that prefix too.
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Key, Policy, PolicySet, Rate, Store};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// // An ACL user limited to `shop:*` can run every check and decision.
+    /// let store = RedisStore::connect_with_prefix("redis://shop:s3cret@127.0.0.1:6379", "shop").await?;
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+    /// let (state, _) = store.keys().policy_keys("ip:203.0.113.7", &api);
+    /// assert!(state.starts_with("shop:{ip:203.0.113.7}:"));
+    /// let decision = store.decide(&Key::new("ip:203.0.113.7"), &PolicySet::from(api), 1).await?;
+    /// assert!(decision.is_allowed());
+    /// # Ok(()) }
+    /// ```
     pub async fn connect_with_prefix(url: &str, prefix: &str) -> Result<Self, StoreError> {
         RedisConfig::server(url).prefix(prefix).connect().await
     }
 
     /// Uses a `deadpool_redis` pool you already run. Call [`verify`](Self::verify) once
-    /// at start-up to check the server runs the scripts.
+    /// at start-up to check the server runs the scripts. Nothing connects here: the pool
+    /// opens its connections when decisions need them.
+    ///
+    /// ```
+    /// use deadpool_redis::{Config, Runtime};
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// let pool = Config::from_url("redis://127.0.0.1:6379").create_pool(Some(Runtime::Tokio1))?;
+    /// let store = RedisStore::from_pool(pool);
+    /// // Keys under the default prefix, `tollgate`.
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+    /// assert!(store.keys().policy_keys("user:42", &api).0.starts_with("tollgate:{user:42}:api:"));
+    ///
+    /// // At start-up, once the server can be reached:
+    /// async fn start_up(store: &RedisStore) -> Result<(), tollgate::StoreError> {
+    ///     store.verify().await
+    /// }
+    /// # let _ = start_up;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn from_pool(pool: deadpool_redis::Pool) -> Self {
         Self::with_backend(Backend::Pool(pool))
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port`), then
-    /// [verifies](Self::verify) the scripts run there.
+    /// [verifies](Self::verify) the scripts run there (on every primary).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Key, Policy, PolicySet, Rate, Store};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = RedisStore::connect_cluster(&["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"]).await?;
+    /// // Both policies of one identity are decided in one script, in the identity's slot.
+    /// let policies = PolicySet::new([
+    ///     Policy::token_bucket("burst", 10, Rate::per_second(5))?,
+    ///     Policy::fixed_window("daily", 10_000, Duration::from_secs(86_400))?,
+    /// ])?;
+    /// let decision = store.decide(&Key::new("user:42"), &policies, 1).await?;
+    /// assert!(decision.is_allowed());
+    /// assert_eq!(decision.statuses().len(), 2);
+    /// # Ok(()) }
+    /// ```
     pub async fn connect_cluster<S: AsRef<str>>(nodes: &[S]) -> Result<Self, StoreError> {
         Self::connect_cluster_with_prefix(nodes, DEFAULT_PREFIX).await
     }
 
     /// [`connect_cluster`](Self::connect_cluster), with keys under `prefix`.
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let nodes = ["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"];
+    /// let store = RedisStore::connect_cluster_with_prefix(&nodes, "shop").await?;
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+    /// assert!(store.keys().policy_keys("user:42", &api).0.starts_with("shop:{user:42}:"));
+    /// # Ok(()) }
+    /// ```
     pub async fn connect_cluster_with_prefix<S: AsRef<str>>(
         nodes: &[S],
         prefix: &str,
@@ -1029,7 +1121,23 @@ impl RedisStore {
     }
 
     /// Uses a `deadpool_redis` cluster pool you already run. Call
-    /// [`verify`](Self::verify) once at start-up.
+    /// [`verify`](Self::verify) once at start-up. Nothing connects here.
+    ///
+    /// ```
+    /// use deadpool_redis::Runtime;
+    /// use deadpool_redis::cluster::Config;
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// let nodes = vec!["redis://10.0.0.1:7000".to_owned(), "redis://10.0.0.2:7000".to_owned()];
+    /// let pool = Config::from_urls(nodes).create_pool(Some(Runtime::Tokio1))?;
+    /// let store = RedisStore::from_cluster_pool(pool).prefix("shop");
+    /// // Every key of one identity carries its hash tag: one slot, one script.
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+    /// let (state, aux) = store.keys().policy_keys("user:42", &api);
+    /// assert!(state.starts_with("shop:{user:42}:") && aux.starts_with("shop:{user:42}:"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn from_cluster_pool(pool: deadpool_redis::cluster::Pool) -> Self {
         Self::with_backend(Backend::ClusterPool(pool))
     }
@@ -1037,6 +1145,21 @@ impl RedisStore {
     /// Writes keys under another prefix than `tollgate` (several apps, one Redis). The
     /// start-up check of [`connect`](Self::connect) wrote under the default prefix; with
     /// an ACL limited to your prefix use [`connect_with_prefix`](Self::connect_with_prefix).
+    /// The prefix is escaped as identities are.
+    ///
+    /// ```
+    /// use deadpool_redis::{Config, Runtime};
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Policy, Rate};
+    ///
+    /// let pool = Config::from_url("redis://127.0.0.1:6379").create_pool(Some(Runtime::Tokio1))?;
+    /// let store = RedisStore::from_pool(pool.clone()).prefix("billing");
+    /// let api = Policy::token_bucket("api", 10, Rate::per_second(5))?;
+    /// assert!(store.keys().policy_keys("user:42", &api).0.starts_with("billing:{user:42}:"));
+    /// let spaced = RedisStore::from_pool(pool).prefix("my app");
+    /// assert!(spaced.keys().policy_keys("user:42", &api).0.starts_with("my%20app:{user:42}:"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn prefix(mut self, prefix: &str) -> Self {
         self.keys = RedisKeys::new(prefix);
         self
@@ -1094,6 +1217,28 @@ impl RedisStore {
     /// numbers stay below 2^53). [`RateLimitLayer`](crate::RateLimitLayer) does this when
     /// it is built (through [`Store::validate`]); `decide` reports the same problem as a
     /// store error of kind [`Unsupported`](StoreErrorKind::Unsupported).
+    ///
+    /// No server is needed. A bucket keeps its level as units times the period of one
+    /// unit, so a large capacity refilled slowly is what fails:
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::{Policy, PolicySet, Rate, StoreErrorKind};
+    ///
+    /// let fine = PolicySet::new([
+    ///     Policy::token_bucket("burst", 100, Rate::per_second(10))?,
+    ///     Policy::fixed_window("daily", 999_999_999_999_999, Duration::from_secs(86_400))?,
+    /// ])?;
+    /// assert!(RedisStore::check_policies(&fine).is_ok());
+    ///
+    /// // A trillion units, one a day: 10^12 x 86,400,000,000 µs is past 2^53.
+    /// let slow = PolicySet::from(Policy::token_bucket("slow", 1_000_000_000_000, Rate::per_day(1))?);
+    /// let error = RedisStore::check_policies(&slow).unwrap_err();
+    /// assert_eq!(error.kind(), StoreErrorKind::Unsupported);
+    /// assert!(error.to_string().contains("\"slow\""), "{error}");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn check_policies(policies: &PolicySet) -> Result<(), StoreError> {
         policies
             .iter()
@@ -1108,6 +1253,24 @@ impl RedisStore {
     /// the server's own words, instead of on every request. It first checks that the
     /// server's Lua writes integers in 64 bits (the scripts write times with
     /// `string.format('%d')`; a 32-bit or a Windows build of Redis gets them wrong).
+    ///
+    /// ```no_run
+    /// use deadpool_redis::{Config, Runtime};
+    /// use tollgate::store::RedisStore;
+    /// use tollgate::StoreErrorKind;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let pool = Config::from_url("redis://127.0.0.1:6379").create_pool(Some(Runtime::Tokio1))?;
+    /// let store = RedisStore::from_pool(pool);
+    /// match store.verify().await {
+    ///     Ok(()) => {}
+    ///     // The server answered, and refused (an ACL, a read-only replica): fix the set-up.
+    ///     Err(error) if error.kind() == StoreErrorKind::Refused => return Err(error.into()),
+    ///     // Not reachable yet: start, and let the failure mode answer until it is.
+    ///     Err(error) => assert!(error.kind().is_io(), "{error}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub async fn verify(&self) -> Result<(), StoreError> {
         let probe = PolicySet::new(
             [
@@ -2881,7 +3044,19 @@ impl RedisKeys {
         Self { prefix: escaped }
     }
 
-    /// The hash tag of `identity`, braces included: `{ip:203.0.113.7}`.
+    /// The hash tag of `identity`, braces included: `{ip:203.0.113.7}`. Bytes other than
+    /// `A-Z a-z 0-9 . _ - : / @ + =` are percent-encoded, so no identity closes its tag
+    /// early; the empty identity is `{%}`, since Redis reads `{}` as no tag at all.
+    ///
+    /// ```
+    /// use tollgate::store::RedisKeys;
+    ///
+    /// let keys = RedisKeys::new("app");
+    /// assert_eq!(keys.tag("ip:203.0.113.7"), "{ip:203.0.113.7}");
+    /// assert_eq!(keys.tag("x}{y"), "{x%7D%7By}");
+    /// assert_eq!(keys.tag("user 7"), "{user%207}");
+    /// assert_eq!(keys.tag(""), "{%}");
+    /// ```
     pub fn tag(&self, identity: &str) -> String {
         let mut tag = String::with_capacity(identity.len() + 2);
         tag.push('{');

@@ -20,6 +20,39 @@ use crate::cost::RequestCost;
 use crate::respond::problem as response;
 
 /// The response header that reports a request's computed cost.
+///
+/// It is set on every response of the inner service to a costed request (a limiter's
+/// `429` further in included), at the charge a fixed [`Invalid::Charge`] made too; a
+/// request passed on uncosted (a `GET` that names no operation) and a refusal of this
+/// layer's own carry none.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::cost::graphql::{GRAPHQL_COST, GraphqlCost, GraphqlCostLayer};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let service = GraphqlCostLayer::new(GraphqlCost::new()).layer(service_fn(
+///     |_: Request<Full<Bytes>>| async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::new()))) },
+/// ));
+/// let query = r#"{"query":"{ repos(first: 20) { nodes { name } } }"}"#;
+/// let costed = service.clone().oneshot(Request::post("/graphql").body(Full::from(query))?).await?;
+/// assert_eq!(GRAPHQL_COST.as_str(), "graphql-cost");
+/// assert_eq!(costed.headers()[&GRAPHQL_COST], "21"); // repos 1 + 20 x nodes 1
+///
+/// // The IDE page at the endpoint: no operation, no cost.
+/// let page = service.clone().oneshot(Request::get("/graphql").body(Full::default())?).await?;
+/// assert!(!page.headers().contains_key(&GRAPHQL_COST));
+///
+/// let broken = service.oneshot(Request::post("/graphql").body(Full::from(r#"{"query":"{"}"#))?).await?;
+/// assert_eq!(broken.status(), 400);
+/// assert!(!broken.headers().contains_key(&GRAPHQL_COST));
+/// # Ok(()) }
+/// ```
 pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 
 /// What to do with a request whose cost cannot be computed: a persisted query's hash, a
@@ -31,6 +64,53 @@ pub static GRAPHQL_COST: HeaderName = HeaderName::from_static("graphql-cost");
 /// another, a `documentId` beside a `query`, several operations with no
 /// `operationName` or an empty one) is refused whatever this says: the server would run
 /// it.
+///
+/// The example sends an automatic persisted query's hash without its document, which no
+/// coster can read: [`Reject`](Invalid::Reject) answers it `400`, [`Charge`](Invalid::Charge)
+/// passes it on at the fixed charge. A slicing value out of range is refused under both.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::{BodyExt, Full};
+/// use tower::{Layer, ServiceExt, service_fn};
+/// use tollgate::cost::RequestCost;
+/// use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer, Invalid};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // The inner service answers with the cost it was handed.
+/// let inner = service_fn(|request: Request<Full<Bytes>>| async move {
+///     let cost = request.extensions().get::<RequestCost>().map_or(0, |cost| cost.0);
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(cost.to_string()))))
+/// });
+/// let hash_only = || {
+///     let body = r#"{"extensions":{"persistedQuery":{"version":1,"sha256Hash":"ecf4edb4"}}}"#;
+///     Request::post("/graphql").body(Full::from(body)).unwrap()
+/// };
+/// let out_of_range = || {
+///     let body = r#"{"query":"{ repos(first: 5000) { nodes { name } } }"}"#;
+///     Request::post("/graphql").body(Full::from(body)).unwrap()
+/// };
+///
+/// let reject = GraphqlCostLayer::new(GraphqlCost::new()).layer(inner.clone());
+/// assert_eq!(Invalid::default(), Invalid::Reject);
+/// assert_eq!(reject.clone().oneshot(hash_only()).await?.status(), 400);
+///
+/// let charge = GraphqlCostLayer::new(GraphqlCost::new())
+///     .on_invalid(Invalid::Charge(50))
+///     .layer(inner);
+/// let passed = charge.clone().oneshot(hash_only()).await?;
+/// assert_eq!(passed.status(), 200);
+/// assert_eq!(passed.headers()["graphql-cost"], "50");
+/// assert_eq!(passed.into_body().collect().await?.to_bytes(), "50");
+///
+/// // Read and refused: the server would run it, so no fixed charge stands in.
+/// assert_eq!(reject.oneshot(out_of_range()).await?.status(), 400);
+/// assert_eq!(charge.oneshot(out_of_range()).await?.status(), 400);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum Invalid {
@@ -94,22 +174,60 @@ pub enum Invalid {
 /// matters, put a second [`RateLimitLayer`](crate::RateLimitLayer) that counts requests
 /// outside (before) this layer.
 ///
+/// The example puts the layer in front of a limiter of 100 points a minute: a query of
+/// 60 points is let through and reported in `GraphQL-Cost`, the limiter charges the
+/// [`RequestCost`] it was handed (40 points are left), and the same query again finds
+/// too few. A query with a list size out of range is refused with `400` before the
+/// limiter sees it.
+///
 /// ```
-/// use axum::{Router, routing::post};
-/// use tollgate::cost::FromExtension;
+/// use axum::{Extension, Router, body::Body, routing::post};
+/// use http::Request;
+/// use tower::ServiceExt;
+/// use tollgate::clock::ManualClock;
+/// use tollgate::cost::{FromExtension, RequestCost};
 /// use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer};
 /// use tollgate::key::HeaderKey;
 /// use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};
 ///
-/// let limiter = RateLimitLayer::new(MemoryStore::new())
-///     .policy(Policy::token_bucket("points", 1_000, Rate::per_minute(1_000))?)
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let limiter = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+///     .policy(Policy::token_bucket("points", 100, Rate::per_minute(100))?)
 ///     .key(HeaderKey::new("x-api-key"))
 ///     .cost(FromExtension::or(1));
 /// let app: Router = Router::new()
-///     .route("/graphql", post(|| async { "{}" }))
+///     .route(
+///         "/graphql",
+///         post(|Extension(RequestCost(cost)): Extension<RequestCost>| async move {
+///             format!("costed at {cost}")
+///         }),
+///     )
 ///     .layer(limiter)
 ///     .layer(GraphqlCostLayer::new(GraphqlCost::new())); // runs first
-/// # Ok::<(), tollgate::PolicyError>(())
+/// let request = |query: &str| {
+///     let body = format!(r#"{{"query":"{query}"}}"#);
+///     Request::post("/graphql")
+///         .header("content-type", "application/json")
+///         .header("x-api-key", "k1")
+///         .body(Body::from(body))
+///         .unwrap()
+/// };
+/// // repos 1 + 59 x nodes 1
+/// let query = "{ repos(first: 59) { nodes { name } } }";
+///
+/// let first = app.clone().oneshot(request(query)).await?;
+/// assert_eq!(first.status(), 200);
+/// assert_eq!(first.headers()["graphql-cost"], "60");
+/// assert!(first.headers()["ratelimit"].to_str()?.starts_with("\"points\";r=40;"));
+///
+/// let second = app.clone().oneshot(request(query)).await?;
+/// assert_eq!(second.status(), 429);
+///
+/// let refused = app.oneshot(request("{ repos(first: 500) { nodes { name } } }")).await?;
+/// assert_eq!(refused.status(), 400);
+/// assert!(!refused.headers().contains_key("ratelimit")); // the limiter never saw it
+/// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct GraphqlCostLayer {
@@ -139,13 +257,72 @@ impl GraphqlCostLayer {
         Arc::make_mut(&mut self.config)
     }
 
-    /// The largest body read (default 1 MiB); larger bodies get `413`.
+    /// The largest body read (default 1 MiB); larger bodies get `413`, whatever
+    /// [`on_invalid`](Self::on_invalid) says, and are not handed on.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer, Invalid};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = GraphqlCostLayer::new(GraphqlCost::new())
+    ///     .max_body(64)
+    ///     .on_invalid(Invalid::Charge(10))
+    ///     .layer(service_fn(|_: Request<Full<Bytes>>| async {
+    ///         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    ///     }));
+    /// let post = |body: String| Request::post("/graphql").body(Full::from(body)).unwrap();
+    ///
+    /// let small = format!(r#"{{"query":"{{ a }}"}}"#); // 17 bytes
+    /// assert_eq!(service.clone().oneshot(post(small)).await?.status(), 200);
+    /// let large = format!(r#"{{"query":"{{ a }}{}"}}"#, " ".repeat(60)); // 77 bytes
+    /// assert_eq!(service.oneshot(post(large)).await?.status(), 413);
+    /// # Ok(()) }
+    /// ```
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.config_mut().max_body = bytes;
         self
     }
 
-    /// What to do with a request that cannot be costed (default: `400`).
+    /// What to do with a request that cannot be costed (default: `400`); see [`Invalid`].
+    ///
+    /// A multipart upload (GraphQL's file uploads) is one: the layer does not read it.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer, Invalid};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let inner = service_fn(|_: Request<Full<Bytes>>| async {
+    ///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+    /// });
+    /// let upload = || {
+    ///     Request::post("/graphql")
+    ///         .header("content-type", "multipart/form-data; boundary=b")
+    ///         .body(Full::from("--b\r\nContent-Disposition: form-data; name=\"operations\"\r\n\r\n..."))
+    ///         .unwrap()
+    /// };
+    /// let strict = GraphqlCostLayer::new(GraphqlCost::new()).layer(inner.clone());
+    /// assert_eq!(strict.oneshot(upload()).await?.status(), 400);
+    ///
+    /// let lenient = GraphqlCostLayer::new(GraphqlCost::new())
+    ///     .on_invalid(Invalid::Charge(25))
+    ///     .layer(inner);
+    /// let response = lenient.oneshot(upload()).await?;
+    /// assert_eq!(response.status(), 200);
+    /// assert_eq!(response.headers()["graphql-cost"], "25");
+    /// # Ok(()) }
+    /// ```
     pub fn on_invalid(mut self, invalid: Invalid) -> Self {
         self.config_mut().invalid = invalid;
         self

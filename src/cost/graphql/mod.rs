@@ -59,6 +59,26 @@ pub enum OutOfRange {
     /// below it (many servers read a negative or zero limit as no limit at all), or
     /// missing. Choose it only when the server clamps slicing values to the same range
     /// (or refuses them): a value it runs as given is charged only the cap.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::{CostError, GraphqlCost, OutOfRange};
+    ///
+    /// let capped = GraphqlCost::new().slice_range(1, 100, OutOfRange::Cap);
+    /// // Charged as 100 whether 5000, 0 or -1 is asked for: repos 1 + 100 x nodes 1.
+    /// for first in ["5000", "0", "-1"] {
+    ///     let query = format!("{{ repos(first: {first}) {{ nodes {{ id }} }} }}");
+    ///     assert_eq!(capped.query_cost(&query, None, None)?, 101);
+    /// }
+    /// // Within the range, as given.
+    /// assert_eq!(capped.query_cost("{ repos(first: 7) { nodes { id } } }", None, None)?, 8);
+    ///
+    /// // The default refuses it.
+    /// assert!(matches!(
+    ///     GraphqlCost::new().query_cost("{ repos(first: 5000) { nodes { id } } }", None, None),
+    ///     Err(CostError::Slicing { value: Some(5000), min: 1, max: 100, .. })
+    /// ));
+    /// # Ok::<(), CostError>(())
+    /// ```
     Cap,
 }
 
@@ -291,7 +311,20 @@ impl GraphqlCost {
         Ok(self)
     }
 
-    /// The argument names that size a list (default `first`, `last`, `limit`).
+    /// The argument names that size a list (default `first`, `last`, `limit`). The list
+    /// replaces the default one: a name left out no longer sizes a list.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// let coster = GraphqlCost::new().slicing_arguments(["take", "pageSize"]);
+    /// // repos 1 + 20 x nodes 1
+    /// assert_eq!(coster.query_cost("{ repos(take: 20) { nodes { id } } }", None, None)?, 21);
+    /// assert_eq!(coster.query_cost("{ repos(pageSize: 30) { nodes { id } } }", None, None)?, 31);
+    /// // `first` is an argument like any other now: repos 1 + nodes 1.
+    /// assert_eq!(coster.query_cost("{ repos(first: 20) { nodes { id } } }", None, None)?, 2);
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
     pub fn slicing_arguments<I: IntoIterator<Item = S>, S: Into<String>>(
         mut self,
         names: I,
@@ -357,7 +390,19 @@ impl GraphqlCost {
         self
     }
 
-    /// The most operations in one batched request (default 10).
+    /// The most operations in one batched request (default 10). A batch is a JSON array
+    /// of requests; their costs are summed.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::{CostError, GraphqlCost};
+    ///
+    /// let coster = GraphqlCost::new().max_batch(2);
+    /// let two = br#"[{"query":"{ a { b } }"}, {"query":"{ c(first: 5) { d { e } } }"}]"#;
+    /// assert_eq!(coster.json_cost(two)?, 1 + (1 + 5));
+    /// let three = br#"[{"query":"{ a }"}, {"query":"{ a }"}, {"query":"{ a }"}]"#;
+    /// assert_eq!(coster.json_cost(three), Err(CostError::Batch { count: 3, max: 2 }));
+    /// # Ok::<(), CostError>(())
+    /// ```
     pub fn max_batch(mut self, max: usize) -> Self {
         self.max_batch = max;
         self

@@ -82,12 +82,37 @@ impl RedisConfig {
     }
 
     /// One server: `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS
-    /// (feature `tls`).
+    /// (feature `tls`). Nothing connects until [`connect`](Self::connect).
+    ///
+    /// ```
+    /// use tollgate::store::RedisConfig;
+    ///
+    /// let config = RedisConfig::server("redis://app:s3cret@127.0.0.1:6379/2").prefix("shop");
+    /// assert_eq!(config.describe(), "redis://app:***@127.0.0.1:6379/2");
+    ///
+    /// // Then, at start-up:
+    /// async fn start_up(config: RedisConfig) -> Result<(), tollgate::StoreError> {
+    ///     let store = config.connect().await?; // connects and verifies
+    ///     assert_eq!(store.keys().tag("k"), "{k}");
+    ///     Ok(())
+    /// }
+    /// # let _ = start_up;
+    /// ```
     pub fn server(url: impl Into<String>) -> Self {
         Self::with_target(Target::Server(url.into()))
     }
 
     /// A Redis Cluster, reached through any of its nodes (`redis://` or `rediss://`).
+    ///
+    /// ```
+    /// use tollgate::store::RedisConfig;
+    ///
+    /// let config = RedisConfig::cluster(["redis://10.0.0.1:7000", "redis://:pw@10.0.0.2:7000"]);
+    /// assert_eq!(
+    ///     config.describe(),
+    ///     "Cluster through redis://10.0.0.1:7000, redis://:***@10.0.0.2:7000"
+    /// );
+    /// ```
     pub fn cluster<I, S>(nodes: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -257,7 +282,23 @@ impl RedisConfig {
     }
 
     /// Trusts this root certificate (PEM) for `rediss://` connections instead of the
-    /// system's: a private CA. Feature `tls`.
+    /// system's: a private CA. Feature `tls`. It serves a Cluster's nodes, and the
+    /// sentinels and the primary they name, alike.
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisConfig;
+    /// use tollgate::{Key, Policy, PolicySet, Rate, Store};
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let ca = std::fs::read("/etc/redis/tls/ca.pem")?;
+    /// let store = RedisConfig::server("rediss://redis.internal:6380")
+    ///     .root_certificate_pem(ca)
+    ///     .connect()
+    ///     .await?;
+    /// let api = PolicySet::from(Policy::token_bucket("api", 10, Rate::per_second(5))?);
+    /// assert!(store.decide(&Key::new("k"), &api, 1).await?.is_allowed());
+    /// # Ok(()) }
+    /// ```
     #[cfg(feature = "tls")]
     pub fn root_certificate_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.root_certificate = Some(pem.into());
