@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::routing::get;
 use http::Request;
 use support::Flaky;
-use tollgate::key::Global;
+use tollgate::key::{Global, KeyExtractorExt};
 use tollgate::{MemoryStore, Policy, RateLimitLayer};
 use tower::ServiceExt;
 use tracing::field::{Field, Visit};
@@ -1017,6 +1017,60 @@ fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() 
         .collect();
     assert_eq!(errors.len(), 1, "{events:?}");
     assert!(errors[0].contains("bypass"), "{errors:?}");
+}
+
+/// `ExtensionKey::new(..).or(ClientIp::peer())` keys signed-in requests by account and
+/// the others by address. An auth middleware added before the limiter runs after it, so
+/// no request ever has its extension: every account silently became an address (users
+/// behind one NAT sharing a quota, a user with many addresses multiplying it), hidden
+/// behind the fallback. Said once at warn level when a hundred requests in a row from the
+/// start fell back for want of what the server sets; not once one has had it.
+#[test]
+fn a_fallback_that_stands_in_for_every_request_is_warned_of_once() {
+    #[derive(Clone)]
+    struct AccountFromAuth(u64);
+    let key = || {
+        tollgate::key::ExtensionKey::new("account", |account: &AccountFromAuth| {
+            account.0.to_string()
+        })
+        .or(Global)
+    };
+    let layer = |key| {
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 1_000, Duration::from_secs(3600)).unwrap())
+            .key(key)
+    };
+    let misordered = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer(key()));
+    let (answers, events) = recorded(&misordered, 250);
+    assert!(answers.iter().all(|(status, _)| *status == 200));
+    let warnings: Vec<_> = events
+        .iter()
+        .filter(|event| event.starts_with("WARN "))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{events:?}");
+    assert!(warnings[0].contains("AccountFromAuth"), "{warnings:?}");
+
+    // One request had it: the middleware runs first, and the others are anonymous.
+    let ordered = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer(key()))
+        .layer(axum::middleware::map_request(
+            |mut request: Request<Body>| async move {
+                static FIRST: AtomicBool = AtomicBool::new(true);
+                if FIRST.swap(false, Ordering::Relaxed) {
+                    request.extensions_mut().insert(AccountFromAuth(7));
+                }
+                request
+            },
+        ));
+    let (_, events) = recorded(&ordered, 250);
+    let warnings = events
+        .iter()
+        .filter(|event| event.starts_with("WARN "))
+        .count();
+    assert_eq!(warnings, 0, "{events:?}");
 }
 
 /// The layer's default key is the socket peer. Behind a proxy (a load balancer, an

@@ -371,6 +371,7 @@ pub trait KeyExtractorExt: KeyExtractor + Sized {
         FirstOf {
             first: self,
             fallback,
+            unseen: Arc::default(),
         }
     }
 }
@@ -399,17 +400,78 @@ impl<T: KeyExtractor> KeyExtractorExt for T {}
 /// assert_eq!(key.extract(&request(None))?.as_str(), "ip:203.0.113.7");
 /// # Ok::<(), tollgate::key::KeyError>(())
 /// ```
+///
+/// A first extractor whose key is missing for want of what the server sets (an
+/// `ExtensionKey` whose middleware runs after the limiter: in axum, a layer added before
+/// the limiter's) would key every request by the fallback, with no error anywhere: when
+/// the first hundred requests all fall back so, and none had the first key, it is said
+/// once at warn level.
 #[derive(Debug, Clone)]
 pub struct FirstOf<A, B> {
     first: A,
     fallback: B,
+    unseen: Arc<Unseen>,
+}
+
+/// Whether a [`FirstOf`]'s first key has ever been found, and how many requests fell back
+/// for want of what the server sets before it was.
+#[derive(Debug, Default)]
+struct Unseen {
+    found: std::sync::atomic::AtomicBool,
+    missed: std::sync::atomic::AtomicU32,
+}
+
+/// Requests in a row from the start that fell back for want of what the server sets,
+/// none with the first key, after which that is said.
+const SAY_UNSEEN_AFTER: u32 = 100;
+
+impl Unseen {
+    #[inline]
+    fn found(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        // One load once it is known: no write to a shared line per request.
+        if !self.found.load(Relaxed) {
+            self.found.store(true, Relaxed);
+        }
+    }
+
+    #[cold]
+    fn missed(&self, error: &KeyError) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.found.load(Relaxed) || self.missed.load(Relaxed) >= SAY_UNSEEN_AFTER {
+            return;
+        }
+        if self.missed.fetch_add(1, Relaxed) + 1 == SAY_UNSEEN_AFTER {
+            #[cfg(feature = "tracing")]
+            tracing::warn!(
+                target: "tollgate",
+                %error,
+                "the first {SAY_UNSEEN_AFTER} requests had no key of the first extractor of an \
+                 `or`, for want of what the server sets, and were keyed by the fallback: if \
+                 the middleware that sets it runs after the rate limiter (in axum, a layer \
+                 added before the limiter's), every request is keyed by the fallback; add it \
+                 after the limiter's layer (said once)"
+            );
+            #[cfg(not(feature = "tracing"))]
+            let _ = error;
+        }
+    }
 }
 
 impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for FirstOf<A, B> {
     fn extract(&self, parts: &Parts) -> Result<Key, KeyError> {
         match self.first.extract(parts) {
-            Err(error) if error.is_missing() => self.fallback.extract(parts),
-            found_or_invalid => found_or_invalid,
+            Ok(key) => {
+                self.unseen.found();
+                Ok(key)
+            }
+            Err(error) if error.is_missing() => {
+                if error.kind() == KeyErrorKind::Server {
+                    self.unseen.missed(&error);
+                }
+                self.fallback.extract(parts)
+            }
+            invalid => invalid,
         }
     }
 
