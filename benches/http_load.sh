@@ -15,6 +15,8 @@
 #   benches/http_load.sh                 # 7 rounds x 3 s per variant
 #   ROUNDS=5 DURATION=10 benches/http_load.sh
 #   VARIANTS="none tollgate tollgate-redis" benches/http_load.sh   # adds a redis-server
+#   OUTER=1 VARIANTS="none static-headers governor tollgate" benches/http_load.sh
+#       # each limiter around the whole router (before routing), not by Router::layer
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

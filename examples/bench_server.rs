@@ -7,6 +7,9 @@
 //! LIMIT=20000 LEASE=0 REDIS_URL=... cargo run --release --features redis --example bench_server -- tollgate-fleet
 //! ```
 //!
+//! `OUTER=1` puts the limiter around the whole router (before routing) instead of adding
+//! it with `Router::layer` (for `none`, `tollgate`, `governor` and `static-headers`).
+//!
 //! `tollgate-fleet` is one replica of the fleet benchmark (`benches/fleet.sh`): one quota
 //! shared by every replica through Redis (`REDIS_URL`, `REDIS_CLUSTER` or Sentinel, as
 //! `RedisConfig::from_env` reads them), a bucket of `LIMIT` that does not refill during
@@ -47,6 +50,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new().route("/", get(|| async { "hello" }));
+    if std::env::var("OUTER").is_ok_and(|outer| outer == "1") {
+        return serve_around(variant, port, app).await;
+    }
     let app = match variant.as_str() {
         "none" => app,
         "tollgate" => app.layer(RateLimitLayer::new(MemoryStore::new()).policy(
@@ -158,6 +164,85 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
     )
     .await?;
     Ok(())
+}
+
+/// `OUTER=1`: the limiter wraps the whole router (`layer.layer(router)`), so it runs
+/// before routing, as a `tower::ServiceBuilder` stack in front of the router does, rather
+/// than inside each route (`Router::layer`, which axum boxes and clones per route and
+/// request). Keys and costs see no `MatchedPath` then (neither limiter here reads one).
+async fn serve_around(
+    variant: String,
+    port: u16,
+    app: Router,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use axum::http::{HeaderName, HeaderValue};
+    use tower::Layer;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!(
+        "{variant} (around the router) listening on {}",
+        listener.local_addr()?
+    );
+    match variant.as_str() {
+        "none" => around(listener, app).await?,
+        "tollgate" => {
+            let layer = RateLimitLayer::new(MemoryStore::new()).policy(Policy::token_bucket(
+                "api",
+                1_000_000_000,
+                Rate::per_second(1_000_000_000),
+            )?);
+            around(listener, layer.layer(app)).await?;
+        }
+        "governor" => {
+            let config = GovernorConfigBuilder::default()
+                .period(Duration::from_nanos(1))
+                .burst_size(1_000_000_000)
+                .use_headers()
+                .finish()
+                .ok_or("invalid tower_governor config")?;
+            around(listener, GovernorLayer::new(Arc::new(config)).layer(app)).await?;
+        }
+        "static-headers" => {
+            let policy = HeaderValue::from_static("\"api\";q=1000000000;w=1");
+            let rate = HeaderValue::from_static("\"api\";r=999999999;t=1");
+            let layer = tower::util::MapResponseLayer::new(
+                move |mut response: axum::response::Response| {
+                    let headers = response.headers_mut();
+                    headers.append(HeaderName::from_static("ratelimit-policy"), policy.clone());
+                    headers.append(HeaderName::from_static("ratelimit"), rate.clone());
+                    response
+                },
+            );
+            around(listener, layer.layer(app)).await?;
+        }
+        other => {
+            return Err(format!(
+                "OUTER=1 runs none, tollgate, governor or static-headers, not {other:?}"
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Serves `service` (the router with a layer around it) with the peer address recorded.
+async fn around<S>(listener: tokio::net::TcpListener, service: S) -> std::io::Result<()>
+where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send,
+{
+    use axum::ServiceExt;
+    axum::serve(
+        listener,
+        service.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
 }
 
 /// A body that is only another type around axum's.
