@@ -152,19 +152,25 @@ where
         if config.marks_cost {
             crate::cost::handed(&parts);
         }
+        // A network bypass that could read no address: said once the key is known, so
+        // that a key that fails for the same want (the peer address) says it alone.
+        let mut unread = None;
         if let Some(bypass) = &config.bypass {
             match bypass.before_key(&parts) {
                 Ok(Some(reason)) => {
                     return bypassed(&mut self.inner, Request::from_parts(parts, body), reason);
                 }
                 Ok(None) => {}
-                Err(error) => telemetry::bypass_without_address(&error),
+                Err(error) => unread = Some(error),
             }
         }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,
             Err(error) => return self.without_key(Request::from_parts(parts, body), &error),
         };
+        if let Some(error) = unread {
+            telemetry::bypass_without_address(&error);
+        }
         if config.bypass.is_some()
             && let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key))
         {

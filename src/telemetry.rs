@@ -4,7 +4,7 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `tollgate_decisions_total` | counter | `policy`, `outcome`: `allowed`, `denied` (this policy denied), `passed` (another policy denied), `cost_exceeds_limit`, `shadow_denied` (a shadow policy, or a policy of a shadow layer, would have denied) |
-//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong; also a network bypass that can read no address, whose requests are limited); a shadow layer's too, which it lets through |
+//! | `tollgate_key_errors_total` | counter | `kind`: `client` (answered `400`), `server` (answered `500`: the server is set up wrong; also a network bypass that can read no address for a request whose key was found, which is then decided); a shadow layer's too, which it lets through |
 //! | `tollgate_key_missing_allowed_total` | counter | `kind`: requests without a key let through by `MissingKey::Allow` (`server`: what is missing is the server's to set) |
 //! | `tollgate_store_errors_total` | counter | `kind`: `unavailable`, `timeout`, `protocol`, `refused`, `unsupported`, `other` |
 //! | `tollgate_store_skipped_total` | counter | (the circuit breaker was open) |
@@ -425,23 +425,28 @@ pub(crate) fn settle_unreadable(header: &http::HeaderName) {
 }
 
 /// A network bypass that cannot read the client's address because the server records
-/// none (no peer address): it never matches, so every request it should let through is
-/// limited. The server's set-up, as a key's missing peer is: counted with the key errors
-/// (`kind="server"`) and logged at error level once per reason.
+/// none (no peer address), for a request whose key was found all the same (a key that
+/// reads no address, an API key): the bypass never matches, so every request it should
+/// let through is decided. The server's set-up, as a key's missing peer is: counted with
+/// the key errors (`kind="server"`) and logged at error level once per process (a lock-free
+/// check: such a server meets it on every request).
 #[cold]
 pub(crate) fn bypass_without_address(error: &crate::key::KeyError) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static SAID: AtomicBool = AtomicBool::new(false);
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_key_errors_total", "kind" => "server").increment(1);
-    if first_reason(&format!("bypass: {error}")) {
-        #[cfg(feature = "tracing")]
-        tracing::error!(
-            target: "tollgate",
-            %error,
-            "a network bypass cannot read the client's address: no request skips limiting \
-             by network until the server records it (logged once per reason, again every 10 \
-             minutes while it goes on; counted in tollgate_key_errors_total)"
-        );
+    if SAID.load(Ordering::Relaxed) || SAID.swap(true, Ordering::Relaxed) {
+        return;
     }
+    #[cfg(feature = "tracing")]
+    tracing::error!(
+        target: "tollgate",
+        %error,
+        "a network bypass cannot read the client's address: no request skips limiting by \
+         network until the server records it (said once; counted in \
+         tollgate_key_errors_total)"
+    );
     #[cfg(not(feature = "tracing"))]
     let _ = error;
 }

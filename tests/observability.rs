@@ -449,6 +449,29 @@ fn key_errors_are_counted_by_kind() {
     });
 }
 
+/// A request with no peer address meets a network bypass and a key that both read it
+/// (the layer's default key): one cause, one 500, counted once. (The bypass's own count
+/// was added beside the key's.)
+#[test]
+fn a_missing_peer_met_by_the_bypass_and_the_key_is_counted_once() {
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap())
+            .bypass(tollgate::bypass::Bypass::new().network("10.0.0.0/8")),
+    );
+    let seen = metrics_of(async move {
+        for _ in 0..3 {
+            let request = Request::get("/").body(Body::empty()).unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        }
+    });
+    assert_eq!(
+        counter(&seen, "tollgate_key_errors_total", &[("kind", "server")]),
+        3
+    );
+}
+
 /// An actual cost a response states unreadably (`x-used: abc`) keeps the reservation:
 /// each one is counted, so that a settle that never happens is seen.
 #[test]

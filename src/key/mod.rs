@@ -405,7 +405,8 @@ impl<T: KeyExtractor> KeyExtractorExt for T {}
 /// `ExtensionKey` whose middleware runs after the limiter: in axum, a layer added before
 /// the limiter's) would key every request by the fallback, with no error anywhere: when
 /// the first hundred requests all fall back so, and none had the first key, it is said
-/// once at warn level.
+/// once at warn level, as a possibility (an app whose first hundred requests are
+/// anonymous hears it too).
 #[derive(Debug, Clone)]
 pub struct FirstOf<A, B> {
     first: A,
@@ -447,10 +448,12 @@ impl Unseen {
                 target: "tollgate",
                 %error,
                 "the first {SAY_UNSEEN_AFTER} requests had no key of the first extractor of an \
-                 `or`, for want of what the server sets, and were keyed by the fallback: if \
-                 the middleware that sets it runs after the rate limiter (in axum, a layer \
-                 added before the limiter's), every request is keyed by the fallback; add it \
-                 after the limiter's layer (said once)"
+                 `or`, for want of what the server sets, and were keyed by the fallback. If \
+                 requests that should have it (signed-in ones) were among them, the \
+                 middleware that sets it runs after the rate limiter and every request is \
+                 keyed by the fallback: make it run first (with axum's Router::layer, add it \
+                 after the limiter's layer; in a ServiceBuilder, before it). Anonymous \
+                 traffic alone needs nothing (said once)"
             );
             #[cfg(not(feature = "tracing"))]
             let _ = error;
