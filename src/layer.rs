@@ -783,17 +783,45 @@ impl<St, K, C, R> RateLimitLayer<St, K, C, R> {
     /// empty if need be: the excess is owed). The response's rate-limit headers show the
     /// settled state. See [`crate::settle`].
     ///
+    /// Here each request reserves 10 rows of a bucket of 100 (one row back every 36 s),
+    /// and the handler reports 150: the first response shows the bucket empty, the 50
+    /// past it owed, and the next request waits until the owed 50 and its own 10 have
+    /// refilled (60 rows, 2,160 s):
+    ///
     /// ```
-    /// use tollgate::cost::FromExtension;
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
     /// use tollgate::settle::Settle;
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
     ///
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
-    ///     .policy(Policy::token_bucket("rows", 10_000, Rate::per_minute(10_000))?)
-    ///     .cost(FromExtension::or(100))
-    ///     .settle(Settle::from_extension().refund_if(|status| status.as_u16() == 503));
-    /// # let _ = layer;
-    /// # Ok::<(), tollgate::PolicyError>(())
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("rows", 100, Rate::per_hour(100))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(10)
+    ///     .settle(Settle::from_header("x-rows"))
+    ///     .layer(service_fn(|_: Request<()>| async {
+    ///         let mut response = Response::new(Full::new(Bytes::new()));
+    ///         response.headers_mut().insert("x-rows", 150.into());
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let call = || {
+    ///     let request = Request::get("/export").header("x-api-key", "team-a").body(()).unwrap();
+    ///     service.clone().oneshot(request)
+    /// };
+    /// let first = call().await?;
+    /// assert_eq!(first.status(), StatusCode::OK);
+    /// assert_eq!(first.headers()["ratelimit"], "\"rows\";r=0;t=1836");
+    /// let next = call().await?;
+    /// assert_eq!(next.status(), StatusCode::TOO_MANY_REQUESTS);
+    /// assert_eq!(next.headers()["retry-after"], "2160");
+    /// # Ok(()) }
     /// ```
     pub fn settle(mut self, settle: Settle) -> Self {
         self.settle = Some(settle);

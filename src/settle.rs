@@ -249,12 +249,46 @@ impl Settle {
     /// Keeps every reservation as charged: only refunds ([`refund_if`](Self::refund_if))
     /// change it.
     ///
-    /// ```
-    /// use tollgate::settle::Settle;
+    /// Here each request reserves 10 units: an answered one keeps them, and one the
+    /// upstream failed (`503`) is refunded:
     ///
-    /// // Requests the upstream failed do not count.
-    /// let settle = Settle::reserved().refund_if(|status| matches!(status.as_u16(), 502 | 503));
-    /// # let _ = settle;
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("api", 100, Rate::per_hour(100))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(10)
+    ///     .settle(Settle::reserved().refund_if(|status| matches!(status.as_u16(), 502 | 503)))
+    ///     .layer(service_fn(|request: Request<()>| async move {
+    ///         // `/down` answers as an upstream that is down would; any other path, 200.
+    ///         let mut response = Response::new(Full::new(Bytes::new()));
+    ///         if request.uri().path() == "/down" {
+    ///             *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    ///         }
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let call = |path: &'static str| {
+    ///     let request = Request::get(path).header("x-api-key", "team-a").body(()).unwrap();
+    ///     service.clone().oneshot(request)
+    /// };
+    /// // Answered: the 10 reserved stay spent.
+    /// assert_eq!(call("/search").await?.headers()["ratelimit"], "\"api\";r=90;t=36");
+    /// // The upstream was down: the 10 go back.
+    /// let down = call("/down").await?;
+    /// assert_eq!(down.status(), StatusCode::SERVICE_UNAVAILABLE);
+    /// assert_eq!(down.headers()["ratelimit"], "\"api\";r=90;t=36");
+    /// # Ok(()) }
     /// ```
     pub fn reserved() -> Self {
         Self {
@@ -274,11 +308,46 @@ impl Settle {
     /// If `name` is not a valid header name: a programming error caught at start-up.
     /// [`try_from_header`](Self::try_from_header) returns the error instead.
     ///
-    /// ```
-    /// use tollgate::settle::Settle;
+    /// Here each request reserves 100 tokens, and the handler reports in `x-tokens-used`
+    /// what the request's `x-used` says it used:
     ///
-    /// let settle = Settle::from_header("X-Tokens-Used");
-    /// # let _ = settle;
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("tokens", 1_000, Rate::per_hour(1_000))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(100)
+    ///     .settle(Settle::from_header("X-Tokens-Used")) // the response's is lowercase
+    ///     .layer(service_fn(|request: Request<()>| async move {
+    ///         let mut response = Response::new(Full::new(Bytes::new()));
+    ///         let used = request.headers()["x-used"].clone();
+    ///         response.headers_mut().insert("x-tokens-used", used);
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let call = |used: &'static str| {
+    ///     let request = Request::post("/v1/complete").header("x-api-key", "team-a");
+    ///     service.clone().oneshot(request.header("x-used", used).body(()).unwrap())
+    /// };
+    /// // Used 40 of the 100 reserved: 60 go back.
+    /// assert_eq!(call("40").await?.headers()["ratelimit"], "\"tokens\";r=960;t=4");
+    /// // Used 150: the 50 past the reservation are charged.
+    /// assert_eq!(call("150").await?.headers()["ratelimit"], "\"tokens\";r=810;t=4");
+    /// // Two values folded into one: the larger, 70, is the cost.
+    /// assert_eq!(call("20, 70").await?.headers()["ratelimit"], "\"tokens\";r=740;t=4");
+    /// // Not digits only: the 100 reserved stand.
+    /// assert_eq!(call("7.5").await?.headers()["ratelimit"], "\"tokens\";r=640;t=4");
+    /// # Ok(()) }
     /// ```
     pub fn from_header(name: &str) -> Self {
         Self::try_from_header(name).unwrap_or_else(|error| panic!("{error}"))
@@ -343,15 +412,57 @@ impl Settle {
     /// The actual cost is what `f` reads from the response head (`None` keeps the
     /// reservation).
     ///
-    /// ```
-    /// use tollgate::settle::Settle;
+    /// Here each request reserves 50 rows; the closure reads the status and the headers:
+    /// a `304 Not Modified` costs 1 row, any other response the rows the handler counted
+    /// in `x-rows`, and one without a count keeps the 50:
     ///
-    /// // Rows returned, counted by the handler in a header; at least 1.
-    /// let settle = Settle::from_fn(|head| {
-    ///     let rows = head.headers().get("x-rows")?.to_str().ok()?.parse::<u64>().ok()?;
-    ///     Some(rows.max(1))
-    /// });
-    /// # let _ = settle;
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("rows", 1_000, Rate::per_hour(1_000))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(50)
+    ///     .settle(Settle::from_fn(|head| {
+    ///         if head.status() == StatusCode::NOT_MODIFIED {
+    ///             return Some(1);
+    ///         }
+    ///         head.headers().get("x-rows")?.to_str().ok()?.parse().ok()
+    ///     }))
+    ///     .layer(service_fn(|request: Request<()>| async move {
+    ///         // 304 to a conditional request; else reports as `x-rows` the request's
+    ///         // `x-report`, if any.
+    ///         let mut response = Response::new(Full::new(Bytes::new()));
+    ///         if request.headers().contains_key("if-none-match") {
+    ///             *response.status_mut() = StatusCode::NOT_MODIFIED;
+    ///         } else if let Some(rows) = request.headers().get("x-report") {
+    ///             response.headers_mut().insert("x-rows", rows.clone());
+    ///         }
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let call = |name: &'static str, value: &'static str| {
+    ///     let request = Request::get("/rows").header("x-api-key", "team-a").header(name, value);
+    ///     service.clone().oneshot(request.body(()).unwrap())
+    /// };
+    /// // 20 rows counted: 30 of the 50 go back.
+    /// assert_eq!(call("x-report", "20").await?.headers()["ratelimit"], "\"rows\";r=980;t=4");
+    /// // Not modified: 1 row.
+    /// let cached = call("if-none-match", "\"v7\"").await?;
+    /// assert_eq!(cached.status(), StatusCode::NOT_MODIFIED);
+    /// assert_eq!(cached.headers()["ratelimit"], "\"rows\";r=979;t=4");
+    /// // No count: the closure says `None`, and the 50 reserved stand.
+    /// assert_eq!(call("accept", "*/*").await?.headers()["ratelimit"], "\"rows\";r=929;t=4");
+    /// # Ok(()) }
     /// ```
     pub fn from_fn<F>(f: F) -> Self
     where
@@ -379,12 +490,53 @@ impl Settle {
     /// cannot cause (an upstream that is down: `502`, `503`), or keep a second policy
     /// (or layer) without refunds that counts every request.
     ///
-    /// ```
-    /// use tollgate::settle::Settle;
+    /// Here each request reserves 100 tokens and settles to the `x-tokens-used` its
+    /// response reports (30, always). An upstream that is down (`503`) gives the whole
+    /// reservation back, whatever the response reports; a `500`, which a client may cause,
+    /// is not refunded:
     ///
-    /// // An upstream that is down or busy costs the client nothing.
-    /// let settle = Settle::reserved().refund_if(|status| matches!(status.as_u16(), 502 | 503 | 429));
-    /// # let _ = settle;
+    /// ```
+    /// use std::convert::Infallible;
+    /// use bytes::Bytes;
+    /// use http::{Request, Response, StatusCode};
+    /// use http_body_util::Full;
+    /// use tower::{Layer, ServiceExt, service_fn};
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::key::HeaderKey;
+    /// use tollgate::settle::Settle;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let service = RateLimitLayer::new(MemoryStore::builder().clock(ManualClock::new()).build())
+    ///     .policy(Policy::token_bucket("tokens", 1_000, Rate::per_hour(1_000))?)
+    ///     .key(HeaderKey::new("x-api-key"))
+    ///     .cost(100)
+    ///     .settle(
+    ///         Settle::from_header("x-tokens-used")
+    ///             .refund_if(|status| matches!(status.as_u16(), 502 | 503)),
+    ///     )
+    ///     .layer(service_fn(|request: Request<()>| async move {
+    ///         // `/down` answers 503, `/crash` 500, any other path 200.
+    ///         let mut response = Response::new(Full::new(Bytes::new()));
+    ///         *response.status_mut() = match request.uri().path() {
+    ///             "/down" => StatusCode::SERVICE_UNAVAILABLE,
+    ///             "/crash" => StatusCode::INTERNAL_SERVER_ERROR,
+    ///             _ => StatusCode::OK,
+    ///         };
+    ///         response.headers_mut().insert("x-tokens-used", 30.into());
+    ///         Ok::<_, Infallible>(response)
+    ///     }));
+    /// let call = |path: &'static str| {
+    ///     let request = Request::post(path).header("x-api-key", "team-a").body(()).unwrap();
+    ///     service.clone().oneshot(request)
+    /// };
+    /// assert_eq!(call("/complete").await?.headers()["ratelimit"], "\"tokens\";r=970;t=4");
+    /// // Refunded in full: the 30 reported are not charged either.
+    /// assert_eq!(call("/down").await?.headers()["ratelimit"], "\"tokens\";r=970;t=4");
+    /// // Not refunded: settled to the 30 reported, as a 200 is.
+    /// assert_eq!(call("/crash").await?.headers()["ratelimit"], "\"tokens\";r=940;t=4");
+    /// # Ok(()) }
     /// ```
     pub fn refund_if<F>(mut self, refund: F) -> Self
     where
