@@ -143,15 +143,7 @@ async fn serve(variant: String, port: u16) -> Result<(), Box<dyn std::error::Err
                 Rate::per_second(1_000_000_000),
             )?),
         }),
-        "governor" => {
-            let config = GovernorConfigBuilder::default()
-                .period(Duration::from_nanos(1))
-                .burst_size(1_000_000_000)
-                .use_headers()
-                .finish()
-                .ok_or("invalid tower_governor config")?;
-            app.layer(GovernorLayer::new(Arc::new(config)))
-        }
+        "governor" => app.layer(GovernorLayer::new(governor_config()?)),
         other => {
             return Err(format!("unknown variant {other:?}: none, identity-layer, static-headers, store-only, governor, tollgate, tollgate-bare, rewrap (tollgate-redis, tollgate-fleet with the redis feature)").into());
         }
@@ -193,13 +185,7 @@ async fn serve_around(
             around(listener, layer.layer(app)).await?;
         }
         "governor" => {
-            let config = GovernorConfigBuilder::default()
-                .period(Duration::from_nanos(1))
-                .burst_size(1_000_000_000)
-                .use_headers()
-                .finish()
-                .ok_or("invalid tower_governor config")?;
-            around(listener, GovernorLayer::new(Arc::new(config)).layer(app)).await?;
+            around(listener, GovernorLayer::new(governor_config()?).layer(app)).await?;
         }
         "static-headers" => {
             let policy = HeaderValue::from_static("\"api\";q=1000000000;w=1");
@@ -243,6 +229,26 @@ where
         service.into_make_service_with_connect_info::<SocketAddr>(),
     )
     .await
+}
+
+/// tower_governor's configuration in both placements: keyed by peer IP, headers on, a
+/// quota the load never spends.
+fn governor_config() -> Result<
+    Arc<
+        tower_governor::governor::GovernorConfig<
+            tower_governor::key_extractor::PeerIpKeyExtractor,
+            governor::middleware::StateInformationMiddleware,
+        >,
+    >,
+    Box<dyn std::error::Error>,
+> {
+    let config = GovernorConfigBuilder::default()
+        .period(Duration::from_nanos(1))
+        .burst_size(1_000_000_000)
+        .use_headers()
+        .finish()
+        .ok_or("invalid tower_governor config")?;
+    Ok(Arc::new(config))
 }
 
 /// A body that is only another type around axum's.

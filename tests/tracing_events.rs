@@ -1174,24 +1174,7 @@ impl tollgate::Store for SettlesFail {
 /// breaker says. It is said at warn level, once while it goes on, and each is counted.
 #[test]
 fn a_settle_that_fails_is_warned_of() {
-    let app = Router::new()
-        .route("/", get(|| async { ([("x-used", "7")], "hello") }))
-        .layer(
-            RateLimitLayer::new(SettlesFail(MemoryStore::new()))
-                .policy(Policy::token_bucket("api", 100, tollgate::Rate::per_hour(100)).unwrap())
-                .key(Global)
-                .settle(tollgate::settle::Settle::from_header("x-used")),
-        );
-    let events = events_of(async move {
-        for _ in 0..3 {
-            let response = app
-                .clone()
-                .oneshot(Request::builder().uri("/").body(Body::empty()).unwrap())
-                .await
-                .unwrap();
-            assert_eq!(response.status(), 200);
-        }
-    });
+    let events = three_settled(SettlesFail(MemoryStore::new()), "7");
     assert_eq!(
         count(&events, Level::WARN, "rate-limit store failed to settle"),
         1,
@@ -1199,20 +1182,21 @@ fn a_settle_that_fails_is_warned_of() {
     );
 }
 
-/// An actual cost that is no whole number (`x-used: abc`, from a buggy upstream) keeps
-/// the reservation, and is said: once in a while, not on every response (it was a warning
-/// per response, at request rate), and counted (`tollgate_settles_unreadable_total`).
-#[test]
-fn an_unreadable_actual_cost_is_warned_of_once_in_a_while() {
+/// Three requests through a layer over `store` that settles by the response's `x-used`,
+/// which says `used`: every event.
+fn three_settled<S: tollgate::Store + Clone>(store: S, used: &'static str) -> Vec<String> {
     let app = Router::new()
-        .route("/", get(|| async { ([("x-used", "abc")], "hello") }))
+        .route(
+            "/",
+            get(move || async move { ([("x-used", used)], "hello") }),
+        )
         .layer(
-            RateLimitLayer::new(MemoryStore::new())
+            RateLimitLayer::new(store)
                 .policy(Policy::token_bucket("api", 100, tollgate::Rate::per_hour(100)).unwrap())
                 .key(Global)
                 .settle(tollgate::settle::Settle::from_header("x-used")),
         );
-    let events = events_of(async move {
+    events_of(async move {
         for _ in 0..3 {
             let response = app
                 .clone()
@@ -1221,7 +1205,15 @@ fn an_unreadable_actual_cost_is_warned_of_once_in_a_while() {
                 .unwrap();
             assert_eq!(response.status(), 200);
         }
-    });
+    })
+}
+
+/// An actual cost that is no whole number (`x-used: abc`, from a buggy upstream) keeps
+/// the reservation, and is said: once in a while, not on every response (it was a warning
+/// per response, at request rate), and counted (`tollgate_settles_unreadable_total`).
+#[test]
+fn an_unreadable_actual_cost_is_warned_of_once_in_a_while() {
+    let events = three_settled(MemoryStore::new(), "abc");
     assert_eq!(
         count(
             &events,
