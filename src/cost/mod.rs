@@ -514,7 +514,7 @@ where
 /// and put the coster on upload routes: a bodiless HTTP/2 `GET` costs `unknown` too. An
 /// HTTP/1.x `GET`, `HEAD`, `DELETE`, `OPTIONS` or `TRACE` with neither field has no body
 /// (section 6.3, rule 7) and costs 0, and so does any request stating
-/// `Content-Length: 0`. The coster reads the head as it reaches it: put it outside any
+/// `Content-Length: 0` that is no chunked upload, upgrade or tunnel. The coster reads the head as it reaches it: put it outside any
 /// layer that takes the length off, as request decompression does (inside one, a
 /// compressed `DELETE` with a body reads as having none, and costs 0). Outside, it charges
 /// what the wire carried. A size larger than the policy can ever admit is the usual `400`.

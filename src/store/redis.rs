@@ -2966,15 +2966,15 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
             ),
             "gc" => (
                 format!(
-                    "its burst times the period of one unit ({p1} x {p3} microseconds, in \
-                     lowest terms {p2} per {p3})"
+                    "its burst times the period of its rate in lowest terms ({p1} x {p3} \
+                     microseconds: {p2} per {p3} microseconds)"
                 ),
                 "use a smaller burst or a faster rate, or a window algorithm",
             ),
             _ => (
                 format!(
-                    "its capacity times the period of one unit ({p1} x {p3} microseconds, \
-                     in lowest terms {p2} per {p3})"
+                    "its capacity times the period of its rate in lowest terms ({p1} x {p3} \
+                     microseconds: {p2} per {p3} microseconds)"
                 ),
                 "use a smaller capacity or a faster rate, or a window algorithm",
             ),
@@ -3431,7 +3431,7 @@ mod tests {
         ] {
             assert!(script_args(&window).is_ok(), "{window:?}");
         }
-        // A bucket whose level (capacity times one unit's period) passes 2^52 is refused.
+        // A bucket whose level (capacity times its rate's period in lowest terms) passes 2^52 is refused.
         let huge = Policy::token_bucket("huge", 1_000_000_000, Rate::per_day(1)).unwrap();
         let error = script_args(&huge).unwrap_err();
         assert_eq!(error.kind(), StoreErrorKind::Unsupported);
