@@ -25,7 +25,9 @@ fn app<S: Store + Clone>(store: S) -> Router {
         .route("/", get(|| async { "ok" }))
         .layer(
             RateLimitLayer::new(store)
-                .policy(Policy::token_bucket("api", 10, Rate::per_minute(10)).unwrap())
+                // Refilled one unit each 6 minutes: no flood on a loaded machine lasts
+                // long enough for a unit to come back, so exactly the burst is admitted.
+                .policy(Policy::token_bucket("api", 10, Rate::per_hour(10)).unwrap())
                 .key(Global),
         )
         .with_state(())

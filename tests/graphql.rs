@@ -266,20 +266,17 @@ fn attack_corpus() {
 
 /// A document full of syntax errors is refused for the price of one parse: rendering every
 /// error with its source took seconds (quadratic) for a few tens of kilobytes, before the
-/// rate limiter had a say.
+/// rate limiter had a say. Only the first error is rendered, so the answer is one error
+/// of a bounded size however many the document holds (asserted on the answer, not on the
+/// machine's speed).
 #[test]
 fn a_document_full_of_syntax_errors_is_refused_at_parse_speed() {
     let document = format!("{{ {} }}", "a(b: ) ".repeat(1_500));
-    let started = std::time::Instant::now();
     let error = cost(&document).unwrap_err();
-    let elapsed = started.elapsed();
     assert!(matches!(error, CostError::Parse(_)), "{error}");
-    assert!(error.to_string().contains("syntax error"), "{error}");
-    assert!(
-        elapsed < std::time::Duration::from_secs(1),
-        "{} bytes took {elapsed:?}",
-        document.len()
-    );
+    let said = error.to_string();
+    assert_eq!(said.matches("syntax error").count(), 1, "{said}");
+    assert!(said.len() < 500, "{} bytes: {said}", said.len());
 }
 
 mod http {

@@ -205,12 +205,20 @@ proptest! {
     #[test]
     fn api_keys_of_any_bytes_are_hashed(
         value in prop_oneof![
-            1 => prop::collection::vec(any::<u8>(), 0..12_000),
+            // Every byte a header value may hold (tab, visible ASCII, space, and bytes
+            // past ASCII): bytes no header can carry never reach a service, and a case of
+            // them tested nothing.
+            1 => prop::collection::vec(
+                prop_oneof![Just(b'\t'), 0x20u8..0x7f, 0x80u8..=0xff],
+                0..12_000,
+            ),
             // Visible ASCII and spaces: mostly usable keys, so most cases reach the store.
             2 => prop::collection::vec(0x20u8..0x7f, 0..12_000),
         ],
     ) {
-        let Ok(header) = HeaderValue::from_bytes(&value) else { return Ok(()) };
+        let header = HeaderValue::from_bytes(&value);
+        prop_assert!(header.is_ok(), "{:?} is no header value", value);
+        let header = header.unwrap();
         let mut request = Request::get("/").body(()).unwrap();
         request.headers_mut().insert("x-api-key", header);
         let (parts, _) = request.into_parts();

@@ -1017,7 +1017,7 @@ async fn a_shaping_delay_holds_no_capacity_of_the_inner_service() {
             .unwrap();
     let service = ServiceBuilder::new()
         .layer(
-            RateLimitLayer::new(MemoryStore::new())
+            RateLimitLayer::new(paused_store())
                 .policy(policy)
                 .key(HeaderKey::new("x-client")),
         )
@@ -1060,7 +1060,7 @@ async fn shaping_holds_requests_back_for_their_delay() {
         Policy::leaky_bucket_shaping("partner", Rate::per_second(2), Duration::from_secs(1))
             .unwrap();
     let app = Router::new().route("/", post(|| async { "sent" })).layer(
-        RateLimitLayer::new(MemoryStore::new())
+        RateLimitLayer::new(paused_store())
             .policy(policy)
             .key(tollgate::key::Global),
     );
@@ -1089,8 +1089,8 @@ async fn shaping_holds_requests_back_for_their_delay() {
     assert_eq!(ok.len(), 3, "{results:?}");
     let mut ok = ok;
     ok.sort();
-    // The store reads the real monotonic clock, which moves a little between the four
-    // decisions; the sleeps run on tokio's paused clock.
+    // The store reads tokio's clock, as the sleeps do: paused, the delays are exact,
+    // however long the machine stalls between decisions.
     for (elapsed, expected) in ok.iter().zip([0u64, 500, 1000]) {
         let expected = Duration::from_millis(expected);
         assert!(
@@ -1913,4 +1913,13 @@ async fn an_in_flight_set_a_closure_names_over_a_store_that_cannot_adjust_is_the
         0,
         "the store took slots it cannot free"
     );
+}
+
+/// An in-process store on tokio's clock: under `start_paused` its time moves only with
+/// the runtime's, so a delay the store sets and the sleep that serves it agree exactly
+/// (a store on the machine's clock moves on while a loaded machine stalls).
+fn paused_store() -> MemoryStore<tollgate::clock::RuntimeClock> {
+    MemoryStore::builder()
+        .clock(tollgate::clock::RuntimeClock::new())
+        .build()
 }

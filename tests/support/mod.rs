@@ -34,12 +34,39 @@ pub fn free_port() -> u16 {
 }
 
 fn cli(port: u16, args: &[&str]) -> String {
-    let out = Command::new(binary("redis-cli"))
+    String::from_utf8_lossy(&cli_output(port, args).stdout).into_owned()
+}
+
+fn cli_output(port: u16, args: &[&str]) -> std::process::Output {
+    Command::new(binary("redis-cli"))
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
         .args(args)
         .output()
-        .expect("redis-cli runs");
+        .expect("redis-cli runs")
+}
+
+/// `cli` for a reply a test reads as "none" when empty: a redis-cli that failed (no
+/// server there) fails the test instead of reading as nothing found.
+fn cli_checked(port: u16, args: &[&str]) -> String {
+    let out = cli_output(port, args);
+    assert!(
+        out.status.success(),
+        "redis-cli {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `INFO commandstats` of `server`; a reply without its heading (redis-cli failed, or
+/// the server did not answer) fails the test, so that a count read from it cannot pass
+/// as zero.
+fn commandstats(server: &RedisServer) -> String {
+    let reply = cli_checked(server.port, &["INFO", "commandstats"]);
+    assert!(
+        reply.contains("# Commandstats"),
+        "INFO commandstats: {reply:?}"
+    );
+    reply
 }
 
 /// One `redis-server` process.
@@ -256,7 +283,7 @@ fn stat(line: &str, name: &str) -> u64 {
 /// How many times `server` ran `command` (lower case) and it succeeded, from `INFO
 /// commandstats` (0 when it never ran).
 pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
-    let stats = server.cli(&["INFO", "commandstats"]);
+    let stats = commandstats(server);
     stats
         .lines()
         .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
@@ -268,7 +295,7 @@ pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
 /// `calls` and `usec` of every script command (`EVALSHA`, `EVAL`, `FCALL`) in `INFO
 /// commandstats`.
 pub fn script_stats(server: &RedisServer) -> (u64, u64) {
-    let stats = server.cli(&["INFO", "commandstats"]);
+    let stats = commandstats(server);
     stats
         .lines()
         .filter(|line| {
@@ -284,8 +311,7 @@ pub fn script_stats(server: &RedisServer) -> (u64, u64) {
 /// Every key on `server`, with its TTL in milliseconds (-1: none; -2: gone since the scan).
 /// A reply that is not a number fails the test.
 pub fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {
-    server
-        .cli(&["--scan"])
+    cli_checked(server.port, &["--scan"])
         .lines()
         .filter(|key| !key.is_empty())
         .map(|key| {
