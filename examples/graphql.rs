@@ -1,7 +1,8 @@
-//! A real GraphQL server (async-graphql) behind tollgate: every API key has a budget of
-//! 1,000 points a minute, and each query is charged its static cost, so one query asking
-//! for 100 repositories with 5 issues each (701 points) spends what 700 one-point queries
-//! do.
+//! A real GraphQL server (async-graphql) behind tollgate: every known API key has a budget
+//! of 1,000 points a minute (an unknown one is dropped, and the call counts as its
+//! address's: a client that made up a key per call would get a fresh budget each time),
+//! and each query is charged its static cost, so one query asking for 100 repositories
+//! with 5 issues each (701 points) spends what 701 one-point queries do.
 //!
 //! ```text
 //! cargo run --example graphql --features graphql      # 127.0.0.1:3000 ($PORT to change)
@@ -27,7 +28,8 @@ use axum::Router;
 use axum::routing::post_service;
 use tollgate::cost::FromExtension;
 use tollgate::cost::graphql::{GraphqlCost, GraphqlCostLayer};
-use tollgate::key::HeaderKey;
+use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
+use tollgate::policy::QuotaUnit;
 use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 
 #[derive(SimpleObject)]
@@ -87,6 +89,22 @@ impl Query {
     }
 }
 
+/// The API keys this service knows.
+const KEYS: [&str; 1] = ["demo"];
+
+/// Drops an `x-api-key` the service does not know: keyed by it, a made-up key per call
+/// would be a fresh budget per call.
+async fn drop_unknown_key(mut request: axum::extract::Request) -> axum::extract::Request {
+    let known = request
+        .headers()
+        .get("x-api-key")
+        .is_some_and(|key| KEYS.iter().any(|known| known.as_bytes() == key.as_bytes()));
+    if !known {
+        request.headers_mut().remove("x-api-key");
+    }
+    request
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
@@ -94,23 +112,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let schema = Schema::build(Query, EmptyMutation, EmptySubscription).finish();
 
     let limiter = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::token_bucket(
-            "points",
-            1_000,
-            Rate::per_minute(1_000),
-        )?)
-        .key(HeaderKey::new("x-api-key"))
+        .policy(
+            Policy::token_bucket("points", 1_000, Rate::per_minute(1_000))?
+                // Clients read `tollgate-qu="graphql-points"`, not a count of requests.
+                .with_unit(QuotaUnit::GraphqlPoints),
+        )
+        // A key your authentication checked, else the client's address.
+        .key(HeaderKey::new("x-api-key").or(ClientIp::peer()))
         .cost(FromExtension::or(1));
     let app = Router::new()
         .route("/graphql", post_service(GraphQL::new(schema)))
         .layer(limiter)
-        // Runs first: reads the query, computes its cost, hands on the same bytes.
-        .layer(GraphqlCostLayer::new(GraphqlCost::new()));
+        // Runs before the limiter: reads the query, computes its cost, hands on the same
+        // bytes.
+        .layer(GraphqlCostLayer::new(GraphqlCost::new()))
+        // Runs first: a key the service does not know is dropped (your authentication's
+        // place; here a fixed list).
+        .layer(axum::middleware::map_request(drop_unknown_key));
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;
     println!("GraphQL behind tollgate on http://{addr}/graphql");
-    println!("budget: 1,000 points a minute per x-api-key; each query costs its static complexity");
+    println!(
+        "budget: 1,000 points a minute per known x-api-key (demo), else per address; each query costs its static complexity"
+    );
     println!(
         "try:    curl -i http://{addr}/graphql -H 'x-api-key: demo' -H 'content-type: application/json' \
          -d '{{\"query\":\"{{ repositories(first: 10) {{ totalCount nodes {{ name issues(first: 5) {{ nodes {{ title }} }} }} }} }}\"}}'"

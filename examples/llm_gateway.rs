@@ -28,6 +28,9 @@
 //!   the handler, a 500) must not get it for free.
 //! - `GET /v1/stream`: policy `inflight`, at most 2 requests in flight per `x-api-key`;
 //!   each response streams for 1 second.
+//! - Both: an `x-api-key` the gateway does not know (here `team-a` and `team-b`) is a
+//!   `401` before the limiter: keyed by whatever a client sends, a key made up per
+//!   request would be a fresh budget per request. A completion bills at least one token.
 
 #[path = "support/logging.rs"]
 mod logging;
@@ -80,11 +83,34 @@ fn app<C: tollgate::clock::Clock>(store: MemoryStore<C>) -> Result<Router, Polic
         "/v1/completions",
         post(completions)
             .route_layer(tokens)
-            // Outermost: reads max_tokens before the limiter reserves it.
-            .route_layer(middleware::from_fn(reserve_max_tokens)),
+            // Reads max_tokens before the limiter reserves it.
+            .route_layer(middleware::from_fn(reserve_max_tokens))
+            // Outermost: only a key the gateway knows reaches the limiter.
+            .route_layer(middleware::from_fn(authenticate)),
     );
-    let stream = Router::new().route("/v1/stream", get(stream).route_layer(inflight));
+    let stream = Router::new().route(
+        "/v1/stream",
+        get(stream)
+            .route_layer(inflight)
+            .route_layer(middleware::from_fn(authenticate)),
+    );
     Ok(completions.merge(stream))
+}
+
+/// The API keys the gateway knows (your authentication's place; here a fixed list).
+const KEYS: [&str; 2] = ["team-a", "team-b"];
+
+/// Refuses a request whose `x-api-key` the gateway does not know (`401`): the limits
+/// are keyed by it, and a key made up per request would be a fresh budget per request.
+async fn authenticate(request: Request, next: Next) -> Response {
+    let known = request
+        .headers()
+        .get("x-api-key")
+        .is_some_and(|key| KEYS.iter().any(|known| known.as_bytes() == key.as_bytes()));
+    if !known {
+        return problem(StatusCode::UNAUTHORIZED, "unknown or missing x-api-key");
+    }
+    next.run(request).await
 }
 
 #[derive(serde::Deserialize)]
@@ -136,6 +162,9 @@ async fn completions(body: Bytes) -> Response {
         return problem(StatusCode::SERVICE_UNAVAILABLE, "the model is unavailable");
     }
     let used = (completion.prompt.split_whitespace().count() as u64).min(completion.max_tokens);
+    // A completion the model answered bills at least one token: settled to 0, requests
+    // of an empty prompt (or of max_tokens 0) were free, and without number.
+    let billed = used.max(1);
     let text: Vec<&str> = completion
         .prompt
         .split_whitespace()
@@ -143,12 +172,12 @@ async fn completions(body: Bytes) -> Response {
         .collect();
     let mut response = Json(json!({
         "text": text.join(" "),
-        "tokens_used": used,
+        "tokens_used": billed,
     }))
     .into_response();
     response
         .headers_mut()
-        .insert("x-tokens-used", HeaderValue::from(used));
+        .insert("x-tokens-used", HeaderValue::from(billed));
     response
 }
 
@@ -306,14 +335,15 @@ mod tests {
         let response = app.clone().oneshot(request).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         assert_eq!(rate(&response), "\"tokens\";r=998;t=1");
-        // max_tokens 0 reserves one unit (an empty bucket refuses it) and settles to 0.
+        // max_tokens 0 reserves one unit (an empty bucket refuses it) and is billed one:
+        // settled to 0, such requests were free and without number.
         let response = app
             .clone()
             .oneshot(completion("team-a", r#"{"prompt": "hi", "max_tokens": 0}"#))
             .await
             .unwrap();
-        assert_eq!(response.headers()["x-tokens-used"], "0");
-        assert_eq!(rate(&response), "\"tokens\";r=998;t=1");
+        assert_eq!(response.headers()["x-tokens-used"], "1");
+        assert_eq!(rate(&response), "\"tokens\";r=997;t=1");
         // Another method is a 405, before any body is read.
         let request = Request::get("/v1/completions")
             .header("x-api-key", "team-a")
@@ -341,7 +371,13 @@ mod tests {
         let mut request = completion("team-a", r#"{"prompt": "hi", "max_tokens": 1}"#);
         request.headers_mut().remove("x-api-key");
         let response = app.clone().oneshot(request).await.unwrap();
-        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        // A key made up per request is no budget per request: refused before the limiter.
+        for made_up in ["k0", "k1", "k2"] {
+            let request = completion(made_up, r#"{"prompt": "hi", "max_tokens": 1000}"#);
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{made_up}");
+        }
         let response = app
             .clone()
             .oneshot(completion("team-a", r#"{"prompt": "hi", "max_tokens": 1}"#))
