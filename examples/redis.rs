@@ -2,7 +2,7 @@
 //! a Sentinel-managed primary, or a Redis Cluster), so N replicas enforce one limit, not N.
 //!
 //! ```text
-//! REDIS_URL=redis://127.0.0.1:6379 cargo run --example redis --features redis
+//! REDIS_URL=redis://127.0.0.1:6379 REPLICAS=3 cargo run --example redis --features redis
 //! REDIS_URL=rediss://user:password@redis.example:6380 cargo run --example redis --features tls
 //! REDIS_SENTINEL_URLS=redis://127.0.0.1:26379,redis://127.0.0.1:26380 REDIS_SENTINEL_MASTER=mymaster \
 //!   cargo run --example redis --features redis
@@ -14,7 +14,8 @@
 //! it, or by IP when they send none, or one the app does not know (a client making up a
 //! key per request would otherwise get a new bucket with each). Each gets a burst of 20
 //! refilled at 10 per second, and 10,000 per day; both are decided in one round trip,
-//! all-or-nothing. tollgate's warnings (Redis went away, Redis answers again) go to
+//! all-or-nothing. While Redis is away, each of the `REPLICAS` replicas (default 1)
+//! enforces its share of every limit on its own. tollgate's warnings (Redis went away, Redis answers again) go to
 //! stderr; `RUST_LOG=tollgate=debug` shows every denial too.
 
 #[path = "support/logging.rs"]
@@ -29,7 +30,7 @@ use axum::Router;
 use axum::routing::get;
 use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
 use tollgate::store::{RedisConfig, RedisStore};
-use tollgate::{Policy, PolicySet, Rate, RateLimitLayer};
+use tollgate::{FailureMode, LocalFallback, Policy, PolicySet, Rate, RateLimitLayer};
 
 /// The API keys this app knows (an app looks them up in its database).
 const KEYS: [&str; 1] = ["demo"];
@@ -72,9 +73,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Per known API key, else per address: unknown keys are dropped before the limiter
     // (the layer added last runs first). In an app, key by what your auth layer
     // verified (`ExtensionKey`), with the limiter behind it.
+    // While Redis is away each replica decides alone: with N replicas (`REPLICAS`,
+    // default 1) each enforces 1/N of every limit, so the fleet still admits about one
+    // limit, not N of them.
+    let replicas: u32 = match std::env::var("REPLICAS") {
+        Ok(count) => count
+            .parse()
+            .map_err(|_| format!("REPLICAS={count:?} is not a count"))?,
+        Err(_) => 1,
+    };
     let limiter = RateLimitLayer::new(store)
         .policies(policies)
-        .key(HeaderKey::new("x-api-key").or(ClientIp::peer()));
+        .key(HeaderKey::new("x-api-key").or(ClientIp::peer()))
+        .on_store_error(FailureMode::Fallback(
+            LocalFallback::new().share(1.0 / f64::from(replicas.max(1))),
+        ));
     let app = Router::new()
         .route("/", get(|| async { "hello from the fleet\n" }))
         .layer(limiter)
