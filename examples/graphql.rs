@@ -15,6 +15,8 @@
 //! is left. A query that could never fit (say `first: 100`
 //! twice over) is refused with `400` and its cost, not told to retry.
 
+#[path = "support/api_keys.rs"]
+mod api_keys;
 #[path = "support/logging.rs"]
 mod logging;
 #[path = "support/port.rs"]
@@ -89,22 +91,6 @@ impl Query {
     }
 }
 
-/// The API keys this service knows.
-const KEYS: [&str; 1] = ["demo"];
-
-/// Drops an `x-api-key` the service does not know: keyed by it, a made-up key per call
-/// would be a fresh budget per call.
-async fn drop_unknown_key(mut request: axum::extract::Request) -> axum::extract::Request {
-    let known = request
-        .headers()
-        .get("x-api-key")
-        .is_some_and(|key| KEYS.iter().any(|known| known.as_bytes() == key.as_bytes()));
-    if !known {
-        request.headers_mut().remove("x-api-key");
-    }
-    request
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     logging::init();
@@ -128,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .layer(GraphqlCostLayer::new(GraphqlCost::new()))
         // Runs first: a key the service does not know is dropped (your authentication's
         // place; here a fixed list).
-        .layer(axum::middleware::map_request(drop_unknown_key));
+        .layer(axum::middleware::map_request(api_keys::drop_unknown_key));
 
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     let addr = listener.local_addr()?;

@@ -18,6 +18,8 @@
 //! enforces its share of every limit on its own. tollgate's warnings (Redis went away, Redis answers again) go to
 //! stderr; `RUST_LOG=tollgate=debug` shows every denial too.
 
+#[path = "support/api_keys.rs"]
+mod api_keys;
 #[path = "support/logging.rs"]
 mod logging;
 #[path = "support/port.rs"]
@@ -31,21 +33,6 @@ use axum::routing::get;
 use tollgate::key::{ClientIp, HeaderKey, KeyExtractorExt};
 use tollgate::store::{RedisConfig, RedisStore};
 use tollgate::{FailureMode, LocalFallback, Policy, PolicySet, Rate, RateLimitLayer};
-
-/// The API keys this app knows (an app looks them up in its database).
-const KEYS: [&str; 1] = ["demo"];
-
-/// Drops an `x-api-key` the app does not know, so its request is limited by address.
-async fn drop_unknown_key(mut request: axum::extract::Request) -> axum::extract::Request {
-    let known = request
-        .headers()
-        .get("x-api-key")
-        .is_some_and(|key| KEYS.iter().any(|known| known.as_bytes() == key.as_bytes()));
-    if !known {
-        request.headers_mut().remove("x-api-key");
-    }
-    request
-}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -91,7 +78,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = Router::new()
         .route("/", get(|| async { "hello from the fleet\n" }))
         .layer(limiter)
-        .layer(axum::middleware::map_request(drop_unknown_key));
+        .layer(axum::middleware::map_request(api_keys::drop_unknown_key));
 
     let port = port::from_env()?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;

@@ -872,7 +872,8 @@ impl ProbeGuard {
 
     /// When [`PROBE_PATIENCE`] from the probe's start is over (on the breaker's clock).
     fn patient_until(&self) -> u64 {
-        (self.started).saturating_add(crate::clock::nanos(PROBE_PATIENCE))
+        self.started
+            .saturating_add(crate::clock::nanos(PROBE_PATIENCE))
     }
 }
 

@@ -233,17 +233,20 @@ async fn a_fallback_decision_gives_nothing_back_on_the_store() {
     let store = runtime_store();
     let hourly = Policy::fixed_window("t", 100, Duration::from_secs(3600)).unwrap();
     let limiter = Limiter::new(Toggle(store.clone(), Arc::clone(&down)), hourly.clone());
+    let policies = PolicySet::from(hourly);
+    // Spends `spent` on the store, then `reserved` through the fallback (the store
+    // away), and settles that decision on the store, back again, to `used`.
+    let settled_from_the_fallback = async |key: &Key, spent: u64, reserved: u64, used: u64| {
+        assert!(limiter.check(key, spent).await.unwrap().is_allowed());
+        down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let local = limiter.check(key, reserved).await.unwrap();
+        assert!(local.is_allowed(), "the fallback's own quota");
+        down.store(false, std::sync::atomic::Ordering::SeqCst);
+        let settle = tollgate::Adjustment::settle(reserved, used, local.receipt());
+        store.adjust(key, &policies, &settle).await.unwrap();
+    };
     let key = Key::new("k");
-    assert!(limiter.check(&key, 100).await.unwrap().is_allowed());
-    down.store(true, std::sync::atomic::Ordering::SeqCst);
-    let local = limiter.check(&key, 50).await.unwrap();
-    assert!(local.is_allowed(), "the fallback's own quota");
-    down.store(false, std::sync::atomic::Ordering::SeqCst);
-    let settle = tollgate::Adjustment::settle(50, 5, local.receipt());
-    store
-        .adjust(&key, &PolicySet::from(hourly.clone()), &settle)
-        .await
-        .unwrap();
+    settled_from_the_fallback(&key, 100, 50, 5).await;
     assert!(
         !limiter.check(&key, 45).await.unwrap().is_allowed(),
         "the store's quota is spent: nothing of it was given back"
@@ -251,16 +254,7 @@ async fn a_fallback_decision_gives_nothing_back_on_the_store() {
     // Settled upwards (used more than it reserved), the excess is charged to the store
     // all the same: a post-paid cost is counted where the quota is shared.
     let key = Key::new("upwards");
-    assert!(limiter.check(&key, 50).await.unwrap().is_allowed());
-    down.store(true, std::sync::atomic::Ordering::SeqCst);
-    let local = limiter.check(&key, 10).await.unwrap();
-    assert!(local.is_allowed(), "the fallback's own quota");
-    down.store(false, std::sync::atomic::Ordering::SeqCst);
-    let settle = tollgate::Adjustment::settle(10, 40, local.receipt());
-    store
-        .adjust(&key, &PolicySet::from(hourly), &settle)
-        .await
-        .unwrap();
+    settled_from_the_fallback(&key, 50, 10, 40).await;
     assert!(
         !limiter.check(&key, 21).await.unwrap().is_allowed(),
         "50, and the 30 used past the reservation"

@@ -265,11 +265,11 @@ impl Cost for PerRoute {
                 && template
                     .split_once('{')
                     .is_some_and(|(start, _)| path.starts_with(start)));
-        let own = |method: Option<&Parts>| own_path.then(|| self.listed(path, method)).flatten();
+        let own = |request: Option<&Parts>| own_path.then(|| self.listed(path, request)).flatten();
         let method = Some(parts);
         // The template's entries, when axum matched one (else the path's own, above).
         let of_template =
-            |method: Option<&Parts>| matched.and_then(|template| self.listed(template, method));
+            |request: Option<&Parts>| matched.and_then(|template| self.listed(template, request));
         // The path's entry for the method is the most specific. Else an entry of the path
         // for every method and one of the template for the method both apply: the larger
         // counts, so that neither the method nor the path makes a listed route cheaper.

@@ -2962,22 +2962,21 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
                      microseconds)"
                 ),
                 "use a shorter max_delay, or a rate of fewer units a period in lowest \
-                 terms",
+                 terms"
+                    .to_owned(),
             ),
-            "gc" => (
-                format!(
-                    "its burst times the period of its rate in lowest terms ({p1} x {p3} \
-                     microseconds: {p2} per {p3} microseconds)"
-                ),
-                "use a smaller burst or a faster rate, or a window algorithm",
-            ),
-            _ => (
-                format!(
-                    "its capacity times the period of its rate in lowest terms ({p1} x {p3} \
-                     microseconds: {p2} per {p3} microseconds)"
-                ),
-                "use a smaller capacity or a faster rate, or a window algorithm",
-            ),
+            // A bucket's level is at most its capacity's worth of periods; GCRA's, its
+            // burst's.
+            _ => {
+                let size = if kind == "gc" { "burst" } else { "capacity" };
+                (
+                    format!(
+                        "its {size} times the period of its rate in lowest terms ({p1} x \
+                         {p3} microseconds: {p2} per {p3} microseconds)"
+                    ),
+                    format!("use a smaller {size} or a faster rate, or a window algorithm"),
+                )
+            }
         };
         return Err(StoreError::new(
             StoreErrorKind::Unsupported,
@@ -3431,7 +3430,8 @@ mod tests {
         ] {
             assert!(script_args(&window).is_ok(), "{window:?}");
         }
-        // A bucket whose level (capacity times its rate's period in lowest terms) passes 2^52 is refused.
+        // A bucket whose level (capacity times its rate's period in lowest terms) passes
+        // 2^52 is refused.
         let huge = Policy::token_bucket("huge", 1_000_000_000, Rate::per_day(1)).unwrap();
         let error = script_args(&huge).unwrap_err();
         assert_eq!(error.kind(), StoreErrorKind::Unsupported);
