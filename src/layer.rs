@@ -123,9 +123,6 @@ pub struct RateLimitLayer<St, K = ClientIp, C = u64, R = PolicySet> {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoPolicy;
 
-/// How long a decision may take before the store counts as failed.
-pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_millis(50);
-
 impl<St: Clone, K: Clone, C: Clone, R: Clone> Clone for RateLimitLayer<St, K, C, R> {
     fn clone(&self) -> Self {
         Self {
@@ -181,7 +178,7 @@ impl<St: Store> RateLimitLayer<St, ClientIp, u64, NoPolicy> {
             on_deny: None,
             missing_key: MissingKey::default(),
             failure_mode: FailureMode::default(),
-            store_timeout: DEFAULT_STORE_TIMEOUT,
+            store_timeout: crate::store::DEFAULT_STORE_TIMEOUT,
             breaker: Arc::new(Breaker::new(CircuitBreaker::default())),
             said_missing: Arc::default(),
             said_peer_bypass: Arc::default(),

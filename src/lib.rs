@@ -59,8 +59,11 @@
 //! Features on by default: `axum` (axum's peer address and matched path in the key and
 //! cost extractors), `tracing` (debug events for denials and for store errors that are
 //! I/O; an error event for any other store error, once per kind, code and wording
-//! (numbers aside) and again every ten minutes while it goes on; a warning when the failure mode starts and when the store answers
-//! again), `client` (the [`client::PacingLayer`] for outgoing requests) and `config`
+//! (numbers aside) and again every ten minutes while it goes on; a warning when the
+//! failure mode starts and when the store answers again; and an error or warning, once
+//! (some again every ten minutes), for a set-up that cannot work as meant: a key or bypass that cannot read what the
+//! server should record, an `or()` whose first key is never found, an actual cost that is
+//! no number, a plan nobody defined), `client` (the [`client::PacingLayer`] for outgoing requests) and `config`
 //! (policies from a serde configuration, reloaded while running). Off by default: `redis` (`RedisStore`:
 //! standalone, Sentinel, Cluster), `tls` (`rediss://`), `graphql` (the GraphQL complexity
 //! coster in `cost::graphql`), `metrics`, `tonic` (tonic's peer address and body type),
@@ -69,6 +72,7 @@
 //! features).
 
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 #![warn(rust_2018_idioms, unreachable_pub)]
 
@@ -101,7 +105,7 @@ pub use decision::{Decision, Outcome, PolicyStatus, Receipt};
 pub use failure::{CircuitBreaker, FailureMode, LocalFallback};
 pub use future::ResponseFuture;
 pub use key::Key;
-pub use layer::{DEFAULT_STORE_TIMEOUT, NoPolicy, RateLimitLayer};
+pub use layer::{NoPolicy, RateLimitLayer};
 pub use policy::{Algorithm, Policy, PolicyError, PolicySet, Rate};
 pub use resolve::{PolicyResolver, resolve_with};
 pub use respond::MissingKey;
@@ -110,4 +114,7 @@ pub use respond::problem::{
     COST_EXCEEDS_LIMIT, QUOTA_EXCEEDED, Rejection, TEMPORARY_REDUCED_CAPACITY,
 };
 pub use service::RateLimit;
-pub use store::{Adjustment, Change, DecideFuture, MemoryStore, Store, StoreError, StoreErrorKind};
+pub use store::{
+    Adjustment, Change, DEFAULT_STORE_TIMEOUT, DecideFuture, MemoryStore, Store, StoreError,
+    StoreErrorKind,
+};

@@ -395,7 +395,7 @@ impl<St: Store> Limiter<St> {
                 store,
                 policies: policies.into(),
                 failure_mode: FailureMode::default(),
-                timeout: crate::DEFAULT_STORE_TIMEOUT,
+                timeout: crate::store::DEFAULT_STORE_TIMEOUT,
                 queues: Mutex::new(HashMap::new()),
                 outage: Arc::new(Breaker::new(CircuitBreaker::default())),
             }),

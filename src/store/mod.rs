@@ -659,6 +659,11 @@ macro_rules! forward_store {
 
 forward_store!(std::sync::Arc<S>, Box<S>);
 
+/// How long a decision may take before the store counts as failed: the default of
+/// [`RateLimitLayer::store_timeout`](crate::RateLimitLayer::store_timeout) and of a
+/// `Limiter`'s.
+pub const DEFAULT_STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// `future`, a store call, bounded by `timeout`: past it, a `Timeout` error that says
 /// what did not come (`no {what} within ...`).
 pub(crate) async fn within<T>(
