@@ -1729,6 +1729,56 @@ fn keep_busy(
     })
 }
 
+/// A Cluster store connected on one runtime and used on another (a start-up runtime, as
+/// above): the Cluster client's driver ran on the first and ended with it, and every
+/// call after failed at once ("Unable to send command", an I/O error) for good: the
+/// breaker probed a connection that could never answer, and the checks that make a new
+/// connection were spawned on the runtime that was gone. The store connects anew on the
+/// runtime that uses it.
+#[test]
+fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
+    let cluster = support::RedisCluster::start(3);
+    let start_up = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = start_up
+        .block_on(RedisStore::connect_cluster(&cluster.urls()))
+        .unwrap();
+    drop(start_up);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let policies =
+            PolicySet::from(Policy::fixed_window("api", 1_000, Duration::from_secs(600)).unwrap());
+        let key = Key::new("after-start-up");
+        let until = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let last = match tokio::time::timeout(
+                Duration::from_secs(2),
+                store.decide(&key, &policies, 1),
+            )
+            .await
+            {
+                Ok(Ok(decision)) => {
+                    assert!(decision.is_allowed());
+                    break;
+                }
+                Ok(Err(error)) => error.to_string(),
+                Err(_) => "no answer within 2 s".to_owned(),
+            };
+            assert!(
+                std::time::Instant::now() < until,
+                "the Cluster store never answered again on the runtime that uses it: {last}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
 /// A store connected on one runtime (a start-up `block_on`) and used on another: the
 /// watch that asks the sentinels every 2 s ran on the first, and ended with it for good.
 /// A primary the sentinels failed over from, still answering as a primary (cut off from

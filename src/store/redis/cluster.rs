@@ -45,10 +45,15 @@ const UNANSWERED: u32 = 3;
 pub(super) struct ManagedCluster {
     client: ClusterClient,
     current: std::sync::RwLock<ClusterConnection>,
-    /// The runtime the store connected on: checks and new connections run there, not
-    /// on whatever runtime a dropped call was polled on (a short-lived one would take a
-    /// new connection's driver down with it).
-    runtime: Option<tokio::runtime::Handle>,
+    /// The runtime the current connection's driver runs on (at first the one the store
+    /// connected on): checks and new connections run there, not on whatever runtime a
+    /// dropped call was polled on (a short-lived one would take a new connection's
+    /// driver down with it). When that runtime is gone, and the driver with it, the
+    /// runtime of the call that found so (see [`driver_gone`](Self::driver_gone)).
+    runtime: std::sync::Mutex<Option<tokio::runtime::Handle>>,
+    /// A new connection is being made for a driver that is gone (or was made less than
+    /// [`CHECK_EVERY`] ago).
+    renewing: AtomicBool,
     /// Calls left unanswered since the last check.
     unanswered: AtomicU32,
     /// A check runs (or waits out the time until the next may).
@@ -81,7 +86,8 @@ impl ManagedCluster {
         Self {
             client,
             current: std::sync::RwLock::new(connection),
-            runtime: tokio::runtime::Handle::try_current().ok(),
+            runtime: std::sync::Mutex::new(tokio::runtime::Handle::try_current().ok()),
+            renewing: AtomicBool::new(false),
             unanswered: AtomicU32::new(0),
             checking: AtomicBool::new(false),
             every_ms: AtomicU64::new(CHECK_EVERY.as_millis() as u64),
@@ -116,7 +122,49 @@ impl ManagedCluster {
         let answer = command.query_async(&mut connection).await;
         // An error the node sent is an answer; a timeout is none.
         asked.answered = !answer.as_ref().is_err_and(RedisError::is_timeout);
+        if answer.as_ref().is_err_and(driver_gone) {
+            self.driver_gone();
+        }
         answer
+    }
+
+    /// A call found the connection's driver gone: its task ended with the runtime it ran
+    /// on (a start-up runtime the store connected on, say), and every call on it fails
+    /// at once, for good. A new connection is made on the caller's runtime, which checks
+    /// use from then on. At most one at a time, and one per [`CHECK_EVERY`].
+    #[cold]
+    fn driver_gone(self: &Arc<Self>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.renewing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        *self
+            .runtime
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(runtime.clone());
+        #[cfg(feature = "tracing")]
+        tracing::warn!(
+            target: "tollgate",
+            "the Redis Cluster connection's driver is gone (the runtime it ran on ended): \
+             connecting to the Cluster anew on the runtime that uses the store"
+        );
+        /// Lets the next renewal go however this one ends (a runtime shutting down
+        /// drops it).
+        struct Done(Arc<ManagedCluster>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                self.0.renewing.store(false, Ordering::Release);
+            }
+        }
+        let done = Done(Arc::clone(self));
+        runtime.spawn(async move {
+            let started = tokio::time::Instant::now();
+            done.0.replace().await;
+            tokio::time::sleep_until(started + CHECK_EVERY).await;
+            drop(done);
+        });
     }
 
     /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the last
@@ -140,8 +188,13 @@ impl ManagedCluster {
         if self.unanswered.fetch_add(1, Ordering::Relaxed) + 1 < UNANSWERED {
             return;
         }
-        let runtime = match &self.runtime {
-            Some(runtime) => runtime.clone(),
+        let runtime = self
+            .runtime
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let runtime = match runtime {
+            Some(runtime) => runtime,
             None => match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => runtime,
                 Err(_) => return,
@@ -295,6 +348,17 @@ impl ManagedCluster {
             #[cfg(feature = "tracing")]
             tracing::info!(target: "tollgate", "the Redis Cluster node that stalled answers again");
         }
+    }
+}
+
+/// The error of a call on a connection whose driver task is gone: the Cluster client
+/// could not hand it the call, or the driver dropped it unanswered (redis-rs says so in
+/// a broken-pipe I/O error of its own).
+fn driver_gone(error: &RedisError) -> bool {
+    error.is_connection_dropped() && {
+        let said = error.to_string();
+        said.starts_with("redis_cluster: Unable to send command")
+            || said.starts_with("redis_cluster: Unable to receive command")
     }
 }
 
