@@ -2717,13 +2717,16 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
 /// request). An intermediary may tell a client to wait longer (section 7.2), and this
 /// layer knows it must: the wait is raised to its own. The single-valued styles (one
 /// policy's numbers) then state the policy that keeps the client waiting (draft-06,
-/// section 5: `RateLimit-Reset` is the same point in time as `Retry-After`).
+/// section 5: `RateLimit-Reset` is the same point in time as `Retry-After`). With no
+/// fields (`HeaderStyle::None`), `Retry-After` alone is raised: it is the minimum time to
+/// wait (RFC 9110, section 10.2.3), and 10 s is not.
 #[tokio::test]
 async fn an_inner_wait_is_raised_to_an_outer_quota_spent_until_later() {
     for style in [
         HeaderStyle::Draft11,
         HeaderStyle::Draft6,
         HeaderStyle::Legacy,
+        HeaderStyle::None,
     ] {
         let clock = tollgate::clock::ManualClock::new();
         let store = || MemoryStore::builder().clock(clock.clone()).build();
@@ -2781,6 +2784,12 @@ async fn an_inner_wait_is_raised_to_an_outer_quota_spent_until_later() {
                 assert_eq!(header(&denied, "ratelimit-limit").as_deref(), Some("2"));
                 assert_eq!(header(&denied, "ratelimit-remaining").as_deref(), Some("0"));
                 assert_eq!(header(&denied, "ratelimit-reset").as_deref(), Some("30"));
+            }
+            HeaderStyle::None => {
+                // The inner layer writes none either: no field but the wait.
+                for name in ["ratelimit", "ratelimit-policy", "x-ratelimit-remaining"] {
+                    assert_eq!(header(&denied, name), None, "{name}");
+                }
             }
             _ => {
                 assert_eq!(header(&denied, "x-ratelimit-limit").as_deref(), Some("2"));

@@ -21,7 +21,7 @@ use crate::policy::{Policy, PolicySet, QuotaUnit};
 /// | `Draft11` (default) | `RateLimit-Policy: "api";q=10;w=2` and `RateLimit: "api";r=7;t=1`, one list member per policy |
 /// | `Draft6` | `RateLimit-Limit`, `RateLimit-Remaining`, `RateLimit-Reset` (seconds) for the most restrictive policy (see below) |
 /// | `Legacy` | `X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset` (Unix time in seconds, as GitHub) |
-/// | `None` | no rate-limit fields (`Retry-After` is still sent on 429) |
+/// | `None` | no rate-limit fields (`Retry-After` is still sent on 429, and an inner 429's or 503's is still raised to a quota this layer's request spent until later) |
 ///
 /// `q` and `Limit` are the quota (the most units admitted at once); `w` is the window in
 /// seconds (for buckets: the time to refill from empty); `r` and `Remaining` are the units
@@ -80,7 +80,9 @@ pub enum HeaderStyle {
     Draft6,
     /// `X-RateLimit-Limit/-Remaining/-Reset`, the reset as a Unix timestamp.
     Legacy,
-    /// No rate-limit header fields.
+    /// No rate-limit header fields. `Retry-After` is still sent on the layer's own `429`,
+    /// and an inner `429`'s or `503`'s is still raised to a quota this layer's request
+    /// spent to nothing until later.
     None,
 }
 
@@ -367,6 +369,9 @@ pub(crate) enum HeaderBlock {
     /// No rate-limit fields.
     #[default]
     Empty,
+    /// No rate-limit fields (`HeaderStyle::None`), and a quota this request spent to
+    /// nothing: an inner answer's `Retry-After` is still raised to it.
+    Wait(Box<Spent>),
     /// `RateLimit-Policy` and `RateLimit`: list-valued, appended so that a limiter further
     /// in keeps its members.
     Draft11 {
@@ -420,6 +425,9 @@ impl HeaderBlock {
         if let HeaderBlock::Draft11 { wait, .. } | HeaderBlock::Single { wait, .. } = &mut self {
             *wait = None;
         }
+        if let HeaderBlock::Wait(_) = self {
+            return HeaderBlock::Empty;
+        }
         self
     }
 
@@ -455,7 +463,8 @@ impl HeaderBlock {
                 }
                 | HeaderBlock::Single {
                     wait: Some(spent), ..
-                },
+                }
+                | HeaderBlock::Wait(spent),
                 Some(theirs),
             ) if !super::grpc::asks_to_wait(headers) => {
                 // As long as is left of it now (the inner service took its time).
@@ -485,7 +494,7 @@ impl HeaderBlock {
             self.reset_beside(wait);
         }
         match self {
-            HeaderBlock::Empty => {}
+            HeaderBlock::Empty | HeaderBlock::Wait(_) => {}
             HeaderBlock::Draft11 { policy, rate, .. } => {
                 let [policy_name, rate_name, _] = &DRAFT11_FIELDS;
                 if let Some(policy) = policy {
@@ -788,7 +797,10 @@ pub(crate) fn rate_limit_headers(
     let statuses = decision.statuses();
     let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
     match options.style {
-        HeaderStyle::None => HeaderBlock::Empty,
+        // No fields, but a wait to raise an inner one's to (see `write`).
+        HeaderStyle::None => {
+            spent_wait(policies, decision, extra).map_or(HeaderBlock::Empty, HeaderBlock::Wait)
+        }
         HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
             policy: policy_field(policies, options.shadow),
             rate: blocked_rate(options, policies, decision, key, extra),
