@@ -3009,7 +3009,8 @@ async fn the_readmes_acl_line_keeps_a_pools_connections() {
 /// Fields List: joined with ours, the field would parse as nothing, and clients ignore a
 /// malformed RateLimit field whole (draft-11, section 7; RFC 9651, section 4.2: a
 /// field's lines are one value), ours with it. So is a List that is no such field: its
-/// members must be Strings (draft-11, sections 3 and 4) with the required Integer, `q`
+/// members must name a policy (a String in `RateLimit-Policy`, section 3; a String or,
+/// as earlier drafts wrote it, a Token in `RateLimit`, section 4) with the required Integer, `q`
 /// in `RateLimit-Policy` (section 3.1), `r` in `RateLimit` (section 4.1); and an empty
 /// line would leave the joined value starting with a comma. Ours replaces it; a list
 /// that is such a field is joined.
@@ -3043,7 +3044,6 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
         "(((",
         // Lists, but no draft-11 fields.
         "\"x\";t=5;w=5",
-        "api;q=5;r=5",
         "\"x\";q=-1;r=-1",
         "\"x\";q=1.5;r=1.5",
         "(\"x\");q=5;r=5",
@@ -3083,6 +3083,22 @@ async fn an_inner_ratelimit_field_that_is_no_list_does_not_spoil_ours() {
     let lines = fields(&response, "ratelimit-policy");
     assert_eq!(lines.len(), 2, "{lines:?}");
     assert!(lines[1].starts_with("\"outer\";q=10"), "{lines:?}");
+
+    // A policy named by a Token, as earlier drafts wrote it: `RateLimit-Policy`'s items
+    // must be Strings (section 3), so ours replaces that field; section 4 sets no type
+    // for a `RateLimit` item's name, and an intermediary should not remove the field
+    // (section 7.2): "nothing left for an hour" stays, ours after it.
+    let response = app("api;q=5;r=0;t=3600")
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let lines = fields(&response, "ratelimit");
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0], "api;q=5;r=0;t=3600");
+    assert!(lines[1].starts_with("\"outer\";r=9"), "{lines:?}");
+    let lines = fields(&response, "ratelimit-policy");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].starts_with("\"outer\";q=10"), "{lines:?}");
 }
 
 /// A fail-closed 503 says when the store will be asked again: while the breaker is open,

@@ -629,8 +629,9 @@ fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, v
     }
 }
 
-/// True when `member` is a draft-11 field's member: a String (the policy's name) with
-/// `required` (`q` or `r`) a non-negative Integer, and the optional parameters the draft
+/// True when `member` is a draft-11 field's member: the policy's name (a String in
+/// `RateLimit-Policy`, section 3; in `RateLimit`, whose section 4 sets no type, a Token
+/// too, as earlier drafts wrote it) with `required` (`q` or `r`) a non-negative Integer, and the optional parameters the draft
 /// defines for the field, where present, of their types: `w` (policy) a positive Integer,
 /// `t` (rate) a non-negative one, `qu` (policy) a String, `pk` a Byte Sequence (sections 3.1 and
 /// 4.1). Other parameters are comments.
@@ -643,7 +644,8 @@ fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
             .as_integer()
             .is_some_and(|number| i64::from(number) >= 0)
     };
-    item.bare_item.as_string().is_some()
+    (item.bare_item.as_string().is_some()
+        || (required == "r" && item.bare_item.as_token().is_some()))
         && item
             .params
             .iter()
