@@ -17,7 +17,8 @@
 //! - `Retry-After` (seconds or an HTTP date) on an error (`429`, `503`, GitHub's `403`
 //!   for its secondary limits) or a gRPC answer, where it takes precedence over the
 //!   fields above (draft-11, section 7); on a `202` it says when to poll, on a redirect
-//!   when to follow it: neither holds the host.
+//!   when to follow it: neither holds the host alone, but where the fields above ask for
+//!   a wait beside it, it says how long.
 //!
 //! A `RateLimit` field with a malformed member (`r` missing, or `r` or `t` not a
 //! non-negative Integer) is ignored whole (draft-11, sections 4.1 and 7), and so are the
@@ -784,7 +785,7 @@ impl Hosts {
 /// response's rate-limit fields; `None` when it asks for nothing.
 ///
 /// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
-/// section 7); a response from a cache (a positive `Age`) says nothing in its rate-limit
+/// section 7), and on any other response where the fields ask for a wait; a response from a cache (a positive `Age`) says nothing in its rate-limit
 /// fields (section 7.3); a refused response (429) asks for a second at least (one that
 /// says nothing, a zero or a date gone by: never straight back, as the layer waits).
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
@@ -864,6 +865,17 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
             let reset = headers.get(reset).and_then(|value| value.to_str().ok());
             wait = wait.max(reset.and_then(|reset| reset_delay(reset, headers)));
         }
+    }
+    // Fields that ask for a wait beside a Retry-After, on a success or a redirect: the
+    // Retry-After says how long (draft-11, section 7: it "MUST take precedence and the
+    // reset keyword MAY be ignored"). Alone there, it holds no host (above).
+    if wait.is_some()
+        && let Some(after) = headers
+            .get(http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|value| retry_after(value, headers))
+    {
+        return Some(after);
     }
     wait
 }

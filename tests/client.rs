@@ -1268,9 +1268,48 @@ fn retry_after_holds_the_host_on_an_error_not_on_a_success_or_a_redirect() {
     // A gRPC answer is an HTTP 200 whatever its status: its Retry-After counts.
     let grpc = headers(&[("content-type", "application/grpc"), ("retry-after", "30")]);
     assert_eq!(server_wait(StatusCode::OK, &grpc), Some(secs(30)));
-    // The rate-limit fields still speak on any status.
-    let exhausted = headers(&[("retry-after", "30"), ("ratelimit", "\"api\";r=0;t=4")]);
+    // The rate-limit fields still speak on any status; when they ask for a wait, a
+    // Retry-After beside them says how long (draft-11, section 7: "the Retry-After
+    // field MUST take precedence and the reset keyword MAY be ignored").
+    let exhausted = headers(&[("ratelimit", "\"api\";r=0;t=4")]);
     assert_eq!(server_wait(StatusCode::ACCEPTED, &exhausted), Some(secs(4)));
+    for status in [
+        StatusCode::OK,
+        StatusCode::ACCEPTED,
+        StatusCode::MOVED_PERMANENTLY,
+    ] {
+        for (name, value) in [
+            ("ratelimit", "\"api\";r=0;t=4"),
+            ("ratelimit-remaining", "0"),
+            ("x-ratelimit-remaining", "0"),
+        ] {
+            let both = headers(&[
+                ("retry-after", "30"),
+                (name, value),
+                ("ratelimit-reset", "4"),
+                ("x-ratelimit-reset", "4"),
+            ]);
+            assert_eq!(
+                server_wait(status, &both),
+                Some(secs(30)),
+                "{status} {name}"
+            );
+            let sooner = headers(&[
+                ("retry-after", "2"),
+                (name, value),
+                ("ratelimit-reset", "4"),
+                ("x-ratelimit-reset", "4"),
+            ]);
+            assert_eq!(
+                server_wait(status, &sooner),
+                Some(secs(2)),
+                "{status} {name}"
+            );
+        }
+        // Fields that ask for no wait leave a success's or redirect's Retry-After alone.
+        let roomy = headers(&[("retry-after", "30"), ("ratelimit", "\"api\";r=5;t=4")]);
+        assert_eq!(server_wait(status, &roomy), None, "{status}");
+    }
 }
 
 /// draft-11, sections 4.1 and 4.2: `r` and `t` are non-negative Integers. A member whose
