@@ -147,6 +147,9 @@ pub struct ClientIp {
     header: ForwardedHeader,
     ipv4_prefix: u8,
     ipv6_prefix: u8,
+    /// Network-specific NAT64 prefixes (RFC 6052, section 2.2): each the prefix's
+    /// address (its bits past the length zeroed) and length.
+    nat64: Vec<(u128, u8)>,
     /// Set once this key (and its clones: a layer's) has said that it reads the socket
     /// peer of requests that carry a forwarding header.
     said_forwarded: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -176,6 +179,7 @@ impl ClientIp {
             header: ForwardedHeader::XForwardedFor,
             ipv4_prefix: 32,
             ipv6_prefix: 64,
+            nat64: Vec::new(),
             said_forwarded: std::sync::Arc::default(),
         }
     }
@@ -344,6 +348,60 @@ impl ClientIp {
         self
     }
 
+    /// Reads an address under this NAT64 prefix as the IPv4 host it carries, as the
+    /// well-known prefix `64:ff9b::/96` is read: a translator in front of an IPv6-only
+    /// server, given a network-specific prefix (RFC 6052, section 2.2; the local-use
+    /// block `64:ff9b:1::/48` of RFC 8215, or the operator's own), shows every IPv4
+    /// client under it, and by /64 they would all share one budget. `bits` is the
+    /// prefix's length, one RFC 6052 allows: 32, 40, 48, 56, 64 or 96 (the IPv4 address
+    /// follows it, skipping bits 64 to 71). Called again, each prefix counts.
+    ///
+    /// ```
+    /// use tollgate::key::ClientIp;
+    ///
+    /// let ip = ClientIp::peer().nat64_prefix("64:ff9b:1::".parse().unwrap(), 96);
+    /// // Two IPv4 clients through the translator: two budgets, not one /64.
+    /// assert_eq!(ip.key_for("64:ff9b:1::c000:221".parse().unwrap()).as_str(), "ip:192.0.2.33");
+    /// assert_eq!(ip.key_for("64:ff9b:1::c633:6407".parse().unwrap()).as_str(), "ip:198.51.100.7");
+    /// // Without the prefix, both were `ip:64:ff9b:1::/64`.
+    /// assert_eq!(
+    ///     ClientIp::peer().key_for("64:ff9b:1::c000:221".parse().unwrap()).as_str(),
+    ///     "ip:64:ff9b:1::/64"
+    /// );
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `bits` is not one of those lengths (a programming error, caught at start-up).
+    pub fn nat64_prefix(mut self, prefix: std::net::Ipv6Addr, bits: u8) -> Self {
+        assert!(
+            matches!(bits, 32 | 40 | 48 | 56 | 64 | 96),
+            "ClientIp::nat64_prefix({prefix}, {bits}): a NAT64 prefix is 32, 40, 48, 56, 64 \
+             or 96 bits long (RFC 6052, section 2.2)"
+        );
+        let mask = u128::MAX << (128 - u32::from(bits));
+        self.nat64.push((u128::from(prefix) & mask, bits));
+        self
+    }
+
+    /// The key this extractor gives a client at `ip` (the address its requests come
+    /// from, or the one its trusted proxies vouch for), grouped and read as a request's
+    /// is: an IPv4-mapped address as its IPv4 address, an IPv6 address by its prefix, an
+    /// IPv4 host behind NAT64, 6to4 or Teredo as that host. For a `Limiter` that shares
+    /// a client's HTTP budget (a WebSocket's messages), or a `reset` or `peek` of one
+    /// client.
+    ///
+    /// ```
+    /// use tollgate::key::ClientIp;
+    ///
+    /// let ip = ClientIp::peer();
+    /// assert_eq!(ip.key_for("2001:db8:1:2::7".parse().unwrap()).as_str(), "ip:2001:db8:1:2::/64");
+    /// assert_eq!(ip.key_for("::ffff:203.0.113.7".parse().unwrap()).as_str(), "ip:203.0.113.7");
+    /// ```
+    pub fn key_for(&self, ip: IpAddr) -> Key {
+        self.group(ip.to_canonical())
+    }
+
     fn is_trusted(&self, ip: IpAddr) -> bool {
         self.trusted.iter().any(|net| net.contains(&ip))
     }
@@ -462,7 +520,7 @@ impl ClientIp {
     #[inline(never)]
     fn group_by_prefix(&self, ip: IpAddr) -> Key {
         if let IpAddr::V6(v6) = ip
-            && let Some(v4) = translated_ipv4(v6)
+            && let Some(v4) = translated_ipv4(v6).or_else(|| self.nat64_host(v6))
         {
             return self.group(IpAddr::V4(v4));
         }
@@ -477,6 +535,30 @@ impl ClientIp {
                 Err(_) => format_compact!("ip:{v6}"),
             },
         })
+    }
+}
+
+impl ClientIp {
+    /// The IPv4 host `v6` carries under one of the network-specific NAT64 prefixes
+    /// (RFC 6052, section 2.2: the four bytes after the prefix, byte 8, bits 64 to 71,
+    /// skipped).
+    fn nat64_host(&self, v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+        let address = u128::from(v6);
+        let &(_, bits) = self
+            .nat64
+            .iter()
+            .find(|&&(prefix, bits)| address & (u128::MAX << (128 - u32::from(bits))) == prefix)?;
+        let octets = v6.octets();
+        let mut host = [0u8; 4];
+        let mut at = usize::from(bits / 8);
+        for byte in &mut host {
+            if at == 8 {
+                at += 1;
+            }
+            *byte = octets[at];
+            at += 1;
+        }
+        Some(std::net::Ipv4Addr::from(host))
     }
 }
 
@@ -1567,6 +1649,104 @@ mod tests {
         assert_eq!(
             client(&ip, "[64:ff9b:0:1::c000:201]:1", &[]),
             "ip:64:ff9b:0:1::/64"
+        );
+    }
+
+    /// RFC 6052, section 2.2: a network-specific prefix (RFC 8215's local-use
+    /// `64:ff9b:1::/48`, or an operator's own) carries the IPv4 address after the
+    /// prefix, skipping bits 64 to 71. Without `nat64_prefix`, every IPv4 client of a
+    /// translator with a /64 or /96 prefix shared one key; with it, each is keyed as its
+    /// IPv4 host, for every length the RFC allows (its section 2.4's table: 192.0.2.33
+    /// under each).
+    #[test]
+    fn a_client_behind_a_network_specific_nat64_prefix_is_keyed_as_its_ipv4_host() {
+        let local = ClientIp::peer();
+        assert_eq!(
+            client(&local, "[64:ff9b:1::c000:221]:1", &[]),
+            client(&local, "[64:ff9b:1::c633:6407]:1", &[]),
+            "one key without the prefix"
+        );
+        let ip = ClientIp::peer().nat64_prefix("64:ff9b:1::".parse().unwrap(), 96);
+        assert_eq!(client(&ip, "[64:ff9b:1::c000:221]:1", &[]), "ip:192.0.2.33");
+        assert_eq!(
+            client(&ip, "[64:ff9b:1::c633:6407]:1", &[]),
+            "ip:198.51.100.7"
+        );
+        for (prefix, bits, address) in [
+            ("2001:db8::", 32, "2001:db8:c000:221::"),
+            ("2001:db8:100::", 40, "2001:db8:1c0:2:21::"),
+            ("2001:db8:122::", 48, "2001:db8:122:c000:2:2100::"),
+            ("2001:db8:122:300::", 56, "2001:db8:122:3c0:0:221::"),
+            ("2001:db8:122:344::", 64, "2001:db8:122:344:c0:2:2100:0"),
+            ("2001:db8:122:344::", 96, "2001:db8:122:344::192.0.2.33"),
+        ] {
+            let ip = ClientIp::peer().nat64_prefix(prefix.parse().unwrap(), bits);
+            assert_eq!(
+                ip.key_for(address.parse().unwrap()).as_str(),
+                "ip:192.0.2.33",
+                "/{bits}"
+            );
+            // The IPv4 prefix groups it as any IPv4 client.
+            let v4 = ip.clone().ipv4_prefix(24);
+            assert_eq!(
+                v4.key_for(address.parse().unwrap()).as_str(),
+                "ip:192.0.2.0/24"
+            );
+        }
+        // Beside the prefix, an address of its own /64 as before.
+        let ip = ClientIp::peer().nat64_prefix("2001:db8:122:344::".parse().unwrap(), 96);
+        assert_eq!(
+            client(&ip, "[2001:db8:122:345::c000:221]:1", &[]),
+            "ip:2001:db8:122:345::/64"
+        );
+        // Several prefixes.
+        let two = ClientIp::peer()
+            .nat64_prefix("2001:db8:a::".parse().unwrap(), 96)
+            .nat64_prefix("2001:db8:b::".parse().unwrap(), 96);
+        assert_eq!(
+            client(&two, "[2001:db8:a::c000:221]:1", &[]),
+            "ip:192.0.2.33"
+        );
+        assert_eq!(
+            client(&two, "[2001:db8:b::c000:222]:1", &[]),
+            "ip:192.0.2.34"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "a NAT64 prefix is 32, 40, 48, 56, 64 or 96 bits long")]
+    fn a_nat64_prefix_of_another_length_is_refused() {
+        let _ = ClientIp::peer().nat64_prefix("2001:db8::".parse().unwrap(), 80);
+    }
+
+    /// A client's key spelt outside a request (a `Limiter` sharing its HTTP budget, a
+    /// `reset`) is the key its requests get: IPv6 by its /64, IPv4-mapped as IPv4,
+    /// translated hosts as their IPv4 host, and what trusted proxies vouch for.
+    #[test]
+    fn a_clients_key_is_spelt_as_its_requests_are() {
+        let ip = ClientIp::peer();
+        for peer in [
+            "203.0.113.7:1",
+            "[2001:db8:1:2::7]:1",
+            "[::ffff:203.0.113.7]:1",
+            "[64:ff9b::c000:201]:1",
+            "[2002:c000:0201::1]:1",
+        ] {
+            let address: SocketAddr = peer.parse().unwrap();
+            assert_eq!(
+                ip.key_for(address.ip()).as_str(),
+                client(&ip, peer, &[]),
+                "{peer}"
+            );
+        }
+        let proxied = ClientIp::behind_proxies(["10.0.0.0/8"]).unwrap();
+        assert_eq!(
+            proxied.key_for("2001:db8:1:2::9".parse().unwrap()).as_str(),
+            client(
+                &proxied,
+                "10.0.0.2:1",
+                &[("x-forwarded-for", b"2001:db8:1:2::7")]
+            )
         );
     }
 

@@ -509,6 +509,12 @@ impl KeyExtractor for Global {
 /// (axum's `OriginalUri`), so `/v1/search` and `/v2/search` never share one. Give a
 /// fallback that serves many paths (a proxy) a layer keyed otherwise, or key by the
 /// client alone there.
+///
+/// A tonic service merged into an axum router is one route, `/pkg.Service/{*rest}`:
+/// every method of the service shares its key there, where under tonic's own
+/// `Server::builder().layer(..)` (no template) each method is keyed by its path.
+/// (`PerRoute` prices methods apart either way; it reads the listed paths, while a key
+/// by the request's own path under a wildcard would be a fresh budget per made-up path.)
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Route;
 
