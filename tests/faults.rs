@@ -1734,7 +1734,9 @@ fn keep_busy(
 /// call after failed at once ("Unable to send command", an I/O error) for good: the
 /// breaker probed a connection that could never answer, and the checks that make a new
 /// connection were spawned on the runtime that was gone. The store connects anew on the
-/// runtime that uses it.
+/// runtime that uses it. The first call to find the driver gone may come from a current-thread runtime that
+/// then sits idle (a job's, between its `block_on`s): a new connection made there would
+/// never be driven, so the serving runtime's calls make their own.
 #[test]
 fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
     let cluster = support::RedisCluster::start(3);
@@ -1746,15 +1748,27 @@ fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
         .block_on(RedisStore::connect_cluster(&cluster.urls()))
         .unwrap();
     drop(start_up);
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 1_000, Duration::from_secs(600)).unwrap());
+    let key = Key::new("after-start-up");
+    // A job's runtime finds the driver gone first, then idles (kept alive to the end).
+    let job = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let first = job.block_on(async {
+        tokio::time::timeout(Duration::from_secs(2), store.decide(&key, &policies, 1)).await
+    });
+    assert!(
+        !matches!(first, Ok(Ok(_))),
+        "the first call after the start-up runtime ended was answered: {first:?}"
+    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .unwrap();
     runtime.block_on(async {
-        let policies =
-            PolicySet::from(Policy::fixed_window("api", 1_000, Duration::from_secs(600)).unwrap());
-        let key = Key::new("after-start-up");
         let until = std::time::Instant::now() + Duration::from_secs(15);
         loop {
             let last = match tokio::time::timeout(
@@ -1777,6 +1791,7 @@ fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
+    drop(job);
 }
 
 /// A store connected on one runtime (a start-up `block_on`) and used on another: the

@@ -29,6 +29,11 @@ const CONNECT_DEADLINE: Duration = Duration::from_secs(5);
 /// each time, up to [`CHECK_AT_MOST_EVERY`].
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a call on a current-thread runtime that finds the connection's driver gone
+/// waits after the last new connection was made for one before it makes another (see
+/// `ManagedCluster::driver_gone`).
+const CURRENT_THREAD_RENEWAL: Duration = Duration::from_secs(10);
+
 /// The longest wait between checks of a node that keeps answering nothing.
 const CHECK_AT_MOST_EVERY: Duration = Duration::from_secs(8);
 
@@ -51,9 +56,15 @@ pub(super) struct ManagedCluster {
     /// driver down with it). When that runtime is gone, and the driver with it, the
     /// runtime of the call that found so (see [`driver_gone`](Self::driver_gone)).
     runtime: std::sync::Mutex<Option<tokio::runtime::Handle>>,
-    /// A new connection is being made for a driver that is gone (or was made less than
-    /// [`CHECK_EVERY`] ago).
-    renewing: AtomicBool,
+    /// When a call that found the driver gone last had a new connection made, in
+    /// milliseconds since `born` plus one (0: never). See [`driver_gone`](Self::driver_gone).
+    renewed_at: AtomicU64,
+    /// How many connections have been put in the first one's place: a new connection
+    /// made for a driver that was gone stands only if none was put in place meanwhile
+    /// (one made on a runtime that then idled may finish long after).
+    generation: AtomicU64,
+    /// The driver was found gone before: said at warn level once, then at debug level.
+    said_gone: AtomicBool,
     /// Calls left unanswered since the last check.
     unanswered: AtomicU32,
     /// A check runs (or waits out the time until the next may).
@@ -87,7 +98,9 @@ impl ManagedCluster {
             client,
             current: std::sync::RwLock::new(connection),
             runtime: std::sync::Mutex::new(tokio::runtime::Handle::try_current().ok()),
-            renewing: AtomicBool::new(false),
+            renewed_at: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            said_gone: AtomicBool::new(false),
             unanswered: AtomicU32::new(0),
             checking: AtomicBool::new(false),
             every_ms: AtomicU64::new(CHECK_EVERY.as_millis() as u64),
@@ -130,40 +143,56 @@ impl ManagedCluster {
 
     /// A call found the connection's driver gone: its task ended with the runtime it ran
     /// on (a start-up runtime the store connected on, say), and every call on it fails
-    /// at once, for good. A new connection is made on the caller's runtime, which checks
-    /// use from then on. At most one at a time, and one per [`CHECK_EVERY`].
+    /// at once, for good. A new connection is made on the caller's runtime (its driver
+    /// runs there), which checks use from then on if it stands.
+    ///
+    /// At most one per [`CHECK_EVERY`] from a multi-thread runtime; from a current-thread
+    /// runtime, only when none was made for [`CURRENT_THREAD_RENEWAL`]: such a runtime
+    /// drives its tasks only inside its `block_on`, and a job's may then idle, its new
+    /// connection never made or never driven, while the serving runtime's calls fail.
+    /// Those make their own after [`CHECK_EVERY`], and the first new connection put in
+    /// place stands: a later one (the idle runtime's, finishing when it runs again) is
+    /// dropped. Each is bounded by [`CONNECT_DEADLINE`], so few are ever under way.
     #[cold]
     fn driver_gone(self: &Arc<Self>) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        if self.renewing.swap(true, Ordering::AcqRel) {
+        let gap = match runtime.runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::CurrentThread => CURRENT_THREAD_RENEWAL,
+            _ => CHECK_EVERY,
+        };
+        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+        let last = self.renewed_at.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last) < gap.as_millis() as u64 {
             return;
         }
-        *self
-            .runtime
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(runtime.clone());
-        #[cfg(feature = "tracing")]
-        tracing::warn!(
-            target: "tollgate",
-            "the Redis Cluster connection's driver is gone (the runtime it ran on ended): \
-             connecting to the Cluster anew on the runtime that uses the store"
-        );
-        /// Lets the next renewal go however this one ends (a runtime shutting down
-        /// drops it).
-        struct Done(Arc<ManagedCluster>);
-        impl Drop for Done {
-            fn drop(&mut self) {
-                self.0.renewing.store(false, Ordering::Release);
-            }
+        if self
+            .renewed_at
+            .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
         }
-        let done = Done(Arc::clone(self));
+        #[cfg(feature = "tracing")]
+        if self.said_gone.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                target: "tollgate",
+                "the Redis Cluster connection's driver is gone: connecting anew"
+            );
+        } else {
+            tracing::warn!(
+                target: "tollgate",
+                "the Redis Cluster connection's driver is gone (the runtime it ran on \
+                 ended): connecting to the Cluster anew on the runtime that uses the store \
+                 (said once; again at debug level)"
+            );
+        }
+        let generation = self.generation.load(Ordering::Acquire);
+        let this = Arc::clone(self);
+        let on = runtime.clone();
         runtime.spawn(async move {
-            let started = tokio::time::Instant::now();
-            done.0.replace().await;
-            tokio::time::sleep_until(started + CHECK_EVERY).await;
-            drop(done);
+            this.replace_if(Some(generation), Some(on)).await;
         });
     }
 
@@ -307,12 +336,32 @@ impl ManagedCluster {
     /// A new connection in the current one's place. Calls meanwhile go on the old one,
     /// and those sent there finish there (each holds its connection).
     async fn replace(&self) {
+        self.replace_if(None, None).await;
+    }
+
+    /// [`replace`](Self::replace), made on this task's runtime (its driver runs there).
+    /// With `generation`, the new connection stands only if no other was put in place
+    /// since that generation; with `runtime`, the runtime it was made on is the one
+    /// checks use from then on.
+    async fn replace_if(&self, generation: Option<u64>, runtime: Option<tokio::runtime::Handle>) {
         match tokio::time::timeout(CONNECT_DEADLINE, self.client.get_async_connection()).await {
             Ok(Ok(connection)) => {
-                *self
+                let mut current = self
                     .current
                     .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if generation.is_some_and(|seen| seen != self.generation.load(Ordering::Acquire)) {
+                    // Another was put in place meanwhile: this one (and its driver) goes.
+                    return;
+                }
+                *current = connection;
+                self.generation.fetch_add(1, Ordering::AcqRel);
+                if let Some(runtime) = runtime {
+                    *self
+                        .runtime
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(runtime);
+                }
             }
             // The next unanswered call tries again.
             Ok(Err(error)) => {
