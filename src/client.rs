@@ -17,8 +17,8 @@
 //! - `Retry-After` (seconds or an HTTP date) on an error (`429`, `503`, GitHub's `403`
 //!   for its secondary limits) or a gRPC answer, where it takes precedence over the
 //!   fields above (draft-11, section 7); on a `202` it says when to poll, on a redirect
-//!   when to follow it: neither holds the host alone, but where the fields above ask for
-//!   a wait beside it, it says how long.
+//!   when to follow it: neither holds the host alone, but where the fields above say
+//!   none is left beside it, it says how long.
 //!
 //! A `RateLimit` field with a malformed member (`r` missing, or `r` or `t` not a
 //! non-negative Integer) is ignored whole (draft-11, sections 4.1 and 7), and so are the
@@ -785,7 +785,7 @@ impl Hosts {
 /// response's rate-limit fields; `None` when it asks for nothing.
 ///
 /// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
-/// section 7), and on any other response where the fields ask for a wait; a response from a cache (a positive `Age`) says nothing in its rate-limit
+/// section 7), and on any other response where the fields say none is left; a response from a cache (a positive `Age`) says nothing in its rate-limit
 /// fields (section 7.3); a refused response (429) asks for a second at least (one that
 /// says nothing, a zero or a date gone by: never straight back, as the layer waits).
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
@@ -847,8 +847,9 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     if age(headers).is_some_and(|age| age > 0) {
         return None;
     }
-    // The longest of what the fields say (`None` is below any wait).
-    let mut wait = ratelimit_wait(headers);
+    // The longest of what the fields say (`None` is below any wait), and whether any
+    // says none is left (with a time or not).
+    let (mut wait, mut none_left) = ratelimit_wait(headers);
     // draft-6 and the X- fields: remaining 0 until reset.
     for (remaining, reset) in [
         ("ratelimit-remaining", "ratelimit-reset"),
@@ -862,14 +863,16 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
             .and_then(|value| value.trim().parse::<f64>().ok())
             .filter(|left| left.is_finite() && *left >= 0.0);
         if remaining.is_some_and(|left| left < 1.0) {
+            none_left = true;
             let reset = headers.get(reset).and_then(|value| value.to_str().ok());
             wait = wait.max(reset.and_then(|reset| reset_delay(reset, headers)));
         }
     }
-    // Fields that ask for a wait beside a Retry-After, on a success or a redirect: the
+    // Fields that say none is left beside a Retry-After, on a success or a redirect: the
     // Retry-After says how long (draft-11, section 7: it "MUST take precedence and the
-    // reset keyword MAY be ignored"). Alone there, it holds no host (above).
-    if wait.is_some()
+    // reset keyword MAY be ignored"), also where the fields name no time. Alone there,
+    // it holds no host (above).
+    if none_left
         && let Some(after) = headers
             .get(http::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
@@ -886,8 +889,13 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
 /// "Malformed RateLimit header fields MUST be ignored"): `r` missing (it is REQUIRED,
 /// section 4.1) or either of `r` and `t` not a non-negative Integer. A member with
 /// `r=0` and no `t` (OPTIONAL) names no window, and asks for no wait: an in-flight
-/// limit's slot frees when a response ends, not after a time.
-fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
+/// limit's slot frees when a response ends, not after a time. Beside the wait, whether a
+/// member has `r=0` (with a `t` or not).
+fn ratelimit_wait(headers: &HeaderMap) -> (Option<Duration>, bool) {
+    ratelimit_word(headers).unwrap_or((None, false))
+}
+
+fn ratelimit_word(headers: &HeaderMap) -> Option<(Option<Duration>, bool)> {
     let lines: Option<Vec<&str>> = headers
         .get_all("ratelimit")
         .iter()
@@ -900,6 +908,7 @@ fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
         .parse::<sfv::List>()
         .ok()?;
     let mut wait: Option<Duration> = None;
+    let mut none_left = false;
     for member in list {
         let sfv::ListEntry::Item(item) = member else {
             return None;
@@ -919,10 +928,11 @@ fn ratelimit_wait(headers: &HeaderMap) -> Option<Duration> {
             return None;
         };
         if r == 0 {
+            none_left = true;
             wait = wait.max(t.map(Duration::from_secs));
         }
     }
-    wait
+    Some((wait, none_left))
 }
 
 /// A response's `Age`: delta-seconds, `1*DIGIT` (RFC 9111, section 1.2.2), one past

@@ -1306,6 +1306,25 @@ fn retry_after_holds_the_host_on_an_error_not_on_a_success_or_a_redirect() {
                 "{status} {name}"
             );
         }
+        // Fields that say none is left but not for how long: the Retry-After says it.
+        for (name, value) in [
+            ("ratelimit", "\"api\";r=0"),
+            ("ratelimit-remaining", "0"),
+            ("x-ratelimit-remaining", "0"),
+        ] {
+            let untimed = headers(&[("retry-after", "30"), (name, value)]);
+            assert_eq!(
+                server_wait(status, &untimed),
+                Some(secs(30)),
+                "{status} {name}"
+            );
+            // Without it, nothing to wait for (a count of requests in progress).
+            assert_eq!(
+                server_wait(status, &headers(&[(name, value)])),
+                None,
+                "{status} {name}"
+            );
+        }
         // Fields that ask for no wait leave a success's or redirect's Retry-After alone.
         let roomy = headers(&[("retry-after", "30"), ("ratelimit", "\"api\";r=5;t=4")]);
         assert_eq!(server_wait(status, &roomy), None, "{status}");
