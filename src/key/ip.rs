@@ -350,11 +350,14 @@ impl ClientIp {
 
     /// Reads an address under this NAT64 prefix as the IPv4 host it carries, as the
     /// well-known prefix `64:ff9b::/96` is read: a translator in front of an IPv6-only
-    /// server, given a network-specific prefix (RFC 6052, section 2.2; the local-use
-    /// block `64:ff9b:1::/48` of RFC 8215, or the operator's own), shows every IPv4
+    /// server, given a network-specific prefix (RFC 6052, section 2.2; one within the
+    /// local-use block `64:ff9b:1::/48` of RFC 8215, or the operator's own), shows every IPv4
     /// client under it, and by /64 they would all share one budget. `bits` is the
     /// prefix's length, one RFC 6052 allows: 32, 40, 48, 56, 64 or 96 (the IPv4 address
-    /// follows it, skipping bits 64 to 71). Called again, each prefix counts.
+    /// follows it, skipping bits 64 to 71), and must be the translator's: an address
+    /// whose bits 64 to 71 or suffix are not zero, which a translator never writes and a
+    /// wrong length reads, keeps its /64. Called again, each prefix counts, and the
+    /// longest that holds an address reads it.
     ///
     /// ```
     /// use tollgate::key::ClientIp;
@@ -539,15 +542,20 @@ impl ClientIp {
 }
 
 impl ClientIp {
-    /// The IPv4 host `v6` carries under one of the network-specific NAT64 prefixes
-    /// (RFC 6052, section 2.2: the four bytes after the prefix, byte 8, bits 64 to 71,
-    /// skipped).
+    /// The IPv4 host `v6` carries under the longest of the network-specific NAT64
+    /// prefixes that holds it (RFC 6052, section 2.2: the four bytes after the prefix,
+    /// byte 8, bits 64 to 71, skipped). `None` for an address no translator with that
+    /// prefix writes: one whose bits 64 to 71 or suffix (the bytes after the IPv4
+    /// address) are not zero, as that section has them, which is what a prefix length
+    /// other than the translator's reads (every client would get one made-up key).
     fn nat64_host(&self, v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
         let address = u128::from(v6);
-        let &(_, bits) = self
+        let bits = self
             .nat64
             .iter()
-            .find(|&&(prefix, bits)| address & (u128::MAX << (128 - u32::from(bits))) == prefix)?;
+            .filter(|&&(prefix, bits)| address & (u128::MAX << (128 - u32::from(bits))) == prefix)
+            .map(|&(_, bits)| bits)
+            .max()?;
         let octets = v6.octets();
         let mut host = [0u8; 4];
         let mut at = usize::from(bits / 8);
@@ -558,7 +566,9 @@ impl ClientIp {
             *byte = octets[at];
             at += 1;
         }
-        Some(std::net::Ipv4Addr::from(host))
+        let suffix = &octets[at..];
+        (octets[8] == 0 && suffix.iter().all(|&byte| byte == 0))
+            .then(|| std::net::Ipv4Addr::from(host))
     }
 }
 
@@ -1693,6 +1703,40 @@ mod tests {
                 "ip:192.0.2.0/24"
             );
         }
+        // Prefixes within one another: the longest that holds the address reads it.
+        let nested = ClientIp::peer()
+            .nat64_prefix("2001:db8::".parse().unwrap(), 32)
+            .nat64_prefix("2001:db8:122:344::".parse().unwrap(), 96);
+        assert_eq!(
+            nested
+                .key_for("2001:db8:122:344::c000:221".parse().unwrap())
+                .as_str(),
+            "ip:192.0.2.33"
+        );
+        assert_eq!(
+            nested
+                .key_for("2001:db8:c000:221::".parse().unwrap())
+                .as_str(),
+            "ip:192.0.2.33"
+        );
+        // An address no translator with that prefix writes (RFC 6052, section 2.2: bits
+        // 64 to 71 are zero, and so is the suffix): a length that is not the
+        // translator's, read as if it were, would give every client the same made-up
+        // IPv4 key. Such an address keeps its /64.
+        let wrong = ClientIp::peer().nat64_prefix("64:ff9b:1::".parse().unwrap(), 48);
+        assert_eq!(
+            wrong
+                .key_for("64:ff9b:1::c000:221".parse().unwrap())
+                .as_str(),
+            "ip:64:ff9b:1::/64"
+        );
+        let u_octet = ClientIp::peer().nat64_prefix("2001:db8:122:344::".parse().unwrap(), 64);
+        assert_eq!(
+            u_octet
+                .key_for("2001:db8:122:344:1c0:2:2100:0".parse().unwrap())
+                .as_str(),
+            "ip:2001:db8:122:344::/64"
+        );
         // Beside the prefix, an address of its own /64 as before.
         let ip = ClientIp::peer().nat64_prefix("2001:db8:122:344::".parse().unwrap(), 96);
         assert_eq!(
