@@ -96,7 +96,14 @@ fn code_only(text: &str) -> String {
 fn reexports(lib: &str) -> BTreeMap<String, String> {
     let mut names = BTreeMap::new();
     for statement in lib.split(';') {
-        let Some(path) = statement.trim().strip_prefix("pub use ") else {
+        // Attributes and comments may stand before it (`#[cfg(feature = "redis")]`).
+        let statement = statement
+            .lines()
+            .map(str::trim)
+            .filter(|line| !line.is_empty() && !line.starts_with("//") && !line.starts_with("#["))
+            .collect::<Vec<_>>()
+            .join(" ");
+        let Some(path) = statement.strip_prefix("pub use ") else {
             continue;
         };
         let module: String = path
@@ -104,8 +111,9 @@ fn reexports(lib: &str) -> BTreeMap<String, String> {
             .take_while(|&b| is_ident(b))
             .map(char::from)
             .collect();
+        // A group's leaves, nested groups flattened (`a::{B, c::{D, E}}`).
         let leaves = match path.find('{') {
-            Some(open) => path[open + 1..].trim_end_matches('}').to_owned(),
+            Some(open) => path[open + 1..].replace(['{', '}'], ""),
             None => path.rsplit("::").next().unwrap_or_default().to_owned(),
         };
         for leaf in leaves.split(',') {
@@ -283,12 +291,34 @@ fn the_reader_finds_what_the_cycle_check_finds() {
 }
 
 #[test]
+fn code_only_leaves_comments_out() {
+    let text = "/// [`Layer`](crate::RateLimitLayer)\n//! crate::Decision\nlet a = crate::Outcome::Allowed; // crate::RateLimit\nlet url = \"redis://x\"; let b = crate::Key::new(url);";
+    let code = code_only(text);
+    assert!(
+        !code.contains("RateLimitLayer") && !code.contains("Decision"),
+        "{code}"
+    );
+    assert!(
+        !code.contains("crate::RateLimit;") && !code.contains("// crate::RateLimit"),
+        "{code}"
+    );
+    assert!(
+        code.contains("crate::Outcome::Allowed") && code.contains("crate::Key::new(url)"),
+        "{code}"
+    );
+}
+
+#[test]
 fn the_reader_follows_the_roots_reexports() {
-    let lib = "pub use decision::{Decision, Outcome};\npub use layer::{DEFAULT_STORE_TIMEOUT, RateLimitLayer};\npub use respond::headers::HeaderStyle;\npub use respond::problem::{\n    QUOTA_EXCEEDED, Rejection,\n};\npub use service::RateLimit;";
+    let lib = "#[cfg(feature = \"redis\")]\npub use store::RedisStore;\n/// Docs.\npub use key::{Key, ip::{ClientIp, InvalidProxy}};\npub use decision::{Decision, Outcome};\npub use layer::{DEFAULT_STORE_TIMEOUT, RateLimitLayer};\npub use respond::headers::HeaderStyle;\npub use respond::problem::{\n    QUOTA_EXCEEDED, Rejection,\n};\npub use service::RateLimit;";
     let reexports = reexports(lib);
     assert_eq!(reexports["Decision"], "decision");
     assert_eq!(reexports["HeaderStyle"], "respond");
     assert_eq!(reexports["Rejection"], "respond");
+    assert_eq!(reexports["RedisStore"], "store");
+    assert_eq!(reexports["ClientIp"], "key");
+    assert_eq!(reexports["InvalidProxy"], "key");
+    assert_eq!(reexports["Key"], "key");
     let text = "let t = crate::DEFAULT_STORE_TIMEOUT;\nfn f(d: crate::Decision) {}\nuse crate::{HeaderStyle, key::Key};\n/// [`x`](crate::RateLimit::call)\nmycrate::Outcome";
     let found: Vec<String> = reexports_reached(text, &reexports).into_iter().collect();
     assert_eq!(found, ["decision", "layer", "respond", "service"]);

@@ -592,7 +592,8 @@ fn number(value: &HeaderValue) -> Option<u64> {
 /// and clients ignore a malformed field whole (draft-11, section 7), ours with it: it is
 /// replaced by ours. That is a field whose lines, joined, are no Structured Fields List
 /// (RFC 9651, section 4.2: an older draft's dictionary, `limit=100, remaining=50`, or
-/// garbage), or a List whose members are not Strings with the field's required Integer
+/// garbage), or a List whose members do not name a policy (a String; in `RateLimit`,
+/// whose section 4 sets no type, a Token too) with the field's required Integer
 /// (sections 3, 3.1, 4 and 4.1: `q` in `RateLimit-Policy`, `r` in `RateLimit`), or one
 /// with an empty line (the joined value would start or end with a comma).
 #[inline]
