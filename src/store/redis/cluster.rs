@@ -174,8 +174,9 @@ impl ManagedCluster {
         {
             return;
         }
+        let said = self.said_gone.swap(true, Ordering::Relaxed);
         #[cfg(feature = "tracing")]
-        if self.said_gone.swap(true, Ordering::Relaxed) {
+        if said {
             tracing::debug!(
                 target: "tollgate",
                 "the Redis Cluster connection's driver is gone: connecting anew"
@@ -188,6 +189,8 @@ impl ManagedCluster {
                  (said once; again at debug level)"
             );
         }
+        #[cfg(not(feature = "tracing"))]
+        let _ = said;
         let generation = self.generation.load(Ordering::Acquire);
         let this = Arc::clone(self);
         let on = runtime.clone();
