@@ -82,7 +82,9 @@
 //! or is dropped, so a long stream holds its slot to the end.
 //!
 //! **What is exact.** A settle gives back only what the state still holds: a fixed or
-//! sliding window that has moved on is not reopened, a bucket is never filled above full.
+//! sliding window that has moved on is not reopened, a bucket is never filled above full;
+//! in process, a debit made before a reset or a level set of its policy is forgiven, and
+//! its settle changes nothing there (on Redis the refund still lands on the new state).
 //! An actual cost above the reservation is charged in full, past empty if need be: the
 //! excess is owed, and the identity's next requests (those reserving nothing included)
 //! wait until a bucket has refilled it or a window has forgotten it. Requests in flight

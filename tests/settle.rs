@@ -1325,3 +1325,72 @@ async fn a_request_dropped_waiting_for_its_inner_service_is_not_charged_as_dropp
     // The first's unit, and the second's if its place could not be given back; not 500.
     assert!(left >= 998, "{left} left");
 }
+
+/// A reset (`MemoryStore::reset_now`: "the customer upgraded") or a level set
+/// (`Adjustment::set_remaining`: "block this client") forgives what was debited before
+/// it, and a request still running then settles later: its refund must not give back
+/// units others spent since (a settle gives back only what the state still holds of its
+/// debit). Before, every rate algorithm but the sliding log took the refund from the new
+/// state: a limit of 10 an hour admitted 20 after a reset. (On Redis the same refund
+/// still gives back: see the README, "Costs known after the response".)
+#[test]
+fn a_refund_of_a_debit_made_before_a_reset_or_a_set_level_gives_nothing_back() {
+    let hour = Duration::from_secs(3_600);
+    let sets = [
+        Policy::fixed_window("fw", 10, hour).unwrap(),
+        Policy::sliding_window("sw", 10, hour).unwrap(),
+        Policy::sliding_window_split("split", 10, hour, 4).unwrap(),
+        Policy::token_bucket("tb", 10, Rate::new(10, hour)).unwrap(),
+        Policy::gcra("gc", Rate::new(10, hour), 10).unwrap(),
+        Policy::sliding_log("sl", 10, hour).unwrap(),
+    ]
+    .map(PolicySet::from);
+    for set in &sets {
+        for clear in ["reset", "set"] {
+            let label = format!("{} {clear}", set[0].name());
+            let clock = ManualClock::new();
+            clock.advance(Duration::from_secs(1_000));
+            let store = MemoryStore::builder().clock(clock.clone()).build();
+            // A running request reserves the whole quota.
+            let running = store.check("client", set, 10);
+            assert!(running.is_allowed(), "{label}");
+            clock.advance(Duration::from_millis(100));
+            match clear {
+                "reset" => store.reset_now("client", set),
+                _ => {
+                    store.adjust_now("client", set, &Adjustment::set_remaining(10));
+                }
+            }
+            // The fresh quota is spent by others.
+            clock.advance(Duration::from_millis(100));
+            for _ in 0..10 {
+                assert!(store.check("client", set, 1).is_allowed(), "{label}");
+            }
+            // The running request ends having used nothing.
+            clock.advance(Duration::from_millis(100));
+            let left = running.statuses().iter().map(|status| status.remaining);
+            let settle = Adjustment::settle(10, 0, running.receipt()).with_left(left);
+            let settled = store.adjust_now("client", set, &settle);
+            assert_eq!(settled.statuses()[0].remaining, 0, "{label}: {settled:?}");
+            assert!(
+                !store.check("client", set, 1).is_allowed(),
+                "{label}: admitted past the quota"
+            );
+            // A request debited after a clear (even at the clock's same reading) settles as
+            // ever, and another identity's refunds are untouched by this one's clear.
+            store.reset_now("client", set);
+            let after = store.check("client", set, 4);
+            assert!(after.is_allowed(), "{label}");
+            let left = after.statuses().iter().map(|status| status.remaining);
+            let settle = Adjustment::settle(4, 1, after.receipt()).with_left(left);
+            let settled = store.adjust_now("client", set, &settle);
+            assert_eq!(settled.statuses()[0].remaining, 9, "{label}: {settled:?}");
+            let other = store.check("other", set, 4);
+            store.reset_now("client", set);
+            let left = other.statuses().iter().map(|status| status.remaining);
+            let settle = Adjustment::settle(4, 0, other.receipt()).with_left(left);
+            let settled = store.adjust_now("other", set, &settle);
+            assert_eq!(settled.statuses()[0].remaining, 10, "{label}: {settled:?}");
+        }
+    }
+}

@@ -173,11 +173,18 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
 /// Adjusts an admitted request's debit (see `Store::adjust`): settles the rate policies
 /// from the reserved to the actual units, or frees the in-flight slots. Every policy's
 /// status afterwards, and the time the key's state is fresh again.
+///
+/// `cleared` holds, in the set's order, when each policy's state was last reset or set
+/// to a level (empty: never, as far as the store knows): a settle or an unbooking of a
+/// debit made then or before changes nothing of that rate policy (the clear forgave it;
+/// a refund would give back units spent since). The twin of the `r` field in
+/// `adjust.lua`.
 pub(crate) fn adjust(
     policies: &[Policy],
     slots: &mut [Slot],
     now: u64,
     adjustment: &Adjustment,
+    cleared: &[Option<u64>],
 ) -> (Decision, u64) {
     debug_assert!(slots.len() >= policies.len());
     let (slots, penalties) = slots.split_at_mut(policies.len());
@@ -210,6 +217,13 @@ pub(crate) fn adjust(
             }
             // The other changes are about rates: slots are taken and freed by requests.
             _ if params.is_in_flight() => {}
+            // Debited before a reset or a level set of this policy, which forgave it.
+            Change::Settle { .. } | Change::Unbook { .. }
+                if cleared
+                    .get(index)
+                    .copied()
+                    .flatten()
+                    .is_some_and(|cleared| at <= cleared) => {}
             Change::Settle { reserved, actual } => {
                 // As Redis is sent them: a cost no policy admits is as good as any larger.
                 let (reserved, actual) = (reserved.min(MAX_LIMIT + 1), actual.min(MAX_LIMIT + 1));
@@ -583,8 +597,8 @@ mod tests {
                                 }
                                 _ => Adjustment::release(cost, decision.receipt()),
                             };
-                            let quick = adjust(&set, &mut fast, now, &adjustment);
-                            let slow = adjust(&set, &mut general, now, &adjustment);
+                            let quick = adjust(&set, &mut fast, now, &adjustment, &[]);
+                            let slow = adjust(&set, &mut general, now, &adjustment, &[]);
                             prop_assert_eq!(quick, slow);
                         }
                         _ => {}
@@ -624,6 +638,7 @@ mod tests {
                 &mut slots,
                 1_001 * second,
                 &settle,
+                &[],
             );
             assert_eq!(
                 after.0.statuses()[0].remaining,

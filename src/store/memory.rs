@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use compact_str::CompactString;
 
-use super::{Adjustment, DecideFuture, ResetFuture, Store};
+use super::{Adjustment, Change, DecideFuture, ResetFuture, Store};
 use crate::algorithm::Slot;
 use crate::clock::{CarriedClock, Clock};
 use crate::decision::Decision;
@@ -120,7 +120,28 @@ struct Table {
     /// just after its identity was forgotten there, fresh at that end, and would be
     /// counted in an empty window that had ended. The shard's time never steps back.
     latest: u64,
+    /// The latest resets and level sets of identities' rate policies (at most
+    /// [`MAX_CLEARED`], each kept while a debit made before it could still be given
+    /// back): a settle of such a debit gives nothing back (see `decide::adjust`).
+    cleared: Vec<Cleared>,
 }
+
+/// A reset or a level set of one identity's rate policy (see [`Table::cleared`]).
+#[derive(Debug, Clone, Copy)]
+struct Cleared {
+    hash: u64,
+    policy: u32,
+    /// When, on the shard's time line: debits at or before it are forgiven.
+    at: u64,
+    /// Until when it matters: twice the policy's window after it, when no refund of a
+    /// debit made before it gives anything back any more (its window has ended, its
+    /// bucket refilled).
+    until: u64,
+}
+
+/// The most clears a shard remembers: resets and level sets are an operator's (or an
+/// app's admin) calls, not a request's. Past it the oldest is forgotten first.
+const MAX_CLEARED: usize = 256;
 
 /// The hash table of a shard: open addressing over 4-byte buckets. A bucket holds an
 /// entry's slab position plus one in its low bits (0: empty), and a tag in the bits the
@@ -338,7 +359,51 @@ impl Table {
             index: Index::new(0, capacity),
             slab: Slab::new(capacity),
             latest: 0,
+            cleared: Vec::new(),
         }
+    }
+
+    /// Notes that `policies`' rate states of the identity of `hash` were cleared (reset,
+    /// or set to a level) at `now`, the shard's latest time: a settle of a debit made
+    /// then or before gives nothing back. The shard's time moves on by a nanosecond, so
+    /// every debit after the clear is later than it.
+    fn clear(&mut self, hash: u64, policies: &PolicySet, now: u64) {
+        self.cleared.retain(|cleared| cleared.until > now);
+        for policy in policies.iter() {
+            if policy.params().is_in_flight() {
+                continue;
+            }
+            self.cleared
+                .retain(|cleared| cleared.hash != hash || cleared.policy != policy.id());
+            if self.cleared.len() >= MAX_CLEARED {
+                self.cleared.remove(0);
+            }
+            let window = policy.params().window_nanos();
+            self.cleared.push(Cleared {
+                hash,
+                policy: policy.id(),
+                at: now,
+                until: now.saturating_add(window.saturating_mul(2)),
+            });
+        }
+        self.latest = self.latest.max(now.saturating_add(1));
+    }
+
+    /// When each of `policies` was last cleared for the identity of `hash`, in the set's
+    /// order; empty when the shard remembers no clear.
+    fn cleared_at(&self, hash: u64, policies: &PolicySet, now: u64) -> Vec<Option<u64>> {
+        if self.cleared.is_empty() {
+            return Vec::new();
+        }
+        policies
+            .iter()
+            .map(|policy| {
+                self.cleared
+                    .iter()
+                    .find(|c| c.hash == hash && c.policy == policy.id() && c.until > now)
+                    .map(|c| c.at)
+            })
+            .collect()
     }
 
     /// `now`, or the shard's latest time if `now` is behind it: the time to decide at.
@@ -818,7 +883,9 @@ impl<C: Clock> MemoryStore<C> {
     }
 
     /// Forgets `key`'s state under `policies` now (see [`Store::reset`]): its next request
-    /// starts fresh. Its state under other policies stays.
+    /// starts fresh. Its state under other policies stays. A request debited before the
+    /// reset and settled after it gives nothing back (its debit was forgiven): a refund
+    /// would give back units spent since.
     ///
     /// ```
     /// use tollgate::{MemoryStore, Policy, PolicySet, Rate};
@@ -834,8 +901,11 @@ impl<C: Clock> MemoryStore<C> {
     pub fn reset_now(&self, key: &str, policies: &PolicySet) {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
+        let now = table.time(self.shared.clock.now());
+        // A request debited before and settled after gives nothing back: the reset
+        // forgave its debit (also of an identity no longer held: it may come back).
+        table.clear(hash, policies, now);
         if let Ok(index) = table.find(hash, key) {
-            let now = table.time(self.shared.clock.now());
             let entry = table.slab.get_mut(index);
             let slots = entry.slots.arrange(policies, now, entry.fresh_at);
             let (slots, penalties) = slots.split_at_mut(policies.len());
@@ -880,12 +950,24 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         let now = table.time(now);
-        match table.find(hash, key) {
-            Ok(index) => adjust_entry(table.slab.get_mut(index), policies, now, adjustment),
+        let cleared = table.cleared_at(hash, policies, now);
+        let decision = match table.find(hash, key) {
+            Ok(index) => adjust_entry(
+                table.slab.get_mut(index),
+                policies,
+                now,
+                adjustment,
+                &cleared,
+            ),
             Err(vacant) => self.keep_new(&mut table, vacant, hash, key, policies, now, |entry| {
-                adjust_entry(entry, policies, now, adjustment)
+                adjust_entry(entry, policies, now, adjustment, &cleared)
             }),
+        };
+        // A level set forgives what was debited before it, as a reset does.
+        if let Change::SetRemaining { .. } = adjustment.change() {
+            table.clear(hash, policies, now);
         }
+        decision
     }
 
     fn make_room(&self, table: &mut Table, now: u64) {
@@ -1041,9 +1123,10 @@ fn adjust_entry(
     policies: &PolicySet,
     now: u64,
     adjustment: &Adjustment,
+    cleared: &[Option<u64>],
 ) -> Decision {
     let slots = entry.slots.arrange(policies, now, entry.fresh_at);
-    let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment);
+    let (decision, fresh_at) = super::decide::adjust(policies, slots, now, adjustment, cleared);
     entry.fresh_at = entry.slots.mark(policies, now, fresh_at);
     decision
 }
