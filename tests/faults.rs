@@ -1733,10 +1733,11 @@ fn keep_busy(
 /// above): the Cluster client's driver ran on the first and ended with it, and every
 /// call after failed at once ("Unable to send command", an I/O error) for good: the
 /// breaker probed a connection that could never answer, and the checks that make a new
-/// connection were spawned on the runtime that was gone. The store connects anew on the
-/// runtime that uses it. The first call to find the driver gone may come from a current-thread runtime that
-/// then sits idle (a job's, between its `block_on`s): a new connection made there would
-/// never be driven, so the serving runtime's calls make their own.
+/// connection were spawned on the runtime that was gone. The store connects anew on a
+/// runtime of its own. The first call to find the driver gone may come from a
+/// current-thread runtime that then runs on a while and sits idle (a job's, between its
+/// `block_on`s): a new connection made there would have its driver left undriven, and
+/// the serving runtime's calls would time out.
 #[test]
 fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
     let cluster = support::RedisCluster::start(3);
@@ -1757,7 +1758,12 @@ fn a_cluster_connection_outlives_the_runtime_the_store_connected_on() {
         .build()
         .unwrap();
     let first = job.block_on(async {
-        tokio::time::timeout(Duration::from_secs(2), store.decide(&key, &policies, 1)).await
+        let first =
+            tokio::time::timeout(Duration::from_secs(2), store.decide(&key, &policies, 1)).await;
+        // The job goes on a while after its call failed (a new connection made on its
+        // runtime would be made now, and then left undriven).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        first
     });
     assert!(
         !matches!(first, Ok(Ok(_))),

@@ -29,11 +29,6 @@ const CONNECT_DEADLINE: Duration = Duration::from_secs(5);
 /// each time, up to [`CHECK_AT_MOST_EVERY`].
 const CHECK_EVERY: Duration = Duration::from_secs(1);
 
-/// How long a call on a current-thread runtime that finds the connection's driver gone
-/// waits after the last new connection was made for one before it makes another (see
-/// `ManagedCluster::driver_gone`).
-const CURRENT_THREAD_RENEWAL: Duration = Duration::from_secs(10);
-
 /// The longest wait between checks of a node that keeps answering nothing.
 const CHECK_AT_MOST_EVERY: Duration = Duration::from_secs(8);
 
@@ -54,7 +49,7 @@ pub(super) struct ManagedCluster {
     /// connected on): checks and new connections run there, not on whatever runtime a
     /// dropped call was polled on (a short-lived one would take a new connection's
     /// driver down with it). When that runtime is gone, and the driver with it, the
-    /// runtime of the call that found so (see [`driver_gone`](Self::driver_gone)).
+    /// store's own (see [`driver_gone`](Self::driver_gone)).
     runtime: std::sync::Mutex<Option<tokio::runtime::Handle>>,
     /// When a call that found the driver gone last had a new connection made, in
     /// milliseconds since `born` plus one (0: never). See [`driver_gone`](Self::driver_gone).
@@ -69,6 +64,9 @@ pub(super) struct ManagedCluster {
     unanswered: AtomicU32,
     /// A check runs (or waits out the time until the next may).
     checking: AtomicBool,
+    /// The store's own runtime (see [`own_runtime`](Self::own_runtime)), and what stops
+    /// it when the store is dropped.
+    own: std::sync::Mutex<Option<(tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>)>>,
     /// The wait after the last check that found a node answering nothing, in
     /// milliseconds. A check that finds its node answering does not shorten it: the node
     /// checked may be another shard's (a call dropped by its client), while the stalled
@@ -101,6 +99,7 @@ impl ManagedCluster {
             renewed_at: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             said_gone: AtomicBool::new(false),
+            own: std::sync::Mutex::new(None),
             unanswered: AtomicU32::new(0),
             checking: AtomicBool::new(false),
             every_ms: AtomicU64::new(CHECK_EVERY.as_millis() as u64),
@@ -143,28 +142,17 @@ impl ManagedCluster {
 
     /// A call found the connection's driver gone: its task ended with the runtime it ran
     /// on (a start-up runtime the store connected on, say), and every call on it fails
-    /// at once, for good. A new connection is made on the caller's runtime (its driver
-    /// runs there), which checks use from then on if it stands.
-    ///
-    /// At most one per [`CHECK_EVERY`] from a multi-thread runtime; from a current-thread
-    /// runtime, only when none was made for [`CURRENT_THREAD_RENEWAL`]: such a runtime
-    /// drives its tasks only inside its `block_on`, and a job's may then idle, its new
-    /// connection never made or never driven, while the serving runtime's calls fail.
-    /// Those make their own after [`CHECK_EVERY`], and the first new connection put in
-    /// place stands: a later one (the idle runtime's, finishing when it runs again) is
-    /// dropped. Each is bounded by [`CONNECT_DEADLINE`], so few are ever under way.
+    /// at once, for good. A new connection is made on a runtime of the store's own (a
+    /// thread started the first time this happens, which lives as long as the store):
+    /// made on the caller's, its driver would run only while that runtime does, and a
+    /// job's current-thread runtime idles between its `block_on`s. Checks run there from
+    /// then on. At most one per [`CHECK_EVERY`], each bounded by [`CONNECT_DEADLINE`],
+    /// and the first new connection put in place stands (a later one is dropped).
     #[cold]
     fn driver_gone(self: &Arc<Self>) {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let gap = match runtime.runtime_flavor() {
-            tokio::runtime::RuntimeFlavor::CurrentThread => CURRENT_THREAD_RENEWAL,
-            _ => CHECK_EVERY,
-        };
         let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
         let last = self.renewed_at.load(Ordering::Relaxed);
-        if last != 0 && now.saturating_sub(last) < gap.as_millis() as u64 {
+        if last != 0 && now.saturating_sub(last) < CHECK_EVERY.as_millis() as u64 {
             return;
         }
         if self
@@ -174,6 +162,9 @@ impl ManagedCluster {
         {
             return;
         }
+        let Some(runtime) = self.own_runtime() else {
+            return;
+        };
         let said = self.said_gone.swap(true, Ordering::Relaxed);
         #[cfg(feature = "tracing")]
         if said {
@@ -185,7 +176,7 @@ impl ManagedCluster {
             tracing::warn!(
                 target: "tollgate",
                 "the Redis Cluster connection's driver is gone (the runtime it ran on \
-                 ended): connecting to the Cluster anew on the runtime that uses the store \
+                 ended): connecting to the Cluster anew on a runtime of the store's own \
                  (said once; again at debug level)"
             );
         }
@@ -197,6 +188,44 @@ impl ManagedCluster {
         runtime.spawn(async move {
             this.replace_if(Some(generation), Some(on)).await;
         });
+    }
+
+    /// The store's own runtime: a thread that drives the connections made for a driver
+    /// that was gone, started once, and stopped when the store is dropped. `None` when
+    /// the thread or its runtime could not be made (tried again next time).
+    fn own_runtime(&self) -> Option<tokio::runtime::Handle> {
+        let mut own = self
+            .own
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((handle, _)) = &*own {
+            return Some(handle.clone());
+        }
+        let (handed, handle) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let started = std::thread::Builder::new()
+            .name("tollgate-redis-cluster".to_owned())
+            .spawn(move || {
+                let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                else {
+                    return;
+                };
+                if handed.send(runtime.handle().clone()).is_err() {
+                    return;
+                }
+                // Drives the connections' tasks until the store is dropped.
+                runtime.block_on(async move {
+                    let _ = stopped.await;
+                });
+            });
+        if started.is_err() {
+            return None;
+        }
+        let handle = handle.recv().ok()?;
+        *own = Some((handle.clone(), stop));
+        Some(handle)
     }
 
     /// A call to `slot` went unanswered: after [`UNANSWERED`] of them since the last
