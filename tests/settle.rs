@@ -1391,6 +1391,15 @@ fn a_refund_of_a_debit_made_before_a_reset_or_a_set_level_gives_nothing_back() {
             let settle = Adjustment::settle(4, 0, other.receipt()).with_left(left);
             let settled = store.adjust_now("other", set, &settle);
             assert_eq!(settled.statuses()[0].remaining, 10, "{label}: {settled:?}");
+            // What a request used past its reservation was never debited, so never
+            // forgiven: charged to the new state as ever (one reserved, six used).
+            let store = MemoryStore::builder().clock(clock.clone()).build();
+            let small = store.check("client", set, 1);
+            store.reset_now("client", set);
+            let left = small.statuses().iter().map(|status| status.remaining);
+            let settle = Adjustment::settle(1, 6, small.receipt()).with_left(left);
+            let settled = store.adjust_now("client", set, &settle);
+            assert_eq!(settled.statuses()[0].remaining, 5, "{label}: {settled:?}");
         }
     }
 }

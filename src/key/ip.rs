@@ -375,7 +375,9 @@ impl ClientIp {
     ///
     /// # Panics
     ///
-    /// If `bits` is not one of those lengths (a programming error, caught at start-up).
+    /// If `bits` is not one of those lengths, or a /96 prefix sets any of bits 64 to 71
+    /// (RFC 6052 has them zero in every such address): a programming error, caught at
+    /// start-up.
     pub fn nat64_prefix(mut self, prefix: std::net::Ipv6Addr, bits: u8) -> Self {
         assert!(
             matches!(bits, 32 | 40 | 48 | 56 | 64 | 96),
@@ -383,7 +385,14 @@ impl ClientIp {
              or 96 bits long (RFC 6052, section 2.2)"
         );
         let mask = u128::MAX << (128 - u32::from(bits));
-        self.nat64.push((u128::from(prefix) & mask, bits));
+        let prefix = u128::from(prefix) & mask;
+        assert!(
+            prefix.to_be_bytes()[8] == 0,
+            "ClientIp::nat64_prefix({}, {bits}): bits 64 to 71 of a NAT64 address are zero \
+             (RFC 6052, section 2.2), and this prefix sets some",
+            std::net::Ipv6Addr::from(prefix)
+        );
+        self.nat64.push((prefix, bits));
         self
     }
 
@@ -1761,6 +1770,15 @@ mod tests {
     #[should_panic(expected = "a NAT64 prefix is 32, 40, 48, 56, 64 or 96 bits long")]
     fn a_nat64_prefix_of_another_length_is_refused() {
         let _ = ClientIp::peer().nat64_prefix("2001:db8::".parse().unwrap(), 80);
+    }
+
+    /// RFC 6052, section 2.2: bits 64 to 71 of every such address are zero, so a /96
+    /// prefix (which holds them) with any of them set names no translator: refused where
+    /// it is set up, not read as nothing for every client.
+    #[test]
+    #[should_panic(expected = "bits 64 to 71 of a NAT64 address are zero")]
+    fn a_96_bit_nat64_prefix_with_bits_64_to_71_set_is_refused() {
+        let _ = ClientIp::peer().nat64_prefix("2001:db8:122:344:100::".parse().unwrap(), 96);
     }
 
     /// A client's key spelt outside a request (a `Limiter` sharing its HTTP budget, a

@@ -177,8 +177,9 @@ fn decide_all(policies: &[Policy], slots: &mut [Slot], now: u64, cost: u64) -> (
 /// `cleared` holds, in the set's order, when each policy's state was last reset or set
 /// to a level (empty: never, as far as the store knows): a settle or an unbooking of a
 /// debit made then or before changes nothing of that rate policy (the clear forgave it;
-/// a refund would give back units spent since). The twin of the `r` field in
-/// `adjust.lua`.
+/// a refund would give back units spent since); a charge past the reservation still
+/// applies (those units were never debited). The in-process store's alone: Redis has no
+/// twin of it yet.
 pub(crate) fn adjust(
     policies: &[Policy],
     slots: &mut [Slot],
@@ -191,6 +192,13 @@ pub(crate) fn adjust(
     let now = floor(policies, slots, now);
     let receipt = adjustment.receipt();
     let at = receipt.at();
+    let forgiven = |index: usize| {
+        cleared
+            .get(index)
+            .copied()
+            .flatten()
+            .is_some_and(|cleared| at <= cleared)
+    };
     if let Change::Unbook { .. } = adjustment.change()
         && let Some(moved_on) = queue_moved_on(policies, slots, now, adjustment)
     {
@@ -217,18 +225,16 @@ pub(crate) fn adjust(
             }
             // The other changes are about rates: slots are taken and freed by requests.
             _ if params.is_in_flight() => {}
-            // Debited before a reset or a level set of this policy, which forgave it.
-            Change::Settle { .. } | Change::Unbook { .. }
-                if cleared
-                    .get(index)
-                    .copied()
-                    .flatten()
-                    .is_some_and(|cleared| at <= cleared) => {}
             Change::Settle { reserved, actual } => {
                 // As Redis is sent them: a cost no policy admits is as good as any larger.
                 let (reserved, actual) = (reserved.min(MAX_LIMIT + 1), actual.min(MAX_LIMIT + 1));
                 if actual < reserved {
-                    params.refund(slot, now, reserved - actual, at, debit_left);
+                    // Debited before a reset or a level set of this policy, which forgave
+                    // it: nothing of it is left to give back. (What was used past the
+                    // reservation was never debited, so never forgiven: charged below.)
+                    if !forgiven(index) {
+                        params.refund(slot, now, reserved - actual, at, debit_left);
+                    }
                 } else {
                     charge(params, slot, now, actual - reserved);
                 }
@@ -237,6 +243,8 @@ pub(crate) fn adjust(
             // Its queue ends where the request's booking does (checked above): the
             // booking goes whole. The other policies give back what a settle to nothing
             // would.
+            // A booking made before a reset or a level set was forgiven with it.
+            Change::Unbook { .. } if forgiven(index) => {}
             Change::Unbook { cost } if params.is_shaping() => {
                 params.refund(slot, now, cost.min(MAX_LIMIT + 1), ANY_TIME, None);
             }

@@ -390,9 +390,25 @@ impl Table {
     }
 
     /// When each of `policies` was last cleared for the identity of `hash`, in the set's
-    /// order; empty when the shard remembers no clear.
-    fn cleared_at(&self, hash: u64, policies: &PolicySet, now: u64) -> Vec<Option<u64>> {
-        if self.cleared.is_empty() {
+    /// order, for an adjustment that gives back (a settle, an unbooking); empty when the
+    /// shard remembers no clear that still matters, or for another adjustment.
+    fn cleared_at(
+        &mut self,
+        hash: u64,
+        policies: &PolicySet,
+        now: u64,
+        adjustment: &Adjustment,
+    ) -> Vec<Option<u64>> {
+        if self.cleared.is_empty()
+            || !matches!(
+                adjustment.change(),
+                Change::Settle { .. } | Change::Unbook { .. }
+            )
+        {
+            return Vec::new();
+        }
+        self.cleared.retain(|cleared| cleared.until > now);
+        if !self.cleared.iter().any(|cleared| cleared.hash == hash) {
             return Vec::new();
         }
         policies
@@ -950,7 +966,7 @@ impl<C: Clock> MemoryStore<C> {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         let now = table.time(now);
-        let cleared = table.cleared_at(hash, policies, now);
+        let cleared = table.cleared_at(hash, policies, now, adjustment);
         let decision = match table.find(hash, key) {
             Ok(index) => adjust_entry(
                 table.slab.get_mut(index),
