@@ -1395,11 +1395,46 @@ fn a_refund_of_a_debit_made_before_a_reset_or_a_set_level_gives_nothing_back() {
             // forgiven: charged to the new state as ever (one reserved, six used).
             let store = MemoryStore::builder().clock(clock.clone()).build();
             let small = store.check("client", set, 1);
-            store.reset_now("client", set);
+            match clear {
+                "reset" => store.reset_now("client", set),
+                _ => {
+                    store.adjust_now("client", set, &Adjustment::set_remaining(10));
+                }
+            }
             let left = small.statuses().iter().map(|status| status.remaining);
             let settle = Adjustment::settle(1, 6, small.receipt()).with_left(left);
             let settled = store.adjust_now("client", set, &settle);
             assert_eq!(settled.statuses()[0].remaining, 5, "{label}: {settled:?}");
         }
     }
+}
+
+/// An unbooking (a request dropped during its shaping delay) of a booking made before its
+/// token policy was set to a level gives nothing back to it: the level set forgave the
+/// booking's tokens, and the tokens spent since are others'. (The shaping queue, not
+/// cleared, still ends at the booking, so the unbooking goes ahead for it.)
+#[test]
+fn an_unbooking_of_a_booking_made_before_a_level_set_gives_nothing_back() {
+    let clock = ManualClock::new();
+    clock.advance(Duration::from_secs(1_000));
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let tokens = Policy::token_bucket("tokens", 10, Rate::per_hour(1)).unwrap();
+    let set = PolicySet::new([
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1), Duration::from_secs(10))
+            .unwrap(),
+        tokens.clone(),
+    ])
+    .unwrap();
+    let _first = store.check("k", &set, 1);
+    let queued = store.check("k", &set, 4);
+    assert!(queued.is_allowed());
+    clock.advance(Duration::from_millis(100));
+    let tokens = PolicySet::from(tokens);
+    store.adjust_now("k", &tokens, &Adjustment::set_remaining(10));
+    // Others spend the tokens (outside the shaped route).
+    let spent = store.check("k", &tokens, 6);
+    assert!(spent.is_allowed());
+    assert_eq!(spent.statuses()[0].remaining, 4);
+    let after = store.adjust_now("k", &set, &Adjustment::unbook(4, &queued));
+    assert_eq!(after.statuses()[1].remaining, 4, "{after:?}");
 }
