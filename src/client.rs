@@ -785,8 +785,8 @@ impl Hosts {
 /// response's rate-limit fields; `None` when it asks for nothing.
 ///
 /// `Retry-After` on an error takes precedence over the rate-limit fields (draft-11,
-/// section 7), and on any other response where the fields say none is left; a response from a cache (a positive `Age`) says nothing in its rate-limit
-/// fields (section 7.3); a refused response (429) asks for a second at least (one that
+/// section 7), and on any other response where the fields say none is left; a response
+/// from a cache (a positive `Age`) says nothing in its rate-limit fields (section 7.3); a refused response (429) asks for a second at least (one that
 /// says nothing, a zero or a date gone by: never straight back, as the layer waits).
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
 /// `Retry-After`, a Unix-time reset) is a point on the server's clock, measured from
@@ -833,14 +833,8 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
         .and_then(|value| value.to_str().ok())
         .is_some_and(|value| value.starts_with("application/grpc"));
     let refused = status.is_client_error() || status.is_server_error() || grpc;
-    if refused {
-        let after = headers
-            .get(http::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|value| retry_after(value, headers));
-        if after.is_some() {
-            return after;
-        }
+    if refused && let Some(after) = retry_after_field(headers) {
+        return Some(after);
     }
     // A response from a cache (a positive current age): its fields may be long out of
     // date, and are ignored (draft-11, section 7.3).
@@ -872,15 +866,16 @@ fn server_word(status: StatusCode, headers: &HeaderMap) -> Option<Duration> {
     // Retry-After says how long (draft-11, section 7: it "MUST take precedence and the
     // reset keyword MAY be ignored"), also where the fields name no time. Alone there,
     // it holds no host (above).
-    if none_left
-        && let Some(after) = headers
-            .get(http::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|value| retry_after(value, headers))
-    {
+    if none_left && let Some(after) = retry_after_field(headers) {
         return Some(after);
     }
     wait
+}
+
+/// The wait a response's `Retry-After` states, when it has one that reads.
+fn retry_after_field(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?;
+    retry_after(value, headers)
 }
 
 /// The draft-11 `RateLimit` field's wait: the longest `t` of a member with `r=0`. The

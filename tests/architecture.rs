@@ -45,6 +45,12 @@ fn is_ident(byte: u8) -> bool {
     is_ident_start(byte) || byte.is_ascii_digit()
 }
 
+/// The start of `text` made of bytes `ident` takes (an identifier, read as ASCII).
+fn leading(text: &str, ident: impl Fn(u8) -> bool) -> &str {
+    let end = text.bytes().take_while(|&b| ident(b)).count();
+    &text[..end]
+}
+
 /// The lowercase identifiers that start a path somewhere in `text` after `prefix`.
 fn names_after(text: &str, prefix: &str) -> BTreeSet<String> {
     let bytes = text.as_bytes();
@@ -106,11 +112,7 @@ fn reexports(lib: &str) -> BTreeMap<String, String> {
         let Some(path) = statement.strip_prefix("pub use ") else {
             continue;
         };
-        let module: String = path
-            .bytes()
-            .take_while(|&b| is_ident(b))
-            .map(char::from)
-            .collect();
+        let module = leading(path, is_ident).to_owned();
         // A group's leaves, nested groups flattened (`a::{B, c::{D, E}}`).
         let leaves = match path.find('{') {
             Some(open) => path[open + 1..].replace(['{', '}'], ""),
@@ -147,17 +149,10 @@ fn reexports_reached(text: &str, reexports: &BTreeMap<String, String>) -> BTreeS
                 .find('}')
                 .map_or(text.len(), |end| start + end);
             for item in text[start + 1..end].split(',') {
-                let item = item.trim();
-                let head: String = item
-                    .bytes()
-                    .take_while(|&b| any_ident(b))
-                    .map(char::from)
-                    .collect();
-                note(&head);
+                note(leading(item.trim(), any_ident));
             }
         } else {
-            let end = start + bytes[start..].iter().take_while(|&&b| any_ident(b)).count();
-            note(&text[start..end]);
+            note(leading(&text[start..], any_ident));
         }
     }
     names
@@ -174,15 +169,11 @@ fn reached(text: &str) -> BTreeSet<String> {
         let end = group.find("};").unwrap_or(group.len());
         for item in group[..end].split([',', '{']) {
             let item = item.trim();
-            let head: String = item
-                .bytes()
-                .take_while(|&b| is_ident(b))
-                .map(char::from)
-                .collect();
+            let head = leading(item, is_ident);
             // `name::...` or a bare `name` (a module itself) names a module.
             let rest_of_item = item[head.len()..].trim_start();
             if !head.is_empty() && (rest_of_item.is_empty() || rest_of_item.starts_with("::")) {
-                names.insert(head);
+                names.insert(head.to_owned());
             }
         }
         rest = &group[end..];

@@ -384,8 +384,7 @@ impl ClientIp {
             "ClientIp::nat64_prefix({prefix}, {bits}): a NAT64 prefix is 32, 40, 48, 56, 64 \
              or 96 bits long (RFC 6052, section 2.2)"
         );
-        let mask = u128::MAX << (128 - u32::from(bits));
-        let prefix = u128::from(prefix) & mask;
+        let prefix = u128::from(prefix) & prefix_mask(bits);
         assert!(
             prefix.to_be_bytes()[8] == 0,
             "ClientIp::nat64_prefix({}, {bits}): bits 64 to 71 of a NAT64 address are zero \
@@ -528,6 +527,35 @@ impl ClientIp {
         }
     }
 
+    /// The IPv4 host `v6` carries under the longest of the network-specific NAT64
+    /// prefixes that holds it (RFC 6052, section 2.2: the four bytes after the prefix,
+    /// byte 8, bits 64 to 71, skipped). `None` for an address no translator with that
+    /// prefix writes: one whose bits 64 to 71 or suffix (the bytes after the IPv4
+    /// address) are not zero, as that section has them, which is what a prefix length
+    /// other than the translator's reads (every client would get one made-up key).
+    fn nat64_host(&self, v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+        let address = u128::from(v6);
+        let bits = self
+            .nat64
+            .iter()
+            .filter(|&&(prefix, bits)| address & prefix_mask(bits) == prefix)
+            .map(|&(_, bits)| bits)
+            .max()?;
+        let octets = v6.octets();
+        let mut host = [0u8; 4];
+        let mut at = usize::from(bits / 8);
+        for byte in &mut host {
+            if at == 8 {
+                at += 1;
+            }
+            *byte = octets[at];
+            at += 1;
+        }
+        let suffix = &octets[at..];
+        (octets[8] == 0 && suffix.iter().all(|&byte| byte == 0))
+            .then(|| std::net::Ipv4Addr::from(host))
+    }
+
     /// `group` for the rest: an IPv4 address under a shorter prefix, or an IPv6 address.
     #[inline(never)]
     fn group_by_prefix(&self, ip: IpAddr) -> Key {
@@ -550,35 +578,9 @@ impl ClientIp {
     }
 }
 
-impl ClientIp {
-    /// The IPv4 host `v6` carries under the longest of the network-specific NAT64
-    /// prefixes that holds it (RFC 6052, section 2.2: the four bytes after the prefix,
-    /// byte 8, bits 64 to 71, skipped). `None` for an address no translator with that
-    /// prefix writes: one whose bits 64 to 71 or suffix (the bytes after the IPv4
-    /// address) are not zero, as that section has them, which is what a prefix length
-    /// other than the translator's reads (every client would get one made-up key).
-    fn nat64_host(&self, v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
-        let address = u128::from(v6);
-        let bits = self
-            .nat64
-            .iter()
-            .filter(|&&(prefix, bits)| address & (u128::MAX << (128 - u32::from(bits))) == prefix)
-            .map(|&(_, bits)| bits)
-            .max()?;
-        let octets = v6.octets();
-        let mut host = [0u8; 4];
-        let mut at = usize::from(bits / 8);
-        for byte in &mut host {
-            if at == 8 {
-                at += 1;
-            }
-            *byte = octets[at];
-            at += 1;
-        }
-        let suffix = &octets[at..];
-        (octets[8] == 0 && suffix.iter().all(|&byte| byte == 0))
-            .then(|| std::net::Ipv4Addr::from(host))
-    }
+/// The mask of a prefix `bits` long (1 to 128) over an IPv6 address as a number.
+fn prefix_mask(bits: u8) -> u128 {
+    u128::MAX << (128 - u32::from(bits))
 }
 
 /// The IPv4 host behind an address of the well-known NAT64 prefix `64:ff9b::/96`

@@ -632,10 +632,10 @@ fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, v
 
 /// True when `member` is a draft-11 field's member: the policy's name (a String in
 /// `RateLimit-Policy`, section 3; in `RateLimit`, whose section 4 sets no type, a Token
-/// too, as earlier drafts wrote it) with `required` (`q` or `r`) a non-negative Integer, and the optional parameters the draft
-/// defines for the field, where present, of their types: `w` (policy) a positive Integer,
-/// `t` (rate) a non-negative one, `qu` (policy) a String, `pk` a Byte Sequence (sections 3.1 and
-/// 4.1). Other parameters are comments.
+/// too, as earlier drafts wrote it) with `required` (`q` or `r`) a non-negative Integer,
+/// and the optional parameters the draft defines for the field, where present, of their
+/// types: `w` (policy) a positive Integer, `t` (rate) a non-negative one, `qu` (policy) a
+/// String, `pk` a Byte Sequence (sections 3.1 and 4.1). Other parameters are comments.
 fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
     let sfv::ListEntry::Item(item) = member else {
         return false;

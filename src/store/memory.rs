@@ -369,13 +369,15 @@ impl Table {
     /// clear, counts as before it (its refund is lost, never one too many: the shard's
     /// time is not moved, so answers keep their exact times).
     fn clear(&mut self, hash: u64, policies: &PolicySet, now: u64) {
-        self.cleared.retain(|cleared| cleared.until > now);
+        // Those gone by, and this identity's earlier clears of these policies, go.
+        self.cleared.retain(|cleared| {
+            cleared.until > now
+                && (cleared.hash != hash || !policies.iter().any(|p| p.id() == cleared.policy))
+        });
         for policy in policies.iter() {
             if policy.params().is_in_flight() {
                 continue;
             }
-            self.cleared
-                .retain(|cleared| cleared.hash != hash || cleared.policy != policy.id());
             if self.cleared.len() >= MAX_CLEARED {
                 self.cleared.remove(0);
             }
@@ -416,7 +418,7 @@ impl Table {
             .map(|policy| {
                 self.cleared
                     .iter()
-                    .find(|c| c.hash == hash && c.policy == policy.id() && c.until > now)
+                    .find(|c| c.hash == hash && c.policy == policy.id())
                     .map(|c| c.at)
             })
             .collect()

@@ -45,19 +45,14 @@ const UNANSWERED: u32 = 3;
 pub(super) struct ManagedCluster {
     client: ClusterClient,
     current: std::sync::RwLock<ClusterConnection>,
-    /// The runtime the current connection's driver runs on (at first the one the store
-    /// connected on): checks and new connections run there, not on whatever runtime a
-    /// dropped call was polled on (a short-lived one would take a new connection's
-    /// driver down with it). When that runtime is gone, and the driver with it, the
-    /// store's own (see [`driver_gone`](Self::driver_gone)).
-    runtime: std::sync::Mutex<Option<tokio::runtime::Handle>>,
+    /// The runtime the store connected on: checks and new connections run there, not
+    /// on whatever runtime a dropped call was polled on (a short-lived one would take a
+    /// new connection's driver down with it); the store's own instead, once started
+    /// (see [`driver_gone`](Self::driver_gone)).
+    runtime: Option<tokio::runtime::Handle>,
     /// When a call that found the driver gone last had a new connection made, in
     /// milliseconds since `born` plus one (0: never). See [`driver_gone`](Self::driver_gone).
     renewed_at: AtomicU64,
-    /// How many connections have been put in the first one's place: a new connection
-    /// made for a driver that was gone stands only if none was put in place meanwhile
-    /// (one made on a runtime that then idled may finish long after).
-    generation: AtomicU64,
     /// The driver was found gone before: said at warn level once, then at debug level.
     said_gone: AtomicBool,
     /// Calls left unanswered since the last check.
@@ -95,9 +90,8 @@ impl ManagedCluster {
         Self {
             client,
             current: std::sync::RwLock::new(connection),
-            runtime: std::sync::Mutex::new(tokio::runtime::Handle::try_current().ok()),
+            runtime: tokio::runtime::Handle::try_current().ok(),
             renewed_at: AtomicU64::new(0),
-            generation: AtomicU64::new(0),
             said_gone: AtomicBool::new(false),
             own: std::sync::Mutex::new(None),
             unanswered: AtomicU32::new(0),
@@ -146,8 +140,7 @@ impl ManagedCluster {
     /// thread started the first time this happens, which lives as long as the store):
     /// made on the caller's, its driver would run only while that runtime does, and a
     /// job's current-thread runtime idles between its `block_on`s. Checks run there from
-    /// then on. At most one per [`CHECK_EVERY`], each bounded by [`CONNECT_DEADLINE`],
-    /// and the first new connection put in place stands (a later one is dropped).
+    /// then on. At most one per [`CHECK_EVERY`], each bounded by [`CONNECT_DEADLINE`].
     #[cold]
     fn driver_gone(self: &Arc<Self>) {
         let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
@@ -182,12 +175,17 @@ impl ManagedCluster {
         }
         #[cfg(not(feature = "tracing"))]
         let _ = said;
-        let generation = self.generation.load(Ordering::Acquire);
         let this = Arc::clone(self);
-        let on = runtime.clone();
-        runtime.spawn(async move {
-            this.replace_if(Some(generation), Some(on)).await;
-        });
+        runtime.spawn(async move { this.replace().await });
+    }
+
+    /// The store's own runtime if it was started (see [`own_runtime`](Self::own_runtime)).
+    fn started_runtime(&self) -> Option<tokio::runtime::Handle> {
+        let own = self
+            .own
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        own.as_ref().map(|(handle, _)| handle.clone())
     }
 
     /// The store's own runtime: a thread that drives the connections made for a driver
@@ -249,11 +247,7 @@ impl ManagedCluster {
         if self.unanswered.fetch_add(1, Ordering::Relaxed) + 1 < UNANSWERED {
             return;
         }
-        let runtime = self
-            .runtime
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
+        let runtime = self.started_runtime().or_else(|| self.runtime.clone());
         let runtime = match runtime {
             Some(runtime) => runtime,
             None => match tokio::runtime::Handle::try_current() {
@@ -368,32 +362,12 @@ impl ManagedCluster {
     /// A new connection in the current one's place. Calls meanwhile go on the old one,
     /// and those sent there finish there (each holds its connection).
     async fn replace(&self) {
-        self.replace_if(None, None).await;
-    }
-
-    /// [`replace`](Self::replace), made on this task's runtime (its driver runs there).
-    /// With `generation`, the new connection stands only if no other was put in place
-    /// since that generation; with `runtime`, the runtime it was made on is the one
-    /// checks use from then on.
-    async fn replace_if(&self, generation: Option<u64>, runtime: Option<tokio::runtime::Handle>) {
         match tokio::time::timeout(CONNECT_DEADLINE, self.client.get_async_connection()).await {
             Ok(Ok(connection)) => {
-                let mut current = self
+                *self
                     .current
                     .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if generation.is_some_and(|seen| seen != self.generation.load(Ordering::Acquire)) {
-                    // Another was put in place meanwhile: this one (and its driver) goes.
-                    return;
-                }
-                *current = connection;
-                self.generation.fetch_add(1, Ordering::AcqRel);
-                if let Some(runtime) = runtime {
-                    *self
-                        .runtime
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(runtime);
-                }
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = connection;
             }
             // The next unanswered call tries again.
             Ok(Err(error)) => {
