@@ -1969,8 +1969,8 @@ async fn a_hooks_grpc_answer_keeps_its_status() {
 
 // A hook may answer a denial with a 200 and a notice (the `on_deny` docs show one): on a
 // gRPC call, with no `grpc-status` of its own, that went out as INTERNAL (13) "OK", a
-// server fault to the client. A denial answered so is RESOURCE_EXHAUSTED (with no
-// pushback: a 200 states no wait, as over HTTP it gets no `Retry-After`).
+// server fault to the client. A denial answered so is RESOURCE_EXHAUSTED, with the
+// denial's wait.
 #[tokio::test]
 async fn a_hooks_plain_success_on_a_grpc_call_is_resource_exhausted() {
     let denied = denied_grpc_call_answered_by(|| {
@@ -1986,6 +1986,20 @@ async fn a_hooks_plain_success_on_a_grpc_call_is_resource_exhausted() {
         header(&denied, "grpc-message").as_deref(),
         Some("rate limited")
     );
+    // The layer chose RESOURCE_EXHAUSTED, so it says when, as for its own denials (gRFC
+    // A6, "Pushback"): without it a client whose retry policy lists the code retries on
+    // its own backoff (often 100 ms) into the spent quota. Over HTTP the notice stays a
+    // 200 with no `Retry-After` (`a_hooks_answer_that_is_no_429_gets_no_retry_after`).
+    let after: u64 = header(&denied, "retry-after")
+        .expect("the wait")
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&after), "{after}");
+    let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
+        .expect("the wait as a pushback")
+        .parse()
+        .unwrap();
+    assert_eq!(pushback, after * 1_000);
 }
 
 // tonic's `Status::resource_exhausted(..).into_http()` is an HTTP 200 with `grpc-status`

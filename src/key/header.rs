@@ -34,6 +34,8 @@ use super::{Key, KeyError, KeyErrorKind, KeyExtractor};
 /// clients by their `username`, key id or access key in a [`from_fn`](super::from_fn)
 /// key instead. A header HTTP/2 lets a client split over several lines (`Cookie`, RFC
 /// 9113, section 8.2.3) is then several lines, a 400: key by a cookie in a `from_fn` key.
+/// gRPC binary metadata (a name ending in `-bin`) is keyed by what its base64 decodes
+/// to, padded or not (a value that is not base64 is a 400), as a gRPC server reads it.
 ///
 /// ```
 /// use http::Request;
@@ -312,7 +314,7 @@ impl HeaderKey {
         {
             let credentials = credentials(value);
             if let Some(encoded) = credentials.strip_prefix(b"Basic ") {
-                let decoded = basic_decoded(encoded);
+                let decoded = lenient_base64(encoded);
                 if self.basic_user_id {
                     let Some(user) = decoded.and_then(basic_user) else {
                         return Err(KeyError::client(format!(
@@ -359,6 +361,25 @@ impl HeaderKey {
                 self.name.as_str(),
                 &self.salt,
                 &credentials,
+            ));
+        }
+        if self.name.as_str().ends_with("-bin") {
+            // gRPC binary metadata: base64, padded or not, whose unused trailing bits a
+            // server ignores. Keyed by the spelling clients emit (un-padded), so one
+            // value is one key however it is spelt.
+            let Some(decoded) = lenient_base64(value) else {
+                return Err(KeyError::client(format!(
+                    "header {} is gRPC binary metadata (a name ending in -bin) and its \
+                     value is not base64",
+                    self.name
+                )));
+            };
+            use base64::Engine;
+            let canonical = base64::engine::general_purpose::STANDARD_NO_PAD.encode(decoded);
+            return Ok(Key::hashed_with_salt(
+                self.name.as_str(),
+                &self.salt,
+                canonical.as_bytes(),
             ));
         }
         Ok(Key::hashed_with_salt(self.name.as_str(), &self.salt, value))
@@ -513,11 +534,12 @@ fn credentials(value: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(out)
 }
 
-/// `Basic` credentials decoded (RFC 7617, section 2: base64). Padding and trailing bits
-/// are not checked, and base64url's `-` and `_` are read as `+` and `/` (servers differ:
-/// Node's decoder takes either alphabet), so every spelling of one credential decodes
-/// alike. `None` for credentials that are not base64.
-fn basic_decoded(credentials: &[u8]) -> Option<Vec<u8>> {
+/// Base64 decoded as leniently as servers read it: `Basic` credentials (RFC 7617, section
+/// 2) and gRPC binary metadata. Padding and trailing bits are not checked, and
+/// base64url's `-` and `_` are read as `+` and `/` (servers differ: Node's decoder takes
+/// either alphabet), so every spelling of one value decodes alike. `None` for a value
+/// that is not base64.
+fn lenient_base64(credentials: &[u8]) -> Option<Vec<u8>> {
     use base64::Engine;
     use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
     const LENIENT: GeneralPurpose = GeneralPurpose::new(
@@ -561,6 +583,35 @@ mod tests {
             builder = builder.header("x-api-key", http::HeaderValue::from_bytes(value).unwrap());
         }
         key.extract(&builder.body(()).unwrap().into_parts().0)
+    }
+
+    /// gRPC binary metadata (a name ending in `-bin`) is base64, and a gRPC server "MUST
+    /// accept padded and un-padded values" (PROTOCOL-HTTP2.md, "Custom-Metadata");
+    /// grpc-go also ignores the unused trailing bits. Every spelling the server reads as
+    /// one value is one key (else one token was up to 32 buckets), and the spelling
+    /// clients emit (un-padded, no trailing bits) keeps the key it had. A value that is
+    /// no base64 is a 400, as the server would refuse it.
+    #[test]
+    fn binary_metadata_is_keyed_by_what_it_decodes_to() {
+        let key = HeaderKey::new("x-token-bin");
+        let canonical = key.key_for("AAE").unwrap();
+        for spelling in ["AAE=", "AAF", "AAH=", " AAE "] {
+            assert_eq!(key.key_for(spelling).unwrap(), canonical, "{spelling}");
+        }
+        assert_ne!(key.key_for("AAI").unwrap(), canonical);
+        assert_eq!(canonical, Key::hashed_with_salt("x-token-bin", b"", b"AAE"));
+        for not_base64 in ["A", "AA*E", "AAE=="] {
+            let error = key.key_for(not_base64).unwrap_err();
+            assert_eq!(error.kind(), KeyErrorKind::Client, "{not_base64}");
+            assert!(!error.is_missing());
+            assert!(error.to_string().contains("base64"), "{error}");
+        }
+        // Another name's value is kept whole.
+        let plain = HeaderKey::new("x-token");
+        assert_ne!(
+            plain.key_for("AAE=").unwrap(),
+            plain.key_for("AAE").unwrap()
+        );
     }
 
     #[test]

@@ -2,8 +2,8 @@
 //!
 //! A call is gRPC when its `content-type` is `application/grpc`, `application/grpc-web`
 //! or `application/grpc-web-text` (each alone or with `+` a message format, in any case,
-//! parameters allowed); its answer carries the same content type (in lowercase, without
-//! the parameters).
+//! parameters allowed); its answer carries the same content type, without the
+//! parameters (the type in lowercase unless sent so; a plain `+` format as sent).
 //! Its refusal is a trailers-only response (HTTP 200, the status in the headers, no
 //! body): `grpc-status` 8 (RESOURCE_EXHAUSTED) for a denial, with `retry-after`, the
 //! `ratelimit` and `ratelimit-policy` entries as metadata, and a `google.rpc.Status` in
@@ -12,7 +12,8 @@
 //! (a missing key, a cost above any limit); 14 (UNAVAILABLE) when the store failed under
 //! fail-closed; 13 (INTERNAL) for a server misconfiguration. A refusal with a
 //! `retry-after` also says it in `grpc-retry-pushback-ms` (milliseconds), which gRPC's
-//! own retries read (gRFC A6); one that can never pass says `-1` there (do not retry).
+//! own retries read (gRFC A6); other refusals send no pushback (one saying "do not
+//! retry" would count against the client's retry throttling).
 
 use base64::Engine;
 use bytes::Bytes;
@@ -72,8 +73,17 @@ pub(crate) fn fit(
     headers: &HeaderMap,
     mut response: Box<Response<Bytes>>,
 ) -> Box<Response<Bytes>> {
+    let notice = response.extensions_mut().remove::<NoticeWait>();
     match grpc_content_type(headers) {
         Some(content_type) if method == Method::POST => {
+            if let Some(NoticeWait(seconds)) = notice
+                && response.status().is_success()
+                && !response.headers().contains_key(header::RETRY_AFTER)
+            {
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            }
             Box::new(answer_as(*response, content_type))
         }
         _ if method == Method::HEAD => {
@@ -147,6 +157,7 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
         _ => 2,
     };
     let message = detail(&body)
+        .map(|detail| super::problem::cut(&detail, MESSAGE_MAX).to_owned())
         .or_else(|| plain_text(&parts.headers, &body))
         .unwrap_or_else(|| {
             // A hook's success says nothing of the denial ("OK").
@@ -174,6 +185,21 @@ fn answer_as(response: Response<Bytes>, content_type: HeaderValue) -> Response<B
     Response::from_parts(parts, Bytes::new())
 }
 
+/// The wait of a denial an `on_deny` hook answered with a success (a notice): over HTTP
+/// it states none (a `Retry-After` on a 200 means nothing), but a gRPC call's answer is
+/// then RESOURCE_EXHAUSTED, which says when (`retry-after`, the pushback, `RetryInfo`).
+#[derive(Debug, Clone, Copy)]
+struct NoticeWait(u64);
+
+/// Marks `response`, a hook's success answering a denial of `seconds`' wait, for
+/// [`fit`]: a gRPC call is told the wait (unless the hook set its own gRPC status: that
+/// stands as it wrote it); the mark never leaves the layer.
+pub(super) fn notice_waits(response: &mut Response<Bytes>, seconds: u64) {
+    if !response.headers().contains_key(GRPC_STATUS) {
+        response.extensions_mut().insert(NoticeWait(seconds));
+    }
+}
+
 /// True when `headers` hold a gRPC status that tells the client to come back later:
 /// RESOURCE_EXHAUSTED (8) or UNAVAILABLE (14), the codes a pushback goes with.
 pub(super) fn asks_to_wait(headers: &http::HeaderMap) -> bool {
@@ -184,11 +210,16 @@ pub(super) fn asks_to_wait(headers: &http::HeaderMap) -> bool {
 }
 
 const GRPC_STATUS: &str = "grpc-status";
+/// The longest message (in bytes, before its encoding) of a hook's answer sent on: it
+/// goes out twice, percent-encoded in `grpc-message` and in `grpc-status-details-bin`,
+/// and a trailers-only answer past a client's header limit (8 KiB in PROTOCOL-HTTP2.md's
+/// advice and grpc-java's default) fails the call, its status lost.
+const MESSAGE_MAX: usize = 1024;
 const PUSHBACK: &str = "grpc-retry-pushback-ms";
 
 /// What a call answered with gRPC status `code` is told to wait before a retry: clients
 /// with a retry policy wait what the server pushes back (gRFC A6, "Pushback"), in
-/// milliseconds; a negative value: do not retry (a request that can never pass).
+/// milliseconds; none for the other codes.
 fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
     match (code, retry_after) {
         // At most the largest 32-bit integer, which is what clients read (about 24.8
@@ -196,7 +227,10 @@ fn pushback(code: u32, retry_after: Option<u64>) -> Option<HeaderValue> {
         (8 | 14, Some(seconds)) => Some(HeaderValue::from(
             seconds.saturating_mul(1000).min(i32::MAX as u64),
         )),
-        (3, _) => Some(HeaderValue::from_static("-1")),
+        // Not "do not retry" (-1) for INVALID_ARGUMENT: a pushback that says so counts as
+        // a failure in the client's retry throttling (gRFC A6, "Throttling Retry
+        // Attempts and Hedged RPCs"), which would then hold back the retries of every
+        // method of the server; and no retry policy lists the code.
         _ => None,
     }
 }
@@ -249,7 +283,7 @@ fn plain_text(headers: &http::HeaderMap, body: &[u8]) -> Option<String> {
                 .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/plain"))
         });
     let text = std::str::from_utf8(body).ok().filter(|_| plain)?.trim();
-    Some(super::problem::cut(text, 1024).to_owned()).filter(|text| !text.is_empty())
+    Some(super::problem::cut(text, MESSAGE_MAX).to_owned()).filter(|text| !text.is_empty())
 }
 
 /// gRPC's percent-encoding of `grpc-message`: printable ASCII but `%` as is.
@@ -507,9 +541,13 @@ mod tests {
     /// gRPC's retry design (gRFC A6, "Pushback") has clients with a retry policy read
     /// the server's wish from `grpc-retry-pushback-ms`, not from `retry-after`: without it
     /// they retry on their own backoff (often 100 ms) into an exhausted budget or a
-    /// failing store. A denial and a fail-closed outage say when, in milliseconds; a
-    /// request that can never pass (`INVALID_ARGUMENT`) says not to retry (a negative
-    /// value).
+    /// failing store. A denial and a fail-closed outage say when, in milliseconds. A
+    /// request refused as it stands (`INVALID_ARGUMENT`) says nothing there: a pushback
+    /// that says not to retry counts as a failure in the client's retry throttling
+    /// (gRFC A6, "Throttling Retry Attempts and Hedged RPCs": "or that receive a pushback
+    /// response indicating not to retry"), so a few calls without a key would spend the
+    /// retries every other method of the server needs in an outage, and a status no
+    /// retry policy lists is never retried anyway.
     #[test]
     fn a_refusal_tells_retrying_clients_when_in_pushback() {
         for (status, retry_after, code, pushback) in [
@@ -525,7 +563,8 @@ mod tests {
             // retries at once into a spent quota. The layer's own waits are a second at
             // least; so is a pushback.
             (StatusCode::TOO_MANY_REQUESTS, Some("0"), "8", Some("1000")),
-            (StatusCode::BAD_REQUEST, None, "3", Some("-1")),
+            (StatusCode::BAD_REQUEST, None, "3", None),
+            (StatusCode::PAYLOAD_TOO_LARGE, Some("5"), "3", None),
             // A month's wait: clients read the pushback as a 32-bit integer and take one
             // they cannot read for "do not retry" (grpc-java's `Integer.valueOf`): the
             // longest they read, about 24.8 days, stands for anything longer.
@@ -604,5 +643,49 @@ mod tests {
             *response.status_mut() = status;
             assert_eq!(answer(response).headers()["grpc-status"], code, "{status}");
         }
+    }
+
+    /// A hook's own `INVALID_ARGUMENT` gets no pushback from the layer either (gRFC A6:
+    /// one saying not to retry counts against the client's retry throttling).
+    #[test]
+    fn a_hooks_invalid_argument_gets_no_pushback() {
+        let mut response = Response::new(Bytes::new());
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+        response
+            .headers_mut()
+            .insert(GRPC_STATUS, HeaderValue::from_static("3"));
+        let answer = fit(
+            &Method::POST,
+            &typed("application/grpc"),
+            Box::new(response),
+        );
+        assert_eq!(answer.headers()["grpc-status"], "3");
+        assert_eq!(answer.headers().get("grpc-retry-pushback-ms"), None);
+    }
+
+    /// A hook's `detail` is cut to 1 KiB, as a plain-text body and the limiter's own
+    /// details are: it goes out twice (percent-encoded in `grpc-message`, and in
+    /// `grpc-status-details-bin`), and a trailers-only answer past a client's header
+    /// limit (PROTOCOL-HTTP2.md suggests clients allow 8 KiB; grpc-java's default is
+    /// 8,192 bytes) fails the call as a transport error, its status and pushback lost.
+    #[test]
+    fn a_long_detail_is_cut_to_a_kibibyte() {
+        let body = format!(r#"{{"detail":"{}"}}"#, "x".repeat(10_000));
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        let answered = answer(response);
+        assert_eq!(answered.headers()["grpc-message"].len(), 1024);
+        let all: usize = answered
+            .headers()
+            .iter()
+            .map(|(name, value)| name.as_str().len() + value.len())
+            .sum();
+        assert!(all < 4096, "{all} bytes of headers");
+        // A cut falls on a character boundary; encoded, a character is up to 12 bytes.
+        let body = format!(r#"{{"detail":"{}"}}"#, "\\u00e9".repeat(1000));
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        let message = answer(response).headers()["grpc-message"].clone();
+        assert_eq!(message.len(), 512 * 6, "{message:?}");
     }
 }

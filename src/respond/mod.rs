@@ -339,6 +339,11 @@ impl Responder {
             && status != http::StatusCode::SERVICE_UNAVAILABLE
             && !grpc::asks_to_wait(response.headers())
         {
+            if status.is_success() {
+                // A notice to a gRPC call goes out as RESOURCE_EXHAUSTED, which the
+                // layer chose: it says when, as for its own denials.
+                grpc::notice_waits(&mut response, rejection.retry_after_secs());
+            }
             headers.apply(response.headers_mut());
             return Plan::Respond(Box::new(response));
         }
