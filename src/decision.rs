@@ -148,7 +148,30 @@ impl Receipt {
     /// `at` is the time the store recorded the debit, as its decision's own receipt says:
     /// a refund is bounded by it, and `MemoryStore` frees no in-flight slot for a debit
     /// older than the state it reaches (one taken on a state since forgotten). A wrapper
-    /// store passes its inner store's receipt on; 0 stands for any time.
+    /// store passes its inner store's receipt on. An `at` of 0 dates the debit at the
+    /// epoch: a rate policy's refund finds nothing of it left to give back (only an
+    /// in-flight slot is freed whatever the time), so a wrapper that makes its own
+    /// decisions (a [`Decision::new`](crate::Decision::new) has this default receipt)
+    /// gets no refund from its settles.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::clock::ManualClock;
+    /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet, Receipt};
+    ///
+    /// let clock = ManualClock::new();
+    /// clock.advance(Duration::from_secs(3600)); // an hour past the epoch
+    /// let store = MemoryStore::builder().clock(clock.clone()).build();
+    /// let policies = PolicySet::from(Policy::fixed_window("api", 100, Duration::from_secs(60))?);
+    /// let receipt = store.check("k", &policies, 40).receipt();
+    /// // Dated at the epoch: nothing given back.
+    /// let settled = store.adjust_now("k", &policies, &Adjustment::settle(40, 10, Receipt::new(0, 0)));
+    /// assert_eq!(settled.statuses()[0].remaining, 60);
+    /// // The store's own receipt: 30 given back.
+    /// let settled = store.adjust_now("k", &policies, &Adjustment::settle(40, 10, receipt));
+    /// assert_eq!(settled.statuses()[0].remaining, 90);
+    /// # Ok::<(), tollgate::PolicyError>(())
+    /// ```
     pub const fn new(at: u64, lease: u64) -> Self {
         Self {
             at,

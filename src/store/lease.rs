@@ -40,6 +40,9 @@ const SHARDS: usize = 16;
 ///   this replica's leases: the other replicas spend theirs until they end (`ttl`) and
 ///   give their rests back into the state reset or set, so after a `set_remaining(0)` up
 ///   to `(replicas − 1) × units` may still be admitted within `ttl`.
+/// - A grant gives back this replica's open leases' rests first, whole (the shared state
+///   counts them as spent: held here on top of a grant that filled it, they passed the
+///   quota). The other replicas' leases are theirs, as above.
 /// - **Under-admission**: units one replica holds are not there for the others until they
 ///   are spent or go back when their lease ends (through [`Store::adjust`], as far as the
 ///   shared state still holds them). One lease is taken per identity at a time; a request
@@ -566,17 +569,23 @@ impl<S: Store> Leased<S> {
     /// are on their way back: then once they have landed (one landing after it would give
     /// its units back into the state it cleared or set), forgetting again the leases
     /// taken meanwhile.
+    ///
+    /// A grant (`giving`) gives units back to that state instead: the open leases' rests
+    /// go back whole, as when a lease ends, before it and again once it has landed (the
+    /// state counts them as spent; held here on top of a grant that filled it, they
+    /// passed the quota).
     fn clearing<T, F>(
         &self,
         key: &Key,
         policies: &PolicySet,
+        giving: bool,
         send: impl Fn(&S, &Key, &PolicySet) -> F + Send + 'static,
     ) -> impl Future<Output = T> + Send + 'static
     where
         F: Future<Output = T> + Send + 'static,
     {
         let waits = self.leases.giving_back(key);
-        let rests = self.leases.forget_cleared(key, policies);
+        let rests = self.leases.forget_cleared(key, policies, giving);
         let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
         Self::send_rests(&leases, &inner, key, rests);
         let (key, set) = (key.clone(), policies.clone());
@@ -586,12 +595,12 @@ impl<S: Store> Leased<S> {
                 Some(sent) => sent.await,
                 None => {
                     leases.until_given_back(&key).await;
-                    let rests = leases.forget_cleared(&key, &set);
+                    let rests = leases.forget_cleared(&key, &set, giving);
                     Self::send_rests(&leases, &inner, &key, rests);
                     send(&inner, &key, &set).await
                 }
             };
-            let rests = leases.forget_cleared(&key, &set);
+            let rests = leases.forget_cleared(&key, &set, giving);
             Self::send_rests(&leases, &inner, &key, rests);
             landed
         }
@@ -1084,14 +1093,19 @@ impl<S: Store> Store for Leased<S> {
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
         // Setting what is left sets the shared state: what open leases still hold was
-        // debited before it, and is not spent after it (see `clearing`).
-        if !matches!(adjustment.change(), super::Change::SetRemaining { .. }) {
-            return self.inner.adjust(key, policies, adjustment);
-        }
+        // debited before it, and is not spent after it. A grant fills it: what they hold
+        // goes back first, so that it is not spent on top (see `clearing`).
+        let giving = match adjustment.change() {
+            super::Change::SetRemaining { .. } => false,
+            super::Change::Grant { .. } => true,
+            _ => return self.inner.adjust(key, policies, adjustment),
+        };
         let adjustment = adjustment.clone();
-        DecideFuture::new(self.clearing(key, policies, move |inner, key, set| {
-            inner.adjust(key, set, &adjustment)
-        }))
+        DecideFuture::new(
+            self.clearing(key, policies, giving, move |inner, key, set| {
+                inner.adjust(key, set, &adjustment)
+            }),
+        )
     }
 
     fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
@@ -1099,7 +1113,9 @@ impl<S: Store> Store for Leased<S> {
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        Box::pin(self.clearing(key, policies, |inner, key, set| inner.reset(key, set)))
+        Box::pin(self.clearing(key, policies, false, |inner, key, set| {
+            inner.reset(key, set)
+        }))
     }
 }
 
@@ -1111,9 +1127,11 @@ impl Leases {
     /// cleared policies (the state they were debited from is gone, or set), but it is
     /// under their others (`hourly` of `[daily, hourly]`, reset through `[daily]`): those
     /// leases are returned, each marked as not debited under the cleared policies, and
-    /// counted as on their way back, for the caller to send at once.
+    /// counted as on their way back, for the caller to send at once. Before a grant
+    /// (`giving`), every open lease's rest is returned whole, to go back as when a lease
+    /// ends.
     #[must_use]
-    fn forget_cleared(&self, key: &Key, policies: &PolicySet) -> Vec<Lease> {
+    fn forget_cleared(&self, key: &Key, policies: &PolicySet, giving: bool) -> Vec<Lease> {
         let clears = |held: &crate::policy::Policy| {
             policies
                 .iter()
@@ -1126,6 +1144,12 @@ impl Leases {
                 continue;
             }
             for mut lease in open.leases.drain(..) {
+                if giving {
+                    if lease.left > 0 {
+                        rests.push(lease);
+                    }
+                    continue;
+                }
                 // The lease's policies the change clears, by bit; past the 64 a receipt
                 // names one by one, or every one of them: nothing to give back.
                 let mut cleared = 0u64;
@@ -1367,6 +1391,39 @@ mod tests {
             assert_eq!(
                 admitted, 0,
                 "admitted after set_remaining(0) through {name}"
+            );
+        }
+    }
+
+    /// A grant gives units back to the shared state, which counts what open leases still
+    /// hold as spent: those stayed spendable here on top, and a grant that filled the
+    /// state passed the quota by them (one request spent and a grant: 11 of 10, and with
+    /// leases of the whole quota twice the limit in one window). The leases' rests go
+    /// back first, as when a lease ends: a grant then never passes the quota, and a
+    /// small one loses nothing held.
+    #[tokio::test]
+    async fn a_grant_through_leases_never_passes_the_quota() {
+        for grant in [2, 4, u64::MAX] {
+            let (store, held) = leased(1_000, 1_000);
+            let policies =
+                PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+            let key = Key::new("k");
+            // A lease of 5 taken, 1 spent, 4 held here; the shared state says 5 left.
+            assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+            assert_eq!(
+                held.inner.check("k", &policies, 0).statuses()[0].remaining,
+                5
+            );
+            store
+                .adjust(&key, &policies, &Adjustment::grant(grant))
+                .await
+                .unwrap();
+            // 9 left before the grant: at most the quota after it.
+            let expected = (9 + grant.min(10)).min(10);
+            assert_eq!(
+                admitted(&store, &key, &policies).await,
+                expected,
+                "grant {grant}"
             );
         }
     }
