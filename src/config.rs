@@ -118,8 +118,9 @@ pub struct LimiterConfig {
     /// The key extractor chain: the first that finds a key names the client. Entries:
     /// `"ip"` (the client address, behind `trusted_proxies`), `"header:NAME"` (a header,
     /// hashed: API keys and tokens; salted with `key_salt_env`), `"global"` (one budget
-    /// for everyone). `"ip"` and `"global"` always find a key, so they come last. Default:
-    /// `["ip"]`.
+    /// for everyone). `"ip"` and `"global"` always find a key, so they come last, and a
+    /// header is read once (a second key of it is never reached). At most 16 keys.
+    /// Default: `["ip"]`.
     ///
     /// A header the client writes names a new budget for every value it sends: put such a
     /// layer behind the authentication that refuses unknown keys, or a client that
@@ -329,7 +330,8 @@ pub struct PenaltySpec {
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CostSpec {
-    /// The cost of a request no route names (default 1).
+    /// The cost of a request no route names (default 1). Every plan must be able to
+    /// admit it (a route's cost need fit one plan only).
     #[serde(default = "one")]
     pub default: u64,
     /// Per route: `"/search" = 5` or `"POST /upload" = 20` (the route as the router
@@ -752,7 +754,8 @@ impl LimiterConfig {
         } else {
             let mut sets = HashMap::new();
             for (plan, names) in &self.plans {
-                let entry = format!("plans.{plan}");
+                // Escaped: a file's control characters reach no operator's terminal.
+                let entry = format!("plans.{}", plan.escape_debug());
                 if plan.trim() != plan {
                     return Err(ConfigError::new(
                         &entry,
@@ -808,6 +811,12 @@ impl LimiterConfig {
                     "no plan lists it, so it would limit nothing: add it to a plan or remove it",
                 ));
             }
+            let default = sets.get("default").cloned().ok_or_else(|| {
+                ConfigError::new(
+                    "plans",
+                    "no plan is named \"default\" (the plan of requests that name none)",
+                )
+            })?;
             if sets.len() == 1 && plan_header.is_some() {
                 return Err(ConfigError::new(
                     "plan_header",
@@ -821,12 +830,6 @@ impl LimiterConfig {
                      every request would get \"default\"",
                 ));
             }
-            let default = sets.get("default").cloned().ok_or_else(|| {
-                ConfigError::new(
-                    "plans",
-                    "no plan is named \"default\" (the plan of requests that name none)",
-                )
-            })?;
             let sets = Sets {
                 default,
                 plans: sets,
@@ -838,11 +841,12 @@ impl LimiterConfig {
             (Arc::new(plans), sets)
         };
         // A cost that no plan's policies can ever admit gets every such request refused
-        // (400), whatever the client does: a mistake to report here. A cost some plans
-        // admit is a route for those plans (the others' clients are told it never fits).
-        // In-flight policies count requests, not costs, and shadow policies (or a layer
-        // in shadow) never refuse.
-        let fits = |entry: &str, units: u64| -> Result<(), ConfigError> {
+        // (400), whatever the client does: a mistake to report here. A route's cost some
+        // plans admit is a route for those plans (the others' clients are told it never
+        // fits); the default cost (`every`), which prices every route not listed, must
+        // fit every plan, or one is shut out of the API. In-flight policies count
+        // requests, not costs, and shadow policies (or a layer in shadow) never refuse.
+        let fits = |entry: &str, units: u64, every: bool| -> Result<(), ConfigError> {
             if self.shadow {
                 return Ok(());
             }
@@ -851,19 +855,26 @@ impl LimiterConfig {
                     && !matches!(policy.algorithm(), crate::Algorithm::Concurrency { .. })
                     && units > policy.limit()
             };
-            // Refused only when every plan refuses it; named by the first plan's policy.
-            let refusals: Option<Vec<_>> = plan_sets
+            // A route's cost is refused only when every plan refuses it (named by the first
+            // plan's policy); the default cost when any plan does.
+            let mut refusals = plan_sets
                 .iter()
-                .map(|(plan, set)| set.iter().find(refuses).map(|policy| (*plan, policy)))
-                .collect();
-            let Some(&(plan, policy)) = refusals.as_deref().and_then(<[_]>::first) else {
+                .map(|(plan, set)| set.iter().find(refuses).map(|policy| (*plan, policy)));
+            let refused = if every {
+                refusals.find_map(|refusal| refusal)
+            } else {
+                refusals
+                    .collect::<Option<Vec<_>>>()
+                    .and_then(|all| all.first().copied())
+            };
+            let Some((plan, policy)) = refused else {
                 return Ok(());
             };
             let of_plan = plan.map_or_else(String::new, |plan| format!(" of plan {plan:?}"));
-            let no_plan = if plan_sets.len() > 1 {
-                " (no plan admits it)"
-            } else {
-                ""
+            let no_plan = match (plan_sets.len() > 1, every) {
+                (false, _) => "",
+                (true, true) => " (it prices every route not listed)",
+                (true, false) => " (no plan admits it)",
             };
             Err(ConfigError::new(
                 entry,
@@ -875,7 +886,7 @@ impl LimiterConfig {
                 ),
             ))
         };
-        fits("costs.default", self.costs.default)?;
+        fits("costs.default", self.costs.default, true)?;
         // A request that costs nothing spends nothing (and takes no in-flight slot): with
         // no route costing more, nothing is limited.
         if self.costs.default == 0 && self.costs.routes.values().all(|units| *units == 0) {
@@ -959,7 +970,7 @@ impl LimiterConfig {
                     format!("the same route as costs.routes.{earlier:?}"),
                 ));
             }
-            fits(&entry, *units)?;
+            fits(&entry, *units, false)?;
         }
         let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
             .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;
@@ -968,6 +979,16 @@ impl LimiterConfig {
         } else {
             self.key.iter().map(String::as_str).collect()
         };
+        // Each key of the chain is a step of every request (and of the stack).
+        if specs.len() > MAX_KEYS {
+            return Err(ConfigError::new(
+                "key",
+                format!(
+                    "{} keys: at most {MAX_KEYS} (each one not found is a step of every request)",
+                    specs.len()
+                ),
+            ));
+        }
         // Settings that no key reads would look in force and not be.
         if !self.trusted_proxies.is_empty() && !specs.contains(&"ip") {
             return Err(ConfigError::new(
@@ -998,6 +1019,18 @@ impl LimiterConfig {
                 return Err(ConfigError::new(
                     entry,
                     format!("never reached: {before:?} before it always finds a key"),
+                ));
+            }
+            // A header an earlier key found missing is missing for this one too.
+            let header_of = |spec: &str| spec.strip_prefix("header:").map(str::to_ascii_lowercase);
+            if let Some(name) = header_of(spec)
+                && let Some(before) = specs[..index]
+                    .iter()
+                    .find(|earlier| header_of(earlier).as_ref() == Some(&name))
+            {
+                return Err(ConfigError::new(
+                    entry,
+                    format!("never reached: {before:?} before it reads the same header"),
                 ));
             }
             let extractor: Arc<dyn KeyExtractor> = match *spec {
@@ -1472,14 +1505,20 @@ fn build(
             .flat_map(|set| set.iter())
             .find(|policy| policy.name() == spec.name);
         if let Some(policy) = policy {
+            let entry = || format!("policies[{index}] {:?}", spec.name);
             store
                 .validate(&PolicySet::from(policy.clone()))
                 .map_err(|error| {
-                    ConfigError::new(
-                        format!("policies[{index}] {:?}", spec.name),
-                        format!("the store cannot decide it: {error}"),
-                    )
+                    ConfigError::new(entry(), format!("the store cannot decide it: {error}"))
                 })?;
+            if policy.params().is_in_flight() && !store.can_adjust() {
+                return Err(ConfigError::new(
+                    entry(),
+                    "an in-flight limit frees its slots through the store's adjust, and this \
+                     store cannot adjust (Store::can_adjust is false): a store that wraps \
+                     another must forward adjust and can_adjust",
+                ));
+            }
         }
     }
     let failure_mode = match compiled.failure_mode {
@@ -1509,7 +1548,11 @@ fn build(
         .with_dropped(Arc::clone(dropped))
         .service_config()
         .map(|config| (config, compiled.sets, compiled.breaker))
-        .map_err(|reason| ConfigError::new("policies", reason))
+        .map_err(|reason| {
+            // The builder's name means nothing to a reader of the file.
+            let reason = reason.strip_prefix("RateLimitLayer: ").unwrap_or(&reason);
+            ConfigError::new("policies", reason)
+        })
 }
 
 impl<S> Layer<S> for LiveLayer {
@@ -1574,6 +1617,9 @@ where
 /// secret it hashes, and a short one (`x`, a space) adds nothing against a list of
 /// candidate secrets.
 const MIN_KEY_SALT: usize = 16;
+
+/// The most keys a `key` chain lists: each one not found is a step of every request.
+const MAX_KEYS: usize = 16;
 
 /// The key salt `value` of the environment variable `variable`: refused when it is not
 /// set, or shorter than [`MIN_KEY_SALT`] bytes (never said: a salt is a secret).

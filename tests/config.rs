@@ -292,7 +292,7 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
                 + "[costs]\ndefault = 60\n",
             "costs.default",
             "costs 60, but policy \"api\" of plan \"default\" admits at most 3 units a request \
-             (no plan admits it)",
+             (it prices every route not listed)",
         ),
         // Two spellings of one route: which cost applies would depend on map order.
         (
@@ -431,6 +431,57 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "policies[0] \"api\"",
             "rate: \"10/min\" is not a rate: \"min\" is not a period (write s, m, h, d or a \
              duration: 10s)",
+        ),
+        // `costs.default` prices every route not listed: a plan none of whose requests
+        // could pass on them (the plan of requests naming none, here) is shut out of
+        // the API, whatever another plan admits.
+        (
+            "plan_header = \"x-plan\"\n\
+             [[policies]]\nname = \"api\"\nalgorithm = \"token-bucket\"\ncapacity = 10\nrate = \"5/s\"\n\
+             [[policies]]\nname = \"api-pro\"\nalgorithm = \"token-bucket\"\ncapacity = 100\nrate = \"50/s\"\n\
+             [plans]\ndefault = [\"api\"]\npro = [\"api-pro\"]\n\
+             [costs]\ndefault = 20\n"
+                .to_owned(),
+            "costs.default",
+            "policy \"api\" of plan \"default\" admits at most 10 units",
+        ),
+        // A plan header beside one plan that is not the default: the default is what is
+        // missing (removing the header, as the other reason said, only led there).
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\npro = [\"api\"]\n",
+            "plans",
+            "no plan is named \"default\"",
+        ),
+        // A plan name is written escaped into the entry (and so into logs): no terminal
+        // control sequence of a file's reaches an operator's screen.
+        (
+            "plan_header = \"x-plan\"\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 3\nwindow = \"1s\"")
+                + "[plans]\ndefault = [\"api\"]\n\"pro\\u001B[2J\" = [\"api\"]\n",
+            "plans.pro\\u{1b}[2J",
+            "no header value",
+        ),
+        // A key that reads the header an earlier one read and found missing is never
+        // reached (header names are case-insensitive).
+        (
+            "key = [\"header:x-api-key\", \"header:X-API-Key\", \"ip\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key[1]",
+            "never reached: \"header:x-api-key\" before it reads the same header",
+        ),
+        // Each key of the chain is a step of every request: a bounded few.
+        (
+            format!(
+                "key = [{}]\n",
+                (0..17)
+                    .map(|i| format!("\"header:x-k{i}\""))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ) + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key",
+            "17 keys: at most 16",
         ),
         // The field is named (the README's example of an error).
         (
@@ -982,6 +1033,31 @@ fn a_policy_the_store_cannot_decide_is_named_by_its_entry() {
     let error = LiveLayer::new(NoHugeQuotas(MemoryStore::new()), &config).unwrap_err();
     assert_eq!(error.entry(), "policies[1] \"huge\"", "{error}");
     assert!(error.reason().contains("too large"), "{error}");
+    assert!(!error.reason().contains("RateLimitLayer"), "{error}");
+}
+
+/// A refusal of the layer's own check (a concurrency limit over a store that cannot free
+/// its slots) names the policy's entry, not a builder the file never names.
+#[test]
+fn a_layers_refusal_names_the_entry() {
+    #[derive(Clone)]
+    struct DecideOnly(MemoryStore);
+    impl tollgate::Store for DecideOnly {
+        fn decide(
+            &self,
+            key: &tollgate::Key,
+            policies: &tollgate::PolicySet,
+            cost: u64,
+        ) -> tollgate::DecideFuture {
+            self.0.decide(key, policies, cost)
+        }
+    }
+    let config = parse(
+        "[[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = 10\nwindow = \"1s\"\n\
+         [[policies]]\nname = \"inflight\"\nalgorithm = \"concurrency\"\nlimit = 2\n",
+    );
+    let error = LiveLayer::new(DecideOnly(MemoryStore::new()), &config).unwrap_err();
+    assert_eq!(error.entry(), "policies[1] \"inflight\"", "{error}");
     assert!(!error.reason().contains("RateLimitLayer"), "{error}");
 }
 
