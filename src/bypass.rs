@@ -258,7 +258,8 @@ impl Bypass {
     /// # Ok(()) }
     /// ```
     ///
-    /// A network that holds every address is refused:
+    /// A network that holds every address is refused, and so is one written with host
+    /// bits set past its prefix (`10.0.0.5/8`: a typo for one address, almost always):
     ///
     /// ```should_panic
     /// use tollgate::bypass::Bypass;
@@ -277,22 +278,20 @@ impl Bypass {
     ///
     /// assert!(Bypass::new().try_network("192.0.2.0/24").is_ok());
     /// assert!(Bypass::new().try_network("192.0.2.0/33").is_err());
+    /// assert!(Bypass::new().try_network("192.0.2.7/24").is_err()); // host bits
+    /// assert!(Bypass::new().try_network("192.0.2.7").is_ok()); // one address
     /// ```
     pub fn try_network(mut self, network: &str) -> Result<Self, String> {
-        let trimmed = network.trim();
-        let net = trimmed
-            .parse::<IpNet>()
-            .or_else(|_| trimmed.parse::<IpAddr>().map(IpNet::from))
-            .map_err(|_| {
-                format!("Bypass: {network:?} is not a network (such as 10.0.0.0/8) or an address")
-            })?;
         // Compared with clients in canonical form: an IPv4-mapped block is its IPv4 one.
-        let net = crate::key::canonical_net(net.trunc());
-        if net.prefix_len() == 0 {
-            return Err(format!(
-                "Bypass: {network:?} holds every address: every client would skip limiting"
-            ));
-        }
+        let net = crate::key::read_network(network).map_err(|why| match why {
+            crate::key::NetError::NotANetwork => {
+                format!("Bypass: {network:?} is not a network (such as 10.0.0.0/8) or an address")
+            }
+            crate::key::NetError::Everything => {
+                format!("Bypass: {network:?} holds every address: every client would skip limiting")
+            }
+            host_bits => format!("Bypass: {network:?} {host_bits}"),
+        })?;
         self.networks.push(net);
         Ok(self)
     }

@@ -345,7 +345,8 @@ impl LocalFallback {
 
     /// The policies this fallback decides `set` with: `set` itself, or every policy
     /// scaled to the [`share`](Self::share) (quotas rounded up, at least 1; rates slowed
-    /// by stretching their period; windows and delay bounds unchanged).
+    /// by stretching their period; windows and delay bounds unchanged); without their
+    /// penalties either way (a stand-in's denials count towards no block).
     ///
     /// ```
     /// use tollgate::{LocalFallback, Policy, PolicySet, Rate};
@@ -356,10 +357,11 @@ impl LocalFallback {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn policies_for(&self, set: &PolicySet) -> PolicySet {
+        let set = set.without_penalties();
         if self.share >= 1.0 {
-            set.clone()
+            set
         } else {
-            scale_set(set, self.share)
+            scale_set(&set, self.share)
         }
     }
 
@@ -384,12 +386,23 @@ impl LocalFallback {
     /// their share of the quota never can, which the outage refuses, not the client's
     /// mistake. A cost the policies themselves never admit is told with their quota, not
     /// the share's.
+    ///
+    /// Decided without the policies' penalties: a stand-in's denials come from the outage
+    /// (a share, one replica's count), not from a client past its real limit, and count
+    /// towards no block (as a shadow layer's and a waiter's do not).
     pub(crate) fn decide(
         &self,
         key: &Key,
         policies: &PolicySet,
         cost: u64,
     ) -> Option<(Decision, PolicySet)> {
+        let unpenalised;
+        let policies = if policies.has_penalties() {
+            unpenalised = policies.without_penalties();
+            &unpenalised
+        } else {
+            policies
+        };
         if self.share >= 1.0 {
             return Some((
                 self.store.check(key.as_str(), policies, cost),

@@ -443,6 +443,34 @@ fn a_network_of_every_address_is_refused() {
     assert!(Bypass::new().try_network("0.0.0.0/1").is_ok());
 }
 
+/// A network written with host bits set (`10.0.0.5/8`, an interface's address pasted
+/// from `ip addr`) is almost always a typo for one address: read as its block it
+/// allowlisted, or trusted the forwarding header of, 16 million addresses without a
+/// word. Refused, naming both readings (as nginx warns and Python's `ip_network`
+/// refuses); the block itself and a lone address are taken.
+#[test]
+fn a_network_with_host_bits_set_is_refused() {
+    for (typo, block, one) in [
+        ("10.0.0.5/8", "10.0.0.0/8", "10.0.0.5/32"),
+        ("2001:db8::1/32", "2001:db8::/32", "2001:db8::1/128"),
+        ("::ffff:10.0.0.5/104", "10.0.0.0/8", "10.0.0.5/32"),
+    ] {
+        let bypass = Bypass::new().try_network(typo).unwrap_err();
+        let proxy = ClientIp::behind_proxies([typo]).unwrap_err().to_string();
+        for error in [&bypass, &proxy] {
+            assert!(error.contains("host bits"), "{typo}: {error}");
+            assert!(
+                error.contains(block) && error.contains(one),
+                "{typo}: {error}"
+            );
+        }
+    }
+    for fine in ["10.0.0.0/8", "10.0.0.5", "10.0.0.5/32", "2001:db8::/32"] {
+        assert!(Bypass::new().try_network(fine).is_ok(), "{fine}");
+        assert!(ClientIp::behind_proxies([fine]).is_ok(), "{fine}");
+    }
+}
+
 /// Every predicate given counts: a second `when` once replaced the first, so health
 /// checks allowlisted first were limited once metrics were allowlisted too.
 #[tokio::test]

@@ -2469,6 +2469,59 @@ async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic()
     }
 }
 
+/// The fallback stands in for the store while it is away: its denials come from the
+/// outage (a share of the quota, one replica's count), not from a client past its real
+/// limit, and count towards no penalty, as a shadow layer's and a waiter's do not. A
+/// client that met a third of its quota through one replica in an outage was blocked for
+/// an hour, and the block (with its strikes, which double the next one) outlived the
+/// outage in the fallback's store.
+#[tokio::test]
+async fn the_fallbacks_denials_count_towards_no_penalty() {
+    #[derive(Clone)]
+    struct Down;
+
+    impl Store for Down {
+        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+            DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection refused",
+            )))
+        }
+    }
+
+    for (share, quota) in [(1.0 / 3.0, 10), (1.0, 30)] {
+        let penalised = Policy::fixed_window("api", 30, Duration::from_secs(60))
+            .unwrap()
+            .with_penalty(tollgate::policy::Penalty::new(
+                3,
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+            ))
+            .unwrap();
+        let app = hello().layer(
+            RateLimitLayer::new(Down)
+                .policy(penalised)
+                .cost(cost_header())
+                .on_store_error(FailureMode::Fallback(
+                    tollgate::LocalFallback::new().share(share),
+                )),
+        );
+        for _ in 0..quota {
+            let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "share {share}");
+        }
+        for _ in 0..5 {
+            let denied = app.clone().oneshot(request("/", 1)).await.unwrap();
+            assert_eq!(denied.status(), StatusCode::TOO_MANY_REQUESTS);
+            let wait: u64 = header(&denied, "retry-after").unwrap().parse().unwrap();
+            assert!(
+                wait <= 60,
+                "share {share}: the outage started a block of {wait} s"
+            );
+        }
+    }
+}
+
 /// A fallback that enforces a share of the limit (`LocalFallback::share`) holds a smaller
 /// bucket than the policy. A request the policy admits but the share cannot (cost 40
 /// against a quarter of 100) is stopped by the outage, not by the client: `503` with

@@ -51,30 +51,81 @@ pub enum ForwardedHeader {
     Forwarded,
 }
 
-/// A trusted-proxy entry that is neither an IP address nor a CIDR block, or a block of
-/// every address (which would trust the client too).
+/// A trusted-proxy entry that is neither an IP address nor a CIDR block, a block of every
+/// address (which would trust the client too), or a block with host bits set past its
+/// prefix (`10.0.0.5/8`, a typo for one address).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidProxy {
     entry: String,
-    everything: bool,
+    why: NetError,
 }
 
 impl fmt::Display for InvalidProxy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.everything {
-            return write!(
+        match &self.why {
+            NetError::Everything => write!(
                 f,
                 "trusted proxy {:?} trusts every address, the client's own too: any client \
                  could name any address it likes (list your proxies' addresses or networks)",
                 self.entry
-            );
+            ),
+            NetError::NotANetwork => write!(
+                f,
+                "trusted proxy {:?} is not an IP address or a CIDR block such as 10.0.0.0/8",
+                self.entry
+            ),
+            host_bits => write!(f, "trusted proxy {:?} {host_bits}", self.entry),
         }
-        write!(
-            f,
-            "trusted proxy {:?} is not an IP address or a CIDR block such as 10.0.0.0/8",
-            self.entry
-        )
     }
+}
+
+/// Why a network an operator wrote (a trusted proxy, a bypass) is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum NetError {
+    /// Neither an address nor a CIDR block.
+    NotANetwork,
+    /// A block of every address.
+    Everything,
+    /// A block written with host bits set (`10.0.0.5/8`): the block it names, and the one
+    /// address it may have meant.
+    HostBits { block: IpNet, one: IpNet },
+}
+
+impl fmt::Display for NetError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NetError::NotANetwork => f.write_str("is not an address or a CIDR block"),
+            NetError::Everything => f.write_str("holds every address"),
+            NetError::HostBits { block, one } => write!(
+                f,
+                "has host bits set past its prefix: write {block} for the whole block, or \
+                 {one} for the one address"
+            ),
+        }
+    }
+}
+
+/// A network an operator wrote, read strictly: an address (one host) or a CIDR block
+/// without host bits past its prefix (a typo for one address, almost always: nginx warns
+/// of it, Python's `ip_network` refuses it), never every address; in canonical form (an
+/// IPv4-mapped block is its IPv4 one).
+pub(crate) fn read_network(text: &str) -> Result<IpNet, NetError> {
+    let text = text.trim();
+    let net = text
+        .parse::<IpNet>()
+        .or_else(|_| text.parse::<IpAddr>().map(IpNet::from))
+        .map_err(|_| NetError::NotANetwork)?;
+    if net.addr() != net.network() {
+        return Err(NetError::HostBits {
+            block: canonical_net(net.trunc()),
+            one: canonical_net(IpNet::from(net.addr())),
+        });
+    }
+    let net = canonical_net(net);
+    if net.prefix_len() == 0 {
+        return Err(NetError::Everything);
+    }
+    Ok(net)
 }
 
 impl std::error::Error for InvalidProxy {}
@@ -191,7 +242,9 @@ impl ClientIp {
     /// address), so an IPv4-mapped block stands for the IPv4 block inside it:
     /// `"::ffff:10.0.0.0/104"` is `10.0.0.0/8`. A block of every address (`"0.0.0.0/0"`,
     /// `"::/0"`, `"::ffff:0:0/96"`) is refused: it trusts the client's own address too,
-    /// so the walk would go on into what the client wrote.
+    /// so the walk would go on into what the client wrote. So is a block written with
+    /// host bits set past its prefix (`"10.0.0.5/8"`): a typo for one address, almost
+    /// always, which would trust 16 million.
     ///
     /// Trust is only as good as the proxies: each one listed must write the header read
     /// (`X-Forwarded-For`, or [`Forwarded`](Self::forwarded_header)) on every request,
@@ -209,21 +262,10 @@ impl ClientIp {
             .into_iter()
             .map(|entry| {
                 let entry = entry.as_ref().trim();
-                let net = entry
-                    .parse::<IpNet>()
-                    .or_else(|_| entry.parse::<IpAddr>().map(IpNet::from))
-                    .map(|net| canonical_net(net.trunc()))
-                    .map_err(|_| InvalidProxy {
-                        entry: entry.to_owned(),
-                        everything: false,
-                    })?;
-                if net.prefix_len() == 0 {
-                    return Err(InvalidProxy {
-                        entry: entry.to_owned(),
-                        everything: true,
-                    });
-                }
-                Ok(net)
+                read_network(entry).map_err(|why| InvalidProxy {
+                    entry: entry.to_owned(),
+                    why,
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {

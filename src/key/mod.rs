@@ -42,8 +42,8 @@ use sha2::{Digest, Sha256};
 
 pub use extension::ExtensionKey;
 pub use header::HeaderKey;
-pub(crate) use ip::canonical_net;
 pub use ip::{ClientIp, ForwardedHeader, InvalidProxy};
+pub(crate) use ip::{NetError, read_network};
 
 /// Identities longer than this are hashed, so a hostile 10 KB header costs a store no
 /// more than a short one.
