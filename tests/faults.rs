@@ -777,6 +777,61 @@ async fn the_sentinels_most_of_them_are_followed_past_a_stale_first_one() {
     );
 }
 
+/// Two of four sentinels followed a failover to `new`; one, cut off, still names the
+/// deposed `old`, which (cut off too) still answers as a primary; the fourth is down, so
+/// every answer is heard. When `new` then stops answering, the look-up went past it to
+/// the one stale sentinel's server: the store wrote its counts on a deposed primary,
+/// whose writes go when it rejoins, beside replicas on the others. A server fewer
+/// sentinels name than another is not followed: the failure mode decides until the
+/// most-named answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_sentinel_does_not_pull_the_store_back_when_the_primary_stops_answering() {
+    let (old, new) = (RedisServer::start(), RedisServer::start());
+    let sentinels: Vec<_> = (0..3)
+        .map(|_| support::FakeSentinel::start(old.port, false))
+        .collect();
+    let down = format!("redis://127.0.0.1:{}", support::free_port());
+    let urls = sentinels
+        .iter()
+        .map(support::FakeSentinel::url)
+        .chain(std::iter::once(down));
+    let store = RedisConfig::sentinel(urls, "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (_store, app) = healthy_app(store).await;
+    assert!(
+        !keys_with_ttl(&old).is_empty(),
+        "decided on the first primary"
+    );
+    sentinels[1].name(new.port);
+    sentinels[2].name(new.port);
+    let until = Instant::now() + Duration::from_secs(10);
+    while keys_with_ttl(&new).is_empty() {
+        assert!(
+            Instant::now() < until,
+            "the store did not follow the failover"
+        );
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The new primary stops answering: its connections reset, then frozen.
+    new.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
+    new.signal("STOP");
+    let on_old = support::script_stats(&old).0;
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        request(&app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let on_old_after = support::script_stats(&old).0;
+    new.signal("CONT");
+    assert_eq!(
+        on_old_after, on_old,
+        "the store went back to the deposed primary"
+    );
+}
+
 /// Every sentinel names a server that takes connections and answers nothing (a host
 /// black-holed, a process frozen). The watch asks it, once a round, whether it is the
 /// primary: it asked once per sentinel naming it, each a connection and a second's

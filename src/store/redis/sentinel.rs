@@ -342,16 +342,20 @@ impl SentinelBackend {
 
     /// Looks the primary up: its address from the sentinels (the server named by the
     /// most of them first), a connection, and its own word (`ROLE`) that it is a primary.
-    /// A server that is not a primary (named by a stale sentinel, or a failover under
-    /// way), or one that refuses the store (its password, its TLS certificate: one
-    /// server's, not every server's), does not stop the next named from being tried.
+    /// A server that is not a primary (a failover under way), or one that refuses the
+    /// store (its password, its TLS certificate: one server's, not every server's), does
+    /// not stop the next named by as many sentinels from being tried; a server fewer
+    /// sentinels name is never tried (a stale sentinel's, cut off with a deposed primary
+    /// that still answers as one: its writes go when it rejoins), so while the most-named
+    /// answers nothing, the failure mode decides.
     async fn look_up(&self) -> Result<((String, u16), MultiplexedConnection), StoreError> {
         let mut errors = Errors::default();
         let named = self.named_by_most(&mut errors).await;
+        let most = named.first().map_or(0, |n| n.votes);
         for Named {
             address: (host, port),
             ..
-        } in named
+        } in named.into_iter().take_while(|n| n.votes == most)
         {
             let tried = async {
                 let client = self.access.client(&host, port)?;
