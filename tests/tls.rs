@@ -20,11 +20,19 @@ struct TlsRedis {
     server: RedisServer,
     tls_port: u16,
     ca: String,
+    /// A client certificate and key the CA signed.
+    client: (String, String),
     _dir: std::path::PathBuf,
 }
 
 fn start() -> TlsRedis {
-    let (ca, cert, key) = certificates::signed_for_loopback();
+    start_asking_clients(false)
+}
+
+/// As [`start`]; with `ask`, the server asks each client for a certificate its CA signed
+/// (`tls-auth-clients yes`, Redis's own default).
+fn start_asking_clients(ask: bool) -> TlsRedis {
+    let (ca, cert, key, client) = certificates::signed_for_loopback_and_a_client();
     let tls_port = free_port();
     let dir = std::env::temp_dir().join(format!("tollgate-tls-{tls_port}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -48,7 +56,7 @@ fn start() -> TlsRedis {
         "--tls-ca-cert-file",
         &ca_file,
         "--tls-auth-clients",
-        "no",
+        if ask { "yes" } else { "no" },
     ]);
     // The README's least-privilege line, with this app's prefix, less the Functions
     // commands: the store falls back to EVALSHA scripts (checked below).
@@ -61,8 +69,43 @@ fn start() -> TlsRedis {
         server,
         tls_port,
         ca,
+        client,
         _dir: dir,
     }
+}
+
+/// Redis asks TLS clients for a certificate by default (`tls-auth-clients yes`): a store
+/// that could present none was refused by such a server at start, whatever else was
+/// right. With one the server's CA signed, it connects and decides; without, it is
+/// refused at start, as a setting to fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_is_presented_to_a_server_that_asks() {
+    let redis = start_asking_clients(true);
+    let url = format!("rediss://limiter:s3cret@127.0.0.1:{}", redis.tls_port);
+    let without = RedisConfig::server(url.as_str())
+        .root_certificate_pem(redis.ca.as_bytes())
+        .prefix("shop")
+        .connect()
+        .await
+        .expect_err("a server that asks for a client certificate refuses a client without");
+    assert!(!without.to_string().contains("s3cret"), "{without}");
+    let (certificate, key) = &redis.client;
+    let config = RedisConfig::server(url.as_str())
+        .root_certificate_pem(redis.ca.as_bytes())
+        .client_certificate_pem(certificate.as_bytes(), key.as_bytes())
+        .prefix("shop");
+    // The key is never printed.
+    let key_line = key.lines().nth(1).unwrap();
+    assert!(!format!("{config:?}").contains(key_line));
+    let store = config
+        .connect()
+        .await
+        .expect("presented, the certificate is taken");
+    let policies =
+        PolicySet::from(Policy::fixed_window("mtls", 1, Duration::from_secs(60)).unwrap());
+    let key = Key::new("user:9");
+    assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    assert!(!store.decide(&key, &policies, 1).await.unwrap().is_allowed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

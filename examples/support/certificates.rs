@@ -3,7 +3,16 @@
 
 /// A CA, and a certificate for 127.0.0.1 and localhost that it signed: (CA PEM,
 /// certificate PEM, key PEM).
+#[allow(dead_code)] // the gRPC example uses this one only, the Redis tests the other
 pub fn signed_for_loopback() -> (String, String, String) {
+    let (ca, certificate, key, _) = signed_for_loopback_and_a_client();
+    (ca, certificate, key)
+}
+
+/// As [`signed_for_loopback`], with a client certificate the CA signed too: (CA PEM,
+/// server certificate PEM, server key PEM, (client certificate PEM, client key PEM)).
+#[allow(dead_code)]
+pub fn signed_for_loopback_and_a_client() -> (String, String, String, (String, String)) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -17,5 +26,15 @@ pub fn signed_for_loopback() -> (String, String, String) {
     let server_cert = server
         .signed_by(&server_key, &Issuer::from_params(&ca, &ca_key))
         .unwrap();
-    (ca_cert.pem(), server_cert.pem(), server_key.serialize_pem())
+    let client = CertificateParams::new(vec!["tollgate-client".to_owned()]).unwrap();
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client
+        .signed_by(&client_key, &Issuer::from_params(&ca, &ca_key))
+        .unwrap();
+    (
+        ca_cert.pem(),
+        server_cert.pem(),
+        server_key.serialize_pem(),
+        (client_cert.pem(), client_key.serialize_pem()),
+    )
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use redis::aio::ConnectionManagerConfig;
 
 use super::cluster::ManagedCluster;
-use super::sentinel::{PrimaryAccess, SentinelBackend, open_client};
+use super::sentinel::{Certificates, PrimaryAccess, SentinelBackend, open_client};
 use super::{Backend, DEFAULT_PREFIX, Managed, RedisStore, store_error};
 use crate::store::{StoreError, StoreErrorKind};
 
@@ -47,8 +47,7 @@ pub struct RedisConfig {
     target: Target,
     prefix: String,
     master_auth: Option<(Option<String>, String)>,
-    #[cfg(feature = "tls")]
-    root_certificate: Option<Vec<u8>>,
+    certificates: Certificates,
 }
 
 #[derive(Clone)]
@@ -76,8 +75,7 @@ impl RedisConfig {
             target,
             prefix: DEFAULT_PREFIX.to_owned(),
             master_auth: None,
-            #[cfg(feature = "tls")]
-            root_certificate: None,
+            certificates: Certificates::default(),
         }
     }
 
@@ -301,7 +299,38 @@ impl RedisConfig {
     /// ```
     #[cfg(feature = "tls")]
     pub fn root_certificate_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.root_certificate = Some(pem.into());
+        self.certificates.root = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate and its private key (both PEM) on `rediss://`
+    /// connections: for a server that asks for one (Redis's own default,
+    /// `tls-auth-clients yes`: a TLS Redis set up with its stock configuration refuses a
+    /// client without one). Feature `tls`. It serves a Cluster's nodes, and the sentinels
+    /// and the primary they name, alike. The key is never printed (nor in `Debug`).
+    ///
+    /// ```no_run
+    /// use tollgate::store::RedisConfig;
+    ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = RedisConfig::server("rediss://redis.internal:6380")
+    ///     .root_certificate_pem(std::fs::read("/etc/redis/tls/ca.pem")?)
+    ///     .client_certificate_pem(
+    ///         std::fs::read("/etc/redis/tls/client.pem")?,
+    ///         std::fs::read("/etc/redis/tls/client.key")?,
+    ///     )
+    ///     .connect()
+    ///     .await?;
+    /// # let _ = store;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    pub fn client_certificate_pem(
+        mut self,
+        certificate: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.certificates.client = Some((certificate.into(), key.into()));
         self
     }
 
@@ -355,8 +384,8 @@ impl RedisConfig {
                     // A node that stops answering fails its calls instead of holding them.
                     .response_timeout(RESPONSE_TIMEOUT);
                 #[cfg(feature = "tls")]
-                if let Some(pem) = &self.root_certificate {
-                    builder = builder.certs(certificates(pem));
+                if let Some(certificates) = self.certificates.for_redis() {
+                    builder = builder.certs(certificates);
                 }
                 let client = builder.build().map_err(store_error)?;
                 let connection = client
@@ -388,16 +417,9 @@ impl RedisConfig {
         )
     }
 
-    fn root_certificate(&self) -> Option<&[u8]> {
-        #[cfg(feature = "tls")]
-        return self.root_certificate.as_deref();
-        #[cfg(not(feature = "tls"))]
-        None
-    }
-
     fn client(&self, url: &str) -> Result<redis::Client, StoreError> {
         check_scheme(url)?;
-        open_client(url, self.root_certificate())
+        open_client(url, &self.certificates)
     }
 
     fn sentinel_backend(
@@ -428,17 +450,9 @@ impl RedisConfig {
                 tls,
                 username,
                 password,
-                root_certificate: self.root_certificate().map(<[u8]>::to_vec),
+                certificates: self.certificates.clone(),
             },
         ))
-    }
-}
-
-#[cfg(feature = "tls")]
-fn certificates(pem: &[u8]) -> redis::TlsCertificates {
-    redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(pem.to_vec()),
     }
 }
 

@@ -54,7 +54,40 @@ pub(super) struct PrimaryAccess {
     pub(super) tls: bool,
     pub(super) username: Option<String>,
     pub(super) password: Option<String>,
-    pub(super) root_certificate: Option<Vec<u8>>,
+    pub(super) certificates: Certificates,
+}
+
+/// What a client presents or trusts over TLS beyond the system's roots (feature `tls`).
+#[derive(Clone, Default)]
+#[cfg_attr(not(feature = "tls"), allow(dead_code))]
+pub(super) struct Certificates {
+    /// A root certificate (PEM) trusted instead of the system's: a private CA.
+    pub(super) root: Option<Vec<u8>>,
+    /// A client certificate and its private key (PEM), for servers that ask for one
+    /// (Redis's `tls-auth-clients`). Never printed.
+    pub(super) client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[cfg(feature = "tls")]
+impl Certificates {
+    fn is_empty(&self) -> bool {
+        self.root.is_none() && self.client.is_none()
+    }
+
+    /// As redis-rs takes them; `None` when there are none (the system's roots, no client
+    /// certificate).
+    pub(super) fn for_redis(&self) -> Option<redis::TlsCertificates> {
+        (!self.is_empty()).then(|| redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(certificate, key)| redis::ClientTlsConfig {
+                    client_cert: certificate.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.root.clone(),
+        })
+    }
 }
 
 impl PrimaryAccess {
@@ -78,27 +111,21 @@ impl PrimaryAccess {
             let _ = url.set_username(&escape(self.username.as_deref().unwrap_or("")));
             let _ = url.set_password(Some(&escape(password)));
         }
-        open_client(url.as_str(), self.root_certificate.as_deref())
+        open_client(url.as_str(), &self.certificates)
     }
 }
 
-/// A client for `url`, trusting `root_certificate` (PEM) when given.
+/// A client for `url`, with `certificates` when given (a root to trust, a client
+/// certificate to present).
 pub(super) fn open_client(
     url: &str,
-    root_certificate: Option<&[u8]>,
+    certificates: &Certificates,
 ) -> Result<redis::Client, StoreError> {
     #[cfg(feature = "tls")]
-    if let Some(pem) = root_certificate {
-        return redis::Client::build_with_tls(
-            url,
-            redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(pem.to_vec()),
-            },
-        )
-        .map_err(store_error);
+    if let Some(certificates) = certificates.for_redis() {
+        return redis::Client::build_with_tls(url, certificates).map_err(store_error);
     }
-    let _ = root_certificate;
+    let _ = certificates;
     redis::Client::open(url).map_err(store_error)
 }
 
@@ -771,7 +798,7 @@ async fn watch(watching: Watching) {
 
 #[cfg(test)]
 mod tests {
-    use super::{PrimaryAccess, demoted};
+    use super::{Certificates, PrimaryAccess, demoted};
 
     /// A primary restarting with a large data set answers `LOADING` until it is loaded,
     /// and is a primary all along (sentinels do not fail over for it, and its `ROLE` says
@@ -800,7 +827,7 @@ mod tests {
                 tls: false,
                 username: (!username.is_empty()).then(|| username.to_owned()),
                 password: Some(password.to_owned()),
-                root_certificate: None,
+                certificates: Certificates::default(),
             };
             for host in ["10.0.0.7", "redis-1.internal", "::1"] {
                 let client = access.client(host, 6379).unwrap();
