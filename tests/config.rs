@@ -1040,23 +1040,13 @@ fn a_policy_the_store_cannot_decide_is_named_by_its_entry() {
 /// its slots) names the policy's entry, not a builder the file never names.
 #[test]
 fn a_layers_refusal_names_the_entry() {
-    #[derive(Clone)]
-    struct DecideOnly(MemoryStore);
-    impl tollgate::Store for DecideOnly {
-        fn decide(
-            &self,
-            key: &tollgate::Key,
-            policies: &tollgate::PolicySet,
-            cost: u64,
-        ) -> tollgate::DecideFuture {
-            self.0.decide(key, policies, cost)
-        }
-    }
+    // A store that forwards decisions only: it cannot adjust.
+    let (decide_only, _) = support::Flaky::new();
     let config = parse(
         "[[policies]]\nname = \"api\"\nalgorithm = \"fixed-window\"\nlimit = 10\nwindow = \"1s\"\n\
          [[policies]]\nname = \"inflight\"\nalgorithm = \"concurrency\"\nlimit = 2\n",
     );
-    let error = LiveLayer::new(DecideOnly(MemoryStore::new()), &config).unwrap_err();
+    let error = LiveLayer::new(decide_only, &config).unwrap_err();
     assert_eq!(error.entry(), "policies[1] \"inflight\"", "{error}");
     assert!(!error.reason().contains("RateLimitLayer"), "{error}");
 }

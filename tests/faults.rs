@@ -699,6 +699,17 @@ async fn a_stale_sentinel_does_not_move_the_store_off_a_sound_primary() {
     );
 }
 
+/// Sends requests to `app` until one is decided on `server` (a key with a TTL there): the
+/// watch asks the sentinels every 2 s, so for up to 10 s, else fails with `stayed`.
+async fn until_decided_on(app: &Router, server: &RedisServer, stayed: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while keys_with_ttl(server).is_empty() {
+        assert!(Instant::now() < until, "{stayed}");
+        request(app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The first sentinel names a server that is gone (stale, or its host replaced), so the
 /// look-up goes on to the second. The second then sees a failover: the watch must hear
 /// of it. It asked the first sentinel only, whose answer names no primary, and stayed
@@ -718,16 +729,7 @@ async fn the_watch_hears_of_a_failover_past_a_stale_first_sentinel() {
         "decided on the first primary"
     );
     seeing.name(new.port);
-    // The watch asks the sentinels every 2 s; requests for up to 10 s.
-    let until = Instant::now() + Duration::from_secs(10);
-    while keys_with_ttl(&new).is_empty() {
-        assert!(
-            Instant::now() < until,
-            "the store stayed on the deposed primary"
-        );
-        request(&app).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_decided_on(&app, &new, "the store stayed on the deposed primary").await;
 }
 
 /// The first sentinel listed is cut off with the old primary (which, cut off too, still
@@ -753,16 +755,12 @@ async fn the_sentinels_most_of_them_are_followed_past_a_stale_first_one() {
     );
     sentinels[1].name(new.port);
     sentinels[2].name(new.port);
-    // The watch asks the sentinels every 2 s; requests for up to 10 s.
-    let until = Instant::now() + Duration::from_secs(10);
-    while keys_with_ttl(&new).is_empty() {
-        assert!(
-            Instant::now() < until,
-            "the store stayed on the primary one stale sentinel names"
-        );
-        request(&app).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_decided_on(
+        &app,
+        &new,
+        "the store stayed on the primary one stale sentinel names",
+    )
+    .await;
     // And it stays there: the stale sentinel, asked first, does not pull it back.
     let on_old = support::script_stats(&old).0;
     let until = Instant::now() + Duration::from_secs(3);
@@ -806,15 +804,7 @@ async fn a_stale_sentinel_does_not_pull_the_store_back_when_the_primary_stops_an
     );
     sentinels[1].name(new.port);
     sentinels[2].name(new.port);
-    let until = Instant::now() + Duration::from_secs(10);
-    while keys_with_ttl(&new).is_empty() {
-        assert!(
-            Instant::now() < until,
-            "the store did not follow the failover"
-        );
-        request(&app).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_decided_on(&app, &new, "the store did not follow the failover").await;
     // The new primary stops answering: its connections reset, then frozen.
     new.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
     new.signal("STOP");

@@ -2469,6 +2469,19 @@ async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic()
     }
 }
 
+/// A store that is away: every decision fails as unavailable.
+#[derive(Clone)]
+struct Down;
+
+impl Store for Down {
+    fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
+        DecideFuture::ready(Err(StoreError::new(
+            StoreErrorKind::Unavailable,
+            "connection refused",
+        )))
+    }
+}
+
 /// The fallback stands in for the store while it is away: its denials come from the
 /// outage (a share of the quota, one replica's count), not from a client past its real
 /// limit, and count towards no penalty, as a shadow layer's and a waiter's do not. A
@@ -2477,18 +2490,6 @@ async fn a_store_naming_a_policy_the_set_lacks_is_a_protocol_error_not_a_panic()
 /// outage in the fallback's store.
 #[tokio::test]
 async fn the_fallbacks_denials_count_towards_no_penalty() {
-    #[derive(Clone)]
-    struct Down;
-
-    impl Store for Down {
-        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
-            DecideFuture::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "connection refused",
-            )))
-        }
-    }
-
     for (share, quota) in [(1.0 / 3.0, 10), (1.0, 30)] {
         let penalised = Policy::fixed_window("api", 30, Duration::from_secs(60))
             .unwrap()
@@ -2529,18 +2530,6 @@ async fn the_fallbacks_denials_count_towards_no_penalty() {
 /// the scaled-down quota as the policy's.
 #[tokio::test]
 async fn a_cost_only_the_fallbacks_share_cannot_admit_is_an_outage_not_a_bad_request() {
-    #[derive(Clone)]
-    struct Down;
-
-    impl Store for Down {
-        fn decide(&self, _: &Key, _: &PolicySet, _: u64) -> DecideFuture {
-            DecideFuture::ready(Err(StoreError::new(
-                StoreErrorKind::Unavailable,
-                "connection refused",
-            )))
-        }
-    }
-
     let app = hello().layer(
         RateLimitLayer::new(Down)
             .policy(Policy::token_bucket("api", 100, Rate::per_minute(100)).unwrap())
