@@ -74,6 +74,36 @@ fn start_asking_clients(ask: bool) -> TlsRedis {
     }
 }
 
+/// A client key whose lines were joined (newlines turned to spaces by a shell, or to a
+/// literal `\n` in an `.env` file) cannot be read: the PEM parser's error held the key's
+/// bytes (`MissingSectionEnd { end_marker: [..] }`), and `connect` returned it. The error
+/// says what is wrong and holds none of the key, in `Display`, `Debug` or its sources.
+#[tokio::test]
+async fn a_client_key_that_cannot_be_read_is_never_printed() {
+    let (ca, _, _, (certificate, key)) = certificates::signed_for_loopback_and_a_client();
+    let body = key.lines().nth(1).unwrap();
+    let bytes = format!("{:?}", &body.as_bytes()[..8]);
+    let bytes = bytes.trim_end_matches(']');
+    for mangled in [key.replace('\n', " "), key.replace('\n', "\\n")] {
+        let error = RedisConfig::server("rediss://127.0.0.1:1")
+            .root_certificate_pem(ca.as_bytes())
+            .client_certificate_pem(certificate.as_bytes(), mangled)
+            .connect()
+            .await
+            .expect_err("a key that cannot be read");
+        let mut said = format!("{error} {error:?}");
+        let mut source = std::error::Error::source(&error);
+        while let Some(cause) = source {
+            said.push_str(&format!(" {cause} {cause:?}"));
+            source = cause.source();
+        }
+        assert!(!said.contains(bytes), "{said}");
+        assert!(!said.contains(&body[..16]), "{said}");
+        assert!(said.contains("client key"), "{said}");
+        assert!(!error.kind().is_io(), "{error}");
+    }
+}
+
 /// Redis asks TLS clients for a certificate by default (`tls-auth-clients yes`): a store
 /// that could present none was refused by such a server at start, whatever else was
 /// right. With one the server's CA signed, it connects and decides; without, it is

@@ -366,7 +366,14 @@ impl HeaderKey {
         if self.name.as_str().ends_with("-bin") {
             // gRPC binary metadata: base64, padded or not, whose unused trailing bits a
             // server ignores. Keyed by the spelling clients emit (un-padded), so one
-            // value is one key however it is spelt.
+            // value is one key however it is spelt. Values joined with commas are
+            // several (a server splits them before decoding), as several lines are.
+            if value.contains(&b',') {
+                return Err(KeyError::client(format!(
+                    "several {} values (binary metadata joined with commas)",
+                    self.name
+                )));
+            }
             let Some(decoded) = lenient_base64(value) else {
                 return Err(KeyError::client(format!(
                     "header {} is gRPC binary metadata (a name ending in -bin) and its \
@@ -606,6 +613,11 @@ mod tests {
             assert!(!error.is_missing());
             assert!(error.to_string().contains("base64"), "{error}");
         }
+        // Values joined with commas (PROTOCOL-HTTP2.md: duplicate metadata may be joined
+        // so, and binary values are split on ',' before decoding) are several values, a
+        // 400 as several lines are, and said so.
+        let joined = key.key_for("AAE,AAI").unwrap_err();
+        assert!(joined.to_string().contains("several"), "{joined}");
         // Another name's value is kept whole.
         let plain = HeaderKey::new("x-token");
         assert_ne!(

@@ -278,6 +278,12 @@ struct Open {
     /// The identity was reset while the lease was being taken: that lease's debit was
     /// cleared (or lands in the fresh state), so it is not recorded.
     reset_while_taking: bool,
+    /// A grant was made while the lease was being taken: its debit landed before or after
+    /// the grant, so the lease is given back whole as it comes, not recorded (right in
+    /// either order: both only add units, each capped at full).
+    granted_while_taking: bool,
+    /// That lease, come, for its take to give back.
+    came_after_a_grant: Option<Lease>,
 }
 
 impl Open {
@@ -289,6 +295,8 @@ impl Open {
             waiting: Vec::new(),
             refused_until: None,
             reset_while_taking: false,
+            granted_while_taking: false,
+            came_after_a_grant: None,
         }
     }
 
@@ -297,6 +305,7 @@ impl Open {
     fn idle(&self, now: Instant) -> bool {
         self.leases.is_empty()
             && !self.taking
+            && self.came_after_a_grant.is_none()
             && self.refused_until.is_none_or(|until| until <= now)
     }
 }
@@ -763,10 +772,15 @@ impl Leases {
         // back; if its debit landed after the reset, those units wait out their window).
         // A refusal then spoke of the state before the reset: it is not kept either.
         let across_a_reset = std::mem::take(&mut open.reset_while_taking);
+        let across_a_grant = std::mem::take(&mut open.granted_while_taking);
         if let Some(lease) = lease
             && !across_a_reset
         {
-            open.leases.push(lease);
+            if across_a_grant {
+                open.came_after_a_grant = Some(lease);
+            } else {
+                open.leases.push(lease);
+            }
         }
         if alone_until.is_some() && !across_a_reset {
             open.refused_until = alone_until;
@@ -931,6 +945,25 @@ async fn take<S: Store>(
         told: false,
     });
     drop(turn);
+    // Come across a grant: given back whole now (see `Open::granted_while_taking`).
+    let came = {
+        let mut shard = leases.shard(&id.0);
+        let came = shard
+            .get_mut(&id)
+            .and_then(|open| open.came_after_a_grant.take())
+            .filter(|lease| lease.left > 0);
+        shard.add_giving_back(&id.0, usize::from(came.is_some()));
+        shard.forget_idle(&id.0);
+        came
+    };
+    if let Some(lease) = came {
+        let on_its_way = OnItsWay::one(&leases, &id.0);
+        if let Some(future) = give_back(&*inner, &id.0, &lease) {
+            given_back(future).await;
+        }
+        drop(on_its_way);
+        return;
+    }
     // When the lease ends, what is left of it goes back.
     tokio::time::sleep(ttl).await;
     let ended = {
@@ -1170,7 +1203,11 @@ impl Leases {
                 }
             }
             open.refused_until = None;
-            open.reset_while_taking = open.taking;
+            if giving {
+                open.granted_while_taking |= open.taking;
+            } else {
+                open.reset_while_taking = open.taking;
+            }
         }
         shard.add_giving_back(key, rests.len());
         shard.forget_idle(key);
@@ -1426,6 +1463,35 @@ mod tests {
                 "grant {grant}"
             );
         }
+    }
+
+    /// A grant while a lease is being taken: the lease's debit lands before or after it,
+    /// which the replica cannot tell. Dropped when it came (as across a reset), its units
+    /// stayed debited and were never spent (after a grant of 3, 8 admitted of 10, one
+    /// spent); recorded, they would
+    /// be spent on top of a state the grant filled. Given back whole as it comes, it is
+    /// right in either order (the two only add units, each capped at full).
+    #[tokio::test]
+    async fn a_grant_while_a_lease_is_taken_loses_nothing() {
+        let (store, held) = leased(0, 1_000);
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        // A request starts a take of 5: the store debits it now and answers later.
+        let first = tokio::spawn(store.decide(&key, &policies, 1));
+        for _ in 0..100 {
+            if held.inner.check("k", &policies, 0).statuses()[0].remaining == 5 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        store
+            .adjust(&key, &policies, &Adjustment::grant(3))
+            .await
+            .unwrap();
+        held.answers.add_permits(1_000);
+        let first = u64::from(first.await.unwrap().unwrap().is_allowed());
+        assert_eq!(first + admitted(&store, &key, &policies).await, 10);
     }
 
     /// A store of 5-unit leases over a `Held` store whose adjustments (the give-backs)

@@ -385,6 +385,7 @@ impl RedisConfig {
                     .response_timeout(RESPONSE_TIMEOUT);
                 #[cfg(feature = "tls")]
                 if let Some(certificates) = self.certificates.for_redis() {
+                    self.certificates.check()?;
                     builder = builder.certs(certificates);
                 }
                 let client = builder.build().map_err(store_error)?;

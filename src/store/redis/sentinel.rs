@@ -74,6 +74,45 @@ impl Certificates {
         self.root.is_none() && self.client.is_none()
     }
 
+    /// Reads them as redis-rs will, saying what is wrong with its own words: redis-rs's
+    /// error of a key it cannot read holds the key's bytes (the PEM parser's label of a
+    /// key whose lines were joined), and reads as an outage.
+    pub(super) fn check(&self) -> Result<(), StoreError> {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let chain = |pem: &[u8]| {
+            CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<Vec<_>, _>>()
+                .is_ok_and(|chain| !chain.is_empty())
+        };
+        let refused = |what: &str| {
+            StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "{what} (in PEM; check that its lines were not joined: a newline \
+                     turned into a space, or into a literal \\n)"
+                ),
+            )
+        };
+        if let Some(root) = &self.root
+            && !chain(root)
+        {
+            return Err(refused("the root certificate cannot be read"));
+        }
+        if let Some((certificate, key)) = &self.client {
+            if !chain(certificate) {
+                return Err(refused("the client certificate cannot be read"));
+            }
+            if PrivateKeyDer::from_pem_slice(key).is_err() {
+                return Err(refused(
+                    "the client key cannot be read as a private key (PKCS #8, PKCS #1 or \
+                     SEC 1)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// As redis-rs takes them; `None` when there are none (the system's roots, no client
     /// certificate).
     pub(super) fn for_redis(&self) -> Option<redis::TlsCertificates> {
@@ -122,8 +161,19 @@ pub(super) fn open_client(
     certificates: &Certificates,
 ) -> Result<redis::Client, StoreError> {
     #[cfg(feature = "tls")]
-    if let Some(certificates) = certificates.for_redis() {
-        return redis::Client::build_with_tls(url, certificates).map_err(store_error);
+    if let Some(redis_certificates) = certificates.for_redis() {
+        certificates.check()?;
+        return redis::Client::build_with_tls(url, redis_certificates).map_err(|error| {
+            // Never redis-rs's words about a client key: they may hold its bytes.
+            if certificates.client.is_some() {
+                StoreError::new(
+                    StoreErrorKind::Other,
+                    "the TLS certificates or the client key given cannot be used",
+                )
+            } else {
+                store_error(error)
+            }
+        });
     }
     let _ = certificates;
     redis::Client::open(url).map_err(store_error)
