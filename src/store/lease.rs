@@ -282,8 +282,9 @@ struct Open {
     /// the grant, so the lease is given back whole as it comes, not recorded (right in
     /// either order: both only add units, each capped at full).
     granted_while_taking: bool,
-    /// That lease, come, for its take to give back.
-    came_after_a_grant: Option<Lease>,
+    /// Such leases, come, for their takes to give back (counted as on their way back
+    /// from when they come).
+    came_after_a_grant: Vec<Lease>,
 }
 
 impl Open {
@@ -296,7 +297,7 @@ impl Open {
             refused_until: None,
             reset_while_taking: false,
             granted_while_taking: false,
-            came_after_a_grant: None,
+            came_after_a_grant: Vec::new(),
         }
     }
 
@@ -305,7 +306,7 @@ impl Open {
     fn idle(&self, now: Instant) -> bool {
         self.leases.is_empty()
             && !self.taking
-            && self.came_after_a_grant.is_none()
+            && self.came_after_a_grant.is_empty()
             && self.refused_until.is_none_or(|until| until <= now)
     }
 }
@@ -773,21 +774,26 @@ impl Leases {
         // A refusal then spoke of the state before the reset: it is not kept either.
         let across_a_reset = std::mem::take(&mut open.reset_while_taking);
         let across_a_grant = std::mem::take(&mut open.granted_while_taking);
+        let mut parked = false;
         if let Some(lease) = lease
             && !across_a_reset
         {
             if across_a_grant {
-                open.came_after_a_grant = Some(lease);
+                // Counted as on its way back now, under the lock: a reset waits for it.
+                open.came_after_a_grant.push(lease);
+                parked = true;
             } else {
                 open.leases.push(lease);
             }
         }
-        if alone_until.is_some() && !across_a_reset {
+        // A refusal spoke of the state before a reset or a grant.
+        if alone_until.is_some() && !across_a_reset && !across_a_grant {
             open.refused_until = alone_until;
         }
         for wake in open.waiting.drain(..) {
             let _ = wake.send(());
         }
+        shard.add_giving_back(&id.0, usize::from(parked));
         shard.forget_idle(&id.0);
     }
 
@@ -945,23 +951,25 @@ async fn take<S: Store>(
         told: false,
     });
     drop(turn);
-    // Come across a grant: given back whole now (see `Open::granted_while_taking`).
+    // Come across a grant: given back whole now (see `Open::granted_while_taking`),
+    // with any other take's come so (each counted as on its way back when it came).
     let came = {
         let mut shard = leases.shard(&id.0);
         let came = shard
             .get_mut(&id)
-            .and_then(|open| open.came_after_a_grant.take())
-            .filter(|lease| lease.left > 0);
-        shard.add_giving_back(&id.0, usize::from(came.is_some()));
+            .map(|open| std::mem::take(&mut open.came_after_a_grant))
+            .unwrap_or_default();
         shard.forget_idle(&id.0);
         came
     };
-    if let Some(lease) = came {
-        let on_its_way = OnItsWay::one(&leases, &id.0);
-        if let Some(future) = give_back(&*inner, &id.0, &lease) {
-            given_back(future).await;
+    if !came.is_empty() {
+        let on_their_way = OnItsWay::each(&leases, &id.0, came.len());
+        for (lease, on_its_way) in came.into_iter().zip(on_their_way) {
+            if let Some(future) = give_back(&*inner, &id.0, &lease) {
+                given_back(future).await;
+            }
+            drop(on_its_way);
         }
-        drop(on_its_way);
         return;
     }
     // When the lease ends, what is left of it goes back.
@@ -1492,6 +1500,36 @@ mod tests {
         held.answers.add_permits(1_000);
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         assert_eq!(first + admitted(&store, &key, &policies).await, 10);
+    }
+
+    /// A take refused (too little left) whose answer comes after a grant spoke of the
+    /// state before it: kept, the identity was decided one request at a time for the
+    /// lease's whole `ttl` after it was refilled. Not kept, as across a reset.
+    #[tokio::test]
+    async fn a_refusal_across_a_grant_is_not_kept() {
+        let (store, held) = leased(0, 1_000);
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        assert!(held.inner.check("k", &policies, 7).is_allowed());
+        // A take of 5 with 3 left: refused, its answer held.
+        let first = tokio::spawn(store.decide(&key, &policies, 1));
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        store
+            .adjust(&key, &policies, &Adjustment::grant(10))
+            .await
+            .unwrap();
+        held.answers.add_permits(1_000);
+        assert!(first.await.unwrap().unwrap().is_allowed());
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        // The refused take, then a lease taken after the grant (which serves both).
+        assert_eq!(
+            store.leases.calls.load(Ordering::Relaxed),
+            2,
+            "a lease is taken again after the grant"
+        );
     }
 
     /// A store of 5-unit leases over a `Held` store whose adjustments (the give-backs)

@@ -103,6 +103,16 @@ impl Certificates {
             if !chain(certificate) {
                 return Err(refused("the client certificate cannot be read"));
             }
+            if key
+                .windows(b"ENCRYPTED".len())
+                .any(|window| window == b"ENCRYPTED")
+            {
+                return Err(StoreError::new(
+                    StoreErrorKind::Other,
+                    "the client key is encrypted: give it decrypted (`openssl pkey -in KEY \
+                     -out PLAIN`), kept as secret as the password",
+                ));
+            }
             if PrivateKeyDer::from_pem_slice(key).is_err() {
                 return Err(refused(
                     "the client key cannot be read as a private key (PKCS #8, PKCS #1 or \
@@ -162,18 +172,10 @@ pub(super) fn open_client(
 ) -> Result<redis::Client, StoreError> {
     #[cfg(feature = "tls")]
     if let Some(redis_certificates) = certificates.for_redis() {
+        // Read first, by the parser redis-rs uses: its own errors then say nothing of a
+        // key (only of the URL).
         certificates.check()?;
-        return redis::Client::build_with_tls(url, redis_certificates).map_err(|error| {
-            // Never redis-rs's words about a client key: they may hold its bytes.
-            if certificates.client.is_some() {
-                StoreError::new(
-                    StoreErrorKind::Other,
-                    "the TLS certificates or the client key given cannot be used",
-                )
-            } else {
-                store_error(error)
-            }
-        });
+        return redis::Client::build_with_tls(url, redis_certificates).map_err(store_error);
     }
     let _ = certificates;
     redis::Client::open(url).map_err(store_error)
