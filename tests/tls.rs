@@ -74,6 +74,68 @@ fn start_asking_clients(ask: bool) -> TlsRedis {
     }
 }
 
+/// The quickstart reads Redis from the environment (`RedisConfig::from_env`): a Redis
+/// over TLS with a private CA that asks for a client certificate (Redis's default) is
+/// reached with the three files named there. A certificate without its key, or a file
+/// that cannot be read, is refused naming the variable and the path, never the content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_names_the_tls_files() {
+    let redis = start_asking_clients(true);
+    let file = |name: &str, pem: &str| {
+        let path = redis._dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let (certificate, key) = &redis.client;
+    let (ca_file, cert_file, key_file) = (
+        file("env-ca.pem", &redis.ca),
+        file("env-client.pem", certificate),
+        file("env-client.key", key),
+    );
+    let url = format!("rediss://limiter:s3cret@127.0.0.1:{}", redis.tls_port);
+    let from = |vars: &[(&str, &str)]| {
+        RedisConfig::from_lookup(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    };
+    let config = from(&[
+        ("REDIS_URL", &url),
+        ("REDIS_TLS_CA_FILE", &ca_file),
+        ("REDIS_TLS_CERT_FILE", &cert_file),
+        ("REDIS_TLS_KEY_FILE", &key_file),
+    ])
+    .unwrap()
+    .unwrap();
+    let store = config
+        .prefix("shop")
+        .connect()
+        .await
+        .expect("connects with the files");
+    let policies =
+        PolicySet::from(Policy::fixed_window("env", 1, Duration::from_secs(60)).unwrap());
+    assert!(
+        store
+            .decide(&Key::new("user:1"), &policies, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+
+    let alone = from(&[("REDIS_URL", &url), ("REDIS_TLS_CERT_FILE", &cert_file)]).unwrap_err();
+    assert!(alone.to_string().contains("REDIS_TLS_KEY_FILE"), "{alone}");
+    let missing = format!("{}/nowhere.pem", redis._dir.display());
+    let unreadable = from(&[("REDIS_URL", &url), ("REDIS_TLS_CA_FILE", &missing)]).unwrap_err();
+    assert!(
+        unreadable.to_string().contains("REDIS_TLS_CA_FILE")
+            && unreadable.to_string().contains("nowhere.pem"),
+        "{unreadable}"
+    );
+    let nothing = from(&[("REDIS_TLS_CA_FILE", &ca_file)]).unwrap_err();
+    assert!(nothing.to_string().contains("no Redis"), "{nothing}");
+}
+
 /// A client key whose lines were joined (newlines turned to spaces by a shell, or to a
 /// literal `\n` in an `.env` file) cannot be read: the PEM parser's error held the key's
 /// bytes (`MissingSectionEnd { end_marker: [..] }`), and `connect` returned it. The error

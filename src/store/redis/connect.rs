@@ -143,10 +143,18 @@ impl RedisConfig {
     ///   (the primary's name); the primary's user and password, when it needs them, from
     ///   `REDIS_SENTINEL_MASTER_USERNAME` and `REDIS_SENTINEL_MASTER_PASSWORD`;
     /// - else `REDIS_CLUSTER` (comma-separated node URLs);
-    /// - else `REDIS_URL` (`redis://` or `rediss://`).
+    /// - else `REDIS_URL` (`redis://` or `rediss://`);
+    ///
+    /// and, over TLS (feature `tls`), the files `REDIS_TLS_CA_FILE` (a private CA, see
+    /// [`root_certificate_pem`](Self::root_certificate_pem)) and `REDIS_TLS_CERT_FILE` with
+    /// `REDIS_TLS_KEY_FILE` (a client certificate and its key, for a server that asks for
+    /// one, see [`client_certificate_pem`](Self::client_certificate_pem)), read at once.
     ///
     /// `Ok(None)` when none is set; an error when one is set but empty, when the Sentinel
-    /// variables come without each other, or when a list is empty.
+    /// variables (or the client certificate and key files) come without each other, when
+    /// a list is empty, when a file cannot be read (its variable and path are named, never
+    /// its content), or when a TLS file is named with no Redis or without the `tls`
+    /// feature.
     ///
     /// ```
     /// use tollgate::store::RedisConfig;
@@ -223,7 +231,7 @@ impl RedisConfig {
             }
             Ok(items)
         };
-        match (set("REDIS_SENTINEL_URLS")?, set("REDIS_SENTINEL_MASTER")?) {
+        let found = match (set("REDIS_SENTINEL_URLS")?, set("REDIS_SENTINEL_MASTER")?) {
             (Some(urls), Some(master)) => {
                 let mut config = Self::sentinel(list("REDIS_SENTINEL_URLS", urls)?, master.trim());
                 match (
@@ -240,7 +248,7 @@ impl RedisConfig {
                     }
                     (None, None) => {}
                 }
-                return Ok(Some(config));
+                Some(config)
             }
             (Some(_), None) => {
                 return Err(config_error(
@@ -252,12 +260,70 @@ impl RedisConfig {
                     "REDIS_SENTINEL_MASTER is set but REDIS_SENTINEL_URLS (the sentinels) is not",
                 ));
             }
-            (None, None) => {}
+            (None, None) => match set("REDIS_CLUSTER")? {
+                Some(nodes) => Some(Self::cluster(list("REDIS_CLUSTER", nodes)?)),
+                None => set("REDIS_URL")?.map(|url| Self::server(url.trim())),
+            },
+        };
+        // The TLS files: a private CA, and a client certificate for a server that asks
+        // for one (Redis's default).
+        let files = (
+            set("REDIS_TLS_CA_FILE")?,
+            set("REDIS_TLS_CERT_FILE")?,
+            set("REDIS_TLS_KEY_FILE")?,
+        );
+        let Some(config) = found else {
+            return match files {
+                (None, None, None) => Ok(None),
+                _ => Err(config_error(
+                    "a REDIS_TLS_* file is set but no Redis is (REDIS_URL, REDIS_CLUSTER or \
+                     REDIS_SENTINEL_URLS)",
+                )),
+            };
+        };
+        config.with_tls_files(files).map(Some)
+    }
+
+    /// `config` with the TLS files the environment names (`REDIS_TLS_CA_FILE`,
+    /// `REDIS_TLS_CERT_FILE` and `REDIS_TLS_KEY_FILE`), read now: an unreadable file is
+    /// an error that names its variable and path, never its content.
+    #[cfg_attr(not(feature = "tls"), allow(clippy::unused_self))]
+    fn with_tls_files(
+        self,
+        (ca, certificate, key): (Option<String>, Option<String>, Option<String>),
+    ) -> Result<Self, StoreError> {
+        if certificate.is_some() != key.is_some() {
+            return Err(config_error(
+                "REDIS_TLS_CERT_FILE and REDIS_TLS_KEY_FILE go together (a client certificate \
+                 and its key): set both or neither",
+            ));
         }
-        if let Some(nodes) = set("REDIS_CLUSTER")? {
-            return Ok(Some(Self::cluster(list("REDIS_CLUSTER", nodes)?)));
+        #[cfg(feature = "tls")]
+        {
+            let read = |name: &str, path: &str| {
+                std::fs::read(path.trim()).map_err(|error| {
+                    config_error(format!("{name}: {:?} cannot be read: {error}", path.trim()))
+                })
+            };
+            let mut config = self;
+            if let Some(path) = ca {
+                config = config.root_certificate_pem(read("REDIS_TLS_CA_FILE", &path)?);
+            }
+            if let (Some(certificate), Some(key)) = (certificate, key) {
+                config = config.client_certificate_pem(
+                    read("REDIS_TLS_CERT_FILE", &certificate)?,
+                    read("REDIS_TLS_KEY_FILE", &key)?,
+                );
+            }
+            Ok(config)
         }
-        Ok(set("REDIS_URL")?.map(|url| Self::server(url.trim())))
+        #[cfg(not(feature = "tls"))]
+        match (ca, certificate) {
+            (None, None) => Ok(self),
+            _ => Err(config_error(
+                "a REDIS_TLS_* file is set, and TLS needs tollgate's `tls` feature",
+            )),
+        }
     }
 
     /// Keys under `prefix` instead of `tollgate` (several apps, one Redis; an ACL user
