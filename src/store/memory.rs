@@ -37,14 +37,16 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// the store, and a flood that spends a sliver of a generous policy's quota goes before an
 /// identity that spent (or was denied) under a strict one. A flood that spends as large a
 /// share as an identity (new user names each trying a login once, beside a user who
-/// tried once) can still have it forgotten: size `max_keys` above the identities one window
+/// tried once) can still have it forgotten, and one whose state is made after such a flood
+/// is the newest of its equals, forgotten at the next make-room (a sixteenth of a shard's
+/// worth of new identities later; key a limit by client address in front of a login
+/// limit by user name): size `max_keys` above the identities one window
 /// sees, and watch `evicted_live`. An identity whose in-flight slots running requests
 /// hold is never fresh: its requests give the slots back when they end, however long they
 /// run (the lease of
 /// [`Policy::concurrency_with_lease`](crate::Policy::concurrency_with_lease) is for shared
 /// stores); a full shard forgets such identities only when the others cannot make the
-/// room, those held longest first (a forgotten request's release frees nothing of the
-/// state begun after it).
+/// room (a forgotten request's release frees nothing of the state begun after it).
 /// [`MemoryStore::purge_fresh`] gives memory back.
 ///
 /// Local only: N replicas each with a `MemoryStore` admit N times the limit. Use a shared
