@@ -699,6 +699,44 @@ async fn a_stale_sentinel_does_not_move_the_store_off_a_sound_primary() {
     );
 }
 
+/// Three fake sentinels naming `old` (then `down`, a sentinel URL nothing answers, when
+/// given), a store on them serving an app that has decided on `old`; then two of the
+/// three name `new`, and the app is served until it decides there (else fails with
+/// `stayed`).
+async fn two_of_three_fail_over(
+    old: &RedisServer,
+    new: &RedisServer,
+    down: Option<String>,
+    stayed: &str,
+) -> (Vec<support::FakeSentinel>, Counted, Router) {
+    let sentinels: Vec<_> = (0..3)
+        .map(|_| support::FakeSentinel::start(old.port, false))
+        .collect();
+    let urls = sentinels.iter().map(support::FakeSentinel::url).chain(down);
+    let store = RedisConfig::sentinel(urls, "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let (store, app) = healthy_app(store).await;
+    assert!(
+        !keys_with_ttl(old).is_empty(),
+        "decided on the first primary"
+    );
+    sentinels[1].name(new.port);
+    sentinels[2].name(new.port);
+    until_decided_on(&app, new, stayed).await;
+    (sentinels, store, app)
+}
+
+/// Requests to `app`, one every 100 ms, for `how_long`.
+async fn requests_for(app: &Router, how_long: Duration) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        request(app).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Sends requests to `app` until one is decided on `server` (a key with a TTL there): the
 /// watch asks the sentinels every 2 s, so for up to 10 s, else fails with `stayed`.
 async fn until_decided_on(app: &Router, server: &RedisServer, stayed: &str) {
@@ -741,33 +779,16 @@ async fn the_watch_hears_of_a_failover_past_a_stale_first_sentinel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sentinels_most_of_them_are_followed_past_a_stale_first_one() {
     let (old, new) = (RedisServer::start(), RedisServer::start());
-    let sentinels: Vec<_> = (0..3)
-        .map(|_| support::FakeSentinel::start(old.port, false))
-        .collect();
-    let store = RedisConfig::sentinel(sentinels.iter().map(support::FakeSentinel::url), "mymaster")
-        .connect()
-        .await
-        .unwrap();
-    let (_store, app) = healthy_app(store).await;
-    assert!(
-        !keys_with_ttl(&old).is_empty(),
-        "decided on the first primary"
-    );
-    sentinels[1].name(new.port);
-    sentinels[2].name(new.port);
-    until_decided_on(
-        &app,
+    let (_sentinels, _store, app) = two_of_three_fail_over(
+        &old,
         &new,
+        None,
         "the store stayed on the primary one stale sentinel names",
     )
     .await;
     // And it stays there: the stale sentinel, asked first, does not pull it back.
     let on_old = support::script_stats(&old).0;
-    let until = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < until {
-        request(&app).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    requests_for(&app, Duration::from_secs(3)).await;
     assert_eq!(
         support::script_stats(&old).0,
         on_old,
@@ -785,35 +806,19 @@ async fn the_sentinels_most_of_them_are_followed_past_a_stale_first_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_sentinel_does_not_pull_the_store_back_when_the_primary_stops_answering() {
     let (old, new) = (RedisServer::start(), RedisServer::start());
-    let sentinels: Vec<_> = (0..3)
-        .map(|_| support::FakeSentinel::start(old.port, false))
-        .collect();
     let down = format!("redis://127.0.0.1:{}", support::free_port());
-    let urls = sentinels
-        .iter()
-        .map(support::FakeSentinel::url)
-        .chain(std::iter::once(down));
-    let store = RedisConfig::sentinel(urls, "mymaster")
-        .connect()
-        .await
-        .unwrap();
-    let (_store, app) = healthy_app(store).await;
-    assert!(
-        !keys_with_ttl(&old).is_empty(),
-        "decided on the first primary"
-    );
-    sentinels[1].name(new.port);
-    sentinels[2].name(new.port);
-    until_decided_on(&app, &new, "the store did not follow the failover").await;
+    let (_sentinels, _store, app) = two_of_three_fail_over(
+        &old,
+        &new,
+        Some(down),
+        "the store did not follow the failover",
+    )
+    .await;
     // The new primary stops answering: its connections reset, then frozen.
     new.cli(&["CLIENT", "KILL", "TYPE", "normal"]);
     new.signal("STOP");
     let on_old = support::script_stats(&old).0;
-    let until = Instant::now() + Duration::from_secs(4);
-    while Instant::now() < until {
-        request(&app).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    requests_for(&app, Duration::from_secs(4)).await;
     let on_old_after = support::script_stats(&old).0;
     new.signal("CONT");
     assert_eq!(

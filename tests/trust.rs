@@ -1990,12 +1990,19 @@ async fn a_hooks_plain_success_on_a_grpc_call_is_resource_exhausted() {
     // A6, "Pushback"): without it a client whose retry policy lists the code retries on
     // its own backoff (often 100 ms) into the spent quota. Over HTTP the notice stays a
     // 200 with no `Retry-After` (`a_hooks_answer_that_is_no_429_gets_no_retry_after`).
-    let after: u64 = header(&denied, "retry-after")
-        .expect("the wait")
+    assert_told_the_wait(&denied, "8");
+}
+
+/// Asserts that `denied`, a gRPC answer of `code` to a call past a fixed window of 60 s,
+/// says the wait in `retry-after` (at most the window: fixed windows start on the epoch's
+/// minutes) and the same wait in `grpc-retry-pushback-ms`.
+fn assert_told_the_wait(denied: &Response<Body>, code: &str) {
+    let after: u64 = header(denied, "retry-after")
+        .unwrap_or_else(|| panic!("the wait, for code {code}"))
         .parse()
         .unwrap();
     assert!((1..=60).contains(&after), "{after}");
-    let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
+    let pushback: u64 = header(denied, "grpc-retry-pushback-ms")
         .expect("the wait as a pushback")
         .parse()
         .unwrap();
@@ -2035,17 +2042,7 @@ async fn a_hooks_grpc_answer_in_tonics_shape_is_told_the_wait() {
             assert_eq!(header(&denied, "grpc-retry-pushback-ms"), None);
             continue;
         }
-        let after: u64 = header(&denied, "retry-after")
-            .unwrap_or_else(|| panic!("the wait, for code {code}"))
-            .parse()
-            .unwrap();
-        // The window's end: fixed windows start on the epoch's minutes.
-        assert!((1..=60).contains(&after), "{after}");
-        let pushback: u64 = header(&denied, "grpc-retry-pushback-ms")
-            .expect("the wait as a pushback")
-            .parse()
-            .unwrap();
-        assert_eq!(pushback, after * 1_000);
+        assert_told_the_wait(&denied, code);
     }
 }
 

@@ -963,13 +963,7 @@ async fn take<S: Store>(
         came
     };
     if !came.is_empty() {
-        let on_their_way = OnItsWay::each(&leases, &id.0, came.len());
-        for (lease, on_its_way) in came.into_iter().zip(on_their_way) {
-            if let Some(future) = give_back(&*inner, &id.0, &lease) {
-                given_back(future).await;
-            }
-            drop(on_its_way);
-        }
+        Leased::send_rests(&leases, &inner, &id.0, came);
         return;
     }
     // When the lease ends, what is left of it goes back.
@@ -1250,6 +1244,24 @@ mod tests {
         admitted
     }
 
+    /// A request of 1 started on `store` (10 an hour), once its take of 5 is debited on
+    /// `inner`, whose answer the `Held` store holds until it has permits.
+    async fn take_debited(
+        store: &Leased<Held>,
+        inner: &MemoryStore<ManualClock>,
+        policies: &PolicySet,
+        key: &Key,
+    ) -> tokio::task::JoinHandle<Result<Decision, StoreError>> {
+        let first = tokio::spawn(store.decide(key, policies, 1));
+        for _ in 0..100 {
+            if inner.check(key.as_str(), policies, 0).statuses()[0].remaining == 5 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        first
+    }
+
     /// A reset that comes while a lease is being taken clears the state that lease was
     /// debited from (or comes before the debit lands): recorded all the same, its units
     /// were spent here on top of a whole fresh quota. A limit of 10 admitted 15.
@@ -1261,13 +1273,7 @@ mod tests {
             PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
         let key = Key::new("k");
         // A request starts a take of 5: the store debits it now and answers later.
-        let first = tokio::spawn(store.decide(&key, &policies, 1));
-        for _ in 0..100 {
-            if inner.check("k", &policies, 0).statuses()[0].remaining == 5 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        let first = take_debited(&store, inner, &policies, &key).await;
         assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 5);
         // Support resets the identity meanwhile: the store forgets the 5.
         store.reset(&key, &policies).await.unwrap();
@@ -1486,13 +1492,7 @@ mod tests {
             PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
         let key = Key::new("k");
         // A request starts a take of 5: the store debits it now and answers later.
-        let first = tokio::spawn(store.decide(&key, &policies, 1));
-        for _ in 0..100 {
-            if held.inner.check("k", &policies, 0).statuses()[0].remaining == 5 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        let first = take_debited(&store, &held.inner, &policies, &key).await;
         store
             .adjust(&key, &policies, &Adjustment::grant(3))
             .await

@@ -450,8 +450,7 @@ impl RedisConfig {
                     // A node that stops answering fails its calls instead of holding them.
                     .response_timeout(RESPONSE_TIMEOUT);
                 #[cfg(feature = "tls")]
-                if let Some(certificates) = self.certificates.for_redis() {
-                    self.certificates.check()?;
+                if let Some(certificates) = self.certificates.for_redis()? {
                     builder = builder.certs(certificates);
                 }
                 let client = builder.build().map_err(store_error)?;

@@ -77,7 +77,7 @@ impl Certificates {
     /// Reads them as redis-rs will, saying what is wrong with its own words: redis-rs's
     /// error of a key it cannot read holds the key's bytes (the PEM parser's label of a
     /// key whose lines were joined), and reads as an outage.
-    pub(super) fn check(&self) -> Result<(), StoreError> {
+    fn check(&self) -> Result<(), StoreError> {
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let chain = |pem: &[u8]| {
@@ -123,10 +123,15 @@ impl Certificates {
         Ok(())
     }
 
-    /// As redis-rs takes them; `None` when there are none (the system's roots, no client
-    /// certificate).
-    pub(super) fn for_redis(&self) -> Option<redis::TlsCertificates> {
-        (!self.is_empty()).then(|| redis::TlsCertificates {
+    /// As redis-rs takes them, once [read](Self::check) (so redis-rs's own errors then
+    /// say nothing of a key, only of the URL); `None` when there are none (the system's
+    /// roots, no client certificate).
+    pub(super) fn for_redis(&self) -> Result<Option<redis::TlsCertificates>, StoreError> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        self.check()?;
+        Ok(Some(redis::TlsCertificates {
             client_tls: self
                 .client
                 .as_ref()
@@ -135,7 +140,7 @@ impl Certificates {
                     client_key: key.clone(),
                 }),
             root_cert: self.root.clone(),
-        })
+        }))
     }
 }
 
@@ -171,11 +176,8 @@ pub(super) fn open_client(
     certificates: &Certificates,
 ) -> Result<redis::Client, StoreError> {
     #[cfg(feature = "tls")]
-    if let Some(redis_certificates) = certificates.for_redis() {
-        // Read first, by the parser redis-rs uses: its own errors then say nothing of a
-        // key (only of the URL).
-        certificates.check()?;
-        return redis::Client::build_with_tls(url, redis_certificates).map_err(store_error);
+    if let Some(certificates) = certificates.for_redis()? {
+        return redis::Client::build_with_tls(url, certificates).map_err(store_error);
     }
     let _ = certificates;
     redis::Client::open(url).map_err(store_error)
