@@ -942,8 +942,14 @@ impl<C: Clock> MemoryStore<C> {
                     **state = Default::default();
                 }
             }
-            // Freshness is recomputed from what is left on the next decision (lowered too);
-            // until then the entry may be kept longer than needed, never forgotten early.
+            // Fresh again as soon as what is left is (in-flight slots still held, other
+            // policies' states): the old debt's time kept the entry, and ranked it as
+            // having a quota to lose, long after it had none.
+            let fresh_at = match (&entry.slots, policies.first()) {
+                (Slots::One(slot), Some(policy)) => policy.params().snapshot(slot, now).fresh_at,
+                _ => 0,
+            };
+            entry.fresh_at = entry.slots.mark(policies, now, fresh_at);
         }
     }
 
@@ -1207,6 +1213,49 @@ mod tests {
             .shards(1)
             .build();
         (store, clock)
+    }
+
+    /// A reset leaves the identity's state fresh: `purge_fresh` forgets it at once, as it
+    /// forgets one never used, and it no longer ranks as having a quota to lose. The
+    /// entry kept the time its old debt was paid off, so it was kept (and protected from
+    /// eviction) until then: for an hour's bucket, an hour.
+    #[test]
+    fn a_reset_identity_is_fresh_at_once() {
+        let hour = Duration::from_secs(3600);
+        let sets = [
+            vec![Policy::token_bucket("tb", 10, Rate::per_hour(10)).unwrap()],
+            vec![Policy::fixed_window("fw", 10, hour).unwrap()],
+            // Several states for the identity (kept on the heap), and a penalty.
+            vec![
+                Policy::gcra("g", Rate::per_hour(10), 10).unwrap(),
+                Policy::sliding_log("sl", 10, hour).unwrap(),
+            ],
+            vec![
+                Policy::fixed_window("blocked", 1, hour)
+                    .unwrap()
+                    .with_penalty(crate::policy::Penalty::new(1, hour, hour))
+                    .unwrap(),
+            ],
+        ];
+        for set in sets {
+            let (store, _clock) = store(100);
+            let policies = PolicySet::new(set).unwrap();
+            for _ in 0..3 {
+                store.check("user", &policies, 1);
+            }
+            assert_eq!(
+                store.purge_fresh(),
+                0,
+                "{policies:?}: still live before the reset"
+            );
+            store.reset_now("user", &policies);
+            assert_eq!(
+                store.purge_fresh(),
+                1,
+                "{policies:?}: fresh after the reset"
+            );
+            assert_eq!(store.len(), 0);
+        }
     }
 
     #[test]
