@@ -1673,6 +1673,92 @@ async fn a_delayed_request_dropped_before_its_first_poll_gives_its_place_back() 
     );
 }
 
+/// A store doing I/O: it books at once (as a script runs at once on the server) and its
+/// answer comes back when `gate` lets it.
+#[derive(Clone)]
+struct Gated {
+    inner: MemoryStore<tollgate::clock::RuntimeClock>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Store for Gated {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let decision = self.inner.check(key.as_str(), policies, cost);
+        let gate = std::sync::Arc::clone(&self.gate);
+        DecideFuture::new(async move {
+            gate.acquire().await.expect("open").forget();
+            Ok(decision)
+        })
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        self.inner.adjust(key, policies, adjustment)
+    }
+}
+
+/// A request whose client goes away while a store doing I/O answers (a client timeout
+/// shorter than the store's latency) was never sent: the place the store booked for it
+/// goes back when the answer comes, as it does when it is dropped a moment later, during
+/// its delay. Kept, the next requests queued behind a request that never went.
+#[tokio::test(start_paused = true)]
+async fn a_request_dropped_before_the_stores_answer_gives_its_place_back() {
+    use tower::{Service, ServiceBuilder};
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    let store = Gated {
+        inner: MemoryStore::builder()
+            .clock(tollgate::clock::RuntimeClock::new())
+            .build(),
+        gate: std::sync::Arc::clone(&gate),
+    };
+    let mut service = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(store)
+                .policy(paced)
+                .key(tollgate::key::Global),
+        )
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let get = || Request::get("/").body(Body::empty()).unwrap();
+    let first = service.ready().await.unwrap().call(get()).await.unwrap();
+    assert_eq!(first.status(), 200);
+    // Booked 10 s out; its client goes while the answer is on its way.
+    let mut dropped = Box::pin(service.ready().await.unwrap().call(get()));
+    let pending = std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(std::future::Future::poll(dropped.as_mut(), cx).is_pending())
+    })
+    .await;
+    assert!(pending, "answered before the gate opened");
+    drop(dropped);
+    // The answer comes.
+    gate.add_permits(1);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // Queued behind the first request alone: sent at 10 s, not 20 s.
+    gate.add_permits(1_000);
+    let start = tokio::time::Instant::now();
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    assert!(
+        start.elapsed() <= Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 /// Counts the decisions that reach it.
 #[derive(Clone)]
 struct Counted {
