@@ -2881,6 +2881,41 @@ async fn what_an_identity_owes_is_bounded_at_a_thousand_quotas() {
     }
 }
 
+/// A grant of more than anything can owe forgives it all, on every store. A huge quota (a
+/// byte quota of terabytes) can owe past `MAX_LIMIT` (up to `MAX_LIMIT` more than its
+/// limit): a grant was sent to Redis cut to `MAX_LIMIT + 1`, which left such a debt one
+/// unit short of paid there while the in-process store forgave it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_of_everything_forgives_any_debt() {
+    let backends = Backends::start().await;
+    let limit = 10_000_000_000_000;
+    let set = PolicySet::from(Policy::fixed_window("fw", limit, MINUTE).unwrap());
+    for subject in backends.subjects("grant-everything") {
+        subject.clock.set(Duration::from_secs(1));
+        let mut receipts = Vec::new();
+        for _ in 0..101 {
+            receipts.push(subject.check("k", &set, 0).await.receipt());
+        }
+        // Each reported far past any quota: the debt grows to its bound.
+        for receipt in receipts {
+            subject
+                .adjust("k", &set, &Adjustment::settle(0, u64::MAX, receipt))
+                .await;
+        }
+        assert!(!subject.check("k", &set, 0).await.is_allowed());
+        subject
+            .adjust("k", &set, &Adjustment::grant(u64::MAX))
+            .await;
+        let after = subject.check("k", &set, 0).await;
+        assert_eq!(
+            after.statuses()[0].remaining,
+            limit,
+            "{}: {after:?}",
+            subject.name
+        );
+    }
+}
+
 /// The shaping bucket admits any cost up to its capacity while what is queued is within
 /// its delay bound, so a costly admission leaves the level past the bound: that is
 /// queued, not owed. `set_remaining(0)` read it as owed and forgave it, letting the client

@@ -1703,9 +1703,14 @@ impl Store for RedisStore {
                 Ok(invocation) => invocation,
                 Err(error) => return DecideFuture::ready(Err(error)),
             };
-        invocation
-            .args
-            .push(amount.min(crate::policy::MAX_LIMIT + 1).to_string());
+        // A cost no policy admits is as good as any larger. A grant is set against what
+        // is owed too, up to `MAX_LIMIT` past a limit of up to `MAX_LIMIT`: past twice
+        // that it forgives any debt (and stays exact as a Lua number).
+        let most = match adjustment.change() {
+            Change::Grant { .. } => 2 * crate::policy::MAX_LIMIT + 1,
+            _ => crate::policy::MAX_LIMIT + 1,
+        };
+        invocation.args.push(amount.min(most).to_string());
         invocation.args.push(at);
         invocation.args.push(mode.to_owned());
         // The policies not debited, by index: every one of a refusal's, past the 64th too.
