@@ -184,9 +184,15 @@ fn json_string(out: &mut String, text: &str) {
 
 enum Member<'a> {
     Text(&'a str),
+    /// Written as at most [`MAX_JSON_INTEGER`].
     Number(u64),
     Texts(Vec<&'a str>),
 }
+
+/// The largest integer every JSON reader takes exactly (RFC 8259, section 6; I-JSON, RFC
+/// 7493, section 2.2): 2^53 − 1. Past it, a number is written as this (a cost past it is
+/// still more than any limit, which is what the member tells).
+const MAX_JSON_INTEGER: u64 = (1 << 53) - 1;
 
 /// The most of a detail an answer shows: a detail that echoes what the client sent (an
 /// operation's name, a key's reason) echoes no client's megabyte.
@@ -231,7 +237,7 @@ fn problem(
         match value {
             Member::Text(text) => json_string(&mut body, text),
             Member::Number(number) => {
-                let _ = write!(body, "{number}");
+                let _ = write!(body, "{}", (*number).min(MAX_JSON_INTEGER));
             }
             Member::Texts(texts) => {
                 body.push('[');
@@ -449,6 +455,24 @@ mod tests {
                 cost,
             };
             assert_eq!(rejection.violated_policies(), violated, "cost {cost}");
+        }
+    }
+
+    /// The body's numbers are ones every JSON reader takes exactly: RFC 8259, section 6,
+    /// promises no more than the range of IEEE 754 doubles' integers (up to 2^53 − 1),
+    /// and I-JSON (RFC 7493, section 2.2) allows no others. A cost of `u64::MAX` (a
+    /// coster that saturated, a `Content-Length` past 2^53) was written whole, and read in
+    /// JavaScript as 18446744073709552000.
+    #[test]
+    fn a_huge_cost_is_a_number_json_readers_take_exactly() {
+        let policy = Policy::token_bucket("api", 10, crate::Rate::per_second(10)).unwrap();
+        for cost in [u64::MAX, (1 << 53) + 1] {
+            let response = cost_exceeds_limit(&policy, cost, 10);
+            let body: serde_json::Value = serde_json::from_slice(response.body()).unwrap();
+            let written = body["cost"].as_u64().unwrap();
+            assert!(written < 1 << 53, "{cost}: {written}");
+            // Still more than the limit, which is what the member tells.
+            assert!(written > body["limit"].as_u64().unwrap());
         }
     }
 
