@@ -276,6 +276,18 @@ impl Reservation {
     /// The headers of a settled state; `None` (keep the headers) when the store failed,
     /// which is logged and counted.
     pub(crate) fn headers(&self, result: Result<Decision, StoreError>) -> Option<HeaderBlock> {
+        // The store's answer to a settle tells the breaker what a decision's would: a
+        // settle given up on for want of an answer counts as the store failing, so that
+        // responses stop waiting on it (see `settle`) where no decision would say so (a
+        // lease or a deny cache answering them). The fallback's says nothing of the store.
+        if !self.fallback {
+            let breaker = &self.adjuster.responder().breaker;
+            match &result {
+                Ok(decision) if !decision.is_cached() => breaker.on_success(),
+                Ok(_) => {}
+                Err(error) => breaker.heard_failure(error, None),
+            }
+        }
         match result {
             Ok(decision) => {
                 let responder = self.adjuster.responder();

@@ -1003,6 +1003,70 @@ async fn a_settle_never_holds_a_response_while_the_breaker_is_open() {
     assert_eq!(held.headers()["ratelimit"], "\"api\";r=99;t=1");
 }
 
+/// A store whose decisions answer at once and whose adjustments never do (a settle to a
+/// store that hangs).
+#[derive(Clone, Default)]
+struct HangingAdjustments(MemoryStore);
+
+impl Store for HangingAdjustments {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn adjust(
+        &self,
+        _key: &Key,
+        _policies: &PolicySet,
+        _adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        DecideFuture::new(std::future::pending())
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+}
+
+/// Decisions served from a lease say nothing of the store behind it, so while the store
+/// hung every response waited the whole store timeout for its settle, and the breaker
+/// (which keeps responses from waiting on a failing store) never heard of it: now a
+/// settle given up on for want of an answer, or failed for want of a connection, counts
+/// as the store failing, as a decision's does.
+#[tokio::test(start_paused = true)]
+async fn a_settle_given_up_on_behind_a_lease_tells_the_breaker() {
+    use tollgate::settle::Settle;
+    let timeout = Duration::from_millis(50);
+    let leased = tollgate::store::Leased::new(
+        HangingAdjustments::default(),
+        1_000,
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { ([("x-used", "2")], "done") }))
+        .layer(
+            RateLimitLayer::new(leased)
+                .policy(Policy::token_bucket("api", 10_000, Rate::per_second(10_000)).unwrap())
+                .key(tollgate::key::Global)
+                .settle(Settle::from_header("x-used"))
+                .store_timeout(timeout)
+                .circuit_breaker(tollgate::CircuitBreaker::new(5, Duration::from_secs(60))),
+        );
+    let mut waits = Vec::new();
+    for _ in 0..20 {
+        let start = tokio::time::Instant::now();
+        let response = app
+            .clone()
+            .oneshot(Request::get("/").body(Body::empty()).unwrap());
+        assert_eq!(response.await.unwrap().status(), StatusCode::OK);
+        waits.push(start.elapsed());
+    }
+    // The first settle given up on says the store fails (as a decision's failure
+    // does); from then on none is waited for.
+    assert_eq!(waits[0], timeout);
+    assert_eq!(waits[1..], [Duration::ZERO; 19], "{waits:?}");
+}
+
 /// A request held back by shaping waits without the inner service's capacity: a
 /// `ConcurrencyLimit` (or a `Buffer`) inside the limiter keeps its permit in the service
 /// made ready, and that service was moved into the delayed request, so one client's
