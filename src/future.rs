@@ -133,25 +133,8 @@ impl<F: Future> ResponseFuture<F> {
         F: Future<Output = Result<S::Response, S::Error>> + Send + 'static,
         B: Send + 'static,
     {
-        // A set that shapes has a place booked for the request by the time the store
-        // answers: should the client go before the answer, it is given back then.
-        let give_back = pending
-            .policies
-            .iter()
-            .any(|policy| policy.params().is_shaping())
-            .then(|| GiveBack {
-                responder: Arc::clone(&pending.responder),
-                adjuster: Arc::clone(&pending.adjuster),
-                key: pending.key.clone(),
-                policies: pending.policies.clone(),
-                cost: pending.cost,
-            });
         let future = async move {
-            let mut unanswered = Unanswered {
-                decide: Some(decide),
-                give_back,
-            };
-            let result = (&mut unanswered).await;
+            let result = decide.await;
             let Pending {
                 inner,
                 request,
@@ -218,68 +201,6 @@ impl<F: Future> ResponseFuture<F> {
                 response: Some(response),
             },
         }
-    }
-}
-
-/// A store's decision on its way. Dropped before it comes (its client gone) for a set that
-/// shapes, it is finished in a task, and what it booked is given back as for a request
-/// dropped during its delay (`Reservation::unbook`): the request was never sent, and the
-/// next ones would queue behind it. (In-flight slots have their own guard in the store.)
-struct Unanswered {
-    decide: Option<BoxedDecision>,
-    give_back: Option<GiveBack>,
-}
-
-/// What giving back a dropped request's booking needs (see [`Unanswered`]).
-struct GiveBack {
-    responder: Arc<Responder>,
-    adjuster: Arc<dyn Adjuster>,
-    key: Key,
-    policies: PolicySet,
-    cost: u64,
-}
-
-impl Future for Unanswered {
-    type Output = <BoxedDecision as Future>::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let decide = self.decide.as_mut().expect(POLLED_AFTER_READY);
-        let result = ready!(decide.as_mut().poll(cx));
-        self.decide = None;
-        Poll::Ready(result)
-    }
-}
-
-impl Drop for Unanswered {
-    fn drop(&mut self) {
-        let (Some(decide), Some(give_back)) = (self.decide.take(), self.give_back.take()) else {
-            return;
-        };
-        // Without a runtime the answer cannot be waited for: the place leaks out.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        runtime.spawn(async move {
-            // A failed decision booked nothing (the failure mode decided for a request
-            // that is gone: nothing to answer).
-            let Ok(decision) = decide.await else {
-                return;
-            };
-            let GiveBack {
-                responder,
-                adjuster,
-                key,
-                policies,
-                cost,
-            } = give_back;
-            let answer = StoreAnswer::Decided(&decision);
-            if let Plan::Call(_, Some(debit)) | Plan::Delay(_, _, Some(debit)) =
-                responder.plan(&policies, &key, cost, answer, None)
-            {
-                Reservation::new(adjuster, key, policies, cost, *debit)
-                    .unbook(tokio::time::Instant::now());
-            }
-        });
     }
 }
 
