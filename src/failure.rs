@@ -1034,6 +1034,13 @@ pub(crate) struct Breaker {
     said: AtomicBool,
     /// ...and how many outages went unsaid since.
     unsaid: AtomicU64,
+    /// The store left the last adjustment sent to it (a settle, a release) unanswered:
+    /// given up on, or sent on no connection. Until it answers one again, responses do
+    /// not wait on their settles. Apart from the breaker's states: an adjustment says
+    /// nothing of decisions, which a lease or a deny cache may answer without the store
+    /// (counted as failures, settles cut off for a blip would open a breaker that only
+    /// the store's own decisions close).
+    adjustments_unanswered: AtomicBool,
 }
 
 /// The store failing and answering again is said at most once in this long: a store that
@@ -1078,6 +1085,7 @@ impl Breaker {
             said_at: AtomicU64::new(0),
             said: AtomicBool::new(false),
             unsaid: AtomicU64::new(0),
+            adjustments_unanswered: AtomicBool::new(false),
         }
     }
 
@@ -1367,6 +1375,27 @@ impl Breaker {
     /// True while the store is failing or skipped.
     pub(crate) fn is_degraded(&self) -> bool {
         self.degraded.load(Ordering::Relaxed)
+    }
+
+    /// True while the store leaves adjustments unanswered (see `adjustments_unanswered`).
+    pub(crate) fn adjustments_unanswered(&self) -> bool {
+        self.adjustments_unanswered.load(Ordering::Relaxed)
+    }
+
+    /// The store's answer to an adjustment sent to it (not to the local fallback): an
+    /// I/O failure (a timeout, no connection) marks adjustments unanswered, an answer
+    /// clears the mark; other errors (a script error, a refusal) say nothing of whether
+    /// the store answers.
+    pub(crate) fn heard_adjustment<T>(&self, result: &Result<T, StoreError>) {
+        let unanswered = match result {
+            Ok(_) => false,
+            Err(error) if error.kind().is_io() => true,
+            Err(_) => return,
+        };
+        if self.adjustments_unanswered.load(Ordering::Relaxed) != unanswered {
+            self.adjustments_unanswered
+                .store(unanswered, Ordering::Relaxed);
+        }
     }
 }
 

@@ -67,8 +67,13 @@ pin_project! {
                 }
                 if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                     let settle = std::mem::replace(settle, Box::pin(std::future::pending()));
+                    let listener = reservation.as_ref().and_then(|r| r.listener());
                     runtime.spawn(async move {
-                        if let Err(error) = settle.await {
+                        let result = settle.await;
+                        if let Some(breaker) = listener {
+                            breaker.heard_adjustment(&result);
+                        }
+                        if let Err(error) = result {
                             crate::telemetry::adjustment_lost("settle", &error);
                         }
                     });

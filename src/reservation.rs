@@ -176,10 +176,16 @@ impl Reservation {
             Ok(result) => self
                 .headers(result)
                 .map_or(Settled::Unchanged, Settled::Headers),
-            // The breaker holds requests off a failing store: the response does not wait
-            // on it either. The settle goes on in the background (it may land after a
-            // blip), and the response keeps its decision's headers.
-            Err(pending) if self.adjuster.responder().breaker.is_degraded() => {
+            // The breaker holds requests off a failing store, or the store left the last
+            // adjustment unanswered (behind a lease, whose decisions say nothing of the
+            // store, only adjustments tell): the response does not wait on it either.
+            // The settle goes on in the background (it may land after a blip, and then
+            // responses wait for their settles again), and the response keeps its
+            // decision's headers.
+            Err(pending)
+                if self.adjuster.responder().breaker.is_degraded()
+                    || self.adjuster.responder().breaker.adjustments_unanswered() =>
+            {
                 self.finish(
                     DecideFuture::new(pending),
                     "settle",
@@ -252,14 +258,23 @@ impl Reservation {
         no_runtime: &'static str,
     ) {
         match future.into_ready() {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => telemetry::adjustment_lost(lost, &error),
+            Ok(result) => {
+                self.heard(&result);
+                if let Err(error) = result {
+                    telemetry::adjustment_lost(lost, &error);
+                }
+            }
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
+                let listener = self.listener();
                 match tokio::runtime::Handle::try_current() {
                     Ok(runtime) => {
                         runtime.spawn(async move {
-                            if let Err(error) = within(timeout, what, pending).await {
+                            let result = within(timeout, what, pending).await;
+                            if let Some(breaker) = listener {
+                                breaker.heard_adjustment(&result);
+                            }
+                            if let Err(error) = result {
                                 telemetry::adjustment_lost(lost, &error);
                             }
                         });
@@ -273,21 +288,24 @@ impl Reservation {
         }
     }
 
+    /// Whoever hears how the store answers this debit's adjustments (see
+    /// `Breaker::heard_adjustment`): nobody for a debit of the local fallback's, whose
+    /// answers say nothing of the store.
+    pub(crate) fn listener(&self) -> Option<Arc<crate::failure::Breaker>> {
+        (!self.fallback).then(|| Arc::clone(&self.adjuster.responder().breaker))
+    }
+
+    /// Tells the listener (see [`listener`](Self::listener)) how the store answered.
+    fn heard<T>(&self, result: &Result<T, StoreError>) {
+        if !self.fallback {
+            self.adjuster.responder().breaker.heard_adjustment(result);
+        }
+    }
+
     /// The headers of a settled state; `None` (keep the headers) when the store failed,
     /// which is logged and counted.
     pub(crate) fn headers(&self, result: Result<Decision, StoreError>) -> Option<HeaderBlock> {
-        // The store's answer to a settle tells the breaker what a decision's would: a
-        // settle given up on for want of an answer counts as the store failing, so that
-        // responses stop waiting on it (see `settle`) where no decision would say so (a
-        // lease or a deny cache answering them). The fallback's says nothing of the store.
-        if !self.fallback {
-            let breaker = &self.adjuster.responder().breaker;
-            match &result {
-                Ok(decision) if !decision.is_cached() => breaker.on_success(),
-                Ok(_) => {}
-                Err(error) => breaker.heard_failure(error, None),
-            }
-        }
+        self.heard(&result);
         match result {
             Ok(decision) => {
                 let responder = self.adjuster.responder();

@@ -1003,23 +1003,39 @@ async fn a_settle_never_holds_a_response_while_the_breaker_is_open() {
     assert_eq!(held.headers()["ratelimit"], "\"api\";r=99;t=1");
 }
 
-/// A store whose decisions answer at once and whose adjustments never do (a settle to a
-/// store that hangs).
+/// A store whose decisions answer at once and whose adjustments never do while `hang`
+/// is set (a settle to a store that hangs), else a moment later; `adjusted` counts those
+/// answered.
 #[derive(Clone, Default)]
-struct HangingAdjustments(MemoryStore);
+struct HangingAdjustments {
+    inner: MemoryStore,
+    hang: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    adjusted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
 
 impl Store for HangingAdjustments {
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        self.0.decide(key, policies, cost)
+        self.inner.decide(key, policies, cost)
     }
 
     fn adjust(
         &self,
-        _key: &Key,
-        _policies: &PolicySet,
-        _adjustment: &tollgate::Adjustment,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
     ) -> DecideFuture {
-        DecideFuture::new(std::future::pending())
+        use std::sync::atomic::Ordering;
+        if self.hang.load(Ordering::SeqCst) {
+            return DecideFuture::new(std::future::pending());
+        }
+        let (inner, adjusted) = (self.inner.clone(), std::sync::Arc::clone(&self.adjusted));
+        let (key, policies, adjustment) = (key.clone(), policies.clone(), adjustment.clone());
+        DecideFuture::new(async move {
+            tokio::task::yield_now().await;
+            let answer = inner.adjust(&key, &policies, &adjustment).await;
+            adjusted.fetch_add(1, Ordering::SeqCst);
+            answer
+        })
     }
 
     fn can_adjust(&self) -> bool {
@@ -1028,20 +1044,19 @@ impl Store for HangingAdjustments {
 }
 
 /// Decisions served from a lease say nothing of the store behind it, so while the store
-/// hung every response waited the whole store timeout for its settle, and the breaker
-/// (which keeps responses from waiting on a failing store) never heard of it: now a
-/// settle given up on for want of an answer, or failed for want of a connection, counts
-/// as the store failing, as a decision's does.
+/// hung every response waited the whole store timeout for its settle, for as long as the
+/// lease lasted. Now a settle the store leaves unanswered stops the next responses from
+/// waiting on theirs (they settle in the background) until the store answers one again;
+/// the breaker, which only the store's own decisions close, is not opened by them.
 #[tokio::test(start_paused = true)]
-async fn a_settle_given_up_on_behind_a_lease_tells_the_breaker() {
+async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_again() {
+    use std::sync::atomic::Ordering;
     use tollgate::settle::Settle;
     let timeout = Duration::from_millis(50);
-    let leased = tollgate::store::Leased::new(
-        HangingAdjustments::default(),
-        1_000,
-        Duration::from_secs(60),
-    )
-    .unwrap();
+    let store = HangingAdjustments::default();
+    store.hang.store(true, Ordering::SeqCst);
+    let leased =
+        tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
     let app = Router::new()
         .route("/", get(|| async { ([("x-used", "2")], "done") }))
         .layer(
@@ -1050,21 +1065,40 @@ async fn a_settle_given_up_on_behind_a_lease_tells_the_breaker() {
                 .key(tollgate::key::Global)
                 .settle(Settle::from_header("x-used"))
                 .store_timeout(timeout)
-                .circuit_breaker(tollgate::CircuitBreaker::new(5, Duration::from_secs(60))),
+                .on_store_error(FailureMode::FailClosed)
+                .circuit_breaker(tollgate::CircuitBreaker::new(1, Duration::from_secs(60))),
         );
-    let mut waits = Vec::new();
-    for _ in 0..20 {
+    let send = || async {
         let start = tokio::time::Instant::now();
         let response = app
             .clone()
             .oneshot(Request::get("/").body(Body::empty()).unwrap());
-        assert_eq!(response.await.unwrap().status(), StatusCode::OK);
-        waits.push(start.elapsed());
+        let status = response.await.unwrap().status();
+        (status, start.elapsed())
+    };
+    let mut waits = Vec::new();
+    for _ in 0..10 {
+        let (status, waited) = send().await;
+        assert_eq!(status, StatusCode::OK, "the breaker stays closed");
+        waits.push(waited);
     }
-    // The first settle given up on says the store fails (as a decision's failure
-    // does); from then on none is waited for.
+    // The first settle is given up on; none after it is waited for.
     assert_eq!(waits[0], timeout);
-    assert_eq!(waits[1..], [Duration::ZERO; 19], "{waits:?}");
+    assert_eq!(waits[1..], [Duration::ZERO; 9], "{waits:?}");
+    tokio::time::sleep(2 * timeout).await;
+    // The store answers again: the first settle after is not waited for, but its answer
+    // is heard, and the next response waits for its settle again.
+    store.hang.store(false, Ordering::SeqCst);
+    assert_eq!(send().await.0, StatusCode::OK);
+    assert_eq!(store.adjusted.load(Ordering::SeqCst), 0, "not waited for");
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(
+        store.adjusted.load(Ordering::SeqCst),
+        1,
+        "settled in the background"
+    );
+    assert_eq!(send().await.0, StatusCode::OK);
+    assert_eq!(store.adjusted.load(Ordering::SeqCst), 2, "waited for");
 }
 
 /// A request held back by shaping waits without the inner service's capacity: a
