@@ -377,6 +377,42 @@ async fn requests_dropped_while_the_store_hangs_open_the_breaker() {
     );
 }
 
+// The same for a set that shapes: a request given up on while its decision is on its way
+// is dropped with it, and counts as the store timing out (a version that kept such a
+// decision alive to give its booked place back swallowed the store's failure).
+#[tokio::test]
+async fn requests_dropped_while_the_store_hangs_open_the_breaker_under_shaping() {
+    let store = Switch::new();
+    let clock = tollgate::clock::ManualClock::new();
+    let paced =
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1_000), Duration::from_secs(1))
+            .unwrap();
+    let app = hello().layer(
+        RateLimitLayer::new(store.clone())
+            .policy(paced)
+            .on_store_error(FailureMode::FailOpen)
+            .store_timeout(Duration::from_secs(30))
+            .circuit_breaker(
+                CircuitBreaker::new(2, Duration::from_secs(3600)).with_clock(clock.clone()),
+            ),
+    );
+    store.set(HUNG);
+    for _ in 0..2 {
+        let waiting = waiting_on_the_store(&app).await;
+        clock.advance(Duration::from_millis(150));
+        drop(waiting);
+    }
+    assert_eq!(store.calls(), 2);
+    store.set(UP);
+    let response = app.clone().oneshot(request("/", 1)).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        store.calls(),
+        2,
+        "two requests given up on a hung store opened the breaker: the next skips it"
+    );
+}
+
 // A cool-down past `MAX_PERIOD` (`Duration::MAX`, meant as "never probe") made an open
 // breaker stay open for the life of the process: its end saturated, and no request ever
 // probed the store again. It is refused when the layer is built, as a lease's `ttl` is.
