@@ -1377,6 +1377,12 @@ impl Breaker {
         self.degraded.load(Ordering::Relaxed)
     }
 
+    /// True while the breaker holds requests off the store (open, or probing); a failure
+    /// below its threshold leaves it closed (degraded, not open).
+    pub(crate) fn is_open(&self) -> bool {
+        self.open_until.load(Ordering::Relaxed) != 0
+    }
+
     /// True while the store leaves adjustments unanswered (see `adjustments_unanswered`).
     pub(crate) fn adjustments_unanswered(&self) -> bool {
         self.adjustments_unanswered.load(Ordering::Relaxed)

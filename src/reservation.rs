@@ -117,7 +117,7 @@ impl Reservation {
         self.answered = true;
         let responder = Arc::clone(self.adjuster.responder());
         if self.ends.is_empty()
-            || (!self.fallback && (!self.adjuster.can_adjust() || responder.breaker.is_degraded()))
+            || (!self.fallback && (!self.adjuster.can_adjust() || responder.breaker.is_open()))
         {
             return;
         }

@@ -1771,6 +1771,102 @@ async fn a_delayed_request_dropped_before_its_first_poll_gives_its_place_back() 
     );
 }
 
+/// An in-process store that fails its next decision when told to, and counts the
+/// bookings given back to it.
+#[derive(Clone)]
+struct FailsOnce {
+    inner: MemoryStore<tollgate::clock::RuntimeClock>,
+    fail_next: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    unbooked: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Store for FailsOnce {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        if self
+            .fail_next
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return DecideFuture::ready(Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                "connection reset",
+            )));
+        }
+        self.inner.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::Adjustment,
+    ) -> DecideFuture {
+        if matches!(adjustment.change(), tollgate::store::Change::Unbook { .. }) {
+            self.unbooked
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.adjust(key, policies, adjustment)
+    }
+}
+
+/// One store failure below the breaker's threshold (the breaker stays closed, requests
+/// still go to the store) kept a request dropped during its delay from giving its place
+/// back until the store's next success: only an open breaker holds the give-back off
+/// the store (README), as it holds requests off.
+#[tokio::test(start_paused = true)]
+async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
+    use std::sync::atomic::Ordering;
+    use tower::{Service, ServiceBuilder};
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let store = FailsOnce {
+        inner: MemoryStore::builder()
+            .clock(tollgate::clock::RuntimeClock::new())
+            .build(),
+        fail_next: Default::default(),
+        unbooked: Default::default(),
+    };
+    let mut service = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(store.clone())
+                .policy(paced)
+                .key(tollgate::key::Global)
+                .on_store_error(FailureMode::FailOpen)
+                .circuit_breaker(tollgate::CircuitBreaker::new(5, Duration::from_secs(1))),
+        )
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let get = || Request::get("/").body(Body::empty()).unwrap();
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    // Held back 10 s.
+    let held = service.ready().await.unwrap().call(get());
+    // One failure: the breaker stays closed.
+    store.fail_next.store(true, Ordering::SeqCst);
+    let failed = service.ready().await.unwrap().call(get()).await.unwrap();
+    assert!(!failed.headers().contains_key("ratelimit"), "failed open");
+    drop(held);
+    assert_eq!(
+        store.unbooked.load(Ordering::SeqCst),
+        1,
+        "the place went back"
+    );
+    let start = tokio::time::Instant::now();
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    assert!(
+        start.elapsed() <= Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 /// Counts the decisions that reach it.
 #[derive(Clone)]
 struct Counted {
