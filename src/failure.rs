@@ -1185,6 +1185,10 @@ impl Breaker {
     /// The store answered.
     #[inline]
     pub(crate) fn on_success(&self) {
+        // It answers adjustments too, as far as anyone can tell.
+        if self.adjustments_unanswered.load(Ordering::Relaxed) {
+            self.adjustments_unanswered.store(false, Ordering::Relaxed);
+        }
         if self.failures.load(Ordering::Relaxed) == 0
             && self.open_until.load(Ordering::Relaxed) == 0
             && !self.degraded.load(Ordering::Relaxed)
@@ -1463,6 +1467,35 @@ mod tests {
         breaker.on_success();
         assert!(breaker.should_call() && breaker.should_call());
         assert!(!breaker.is_degraded());
+    }
+
+    /// An adjustment the store leaves unanswered (a timeout, no connection) marks the
+    /// store so until it answers one, or a decision: then responses wait for their
+    /// settles again. An answer that is an error of another kind (a script error, a
+    /// refusal) says nothing of whether it answers.
+    #[test]
+    fn adjustments_left_unanswered_are_marked_until_the_store_answers() {
+        let breaker = Breaker::new(CircuitBreaker::default());
+        let timeout = Err::<(), _>(StoreError::new(StoreErrorKind::Timeout, "no answer"));
+        let refused = Err::<(), _>(StoreError::new(StoreErrorKind::Refused, "NOPERM"));
+        let gone = Err::<(), _>(StoreError::new(StoreErrorKind::Unavailable, "reset"));
+        assert!(!breaker.adjustments_unanswered());
+        breaker.heard_adjustment(&refused);
+        assert!(!breaker.adjustments_unanswered(), "a refusal is an answer");
+        breaker.heard_adjustment(&timeout);
+        assert!(breaker.adjustments_unanswered());
+        breaker.heard_adjustment(&refused);
+        assert!(
+            breaker.adjustments_unanswered(),
+            "a refusal says nothing of it"
+        );
+        breaker.heard_adjustment(&Ok(()));
+        assert!(!breaker.adjustments_unanswered());
+        breaker.heard_adjustment(&gone);
+        assert!(breaker.adjustments_unanswered());
+        breaker.on_success();
+        assert!(!breaker.adjustments_unanswered(), "a decision answered");
+        assert!(!breaker.is_degraded(), "and the breaker was never told");
     }
 
     #[test]

@@ -1867,6 +1867,50 @@ async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
     );
 }
 
+/// While the breaker is open (the store is held off), a request dropped during its delay
+/// sends nothing to the store: its place leaks out (README).
+#[tokio::test(start_paused = true)]
+async fn an_open_breaker_holds_places_back() {
+    use std::sync::atomic::Ordering;
+    use tower::{Service, ServiceBuilder};
+    let paced = Policy::leaky_bucket_shaping(
+        "paced",
+        Rate::new(1, Duration::from_secs(10)),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let store = FailsOnce {
+        inner: MemoryStore::builder()
+            .clock(tollgate::clock::RuntimeClock::new())
+            .build(),
+        fail_next: Default::default(),
+        unbooked: Default::default(),
+    };
+    let mut service = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::new(store.clone())
+                .policy(paced)
+                .key(tollgate::key::Global)
+                .on_store_error(FailureMode::FailOpen)
+                .circuit_breaker(tollgate::CircuitBreaker::new(1, Duration::from_secs(60))),
+        )
+        .service_fn(|_: Request<Body>| async {
+            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
+        });
+    let get = || Request::get("/").body(Body::empty()).unwrap();
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    let held = service.ready().await.unwrap().call(get());
+    // One failure opens this breaker.
+    store.fail_next.store(true, Ordering::SeqCst);
+    service.ready().await.unwrap().call(get()).await.unwrap();
+    drop(held);
+    assert_eq!(
+        store.unbooked.load(Ordering::SeqCst),
+        0,
+        "sent to a store held off"
+    );
+}
+
 /// Counts the decisions that reach it.
 #[derive(Clone)]
 struct Counted {
