@@ -113,15 +113,22 @@ struct Shard {
 /// whole chunks, not by doubling. Entries leave only in bulk: [`Table::retain`] keeps the slab
 /// dense and in order (the entries kept move up), then [`Table::reindex`] or
 /// [`Table::shrink`] rebuilds the index.
+///
+/// Laid out in this order (`repr(C)`): `latest`, written by every decision, sits beside
+/// the lock's word on the shard's first cache line, and what every decision reads (the
+/// index's and the slab's pointers) follows it. Left to the compiler, `latest` went last,
+/// onto the second line: two cores taking turns on one hot identity passed both lines
+/// back and forth on every request, not one.
+#[repr(C)]
 struct Table {
-    index: Index,
-    slab: Slab,
     /// The latest time the shard decided at. Clocks are read before the shard's lock is
     /// taken, and two threads' readings may disagree a little (see
     /// [`CarriedClock`]): a request read just before a window's end may reach the shard
     /// just after its identity was forgotten there, fresh at that end, and would be
     /// counted in an empty window that had ended. The shard's time never steps back.
     latest: u64,
+    index: Index,
+    slab: Slab,
     /// The latest resets and level sets of identities' rate policies (at most
     /// [`MAX_CLEARED`], each kept while a debit made before it could still be given
     /// back): a settle of such a debit gives nothing back (see `decide::adjust`).
@@ -1256,6 +1263,20 @@ mod tests {
             );
             assert_eq!(store.len(), 0);
         }
+    }
+
+    /// What every decision writes under a shard's lock (the lock's word, `latest`) is on
+    /// the shard's first cache line (see [`Table`]).
+    #[test]
+    fn a_decisions_writes_share_the_locks_cache_line() {
+        let shard = Shard {
+            table: Mutex::new(Table::new(16)),
+        };
+        let start = &raw const shard as usize;
+        let table = &raw const *lock(&shard) as usize - start;
+        let latest = table + std::mem::offset_of!(Table, latest);
+        assert!(latest + 8 <= 64, "latest at byte {latest} of the shard");
+        assert_eq!(std::mem::align_of::<Shard>(), 128);
     }
 
     #[test]
