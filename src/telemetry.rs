@@ -149,7 +149,7 @@ fn log_decision(policies: &PolicySet, decision: &Decision, key: &Key) {
     {
         tracing::debug!(
             target: "tollgate",
-            key = %key,
+            key = ?key.as_str(),
             policy = policies.get(policy).map_or("", |policy| policy.name()),
             retry_after_ms = retry_after.as_millis() as u64,
             "rate limited"
@@ -162,7 +162,7 @@ fn log_decision(policies: &PolicySet, decision: &Decision, key: &Key) {
         if let Some(policy) = policies.get(index) {
             tracing::info!(
                 target: "tollgate",
-                key = %key,
+                key = ?key.as_str(),
                 policy = policy.name(),
                 "shadow policy would have denied"
             );
@@ -188,7 +188,7 @@ pub(crate) fn shadow_layer_denied(policies: &PolicySet, decision: &Decision, key
     #[cfg(feature = "tracing")]
     tracing::info!(
         target: "tollgate",
-        key = %key,
+        key = ?key.as_str(),
         policy = policies.get(denying).map_or("", |policy| policy.name()),
         "shadow layer would have denied"
     );

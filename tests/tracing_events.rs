@@ -228,6 +228,38 @@ fn a_shadow_policy_that_would_deny_is_an_info_event() {
     );
 }
 
+/// A key is the client's to word (a user name an auth layer checked, a JWT claim, a raw
+/// path): logged as it was, a line break in it forged a log line of its own (the
+/// subscriber escapes control characters but not line breaks). Keys are logged escaped,
+/// as plan names are.
+#[test]
+fn a_key_is_logged_escaped() {
+    let forged = "bob\n2026-01-01T00:00:00Z ERROR tollgate: forged\u{2028}";
+    let set = tollgate::PolicySet::new([
+        Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
+        Policy::fixed_window("trial", 1, Duration::from_secs(3600))
+            .unwrap()
+            .shadow(),
+    ])
+    .unwrap();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policies(set)
+            .key(tollgate::key::from_fn(move |_| {
+                Ok(tollgate::Key::new(forged))
+            })),
+    );
+    let (_, events) = recorded(&app, 3);
+    let logged: Vec<&String> = events.iter().filter(|e| e.contains("bob")).collect();
+    assert_eq!(logged.len(), 2, "{events:?}");
+    for event in logged {
+        assert!(
+            !event.contains('\n') && !event.contains('\u{2028}'),
+            "{event:?}"
+        );
+    }
+}
+
 /// The account type of the test below: its name must not reach the client.
 #[derive(Clone)]
 struct SecretAccountType(u64);
