@@ -3075,7 +3075,10 @@ impl RedisKeys {
         tag
     }
 
-    /// The state key and the auxiliary key of `policy` for `identity`.
+    /// The state key and the auxiliary key of `policy` for `identity`: a key's text as
+    /// the store keys it ([`Key::as_str`](crate::Key::as_str)). A string over
+    /// [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN) bytes is kept as its digest: name it by
+    /// `Key::new(string).as_str()`.
     pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
         let state = self.state_key(identity, policy);
         // A penalty's state is named by its numbers too: a changed penalty (a block
