@@ -2342,6 +2342,45 @@ async fn a_settle_after_the_log_expired_leaves_no_key_behind() {
     }
 }
 
+/// A penalty's block and strikes outlive a change of the rate they guard, in every store:
+/// an operator who tightens a limit during an attack (a reload) does not free the
+/// clients it has blocked. Only a change of the penalty itself, or a reset, forgives
+/// (README). Its state was named by the rate's parameters too, so a tightened limit
+/// started every key's penalty afresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_rate_keeps_its_penaltys_blocks() {
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let penalty = tollgate::policy::Penalty::new(1, 10 * second, 3_600 * second);
+    let loose = PolicySet::from(
+        Policy::fixed_window("login", 2, MINUTE)
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+    );
+    let tight = PolicySet::from(
+        Policy::fixed_window("login", 1, MINUTE)
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap(),
+    );
+    for subject in backends.subjects("tightened") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        for _ in 0..2 {
+            assert!(subject.check("k", &loose, 1).await.is_allowed(), "{name}");
+        }
+        assert!(subject.check("k", &loose, 1).await.is_blocked(), "{name}");
+        // The window is over; the hour's block is not.
+        subject.clock.advance(61 * second);
+        let after = subject.check("k", &tight, 1).await;
+        assert!(
+            after.is_blocked(),
+            "{name}: the block went with the rate: {after:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
     // A penalty changed on reload (a day's block shortened to a minute, to pardon) starts

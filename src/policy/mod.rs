@@ -561,16 +561,23 @@ impl Policy {
             block: Duration::from_nanos(block),
             max_block: penalty.max_block.map(|_| Duration::from_nanos(max_block)),
         };
-        // The penalty's own state, under an id of its parameters too: a changed penalty (a
-        // reload that shortens the block) starts afresh, as a changed policy does.
+        // The penalty's own state, under an id of the policy's name and the penalty's
+        // parameters: a changed penalty (a reload that shortens the block) starts afresh,
+        // as a changed policy does, but a changed rate keeps the blocks and strikes (a
+        // limit tightened during an attack must not free the clients it blocked). `~`
+        // never appears in a policy name; the algorithm is the one no rate policy has
+        // (an in-flight one's, whose numbers the id ignores).
         let id = policy_id(
             &format!(
                 "{}~penalty~{denials}~{within}~{block}~{max_block}",
                 self.inner.name
             ),
-            state_of(&self.inner.params),
-            self.inner.params.limit(),
-            self.inner.params.window_nanos(),
+            Algorithm::Concurrency {
+                limit: 0,
+                lease: Duration::ZERO,
+            },
+            0,
+            0,
         );
         Ok(self.penalized(Some((penalty, boxed, id))))
     }

@@ -2998,7 +2998,9 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// Builds every Redis key name tollgate writes: one place, so the layout is one decision.
 ///
 /// A policy's state lives at `prefix:{identity}:name:params`, and a penalty's beside it
-/// at `…:n-denials-within-block-max_block` (times in microseconds). The identity sits
+/// at `prefix:{identity}:name:n-denials-within-block-max_block` (times in microseconds):
+/// named by the policy's name and its own numbers, not the rate's, so a changed limit
+/// keeps the blocks and strikes. The identity sits
 /// inside a Cluster hash tag, so all keys of one identity share a slot and one script
 /// can touch them all. Identity bytes other than `A-Z a-z 0-9 . _ - : / @ + =` are
 /// percent-encoded: `{` and `}` cannot end or open the tag early, and no two identities
@@ -3021,12 +3023,13 @@ fn script_args(policy: &Policy) -> Result<(&'static str, u64, u64, u64), StoreEr
 /// let (hostile, _) = keys.policy_keys("x}{y", &policy);
 /// assert_eq!(hostile, "app:{x%7D%7By}:api:tb-10-1-200000");
 ///
-/// // A penalty's state is named by its numbers: a changed penalty starts afresh.
+/// // A penalty's state is named by its numbers, not the rate's: a changed penalty starts
+/// // afresh, a changed rate keeps it.
 /// let minute = Duration::from_secs(60);
 /// let penalized = policy.with_penalty(Penalty::new(3, minute, 10 * minute))?;
 /// let (state, penalty) = keys.policy_keys("k", &penalized);
 /// assert_eq!(state, "app:{k}:api:tb-10-1-200000");
-/// assert_eq!(penalty, "app:{k}:api:tb-10-1-200000:n-3-60000000-600000000-600000000");
+/// assert_eq!(penalty, "app:{k}:api:n-3-60000000-600000000-600000000");
 /// # Ok::<(), tollgate::PolicyError>(())
 /// ```
 #[derive(Debug, Clone)]
@@ -3081,16 +3084,20 @@ impl RedisKeys {
     /// `Key::new(string).as_str()`.
     pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
         let state = self.state_key(identity, policy);
-        // A penalty's state is named by its numbers too: a changed penalty (a block
-        // shortened to pardon) starts afresh, while the rate state it guards carries over.
-        let aux = match policy.penalty_box() {
-            Some((penalty, _)) => {
-                let mut aux = format!("{state}:n-");
-                write_penalty(&mut aux, &penalty, '-');
-                aux
-            }
-            None => format!("{state}:n"),
-        };
+        // A penalty's state is named by the policy's name and the penalty's numbers, not
+        // the rate's: a changed penalty (a block shortened to pardon) starts afresh while
+        // the rate state it guards carries over, and a changed rate (a limit tightened
+        // during an attack) keeps the blocks and strikes.
+        let mut aux = format!(
+            "{}:{}:{}:n",
+            self.prefix,
+            self.tag(identity),
+            policy.state_name()
+        );
+        if let Some((penalty, _)) = policy.penalty_box() {
+            aux.push('-');
+            write_penalty(&mut aux, &penalty, '-');
+        }
         (state, aux)
     }
 
@@ -3494,7 +3501,7 @@ mod tests {
             .unwrap();
         let (state, aux) = RedisKeys::new("app").policy_keys("k", &policy);
         assert_eq!(state, "app:{k}:api:tb-10-1-200000");
-        assert_eq!(aux, format!("{state}:n-3-60000000-10000000-40000000"));
+        assert_eq!(aux, "app:{k}:api:n-3-60000000-10000000-40000000");
         assert_eq!(
             spelled_kind("tb", &policy),
             "tb!3:60000000:10000000:40000000"
