@@ -602,15 +602,20 @@ impl<St: Store> Limiter<St> {
     pub async fn check(&self, key: &Key, cost: u64) -> Result<Decision, StoreError> {
         let (decision, decider) = self.decide(key, cost).await?;
         if !matches!(decider, Decider::Open) {
-            self.told(key, &decision);
+            self.told(key, &decision, matches!(decider, Decider::Fallback(_)));
         }
         Ok(handed(decision, &decider))
     }
 
     /// An answer given to a caller, counted in `tollgate_decisions_total` (and a denial
-    /// logged at debug level) as the layer's are. One let through open by the failure
-    /// mode is not a decision, as in the layer.
-    fn told(&self, key: &Key, decision: &Decision) {
+    /// logged at debug level) as the layer's are, and in
+    /// `tollgate_fallback_decisions_total` when the fallback made it (`fell_back`): once
+    /// per call, as what the caller got (a waiter's turns are not answers). One let
+    /// through open by the failure mode is not a decision, as in the layer.
+    fn told(&self, key: &Key, decision: &Decision, fell_back: bool) {
+        if fell_back {
+            crate::telemetry::fallback_decision(decision);
+        }
         crate::telemetry::decision(&self.shared.policies, decision, key);
     }
 
@@ -753,10 +758,7 @@ impl<St: Store> Limiter<St> {
             // in its way, not "never" (as the layer answers).
             FailureMode::Fallback(fallback) => fallback
                 .decide(key, policies, cost)
-                .map(|(decision, applied)| {
-                    crate::telemetry::fallback_decision(&decision);
-                    (decision, Decider::Fallback(applied))
-                })
+                .map(|(decision, applied)| (decision, Decider::Fallback(applied)))
                 .ok_or(error),
             FailureMode::FailOpen => Ok((
                 Decision::new(
@@ -793,16 +795,18 @@ impl<St: Store> Limiter<St> {
         cost: u64,
         max_wait: Duration,
     ) -> Result<Decision, WaitError> {
-        match self.wait_until_ready(key, cost, max_wait).await {
+        // Whether the fallback made the answer a refusal comes from.
+        let fell_back = std::sync::atomic::AtomicBool::new(false);
+        match self.wait_until_ready(key, cost, max_wait, &fell_back).await {
             Ok((decision, decider)) => {
                 if !matches!(decider, Decider::Open) {
-                    self.told(key, &decision);
+                    self.told(key, &decision, matches!(decider, Decider::Fallback(_)));
                 }
                 Ok(handed(decision, &decider))
             }
             Err(error) => {
                 if let WaitError::TooLong(decision) | WaitError::Never(decision) = &error {
-                    self.told(key, decision);
+                    self.told(key, decision, fell_back.into_inner());
                 }
                 Err(error)
             }
@@ -814,6 +818,7 @@ impl<St: Store> Limiter<St> {
         key: &Key,
         cost: u64,
         max_wait: Duration,
+        fell_back: &std::sync::atomic::AtomicBool,
     ) -> Result<(Decision, Decider), WaitError> {
         // A cost above a policy's limit is never admitted: no use queueing for it (the
         // store answers at once, spending nothing).
@@ -825,6 +830,9 @@ impl<St: Store> Limiter<St> {
                 .await
                 .map_err(WaitError::Store)?;
             if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
+                if let Decider::Fallback(_) = decider {
+                    fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 return Err(WaitError::Never(decision));
             }
             // The store failed and the failure mode let the request through: that is
@@ -857,7 +865,9 @@ impl<St: Store> Limiter<St> {
             let calling = queue.calling.load(Relaxed);
             if failing {
                 drop(place);
-                return self.served(key, cost, deadline, None, None).await;
+                return self
+                    .served(key, cost, deadline, None, None, fell_back)
+                    .await;
             }
             // Those ahead still wait after this one's whole wait: it is refused, and told
             // not to come back before as long again (when its own cost fits, behind them,
@@ -871,7 +881,11 @@ impl<St: Store> Limiter<St> {
             drop(place);
             let now = match peeked {
                 Some(now) => now,
-                None if calling => return self.served(key, cost, deadline, None, None).await,
+                None if calling => {
+                    return self
+                        .served(key, cost, deadline, None, None, fell_back)
+                        .await;
+                }
                 None => Decision::new(
                     Outcome::Allowed {
                         delay: Duration::ZERO,
@@ -896,14 +910,15 @@ impl<St: Store> Limiter<St> {
                 now.statuses().iter().copied(),
             )));
         };
-        self.served(key, cost, deadline, Some(turn), Some(queue))
+        self.served(key, cost, deadline, Some(turn), Some(queue), fell_back)
             .await
     }
 
     /// A waiter's turn: decided until admitted, or until the wait would pass `deadline`.
     /// With its `turn` in the key's `queue`, the store decides (and the queue learns
     /// whether the store failed it); without (the queue was held past the deadline by a
-    /// failing store), the failure mode answers at once.
+    /// failing store), the failure mode answers at once. `fell_back` is set when a
+    /// refusal it ends in is the fallback's.
     async fn served(
         &self,
         key: &Key,
@@ -911,6 +926,7 @@ impl<St: Store> Limiter<St> {
         deadline: Instant,
         turn: Option<tokio::sync::OwnedMutexGuard<()>>,
         queue: Option<&Queue>,
+        fell_back: &std::sync::atomic::AtomicBool,
     ) -> Result<(Decision, Decider), WaitError> {
         loop {
             let decided = if turn.is_some() {
@@ -954,7 +970,10 @@ impl<St: Store> Limiter<St> {
                         // the shaping policy that holds it back (of the policies the
                         // fallback applied, when it decided).
                         let decided_by = match &decider {
-                            Decider::Fallback(applied) => applied,
+                            Decider::Fallback(applied) => {
+                                fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
+                                applied
+                            }
                             _ => &self.shared.policies,
                         };
                         let denied = Decision::new(
@@ -1002,6 +1021,9 @@ impl<St: Store> Limiter<St> {
                         .checked_add(retry_after)
                         .is_none_or(|ready| ready > deadline)
                     {
+                        if let Decider::Fallback(_) = decider {
+                            fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
                         return Err(WaitError::TooLong(decision));
                     }
                     failing(false);
@@ -1011,7 +1033,12 @@ impl<St: Store> Limiter<St> {
                     // answer at once, not after a peek of their own on it.
                     failing(failed);
                 }
-                _ => return Err(WaitError::Never(decision)),
+                _ => {
+                    if let Decider::Fallback(_) = decider {
+                        fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    return Err(WaitError::Never(decision));
+                }
             }
         }
     }

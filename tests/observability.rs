@@ -709,6 +709,50 @@ fn a_limiters_store_errors_are_counted_not_hidden_by_the_fallback() {
     );
 }
 
+// A waiter's turns inside `until_ready` are not answers: its store failing, each turn the
+// fallback denied (its share spent, the waiter waiting for it) was counted as a fallback
+// decision, and an admitted waiter showed up as an outage's denial. The fallback's
+// decisions are counted as answers are, once per call, with what the caller got.
+#[test]
+fn a_waiters_turns_under_the_fallback_are_counted_once() {
+    let limiter = tollgate::limiter::Limiter::new(
+        Unsupported,
+        Policy::fixed_window("jobs", 1, Duration::from_millis(50)).unwrap(),
+    );
+    let seen = metrics_of(async move {
+        let key = tollgate::Key::new("k");
+        for _ in 0..2 {
+            let decision = limiter.until_ready(&key, 1, Duration::from_secs(1)).await;
+            assert!(decision.unwrap().is_allowed());
+        }
+    });
+    assert_eq!(
+        counter(
+            &seen,
+            "tollgate_fallback_decisions_total",
+            &[("outcome", "allowed")]
+        ),
+        2
+    );
+    let denied = value(
+        &seen,
+        "tollgate_fallback_decisions_total",
+        &[("outcome", "denied")],
+    );
+    assert!(
+        denied.is_none() || matches!(denied, Some(DebugValue::Counter(0))),
+        "a waiter admitted is no outage's denial: {denied:?}"
+    );
+    assert_eq!(
+        counter(
+            &seen,
+            "tollgate_decisions_total",
+            &[("policy", "jobs"), ("outcome", "allowed")]
+        ),
+        2
+    );
+}
+
 // A `Limiter`'s answers are counted in `tollgate_decisions_total` as the layer's are (the
 // README's metrics table): what each `check` and each `until_ready` was told, per policy.
 // A waiter's own retries inside `until_ready` are not answers, and are not counted.
