@@ -378,7 +378,7 @@ impl LocalFallback {
         applied: &PolicySet,
         adjustment: &crate::store::Adjustment,
     ) -> Decision {
-        self.store.adjust_exact(key.as_str(), applied, adjustment)
+        self.store.adjust_now(key.as_str(), applied, adjustment)
     }
 
     /// Decides locally; returns the decision and the policies it applied, or `None` when
@@ -405,7 +405,7 @@ impl LocalFallback {
         };
         if self.share >= 1.0 {
             return Some((
-                self.store.check_exact(key.as_str(), policies, cost),
+                self.store.check(key.as_str(), policies, cost),
                 policies.clone(),
             ));
         }
@@ -426,7 +426,7 @@ impl LocalFallback {
                 }
             }
         };
-        let decision = self.store.check_exact(key.as_str(), &scaled, cost);
+        let decision = self.store.check(key.as_str(), &scaled, cost);
         if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
             let index = policies.never_admits(cost)?;
             let outcome = Outcome::CostExceedsLimit {

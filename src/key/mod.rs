@@ -135,7 +135,7 @@ const LONG_SALT: &[u8] = b"tollgate: a key too long to keep\0";
 /// Whether a key string is kept as its digest: over [`MAX_KEY_LEN`], or in the form a
 /// digest of one takes.
 #[inline]
-pub(crate) fn hashed_whole(value: &str) -> bool {
+fn hashed_whole(value: &str) -> bool {
     value.len() > MAX_KEY_LEN || value.starts_with("long:")
 }
 

@@ -41,7 +41,7 @@ impl Held {
 
 impl Store for Held {
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        let decision = self.inner.check_exact(key.as_str(), policies, cost);
+        let decision = self.inner.check(key.as_str(), policies, cost);
         let answers = Arc::clone(&self.answers);
         DecideFuture::new(async move {
             answers.acquire().await.expect("open").forget();

@@ -842,13 +842,6 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 /// The fewest identities a shard is built for (see [`MemoryStoreBuilder::build`]).
 const MIN_SHARD_KEYS: usize = 64;
 
-/// The key `Key::new` makes of `key`, when it is not `key` itself (a string kept as its
-/// digest); `None` when it is.
-#[inline]
-fn as_key(key: &str) -> Option<Key> {
-    crate::key::hashed_whole(key).then(|| Key::new(key))
-}
-
 #[inline]
 fn lock(shard: &Shard) -> MutexGuard<'_, Table> {
     // The table is consistent after any panic inside the lock (no step leaves it half
@@ -864,20 +857,13 @@ impl<C: Clock> MemoryStore<C> {
         &self.shared.shards[(hash >> 32) as usize & self.shared.shard_mask]
     }
 
-    /// Decides `cost` units for `key` now, synchronously. `key` names the identity
-    /// [`Key::new`] makes of it (a string over [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN)
-    /// bytes is its digest), as a layer's requests do.
+    /// Decides `cost` units for `key` now, synchronously. `key` is a key's text as the
+    /// store keys it ([`Key::as_str`], what `Store::decide` is given), taken as it is: a
+    /// string over [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN) bytes reaches the bucket a
+    /// layer's requests use as `Key::new(string).as_str()`, its digest. (So do
+    /// [`reset_now`](Self::reset_now) and [`adjust_now`](Self::adjust_now).)
     #[inline]
     pub fn check(&self, key: &str, policies: &PolicySet, cost: u64) -> Decision {
-        match as_key(key) {
-            Some(key) => self.check_exact(key.as_str(), policies, cost),
-            None => self.check_exact(key, policies, cost),
-        }
-    }
-
-    /// [`check`](Self::check) of a key's text as it is (a [`Key`]'s).
-    #[inline]
-    pub(crate) fn check_exact(&self, key: &str, policies: &PolicySet, cost: u64) -> Decision {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
@@ -944,14 +930,6 @@ impl<C: Clock> MemoryStore<C> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn reset_now(&self, key: &str, policies: &PolicySet) {
-        match as_key(key) {
-            Some(key) => self.reset_exact(key.as_str(), policies),
-            None => self.reset_exact(key, policies),
-        }
-    }
-
-    /// [`reset_now`](Self::reset_now) of a key's text as it is (a [`Key`]'s).
-    pub(crate) fn reset_exact(&self, key: &str, policies: &PolicySet) {
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
         let now = table.time(self.shared.clock.now());
@@ -1005,19 +983,6 @@ impl<C: Clock> MemoryStore<C> {
     /// # Ok::<(), tollgate::PolicyError>(())
     /// ```
     pub fn adjust_now(&self, key: &str, policies: &PolicySet, adjustment: &Adjustment) -> Decision {
-        match as_key(key) {
-            Some(key) => self.adjust_exact(key.as_str(), policies, adjustment),
-            None => self.adjust_exact(key, policies, adjustment),
-        }
-    }
-
-    /// [`adjust_now`](Self::adjust_now) of a key's text as it is (a [`Key`]'s).
-    pub(crate) fn adjust_exact(
-        &self,
-        key: &str,
-        policies: &PolicySet,
-        adjustment: &Adjustment,
-    ) -> Decision {
         let now = self.shared.clock.now();
         let hash = self.shared.hasher.hash_one(key);
         let mut table = lock(self.shard(hash));
@@ -1215,7 +1180,7 @@ fn decide_entry(entry: &mut Entry, policies: &PolicySet, now: u64, cost: u64) ->
 impl<C: Clock> Store for MemoryStore<C> {
     #[inline]
     fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        DecideFuture::ready(Ok(self.check_exact(key.as_str(), policies, cost)))
+        DecideFuture::ready(Ok(self.check(key.as_str(), policies, cost)))
     }
 
     fn can_adjust(&self) -> bool {
@@ -1223,11 +1188,11 @@ impl<C: Clock> Store for MemoryStore<C> {
     }
 
     fn adjust(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
-        DecideFuture::ready(Ok(self.adjust_exact(key.as_str(), policies, adjustment)))
+        DecideFuture::ready(Ok(self.adjust_now(key.as_str(), policies, adjustment)))
     }
 
     fn reset(&self, key: &Key, policies: &PolicySet) -> ResetFuture {
-        self.reset_exact(key.as_str(), policies);
+        self.reset_now(key.as_str(), policies);
         Box::pin(std::future::ready(Ok(())))
     }
 }
@@ -1316,38 +1281,6 @@ mod tests {
         let latest = table + std::mem::offset_of!(Table, latest);
         assert!(latest + 8 <= 64, "latest at byte {latest} of the shard");
         assert_eq!(std::mem::align_of::<Shard>(), 128);
-    }
-
-    /// A string given to the `&str` methods names the identity `Key::new` makes of it,
-    /// as the layer's `Store::decide` does: a string over `MAX_KEY_LEN` is its digest
-    /// (one bucket with the layer's requests, and 64 bytes kept, not 10,000), and a
-    /// string spelling out a digest (`long:…`) is not that digest's bucket.
-    #[tokio::test]
-    async fn the_str_methods_key_as_the_layer_does() {
-        let (store, _clock) = store(100);
-        let once =
-            PolicySet::from(Policy::fixed_window("once", 1, Duration::from_secs(60)).unwrap());
-        let long = "x".repeat(10_000);
-        let key = Key::new(&long);
-        assert!(store.decide(&key, &once, 1).await.unwrap().is_allowed());
-        assert!(
-            !store.check(&long, &once, 1).is_allowed(),
-            "one identity, one bucket"
-        );
-        assert!(
-            store.check(key.as_str(), &once, 1).is_allowed(),
-            "a digest spelled out is another identity"
-        );
-        store.reset_now(&long, &once);
-        assert!(
-            store.decide(&key, &once, 1).await.unwrap().is_allowed(),
-            "reset"
-        );
-        store.adjust_now(&long, &once, &Adjustment::set_remaining(1));
-        assert!(
-            store.decide(&key, &once, 1).await.unwrap().is_allowed(),
-            "adjusted"
-        );
     }
 
     #[test]
