@@ -2381,6 +2381,48 @@ async fn a_changed_rate_keeps_its_penaltys_blocks() {
     }
 }
 
+/// A policy turned shadow by a reload (to stop enforcing it) never denies, on every
+/// store: a shadow policy keeps a state of its own, its penalty's too. Keyed by name, the
+/// in-process store's shadow penalty was the enforced one's, and answered from its block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_turned_shadow_denies_nothing_from_its_blocks() {
+    let backends = Backends::start().await;
+    let second = Duration::from_secs(1);
+    let penalty = tollgate::policy::Penalty::new(1, 10 * second, 3_600 * second);
+    let enforced = Policy::fixed_window("login", 2, MINUTE)
+        .unwrap()
+        .with_penalty(penalty)
+        .unwrap();
+    // Its limit raised too, as a roll-back of a tightened limit would.
+    let shadow = PolicySet::from(
+        Policy::fixed_window("login", 5, MINUTE)
+            .unwrap()
+            .with_penalty(penalty)
+            .unwrap()
+            .shadow(),
+    );
+    let enforced = PolicySet::from(enforced);
+    for subject in backends.subjects("turned-shadow") {
+        let name = subject.name;
+        subject.clock.set(Duration::from_secs(1_000));
+        for _ in 0..2 {
+            assert!(
+                subject.check("k", &enforced, 1).await.is_allowed(),
+                "{name}"
+            );
+        }
+        assert!(
+            subject.check("k", &enforced, 1).await.is_blocked(),
+            "{name}"
+        );
+        let after = subject.check("k", &shadow, 1).await;
+        assert!(
+            after.is_allowed() && !after.is_blocked(),
+            "{name}: {after:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_pardons_a_changed_penalty_and_keeps_the_rate_state() {
     // A penalty changed on reload (a day's block shortened to a minute, to pardon) starts
