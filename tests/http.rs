@@ -1812,14 +1812,20 @@ impl Store for FailsOnce {
     }
 }
 
-/// One store failure below the breaker's threshold (the breaker stays closed, requests
-/// still go to the store) kept a request dropped during its delay from giving its place
-/// back until the store's next success: only an open breaker holds the give-back off
-/// the store (README), as it holds requests off.
-#[tokio::test(start_paused = true)]
-async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
-    use std::sync::atomic::Ordering;
-    use tower::{Service, ServiceBuilder};
+/// A layer pacing one request every 10 s (a minute's queue at most, one global key) over
+/// a `FailsOnce` store, failing open, with a breaker that opens after `failures`; the
+/// service and the store.
+fn paced_over_fails_once(
+    failures: u32,
+) -> (
+    impl tower::Service<
+        Request<Body>,
+        Response = Response<Body>,
+        Error = std::convert::Infallible,
+        Future: Send,
+    > + Clone,
+    FailsOnce,
+) {
     let paced = Policy::leaky_bucket_shaping(
         "paced",
         Rate::new(1, Duration::from_secs(10)),
@@ -1833,17 +1839,32 @@ async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
         fail_next: Default::default(),
         unbooked: Default::default(),
     };
-    let mut service = ServiceBuilder::new()
+    let service = tower::ServiceBuilder::new()
         .layer(
             RateLimitLayer::new(store.clone())
                 .policy(paced)
                 .key(tollgate::key::Global)
                 .on_store_error(FailureMode::FailOpen)
-                .circuit_breaker(tollgate::CircuitBreaker::new(5, Duration::from_secs(1))),
+                .circuit_breaker(tollgate::CircuitBreaker::new(
+                    failures,
+                    Duration::from_secs(60),
+                )),
         )
         .service_fn(|_: Request<Body>| async {
             Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
         });
+    (service, store)
+}
+
+/// One store failure below the breaker's threshold (the breaker stays closed, requests
+/// still go to the store) kept a request dropped during its delay from giving its place
+/// back until the store's next success: only an open breaker holds the give-back off
+/// the store (README), as it holds requests off.
+#[tokio::test(start_paused = true)]
+async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
+    use std::sync::atomic::Ordering;
+    use tower::Service;
+    let (mut service, store) = paced_over_fails_once(5);
     let get = || Request::get("/").body(Body::empty()).unwrap();
     service.ready().await.unwrap().call(get()).await.unwrap();
     // Held back 10 s.
@@ -1872,31 +1893,8 @@ async fn a_failure_that_opens_no_breaker_does_not_hold_places_back() {
 #[tokio::test(start_paused = true)]
 async fn an_open_breaker_holds_places_back() {
     use std::sync::atomic::Ordering;
-    use tower::{Service, ServiceBuilder};
-    let paced = Policy::leaky_bucket_shaping(
-        "paced",
-        Rate::new(1, Duration::from_secs(10)),
-        Duration::from_secs(60),
-    )
-    .unwrap();
-    let store = FailsOnce {
-        inner: MemoryStore::builder()
-            .clock(tollgate::clock::RuntimeClock::new())
-            .build(),
-        fail_next: Default::default(),
-        unbooked: Default::default(),
-    };
-    let mut service = ServiceBuilder::new()
-        .layer(
-            RateLimitLayer::new(store.clone())
-                .policy(paced)
-                .key(tollgate::key::Global)
-                .on_store_error(FailureMode::FailOpen)
-                .circuit_breaker(tollgate::CircuitBreaker::new(1, Duration::from_secs(60))),
-        )
-        .service_fn(|_: Request<Body>| async {
-            Ok::<_, std::convert::Infallible>(Response::new(Body::from("sent")))
-        });
+    use tower::Service;
+    let (mut service, store) = paced_over_fails_once(1);
     let get = || Request::get("/").body(Body::empty()).unwrap();
     service.ready().await.unwrap().call(get()).await.unwrap();
     let held = service.ready().await.unwrap().call(get());
