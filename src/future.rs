@@ -62,29 +62,13 @@ pin_project! {
             {
                 // The reservation is taken when the settle finishes: a finished settle
                 // must not be run again.
-                if reservation.is_none() {
-                    return;
-                }
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                if let Some(reservation) = reservation.as_ref() {
                     let settle = std::mem::replace(settle, Box::pin(std::future::pending()));
-                    let listener = reservation.as_ref().and_then(|r| r.listener());
-                    runtime.spawn(async move {
-                        let result = settle.await;
-                        if let Some(breaker) = listener {
-                            breaker.heard_adjustment(&result);
-                        }
-                        if let Err(error) = result {
-                            crate::telemetry::adjustment_lost("settle", &error);
-                        }
-                    });
-                } else {
-                    crate::telemetry::adjustment_lost(
+                    reservation.finish_in_task(
+                        settle,
                         "settle",
-                        &crate::store::StoreError::new(
-                            crate::store::StoreErrorKind::Other,
-                            "no async runtime to finish a settle whose request was dropped: \
-                             its cost is not settled",
-                        ),
+                        "no async runtime to finish a settle whose request was dropped: its \
+                         cost is not settled",
                     );
                 }
             }

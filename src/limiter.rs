@@ -83,6 +83,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -796,7 +797,7 @@ impl<St: Store> Limiter<St> {
         max_wait: Duration,
     ) -> Result<Decision, WaitError> {
         // Whether the fallback made the answer a refusal comes from.
-        let fell_back = std::sync::atomic::AtomicBool::new(false);
+        let fell_back = AtomicBool::new(false);
         match self.wait_until_ready(key, cost, max_wait, &fell_back).await {
             Ok((decision, decider)) => {
                 if !matches!(decider, Decider::Open) {
@@ -818,7 +819,7 @@ impl<St: Store> Limiter<St> {
         key: &Key,
         cost: u64,
         max_wait: Duration,
-        fell_back: &std::sync::atomic::AtomicBool,
+        fell_back: &AtomicBool,
     ) -> Result<(Decision, Decider), WaitError> {
         // A cost above a policy's limit is never admitted: no use queueing for it (the
         // store answers at once, spending nothing).
@@ -830,9 +831,10 @@ impl<St: Store> Limiter<St> {
                 .await
                 .map_err(WaitError::Store)?;
             if let Outcome::CostExceedsLimit { .. } = decision.outcome() {
-                if let Decider::Fallback(_) = decider {
-                    fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
+                fell_back.store(
+                    matches!(decider, Decider::Fallback(_)),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 return Err(WaitError::Never(decision));
             }
             // The store failed and the failure mode let the request through: that is
@@ -926,7 +928,7 @@ impl<St: Store> Limiter<St> {
         deadline: Instant,
         turn: Option<tokio::sync::OwnedMutexGuard<()>>,
         queue: Option<&Queue>,
-        fell_back: &std::sync::atomic::AtomicBool,
+        fell_back: &AtomicBool,
     ) -> Result<(Decision, Decider), WaitError> {
         loop {
             let decided = if turn.is_some() {
@@ -955,6 +957,11 @@ impl<St: Store> Limiter<St> {
             };
             failing(failed);
             let (decision, decider) = decided.map_err(WaitError::Store)?;
+            // Whose answer a refusal of this turn is.
+            fell_back.store(
+                matches!(decider, Decider::Fallback(_)),
+                std::sync::atomic::Ordering::Relaxed,
+            );
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {
@@ -970,10 +977,7 @@ impl<St: Store> Limiter<St> {
                         // the shaping policy that holds it back (of the policies the
                         // fallback applied, when it decided).
                         let decided_by = match &decider {
-                            Decider::Fallback(applied) => {
-                                fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
-                                applied
-                            }
+                            Decider::Fallback(applied) => applied,
                             _ => &self.shared.policies,
                         };
                         let denied = Decision::new(
@@ -1021,9 +1025,6 @@ impl<St: Store> Limiter<St> {
                         .checked_add(retry_after)
                         .is_none_or(|ready| ready > deadline)
                     {
-                        if let Decider::Fallback(_) = decider {
-                            fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
-                        }
                         return Err(WaitError::TooLong(decision));
                     }
                     failing(false);
@@ -1033,12 +1034,7 @@ impl<St: Store> Limiter<St> {
                     // answer at once, not after a peek of their own on it.
                     failing(failed);
                 }
-                _ => {
-                    if let Decider::Fallback(_) = decider {
-                        fell_back.store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    return Err(WaitError::Never(decision));
-                }
+                _ => return Err(WaitError::Never(decision)),
             }
         }
     }

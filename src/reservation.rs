@@ -266,39 +266,47 @@ impl Reservation {
             }
             Err(pending) => {
                 let timeout = self.adjuster.responder().timeout;
-                let listener = self.listener();
-                match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        runtime.spawn(async move {
-                            let result = within(timeout, what, pending).await;
-                            if let Some(breaker) = listener {
-                                breaker.heard_adjustment(&result);
-                            }
-                            if let Err(error) = result {
-                                telemetry::adjustment_lost(lost, &error);
-                            }
-                        });
-                    }
-                    Err(_) => telemetry::adjustment_lost(
-                        lost,
-                        &StoreError::new(StoreErrorKind::Other, no_runtime),
-                    ),
-                }
+                self.finish_in_task(within(timeout, what, pending), lost, no_runtime);
             }
         }
+    }
+
+    /// Ends `bounded` (an adjustment already bounded by the store timeout) in a task on
+    /// the runtime: its answer is told to the listener, and a failure is counted and
+    /// logged as `lost`; without a runtime, `no_runtime` is.
+    pub(crate) fn finish_in_task(
+        &self,
+        bounded: impl Future<Output = Result<Decision, StoreError>> + Send + 'static,
+        lost: &'static str,
+        no_runtime: &'static str,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            telemetry::adjustment_lost(lost, &StoreError::new(StoreErrorKind::Other, no_runtime));
+            return;
+        };
+        let listener = self.listener().cloned();
+        runtime.spawn(async move {
+            let result = bounded.await;
+            if let Some(breaker) = listener {
+                breaker.heard_adjustment(&result);
+            }
+            if let Err(error) = result {
+                telemetry::adjustment_lost(lost, &error);
+            }
+        });
     }
 
     /// Whoever hears how the store answers this debit's adjustments (see
     /// `Breaker::heard_adjustment`): nobody for a debit of the local fallback's, whose
     /// answers say nothing of the store.
-    pub(crate) fn listener(&self) -> Option<Arc<crate::failure::Breaker>> {
-        (!self.fallback).then(|| Arc::clone(&self.adjuster.responder().breaker))
+    fn listener(&self) -> Option<&Arc<crate::failure::Breaker>> {
+        (!self.fallback).then(|| &self.adjuster.responder().breaker)
     }
 
     /// Tells the listener (see [`listener`](Self::listener)) how the store answered.
     fn heard<T>(&self, result: &Result<T, StoreError>) {
-        if !self.fallback {
-            self.adjuster.responder().breaker.heard_adjustment(result);
+        if let Some(breaker) = self.listener() {
+            breaker.heard_adjustment(result);
         }
     }
 

@@ -205,15 +205,21 @@ fn a_refusing_store_is_logged_at_error_level_once() {
     assert!(errors[0].contains("refused to decide"), "{errors:?}");
 }
 
-#[test]
-fn a_shadow_policy_that_would_deny_is_an_info_event() {
-    let set = tollgate::PolicySet::new([
+/// `api` (10 an hour) enforced, and a shadow `trial` (1 an hour) that would deny from the
+/// second request on.
+fn api_with_a_shadow_trial() -> tollgate::PolicySet {
+    tollgate::PolicySet::new([
         Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
         Policy::fixed_window("trial", 1, Duration::from_secs(3600))
             .unwrap()
             .shadow(),
     ])
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn a_shadow_policy_that_would_deny_is_an_info_event() {
+    let set = api_with_a_shadow_trial();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
         RateLimitLayer::new(MemoryStore::new())
             .policies(set)
@@ -235,13 +241,7 @@ fn a_shadow_policy_that_would_deny_is_an_info_event() {
 #[test]
 fn a_key_is_logged_escaped() {
     let forged = "bob\n2026-01-01T00:00:00Z ERROR tollgate: forged\u{2028}";
-    let set = tollgate::PolicySet::new([
-        Policy::fixed_window("api", 10, Duration::from_secs(3600)).unwrap(),
-        Policy::fixed_window("trial", 1, Duration::from_secs(3600))
-            .unwrap()
-            .shadow(),
-    ])
-    .unwrap();
+    let set = api_with_a_shadow_trial();
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
         RateLimitLayer::new(MemoryStore::new())
             .policies(set)

@@ -3083,17 +3083,14 @@ impl RedisKeys {
     /// [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN) bytes is kept as its digest: name it by
     /// `Key::new(string).as_str()`.
     pub fn policy_keys(&self, identity: &str, policy: &Policy) -> (String, String) {
-        let state = self.state_key(identity, policy);
+        let base = self.policy_base(identity, policy);
+        let state = Self::state_key_at(&base, policy);
         // A penalty's state is named by the policy's name and the penalty's numbers, not
         // the rate's: a changed penalty (a block shortened to pardon) starts afresh while
         // the rate state it guards carries over, and a changed rate (a limit tightened
         // during an attack) keeps the blocks and strikes.
-        let mut aux = format!(
-            "{}:{}:{}:n",
-            self.prefix,
-            self.tag(identity),
-            policy.state_name()
-        );
+        let mut aux = base;
+        aux.push_str(":n");
         if let Some((penalty, _)) = policy.penalty_box() {
             aux.push('-');
             write_penalty(&mut aux, &penalty, '-');
@@ -3103,6 +3100,21 @@ impl RedisKeys {
 
     /// The state key of `policy` for `identity` (the auxiliary key starts with it).
     fn state_key(&self, identity: &str, policy: &Policy) -> String {
+        Self::state_key_at(&self.policy_base(identity, policy), policy)
+    }
+
+    /// `prefix:{identity}:name`: what every key of `policy` for `identity` starts with.
+    fn policy_base(&self, identity: &str, policy: &Policy) -> String {
+        format!(
+            "{}:{}:{}",
+            self.prefix,
+            self.tag(identity),
+            policy.state_name()
+        )
+    }
+
+    /// The state key of `policy` under its `base` (see [`policy_base`](Self::policy_base)).
+    fn state_key_at(base: &str, policy: &Policy) -> String {
         let (kind, p1, p2, p3) = match script_args(policy) {
             Ok(args) => args,
             // Too large for the script: the keys are never written; name them anyway.
@@ -3115,12 +3127,7 @@ impl RedisKeys {
         } else {
             (p1, p2, p3)
         };
-        format!(
-            "{}:{}:{}:{kind}-{p1}-{p2}-{p3}",
-            self.prefix,
-            self.tag(identity),
-            policy.state_name()
-        )
+        format!("{base}:{kind}-{p1}-{p2}-{p3}")
     }
 }
 
