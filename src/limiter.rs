@@ -615,7 +615,7 @@ impl<St: Store> Limiter<St> {
     /// through open by the failure mode is not a decision, as in the layer.
     fn told(&self, key: &Key, decision: &Decision, fell_back: bool) {
         if fell_back {
-            crate::telemetry::fallback_decision(decision);
+            crate::telemetry::fallback_decision(decision, false);
         }
         crate::telemetry::decision(&self.shared.policies, decision, key);
     }

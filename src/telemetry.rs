@@ -12,7 +12,7 @@
 //! | `tollgate_graphql_cost_unread_total` | counter | (a `GraphqlCostLayer` inside the limiter that reads its cost, and no limiter further in to read it: the default charged) |
 //! | `tollgate_settles_unreadable_total` | counter | (a response stated its actual cost, for `Settle::from_header`, as no whole number: the reservation stood) |
 //! | `tollgate_bypassed_total` | counter | `reason`: `network`, `key`, `predicate` (the request skipped limiting: [`Bypass`](crate::bypass::Bypass)) |
-//! | `tollgate_fallback_decisions_total` | counter | `outcome`: `allowed`, `denied`, `cost_exceeds_limit` (decisions a failure mode's local limiter made, counted in `tollgate_decisions_total` too) |
+//! | `tollgate_fallback_decisions_total` | counter | `outcome`: `allowed`, `denied`, `cost_exceeds_limit`, `shadow_denied` (a shadow layer's would-be denial, let through) (decisions a failure mode's local limiter made, counted in `tollgate_decisions_total` too) |
 //! | `tollgate_fallback_active` | gauge | how many layers (and `Limiter`s) have a failing store, their failure mode applying: 0 when every store answers |
 //! | `tollgate_store_latency_seconds` | histogram | time the store took to decide (or to fail); not the answers a deny cache or a lease gave without asking it |
 //!
@@ -116,11 +116,13 @@ fn count(policy: &crate::policy::Policy, outcome: Counted) {
 /// The failure mode's local limiter decided (the store failed, or the breaker kept the
 /// request from it): counted in `tollgate_fallback_decisions_total` by outcome, beside
 /// the decision's own count, so a denial an outage caused is told from the store's; and
-/// a debug event for a denial.
+/// a debug event for a denial. A shadow layer's (`shadow`) would-be denial let its
+/// request through: `shadow_denied`, as `tollgate_decisions_total` counts it.
 #[cold]
-pub(crate) fn fallback_decision(decision: &Decision) {
+pub(crate) fn fallback_decision(decision: &Decision, shadow: bool) {
     let outcome = match decision.outcome() {
         Outcome::Allowed { .. } => "allowed",
+        _ if shadow => "shadow_denied",
         Outcome::Denied { .. } => "denied",
         Outcome::CostExceedsLimit { .. } => "cost_exceeds_limit",
     };

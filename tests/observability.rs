@@ -191,6 +191,53 @@ fn decisions_of_the_fallback_are_counted_apart() {
     });
 }
 
+/// A shadow layer denies nothing, its failure mode's local limiter included: its would-be
+/// denials were counted `denied` in `tollgate_fallback_decisions_total` (an outage that
+/// refused requests, to a dashboard) while `tollgate_decisions_total` counted the same
+/// decision `shadow_denied`. Both now say `shadow_denied`.
+#[test]
+fn a_shadow_layers_fallback_denials_are_counted_as_shadow_denied() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (store, down) = Flaky::new();
+    let app = Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(store)
+            .policy(Policy::fixed_window("api", 2, Duration::from_secs(3600)).unwrap())
+            .key(Global)
+            .shadow(true),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            down.store(true, Ordering::SeqCst);
+            for _ in 0..3 {
+                assert_eq!(status_of_get(&app).await, StatusCode::OK, "a shadow layer");
+            }
+            let seen = snapshot(&snapshotter);
+            let fallback = |outcome| {
+                value(
+                    &seen,
+                    "tollgate_fallback_decisions_total",
+                    &[("outcome", outcome)],
+                )
+            };
+            assert_eq!(fallback("allowed"), Some(&DebugValue::Counter(2)));
+            assert_eq!(fallback("shadow_denied"), Some(&DebugValue::Counter(1)));
+            assert_eq!(fallback("denied"), None, "nothing was denied");
+            assert_eq!(
+                counter(
+                    &seen,
+                    "tollgate_decisions_total",
+                    &[("policy", "api"), ("outcome", "shadow_denied")]
+                ),
+                1
+            );
+        })
+    });
+}
+
 /// The gauge is the process's: one per process, though each layer (and each `Limiter`)
 /// has its own store and breaker. It was set to 0 by any layer whose store answered
 /// again, while another's was still down; it counts the layers in their failure mode.

@@ -190,7 +190,7 @@ impl Responder {
         match self.on_failure(policies, key, cost, undecidable) {
             // The headers describe the policies that decided (scaled or not).
             Ok((decision, applied)) => {
-                telemetry::fallback_decision(&decision);
+                telemetry::fallback_decision(&decision, self.shadow);
                 self.plan_decided(&applied, key, cost, &decision, true)
             }
             Err(plan) => plan,
