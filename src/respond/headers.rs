@@ -496,12 +496,11 @@ impl HeaderBlock {
         match self {
             HeaderBlock::Empty | HeaderBlock::Wait(_) => {}
             HeaderBlock::Draft11 { policy, rate, .. } => {
-                let [policy_name, rate_name, _] = &DRAFT11_FIELDS;
                 if let Some(policy) = policy {
-                    add_to_list(headers, policy_name, policy);
+                    add_to_list(headers, RATELIMIT_POLICY, policy);
                 }
                 if let Some(rate) = rate {
-                    add_to_list(headers, rate_name, rate);
+                    add_to_list(headers, RATELIMIT, rate);
                 }
             }
             HeaderBlock::Single {
@@ -597,7 +596,7 @@ fn number(value: &HeaderValue) -> Option<u64> {
 /// (sections 3, 3.1, 4 and 4.1: `q` in `RateLimit-Policy`, `r` in `RateLimit`), or one
 /// with an empty line (the joined value would start or end with a comma).
 #[inline]
-fn add_to_list(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
+fn add_to_list(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
     match headers.entry(name) {
         http::header::Entry::Vacant(vacant) => {
             vacant.insert(value);
@@ -609,7 +608,7 @@ fn add_to_list(headers: &mut HeaderMap, name: &HeaderName, value: HeaderValue) {
 #[cold]
 #[inline(never)]
 fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, value: HeaderValue) {
-    let required = if occupied.key() == DRAFT11_FIELDS[0] {
+    let required = if occupied.key() == RATELIMIT_POLICY {
         "q"
     } else {
         "r"
@@ -668,11 +667,11 @@ fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
 
 /// Each style's fields, in the order `apply` writes them, then `Retry-After` (a denial's):
 /// what [`HeaderStyle::field_names`] lists.
-static DRAFT11_FIELDS: [HeaderName; 3] = [
-    HeaderName::from_static("ratelimit-policy"),
-    HeaderName::from_static("ratelimit"),
-    header::RETRY_AFTER,
-];
+/// draft-11's two fields. Constants, not statics: a map given an owned name keeps it,
+/// where given a borrowed one it clones it (one indirect call, on every response).
+const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+static DRAFT11_FIELDS: [HeaderName; 3] = [RATELIMIT_POLICY, RATELIMIT, header::RETRY_AFTER];
 static DRAFT6_FIELDS: [HeaderName; 4] = [
     HeaderName::from_static("ratelimit-limit"),
     HeaderName::from_static("ratelimit-remaining"),
