@@ -384,6 +384,19 @@ impl Store for SlowDecisions {
             store.decide(&key, &policies, cost).await
         })
     }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        self.0.adjust(key, policies, adjustment)
+    }
 }
 
 /// Leases of 10 over a store slower than its requests' timeout, and a first request

@@ -843,13 +843,13 @@ fn a_limiters_decisions_are_counted() {
 fn a_lease_that_cannot_be_given_back_is_counted() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    // `Flaky` settles nothing: its give-backs fail (`Unsupported`).
+    // Its give-backs fail (`Unsupported`), as a script the server refuses would.
     let down = Arc::new(AtomicBool::new(false));
     let store = tollgate::store::Leased::new(
-        Flaky {
+        RefusesAdjustments(Flaky {
             inner: MemoryStore::new(),
             down: Arc::clone(&down),
-        },
+        }),
         10,
         Duration::from_millis(20),
     )
@@ -895,6 +895,37 @@ fn a_lease_that_cannot_be_given_back_is_counted() {
             );
         })
     });
+}
+
+/// A store that says it adjusts, and refuses every adjustment (a script the server
+/// refuses to run, say): what leases give back over it fails.
+struct RefusesAdjustments(Flaky);
+
+impl tollgate::Store for RefusesAdjustments {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        _: &tollgate::Key,
+        _: &tollgate::PolicySet,
+        _: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+            tollgate::StoreErrorKind::Unsupported,
+            "this store refuses adjustments",
+        )))
+    }
 }
 
 /// A layer or `Limiter` dropped while its store is failing (a router rebuilt, a job's

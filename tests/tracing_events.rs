@@ -177,6 +177,20 @@ impl tollgate::Store for Refusing {
         )
         .with_code("NOPERM")))
     }
+
+    // Says it adjusts (a Redis store does), and refuses that too.
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        _adjustment: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        self.decide(key, policies, 0)
+    }
 }
 
 // A store error that is not I/O is a bug or a misconfiguration: logged at error level,
@@ -856,7 +870,12 @@ fn a_limiters_cached_answers_do_not_end_its_outage() {
 fn a_fresh_lease_ends_an_outage() {
     let down = Arc::new(AtomicBool::new(true));
     let limiter = tollgate::limiter::Limiter::new(
-        tollgate::store::Leased::new(flaky(&down), 10, Duration::from_secs(60)).unwrap(),
+        tollgate::store::Leased::new(
+            support::FlakyAdjusting(flaky(&down)),
+            10,
+            Duration::from_secs(60),
+        )
+        .unwrap(),
         Policy::fixed_window("mail", 1_000, Duration::from_secs(3600)).unwrap(),
     );
     let events = events_of(async {

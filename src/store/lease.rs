@@ -347,7 +347,8 @@ impl<S: Store> Leased<S> {
     /// Leases of `units` units, each given back (what is left of it) after `ttl` at most.
     /// `units` must be at least 1, and `ttl` at least 1 ms and at most
     /// [`MAX_PERIOD`](crate::policy::MAX_PERIOD) (a lease never ends only where its
-    /// units are never given back).
+    /// units are never given back); `inner` must take units back
+    /// ([`Store::can_adjust`]), or nothing a lease leaves unspent could go back.
     ///
     /// ```
     /// use std::time::Duration;
@@ -361,6 +362,13 @@ impl<S: Store> Leased<S> {
     /// assert!(Leased::new(MemoryStore::new(), 20, Duration::MAX).is_err()); // never ends
     /// ```
     pub fn new(inner: S, units: u64, ttl: Duration) -> Result<Self, StoreError> {
+        if !inner.can_adjust() {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "leases need a store that takes units back (`Store::can_adjust`): what a \
+                 lease does not spend goes back to it, and this store would refuse it",
+            ));
+        }
         if units == 0 {
             return Err(StoreError::new(
                 StoreErrorKind::Other,
@@ -1332,6 +1340,27 @@ mod tests {
             .statuses()[0];
         assert_eq!(status.remaining, 9, "{status:?}");
         assert!(store.shared_calls() >= 2_000 - 64);
+    }
+
+    /// A store that cannot adjust (one implementing `decide` alone, as a wrapper that
+    /// counts calls does) was taken: every rest it was given back failed, logged once
+    /// a minute, so each lease's unspent units stayed out of the shared quota until its
+    /// window forgot them, and an identity calling once per `ttl` paid a whole lease each
+    /// time. Refused when built, saying why.
+    #[test]
+    fn a_store_that_cannot_take_rests_back_is_refused() {
+        struct DecideOnly(MemoryStore);
+        impl Store for DecideOnly {
+            fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+                self.0.decide(key, policies, cost)
+            }
+        }
+        let refused = Leased::new(DecideOnly(MemoryStore::new()), 20, Duration::from_secs(1));
+        let error = refused
+            .err()
+            .expect("a store that cannot adjust is refused");
+        assert_eq!(error.kind(), StoreErrorKind::Unsupported);
+        assert!(error.to_string().contains("can_adjust"), "{error}");
     }
 
     /// A lease's timer outlived the lease: spent (or retired, or dropped by a reset), it

@@ -362,6 +362,40 @@ impl tollgate::Store for Flaky {
     }
 }
 
+/// A [`Flaky`] store that also adjusts (settles, gives lease rests back), failing as its
+/// decisions do while it is down: what `Leased` needs of the store under it.
+pub struct FlakyAdjusting(pub Flaky);
+
+impl tollgate::Store for FlakyAdjusting {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        adjustment: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        if self.0.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return tollgate::DecideFuture::ready(Err(tollgate::StoreError::new(
+                tollgate::StoreErrorKind::Unavailable,
+                "down",
+            )));
+        }
+        self.0.inner.adjust(key, policies, adjustment)
+    }
+}
+
 /// `MONITOR` on one server, by a `redis-cli` process: every command the server runs from
 /// now on, as `redis-cli` prints it (`<time> [<db> <client address>] "COMMAND" "arg"...`),
 /// in the order the server ran them. Stopped on drop.
