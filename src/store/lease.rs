@@ -1356,9 +1356,9 @@ mod tests {
             }
         }
         let refused = Leased::new(DecideOnly(MemoryStore::new()), 20, Duration::from_secs(1));
-        let error = refused
-            .err()
-            .expect("a store that cannot adjust is refused");
+        let Err(error) = refused else {
+            panic!("a store that cannot adjust is refused");
+        };
         assert_eq!(error.kind(), StoreErrorKind::Unsupported);
         assert!(error.to_string().contains("can_adjust"), "{error}");
     }
