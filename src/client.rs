@@ -189,11 +189,26 @@ struct Turns {
     /// The newest turn sent: no turn before it can come back (its slot stands after
     /// theirs).
     sent: u64,
-    /// Turns dropped unused while a later turn stood, by number, with what each spent:
-    /// given back once every turn after them has been, so that callers giving up oldest
-    /// first (as their timeouts end) leave no slot booked for nobody. Only those after
-    /// the newest turn sent, which may still come back.
-    unused: Vec<(u64, crate::Decision)>,
+    /// Turns dropped unused while a later turn stood, by number, with their slot's time
+    /// and what each spent. The next request takes the first of them still ahead (its
+    /// caller gave up, the slot stands free: under overload, callers giving up oldest
+    /// first as their timeouts end would otherwise leave every slot booked for nobody
+    /// and send nothing); the others are given back once every turn after them has
+    /// been. Only slots still ahead and after the newest turn sent: one whose time
+    /// passed stays spent.
+    unused: std::collections::BTreeMap<u64, (Instant, crate::Decision)>,
+}
+
+impl Turns {
+    /// Forgets the unused turns whose slot's time has passed (`now`): they stay spent.
+    fn forget_past(&mut self, now: Instant) {
+        while let Some(first) = self.unused.first_entry() {
+            if first.get().0 >= now {
+                break;
+            }
+            first.remove();
+        }
+    }
 }
 
 impl fmt::Debug for PacingLayer {
@@ -1221,6 +1236,28 @@ impl Pacer {
         // The turn is counted with the decision, so that a give-back sees every turn
         // given after it.
         let mut turns = self.turns.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        // A slot still ahead whose request was dropped: this request's, before any the
+        // policy would book after every other.
+        if let Some(key_turns) = turns.get_mut(key) {
+            key_turns.forget_past(now);
+            if let Some(first) = key_turns.unused.first_entry() {
+                let delay = first.get().0.saturating_duration_since(now);
+                if delay > left {
+                    return Pacing::WaitFor(delay);
+                }
+                let (number, (at, decision)) = first.remove_entry();
+                key_turns.waiting += 1;
+                let turn = Turn {
+                    pacer: self,
+                    key,
+                    number,
+                    at,
+                    decision: Some(decision),
+                };
+                return Pacing::Go(turn, delay);
+            }
+        }
         let decision = self.store.check(key, &self.policies, 1);
         match decision.outcome() {
             crate::Outcome::Allowed { delay } if delay > left => {
@@ -1235,6 +1272,7 @@ impl Pacer {
                     pacer: self,
                     key,
                     number: turns.given,
+                    at: later(now, delay),
                     decision: Some(decision),
                 };
                 Pacing::Go(turn, delay)
@@ -1260,6 +1298,8 @@ struct Turn<'a> {
     key: &'a str,
     /// The count of the key's turns when this one was given.
     number: u64,
+    /// When its slot comes.
+    at: Instant,
     decision: Option<crate::Decision>,
 }
 
@@ -1287,23 +1327,21 @@ impl Drop for Turn<'_> {
                 // As if it had never been given: the turn before it is the newest again,
                 // and given back too if it was dropped unused, and so on down.
                 key_turns.given -= 1;
-                while let Some(at) = key_turns
-                    .unused
-                    .iter()
-                    .position(|(number, _)| *number == key_turns.given)
-                {
-                    let (_, decision) = key_turns.unused.swap_remove(at);
+                while let Some(newest) = key_turns.unused.last_entry() {
+                    if *newest.key() != key_turns.given {
+                        break;
+                    }
+                    let (_, decision) = newest.remove();
                     self.pacer.give_back(self.key, &decision);
                     key_turns.given -= 1;
                 }
             } else if self.number > key_turns.sent {
-                key_turns.unused.push((self.number, decision));
+                key_turns.unused.insert(self.number, (self.at, decision));
             }
         } else if self.number > key_turns.sent {
-            // Sent: the turns before it can no longer come back.
+            // Sent: the turns before it can no longer come back (their slots passed).
             key_turns.sent = self.number;
-            let sent = self.number;
-            key_turns.unused.retain(|(number, _)| *number > sent);
+            key_turns.unused = key_turns.unused.split_off(&(self.number + 1));
         }
         key_turns.waiting -= 1;
         // With none waiting, no later turn can be given back: the unused ones stay spent.
@@ -1340,6 +1378,35 @@ mod tests {
         let turns = pacer.turns.lock().unwrap();
         let kept = turns[key].unused.len();
         assert!(kept <= 1, "{kept} turns kept that can never come back");
+    }
+
+    #[test]
+    fn turns_given_up_oldest_first_while_later_ones_wait_are_not_piled_up() {
+        // A shaping pacer under callers' timeouts: five turns always waiting, the oldest
+        // given up as each new one is taken. Every turn dropped was kept for a give-back
+        // that never came (no turn was ever the newest when dropped): 9,995 of them.
+        let layer = PacingLayer::new().pace(
+            Policy::leaky_bucket_shaping(
+                "upstream",
+                crate::Rate::per_second(1_000_000),
+                Duration::from_secs(60),
+            )
+            .unwrap(),
+        );
+        let pacer = layer.shared.pacer.as_ref().expect("a pacing policy");
+        let key = "busy.test:443";
+        let mut waiting = std::collections::VecDeque::new();
+        for _ in 0..10_000 {
+            match pacer.take_turn(key, Duration::from_secs(60)) {
+                Pacing::Go(turn, _) => waiting.push_back(turn),
+                _ => panic!("a turn is given"),
+            }
+            if waiting.len() > 5 {
+                drop(waiting.pop_front());
+            }
+        }
+        let kept = pacer.turns.lock().unwrap()[key].unused.len();
+        assert!(kept <= 5, "{kept} turns given up kept");
     }
 
     #[test]

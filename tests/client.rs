@@ -978,8 +978,9 @@ async fn a_request_dropped_while_paced_gives_its_turn_back() {
 async fn layers_built_from_one_share_the_pacing_turns() {
     // Two layers from one (`.max_wait` on a clone makes a copy of the settings): they
     // share the pacing budget, and so its turns. A request of the first, dropped while a
-    // request of the second holds a later turn, does not give its own back: the next
-    // request then goes 10 s after the second's, not at the same instant.
+    // request of the second holds a later turn, does not give its own back (the next
+    // request would then be booked at the second's instant): the next request takes its
+    // slot, at 10 s, and the second's stays at 20 s.
     let arrivals = Arrivals::new();
     let upstream = timed(arrivals.clone(), None, Duration::ZERO);
     let shaping = one_every(Duration::from_secs(10));
@@ -997,7 +998,7 @@ async fn layers_built_from_one_share_the_pacing_turns() {
     assert!(dropped.await.unwrap().is_err());
     send(&mut first.clone(), get("http://a.test/")).await;
     later.await.unwrap();
-    assert_eq!(arrivals.times(), at(&[0, 20, 30]));
+    assert_eq!(arrivals.times(), at(&[0, 10, 20]));
 }
 
 #[tokio::test(start_paused = true)]
@@ -1183,6 +1184,50 @@ async fn turns_dropped_oldest_first_are_all_given_back() {
     // once the third's comes back at 2 s, the second's is the newest and unused: it
     // comes back too, so the fourth request goes at 10 s, not 20 s.
     assert_eq!(two_turns_given_up(1, 2).await, at(&[0, 10]));
+}
+
+/// Overload with callers that give up (README: bound calls with a timeout): ten a second
+/// allowed, queued up to 30 s, twenty a second offered, each caller giving up after 5 s.
+/// Callers gave up oldest first, each turn dropped while a later one stood stayed booked
+/// for nobody, so the queue stayed full: every new request was given a slot 30 s out,
+/// gave up before it, and nothing reached the upstream after the first seconds, while
+/// the dropped turns piled up in memory. A slot a caller gave up, still ahead, is the
+/// next request's (one request a slot still).
+#[tokio::test(start_paused = true)]
+async fn callers_giving_up_under_overload_leave_their_slots_to_the_next() {
+    let arrivals = Arrivals::new();
+    let client = PacingLayer::new()
+        .pace(
+            Policy::leaky_bucket_shaping("upstream", Rate::per_second(10), Duration::from_secs(30))
+                .unwrap(),
+        )
+        .layer(timed(arrivals.clone(), None, Duration::ZERO));
+    let mut callers = Vec::new();
+    // 40 s at 20 a second.
+    for _ in 0..800 {
+        callers.push(spawn_given_up(&client, "http://a.test/", 5));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for caller in callers {
+        let _ = caller.await.unwrap();
+    }
+    let times = arrivals.times();
+    let sent_between = |from: u64, to: u64| {
+        times
+            .iter()
+            .filter(|time| (Duration::from_secs(from)..Duration::from_secs(to)).contains(time))
+            .count()
+    };
+    // Ten a second could go: most of them do, and never more.
+    let late = sent_between(20, 40);
+    assert!(
+        (150..=201).contains(&late),
+        "{late} requests reached the upstream from 20 s to 40 s of overload"
+    );
+    // Still one a tenth of a second at most: no two requests on one slot.
+    for pair in times.windows(2) {
+        assert!(pair[1] - pair[0] >= Duration::from_millis(100), "{times:?}");
+    }
 }
 
 #[tokio::test(start_paused = true)]
