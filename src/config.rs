@@ -176,7 +176,8 @@ pub struct LimiterConfig {
     /// When to stop calling a failing store, and when to probe it again
     /// ([`RateLimitLayer::circuit_breaker`]). Default: open after 5 failures in a row,
     /// probe every second. A reload sets it on the breaker as it is: an open breaker
-    /// stays open until its probe, and opens next for the new cool-down.
+    /// stays open until its probe (a shorter cool-down ends the running one within its
+    /// length from the reload), and opens next for the new cool-down.
     #[serde(default)]
     pub circuit_breaker: Option<BreakerSpec>,
     /// Runs the whole layer in shadow mode ([`RateLimitLayer::shadow`]).

@@ -1149,12 +1149,21 @@ impl Breaker {
 
     /// Takes `config`'s settings (a configuration reload), keeping the state: an open
     /// breaker stays open until its probe, a run of failures goes on, and the next
-    /// cool-down is the new one. (Its clock stays the one it was made with.)
+    /// cool-down is the new one. A running cool-down longer than what is left of a new,
+    /// shorter one ends within the new length from now: a reload that fixes a slip
+    /// (`"1d"` for `"1s"`) does not leave the store shunned for the rest of the slip.
+    /// (Its clock stays the one it was made with.)
     #[cfg_attr(not(feature = "config"), allow(dead_code))]
     pub(crate) fn set(&self, config: &CircuitBreaker) {
         self.threshold.store(config.failures, Ordering::Relaxed);
         self.cool_down
             .store(crate::clock::nanos(config.cool_down), Ordering::Relaxed);
+        let latest = self.cool_down_end();
+        let _ = self
+            .open_until
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |current| {
+                (current > latest).then_some(latest)
+            });
     }
 
     /// A request begins to wait on the store (see [`Waiting`]).

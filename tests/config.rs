@@ -1142,6 +1142,50 @@ async fn the_store_timeout_is_configured() {
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
 }
 
+/// A cool-down written a day long by a slip (`"1d"` for `"1s"`), met by a blip: the
+/// breaker opened for the day, and the reload that fixed the file changed nothing, every
+/// request answered 503 (or by one replica's fallback) until a restart. A reload to a
+/// shorter cool-down ends the one running within the new length from the reload.
+#[tokio::test(start_paused = true)]
+async fn a_reload_to_a_shorter_cool_down_shortens_an_open_breaker() {
+    let store = Timed::new(Duration::ZERO);
+    store.down.store(true, Ordering::SeqCst);
+    let calls = Arc::clone(&store.calls);
+    let get = |live: &LiveLayer| {
+        let app = app(live);
+        async move { app.oneshot(request("GET", "/", None, None)).await.unwrap() }
+    };
+    let day = "circuit_breaker = { failures = 1, cool_down = \"1d\" }";
+    let live = LiveLayer::new(store.clone(), &fail_closed(day)).unwrap();
+    get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let held = get(&live).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "open for the day");
+    assert_eq!(held.headers()["retry-after"], "86400");
+    store.down.store(false, Ordering::SeqCst);
+    let second = "circuit_breaker = { failures = 1, cool_down = \"50ms\" }";
+    live.reload(&fail_closed(second)).unwrap();
+    // Within the new cool-down: still held, and told so.
+    let held = get(&live).await;
+    assert_eq!(held.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(held.headers()["retry-after"], "1");
+    // The breaker's clock is the OS's (the runtime's is paused): 50 ms pass.
+    std::thread::sleep(Duration::from_millis(60));
+    assert_eq!(
+        get(&live).await.status(),
+        StatusCode::OK,
+        "the store asked again"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // A longer one leaves the running cool-down as it is (the next is the new one).
+    store.down.store(true, Ordering::SeqCst);
+    get(&live).await;
+    live.reload(&fail_closed(day)).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    store.down.store(false, Ordering::SeqCst);
+    assert_eq!(get(&live).await.status(), StatusCode::OK);
+}
+
 /// The circuit breaker is a setting of the file. One breaker serves every configuration
 /// of a layer: a reload sets the new settings on it as it is (a run of failures goes on,
 /// an open breaker stays open until its probe), so requests admitted under the
