@@ -399,6 +399,75 @@ impl Store for SlowDecisions {
     }
 }
 
+/// A burst larger than a lease, for one identity: each request that found the lease spent
+/// by those before it waited for the next take, one after another, so the last of 100
+/// waited 20 round trips (leases of 5), past a 50 ms store timeout: half the burst timed
+/// out on a healthy store (and timeouts open the breaker). A request waits for one take
+/// at most; not served by it, it is decided on its own.
+#[tokio::test(start_paused = true)]
+async fn a_burst_larger_than_a_lease_waits_for_one_take_at_most() {
+    let store = std::sync::Arc::new(
+        Leased::new(
+            Delayed(
+                std::sync::Arc::new(tollgate::MemoryStore::new()),
+                Duration::from_millis(10),
+            ),
+            5,
+            Duration::from_secs(60),
+        )
+        .unwrap(),
+    );
+    let policies =
+        PolicySet::from(Policy::fixed_window("fw", 1_000, Duration::from_secs(3600)).unwrap());
+    let key = Key::new("burst");
+    let requests: Vec<_> = (0..100)
+        .map(|_| {
+            let (store, policies, key) = (store.clone(), policies.clone(), key.clone());
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_millis(50), store.decide(&key, &policies, 1))
+                    .await
+            })
+        })
+        .collect();
+    let mut timed_out = 0;
+    for request in requests {
+        match request.await.unwrap() {
+            Ok(decision) => assert!(decision.unwrap().is_allowed()),
+            Err(_) => timed_out += 1,
+        }
+    }
+    assert_eq!(timed_out, 0, "requests of the burst timed out");
+    // Exact all the same: 100 spent, and the lease's rest.
+    let left = store.inner().0.check("burst", &policies, 0).statuses()[0].remaining;
+    assert!((895..=900).contains(&left), "{left} left of 1,000");
+}
+
+/// A store that takes a fixed time to decide.
+struct Delayed(std::sync::Arc<tollgate::MemoryStore>, Duration);
+
+impl Store for Delayed {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
+        let (store, key, policies, delay) = (self.0.clone(), key.clone(), policies.clone(), self.1);
+        tollgate::DecideFuture::new(async move {
+            tokio::time::sleep(delay).await;
+            store.decide(&key, &policies, cost).await
+        })
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::store::Adjustment,
+    ) -> tollgate::DecideFuture {
+        self.0.adjust(key, policies, adjustment)
+    }
+}
+
 /// Leases of 10 over a store slower than its requests' timeout, and a first request
 /// that gave up on the take it started at 50 ms (the take goes on).
 async fn a_take_given_up() -> (Leased<SlowDecisions>, PolicySet, Key) {

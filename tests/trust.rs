@@ -148,6 +148,32 @@ impl Store for Switch {
     }
 }
 
+/// A [`Switch`] that takes units back too (what `Leased` needs), failing as its
+/// decisions do.
+struct Adjusting(Switch);
+
+impl Store for Adjusting {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn can_adjust(&self) -> bool {
+        true
+    }
+
+    fn adjust(
+        &self,
+        key: &Key,
+        policies: &PolicySet,
+        adjustment: &tollgate::store::Adjustment,
+    ) -> DecideFuture {
+        match self.0.mode.load(Ordering::SeqCst) {
+            UP => self.0.inner.adjust(key, policies, adjustment),
+            _ => self.0.decide(key, policies, 0),
+        }
+    }
+}
+
 // Item 1: a probe whose request is dropped mid-flight must not keep the breaker open.
 // The store still hangs when the probe's stand-in asks it (see below): the stand-in holds
 // the probe until the store timeout, as the probe would have, and its timeout starts a
@@ -2388,7 +2414,8 @@ async fn a_sliding_log_keeps_fifteen_digit_costs() {
 async fn decisions_served_from_a_lease_never_close_the_breaker() {
     let store = Switch::new();
     let leased =
-        tollgate::store::Leased::new(store.clone(), 100, Duration::from_secs(3600)).unwrap();
+        tollgate::store::Leased::new(Adjusting(store.clone()), 100, Duration::from_secs(3600))
+            .unwrap();
     let app = hello().layer(
         RateLimitLayer::new(leased)
             .policy(Policy::token_bucket("api", 10_000, Rate::per_second(10_000)).unwrap())

@@ -667,8 +667,9 @@ enum Step {
 impl Leases {
     /// Spends `cost` from an open lease, or says what to do instead.
     /// `waited`: this request started the take of a lease and waited for it (the
-    /// store's answer to it is this request's, and only then).
-    fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool) -> Step {
+    /// store's answer to it is this request's, and only then). `again`: it waited for a
+    /// take already (its own or another's).
+    fn step(&self, id: &Id, policies: &PolicySet, cost: u64, waited: bool, again: bool) -> Step {
         let now = Instant::now();
         let mut shard = self.shard(&id.0);
         // A new identity past the bound holds nothing here: decided on its own, exactly.
@@ -711,7 +712,10 @@ impl Leases {
             let since = now.saturating_duration_since(lease.taken_at);
             return Step::Served(local_decision(lease, held, since, cached));
         }
-        if open.refused_until.is_some_and(|until| now < until) {
+        // Waited for a take, and those before it spent it (a burst larger than a lease):
+        // decided on its own, one round trip, rather than wait for take after take (the
+        // last of a burst of N waited N / units round trips, past any store timeout).
+        if again || open.refused_until.is_some_and(|until| now < until) {
             return Step::Alone;
         }
         if open.taking {
@@ -1101,7 +1105,7 @@ impl<S: Store> Store for Leased<S> {
             return self.inner.decide(key, policies, cost);
         }
         let id = (key.clone(), policies.fingerprint());
-        let mut step = self.leases.step(&id, policies, cost, false);
+        let mut step = self.leases.step(&id, policies, cost, false, false);
         // This request started the take it waits for: the store's answer to it is this
         // request's own (a request that joined another's take, perhaps long after it
         // started, says nothing of how fast the store answers now).
@@ -1130,7 +1134,7 @@ impl<S: Store> Store for Leased<S> {
                     Step::Wait(woken) => {
                         // Woken when the lease being taken is there (or was refused).
                         let _ = woken.await;
-                        step = store.leases.step(&id, &policies, cost, took);
+                        step = store.leases.step(&id, &policies, cost, took, true);
                     }
                     Step::Take(retired) => {
                         took = true;
@@ -1591,10 +1595,12 @@ mod tests {
         held.answers.add_permits(1_000);
         assert!(first.await.unwrap().unwrap().is_allowed());
         assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-        // The refused take, then a lease taken after the grant (which serves both).
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        // The refused take, the first request decided on its own (it waited for a take
+        // already), then a lease taken after the grant, which serves the third.
         assert_eq!(
             store.leases.calls.load(Ordering::Relaxed),
-            2,
+            3,
             "a lease is taken again after the grant"
         );
     }
