@@ -270,7 +270,8 @@ impl PacingLayer {
     /// as this; malformed and negative values are ignored).
     ///
     /// Before each attempt a request waits for the server's word at most `max_wait` in
-    /// all; then, with [`pace`](Self::pace), for the policy: its denials and delay at
+    /// all (the time it waits on the word: a word heard while it waited for the inner
+    /// service is still waited out); then, with [`pace`](Self::pace), for the policy: its denials and delay at
     /// most `max_wait` together, counted once the inner service is ready (so the policy
     /// keeps its spacing after a long `Retry-After`). A denial or a delay longer than
     /// what is left sends the request at once, without a turn, and the server decides. A
@@ -693,14 +694,17 @@ fn state_key(host: &str, partition: Option<&str>) -> String {
 
 impl Shared {
     /// Waits as long as the host asks (a response that arrives meanwhile may ask for
-    /// longer), but not past `deadline`.
-    async fn wait_out(&self, key: &str, deadline: Instant) {
+    /// longer), but no longer than what is `left` of the attempt's wait on the server's
+    /// word, less what it waits here.
+    async fn wait_out(&self, key: &str, left: &mut Duration) {
         loop {
             let wait = self.wait(key);
-            if wait.is_zero() || Instant::now() >= deadline {
+            if wait.is_zero() || left.is_zero() {
                 return;
             }
-            tokio::time::sleep_until(deadline.min(later(Instant::now(), wait))).await;
+            let nap = wait.min(*left);
+            tokio::time::sleep(nap).await;
+            *left = left.saturating_sub(nap);
         }
     }
 
@@ -1154,10 +1158,12 @@ async fn ready_and_paced<'a, S, R>(
 where
     S: Service<R> + Clone,
 {
-    let deadline = later(Instant::now(), shared.max_wait);
+    // What is left of the wait on the server's word: only the waits on it count (a
+    // word heard while the inner service was busy is still waited out).
+    let mut word_left = shared.max_wait;
     let mut paced_again = false;
     loop {
-        let mut ready = ready_after_word(shared, inner, key, deadline).await?;
+        let mut ready = ready_after_word(shared, inner, key, &mut word_left).await?;
         let Some(pacer) = &shared.pacer else {
             return Ok((ready, None));
         };
@@ -1174,14 +1180,14 @@ where
                     left -= retry_after;
                     drop(ready);
                     tokio::time::sleep(retry_after).await;
-                    ready = ready_after_word(shared, inner, key, deadline).await?;
+                    ready = ready_after_word(shared, inner, key, &mut word_left).await?;
                 }
                 // Past the pacing's `max_wait`, or never: the request goes, and the
                 // server decides.
                 Pacing::WaitFor(_) | Pacing::Never => break None,
             }
         };
-        let word = !shared.wait(key).is_zero() && Instant::now() < deadline;
+        let word = !shared.wait(key).is_zero() && !word_left.is_zero();
         if word && turn.is_some() && !paced_again {
             paced_again = true;
             drop((turn, ready));
@@ -1189,28 +1195,29 @@ where
         }
         if word {
             drop(ready);
-            ready = ready_after_word(shared, inner, key, deadline).await?;
+            ready = ready_after_word(shared, inner, key, &mut word_left).await?;
         }
         return Ok((ready, turn));
     }
 }
 
-/// Waits out the server's word (until `deadline` at most), then the inner service's
-/// readiness; again if the server asked for a wait meanwhile. The inner service, ready.
+/// Waits out the server's word (what is `left` of the attempt's wait on it at most), then
+/// the inner service's readiness; again if the server asked for a wait meanwhile. The
+/// inner service, ready.
 async fn ready_after_word<S, R>(
     shared: &Shared,
     inner: &mut S,
     key: &str,
-    deadline: Instant,
+    left: &mut Duration,
 ) -> Result<S, S::Error>
 where
     S: Service<R> + Clone,
 {
     loop {
-        shared.wait_out(key, deadline).await;
+        shared.wait_out(key, left).await;
         let mut ready = inner.clone();
         std::future::poll_fn(|cx| ready.poll_ready(cx)).await?;
-        if shared.wait(key).is_zero() || Instant::now() >= deadline {
+        if shared.wait(key).is_zero() || left.is_zero() {
             return Ok(ready);
         }
     }

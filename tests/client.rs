@@ -1250,6 +1250,47 @@ async fn an_unused_turn_behind_a_used_one_stays_spent() {
     assert_eq!(arrivals.times(), at(&[0, 20, 30]));
 }
 
+/// `max_wait` bounds the wait on the server's word, not the wait for the inner service:
+/// a request that waited 70 s for a connection held by a slow one (not on any word), and
+/// meanwhile heard a.test say "none left for 60 s" (at 30 s, through a clone), went out at
+/// once when the connection freed, into the minute the server said was empty. It waits
+/// the word out: sent at 90 s.
+#[tokio::test(start_paused = true)]
+async fn a_word_heard_while_the_inner_service_is_busy_is_waited_out() {
+    let arrivals = Arrivals::new();
+    let log = arrivals.clone();
+    let upstream = service_fn(move |request: Request<Empty<Bytes>>| {
+        log.note();
+        let slow = request.uri().host() == Some("b.test");
+        async move {
+            if slow {
+                tokio::time::sleep(Duration::from_secs(70)).await;
+            }
+            Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
+        }
+    });
+    let layer = PacingLayer::new();
+    let client = layer
+        .clone()
+        .layer(tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream));
+    // Another client of the same layer, to whom a.test says it has none left for 60 s.
+    let other = layer.layer(service_fn(|_: Request<Empty<Bytes>>| async {
+        let response = Response::builder()
+            .header("ratelimit", "\"api\";r=0;t=60")
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        Ok::<_, Infallible>(response)
+    }));
+    let slow = spawn_send(&client, "http://b.test/");
+    tokio::task::yield_now().await;
+    let waiting = spawn_send(&client, "http://a.test/");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    send(&mut other.clone(), get("http://a.test/")).await;
+    slow.await.unwrap();
+    waiting.await.unwrap();
+    assert_eq!(arrivals.times(), at(&[0, 90]));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_stall_after_a_denial_does_not_use_up_the_pacing_wait() {
     // One at a time inside the pacer; one request a second per host; `max_wait` 10 s.
