@@ -809,7 +809,9 @@ impl Hosts {
 /// says nothing, a zero or a date gone by: never straight back, as the layer waits).
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
 /// `Retry-After`, a Unix-time reset) is a point on the server's clock, measured from
-/// the response's `Date` when that clock is five seconds or more from this machine's.
+/// the response's `Date` when that clock is five seconds or more ahead of this
+/// machine's, or two or more behind it (this machine's the one off: `Date` never leads
+/// the server's now).
 ///
 /// ```
 /// use http::{HeaderMap, HeaderValue, StatusCode};
@@ -961,17 +963,23 @@ fn age(headers: &HeaderMap) -> Option<u64> {
     Some(text.parse::<u64>().map_or(LARGEST, |age| age.min(LARGEST)))
 }
 
-/// Below this, a server's clock and this machine's are in step: `Date` is stamped in
-/// whole seconds before the response crosses the network, so a difference this small is
-/// its rounding and the response's transit, not a clock that is off.
+/// Below this, a server's clock ahead of this machine's is in step with it (measured
+/// on the local clock, a wait comes out longer than asked, never shorter).
 const IN_STEP: Duration = Duration::from_secs(5);
+
+/// Below this, this machine's clock ahead of a server's `Date` is in step with it: `Date`
+/// is stamped in whole seconds before the response crosses the network, so it trails
+/// the server's now by its rounding and the transit, never leads it. Further ahead, the
+/// local clock is the one off, and measured on it a wait would come out short (a retry
+/// refused again).
+const AHEAD: Duration = Duration::from_secs(2);
 
 /// The now against which a dated wait (an HTTP-date Retry-After, a Unix-time reset) is
 /// measured. The dates are points on the clock of whoever wrote them, which may be off
 /// from this machine's by any amount: when the response's `Date` (RFC 9110, section
-/// 6.6.1), plus its `Age` when a cache held it (RFC 9111, section 5.1), differs from
-/// this machine's clock by [`IN_STEP`] or more, the wait is measured from it, on the
-/// server's clock. That trusts the `Date` writer's clock to be the dates' writer's (a
+/// 6.6.1), plus its `Age` when a cache held it (RFC 9111, section 5.1), is ahead of this
+/// machine's clock by [`IN_STEP`] or more, or behind it by [`AHEAD`] or more, the wait is
+/// measured from it, on the server's clock. That trusts the `Date` writer's clock to be the dates' writer's (a
 /// proxy that writes its own `Date` with a clock that is off misleads it), and a cache
 /// that serves a stored response without `Age` looks like a server whose clock is
 /// behind; either way the wait stays capped by the caller (`PacingLayer`'s
@@ -988,11 +996,11 @@ fn server_now(headers: &HeaderMap) -> SystemTime {
     };
     let aged = Duration::from_secs(age(headers).unwrap_or(0));
     let server = date.checked_add(aged).unwrap_or(date);
-    let apart = local
-        .duration_since(server)
-        .or_else(|_| server.duration_since(local))
-        .unwrap_or_default();
-    if apart < IN_STEP { local } else { server }
+    let in_step = match local.duration_since(server) {
+        Ok(local_ahead) => local_ahead < AHEAD,
+        Err(server_ahead) => server_ahead.duration() < IN_STEP,
+    };
+    if in_step { local } else { server }
 }
 
 /// How long from the server's now (see [`server_now`]) until `at` (since the Unix

@@ -361,6 +361,45 @@ fn a_dated_wait_is_measured_on_the_servers_clock() {
     .unwrap();
     assert!(wait > secs(58) && wait <= secs(60), "{wait:?}");
 }
+/// This machine's clock a few seconds ahead of the server's (less than the five seconds
+/// past which `Date` was read as the server's now): a 429 asking for 3 s by an HTTP date
+/// was measured on the local clock, already past it, and read as the floor of a second;
+/// each retry came early and was refused again. `Date` is stamped before the response
+/// crosses the network, in whole seconds, so it is never ahead of the server's now: a
+/// local clock ahead of it by more than that rounding and the transit is the one off.
+#[test]
+fn a_local_clock_ahead_of_the_servers_does_not_cut_a_dated_wait_short() {
+    let secs = Duration::from_secs;
+    let server_now = std::time::SystemTime::now() - secs(4);
+    let wait = server_wait(
+        StatusCode::TOO_MANY_REQUESTS,
+        &headers(&[
+            ("date", &httpdate::fmt_http_date(server_now)),
+            (
+                "retry-after",
+                &httpdate::fmt_http_date(server_now + secs(3)),
+            ),
+        ]),
+    )
+    .unwrap();
+    assert!(wait > secs(2) && wait <= secs(4), "{wait:?}");
+    // A server's clock a few seconds ahead of this machine's: the local clock still
+    // measures (the wait comes out longer, never shorter, than asked).
+    let server_now = std::time::SystemTime::now() + secs(4);
+    let wait = server_wait(
+        StatusCode::TOO_MANY_REQUESTS,
+        &headers(&[
+            ("date", &httpdate::fmt_http_date(server_now)),
+            (
+                "retry-after",
+                &httpdate::fmt_http_date(server_now + secs(3)),
+            ),
+        ]),
+    )
+    .unwrap();
+    assert!(wait > secs(5) && wait <= secs(8), "{wait:?}");
+}
+
 /// The X- fields' resets as services write them: a Unix time with a fraction
 /// (Discord's `1470173023.123`), or in milliseconds; neither is ignored or read as a
 /// wait of millennia.
