@@ -1334,13 +1334,6 @@ impl Breaker {
     /// without a new cool-down, so the next request probes in its place.
     pub(crate) fn heard_failure(&self, error: &StoreError, probe: Option<&ProbeGuard>) {
         use crate::store::StoreErrorKind;
-        // Another decision's failure in the same call (a batch's): counted there, once.
-        if error.echo {
-            if let Some(probe) = probe {
-                probe.report();
-            }
-            return;
-        }
         match error.kind() {
             StoreErrorKind::Unavailable | StoreErrorKind::Timeout => self.on_failure(error, probe),
             _ if error.meets_every_request_as_an_outage() => self.on_failure(error, probe),
@@ -1512,21 +1505,6 @@ mod tests {
         breaker.on_success();
         assert!(!breaker.adjustments_unanswered(), "a decision answered");
         assert!(!breaker.is_degraded(), "and the breaker was never told");
-    }
-
-    #[cfg(feature = "redis")]
-    #[test]
-    fn an_echo_of_a_batchs_failure_is_not_counted_again() {
-        let breaker = Breaker::new(CircuitBreaker::new(2, Duration::from_secs(60)));
-        let reset = StoreError::new(StoreErrorKind::Unavailable, "connection reset");
-        // One batch of ten decisions failed: the error once, nine echoes.
-        breaker.heard_failure(&reset, None);
-        for _ in 0..9 {
-            breaker.heard_failure(&reset.for_another(), None);
-        }
-        assert!(!breaker.is_open(), "one failed call, not ten");
-        breaker.heard_failure(&reset, None);
-        assert!(breaker.is_open(), "a second call failed: two in a row");
     }
 
     #[test]

@@ -1009,10 +1009,6 @@ pub struct StoreError {
     /// cannot authenticate): it opens the breaker as an outage does, so that every
     /// request does not open (and authenticate) a connection of its own.
     pub(crate) every_request: bool,
-    /// Another decision's failure, met in the same call (a coalesced batch's decisions
-    /// but one): the breaker counts the call's failure once, not once per decision it
-    /// carried (one connection reset would open it).
-    pub(crate) echo: bool,
 }
 
 impl StoreError {
@@ -1024,7 +1020,6 @@ impl StoreError {
             message: message.into(),
             source: None,
             every_request: false,
-            echo: false,
         }
     }
 
@@ -1110,8 +1105,8 @@ impl StoreError {
     }
 
     /// The same error for another request met by it (a coalesced batch's waiters): its
-    /// kind, code, message and whether every request meets it, marked as an echo (see
-    /// `echo`). The source, which cannot be cloned, is its text.
+    /// kind, code, message and whether every request meets it. The source, which cannot
+    /// be cloned, is its text.
     #[cfg(feature = "redis")]
     pub(crate) fn for_another(&self) -> Self {
         Self {
@@ -1123,7 +1118,6 @@ impl StoreError {
                 .as_ref()
                 .map(|source| Box::<dyn Error + Send + Sync>::from(source.to_string())),
             every_request: self.every_request,
-            echo: true,
         }
     }
 }

@@ -283,24 +283,11 @@ async fn send(batch: &Batch, waiters: Vec<Waiter>) {
                 let _ = waiter.answer.send(answer);
             }
         }
-        Err(error) => fail_batch(waiters, error),
-    }
-}
-
-/// Fails every decision of a batch with `error`: one waiter still waiting gets the error
-/// itself, the others an echo of it, so the breaker counts the call's failure once.
-fn fail_batch(waiters: Vec<Waiter>, error: StoreError) {
-    let first = waiters
-        .iter()
-        .position(|waiter| !waiter.answer.is_closed())
-        .unwrap_or(0);
-    let echo = error.for_another();
-    let mut error = Some(error);
-    for (index, waiter) in waiters.into_iter().enumerate() {
-        let own = if index == first { error.take() } else { None };
-        let _ = waiter
-            .answer
-            .send(Err(own.unwrap_or_else(|| echo.for_another())));
+        Err(error) => {
+            for waiter in waiters {
+                let _ = waiter.answer.send(Err(error.for_another()));
+            }
+        }
     }
 }
 
@@ -367,38 +354,6 @@ mod tests {
                 "{read:?}"
             );
         }
-    }
-
-    /// A batch that failed (a connection reset under it) failed each of its decisions
-    /// with a full copy of the error, each counted by the breaker: one call carrying ten
-    /// decisions was ten failures in a row, and opened it at once. One waiter still
-    /// waiting gets the error, the others an echo of it, which the breaker does not
-    /// count again.
-    #[test]
-    fn a_failed_batch_is_one_failure_not_one_per_decision() {
-        let (waiters, mut answers): (Vec<Waiter>, Vec<oneshot::Receiver<Answer>>) = (0..4)
-            .map(|_| {
-                let (answer, receiver) = oneshot::channel();
-                (Waiter { cost: 1, answer }, receiver)
-            })
-            .unzip();
-        // The first gave up: the error goes to the next one waiting.
-        drop(answers.remove(0));
-        fail_batch(
-            waiters,
-            StoreError::new(StoreErrorKind::Unavailable, "connection reset"),
-        );
-        let echoes: Vec<bool> = answers
-            .iter_mut()
-            .map(|answer| match answer.try_recv() {
-                Ok(Err(error)) => {
-                    assert_eq!(error.kind(), StoreErrorKind::Unavailable);
-                    error.echo
-                }
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(echoes, [false, true, true]);
     }
 
     /// A drain that ends (nothing queued: the identity is free) must not fail what queues
