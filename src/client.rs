@@ -810,7 +810,7 @@ impl Hosts {
 /// The wait counts from now: read a response as it arrives. A date (an HTTP-date
 /// `Retry-After`, a Unix-time reset) is a point on the server's clock, measured from
 /// the response's `Date` when that clock is five seconds or more ahead of this
-/// machine's, or two or more behind it (this machine's the one off: `Date` never leads
+/// machine's, or one or more behind it (this machine's the one off: `Date` never leads
 /// the server's now).
 ///
 /// ```
@@ -969,10 +969,11 @@ const IN_STEP: Duration = Duration::from_secs(5);
 
 /// Below this, this machine's clock ahead of a server's `Date` is in step with it: `Date`
 /// is stamped in whole seconds before the response crosses the network, so it trails
-/// the server's now by its rounding and the transit, never leads it. Further ahead, the
-/// local clock is the one off, and measured on it a wait would come out short (a retry
-/// refused again).
-const AHEAD: Duration = Duration::from_secs(2);
+/// the server's now by its rounding (under a second) and the transit, never leads it.
+/// Further ahead, the local clock is the one off, and measured on it a wait would come
+/// out short (a retry refused again); measured from `Date`, it comes out long by the
+/// rounding and the transit at most.
+const AHEAD: Duration = Duration::from_secs(1);
 
 /// The now against which a dated wait (an HTTP-date Retry-After, a Unix-time reset) is
 /// measured. The dates are points on the clock of whoever wrote them, which may be off

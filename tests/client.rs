@@ -383,6 +383,20 @@ fn a_local_clock_ahead_of_the_servers_does_not_cut_a_dated_wait_short() {
     )
     .unwrap();
     assert!(wait > secs(2) && wait <= secs(4), "{wait:?}");
+    // A second and a half ahead, a 2 s wait: never measured short of it.
+    let server_now = std::time::SystemTime::now() - Duration::from_millis(1_500);
+    let wait = server_wait(
+        StatusCode::TOO_MANY_REQUESTS,
+        &headers(&[
+            ("date", &httpdate::fmt_http_date(server_now)),
+            (
+                "retry-after",
+                &httpdate::fmt_http_date(server_now + secs(2)),
+            ),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(wait, secs(2));
     // A server's clock a few seconds ahead of this machine's: the local clock still
     // measures (the wait comes out longer, never shorter, than asked).
     let server_now = std::time::SystemTime::now() + secs(4);
