@@ -1016,13 +1016,28 @@ impl<St: Store> Limiter<St> {
                     tokio::time::sleep(delay).await;
                     return Ok(booked.spent.take().expect("set above"));
                 }
-                Outcome::Denied { retry_after, .. } => {
+                Outcome::Denied {
+                    retry_after,
+                    policy,
+                } => {
                     // A denial that says no wait (a custom store's, a reply read as 0)
                     // is asked again after a millisecond, not at once: the store would
                     // be hammered until the deadline.
                     let retry_after = retry_after.max(Duration::from_millis(1));
+                    // A full shaping queue denies until it has drained to where a
+                    // request may join it: then the request waits its place, up to the
+                    // policy's `max_delay`, on top.
+                    let decided_by = match &decider {
+                        Decider::Fallback(applied) => applied,
+                        _ => &self.shared.policies,
+                    };
+                    let queued = match decided_by.get(policy).map(crate::Policy::algorithm) {
+                        Some(crate::Algorithm::LeakyShaping { max_delay, .. }) => max_delay,
+                        _ => Duration::ZERO,
+                    };
                     if Instant::now()
                         .checked_add(retry_after)
+                        .and_then(|ready| ready.checked_add(queued))
                         .is_none_or(|ready| ready > deadline)
                     {
                         return Err(WaitError::TooLong(decision));

@@ -705,6 +705,31 @@ fn paced() -> Policy {
     .unwrap()
 }
 
+/// A full shaping queue denies until it has drained to where a request may join it, and
+/// the request then waits its place in the queue, up to `max_delay`, on top. Only the
+/// denial's part was set against `max_wait`: a waiter slept it out, was then admitted
+/// 60 s out, gave its place back and said `TooLong` 10 s late (one every 10 s, up to
+/// 60 s queued, a wait of 30 s). It is told at once.
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_is_too_long_at_once() {
+    let limiter = Limiter::new(runtime_store(), paced());
+    let key = Key::new("k");
+    for _ in 0..7 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    let started = tokio::time::Instant::now();
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
+    assert!(
+        matches!(impatient, Err(WaitError::TooLong(_))),
+        "{impatient:?}"
+    );
+    assert_eq!(started.elapsed(), Duration::ZERO, "told only after waiting");
+    // One whose wait covers the denial and the queue is admitted, in its place.
+    let patient = limiter.until_ready(&key, 1, Duration::from_secs(75)).await;
+    assert!(patient.is_ok(), "{patient:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(70));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_shaping_delay_past_the_wait_names_the_shaping_policy() {
     // A generous bucket first, two shaping buckets after it: the one that holds the
