@@ -407,7 +407,9 @@ impl<St: Store> Limiter<St> {
     /// ([`Store::validate`]): a limit that every call would leave to the failure mode,
     /// each replica deciding alone, is a set-up mistake to report at start-up.
     ///
-    /// An empty set (a limiter that admits everything) is refused too.
+    /// An empty set (a limiter that admits everything) is refused too, and so are an
+    /// in-flight limit and a shaping policy over a store that cannot adjust
+    /// ([`Store::can_adjust`]: slots and places go back through it).
     ///
     /// ```
     /// use tollgate::limiter::Limiter;
@@ -440,6 +442,23 @@ impl<St: Store> Limiter<St> {
                 format!(
                     "the in-flight limit \"{}\" frees slots through the store's adjust, and \
                      this store cannot adjust (Store::can_adjust is false)",
+                    policy.name()
+                ),
+            ));
+        }
+        // A waiter that gives up gives its shaping place back through the store's adjust:
+        // without it, each one left a place booked for nobody.
+        if let Some(policy) = policies
+            .iter()
+            .find(|policy| matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. }))
+            && !store.can_adjust()
+        {
+            return Err(StoreError::new(
+                StoreErrorKind::Unsupported,
+                format!(
+                    "the shaping policy \"{}\" gives a waiter's place back through the \
+                     store's adjust when it gives up, and this store cannot adjust \
+                     (Store::can_adjust is false)",
                     policy.name()
                 ),
             ));

@@ -199,6 +199,23 @@ fn a_policy_the_store_cannot_decide_is_refused_when_the_limiter_is_built() {
     assert!(Limiter::try_new(Small, small).is_ok());
 }
 
+// A waiter that gives up on a shaping policy's place gives it back through the store's
+// adjust. Over a store that cannot adjust (a wrapper forwarding `decide` alone), every
+// impatient waiter left a place booked for nobody, and real requests queued behind them.
+// Refused when the limiter is built, as an in-flight limit is.
+#[test]
+fn a_shaping_policy_over_a_store_that_cannot_give_places_back_is_refused() {
+    let shaping =
+        Policy::leaky_bucket_shaping("paced", Rate::per_second(1), Duration::from_secs(60))
+            .unwrap();
+    let Err(error) = Limiter::try_new(Small, shaping.clone()) else {
+        panic!("a shaping policy over a store that cannot adjust is accepted");
+    };
+    assert_eq!(error.kind(), StoreErrorKind::Unsupported);
+    assert!(error.to_string().contains("\"paced\""), "{error}");
+    assert!(Limiter::try_new(MemoryStore::new(), shaping).is_ok());
+}
+
 /// The in-process store, but failing every decision and peek while `down` is set.
 #[derive(Clone)]
 struct Toggle(
