@@ -41,24 +41,32 @@
 //! # Ok(()) }
 //! ```
 //!
-//! A WebSocket whose messages cost their length, per connection (axum's `ws` feature; a
-//! client that opens N connections has N budgets: key a limiter shared by the
-//! connections by user or address to bound the client):
+//! A WebSocket whose messages cost their length, per connection (axum's `ws` feature).
+//! One limiter serves every connection, each keyed apart: a limiter (its store, and the
+//! failure mode's own) per connection would cost every socket a whole store's shards.
+//! (A client that opens N connections has N budgets: key by user or address to bound
+//! the client.)
 //!
 //! ```no_run
+//! use std::sync::LazyLock;
+//! use std::sync::atomic::{AtomicU64, Ordering};
 //! use std::time::Duration;
 //! use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 //! use axum::response::Response;
 //! use tollgate::limiter::Limiter;
 //! use tollgate::{Key, MemoryStore, Policy, Rate};
 //!
+//! // 64 KiB a second per connection, bursts of 256 KiB.
+//! static BYTES: LazyLock<Limiter<MemoryStore>> = LazyLock::new(|| {
+//!     let policy = Policy::token_bucket("ws-bytes", 256 * 1024, Rate::per_second(64 * 1024))
+//!         .expect("a valid policy");
+//!     Limiter::new(MemoryStore::new(), policy)
+//! });
+//! static CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+//!
 //! async fn socket(upgrade: WebSocketUpgrade) -> Response {
 //!     upgrade.on_upgrade(|mut socket: WebSocket| async move {
-//!         // 64 KiB a second per connection, bursts of 256 KiB.
-//!         let policy = Policy::token_bucket("ws-bytes", 256 * 1024, Rate::per_second(64 * 1024))
-//!             .expect("a valid policy");
-//!         let limiter = Limiter::new(MemoryStore::new(), policy);
-//!         let me = Key::new("this-connection");
+//!         let me = Key::new(format!("ws:{}", CONNECTIONS.fetch_add(1, Ordering::Relaxed)));
 //!         while let Some(Ok(message)) = socket.recv().await {
 //!             // Every message costs its payload, and at least one unit: pings (which
 //!             // axum answers with pongs), pongs and empty messages are not free.
@@ -71,7 +79,7 @@
 //!             };
 //!             let cost = (payload as u64).max(1);
 //!             // Slow the sender down; close on one that cannot fit at all.
-//!             if limiter.until_ready(&me, cost, Duration::from_secs(10)).await.is_err() {
+//!             if BYTES.until_ready(&me, cost, Duration::from_secs(10)).await.is_err() {
 //!                 let _ = socket.send(Message::Close(None)).await;
 //!                 break;
 //!             }
