@@ -149,6 +149,13 @@ impl SlidingLog {
             state.total = state.total.saturating_sub(units);
             state.entries.pop_front();
         }
+        // A burst's room is given back once the log is mostly empty: kept, an identity
+        // that was once admitted at ten thousand instants held them all (256 KiB) for as
+        // long as it kept coming, one instant live.
+        if state.entries.capacity() > 16 && state.entries.len() < state.entries.capacity() / 4 {
+            let len = state.entries.len();
+            state.entries.shrink_to(len * 2);
+        }
     }
 
     /// The earliest time the state can be read at: its newest entry's. A request that
@@ -302,5 +309,35 @@ impl SlidingLog {
             reset: fresh_at.saturating_sub(now),
             fresh_at,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log's buffer grew to its peak and never gave it back: an identity admitted at
+    /// ten thousand instants, then once every half hour under an hour's window, kept
+    /// room for 16,384 entries (256 KiB) with one live, for as long as it kept coming.
+    #[test]
+    fn a_burst_s_room_is_given_back_once_the_log_empties() {
+        const SECOND: u64 = 1_000_000_000;
+        let log = SlidingLog::new(10_000, 3_600 * SECOND).unwrap();
+        let mut state = LogState::default();
+        for n in 0..10_000 {
+            log.commit(&mut state, n, 1);
+        }
+        assert!(state.entries.capacity() >= 10_000);
+        for half_hour in 2..6 {
+            let now = half_hour * 1_800 * SECOND;
+            log.refresh(&mut state, now);
+            log.commit(&mut state, now, 1);
+        }
+        assert_eq!(state.total(), 2);
+        assert!(
+            state.entries.capacity() <= 16,
+            "room for {} entries kept",
+            state.entries.capacity()
+        );
     }
 }
