@@ -456,10 +456,10 @@ impl<St: Store> Limiter<St> {
         }
         // A waiter that gives up gives its shaping place back through the store's adjust:
         // without it, each one left a place booked for nobody.
-        if let Some(policy) = policies
-            .iter()
-            .find(|policy| matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. }))
-            && !store.can_adjust()
+        if let Some(policy) = policies.iter().find(|policy| {
+            !policy.is_shadow()
+                && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
+        }) && !store.can_adjust()
         {
             return Err(StoreError::new(
                 StoreErrorKind::Unsupported,
@@ -1051,17 +1051,16 @@ impl<St: Store> Limiter<St> {
                     // is asked again after a millisecond, not at once: the store would
                     // be hammered until the deadline.
                     let retry_after = retry_after.max(Duration::from_millis(1));
-                    // A full shaping queue denies until it has drained to where a
-                    // request may join it: then the request waits its place, up to the
-                    // policy's `max_delay`, on top.
+                    // Admitted after the denial's wait, the request still waits its
+                    // place in each shaping queue: what is left of the queue then (its
+                    // `reset`, less the wait), up to the policy's `max_delay`. A full
+                    // queue that denies holds it back a whole `max_delay`; one a block
+                    // names has drained by the block's end.
                     let decided_by = match &decider {
                         Decider::Fallback(applied) => applied,
                         _ => &self.shared.policies,
                     };
-                    let queued = match decided_by.get(policy).map(crate::Policy::algorithm) {
-                        Some(crate::Algorithm::LeakyShaping { max_delay, .. }) => max_delay,
-                        _ => Duration::ZERO,
-                    };
+                    let queued = queued_after(decided_by, &decision, policy, retry_after);
                     if Instant::now()
                         .checked_add(retry_after)
                         .and_then(|ready| ready.checked_add(queued))
@@ -1193,6 +1192,37 @@ impl<St: Store> Limiter<St> {
             }
         }
     }
+}
+
+/// How long a request admitted `retry_after` from now would still wait in the shaping
+/// queues of `policies` (decided as `decision`, which named `named`): the longest of what
+/// is left of each enforced queue then, each at most its `max_delay`. A decision without
+/// statuses (a cache's) says nothing of the queues: a shaping policy it names waits its
+/// whole `max_delay`.
+fn queued_after(
+    policies: &PolicySet,
+    decision: &Decision,
+    named: usize,
+    retry_after: Duration,
+) -> Duration {
+    let statuses = decision.statuses();
+    policies
+        .iter()
+        .enumerate()
+        .filter(|(_, policy)| !policy.is_shadow())
+        .filter_map(|(index, policy)| match policy.algorithm() {
+            crate::Algorithm::LeakyShaping { max_delay, .. } => {
+                let left = match statuses.get(index) {
+                    Some(status) => status.reset.saturating_sub(retry_after),
+                    None if index == named => max_delay,
+                    None => Duration::ZERO,
+                };
+                Some(left.min(max_delay))
+            }
+            _ => None,
+        })
+        .max()
+        .unwrap_or(Duration::ZERO)
 }
 
 #[cfg(test)]

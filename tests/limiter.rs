@@ -213,7 +213,9 @@ fn a_shaping_policy_over_a_store_that_cannot_give_places_back_is_refused() {
     };
     assert_eq!(error.kind(), StoreErrorKind::Unsupported);
     assert!(error.to_string().contains("\"paced\""), "{error}");
-    assert!(Limiter::try_new(MemoryStore::new(), shaping).is_ok());
+    assert!(Limiter::try_new(MemoryStore::new(), shaping.clone()).is_ok());
+    // A shadow shaping policy delays nobody, and books no place to give back.
+    assert!(Limiter::try_new(Small, shaping.shadow()).is_ok());
 }
 
 /// The in-process store, but failing every decision and peek while `down` is set.
@@ -745,6 +747,54 @@ async fn a_full_queue_is_too_long_at_once() {
     let patient = limiter.until_ready(&key, 1, Duration::from_secs(75)).await;
     assert!(patient.is_ok(), "{patient:?}");
     assert_eq!(started.elapsed(), Duration::from_secs(70));
+}
+
+/// The queue counts whichever policy the denial names: a spent bucket out-waiting a full
+/// shaping queue named the bucket, and the waiter slept its 20 s to be admitted 50 s out
+/// and told `TooLong` late.
+#[tokio::test(start_paused = true)]
+async fn a_queue_behind_another_policys_denial_counts_too() {
+    let policies = PolicySet::new([
+        Policy::token_bucket("burst", 7, Rate::new(1, Duration::from_secs(20))).unwrap(),
+        paced(),
+    ])
+    .unwrap();
+    let limiter = Limiter::new(runtime_store(), policies);
+    let key = Key::new("k");
+    for _ in 0..7 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    let started = tokio::time::Instant::now();
+    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
+    assert!(
+        matches!(impatient, Err(WaitError::TooLong(_))),
+        "{impatient:?}"
+    );
+    assert_eq!(started.elapsed(), Duration::ZERO, "told only after waiting");
+}
+
+/// A shaping policy's block (a penalty) names it with what is left of the block; its
+/// queue has drained by then. Counting a whole `max_delay` on top refused a wait that
+/// fits.
+#[tokio::test(start_paused = true)]
+async fn a_blocked_shaping_policy_counts_no_queue_that_has_drained() {
+    let policy = paced()
+        .with_penalty(tollgate::policy::Penalty::new(
+            1,
+            Duration::from_secs(60),
+            Duration::from_secs(120),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(runtime_store(), policy);
+    let key = Key::new("k");
+    for _ in 0..7 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    assert!(limiter.check(&key, 1).await.unwrap().is_blocked());
+    let started = tokio::time::Instant::now();
+    let patient = limiter.until_ready(&key, 1, Duration::from_secs(150)).await;
+    assert!(patient.is_ok(), "{patient:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(120));
 }
 
 #[tokio::test(start_paused = true)]
