@@ -402,11 +402,6 @@ impl Slot {
         matches!(self, Slot::InFlight { state, .. } if state.count > 0)
     }
 
-    /// True when this is a penalty's state with a block in force at `now`.
-    pub(crate) fn blocks_at(&self, now: u64) -> bool {
-        matches!(self, Slot::Penalty { state, .. } if state.blocked_until > now)
-    }
-
     /// What a window's slot holds spent (units admitted in it): read against its limit,
     /// what an identity has to lose when forgotten; 0 for the other algorithms, whose
     /// state is a time or a level its freshness tells.

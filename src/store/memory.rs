@@ -573,14 +573,6 @@ impl Entry {
     fn holds_slots(&self) -> bool {
         self.slots.holds_in_flight()
     }
-
-    /// True when eviction spares the identity while the others can make the room: its
-    /// running requests hold slots, or a penalty blocks it at `now` (sparing only the
-    /// holders let a flood of held requests and a few slivers of a generous quota make
-    /// the room from the others alone, a block among them).
-    fn spared(&self, now: u64) -> bool {
-        self.holds_slots() || self.slots.blocks_at(now)
-    }
 }
 
 /// An identity's policy states: one inline (the common case; the whole entry is then one
@@ -727,13 +719,6 @@ impl Slots {
         match self {
             Slots::One(slot) => slot.holds_in_flight(),
             Slots::Many(many) => many.slots.iter().any(Slot::holds_in_flight),
-        }
-    }
-
-    fn blocks_at(&self, now: u64) -> bool {
-        match self {
-            Slots::One(slot) => slot.blocks_at(now),
-            Slots::Many(many) => many.slots.iter().any(|slot| slot.blocks_at(now)),
         }
     }
 
@@ -1030,12 +1015,12 @@ impl<C: Clock> MemoryStore<C> {
         let target = capacity.saturating_sub((capacity / 16).max(1));
         if table.len() > target {
             let excess = table.len() - target;
-            // Identities whose slots running requests hold, or that a penalty blocks, are
-            // spared while the others can make the room; otherwise they are candidates
-            // too, so the shard keeps its bound and its one scan per sixteenth.
-            let others = table.slab.iter().filter(|e| !e.spared(now)).count();
+            // Identities whose slots running requests hold are spared while the others
+            // can make the room; otherwise they are candidates too, so the shard keeps
+            // its bound and its one scan per sixteenth.
+            let others = table.slab.iter().filter(|e| !e.holds_slots()).count();
             let spare = others >= excess;
-            let candidate = |entry: &Entry| !spare || !entry.spared(now);
+            let candidate = |entry: &Entry| !spare || !entry.holds_slots();
             let measures = crate::policy::measures();
             let order = |entry: &Entry| entry.at_stake(now, &measures);
             // The `excess` candidates first in `at_stake` order go: those with least to
@@ -1453,44 +1438,6 @@ mod tests {
             for _ in 0..10 {
                 assert!(store.check(&format!("flood:{i}"), &set, 1).is_allowed());
             }
-        }
-        assert!(
-            store.evicted_live() > 0,
-            "the store had to forget live identities"
-        );
-        assert!(
-            store.check("alice", &login, 1).is_blocked(),
-            "alice's block was forgotten"
-        );
-    }
-
-    /// Identities whose running requests hold in-flight slots were spared whatever the
-    /// others had at stake: sixty held streams and a few slivers of a generous quota made
-    /// the room from the others alone, alice's penalty block among them, and lifted it.
-    /// A block in force is spared as held slots are, while the others can make the room.
-    #[test]
-    fn held_slots_do_not_push_a_block_out() {
-        let (store, _clock) = one_shard(64);
-        let hour = Duration::from_secs(3600);
-        let login = PolicySet::from(
-            Policy::fixed_window("login", 1, hour)
-                .unwrap()
-                .with_penalty(crate::policy::Penalty::new(1, hour, hour))
-                .unwrap(),
-        );
-        assert!(store.check("alice", &login, 1).is_allowed());
-        assert!(store.check("alice", &login, 1).is_blocked());
-        let streams = PolicySet::from(Policy::concurrency("streams", 1).unwrap());
-        for i in 0..60 {
-            assert!(
-                store
-                    .check(&format!("holder:{i}"), &streams, 1)
-                    .is_allowed()
-            );
-        }
-        let api = PolicySet::from(Policy::fixed_window("api", 1_000, hour).unwrap());
-        for i in 0..8 {
-            assert!(store.check(&format!("sliver:{i}"), &api, 1).is_allowed());
         }
         assert!(
             store.evicted_live() > 0,
