@@ -370,47 +370,28 @@ fn a_dated_wait_is_measured_on_the_servers_clock() {
 #[test]
 fn a_local_clock_ahead_of_the_servers_does_not_cut_a_dated_wait_short() {
     let secs = Duration::from_secs;
-    let server_now = std::time::SystemTime::now() - secs(4);
-    let wait = server_wait(
-        StatusCode::TOO_MANY_REQUESTS,
-        &headers(&[
-            ("date", &httpdate::fmt_http_date(server_now)),
-            (
-                "retry-after",
-                &httpdate::fmt_http_date(server_now + secs(3)),
-            ),
-        ]),
-    )
-    .unwrap();
+    // A 429 from a server whose clock reads `server_now`, asking for `wait` by date.
+    let dated = |server_now: std::time::SystemTime, wait: Duration| {
+        server_wait(
+            StatusCode::TOO_MANY_REQUESTS,
+            &headers(&[
+                ("date", &httpdate::fmt_http_date(server_now)),
+                ("retry-after", &httpdate::fmt_http_date(server_now + wait)),
+            ]),
+        )
+        .unwrap()
+    };
+    let now = std::time::SystemTime::now;
+    let wait = dated(now() - secs(4), secs(3));
     assert!(wait > secs(2) && wait <= secs(4), "{wait:?}");
     // A second and a half ahead, a 2 s wait: never measured short of it.
-    let server_now = std::time::SystemTime::now() - Duration::from_millis(1_500);
-    let wait = server_wait(
-        StatusCode::TOO_MANY_REQUESTS,
-        &headers(&[
-            ("date", &httpdate::fmt_http_date(server_now)),
-            (
-                "retry-after",
-                &httpdate::fmt_http_date(server_now + secs(2)),
-            ),
-        ]),
-    )
-    .unwrap();
-    assert_eq!(wait, secs(2));
+    assert_eq!(
+        dated(now() - Duration::from_millis(1_500), secs(2)),
+        secs(2)
+    );
     // A server's clock a few seconds ahead of this machine's: the local clock still
     // measures (the wait comes out longer, never shorter, than asked).
-    let server_now = std::time::SystemTime::now() + secs(4);
-    let wait = server_wait(
-        StatusCode::TOO_MANY_REQUESTS,
-        &headers(&[
-            ("date", &httpdate::fmt_http_date(server_now)),
-            (
-                "retry-after",
-                &httpdate::fmt_http_date(server_now + secs(3)),
-            ),
-        ]),
-    )
-    .unwrap();
+    let wait = dated(now() + secs(4), secs(3));
     assert!(wait > secs(5) && wait <= secs(8), "{wait:?}");
 }
 

@@ -373,32 +373,6 @@ async fn a_take_refused_before_the_rest_is_back_is_tried_again() {
     );
 }
 
-/// A store that takes 200 ms to decide: slower than a 50 ms store timeout.
-struct SlowDecisions(std::sync::Arc<tollgate::MemoryStore>);
-
-impl Store for SlowDecisions {
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> tollgate::DecideFuture {
-        let (store, key, policies) = (self.0.clone(), key.clone(), policies.clone());
-        tollgate::DecideFuture::new(async move {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            store.decide(&key, &policies, cost).await
-        })
-    }
-
-    fn can_adjust(&self) -> bool {
-        true
-    }
-
-    fn adjust(
-        &self,
-        key: &Key,
-        policies: &PolicySet,
-        adjustment: &tollgate::store::Adjustment,
-    ) -> tollgate::DecideFuture {
-        self.0.adjust(key, policies, adjustment)
-    }
-}
-
 /// A burst larger than a lease, for one identity: each request that found the lease spent
 /// by those before it waited for the next take, one after another, so the last of 100
 /// waited 20 round trips (leases of 5), past a 50 ms store timeout: half the burst timed
@@ -470,9 +444,13 @@ impl Store for Delayed {
 
 /// Leases of 10 over a store slower than its requests' timeout, and a first request
 /// that gave up on the take it started at 50 ms (the take goes on).
-async fn a_take_given_up() -> (Leased<SlowDecisions>, PolicySet, Key) {
+async fn a_take_given_up() -> (Leased<Delayed>, PolicySet, Key) {
     let store = Leased::new(
-        SlowDecisions(std::sync::Arc::new(tollgate::MemoryStore::new())),
+        // 200 ms to decide: slower than a 50 ms store timeout.
+        Delayed(
+            std::sync::Arc::new(tollgate::MemoryStore::new()),
+            Duration::from_millis(200),
+        ),
         10,
         Duration::from_secs(60),
     )

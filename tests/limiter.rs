@@ -731,18 +731,8 @@ fn paced() -> Policy {
 /// 60 s queued, a wait of 30 s). It is told at once.
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_is_too_long_at_once() {
-    let limiter = Limiter::new(runtime_store(), paced());
-    let key = Key::new("k");
-    for _ in 0..7 {
-        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
-    }
+    let (limiter, key) = seven_then_one_too_impatient(paced()).await;
     let started = tokio::time::Instant::now();
-    let impatient = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
-    assert!(
-        matches!(impatient, Err(WaitError::TooLong(_))),
-        "{impatient:?}"
-    );
-    assert_eq!(started.elapsed(), Duration::ZERO, "told only after waiting");
     // One whose wait covers the denial and the queue is admitted, in its place.
     let patient = limiter.until_ready(&key, 1, Duration::from_secs(75)).await;
     assert!(patient.is_ok(), "{patient:?}");
@@ -754,11 +744,21 @@ async fn a_full_queue_is_too_long_at_once() {
 /// and told `TooLong` late.
 #[tokio::test(start_paused = true)]
 async fn a_queue_behind_another_policys_denial_counts_too() {
-    let policies = PolicySet::new([
-        Policy::token_bucket("burst", 7, Rate::new(1, Duration::from_secs(20))).unwrap(),
-        paced(),
-    ])
-    .unwrap();
+    seven_then_one_too_impatient(
+        PolicySet::new([
+            Policy::token_bucket("burst", 7, Rate::new(1, Duration::from_secs(20))).unwrap(),
+            paced(),
+        ])
+        .unwrap(),
+    )
+    .await;
+}
+
+/// Seven requests of one unit at once under `policies`, then a waiter of 30 s, told
+/// `TooLong` at once; the limiter and the key.
+async fn seven_then_one_too_impatient(
+    policies: impl Into<PolicySet>,
+) -> (Limiter<MemoryStore<tollgate::clock::RuntimeClock>>, Key) {
     let limiter = Limiter::new(runtime_store(), policies);
     let key = Key::new("k");
     for _ in 0..7 {
@@ -771,6 +771,7 @@ async fn a_queue_behind_another_policys_denial_counts_too() {
         "{impatient:?}"
     );
     assert_eq!(started.elapsed(), Duration::ZERO, "told only after waiting");
+    (limiter, key)
 }
 
 /// A shaping policy's block (a penalty) names it with what is left of the block; its
