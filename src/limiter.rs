@@ -1060,7 +1060,12 @@ impl<St: Store> Limiter<St> {
                         Decider::Fallback(applied) => applied,
                         _ => &self.shared.policies,
                     };
-                    let queued = queued_after(decided_by, &decision, policy, retry_after);
+                    // A request of nothing joins no queue (held back only by a block).
+                    let queued = if cost == 0 {
+                        Duration::ZERO
+                    } else {
+                        queued_after(decided_by, &decision, policy, retry_after)
+                    };
                     if Instant::now()
                         .checked_add(retry_after)
                         .and_then(|ready| ready.checked_add(queued))
@@ -1197,8 +1202,9 @@ impl<St: Store> Limiter<St> {
 /// How long a request admitted `retry_after` from now would still wait in the shaping
 /// queues of `policies` (decided as `decision`, which named `named`): the longest of what
 /// is left of each enforced queue then, each at most its `max_delay`. A decision without
-/// statuses (a cache's) says nothing of the queues: a shaping policy it names waits its
-/// whole `max_delay`.
+/// statuses (a deny cache's) says nothing of the queues: a shaping policy it names waits
+/// its whole `max_delay`, the others are not counted (counting each a whole `max_delay`
+/// would refuse waits that fit).
 fn queued_after(
     policies: &PolicySet,
     decision: &Decision,

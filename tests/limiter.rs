@@ -774,6 +774,31 @@ async fn seven_then_one_too_impatient(
     (limiter, key)
 }
 
+/// A request that costs nothing joins no queue: held back only by a block, it waits the
+/// block out. The queues behind the block were counted against it, and a wait that fits
+/// was refused.
+#[tokio::test(start_paused = true)]
+async fn a_request_of_nothing_counts_no_queue() {
+    let burst = Policy::token_bucket("burst", 7, Rate::new(1, Duration::from_secs(20)))
+        .unwrap()
+        .with_penalty(tollgate::policy::Penalty::new(
+            1,
+            Duration::from_secs(60),
+            Duration::from_secs(30),
+        ))
+        .unwrap();
+    let limiter = Limiter::new(runtime_store(), PolicySet::new([burst, paced()]).unwrap());
+    let key = Key::new("k");
+    for _ in 0..7 {
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    }
+    assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
+    let started = tokio::time::Instant::now();
+    let nothing = limiter.until_ready(&key, 0, Duration::from_secs(40)).await;
+    assert!(nothing.is_ok(), "{nothing:?}");
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+}
+
 /// A shaping policy's block (a penalty) names it with what is left of the block; its
 /// queue has drained by then. Counting a whole `max_delay` on top refused a wait that
 /// fits.
