@@ -439,34 +439,33 @@ impl<St: Store> Limiter<St> {
             ));
         }
         store.validate(&policies)?;
-        // A waiter frees its in-flight slot through the store's adjust.
-        if let Some(policy) = policies
-            .iter()
-            .find(|policy| policy.params().is_in_flight())
-            && !store.can_adjust()
-        {
-            return Err(StoreError::new(
-                StoreErrorKind::Unsupported,
-                format!(
-                    "the in-flight limit \"{}\" frees slots through the store's adjust, and \
-                     this store cannot adjust (Store::can_adjust is false)",
-                    policy.name()
-                ),
-            ));
-        }
-        // A waiter that gives up gives its shaping place back through the store's adjust:
-        // without it, each one left a place booked for nobody.
-        if let Some(policy) = policies.iter().find(|policy| {
-            !policy.is_shadow()
+        // What a waiter takes and gives back goes through the store's adjust: an in-flight
+        // slot when its call ends, a shaping place when it gives up (without it, each one
+        // left a place booked for nobody).
+        let gives_back = |policy: &crate::Policy| {
+            if policy.params().is_in_flight() {
+                Some(("in-flight limit", "frees slots"))
+            } else if !policy.is_shadow()
                 && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
-        }) && !store.can_adjust()
+            {
+                Some((
+                    "shaping policy",
+                    "gives a waiter's place back, when it gives up,",
+                ))
+            } else {
+                None
+            }
+        };
+        if !store.can_adjust()
+            && let Some((policy, (kind, what))) = policies
+                .iter()
+                .find_map(|policy| gives_back(policy).map(|given| (policy, given)))
         {
             return Err(StoreError::new(
                 StoreErrorKind::Unsupported,
                 format!(
-                    "the shaping policy \"{}\" gives a waiter's place back through the \
-                     store's adjust when it gives up, and this store cannot adjust \
-                     (Store::can_adjust is false)",
+                    "the {kind} \"{}\" {what} through the store's adjust, and this store \
+                     cannot adjust (Store::can_adjust is false)",
                     policy.name()
                 ),
             ));
@@ -989,6 +988,11 @@ impl<St: Store> Limiter<St> {
                 matches!(decider, Decider::Fallback(_)),
                 std::sync::atomic::Ordering::Relaxed,
             );
+            // The policies that decided: the fallback's (scaled) when it did.
+            let decided_by = match &decider {
+                Decider::Fallback(applied) => applied,
+                _ => &self.shared.policies,
+            };
             match decision.outcome() {
                 Outcome::Allowed { delay } => {
                     if delay.is_zero() {
@@ -1003,10 +1007,6 @@ impl<St: Store> Limiter<St> {
                         // Said as a denial: it would be admitted after `delay`, by
                         // the shaping policy that holds it back (of the policies the
                         // fallback applied, when it decided).
-                        let decided_by = match &decider {
-                            Decider::Fallback(applied) => applied,
-                            _ => &self.shared.policies,
-                        };
                         let denied = Decision::new(
                             Outcome::Denied {
                                 policy: longest_queue(decided_by, &decision, cost),
@@ -1056,10 +1056,6 @@ impl<St: Store> Limiter<St> {
                     // `reset`, less the wait), up to the policy's `max_delay`. A full
                     // queue that denies holds it back a whole `max_delay`; one a block
                     // names has drained by the block's end.
-                    let decided_by = match &decider {
-                        Decider::Fallback(applied) => applied,
-                        _ => &self.shared.policies,
-                    };
                     // A request of nothing joins no queue (held back only by a block).
                     let queued = if cost == 0 {
                         Duration::ZERO

@@ -1292,29 +1292,17 @@ async fn an_unused_turn_behind_a_used_one_stays_spent() {
 #[tokio::test(start_paused = true)]
 async fn a_word_heard_while_the_inner_service_is_busy_is_waited_out() {
     let arrivals = Arrivals::new();
-    let log = arrivals.clone();
-    let upstream = service_fn(move |request: Request<Empty<Bytes>>| {
-        log.note();
-        let slow = request.uri().host() == Some("b.test");
-        async move {
-            if slow {
-                tokio::time::sleep(Duration::from_secs(70)).await;
-            }
-            Ok::<_, Infallible>(Response::new(Empty::<Bytes>::new()))
-        }
-    });
     let layer = PacingLayer::new();
+    // One at a time; the first request (to b.test) takes 70 s.
     let client = layer
         .clone()
-        .layer(tower::limit::ConcurrencyLimitLayer::new(1).layer(upstream));
+        .layer(one_at_a_time(arrivals.clone(), Duration::from_secs(70)));
     // Another client of the same layer, to whom a.test says it has none left for 60 s.
-    let other = layer.layer(service_fn(|_: Request<Empty<Bytes>>| async {
-        let response = Response::builder()
-            .header("ratelimit", "\"api\";r=0;t=60")
-            .body(Empty::<Bytes>::new())
-            .unwrap();
-        Ok::<_, Infallible>(response)
-    }));
+    let other = layer.layer(timed(
+        Arrivals::new(),
+        Some(("ratelimit", "\"api\";r=0;t=60")),
+        Duration::ZERO,
+    ));
     let slow = spawn_send(&client, "http://b.test/");
     tokio::task::yield_now().await;
     let waiting = spawn_send(&client, "http://a.test/");
