@@ -157,11 +157,18 @@ impl RedisServer {
 
     /// Sends the process `signal` (`STOP` freezes it: its connections stay open and its
     /// kernel still accepts new ones, but nothing answers; `CONT` wakes it).
+    /// (The shell's own `kill`: a minimal image may have no `/bin/kill`, which is
+    /// `procps`'s, and nothing the suite installs brings it.)
     pub fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
+        let status = Command::new("sh")
+            .args([
+                "-c",
+                "kill -s \"$0\" \"$1\"",
+                signal,
+                &self.child.id().to_string(),
+            ])
             .status()
-            .expect("kill runs");
+            .expect("sh runs");
         assert!(status.success(), "kill -{signal} failed");
     }
 
