@@ -3561,3 +3561,126 @@ async fn a_library_load_one_primary_cannot_answer_leaves_the_others_deciding() {
     frozen.signal("CONT");
     assert_eq!(decided, 5);
 }
+
+// A user who may run the library's functions but no scripts (no `EVAL`, `EVALSHA`), on
+// a Cluster: one primary lost the library (a restart without persistence) while another
+// stopped answering, so the load, which must reach every primary, failed on I/O. The
+// store then ran scripts for a minute, which this user may not run: every decision on
+// every primary was refused (`NOPERM ... 'evalsha'`), on the sound primary too, whose
+// function was there all along.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
+    let cluster = support::RedisCluster::start(3);
+    for node in &cluster.nodes {
+        let refused = node.cli(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
+        assert!(refused.contains("OK"), "{refused}");
+    }
+    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .expect("a user with Functions only starts");
+    let policies = tollgate::PolicySet::from(
+        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
+    );
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    }
+    let held_by = |node: &support::RedisServer| -> Vec<String> {
+        (0..30)
+            .map(|n| format!("user:{n}"))
+            .filter(|user| {
+                node.cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
+                    .contains("tollgate")
+            })
+            .collect()
+    };
+    let (emptied, frozen, sound) = (&cluster.nodes[0], &cluster.nodes[1], &cluster.nodes[2]);
+    let (lost, kept) = (held_by(emptied), held_by(sound));
+    assert!(!lost.is_empty() && kept.len() >= 3, "{lost:?} {kept:?}");
+    assert_eq!(emptied.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+    frozen.signal("STOP");
+    // The emptied primary's identity: its load waits on the stopped primary, and the
+    // request gives up (as a layer's store timeout does).
+    let key = tollgate::Key::new(lost[0].clone());
+    let given_up =
+        tokio::time::timeout(Duration::from_millis(200), store.decide(&key, &policies, 1)).await;
+    assert!(
+        given_up.is_err(),
+        "the load cannot end while a primary is stopped"
+    );
+    let mut outcomes = Vec::new();
+    for user in &kept[..3] {
+        let key = tollgate::Key::new(user.clone());
+        let decided =
+            tokio::time::timeout(Duration::from_secs(10), store.decide(&key, &policies, 1))
+                .await
+                .expect("answered");
+        outcomes.push(
+            decided
+                .map(|d| d.statuses()[0].remaining)
+                .map_err(|e| e.to_string()),
+        );
+    }
+    frozen.signal("CONT");
+    assert_eq!(
+        outcomes,
+        vec![Ok(8); 3],
+        "the sound primary decides by its function"
+    );
+}
+
+// A Cluster primary lost the library (a restart without persistence): the load reaches
+// every primary, and those that kept it compiled the whole library again (`FUNCTION LOAD
+// REPLACE`: about a millisecond of each server's time, once per replica of the app that
+// met the loss). The same name is the same text: a primary that has it refuses the load
+// at once, and that refusal means loaded.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_does_not_replace_the_library_where_a_primary_has_it() {
+    let cluster = support::RedisCluster::start(3);
+    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .unwrap();
+    let policies = tollgate::PolicySet::from(
+        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
+    );
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    }
+    let emptied = &cluster.nodes[0];
+    let lost = (0..30)
+        .map(|n| format!("user:{n}"))
+        .find(|user| {
+            emptied
+                .cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
+                .contains("tollgate")
+        })
+        .expect("an identity on the first primary");
+    assert_eq!(emptied.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+    for node in &cluster.nodes {
+        assert_eq!(node.cli(&["CONFIG", "RESETSTAT"]).trim(), "OK");
+    }
+    let decision = store
+        .decide(&tollgate::Key::new(lost.clone()), &policies, 1)
+        .await
+        .unwrap_or_else(|error| panic!("{error}"));
+    assert_eq!(
+        decision.statuses()[0].remaining,
+        8,
+        "exact, by the function"
+    );
+    assert_eq!(
+        support::command_calls(emptied, "function|load"),
+        1,
+        "loaded there"
+    );
+    for node in &cluster.nodes[1..] {
+        assert_eq!(
+            support::command_calls(node, "function|load"),
+            0,
+            "a primary that has the library does not load it again"
+        );
+    }
+}

@@ -267,6 +267,13 @@ struct Scripts {
     born: std::time::Instant,
     /// The fallback has been said (an info event), once.
     said: std::sync::atomic::AtomicBool,
+    /// Functions (or the library's load) were refused, not merely unreachable: the
+    /// store went to scripts for that (until Functions are tried again).
+    functions_refused: std::sync::atomic::AtomicBool,
+    /// This user may not run scripts (`NOPERM` on `EVALSHA` or `EVAL`: an ACL for
+    /// Functions only). A load that fails on I/O then does not send calls to scripts,
+    /// which every node would refuse, but fails that call alone.
+    scripts_refused: std::sync::atomic::AtomicBool,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
@@ -300,6 +307,8 @@ impl Scripts {
             fell_back: std::sync::atomic::AtomicU64::new(0),
             born: std::time::Instant::now(),
             said: std::sync::atomic::AtomicBool::new(false),
+            functions_refused: std::sync::atomic::AtomicBool::new(false),
+            scripts_refused: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -317,8 +326,15 @@ impl Scripts {
                 .compare_exchange(fell_back, 0, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
+            self.functions_refused.store(false, Ordering::Relaxed);
             self.functions.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// Whether this user may not run scripts, as far as a call has found out.
+    fn scripts_refused(&self) -> bool {
+        self.scripts_refused
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The script of `call` for `invocation`.
@@ -2208,7 +2224,11 @@ async fn invoke(
                     // scripts while this call waited for it: this call runs as a script
                     // on its own node, which may well answer, and so do the calls of
                     // the next minute (see `load_library`).
+                    // A user who may not run scripts: this call fails, on I/O.
                     Err(error) if error.kind().is_io() => {
+                        if scripts.scripts_refused() {
+                            return Err(error);
+                        }
                         return run_script(backend, scripts.script(call, invocation), invocation)
                             .await;
                     }
@@ -2223,6 +2243,9 @@ async fn invoke(
                         // Said by the call that switched the store (calls that met it
                         // together are each counted).
                         missing_after_load(&error, switch_to_scripts(scripts));
+                        if scripts.scripts_refused() {
+                            return Err(error);
+                        }
                         return run_script(backend, scripts.script(call, invocation), invocation)
                             .await;
                     }
@@ -2235,7 +2258,28 @@ async fn invoke(
         };
         fall_back_to_scripts(scripts, &refused);
     }
-    run_script(backend, scripts.script(call, invocation), invocation).await
+    match run_script(backend, scripts.script(call, invocation), invocation).await {
+        // This user may not run scripts, and the store went to them because a load
+        // failed on I/O or a node missed the library, not because Functions were refused:
+        // back to Functions at once (every node would refuse every call for a minute
+        // otherwise, those whose function is there too), this call first.
+        Err(error) if scripts_refused(&error) => {
+            scripts.scripts_refused.store(true, Ordering::Relaxed);
+            if scripts.functions_refused.load(Ordering::Relaxed) {
+                return Err(error);
+            }
+            scripts.fell_back.store(0, Ordering::Relaxed);
+            scripts.functions.store(true, Ordering::Relaxed);
+            query(backend, &scripts.function_command(call, invocation)).await
+        }
+        answered => answered,
+    }
+}
+
+/// Whether `error` says this user may not run scripts (an ACL for Functions only).
+fn scripts_refused(error: &StoreError) -> bool {
+    let message = error.message.to_ascii_lowercase();
+    error.code() == Some("NOPERM") && (message.contains("'evalsha'") || message.contains("'eval'"))
 }
 
 /// Whether `error` says the server has no such function: its library is missing.
@@ -2305,8 +2349,15 @@ fn library_refused(error: &StoreError) {
 }
 
 /// Scripts from now on, for a minute (then Functions are tried again): whether the store
-/// ran Functions until now.
+/// ran Functions until now. Not for a user who may not run scripts (see
+/// [`Scripts::scripts_refused`]): Functions stay on, and the call that failed fails.
 fn switch_to_scripts(scripts: &Scripts) -> bool {
+    !scripts.scripts_refused() && go_to_scripts(scripts)
+}
+
+/// Scripts from now on, for a minute, whatever the user may run: whether the store ran
+/// Functions until now.
+fn go_to_scripts(scripts: &Scripts) -> bool {
     use std::sync::atomic::Ordering;
     let was = scripts.functions.swap(false, Ordering::Relaxed);
     let now = u64::try_from(scripts.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
@@ -2349,7 +2400,8 @@ fn functions_refused(error: &StoreError) -> bool {
 /// From now on this store's calls are `EVALSHA` scripts (as exact). Said once.
 fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
     use std::sync::atomic::Ordering;
-    switch_to_scripts(scripts);
+    scripts.functions_refused.store(true, Ordering::Relaxed);
+    go_to_scripts(scripts);
     if !scripts.said.swap(true, Ordering::Relaxed) {
         #[cfg(feature = "tracing")]
         tracing::info!(
@@ -2363,8 +2415,11 @@ fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
     let _ = error;
 }
 
-/// Loads the Functions library (`FUNCTION LOAD REPLACE`: the same text under the same
-/// name, so replicas loading at once agree; on a Cluster, every primary), unless another
+/// Loads the Functions library (`FUNCTION LOAD`, on a Cluster on every primary; a server
+/// that has it already refuses the load at once, and that means loaded: the library's
+/// name carries a hash of its text, so the same name is the same text, which `REPLACE`
+/// would compile again on each of them, once per replica of the app that met the loss),
+/// unless another
 /// request of this store has loaded it since this one saw it missing (`seen`: the count
 /// of loads before its call): `Ok(true)`. `Ok(false)` when the load was refused to a
 /// request ahead of this one, which switched the store to scripts meanwhile: requests
@@ -2378,7 +2433,7 @@ async fn load_library(
     use std::sync::atomic::Ordering;
     // One load at a time; but a caller holding a pooled connection does not wait for
     // the loader, which may itself be waiting for a pooled connection (callers like this
-    // one may hold them all): it loads alongside (`REPLACE` of the same text is harmless).
+    // one may hold them all): it loads alongside (the second load is refused as loaded).
     let _one_at_a_time = if backend.checked_out() {
         scripts.reload.try_lock().ok()
     } else {
@@ -2400,10 +2455,7 @@ async fn load_library(
         return Ok(false);
     }
     let mut command = redis::cmd("FUNCTION");
-    command
-        .arg("LOAD")
-        .arg("REPLACE")
-        .arg(&scripts.library.source);
+    command.arg("LOAD").arg(&scripts.library.source);
     // Dropped before it ends, the load failed on I/O: see `Loading`. (Declared after the
     // turn: dropped while the turn is held, so that those waiting for it see the switch.)
     let mut loading = Loading {
@@ -2412,6 +2464,11 @@ async fn load_library(
     };
     match query::<redis::Value>(backend, &command).await {
         Ok(_) => {
+            loading.ended = true;
+            scripts.loads.fetch_add(1, Ordering::Release);
+            Ok(true)
+        }
+        Err(error) if already_loaded(&error) => {
             loading.ended = true;
             scripts.loads.fetch_add(1, Ordering::Release);
             Ok(true)
@@ -2425,6 +2482,15 @@ async fn load_library(
             Err(error)
         }
     }
+}
+
+/// Whether a load's refusal says the server has the library already (`Library ...
+/// already exists`): another replica of the app loaded it first.
+fn already_loaded(error: &StoreError) -> bool {
+    error
+        .message
+        .to_ascii_lowercase()
+        .contains("already exists")
 }
 
 /// A library load in flight. Dropped before it ended, it failed on I/O: a server did

@@ -495,7 +495,7 @@ mod tests {
         assert_eq!(first_key(&del), Some(&b"k{c}"[..]));
         assert_eq!(first_key(&redis::cmd("PING")), None);
         let mut load = redis::cmd("FUNCTION");
-        load.arg("LOAD").arg("REPLACE").arg("#!lua name=x");
+        load.arg("LOAD").arg("#!lua name=x");
         assert_eq!(first_key(&load), None);
     }
 }
