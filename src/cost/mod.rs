@@ -151,6 +151,9 @@ pub struct PerRoute {
     /// Each listing: its method (`None`: every method), its path as written, the path as
     /// a handler may read it (`respelled`), and its cost.
     routes: Vec<Listing>,
+    /// Segments that begin with `:` or `*` are listed as literal text
+    /// ([`without_v07_checks`](Self::without_v07_checks)).
+    literal_v07: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -167,7 +170,26 @@ impl PerRoute {
         Self {
             default,
             routes: Vec::new(),
+            literal_v07: false,
         }
+    }
+
+    /// Paths listed after this may hold segments that begin with `:` or `*`, as literal
+    /// text: for a router built with axum's `Router::without_v07_checks`, which serves
+    /// such paths. Otherwise they panic, as axum 0.8's router does: they are axum 0.7's
+    /// captures, which axum 0.8 writes `{id}` and `{*path}`.
+    ///
+    /// ```
+    /// use http::Request;
+    /// use tollgate::cost::{Cost, PerRoute};
+    ///
+    /// let cost = PerRoute::new(1).without_v07_checks().route("/:literal", 5);
+    /// let (parts, ()) = Request::get("/:literal").body(()).unwrap().into_parts();
+    /// assert_eq!(cost.cost(&parts), 5);
+    /// ```
+    pub fn without_v07_checks(mut self) -> Self {
+        self.literal_v07 = true;
+        self
     }
 
     /// `path` costs `cost` for every method (listed again, the last entry stands).
@@ -176,11 +198,11 @@ impl PerRoute {
     ///
     /// If `path` could never match a request's path (it does not start with `/`, or holds
     /// a query, a fragment or a space): a programming error caught at start-up, as axum's
-    /// `Router::route` panics on such a path. (A capture is written as axum 0.8 writes it,
-    /// `/users/{id}`: `/users/:id` is the literal path, as under axum's
-    /// `without_v07_checks`.)
+    /// `Router::route` panics on such a path. So does a segment that begins with `:` or
+    /// `*` (axum 0.7's capture; axum 0.8 writes `/users/{id}`), unless
+    /// [`without_v07_checks`](Self::without_v07_checks) came first.
     pub fn route(mut self, path: &str, cost: u64) -> Self {
-        check_route(path);
+        check_route(path, self.literal_v07);
         self.list(Listing::new(None, path, cost));
         self
     }
@@ -195,7 +217,7 @@ impl PerRoute {
     ///
     /// As [`route`](Self::route), for a path that could never match.
     pub fn route_method(mut self, method: Method, path: &str, cost: u64) -> Self {
-        check_route(path);
+        check_route(path, self.literal_v07);
         self.list(Listing::new(Some(method), path, cost));
         self
     }
@@ -210,11 +232,21 @@ impl PerRoute {
 }
 
 /// Panics on a route no request's path can match: it would cost the default, silently.
-fn check_route(path: &str) {
+/// So does axum 0.7's capture, unless `literal_v07` (see [`PerRoute::without_v07_checks`]).
+fn check_route(path: &str, literal_v07: bool) {
     assert!(
         path.starts_with('/') && !path.contains(['?', '#', ' ', '\t']),
         "PerRoute: {path:?} never matches a request's path: a route starts with / and \
          holds no query (?), fragment (#) or space"
+    );
+    assert!(
+        literal_v07
+            || !path
+                .split('/')
+                .any(|segment| segment.starts_with(':') || segment.starts_with('*')),
+        "PerRoute: {path:?} holds axum 0.7's capture (:id, *path), which axum 0.8's router \
+         neither matches nor writes: write /users/{{id}} or /files/{{*path}} (for literal \
+         text, as under Router::without_v07_checks, call PerRoute::without_v07_checks first)"
     );
 }
 
@@ -807,6 +839,27 @@ mod tests {
             .route("/users/{id}", 2)
             .route("/", 1)
             .route("/v1/models/m:generate", 3);
+    }
+
+    /// axum 0.7's captures (`/export/:id`, `/files/*path`), carried over into a listing,
+    /// matched no template axum 0.8 writes (`/export/{id}`) and cost the default,
+    /// silently; the configuration refused them already. They panic, as axum 0.8's router
+    /// does, unless the listing asks for literal segments as its router does
+    /// (`without_v07_checks`).
+    #[test]
+    fn an_axum_0_7_capture_is_refused_unless_asked_for_as_literal_text() {
+        for path in ["/export/:id", "/files/*path", "/:tenant/export"] {
+            let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
+            assert!(refused.is_err(), "{path:?}");
+            let refused =
+                std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
+            assert!(refused.is_err(), "{path:?}");
+        }
+        let literal = PerRoute::new(1)
+            .without_v07_checks()
+            .route("/export/:id", 5);
+        assert_eq!(literal.cost(&parts(Method::GET, "/export/:id")), 5);
+        assert_eq!(literal.cost(&parts(Method::GET, "/export/7")), 1);
     }
 
     /// RFC 9110, section 9.3.2: a server answers HEAD as it answers GET, without the body,
