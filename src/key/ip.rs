@@ -223,7 +223,9 @@ impl ClientIp {
     /// The peer is read from axum's `ConnectInfo<SocketAddr>` first, then tonic's
     /// connection info, then a `SocketAddr` extension: middleware that learns the real
     /// client (the PROXY protocol) must replace `ConnectInfo`, not add a `SocketAddr`
-    /// beside it.
+    /// beside it. `ConnectInfo` is read with the `axum` feature (on by default) and
+    /// tonic's with the `tonic` feature: an app built with `default-features = false`
+    /// names the one it serves with, or every request is answered `500`.
     pub fn peer() -> Self {
         Self {
             trusted: Vec::new(),
@@ -657,10 +659,15 @@ fn translated_ipv4(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
 #[cold]
 #[inline(never)]
 fn no_peer() -> KeyError {
-    KeyError::server(
-        "no peer address: serve with into_make_service_with_connect_info::<SocketAddr>() \
-         or insert a SocketAddr extension",
-    )
+    #[cfg(feature = "axum")]
+    const WHY: &str = "no peer address: serve with \
+        into_make_service_with_connect_info::<SocketAddr>() or insert a SocketAddr extension";
+    // An axum app's `ConnectInfo` is read only with the feature: without it, the error
+    // names that, not the connect-info serving the app may well use.
+    #[cfg(not(feature = "axum"))]
+    const WHY: &str = "no peer address: tollgate's `axum` feature is off, so axum's \
+        ConnectInfo is not read (enable it, or insert a SocketAddr extension)";
+    KeyError::server(WHY)
 }
 
 impl KeyExtractor for ClientIp {
@@ -1307,6 +1314,18 @@ mod tests {
         let error = ClientIp::peer().extract(&parts).unwrap_err();
         assert_eq!(error.kind(), crate::key::KeyErrorKind::Server);
         assert!(error.to_string().contains("no peer address"), "{error}");
+    }
+
+    /// An axum app whose build left tollgate's `axum` feature off (`default-features =
+    /// false`) has its `ConnectInfo` unread: every request is refused 500, and the error
+    /// must name that cause, not ask for the `into_make_service_with_connect_info` the
+    /// app already uses.
+    #[cfg(not(feature = "axum"))]
+    #[test]
+    fn without_the_axum_feature_a_missing_peer_names_it() {
+        let parts = Request::get("/").body(()).unwrap().into_parts().0;
+        let error = ClientIp::peer().extract(&parts).unwrap_err();
+        assert!(error.to_string().contains("`axum` feature"), "{error}");
     }
 
     #[test]

@@ -322,10 +322,14 @@ pub(crate) fn key_error(error: &KeyError) -> Response<Bytes> {
     // server-side reason goes to the log (`telemetry::key_rejected`), not into the body.
     let detail = match error.kind() {
         KeyErrorKind::Client => format!("the rate limiter could not identify the client: {error}"),
-        KeyErrorKind::Server => {
+        // Its log says why only where there is one (the `tracing` feature).
+        KeyErrorKind::Server if cfg!(feature = "tracing") => {
             "the rate limiter could not identify the client: the server is set up wrong \
              (its log says why)"
                 .to_owned()
+        }
+        KeyErrorKind::Server => {
+            "the rate limiter could not identify the client: the server is set up wrong".to_owned()
         }
     };
     problem(status, "about:blank", title, &detail, &[])
