@@ -314,3 +314,39 @@ fn the_reader_follows_the_roots_reexports() {
     let found: Vec<String> = reexports_reached(text, &reexports).into_iter().collect();
     assert_eq!(found, ["decision", "layer", "respond", "service"]);
 }
+
+/// ARCHITECTURE.md's rule, as written: each file of `lua/` is the twin of one file of
+/// `src/algorithm/` (the same name), and each algorithm file has its twin there. The
+/// store's side of the scripts (the prelude, the decision loop, the adjustment, what each
+/// call starts with), whose twins are in `src/store/`, lives in `lua/store/`.
+#[test]
+fn each_lua_file_is_the_twin_of_one_algorithm_file() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let stems = |dir: &str, extension: &str| -> BTreeSet<String> {
+        fs::read_dir(root.join(dir))
+            .unwrap()
+            .filter_map(|entry| {
+                let path = entry.unwrap().path();
+                let name = path.file_name()?.to_str()?.to_owned();
+                (path.is_file())
+                    .then(|| name.strip_suffix(extension).map(str::to_owned))
+                    .flatten()
+            })
+            .collect()
+    };
+    let scripts = stems("lua", ".lua");
+    let mut algorithms = stems("src/algorithm", ".rs");
+    algorithms.remove("mod");
+    assert_eq!(scripts, algorithms, "lua/ and src/algorithm/ differ");
+    let architecture = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    for stem in &scripts {
+        let row = architecture.lines().any(|line| {
+            line.trim_start().starts_with(&format!("| `{stem}.lua`"))
+                && line.contains(&format!("| `{stem}.rs`"))
+        });
+        assert!(
+            row,
+            "ARCHITECTURE.md's table of twins has no row for {stem}"
+        );
+    }
+}

@@ -3056,7 +3056,7 @@ async fn a_costly_shaping_admission_is_queued_not_owed() {
 /// An unbooking (a request dropped during its shaping delay) gives back only the newest
 /// booking of the shaping queue, and with it the request's units under the other
 /// policies; a booking a later one stands behind, or one that has leaked out, is left as
-/// it is. Alike on every store (lua/adjust.lua's mode 4 is the twin of
+/// it is. Alike on every store (lua/store/adjust.lua's mode 4 is the twin of
 /// src/store/decide.rs's `Change::Unbook`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unbooking_gives_back_only_the_newest_booking_on_every_store() {

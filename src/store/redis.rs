@@ -30,7 +30,7 @@ macro_rules! script {
     (main: $main:literal, $(($kind:literal, $file:literal)),+) => {
         concat!(
             script!(algorithms: $(($kind, $file)),+),
-            include_str!(concat!("../../lua/", $main))
+            include_str!(concat!("../../lua/store/", $main))
         )
     };
     // The decision loop as the function `decide`, run once per coalesced decision.
@@ -38,17 +38,18 @@ macro_rules! script {
         concat!(
             script!(algorithms: $(($kind, $file)),+),
             "local function decide()\n",
-            include_str!("../../lua/main.lua"),
+            include_str!("../../lua/store/main.lua"),
             "\nend\n",
-            include_str!("../../lua/batch.lua")
+            include_str!("../../lua/store/batch.lua")
         )
     };
     (algorithms: $(($kind:literal, $file:literal)),+) => {
         concat!(
             "local now, cost, count, max, min, fmod, call, format, match\n",
-            include_str!("../../lua/bind.lua"),
-            include_str!("../../lua/begin.lua"),
-            include_str!("../../lua/prelude.lua"),
+            include_str!("../../lua/store/bind.lua"),
+            include_str!("../../lua/store/begin.lua"),
+            include_str!("../../lua/store/prelude.lua"),
+            include_str!("../../lua/penalty.lua"),
             script!(wrappers: $(($kind, $file)),+)
         )
     };
@@ -95,7 +96,7 @@ struct Library {
     decide: String,
     batch: String,
     adjust: String,
-    /// Per algorithm (in [`KINDS`]' order): a lone plain policy's decision (lua/one.lua).
+    /// Per algorithm (in [`KINDS`]' order): a lone plain policy's decision (lua/store/one.lua).
     one: [String; 7],
 }
 
@@ -108,23 +109,24 @@ impl Library {
         let template = [
             &format!("#!lua name=tollgate_{VERSION}\n"),
             "local KEYS, ARGV, now, cost, count, max, min, fmod, call, format, match\n",
-            include_str!("../../lua/bind.lua"),
-            include_str!("../../lua/check.lua"),
+            include_str!("../../lua/store/bind.lua"),
+            include_str!("../../lua/store/check.lua"),
             "local function begin()\n",
-            include_str!("../../lua/begin.lua"),
+            include_str!("../../lua/store/begin.lua"),
             "end\n",
-            include_str!("../../lua/prelude.lua"),
+            include_str!("../../lua/store/prelude.lua"),
+            include_str!("../../lua/penalty.lua"),
             ALL_ALGORITHMS,
             "local function decide()\n",
-            include_str!("../../lua/main.lua"),
+            include_str!("../../lua/store/main.lua"),
             "\nend\n",
             "local function adjust()\n",
-            include_str!("../../lua/adjust.lua"),
+            include_str!("../../lua/store/adjust.lua"),
             "\nend\n",
             "local function batch()\n",
-            include_str!("../../lua/batch.lua"),
+            include_str!("../../lua/store/batch.lua"),
             "\nend\n",
-            include_str!("../../lua/one.lua"),
+            include_str!("../../lua/store/one.lua"),
             "local function entry(body)\n",
             "  return function(keys, args)\n",
             "    KEYS, ARGV = keys, args\n",
@@ -172,14 +174,14 @@ enum Call {
     Adjust,
 }
 
-// The decision scripts take the keys and arguments `lua/prelude.lua` describes. For one
+// The decision scripts take the keys and arguments `lua/store/prelude.lua` describes. For one
 // plain policy (no shadow, no penalty) of every algorithm (the sliding window counter with
 // one sub-window) they read KEYS[1] only and answer
 // `{outcome, wait or delay, raw state, time}` rather than the policy's status.
 
 /// The script of requests under one fixed-window policy. Under one plain policy it reads
 /// `KEYS[1]` only and answers `{outcome, wait, count, end of the window, time}` (see
-/// `lua/prelude.lua`).
+/// `lua/store/prelude.lua`).
 pub const FIXED_WINDOW_SCRIPT: &str = script!(("fw", "fixed_window.lua"));
 /// The script of requests under one sliding-window-counter policy. Under one plain policy
 /// of one sub-window it reads `KEYS[1]` only and answers `{outcome, wait, window index,
@@ -347,7 +349,7 @@ impl Scripts {
     }
 
     /// The `FCALL` of `call` for `invocation`: a lone plain policy's decision calls its
-    /// algorithm's own function (lua/one.lua), with the cost and the policy's numbers
+    /// algorithm's own function (lua/store/one.lua), with the cost and the policy's numbers
     /// only; any other call, the function of its kind with the whole invocation.
     fn function_command(&self, call: Call, invocation: &Invocation) -> redis::Cmd {
         if let (Call::Decide, Shape::Raw(_)) = (call, invocation.shape)
@@ -382,7 +384,7 @@ impl Scripts {
 }
 
 /// The source of the script that decides requests under `policies`. Its keys, arguments
-/// and answer are described at the top of `lua/prelude.lua`: a set of one plain policy
+/// and answer are described at the top of `lua/store/prelude.lua`: a set of one plain policy
 /// (no shadow, no penalty; the sliding window counter with one sub-window) is sent its
 /// state key only and answers its raw state, not its status.
 ///
@@ -1431,16 +1433,16 @@ impl RedisStore {
     /// The scripts write times with Lua's `string.format('%d')`, which goes through a C
     /// `long`: on a build where it has 32 bits (a 32-bit or a Windows build) every time
     /// would be written wrong, and the limits would not hold. The Functions library checks
-    /// at its first call (lua/check.lua); the scripts do not (a check on every run would
+    /// at its first call (lua/store/check.lua); the scripts do not (a check on every run would
     /// cost the fallback about 5%), so it is checked here, once, on the node of `key`
     /// (a key of the start-up check, which the script does not touch: it routes the call,
     /// and the ACL allows it). Where the server cannot be reached, or refuses `EVAL` (an
     /// ACL for Functions only, whose library checks itself), nothing is checked here;
     /// any other error is logged as a warning.
     async fn check_integer_format(&self, key: &str) -> Result<(), StoreError> {
-        // The library's own predicate (lua/check.lua), answered as 1 or 0.
+        // The library's own predicate (lua/store/check.lua), answered as 1 or 0.
         const CHECK: &str = concat!(
-            include_str!("../../lua/check.lua"),
+            include_str!("../../lua/store/check.lua"),
             "return integers_ok() and 1 or 0\n"
         );
         let mut command = redis::cmd("EVAL");
@@ -1855,7 +1857,7 @@ impl Invocation {
     }
 
     /// `FCALL function 1 key cost p1 p2 p3 [now]`: a lone plain policy's decision by its
-    /// algorithm's own function (lua/one.lua). The arguments are the invocation's (now,
+    /// algorithm's own function (lua/store/one.lua). The arguments are the invocation's (now,
     /// cost, count, kind, p1, p2, p3) without the count and the kind, which the function
     /// names; the time comes last, and only from a test clock.
     fn one_command(&self, function: &str) -> redis::Cmd {
@@ -3564,7 +3566,7 @@ mod tests {
     fn a_penalty_is_spelled_alike_in_its_key_and_in_the_scripts_argument() {
         // Four different numbers, so that no two can trade places unseen: the key names
         // state kept in Redis (a changed spelling would strand it), and the script reads
-        // the argument as `!denials:within:block:max_block` (lua/prelude.lua).
+        // the argument as `!denials:within:block:max_block` (lua/store/prelude.lua).
         let policy = Policy::token_bucket("api", 10, Rate::per_second(5))
             .unwrap()
             .with_penalty(
