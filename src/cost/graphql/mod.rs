@@ -471,7 +471,9 @@ impl GraphqlCost {
         self
     }
 
-    /// The cost of one operation: `query`, the operation to run, and its variables.
+    /// The cost of one operation: `query`, the operation to run, and its variables (as
+    /// the `serde_json` map a GraphQL server holds them in: a third-party type in this
+    /// signature on purpose, since variables are JSON).
     pub fn query_cost(
         &self,
         query: &str,
