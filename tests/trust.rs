@@ -3473,6 +3473,32 @@ async fn a_call_asked_to_a_node_without_the_library_runs_as_a_script() {
     assert_eq!(decision.statuses()[0].remaining, 8);
 }
 
+/// Thirty identities (`user:0` to `user:29`) decided once each through `store`, under a
+/// fixed window of 10 (the library loaded on every primary): the policies.
+#[cfg(feature = "redis")]
+async fn thirty_decided(store: &tollgate::store::RedisStore) -> tollgate::PolicySet {
+    let policies = tollgate::PolicySet::from(
+        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
+    );
+    for n in 0..30 {
+        let key = tollgate::Key::new(format!("user:{n}"));
+        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+    }
+    policies
+}
+
+/// Which of the thirty identities of [`thirty_decided`] `node` holds.
+#[cfg(feature = "redis")]
+fn held_by(node: &support::RedisServer) -> Vec<String> {
+    (0..30)
+        .map(|n| format!("user:{n}"))
+        .filter(|user| {
+            node.cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
+                .contains("tollgate")
+        })
+        .collect()
+}
+
 // A new release's library is missing on every node, and one primary cannot answer (its
 // process stopped): the load, which must reach every primary, fails on that one. The
 // identities of the other primaries were refused with it (a decision on a sound node
@@ -3485,22 +3511,13 @@ async fn a_library_load_one_primary_cannot_answer_leaves_the_others_deciding() {
     let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
         .await
         .unwrap();
-    let policies = tollgate::PolicySet::from(
-        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
-    );
-    for n in 0..30 {
-        let key = tollgate::Key::new(format!("user:{n}"));
-        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-    }
+    let policies = thirty_decided(&store).await;
     // The identities of a primary that keeps answering.
     let frozen = &cluster.nodes[0];
+    let on_frozen = held_by(frozen);
     let elsewhere: Vec<String> = (0..30)
         .map(|n| format!("user:{n}"))
-        .filter(|user| {
-            !frozen
-                .cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
-                .contains("tollgate")
-        })
+        .filter(|user| !on_frozen.contains(user))
         .collect();
     assert!(
         elsewhere.len() >= 6,
@@ -3579,22 +3596,7 @@ async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
     let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
         .await
         .expect("a user with Functions only starts");
-    let policies = tollgate::PolicySet::from(
-        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
-    );
-    for n in 0..30 {
-        let key = tollgate::Key::new(format!("user:{n}"));
-        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-    }
-    let held_by = |node: &support::RedisServer| -> Vec<String> {
-        (0..30)
-            .map(|n| format!("user:{n}"))
-            .filter(|user| {
-                node.cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
-                    .contains("tollgate")
-            })
-            .collect()
-    };
+    let policies = thirty_decided(&store).await;
     let (emptied, frozen, sound) = (&cluster.nodes[0], &cluster.nodes[1], &cluster.nodes[2]);
     let (lost, kept) = (held_by(emptied), held_by(sound));
     assert!(!lost.is_empty() && kept.len() >= 3, "{lost:?} {kept:?}");
@@ -3642,21 +3644,10 @@ async fn a_load_does_not_replace_the_library_where_a_primary_has_it() {
     let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
         .await
         .unwrap();
-    let policies = tollgate::PolicySet::from(
-        tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
-    );
-    for n in 0..30 {
-        let key = tollgate::Key::new(format!("user:{n}"));
-        assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
-    }
+    let policies = thirty_decided(&store).await;
     let emptied = &cluster.nodes[0];
-    let lost = (0..30)
-        .map(|n| format!("user:{n}"))
-        .find(|user| {
-            emptied
-                .cli(&["--scan", "--pattern", &format!("tollgate:{{{user}}}*")])
-                .contains("tollgate")
-        })
+    let lost = held_by(emptied)
+        .pop()
         .expect("an identity on the first primary");
     assert_eq!(emptied.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
     for node in &cluster.nodes {

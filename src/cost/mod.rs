@@ -824,16 +824,21 @@ mod tests {
         assert_eq!(methods.cost(&respelt), 2);
     }
 
+    /// `path` panics when listed, for every method and for one.
+    fn refused_either_way(path: &str) {
+        let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
+        assert!(refused.is_err(), "{path:?}");
+        let refused =
+            std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
+        assert!(refused.is_err(), "{path:?}");
+    }
+
     /// A route no path can match once cost the default, silently: `search` (no leading
     /// slash) or `/search?q=1` (paths carry no query).
     #[test]
     fn a_route_that_never_matches_is_refused_at_start_up() {
         for path in ["search", "/search?q=1", "/a b", "/a#b", ""] {
-            let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
-            assert!(refused.is_err(), "{path:?}");
-            let refused =
-                std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
-            assert!(refused.is_err(), "{path:?}");
+            refused_either_way(path);
         }
         let _ = PerRoute::new(1)
             .route("/users/{id}", 2)
@@ -849,11 +854,7 @@ mod tests {
     #[test]
     fn an_axum_0_7_capture_is_refused_unless_asked_for_as_literal_text() {
         for path in ["/export/:id", "/files/*path", "/:tenant/export"] {
-            let refused = std::panic::catch_unwind(|| PerRoute::new(1).route(path, 5));
-            assert!(refused.is_err(), "{path:?}");
-            let refused =
-                std::panic::catch_unwind(|| PerRoute::new(1).route_method(Method::GET, path, 5));
-            assert!(refused.is_err(), "{path:?}");
+            refused_either_way(path);
         }
         let literal = PerRoute::new(1)
             .without_v07_checks()
