@@ -1165,6 +1165,61 @@ async fn a_functions_only_user_starts_without_the_eval_check() {
     assert!(support::command_calls(&server, "fcall") > 0);
 }
 
+// A user who may call the library's functions and nothing else (an administrator loads
+// the library): the server lost it (a restart), and the load this user's store tried was
+// refused. The store went to scripts for a minute, which this user may not run either:
+// once the administrator had loaded the library again, every decision was still refused
+// (`NOPERM ... 'evalsha'`) until the minute was out.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_refused_load_leaves_a_user_without_scripts_on_functions() {
+    let server = support::RedisServer::start();
+    let admin = tollgate::store::RedisStore::connect(&server.url())
+        .await
+        .unwrap();
+    let policies =
+        PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(600)).unwrap());
+    assert!(
+        admin
+            .decide(&Key::new("a"), &policies, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let granted = acl_user(&server, "caller", &["+fcall"]);
+    assert!(granted.contains("OK"), "{granted}");
+    let url = format!("redis://caller:s3cret@127.0.0.1:{}", server.port);
+    let store = tollgate::store::RedisStore::connect(&url)
+        .await
+        .expect("a user who may call the functions starts");
+    assert_eq!(server.cli(&["FUNCTION", "FLUSH"]).trim(), "OK");
+    let refused = store.decide(&Key::new("u"), &policies, 1).await;
+    assert!(
+        refused.is_err(),
+        "the library is gone and this user may not load it"
+    );
+    // Refused again at once, without a load per call.
+    let loads = support::command_sent(&server, "function|load");
+    assert!(loads > 0);
+    let refused = store.decide(&Key::new("u"), &policies, 1).await;
+    assert!(refused.is_err());
+    assert_eq!(support::command_sent(&server, "function|load"), loads);
+    // The administrator's store loads it again.
+    assert!(
+        admin
+            .decide(&Key::new("a"), &policies, 1)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let decided = store
+        .decide(&Key::new("u"), &policies, 1)
+        .await
+        .unwrap_or_else(|error| panic!("the library is back: {error}"));
+    assert_eq!(decided.statuses()[0].remaining, 9);
+    assert_eq!(support::command_calls(&server, "evalsha"), 0);
+}
+
 // On a Cluster every primary loads its own scripts and may have its own ACL: the start-up
 // check must reach all of them, not only the one that owns its probe key's slot.
 #[cfg(feature = "redis")]
@@ -3624,12 +3679,36 @@ async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
                 .map_err(|e| e.to_string()),
         );
     }
+    // The emptied primary's identities meanwhile: the load that could not end reached
+    // it, so they are decided there, exactly, with no load sent again.
+    let loads_before = support::command_calls(sound, "function|load");
+    let mut decided_lost = Vec::new();
+    for user in lost.iter().cycle().take(3) {
+        let key = tollgate::Key::new(user.clone());
+        let decided =
+            tokio::time::timeout(Duration::from_secs(5), store.decide(&key, &policies, 1))
+                .await
+                .expect("answered at once");
+        decided_lost.push(
+            decided
+                .map(|d| d.statuses()[0].remaining)
+                .map_err(|e| e.to_string()),
+        );
+    }
+    let loads_sent = support::command_calls(sound, "function|load") - loads_before;
     frozen.signal("CONT");
     assert_eq!(
         outcomes,
         vec![Ok(8); 3],
         "the sound primary decides by its function"
     );
+    let expected: Vec<Result<u64, String>> = match lost.len() {
+        1 => vec![Ok(8), Ok(7), Ok(6)],
+        2 => vec![Ok(8), Ok(8), Ok(7)],
+        _ => vec![Ok(8); 3],
+    };
+    assert_eq!(decided_lost, expected);
+    assert_eq!(loads_sent, 0, "no load per call");
 }
 
 // A Cluster primary lost the library (a restart without persistence): the load reaches

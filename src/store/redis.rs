@@ -92,6 +92,8 @@ const ALL_ALGORITHMS: &str = every_algorithm!(wrappers:);
 /// plain policy. Its name carries a hash of its text,
 /// so replicas of two versions never replace each other's functions.
 struct Library {
+    /// The library's name (`tollgate_` and a hash of its text).
+    name: String,
     source: String,
     decide: String,
     batch: String,
@@ -157,6 +159,7 @@ impl Library {
             adjust.replace(VERSION, &version),
         );
         Self {
+            name: format!("tollgate_{version}"),
             source,
             decide,
             batch,
@@ -269,13 +272,20 @@ struct Scripts {
     born: std::time::Instant,
     /// The fallback has been said (an info event), once.
     said: std::sync::atomic::AtomicBool,
-    /// Functions (or the library's load) were refused, not merely unreachable: the
-    /// store went to scripts for that (until Functions are tried again).
-    functions_refused: std::sync::atomic::AtomicBool,
-    /// This user may not run scripts (`NOPERM` on `EVALSHA` or `EVAL`: an ACL for
-    /// Functions only). A load that fails on I/O then does not send calls to scripts,
-    /// which every node would refuse, but fails that call alone.
-    scripts_refused: std::sync::atomic::AtomicBool,
+    /// `FCALL` itself was refused (no Functions, or an ACL without it), not only the
+    /// library's load: scripts are then all this store may run (until Functions are
+    /// tried again).
+    fcall_refused: std::sync::atomic::AtomicBool,
+    /// When a script was last refused (`NOPERM` on `EVALSHA` or `EVAL`: an ACL for
+    /// Functions only; milliseconds after `born`, plus one; 0: never). For a minute from
+    /// then, a load that fails or is refused does not send calls to scripts, which every
+    /// node would refuse, but fails the calls that needed it alone.
+    scripts_refused_at: std::sync::atomic::AtomicU64,
+    /// When, with scripts refused, a load was last refused or still left a node without
+    /// the library (same clock): for a minute from then, a call that meets no function
+    /// fails without sending the load again (it would be refused, or miss that node,
+    /// again).
+    loads_held_at: std::sync::atomic::AtomicU64,
 }
 
 /// The algorithm kinds the scripts know, and each one's own script, in the same order.
@@ -309,8 +319,9 @@ impl Scripts {
             fell_back: std::sync::atomic::AtomicU64::new(0),
             born: std::time::Instant::now(),
             said: std::sync::atomic::AtomicBool::new(false),
-            functions_refused: std::sync::atomic::AtomicBool::new(false),
-            scripts_refused: std::sync::atomic::AtomicBool::new(false),
+            fcall_refused: std::sync::atomic::AtomicBool::new(false),
+            scripts_refused_at: std::sync::atomic::AtomicU64::new(0),
+            loads_held_at: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -319,24 +330,49 @@ impl Scripts {
     fn try_functions_again(&self) {
         use std::sync::atomic::Ordering;
         let fell_back = self.fell_back.load(Ordering::Relaxed);
-        let now = u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
-        let due = u64::try_from(RETRY_FUNCTIONS.as_millis()).unwrap_or(u64::MAX);
         if fell_back != 0
-            && now.saturating_sub(fell_back) >= due
+            && !self.within_retry(fell_back)
             && self
                 .fell_back
                 .compare_exchange(fell_back, 0, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            self.functions_refused.store(false, Ordering::Relaxed);
+            self.fcall_refused.store(false, Ordering::Relaxed);
             self.functions.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Whether this user may not run scripts, as far as a call has found out.
+    /// Milliseconds since the store was made, plus one (0 stands for never).
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
+    }
+
+    /// Whether `at` (of [`Scripts::now_ms`]; 0: never) was less than [`RETRY_FUNCTIONS`] ago.
+    fn within_retry(&self, at: u64) -> bool {
+        let due = u64::try_from(RETRY_FUNCTIONS.as_millis()).unwrap_or(u64::MAX);
+        at != 0 && self.now_ms().saturating_sub(at) < due
+    }
+
+    /// Whether this user may not run scripts, as a call found out within the last minute
+    /// (an ACL may change: a minute later, scripts are tried again where needed).
     fn scripts_refused(&self) -> bool {
-        self.scripts_refused
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.within_retry(
+            self.scripts_refused_at
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    /// Whether loads are held (see [`Scripts::loads_held_at`]).
+    fn loads_held(&self) -> bool {
+        self.within_retry(
+            self.loads_held_at
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
+
+    fn hold_loads(&self) {
+        self.loads_held_at
+            .store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The script of `call` for `invocation`.
@@ -2198,7 +2234,40 @@ const CLUSTER_NODE_ALONE: &str = "it decides only the identities whose slots it 
 /// Runs `call` with the invocation's keys and arguments on `backend`: the library's
 /// function (loaded, once, when the server does not have it: a restart, a flush, a node
 /// that joined), or the script where Functions are missing or refused.
+///
+/// A user who may run the functions but no scripts (an ACL for Functions only) is found
+/// out by the first script refused: the store goes back to Functions at once, and this
+/// call runs again as a function, once. Scripts are then not tried for a minute (see
+/// [`Scripts::scripts_refused`]).
 async fn invoke(
+    backend: &Backend,
+    scripts: &Scripts,
+    call: Call,
+    invocation: &Invocation,
+) -> Result<Vec<i64>, StoreError> {
+    use std::sync::atomic::Ordering;
+    match invoke_once(backend, scripts, call, invocation).await {
+        Err(error) if scripts_refused(&error) => {
+            scripts
+                .scripts_refused_at
+                .store(scripts.now_ms(), Ordering::Relaxed);
+            // `FCALL` itself refused too: nothing this user may run.
+            if scripts.fcall_refused.load(Ordering::Relaxed) {
+                return Err(error);
+            }
+            // Back to Functions: the store went to scripts because a load failed or
+            // was refused, or a node missed the library, and every node would refuse
+            // every call for a minute, those whose function is there too.
+            scripts.fell_back.store(0, Ordering::Relaxed);
+            scripts.functions.store(true, Ordering::Relaxed);
+            Box::pin(invoke_once(backend, scripts, call, invocation)).await
+        }
+        answered => answered,
+    }
+}
+
+/// [`invoke`], once.
+async fn invoke_once(
     backend: &Backend,
     scripts: &Scripts,
     call: Call,
@@ -2219,14 +2288,27 @@ async fn invoke(
         let command = scripts.function_command(call, invocation);
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
+            // No scripts to run, and a load refused (or one that left this node without
+            // the library) less than a minute ago: this call fails, with no load sent.
+            Err(error) if function_not_found(&error) && scripts.loads_held() => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Refused,
+                    format!(
+                        "{}: the Redis Functions library is missing on this node, and this \
+                         user may run no scripts; its load was refused, or left this node \
+                         without it, less than a minute ago",
+                        error.message
+                    ),
+                ));
+            }
             Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
                     // The load met a server that did not answer (on a Cluster, a load
                     // must reach every primary; one stopped), or the store went to
                     // scripts while this call waited for it: this call runs as a script
                     // on its own node, which may well answer, and so do the calls of
-                    // the next minute (see `load_library`).
-                    // A user who may not run scripts: this call fails, on I/O.
+                    // the next minute (see `load_library`). Not for a user who may not
+                    // run scripts: this call fails, on I/O.
                     Err(error) if error.kind().is_io() => {
                         if scripts.scripts_refused() {
                             return Err(error);
@@ -2240,14 +2322,16 @@ async fn invoke(
                     // moves there), a server that lost the library again just after, or
                     // a bug of ours (a function the library does not register). Said and
                     // counted; scripts for a while (no load per call meanwhile), this
-                    // call first.
+                    // call first. A user who may not run scripts: this call fails (the
+                    // layer counts its error), and loads are held for a minute.
                     Ok(Err(error)) if function_not_found(&error) => {
+                        if scripts.scripts_refused() {
+                            scripts.hold_loads();
+                            return Err(error);
+                        }
                         // Said by the call that switched the store (calls that met it
                         // together are each counted).
                         missing_after_load(&error, switch_to_scripts(scripts));
-                        if scripts.scripts_refused() {
-                            return Err(error);
-                        }
                         return run_script(backend, scripts.script(call, invocation), invocation)
                             .await;
                     }
@@ -2258,24 +2342,11 @@ async fn invoke(
             Err(error) if functions_refused(&error) => error,
             Err(error) => return Err(error),
         };
-        fall_back_to_scripts(scripts, &refused);
-    }
-    match run_script(backend, scripts.script(call, invocation), invocation).await {
-        // This user may not run scripts, and the store went to them because a load
-        // failed on I/O or a node missed the library, not because Functions were refused:
-        // back to Functions at once (every node would refuse every call for a minute
-        // otherwise, those whose function is there too), this call first.
-        Err(error) if scripts_refused(&error) => {
-            scripts.scripts_refused.store(true, Ordering::Relaxed);
-            if scripts.functions_refused.load(Ordering::Relaxed) {
-                return Err(error);
-            }
-            scripts.fell_back.store(0, Ordering::Relaxed);
-            scripts.functions.store(true, Ordering::Relaxed);
-            query(backend, &scripts.function_command(call, invocation)).await
+        if !fall_back_to_scripts(scripts, &refused) {
+            return Err(refused);
         }
-        answered => answered,
     }
+    run_script(backend, scripts.script(call, invocation), invocation).await
 }
 
 /// Whether `error` says this user may not run scripts (an ACL for Functions only).
@@ -2399,10 +2470,19 @@ fn functions_refused(error: &StoreError) -> bool {
             && (message.contains("'fcall'") || message.contains("'function")))
 }
 
-/// From now on this store's calls are `EVALSHA` scripts (as exact). Said once.
-fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
+/// From now on this store's calls are `EVALSHA` scripts (as exact), for a minute, after
+/// `error` refused Functions or the library's load. Said once. Not when only the load was
+/// refused and this user may not run scripts (see [`Scripts::scripts_refused`]): Functions
+/// stay on for the nodes that have the library, loads are held for a minute, and `false`
+/// says the call that met the refusal fails with it.
+fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) -> bool {
     use std::sync::atomic::Ordering;
-    scripts.functions_refused.store(true, Ordering::Relaxed);
+    if fcall_refused(error) {
+        scripts.fcall_refused.store(true, Ordering::Relaxed);
+    } else if scripts.scripts_refused() {
+        scripts.hold_loads();
+        return false;
+    }
     go_to_scripts(scripts);
     if !scripts.said.swap(true, Ordering::Relaxed) {
         #[cfg(feature = "tracing")]
@@ -2415,6 +2495,15 @@ fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) {
     }
     #[cfg(not(feature = "tracing"))]
     let _ = error;
+    true
+}
+
+/// Whether `error` refused `FCALL` itself: a server without Functions (before Redis 7),
+/// or an ACL without `FCALL` (not one without `FUNCTION LOAD` alone).
+fn fcall_refused(error: &StoreError) -> bool {
+    let message = error.message.to_ascii_lowercase();
+    message.contains("unknown command")
+        || (error.code() == Some("NOPERM") && message.contains("'fcall'"))
 }
 
 /// Loads the Functions library (`FUNCTION LOAD`, on a Cluster on every primary; a server
@@ -2470,7 +2559,7 @@ async fn load_library(
             scripts.loads.fetch_add(1, Ordering::Release);
             Ok(true)
         }
-        Err(error) if already_loaded(&error) => {
+        Err(error) if already_loaded(&error, &scripts.library.name) => {
             loading.ended = true;
             scripts.loads.fetch_add(1, Ordering::Release);
             Ok(true)
@@ -2486,13 +2575,14 @@ async fn load_library(
     }
 }
 
-/// Whether a load's refusal says the server has the library already (`Library ...
-/// already exists`): another replica of the app loaded it first.
-fn already_loaded(error: &StoreError) -> bool {
-    error
-        .message
-        .to_ascii_lowercase()
-        .contains("already exists")
+/// Whether a load's refusal says the server has the library `name` already (`Library
+/// 'NAME' already exists`): another replica of the app loaded it first. (Not another
+/// "already exists": a function registered twice, or by another library, is an error.)
+fn already_loaded(error: &StoreError, name: &str) -> bool {
+    error.message.to_ascii_lowercase().contains(&format!(
+        "library '{}' already exists",
+        name.to_ascii_lowercase()
+    ))
 }
 
 /// A library load in flight. Dropped before it ended, it failed on I/O: a server did

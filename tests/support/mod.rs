@@ -299,6 +299,18 @@ pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
         })
 }
 
+/// How many times `server` was sent `command` (lower case), refused or not, from `INFO
+/// commandstats` (0 when it never was).
+pub fn command_sent(server: &RedisServer, command: &str) -> u64 {
+    let stats = commandstats(server);
+    stats
+        .lines()
+        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
+        .map_or(0, |line| {
+            stat(line, "calls=") + stat(line, "rejected_calls=")
+        })
+}
+
 /// `calls` and `usec` of every script command (`EVALSHA`, `EVAL`, `FCALL`) in `INFO
 /// commandstats`.
 pub fn script_stats(server: &RedisServer) -> (u64, u64) {
