@@ -916,7 +916,8 @@ impl LimiterConfig {
 
             // axum 0.7's captures (`:id`, `*path`): a file carried over from it would list
             // a literal path axum 0.8's router never writes (`{id}`), and cost the default
-            // (a literal segment so written is for the API: `PerRoute::route`).
+            // (a literal segment so written is for the API, after
+            // `PerRoute::without_v07_checks`).
             if path
                 .split('/')
                 .any(|segment| segment.starts_with(':') || segment.starts_with('*'))

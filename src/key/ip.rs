@@ -664,9 +664,13 @@ fn no_peer() -> KeyError {
         into_make_service_with_connect_info::<SocketAddr>() or insert a SocketAddr extension";
     // An axum app's `ConnectInfo` is read only with the feature: without it, the error
     // names that, not the connect-info serving the app may well use.
-    #[cfg(not(feature = "axum"))]
+    #[cfg(all(not(feature = "axum"), not(feature = "tonic")))]
     const WHY: &str = "no peer address: tollgate's `axum` feature is off, so axum's \
         ConnectInfo is not read (enable it, or insert a SocketAddr extension)";
+    #[cfg(all(not(feature = "axum"), feature = "tonic"))]
+    const WHY: &str = "no peer address: no tonic TcpConnectInfo (serve with tonic's \
+        Server) and no SocketAddr extension; axum's ConnectInfo is read only with \
+        tollgate's `axum` feature, which is off";
     KeyError::server(WHY)
 }
 
