@@ -33,17 +33,32 @@ done
 cargo build --release --quiet --features redis --example bench_server
 server=target/release/examples/bench_server
 
+# Every port this script listens on must be free: a Redis already there would be
+# flushed and shut down, and a server already there measured in place of the replicas.
+in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+for port in $(seq "$BASE_PORT" $((BASE_PORT + REPLICAS - 1))) $(seq "$REDIS_BASE" $((REDIS_BASE + 3))); do
+  if in_use "$port"; then
+    echo "benches/fleet.sh: port $port is in use (set BASE_PORT or REDIS_BASE)" >&2
+    exit 1
+  fi
+done
+
 work=$(mktemp -d)
-pids=()
 redis_ports=()
+# The replicas' process ids, one per line: `run` starts them in a subshell (its output
+# is captured), so they are written to a file, not to a variable this shell would not
+# see. Background processes of a script ignore Ctrl-C: cleanup stops them on any exit.
 cleanup() {
-  for pid in "${pids[@]:-}"; do [ -n "$pid" ] && kill "$pid" 2>/dev/null || true; done
+  if [ -f "$work/pids" ]; then
+    while read -r pid; do kill "$pid" 2>/dev/null || true; done <"$work/pids"
+  fi
   for port in "${redis_ports[@]:-}"; do
     [ -n "$port" ] && redis-cli -p "$port" shutdown nosave >/dev/null 2>&1 || true
   done
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 start_redis() { # port [extra args...]
   local port=$1
@@ -96,7 +111,7 @@ run() {
     env "$env_redis" LIMIT="$limit" LEASE="$lease" \
       "$server" tollgate-fleet $((BASE_PORT + i)) >"$work/app-$i.log" 2>&1 &
     app_pids+=($!)
-    pids+=($!)
+    echo "$!" >>"$work/pids"
   done
   for i in $(seq 0 $((REPLICAS - 1))); do
     for _ in $(seq 200); do

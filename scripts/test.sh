@@ -39,6 +39,13 @@ if ! have_redis; then
     echo "scripts/test.sh: apt-get ran, but redis-server, redis-cli or redis-sentinel is still not on PATH" >&2
     exit 1
   fi
+  # Under systemd the packages start their services and enable them at boot. The suite
+  # runs servers of its own on free ports: the ones this script brought are stopped and
+  # disabled again, so nothing it installed keeps running.
+  if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then
+    echo "scripts/test.sh: stopping and disabling the redis-server and redis-sentinel services it installed" >&2
+    as_root systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true
+  fi
 fi
 
 # The suite tests Redis Functions (FCALL, FUNCTION LOAD, their ACL rules), which came in
