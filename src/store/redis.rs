@@ -232,6 +232,12 @@ const BATCH_SCRIPTS: [&str; 8] = [
 /// tried again.
 const RETRY_FUNCTIONS: Duration = Duration::from_secs(60);
 
+/// How long loads are held for a user who may run no scripts, after one was refused or
+/// left a node without the library (see [`Scripts::loads_held_at`]): at most one load in
+/// this long, and a library that can load again (an administrator loaded it, a slot
+/// finished moving, memory was freed) is loaded that soon.
+const HOLD_LOADS: Duration = Duration::from_secs(5);
+
 /// One script: its text, and the SHA1 that `EVALSHA` names it by.
 struct Lua {
     hash: String,
@@ -282,9 +288,9 @@ struct Scripts {
     /// node would refuse, but fails the calls that needed it alone.
     scripts_refused_at: std::sync::atomic::AtomicU64,
     /// When, with scripts refused, a load was last refused or still left a node without
-    /// the library (same clock): for a minute from then, a call that meets no function
-    /// fails without sending the load again (it would be refused, or miss that node,
-    /// again).
+    /// the library (same clock): for [`HOLD_LOADS`] from then, a call that meets no
+    /// function fails without sending the load again (it would most likely be refused, or
+    /// miss that node, again).
     loads_held_at: std::sync::atomic::AtomicU64,
 }
 
@@ -349,8 +355,13 @@ impl Scripts {
 
     /// Whether `at` (of [`Scripts::now_ms`]; 0: never) was less than [`RETRY_FUNCTIONS`] ago.
     fn within_retry(&self, at: u64) -> bool {
-        let due = u64::try_from(RETRY_FUNCTIONS.as_millis()).unwrap_or(u64::MAX);
-        at != 0 && self.now_ms().saturating_sub(at) < due
+        self.within(at, RETRY_FUNCTIONS)
+    }
+
+    /// Whether `at` (of [`Scripts::now_ms`]; 0: never) was less than `span` ago.
+    fn within(&self, at: u64, span: Duration) -> bool {
+        let span = u64::try_from(span.as_millis()).unwrap_or(u64::MAX);
+        at != 0 && self.now_ms().saturating_sub(at) < span
     }
 
     /// Whether this user may not run scripts, as a call found out within the last minute
@@ -364,15 +375,35 @@ impl Scripts {
 
     /// Whether loads are held (see [`Scripts::loads_held_at`]).
     fn loads_held(&self) -> bool {
-        self.within_retry(
+        self.within(
             self.loads_held_at
                 .load(std::sync::atomic::Ordering::Relaxed),
+            HOLD_LOADS,
         )
     }
 
+    /// Holds loads from now, unless they are held already (callers that met the same
+    /// refusal together do not carry the hold on).
     fn hold_loads(&self) {
-        self.loads_held_at
-            .store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
+        if !self.loads_held() {
+            self.loads_held_at
+                .store(self.now_ms(), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The error of a call that met no function while loads are held: `missing`, the
+    /// server's, with why no load was sent.
+    fn held(&self, missing: &StoreError) -> StoreError {
+        StoreError::new(
+            StoreErrorKind::Refused,
+            format!(
+                "{}: the Redis Functions library is missing on this node, and this user may \
+                 run no scripts; a load was refused, or left this node without it, less \
+                 than {} s ago",
+                missing.message,
+                HOLD_LOADS.as_secs()
+            ),
+        )
     }
 
     /// The script of `call` for `invocation`.
@@ -2289,17 +2320,9 @@ async fn invoke_once(
         let refused = match query::<Vec<i64>>(backend, &command).await {
             Ok(reply) => return Ok(reply),
             // No scripts to run, and a load refused (or one that left this node without
-            // the library) less than a minute ago: this call fails, with no load sent.
+            // the library) a moment ago: this call fails, with no load sent.
             Err(error) if function_not_found(&error) && scripts.loads_held() => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Refused,
-                    format!(
-                        "{}: the Redis Functions library is missing on this node, and this \
-                         user may run no scripts; its load was refused, or left this node \
-                         without it, less than a minute ago",
-                        error.message
-                    ),
-                ));
+                return Err(scripts.held(&error));
             }
             Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
@@ -2323,7 +2346,7 @@ async fn invoke_once(
                     // a bug of ours (a function the library does not register). Said and
                     // counted; scripts for a while (no load per call meanwhile), this
                     // call first. A user who may not run scripts: this call fails (the
-                    // layer counts its error), and loads are held for a minute.
+                    // layer counts its error), and loads are held a moment.
                     Ok(Err(error)) if function_not_found(&error) => {
                         if scripts.scripts_refused() {
                             scripts.hold_loads();
@@ -2377,6 +2400,18 @@ async fn load_and_call(
 ) -> Result<Result<Vec<i64>, StoreError>, StoreError> {
     match load_library(backend, scripts, seen).await {
         Ok(true) => {}
+        // Another request's load was refused a moment ago, for a user who may run no
+        // scripts (said there): this call fails with no load sent.
+        Ok(false) if scripts.loads_held() => {
+            return Err(StoreError::new(
+                StoreErrorKind::Refused,
+                format!(
+                    "loading the Redis Functions library was refused to another request \
+                     less than {} s ago, and this user may run no scripts",
+                    HOLD_LOADS.as_secs()
+                ),
+            ));
+        }
         // Another request's load was refused while this one waited its turn, or failed
         // on I/O: said, counted and switched there; this call runs as a script, quietly.
         Ok(false) => {
@@ -2390,7 +2425,7 @@ async fn load_and_call(
         Err(error) if error.kind().is_io() => return Err(error),
         Err(error) if functions_refused(&error) => return Err(error),
         Err(error) => {
-            library_refused(&error);
+            library_refused(&error, scripts.scripts_refused());
             return Err(error);
         }
     }
@@ -2404,21 +2439,39 @@ async fn load_and_call(
 /// (`OOM`, an error in the library): counted as a store error, and logged at error level
 /// (a load is tried again at most once a minute, so this is said at most that often). The
 /// store knows no telemetry module (it sits below it): counted and logged here.
-fn library_refused(error: &StoreError) {
+///
+/// For a user who may run no scripts (`no_scripts`) the calls that needed the load fail
+/// with its error, which the layer counts: said here, not counted twice.
+fn library_refused(error: &StoreError, no_scripts: bool) {
     #[cfg(feature = "metrics")]
-    metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str()).increment(1);
+    if !no_scripts {
+        metrics::counter!("tollgate_store_errors_total", "kind" => error.kind().as_str())
+            .increment(1);
+    }
     #[cfg(feature = "tracing")]
-    tracing::error!(
-        target: "tollgate",
-        %error,
-        kind = error.kind().as_str(),
-        code = error.code().unwrap_or(""),
-        "loading the Redis Functions library was refused: this is a bug or a \
-         misconfiguration; decisions run as EVALSHA scripts meanwhile (counted in \
-         tollgate_store_errors_total)"
-    );
+    if no_scripts {
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            kind = error.kind().as_str(),
+            code = error.code().unwrap_or(""),
+            "loading the Redis Functions library was refused: this is a bug or a \
+             misconfiguration; this user may run no scripts, so the decisions on a node \
+             without the library fail meanwhile (counted in tollgate_store_errors_total)"
+        );
+    } else {
+        tracing::error!(
+            target: "tollgate",
+            %error,
+            kind = error.kind().as_str(),
+            code = error.code().unwrap_or(""),
+            "loading the Redis Functions library was refused: this is a bug or a \
+             misconfiguration; decisions run as EVALSHA scripts meanwhile (counted in \
+             tollgate_store_errors_total)"
+        );
+    }
     #[cfg(not(feature = "tracing"))]
-    let _ = error;
+    let _ = (error, no_scripts);
 }
 
 /// Scripts from now on, for a minute (then Functions are tried again): whether the store
@@ -2513,9 +2566,10 @@ fn fcall_refused(error: &StoreError) -> bool {
 /// unless another
 /// request of this store has loaded it since this one saw it missing (`seen`: the count
 /// of loads before its call): `Ok(true)`. `Ok(false)` when the load was refused to a
-/// request ahead of this one, which switched the store to scripts meanwhile: requests
-/// that met the missing library together send the load (to a server maybe out of
-/// memory) and say its refusal once, not once each.
+/// request ahead of this one, which switched the store to scripts meanwhile or, for a
+/// user who may run no scripts, held loads: requests that met the missing library
+/// together send the load (to a server maybe out of memory) and say its refusal once,
+/// not once each.
 async fn load_library(
     backend: &Backend,
     scripts: &Scripts,
@@ -2543,6 +2597,11 @@ async fn load_library(
         ));
     }
     if !scripts.functions.load(Ordering::Relaxed) {
+        return Ok(false);
+    }
+    // A load refused to a request ahead of this one, for a user who may run no scripts:
+    // not sent again so soon (requests that met the loss together load once).
+    if scripts.loads_held() {
         return Ok(false);
     }
     let mut command = redis::cmd("FUNCTION");
