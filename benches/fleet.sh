@@ -36,7 +36,9 @@ server=target/release/examples/bench_server
 # Every port this script listens on must be free: a Redis already there would be
 # flushed and shut down, and a server already there measured in place of the replicas.
 in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-for port in $(seq "$BASE_PORT" $((BASE_PORT + REPLICAS - 1))) $(seq "$REDIS_BASE" $((REDIS_BASE + 3))); do
+# (A Cluster node also listens on its port + 10000, its bus.)
+for port in $(seq "$BASE_PORT" $((BASE_PORT + REPLICAS - 1))) $(seq "$REDIS_BASE" $((REDIS_BASE + 3))) \
+  $(seq $((REDIS_BASE + 10001)) $((REDIS_BASE + 10003))); do
   if in_use "$port"; then
     echo "benches/fleet.sh: port $port is in use (set BASE_PORT or REDIS_BASE)" >&2
     exit 1
@@ -127,6 +129,7 @@ run() {
     wrk -t1 -c"$CONNECTIONS" -d"${DURATION}s" "http://127.0.0.1:$((BASE_PORT + i))/" \
       >"$work/wrk-$i.txt" 2>&1 &
     wrk_pids+=($!)
+    echo "$!" >>"$work/pids"
   done
   wait "${wrk_pids[@]}"
   local requests=0 refused=0 rates=()
@@ -159,6 +162,8 @@ run() {
       "$(awk -v a="$usec" -v b="$decisions" 'BEGIN { print a / b }')"
   fi
   for pid in "${app_pids[@]}"; do kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; done
+  # Stopped and reaped: their ids are not signalled again (they may be reused by then).
+  : >"$work/pids"
 }
 
 NEVER=0

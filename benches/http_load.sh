@@ -32,6 +32,13 @@ if ! command -v wrk >/dev/null; then
 fi
 command -v curl >/dev/null || { echo "curl is needed" >&2; exit 1; }
 
+# The ports must be free: a server already there would be measured, or written to.
+in_use() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+if in_use "$PORT"; then
+  echo "benches/http_load.sh: port $PORT is in use (set PORT)" >&2
+  exit 1
+fi
+
 results=$(mktemp)
 # Each step of the clean-up on its own (`set -e` would stop it at the first that fails,
 # a server already dead, and leave Redis running).
@@ -47,6 +54,10 @@ if [[ " $VARIANTS " == *" tollgate-redis "* ]]; then
   features=(--features redis)
   command -v redis-server >/dev/null || { echo "redis-server is needed for tollgate-redis" >&2; exit 1; }
   REDIS_PORT=${REDIS_PORT:-6391}
+  if in_use "$REDIS_PORT"; then
+    echo "benches/http_load.sh: port $REDIS_PORT is in use (set REDIS_PORT)" >&2
+    exit 1
+  fi
   # Redis shares the server's core: one machine running app and Redis.
   taskset -c 0 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
   redis_pid=$!
@@ -100,7 +111,7 @@ for round in $(seq "$ROUNDS"); do
     fi
     if [ "$variant" = tollgate-redis ]; then redis_served=$(( ${redis_served:-0} + ${served:-0} )); fi
     cpu_us=$(awk -v a="$before" -v b="$after" -v n="${served:-0}" -v hz="$HZ" \
-      'BEGIN {if (n > 0) printf "%.2f", (b - a) * 1e6 / hz / n; else print 0}')
+      'BEGIN {if (n > 0 && b >= a) printf "%.2f", (b - a) * 1e6 / hz / n; else print 0}')
     non2xx=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/")
     kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; pid=
     echo "round $round $variant $rps requests/s, $cpu_us us of server CPU a request (status after load: $non2xx)" >&2

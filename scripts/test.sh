@@ -31,6 +31,14 @@ if ! have_redis; then
     echo "and there is no sudo: run 'apt-get install redis-server redis-tools redis-sentinel' as root." >&2
     exit 1
   fi
+  # The services of the packages this script installs (not of those already there,
+  # which may be a Redis the machine runs): stopped again below.
+  brought=()
+  for package in redis-server redis-sentinel; do
+    if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+      brought+=("$package")
+    fi
+  done
   echo "scripts/test.sh: installing redis-server, redis-tools and redis-sentinel (apt-get)" >&2
   as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive \
@@ -40,11 +48,11 @@ if ! have_redis; then
     exit 1
   fi
   # Under systemd the packages start their services and enable them at boot. The suite
-  # runs servers of its own on free ports: the ones this script brought are stopped and
-  # disabled again, so nothing it installed keeps running.
-  if [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then
-    echo "scripts/test.sh: stopping and disabling the redis-server and redis-sentinel services it installed" >&2
-    as_root systemctl disable --now redis-server redis-sentinel >/dev/null 2>&1 || true
+  # runs servers of its own on free ports: the services of the packages this script
+  # brought are stopped and disabled again, so nothing it installed keeps running.
+  if [ "${#brought[@]}" -gt 0 ] && [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1; then
+    echo "scripts/test.sh: stopping and disabling the services it installed: ${brought[*]}" >&2
+    as_root systemctl disable --now "${brought[@]}" >/dev/null 2>&1 || true
   fi
 fi
 
