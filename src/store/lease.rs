@@ -44,6 +44,10 @@ const SHARDS: usize = 16;
 ///   set lower than full, when the debit came before it). The other replicas spend theirs until they end (`ttl`) and
 ///   give their rests back into the state reset or set, so after a `set_remaining(0)` up
 ///   to `(replicas − 1) × units` may still be admitted within `ttl`.
+/// - `peek` shows the shared store's state alone: the units this replica's open leases
+///   hold count as spent there, while the fields of a request served from a lease add
+///   them back, so `peek` may read up to `units` (per open lease) below what a client
+///   was told.
 /// - A grant gives back this replica's open leases' rests first, whole (the shared state
 ///   counts them as spent: held here on top of a grant that filled it, they passed the
 ///   quota). The other replicas' leases are theirs, as above.
