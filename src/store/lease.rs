@@ -37,11 +37,7 @@ const SHARDS: usize = 16;
 ///   way back, it is sent once they have landed (2 s at most), so that none lands after
 ///   it into the state it cleared or set; otherwise at once. (A lease taken and retired
 ///   while the reset itself is on its way can still send its rest behind it.) These are
-///   this replica's leases: a lease being taken meanwhile is given back whole as it comes
-///   (the in-process store gives back what it debited after the reset and nothing of a
-///   debit before it; Redis, which keeps no such record, lands the refund on the new
-///   state: nothing after a reset, which left it whole, but up to `units` above a level
-///   set lower than full, when the debit came before it). The other replicas spend theirs until they end (`ttl`) and
+///   this replica's leases: the other replicas spend theirs until they end (`ttl`) and
 ///   give their rests back into the state reset or set, so after a `set_remaining(0)` up
 ///   to `(replicas − 1) × units` may still be admitted within `ttl`.
 /// - `peek` shows the shared store's state alone: the units this replica's open leases
@@ -283,16 +279,15 @@ struct Open {
     waiting: Vec<oneshot::Sender<()>>,
     /// A lease was refused: until then, requests are decided one by one.
     refused_until: Option<Instant>,
-    /// The identity was reset (or its level set) while the lease was being taken: that
-    /// lease's debit was cleared or lands in the fresh state, so it is given back whole
-    /// as it comes, not recorded (see `Leases::finish`).
+    /// The identity was reset while the lease was being taken: that lease's debit was
+    /// cleared (or lands in the fresh state), so it is not recorded.
     reset_while_taking: bool,
     /// A grant was made while the lease was being taken: its debit landed before or after
     /// the grant, so the lease is given back whole as it comes, not recorded (right in
     /// either order: both only add units, each capped at full).
     granted_while_taking: bool,
-    /// Such leases (taken across a grant, a reset or a level set), come, for their takes
-    /// to give back (counted as on their way back from when they come).
+    /// Such leases, come, for their takes to give back (counted as on their way back
+    /// from when they come).
     came_after_a_grant: Vec<Lease>,
 }
 
@@ -794,18 +789,16 @@ impl Leases {
             return;
         };
         open.taking = false;
-        // Taken across a reset, a level set or a grant: not spent here, but given back
-        // whole as it comes. Its debit landed before the change or after it, and the
-        // store gives back what it debited after a reset or a level set (in process it
-        // knows which; on Redis a refund lands on the new state, capped at full), while
-        // both orders are right for a grant (both only add units, each capped at full).
-        // Dropped, a lease whose debit landed after a reset kept those units spent until
-        // the window ended. A refusal then spoke of the state before: not kept either.
+        // Taken across a reset: not spent here (its timer finds it gone and gives nothing
+        // back; if its debit landed after the reset, those units wait out their window).
+        // A refusal then spoke of the state before the reset: it is not kept either.
         let across_a_reset = std::mem::take(&mut open.reset_while_taking);
         let across_a_grant = std::mem::take(&mut open.granted_while_taking);
         let mut parked = false;
-        if let Some(lease) = lease {
-            if across_a_reset || across_a_grant {
+        if let Some(lease) = lease
+            && !across_a_reset
+        {
+            if across_a_grant {
                 // Counted as on its way back now, under the lock: a reset waits for it.
                 open.came_after_a_grant.push(lease);
                 parked = true;
@@ -1315,40 +1308,6 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
-    }
-
-    /// A reset that comes before the take's debit lands: the take debits the fresh
-    /// state, and the lease was dropped unspent (its timer found it gone), so those units
-    /// stayed debited until the window ended: a limit of 10 admitted 5 after the reset.
-    /// The same for a level set. Given back whole, as across a grant: the store gives
-    /// back what it debited after the reset, and nothing of a debit before it.
-    #[tokio::test]
-    async fn a_lease_whose_debit_lands_after_a_reset_is_given_back() {
-        for level_set in [false, true] {
-            let clock = ManualClock::new();
-            let held = Held::new(&clock, 0, 1_000);
-            let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
-            let policies =
-                PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
-            let key = Key::new("k");
-            // The request starts its take (the task is spawned, not yet run)...
-            let first = store.decide(&key, &policies, 1);
-            // ...and support resets the identity (or sets it to 10) before it runs.
-            if level_set {
-                store
-                    .adjust(&key, &policies, &Adjustment::set_remaining(10))
-                    .await
-                    .unwrap();
-            } else {
-                store.reset(&key, &policies).await.unwrap();
-            }
-            // The take runs a moment after the change.
-            clock.advance(Duration::from_millis(1));
-            held.answers.add_permits(1_000);
-            let first = u64::from(first.await.unwrap().is_allowed());
-            let admitted = first + admitted(&store, &key, &policies).await;
-            assert_eq!(admitted, 10, "level set: {level_set}");
-        }
     }
 
     /// Identities the store holds leases (or refusals) for, over every shard.
