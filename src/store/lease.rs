@@ -36,14 +36,18 @@ const SHARDS: usize = 16;
 ///   `hourly` of `[daily, hourly]`, reset through `[daily]`). When rests of the identity's leases are on their
 ///   way back, it is sent once they have landed (2 s at most), so that none lands after
 ///   it into the state it cleared or set; otherwise at once. (A lease taken and retired
-///   while the reset itself is on its way can still send its rest behind it.) These are
+///   while the reset itself is on its way can still send its rest behind it.) A lease
+///   being taken when the reset goes through is dropped unspent: if its debit landed
+///   after the reset, up to `units` stay spent until the window ends (strict: given back,
+///   on Redis, which keeps no record of resets, it could refund into what others spent
+///   after the reset). These are
 ///   this replica's leases: the other replicas spend theirs until they end (`ttl`) and
 ///   give their rests back into the state reset or set, so after a `set_remaining(0)` up
 ///   to `(replicas − 1) × units` may still be admitted within `ttl`.
-/// - `peek` shows the shared store's state alone: the units this replica's open leases
-///   hold count as spent there, while the fields of a request served from a lease add
-///   them back, so `peek` may read up to `units` (per open lease) below what a client
-///   was told.
+/// - `peek` shows the shared store's state alone: the units this replica's leases hold
+///   (open, or on their way back) count as spent there, while the fields of a request
+///   served from a lease add them back, so `peek` may read below what a client was told
+///   by those, plus what other replicas spent since.
 /// - A grant gives back this replica's open leases' rests first, whole (the shared state
 ///   counts them as spent: held here on top of a grant that filled it, they passed the
 ///   quota). The other replicas' leases are theirs, as above.
@@ -1308,6 +1312,42 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A reset (or a level set) that comes before a take's debit lands: the take debits
+    /// the fresh state, and its lease is dropped unspent (given back, on Redis, which
+    /// keeps no record of resets, it would refund into what others spent after the
+    /// reset). The documented cost: up to a lease's units stay spent until the window
+    /// ends, never more admitted than the limit.
+    #[tokio::test]
+    async fn a_lease_whose_debit_lands_after_a_reset_costs_at_most_its_units() {
+        for level_set in [false, true] {
+            let clock = ManualClock::new();
+            let held = Held::new(&clock, 0, 1_000);
+            let store = Leased::new(held.clone(), 5, Duration::from_secs(60)).unwrap();
+            let policies =
+                PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+            let key = Key::new("k");
+            // The request starts its take (the task is spawned, not yet run)...
+            let first = store.decide(&key, &policies, 1);
+            // ...and support resets the identity (or sets it to 10) before it runs.
+            if level_set {
+                store
+                    .adjust(&key, &policies, &Adjustment::set_remaining(10))
+                    .await
+                    .unwrap();
+            } else {
+                store.reset(&key, &policies).await.unwrap();
+            }
+            clock.advance(Duration::from_millis(1));
+            held.answers.add_permits(1_000);
+            let first = u64::from(first.await.unwrap().is_allowed());
+            let admitted = first + admitted(&store, &key, &policies).await;
+            assert!(
+                (5..=10).contains(&admitted),
+                "level set: {level_set}: {admitted}"
+            );
+        }
     }
 
     /// Identities the store holds leases (or refusals) for, over every shard.
