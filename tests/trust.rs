@@ -3538,10 +3538,16 @@ async fn a_call_asked_to_a_node_without_the_library_runs_as_a_script() {
     assert_eq!(decision.statuses()[0].remaining, 8);
 }
 
-/// Thirty identities (`user:0` to `user:29`) decided once each through `store`, under a
-/// fixed window of 10 (the library loaded on every primary): the policies.
+/// A store on `cluster` through which thirty identities (`user:0` to `user:29`) were
+/// decided once each, under a fixed window of 10 (the library loaded on every
+/// primary), and the policies.
 #[cfg(feature = "redis")]
-async fn thirty_decided(store: &tollgate::store::RedisStore) -> tollgate::PolicySet {
+async fn thirty_decided(
+    cluster: &support::RedisCluster,
+) -> (tollgate::store::RedisStore, tollgate::PolicySet) {
+    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
+        .await
+        .expect("the store starts");
     let policies = tollgate::PolicySet::from(
         tollgate::Policy::fixed_window("release", 10, Duration::from_secs(600)).unwrap(),
     );
@@ -3549,7 +3555,31 @@ async fn thirty_decided(store: &tollgate::store::RedisStore) -> tollgate::Policy
         let key = tollgate::Key::new(format!("user:{n}"));
         assert!(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
     }
-    policies
+    (store, policies)
+}
+
+/// Each of `users` decided once (in turn) through `store`, within 10 s: what is left,
+/// or the error.
+#[cfg(feature = "redis")]
+async fn remaining_after(
+    store: &tollgate::store::RedisStore,
+    policies: &tollgate::PolicySet,
+    users: impl Iterator<Item = &String>,
+) -> Vec<Result<u64, String>> {
+    let mut outcomes = Vec::new();
+    for user in users {
+        let key = tollgate::Key::new(user.clone());
+        let decided =
+            tokio::time::timeout(Duration::from_secs(10), store.decide(&key, policies, 1))
+                .await
+                .expect("answered");
+        outcomes.push(
+            decided
+                .map(|d| d.statuses()[0].remaining)
+                .map_err(|e| e.to_string()),
+        );
+    }
+    outcomes
 }
 
 /// Which of the thirty identities of [`thirty_decided`] `node` holds.
@@ -3573,10 +3603,7 @@ fn held_by(node: &support::RedisServer) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_library_load_one_primary_cannot_answer_leaves_the_others_deciding() {
     let cluster = support::RedisCluster::start(3);
-    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
-        .await
-        .unwrap();
-    let policies = thirty_decided(&store).await;
+    let (store, policies) = thirty_decided(&cluster).await;
     // The identities of a primary that keeps answering.
     let frozen = &cluster.nodes[0];
     let on_frozen = held_by(frozen);
@@ -3658,10 +3685,7 @@ async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
         let refused = node.cli(&["ACL", "SETUSER", "default", "-evalsha", "-eval"]);
         assert!(refused.contains("OK"), "{refused}");
     }
-    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
-        .await
-        .expect("a user with Functions only starts");
-    let policies = thirty_decided(&store).await;
+    let (store, policies) = thirty_decided(&cluster).await;
     let (emptied, frozen, sound) = (&cluster.nodes[0], &cluster.nodes[1], &cluster.nodes[2]);
     let (lost, kept) = (held_by(emptied), held_by(sound));
     assert!(!lost.is_empty() && kept.len() >= 3, "{lost:?} {kept:?}");
@@ -3676,35 +3700,11 @@ async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
         given_up.is_err(),
         "the load cannot end while a primary is stopped"
     );
-    let mut outcomes = Vec::new();
-    for user in &kept[..3] {
-        let key = tollgate::Key::new(user.clone());
-        let decided =
-            tokio::time::timeout(Duration::from_secs(10), store.decide(&key, &policies, 1))
-                .await
-                .expect("answered");
-        outcomes.push(
-            decided
-                .map(|d| d.statuses()[0].remaining)
-                .map_err(|e| e.to_string()),
-        );
-    }
+    let outcomes = remaining_after(&store, &policies, kept[..3].iter()).await;
     // The emptied primary's identities meanwhile: the load that could not end reached
     // it, so they are decided there, exactly, with no load sent again.
     let loads_before = support::command_sent(sound, "function|load");
-    let mut decided_lost = Vec::new();
-    for user in lost.iter().cycle().take(3) {
-        let key = tollgate::Key::new(user.clone());
-        let decided =
-            tokio::time::timeout(Duration::from_secs(5), store.decide(&key, &policies, 1))
-                .await
-                .expect("answered at once");
-        decided_lost.push(
-            decided
-                .map(|d| d.statuses()[0].remaining)
-                .map_err(|e| e.to_string()),
-        );
-    }
+    let decided_lost = remaining_after(&store, &policies, lost.iter().cycle().take(3)).await;
     let loads_sent = support::command_sent(sound, "function|load") - loads_before;
     frozen.signal("CONT");
     assert_eq!(
@@ -3730,10 +3730,7 @@ async fn a_failed_load_leaves_a_user_without_scripts_on_functions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_does_not_replace_the_library_where_a_primary_has_it() {
     let cluster = support::RedisCluster::start(3);
-    let store = tollgate::store::RedisStore::connect_cluster(&cluster.urls())
-        .await
-        .unwrap();
-    let policies = thirty_decided(&store).await;
+    let (store, policies) = thirty_decided(&cluster).await;
     let emptied = &cluster.nodes[0];
     let lost = held_by(emptied)
         .pop()

@@ -2449,27 +2449,19 @@ fn library_refused(error: &StoreError, no_scripts: bool) {
             .increment(1);
     }
     #[cfg(feature = "tracing")]
-    if no_scripts {
-        tracing::error!(
-            target: "tollgate",
-            %error,
-            kind = error.kind().as_str(),
-            code = error.code().unwrap_or(""),
-            "loading the Redis Functions library was refused: this is a bug or a \
-             misconfiguration; this user may run no scripts, so the decisions on a node \
-             without the library fail meanwhile (counted in tollgate_store_errors_total)"
-        );
-    } else {
-        tracing::error!(
-            target: "tollgate",
-            %error,
-            kind = error.kind().as_str(),
-            code = error.code().unwrap_or(""),
-            "loading the Redis Functions library was refused: this is a bug or a \
-             misconfiguration; decisions run as EVALSHA scripts meanwhile (counted in \
-             tollgate_store_errors_total)"
-        );
-    }
+    tracing::error!(
+        target: "tollgate",
+        %error,
+        kind = error.kind().as_str(),
+        code = error.code().unwrap_or(""),
+        meanwhile = if no_scripts {
+            "this user may run no scripts: the decisions on a node without the library fail"
+        } else {
+            "decisions run as EVALSHA scripts"
+        },
+        "loading the Redis Functions library was refused: this is a bug or a \
+         misconfiguration (counted in tollgate_store_errors_total)"
+    );
     #[cfg(not(feature = "tracing"))]
     let _ = (error, no_scripts);
 }
