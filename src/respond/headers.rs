@@ -294,17 +294,70 @@ fn number_value(number: u64) -> HeaderValue {
 
 thread_local! {
     /// Each thread's own copies of the `RateLimit-Policy` fields it sent last, by set
-    /// serial. A header value shares its bytes by reference count: cloning the one copy
-    /// kept with the set on every response would make all cores write one cache line.
+    /// serial, for fields past [`STATIC_FIELDS`]. A header value shares its bytes by
+    /// reference count: cloning the one copy kept with the set on every response would
+    /// make all cores write one cache line.
     static POLICY_FIELDS: RefCell<[(u64, Option<HeaderValue>); POLICY_FIELD_SLOTS]> =
         const { RefCell::new([const { (0, None) }; POLICY_FIELD_SLOTS]) };
 }
 
 const POLICY_FIELD_SLOTS: usize = 4;
 
+/// How many distinct `RateLimit-Policy` fields the process keeps for its whole life, so
+/// that a response's copy is a static value: no reference count written, no per-thread
+/// look-up. A process has a few (one or two per policy set it serves); past this many
+/// (sets made per request with ever new numbers), fields are shared per thread instead.
+/// At most this many fields of a few hundred bytes each are never freed.
+const STATIC_FIELDS: usize = 1024;
+
+/// A set's `RateLimit-Policy` field, as kept with the set.
+enum PolicyField {
+    /// Kept for the life of the process: copied freely.
+    Static(HeaderValue),
+    /// Past [`STATIC_FIELDS`]: copied once into each thread that sends it.
+    Shared(HeaderValue),
+}
+
+/// `field` as a static value, the same text kept once (see [`STATIC_FIELDS`]); shared
+/// once that many are kept.
+fn kept_for_good(field: HeaderValue) -> PolicyField {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static KEPT: std::sync::Mutex<Option<std::collections::HashSet<&'static str>>> =
+        std::sync::Mutex::new(None);
+    // Once full, no lock: sets made per request with ever new numbers share one per thread.
+    static FULL: AtomicBool = AtomicBool::new(false);
+    let text = match field.to_str() {
+        Ok(text) if !FULL.load(Ordering::Relaxed) => text,
+        _ => return PolicyField::Shared(field),
+    };
+    let mut kept = KEPT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let kept = kept.get_or_insert_with(std::collections::HashSet::new);
+    if let Some(same) = kept.get(text) {
+        return PolicyField::Static(HeaderValue::from_static(same));
+    }
+    if kept.len() >= STATIC_FIELDS {
+        FULL.store(true, Ordering::Relaxed);
+        return PolicyField::Shared(field);
+    }
+    let text: &'static str = Box::leak(text.to_owned().into_boxed_str());
+    kept.insert(text);
+    PolicyField::Static(HeaderValue::from_static(text))
+}
+
 /// The set's `RateLimit-Policy` field (with its shadow policies or without): built on its
-/// first response and kept with the set, copied once into each thread that sends it.
+/// first response and kept with the set; a static value, or, past [`STATIC_FIELDS`],
+/// copied once into each thread that sends it.
 fn policy_field(set: &PolicySet, shadow: bool) -> Option<HeaderValue> {
+    let kept = set.derived(|set| {
+        let visible: Vec<Policy> = set.iter().filter(|p| !p.is_shadow()).cloned().collect();
+        [policy_header(&visible), policy_header(set)].map(|field| field.map(kept_for_good))
+    })?;
+    let shared = match kept[usize::from(shadow)].as_ref()? {
+        PolicyField::Static(field) => return Some(field.clone()),
+        PolicyField::Shared(field) => field,
+    };
     // Serials are below 2^63: the low bit tells the two fields of a set apart.
     let serial = (set.serial() << 1) | u64::from(shadow);
     POLICY_FIELDS.with(|fields| {
@@ -312,14 +365,8 @@ fn policy_field(set: &PolicySet, shadow: bool) -> Option<HeaderValue> {
         if let Some((_, field)) = fields.iter().find(|(s, _)| *s == serial) {
             return field.clone();
         }
-        let shared = set
-            .derived(|set| {
-                let visible: Vec<Policy> = set.iter().filter(|p| !p.is_shadow()).cloned().collect();
-                [policy_header(&visible), policy_header(set)]
-            })
-            .and_then(|[visible, all]| if shadow { all } else { visible }.as_ref());
         // A copy of the bytes, not a clone: this thread's copy counts its own references.
-        let local = shared.and_then(|field| HeaderValue::from_bytes(field.as_bytes()).ok());
+        let local = HeaderValue::from_bytes(shared.as_bytes()).ok();
         // Most recent first; the oldest goes.
         fields.rotate_right(1);
         fields[0] = (serial, local.clone());
@@ -1042,10 +1089,11 @@ mod tests {
 
     #[test]
     fn each_set_gets_its_own_policy_field_past_the_per_thread_cache() {
-        // More sets than the per-thread cache holds, in rotation and back: a field copied
-        // for one set is never sent for another, including an equal-looking set built
-        // later (its own serial).
-        let sets: Vec<PolicySet> = (1..=POLICY_FIELD_SLOTS as u64 + 2)
+        // More sets than the process keeps fields of for good (so that some are shared
+        // per thread) and than the per-thread cache holds, in rotation and back: a field
+        // copied for one set is never sent for another, including an equal-looking set
+        // built later (its own serial).
+        let sets: Vec<PolicySet> = (1..=(STATIC_FIELDS + POLICY_FIELD_SLOTS) as u64 + 2)
             .map(|limit| {
                 PolicySet::from(Policy::token_bucket("api", limit, Rate::per_second(1)).unwrap())
             })
@@ -1062,6 +1110,13 @@ mod tests {
         let rebuilt =
             PolicySet::from(Policy::token_bucket("api", 99, Rate::per_second(1)).unwrap());
         assert_eq!(policy_field(&rebuilt, false).unwrap(), "\"api\";q=99;w=99");
+        let last = sets.len();
+        let rebuilt =
+            PolicySet::from(Policy::token_bucket("api", last as u64, Rate::per_second(1)).unwrap());
+        assert_eq!(
+            policy_field(&rebuilt, false).unwrap(),
+            format!("\"api\";q={last};w={last}").as_str()
+        );
     }
 
     #[test]
