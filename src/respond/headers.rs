@@ -294,7 +294,7 @@ fn number_value(number: u64) -> HeaderValue {
 
 thread_local! {
     /// Each thread's own copies of the `RateLimit-Policy` fields it sent last, by set
-    /// serial, for fields past [`STATIC_FIELDS`]. A header value shares its bytes by
+    /// serial, for fields past [`STATIC_FIELD_BYTES`]. A header value shares its bytes by
     /// reference count: cloning the one copy kept with the set on every response would
     /// make all cores write one cache line.
     static POLICY_FIELDS: RefCell<[(u64, Option<HeaderValue>); POLICY_FIELD_SLOTS]> =
@@ -303,61 +303,90 @@ thread_local! {
 
 const POLICY_FIELD_SLOTS: usize = 4;
 
-/// How many distinct `RateLimit-Policy` fields the process keeps for its whole life, so
+/// How many bytes of `RateLimit-Policy` fields the process keeps for its whole life, so
 /// that a response's copy is a static value: no reference count written, no per-thread
-/// look-up. A process has a few (one or two per policy set it serves); past this many
-/// (sets made per request with ever new numbers), fields are shared per thread instead.
-/// At most this many fields of a few hundred bytes each are never freed.
-const STATIC_FIELDS: usize = 1024;
+/// look-up. A process has a few fields (one or two per policy set it serves), of tens
+/// to hundreds of bytes; past this many bytes (sets made per request with ever new
+/// numbers), fields are shared per thread instead. Never freed: this much at most.
+const STATIC_FIELD_BYTES: usize = 256 * 1024;
+
+thread_local! {
+    /// The fields kept for good that this thread has met: found again without the
+    /// process-wide lock (a resolver that builds its sets per request builds the same
+    /// texts again and again).
+    static KEPT_HERE: RefCell<std::collections::HashSet<&'static str>> =
+        RefCell::new(std::collections::HashSet::new());
+}
 
 /// A set's `RateLimit-Policy` field, as kept with the set.
 enum PolicyField {
     /// Kept for the life of the process: copied freely.
     Static(HeaderValue),
-    /// Past [`STATIC_FIELDS`]: copied once into each thread that sends it.
+    /// Past [`STATIC_FIELD_BYTES`]: copied once into each thread that sends it.
     Shared(HeaderValue),
 }
 
-/// `field` as a static value, the same text kept once (see [`STATIC_FIELDS`]); shared
-/// once that many are kept.
+/// `field` as a static value, the same text kept once (see [`STATIC_FIELD_BYTES`]);
+/// shared once that many bytes are kept.
 fn kept_for_good(field: HeaderValue) -> PolicyField {
     use std::sync::atomic::{AtomicBool, Ordering};
-    static KEPT: std::sync::Mutex<Option<std::collections::HashSet<&'static str>>> =
-        std::sync::Mutex::new(None);
+    struct Kept {
+        texts: std::collections::HashSet<&'static str>,
+        bytes: usize,
+    }
+    static KEPT: std::sync::Mutex<Option<Kept>> = std::sync::Mutex::new(None);
     // Once full, no lock: sets made per request with ever new numbers share one per thread.
     static FULL: AtomicBool = AtomicBool::new(false);
-    let text = match field.to_str() {
-        Ok(text) if !FULL.load(Ordering::Relaxed) => text,
-        _ => return PolicyField::Shared(field),
+    let Ok(text) = field.to_str() else {
+        return PolicyField::Shared(field);
     };
+    if let Some(same) = KEPT_HERE.with(|here| here.borrow().get(text).copied()) {
+        return PolicyField::Static(HeaderValue::from_static(same));
+    }
+    if FULL.load(Ordering::Relaxed) {
+        return PolicyField::Shared(field);
+    }
     let mut kept = KEPT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let kept = kept.get_or_insert_with(std::collections::HashSet::new);
-    if let Some(same) = kept.get(text) {
-        return PolicyField::Static(HeaderValue::from_static(same));
-    }
-    if kept.len() >= STATIC_FIELDS {
-        FULL.store(true, Ordering::Relaxed);
-        return PolicyField::Shared(field);
-    }
-    let text: &'static str = Box::leak(text.to_owned().into_boxed_str());
-    kept.insert(text);
-    PolicyField::Static(HeaderValue::from_static(text))
+    let kept = kept.get_or_insert_with(|| Kept {
+        texts: std::collections::HashSet::new(),
+        bytes: 0,
+    });
+    let same = match kept.texts.get(text) {
+        Some(same) => *same,
+        None if kept.bytes + text.len() > STATIC_FIELD_BYTES => {
+            FULL.store(true, Ordering::Relaxed);
+            return PolicyField::Shared(field);
+        }
+        None => {
+            let leaked: &'static str = Box::leak(text.to_owned().into_boxed_str());
+            kept.bytes += leaked.len();
+            kept.texts.insert(leaked);
+            leaked
+        }
+    };
+    KEPT_HERE.with(|here| here.borrow_mut().insert(same));
+    PolicyField::Static(HeaderValue::from_static(same))
 }
 
 /// The set's `RateLimit-Policy` field (with its shadow policies or without): built on its
-/// first response and kept with the set; a static value, or, past [`STATIC_FIELDS`],
-/// copied once into each thread that sends it.
+/// first response and kept with the set; a static value, or, past
+/// [`STATIC_FIELD_BYTES`], copied once into each thread that sends it.
 fn policy_field(set: &PolicySet, shadow: bool) -> Option<HeaderValue> {
     let kept = set.derived(|set| {
         let visible: Vec<Policy> = set.iter().filter(|p| !p.is_shadow()).cloned().collect();
         [policy_header(&visible), policy_header(set)].map(|field| field.map(kept_for_good))
     })?;
-    let shared = match kept[usize::from(shadow)].as_ref()? {
-        PolicyField::Static(field) => return Some(field.clone()),
-        PolicyField::Shared(field) => field,
-    };
+    match kept[usize::from(shadow)].as_ref()? {
+        PolicyField::Static(field) => Some(field.clone()),
+        PolicyField::Shared(field) => per_thread(set, shadow, field),
+    }
+}
+
+/// This thread's copy of `shared`, the set's field (with its shadow policies or
+/// without), made on the thread's first response of the set among its last few.
+fn per_thread(set: &PolicySet, shadow: bool, shared: &HeaderValue) -> Option<HeaderValue> {
     // Serials are below 2^63: the low bit tells the two fields of a set apart.
     let serial = (set.serial() << 1) | u64::from(shadow);
     POLICY_FIELDS.with(|fields| {
@@ -1089,33 +1118,47 @@ mod tests {
 
     #[test]
     fn each_set_gets_its_own_policy_field_past_the_per_thread_cache() {
-        // More sets than the process keeps fields of for good (so that some are shared
-        // per thread) and than the per-thread cache holds, in rotation and back: a field
-        // copied for one set is never sent for another, including an equal-looking set
-        // built later (its own serial).
-        let sets: Vec<PolicySet> = (1..=(STATIC_FIELDS + POLICY_FIELD_SLOTS) as u64 + 2)
+        // Fields shared per thread (past what the process keeps for good), for more sets
+        // than the per-thread cache holds, in rotation and back: a field copied for one
+        // set is never sent for another, including an equal-looking set built later (its
+        // own serial).
+        let sent = |set: &PolicySet| per_thread(set, false, &policy_header(set).unwrap());
+        let sets: Vec<PolicySet> = (1..=POLICY_FIELD_SLOTS as u64 + 2)
             .map(|limit| {
                 PolicySet::from(Policy::token_bucket("api", limit, Rate::per_second(1)).unwrap())
             })
             .collect();
         for _ in 0..3 {
             for (index, set) in sets.iter().enumerate() {
-                let field = policy_field(set, false).unwrap();
                 assert_eq!(
-                    field,
+                    sent(set).unwrap(),
                     format!("\"api\";q={};w={}", index + 1, index + 1).as_str()
                 );
             }
         }
-        let rebuilt =
-            PolicySet::from(Policy::token_bucket("api", 99, Rate::per_second(1)).unwrap());
-        assert_eq!(policy_field(&rebuilt, false).unwrap(), "\"api\";q=99;w=99");
-        let last = sets.len();
-        let rebuilt =
-            PolicySet::from(Policy::token_bucket("api", last as u64, Rate::per_second(1)).unwrap());
+        let rebuilt = PolicySet::from(Policy::token_bucket("api", 1, Rate::per_second(1)).unwrap());
+        let copy = sent(&rebuilt).unwrap();
+        assert_eq!(copy, "\"api\";q=1;w=1");
+        // This thread's own copy, kept: sent again as it is.
         assert_eq!(
-            policy_field(&rebuilt, false).unwrap(),
-            format!("\"api\";q={last};w={last}").as_str()
+            sent(&rebuilt).unwrap().as_bytes().as_ptr(),
+            copy.as_bytes().as_ptr()
+        );
+    }
+
+    /// Sets built per request from the same policies (a resolver) give the same text
+    /// each time: kept once, and sent as the one static value.
+    #[test]
+    fn a_field_built_again_is_the_same_static_value() {
+        let policy = Policy::token_bucket("rebuilt", 7, Rate::per_second(7)).unwrap();
+        let fields: Vec<HeaderValue> = (0..3)
+            .map(|_| policy_field(&PolicySet::from(policy.clone()), false).unwrap())
+            .collect();
+        assert_eq!(fields[0], "\"rebuilt\";q=7;w=1");
+        assert!(
+            fields
+                .iter()
+                .all(|field| field.as_bytes().as_ptr() == fields[0].as_bytes().as_ptr())
         );
     }
 
