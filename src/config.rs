@@ -925,7 +925,8 @@ impl LimiterConfig {
                 return Err(ConfigError::new(
                     entry,
                     "a capture is written as axum 0.8 writes it (/users/{id}, /files/{*path}), \
-                     not :id or *path, which axum 0.8 reads as literal text",
+                     not :id or *path, which axum 0.8's router refuses (it reads them as \
+                     literal text only under Router::without_v07_checks)",
                 ));
             }
             cost = match parts {

@@ -318,7 +318,8 @@ fn the_reader_follows_the_roots_reexports() {
 /// ARCHITECTURE.md's rule, as written: each file of `lua/` is the twin of one file of
 /// `src/algorithm/` (the same name), and each algorithm file has its twin there. The
 /// store's side of the scripts (the prelude, the decision loop, the adjustment, what each
-/// call starts with), whose twins are in `src/store/`, lives in `lua/store/`.
+/// call starts with), whose twins are in `src/store/` (and the prelude's bucket
+/// arithmetic, in `src/algorithm/token_bucket.rs`), lives in `lua/store/`.
 #[test]
 fn each_lua_file_is_the_twin_of_one_algorithm_file() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

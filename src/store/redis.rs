@@ -2390,7 +2390,8 @@ fn function_not_found(error: &StoreError) -> bool {
 /// for Functions themselves (an ACL without `FUNCTION LOAD`, a server without them) falls
 /// back quietly, as designed; refused for anything else (`OOM`, the library's own error:
 /// a bug of ours) falls back too, so decisions stay exact, but is logged at error level
-/// and counted, never hidden behind the fallback. One load per call at most: a call
+/// and counted, never hidden behind the fallback; for a user who may run no scripts, the
+/// call fails with the refusal and loads are held [`HOLD_LOADS`]. One load per call at most: a call
 /// that still meets no function is the caller's to run as a script.
 async fn load_and_call(
     backend: &Backend,
@@ -2437,7 +2438,8 @@ async fn load_and_call(
 
 /// Loading the library was refused for something else than Functions being unavailable
 /// (`OOM`, an error in the library): counted as a store error, and logged at error level
-/// (a load is tried again at most once a minute, so this is said at most that often). The
+/// (a load is tried again at most once a minute, or once in [`HOLD_LOADS`] for a user who
+/// may run no scripts, so this is said at most that often). The
 /// store knows no telemetry module (it sits below it): counted and logged here.
 ///
 /// For a user who may run no scripts (`no_scripts`) the calls that needed the load fail
@@ -2478,8 +2480,7 @@ fn switch_to_scripts(scripts: &Scripts) -> bool {
 fn go_to_scripts(scripts: &Scripts) -> bool {
     use std::sync::atomic::Ordering;
     let was = scripts.functions.swap(false, Ordering::Relaxed);
-    let now = u64::try_from(scripts.born.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
-    scripts.fell_back.store(now, Ordering::Relaxed);
+    scripts.fell_back.store(scripts.now_ms(), Ordering::Relaxed);
     was
 }
 
@@ -2518,7 +2519,7 @@ fn functions_refused(error: &StoreError) -> bool {
 /// From now on this store's calls are `EVALSHA` scripts (as exact), for a minute, after
 /// `error` refused Functions or the library's load. Said once. Not when only the load was
 /// refused and this user may not run scripts (see [`Scripts::scripts_refused`]): Functions
-/// stay on for the nodes that have the library, loads are held for a minute, and `false`
+/// stay on for the nodes that have the library, loads are held for [`HOLD_LOADS`], and `false`
 /// says the call that met the refusal fails with it.
 fn fall_back_to_scripts(scripts: &Scripts, error: &StoreError) -> bool {
     use std::sync::atomic::Ordering;
