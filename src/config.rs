@@ -918,10 +918,7 @@ impl LimiterConfig {
             // a literal path axum 0.8's router never writes (`{id}`), and cost the default
             // (a literal segment so written is for the API, after
             // `PerRoute::without_v07_checks`).
-            if path
-                .split('/')
-                .any(|segment| segment.starts_with(':') || segment.starts_with('*'))
-            {
+            if crate::cost::holds_v07_capture(path) {
                 return Err(ConfigError::new(
                     entry,
                     "a capture is written as axum 0.8 writes it (/users/{id}, /files/{*path}), \

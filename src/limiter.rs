@@ -445,9 +445,7 @@ impl<St: Store> Limiter<St> {
         let gives_back = |policy: &crate::Policy| {
             if policy.params().is_in_flight() {
                 Some(("in-flight limit", "frees slots"))
-            } else if !policy.is_shadow()
-                && matches!(policy.algorithm(), crate::Algorithm::LeakyShaping { .. })
-            {
+            } else if !policy.is_shadow() && policy.params().is_shaping() {
                 Some((
                     "shaping policy",
                     "gives a waiter's place back, when it gives up,",

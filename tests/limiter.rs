@@ -732,11 +732,9 @@ fn paced() -> Policy {
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_is_too_long_at_once() {
     let (limiter, key) = seven_then_one_too_impatient(paced()).await;
-    let started = tokio::time::Instant::now();
     // One whose wait covers the denial and the queue is admitted, in its place.
-    let patient = limiter.until_ready(&key, 1, Duration::from_secs(75)).await;
-    assert!(patient.is_ok(), "{patient:?}");
-    assert_eq!(started.elapsed(), Duration::from_secs(70));
+    let waited = admitted_after(&limiter, &key, 1, Duration::from_secs(75)).await;
+    assert_eq!(waited, Duration::from_secs(70));
 }
 
 /// The queue counts whichever policy the denial names: a spent bucket out-waiting a full
@@ -752,6 +750,20 @@ async fn a_queue_behind_another_policys_denial_counts_too() {
         .unwrap(),
     )
     .await;
+}
+
+/// How long `until_ready` of `cost` units for `key`, within `max_wait`, waited before it
+/// admitted (it must admit).
+async fn admitted_after<St: tollgate::Store>(
+    limiter: &Limiter<St>,
+    key: &Key,
+    cost: u64,
+    max_wait: Duration,
+) -> Duration {
+    let started = tokio::time::Instant::now();
+    let admitted = limiter.until_ready(key, cost, max_wait).await;
+    assert!(admitted.is_ok(), "{admitted:?}");
+    started.elapsed()
 }
 
 /// Seven requests of one unit at once under `policies`, then a waiter of 30 s, told
@@ -793,10 +805,8 @@ async fn a_request_of_nothing_counts_no_queue() {
         assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
     }
     assert!(!limiter.check(&key, 1).await.unwrap().is_allowed());
-    let started = tokio::time::Instant::now();
-    let nothing = limiter.until_ready(&key, 0, Duration::from_secs(40)).await;
-    assert!(nothing.is_ok(), "{nothing:?}");
-    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    let waited = admitted_after(&limiter, &key, 0, Duration::from_secs(40)).await;
+    assert_eq!(waited, Duration::from_secs(30));
 }
 
 /// A shaping policy's block (a penalty) names it with what is left of the block; its
@@ -817,10 +827,8 @@ async fn a_blocked_shaping_policy_counts_no_queue_that_has_drained() {
         assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
     }
     assert!(limiter.check(&key, 1).await.unwrap().is_blocked());
-    let started = tokio::time::Instant::now();
-    let patient = limiter.until_ready(&key, 1, Duration::from_secs(150)).await;
-    assert!(patient.is_ok(), "{patient:?}");
-    assert_eq!(started.elapsed(), Duration::from_secs(120));
+    let waited = admitted_after(&limiter, &key, 1, Duration::from_secs(150)).await;
+    assert_eq!(waited, Duration::from_secs(120));
 }
 
 #[tokio::test(start_paused = true)]

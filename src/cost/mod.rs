@@ -240,14 +240,18 @@ fn check_route(path: &str, literal_v07: bool) {
          holds no query (?), fragment (#) or space"
     );
     assert!(
-        literal_v07
-            || !path
-                .split('/')
-                .any(|segment| segment.starts_with(':') || segment.starts_with('*')),
+        literal_v07 || !holds_v07_capture(path),
         "PerRoute: {path:?} holds axum 0.7's capture (:id, *path), which axum 0.8's router \
          neither matches nor writes: write /users/{{id}} or /files/{{*path}} (for literal \
          text, as under Router::without_v07_checks, call PerRoute::without_v07_checks first)"
     );
+}
+
+/// Whether `path` has a segment that begins with `:` or `*`: axum 0.7's capture, which
+/// axum 0.8's router refuses (literal text only under `Router::without_v07_checks`).
+pub(crate) fn holds_v07_capture(path: &str) -> bool {
+    path.split('/')
+        .any(|segment| segment.starts_with(':') || segment.starts_with('*'))
 }
 
 impl Listing {

@@ -334,7 +334,12 @@ fn kept_for_good(field: HeaderValue) -> PolicyField {
         texts: std::collections::HashSet<&'static str>,
         bytes: usize,
     }
-    static KEPT: std::sync::Mutex<Option<Kept>> = std::sync::Mutex::new(None);
+    static KEPT: std::sync::LazyLock<std::sync::Mutex<Kept>> = std::sync::LazyLock::new(|| {
+        std::sync::Mutex::new(Kept {
+            texts: std::collections::HashSet::new(),
+            bytes: 0,
+        })
+    });
     // Once full, no lock: sets made per request with ever new numbers share one per thread.
     static FULL: AtomicBool = AtomicBool::new(false);
     let Ok(text) = field.to_str() else {
@@ -349,10 +354,6 @@ fn kept_for_good(field: HeaderValue) -> PolicyField {
     let mut kept = KEPT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let kept = kept.get_or_insert_with(|| Kept {
-        texts: std::collections::HashSet::new(),
-        bytes: 0,
-    });
     let same = match kept.texts.get(text) {
         Some(same) => *same,
         None if kept.bytes + text.len() > STATIC_FIELD_BYTES => {

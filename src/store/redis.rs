@@ -391,16 +391,15 @@ impl Scripts {
         }
     }
 
-    /// The error of a call that met no function while loads are held: `missing`, the
-    /// server's, with why no load was sent.
-    fn held(&self, missing: &StoreError) -> StoreError {
+    /// The error of a call that met no function while loads are held: why no load was
+    /// sent.
+    fn held(&self) -> StoreError {
         StoreError::new(
             StoreErrorKind::Refused,
             format!(
-                "{}: the Redis Functions library is missing on this node, and this user may \
-                 run no scripts; a load was refused, or left this node without it, less \
-                 than {} s ago",
-                missing.message,
+                "the Redis Functions library is missing on this node, and this user may run \
+                 no scripts; a load was refused, or left a node without it, less than {} s \
+                 ago",
                 HOLD_LOADS.as_secs()
             ),
         )
@@ -2322,7 +2321,7 @@ async fn invoke_once(
             // No scripts to run, and a load refused (or one that left this node without
             // the library) a moment ago: this call fails, with no load sent.
             Err(error) if function_not_found(&error) && scripts.loads_held() => {
-                return Err(scripts.held(&error));
+                return Err(scripts.held());
             }
             Err(error) if function_not_found(&error) => {
                 match load_and_call(backend, scripts, &command, loads).await {
@@ -2403,16 +2402,7 @@ async fn load_and_call(
         Ok(true) => {}
         // Another request's load was refused a moment ago, for a user who may run no
         // scripts (said there): this call fails with no load sent.
-        Ok(false) if scripts.loads_held() => {
-            return Err(StoreError::new(
-                StoreErrorKind::Refused,
-                format!(
-                    "loading the Redis Functions library was refused to another request \
-                     less than {} s ago, and this user may run no scripts",
-                    HOLD_LOADS.as_secs()
-                ),
-            ));
-        }
+        Ok(false) if scripts.loads_held() => return Err(scripts.held()),
         // Another request's load was refused while this one waited its turn, or failed
         // on I/O: said, counted and switched there; this call runs as a script, quietly.
         Ok(false) => {
@@ -2510,10 +2500,9 @@ fn missing_after_load(error: &StoreError, switched: bool) {
 /// 7), or an ACL without `FCALL`. (A refusal of a key is not this: scripts would meet it
 /// too.)
 fn functions_refused(error: &StoreError) -> bool {
-    let message = error.message.to_ascii_lowercase();
-    message.contains("unknown command")
+    fcall_refused(error)
         || (error.code() == Some("NOPERM")
-            && (message.contains("'fcall'") || message.contains("'function")))
+            && error.message.to_ascii_lowercase().contains("'function"))
 }
 
 /// From now on this store's calls are `EVALSHA` scripts (as exact), for a minute, after
@@ -2606,23 +2595,19 @@ async fn load_library(
         ended: false,
     };
     match query::<redis::Value>(backend, &command).await {
-        Ok(_) => {
-            loading.ended = true;
-            scripts.loads.fetch_add(1, Ordering::Release);
-            Ok(true)
-        }
-        Err(error) if already_loaded(&error, &scripts.library.name) => {
-            loading.ended = true;
-            scripts.loads.fetch_add(1, Ordering::Release);
-            Ok(true)
-        }
-        Err(error) => {
+        // Loaded, here or by another replica of the app first.
+        Err(error) if !already_loaded(&error, &scripts.library.name) => {
             // Refused: scripts from now on (for a minute). On I/O, `Loading` switches.
             if !error.kind().is_io() {
                 loading.ended = true;
                 fall_back_to_scripts(scripts, &error);
             }
             Err(error)
+        }
+        _ => {
+            loading.ended = true;
+            scripts.loads.fetch_add(1, Ordering::Release);
+            Ok(true)
         }
     }
 }

@@ -290,25 +290,26 @@ fn stat(line: &str, name: &str) -> u64 {
 /// How many times `server` ran `command` (lower case) and it succeeded, from `INFO
 /// commandstats` (0 when it never ran).
 pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
-    let stats = commandstats(server);
-    stats
-        .lines()
-        .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
-        .map_or(0, |line| {
-            stat(line, "calls=").saturating_sub(stat(line, "failed_calls="))
-        })
+    command_stat(server, command, |line| {
+        stat(line, "calls=").saturating_sub(stat(line, "failed_calls="))
+    })
 }
 
 /// How many times `server` was sent `command` (lower case), refused or not, from `INFO
 /// commandstats` (0 when it never was).
 pub fn command_sent(server: &RedisServer, command: &str) -> u64 {
+    command_stat(server, command, |line| {
+        stat(line, "calls=") + stat(line, "rejected_calls=")
+    })
+}
+
+/// `read` of `command`'s line of `INFO commandstats` (0 when there is none).
+fn command_stat(server: &RedisServer, command: &str, read: impl Fn(&str) -> u64) -> u64 {
     let stats = commandstats(server);
     stats
         .lines()
         .find(|line| line.starts_with(&format!("cmdstat_{command}:")))
-        .map_or(0, |line| {
-            stat(line, "calls=") + stat(line, "rejected_calls=")
-        })
+        .map_or(0, read)
 }
 
 /// `calls` and `usec` of every script command (`EVALSHA`, `EVAL`, `FCALL`) in `INFO
