@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-use crate::decision::{Decision, Outcome};
+use crate::decision::{Decision, Outcome, PolicyStatus};
 use crate::policy::{Policy, PolicySet, QuotaUnit};
 
 /// Which rate-limit header fields responses carry. Every response to a request the layer
@@ -310,6 +310,77 @@ const POLICY_FIELD_SLOTS: usize = 4;
 /// numbers), fields are shared per thread instead. Never freed: this much at most.
 const STATIC_FIELD_BYTES: usize = 256 * 1024;
 
+/// How many bytes of `RateLimit` fields the process keeps for its whole life: those sent
+/// twice in a row by a thread (see [`LAST_RATE`]), about 25 bytes each, so a couple of
+/// thousand. Past this many bytes, a field sent again is shared (its reference count
+/// written twice a response). Never freed: this much at most.
+const STATIC_RATE_BYTES: usize = 64 * 1024;
+
+/// Field texts kept for the life of the process, up to `budget` bytes.
+struct Keeper {
+    kept: std::sync::Mutex<Kept>,
+    /// Once full, no lock: fields past the budget are shared.
+    full: std::sync::atomic::AtomicBool,
+    budget: usize,
+}
+
+struct Kept {
+    texts: Option<std::collections::HashSet<&'static str>>,
+    bytes: usize,
+}
+
+impl Keeper {
+    const fn new(budget: usize) -> Self {
+        Self {
+            kept: std::sync::Mutex::new(Kept {
+                texts: None,
+                bytes: 0,
+            }),
+            full: std::sync::atomic::AtomicBool::new(false),
+            budget,
+        }
+    }
+
+    /// `field` as a static value, the same text kept once; `None` once the budget is
+    /// spent (or for a field that is not text, which no field of ours is).
+    fn keep(&self, field: &HeaderValue) -> Option<HeaderValue> {
+        use std::sync::atomic::Ordering;
+        let text = field.to_str().ok()?;
+        if let Some(same) = KEPT_HERE.with(|here| here.borrow().get(text).copied()) {
+            return Some(HeaderValue::from_static(same));
+        }
+        if self.full.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let bytes = kept.bytes;
+        let texts = kept.texts.get_or_insert_with(Default::default);
+        let same = match texts.get(text) {
+            Some(same) => *same,
+            None if bytes + text.len() > self.budget => {
+                self.full.store(true, Ordering::Relaxed);
+                return None;
+            }
+            None => {
+                let leaked: &'static str = Box::leak(text.to_owned().into_boxed_str());
+                texts.insert(leaked);
+                kept.bytes += leaked.len();
+                leaked
+            }
+        };
+        KEPT_HERE.with(|here| here.borrow_mut().insert(same));
+        Some(HeaderValue::from_static(same))
+    }
+}
+
+/// The `RateLimit-Policy` fields kept for good (see [`STATIC_FIELD_BYTES`]).
+static POLICY_KEEPER: Keeper = Keeper::new(STATIC_FIELD_BYTES);
+/// The `RateLimit` fields kept for good (see [`STATIC_RATE_BYTES`]).
+static RATE_KEEPER: Keeper = Keeper::new(STATIC_RATE_BYTES);
+
 thread_local! {
     /// The fields kept for good that this thread has met: found again without the
     /// process-wide lock (a resolver that builds its sets per request builds the same
@@ -329,46 +400,10 @@ enum PolicyField {
 /// `field` as a static value, the same text kept once (see [`STATIC_FIELD_BYTES`]);
 /// shared once that many bytes are kept.
 fn kept_for_good(field: HeaderValue) -> PolicyField {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    struct Kept {
-        texts: std::collections::HashSet<&'static str>,
-        bytes: usize,
+    match POLICY_KEEPER.keep(&field) {
+        Some(kept) => PolicyField::Static(kept),
+        None => PolicyField::Shared(field),
     }
-    static KEPT: std::sync::LazyLock<std::sync::Mutex<Kept>> = std::sync::LazyLock::new(|| {
-        std::sync::Mutex::new(Kept {
-            texts: std::collections::HashSet::new(),
-            bytes: 0,
-        })
-    });
-    // Once full, no lock: sets made per request with ever new numbers share one per thread.
-    static FULL: AtomicBool = AtomicBool::new(false);
-    let Ok(text) = field.to_str() else {
-        return PolicyField::Shared(field);
-    };
-    if let Some(same) = KEPT_HERE.with(|here| here.borrow().get(text).copied()) {
-        return PolicyField::Static(HeaderValue::from_static(same));
-    }
-    if FULL.load(Ordering::Relaxed) {
-        return PolicyField::Shared(field);
-    }
-    let mut kept = KEPT
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let same = match kept.texts.get(text) {
-        Some(same) => *same,
-        None if kept.bytes + text.len() > STATIC_FIELD_BYTES => {
-            FULL.store(true, Ordering::Relaxed);
-            return PolicyField::Shared(field);
-        }
-        None => {
-            let leaked: &'static str = Box::leak(text.to_owned().into_boxed_str());
-            kept.bytes += leaked.len();
-            kept.texts.insert(leaked);
-            leaked
-        }
-    };
-    KEPT_HERE.with(|here| here.borrow_mut().insert(same));
-    PolicyField::Static(HeaderValue::from_static(same))
 }
 
 /// The set's `RateLimit-Policy` field (with its shadow policies or without): built on its
@@ -574,10 +609,10 @@ impl HeaderBlock {
             HeaderBlock::Empty | HeaderBlock::Wait(_) => {}
             HeaderBlock::Draft11 { policy, rate, .. } => {
                 if let Some(policy) = policy {
-                    add_to_list(headers, RATELIMIT_POLICY, policy);
+                    add_to_list(headers, &POLICY_NAME, policy);
                 }
                 if let Some(rate) = rate {
-                    add_to_list(headers, RATELIMIT, rate);
+                    add_to_list(headers, &RATE_NAME, rate);
                 }
             }
             HeaderBlock::Single {
@@ -673,25 +708,27 @@ fn number(value: &HeaderValue) -> Option<u64> {
 /// (sections 3, 3.1, 4 and 4.1: `q` in `RateLimit-Policy`, `r` in `RateLimit`), or one
 /// with an empty line (the joined value would start or end with a comma).
 #[inline]
-fn add_to_list(headers: &mut HeaderMap, name: HeaderName, value: HeaderValue) {
-    match headers.entry(name) {
-        http::header::Entry::Vacant(vacant) => {
-            vacant.insert(value);
-        }
-        http::header::Entry::Occupied(occupied) => add_to_occupied(occupied, value),
+fn add_to_list(headers: &mut HeaderMap, name: &'static HeaderName, value: HeaderValue) {
+    // One look-up for the common response, which has no such field: ours is appended,
+    // and what was there before is checked only when there was something.
+    if headers.append(name, value) {
+        keep_well_formed(headers, name);
     }
 }
 
+/// The list field `name`, whose last line is ours, just appended to a field a limiter
+/// further in wrote: kept whole when those lines are a draft-11 field, else ours alone.
 #[cold]
 #[inline(never)]
-fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, value: HeaderValue) {
-    let required = if occupied.key() == RATELIMIT_POLICY {
-        "q"
-    } else {
-        "r"
+fn keep_well_formed(headers: &mut HeaderMap, name: &'static HeaderName) {
+    let required = if *name == RATELIMIT_POLICY { "q" } else { "r" };
+    let http::header::Entry::Occupied(mut occupied) = headers.entry(name) else {
+        return;
     };
+    let theirs = occupied.iter().count().saturating_sub(1);
     let lines: Option<Vec<&str>> = occupied
         .iter()
+        .take(theirs)
         .map(|line| line.to_str().ok().filter(|line| !line.trim().is_empty()))
         .collect();
     let is_field = lines.is_some_and(|lines| {
@@ -699,10 +736,8 @@ fn add_to_occupied(mut occupied: http::header::OccupiedEntry<'_, HeaderValue>, v
             .parse::<sfv::List>()
             .is_ok_and(|list| list.iter().all(|member| is_quota_member(member, required)))
     });
-    if is_field {
-        occupied.append(value);
-    } else {
-        occupied.insert(value);
+    if !is_field && let Some(ours) = occupied.iter().next_back().cloned() {
+        occupied.insert(ours);
     }
 }
 
@@ -748,6 +783,9 @@ fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
 /// where given a borrowed one it clones it (one indirect call, on every response).
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// The two list fields, by reference (a `const` is built again at each use).
+static POLICY_NAME: HeaderName = RATELIMIT_POLICY;
+static RATE_NAME: HeaderName = RATELIMIT;
 static DRAFT11_FIELDS: [HeaderName; 3] = [RATELIMIT_POLICY, RATELIMIT, header::RETRY_AFTER];
 static DRAFT6_FIELDS: [HeaderName; 4] = [
     HeaderName::from_static("ratelimit-limit"),
@@ -864,6 +902,121 @@ fn blocked_rate(
     })
 }
 
+/// The most policies whose numbers the thread's last `RateLimit` field is kept for.
+const REMEMBERED_POLICIES: usize = 4;
+
+/// The `RateLimit` field a thread wrote last, and what it was written from: a set's
+/// serial (with the shadow flag in its low bit) and each listed policy's numbers.
+struct LastRate {
+    set: u64,
+    listed: usize,
+    numbers: [(u64, Option<u64>); REMEMBERED_POLICIES],
+    field: HeaderValue,
+    /// `field` is kept for good, or could not be (see [`STATIC_RATE_BYTES`]).
+    kept: bool,
+}
+
+thread_local! {
+    /// A client well within its quota is told the same numbers response after response
+    /// (a bucket refilled by the next request: its limit less the cost, `t=1`), and so
+    /// are the many such clients of one set: the field written last is copied again when
+    /// its numbers are the same, instead of written (two numbers formatted, the text
+    /// checked, a reference count written). A field sent twice in a row is kept for
+    /// good (see [`STATIC_RATE_BYTES`]), so that its copies are static values. Never
+    /// with a partition key, which differs per client.
+    static LAST_RATE: RefCell<Option<LastRate>> = const { RefCell::new(None) };
+}
+
+/// The `RateLimit` field: each shown policy's remaining units and, but for an in-flight
+/// quota (its `t` is optional, draft-11, section 4.1, and it has none), its effective
+/// window in seconds. `None` when no policy is shown.
+fn rate_field(
+    options: &HeaderOptions,
+    policies: &PolicySet,
+    statuses: &[PolicyStatus],
+    key: &str,
+    extra: u64,
+) -> Option<HeaderValue> {
+    let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
+    let number = |policy: &Policy, status: &PolicyStatus| {
+        let remaining = status.remaining.min(policy.limit());
+        let window = (!policy.params().is_in_flight())
+            .then(|| effective_secs(policy, status.effective_window, extra));
+        (remaining, window)
+    };
+    let mut numbers = [(0, None); REMEMBERED_POLICIES];
+    let mut listed = 0;
+    let mut remembered = options.partition_key.is_none();
+    for (policy, status) in policies.iter().zip(statuses) {
+        if !shown(policy) {
+            continue;
+        }
+        match numbers.get_mut(listed) {
+            Some(slot) => *slot = number(policy, status),
+            None => remembered = false,
+        }
+        listed += 1;
+    }
+    if listed == 0 {
+        return None;
+    }
+    let set = (policies.serial() << 1) | u64::from(options.shadow);
+    let same =
+        |last: &LastRate| last.set == set && last.listed == listed && last.numbers == numbers;
+    if remembered
+        && let Some(field) = LAST_RATE.with_borrow_mut(|last| {
+            let last = last.as_mut().filter(|last| same(last))?;
+            // Sent again: kept for good, so that each copy is a static value.
+            if !last.kept {
+                last.kept = true;
+                if let Some(kept) = RATE_KEEPER.keep(&last.field) {
+                    last.field = kept;
+                }
+            }
+            Some(last.field.clone())
+        })
+    {
+        return Some(field);
+    }
+    let field = value(|out| {
+        let mut written = 0;
+        for (policy, status) in policies.iter().zip(statuses) {
+            if !shown(policy) {
+                continue;
+            }
+            if written > 0 {
+                out.extend_from_slice(b", ");
+            }
+            let (remaining, window) = numbers
+                .get(written)
+                .copied()
+                .unwrap_or_else(|| number(policy, status));
+            written += 1;
+            out.extend_from_slice(b"\"");
+            out.extend_from_slice(policy.name().as_bytes());
+            out.extend_from_slice(b"\";r=");
+            push_number(out, remaining);
+            if let Some(window) = window {
+                out.extend_from_slice(b";t=");
+                push_number(out, window);
+            }
+            if let Some(keyer) = &options.partition_key {
+                push_partition_key(out, keyer, key);
+            }
+        }
+    })?;
+    if remembered {
+        LAST_RATE.set(Some(LastRate {
+            set,
+            listed,
+            numbers,
+            field: field.clone(),
+            kept: false,
+        }));
+    }
+    Some(field)
+}
+
 /// The header fields for `decision` under `policies` for `key`. `extra` is the jitter
 /// (whole seconds) drawn for this response, added to long effective windows.
 pub(crate) fn rate_limit_headers(
@@ -885,40 +1038,14 @@ pub(crate) fn rate_limit_headers(
             rate: blocked_rate(options, policies, decision, key, extra),
             wait: None,
         },
-        HeaderStyle::Draft11 => {
-            let mut listed = 0;
-            let rate = value(|out| {
-                for (policy, status) in policies.iter().zip(statuses) {
-                    if !shown(policy) {
-                        continue;
-                    }
-                    if listed > 0 {
-                        out.extend_from_slice(b", ");
-                    }
-                    listed += 1;
-                    out.extend_from_slice(b"\"");
-                    out.extend_from_slice(policy.name().as_bytes());
-                    out.extend_from_slice(b"\";r=");
-                    push_number(out, status.remaining.min(policy.limit()));
-                    // `t` is optional (draft-11, section 4.1); an in-flight quota has none.
-                    if !policy.params().is_in_flight() {
-                        out.extend_from_slice(b";t=");
-                        push_number(out, effective_secs(policy, status.effective_window, extra));
-                    }
-                    if let Some(keyer) = &options.partition_key {
-                        push_partition_key(out, keyer, key);
-                    }
-                }
-            });
-            match rate {
-                Some(rate) if listed > 0 => HeaderBlock::Draft11 {
-                    policy: policy_field(policies, options.shadow),
-                    rate: Some(rate),
-                    wait: spent_wait(policies, decision, extra),
-                },
-                _ => HeaderBlock::Empty,
-            }
-        }
+        HeaderStyle::Draft11 => match rate_field(options, policies, statuses, key, extra) {
+            Some(rate) => HeaderBlock::Draft11 {
+                policy: policy_field(policies, options.shadow),
+                rate: Some(rate),
+                wait: spent_wait(policies, decision, extra),
+            },
+            None => HeaderBlock::Empty,
+        },
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
             let legacy = options.style == HeaderStyle::Legacy;
             // One policy's numbers: an enforced one's while the set has one. A shadow
@@ -1012,7 +1139,6 @@ pub(crate) struct Spent {
 mod tests {
 
     use super::*;
-    use crate::decision::PolicyStatus;
     use crate::{Policy, Rate};
 
     /// Jitter goes on long times, and on any time but zero (room now) of a fixed window
@@ -1161,6 +1287,167 @@ mod tests {
                 .iter()
                 .all(|field| field.as_bytes().as_ptr() == fields[0].as_bytes().as_ptr())
         );
+    }
+
+    /// The `RateLimit` field of one allowed decision whose statuses are `numbers`
+    /// (remaining, effective window) under `policies`.
+    fn rate_of(
+        options: &HeaderOptions,
+        policies: &PolicySet,
+        numbers: &[(u64, Duration)],
+        key: &str,
+        extra: u64,
+    ) -> HeaderValue {
+        let statuses: Vec<PolicyStatus> = policies
+            .iter()
+            .zip(numbers)
+            .map(|(policy, &(remaining, window))| PolicyStatus {
+                limit: policy.limit(),
+                remaining,
+                reset: window,
+                effective_window: window,
+            })
+            .collect();
+        let allowed = Outcome::Allowed {
+            delay: Duration::ZERO,
+        };
+        let decision = Decision::new(allowed, statuses);
+        match rate_limit_headers(options, policies, &decision, key, extra) {
+            HeaderBlock::Draft11 {
+                rate: Some(rate), ..
+            } => rate,
+            _ => panic!("no RateLimit field"),
+        }
+    }
+
+    /// The field written last is sent again only for the very numbers it was written
+    /// from: the same set (not an equal-looking one), the same shown policies, remaining
+    /// units and windows (jitter included), and never with a partition key.
+    #[test]
+    fn the_last_rate_field_is_sent_again_only_for_the_same_numbers() {
+        let second = Duration::from_secs(1);
+        let options = HeaderOptions::default();
+        let api = PolicySet::from(Policy::token_bucket("api", 20, Rate::per_second(10)).unwrap());
+        let first = rate_of(&options, &api, &[(19, second)], "ip:1", 0);
+        assert_eq!(first, "\"api\";r=19;t=1");
+        // Sent twice in a row: kept for good, and the same static value from then on.
+        let again = rate_of(&options, &api, &[(19, second)], "ip:2", 0);
+        let third = rate_of(&options, &api, &[(19, second)], "ip:3", 0);
+        assert_eq!(again, "\"api\";r=19;t=1");
+        assert_eq!(again.as_bytes().as_ptr(), third.as_bytes().as_ptr());
+        assert_eq!(
+            rate_of(&options, &api, &[(18, second)], "ip:1", 0),
+            "\"api\";r=18;t=1"
+        );
+        assert_eq!(
+            rate_of(&options, &api, &[(18, 2 * second)], "ip:1", 0),
+            "\"api\";r=18;t=2"
+        );
+        // Another set with the same numbers: its own name.
+        let other =
+            PolicySet::from(Policy::token_bucket("other", 20, Rate::per_second(10)).unwrap());
+        assert_eq!(
+            rate_of(&options, &other, &[(18, 2 * second)], "ip:1", 0),
+            "\"other\";r=18;t=2"
+        );
+        // A window that takes jitter: the extra seconds are part of the numbers.
+        let daily = PolicySet::from(
+            Policy::fixed_window("daily", 1000, Duration::from_secs(86_400)).unwrap(),
+        );
+        let hour = Duration::from_secs(3600);
+        assert_eq!(
+            rate_of(&options, &daily, &[(990, hour)], "ip:1", 0),
+            "\"daily\";r=990;t=3600"
+        );
+        assert_eq!(
+            rate_of(&options, &daily, &[(990, hour)], "ip:1", 5),
+            "\"daily\";r=990;t=3605"
+        );
+        // A shadow policy: listed or not as the layer says, with the same numbers.
+        let shadowed = PolicySet::new([
+            Policy::token_bucket("api", 20, Rate::per_second(10)).unwrap(),
+            Policy::token_bucket("trial", 5, Rate::per_second(1))
+                .unwrap()
+                .shadow(),
+        ])
+        .unwrap();
+        let numbers = [(19, second), (4, second)];
+        let listing = HeaderOptions {
+            shadow: true,
+            ..HeaderOptions::default()
+        };
+        for _ in 0..2 {
+            assert_eq!(
+                rate_of(&options, &shadowed, &numbers, "ip:1", 0),
+                "\"api\";r=19;t=1"
+            );
+            assert_eq!(
+                rate_of(&listing, &shadowed, &numbers, "ip:1", 0),
+                "\"api\";r=19;t=1, \"trial\";r=4;t=1"
+            );
+        }
+        // A partition key differs per client: never sent again for another.
+        let keyed = HeaderOptions {
+            partition_key: Some(std::sync::Arc::new(PartitionKeyer::new(&[7; 32]))),
+            ..HeaderOptions::default()
+        };
+        let one = rate_of(&keyed, &api, &[(19, second)], "ip:1", 0);
+        let two = rate_of(&keyed, &api, &[(19, second)], "ip:2", 0);
+        assert_ne!(one, two);
+        assert!(one.to_str().unwrap().starts_with("\"api\";r=19;t=1;pk=:"));
+        assert_eq!(rate_of(&keyed, &api, &[(19, second)], "ip:1", 0), one);
+    }
+
+    /// More policies than the field remembered is written in full every time.
+    #[test]
+    fn a_set_of_many_policies_is_listed_in_full() {
+        let policies = PolicySet::new((0..REMEMBERED_POLICIES as u64 + 2).map(|index| {
+            Policy::token_bucket(&format!("p{index}"), 100, Rate::per_second(100)).unwrap()
+        }))
+        .unwrap();
+        let options = HeaderOptions::default();
+        for remaining in [50, 50, 49] {
+            let numbers: Vec<(u64, Duration)> = (0..policies.len() as u64)
+                .map(|index| (remaining - index, Duration::from_secs(1)))
+                .collect();
+            let expected: Vec<String> = (0..policies.len() as u64)
+                .map(|index| format!("\"p{index}\";r={};t=1", remaining - index))
+                .collect();
+            assert_eq!(
+                rate_of(&options, &policies, &numbers, "ip:1", 0),
+                expected.join(", ").as_str()
+            );
+        }
+    }
+
+    /// What a keeper keeps is bounded: past its budget, nothing more is kept (the field
+    /// is then shared), while texts kept before are still found.
+    #[test]
+    fn a_keeper_keeps_no_more_than_its_budget() {
+        let keeper = Keeper::new(30);
+        let kept = keeper
+            .keep(&HeaderValue::from_static("\"a\";r=1;t=1"))
+            .unwrap();
+        assert_eq!(kept, "\"a\";r=1;t=1");
+        assert!(
+            keeper
+                .keep(&HeaderValue::from_static("\"b\";r=22;t=1"))
+                .is_some()
+        );
+        // 11 + 12 bytes kept: 13 more would pass 30.
+        assert!(
+            keeper
+                .keep(&HeaderValue::from_static("\"c\";r=333;t=1"))
+                .is_none()
+        );
+        assert!(
+            keeper
+                .keep(&HeaderValue::from_static("\"d\";r=1;t=1"))
+                .is_none()
+        );
+        // A text already kept is still the static value.
+        let same = keeper.keep(&HeaderValue::from_bytes(b"\"a\";r=1;t=1").unwrap());
+        assert_eq!(same.unwrap().as_bytes().as_ptr(), kept.as_bytes().as_ptr());
     }
 
     #[test]
