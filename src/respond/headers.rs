@@ -307,14 +307,21 @@ const POLICY_FIELD_SLOTS: usize = 4;
 /// that a response's copy is a static value: no reference count written, no per-thread
 /// look-up. A process has a few fields (one or two per policy set it serves), of tens
 /// to hundreds of bytes; past this many bytes (sets made per request with ever new
-/// numbers), fields are shared per thread instead. Never freed: this much at most.
+/// numbers), fields are shared per thread instead. Never freed: this much at most, each
+/// text counted with what keeping it costs ([`KEPT_ENTRY_BYTES`]).
 const STATIC_FIELD_BYTES: usize = 256 * 1024;
 
 /// How many bytes of `RateLimit` fields the process keeps for its whole life: those sent
-/// twice in a row by a thread (see [`LAST_RATE`]), about 25 bytes each, so a couple of
-/// thousand. Past this many bytes, a field sent again is shared (its reference count
-/// written twice a response). Never freed: this much at most.
-const STATIC_RATE_BYTES: usize = 64 * 1024;
+/// twice in a row by a thread (see [`LAST_RATE`]), about a hundred bytes each with what
+/// keeping one costs ([`KEPT_ENTRY_BYTES`]), so about thirteen hundred. Past this many
+/// bytes, a field sent again is shared (its reference count written twice a response).
+/// Never freed: this much at most.
+const STATIC_RATE_BYTES: usize = 128 * 1024;
+
+/// What a kept text costs beyond its own bytes, counted against a keeper's budget: its
+/// allocation, and its place in the process's table and in the table of each thread
+/// that sends it (a thread's table is freed when the thread ends).
+const KEPT_ENTRY_BYTES: usize = 64;
 
 /// Field texts kept for the life of the process, up to `budget` bytes.
 struct Keeper {
@@ -360,14 +367,14 @@ impl Keeper {
         let texts = kept.texts.get_or_insert_with(Default::default);
         let same = match texts.get(text) {
             Some(same) => *same,
-            None if bytes + text.len() > self.budget => {
+            None if bytes + text.len() + KEPT_ENTRY_BYTES > self.budget => {
                 self.full.store(true, Ordering::Relaxed);
                 return None;
             }
             None => {
                 let leaked: &'static str = Box::leak(text.to_owned().into_boxed_str());
                 texts.insert(leaked);
-                kept.bytes += leaked.len();
+                kept.bytes += leaked.len() + KEPT_ENTRY_BYTES;
                 leaked
             }
         };
@@ -1335,6 +1342,9 @@ mod tests {
         let third = rate_of(&options, &api, &[(19, second)], "ip:3", 0);
         assert_eq!(again, "\"api\";r=19;t=1");
         assert_eq!(again.as_bytes().as_ptr(), third.as_bytes().as_ptr());
+        // Kept for good: the text the process keeps, not a copy of its own.
+        let kept = RATE_KEEPER.keep(&first).unwrap();
+        assert_eq!(kept.as_bytes().as_ptr(), again.as_bytes().as_ptr());
         assert_eq!(
             rate_of(&options, &api, &[(18, second)], "ip:1", 0),
             "\"api\";r=18;t=1"
@@ -1391,11 +1401,19 @@ mod tests {
             partition_key: Some(std::sync::Arc::new(PartitionKeyer::new(&[7; 32]))),
             ..HeaderOptions::default()
         };
+        // Sent last without a key: not taken for a keyed field, nor left for later.
+        let unkeyed = rate_of(&options, &api, &[(19, second)], "ip:1", 0);
+        assert_eq!(unkeyed, "\"api\";r=19;t=1");
         let one = rate_of(&keyed, &api, &[(19, second)], "ip:1", 0);
         let two = rate_of(&keyed, &api, &[(19, second)], "ip:2", 0);
         assert_ne!(one, two);
         assert!(one.to_str().unwrap().starts_with("\"api\";r=19;t=1;pk=:"));
+        assert!(two.to_str().unwrap().starts_with("\"api\";r=19;t=1;pk=:"));
         assert_eq!(rate_of(&keyed, &api, &[(19, second)], "ip:1", 0), one);
+        assert_eq!(
+            rate_of(&options, &api, &[(19, second)], "ip:9", 0),
+            "\"api\";r=19;t=1"
+        );
     }
 
     /// More policies than the field remembered is written in full every time.
@@ -1406,6 +1424,18 @@ mod tests {
         }))
         .unwrap();
         let options = HeaderOptions::default();
+        // Only a policy past those remembered changes: its own numbers are sent.
+        let second = Duration::from_secs(1);
+        let mut numbers = vec![(9, second); policies.len()];
+        let all_nine = rate_of(&options, &policies, &numbers, "ip:1", 0);
+        assert!(all_nine.to_str().unwrap().contains("\"p4\";r=9;t=1"));
+        numbers[REMEMBERED_POLICIES] = (8, second);
+        let one_less = rate_of(&options, &policies, &numbers, "ip:1", 0);
+        assert!(one_less.to_str().unwrap().contains("\"p4\";r=8;t=1"));
+        numbers[REMEMBERED_POLICIES] = (9, second);
+        numbers[REMEMBERED_POLICIES + 1] = (7, 2 * second);
+        let last = rate_of(&options, &policies, &numbers, "ip:1", 0);
+        assert!(last.to_str().unwrap().ends_with("\"p5\";r=7;t=2"));
         for remaining in [50, 50, 49] {
             let numbers: Vec<(u64, Duration)> = (0..policies.len() as u64)
                 .map(|index| (remaining - index, Duration::from_secs(1)))
@@ -1420,31 +1450,24 @@ mod tests {
         }
     }
 
-    /// What a keeper keeps is bounded: past its budget, nothing more is kept (the field
-    /// is then shared), while texts kept before are still found.
+    /// What a keeper keeps is bounded: past its budget (each text counted with what
+    /// keeping it costs), nothing more is kept (the field is then shared), while texts
+    /// kept before are still found.
     #[test]
     fn a_keeper_keeps_no_more_than_its_budget() {
-        let keeper = Keeper::new(30);
-        let kept = keeper
-            .keep(&HeaderValue::from_static("\"a\";r=1;t=1"))
-            .unwrap();
+        let text = |text: &'static str| HeaderValue::from_static(text);
+        assert!(
+            Keeper::new(KEPT_ENTRY_BYTES + 10)
+                .keep(&text("\"z\";r=1;t=1"))
+                .is_none()
+        );
+        let keeper = Keeper::new(30 + 2 * KEPT_ENTRY_BYTES);
+        let kept = keeper.keep(&text("\"a\";r=1;t=1")).unwrap();
         assert_eq!(kept, "\"a\";r=1;t=1");
-        assert!(
-            keeper
-                .keep(&HeaderValue::from_static("\"b\";r=22;t=1"))
-                .is_some()
-        );
+        assert!(keeper.keep(&text("\"b\";r=22;t=1")).is_some());
         // 11 + 12 bytes kept: 13 more would pass 30.
-        assert!(
-            keeper
-                .keep(&HeaderValue::from_static("\"c\";r=333;t=1"))
-                .is_none()
-        );
-        assert!(
-            keeper
-                .keep(&HeaderValue::from_static("\"d\";r=1;t=1"))
-                .is_none()
-        );
+        assert!(keeper.keep(&text("\"c\";r=333;t=1")).is_none());
+        assert!(keeper.keep(&text("\"d\";r=1;t=1")).is_none());
         // A text already kept is still the static value.
         let same = keeper.keep(&HeaderValue::from_bytes(b"\"a\";r=1;t=1").unwrap());
         assert_eq!(same.unwrap().as_bytes().as_ptr(), kept.as_bytes().as_ptr());
