@@ -1033,6 +1033,33 @@ pub(crate) fn rate_limit_headers(
     key: &str,
     extra: u64,
 ) -> HeaderBlock {
+    // Draft-11 with the statuses, the common response, is laid out here; the other
+    // styles and a denial answered without the state, out of line, so that a response
+    // runs through fewer lines of code.
+    match options.style {
+        HeaderStyle::Draft11 if !decision.statuses().is_empty() => {
+            match rate_field(options, policies, decision.statuses(), key, extra) {
+                Some(rate) => HeaderBlock::Draft11 {
+                    policy: policy_field(policies, options.shadow),
+                    rate: Some(rate),
+                    wait: spent_wait(policies, decision, extra),
+                },
+                None => HeaderBlock::Empty,
+            }
+        }
+        _ => other_headers(options, policies, decision, key, extra),
+    }
+}
+
+/// [`rate_limit_headers`] of any style but draft-11 with the decision's statuses.
+#[inline(never)]
+fn other_headers(
+    options: &HeaderOptions,
+    policies: &PolicySet,
+    decision: &Decision,
+    key: &str,
+    extra: u64,
+) -> HeaderBlock {
     let statuses = decision.statuses();
     let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
     match options.style {
