@@ -206,6 +206,15 @@ pub(crate) struct HeaderOptions {
     pub(crate) shadow: bool,
 }
 
+impl HeaderOptions {
+    /// Whether `policy` is listed in the fields: an enforced one always, a shadow one
+    /// when the layer lists them.
+    #[inline]
+    fn shows(&self, policy: &Policy) -> bool {
+        self.shadow || !policy.is_shadow()
+    }
+}
+
 /// Times shorter than this get no jitter, but those of a long window aligned to the
 /// clock: a herd that comes back after a second is no herd.
 const JITTER_FROM: Duration = Duration::from_secs(60);
@@ -616,10 +625,10 @@ impl HeaderBlock {
             HeaderBlock::Empty | HeaderBlock::Wait(_) => {}
             HeaderBlock::Draft11 { policy, rate, .. } => {
                 if let Some(policy) = policy {
-                    add_to_list(headers, &POLICY_NAME, policy);
+                    add_to_list(headers, ListField::Policy, policy);
                 }
                 if let Some(rate) = rate {
-                    add_to_list(headers, &RATE_NAME, rate);
+                    add_to_list(headers, ListField::Rate, rate);
                 }
             }
             HeaderBlock::Single {
@@ -715,21 +724,48 @@ fn number(value: &HeaderValue) -> Option<u64> {
 /// (sections 3, 3.1, 4 and 4.1: `q` in `RateLimit-Policy`, `r` in `RateLimit`), or one
 /// with an empty line (the joined value would start or end with a comma).
 #[inline]
-fn add_to_list(headers: &mut HeaderMap, name: &'static HeaderName, value: HeaderValue) {
+fn add_to_list(headers: &mut HeaderMap, field: ListField, value: HeaderValue) {
     // One look-up for the common response, which has no such field: ours is appended,
     // and what was there before is checked only when there was something.
-    if headers.append(name, value) {
-        keep_well_formed(headers, name);
+    if headers.append(field.name(), value) {
+        keep_well_formed(headers, field);
     }
 }
 
-/// The list field `name`, whose last line is ours, just appended to a field a limiter
+/// draft-11's two list fields.
+#[derive(Clone, Copy)]
+enum ListField {
+    Policy,
+    Rate,
+}
+
+impl ListField {
+    /// The field's name, handed to the map by value (see [`RATELIMIT_POLICY`]).
+    #[inline]
+    fn name(self) -> HeaderName {
+        match self {
+            ListField::Policy => RATELIMIT_POLICY,
+            ListField::Rate => RATELIMIT,
+        }
+    }
+
+    /// The Integer parameter each member of the field requires (draft-11, sections 3.1
+    /// and 4.1).
+    fn required(self) -> &'static str {
+        match self {
+            ListField::Policy => "q",
+            ListField::Rate => "r",
+        }
+    }
+}
+
+/// The list field `field`, whose last line is ours, just appended to a field a limiter
 /// further in wrote: kept whole when those lines are a draft-11 field, else ours alone.
 #[cold]
 #[inline(never)]
-fn keep_well_formed(headers: &mut HeaderMap, name: &'static HeaderName) {
-    let required = if *name == RATELIMIT_POLICY { "q" } else { "r" };
-    let http::header::Entry::Occupied(mut occupied) = headers.entry(name) else {
+fn keep_well_formed(headers: &mut HeaderMap, field: ListField) {
+    let required = field.required();
+    let http::header::Entry::Occupied(mut occupied) = headers.entry(field.name()) else {
         return;
     };
     let theirs = occupied.iter().count().saturating_sub(1);
@@ -790,9 +826,6 @@ fn is_quota_member(member: &sfv::ListEntry, required: &str) -> bool {
 /// where given a borrowed one it clones it (one indirect call, on every response).
 const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-/// The two list fields, by reference (a `const` is built again at each use).
-static POLICY_NAME: HeaderName = RATELIMIT_POLICY;
-static RATE_NAME: HeaderName = RATELIMIT;
 static DRAFT11_FIELDS: [HeaderName; 3] = [RATELIMIT_POLICY, RATELIMIT, header::RETRY_AFTER];
 static DRAFT6_FIELDS: [HeaderName; 4] = [
     HeaderName::from_static("ratelimit-limit"),
@@ -944,7 +977,7 @@ fn rate_field(
     key: &str,
     extra: u64,
 ) -> Option<HeaderValue> {
-    let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
+    let shown = |policy: &Policy| options.shows(policy);
     let number = |policy: &Policy, status: &PolicyStatus| {
         let remaining = status.remaining.min(policy.limit());
         let window = (!policy.params().is_in_flight())
@@ -1051,7 +1084,8 @@ pub(crate) fn rate_limit_headers(
     }
 }
 
-/// [`rate_limit_headers`] of any style but draft-11 with the decision's statuses.
+/// [`rate_limit_headers`] of any style but draft-11 with the decision's statuses (the
+/// draft-11 fields of a decision without them are here).
 #[inline(never)]
 fn other_headers(
     options: &HeaderOptions,
@@ -1061,24 +1095,18 @@ fn other_headers(
     extra: u64,
 ) -> HeaderBlock {
     let statuses = decision.statuses();
-    let shown = |policy: &Policy| options.shadow || !policy.is_shadow();
+    let shown = |policy: &Policy| options.shows(policy);
     match options.style {
         // No fields, but a wait to raise an inner one's to (see `write`).
         HeaderStyle::None => {
             spent_wait(policies, decision, extra).map_or(HeaderBlock::Empty, HeaderBlock::Wait)
         }
-        HeaderStyle::Draft11 if statuses.is_empty() => HeaderBlock::Draft11 {
+        // A denial answered without the statuses (a deny cache's): the decision with
+        // them is `rate_limit_headers`'s own.
+        HeaderStyle::Draft11 => HeaderBlock::Draft11 {
             policy: policy_field(policies, options.shadow),
             rate: blocked_rate(options, policies, decision, key, extra),
             wait: None,
-        },
-        HeaderStyle::Draft11 => match rate_field(options, policies, statuses, key, extra) {
-            Some(rate) => HeaderBlock::Draft11 {
-                policy: policy_field(policies, options.shadow),
-                rate: Some(rate),
-                wait: spent_wait(policies, decision, extra),
-            },
-            None => HeaderBlock::Empty,
         },
         HeaderStyle::Draft6 | HeaderStyle::Legacy => {
             let legacy = options.style == HeaderStyle::Legacy;
