@@ -6,7 +6,11 @@
 # round's no-limiter figure, and the medians of those ratios are reported. Beside
 # requests/s, the server's own CPU time (user and system, from /proc) per request served,
 # and its per-round ratio to no limiter: the cost of the layer to the server, which what
-# else the machine runs blurs less than it blurs throughput.
+# else the machine runs blurs less than it blurs throughput. With governor in the run, a
+# second table compares each other variant with it directly, round by round: the median
+# of the per-round ratios with a 95% bootstrap interval, and a sign test of the rounds
+# ahead (python3 prints it; without python3 the first table alone). Two limiters a few
+# per cent apart need 30 rounds or more to be told apart here.
 #
 # By default the server runs tokio's default multi-thread runtime and shares the machine's
 # cores with `wrk -t1 -c32`, as on a small host; PIN=1 pins the server (one worker) to core
@@ -145,3 +149,59 @@ for variant in $VARIANTS; do
     END {for (r in cpu) if (base[r] > 0) printf "%.4f\n", cpu[r] / base[r]}' "$results" | median)
   printf "| %s | %.0f | %.3f | %s | %.2f µs | %.3f |\n" "$variant" "$rps" "$ratio" "$ahead" "$cpu" "$cpu_ratio"
 done
+
+# Against governor, paired by round: the median of each round's ratio to governor's, with
+# a 95% bootstrap interval of that median (rounds resampled 2,000 times, a fixed seed),
+# for requests/s and for server CPU per request; and the sign test's two-sided p of the
+# rounds ahead (how often a coin would give a count at least that far from half). An
+# interval that holds 1 and a p above 0.05 say the run cannot tell the two apart.
+if [[ " $VARIANTS " == *" governor "* ]] && command -v python3 >/dev/null; then
+  echo
+  echo "| server | vs governor, requests/s (median of per-round ratios, 95% interval) | server CPU per request (same) | rounds ahead | sign test p |"
+  echo "|---|---|---|---|---|"
+  python3 - "$results" $VARIANTS <<'PY'
+import math, random, statistics, sys
+
+path, variants = sys.argv[1], sys.argv[2:]
+rounds = {}
+for line in open(path):
+    number, variant, rps, cpu = line.split()
+    rounds.setdefault(number, {})[variant] = (float(rps), float(cpu))
+
+def interval(values):
+    rng = random.Random(7)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(2000)
+    )
+    return medians[49], medians[1949]
+
+def sign_p(ahead, n):
+    # Two-sided: both tails as far from n / 2 as `ahead` is.
+    far = abs(ahead - n / 2)
+    tail = sum(math.comb(n, k) for k in range(n + 1) if abs(k - n / 2) >= far)
+    return min(1.0, tail / 2**n)
+
+for variant in variants:
+    if variant in ("none", "governor"):
+        continue
+    pairs = [
+        (v[variant], v["governor"])
+        for v in rounds.values()
+        if variant in v and "governor" in v and v[variant][0] > 0 and v["governor"][0] > 0
+    ]
+    if not pairs:
+        continue
+    rps = [ours[0] / theirs[0] for ours, theirs in pairs]
+    cpu = [ours[1] / theirs[1] for ours, theirs in pairs if ours[1] > 0 and theirs[1] > 0]
+    ahead = sum(ours[0] > theirs[0] for ours, theirs in pairs)
+    low, high = interval(rps)
+    cells = [f"{statistics.median(rps):.3f} ({low:.3f} to {high:.3f})"]
+    if cpu:
+        low, high = interval(cpu)
+        cells.append(f"{statistics.median(cpu):.3f} ({low:.3f} to {high:.3f})")
+    else:
+        cells.append("-")
+    cells += [f"{ahead} of {len(pairs)}", f"{sign_p(ahead, len(pairs)):.3f}"]
+    print(f"| {variant} | " + " | ".join(cells) + " |")
+PY
+fi
