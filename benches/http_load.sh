@@ -8,9 +8,9 @@
 # and its per-round ratio to no limiter: the cost of the layer to the server, which what
 # else the machine runs blurs less than it blurs throughput. With governor in the run, a
 # second table compares each other variant with it directly, round by round: the median
-# of the per-round ratios with a 95% bootstrap interval, and a sign test of the rounds
-# ahead (python3 prints it; without python3 the first table alone). Two limiters a few
-# per cent apart need 30 rounds or more to be told apart here.
+# of the per-round ratios with an exact 95% interval, and a sign test of the rounds
+# ahead (python3 3.8 or later prints it; without it the first table alone). Here 31
+# rounds resolve about 4 to 5%; telling 2% apart takes over 100.
 #
 # By default the server runs tokio's default multi-thread runtime and shares the machine's
 # cores with `wrk -t1 -c32`, as on a small host; PIN=1 pins the server (one worker) to core
@@ -151,16 +151,17 @@ for variant in $VARIANTS; do
 done
 
 # Against governor, paired by round: the median of each round's ratio to governor's, with
-# a 95% bootstrap interval of that median (rounds resampled 2,000 times, a fixed seed),
-# for requests/s and for server CPU per request; and the sign test's two-sided p of the
-# rounds ahead (how often a coin would give a count at least that far from half). An
-# interval that holds 1 and a p above 0.05 say the run cannot tell the two apart.
-if [[ " $VARIANTS " == *" governor "* ]] && command -v python3 >/dev/null; then
+# a distribution-free 95% interval of that median (the order statistics the sign test
+# gives: exact, whatever the ratios' distribution, and shown as "-" under 6 rounds), for
+# requests/s and for server CPU per request; and the sign test's two-sided p of the
+# rounds ahead (ties left out). An interval that holds 1 and a p above 0.05 say the run
+# cannot tell the two apart, not that they are equal. No limiter's row is the run's
+# calibration: how far apart two servers must be for this run to tell.
+in_run() { local v; for v in "${order[@]}"; do [ "$v" = "$1" ] && return 0; done; return 1; }
+if in_run governor && python3 -c 'import math; math.comb' 2>/dev/null; then
   echo
-  echo "| server | vs governor, requests/s (median of per-round ratios, 95% interval) | server CPU per request (same) | rounds ahead | sign test p |"
-  echo "|---|---|---|---|---|"
-  python3 - "$results" $VARIANTS <<'PY'
-import math, random, statistics, sys
+  python3 - "$results" "${order[@]}" <<'PY'
+import math, statistics, sys
 
 path, variants = sys.argv[1], sys.argv[2:]
 rounds = {}
@@ -168,40 +169,45 @@ for line in open(path):
     number, variant, rps, cpu = line.split()
     rounds.setdefault(number, {})[variant] = (float(rps), float(cpu))
 
-def interval(values):
-    rng = random.Random(7)
-    medians = sorted(
-        statistics.median(rng.choices(values, k=len(values))) for _ in range(2000)
-    )
-    return medians[49], medians[1949]
+def cell(values):
+    """The median of `values` and its exact 95% interval: (x_k, x_(n+1-k)) for the
+    largest k whose coverage, 1 - 2 P(Bin(n, 1/2) < k), is at least 0.95."""
+    if not values:
+        return "-"
+    values = sorted(values)
+    n = len(values)
+    median = f"{statistics.median(values):.3f}"
+    best = None
+    for k in range(1, n // 2 + 1):
+        below = sum(math.comb(n, i) for i in range(k)) / 2**n
+        if 1 - 2 * below >= 0.95:
+            best = k
+    if best is None:
+        return f"{median} (-, n={n})"
+    return f"{median} ({values[best - 1]:.3f} to {values[n - best]:.3f}, n={n})"
 
 def sign_p(ahead, n):
     # Two-sided: both tails as far from n / 2 as `ahead` is.
+    if n == 0:
+        return "-"
     far = abs(ahead - n / 2)
     tail = sum(math.comb(n, k) for k in range(n + 1) if abs(k - n / 2) >= far)
-    return min(1.0, tail / 2**n)
+    return f"{min(1.0, tail / 2**n):.3f}"
 
+print("| server | vs governor, requests/s (median of per-round ratios, 95% interval, rounds) | server CPU per request (same) | rounds ahead (ties left out) | sign test p |")
+print("|---|---|---|---|---|")
 for variant in variants:
-    if variant in ("none", "governor"):
+    if variant == "governor":
         continue
     pairs = [
         (v[variant], v["governor"])
         for v in rounds.values()
         if variant in v and "governor" in v and v[variant][0] > 0 and v["governor"][0] > 0
     ]
-    if not pairs:
-        continue
     rps = [ours[0] / theirs[0] for ours, theirs in pairs]
     cpu = [ours[1] / theirs[1] for ours, theirs in pairs if ours[1] > 0 and theirs[1] > 0]
     ahead = sum(ours[0] > theirs[0] for ours, theirs in pairs)
-    low, high = interval(rps)
-    cells = [f"{statistics.median(rps):.3f} ({low:.3f} to {high:.3f})"]
-    if cpu:
-        low, high = interval(cpu)
-        cells.append(f"{statistics.median(cpu):.3f} ({low:.3f} to {high:.3f})")
-    else:
-        cells.append("-")
-    cells += [f"{ahead} of {len(pairs)}", f"{sign_p(ahead, len(pairs)):.3f}"]
-    print(f"| {variant} | " + " | ".join(cells) + " |")
+    untied = sum(ours[0] != theirs[0] for ours, theirs in pairs)
+    print(f"| {variant} | {cell(rps)} | {cell(cpu)} | {ahead} of {untied} | {sign_p(ahead, untied)} |")
 PY
 fi
