@@ -2890,6 +2890,51 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
     }
 }
 
+/// draft-11's fields are lists, each limiter's members joined (draft-11, sections 3 and
+/// 4), so they are written on every answer, an inner wait included (a `429` or `503` with
+/// `Retry-After`, or a redirect's): this layer's quota not spent, the wait is the inner
+/// answer's alone, left as it was.
+#[tokio::test]
+async fn draft11_fields_join_an_inner_wait_they_leave_alone() {
+    for status in [
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::SERVICE_UNAVAILABLE,
+        StatusCode::MOVED_PERMANENTLY,
+        StatusCode::CREATED,
+    ] {
+        let app = Router::new()
+            .route(
+                "/",
+                get(move || async move {
+                    Response::builder()
+                        .status(status)
+                        .header("retry-after", "5")
+                        .body(Body::empty())
+                        .unwrap()
+                }),
+            )
+            .layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
+                    .headers(HeaderStyle::Draft11),
+            );
+        let response = app.oneshot(request("/", 1)).await.unwrap();
+        assert_eq!(response.status(), status);
+        assert_eq!(
+            header(&response, "ratelimit-policy").as_deref(),
+            Some("\"api\";q=10;w=60"),
+            "{status}"
+        );
+        let rate = header(&response, "ratelimit").unwrap_or_default();
+        assert!(rate.starts_with("\"api\";r=9;t="), "{status}: {rate}");
+        assert_eq!(
+            header(&response, "retry-after").as_deref(),
+            Some("5"),
+            "{status}"
+        );
+    }
+}
+
 /// A limiter further in answers `429` with its `Retry-After` (10 s) to a request this
 /// layer admitted with its last unit (`r=0`, the next in 30 s): a client that comes back
 /// when told (draft-11, section 7: `Retry-After` takes precedence over the fields) is

@@ -578,7 +578,16 @@ impl HeaderBlock {
         // `429`, whose cached denial carries no numbers, or a `503`; over gRPC,
         // RESOURCE_EXHAUSTED or UNAVAILABLE). A `Retry-After` on another answer (a
         // redirect's) is no such wait.
-        let their_wait = inner.and_then(|status| inner_wait(headers, status));
+        // Read only by a block that has a wait of ours to raise theirs to, or whose
+        // single-valued fields give way to theirs: the common draft-11 block, no quota
+        // of ours spent, looks up no `Retry-After` (its list fields join any answer).
+        let reads_their_wait = !matches!(
+            self,
+            HeaderBlock::Empty | HeaderBlock::Draft11 { wait: None, .. }
+        );
+        let their_wait = inner
+            .filter(|_| reads_their_wait)
+            .and_then(|status| inner_wait(headers, status));
         // A quota of ours spent until later than that wait ends refuses the client who
         // comes back when told: the wait is raised to ours (draft-11, section 7.2: an
         // intermediary may make the fields more restrictive). Not over gRPC, whose
