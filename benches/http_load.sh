@@ -8,9 +8,10 @@
 # and its per-round ratio to no limiter: the cost of the layer to the server, which what
 # else the machine runs blurs less than it blurs throughput. With governor in the run, a
 # second table compares each other variant with it directly, round by round: the median
-# of the per-round ratios with an exact 95% interval, and a sign test of the rounds
-# ahead (python3 3.8 or later prints it; without it the first table alone). Here 31
-# rounds resolve about 4 to 5%; telling 2% apart takes over 100.
+# of the per-round ratios with a 95% interval, and a sign test of the rounds ahead
+# (python3 3.8 or later prints it, and the same against no limiter; without it the first
+# table alone). Here 31 rounds catch a 5% difference about half the time and 6 to 7%
+# reliably; telling 2% apart takes about 150 to 200 rounds.
 #
 # By default the server runs tokio's default multi-thread runtime and shares the machine's
 # cores with `wrk -t1 -c32`, as on a small host; PIN=1 pins the server (one worker) to core
@@ -131,10 +132,14 @@ if [ -n "${redis_pid:-}" ]; then
   echo "Redis ran $calls script calls (a coalesced batch is one) for ${redis_served:-0} requests tollgate-redis served" >&2
 fi
 
+# RESULTS=path keeps the rounds (round, variant, requests/s, µs of server CPU a request),
+# to pool runs: concatenate them with distinct round numbers.
+if [ -n "${RESULTS:-}" ]; then cp "$results" "$RESULTS"; fi
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 echo
-# With governor in the run, each variant's rounds faster than governor's same round: a
-# paired count, which the machine's drift between rounds does not blur as it does medians.
+# With governor in the run, each variant's rounds faster than governor's same round (ties
+# left out): a paired count, which the machine's drift between rounds does not blur as it
+# does medians.
 echo "| server | requests/s (median of $ROUNDS rounds) | vs no limiter (median of per-round ratios) | rounds ahead of governor | server CPU per request (median) | vs no limiter (median of per-round ratios) |"
 echo "|---|---|---|---|---|---|"
 for variant in $VARIANTS; do
@@ -142,7 +147,7 @@ for variant in $VARIANTS; do
   ratio=$(awk -v v="$variant" '$2 == "none" {base[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
     END {for (r in rps) if (base[r] > 0) printf "%.4f\n", rps[r] / base[r]}' "$results" | median)
   ahead=$(awk -v v="$variant" '$2 == "governor" && $3 > 0 {g[$1] = $3} $2 == v && $3 > 0 {rps[$1] = $3}
-    END {n = 0; a = 0; for (r in rps) if (r in g) {n++; if (rps[r] + 0 > g[r] + 0) a++}
+    END {n = 0; a = 0; for (r in rps) if (r in g && rps[r] + 0 != g[r] + 0) {n++; if (rps[r] + 0 > g[r] + 0) a++}
       if (n == 0 || v == "governor") print "-"; else printf "%d of %d\n", a, n}' "$results")
   cpu=$(awk -v v="$variant" '$2 == v && $3 > 0 {print $4}' "$results" | median)
   cpu_ratio=$(awk -v v="$variant" '$2 == "none" && $4 > 0 {base[$1] = $4} $2 == v && $3 > 0 {cpu[$1] = $4}
@@ -150,16 +155,16 @@ for variant in $VARIANTS; do
   printf "| %s | %.0f | %.3f | %s | %.2f µs | %.3f |\n" "$variant" "$rps" "$ratio" "$ahead" "$cpu" "$cpu_ratio"
 done
 
-# Against governor, paired by round: the median of each round's ratio to governor's, with
-# a distribution-free 95% interval of that median (the order statistics the sign test
-# gives: exact, whatever the ratios' distribution, and shown as "-" under 6 rounds), for
+# Paired by round, against no limiter and against governor: the median of each round's
+# ratio to the baseline's same round, with an interval of that median that covers it at
+# least 95% of the time (97% at 31 and at 62 rounds; "-" under 6 rounds): the order
+# statistics the sign test gives, which assume only that rounds are independent, for
 # requests/s and for server CPU per request; and the sign test's two-sided p of the
 # rounds ahead (ties left out). An interval that holds 1 and a p above 0.05 say the run
-# cannot tell the two apart, not that they are equal. No limiter's row is the run's
-# calibration: how far apart two servers must be for this run to tell.
+# cannot tell the two apart, not that they are equal. Against governor, no limiter's row
+# is the run's calibration: how far apart two servers must be for this run to tell.
 in_run() { local v; for v in "${order[@]}"; do [ "$v" = "$1" ] && return 0; done; return 1; }
-if in_run governor && python3 -c 'import math; math.comb' 2>/dev/null; then
-  echo
+if python3 -c 'import math; math.comb' 2>/dev/null; then
   python3 - "$results" "${order[@]}" <<'PY'
 import math, statistics, sys
 
@@ -170,8 +175,8 @@ for line in open(path):
     rounds.setdefault(number, {})[variant] = (float(rps), float(cpu))
 
 def cell(values):
-    """The median of `values` and its exact 95% interval: (x_k, x_(n+1-k)) for the
-    largest k whose coverage, 1 - 2 P(Bin(n, 1/2) < k), is at least 0.95."""
+    """The median of `values` and its interval: (x_k, x_(n+1-k)) for the largest k whose
+    coverage, 1 - 2 P(Bin(n, 1/2) < k), is at least 0.95."""
     if not values:
         return "-"
     values = sorted(values)
@@ -194,20 +199,26 @@ def sign_p(ahead, n):
     tail = sum(math.comb(n, k) for k in range(n + 1) if abs(k - n / 2) >= far)
     return f"{min(1.0, tail / 2**n):.3f}"
 
-print("| server | vs governor, requests/s (median of per-round ratios, 95% interval, rounds) | server CPU per request (same) | rounds ahead (ties left out) | sign test p |")
-print("|---|---|---|---|---|")
-for variant in variants:
-    if variant == "governor":
+for baseline, name in (("none", "no limiter"), ("governor", "governor")):
+    if baseline not in variants:
         continue
-    pairs = [
-        (v[variant], v["governor"])
-        for v in rounds.values()
-        if variant in v and "governor" in v and v[variant][0] > 0 and v["governor"][0] > 0
-    ]
-    rps = [ours[0] / theirs[0] for ours, theirs in pairs]
-    cpu = [ours[1] / theirs[1] for ours, theirs in pairs if ours[1] > 0 and theirs[1] > 0]
-    ahead = sum(ours[0] > theirs[0] for ours, theirs in pairs)
-    untied = sum(ours[0] != theirs[0] for ours, theirs in pairs)
-    print(f"| {variant} | {cell(rps)} | {cell(cpu)} | {ahead} of {untied} | {sign_p(ahead, untied)} |")
+    print()
+    print(f"| server | vs {name}, requests/s (median of per-round ratios, 95% interval, rounds) | server CPU per request (same) | rounds ahead (ties left out) | sign test p |")
+    print("|---|---|---|---|---|")
+    for variant in variants:
+        if variant == baseline:
+            continue
+        pairs = [
+            (v[variant], v[baseline])
+            for v in rounds.values()
+            if variant in v and baseline in v and v[variant][0] > 0 and v[baseline][0] > 0
+        ]
+        rps = [ours[0] / theirs[0] for ours, theirs in pairs]
+        cpu = [ours[1] / theirs[1] for ours, theirs in pairs if ours[1] > 0 and theirs[1] > 0]
+        ahead = sum(ours[0] > theirs[0] for ours, theirs in pairs)
+        untied = sum(ours[0] != theirs[0] for ours, theirs in pairs)
+        print(f"| {variant} | {cell(rps)} | {cell(cpu)} | {ahead} of {untied} | {sign_p(ahead, untied)} |")
 PY
+else
+  echo "no python3 3.8 or later: no paired comparisons with intervals" >&2
 fi
