@@ -2890,48 +2890,76 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
     }
 }
 
-/// draft-11's fields are lists, each limiter's members joined (draft-11, sections 3 and
-/// 4), so they are written on every answer, an inner wait included (a `429` or `503` with
-/// `Retry-After`, or a redirect's): this layer's quota not spent, the wait is the inner
-/// answer's alone, left as it was.
+/// An inner answer's wait (a `429` or `503` with `Retry-After`) is raised only to a quota
+/// this layer's request left with none (draft-11, section 7.2), and any other answer's
+/// `Retry-After` (a redirect's, a `201`'s) is no wait. draft-11's fields, lists with each
+/// limiter's members joined (sections 3 and 4), are written on every one of them; with
+/// no fields (`HeaderStyle::None`), the wait alone. Both sides of the line: a quota left
+/// with room (the wait stays 5) and one spent to nothing (raised to its 30 s).
 #[tokio::test]
-async fn draft11_fields_join_an_inner_wait_they_leave_alone() {
-    for status in [
-        StatusCode::TOO_MANY_REQUESTS,
-        StatusCode::SERVICE_UNAVAILABLE,
-        StatusCode::MOVED_PERMANENTLY,
-        StatusCode::CREATED,
-    ] {
-        let app = Router::new()
-            .route(
-                "/",
-                get(move || async move {
-                    Response::builder()
-                        .status(status)
-                        .header("retry-after", "5")
-                        .body(Body::empty())
-                        .unwrap()
-                }),
-            )
-            .layer(
-                RateLimitLayer::new(MemoryStore::new())
-                    .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
-                    .headers(HeaderStyle::Draft11),
-            );
-        let response = app.oneshot(request("/", 1)).await.unwrap();
-        assert_eq!(response.status(), status);
-        assert_eq!(
-            header(&response, "ratelimit-policy").as_deref(),
-            Some("\"api\";q=10;w=60"),
-            "{status}"
-        );
-        let rate = header(&response, "ratelimit").unwrap_or_default();
-        assert!(rate.starts_with("\"api\";r=9;t="), "{status}: {rate}");
-        assert_eq!(
-            header(&response, "retry-after").as_deref(),
-            Some("5"),
-            "{status}"
-        );
+async fn an_inner_wait_is_raised_only_by_a_quota_spent_to_nothing() {
+    for style in [HeaderStyle::Draft11, HeaderStyle::None] {
+        for (capacity, spent) in [(10, false), (1, true)] {
+            for status in [
+                StatusCode::TOO_MANY_REQUESTS,
+                StatusCode::SERVICE_UNAVAILABLE,
+                StatusCode::MOVED_PERMANENTLY,
+                StatusCode::CREATED,
+            ] {
+                let app = Router::new()
+                    .route(
+                        "/",
+                        get(move || async move {
+                            Response::builder()
+                                .status(status)
+                                .header("retry-after", "5")
+                                .body(Body::empty())
+                                .unwrap()
+                        }),
+                    )
+                    .layer(
+                        RateLimitLayer::new(MemoryStore::new())
+                            .policy(
+                                Policy::token_bucket(
+                                    "api",
+                                    capacity,
+                                    Rate::new(1, Duration::from_secs(30)),
+                                )
+                                .unwrap(),
+                            )
+                            .headers(style),
+                    );
+                let response = app.oneshot(request("/", 1)).await.unwrap();
+                let case = format!("{style:?}, capacity {capacity}, {status}");
+                assert_eq!(response.status(), status, "{case}");
+                let waiting = matches!(
+                    status,
+                    StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+                );
+                let expected = if spent && waiting { "30" } else { "5" };
+                assert_eq!(
+                    header(&response, "retry-after").as_deref(),
+                    Some(expected),
+                    "{case}"
+                );
+                let rate = header(&response, "ratelimit");
+                if style == HeaderStyle::Draft11 {
+                    let policy = header(&response, "ratelimit-policy").unwrap_or_default();
+                    assert!(
+                        policy.starts_with(&format!("\"api\";q={capacity};w=")),
+                        "{case}: {policy}"
+                    );
+                    let rate = rate.unwrap_or_default();
+                    let left = capacity - 1;
+                    assert!(
+                        rate.starts_with(&format!("\"api\";r={left};t=")),
+                        "{case}: {rate}"
+                    );
+                } else {
+                    assert_eq!(rate, None, "{case}");
+                }
+            }
+        }
     }
 }
 

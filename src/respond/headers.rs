@@ -579,8 +579,10 @@ impl HeaderBlock {
         // RESOURCE_EXHAUSTED or UNAVAILABLE). A `Retry-After` on another answer (a
         // redirect's) is no such wait.
         // Read only by a block that has a wait of ours to raise theirs to, or whose
-        // single-valued fields give way to theirs: the common draft-11 block, no quota
-        // of ours spent, looks up no `Retry-After` (its list fields join any answer).
+        // single-valued fields give way to theirs: the common draft-11 block (no quota
+        // of ours left with none by this request), an empty one, and a shadow layer's
+        // or a cached denial's (no wait of ours) look up no `Retry-After`; the list
+        // fields join any answer.
         let reads_their_wait = !matches!(
             self,
             HeaderBlock::Empty | HeaderBlock::Draft11 { wait: None, .. }
