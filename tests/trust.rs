@@ -2848,6 +2848,22 @@ async fn draft_6_reset_on_a_denial_is_its_retry_after() {
     );
 }
 
+/// An app whose one route answers `status` with `Retry-After: 5` (and a `Location`, as a
+/// redirect has).
+fn answering_with_a_wait(status: StatusCode) -> Router {
+    Router::new().route(
+        "/",
+        get(move || async move {
+            Response::builder()
+                .status(status)
+                .header("retry-after", "5")
+                .header("location", "/elsewhere")
+                .body(Body::empty())
+                .unwrap()
+        }),
+    )
+}
+
 /// The single-valued styles leave an inner answer's own wait alone (a limiter further in
 /// said 429 or the service 503, each with `Retry-After`), but a `Retry-After` on any other
 /// answer (RFC 9110, section 10.2.3: on a 3xx, how long to wait before following the
@@ -2862,23 +2878,11 @@ async fn single_valued_fields_stay_on_an_inner_answer_that_is_no_limiters_wait()
         (StatusCode::TOO_MANY_REQUESTS, false),
         (StatusCode::SERVICE_UNAVAILABLE, false),
     ] {
-        let app = Router::new()
-            .route(
-                "/",
-                get(move || async move {
-                    Response::builder()
-                        .status(status)
-                        .header("retry-after", "5")
-                        .header("location", "/elsewhere")
-                        .body(Body::empty())
-                        .unwrap()
-                }),
-            )
-            .layer(
-                RateLimitLayer::new(MemoryStore::new())
-                    .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
-                    .headers(HeaderStyle::Draft6),
-            );
+        let app = answering_with_a_wait(status).layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap())
+                .headers(HeaderStyle::Draft6),
+        );
         let response = app.oneshot(request("/", 1)).await.unwrap();
         assert_eq!(response.status(), status);
         assert_eq!(
@@ -2906,29 +2910,18 @@ async fn an_inner_wait_is_raised_only_by_a_quota_spent_to_nothing() {
                 StatusCode::MOVED_PERMANENTLY,
                 StatusCode::CREATED,
             ] {
-                let app = Router::new()
-                    .route(
-                        "/",
-                        get(move || async move {
-                            Response::builder()
-                                .status(status)
-                                .header("retry-after", "5")
-                                .body(Body::empty())
-                                .unwrap()
-                        }),
-                    )
-                    .layer(
-                        RateLimitLayer::new(MemoryStore::new())
-                            .policy(
-                                Policy::token_bucket(
-                                    "api",
-                                    capacity,
-                                    Rate::new(1, Duration::from_secs(30)),
-                                )
-                                .unwrap(),
+                let app = answering_with_a_wait(status).layer(
+                    RateLimitLayer::new(MemoryStore::new())
+                        .policy(
+                            Policy::token_bucket(
+                                "api",
+                                capacity,
+                                Rate::new(1, Duration::from_secs(30)),
                             )
-                            .headers(style),
-                    );
+                            .unwrap(),
+                        )
+                        .headers(style),
+                );
                 let response = app.oneshot(request("/", 1)).await.unwrap();
                 let case = format!("{style:?}, capacity {capacity}, {status}");
                 assert_eq!(response.status(), status, "{case}");
