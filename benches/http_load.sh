@@ -6,11 +6,10 @@
 # round's no-limiter figure, and the medians of those ratios are reported. Beside
 # requests/s, the server's own CPU time (user and system, from /proc) per request served,
 # and its per-round ratio to no limiter: the cost of the layer to the server, which what
-# else the machine runs blurs less than it blurs throughput. With governor in the run, a
-# second table compares each other variant with it directly, round by round: the median
-# of the per-round ratios with a 95% interval, and a sign test of the rounds ahead
-# (python3 3.8 or later prints it, and the same against no limiter; without it the first
-# table alone). Here 31 rounds catch a 5% difference about half the time and 6 to 7%
+# else the machine runs blurs less than it blurs throughput. Two more tables compare each
+# variant with no limiter and with governor (each when in the run) directly, round by
+# round: the median of the per-round ratios with a 95% interval, and a sign test of the
+# rounds ahead (python3 3.8 or later prints them; without it the first table alone). Here 31 rounds catch a 5% difference about half the time and 6 to 7%
 # reliably; telling 2% apart takes about 150 to 200 rounds.
 #
 # By default the server runs tokio's default multi-thread runtime and shares the machine's
@@ -163,7 +162,6 @@ done
 # rounds ahead (ties left out). An interval that holds 1 and a p above 0.05 say the run
 # cannot tell the two apart, not that they are equal. Against governor, no limiter's row
 # is the run's calibration: how far apart two servers must be for this run to tell.
-in_run() { local v; for v in "${order[@]}"; do [ "$v" = "$1" ] && return 0; done; return 1; }
 if python3 -c 'import math; math.comb' 2>/dev/null; then
   python3 - "$results" "${order[@]}" <<'PY'
 import math, statistics, sys

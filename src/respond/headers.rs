@@ -936,10 +936,7 @@ fn blocked_rate(
         return None;
     };
     let shown = policies.get(policy)?;
-    if !decision.is_blocked()
-        || !blocks_alone(policies, policy)
-        || (shown.is_shadow() && !options.shadow)
-    {
+    if !decision.is_blocked() || !blocks_alone(policies, policy) || !options.shows(shown) {
         return None;
     }
     value(|out| {
@@ -988,7 +985,6 @@ fn rate_field(
     key: &str,
     extra: u64,
 ) -> Option<HeaderValue> {
-    let shown = |policy: &Policy| options.shows(policy);
     let number = |policy: &Policy, status: &PolicyStatus| {
         let remaining = status.remaining.min(policy.limit());
         let window = (!policy.params().is_in_flight())
@@ -999,7 +995,7 @@ fn rate_field(
     let mut listed = 0;
     let mut remembered = options.partition_key.is_none();
     for (policy, status) in policies.iter().zip(statuses) {
-        if !shown(policy) {
+        if !options.shows(policy) {
             continue;
         }
         match numbers.get_mut(listed) {
@@ -1032,7 +1028,7 @@ fn rate_field(
     let field = value(|out| {
         let mut written = 0;
         for (policy, status) in policies.iter().zip(statuses) {
-            if !shown(policy) {
+            if !options.shows(policy) {
                 continue;
             }
             if written > 0 {
