@@ -1225,6 +1225,51 @@ mod http {
         app(GraphqlCostLayer::new(GraphqlCost::new()).on_invalid(Invalid::Charge(5)))
     }
 
+    /// A request with two content types (two fields, or two types folded into one) is
+    /// read by the server as one of them, and servers differ on which: Go's `Header.Get`
+    /// reads the first line, others the last. Under `Invalid::Charge` a document or a
+    /// form that is no JSON was let through at the fixed charge, and the server that read
+    /// it as `application/graphql` or as a form ran its costly query. It is refused
+    /// whatever `on_invalid` says, whichever line comes first.
+    #[tokio::test]
+    async fn two_content_types_are_refused_not_charged() {
+        let document = "query { a(first: 50) { b(first: 50) { c } } }";
+        let form = "query=query%20%7B%20a(first%3A%2050)%20%7B%20b(first%3A%2050)%20%7B%20c%20%7D%20%7D%20%7D";
+        let app = app_with_minimum();
+        for (types, body) in [
+            (&["application/graphql", "text/plain"][..], document),
+            (&["text/plain", "application/graphql"][..], document),
+            (&["application/x-www-form-urlencoded", "text/plain"][..], form),
+            (&["text/plain", "application/x-www-form-urlencoded"][..], form),
+            (&["application/graphql, text/plain"][..], document),
+            (&["application/graphql", "application/graphql"][..], document),
+        ] {
+            let mut request = Request::post("/graphql").header("x-api-key", "two-types");
+            for content_type in types {
+                request = request.header("content-type", *content_type);
+            }
+            let response = app
+                .clone()
+                .oneshot(request.body(Body::from(body)).unwrap())
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{types:?}");
+            assert!(
+                response.headers().get("graphql-cost").is_none(),
+                "{types:?}: charged {:?}",
+                response.headers().get("graphql-cost")
+            );
+        }
+        // One type of those the coster does not read still goes to the fixed charge.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "two-types")
+            .header("content-type", "text/plain")
+            .body(Body::from(document))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.headers()["graphql-cost"], "5");
+    }
+
     /// JSON in UTF-16 or UTF-32 (by its charset, or by its byte-order mark) is read by
     /// servers that decode by the declared charset (Spring's Jackson converter: Spring
     /// GraphQL, DGS): under `Invalid::Charge` it was let through at the fixed charge, as a

@@ -151,8 +151,7 @@ pub enum Invalid {
 ///
 /// What it cannot read, it cannot cost, and [`on_invalid`](Self::on_invalid) decides
 /// (`400` by default, or a fixed charge): automatic persisted queries sent as a hash
-/// without the document, multipart uploads, a request with more
-/// than one `Content-Type`, and a request to switch protocols (`Upgrade` to anything but
+/// without the document, multipart uploads, and a request to switch protocols (`Upgrade` to anything but
 /// `h2c`, or an HTTP/2 extended `CONNECT`): a WebSocket's operations travel in messages
 /// this layer never sees (under [`Invalid::Charge`] the socket is let through at that one
 /// charge), so serve subscriptions on a route of their own, limited per connection or per
@@ -165,8 +164,9 @@ pub enum Invalid {
 /// A request the coster read and refused (a slicing value out of range, a batch too
 /// large, nesting too deep, a document past the token limit or
 /// [`GraphqlCost::max_field_visits`], a key or parameter a server may read otherwise,
-/// several operations with no `operationName` or an empty one) is refused whatever
-/// `on_invalid` says: the server would run it.
+/// several operations with no `operationName` or an empty one, more than one
+/// `Content-Type` or one that is not text, which servers may read otherwise) is refused
+/// whatever `on_invalid` says: the server would run it.
 ///
 /// A refusal (`400`, `413`) is answered here, before the limiter further in sees the
 /// request, so it spends nothing of the client's budget: a client refused again and
@@ -397,14 +397,19 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
     let Some(value) = types.next() else {
         return Ok(BodyType::Json);
     };
+    // Refused whatever `on_invalid` says, as a compressed body is: a server may still
+    // read its type as a GraphQL document or a form and run the query in it.
     let value = value
         .to_str()
-        .map_err(|_| CostError::Request("the content type is not text".into()))?;
+        .map_err(|_| Uncosted::refused_request("the content type is not text"))?;
     // Two fields, or two types folded into one (by a proxy, or on purpose): the coster
     // would read the body as one, a server or a proxy further on might read it as the
-    // other.
+    // other (Go's `Header.Get` reads the first line, others the last), and run a
+    // document or a form that is no JSON at the fixed charge.
     if types.next().is_some() || folds_several(value) {
-        return Err(CostError::Request("the request has more than one content type".into()).into());
+        return Err(Uncosted::refused_request(
+            "the request has more than one content type",
+        ));
     }
     let media = value
         .split(';')
