@@ -1239,10 +1239,19 @@ mod http {
         for (types, body) in [
             (&["application/graphql", "text/plain"][..], document),
             (&["text/plain", "application/graphql"][..], document),
-            (&["application/x-www-form-urlencoded", "text/plain"][..], form),
-            (&["text/plain", "application/x-www-form-urlencoded"][..], form),
+            (
+                &["application/x-www-form-urlencoded", "text/plain"][..],
+                form,
+            ),
+            (
+                &["text/plain", "application/x-www-form-urlencoded"][..],
+                form,
+            ),
             (&["application/graphql, text/plain"][..], document),
-            (&["application/graphql", "application/graphql"][..], document),
+            (
+                &["application/graphql", "application/graphql"][..],
+                document,
+            ),
         ] {
             let mut request = Request::post("/graphql").header("x-api-key", "two-types");
             for content_type in types {

@@ -133,6 +133,11 @@ struct Table {
     /// [`MAX_CLEARED`], each kept while a debit made before it could still be given
     /// back): a settle of such a debit gives nothing back (see `decide::adjust`).
     cleared: Vec<Cleared>,
+    /// Debits made at or before this time (0: none) give nothing back, whoever's: the
+    /// time of the latest eviction of live state, which forgot debits the identity's next
+    /// request cannot tell from its own, or of a clear [`cleared`](Self::cleared) had to
+    /// drop while it still mattered. Too little given back, never too much.
+    forgiven_to: u64,
 }
 
 /// A reset or a level set of one identity's rate policy (see [`Table::cleared`]).
@@ -149,7 +154,8 @@ struct Cleared {
 }
 
 /// The most clears a shard remembers: resets and level sets are an operator's (or an
-/// app's admin) calls, not a request's. Past it the oldest is forgotten first.
+/// app's admin) calls, not a request's. Past it the oldest is forgotten first, and a
+/// settle of any identity's debit made before it gives nothing back (`Table::forgiven_to`).
 const MAX_CLEARED: usize = 256;
 
 /// The hash table of a shard: open addressing over 4-byte buckets. A bucket holds an
@@ -369,6 +375,7 @@ impl Table {
             slab: Slab::new(capacity),
             latest: 0,
             cleared: Vec::new(),
+            forgiven_to: 0,
         }
     }
 
@@ -388,7 +395,10 @@ impl Table {
                 continue;
             }
             if self.cleared.len() >= MAX_CLEARED {
-                self.cleared.remove(0);
+                // Still mattering (those gone by went above): what it forgave, every
+                // identity's debits as old are forgiven.
+                let dropped = self.cleared.remove(0);
+                self.forgiven_to = self.forgiven_to.max(dropped.at);
             }
             let window = policy.params().window_nanos();
             self.cleared.push(Cleared {
@@ -401,8 +411,9 @@ impl Table {
     }
 
     /// When each of `policies` was last cleared for the identity of `hash`, in the set's
-    /// order, for an adjustment that gives back (a settle, an unbooking); empty when the
-    /// shard remembers no clear that still matters, or for another adjustment.
+    /// order, for an adjustment that gives back (a settle, an unbooking): its own clears,
+    /// or [`forgiven_to`](Self::forgiven_to) for a debit made at or before it. Empty when
+    /// neither applies, or for another adjustment.
     fn cleared_at(
         &mut self,
         hash: u64,
@@ -410,7 +421,9 @@ impl Table {
         now: u64,
         adjustment: &Adjustment,
     ) -> Vec<Option<u64>> {
-        if self.cleared.is_empty()
+        let forgiven = (adjustment.receipt().at() <= self.forgiven_to && self.forgiven_to > 0)
+            .then_some(self.forgiven_to);
+        if (self.cleared.is_empty() && forgiven.is_none())
             || !matches!(
                 adjustment.change(),
                 Change::Settle { .. } | Change::Unbook { .. }
@@ -419,16 +432,18 @@ impl Table {
             return Vec::new();
         }
         self.cleared.retain(|cleared| cleared.until > now);
-        if !self.cleared.iter().any(|cleared| cleared.hash == hash) {
+        if forgiven.is_none() && !self.cleared.iter().any(|cleared| cleared.hash == hash) {
             return Vec::new();
         }
         policies
             .iter()
             .map(|policy| {
-                self.cleared
+                let own = self
+                    .cleared
                     .iter()
                     .find(|c| c.hash == hash && c.policy == policy.id())
-                    .map(|c| c.at)
+                    .map(|c| c.at);
+                own.max(forgiven)
             })
             .collect()
     }
@@ -967,7 +982,9 @@ impl<C: Clock> MemoryStore<C> {
     /// Adjusts an admitted request's debit now, synchronously (see [`Store::adjust`]).
     /// A key the store does not hold (never stored, or forgotten) is adjusted from fresh
     /// state, as on Redis: a refund or a release finds nothing to give back (nothing is
-    /// stored), a charge or a level set is kept.
+    /// stored), a charge or a level set is kept. An identity forgotten while live and made
+    /// again by a later request is given nothing back either: a settle of a debit made
+    /// before the shard last evicted live state gives nothing back, whoever's.
     ///
     /// ```
     /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
@@ -1058,6 +1075,10 @@ impl<C: Clock> MemoryStore<C> {
             self.shared
                 .evicted_live
                 .fetch_add(excess as u64, Ordering::Relaxed);
+            // Their debits are forgotten with their state: a request of one of them still
+            // running settles into the state its identity's next request makes, which
+            // never held them (see `Table::forgiven_to`).
+            table.forgiven_to = now;
         }
         if removed > 0 {
             // Keep the index's and the slab's memory: the shard is about to fill again.
@@ -1662,6 +1683,70 @@ mod tests {
         }
         assert!(!store.check("user", &daily, 1).is_allowed());
         assert!(!store.check("user", &hourly, 1).is_allowed());
+    }
+
+    /// A live identity evicted by a flood (its reservation forgotten with its state), then
+    /// made again by its next request: the settle of the debit made before the eviction
+    /// gave its units back into the new state, which never held them, so the window
+    /// admitted 15 of its 10. Past a live eviction, a settle of a debit made before it
+    /// gives nothing back (too little given back, never too much).
+    #[test]
+    fn a_settle_gives_nothing_back_into_state_made_after_a_live_eviction() {
+        let (store, clock) = one_shard(64);
+        let hour = Duration::from_secs(3600);
+        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
+        clock.advance(Duration::from_secs(1));
+        let reserved = store.check("victim", &policies, 5);
+        assert!(reserved.is_allowed());
+        // Each flood identity spends its whole quota: the victim, half of its own, has
+        // least at stake and goes when the shard makes room.
+        for n in 0..64 {
+            store.check(&format!("flood-{n}"), &policies, 10);
+        }
+        assert!(store.evicted_live() > 0);
+        assert!(
+            store.check("victim", &policies, 10).is_allowed(),
+            "forgotten, the victim starts anew"
+        );
+        let settled = store.adjust_now(
+            "victim",
+            &policies,
+            &Adjustment::settle(5, 0, reserved.receipt()),
+        );
+        assert_eq!(settled.statuses()[0].remaining, 0, "nothing given back");
+        assert!(!store.check("victim", &policies, 5).is_allowed());
+    }
+
+    /// A shard remembers at most `MAX_CLEARED` clears: one it had to forget while it still
+    /// mattered let a settle of a debit made before that reset give its units back into
+    /// the state after it. Past the bound, a settle of a debit made before the forgotten
+    /// clear gives nothing back, whoever's.
+    #[test]
+    fn a_clear_the_shard_cannot_remember_still_forgives() {
+        let (store, clock) = one_shard(1_000);
+        let hour = Duration::from_secs(3600);
+        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
+        clock.advance(Duration::from_secs(1));
+        let reserved = store.check("u", &policies, 10);
+        assert!(reserved.is_allowed());
+        store.reset_now("u", &policies);
+        clock.advance(Duration::from_millis(1));
+        assert!(store.check("u", &policies, 10).is_allowed());
+        for n in 0..MAX_CLEARED {
+            store.reset_now(&format!("other-{n}"), &policies);
+        }
+        let settled = store.adjust_now(
+            "u",
+            &policies,
+            &Adjustment::settle(10, 0, reserved.receipt()),
+        );
+        assert_eq!(settled.statuses()[0].remaining, 0, "nothing given back");
+        assert!(!store.check("u", &policies, 1).is_allowed());
+        // A debit made after every clear is settled as ever.
+        clock.advance(Duration::from_millis(1));
+        let later = store.check("w", &policies, 4);
+        let settled = store.adjust_now("w", &policies, &Adjustment::settle(4, 1, later.receipt()));
+        assert_eq!(settled.statuses()[0].remaining, 9);
     }
 
     #[test]
