@@ -216,3 +216,43 @@ async fn a_denied_head_request_has_no_body() {
     let get = get.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(length, get.len());
 }
+
+/// RFC 9110, section 8.6: a server MUST NOT send `Content-Length` in a `1xx` or `204`
+/// response, and in a `304` only the length a `200` would have had. A deny hook that
+/// answers a `HEAD` with `204` or `304` got `Content-Length: 0` (the length of its empty
+/// body, as a `GET` would be sent it): no field is added to those, and one the hook set
+/// goes with the body.
+#[tokio::test]
+async fn a_hooks_no_content_answer_to_a_head_has_no_content_length() {
+    for status in [StatusCode::NO_CONTENT, StatusCode::NOT_MODIFIED] {
+        let inner = service_fn(|_: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+        });
+        let mut service = limiter()
+            .on_deny(move |_: &tollgate::Rejection<'_>| {
+                Response::builder()
+                    .status(status)
+                    .header("content-length", "4")
+                    .body(Bytes::from("none"))
+                    .unwrap()
+            })
+            .layer(inner);
+        let head = || {
+            Request::head("/")
+                .header("x-api-key", "k1")
+                .body(())
+                .unwrap()
+        };
+        let ok = service.ready().await.unwrap().call(head()).await.unwrap();
+        assert_eq!(ok.status(), StatusCode::OK);
+        let denied = service.ready().await.unwrap().call(head()).await.unwrap();
+        assert_eq!(denied.status(), status);
+        assert!(
+            !denied.headers().contains_key("content-length"),
+            "{status}: {:?}",
+            denied.headers().get("content-length")
+        );
+        let body = denied.into_body().collect().await.unwrap().to_bytes();
+        assert!(body.is_empty(), "{status}: sent {body:?}");
+    }
+}

@@ -86,6 +86,14 @@ pub(crate) fn fit(
             }
             Box::new(answer_as(*response, content_type))
         }
+        // A hook's `1xx`, `204` or `304` has no content, whatever it was given (RFC
+        // 9110, sections 15.3.5 and 15.4.5), and no `Content-Length` (section 8.6: never
+        // in a `1xx` or `204`; in a `304` only a `200`'s, which the hook's is not).
+        _ if has_no_content(response.status()) => {
+            response.headers_mut().remove(header::CONTENT_LENGTH);
+            *response.body_mut() = Bytes::new();
+            response
+        }
         _ if method == Method::HEAD => {
             // Its fields stay, and `Content-Length` says what a `GET` would be sent
             // (RFC 9110, sections 8.6 and 9.3.2): axum, which fills it in from the body
@@ -99,6 +107,13 @@ pub(crate) fn fit(
         }
         _ => response,
     }
+}
+
+/// A status whose response has no content: `1xx`, `204` and `304`.
+fn has_no_content(status: StatusCode) -> bool {
+    status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
 }
 
 /// The limiter's HTTP answer `response` as a trailers-only response of a call of
