@@ -103,7 +103,9 @@ use crate::body::ResponseBody;
 use crate::cost::{Cost, PerRoute};
 use crate::failure::{Breaker, CircuitBreaker, FailureMode, LocalFallback};
 use crate::future::ResponseFuture;
-use crate::key::{ClientIp, Global, HeaderKey, Key, KeyExtractor, KeyExtractorExt};
+use crate::key::{
+    ClientIp, ForwardedHeader, Global, HeaderKey, Key, KeyExtractor, KeyExtractorExt,
+};
 use crate::layer::RateLimitLayer;
 use crate::policy::{Penalty, Policy, PolicySet, Rate};
 use crate::resolve::PolicyResolver;
@@ -135,9 +137,14 @@ pub struct LimiterConfig {
     /// configuration, nor in its errors.
     #[serde(default)]
     pub key_salt_env: Option<String>,
-    /// Proxies whose `X-Forwarded-For` is believed by `"ip"` (addresses or networks).
+    /// Proxies whose forwarding header is believed by `"ip"` (addresses or networks).
     #[serde(default)]
     pub trusted_proxies: Vec<String>,
+    /// The header the `trusted_proxies` name their clients in: `"x-forwarded-for"`
+    /// (the default) or `"forwarded"` (RFC 7239's `Forwarded: for=...`): the one your
+    /// proxies write and replace (see [`ClientIp::forwarded_header`]).
+    #[serde(default)]
+    pub forwarded_header: Option<String>,
     /// The policies.
     pub policies: Vec<PolicySpec>,
     /// Named policy sets; a request gets the plan its `plan_header` names, else
@@ -972,8 +979,26 @@ impl LimiterConfig {
             }
             fits(&entry, *units, false)?;
         }
-        let client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
+        let mut client_ip = ClientIp::behind_proxies(&self.trusted_proxies)
             .map_err(|e| ConfigError::new("trusted_proxies", e.to_string()))?;
+        if let Some(header) = &self.forwarded_header {
+            if self.trusted_proxies.is_empty() {
+                return Err(ConfigError::new(
+                    "forwarded_header",
+                    "no trusted_proxies: a forwarding header is read only from them",
+                ));
+            }
+            client_ip = client_ip.forwarded_header(match header.to_ascii_lowercase().as_str() {
+                "x-forwarded-for" => ForwardedHeader::XForwardedFor,
+                "forwarded" => ForwardedHeader::Forwarded,
+                _ => {
+                    return Err(ConfigError::new(
+                        "forwarded_header",
+                        format!("{header:?}: \"x-forwarded-for\" or \"forwarded\""),
+                    ));
+                }
+            });
+        }
         let specs: Vec<&str> = if self.key.is_empty() {
             vec!["ip"]
         } else {

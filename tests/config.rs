@@ -784,6 +784,57 @@ async fn header_keys_can_be_salted_from_the_environment() {
     );
 }
 
+/// Behind proxies that write RFC 7239's `Forwarded` alone, the configuration could not
+/// say so: `"ip"` read `X-Forwarded-For` only, so every client behind them was keyed by
+/// the proxy's address and shared one budget. `forwarded_header = "forwarded"` reads
+/// `Forwarded` (RFC 7239, section 5.2, `for=`); a value it does not know, or one set with
+/// no trusted proxy to believe it of, is an error naming the entry.
+#[tokio::test]
+async fn the_forwarded_header_is_configured() {
+    let config = |settings: &str| {
+        parse(&format!(
+            "{settings}\n[[policies]]\nname = \"api\"\n\
+             algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1h\"\n"
+        ))
+    };
+    let layer = LiveLayer::new(
+        MemoryStore::new(),
+        &config("trusted_proxies = [\"10.0.0.0/8\"]\nforwarded_header = \"forwarded\""),
+    )
+    .unwrap();
+    let send = |client: &str| {
+        let mut request = Request::get("/")
+            .header("forwarded", format!("for={client};proto=https"))
+            .header("x-forwarded-for", "198.51.100.1")
+            .body(Body::empty())
+            .unwrap();
+        let peer: SocketAddr = "10.0.0.1:1000".parse().unwrap();
+        request.extensions_mut().insert(ConnectInfo(peer));
+        app(&layer).oneshot(request)
+    };
+    assert_eq!(send("203.0.113.7").await.unwrap().status(), StatusCode::OK);
+    assert_eq!(
+        send("203.0.113.8").await.unwrap().status(),
+        StatusCode::OK,
+        "another client behind the same proxy has a budget of its own"
+    );
+    assert_eq!(
+        send("203.0.113.7").await.unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    for (settings, reason) in [
+        (
+            "trusted_proxies = [\"10.0.0.0/8\"]\nforwarded_header = \"forwarded-for\"",
+            "\"x-forwarded-for\" or \"forwarded\"",
+        ),
+        ("forwarded_header = \"forwarded\"", "no trusted_proxies"),
+    ] {
+        let error = config(settings).check().unwrap_err();
+        assert_eq!(error.entry(), "forwarded_header", "{settings}");
+        assert!(error.reason().contains(reason), "{settings}: {error}");
+    }
+}
+
 /// The plan header is the auth layer's to set. A request that carries it twice (a client
 /// that wrote `x-plan: pro` before an auth layer that appends its own) names no one plan:
 /// it gets the default plan, not whichever line comes first.
