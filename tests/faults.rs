@@ -1456,6 +1456,51 @@ async fn a_pool_that_cannot_authenticate_is_refused_not_an_outage() {
     );
 }
 
+/// A pool whose `post_create` hook fails (it selects a database, sets a client name,
+/// runs a tenant's set-up) fails every checkout the same way: a set-up error, which was
+/// counted as "unavailable" (an outage: debug lines, the breaker, the failure mode for
+/// good) and passed the start-up check with a warning. A hook's own error is a non-I/O
+/// error every request meets now, one the server sent the hook is sorted as that error
+/// is, and `verify` refuses both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_set_up_hook_fails_is_a_set_up_error_not_an_outage() {
+    use deadpool_redis::{Hook, HookError};
+    let server = RedisServer::start();
+    let policies =
+        PolicySet::from(Policy::fixed_window("api", 10, Duration::from_secs(60)).unwrap());
+    let message = Hook::sync_fn(|_, _| Err(HookError::message("tenant not provisioned")));
+    // The server refuses the hook's command: a Redis error, not the network's.
+    let refused = Hook::async_fn(|connection, _| {
+        Box::pin(async move {
+            redis::cmd("NO-SUCH-COMMAND")
+                .query_async::<()>(connection)
+                .await
+                .map_err(HookError::Backend)
+        })
+    });
+    for (hook, says) in [
+        (message, "tenant not provisioned"),
+        (refused, "NO-SUCH-COMMAND"),
+    ] {
+        let pool = deadpool_redis::Config::from_url(server.url())
+            .builder()
+            .expect("a builder")
+            .runtime(deadpool_redis::Runtime::Tokio1)
+            .post_create(hook)
+            .build()
+            .expect("a pool");
+        let store = RedisStore::from_pool(pool);
+        let error = store
+            .decide(&Key::new("client"), &policies, 1)
+            .await
+            .expect_err("no connection past a failing hook");
+        assert!(!error.kind().is_io(), "{error}");
+        assert!(error.to_string().contains(says), "{error}");
+        let at_start = store.verify().await.expect_err("refused at start-up");
+        assert!(!at_start.kind().is_io(), "{at_start}");
+    }
+}
+
 /// The same refusal met by requests of one identity at once: they are coalesced into one
 /// batch, and each waiter's copy of the batch's error lost that it is every request's
 /// refusal. Each copy then closed the breaker as a one-off refusal does, so under a hot

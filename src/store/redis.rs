@@ -948,8 +948,8 @@ fn password_refused(error: &RedisError) -> bool {
 /// A pool that gave no connection. The server's own answer when the pool opened one
 /// (`WRONGPASS`, `NOPERM` on `SELECT`, a TLS set-up refused) is sorted as that error is
 /// ([`store_error`]): a refusal is no outage to wait out behind the failure mode. A pool
-/// that waited too long for a connection timed out; anything else (closed, no runtime, a
-/// post-create hook) leaves the store unavailable.
+/// that waited too long for a connection timed out; a failing post-create hook is sorted
+/// by what failed; anything else (closed, no runtime) leaves the store unavailable.
 fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
     use deadpool_redis::PoolError;
     match error {
@@ -963,6 +963,22 @@ fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
             StoreErrorKind::Timeout,
             "no connection from the pool within its timeout",
         ),
+        // The pool's `post_create` hook failed on a connection just made: what the
+        // server answered its commands is sorted as any answer is; its own error is the
+        // pool's set-up, which no wait mends. Either is every request's.
+        PoolError::PostCreateHook(hook) => {
+            let mut error = match hook {
+                deadpool_redis::HookError::Backend(error) => store_error(error),
+                deadpool_redis::HookError::Message(message) => StoreError::new(
+                    StoreErrorKind::Other,
+                    format!("the pool's post_create hook failed: {message}"),
+                ),
+            };
+            error.every_request = !error.kind().is_io();
+            error
+        }
+        // Closed by the application (it is shutting down), or no runtime for a timeout
+        // (which a pool's builder refuses).
         other => StoreError::new(StoreErrorKind::Unavailable, other.to_string()),
     }
 }
