@@ -1794,9 +1794,10 @@ fn a_list_size_without_slicing_arguments_keeps_first_last_and_limit() {
         1 + 100 * 2
     );
     assert_eq!(cost("{ posts { author { login } } }").unwrap(), 1 + 20);
+    // Nothing sizes the connection's list: the assumed list size (default 10) does.
     assert_eq!(
         cost("{ repos { nodes { owner { login } } } }").unwrap(),
-        1 + 2
+        1 + 10 * 2
     );
     // The schema's own default for such an argument is not the query's: the assumed
     // size stands in for it, as before (a default past the range refuses nothing). An
@@ -2011,14 +2012,15 @@ const REPO_COST_TABLE: &[(&str, u64)] = &[
         1 + 100 * REPO,
     ),
     // One fragment under two list sizes and under none, in both orders: the cost kept for
-    // its first use must not be reused for the others.
+    // its first use must not be reused for the others. Under `pinned`, which nothing
+    // sizes, `nodes` is a list of the default size (10): its call, and ten owners.
     (
         "{ a: repos(first: 2) { ...C } b: repos(first: 100) { ...C } c: pinned { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
-        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + REPO),
+        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + (1 + 10 * 5)),
     ),
     (
         "{ c: pinned { ...C } b: repos(first: 100) { ...C } a: repos(first: 2) { ...C } } fragment C on RepoConnection { nodes { owner { login } } }",
-        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + REPO),
+        (1 + 2 * REPO) + (1 + 100 * REPO) + (1 + (1 + 10 * 5)),
     ),
     // A fragment spread inside a sliced connection inside another: orgs 1 + 5 x (org 1 +
     // repos (1 + 10 x repo)), once through nodes and once through edges.
@@ -3058,6 +3060,36 @@ fn an_empty_operation_name_names_no_operation() {
         coster.query_cost(two, Some(""), None),
         Err(CostError::Operation(_))
     ));
+}
+
+/// A list the schema declares that nothing sizes (no slicing argument given or
+/// defaulted, no `assumedSize`) was charged as one item: nesting such lists
+/// (`users { friends { friends { name } } }`) multiplied the server's work and not the
+/// cost (3: each list's call). It is charged `GraphqlCost::list_size` items (default 10, as a default page
+/// size); a list a connection's `sizedFields` names is sized by the connection alone,
+/// and without a schema no field is known to be a list.
+#[test]
+fn a_list_nothing_sizes_costs_the_assumed_list_size() {
+    let sdl = r#"
+        type Query { users: [User!]! user(id: ID): User page(first: Int): Page @listSize(slicingArguments: ["first"], sizedFields: ["nodes"]) }
+        type Page { nodes: [User] }
+        type User { name: String friends: [User!]! tags: [String] }
+    "#;
+    let coster = GraphqlCost::new().with_schema(sdl).unwrap();
+    let cost = |coster: &GraphqlCost, query: &str| coster.query_cost(query, None, None).unwrap();
+    let deep = "{ users { friends { friends { name } } } }";
+    // Each list's call, times the items of the lists around it.
+    assert_eq!(cost(&coster, deep), 1 + 10 * (1 + 10));
+    assert_eq!(cost(&coster.clone().list_size(3), deep), 1 + 3 * (1 + 3));
+    // An object is one item; a list of leaves costs its type's weight (none) once.
+    assert_eq!(cost(&coster, "{ user(id: 1) { name tags } }"), 1);
+    // A connection's size stands for its sized list, which is not sized again.
+    assert_eq!(
+        cost(&coster, "{ page(first: 5) { nodes { name } } }"),
+        1 + 5
+    );
+    // Without a schema: as before, one item unless a slicing argument sizes it.
+    assert_eq!(cost(&GraphqlCost::new(), deep), 3);
 }
 
 /// A type's `@cost(weight:)` is the cost of each value of the type: a list of 100 of them

@@ -41,6 +41,10 @@ pub use layer::{GRAPHQL_COST, GraphqlCostLayer, GraphqlCostService, Invalid};
 /// refused on such a stack.
 pub const MAX_DEPTH: usize = 200;
 
+/// What a list the schema declares is assumed to hold when nothing sizes it (see
+/// [`GraphqlCost::list_size`]).
+const DEFAULT_LIST_SIZE: u64 = 10;
+
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fmt;
@@ -197,6 +201,7 @@ pub struct GraphqlCost {
     max_depth: usize,
     token_limit: usize,
     max_field_visits: u64,
+    list_size: u64,
     schema: Option<std::sync::Arc<schema::Schema>>,
 }
 
@@ -266,7 +271,8 @@ impl Default for GraphqlCost {
 impl GraphqlCost {
     /// Slicing arguments `first`, `last`, `limit` in 1..=100 (else refused), 10 for each
     /// root field of a mutation, every root field at least 1, batches of at most 10, nesting of at most 64
-    /// levels, documents of at most 20,000 tokens, at most 100,000 field visits a body.
+    /// levels, documents of at most 20,000 tokens, at most 100,000 field visits a body,
+    /// and (with a schema) 10 items in a list nothing sizes ([`list_size`](Self::list_size)).
     pub fn new() -> Self {
         Self {
             slicing_arguments: ["first", "last", "limit"].map(String::from).to_vec(),
@@ -279,6 +285,7 @@ impl GraphqlCost {
             max_depth: 64,
             token_limit: 20_000,
             max_field_visits: 100_000,
+            list_size: DEFAULT_LIST_SIZE,
             schema: None,
         }
     }
@@ -387,6 +394,33 @@ impl GraphqlCost {
         self.min_slice = min.min(max);
         self.max_slice = max.max(min);
         self.out_of_range = out_of_range;
+        self
+    }
+
+    /// What a list the schema declares is assumed to hold when nothing in the query or
+    /// the schema sizes it (default 10): no slicing argument given or defaulted, no
+    /// `@listSize(assumedSize:)`. Such a list (`users: [User!]!`, or a field
+    /// `sizedFields` names) is charged as this many items, so that nesting lists the
+    /// client cannot be made to page (`{ users { friends { friends { name } } } }`)
+    /// multiplies the cost as it multiplies the server's work. Set it to the most items
+    /// such a list returns (your server's default page size), or size the lists in the
+    /// schema (`@listSize(assumedSize:)`, or `slicingArguments` with
+    /// `requireOneSlicingArgument`). Without a schema no field is known to be a list:
+    /// each costs as one item unless a slicing argument sizes it.
+    ///
+    /// ```
+    /// use tollgate::cost::graphql::GraphqlCost;
+    ///
+    /// let sdl = "type Query { users: [User!]! } type User { name: String friends: [User!]! }";
+    /// let coster = GraphqlCost::new().with_schema(sdl)?;
+    /// // users 1 + 10 x (friends 1 + 10 x (friends 1))
+    /// let deep = "{ users { friends { friends { name } } } }";
+    /// assert_eq!(coster.query_cost(deep, None, None)?, 1 + 10 * (1 + 10));
+    /// assert_eq!(coster.list_size(3).query_cost(deep, None, None)?, 1 + 3 * (1 + 3));
+    /// # Ok::<(), tollgate::cost::graphql::CostError>(())
+    /// ```
+    pub fn list_size(mut self, size: u64) -> Self {
+        self.list_size = size;
         self
     }
 
@@ -604,6 +638,7 @@ impl GraphqlCost {
             introspection: None,
             whole_schema: false,
             in_field: false,
+            sized_by_parent: false,
             introspected: false,
         };
         // A mutation's root field pays its base on top: the minimum less that.
@@ -1011,6 +1046,9 @@ struct Walk<'a> {
     whole_schema: bool,
     /// Set inside a field's selection set (below the root), where an aliased leaf costs.
     in_field: bool,
+    /// The field being costed is one a connection's `sizedFields` names: the
+    /// connection's size stands for it, so its own list is not sized again.
+    sized_by_parent: bool,
     /// The root fields' costs by response name (the fields of one name, a server's one
     /// call, summed: their selections merge), each charged at least `min_cost` once the
     /// walk is over (a resolver call, whatever the others cost; in a mutation, whose root
@@ -1133,6 +1171,9 @@ impl<'a> Walk<'a> {
                     // again and again, is work the bound does not see.
                     self.visits_for(field.arguments.len())?;
                     let in_field = std::mem::replace(&mut self.in_field, true);
+                    self.sized_by_parent = sized.is_some_and(|sized| {
+                        sized.fields.iter().any(|name| name == field.name.as_str())
+                    });
                     let cost = self.field(field, concrete, depth);
                     self.in_field = in_field;
                     let mut cost = cost?;
@@ -1292,6 +1333,20 @@ impl<'a> Walk<'a> {
             // One leaf value: its arguments size nothing.
             return Ok(weight);
         }
+        // What a list nothing sizes is assumed to hold: a list the schema declares (or
+        // the lists `sizedFields` names), not an object.
+        let sized_by_parent = std::mem::take(&mut self.sized_by_parent);
+        let unsized_size = if !sized_by_parent
+            && (info.list
+                || info
+                    .list_size
+                    .as_ref()
+                    .is_some_and(|list| !list.sized_fields.is_empty()))
+        {
+            self.model.list_size
+        } else {
+            1
+        };
         let size = match &info.list_size {
             Some(list) if list.slicing_written => self
                 .slice(
@@ -1301,7 +1356,7 @@ impl<'a> Walk<'a> {
                     list.require_one,
                 )?
                 .or(list.assumed_size)
-                .unwrap_or(1),
+                .unwrap_or(unsized_size),
             // A size with no slicing arguments written (`assumedSize`, `sizedFields`
             // alone) is what a list is assumed to hold when nothing sizes it: the model's
             // `first`, `last` and `limit` still do when the query gives them, range
@@ -1311,7 +1366,7 @@ impl<'a> Walk<'a> {
             Some(list) => self
                 .slice(field, &self.model.slicing_arguments, None, false)?
                 .or(list.assumed_size)
-                .unwrap_or(1),
+                .unwrap_or(unsized_size),
             None => self
                 .slice(
                     field,
@@ -1319,7 +1374,7 @@ impl<'a> Walk<'a> {
                     Some(&info.defaults),
                     false,
                 )?
-                .unwrap_or(1),
+                .unwrap_or(unsized_size),
         };
         if field.selection_set.is_empty() {
             // A list of leaves costs its weight once (each item's when its type has
