@@ -271,11 +271,30 @@ fn detail(body: &[u8]) -> Option<String> {
                 'b' => out.push('\u{8}'),
                 'f' => out.push('\u{c}'),
                 'u' => {
-                    let hex: String = chars.by_ref().take(4).collect();
-                    let unit = u32::from_str_radix(&hex, 16).ok()?;
-                    // Escaped surrogates stand for a character this body never holds (the
-                    // limiter escapes only control characters): a replacement marks them.
-                    out.push(char::from_u32(unit).unwrap_or(char::REPLACEMENT_CHARACTER));
+                    let mut unit = |chars: &mut std::str::Chars<'_>| {
+                        let hex: String = chars.by_ref().take(4).collect();
+                        u32::from_str_radix(&hex, 16).ok()
+                    };
+                    let first = unit(&mut chars)?;
+                    // A character past the Basic Multilingual Plane is escaped as a pair
+                    // of surrogates (section 7: an encoder that writes ASCII only sends
+                    // an emoji so); a lone surrogate stands for no character, and a
+                    // replacement marks it.
+                    let paired = (0xd800..0xdc00).contains(&first).then(|| {
+                        let mut ahead = chars.clone();
+                        let low = (ahead.next() == Some('\\') && ahead.next() == Some('u'))
+                            .then(|| unit(&mut ahead))
+                            .flatten()
+                            .filter(|low| (0xdc00..0xe000).contains(low))?;
+                        chars = ahead;
+                        char::from_u32(0x10000 + ((first - 0xd800) << 10) + (low - 0xdc00))
+                    });
+                    out.push(
+                        paired
+                            .flatten()
+                            .or_else(|| char::from_u32(first))
+                            .unwrap_or(char::REPLACEMENT_CHARACTER),
+                    );
                 }
                 escaped => out.push(escaped),
             },
@@ -551,6 +570,22 @@ mod tests {
         *response.status_mut() = StatusCode::BAD_REQUEST;
         let answer = answer(response);
         assert_eq!(answer.headers()["grpc-message"], "a\"b\\c%0Ad%C3%A9");
+    }
+
+    /// A character past the Basic Multilingual Plane, escaped as JSON encoders that write
+    /// ASCII only escape it (a pair of surrogates, RFC 8259, section 7), is that one
+    /// character: each half was read alone, as two replacement characters. A lone
+    /// surrogate is still a replacement.
+    #[test]
+    fn an_escaped_surrogate_pair_is_one_character() {
+        let body = br#"{"detail":"\ud83d\ude00 and \ud83d alone, \ude00 too"}"#;
+        assert_eq!(
+            detail(body).as_deref(),
+            Some("\u{1f600} and \u{fffd} alone, \u{fffd} too")
+        );
+        let mut response = Response::new(Bytes::from_static(br#"{"detail":"\ud83d\ude00"}"#));
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+        assert_eq!(answer(response).headers()["grpc-message"], "%F0%9F%98%80");
     }
 
     /// gRPC's retry design (gRFC A6, "Pushback") has clients with a retry policy read
