@@ -271,7 +271,7 @@ fn detail(body: &[u8]) -> Option<String> {
                 'b' => out.push('\u{8}'),
                 'f' => out.push('\u{c}'),
                 'u' => {
-                    let mut unit = |chars: &mut std::str::Chars<'_>| {
+                    let unit = |chars: &mut std::str::Chars<'_>| {
                         let hex: String = chars.by_ref().take(4).collect();
                         u32::from_str_radix(&hex, 16).ok()
                     };
