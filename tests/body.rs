@@ -26,6 +26,13 @@ fn request() -> Request<()> {
         .unwrap()
 }
 
+fn head() -> Request<()> {
+    Request::head("/")
+        .header("x-api-key", "k1")
+        .body(())
+        .unwrap()
+}
+
 /// Sends two requests through `service`: the first is admitted, the second denied.
 /// Returns the admitted body and the denied response's body, read to the end.
 async fn admitted_then_denied<S, B>(mut service: S) -> (Bytes, Bytes)
@@ -184,12 +191,6 @@ async fn a_denied_head_request_has_no_body() {
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
     });
     let mut service = limiter().layer(inner);
-    let head = || {
-        Request::head("/")
-            .header("x-api-key", "k1")
-            .body(())
-            .unwrap()
-    };
     let ok = service.ready().await.unwrap().call(head()).await.unwrap();
     assert_eq!(ok.status(), StatusCode::OK);
     let denied = service.ready().await.unwrap().call(head()).await.unwrap();
@@ -237,12 +238,6 @@ async fn a_hooks_no_content_answer_to_a_head_has_no_content_length() {
                     .unwrap()
             })
             .layer(inner);
-        let head = || {
-            Request::head("/")
-                .header("x-api-key", "k1")
-                .body(())
-                .unwrap()
-        };
         let ok = service.ready().await.unwrap().call(head()).await.unwrap();
         assert_eq!(ok.status(), StatusCode::OK);
         let denied = service.ready().await.unwrap().call(head()).await.unwrap();

@@ -1685,6 +1685,16 @@ mod tests {
         assert!(!store.check("user", &hourly, 1).is_allowed());
     }
 
+    /// A store of one shard of `max_keys`, an hour's window of 10, and a clock a second
+    /// past its start.
+    fn hourly_window_of_ten(max_keys: usize) -> (MemoryStore<ManualClock>, ManualClock, PolicySet) {
+        let (store, clock) = one_shard(max_keys);
+        let hour = Duration::from_secs(3600);
+        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
+        clock.advance(Duration::from_secs(1));
+        (store, clock, policies)
+    }
+
     /// A live identity evicted by a flood (its reservation forgotten with its state), then
     /// made again by its next request: the settle of the debit made before the eviction
     /// gave its units back into the new state, which never held them, so the window
@@ -1692,10 +1702,7 @@ mod tests {
     /// gives nothing back (too little given back, never too much).
     #[test]
     fn a_settle_gives_nothing_back_into_state_made_after_a_live_eviction() {
-        let (store, clock) = one_shard(64);
-        let hour = Duration::from_secs(3600);
-        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
-        clock.advance(Duration::from_secs(1));
+        let (store, clock, policies) = hourly_window_of_ten(64);
         let reserved = store.check("victim", &policies, 5);
         assert!(reserved.is_allowed());
         // Each flood identity spends its whole quota: the victim, half of its own, has
@@ -1723,10 +1730,7 @@ mod tests {
     /// clear gives nothing back, whoever's.
     #[test]
     fn a_clear_the_shard_cannot_remember_still_forgives() {
-        let (store, clock) = one_shard(1_000);
-        let hour = Duration::from_secs(3600);
-        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
-        clock.advance(Duration::from_secs(1));
+        let (store, clock, policies) = hourly_window_of_ten(1_000);
         let reserved = store.check("u", &policies, 10);
         assert!(reserved.is_allowed());
         store.reset_now("u", &policies);
