@@ -1702,7 +1702,7 @@ mod tests {
     /// gives nothing back (too little given back, never too much).
     #[test]
     fn a_settle_gives_nothing_back_into_state_made_after_a_live_eviction() {
-        let (store, clock, policies) = hourly_window_of_ten(64);
+        let (store, _clock, policies) = hourly_window_of_ten(64);
         let reserved = store.check("victim", &policies, 5);
         assert!(reserved.is_allowed());
         // Each flood identity spends its whole quota: the victim, half of its own, has
