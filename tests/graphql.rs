@@ -3083,10 +3083,43 @@ fn a_list_nothing_sizes_costs_the_assumed_list_size() {
     assert_eq!(cost(&coster.clone().list_size(3), deep), 1 + 3 * (1 + 3));
     // An object is one item; a list of leaves costs its type's weight (none) once.
     assert_eq!(cost(&coster, "{ user(id: 1) { name tags } }"), 1);
-    // A connection's size stands for its sized list, which is not sized again.
+    // A connection's size stands for its sized list, which is not sized again: named in
+    // `sizedFields`, or any list below a connection sized without one.
     assert_eq!(
         cost(&coster, "{ page(first: 5) { nodes { name } } }"),
         1 + 5
+    );
+    let relay = GraphqlCost::new()
+        .with_schema(
+            "type Query { repos(first: Int): RepoConnection pinned: RepoConnection } \
+             type RepoConnection { nodes: [Repo] edges: [RepoEdge] } type RepoEdge { node: Repo } \
+             type Repo { owner: User issues(first: Int): IssueConnection } \
+             type IssueConnection { nodes: [Issue] } type Issue { title: String } \
+             type User { login: String }",
+        )
+        .unwrap();
+    assert_eq!(
+        cost(&relay, "{ repos(first: 20) { nodes { owner { login } } } }"),
+        1 + 20 * 2
+    );
+    assert_eq!(
+        cost(
+            &relay,
+            "{ repos(first: 20) { ...E } } fragment E on RepoConnection { edges { node { owner { login } } } }"
+        ),
+        1 + 20 * 3
+    );
+    assert_eq!(
+        cost(
+            &relay,
+            "{ repos(first: 5) { nodes { issues(first: 10) { nodes { title } } } } }"
+        ),
+        1 + 5 * (1 + (1 + 10))
+    );
+    // Nothing sizes `pinned`: its list is of the assumed size.
+    assert_eq!(
+        cost(&relay, "{ pinned { nodes { owner { login } } } }"),
+        1 + (1 + 10)
     );
     // Without a schema: as before, one item unless a slicing argument sizes it.
     assert_eq!(cost(&GraphqlCost::new(), deep), 3);

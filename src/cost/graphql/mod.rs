@@ -1085,6 +1085,10 @@ struct Sizing<'s> {
     /// The fields the size multiplies (`nodes`, `edges`), from the schema.
     fields: &'s [String],
     size: u64,
+    /// Every list directly below is sized already: the field above is no list and its
+    /// size (a slicing argument, an assumed size) multiplies its whole selection, as a
+    /// connection's `first` does without `sizedFields`.
+    lists: bool,
 }
 
 impl<'a> Walk<'a> {
@@ -1172,7 +1176,7 @@ impl<'a> Walk<'a> {
                     self.visits_for(field.arguments.len())?;
                     let in_field = std::mem::replace(&mut self.in_field, true);
                     self.sized_by_parent = sized.is_some_and(|sized| {
-                        sized.fields.iter().any(|name| name == field.name.as_str())
+                        sized.lists || sized.fields.iter().any(|name| name == field.name.as_str())
                     });
                     let cost = self.field(field, concrete, depth);
                     self.in_field = in_field;
@@ -1347,7 +1351,7 @@ impl<'a> Walk<'a> {
         } else {
             1
         };
-        let size = match &info.list_size {
+        let given = match &info.list_size {
             Some(list) if list.slicing_written => self
                 .slice(
                     field,
@@ -1355,8 +1359,7 @@ impl<'a> Walk<'a> {
                     Some(&info.defaults),
                     list.require_one,
                 )?
-                .or(list.assumed_size)
-                .unwrap_or(unsized_size),
+                .or(list.assumed_size),
             // A size with no slicing arguments written (`assumedSize`, `sizedFields`
             // alone) is what a list is assumed to hold when nothing sizes it: the model's
             // `first`, `last` and `limit` still do when the query gives them, range
@@ -1365,17 +1368,15 @@ impl<'a> Walk<'a> {
             // those. (`slicingArguments: []` says no argument sizes the list.)
             Some(list) => self
                 .slice(field, &self.model.slicing_arguments, None, false)?
-                .or(list.assumed_size)
-                .unwrap_or(unsized_size),
-            None => self
-                .slice(
-                    field,
-                    &self.model.slicing_arguments,
-                    Some(&info.defaults),
-                    false,
-                )?
-                .unwrap_or(unsized_size),
+                .or(list.assumed_size),
+            None => self.slice(
+                field,
+                &self.model.slicing_arguments,
+                Some(&info.defaults),
+                false,
+            )?,
         };
+        let size = given.unwrap_or(unsized_size);
         if field.selection_set.is_empty() {
             // A list of leaves costs its weight once (each item's when its type has
             // one), and its slicing range holds.
@@ -1387,7 +1388,26 @@ impl<'a> Walk<'a> {
             .as_ref()
             .map_or(&[][..], |list| list.sized_fields.as_slice());
         if sized_fields.is_empty() {
-            let children = self.selections(&field.selection_set, Some(ty), depth + 1)?;
+            let children = match self.schema {
+                // No list, sized all the same (a connection's `first` without
+                // `sizedFields`): its size stands for the lists it holds (`nodes`,
+                // `edges`), not sized again.
+                Some(schema) if !info.list && given.is_some() => {
+                    let sized = Sizing {
+                        fields: &[],
+                        size: 1,
+                        lists: true,
+                    };
+                    self.on_possible_types(
+                        schema,
+                        &field.selection_set,
+                        ty,
+                        Some(sized),
+                        depth + 1,
+                    )?
+                }
+                _ => self.selections(&field.selection_set, Some(ty), depth + 1)?,
+            };
             Ok(weight.saturating_add(size.saturating_mul(each.saturating_add(children))))
         } else {
             // A connection: the size applies to its sized fields (`nodes`, `edges`),
@@ -1395,6 +1415,7 @@ impl<'a> Walk<'a> {
             let sized = Sizing {
                 fields: sized_fields,
                 size,
+                lists: false,
             };
             let most =
                 self.on_possible_types(schema, &field.selection_set, ty, Some(sized), depth + 1)?;
