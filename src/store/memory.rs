@@ -133,12 +133,29 @@ struct Table {
     /// [`MAX_CLEARED`], each kept while a debit made before it could still be given
     /// back): a settle of such a debit gives nothing back (see `decide::adjust`).
     cleared: Vec<Cleared>,
-    /// Debits made at or before this time (0: none) give nothing back, whoever's: the
-    /// time of the latest eviction of live state, which forgot debits the identity's next
-    /// request cannot tell from its own, or of a clear [`cleared`](Self::cleared) had to
-    /// drop while it still mattered. Too little given back, never too much.
-    forgiven_to: u64,
+    /// The clears [`cleared`](Self::cleared) had to drop while they still mattered, by
+    /// policy: a debit made at or before one, under its policy, gives nothing back,
+    /// whoever's (the shard no longer knows whose). Too little given back, never too
+    /// much.
+    forgotten: Vec<Forgotten>,
 }
+
+/// The latest clear of a policy that a shard had to drop while it still mattered (see
+/// [`Table::forgotten`]).
+#[derive(Debug, Clone, Copy)]
+struct Forgotten {
+    /// The policy's id; [`ANY_POLICY`] past [`MAX_FORGOTTEN`] policies.
+    policy: u32,
+    at: u64,
+    until: u64,
+}
+
+/// The most policies a shard keeps forgotten clears of, one each; past them, one record
+/// stands for every policy.
+const MAX_FORGOTTEN: usize = 64;
+
+/// The policy id of a forgotten clear that stands for every policy.
+const ANY_POLICY: u32 = u32::MAX;
 
 /// A reset or a level set of one identity's rate policy (see [`Table::cleared`]).
 #[derive(Debug, Clone, Copy)]
@@ -155,7 +172,8 @@ struct Cleared {
 
 /// The most clears a shard remembers: resets and level sets are an operator's (or an
 /// app's admin) calls, not a request's. Past it the oldest is forgotten first, and a
-/// settle of any identity's debit made before it gives nothing back (`Table::forgiven_to`).
+/// settle of any identity's debit made before it under its policy gives nothing back
+/// (`Table::forgotten`).
 const MAX_CLEARED: usize = 256;
 
 /// The hash table of a shard: open addressing over 4-byte buckets. A bucket holds an
@@ -375,7 +393,7 @@ impl Table {
             slab: Slab::new(capacity),
             latest: 0,
             cleared: Vec::new(),
-            forgiven_to: 0,
+            forgotten: Vec::new(),
         }
     }
 
@@ -396,9 +414,9 @@ impl Table {
             }
             if self.cleared.len() >= MAX_CLEARED {
                 // Still mattering (those gone by went above): what it forgave, every
-                // identity's debits as old are forgiven.
+                // identity's debits as old under its policy are forgiven.
                 let dropped = self.cleared.remove(0);
-                self.forgiven_to = self.forgiven_to.max(dropped.at);
+                self.forget(dropped);
             }
             let window = policy.params().window_nanos();
             self.cleared.push(Cleared {
@@ -410,10 +428,32 @@ impl Table {
         }
     }
 
+    /// Notes a clear dropped from [`cleared`](Self::cleared) while it still mattered.
+    fn forget(&mut self, dropped: Cleared) {
+        let policy = if self.forgotten.len() < MAX_FORGOTTEN
+            || self.forgotten.iter().any(|f| f.policy == dropped.policy)
+        {
+            dropped.policy
+        } else {
+            ANY_POLICY
+        };
+        match self.forgotten.iter_mut().find(|f| f.policy == policy) {
+            Some(forgotten) => {
+                forgotten.at = forgotten.at.max(dropped.at);
+                forgotten.until = forgotten.until.max(dropped.until);
+            }
+            None => self.forgotten.push(Forgotten {
+                policy,
+                at: dropped.at,
+                until: dropped.until,
+            }),
+        }
+    }
+
     /// When each of `policies` was last cleared for the identity of `hash`, in the set's
     /// order, for an adjustment that gives back (a settle, an unbooking): its own clears,
-    /// or [`forgiven_to`](Self::forgiven_to) for a debit made at or before it. Empty when
-    /// neither applies, or for another adjustment.
+    /// or a forgotten clear of the policy (see [`forgotten`](Self::forgotten)) the debit
+    /// was made at or before. Empty when neither applies, or for another adjustment.
     fn cleared_at(
         &mut self,
         hash: u64,
@@ -421,9 +461,7 @@ impl Table {
         now: u64,
         adjustment: &Adjustment,
     ) -> Vec<Option<u64>> {
-        let forgiven = (adjustment.receipt().at() <= self.forgiven_to && self.forgiven_to > 0)
-            .then_some(self.forgiven_to);
-        if (self.cleared.is_empty() && forgiven.is_none())
+        if (self.cleared.is_empty() && self.forgotten.is_empty())
             || !matches!(
                 adjustment.change(),
                 Change::Settle { .. } | Change::Unbook { .. }
@@ -432,7 +470,20 @@ impl Table {
             return Vec::new();
         }
         self.cleared.retain(|cleared| cleared.until > now);
-        if forgiven.is_none() && !self.cleared.iter().any(|cleared| cleared.hash == hash) {
+        self.forgotten.retain(|forgotten| forgotten.until > now);
+        let at = adjustment.receipt().at();
+        let forgotten = |policy: u32| {
+            self.forgotten
+                .iter()
+                .filter(|f| (f.policy == policy || f.policy == ANY_POLICY) && at <= f.at)
+                .map(|f| f.at)
+                .max()
+        };
+        if !self.cleared.iter().any(|cleared| cleared.hash == hash)
+            && !policies
+                .iter()
+                .any(|policy| forgotten(policy.id()).is_some())
+        {
             return Vec::new();
         }
         policies
@@ -443,7 +494,7 @@ impl Table {
                     .iter()
                     .find(|c| c.hash == hash && c.policy == policy.id())
                     .map(|c| c.at);
-                own.max(forgiven)
+                own.max(forgotten(policy.id()))
             })
             .collect()
     }
@@ -982,9 +1033,7 @@ impl<C: Clock> MemoryStore<C> {
     /// Adjusts an admitted request's debit now, synchronously (see [`Store::adjust`]).
     /// A key the store does not hold (never stored, or forgotten) is adjusted from fresh
     /// state, as on Redis: a refund or a release finds nothing to give back (nothing is
-    /// stored), a charge or a level set is kept. An identity forgotten while live and made
-    /// again by a later request is given nothing back either: a settle of a debit made
-    /// before the shard last evicted live state gives nothing back, whoever's.
+    /// stored), a charge or a level set is kept.
     ///
     /// ```
     /// use tollgate::{Adjustment, MemoryStore, Policy, PolicySet};
@@ -1075,10 +1124,6 @@ impl<C: Clock> MemoryStore<C> {
             self.shared
                 .evicted_live
                 .fetch_add(excess as u64, Ordering::Relaxed);
-            // Their debits are forgotten with their state: a request of one of them still
-            // running settles into the state its identity's next request makes, which
-            // never held them (see `Table::forgiven_to`).
-            table.forgiven_to = now;
         }
         if removed > 0 {
             // Keep the index's and the slab's memory: the shard is about to fill again.
@@ -1685,72 +1730,44 @@ mod tests {
         assert!(!store.check("user", &hourly, 1).is_allowed());
     }
 
-    /// A store of one shard of `max_keys`, an hour's window of 10, and a clock a second
-    /// past its start.
-    fn hourly_window_of_ten(max_keys: usize) -> (MemoryStore<ManualClock>, ManualClock, PolicySet) {
-        let (store, clock) = one_shard(max_keys);
-        let hour = Duration::from_secs(3600);
-        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
-        clock.advance(Duration::from_secs(1));
-        (store, clock, policies)
-    }
-
-    /// A live identity evicted by a flood (its reservation forgotten with its state), then
-    /// made again by its next request: the settle of the debit made before the eviction
-    /// gave its units back into the new state, which never held them, so the window
-    /// admitted 15 of its 10. Past a live eviction, a settle of a debit made before it
-    /// gives nothing back (too little given back, never too much).
-    #[test]
-    fn a_settle_gives_nothing_back_into_state_made_after_a_live_eviction() {
-        let (store, _clock, policies) = hourly_window_of_ten(64);
-        let reserved = store.check("victim", &policies, 5);
-        assert!(reserved.is_allowed());
-        // Each flood identity spends its whole quota: the victim, half of its own, has
-        // least at stake and goes when the shard makes room.
-        for n in 0..64 {
-            store.check(&format!("flood-{n}"), &policies, 10);
-        }
-        assert!(store.evicted_live() > 0);
-        assert!(
-            store.check("victim", &policies, 10).is_allowed(),
-            "forgotten, the victim starts anew"
-        );
-        let settled = store.adjust_now(
-            "victim",
-            &policies,
-            &Adjustment::settle(5, 0, reserved.receipt()),
-        );
-        assert_eq!(settled.statuses()[0].remaining, 0, "nothing given back");
-        assert!(!store.check("victim", &policies, 5).is_allowed());
-    }
-
     /// A shard remembers at most `MAX_CLEARED` clears: one it had to forget while it still
     /// mattered let a settle of a debit made before that reset give its units back into
     /// the state after it. Past the bound, a settle of a debit made before the forgotten
-    /// clear gives nothing back, whoever's.
+    /// clear, under its policy, gives nothing back, whoever's; other policies' settles
+    /// give back as ever.
     #[test]
     fn a_clear_the_shard_cannot_remember_still_forgives() {
-        let (store, clock, policies) = hourly_window_of_ten(1_000);
+        let (store, clock) = one_shard(1_000);
+        let hour = Duration::from_secs(3600);
+        let policies = PolicySet::from(Policy::fixed_window("h", 10, hour).unwrap());
+        let other = PolicySet::from(Policy::fixed_window("other", 10, hour).unwrap());
+        clock.advance(Duration::from_secs(1));
         let reserved = store.check("u", &policies, 10);
         assert!(reserved.is_allowed());
+        let elsewhere = store.check("v", &other, 4);
         store.reset_now("u", &policies);
         clock.advance(Duration::from_millis(1));
         assert!(store.check("u", &policies, 10).is_allowed());
         for n in 0..MAX_CLEARED {
             store.reset_now(&format!("other-{n}"), &policies);
         }
-        let settled = store.adjust_now(
-            "u",
-            &policies,
-            &Adjustment::settle(10, 0, reserved.receipt()),
+        let settle = |key: &str, set: &PolicySet, actual: u64, decision: &Decision| {
+            let reserved = decision.statuses()[0].limit - decision.statuses()[0].remaining;
+            let settle = Adjustment::settle(reserved, actual, decision.receipt());
+            store.adjust_now(key, set, &settle).statuses()[0].remaining
+        };
+        assert_eq!(
+            settle("u", &policies, 0, &reserved),
+            0,
+            "nothing given back"
         );
-        assert_eq!(settled.statuses()[0].remaining, 0, "nothing given back");
         assert!(!store.check("u", &policies, 1).is_allowed());
-        // A debit made after every clear is settled as ever.
+        // Another policy's settle of a debit as old gives back as ever.
+        assert_eq!(settle("v", &other, 1, &elsewhere), 9);
+        // So does one of a debit made after every clear.
         clock.advance(Duration::from_millis(1));
         let later = store.check("w", &policies, 4);
-        let settled = store.adjust_now("w", &policies, &Adjustment::settle(4, 1, later.receipt()));
-        assert_eq!(settled.statuses()[0].remaining, 9);
+        assert_eq!(settle("w", &policies, 1, &later), 9);
     }
 
     #[test]
