@@ -1249,7 +1249,7 @@ mod http {
             ),
             (&["application/graphql, text/plain"][..], document),
             (
-                &["application/graphql", "application/graphql"][..],
+                &["application/graphql", "application/graphql; x=1"][..],
                 document,
             ),
         ] {
@@ -1277,6 +1277,16 @@ mod http {
             .unwrap();
         let response = app.clone().oneshot(request).await.unwrap();
         assert_eq!(response.headers()["graphql-cost"], "5");
+        // The same line twice says one type: the document is costed.
+        let request = Request::post("/graphql")
+            .header("x-api-key", "two-types")
+            .header("content-type", "application/graphql")
+            .header("content-type", "application/graphql")
+            .body(Body::from(document))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["graphql-cost"], "51");
     }
 
     /// JSON in UTF-16 or UTF-32 (by its charset, or by its byte-order mark) is read by

@@ -164,8 +164,8 @@ pub enum Invalid {
 /// A request the coster read and refused (a slicing value out of range, a batch too
 /// large, nesting too deep, a document past the token limit or
 /// [`GraphqlCost::max_field_visits`], a key or parameter a server may read otherwise,
-/// several operations with no `operationName` or an empty one, more than one
-/// `Content-Type` or one that is not text, which servers may read otherwise) is refused
+/// several operations with no `operationName` or an empty one, two different
+/// `Content-Type` lines or one that is not text, which servers may read otherwise) is refused
 /// whatever `on_invalid` says: the server would run it.
 ///
 /// A refusal (`400`, `413`) is answered here, before the limiter further in sees the
@@ -397,15 +397,18 @@ fn body_type(request: &http::request::Parts) -> Result<BodyType, Uncosted> {
     let Some(value) = types.next() else {
         return Ok(BodyType::Json);
     };
+    // The same line again (a client or a proxy that sets the field twice) says nothing
+    // else: whichever line a server reads, it reads this one.
+    let mut types = types.filter(|other| other.as_bytes() != value.as_bytes());
     // Refused whatever `on_invalid` says, as a compressed body is: a server may still
     // read its type as a GraphQL document or a form and run the query in it.
     let value = value
         .to_str()
         .map_err(|_| Uncosted::refused_request("the content type is not text"))?;
-    // Two fields, or two types folded into one (by a proxy, or on purpose): the coster
-    // would read the body as one, a server or a proxy further on might read it as the
-    // other (Go's `Header.Get` reads the first line, others the last), and run a
-    // document or a form that is no JSON at the fixed charge.
+    // Two fields of different types, or two types folded into one (by a proxy, or on
+    // purpose): the coster would read the body as one, a server or a proxy further on
+    // might read it as the other (Go's `Header.Get` reads the first line, others the
+    // last), and run a document or a form that is no JSON at the fixed charge.
     if types.next().is_some() || folds_several(value) {
         return Err(Uncosted::refused_request(
             "the request has more than one content type",
