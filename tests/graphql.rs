@@ -3126,6 +3126,21 @@ fn a_list_nothing_sizes_costs_the_assumed_list_size() {
         ),
         1 + 5 * (1 + (1 + 10))
     );
+    // A connection's `first` sizes the lists directly below it, not those of a connection
+    // below it: `b`'s `items`, which nothing sizes, are of the assumed size however few
+    // `a` holds (a small `first` made the query cheaper).
+    let nested = GraphqlCost::new()
+        .with_schema(
+            "directive @listSize(assumedSize: Int, slicingArguments: [String!], sizedFields: [String!], requireOneSlicingArgument: Boolean = true) on FIELD_DEFINITION \
+             type Query { a(first: Int): A } type A { b: B @listSize(sizedFields: [\"items\"]) } \
+             type B { items: [X] } type X { n: String }",
+        )
+        .unwrap();
+    assert_eq!(cost(&nested, "{ a { b { items { n } } } }"), 1 + (1 + 10));
+    assert_eq!(
+        cost(&nested, "{ a(first: 2) { b { items { n } } } }"),
+        1 + 2 * (1 + 10)
+    );
     // Nothing sizes `pinned`: its list is of the assumed size.
     assert_eq!(
         cost(&relay, "{ pinned { nodes { owner { login } } } }"),

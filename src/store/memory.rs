@@ -1770,6 +1770,36 @@ mod tests {
         assert_eq!(settle("w", &policies, 1, &later), 9);
     }
 
+    /// Past `MAX_FORGOTTEN` policies with a forgotten clear, one record stands for every
+    /// policy: a debit under any policy made before it gives nothing back; one made after
+    /// gives back as ever.
+    #[test]
+    fn past_the_forgotten_policies_one_record_forgives_them_all() {
+        let (store, clock) = one_shard(1_000);
+        let hour = Duration::from_secs(3600);
+        let set =
+            |n: usize| PolicySet::from(Policy::fixed_window(&format!("p{n}"), 10, hour).unwrap());
+        clock.advance(Duration::from_secs(1));
+        let lone = set(MAX_FORGOTTEN + 1);
+        let before = store.check("u", &lone, 10);
+        // One clear of each of `MAX_FORGOTTEN + 1` policies, then enough of one policy to
+        // push them all out.
+        for n in 0..=MAX_FORGOTTEN {
+            store.reset_now("x", &set(n));
+        }
+        for n in 0..MAX_CLEARED {
+            store.reset_now(&format!("y{n}"), &set(0));
+        }
+        clock.advance(Duration::from_millis(1));
+        let after = store.check("w", &lone, 4);
+        let settle = |key: &str, reserved: u64, decision: &Decision| {
+            let settle = Adjustment::settle(reserved, 0, decision.receipt());
+            store.adjust_now(key, &lone, &settle).statuses()[0].remaining
+        };
+        assert_eq!(settle("u", 10, &before), 0, "nothing given back");
+        assert_eq!(settle("w", 4, &after), 10);
+    }
+
     #[test]
     fn a_changed_policy_set_keeps_each_policys_state() {
         let (store, _clock) = store(100);

@@ -638,7 +638,8 @@ impl GraphqlCost {
             introspection: None,
             whole_schema: false,
             in_field: false,
-            sized_by_parent: false,
+            sized_by_name: false,
+            below_sized: false,
             introspected: false,
         };
         // A mutation's root field pays its base on top: the minimum less that.
@@ -1048,7 +1049,11 @@ struct Walk<'a> {
     in_field: bool,
     /// The field being costed is one a connection's `sizedFields` names: the
     /// connection's size stands for it, so its own list is not sized again.
-    sized_by_parent: bool,
+    sized_by_name: bool,
+    /// The field being costed is directly below a field that is no list but is sized (a
+    /// connection's `first` without `sizedFields`): if it is a list, that size stands for
+    /// it. (A connection of its own there is not: its lists are a level further down.)
+    below_sized: bool,
     /// The root fields' costs by response name (the fields of one name, a server's one
     /// call, summed: their selections merge), each charged at least `min_cost` once the
     /// walk is over (a resolver call, whatever the others cost; in a mutation, whose root
@@ -1175,9 +1180,10 @@ impl<'a> Walk<'a> {
                     // again and again, is work the bound does not see.
                     self.visits_for(field.arguments.len())?;
                     let in_field = std::mem::replace(&mut self.in_field, true);
-                    self.sized_by_parent = sized.is_some_and(|sized| {
-                        sized.lists || sized.fields.iter().any(|name| name == field.name.as_str())
+                    self.sized_by_name = sized.is_some_and(|sized| {
+                        sized.fields.iter().any(|name| name == field.name.as_str())
                     });
+                    self.below_sized = sized.is_some_and(|sized| sized.lists);
                     let cost = self.field(field, concrete, depth);
                     self.in_field = in_field;
                     let mut cost = cost?;
@@ -1339,7 +1345,9 @@ impl<'a> Walk<'a> {
         }
         // What a list nothing sizes is assumed to hold: a list the schema declares (or
         // the lists `sizedFields` names), not an object.
-        let sized_by_parent = std::mem::take(&mut self.sized_by_parent);
+        let sized_by_name = std::mem::take(&mut self.sized_by_name);
+        let below_sized = std::mem::take(&mut self.below_sized);
+        let sized_by_parent = sized_by_name || (below_sized && info.list);
         let unsized_size = if !sized_by_parent
             && (info.list
                 || info
