@@ -953,7 +953,10 @@ fn password_refused(error: &RedisError) -> bool {
 fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
     use deadpool_redis::PoolError;
     match error {
-        PoolError::Backend(error) => {
+        // The server's answer, to the pool opening a connection or to its `post_create`
+        // hook's commands.
+        PoolError::Backend(error)
+        | PoolError::PostCreateHook(deadpool_redis::HookError::Backend(error)) => {
             let mut error = store_error(error);
             // No connection for anyone: the breaker holds requests off until a probe.
             error.every_request = !error.kind().is_io();
@@ -963,18 +966,13 @@ fn no_connection(error: deadpool_redis::PoolError) -> StoreError {
             StoreErrorKind::Timeout,
             "no connection from the pool within its timeout",
         ),
-        // The pool's `post_create` hook failed on a connection just made: what the
-        // server answered its commands is sorted as any answer is; its own error is the
-        // pool's set-up, which no wait mends. Either is every request's.
-        PoolError::PostCreateHook(hook) => {
-            let mut error = match hook {
-                deadpool_redis::HookError::Backend(error) => store_error(error),
-                deadpool_redis::HookError::Message(message) => StoreError::new(
-                    StoreErrorKind::Other,
-                    format!("the pool's post_create hook failed: {message}"),
-                ),
-            };
-            error.every_request = !error.kind().is_io();
+        // The hook's own error: the pool's set-up, which no wait mends.
+        PoolError::PostCreateHook(deadpool_redis::HookError::Message(message)) => {
+            let mut error = StoreError::new(
+                StoreErrorKind::Other,
+                format!("the pool's post_create hook failed: {message}"),
+            );
+            error.every_request = true;
             error
         }
         // Closed by the application (it is shutting down), or no runtime for a timeout

@@ -648,7 +648,7 @@ impl GraphqlCost {
             OperationType::Query | OperationType::Subscription => self.min_cost,
         };
         let cost = walk
-            .selections(&operation.selection_set, root, 0)
+            .selections(&operation.selection_set, root, None, 0)
             .map(|below| {
                 (walk.root_costs.values())
                     .fold(below, |sum, &cost| sum.saturating_add(cost.max(root_floor)))
@@ -1097,19 +1097,21 @@ struct Sizing<'s> {
 }
 
 impl<'a> Walk<'a> {
-    /// The cost of `selections` on a value of type `parent`: with a schema and an abstract
-    /// parent, the most expensive of its possible types.
+    /// The cost of `selections` on a value of type `parent`, in the list-size context
+    /// `sized`: with a schema and an abstract parent, the most expensive of its possible
+    /// types.
     fn selections(
         &mut self,
         selections: &'a [Selection],
         parent: Option<&str>,
+        sized: Option<Sizing<'a>>,
         depth: usize,
     ) -> Result<u64, CostError> {
         match (self.schema, parent) {
             (Some(schema), Some(parent)) => {
-                self.on_possible_types(schema, selections, parent, None, depth)
+                self.on_possible_types(schema, selections, parent, sized, depth)
             }
-            _ => self.selections_on(selections, None, None, depth),
+            _ => self.selections_on(selections, None, sized, depth),
         }
     }
 
@@ -1308,7 +1310,7 @@ impl<'a> Walk<'a> {
                 self.slice(field, &self.model.slicing_arguments, None, false)?;
                 return Ok(0);
             }
-            let children = self.selections(&field.selection_set, None, depth + 1)?;
+            let children = self.selections(&field.selection_set, None, None, depth + 1)?;
             let size = self
                 .slice(field, &self.model.slicing_arguments, None, false)?
                 .unwrap_or(1);
@@ -1396,26 +1398,14 @@ impl<'a> Walk<'a> {
             .as_ref()
             .map_or(&[][..], |list| list.sized_fields.as_slice());
         if sized_fields.is_empty() {
-            let children = match self.schema {
-                // No list, sized all the same (a connection's `first` without
-                // `sizedFields`): its size stands for the lists it holds (`nodes`,
-                // `edges`), not sized again.
-                Some(schema) if !info.list && given.is_some() => {
-                    let sized = Sizing {
-                        fields: &[],
-                        size: 1,
-                        lists: true,
-                    };
-                    self.on_possible_types(
-                        schema,
-                        &field.selection_set,
-                        ty,
-                        Some(sized),
-                        depth + 1,
-                    )?
-                }
-                _ => self.selections(&field.selection_set, Some(ty), depth + 1)?,
-            };
+            // No list, sized all the same (a connection's `first` without `sizedFields`):
+            // its size stands for the lists it holds (`nodes`, `edges`), not sized again.
+            let below = (!info.list && given.is_some()).then_some(Sizing {
+                fields: &[],
+                size: 1,
+                lists: true,
+            });
+            let children = self.selections(&field.selection_set, Some(ty), below, depth + 1)?;
             Ok(weight.saturating_add(size.saturating_mul(each.saturating_add(children))))
         } else {
             // A connection: the size applies to its sized fields (`nodes`, `edges`),
