@@ -479,7 +479,13 @@ impl Table {
                 .map(|f| f.at)
                 .max()
         };
-        // (A policy with neither reads as one never cleared, as in an empty answer.)
+        // Nothing of this identity, and no forgotten clear as late as the debit: no clear
+        // applies (no allocation on a settle's common path).
+        if !self.cleared.iter().any(|cleared| cleared.hash == hash)
+            && self.forgotten.iter().all(|f| at > f.at)
+        {
+            return Vec::new();
+        }
         policies
             .iter()
             .map(|policy| {
