@@ -132,7 +132,7 @@ if [ -n "${redis_pid:-}" ]; then
 fi
 
 # RESULTS=path keeps the rounds (round, variant, requests/s, µs of server CPU a request),
-# to pool runs: concatenate them with distinct round numbers.
+# to pool runs with benches/http_tables.py (python3 benches/http_tables.py FILE...).
 if [ -n "${RESULTS:-}" ]; then cp "$results" "$RESULTS"; fi
 median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 echo
@@ -154,69 +154,11 @@ for variant in $VARIANTS; do
   printf "| %s | %.0f | %.3f | %s | %.2f µs | %.3f |\n" "$variant" "$rps" "$ratio" "$ahead" "$cpu" "$cpu_ratio"
 done
 
-# Paired by round, against no limiter and against governor: the median of each round's
-# ratio to the baseline's same round, with an interval of that median that covers it at
-# least 95% of the time (97% at 31 and at 62 rounds; "-" under 6 rounds): the order
-# statistics the sign test gives, which assume only that rounds are independent, for
-# requests/s and for server CPU per request; and the sign test's two-sided p of the
-# rounds ahead (ties left out). An interval that holds 1 and a p above 0.05 say the run
-# cannot tell the two apart, not that they are equal. Against governor, no limiter's row
-# is the run's calibration: how far apart two servers must be for this run to tell.
+# Paired by round, against no limiter and against governor: medians of per-round ratios
+# with intervals, geometric means with t-intervals, and sign tests (see
+# benches/http_tables.py, which also pools the rounds several runs kept with RESULTS).
 if python3 -c 'import math; math.comb' 2>/dev/null; then
-  python3 - "$results" "${order[@]}" <<'PY'
-import math, statistics, sys
-
-path, variants = sys.argv[1], sys.argv[2:]
-rounds = {}
-for line in open(path):
-    number, variant, rps, cpu = line.split()
-    rounds.setdefault(number, {})[variant] = (float(rps), float(cpu))
-
-def cell(values):
-    """The median of `values` and its interval: (x_k, x_(n+1-k)) for the largest k whose
-    coverage, 1 - 2 P(Bin(n, 1/2) < k), is at least 0.95."""
-    if not values:
-        return "-"
-    values = sorted(values)
-    n = len(values)
-    median = f"{statistics.median(values):.3f}"
-    best = None
-    for k in range(1, n // 2 + 1):
-        below = sum(math.comb(n, i) for i in range(k)) / 2**n
-        if 1 - 2 * below >= 0.95:
-            best = k
-    if best is None:
-        return f"{median} (-, n={n})"
-    return f"{median} ({values[best - 1]:.3f} to {values[n - best]:.3f}, n={n})"
-
-def sign_p(ahead, n):
-    # Two-sided: both tails as far from n / 2 as `ahead` is.
-    if n == 0:
-        return "-"
-    far = abs(ahead - n / 2)
-    tail = sum(math.comb(n, k) for k in range(n + 1) if abs(k - n / 2) >= far)
-    return f"{min(1.0, tail / 2**n):.3f}"
-
-for baseline, name in (("none", "no limiter"), ("governor", "governor")):
-    if baseline not in variants:
-        continue
-    print()
-    print(f"| server | vs {name}, requests/s (median of per-round ratios, 95% interval, rounds) | server CPU per request (same) | rounds ahead (ties left out) | sign test p |")
-    print("|---|---|---|---|---|")
-    for variant in variants:
-        if variant == baseline:
-            continue
-        pairs = [
-            (v[variant], v[baseline])
-            for v in rounds.values()
-            if variant in v and baseline in v and v[variant][0] > 0 and v[baseline][0] > 0
-        ]
-        rps = [ours[0] / theirs[0] for ours, theirs in pairs]
-        cpu = [ours[1] / theirs[1] for ours, theirs in pairs if ours[1] > 0 and theirs[1] > 0]
-        ahead = sum(ours[0] > theirs[0] for ours, theirs in pairs)
-        untied = sum(ours[0] != theirs[0] for ours, theirs in pairs)
-        print(f"| {variant} | {cell(rps)} | {cell(cpu)} | {ahead} of {untied} | {sign_p(ahead, untied)} |")
-PY
+  python3 benches/http_tables.py --variants "${order[*]}" "$results"
 else
   echo "no python3 3.8 or later: no paired comparisons with intervals" >&2
 fi
