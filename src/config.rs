@@ -157,7 +157,9 @@ pub struct LimiterConfig {
     /// to it). A request that carries it twice, or names no plan there is, gets
     /// `default`, which should be the least generous plan; either is counted
     /// (`tollgate_plans_unknown_total`) and said at warn level once per value (again
-    /// every ten minutes while it goes on).
+    /// every ten minutes while it goes on). The value is shown only when it is no longer
+    /// than the longest plan name (a misspelt plan); a longer one may be a credential,
+    /// and is named by its length and the start of its SHA-256.
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.
@@ -843,6 +845,7 @@ impl LimiterConfig {
                 plans: sets,
             };
             let plans = Plans {
+                longest: sets.plans.keys().map(String::len).max().unwrap_or(0),
                 sets: sets.clone(),
                 header: plan_header,
             };
@@ -1219,6 +1222,9 @@ struct Sets {
 struct Plans {
     sets: Sets,
     header: Option<HeaderName>,
+    /// The longest plan name, in bytes: a value longer names no plan by a slip of the
+    /// pen, and is not logged (it may be a credential).
+    longest: usize,
 }
 
 impl PolicyResolver for Plans {
@@ -1239,12 +1245,12 @@ impl PolicyResolver for Plans {
                         .and_then(|plan| self.sets.plans.get(plan.trim()));
                     // An empty value names no plan; any other that names none is said.
                     if plan.is_none() && !value.as_bytes().trim_ascii().is_empty() {
-                        crate::telemetry::plan_unknown(Some(value.as_bytes()));
+                        crate::telemetry::plan_unknown(Some(value.as_bytes()), self.longest);
                     }
                     plan
                 }
                 (Some(_), Some(_)) => {
-                    crate::telemetry::plan_unknown(None);
+                    crate::telemetry::plan_unknown(None, self.longest);
                     None
                 }
                 (None, _) => None,

@@ -489,31 +489,64 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 /// by a reload while the auth layer still sends the old name, a value in other case), or
 /// comes in several lines (`None`: an auth layer that appends its line to the client's):
 /// the request gets the default plan. Counted, and logged at warn level the first time
-/// a process sees the value (again every ten minutes while it goes on) (at most 64 told apart; the value is the client's, shown
-/// escaped and cut to 64 bytes). A value seen before costs a lookup, no allocation.
+/// a process sees the value (again every ten minutes while it goes on; at most 64 told
+/// apart). The value is the client's: shown escaped when it is no longer than the longest
+/// plan name (`longest`, and at most 64 bytes), as a misspelt plan is; a longer one is
+/// named by its length and the start of its SHA-256, never shown, for it may be a
+/// credential (an API key sent in the plan header). A value seen before costs a lookup,
+/// no allocation.
 #[cfg(feature = "config")]
-pub(crate) fn plan_unknown(value: Option<&[u8]>) {
+pub(crate) fn plan_unknown(value: Option<&[u8]>, longest: usize) {
     #[cfg(not(feature = "tracing"))]
-    let _ = value;
+    let _ = (value, longest);
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_plans_unknown_total").increment(1);
     #[cfg(feature = "tracing")]
     {
         static SEEN: Seen<Box<[u8]>> = Seen::new();
-        let value = value.map(|value| &value[..value.len().min(64)]);
-        // Several lines are remembered as a line break, which no header value holds.
-        if !SEEN.first_of(value.unwrap_or(b"\n"), |value| Box::from(value)) {
+        // A value longer than any plan's name is no misspelt plan: it may be a
+        // credential (an API key sent in the plan header), so it is remembered and
+        // shown by a digest, never in clear.
+        let withheld = value.filter(|value| value.len() > longest.min(64));
+        // Remembered as a line break (which no header value holds) and the digest's
+        // first 4 bytes in hex, on the stack: a value seen before allocates nothing.
+        let mut digest = [b'\n'; 9];
+        if let Some(value) = withheld {
+            use sha2::{Digest, Sha256};
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            for (index, byte) in Sha256::digest(value)[..4].iter().enumerate() {
+                digest[1 + 2 * index] = HEX[usize::from(byte >> 4)];
+                digest[2 + 2 * index] = HEX[usize::from(byte & 15)];
+            }
+        }
+        let remembered = match (withheld, value) {
+            (Some(_), _) => &digest[..],
+            (None, Some(value)) => value,
+            // Several lines are remembered as a line break alone.
+            (None, None) => &digest[..1],
+        };
+        if !SEEN.first_of(remembered, |value| Box::from(value)) {
             return;
         }
-        match value {
-            Some(value) => tracing::warn!(
+        match (withheld, value) {
+            (Some(withheld), _) => tracing::warn!(
+                target: "tollgate",
+                "a request names a plan the configuration does not have, in a value of \
+                 {} bytes, longer than any plan's name (not shown: it may be a \
+                 credential; its SHA-256 begins {}): it gets the default plan (logged \
+                 once per value, again every 10 minutes while it goes on; counted in \
+                 tollgate_plans_unknown_total)",
+                withheld.len(),
+                String::from_utf8_lossy(&digest[1..])
+            ),
+            (None, Some(value)) => tracing::warn!(
                 target: "tollgate",
                 "a request names plan {:?}, which the configuration does not have: it gets \
                  the default plan (logged once per value, again every 10 minutes while it \
                  goes on; counted in tollgate_plans_unknown_total)",
                 String::from_utf8_lossy(value)
             ),
-            None => tracing::warn!(
+            (None, None) => tracing::warn!(
                 target: "tollgate",
                 "a request carries the plan header more than once: it gets the default \
                  plan (the layer that sets it should replace the client's line, not add to \

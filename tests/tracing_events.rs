@@ -977,6 +977,63 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
     assert!(warnings[2].contains("more than once"), "{warnings:?}");
 }
 
+/// A plan header's value longer than any plan's name is no misspelt plan: it may be a
+/// credential (an API key sent where the plan goes), and nothing prints a secret. It is
+/// named by its length and the start of its SHA-256, once per value; a value that could
+/// be a misspelt plan is still shown.
+#[test]
+fn a_plan_value_longer_than_any_plan_is_not_logged_in_clear() {
+    let config: tollgate::config::LimiterConfig = toml::from_str(
+        r#"
+        key = ["global"]
+        plan_header = "x-api-key"
+
+        [[policies]]
+        name = "free"
+        algorithm = "fixed-window"
+        limit = 100
+        window = "1h"
+
+        [[policies]]
+        name = "premium"
+        algorithm = "fixed-window"
+        limit = 1000
+        window = "1h"
+
+        [plans]
+        default = ["free"]
+        premium = ["premium"]
+        "#,
+    )
+    .unwrap();
+    let live = tollgate::config::LiveLayer::new(MemoryStore::new(), &config).unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(live)
+        .with_state(());
+    let secret = "sk_live_4f9a1c2e8b7d";
+    let events = events_of(async move {
+        for value in [secret, "premiun", secret, "sk_live_00000000000a"] {
+            let request = Request::get("/")
+                .header("x-api-key", value)
+                .body(Body::empty())
+                .unwrap();
+            assert_eq!(app.clone().oneshot(request).await.unwrap().status(), 200);
+        }
+    });
+    let warnings: Vec<&String> = events.iter().filter(|e| e.starts_with("WARN ")).collect();
+    assert_eq!(warnings.len(), 3, "{warnings:?}");
+    assert!(
+        events.iter().all(|event| !event.contains("sk_live")),
+        "{events:?}"
+    );
+    assert!(warnings[0].contains("20 bytes"), "{warnings:?}");
+    assert!(warnings[0].contains("SHA-256 begins "), "{warnings:?}");
+    assert!(warnings[1].contains("\"premiun\""), "{warnings:?}");
+    // Two withheld values are told apart by their digests.
+    assert_ne!(warnings[0], warnings[2], "{warnings:?}");
+}
+
 /// A network bypass under a key that reads no client address (an API key), or reads the
 /// socket peer (the default `ClientIp::peer()`), matches the socket peer, which behind a
 /// load balancer is the balancer for every request: every request skips limiting. The
