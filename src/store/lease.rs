@@ -724,6 +724,11 @@ impl Leases {
         // decided on its own, one round trip, rather than wait for take after take (the
         // last of a burst of N waited N / units round trips, past any store timeout).
         if again || open.refused_until.is_some_and(|until| now < until) {
+            // The take this request waited for may have forgotten the identity (its lease
+            // dropped across a reset): what `open` made anew holds nothing, and goes.
+            if again && open.idle(now) {
+                shard.forget_idle(&id.0);
+            }
             return Step::Alone;
         }
         if open.taking {
@@ -1312,6 +1317,23 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A take across a reset leaves nothing held: its lease is dropped, and the request
+    /// that started it, decided on its own, leaves no empty entry behind (one that
+    /// counted towards `max_identities` until the identity came back, if ever).
+    #[tokio::test]
+    async fn a_take_across_a_reset_leaves_no_identity_held() {
+        let (store, held) = leased(0, 1_000);
+        let inner = &held.inner;
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        let first = take_debited(&store, inner, &policies, &key).await;
+        store.reset(&key, &policies).await.unwrap();
+        held.answers.add_permits(1_000);
+        assert!(first.await.unwrap().unwrap().is_allowed());
+        assert_eq!(identities_held(&store), 0);
     }
 
     /// A reset (or a level set) that comes before a take's debit lands: the take debits
