@@ -994,8 +994,13 @@ async fn take<S: Store>(
         came
     };
     if !came.is_empty() {
+        // Ours among them (this take came across the grant): given back whole, it needs
+        // no timer. Only another take's: that one goes back, and ours is timed as any.
+        let ours = came.iter().any(|lease| lease.id == lease_id);
         Leased::send_rests(&leases, &inner, &id.0, came);
-        return;
+        if ours {
+            return;
+        }
     }
     // The rests sent beside the take went their own way: their handles are not kept.
     drop(going_back);
@@ -1317,6 +1322,48 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A take that finds another take's lease parked across a grant gives that one back
+    /// and still arms its own lease's timer: returning at once (as if the parked lease
+    /// were its own) left its lease without one, never retired, its rest never given
+    /// back and the identity held for good.
+    #[tokio::test(start_paused = true)]
+    async fn a_take_that_finds_another_lease_parked_still_gives_its_own_back() {
+        let (store, held) = leased(0, 1_000);
+        let inner = &held.inner;
+        let policies =
+            PolicySet::from(Policy::fixed_window("w", 10, Duration::from_secs(3600)).unwrap());
+        let key = Key::new("k");
+        let first = take_debited(&store, inner, &policies, &key).await;
+        // Another take's lease, parked across a grant and not yet sent back by it.
+        {
+            let id = (key.clone(), policies.fingerprint());
+            let mut shard = store.leases.shard(&key);
+            let now = Instant::now();
+            shard.get_mut(&id).unwrap().came_after_a_grant.push(Lease {
+                id: u64::MAX,
+                left: 0,
+                taken: 0,
+                receipt: Receipt::default(),
+                ends: now,
+                taken_at: now,
+                statuses: SmallVec::new(),
+                policies: policies.clone(),
+                told: false,
+                _timer: oneshot::channel().0,
+            });
+            shard.add_giving_back(&key, 1);
+        }
+        held.answers.add_permits(1_000);
+        assert!(first.await.unwrap().unwrap().is_allowed());
+        // The lease of 5 served 1; when it ends, its 4 go back and nothing is held.
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 9);
+        assert_eq!(identities_held(&store), 0);
     }
 
     /// A take across a reset leaves nothing held: its lease is dropped, and the request
