@@ -121,6 +121,11 @@ pub struct Decision {
     receipt: Receipt,
     /// Bit `i`: the shadow policy at index `i` would have denied (and was not debited).
     shadow_denied: u64,
+    /// What the debit left of each policy in the state it was made from, where that is
+    /// not what the client is told: a lease's decision tells the shared state as its take
+    /// left it and what leases still hold here, its debit left the first alone. Empty:
+    /// the statuses' `remaining`.
+    debit_left: SmallVec<[u64; 2]>,
 }
 
 /// What a store notes about an admitted request's debit, so that it can be adjusted once
@@ -287,6 +292,7 @@ impl Decision {
             block: 0,
             receipt: Receipt::default().with_undebited(refused(outcome)),
             shadow_denied: 0,
+            debit_left: SmallVec::new(),
         }
     }
 
@@ -331,6 +337,23 @@ impl Decision {
         index < 64 && self.shadow_denied & (1 << index) != 0
     }
 
+    /// This decision, noting what its debit left of each policy in the state it was made
+    /// from, where the statuses tell the client more (see `debit_left`).
+    pub(crate) fn with_debit_left(mut self, left: SmallVec<[u64; 2]>) -> Self {
+        self.debit_left = left;
+        self
+    }
+
+    /// What the debit left of each policy, as a settle's refund is bounded by it: the
+    /// statuses' `remaining` unless a store said otherwise (`with_debit_left`).
+    pub(crate) fn debit_left(&self) -> SmallVec<[u64; 2]> {
+        if self.debit_left.is_empty() {
+            self.statuses.iter().map(|status| status.remaining).collect()
+        } else {
+            self.debit_left.clone()
+        }
+    }
+
     #[inline]
     #[cfg_attr(not(feature = "tracing"), allow(dead_code))]
     pub(crate) fn shadow_mask(&self) -> u64 {
@@ -355,6 +378,7 @@ impl Decision {
             block: 0,
             receipt: Receipt::new(at, 0).with_undebited(shadow_denied | refused(outcome)),
             shadow_denied,
+            debit_left: SmallVec::new(),
         }
     }
 

@@ -1439,3 +1439,42 @@ fn an_unbooking_of_a_booking_made_before_a_level_set_gives_nothing_back() {
     let after = store.adjust_now("k", &set, &Adjustment::unbook(4, &queued));
     assert_eq!(after.statuses()[1].remaining, 4, "{after:?}");
 }
+
+/// A request served from a lease (`store::Leased`) is refunded as one the shared store
+/// decided is: the room its refund is bounded by is what the lease's take left in the
+/// shared state, not what the client is told (that state and what leases still hold
+/// here). Told 99 of 100, its refund found no room once 2 tokens had refilled, and gave
+/// nothing back: every refunded request of a slow handler paid in full.
+#[tokio::test]
+async fn a_request_served_from_a_lease_is_refunded() {
+    let (store, clock) = store();
+    let leased = tollgate::store::Leased::new(store.clone(), 20, Duration::from_secs(60)).unwrap();
+    let policy = Policy::token_bucket("b", 100, Rate::per_minute(100)).unwrap();
+    let set = PolicySet::from(policy.clone());
+    let slow = clock.clone();
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                let clock = slow.clone();
+                async move {
+                    // A slow handler: 2 tokens refill while it runs.
+                    clock.advance(Duration::from_millis(1_200));
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(leased)
+                .policy(policy)
+                .key(tollgate::key::Global)
+                .settle(Settle::reserved().refund_if(|status| status == 503)),
+        );
+    let response = app
+        .oneshot(Request::get("/").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The lease of 20 left 80; 2 refilled; the request's 1 came back.
+    assert_eq!(store.check("global", &set, 0).statuses()[0].remaining, 83);
+}

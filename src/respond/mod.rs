@@ -379,7 +379,7 @@ fn debit_of(decision: &Decision, policies: &PolicySet, from_fallback: bool) -> B
     Box::new(Debit {
         receipt: decision.receipt(),
         fallback: from_fallback.then(|| policies.clone()),
-        left: decision.statuses().iter().map(|s| s.remaining).collect(),
+        left: decision.debit_left(),
         ends: smallvec::SmallVec::new(),
     })
 }

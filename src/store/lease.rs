@@ -1077,7 +1077,10 @@ fn local_decision(lease: &Lease, held: u64, since: Duration, cached: bool) -> De
         },
         statuses,
     )
-    .with_receipt(lease.receipt);
+    .with_receipt(lease.receipt)
+    // A settle's refund is bounded by what the take left in the shared state, which
+    // the statuses tell with what leases hold here on top.
+    .with_debit_left(lease.statuses.iter().map(|status| status.remaining).collect());
     if cached {
         decision.from_cache()
     } else {
