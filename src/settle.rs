@@ -98,7 +98,8 @@
 //! all it counted (a fixed window when it ends; a sliding log or counter as the charge
 //! slides out), however much it was: under a post-paid cost, prefer a token bucket or
 //! GCRA, which make the identity wait until what it owes has refilled. With `store::Leased`
-//! blocks, units already leased on other replicas are spent while the identity owes.
+//! blocks, units already leased on other replicas are spent while the identity owes; the
+//! replica that settles the charge gives its own leases' rests back towards the debt.
 
 use std::fmt;
 use std::sync::Arc;

@@ -636,6 +636,27 @@ impl<S: Store> Leased<S> {
         }
     }
 
+    /// A settle that charges more than was reserved: once it has landed, a state it left
+    /// with nothing (owing, or spent to the last unit) is not spent on here either. The
+    /// open leases of every set sharing a policy with it go back whole, as when a lease
+    /// ends, towards what is owed (a lease being taken goes back whole when it comes),
+    /// and the identity's next requests meet the state, which makes them wait.
+    fn charging(&self, key: &Key, policies: &PolicySet, adjustment: &Adjustment) -> DecideFuture {
+        let charged = self.inner.adjust(key, policies, adjustment);
+        let (leases, inner) = (Arc::clone(&self.leases), Arc::clone(&self.inner));
+        let (key, set) = (key.clone(), policies.clone());
+        DecideFuture::new(async move {
+            let answer = charged.await;
+            if let Ok(decision) = &answer
+                && decision.statuses().iter().any(|status| status.remaining == 0)
+            {
+                let rests = leases.forget_cleared(&key, &set, true);
+                Self::send_rests(&leases, &inner, &key, rests);
+            }
+            answer
+        })
+    }
+
     fn leasable(policies: &PolicySet) -> bool {
         // A set made from one with penalties (a waiter's, a shadow layer's) is not leased
         // either: a lease would take units the penalised set's requests then miss.
@@ -1177,6 +1198,9 @@ impl<S: Store> Store for Leased<S> {
         let giving = match adjustment.change() {
             super::Change::SetRemaining { .. } => false,
             super::Change::Grant { .. } => true,
+            super::Change::Settle { reserved, actual } if actual > reserved => {
+                return self.charging(key, policies, adjustment);
+            }
             _ => return self.inner.adjust(key, policies, adjustment),
         };
         let adjustment = adjustment.clone();
@@ -1325,6 +1349,36 @@ mod tests {
         let first = u64::from(first.await.unwrap().unwrap().is_allowed());
         let admitted = first + admitted(&store, &key, &policies).await;
         assert_eq!(admitted, 10, "admitted under a limit of 10 after the reset");
+    }
+
+    /// A settle that charges past what was left leaves the identity owing: its next
+    /// requests wait, here too. This replica's open leases go back whole (their units
+    /// pay towards what is owed) rather than serve requests meanwhile: 18 more were
+    /// served from the lease of the request that was charged.
+    #[tokio::test]
+    async fn a_charge_past_empty_stops_this_replicas_leases() {
+        let clock = ManualClock::new();
+        let inner = MemoryStore::builder().clock(clock.clone()).build();
+        let store = Leased::new(inner.clone(), 20, Duration::from_secs(60)).unwrap();
+        let policies =
+            PolicySet::from(Policy::token_bucket("b", 100, crate::Rate::per_hour(100)).unwrap());
+        let key = Key::new("k");
+        let first = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(first.is_allowed());
+        // The lease took 20 of 100; the request used 200.
+        let charge = Adjustment::settle(1, 200, first.receipt()).with_left([80]);
+        let charged = store.adjust(&key, &policies, &charge).await.unwrap();
+        assert_eq!(charged.statuses()[0].remaining, 0);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let next = store.decide(&key, &policies, 1).await.unwrap();
+        assert!(!next.is_allowed(), "{next:?}");
+        // The charge owes at most a quota past what was left (80 - 180 = -100); the
+        // lease's 19 went back towards it (-81): the next unit, one every 36 s, is the
+        // 82nd to refill.
+        let wait = next.retry_after().unwrap();
+        assert_eq!(wait, Duration::from_secs(82 * 36), "{wait:?}");
     }
 
     /// A take that finds another take's lease parked across a grant gives that one back
