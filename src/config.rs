@@ -1069,6 +1069,15 @@ impl LimiterConfig {
                         let key = HeaderKey::try_new(name).map_err(|_| {
                             ConfigError::new(&entry, format!("{name:?} is not a header name"))
                         })?;
+                        if key.header_name() == http::header::COOKIE {
+                            return Err(ConfigError::new(
+                                &entry,
+                                "the whole Cookie field is no identity: a client that adds a \
+                                 cookie has a new key, and HTTP/2 clients split the field into \
+                                 several lines, each such request refused; key by one cookie \
+                                 in code (tollgate::key::from_fn)",
+                            ));
+                        }
                         Arc::new(match &salt {
                             Some(salt) => key.salt(salt.clone()),
                             None => key,

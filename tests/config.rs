@@ -359,6 +359,15 @@ fn invalid_configurations_name_the_entry_and_the_reason() {
             "key[1]",
             "never reached: \"ip\" before it always finds a key",
         ),
+        // The whole Cookie field is no identity: a client adds a cookie and has a new
+        // key, and HTTP/2 clients split the field into several lines (RFC 9113 section
+        // 8.2.3), each request then refused (400).
+        (
+            "key = [\"header:Cookie\"]\n".to_owned()
+                + &policy("algorithm = \"fixed-window\"\nlimit = 1\nwindow = \"1s\""),
+            "key[0]",
+            "a client that adds a cookie has a new key",
+        ),
         // A plan header is logged when it names no plan: never one the keys hash (an
         // API key), nor one that holds credentials.
         (
