@@ -169,6 +169,9 @@ pub struct Bypass {
     client_ip: Option<ClientIp>,
     keys: HashSet<Key>,
     when: Option<Arc<Predicate>>,
+    /// Set once this allowlist (and its clones: one layer's routes) has said that its
+    /// networks can read no client address.
+    said_unread: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type Predicate = dyn Fn(&Parts) -> bool + Send + Sync;
@@ -459,6 +462,16 @@ impl Bypass {
             None => Arc::new(predicate),
         });
         self
+    }
+
+    /// A network bypass read no client address, for want of one the server should
+    /// record: counted for every request, said once per allowlist.
+    #[cold]
+    pub(crate) fn unread(&self, error: &KeyError) {
+        use std::sync::atomic::Ordering;
+        let say = !self.said_unread.load(Ordering::Relaxed)
+            && !self.said_unread.swap(true, Ordering::Relaxed);
+        crate::telemetry::bypass_without_address(error, say);
     }
 
     /// Does the request skip, before its key is known? (A network or the predicate: a

@@ -348,7 +348,10 @@ impl Decision {
     /// statuses' `remaining` unless a store said otherwise (`with_debit_left`).
     pub(crate) fn debit_left(&self) -> SmallVec<[u64; 2]> {
         if self.debit_left.is_empty() {
-            self.statuses.iter().map(|status| status.remaining).collect()
+            self.statuses
+                .iter()
+                .map(|status| status.remaining)
+                .collect()
         } else {
             self.debit_left.clone()
         }

@@ -166,10 +166,19 @@ where
         }
         let key = match config.key.extract(&parts) {
             Ok(key) => key,
-            Err(error) => return self.without_key(Request::from_parts(parts, body), &error),
+            Err(error) => {
+                // The bypass's fault is the server's: said beside a key that failed for
+                // another want (a client's missing header), not hidden behind it.
+                if let (Some(unread), Some(bypass)) = (&unread, &config.bypass)
+                    && *unread != error
+                {
+                    bypass.unread(unread);
+                }
+                return self.without_key(Request::from_parts(parts, body), &error);
+            }
         };
-        if let Some(error) = unread {
-            telemetry::bypass_without_address(&error);
+        if let (Some(error), Some(bypass)) = (unread, &config.bypass) {
+            bypass.unread(&error);
         }
         if config.bypass.is_some()
             && let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key))

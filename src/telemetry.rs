@@ -428,17 +428,16 @@ pub(crate) fn settle_unreadable(header: &http::HeaderName) {
 
 /// A network bypass that cannot read the client's address because the server records
 /// none (no peer address), for a request whose key was found all the same (a key that
-/// reads no address, an API key): the bypass never matches, so every request it should
-/// let through is decided. The server's set-up, as a key's missing peer is: counted with
-/// the key errors (`kind="server"`) and logged at error level once per process (a lock-free
-/// check: such a server meets it on every request).
+/// reads no address, an API key) or was missing for another want (a client's header):
+/// the bypass never matches, so every request it should let through is decided. The
+/// server's set-up, as a key's missing peer is: counted with the key errors
+/// (`kind="server"`) and logged at error level when `say` (once per allowlist, which one
+/// layer's routes share: a lock-free check, as such a server meets it on every request).
 #[cold]
-pub(crate) fn bypass_without_address(error: &crate::key::KeyError) {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static SAID: AtomicBool = AtomicBool::new(false);
+pub(crate) fn bypass_without_address(error: &crate::key::KeyError, say: bool) {
     #[cfg(feature = "metrics")]
     metrics::counter!("tollgate_key_errors_total", "kind" => "server").increment(1);
-    if SAID.load(Ordering::Relaxed) || SAID.swap(true, Ordering::Relaxed) {
+    if !say {
         return;
     }
     #[cfg(feature = "tracing")]

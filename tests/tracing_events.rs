@@ -1127,6 +1127,52 @@ fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() 
     assert!(errors[0].contains("bypass"), "{errors:?}");
 }
 
+/// The same set-up, where the requests carry no API key either: each is refused for its
+/// missing key (400), and the bypass's own fault, the server's, is said all the same, not
+/// hidden behind the client's; once per layer, so that a second layer's is said too.
+#[test]
+fn a_network_bypass_without_an_address_is_said_when_the_key_is_missing_too() {
+    use tollgate::bypass::Bypass;
+    use tollgate::key::{ClientIp, HeaderKey};
+    let app = || {
+        Router::new().route("/", get(|| async { "ok" })).layer(
+            RateLimitLayer::new(MemoryStore::new())
+                .policy(Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap())
+                .key(HeaderKey::new("x-api-key"))
+                .bypass(
+                    Bypass::new()
+                        .network("10.0.0.0/8")
+                        .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
+                ),
+        )
+    };
+    let (first, second) = (app(), app());
+    let (statuses, events) = with_recorder(async {
+        let mut statuses = Vec::new();
+        for app in [&first, &first, &second] {
+            let request = Request::get("/")
+                .header("x-forwarded-for", "10.2.3.4")
+                .body(Body::empty())
+                .unwrap();
+            statuses.push(
+                app.clone()
+                    .oneshot(request)
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16(),
+            );
+        }
+        statuses
+    });
+    assert_eq!(statuses, [400, 400, 400]);
+    let errors: Vec<_> = events
+        .iter()
+        .filter(|event| event.starts_with("ERROR ") && event.contains("bypass"))
+        .collect();
+    assert_eq!(errors.len(), 2, "{events:?}");
+}
+
 /// `ExtensionKey::new(..).or(ClientIp::peer())` keys signed-in requests by account and
 /// the others by address. An auth middleware added before the limiter runs after it, so
 /// no request ever has its extension: every account silently became an address (users

@@ -648,7 +648,10 @@ impl<S: Store> Leased<S> {
         DecideFuture::new(async move {
             let answer = charged.await;
             if let Ok(decision) = &answer
-                && decision.statuses().iter().any(|status| status.remaining == 0)
+                && decision
+                    .statuses()
+                    .iter()
+                    .any(|status| status.remaining == 0)
             {
                 let rests = leases.forget_cleared(&key, &set, true);
                 Self::send_rests(&leases, &inner, &key, rests);
@@ -1101,7 +1104,13 @@ fn local_decision(lease: &Lease, held: u64, since: Duration, cached: bool) -> De
     .with_receipt(lease.receipt)
     // A settle's refund is bounded by what the take left in the shared state, which
     // the statuses tell with what leases hold here on top.
-    .with_debit_left(lease.statuses.iter().map(|status| status.remaining).collect());
+    .with_debit_left(
+        lease
+            .statuses
+            .iter()
+            .map(|status| status.remaining)
+            .collect(),
+    );
     if cached {
         decision.from_cache()
     } else {
