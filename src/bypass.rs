@@ -464,14 +464,13 @@ impl Bypass {
         self
     }
 
-    /// A network bypass read no client address, for want of one the server should
-    /// record: counted for every request, said once per allowlist.
+    /// True the first time this allowlist (or a clone: one layer's routes) reads no
+    /// client address for want of one the server should record: said once, counted
+    /// every time.
     #[cold]
-    pub(crate) fn unread(&self, error: &KeyError) {
+    pub(crate) fn first_unread(&self) -> bool {
         use std::sync::atomic::Ordering;
-        let say = !self.said_unread.load(Ordering::Relaxed)
-            && !self.said_unread.swap(true, Ordering::Relaxed);
-        crate::telemetry::bypass_without_address(error, say);
+        !self.said_unread.load(Ordering::Relaxed) && !self.said_unread.swap(true, Ordering::Relaxed)
     }
 
     /// Does the request skip, before its key is known? (A network or the predicate: a

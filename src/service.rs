@@ -172,13 +172,13 @@ where
                 if let (Some(unread), Some(bypass)) = (&unread, &config.bypass)
                     && *unread != error
                 {
-                    bypass.unread(unread);
+                    telemetry::bypass_without_address(unread, bypass.first_unread());
                 }
                 return self.without_key(Request::from_parts(parts, body), &error);
             }
         };
         if let (Some(error), Some(bypass)) = (unread, &config.bypass) {
-            bypass.unread(&error);
+            telemetry::bypass_without_address(&error, bypass.first_unread());
         }
         if config.bypass.is_some()
             && let Some(reason) = config.bypass.as_ref().and_then(|b| b.by_key(&key))
