@@ -919,12 +919,13 @@ fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
 /// per value, whatever the number of requests; a known plan and the default one say
 /// nothing, nor does an empty value (it names no plan).
 #[cfg(feature = "config")]
-#[test]
-fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
-    let config: tollgate::config::LimiterConfig = toml::from_str(
+/// An app whose configuration has the plans "default" (100 an hour) and "premium"
+/// (1,000), named in `plan_header`, keyed globally.
+fn free_and_premium(plan_header: &str) -> Router {
+    let config: tollgate::config::LimiterConfig = toml::from_str(&format!(
         r#"
         key = ["global"]
-        plan_header = "x-plan"
+        plan_header = "{plan_header}"
 
         [[policies]]
         name = "free"
@@ -941,14 +942,19 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
         [plans]
         default = ["free"]
         premium = ["premium"]
-        "#,
-    )
+        "#
+    ))
     .unwrap();
     let live = tollgate::config::LiveLayer::new(MemoryStore::new(), &config).unwrap();
-    let app = Router::new()
+    Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(live)
-        .with_state(());
+        .with_state(())
+}
+
+#[test]
+fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
+    let app = free_and_premium("x-plan");
     let events = events_of(async move {
         for plan in [
             "premium", "default", "pro", "pro", "Premium", "", " ", "pro",
@@ -983,34 +989,7 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
 /// be a misspelt plan is still shown.
 #[test]
 fn a_plan_value_longer_than_any_plan_is_not_logged_in_clear() {
-    let config: tollgate::config::LimiterConfig = toml::from_str(
-        r#"
-        key = ["global"]
-        plan_header = "x-api-key"
-
-        [[policies]]
-        name = "free"
-        algorithm = "fixed-window"
-        limit = 100
-        window = "1h"
-
-        [[policies]]
-        name = "premium"
-        algorithm = "fixed-window"
-        limit = 1000
-        window = "1h"
-
-        [plans]
-        default = ["free"]
-        premium = ["premium"]
-        "#,
-    )
-    .unwrap();
-    let live = tollgate::config::LiveLayer::new(MemoryStore::new(), &config).unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(live)
-        .with_state(());
+    let app = free_and_premium("x-api-key");
     let secret = "sk_live_4f9a1c2e8b7d";
     let events = events_of(async move {
         for value in [secret, "premiun", secret, "sk_live_00000000000a"] {
