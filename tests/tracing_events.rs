@@ -1068,21 +1068,26 @@ fn a_network_bypass_that_matches_the_socket_peer_is_warned_of_once() {
 /// none, and never matched, with nothing said: office traffic was limited as any
 /// client's while the key (an API key) never noticed. Said at error level once, as the
 /// key's own missing peer is, and counted with the server's key errors.
-#[test]
-fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() {
+/// An app keyed by API key whose office network (`10.0.0.0/8`, behind the trusted proxy
+/// `10.0.0.1`) skips limiting; served here with no peer address recorded.
+fn office_bypass_by_api_key() -> Router {
     use tollgate::bypass::Bypass;
     use tollgate::key::{ClientIp, HeaderKey};
-    let layer = RateLimitLayer::new(MemoryStore::new())
-        .policy(Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap())
-        .key(HeaderKey::new("x-api-key"))
-        .bypass(
-            Bypass::new()
-                .network("10.0.0.0/8")
-                .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
-        );
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
+    Router::new().route("/", get(|| async { "ok" })).layer(
+        RateLimitLayer::new(MemoryStore::new())
+            .policy(Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap())
+            .key(HeaderKey::new("x-api-key"))
+            .bypass(
+                Bypass::new()
+                    .network("10.0.0.0/8")
+                    .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
+            ),
+    )
+}
+
+#[test]
+fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() {
+    let app = office_bypass_by_api_key();
     let (limited, events) = with_recorder(async {
         let mut limited = 0;
         for _ in 0..3 {
@@ -1111,21 +1116,7 @@ fn a_network_bypass_that_cannot_read_an_address_is_logged_at_error_level_once() 
 /// hidden behind the client's; once per layer, so that a second layer's is said too.
 #[test]
 fn a_network_bypass_without_an_address_is_said_when_the_key_is_missing_too() {
-    use tollgate::bypass::Bypass;
-    use tollgate::key::{ClientIp, HeaderKey};
-    let app = || {
-        Router::new().route("/", get(|| async { "ok" })).layer(
-            RateLimitLayer::new(MemoryStore::new())
-                .policy(Policy::gcra("api", tollgate::Rate::per_second(10), 20).unwrap())
-                .key(HeaderKey::new("x-api-key"))
-                .bypass(
-                    Bypass::new()
-                        .network("10.0.0.0/8")
-                        .client_ip(ClientIp::behind_proxies(["10.0.0.1"]).unwrap()),
-                ),
-        )
-    };
-    let (first, second) = (app(), app());
+    let (first, second) = (office_bypass_by_api_key(), office_bypass_by_api_key());
     let (statuses, events) = with_recorder(async {
         let mut statuses = Vec::new();
         for app in [&first, &first, &second] {
