@@ -158,8 +158,8 @@ pub struct LimiterConfig {
     /// `default`, which should be the least generous plan; either is counted
     /// (`tollgate_plans_unknown_total`) and said at warn level once per value (again
     /// every ten minutes while it goes on). The value is shown only when it is no longer
-    /// than the longest plan name (a misspelt plan); a longer one may be a credential,
-    /// and is named by its length and the start of its SHA-256.
+    /// than the longest plan name and 16 bytes (a misspelt plan); a longer one may be a
+    /// credential, and is named by its length and a hash keyed at random per process.
     #[serde(default)]
     pub plan_header: Option<String>,
     /// What requests cost.

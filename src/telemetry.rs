@@ -490,10 +490,15 @@ pub(crate) fn key_missing_allowed(error: &crate::key::KeyError, say: bool) {
 /// the request gets the default plan. Counted, and logged at warn level the first time
 /// a process sees the value (again every ten minutes while it goes on; at most 64 told
 /// apart). The value is the client's: shown escaped when it is no longer than the longest
-/// plan name (`longest`, and at most 64 bytes), as a misspelt plan is; a longer one is
-/// named by its length and the start of its SHA-256, never shown, for it may be a
-/// credential (an API key sent in the plan header). A value seen before costs a lookup,
-/// no allocation.
+/// plan name (`longest`) and `SHOWN_PLAN` bytes, as a misspelt plan is; a longer one is
+/// never shown, for it may be a credential (an API key sent in the plan header), but
+/// named by its length and 32 bits of a hash keyed at random for the process. A value
+/// seen before costs a lookup, no allocation.
+/// The longest plan header value shown in a log line: a credential is longer (API keys
+/// run to 32 characters and more), a plan's name rarely is.
+#[cfg(all(feature = "config", feature = "tracing"))]
+const SHOWN_PLAN: usize = 16;
+
 #[cfg(feature = "config")]
 pub(crate) fn plan_unknown(value: Option<&[u8]>, longest: usize) {
     #[cfg(not(feature = "tracing"))]
@@ -506,14 +511,19 @@ pub(crate) fn plan_unknown(value: Option<&[u8]>, longest: usize) {
         // A value longer than any plan's name is no misspelt plan: it may be a
         // credential (an API key sent in the plan header), so it is remembered and
         // shown by a digest, never in clear.
-        let withheld = value.filter(|value| value.len() > longest.min(64));
-        // Remembered as a line break (which no header value holds) and the digest's
-        // first 4 bytes in hex, on the stack: a value seen before allocates nothing.
+        let withheld = value.filter(|value| value.len() > longest.min(SHOWN_PLAN));
+        // Remembered as a line break (which no header value holds) and 32 bits of a hash
+        // keyed at random for this process, in hex, on the stack: a value seen before
+        // allocates nothing, a log line lets no one check guesses of a secret offline,
+        // and a long value costs no more than its first 256 bytes and its length.
         let mut digest = [b'\n'; 9];
         if let Some(value) = withheld {
-            use sha2::{Digest, Sha256};
+            use std::hash::BuildHasher;
+            static KEYED: std::sync::LazyLock<std::collections::hash_map::RandomState> =
+                std::sync::LazyLock::new(std::collections::hash_map::RandomState::new);
             const HEX: &[u8; 16] = b"0123456789abcdef";
-            for (index, byte) in Sha256::digest(value)[..4].iter().enumerate() {
+            let hash = KEYED.hash_one((&value[..value.len().min(256)], value.len()));
+            for (index, byte) in hash.to_be_bytes()[..4].iter().enumerate() {
                 digest[1 + 2 * index] = HEX[usize::from(byte >> 4)];
                 digest[2 + 2 * index] = HEX[usize::from(byte & 15)];
             }
@@ -531,8 +541,9 @@ pub(crate) fn plan_unknown(value: Option<&[u8]>, longest: usize) {
             (Some(withheld), _) => tracing::warn!(
                 target: "tollgate",
                 "a request names a plan the configuration does not have, in a value of \
-                 {} bytes, longer than any plan's name (not shown: it may be a \
-                 credential; its SHA-256 begins {}): it gets the default plan (logged \
+                 {} bytes, no misspelt plan's (not shown: it may be a credential; told \
+                 apart from others by the hash {}, keyed for this process): it gets the \
+                 default plan (logged \
                  once per value, again every 10 minutes while it goes on; counted in \
                  tollgate_plans_unknown_total)",
                 withheld.len(),
