@@ -98,8 +98,11 @@
 //! all it counted (a fixed window when it ends; a sliding log or counter as the charge
 //! slides out), however much it was: under a post-paid cost, prefer a token bucket or
 //! GCRA, which make the identity wait until what it owes has refilled. With `store::Leased`
-//! blocks, units already leased on other replicas are spent while the identity owes; the
-//! replica that settles the charge gives its own leases' rests back towards the debt.
+//! blocks, a charge the replica's open leases hold is spent from them, as a request of
+//! that cost would be; one they cannot hold goes to the shared state, and when it leaves
+//! the state with nothing the replica's leases go back towards the debt. Units already
+//! leased on other replicas are spent while the identity owes. A refund of a request
+//! served from a lease goes back into that lease.
 
 use std::fmt;
 use std::sync::Arc;

@@ -1057,8 +1057,10 @@ async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_agai
     store.hang.store(true, Ordering::SeqCst);
     let leased =
         tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
+    // Each request reports 1,500 units used: more than a lease of 1,000 holds, so each
+    // settle reaches the store (a charge the leases hold is spent from them, here).
     let app = Router::new()
-        .route("/", get(|| async { ([("x-used", "2")], "done") }))
+        .route("/", get(|| async { ([("x-used", "1500")], "done") }))
         .layer(
             RateLimitLayer::new(leased)
                 .policy(Policy::token_bucket("api", 10_000, Rate::per_second(10_000)).unwrap())

@@ -1440,13 +1440,14 @@ fn an_unbooking_of_a_booking_made_before_a_level_set_gives_nothing_back() {
     assert_eq!(after.statuses()[1].remaining, 4, "{after:?}");
 }
 
-/// A request served from a lease (`store::Leased`) is refunded as one the shared store
-/// decided is: the room its refund is bounded by is what the lease's take left in the
-/// shared state, not what the client is told (that state and what leases still hold
-/// here). Told 99 of 100, its refund found no room once 2 tokens had refilled, and gave
-/// nothing back: every refunded request of a slow handler paid in full.
+/// A request served from a lease (`store::Leased`) and refunded gives its units back into
+/// that lease, which gives its rest back to the shared state when it ends, bounded with
+/// all it held. Before, the refund went to the shared state bounded by what the client
+/// was told (99 of 100: no room once 2 tokens had refilled, nothing given back); and
+/// bounded by what the take left instead, each of a lease's refunds was bounded on its
+/// own, together giving back more than a replay of the lease would.
 #[tokio::test]
-async fn a_request_served_from_a_lease_is_refunded() {
+async fn a_request_served_from_a_lease_is_refunded_into_it() {
     let (store, clock) = store();
     let leased = tollgate::store::Leased::new(store.clone(), 20, Duration::from_secs(60)).unwrap();
     let policy = Policy::token_bucket("b", 100, Rate::per_minute(100)).unwrap();
@@ -1464,17 +1465,23 @@ async fn a_request_served_from_a_lease_is_refunded() {
                 }
             }),
         )
+        .route("/ok", get(|| async { "ok" }))
         .layer(
-            RateLimitLayer::new(leased)
+            RateLimitLayer::new(leased.clone())
                 .policy(policy)
                 .key(tollgate::key::Global)
                 .settle(Settle::reserved().refund_if(|status| status == 503)),
         );
-    let response = app
-        .oneshot(Request::get("/").body(Body::empty()).unwrap())
-        .await
-        .unwrap();
-    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
-    // The lease of 20 left 80; 2 refilled; the request's 1 came back.
-    assert_eq!(store.check("global", &set, 0).statuses()[0].remaining, 83);
+    let get = |path: &'static str| Request::get(path).body(Body::empty()).unwrap();
+    let refunded = app.clone().oneshot(get("/")).await.unwrap();
+    assert_eq!(refunded.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // The lease holds all 20 again: 20 more requests, and no call to the shared store
+    // but the first request's take.
+    for _ in 0..20 {
+        let response = app.clone().oneshot(get("/ok")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    assert_eq!(leased.shared_calls(), 1);
+    // The take left 80; 2 refilled; the lease is spent.
+    assert_eq!(store.check("global", &set, 0).statuses()[0].remaining, 82);
 }

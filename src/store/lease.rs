@@ -777,6 +777,62 @@ impl Leases {
 }
 
 impl Leases {
+    /// Settles here what the open leases of `id` can: a refund of a request served from
+    /// one of them (its `receipt`) goes back into that lease, which gives its rest back
+    /// to the shared state when it ends, bounded with everything else it held (a refund
+    /// sent there on its own was bounded on its own: the refunds of a lease's requests
+    /// together gave back more than a replay of the lease would have); a charge past the
+    /// reservation is spent from the open leases when they hold it all, as a request of
+    /// that cost would be. `None`: the shared store settles it (the lease has ended, the
+    /// request was decided there, or the leases hold too little of a charge).
+    fn settle_here(
+        &self,
+        id: &Id,
+        receipt: Receipt,
+        reserved: u64,
+        actual: u64,
+    ) -> Option<Decision> {
+        let now = Instant::now();
+        let mut shard = self.shard(&id.0);
+        let open = shard.get_mut(id)?;
+        let live = |lease: &Lease| lease.ends > now;
+        let index = if actual < reserved {
+            let index = open
+                .leases
+                .iter()
+                .position(|lease| live(lease) && lease.receipt == receipt)?;
+            let lease = &mut open.leases[index];
+            lease.left = lease
+                .left
+                .saturating_add(reserved - actual)
+                .min(lease.taken);
+            index
+        } else {
+            let mut extra = actual - reserved;
+            let held: u64 = open.leases.iter().filter(|l| live(l)).map(|l| l.left).sum();
+            if held < extra {
+                return None;
+            }
+            let mut last = 0;
+            for (index, lease) in open.leases.iter_mut().enumerate() {
+                if extra == 0 {
+                    break;
+                }
+                if live(lease) && lease.left > 0 {
+                    let spent = lease.left.min(extra);
+                    lease.left -= spent;
+                    extra -= spent;
+                    last = index;
+                }
+            }
+            last
+        };
+        let held = open.leases.iter().filter(|l| live(l)).map(|l| l.left).sum();
+        let lease = &open.leases[index];
+        let since = now.saturating_duration_since(lease.taken_at);
+        Some(local_decision(lease, held, since, true))
+    }
+
     /// A new identity met the bound: said once, as its requests (and those of every new
     /// identity until leases end) now cost a round trip each.
     #[cold]
@@ -1102,13 +1158,21 @@ fn local_decision(lease: &Lease, held: u64, since: Duration, cached: bool) -> De
         statuses,
     )
     .with_receipt(lease.receipt)
-    // A settle's refund is bounded by what the take left in the shared state, which
-    // the statuses tell with what leases hold here on top.
+    // A refund that reaches the shared state (the lease has ended: a refund while it is
+    // open goes back into it) is bounded as if the whole lease came back with it: by
+    // the state before the take. Never more than a replay of the lease gives back (its
+    // rest went back bounded by what the take left, and the rest of its units were
+    // spent), at the cost of less where what the take left had room for more.
     .with_debit_left(
         lease
             .statuses
             .iter()
-            .map(|status| status.remaining)
+            .map(|status| {
+                status
+                    .remaining
+                    .saturating_add(lease.taken)
+                    .min(status.limit)
+            })
             .collect(),
     );
     if cached {
@@ -1207,8 +1271,18 @@ impl<S: Store> Store for Leased<S> {
         let giving = match adjustment.change() {
             super::Change::SetRemaining { .. } => false,
             super::Change::Grant { .. } => true,
-            super::Change::Settle { reserved, actual } if actual > reserved => {
-                return self.charging(key, policies, adjustment);
+            super::Change::Settle { reserved, actual } if actual != reserved => {
+                let id = (key.clone(), policies.fingerprint());
+                if let Some(settled) =
+                    self.leases
+                        .settle_here(&id, adjustment.receipt(), reserved, actual)
+                {
+                    return DecideFuture::ready(Ok(settled));
+                }
+                if actual > reserved {
+                    return self.charging(key, policies, adjustment);
+                }
+                return self.inner.adjust(key, policies, adjustment);
             }
             _ => return self.inner.adjust(key, policies, adjustment),
         };
@@ -1407,6 +1481,35 @@ mod tests {
         // 82nd to refill.
         let wait = next.retry_after().unwrap();
         assert_eq!(wait, Duration::from_secs(82 * 36), "{wait:?}");
+    }
+
+    /// A charge past the reservation that this replica's leases hold is spent from them,
+    /// as a request of that cost would be: no call to the shared store, and leasing goes
+    /// on (a post-paid cost sent each charge there, and a state it left at 0 gave the
+    /// leases back, so the next take found too little and requests went there one by
+    /// one).
+    #[tokio::test]
+    async fn a_charge_the_leases_hold_is_spent_from_them() {
+        let inner = MemoryStore::builder().clock(ManualClock::new()).build();
+        let store = Leased::new(inner.clone(), 10, Duration::from_secs(60)).unwrap();
+        let policies = PolicySet::new([
+            Policy::token_bucket("burst", 10, crate::Rate::per_hour(10)).unwrap(),
+            Policy::token_bucket("daily", 10_000, crate::Rate::per_day(10_000)).unwrap(),
+        ])
+        .unwrap();
+        let key = Key::new("k");
+        let first = store.decide(&key, &policies, 1).await.unwrap();
+        let charge = Adjustment::settle(1, 3, first.receipt());
+        let charged = store.adjust(&key, &policies, &charge).await.unwrap();
+        // The lease of 10 spent 3 of them.
+        assert_eq!(charged.statuses()[0].remaining, 7);
+        let mut admitted = 0;
+        for _ in 0..7 {
+            admitted += u64::from(store.decide(&key, &policies, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(admitted, 7);
+        assert_eq!(store.shared_calls(), 1);
+        assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 0);
     }
 
     /// A take that finds another take's lease parked across a grant gives that one back
