@@ -288,7 +288,7 @@ impl Reservation {
         runtime.spawn(async move {
             let result = bounded.await;
             if let Some(breaker) = listener {
-                breaker.heard_adjustment(&result);
+                heard_by(&breaker, &result);
             }
             if let Err(error) = result {
                 telemetry::adjustment_lost(lost, &error);
@@ -304,9 +304,9 @@ impl Reservation {
     }
 
     /// Tells the listener (see [`listener`](Self::listener)) how the store answered.
-    fn heard<T>(&self, result: &Result<T, StoreError>) {
+    fn heard(&self, result: &Result<Decision, StoreError>) {
         if let Some(breaker) = self.listener() {
-            breaker.heard_adjustment(result);
+            heard_by(breaker, result);
         }
     }
 
@@ -540,5 +540,15 @@ impl Drop for Reservation {
             self.settle_dropped();
         }
         self.release();
+    }
+}
+
+/// Tells `breaker` how the store answered an adjustment. An answer a wrapper store gave
+/// without asking it (a lease that took a refund back: `Decision::is_cached`) says
+/// nothing of the store, and is not told: it would clear the mark that the store leaves
+/// adjustments unanswered, and the next settle sent there would wait the whole timeout.
+fn heard_by(breaker: &crate::failure::Breaker, result: &Result<Decision, StoreError>) {
+    if !matches!(result, Ok(decision) if decision.is_cached()) {
+        breaker.heard_adjustment(result);
     }
 }

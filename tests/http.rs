@@ -1103,6 +1103,50 @@ async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_agai
     assert_eq!(store.adjusted.load(Ordering::SeqCst), 2, "waited for");
 }
 
+/// A settle a lease answers itself (a refund into the lease it was served from) is no
+/// answer of the store's: it does not clear the mark that the store leaves settles
+/// unanswered, or every charge sent to the hanging store after a refund would wait the
+/// whole store timeout again.
+#[tokio::test(start_paused = true)]
+async fn a_settle_a_lease_answers_says_nothing_of_the_store() {
+    use std::sync::atomic::Ordering;
+    use tollgate::settle::Settle;
+    let timeout = Duration::from_millis(50);
+    let store = HangingAdjustments::default();
+    store.hang.store(true, Ordering::SeqCst);
+    let leased =
+        tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
+    // Each response reports what its request's `x-report` says: 0 (a refund the lease
+    // takes back) or 1,500 (a charge no lease of 1,000 holds: the store's).
+    let app = Router::new()
+        .route(
+            "/",
+            get(|request: Request<Body>| async move {
+                let used = request.headers()["x-report"].clone();
+                ([("x-used", used)], "done")
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(leased)
+                .policy(Policy::token_bucket("api", 10_000, Rate::per_second(10_000)).unwrap())
+                .key(tollgate::key::Global)
+                .settle(Settle::from_header("x-used"))
+                .store_timeout(timeout),
+        );
+    let mut waits = Vec::new();
+    for used in ["1500", "0", "1500", "0", "1500"] {
+        let start = tokio::time::Instant::now();
+        let request = Request::get("/")
+            .header("x-report", used)
+            .body(Body::empty())
+            .unwrap();
+        assert_eq!(app.clone().oneshot(request).await.unwrap().status(), 200);
+        waits.push(start.elapsed());
+    }
+    assert_eq!(waits[0], timeout);
+    assert_eq!(waits[1..], [Duration::ZERO; 4], "{waits:?}");
+}
+
 /// A request held back by shaping waits without the inner service's capacity: a
 /// `ConcurrencyLimit` (or a `Buffer`) inside the limiter keeps its permit in the service
 /// made ready, and that service was moved into the delayed request, so one client's

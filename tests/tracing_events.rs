@@ -918,9 +918,9 @@ fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
 /// layer still sends it) gets the default plan: never in silence. Said at warn level once
 /// per value, whatever the number of requests; a known plan and the default one say
 /// nothing, nor does an empty value (it names no plan).
-#[cfg(feature = "config")]
 /// An app whose configuration has the plans "default" (100 an hour) and "premium"
 /// (1,000), named in `plan_header`, keyed globally.
+#[cfg(feature = "config")]
 fn free_and_premium(plan_header: &str) -> Router {
     let config: tollgate::config::LimiterConfig = toml::from_str(&format!(
         r#"
@@ -952,6 +952,7 @@ fn free_and_premium(plan_header: &str) -> Router {
         .with_state(())
 }
 
+#[cfg(feature = "config")]
 #[test]
 fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
     let app = free_and_premium("x-plan");
@@ -987,6 +988,7 @@ fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {
 /// credential (an API key sent where the plan goes), and nothing prints a secret. It is
 /// named by its length and a hash keyed for the process, once per value; a value that could
 /// be a misspelt plan is still shown.
+#[cfg(feature = "config")]
 #[test]
 fn a_plan_value_longer_than_any_plan_is_not_logged_in_clear() {
     let app = free_and_premium("x-api-key");

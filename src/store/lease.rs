@@ -1272,10 +1272,15 @@ impl<S: Store> Store for Leased<S> {
             super::Change::SetRemaining { .. } => false,
             super::Change::Grant { .. } => true,
             super::Change::Settle { reserved, actual } if actual != reserved => {
+                // Only a set that is leased has its settles made here (a set with
+                // penalties shares its fingerprint with the set without them, whose
+                // leases are not its own), and only of a debit of every policy.
                 let id = (key.clone(), policies.fingerprint());
-                if let Some(settled) =
-                    self.leases
-                        .settle_here(&id, adjustment.receipt(), reserved, actual)
+                if Self::leasable(policies)
+                    && adjustment.receipt().undebited() == 0
+                    && let Some(settled) =
+                        self.leases
+                            .settle_here(&id, adjustment.receipt(), reserved, actual)
                 {
                     return DecideFuture::ready(Ok(settled));
                 }
@@ -1510,6 +1515,33 @@ mod tests {
         assert_eq!(admitted, 7);
         assert_eq!(store.shared_calls(), 1);
         assert_eq!(inner.check("k", &policies, 0).statuses()[0].remaining, 0);
+    }
+
+    /// A set with a penalty is never leased, though it shares its fingerprint (and rate
+    /// state) with the set without it: a charge settled under it is the shared store's,
+    /// not spent from the leases of the set without the penalty.
+    #[tokio::test]
+    async fn a_charge_under_a_set_that_is_not_leased_leaves_the_leases_alone() {
+        let inner = MemoryStore::builder().clock(ManualClock::new()).build();
+        let store = Leased::new(inner.clone(), 10, Duration::from_secs(60)).unwrap();
+        let api = Policy::token_bucket("api", 100, crate::Rate::per_hour(100)).unwrap();
+        let plain = PolicySet::from(api.clone());
+        let penalty =
+            crate::policy::Penalty::new(3, Duration::from_secs(60), Duration::from_secs(600));
+        let blocking = PolicySet::from(api.with_penalty(penalty).unwrap());
+        let key = Key::new("k");
+        assert!(store.decide(&key, &plain, 1).await.unwrap().is_allowed()); // a lease of 10
+        let decided = store.decide(&key, &blocking, 1).await.unwrap(); // the store's
+        let charge = Adjustment::settle(1, 3, decided.receipt());
+        store.adjust(&key, &blocking, &charge).await.unwrap();
+        // The lease still holds its 9: nine more requests, no second take.
+        let calls = store.shared_calls();
+        for _ in 0..9 {
+            assert!(store.decide(&key, &plain, 1).await.unwrap().is_allowed());
+        }
+        assert_eq!(store.shared_calls(), calls);
+        // The store charged it: 100 - 10 (lease) - 1 - 2.
+        assert_eq!(inner.check("k", &plain, 0).statuses()[0].remaining, 87);
     }
 
     /// A take that finds another take's lease parked across a grant gives that one back
