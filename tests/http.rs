@@ -1003,6 +1003,18 @@ async fn a_settle_never_holds_a_response_while_the_breaker_is_open() {
     assert_eq!(held.headers()["ratelimit"], "\"api\";r=99;t=1");
 }
 
+/// A `HangingAdjustments` store, hanging, and leases of 1,000 units taken from it.
+fn hanging_leases() -> (
+    HangingAdjustments,
+    tollgate::store::Leased<HangingAdjustments>,
+) {
+    let store = HangingAdjustments::default();
+    store.hang.store(true, std::sync::atomic::Ordering::SeqCst);
+    let leased =
+        tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
+    (store, leased)
+}
+
 /// A store whose decisions answer at once and whose adjustments never do while `hang`
 /// is set (a settle to a store that hangs), else a moment later; `adjusted` counts those
 /// answered.
@@ -1053,10 +1065,7 @@ async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_agai
     use std::sync::atomic::Ordering;
     use tollgate::settle::Settle;
     let timeout = Duration::from_millis(50);
-    let store = HangingAdjustments::default();
-    store.hang.store(true, Ordering::SeqCst);
-    let leased =
-        tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
+    let (store, leased) = hanging_leases();
     // Each request reports 1,500 units used: more than a lease of 1,000 holds, so each
     // settle reaches the store (a charge the leases hold is spent from them, here).
     let app = Router::new()
@@ -1109,13 +1118,9 @@ async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_agai
 /// whole store timeout again.
 #[tokio::test(start_paused = true)]
 async fn a_settle_a_lease_answers_says_nothing_of_the_store() {
-    use std::sync::atomic::Ordering;
     use tollgate::settle::Settle;
     let timeout = Duration::from_millis(50);
-    let store = HangingAdjustments::default();
-    store.hang.store(true, Ordering::SeqCst);
-    let leased =
-        tollgate::store::Leased::new(store.clone(), 1_000, Duration::from_secs(60)).unwrap();
+    let (_store, leased) = hanging_leases();
     // Each response reports what its request's `x-report` says: 0 (a refund the lease
     // takes back) or 1,500 (a charge no lease of 1,000 holds: the store's).
     let app = Router::new()
