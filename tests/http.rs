@@ -1023,6 +1023,8 @@ struct HangingAdjustments {
     inner: MemoryStore,
     hang: std::sync::Arc<std::sync::atomic::AtomicBool>,
     adjusted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Adjustments asked for, answered or not.
+    asked: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Store for HangingAdjustments {
@@ -1037,6 +1039,7 @@ impl Store for HangingAdjustments {
         adjustment: &tollgate::Adjustment,
     ) -> DecideFuture {
         use std::sync::atomic::Ordering;
+        self.asked.fetch_add(1, Ordering::SeqCst);
         if self.hang.load(Ordering::SeqCst) {
             return DecideFuture::new(std::future::pending());
         }
@@ -1120,7 +1123,7 @@ async fn settles_left_unanswered_are_not_waited_for_until_the_store_answers_agai
 async fn a_settle_a_lease_answers_says_nothing_of_the_store() {
     use tollgate::settle::Settle;
     let timeout = Duration::from_millis(50);
-    let (_store, leased) = hanging_leases();
+    let (store, leased) = hanging_leases();
     // Each response reports what its request's `x-report` says: 0 (a refund the lease
     // takes back) or 1,500 (a charge no lease of 1,000 holds: the store's).
     let app = Router::new()
@@ -1150,6 +1153,8 @@ async fn a_settle_a_lease_answers_says_nothing_of_the_store() {
     }
     assert_eq!(waits[0], timeout);
     assert_eq!(waits[1..], [Duration::ZERO; 4], "{waits:?}");
+    // The refunds were the lease's: only the three charges reached the store.
+    assert_eq!(store.asked.load(std::sync::atomic::Ordering::SeqCst), 3);
 }
 
 /// A request held back by shaping waits without the inner service's capacity: a

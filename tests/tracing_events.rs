@@ -914,10 +914,6 @@ fn a_refusal_every_lease_meets_is_said_once_not_per_identity() {
     assert_eq!(count(&events, Level::ERROR, ""), 1, "{events:?}");
 }
 
-/// A plan header that names no plan of the configuration (a reload renamed `pro`, the auth
-/// layer still sends it) gets the default plan: never in silence. Said at warn level once
-/// per value, whatever the number of requests; a known plan and the default one say
-/// nothing, nor does an empty value (it names no plan).
 /// An app whose configuration has the plans "default" (100 an hour) and "premium"
 /// (1,000), named in `plan_header`, keyed globally.
 #[cfg(feature = "config")]
@@ -952,6 +948,10 @@ fn free_and_premium(plan_header: &str) -> Router {
         .with_state(())
 }
 
+/// A plan header that names no plan of the configuration (a reload renamed `pro`, the auth
+/// layer still sends it) gets the default plan: never in silence. Said at warn level once
+/// per value, whatever the number of requests; a known plan and the default one say
+/// nothing, nor does an empty value (it names no plan).
 #[cfg(feature = "config")]
 #[test]
 fn a_plan_the_configuration_does_not_have_is_said_once_per_value() {

@@ -341,6 +341,20 @@ struct Lease {
     _timer: oneshot::Sender<()>,
 }
 
+impl Lease {
+    /// The lease serves `policies`, however they are spelt (a fingerprint only says so
+    /// but for a collision of ids, which past the id registry's bound are hashes).
+    fn serves(&self, policies: &PolicySet) -> bool {
+        self.policies.same_as(policies)
+            || (self.policies.len() == policies.len()
+                && self
+                    .policies
+                    .iter()
+                    .zip(policies.iter())
+                    .all(|(held, asked)| held.decides_as(asked)))
+    }
+}
+
 impl Leases {
     fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, Shard> {
         use std::hash::BuildHasher;
@@ -712,18 +726,8 @@ impl Leases {
         }
         let open = shard.open(id, policies);
         // Ended leases are left to their timers, which give their units back. A lease
-        // serves the policies it was taken for, however they are spelt (a fingerprint
-        // only says so but for a collision of ids, which past the id registry's bound
-        // are hashes).
-        let of_these = |lease: &Lease| {
-            lease.policies.same_as(policies)
-                || (lease.policies.len() == policies.len()
-                    && lease
-                        .policies
-                        .iter()
-                        .zip(policies.iter())
-                        .all(|(held, asked)| held.decides_as(asked)))
-        };
+        // serves the policies it was taken for (`Lease::serves`).
+        let of_these = |lease: &Lease| lease.serves(policies);
         if let Some(index) = open
             .leases
             .iter()
@@ -788,6 +792,7 @@ impl Leases {
     fn settle_here(
         &self,
         id: &Id,
+        policies: &PolicySet,
         receipt: Receipt,
         reserved: u64,
         actual: u64,
@@ -795,7 +800,9 @@ impl Leases {
         let now = Instant::now();
         let mut shard = self.shard(&id.0);
         let open = shard.get_mut(id)?;
-        let live = |lease: &Lease| lease.ends > now;
+        // Live, and of these policies: two sets share a fingerprint only by a collision
+        // of ids (past the id registry's bound, hashes), as `step` checks too.
+        let live = |lease: &Lease| lease.ends > now && lease.serves(policies);
         let index = if actual < reserved {
             let index = open
                 .leases
@@ -1278,9 +1285,13 @@ impl<S: Store> Store for Leased<S> {
                 let id = (key.clone(), policies.fingerprint());
                 if Self::leasable(policies)
                     && adjustment.receipt().undebited() == 0
-                    && let Some(settled) =
-                        self.leases
-                            .settle_here(&id, adjustment.receipt(), reserved, actual)
+                    && let Some(settled) = self.leases.settle_here(
+                        &id,
+                        policies,
+                        adjustment.receipt(),
+                        reserved,
+                        actual,
+                    )
                 {
                     return DecideFuture::ready(Ok(settled));
                 }
