@@ -1404,9 +1404,13 @@ impl Breaker {
     /// The store's answer to an adjustment sent to it (not to the local fallback): an
     /// I/O failure (a timeout, no connection) marks adjustments unanswered, an answer
     /// clears the mark; other errors (a script error, a refusal) say nothing of whether
-    /// the store answers.
-    pub(crate) fn heard_adjustment<T>(&self, result: &Result<T, StoreError>) {
+    /// the store answers. Nor does an answer a wrapper store gave without asking it (a
+    /// lease that took a refund back: `Decision::is_cached`): it would clear the mark,
+    /// and the next settle sent to a store that leaves them unanswered would wait the
+    /// whole timeout.
+    pub(crate) fn heard_adjustment(&self, result: &Result<Decision, StoreError>) {
         let unanswered = match result {
+            Ok(decision) if decision.is_cached() => return,
             Ok(_) => false,
             Err(error) if error.kind().is_io() => true,
             Err(_) => return,
@@ -1485,9 +1489,15 @@ mod tests {
     #[test]
     fn adjustments_left_unanswered_are_marked_until_the_store_answers() {
         let breaker = Breaker::new(CircuitBreaker::default());
-        let timeout = Err::<(), _>(StoreError::new(StoreErrorKind::Timeout, "no answer"));
-        let refused = Err::<(), _>(StoreError::new(StoreErrorKind::Refused, "NOPERM"));
-        let gone = Err::<(), _>(StoreError::new(StoreErrorKind::Unavailable, "reset"));
+        let timeout = Err(StoreError::new(StoreErrorKind::Timeout, "no answer"));
+        let refused = Err(StoreError::new(StoreErrorKind::Refused, "NOPERM"));
+        let gone = Err(StoreError::new(StoreErrorKind::Unavailable, "reset"));
+        let answer = Decision::new(
+            Outcome::Allowed {
+                delay: Duration::ZERO,
+            },
+            [],
+        );
         assert!(!breaker.adjustments_unanswered());
         breaker.heard_adjustment(&refused);
         assert!(!breaker.adjustments_unanswered(), "a refusal is an answer");
@@ -1498,7 +1508,13 @@ mod tests {
             breaker.adjustments_unanswered(),
             "a refusal says nothing of it"
         );
-        breaker.heard_adjustment(&Ok(()));
+        // A lease's answer is no answer of the store's.
+        breaker.heard_adjustment(&Ok(answer.clone().from_cache()));
+        assert!(
+            breaker.adjustments_unanswered(),
+            "a cached answer says nothing of it"
+        );
+        breaker.heard_adjustment(&Ok(answer));
         assert!(!breaker.adjustments_unanswered());
         breaker.heard_adjustment(&gone);
         assert!(breaker.adjustments_unanswered());

@@ -288,7 +288,7 @@ impl Reservation {
         runtime.spawn(async move {
             let result = bounded.await;
             if let Some(breaker) = listener {
-                heard_by(&breaker, &result);
+                breaker.heard_adjustment(&result);
             }
             if let Err(error) = result {
                 telemetry::adjustment_lost(lost, &error);
@@ -306,7 +306,7 @@ impl Reservation {
     /// Tells the listener (see [`listener`](Self::listener)) how the store answered.
     fn heard(&self, result: &Result<Decision, StoreError>) {
         if let Some(breaker) = self.listener() {
-            heard_by(breaker, result);
+            breaker.heard_adjustment(result);
         }
     }
 
@@ -540,15 +540,5 @@ impl Drop for Reservation {
             self.settle_dropped();
         }
         self.release();
-    }
-}
-
-/// Tells `breaker` how the store answered an adjustment. An answer a wrapper store gave
-/// without asking it (a lease that took a refund back: `Decision::is_cached`) says
-/// nothing of the store, and is not told: it would clear the mark that the store leaves
-/// adjustments unanswered, and the next settle sent there would wait the whole timeout.
-fn heard_by(breaker: &crate::failure::Breaker, result: &Result<Decision, StoreError>) {
-    if !matches!(result, Ok(decision) if decision.is_cached()) {
-        breaker.heard_adjustment(result);
     }
 }

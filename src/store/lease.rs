@@ -296,6 +296,15 @@ struct Open {
 }
 
 impl Open {
+    /// What the leases that `counted` picks (live ones, of a set) still hold here.
+    fn held(&self, counted: impl Fn(&Lease) -> bool) -> u64 {
+        self.leases
+            .iter()
+            .filter(|lease| counted(lease))
+            .map(|lease| lease.left)
+            .sum()
+    }
+
     fn new(policies: PolicySet) -> Self {
         Self {
             policies,
@@ -738,12 +747,7 @@ impl Leases {
             // waited for it (a lease that landed after that request gave up, the store
             // slow, is no sign the store answers in time).
             let cached = !waited || std::mem::replace(&mut open.leases[index].told, true);
-            let held: u64 = open
-                .leases
-                .iter()
-                .filter(|lease| lease.ends > now)
-                .map(|lease| lease.left)
-                .sum();
+            let held = open.held(|lease| lease.ends > now);
             let lease = &open.leases[index];
             let since = now.saturating_duration_since(lease.taken_at);
             return Step::Served(local_decision(lease, held, since, cached));
@@ -816,8 +820,7 @@ impl Leases {
             index
         } else {
             let mut extra = actual - reserved;
-            let held: u64 = open.leases.iter().filter(|l| live(l)).map(|l| l.left).sum();
-            if held < extra {
+            if open.held(live) < extra {
                 return None;
             }
             let mut last = 0;
@@ -834,7 +837,7 @@ impl Leases {
             }
             last
         };
-        let held = open.leases.iter().filter(|l| live(l)).map(|l| l.left).sum();
+        let held = open.held(live);
         let lease = &open.leases[index];
         let since = now.saturating_duration_since(lease.taken_at);
         Some(local_decision(lease, held, since, true))
