@@ -206,7 +206,8 @@ fn a_refusing_store_is_logged_at_error_level_once() {
         )
         .with_state(());
     let (answers, events) = recorded(&app, 4);
-    // The default failure mode still answers (a local limiter), never a 429.
+    // The default failure mode still answers: a local limiter, whose budget (a share of
+    // 100 an hour) four requests do not spend.
     assert!(
         answers.iter().all(|(status, _)| *status == 200),
         "{answers:?}"
