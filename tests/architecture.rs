@@ -181,21 +181,27 @@ fn reached(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// The table's rows in order: a module and the modules its row says it may use.
-fn table(architecture: &str) -> Vec<(String, BTreeSet<String>)> {
+/// One row of the table: a module, the modules it may use, and whether its row says
+/// "everything above" (then it names no module, and its uses are not checked for being
+/// made).
+type Row = (String, BTreeSet<String>, bool);
+
+/// The table's rows in order.
+fn table(architecture: &str) -> Vec<Row> {
     let section = architecture
         .split("## Modules and what each owns")
         .nth(1)
         .expect("ARCHITECTURE.md has a section 'Modules and what each owns'");
     let section = section.split("\n## ").next().unwrap();
-    let mut rows: Vec<(String, BTreeSet<String>)> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     for line in section.lines().filter(|line| line.starts_with("| `")) {
         let cells: Vec<&str> = line.split('|').collect();
         assert!(cells.len() >= 5, "a row of three cells: {line}");
         let module = cells[1].trim().trim_matches('`').trim_end_matches('/');
         let may_use = cells[cells.len() - 2];
-        let allowed: BTreeSet<String> = if may_use.contains("everything above") {
-            rows.iter().map(|(name, _)| name.clone()).collect()
+        let everything = may_use.contains("everything above");
+        let allowed: BTreeSet<String> = if everything {
+            rows.iter().map(|(name, _, _)| name.clone()).collect()
         } else {
             may_use
                 .split('`')
@@ -204,7 +210,7 @@ fn table(architecture: &str) -> Vec<(String, BTreeSet<String>)> {
                 .map(|name| name.trim_end_matches('/').to_owned())
                 .collect()
         };
-        rows.push((module.to_owned(), allowed));
+        rows.push((module.to_owned(), allowed, everything));
     }
     rows
 }
@@ -217,7 +223,7 @@ fn the_module_table_matches_the_code() {
     let architecture = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
     let rows = table(&architecture);
 
-    let listed: BTreeSet<String> = rows.iter().map(|(name, _)| name.clone()).collect();
+    let listed: BTreeSet<String> = rows.iter().map(|(name, _, _)| name.clone()).collect();
     assert_eq!(
         listed, modules,
         "ARCHITECTURE.md's table lists every top-level module of src/ and no other"
@@ -225,8 +231,8 @@ fn the_module_table_matches_the_code() {
     assert_eq!(listed.len(), rows.len(), "each module has one row");
 
     // Bottom up: a row names only modules of the rows above it.
-    for (at, (module, allowed)) in rows.iter().enumerate() {
-        let above: BTreeSet<&String> = rows[..at].iter().map(|(name, _)| name).collect();
+    for (at, (module, allowed, _)) in rows.iter().enumerate() {
+        let above: BTreeSet<&String> = rows[..at].iter().map(|(name, _, _)| name).collect();
         for name in allowed {
             assert!(
                 above.contains(name),
@@ -259,7 +265,7 @@ fn the_module_table_matches_the_code() {
         );
     }
     let mut wrong = Vec::new();
-    for (module, allowed) in &rows {
+    for (module, allowed, _) in &rows {
         for name in reaches.get(module).into_iter().flatten() {
             if !allowed.contains(name) {
                 wrong.push(format!("`{module}` uses `{name}`"));
@@ -275,8 +281,8 @@ fn the_module_table_matches_the_code() {
     // And a row names no module its code does not use (a row of "everything above" names
     // none): a reader takes the table for what the code does.
     let mut stale = Vec::new();
-    for (module, allowed) in &rows {
-        if everything_above(&architecture, module) {
+    for (module, allowed, everything) in &rows {
+        if *everything {
             continue;
         }
         let used = reaches.get(module).cloned().unwrap_or_default();
@@ -289,13 +295,6 @@ fn the_module_table_matches_the_code() {
         "ARCHITECTURE.md's table names uses the code does not make: {}",
         stale.join(", ")
     );
-}
-
-/// Whether the table's row of `module` says it may use everything above it.
-fn everything_above(architecture: &str, module: &str) -> bool {
-    architecture.lines().any(|line| {
-        line.starts_with(&format!("| `{module}` |")) && line.contains("everything above")
-    })
 }
 
 #[test]
