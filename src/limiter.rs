@@ -104,13 +104,17 @@ use crate::policy::PolicySet;
 use crate::store::{Store, StoreError, StoreErrorKind, within};
 
 /// One key's queue of waiters: a fair (first come, first served) async lock, and whether
-/// the store failed the last waiter that held it (its decision was the failure mode's).
+/// the store failed the waiter that holds it, in its latest call (the decision was the
+/// failure mode's; cleared as a waiter takes the turn).
 #[derive(Default)]
 struct KeyQueue {
     turn: Arc<tokio::sync::Mutex<()>>,
     failing: std::sync::atomic::AtomicBool,
     /// The waiter holding the turn is waiting on a store call now.
     calling: std::sync::atomic::AtomicBool,
+    /// The latest read of the key's state for waiters that gave up in the queue, and when
+    /// it ended (`None`: the store failed it): see [`Limiter::state_once`].
+    read: tokio::sync::Mutex<Option<(Instant, Option<Decision>)>>,
 }
 
 type Queue = Arc<KeyQueue>;
@@ -902,7 +906,7 @@ impl<St: Store> Limiter<St> {
             // queue (the first holder of a queue on a store that hangs is not known to
             // have failed yet): the failure mode answers. (The place's drop removes the
             // queue when nobody else holds it.)
-            let peeked = self.peek(key).await;
+            let peeked = self.state_once(key, queue, deadline).await;
             let calling = calling || queue.calling.load(Relaxed);
             drop(place);
             let now = match peeked {
@@ -936,6 +940,12 @@ impl<St: Store> Limiter<St> {
                 now.statuses().iter().copied(),
             )));
         };
+        // Whether the store fails this turn is its own call's to say: a turn before it
+        // that failed and gave up left the mark, and a waiter behind a turn asked of a
+        // store that answers again was given the failure mode's answer.
+        queue
+            .failing
+            .store(false, std::sync::atomic::Ordering::Relaxed);
         self.served(key, cost, deadline, Some(turn), Some(queue), fell_back)
             .await
     }
@@ -1157,6 +1167,22 @@ impl<St: Store> Limiter<St> {
                 None
             }
         }
+    }
+
+    /// The key's state now, for a waiter of `queue` that gave up at `gave_up`: one read
+    /// for every waiter that gave up before it ended (a batch of jobs with one `max_wait`
+    /// gives up together), not a store call each, which a busy pool could time out and
+    /// count as an outage of a store that answers. `None`: the store failed the read.
+    async fn state_once(&self, key: &Key, queue: &KeyQueue, gave_up: Instant) -> Option<Decision> {
+        let mut latest = queue.read.lock().await;
+        if let Some((ended, read)) = &*latest
+            && *ended >= gave_up
+        {
+            return read.clone();
+        }
+        let read = self.peek(key).await;
+        *latest = Some((Instant::now(), read.clone()));
+        read
     }
 
     fn queue(&self, key: &Key) -> Queue {

@@ -312,6 +312,134 @@ async fn a_waiter_behind_a_fallback_denial_is_denied_once_the_store_is_back() {
     ahead.abort();
 }
 
+/// A store whose every call takes 10 ms, and whose first decision fails.
+#[derive(Clone)]
+struct FailsOnceSlowly(
+    MemoryStore<tollgate::clock::RuntimeClock>,
+    Arc<std::sync::atomic::AtomicU64>,
+);
+
+impl Store for FailsOnceSlowly {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        let first = self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        let (store, key, policies) = (self.0.clone(), key.clone(), policies.clone());
+        DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            if first {
+                return Err(StoreError::new(StoreErrorKind::Unavailable, "down once"));
+            }
+            store.decide(&key, &policies, cost).await
+        })
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        let (store, key, policies) = (self.0.clone(), key.clone(), policies.clone());
+        DecideFuture::new(async move {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            store.peek(&key, &policies).await
+        })
+    }
+}
+
+// Whether the waiter ahead is held by a failing store is its own call's to say, not a
+// call of the waiter before it: a turn taken after a failed one, on a store that
+// answers again, held a waiter behind it that gave up while it was asked; the queue
+// still read "failing" from the turn before, and the failure mode answered that waiter
+// (closed: a store error, from a store that answers; the fallback: admitted locally).
+#[tokio::test(start_paused = true)]
+async fn a_waiter_behind_a_turn_taken_after_a_failed_one_is_not_failed() {
+    let limiter = Limiter::new(
+        FailsOnceSlowly(runtime_store(), Arc::default()),
+        Policy::token_bucket("jobs", 10, Rate::per_minute(10)).unwrap(),
+    )
+    .on_store_error(FailureMode::FailClosed);
+    let key = Key::new("k");
+    let waiter = |max_wait: Duration| {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, max_wait).await })
+    };
+    // The first turn's call fails after 10 ms; the second, queued behind it, is then
+    // asked of a store that answers, for 10 ms more.
+    let first = waiter(Duration::from_secs(10));
+    tokio::task::yield_now().await;
+    let second = waiter(Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    // During the second's call: a waiter that will not wait.
+    let behind = limiter.until_ready(&key, 1, Duration::ZERO).await;
+    assert!(
+        matches!(first.await.unwrap(), Err(WaitError::Store(_))),
+        "the failed call's own answer"
+    );
+    assert!(
+        second
+            .await
+            .unwrap()
+            .is_ok_and(|decision| decision.is_allowed())
+    );
+    assert!(
+        matches!(behind, Err(WaitError::TooLong(_))),
+        "held behind a turn the store answers: {behind:?}"
+    );
+}
+
+/// A store that counts the peeks it is asked.
+#[derive(Clone)]
+struct CountsPeeks(
+    MemoryStore<tollgate::clock::RuntimeClock>,
+    Arc<std::sync::atomic::AtomicU64>,
+);
+
+impl Store for CountsPeeks {
+    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, key: &Key, policies: &PolicySet) -> DecideFuture {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.peek(key, policies)
+    }
+}
+
+// Waiters that give up together (a batch of jobs with one `max_wait`) read the key's
+// state once between them, not once each: each peeked the store on its own, a thousand
+// round trips to Redis in one instant, which a busy pool could time out and count as
+// an outage of a store that answers.
+#[tokio::test(start_paused = true)]
+async fn waiters_that_give_up_together_read_the_state_once() {
+    let peeks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let limiter = Limiter::new(
+        CountsPeeks(runtime_store(), Arc::clone(&peeks)),
+        Policy::token_bucket("jobs", 1, Rate::per_minute(1)).unwrap(),
+    );
+    let key = Key::new("k");
+    assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+    // Ahead: a waiter that sleeps about a minute for the next token, holding the turn.
+    let ahead = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await })
+    };
+    tokio::task::yield_now().await;
+    let batch: Vec<_> = (0..20)
+        .map(|_| {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
+        })
+        .collect();
+    for waiter in batch {
+        let answer = waiter.await.unwrap();
+        let Err(WaitError::TooLong(decision)) = &answer else {
+            panic!("told to come back later: {answer:?}");
+        };
+        assert_eq!(decision.statuses()[0].remaining, 0, "the state as read");
+    }
+    assert_eq!(
+        peeks.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one read of the state for the twenty"
+    );
+    ahead.abort();
+}
+
 #[tokio::test]
 async fn the_failure_modes_apply_as_in_the_layer() {
     let policy = Policy::fixed_window("jobs", 2, Duration::from_secs(3600)).unwrap();
