@@ -903,8 +903,8 @@ impl<St: Store> Limiter<St> {
             // not to come back before as long again (when its own cost fits, behind them,
             // is not known). The statuses are the key's state now. A peek the store fails
             // while the waiter ahead waits on a store call is the failure that held the
-            // queue (the first holder of a queue on a store that hangs is not known to
-            // have failed yet): the failure mode answers. (The place's drop removes the
+            // queue (a holder's first call, on a store that hangs, is not known to fail
+            // until it does): the failure mode answers. (The place's drop removes the
             // queue when nobody else holds it.)
             let peeked = self.state_once(key, queue, deadline).await;
             let calling = calling || queue.calling.load(Relaxed);
@@ -1173,16 +1173,29 @@ impl<St: Store> Limiter<St> {
     /// for every waiter that gave up before it ended (a batch of jobs with one `max_wait`
     /// gives up together), not a store call each, which a busy pool could time out and
     /// count as an outage of a store that answers. `None`: the store failed the read.
+    ///
+    /// A waiter that gave up during a read uses it, whatever it found: a read that hung
+    /// answers the waiters behind it as a failed store (the failure mode's answer while
+    /// the turn's holder is in a store call too), rather than each asking again, one
+    /// store timeout after another. Whatever happens to the read (its waiter dropped
+    /// mid-read, the next one reading again), no waiter waits more than one store
+    /// timeout past giving up: past it, the read counts as failed.
     async fn state_once(&self, key: &Key, queue: &KeyQueue, gave_up: Instant) -> Option<Decision> {
-        let mut latest = queue.read.lock().await;
-        if let Some((ended, read)) = &*latest
-            && *ended >= gave_up
-        {
-            return read.clone();
+        let read = async {
+            let mut latest = queue.read.lock().await;
+            if let Some((ended, read)) = &*latest
+                && *ended >= gave_up
+            {
+                return read.clone();
+            }
+            let read = self.peek(key).await;
+            *latest = Some((Instant::now(), read.clone()));
+            read
+        };
+        match gave_up.checked_add(self.shared.timeout) {
+            Some(latest) => tokio::time::timeout_at(latest, read).await.ok().flatten(),
+            None => read.await,
         }
-        let read = self.peek(key).await;
-        *latest = Some((Instant::now(), read.clone()));
-        read
     }
 
     fn queue(&self, key: &Key) -> Queue {

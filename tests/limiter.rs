@@ -609,11 +609,15 @@ async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
 }
 
 /// Three waiters for one key at once, each willing to wait 60 ms, on a store that hangs
-/// (the store timeout is 50 ms): what each was told.
+/// (the store timeout is 50 ms): what each was told. Each is told within its wait and one
+/// store timeout: the second takes the turn as the first's call fails, and its own first
+/// call is not known to fail until it does, so the third, out of its wait meanwhile,
+/// reads the key's state (which hangs as well) before the failure mode answers it.
 async fn three_waiters_on_a_hung_store(
     limiter: &Limiter<Hangs>,
 ) -> Vec<Result<tollgate::Decision, WaitError>> {
     let key = Key::new("k");
+    let started = tokio::time::Instant::now();
     let waiters = (0..3).map(|_| {
         let (limiter, key) = (limiter.clone(), key.clone());
         tokio::spawn(async move {
@@ -625,6 +629,11 @@ async fn three_waiters_on_a_hung_store(
     let mut told = Vec::new();
     for waiter in waiters.collect::<Vec<_>>() {
         told.push(waiter.await.unwrap());
+        assert!(
+            started.elapsed() <= Duration::from_millis(60 + 50),
+            "told after {:?}",
+            started.elapsed()
+        );
     }
     told
 }
@@ -1438,6 +1447,55 @@ impl Store for Hangs {
     fn peek(&self, _: &Key, _: &PolicySet) -> DecideFuture {
         DecideFuture::new(std::future::pending())
     }
+}
+
+// A waiter that gave up reads the key's state once with the others that gave up beside
+// it; the one reading may be dropped mid-read (a timeout around it), and the next one
+// then reads again. It is still answered within one store timeout of giving up, as every
+// waiter is, not one timeout after the dropped read.
+#[tokio::test(start_paused = true)]
+async fn a_read_dropped_midway_keeps_the_next_waiter_within_one_store_timeout() {
+    let limiter = Limiter::new(
+        Hangs,
+        Policy::token_bucket("jobs", 100, Rate::per_second(100)).unwrap(),
+    )
+    .store_timeout(Duration::from_millis(50))
+    .on_store_error(FailureMode::FailOpen);
+    let key = Key::new("k");
+    let started = tokio::time::Instant::now();
+    // The turn's holder, in a store call that hangs.
+    let holder = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
+    };
+    tokio::task::yield_now().await;
+    // The first gives up at 5 ms and reads; the next gives up at 10 ms and waits for
+    // that read, whose waiter is dropped at 30 ms.
+    let dropped = {
+        let (limiter, key) = (limiter.clone(), key.clone());
+        tokio::spawn(async move {
+            tokio::time::timeout(
+                Duration::from_millis(30),
+                limiter.until_ready(&key, 1, Duration::from_millis(5)),
+            )
+            .await
+        })
+    };
+    tokio::task::yield_now().await;
+    let next = limiter
+        .until_ready(&key, 1, Duration::from_millis(10))
+        .await;
+    assert!(
+        next.as_ref().is_ok_and(|decision| decision.is_allowed()),
+        "the failure mode's answer (open): {next:?}"
+    );
+    assert!(
+        started.elapsed() <= Duration::from_millis(10 + 50),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    assert!(dropped.await.unwrap().is_err(), "dropped by its timeout");
+    holder.abort();
 }
 
 /// Under a penalty a waiter's turn is a peek (is a block standing?) then a decision. A
