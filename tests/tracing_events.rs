@@ -1437,6 +1437,57 @@ fn a_new_primary_refusing_the_store_is_logged_at_error_level() {
     );
 }
 
+/// Every sentinel forgets the primary's name (`SENTINEL REMOVE`, or sentinels
+/// redeployed monitoring it by another): the store works on the primary it has, and would
+/// follow no failover. The watch said nothing of it, at any level (a sentinel that
+/// answers nil was heard, so not "no sentinel answers"). It warns, once, naming the
+/// primary's name; and says so when a sentinel names the primary again.
+#[cfg(feature = "redis")]
+#[test]
+fn sentinels_that_forget_the_primarys_name_are_said() {
+    let primary = support::RedisServer::start();
+    let sentinels = [
+        support::FakeSentinel::start(primary.port, false),
+        support::FakeSentinel::start(primary.port, false),
+    ];
+    // The watch asks the sentinels every 2 s.
+    let rounds = async |count: u64| {
+        let asked = sentinels[1].asked();
+        while sentinels[1].asked() < asked + count {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let events = events_of(async {
+        let _store = tollgate::store::RedisConfig::sentinel(
+            sentinels.iter().map(support::FakeSentinel::url),
+            "mymaster",
+        )
+        .connect()
+        .await
+        .expect("the sentinels name the primary");
+        for sentinel in &sentinels {
+            sentinel.forget();
+        }
+        rounds(2).await;
+        for sentinel in &sentinels {
+            sentinel.name(primary.port);
+        }
+        rounds(1).await;
+    });
+    let forgotten: Vec<&String> = events
+        .iter()
+        .filter(|event| event.starts_with("WARN ") && event.contains("mymaster"))
+        .collect();
+    assert_eq!(forgotten.len(), 1, "said once: {events:?}");
+    assert!(forgotten[0].contains("no failover"), "{forgotten:?}");
+    assert!(
+        events
+            .iter()
+            .any(|event| event.starts_with("INFO ") && event.contains("mymaster")),
+        "and that a sentinel names it again: {events:?}"
+    );
+}
+
 /// As above, with other sentinels naming servers that take connections and answer
 /// nothing: the round runs into its deadline (5 s) asking them whether they are the
 /// primary, after the refusal was met. Cut off, it said nothing of the refusal; what a

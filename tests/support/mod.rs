@@ -593,6 +593,13 @@ impl FakeSentinel {
         self.names.store(port, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// From now on it knows no primary by the name asked (`SENTINEL REMOVE`, or a
+    /// sentinel redeployed monitoring it by another name): it answers nil.
+    #[allow(dead_code)] // Not every test binary that builds the support module uses it.
+    pub fn forget(&self) {
+        self.names.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
@@ -688,8 +695,13 @@ fn serve_fake_sentinel(
             Some("HELLO") => "-ERR unknown command 'HELLO'\r\n".to_owned(),
             Some("SENTINEL") => {
                 asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                let port = names.load(std::sync::atomic::Ordering::SeqCst).to_string();
-                format!("*2\r\n$9\r\n127.0.0.1\r\n${}\r\n{port}\r\n", port.len())
+                match names.load(std::sync::atomic::Ordering::SeqCst) {
+                    0 => "*-1\r\n".to_owned(),
+                    port => {
+                        let port = port.to_string();
+                        format!("*2\r\n$9\r\n127.0.0.1\r\n${}\r\n{port}\r\n", port.len())
+                    }
+                }
             }
             _ => "+OK\r\n".to_owned(),
         };

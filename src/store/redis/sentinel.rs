@@ -354,6 +354,7 @@ impl SentinelBackend {
             }
         }
         errors.heard |= !named.is_empty() || errors.unknown;
+        errors.named |= !named.is_empty();
         // Of equals, the one the first-listed sentinel named.
         named.sort_by_key(|n| (std::cmp::Reverse(n.votes), n.first));
         named
@@ -563,6 +564,8 @@ struct Errors {
     heard: bool,
     /// A sentinel did not know the primary's name.
     unknown: bool,
+    /// A sentinel named a server.
+    named: bool,
 }
 
 impl Errors {
@@ -757,6 +760,9 @@ async fn watch(watching: Watching) {
     let mut tick: u64 = 0;
     // No sentinel answered the last round: said once, until one does.
     let mut unheard = false;
+    // The sentinels that answered the last round all knew no primary by the name: said
+    // once, until one names a server again.
+    let mut forgotten = false;
     loop {
         tokio::time::sleep(WATCH_EVERY).await;
         tick += 1;
@@ -833,6 +839,32 @@ async fn watch(watching: Watching) {
                 unheard = false;
                 #[cfg(feature = "tracing")]
                 tracing::info!(target: "tollgate", "a Redis sentinel answers again");
+            }
+            _ => {}
+        }
+        // Every sentinel that answered knows no primary by the name (`SENTINEL REMOVE`,
+        // sentinels redeployed monitoring it by another name): heard, so not "no sentinel
+        // answers" above, but the store as cut off from failovers.
+        match (round.is_ok() && errors.unknown && !errors.named, forgotten) {
+            (true, false) => {
+                forgotten = true;
+                #[cfg(feature = "tracing")]
+                tracing::warn!(
+                    target: "tollgate",
+                    master = %backend.master,
+                    "no Redis sentinel that answers knows a primary by the store's name: the \
+                     store stays on the primary it has, and follows no failover until one \
+                     names it again (check the sentinels' configuration, and the name)"
+                );
+            }
+            (false, true) if errors.named => {
+                forgotten = false;
+                #[cfg(feature = "tracing")]
+                tracing::info!(
+                    target: "tollgate",
+                    master = %backend.master,
+                    "a Redis sentinel names the store's primary again"
+                );
             }
             _ => {}
         }
