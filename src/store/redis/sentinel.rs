@@ -863,7 +863,7 @@ async fn watch(watching: Watching) {
                 tracing::info!(
                     target: "tollgate",
                     master = %backend.master,
-                    "a Redis sentinel names the store's primary again"
+                    "a Redis sentinel knows a primary by the store's name again"
                 );
             }
             _ => {}
