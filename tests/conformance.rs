@@ -2096,9 +2096,11 @@ async fn coalesced_decisions_match_one_by_one() {
     }
 }
 
-/// Decisions made together cost few script calls: 256 at once for one identity are one
-/// call and two batches (of at most 128), admitted in arrival order; without coalescing,
-/// 256 calls.
+/// Decisions made together cost few script calls: 256 at once for one identity take a
+/// handful of calls (a decision joins a batch as it is first polled, and `join_all`
+/// polls its futures a few dozen at a time, so that those polled while a call is away go
+/// together: one call and two batches of 128 when every one is polled before the first
+/// answer is back), admitted in arrival order; without coalescing, 256 calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     let server = RedisServer::start();
@@ -2131,7 +2133,7 @@ async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
         let made = calls();
         println!("coalescing {coalescing}: 256 decisions in {made} script calls");
         if coalescing {
-            assert_eq!(made, 3);
+            assert!((3..=32).contains(&made), "{made} calls");
         } else {
             assert_eq!(made, 256);
         }
@@ -2259,7 +2261,7 @@ async fn dropped_requests_in_a_batch() {
     let store = support::frozen_store(&server).await;
     let policies = PolicySet::from(Policy::fixed_window("drop", 10, MINUTE).unwrap());
     let key = Key::new("drop");
-    // The leader never runs: the five behind it still get their answers.
+    // One never polled is never decided, nor holds the others back.
     let leader = store.decide(&key, &policies, 1);
     let followers: Vec<_> = (0..5).map(|_| store.decide(&key, &policies, 1)).collect();
     let (dropped, kept): (Vec<_>, Vec<_>) = followers
@@ -2277,6 +2279,26 @@ async fn dropped_requests_in_a_batch() {
     assert_eq!(remaining, vec![9, 8]);
     let peek = store.decide(&key, &policies, 0).await.unwrap();
     assert_eq!(peek.statuses()[0].remaining, 8);
+}
+
+/// A decision's future waits for nothing another future must do: one made and held
+/// without being polled (a caller that builds its futures first, or drives them out of
+/// order) led the batch from the moment it was made, and the decisions made after it
+/// waited for it to be polled, past any timeout. A decision joins a batch when it is
+/// first polled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_waits_for_no_other_future_to_be_polled() {
+    let server = RedisServer::start();
+    let store = support::frozen_store(&server).await;
+    let policies = PolicySet::from(Policy::fixed_window("lazy", 10, MINUTE).unwrap());
+    let key = Key::new("lazy");
+    let first = store.decide(&key, &policies, 1);
+    let second = store.decide(&key, &policies, 1);
+    let answered = tokio::time::timeout(Duration::from_secs(5), second).await;
+    let second = answered.expect("answered while the first is not polled");
+    assert_eq!(second.unwrap().statuses()[0].remaining, 9);
+    // The first is decided when it runs.
+    assert_eq!(first.await.unwrap().statuses()[0].remaining, 8);
 }
 
 /// Two stores over one server with other prefixes, deciding at once for the same identity

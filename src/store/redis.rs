@@ -1711,25 +1711,6 @@ impl Store for RedisStore {
             Ok(invocation) => Arc::new(invocation),
             Err(error) => return DecideFuture::ready(Err(error)),
         };
-        // Behind a call in flight with the same keys and policies: wait, and go with the
-        // next batch. (In-flight limits name each request's slot: never coalesced.)
-        let mut lead = None;
-        if let (Some(coalescer), 0) = (&self.coalescer, lease) {
-            match coalescer.join(invocation.call_id(), cost) {
-                coalesce::Joined::Leader(leader) => lead = Some(leader),
-                coalesce::Joined::Alone => {}
-                coalesce::Joined::Follower(answer) => {
-                    return DecideFuture::new(async move {
-                        answer.await.unwrap_or_else(|_| {
-                            Err(StoreError::new(
-                                StoreErrorKind::Other,
-                                "the batch that carried this decision was dropped",
-                            ))
-                        })
-                    });
-                }
-            }
-        }
         let (backend, scripts) = (self.backend.clone(), Arc::clone(&self.scripts));
         // A decision dropped before its answer (a timeout, a client gone) may still have
         // taken slots: they are given back rather than held for a whole lease.
@@ -1738,16 +1719,39 @@ impl Store for RedisStore {
         } else {
             invocation.slot_keys(policies)
         };
-        if let Some(lead) = &mut lead {
-            lead.prepare(coalesce::Batch {
-                backend: backend.clone(),
-                scripts: Arc::clone(&scripts),
-                invocation: Arc::clone(&invocation),
-                #[cfg(feature = "__test-clock")]
-                clock: self.clock.clone(),
-            });
-        }
+        // In-flight limits name each request's slot: never coalesced.
+        let coalescer = self.coalescer.clone().filter(|_| lease == 0);
+        #[cfg(feature = "__test-clock")]
+        let clock = self.clock.clone();
         DecideFuture::new(async move {
+            // Behind a call in flight with the same keys and policies: wait, and go with
+            // the next batch. Joined when first polled, not when made: a decision made and
+            // not yet polled would lead a batch, and those made after it would wait for it
+            // to run (a caller that makes its futures first, or drives them out of order).
+            let mut lead = None;
+            if let Some(coalescer) = &coalescer {
+                match coalescer.join(invocation.call_id(), cost) {
+                    coalesce::Joined::Leader(leader) => lead = Some(leader),
+                    coalesce::Joined::Alone => {}
+                    coalesce::Joined::Follower(answer) => {
+                        return answer.await.unwrap_or_else(|_| {
+                            Err(StoreError::new(
+                                StoreErrorKind::Other,
+                                "the batch that carried this decision was dropped",
+                            ))
+                        });
+                    }
+                }
+            }
+            if let Some(lead) = &mut lead {
+                lead.prepare(coalesce::Batch {
+                    backend: backend.clone(),
+                    scripts: Arc::clone(&scripts),
+                    invocation: Arc::clone(&invocation),
+                    #[cfg(feature = "__test-clock")]
+                    clock,
+                });
+            }
             let mut guard = None;
             let backend = if slots.is_empty() {
                 backend
