@@ -2096,11 +2096,13 @@ async fn coalesced_decisions_match_one_by_one() {
     }
 }
 
-/// Decisions made together cost few script calls: 256 at once for one identity take a
-/// handful of calls (a decision joins a batch as it is first polled, and `join_all`
-/// polls its futures a few dozen at a time, so that those polled while a call is away go
-/// together: one call and two batches of 128 when every one is polled before the first
-/// answer is back), admitted in arrival order; without coalescing, 256 calls.
+/// Decisions made together cost few script calls: 256 at once for one identity are one
+/// call and two batches of 128 when all are polled before the first answer is back
+/// (3 calls, each time on an idle machine), admitted in arrival order; without
+/// coalescing, 256 calls. A decision joins a batch as it is first polled: on a loaded
+/// machine a pass over the 256 can end before all have joined (the runtime's cooperative
+/// scheduling), and an answer back meanwhile sends the batch of those joined so far (14
+/// calls were seen), which the bound allows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_key_costs_a_few_calls_and_stays_in_order() {
     let server = RedisServer::start();
@@ -2261,9 +2263,24 @@ async fn dropped_requests_in_a_batch() {
     let store = support::frozen_store(&server).await;
     let policies = PolicySet::from(Policy::fixed_window("drop", 10, MINUTE).unwrap());
     let key = Key::new("drop");
-    // One never polled is never decided, nor holds the others back.
-    let leader = store.decide(&key, &policies, 1);
-    let followers: Vec<_> = (0..5).map(|_| store.decide(&key, &policies, 1)).collect();
+    // The leader's call goes out, and it is dropped while it is away: the five queued
+    // behind it still get their answers. (Redis holds writes for 150 ms: the leader's
+    // call is still away after its first poll, however fast the machine.)
+    use futures_util::FutureExt;
+    assert_eq!(
+        server.cli(&["CLIENT", "PAUSE", "150", "WRITE"]).trim(),
+        "OK"
+    );
+    let mut leader = store.decide(&key, &policies, 1);
+    let first = (&mut leader).now_or_never();
+    assert!(first.is_none(), "its call is away: {first:?}");
+    let mut followers: Vec<_> = (0..5).map(|_| store.decide(&key, &policies, 1)).collect();
+    for follower in &mut followers {
+        assert!(
+            follower.now_or_never().is_none(),
+            "queued behind the leader"
+        );
+    }
     let (dropped, kept): (Vec<_>, Vec<_>) = followers
         .into_iter()
         .enumerate()
@@ -2275,10 +2292,12 @@ async fn dropped_requests_in_a_batch() {
         .into_iter()
         .map(|answer| answer.unwrap().statuses()[0].remaining)
         .collect();
-    // Only the two kept followers were debited.
-    assert_eq!(remaining, vec![9, 8]);
+    // The two kept followers were debited one after the other, after the leader (whose
+    // call may or may not have reached Redis before it was dropped), and nothing after
+    // them: the three dropped while queued were not.
+    assert!(matches!(remaining[..], [9, 8] | [8, 7]), "{remaining:?}");
     let peek = store.decide(&key, &policies, 0).await.unwrap();
-    assert_eq!(peek.statuses()[0].remaining, 8);
+    assert_eq!(peek.statuses()[0].remaining, remaining[1]);
 }
 
 /// A decision's future waits for nothing another future must do: one made and held
