@@ -19,6 +19,18 @@ fn runtime_store() -> MemoryStore<tollgate::clock::RuntimeClock> {
         .build()
 }
 
+/// A waiter of `limiter` for `cost` units of `key`, willing to wait `max_wait`, on a
+/// task of its own.
+fn waiter<St: Store + 'static>(
+    limiter: &Limiter<St>,
+    key: &Key,
+    cost: u64,
+    max_wait: Duration,
+) -> tokio::task::JoinHandle<Result<tollgate::Decision, WaitError>> {
+    let (limiter, key) = (limiter.clone(), key.clone());
+    tokio::spawn(async move { limiter.until_ready(&key, cost, max_wait).await })
+}
+
 #[tokio::test(start_paused = true)]
 async fn waiters_are_served_in_order_and_exactly() {
     // 50 jobs want one unit each from a bucket of 5 refilled 50 a second: 5 go at once,
@@ -299,10 +311,7 @@ async fn a_waiter_behind_a_fallback_denial_is_denied_once_the_store_is_back() {
     // The fallback's: 1 token left.
     assert!(limiter.check(&key, 4).await.unwrap().is_allowed());
     // Ahead: denied by the fallback, it sleeps about 2 s holding the turn.
-    let ahead = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 3, Duration::from_secs(10)).await })
-    };
+    let ahead = waiter(&limiter, &key, 3, Duration::from_secs(10));
     tokio::task::yield_now().await;
     down.store(false, std::sync::atomic::Ordering::SeqCst);
     let behind = limiter
@@ -354,15 +363,11 @@ async fn a_waiter_behind_a_turn_taken_after_a_failed_one_is_not_failed() {
     )
     .on_store_error(FailureMode::FailClosed);
     let key = Key::new("k");
-    let waiter = |max_wait: Duration| {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, max_wait).await })
-    };
     // The first turn's call fails after 10 ms; the second, queued behind it, is then
     // asked of a store that answers, for 10 ms more.
-    let first = waiter(Duration::from_secs(10));
+    let first = waiter(&limiter, &key, 1, Duration::from_secs(10));
     tokio::task::yield_now().await;
-    let second = waiter(Duration::from_secs(10));
+    let second = waiter(&limiter, &key, 1, Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(15)).await;
     // During the second's call: a waiter that will not wait.
     let behind = limiter.until_ready(&key, 1, Duration::ZERO).await;
@@ -414,16 +419,10 @@ async fn waiters_that_give_up_together_read_the_state_once() {
     let key = Key::new("k");
     assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
     // Ahead: a waiter that sleeps about a minute for the next token, holding the turn.
-    let ahead = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await })
-    };
+    let ahead = waiter(&limiter, &key, 1, Duration::from_secs(120));
     tokio::task::yield_now().await;
     let batch: Vec<_> = (0..20)
-        .map(|_| {
-            let (limiter, key) = (limiter.clone(), key.clone());
-            tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
-        })
+        .map(|_| waiter(&limiter, &key, 1, Duration::from_secs(1)))
         .collect();
     for waiter in batch {
         let answer = waiter.await.unwrap();
@@ -545,10 +544,7 @@ async fn a_waiter_behind_a_holder_asking_a_hung_store_again_is_answered_at_once(
     assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
     // Ahead: the store hangs 200 ms, the fallback denies (a token in about 50 ms), it
     // sleeps, and asks the store again at about 250 ms.
-    let ahead = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(10)).await })
-    };
+    let ahead = waiter(&limiter, &key, 1, Duration::from_secs(10));
     tokio::task::yield_now().await;
     let started = tokio::time::Instant::now();
     let behind = limiter
@@ -588,10 +584,7 @@ async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
     );
     let key = Key::new("k");
     assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
-    let ahead = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await })
-    };
+    let ahead = waiter(&limiter, &key, 1, Duration::from_secs(120));
     tokio::task::yield_now().await;
     let started = tokio::time::Instant::now();
     let behind = tokio::time::timeout(
@@ -679,10 +672,7 @@ async fn a_waiter_whose_peek_fails_gets_the_failure_modes_answer() {
     .store_timeout(Duration::from_millis(200))
     .on_store_error(FailureMode::FailOpen);
     let key = Key::new("k");
-    let ahead = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(10)).await })
-    };
+    let ahead = waiter(&limiter, &key, 1, Duration::from_secs(10));
     tokio::task::yield_now().await;
     let behind = limiter
         .until_ready(&key, 1, Duration::from_millis(100))
@@ -772,10 +762,7 @@ async fn a_waiter_held_by_an_ordinary_wait_is_denied_while_another_keys_store_fa
     let up = Key::new("up");
     assert!(limiter.check(&up, 1).await.unwrap().is_allowed());
     // Ahead: a waiter that sleeps for the next token, holding the turn.
-    let ahead = {
-        let (limiter, up) = (limiter.clone(), up.clone());
-        tokio::spawn(async move { limiter.until_ready(&up, 1, Duration::from_secs(120)).await })
-    };
+    let ahead = waiter(&limiter, &up, 1, Duration::from_secs(120));
     tokio::task::yield_now().await;
     // Meanwhile the store fails for another key.
     let down = limiter.check(&Key::new("down"), 1).await;
@@ -1047,7 +1034,7 @@ async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
     // the second is dropped at 1 s and its units given back. The third then goes at
     // 10 s, and a fourth at 20 s: never two at one instant.
     let (limiter, key, started) = first_one_sent(paced()).await;
-    let waiter = |limiter: &Limiter<_>| {
+    let timed = |limiter: &Limiter<_>| {
         let (limiter, key) = (limiter.clone(), key.clone());
         tokio::spawn(async move {
             let admitted = limiter.until_ready(&key, 1, Duration::from_secs(30)).await;
@@ -1055,15 +1042,15 @@ async fn a_dropped_sleeper_never_puts_two_waiters_on_one_slot() {
             started.elapsed()
         })
     };
-    let sleeper = waiter(&limiter);
+    let sleeper = timed(&limiter);
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
-    let third = waiter(&limiter);
+    let third = timed(&limiter);
     tokio::time::sleep(Duration::from_secs(1)).await;
     sleeper.abort();
     assert!(sleeper.await.is_err(), "dropped mid-sleep");
-    let fourth = waiter(&limiter);
+    let fourth = timed(&limiter);
     assert_eq!(third.await.unwrap(), Duration::from_secs(10));
     assert_eq!(fourth.await.unwrap(), Duration::from_secs(20));
 }
@@ -1075,10 +1062,7 @@ async fn sleeper_dropped_behind_a_check<St: tollgate::Store + Clone>(
     limiter: &Limiter<St>,
     key: &Key,
 ) -> tollgate::Decision {
-    let sleeper = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(30)).await })
-    };
+    let sleeper = waiter(limiter, key, 1, Duration::from_secs(30));
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
@@ -1272,10 +1256,7 @@ async fn a_cost_no_policy_admits_is_never_at_once_even_behind_a_waiter() {
     let key = Key::new("k");
     limiter.check(&key, 2).await.unwrap();
     // A waiter holds the key's turn for 2 s, until its units are back.
-    let first = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 2, Duration::from_secs(10)).await })
-    };
+    let first = waiter(&limiter, &key, 2, Duration::from_secs(10));
     tokio::time::sleep(Duration::from_millis(10)).await;
     let started = tokio::time::Instant::now();
     match limiter.until_ready(&key, 3, Duration::from_secs(60)).await {
@@ -1464,10 +1445,7 @@ async fn a_read_dropped_midway_keeps_the_next_waiter_within_one_store_timeout() 
     let key = Key::new("k");
     let started = tokio::time::Instant::now();
     // The turn's holder, in a store call that hangs.
-    let holder = {
-        let (limiter, key) = (limiter.clone(), key.clone());
-        tokio::spawn(async move { limiter.until_ready(&key, 1, Duration::from_secs(1)).await })
-    };
+    let holder = waiter(&limiter, &key, 1, Duration::from_secs(1));
     tokio::task::yield_now().await;
     // The first gives up at 5 ms and reads; the next gives up at 10 ms and waits for
     // that read, whose waiter is dropped at 30 ms.
