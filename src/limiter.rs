@@ -1142,14 +1142,15 @@ impl<St: Store> Limiter<St> {
     }
 
     /// The key's state now, for a waiter that gives up: `None` when the store fails to
-    /// answer within its timeout (counted, and said as an outage is).
-    async fn peek(&self, key: &Key) -> Option<Decision> {
+    /// answer within `limit` (at most the store timeout; counted, and said as an outage
+    /// is).
+    async fn peek(&self, key: &Key, limit: Duration) -> Option<Decision> {
         let shared = &self.shared;
         // Reported as every store call is: a peek given up on a hung store is counted,
         // and one answered ends an outage.
         let waiting = shared.outage.waiting();
         let peeked = within(
-            shared.timeout,
+            limit,
             "answer to a peek",
             shared.store.peek(key, &shared.policies),
         )
@@ -1179,23 +1180,33 @@ impl<St: Store> Limiter<St> {
     /// the turn's holder is in a store call too), rather than each asking again, one
     /// store timeout after another. Whatever happens to the read (its waiter dropped
     /// mid-read, the next one reading again), no waiter waits more than one store
-    /// timeout past giving up: past it, the read counts as failed.
+    /// timeout past giving up: a read begun later is given what is left of that, as its
+    /// own deadline (so that a read the store leaves unanswered is counted and said, as
+    /// every store failure is, not dropped midway), and one with nothing left is not
+    /// made.
     async fn state_once(&self, key: &Key, queue: &KeyQueue, gave_up: Instant) -> Option<Decision> {
-        let read = async {
-            let mut latest = queue.read.lock().await;
-            if let Some((ended, read)) = &*latest
-                && *ended >= gave_up
-            {
-                return read.clone();
-            }
-            let read = self.peek(key).await;
-            *latest = Some((Instant::now(), read.clone()));
-            read
+        let timeout = self.shared.timeout;
+        let bound = gave_up.checked_add(timeout);
+        let mut latest = match bound {
+            Some(bound) => tokio::time::timeout_at(bound, queue.read.lock())
+                .await
+                .ok()?,
+            None => queue.read.lock().await,
         };
-        match gave_up.checked_add(self.shared.timeout) {
-            Some(latest) => tokio::time::timeout_at(latest, read).await.ok().flatten(),
-            None => read.await,
+        if let Some((ended, read)) = &*latest
+            && *ended >= gave_up
+        {
+            return read.clone();
         }
+        let limit = bound.map_or(timeout, |bound| {
+            bound.saturating_duration_since(Instant::now()).min(timeout)
+        });
+        if limit.is_zero() {
+            return None;
+        }
+        let read = self.peek(key, limit).await;
+        *latest = Some((Instant::now(), read.clone()));
+        read
     }
 
     fn queue(&self, key: &Key) -> Queue {

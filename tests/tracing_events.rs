@@ -1838,3 +1838,59 @@ fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
     assert_eq!(remaining, ["none", "none"]);
     assert!(errors.is_empty(), "{errors:?}");
 }
+
+/// A store that decides, and never answers a peek.
+#[derive(Clone)]
+struct PeeksUnanswered(MemoryStore);
+
+impl tollgate::Store for PeeksUnanswered {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, _: &tollgate::Key, _: &tollgate::PolicySet) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::new(std::future::pending())
+    }
+}
+
+/// A limiter's waiter that gives up in the queue reads the key's state; a read the store
+/// leaves unanswered is a store failure, counted and said as every one is. The waiter's
+/// own bound (its wait and one store timeout) dropped the read just before the read's
+/// timeout would have said so: nothing was counted, nothing said.
+#[test]
+fn a_waiters_read_the_store_leaves_unanswered_is_said() {
+    use tollgate::limiter::{Limiter, WaitError};
+    let events = events_of(async {
+        let limiter = Limiter::new(
+            PeeksUnanswered(MemoryStore::new()),
+            Policy::token_bucket("jobs", 1, tollgate::Rate::per_minute(1)).unwrap(),
+        )
+        .store_timeout(Duration::from_millis(50));
+        let key = tollgate::Key::new("k");
+        assert!(limiter.check(&key, 1).await.unwrap().is_allowed());
+        // Ahead: a waiter that sleeps for the next token, holding the turn.
+        let ahead = {
+            let (limiter, key) = (limiter.clone(), key.clone());
+            tokio::spawn(
+                async move { limiter.until_ready(&key, 1, Duration::from_secs(120)).await },
+            )
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let behind = limiter
+            .until_ready(&key, 1, Duration::from_millis(10))
+            .await;
+        assert!(matches!(behind, Err(WaitError::TooLong(_))), "{behind:?}");
+        ahead.abort();
+    });
+    assert!(
+        events
+            .iter()
+            .any(|event| event.contains("rate-limit store error") && event.contains("peek")),
+        "{events:?}"
+    );
+}
