@@ -560,26 +560,12 @@ async fn a_waiter_behind_a_holder_asking_a_hung_store_again_is_answered_at_once(
     ahead.abort();
 }
 
-/// A store whose `peek` never answers.
-#[derive(Clone)]
-struct PeekHangs(MemoryStore<tollgate::clock::RuntimeClock>);
-
-impl Store for PeekHangs {
-    fn decide(&self, key: &Key, policies: &PolicySet, cost: u64) -> DecideFuture {
-        self.0.decide(key, policies, cost)
-    }
-
-    fn peek(&self, _key: &Key, _policies: &PolicySet) -> DecideFuture {
-        DecideFuture::new(std::future::pending())
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_waiter_that_gives_up_is_not_held_by_a_store_that_hangs() {
     // A waiter behind another gives up after its 100 ms and asks the store when it would
     // fit: a store that never answers that holds it no longer than the store's timeout.
     let limiter = Limiter::new(
-        PeekHangs(runtime_store()),
+        support::PeekHangs(runtime_store()),
         Policy::token_bucket("jobs", 1, Rate::per_minute(1)).unwrap(),
     );
     let key = Key::new("k");

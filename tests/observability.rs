@@ -586,32 +586,13 @@ fn a_limiter_check_given_up_on_a_hung_store_is_counted_as_a_timeout() {
     );
 }
 
-/// The in-process store, whose peeks never answer.
-#[derive(Clone)]
-struct PeekHangs(tollgate::MemoryStore);
-
-impl tollgate::Store for PeekHangs {
-    fn decide(
-        &self,
-        key: &tollgate::Key,
-        policies: &tollgate::PolicySet,
-        cost: u64,
-    ) -> tollgate::DecideFuture {
-        self.0.decide(key, policies, cost)
-    }
-
-    fn peek(&self, _: &tollgate::Key, _: &tollgate::PolicySet) -> tollgate::DecideFuture {
-        tollgate::DecideFuture::new(std::future::pending())
-    }
-}
-
 // A waiter that ran out of its wait in the queue peeks at the key's state; given up on a
 // store that hangs, that peek counts as the store timing out, as a check does. It was
 // counted nowhere.
 #[test]
 fn a_waiters_peek_given_up_on_a_hung_store_is_counted_as_a_timeout() {
     let limiter = tollgate::limiter::Limiter::new(
-        PeekHangs(tollgate::MemoryStore::new()),
+        support::PeekHangs(tollgate::MemoryStore::new()),
         Policy::token_bucket("jobs", 1, tollgate::Rate::per_minute(1)).unwrap(),
     )
     .store_timeout(Duration::from_secs(30));

@@ -1839,25 +1839,6 @@ fn a_graphql_coster_inside_the_limiter_that_reads_its_cost_is_said() {
     assert!(errors.is_empty(), "{errors:?}");
 }
 
-/// A store that decides, and never answers a peek.
-#[derive(Clone)]
-struct PeeksUnanswered(MemoryStore);
-
-impl tollgate::Store for PeeksUnanswered {
-    fn decide(
-        &self,
-        key: &tollgate::Key,
-        policies: &tollgate::PolicySet,
-        cost: u64,
-    ) -> tollgate::DecideFuture {
-        self.0.decide(key, policies, cost)
-    }
-
-    fn peek(&self, _: &tollgate::Key, _: &tollgate::PolicySet) -> tollgate::DecideFuture {
-        tollgate::DecideFuture::new(std::future::pending())
-    }
-}
-
 /// A limiter's waiter that gives up in the queue reads the key's state; a read the store
 /// leaves unanswered is a store failure, counted and said as every one is. The waiter's
 /// own bound (its wait and one store timeout) dropped the read just before the read's
@@ -1867,7 +1848,7 @@ fn a_waiters_read_the_store_leaves_unanswered_is_said() {
     use tollgate::limiter::{Limiter, WaitError};
     let events = events_of(async {
         let limiter = Limiter::new(
-            PeeksUnanswered(MemoryStore::new()),
+            support::PeekHangs(MemoryStore::new()),
             Policy::token_bucket("jobs", 1, tollgate::Rate::per_minute(1)).unwrap(),
         )
         .store_timeout(Duration::from_millis(50));

@@ -382,6 +382,25 @@ impl tollgate::Store for Flaky {
     }
 }
 
+/// A store that decides through `S`, and whose `peek` never answers.
+#[derive(Clone)]
+pub struct PeekHangs<S>(pub S);
+
+impl<S: tollgate::Store> tollgate::Store for PeekHangs<S> {
+    fn decide(
+        &self,
+        key: &tollgate::Key,
+        policies: &tollgate::PolicySet,
+        cost: u64,
+    ) -> tollgate::DecideFuture {
+        self.0.decide(key, policies, cost)
+    }
+
+    fn peek(&self, _: &tollgate::Key, _: &tollgate::PolicySet) -> tollgate::DecideFuture {
+        tollgate::DecideFuture::new(std::future::pending())
+    }
+}
+
 /// A [`Flaky`] store that also adjusts (settles, gives lease rests back), failing as its
 /// decisions do while it is down: what `Leased` needs of the store under it.
 pub struct FlakyAdjusting(pub Flaky);
